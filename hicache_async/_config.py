@@ -1,0 +1,357 @@
+"""Configuration as frozen msgspec Structs, loadable from a dict, JSON or TOML.
+
+Construction validates everything (msgspec checks types on decode; `__post_init__` checks values
+and combinations on both paths), and every rejection names the field and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from ._errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+__all__ = [
+    "AttentionKind",
+    "BackupConfig",
+    "CacheConfig",
+    "DType",
+    "EvictionPolicy",
+    "HostLayout",
+    "KVLayout",
+    "PrefetchConfig",
+    "PrefetchPolicy",
+    "WarmupConfig",
+    "WritePolicy",
+    "load_config",
+]
+
+DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8"]
+AttentionKind = Literal["mha", "mla"]
+HostLayout = Literal["layer_first", "page_first", "page_first_direct"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+EvictionPolicy = Literal["lru", "lfu"]
+PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+
+_ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+}
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+def _positive(field: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(field, f"must be an integer >= 1, got {value!r}")
+
+
+def _non_negative(field: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(field, f"must be an integer >= 0, got {value!r}")
+
+
+def _finite(field: str, value: float, *, low: float, high: float | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(field, f"must be a finite number, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise ConfigError(field, f"must be {bound}, got {value!r}")
+
+
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Shape of the KV of one token in one layer.
+
+    MHA keeps separate K and V buffers of `num_kv_heads x head_dim`; MLA keeps one latent
+    buffer of `kv_lora_rank + qk_rope_head_dim` per token.
+    """
+
+    num_layers: int
+    attention: AttentionKind = "mha"
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    dtype: DType = "float16"
+
+    def __post_init__(self) -> None:
+        _positive("layout.num_layers", self.num_layers)
+        if self.attention not in ("mha", "mla"):
+            raise ConfigError("layout.attention", f"must be 'mha' or 'mla', got {self.attention!r}")
+        if self.dtype not in _ITEMSIZE:
+            raise ConfigError(
+                "layout.dtype", f"must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}"
+            )
+        if self.attention == "mha":
+            _positive("layout.num_kv_heads", self.num_kv_heads)
+            _positive("layout.head_dim", self.head_dim)
+            if self.kv_lora_rank or self.qk_rope_head_dim:
+                raise ConfigError(
+                    "layout.kv_lora_rank", "applies only to attention='mla'; leave it 0 for mha"
+                )
+        else:
+            _positive("layout.kv_lora_rank", self.kv_lora_rank)
+            _non_negative("layout.qk_rope_head_dim", self.qk_rope_head_dim)
+            if self.num_kv_heads or self.head_dim:
+                raise ConfigError(
+                    "layout.num_kv_heads",
+                    "applies only to attention='mha'; MLA uses kv_lora_rank + qk_rope_head_dim",
+                )
+
+    @property
+    def num_buffers(self) -> int:
+        """2 for MHA (K and V), 1 for MLA (the latent)."""
+        return 2 if self.attention == "mha" else 1
+
+    @property
+    def token_shape(self) -> tuple[int, int]:
+        """(heads, width) of one token in one layer and buffer."""
+        if self.attention == "mha":
+            return (self.num_kv_heads, self.head_dim)
+        return (1, self.kv_lora_rank + self.qk_rope_head_dim)
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self.dtype]
+
+    @property
+    def token_layer_nbytes(self) -> int:
+        """Bytes of one token in one layer and one buffer."""
+        heads, width = self.token_shape
+        return heads * width * self.itemsize
+
+    @property
+    def token_nbytes(self) -> int:
+        """Bytes of one token across every layer and buffer."""
+        return self.token_layer_nbytes * self.num_layers * self.num_buffers
+
+    def page_nbytes(self, page_size: int) -> int:
+        """Bytes of one page across every layer and buffer."""
+        return self.token_nbytes * page_size
+
+
+class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Storage → host prefetch settings (policies as in SGLang HiCache)."""
+
+    policy: PrefetchPolicy = "best_effort"
+    timeout_base_s: float = 1.0
+    timeout_per_1k_tokens_s: float = 0.25
+    timeout_max_s: float = 10.0
+    threshold_tokens: int = 256
+    max_host_share: float = 0.5
+    batch_pages: int = 64
+    queue_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("best_effort", "wait_complete", "timeout"):
+            raise ConfigError(
+                "prefetch.policy",
+                f"must be 'best_effort', 'wait_complete' or 'timeout', got {self.policy!r}",
+            )
+        _finite("prefetch.timeout_base_s", self.timeout_base_s, low=0.0)
+        _finite("prefetch.timeout_per_1k_tokens_s", self.timeout_per_1k_tokens_s, low=0.0)
+        _finite("prefetch.timeout_max_s", self.timeout_max_s, low=0.0)
+        if self.timeout_max_s < self.timeout_base_s:
+            raise ConfigError("prefetch.timeout_max_s", "must be >= prefetch.timeout_base_s")
+        _non_negative("prefetch.threshold_tokens", self.threshold_tokens)
+        _finite("prefetch.max_host_share", self.max_host_share, low=0.0, high=1.0)
+        _positive("prefetch.batch_pages", self.batch_pages)
+        _positive("prefetch.queue_size", self.queue_size)
+
+    def timeout_for(self, num_tokens: int) -> float:
+        """The `timeout` policy's wait for a prefetch of `num_tokens` tokens."""
+        wait = self.timeout_base_s + self.timeout_per_1k_tokens_s * num_tokens / 1000.0
+        return min(wait, self.timeout_max_s)
+
+
+class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Host → storage backup settings."""
+
+    queue_size: int = 256
+    batch_pages: int = 64
+    max_retries: int = 3
+    retry_backoff_s: float = 0.05
+    flush_deadline_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _positive("backup.queue_size", self.queue_size)
+        _positive("backup.batch_pages", self.batch_pages)
+        _non_negative("backup.max_retries", self.max_retries)
+        _finite("backup.retry_backoff_s", self.retry_backoff_s, low=0.0)
+        _finite("backup.flush_deadline_s", self.flush_deadline_s, low=0.0)
+
+
+class WarmupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Cold-start warmup from shared storage into the host pool."""
+
+    enabled: bool = False
+    ratio: float = 0.5
+    deadline_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _finite("warmup.ratio", self.ratio, low=0.0, high=1.0)
+        _finite("warmup.deadline_s", self.deadline_s, low=0.0)
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything a `HiCache` needs to know.
+
+    `host_pages` and `host_ratio` are alternatives: give at most one; with neither, the host
+    pool is twice the device pool.
+    """
+
+    layout: KVLayout
+    device_pages: int
+    page_size: int = 64
+    host_pages: int | None = None
+    host_ratio: float | None = None
+    host_layout: HostLayout = "layer_first"
+    write_policy: WritePolicy = "write_through"
+    write_through_threshold: int = 2
+    eviction: EvictionPolicy = "lru"
+    model_id: str = ""
+    salt: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    device: str = "auto"
+    storage: str | None = None
+    prefetch: PrefetchConfig = PrefetchConfig()
+    backup: BackupConfig = BackupConfig()
+    warmup: WarmupConfig = WarmupConfig()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layout, KVLayout):
+            raise ConfigError("layout", "must be a KVLayout")
+        _positive("page_size", self.page_size)
+        _positive("device_pages", self.device_pages)
+        if self.host_pages is not None and self.host_ratio is not None:
+            raise ConfigError("host_pages", "give host_pages or host_ratio, not both")
+        if self.host_pages is not None:
+            _positive("host_pages", self.host_pages)
+        if self.host_ratio is not None:
+            _finite("host_ratio", self.host_ratio, low=0.0)
+            if self.host_ratio * self.device_pages < 1:
+                raise ConfigError(
+                    "host_ratio", "host_ratio x device_pages must give at least one host page"
+                )
+        if self.host_layout not in ("layer_first", "page_first", "page_first_direct"):
+            raise ConfigError(
+                "host_layout",
+                "must be 'layer_first', 'page_first' or 'page_first_direct', "
+                f"got {self.host_layout!r}",
+            )
+        if self.write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise ConfigError(
+                "write_policy",
+                "must be 'write_through', 'write_through_selective' or 'write_back', "
+                f"got {self.write_policy!r}",
+            )
+        _positive("write_through_threshold", self.write_through_threshold)
+        if self.eviction not in ("lru", "lfu"):
+            raise ConfigError("eviction", f"must be 'lru' or 'lfu', got {self.eviction!r}")
+        _positive("tp_size", self.tp_size)
+        _non_negative("tp_rank", self.tp_rank)
+        if self.tp_rank >= self.tp_size:
+            raise ConfigError("tp_rank", f"must be < tp_size ({self.tp_size}), got {self.tp_rank}")
+        base, _, index = self.device.partition(":")
+        if base not in _DEVICES or (index and (base != "cuda" or not index.isdigit())):
+            raise ConfigError(
+                "device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+
+    @property
+    def resolved_host_pages(self) -> int:
+        """Size of the host pool in pages."""
+        if self.host_pages is not None:
+            return self.host_pages
+        ratio = 2.0 if self.host_ratio is None else self.host_ratio
+        return max(1, int(self.device_pages * ratio))
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page across every layer and buffer."""
+        return self.layout.page_nbytes(self.page_size)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
+        """Build from a mapping (as parsed from JSON or TOML)."""
+        return _convert(data, cls)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> CacheConfig:
+        """Build from a JSON document."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError("$", f"not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("$", "a JSON object is required")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_toml(cls, text: str) -> CacheConfig:
+        """Build from a TOML document."""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("$", f"not valid TOML: {exc}") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain builtins (round-trips through `from_dict`)."""
+        result: dict[str, Any] = msgspec.to_builtins(self)
+        return result
+
+
+_T = TypeVar("_T")
+
+
+def _convert(data: Mapping[str, Any], cls: type[_T]) -> _T:
+    if not isinstance(data, Mapping):
+        raise ConfigError("$", f"a mapping is required, got {type(data).__name__}")
+    try:
+        return msgspec.convert(dict(data), cls)
+    except ConfigError:
+        raise
+    except msgspec.ValidationError as exc:
+        original = exc.__cause__ or exc.__context__
+        if isinstance(original, ConfigError):
+            raise original from None
+        message = str(exc)
+        field = "$"
+        marker = " - at `$."
+        if marker in message:
+            message, _, rest = message.partition(marker)
+            field = rest.rstrip("`")
+        raise ConfigError(field, message) from None
+
+
+def load_config(source: Mapping[str, Any] | str | Path) -> CacheConfig:
+    """Load a `CacheConfig` from a mapping, or a `.json` / `.toml` file path."""
+    if isinstance(source, Mapping):
+        return CacheConfig.from_dict(source)
+    path = Path(source)
+    if path.suffix not in (".toml", ".json"):
+        raise ConfigError("$", f"unknown config file type {path.suffix!r}; use .json or .toml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("$", f"cannot read {path}: {exc.strerror}") from None
+    if path.suffix == ".toml":
+        return CacheConfig.from_toml(text)
+    return CacheConfig.from_json(text)

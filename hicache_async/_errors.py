@@ -1,0 +1,55 @@
+"""The exceptions hicache_async raises.
+
+Misuse and configuration mistakes raise early; storage faults never surface as exceptions on a
+request's path (they become misses), so only the backend API itself raises `StorageError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CacheClosedError",
+    "ConfigError",
+    "HiCacheError",
+    "InvalidTokensError",
+    "OutOfPagesError",
+    "StorageConfigError",
+    "StorageError",
+    "WrongThreadError",
+]
+
+
+class HiCacheError(Exception):
+    """Base class of every error hicache_async raises."""
+
+
+class ConfigError(HiCacheError, ValueError):
+    """A configuration value is invalid; `field` names it (dotted path), `reason` says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"invalid configuration at {field!r}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class WrongThreadError(HiCacheError, RuntimeError):
+    """A loop-owned object was touched from another thread or event loop."""
+
+
+class CacheClosedError(HiCacheError, RuntimeError):
+    """The cache is not open (never entered, or already left)."""
+
+
+class InvalidTokensError(HiCacheError, ValueError):
+    """Token ids are not a sequence of integers in [0, 2**32)."""
+
+
+class OutOfPagesError(HiCacheError, RuntimeError):
+    """A pool cannot provide the pages asked for, even after evicting all it may."""
+
+
+class StorageError(HiCacheError):
+    """A storage backend failed. On a request's path this is turned into a miss."""
+
+
+class StorageConfigError(HiCacheError, ValueError):
+    """A storage URL or backend parameter is invalid; the message lists what is accepted."""

@@ -1,0 +1,140 @@
+"""Page keys: a sha256 chain over page token ids, started from a namespace seed.
+
+key(i) = sha256(key(i-1) || token ids of page i as 4-byte little-endian unsigned), with key(-1)
+the namespace seed. An empty seed gives exactly SGLang HiCache's chain, so pages can be shared
+with it; a non-empty seed separates deployments whose pages must never mix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from ._errors import InvalidTokensError
+
+if TYPE_CHECKING:
+    from ._config import CacheConfig
+
+__all__ = ["KEY_NBYTES", "Namespace", "as_token_array", "page_keys"]
+
+KEY_NBYTES = 32
+_MAX_TOKEN = 2**32 - 1
+# Host layouts whose stored page bytes are laid out token-major rather than layer-major; two
+# instances that differ here must not share pages, so the order is part of the namespace.
+_TOKEN_MAJOR_LAYOUTS = frozenset({"page_first"})
+_FINGERPRINT_NBYTES = 16
+
+
+class Namespace(msgspec.Struct, frozen=True):
+    """The seed a key chain starts from, and the fingerprint stored in every page header.
+
+    `seed` is empty for SGLang-compatible keys. `fingerprint` always covers the layout (even
+    with an empty seed), so a reader rejects a page written under another layout.
+    """
+
+    seed: bytes
+    fingerprint: bytes
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, *, sglang_compatible: bool = False) -> Namespace:
+        """The namespace of a deployment: model, layout, dtype, page size, TP rank/size, salt."""
+        layout = config.layout
+        fields: dict[str, Any] = {
+            "v": 1,
+            "model_id": config.model_id,
+            "attention": layout.attention,
+            "num_layers": layout.num_layers,
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "kv_lora_rank": layout.kv_lora_rank,
+            "qk_rope_head_dim": layout.qk_rope_head_dim,
+            "dtype": layout.dtype,
+            "page_size": config.page_size,
+            "tp_rank": config.tp_rank,
+            "tp_size": config.tp_size,
+            "salt": config.salt,
+            "token_major": config.host_layout in _TOKEN_MAJOR_LAYOUTS,
+        }
+        digest = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).digest()
+        seed = b"" if sglang_compatible else digest
+        return cls(seed=seed, fingerprint=digest[:_FINGERPRINT_NBYTES])
+
+    @classmethod
+    def empty(cls) -> Namespace:
+        """No seed and an all-zero fingerprint: raw SGLang-compatible chains (tests, tools)."""
+        return cls(seed=b"", fingerprint=bytes(_FINGERPRINT_NBYTES))
+
+    def salted(self, salt: str | bytes) -> Namespace:
+        """A namespace for one request's salt: pages under different salts never match."""
+        if not salt:
+            return self
+        raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+        seed = hashlib.sha256(self.seed + b"\x00salt\x00" + raw).digest()
+        fingerprint = hashlib.sha256(self.fingerprint + raw).digest()[:_FINGERPRINT_NBYTES]
+        return Namespace(seed=seed, fingerprint=fingerprint)
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.ndarray[Any, Any]:
+    """Validate token ids and return them as a little-endian uint32 array.
+
+    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor.
+    """
+    if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
+        tokens = tokens.detach().cpu().numpy()
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise InvalidTokensError(
+            f"token ids must be a sequence of integers, got {type(tokens).__name__}"
+        )
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise InvalidTokensError(f"token ids must be a sequence of integers: {exc}") from None
+    if arr.ndim != 1:
+        raise InvalidTokensError(f"token ids must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype="<u4")
+    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
+        if arr.dtype == object and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in arr.tolist()
+        ):
+            ints = arr.tolist()
+            if min(ints) < 0 or max(ints) > _MAX_TOKEN:
+                raise InvalidTokensError(f"token ids must be in [0, {_MAX_TOKEN}]")
+            return np.asarray(ints, dtype="<u4")
+        raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
+    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN:
+        raise InvalidTokensError(
+            f"token ids must be in [0, {_MAX_TOKEN}], got min {int(arr.min())} max {int(arr.max())}"
+        )
+    return arr.astype("<u4", copy=False)
+
+
+def page_keys(
+    tokens: Sequence[int] | np.ndarray[Any, Any] | Any,
+    page_size: int,
+    seed: bytes = b"",
+    *,
+    prior: bytes | None = None,
+) -> list[bytes]:
+    """Keys of every whole page of `tokens` (a short tail page gets none).
+
+    `prior` continues a chain from a known key instead of the seed (for extending a prefix
+    without rehashing it).
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    data = as_token_array(tokens).tobytes()
+    step = page_size * 4
+    previous = seed if prior is None else prior
+    keys: list[bytes] = []
+    sha256 = hashlib.sha256
+    for start in range(0, len(data) - step + 1, step):
+        hasher = sha256(previous) if previous else sha256()
+        hasher.update(data[start : start + step])
+        previous = hasher.digest()
+        keys.append(previous)
+    return keys

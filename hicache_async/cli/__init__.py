@@ -1,0 +1,54 @@
+"""The `hicache-async` command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ..bench import BENCHMARKS, format_records, write_records
+
+__all__ = ["main"]
+
+#: command -> module exposing `add_arguments(parser)` and `run(args) -> int`.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "example": ("hicache_async.cli._example", "push a workload through device and host tiers"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hicache-async", description="Hierarchical KV cache for LLM serving, asyncio-native."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module_path, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text)
+        importlib.import_module(module_path).add_arguments(cmd)
+    bench = sub.add_parser("bench", help="run a benchmark against an in-process baseline")
+    kinds = bench.add_subparsers(dest="kind", required=True)
+    for kind, module_path in BENCHMARKS.items():
+        module = importlib.import_module(module_path)
+        bench_parser = kinds.add_parser(kind, help=module.describe)
+        bench_parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
+        module.add_arguments(bench_parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `hicache-async` and `python -m hicache_async`."""
+    args = _build_parser().parse_args(argv)
+    if args.command == "bench":
+        module = importlib.import_module(BENCHMARKS[args.kind])
+        records = module.run(args)
+        print(format_records(records))
+        if args.json:
+            write_records(args.json, records)
+        return 0
+    module_path, _ = COMMANDS[args.command]
+    code: int = importlib.import_module(module_path).run(args)
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

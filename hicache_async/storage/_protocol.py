@@ -1,0 +1,141 @@
+"""The async storage protocol every L3 backend implements.
+
+Batched with a result per key, one thread hand-off per batch at most, cancellable. A page is
+moved as a list of memoryview segments (scatter/gather), so a backend can read straight into
+host-pool memory and write straight from it whatever the host layout.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from .._errors import StorageError
+
+__all__ = [
+    "Outcome",
+    "PageBuffer",
+    "PageMeta",
+    "StorageBackend",
+    "StorageCapabilities",
+    "StorageStats",
+    "StorageError",
+]
+
+#: One page's memory as an ordered list of byte segments; their total is the payload length.
+#: Segments for `get` are writable; a backend fills them in order.
+PageBuffer = Sequence[memoryview]
+
+
+class Outcome(enum.Enum):
+    """The result of one key in a batch."""
+
+    OK = "ok"
+    #: get: no such page. put: not stored (e.g. no room) but nothing is wrong.
+    MISS = "miss"
+    #: get: the page existed but failed its integrity check; it has been removed.
+    CORRUPT = "corrupt"
+    #: the backend failed for this key (I/O error, timeout, connection loss).
+    ERROR = "error"
+
+
+class PageMeta(msgspec.Struct, frozen=True):
+    """What is stored with a page besides its bytes."""
+
+    key: bytes
+    #: `Namespace.fingerprint` of the writer; a reader with another fingerprint gets a miss.
+    namespace: bytes
+    num_tokens: int
+    priority: int = 0
+
+
+class StorageCapabilities(msgspec.Struct, frozen=True):
+    """What a backend can do, so callers can size batches and choose paths."""
+
+    max_batch_pages: int
+    #: get/put move bytes between the backend and the caller's buffers without a staging copy.
+    zero_copy: bool
+    #: other instances see this backend's pages (files on a shared root, Redis, Mooncake).
+    shared: bool
+    #: pages survive a restart of this process.
+    persistent: bool
+
+
+class StorageStats(msgspec.Struct, frozen=True):
+    """A snapshot of a backend's counters."""
+
+    backend: str
+    pages: int
+    bytes: int
+    capacity_bytes: int | None
+    gets: int = 0
+    get_hits: int = 0
+    puts: int = 0
+    put_ok: int = 0
+    deletes: int = 0
+    corrupt: int = 0
+    errors: int = 0
+    evictions: int = 0
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """An L3 store. Use as `async with backend:`; every call after `close()` raises.
+
+    Implementations must be safe to cancel at any await: a cancelled `get` leaves the
+    target buffers in an unspecified state (the caller discards them) but the store intact;
+    a cancelled `put` either stored a page whole or not at all.
+    """
+
+    @property
+    def name(self) -> str:
+        """A short description (scheme and location), safe to log (no secrets)."""
+        ...
+
+    @property
+    def capabilities(self) -> StorageCapabilities: ...
+
+    async def __aenter__(self) -> StorageBackend: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, counted from the first, exist consecutively."""
+        ...
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        """Read each page into its buffer; one outcome per key.
+
+        A page whose header, key, length, namespace fingerprint or checksum does not match is
+        `CORRUPT` (counted and removed); its buffer content is then undefined.
+        """
+        ...
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        """Store each page atomically; one outcome per key. An existing key is kept (OK)."""
+        ...
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the pages; return how many existed."""
+        ...
+
+    def stats(self) -> StorageStats:
+        """Counters and occupancy, without I/O."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and threads. Idempotent."""
+        ...

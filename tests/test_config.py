@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from hicache_async import CacheConfig, ConfigError, KVLayout, load_config
+
+MHA = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8}
+
+
+def test_defaults_and_derived_sizes() -> None:
+    cfg = CacheConfig(layout=KVLayout(**MHA), device_pages=10)
+    assert cfg.resolved_host_pages == 20
+    assert cfg.page_nbytes == 64 * 4 * 2 * 2 * 8 * 2
+    assert (
+        CacheConfig(layout=KVLayout(**MHA), device_pages=10, host_ratio=3.5).resolved_host_pages
+        == 35
+    )
+
+
+def test_mla_layout_is_one_latent_buffer() -> None:
+    layout = KVLayout(num_layers=3, attention="mla", kv_lora_rank=512, qk_rope_head_dim=64)
+    assert layout.num_buffers == 1
+    assert layout.token_shape == (1, 576)
+    assert layout.token_nbytes == 3 * 576 * 2
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"layout": {**MHA, "num_layers": 0}, "device_pages": 4}, "layout.num_layers"),
+        ({"layout": {**MHA, "num_layers": "x"}, "device_pages": 4}, "layout.num_layers"),
+        ({"layout": MHA, "device_pages": 0}, "device_pages"),
+        ({"layout": MHA, "device_pages": 4, "host_pages": 4, "host_ratio": 2.0}, "host_pages"),
+        ({"layout": MHA, "device_pages": 4, "host_layout": "diagonal"}, "host_layout"),
+        ({"layout": MHA, "device_pages": 4, "write_policy": "sometimes"}, "write_policy"),
+        ({"layout": MHA, "device_pages": 4, "tp_rank": 2, "tp_size": 2}, "tp_rank"),
+        ({"layout": MHA, "device_pages": 4, "device": "tpu"}, "device"),
+        ({"layout": {**MHA, "kv_lora_rank": 4}, "device_pages": 4}, "layout.kv_lora_rank"),
+        (
+            {"layout": {"num_layers": 2, "attention": "mla"}, "device_pages": 4},
+            "layout.kv_lora_rank",
+        ),
+        (
+            {"layout": MHA, "device_pages": 4, "prefetch": {"max_host_share": 1.5}},
+            "prefetch.max_host_share",
+        ),
+        (
+            {"layout": MHA, "device_pages": 4, "prefetch": {"timeout_base_s": float("nan")}},
+            "prefetch.timeout_base_s",
+        ),
+    ],
+)
+def test_invalid_values_name_the_field(data: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict(data)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_unknown_field_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="bogus"):
+        CacheConfig.from_dict({"layout": MHA, "device_pages": 4, "bogus": 1})
+
+
+def test_direct_construction_validates_too() -> None:
+    with pytest.raises(ConfigError) as info:
+        KVLayout(num_layers=2, num_kv_heads=0, head_dim=4)
+    assert info.value.field == "layout.num_kv_heads"
+
+
+def test_round_trip_dict_json_toml(tmp_path: Path) -> None:
+    cfg = CacheConfig(
+        layout=KVLayout(**MHA, dtype="bfloat16"),
+        device_pages=8,
+        host_pages=32,
+        host_layout="page_first_direct",
+        write_policy="write_through_selective",
+        write_through_threshold=3,
+        eviction="lfu",
+        model_id="m",
+        salt="s",
+    )
+    assert CacheConfig.from_dict(cfg.to_dict()) == cfg
+    assert CacheConfig.from_json(json.dumps(cfg.to_dict())) == cfg
+    toml_path = tmp_path / "c.toml"
+    toml_path.write_text(
+        'device_pages = 8\nhost_pages = 32\nhost_layout = "page_first_direct"\n'
+        'write_policy = "write_through_selective"\nwrite_through_threshold = 3\n'
+        'eviction = "lfu"\nmodel_id = "m"\nsalt = "s"\n'
+        '[layout]\nnum_layers = 4\nnum_kv_heads = 2\nhead_dim = 8\ndtype = "bfloat16"\n'
+    )
+    assert load_config(toml_path) == cfg
+    json_path = tmp_path / "c.json"
+    json_path.write_bytes(msgspec.json.encode(cfg))
+    assert load_config(json_path) == cfg
+
+
+def test_bad_documents() -> None:
+    with pytest.raises(ConfigError, match="JSON"):
+        CacheConfig.from_json("{not json")
+    with pytest.raises(ConfigError, match="TOML"):
+        CacheConfig.from_toml("= nope")
+    with pytest.raises(ConfigError, match="object"):
+        CacheConfig.from_json("[1, 2]")
+    with pytest.raises(ConfigError, match="unknown config file type"):
+        load_config("config.yaml")
+
+
+def test_timeout_policy_is_capped() -> None:
+    cfg = CacheConfig.from_dict(
+        {"layout": MHA, "device_pages": 4, "prefetch": {"policy": "timeout", "timeout_max_s": 2.0}}
+    )
+    assert cfg.prefetch.timeout_for(0) == pytest.approx(1.0)
+    assert cfg.prefetch.timeout_for(2000) == pytest.approx(1.5)
+    assert cfg.prefetch.timeout_for(100_000) == pytest.approx(2.0)

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_async import CacheConfig, InvalidTokensError, KVLayout, Namespace, page_keys
+
+
+def _sglang_reference(tokens: list[int], page_size: int) -> list[str]:
+    """SGLang HiCache's chain, written out independently: hex digests, prior hash as bytes."""
+    keys: list[str] = []
+    prior: str | None = None
+    for start in range(0, len(tokens) - page_size + 1, page_size):
+        hasher = hashlib.sha256()
+        if prior:
+            hasher.update(bytes.fromhex(prior))
+        for t in tokens[start : start + page_size]:
+            hasher.update(struct.pack("<I", t))
+        prior = hasher.hexdigest()
+        keys.append(prior)
+    return keys
+
+
+def test_empty_namespace_matches_sglang_chain() -> None:
+    tokens = [(i * 7919) % 50_000 for i in range(10 * 16 + 5)]
+    keys = page_keys(tokens, 16)
+    assert len(keys) == 10
+    assert [k.hex() for k in keys] == _sglang_reference(tokens, 16)
+
+
+def test_pinned_vector() -> None:
+    # sha256(le32(1) le32(2)) and then sha256(that || le32(3) le32(4))
+    first = hashlib.sha256(bytes([1, 0, 0, 0, 2, 0, 0, 0])).digest()
+    second = hashlib.sha256(first + bytes([3, 0, 0, 0, 4, 0, 0, 0])).digest()
+    assert page_keys([1, 2, 3, 4, 5], 2) == [first, second]
+
+
+def test_prefix_property_and_continuation() -> None:
+    tokens = list(range(100))
+    full = page_keys(tokens, 10)
+    assert page_keys(tokens[:50], 10) == full[:5]
+    assert page_keys(tokens[50:], 10, prior=full[4]) == full[5:]
+
+
+def test_namespace_separates_deployments() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    a = Namespace.from_config(CacheConfig(layout=layout, device_pages=4, model_id="a"))
+    b = Namespace.from_config(CacheConfig(layout=layout, device_pages=4, model_id="b"))
+    c = Namespace.from_config(
+        CacheConfig(layout=layout, device_pages=4, model_id="a", tp_rank=1, tp_size=2)
+    )
+    tokens = list(range(32))
+    chains = {tuple(page_keys(tokens, 8, ns.seed)) for ns in (a, b, c)}
+    assert len(chains) == 3
+    assert len({a.fingerprint, b.fingerprint, c.fingerprint}) == 3
+    assert a.salted("x").seed != a.seed
+    assert a.salted("") == a
+    sglang = Namespace.from_config(
+        CacheConfig(layout=layout, device_pages=4), sglang_compatible=True
+    )
+    assert sglang.seed == b""
+    assert sglang.fingerprint != bytes(16)
+
+
+@pytest.mark.parametrize(
+    "tokens", [[-1, 2], [2**32], ["a", "b"], [[1, 2]], [1.5, 2.0], "abc", [True, False]]
+)
+def test_invalid_tokens_are_rejected(tokens: object) -> None:
+    with pytest.raises(InvalidTokensError):
+        page_keys(tokens, 1)
+
+
+def test_accepts_numpy_and_torch() -> None:
+    tokens = list(range(64))
+    expected = page_keys(tokens, 16)
+    assert page_keys(np.arange(64, dtype=np.int64), 16) == expected
+    assert page_keys(torch.arange(64), 16) == expected
+    assert page_keys([], 16) == []
