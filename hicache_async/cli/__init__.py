@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -14,6 +15,12 @@ __all__ = ["main"]
 #: command -> module exposing `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
     "example": ("hicache_async.cli._example", "push a workload through device and host tiers"),
+    "storage": ("hicache_async.cli._storage", "inspect and maintain a storage backend"),
+    "demo": (
+        "hicache_async.cli._demo",
+        "replay a chat trace through a small model, with and without the cache",
+    ),
+    "manifest": ("hicache_async.cli._manifest", "show or compact a backend's warmup manifest"),
 }
 
 
@@ -23,11 +30,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_path, help_text) in COMMANDS.items():
+        if importlib.util.find_spec(module_path) is None:
+            continue  # not part of this build
         cmd = sub.add_parser(name, help=help_text)
         importlib.import_module(module_path).add_arguments(cmd)
     bench = sub.add_parser("bench", help="run a benchmark against an in-process baseline")
     kinds = bench.add_subparsers(dest="kind", required=True)
     for kind, module_path in BENCHMARKS.items():
+        if importlib.util.find_spec(module_path) is None:
+            continue  # not part of this build
         module = importlib.import_module(module_path)
         bench_parser = kinds.add_parser(kind, help=module.describe)
         bench_parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
