@@ -1,0 +1,251 @@
+"""The stored page format: a fixed 128-byte header, then the payload.
+
+Header, little-endian:
+
+    offset size field
+         0    4 magic b"HCKV"
+         4    2 format version (1)
+         6    2 flags (bit 0: a keyed MAC is present)
+         8   16 namespace fingerprint of the writer
+        24   32 page key
+        56    8 payload length in bytes
+        64    4 token count
+        68    4 priority (signed)
+        72    8 xxh3-64 of the payload
+        80    8 creation time, unix nanoseconds
+        88   32 keyed MAC (blake2b-256 over header bytes 0..88 and the payload), or zeros
+       120    8 xxh3-64 of header bytes 0..120
+
+Evolution: a reader accepts exactly the versions it knows. A page of a newer version is a miss
+that is left in place (a newer writer shares the store); a header that fails its own checksum is
+corrupt. New fields go into a new version; the 128-byte size and the first 8 bytes never change.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import struct
+import time
+from collections.abc import Iterable
+
+import msgspec
+import xxhash
+
+from ._protocol import PageBuffer, PageMeta
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_NBYTES",
+    "MAGIC",
+    "PageCheck",
+    "PageHeader",
+    "check_header",
+    "decode_header",
+    "encode_header",
+    "payload_checksum",
+    "read_value_into",
+    "scatter",
+    "verify_payload",
+]
+
+MAGIC = b"HCKV"
+FORMAT_VERSION = 1
+HEADER_NBYTES = 128
+FLAG_MAC = 1
+
+_BODY = struct.Struct("<4sHH16s32sQIiQQ32s")  # bytes 0..120
+_TAIL = struct.Struct("<Q")
+_MAC_OFFSET = 88
+assert _BODY.size + _TAIL.size == HEADER_NBYTES
+
+
+class PageCheck(enum.Enum):
+    """Why a stored page is not served."""
+
+    OK = "ok"
+    #: magic, header checksum, key, length, namespace, payload checksum or MAC mismatch.
+    CORRUPT = "corrupt"
+    #: written by a newer format version: not ours to judge or delete.
+    UNSUPPORTED = "unsupported"
+
+
+class PageHeader(msgspec.Struct, frozen=True):
+    """A decoded page header."""
+
+    version: int
+    flags: int
+    namespace: bytes
+    key: bytes
+    payload_nbytes: int
+    num_tokens: int
+    priority: int
+    checksum: int
+    created_ns: int
+    mac: bytes
+
+    @property
+    def page_nbytes(self) -> int:
+        return HEADER_NBYTES + self.payload_nbytes
+
+
+def payload_checksum(segments: Iterable[memoryview | bytes]) -> int:
+    """xxh3-64 over the payload segments in order, without joining them."""
+    hasher = xxhash.xxh3_64()
+    for segment in segments:
+        hasher.update(segment)
+    return hasher.intdigest()
+
+
+def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | bytes]) -> bytes:
+    hasher = hashlib.blake2b(key=mac_key, digest_size=32, person=b"hicache-page")
+    hasher.update(header_body[:_MAC_OFFSET])
+    for segment in segments:
+        hasher.update(segment)
+    return hasher.digest()
+
+
+def encode_header(
+    meta: PageMeta,
+    payload: PageBuffer,
+    *,
+    mac_key: bytes | None = None,
+    checksum: int | None = None,
+    created_ns: int | None = None,
+) -> bytes:
+    """The 128-byte header for `payload` (a page's segments) described by `meta`."""
+    if len(meta.key) != 32:
+        raise ValueError(f"page keys are 32 bytes, got {len(meta.key)}")
+    if len(meta.namespace) != 16:
+        raise ValueError(f"namespace fingerprints are 16 bytes, got {len(meta.namespace)}")
+    nbytes = sum(len(s) for s in payload)
+    digest = payload_checksum(payload) if checksum is None else checksum
+    created = time.time_ns() if created_ns is None else created_ns
+    flags = FLAG_MAC if mac_key else 0
+    fields = (
+        MAGIC,
+        FORMAT_VERSION,
+        flags,
+        meta.namespace,
+        meta.key,
+        nbytes,
+        meta.num_tokens,
+        meta.priority,
+        digest,
+        created,
+    )
+    body = _BODY.pack(*fields, bytes(32))
+    if mac_key:
+        body = _BODY.pack(*fields, _mac(mac_key, body, payload))
+    return body + _TAIL.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def decode_header(raw: bytes | memoryview) -> PageHeader | PageCheck:
+    """Decode a header, or say why it cannot be trusted. Never raises on bad bytes."""
+    if len(raw) < HEADER_NBYTES:
+        return PageCheck.CORRUPT
+    raw = bytes(raw[:HEADER_NBYTES])
+    if raw[:4] != MAGIC:
+        return PageCheck.CORRUPT
+    (version,) = struct.unpack_from("<H", raw, 4)
+    if version > FORMAT_VERSION:
+        return PageCheck.UNSUPPORTED
+    body = raw[: _BODY.size]
+    (stored,) = _TAIL.unpack_from(raw, _BODY.size)
+    if version != FORMAT_VERSION or xxhash.xxh3_64_intdigest(body) != stored:
+        return PageCheck.CORRUPT
+    (_, version, flags, namespace, key, nbytes, tokens, priority, digest, created, mac) = (
+        _BODY.unpack(body)
+    )
+    return PageHeader(
+        version=version,
+        flags=flags,
+        namespace=namespace,
+        key=key,
+        payload_nbytes=nbytes,
+        num_tokens=tokens,
+        priority=priority,
+        checksum=digest,
+        created_ns=created,
+        mac=mac,
+    )
+
+
+def check_header(
+    header: PageHeader | PageCheck, *, key: bytes, namespace: bytes, payload_nbytes: int
+) -> PageCheck:
+    """Check a decoded header against what the reader expects, before reading the payload."""
+    if isinstance(header, PageCheck):
+        return header
+    if (
+        header.key != key
+        or header.namespace != namespace
+        or header.payload_nbytes != payload_nbytes
+    ):
+        return PageCheck.CORRUPT
+    return PageCheck.OK
+
+
+def verify_payload(
+    header: PageHeader, payload: PageBuffer, *, mac_key: bytes | None = None
+) -> PageCheck:
+    """Check the payload's checksum (and MAC when the reader holds a key)."""
+    if payload_checksum(payload) != header.checksum:
+        return PageCheck.CORRUPT
+    if mac_key:
+        # A reader with a key trusts only pages MACed with it: an unkeyed writer could have
+        # produced any payload with a matching checksum.
+        if not header.flags & FLAG_MAC:
+            return PageCheck.CORRUPT
+        body = _BODY.pack(
+            MAGIC,
+            header.version,
+            header.flags,
+            header.namespace,
+            header.key,
+            header.payload_nbytes,
+            header.num_tokens,
+            header.priority,
+            header.checksum,
+            header.created_ns,
+            bytes(32),
+        )
+        if not hmac.compare_digest(_mac(mac_key, body, payload), header.mac):
+            return PageCheck.CORRUPT
+    return PageCheck.OK
+
+
+def scatter(source: bytes | memoryview, into: PageBuffer) -> None:
+    """Copy `source` into the segments of `into` in order (lengths must add up)."""
+    view = memoryview(source)
+    offset = 0
+    for segment in into:
+        end = offset + len(segment)
+        segment[:] = view[offset:end]
+        offset = end
+    if offset != len(view):
+        raise ValueError(f"payload of {len(view)} bytes does not fill buffers of {offset}")
+
+
+def read_value_into(
+    value: bytes | memoryview,
+    *,
+    key: bytes,
+    namespace: bytes,
+    into: PageBuffer,
+    mac_key: bytes | None = None,
+) -> PageCheck:
+    """Check a stored `header ‖ payload` value and copy its payload into `into`.
+
+    For value stores (memory, Redis, Mooncake) that hand back a page as one buffer.
+    """
+    header = decode_header(value)
+    expected = sum(len(s) for s in into)
+    check = check_header(header, key=key, namespace=namespace, payload_nbytes=expected)
+    if check is not PageCheck.OK or isinstance(header, PageCheck):
+        return check
+    if len(value) != HEADER_NBYTES + expected:
+        return PageCheck.CORRUPT
+    scatter(memoryview(value)[HEADER_NBYTES:], into)
+    return verify_payload(header, into, mac_key=mac_key)
