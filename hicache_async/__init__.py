@@ -18,12 +18,25 @@ from ._errors import (
     StorageError,
     WrongThreadError,
 )
+from ._cache import HiCache, MatchInfo
 from ._keys import Namespace, page_keys
+from ._request import Request
+from ._stats import CacheStatistics, TierTokens
+from .workers import PrefetchHandle, PrefetchResult, PrefetchStatus, StorageStatus
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackupConfig",
+    "CacheStatistics",
+    "HiCache",
+    "MatchInfo",
+    "PrefetchHandle",
+    "PrefetchResult",
+    "PrefetchStatus",
+    "Request",
+    "StorageStatus",
+    "TierTokens",
     "CacheClosedError",
     "CacheConfig",
     "ConfigError",

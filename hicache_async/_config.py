@@ -148,7 +148,9 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Storage → host prefetch settings (policies as in SGLang HiCache)."""
 
-    policy: PrefetchPolicy = "best_effort"
+    # `timeout` by default: an awaited `prefetch()` gets what storage can deliver within a
+    # bounded wait; `best_effort` suits callers that start early and collect at scheduling.
+    policy: PrefetchPolicy = "timeout"
     timeout_base_s: float = 1.0
     timeout_per_1k_tokens_s: float = 0.25
     timeout_max_s: float = 10.0
@@ -156,6 +158,10 @@ class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_host_share: float = 0.5
     batch_pages: int = 64
     queue_size: int = 64
+    workers: int = 4
+    #: A storage call that takes longer is abandoned and counted as an error (a hung backend
+    #: must not hold a worker and its host pages forever).
+    io_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.policy not in ("best_effort", "wait_complete", "timeout"):
@@ -172,6 +178,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         _finite("prefetch.max_host_share", self.max_host_share, low=0.0, high=1.0)
         _positive("prefetch.batch_pages", self.batch_pages)
         _positive("prefetch.queue_size", self.queue_size)
+        _positive("prefetch.workers", self.workers)
+        _finite("prefetch.io_timeout_s", self.io_timeout_s, low=0.001)
 
     def timeout_for(self, num_tokens: int) -> float:
         """The `timeout` policy's wait for a prefetch of `num_tokens` tokens."""
@@ -187,6 +195,7 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_retries: int = 3
     retry_backoff_s: float = 0.05
     flush_deadline_s: float = 10.0
+    io_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive("backup.queue_size", self.queue_size)
@@ -194,6 +203,7 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         _non_negative("backup.max_retries", self.max_retries)
         _finite("backup.retry_backoff_s", self.retry_backoff_s, low=0.0)
         _finite("backup.flush_deadline_s", self.flush_deadline_s, low=0.0)
+        _finite("backup.io_timeout_s", self.io_timeout_s, low=0.001)
 
 
 class WarmupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

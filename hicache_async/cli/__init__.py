@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import logging
 import sys
 from collections.abc import Sequence
+
+import structlog
 
 from ..bench import BENCHMARKS, format_records, write_records
 
@@ -48,6 +51,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hicache-async` and `python -m hicache_async`."""
+    # An application, unlike the library, decides what its log shows: warnings and up.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     args = _build_parser().parse_args(argv)
     if args.command == "bench":
         module = importlib.import_module(BENCHMARKS[args.kind])

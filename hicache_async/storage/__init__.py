@@ -1,5 +1,18 @@
-"""Storage (L3): the async backend protocol, the page format and the backends."""
+"""Storage (L3): the async backend protocol, the page format and the backends.
 
+`open_storage(url)` builds a backend from a URL (`file:///path`, `memory://`, `redis://`,
+`mooncake://` or a plugin). `RedisStorage` and `MooncakeStorage` are importable from here too,
+but only load (with their optional dependencies) when first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ._file import FileStorage, FsyncPolicy, default_root
+from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
+from ._memory import MemoryStorage
 from ._page import HEADER_NBYTES, PageCheck, PageHeader, decode_header, encode_header
 from ._protocol import (
     Outcome,
@@ -10,18 +23,51 @@ from ._protocol import (
     StorageError,
     StorageStats,
 )
+from ._registry import ENTRY_POINT_GROUP, StorageFactory, open_storage, storage_schemes
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "HEADER_NBYTES",
+    "FileStorage",
+    "FsyncPolicy",
+    "GcReport",
+    "MaintainableStorage",
+    "MemoryStorage",
     "Outcome",
     "PageBuffer",
     "PageCheck",
     "PageHeader",
+    "PageInfo",
     "PageMeta",
+    "RawAccess",
     "StorageBackend",
     "StorageCapabilities",
     "StorageError",
+    "StorageFactory",
     "StorageStats",
+    "VerifyReport",
     "decode_header",
+    "default_root",
     "encode_header",
+    "open_storage",
+    "storage_schemes",
 ]
+
+# Not in __all__: `import *` must not pull in optional dependencies.
+_LAZY = {
+    "RedisStorage": "hicache_async.storage._redis",
+    "MooncakeStorage": "hicache_async.storage._mooncake",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

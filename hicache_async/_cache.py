@@ -1,0 +1,625 @@
+"""`HiCache`: the facade that owns the pools, the tree, the copy engine and the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import structlog
+
+from ._config import CacheConfig, PrefetchPolicy
+from ._errors import CacheClosedError, HiCacheError, OutOfPagesError
+from ._keys import Namespace, as_token_array, page_keys
+from ._loop import LoopOwner
+from ._metrics import Histogram
+from ._pool import KVPool, make_pools
+from ._request import Request
+from ._stats import CacheStatistics, Counters, TierTokens
+from .storage import StorageBackend
+from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
+from .tree import MatchResult, RadixTree, TreeNode
+from .workers import PrefetchHandle, PrefetchResult, StorageLink, StorageStatus
+
+__all__ = ["HiCache", "MatchInfo"]
+
+_log = structlog.get_logger("hicache_async")
+
+
+class MatchInfo:
+    """What the cache holds for a prompt, without taking anything (see `HiCache.match`)."""
+
+    __slots__ = ("device_tokens", "host_tokens", "keys", "num_tokens")
+
+    def __init__(self, num_tokens: int, keys: list[bytes], device: int, host: int) -> None:
+        self.num_tokens = num_tokens
+        self.keys = keys
+        self.device_tokens = device
+        self.host_tokens = host
+
+    def __repr__(self) -> str:
+        return (
+            f"<MatchInfo tokens={self.num_tokens} device={self.device_tokens} "
+            f"host={self.host_tokens}>"
+        )
+
+
+class HiCache:
+    """A hierarchical KV cache owned by one event loop.
+
+    Use as ``async with HiCache(config) as cache:``. Entering allocates the pools (off the
+    loop's thread) and starts the workers; leaving waits for in-flight copies and closes
+    everything. Every method must be called from the loop that entered it.
+    """
+
+    def __init__(
+        self,
+        config: CacheConfig,
+        *,
+        storage: StorageBackend | str | None = None,
+        mac_key: bytes | None = None,
+        copy_engine: CopyEngine | None = None,
+        namespace: Namespace | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.namespace = namespace or Namespace.from_config(config)
+        self._owner = LoopOwner("HiCache")
+        self._tree = RadixTree(eviction=config.eviction, owner=self._owner, clock=clock)
+        self._engine_arg = copy_engine
+        self._engine: CopyEngine | None = None
+        self._device_pool: KVPool | None = None
+        self._host_pool: KVPool | None = None
+        self._state = "new"
+        self._counters = Counters()
+        self._requests: set[Request] = set()
+        self._copies: set[LayerwiseCopy] = set()
+        self._loading: dict[int, LayerwiseCopy] = {}
+        self._device_backups = 0
+        self._backing_up: set[int] = set()
+        self._capacity_changed = asyncio.Event()
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._storage_arg = storage if storage is not None else config.storage
+        self._mac_key = mac_key
+        self._link: StorageLink | None = None
+        self._generation = 0
+        self.prefetch_wait = Histogram("prefetch_wait")
+        self.storage_get_latency = Histogram("storage_get_batch")
+        self.storage_put_latency = Histogram("storage_put_batch")
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def __aenter__(self) -> HiCache:
+        if self._state != "new":
+            raise CacheClosedError(f"a HiCache can be entered once; this one is {self._state}")
+        self._owner.bind()
+        self._state = "opening"
+        try:
+            device, host = await anyio.to_thread.run_sync(make_pools, self.config)
+            self._device_pool, self._host_pool = device, host
+            self._engine = self._engine_arg or default_copy_engine(device.device)
+            self._task_group = anyio.create_task_group()
+            await self._task_group.__aenter__()
+        except BaseException:
+            self._state = "closed"
+            raise
+        self._state = "open"
+        if self._storage_arg is not None:
+            try:
+                await self.attach_storage(self._storage_arg)
+            except BaseException as exc:
+                await self.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+        _log.debug(
+            "hicache.open",
+            device=str(device.device),
+            device_pages=device.num_pages,
+            host_pages=host.num_pages,
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._state != "open":
+            return
+        link = self._link
+        self._link = None
+        self._state = "closing"
+        self._capacity_changed.set()  # waiters for pages see the cache closing
+        try:
+            if link is not None:
+                await link.close(flush=True, deadline_s=self.config.backup.flush_deadline_s)
+            for request in list(self._requests):
+                request.release()
+            with anyio.CancelScope(shield=True):
+                while self._copies:
+                    await asyncio.gather(*self._copies, return_exceptions=True)
+                if self._engine is not None and self._engine_arg is None:
+                    await self._engine.aclose()
+        finally:
+            tg, self._task_group = self._task_group, None
+            self._state = "closed"
+            if tg is not None:
+                # Workers are done or cancelled by now; the body's own exception propagates
+                # as it is rather than wrapped in an exception group.
+                tg.cancel_scope.cancel()
+                await tg.__aexit__(None, None, None)
+        _log.debug("hicache.closed")
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def device_pool(self) -> KVPool:
+        """The device (L1) pool; the model reads and writes KV here."""
+        self._check_open()
+        assert self._device_pool is not None
+        return self._device_pool
+
+    @property
+    def host_pool(self) -> KVPool:
+        """The host (L2) pool."""
+        self._check_open()
+        assert self._host_pool is not None
+        return self._host_pool
+
+    @property
+    def tree(self) -> RadixTree:
+        """The radix tree (read its statistics; do not mutate it behind the cache's back)."""
+        return self._tree
+
+    def keys_for(self, tokens: Any, *, salt: str | bytes | None = None) -> list[bytes]:
+        """Page keys of `tokens` in this cache's namespace (and the request's salt)."""
+        namespace = self.namespace.salted(salt) if salt else self.namespace
+        return page_keys(tokens, self.config.page_size, namespace.seed)
+
+    def match(self, tokens: Any, *, salt: str | bytes | None = None) -> MatchInfo:
+        """How much of `tokens` is on the device and on the host. Takes nothing."""
+        self._check_open()
+        array = as_token_array(tokens)
+        keys = self.keys_for(array, salt=salt)
+        found = self._tree.match(keys, touch=False)
+        size = self.config.page_size
+        return MatchInfo(
+            len(array), keys, found.num_device_pages * size, found.num_host_pages * size
+        )
+
+    def request(
+        self, tokens: Any, *, request_id: str | None = None, salt: str | bytes | None = None
+    ) -> Request:
+        """Start a request: lock its device prefix and hold its host extension for `load()`.
+
+        Use as ``with cache.request(tokens) as req:``; leaving the block releases it.
+        """
+        self._check_open()
+        array = as_token_array(tokens)
+        keys = self.keys_for(array, salt=salt)
+        found = self._tree.match(keys)
+        request = Request(self, array, keys, found, request_id)
+        if found.num_host_pages:
+            self._tree.protect_host(found.host_node)
+        self._requests.add(request)
+        counters = self._counters
+        size = self.config.page_size
+        counters.requests += 1
+        counters.tokens_requested += len(array)
+        counters.tokens_device += found.num_device_pages * size
+        counters.tokens_host += found.num_host_pages * size
+        if self.config.write_policy == "write_through_selective":
+            self._back_up_hot(found)
+        return request
+
+    # -- storage ----------------------------------------------------------------------------
+
+    async def attach_storage(self, storage: StorageBackend | str) -> None:
+        """Attach an L3 backend (a URL or a backend object, which the cache then owns).
+
+        Raises if one is attached already: detach it first.
+        """
+        self._check_open()
+        if self._link is not None:
+            raise HiCacheError(
+                f"storage {self._link.backend.name!r} is attached; detach it before attaching"
+            )
+        if isinstance(storage, str):
+            from .storage import open_storage
+
+            backend = open_storage(storage, mac_key=self._mac_key)
+        else:
+            backend = storage
+        self._generation += 1
+        link = StorageLink(self, backend, self._generation)
+        self._link = link
+        assert self._task_group is not None
+        try:
+            await self._task_group.start(link.run)
+        except BaseException:
+            if self._link is link:
+                self._link = None
+            raise
+        _log.info("hicache.storage.attached", backend=backend.name)
+
+    async def detach_storage(self, *, flush: bool = True) -> None:
+        """Detach the backend without waiting for idle.
+
+        Prefetches in flight are cancelled (their requests go on without them); pending
+        backups are flushed within `backup.flush_deadline_s` or, with `flush=False`,
+        dropped; then the backend is closed. Detaching when nothing is attached does nothing.
+        """
+        self._owner.check()
+        link = self._link
+        if link is None:
+            return
+        self._link = None
+        # Pages acknowledged by the old backend are not in the next one.
+        for node in self._tree.iter_nodes():
+            if node.in_storage:
+                self._tree.mark_in_storage(node, False)
+        await link.close(flush=flush, deadline_s=self.config.backup.flush_deadline_s)
+        _log.info("hicache.storage.detached", backend=link.backend.name)
+
+    def storage_status(self) -> StorageStatus:
+        """Whether storage is attached, and its backend's and workers' statistics."""
+        self._owner.check()
+        if self._link is None:
+            return StorageStatus(attached=False)
+        return self._link.status()
+
+    async def start_prefetch(
+        self,
+        tokens: Any,
+        *,
+        request_id: str | None = None,
+        salt: str | bytes | None = None,
+        policy: PrefetchPolicy | None = None,
+    ) -> PrefetchHandle:
+        """Queue a storage → host prefetch of `tokens`; waits only while the queue is full."""
+        self._check_open()
+        array = as_token_array(tokens)
+        keys = self.keys_for(array, salt=salt)
+        link = self._link
+        handle = PrefetchHandle(
+            link.prefetcher if link else None,
+            keys,
+            len(array),
+            request_id,
+            policy or self.config.prefetch.policy,
+        )
+        if link is None:
+            found = self._tree.match(keys, touch=False)
+            handle.device_tokens = found.num_device_pages * self.config.page_size
+            handle.host_tokens = found.num_host_pages * self.config.page_size
+            handle._finish(handle.status.SKIPPED)
+            await asyncio.sleep(0)
+            return handle
+        await link.prefetcher.submit(handle)
+        return handle
+
+    async def prefetch(
+        self,
+        tokens: Any,
+        *,
+        request_id: str | None = None,
+        salt: str | bytes | None = None,
+        policy: PrefetchPolicy | None = None,
+    ) -> PrefetchResult:
+        """Prefetch `tokens` from storage and wait as the prefetch policy says.
+
+        Cancelling the caller cancels the prefetch; pages that already landed stay cached.
+        """
+        handle = await self.start_prefetch(tokens, request_id=request_id, salt=salt, policy=policy)
+        try:
+            return await handle.ready()
+        except BaseException:
+            handle.cancel()
+            raise
+
+    async def drain(self) -> None:
+        """Wait until no copy is in flight and no backup is queued or being written.
+
+        Prefetches are not waited for (await their handles). New work started meanwhile is
+        waited for too, so call it when the workload has stopped.
+        """
+        self._check_open()
+        while True:
+            if self._copies:
+                await asyncio.gather(*self._copies, return_exceptions=True)
+                continue
+            link = self._link
+            if link is not None and not link.backup.idle:
+                await link.backup.wait_idle()
+                continue
+            await asyncio.sleep(0)
+            if not self._copies and (self._link is None or self._link.backup.idle):
+                return
+
+    def statistics(self) -> CacheStatistics:
+        """A snapshot of counters, pools, tree and copy engine."""
+        c = self._counters
+        return CacheStatistics(
+            state=self._state,
+            live_requests=len(self._requests),
+            tokens=TierTokens(
+                device=c.tokens_device,
+                host=c.tokens_host,
+                storage=c.tokens_storage,
+                computed=c.tokens_computed,
+            ),
+            counters=c.snapshot(),
+            device_pool=self._device_pool.statistics() if self._device_pool else None,
+            host_pool=self._host_pool.statistics() if self._host_pool else None,
+            tree=self._tree.statistics(),
+            copy_engine=self._engine.statistics() if self._engine else None,
+            storage=self._link.status() if self._link else None,
+        )
+
+    def __repr__(self) -> str:
+        if self._device_pool is None or self._host_pool is None:
+            return f"<HiCache {self._state}>"
+        d, h = self._device_pool.allocator, self._host_pool.allocator
+        return (
+            f"<HiCache {self._state} requests={len(self._requests)} "
+            f"device={d.used_count}/{d.capacity} host={h.used_count}/{h.capacity} "
+            f"copies={len(self._copies)} nodes={self._tree.statistics().nodes}>"
+        )
+
+    def _histograms(self) -> list[Histogram]:
+        return [self.prefetch_wait, self.storage_get_latency, self.storage_put_latency]
+
+    def metrics_text(self) -> str:
+        """Every statistic in the Prometheus text exposition format."""
+        from ._metrics import render_prometheus
+
+        self._owner.check()
+        return render_prometheus(self)
+
+    # -- page allocation --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        self._owner.check()
+        if self._state != "open":
+            raise CacheClosedError(f"the cache is {self._state}; use it inside `async with`")
+
+    def _device_free(self, pages: Sequence[int]) -> None:
+        if pages:
+            assert self._device_pool is not None
+            self._device_pool.allocator.free(pages)
+            self._capacity_changed.set()
+
+    def _host_free(self, pages: Sequence[int]) -> None:
+        if pages:
+            assert self._host_pool is not None
+            self._host_pool.allocator.free(pages)
+
+    def _try_alloc_device(self, count: int) -> list[int] | None:
+        assert self._device_pool is not None
+        allocator = self._device_pool.allocator
+        pages = allocator.alloc(count)
+        if pages is not None:
+            return pages
+        write_back = self.config.write_policy == "write_back"
+        eviction = self._tree.evict_device(count - allocator.free_count, backup_first=write_back)
+        self._counters.device_evicted_pages += len(eviction.freed)
+        self._device_free(eviction.freed)
+        started = sum(self._back_up_to_host([node]) for node in eviction.needs_backup)
+        if eviction.needs_backup and not started and not self._device_backups:
+            # No host room to back anything up: drop unbacked leaves rather than fail.
+            fallback = self._tree.evict_device(count - allocator.free_count, backup_first=False)
+            self._counters.device_evicted_pages += len(fallback.freed)
+            self._device_free(fallback.freed)
+        return allocator.alloc(count)
+
+    async def _alloc_device(self, count: int) -> list[int]:
+        """`count` device pages, evicting (and waiting for write-backs) as the policy says."""
+        await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
+        while True:
+            self._check_open()
+            pages = self._try_alloc_device(count)
+            if pages is not None:
+                return pages
+            if not self._device_backups:
+                assert self._device_pool is not None
+                raise OutOfPagesError(
+                    f"the device pool cannot provide {count} pages: "
+                    f"{self._device_pool.allocator.free_count} free of "
+                    f"{self._device_pool.num_pages}, the rest in use by running requests"
+                )
+            self._capacity_changed.clear()
+            await self._capacity_changed.wait()
+
+    def _try_alloc_host(self, count: int) -> list[int] | None:
+        assert self._host_pool is not None
+        allocator = self._host_pool.allocator
+        pages = allocator.alloc(count)
+        if pages is None:
+            freed = self._tree.evict_host(count - allocator.free_count)
+            self._counters.host_evicted_pages += len(freed)
+            self._host_free(freed)
+            pages = allocator.alloc(count)
+        return pages
+
+    # -- tree paths -------------------------------------------------------------------------
+
+    def _path(self, deep: TreeNode, num_pages: int) -> list[TreeNode]:
+        """Nodes (top-down) holding the last `num_pages` pages of the path ending at `deep`.
+
+        Nodes split after an operation started keep page boundaries, so the range an
+        operation began with is still a whole number of nodes.
+        """
+        nodes: list[TreeNode] = []
+        total = 0
+        node: TreeNode | None = deep
+        while total < num_pages:
+            assert node is not None, "path left the tree"
+            assert node.parent is not None, "path reached the root"
+            nodes.append(node)
+            total += node.num_pages
+            node = node.parent
+        assert total == num_pages, "an operation's range no longer ends on a node boundary"
+        nodes.reverse()
+        return nodes
+
+    def _host_path_pages(self, deep: TreeNode, num_pages: int) -> list[int]:
+        pages: list[int] = []
+        for node in self._path(deep, num_pages):
+            assert node.host_pages is not None
+            pages.extend(node.host_pages)
+        return pages
+
+    # -- copies -----------------------------------------------------------------------------
+
+    def _engine_done_copy(self) -> LayerwiseCopy:
+        assert self._engine is not None
+        assert self._host_pool
+        assert self._device_pool
+        return self._engine.copy(self._host_pool, [], self._device_pool, [])
+
+    def _track(self, copy: LayerwiseCopy, done: Callable[[LayerwiseCopy], None]) -> None:
+        self._copies.add(copy)
+
+        def finished(c: LayerwiseCopy) -> None:
+            self._copies.discard(c)
+            done(c)
+
+        copy.add_done_callback(finished)
+
+    def _start_load(
+        self,
+        request: Request,
+        host_node: TreeNode,
+        host_pages: list[int],
+        device_pages: list[int],
+    ) -> LayerwiseCopy:
+        assert self._engine is not None
+        assert self._host_pool
+        assert self._device_pool
+        copy = self._engine.copy(self._host_pool, host_pages, self._device_pool, device_pages)
+        self._loading[host_node.id] = copy
+        self._counters.loaded_pages += len(device_pages)
+        self._track(copy, functools.partial(self._on_load_done, request, host_node, device_pages))
+        return copy
+
+    def _on_load_done(
+        self,
+        request: Request,
+        host_node: TreeNode,
+        device_pages: list[int],
+        copy: LayerwiseCopy,
+    ) -> None:
+        self._loading.pop(host_node.id, None)
+        ok = copy.exception() is None
+        private: list[int] = list(device_pages)
+        if ok:
+            private = []
+            offset = 0
+            for node in self._path(host_node, len(device_pages)):
+                part = device_pages[offset : offset + node.num_pages]
+                offset += node.num_pages
+                if node.on_device:
+                    private.extend(part)  # someone else's commit got there first
+                else:
+                    self._tree.set_device_pages(node, part)
+        else:
+            self._counters.copy_failures += 1
+            _log.warning(
+                "hicache.load.failed", request_id=request.request_id, error=repr(copy.exception())
+            )
+        request._on_load_done(host_node, private, ok)
+        self._tree.unprotect_host(host_node)
+
+    def _back_up_to_host(self, nodes: Sequence[TreeNode]) -> bool:
+        """Copy the device pages of `nodes` to fresh host pages, as one batch."""
+        assert self._engine is not None
+        assert self._host_pool
+        assert self._device_pool
+        nodes = [
+            n
+            for n in nodes
+            if n.device_pages is not None and n.host_pages is None and n.id not in self._backing_up
+        ]
+        if not nodes:
+            return False
+        total = sum(n.num_pages for n in nodes)
+        host_pages = self._try_alloc_host(total)
+        if host_pages is None:
+            self._counters.host_backups_skipped += total
+            return False
+        source: list[int] = []
+        for node in nodes:
+            assert node.device_pages is not None
+            source.extend(node.device_pages)
+            self._tree.lock_device(node)
+            self._backing_up.add(node.id)
+        sizes = [n.num_pages for n in nodes]
+        self._device_backups += 1
+        copy = self._engine.copy(self._device_pool, source, self._host_pool, host_pages)
+        self._track(copy, functools.partial(self._on_host_backup_done, nodes, sizes, host_pages))
+        return True
+
+    def _on_host_backup_done(
+        self,
+        nodes: list[TreeNode],
+        sizes: list[int],
+        host_pages: list[int],
+        copy: LayerwiseCopy,
+    ) -> None:
+        self._device_backups -= 1
+        ok = copy.exception() is None
+        offset = 0
+        for node, size in zip(nodes, sizes, strict=True):
+            part = host_pages[offset : offset + size]
+            offset += size
+            if ok:
+                self._assign_host(node, size, part)
+            else:
+                self._host_free(part)
+            self._tree.unlock_device(node)
+            self._backing_up.discard(node.id)
+        if ok:
+            self._counters.host_backup_pages += len(host_pages)
+        else:
+            self._counters.copy_failures += 1
+            _log.warning("hicache.backup.host.failed", error=repr(copy.exception()))
+        self._capacity_changed.set()
+
+    def _assign_host(self, deep: TreeNode, num_pages: int, pages: list[int]) -> None:
+        offset = 0
+        for node in self._path(deep, num_pages):
+            part = pages[offset : offset + node.num_pages]
+            offset += node.num_pages
+            if node.on_host:
+                self._host_free(part)
+            else:
+                self._tree.set_host_pages(node, part)
+                if self._link is not None and not node.in_storage:
+                    self._link.backup.offer(node, node.num_pages)
+
+    # -- write policy -----------------------------------------------------------------------
+
+    def _after_commit(self, deep: TreeNode, num_pages: int) -> None:
+        if self.config.write_policy != "write_through":
+            return
+        nodes = [n for n in self._path(deep, num_pages) if not n.on_host]
+        if nodes:
+            self._back_up_to_host(nodes)
+
+    def _back_up_hot(self, found: MatchResult) -> None:
+        threshold = self.config.write_through_threshold
+        hot: list[TreeNode] = []
+        node: TreeNode | None = found.device_node
+        while node is not None and node.parent is not None:
+            if not node.on_host and node.hit_count >= threshold:
+                hot.append(node)
+            node = node.parent
+        if hot:
+            hot.reverse()
+            self._back_up_to_host(hot)

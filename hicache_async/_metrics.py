@@ -1,0 +1,143 @@
+"""Histograms, and the Prometheus exposition of a cache's statistics.
+
+The cache keeps plain counters and fixed-bucket histograms on its loop (no locks, no
+dependency); `prometheus_collector()` adapts them for `prometheus-client` (the `prometheus`
+extra) and `render_prometheus()` renders the text exposition format.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from ._cache import HiCache
+
+__all__ = ["Histogram", "HistogramSnapshot", "prometheus_collector", "render_prometheus"]
+
+#: Seconds, from 100 µs to about 30 s.
+LATENCY_BUCKETS: tuple[float, ...] = tuple(0.0001 * 2**i for i in range(19))
+
+
+class HistogramSnapshot(msgspec.Struct, frozen=True):
+    """Cumulative bucket counts as Prometheus exposes them."""
+
+    buckets: list[tuple[float, int]]
+    count: int
+    sum: float
+
+    def quantile(self, q: float) -> float:
+        """The upper bound of the bucket holding quantile `q` (0 when empty)."""
+        if not self.count:
+            return 0.0
+        rank = q * self.count
+        for bound, cumulative in self.buckets:
+            if cumulative >= rank:
+                return bound
+        return float("inf")
+
+
+class Histogram:
+    """A fixed-bucket histogram; `observe` is O(log buckets)."""
+
+    __slots__ = ("_bounds", "_counts", "_sum", "name")
+
+    def __init__(self, name: str, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
+        self.name = name
+        self._bounds = tuple(bounds)
+        self._counts = [0] * (len(self._bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def snapshot(self) -> HistogramSnapshot:
+        cumulative = 0
+        buckets: list[tuple[float, int]] = []
+        for bound, count in zip((*self._bounds, float("inf")), self._counts, strict=True):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        return HistogramSnapshot(buckets=buckets, count=cumulative, sum=self._sum)
+
+
+def _flatten(prefix: str, record: Any) -> Iterator[tuple[str, float]]:
+    """Numeric leaves of a statistics record as (metric name, value)."""
+    data = msgspec.to_builtins(record) if isinstance(record, msgspec.Struct) else record
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from _flatten(f"{prefix}_{key}", value)
+    elif isinstance(data, (bool, int, float)):
+        yield prefix, float(data)
+
+
+def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
+    """(name, kind, value-or-histogram) for everything the cache exposes."""
+    stats = cache.statistics()
+    for field in ("tokens", "device_pool", "host_pool", "tree", "copy_engine"):
+        for name, value in _flatten(f"hicache_{field}", getattr(stats, field)):
+            yield name, "gauge", value
+    for name, value in stats.counters.items():
+        yield f"hicache_{name}_total", "counter", float(value)
+    yield "hicache_live_requests", "gauge", float(stats.live_requests)
+    status = cache.storage_status()
+    yield "hicache_storage_attached", "gauge", float(status.attached)
+    for section in ("storage", "prefetch", "backup"):
+        record = getattr(status, section)
+        if record is not None:
+            for name, value in _flatten(f"hicache_{section}", record):
+                yield name, "gauge", value
+    for histogram in cache._histograms():
+        yield f"hicache_{histogram.name}_seconds", "histogram", histogram.snapshot()
+
+
+def render_prometheus(cache: HiCache) -> str:
+    """The cache's metrics in the Prometheus text exposition format (version 0.0.4)."""
+    lines: list[str] = []
+    for name, kind, value in _families(cache):
+        lines.append(f"# TYPE {name} {kind}")
+        if kind == "histogram":
+            for bound, count in value.buckets:
+                le = "+Inf" if bound == float("inf") else repr(bound)
+                lines.append(f'{name}_bucket{{le="{le}"}} {count}')
+            lines.append(f"{name}_count {value.count}")
+            lines.append(f"{name}_sum {value.sum!r}")
+        else:
+            lines.append(f"{name} {value!r}")
+    return "\n".join(lines) + "\n"
+
+
+def prometheus_collector(cache: HiCache) -> Any:
+    """A `prometheus_client` collector for `cache`; register it with a registry.
+
+    Needs the `prometheus` extra. Collection reads the cache's statistics, so the registry
+    must be scraped from the cache's event loop thread (e.g. an ASGI `/metrics` route).
+    """
+    try:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+    except ImportError as exc:  # pragma: no cover - depends on the installed extras
+        raise ImportError(
+            "prometheus_collector needs prometheus-client: pip install 'hicache-async[prometheus]'"
+        ) from exc
+
+    class _Collector:
+        def collect(self) -> Iterator[Any]:
+            for name, kind, value in _families(cache):
+                if kind == "histogram":
+                    buckets = [
+                        ("+Inf" if b == float("inf") else repr(b), c) for b, c in value.buckets
+                    ]
+                    yield HistogramMetricFamily(name, name, buckets=buckets, sum_value=value.sum)
+                elif kind == "counter":
+                    yield CounterMetricFamily(name.removesuffix("_total"), name, value=value)
+                else:
+                    yield GaugeMetricFamily(name, name, value=value)
+
+    return _Collector()

@@ -1,0 +1,247 @@
+"""One request's view of the cache: its matched prefix, its loads, its pages, its commit."""
+
+from __future__ import annotations
+
+import math
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._errors import CacheClosedError
+from .transfer import LayerwiseCopy
+
+if TYPE_CHECKING:
+    from ._cache import HiCache
+    from .tree import MatchResult, TreeNode
+
+__all__ = ["Request"]
+
+
+class Request:
+    """The pages one request uses, from `HiCache.request()` until `release()`.
+
+    The request holds a device lock on its cached prefix for its whole life, owns the device
+    pages it allocates until it commits them, and gives everything back on `release()` (or on
+    leaving its `with` block) whatever happened in between, cancellation included.
+    """
+
+    __slots__ = (
+        "_cache",
+        "_cached_pages",
+        "_host_node",
+        "_host_pages",
+        "_load",
+        "_lock_node",
+        "_new_pages",
+        "_page_table",
+        "_private_pages",
+        "_released",
+        "keys",
+        "request_id",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        cache: HiCache,
+        tokens: np.ndarray[Any, Any],
+        keys: list[bytes],
+        match: MatchResult,
+        request_id: str | None,
+    ) -> None:
+        self._cache = cache
+        self.tokens = tokens
+        self.keys = keys
+        self.request_id = request_id
+        self._lock_node: TreeNode | None = match.device_node
+        self._page_table: list[int] = list(match.device_pages)
+        self._cached_pages = match.num_device_pages
+        self._host_node: TreeNode | None = match.host_node if match.num_host_pages else None
+        self._host_pages = match.num_host_pages
+        self._load: LayerwiseCopy | None = None
+        self._new_pages: list[int] = []
+        # Device pages this request copied or computed that the tree already had from someone
+        # else: the request may still be reading them, so they are freed only on release.
+        self._private_pages: list[int] = []
+        self._released = False
+        cache._tree.lock_device(match.device_node)
+
+    # -- what the request has -------------------------------------------------------------
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def device_tokens(self) -> int:
+        """Tokens whose KV is on the device now (the matched prefix, plus a finished load)."""
+        return self._cached_pages * self._cache.config.page_size
+
+    @property
+    def host_tokens(self) -> int:
+        """Tokens matched in the host pool that `load()` brings to the device."""
+        return self._host_pages * self._cache.config.page_size
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens the request does not have to compute: device prefix plus host extension."""
+        return self.device_tokens + (self.host_tokens if self._host_node is not None else 0)
+
+    @property
+    def page_table(self) -> list[int]:
+        """Device page of every page of the request so far: cached, loading, then allocated."""
+        return list(self._page_table)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    # -- the lifecycle ----------------------------------------------------------------------
+
+    async def load(self) -> LayerwiseCopy:
+        """Start copying the host-matched pages to the device; await layers on the result.
+
+        Waits only to obtain device pages (eviction may have to back pages up first). The
+        returned copy always finishes, even if the caller stops awaiting it; its pages join
+        the tree when it does.
+        """
+        self._check()
+        if self._load is not None:
+            return self._load
+        cache = self._cache
+        host_node = self._host_node
+        if host_node is None:
+            self._load = cache._engine_done_copy()
+            return self._load
+        # The host pages stay protected from `HiCache.request()` until the load finishes.
+        host_pages = cache._host_path_pages(host_node, self._host_pages)
+        device_pages = await cache._alloc_device(len(host_pages))
+        if self._released:  # released while waiting for pages
+            cache._device_free(device_pages)
+            raise CacheClosedError("the request was released while loading")
+        copy = cache._start_load(self, host_node, host_pages, device_pages)
+        self._page_table.extend(device_pages)
+        self._load = copy
+        return copy
+
+    async def allocate(self, num_tokens: int) -> list[int]:
+        """Device pages for `num_tokens` more tokens (whole pages, the tail page included)."""
+        self._check()
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        count = math.ceil(num_tokens / self._cache.config.page_size)
+        pages = await self._cache._alloc_device(count)
+        if self._released:
+            self._cache._device_free(pages)
+            raise CacheClosedError("the request was released while allocating")
+        self._new_pages.extend(pages)
+        self._page_table.extend(pages)
+        return pages
+
+    def commit(self) -> int:
+        """Publish the computed whole pages of the prompt; apply the write policy.
+
+        Returns how many pages were committed. The tail page (fewer than `page_size` tokens)
+        is never committed; it is freed on release.
+        """
+        self._check()
+        if self._load is not None and not self._load.done():
+            raise RuntimeError("commit() before the load finished: await the load first")
+        cache = self._cache
+        page_size = cache.config.page_size
+        full = len(self.tokens) // page_size
+        start = self._cached_pages
+        count = full - start
+        if count <= 0:
+            return 0
+        if len(self._new_pages) < count:
+            raise RuntimeError(
+                f"commit() needs {count} computed pages after the cached prefix, but only "
+                f"{len(self._new_pages)} were allocated"
+            )
+        pages = self._new_pages[:count]
+        result = cache._tree.insert(self.keys[:full], device_pages=self._page_table[:full])
+        own = set(pages)
+        duplicates = [p for p in result.duplicate_device_pages if p in own]
+        del self._new_pages[:count]
+        self._private_pages.extend(duplicates)
+        cache._tree.lock_device(result.node)
+        if self._lock_node is not None:
+            cache._tree.unlock_device(self._lock_node)
+        self._lock_node = result.node
+        self._cached_pages = full
+        cache._counters.pages_committed += count - len(duplicates)
+        cache._counters.pages_duplicate += len(duplicates)
+        cache._counters.tokens_computed += count * page_size
+        cache._after_commit(result.node, count)
+        return count
+
+    def release(self) -> None:
+        """Give back every lock and page. Idempotent; safe at any point."""
+        if self._released:
+            return
+        self._released = True
+        cache = self._cache
+        if self._lock_node is not None:
+            cache._tree.unlock_device(self._lock_node)
+            self._lock_node = None
+        if self._host_node is not None and self._load is None:
+            cache._tree.unprotect_host(self._host_node)
+            self._host_node = None
+        # A load still in flight finishes on its own and frees what it must.
+        cache._device_free(self._new_pages + self._private_pages)
+        self._new_pages = []
+        self._private_pages = []
+        cache._requests.discard(self)
+
+    # -- internal hooks used by the cache -------------------------------------------------
+
+    def _on_load_done(self, host_node: TreeNode, private: list[int], ok: bool) -> None:
+        """Called by the cache when this request's load finished (on the loop)."""
+        if self._released:
+            self._cache._device_free(private)
+            return
+        if not ok:
+            # The host part was not copied: those tokens must be computed instead, so they
+            # leave the page table (pages allocated later keep their order after it).
+            del self._page_table[self._cached_pages : self._cached_pages + self._host_pages]
+            self._cache._device_free(private)
+            self._host_pages = 0
+            self._host_node = None
+            return
+        self._private_pages.extend(private)
+        self._cache._tree.lock_device(host_node)
+        if self._lock_node is not None:
+            self._cache._tree.unlock_device(self._lock_node)
+        self._lock_node = host_node
+        self._cached_pages += self._host_pages
+        self._host_node = None
+        self._host_pages = 0
+
+    def _check(self) -> None:
+        self._cache._owner.check()
+        if self._released:
+            raise CacheClosedError("the request was released")
+
+    # -- context manager and repr ---------------------------------------------------------
+
+    def __enter__(self) -> Request:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "active"
+        loading = self._load is not None and not self._load.done()
+        return (
+            f"<Request {self.request_id or hex(id(self))} {state} tokens={self.num_tokens} "
+            f"device={self.device_tokens} host={self.host_tokens} "
+            f"allocated_pages={len(self._new_pages)} loading={loading}>"
+        )

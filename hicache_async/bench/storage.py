@@ -1,0 +1,491 @@
+"""`hicache-async bench storage`: put, get and exists throughput of a backend, each against a raw
+baseline moving the same bytes in the same run.
+
+Baselines: for `file://`, plain Python file I/O on the same kind of files (one file per page,
+same sizes, `os.pwritev`/`os.preadv` from a thread pool as wide as the backend's `io_threads`),
+read page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync); for
+`memory://`, a dict of bytes with the same copies; for any other scheme, the function
+`measure_raw(url, page_nbytes, num_pages) -> {"put_gbps", "get_gbps", "exists64_us"}` of
+`hicache_async.bench._storage_<scheme>` when that module exists, else no baseline.
+
+Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
+host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
+the median over the runs (`--reps`; hot reads 3x as many) and its ratio the median of the
+per-pair ratios, so load that comes and goes between runs cancels out. Ratios above 1 are
+better for throughput; for `exists64` (microseconds per call) below 1 is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import itertools
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, NamedTuple
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import numpy as np
+
+from ..storage import (
+    HEADER_NBYTES,
+    FileStorage,
+    MemoryStorage,
+    Outcome,
+    PageMeta,
+    StorageBackend,
+    default_root,
+    open_storage,
+)
+from ._records import Record
+
+__all__ = ["SHAPES", "Shape", "add_arguments", "describe", "run"]
+
+describe = "storage backends: put/get/exists throughput against a raw baseline of the same bytes"
+
+_NAMESPACE = bytes(range(16))
+_EXISTS_CALLS = 2000
+
+
+class Shape(NamedTuple):
+    """A model's KV page: every layer, K and V, `page_tokens` tokens."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    page_tokens: int
+    default_pages: int
+
+    @property
+    def page_nbytes(self) -> int:
+        return self.layers * self.kv_heads * self.head_dim * self.dtype_bytes * self.page_tokens * 2
+
+
+SHAPES = {
+    # Llama-3-8B, fp16, 64-token pages: 8 MiB.
+    "llama8b": Shape("llama8b", 32, 8, 128, 2, 64, 64),
+    # A Qwen2.5-0.5B-sized model, bf16, 64-token pages: 768 KiB.
+    "small": Shape("small", 24, 2, 64, 2, 64, 256),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `hicache-async bench storage`."""
+    parser.add_argument(
+        "--backend",
+        default="file://",
+        metavar="URL",
+        help="storage URL (default file://: a temporary directory under the user's cache dir)",
+    )
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), help="page shape (default: both, llama8b first)"
+    )
+    parser.add_argument("--pages", type=int, help="pages per run (default 64 llama8b, 256 small)")
+    parser.add_argument("--batch", type=int, default=64, help="pages per call (default 64)")
+    parser.add_argument("--reps", type=int, default=3, help="runs per figure (default 3)")
+    parser.add_argument("--segments", type=int, default=1, help="segments per page (default 1)")
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    """Measure every figure for the chosen shapes."""
+    if args.pages is not None and args.pages < 1:
+        raise SystemExit("--pages must be >= 1")
+    if args.batch < 1 or args.reps < 1 or args.segments < 1:
+        raise SystemExit("--batch, --reps and --segments must be >= 1")
+    shapes = [SHAPES[args.shape]] if args.shape else list(SHAPES.values())
+    scheme = urlsplit(args.backend).scheme
+    records: list[Record] = []
+    for shape in shapes:
+        pages = args.pages or shape.default_pages
+        data = _Data(shape, pages, args.segments)
+        if scheme == "file":
+            records += _bench_file(args, data)
+        elif scheme == "memory":
+            records += _bench_memory(args, data)
+        else:
+            records += _bench_other(args, data, scheme)
+    return records
+
+
+class _Data:
+    """Source pages, destination buffers, keys and metas for one shape."""
+
+    def __init__(self, shape: Shape, pages: int, segments: int) -> None:
+        self.shape = shape
+        self.pages = pages
+        nbytes = shape.page_nbytes
+        self.nbytes = nbytes
+        self.total = nbytes * pages
+        rng = np.random.default_rng(0)
+        self.source = memoryview(bytearray(rng.bytes(self.total)))
+        self.target = memoryview(bytearray(self.total))
+        cuts = [nbytes * s // segments for s in range(segments + 1)]
+        self.src = [
+            [self.source[p * nbytes + a : p * nbytes + b] for a, b in itertools.pairwise(cuts)]
+            for p in range(pages)
+        ]
+        self.dst = [
+            [self.target[p * nbytes + a : p * nbytes + b] for a, b in itertools.pairwise(cuts)]
+            for p in range(pages)
+        ]
+        self.generation = 0
+
+    def keys(self) -> list[bytes]:
+        """Fresh keys (a put of existing keys would be a no-op)."""
+        self.generation += 1
+        prefix = self.generation.to_bytes(4, "little")
+        return [prefix + p.to_bytes(4, "little") + os.urandom(24) for p in range(self.pages)]
+
+    def metas(self, keys: Sequence[bytes]) -> list[PageMeta]:
+        tokens = self.shape.page_tokens
+        return [PageMeta(key=k, namespace=_NAMESPACE, num_tokens=tokens) for k in keys]
+
+    def check(self) -> None:
+        if self.target != self.source:
+            raise SystemExit("benchmark read back different bytes than it wrote")
+        self.target[:] = bytes(self.total)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.new_event_loop
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _batches(count: int, size: int) -> list[slice]:
+    return [slice(start, min(start + size, count)) for start in range(0, count, size)]
+
+
+async def _put_all(storage: StorageBackend, data: _Data, keys: list[bytes], batch: int) -> float:
+    metas = data.metas(keys)
+    start = time.perf_counter()
+    for part in _batches(len(keys), batch):
+        outcomes = await storage.put(keys[part], data.src[part], metas[part])
+        if any(o is not Outcome.OK for o in outcomes):
+            raise SystemExit(
+                f"{storage.name}: put returned {sorted({o.value for o in outcomes})}; "
+                "is the capacity large enough for --pages?"
+            )
+    return time.perf_counter() - start
+
+
+async def _get_all(storage: StorageBackend, data: _Data, keys: list[bytes], batch: int) -> float:
+    start = time.perf_counter()
+    for part in _batches(len(keys), batch):
+        outcomes = await storage.get(keys[part], data.dst[part], namespace=_NAMESPACE)
+        if any(o is not Outcome.OK for o in outcomes):
+            raise SystemExit(f"{storage.name}: get returned {sorted({o.value for o in outcomes})}")
+    return time.perf_counter() - start
+
+
+async def _exists_us(storage: StorageBackend, keys: list[bytes]) -> float:
+    probe = keys[:64]
+    if await storage.exists(probe) != len(probe):
+        raise SystemExit(f"{storage.name}: exists did not find the pages just written")
+    start = time.perf_counter()
+    for _ in range(_EXISTS_CALLS):
+        await storage.exists(probe)
+    return (time.perf_counter() - start) / _EXISTS_CALLS * 1e6
+
+
+class _Pairs:
+    """Timings of ours and the baseline, taken back to back, per figure."""
+
+    def __init__(self) -> None:
+        self.ours: dict[str, list[float]] = {}
+        self.base: dict[str, list[float]] = {}
+
+    def add(self, name: str, ours: float, base: float) -> None:
+        self.ours.setdefault(name, []).append(ours)
+        self.base.setdefault(name, []).append(base)
+
+    def records(self, prefix: str, nbytes: int) -> list[Record]:
+        """Throughput from median times; the ratio is the median of the paired ratios, which
+        shrugs off load that comes and goes between runs."""
+        records = []
+        for name, ours in self.ours.items():
+            base = self.base[name]
+            ratio = statistics.median(b / o for o, b in zip(ours, base, strict=True))
+            records.append(
+                Record(
+                    name=f"{prefix}.{name}_gbps",
+                    value=nbytes / statistics.median(ours) / 1e9,
+                    unit="GB/s",
+                    baseline=nbytes / statistics.median(base) / 1e9,
+                    ratio=ratio,
+                )
+            )
+        return records
+
+
+def _exists_record(prefix: str, ours_us: float, base_us: float | None) -> Record:
+    name = f"{prefix}.exists64_us"
+    if base_us is None:
+        return Record(name=name, value=ours_us, unit="us")
+    return Record.compare(name, ours_us, "us", base_us)
+
+
+def _alternate(rep: int) -> tuple[int, int]:
+    """Who goes first in run `rep`: ours (0) and the baseline (1) take turns."""
+    return (rep % 2, 1 - rep % 2)
+
+
+# file://
+
+
+@contextlib.contextmanager
+def _workdir(url: str) -> Iterator[tuple[str, Path]]:
+    """A fresh storage URL and a baseline directory on the same file system, removed after."""
+    parts = urlsplit(url)
+    path = unquote(parts.path)
+    parent = Path(path) if path else default_root().parent
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="hicache-bench-", dir=parent))
+    try:
+        raw = work / "raw"
+        raw.mkdir(mode=0o700)
+        yield urlunsplit(("file", "", str(work / "store"), parts.query, "")), raw
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _raw_put(pool: ThreadPoolExecutor, paths: list[str], data: _Data) -> float:
+    header = memoryview(bytes(HEADER_NBYTES))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+
+    def one(p: int) -> None:
+        fd = os.open(paths[p], flags, 0o600)
+        try:
+            os.pwritev(fd, [header, *data.src[p]], 0)
+        finally:
+            os.close(fd)
+
+    start = time.perf_counter()
+    list(pool.map(one, range(data.pages)))
+    return time.perf_counter() - start
+
+
+def _raw_get(pool: ThreadPoolExecutor, paths: list[str], data: _Data) -> float:
+    headers = [memoryview(bytearray(HEADER_NBYTES)) for _ in range(data.pages)]
+
+    def one(p: int) -> None:
+        fd = os.open(paths[p], os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.preadv(fd, [headers[p], *data.dst[p]], 0)
+        finally:
+            os.close(fd)
+
+    start = time.perf_counter()
+    list(pool.map(one, range(data.pages)))
+    return time.perf_counter() - start
+
+
+def _raw_exists_us(paths: list[str]) -> float:
+    probe = paths[:64]
+    start = time.perf_counter()
+    for _ in range(_EXISTS_CALLS // 10):
+        for path in probe:
+            os.stat(path)
+    return (time.perf_counter() - start) / (_EXISTS_CALLS // 10) * 1e6
+
+
+def _drop_cache(*dirs: Path) -> None:
+    """Write back, then evict from the page cache, every file under `dirs`."""
+    os.sync()
+    for top in dirs:
+        for folder, _, files in os.walk(top):
+            for name in files:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+
+
+def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
+    reps = args.reps
+    pairs = _Pairs()
+    with (
+        _workdir(args.backend) as (url, raw_dir),
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+    ):
+        storage = FileStorage.from_url(url)
+        runner.run(storage.__aenter__())
+        try:
+            with ThreadPoolExecutor(storage.io_threads) as pool:
+                keys: list[bytes] = []
+                paths: list[str] = []
+                times = [0.0, 0.0]
+                for rep in range(reps):
+                    if keys:  # fresh pages each time: a put of an existing key is a no-op
+                        runner.run(storage.delete(keys))
+                        for path in paths:
+                            os.unlink(path)
+                    keys = data.keys()
+                    paths = [str(raw_dir / key.hex()) for key in keys]
+                    for turn in _alternate(rep):
+                        os.sync()  # no writeback of the previous run competes with this one
+                        if turn == 0:
+                            times[0] = runner.run(_put_all(storage, data, keys, args.batch))
+                        else:
+                            times[1] = _raw_put(pool, paths, data)
+                    pairs.add("put", *times)
+                for rep in range(3 * reps):  # cheap, and the noisiest
+                    for turn in _alternate(rep):
+                        if turn == 0:
+                            times[0] = runner.run(_get_all(storage, data, keys, args.batch))
+                            data.check()
+                        else:
+                            times[1] = _raw_get(pool, paths, data)
+                    pairs.add("get_hot", *times)
+                for rep in range(reps):
+                    for turn in _alternate(rep):
+                        _drop_cache(storage.root, raw_dir)
+                        if turn == 0:
+                            times[0] = runner.run(_get_all(storage, data, keys, args.batch))
+                            data.check()
+                        else:
+                            times[1] = _raw_get(pool, paths, data)
+                    pairs.add("get_cold", *times)
+                exists = runner.run(_exists_us(storage, keys))
+                raw_exists = _raw_exists_us(paths)
+        finally:
+            runner.run(storage.close())
+    prefix = f"storage.file.{data.shape.name}"
+    return [*pairs.records(prefix, data.total), _exists_record(prefix, exists, raw_exists)]
+
+
+# memory://
+
+
+def _dict_put(store: dict[bytes, bytes], keys: list[bytes], data: _Data) -> float:
+    header = bytes(HEADER_NBYTES)
+    start = time.perf_counter()
+    for key, page in zip(keys, data.src, strict=True):
+        store[key] = b"".join([header, *page])
+    return time.perf_counter() - start
+
+
+def _dict_get(store: dict[bytes, bytes], keys: list[bytes], data: _Data) -> float:
+    start = time.perf_counter()
+    for key, page in zip(keys, data.dst, strict=True):
+        value = memoryview(store[key])
+        offset = HEADER_NBYTES
+        for segment in page:
+            end = offset + segment.nbytes
+            segment[:] = value[offset:end]
+            offset = end
+    return time.perf_counter() - start
+
+
+def _dict_exists_us(store: dict[bytes, bytes], keys: list[bytes]) -> float:
+    probe = keys[:64]
+    start = time.perf_counter()
+    for _ in range(_EXISTS_CALLS):
+        for key in probe:  # the same prefix walk MemoryStorage.exists does
+            if key not in store:
+                break
+    return (time.perf_counter() - start) / _EXISTS_CALLS * 1e6
+
+
+def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
+    reps = args.reps
+    pairs = _Pairs()
+    capacity = 2 * data.pages * (data.nbytes + HEADER_NBYTES)
+    storage = MemoryStorage.from_url(f"memory://?capacity={capacity}")
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(storage.__aenter__())
+        try:
+            keys: list[bytes] = []
+            store: dict[bytes, bytes] = {}
+            times = [0.0, 0.0]
+            for rep in range(reps):
+                if keys:
+                    runner.run(storage.delete(keys))
+                store = {}
+                keys = data.keys()
+                for turn in _alternate(rep):
+                    if turn == 0:
+                        times[0] = runner.run(_put_all(storage, data, keys, args.batch))
+                    else:
+                        times[1] = _dict_put(store, keys, data)
+                pairs.add("put", *times)
+            for rep in range(3 * reps):
+                for turn in _alternate(rep):
+                    if turn == 0:
+                        times[0] = runner.run(_get_all(storage, data, keys, args.batch))
+                        data.check()
+                    else:
+                        times[1] = _dict_get(store, keys, data)
+                pairs.add("get", *times)
+            exists = runner.run(_exists_us(storage, keys))
+            raw_exists = _dict_exists_us(store, keys)
+        finally:
+            runner.run(storage.close())
+    prefix = f"storage.memory.{data.shape.name}"
+    return [*pairs.records(prefix, data.total), _exists_record(prefix, exists, raw_exists)]
+
+
+# Other schemes.
+
+
+def _raw_module(scheme: str) -> Any | None:
+    for name in dict.fromkeys((scheme, scheme.rstrip("s"))):
+        module_name = f"hicache_async.bench._storage_{name}"
+        if importlib.util.find_spec(module_name) is not None:
+            return importlib.import_module(module_name)
+    return None
+
+
+def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Record]:
+    reps = args.reps
+    ours: dict[str, list[float]] = {"put": [], "get": []}
+    storage = open_storage(args.backend)
+
+    async def session() -> float:
+        async with storage:
+            keys: list[bytes] = []
+            for _ in range(reps):
+                if keys:
+                    await storage.delete(keys)
+                keys = data.keys()
+                ours["put"].append(await _put_all(storage, data, keys, args.batch))
+            for _ in range(reps):
+                ours["get"].append(await _get_all(storage, data, keys, args.batch))
+                data.check()
+            exists = await _exists_us(storage, keys)
+            await storage.delete(keys)
+            return exists
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        exists = runner.run(session())
+    raw: dict[str, float] = {}
+    module = _raw_module(scheme)
+    if module is not None:
+        raw = module.measure_raw(args.backend, data.nbytes, data.pages)
+    prefix = f"storage.{scheme}.{data.shape.name}"
+    records = []
+    for name, times in ours.items():
+        value = data.total / statistics.median(times) / 1e9
+        baseline = raw.get(f"{name}_gbps")
+        if baseline is None:
+            records.append(Record(name=f"{prefix}.{name}_gbps", value=value, unit="GB/s"))
+        else:
+            records.append(Record.compare(f"{prefix}.{name}_gbps", value, "GB/s", baseline))
+    records.append(_exists_record(prefix, exists, raw.get("exists64_us")))
+    return records

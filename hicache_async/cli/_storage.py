@@ -1,0 +1,130 @@
+"""`hicache-async storage stats|ls|verify|gc URL`: inspect and maintain a storage backend.
+
+`stats` shows occupancy and counters, `ls` the stored pages (most recently used first),
+`verify` checks every page's integrity and removes corrupt pages and leftover temporary files,
+`gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
+success, 1 when the backend fails, 2 on bad arguments or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+import structlog
+
+from .._errors import StorageConfigError, StorageError
+from ..storage import FileStorage, MaintainableStorage, StorageBackend, open_storage
+
+__all__ = ["add_arguments", "run"]
+
+_ACTIONS = ("stats", "ls", "verify", "gc")
+_PROG = "hicache-async storage"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `hicache-async storage`."""
+    parser.add_argument("action", choices=_ACTIONS, help="what to do")
+    parser.add_argument(
+        "url", help="storage URL, e.g. file:///var/cache/hicache?capacity=100GiB or file://"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--limit", type=_positive_int, metavar="N", help="ls: list at most N pages")
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{_PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _log_to_stderr() -> None:
+    # Output (possibly JSON) goes to stdout, so events such as storage.page.corrupt go to
+    # stderr; the rest of the logging configuration (levels, processors) is left as it is.
+    structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one action; return the exit code."""
+    _log_to_stderr()
+    if args.limit is not None and args.action != "ls":
+        return _fail("--limit only applies to ls", 2)
+    try:
+        backend = open_storage(args.url)
+    except StorageConfigError as exc:
+        return _fail(str(exc), 2)
+    if isinstance(backend, FileStorage) and not backend.root.is_dir():
+        # Opening would create it; an inspection tool should not.
+        return _fail(f"no storage at {backend.root}", 2)
+    if args.action != "stats" and not isinstance(backend, MaintainableStorage):
+        return _fail(f"{backend.name} does not support {args.action}", 2)
+    try:
+        text = asyncio.run(_run(backend, args.action, args.limit, as_json=args.json))
+    except StorageConfigError as exc:
+        return _fail(str(exc), 2)
+    except (StorageError, OSError) as exc:
+        return _fail(f"{backend.name}: {exc}", 1)
+    print(text)
+    return 0
+
+
+async def _run(backend: StorageBackend, action: str, limit: int | None, *, as_json: bool) -> str:
+    async with backend:
+        if action == "stats":
+            stats = backend.stats()
+            if as_json:
+                return msgspec.json.encode(stats).decode()
+            return "\n".join(
+                f"{name}: {value}" for name, value in msgspec.structs.asdict(stats).items()
+            )
+        assert isinstance(backend, MaintainableStorage)  # checked by run()
+        if action == "ls":
+            pages = await backend.list_pages(limit)
+            rows = [
+                {
+                    "key": page.key.hex(),
+                    "nbytes": page.nbytes,
+                    "num_tokens": page.num_tokens,
+                    "priority": page.priority,
+                    "last_access": page.last_access,
+                }
+                for page in pages
+            ]
+            if as_json:
+                return msgspec.json.encode(rows).decode()
+            return _table(rows)
+        report: msgspec.Struct
+        if action == "verify":
+            report = await backend.verify()
+        else:
+            report = await backend.gc()
+        if as_json:
+            return msgspec.json.encode(report).decode()
+        return ", ".join(
+            f"{name}={value}" for name, value in msgspec.structs.asdict(report).items()
+        )
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'key':<64}  {'bytes':>12}  {'tokens':>6}  {'prio':>4}  last access (UTC)"]
+    for row in rows:
+        when = datetime.fromtimestamp(row["last_access"], tz=timezone.utc)
+        lines.append(
+            f"{row['key']:<64}  {row['nbytes']:>12}  {row['num_tokens']:>6}  "
+            f"{row['priority']:>4}  {when:%Y-%m-%d %H:%M:%S}"
+        )
+    lines.append(f"{len(rows)} pages")
+    return "\n".join(lines)

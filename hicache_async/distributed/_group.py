@@ -1,0 +1,171 @@
+"""The `RankGroup` protocol, its statistics and the one-rank implementation.
+
+A rank group is what tensor-parallel ranks use to agree on numbers and sets. Each method is a
+collective: every rank must call the same methods, in the same order, the same number of times.
+The helpers in `_agree` keep that rule when a rank's local step fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+__all__ = ["GroupStatistics", "RankGroup", "SingleRank"]
+
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+class GroupStatistics(msgspec.Struct, frozen=True):
+    """A snapshot of a group's counters."""
+
+    #: collective calls this rank has entered (one per method call, however many transfers it
+    #: takes). Ranks that stayed in step report the same number.
+    collectives: int
+    #: collectives that did not complete within the timeout.
+    timeouts: int
+    #: collectives that failed for another reason (a peer closed its connection, ...).
+    failures: int
+    #: the group is unusable: a collective failed or timed out, or the group was closed.
+    broken: bool
+    #: calls whose awaiting task was cancelled; their collective still ran and its result
+    #: was dropped.
+    cancelled: int = 0
+
+
+@runtime_checkable
+class RankGroup(Protocol):
+    """Collectives over the tensor-parallel ranks that run one cache each.
+
+    Every method is a collective: each rank must make the same calls in the same order. A
+    call is entered as soon as its coroutine starts running; cancelling the awaiting task
+    afterwards does not withdraw it (its result is dropped), so ranks stay in step.
+    """
+
+    #: this process's rank in the group, in [0, size).
+    rank: int
+    #: the number of ranks.
+    size: int
+
+    async def all_min(self, value: int) -> int:
+        """The minimum of `value` (a signed 64-bit integer) over all ranks."""
+        ...
+
+    async def all_max(self, value: int) -> int:
+        """The maximum of `value` (a signed 64-bit integer) over all ranks."""
+        ...
+
+    async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every rank's `payload`, indexed by rank; payloads may differ in length."""
+        ...
+
+    async def agree_common(self, items: Sequence[bytes]) -> list[bytes]:
+        """The items every rank has, without duplicates, in rank 0's order.
+
+        Every rank gets the identical list.
+        """
+        ...
+
+    async def barrier(self) -> None:
+        """Return once every rank has called `barrier`."""
+        ...
+
+    def statistics(self) -> GroupStatistics:
+        """A snapshot of this rank's counters."""
+        ...
+
+
+def check_int64(value: int) -> int:
+    """`value` as an int if it is an integer (numpy's too) that fits a signed 64-bit integer;
+    raise `TypeError` or `ValueError` otherwise."""
+    if isinstance(value, bool):
+        raise TypeError("a collective value must be an integer, not a bool")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"a collective value must be an integer, not {type(value).__name__}"
+        ) from None
+    if not _INT64_MIN <= number <= _INT64_MAX:
+        raise ValueError(f"a collective value must fit a signed 64-bit integer, got {number}")
+    return number
+
+
+def check_payload(payload: bytes) -> bytes:
+    """`payload` if it is `bytes`; raise `TypeError` otherwise."""
+    if not isinstance(payload, bytes):
+        raise TypeError(f"a payload must be bytes, not {type(payload).__name__}")
+    return payload
+
+
+def unique_items(items: Sequence[bytes]) -> list[bytes]:
+    """`items` without duplicates, first occurrence first; raise `TypeError` on a non-bytes."""
+    if isinstance(items, (bytes, bytearray, memoryview, str)):
+        # A bytes object is itself a sequence (of ints); passing one is always a mistake.
+        raise TypeError("items must be a sequence of bytes, not a single bytes or str object")
+    seen: set[bytes] = set()
+    out: list[bytes] = []
+    for item in items:
+        if not isinstance(item, bytes):
+            raise TypeError(f"every item must be bytes, not {type(item).__name__}")
+        if item not in seen:
+            seen.add(item)
+            out.append(item)
+    return out
+
+
+class SingleRank:
+    """The group of one rank: every collective returns this rank's own contribution.
+
+    No I/O, but every call is a coroutine that yields to the loop once, so code written for
+    several ranks sees the same cancellation points with one. Invalid arguments raise the same
+    errors as `TorchRankGroup`.
+    """
+
+    def __init__(self) -> None:
+        self.rank = 0
+        self.size = 1
+        self._collectives = 0
+
+    def __repr__(self) -> str:
+        return f"<SingleRank collectives={self._collectives}>"
+
+    async def _enter(self) -> None:
+        self._collectives += 1
+        await asyncio.sleep(0)
+
+    async def all_min(self, value: int) -> int:
+        """`value` itself."""
+        number = check_int64(value)
+        await self._enter()
+        return number
+
+    async def all_max(self, value: int) -> int:
+        """`value` itself."""
+        number = check_int64(value)
+        await self._enter()
+        return number
+
+    async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """``[payload]``."""
+        check_payload(payload)
+        await self._enter()
+        return [payload]
+
+    async def agree_common(self, items: Sequence[bytes]) -> list[bytes]:
+        """`items` without duplicates, in their order."""
+        unique = unique_items(items)
+        await self._enter()
+        return unique
+
+    async def barrier(self) -> None:
+        """Yield once."""
+        await self._enter()
+
+    def statistics(self) -> GroupStatistics:
+        """A snapshot of the counters; a single rank never times out or breaks."""
+        return GroupStatistics(collectives=self._collectives, timeouts=0, failures=0, broken=False)

@@ -1,0 +1,404 @@
+"""Machinery the built-in backends share: lifecycle, counters, batch checks, thread jobs, URLs.
+
+A backend derived from `BackendBase` gets `async with` handling, idempotent `close()` that waits
+for its running jobs, `stats()` from its counters, and `run_job`, the one thread hand-off per
+batch: the job gets a stop flag it checks between pages, and a cancelled caller sets that flag
+and waits for the job to stop before it re-raises, so no thread touches the caller's buffers
+after the coroutine has returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import re
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from decimal import Decimal, InvalidOperation
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import parse_qsl
+
+import structlog
+
+from .._errors import StorageConfigError, StorageError
+from ._page import HEADER_NBYTES, PageCheck, decode_header
+from ._protocol import PageBuffer, PageMeta, StorageStats
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = [
+    "BackendBase",
+    "Counters",
+    "byte_segments",
+    "check_batch",
+    "check_key",
+    "corrupt_reason",
+    "fan_out",
+    "parse_bool",
+    "parse_query",
+    "parse_size",
+    "payload_nbytes",
+]
+
+T = TypeVar("T")
+
+log = structlog.get_logger("hicache_async.storage")
+
+
+class Counters:
+    """A backend's running counters, touched only on its event loop."""
+
+    __slots__ = (
+        "corrupt",
+        "deletes",
+        "errors",
+        "evictions",
+        "get_hits",
+        "gets",
+        "put_ok",
+        "puts",
+    )
+
+    def __init__(self) -> None:
+        self.gets = 0
+        self.get_hits = 0
+        self.puts = 0
+        self.put_ok = 0
+        self.deletes = 0
+        self.corrupt = 0
+        self.errors = 0
+        self.evictions = 0
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)}" for name in sorted(self.__slots__))
+        return f"Counters({fields})"
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def check_batch(keys: Sequence[bytes], *others: tuple[str, Sequence[Any]]) -> None:
+    """Raise ValueError unless every sequence has one item per key (checked before any I/O)."""
+    for label, items in others:
+        if len(items) != len(keys):
+            raise ValueError(f"got {len(keys)} keys but {len(items)} {label}")
+
+
+def check_key(key: bytes, meta: PageMeta | None = None) -> None:
+    """Raise ValueError unless `key` is a 32-byte page key (matching `meta` when given)."""
+    if not isinstance(key, bytes) or len(key) != 32:
+        raise ValueError(f"page keys are 32 bytes, got {key!r:.40}")
+    if meta is not None:
+        if meta.key != key:
+            raise ValueError(f"meta.key does not match its key {key.hex()}")
+        if len(meta.namespace) != 16:
+            raise ValueError(f"namespace fingerprints are 16 bytes, got {len(meta.namespace)}")
+
+
+def corrupt_reason(
+    value: bytes | memoryview, *, key: bytes, namespace: bytes, payload_nbytes: int
+) -> str:
+    """Which check a stored value failed, for the `storage.page.corrupt` log event."""
+    header = decode_header(value)
+    if isinstance(header, PageCheck):
+        return "header"
+    if header.key != key:
+        return "key"
+    if header.namespace != namespace:
+        return "namespace"
+    if header.payload_nbytes != payload_nbytes or len(value) != HEADER_NBYTES + payload_nbytes:
+        return "length"
+    return "checksum or mac"
+
+
+def byte_segments(page: PageBuffer, *, writable: bool) -> list[memoryview]:
+    """The page's segments as flat byte views (preadv, hashing and slicing need format 'B')."""
+    views: list[memoryview] = []
+    for segment in page:
+        view = memoryview(segment)
+        if not view.c_contiguous:
+            raise ValueError("page segments must be C-contiguous")
+        if writable and view.readonly:
+            raise ValueError("get needs writable page segments")
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        views.append(view)
+    return views
+
+
+def payload_nbytes(page: PageBuffer) -> int:
+    """Total bytes of a page's segments (`nbytes`, so any memoryview format counts right)."""
+    return sum(memoryview(segment).nbytes for segment in page)
+
+
+async def _drain(future: asyncio.Future[Any]) -> bool:
+    """Wait until `future` is done whatever happens; return True if a cancellation came in."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+        except Exception:  # the job's own caller reports it
+            break
+    if not future.cancelled():
+        future.exception()  # mark retrieved: the job's caller has already dealt with it
+    return cancelled
+
+
+def fan_out(
+    helpers: concurrent.futures.Executor | None,
+    count: int,
+    work: Callable[[int], None],
+    stop: threading.Event,
+    width: int,
+) -> None:
+    """Run `work(i)` for i in range(count) on this thread plus up to `width - 1` helpers.
+
+    Items are handed out in order from a shared counter, so a helper that starts late simply
+    takes less. Returns when every started item is finished; helpers that never started are
+    cancelled. Stops handing out items once `stop` is set or any item raises (then re-raises).
+    """
+    lock = threading.Lock()
+    position = 0
+    failed = threading.Event()
+
+    def drain() -> None:
+        nonlocal position
+        while not (stop.is_set() or failed.is_set()):
+            with lock:
+                index = position
+                position += 1
+            if index >= count:
+                return
+            try:
+                work(index)
+            except BaseException:
+                failed.set()
+                raise
+
+    extra = min(width, count) - 1 if helpers is not None else 0
+    futures = [helpers.submit(drain) for _ in range(extra)] if helpers is not None else []
+    try:
+        drain()
+    finally:
+        for future in futures:
+            future.cancel()  # only succeeds for helpers that never started
+        concurrent.futures.wait(futures)
+    for future in futures:
+        if not future.cancelled() and (error := future.exception()) is not None:
+            raise error
+
+
+class BackendBase:
+    """Lifecycle, counters and thread jobs for a storage backend.
+
+    Subclasses set `self._name` and implement `capabilities`, `_open()`, `_release()`,
+    `_occupancy()` and the storage methods.
+    """
+
+    _name: str
+
+    def __init__(self, *, mac_key: bytes | None, job_threads: int, thread_name: str) -> None:
+        if mac_key is not None and not isinstance(mac_key, bytes):
+            raise StorageConfigError("mac_key must be bytes or None")
+        self._mac_key = mac_key or None
+        self._counters = Counters()
+        self._state = _State.NEW
+        self._jobs: dict[concurrent.futures.Future[Any], threading.Event] = {}
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=job_threads, thread_name_prefix=thread_name
+        )
+
+    @property
+    def name(self) -> str:
+        """A short description (scheme and location), safe to log (no secrets)."""
+        return self._name
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` has begun."""
+        return self._state is _State.CLOSED
+
+    async def __aenter__(self) -> Self:
+        if self._state is not _State.NEW:
+            raise StorageError(f"{self._name} is {self._state.value}; a backend opens once")
+        try:
+            await self._open()
+        except BaseException:
+            # Never opened: nothing of ours runs any more, so just release what we hold.
+            self._state = _State.CLOSED
+            self._executor.shutdown(wait=False)
+            raise
+        self._state = _State.OPEN
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop running jobs, wait for them, release resources. Idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        was_open = self._state is _State.OPEN
+        self._state = _State.CLOSED
+        jobs = list(self._jobs.items())
+        for _, stop in jobs:
+            stop.set()
+        interrupted = False
+        for future, _ in jobs:
+            if not future.done():
+                interrupted |= await _drain(asyncio.wrap_future(future))
+        try:
+            if was_open:
+                await self._release()
+        finally:
+            self._executor.shutdown(wait=False)
+        if interrupted:
+            raise asyncio.CancelledError
+
+    def stats(self) -> StorageStats:
+        """Counters and occupancy, without I/O."""
+        pages, nbytes, capacity = self._occupancy()
+        c = self._counters
+        return StorageStats(
+            backend=self._name,
+            pages=pages,
+            bytes=nbytes,
+            capacity_bytes=capacity,
+            gets=c.gets,
+            get_hits=c.get_hits,
+            puts=c.puts,
+            put_ok=c.put_ok,
+            deletes=c.deletes,
+            corrupt=c.corrupt,
+            errors=c.errors,
+            evictions=c.evictions,
+        )
+
+    def _check_open(self) -> None:
+        if self._state is not _State.OPEN:
+            verb = "closed" if self._state is _State.CLOSED else "not open (use `async with`)"
+            raise StorageError(f"{self._name} is {verb}")
+
+    def _report_corrupt(self, key: bytes, reason: str) -> None:
+        self._counters.corrupt += 1
+        log.warning("storage.page.corrupt", backend=self._name, key=key.hex(), reason=reason)
+
+    async def run_job(self, work: Callable[[threading.Event], T]) -> T:
+        """Run `work(stop)` on a worker thread: one hand-off, cancellation-safe.
+
+        If the caller is cancelled, `stop` is set and the call waits until `work` has
+        returned before re-raising, so `work` never outlives the coroutine.
+        """
+        if self._state is _State.CLOSED:
+            raise StorageError(f"{self._name} is closed")
+        stop = threading.Event()
+        try:
+            future = self._executor.submit(work, stop)
+        except RuntimeError as exc:  # shut down under us
+            raise StorageError(f"{self._name} is closed") from exc
+        self._jobs[future] = stop
+        waiter = asyncio.wrap_future(future)
+        try:
+            return await asyncio.shield(waiter)
+        except asyncio.CancelledError:
+            stop.set()
+            await _drain(waiter)
+            raise
+        finally:
+            del self._jobs[future]
+
+    # Subclass hooks.
+
+    def _occupancy(self) -> tuple[int, int, int | None]:
+        """(pages, bytes, capacity) for `stats()`."""
+        raise NotImplementedError
+
+    async def _open(self) -> None:
+        """Acquire resources; on failure or cancellation leave nothing behind."""
+        raise NotImplementedError
+
+    async def _release(self) -> None:
+        """Release resources after every job has stopped."""
+        raise NotImplementedError
+
+
+# URL parameters, shared by the built-in backends' `from_url`.
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
+}
+_SIZE_HELP = "a byte size such as 123, 4KiB, 1.5GiB or 10MB (KiB/MiB/GiB/TiB or KB/MB/GB/TB)"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def parse_size(text: str, *, field: str = "size") -> int:
+    """Bytes from `123`, `4KiB`, `1.5GiB`, `10MB` (binary K/M/G/T, decimal KB/MB/GB/TB)."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise StorageConfigError(f"{field}={text!r} is not {_SIZE_HELP}")
+    try:
+        value = Decimal(match.group(1)) * _UNITS[unit]
+    except InvalidOperation:
+        raise StorageConfigError(f"{field}={text!r} is not {_SIZE_HELP}") from None
+    return int(value)
+
+
+def parse_bool(text: str, *, field: str) -> bool:
+    """`1/true/yes/on` or `0/false/no/off`."""
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise StorageConfigError(f"{field}={text!r} is not a boolean (1/0, true/false, yes/no)")
+
+
+def parse_query(query: str, accepted: Mapping[str, str], *, scheme: str) -> dict[str, str]:
+    """A URL query as a dict, refusing unknown or repeated keys with the list of accepted ones.
+
+    `accepted` maps each key to a short description used in the error message.
+    """
+    params: dict[str, str] = {}
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise StorageConfigError(f"{scheme}:// URL has a malformed query {query!r}") from None
+    for key, value in pairs:
+        if key not in accepted:
+            listing = "; ".join(f"{k} ({v})" for k, v in accepted.items()) or "none"
+            raise StorageConfigError(
+                f"unknown parameter {key!r} in {scheme}:// URL; accepted: {listing}"
+            )
+        if key in params:
+            raise StorageConfigError(f"parameter {key!r} given twice in {scheme}:// URL")
+        params[key] = value
+    return params

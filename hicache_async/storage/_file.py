@@ -1,0 +1,1305 @@
+"""FileStorage: one file per page under a private root directory, the embedded default backend.
+
+Layout under the root (directories 0700, files 0600):
+
+    LOCK             flock: exclusive for a private root, shared for `shared=True` instances
+    pages/ab/<hex>   a page, `header ‖ payload`, named by its key's 64 hex digits
+    tmp/             writes in progress; renamed into pages/ when complete
+
+Every path is resolved relative to directory descriptors opened with O_NOFOLLOW, so a symlink
+planted inside the root is never followed. A write goes to a fresh O_EXCL temporary file and is
+renamed into place, so a page file is either absent or whole; after a crash without fsync the
+rename may survive while the data does not, which the page checksum catches (the page is then
+corrupt and removed, never served with wrong bytes).
+
+An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
+call and drives eviction. It is built by scanning the root when the storage opens. With
+`shared=True` several instances use one root: keys missing from the index are looked up on disk,
+pages another instance deleted read as misses, and capacity is enforced over what this instance
+knows of (`gc()` rescans the whole root).
+
+Each batch is one job on a worker thread (one hand-off); the job spreads its pages over up to
+`io_threads` threads and moves bytes with `preadv`/`pwritev` straight between the files and the
+caller's segments. The payload is hashed chunk by chunk right after each chunk is read (or just
+before it is written), while the chunk is still in the CPU cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import stat
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import islice
+from pathlib import Path
+from typing import Literal, get_args
+from urllib.parse import unquote, urlsplit
+
+import xxhash
+
+from .._errors import StorageConfigError
+from ._base import (
+    BackendBase,
+    byte_segments,
+    check_batch,
+    check_key,
+    fan_out,
+    log,
+    parse_bool,
+    parse_query,
+    parse_size,
+    payload_nbytes,
+)
+from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._page import (
+    HEADER_NBYTES,
+    PageCheck,
+    PageHeader,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
+
+__all__ = ["FileStorage", "FsyncPolicy", "default_root"]
+
+FsyncPolicy = Literal["none", "data", "always"]
+
+_PAGES = "pages"
+_TMP = "tmp"
+_LOCK = "LOCK"
+_TMP_SUFFIX = ".tmp"
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO planted in the root must not block the open.
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_HEX = frozenset("0123456789abcdef")
+_KEY_HEX_LEN = 64
+# Copy/hash granularity: each chunk is hashed right after its copy, while mostly still in
+# cache; larger chunks mean fewer system calls, which cost microseconds each in a VM.
+_CHUNK = 2 << 20
+# Below this a batch stays on its one job thread: helpers cost more than they save.
+_FANOUT_MIN_BYTES = 2 << 20
+_IOV_MAX = 1024
+# In a shared root another instance may be writing a temporary file right now.
+_STALE_TMP_S = 600.0
+
+_URL_PARAMS = {
+    "capacity": "byte size, e.g. 10GiB",
+    "fsync": "none | data | always",
+    "shared": "1 if several instances share the root",
+    "io_threads": "threads per batch, >= 1",
+}
+
+
+def default_root() -> Path:
+    """`$XDG_CACHE_HOME/hicache_async`, else `~/.cache/hicache_async` (never a shared temp dir)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "hicache_async"
+
+
+class _Entry:
+    """One indexed page; `seq` orders insertions so a rescan can tell stale entries from new."""
+
+    __slots__ = ("last_access", "nbytes", "seq")
+
+    def __init__(self, nbytes: int, last_access: float, seq: int) -> None:
+        self.nbytes = nbytes
+        self.last_access = last_access
+        self.seq = seq
+
+
+class _Handles:
+    """Directory descriptors of an open root. Shard directories are opened on first use."""
+
+    def __init__(self, root_fd: int, pages_fd: int, tmp_fd: int, lock_fd: int) -> None:
+        self.root_fd = root_fd
+        self.pages_fd = pages_fd
+        self.tmp_fd = tmp_fd
+        self.lock_fd = lock_fd
+        self._shards: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def shard(self, name: str, *, create: bool, durable: bool = False) -> int | None:
+        """The descriptor of `pages/<name>`, or None when it does not exist and create is off."""
+        fd = self._shards.get(name)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._shards.get(name)
+            if fd is not None:
+                return fd
+            if create:
+                try:
+                    os.mkdir(name, _DIR_MODE, dir_fd=self.pages_fd)
+                except FileExistsError:
+                    pass
+                else:
+                    if durable:
+                        os.fsync(self.pages_fd)
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=self.pages_fd)
+            except FileNotFoundError:
+                return None
+            self._shards[name] = fd
+            return fd
+
+    def close(self) -> None:
+        for fd in (*self._shards.values(), self.tmp_fd, self.pages_fd, self.root_fd, self.lock_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._shards.clear()
+
+
+#: (key, stored bytes, mtime) of a page file found on disk.
+_Found = tuple[bytes, int, float]
+
+
+# Per-page results a worker thread records for the loop to commit.
+_OK = "ok"
+_MISS = "miss"
+_UNSUPPORTED = "unsupported"
+_CORRUPT = "corrupt"
+_ERROR = "error"
+_EXISTS = "exists"
+
+_Result = tuple[str, str, int]  # (code, detail, stored bytes)
+
+
+def _split_chunks(segments: Sequence[memoryview], chunk: int) -> list[list[memoryview]]:
+    """Cut the segments into consecutive groups of at most `chunk` bytes each."""
+    chunks: list[list[memoryview]] = []
+    current: list[memoryview] = []
+    size = 0
+    for segment in segments:
+        offset = 0
+        length = segment.nbytes
+        while offset < length:
+            take = min(length - offset, chunk - size)
+            current.append(segment[offset : offset + take])
+            size += take
+            offset += take
+            if size == chunk:
+                chunks.append(current)
+                current, size = [], 0
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
+    index = 0
+    while index < len(iov) and done >= iov[index].nbytes:
+        done -= iov[index].nbytes
+        index += 1
+    rest = iov[index:]
+    if done:
+        rest[0] = rest[0][done:]
+    return rest
+
+
+def _preadv_full(fd: int, iov: list[memoryview], offset: int) -> int:
+    """Fill `iov` from `offset` (several calls if the kernel returns short); stop at EOF."""
+    total = 0
+    while iov:
+        count = os.preadv(fd, iov[:_IOV_MAX], offset)
+        if count == 0:
+            break
+        total += count
+        offset += count
+        iov = _advance(iov, count)
+    return total
+
+
+def _pwritev_full(fd: int, iov: list[memoryview], offset: int) -> None:
+    while iov:
+        count = os.pwritev(fd, iov[:_IOV_MAX], offset)
+        if count == 0:
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        offset += count
+        iov = _advance(iov, count)
+
+
+def _is_page_name(name: str) -> bool:
+    return len(name) == _KEY_HEX_LEN and _HEX.issuperset(name)
+
+
+def _check_private_dir(fd: int, path: str) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode):
+        raise StorageConfigError(f"storage root {path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise StorageConfigError(
+            f"storage root {path} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}): its owner could replace pages; use a directory you own"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise StorageConfigError(
+            f"storage root {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
+            "other users could plant or replace pages; use a private directory (chmod 700)"
+        )
+
+
+def _open_subdir(parent_fd: int, name: str, path: str) -> int:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, _DIR_MODE, dir_fd=parent_fd)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except OSError as exc:
+        reason = "is a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise StorageConfigError(f"{path}/{name}: {reason}; expected a private directory") from None
+    try:
+        _check_private_dir(fd, f"{path}/{name}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_root(root: Path, *, shared: bool) -> _Handles:
+    """Create (0700) and check the root, open its directories and take the instance lock."""
+    try:
+        root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageConfigError(f"cannot create storage root {root}: {exc.strerror}") from None
+    real = os.path.realpath(root)
+    try:
+        root_fd = os.open(real, _DIR_FLAGS)
+    except OSError as exc:
+        raise StorageConfigError(f"cannot open storage root {real}: {exc.strerror}") from None
+    opened = [root_fd]
+    try:
+        _check_private_dir(root_fd, real)
+        pages_fd = _open_subdir(root_fd, _PAGES, real)
+        opened.append(pages_fd)
+        tmp_fd = _open_subdir(root_fd, _TMP, real)
+        opened.append(tmp_fd)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        lock_fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
+        opened.append(lock_fd)
+        try:
+            fcntl.flock(lock_fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            how = "privately" if shared else "by another instance"
+            raise StorageConfigError(
+                f"storage root {real} is in use {how}; every instance sharing a root must "
+                "open it with shared=1"
+            ) from None
+    except BaseException:
+        for fd in opened:
+            os.close(fd)
+        raise
+    return _Handles(root_fd, pages_fd, tmp_fd, lock_fd)
+
+
+def _remove_leftovers(handles: _Handles, *, stale_only: bool) -> int:
+    """Delete temporary files of interrupted writes (only stale ones in a shared root)."""
+    removed = 0
+    now = time.time()
+    fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        continue
+                    if stale_only and now - entry.stat(follow_symlinks=False).st_mtime < (
+                        _STALE_TMP_S
+                    ):
+                        continue
+                    os.unlink(entry.name, dir_fd=handles.tmp_fd)
+                    removed += 1
+                except FileNotFoundError:
+                    continue
+    finally:
+        os.close(fd)
+    return removed
+
+
+def _scan(
+    handles: _Handles, stop: threading.Event, strays: list[tuple[int, str]] | None = None
+) -> list[_Found]:
+    """Every page file under pages/. Entries that are not page files go to `strays`
+    (as (directory fd, name)) when given; their descriptors stay open in `handles`."""
+    found: list[_Found] = []
+    pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
+    try:
+        with os.scandir(pages_fd) as shards:
+            shard_names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in shards]
+    finally:
+        os.close(pages_fd)
+    for shard_name, is_dir in sorted(shard_names):
+        if stop.is_set():
+            break
+        valid = len(shard_name) == 2 and _HEX.issuperset(shard_name)
+        if not (is_dir and valid):
+            if strays is not None and not is_dir:
+                strays.append((handles.pages_fd, shard_name))
+            continue
+        try:
+            shard_fd = handles.shard(shard_name, create=False)
+        except OSError:
+            continue
+        if shard_fd is None:
+            continue
+        scan_fd = os.open(".", _DIR_FLAGS, dir_fd=shard_fd)
+        try:
+            with os.scandir(scan_fd) as entries:
+                for entry in entries:
+                    name = entry.name
+                    try:
+                        is_file = entry.is_file(follow_symlinks=False)
+                        if is_file and _is_page_name(name) and name[:2] == shard_name:
+                            st = entry.stat(follow_symlinks=False)
+                            found.append((bytes.fromhex(name), st.st_size, st.st_mtime))
+                        elif strays is not None and not entry.is_dir(follow_symlinks=False):
+                            strays.append((shard_fd, name))
+                    except FileNotFoundError:
+                        continue
+        finally:
+            os.close(scan_fd)
+    return found
+
+
+def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> None:
+    """Unlink `name` unless it has been replaced since we looked at it (inode `st`)."""
+    try:
+        if st is not None:
+            now = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
+            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                return
+        os.unlink(name, dir_fd=shard_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _header_mismatch(header: PageHeader, key: bytes, namespace: bytes, expected: int) -> str:
+    if header.key != key:
+        return "key"
+    if header.namespace != namespace:
+        return "namespace"
+    if header.payload_nbytes != expected:
+        return "length"
+    return ""
+
+
+class _Job:
+    """Per-batch results written by worker threads (each index by one thread), committed on
+    the loop after every thread has stopped, whether the batch finished, failed or was
+    cancelled."""
+
+    __slots__ = ("done", "results")
+
+    def __init__(self, count: int) -> None:
+        self.results: list[_Result | None] = [None] * count
+        self.done = 0  # victims removed, for put
+
+
+class FileStorage(BackendBase):
+    """Pages as files under a private directory (`file:///path`).
+
+    `capacity_bytes` bounds the stored bytes (headers included); a put that would exceed it
+    first evicts the least recently used pages not being read. `fsync` is `"none"` (rely on
+    the checksum after a crash), `"data"` (fdatasync each page before it is renamed into
+    place) or `"always"` (also fsync the directory after the rename). `shared=True` lets
+    several instances use one root. `io_threads` is the parallelism inside one batch.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        capacity_bytes: int | None = None,
+        fsync: FsyncPolicy = "none",
+        shared: bool = False,
+        mac_key: bytes | None = None,
+        io_threads: int = 4,
+    ) -> None:
+        if fsync not in get_args(FsyncPolicy):
+            raise StorageConfigError(f"fsync must be 'none', 'data' or 'always', got {fsync!r}")
+        if capacity_bytes is not None and capacity_bytes < 1:
+            raise StorageConfigError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        if io_threads < 1:
+            raise StorageConfigError(f"io_threads must be >= 1, got {io_threads}")
+        super().__init__(mac_key=mac_key, job_threads=io_threads, thread_name="hicache-file")
+        self._root = Path(os.path.abspath(root)) if root is not None else default_root()
+        self._capacity = capacity_bytes
+        self._fsync: FsyncPolicy = fsync
+        self._shared = shared
+        self._io_threads = io_threads
+        self._helpers = (
+            concurrent.futures.ThreadPoolExecutor(io_threads - 1, "hicache-file-io")
+            if io_threads > 1
+            else None
+        )
+        self._name = f"file://{self._root}" + ("?shared=1" if shared else "")
+        self._handles: _Handles | None = None
+        # Loop-owned state: LRU index, bytes indexed, bytes reserved by puts in flight, pins
+        # of pages being read, keys being written or evicted.
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._reserved = 0
+        self._seq = 0
+        self._pins: dict[bytes, int] = {}
+        self._writing: set[bytes] = set()
+        self._evicting: set[bytes] = set()
+
+    @classmethod
+    def from_url(cls, url: str, *, mac_key: bytes | None = None) -> FileStorage:
+        """`file:///abs/path?capacity=10GiB&fsync=data&shared=1&io_threads=4`; `file://`
+        alone is the default root."""
+        parts = urlsplit(url)
+        if parts.scheme != "file":
+            raise StorageConfigError(f"not a file:// URL: {url!r}")
+        if parts.netloc not in ("", "localhost"):
+            raise StorageConfigError(
+                f"file:// URLs take an absolute path (file:///abs/path) or none for the default "
+                f"root; got host {parts.netloc!r} in {url!r}"
+            )
+        path = unquote(parts.path)
+        if path and not path.startswith("/"):
+            raise StorageConfigError(f"file:// paths must be absolute, got {path!r}")
+        params = parse_query(parts.query, _URL_PARAMS, scheme="file")
+        capacity = params.get("capacity")
+        fsync = params.get("fsync", "none")
+        if fsync not in get_args(FsyncPolicy):
+            raise StorageConfigError(f"fsync={fsync!r}; accepted: none, data, always")
+        threads = params.get("io_threads", "4")
+        if not threads.isdigit():
+            raise StorageConfigError(f"io_threads={threads!r} is not a positive integer")
+        return cls(
+            path or None,
+            capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
+            fsync=fsync,  # type: ignore[arg-type]  # checked against FsyncPolicy above
+            shared=parse_bool(params.get("shared", "0"), field="shared"),
+            mac_key=mac_key,
+            io_threads=int(threads),
+        )
+
+    @property
+    def root(self) -> Path:
+        """The root directory as configured."""
+        return self._root
+
+    @property
+    def io_threads(self) -> int:
+        """Threads one batch may use."""
+        return self._io_threads
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return StorageCapabilities(
+            max_batch_pages=256, zero_copy=True, shared=self._shared, persistent=True
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<FileStorage {self._name} state={self._state.value} pages={len(self._index)} "
+            f"bytes={self._bytes} capacity={self._capacity} reserved={self._reserved} "
+            f"reading={len(self._pins)} writing={len(self._writing)}>"
+        )
+
+    # Lifecycle.
+
+    async def _open(self) -> None:
+        holder: list[_Handles] = []
+        try:
+            found = await self.run_job(lambda stop: self._open_job(stop, holder))
+        except BaseException:
+            for handles in holder:
+                handles.close()
+            raise
+        self._handles = holder[0]
+        for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
+            self._insert(key, nbytes, mtime)
+
+    def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> list[_Found]:
+        handles = _open_root(self._root, shared=self._shared)
+        holder.append(handles)
+        _remove_leftovers(handles, stale_only=self._shared)
+        # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
+        return _scan(handles, stop)
+
+    async def _release(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)
+        if self._handles is not None:
+            self._handles.close()  # every job has stopped: no thread uses these descriptors
+            self._handles = None
+
+    def _occupancy(self) -> tuple[int, int, int | None]:
+        return len(self._index), self._bytes, self._capacity
+
+    # Index bookkeeping (loop only).
+
+    def _insert(self, key: bytes, nbytes: int, last_access: float) -> None:
+        entry = self._index.get(key)
+        if entry is not None:
+            self._bytes += nbytes - entry.nbytes
+            entry.nbytes = nbytes
+            entry.last_access = max(entry.last_access, last_access)
+            return
+        self._seq += 1
+        self._index[key] = _Entry(nbytes, last_access, self._seq)
+        self._bytes += nbytes
+
+    def _drop(self, key: bytes) -> _Entry | None:
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+        return entry
+
+    def _touch(self, key: bytes, now: float) -> None:
+        entry = self._index.get(key)
+        if entry is not None:
+            entry.last_access = now
+            self._index.move_to_end(key)
+
+    def _merge_scan(self, found: list[_Found], since_seq: int) -> None:
+        """Bring the index in line with a disk scan started when `self._seq` was `since_seq`."""
+        on_disk = {key: (nbytes, mtime) for key, nbytes, mtime in found}
+        for key in [k for k, e in self._index.items() if e.seq <= since_seq]:
+            if key not in on_disk:
+                self._drop(key)
+        for key, (nbytes, mtime) in sorted(on_disk.items(), key=lambda item: item[1][1]):
+            if key not in self._index:
+                self._insert(key, nbytes, mtime)
+                self._index.move_to_end(key, last=False)  # unknown recency: evict early
+
+    def _handles_or_raise(self) -> _Handles:
+        handles = self._handles
+        if handles is None:  # only between close() and the end of jobs already running
+            raise OSError(errno.EBADF, "storage is closed")
+        return handles
+
+    def _width(self, count: int, total_bytes: int) -> int:
+        if self._helpers is None or count < 2 or total_bytes < _FANOUT_MIN_BYTES:
+            return 1
+        return min(self._io_threads, count)
+
+    # exists.
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, counted from the first, exist consecutively.
+
+        Answered from the index without a system call; in a shared root, keys missing from the
+        index are then looked up on disk (one job) and added to it.
+        """
+        self._check_open()
+        index = self._index
+        count = 0
+        for key in keys:
+            if key not in index:
+                break
+            count += 1
+        if count == len(keys) or not self._shared:
+            return count
+        rest = list(keys[count:])
+        known = [key in index for key in rest]
+        found: list[_Found] = []
+        try:
+            more = await self.run_job(lambda stop: self._stat_job(stop, rest, known, found))
+        finally:
+            for key, nbytes, mtime in found:
+                self._insert(key, nbytes, mtime)
+        return count + more
+
+    def _stat_job(
+        self, stop: threading.Event, keys: list[bytes], known: list[bool], found: list[_Found]
+    ) -> int:
+        handles = self._handles_or_raise()
+        for position, key in enumerate(keys):
+            if stop.is_set():
+                return position
+            if known[position]:
+                continue
+            hexkey = key.hex()
+            try:
+                shard_fd = handles.shard(hexkey[:2], create=False)
+                if shard_fd is None:
+                    return position
+                st = os.stat(hexkey, dir_fd=shard_fd, follow_symlinks=False)
+            except OSError:
+                return position
+            if not stat.S_ISREG(st.st_mode):
+                return position
+            found.append((key, st.st_size, st.st_mtime))
+        return len(keys)
+
+    # get.
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        """Read each page straight into its buffer; one outcome per key.
+
+        A corrupt page is removed; a page of a newer format version is a miss left in place.
+        """
+        self._check_open()
+        check_batch(keys, ("buffers", into))
+        outcomes = [Outcome.MISS] * len(keys)
+        self._counters.gets += len(keys)
+        todo = [i for i, key in enumerate(keys) if self._shared or key in self._index]
+        if not todo:
+            return outcomes
+        todo_keys = [keys[i] for i in todo]
+        todo_pages = [into[i] for i in todo]
+        pins = self._pins
+        for key in todo_keys:
+            pins[key] = pins.get(key, 0) + 1
+        job = _Job(len(todo))
+        try:
+            await self.run_job(
+                lambda stop: self._read_job(stop, job, todo_keys, todo_pages, namespace)
+            )
+        finally:
+            for key in todo_keys:
+                left = pins[key] - 1
+                if left:
+                    pins[key] = left
+                else:
+                    del pins[key]
+            self._commit_read(job, todo, todo_keys, outcomes)
+        return outcomes
+
+    def _read_job(
+        self,
+        stop: threading.Event,
+        job: _Job,
+        keys: list[bytes],
+        pages: list[PageBuffer],
+        namespace: bytes,
+    ) -> None:
+        handles = self._handles_or_raise()
+        segments = [byte_segments(page, writable=True) for page in pages]  # before any I/O
+        total = sum(view.nbytes for views in segments for view in views)
+        results = job.results
+
+        def work(i: int) -> None:
+            results[i] = self._read_one(handles, keys[i], segments[i], namespace)
+
+        fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), total))
+
+    def _read_one(
+        self, handles: _Handles, key: bytes, segments: list[memoryview], namespace: bytes
+    ) -> _Result:
+        hexkey = key.hex()
+        try:
+            shard_fd = handles.shard(hexkey[:2], create=False)
+        except OSError as exc:
+            return (_ERROR, f"shard directory: {exc.strerror}", 0)
+        if shard_fd is None:
+            return (_MISS, "", 0)
+        try:
+            fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
+        except FileNotFoundError:
+            return (_MISS, "", 0)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                return (_ERROR, f"open: {exc.strerror}", 0)
+            _remove_if_same(shard_fd, hexkey, None)  # a symlink where a page belongs
+            return (_CORRUPT, "symlink", 0)
+        try:
+            st = os.fstat(fd)
+            result = self._read_fd(fd, st, key, segments, namespace)
+        except OSError as exc:
+            return (_ERROR, f"read: {exc.strerror}", 0)
+        finally:
+            os.close(fd)
+        if result[0] == _CORRUPT:
+            with contextlib.suppress(OSError):  # still reported; verify() retries the removal
+                _remove_if_same(shard_fd, hexkey, st)
+        return result
+
+    def _read_fd(
+        self,
+        fd: int,
+        st: os.stat_result,
+        key: bytes,
+        segments: list[memoryview],
+        namespace: bytes,
+    ) -> _Result:
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):
+            return (_CORRUPT, "not a regular file", size)
+        expected = sum(view.nbytes for view in segments)
+        chunks = _split_chunks(segments, _CHUNK)
+        first = chunks[0] if chunks else []
+        header_buf = memoryview(bytearray(HEADER_NBYTES))
+        got = _preadv_full(fd, [header_buf, *first], 0)
+        header = decode_header(header_buf) if got >= HEADER_NBYTES else PageCheck.CORRUPT
+        if header is PageCheck.UNSUPPORTED:
+            return (_UNSUPPORTED, "", size)
+        if isinstance(header, PageCheck):
+            return (_CORRUPT, "header", size)
+        mismatch = _header_mismatch(header, key, namespace, expected)
+        if mismatch:
+            return (_CORRUPT, mismatch, size)
+        if size != HEADER_NBYTES + expected:
+            return (_CORRUPT, "size", size)
+        hasher = xxhash.xxh3_64()
+        offset = HEADER_NBYTES
+        for number, chunk in enumerate(chunks):
+            length = sum(view.nbytes for view in chunk)
+            read = got - HEADER_NBYTES if number == 0 else _preadv_full(fd, chunk, offset)
+            if read != length:
+                return (_CORRUPT, "truncated", size)
+            for view in chunk:
+                hasher.update(view)
+            offset += length
+        if hasher.intdigest() != header.checksum:
+            return (_CORRUPT, "checksum", size)
+        mac_key = self._mac_key
+        if mac_key and verify_payload(header, segments, mac_key=mac_key) is not PageCheck.OK:
+            return (_CORRUPT, "mac", size)
+        return (_OK, "", size)
+
+    def _commit_read(
+        self, job: _Job, todo: list[int], keys: list[bytes], outcomes: list[Outcome]
+    ) -> None:
+        now = time.time()
+        counters = self._counters
+        for slot, (i, key) in enumerate(zip(todo, keys, strict=True)):
+            result = job.results[slot]
+            if result is None:  # stopped by close() (or cancelled: nobody looks)
+                outcomes[i] = Outcome.ERROR
+                counters.errors += 1
+                continue
+            code, detail, nbytes = result
+            if code == _OK:
+                outcomes[i] = Outcome.OK
+                counters.get_hits += 1
+                if key in self._index:
+                    self._touch(key, now)
+                else:  # found on disk in a shared root
+                    self._insert(key, nbytes, now)
+            elif code == _MISS:
+                self._drop(key)  # deleted by another instance
+            elif code == _UNSUPPORTED:
+                pass  # a newer writer's page: a miss for us, kept for it
+            elif code == _CORRUPT:
+                outcomes[i] = Outcome.CORRUPT
+                self._drop(key)
+                self._report_corrupt(key, detail)
+            else:
+                outcomes[i] = Outcome.ERROR
+                counters.errors += 1
+                log.warning("storage.page.error", backend=self._name, key=key.hex(), error=detail)
+
+    # put.
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        """Store each page atomically (temporary file, then rename); one outcome per key.
+
+        An existing key is kept as is (OK). A page that does not fit even after evicting every
+        page not being read is a MISS, as is any later page of the batch.
+        """
+        self._check_open()
+        check_batch(keys, ("pages", pages), ("metas", metas))
+        for key, meta in zip(keys, metas, strict=True):
+            check_key(key, meta)
+        outcomes = [Outcome.OK] * len(keys)
+        self._counters.puts += len(keys)
+        now = time.time()
+        index = self._index
+        slots: dict[bytes, int] = {}
+        writes: list[int] = []
+        sizes: list[int] = []
+        duplicates: list[tuple[int, int]] = []
+        for i, key in enumerate(keys):
+            if key in index:
+                self._touch(key, now)
+            elif key in slots:
+                duplicates.append((i, slots[key]))
+            elif key in self._writing or key in self._evicting:
+                outcomes[i] = Outcome.MISS  # another batch is writing or removing it
+            else:
+                size = HEADER_NBYTES + payload_nbytes(pages[i])
+                if self._capacity is not None and size > self._capacity:
+                    outcomes[i] = Outcome.MISS
+                    continue
+                slots[key] = len(writes)
+                writes.append(i)
+                sizes.append(size)
+        victims, admitted = self._plan_room(sizes, keep=set(keys))
+        for i in writes[admitted:]:
+            outcomes[i] = Outcome.MISS
+        writes, sizes = writes[:admitted], sizes[:admitted]
+        if writes or victims:
+            await self._write_batch(
+                keys=keys,
+                pages=pages,
+                metas=metas,
+                writes=writes,
+                sizes=sizes,
+                victims=victims,
+                outcomes=outcomes,
+                now=now,
+            )
+        for i, slot in duplicates:
+            outcomes[i] = outcomes[writes[slot]] if slot < len(writes) else Outcome.MISS
+        self._counters.put_ok += outcomes.count(Outcome.OK)
+        return outcomes
+
+    def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
+        """LRU victims that make room for the first pages of `sizes`, and how many fit.
+
+        Never picks a page being read (pinned) or one in `keep`.
+        """
+        if self._capacity is None:
+            return [], len(sizes)
+        free = self._capacity - self._bytes - self._reserved
+        victims: list[bytes] = []
+        candidates = iter(self._index.items())
+        admitted = 0
+        for size in sizes:
+            marked, freed = len(victims), free
+            while free < size:
+                candidate = next(candidates, None)
+                if candidate is None:
+                    break
+                key, entry = candidate
+                if key not in self._pins and key not in keep:
+                    victims.append(key)
+                    free += entry.nbytes
+            if free < size:
+                del victims[marked:]  # this page does not fit: evict nothing for it
+                free = freed
+                break
+            free -= size
+            admitted += 1
+        return victims, admitted
+
+    async def _write_batch(
+        self,
+        *,
+        keys: Sequence[bytes],
+        pages: Sequence[PageBuffer],
+        metas: Sequence[PageMeta],
+        writes: list[int],
+        sizes: list[int],
+        victims: list[bytes],
+        outcomes: list[Outcome],
+        now: float,
+    ) -> None:
+        write_keys = [keys[i] for i in writes]
+        write_pages = [pages[i] for i in writes]
+        write_metas = [metas[i] for i in writes]
+        reserve = sum(sizes)
+        # Plan: reserve room, mark keys, take victims out of the index, in one step.
+        self._reserved += reserve
+        self._writing.update(write_keys)
+        removed = [(key, self._drop(key)) for key in victims]
+        self._evicting.update(victims)
+        job = _Job(len(writes))
+        try:
+            await self.run_job(
+                lambda stop: self._write_job(
+                    stop,
+                    job,
+                    victims=victims,
+                    keys=write_keys,
+                    pages=write_pages,
+                    metas=write_metas,
+                )
+            )
+        finally:
+            self._reserved -= reserve
+            self._writing.difference_update(write_keys)
+            self._evicting.difference_update(victims)
+            self._commit_removal(removed, job.done, evictions=True)
+            self._commit_write(job, writes, write_keys, outcomes, now)
+
+    def _write_job(
+        self,
+        stop: threading.Event,
+        job: _Job,
+        *,
+        victims: list[bytes],
+        keys: list[bytes],
+        pages: list[PageBuffer],
+        metas: list[PageMeta],
+    ) -> None:
+        handles = self._handles_or_raise()
+        segments = [byte_segments(page, writable=False) for page in pages]  # before any I/O
+        for key in victims:
+            if stop.is_set():
+                return
+            hexkey = key.hex()
+            try:
+                shard_fd = handles.shard(hexkey[:2], create=False)
+                if shard_fd is not None:
+                    _remove_if_same(shard_fd, hexkey, None)
+            except OSError as exc:
+                log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
+            job.done += 1
+        total = sum(view.nbytes for views in segments for view in views)
+        results = job.results
+
+        def work(i: int) -> None:
+            results[i] = self._write_one(handles, keys[i], segments[i], metas[i])
+
+        fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), total))
+
+    def _write_one(
+        self, handles: _Handles, key: bytes, segments: list[memoryview], meta: PageMeta
+    ) -> _Result:
+        hexkey = key.hex()
+        durable = self._fsync == "always"
+        try:
+            shard_fd = handles.shard(hexkey[:2], create=True, durable=durable)
+            if shard_fd is None:
+                return (_ERROR, "shard directory vanished", 0)
+            if self._shared:
+                try:
+                    st = os.stat(hexkey, dir_fd=shard_fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    pass
+                else:
+                    if stat.S_ISREG(st.st_mode):
+                        return (_EXISTS, "", st.st_size)  # written by another instance
+            tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+            fd = os.open(tmp_name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+            renamed = False
+            try:
+                try:
+                    nbytes = self._write_fd(fd, segments, meta)
+                finally:
+                    os.close(fd)
+                os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+                renamed = True
+            finally:
+                if not renamed:  # else removed as a leftover at the next open or verify
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp_name, dir_fd=handles.tmp_fd)
+        except OSError as exc:
+            return (_ERROR, f"write: {exc.strerror or exc}", 0)
+        if durable:
+            try:
+                os.fsync(shard_fd)
+            except OSError as exc:  # the page is in place and valid, just maybe not durable
+                return (_OK, f"directory fsync: {exc.strerror}", nbytes)
+        return (_OK, "", nbytes)
+
+    def _write_fd(self, fd: int, segments: list[memoryview], meta: PageMeta) -> int:
+        # Payload first, each chunk hashed right after the kernel copied it (so from cache,
+        # not memory); the header, which carries the checksum, last at offset 0.
+        hasher = xxhash.xxh3_64()
+        offset = HEADER_NBYTES
+        for chunk in _split_chunks(segments, _CHUNK):
+            _pwritev_full(fd, chunk, offset)
+            for view in chunk:
+                hasher.update(view)
+            offset += sum(view.nbytes for view in chunk)
+        header = encode_header(meta, segments, mac_key=self._mac_key, checksum=hasher.intdigest())
+        _pwritev_full(fd, [memoryview(header)], 0)
+        if self._fsync == "data":
+            os.fdatasync(fd)
+        elif self._fsync == "always":
+            os.fsync(fd)
+        return offset
+
+    def _commit_write(
+        self,
+        job: _Job,
+        writes: list[int],
+        keys: list[bytes],
+        outcomes: list[Outcome],
+        now: float,
+    ) -> None:
+        for slot, (i, key) in enumerate(zip(writes, keys, strict=True)):
+            result = job.results[slot]
+            if result is None:
+                outcomes[i] = Outcome.ERROR
+                self._counters.errors += 1
+                continue
+            code, detail, nbytes = result
+            if code in (_OK, _EXISTS):
+                self._insert(key, nbytes, now)
+                if detail:
+                    log.warning(
+                        "storage.page.error", backend=self._name, key=key.hex(), error=detail
+                    )
+            else:
+                outcomes[i] = Outcome.ERROR
+                self._counters.errors += 1
+                log.warning("storage.page.error", backend=self._name, key=key.hex(), error=detail)
+
+    def _commit_removal(
+        self, removed: list[tuple[bytes, _Entry | None]], done: int, *, evictions: bool
+    ) -> None:
+        """Count removals that happened; put entries the job did not reach back in the index,
+        at the LRU end in their original order."""
+        if evictions:
+            self._counters.evictions += done
+        for key, entry in reversed(removed[done:]):
+            if entry is not None and key not in self._index:
+                self._index[key] = entry
+                self._index.move_to_end(key, last=False)
+                self._bytes += entry.nbytes
+
+    # delete.
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the pages; return how many existed."""
+        self._check_open()
+        unique = list(dict.fromkeys(keys))
+        if not self._shared:
+            unique = [key for key in unique if key in self._index]
+        if not unique:
+            return 0
+        removed = [(key, self._drop(key)) for key in unique]
+        self._evicting.update(unique)
+        job = _Job(len(unique))
+        try:
+            await self.run_job(lambda stop: self._unlink_job(stop, job, unique))
+        finally:
+            self._evicting.difference_update(unique)
+            self._commit_removal(removed, job.done, evictions=False)
+        count = sum(1 for result in job.results if result is not None and result[0] == _OK)
+        self._counters.deletes += count
+        return count
+
+    def _unlink_job(self, stop: threading.Event, job: _Job, keys: list[bytes]) -> None:
+        handles = self._handles_or_raise()
+        for slot, key in enumerate(keys):
+            if stop.is_set():
+                return
+            hexkey = key.hex()
+            try:
+                shard_fd = handles.shard(hexkey[:2], create=False)
+                if shard_fd is None:
+                    job.results[slot] = (_MISS, "", 0)
+                else:
+                    os.unlink(hexkey, dir_fd=shard_fd)
+                    job.results[slot] = (_OK, "", 0)
+            except FileNotFoundError:
+                job.results[slot] = (_MISS, "", 0)
+            except OSError as exc:
+                job.results[slot] = (_ERROR, str(exc), 0)
+            job.done = slot + 1
+
+    # Raw access (RawAccess).
+
+    async def read_raw(self, key: bytes) -> bytes | None:
+        """The stored `header ‖ payload` bytes of `key`, unchecked, or None."""
+        self._check_open()
+        return await self.run_job(lambda stop: self._read_raw_job(key))
+
+    def _read_raw_job(self, key: bytes) -> bytes | None:
+        handles = self._handles_or_raise()
+        hexkey = key.hex()
+        shard_fd = handles.shard(hexkey[:2], create=False)
+        if shard_fd is None:
+            return None
+        try:
+            fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            buffer = bytearray(st.st_size)
+            count = _preadv_full(fd, [memoryview(buffer)], 0)
+            return bytes(buffer[:count])
+        finally:
+            os.close(fd)
+
+    async def write_raw(self, key: bytes, value: bytes) -> None:
+        """Store `value` under `key` unchecked (atomically), replacing what is there."""
+        self._check_open()
+        check_key(key)
+        await self.run_job(lambda stop: self._write_raw_job(key, value))
+        self._insert(key, len(value), time.time())
+
+    def _write_raw_job(self, key: bytes, value: bytes) -> None:
+        handles = self._handles_or_raise()
+        hexkey = key.hex()
+        shard_fd = handles.shard(hexkey[:2], create=True)
+        if shard_fd is None:
+            raise OSError(errno.ENOENT, "shard directory vanished")
+        tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        fd = os.open(tmp_name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+        try:
+            _pwritev_full(fd, [memoryview(value)], 0)
+        finally:
+            os.close(fd)
+        os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+
+    # Maintenance (MaintainableStorage).
+
+    async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
+        """Indexed pages, most recently used first, with their header fields."""
+        self._check_open()
+        chosen = list(islice(reversed(self._index.items()), limit))
+        keys = [key for key, _ in chosen]
+        headers = await self.run_job(lambda stop: self._headers_job(stop, keys))
+        return [
+            PageInfo(
+                key=key,
+                nbytes=entry.nbytes,
+                num_tokens=header.num_tokens,
+                priority=header.priority,
+                last_access=entry.last_access,
+            )
+            for (key, entry), header in zip(chosen, headers, strict=True)
+            if header is not None
+        ]
+
+    def _headers_job(self, stop: threading.Event, keys: list[bytes]) -> list[PageHeader | None]:
+        handles = self._handles_or_raise()
+        headers: list[PageHeader | None] = []
+        buffer = memoryview(bytearray(HEADER_NBYTES))
+        for key in keys:
+            header: PageHeader | PageCheck = PageCheck.CORRUPT
+            hexkey = key.hex()
+            if not stop.is_set():
+                try:
+                    shard_fd = handles.shard(hexkey[:2], create=False)
+                    if shard_fd is not None:
+                        fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
+                        try:
+                            if _preadv_full(fd, [buffer], 0) == HEADER_NBYTES:
+                                header = decode_header(buffer)
+                        finally:
+                            os.close(fd)
+                except OSError:
+                    pass  # vanished or unreadable: not listed
+            headers.append(header if isinstance(header, PageHeader) else None)
+        return headers
+
+    async def verify(self) -> VerifyReport:
+        """Check every page on disk; remove corrupt pages, temporary leftovers and strays."""
+        self._check_open()
+        since = self._seq
+        outcome = await self.run_job(self._verify_job)
+        found, corrupt, report = outcome
+        self._merge_scan(found, since)
+        for key, reason in corrupt:
+            self._report_corrupt(key, reason)
+        return report
+
+    def _verify_job(
+        self, stop: threading.Event
+    ) -> tuple[list[_Found], list[tuple[bytes, str]], VerifyReport]:
+        handles = self._handles_or_raise()
+        leftovers = _remove_leftovers(handles, stale_only=self._shared)
+        strays: list[tuple[int, str]] = []
+        found = _scan(handles, stop, strays)
+        for dir_fd, name in strays:
+            try:
+                os.unlink(name, dir_fd=dir_fd)
+                leftovers += 1
+            except FileNotFoundError:
+                pass
+        kept: list[_Found] = []
+        corrupt: list[tuple[bytes, str]] = []
+        ok = unsupported = 0
+        scratch = bytearray()
+        for item in found:
+            if stop.is_set():
+                kept.append(item)
+                continue
+            key = item[0]
+            hexkey = key.hex()
+            shard_fd = handles.shard(hexkey[:2], create=False)
+            if shard_fd is None:
+                continue
+            try:
+                code, reason, st, scratch = self._verify_file(shard_fd, key, scratch)
+            except FileNotFoundError:
+                continue  # removed meanwhile
+            except OSError as exc:
+                log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
+                kept.append(item)
+                continue
+            if code == _CORRUPT:
+                _remove_if_same(shard_fd, hexkey, st)
+                corrupt.append((key, reason))
+                continue
+            if code == _UNSUPPORTED:
+                unsupported += 1
+            else:
+                ok += 1
+            kept.append(item)
+        report = VerifyReport(
+            checked=ok + unsupported + len(corrupt),
+            ok=ok,
+            corrupt_removed=len(corrupt),
+            unsupported=unsupported,
+            leftovers_removed=leftovers,
+        )
+        return kept, corrupt, report
+
+    def _verify_file(
+        self, shard_fd: int, key: bytes, scratch: bytearray
+    ) -> tuple[str, str, os.stat_result | None, bytearray]:
+        fd = os.open(key.hex(), _READ_FLAGS, dir_fd=shard_fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return (_CORRUPT, "not a regular file", st, scratch)
+            header_buf = memoryview(bytearray(HEADER_NBYTES))
+            got = _preadv_full(fd, [header_buf], 0)
+            header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
+            if header is PageCheck.UNSUPPORTED:
+                return (_UNSUPPORTED, "", st, scratch)
+            if isinstance(header, PageCheck):
+                return (_CORRUPT, "header", st, scratch)
+            if header.key != key:
+                return (_CORRUPT, "key", st, scratch)
+            if st.st_size != header.page_nbytes:
+                return (_CORRUPT, "size", st, scratch)
+            if len(scratch) < header.payload_nbytes:
+                scratch = bytearray(header.payload_nbytes)
+            payload = memoryview(scratch)[: header.payload_nbytes]
+            if _preadv_full(fd, [payload], HEADER_NBYTES) != header.payload_nbytes:
+                return (_CORRUPT, "truncated", st, scratch)
+            check = verify_payload(header, [payload], mac_key=self._mac_key)
+            if check is not PageCheck.OK:
+                return (_CORRUPT, "checksum or mac", st, scratch)
+            return (_OK, "", st, scratch)
+        finally:
+            os.close(fd)
+
+    async def gc(self) -> GcReport:
+        """Rescan the root, then evict least recently used pages down to the capacity."""
+        self._check_open()
+        since = self._seq
+        found = await self.run_job(lambda stop: _scan(self._handles_or_raise(), stop))
+        self._merge_scan(found, since)
+        if self._capacity is None:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        excess = self._bytes + self._reserved - self._capacity
+        victims: list[bytes] = []
+        for key, entry in self._index.items():
+            if excess <= 0:
+                break
+            if key not in self._pins:
+                victims.append(key)
+                excess -= entry.nbytes
+        if not victims:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        removed = [(key, self._drop(key)) for key in victims]
+        self._evicting.update(victims)
+        job = _Job(len(victims))
+        try:
+            await self.run_job(lambda stop: self._unlink_job(stop, job, victims))
+        finally:
+            self._evicting.difference_update(victims)
+            self._commit_removal(removed, job.done, evictions=True)
+        freed = sum(entry.nbytes for _, entry in removed[: job.done] if entry is not None)
+        return GcReport(evicted_pages=job.done, freed_bytes=freed)

@@ -1,0 +1,428 @@
+"""MemoryStorage: pages as `header ‖ payload` bytes in this process, bounded, LRU-evicted.
+
+For tests, single-process setups and as a reference for value stores: it runs the same integrity
+checks as Redis or Mooncake (`read_value_into`). Copies of a batch up to `_INLINE_MAX_BYTES` are
+done on the event loop, where a thread hand-off (~0.1 ms) would cost more than the copy; larger
+batches (a 64-page batch of 8 MiB pages is 512 MiB, ~0.1 s of copying and hashing) are one job
+on a worker thread so the loop stays responsive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from itertools import islice
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+from .._errors import StorageConfigError
+from ._base import (
+    BackendBase,
+    byte_segments,
+    check_batch,
+    check_key,
+    corrupt_reason,
+    parse_query,
+    parse_size,
+    payload_nbytes,
+)
+from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._page import (
+    HEADER_NBYTES,
+    PageCheck,
+    PageHeader,
+    decode_header,
+    encode_header,
+    read_value_into,
+    verify_payload,
+)
+from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
+
+__all__ = ["MemoryStorage"]
+
+T = TypeVar("T")
+
+_INLINE_MAX_BYTES = 1 << 20
+_DEFAULT_CAPACITY = 1 << 30
+_URL_PARAMS = {"capacity": "byte size, e.g. 1GiB"}
+
+
+class _Value:
+    __slots__ = ("data", "last_access")
+
+    def __init__(self, data: bytes, last_access: float) -> None:
+        self.data = data
+        self.last_access = last_access
+
+
+class MemoryStorage(BackendBase):
+    """An in-process store of at most `capacity_bytes` (headers included), LRU-evicted."""
+
+    def __init__(
+        self, *, capacity_bytes: int = _DEFAULT_CAPACITY, mac_key: bytes | None = None
+    ) -> None:
+        if capacity_bytes < 1:
+            raise StorageConfigError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        super().__init__(mac_key=mac_key, job_threads=1, thread_name="hicache-memory")
+        self._capacity = capacity_bytes
+        self._name = f"memory://?capacity={capacity_bytes}"
+        # Loop-owned: values in LRU order, their bytes, bytes reserved by puts in flight.
+        self._values: OrderedDict[bytes, _Value] = OrderedDict()
+        self._bytes = 0
+        self._reserved = 0
+        self._writing: set[bytes] = set()
+        self._evicting: set[bytes] = set()
+
+    @classmethod
+    def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MemoryStorage:
+        """`memory://?capacity=1GiB` (the default capacity is 1 GiB)."""
+        parts = urlsplit(url)
+        if parts.scheme != "memory":
+            raise StorageConfigError(f"not a memory:// URL: {url!r}")
+        if parts.netloc or parts.path not in ("", "/"):
+            raise StorageConfigError(
+                f"memory:// URLs take no host or path, only ?capacity=SIZE; got {url!r}"
+            )
+        params = parse_query(parts.query, _URL_PARAMS, scheme="memory")
+        capacity = parse_size(params.get("capacity", str(_DEFAULT_CAPACITY)), field="capacity")
+        if capacity < 1:
+            raise StorageConfigError(f"capacity must be at least 1 byte, got {capacity}")
+        return cls(capacity_bytes=capacity, mac_key=mac_key)
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return StorageCapabilities(
+            max_batch_pages=1024, zero_copy=False, shared=False, persistent=False
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<MemoryStorage state={self._state.value} pages={len(self._values)} "
+            f"bytes={self._bytes} capacity={self._capacity} reserved={self._reserved}>"
+        )
+
+    async def _open(self) -> None:
+        return None
+
+    async def _release(self) -> None:
+        self._values.clear()
+        self._bytes = 0
+
+    def _occupancy(self) -> tuple[int, int, int | None]:
+        return len(self._values), self._bytes, self._capacity
+
+    async def _run(self, work: Callable[[threading.Event], T], nbytes: int) -> T:
+        """Small batches inline on the loop, big ones as one thread job."""
+        if nbytes <= _INLINE_MAX_BYTES:
+            return work(threading.Event())
+        return await self.run_job(work)
+
+    def _remove(self, key: bytes) -> _Value | None:
+        value = self._values.pop(key, None)
+        if value is not None:
+            self._bytes -= len(value.data)
+        return value
+
+    # StorageBackend.
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, counted from the first, exist consecutively."""
+        self._check_open()
+        count = 0
+        for key in keys:
+            if key not in self._values:
+                break
+            count += 1
+        return count
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        """Check and copy each page into its buffer; one outcome per key."""
+        self._check_open()
+        check_batch(keys, ("buffers", into))
+        outcomes = [Outcome.MISS] * len(keys)
+        self._counters.gets += len(keys)
+        # Values are immutable: a thread may read them even if they are evicted meanwhile.
+        found = [
+            (i, value) for i, key in enumerate(keys) if (value := self._values.get(key)) is not None
+        ]
+        if not found:
+            return outcomes
+        results: list[PageCheck | None] = [None] * len(found)
+        mac_key = self._mac_key
+
+        def work(stop: threading.Event) -> None:
+            segments = [byte_segments(into[i], writable=True) for i, _ in found]
+            for slot, (i, value) in enumerate(found):
+                if stop.is_set():
+                    return
+                results[slot] = read_value_into(
+                    value.data,
+                    key=keys[i],
+                    namespace=namespace,
+                    into=segments[slot],
+                    mac_key=mac_key,
+                )
+
+        try:
+            await self._run(work, sum(len(value.data) for _, value in found))
+        finally:
+            self._commit_get(keys, into, namespace, found=found, results=results, outcomes=outcomes)
+        return outcomes
+
+    def _commit_get(
+        self,
+        keys: Sequence[bytes],
+        into: Sequence[PageBuffer],
+        namespace: bytes,
+        *,
+        found: list[tuple[int, _Value]],
+        results: list[PageCheck | None],
+        outcomes: list[Outcome],
+    ) -> None:
+        now = time.time()
+        for (i, value), check in zip(found, results, strict=True):
+            key = keys[i]
+            if check is PageCheck.OK:
+                outcomes[i] = Outcome.OK
+                self._counters.get_hits += 1
+                if self._values.get(key) is value:
+                    value.last_access = now
+                    self._values.move_to_end(key)
+            elif check is PageCheck.CORRUPT:
+                outcomes[i] = Outcome.CORRUPT
+                if self._values.get(key) is value:
+                    self._remove(key)
+                reason = corrupt_reason(
+                    value.data, key=key, namespace=namespace, payload_nbytes=payload_nbytes(into[i])
+                )
+                self._report_corrupt(key, reason)
+            elif check is None:  # stopped by close()
+                outcomes[i] = Outcome.ERROR
+                self._counters.errors += 1
+            # UNSUPPORTED: a newer writer's page, a miss left in place.
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        """Store each page; an existing key is kept (OK); a page that cannot fit is a MISS."""
+        self._check_open()
+        check_batch(keys, ("pages", pages), ("metas", metas))
+        for key, meta in zip(keys, metas, strict=True):
+            check_key(key, meta)
+        outcomes = [Outcome.OK] * len(keys)
+        self._counters.puts += len(keys)
+        now = time.time()
+        slots: dict[bytes, int] = {}
+        writes: list[int] = []
+        sizes: list[int] = []
+        duplicates: list[tuple[int, int]] = []
+        for i, key in enumerate(keys):
+            if (value := self._values.get(key)) is not None:
+                value.last_access = now
+                self._values.move_to_end(key)
+            elif key in slots:
+                duplicates.append((i, slots[key]))
+            elif key in self._writing or key in self._evicting:
+                outcomes[i] = Outcome.MISS
+            else:
+                size = HEADER_NBYTES + payload_nbytes(pages[i])
+                if size > self._capacity:
+                    outcomes[i] = Outcome.MISS
+                    continue
+                slots[key] = len(writes)
+                writes.append(i)
+                sizes.append(size)
+        victims, admitted = self._plan_room(sizes, keep=set(keys))
+        for i in writes[admitted:]:
+            outcomes[i] = Outcome.MISS
+        writes, sizes = writes[:admitted], sizes[:admitted]
+        if writes:
+            await self._store(
+                keys,
+                pages,
+                metas,
+                writes=writes,
+                sizes=sizes,
+                victims=victims,
+                outcomes=outcomes,
+                now=now,
+            )
+        for i, slot in duplicates:
+            outcomes[i] = outcomes[writes[slot]] if slot < len(writes) else Outcome.MISS
+        self._counters.put_ok += outcomes.count(Outcome.OK)
+        return outcomes
+
+    def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
+        free = self._capacity - self._bytes - self._reserved
+        victims: list[bytes] = []
+        candidates = iter(self._values)
+        admitted = 0
+        for size in sizes:
+            marked, freed = len(victims), free
+            while free < size:
+                key = next(candidates, None)
+                if key is None:
+                    break
+                if key not in keep and key not in self._evicting:
+                    victims.append(key)
+                    free += len(self._values[key].data)
+            if free < size:
+                del victims[marked:]
+                free = freed
+                break
+            free -= size
+            admitted += 1
+        return victims, admitted
+
+    async def _store(
+        self,
+        keys: Sequence[bytes],
+        pages: Sequence[PageBuffer],
+        metas: Sequence[PageMeta],
+        *,
+        writes: list[int],
+        sizes: list[int],
+        victims: list[bytes],
+        outcomes: list[Outcome],
+        now: float,
+    ) -> None:
+        built: list[bytes | None] = [None] * len(writes)
+        mac_key = self._mac_key
+
+        def work(stop: threading.Event) -> None:
+            views = [byte_segments(pages[i], writable=False) for i in writes]
+            for slot, (i, segments) in enumerate(zip(writes, views, strict=True)):
+                if stop.is_set():
+                    return
+                header = encode_header(metas[i], segments, mac_key=mac_key)
+                built[slot] = b"".join([header, *segments])
+
+        # Plan: reserve the room and mark keys and victims; evict and insert only at commit,
+        # so a cancelled put leaves the store as it was.
+        reserve = sum(sizes)
+        write_keys = [keys[i] for i in writes]
+        self._reserved += reserve
+        self._writing.update(write_keys)
+        self._evicting.update(victims)
+        try:
+            await self._run(work, reserve)
+        finally:
+            self._reserved -= reserve
+            self._writing.difference_update(write_keys)
+            self._evicting.difference_update(victims)
+        if self.closed:  # stopped by close(), which has dropped every value
+            for i in writes:
+                outcomes[i] = Outcome.ERROR
+            self._counters.errors += len(writes)
+            return
+        for key in victims:
+            if self._remove(key) is not None:
+                self._counters.evictions += 1
+        for key, data in zip(write_keys, built, strict=True):
+            if data is not None and key not in self._values:
+                self._values[key] = _Value(data, now)
+                self._bytes += len(data)
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the pages; return how many existed."""
+        self._check_open()
+        count = sum(1 for key in dict.fromkeys(keys) if self._remove(key) is not None)
+        self._counters.deletes += count
+        return count
+
+    # RawAccess.
+
+    async def read_raw(self, key: bytes) -> bytes | None:
+        """The stored `header ‖ payload` bytes, unchecked, or None."""
+        self._check_open()
+        value = self._values.get(key)
+        return None if value is None else value.data
+
+    async def write_raw(self, key: bytes, value: bytes) -> None:
+        """Store `value` under `key` unchecked, replacing what is there."""
+        self._check_open()
+        check_key(key)
+        self._remove(key)
+        self._values[key] = _Value(bytes(value), time.time())
+        self._bytes += len(value)
+
+    # MaintainableStorage.
+
+    async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
+        """Stored pages, most recently used first."""
+        self._check_open()
+        pages: list[PageInfo] = []
+        for key, value in islice(reversed(self._values.items()), limit):
+            header = decode_header(value.data)
+            if isinstance(header, PageHeader):
+                pages.append(
+                    PageInfo(
+                        key=key,
+                        nbytes=len(value.data),
+                        num_tokens=header.num_tokens,
+                        priority=header.priority,
+                        last_access=value.last_access,
+                    )
+                )
+        return pages
+
+    async def verify(self) -> VerifyReport:
+        """Check every stored page; remove the corrupt ones."""
+        self._check_open()
+        items = list(self._values.items())
+        mac_key = self._mac_key
+
+        def work(stop: threading.Event) -> list[PageCheck]:
+            checks: list[PageCheck] = []
+            for key, value in items:
+                if stop.is_set():
+                    break
+                checks.append(_self_check(key, value.data, mac_key))
+            return checks
+
+        checks = await self._run(work, sum(len(value.data) for _, value in items))
+        ok = unsupported = removed = 0
+        for (key, value), check in zip(items, checks, strict=False):
+            if check is PageCheck.OK:
+                ok += 1
+            elif check is PageCheck.UNSUPPORTED:
+                unsupported += 1
+            else:
+                removed += 1
+                if self._values.get(key) is value:
+                    self._remove(key)
+                self._report_corrupt(key, "verify")
+        return VerifyReport(
+            checked=len(checks),
+            ok=ok,
+            corrupt_removed=removed,
+            unsupported=unsupported,
+            leftovers_removed=0,
+        )
+
+    async def gc(self) -> GcReport:
+        """Evict least recently used pages until within capacity (puts already keep it so)."""
+        self._check_open()
+        evicted = freed = 0
+        while self._bytes + self._reserved > self._capacity and self._values:
+            key = next(iter(self._values))
+            value = self._remove(key)
+            if value is not None:
+                evicted += 1
+                freed += len(value.data)
+        self._counters.evictions += evicted
+        return GcReport(evicted_pages=evicted, freed_bytes=freed)
+
+
+def _self_check(key: bytes, data: bytes, mac_key: bytes | None) -> PageCheck:
+    """A stored value's own consistency (no reader namespace to compare against)."""
+    header = decode_header(data)
+    if isinstance(header, PageCheck):
+        return header
+    if header.key != key or len(data) != header.page_nbytes:
+        return PageCheck.CORRUPT
+    return verify_payload(header, [memoryview(data)[HEADER_NBYTES:]], mac_key=mac_key)

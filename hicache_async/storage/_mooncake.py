@@ -1,0 +1,1274 @@
+"""MooncakeStorage: pages in a Mooncake Store cluster (`mooncake-transfer-engine`).
+
+A page is one Mooncake object `header ‖ payload` named `<prefix>:<key-hex>`. Transfers are
+zero-copy where the caller's memory is registered with the transfer engine: a put sends
+`[header, segment, segment, ...]` with `batch_put_from_multi_buffers` and a get scatters the
+object into `[header slot, segment, ...]` with `batch_get_into_multi_buffers`; the 128-byte
+header lives in a registered staging arena this backend owns. Memory that is not registered
+goes through that arena with one copy. Host memory is registered explicitly with
+`register_memory`, or on first use when a segment lies in a buffer object of at least
+`auto_register` bytes (a host pool): that object is then kept alive until `close()`.
+
+Mooncake's calls block in C++ (releasing the GIL), so each batch is one job on a worker
+thread. See docs/storage-mooncake.md for the URL, the capabilities and the limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import bisect
+import contextlib
+import ctypes
+import functools
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from .._errors import StorageConfigError, StorageError
+from ._base import (
+    BackendBase,
+    byte_segments,
+    check_batch,
+    check_key,
+    log,
+    parse_query,
+    parse_size,
+)
+from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._page import (
+    HEADER_NBYTES,
+    PageCheck,
+    PageHeader,
+    check_header,
+    decode_header,
+    encode_header,
+    scatter,
+    verify_payload,
+)
+from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
+
+__all__ = ["MooncakeStorage", "close_idle_clients", "pooled_client"]
+
+# Mooncake's error codes (mooncake-store/include/types.h) that change an outcome.
+_NO_SPACE = -200  # NO_AVAILABLE_HANDLE: the cluster has no room; not stored, nothing wrong
+_INVALID_PARAMS = -600  # among others: the object is larger than the buffers given
+_TRANSFER_FAIL = -800  # among others: the object's length differs from the buffers'
+_NOT_FOUND = -704
+_ALREADY_EXISTS = -705
+
+_MiB = 1 << 20
+_ALIGN = 64
+_DEFAULT_SEGMENT = 1 << 30
+_DEFAULT_BUFFER = 64 * _MiB
+_DEFAULT_STAGING = 64 * _MiB
+_DEFAULT_AUTO_REGISTER = 64 * _MiB
+_PROBE_TIMEOUT_S = 3.0
+_ADMIN_TIMEOUT_S = 10.0
+# Forget refused auto-registrations now and then: freed memory gets new owners.
+_MAX_REFUSED = 1024
+
+_URL_PARAMS = {
+    "metadata": "transfer metadata: http://host:port/metadata, etcd://host:port or "
+    "P2PHANDSHAKE (default)",
+    "protocol": "tcp (default) or rdma",
+    "device": "RDMA device names (protocol=rdma)",
+    "local_hostname": "address other nodes reach this client at (default 127.0.0.1)",
+    "segment_size": "memory this client lends the cluster (default 1GiB; 0 for none)",
+    "buffer_size": "Mooncake's local buffer for copying calls (default 64MiB)",
+    "staging_size": "registered arena for headers and unregistered memory (default 64MiB)",
+    "auto_register": "register buffer objects of at least this size on first use "
+    "(default 64MiB; 0: never)",
+    "prefix": "object name prefix (default hicache)",
+    "admin": "master admin URL http://host:port, for list_pages, verify and gc",
+    "replicas": "replicas per page (default 1)",
+    "threads": "worker threads (default 4)",
+    "max_batch_pages": "pages per Mooncake call (default 256)",
+    "capacity": "bytes under the prefix that gc() trims to (default: none)",
+}
+
+
+def _address(view: memoryview) -> int:
+    """The address of a contiguous byte view (writable or not)."""
+    if not view.readonly:
+        return ctypes.addressof(ctypes.c_char.from_buffer(view))
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def _root_region(view: memoryview) -> tuple[int, int, object] | None:
+    """The whole buffer object `view` is a slice of: (address, size, owner), if it has one.
+
+    Follows memoryview and numpy `.base` chains to the object that owns the memory (a host
+    pool's array, a bytearray, an mmap).
+    """
+    obj: object = view.obj
+    while True:
+        if isinstance(obj, memoryview):
+            obj = obj.obj
+            continue
+        base = getattr(obj, "base", None)
+        if base is None:
+            break
+        try:
+            memoryview(base)
+        except TypeError:
+            break
+        obj = base
+    try:
+        root = memoryview(obj)  # type: ignore[arg-type]  # checked by the TypeError
+    except TypeError:
+        return None
+    if not root.c_contiguous or root.nbytes == 0:
+        return None
+    if root.format != "B" or root.ndim != 1:
+        root = root.cast("B")
+    return _address(root), root.nbytes, obj
+
+
+_ClientKey = tuple[str, str, str, str, str, int, int]
+
+
+class _ClientPool:
+    """Idle Mooncake clients, reused by later backends with the same client settings.
+
+    Mooncake's `close()` (and its destructor) holds the GIL for 1-2 s while it joins its
+    heartbeat threads and unmounts the segment, which would stall the event loop every time a
+    backend is detached. So a closed backend hands its client back here (its registrations
+    undone) and the next backend with the same settings takes it over; the pages in its
+    segment stay available meanwhile. At exit the idle clients are closed, except those
+    whose master is gone: there is nothing to unmount from, so they are left to the OS.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[_ClientKey, list[Any]] = {}
+        atexit.register(self.close_all)
+
+    def take(self, key: _ClientKey) -> Any | None:
+        with self._lock:
+            clients = self._idle.get(key)
+            return clients.pop() if clients else None
+
+    def give_back(self, key: _ClientKey, client: Any) -> None:
+        with self._lock:
+            self._idle.setdefault(key, []).append(client)
+
+    def close_idle(self, master: str | None = None) -> int:
+        """Close the idle clients of `master` (all when None); how many were closed."""
+        with self._lock:
+            chosen = {k: v for k, v in self._idle.items() if master is None or k[0] == master}
+            for key in chosen:
+                del self._idle[key]
+        for clients in chosen.values():
+            for client in clients:
+                client.close()
+        return sum(len(clients) for clients in chosen.values())
+
+    def close_all(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for key, clients in idle.items():
+            host, _, port = key[0].rpartition(":")
+            if _reachable((host.strip("[]"), int(port))):
+                for client in clients:
+                    client.close()
+            else:
+                # Closing would spend seconds retrying RPCs to the dead master (and Mooncake's
+                # own exit handler will still try to unmount what these clients lend).
+                log.warning("storage.mooncake.master_gone_at_exit", master=key[0])
+
+
+def _reachable(address: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(address, timeout=_PROBE_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
+_POOL = _ClientPool()
+
+
+def close_idle_clients(master: str | None = None) -> int:
+    """Close the pooled Mooncake clients that no backend uses, of `master` ("host:port") or
+    of all masters; return how many.
+
+    Closed backends leave their client in a pool for the next backend with the same
+    settings (Mooncake's own close holds the GIL for 1-2 s). Call this before stopping a
+    master, so the clients unmount their segments while it still answers; it blocks for
+    those seconds per client.
+    """
+    return _POOL.close_idle(master)
+
+
+@contextlib.contextmanager
+def pooled_client(url: str) -> Iterator[Any]:
+    """A raw `MooncakeDistributedStore` set up as the `mooncake://` URL says (for benchmarks
+    and tools), taken from the idle pool when one matches and returned to it afterwards.
+
+    The caller undoes its own `register_buffer` calls before leaving the block.
+    """
+    from mooncake.store import MooncakeDistributedStore
+
+    config = MooncakeStorage.from_url(url)
+    key = config._client_key()
+    client = _POOL.take(key)
+    if client is None:
+        client = config._new_client(MooncakeDistributedStore)
+    try:
+        yield client
+    finally:
+        _POOL.give_back(key, client)
+
+
+class _Regions:
+    """Registered memory ranges, sorted and disjoint; touched only on the event loop."""
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self._owners: list[object] = []
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        i = bisect.bisect_right(self._starts, address) - 1
+        return i >= 0 and address + nbytes <= self._ends[i]
+
+    def overlaps(self, address: int, nbytes: int) -> bool:
+        i = bisect.bisect_left(self._ends, address + 1)
+        return i < len(self._starts) and self._starts[i] < address + nbytes
+
+    def add(self, address: int, nbytes: int, owner: object) -> None:
+        i = bisect.bisect_left(self._starts, address)
+        self._starts.insert(i, address)
+        self._ends.insert(i, address + nbytes)
+        self._owners.insert(i, owner)
+
+    def remove(self, address: int) -> bool:
+        i = bisect.bisect_left(self._starts, address)
+        if i < len(self._starts) and self._starts[i] == address:
+            del self._starts[i], self._ends[i], self._owners[i]
+            return True
+        return False
+
+    def addresses(self) -> list[int]:
+        return list(self._starts)
+
+
+class _Arena:
+    """First-fit allocator over the registered staging buffer; used only on the event loop.
+
+    A caller that does not fit waits until others release; requests never exceed capacity.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(0, capacity)]
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @staticmethod
+    def rounded(nbytes: int) -> int:
+        return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+
+    def _take(self, nbytes: int) -> int | None:
+        for i, (offset, size) in enumerate(self._free):
+            if size >= nbytes:
+                if size == nbytes:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + nbytes, size - nbytes)
+                return offset
+        return None
+
+    async def acquire(self, nbytes: int) -> int:
+        nbytes = self.rounded(nbytes)
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes exceed the staging arena of {self.capacity}")
+        while (offset := self._take(nbytes)) is None:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        return offset
+
+    def release(self, offset: int, nbytes: int) -> None:
+        nbytes = self.rounded(nbytes)
+        bisect.insort(self._free, (offset, nbytes))
+        merged: list[tuple[int, int]] = []
+        for start, size in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((start, size))
+        self._free = merged
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+
+class _Plan:
+    """How one page moves: its byte segments, their addresses, zero-copy or staged."""
+
+    __slots__ = ("addresses", "nbytes", "segments", "zero_copy")
+
+    def __init__(self, segments: list[memoryview], addresses: list[int], zero_copy: bool) -> None:
+        self.segments = segments
+        self.addresses = addresses
+        self.nbytes = sum(len(s) for s in segments)
+        self.zero_copy = zero_copy
+
+    @property
+    def arena_bytes(self) -> int:
+        """Arena space the page needs: its header slot, plus the payload when staged."""
+        return _Arena.rounded(HEADER_NBYTES if self.zero_copy else HEADER_NBYTES + self.nbytes)
+
+
+def _header_reason(
+    header: PageHeader | PageCheck, key: bytes, namespace: bytes, payload_nbytes: int
+) -> str:
+    """Which header check failed, for the `storage.page.corrupt` log event."""
+    if isinstance(header, PageCheck):
+        return "header"
+    if header.key != key:
+        return "key"
+    if header.namespace != namespace:
+        return "namespace"
+    if header.payload_nbytes != payload_nbytes:
+        return "length"
+    return "checksum or mac"
+
+
+def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int = 1) -> int:
+    raw = params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise StorageConfigError(
+            f"mooncake URL parameter {name}={raw!r} is not an integer"
+        ) from None
+    if value < minimum:
+        raise StorageConfigError(f"mooncake URL parameter {name} must be >= {minimum}")
+    return value
+
+
+class MooncakeStorage(BackendBase):
+    """Pages in Mooncake Store, moved zero-copy from and to registered host memory.
+
+    Build it with `MooncakeStorage.from_url("mooncake://master:50051?metadata=...")` or with
+    keyword arguments. `segment_size` is the memory this client lends the cluster (pages can
+    be placed there; they go when this client closes); `staging_size` is the registered arena
+    for headers and for memory that is not registered.
+    """
+
+    def __init__(
+        self,
+        master: str = "127.0.0.1:50051",
+        *,
+        mac_key: bytes | None = None,
+        metadata: str = "P2PHANDSHAKE",
+        protocol: str = "tcp",
+        device: str = "",
+        local_hostname: str = "127.0.0.1",
+        segment_size: int = _DEFAULT_SEGMENT,
+        buffer_size: int = _DEFAULT_BUFFER,
+        staging_size: int = _DEFAULT_STAGING,
+        auto_register: int = _DEFAULT_AUTO_REGISTER,
+        prefix: str = "hicache",
+        admin: str | None = None,
+        replicas: int = 1,
+        threads: int = 4,
+        max_batch_pages: int = 256,
+        capacity_bytes: int | None = None,
+    ) -> None:
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise StorageConfigError(f"mooncake master must be host:port, got {master!r}")
+        if protocol not in ("tcp", "rdma"):
+            raise StorageConfigError(f"mooncake protocol must be tcp or rdma, got {protocol!r}")
+        if not prefix or any(c.isspace() for c in prefix):
+            raise StorageConfigError(
+                f"mooncake prefix must be non-empty without spaces: {prefix!r}"
+            )
+        if admin is not None and urlsplit(admin).scheme not in ("http", "https"):
+            raise StorageConfigError(f"mooncake admin must be an http:// URL, got {admin!r}")
+        for field, value, minimum in (
+            ("segment_size", segment_size, 0),
+            ("buffer_size", buffer_size, 1 << 10),
+            ("staging_size", staging_size, _MiB),
+            ("auto_register", auto_register, 0),
+            ("replicas", replicas, 1),
+            ("threads", threads, 1),
+            ("max_batch_pages", max_batch_pages, 1),
+            ("capacity_bytes", 1 if capacity_bytes is None else capacity_bytes, 1),
+        ):
+            if value < minimum:
+                raise StorageConfigError(f"mooncake {field} must be >= {minimum}, got {value}")
+        super().__init__(mac_key=mac_key, job_threads=threads, thread_name="hicache-mooncake")
+        self._master = master
+        self._master_addr = (host.strip("[]"), int(port))
+        self._metadata = metadata
+        self._protocol = protocol
+        self._device = device
+        self._local_hostname = local_hostname
+        self._segment_size = segment_size
+        self._buffer_size = buffer_size
+        self._staging_size = staging_size
+        self._auto_register = auto_register
+        self._prefix = prefix
+        self._admin = admin.rstrip("/") if admin else None
+        self._replicas = replicas
+        self._max_batch_pages = max_batch_pages
+        self._capacity = capacity_bytes
+        self._name = f"mooncake://{master}?prefix={prefix}"
+        self._store: Any = None
+        self._config: Any = None
+        self._arena_array: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+        self._arena_view: memoryview | None = None
+        self._arena_base = 0
+        self._arena = _Arena(staging_size)
+        self._regions = _Regions()
+        self._pending: list[tuple[int, int, object]] = []
+        self._refused: set[tuple[int, int]] = set()
+        self._pages = 0
+        self._bytes = 0
+        self._zero_copy_pages = 0
+        self._staged_pages = 0
+
+    @classmethod
+    def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MooncakeStorage:
+        """Build from `mooncake://master-host:port?metadata=...&protocol=tcp&...`.
+
+        Parameters: `metadata`, `protocol`, `device`, `local_hostname`, `segment_size`,
+        `buffer_size`, `staging_size`, `auto_register` (byte sizes such as 1GiB), `prefix`,
+        `admin`, `replicas`, `threads`, `max_batch_pages`, `capacity`. Anything else raises
+        `StorageConfigError` listing what is accepted.
+        """
+        parts = urlsplit(url)
+        if parts.scheme != "mooncake":
+            raise StorageConfigError(f"not a mooncake:// URL: {parts.scheme!r}")
+        if not parts.hostname or parts.port is None:
+            raise StorageConfigError(f"mooncake:// URL needs the master's host:port, got {url!r}")
+        params = parse_query(parts.query, _URL_PARAMS, scheme="mooncake")
+
+        def size(name: str, default: int) -> int:
+            return parse_size(params[name], field=name) if name in params else default
+
+        host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
+        capacity = params.get("capacity")
+        return cls(
+            f"{host}:{parts.port}",
+            mac_key=mac_key,
+            metadata=params.get("metadata", "P2PHANDSHAKE"),
+            protocol=params.get("protocol", "tcp"),
+            device=params.get("device", ""),
+            local_hostname=params.get("local_hostname", "127.0.0.1"),
+            segment_size=size("segment_size", _DEFAULT_SEGMENT),
+            buffer_size=size("buffer_size", _DEFAULT_BUFFER),
+            staging_size=size("staging_size", _DEFAULT_STAGING),
+            auto_register=size("auto_register", _DEFAULT_AUTO_REGISTER),
+            prefix=params.get("prefix", "hicache"),
+            admin=params.get("admin"),
+            replicas=_int_param(params, "replicas", 1),
+            threads=_int_param(params, "threads", 4),
+            max_batch_pages=_int_param(params, "max_batch_pages", 256),
+            capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
+        )
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        # Zero copy for registered memory; pages live in clients' segments, so they outlive
+        # this process only when it lends none.
+        return StorageCapabilities(
+            max_batch_pages=self._max_batch_pages,
+            zero_copy=self._auto_register > 0 or len(self._regions) > 0,
+            shared=True,
+            persistent=self._segment_size == 0,
+        )
+
+    @property
+    def prefix(self) -> str:
+        """Objects are named `<prefix>:<key-hex>`."""
+        return self._prefix
+
+    @property
+    def zero_copy_pages(self) -> int:
+        """Pages moved straight from or to the caller's registered memory so far."""
+        return self._zero_copy_pages
+
+    @property
+    def staged_pages(self) -> int:
+        """Pages moved through the staging arena (their memory was not registered)."""
+        return self._staged_pages
+
+    def __repr__(self) -> str:
+        return (
+            f"<MooncakeStorage {self._name} state={self._state.value} "
+            f"registered={len(self._regions)}>"
+        )
+
+    # Memory registration.
+
+    async def register_memory(self, memory: object, nbytes: int | None = None) -> None:
+        """Register host memory with the transfer engine so pages in it move zero-copy.
+
+        `memory` is a buffer object (a host pool's array, a bytearray, a memoryview over
+        either), which is kept alive until `close()`, or an integer address with `nbytes`,
+        which the caller keeps valid until `unregister_memory` or `close()`. Call it before
+        or after entering; overlapping an already registered range is an error.
+        """
+        if self.closed:
+            raise StorageError(f"{self._name} is closed")
+        if isinstance(memory, int):
+            if nbytes is None or nbytes < 1:
+                raise ValueError("register_memory(address, nbytes) needs nbytes >= 1")
+            address, size, owner = memory, nbytes, None
+        else:
+            view = memoryview(memory)  # type: ignore[arg-type]
+            if not view.c_contiguous:
+                raise ValueError("register_memory needs contiguous memory")
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            address, size, owner = _address(view), view.nbytes, memory
+            if nbytes is not None:
+                if not 0 < nbytes <= size:
+                    raise ValueError(f"nbytes must be in [1, {size}], got {nbytes}")
+                size = nbytes
+        if self._regions.overlaps(address, size) or any(
+            a < address + size and address < a + n for a, n, _ in self._pending
+        ):
+            raise ValueError("this memory overlaps a registered range")
+        if self._store is None:
+            self._pending.append((address, size, owner))
+            return
+        await self._register([(address, size, owner)], strict=True)
+
+    async def unregister_memory(self, memory: object) -> None:
+        """Undo `register_memory` (by the same object or address)."""
+        self._check_open()
+        if isinstance(memory, int):
+            address = memory
+        else:
+            view = memoryview(memory)  # type: ignore[arg-type]
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            address = _address(view)
+        if not self._regions.remove(address):
+            raise ValueError("this memory is not registered")
+        store = self._store
+        await self.run_job(lambda stop: store.unregister_buffer(address))
+
+    async def _register(self, regions: list[tuple[int, int, object]], *, strict: bool) -> None:
+        store = self._store
+
+        def job(stop: threading.Event) -> list[int]:
+            return [int(store.register_buffer(address, size)) for address, size, _ in regions]
+
+        codes = await self.run_job(job)
+        for (address, size, owner), code in zip(regions, codes, strict=True):
+            if code == 0:
+                if not self._regions.overlaps(address, size):
+                    self._regions.add(address, size, owner)
+                continue
+            if strict:
+                raise StorageError(f"{self._name}: register_buffer failed with {code}")
+            if len(self._refused) >= _MAX_REFUSED:
+                self._refused.clear()
+            self._refused.add((address, size))
+            log.warning("storage.mooncake.register_failed", backend=self._name, code=code)
+
+    # Lifecycle.
+
+    async def _open(self) -> None:
+        try:
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+        except ImportError as exc:
+            raise StorageError(
+                "the mooncake backend needs the Mooncake Python package: pip install "
+                "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
+                "mooncake-transfer-engine for CUDA/RDMA hosts"
+            ) from exc
+        arena = np.zeros(self._staging_size, dtype=np.uint8)
+        arena_base = int(arena.ctypes.data)
+        pending = list(self._pending)
+
+        key = self._client_key()
+
+        def job(stop: threading.Event) -> tuple[Any, Any]:
+            store = _POOL.take(key)
+            if store is None:
+                store = self._new_client(MooncakeDistributedStore)
+            regions = [(arena_base, self._staging_size), *((a, n) for a, n, _ in pending)]
+            codes = [int(store.register_buffer(a, n)) for a, n in regions]
+            if any(codes):
+                for (address, _), code in zip(regions, codes, strict=True):
+                    if code == 0:
+                        store.unregister_buffer(address)
+                _POOL.give_back(key, store)
+                failed = next(c for c in codes if c)
+                raise StorageError(f"{self._name}: register_buffer failed with {failed}")
+            config = ReplicateConfig()
+            config.replica_num = self._replicas
+            return store, config
+
+        self._store, self._config = await self.run_job(job)
+        self._arena_array = arena
+        self._arena_view = arena.data
+        self._arena_base = arena_base
+        for address, size, owner in pending:
+            self._regions.add(address, size, owner)
+        self._pending.clear()
+
+    async def _release(self) -> None:
+        store, self._store = self._store, None
+        addresses = [*self._regions.addresses(), self._arena_base]
+        key = self._client_key()
+
+        def release() -> None:
+            for address in addresses:
+                store.unregister_buffer(address)
+            _POOL.give_back(key, store)
+
+        if store is not None:
+            # Every job has stopped (BackendBase.close), so the executor is free for this;
+            # until it is done, the registered memory stays referenced here.
+            await asyncio.get_running_loop().run_in_executor(self._executor, release)
+        self._regions = _Regions()
+        self._arena_view = None
+        self._arena_array = None
+
+    def _client_key(self) -> _ClientKey:
+        return (
+            self._master,
+            self._metadata,
+            self._protocol,
+            self._device,
+            self._local_hostname,
+            self._segment_size,
+            self._buffer_size,
+        )
+
+    def _new_client(self, factory: Callable[[], Any]) -> Any:
+        # setup() waits a long time for a master that is not there: probe it first.
+        if not _reachable(self._master_addr):
+            raise StorageError(f"{self._name}: cannot reach the Mooncake master at {self._master}")
+        store = factory()
+        code = store.setup(
+            self._local_hostname,
+            self._metadata,
+            self._segment_size,
+            self._buffer_size,
+            self._protocol,
+            self._device,
+            self._master,
+        )
+        if code != 0:
+            raise StorageError(f"{self._name}: Mooncake setup failed with {code}")
+        return store
+
+    def _occupancy(self) -> tuple[int, int, int | None]:
+        return max(self._pages, 0), max(self._bytes, 0), self._capacity
+
+    # The protocol.
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, exist consecutively (`batch_is_exist`)."""
+        store = self._open_store()
+        if not keys:
+            return 0
+        names = [self._mkey(k) for k in keys]
+        results = await self.run_job(lambda stop: list(store.batch_is_exist(names)))
+        count = 0
+        for result in results:
+            if result == 1:
+                count += 1
+            elif result == 0:
+                break
+            else:
+                self._counters.errors += 1
+                raise StorageError(f"{self._name}: exists failed with {result}")
+        return count
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        """Read each page into its buffer (zero-copy where registered); one outcome each."""
+        self._open_store()
+        check_batch(keys, ("buffers", into))
+        plans = await self._plan([byte_segments(page, writable=True) for page in into])
+        self._count_paths(plans)
+        outcomes = [Outcome.ERROR] * len(keys)
+        for chunk in self._chunks(plans):
+            part = await self._staged(
+                chunk, plans, functools.partial(self._get_job, keys, plans, namespace)
+            )
+            for i, (outcome, reason) in zip(chunk, part, strict=True):
+                outcomes[i] = outcome
+                if outcome is Outcome.CORRUPT:
+                    self._report_corrupt(keys[i], reason)
+                    # Removed by the job; the stored size is not known, the page's is.
+                    self._pages -= 1
+                    self._bytes -= HEADER_NBYTES + plans[i].nbytes
+        c = self._counters
+        c.gets += len(keys)
+        c.get_hits += outcomes.count(Outcome.OK)
+        c.errors += outcomes.count(Outcome.ERROR)
+        return outcomes
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        """Store each missing page whole (Mooncake publishes an object only once all of it
+        has arrived); an existing key is kept and is OK."""
+        self._open_store()
+        check_batch(keys, ("pages", pages), ("metas", metas))
+        for key, meta in zip(keys, metas, strict=True):
+            check_key(key, meta)
+        plans = await self._plan([byte_segments(page, writable=False) for page in pages])
+        self._count_paths(plans)
+        outcomes = [Outcome.ERROR] * len(keys)
+        for chunk in self._chunks(plans):
+            part = await self._staged(
+                chunk, plans, functools.partial(self._put_job, keys, plans, metas)
+            )
+            for i, (outcome, stored) in zip(chunk, part, strict=True):
+                outcomes[i] = outcome
+                if stored:
+                    self._pages += 1
+                    self._bytes += HEADER_NBYTES + plans[i].nbytes
+        c = self._counters
+        c.puts += len(keys)
+        c.put_ok += outcomes.count(Outcome.OK)
+        c.errors += outcomes.count(Outcome.ERROR)
+        return outcomes
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """Remove the objects (forced: a reader's lease does not hold them); how many
+        existed."""
+        store = self._open_store()
+        if not keys:
+            return 0
+        names = [self._mkey(k) for k in keys]
+
+        def job(stop: threading.Event) -> tuple[list[int], list[int]]:
+            # Sizes first, for the byte count of stats(): Mooncake's remove does not say.
+            sizes = [int(store.get_size(name)) for name in names]
+            return list(store.batch_remove(names, force=True)), sizes
+
+        results, sizes = await self.run_job(job)
+        removed = 0
+        for result, size in zip(results, sizes, strict=True):
+            if result == 0:
+                removed += 1
+                self._pages -= 1
+                self._bytes -= max(size, 0)
+        self._counters.deletes += removed
+        failed = [r for r in results if r not in (0, _NOT_FOUND)]
+        if failed:
+            self._counters.errors += len(failed)
+            raise StorageError(f"{self._name}: delete failed for {len(failed)} keys: {failed[0]}")
+        return removed
+
+    # Raw access (RawAccess).
+
+    async def read_raw(self, key: bytes) -> bytes | None:
+        """The stored `header ‖ payload` of `key`, or None when absent."""
+        store = self._open_store()
+        name = self._mkey(key)
+
+        def job(stop: threading.Event) -> bytes | None:
+            size = int(store.get_size(name))
+            if size == _NOT_FOUND:
+                return None
+            if size < 0:
+                raise StorageError(f"{self._name}: read_raw failed with {size}")
+            value = bytes(store.get(name))
+            if len(value) != size:
+                raise StorageError(f"{self._name}: read_raw got {len(value)} of {size} bytes")
+            return value
+
+        return await self.run_job(job)
+
+    async def write_raw(self, key: bytes, value: bytes) -> None:
+        """Store `value` under `key` as is, replacing what is there (`upsert`)."""
+        store = self._open_store()
+        check_key(key)
+        name = self._mkey(key)
+        code = await self.run_job(lambda stop: int(store.upsert(name, bytes(value))))
+        if code != 0:
+            raise StorageError(f"{self._name}: write_raw failed with {code}")
+
+    # Maintenance (MaintainableStorage); the object list comes from the master's admin API.
+
+    async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
+        """Pages under the prefix, newest first.
+
+        Mooncake reports no access times, so `last_access` is the page's creation time.
+        Needs `admin` (the master's admin/metrics URL).
+        """
+        store = self._open_store()
+        names = await self._list_names()
+        pages: list[PageInfo] = []
+        step = min(self._max_batch_pages, self._arena.capacity // HEADER_NBYTES)
+        for start in range(0, len(names), step):
+            part = names[start : start + step]
+            base = await self._arena.acquire(len(part) * HEADER_NBYTES)
+            try:
+                pages.extend(
+                    await self.run_job(functools.partial(self._headers_job, store, part, base))
+                )
+            finally:
+                self._arena.release(base, len(part) * HEADER_NBYTES)
+        pages.sort(key=lambda p: p.last_access, reverse=True)
+        return pages if limit is None else pages[:limit]
+
+    async def verify(self) -> VerifyReport:
+        """Read every page under the prefix and remove the ones that fail their checks.
+
+        Without a namespace only what a page says about itself is checked: header, key,
+        length, checksum, and the MAC when this instance holds a key. Needs `admin`.
+        """
+        store = self._open_store()
+        pages = await self.list_pages()
+        checked = ok = unsupported = 0
+        bad: list[bytes] = []
+        batch: list[PageInfo] = []
+        batch_bytes = 0
+
+        async def flush() -> None:
+            nonlocal checked, ok, unsupported, batch, batch_bytes
+            if not batch:
+                return
+            need = sum(_Arena.rounded(p.nbytes) for p in batch)
+            base = await self._arena.acquire(need)
+            try:
+                checks = await self.run_job(
+                    functools.partial(self._verify_job, store, list(batch), base)
+                )
+            finally:
+                self._arena.release(base, need)
+            for info, check in zip(batch, checks, strict=True):
+                if check is None:
+                    continue  # gone since it was listed
+                checked += 1
+                if check is PageCheck.OK:
+                    ok += 1
+                elif check is PageCheck.UNSUPPORTED:
+                    unsupported += 1
+                else:
+                    bad.append(info.key)
+                    self._report_corrupt(info.key, "verify")
+            batch, batch_bytes = [], 0
+
+        for info in pages:
+            size = _Arena.rounded(info.nbytes)
+            if size > self._arena.capacity:
+                log.warning(
+                    "storage.mooncake.verify_skipped",
+                    backend=self._name,
+                    key=info.key.hex(),
+                    nbytes=info.nbytes,
+                )
+                continue
+            if batch_bytes + size > self._arena.capacity or len(batch) >= self._max_batch_pages:
+                await flush()
+            batch.append(info)
+            batch_bytes += size
+        await flush()
+        removed = await self.delete(bad) if bad else 0
+        return VerifyReport(
+            checked=checked,
+            ok=ok,
+            corrupt_removed=removed,
+            unsupported=unsupported,
+            leftovers_removed=0,
+        )
+
+    async def gc(self) -> GcReport:
+        """Evict the oldest pages until those under the prefix fit `capacity`.
+
+        Without a capacity this does nothing: the master evicts on its own when its memory
+        passes `eviction_high_watermark_ratio`.
+        """
+        self._open_store()
+        if self._capacity is None:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        pages = await self.list_pages()
+        total = sum(p.nbytes for p in pages)
+        victims: list[PageInfo] = []
+        while pages and total > self._capacity:
+            victims.append(pages.pop())
+            total -= victims[-1].nbytes
+        if not victims:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        evicted = await self.delete([p.key for p in victims])
+        self._counters.deletes -= evicted  # counted as evictions, not deletes
+        self._counters.evictions += evicted
+        return GcReport(evicted_pages=evicted, freed_bytes=sum(p.nbytes for p in victims))
+
+    # Internals: planning and staging (event loop).
+
+    def _open_store(self) -> Any:
+        self._check_open()
+        return self._store
+
+    def _mkey(self, key: bytes) -> str:
+        return f"{self._prefix}:{key.hex()}"
+
+    async def _plan(self, pages: list[list[memoryview]]) -> list[_Plan]:
+        """Addresses of every segment, registering host pools met for the first time."""
+        addresses = [[_address(s) for s in segs if len(s)] for segs in pages]
+        segments = [[s for s in segs if len(s)] for segs in pages]
+        if self._auto_register:
+            candidates: dict[int, tuple[int, int, object]] = {}
+            for segs, addrs in zip(segments, addresses, strict=True):
+                for seg, address in zip(segs, addrs, strict=True):
+                    if self._regions.covers(address, len(seg)):
+                        continue
+                    root = _root_region(seg)
+                    if root is None or root[1] < self._auto_register:
+                        continue
+                    start, size, _ = root
+                    if (
+                        (start, size) in self._refused
+                        or not start <= address <= address + len(seg) <= start + size
+                        or self._regions.overlaps(start, size)
+                    ):
+                        continue
+                    candidates[start] = root
+            if candidates:
+                await self._register(list(candidates.values()), strict=False)
+        return [
+            _Plan(
+                segs,
+                addrs,
+                all(self._regions.covers(a, len(s)) for s, a in zip(segs, addrs, strict=True)),
+            )
+            for segs, addrs in zip(segments, addresses, strict=True)
+        ]
+
+    def _count_paths(self, plans: Sequence[_Plan]) -> None:
+        zero_copy = sum(1 for plan in plans if plan.zero_copy)
+        self._zero_copy_pages += zero_copy
+        self._staged_pages += len(plans) - zero_copy
+
+    def _chunks(self, plans: Sequence[_Plan]) -> list[range]:
+        """Index ranges that each fit the arena and `max_batch_pages` (usually one)."""
+        chunks: list[range] = []
+        start = 0
+        used = 0
+        for i, plan in enumerate(plans):
+            need = min(plan.arena_bytes, self._arena.capacity)
+            if i > start and (
+                used + need > self._arena.capacity or i - start >= self._max_batch_pages
+            ):
+                chunks.append(range(start, i))
+                start, used = i, 0
+            used += need
+        if start < len(plans):
+            chunks.append(range(start, len(plans)))
+        return chunks
+
+    async def _staged(
+        self,
+        chunk: range,
+        plans: Sequence[_Plan],
+        job: Callable[[range, int], Callable[[threading.Event], list[Any]]],
+    ) -> list[Any]:
+        """Run one chunk's job with its arena space held; pages too large for the arena
+        fail alone (ERROR) instead of failing the chunk."""
+        too_big = [plans[i].arena_bytes > self._arena.capacity for i in chunk]
+        if any(too_big):
+            log.warning(
+                "storage.mooncake.page_exceeds_staging",
+                backend=self._name,
+                staging_size=self._arena.capacity,
+            )
+        need = sum(plans[i].arena_bytes for i, big in zip(chunk, too_big, strict=True) if not big)
+        base = await self._arena.acquire(need)
+        try:
+            return await self.run_job(job(chunk, base))
+        finally:
+            self._arena.release(base, need)
+
+    # Internals: thread jobs (no loop-owned state is touched from these).
+
+    def _slots(self, plans: Sequence[_Plan], chunk: range, base: int) -> list[int | None]:
+        """Arena offset of each page's slot (None: the page does not fit the arena)."""
+        slots: list[int | None] = []
+        offset = base
+        for i in chunk:
+            if plans[i].arena_bytes > self._arena.capacity:
+                slots.append(None)
+                continue
+            slots.append(offset)
+            offset += plans[i].arena_bytes
+        return slots
+
+    def _get_job(
+        self,
+        keys: Sequence[bytes],
+        plans: Sequence[_Plan],
+        namespace: bytes,
+        chunk: range,
+        base: int,
+    ) -> Callable[[threading.Event], list[tuple[Outcome, str]]]:
+        store, arena, arena_base = self._store, self._arena_view, self._arena_base
+        mac_key = self._mac_key
+        assert arena is not None
+        slots = self._slots(plans, chunk, base)
+
+        def job(stop: threading.Event) -> list[tuple[Outcome, str]]:
+            results: list[tuple[Outcome, str]] = [(Outcome.ERROR, "")] * len(chunk)
+            todo = [j for j, slot in enumerate(slots) if slot is not None]
+            names = [self._mkey(keys[chunk[j]]) for j in todo]
+            buffers: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for j in todo:
+                plan, slot = plans[chunk[j]], slots[j]
+                assert slot is not None
+                if plan.zero_copy:
+                    buffers.append([arena_base + slot, *plan.addresses])
+                    sizes.append([HEADER_NBYTES, *(len(s) for s in plan.segments)])
+                else:
+                    buffers.append([arena_base + slot])
+                    sizes.append([HEADER_NBYTES + plan.nbytes])
+            codes = list(store.batch_get_into_multi_buffers(names, buffers, sizes)) if todo else []
+            corrupt: list[str] = []
+            for j, name, code in zip(todo, names, codes, strict=True):
+                i, slot = chunk[j], slots[j]
+                plan = plans[i]
+                assert slot is not None
+                expected = HEADER_NBYTES + plan.nbytes
+                if code == _NOT_FOUND:
+                    results[j] = (Outcome.MISS, "")
+                    continue
+                if code in (_INVALID_PARAMS, _TRANSFER_FAIL):
+                    # Mooncake refuses a length mismatch this way; an object of another
+                    # length than the page is damaged, anything else is a real failure.
+                    size = int(store.get_size(name))
+                    if size >= 0 and size != expected:
+                        results[j] = (Outcome.CORRUPT, "length")
+                        corrupt.append(name)
+                        continue
+                if code < 0:
+                    results[j] = (Outcome.ERROR, "")
+                    continue
+                if code != expected:
+                    results[j] = (Outcome.CORRUPT, "length")
+                    corrupt.append(name)
+                    continue
+                if stop.is_set():
+                    continue  # cancelled: leave the rest ERROR, copy nothing more
+                header = decode_header(arena[slot : slot + HEADER_NBYTES])
+                check = check_header(
+                    header, key=keys[i], namespace=namespace, payload_nbytes=plan.nbytes
+                )
+                if check is PageCheck.OK and not isinstance(header, PageCheck):
+                    if plan.zero_copy:
+                        check = verify_payload(header, plan.segments, mac_key=mac_key)
+                    else:
+                        staged = arena[slot + HEADER_NBYTES : slot + expected]
+                        check = verify_payload(header, [staged], mac_key=mac_key)
+                        if check is PageCheck.OK:
+                            scatter(staged, plan.segments)
+                if check is PageCheck.OK:
+                    results[j] = (Outcome.OK, "")
+                elif check is PageCheck.UNSUPPORTED:
+                    results[j] = (Outcome.MISS, "")  # a newer writer's page: left in place
+                else:
+                    reason = _header_reason(header, keys[i], namespace, plan.nbytes)
+                    results[j] = (Outcome.CORRUPT, reason)
+                    corrupt.append(name)
+            if corrupt:
+                store.batch_remove(corrupt, force=True)
+            return results
+
+        return job
+
+    def _put_job(
+        self,
+        keys: Sequence[bytes],
+        plans: Sequence[_Plan],
+        metas: Sequence[PageMeta],
+        chunk: range,
+        base: int,
+    ) -> Callable[[threading.Event], list[tuple[Outcome, bool]]]:
+        store, arena, arena_base = self._store, self._arena_view, self._arena_base
+        config, mac_key = self._config, self._mac_key
+        assert arena is not None
+        slots = self._slots(plans, chunk, base)
+
+        def job(stop: threading.Event) -> list[tuple[Outcome, bool]]:
+            results: list[tuple[Outcome, bool]] = [(Outcome.ERROR, False)] * len(chunk)
+            candidates = [j for j, slot in enumerate(slots) if slot is not None]
+            names = [self._mkey(keys[chunk[j]]) for j in candidates]
+            # Existing pages are OK as they are: skip their checksum and transfer.
+            present = list(store.batch_is_exist(names)) if names else []
+            todo: list[int] = []
+            for j, state in zip(candidates, present, strict=True):
+                if state == 1:
+                    results[j] = (Outcome.OK, False)
+                elif state == 0:
+                    todo.append(j)
+                # else: the master did not answer; a put would fail the same way (slowly).
+            buffers: list[list[int]] = []
+            sizes: list[list[int]] = []
+            sent: list[int] = []
+            for j in todo:
+                if stop.is_set():
+                    break
+                plan, slot = plans[chunk[j]], slots[j]
+                assert slot is not None
+                header = encode_header(metas[chunk[j]], plan.segments, mac_key=mac_key)
+                arena[slot : slot + HEADER_NBYTES] = header
+                if plan.zero_copy:
+                    buffers.append([arena_base + slot, *plan.addresses])
+                    sizes.append([HEADER_NBYTES, *(len(s) for s in plan.segments)])
+                else:
+                    offset = slot + HEADER_NBYTES
+                    for segment in plan.segments:
+                        arena[offset : offset + len(segment)] = segment
+                        offset += len(segment)
+                    buffers.append([arena_base + slot])
+                    sizes.append([HEADER_NBYTES + plan.nbytes])
+                sent.append(j)
+            if not sent:
+                return results
+            names = [self._mkey(keys[chunk[j]]) for j in sent]
+            codes = list(store.batch_put_from_multi_buffers(names, buffers, sizes, config))
+            for j, code in zip(sent, codes, strict=True):
+                if code == 0:
+                    results[j] = (Outcome.OK, True)
+                elif code == _ALREADY_EXISTS:
+                    results[j] = (Outcome.OK, False)
+                elif code == _NO_SPACE:
+                    results[j] = (Outcome.MISS, False)
+                else:
+                    results[j] = (Outcome.ERROR, False)
+            return results
+
+        return job
+
+    async def _list_names(self) -> list[str]:
+        """Object names under the prefix that are page keys (from `/get_all_keys`)."""
+        if self._admin is None:
+            raise StorageError(
+                f"{self._name}: listing pages needs the master's admin URL (?admin=http://...)"
+            )
+        url = f"{self._admin}/get_all_keys"
+
+        def job(stop: threading.Event) -> bytes:
+            try:
+                with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
+                    data: bytes = response.read()
+                    return data
+            except (OSError, urllib.error.URLError) as exc:
+                raise StorageError(f"{self._name}: {url} failed: {exc}") from exc
+
+        text = (await self.run_job(job)).decode(errors="replace")
+        lead = f"{self._prefix}:"
+        names: list[str] = []
+        for line in text.splitlines():
+            name = line.strip()
+            if not name.startswith(lead):
+                continue
+            tail = name[len(lead) :]
+            try:
+                bytes.fromhex(tail)
+            except ValueError:
+                continue  # not one of ours despite the prefix
+            names.append(name)
+        return names
+
+    def _headers_job(
+        self, store: Any, names: Sequence[str], base: int, stop: threading.Event
+    ) -> list[PageInfo]:
+        arena = self._arena_view
+        assert arena is not None
+        offsets = [[base + n * HEADER_NBYTES] for n in range(len(names))]
+        got = store.get_into_ranges(
+            [self._arena_base],
+            [list(names)],
+            [offsets],
+            [[[0]] * len(names)],
+            [[[HEADER_NBYTES]] * len(names)],
+        )
+        now = time.time()
+        pages: list[PageInfo] = []
+        lead = len(self._prefix) + 1
+        for n, name in enumerate(names):
+            counts = got[0][n] if got and len(got[0]) > n else [-1]
+            key = bytes.fromhex(name[lead:])
+            offset = base + n * HEADER_NBYTES
+            header = (
+                decode_header(arena[offset : offset + HEADER_NBYTES])
+                if counts and counts[0] == HEADER_NBYTES
+                else PageCheck.CORRUPT
+            )
+            if isinstance(header, PageCheck):
+                size = int(store.get_size(name))
+                if size < 0:
+                    continue  # gone since it was listed
+                pages.append(
+                    PageInfo(key=key, nbytes=size, num_tokens=0, priority=0, last_access=now)
+                )
+                continue
+            pages.append(
+                PageInfo(
+                    key=key,
+                    nbytes=HEADER_NBYTES + header.payload_nbytes,
+                    num_tokens=header.num_tokens,
+                    priority=header.priority,
+                    last_access=header.created_ns / 1e9,
+                )
+            )
+        return pages
+
+    def _verify_job(
+        self, store: Any, pages: Sequence[PageInfo], base: int, stop: threading.Event
+    ) -> list[PageCheck | None]:
+        arena = self._arena_view
+        assert arena is not None
+        names = [self._mkey(p.key) for p in pages]
+        offsets: list[int] = []
+        offset = base
+        for page in pages:
+            offsets.append(offset)
+            offset += _Arena.rounded(page.nbytes)
+        codes = list(
+            store.batch_get_into(
+                names, [self._arena_base + o for o in offsets], [p.nbytes for p in pages]
+            )
+        )
+        checks: list[PageCheck | None] = []
+        for page, start, code in zip(pages, offsets, codes, strict=True):
+            if code == _NOT_FOUND:
+                checks.append(None)
+                continue
+            if code != page.nbytes:
+                checks.append(PageCheck.CORRUPT)
+                continue
+            value = arena[start : start + page.nbytes]
+            header = decode_header(value)
+            if isinstance(header, PageCheck):
+                checks.append(header)
+            elif header.key != page.key or page.nbytes != HEADER_NBYTES + header.payload_nbytes:
+                checks.append(PageCheck.CORRUPT)
+            else:
+                checks.append(
+                    verify_payload(header, [value[HEADER_NBYTES:]], mac_key=self._mac_key)
+                )
+        return checks

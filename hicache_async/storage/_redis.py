@@ -1,0 +1,692 @@
+"""RedisStorage: pages in Redis (or Valkey) through `redis.asyncio`.
+
+Each page is one string value `header ‖ payload` under its own key `<prefix>:<key-hex>`: no
+multi-key commands and no hash tags, so the same layout works on Redis Cluster with pages
+spread over all slots. Batches go out as non-transactional pipelines, a few at a time over a
+bounded `BlockingConnectionPool`; docs/storage-redis.md records the measurements behind the
+pipeline sizes and the limits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError, ResponseError
+
+from .._errors import StorageConfigError, StorageError
+from ._base import (
+    BackendBase,
+    byte_segments,
+    check_batch,
+    check_key,
+    corrupt_reason,
+    log,
+    parse_bool,
+    parse_query,
+    parse_size,
+    payload_nbytes,
+)
+from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._page import (
+    HEADER_NBYTES,
+    PageCheck,
+    decode_header,
+    encode_header,
+    read_value_into,
+    verify_payload,
+)
+from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
+
+__all__ = ["RedisStorage"]
+
+_MiB = 1 << 20
+#: Bytes per pipeline, measured on loopback (docs/storage-redis.md): with 4 MiB values SET is
+#: fastest one value per round trip on two connections (~0.9 GB/s; one 64-value pipeline
+#: gives ~0.2 GB/s), GET with two values (~8 MiB) per pipeline (~0.7 GB/s). Small pages
+#: reach the same rates with 1-4 MiB per pipeline; much more than that slows both down.
+_PUT_PIPELINE_BYTES = 4 * _MiB
+_GET_PIPELINE_BYTES = 8 * _MiB
+#: Connections one batch uses at once.
+_CONCURRENCY = 2
+#: `exists` as one server-side loop over the keys: one round trip instead of a pipeline of
+#: EXISTS, whose per-command client overhead (~30 us each in redis-py) made 64 keys cost ~2 ms
+#: against ~0.3 ms here.
+_PREFIX_SCRIPT = (
+    "for i, key in ipairs(KEYS) do "
+    "if redis.call('EXISTS', key) == 0 then return i - 1 end "
+    "end return #KEYS"
+)
+_KEYS_PER_SCRIPT = 1024
+#: Small commands (EXISTS, DEL, SCAN results) per pipeline.
+_KEYS_PER_PIPELINE = 256
+_MAX_COMMANDS_PER_PIPELINE = 512
+#: Pages per pipeline when `verify` reads whole values.
+_VERIFY_PIPELINE = 8
+
+_SCHEMES = ("redis", "rediss")
+_URL_PARAMS = {
+    "ttl": "seconds a page lives after it is written (default: no expiry)",
+    "prefix": "key prefix (default hicache)",
+    "max_connections": "connection pool bound (default 16)",
+    "timeout": "seconds per socket operation and pool wait (default 5)",
+    "concurrency": "connections one batch uses (default 2)",
+    "put_pipeline_bytes": "bytes per SET pipeline (default 4MiB)",
+    "get_pipeline_bytes": "bytes per GET pipeline (default 8MiB)",
+    "max_batch_pages": "advertised batch size (default 512)",
+    "capacity": "bytes under the prefix that gc() trims to (default: none)",
+    "multikey": "0: no multi-key calls (Redis Cluster, proxies); default 1",
+    # Passed through to redis-py.
+    "ssl_cert_reqs": "rediss: none | optional | required",
+    "ssl_ca_certs": "rediss: CA bundle path",
+    "ssl_certfile": "rediss: client certificate path",
+    "ssl_keyfile": "rediss: client key path",
+    "ssl_check_hostname": "rediss: true | false",
+    "client_name": "CLIENT SETNAME value",
+}
+_PASSTHROUGH = (
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_check_hostname",
+    "client_name",
+)
+
+
+def _int_param(params: Mapping[str, str], name: str) -> int | None:
+    raw = params.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise StorageConfigError(f"redis URL parameter {name}={raw!r} is not an integer") from None
+    if value < 1:
+        raise StorageConfigError(f"redis URL parameter {name} must be >= 1, got {value}")
+    return value
+
+
+def _chunks(sizes: Sequence[int], max_bytes: int) -> list[range]:
+    """Consecutive index ranges of at most `max_bytes` (and at least one item) each."""
+    chunks: list[range] = []
+    start = 0
+    total = 0
+    for i, size in enumerate(sizes):
+        if i > start and (total + size > max_bytes or i - start >= _MAX_COMMANDS_PER_PIPELINE):
+            chunks.append(range(start, i))
+            start, total = i, 0
+        total += size
+    if start < len(sizes):
+        chunks.append(range(start, len(sizes)))
+    return chunks
+
+
+class RedisStorage(BackendBase):
+    """Pages in Redis: `SET NX` per page, pipelined over a bounded connection pool.
+
+    Build it with `RedisStorage.from_url("redis://host:6379/0?ttl=3600&prefix=hicache")` or
+    with keyword arguments (the URL then carries only what redis-py understands). With
+    `mac_key` every page written carries a keyed MAC and every page read must.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        mac_key: bytes | None = None,
+        prefix: str = "hicache",
+        ttl: int | None = None,
+        max_connections: int = 16,
+        timeout: float = 5.0,
+        concurrency: int = _CONCURRENCY,
+        put_pipeline_bytes: int = _PUT_PIPELINE_BYTES,
+        get_pipeline_bytes: int = _GET_PIPELINE_BYTES,
+        max_batch_pages: int = 512,
+        capacity_bytes: int | None = None,
+        multikey: bool = True,
+        connection_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in _SCHEMES:
+            raise StorageConfigError(
+                f"redis URL must start with redis:// or rediss://, got {parts.scheme!r}"
+            )
+        if not prefix or any(c.isspace() or c in "*?[]" for c in prefix):
+            raise StorageConfigError(
+                f"redis prefix must be non-empty, without spaces or glob characters: {prefix!r}"
+            )
+        if ttl is not None and ttl < 1:
+            raise StorageConfigError(f"redis ttl must be >= 1 second, got {ttl}")
+        for field, value in (
+            ("max_connections", max_connections),
+            ("concurrency", concurrency),
+            ("put_pipeline_bytes", put_pipeline_bytes),
+            ("get_pipeline_bytes", get_pipeline_bytes),
+            ("max_batch_pages", max_batch_pages),
+            ("capacity_bytes", 1 if capacity_bytes is None else capacity_bytes),
+        ):
+            if value < 1:
+                raise StorageConfigError(f"redis {field} must be >= 1, got {value}")
+        if not timeout > 0 or math.isinf(timeout):
+            raise StorageConfigError(f"redis timeout must be a positive number, got {timeout}")
+        super().__init__(mac_key=mac_key, job_threads=1, thread_name="hicache-redis")
+        host = parts.hostname or "localhost"
+        port = parts.port or 6379
+        db = parts.path.lstrip("/") or "0"
+        self._name = f"{parts.scheme}://{host}:{port}/{db}?prefix={prefix}"
+        self._url = url
+        self._prefix = prefix
+        self._ttl = ttl
+        self._timeout = timeout
+        self._max_connections = max_connections
+        self._concurrency = min(concurrency, max_connections)
+        self._put_pipeline_bytes = put_pipeline_bytes
+        self._get_pipeline_bytes = get_pipeline_bytes
+        self._max_batch_pages = max_batch_pages
+        self._capacity = capacity_bytes
+        self._connection_kwargs = dict(connection_kwargs or {})
+        self._multikey = multikey
+        self._pool: BlockingConnectionPool | None = None
+        self._client: Redis | None = None
+        self._prefix_script: AsyncScript | None = None
+        # What this instance added minus what it removed (stats() does no I/O).
+        self._pages = 0
+        self._bytes = 0
+
+    @classmethod
+    def from_url(cls, url: str, *, mac_key: bytes | None = None) -> RedisStorage:
+        """Build from `redis[s]://[user:password@]host[:port][/db][?params]`.
+
+        Parameters: `ttl` (seconds), `prefix`, `max_connections`, `timeout` (seconds),
+        `concurrency`, `put_pipeline_bytes`, `get_pipeline_bytes`, `max_batch_pages`,
+        `capacity` (a byte size such as 10GiB), `multikey` (0: no multi-key calls), for TLS
+        `ssl_cert_reqs`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`,
+        and `client_name`. Anything else raises `StorageConfigError` listing what is accepted.
+        """
+        parts = urlsplit(url)
+        if parts.scheme not in _SCHEMES:
+            raise StorageConfigError(
+                f"redis URL must start with redis:// or rediss://, got {parts.scheme!r}"
+            )
+        params = parse_query(parts.query, _URL_PARAMS, scheme=parts.scheme)
+        kwargs: dict[str, Any] = {}
+        for name in (
+            "ttl",
+            "max_connections",
+            "concurrency",
+            "max_batch_pages",
+        ):
+            value = _int_param(params, name)
+            if value is not None:
+                kwargs[name] = value
+        for name in ("put_pipeline_bytes", "get_pipeline_bytes"):
+            if name in params:
+                kwargs[name] = parse_size(params[name], field=name)
+        if "capacity" in params:
+            kwargs["capacity_bytes"] = parse_size(params["capacity"], field="capacity")
+        if "prefix" in params:
+            kwargs["prefix"] = params["prefix"]
+        if "multikey" in params:
+            kwargs["multikey"] = parse_bool(params["multikey"], field="multikey")
+        if "timeout" in params:
+            try:
+                kwargs["timeout"] = float(params["timeout"])
+            except ValueError:
+                raise StorageConfigError(
+                    f"redis URL parameter timeout={params['timeout']!r} is not a number"
+                ) from None
+        query = "&".join(f"{k}={params[k]}" for k in _PASSTHROUGH if k in params)
+        base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
+        return cls(base, mac_key=mac_key, **kwargs)
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return StorageCapabilities(
+            max_batch_pages=self._max_batch_pages, zero_copy=False, shared=True, persistent=True
+        )
+
+    @property
+    def prefix(self) -> str:
+        """The key prefix: pages live under `<prefix>:<key-hex>`."""
+        return self._prefix
+
+    def __repr__(self) -> str:
+        return f"<RedisStorage {self._name} state={self._state.value}>"
+
+    # Lifecycle.
+
+    async def _open(self) -> None:
+        # Few quick retries: a lost server must turn into ERROR outcomes soon, not after a
+        # long backoff; every socket operation and pool wait is bounded by `timeout`.
+        self._pool = BlockingConnectionPool.from_url(
+            self._url,
+            max_connections=self._max_connections,
+            timeout=self._timeout,
+            socket_timeout=self._timeout,
+            socket_connect_timeout=self._timeout,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+            **self._connection_kwargs,
+        )
+        self._client = Redis(connection_pool=self._pool)
+        self._prefix_script = self._client.register_script(_PREFIX_SCRIPT)
+        try:
+            await self._client.ping()
+        except RedisError as exc:
+            # Not fatal: the server may come (back) later; until then batches are ERROR.
+            log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
+
+    async def _release(self) -> None:
+        client, pool = self._client, self._pool
+        self._client = self._pool = None
+        if client is not None:
+            await client.aclose()
+        if pool is not None:
+            await pool.aclose()
+
+    def _occupancy(self) -> tuple[int, int, int | None]:
+        return max(self._pages, 0), max(self._bytes, 0), self._capacity
+
+    # The protocol.
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, from the first, exist consecutively.
+
+        One script call per 1024 keys (`multikey=1`, the default), or one EXISTS per key in
+        a pipeline (`multikey=0`, for Redis Cluster and proxies that refuse multi-key calls).
+        """
+        client = self._redis()
+        if self._multikey and self._prefix_script is not None:
+            try:
+                return await self._exists_by_script(keys)
+            except ResponseError as exc:
+                # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
+                log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
+                self._multikey = False
+        count = 0
+        for start in range(0, len(keys), _KEYS_PER_PIPELINE):
+            batch = keys[start : start + _KEYS_PER_PIPELINE]
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for key in batch:
+                        pipe.exists(self._rkey(key))
+                    results = await pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                self._counters.errors += 1
+                raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+            for result in results:
+                if isinstance(result, Exception):
+                    self._counters.errors += 1
+                    raise StorageError(f"{self._name}: exists failed: {result}")
+                if not result:
+                    return count
+                count += 1
+        return count
+
+    async def _exists_by_script(self, keys: Sequence[bytes]) -> int:
+        assert self._prefix_script is not None
+        count = 0
+        for start in range(0, len(keys), _KEYS_PER_SCRIPT):
+            batch = [self._rkey(k) for k in keys[start : start + _KEYS_PER_SCRIPT]]
+            try:
+                found = int(await self._prefix_script(keys=batch))
+            except ResponseError:
+                raise
+            except RedisError as exc:
+                self._counters.errors += 1
+                raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+            count += found
+            if found < len(batch):
+                break
+        return count
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        """GET each page and check it into its buffer; one outcome per key."""
+        client = self._redis()
+        check_batch(keys, ("buffers", into))
+        targets = [byte_segments(page, writable=True) for page in into]
+        outcomes = [Outcome.ERROR] * len(keys)
+        corrupt: list[bytes] = []
+        sizes = [HEADER_NBYTES + payload_nbytes(page) for page in targets]
+
+        async def fetch(chunk: range) -> None:
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for i in chunk:
+                        pipe.get(self._rkey(keys[i]))
+                    values = await pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
+                return
+            # Checked and copied here on the loop: once this coroutine has returned (or was
+            # cancelled), nothing writes into the caller's buffers.
+            for i, value in zip(chunk, values, strict=True):
+                if isinstance(value, Exception):
+                    continue
+                if value is None:
+                    outcomes[i] = Outcome.MISS
+                    continue
+                check = read_value_into(
+                    value, key=keys[i], namespace=namespace, into=targets[i], mac_key=self._mac_key
+                )
+                if check is PageCheck.OK:
+                    outcomes[i] = Outcome.OK
+                elif check is PageCheck.UNSUPPORTED:
+                    outcomes[i] = Outcome.MISS  # a newer writer's page: not ours to judge
+                else:
+                    outcomes[i] = Outcome.CORRUPT
+                    corrupt.append(keys[i])
+                    reason = corrupt_reason(
+                        value,
+                        key=keys[i],
+                        namespace=namespace,
+                        payload_nbytes=sizes[i] - HEADER_NBYTES,
+                    )
+                    self._report_corrupt(keys[i], reason)
+
+        await self._run_chunks(_chunks(sizes, self._get_pipeline_bytes), fetch)
+        if corrupt:
+            try:
+                await self._delete_rkeys([self._rkey(k) for k in corrupt])
+            except StorageError as exc:
+                # Counted either way; the next reader that meets the page retries.
+                log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
+        c = self._counters
+        c.gets += len(keys)
+        c.get_hits += outcomes.count(Outcome.OK)
+        c.errors += outcomes.count(Outcome.ERROR)
+        return outcomes
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        """SET NX each page (`header ‖ payload`); an existing key is kept and is OK."""
+        client = self._redis()
+        check_batch(keys, ("pages", pages), ("metas", metas))
+        for key, meta in zip(keys, metas, strict=True):
+            check_key(key, meta)
+        sources = [byte_segments(page, writable=False) for page in pages]
+        outcomes = [Outcome.ERROR] * len(keys)
+        sizes = [HEADER_NBYTES + payload_nbytes(page) for page in sources]
+
+        async def store(chunk: range) -> None:
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for i in chunk:
+                        header = encode_header(metas[i], sources[i], mac_key=self._mac_key)
+                        # SET takes one value, so header and segments are joined: one copy,
+                        # which the socket write would make of the segments anyway.
+                        value = b"".join((header, *sources[i]))
+                        pipe.set(self._rkey(keys[i]), value, nx=True, ex=self._ttl)
+                    results = await pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
+                return
+            for i, result in zip(chunk, results, strict=True):
+                if isinstance(result, Exception):
+                    continue
+                outcomes[i] = Outcome.OK
+                if result:  # None: the key existed and was kept as it was
+                    self._pages += 1
+                    self._bytes += sizes[i]
+
+        await self._run_chunks(_chunks(sizes, self._put_pipeline_bytes), store)
+        c = self._counters
+        c.puts += len(keys)
+        c.put_ok += outcomes.count(Outcome.OK)
+        c.errors += outcomes.count(Outcome.ERROR)
+        return outcomes
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        """DEL each key; how many existed."""
+        self._redis()
+        removed, _ = await self._delete_rkeys([self._rkey(k) for k in keys])
+        self._counters.deletes += removed
+        return removed
+
+    # Raw access (RawAccess).
+
+    async def read_raw(self, key: bytes) -> bytes | None:
+        """The stored `header ‖ payload` of `key`, or None when absent."""
+        client = self._redis()
+        try:
+            value = await client.get(self._rkey(key))
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: read_raw failed: {exc}") from exc
+        if value is None:
+            return None
+        if not isinstance(value, bytes):  # decode_responses is never set, but be exact
+            raise StorageError(f"{self._name}: read_raw got {type(value).__name__}")
+        return value
+
+    async def write_raw(self, key: bytes, value: bytes) -> None:
+        """Store `value` under `key` as is, replacing what is there (keeps the TTL policy)."""
+        client = self._redis()
+        check_key(key)
+        try:
+            await client.set(self._rkey(key), value, ex=self._ttl)
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
+
+    # Maintenance (MaintainableStorage).
+
+    async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
+        """Pages under the prefix (SCAN), most recently used first by Redis's idle time.
+
+        Under an LFU `maxmemory-policy` Redis keeps no idle time; the page's creation time
+        stands in for its last access then.
+        """
+        client = self._redis()
+        now = time.time()
+        pages: list[PageInfo] = []
+        async for batch in self._scan():
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for rkey in batch:
+                        # IDLETIME first: GETRANGE counts as an access.
+                        pipe.object("idletime", rkey)
+                        pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
+                        pipe.strlen(rkey)
+                    results = await pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
+            for j, rkey in enumerate(batch):
+                idle, head, nbytes = results[3 * j : 3 * j + 3]
+                if not isinstance(nbytes, int) or nbytes == 0:
+                    continue  # expired or deleted since the scan
+                header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
+                tokens = priority = 0
+                created = now
+                if not isinstance(header, PageCheck):
+                    tokens, priority = header.num_tokens, header.priority
+                    created = header.created_ns / 1e9
+                last = now - idle if isinstance(idle, int) else created
+                pages.append(
+                    PageInfo(
+                        key=self._key_of(rkey),
+                        nbytes=nbytes,
+                        num_tokens=tokens,
+                        priority=priority,
+                        last_access=last,
+                    )
+                )
+        pages.sort(key=lambda p: p.last_access, reverse=True)
+        return pages if limit is None else pages[:limit]
+
+    async def verify(self) -> VerifyReport:
+        """Read every page under the prefix; remove the ones that fail their checks.
+
+        Without a namespace only what a page says about itself is checked: header, key,
+        length, checksum, and the MAC when this instance holds a key. Keys under the prefix
+        that are not page keys are left alone (they may belong to someone else).
+        """
+        client = self._redis()
+        checked = ok = unsupported = 0
+        bad: list[bytes] = []
+        async for batch in self._scan():
+            for start in range(0, len(batch), _VERIFY_PIPELINE):
+                part = batch[start : start + _VERIFY_PIPELINE]
+                try:
+                    async with client.pipeline(transaction=False) as pipe:
+                        for rkey in part:
+                            pipe.get(rkey)
+                        values = await pipe.execute(raise_on_error=False)
+                except RedisError as exc:
+                    raise StorageError(f"{self._name}: verify failed: {exc}") from exc
+                for rkey, value in zip(part, values, strict=True):
+                    if not isinstance(value, bytes):
+                        continue  # gone since the scan
+                    checked += 1
+                    check = self._check_value(self._key_of(rkey), value)
+                    if check is PageCheck.OK:
+                        ok += 1
+                    elif check is PageCheck.UNSUPPORTED:
+                        unsupported += 1
+                    else:
+                        bad.append(rkey)
+                        self._report_corrupt(self._key_of(rkey), "verify")
+        removed = (await self._delete_rkeys(bad))[0] if bad else 0
+        return VerifyReport(
+            checked=checked,
+            ok=ok,
+            corrupt_removed=removed,
+            unsupported=unsupported,
+            leftovers_removed=0,
+        )
+
+    async def gc(self) -> GcReport:
+        """Evict least recently used pages until those under the prefix fit `capacity`.
+
+        Without a capacity this does nothing: Redis's own `maxmemory` policy bounds it.
+        """
+        self._redis()
+        if self._capacity is None:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        pages = await self.list_pages()
+        total = sum(p.nbytes for p in pages)
+        victims: list[PageInfo] = []
+        while pages and total > self._capacity:
+            victim = pages.pop()  # least recently used
+            victims.append(victim)
+            total -= victim.nbytes
+        if not victims:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        evicted, freed = await self._delete_rkeys([self._rkey(p.key) for p in victims])
+        self._counters.evictions += evicted
+        return GcReport(evicted_pages=evicted, freed_bytes=freed)
+
+    # Internals.
+
+    def _redis(self) -> Redis:
+        self._check_open()
+        assert self._client is not None
+        return self._client
+
+    def _rkey(self, key: bytes) -> bytes:
+        return f"{self._prefix}:{key.hex()}".encode()
+
+    def _key_of(self, rkey: bytes) -> bytes:
+        return bytes.fromhex(rkey[len(self._prefix) + 1 :].decode("ascii"))
+
+    def _check_value(self, key: bytes, value: bytes) -> PageCheck:
+        header = decode_header(value)
+        if isinstance(header, PageCheck):
+            return header
+        if header.key != key or len(value) != HEADER_NBYTES + header.payload_nbytes:
+            return PageCheck.CORRUPT
+        payload = [memoryview(value)[HEADER_NBYTES:]]
+        return verify_payload(header, payload, mac_key=self._mac_key)
+
+    async def _scan(self) -> AsyncIterator[list[bytes]]:
+        """Page keys under the prefix in batches (SCAN: no order, a key may repeat)."""
+        client = self._redis()
+        batch: list[bytes] = []
+        seen: set[bytes] = set()
+        try:
+            async for rkey in client.scan_iter(match=f"{self._prefix}:*".encode(), count=1000):
+                if rkey in seen or not self._is_page_rkey(rkey):
+                    continue
+                seen.add(rkey)
+                batch.append(rkey)
+                if len(batch) >= _KEYS_PER_PIPELINE:
+                    yield batch
+                    batch = []
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: scan failed: {exc}") from exc
+        if batch:
+            yield batch
+
+    def _is_page_rkey(self, rkey: bytes) -> bool:
+        tail = rkey[len(self._prefix) + 1 :]
+        if len(tail) % 2:
+            return False
+        try:
+            bytes.fromhex(tail.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            return False
+        return True
+
+    async def _run_chunks(
+        self, chunks: Sequence[range], run: Callable[[range], Awaitable[None]]
+    ) -> None:
+        """Run `run` over `chunks` on at most `concurrency` connections at once."""
+        if len(chunks) <= 1:
+            for chunk in chunks:
+                await run(chunk)
+            return
+        pending = iter(chunks)
+
+        async def worker() -> None:
+            for chunk in pending:
+                await run(chunk)
+
+        tasks = [
+            asyncio.ensure_future(worker()) for _ in range(min(self._concurrency, len(chunks)))
+        ]
+        try:
+            await asyncio.gather(*tasks)
+        except BaseException:
+            # Cancelled or failed: stop the siblings and wait for them, so nothing of this
+            # call runs after it has returned.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _delete_rkeys(self, rkeys: Sequence[bytes]) -> tuple[int, int]:
+        """DEL the keys (STRLEN first, for the byte count): (how many existed, their bytes)."""
+        client = self._redis()
+        removed = 0
+        freed = 0
+        for start in range(0, len(rkeys), _KEYS_PER_PIPELINE):
+            batch = rkeys[start : start + _KEYS_PER_PIPELINE]
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for rkey in batch:
+                        pipe.strlen(rkey)
+                        pipe.delete(rkey)
+                    results = await pipe.execute(raise_on_error=False)
+            except RedisError as exc:
+                self._counters.errors += 1
+                raise StorageError(f"{self._name}: delete failed: {exc}") from exc
+            for nbytes, deleted in zip(results[::2], results[1::2], strict=True):
+                if isinstance(deleted, Exception):
+                    self._counters.errors += 1
+                    raise StorageError(f"{self._name}: delete failed: {deleted}")
+                if deleted:
+                    removed += 1
+                    size = nbytes if isinstance(nbytes, int) else 0
+                    freed += size
+                    self._pages -= 1
+                    self._bytes -= size
+        return removed, freed

@@ -1,0 +1,39 @@
+"""Testing helpers shipped as API: the KV oracle, a request driver, fault injection, the
+storage conformance suite, and real Redis / Mooncake servers for scenario tests.
+
+`StorageConformance` and the server helpers are imported lazily: the first needs pytest (the
+`testing` extra), the second the server binaries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._kvgen import KVGenerator
+from ._workload import ServedRequest, serve
+
+__all__ = [
+    "FaultyStorage",
+    "KVGenerator",
+    "MooncakeMaster",
+    "RedisServer",
+    "ServedRequest",
+    "StorageConformance",
+    "serve",
+]
+
+_LAZY = {
+    "FaultyStorage": "._faults",
+    "StorageConformance": "._conformance",
+    "RedisServer": "._servers",
+    "MooncakeMaster": "._servers",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module, __name__), name)

@@ -1,0 +1,413 @@
+"""A pytest conformance suite for StorageBackend implementations (built-in or plugins).
+
+Subclass `StorageConformance` in a test module and provide an async fixture `backend` that
+yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_KEY`) and
+`page_nbytes` (the page size the tests use, default 64 KiB):
+
+    import pytest_asyncio
+    from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+
+    class TestMyStorage(StorageConformance):
+        @pytest_asyncio.fixture
+        async def backend(self):
+            async with MyStorage("...") as storage:
+                yield storage
+
+        @pytest_asyncio.fixture
+        async def mac_backend(self):
+            async with MyStorage("...", mac_key=MAC_KEY) as storage:
+                yield storage
+
+Tests that damage stored pages need the backend's raw access (`read_raw`/`write_raw`) and are
+skipped without it. Keys are random per test, so a shared server needs no cleanup between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import struct
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import pytest_asyncio
+
+from .._errors import StorageError
+from ..storage._maintenance import RawAccess
+from ..storage._page import FORMAT_VERSION, HEADER_NBYTES, encode_header
+from ..storage._protocol import Outcome, PageMeta, StorageBackend
+
+__all__ = ["MAC_KEY", "NAMESPACE", "OTHER_NAMESPACE", "StorageConformance"]
+
+#: The key a `mac_backend` fixture must be opened with.
+MAC_KEY = b"conformance-mac-key-0123456789ab"
+NAMESPACE = b"conformance-ns-1"
+OTHER_NAMESPACE = b"conformance-ns-2"
+
+_CANARY = 0xA5
+
+
+def _keys(count: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(count)]
+
+
+def _payload(nbytes: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(nbytes)
+
+
+def _segments(data: bytes, sizes: list[int]) -> list[memoryview]:
+    """`data` cut into segments of `sizes`, each its own writable buffer."""
+    assert sum(sizes) == len(data)
+    views = []
+    offset = 0
+    for size in sizes:
+        views.append(memoryview(bytearray(data[offset : offset + size])))
+        offset += size
+    return views
+
+
+def _empty(sizes: list[int], fill: int = 0) -> list[memoryview]:
+    return [memoryview(bytearray([fill]) * size) for size in sizes]
+
+
+def _joined(page: list[memoryview]) -> bytes:
+    return b"".join(bytes(view) for view in page)
+
+
+def _meta(key: bytes, namespace: bytes = NAMESPACE) -> PageMeta:
+    return PageMeta(key=key, namespace=namespace, num_tokens=64, priority=1)
+
+
+def _raw(backend: StorageBackend) -> RawAccess:
+    if not isinstance(backend, RawAccess):
+        pytest.skip(f"{backend.name} has no raw access (read_raw/write_raw)")
+    return backend
+
+
+def _flip(value: bytes, position: int) -> bytes:
+    damaged = bytearray(value)
+    damaged[position] ^= 0x40
+    return bytes(damaged)
+
+
+class StorageConformance:
+    """Behaviour every StorageBackend must show. Subclasses provide the `backend` fixture."""
+
+    #: Payload bytes per page in these tests.
+    page_nbytes: int = 64 * 1024
+
+    pytestmark = pytest.mark.asyncio
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self) -> AsyncIterator[StorageBackend | None]:
+        """Override to yield a backend entered with `mac_key=MAC_KEY`; None skips MAC tests."""
+        yield None
+
+    # Helpers.
+
+    def _shapes(self) -> list[list[int]]:
+        n = self.page_nbytes
+        shapes = [[n], [n // 2, n - n // 2], [1, n - 2, 1], [7, n - 7]]
+        quarter = n // 4
+        shapes.append([quarter, quarter, quarter, n - 3 * quarter])
+        return [shape for shape in shapes if all(size > 0 for size in shape)]
+
+    async def _put(
+        self, backend: StorageBackend, keys: list[bytes], seed: int = 0
+    ) -> dict[bytes, bytes]:
+        data = {key: _payload(self.page_nbytes, seed + i) for i, key in enumerate(keys)}
+        pages = [_segments(data[key], [self.page_nbytes]) for key in keys]
+        outcomes = await backend.put(keys, pages, [_meta(key) for key in keys])
+        assert outcomes == [Outcome.OK] * len(keys)
+        return data
+
+    async def _get_one(
+        self, backend: StorageBackend, key: bytes, namespace: bytes = NAMESPACE
+    ) -> tuple[Outcome, bytes]:
+        page = _empty([self.page_nbytes])
+        (outcome,) = await backend.get([key], [page], namespace=namespace)
+        return outcome, _joined(page)
+
+    # Round trips.
+
+    async def test_round_trip_page_shapes(self, backend: StorageBackend) -> None:
+        shapes = self._shapes()
+        keys = _keys(len(shapes))
+        data = [_payload(self.page_nbytes, i) for i in range(len(shapes))]
+        pages = [_segments(d, shape) for d, shape in zip(data, shapes, strict=True)]
+        metas = [_meta(key) for key in keys]
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * len(keys)
+        # Read each page back through a different segmentation than it was written with.
+        read_shapes = shapes[1:] + shapes[:1]
+        buffers = [_empty(shape) for shape in read_shapes]
+        assert await backend.get(keys, buffers, namespace=NAMESPACE) == [Outcome.OK] * len(keys)
+        for expected, buffer in zip(data, buffers, strict=True):
+            assert _joined(buffer) == expected
+
+    async def test_round_trip_typed_segments(self, backend: StorageBackend) -> None:
+        # Segments need not be bytes-formatted: sizes are nbytes, not len().
+        n = self.page_nbytes
+        if n % 16:
+            pytest.skip("page_nbytes is not a multiple of 16")
+        (key,) = _keys(1)
+        data = _payload(n, 3)
+        page = [
+            memoryview(bytearray(data[: n // 2])).cast("I"),
+            memoryview(bytearray(data[n // 2 :])).cast("Q"),
+        ]
+        assert await backend.put([key], [page], [_meta(key)]) == [Outcome.OK]
+        target = [memoryview(bytearray(n)).cast("H")]
+        assert await backend.get([key], [target], namespace=NAMESPACE) == [Outcome.OK]
+        assert target[0].tobytes() == data
+
+    async def test_empty_batches(self, backend: StorageBackend) -> None:
+        assert await backend.exists([]) == 0
+        assert await backend.get([], [], namespace=NAMESPACE) == []
+        assert await backend.put([], [], []) == []
+        assert await backend.delete([]) == 0
+
+    async def test_put_is_idempotent_and_keeps_the_first(self, backend: StorageBackend) -> None:
+        (key,) = _keys(1)
+        first = await self._put(backend, [key], seed=10)
+        second = _segments(_payload(self.page_nbytes, 11), [self.page_nbytes])
+        assert await backend.put([key], [second], [_meta(key)]) == [Outcome.OK]
+        outcome, got = await self._get_one(backend, key)
+        assert outcome is Outcome.OK
+        assert got == first[key]
+
+    async def test_mismatched_lengths_raise_before_io(self, backend: StorageBackend) -> None:
+        keys = _keys(2)
+        page = _segments(_payload(self.page_nbytes, 0), [self.page_nbytes])
+        with pytest.raises(ValueError, match="2"):
+            await backend.put(keys, [page], [_meta(keys[0]), _meta(keys[1])])
+        with pytest.raises(ValueError, match="2"):
+            await backend.put(keys, [page, page], [_meta(keys[0])])
+        with pytest.raises(ValueError, match="2"):
+            await backend.get(keys, [_empty([self.page_nbytes])], namespace=NAMESPACE)
+        assert await backend.exists(keys[:1]) == 0
+
+    # Batches and prefixes.
+
+    async def test_mixed_batch_has_one_outcome_per_key(self, backend: StorageBackend) -> None:
+        present_a, absent, present_b, damaged, absent_b = _keys(5)
+        data = await self._put(backend, [present_a, present_b, damaged])
+        raw = _raw(backend)
+        value = await raw.read_raw(damaged)
+        assert value is not None
+        await raw.write_raw(damaged, _flip(value, HEADER_NBYTES + self.page_nbytes // 2))
+        keys = [present_a, absent, present_b, damaged, absent_b]
+        buffers = [_empty([self.page_nbytes]) for _ in keys]
+        outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+        assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.OK, Outcome.CORRUPT, Outcome.MISS]
+        assert _joined(buffers[0]) == data[present_a]
+        assert _joined(buffers[2]) == data[present_b]
+
+    async def test_exists_counts_the_consecutive_prefix(self, backend: StorageBackend) -> None:
+        keys = _keys(6)
+        await self._put(backend, [keys[0], keys[1], keys[2], keys[4]])
+        assert await backend.exists(keys) == 3
+        assert await backend.exists(keys[:2]) == 2
+        assert await backend.exists(keys[3:]) == 0
+        assert await backend.exists(keys[4:]) == 1
+        assert await backend.exists([keys[5], keys[0]]) == 0
+
+    async def test_delete(self, backend: StorageBackend) -> None:
+        keys = _keys(3)
+        data = await self._put(backend, keys)
+        (unknown,) = _keys(1)
+        assert await backend.delete([keys[0], keys[1], unknown]) == 2
+        assert await backend.exists(keys[:2]) == 0
+        assert (await self._get_one(backend, keys[0]))[0] is Outcome.MISS
+        assert await self._get_one(backend, keys[2]) == (Outcome.OK, data[keys[2]])
+        assert await backend.delete(keys[:2]) == 0
+
+    # Integrity.
+
+    def _damages(self) -> dict[str, Callable[[bytes, bytes, bytes], bytes]]:
+        n = self.page_nbytes
+
+        def other_namespace(key: bytes, value: bytes, payload: bytes) -> bytes:
+            return encode_header(_meta(key, OTHER_NAMESPACE), [memoryview(payload)]) + payload
+
+        def other_key(key: bytes, value: bytes, payload: bytes) -> bytes:
+            return encode_header(_meta(bytes(32)), [memoryview(payload)]) + payload
+
+        return {
+            "payload_byte": lambda key, value, payload: _flip(value, HEADER_NBYTES + n // 3),
+            "last_payload_byte": lambda key, value, payload: _flip(value, len(value) - 1),
+            "header_key_byte": lambda key, value, payload: _flip(value, 40),
+            "header_length_byte": lambda key, value, payload: _flip(value, 57),
+            "header_checksum_byte": lambda key, value, payload: _flip(value, 125),
+            "truncated": lambda key, value, payload: value[: HEADER_NBYTES + n // 2],
+            "header_only": lambda key, value, payload: value[:HEADER_NBYTES],
+            "half_header": lambda key, value, payload: value[: HEADER_NBYTES // 2],
+            "extended": lambda key, value, payload: value + b"\x00",
+            "wrong_namespace": other_namespace,
+            "wrong_key": other_key,
+        }
+
+    @pytest.mark.parametrize(
+        "damage",
+        [
+            "payload_byte",
+            "last_payload_byte",
+            "header_key_byte",
+            "header_length_byte",
+            "header_checksum_byte",
+            "truncated",
+            "header_only",
+            "half_header",
+            "extended",
+            "wrong_namespace",
+            "wrong_key",
+        ],
+    )
+    async def test_damaged_page_is_corrupt_and_removed(
+        self, backend: StorageBackend, damage: str
+    ) -> None:
+        (key,) = _keys(1)
+        data = await self._put(backend, [key])
+        raw = _raw(backend)
+        value = await raw.read_raw(key)
+        assert value is not None
+        assert value[HEADER_NBYTES:] == data[key]
+        await raw.write_raw(key, self._damages()[damage](key, value, data[key]))
+        corrupt_before = backend.stats().corrupt
+        outcome, _ = await self._get_one(backend, key)
+        assert outcome is Outcome.CORRUPT
+        assert backend.stats().corrupt == corrupt_before + 1
+        assert await raw.read_raw(key) is None
+        assert await backend.exists([key]) == 0
+        assert (await self._get_one(backend, key))[0] is Outcome.MISS
+
+    async def test_reader_with_other_namespace_gets_corrupt(self, backend: StorageBackend) -> None:
+        (key,) = _keys(1)
+        await self._put(backend, [key])
+        outcome, _ = await self._get_one(backend, key, namespace=OTHER_NAMESPACE)
+        assert outcome is Outcome.CORRUPT
+        assert await backend.exists([key]) == 0
+
+    async def test_newer_format_version_is_a_miss_left_in_place(
+        self, backend: StorageBackend
+    ) -> None:
+        (key,) = _keys(1)
+        await self._put(backend, [key])
+        raw = _raw(backend)
+        value = await raw.read_raw(key)
+        assert value is not None
+        newer = value[:4] + struct.pack("<H", FORMAT_VERSION + 1) + value[6:]
+        await raw.write_raw(key, newer)
+        corrupt_before = backend.stats().corrupt
+        outcome, _ = await self._get_one(backend, key)
+        assert outcome is Outcome.MISS
+        assert backend.stats().corrupt == corrupt_before
+        assert await raw.read_raw(key) == newer
+
+    async def test_mac_round_trip_and_rejection(self, mac_backend: StorageBackend | None) -> None:
+        if mac_backend is None:
+            pytest.skip("no mac_backend fixture")
+        backend = mac_backend
+        good, unkeyed, other_key = _keys(3)
+        data = await self._put(backend, [good, unkeyed, other_key])
+        assert await self._get_one(backend, good) == (Outcome.OK, data[good])
+        raw = _raw(backend)
+        value = await raw.read_raw(good)
+        assert value is not None
+        assert struct.unpack_from("<H", value, 6)[0] & 1  # the MAC flag is set
+        for key, mac_key in ((unkeyed, None), (other_key, b"another-key-entirely-32-bytes!!!")):
+            payload = data[key]
+            header = encode_header(_meta(key), [memoryview(payload)], mac_key=mac_key)
+            await raw.write_raw(key, header + payload)
+            assert (await self._get_one(backend, key))[0] is Outcome.CORRUPT
+            assert await raw.read_raw(key) is None
+
+    # Concurrency and cancellation.
+
+    async def test_concurrent_batches(self, backend: StorageBackend) -> None:
+        groups = [_keys(4) for _ in range(12)]
+
+        async def put_then_get(index: int, keys: list[bytes]) -> None:
+            data = await self._put(backend, keys, seed=100 * index)
+            assert await backend.exists(keys) == len(keys)
+            buffers = [_empty([self.page_nbytes]) for _ in keys]
+            assert await backend.get(keys, buffers, namespace=NAMESPACE) == [Outcome.OK] * 4
+            for key, buffer in zip(keys, buffers, strict=True):
+                assert _joined(buffer) == data[key]
+
+        await asyncio.gather(*(put_then_get(i, keys) for i, keys in enumerate(groups)))
+        # The same pages read by many batches at once.
+        flat = [key for keys in groups for key in keys]
+        reads = [[_empty([self.page_nbytes]) for _ in flat] for _ in range(4)]
+        results = await asyncio.gather(
+            *(backend.get(flat, buffers, namespace=NAMESPACE) for buffers in reads)
+        )
+        assert all(outcomes == [Outcome.OK] * len(flat) for outcomes in results)
+
+    def _cancel_batch_pages(self) -> int:
+        return max(16, (8 << 20) // self.page_nbytes)
+
+    async def test_cancelled_get_never_writes_after_returning(
+        self, backend: StorageBackend
+    ) -> None:
+        keys = _keys(self._cancel_batch_pages())
+        data = await self._put(backend, keys)
+        buffers = [_empty([self.page_nbytes]) for _ in keys]
+        task = asyncio.create_task(backend.get(keys, buffers, namespace=NAMESPACE))
+        for _ in range(3):
+            await asyncio.sleep(0)  # let the batch start
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # The caller now owns the buffers again: mark them, then give any straggling worker
+        # every chance to write (a whole second batch, then a pause) before checking.
+        for buffer in buffers:
+            buffer[0][:] = bytes([_CANARY]) * self.page_nbytes
+        again = [_empty([self.page_nbytes]) for _ in keys]
+        assert await backend.get(keys, again, namespace=NAMESPACE) == [Outcome.OK] * len(keys)
+        await asyncio.sleep(0.05)
+        canary = bytes([_CANARY]) * self.page_nbytes
+        assert all(bytes(buffer[0]) == canary for buffer in buffers)
+        assert all(_joined(buffer) == data[key] for key, buffer in zip(keys, again, strict=True))
+
+    async def test_cancelled_put_stores_pages_whole_or_not_at_all(
+        self, backend: StorageBackend
+    ) -> None:
+        keys = _keys(self._cancel_batch_pages())
+        data = {key: _payload(self.page_nbytes, i) for i, key in enumerate(keys)}
+        pages = [_segments(data[key], [self.page_nbytes]) for key in keys]
+        task = asyncio.create_task(backend.put(keys, pages, [_meta(key) for key in keys]))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        buffers = [_empty([self.page_nbytes]) for _ in keys]
+        outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+        for key, outcome, buffer in zip(keys, outcomes, buffers, strict=True):
+            assert outcome in (Outcome.OK, Outcome.MISS)
+            if outcome is Outcome.OK:
+                assert _joined(buffer) == data[key]
+        # The store still works: the batch completes when retried.
+        assert await backend.put(keys, pages, [_meta(key) for key in keys]) == [Outcome.OK] * len(
+            keys
+        )
+        assert await backend.exists(keys) == len(keys)
+
+    # Lifecycle.
+
+    async def test_close_is_idempotent_and_later_calls_raise(self, backend: StorageBackend) -> None:
+        (key,) = _keys(1)
+        await self._put(backend, [key])
+        await backend.close()
+        await backend.close()
+        page = _segments(_payload(self.page_nbytes, 0), [self.page_nbytes])
+        with pytest.raises(StorageError):
+            await backend.exists([key])
+        with pytest.raises(StorageError):
+            await backend.get([key], [_empty([self.page_nbytes])], namespace=NAMESPACE)
+        with pytest.raises(StorageError):
+            await backend.put([key], [page], [_meta(key)])
+        with pytest.raises(StorageError):
+            await backend.delete([key])

@@ -1,0 +1,244 @@
+"""Backup: host → storage, in batches, never on a request's path.
+
+Offering a node is synchronous and never waits: it protects the node's host pages and queues
+it, or, when the queue is full, skips it and counts the skip. The worker writes batches,
+retries failed pages with bounded backoff, marks a node "in storage" only once the backend
+acknowledged all its pages, and then lifts the protection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+import structlog
+
+from .._config import BackupConfig
+from ..storage import Outcome, PageMeta, StorageBackend
+
+if TYPE_CHECKING:
+    from .._cache import HiCache
+    from ..tree import TreeNode
+
+__all__ = ["BackupStatistics", "BackupWorker"]
+
+_log = structlog.get_logger("hicache_async")
+
+
+class _Job(msgspec.Struct):
+    node: TreeNode
+    num_pages: int
+
+
+class BackupStatistics(msgspec.Struct, frozen=True):
+    """Counters of the backup worker."""
+
+    offered_pages: int
+    queued: int
+    written_pages: int
+    bytes_written: int
+    skipped_pages: int
+    retried_pages: int
+    failed_pages: int
+    dropped_pages: int
+    batches: int
+
+
+class BackupWorker:
+    """Writes host pages to storage from a bounded queue."""
+
+    def __init__(
+        self,
+        cache: HiCache,
+        backend: StorageBackend,
+        config: BackupConfig,
+        *,
+        is_current: Callable[[], bool],
+        on_written: Callable[[TreeNode, int], None] | None = None,
+    ) -> None:
+        self._cache = cache
+        self._backend = backend
+        self.config = config
+        # After a detach the flush still writes, but its pages belong to a backend that is
+        # no longer ours: they must not mark nodes "in storage".
+        self._is_current = is_current
+        self._on_written = on_written
+        self._send, self._receive = anyio.create_memory_object_stream[_Job](
+            max_buffer_size=config.queue_size
+        )
+        self._closed = False
+        self._writing = False
+        self._idle_waiters: list[anyio.Event] = []
+        self.offered_pages = self.written_pages = self.bytes_written = 0
+        self.skipped_pages = self.retried_pages = self.failed_pages = 0
+        self.dropped_pages = self.batches = 0
+
+    def offer(self, node: TreeNode, num_pages: int) -> bool:
+        """Queue the last `num_pages` pages ending at `node` for backup; never waits."""
+        self.offered_pages += num_pages
+        if self._closed:
+            self.skipped_pages += num_pages
+            return False
+        try:
+            self._send.send_nowait(_Job(node, num_pages))
+        except (anyio.WouldBlock, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.skipped_pages += num_pages
+            return False
+        self._cache._tree.protect_host(node)
+        return True
+
+    async def run(self) -> None:
+        """The worker task; returns once closed and drained."""
+        async with self._receive:
+            async for job in self._receive:
+                jobs = [job]
+                pages = job.num_pages
+                while pages < self.config.batch_pages:
+                    try:
+                        more = self._receive.receive_nowait()
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                    jobs.append(more)
+                    pages += more.num_pages
+                self._writing = True
+                try:
+                    await self._write(jobs)
+                finally:
+                    self._writing = False
+                    self._wake_idle()
+
+    def close(self) -> None:
+        """Accept nothing more; `run()` finishes once the queue is drained."""
+        self._closed = True
+        self._send.close()
+        self._wake_idle()
+
+    def drop_queued(self) -> None:
+        """Drop every queued job (counted), lifting its protection."""
+        while True:
+            try:
+                job = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            self.dropped_pages += job.num_pages
+            self._cache._tree.unprotect_host(job.node)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued and nothing being written."""
+        return not self._writing and self.pending == 0
+
+    async def wait_idle(self) -> None:
+        """Wait until `idle` (or the worker stops)."""
+        while not self.idle and not self._closed:
+            event = anyio.Event()
+            self._idle_waiters.append(event)
+            await event.wait()
+
+    def _wake_idle(self) -> None:
+        if self.idle or self._closed:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for event in waiters:
+                event.set()
+
+    @property
+    def pending(self) -> int:
+        return self._send.statistics().current_buffer_used
+
+    def statistics(self) -> BackupStatistics:
+        return BackupStatistics(
+            offered_pages=self.offered_pages,
+            queued=self.pending,
+            written_pages=self.written_pages,
+            bytes_written=self.bytes_written,
+            skipped_pages=self.skipped_pages,
+            retried_pages=self.retried_pages,
+            failed_pages=self.failed_pages,
+            dropped_pages=self.dropped_pages,
+            batches=self.batches,
+        )
+
+    async def _write(self, jobs: list[_Job]) -> None:
+        cache = self._cache
+        tree = cache._tree
+        host = cache._host_pool
+        assert host is not None
+        fingerprint = cache.namespace.fingerprint
+        size = cache.config.page_size
+        try:
+            # Plan: the pages of every node not yet in storage, in tree order.
+            nodes: list[TreeNode] = []
+            seen: set[int] = set()
+            keys: list[bytes] = []
+            buffers = []
+            metas: list[PageMeta] = []
+            for job in jobs:
+                for node in cache._path(job.node, job.num_pages):
+                    if node.in_storage or node.host_pages is None or node.id in seen:
+                        continue
+                    seen.add(node.id)
+                    nodes.append(node)
+                    for key, page in zip(node.keys, node.host_pages, strict=True):
+                        keys.append(key)
+                        buffers.append(host.page_segments(page))
+                        metas.append(PageMeta(key, fingerprint, size, node.priority))
+            if not keys:
+                return
+            self.batches += 1
+            done = await self._put_with_retries(keys, buffers, metas)
+            offset = 0
+            for node in nodes:
+                n = node.num_pages
+                if all(done[offset : offset + n]) and self._is_current():
+                    tree.mark_in_storage(node)
+                    if self._on_written is not None:
+                        self._on_written(node, n)
+                offset += n
+        finally:
+            for job in jobs:
+                tree.unprotect_host(job.node)
+
+    async def _put_with_retries(
+        self, keys: list[bytes], buffers: list[list[memoryview]], metas: list[PageMeta]
+    ) -> list[bool]:
+        done = [False] * len(keys)
+        todo = list(range(len(keys)))
+        page_nbytes = self._cache.config.page_nbytes
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                self.retried_pages += len(todo)
+                await anyio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
+            began = time.monotonic()
+            try:
+                with anyio.fail_after(self.config.io_timeout_s):
+                    outcomes = await self._backend.put(
+                        [keys[i] for i in todo],
+                        [buffers[i] for i in todo],
+                        [metas[i] for i in todo],
+                    )
+                self._cache.storage_put_latency.observe(time.monotonic() - began)
+            except Exception as exc:
+                _log.warning(
+                    "hicache.backup.put.failed", pages=len(todo), attempt=attempt, error=repr(exc)
+                )
+                continue
+            failed = []
+            for i, outcome in zip(todo, outcomes, strict=True):
+                if outcome is Outcome.OK:
+                    done[i] = True
+                    self.written_pages += 1
+                    self.bytes_written += page_nbytes
+                elif outcome is Outcome.ERROR:
+                    failed.append(i)
+                else:  # MISS: the store declined (no room); retrying won't help
+                    self.failed_pages += 1
+            todo = failed
+            if not todo:
+                break
+        if todo:
+            self.failed_pages += len(todo)
+            _log.warning("hicache.backup.dropped", pages=len(todo))
+        return done

@@ -1,0 +1,96 @@
+"""An attached storage backend together with the workers that use it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+import structlog
+
+from ..storage import StorageBackend, StorageStats
+from ._backup import BackupStatistics, BackupWorker
+from ._prefetch import Prefetcher, PrefetchStatistics
+
+if TYPE_CHECKING:
+    from .._cache import HiCache
+
+__all__ = ["StorageLink", "StorageStatus"]
+
+_log = structlog.get_logger("hicache_async")
+
+
+class StorageStatus(msgspec.Struct, frozen=True):
+    """What `HiCache.storage_status()` reports."""
+
+    attached: bool
+    backend: str | None = None
+    generation: int = 0
+    storage: StorageStats | None = None
+    prefetch: PrefetchStatistics | None = None
+    backup: BackupStatistics | None = None
+
+
+class StorageLink:
+    """Owns one backend for as long as it is attached: enters it, runs its workers, closes it."""
+
+    def __init__(self, cache: HiCache, backend: StorageBackend, generation: int) -> None:
+        self.cache = cache
+        self.backend = backend
+        self.generation = generation
+        self.prefetcher = Prefetcher(cache, backend, cache.config.prefetch)
+        self.backup = BackupWorker(cache, backend, cache.config.backup, is_current=self._is_current)
+        self._scope: anyio.CancelScope | None = None
+        self._backup_done = anyio.Event()
+        self._stopped = anyio.Event()
+
+    def _is_current(self) -> bool:
+        return self.cache._link is self
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Enter the backend, start the workers, report started; exit closes the backend."""
+        try:
+            async with self.backend:
+                with anyio.CancelScope() as scope:
+                    self._scope = scope
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self.prefetcher.run)
+                        tg.start_soon(self._run_backup)
+                        task_status.started()
+        finally:
+            self._stopped.set()
+
+    async def _run_backup(self) -> None:
+        try:
+            await self.backup.run()
+        finally:
+            self._backup_done.set()
+
+    async def close(self, *, flush: bool, deadline_s: float) -> None:
+        """Stop prefetches, flush (or drop) pending backups within the deadline, close."""
+        self.prefetcher.close()
+        self.prefetcher.cancel_queued()
+        self.backup.close()
+        if not flush:
+            self.backup.drop_queued()
+        with anyio.CancelScope(shield=True):
+            with anyio.move_on_after(deadline_s):
+                await self._backup_done.wait()
+            if not self._backup_done.is_set():
+                _log.warning("hicache.backup.flush.deadline", pending=self.backup.pending)
+            if self._scope is not None:
+                self._scope.cancel()
+            await self._stopped.wait()
+            self.backup.drop_queued()
+
+    def status(self) -> StorageStatus:
+        return StorageStatus(
+            attached=True,
+            backend=self.backend.name,
+            generation=self.generation,
+            storage=self.backend.stats(),
+            prefetch=self.prefetcher.statistics(),
+            backup=self.backup.statistics(),
+        )

@@ -1,0 +1,505 @@
+"""Prefetch: storage → host, as cooperative tasks, with reads shared between requests.
+
+A prefetch plans synchronously (what is cached, what it must read, what others are already
+reading), awaits storage, then lands each batch synchronously: its pages join the tree as host
+nodes only after their bytes are in host memory and verified. Whatever stops it (a miss, an
+error, termination, cancellation), the pages it did not land go back and the futures other
+prefetches wait on are resolved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+import structlog
+
+from .._config import PrefetchConfig, PrefetchPolicy
+from ..storage import Outcome, StorageBackend
+
+if TYPE_CHECKING:
+    from .._cache import HiCache
+    from ..tree import TreeNode
+
+__all__ = ["PrefetchHandle", "PrefetchResult", "PrefetchStatus", "Prefetcher"]
+
+_log = structlog.get_logger("hicache_async")
+
+
+class PrefetchStatus(enum.Enum):
+    """Where a prefetch stands."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    #: read every page storage had.
+    COMPLETE = "complete"
+    #: stopped early on request (best_effort scheduling, a timeout, or `terminate()`).
+    TERMINATED = "terminated"
+    CANCELLED = "cancelled"
+    #: not worth starting (below the threshold, nothing in storage, or no storage).
+    SKIPPED = "skipped"
+
+
+_FINAL = frozenset(
+    {
+        PrefetchStatus.COMPLETE,
+        PrefetchStatus.TERMINATED,
+        PrefetchStatus.CANCELLED,
+        PrefetchStatus.SKIPPED,
+    }
+)
+
+
+class PrefetchResult(msgspec.Struct, frozen=True):
+    """How many tokens of a prompt came from each tier by the time the caller looked."""
+
+    request_id: str | None
+    status: PrefetchStatus
+    num_tokens: int
+    device_tokens: int
+    host_tokens: int
+    storage_tokens: int
+    wait_s: float
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.device_tokens + self.host_tokens + self.storage_tokens
+
+
+class PrefetchHandle:
+    """A prefetch in progress. Await `ready()` when the request is about to be scheduled."""
+
+    __slots__ = (
+        "_cancel_requested",
+        "_done",
+        "_policy",
+        "_prefetcher",
+        "_scope",
+        "_started",
+        "_terminated",
+        "device_tokens",
+        "host_tokens",
+        "keys",
+        "num_tokens",
+        "request_id",
+        "status",
+        "storage_tokens",
+    )
+
+    def __init__(
+        self,
+        prefetcher: Prefetcher | None,
+        keys: list[bytes],
+        num_tokens: int,
+        request_id: str | None,
+        policy: PrefetchPolicy,
+    ) -> None:
+        self._prefetcher = prefetcher
+        self.keys = keys
+        self.num_tokens = num_tokens
+        self.request_id = request_id
+        self._policy = policy
+        self.status = PrefetchStatus.QUEUED
+        self.device_tokens = 0
+        self.host_tokens = 0
+        self.storage_tokens = 0
+        self._terminated = False
+        self._cancel_requested = False
+        self._scope: anyio.CancelScope | None = None
+        self._done = asyncio.Event()
+        self._started = time.monotonic()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self) -> PrefetchResult:
+        """What has landed so far (final once `done()`)."""
+        return PrefetchResult(
+            request_id=self.request_id,
+            status=self.status,
+            num_tokens=self.num_tokens,
+            device_tokens=self.device_tokens,
+            host_tokens=self.host_tokens,
+            storage_tokens=self.storage_tokens,
+            wait_s=time.monotonic() - self._started,
+        )
+
+    def terminate(self) -> None:
+        """Issue no further reads; what is in flight still lands."""
+        self._terminated = True
+
+    def cancel(self) -> None:
+        """Stop now: the read in flight is abandoned and its pages go back."""
+        self._cancel_requested = True
+        self._terminated = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def wait(self) -> PrefetchResult:
+        """Wait until the prefetch has finished, whatever the policy."""
+        began = time.monotonic()
+        await self._done.wait()
+        self._observe(began)
+        return self.result()
+
+    def _observe(self, began: float) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher._cache.prefetch_wait.observe(time.monotonic() - began)
+
+    async def ready(self) -> PrefetchResult:
+        """Wait as the prefetch policy says, then report what arrived.
+
+        `best_effort` takes what has landed now; `wait_complete` waits for everything;
+        `timeout` waits up to base + per-1k-tokens x length (capped), then terminates.
+        """
+        if self._policy == "best_effort" or self._prefetcher is None:
+            await asyncio.sleep(0)
+            if not self.done():
+                self.terminate()
+            return self.result()
+        if self._policy == "wait_complete":
+            return await self.wait()
+        limit = self._prefetcher.config.timeout_for(self.num_tokens)
+        began = time.monotonic()
+        with anyio.move_on_after(limit):
+            await self._done.wait()
+        self._observe(began)
+        if not self.done():
+            self.terminate()
+            self._prefetcher.timeouts += 1
+        return self.result()
+
+    def _finish(self, status: PrefetchStatus) -> None:
+        if not self.done():
+            self.status = status
+            self._done.set()
+
+    def __repr__(self) -> str:
+        return (
+            f"<PrefetchHandle {self.request_id or hex(id(self))} {self.status.value} "
+            f"tokens={self.num_tokens} device={self.device_tokens} host={self.host_tokens} "
+            f"storage={self.storage_tokens}>"
+        )
+
+
+class PrefetchStatistics(msgspec.Struct, frozen=True):
+    """Counters of the prefetch worker."""
+
+    submitted: int
+    completed: int
+    terminated: int
+    cancelled: int
+    skipped: int
+    timeouts: int
+    queued: int
+    pages_read: int
+    bytes_read: int
+    pages_shared: int
+    misses: int
+    corrupt: int
+    errors: int
+    host_pages_held: int
+    host_pages_limit: int
+
+
+class Prefetcher:
+    """Runs prefetch jobs from a bounded queue on a few cooperative worker tasks."""
+
+    def __init__(self, cache: HiCache, backend: StorageBackend, config: PrefetchConfig) -> None:
+        self._cache = cache
+        self._backend = backend
+        self.config = config
+        self._send, self._receive = anyio.create_memory_object_stream[PrefetchHandle](
+            max_buffer_size=config.queue_size
+        )
+        # Key -> future resolved True once the page is in the tree as a host page, False if
+        # the prefetch reading it gave up. Concurrent prefetches wait on it instead of reading.
+        self._inflight: dict[bytes, asyncio.Future[bool]] = {}
+        self._running: set[PrefetchHandle] = set()
+        assert cache._host_pool is not None
+        self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
+        self._held = 0
+        self.submitted = self.completed = self.terminated = self.cancelled = 0
+        self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
+        self.pages_shared = self.misses = self.corrupt = self.errors = 0
+
+    # -- submission and workers -------------------------------------------------------------
+
+    async def submit(self, handle: PrefetchHandle) -> None:
+        """Queue a prefetch; waits while the queue is full (a live request's prefetch waits)."""
+        self.submitted += 1
+        await self._send.send(handle)
+
+    async def run(self) -> None:
+        """The worker tasks; returns when the queue is closed and drained."""
+        async with anyio.create_task_group() as tg, self._receive:
+            for _ in range(self.config.workers):
+                tg.start_soon(self._work, self._receive.clone())
+
+    async def _work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
+        async with receive:
+            async for handle in receive:
+                await self._process(handle)
+
+    def close(self) -> None:
+        """Accept no more prefetches; cancel those queued or running."""
+        self._send.close()
+        for handle in list(self._running):
+            handle.cancel()
+
+    def cancel_queued(self) -> None:
+        """Cancel every prefetch still waiting in the queue (they finish as CANCELLED)."""
+        while True:
+            try:
+                handle = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            handle._finish(PrefetchStatus.CANCELLED)
+            self.cancelled += 1
+
+    def statistics(self) -> PrefetchStatistics:
+        return PrefetchStatistics(
+            submitted=self.submitted,
+            completed=self.completed,
+            terminated=self.terminated,
+            cancelled=self.cancelled,
+            skipped=self.skipped,
+            timeouts=self.timeouts,
+            queued=self._send.statistics().current_buffer_used,
+            pages_read=self.pages_read,
+            bytes_read=self.bytes_read,
+            pages_shared=self.pages_shared,
+            misses=self.misses,
+            corrupt=self.corrupt,
+            errors=self.errors,
+            host_pages_held=self._held,
+            host_pages_limit=self._host_limit,
+        )
+
+    # -- one prefetch -----------------------------------------------------------------------
+
+    async def _process(self, handle: PrefetchHandle) -> None:
+        if handle._cancel_requested or self._cache._state != "open":
+            handle._finish(PrefetchStatus.CANCELLED)
+            self.cancelled += 1
+            return
+        handle.status = PrefetchStatus.RUNNING
+        self._running.add(handle)
+        status = PrefetchStatus.CANCELLED
+        try:
+            with anyio.CancelScope() as scope:
+                handle._scope = scope
+                status = await self._fetch(handle)
+        except Exception as exc:  # a bug or an unexpected backend failure: never kill the worker
+            status = PrefetchStatus.TERMINATED
+            self.errors += 1
+            _log.warning("hicache.prefetch.failed", request_id=handle.request_id, error=repr(exc))
+        finally:
+            self._running.discard(handle)
+            handle._scope = None
+            handle._finish(status)
+            self._cache._counters.tokens_storage += handle.storage_tokens
+        if status is PrefetchStatus.COMPLETE:
+            self.completed += 1
+        elif status is PrefetchStatus.TERMINATED:
+            self.terminated += 1
+        elif status is PrefetchStatus.SKIPPED:
+            self.skipped += 1
+        else:
+            self.cancelled += 1
+
+    async def _fetch(self, handle: PrefetchHandle) -> PrefetchStatus:
+        cache = self._cache
+        tree = cache._tree
+        size = cache.config.page_size
+        keys = handle.keys
+        found = tree.match(keys, touch=False)
+        handle.device_tokens = found.num_device_pages * size
+        handle.host_tokens = found.num_host_pages * size
+        start = found.num_device_pages + found.num_host_pages
+        if start == len(keys):
+            return PrefetchStatus.COMPLETE  # everything is cached already
+        if (len(keys) - start) * size < max(self.config.threshold_tokens, 1):
+            return PrefetchStatus.SKIPPED
+        try:
+            with anyio.fail_after(self.config.io_timeout_s):
+                existing = await self._backend.exists(keys[start:])
+        except Exception as exc:
+            self.errors += 1
+            _log.warning(
+                "hicache.prefetch.exists.failed", request_id=handle.request_id, error=repr(exc)
+            )
+            return PrefetchStatus.SKIPPED
+        if existing * size < max(self.config.threshold_tokens, 1):
+            self.misses += existing == 0
+            return PrefetchStatus.SKIPPED
+        if handle._terminated:
+            return PrefetchStatus.TERMINATED
+        return await self._read(handle, start + existing)
+
+    async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus:
+        """Read keys[cached:end] into the host pool, landing batches as they arrive."""
+        cache = self._cache
+        tree = cache._tree
+        host = cache._host_pool
+        assert host is not None
+        size = cache.config.page_size
+        keys = handle.keys
+        # Re-plan after the await: others may have brought pages meanwhile.
+        found = tree.match(keys, touch=False)
+        begin = found.num_device_pages + found.num_host_pages
+        if begin >= end:
+            return PrefetchStatus.COMPLETE
+        todo = keys[begin:end]
+        own = [k for k in todo if k not in self._inflight]
+        budget = max(0, self._host_limit - self._held)
+        if len(own) > budget:
+            # Stop the plan before the first page beyond the budget.
+            cut = self._cut(todo, budget)
+            todo, own = todo[:cut], own[:budget]
+        pages = cache._try_alloc_host(len(own))
+        if pages is None:
+            assert cache._host_pool is not None
+            spare = cache._host_pool.allocator.free_count
+            pages = cache._host_pool.allocator.alloc(spare) or []
+            cut = self._cut(todo, len(pages))
+            todo, own = todo[:cut], own[: len(pages)]
+        if not todo:
+            cache._host_free(pages)
+            return PrefetchStatus.TERMINATED
+        loop = asyncio.get_running_loop()
+        futures: dict[bytes, asyncio.Future[bool]] = {}
+        for key in own:
+            futures[key] = self._inflight[key] = loop.create_future()
+        page_of = dict(zip(own, pages, strict=True))
+        self._held += len(pages)
+        anchor: TreeNode = found.host_node
+        locked: TreeNode = found.device_node
+        tree.lock_device(locked)
+        tree.protect_host(anchor)
+        batch_limit = min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
+        landed = 0
+        status = PrefetchStatus.COMPLETE
+        try:
+            pos = 0
+            while pos < len(todo):
+                if handle._terminated:
+                    status = PrefetchStatus.TERMINATED
+                    break
+                key = todo[pos]
+                if key not in futures:
+                    # Another prefetch reads this page: wait for it to land, never read twice.
+                    other = self._inflight.get(key)
+                    arrived = await asyncio.shield(other) if other is not None else False
+                    if not arrived:
+                        status = PrefetchStatus.TERMINATED
+                        break
+                    self.pages_shared += 1
+                    pos += 1
+                    landed += 1
+                    continue
+                run_end = pos
+                while (
+                    run_end < len(todo) and todo[run_end] in futures and run_end - pos < batch_limit
+                ):
+                    run_end += 1
+                batch = todo[pos:run_end]
+                outcomes = await self._get(batch, [page_of[k] for k in batch])
+                ok = 0
+                while ok < len(batch) and outcomes[ok] is Outcome.OK:
+                    ok += 1
+                if ok:
+                    extended = self._land(keys, begin + pos, batch[:ok], page_of, anchor)
+                    if extended is None:
+                        status = PrefetchStatus.TERMINATED
+                        break
+                    anchor = extended
+                    for k in batch[:ok]:
+                        del page_of[k]
+                        futures.pop(k).set_result(True)
+                        self._inflight.pop(k, None)
+                    landed += ok
+                pos += ok
+                if ok < len(batch):
+                    status = PrefetchStatus.TERMINATED
+                    break
+        except BaseException:
+            status = PrefetchStatus.CANCELLED
+            raise
+        finally:
+            # Sync cleanup: every page not landed goes back, every waiter learns the outcome.
+            leftover = list(page_of.values())
+            self._held -= len(pages)
+            cache._host_free(leftover)
+            for k, fut in futures.items():
+                if not fut.done():
+                    fut.set_result(False)
+                if self._inflight.get(k) is fut:
+                    del self._inflight[k]
+            tree.unprotect_host(anchor)
+            tree.unlock_device(locked)
+            handle.storage_tokens = landed * size
+        return status
+
+    def _cut(self, todo: list[bytes], allowed_own: int) -> int:
+        """Length of the longest prefix of `todo` that needs at most `allowed_own` own reads."""
+        count = 0
+        for i, key in enumerate(todo):
+            if key not in self._inflight:
+                if count == allowed_own:
+                    return i
+                count += 1
+        return len(todo)
+
+    async def _get(self, keys: list[bytes], pages: list[int]) -> list[Outcome]:
+        host = self._cache._host_pool
+        assert host is not None
+        into = [host.page_segments(p) for p in pages]
+        began = time.monotonic()
+        try:
+            with anyio.fail_after(self.config.io_timeout_s):
+                outcomes = await self._backend.get(
+                    keys, into, namespace=self._cache.namespace.fingerprint
+                )
+            self._cache.storage_get_latency.observe(time.monotonic() - began)
+        except Exception as exc:
+            self.errors += 1
+            _log.warning("hicache.prefetch.get.failed", pages=len(keys), error=repr(exc))
+            return [Outcome.ERROR] * len(keys)
+        for outcome in outcomes:
+            if outcome is Outcome.OK:
+                self.pages_read += 1
+                self.bytes_read += host.page_nbytes
+            elif outcome is Outcome.MISS:
+                self.misses += 1
+            elif outcome is Outcome.CORRUPT:
+                self.corrupt += 1
+            else:
+                self.errors += 1
+        return outcomes
+
+    def _land(
+        self,
+        keys: list[bytes],
+        boundary: int,
+        batch: list[bytes],
+        page_of: dict[bytes, int],
+        anchor: TreeNode,
+    ) -> TreeNode | None:
+        """Insert verified pages under the cached prefix ending at `boundary`; one sync step."""
+        tree = self._cache._tree
+        found = tree.match(keys[:boundary], touch=False)
+        if found.num_device_pages + found.num_host_pages != boundary:
+            return None  # the prefix we extend was evicted meanwhile: these pages can't attach
+        pages = [page_of[k] for k in batch]
+        result = tree.insert(batch, host_pages=pages, under=found.host_node)
+        self._cache._host_free(result.duplicate_host_pages)
+        for node in self._cache._path(result.node, len(batch)):
+            tree.mark_in_storage(node)
+        tree.protect_host(result.node)
+        tree.unprotect_host(anchor)
+        return result.node

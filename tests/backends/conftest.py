@@ -1,0 +1,13 @@
+"""Real servers for the backend tests: a redis-server and a mooncake_master per session.
+
+A missing binary fails these fixtures (and the tests that use them); it never skips them.
+"""
+
+from hicache_async.testing._fixtures import (
+    mooncake_master,
+    mooncake_url,
+    redis_server,
+    redis_url,
+)
+
+__all__ = ["mooncake_master", "mooncake_url", "redis_server", "redis_url"]

@@ -1,0 +1,364 @@
+"""MooncakeStorage against a real mooncake_master (TCP transport, everything on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from hicache_async import StorageConfigError, StorageError
+from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta
+from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
+from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+from hicache_async.testing._servers import MooncakeMaster, free_port
+
+NS = bytes(range(16))
+OTHER_NS = bytes(16)
+# Small segments keep the suite light; auto_register above the test buffers' sizes keeps the
+# plain tests on the staged path, the zero-copy tests register explicitly or lower it.
+SMALL = {"segment_size": "512MiB", "buffer_size": "16MiB", "staging_size": "8MiB"}
+
+
+def make_pages(
+    count: int, nbytes: int = 3000, *, split: int = 1000
+) -> tuple[list[bytes], list[list[memoryview]], list[PageMeta]]:
+    keys = [os.urandom(32) for _ in range(count)]
+    pages = [
+        [memoryview(data[:split]), memoryview(data[split:])]
+        for data in (os.urandom(nbytes) for _ in range(count))
+    ]
+    metas = [PageMeta(key=k, namespace=NS, num_tokens=16, priority=i) for i, k in enumerate(keys)]
+    return keys, pages, metas
+
+
+def buffers(count: int, nbytes: int = 3000, *, split: int = 1000) -> list[list[memoryview]]:
+    return [
+        [memoryview(bytearray(split)), memoryview(bytearray(nbytes - split))] for _ in range(count)
+    ]
+
+
+def joined(page: list[memoryview]) -> bytes:
+    return b"".join(bytes(s) for s in page)
+
+
+def fresh_url(base: str, **params: object) -> str:
+    merged = {**SMALL, "prefix": f"t{uuid.uuid4().hex}", **params}
+    return base + "".join(f"&{k}={v}" for k, v in merged.items())
+
+
+@pytest.fixture
+async def backend(mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
+        yield storage
+
+
+async def test_round_trip_with_per_key_outcomes(backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(6)
+    assert await backend.put(keys[:4], pages[:4], metas[:4]) == [Outcome.OK] * 4
+    into = buffers(6)
+    assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 4 + [Outcome.MISS] * 2
+    for page, got in zip(pages[:4], into[:4], strict=True):
+        assert joined(got) == joined(page)
+    stats = backend.stats()
+    assert (stats.puts, stats.put_ok, stats.gets, stats.get_hits) == (4, 4, 6, 4)
+    assert (stats.pages, stats.bytes) == (4, 4 * (HEADER_NBYTES + 3000))
+    assert backend.staged_pages == 10  # small bytearrays: not registered
+
+
+async def test_existing_key_is_ok_and_not_rewritten(backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(1)
+    _, other, _ = make_pages(1)
+    assert await backend.put(keys, pages, metas) == [Outcome.OK]
+    before = await backend.read_raw(keys[0])
+    assert await backend.put(keys, other, metas) == [Outcome.OK]
+    assert await backend.read_raw(keys[0]) == before
+    assert backend.stats().pages == 1
+
+
+async def test_exists_counts_the_consecutive_prefix(backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(4)
+    stored = [0, 1, 3]
+    await backend.put(
+        [keys[i] for i in stored], [pages[i] for i in stored], [metas[i] for i in stored]
+    )
+    assert await backend.exists(keys) == 2
+    assert await backend.exists(keys[2:]) == 0
+    assert await backend.exists([]) == 0
+
+
+async def test_registered_memory_moves_zero_copy(backend: MooncakeStorage) -> None:
+    pool = np.zeros(8 << 20, dtype=np.uint8)
+    await backend.register_memory(pool)
+    page_nbytes = 256 << 10
+    count = 8
+    source = np.random.default_rng(1).integers(0, 256, count * page_nbytes, dtype=np.uint8)
+    pool[: source.size] = source
+    # Each page as four segments of the pool, like a layer-split host layout.
+    quarter = page_nbytes // 4
+    segments = [
+        [memoryview(pool[i * page_nbytes + q * quarter :][:quarter]) for q in range(4)]
+        for i in range(count)
+    ]
+    keys = [os.urandom(32) for _ in range(count)]
+    metas = [PageMeta(key=k, namespace=NS, num_tokens=64) for k in keys]
+    assert await backend.put(keys, segments, metas) == [Outcome.OK] * count
+    pool[: source.size] = 0
+    assert await backend.get(keys, segments, namespace=NS) == [Outcome.OK] * count
+    assert np.array_equal(pool[: source.size], source)
+    assert backend.zero_copy_pages == 2 * count
+    assert backend.staged_pages == 0
+    # The stored object is header ‖ payload, whatever the path.
+    raw = await backend.read_raw(keys[3])
+    assert raw is not None
+    assert raw[HEADER_NBYTES:] == source[3 * page_nbytes : 4 * page_nbytes].tobytes()
+    await backend.unregister_memory(pool)
+
+
+async def test_host_pools_register_on_first_use(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, auto_register="1MiB")) as backend:
+        pool = np.zeros(2 << 20, dtype=np.uint8)
+        pool[:4096] = 7
+        keys, _, _ = make_pages(2)
+        pages = [[memoryview(pool[:4096])], [memoryview(pool[4096:8192])]]
+        metas = [PageMeta(key=k, namespace=NS, num_tokens=1) for k in keys]
+        small = bytearray(4096)  # below the threshold: staged
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+        assert await backend.get(keys[:1], [[memoryview(small)]], namespace=NS) == [Outcome.OK]
+        assert small == bytes([7]) * 4096
+        assert (backend.zero_copy_pages, backend.staged_pages) == (2, 1)
+        assert "registered=1" in repr(backend)
+
+
+async def test_another_client_reads_the_pages(mooncake_url: str, backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(3, 100_000, split=60_000)
+    await backend.put(keys, pages, metas)
+    url = fresh_url(mooncake_url, prefix=backend.prefix, segment_size=0)
+    async with MooncakeStorage.from_url(url) as reader:
+        assert reader.capabilities.persistent  # it lends no memory: pages outlive it
+        into = buffers(3, 100_000, split=60_000)
+        assert await reader.get(keys, into, namespace=NS) == [Outcome.OK] * 3
+        assert [joined(b) for b in into] == [joined(p) for p in pages]
+        assert await reader.exists(keys) == 3
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda v: v[:-1] + bytes([v[-1] ^ 0xFF]), Outcome.CORRUPT),  # payload bit flips
+        (lambda v: v[:100] + bytes([v[100] ^ 1]) + v[101:], Outcome.CORRUPT),  # header
+        (lambda v: v[:-10], Outcome.CORRUPT),  # truncated
+        (lambda v: v + b"extra", Outcome.CORRUPT),  # too long
+        (lambda v: v[:4] + b"\x02\x00" + v[6:], Outcome.MISS),  # a newer format version
+    ],
+    ids=["payload", "header", "truncated", "extended", "newer-version"],
+)
+async def test_damaged_pages_are_rejected(
+    backend: MooncakeStorage, damage: object, expected: Outcome
+) -> None:
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    raw = await backend.read_raw(keys[0])
+    assert raw is not None
+    assert len(raw) == HEADER_NBYTES + 3000
+    damaged = damage(raw)  # type: ignore[operator]
+    await backend.write_raw(keys[0], damaged)
+    outcomes = await backend.get(keys, buffers(2), namespace=NS)
+    assert outcomes == [expected, Outcome.OK]
+    if expected is Outcome.CORRUPT:
+        assert await backend.read_raw(keys[0]) is None
+        assert backend.stats().corrupt == 1
+    else:
+        assert await backend.read_raw(keys[0]) == damaged
+        assert backend.stats().corrupt == 0
+
+
+async def test_other_namespace_is_corrupt(backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(1)
+    await backend.put(keys, pages, metas)
+    assert await backend.get(keys, buffers(1), namespace=OTHER_NS) == [Outcome.CORRUPT]
+    assert await backend.exists(keys) == 0
+
+
+async def test_mac_key_is_required_and_checked(mooncake_url: str) -> None:
+    url = fresh_url(mooncake_url)
+    keys, pages, metas = make_pages(2)
+    # One backend at a time: each takes over the pooled client (and its pages) of the last.
+    async with MooncakeStorage.from_url(url, mac_key=b"k" * 32) as writer:
+        await writer.put(keys[:1], pages[:1], metas[:1])
+    async with MooncakeStorage.from_url(url) as plain:
+        await plain.put(keys[1:], pages[1:], metas[1:])
+        # An unkeyed reader checks the checksum and accepts the MACed page.
+        assert await plain.get(keys[:1], buffers(1), namespace=NS) == [Outcome.OK]
+    async with MooncakeStorage.from_url(url, mac_key=b"k" * 32) as reader:
+        into = buffers(1)
+        assert await reader.get(keys[:1], into, namespace=NS) == [Outcome.OK]
+        assert joined(into[0]) == joined(pages[0])
+        # An unkeyed writer's page is not trusted by a keyed reader.
+        assert await reader.get(keys[1:], buffers(1), namespace=NS) == [Outcome.CORRUPT]
+    async with MooncakeStorage.from_url(url, mac_key=b"x" * 32) as stranger:
+        assert await stranger.get(keys[:1], buffers(1), namespace=NS) == [Outcome.CORRUPT]
+
+
+async def test_cancelled_get_writes_nothing_afterwards(backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(16, 1 << 20, split=1 << 19)
+    await backend.put(keys, pages, metas)
+    into = buffers(16, 1 << 20, split=1 << 19)
+    task = asyncio.ensure_future(backend.get(keys, into, namespace=NS))
+    await asyncio.sleep(0.005)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    snapshot = [joined(b) for b in into]
+    await asyncio.sleep(0.2)
+    assert [joined(b) for b in into] == snapshot
+    again = buffers(16, 1 << 20, split=1 << 19)
+    assert await backend.get(keys, again, namespace=NS) == [Outcome.OK] * 16
+
+
+async def test_master_loss_gives_errors_not_hangs() -> None:
+    with MooncakeMaster() as master:
+        # The client that sees its master die lends no memory (segment_size=0): a client
+        # with a segment spends seconds at exit trying to unmount it from a dead master.
+        async with MooncakeStorage.from_url(fresh_url(master.url)) as holder:
+            url = fresh_url(master.url, prefix=holder.prefix, segment_size=0)
+            async with MooncakeStorage.from_url(url) as backend:
+                keys, pages, metas = make_pages(3)
+                assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+                await holder.close()
+                assert close_idle_clients(master.address) == 1  # unmounted while it answers
+                master.kill()
+                # Each call waits for Mooncake's reconnect timeout (~4 s): run them at once.
+                got, put, exists = await asyncio.gather(
+                    backend.get(keys, buffers(3), namespace=NS),
+                    backend.put(keys[1:], pages[1:], metas[1:]),
+                    backend.exists(keys),
+                    return_exceptions=True,
+                )
+                assert got == [Outcome.ERROR] * 3
+                assert put == [Outcome.ERROR] * 2
+                assert isinstance(exists, StorageError)
+                assert backend.stats().errors >= 6
+
+
+async def test_unreachable_master_fails_to_open() -> None:
+    url = f"mooncake://127.0.0.1:{free_port()}?protocol=tcp"
+    with pytest.raises(StorageError, match="cannot reach"):
+        async with MooncakeStorage.from_url(fresh_url(url)):
+            pass
+
+
+async def test_page_larger_than_staging_is_an_error_alone(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, staging_size="1MiB")) as backend:
+        keys, pages, metas = make_pages(1)
+        big_keys, big_pages, big_metas = make_pages(1, 2 << 20, split=1 << 20)
+        outcomes = await backend.put([*keys, *big_keys], [*pages, *big_pages], [*metas, *big_metas])
+        assert outcomes == [Outcome.OK, Outcome.ERROR]
+
+
+async def test_misuse_raises_before_io(backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(2)
+    with pytest.raises(ValueError, match="buffers"):
+        await backend.get(keys, buffers(1), namespace=NS)
+    with pytest.raises(ValueError, match="metas"):
+        await backend.put(keys, pages, metas[:1])
+    with pytest.raises(ValueError, match=r"meta\.key"):
+        await backend.put(keys, pages, list(reversed(metas)))
+    assert await backend.exists(keys) == 0
+    assert backend.stats().puts == 0
+
+
+async def test_closed_backend_raises(mooncake_url: str) -> None:
+    backend = MooncakeStorage.from_url(fresh_url(mooncake_url))
+    keys, pages, metas = make_pages(1)
+    with pytest.raises(StorageError, match="not open"):
+        await backend.exists(keys)
+    async with backend:
+        await backend.put(keys, pages, metas)
+        assert await backend.delete(keys) == 1
+        assert await backend.delete(keys) == 0
+    await backend.close()
+    for call in (
+        backend.exists(keys),
+        backend.get(keys, buffers(1), namespace=NS),
+        backend.put(keys, pages, metas),
+        backend.delete(keys),
+        backend.read_raw(keys[0]),
+    ):
+        with pytest.raises(StorageError, match="closed"):
+            await call
+
+
+async def test_list_verify_and_gc(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, capacity=7000)) as backend:
+        keys, pages, metas = make_pages(4)
+        await backend.put(keys, pages, metas)
+        listed = await backend.list_pages()
+        assert sorted(p.key for p in listed) == sorted(keys)
+        assert {p.nbytes for p in listed} == {HEADER_NBYTES + 3000}
+        assert sorted(p.priority for p in listed) == [0, 1, 2, 3]
+        raw = await backend.read_raw(keys[1])
+        assert raw is not None
+        await backend.write_raw(keys[1], raw[:-1] + bytes([raw[-1] ^ 1]))
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (4, 3, 1)
+        gc = await backend.gc()
+        assert (gc.evicted_pages, gc.freed_bytes) == (1, HEADER_NBYTES + 3000)
+        assert len(await backend.list_pages()) == 2
+
+
+async def test_listing_needs_the_admin_url(mooncake_master: MooncakeMaster) -> None:
+    url = (
+        f"mooncake://127.0.0.1:{mooncake_master.rpc_port}?metadata={mooncake_master.metadata_url}"
+        "&protocol=tcp&local_hostname=127.0.0.1"
+    )
+    async with MooncakeStorage.from_url(fresh_url(url)) as backend:
+        with pytest.raises(StorageError, match="admin"):
+            await backend.list_pages()
+
+
+def test_from_url_parameters() -> None:
+    backend = MooncakeStorage.from_url(
+        "mooncake://10.0.0.1:50051?metadata=http://10.0.0.1:8080/metadata&protocol=rdma"
+        "&device=mlx5_0&segment_size=4GiB&buffer_size=32MiB&prefix=m&replicas=2&capacity=1GiB"
+    )
+    assert backend.name == "mooncake://10.0.0.1:50051?prefix=m"
+    assert backend.stats().capacity_bytes == 1 << 30
+    assert backend.capabilities.shared
+    assert not backend.capabilities.persistent
+    with pytest.raises(StorageConfigError, match=r"accepted: .*segment_size"):
+        MooncakeStorage.from_url("mooncake://127.0.0.1:50051?colour=blue")
+    with pytest.raises(StorageConfigError, match="host:port"):
+        MooncakeStorage.from_url("mooncake://127.0.0.1")
+    with pytest.raises(StorageConfigError, match="protocol"):
+        MooncakeStorage.from_url("mooncake://127.0.0.1:1?protocol=udp")
+    with pytest.raises(StorageConfigError, match="segment_size"):
+        MooncakeStorage.from_url("mooncake://127.0.0.1:1?segment_size=lots")
+
+
+class TestMooncakeConformance(StorageConformance):
+    @pytest_asyncio.fixture
+    async def backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
+        async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
+            yield storage
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
+        url = fresh_url(mooncake_url)
+        async with MooncakeStorage.from_url(url, mac_key=MAC_KEY) as storage:
+            yield storage
+
+
+class TestMooncakeZeroCopyConformance(StorageConformance):
+    """The same suite with every buffer object registered on first use (zero copy)."""
+
+    @pytest_asyncio.fixture
+    async def backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
+        url = fresh_url(mooncake_url, auto_register=1)
+        async with MooncakeStorage.from_url(url) as storage:
+            yield storage

@@ -1,0 +1,347 @@
+"""RedisStorage against a real redis-server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+
+from hicache_async import StorageConfigError, StorageError
+from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta
+from hicache_async.storage._redis import RedisStorage
+from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+from hicache_async.testing._servers import RedisServer
+
+NS = bytes(range(16))
+OTHER_NS = bytes(16)
+
+
+def make_pages(
+    count: int, nbytes: int = 3000, *, split: int = 1000
+) -> tuple[list[bytes], list[list[memoryview]], list[PageMeta]]:
+    """Random keys and two-segment pages (`split` bytes, then the rest)."""
+    keys = [os.urandom(32) for _ in range(count)]
+    pages = [
+        [memoryview(data[:split]), memoryview(data[split:])]
+        for data in (os.urandom(nbytes) for _ in range(count))
+    ]
+    metas = [PageMeta(key=k, namespace=NS, num_tokens=16, priority=i) for i, k in enumerate(keys)]
+    return keys, pages, metas
+
+
+def buffers(count: int, nbytes: int = 3000, *, split: int = 1000) -> list[list[memoryview]]:
+    return [
+        [memoryview(bytearray(split)), memoryview(bytearray(nbytes - split))] for _ in range(count)
+    ]
+
+
+def joined(page: list[memoryview]) -> bytes:
+    return b"".join(bytes(s) for s in page)
+
+
+def fresh_url(base: str, **params: object) -> str:
+    query = "&".join(f"{k}={v}" for k, v in {"prefix": f"t{uuid.uuid4().hex}", **params}.items())
+    return f"{base}?{query}"
+
+
+@pytest.fixture
+async def backend(redis_url: str) -> AsyncIterator[RedisStorage]:
+    async with RedisStorage.from_url(fresh_url(redis_url)) as storage:
+        yield storage
+
+
+async def test_round_trip_with_per_key_outcomes(backend: RedisStorage) -> None:
+    keys, pages, metas = make_pages(6)
+    assert await backend.put(keys[:4], pages[:4], metas[:4]) == [Outcome.OK] * 4
+    into = buffers(6)
+    outcomes = await backend.get(keys, into, namespace=NS)
+    assert outcomes == [Outcome.OK] * 4 + [Outcome.MISS] * 2
+    for page, got in zip(pages[:4], into[:4], strict=True):
+        assert joined(got) == joined(page)
+    stats = backend.stats()
+    assert (stats.puts, stats.put_ok, stats.gets, stats.get_hits) == (4, 4, 6, 4)
+    assert stats.pages == 4
+    assert stats.bytes == 4 * (HEADER_NBYTES + 3000)
+
+
+async def test_existing_key_is_ok_and_not_rewritten(backend: RedisStorage) -> None:
+    keys, pages, metas = make_pages(1)
+    _, other, _ = make_pages(1)
+    assert await backend.put(keys, pages, metas) == [Outcome.OK]
+    before = await backend.read_raw(keys[0])
+    assert await backend.put(keys, other, metas) == [Outcome.OK]
+    assert await backend.read_raw(keys[0]) == before
+    into = buffers(1)
+    assert await backend.get(keys, into, namespace=NS) == [Outcome.OK]
+    assert joined(into[0]) == joined(pages[0])
+    assert backend.stats().pages == 1
+
+
+@pytest.mark.parametrize("multikey", [1, 0])
+async def test_exists_counts_the_consecutive_prefix(redis_url: str, multikey: int) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, multikey=multikey)) as backend:
+        keys, pages, metas = make_pages(4)
+        stored = [0, 1, 3]
+        await backend.put(
+            [keys[i] for i in stored], [pages[i] for i in stored], [metas[i] for i in stored]
+        )
+        assert await backend.exists(keys) == 2
+        assert await backend.exists(keys[:2]) == 2
+        assert await backend.exists(keys[2:]) == 0
+        assert await backend.exists([]) == 0
+        # Longer than one script call or pipeline.
+        many, many_pages, many_metas = make_pages(1100, 64, split=32)
+        await backend.put(many, many_pages, many_metas)
+        assert await backend.exists(many) == 1100
+        assert await backend.exists([*many[:1050], keys[2], *many[1050:]]) == 1050
+
+
+async def test_pages_are_one_key_each_without_hash_tags(
+    backend: RedisStorage, redis_url: str
+) -> None:
+    keys, pages, metas = make_pages(3)
+    await backend.put(keys, pages, metas)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        found = sorted(await client.keys(f"{backend.prefix}:*"))
+    finally:
+        await client.aclose()
+    assert found == sorted(f"{backend.prefix}:{k.hex()}".encode() for k in keys)
+    assert not any(b"{" in k for k in found)
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda v: v[:-1] + bytes([v[-1] ^ 0xFF]), Outcome.CORRUPT),  # payload bit flips
+        (lambda v: v[:100] + bytes([v[100] ^ 1]) + v[101:], Outcome.CORRUPT),  # header
+        (lambda v: v[:-10], Outcome.CORRUPT),  # truncated
+        (lambda v: v + b"extra", Outcome.CORRUPT),  # too long
+        (lambda v: v[:4] + b"\x02\x00" + v[6:], Outcome.MISS),  # a newer format version
+    ],
+    ids=["payload", "header", "truncated", "extended", "newer-version"],
+)
+async def test_damaged_pages_are_rejected(
+    backend: RedisStorage, damage: object, expected: Outcome
+) -> None:
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    raw = await backend.read_raw(keys[0])
+    assert raw is not None
+    assert len(raw) == HEADER_NBYTES + 3000
+    damaged = damage(raw)  # type: ignore[operator]
+    await backend.write_raw(keys[0], damaged)
+    outcomes = await backend.get(keys, buffers(2), namespace=NS)
+    assert outcomes == [expected, Outcome.OK]
+    if expected is Outcome.CORRUPT:
+        assert await backend.read_raw(keys[0]) is None  # removed
+        assert backend.stats().corrupt == 1
+    else:
+        assert await backend.read_raw(keys[0]) == damaged  # a newer writer's: left alone
+        assert backend.stats().corrupt == 0
+
+
+async def test_other_namespace_is_corrupt(backend: RedisStorage) -> None:
+    keys, pages, metas = make_pages(1)
+    await backend.put(keys, pages, metas)
+    assert await backend.get(keys, buffers(1), namespace=OTHER_NS) == [Outcome.CORRUPT]
+    assert await backend.exists(keys) == 0
+
+
+async def test_wrong_buffer_size_is_corrupt(backend: RedisStorage) -> None:
+    keys, pages, metas = make_pages(1)
+    await backend.put(keys, pages, metas)
+    assert await backend.get(keys, buffers(1, 2000), namespace=NS) == [Outcome.CORRUPT]
+
+
+async def test_mac_key_is_required_and_checked(redis_url: str) -> None:
+    url = fresh_url(redis_url)
+    keys, pages, metas = make_pages(2)
+    async with RedisStorage.from_url(url, mac_key=b"k" * 32) as writer:
+        await writer.put(keys[:1], pages[:1], metas[:1])
+    async with RedisStorage.from_url(url) as plain:
+        await plain.put(keys[1:], pages[1:], metas[1:])
+        # An unkeyed reader still checks the checksum and accepts the MACed page.
+        assert await plain.get(keys[:1], buffers(1), namespace=NS) == [Outcome.OK]
+    async with RedisStorage.from_url(url, mac_key=b"k" * 32) as reader:
+        into = buffers(1)
+        assert await reader.get(keys[:1], into, namespace=NS) == [Outcome.OK]
+        assert joined(into[0]) == joined(pages[0])
+        # Unkeyed pages are not trusted by a keyed reader.
+        assert await reader.get(keys[1:], buffers(1), namespace=NS) == [Outcome.CORRUPT]
+    async with RedisStorage.from_url(url, mac_key=b"x" * 32) as stranger:
+        assert await stranger.get(keys[:1], buffers(1), namespace=NS) == [Outcome.CORRUPT]
+
+
+async def test_ttl_expires_pages(redis_url: str) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, ttl=1)) as backend:
+        keys, pages, metas = make_pages(2)
+        await backend.put(keys, pages, metas)
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            ttl = await client.ttl(f"{backend.prefix}:{keys[0].hex()}")
+        finally:
+            await client.aclose()
+        assert 0 < ttl <= 1
+        for _ in range(100):  # eventually gone, within 10 s
+            if await backend.exists(keys[:1]) == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert await backend.get(keys, buffers(2), namespace=NS) == [Outcome.MISS] * 2
+
+
+async def test_server_loss_gives_errors_not_hangs() -> None:
+    with RedisServer() as server:
+        async with RedisStorage.from_url(f"{server.url}?timeout=2&prefix=loss") as backend:
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+            server.stop()
+            assert await backend.get(keys, buffers(3), namespace=NS) == [Outcome.ERROR] * 3
+            assert await backend.put(keys[1:], pages[1:], metas[1:]) == [Outcome.ERROR] * 2
+            with pytest.raises(StorageError):
+                await backend.exists(keys)
+            with pytest.raises(StorageError):
+                await backend.delete(keys)
+            assert backend.stats().errors >= 5
+
+
+async def test_open_with_no_server_then_batches_are_errors() -> None:
+    with RedisServer() as server:
+        url = server.url
+    async with RedisStorage.from_url(f"{url}?timeout=1") as backend:
+        keys, pages, metas = make_pages(1)
+        assert await backend.put(keys, pages, metas) == [Outcome.ERROR]
+
+
+async def test_batches_larger_than_a_pipeline(redis_url: str) -> None:
+    url = fresh_url(redis_url, put_pipeline_bytes="64KiB", get_pipeline_bytes="100KiB")
+    async with RedisStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(40, 40_000, split=10_000)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 40
+        into = buffers(40, 40_000, split=10_000)
+        assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 40
+        assert [joined(b) for b in into] == [joined(p) for p in pages]
+
+
+async def test_cancelled_get_writes_nothing_afterwards(redis_url: str) -> None:
+    url = fresh_url(redis_url, get_pipeline_bytes="64KiB", concurrency=2)
+    async with RedisStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(32, 64_000, split=32_000)
+        await backend.put(keys, pages, metas)
+        into = buffers(32, 64_000, split=32_000)
+        task = asyncio.ensure_future(backend.get(keys, into, namespace=NS))
+        for _ in range(100_000):  # until the first pipeline has been copied in
+            if task.done() or any(into[0][0]):
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        snapshot = [joined(b) for b in into]
+        await asyncio.sleep(0.2)
+        assert [joined(b) for b in into] == snapshot
+        # The backend is still usable.
+        again = buffers(32, 64_000, split=32_000)
+        assert await backend.get(keys, again, namespace=NS) == [Outcome.OK] * 32
+
+
+async def test_delete_counts_existing(backend: RedisStorage) -> None:
+    keys, pages, metas = make_pages(3)
+    await backend.put(keys[:2], pages[:2], metas[:2])
+    assert await backend.delete(keys) == 2
+    assert await backend.exists(keys) == 0
+    stats = backend.stats()
+    assert (stats.deletes, stats.pages, stats.bytes) == (2, 0, 0)
+
+
+async def test_misuse_raises_before_io(backend: RedisStorage) -> None:
+    keys, pages, metas = make_pages(2)
+    with pytest.raises(ValueError, match="buffers"):
+        await backend.get(keys, buffers(1), namespace=NS)
+    with pytest.raises(ValueError, match="metas"):
+        await backend.put(keys, pages, metas[:1])
+    with pytest.raises(ValueError, match=r"meta\.key"):
+        await backend.put(keys, pages, list(reversed(metas)))
+    assert await backend.exists(keys) == 0
+    assert backend.stats().puts == 0
+
+
+async def test_closed_backend_raises(redis_url: str) -> None:
+    backend = RedisStorage.from_url(fresh_url(redis_url))
+    keys, pages, metas = make_pages(1)
+    with pytest.raises(StorageError, match="not open"):
+        await backend.exists(keys)
+    async with backend:
+        await backend.put(keys, pages, metas)
+    await backend.close()  # idempotent
+    for call in (
+        backend.exists(keys),
+        backend.get(keys, buffers(1), namespace=NS),
+        backend.put(keys, pages, metas),
+        backend.delete(keys),
+        backend.read_raw(keys[0]),
+    ):
+        with pytest.raises(StorageError, match="closed"):
+            await call
+
+
+async def test_list_verify_and_gc(redis_url: str) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, capacity=7000)) as backend:
+        keys, pages, metas = make_pages(4)
+        await backend.put(keys, pages, metas)
+        listed = await backend.list_pages()
+        assert sorted(p.key for p in listed) == sorted(keys)
+        assert {p.nbytes for p in listed} == {HEADER_NBYTES + 3000}
+        assert sorted(p.priority for p in listed) == [0, 1, 2, 3]
+        assert len(await backend.list_pages(limit=2)) == 2
+        raw = await backend.read_raw(keys[1])
+        assert raw is not None
+        await backend.write_raw(keys[1], raw[:-1] + bytes([raw[-1] ^ 1]))
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (4, 3, 1)
+        assert await backend.read_raw(keys[1]) is None
+        gc = await backend.gc()  # 3 pages of 3128 bytes, capacity 7000: one goes
+        assert (gc.evicted_pages, gc.freed_bytes) == (1, HEADER_NBYTES + 3000)
+        assert len(await backend.list_pages()) == 2
+        assert backend.stats().evictions == 1
+
+
+def test_from_url_parameters() -> None:
+    backend = RedisStorage.from_url(
+        "redis://user:secret@127.0.0.1:6390/2?ttl=60&prefix=p&max_connections=4"
+        "&timeout=0.5&concurrency=8&put_pipeline_bytes=1MiB&capacity=1GiB&multikey=0"
+    )
+    assert "secret" not in backend.name
+    assert backend.name == "redis://127.0.0.1:6390/2?prefix=p"
+    assert backend.prefix == "p"
+    assert backend.stats().capacity_bytes == 1 << 30
+    assert backend.capabilities.shared
+    assert not backend.capabilities.zero_copy
+    assert RedisStorage.from_url("rediss://example.com").name.startswith("rediss://example.com")
+    with pytest.raises(StorageConfigError, match=r"accepted: .*ttl"):
+        RedisStorage.from_url("redis://127.0.0.1:6379/0?colour=blue")
+    with pytest.raises(StorageConfigError, match="ttl"):
+        RedisStorage.from_url("redis://127.0.0.1:6379/0?ttl=0")
+    with pytest.raises(StorageConfigError, match="twice"):
+        RedisStorage.from_url("redis://127.0.0.1:6379/0?ttl=1&ttl=2")
+    with pytest.raises(StorageConfigError, match="redis://"):
+        RedisStorage.from_url("http://127.0.0.1:6379/0")
+    with pytest.raises(StorageConfigError, match="prefix"):
+        RedisStorage.from_url("redis://127.0.0.1:6379/0?prefix=a*b")
+
+
+class TestRedisConformance(StorageConformance):
+    @pytest_asyncio.fixture
+    async def backend(self, redis_url: str) -> AsyncIterator[RedisStorage]:
+        async with RedisStorage.from_url(fresh_url(redis_url)) as storage:
+            yield storage
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self, redis_url: str) -> AsyncIterator[RedisStorage]:
+        async with RedisStorage.from_url(fresh_url(redis_url), mac_key=MAC_KEY) as storage:
+            yield storage

@@ -1,0 +1,194 @@
+"""The device and host tiers end to end, checked page by page against the KV generator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import threading
+
+import numpy as np
+import pytest
+
+from hicache_async import (
+    CacheClosedError,
+    CacheConfig,
+    HiCache,
+    KVLayout,
+    OutOfPagesError,
+    WrongThreadError,
+)
+from hicache_async.testing import KVGenerator, serve
+
+PAGE = 4
+
+
+def _config(**overrides: object) -> CacheConfig:
+    base: dict[str, object] = {
+        "layout": KVLayout(num_layers=3, num_kv_heads=2, head_dim=4),
+        "page_size": PAGE,
+        "device_pages": 24,
+        "host_pages": 40,
+    }
+    base.update(overrides)
+    return CacheConfig(**base)  # type: ignore[arg-type]
+
+
+def _prompts(count: int, seed: int) -> list[np.ndarray]:
+    """Prompts sharing prefixes: a few system prompts, a few conversations, new turns."""
+    rng = random.Random(seed)
+    systems = [np.array([rng.randrange(1000) for _ in range(3 * PAGE)]) for _ in range(3)]
+    prompts: list[np.ndarray] = []
+    conversations: list[np.ndarray] = []
+    for _ in range(count):
+        if conversations and rng.random() < 0.6:
+            base = rng.choice(conversations)
+        else:
+            base = rng.choice(systems)
+        turn = np.array([rng.randrange(1000) for _ in range(rng.randrange(1, 3 * PAGE))])
+        prompt = np.concatenate([base, turn])
+        prompts.append(prompt)
+        if len(prompt) < 12 * PAGE:
+            conversations.append(prompt)
+    return prompts
+
+
+def _assert_drained(cache: HiCache) -> None:
+    stats = cache.statistics()
+    assert stats.live_requests == 0
+    for node in cache.tree.iter_nodes():
+        assert node.lock_ref == 0, node
+        assert node.host_ref == 0, node
+    cache.tree.check_invariants()
+    for pool, in_tree in (
+        (cache.device_pool, stats.tree.device_pages),
+        (cache.host_pool, stats.tree.host_pages),
+    ):
+        alloc = pool.allocator
+        assert alloc.free_count + alloc.used_count == alloc.capacity
+        assert alloc.used_count == in_tree, pool
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first_direct", "page_first"])
+async def test_many_requests_through_small_pools(policy: str, host_layout: str) -> None:
+    config = _config(write_policy=policy, host_layout=host_layout, write_through_threshold=1)
+    generator = KVGenerator(config.layout, PAGE, seed=7)
+    async with HiCache(config) as cache:
+        served = []
+        for i, prompt in enumerate(_prompts(300, seed=hash(policy + host_layout) % 1000)):
+            served.append(await serve(cache, prompt, generator, request_id=f"r{i}", check="all"))
+            if i % 50 == 0:
+                await asyncio.sleep(0.01)  # let write-backs land between bursts
+        await cache.drain()
+        stats = cache.statistics()
+        assert sum(s.device_tokens for s in served) > 0
+        assert stats.counters["device_evicted_pages"] > 0
+        if policy != "write_back":
+            assert sum(s.host_tokens for s in served) > 0, "no request was served from host"
+            assert stats.counters["loaded_pages"] > 0
+        assert sum(s.checked_pages for s in served) > 0
+        _assert_drained(cache)
+
+
+async def test_concurrent_requests_share_and_balance() -> None:
+    config = _config(device_pages=32, host_pages=64)
+    generator = KVGenerator(config.layout, PAGE, seed=1)
+    prompts = _prompts(200, seed=3)
+    async with HiCache(config) as cache:
+        sem = asyncio.Semaphore(4)
+
+        async def one(i: int, prompt: np.ndarray) -> None:
+            async with sem:
+                # A device pool full of running requests' pages is allowed to refuse.
+                with contextlib.suppress(OutOfPagesError):
+                    await serve(cache, prompt, generator, request_id=f"c{i}")
+
+        await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        await cache.drain()
+        _assert_drained(cache)
+
+
+async def test_cancellation_at_every_await_point() -> None:
+    """Cancel a request handler after k loop iterations, for every k until it finishes."""
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=2)
+    prompts = _prompts(80, seed=5)
+    async with HiCache(config) as cache:
+        for prompt in prompts[:30]:
+            await serve(cache, prompt, generator)
+        cancelled = 0
+        for prompt in prompts[30:]:
+            step = 0
+            while True:
+                task = asyncio.create_task(serve(cache, prompt, generator))
+                for _ in range(step):
+                    await asyncio.sleep(0)
+                if task.done():
+                    await task
+                    break
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                cancelled += 1
+                step += 1
+                await cache.drain()
+                _assert_drained(cache)
+        assert cancelled >= len(prompts[30:])
+        # The cache still serves correct bytes after all that.
+        for prompt in prompts[:20]:
+            result = await serve(cache, prompt, generator, check="all")
+            assert result.device_tokens + result.host_tokens > 0
+
+
+async def test_wrong_thread_and_closed_errors() -> None:
+    config = _config()
+    async with HiCache(config) as cache:
+        errors: list[BaseException] = []
+
+        def other_thread() -> None:
+            try:
+                cache.match([1, 2, 3, 4])
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join()
+        assert len(errors) == 1
+        assert isinstance(errors[0], WrongThreadError)
+        info = cache.match(list(range(9)))
+        assert info.device_tokens == 0
+        assert "HiCache open" in repr(cache)
+    with pytest.raises(CacheClosedError):
+        cache.match([1, 2, 3, 4])
+    with pytest.raises(CacheClosedError):
+        await cache.__aenter__()
+
+
+async def test_request_lifecycle_and_repr() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE)
+    tokens = list(range(10))  # two whole pages and a tail of two tokens
+    async with HiCache(config) as cache:
+        with cache.request(tokens, request_id="first") as req:
+            assert req.cached_tokens == 0
+            pages = await req.allocate(10)
+            assert len(pages) == 3
+            for i in range(2):
+                generator.fill_page(cache.device_pool, pages[i], tokens, i)
+            assert req.commit() == 2
+            assert "first active" in repr(req)
+        assert req.released
+        with pytest.raises(CacheClosedError):
+            await req.allocate(1)
+        info = cache.match(tokens)
+        assert info.device_tokens == 8
+        with cache.request([*tokens, 99, 98]) as again:
+            assert again.device_tokens == 8
+            await again.load()
+            generator.check_page(cache.device_pool, again.page_table[1], tokens, 1)
+        await cache.drain()
+        _assert_drained(cache)
+        with pytest.raises(ValueError, match="num_tokens"), cache.request(tokens) as bad:
+            await bad.allocate(-1)

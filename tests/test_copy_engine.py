@@ -1,0 +1,413 @@
+"""Copy engines: exact copies across memory layouts, per-layer readiness, cancellation, closing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_async._config import HostLayout, KVLayout
+from hicache_async._errors import CacheClosedError, WrongThreadError
+from hicache_async._pool import KVPool
+from hicache_async.testing._kvgen import KVGenerator
+from hicache_async.transfer import (
+    CopyEngine,
+    CopyStatistics,
+    CpuCopyEngine,
+    CudaCopyEngine,
+    LayerwiseCopy,
+    default_copy_engine,
+)
+from hicache_async.transfer._cpu import DEFAULT_MIN_RUN_BYTES, LayerKernel
+from hicache_async.transfer._protocol import plan_copy
+
+LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16")
+PAGE = 4
+PAGES = 16
+MEMORY_LAYOUTS: tuple[HostLayout, ...] = ("layer_first", "page_first", "page_first_direct")
+TOKENS = np.random.default_rng(7).integers(0, 50_000, size=PAGES * PAGE)
+
+# (source pages, destination pages), from fully consecutive to scattered on both sides.
+PATTERNS: dict[str, tuple[list[int], list[int]]] = {
+    "contiguous": ([0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]),
+    "mixed": ([0, 1, 2, 3, 12, 13, 14, 15, 9], [8, 9, 10, 11, 0, 1, 2, 3, 6]),
+    "to_run": ([9, 2, 14, 5, 0], [3, 4, 5, 6, 7]),
+    "from_run": ([4, 5, 6, 7, 8], [15, 0, 9, 2, 6]),
+    "scattered": ([3, 11, 0, 7, 6, 13], [12, 1, 2, 10, 8, 5]),
+}
+
+
+def _source(memory_layout: HostLayout, layout: KVLayout = LAYOUT, *, seed: int = 0) -> KVPool:
+    """A pool whose page i holds prompt page i of TOKENS."""
+    pool = KVPool(layout, PAGE, PAGES, memory_layout=memory_layout, name="src")
+    gen = KVGenerator(layout, PAGE, seed=seed)
+    for page in range(PAGES):
+        gen.fill_page(pool, page, TOKENS, page)
+    return pool
+
+
+def _check(
+    dst: KVPool, src_pages: list[int], dst_pages: list[int], *, layout: KVLayout = LAYOUT
+) -> None:
+    gen = KVGenerator(layout, PAGE)
+    for s, d in zip(src_pages, dst_pages, strict=True):
+        gen.check_page(dst, d, TOKENS, s)
+    empty = bytes(dst.page_nbytes)
+    for page in set(range(PAGES)) - set(dst_pages):
+        assert dst.read_page(page) == empty, f"page {page} was not a destination"
+
+
+@pytest.fixture(params=[0, DEFAULT_MIN_RUN_BYTES], ids=["runs", "staged"])
+async def engine(request: pytest.FixtureRequest) -> AsyncIterator[CpuCopyEngine]:
+    """With min_run_bytes=0 pages move by gathers and scatters; with the default, this test
+    layout's small rows all go through the staging buffer."""
+    eng = CpuCopyEngine(name="test-copy", min_run_bytes=request.param)
+    yield eng
+    await eng.aclose()
+
+
+def test_kernel_modes() -> None:
+    src = KVPool(LAYOUT, PAGE, PAGES)
+    dst = KVPool(LAYOUT, PAGE, PAGES)
+    expected = {"mixed": "gather", "to_run": "gather", "from_run": "scatter", "scattered": "gather"}
+    for name, (a, b) in PATTERNS.items():
+        if name == "contiguous":
+            # Within one pool index ops cannot run in place; the staging buffer separates them.
+            plan = plan_copy(src, a, src, b)
+            assert LayerKernel(plan, min_run_bytes=0).mode == "stage"
+            continue
+        plan = plan_copy(src, a, dst, b)
+        assert LayerKernel(plan, min_run_bytes=0).mode == expected[name], name
+        assert LayerKernel(plan).mode == "stage", name
+    # Rows big enough to be worth one op each: consecutive pages gather, scattered ones stage.
+    big = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128)
+    host = KVPool(big, 64, 4, memory_layout="page_first_direct")
+    device = KVPool(big, 64, 4)
+    assert LayerKernel(plan_copy(host, [0, 1], device, [2, 3])).mode == "gather"
+    assert LayerKernel(plan_copy(device, [0, 1], host, [3, 1])).mode == "scatter"
+    # page_first_direct keeps a page's layers together, so its pages are never one run of rows.
+    assert LayerKernel(plan_copy(device, [0, 1], host, [2, 3]), min_run_bytes=0).mode == "scatter"
+    assert LayerKernel(plan_copy(host, [3, 0], device, [1, 3])).mode == "stage"
+
+
+@pytest.mark.parametrize("src_layout", MEMORY_LAYOUTS)
+@pytest.mark.parametrize("dst_layout", MEMORY_LAYOUTS)
+async def test_copies_are_exact_across_layouts(
+    engine: CpuCopyEngine, src_layout: HostLayout, dst_layout: HostLayout
+) -> None:
+    src = _source(src_layout)
+    for a, b in PATTERNS.values():
+        dst = KVPool(LAYOUT, PAGE, PAGES, memory_layout=dst_layout, name="dst")
+        await engine.copy(src, a, dst, b)
+        _check(dst, a, b)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        KVLayout(num_layers=2, attention="mla", kv_lora_rank=12, qk_rope_head_dim=4),
+        KVLayout(num_layers=3, attention="mla", kv_lora_rank=5, qk_rope_head_dim=2, dtype="uint8"),
+        KVLayout(num_layers=2, num_kv_heads=1, head_dim=6, dtype="float8_e5m2"),
+        KVLayout(num_layers=2, num_kv_heads=3, head_dim=5, dtype="float32"),
+    ],
+)
+async def test_copies_are_exact_for_every_word_size(
+    engine: CpuCopyEngine, layout: KVLayout
+) -> None:
+    src = _source("page_first", layout, seed=0)
+    for a, b in PATTERNS.values():
+        for dst_layout in ("layer_first", "page_first_direct"):
+            dst = KVPool(layout, PAGE, PAGES, memory_layout=dst_layout)
+            await engine.copy(src, a, dst, b)
+            _check(dst, a, b, layout=layout)
+
+
+@pytest.mark.parametrize("memory_layout", MEMORY_LAYOUTS)
+async def test_copy_within_one_pool(engine: CpuCopyEngine, memory_layout: HostLayout) -> None:
+    gen = KVGenerator(LAYOUT, PAGE)
+    for a, b in (([0, 1, 2], [10, 5, 11]), ([4, 5, 6, 7], [8, 9, 10, 11]), ([3], [15])):
+        pool = _source(memory_layout)
+        await engine.copy(pool, a, pool, b)
+        moved = dict(zip(b, a, strict=True))
+        for page in range(PAGES):
+            gen.check_page(pool, page, TOKENS, moved.get(page, page))
+
+
+async def test_layers_land_in_order(engine: CpuCopyEngine) -> None:
+    layout = KVLayout(num_layers=6, num_kv_heads=4, head_dim=64)
+    src = KVPool(layout, 16, 32, memory_layout="page_first")
+    dst = KVPool(layout, 16, 32)
+    src.data.view(torch.uint8).random_(0, 256)
+    pages = list(range(32))
+    order = pages[::-1]
+    copy = engine.copy(src, pages, dst, order)
+    for layer in range(layout.num_layers):
+        await copy.layer(layer)
+        assert copy.layers_landed > layer
+        for s, d in zip(pages, order, strict=True):
+            for a, b in zip(src.page_view(s, layer), dst.page_view(d, layer), strict=True):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    await copy
+    assert copy.done()
+    assert copy.exception() is None
+    await copy.layer(0)  # landed layers return at once, any number of times
+    with pytest.raises(ValueError, match="out of range"):
+        await copy.layer(layout.num_layers)
+
+
+@pytest.mark.parametrize("whole", [False, True])
+async def test_cancelling_waiters_never_cancels_the_copy(
+    engine: CpuCopyEngine, whole: bool
+) -> None:
+    src = _source("page_first")
+    a, b = PATTERNS["scattered"]
+    for layer in range(LAYOUT.num_layers):
+        dst = KVPool(LAYOUT, PAGE, PAGES)
+        copy = engine.copy(src, a, dst, b)
+        fired: list[LayerwiseCopy] = []
+        copy.add_done_callback(fired.append)
+
+        async def wait(copy: LayerwiseCopy = copy, layer: int = layer) -> None:
+            if whole:
+                await copy
+            else:
+                await copy.layer(layer)
+
+        task = asyncio.create_task(wait())
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await copy
+        await asyncio.sleep(0)
+        assert fired == [copy]
+        _check(dst, a, b)
+    assert engine.statistics().in_flight == 0
+
+
+async def test_cancelling_at_each_layer_of_a_driven_copy() -> None:
+    """Drive a copy's layers by hand and cancel a consumer while it waits on each one."""
+    loop = asyncio.get_running_loop()
+    layers = 5
+    for stop in range(layers):
+        copy = LayerwiseCopy(loop, layers, 2)
+        fired: list[LayerwiseCopy] = []
+        copy.add_done_callback(fired.append)
+        reached: list[int] = []
+
+        async def consume(copy: LayerwiseCopy = copy, reached: list[int] = reached) -> None:
+            for i in range(layers):
+                await copy.layer(i)
+                reached.append(i)
+
+        async def whole(copy: LayerwiseCopy = copy) -> str:
+            await copy
+            return "all"
+
+        consumer = asyncio.create_task(consume())
+        bystander = asyncio.create_task(whole())
+        await asyncio.sleep(0)
+        for i in range(stop):
+            copy._layer_landed(i)
+            await asyncio.sleep(0)
+        assert reached == list(range(stop))
+        consumer.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        assert not copy.done()
+        assert copy.layers_landed == stop
+        for i in range(stop, layers):
+            copy._layer_landed(i)
+        assert await bystander == "all"
+        assert copy.done()
+        assert fired == [copy]
+        assert reached == list(range(stop))
+
+
+async def test_done_callbacks_run_before_waiters_resume(engine: CpuCopyEngine) -> None:
+    src = _source("layer_first")
+    dst = KVPool(LAYOUT, PAGE, PAGES)
+    order: list[str] = []
+    copy = engine.copy(src, [1, 2], dst, [3, 4])
+    copy.add_done_callback(lambda c: order.append(f"callback {c.num_pages}"))
+    await copy
+    order.append("awaited")
+    assert order == ["callback 2", "awaited"]
+
+    late: list[LayerwiseCopy] = []
+    copy.add_done_callback(late.append)
+    assert late == []  # scheduled, not called in place
+    await asyncio.sleep(0)
+    assert late == [copy]
+
+
+async def test_failure_reaches_waiters_and_callbacks() -> None:
+    loop = asyncio.get_running_loop()
+    copy = LayerwiseCopy(loop, 3, 1)
+    fired: list[BaseException | None] = []
+    copy.add_done_callback(lambda c: fired.append(c.exception()))
+    waiting = asyncio.create_task(copy.layer(2))
+    await asyncio.sleep(0)
+    copy._layer_landed(0)
+    error = RuntimeError("device lost")
+    copy._fail(error)
+    with pytest.raises(RuntimeError, match="device lost"):
+        await waiting
+    await copy.layer(0)  # landed before the failure
+    with pytest.raises(RuntimeError, match="device lost"):
+        await copy.layer(1)
+    with pytest.raises(RuntimeError, match="device lost"):
+        await copy
+    assert copy.done()
+    assert copy.exception() is error
+    assert fired == [error]
+    assert "failed" in repr(copy)
+
+
+async def test_validation_errors_start_nothing(engine: CpuCopyEngine) -> None:
+    src = KVPool(LAYOUT, PAGE, PAGES)
+    dst = KVPool(LAYOUT, PAGE, 4)
+    other_layout = KVPool(KVLayout(num_layers=4, num_kv_heads=2, head_dim=4), PAGE, PAGES)
+    other_page = KVPool(LAYOUT, PAGE * 2, PAGES)
+    cases: list[tuple[KVPool, list[int], KVPool, list[int], str]] = [
+        (src, [0], other_layout, [0], "layouts"),
+        (src, [0], other_page, [0], "page sizes"),
+        (src, [0, 1], dst, [0], "2 source pages but 1"),
+        (src, [PAGES], dst, [0], "out of range"),
+        (src, [0], dst, [4], "out of range"),
+        (src, [-1], dst, [0], "out of range"),
+        (src, [0, 1], dst, [2, 2], "more than once"),
+        (src, [0, 1], src, [1, 2], "overlap"),
+        (src, [0.5], dst, [1], "integers"),  # type: ignore[list-item]
+    ]
+    for a, a_pages, b, b_pages, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.copy(a, a_pages, b, b_pages)
+    assert engine.statistics() == CopyStatistics(copies=0, pages=0, bytes=0, in_flight=0, failed=0)
+
+
+async def test_statistics_and_empty_copies(engine: CpuCopyEngine) -> None:
+    src = _source("layer_first")
+    dst = KVPool(LAYOUT, PAGE, PAGES)
+    first = engine.copy(src, [0, 1, 2], dst, [5, 6, 7])
+    second = engine.copy(src, [3], dst, [8])
+    assert engine.statistics().in_flight == 2  # completion only lands on the loop
+    assert "in_flight=2" in repr(engine)
+    await asyncio.gather(first, second)
+    assert engine.statistics() == CopyStatistics(
+        copies=2, pages=4, bytes=4 * src.page_nbytes, in_flight=0, failed=0
+    )
+    empty = engine.copy(src, [], dst, [])
+    assert empty.done()
+    await empty
+    assert engine.statistics().copies == 3
+    assert "pages=0" in repr(empty)
+
+
+async def test_many_copies_in_flight_at_once(engine: CpuCopyEngine) -> None:
+    src = _source("page_first_direct")
+    dsts = [KVPool(LAYOUT, PAGE, PAGES, memory_layout=m) for m in MEMORY_LAYOUTS * 2]
+    rng = np.random.default_rng(1)
+    jobs = []
+    for dst in dsts:
+        a = rng.choice(PAGES, 10, replace=False).tolist()
+        b = rng.choice(PAGES, 10, replace=False).tolist()
+        jobs.append((engine.copy(src, a, dst, b), dst, a, b))
+    await asyncio.gather(*(job[0] for job in jobs))
+    for _, dst, a, b in jobs:
+        _check(dst, a, b)
+
+
+async def test_aclose_waits_for_copies_and_stops_the_thread() -> None:
+    engine = CpuCopyEngine(name="closing-engine")
+    layout = KVLayout(num_layers=8, num_kv_heads=4, head_dim=64)
+    src = KVPool(layout, 16, 24)
+    dst = KVPool(layout, 16, 24, memory_layout="page_first")
+    src.data.view(torch.uint8).random_(0, 256)
+    copies = [engine.copy(src, [i, i + 12], dst, [23 - i, 11 - i]) for i in range(12)]
+    assert any(t.name == "closing-engine" for t in threading.enumerate())
+    await engine.aclose()
+    assert all(c.done() and c.exception() is None for c in copies)
+    assert engine.statistics().in_flight == 0
+    for i in range(12):
+        assert src.read_page(i) == dst_page_as_layer_major(dst, 23 - i)
+    assert not any(t.name == "closing-engine" for t in threading.enumerate())
+    assert engine.closed
+    with pytest.raises(CacheClosedError):
+        engine.copy(src, [0], dst, [0])
+    await engine.aclose()  # idempotent
+    assert "closed" in repr(engine)
+
+
+def dst_page_as_layer_major(pool: KVPool, page: int) -> bytes:
+    """The layer-major bytes of a page of any pool, read through its per-layer views."""
+    parts = [
+        pool.page_view(page, layer)[b].contiguous().view(torch.uint8).numpy().tobytes()
+        for b in range(pool.layout.num_buffers)
+        for layer in range(pool.layout.num_layers)
+    ]
+    return b"".join(parts)
+
+
+async def test_aclose_of_an_unused_engine() -> None:
+    engine = CpuCopyEngine(name="unused-engine")
+    await engine.aclose()
+    assert not any(t.name == "unused-engine" for t in threading.enumerate())
+
+
+def test_engine_belongs_to_one_loop() -> None:
+    engine = CpuCopyEngine()
+    src = KVPool(LAYOUT, PAGE, 2)
+    dst = KVPool(LAYOUT, PAGE, 2)
+
+    async def use() -> None:
+        await engine.copy(src, [0], dst, [1])
+
+    asyncio.run(use())
+    with pytest.raises(WrongThreadError):
+        asyncio.run(use())
+
+    async def close() -> None:
+        await engine.aclose()
+
+    asyncio.run(close())
+
+
+async def test_default_engine_for_cpu() -> None:
+    engine = default_copy_engine(torch.device("cpu"))
+    assert isinstance(engine, CpuCopyEngine)
+    assert isinstance(engine, CopyEngine)
+    await engine.aclose()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+def test_cuda_engine_needs_cuda() -> None:
+    with pytest.raises(RuntimeError, match="CUDA"):
+        CudaCopyEngine()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_cuda_engine_round_trip() -> None:
+    engine = default_copy_engine("cuda")
+    assert isinstance(engine, CudaCopyEngine)
+    try:
+        for host_layout in MEMORY_LAYOUTS:
+            host = _source(host_layout)
+            device = KVPool(LAYOUT, PAGE, PAGES, device="cuda", name="device")
+            back = KVPool(LAYOUT, PAGE, PAGES, memory_layout=host_layout, name="back")
+            for a, b in PATTERNS.values():
+                copy = engine.copy(host, a, device, b)
+                for layer in range(LAYOUT.num_layers):
+                    await copy.layer(layer)
+                await copy
+                _check(device, a, b)
+                await engine.copy(device, b, back, a)
+                for page in a:
+                    assert back.read_page(page) == host.read_page(page)
+        assert engine.statistics().failed == 0
+    finally:
+        await engine.aclose()

@@ -1,0 +1,153 @@
+"""FaultyStorage: every fault is injected, counted, and reproducible from its seed."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from hicache_async import StorageConfigError, StorageError
+from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta, StorageBackend
+from hicache_async.testing._faults import FaultCounts, FaultyStorage
+
+NS = b"faulty-storage-1"
+PAGE = 4096
+
+
+def _keys(count: int, seed: int = 0) -> list[bytes]:
+    return [bytes([seed, i]) * 16 for i in range(count)]
+
+
+async def _put(storage: StorageBackend, keys: list[bytes]) -> list[Outcome]:
+    pages = [[memoryview(bytearray(key[:1] * PAGE))] for key in keys]
+    metas = [PageMeta(key=k, namespace=NS, num_tokens=4) for k in keys]
+    return await storage.put(keys, pages, metas)
+
+
+async def _get(storage: StorageBackend, keys: list[bytes]) -> list[Outcome]:
+    buffers = [[memoryview(bytearray(PAGE))] for _ in keys]
+    return await storage.get(keys, buffers, namespace=NS)
+
+
+async def _workload(seed: int) -> tuple[list[object], FaultCounts]:
+    storage = FaultyStorage(
+        MemoryStorage(capacity_bytes=1 << 24),
+        seed=seed,
+        error_rate=0.2,
+        partial_batch_rate=0.3,
+        corrupt_rate=0.2,
+        truncate_rate=0.1,
+        latency_spike_rate=0.3,
+    )
+    trace: list[object] = []
+    async with storage:
+        for round_ in range(12):
+            keys = _keys(6, round_)
+            for op in (_put, _get):
+                try:
+                    trace.append(await op(storage, keys))
+                except StorageError:
+                    trace.append("error")
+    return trace, storage.injected()
+
+
+async def test_same_seed_same_faults() -> None:
+    first, first_counts = await _workload(7)
+    second, second_counts = await _workload(7)
+    assert first == second
+    assert first_counts == second_counts
+    assert first_counts.errors > 0
+    assert first_counts.partial_batches > 0
+    assert first_counts.corrupted > 0
+    other, other_counts = await _workload(8)
+    assert (other, other_counts) != (first, first_counts)
+
+
+async def test_error_rate_one_raises_from_every_call() -> None:
+    async with FaultyStorage(MemoryStorage(), error_rate=1.0) as storage:
+        keys = _keys(2)
+        with pytest.raises(StorageError, match="injected"):
+            await _put(storage, keys)
+        with pytest.raises(StorageError, match="injected"):
+            await _get(storage, keys)
+        with pytest.raises(StorageError, match="injected"):
+            await storage.exists(keys)
+        with pytest.raises(StorageError, match="injected"):
+            await storage.delete(keys)
+        assert storage.injected().errors == 4
+        assert storage.inner.stats().puts == 0
+
+
+async def test_partial_batches_fail_a_subset() -> None:
+    inner = MemoryStorage()
+    async with FaultyStorage(inner, seed=3, partial_batch_rate=1.0) as storage:
+        keys = _keys(8)
+        outcomes = await _put(storage, keys)
+        failed = [k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.ERROR]
+        assert 1 <= len(failed) <= 8
+        assert all(o in (Outcome.OK, Outcome.ERROR) for o in outcomes)
+        assert storage.injected().partial_keys == len(failed)
+        for key, outcome in zip(keys, outcomes, strict=True):
+            assert await inner.exists([key]) == (outcome is Outcome.OK)
+
+
+async def test_hang_waits_until_cancelled() -> None:
+    async with FaultyStorage(MemoryStorage(), hang_rate=1.0) as storage:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(_get(storage, _keys(1)), 0.02)
+        assert storage.injected().hangs == 1
+
+
+async def test_latency_spikes_are_counted() -> None:
+    async with FaultyStorage(
+        MemoryStorage(), latency_s=0.0001, latency_spike_rate=1.0, latency_spike_s=0.0001
+    ) as storage:
+        await _put(storage, _keys(2))
+        await storage.exists(_keys(2))
+        assert storage.injected().latency_spikes == 2
+
+
+@pytest.mark.parametrize("fault", ["corrupt_rate", "truncate_rate"])
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_damage_is_caught_by_the_inner_verification(
+    tmp_path: Path, fault: str, kind: str
+) -> None:
+    inner: MemoryStorage | FileStorage = (
+        MemoryStorage() if kind == "memory" else FileStorage(tmp_path / "store")
+    )
+    rates = {"corrupt_rate": 0.0, "truncate_rate": 0.0, fault: 1.0}
+    async with FaultyStorage(inner, seed=5, **rates) as storage:
+        keys = [os.urandom(32) for _ in range(4)]
+        assert await _put(storage, keys) == [Outcome.OK] * 4
+        counts = storage.injected()
+        assert (counts.corrupted, counts.truncated) == (
+            (4, 0) if fault == "corrupt_rate" else (0, 4)
+        )
+        assert await _get(storage, keys) == [Outcome.CORRUPT] * 4
+        assert inner.stats().corrupt == 4
+        assert await inner.exists(keys[:1]) == 0
+
+
+def test_rates_are_checked() -> None:
+    with pytest.raises(StorageConfigError, match="error_rate"):
+        FaultyStorage(MemoryStorage(), error_rate=1.5)
+    with pytest.raises(StorageConfigError, match="latencies"):
+        FaultyStorage(MemoryStorage(), latency_s=-1)
+
+
+async def test_passthrough_and_close() -> None:
+    storage = FaultyStorage(MemoryStorage(capacity_bytes=1 << 20))
+    async with storage:
+        assert storage.name.startswith("faulty+memory://")
+        assert storage.capabilities == storage.inner.capabilities
+        await _put(storage, _keys(3))
+        assert storage.stats().pages == 3
+        assert len(await storage.list_pages()) == 3
+        assert (await storage.verify()).ok == 3
+        assert (await storage.gc()).evicted_pages == 0
+        assert "FaultyStorage open" in repr(storage)
+    await storage.close()
+    with pytest.raises(StorageError, match="closed"):
+        await storage.exists(_keys(1))

@@ -1,0 +1,426 @@
+"""FileStorage: root safety, layout, crash leftovers, the index, capacity, shared roots."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache_async import StorageConfigError, StorageError
+from hicache_async.storage import (
+    HEADER_NBYTES,
+    FileStorage,
+    Outcome,
+    PageMeta,
+    default_root,
+)
+
+NS = b"file-storage-ns!"
+PAGE = 32 * 1024
+SIZE = HEADER_NBYTES + PAGE
+
+
+def _keys(count: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(count)]
+
+
+def _pages(keys: list[bytes]) -> list[list[memoryview]]:
+    return [[memoryview(bytearray(key[:1] * PAGE))] for key in keys]
+
+
+def _metas(keys: list[bytes]) -> list[PageMeta]:
+    return [PageMeta(key=k, namespace=NS, num_tokens=16, priority=2) for k in keys]
+
+
+async def _put(storage: FileStorage, keys: list[bytes]) -> list[Outcome]:
+    return await storage.put(keys, _pages(keys), _metas(keys))
+
+
+async def _get(storage: FileStorage, keys: list[bytes]) -> list[Outcome]:
+    buffers = [[memoryview(bytearray(PAGE))] for _ in keys]
+    outcomes = await storage.get(keys, buffers, namespace=NS)
+    for key, outcome, buffer in zip(keys, outcomes, buffers, strict=True):
+        if outcome is Outcome.OK:
+            assert bytes(buffer[0]) == key[:1] * PAGE
+    return outcomes
+
+
+def _page_path(root: Path, key: bytes) -> Path:
+    return root / "pages" / key.hex()[:2] / key.hex()
+
+
+def _disk_usage(root: Path) -> tuple[int, int]:
+    files = [p for p in (root / "pages").rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+# The root.
+
+
+def test_default_root_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_root() == tmp_path / "hicache_async"
+    assert FileStorage().root == tmp_path / "hicache_async"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # ignored, as the spec says
+    assert default_root() == Path.home() / ".cache" / "hicache_async"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_root() == Path.home() / ".cache" / "hicache_async"
+
+
+async def test_default_root_opens(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    async with FileStorage() as storage:
+        assert await _put(storage, _keys(1)) == [Outcome.OK]
+    assert (tmp_path / "cache" / "hicache_async" / "pages").is_dir()
+
+
+async def test_modes_are_private(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    (key,) = _keys(1)
+    async with FileStorage(root) as storage:
+        await _put(storage, [key])
+    for directory in (root, root / "pages", root / "tmp", _page_path(root, key).parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert stat.S_IMODE(_page_path(root, key).stat().st_mode) == 0o600
+
+
+async def test_refuses_world_writable_root(tmp_path: Path) -> None:
+    root = tmp_path / "open"
+    root.mkdir()
+    root.chmod(0o777)
+    with pytest.raises(StorageConfigError, match="world-writable"):
+        async with FileStorage(root):
+            pass
+    assert not (root / "pages").exists()
+
+
+async def test_refuses_root_owned_by_someone_else(tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        root = tmp_path / "theirs"
+        root.mkdir(mode=0o700)
+        os.chown(root, 65534, 65534)
+    else:
+        root = Path("/")  # owned by root, not by us
+    with pytest.raises(StorageConfigError, match="owned by uid"):
+        async with FileStorage(root):
+            pass
+
+
+async def test_refuses_symlinked_subdirectory(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    root.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (root / "pages").symlink_to(elsewhere)
+    with pytest.raises(StorageConfigError, match="symlink"):
+        async with FileStorage(root):
+            pass
+
+
+async def test_a_private_root_is_exclusive(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "s"):
+        with pytest.raises(StorageConfigError, match="shared=1"):
+            async with FileStorage(tmp_path / "s"):
+                pass
+        with pytest.raises(StorageConfigError, match="in use privately"):
+            async with FileStorage(tmp_path / "s", shared=True):
+                pass
+    async with FileStorage(tmp_path / "s", shared=True), FileStorage(tmp_path / "s", shared=True):
+        pass
+
+
+async def test_lifecycle_errors(tmp_path: Path) -> None:
+    storage = FileStorage(tmp_path / "s")
+    with pytest.raises(StorageError, match="not open"):
+        await storage.exists(_keys(1))
+    async with storage:
+        assert "state=open" in repr(storage)
+    assert "state=closed" in repr(storage)
+    with pytest.raises(StorageError, match="closed"):
+        async with storage:
+            pass
+
+
+def test_bad_constructor_arguments(tmp_path: Path) -> None:
+    with pytest.raises(StorageConfigError, match="fsync"):
+        FileStorage(tmp_path, fsync="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(StorageConfigError, match="capacity"):
+        FileStorage(tmp_path, capacity_bytes=0)
+    with pytest.raises(StorageConfigError, match="io_threads"):
+        FileStorage(tmp_path, io_threads=0)
+
+
+# Symlinks and other strangers inside the root.
+
+
+async def test_symlinked_page_is_not_followed(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    (key,) = _keys(1)
+    secret = tmp_path / "secret"
+    async with FileStorage(root) as storage:
+        await _put(storage, [key])
+        value = _page_path(root, key).read_bytes()
+        secret.write_bytes(value)  # a valid page, but outside the root
+        _page_path(root, key).unlink()
+        _page_path(root, key).symlink_to(secret)
+        assert await _get(storage, [key]) == [Outcome.CORRUPT]
+    assert not _page_path(root, key).is_symlink()
+    assert secret.read_bytes() == value
+
+
+async def test_fifo_in_place_of_a_page_does_not_block(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    (key,) = _keys(1)
+    async with FileStorage(root) as storage:
+        await _put(storage, [key])
+        _page_path(root, key).unlink()
+        os.mkfifo(_page_path(root, key), 0o600)
+        assert await _get(storage, [key]) == [Outcome.CORRUPT]
+    assert not _page_path(root, key).exists()
+
+
+# Crash leftovers and persistence.
+
+
+async def test_leftover_temp_files_are_removed_on_open(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with FileStorage(root):
+        pass
+    leftover = root / "tmp" / "deadbeef.1234.tmp"
+    leftover.write_bytes(b"half a page")
+    async with FileStorage(root):
+        assert not leftover.exists()
+
+
+async def test_shared_root_keeps_fresh_temp_files(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with FileStorage(root, shared=True):
+        pass
+    fresh = root / "tmp" / "fresh.tmp"
+    stale = root / "tmp" / "stale.tmp"
+    fresh.write_bytes(b"another instance is writing this")
+    stale.write_bytes(b"left by a crash an hour ago")
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    async with FileStorage(root, shared=True):
+        assert fresh.exists()
+        assert not stale.exists()
+
+
+@pytest.mark.parametrize("fsync", ["none", "data", "always"])
+async def test_pages_survive_reopen(tmp_path: Path, fsync: str) -> None:
+    root = tmp_path / "store"
+    keys = _keys(5)
+    async with FileStorage(root, fsync=fsync) as storage:  # type: ignore[arg-type]
+        assert await _put(storage, keys) == [Outcome.OK] * 5
+    async with FileStorage(root) as storage:
+        assert storage.stats().pages == 5
+        assert storage.stats().bytes == 5 * SIZE
+        assert await storage.exists(keys) == 5
+        assert await _get(storage, keys) == [Outcome.OK] * 5
+
+
+async def test_torn_page_after_crash_is_corrupt_not_served(tmp_path: Path) -> None:
+    # What a crash with fsync="none" can leave: the rename survived, the data did not.
+    root = tmp_path / "store"
+    keys = _keys(2)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+    path = _page_path(root, keys[0])
+    path.write_bytes(path.read_bytes()[: SIZE // 2] + bytes(SIZE - SIZE // 2))
+    _page_path(root, keys[1]).write_bytes(b"")
+    async with FileStorage(root) as storage:
+        assert await _get(storage, keys) == [Outcome.CORRUPT, Outcome.CORRUPT]
+        assert storage.stats().pages == 0
+    assert _disk_usage(root) == (0, 0)
+
+
+# The index.
+
+
+async def test_exists_is_answered_from_the_index(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        _page_path(root, keys[1]).unlink()  # behind the index's back
+        assert await storage.exists(keys) == 3
+        assert await _get(storage, keys) == [Outcome.OK, Outcome.MISS, Outcome.OK]
+        assert await storage.exists(keys) == 1
+        assert storage.stats().pages == 2
+
+
+async def test_list_pages_most_recent_first(tmp_path: Path) -> None:
+    keys = _keys(4)
+    async with FileStorage(tmp_path / "s") as storage:
+        await _put(storage, keys)
+        await _get(storage, [keys[1]])
+        pages = await storage.list_pages()
+        assert [p.key for p in pages][:1] == [keys[1]]
+        assert {p.key for p in pages} == set(keys)
+        assert all((p.nbytes, p.num_tokens, p.priority) == (SIZE, 16, 2) for p in pages)
+        assert len(await storage.list_pages(limit=2)) == 2
+
+
+# Capacity.
+
+
+async def test_capacity_evicts_least_recently_used(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = _keys(5)
+    async with FileStorage(root, capacity_bytes=4 * SIZE) as storage:
+        assert await _put(storage, keys[:4]) == [Outcome.OK] * 4
+        await _get(storage, [keys[0]])  # keys[1] is now the least recently used
+        assert await _put(storage, [keys[4]]) == [Outcome.OK]
+        assert await storage.exists([keys[1]]) == 0
+        assert await storage.exists([keys[0], keys[2], keys[3], keys[4]]) == 4
+        stats = storage.stats()
+        assert (stats.pages, stats.bytes, stats.evictions) == (4, 4 * SIZE, 1)
+    assert _disk_usage(root) == (4, 4 * SIZE)
+
+
+async def test_batch_beyond_capacity_keeps_its_prefix(tmp_path: Path) -> None:
+    keys = _keys(5)
+    async with FileStorage(tmp_path / "s", capacity_bytes=3 * SIZE) as storage:
+        outcomes = await _put(storage, keys)
+        assert outcomes == [Outcome.OK] * 3 + [Outcome.MISS] * 2
+        assert await storage.exists(keys) == 3
+
+
+async def test_page_larger_than_capacity_is_a_miss(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with FileStorage(root, capacity_bytes=SIZE - 1) as storage:
+        assert await _put(storage, _keys(1)) == [Outcome.MISS]
+        assert storage.stats().pages == 0
+    assert _disk_usage(root) == (0, 0)
+
+
+async def test_pages_being_read_are_not_evicted(tmp_path: Path) -> None:
+    reading = _keys(8)
+    older = _keys(4)
+    newer = _keys(4)
+    async with FileStorage(tmp_path / "s", capacity_bytes=12 * SIZE) as storage:
+        await _put(storage, reading)  # least recently used of all
+        await _put(storage, older)
+        # The get pins its pages before its first await; the put then plans its evictions.
+        got, put = await asyncio.gather(_get(storage, reading), _put(storage, newer))
+        assert got == [Outcome.OK] * 8
+        assert put == [Outcome.OK] * 4
+        assert await storage.exists(reading) == 8
+        assert await storage.exists(older[:1]) == 0
+        assert storage.stats().evictions == 4
+
+
+async def test_gc_enforces_a_shrunk_capacity(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = _keys(6)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+    async with FileStorage(root, capacity_bytes=2 * SIZE) as storage:
+        report = await storage.gc()
+        assert (report.evicted_pages, report.freed_bytes) == (4, 4 * SIZE)
+        assert storage.stats().bytes == 2 * SIZE
+    assert _disk_usage(root) == (2, 2 * SIZE)
+
+
+async def test_index_matches_disk_after_cancelled_operations(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with FileStorage(root, capacity_bytes=40 * SIZE) as storage:
+        for round_ in range(6):
+            keys = _keys(16)
+            task = asyncio.create_task(_put(storage, keys))
+            for _ in range(round_):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            task = asyncio.create_task(storage.delete(keys[::2]))
+            await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        stats = storage.stats()
+        assert _disk_usage(root) == (stats.pages, stats.bytes)
+        assert stats.bytes <= 40 * SIZE
+        assert not list((root / "tmp").iterdir())
+
+
+# verify.
+
+
+async def test_verify_removes_corrupt_pages_and_leftovers(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = _keys(4)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        damaged = bytearray(_page_path(root, keys[0]).read_bytes())
+        damaged[-1] ^= 1
+        _page_path(root, keys[0]).write_bytes(bytes(damaged))
+        newer = bytearray(_page_path(root, keys[1]).read_bytes())
+        newer[4] = 9  # format version 9
+        _page_path(root, keys[1]).write_bytes(bytes(newer))
+        (root / "tmp" / "x.tmp").write_bytes(b"leftover")
+        (root / "pages" / "zz-not-a-page").write_bytes(b"stray")
+        report = await storage.verify()
+        assert (report.checked, report.ok, report.corrupt_removed, report.unsupported) == (
+            4,
+            2,
+            1,
+            1,
+        )
+        assert report.leftovers_removed == 2
+        assert storage.stats().pages == 3
+        assert storage.stats().corrupt == 1
+    assert not _page_path(root, keys[0]).exists()
+    assert _page_path(root, keys[1]).exists()
+
+
+# Shared roots.
+
+
+async def test_shared_instances_see_each_others_pages(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = _keys(4)
+    async with (
+        FileStorage(root, shared=True) as first,
+        FileStorage(root, shared=True) as second,
+    ):
+        assert await _put(first, keys) == [Outcome.OK] * 4
+        assert second.stats().pages == 0
+        assert await second.exists(keys) == 4  # looked up on disk, then indexed
+        assert second.stats().pages == 4
+        assert await _get(second, keys) == [Outcome.OK] * 4
+        assert await first.delete(keys[:2]) == 2
+        assert await _get(second, keys) == [Outcome.MISS] * 2 + [Outcome.OK] * 2
+        assert second.stats().pages == 2
+        # A page another instance already stored is not rewritten.
+        assert await _put(second, keys) == [Outcome.OK] * 4
+        assert await _get(first, keys) == [Outcome.OK] * 4
+
+
+async def test_io_threads_one_and_many_agree(tmp_path: Path) -> None:
+    keys = _keys(24)
+    pages = [[memoryview(os.urandom(256 * 1024))] for _ in keys]
+    for threads in (1, 3):
+        async with FileStorage(tmp_path / f"t{threads}", io_threads=threads) as storage:
+            assert await storage.put(keys, pages, _metas(keys)) == [Outcome.OK] * 24
+            buffers = [[memoryview(bytearray(256 * 1024))] for _ in keys]
+            assert await storage.get(keys, buffers, namespace=NS) == [Outcome.OK] * 24
+            assert all(bytes(b[0]) == bytes(p[0]) for b, p in zip(buffers, pages, strict=True))
+
+
+async def test_bad_buffers_raise_before_io(tmp_path: Path) -> None:
+    keys = _keys(2)
+    async with FileStorage(tmp_path / "s") as storage:
+        await _put(storage, keys)
+        readonly = [[memoryview(bytes(PAGE))] for _ in keys]
+        with pytest.raises(ValueError, match="writable"):
+            await storage.get(keys, readonly, namespace=NS)
+        with pytest.raises(ValueError, match="meta\\.key"):
+            await storage.put(keys, _pages(keys), _metas(keys[::-1]))
+        assert await _get(storage, keys) == [Outcome.OK] * 2

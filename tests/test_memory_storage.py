@@ -1,0 +1,114 @@
+"""MemoryStorage: byte capacity, LRU eviction, large batches on a worker thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from hicache_async import StorageConfigError
+from hicache_async.storage import HEADER_NBYTES, MemoryStorage, Outcome, PageMeta
+
+NS = b"memory-storage-1"
+PAGE = 16 * 1024
+SIZE = HEADER_NBYTES + PAGE
+
+
+def _keys(count: int) -> list[bytes]:
+    return [os.urandom(32) for _ in range(count)]
+
+
+async def _put(storage: MemoryStorage, keys: list[bytes], nbytes: int = PAGE) -> list[Outcome]:
+    pages = [[memoryview(bytearray(key[:1] * nbytes))] for key in keys]
+    metas = [PageMeta(key=k, namespace=NS, num_tokens=8) for k in keys]
+    return await storage.put(keys, pages, metas)
+
+
+async def _get(storage: MemoryStorage, keys: list[bytes], nbytes: int = PAGE) -> list[Outcome]:
+    buffers = [[memoryview(bytearray(nbytes))] for _ in keys]
+    outcomes = await storage.get(keys, buffers, namespace=NS)
+    for key, outcome, buffer in zip(keys, outcomes, buffers, strict=True):
+        if outcome is Outcome.OK:
+            assert bytes(buffer[0]) == key[:1] * nbytes
+    return outcomes
+
+
+async def test_lru_eviction_within_capacity() -> None:
+    keys = _keys(5)
+    async with MemoryStorage(capacity_bytes=4 * SIZE) as storage:
+        assert await _put(storage, keys[:4]) == [Outcome.OK] * 4
+        await _get(storage, keys[:1])
+        await _put(storage, keys[2:3])  # an existing key counts as used, not rewritten
+        assert await _put(storage, keys[4:]) == [Outcome.OK]
+        assert await storage.exists(keys[1:2]) == 0  # the least recently used went
+        assert await storage.exists([keys[0], keys[2], keys[3], keys[4]]) == 4
+        stats = storage.stats()
+        assert (stats.pages, stats.bytes, stats.evictions) == (4, 4 * SIZE, 1)
+
+
+async def test_batch_beyond_capacity_and_oversized_pages() -> None:
+    async with MemoryStorage(capacity_bytes=3 * SIZE) as storage:
+        keys = _keys(5)
+        assert await _put(storage, keys) == [Outcome.OK] * 3 + [Outcome.MISS] * 2
+        assert await _put(storage, _keys(1), nbytes=3 * SIZE) == [Outcome.MISS]
+        assert storage.stats().bytes == 3 * SIZE
+
+
+async def test_concurrent_puts_never_exceed_capacity() -> None:
+    async with MemoryStorage(capacity_bytes=10 * SIZE) as storage:
+        batches = [_keys(4) for _ in range(8)]
+        results = await asyncio.gather(*(_put(storage, keys) for keys in batches))
+        assert all(outcome in (Outcome.OK, Outcome.MISS) for r in results for outcome in r)
+        assert storage.stats().bytes <= 10 * SIZE
+        assert storage.stats().pages == 10
+
+
+async def test_large_batches_round_trip_through_the_worker() -> None:
+    nbytes = 512 * 1024  # 8 pages: 4 MiB, above the inline limit
+    keys = _keys(8)
+    async with MemoryStorage(capacity_bytes=64 << 20) as storage:
+        assert await _put(storage, keys, nbytes) == [Outcome.OK] * 8
+        assert await _get(storage, keys, nbytes) == [Outcome.OK] * 8
+
+
+async def test_duplicate_keys_in_one_batch_are_stored_once() -> None:
+    (key,) = _keys(1)
+    async with MemoryStorage() as storage:
+        assert await _put(storage, [key, key]) == [Outcome.OK, Outcome.OK]
+        assert storage.stats().pages == 1
+
+
+async def test_verify_and_gc() -> None:
+    keys = _keys(3)
+    async with MemoryStorage(capacity_bytes=3 * SIZE) as storage:
+        await _put(storage, keys)
+        value = await storage.read_raw(keys[0])
+        assert value is not None
+        await storage.write_raw(keys[0], value[:-1] + bytes([value[-1] ^ 1]))
+        report = await storage.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (3, 2, 1)
+        await storage.write_raw(keys[0], bytes(4 * SIZE))  # raw writes ignore capacity
+        report_gc = await storage.gc()
+        assert report_gc.evicted_pages >= 1
+        assert storage.stats().bytes <= 3 * SIZE
+        pages = await storage.list_pages()
+        assert all(page.num_tokens == 8 for page in pages)
+
+
+def test_from_url() -> None:
+    assert MemoryStorage.from_url("memory://").stats().capacity_bytes == 1 << 30
+    assert MemoryStorage.from_url("memory://?capacity=2MiB").stats().capacity_bytes == 2 << 20
+    with pytest.raises(StorageConfigError, match="no host"):
+        MemoryStorage.from_url("memory://somewhere")
+    with pytest.raises(StorageConfigError, match="capacity"):
+        MemoryStorage.from_url("memory://?capacity=0")
+
+
+async def test_repr_and_close() -> None:
+    storage = MemoryStorage(capacity_bytes=1 << 20)
+    async with storage:
+        await _put(storage, _keys(2))
+        assert "pages=2" in repr(storage)
+    assert "state=closed" in repr(storage)
+    assert storage.stats().pages == 0

@@ -1,0 +1,401 @@
+"""Prefetch and backup over real storage backends, checked against the KV generator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+import pytest
+
+from hicache_async import CacheConfig, HiCache, KVLayout, PrefetchStatus
+from hicache_async.storage import (
+    FileStorage,
+    MemoryStorage,
+    Outcome,
+    PageBuffer,
+    PageMeta,
+    RawAccess,
+    StorageBackend,
+    StorageCapabilities,
+    StorageStats,
+)
+from hicache_async.testing import FaultyStorage, KVGenerator, serve
+
+PAGE = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4)
+
+
+def _config(**overrides: object) -> CacheConfig:
+    base: dict[str, object] = {
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
+        "page_size": PAGE,
+        "device_pages": 64,
+        "host_pages": 128,
+        "model_id": "orchestration-test",
+        "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE, "batch_pages": 8},
+        "backup": {"batch_pages": 8, "retry_backoff_s": 0.001},
+    }
+    base.update(overrides)
+    return CacheConfig.from_dict(base)
+
+
+class Unowned:
+    """Forwards to a backend but leaves entering and closing it to the test.
+
+    Two caches in one process can then share one real backend instance.
+    """
+
+    def __init__(self, inner: StorageBackend) -> None:
+        self.inner = inner
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return self.inner.capabilities
+
+    async def __aenter__(self) -> Unowned:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        return None
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        return await self.inner.exists(keys)
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        return await self.inner.get(keys, into, namespace=namespace)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        return await self.inner.put(keys, pages, metas)
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return await self.inner.delete(keys)
+
+    def stats(self) -> StorageStats:
+        return self.inner.stats()
+
+    async def close(self) -> None:
+        return None
+
+    async def read_raw(self, key: bytes) -> bytes | None:
+        assert isinstance(self.inner, RawAccess)
+        return await self.inner.read_raw(key)
+
+    async def write_raw(self, key: bytes, value: bytes) -> None:
+        assert isinstance(self.inner, RawAccess)
+        await self.inner.write_raw(key, value)
+
+
+def _prompts(count: int, seed: int, *, length: int = 10 * PAGE) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 5000, size=4 * PAGE)
+    return [
+        np.concatenate([shared, rng.integers(0, 5000, size=int(rng.integers(PAGE, length)))])
+        for _ in range(count)
+    ]
+
+
+def _assert_drained(cache: HiCache) -> None:
+    stats = cache.statistics()
+    assert stats.live_requests == 0
+    for node in cache.tree.iter_nodes():
+        assert node.lock_ref == 0, node
+        assert node.host_ref == 0, node
+    cache.tree.check_invariants()
+    for pool, in_tree in (
+        (cache.device_pool, stats.tree.device_pages),
+        (cache.host_pool, stats.tree.host_pages),
+    ):
+        alloc = pool.allocator
+        assert alloc.free_count + alloc.used_count == alloc.capacity
+        assert alloc.used_count == in_tree
+
+
+@pytest.fixture
+def file_root(tmp_path: Path) -> Path:
+    root = tmp_path / "l3"
+    root.mkdir(mode=0o700)
+    return root
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_second_instance_serves_first_ones_prefixes_from_storage(
+    kind: str, file_root: Path
+) -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=11)
+    prompts = _prompts(30, seed=1)
+    memory = MemoryStorage(capacity_bytes=64 << 20)
+
+    def backend() -> StorageBackend:
+        if kind == "memory":
+            return Unowned(memory)
+        return FileStorage(file_root, shared=True)
+
+    async with memory:
+        async with HiCache(config, storage=backend()) as first:
+            for i, prompt in enumerate(prompts):
+                await serve(first, prompt, generator, request_id=f"a{i}")
+            await first.drain()
+            written = first.storage_status().backup
+            assert written is not None
+            assert written.written_pages > 0
+        async with HiCache(config, storage=backend()) as second:
+            results = [
+                await serve(second, prompt, generator, request_id=f"b{i}")
+                for i, prompt in enumerate(prompts)
+            ]
+            assert sum(r.storage_tokens for r in results) > 0
+            # Every page that came from storage was checked on the device by serve().
+            assert sum(r.checked_pages for r in results) >= sum(
+                r.storage_tokens // PAGE for r in results
+            )
+            await second.drain()
+            _assert_drained(second)
+
+
+async def test_namespaces_never_share_pages() -> None:
+    memory = MemoryStorage(capacity_bytes=64 << 20)
+    generator = KVGenerator(LAYOUT, PAGE)
+    prompt = _prompts(1, seed=2)[0]
+    async with memory:
+        async with HiCache(_config(model_id="a"), storage=Unowned(memory)) as a:
+            await serve(a, prompt, generator)
+            await a.drain()
+        async with HiCache(_config(model_id="b"), storage=Unowned(memory)) as b:
+            result = await serve(b, prompt, generator)
+            assert result.storage_tokens == 0
+            assert result.computed_tokens == len(prompt)
+
+
+async def test_concurrent_prefetches_of_one_prefix_read_each_page_once() -> None:
+    config = _config(
+        device_pages=8192,
+        host_pages=8192,
+        page_size=64,
+        host_layout="page_first_direct",
+        prefetch={"policy": "wait_complete", "threshold_tokens": 64, "batch_pages": 16},
+        backup={"batch_pages": 64},
+    )
+    generator = KVGenerator(config.layout, 64, seed=3)
+    prefix = np.random.default_rng(5).integers(0, 30000, size=16 * 1024)
+    memory = MemoryStorage(capacity_bytes=256 << 20)
+    async with memory:
+        async with HiCache(config, storage=Unowned(memory)) as writer:
+            await serve(writer, prefix, generator, prefetch=False)
+            await writer.drain()
+        pages = len(prefix) // 64
+        assert memory.stats().pages == pages
+        gets_before = memory.stats().gets
+        async with HiCache(config, storage=Unowned(memory)) as reader:
+            results = await asyncio.gather(
+                *(reader.prefetch(prefix, request_id=f"p{i}") for i in range(100))
+            )
+            assert all(r.status is PrefetchStatus.COMPLETE for r in results)
+            assert sum(r.storage_tokens for r in results) >= len(prefix)
+            reads = memory.stats().gets - gets_before
+            assert reads == pages, f"{reads} page reads for {pages} pages"
+            status = reader.storage_status()
+            assert status.prefetch is not None
+            assert status.prefetch.pages_read == pages
+            served = await serve(reader, prefix, generator, prefetch=False, check="all")
+            assert served.host_tokens == len(prefix)
+            await reader.drain()
+            _assert_drained(reader)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_faulty_storage_degrades_to_misses(seed: int) -> None:
+    config = _config(
+        prefetch={
+            "policy": "wait_complete",
+            "threshold_tokens": PAGE,
+            "batch_pages": 4,
+            "io_timeout_s": 0.2,
+        },
+        backup={"batch_pages": 4, "retry_backoff_s": 0.001, "io_timeout_s": 0.2},
+    )
+    generator = KVGenerator(config.layout, PAGE, seed=seed)
+    prompts = _prompts(40, seed=seed)
+    memory = MemoryStorage(capacity_bytes=64 << 20)
+    async with memory:
+        async with HiCache(config, storage=Unowned(memory)) as first:
+            for prompt in prompts:
+                await serve(first, prompt, generator)
+            await first.drain()
+        faulty = FaultyStorage(
+            Unowned(memory),
+            seed=seed,
+            error_rate=0.1,
+            hang_rate=0.05,
+            latency_spike_rate=0.1,
+            latency_spike_s=0.01,
+            corrupt_rate=0.1,
+            truncate_rate=0.05,
+            partial_batch_rate=0.1,
+        )
+        async with HiCache(config, storage=faulty) as second:
+            for i, prompt in enumerate(prompts * 2):
+                result = await serve(second, prompt, generator, request_id=f"f{i}")
+                assert result.num_tokens == len(prompt)
+            await second.drain()
+            _assert_drained(second)
+            counts = faulty.injected()
+            assert counts.errors + counts.partial_batches + counts.hangs > 0
+
+
+async def test_cancelling_a_prefetching_handler_at_every_await_point() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=4)
+    prompts = _prompts(12, seed=9)
+    memory = MemoryStorage(capacity_bytes=64 << 20)
+    async with memory:
+        async with HiCache(config, storage=Unowned(memory)) as first:
+            for prompt in prompts:
+                await serve(first, prompt, generator)
+            await first.drain()
+        cancelled = 0
+        for prompt in prompts:
+            step = 0
+            while True:
+                async with HiCache(config, storage=Unowned(memory)) as cache:
+                    task = asyncio.create_task(serve(cache, prompt, generator))
+                    for _ in range(step):
+                        await asyncio.sleep(0)
+                    finished = task.done()
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    await cache.drain()
+                    for handle in list(cache._link.prefetcher._running if cache._link else []):
+                        await handle.wait()
+                    _assert_drained(cache)
+                if finished:
+                    break
+                cancelled += 1
+                step += 1
+        assert cancelled > len(prompts)
+
+
+class SlowPuts(Unowned):
+    """A real backend whose puts take a while: the backup queue fills up."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        await asyncio.sleep(0.05)
+        return await self.inner.put(keys, pages, metas)
+
+
+async def test_slow_backend_fills_backup_queue_and_requests_go_on() -> None:
+    config = _config(backup={"queue_size": 2, "batch_pages": 2, "flush_deadline_s": 0.2})
+    generator = KVGenerator(config.layout, PAGE, seed=6)
+    memory = MemoryStorage(capacity_bytes=64 << 20)
+    prompts = [np.random.default_rng(i).integers(0, 5000, size=12 * PAGE) for i in range(60)]
+    async with memory:
+        async with HiCache(config, storage=SlowPuts(memory)) as cache:
+            for prompt in prompts:
+                await serve(cache, prompt, generator, prefetch=False)
+            status = cache.storage_status()
+            assert status.backup is not None
+            assert status.backup.skipped_pages > 0
+            assert status.backup.written_pages < len(prompts) * 12
+        # Leaving flushed within the deadline and dropped (and counted) the rest.
+        assert cache.statistics().state == "closed"
+
+
+async def test_attach_detach_switch_at_run_time(tmp_path: Path) -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=8)
+    prompts = _prompts(10, seed=3)
+    root_a, root_b = tmp_path / "a", tmp_path / "b"
+    async with HiCache(config) as cache:
+        assert not cache.storage_status().attached
+        await cache.attach_storage(f"file://{root_a}")
+        with pytest.raises(Exception, match="detach it before attaching"):
+            await cache.attach_storage(f"file://{root_b}")
+        for prompt in prompts:
+            await serve(cache, prompt, generator)
+        await cache.drain()
+        assert any(node.in_storage for node in cache.tree.iter_nodes())
+        await cache.detach_storage()
+        await cache.detach_storage()  # harmless
+        assert not any(node.in_storage for node in cache.tree.iter_nodes())
+        await cache.attach_storage(f"file://{root_b}")
+        status = cache.storage_status()
+        assert status.attached
+        assert status.generation == 2
+        # New backups go to the new backend; nothing is taken for granted from the old one.
+        for prompt in _prompts(10, seed=4):
+            await serve(cache, prompt, generator)
+        await cache.drain()
+        _assert_drained(cache)
+    async with FileStorage(root_b) as b:
+        assert b.stats().pages > 0
+
+
+async def test_prefetch_policies_and_early_termination() -> None:
+    config = _config(prefetch={"policy": "best_effort", "threshold_tokens": PAGE, "batch_pages": 1})
+    generator = KVGenerator(config.layout, PAGE, seed=12)
+    prompt = _prompts(1, seed=4, length=30 * PAGE)[0]
+    memory = MemoryStorage(capacity_bytes=64 << 20)
+    async with memory:
+        async with HiCache(config, storage=Unowned(memory)) as writer:
+            await serve(writer, prompt, generator, prefetch=False)
+            await writer.drain()
+        async with HiCache(
+            config, storage=FaultyStorage(Unowned(memory), latency_s=0.002)
+        ) as cache:
+            handle = await cache.start_prefetch(prompt, request_id="early")
+            first = await handle.ready()  # best effort: what has landed now
+            assert first.status in (PrefetchStatus.QUEUED, PrefetchStatus.RUNNING)
+            final = await handle.wait()
+            assert final.status is PrefetchStatus.TERMINATED
+            assert final.storage_tokens < len(prompt) // PAGE * PAGE
+            complete = await cache.prefetch(prompt, policy="wait_complete")
+            assert complete.status is PrefetchStatus.COMPLETE
+            assert complete.cached_tokens == len(prompt) // PAGE * PAGE
+            nothing = await cache.prefetch([1, 2, 3], policy="wait_complete")  # no whole page
+            assert nothing.status is PrefetchStatus.COMPLETE
+            assert nothing.cached_tokens == 0
+            absent = await cache.prefetch(
+                list(range(90_000, 90_000 + 3 * PAGE)), policy="wait_complete"
+            )
+            assert absent.status is PrefetchStatus.SKIPPED  # storage has none of it
+            served = await serve(cache, prompt, generator, prefetch=False, check="all")
+            assert served.computed_tokens == len(prompt) % PAGE
+            await cache.drain()
+            _assert_drained(cache)
+
+
+async def test_metrics_and_statistics() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE)
+    async with HiCache(config, storage="memory://?capacity=16MiB") as cache:
+        for prompt in _prompts(5, seed=1):
+            await serve(cache, prompt, generator)
+        await cache.drain()
+        text = cache.metrics_text()
+        assert "hicache_requests_total 5.0" in text
+        assert "hicache_prefetch_wait_seconds_bucket" in text
+        assert "hicache_storage_attached 1.0" in text
+        stats = cache.statistics()
+        assert stats.storage is not None
+        assert stats.storage.backup is not None
+        assert stats.storage.backup.written_pages > 0

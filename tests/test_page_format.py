@@ -1,0 +1,155 @@
+"""The stored page format: header layout, checksums, MAC, evolution rule."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache_async.storage import HEADER_NBYTES, PageCheck, PageHeader, PageMeta
+from hicache_async.storage._page import (
+    FORMAT_VERSION,
+    MAGIC,
+    check_header,
+    decode_header,
+    encode_header,
+    payload_checksum,
+    read_value_into,
+    scatter,
+    verify_payload,
+)
+
+KEY = bytes(range(32))
+NS = bytes(range(100, 116))
+MAC_KEY = b"k" * 32
+
+
+def _meta(key: bytes = KEY, namespace: bytes = NS) -> PageMeta:
+    return PageMeta(key=key, namespace=namespace, num_tokens=64, priority=-3)
+
+
+def _value(payload: bytes, mac_key: bytes | None = None) -> bytes:
+    return encode_header(_meta(), [memoryview(payload)], mac_key=mac_key) + payload
+
+
+def test_header_layout_is_pinned() -> None:
+    payload = b"abcdefgh" * 10
+    header = encode_header(_meta(), [memoryview(payload)], created_ns=123456789)
+    assert len(header) == HEADER_NBYTES == 128
+    assert header[:4] == MAGIC == b"HCKV"
+    assert struct.unpack_from("<HH", header, 4) == (FORMAT_VERSION, 0)
+    assert header[8:24] == NS
+    assert header[24:56] == KEY
+    assert struct.unpack_from("<QIi", header, 56) == (80, 64, -3)
+    assert struct.unpack_from("<QQ", header, 72) == (xxhash.xxh3_64_intdigest(payload), 123456789)
+    assert header[88:120] == bytes(32)  # no MAC
+    assert struct.unpack_from("<Q", header, 120)[0] == xxhash.xxh3_64_intdigest(header[:120])
+
+
+def test_decode_round_trip() -> None:
+    payload = bytes(1000)
+    decoded = decode_header(encode_header(_meta(), [memoryview(payload)], created_ns=7))
+    assert isinstance(decoded, PageHeader)
+    assert (decoded.key, decoded.namespace, decoded.num_tokens, decoded.priority) == (
+        KEY,
+        NS,
+        64,
+        -3,
+    )
+    assert decoded.payload_nbytes == 1000
+    assert decoded.page_nbytes == 1128
+    assert decoded.created_ns == 7
+    assert decoded.checksum == xxhash.xxh3_64_intdigest(payload)
+
+
+def test_checksum_over_segments_equals_checksum_of_the_join() -> None:
+    parts = [b"one", b"", b"three", b"x" * 5000]
+    assert payload_checksum([memoryview(p) for p in parts]) == xxhash.xxh3_64_intdigest(
+        b"".join(parts)
+    )
+
+
+def test_encode_rejects_bad_key_and_namespace_sizes() -> None:
+    with pytest.raises(ValueError, match="32 bytes"):
+        encode_header(_meta(key=b"short"), [])
+    with pytest.raises(ValueError, match="16 bytes"):
+        encode_header(_meta(namespace=b"short"), [])
+
+
+@given(position=st.integers(0, HEADER_NBYTES - 1), bit=st.integers(0, 7))
+def test_any_flipped_header_bit_is_caught(position: int, bit: int) -> None:
+    header = bytearray(encode_header(_meta(), [memoryview(b"payload")]))
+    header[position] ^= 1 << bit
+    version = struct.unpack_from("<H", header, 4)[0]
+    expected = PageCheck.UNSUPPORTED if version > FORMAT_VERSION else PageCheck.CORRUPT
+    assert decode_header(bytes(header)) is expected
+
+
+@given(st.binary(max_size=300))
+def test_decode_never_raises_on_garbage(raw: bytes) -> None:
+    result = decode_header(raw)
+    assert isinstance(result, (PageHeader, PageCheck))
+
+
+def test_newer_version_is_unsupported_whatever_follows() -> None:
+    # The evolution rule: magic and version never move, so a reader can always tell a newer
+    # page (left alone) from a damaged one (removed).
+    newer = MAGIC + struct.pack("<HH", FORMAT_VERSION + 1, 0) + bytes(200)
+    assert decode_header(newer) is PageCheck.UNSUPPORTED
+    older = MAGIC + struct.pack("<HH", 0, 0) + bytes(200)
+    assert decode_header(older) is PageCheck.CORRUPT
+    assert decode_header(b"HCK") is PageCheck.CORRUPT
+
+
+def test_check_header_compares_key_namespace_and_length() -> None:
+    header = decode_header(encode_header(_meta(), [memoryview(bytes(10))]))
+    assert check_header(header, key=KEY, namespace=NS, payload_nbytes=10) is PageCheck.OK
+    for key, namespace, nbytes in ((bytes(32), NS, 10), (KEY, bytes(16), 10), (KEY, NS, 11)):
+        check = check_header(header, key=key, namespace=namespace, payload_nbytes=nbytes)
+        assert check is PageCheck.CORRUPT
+    unsupported = check_header(PageCheck.UNSUPPORTED, key=KEY, namespace=NS, payload_nbytes=10)
+    assert unsupported is PageCheck.UNSUPPORTED
+
+
+def test_verify_payload_checksum_and_mac() -> None:
+    payload = bytes(range(256)) * 4
+    plain = decode_header(encode_header(_meta(), [memoryview(payload)]))
+    keyed = decode_header(encode_header(_meta(), [memoryview(payload)], mac_key=MAC_KEY))
+    assert isinstance(plain, PageHeader)
+    assert isinstance(keyed, PageHeader)
+    assert keyed.flags & 1
+    good = [memoryview(payload)]
+    bad = [memoryview(payload[:-1] + b"\x00")]
+    assert verify_payload(plain, good) is PageCheck.OK
+    assert verify_payload(plain, bad) is PageCheck.CORRUPT
+    assert verify_payload(keyed, good, mac_key=MAC_KEY) is PageCheck.OK
+    assert verify_payload(keyed, good) is PageCheck.OK  # a reader without a key checks less
+    assert verify_payload(plain, good, mac_key=MAC_KEY) is PageCheck.CORRUPT  # no MAC at all
+    assert verify_payload(keyed, good, mac_key=b"other" * 6) is PageCheck.CORRUPT
+    assert verify_payload(keyed, bad, mac_key=MAC_KEY) is PageCheck.CORRUPT
+
+
+def test_read_value_into() -> None:
+    payload = bytes(range(200))
+    value = _value(payload)
+    into = [memoryview(bytearray(50)), memoryview(bytearray(150))]
+    assert read_value_into(value, key=KEY, namespace=NS, into=into) is PageCheck.OK
+    assert b"".join(bytes(v) for v in into) == payload
+    assert read_value_into(value + b"x", key=KEY, namespace=NS, into=into) is PageCheck.CORRUPT
+    assert read_value_into(value[:-1], key=KEY, namespace=NS, into=into) is PageCheck.CORRUPT
+    assert read_value_into(value, key=KEY, namespace=bytes(16), into=into) is PageCheck.CORRUPT
+    short = [memoryview(bytearray(199))]
+    assert read_value_into(value, key=KEY, namespace=NS, into=short) is PageCheck.CORRUPT
+    newer = value[:4] + struct.pack("<H", FORMAT_VERSION + 1) + value[6:]
+    assert read_value_into(newer, key=KEY, namespace=NS, into=into) is PageCheck.UNSUPPORTED
+
+
+def test_scatter_checks_lengths() -> None:
+    into = [memoryview(bytearray(3)), memoryview(bytearray(2))]
+    scatter(b"abcde", into)
+    assert [bytes(v) for v in into] == [b"abc", b"de"]
+    with pytest.raises(ValueError, match="does not fill"):
+        scatter(b"abcdef", into)

@@ -1,0 +1,384 @@
+"""Rank groups and agreement: real gloo groups of 2 and 4 processes on loopback, and SingleRank.
+
+Each world is spawned once per module (spawning processes that import torch is the slow part)
+and plays every scenario in `_rank_worker`, each on a fresh group. The parent never waits
+without a bound: results are collected against a deadline, then processes are joined with a
+timeout and killed if still alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import socket
+import time
+from typing import Any
+
+import _rank_worker as rw
+import numpy as np
+import pytest
+import structlog
+
+from hicache_async import ConfigError, HiCacheError
+from hicache_async.distributed import (
+    CollectiveError,
+    CollectiveTimeout,
+    GroupBrokenError,
+    GroupStatistics,
+    RankGroup,
+    SingleRank,
+    TorchRankGroup,
+    agree_entries,
+    agree_min,
+)
+
+#: a world that has not reported everything by then has failed (it normally takes seconds).
+WORLD_DEADLINE_S = 150.0
+JOIN_TIMEOUT_S = 20.0
+
+
+# -- the multi-process worlds -------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago."""
+    sockets = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class World:
+    """What every rank reported for every scenario."""
+
+    def __init__(self, size: int, loop: str) -> None:
+        self.size = size
+        self.loop = loop
+        self.reports: dict[tuple[int, str], tuple[str, Any]] = {}
+        self.problems: list[str] = []
+
+    def results(self, scenario: str) -> list[Any]:
+        """Each rank's result for `scenario`; fail the test with the ranks' errors otherwise."""
+        out, errors = [], []
+        for rank in range(self.size):
+            report = self.reports.get((rank, scenario))
+            if report is None:
+                errors.append(f"rank {rank} did not report {scenario!r}")
+            elif report[0] != "ok":
+                errors.append(f"rank {rank} failed {scenario!r}:\n{report[1]}")
+            else:
+                out.append(report[1])
+        if errors:
+            pytest.fail("\n".join(errors + self.problems))
+        return out
+
+
+def run_world(size: int, loop: str) -> World:
+    """Spawn `size` ranks that play every scenario; collect their reports, never hanging."""
+    names = list(rw.SCENARIOS)
+    plan = rw.Plan(size=size, loop=loop, scenarios=names, ports=free_ports(len(names)))
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    sides = [ctx.Barrier(size) for _ in names]
+    procs = [
+        ctx.Process(target=rw.main, args=(rank, plan, results, sides), name=f"rank-{rank}")
+        for rank in range(size)
+    ]
+    world = World(size, loop)
+    expected = {(rank, name) for rank in range(size) for name in [*names, "threads"]}
+    deadline = time.monotonic() + WORLD_DEADLINE_S
+    try:
+        for proc in procs:
+            proc.start()
+        while expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                world.problems.append(f"deadline passed; missing reports {sorted(expected)}")
+                break
+            try:
+                rank, name, status, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if not any(proc.is_alive() for proc in procs):
+                    world.problems.append(f"every rank exited; missing {sorted(expected)}")
+                    break
+                continue
+            world.reports[(rank, name)] = (status, payload)
+            expected.discard((rank, name))
+        for proc in procs:
+            proc.join(JOIN_TIMEOUT_S)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                world.problems.append(f"{proc.name} was killed")
+                proc.kill()
+                proc.join(JOIN_TIMEOUT_S)
+        results.close()
+        results.join_thread()
+    for proc in procs:
+        if proc.exitcode != 0:
+            world.problems.append(f"{proc.name} exited with {proc.exitcode}")
+    return world
+
+
+@pytest.fixture(
+    scope="module", params=[(2, "asyncio"), (4, "uvloop")], ids=["2-asyncio", "4-uvloop"]
+)
+def world(request: pytest.FixtureRequest) -> World:
+    size, loop = request.param
+    return run_world(size, loop)
+
+
+def test_world_exits_cleanly(world: World) -> None:
+    assert world.results("threads") == [[]] * world.size, "a collective thread outlived its group"
+    assert not world.problems, world.problems
+
+
+def test_all_min_all_max(world: World) -> None:
+    values = [rw.value_for(rank) for rank in range(world.size)]
+    for rank, r in enumerate(world.results("collectives")):
+        assert (r["rank"], r["size"]) == (rank, world.size)
+        assert r["min"] == min(values)
+        assert r["max"] == max(values)
+        assert r["numpy_max"] == world.size - 1
+        assert type(r["numpy_max"]) is int
+        assert r["min_extreme"] == rw.INT64_MIN
+        assert r["max_extreme"] == rw.INT64_MAX
+
+
+def test_all_gather_bytes_variable_length(world: World) -> None:
+    expected = [rw.payload_for(rank) for rank in range(world.size)]
+    assert len({len(p) for p in expected}) > 1  # the payloads really differ in length
+    for r in world.results("collectives"):
+        assert r["gathered"] == expected
+        assert r["gathered_empty"] == [b""] * world.size
+
+
+def test_agree_common_same_items_in_rank0_order(world: World) -> None:
+    same = [f"same-{i}".encode() for i in range(12)]
+    for r in world.results("collectives"):
+        assert r["same"] == same
+
+
+def test_agree_common_different_items_is_the_ordered_intersection(world: World) -> None:
+    expected = rw.common_items(world.size)
+    assert expected  # not trivially empty
+    assert len(expected) < len(set(rw.items_for(0, world.size)))  # and not everything
+    for r in world.results("collectives"):
+        assert r["different"] == expected
+        assert r["one_empty"] == []
+        assert r["rank0_empty"] == []
+
+
+def test_collective_counts_match(world: World) -> None:
+    counts = [r["stats"]["collectives"] for r in world.results("collectives")]
+    assert counts == [12] * world.size
+    for r in world.results("collectives"):
+        assert r["stats"]["broken"] is False
+        assert r["stats"]["timeouts"] == r["stats"]["failures"] == 0
+
+
+def test_failed_local_step_degrades_and_keeps_ranks_in_step(world: World) -> None:
+    results = world.results("local_failure")
+    for r in results:
+        assert r["min_failed"] == 0  # the last rank failed: it contributed 0
+        assert r["min_ok"] == 10
+        assert r["min_invalid"] == 0  # rank 0 returned a str
+        assert r["entries_failed"] == []  # rank 1 failed: the empty set
+        assert r["entries_invalid"] == []
+        assert r["entries_ok"] == rw.common_items(world.size)
+        assert r["after"] == world.size - 1
+    assert results[0]["min_cancelled"] == "cancelled"
+    for r in results[1:]:
+        assert r["min_cancelled"] == 0  # the cancelled rank still took part, with 0
+    # Every rank entered every collective exactly once, whatever failed where.
+    assert [r["stats"]["collectives"] for r in results] == [8] * world.size
+    last = world.size - 1
+    assert results[last]["failure_logs"][0] == ("agree_min", last)
+    assert ("agree_entries", 1) in results[1]["failure_logs"]
+    assert results[0]["failure_logs"] == [("agree_min", 0), ("agree_entries", 0)]
+
+
+def test_cancelled_caller_still_contributes_and_order_holds(world: World) -> None:
+    results = world.results("cancel_caller")
+    assert results[0]["pending_at_cancel"] is True
+    assert results[0]["first"] == "cancelled"
+    for r in results[1:]:
+        assert r["first"] == 2  # rank 0's contribution arrived although its caller left
+    second = [f"second from {rank}".encode() for rank in range(world.size)]
+    for r in results:
+        assert r["second"] == second
+        assert r["third"] == world.size - 1
+        assert r["stats"]["collectives"] == 3
+    assert results[0]["stats"]["cancelled"] == 1
+
+
+def test_slow_rank_is_waited_for_while_the_loop_keeps_running(world: World) -> None:
+    results = world.results("slow_rank")
+    for r in results:
+        assert r["min"] == 5
+    for r in results[:-1]:
+        assert r["pending_while_ticking"] is True
+        assert r["ticks"] >= 5
+
+
+def test_wrapping_existing_groups(world: World) -> None:
+    for rank, r in enumerate(world.results("wrap_existing")):
+        assert r["default"] == (rank, world.size, world.size - 1)
+        assert r["wrapped"] == (rank, world.size, 3)
+        assert r["wrapped_common"] == [b"a", b"b"]
+        assert r["after_close"] == "GroupBrokenError"
+        assert r["sub_still_usable"] == world.size
+
+
+def test_absent_rank_times_out_then_group_is_broken(world: World) -> None:
+    results = world.results("absent_rank")
+    for r in results[:-1]:
+        assert r["first"] == "CollectiveTimeout"
+        assert r["stats_after_timeout"]["broken"] is True
+        assert r["stats_after_timeout"]["timeouts"] == 1
+        assert r["second"] == "GroupBrokenError"
+        assert r["agree"] == "GroupBrokenError"
+        # The refused calls entered nothing.
+        assert r["stats"]["collectives"] == 1
+    assert results[-1]["stats"]["collectives"] == 0
+
+
+# -- in-process tests ---------------------------------------------------------------------
+
+
+async def test_single_rank_collectives() -> None:
+    group = SingleRank()
+    assert isinstance(group, RankGroup)
+    assert (group.rank, group.size) == (0, 1)
+    assert await group.all_min(-5) == -5
+    assert await group.all_max(rw.INT64_MAX) == rw.INT64_MAX
+    numpy_value = await group.all_min(np.int64(3))  # type: ignore[arg-type]
+    assert numpy_value == 3
+    assert type(numpy_value) is int
+    assert await group.all_gather_bytes(b"abc") == [b"abc"]
+    assert await group.agree_common([b"b", b"a", b"b", b"c", b"a"]) == [b"b", b"a", b"c"]
+    assert await group.agree_common([]) == []
+    await group.barrier()
+    assert group.statistics() == GroupStatistics(
+        collectives=7, timeouts=0, failures=0, broken=False
+    )
+
+
+async def test_single_rank_rejects_misuse_before_entering() -> None:
+    group = SingleRank()
+    with pytest.raises(ValueError, match="64-bit"):
+        await group.all_min(2**63)
+    with pytest.raises(TypeError):
+        await group.all_max(True)
+    with pytest.raises(TypeError):
+        await group.all_gather_bytes("text")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await group.agree_common(b"abc")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        await group.agree_common([b"a", "b"])  # type: ignore[list-item]
+    assert group.statistics().collectives == 0
+
+
+async def test_single_rank_yields_to_the_loop() -> None:
+    group = SingleRank()
+    ran = asyncio.Event()
+    asyncio.get_running_loop().call_soon(ran.set)  # runs only if the call gives up control
+    await group.all_min(1)
+    assert ran.is_set()
+
+
+async def test_single_rank_call_can_be_cancelled_at_its_yield() -> None:
+    group = SingleRank()
+    task = asyncio.create_task(group.barrier())
+    await asyncio.sleep(0)  # the task starts and suspends at its yield
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_agree_helpers_on_one_rank() -> None:
+    group = SingleRank()
+
+    async def seven() -> int:
+        return 7
+
+    async def broken() -> int:
+        raise OSError("disk gone")
+
+    async def entries() -> list[bytes]:
+        return [b"x", b"y", b"x"]
+
+    async def broken_entries() -> list[bytes]:
+        raise OSError("manifest unreadable")
+
+    with structlog.testing.capture_logs() as logs:
+        assert await agree_min(group, seven) == 7
+        assert await agree_min(group, broken) == 0
+        assert await agree_entries(group, entries) == [b"x", b"y"]
+        assert await agree_entries(group, broken_entries) == []
+    failures = [e for e in logs if e["event"] == "tp.local.failed"]
+    assert [(e["helper"], e["rank"], e["size"]) for e in failures] == [
+        ("agree_min", 0, 1),
+        ("agree_entries", 0, 1),
+    ]
+    assert "disk gone" in failures[0]["error"]
+    assert group.statistics().collectives == 4
+
+
+async def test_agree_min_enters_the_collective_when_its_local_step_is_cancelled() -> None:
+    group = SingleRank()
+    started = asyncio.Event()
+
+    async def stuck() -> int:
+        started.set()
+        await asyncio.Event().wait()
+        return 1
+
+    task = asyncio.create_task(agree_min(group, stuck))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert group.statistics().collectives == 1
+
+
+async def test_agree_entries_enters_the_collective_when_its_local_step_is_cancelled() -> None:
+    group = SingleRank()
+    started = asyncio.Event()
+
+    async def stuck() -> list[bytes]:
+        started.set()
+        await asyncio.Event().wait()
+        return []
+
+    task = asyncio.create_task(agree_entries(group, stuck))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert group.statistics().collectives == 1
+
+
+def test_error_hierarchy() -> None:
+    assert issubclass(CollectiveTimeout, CollectiveError)
+    assert issubclass(CollectiveTimeout, TimeoutError)
+    assert issubclass(GroupBrokenError, CollectiveError)
+    assert issubclass(CollectiveError, HiCacheError)
+
+
+async def test_torch_rank_group_rejects_bad_configuration() -> None:
+    with pytest.raises(ConfigError, match="rank"):
+        await TorchRankGroup.create(2, 2, port=29500)
+    with pytest.raises(ConfigError, match="port"):
+        await TorchRankGroup.create(0, 2, port=0)
+    with pytest.raises(ConfigError, match="timeout_s"):
+        await TorchRankGroup.create(0, 2, port=29500, timeout_s=0)
+    with pytest.raises(ConfigError, match="group"):
+        TorchRankGroup()  # torch.distributed is not initialised in the test process

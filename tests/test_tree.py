@@ -1,0 +1,557 @@
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from hicache_async import WrongThreadError, page_keys
+from hicache_async._config import EvictionPolicy
+from hicache_async._loop import LoopOwner
+from hicache_async.tree import RadixTree, TreeNode
+
+
+def K(*tokens: int) -> list[bytes]:
+    """Chained page keys with one token per page, so shared token prefixes share keys."""
+    return page_keys(list(tokens), 1)
+
+
+class Clock:
+    """A clock that advances by one on every reading, so access order is exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def make_tree(eviction: EvictionPolicy = "lru") -> RadixTree:
+    return RadixTree(eviction=eviction, clock=Clock())
+
+
+def attached(node: TreeNode) -> bool:
+    """Whether the node is still in its tree (a function, so type narrowing stays out of it)."""
+    return node.parent is not None
+
+
+def shape(tree: RadixTree) -> dict[tuple[int, ...], int]:
+    """Every node as (its page count along the path) -> its own page count."""
+    out: dict[tuple[int, ...], int] = {}
+
+    def visit(node: TreeNode, path: tuple[int, ...]) -> None:
+        for child in node.children.values():
+            here = (*path, child.num_pages)
+            out[here] = child.num_pages
+            visit(child, here)
+
+    visit(tree.root, ())
+    return out
+
+
+def test_empty_tree_misses() -> None:
+    tree = make_tree()
+    result = tree.match(K(1, 2, 3))
+    assert result.device_pages == []
+    assert result.host_pages == []
+    assert result.device_node is tree.root
+    assert result.host_node is tree.root
+    assert result.storage_keys == K(1, 2, 3)
+    assert tree.statistics().nodes == 0
+
+
+def test_match_splits_inside_a_node() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2, 3, 4), device_pages=[10, 11, 12, 13])
+    result = tree.match(K(1, 2))
+    assert result.device_pages == [10, 11]
+    assert result.device_node.keys == K(1, 2)
+    assert result.device_node.children[K(1, 2, 3)[2]].device_pages == [12, 13]
+    assert tree.statistics().nodes == 2
+    tree.check_invariants()
+
+    full = tree.match(K(1, 2, 3, 4, 5))
+    assert full.device_pages == [10, 11, 12, 13]
+    assert full.storage_keys == K(1, 2, 3, 4, 5)[4:]
+    assert full.num_device_pages == 4
+    assert full.num_host_pages == 0
+
+
+def test_match_splits_on_divergence() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2, 3, 4), device_pages=[0, 1, 2, 3])
+    result = tree.match(K(1, 2, 9))
+    assert result.device_pages == [0, 1]
+    assert result.storage_keys == K(1, 2, 9)[2:]
+    assert shape(tree) == {(2,): 2, (2, 2): 2}
+    tree.check_invariants()
+
+
+def test_touch_updates_hits_and_access_time() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1, 2), device_pages=[0, 1]).node
+    before = node.last_access
+    tree.match(K(1, 2), touch=False)
+    assert node.hit_count == 0
+    assert node.last_access == before
+    tree.match(K(1, 2))
+    tree.match(K(1, 2))
+    assert node.hit_count == 2
+    assert node.last_access > before
+
+
+def test_insert_diverging_returns_duplicates_for_the_shared_prefix() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2, 3, 4), device_pages=[0, 1, 2, 3])
+    result = tree.insert(K(1, 2, 7, 8), device_pages=[4, 5, 6, 7])
+    assert result.duplicate_device_pages == [4, 5]
+    assert result.duplicate_host_pages == []
+    assert result.node.keys == K(1, 2, 7, 8)[2:]
+    assert result.node.device_pages == [6, 7]
+    assert shape(tree) == {(2,): 2, (2, 2): 2}
+    assert tree.match(K(1, 2, 7, 8)).device_pages == [0, 1, 6, 7]
+    assert tree.statistics().device_pages == 6
+    tree.check_invariants()
+
+
+def test_insert_ending_inside_a_node_splits_it() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2, 3), device_pages=[0, 1, 2])
+    result = tree.insert(K(1, 2), device_pages=[5, 6])
+    assert result.duplicate_device_pages == [5, 6]
+    assert result.node.keys == K(1, 2)
+    assert result.node.device_pages == [0, 1]
+    tree.check_invariants()
+
+
+def test_reinserting_the_trees_own_pages_is_not_a_duplicate() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2), device_pages=[0, 1])
+    result = tree.insert(K(1, 2, 3), device_pages=[0, 1, 9])
+    assert result.duplicate_device_pages == []
+    partly = tree.insert(K(1, 2, 3), device_pages=[0, 7, 9])
+    assert partly.duplicate_device_pages == [7]
+    assert tree.match(K(1, 2, 3)).device_pages == [0, 1, 9]
+
+
+def test_host_insert_extends_past_the_device_prefix() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2), device_pages=[0, 1])
+    result = tree.insert(K(1, 2, 3, 4), host_pages=[5, 6, 7, 8])
+    # The device node lacked a host copy, so it takes the caller's host pages.
+    assert result.duplicate_host_pages == []
+    match = tree.match(K(1, 2, 3, 4, 5))
+    assert match.device_pages == [0, 1]
+    assert match.host_pages == [7, 8]
+    assert match.host_node is result.node
+    assert match.device_node.host_pages == [5, 6]
+    assert match.storage_keys == K(1, 2, 3, 4, 5)[4:]
+    stats = tree.statistics()
+    assert (stats.device_pages, stats.host_pages) == (2, 4)
+    tree.check_invariants()
+
+
+def test_device_insert_repromotes_an_evicted_node() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1, 2, 3), device_pages=[0, 1, 2], host_pages=[10, 11, 12]).node
+    eviction = tree.evict_device(3, backup_first=True)
+    assert sorted(eviction.freed) == [0, 1, 2]
+    assert not node.on_device
+    assert tree.match(K(1, 2, 3)).host_pages == [10, 11, 12]
+
+    result = tree.insert(K(1, 2, 3), device_pages=[5, 6, 7], host_pages=[20, 21, 22])
+    assert result.duplicate_device_pages == []
+    assert result.duplicate_host_pages == [20, 21, 22]
+    assert result.node is node
+    assert node.device_pages == [5, 6, 7]
+    assert tree.match(K(1, 2, 3)).device_pages == [5, 6, 7]
+    tree.check_invariants()
+
+
+def test_insert_rejects_bad_arguments_without_changing_anything() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2), device_pages=[0, 1])
+    before = tree.statistics()
+    with pytest.raises(ValueError, match="device_pages, host_pages"):
+        tree.insert(K(1, 2, 3))
+    with pytest.raises(ValueError, match="device_pages has 2 pages for 3 keys"):
+        tree.insert(K(1, 2, 3), device_pages=[0, 1])
+    with pytest.raises(ValueError, match="host_pages has 4 pages"):
+        tree.insert(K(1, 5, 6), device_pages=[7, 8, 9], host_pages=[1, 2, 3, 4])
+    assert tree.statistics() == before
+    assert shape(tree) == {(2,): 2}
+
+
+def test_priority_is_the_maximum_along_the_path() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2, 3), device_pages=[0, 1, 2], priority=5)
+    node = tree.insert(K(1, 2), device_pages=[7, 8], priority=1).node
+    assert node.priority == 5
+    tree.insert(K(1, 2), device_pages=[7, 8], priority=9)
+    assert node.priority == 9
+    assert node.children[K(1, 2, 3)[2]].priority == 5
+
+
+def test_lock_covers_ancestors_and_blocks_eviction() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2), device_pages=[0, 1])
+    leaf = tree.insert(K(1, 2, 3, 4), device_pages=[0, 1, 2, 3]).node
+    parent = leaf.parent
+    assert parent is not None
+    tree.lock_device(leaf)
+    assert (leaf.lock_ref, parent.lock_ref, tree.root.lock_ref) == (1, 1, 0)
+    stats = tree.statistics()
+    assert (stats.locked_nodes, stats.evictable_device_pages) == (2, 0)
+    assert tree.evict_device(4, backup_first=False).freed == []
+
+    tree.unlock_device(leaf)
+    assert tree.statistics().evictable_device_pages == 4
+    assert sorted(tree.evict_device(4, backup_first=False).freed) == [0, 1, 2, 3]
+    tree.check_invariants()
+
+
+def test_lock_errors() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1, 2), host_pages=[0, 1]).node
+    with pytest.raises(ValueError, match="not on the device"):
+        tree.lock_device(node)
+    device = tree.insert(K(3), device_pages=[0]).node
+    with pytest.raises(ValueError, match="underflow"):
+        tree.unlock_device(device)
+    with pytest.raises(ValueError, match="underflow"):
+        tree.unprotect_host(node)
+    tree.lock_device(tree.root)
+    tree.unlock_device(tree.root)
+    assert tree.root.lock_ref == 0
+
+
+def test_references_survive_a_split() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2, 3, 4, 5, 6), device_pages=[0, 1, 2, 3, 4, 5], host_pages=[0, 1, 2, 3, 4, 5])
+    deep = tree.match(K(1, 2, 3, 4, 5, 6)).device_node
+    tree.lock_device(deep)
+    tree.protect_host(deep)
+    tree.insert(K(1, 2, 3, 9), device_pages=[6, 7, 8, 9])
+    tree.insert(K(1, 10), device_pages=[6, 10])
+    # The original object kept the suffix and the new prefixes copied its references.
+    assert deep.keys == K(1, 2, 3, 4, 5, 6)[3:]
+    heads = [n for n in tree.iter_nodes() if n is not deep and n.lock_ref]
+    assert len(heads) == 2
+    assert all(n.host_ref == 1 for n in heads)
+    assert tree.statistics().locked_nodes == 3
+    tree.check_invariants()
+
+    tree.unlock_device(deep)
+    tree.unprotect_host(deep)
+    assert all(n.lock_ref == 0 and n.host_ref == 0 for n in tree.iter_nodes())
+    stats = tree.statistics()
+    assert (stats.locked_nodes, stats.protected_nodes) == (0, 0)
+    assert stats.evictable_device_pages == stats.device_pages == 8
+    tree.check_invariants()
+
+
+def test_insert_under_a_node_continues_its_prefix() -> None:
+    tree = make_tree()
+    anchor = tree.insert(K(1, 2), device_pages=[0, 1]).node
+    landed = tree.insert(K(1, 2, 3, 4)[2:], host_pages=[5, 6], under=anchor).node
+    assert landed.parent is anchor
+    match = tree.match(K(1, 2, 3, 4))
+    assert (match.device_pages, match.host_pages) == ([0, 1], [5, 6])
+    assert match.host_node is landed
+
+    # Continuing inside an existing node splits it and reports duplicates as usual.
+    again = tree.insert(K(1, 2, 3)[2:], host_pages=[9], under=anchor)
+    assert again.duplicate_host_pages == [9]
+    assert again.node.host_pages == [5]
+    with pytest.raises(ValueError, match="not on the device"):
+        tree.insert(K(1, 2, 3, 4, 5)[4:], device_pages=[7], under=landed)
+    assert tree.insert([], host_pages=[], under=landed).node is landed
+    tree.check_invariants()
+
+    tree.evict_host(10)
+    assert not attached(landed)
+    with pytest.raises(ValueError, match="not in the tree"):
+        tree.insert(K(1, 2, 3, 4, 5)[4:], host_pages=[7], under=landed)
+
+
+def test_protected_nodes_are_never_removed() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1), device_pages=[0]).node
+    tree.protect_host(node)
+    # Device-only and protected: it can only leave the device after a backup.
+    eviction = tree.evict_device(1, backup_first=False)
+    assert (eviction.freed, eviction.needs_backup) == ([], [node])
+    tree.set_host_pages(node, [3])
+    assert tree.evict_device(1, backup_first=False).freed == [0]
+    assert node.parent is tree.root
+    assert tree.evict_host(1) == []
+    tree.unprotect_host(node)
+    assert tree.evict_host(1) == [3]
+    assert not attached(node)
+    tree.check_invariants()
+
+
+def _insert_disjoint(tree: RadixTree) -> list[TreeNode]:
+    return [
+        tree.insert(K(100 * i + 1, 100 * i + 2), device_pages=[2 * i, 2 * i + 1]).node
+        for i in range(3)
+    ]
+
+
+def test_lru_evicts_least_recently_used_first() -> None:
+    tree = make_tree("lru")
+    a, b, c = _insert_disjoint(tree)
+    tree.match(K(1, 2))  # touches a last
+    order = [tree.evict_device(1, backup_first=False).freed for _ in range(3)]
+    assert order == [[2, 3], [4, 5], [0, 1]]
+    assert tree.statistics().nodes == 0
+    assert all(n.parent is None for n in (a, b, c))
+
+
+def test_lfu_evicts_least_frequently_used_first() -> None:
+    tree = make_tree("lfu")
+    _insert_disjoint(tree)
+    for _ in range(3):
+        tree.match(K(1, 2))
+    tree.match(K(201, 202))
+    tree.match(K(201, 202))
+    tree.match(K(101, 102))
+    order = [tree.evict_device(1, backup_first=False).freed for _ in range(3)]
+    assert order == [[2, 3], [4, 5], [0, 1]]
+
+
+def test_lfu_breaks_ties_by_age() -> None:
+    tree = make_tree("lfu")
+    _insert_disjoint(tree)
+    tree.match(K(201, 202))
+    tree.match(K(1, 2))
+    tree.match(K(101, 102))
+    assert tree.evict_device(2, backup_first=False).freed == [4, 5]
+
+
+def test_low_priority_goes_first_whatever_the_policy() -> None:
+    tree = make_tree("lru")
+    tree.insert(K(1, 2), device_pages=[0, 1], priority=3)
+    tree.insert(K(5, 6), device_pages=[2, 3])
+    tree.match(K(5, 6))
+    assert tree.evict_device(1, backup_first=False).freed == [2, 3]
+
+
+def test_eviction_frees_whole_nodes_and_cascades_to_parents() -> None:
+    tree = make_tree()
+    tree.insert(K(1, 2, 3), device_pages=[0, 1, 2])
+    tree.insert(K(1, 2, 4, 5), device_pages=[0, 1, 3, 4])
+    # One page asked for, a whole two-page leaf freed.
+    # One page asked for: the older leaf [3] (untouched by the second insert) goes.
+    assert tree.evict_device(1, backup_first=False).freed == [2]
+    # Its sibling is freed whole, then the shared parent becomes a leaf and goes too.
+    assert tree.evict_device(3, backup_first=False).freed == [3, 4, 0, 1]
+    assert tree.statistics().nodes == 0
+    tree.check_invariants()
+
+
+def test_backup_first_reports_device_only_leaves() -> None:
+    tree = make_tree()
+    only_device = tree.insert(K(1, 2), device_pages=[0, 1]).node
+    backed = tree.insert(K(5, 6), device_pages=[2, 3], host_pages=[0, 1]).node
+    eviction = tree.evict_device(10, backup_first=True)
+    assert eviction.freed == [2, 3]
+    assert eviction.needs_backup == [only_device]
+    assert only_device.device_pages == [0, 1]
+    assert backed.parent is tree.root
+    assert not backed.on_device
+    assert backed.host_pages == [0, 1]
+
+    tree.set_host_pages(only_device, [4, 5])
+    again = tree.evict_device(1, backup_first=True)
+    assert (again.freed, again.needs_backup) == ([0, 1], [])
+    assert tree.match(K(1, 2)).host_pages == [4, 5]
+    tree.check_invariants()
+
+
+def test_device_only_node_with_host_children_needs_backup() -> None:
+    tree = make_tree()
+    parent = tree.insert(K(1, 2), device_pages=[0, 1]).node
+    tree.insert(K(1, 2, 3), host_pages=[5, 6, 7])  # parent takes [5, 6]; child host-only
+    tree.clear_host_pages(parent)
+    eviction = tree.evict_device(2, backup_first=False)
+    assert eviction.freed == []
+    assert eviction.needs_backup == [parent]
+    assert tree.evict_host(1) == [7]
+    assert tree.evict_device(2, backup_first=False).freed == [0, 1]
+    assert tree.statistics().nodes == 0
+
+
+def test_host_eviction_only_takes_unprotected_off_device_leaves() -> None:
+    tree = make_tree()
+    both = tree.insert(K(1), device_pages=[0], host_pages=[0]).node
+    protected = tree.insert(K(2), host_pages=[1]).node
+    chain = tree.insert(K(3, 4), host_pages=[2, 3]).node
+    tree.insert(K(3, 4, 5), host_pages=[2, 3, 4])
+    tree.protect_host(protected)
+    assert tree.statistics().evictable_host_pages == 3
+
+    freed = tree.evict_host(100)
+    # The leaf [5] goes first, then its parent [3, 4] becomes a leaf and goes too.
+    assert freed == [4, 2, 3]
+    assert chain.parent is None
+    assert both.host_pages == [0]
+    assert protected.host_pages == [1]
+
+    tree.unprotect_host(protected)
+    assert tree.evict_host(1) == [1]
+    assert tree.evict_host(1) == []
+    tree.check_invariants()
+
+
+def test_host_eviction_does_not_cascade_into_device_parents() -> None:
+    tree = make_tree()
+    parent = tree.insert(K(1), device_pages=[0]).node
+    tree.insert(K(1, 2), host_pages=[9, 1])
+    assert parent.host_pages == [9]
+    assert tree.evict_host(10) == [1]
+    assert parent.host_pages == [9]
+    assert parent.on_device
+
+
+def test_set_and_clear_pages() -> None:
+    tree = make_tree()
+    parent = tree.insert(K(1), device_pages=[0], host_pages=[0]).node
+    child = tree.insert(K(1, 2), device_pages=[0, 1], host_pages=[0, 1]).node
+    tree.evict_device(2, backup_first=True)
+    assert not parent.on_device
+    assert not child.on_device
+
+    with pytest.raises(ValueError, match="parent of"):
+        tree.set_device_pages(child, [3])
+    with pytest.raises(ValueError, match="2 pages for a node of 1"):
+        tree.set_device_pages(parent, [3, 4])
+    tree.set_device_pages(parent, [3])
+    with pytest.raises(ValueError, match="already on the device"):
+        tree.set_device_pages(parent, [5])
+    with pytest.raises(ValueError, match="already on the host"):
+        tree.set_host_pages(child, [5])
+    with pytest.raises(ValueError, match="only on the host"):
+        tree.clear_host_pages(child)
+    tree.set_device_pages(child, [4])
+    assert tree.match(K(1, 2)).device_pages == [3, 4]
+
+    tree.protect_host(child)
+    with pytest.raises(ValueError, match="protected"):
+        tree.clear_host_pages(child)
+    tree.unprotect_host(child)
+    assert tree.clear_host_pages(child) == [1]
+    with pytest.raises(ValueError, match="not on the host"):
+        tree.clear_host_pages(child)
+    assert tree.statistics().host_pages == 1
+    tree.check_invariants()
+
+
+def test_removed_nodes_are_rejected() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1), device_pages=[0]).node
+    tree.evict_device(1, backup_first=False)
+    assert node.parent is None
+    assert node.device_pages is None
+    with pytest.raises(ValueError, match="not in the tree"):
+        tree.lock_device(node)
+    with pytest.raises(ValueError, match="not in the tree"):
+        tree.mark_in_storage(node)
+
+
+def test_storage_flag_counts_and_survives_splits() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1, 2, 3), device_pages=[0, 1, 2]).node
+    tree.mark_in_storage(node)
+    tree.mark_in_storage(node)
+    assert tree.statistics().storage_pages == 3
+    head = tree.match(K(1)).device_node
+    assert head.in_storage
+    assert tree.statistics().storage_pages == 3
+    tree.mark_in_storage(node, False)
+    assert tree.statistics().storage_pages == 1
+    tree.check_invariants()
+
+
+def test_statistics_and_repr_show_live_state() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1, 2), device_pages=[0, 1], host_pages=[3, 4]).node
+    tree.insert(K(7), host_pages=[5])
+    tree.lock_device(node)
+    stats = tree.statistics()
+    assert stats.nodes == 2
+    assert (stats.device_pages, stats.host_pages, stats.locked_nodes) == (2, 3, 1)
+    assert (stats.evictable_device_pages, stats.evictable_host_pages) == (0, 1)
+    assert "nodes=2" in repr(tree)
+    assert "locked_nodes=1" in repr(tree)
+    assert "lock_ref=1" in repr(node)
+    assert "tiers=device+host" in repr(node)
+
+
+def test_check_invariants_catches_corruption() -> None:
+    tree = make_tree()
+    node = tree.insert(K(1, 2), device_pages=[0, 1]).node
+    other = tree.insert(K(5), device_pages=[2]).node
+    tree.check_invariants()
+    other.device_pages = [1]
+    with pytest.raises(AssertionError, match="device page 1 appears twice"):
+        tree.check_invariants()
+    other.device_pages = [2]
+    node.lock_ref = 1
+    with pytest.raises(AssertionError, match=r"statistics\.locked_nodes"):
+        tree.check_invariants()
+    node.lock_ref = 0
+    node.host_pages = [0]
+    with pytest.raises(AssertionError, match="1 host pages for 2 keys"):
+        tree.check_invariants()
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="eviction"):
+        RadixTree(eviction="fifo")  # type: ignore[arg-type]
+    tree = make_tree()
+    with pytest.raises(ValueError, match="num_pages"):
+        tree.evict_device(-1, backup_first=False)
+    with pytest.raises(ValueError, match="num_pages"):
+        tree.evict_host(-1)
+    assert tree.evict_device(0, backup_first=False).freed == []
+
+
+def test_calls_from_another_thread_raise() -> None:
+    tree = RadixTree(owner=LoopOwner("tree"))
+    tree.insert(K(1), device_pages=[0])
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        for call in (
+            lambda: tree.match(K(1)),
+            lambda: tree.insert(K(2), device_pages=[1]),
+            lambda: tree.evict_device(1, backup_first=False),
+            tree.statistics,
+        ):
+            try:
+                call()
+            except WrongThreadError as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert len(errors) == 4
+    assert tree.statistics().nodes == 1
+    assert tree.match(K(1)).device_pages == [0]
+
+
+async def test_calls_from_another_event_loop_raise() -> None:
+    owner = LoopOwner("tree")
+    other = asyncio.new_event_loop()
+    try:
+        owner.bind(other)
+        tree = RadixTree(owner=owner)
+        with pytest.raises(WrongThreadError, match="another event loop"):
+            tree.match(K(1))
+        owner.bind()
+        assert tree.match(K(1)).device_pages == []
+    finally:
+        other.close()
