@@ -1,5 +1,6 @@
 """hicache_async: an asyncio-native hierarchical KV cache (device, host, shared storage)."""
 
+from ._cache import HiCache, MatchInfo
 from ._config import (
     BackupConfig,
     CacheConfig,
@@ -18,10 +19,10 @@ from ._errors import (
     StorageError,
     WrongThreadError,
 )
-from ._cache import HiCache, MatchInfo
 from ._keys import Namespace, page_keys
 from ._request import Request
 from ._stats import CacheStatistics, TierTokens
+from .distributed import CollectiveError, CollectiveTimeout, GroupBrokenError, RankGroup
 from .workers import PrefetchHandle, PrefetchResult, PrefetchStatus, StorageStatus
 
 __version__ = "0.1.0"
@@ -29,11 +30,15 @@ __version__ = "0.1.0"
 __all__ = [
     "BackupConfig",
     "CacheStatistics",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "GroupBrokenError",
     "HiCache",
     "MatchInfo",
     "PrefetchHandle",
     "PrefetchResult",
     "PrefetchStatus",
+    "RankGroup",
     "Request",
     "StorageStatus",
     "TierTokens",

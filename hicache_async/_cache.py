@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import stat
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -13,21 +15,45 @@ import anyio
 import structlog
 
 from ._config import CacheConfig, PrefetchPolicy
-from ._errors import CacheClosedError, HiCacheError, OutOfPagesError
+from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
 from ._pool import KVPool, make_pools
 from ._request import Request
 from ._stats import CacheStatistics, Counters, TierTokens
+from .distributed import RankGroup, agree_min
 from .storage import StorageBackend
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
 from .tree import MatchResult, RadixTree, TreeNode
-from .workers import PrefetchHandle, PrefetchResult, StorageLink, StorageStatus
+from .workers import (
+    PrefetchHandle,
+    PrefetchResult,
+    StorageLink,
+    StorageStatus,
+    Warmer,
+    WarmupResult,
+    WarmupStatus,
+)
 
 __all__ = ["HiCache", "MatchInfo"]
 
 _log = structlog.get_logger("hicache_async")
+
+
+def _read_mac_key(path: str) -> bytes:
+    """The MAC secret from `path`, refusing a file others can read."""
+    try:
+        with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            key = f.read(4096).strip()
+    except OSError as exc:
+        raise ConfigError("mac_key_file", f"cannot read {path}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError("mac_key_file", f"{path} is readable by others; chmod 600 it")
+    if len(key) < 16:
+        raise ConfigError("mac_key_file", "the secret must be at least 16 bytes")
+    return key
 
 
 class MatchInfo:
@@ -64,11 +90,23 @@ class HiCache:
         mac_key: bytes | None = None,
         copy_engine: CopyEngine | None = None,
         namespace: Namespace | None = None,
+        rank_group: RankGroup | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if rank_group is not None and (
+            rank_group.size != config.tp_size or rank_group.rank != config.tp_rank
+        ):
+            raise ConfigError(
+                "tp_rank",
+                f"the rank group is rank {rank_group.rank} of {rank_group.size} but the "
+                f"configuration says tp_rank={config.tp_rank}, tp_size={config.tp_size}",
+            )
+        if mac_key is None and config.mac_key_file is not None:
+            mac_key = _read_mac_key(config.mac_key_file)
         self.config = config
+        self.rank_group = rank_group
         self.namespace = namespace or Namespace.from_config(config)
         self._owner = LoopOwner("HiCache")
         self._tree = RadixTree(eviction=config.eviction, owner=self._owner, clock=clock)
@@ -194,17 +232,39 @@ class HiCache:
         )
 
     def request(
-        self, tokens: Any, *, request_id: str | None = None, salt: str | bytes | None = None
+        self,
+        tokens: Any,
+        *,
+        request_id: str | None = None,
+        salt: str | bytes | None = None,
+        max_cached_tokens: int | None = None,
+        priority: int = 0,
     ) -> Request:
         """Start a request: lock its device prefix and hold its host extension for `load()`.
 
         Use as ``with cache.request(tokens) as req:``; leaving the block releases it.
+        `max_cached_tokens` caps the cached prefix the request uses (tensor-parallel ranks
+        pass the agreed figure so every rank computes the same tokens). `priority` is given
+        to the pages it commits: higher priorities are evicted last (pin a system prompt).
         """
         self._check_open()
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
-        found = self._tree.match(keys)
-        request = Request(self, array, keys, found, request_id)
+        if max_cached_tokens is not None:
+            if max_cached_tokens < 0:
+                raise ValueError(f"max_cached_tokens must be >= 0, got {max_cached_tokens}")
+            limit = max_cached_tokens // self.config.page_size
+            found = self._tree.match(keys[:limit])
+            found = MatchResult(
+                keys=keys,
+                device_pages=found.device_pages,
+                device_node=found.device_node,
+                host_pages=found.host_pages,
+                host_node=found.host_node,
+            )
+        else:
+            found = self._tree.match(keys)
+        request = Request(self, array, keys, found, request_id, priority=priority)
         if found.num_host_pages:
             self._tree.protect_host(found.host_node)
         self._requests.add(request)
@@ -217,6 +277,23 @@ class HiCache:
         if self.config.write_policy == "write_through_selective":
             self._back_up_hot(found)
         return request
+
+    async def agree_cached_tokens(self, tokens: Any, *, salt: str | bytes | None = None) -> int:
+        """The cached prefix (device + host) every tensor-parallel rank has, in tokens.
+
+        Enters exactly one collective when a rank group is set, whatever happens locally;
+        every rank must make its agreeing calls in the same order.
+        """
+        info = self.match(tokens, salt=salt)
+        local = info.device_tokens + info.host_tokens
+        if self.rank_group is None or self.rank_group.size == 1:
+            await asyncio.sleep(0)
+            return local
+
+        async def mine() -> int:
+            return local
+
+        return await agree_min(self.rank_group, mine)
 
     # -- storage ----------------------------------------------------------------------------
 
@@ -274,6 +351,34 @@ class HiCache:
             return StorageStatus(attached=False)
         return self._link.status()
 
+    async def warmup(
+        self, *, ratio: float | None = None, deadline_s: float | None = None
+    ) -> WarmupResult:
+        """Load the most valuable prefixes of the attached store into the host pool.
+
+        Entries go by priority, then recency, up to `ratio` (default `warmup.ratio`) of the
+        host pool, yielding to live prefetches; it stops at the budget, the deadline, a detach
+        or the cache's close. Cancelling it keeps the pages that already landed.
+        """
+        self._check_open()
+        link = self._link
+        if link is None:
+            await asyncio.sleep(0)
+            return WarmupResult(status=WarmupStatus.NO_STORAGE)
+        warmer = Warmer(
+            self,
+            link,
+            ratio=self.config.warmup.ratio if ratio is None else ratio,
+            deadline_s=self.config.warmup.deadline_s if deadline_s is None else deadline_s,
+        )
+        link.warmers.add(warmer)
+        try:
+            result = await warmer.run()
+        finally:
+            link.warmers.discard(warmer)
+        _log.info("hicache.warmup.done", status=result.status.value, pages=result.pages_loaded)
+        return result
+
     async def start_prefetch(
         self,
         tokens: Any,
@@ -293,6 +398,7 @@ class HiCache:
             len(array),
             request_id,
             policy or self.config.prefetch.policy,
+            group=self.rank_group,
         )
         if link is None:
             found = self._tree.match(keys, touch=False)
@@ -467,6 +573,22 @@ class HiCache:
         assert total == num_pages, "an operation's range no longer ends on a node boundary"
         nodes.reverse()
         return nodes
+
+    def _trim_host(self, keys: list[bytes], keep_pages: int) -> None:
+        """Drop host-only pages of `keys` beyond the first `keep_pages` (deepest first)."""
+        if keep_pages >= len(keys):
+            return
+        self._tree.match(keys[:keep_pages], touch=False)  # a node boundary at keep_pages
+        found = self._tree.match(keys, touch=False)
+        node: TreeNode | None = found.host_node
+        depth = found.num_device_pages + found.num_host_pages
+        while node is not None and node.parent is not None and depth > keep_pages:
+            parent = node.parent
+            if node.on_device or node.children or node.host_ref:
+                break  # in use, or others built on it: keep it
+            depth -= node.num_pages
+            self._host_free(self._tree.discard_host_leaf(node))
+            node = parent
 
     def _host_path_pages(self, deep: TreeNode, num_pages: int) -> list[int]:
         pages: list[int] = []

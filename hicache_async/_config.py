@@ -240,6 +240,10 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     tp_size: int = 1
     device: str = "auto"
     storage: str | None = None
+    #: A file holding the secret shared by trusted instances; when set, every stored page
+    #: carries a keyed MAC and pages without a valid one are misses. The file must not be
+    #: readable by group or others.
+    mac_key_file: str | None = None
     prefetch: PrefetchConfig = PrefetchConfig()
     backup: BackupConfig = BackupConfig()
     warmup: WarmupConfig = WarmupConfig()

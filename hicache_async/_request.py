@@ -38,6 +38,7 @@ class Request:
         "_private_pages",
         "_released",
         "keys",
+        "priority",
         "request_id",
         "tokens",
     )
@@ -49,8 +50,11 @@ class Request:
         keys: list[bytes],
         match: MatchResult,
         request_id: str | None,
+        *,
+        priority: int = 0,
     ) -> None:
         self._cache = cache
+        self.priority = priority
         self.tokens = tokens
         self.keys = keys
         self.request_id = request_id
@@ -161,7 +165,9 @@ class Request:
                 f"{len(self._new_pages)} were allocated"
             )
         pages = self._new_pages[:count]
-        result = cache._tree.insert(self.keys[:full], device_pages=self._page_table[:full])
+        result = cache._tree.insert(
+            self.keys[:full], device_pages=self._page_table[:full], priority=self.priority
+        )
         own = set(pages)
         duplicates = [p for p in result.duplicate_device_pages if p in own]
         del self._new_pages[:count]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import AsyncIterator
 
@@ -22,7 +23,7 @@ from hicache_async.transfer import (
     LayerwiseCopy,
     default_copy_engine,
 )
-from hicache_async.transfer._cpu import DEFAULT_MIN_RUN_BYTES, LayerKernel
+from hicache_async.transfer._cpu import DEFAULT_MIN_RUN_BYTES, LayerKernel, StagingBuffer
 from hicache_async.transfer._protocol import plan_copy
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16")
@@ -92,6 +93,19 @@ def test_kernel_modes() -> None:
     # page_first_direct keeps a page's layers together, so its pages are never one run of rows.
     assert LayerKernel(plan_copy(device, [0, 1], host, [2, 3]), min_run_bytes=0).mode == "scatter"
     assert LayerKernel(plan_copy(host, [3, 0], device, [1, 3])).mode == "stage"
+
+
+def test_staging_buffer_is_reused() -> None:
+    staging = StagingBuffer()
+    like = torch.zeros(4, 6, dtype=torch.complex128)
+    first = staging.rows(3, like)
+    assert (first.shape, first.dtype) == ((3, 6), torch.complex128)
+    smaller = staging.rows(2, torch.zeros(1, 5, dtype=torch.int64))
+    assert (smaller.shape, smaller.dtype) == ((2, 5), torch.int64)
+    assert smaller.data_ptr() == first.data_ptr()
+    larger = staging.rows(40, like)
+    assert larger.shape == (40, 6)
+    larger.fill_(1)  # the whole view is backed by memory
 
 
 @pytest.mark.parametrize("src_layout", MEMORY_LAYOUTS)
@@ -359,21 +373,26 @@ async def test_aclose_of_an_unused_engine() -> None:
 
 
 def test_engine_belongs_to_one_loop() -> None:
-    engine = CpuCopyEngine()
+    engine = CpuCopyEngine(name="one-loop-engine")
     src = KVPool(LAYOUT, PAGE, 2)
     dst = KVPool(LAYOUT, PAGE, 2)
 
-    async def use() -> None:
+    async def use(engine: CpuCopyEngine) -> None:
         await engine.copy(src, [0], dst, [1])
 
-    asyncio.run(use())
-    with pytest.raises(WrongThreadError):
-        asyncio.run(use())
-
-    async def close() -> None:
+    async def close(engine: CpuCopyEngine) -> None:
         await engine.aclose()
 
-    asyncio.run(close())
+    asyncio.run(use(engine))
+    with pytest.raises(WrongThreadError):
+        asyncio.run(use(engine))
+    with pytest.raises(WrongThreadError):
+        asyncio.run(close(engine))
+    # Dropped without aclose, an engine still lets its thread go.
+    (thread,) = [t for t in threading.enumerate() if t.name == "one-loop-engine"]
+    del engine
+    gc.collect()
+    thread.join()
 
 
 async def test_default_engine_for_cpu() -> None:

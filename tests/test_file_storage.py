@@ -364,7 +364,11 @@ async def test_verify_removes_corrupt_pages_and_leftovers(tmp_path: Path) -> Non
         newer = bytearray(_page_path(root, keys[1]).read_bytes())
         newer[4] = 9  # format version 9
         _page_path(root, keys[1]).write_bytes(bytes(newer))
-        (root / "tmp" / "x.tmp").write_bytes(b"leftover")
+        leftover = root / "tmp" / "x.tmp"
+        leftover.write_bytes(b"leftover")
+        hour_ago = time.time() - 3600
+        os.utime(leftover, (hour_ago, hour_ago))
+        (root / "tmp" / "y.tmp").write_bytes(b"a put in flight")  # fresh: kept
         (root / "pages" / "zz-not-a-page").write_bytes(b"stray")
         report = await storage.verify()
         assert (report.checked, report.ok, report.corrupt_removed, report.unsupported) == (
@@ -378,6 +382,8 @@ async def test_verify_removes_corrupt_pages_and_leftovers(tmp_path: Path) -> Non
         assert storage.stats().corrupt == 1
     assert not _page_path(root, keys[0]).exists()
     assert _page_path(root, keys[1]).exists()
+    assert not leftover.exists()
+    assert (root / "tmp" / "y.tmp").exists()
 
 
 # Shared roots.

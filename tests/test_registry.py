@@ -127,8 +127,11 @@ def test_missing_redis_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatc
     if importlib.util.find_spec(module) is None:
         pytest.skip("no redis backend in this tree")
     monkeypatch.delitem(sys.modules, module, raising=False)
-    monkeypatch.setitem(sys.modules, "redis", None)
-    with pytest.raises(StorageConfigError, match=r"pip install 'hicache-async\[redis\]'"):
+    for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")] or ["redis"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if redis were not installed
+    with pytest.raises(
+        StorageConfigError, match=r"needs the 'redis' package: pip install 'hicache-async\[redis\]'"
+    ):
         open_storage("redis://127.0.0.1:1")
 
 

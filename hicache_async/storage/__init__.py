@@ -8,7 +8,7 @@ but only load (with their optional dependencies) when first used.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
@@ -24,6 +24,10 @@ from ._protocol import (
     StorageStats,
 )
 from ._registry import ENTRY_POINT_GROUP, StorageFactory, open_storage, storage_schemes
+
+if TYPE_CHECKING:  # at run time these load on first use, with their optional dependencies
+    from ._mooncake import MooncakeStorage as MooncakeStorage
+    from ._redis import RedisStorage as RedisStorage
 
 __all__ = [
     "ENTRY_POINT_GROUP",

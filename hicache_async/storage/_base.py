@@ -236,6 +236,12 @@ class BackendBase:
             self._state = _State.CLOSED
             self._executor.shutdown(wait=False)
             raise
+        if self.closed:  # close() was called while we were opening
+            try:
+                await self._release()
+            finally:
+                self._executor.shutdown(wait=False)
+            raise StorageError(f"{self._name} was closed while opening")
         self._state = _State.OPEN
         return self
 

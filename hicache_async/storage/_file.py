@@ -6,11 +6,12 @@ Layout under the root (directories 0700, files 0600):
     pages/ab/<hex>   a page, `header ‖ payload`, named by its key's 64 hex digits
     tmp/             writes in progress; renamed into pages/ when complete
 
-Every path is resolved relative to directory descriptors opened with O_NOFOLLOW, so a symlink
-planted inside the root is never followed. A write goes to a fresh O_EXCL temporary file and is
-renamed into place, so a page file is either absent or whole; after a crash without fsync the
-rename may survive while the data does not, which the page checksum catches (the page is then
-corrupt and removed, never served with wrong bytes).
+The root is resolved once (it may be reached through a symlink, and must be owned by this user
+and not world-writable); everything below it is opened relative to directory descriptors with
+O_NOFOLLOW, so a symlink planted inside the root is never followed. A write goes to a fresh
+O_EXCL temporary file and is renamed into place, so a page file is either absent or whole; after
+a crash without fsync the rename may survive while the data does not, which the page checksum
+catches (the page is then corrupt and removed, never served with wrong bytes).
 
 An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
 call and drives eviction. It is built by scanning the root when the storage opens. With
@@ -20,8 +21,8 @@ knows of (`gc()` rescans the whole root).
 
 Each batch is one job on a worker thread (one hand-off); the job spreads its pages over up to
 `io_threads` threads and moves bytes with `preadv`/`pwritev` straight between the files and the
-caller's segments. The payload is hashed chunk by chunk right after each chunk is read (or just
-before it is written), while the chunk is still in the CPU cache.
+caller's segments. The payload is hashed chunk by chunk right after the kernel copied each chunk
+(on reads and on writes), while it is still mostly in the CPU cache.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, cast, get_args
 from urllib.parse import unquote, urlsplit
 
 import xxhash
@@ -90,8 +91,10 @@ _CHUNK = 2 << 20
 # Below this a batch stays on its one job thread: helpers cost more than they save.
 _FANOUT_MIN_BYTES = 2 << 20
 _IOV_MAX = 1024
-# In a shared root another instance may be writing a temporary file right now.
-_STALE_TMP_S = 600.0
+# A temporary file this long untouched is a leftover. In a shared root other instances may be
+# writing theirs (even at open); in a private one only our own puts, and only after open.
+_STALE_TMP_SHARED_S = 600.0
+_STALE_TMP_PRIVATE_S = 60.0
 
 _URL_PARAMS = {
     "capacity": "byte size, e.g. 10GiB",
@@ -176,24 +179,36 @@ _EXISTS = "exists"
 _Result = tuple[str, str, int]  # (code, detail, stored bytes)
 
 
-def _split_chunks(segments: Sequence[memoryview], chunk: int) -> list[list[memoryview]]:
-    """Cut the segments into consecutive groups of at most `chunk` bytes each."""
-    chunks: list[list[memoryview]] = []
+def _split_chunks(
+    segments: list[memoryview], total: int, chunk: int
+) -> list[tuple[list[memoryview], int]]:
+    """Cut the segments into consecutive groups of at most `chunk` bytes: (views, bytes)."""
+    if total <= chunk:
+        return [(segments, total)] if total else []
+    chunks: list[tuple[list[memoryview], int]] = []
     current: list[memoryview] = []
     size = 0
     for segment in segments:
-        offset = 0
         length = segment.nbytes
-        while offset < length:
-            take = min(length - offset, chunk - size)
-            current.append(segment[offset : offset + take])
-            size += take
-            offset += take
-            if size == chunk:
-                chunks.append(current)
-                current, size = [], 0
+        if size + length <= chunk:  # the common case: a segment inside one chunk, unsliced
+            current.append(segment)
+            size += length
+        else:
+            offset = 0
+            while offset < length:
+                take = min(length - offset, chunk - size)
+                current.append(segment[offset : offset + take])
+                size += take
+                offset += take
+                if size == chunk:
+                    chunks.append((current, size))
+                    current, size = [], 0
+            continue
+        if size == chunk:
+            chunks.append((current, size))
+            current, size = [], 0
     if current:
-        chunks.append(current)
+        chunks.append((current, size))
     return chunks
 
 
@@ -208,22 +223,25 @@ def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
     return rest
 
 
-def _preadv_full(fd: int, iov: list[memoryview], offset: int) -> int:
-    """Fill `iov` from `offset` (several calls if the kernel returns short); stop at EOF."""
+def _preadv_full(fd: int, iov: list[memoryview], offset: int, length: int) -> int:
+    """Fill `iov` (`length` bytes) from `offset`, however short the kernel's reads; stop at EOF."""
     total = 0
-    while iov:
+    while True:
         count = os.preadv(fd, iov[:_IOV_MAX], offset)
-        if count == 0:
-            break
         total += count
+        if total >= length or count == 0:
+            return total
         offset += count
         iov = _advance(iov, count)
-    return total
 
 
-def _pwritev_full(fd: int, iov: list[memoryview], offset: int) -> None:
-    while iov:
+def _pwritev_full(fd: int, iov: list[memoryview], offset: int, length: int) -> None:
+    written = 0
+    while True:
         count = os.pwritev(fd, iov[:_IOV_MAX], offset)
+        written += count
+        if written >= length:
+            return
         if count == 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         offset += count
@@ -302,8 +320,8 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
     return _Handles(root_fd, pages_fd, tmp_fd, lock_fd)
 
 
-def _remove_leftovers(handles: _Handles, *, stale_only: bool) -> int:
-    """Delete temporary files of interrupted writes (only stale ones in a shared root)."""
+def _remove_leftovers(handles: _Handles, *, idle_s: float) -> int:
+    """Delete temporary files of interrupted writes not modified for `idle_s` seconds."""
     removed = 0
     now = time.time()
     fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
@@ -313,9 +331,7 @@ def _remove_leftovers(handles: _Handles, *, stale_only: bool) -> int:
                 try:
                     if entry.is_dir(follow_symlinks=False):
                         continue
-                    if stale_only and now - entry.stat(follow_symlinks=False).st_mtime < (
-                        _STALE_TMP_S
-                    ):
+                    if idle_s and now - entry.stat(follow_symlinks=False).st_mtime < idle_s:
                         continue
                     os.unlink(entry.name, dir_fd=handles.tmp_fd)
                     removed += 1
@@ -480,7 +496,7 @@ class FileStorage(BackendBase):
         return cls(
             path or None,
             capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
-            fsync=fsync,  # type: ignore[arg-type]  # checked against FsyncPolicy above
+            fsync=cast(FsyncPolicy, fsync),  # checked above
             shared=parse_bool(params.get("shared", "0"), field="shared"),
             mac_key=mac_key,
             io_threads=int(threads),
@@ -526,7 +542,7 @@ class FileStorage(BackendBase):
     def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> list[_Found]:
         handles = _open_root(self._root, shared=self._shared)
         holder.append(handles)
-        _remove_leftovers(handles, stale_only=self._shared)
+        _remove_leftovers(handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0)
         # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
         return _scan(handles, stop)
 
@@ -682,16 +698,21 @@ class FileStorage(BackendBase):
     ) -> None:
         handles = self._handles_or_raise()
         segments = [byte_segments(page, writable=True) for page in pages]  # before any I/O
-        total = sum(view.nbytes for views in segments for view in views)
+        sizes = [sum([view.nbytes for view in views]) for views in segments]
         results = job.results
 
         def work(i: int) -> None:
-            results[i] = self._read_one(handles, keys[i], segments[i], namespace)
+            results[i] = self._read_one(handles, keys[i], segments[i], sizes[i], namespace)
 
-        fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), total))
+        fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
 
     def _read_one(
-        self, handles: _Handles, key: bytes, segments: list[memoryview], namespace: bytes
+        self,
+        handles: _Handles,
+        key: bytes,
+        segments: list[memoryview],
+        expected: int,
+        namespace: bytes,
     ) -> _Result:
         hexkey = key.hex()
         try:
@@ -707,11 +728,12 @@ class FileStorage(BackendBase):
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 return (_ERROR, f"open: {exc.strerror}", 0)
-            _remove_if_same(shard_fd, hexkey, None)  # a symlink where a page belongs
+            with contextlib.suppress(OSError):  # a symlink where a page belongs
+                _remove_if_same(shard_fd, hexkey, None)
             return (_CORRUPT, "symlink", 0)
         try:
             st = os.fstat(fd)
-            result = self._read_fd(fd, st, key, segments, namespace)
+            result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
         except OSError as exc:
             return (_ERROR, f"read: {exc.strerror}", 0)
         finally:
@@ -727,16 +749,17 @@ class FileStorage(BackendBase):
         st: os.stat_result,
         key: bytes,
         segments: list[memoryview],
+        *,
+        expected: int,
         namespace: bytes,
     ) -> _Result:
         size = st.st_size
         if not stat.S_ISREG(st.st_mode):
             return (_CORRUPT, "not a regular file", size)
-        expected = sum(view.nbytes for view in segments)
-        chunks = _split_chunks(segments, _CHUNK)
-        first = chunks[0] if chunks else []
+        chunks = _split_chunks(segments, expected, _CHUNK)
+        first, first_length = chunks[0] if chunks else ([], 0)
         header_buf = memoryview(bytearray(HEADER_NBYTES))
-        got = _preadv_full(fd, [header_buf, *first], 0)
+        got = _preadv_full(fd, [header_buf, *first], 0, HEADER_NBYTES + first_length)
         header = decode_header(header_buf) if got >= HEADER_NBYTES else PageCheck.CORRUPT
         if header is PageCheck.UNSUPPORTED:
             return (_UNSUPPORTED, "", size)
@@ -748,14 +771,14 @@ class FileStorage(BackendBase):
         if size != HEADER_NBYTES + expected:
             return (_CORRUPT, "size", size)
         hasher = xxhash.xxh3_64()
+        update = hasher.update
         offset = HEADER_NBYTES
-        for number, chunk in enumerate(chunks):
-            length = sum(view.nbytes for view in chunk)
-            read = got - HEADER_NBYTES if number == 0 else _preadv_full(fd, chunk, offset)
+        for number, (chunk, length) in enumerate(chunks):
+            read = got - HEADER_NBYTES if number == 0 else _preadv_full(fd, chunk, offset, length)
             if read != length:
                 return (_CORRUPT, "truncated", size)
             for view in chunk:
-                hasher.update(view)
+                update(view)
             offset += length
         if hasher.intdigest() != header.checksum:
             return (_CORRUPT, "checksum", size)
@@ -934,6 +957,7 @@ class FileStorage(BackendBase):
     ) -> None:
         handles = self._handles_or_raise()
         segments = [byte_segments(page, writable=False) for page in pages]  # before any I/O
+        sizes = [sum([view.nbytes for view in views]) for views in segments]
         for key in victims:
             if stop.is_set():
                 return
@@ -945,16 +969,20 @@ class FileStorage(BackendBase):
             except OSError as exc:
                 log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
             job.done += 1
-        total = sum(view.nbytes for views in segments for view in views)
         results = job.results
 
         def work(i: int) -> None:
-            results[i] = self._write_one(handles, keys[i], segments[i], metas[i])
+            results[i] = self._write_one(handles, keys[i], segments[i], sizes[i], metas[i])
 
-        fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), total))
+        fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
 
     def _write_one(
-        self, handles: _Handles, key: bytes, segments: list[memoryview], meta: PageMeta
+        self,
+        handles: _Handles,
+        key: bytes,
+        segments: list[memoryview],
+        total: int,
+        meta: PageMeta,
     ) -> _Result:
         hexkey = key.hex()
         durable = self._fsync == "always"
@@ -975,7 +1003,7 @@ class FileStorage(BackendBase):
             renamed = False
             try:
                 try:
-                    nbytes = self._write_fd(fd, segments, meta)
+                    nbytes = self._write_fd(fd, segments, total, meta)
                 finally:
                     os.close(fd)
                 os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
@@ -993,18 +1021,19 @@ class FileStorage(BackendBase):
                 return (_OK, f"directory fsync: {exc.strerror}", nbytes)
         return (_OK, "", nbytes)
 
-    def _write_fd(self, fd: int, segments: list[memoryview], meta: PageMeta) -> int:
+    def _write_fd(self, fd: int, segments: list[memoryview], total: int, meta: PageMeta) -> int:
         # Payload first, each chunk hashed right after the kernel copied it (so from cache,
         # not memory); the header, which carries the checksum, last at offset 0.
         hasher = xxhash.xxh3_64()
+        update = hasher.update
         offset = HEADER_NBYTES
-        for chunk in _split_chunks(segments, _CHUNK):
-            _pwritev_full(fd, chunk, offset)
+        for chunk, length in _split_chunks(segments, total, _CHUNK):
+            _pwritev_full(fd, chunk, offset, length)
             for view in chunk:
-                hasher.update(view)
-            offset += sum(view.nbytes for view in chunk)
+                update(view)
+            offset += length
         header = encode_header(meta, segments, mac_key=self._mac_key, checksum=hasher.intdigest())
-        _pwritev_full(fd, [memoryview(header)], 0)
+        _pwritev_full(fd, [memoryview(header)], 0, HEADER_NBYTES)
         if self._fsync == "data":
             os.fdatasync(fd)
         elif self._fsync == "always":
@@ -1113,7 +1142,7 @@ class FileStorage(BackendBase):
             if not stat.S_ISREG(st.st_mode):
                 return None
             buffer = bytearray(st.st_size)
-            count = _preadv_full(fd, [memoryview(buffer)], 0)
+            count = _preadv_full(fd, [memoryview(buffer)], 0, st.st_size)
             return bytes(buffer[:count])
         finally:
             os.close(fd)
@@ -1134,7 +1163,7 @@ class FileStorage(BackendBase):
         tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
         fd = os.open(tmp_name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
         try:
-            _pwritev_full(fd, [memoryview(value)], 0)
+            _pwritev_full(fd, [memoryview(value)], 0, len(value))
         finally:
             os.close(fd)
         os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
@@ -1172,7 +1201,7 @@ class FileStorage(BackendBase):
                     if shard_fd is not None:
                         fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
                         try:
-                            if _preadv_full(fd, [buffer], 0) == HEADER_NBYTES:
+                            if _preadv_full(fd, [buffer], 0, HEADER_NBYTES) == HEADER_NBYTES:
                                 header = decode_header(buffer)
                         finally:
                             os.close(fd)
@@ -1196,7 +1225,8 @@ class FileStorage(BackendBase):
         self, stop: threading.Event
     ) -> tuple[list[_Found], list[tuple[bytes, str]], VerifyReport]:
         handles = self._handles_or_raise()
-        leftovers = _remove_leftovers(handles, stale_only=self._shared)
+        idle = _STALE_TMP_SHARED_S if self._shared else _STALE_TMP_PRIVATE_S
+        leftovers = _remove_leftovers(handles, idle_s=idle)
         strays: list[tuple[int, str]] = []
         found = _scan(handles, stop, strays)
         for dir_fd, name in strays:
@@ -1253,7 +1283,7 @@ class FileStorage(BackendBase):
             if not stat.S_ISREG(st.st_mode):
                 return (_CORRUPT, "not a regular file", st, scratch)
             header_buf = memoryview(bytearray(HEADER_NBYTES))
-            got = _preadv_full(fd, [header_buf], 0)
+            got = _preadv_full(fd, [header_buf], 0, HEADER_NBYTES)
             header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
             if header is PageCheck.UNSUPPORTED:
                 return (_UNSUPPORTED, "", st, scratch)
@@ -1266,7 +1296,8 @@ class FileStorage(BackendBase):
             if len(scratch) < header.payload_nbytes:
                 scratch = bytearray(header.payload_nbytes)
             payload = memoryview(scratch)[: header.payload_nbytes]
-            if _preadv_full(fd, [payload], HEADER_NBYTES) != header.payload_nbytes:
+            nbytes = header.payload_nbytes
+            if _preadv_full(fd, [payload], HEADER_NBYTES, nbytes) != nbytes:
                 return (_CORRUPT, "truncated", st, scratch)
             check = verify_payload(header, [payload], mac_key=self._mac_key)
             if check is not PageCheck.OK:

@@ -143,12 +143,14 @@ class _ClientPool:
     backend is detached. So a closed backend hands its client back here (its registrations
     undone) and the next backend with the same settings takes it over; the pages in its
     segment stay available meanwhile. At exit the idle clients are closed, except those
-    whose master is gone: there is nothing to unmount from, so they are left to the OS.
+    whose master is gone: closing them would spend seconds on RPCs to it, so they are kept
+    referenced (no destructor runs) and left to Mooncake's own exit handler.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._idle: dict[_ClientKey, list[Any]] = {}
+        self._abandoned: list[Any] = []
         atexit.register(self.close_all)
 
     def take(self, key: _ClientKey) -> Any | None:
@@ -180,9 +182,8 @@ class _ClientPool:
                 for client in clients:
                     client.close()
             else:
-                # Closing would spend seconds retrying RPCs to the dead master (and Mooncake's
-                # own exit handler will still try to unmount what these clients lend).
                 log.warning("storage.mooncake.master_gone_at_exit", master=key[0])
+                self._abandoned.extend(clients)
 
 
 def _reachable(address: tuple[str, int]) -> bool:

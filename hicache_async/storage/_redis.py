@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -66,6 +67,9 @@ _PREFIX_SCRIPT = (
     "end return #KEYS"
 )
 _KEYS_PER_SCRIPT = 1024
+#: Below this many bytes per pipeline, checks and copies stay on the loop: a thread hand-off
+#: (~0.1 ms) would cost more than they do.
+_INLINE_MAX_BYTES = 1 << 20
 #: Small commands (EXISTS, DEL, SCAN results) per pipeline.
 _KEYS_PER_PIPELINE = 256
 _MAX_COMMANDS_PER_PIPELINE = 512
@@ -116,7 +120,8 @@ def _int_param(params: Mapping[str, str], name: str) -> int | None:
 
 
 def _chunks(sizes: Sequence[int], max_bytes: int) -> list[range]:
-    """Consecutive index ranges of at most `max_bytes` (and at least one item) each."""
+    """Consecutive index ranges of at most `max_bytes` of payload (at least one page) each;
+    headers are left out so that, say, two 4 MiB pages make one 8 MiB pipeline."""
     chunks: list[range] = []
     start = 0
     total = 0
@@ -178,7 +183,12 @@ class RedisStorage(BackendBase):
                 raise StorageConfigError(f"redis {field} must be >= 1, got {value}")
         if not timeout > 0 or math.isinf(timeout):
             raise StorageConfigError(f"redis timeout must be a positive number, got {timeout}")
-        super().__init__(mac_key=mac_key, job_threads=1, thread_name="hicache-redis")
+        # Job threads check and copy values off the loop, one per connection a batch uses.
+        super().__init__(
+            mac_key=mac_key,
+            job_threads=min(concurrency, max_connections),
+            thread_name="hicache-redis",
+        )
         host = parts.hostname or "localhost"
         port = parts.port or 6379
         db = parts.path.lstrip("/") or "0"
@@ -195,6 +205,12 @@ class RedisStorage(BackendBase):
         self._capacity = capacity_bytes
         self._connection_kwargs = dict(connection_kwargs or {})
         self._multikey = multikey
+        # SET's trailing arguments, packed once: `NX` and, with a TTL, `EX <seconds>`.
+        ex = [] if ttl is None else [b"EX", str(ttl).encode()]
+        self._set_argc = 4 + len(ex)
+        self._set_tail = b"\r\n$2\r\nNX\r\n" + b"".join(
+            b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in ex
+        )
         self._pool: BlockingConnectionPool | None = None
         self._client: Redis | None = None
         self._prefix_script: AsyncScript | None = None
@@ -244,7 +260,7 @@ class RedisStorage(BackendBase):
                 raise StorageConfigError(
                     f"redis URL parameter timeout={params['timeout']!r} is not a number"
                 ) from None
-        query = "&".join(f"{k}={params[k]}" for k in _PASSTHROUGH if k in params)
+        query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
         return cls(base, mac_key=mac_key, **kwargs)
 
@@ -357,7 +373,7 @@ class RedisStorage(BackendBase):
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         corrupt: list[bytes] = []
-        sizes = [HEADER_NBYTES + payload_nbytes(page) for page in targets]
+        payloads = [payload_nbytes(page) for page in targets]
 
         async def fetch(chunk: range) -> None:
             try:
@@ -368,33 +384,50 @@ class RedisStorage(BackendBase):
             except RedisError as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
                 return
-            # Checked and copied here on the loop: once this coroutine has returned (or was
-            # cancelled), nothing writes into the caller's buffers.
-            for i, value in zip(chunk, values, strict=True):
-                if isinstance(value, Exception):
-                    continue
+            found = [
+                (i, value)
+                for i, value in zip(chunk, values, strict=True)
+                if not isinstance(value, Exception)
+            ]
+            checks: list[PageCheck | None] = [None] * len(found)
+            mac_key = self._mac_key
+
+            def check(stop: threading.Event) -> None:
+                for slot, (i, value) in enumerate(found):
+                    if stop.is_set():
+                        return
+                    if value is not None:
+                        checks[slot] = read_value_into(
+                            value,
+                            key=keys[i],
+                            namespace=namespace,
+                            into=targets[i],
+                            mac_key=mac_key,
+                        )
+
+            # Hashing and copying a few MiB takes milliseconds: a worker thread does it (while
+            # the loop receives the next pipeline) unless the chunk is small. Either way it is
+            # finished before this coroutine returns, even when cancelled (run_job waits).
+            if sum(len(v) for _, v in found if v is not None) >= _INLINE_MAX_BYTES:
+                await self.run_job(check)
+            else:
+                check(threading.Event())
+            for (i, value), result in zip(found, checks, strict=True):
                 if value is None:
                     outcomes[i] = Outcome.MISS
-                    continue
-                check = read_value_into(
-                    value, key=keys[i], namespace=namespace, into=targets[i], mac_key=self._mac_key
-                )
-                if check is PageCheck.OK:
+                elif result is PageCheck.OK:
                     outcomes[i] = Outcome.OK
-                elif check is PageCheck.UNSUPPORTED:
+                elif result is PageCheck.UNSUPPORTED:
                     outcomes[i] = Outcome.MISS  # a newer writer's page: not ours to judge
-                else:
+                elif result is PageCheck.CORRUPT:
                     outcomes[i] = Outcome.CORRUPT
                     corrupt.append(keys[i])
                     reason = corrupt_reason(
-                        value,
-                        key=keys[i],
-                        namespace=namespace,
-                        payload_nbytes=sizes[i] - HEADER_NBYTES,
+                        value, key=keys[i], namespace=namespace, payload_nbytes=payloads[i]
                     )
                     self._report_corrupt(keys[i], reason)
 
-        await self._run_chunks(_chunks(sizes, self._get_pipeline_bytes), fetch)
+        await self._run_chunks(_chunks(payloads, self._get_pipeline_bytes), fetch)
         if corrupt:
             try:
                 await self._delete_rkeys([self._rkey(k) for k in corrupt])
@@ -411,24 +444,31 @@ class RedisStorage(BackendBase):
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
         """SET NX each page (`header ‖ payload`); an existing key is kept and is OK."""
-        client = self._redis()
+        self._redis()
         check_batch(keys, ("pages", pages), ("metas", metas))
         for key, meta in zip(keys, metas, strict=True):
             check_key(key, meta)
         sources = [byte_segments(page, writable=False) for page in pages]
         outcomes = [Outcome.ERROR] * len(keys)
-        sizes = [HEADER_NBYTES + payload_nbytes(page) for page in sources]
+        payloads = [payload_nbytes(page) for page in sources]
+
+        mac_key = self._mac_key
 
         async def store(chunk: range) -> None:
+            def encode(stop: threading.Event) -> list[bytes]:
+                return [encode_header(metas[i], sources[i], mac_key=mac_key) for i in chunk]
+
+            # Checksums (and MACs) of a few MiB take milliseconds: off the loop when large.
+            if sum(payloads[i] for i in chunk) >= _INLINE_MAX_BYTES:
+                headers = await self.run_job(encode)
+            else:
+                headers = encode(threading.Event())
+            items = [
+                (self._rkey(keys[i]), header, sources[i])
+                for i, header in zip(chunk, headers, strict=True)
+            ]
             try:
-                async with client.pipeline(transaction=False) as pipe:
-                    for i in chunk:
-                        header = encode_header(metas[i], sources[i], mac_key=self._mac_key)
-                        # SET takes one value, so header and segments are joined: one copy,
-                        # which the socket write would make of the segments anyway.
-                        value = b"".join((header, *sources[i]))
-                        pipe.set(self._rkey(keys[i]), value, nx=True, ex=self._ttl)
-                    results = await pipe.execute(raise_on_error=False)
+                results = await self._send_sets(items)
             except RedisError as exc:
                 log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
                 return
@@ -438,14 +478,63 @@ class RedisStorage(BackendBase):
                 outcomes[i] = Outcome.OK
                 if result:  # None: the key existed and was kept as it was
                     self._pages += 1
-                    self._bytes += sizes[i]
+                    self._bytes += HEADER_NBYTES + payloads[i]
 
-        await self._run_chunks(_chunks(sizes, self._put_pipeline_bytes), store)
+        await self._run_chunks(_chunks(payloads, self._put_pipeline_bytes), store)
         c = self._counters
         c.puts += len(keys)
         c.put_ok += outcomes.count(Outcome.OK)
         c.errors += outcomes.count(Outcome.ERROR)
         return outcomes
+
+    async def _send_sets(
+        self, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]]
+    ) -> list[object]:
+        """`SET rkey header‖segments NX [EX ttl]` for each item, pipelined on one connection.
+
+        The commands are packed here so that the header and the page's segments go to the
+        socket as they are: redis-py's SET takes one value, which would mean joining (one
+        more allocation and copy of every page). Replies: True (stored), None (the key
+        existed) or the ResponseError of that command.
+        """
+        assert self._pool is not None
+        chunks: list[bytes | memoryview] = []
+        for rkey, header, segments in items:
+            nbytes = len(header) + sum(len(s) for s in segments)
+            chunks.append(
+                b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s"
+                % (self._set_argc, len(rkey), rkey, nbytes, header)
+            )
+            chunks.extend(segments)
+            chunks.append(self._set_tail)
+        connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+
+        async def attempt() -> list[object]:
+            await connection.send_packed_command(chunks, check_health=False)
+            replies: list[object] = []
+            for _ in items:
+                try:
+                    reply = await connection.read_response()
+                except ResponseError as exc:
+                    replies.append(exc)
+                    continue
+                replies.append(True if reply in (b"OK", "OK") else None)
+            return replies
+
+        async def failed(error: BaseException) -> None:
+            await connection.disconnect()
+
+        try:
+            # A dropped connection (e.g. the server restarted) is retried like redis-py's own
+            # commands; SET NX makes a repeated page harmless. On any other failure or a
+            # cancellation redis-py disconnects, so a half-sent pipeline is never continued.
+            retry = connection.retry
+            if retry is None:
+                return await attempt()
+            result: list[object] = await retry.call_with_retry(attempt, failed)
+            return result
+        finally:
+            await self._pool.release(connection)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """DEL each key; how many existed."""

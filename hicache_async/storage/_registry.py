@@ -77,8 +77,9 @@ def _optional(scheme: str) -> Callable[..., StorageBackend]:
             raise StorageConfigError(
                 f"the {scheme}:// backend ({module_name}) is not part of this installation"
             ) from None
+        package = (exc.name or "?").split(".")[0]
         raise StorageConfigError(
-            f"the {scheme}:// backend needs the {exc.name!r} package: "
+            f"the {scheme}:// backend needs the {package!r} package: "
             f"pip install 'hicache-async[{extra}]'"
         ) from None
     factory: Callable[..., StorageBackend] = getattr(module, class_name).from_url

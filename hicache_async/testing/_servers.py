@@ -23,7 +23,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -82,7 +81,8 @@ def _parent_death_hook() -> Callable[[], None] | None:
 
 
 _PDEATHSIG = _parent_death_hook()
-_LIVE: weakref.WeakSet[_ManagedServer] = weakref.WeakSet()
+# Strong references: a server nobody stops explicitly is still stopped at exit.
+_LIVE: set[_ManagedServer] = set()
 _LIVE_LOCK = threading.Lock()
 
 

@@ -57,15 +57,12 @@ class CopyEngine(Protocol):
         before starting anything if the pools differ in layout or page size, the page lists
         differ in length, a page is out of range or a destination page is repeated.
         """
-        ...
 
     async def aclose(self) -> None:
         """Wait for in-flight copies, then stop the engine's threads; `copy` raises after."""
-        ...
 
     def statistics(self) -> CopyStatistics:
         """A snapshot of the engine's counters."""
-        ...
 
 
 def _as_pages(pages: Sequence[int], pool: KVPool, what: str) -> np.ndarray[Any, Any]:
@@ -262,6 +259,8 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
 
         Idempotent; cancelling it leaves the engine closed, and a later `aclose` finishes.
         """
+        if self._owner.loop is not None:
+            self._owner.check()
         self._closed = True
         loop = asyncio.get_running_loop()
         while self._in_flight:

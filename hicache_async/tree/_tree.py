@@ -468,6 +468,22 @@ class RadixTree:
                 queue.push(parent)
         return freed
 
+    def discard_host_leaf(self, node: TreeNode) -> list[int]:
+        """Remove one unprotected, childless, host-only node; return its host pages.
+
+        For dropping pages on purpose (e.g. a rank trimming what the others do not have),
+        as opposed to eviction, which picks its own victims.
+        """
+        if self._owner is not None:
+            self._owner.check()
+        self._check_node(node)
+        if node not in self._host_leaves or node.host_ref != 0:
+            raise ValueError(f"{node!r} is not an unprotected host-only leaf")
+        pages = node.host_pages
+        assert pages is not None
+        self._remove(node)
+        return pages
+
     # -- reporting ----------------------------------------------------------------------------
 
     def statistics(self) -> TreeStatistics:

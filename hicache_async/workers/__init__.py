@@ -9,6 +9,7 @@ from ._prefetch import (
     PrefetchStatistics,
     PrefetchStatus,
 )
+from ._warmup import Warmer, WarmupResult, WarmupStatus
 
 __all__ = [
     "BackupStatistics",
@@ -20,4 +21,7 @@ __all__ = [
     "Prefetcher",
     "StorageLink",
     "StorageStatus",
+    "Warmer",
+    "WarmupResult",
+    "WarmupStatus",
 ]

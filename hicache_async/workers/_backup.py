@@ -18,6 +18,7 @@ import structlog
 
 from .._config import BackupConfig
 from ..storage import Outcome, PageMeta, StorageBackend
+from ..storage._manifest import ManifestEntry, SupportsManifest, WarmupManifest, chain_entry
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -45,6 +46,7 @@ class BackupStatistics(msgspec.Struct, frozen=True):
     failed_pages: int
     dropped_pages: int
     batches: int
+    manifest_entries: int
 
 
 class BackupWorker:
@@ -66,6 +68,10 @@ class BackupWorker:
         # no longer ours: they must not mark nodes "in storage".
         self._is_current = is_current
         self._on_written = on_written
+        self._manifest: WarmupManifest | None = (
+            backend.manifest() if isinstance(backend, SupportsManifest) else None
+        )
+        self.manifest_entries = 0
         self._send, self._receive = anyio.create_memory_object_stream[_Job](
             max_buffer_size=config.queue_size
         )
@@ -159,6 +165,7 @@ class BackupWorker:
             failed_pages=self.failed_pages,
             dropped_pages=self.dropped_pages,
             batches=self.batches,
+            manifest_entries=self.manifest_entries,
         )
 
     async def _write(self, jobs: list[_Job]) -> None:
@@ -197,9 +204,43 @@ class BackupWorker:
                     if self._on_written is not None:
                         self._on_written(node, n)
                 offset += n
+            if self._manifest is not None and self._is_current():
+                entries = [e for e in map(self._chain_entry, jobs) if e is not None]
+                await self._record(entries)
         finally:
             for job in jobs:
                 tree.unprotect_host(job.node)
+
+    def _chain_entry(self, job: _Job) -> ManifestEntry | None:
+        """A manifest entry for the chain ending at the job's node, if all of it is stored."""
+        keys: list[bytes] = []
+        node: TreeNode | None = job.node
+        while node is not None and node.parent is not None:
+            if not node.in_storage:
+                return None
+            keys[:0] = node.keys
+            node = node.parent
+        if not keys or node is None:
+            return None  # the node left the tree meanwhile
+        size = self._cache.config.page_size
+        return chain_entry(
+            self._cache.namespace.fingerprint,
+            keys,
+            len(keys) * size,
+            job.node.priority,
+            time.time(),
+        )
+
+    async def _record(self, entries: list[ManifestEntry]) -> None:
+        """Append to the warmup manifest; a failure costs warmup value, never a request."""
+        if not entries or self._manifest is None:
+            return
+        try:
+            with anyio.fail_after(self.config.io_timeout_s):
+                await self._manifest.append(entries)
+            self.manifest_entries += len(entries)
+        except Exception as exc:
+            _log.warning("hicache.manifest.append.failed", entries=len(entries), error=repr(exc))
 
     async def _put_with_retries(
         self, keys: list[bytes], buffers: list[list[memoryview]], metas: list[PageMeta]

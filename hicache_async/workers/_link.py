@@ -11,6 +11,7 @@ import structlog
 from ..storage import StorageBackend, StorageStats
 from ._backup import BackupStatistics, BackupWorker
 from ._prefetch import Prefetcher, PrefetchStatistics
+from ._warmup import Warmer
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -40,6 +41,7 @@ class StorageLink:
         self.generation = generation
         self.prefetcher = Prefetcher(cache, backend, cache.config.prefetch)
         self.backup = BackupWorker(cache, backend, cache.config.backup, is_current=self._is_current)
+        self.warmers: set[Warmer] = set()
         self._scope: anyio.CancelScope | None = None
         self._backup_done = anyio.Event()
         self._stopped = anyio.Event()
@@ -70,6 +72,8 @@ class StorageLink:
 
     async def close(self, *, flush: bool, deadline_s: float) -> None:
         """Stop prefetches, flush (or drop) pending backups within the deadline, close."""
+        for warmer in self.warmers:
+            warmer.stop()
         self.prefetcher.close()
         self.prefetcher.cancel_queued()
         self.backup.close()

@@ -19,6 +19,7 @@ import msgspec
 import structlog
 
 from .._config import PrefetchConfig, PrefetchPolicy
+from ..distributed import RankGroup, agree_min
 from ..storage import Outcome, StorageBackend
 
 if TYPE_CHECKING:
@@ -64,6 +65,10 @@ class PrefetchResult(msgspec.Struct, frozen=True):
     host_tokens: int
     storage_tokens: int
     wait_s: float
+    #: With tensor parallelism: the cached tokens every rank has (the minimum over ranks),
+    #: which the request must not exceed (`HiCache.request(max_cached_tokens=...)`).
+    #: Without it, the same as `cached_tokens`.
+    agreed_tokens: int = -1
 
     @property
     def cached_tokens(self) -> int:
@@ -74,8 +79,10 @@ class PrefetchHandle:
     """A prefetch in progress. Await `ready()` when the request is about to be scheduled."""
 
     __slots__ = (
+        "_agreed",
         "_cancel_requested",
         "_done",
+        "_group",
         "_policy",
         "_prefetcher",
         "_scope",
@@ -85,6 +92,7 @@ class PrefetchHandle:
         "host_tokens",
         "keys",
         "num_tokens",
+        "priority",
         "request_id",
         "status",
         "storage_tokens",
@@ -97,8 +105,14 @@ class PrefetchHandle:
         num_tokens: int,
         request_id: str | None,
         policy: PrefetchPolicy,
+        *,
+        group: RankGroup | None = None,
+        priority: int = 0,
     ) -> None:
         self._prefetcher = prefetcher
+        self._group = group
+        self.priority = priority
+        self._agreed: int | None = None
         self.keys = keys
         self.num_tokens = num_tokens
         self.request_id = request_id
@@ -118,6 +132,7 @@ class PrefetchHandle:
 
     def result(self) -> PrefetchResult:
         """What has landed so far (final once `done()`)."""
+        cached = self.device_tokens + self.host_tokens + self.storage_tokens
         return PrefetchResult(
             request_id=self.request_id,
             status=self.status,
@@ -126,6 +141,7 @@ class PrefetchHandle:
             host_tokens=self.host_tokens,
             storage_tokens=self.storage_tokens,
             wait_s=time.monotonic() - self._started,
+            agreed_tokens=cached if self._agreed is None else min(cached, self._agreed),
         )
 
     def terminate(self) -> None:
@@ -155,23 +171,37 @@ class PrefetchHandle:
 
         `best_effort` takes what has landed now; `wait_complete` waits for everything;
         `timeout` waits up to base + per-1k-tokens x length (capped), then terminates.
+        With a rank group, the ranks then agree on the tokens all of them have (one
+        collective, entered whatever happened locally): see `PrefetchResult.agreed_tokens`.
         """
+        await self._wait_for_policy()
+        group = self._group
+        if group is not None and group.size > 1:
+
+            async def mine() -> int:
+                return self.device_tokens + self.host_tokens + self.storage_tokens
+
+            self._agreed = await agree_min(group, mine)
+        return self.result()
+
+    async def _wait_for_policy(self) -> None:
         if self._policy == "best_effort" or self._prefetcher is None:
             await asyncio.sleep(0)
             if not self.done():
                 self.terminate()
-            return self.result()
-        if self._policy == "wait_complete":
-            return await self.wait()
-        limit = self._prefetcher.config.timeout_for(self.num_tokens)
+            return
         began = time.monotonic()
+        if self._policy == "wait_complete":
+            await self._done.wait()
+            self._observe(began)
+            return
+        limit = self._prefetcher.config.timeout_for(self.num_tokens)
         with anyio.move_on_after(limit):
             await self._done.wait()
         self._observe(began)
         if not self.done():
             self.terminate()
             self._prefetcher.timeouts += 1
-        return self.result()
 
     def _finish(self, status: PrefetchStatus) -> None:
         if not self.done():
@@ -220,6 +250,10 @@ class Prefetcher:
         # the prefetch reading it gave up. Concurrent prefetches wait on it instead of reading.
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
         self._running: set[PrefetchHandle] = set()
+        # Live (request-driven) prefetches queued or running; warmup waits for zero.
+        self._live = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
         assert cache._host_pool is not None
         self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
         self._held = 0
@@ -232,7 +266,27 @@ class Prefetcher:
     async def submit(self, handle: PrefetchHandle) -> None:
         """Queue a prefetch; waits while the queue is full (a live request's prefetch waits)."""
         self.submitted += 1
-        await self._send.send(handle)
+        self._live += 1
+        self._quiet.clear()
+        try:
+            await self._send.send(handle)
+        except BaseException:
+            self._live_done()
+            raise
+
+    def _live_done(self) -> None:
+        self._live -= 1
+        if self._live == 0:
+            self._quiet.set()
+
+    async def wait_quiet(self) -> None:
+        """Wait until no live prefetch is queued or running (warmup yields to them)."""
+        await self._quiet.wait()
+
+    async def run_now(self, handle: PrefetchHandle) -> None:
+        """Run a (warmup) prefetch in the caller's task, outside the queue."""
+        self.submitted += 1
+        await self._process(handle)
 
     async def run(self) -> None:
         """The worker tasks; returns when the queue is closed and drained."""
@@ -243,7 +297,10 @@ class Prefetcher:
     async def _work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
         async with receive:
             async for handle in receive:
-                await self._process(handle)
+                try:
+                    await self._process(handle)
+                finally:
+                    self._live_done()
 
     def close(self) -> None:
         """Accept no more prefetches; cancel those queued or running."""
@@ -260,6 +317,7 @@ class Prefetcher:
                 return
             handle._finish(PrefetchStatus.CANCELLED)
             self.cancelled += 1
+            self._live_done()
 
     def statistics(self) -> PrefetchStatistics:
         return PrefetchStatistics(
@@ -413,7 +471,14 @@ class Prefetcher:
                 while ok < len(batch) and outcomes[ok] is Outcome.OK:
                     ok += 1
                 if ok:
-                    extended = self._land(keys, begin + pos, batch[:ok], page_of, anchor)
+                    extended = self._land(
+                        keys,
+                        begin + pos,
+                        priority=handle.priority,
+                        batch=batch[:ok],
+                        page_of=page_of,
+                        anchor=anchor,
+                    )
                     if extended is None:
                         status = PrefetchStatus.TERMINATED
                         break
@@ -486,6 +551,8 @@ class Prefetcher:
         self,
         keys: list[bytes],
         boundary: int,
+        *,
+        priority: int,
         batch: list[bytes],
         page_of: dict[bytes, int],
         anchor: TreeNode,
@@ -496,7 +563,7 @@ class Prefetcher:
         if found.num_device_pages + found.num_host_pages != boundary:
             return None  # the prefix we extend was evicted meanwhile: these pages can't attach
         pages = [page_of[k] for k in batch]
-        result = tree.insert(batch, host_pages=pages, under=found.host_node)
+        result = tree.insert(batch, host_pages=pages, under=found.host_node, priority=priority)
         self._cache._host_free(result.duplicate_host_pages)
         for node in self._cache._path(result.node, len(batch)):
             tree.mark_in_storage(node)

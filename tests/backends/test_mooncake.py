@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 
 from hicache_async import StorageConfigError, StorageError
-from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta
+from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
 from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
-from hicache_async.testing._servers import MooncakeMaster, free_port
+from hicache_async.testing._servers import MooncakeMaster, ServerBinaryNotFoundError, free_port
 
 NS = bytes(range(16))
 OTHER_NS = bytes(16)
@@ -362,3 +362,19 @@ class TestMooncakeZeroCopyConformance(StorageConformance):
         url = fresh_url(mooncake_url, auto_register=1)
         async with MooncakeStorage.from_url(url) as storage:
             yield storage
+
+
+def test_a_missing_master_binary_fails_loudly() -> None:
+    with pytest.raises(ServerBinaryNotFoundError, match="no-such-master"):
+        MooncakeMaster(binary="no-such-master")
+
+
+async def test_open_storage_builds_it_from_the_url(mooncake_url: str) -> None:
+    storage = open_storage(fresh_url(mooncake_url), mac_key=MAC_KEY)
+    assert isinstance(storage, MooncakeStorage)
+    async with storage:
+        keys, pages, metas = make_pages(1)
+        assert await storage.put(keys, pages, metas) == [Outcome.OK]
+        raw = await storage.read_raw(keys[0])
+        assert raw is not None
+        assert raw[6] & 1  # written with the MAC

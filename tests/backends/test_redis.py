@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import uuid
 from collections.abc import AsyncIterator
 
@@ -12,10 +13,15 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from hicache_async import StorageConfigError, StorageError
-from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta
+from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
-from hicache_async.testing._servers import RedisServer
+from hicache_async.testing._servers import (
+    RedisServer,
+    ServerBinaryNotFoundError,
+    ServerError,
+    free_port,
+)
 
 NS = bytes(range(16))
 OTHER_NS = bytes(16)
@@ -210,6 +216,23 @@ async def test_server_loss_gives_errors_not_hangs() -> None:
             assert backend.stats().errors >= 5
 
 
+async def test_batches_work_again_after_a_server_restart() -> None:
+    port = free_port()
+    with RedisServer(port=port) as first:
+        url = f"{first.url}?timeout=2"
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(2)
+            assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+            first.stop()
+            with RedisServer(port=port):
+                # The pooled connections are dead; the next batches reconnect.
+                assert await backend.put(keys[1:], pages[1:], metas[1:]) == [Outcome.OK]
+                into = buffers(2)
+                outcomes = await backend.get(keys, into, namespace=NS)
+                assert outcomes == [Outcome.MISS, Outcome.OK]  # the first server kept nothing
+                assert joined(into[1]) == joined(pages[1])
+
+
 async def test_open_with_no_server_then_batches_are_errors() -> None:
     with RedisServer() as server:
         url = server.url
@@ -345,3 +368,39 @@ class TestRedisConformance(StorageConformance):
     async def mac_backend(self, redis_url: str) -> AsyncIterator[RedisStorage]:
         async with RedisStorage.from_url(fresh_url(redis_url), mac_key=MAC_KEY) as storage:
             yield storage
+
+
+def test_redis_server_lifecycle() -> None:
+    server = RedisServer()
+    with server:
+        assert server.running
+        assert server.url == f"redis://127.0.0.1:{server.port}/0"
+        directory = server.directory
+        assert directory.is_dir()
+    assert not server.running
+    assert not directory.exists()
+    server.stop()  # idempotent
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(ServerError, match="did not become ready"):
+            RedisServer(port=taken.getsockname()[1]).start()
+
+
+def test_a_missing_binary_fails_loudly() -> None:
+    with pytest.raises(ServerBinaryNotFoundError, match="no-such-redis-server"):
+        RedisServer(binary="no-such-redis-server")
+
+
+async def test_open_storage_builds_it_from_the_url(redis_url: str) -> None:
+    storage = open_storage(fresh_url(redis_url, ttl=60), mac_key=MAC_KEY)
+    assert isinstance(storage, RedisStorage)
+    async with storage:
+        keys, pages, metas = make_pages(1)
+        assert await storage.put(keys, pages, metas) == [Outcome.OK]
+        raw = await storage.read_raw(keys[0])
+        assert raw is not None
+        assert raw[6] & 1  # written with the MAC

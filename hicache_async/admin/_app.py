@@ -1,0 +1,406 @@
+"""The admin ASGI application: attach, detach and inspect storage; Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import anyio
+import msgspec
+import structlog
+
+from .._errors import CacheClosedError, HiCacheError, StorageConfigError
+from ..storage import StorageBackend, StorageError, open_storage
+from ..workers import StorageStatus
+from ._dispatch import CacheLoop
+from ._http import (
+    ClientDisconnected,
+    HTTPError,
+    Receive,
+    Scope,
+    Send,
+    header,
+    is_json,
+    read_body,
+    redact,
+    redact_tree,
+    send_error,
+    send_response,
+)
+
+if TYPE_CHECKING:
+    from .._cache import HiCache
+
+__all__ = ["AdminApp", "AttachRequest", "DetachRequest"]
+
+_log = structlog.get_logger("hicache_async")
+
+STORAGE_PATH = "/hicache/storage-backend"
+METRICS_PATH = "/metrics"
+
+_JSON = b"application/json"
+_METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+_REALM = b'Bearer realm="hicache-admin"'
+# Never a real page key (those are hashes), so the probe reads nothing and writes nothing.
+_PROBE_KEY = bytes(32)
+_PROBE_TIMEOUT_S = 10.0
+_SCHEME_URL = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class AttachRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The body of ``PUT /hicache/storage-backend``."""
+
+    url: str
+    #: Detach (flushing) whatever is attached first, instead of answering 409.
+    replace: bool = False
+
+
+class DetachRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The (optional) body of ``DELETE /hicache/storage-backend``."""
+
+    #: Write pending backups (within `backup.flush_deadline_s`) before closing, or drop them.
+    flush: bool = True
+
+
+class _Response(NamedTuple):
+    status: int
+    body: bytes
+    content_type: bytes
+
+
+_Handler = Callable[[Scope, Receive], Awaitable[_Response]]
+
+
+def _json(status: int, value: msgspec.Struct) -> _Response:
+    # Backend names are meant to be credential-free; redacting again costs little.
+    body = msgspec.json.encode(redact_tree(msgspec.to_builtins(value)))
+    return _Response(status, body, _JSON)
+
+
+def _decode(body: bytes, kind: type[S]) -> S:
+    if not body.strip():
+        raise HTTPError(400, "invalid_json", "a JSON object is required as the request body")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        raise HTTPError(400, "invalid_request", str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise HTTPError(400, "invalid_json", str(exc)) from None
+
+
+def _client(scope: Scope) -> str | None:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else None
+
+
+async def _probe(backend: StorageBackend) -> str | None:
+    """Why `backend` cannot serve requests, or None when it answered a lookup."""
+    try:
+        with anyio.fail_after(_PROBE_TIMEOUT_S):
+            await backend.exists([_PROBE_KEY])
+    except TimeoutError:
+        return f"no answer within {_PROBE_TIMEOUT_S:g} s"
+    except Exception as exc:
+        problem = str(exc) or type(exc).__name__
+        # Backends prefix their errors with their name, which the caller quotes already.
+        return problem.removeprefix(f"{backend.name}: ")
+    return None
+
+
+class AdminApp:
+    """An ASGI application to manage a `HiCache`'s storage at run time and scrape metrics.
+
+    Routes (under `path_prefix`), all behind ``Authorization: Bearer <token>``:
+
+    - ``GET /hicache/storage-backend``: the storage status as JSON.
+    - ``PUT /hicache/storage-backend`` with ``{"url": ..., "replace": false}``: attach.
+    - ``DELETE /hicache/storage-backend`` with an optional ``{"flush": true}``: detach.
+    - ``GET /metrics``: the Prometheus text exposition.
+
+    Errors are ``{"error": code, "detail": message}``. The app may run on any event loop:
+    cache calls are handed to the cache's loop when the server's loop is another one.
+    """
+
+    def __init__(
+        self,
+        cache: HiCache,
+        *,
+        token: str | bytes,
+        max_body_bytes: int = 64 * 1024,
+        path_prefix: str = "",
+    ) -> None:
+        if isinstance(token, str):
+            token = token.encode()
+        if not isinstance(token, bytes):
+            raise TypeError(f"token must be str or bytes, got {type(token).__name__}")
+        if not token:
+            raise ValueError("token must not be empty")
+        if any(byte <= 0x20 or byte == 0x7F for byte in token):
+            raise ValueError("token must not contain whitespace or control characters")
+        if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+        prefix = path_prefix.rstrip("/")
+        if prefix and not prefix.startswith("/"):
+            raise ValueError(f"path_prefix must start with '/', got {path_prefix!r}")
+        self.cache = cache
+        self.max_body_bytes = max_body_bytes
+        self.path_prefix = prefix
+        self._token = token
+        self._loop = CacheLoop(cache)
+        # Serialises admin changes on the cache's loop: check, detach, attach, probe.
+        self._lock = asyncio.Lock()
+        self._routes: dict[str, dict[str, _Handler]] = {
+            STORAGE_PATH: {
+                "GET": self._get_storage,
+                "PUT": self._put_storage,
+                "DELETE": self._delete_storage,
+            },
+            METRICS_PATH: {"GET": self._get_metrics},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry point (``http`` and ``lifespan`` scopes; websockets are refused)."""
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        elif kind == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            raise ValueError(f"unsupported ASGI scope type {kind!r}")
+
+    # -- protocol ---------------------------------------------------------------------------
+
+    @staticmethod
+    async def _lifespan(receive: Receive, send: Send) -> None:
+        # The app owns nothing: the host creates, enters and closes the cache.
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            self._authorize(scope)
+            handler = self._route(scope)
+            response = await handler(scope, receive)
+        except ClientDisconnected:
+            return
+        except HTTPError as error:
+            await send_error(send, error)
+            return
+        except CacheClosedError as exc:
+            await send_error(send, HTTPError(503, "cache_unavailable", str(exc)))
+            return
+        except Exception:
+            _log.exception(
+                "hicache.admin.failed",
+                method=scope.get("method"),
+                path=scope.get("path"),
+                client=_client(scope),
+            )
+            await send_error(
+                send, HTTPError(500, "internal_error", "the request failed; see the server log")
+            )
+            return
+        await send_response(send, response.status, response.body, response.content_type)
+
+    def _authorize(self, scope: Scope) -> None:
+        values = header(scope, b"authorization")
+        if not values:
+            raise HTTPError(
+                401,
+                "unauthorized",
+                "an 'Authorization: Bearer <token>' header is required",
+                headers=[(b"www-authenticate", _REALM)],
+            )
+        scheme, _, credentials = values[0].strip().partition(b" ")
+        presented = credentials.strip() if scheme.lower() == b"bearer" else b""
+        # Constant time in the token's content: timing reveals at most its length.
+        valid = hmac.compare_digest(presented, self._token)
+        if not valid or len(values) != 1:
+            _log.warning(
+                "hicache.admin.unauthorized", path=scope.get("path"), client=_client(scope)
+            )
+            raise HTTPError(
+                401,
+                "unauthorized",
+                "the bearer token is not valid",
+                headers=[(b"www-authenticate", _REALM + b', error="invalid_token"')],
+            )
+
+    def _route(self, scope: Scope) -> _Handler:
+        path: str = scope["path"]
+        methods = self._routes.get(self._local_path(scope) or "")
+        if methods is None:
+            raise HTTPError(404, "not_found", f"no admin route at {path!r}")
+        handler = methods.get(scope["method"])
+        if handler is None:
+            allow = ", ".join(sorted(methods))
+            raise HTTPError(
+                405,
+                "method_not_allowed",
+                f"{path} accepts {allow}, not {scope['method']}",
+                headers=[(b"allow", allow.encode())],
+            )
+        return handler
+
+    def _local_path(self, scope: Scope) -> str | None:
+        path: str = scope["path"]
+        root: str = scope.get("root_path", "")
+        # Servers and routers disagree on whether `path` still starts with `root_path`.
+        candidates = [path[len(root) :], path] if root and path.startswith(root) else [path]
+        for candidate in candidates:
+            if candidate.startswith(self.path_prefix):
+                local = candidate[len(self.path_prefix) :]
+                if local in self._routes:
+                    return local
+        return None
+
+    # -- routes -----------------------------------------------------------------------------
+
+    async def _get_storage(self, scope: Scope, receive: Receive) -> _Response:
+        status = await self._loop.call(self.cache.storage_status)
+        return _json(200, status)
+
+    async def _put_storage(self, scope: Scope, receive: Receive) -> _Response:
+        content_type = header(scope, b"content-type")
+        if not content_type or not is_json(content_type[0]):
+            raise HTTPError(
+                415, "unsupported_media_type", "the request body must be application/json"
+            )
+        request = _decode(await read_body(scope, receive, self.max_body_bytes), AttachRequest)
+        if not _SCHEME_URL.match(request.url):
+            # Import-path plugins (`package.module:factory`) would let a token import and call
+            # arbitrary code; they can be configured at start-up, not over HTTP.
+            raise HTTPError(
+                400,
+                "invalid_storage_url",
+                "the admin API accepts scheme:// URLs only (built in or an installed "
+                "entry point); got " + repr(redact(request.url, url=request.url)),
+            )
+        status, replaced = await self._loop.run(lambda: self._attach(request))
+        _log.info(
+            "hicache.admin.storage.attached",
+            backend=status.backend,
+            replaced=replaced,
+            client=_client(scope),
+        )
+        return _json(200, status)
+
+    async def _delete_storage(self, scope: Scope, receive: Receive) -> _Response:
+        body = await read_body(scope, receive, self.max_body_bytes)
+        request = DetachRequest()
+        if body.strip():
+            content_type = header(scope, b"content-type")
+            if not content_type or not is_json(content_type[0]):
+                raise HTTPError(
+                    415, "unsupported_media_type", "a request body must be application/json"
+                )
+            request = _decode(body, DetachRequest)
+        status, detached = await self._loop.run(lambda: self._detach(request.flush))
+        if detached is not None:
+            _log.info(
+                "hicache.admin.storage.detached",
+                backend=detached,
+                flush=request.flush,
+                client=_client(scope),
+            )
+        return _json(200, status)
+
+    async def _get_metrics(self, scope: Scope, receive: Receive) -> _Response:
+        text = await self._loop.call(self.cache.metrics_text)
+        return _Response(200, text.encode(), _METRICS_TYPE)
+
+    # -- on the cache's loop ----------------------------------------------------------------
+
+    def _open_backend(self, url: str) -> StorageBackend:
+        try:
+            # The cache's own MAC key (it has no public accessor): the backend must sign and
+            # check pages exactly as one the cache opened from a URL itself would.
+            return open_storage(url, mac_key=self.cache._mac_key)
+        except (StorageConfigError, ValueError, TypeError) as exc:
+            raise HTTPError(400, "invalid_storage_url", redact(str(exc), url=url)) from None
+        except Exception as exc:
+            raise HTTPError(
+                502, "storage_unreachable", redact(f"cannot create the backend: {exc}", url=url)
+            ) from None
+
+    async def _attach(self, request: AttachRequest) -> tuple[StorageStatus, str | None]:
+        """Attach `request.url` (replacing when asked); the status and what was replaced."""
+        cache = self.cache
+        async with self._lock:
+            # A bad URL is a 400 whatever is attached; the backend is only constructed here.
+            backend = self._open_backend(request.url)
+            current = cache.storage_status()
+            if current.attached and not request.replace:
+                await backend.close()
+                raise HTTPError(
+                    409,
+                    "storage_attached",
+                    f"storage {current.backend!r} is attached; detach it first or send "
+                    '"replace": true',
+                )
+            replaced = current.backend if current.attached else None
+            lost = f"; {replaced!r} was detached and nothing is attached" if replaced else ""
+            try:
+                if replaced is not None:
+                    await cache.detach_storage(flush=True)
+                await cache.attach_storage(backend)
+            except BaseException as exc:
+                # Never entered, or entered and closed again by the cache: close() is a no-op
+                # then, but a backend that failed half-way must not keep its threads.
+                with anyio.CancelScope(shield=True):
+                    await backend.close()
+                if not isinstance(exc, Exception):
+                    raise
+                raise self._attach_error(exc, backend.name, request.url, lost) from None
+            problem = await _probe(backend)
+            if problem is not None:
+                await cache.detach_storage(flush=False)
+                raise HTTPError(
+                    502,
+                    "storage_unreachable",
+                    redact(
+                        f"storage {backend.name!r} is unreachable: {problem}{lost}; "
+                        "it was not attached",
+                        url=request.url,
+                    ),
+                )
+            return cache.storage_status(), replaced
+
+    def _attach_error(self, exc: Exception, name: str, url: str, lost: str) -> HTTPError:
+        if isinstance(exc, CacheClosedError):
+            return HTTPError(503, "cache_unavailable", str(exc))
+        if isinstance(exc, StorageConfigError):
+            return HTTPError(400, "invalid_storage_url", redact(str(exc), url=url))
+        if (
+            isinstance(exc, HiCacheError)
+            and not isinstance(exc, StorageError)
+            and self.cache.storage_status().attached
+        ):
+            # Attached by someone other than this app in the meantime.
+            return HTTPError(409, "storage_attached", str(exc))
+        detail = f"cannot open storage {name!r}: {exc or type(exc).__name__}{lost}"
+        return HTTPError(502, "storage_unreachable", redact(detail, url=url))
+
+    async def _detach(self, flush: bool) -> tuple[StorageStatus, str | None]:
+        """Detach whatever is attached; the status and the detached backend's name."""
+        cache = self.cache
+        async with self._lock:
+            before = cache.storage_status()
+            await cache.detach_storage(flush=flush)
+            return cache.storage_status(), before.backend
+
+    def __repr__(self) -> str:
+        return f"<AdminApp prefix={self.path_prefix!r} max_body_bytes={self.max_body_bytes}>"

@@ -1,0 +1,176 @@
+"""ASGI plumbing for the admin app: typed errors, JSON responses, bounded bodies, redaction."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import msgspec
+
+__all__ = [
+    "ClientDisconnected",
+    "HTTPError",
+    "Message",
+    "Receive",
+    "Scope",
+    "Send",
+    "header",
+    "is_json",
+    "read_body",
+    "redact",
+    "redact_tree",
+    "send_error",
+    "send_response",
+]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# Admin responses describe live infrastructure: never cache them, never sniff them.
+_COMMON_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"cache-control", b"no-store"),
+    (b"x-content-type-options", b"nosniff"),
+)
+
+# `scheme://userinfo@` anywhere in a message: the userinfo may hold a password or a token.
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/@'\"<>]+@")
+# `password=...` style query parameters (a plugin URL may carry its credentials that way).
+_SECRET_PARAM = re.compile(
+    r"(?P<name>\b(?:password|passwd|pwd|secret|token|api_key|apikey|access_key|secret_key)=)"
+    r"[^&\s'\"<>]*",
+    re.IGNORECASE,
+)
+
+
+class HTTPError(Exception):
+    """An error response: `{"error": code, "detail": detail}` with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        *,
+        headers: Iterable[tuple[bytes, bytes]] = (),
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+        self.headers = tuple(headers)
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request body arrived; nobody is left to answer."""
+
+
+class _ErrorBody(msgspec.Struct, frozen=True):
+    error: str
+    detail: str
+
+
+def redact(text: str, *, url: str | None = None) -> str:
+    """`text` without URL credentials, and without any part of `url`'s userinfo."""
+    if url:
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            parts = None
+        # A backend's own message may quote the secret outside of a URL. Without a password
+        # the user part is the credential (`scheme://token@host`).
+        secret = None if parts is None else parts.password or parts.username
+        if secret:
+            for form in {secret, unquote(secret)}:
+                text = text.replace(form, "***")
+    text = _USERINFO.sub(r"\g<scheme>***@", text)
+    return _SECRET_PARAM.sub(r"\g<name>***", text)
+
+
+def redact_tree(value: Any) -> Any:
+    """Every string in a JSON-like tree (dicts, lists) passed through `redact`."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {key: redact_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [redact_tree(item) for item in value]
+    return value
+
+
+def header(scope: Scope, name: bytes) -> list[bytes]:
+    """Every value of the request header `name` (lower case), in order."""
+    return [value for key, value in scope.get("headers", ()) if key.lower() == name]
+
+
+def is_json(content_type: bytes) -> bool:
+    """`application/json` or `application/<something>+json`, parameters ignored."""
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds `limit` bytes.
+
+    A declared `Content-Length` over the limit is refused before reading anything; otherwise
+    chunks are taken one at a time and the first one that would cross the limit is dropped,
+    so at most `limit` bytes are ever held.
+    """
+    # No `Connection: close`: closing with body bytes still arriving resets the connection
+    # before the client reads the 413; the server discards the rest of the body instead.
+    too_large = HTTPError(
+        413, "payload_too_large", f"the request body is larger than {limit} bytes"
+    )
+    lengths = header(scope, b"content-length")
+    if lengths:
+        try:
+            declared = int(lengths[0])
+        except ValueError:
+            raise HTTPError(400, "bad_request", "Content-Length is not an integer") from None
+        if declared > limit:
+            raise too_large
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk: bytes = message.get("body", b"")
+        if len(body) + len(chunk) > limit:
+            raise too_large
+        body += chunk
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+async def send_response(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    headers: Iterable[tuple[bytes, bytes]] = (),
+) -> None:
+    """One complete response with `Content-Type` and `Content-Length` set."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *_COMMON_HEADERS,
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, error: HTTPError) -> None:
+    """`error` as its JSON body, with any URL credential in the detail removed."""
+    body = msgspec.json.encode(_ErrorBody(error.code, redact(error.detail)))
+    await send_response(send, error.status, body, b"application/json", error.headers)

@@ -1,0 +1,345 @@
+"""`hicache-async bench trace`: the packaged chat trace replayed through a real `HiCache` on a
+virtual clock, for several host and storage sizes.
+
+The tree, the pools, the copy engine, the prefetch and backup workers and the storage backend
+(`memory://`) are the real ones, with tiny pages (one layer, one head, head dim 1, uint8:
+`2 * page_size` bytes a page), so the whole trace fits in a few hundred MiB. Time is simulated
+from a model profile (`_sim.PROFILES`): a request arrives at its (scaled) trace timestamp and
+starts a storage prefetch, whose read takes its pages' real-model bytes over the storage
+bandwidth (one storage channel, first come first served); it waits for a free prefill slot and
+for its prefetch; then it loads its host pages (real-model bytes over the host-to-device
+bandwidth) and computes its uncached tokens. TTFT is finish minus arrival. Real cache calls
+happen in virtual-time order, so the cache sees the requests interleave as they would.
+
+Hit rates are shares of all prompt tokens, per tier where the tokens came from, against the
+upper bound an unlimited page-granular cache reaches on the same requests. TTFT percentiles
+compare with the same replay without any cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from .._config import CacheConfig
+from .._errors import OutOfPagesError
+from .._trace import BLOCK_TOKENS, TraceRequest, load_trace
+from ..storage import HEADER_NBYTES, MemoryStorage
+from ._records import Record
+from ._sim import PROFILES, ModelProfile, NoCacheEngine, percentile, simulate, upper_bound
+
+__all__ = ["Scenario", "add_arguments", "describe", "prompt_tokens", "run"]
+
+describe = "chat trace on a virtual clock: hit rate per tier vs the unlimited bound, TTFT, traffic"
+
+_UNBOUNDED = "unbounded"
+_OFF = "off"
+# Storage capacity for "unbounded": more than the trace's every page (and no eviction).
+_UNBOUNDED_BYTES = 1 << 40
+
+
+class Scenario(msgspec.Struct, frozen=True):
+    """One replay: host pool size (x device pool) and storage size (x device pool, or off or
+    unbounded)."""
+
+    host_ratio: float
+    storage: str
+
+    @property
+    def label(self) -> str:
+        return f"host{_ratio_text(self.host_ratio)}x.storage-{self.storage}"
+
+
+def _ratio_text(value: float) -> str:
+    return f"{value:g}"
+
+
+def _parse_ratios(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not values or any(not math.isfinite(v) or v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"ratios must be positive numbers, got {text!r}")
+    return values
+
+
+def _parse_storages(text: str) -> list[str]:
+    sizes = [part.strip() for part in text.split(",") if part.strip()]
+    for size in sizes:
+        if size in (_OFF, _UNBOUNDED):
+            continue
+        try:
+            value = float(size.removesuffix("x"))
+        except ValueError:
+            value = -1.0
+        if not size.endswith("x") or not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(
+                f"storage sizes are 'off', 'unbounded' or a multiple of the device pool like "
+                f"'32x'; got {size!r}"
+            )
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one storage size")
+    return sizes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `hicache-async bench trace`."""
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests from the trace (default: all)"
+    )
+    parser.add_argument("--trace", default=None, help="a trace file (default: the packaged one)")
+    parser.add_argument(
+        "--profile", choices=sorted(PROFILES), default=next(iter(PROFILES)), help="model profile"
+    )
+    parser.add_argument(
+        "--page-size",
+        type=int,
+        default=BLOCK_TOKENS,
+        help="tokens per page (default 512, the trace's block: it knows reuse per block only)",
+    )
+    parser.add_argument(
+        "--device-tokens",
+        type=int,
+        default=None,
+        help="device pool in tokens (default: the profile's KV pool)",
+    )
+    parser.add_argument(
+        "--host-ratios",
+        type=_parse_ratios,
+        default=[0.5, 2.0, 8.0],
+        help="host pool sizes as multiples of the device pool (default 0.5,2,8)",
+    )
+    parser.add_argument(
+        "--storages",
+        type=_parse_storages,
+        default=[_OFF, "32x", _UNBOUNDED],
+        help="storage sizes: off, unbounded or a multiple of the device pool (default "
+        "off,32x,unbounded)",
+    )
+    parser.add_argument(
+        "--prefill-slots",
+        type=int,
+        default=1,
+        help="prefills that run at once, each at the profile's full rate (default 1)",
+    )
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=3.0,
+        help="stretch the trace's arrival times by this factor (default 3: one GPU cannot "
+        "prefill the trace's 40k tokens/s as it came)",
+    )
+
+
+_BLOCK_OFFSETS = np.arange(BLOCK_TOKENS, dtype=np.uint32)
+
+
+def prompt_tokens(request: TraceRequest) -> np.ndarray[Any, Any]:
+    """Token ids of a trace prompt: block b is tokens b*512 .. b*512+511, cut to the length.
+
+    Equal block ids give equal tokens and different ids different tokens, as with
+    `_trace.request_tokens`, at a fraction of its cost (it seeds a generator per block,
+    which dominated the replay).
+    """
+    ids = np.asarray(request.hash_ids, dtype=np.uint32)
+    if ids.size and int(ids.max()) >= 2**32 // BLOCK_TOKENS:
+        raise ValueError("block ids must be below 2**23 to map to distinct uint32 tokens")
+    tokens = (ids[:, None] * BLOCK_TOKENS + _BLOCK_OFFSETS).reshape(-1)
+    return tokens[: request.input_length]
+
+
+class _Replay:
+    """The `_sim.Engine` of a real `HiCache`: real calls, simulated durations."""
+
+    def __init__(
+        self,
+        cache: Any,
+        requests: Sequence[TraceRequest],
+        profile: ModelProfile,
+        clock: list[float],
+    ) -> None:
+        self._cache = cache
+        self._requests = requests
+        self._profile = profile
+        self._clock = clock
+        self._storage = cache.storage_status().attached
+        self._storage_free = 0.0
+        self._tokens: dict[int, np.ndarray[Any, Any]] = {}
+        self._prefetched: dict[int, int] = {}
+        self._running: dict[int, Any] = {}
+        self.device = self.host = self.from_storage = self.computed = 0
+
+    def _tokens_of(self, index: int) -> np.ndarray[Any, Any]:
+        tokens = self._tokens.get(index)
+        if tokens is None:
+            tokens = self._tokens[index] = prompt_tokens(self._requests[index])
+        return tokens
+
+    async def arrive(self, index: int, now: float) -> float:
+        self._clock[0] = now
+        if not self._storage:
+            return now
+        handle = await self._cache.start_prefetch(
+            self._tokens_of(index), request_id=str(index), policy="wait_complete"
+        )
+        result = await handle.wait()
+        self._prefetched[index] = result.storage_tokens
+        if not result.storage_tokens:
+            return now
+        begin = max(now, self._storage_free)
+        self._storage_free = begin + self._profile.storage_read_s(result.storage_tokens)
+        return self._storage_free
+
+    async def start(self, index: int, now: float) -> float | None:
+        self._clock[0] = now
+        tokens = self._tokens_of(index)
+        request = self._cache.request(tokens, request_id=str(index))
+        device, host = request.device_tokens, request.host_tokens
+        try:
+            load = await request.load()
+            await load
+            await request.allocate(len(tokens) - request.cached_tokens)
+        except OutOfPagesError:
+            request.release()  # running prefills hold the pool: retry after one finishes
+            return None
+        storage = min(self._prefetched.get(index, 0), host)
+        computed = len(tokens) - device - host
+        self.device += device
+        self.host += host - storage
+        self.from_storage += storage
+        self.computed += computed
+        self._running[index] = request
+        return self._profile.host_load_s(host) + self._profile.compute_s(computed, device + host)
+
+    async def finish(self, index: int, now: float) -> None:
+        self._clock[0] = now
+        request = self._running.pop(index)
+        request.commit()
+        request.release()
+        del self._tokens[index]
+        self._prefetched.pop(index, None)
+        # Copies and backups are off the request path: they complete before the next event.
+        await self._cache.drain()
+
+
+def _config(args: argparse.Namespace, device_pages: int, host_pages: int) -> CacheConfig:
+    return CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1, "dtype": "uint8"},
+            "page_size": args.page_size,
+            "device_pages": device_pages,
+            "host_pages": host_pages,
+            "device": "cpu",
+            "model_id": f"bench-trace-{args.profile}",
+            "write_policy": "write_through",
+            "prefetch": {"policy": "wait_complete"},
+        }
+    )
+
+
+async def _replay(
+    args: argparse.Namespace,
+    scenario: Scenario,
+    requests: Sequence[TraceRequest],
+    arrivals: Sequence[float],
+    device_pages: int,
+) -> tuple[_Replay, list[float], Any]:
+    from .._cache import HiCache
+
+    profile = PROFILES[args.profile]
+    host_pages = max(1, round(device_pages * scenario.host_ratio))
+    config = _config(args, device_pages, host_pages)
+    storage: MemoryStorage | None = None
+    if scenario.storage != _OFF:
+        if scenario.storage == _UNBOUNDED:
+            capacity = _UNBOUNDED_BYTES
+        else:
+            pages = round(device_pages * float(scenario.storage.removesuffix("x")))
+            capacity = max(1, pages) * (HEADER_NBYTES + config.page_nbytes)
+        storage = MemoryStorage(capacity_bytes=capacity)
+    clock = [0.0]
+    async with HiCache(config, storage=storage, clock=lambda: clock[0]) as cache:
+        replay = _Replay(cache, requests, profile, clock)
+        ttft, _ = await simulate(arrivals, replay, slots=args.prefill_slots)
+        return replay, ttft, cache.storage_status()
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    """Replay the trace once without a cache, then once per host and storage size."""
+    if args.requests is not None and args.requests < 1:
+        raise SystemExit("--requests must be >= 1")
+    if args.prefill_slots < 1 or args.time_scale <= 0:
+        raise SystemExit("--prefill-slots and --time-scale must be positive")
+    profile = PROFILES[args.profile]
+    page_size: int = args.page_size
+    requests = load_trace(args.trace, limit=args.requests)
+    arrivals = [r.timestamp / 1000 * args.time_scale for r in requests]
+    lengths = [r.input_length for r in requests]
+    total_tokens = sum(lengths)
+    device_tokens = args.device_tokens or profile.device_kv_tokens
+    device_pages = max(1, device_tokens // page_size)
+    if max(lengths, default=0) > device_pages * page_size:
+        raise SystemExit("the device pool is smaller than the longest prompt")
+    bound = upper_bound(requests, page_size)
+    no_cache = NoCacheEngine(profile, lengths)
+    base_ttft, _ = asyncio.run(simulate(arrivals, no_cache, slots=args.prefill_slots))
+    base_p50, base_p99 = percentile(base_ttft, 50), percentile(base_ttft, 99)
+    records = [
+        Record("trace.requests", float(len(requests)), "requests"),
+        Record("trace.prompt_tokens", float(total_tokens), "tokens"),
+        Record("trace.device_pool_tokens", float(device_pages * page_size), "tokens"),
+        Record("trace.bound.block_hit_rate", bound.block_hit_rate, "fraction"),
+        Record("trace.bound.token_hit_rate", bound.token_hit_rate, "fraction"),
+        Record("trace.nocache.ttft_p50_s", base_p50, "s"),
+        Record("trace.nocache.ttft_p99_s", base_p99, "s"),
+    ]
+    page_bytes = profile.kv_bytes(page_size)
+    for host_ratio in args.host_ratios:
+        for storage in args.storages:
+            scenario = Scenario(host_ratio, storage)
+            began = time.perf_counter()
+            replay, ttft, status = asyncio.run(
+                _replay(args, scenario, requests, arrivals, device_pages)
+            )
+            wall = time.perf_counter() - began
+            prefix = f"trace.{scenario.label}"
+            hits = {
+                "device": replay.device,
+                "host": replay.host,
+                "storage": replay.from_storage,
+                "total": replay.device + replay.host + replay.from_storage,
+            }
+            for tier, tokens in hits.items():
+                records.append(
+                    Record.compare(
+                        f"{prefix}.hit.{tier}",
+                        tokens / total_tokens,
+                        "fraction",
+                        bound.token_hit_rate,
+                    )
+                )
+            records.append(
+                Record.compare(f"{prefix}.ttft_p50_s", percentile(ttft, 50), "s", base_p50)
+            )
+            records.append(
+                Record.compare(f"{prefix}.ttft_p99_s", percentile(ttft, 99), "s", base_p99)
+            )
+            if status.attached:
+                read = status.prefetch.pages_read
+                written = status.backup.written_pages
+                records += [
+                    Record(f"{prefix}.storage.read_pages", float(read), "pages"),
+                    Record(f"{prefix}.storage.read_gb", read * page_bytes / 1e9, "GB"),
+                    Record(f"{prefix}.storage.written_pages", float(written), "pages"),
+                    Record(f"{prefix}.storage.written_gb", written * page_bytes / 1e9, "GB"),
+                ]
+            records.append(Record(f"{prefix}.replay_wall_s", wall, "s"))
+    return records

@@ -1,0 +1,529 @@
+"""The demo's serving stack: a trace replayed through the tiny model, with and without HiCache.
+
+Both phases replay the same requests on the same arrival schedule (trace timestamps divided by
+`time_compression`), with at most `concurrency` requests being served at once; a request that
+arrives when every slot is taken waits, and its TTFT (arrival to first token) includes the
+wait. The model runs one job at a time on a worker thread (`ModelRunner`), as a GPU runs one
+kernel stream: concurrent requests interleave layer by layer, and the event loop stays free to
+drive the cache's copies and storage I/O meanwhile.
+
+- **baseline**: every prompt is computed from scratch with a contiguous KV; no cache at all.
+- **hicache**: a request handler as an engine would write one: await the storage prefetch,
+  take a slot, start the request, start the host → device load, allocate pages for the rest,
+  then compute layer i as soon as layer i of the cached prefix has landed, commit, release.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import anyio
+import msgspec
+import numpy as np
+import torch
+
+from .._cache import HiCache
+from .._config import CacheConfig, PrefetchConfig, PrefetchPolicy, WritePolicy
+from .._errors import OutOfPagesError
+from .._keys import Namespace, page_keys
+from .._trace import BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
+from ..storage import default_root, open_storage
+from ._model import ContiguousKV, ModelConfig, PagedKV, Prefill, TinyTransformer
+from ._report import (
+    BytesMoved,
+    DemoSummary,
+    LogitCheck,
+    Progress,
+    TierTokenCounts,
+    TTFTStats,
+)
+
+__all__ = [
+    "DEFAULT_STORAGE",
+    "DemoOptions",
+    "ModelRunner",
+    "demo_storage_root",
+    "plan_demo",
+    "reuse_upper_bound",
+    "run_demo",
+    "select_requests",
+]
+
+_T = TypeVar("_T")
+
+#: `--storage` default: file storage under `demo_storage_root()`.
+DEFAULT_STORAGE = "file://"
+
+# An allocation can find every device page locked by requests and prefetches in flight for a
+# moment; it waits this long between attempts, this many times, before giving up.
+_OUT_OF_PAGES_WAIT_S = 0.02
+_OUT_OF_PAGES_ATTEMPTS = 500
+
+
+class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What `hicache-async demo` runs. Defaults are the documented default run."""
+
+    #: storage URL; `file://` alone is the dedicated demo root, "none" means no L3.
+    storage: str = DEFAULT_STORAGE
+    device_pages: int = 512
+    host_pages: int = 1024
+    page_size: int = 64
+    write_policy: WritePolicy = "write_through"
+    prefetch_policy: PrefetchPolicy = "timeout"
+    requests: int = 80
+    max_prompt_tokens: int = 4096
+    concurrency: int = 4
+    #: trace time runs this many times faster than the replay clock.
+    time_compression: float = 10.0
+    keep_storage: bool = False
+    seed: int = 0
+    #: torch intra-op threads for the model; 0 picks half the cores (the rest serve copies
+    #: and storage I/O, as a GPU's copy engines run beside its compute).
+    threads: int = 0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("device_pages", "host_pages", "page_size", "requests", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens <= BLOCK_TOKENS:
+            raise ValueError(
+                f"max_prompt_tokens must exceed one trace block ({BLOCK_TOKENS} tokens), "
+                f"got {self.max_prompt_tokens}"
+            )
+        if not (math.isfinite(self.time_compression) and self.time_compression > 0):
+            raise ValueError(f"time_compression must be > 0, got {self.time_compression}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        needed = self.concurrency * math.ceil(self.max_prompt_tokens / self.page_size)
+        if needed > self.device_pages:
+            raise ValueError(
+                f"{self.concurrency} concurrent prompts of up to {self.max_prompt_tokens} tokens "
+                f"need {needed} device pages of {self.page_size} tokens; "
+                f"device_pages is {self.device_pages}"
+            )
+
+    @property
+    def storage_url(self) -> str | None:
+        """The storage URL to open, or None for no L3."""
+        if self.storage.strip().lower() == "none":
+            return None
+        if self.storage.strip() == DEFAULT_STORAGE:
+            return "file://" + quote(str(demo_storage_root()))
+        return self.storage.strip()
+
+
+def demo_storage_root() -> Path:
+    """The demo's own file storage root: `demo` under the default file storage root."""
+    return default_root() / "demo"
+
+
+# -- the subset ---------------------------------------------------------------------------
+
+
+def _conversation(request: TraceRequest) -> tuple[int, int]:
+    # Every request of this trace starts with the same block (a shared system prompt), so a
+    # conversation is named by its first two blocks.
+    return (request.hash_ids[0], request.hash_ids[1])
+
+
+def select_requests(
+    trace: Sequence[TraceRequest], count: int, max_prompt_tokens: int
+) -> list[TraceRequest]:
+    """The multi-turn part of the trace: the first `count` requests (in arrival order) whose
+    prompt has at most `max_prompt_tokens` tokens and whose conversation has at least two such
+    turns in the trace."""
+    fits = [r for r in trace if len(r.hash_ids) >= 2 and 0 < r.input_length <= max_prompt_tokens]
+    turns: dict[tuple[int, int], int] = {}
+    for request in fits:
+        key = _conversation(request)
+        turns[key] = turns.get(key, 0) + 1
+    return [r for r in fits if turns[_conversation(r)] >= 2][:count]
+
+
+def reuse_upper_bound(requests: Sequence[TraceRequest]) -> int:
+    """Prompt tokens any cache at all could have served, however large.
+
+    A block can be reused when the same block ids up to and including it (the same prefix at
+    the same position) appeared in an earlier request of `requests`; it then gives at most as
+    many tokens as the longest earlier copy of it had (a short last block gives fewer).
+    """
+    seen: dict[tuple[int, ...], int] = {}
+    reusable = 0
+    for request in requests:
+        for index in range(len(request.hash_ids)):
+            length = min(BLOCK_TOKENS, request.input_length - index * BLOCK_TOKENS)
+            if length <= 0:
+                break
+            prefix = tuple(request.hash_ids[: index + 1])
+            earlier = seen.get(prefix, 0)
+            reusable += min(length, earlier)
+            seen[prefix] = max(earlier, length)
+    return reusable
+
+
+# -- the serving stack --------------------------------------------------------------------
+
+
+class ModelRunner:
+    """Runs model work one job at a time on a worker thread, like a GPU's compute stream."""
+
+    def __init__(self) -> None:
+        self._limiter = anyio.CapacityLimiter(1)
+        self.busy_s = 0.0
+
+    async def run(self, fn: Callable[[], _T]) -> _T:
+        """Run `fn` on the model thread when it is free; a cancelled caller waits for `fn`
+        to finish (it may be writing into pool pages that must not be freed under it)."""
+
+        def timed() -> _T:
+            began = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.busy_s += time.perf_counter() - began
+
+        return await anyio.to_thread.run_sync(timed, limiter=self._limiter)
+
+
+class _Item(msgspec.Struct, frozen=True):
+    index: int
+    request_id: str
+    arrival_s: float
+    tokens: Any  # np.ndarray of token ids
+
+
+class _Served(msgspec.Struct):
+    logits: Any  # torch.Tensor [vocab] float32
+    device_tokens: int = 0
+    host_tokens: int = 0
+    storage_tokens: int = 0
+    computed_tokens: int = 0
+    ttft_s: float = 0.0
+
+
+async def _baseline(
+    model: TinyTransformer, runner: ModelRunner, slots: anyio.Semaphore, item: _Item
+) -> _Served:
+    """Compute the whole prompt with a contiguous KV."""
+    async with slots:
+        prefill = Prefill(model, item.tokens, 0, ContiguousKV(model.config.num_layers))
+        for layer in range(model.config.num_layers):
+            await runner.run(functools.partial(prefill.run_layer, layer))
+        logits = await runner.run(prefill.logits)
+    return _Served(logits=logits, computed_tokens=len(item.tokens))
+
+
+async def _cached(
+    cache: HiCache,
+    model: TinyTransformer,
+    runner: ModelRunner,
+    slots: anyio.Semaphore,
+    item: _Item,
+) -> _Served:
+    """Serve one prompt through the cache, the way an engine's request handler would."""
+    tokens = item.tokens
+    storage_tokens = 0
+    if cache.storage_status().attached:
+        # Prefetch on arrival, before waiting for a slot, so storage reads overlap the wait.
+        result = await cache.prefetch(tokens, request_id=item.request_id)
+        storage_tokens = result.storage_tokens
+    async with slots:
+        # At least the last token is computed: its logits are the first token.
+        limit = len(tokens) - 1
+        for _ in range(_OUT_OF_PAGES_ATTEMPTS):
+            try:
+                served = await _compute_cached(cache, model, runner, item, limit)
+            except OutOfPagesError:
+                await anyio.sleep(_OUT_OF_PAGES_WAIT_S)
+                continue
+            if served is None:
+                limit = 0  # the host → device copy failed: compute the whole prompt instead
+                continue
+            break
+        else:
+            raise OutOfPagesError(f"{item.request_id}: no device pages after many attempts")
+    loaded = served.host_tokens
+    served.storage_tokens = min(storage_tokens, loaded)
+    served.host_tokens = loaded - served.storage_tokens
+    return served
+
+
+async def _compute_cached(
+    cache: HiCache, model: TinyTransformer, runner: ModelRunner, item: _Item, limit: int
+) -> _Served | None:
+    """One attempt; None if loading the host part failed (nothing was committed)."""
+    tokens = item.tokens
+    with cache.request(tokens, request_id=item.request_id, max_cached_tokens=limit) as req:
+        device_tokens = req.device_tokens
+        load = await req.load()
+        start = req.cached_tokens
+        await req.allocate(len(tokens) - start)
+        kv = PagedKV(cache.device_pool, req.page_table, start, len(tokens))
+        prefill = Prefill(model, tokens, start, kv)
+        for layer in range(model.config.num_layers):
+            try:
+                # Layer i of the cached prefix is on the device: compute layer i while later
+                # layers are still being copied.
+                await load.layer(layer)
+            except Exception:  # a failed copy means recompute, not fail
+                return None
+            await runner.run(functools.partial(prefill.run_layer, layer))
+        logits = await runner.run(prefill.logits)
+        req.commit()
+    return _Served(
+        logits=logits,
+        device_tokens=device_tokens,
+        host_tokens=start - device_tokens,
+        computed_tokens=len(tokens) - start,
+    )
+
+
+async def _replay(
+    items: Sequence[_Item],
+    handle: Callable[[_Item], Awaitable[_Served]],
+    progress: Progress,
+) -> list[_Served]:
+    """Start each item at its arrival time; TTFT is measured from that arrival."""
+    results: list[_Served | None] = [None] * len(items)
+    origin = time.perf_counter()
+
+    async def one(item: _Item) -> None:
+        served = await handle(item)
+        served.ttft_s = time.perf_counter() - (origin + item.arrival_s)
+        results[item.index] = served
+        progress.advance()
+
+    async with anyio.create_task_group() as tg:
+        for item in items:
+            delay = origin + item.arrival_s - time.perf_counter()
+            if delay > 0:
+                await anyio.sleep(delay)
+            tg.start_soon(one, item)
+    done = [r for r in results if r is not None]
+    assert len(done) == len(items), "a request finished without a result"
+    return done
+
+
+def _cache_config(options: DemoOptions, model: TinyTransformer) -> CacheConfig:
+    return CacheConfig(
+        layout=model.config.kv_layout(),
+        device_pages=options.device_pages,
+        host_pages=options.host_pages,
+        page_size=options.page_size,
+        write_policy=options.write_policy,
+        model_id=model.model_id,
+        prefetch=PrefetchConfig(policy=options.prefetch_policy),
+    )
+
+
+async def _forget_pages(url: str, config: CacheConfig, items: Sequence[_Item]) -> None:
+    """Delete the pages the demo would write from a backend it does not own, so every run
+    starts cold; only this model's namespace is touched."""
+    seed = Namespace.from_config(config).seed
+    keys = sorted({k for item in items for k in page_keys(item.tokens, config.page_size, seed)})
+    async with open_storage(url) as backend:
+        batch = max(1, backend.capabilities.max_batch_pages)
+        for begin in range(0, len(keys), batch):
+            await backend.delete(keys[begin : begin + batch])
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else 0.0
+
+
+def _ratio(before: float, after: float) -> float:
+    return before / after if after > 0 else 0.0
+
+
+def _ttft(served: Sequence[_Served]) -> TTFTStats:
+    values = [s.ttft_s for s in served]
+    return TTFTStats(
+        p50_s=_percentile(values, 50),
+        p99_s=_percentile(values, 99),
+        mean_s=float(np.mean(values)) if values else 0.0,
+    )
+
+
+async def _run(
+    options: DemoOptions,
+    requests: Sequence[TraceRequest],
+    model: TinyTransformer,
+    progress: Progress,
+) -> DemoSummary:
+    began = time.perf_counter()
+    first = requests[0].timestamp if requests else 0
+    items = [
+        _Item(
+            index=i,
+            request_id=f"trace-{i}",
+            arrival_s=(r.timestamp - first) / 1000.0 / options.time_compression,
+            tokens=request_tokens(r),
+        )
+        for i, r in enumerate(requests)
+    ]
+    config = _cache_config(options, model)
+    url = options.storage_url
+    if url is not None and not options.keep_storage and options.storage != DEFAULT_STORAGE:
+        await _forget_pages(url, config, items)
+
+    runner = ModelRunner()
+    # Warm the kernels up so neither phase pays for first-call setup.
+    warm = np.arange(2 * options.page_size, dtype=np.int64) % model.config.vocab_size
+    await runner.run(functools.partial(model.prefill_logits, warm))
+
+    # Opened first so a bad storage URL fails at once; it sits idle through the baseline.
+    async with HiCache(config, storage=url) as cache:
+        progress.phase("baseline")
+        slots = anyio.Semaphore(options.concurrency)
+        phase_began = time.perf_counter()
+        busy_before = runner.busy_s
+        baseline = await _replay(
+            items, functools.partial(_baseline, model, runner, slots), progress
+        )
+        baseline_s = time.perf_counter() - phase_began
+        baseline_busy = runner.busy_s - busy_before
+
+        progress.phase("hicache")
+        slots = anyio.Semaphore(options.concurrency)
+        phase_began = time.perf_counter()
+        busy_before = runner.busy_s
+        cached = await _replay(
+            items, functools.partial(_cached, cache, model, runner, slots), progress
+        )
+        cached_s = time.perf_counter() - phase_began
+        cached_busy = runner.busy_s - busy_before
+        await cache.drain()
+        stats = cache.statistics()
+        status = cache.storage_status()
+        backend_name = status.backend if status.attached else None
+    progress.close()
+
+    page_nbytes = config.page_nbytes
+    counters = stats.counters
+    prefetch, backup = status.prefetch, status.backup
+    diffs = [
+        float((c.logits - b.logits).abs().max()) for c, b in zip(cached, baseline, strict=True)
+    ]
+    agree = sum(
+        int(torch.argmax(c.logits)) == int(torch.argmax(b.logits))
+        for c, b in zip(cached, baseline, strict=True)
+    )
+    prompt_tokens = sum(len(item.tokens) for item in items)
+    tiers = TierTokenCounts(
+        device=sum(s.device_tokens for s in cached),
+        host=sum(s.host_tokens for s in cached),
+        storage=sum(s.storage_tokens for s in cached),
+        computed=sum(s.computed_tokens for s in cached),
+    )
+    bound = reuse_upper_bound(requests)
+    ttft_baseline, ttft_cached = _ttft(baseline), _ttft(cached)
+    return DemoSummary(
+        requests=len(items),
+        prompt_tokens=prompt_tokens,
+        max_prompt_tokens=options.max_prompt_tokens,
+        trace_seconds=(requests[-1].timestamp - first) / 1000.0 if requests else 0.0,
+        time_compression=options.time_compression,
+        concurrency=options.concurrency,
+        model=model.model_id,
+        model_parameters=model.num_parameters,
+        kv_bytes_per_token=config.layout.token_nbytes,
+        device=str(model.device),
+        threads=torch.get_num_threads(),
+        storage=backend_name,
+        device_pages=options.device_pages,
+        host_pages=options.host_pages,
+        page_size=options.page_size,
+        write_policy=options.write_policy,
+        prefetch_policy=options.prefetch_policy,
+        tokens=tiers,
+        hit_rate=(prompt_tokens - tiers.computed) / prompt_tokens if prompt_tokens else 0.0,
+        upper_bound_tokens=bound,
+        upper_bound_rate=bound / prompt_tokens if prompt_tokens else 0.0,
+        share_of_upper_bound=(prompt_tokens - tiers.computed) / bound if bound else 0.0,
+        ttft_baseline=ttft_baseline,
+        ttft_hicache=ttft_cached,
+        speedup_p50=_ratio(ttft_baseline.p50_s, ttft_cached.p50_s),
+        speedup_p99=_ratio(ttft_baseline.p99_s, ttft_cached.p99_s),
+        compute_baseline_s=baseline_busy,
+        compute_hicache_s=cached_busy,
+        phase_baseline_s=baseline_s,
+        phase_hicache_s=cached_s,
+        bytes=BytesMoved(
+            host_to_device=counters["loaded_pages"] * page_nbytes,
+            device_to_host=counters["host_backup_pages"] * page_nbytes,
+            storage_read=prefetch.bytes_read if prefetch is not None else 0,
+            storage_written=backup.bytes_written if backup is not None else 0,
+        ),
+        device_evicted_pages=counters["device_evicted_pages"],
+        host_evicted_pages=counters["host_evicted_pages"],
+        check=LogitCheck(
+            compared=len(diffs),
+            max_abs_diff=max(diffs, default=0.0),
+            argmax_agreement=agree / len(diffs) if diffs else 1.0,
+        ),
+        seconds=time.perf_counter() - began,
+    )
+
+
+def plan_demo(
+    options: DemoOptions, requests: Sequence[TraceRequest] | None = None
+) -> list[TraceRequest]:
+    """The requests `run_demo` replays: `requests`, or the subset of the packaged trace that
+    `select_requests` picks. Raises ValueError if they cannot run with these options."""
+    if requests is None:
+        requests = select_requests(load_trace(), options.requests, options.max_prompt_tokens)
+    chosen = list(requests)
+    if not chosen:
+        raise ValueError("no trace request fits; raise max_prompt_tokens")
+    longest = max(r.input_length for r in chosen)
+    pages = options.concurrency * math.ceil(longest / options.page_size)
+    if pages > options.device_pages:
+        raise ValueError(
+            f"{options.concurrency} prompts of {longest} tokens need {pages} device pages; "
+            f"device_pages is {options.device_pages}"
+        )
+    return chosen
+
+
+def run_demo(
+    options: DemoOptions,
+    *,
+    requests: Sequence[TraceRequest] | None = None,
+    model_config: ModelConfig | None = None,
+) -> DemoSummary:
+    """Run the demo and return its summary.
+
+    `requests` replaces the trace subset (see `plan_demo`); tests use it to replay a handful
+    of short prompts. Sets torch's thread count for the run and restores it after.
+    """
+    chosen = plan_demo(options, requests)
+    if options.storage == DEFAULT_STORAGE and not options.keep_storage:
+        # The dedicated demo root holds nothing else: start from an empty store.
+        shutil.rmtree(demo_storage_root(), ignore_errors=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(options.threads or max(1, _cores() // 2))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    progress = Progress(2 * len(chosen), enabled=options.progress, stream=sys.stderr)
+    try:
+        model = TinyTransformer(model_config, seed=options.seed, device=device)
+        return anyio.run(_run, options, chosen, model, progress)
+    finally:
+        progress.close()
+        torch.set_num_threads(threads)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

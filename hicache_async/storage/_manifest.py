@@ -1,0 +1,364 @@
+"""Warmup manifests: which prefixes a store holds, so a cold instance can load the best ones.
+
+A manifest is a sequence of JSON lines, one `ManifestEntry` each. Later records replace
+earlier ones for the same chain (same last page key). Every record is validated on read;
+malformed or oversized records are skipped and counted, never trusted. Readers never hold more
+than the configured bound in memory, whatever the manifest's size.
+
+Entries hold page keys, not token ids: the keys are all a cache needs to find the pages, and a
+shared manifest of raw prompts would hand every reader of the store everyone's prompts.
+
+Evolution: unknown fields are ignored (a newer writer may add some); a record whose `v` is
+newer than this reader knows is skipped as malformed; removing or retyping a field needs a new
+`v`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import aiofiles
+import aiofiles.os
+import anyio
+import anyio.lowlevel
+import msgspec
+
+__all__ = [
+    "CompactReport",
+    "FileManifest",
+    "ManifestEntry",
+    "ManifestLimits",
+    "ManifestRead",
+    "ManifestCollector",
+    "MemoryManifest",
+    "SupportsManifest",
+    "WarmupManifest",
+    "chain_entry",
+    "decode_entry",
+    "encode_entry",
+]
+
+MANIFEST_VERSION = 1
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
+_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
+
+
+class ManifestEntry(msgspec.Struct, frozen=True):
+    """One warmable prefix: the page keys of a chain from the root, in order."""
+
+    namespace: str
+    keys: list[str]
+    num_tokens: int
+    priority: int = 0
+    last_use: float = 0.0
+    v: int = MANIFEST_VERSION
+
+    @property
+    def chain_id(self) -> str:
+        """Names the chain: its last key (which covers the whole prefix)."""
+        return self.keys[-1]
+
+
+class ManifestLimits(msgspec.Struct, frozen=True):
+    """Bounds on what a manifest may hold and what a reader keeps in memory."""
+
+    max_entries: int = 10_000
+    max_entry_bytes: int = 256 * 1024
+    max_bytes: int = 64 << 20
+
+
+class ManifestRead(msgspec.Struct, frozen=True):
+    """The entries read (deduplicated, newest record per chain) and what was skipped."""
+
+    entries: list[ManifestEntry]
+    malformed: int = 0
+    oversized: int = 0
+    #: the manifest was larger than the byte bound; reading stopped there.
+    truncated: bool = False
+
+
+class CompactReport(msgspec.Struct, frozen=True):
+    records_before: int
+    entries_after: int
+    bytes_before: int
+    bytes_after: int
+    malformed: int
+    oversized: int
+
+
+@runtime_checkable
+class WarmupManifest(Protocol):
+    """Where a backend keeps its manifest."""
+
+    async def append(self, entries: Sequence[ManifestEntry]) -> None: ...
+
+    async def read(self, *, namespace: str | None = None) -> ManifestRead: ...
+
+    async def compact(self) -> CompactReport: ...
+
+
+@runtime_checkable
+class SupportsManifest(Protocol):
+    """A backend that records warmup metadata."""
+
+    def manifest(self, limits: ManifestLimits | None = None) -> WarmupManifest: ...
+
+
+_encoder = msgspec.json.Encoder()
+_decoder = msgspec.json.Decoder(ManifestEntry)
+
+
+def encode_entry(entry: ManifestEntry) -> bytes:
+    """One manifest line, newline included."""
+    return _encoder.encode(entry) + b"\n"
+
+
+def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
+    """A validated entry, or None for anything malformed. Never raises on bad bytes."""
+    try:
+        entry = _decoder.decode(line)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+        return None
+    if entry.v != MANIFEST_VERSION or not entry.keys or entry.num_tokens < 0:
+        return None
+    if not _HEX32.match(entry.namespace) or not all(_HEX64.match(k) for k in entry.keys):
+        return None
+    if not (entry.last_use == entry.last_use and abs(entry.last_use) < 1e12):  # NaN, huge
+        return None
+    return entry
+
+
+class ManifestCollector:
+    """Keeps the newest record per chain, at most `max_entries` of them.
+
+    When full, the least valuable entry (lowest priority, then oldest use) makes room, so a
+    huge manifest costs bounded memory and keeps what warmup would want most.
+    """
+
+    def __init__(self, limits: ManifestLimits, namespace: str | None = None) -> None:
+        self._limits = limits
+        self._namespace = namespace
+        self._entries: dict[str, ManifestEntry] = {}
+        self.records = 0
+        self.malformed = 0
+        self.oversized = 0
+
+    def add_line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        self.records += 1
+        if len(line) > self._limits.max_entry_bytes:
+            self.oversized += 1
+            return
+        entry = decode_entry(line)
+        if entry is None:
+            self.malformed += 1
+            return
+        if self._namespace is not None and entry.namespace != self._namespace:
+            return
+        previous = self._entries.pop(entry.chain_id, None)
+        if previous is not None and previous.last_use > entry.last_use:
+            entry = previous
+        self._entries[entry.chain_id] = entry
+        if len(self._entries) > self._limits.max_entries:
+            worst = min(self._entries.values(), key=lambda e: (e.priority, e.last_use))
+            del self._entries[worst.chain_id]
+
+    def result(self, *, truncated: bool) -> ManifestRead:
+        # A chain that is a strict prefix of another adds nothing: loading the longer one
+        # brings its pages too.
+        inner = {k for e in self._entries.values() for k in e.keys[:-1]}
+        kept = [e for e in self._entries.values() if e.chain_id not in inner]
+        ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
+        return ManifestRead(
+            entries=ordered,
+            malformed=self.malformed,
+            oversized=self.oversized,
+            truncated=truncated,
+        )
+
+
+async def _lines(path: Path, limits: ManifestLimits) -> AsyncIterator[bytes | None]:
+    """Lines of the file, each at most max_entry_bytes + 1 long (longer ones cut: oversized).
+
+    Yields None at the end if the byte bound stopped the read early. Reads in chunks so an
+    endless line costs no more memory than the bound.
+    """
+    chunk_size = 256 * 1024
+    total = 0
+    pending = bytearray()
+    skipping = False
+    try:
+        f = await aiofiles.open(path, "rb", opener=_no_follow_reader)
+    except FileNotFoundError:
+        return
+    try:
+        while True:
+            chunk = await f.read(chunk_size)
+            if not chunk:
+                break
+            total += len(chunk)
+            start = 0
+            while True:
+                end = chunk.find(b"\n", start)
+                piece = chunk[start:] if end < 0 else chunk[start:end]
+                if not skipping:
+                    pending += piece
+                    if len(pending) > limits.max_entry_bytes:
+                        skipping = True
+                if end < 0:
+                    break
+                if skipping:
+                    yield bytes(limits.max_entry_bytes + 1)  # stands for an oversized line
+                    skipping = False
+                else:
+                    yield bytes(pending)
+                pending.clear()
+                start = end + 1
+            if total >= limits.max_bytes:
+                yield None
+                return
+    finally:
+        await f.close()
+    if skipping:
+        yield bytes(limits.max_entry_bytes + 1)
+    elif pending:
+        yield bytes(pending)
+
+
+def _no_follow_reader(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _no_follow_appender(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+class FileManifest:
+    """A manifest in one JSON-lines file, appended as a stream and compacted atomically."""
+
+    def __init__(self, path: str | os.PathLike[str], limits: ManifestLimits | None = None):
+        self.path = Path(path)
+        self.limits = limits or ManifestLimits()
+
+    async def append(self, entries: Sequence[ManifestEntry]) -> None:
+        """Append records (one write); compacts once the file passes its byte bound."""
+        if not entries:
+            return
+        data = b"".join(encode_entry(e) for e in entries)
+        async with aiofiles.open(self.path, "ab", opener=_no_follow_appender) as f:
+            await f.write(data)
+        try:
+            size = (await aiofiles.os.stat(self.path)).st_size
+        except FileNotFoundError:
+            return
+        if size > self.limits.max_bytes:
+            await self.compact()
+
+    async def read(self, *, namespace: str | None = None) -> ManifestRead:
+        """The newest record per chain (of `namespace`, if given), bounded by the limits."""
+        collector = ManifestCollector(self.limits, namespace)
+        truncated = False
+        async for line in _lines(self.path, self.limits):
+            if line is None:
+                truncated = True
+                break
+            collector.add_line(line)
+        return collector.result(truncated=truncated)
+
+    async def compact(self) -> CompactReport:
+        """Rewrite the file with one valid record per chain; atomic (temp file + rename)."""
+        try:
+            before = (await aiofiles.os.stat(self.path)).st_size
+        except FileNotFoundError:
+            before = 0
+        collector = ManifestCollector(self.limits)
+        truncated = False
+        async for line in _lines(self.path, self.limits):
+            if line is None:
+                truncated = True
+                break
+            collector.add_line(line)
+        result = collector.result(truncated=truncated)
+        # Oldest first, so appends after compaction keep "later replaces earlier".
+        entries = sorted(result.entries, key=lambda e: e.last_use)
+        data = b"".join(encode_entry(e) for e in entries)
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        async with aiofiles.open(temp, "wb", opener=_no_follow_creator) as f:
+            await f.write(data)
+            await f.flush()
+            await anyio.to_thread.run_sync(os.fsync, f.fileno())
+        await aiofiles.os.replace(temp, self.path)
+        return CompactReport(
+            records_before=collector.records,
+            entries_after=len(entries),
+            bytes_before=before,
+            bytes_after=len(data),
+            malformed=collector.malformed,
+            oversized=collector.oversized,
+        )
+
+
+class MemoryManifest:
+    """A manifest kept in process memory (for MemoryStorage): bounded by the same limits."""
+
+    def __init__(self, limits: ManifestLimits | None = None) -> None:
+        self.limits = limits or ManifestLimits()
+        self._lines: list[bytes] = []
+        self._bytes = 0
+
+    async def append(self, entries: Sequence[ManifestEntry]) -> None:
+        for entry in entries:
+            line = encode_entry(entry)
+            self._lines.append(line)
+            self._bytes += len(line)
+        if self._bytes > self.limits.max_bytes:
+            await self.compact()
+        else:
+            await anyio.lowlevel.checkpoint()
+
+    async def read(self, *, namespace: str | None = None) -> ManifestRead:
+        collector = ManifestCollector(self.limits, namespace)
+        for line in self._lines:
+            collector.add_line(line)
+        await anyio.lowlevel.checkpoint()
+        return collector.result(truncated=False)
+
+    async def compact(self) -> CompactReport:
+        collector = ManifestCollector(self.limits)
+        before = self._bytes
+        for line in self._lines:
+            collector.add_line(line)
+        entries = sorted(collector.result(truncated=False).entries, key=lambda e: e.last_use)
+        self._lines = [encode_entry(e) for e in entries]
+        self._bytes = sum(map(len, self._lines))
+        await anyio.lowlevel.checkpoint()
+        return CompactReport(
+            records_before=collector.records,
+            entries_after=len(entries),
+            bytes_before=before,
+            bytes_after=self._bytes,
+            malformed=collector.malformed,
+            oversized=collector.oversized,
+        )
+
+
+def _no_follow_creator(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def chain_entry(
+    namespace: bytes, keys: Iterable[bytes], num_tokens: int, priority: int, last_use: float
+) -> ManifestEntry:
+    """The entry recording one chain (keys from the root, in order)."""
+    return ManifestEntry(
+        namespace=namespace.hex(),
+        keys=[k.hex() for k in keys],
+        num_tokens=num_tokens,
+        priority=priority,
+        last_use=last_use,
+    )

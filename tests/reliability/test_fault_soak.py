@@ -1,0 +1,147 @@
+"""Fault soak: thousands of requests against a storage backend that fails in every way
+FaultyStorage knows (errors, latency spikes, hangs, corrupt and truncated pages, partial batch
+failures), with prefetch and backup on and pools small enough that eviction and backups never
+stop.
+
+What must hold: no request fails, every page a request reads holds the bytes committed for its
+prefix (`serve(check="all")` compares each against the KV generator), and after the drain every
+reference is zero and every pool balanced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend
+from hicache_async.testing import FaultyStorage, KVGenerator, ServedRequest, serve
+
+from . import PAGE, Record, assert_drained, loops, make_config, prompt_pool, scaled, settle
+
+REQUESTS = scaled(1_000, 10_000)
+CONCURRENCY = 6
+# Device pages for every concurrent request's largest prompt (10 pages) and some to spare, so
+# that running out of device pages cannot fail a request; everything else evicts constantly.
+DEVICE_PAGES = CONCURRENCY * 10 + 16
+HOST_PAGES = 64
+# Far smaller than the working set (~2,000 distinct pages of 384 stored bytes): the backend
+# evicts too.
+STORAGE_BYTES = 160 << 10
+
+
+def _config() -> CacheConfig:
+    return make_config(
+        device_pages=DEVICE_PAGES,
+        host_pages=HOST_PAGES,
+        prefetch={
+            # A short wait, then the request goes on with what landed; the read in flight
+            # finishes (or times out) behind it.
+            "policy": "timeout",
+            "timeout_base_s": 0.02,
+            "timeout_per_1k_tokens_s": 0.0,
+            "timeout_max_s": 0.05,
+            "batch_pages": 4,
+            "io_timeout_s": 0.05,
+        },
+        backup={"batch_pages": 4, "queue_size": 16, "max_retries": 2, "io_timeout_s": 0.05},
+    )
+
+
+def _faulty(inner: StorageBackend, seed: int) -> FaultyStorage:
+    return FaultyStorage(
+        inner,
+        seed=seed,
+        error_rate=0.10,
+        latency_s=0.0,
+        latency_spike_rate=0.05,
+        latency_spike_s=0.02,
+        hang_rate=0.02,
+        corrupt_rate=0.05,
+        truncate_rate=0.03,
+        partial_batch_rate=0.10,
+    )
+
+
+@pytest.mark.asyncio(loop_factories=loops("uvloop"))
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
+    config = _config()
+    assert config.page_size == PAGE
+    generator = KVGenerator(config.layout, PAGE, seed=17)
+    seed = 4242 if kind == "memory" else 2424
+    pool = prompt_pool(400, seed=seed)
+    rng = random.Random(seed)
+    inner: StorageBackend
+    if kind == "memory":
+        inner = MemoryStorage(capacity_bytes=STORAGE_BYTES)
+    else:
+        root = tmp_path / "l3"
+        root.mkdir(mode=0o700)
+        inner = FileStorage(root, capacity_bytes=STORAGE_BYTES, io_threads=2)
+    faulty = _faulty(inner, seed)
+    failures: list[BaseException] = []
+    served: list[ServedRequest] = []
+    began = time.perf_counter()
+    async with HiCache(config, storage=faulty) as cache:
+        semaphore = asyncio.Semaphore(CONCURRENCY)
+
+        async def handler(number: int) -> None:
+            # Popular prompts come back often (from device, host or storage), the rest rarely.
+            prompt = pool[min(int(rng.expovariate(1 / 80)), len(pool) - 1)]
+            async with semaphore:
+                try:
+                    served.append(
+                        await serve(cache, prompt, generator, request_id=f"s{number}", check="all")
+                    )
+                except Exception as exc:
+                    failures.append(exc)
+
+        wave = 500
+        for start in range(0, REQUESTS, wave):
+            await asyncio.gather(*(handler(n) for n in range(start, min(start + wave, REQUESTS))))
+            await settle(cache)
+            assert_drained(cache)
+        elapsed = time.perf_counter() - began
+        status = cache.storage_status()
+        counters = cache.statistics().counters
+    injected = faulty.injected()
+    assert status.storage is not None
+    assert status.prefetch is not None
+    assert status.backup is not None
+    figures(
+        f"fault soak ({kind})",
+        requests=REQUESTS,
+        failed=len(failures),
+        seconds=round(elapsed, 1),
+        errors=injected.errors,
+        partial_batches=injected.partial_batches,
+        latency_spikes=injected.latency_spikes,
+        hangs=injected.hangs,
+        corrupted=injected.corrupted,
+        truncated=injected.truncated,
+        storage_corrupt_caught=status.storage.corrupt,
+        pages_read=status.prefetch.pages_read,
+        pages_written=status.backup.written_pages,
+        storage_tokens=sum(s.storage_tokens for s in served),
+        checked_pages=sum(s.checked_pages for s in served),
+        device_evicted=counters["device_evicted_pages"],
+        host_evicted=counters["host_evicted_pages"],
+    )
+    assert not failures, f"{len(failures)} requests failed, first: {failures[0]!r}"
+    assert len(served) == REQUESTS
+    # The faults were really injected, and the workload really went through storage.
+    assert injected.errors > 0
+    assert injected.partial_batches > 0
+    assert injected.latency_spikes > 0
+    assert injected.hangs > 0
+    assert injected.corrupted + injected.truncated > 0
+    assert status.storage.corrupt > 0, "no damaged page was ever read back"
+    assert sum(s.storage_tokens for s in served) > 0
+    assert status.backup.written_pages > 0
+    assert counters["device_evicted_pages"] > 0
+    assert counters["host_evicted_pages"] > 0

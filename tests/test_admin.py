@@ -1,0 +1,648 @@
+"""The admin ASGI app, through a real uvicorn server on loopback and a real HTTP client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from hicache_async import CacheConfig, HiCache, KVLayout
+from hicache_async.admin import AdminApp
+from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
+
+PAGE = 4
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4)
+TOKEN = "admin-test-token-4f0c2a9d7b1e"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+STORAGE = "/hicache/storage-backend"
+SECRET = "s3cret-pass-91c7"
+
+
+def _config() -> CacheConfig:
+    return CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
+            "page_size": PAGE,
+            "device_pages": 64,
+            "host_pages": 128,
+            "model_id": "admin-test",
+            "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE, "batch_pages": 8},
+            "backup": {"batch_pages": 8, "retry_backoff_s": 0.001},
+        }
+    )
+
+
+def _listening_socket() -> socket.socket:
+    # Bound and listening before the server starts: early connections wait in the backlog,
+    # so no test has to poll for readiness.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
+
+
+@contextlib.contextmanager
+def _closed_port() -> Iterator[int]:
+    """A loopback port that refuses connections: bound (so nobody else takes it), not listening."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+class ThreadRecorder:
+    """An ASGI wrapper noting which threads the app ran on."""
+
+    def __init__(self, app: AdminApp) -> None:
+        self.app = app
+        self.threads: set[int] = set()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.threads.add(threading.get_ident())
+        await self.app(scope, receive, send)
+
+
+@contextlib.asynccontextmanager
+async def running(app: Any, *, thread: bool = False) -> AsyncIterator[httpx.AsyncClient]:
+    """`app` behind uvicorn on 127.0.0.1 (in this loop, or a thread with its own loop)."""
+    sock = _listening_socket()
+    host, port = sock.getsockname()
+    server = uvicorn.Server(
+        uvicorn.Config(app, lifespan="on", http="h11", log_level="warning", access_log=False)
+    )
+    runner: threading.Thread | None = None
+    task: asyncio.Task[None] | None = None
+    if thread:
+        runner = threading.Thread(
+            target=asyncio.run, args=(server.serve([sock]),), name="admin-uvicorn"
+        )
+        runner.start()
+    else:
+        task = asyncio.create_task(server.serve([sock]))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://{host}:{port}", timeout=60) as client:
+            yield client
+    finally:
+        server.should_exit = True
+        if task is not None:
+            await task
+        if runner is not None:
+            # Joined off the loop: the server thread may still hand calls to this loop.
+            await asyncio.to_thread(runner.join)
+        sock.close()
+    assert server.started, "uvicorn did not complete the lifespan startup"
+
+
+@contextlib.asynccontextmanager
+async def admin(
+    *, thread: bool = False, storage: str | None = None, **options: Any
+) -> AsyncIterator[tuple[HiCache, httpx.AsyncClient]]:
+    async with HiCache(_config(), storage=storage) as cache:
+        app = AdminApp(cache, token=options.pop("token", TOKEN), **options)
+        async with running(app, thread=thread) as client:
+            yield cache, client
+
+
+def _error(response: httpx.Response, status: int, code: str) -> str:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"error", "detail"}
+    assert body["error"] == code
+    detail: str = body["detail"]
+    return detail
+
+
+# -- authentication -----------------------------------------------------------------------
+
+
+async def test_requests_need_the_bearer_token() -> None:
+    async with admin() as (_, client):
+        missing = await client.get(STORAGE)
+        assert "required" in _error(missing, 401, "unauthorized")
+        assert missing.headers["www-authenticate"].startswith("Bearer")
+
+        wrong = await client.get(STORAGE, headers={"Authorization": f"Bearer {TOKEN}x"})
+        _error(wrong, 401, "unauthorized")
+        assert wrong.headers["www-authenticate"].startswith("Bearer")
+        assert 'error="invalid_token"' in wrong.headers["www-authenticate"]
+
+        prefix = await client.get(STORAGE, headers={"Authorization": f"Bearer {TOKEN[:-1]}"})
+        _error(prefix, 401, "unauthorized")
+        basic = await client.get(STORAGE, headers={"Authorization": f"Basic {TOKEN}"})
+        _error(basic, 401, "unauthorized")
+        metrics = await client.get("/metrics")
+        _error(metrics, 401, "unauthorized")
+        # Unauthenticated callers learn nothing about which routes exist.
+        _error(await client.get("/no/such/route"), 401, "unauthorized")
+        # Nothing changes without the token.
+        put = await client.put(STORAGE, json={"url": "memory://"})
+        _error(put, 401, "unauthorized")
+
+        right = await client.get(STORAGE, headers=AUTH)
+        assert right.status_code == 200
+        assert right.json()["attached"] is False
+        lower = await client.get(STORAGE, headers={"authorization": f"bearer {TOKEN}"})
+        assert lower.status_code == 200
+
+
+async def test_bytes_token() -> None:
+    async with admin(token=TOKEN.encode()) as (_, client):
+        assert (await client.get(STORAGE, headers=AUTH)).status_code == 200
+        _error(await client.get(STORAGE), 401, "unauthorized")
+
+
+async def test_constructor_validates() -> None:
+    async with HiCache(_config()) as cache:
+        with pytest.raises(ValueError, match="empty"):
+            AdminApp(cache, token="")
+        with pytest.raises(ValueError, match="whitespace"):
+            AdminApp(cache, token="two words")
+        with pytest.raises(ValueError, match="max_body_bytes"):
+            AdminApp(cache, token=TOKEN, max_body_bytes=0)
+        with pytest.raises(ValueError, match="path_prefix"):
+            AdminApp(cache, token=TOKEN, path_prefix="admin")
+
+
+# -- storage status, attach, detach -------------------------------------------------------
+
+
+async def test_status_attach_and_detach_memory() -> None:
+    async with admin() as (cache, client):
+        detached = await client.get(STORAGE, headers=AUTH)
+        assert detached.status_code == 200
+        assert detached.headers["content-type"] == "application/json"
+        assert detached.headers["cache-control"] == "no-store"
+        assert detached.json()["attached"] is False
+        assert detached.json()["backend"] is None
+
+        put = await client.put(STORAGE, headers=AUTH, json={"url": "memory://?capacity=1MiB"})
+        assert put.status_code == 200, put.text
+        status = put.json()
+        assert status["attached"] is True
+        assert status["backend"] == "memory://?capacity=1048576"
+        assert status["storage"]["capacity_bytes"] == 1 << 20
+        assert status["generation"] == 1
+        assert cache.storage_status().attached
+
+        get = await client.get(STORAGE, headers=AUTH)
+        assert get.json() == status
+
+        delete = await client.delete(STORAGE, headers=AUTH)
+        assert delete.status_code == 200
+        assert delete.json()["attached"] is False
+        assert not cache.storage_status().attached
+
+
+async def test_attach_file_then_detach_flushes_backups(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    url = f"file://{root}"
+    generator = KVGenerator(LAYOUT, PAGE, seed=3)
+    prompts = [np.arange(1000 * i, 1000 * i + 6 * PAGE, dtype=np.int64) for i in range(4)]
+    async with admin() as (cache, client):
+        put = await client.put(STORAGE, headers=AUTH, json={"url": url})
+        assert put.status_code == 200, put.text
+        assert put.json()["backend"].startswith(f"file://{root}")
+        assert root.is_dir()
+        for prompt in prompts:
+            await serve(cache, prompt, generator)
+        # Device -> host copies finish in the background; a page is offered for backup once
+        # it is on the host. Wait (through the API) until all of them have been offered.
+        while True:
+            status = (await client.get(STORAGE, headers=AUTH)).json()
+            if status["backup"]["offered_pages"] == 6 * len(prompts):
+                break
+            await asyncio.sleep(0.01)
+
+        delete = await client.request("DELETE", STORAGE, headers=AUTH, json={"flush": True})
+        assert delete.status_code == 200, delete.text
+        assert delete.json()["attached"] is False
+
+        # Every offered page was written before the backend closed: the same directory,
+        # attached again, holds them all.
+        again = await client.put(STORAGE, headers=AUTH, json={"url": url})
+        assert again.status_code == 200, again.text
+        assert again.json()["storage"]["pages"] == 6 * len(prompts)
+        assert again.json()["generation"] == 2
+
+
+async def test_double_attach_conflicts_unless_replace(tmp_path: Path) -> None:
+    async with admin() as (cache, client):
+        first = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+        assert first.status_code == 200
+        name = first.json()["backend"]
+
+        second = await client.put(STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}"})
+        detail = _error(second, 409, "storage_attached")
+        assert name in detail
+        assert cache.storage_status().backend == name
+
+        explicit = await client.put(
+            STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}", "replace": False}
+        )
+        _error(explicit, 409, "storage_attached")
+
+        replaced = await client.put(
+            STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}", "replace": True}
+        )
+        assert replaced.status_code == 200, replaced.text
+        assert replaced.json()["backend"].startswith(f"file://{tmp_path}")
+        assert replaced.json()["generation"] == 2
+        assert cache.storage_status().backend == replaced.json()["backend"]
+
+        # Replacing with nothing attached is a plain attach.
+        await client.delete(STORAGE, headers=AUTH)
+        fresh = await client.put(STORAGE, headers=AUTH, json={"url": "memory://", "replace": True})
+        assert fresh.status_code == 200
+        assert fresh.json()["generation"] == 3
+
+
+async def test_concurrent_attaches_are_serialised(tmp_path: Path) -> None:
+    async with admin() as (cache, client):
+        first, second = await asyncio.gather(
+            client.put(STORAGE, headers=AUTH, json={"url": "memory://"}),
+            client.put(STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}"}),
+        )
+        assert sorted([first.status_code, second.status_code]) == [200, 409]
+        winner = first if first.status_code == 200 else second
+        assert cache.storage_status().backend == winner.json()["backend"]
+        assert cache.storage_status().generation == 1
+
+
+async def test_cache_not_open_is_503() -> None:
+    cache = HiCache(_config())
+    async with running(AdminApp(cache, token=TOKEN)) as client:
+        _error(await client.get(STORAGE, headers=AUTH), 503, "cache_unavailable")
+        _error(await client.get("/metrics", headers=AUTH), 503, "cache_unavailable")
+
+    async with cache:
+        pass
+    async with running(AdminApp(cache, token=TOKEN)) as client:
+        assert (await client.get(STORAGE, headers=AUTH)).json()["attached"] is False
+        put = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+        assert "closed" in _error(put, 503, "cache_unavailable")
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("nope://somewhere", "unknown storage scheme"),
+        ("memory://host/path", "memory:// URLs take no host or path"),
+        ("memory://?capacity=lots", "capacity"),
+        ("memory://?colour=blue", "colour"),
+        ("", "scheme:// URLs only"),
+        ("os:system", "scheme:// URLs only"),
+    ],
+)
+async def test_bad_url_is_400(url: str, expected: str) -> None:
+    async with admin() as (cache, client):
+        response = await client.put(STORAGE, headers=AUTH, json={"url": url})
+        assert expected in _error(response, 400, "invalid_storage_url")
+        assert not cache.storage_status().attached
+
+
+async def test_bad_url_keeps_the_attached_backend_even_with_replace() -> None:
+    async with admin(storage="memory://") as (cache, client):
+        response = await client.put(
+            STORAGE, headers=AUTH, json={"url": "nope://x", "replace": True}
+        )
+        _error(response, 400, "invalid_storage_url")
+        assert cache.storage_status().backend == "memory://?capacity=1073741824"
+
+
+async def test_credentials_in_a_bad_url_are_not_echoed() -> None:
+    async with admin() as (_, client):
+        response = await client.put(
+            STORAGE, headers=AUTH, json={"url": f"nope://admin:{SECRET}@db.internal/0"}
+        )
+        detail = _error(response, 400, "invalid_storage_url")
+        assert "unknown storage scheme" in detail
+        assert SECRET not in response.text
+        assert "***@db.internal" in detail
+
+
+async def test_unreachable_redis_is_502_and_nothing_is_attached() -> None:
+    async with admin() as (cache, client):
+        with _closed_port() as port:
+            response = await client.put(
+                STORAGE,
+                headers=AUTH,
+                json={"url": f"redis://admin:{SECRET}@127.0.0.1:{port}/0?timeout=2"},
+            )
+        detail = _error(response, 502, "storage_unreachable")
+        assert f"redis://127.0.0.1:{port}/0" in detail
+        assert "unreachable" in detail
+        assert SECRET not in response.text
+        assert not cache.storage_status().attached
+        status = await client.get(STORAGE, headers=AUTH)
+        assert status.json()["attached"] is False
+
+
+async def test_unreachable_replacement_leaves_nothing_attached() -> None:
+    async with admin(storage="memory://") as (cache, client):
+        with _closed_port() as port:
+            response = await client.put(
+                STORAGE,
+                headers=AUTH,
+                json={"url": f"redis://127.0.0.1:{port}/0?timeout=2", "replace": True},
+            )
+        detail = _error(response, 502, "storage_unreachable")
+        assert "memory://" in detail  # says what was detached
+        assert not cache.storage_status().attached
+
+
+async def test_redis_password_is_never_echoed() -> None:
+    server = RedisServer(extra_args=["--user", "admin", "on", f">{SECRET}", "~*", "&*", "+@all"])
+    await asyncio.to_thread(server.start)
+    try:
+        async with admin() as (cache, client):
+            url = f"redis://admin:{SECRET}@127.0.0.1:{server.port}/0"
+            put = await client.put(STORAGE, headers=AUTH, json={"url": url})
+            assert put.status_code == 200, put.text
+            assert put.json()["backend"] == f"redis://127.0.0.1:{server.port}/0?prefix=hicache"
+            await serve(cache, np.arange(8 * PAGE, dtype=np.int64), KVGenerator(LAYOUT, PAGE))
+            for response in (
+                put,
+                await client.get(STORAGE, headers=AUTH),
+                await client.get("/metrics", headers=AUTH),
+                await client.delete(STORAGE, headers=AUTH),
+            ):
+                assert response.status_code == 200
+                assert SECRET not in response.text
+
+            wrong = url.replace(SECRET, "not-the-password")
+            refused = await client.put(STORAGE, headers=AUTH, json={"url": wrong})
+            _error(refused, 502, "storage_unreachable")
+            assert "not-the-password" not in refused.text
+            assert not cache.storage_status().attached
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def test_delete_with_and_without_flush_and_twice() -> None:
+    async with admin() as (cache, client):
+        idle = await client.delete(STORAGE, headers=AUTH)
+        assert idle.status_code == 200
+        assert idle.json() == {
+            "attached": False,
+            "backend": None,
+            "generation": 0,
+            "storage": None,
+            "prefetch": None,
+            "backup": None,
+        }
+
+        assert (await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})).is_success
+        no_flush = await client.request("DELETE", STORAGE, headers=AUTH, json={"flush": False})
+        assert no_flush.status_code == 200, no_flush.text
+        assert no_flush.json()["attached"] is False
+        assert not cache.storage_status().attached
+
+        again = await client.request("DELETE", STORAGE, headers=AUTH, json={"flush": False})
+        assert again.status_code == 200
+        assert again.json()["attached"] is False
+
+        assert (await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})).is_success
+        flush = await client.request("DELETE", STORAGE, headers=AUTH, json={"flush": True})
+        assert flush.status_code == 200
+        assert flush.json()["attached"] is False
+
+        typed = await client.request("DELETE", STORAGE, headers=AUTH, json={"flush": "yes"})
+        assert "Expected `bool`" in _error(typed, 400, "invalid_request")
+        unknown = await client.request("DELETE", STORAGE, headers=AUTH, json={"force": True})
+        assert "force" in _error(unknown, 400, "invalid_request")
+        text = await client.request(
+            "DELETE",
+            STORAGE,
+            headers={**AUTH, "Content-Type": "text/plain"},
+            content=b'{"flush": true}',
+        )
+        _error(text, 415, "unsupported_media_type")
+
+
+# -- metrics ------------------------------------------------------------------------------
+
+
+async def test_metrics_exposition() -> None:
+    async with admin(storage="memory://") as (cache, client):
+        await serve(cache, np.arange(5 * PAGE, dtype=np.int64), KVGenerator(LAYOUT, PAGE))
+        response = await client.get("/metrics", headers=AUTH)
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+        text = response.text
+        for name in (
+            "# TYPE hicache_requests_total counter",
+            "hicache_requests_total 1.0",
+            "hicache_storage_attached 1.0",
+            "hicache_device_pool_num_pages 64.0",
+            "hicache_host_pool_num_pages 128.0",
+            "# TYPE hicache_prefetch_wait_seconds histogram",
+        ):
+            assert name in text, name
+        post = await client.post("/metrics", headers=AUTH)
+        _error(post, 405, "method_not_allowed")
+        assert post.headers["allow"] == "GET"
+
+
+# -- protocol errors ----------------------------------------------------------------------
+
+
+async def test_unknown_path_and_wrong_method() -> None:
+    async with admin() as (_, client):
+        _error(await client.get("/hicache/nothing", headers=AUTH), 404, "not_found")
+        _error(await client.get(STORAGE + "/", headers=AUTH), 404, "not_found")
+        post = await client.post(STORAGE, headers=AUTH, json={"url": "memory://"})
+        _error(post, 405, "method_not_allowed")
+        assert post.headers["allow"] == "DELETE, GET, PUT"
+        patch = await client.patch(STORAGE, headers=AUTH)
+        _error(patch, 405, "method_not_allowed")
+
+
+async def test_body_too_large_is_413() -> None:
+    async with admin(max_body_bytes=64) as (cache, client):
+        declared = await client.put(
+            STORAGE, headers={**AUTH, "Content-Type": "application/json"}, content=b" " * 200
+        )
+        assert "64 bytes" in _error(declared, 413, "payload_too_large")
+
+        async def chunks() -> AsyncIterator[bytes]:
+            yield b'{"url": "memory://"'
+            for _ in range(4):
+                yield b" " * 32
+            yield b"}"
+
+        streamed = await client.put(
+            STORAGE, headers={**AUTH, "Content-Type": "application/json"}, content=chunks()
+        )
+        _error(streamed, 413, "payload_too_large")
+        assert not cache.storage_status().attached
+
+        deleted = await client.request("DELETE", STORAGE, headers=AUTH, json={"x": "y" * 100})
+        _error(deleted, 413, "payload_too_large")
+
+        body = b'{"url": "memory://"}'
+        exact = body.ljust(64)
+        fits = await client.put(
+            STORAGE, headers={**AUTH, "Content-Type": "application/json"}, content=exact
+        )
+        assert fits.status_code == 200, fits.text
+        assert cache.storage_status().attached
+
+
+async def test_non_json_content_type_is_415() -> None:
+    async with admin() as (cache, client):
+        body = b'{"url": "memory://"}'
+        for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www"}, {}):
+            response = await client.put(STORAGE, headers={**AUTH, **headers}, content=body)
+            _error(response, 415, "unsupported_media_type")
+        form = await client.put(STORAGE, headers=AUTH, data={"url": "memory://"})
+        _error(form, 415, "unsupported_media_type")
+        assert not cache.storage_status().attached
+
+        charset = await client.put(
+            STORAGE,
+            headers={**AUTH, "Content-Type": "application/json; charset=utf-8"},
+            content=body,
+        )
+        assert charset.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "expected"),
+    [
+        (b"{not json", "invalid_json", "malformed"),
+        (b"", "invalid_json", "required"),
+        (b"[]", "invalid_request", "Expected `object`"),
+        (b'{"url": 5}', "invalid_request", "Expected `str`, got `int`"),
+        (b'{"replace": true}', "invalid_request", "missing required field `url`"),
+        (b'{"url": "memory://", "force": 1}', "invalid_request", "unknown field `force`"),
+        (b'{"url": "memory://", "replace": "yes"}', "invalid_request", "Expected `bool`"),
+    ],
+)
+async def test_invalid_body_is_400(body: bytes, code: str, expected: str) -> None:
+    async with admin() as (cache, client):
+        response = await client.put(
+            STORAGE, headers={**AUTH, "Content-Type": "application/json"}, content=body
+        )
+        assert expected in _error(response, 400, code)
+        assert not cache.storage_status().attached
+
+
+# -- mounting -----------------------------------------------------------------------------
+
+
+async def test_path_prefix() -> None:
+    async with admin(path_prefix="/admin/") as (_, client):
+        assert (await client.get("/admin" + STORAGE, headers=AUTH)).status_code == 200
+        assert (await client.get("/admin/metrics", headers=AUTH)).status_code == 200
+        _error(await client.get(STORAGE, headers=AUTH), 404, "not_found")
+
+
+async def test_mounted_under_a_host_app() -> None:
+    async with HiCache(_config()) as cache:
+        admin_app = AdminApp(cache, token=TOKEN)
+
+        async def host(scope: Any, receive: Any, send: Any) -> None:
+            # A minimal router: /ops/* goes to the admin app with root_path set, as
+            # frameworks' Mount does; everything else is the host's own.
+            if scope["type"] == "http" and scope["path"].startswith("/ops/"):
+                await admin_app({**scope, "root_path": "/ops"}, receive, send)
+                return
+            if scope["type"] == "lifespan":
+                await admin_app(scope, receive, send)
+                return
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"text/plain")],
+                }
+            )
+            await send({"type": "http.response.body", "body": b"host"})
+
+        async with running(host) as client:
+            assert (await client.get("/")).text == "host"
+            put = await client.put("/ops" + STORAGE, headers=AUTH, json={"url": "memory://"})
+            assert put.status_code == 200, put.text
+            assert cache.storage_status().attached
+            assert (await client.get("/ops/metrics", headers=AUTH)).status_code == 200
+            _error(await client.get("/ops/unknown", headers=AUTH), 404, "not_found")
+
+
+# -- loop affinity ------------------------------------------------------------------------
+
+
+async def test_server_on_another_thread_and_loop(tmp_path: Path) -> None:
+    async with HiCache(_config()) as cache:
+        recorder = ThreadRecorder(AdminApp(cache, token=TOKEN))
+        async with running(recorder, thread=True) as client:
+            assert (await client.get(STORAGE, headers=AUTH)).json()["attached"] is False
+            put = await client.put(STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}"})
+            assert put.status_code == 200, put.text
+            assert cache.storage_status().attached
+            conflict = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+            _error(conflict, 409, "storage_attached")
+            metrics = await client.get("/metrics", headers=AUTH)
+            assert "hicache_storage_attached 1.0" in metrics.text
+            _error(
+                await client.put(STORAGE, headers=AUTH, json={"url": "x://"}),
+                400,
+                "invalid_storage_url",
+            )
+            delete = await client.delete(STORAGE, headers=AUTH)
+            assert delete.json()["attached"] is False
+        assert not cache.storage_status().attached
+        assert recorder.threads
+        assert threading.get_ident() not in recorder.threads
+
+
+@pytest.mark.parametrize("thread", [False, True], ids=["same-loop", "server-thread"])
+async def test_changes_while_requests_are_served(tmp_path: Path, thread: bool) -> None:
+    generator = KVGenerator(LAYOUT, PAGE, seed=7)
+    prompts = [np.arange(500 * i, 500 * i + 7 * PAGE + 1, dtype=np.int64) for i in range(3)]
+    changed = asyncio.Event()
+
+    async def traffic(prompt: np.ndarray[Any, Any], name: str) -> list[ServedRequest]:
+        served: list[ServedRequest] = []
+        # Serve before, during and after the changes: stop only once they are all done.
+        while True:
+            served.append(await serve(cache, prompt, generator, request_id=f"{name}{len(served)}"))
+            if changed.is_set() and len(served) >= 3:
+                return served
+
+    async def changes() -> list[httpx.Response]:
+        try:
+            return [
+                await client.put(
+                    STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}", "replace": True}
+                ),
+                await client.get("/metrics", headers=AUTH),
+                await client.request("DELETE", STORAGE, headers=AUTH, json={"flush": True}),
+                await client.put(STORAGE, headers=AUTH, json={"url": "memory://"}),
+            ]
+        finally:
+            changed.set()
+
+    async with admin(thread=thread, storage="memory://") as (cache, client):
+        responses, served = await asyncio.gather(
+            changes(), asyncio.gather(*(traffic(p, f"r{i}-") for i, p in enumerate(prompts)))
+        )
+        assert [r.status_code for r in responses] == [200, 200, 200, 200]
+        assert responses[0].json()["backend"].startswith(f"file://{tmp_path}")
+        assert responses[3].json()["backend"].startswith("memory://")
+        for prompt, rounds in zip(prompts, served, strict=True):
+            assert len(rounds) >= 3
+            assert all(r.num_tokens == len(prompt) for r in rounds)
+        await cache.drain()
+        assert cache.statistics().live_requests == 0
