@@ -154,12 +154,6 @@ class HiCache:
             except BaseException as exc:
                 await self.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
-        _log.debug(
-            "hicache.open",
-            device=str(device.device),
-            device_pages=device.num_pages,
-            host_pages=host.num_pages,
-        )
         return self
 
     async def __aexit__(
@@ -192,7 +186,6 @@ class HiCache:
                 # as it is rather than wrapped in an exception group.
                 tg.cancel_scope.cancel()
                 await tg.__aexit__(None, None, None)
-        _log.debug("hicache.closed")
 
     # -- public API -------------------------------------------------------------------------
 
@@ -209,6 +202,17 @@ class HiCache:
         self._check_open()
         assert self._host_pool is not None
         return self._host_pool
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop that owns the cache (None before it is entered)."""
+        return self._owner.loop
+
+    def open_storage(self, url: str) -> StorageBackend:
+        """A backend for `url` set up as this cache would (its MAC key), not yet entered."""
+        from .storage import open_storage
+
+        return open_storage(url, mac_key=self._mac_key)
 
     @property
     def tree(self) -> RadixTree:
@@ -307,12 +311,7 @@ class HiCache:
             raise HiCacheError(
                 f"storage {self._link.backend.name!r} is attached; detach it before attaching"
             )
-        if isinstance(storage, str):
-            from .storage import open_storage
-
-            backend = open_storage(storage, mac_key=self._mac_key)
-        else:
-            backend = storage
+        backend = self.open_storage(storage) if isinstance(storage, str) else storage
         self._generation += 1
         link = StorageLink(self, backend, self._generation)
         self._link = link
@@ -324,6 +323,8 @@ class HiCache:
                 self._link = None
             raise
         _log.info("hicache.storage.attached", backend=backend.name)
+        if self.config.warmup.enabled:
+            link.start_warmup(self.warmup)
 
     async def detach_storage(self, *, flush: bool = True) -> None:
         """Detach the backend without waiting for idle.
@@ -378,6 +379,19 @@ class HiCache:
             link.warmers.discard(warmer)
         _log.info("hicache.warmup.done", status=result.status.value, pages=result.pages_loaded)
         return result
+
+    async def wait_warmup(self) -> WarmupResult | None:
+        """The result of the warmup started on attach (`warmup.enabled`), once it ends."""
+        self._check_open()
+        link = self._link
+        if link is None or link.warmup_result is None:
+            await asyncio.sleep(0)
+            return None
+        future = link.warmup_result
+        await asyncio.wait([future])
+        if future.cancelled():
+            return WarmupResult(status=WarmupStatus.STOPPED)
+        return future.result()
 
     async def start_prefetch(
         self,

@@ -34,10 +34,23 @@ class Namespace(msgspec.Struct, frozen=True):
 
     `seed` is empty for SGLang-compatible keys. `fingerprint` always covers the layout (even
     with an empty seed), so a reader rejects a page written under another layout.
+
+    The tensor-parallel rank is not in the seed: every rank names a prefix with the same keys,
+    which is what lets ranks agree on which prefixes to load. It is in `rank_salt`, which
+    turns a key into the rank's own storage key, and in the fingerprint.
     """
 
     seed: bytes
     fingerprint: bytes
+    rank_salt: bytes = b""
+
+    def storage_keys(self, keys: Sequence[bytes]) -> list[bytes]:
+        """The keys under which this rank stores `keys` (themselves with one rank)."""
+        salt = self.rank_salt
+        if not salt:
+            return list(keys)
+        sha256 = hashlib.sha256
+        return [sha256(salt + key).digest() for key in keys]
 
     @classmethod
     def from_config(cls, config: CacheConfig, *, sglang_compatible: bool = False) -> Namespace:
@@ -54,14 +67,17 @@ class Namespace(msgspec.Struct, frozen=True):
             "qk_rope_head_dim": layout.qk_rope_head_dim,
             "dtype": layout.dtype,
             "page_size": config.page_size,
-            "tp_rank": config.tp_rank,
             "tp_size": config.tp_size,
             "salt": config.salt,
             "token_major": config.host_layout in _TOKEN_MAJOR_LAYOUTS,
         }
         digest = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).digest()
         seed = b"" if sglang_compatible else digest
-        return cls(seed=seed, fingerprint=digest[:_FINGERPRINT_NBYTES])
+        if config.tp_size == 1:
+            return cls(seed=seed, fingerprint=digest[:_FINGERPRINT_NBYTES])
+        rank_salt = b"hicache-tp\x00%d\x00%d\x00" % (config.tp_rank, config.tp_size)
+        fingerprint = hashlib.sha256(digest + rank_salt).digest()[:_FINGERPRINT_NBYTES]
+        return cls(seed=seed, fingerprint=fingerprint, rank_salt=rank_salt)
 
     @classmethod
     def empty(cls) -> Namespace:
@@ -75,7 +91,7 @@ class Namespace(msgspec.Struct, frozen=True):
         raw = salt.encode() if isinstance(salt, str) else bytes(salt)
         seed = hashlib.sha256(self.seed + b"\x00salt\x00" + raw).digest()
         fingerprint = hashlib.sha256(self.fingerprint + raw).digest()[:_FINGERPRINT_NBYTES]
-        return Namespace(seed=seed, fingerprint=fingerprint)
+        return Namespace(seed=seed, fingerprint=fingerprint, rank_salt=self.rank_salt)
 
 
 def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.ndarray[Any, Any]:

@@ -80,3 +80,19 @@ def test_accepts_numpy_and_torch() -> None:
     assert page_keys(np.arange(64, dtype=np.int64), 16) == expected
     assert page_keys(torch.arange(64), 16) == expected
     assert page_keys([], 16) == []
+
+
+def test_ranks_share_chains_but_not_storage_keys_or_fingerprints() -> None:
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    ranks = [
+        Namespace.from_config(CacheConfig(layout=layout, device_pages=4, tp_rank=r, tp_size=2))
+        for r in range(2)
+    ]
+    single = Namespace.from_config(CacheConfig(layout=layout, device_pages=4))
+    tokens = list(range(32))
+    chains = [page_keys(tokens, 8, ns.seed) for ns in ranks]
+    assert chains[0] == chains[1]  # every rank names a prefix the same way
+    assert ranks[0].storage_keys(chains[0]) != ranks[1].storage_keys(chains[1])
+    assert ranks[0].fingerprint != ranks[1].fingerprint
+    assert single.storage_keys(chains[0]) == chains[0]  # one rank: keys are storage keys
+    assert page_keys(tokens, 8, single.seed) != chains[0]  # tp_size is in the seed

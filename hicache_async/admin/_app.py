@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from .._errors import CacheClosedError, HiCacheError, StorageConfigError
-from ..storage import StorageBackend, StorageError, open_storage
+from ..storage import StorageBackend, StorageError
 from ..workers import StorageStatus
 from ._dispatch import CacheLoop
 from ._http import (
@@ -326,9 +326,8 @@ class AdminApp:
 
     def _open_backend(self, url: str) -> StorageBackend:
         try:
-            # The cache's own MAC key (it has no public accessor): the backend must sign and
-            # check pages exactly as one the cache opened from a URL itself would.
-            return open_storage(url, mac_key=self.cache._mac_key)
+            # Set up as the cache would (its MAC key): pages are signed and checked alike.
+            return self.cache.open_storage(url)
         except (StorageConfigError, ValueError, TypeError) as exc:
             raise HTTPError(400, "invalid_storage_url", redact(str(exc), url=url)) from None
         except Exception as exc:
@@ -352,7 +351,7 @@ class AdminApp:
                     '"replace": true',
                 )
             replaced = current.backend if current.attached else None
-            lost = f"; {replaced!r} was detached and nothing is attached" if replaced else ""
+            lost = f"; {replaced!r} was detached first, so nothing is attached" if replaced else ""
             try:
                 if replaced is not None:
                     await cache.detach_storage(flush=True)
@@ -372,8 +371,8 @@ class AdminApp:
                     502,
                     "storage_unreachable",
                     redact(
-                        f"storage {backend.name!r} is unreachable: {problem}{lost}; "
-                        "it was not attached",
+                        f"storage {backend.name!r} is unreachable, so it was not attached "
+                        f"({problem}){lost}",
                         url=request.url,
                     ),
                 )
@@ -391,7 +390,7 @@ class AdminApp:
         ):
             # Attached by someone other than this app in the meantime.
             return HTTPError(409, "storage_attached", str(exc))
-        detail = f"cannot open storage {name!r}: {exc or type(exc).__name__}{lost}"
+        detail = f"cannot open storage {name!r} ({exc or type(exc).__name__}){lost}"
         return HTTPError(502, "storage_unreachable", redact(detail, url=url))
 
     async def _detach(self, flush: bool) -> tuple[StorageStatus, str | None]:

@@ -32,7 +32,7 @@ class CacheLoop:
 
     def _target(self) -> asyncio.AbstractEventLoop:
         # The owner loop is bound when the cache is entered; HiCache has no public accessor.
-        loop = self._cache._owner.loop
+        loop = self._cache.loop
         if loop is None:
             raise HTTPError(
                 503, "cache_unavailable", "the cache is not open (enter it with `async with`)"

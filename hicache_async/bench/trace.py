@@ -25,6 +25,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 
@@ -43,6 +44,7 @@ _UNBOUNDED = "unbounded"
 _OFF = "off"
 # Storage capacity for "unbounded": more than the trace's every page (and no eviction).
 _UNBOUNDED_BYTES = 1 << 40
+_STUCK_S = 1.0
 
 
 class Scenario(msgspec.Struct, frozen=True):
@@ -176,6 +178,7 @@ class _Replay:
         self._prefetched: dict[int, int] = {}
         self._running: dict[int, Any] = {}
         self.device = self.host = self.from_storage = self.computed = 0
+        self.stuck_prefetches = 0
 
     def _tokens_of(self, index: int) -> np.ndarray[Any, Any]:
         tokens = self._tokens.get(index)
@@ -190,6 +193,13 @@ class _Replay:
         handle = await self._cache.start_prefetch(
             self._tokens_of(index), request_id=str(index), policy="wait_complete"
         )
+        # A prefetch of tiny pages from memory takes microseconds; one that takes seconds is
+        # stuck (waiting on a read that will never land): cancel it, count it, go on.
+        with anyio.move_on_after(_STUCK_S):
+            await handle.wait()
+        if not handle.done():
+            handle.cancel()
+            self.stuck_prefetches += 1
         result = await handle.wait()
         self._prefetched[index] = result.storage_tokens
         if not result.storage_tokens:
@@ -336,6 +346,8 @@ def run(args: argparse.Namespace) -> list[Record]:
                 read = status.prefetch.pages_read
                 written = status.backup.written_pages
                 records += [
+                    Record(f"{prefix}.prefetch.errors", float(status.prefetch.errors), "count"),
+                    Record(f"{prefix}.prefetch.stuck", float(replay.stuck_prefetches), "count"),
                     Record(f"{prefix}.storage.read_pages", float(read), "pages"),
                     Record(f"{prefix}.storage.read_gb", read * page_bytes / 1e9, "GB"),
                     Record(f"{prefix}.storage.written_pages", float(written), "pages"),

@@ -1,9 +1,9 @@
 """A tiny but real decoder-only transformer whose attention reads and writes paged KV.
 
 Token embedding, `num_layers` pre-norm blocks (multi-head attention with rotary positions, then
-a SwiGLU MLP), a final RMSNorm and an LM head. The weights are random,
-drawn from a seeded generator, so two processes with the same seed build the same model and
-their KV pages are interchangeable (the seed is part of the cache namespace's model id).
+a SwiGLU MLP), a final RMSNorm and an LM head. The weights are random, drawn from a seeded
+generator, so two processes with the same seed build the same model and their KV pages are
+interchangeable (the seed is part of the cache namespace's model id).
 
 A forward pass runs one layer at a time (`Prefill.run_layer`), so a request handler can start
 layer i as soon as the cache has copied layer i of the cached prefix to the device. Where the
@@ -15,7 +15,7 @@ token's K/V (cached or new) back from it.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import msgspec
@@ -30,8 +30,11 @@ __all__ = ["ContiguousKV", "KVStore", "ModelConfig", "PagedKV", "Prefill", "Tiny
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Shape of the demo transformer. The defaults give a 16.9M-parameter model (mostly the
-    128k x 128 embedding) whose KV is 4 KiB per token in float32."""
+    """Shape of the demo transformer. The defaults give a 33.8M-parameter model (all but 1M of
+    them in the 128k x 128 embedding and LM head) whose KV is 4 KiB per token in float32.
+
+    `kv_dtype` is what K/V are stored as (in the pools and in `ContiguousKV` alike);
+    activations are float32 either way."""
 
     vocab_size: int = 128_000
     d_model: int = 128
@@ -68,6 +71,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             dtype=self.kv_dtype,
         )
 
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """`kv_dtype` as a torch dtype."""
+        return _KV_DTYPES[self.kv_dtype]
+
 
 _KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -77,7 +85,7 @@ class _Layer:
 
     __slots__ = ("attn_norm", "mlp_norm", "w_down", "w_gate", "w_k", "w_o", "w_q", "w_up", "w_v")
 
-    def __init__(self, config: ModelConfig, draw: Any) -> None:
+    def __init__(self, config: ModelConfig, draw: Callable[..., torch.Tensor]) -> None:
         d, hd = config.d_model, config.head_dim
         self.attn_norm = torch.ones(d) + 0.1 * draw(d)
         self.w_q = draw(d, config.num_heads * hd) / math.sqrt(d)
@@ -201,7 +209,8 @@ class TinyTransformer:
     def prefill_logits(self, tokens: np.ndarray[Any, Any] | Sequence[int]) -> torch.Tensor:
         """Logits of the last position, computing the whole prompt with a contiguous KV."""
         array = np.asarray(tokens)
-        prefill = Prefill(self, array, 0, ContiguousKV(self.config.num_layers))
+        kv = ContiguousKV(self.config.num_layers, self.config.kv_torch_dtype)
+        prefill = Prefill(self, array, 0, kv)
         for index in range(self.config.num_layers):
             prefill.run_layer(index)
         return prefill.logits()
@@ -251,13 +260,15 @@ class KVStore(Protocol):
 
 
 class ContiguousKV:
-    """Plain per-layer tensors holding the whole prompt's K/V: no pool, no cache."""
+    """Plain per-layer tensors holding the whole prompt's K/V, stored as `dtype` (as a pool
+    of that dtype would hold them): no pool, no cache."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, dtype: torch.dtype = torch.float32) -> None:
         self._kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self._dtype = dtype
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self._kv[layer] = (keys, values)
+        self._kv[layer] = (keys.to(self._dtype), values.to(self._dtype))
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self._kv[layer]

@@ -1,11 +1,13 @@
 """The demo's serving stack: a trace replayed through the tiny model, with and without HiCache.
 
-Both phases replay the same requests on the same arrival schedule (trace timestamps divided by
-`time_compression`), with at most `concurrency` requests being served at once; a request that
-arrives when every slot is taken waits, and its TTFT (arrival to first token) includes the
-wait. The model runs one job at a time on a worker thread (`ModelRunner`), as a GPU runs one
-kernel stream: concurrent requests interleave layer by layer, and the event loop stays free to
-drive the cache's copies and storage I/O meanwhile.
+Two servers run side by side in one process and receive the same requests at the same times
+(trace timestamps divided by `time_compression`); each serves at most `concurrency` requests at
+once, and a request that arrives when every slot is taken waits, its TTFT (arrival to first
+token) including the wait. Each server runs its model work one job at a time on its own worker
+thread (`ModelRunner`), as a GPU runs one kernel stream: concurrent requests interleave layer by
+layer, and the event loop stays free to drive the cache's copies and storage I/O meanwhile.
+Sharing the machine's time this way, rather than running one after the other, means whatever
+else the machine is doing slows both alike.
 
 - **baseline**: every prompt is computed from scratch with a contiguous KV; no cache at all.
 - **hicache**: a request handler as an engine would write one: await the storage prefetch,
@@ -74,8 +76,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     #: storage URL; `file://` alone is the dedicated demo root, "none" means no L3.
     storage: str = DEFAULT_STORAGE
-    device_pages: int = 512
-    host_pages: int = 1024
+    device_pages: int = 384
+    host_pages: int = 768
     page_size: int = 64
     write_policy: WritePolicy = "write_through"
     prefetch_policy: PrefetchPolicy = "timeout"
@@ -83,11 +85,11 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
     max_prompt_tokens: int = 4096
     concurrency: int = 4
     #: trace time runs this many times faster than the replay clock.
-    time_compression: float = 10.0
+    time_compression: float = 5.0
     keep_storage: bool = False
     seed: int = 0
-    #: torch intra-op threads for the model; 0 picks half the cores (the rest serve copies
-    #: and storage I/O, as a GPU's copy engines run beside its compute).
+    #: torch intra-op threads for each server's model thread; 0 picks half the cores, so the
+    #: two servers together use them all.
     threads: int = 0
     progress: bool = True
 
@@ -209,6 +211,7 @@ class _Served(msgspec.Struct):
     storage_tokens: int = 0
     computed_tokens: int = 0
     ttft_s: float = 0.0
+    finished_s: float = 0.0
 
 
 async def _baseline(
@@ -216,7 +219,8 @@ async def _baseline(
 ) -> _Served:
     """Compute the whole prompt with a contiguous KV."""
     async with slots:
-        prefill = Prefill(model, item.tokens, 0, ContiguousKV(model.config.num_layers))
+        kv = ContiguousKV(model.config.num_layers, model.config.kv_torch_dtype)
+        prefill = Prefill(model, item.tokens, 0, kv)
         for layer in range(model.config.num_layers):
             await runner.run(functools.partial(prefill.run_layer, layer))
         logits = await runner.run(prefill.logits)
@@ -291,17 +295,19 @@ async def _compute_cached(
 async def _replay(
     items: Sequence[_Item],
     handle: Callable[[_Item], Awaitable[_Served]],
-    progress: Progress,
+    origin: float,
+    on_done: Callable[[], None],
 ) -> list[_Served]:
-    """Start each item at its arrival time; TTFT is measured from that arrival."""
+    """Start each item at `origin` + its arrival time; TTFT is measured from that arrival."""
     results: list[_Served | None] = [None] * len(items)
-    origin = time.perf_counter()
 
     async def one(item: _Item) -> None:
         served = await handle(item)
-        served.ttft_s = time.perf_counter() - (origin + item.arrival_s)
+        now = time.perf_counter()
+        served.ttft_s = now - (origin + item.arrival_s)
+        served.finished_s = now - origin
         results[item.index] = served
-        progress.advance()
+        on_done()
 
     async with anyio.create_task_group() as tg:
         for item in items:
@@ -329,8 +335,16 @@ def _cache_config(options: DemoOptions, model: TinyTransformer) -> CacheConfig:
 async def _forget_pages(url: str, config: CacheConfig, items: Sequence[_Item]) -> None:
     """Delete the pages the demo would write from a backend it does not own, so every run
     starts cold; only this model's namespace is touched."""
-    seed = Namespace.from_config(config).seed
-    keys = sorted({k for item in items for k in page_keys(item.tokens, config.page_size, seed)})
+    namespace = Namespace.from_config(config)
+    keys = sorted(
+        {
+            key
+            for item in items
+            for key in namespace.storage_keys(
+                page_keys(item.tokens, config.page_size, namespace.seed)
+            )
+        }
+    )
     async with open_storage(url) as backend:
         batch = max(1, backend.capabilities.max_batch_pages)
         for begin in range(0, len(keys), batch):
@@ -376,32 +390,36 @@ async def _run(
     if url is not None and not options.keep_storage and options.storage != DEFAULT_STORAGE:
         await _forget_pages(url, config, items)
 
-    runner = ModelRunner()
-    # Warm the kernels up so neither phase pays for first-call setup.
+    baseline_runner, cached_runner = ModelRunner(), ModelRunner()
+    # Warm the kernels up so neither server pays for first-call setup.
     warm = np.arange(2 * options.page_size, dtype=np.int64) % model.config.vocab_size
-    await runner.run(functools.partial(model.prefill_logits, warm))
+    await ModelRunner().run(functools.partial(model.prefill_logits, warm))
 
-    # Opened first so a bad storage URL fails at once; it sits idle through the baseline.
+    baseline: list[_Served] = []
+    cached: list[_Served] = []
     async with HiCache(config, storage=url) as cache:
-        progress.phase("baseline")
-        slots = anyio.Semaphore(options.concurrency)
-        phase_began = time.perf_counter()
-        busy_before = runner.busy_s
-        baseline = await _replay(
-            items, functools.partial(_baseline, model, runner, slots), progress
-        )
-        baseline_s = time.perf_counter() - phase_began
-        baseline_busy = runner.busy_s - busy_before
+        opened = cache.storage_status().storage
+        stored_before = opened.pages if opened is not None else 0
+        progress.draw()
+        origin = time.perf_counter() + 0.05  # both servers see the first arrival at once
 
-        progress.phase("hicache")
-        slots = anyio.Semaphore(options.concurrency)
-        phase_began = time.perf_counter()
-        busy_before = runner.busy_s
-        cached = await _replay(
-            items, functools.partial(_cached, cache, model, runner, slots), progress
-        )
-        cached_s = time.perf_counter() - phase_began
-        cached_busy = runner.busy_s - busy_before
+        async def serve_baseline() -> None:
+            slots = anyio.Semaphore(options.concurrency)
+            handle = functools.partial(_baseline, model, baseline_runner, slots)
+            done = functools.partial(progress.advance, "baseline")
+            baseline.extend(await _replay(items, handle, origin, done))
+
+        async def serve_cached() -> None:
+            slots = anyio.Semaphore(options.concurrency)
+            handle = functools.partial(_cached, cache, model, cached_runner, slots)
+            done = functools.partial(progress.advance, "hicache")
+            cached.extend(await _replay(items, handle, origin, done))
+
+        # Two servers side by side on the same arrivals, each with its own model thread, so
+        # whatever else the machine is doing slows both alike.
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve_baseline)
+            tg.start_soon(serve_cached)
         await cache.drain()
         stats = cache.statistics()
         status = cache.storage_status()
@@ -440,6 +458,7 @@ async def _run(
         device=str(model.device),
         threads=torch.get_num_threads(),
         storage=backend_name,
+        storage_pages_at_start=stored_before,
         device_pages=options.device_pages,
         host_pages=options.host_pages,
         page_size=options.page_size,
@@ -454,10 +473,10 @@ async def _run(
         ttft_hicache=ttft_cached,
         speedup_p50=_ratio(ttft_baseline.p50_s, ttft_cached.p50_s),
         speedup_p99=_ratio(ttft_baseline.p99_s, ttft_cached.p99_s),
-        compute_baseline_s=baseline_busy,
-        compute_hicache_s=cached_busy,
-        phase_baseline_s=baseline_s,
-        phase_hicache_s=cached_s,
+        compute_baseline_s=baseline_runner.busy_s,
+        compute_hicache_s=cached_runner.busy_s,
+        phase_baseline_s=max((s.finished_s for s in baseline), default=0.0),
+        phase_hicache_s=max((s.finished_s for s in cached), default=0.0),
         bytes=BytesMoved(
             host_to_device=counters["loaded_pages"] * page_nbytes,
             device_to_host=counters["host_backup_pages"] * page_nbytes,
@@ -513,7 +532,8 @@ def run_demo(
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads or max(1, _cores() // 2))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    progress = Progress(2 * len(chosen), enabled=options.progress, stream=sys.stderr)
+    lanes = {"baseline": len(chosen), "hicache": len(chosen)}
+    progress = Progress(lanes, enabled=options.progress, stream=sys.stderr)
     try:
         model = TinyTransformer(model_config, seed=options.seed, device=device)
         return anyio.run(_run, options, chosen, model, progress)

@@ -59,6 +59,7 @@ from ._base import (
     payload_nbytes,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._manifest import FileManifest, ManifestLimits
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -511,6 +512,10 @@ class FileStorage(BackendBase):
     def io_threads(self) -> int:
         """Threads one batch may use."""
         return self._io_threads
+
+    def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
+        """The warmup manifest: `manifest.jsonl` in the root, beside the pages."""
+        return FileManifest(self._root / "manifest.jsonl", limits)
 
     @property
     def capabilities(self) -> StorageCapabilities:

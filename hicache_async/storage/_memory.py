@@ -29,6 +29,7 @@ from ._base import (
     payload_nbytes,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._manifest import ManifestLimits, MemoryManifest
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -74,6 +75,7 @@ class MemoryStorage(BackendBase):
         self._reserved = 0
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
+        self._manifest: MemoryManifest | None = None
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MemoryStorage:
@@ -90,6 +92,12 @@ class MemoryStorage(BackendBase):
         if capacity < 1:
             raise StorageConfigError(f"capacity must be at least 1 byte, got {capacity}")
         return cls(capacity_bytes=capacity, mac_key=mac_key)
+
+    def manifest(self, limits: ManifestLimits | None = None) -> MemoryManifest:
+        """The warmup manifest, kept in memory beside the pages."""
+        if self._manifest is None:
+            self._manifest = MemoryManifest(limits)
+        return self._manifest
 
     @property
     def capabilities(self) -> StorageCapabilities:

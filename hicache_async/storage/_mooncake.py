@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import bisect
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -38,6 +39,7 @@ from ._base import (
     byte_segments,
     check_batch,
     check_key,
+    fan_out,
     log,
     parse_query,
     parse_size,
@@ -70,6 +72,9 @@ _DEFAULT_SEGMENT = 1 << 30
 _DEFAULT_BUFFER = 64 * _MiB
 _DEFAULT_STAGING = 64 * _MiB
 _DEFAULT_AUTO_REGISTER = 64 * _MiB
+# Below this much payload per batch, checksums stay on the job's thread: helpers would cost
+# more hand-offs than they save.
+_FANOUT_MIN_BYTES = 4 * _MiB
 _PROBE_TIMEOUT_S = 3.0
 _ADMIN_TIMEOUT_S = 10.0
 # Forget refused auto-registrations now and then: freed memory gets new owners.
@@ -89,7 +94,7 @@ _URL_PARAMS = {
     "prefix": "object name prefix (default hicache)",
     "admin": "master admin URL http://host:port, for list_pages, verify and gc",
     "replicas": "replicas per page (default 1)",
-    "threads": "worker threads (default 4)",
+    "threads": "worker threads for Mooncake calls and checksums (default 4)",
     "max_batch_pages": "pages per Mooncake call (default 256)",
     "capacity": "bytes under the prefix that gc() trims to (default: none)",
 }
@@ -352,6 +357,12 @@ def _header_reason(
     return "checksum or mac"
 
 
+def _other_length(store: Any, name: str, expected: int) -> bool:
+    """The object exists with a length other than `expected` (one `get_size` RPC)."""
+    size = int(store.get_size(name))
+    return size >= 0 and size != expected
+
+
 def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int = 1) -> int:
     raw = params.get(name)
     if raw is None:
@@ -420,6 +431,13 @@ class MooncakeStorage(BackendBase):
             if value < minimum:
                 raise StorageConfigError(f"mooncake {field} must be >= {minimum}, got {value}")
         super().__init__(mac_key=mac_key, job_threads=threads, thread_name="hicache-mooncake")
+        # xxh3 and blake2b release the GIL: a batch's checksums run on up to `threads` threads.
+        self._threads = threads
+        self._helpers = (
+            concurrent.futures.ThreadPoolExecutor(threads - 1, "hicache-mooncake-hash")
+            if threads > 1
+            else None
+        )
         self._master = master
         self._master_addr = (host.strip("[]"), int(port))
         self._metadata = metadata
@@ -633,6 +651,8 @@ class MooncakeStorage(BackendBase):
         self._pending.clear()
 
     async def _release(self) -> None:
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)  # every job (and so every helper) has finished
         store, self._store = self._store, None
         addresses = [*self._regions.addresses(), self._arena_base]
         key = self._client_key()
@@ -960,6 +980,15 @@ class MooncakeStorage(BackendBase):
             for segs, addrs in zip(segments, addresses, strict=True)
         ]
 
+    @staticmethod
+    def _worth_fanning(items: Sequence[Any], chunk: range, plans: Sequence[_Plan]) -> bool:
+        """Enough payload to hash that helper threads pay for their hand-offs."""
+        total = 0
+        for item in items:
+            j = item[0] if isinstance(item, tuple) else item
+            total += plans[chunk[j]].nbytes
+        return len(items) > 1 and total >= _FANOUT_MIN_BYTES
+
     def _count_paths(self, plans: Sequence[_Plan]) -> None:
         zero_copy = sum(1 for plan in plans if plan.zero_copy)
         self._zero_copy_pages += zero_copy
@@ -1048,49 +1077,58 @@ class MooncakeStorage(BackendBase):
                     sizes.append([HEADER_NBYTES + plan.nbytes])
             codes = list(store.batch_get_into_multi_buffers(names, buffers, sizes)) if todo else []
             corrupt: list[str] = []
+            arrived: list[tuple[int, str]] = []
             for j, name, code in zip(todo, names, codes, strict=True):
-                i, slot = chunk[j], slots[j]
-                plan = plans[i]
-                assert slot is not None
-                expected = HEADER_NBYTES + plan.nbytes
+                expected = HEADER_NBYTES + plans[chunk[j]].nbytes
                 if code == _NOT_FOUND:
                     results[j] = (Outcome.MISS, "")
-                    continue
-                if code in (_INVALID_PARAMS, _TRANSFER_FAIL):
-                    # Mooncake refuses a length mismatch this way; an object of another
-                    # length than the page is damaged, anything else is a real failure.
-                    size = int(store.get_size(name))
-                    if size >= 0 and size != expected:
-                        results[j] = (Outcome.CORRUPT, "length")
-                        corrupt.append(name)
-                        continue
-                if code < 0:
-                    results[j] = (Outcome.ERROR, "")
-                    continue
-                if code != expected:
+                elif code in (_INVALID_PARAMS, _TRANSFER_FAIL) and _other_length(
+                    store, name, expected
+                ):
+                    # Mooncake refuses a length mismatch this way: an object of another length
+                    # than the page is damaged (any other cause stays an ERROR).
                     results[j] = (Outcome.CORRUPT, "length")
                     corrupt.append(name)
-                    continue
-                if stop.is_set():
-                    continue  # cancelled: leave the rest ERROR, copy nothing more
+                elif code < 0:
+                    results[j] = (Outcome.ERROR, "")
+                elif code != expected:
+                    results[j] = (Outcome.CORRUPT, "length")
+                    corrupt.append(name)
+                else:
+                    arrived.append((j, name))
+            checks: list[tuple[PageCheck, str] | None] = [None] * len(arrived)
+
+            def check(index: int) -> None:
+                j = arrived[index][0]
+                i, slot, plan = chunk[j], slots[j], plans[chunk[j]]
+                assert slot is not None
                 header = decode_header(arena[slot : slot + HEADER_NBYTES])
-                check = check_header(
+                result = check_header(
                     header, key=keys[i], namespace=namespace, payload_nbytes=plan.nbytes
                 )
-                if check is PageCheck.OK and not isinstance(header, PageCheck):
+                if result is PageCheck.OK and not isinstance(header, PageCheck):
                     if plan.zero_copy:
-                        check = verify_payload(header, plan.segments, mac_key=mac_key)
+                        result = verify_payload(header, plan.segments, mac_key=mac_key)
                     else:
-                        staged = arena[slot + HEADER_NBYTES : slot + expected]
-                        check = verify_payload(header, [staged], mac_key=mac_key)
-                        if check is PageCheck.OK:
+                        staged = arena[slot + HEADER_NBYTES : slot + HEADER_NBYTES + plan.nbytes]
+                        result = verify_payload(header, [staged], mac_key=mac_key)
+                        if result is PageCheck.OK:
                             scatter(staged, plan.segments)
-                if check is PageCheck.OK:
+                checks[index] = (result, _header_reason(header, keys[i], namespace, plan.nbytes))
+
+            # Checksums (and staged copies) of many MiB: spread over the helper threads. A
+            # cancelled caller's stop flag ends the hand-out; unchecked pages stay ERROR.
+            width = self._threads if self._worth_fanning(arrived, chunk, plans) else 1
+            fan_out(self._helpers, len(arrived), check, stop, width)
+            for (j, name), checked in zip(arrived, checks, strict=True):
+                if checked is None:
+                    continue
+                result, reason = checked
+                if result is PageCheck.OK:
                     results[j] = (Outcome.OK, "")
-                elif check is PageCheck.UNSUPPORTED:
+                elif result is PageCheck.UNSUPPORTED:
                     results[j] = (Outcome.MISS, "")  # a newer writer's page: left in place
                 else:
-                    reason = _header_reason(header, keys[i], namespace, plan.nbytes)
                     results[j] = (Outcome.CORRUPT, reason)
                     corrupt.append(name)
             if corrupt:
@@ -1125,27 +1163,37 @@ class MooncakeStorage(BackendBase):
                 elif state == 0:
                     todo.append(j)
                 # else: the master did not answer; a put would fail the same way (slowly).
-            buffers: list[list[int]] = []
-            sizes: list[list[int]] = []
-            sent: list[int] = []
-            for j in todo:
-                if stop.is_set():
-                    break
+            prepared = [False] * len(todo)
+
+            def prepare(index: int) -> None:
+                j = todo[index]
                 plan, slot = plans[chunk[j]], slots[j]
                 assert slot is not None
                 header = encode_header(metas[chunk[j]], plan.segments, mac_key=mac_key)
                 arena[slot : slot + HEADER_NBYTES] = header
-                if plan.zero_copy:
-                    buffers.append([arena_base + slot, *plan.addresses])
-                    sizes.append([HEADER_NBYTES, *(len(s) for s in plan.segments)])
-                else:
+                if not plan.zero_copy:
                     offset = slot + HEADER_NBYTES
                     for segment in plan.segments:
                         arena[offset : offset + len(segment)] = segment
                         offset += len(segment)
+                prepared[index] = True
+
+            # Checksums (and MACs, staged copies) of many MiB: spread over the helper threads.
+            # A cancelled caller's stop flag ends the hand-out; pages not prepared stay ERROR.
+            width = self._threads if self._worth_fanning(todo, chunk, plans) else 1
+            fan_out(self._helpers, len(todo), prepare, stop, width)
+            sent = [j for j, ready in zip(todo, prepared, strict=True) if ready]
+            buffers: list[list[int]] = []
+            sizes: list[list[int]] = []
+            for j in sent:
+                plan, slot = plans[chunk[j]], slots[j]
+                assert slot is not None
+                if plan.zero_copy:
+                    buffers.append([arena_base + slot, *plan.addresses])
+                    sizes.append([HEADER_NBYTES, *(len(s) for s in plan.segments)])
+                else:
                     buffers.append([arena_base + slot])
                     sizes.append([HEADER_NBYTES + plan.nbytes])
-                sent.append(j)
             if not sent:
                 return results
             names = [self._mkey(keys[chunk[j]]) for j in sent]

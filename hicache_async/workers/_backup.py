@@ -188,7 +188,8 @@ class BackupWorker:
                         continue
                     seen.add(node.id)
                     nodes.append(node)
-                    for key, page in zip(node.keys, node.host_pages, strict=True):
+                    storage_keys = cache.namespace.storage_keys(node.keys)
+                    for key, page in zip(storage_keys, node.host_pages, strict=True):
                         keys.append(key)
                         buffers.append(host.page_segments(page))
                         metas.append(PageMeta(key, fingerprint, size, node.priority))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -11,7 +13,7 @@ import structlog
 from ..storage import StorageBackend, StorageStats
 from ._backup import BackupStatistics, BackupWorker
 from ._prefetch import Prefetcher, PrefetchStatistics
-from ._warmup import Warmer
+from ._warmup import Warmer, WarmupResult
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -42,6 +44,8 @@ class StorageLink:
         self.prefetcher = Prefetcher(cache, backend, cache.config.prefetch)
         self.backup = BackupWorker(cache, backend, cache.config.backup, is_current=self._is_current)
         self.warmers: set[Warmer] = set()
+        self.warmup_result: asyncio.Future[WarmupResult] | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
         self._scope: anyio.CancelScope | None = None
         self._backup_done = anyio.Event()
         self._stopped = anyio.Event()
@@ -58,11 +62,33 @@ class StorageLink:
                 with anyio.CancelScope() as scope:
                     self._scope = scope
                     async with anyio.create_task_group() as tg:
+                        self._tg = tg
                         tg.start_soon(self.prefetcher.run)
                         tg.start_soon(self._run_backup)
                         task_status.started()
         finally:
             self._stopped.set()
+
+    def start_warmup(self, warmup: Callable[[], Awaitable[WarmupResult]]) -> None:
+        """Run `warmup` in this link's task group (a detach stops it); keep its result."""
+        assert self._tg is not None
+        future: asyncio.Future[WarmupResult] = asyncio.get_running_loop().create_future()
+        self.warmup_result = future
+
+        async def run() -> None:
+            try:
+                result = await warmup()
+            except asyncio.CancelledError:
+                future.cancel()
+                raise
+            except Exception as exc:
+                future.set_exception(exc)
+                future.exception()  # retrieved here: a failed warmup is no error of the link
+                _log.warning("hicache.warmup.failed", error=repr(exc))
+                return
+            future.set_result(result)
+
+        self._tg.start_soon(run)
 
     async def _run_backup(self) -> None:
         try:

@@ -270,6 +270,11 @@ class Prefetcher:
         self._quiet.clear()
         try:
             await self._send.send(handle)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            # Storage was detached while this prefetch waited for the queue: a miss.
+            self._live_done()
+            handle._finish(PrefetchStatus.CANCELLED)
+            self.cancelled += 1
         except BaseException:
             self._live_done()
             raise
@@ -385,7 +390,9 @@ class Prefetcher:
             return PrefetchStatus.SKIPPED
         try:
             with anyio.fail_after(self.config.io_timeout_s):
-                existing = await self._backend.exists(keys[start:])
+                existing = await self._backend.exists(
+                    self._cache.namespace.storage_keys(keys[start:])
+                )
         except Exception as exc:
             self.errors += 1
             _log.warning(
@@ -527,8 +534,9 @@ class Prefetcher:
         began = time.monotonic()
         try:
             with anyio.fail_after(self.config.io_timeout_s):
+                namespace = self._cache.namespace
                 outcomes = await self._backend.get(
-                    keys, into, namespace=self._cache.namespace.fingerprint
+                    namespace.storage_keys(keys), into, namespace=namespace.fingerprint
                 )
             self._cache.storage_get_latency.observe(time.monotonic() - began)
         except Exception as exc:

@@ -363,6 +363,12 @@ class TestMooncakeZeroCopyConformance(StorageConformance):
         async with MooncakeStorage.from_url(url) as storage:
             yield storage
 
+    @pytest_asyncio.fixture
+    async def mac_backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
+        url = fresh_url(mooncake_url, auto_register=1)
+        async with MooncakeStorage.from_url(url, mac_key=MAC_KEY) as storage:
+            yield storage
+
 
 def test_a_missing_master_binary_fails_loudly() -> None:
     with pytest.raises(ServerBinaryNotFoundError, match="no-such-master"):

@@ -113,17 +113,23 @@ async def settle(cache: HiCache, *, timeout_s: float = 120.0) -> None:
     `best_effort` prefetch keeps its read in flight), so this also waits for the prefetcher to
     have none running; the deadline only guards against a hang.
     """
-    with anyio.fail_after(timeout_s):
-        while True:
-            await cache.drain()
-            link = cache._link
-            # No public handle on prefetches whose requests are gone: read the worker's set.
-            if link is None or not link.prefetcher._running:
-                status = cache.storage_status().prefetch
-                if status is None or (status.queued == 0 and status.host_pages_held == 0):
-                    await cache.drain()
-                    return
-            await asyncio.sleep(0.002)
+    try:
+        with anyio.fail_after(timeout_s):
+            while True:
+                await cache.drain()
+                link = cache._link
+                # No public handle on prefetches whose requests are gone: read the worker's set.
+                if link is None or not link.prefetcher._running:
+                    status = cache.storage_status().prefetch
+                    if status is None or (status.queued == 0 and status.host_pages_held == 0):
+                        await cache.drain()
+                        return
+                await asyncio.sleep(0.002)
+    except TimeoutError:
+        raise AssertionError(
+            f"the cache did not settle within {timeout_s} s: {cache!r}, "
+            f"{cache.storage_status()}"
+        ) from None
 
 
 def assert_drained(cache: HiCache) -> None:

@@ -1,0 +1,521 @@
+"""`python -m hicache_async.bench.report`: run every benchmark, keep their JSON, regenerate
+docs/benchmarks.md from it.
+
+Each benchmark runs as its own `python -m hicache_async bench KIND --json PATH ...` process, so a
+crash, a hang (`--timeout`) or a missing module costs that benchmark only: the page then says
+what happened instead of showing figures. The page is rebuilt from the JSON files alone, with
+the hand-written preface below, so `--render-only` can regenerate it without rerunning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import msgspec
+
+from . import BENCHMARKS
+from ._records import Record
+
+__all__ = ["Job", "JobResult", "PREFACE", "jobs", "main", "render"]
+
+#: The hand-written part of docs/benchmarks.md; everything after it is generated.
+PREFACE = """\
+# Benchmarks
+
+Figures on this page are generated: `nox -s bench` (or `python -m hicache_async.bench.report`)
+runs every benchmark, writes each one's records as JSON and rebuilds this page from them, so it
+always shows one real run. Every speed figure is a ratio against a baseline measured in the same
+process and the same run, because absolute figures on a shared or virtual machine mean little;
+read the *ratio* column. A throughput ratio above 1 is better than the baseline; for times (µs,
+seconds) below 1 is.
+
+What each benchmark measures, and what it must reach:
+
+- **tree**: the radix tree on the first requests of the packaged chat trace: key hashing per
+  request, match and insert per call, memory per cached token. No baseline (it is the baseline
+  other paths are compared with).
+- **copy**: device ↔ host page copies through the CPU copy engine, for both host layouts and
+  contiguous or scattered pages, against one plain `tensor.copy_` of as many bytes.
+  **Target: ≥ 0.9× the plain copy.**
+- **storage**: `put`, `get` and `exists` of each backend against a raw baseline moving the same
+  bytes (plain `os.pwritev`/`os.preadv` on one file per page for `file://`, page cache hot and
+  cold; a dict of bytes for `memory://`; the redis-py client for `redis://`).
+  **Targets: get and put ≥ 0.9× raw; `exists` of 64 keys < 0.1 ms on files.**
+- **orchestration**: the prefetch path (storage → host pool) end to end. With `memory://` and
+  512-byte pages, its own cost: pages per second and loop-thread CPU µs per page, against the
+  backend's bare `get` of the same pages into the same host pages. With `file://` and 8 MiB
+  pages (Llama-3-8B, 64 tokens), GB/s of `HiCache.prefetch` against `FileStorage.get` of the
+  same pages into the same host-pool buffers in the same batches, for host layouts
+  `page_first_direct` (one segment per page) and `layer_first` (64 segments per page), under
+  the default asyncio loop and uvloop. **Target: prefetch ≥ 0.9× raw get.**
+- **trace**: the whole packaged trace (12,031 requests of one hour of chat) through a real
+  `HiCache` (tree, pools, copy engine, prefetch and backup workers, `memory://` storage) with
+  tiny pages and simulated time, for several host and storage sizes. Hit rates are shares of
+  all prompt tokens by the tier they came from, compared with the upper bound an unlimited cache
+  reaches on the same requests (a page hits if an earlier request computed the same page of
+  the same prefix; per 512-token block, as the trace README counts it, that is 36.6%). TTFT is
+  compared with the same replay without any cache.
+
+### How the trace replay models time
+
+A discrete-event simulation ordered by the trace's timestamps; nothing sleeps. A request
+arrives, starts a storage prefetch (its pages' bytes over the storage read bandwidth, one
+storage channel, first come first served), waits for a free prefill slot and for its prefetch,
+loads its host pages (bytes over the host-to-device bandwidth), then computes its uncached
+tokens: `n * prefill_s_per_token + (n * p + n * (n + 1) / 2) * attention_s_per_pair` for `n` new
+tokens after `p` cached ones. TTFT = finish − arrival. Device-to-host and host-to-storage
+backups are off the request path and complete before the next event; decode is not modelled.
+Bytes are those of the real model (the cache itself holds 2 bytes per token).
+
+The assumed profile, `llama3-8b-h100`, is derived rather than measured:
+
+- Llama-3-8B (Meta's model card): 8.03 B parameters, 32 layers, hidden size 4096, 8 KV heads of
+  dimension 128, bf16, so 2 × 32 × 8 × 128 × 2 B = 128 KiB of KV per token.
+- One H100 SXM: 989 TFLOP/s dense bf16 (NVIDIA datasheet); prefill is assumed to reach 50% of
+  it. Linear layers: 2 × 8.03e9 FLOP per token → 32.5 µs per token (30.8k tokens/s); attention:
+  4 × 32 × 4096 FLOP per (query, key) pair → 1.06 ns per pair.
+- Device KV pool: 88% of 80 GB for weights and KV (SGLang's static share on an H100) minus
+  16 GB of weights → 414,581 tokens.
+- Host → device: 50 GB/s (PCIe 5.0 x16, of its 64 GB/s). Storage → host: 6 GB/s (one PCIe 4.0
+  NVMe SSD, ~7 GB/s sequential read, derated).
+- One prefill at a time (`--prefill-slots 1`), arrivals stretched 3× (`--time-scale 3`): the
+  trace asks for 40k prompt tokens per second, which one GPU cannot prefill (the production
+  trace was served by a cluster). Stretching keeps the order, so hit rates change only through
+  concurrency; without a cache the GPU is then about 68% busy.
+"""
+
+#: Targets checked against the records; (title, name contains, field, comparison, threshold).
+_TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
+    ("copy ≥ 0.9× tensor.copy_", "copy ", "ratio", ">=", 0.9),
+    ("storage put ≥ 0.9× raw", "put_gbps", "ratio", ">=", 0.9),
+    ("storage get ≥ 0.9× raw", "get", "ratio", ">=", 0.9),
+    ("exists of 64 keys < 0.1 ms (file)", "storage.file.", "value", "<", 100.0),
+    ("prefetch ≥ 0.9× raw get", "prefetch_gbps", "ratio", ">=", 0.9),
+)
+
+
+class Job(msgspec.Struct, frozen=True):
+    """One benchmark invocation of the report."""
+
+    key: str
+    title: str
+    kind: str
+    args: list[str]
+    #: Not run, and why (set when the job cannot run on this machine).
+    skipped: str | None = None
+
+
+class JobResult(msgspec.Struct):
+    """What one job left: its command, its outcome and its JSON file's name."""
+
+    key: str
+    title: str
+    kind: str
+    command: str
+    status: str  # "ok", "missing", "failed", "skipped"
+    detail: str = ""
+    seconds: float = 0.0
+    json: str | None = None
+
+
+def jobs(*, quick: bool, redis_url: str | None, redis_skip: str | None) -> list[Job]:
+    """The benchmarks of a report, full or `quick` sized."""
+    if quick:
+        sizes = {
+            "tree": ["--requests", "500", "--repeat", "1"],
+            "copy": ["--pages", "4", "--repeats", "2"],
+            "storage": ["--shape", "small", "--pages", "32", "--reps", "1"],
+            "orchestration": [
+                *("--shape", "small", "--pages", "8", "--reps", "3"),
+                *("--prompts", "16", "--prompt-pages", "16"),
+            ],
+            "trace": [
+                *("--requests", "1000", "--host-ratios", "2"),
+                *("--storages", "off,unbounded"),
+            ],
+        }
+    else:
+        sizes = {
+            "tree": ["--requests", "3000"],
+            "copy": ["--pages", "16", "--repeats", "7"],
+            "storage": ["--reps", "3"],
+            "orchestration": ["--pages", "32", "--reps", "7"],
+            "trace": [],
+        }
+    redis_args = ["--shape", "small", *sizes["storage"][2:]] if quick else ["--shape", "small"]
+    return [
+        Job(key="tree", title="tree", kind="tree", args=sizes["tree"]),
+        Job(key="copy", title="copy", kind="copy", args=sizes["copy"]),
+        Job(
+            key="storage-file",
+            title="storage (file://)",
+            kind="storage",
+            args=["--backend", "file://", *sizes["storage"]],
+        ),
+        Job(
+            key="storage-memory",
+            title="storage (memory://)",
+            kind="storage",
+            args=["--backend", "memory://", *sizes["storage"]],
+        ),
+        Job(
+            key="storage-redis",
+            title="storage (redis://)",
+            kind="storage",
+            args=["--backend", redis_url or "redis://", *redis_args],
+            skipped=redis_skip,
+        ),
+        Job(
+            key="orchestration",
+            title="orchestration",
+            kind="orchestration",
+            args=sizes["orchestration"],
+        ),
+        Job(key="trace", title="trace", kind="trace", args=sizes["trace"]),
+    ]
+
+
+def _command(job: Job, json_path: Path) -> list[str]:
+    return [sys.executable, "-m", "hicache_async", "bench", job.kind, "--json", str(json_path)]
+
+
+def _shown(job: Job) -> str:
+    """The command as a reader would type it."""
+    words = ["hicache-async", "bench", job.kind, *job.args, "--json", f"{job.key}.json"]
+    return shlex.join(words)
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    kept = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])
+
+
+def run_job(job: Job, out_dir: Path, timeout_s: float) -> JobResult:
+    """Run one benchmark in its own process; never raises for the benchmark's failures."""
+    result = JobResult(
+        key=job.key, title=job.title, kind=job.kind, command=_shown(job), status="ok"
+    )
+    if job.skipped:
+        result.status, result.detail = "skipped", job.skipped
+        return result
+    module = BENCHMARKS.get(job.kind)
+    try:
+        found = module is not None and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        result.status = "missing"
+        result.detail = f"the module of `{job.kind}` ({module or 'unregistered'}) is not installed"
+        return result
+    json_path = out_dir / f"{job.key}.json"
+    with contextlib.suppress(FileNotFoundError):
+        json_path.unlink()
+    began = time.perf_counter()
+    try:
+        done = subprocess.run(
+            [*_command(job, json_path), *job.args],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        result.status, result.detail = "failed", f"did not finish within {timeout_s:.0f} s"
+        result.seconds = time.perf_counter() - began
+        return result
+    result.seconds = time.perf_counter() - began
+    (out_dir / f"{job.key}.log").write_text(done.stdout + done.stderr, encoding="utf-8")
+    if done.returncode != 0 or not json_path.exists():
+        result.status = "failed"
+        result.detail = f"exit status {done.returncode}: {_tail(done.stderr or done.stdout)}"
+        return result
+    result.json = json_path.name
+    return result
+
+
+def _read_records(path: Path) -> list[Record]:
+    return msgspec.json.decode(path.read_bytes(), type=list[Record])
+
+
+# The machine.
+
+
+def _meminfo_gib() -> float | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        return None
+    return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(module: str) -> str:
+    try:
+        return str(importlib.import_module(module).__version__)
+    except Exception:
+        return "not installed"
+
+
+def _git_commit() -> str:
+    git = shutil.which("git")
+    if git is None:
+        return "unknown"
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            [git, "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [git, "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{head} (with uncommitted changes)" if dirty else head
+
+
+def machine() -> dict[str, str]:
+    """A description of this machine and software, for the page."""
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    memory = _meminfo_gib()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _cpu_model(),
+        "nproc": str(affinity or os.cpu_count()),
+        "memory": f"{memory:.1f} GiB" if memory is not None else "unknown",
+        "load average at start": " ".join(f"{x:.2f}" for x in load) if load else "unknown",
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "numpy": _version("numpy"),
+        "uvloop": _version("uvloop"),
+        "commit": _git_commit(),
+    }
+
+
+# The page.
+
+
+def _cell(value: float | None, ratio: bool = False) -> str:
+    if value is None:
+        return "–"
+    if ratio:
+        return f"{value:.3f}"
+    return f"{value:.4g}"
+
+
+def _table(records: Sequence[Record]) -> list[str]:
+    lines = ["| record | value | unit | baseline | ratio |", "|---|---:|---|---:|---:|"]
+    for r in records:
+        lines.append(
+            f"| `{r.name}` | {_cell(r.value)} | {r.unit} | {_cell(r.baseline)} "
+            f"| {_cell(r.ratio, ratio=True)} |"
+        )
+    return lines
+
+
+def _compare(value: float, op: str, threshold: float) -> bool:
+    return value >= threshold if op == ">=" else value < threshold
+
+
+def _targets(loaded: dict[str, list[Record]]) -> list[str]:
+    records = [r for rs in loaded.values() for r in rs]
+    lines = [
+        "| target | records | met | worst |",
+        "|---|---:|---:|---|",
+    ]
+    for title, needle, field, op, threshold in _TARGETS:
+        chosen = [r for r in records if needle in r.name and _applies(title, r)]
+        values = [(getattr(r, field), r) for r in chosen if getattr(r, field) is not None]
+        if not values:
+            lines.append(f"| {title} | 0 | – | no records in this run |")
+            continue
+        met = sum(_compare(v, op, threshold) for v, _ in values)
+        worst_value, worst = (min if op == ">=" else max)(values, key=lambda item: item[0])
+        lines.append(
+            f"| {title} | {len(values)} | {met} | `{worst.name}`: "
+            f"{worst_value:.3g}{' µs' if field == 'value' else '×'} |"
+        )
+    return lines
+
+
+def _applies(title: str, record: Record) -> bool:
+    """Narrow the substring match of a target to the records it is about."""
+    name = record.name
+    if title.startswith("storage put"):
+        return name.startswith("storage.")
+    if title.startswith("storage get"):
+        return name.startswith("storage.") and "_gbps" in name and "put" not in name
+    if title.startswith("exists"):
+        return name.endswith("exists64_us")
+    return True
+
+
+def render(results: Sequence[JobResult], out_dir: Path, info: dict[str, str], quick: bool) -> str:
+    """The whole page: preface, machine, targets, then one section per benchmark."""
+    loaded: dict[str, list[Record]] = {}
+    problems: dict[str, str] = {}
+    for result in results:
+        if result.json is None:
+            continue
+        try:
+            loaded[result.key] = _read_records(out_dir / result.json)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            problems[result.key] = f"its JSON could not be read: {exc}"
+    lines = [PREFACE.rstrip(), "", "## This run", ""]
+    if quick:
+        lines += ["*A `--quick` run: sizes are cut down and figures are rough.*", ""]
+    lines += [f"- **{key}**: {value}" for key, value in info.items()]
+    lines += ["", "### Targets", "", *_targets(loaded), ""]
+    for result in results:
+        lines += [f"## {result.title}", ""]
+        describe = _describe(result.kind)
+        if describe:
+            lines += [f"{describe[0].upper()}{describe[1:]}.", ""]
+        lines += ["```", result.command, "```", ""]
+        if result.key in loaded:
+            lines += [f"Took {result.seconds:.0f} s.", "", *_table(loaded[result.key]), ""]
+        elif result.key in problems:
+            lines += [f"**Not shown:** {problems[result.key]}", ""]
+        elif result.status == "skipped":
+            lines += [f"**Skipped:** {result.detail}", ""]
+        elif result.status == "missing":
+            lines += [f"**Not run:** {result.detail}.", ""]
+        else:
+            detail = result.detail.replace("\n", " ⏎ ")
+            lines += [f"**Failed** after {result.seconds:.0f} s: {detail}", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _describe(kind: str) -> str:
+    module = BENCHMARKS.get(kind)
+    if module is None:
+        return ""
+    try:
+        return str(importlib.import_module(module).describe)
+    except Exception:
+        return ""
+
+
+@contextlib.contextmanager
+def _redis() -> Iterator[tuple[str | None, str | None]]:
+    """(url, None) with a private redis-server running, or (None, why not)."""
+    if shutil.which("redis-server") is None:
+        yield None, "redis-server is not on PATH"
+        return
+    try:
+        from ..testing._servers import RedisServer
+
+        server = RedisServer().start()
+    except Exception as exc:
+        yield None, f"redis-server did not start: {exc}"
+        return
+    try:
+        yield server.url, None
+    finally:
+        server.stop()
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m hicache_async.bench.report",
+        description="Run every benchmark and regenerate docs/benchmarks.md from their JSON.",
+    )
+    parser.add_argument(
+        "--out-dir", default="bench-results", help="where JSON and logs go (default bench-results)"
+    )
+    parser.add_argument(
+        "--docs",
+        default=None,
+        help="the page to write (default docs/benchmarks.md; with --quick, OUT_DIR/benchmarks.md)",
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument(
+        "--only", default=None, help="comma-separated job keys to run (others are left out)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds per benchmark (default 1800)"
+    )
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rebuild the page from the JSON already in OUT_DIR without running anything",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmarks (or reuse their JSON) and write the page."""
+    args = _parse(argv)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    docs = Path(args.docs) if args.docs else (
+        out_dir / "benchmarks.md" if args.quick else Path("docs") / "benchmarks.md"
+    )
+    manifest = out_dir / "report.json"
+    if args.render_only:
+        data = msgspec.json.decode(manifest.read_bytes())
+        results = msgspec.convert(data["results"], list[JobResult])
+        info, quick = data["machine"], data["quick"]
+    else:
+        info, quick = machine(), args.quick
+        with _redis() as (redis_url, redis_skip):
+            planned = jobs(quick=quick, redis_url=redis_url, redis_skip=redis_skip)
+            if args.only:
+                wanted = {k.strip() for k in args.only.split(",")}
+                planned = [job for job in planned if job.key in wanted]
+            results = []
+            for job in planned:
+                print(f"[report] {job.key}: {_shown(job)}", file=sys.stderr, flush=True)
+                result = run_job(job, out_dir, args.timeout)
+                print(
+                    f"[report] {job.key}: {result.status} in {result.seconds:.0f} s "
+                    f"{result.detail}".rstrip(),
+                    file=sys.stderr,
+                    flush=True,
+                )
+                results.append(result)
+        payload = {"machine": info, "quick": quick, "results": results}
+        manifest.write_bytes(msgspec.json.format(msgspec.json.encode(payload)) + b"\n")
+    docs.parent.mkdir(parents=True, exist_ok=True)
+    docs.write_text(render(results, out_dir, info, quick), encoding="utf-8")
+    print(f"[report] wrote {docs}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""`hicache-async manifest show|compact URL`: inspect or compact a store's warmup manifest."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+import msgspec
+
+from .._errors import StorageConfigError
+from ..storage import open_storage
+from ..storage._manifest import SupportsManifest
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["show", "compact"])
+    parser.add_argument("url", help="storage URL, e.g. file:///path or redis://127.0.0.1:6379/0")
+    parser.add_argument("--namespace", help="only entries of this namespace fingerprint (hex)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+
+
+async def _run(args: argparse.Namespace) -> object:
+    backend = open_storage(args.url)
+    async with backend:
+        if not isinstance(backend, SupportsManifest):
+            raise StorageConfigError(f"{backend.name} keeps no warmup manifest")
+        manifest = backend.manifest()
+        if args.action == "compact":
+            return await manifest.compact()
+        return await manifest.read(namespace=args.namespace)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = asyncio.run(_run(args))
+    except (StorageConfigError, ValueError) as exc:
+        print(f"hicache-async manifest: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
+        return 0
+    data = msgspec.to_builtins(result)
+    if args.action == "compact":
+        for key, value in data.items():
+            print(f"{key}: {value}")
+        return 0
+    print(
+        f"{len(data['entries'])} entries ({data['malformed']} malformed, "
+        f"{data['oversized']} oversized skipped{', truncated' if data['truncated'] else ''})"
+    )
+    for entry in data["entries"]:
+        print(
+            f"  {entry['keys'][-1][:16]}…  pages={len(entry['keys'])} tokens={entry['num_tokens']} "
+            f"priority={entry['priority']} last_use={entry['last_use']:.0f}"
+        )
+    return 0

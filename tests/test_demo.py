@@ -1,0 +1,291 @@
+"""The demo: its model's paged attention, the trace subset and bound, and small end-to-end runs."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pytest
+import torch
+
+from hicache_async._pool import KVPool
+from hicache_async._trace import TraceRequest, request_tokens
+from hicache_async.cli import main
+from hicache_async.demo import (
+    ContiguousKV,
+    DemoOptions,
+    ModelConfig,
+    PagedKV,
+    Prefill,
+    Progress,
+    TinyTransformer,
+    _model,
+    reuse_upper_bound,
+    run_demo,
+    select_requests,
+)
+
+# Small enough to keep the end-to-end runs quick; the vocabulary must cover the trace's ids.
+SMALL = ModelConfig(d_model=64, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=32, mlp_dim=128)
+
+
+def _prefill(
+    model: TinyTransformer, tokens: np.ndarray, start: int, pool: KVPool, table: list[int]
+) -> torch.Tensor:
+    prefill = Prefill(model, tokens, start, PagedKV(pool, table, start, len(tokens)))
+    for layer in range(model.config.num_layers):
+        prefill.run_layer(layer)
+    return prefill.logits()
+
+
+@pytest.fixture(params=["flash-merge", "masked"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the model attends over a cached prefix: merged flash passes and one masked
+    pass (what runs where the CPU flash kernel is missing)."""
+    if request.param == "masked":
+        monkeypatch.setattr(_model, "_FLASH_CPU", None)
+    elif _model._FLASH_CPU is None:
+        pytest.skip("this torch has no CPU flash kernel")
+    return str(request.param)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "kv_dtype"),
+    [(4, "float32"), (2, "float32"), (4, "bfloat16")],
+    ids=["mha", "gqa", "mha-bf16"],
+)
+def test_paged_attention_over_cached_prefix_equals_recompute(
+    attention_path: str, kv_heads: int, kv_dtype: Literal["float32", "bfloat16"]
+) -> None:
+    config = ModelConfig(
+        vocab_size=1000,
+        d_model=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=kv_heads,
+        head_dim=16,
+        kv_dtype=kv_dtype,
+    )
+    model = TinyTransformer(config, seed=3)
+    tokens = np.random.default_rng(0).integers(0, 1000, size=301)
+    expected = model.prefill_logits(tokens)
+
+    page = 16
+    pool = KVPool(config.kv_layout(), page, 40)
+    # Scattered, out-of-order pages, and cut points off page boundaries.
+    table = [int(p) for p in np.random.default_rng(1).permutation(40)[:19]]
+    _prefill(model, tokens[:100], 0, pool, table)
+    _prefill(model, tokens[:250], 100, pool, table)
+    got = _prefill(model, tokens, 250, pool, table)
+
+    assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
+    assert int(got.argmax()) == int(expected.argmax())
+
+    # The pool holds the same K/V as a contiguous recompute, slot by slot (up to a rounding
+    # step of the storage dtype, where the two passes' float32 values differ in the last bit).
+    slot_tolerance = 1e-5 if kv_dtype == "float32" else 1e-2
+    kv = ContiguousKV(config.num_layers, config.kv_torch_dtype)
+    prefill = Prefill(model, tokens, 0, kv)
+    for layer in range(config.num_layers):
+        prefill.run_layer(layer)
+    positions = np.arange(len(tokens))
+    slots = torch.as_tensor(np.asarray(table)[positions // page] * page + positions % page)
+    for layer in range(config.num_layers):
+        pool_k, pool_v = pool.layer_buffers(layer)
+        ref_k, ref_v = kv.read(layer)
+        assert pool_k.dtype == ref_k.dtype == config.kv_torch_dtype
+        assert torch.allclose(pool_k[slots].float(), ref_k.float(), atol=slot_tolerance)
+        assert torch.allclose(pool_v[slots].float(), ref_v.float(), atol=slot_tolerance)
+
+
+def test_suffix_pass_reads_the_prefix_from_the_pool() -> None:
+    config = ModelConfig(
+        vocab_size=500, d_model=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16
+    )
+    model = TinyTransformer(config, seed=0)
+    tokens = np.random.default_rng(2).integers(0, 500, size=64)
+    pool = KVPool(config.kv_layout(), 8, 8)
+    table = list(range(8))
+    _prefill(model, tokens[:48], 0, pool, table)
+    clean = _prefill(model, tokens, 48, pool, table)
+    pool.layer_buffers(1)[1][8:16].add_(1.0)  # the V of page 1 (tokens 8..15), layer 1
+    assert not torch.allclose(_prefill(model, tokens, 48, pool, table), clean, atol=1e-3)
+
+
+def test_model_is_deterministic_per_seed() -> None:
+    config = ModelConfig(
+        vocab_size=300, d_model=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16
+    )
+    tokens = np.arange(40) % 300
+    a = TinyTransformer(config, seed=7).prefill_logits(tokens)
+    b = TinyTransformer(config, seed=7).prefill_logits(tokens)
+    c = TinyTransformer(config, seed=8).prefill_logits(tokens)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    assert TinyTransformer(config, seed=7).model_id != TinyTransformer(config, seed=8).model_id
+
+
+def _req(timestamp: int, length: int, blocks: list[int]) -> TraceRequest:
+    return TraceRequest(timestamp=timestamp, input_length=length, output_length=1, hash_ids=blocks)
+
+
+def test_reuse_upper_bound_counts_blocks_seen_at_the_same_position() -> None:
+    requests = [
+        _req(0, 1300, [1, 2, 3]),  # nothing before it
+        _req(1, 1800, [1, 2, 3, 4]),  # 512 + 512 + the 276 tokens block 3 had before
+        _req(2, 700, [1, 5]),  # block 1 only
+        _req(3, 1100, [9, 2, 3]),  # same ids, different prefix: nothing
+        _req(4, 1536, [1, 2, 3]),  # block 3 was seen whole (512) in request 1
+    ]
+    assert reuse_upper_bound(requests) == 1300 + 512 + 0 + 1536
+
+
+def test_select_requests_picks_multi_turn_prompts_that_fit() -> None:
+    from hicache_async._trace import load_trace
+
+    trace = load_trace()
+    chosen = select_requests(trace, 40, 4096)
+    assert len(chosen) == 40
+    assert all(r.input_length <= 4096 and len(r.hash_ids) >= 2 for r in chosen)
+    assert [r.timestamp for r in chosen] == sorted(r.timestamp for r in chosen)
+    # Conversations beyond the shared first block make the bound well above block 0 alone.
+    assert reuse_upper_bound(chosen) > 0.3 * sum(r.input_length for r in chosen)
+
+
+# Prompt A, B extending A, then A and B again: every repeat has something to reuse.
+_CONVERSATION = [
+    _req(0, 1400, [900_001, 900_002, 900_003]),
+    _req(1000, 1900, [900_001, 900_002, 900_003, 900_004]),
+    _req(2000, 1400, [900_001, 900_002, 900_003]),
+    _req(3000, 1900, [900_001, 900_002, 900_003, 900_004]),
+]
+
+
+def _options(storage: str, **overrides: object) -> DemoOptions:
+    base: dict[str, object] = {
+        "storage": storage,
+        "device_pages": 256,
+        "host_pages": 512,
+        "page_size": 16,
+        "max_prompt_tokens": 2048,
+        # One at a time: every repeat starts after the prompt it repeats was committed.
+        "concurrency": 1,
+        "time_compression": 100.0,
+        "progress": False,
+        "prefetch_policy": "wait_complete",
+    }
+    base.update(overrides)
+    return DemoOptions(**base)  # type: ignore[arg-type]
+
+
+def test_small_demo_run_is_consistent() -> None:
+    summary = run_demo(_options("memory://"), requests=_CONVERSATION, model_config=SMALL)
+
+    prompt = sum(len(request_tokens(r)) for r in _CONVERSATION)
+    t = summary.tokens
+    assert summary.requests == 4
+    assert summary.prompt_tokens == prompt
+    assert t.device + t.host + t.storage + t.computed == prompt
+    served = prompt - t.computed
+    assert served > 0
+    # Within one run nothing can be served that was not computed earlier in it.
+    assert served <= summary.upper_bound_tokens
+    # Every request computes at least its last token, and the first computes everything.
+    assert t.computed >= 1400 + 3
+    assert summary.check.compared == 4
+    assert summary.check.max_abs_diff < 1e-3
+    assert summary.check.argmax_agreement == 1.0
+    assert summary.bytes.device_to_host > 0  # write_through backs every commit up
+    assert summary.ttft_baseline.p50_s > 0
+    assert summary.ttft_hicache.p50_s > 0
+
+
+def test_file_storage_serves_a_restarted_cache(tmp_path: Path) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    first = run_demo(_options(url), requests=_CONVERSATION[:2], model_config=SMALL)
+    assert first.storage_pages_at_start == 0
+    assert first.bytes.storage_written > 0
+
+    # One request, so one prefetch: a fresh cache with empty pools can only have its pages
+    # from storage (all 87 whole pages; the 88th token page is a partial tail).
+    again = run_demo(
+        _options(url, keep_storage=True), requests=_CONVERSATION[:1], model_config=SMALL
+    )
+    assert again.storage_pages_at_start > 0
+    assert again.tokens.storage == 1392
+    assert again.tokens.computed == 8
+    assert again.bytes.storage_read > 0
+    assert again.check.max_abs_diff < 1e-3
+    assert again.check.argmax_agreement == 1.0
+
+    # Without keep_storage the demo's pages are dropped first: a cold start again.
+    cold = run_demo(_options(url), requests=_CONVERSATION[:1], model_config=SMALL)
+    assert cold.tokens.storage == 0
+    assert cold.tokens.computed == 1400
+
+
+def test_options_refuse_a_device_pool_too_small_for_the_concurrency() -> None:
+    with pytest.raises(ValueError, match="device pages"):
+        DemoOptions(concurrency=4, max_prompt_tokens=4096, page_size=64, device_pages=200)
+
+
+def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "demo",
+            "--json",
+            "--storage",
+            "none",
+            "--requests",
+            "3",
+            "--max-prompt-tokens",
+            "1024",
+            "--device-pages",
+            "64",
+            "--host-pages",
+            "64",
+            "--time-compression",
+            "10000",
+        ]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 3
+    assert summary["storage"] is None
+    tokens = summary["tokens"]
+    assert sum(tokens.values()) == summary["prompt_tokens"]
+    assert tokens["storage"] == 0
+    assert summary["check"]["argmax_agreement"] == 1.0
+
+
+def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--device-pages", "10"]) == 2
+    assert "device pages" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_on_a_terminal_only() -> None:
+    terminal = _Terminal()
+    bar = Progress({"baseline": 4, "hicache": 4}, stream=terminal)
+    bar.advance("baseline", 2)
+    bar.advance("hicache")
+    bar.advance("hicache", 10)  # clamped to the lane's total
+    bar.close()
+    text = terminal.getvalue()
+    assert "\r[" in text
+    assert "baseline 2/4  hicache 4/4" in text
+    assert bar.done("hicache") == 4
+    assert text.endswith("\n")
+
+    pipe = io.StringIO()
+    bar = Progress({"baseline": 4}, stream=pipe)
+    bar.advance("baseline")
+    bar.close()
+    assert pipe.getvalue() == ""

@@ -1,0 +1,111 @@
+"""Tensor-parallel ranks agree on warmup entries and prefetch hits; no scenario can hang."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+from typing import Any
+
+import _tp_worker as worker
+import pytest
+
+SCENARIOS = ["same", "different", "failing", "slow", "prefetch"]
+DEADLINE_S = 240.0
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
+def world(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    size = request.param
+    base = tmp_path_factory.mktemp(f"tp{size}")
+    ports = dict(zip(SCENARIOS, _free_ports(len(SCENARIOS)), strict=True))
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    procs = [
+        ctx.Process(target=worker.main, args=(rank, size, ports, str(base), results))
+        for rank in range(size)
+    ]
+    reports: dict[tuple[int, str], Any] = {}
+    expected = {(rank, name) for rank in range(size) for name in SCENARIOS}
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        for proc in procs:
+            proc.start()
+        while expected and time.monotonic() < deadline:
+            try:
+                rank, name, status, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs):
+                    break
+                continue
+            assert status == "ok", f"rank {rank} {name}:\n{payload}"
+            reports[(rank, name)] = payload
+            expected.discard((rank, name))
+        for proc in procs:
+            proc.join(20)
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+    assert not expected, f"ranks hung or died; missing {sorted(expected)}"
+    return {"size": size, "reports": reports}
+
+
+def _per_rank(world: dict[str, Any], name: str) -> list[Any]:
+    return [world["reports"][(rank, name)] for rank in range(world["size"])]
+
+
+def test_same_manifests_load_everything_identically(world: dict[str, Any]) -> None:
+    reports = _per_rank(world, "same")
+    assert all(r["entries_agreed"] == worker.PROMPTS for r in reports)
+    shapes = [r["shape"] for r in reports]
+    assert all(s == shapes[0] for s in shapes)
+    assert shapes[0]["host_pages"] > 0
+    assert len({r["collectives"] for r in reports}) == 1
+
+
+def test_different_manifests_agree_on_the_common_entries(world: dict[str, Any]) -> None:
+    size = world["size"]
+    common = set.intersection(*(set(worker.held_by(r, "different")) for r in range(size)))
+    reports = _per_rank(world, "different")
+    assert all(r["entries_agreed"] == len(common) for r in reports)
+    shapes = [r["shape"] for r in reports]
+    assert all(s == shapes[0] for s in shapes)
+    for index, (_, host) in enumerate(shapes[0]["prompts"]):
+        assert (host > 0) == (index in common)
+
+
+def test_a_rank_whose_storage_fails_leaves_every_rank_equal(world: dict[str, Any]) -> None:
+    reports = _per_rank(world, "failing")
+    shapes = [r["shape"] for r in reports]
+    assert all(s == shapes[0] for s in shapes)
+    assert shapes[0]["host_pages"] == 0  # rank 1 has nothing, so nobody keeps anything
+    assert len({r["collectives"] for r in reports}) == 1
+
+
+def test_a_slow_rank_is_waited_for(world: dict[str, Any]) -> None:
+    reports = _per_rank(world, "slow")
+    shapes = [r["shape"] for r in reports]
+    assert all(s == shapes[0] for s in shapes)
+    assert shapes[0]["host_pages"] > 0
+
+
+def test_prefetch_hits_are_the_minimum_over_ranks(world: dict[str, Any]) -> None:
+    reports = _per_rank(world, "prefetch")
+    assert reports[0]["local"] > 0  # only rank 0 had the pages
+    assert all(r["agreed"] == 0 for r in reports)
+    assert all(r["used"] == 0 for r in reports)

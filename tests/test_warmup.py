@@ -1,0 +1,220 @@
+"""Warmup from a shared store's manifest into a cold host pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async.storage import FileStorage
+from hicache_async.storage._manifest import (
+    FileManifest,
+    ManifestLimits,
+    chain_entry,
+    decode_entry,
+)
+from hicache_async.testing import KVGenerator, serve
+from hicache_async.workers import WarmupStatus
+
+PAGE = 4
+
+
+def _config(**overrides: object) -> CacheConfig:
+    base: dict[str, object] = {
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
+        "page_size": PAGE,
+        "device_pages": 64,
+        "host_pages": 256,
+        "model_id": "warmup-test",
+        "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE},
+        "backup": {"retry_backoff_s": 0.001},
+    }
+    base.update(overrides)
+    return CacheConfig.from_dict(base)
+
+
+def _prompts(count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(0, 50_000, size=int(rng.integers(3 * PAGE, 12 * PAGE))) for _ in range(count)
+    ]
+
+
+async def _fill(root: Path, prompts: list[np.ndarray], *, pinned: int | None = None) -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    async with HiCache(config, storage=FileStorage(root)) as cache:
+        for i, prompt in enumerate(prompts):
+            with cache.request(prompt, priority=10 if i == pinned else 0) as req:
+                await req.load()
+                pages = await req.allocate(len(prompt) - req.cached_tokens)
+                first = req.cached_tokens // PAGE
+                for offset, page in enumerate(pages[: len(prompt) // PAGE - first]):
+                    generator.fill_page(cache.device_pool, page, prompt, first + offset)
+                req.commit()
+        await cache.drain()
+
+
+async def test_cold_instance_warms_up_and_serves_from_host(tmp_path: Path) -> None:
+    prompts = _prompts(12, seed=1)
+    await _fill(tmp_path, prompts)
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=1.0)
+        assert result.status is WarmupStatus.COMPLETE
+        assert result.entries_read >= len(prompts)
+        assert result.pages_loaded == sum(len(p) // PAGE for p in prompts)
+        for prompt in prompts:
+            served = await serve(cache, prompt, generator, prefetch=False, check="all")
+            assert served.host_tokens == len(prompt) // PAGE * PAGE
+        await cache.drain()
+        for node in cache.tree.iter_nodes():
+            assert node.lock_ref == 0
+            assert node.host_ref == 0
+
+
+async def test_budget_takes_pinned_prefixes_first_and_keeps_priority(tmp_path: Path) -> None:
+    prompts = _prompts(12, seed=2)
+    await _fill(tmp_path, prompts, pinned=3)
+    config = _config()
+    pinned_pages = len(prompts[3]) // PAGE
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        ratio = pinned_pages / config.resolved_host_pages
+        result = await cache.warmup(ratio=ratio)
+        assert result.status is WarmupStatus.BUDGET
+        assert result.entries_loaded == 1
+        info = cache.match(prompts[3])
+        assert info.host_tokens == pinned_pages * PAGE
+        assert all(node.priority == 10 for node in cache.tree.iter_nodes())
+
+
+async def test_warmup_without_storage_or_manifest() -> None:
+    async with HiCache(_config()) as cache:
+        assert (await cache.warmup()).status is WarmupStatus.NO_STORAGE
+
+
+async def test_warmup_stops_on_detach_and_on_cancel(tmp_path: Path) -> None:
+    prompts = _prompts(30, seed=3)
+    await _fill(tmp_path, prompts)
+    async with HiCache(_config(), storage=FileStorage(tmp_path)) as cache:
+        task = asyncio.create_task(cache.warmup(ratio=1.0))
+        await asyncio.sleep(0)
+        await cache.detach_storage()
+        result = await task
+        assert result.status in (WarmupStatus.STOPPED, WarmupStatus.COMPLETE)
+        await cache.attach_storage(f"file://{tmp_path}")
+        task = asyncio.create_task(cache.warmup(ratio=1.0))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await cache.drain()
+        for node in cache.tree.iter_nodes():
+            assert node.lock_ref == 0
+            assert node.host_ref == 0
+        cache.tree.check_invariants()
+
+
+async def test_manifest_is_bounded_validated_and_compacted(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.jsonl"
+    limits = ManifestLimits(max_entries=5, max_entry_bytes=4096, max_bytes=1 << 20)
+    manifest = FileManifest(path, limits)
+    namespace = bytes(range(16))
+    entries = [
+        chain_entry(namespace, [bytes([i, j]) * 16 for j in range(3)], 3 * PAGE, i % 3, float(i))
+        for i in range(20)
+    ]
+    await manifest.append(entries)
+    with path.open("ab") as f:
+        f.write(b"not json\n")
+        f.write(b'{"namespace": "zz", "keys": [], "num_tokens": -1}\n')
+        f.write(b"x" * 10_000 + b"\n")
+        f.write(
+            json.dumps(
+                {"namespace": "00" * 16, "keys": ["ab" * 32], "num_tokens": 4, "v": 99}
+            ).encode()
+            + b"\n"
+        )
+    read = await manifest.read(namespace=namespace.hex())
+    assert len(read.entries) == 5
+    assert read.malformed == 3
+    assert read.oversized == 1
+    assert [e.priority for e in read.entries] == sorted(
+        (e.priority for e in read.entries), reverse=True
+    )
+    report = await manifest.compact()
+    assert report.entries_after == 5
+    assert report.bytes_after < report.bytes_before
+    assert all(decode_entry(line) is not None for line in path.read_bytes().splitlines())
+    # A later record for the same chain replaces the earlier one.
+    newer = chain_entry(namespace, [bytes.fromhex(k) for k in read.entries[0].keys], 12, 9, 1e6)
+    await manifest.append([newer])
+    again = await manifest.read(namespace=namespace.hex())
+    assert again.entries[0].priority == 9
+    assert len([e for e in again.entries if e.chain_id == newer.chain_id]) == 1
+
+
+async def test_enormous_manifest_costs_bounded_memory(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.jsonl"
+    with path.open("wb") as f:
+        for _ in range(64):
+            f.write(b"y" * (1 << 20))  # one endless 64 MiB line
+    manifest = FileManifest(path, ManifestLimits(max_bytes=8 << 20))
+    read = await manifest.read()
+    assert read.truncated
+    assert read.entries == []
+
+
+def test_manifest_cli_show_and_compact(tmp_path: Path) -> None:
+    asyncio.run(_fill(tmp_path, _prompts(4, seed=4)))
+    show = subprocess.run(
+        [sys.executable, "-m", "hicache_async", "manifest", "show", f"file://{tmp_path}", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    shown = json.loads(show.stdout)
+    assert len(shown["entries"]) >= 4
+    compact = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hicache_async",
+            "manifest",
+            "compact",
+            f"file://{tmp_path}",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(compact.stdout)["entries_after"] == len(shown["entries"])
+    bad = subprocess.run(
+        [sys.executable, "-m", "hicache_async", "manifest", "show", "nope://x"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "nope" in bad.stderr
+
+
+@pytest.mark.parametrize("enabled", [True])
+async def test_warmup_on_attach_when_configured(tmp_path: Path, enabled: bool) -> None:
+    prompts = _prompts(6, seed=6)
+    await _fill(tmp_path, prompts)
+    config = _config(warmup={"enabled": enabled, "ratio": 1.0})
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        status = await cache.wait_warmup()
+        assert status is not None
+        assert status.pages_loaded == sum(len(p) // PAGE for p in prompts)
