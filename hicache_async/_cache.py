@@ -123,6 +123,8 @@ class HiCache:
         self._backing_up: set[int] = set()
         self._capacity_changed = asyncio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
         self._storage_arg = storage if storage is not None else config.storage
         self._mac_key = mac_key
         self._link: StorageLink | None = None
@@ -142,8 +144,11 @@ class HiCache:
             device, host = await anyio.to_thread.run_sync(make_pools, self.config)
             self._device_pool, self._host_pool = device, host
             self._engine = self._engine_arg or default_copy_engine(device.device)
-            self._task_group = anyio.create_task_group()
-            await self._task_group.__aenter__()
+            # The workers' task group lives in a supervisor task, so the cache may be left
+            # from another task than the one that entered it (async fixtures, lifespans).
+            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._supervisor = asyncio.create_task(self._supervise(started))
+            await started
         except BaseException:
             self._state = "closed"
             raise
@@ -179,13 +184,28 @@ class HiCache:
                 if self._engine is not None and self._engine_arg is None:
                     await self._engine.aclose()
         finally:
-            tg, self._task_group = self._task_group, None
             self._state = "closed"
-            if tg is not None:
-                # Workers are done or cancelled by now; the body's own exception propagates
-                # as it is rather than wrapped in an exception group.
+            self._stop.set()
+            supervisor, self._supervisor = self._supervisor, None
+            if supervisor is not None:
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait([supervisor])
+
+    async def _supervise(self, started: asyncio.Future[None]) -> None:
+        """Own the workers' task group from entry to exit; workers are cancelled at exit."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._task_group = tg
+                started.set_result(None)
+                await self._stop.wait()
                 tg.cancel_scope.cancel()
-                await tg.__aexit__(None, None, None)
+        except BaseException as exc:
+            if not started.done():
+                started.set_exception(exc)
+            else:
+                _log.error("hicache.workers.failed", error=repr(exc))
+        finally:
+            self._task_group = None
 
     # -- public API -------------------------------------------------------------------------
 

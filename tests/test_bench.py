@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 
 from hicache_async._trace import TraceRequest, load_trace, request_tokens
-from hicache_async.bench import Record, write_records
-from hicache_async.bench import orchestration, report, trace
+from hicache_async.bench import Record, orchestration, report, trace, write_records
 from hicache_async.bench._sim import (
     LLAMA3_8B_H100,
     NoCacheEngine,
@@ -41,7 +40,8 @@ def _by_name(records: list[Record]) -> dict[str, Record]:
 def _well_formed(records: list[Record]) -> None:
     assert records
     for r in records:
-        assert r.name and r.unit
+        assert r.name
+        assert r.unit
         assert math.isfinite(r.value), r
         # Paired throughputs take the median of per-pair ratios, not a ratio of medians.
         paired = r.name.endswith("prefetch_gbps")
@@ -141,7 +141,8 @@ def test_trace_records_are_consistent() -> None:
             else:
                 read = by[f"{prefix}.storage.read_pages"].value
                 written = by[f"{prefix}.storage.written_pages"].value
-                assert read >= 0 and written > 0
+                assert read >= 0
+                assert written > 0
                 assert by[f"{prefix}.prefetch.stuck"].value == 0
     # Unbounded storage serves at least what a 4x one does, which serves at least none.
     hit = {s: by[f"trace.host2x.storage-{s}.hit.total"].value for s in ("off", "4x", "unbounded")}
@@ -174,14 +175,17 @@ def test_orchestration_records_are_consistent(tmp_path: Path) -> None:
         for mode in ("sequential", "concurrent"):
             rate = by[f"{memory}.{mode}.pages_per_s"]
             cpu = by[f"{memory}.{mode}.loop_us_per_page"]
-            assert rate.value > 0 and rate.baseline is not None and rate.baseline > 0
-            assert cpu.value > 0 and cpu.baseline is not None
+            assert rate.value > 0
+            assert rate.baseline
+            assert cpu.value > 0
+            assert cpu.baseline
         assert by[f"{memory}.keys_us_per_page"].baseline is None
         for layout in ("page_first_direct", "layer_first"):
             gbps = by[f"orchestration.file.small.{layout}.{loop}.prefetch_gbps"]
             assert gbps.unit == "GB/s"
-            assert gbps.value > 0 and gbps.baseline is not None and gbps.baseline > 0
-            assert gbps.ratio is not None and gbps.ratio > 0
+            assert gbps.value > 0
+            assert gbps.baseline
+            assert gbps.ratio
     # The temporary store is gone.
     assert list(tmp_path.iterdir()) == []
 
@@ -217,7 +221,7 @@ def test_report_renders_missing_failed_and_skipped_jobs(tmp_path: Path) -> None:
     assert "**Not run:** absent." in page
     assert "**Failed** after 0 s: boom" in page
     assert "**Skipped:** no" in page
-    assert "| copy ≥ 0.9× tensor.copy_ | 1 | 1 |" in page
+    assert "| copy ≥ 0.9x tensor.copy_ | 1 | 1 |" in page
     assert "| exists of 64 keys < 0.1 ms (file) | 1 | 1 |" in page
 
 
@@ -240,9 +244,12 @@ def test_report_runs_a_benchmark_and_writes_the_page(tmp_path: Path) -> None:
     assert "`tree.match.ops_per_s`" in page
     assert (tmp_path / "tree.json").exists()
     # Rendering again from the JSON alone gives the same page.
-    assert report.main(
-        ["--out-dir", str(tmp_path), "--docs", str(tmp_path / "again.md"), "--render-only"]
-    ) == 0
+    assert (
+        report.main(
+            ["--out-dir", str(tmp_path), "--docs", str(tmp_path / "again.md"), "--render-only"]
+        )
+        == 0
+    )
     assert (tmp_path / "again.md").read_text(encoding="utf-8") == page
 
 

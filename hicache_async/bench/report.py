@@ -49,18 +49,18 @@ What each benchmark measures, and what it must reach:
   other paths are compared with).
 - **copy**: device ↔ host page copies through the CPU copy engine, for both host layouts and
   contiguous or scattered pages, against one plain `tensor.copy_` of as many bytes.
-  **Target: ≥ 0.9× the plain copy.**
+  **Target: ≥ 0.9x the plain copy.**
 - **storage**: `put`, `get` and `exists` of each backend against a raw baseline moving the same
   bytes (plain `os.pwritev`/`os.preadv` on one file per page for `file://`, page cache hot and
   cold; a dict of bytes for `memory://`; the redis-py client for `redis://`).
-  **Targets: get and put ≥ 0.9× raw; `exists` of 64 keys < 0.1 ms on files.**
+  **Targets: get and put ≥ 0.9x raw; `exists` of 64 keys < 0.1 ms on files.**
 - **orchestration**: the prefetch path (storage → host pool) end to end. With `memory://` and
   512-byte pages, its own cost: pages per second and loop-thread CPU µs per page, against the
   backend's bare `get` of the same pages into the same host pages. With `file://` and 8 MiB
   pages (Llama-3-8B, 64 tokens), GB/s of `HiCache.prefetch` against `FileStorage.get` of the
   same pages into the same host-pool buffers in the same batches, for host layouts
   `page_first_direct` (one segment per page) and `layer_first` (64 segments per page), under
-  the default asyncio loop and uvloop. **Target: prefetch ≥ 0.9× raw get.**
+  the default asyncio loop and uvloop. **Target: prefetch ≥ 0.9x raw get.**
 - **trace**: the whole packaged trace (12,031 requests of one hour of chat) through a real
   `HiCache` (tree, pools, copy engine, prefetch and backup workers, `memory://` storage) with
   tiny pages and simulated time, for several host and storage sizes. Hit rates are shares of
@@ -76,22 +76,22 @@ arrives, starts a storage prefetch (its pages' bytes over the storage read bandw
 storage channel, first come first served), waits for a free prefill slot and for its prefetch,
 loads its host pages (bytes over the host-to-device bandwidth), then computes its uncached
 tokens: `n * prefill_s_per_token + (n * p + n * (n + 1) / 2) * attention_s_per_pair` for `n` new
-tokens after `p` cached ones. TTFT = finish − arrival. Device-to-host and host-to-storage
+tokens after `p` cached ones. TTFT = finish - arrival. Device-to-host and host-to-storage
 backups are off the request path and complete before the next event; decode is not modelled.
 Bytes are those of the real model (the cache itself holds 2 bytes per token).
 
 The assumed profile, `llama3-8b-h100`, is derived rather than measured:
 
 - Llama-3-8B (Meta's model card): 8.03 B parameters, 32 layers, hidden size 4096, 8 KV heads of
-  dimension 128, bf16, so 2 × 32 × 8 × 128 × 2 B = 128 KiB of KV per token.
+  dimension 128, bf16, so 2 x 32 x 8 x 128 x 2 B = 128 KiB of KV per token.
 - One H100 SXM: 989 TFLOP/s dense bf16 (NVIDIA datasheet); prefill is assumed to reach 50% of
-  it. Linear layers: 2 × 8.03e9 FLOP per token → 32.5 µs per token (30.8k tokens/s); attention:
-  4 × 32 × 4096 FLOP per (query, key) pair → 1.06 ns per pair.
+  it. Linear layers: 2 x 8.03e9 FLOP per token → 32.5 µs per token (30.8k tokens/s); attention:
+  4 x 32 x 4096 FLOP per (query, key) pair → 1.06 ns per pair.
 - Device KV pool: 88% of 80 GB for weights and KV (SGLang's static share on an H100) minus
   16 GB of weights → 414,581 tokens.
 - Host → device: 50 GB/s (PCIe 5.0 x16, of its 64 GB/s). Storage → host: 6 GB/s (one PCIe 4.0
   NVMe SSD, ~7 GB/s sequential read, derated).
-- One prefill at a time (`--prefill-slots 1`), arrivals stretched 3× (`--time-scale 3`): the
+- One prefill at a time (`--prefill-slots 1`), arrivals stretched 3x (`--time-scale 3`): the
   trace asks for 40k prompt tokens per second, which one GPU cannot prefill (the production
   trace was served by a cluster). Stretching keeps the order, so hit rates change only through
   concurrency; without a cache the GPU is then about 68% busy.
@@ -99,11 +99,11 @@ The assumed profile, `llama3-8b-h100`, is derived rather than measured:
 
 #: Targets checked against the records; (title, name contains, field, comparison, threshold).
 _TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
-    ("copy ≥ 0.9× tensor.copy_", "copy ", "ratio", ">=", 0.9),
-    ("storage put ≥ 0.9× raw", "put_gbps", "ratio", ">=", 0.9),
-    ("storage get ≥ 0.9× raw", "get", "ratio", ">=", 0.9),
+    ("copy ≥ 0.9x tensor.copy_", "copy ", "ratio", ">=", 0.9),
+    ("storage put ≥ 0.9x raw", "put_gbps", "ratio", ">=", 0.9),
+    ("storage get ≥ 0.9x raw", "get", "ratio", ">=", 0.9),
     ("exists of 64 keys < 0.1 ms (file)", "storage.file.", "value", "<", 100.0),
-    ("prefetch ≥ 0.9× raw get", "prefetch_gbps", "ratio", ">=", 0.9),
+    ("prefetch ≥ 0.9x raw get", "prefetch_gbps", "ratio", ">=", 0.9),
 )
 
 
@@ -332,7 +332,7 @@ def machine() -> dict[str, str]:
 
 def _cell(value: float | None, ratio: bool = False) -> str:
     if value is None:
-        return "–"
+        return "-"
     if ratio:
         return f"{value:.3f}"
     return f"{value:.4g}"
@@ -362,13 +362,13 @@ def _targets(loaded: dict[str, list[Record]]) -> list[str]:
         chosen = [r for r in records if needle in r.name and _applies(title, r)]
         values = [(getattr(r, field), r) for r in chosen if getattr(r, field) is not None]
         if not values:
-            lines.append(f"| {title} | 0 | – | no records in this run |")
+            lines.append(f"| {title} | 0 | - | no records in this run |")
             continue
         met = sum(_compare(v, op, threshold) for v, _ in values)
         worst_value, worst = (min if op == ">=" else max)(values, key=lambda item: item[0])
         lines.append(
             f"| {title} | {len(values)} | {met} | `{worst.name}`: "
-            f"{worst_value:.3g}{' µs' if field == 'value' else '×'} |"
+            f"{worst_value:.3g}{' µs' if field == 'value' else 'x'} |"
         )
     return lines
 
@@ -483,8 +483,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    docs = Path(args.docs) if args.docs else (
-        out_dir / "benchmarks.md" if args.quick else Path("docs") / "benchmarks.md"
+    docs = (
+        Path(args.docs)
+        if args.docs
+        else (out_dir / "benchmarks.md" if args.quick else Path("docs") / "benchmarks.md")
     )
     manifest = out_dir / "report.json"
     if args.render_only:

@@ -475,8 +475,8 @@ async def _run(
         speedup_p99=_ratio(ttft_baseline.p99_s, ttft_cached.p99_s),
         compute_baseline_s=baseline_runner.busy_s,
         compute_hicache_s=cached_runner.busy_s,
-        phase_baseline_s=max((s.finished_s for s in baseline), default=0.0),
-        phase_hicache_s=max((s.finished_s for s in cached), default=0.0),
+        last_token_baseline_s=max((s.finished_s for s in baseline), default=0.0),
+        last_token_hicache_s=max((s.finished_s for s in cached), default=0.0),
         bytes=BytesMoved(
             host_to_device=counters["loaded_pages"] * page_nbytes,
             device_to_host=counters["host_backup_pages"] * page_nbytes,

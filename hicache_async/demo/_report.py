@@ -21,7 +21,7 @@ __all__ = [
 
 
 class TierTokenCounts(msgspec.Struct, frozen=True):
-    """Prompt tokens of the cached phase by where their KV came from; they add up to the
+    """Prompt tokens of the hicache server by where their KV came from; they add up to the
     prompt tokens."""
 
     device: int
@@ -39,7 +39,7 @@ class TTFTStats(msgspec.Struct, frozen=True):
 
 
 class BytesMoved(msgspec.Struct, frozen=True):
-    """KV bytes moved between tiers during the cached phase (and its final drain)."""
+    """KV bytes moved between tiers by the hicache server (its final drain included)."""
 
     host_to_device: int
     device_to_host: int
@@ -78,7 +78,7 @@ class DemoSummary(msgspec.Struct, frozen=True):
     write_policy: str
     prefetch_policy: str
     tokens: TierTokenCounts
-    #: share of prompt tokens not computed in the cached phase
+    #: share of prompt tokens the hicache server did not compute
     hit_rate: float
     #: prompt tokens any cache could have served (blocks whose prefix was seen earlier)
     upper_bound_tokens: int
@@ -95,8 +95,8 @@ class DemoSummary(msgspec.Struct, frozen=True):
     compute_baseline_s: float
     compute_hicache_s: float
     #: first arrival to each server's last first token
-    phase_baseline_s: float
-    phase_hicache_s: float
+    last_token_baseline_s: float
+    last_token_hicache_s: float
     bytes: BytesMoved
     device_evicted_pages: int
     host_evicted_pages: int
@@ -125,7 +125,7 @@ def format_summary(s: DemoSummary) -> str:
         f"cache: {s.device_pages} device + {s.host_pages} host pages of {s.page_size} tokens, "
         f"{s.write_policy}, prefetch {s.prefetch_policy}, storage {s.storage or 'none'}",
         "",
-        "tokens (hicache phase)",
+        "prompt tokens of the hicache server",
     ]
     for label, value in (
         ("device (L1)", s.tokens.device),
@@ -154,7 +154,7 @@ def format_summary(s: DemoSummary) -> str:
         f"  speedup          {s.speedup_p50:10.2f}x {s.speedup_p99:9.2f}x",
         f"  model busy {s.compute_baseline_s:.1f} s without cache, "
         f"{s.compute_hicache_s:.1f} s with it; last first token after "
-        f"{s.phase_baseline_s:.1f} s and {s.phase_hicache_s:.1f} s",
+        f"{s.last_token_baseline_s:.1f} s and {s.last_token_hicache_s:.1f} s",
         "",
         "KV bytes moved",
         f"  host -> device (loads)       {_size(s.bytes.host_to_device):>10}",

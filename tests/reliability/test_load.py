@@ -30,7 +30,8 @@ from hicache_async.testing import KVGenerator, ServedRequest, serve
 from . import Record, assert_drained, loops, percentile, scaled, settle
 
 HANDLERS = 1_000
-WAVES = scaled(3, 6)
+WAVES = scaled(4, 9)
+PROMPT_SETS = 3
 PAGE = 16
 TICK_S = 0.001
 # The overhead allowed beyond the pools: the interpreter's and torch's working memory, storage
@@ -42,15 +43,16 @@ PYTHON_HEAP_PER_HANDLER = 256 << 10
 
 def _config() -> CacheConfig:
     # Pages of 16 tokens x 4 layers x 2 heads x 32 wide, float16: 8 KiB. Room on the device
-    # for every handler's largest prompt (6 pages) at once, so none can run out of pages; the
-    # waves' prompts together are larger than the device, so eviction and backups happen.
-    device_pages = HANDLERS * 6 + 256
+    # for every handler's own pages (at most 4 beyond the shared system prompts) at once, so
+    # none can run out; three waves of prompts do not fit, so eviction and backups happen, and
+    # the host is smaller still, so evicted prefixes come back from storage too.
+    device_pages = HANDLERS * 4 + 256
     return CacheConfig.from_dict(
         {
             "layout": {"num_layers": 4, "num_kv_heads": 2, "head_dim": 32},
             "page_size": PAGE,
             "device_pages": device_pages,
-            "host_pages": device_pages,
+            "host_pages": HANDLERS * 2,
             "model_id": "load",
             "prefetch": {"policy": "timeout", "threshold_tokens": PAGE, "queue_size": 256},
             "backup": {"queue_size": 1024},
@@ -109,7 +111,7 @@ async def test_thousand_concurrent_handlers(tmp_path: Path, figures: Record) -> 
     config = _config()
     generator = KVGenerator(config.layout, PAGE, seed=3)
     pools = config.page_nbytes * (config.device_pages + config.resolved_host_pages)
-    sets = [_prompts(HANDLERS, seed) for seed in (1, 2)]
+    sets = [_prompts(HANDLERS, seed) for seed in range(1, PROMPT_SETS + 1)]
     root = tmp_path / "l3"
     root.mkdir(mode=0o700)
     gc.collect()
@@ -135,9 +137,9 @@ async def test_thousand_concurrent_handlers(tmp_path: Path, figures: Record) -> 
     async with HiCache(config, storage=f"file://{root}") as cache:
         tick = asyncio.create_task(ticker())
         for wave in range(WAVES):
-            # A, B, A, B...: the second set evicts the first, which then comes back from the
+            # A, B, C, A...: the third set evicts the first, which then comes back from the
             # host and storage tiers.
-            results = await _wave(cache, sets[wave % 2], generator, f"w{wave}.")
+            results = await _wave(cache, sets[wave % PROMPT_SETS], generator, f"w{wave}.")
             failures += [r for r in results if isinstance(r, BaseException)]
             served += [r for r in results if not isinstance(r, BaseException)]
         ticking = False
