@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ._memory import MemoryStorage
-from ._page import HEADER_NBYTES, PageCheck, PageHeader, decode_header, encode_header
+from ._page import (
+    HEADER_NBYTES,
+    PageCheck,
+    PageHeader,
+    decode_header,
+    encode_header,
+    read_value_into,
+)
 from ._protocol import (
     Outcome,
     PageBuffer,
@@ -53,6 +60,7 @@ __all__ = [
     "decode_header",
     "default_root",
     "encode_header",
+    "read_value_into",
     "open_storage",
     "storage_schemes",
 ]

@@ -119,7 +119,7 @@ def encode_header(
         raise ValueError(f"page keys are 32 bytes, got {len(meta.key)}")
     if len(meta.namespace) != 16:
         raise ValueError(f"namespace fingerprints are 16 bytes, got {len(meta.namespace)}")
-    nbytes = sum(len(s) for s in payload)
+    nbytes = sum(memoryview(s).nbytes for s in payload)
     digest = payload_checksum(payload) if checksum is None else checksum
     created = time.time_ns() if created_ns is None else created_ns
     flags = FLAG_MAC if mac_key else 0
@@ -218,11 +218,12 @@ def verify_payload(
 
 def scatter(source: bytes | memoryview, into: PageBuffer) -> None:
     """Copy `source` into the segments of `into` in order (lengths must add up)."""
-    view = memoryview(source)
+    view = memoryview(source).cast("B")
     offset = 0
     for segment in into:
-        end = offset + len(segment)
-        segment[:] = view[offset:end]
+        flat = segment if segment.format == "B" and segment.ndim == 1 else segment.cast("B")
+        end = offset + flat.nbytes
+        flat[:] = view[offset:end]
         offset = end
     if offset != len(view):
         raise ValueError(f"payload of {len(view)} bytes does not fill buffers of {offset}")
@@ -241,7 +242,7 @@ def read_value_into(
     For value stores (memory, Redis, Mooncake) that hand back a page as one buffer.
     """
     header = decode_header(value)
-    expected = sum(len(s) for s in into)
+    expected = sum(s.nbytes for s in into)
     check = check_header(header, key=key, namespace=namespace, payload_nbytes=expected)
     if check is not PageCheck.OK or isinstance(header, PageCheck):
         return check

@@ -35,7 +35,9 @@ from hicache_async import (
 from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, open_storage
 from hicache_async.testing import KVGenerator, serve
 
-from . import PAGE, Record, assert_drained, make_config, prompt_pool, settle
+from . import PAGE, Record, assert_drained, loops, make_config, prompt_pool, settle
+
+pytestmark = pytest.mark.asyncio(loop_factories=loops("asyncio"))
 
 LAYOUT = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4}
 
@@ -119,22 +121,32 @@ def test_malformed_toml_is_a_config_error(text: str) -> None:
         CacheConfig.from_toml(text)
 
 
-def test_config_files_that_are_not_configs(tmp_path: Path) -> None:
-    garbage = tmp_path / "garbage.toml"
-    garbage.write_bytes(os.urandom(256))
-    binary_json = tmp_path / "binary.json"
-    binary_json.write_bytes(b"\xff\xfe\x00garbage")
-    for source, needle in [
-        (garbage, "TOML"),
-        (binary_json, "cannot read"),
-        (tmp_path / "absent.toml", "cannot read"),
-        (tmp_path, "config file type"),
-        (tmp_path / "config.yaml", "config file type"),
-        (str(tmp_path / "config.ini"), "config file type"),
-    ]:
-        with pytest.raises(ConfigError) as info:
-            load_config(source)
-        assert needle in str(info.value), (source, info.value)
+@pytest.mark.parametrize(
+    ("name", "content", "needle"),
+    [
+        ("garbage.toml", b"\x00\x01 = \x02", "TOML"),
+        ("garbage.json", b"{'layout': }", "JSON"),
+        ("absent.toml", None, "cannot read"),
+        ("config.yaml", b"layout: {}", "config file type"),
+        ("config", b"", "config file type"),
+        ("directory.toml", "dir", "cannot read"),
+        # Not UTF-8: escapes as UnicodeDecodeError today.
+        ("binary.json", b"\xff\xfe\xb9garbage", "binary.json"),
+        ("binary.toml", b"device_pages = 8\n\xc3\x28", "binary.toml"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_config_files_that_are_not_configs(
+    tmp_path: Path, name: str, content: bytes | str | None, needle: str
+) -> None:
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert needle in str(info.value), info.value
 
 
 @pytest.mark.parametrize(
@@ -427,7 +439,8 @@ async def test_damaged_pages_are_counted_misses(
         victim = keys[5]
         value = await storage.read_raw(victim)
         assert value is not None
-        await storage.write_raw(victim, _damage(value, damage, stranger, rng))
+        damaged = _damage(value, damage, stranger, rng)
+        await storage.write_raw(victim, damaged)
         corrupt_before = storage.stats().corrupt
         async with HiCache(config, storage=_Borrowed(storage)) as reader:
             result = await serve(reader, prompt, generator, check="all")
@@ -437,8 +450,10 @@ async def test_damaged_pages_are_counted_misses(
             await settle(reader)
             assert_drained(reader)
         assert storage.stats().corrupt == corrupt_before + 1, "the damage was not counted"
-        assert await storage.read_raw(victim) is None, "the damaged page was not removed"
-        # The pages around it are untouched and still read.
+        # The damaged page was removed; the reader recomputed it and backed it up again.
+        stored = await storage.read_raw(victim)
+        assert stored is not None
+        assert stored[HEADER_NBYTES:] == value[HEADER_NBYTES:]
         assert await storage.read_raw(keys[4]) is not None
 
 

@@ -1,0 +1,252 @@
+"""Writing a storage backend plugin, and proving it with the shipped conformance suite.
+
+`SqliteStorage` keeps pages in one SQLite file. It reuses the page format (header, checksum,
+optional MAC) from `hicache_async.storage`, does each batch in one thread hand-off, and copies
+bytes into the caller's buffers only on the event loop, so cancelling a call is always safe.
+
+Run: python examples/storage_plugin.py   (runs the conformance suite, then serves a cache)
+A plugin is found by URL scheme through the entry-point group `hicache_async.storage`, e.g.
+in the plugin's pyproject.toml: [project.entry-points."hicache_async.storage"]
+sqlite = "storage_plugin:SqliteStorage.from_url"
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from urllib.parse import urlsplit
+
+import anyio
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from hicache_async import CacheConfig, HiCache, StorageError
+from hicache_async.storage import (
+    Outcome,
+    PageBuffer,
+    PageCheck,
+    PageMeta,
+    StorageCapabilities,
+    StorageStats,
+    encode_header,
+    read_value_into,
+)
+from hicache_async.testing import KVGenerator, serve
+from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+
+
+class SqliteStorage:
+    """Pages in a SQLite database: `sqlite:///path/to/pages.db`."""
+
+    def __init__(self, path: str | Path, *, mac_key: bytes | None = None) -> None:
+        self._path = str(path)
+        self._mac_key = mac_key
+        self._db: sqlite3.Connection | None = None
+        self._closed = False
+        self._counts = {"gets": 0, "hits": 0, "puts": 0, "ok": 0, "corrupt": 0}
+
+    @classmethod
+    def from_url(cls, url: str, *, mac_key: bytes | None = None) -> SqliteStorage:
+        return cls(urlsplit(url).path, mac_key=mac_key)
+
+    @property
+    def name(self) -> str:
+        return f"sqlite://{self._path}"
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return StorageCapabilities(
+            max_batch_pages=256, zero_copy=False, shared=False, persistent=True
+        )
+
+    async def __aenter__(self) -> SqliteStorage:
+        def connect() -> sqlite3.Connection:
+            db = sqlite3.connect(self._path, check_same_thread=False, isolation_level=None)
+            db.execute("CREATE TABLE IF NOT EXISTS pages (key BLOB PRIMARY KEY, value BLOB)")
+            return db
+
+        self._db = await anyio.to_thread.run_sync(connect)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._closed or self._db is None:
+            raise StorageError(f"{self.name} is closed")
+        return self._db
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        db = self._conn()
+
+        def count() -> int:
+            for n, key in enumerate(keys):
+                if db.execute("SELECT 1 FROM pages WHERE key = ?", (key,)).fetchone() is None:
+                    return n
+            return len(keys)
+
+        return await anyio.to_thread.run_sync(count)
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        if len(keys) != len(into):
+            raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
+        db = self._conn()
+
+        def fetch() -> list[bytes | None]:
+            rows = []
+            for key in keys:
+                row = db.execute("SELECT value FROM pages WHERE key = ?", (key,)).fetchone()
+                rows.append(None if row is None else bytes(row[0]))
+            return rows
+
+        values = await anyio.to_thread.run_sync(fetch)
+        outcomes: list[Outcome] = []
+        corrupt: list[bytes] = []
+        for key, value, target in zip(keys, values, into, strict=True):
+            self._counts["gets"] += 1
+            if value is None:
+                outcomes.append(Outcome.MISS)
+                continue
+            check = read_value_into(
+                value, key=key, namespace=namespace, into=target, mac_key=self._mac_key
+            )
+            if check is PageCheck.OK:
+                self._counts["hits"] += 1
+                outcomes.append(Outcome.OK)
+            elif check is PageCheck.UNSUPPORTED:
+                outcomes.append(Outcome.MISS)  # a newer writer's page: not ours to judge
+            else:
+                self._counts["corrupt"] += 1
+                corrupt.append(key)
+                outcomes.append(Outcome.CORRUPT)
+        if corrupt:
+            await self.delete(corrupt)
+        return outcomes
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        if not len(keys) == len(pages) == len(metas):
+            raise ValueError(f"{len(keys)} keys, {len(pages)} pages, {len(metas)} metas")
+        db = self._conn()
+        rows = [
+            (
+                key,
+                encode_header(meta, page, mac_key=self._mac_key)
+                + b"".join(p.cast("B") for p in page),
+            )
+            for key, page, meta in zip(keys, pages, metas, strict=True)
+        ]
+
+        def store() -> None:
+            with db:  # one transaction: the batch lands whole or not at all
+                db.executemany("INSERT OR IGNORE INTO pages (key, value) VALUES (?, ?)", rows)
+
+        await anyio.to_thread.run_sync(store)
+        self._counts["puts"] += len(keys)
+        self._counts["ok"] += len(keys)
+        return [Outcome.OK] * len(keys)
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        db = self._conn()
+
+        def remove() -> int:
+            with db:
+                return sum(
+                    db.execute("DELETE FROM pages WHERE key = ?", (k,)).rowcount for k in keys
+                )
+
+        return await anyio.to_thread.run_sync(remove)
+
+    async def read_raw(self, key: bytes) -> bytes | None:
+        db = self._conn()
+
+        def fetch() -> bytes | None:
+            row = db.execute("SELECT value FROM pages WHERE key = ?", (key,)).fetchone()
+            return None if row is None else bytes(row[0])
+
+        return await anyio.to_thread.run_sync(fetch)
+
+    async def write_raw(self, key: bytes, value: bytes) -> None:
+        db = self._conn()
+
+        def store() -> None:
+            with db:
+                db.execute("INSERT OR REPLACE INTO pages (key, value) VALUES (?, ?)", (key, value))
+
+        await anyio.to_thread.run_sync(store)
+
+    def stats(self) -> StorageStats:
+        return StorageStats(
+            backend=self.name,
+            pages=-1,
+            bytes=-1,
+            capacity_bytes=None,
+            gets=self._counts["gets"],
+            get_hits=self._counts["hits"],
+            puts=self._counts["puts"],
+            put_ok=self._counts["ok"],
+            corrupt=self._counts["corrupt"],
+        )
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._db is not None:
+            await anyio.to_thread.run_sync(self._db.close)
+
+
+class TestSqliteStorage(StorageConformance):
+    """The shipped conformance suite, run against the plugin."""
+
+    @pytest_asyncio.fixture
+    async def backend(self, tmp_path: Path) -> AsyncIterator[SqliteStorage]:
+        async with SqliteStorage(tmp_path / "pages.db") as storage:
+            yield storage
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self, tmp_path: Path) -> AsyncIterator[SqliteStorage]:
+        async with SqliteStorage(tmp_path / "mac.db", mac_key=MAC_KEY) as storage:
+            yield storage
+
+
+async def serve_with_plugin() -> None:
+    config = CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+            "page_size": 8,
+            "device_pages": 32,
+            "host_pages": 64,
+            "prefetch": {"policy": "wait_complete", "threshold_tokens": 8},
+        }
+    )
+    model = KVGenerator(config.layout, config.page_size)
+    db = Path(tempfile.mkdtemp()) / "pages.db"
+    prompt = np.arange(200)
+    async with HiCache(config, storage=SqliteStorage(db)) as first:
+        await serve(first, prompt, model)
+        await first.drain()
+    async with HiCache(config, storage=SqliteStorage(db)) as second:
+        result = await serve(second, prompt, model)
+    print(f"a fresh cache read {result.storage_tokens} tokens back from {db.name}")
+
+
+if __name__ == "__main__":
+    code = pytest.main([__file__, "-q", "-p", "no:cacheprovider", "-o", "asyncio_mode=auto"])
+    if code != 0:
+        sys.exit(int(code))
+    asyncio.run(serve_with_plugin())
