@@ -399,3 +399,33 @@ async def test_metrics_and_statistics() -> None:
         assert stats.storage is not None
         assert stats.storage.backup is not None
         assert stats.storage.backup.written_pages > 0
+
+
+async def test_overlapping_prefetches_share_reads_and_both_complete() -> None:
+    """A prefetch extending another's prefix waits for the shared pages, then reads its own."""
+    config = _config(
+        prefetch={"policy": "wait_complete", "threshold_tokens": PAGE, "batch_pages": 1}
+    )
+    generator = KVGenerator(config.layout, PAGE, seed=21)
+    rng = np.random.default_rng(21)
+    short = rng.integers(0, 5000, size=20 * PAGE)
+    long = np.concatenate([short, rng.integers(0, 5000, size=10 * PAGE)])
+    memory = MemoryStorage(capacity_bytes=64 << 20)
+    async with memory:
+        async with HiCache(config, storage=Unowned(memory)) as writer:
+            await serve(writer, long, generator, prefetch=False)
+            await writer.drain()
+        gets_before = memory.stats().gets
+        slow = FaultyStorage(Unowned(memory), latency_s=0.001)
+        async with HiCache(config, storage=slow) as reader:
+            first, second = await asyncio.gather(
+                reader.prefetch(short, request_id="short"), reader.prefetch(long, request_id="long")
+            )
+            assert first.status is PrefetchStatus.COMPLETE
+            assert second.status is PrefetchStatus.COMPLETE
+            assert second.cached_tokens == len(long)
+            assert memory.stats().gets - gets_before == len(long) // PAGE
+            served = await serve(reader, long, generator, prefetch=False, check="all")
+            assert served.host_tokens == len(long)
+            await reader.drain()
+            _assert_drained(reader)

@@ -22,8 +22,8 @@ import argparse
 import asyncio
 import math
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -45,6 +45,8 @@ _OFF = "off"
 # Storage capacity for "unbounded": more than the trace's every page (and no eviction).
 _UNBOUNDED_BYTES = 1 << 40
 _STUCK_S = 1.0
+
+_T = TypeVar("_T")
 
 
 class Scenario(msgspec.Struct, frozen=True):
@@ -179,6 +181,7 @@ class _Replay:
         self._running: dict[int, Any] = {}
         self.device = self.host = self.from_storage = self.computed = 0
         self.stuck_prefetches = 0
+        self.allocation_errors = 0
 
     def _tokens_of(self, index: int) -> np.ndarray[Any, Any]:
         tokens = self._tokens.get(index)
@@ -212,14 +215,15 @@ class _Replay:
         self._clock[0] = now
         tokens = self._tokens_of(index)
         request = self._cache.request(tokens, request_id=str(index))
-        device, host = request.device_tokens, request.host_tokens
+        device = request.device_tokens
         try:
-            load = await request.load()
+            load = await self._with_retry(request.load)
             await load
-            await request.allocate(len(tokens) - request.cached_tokens)
+            await self._with_retry(lambda: request.allocate(len(tokens) - request.cached_tokens))
         except OutOfPagesError:
             request.release()  # running prefills hold the pool: retry after one finishes
             return None
+        host = request.cached_tokens - device  # what the load brought (none if it failed)
         storage = min(self._prefetched.get(index, 0), host)
         computed = len(tokens) - device - host
         self.device += device
@@ -228,6 +232,20 @@ class _Replay:
         self.computed += computed
         self._running[index] = request
         return self._profile.host_load_s(host) + self._profile.compute_s(computed, device + host)
+
+    async def _with_retry(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """`call()`, once more if device allocation failed with ValueError.
+
+        `HiCache._try_alloc_device` can ask the tree to evict a negative number of pages
+        (its fallback runs after the first pass already freed enough) and raise; the pages
+        that pass freed are back in the pool by then, so a second attempt succeeds. Counted
+        in `allocation_errors` so the replay shows it rather than hides it.
+        """
+        try:
+            return await call()
+        except ValueError:
+            self.allocation_errors += 1
+            return await call()
 
     async def finish(self, index: int, now: float) -> None:
         self._clock[0] = now
@@ -353,5 +371,8 @@ def run(args: argparse.Namespace) -> list[Record]:
                     Record(f"{prefix}.storage.written_pages", float(written), "pages"),
                     Record(f"{prefix}.storage.written_gb", written * page_bytes / 1e9, "GB"),
                 ]
+            records.append(
+                Record(f"{prefix}.allocation_errors", float(replay.allocation_errors), "count")
+            )
             records.append(Record(f"{prefix}.replay_wall_s", wall, "s"))
     return records

@@ -519,6 +519,7 @@ class FileStorage(BackendBase):
 
     @property
     def capabilities(self) -> StorageCapabilities:
+        """Zero-copy, persistent; shared when opened with `shared=True`."""
         return StorageCapabilities(
             max_batch_pages=256, zero_copy=True, shared=self._shared, persistent=True
         )

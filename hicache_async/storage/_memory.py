@@ -101,6 +101,7 @@ class MemoryStorage(BackendBase):
 
     @property
     def capabilities(self) -> StorageCapabilities:
+        """In-process only: neither shared nor persistent, and values are copies."""
         return StorageCapabilities(
             max_batch_pages=1024, zero_copy=False, shared=False, persistent=False
         )

@@ -37,6 +37,8 @@ from ._base import (
     payload_nbytes,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._manifest import ManifestLimits
+from ._manifest_redis import RedisManifest
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -277,6 +279,21 @@ class RedisStorage(BackendBase):
 
     def __repr__(self) -> str:
         return f"<RedisStorage {self._name} state={self._state.value}>"
+
+    def manifest(self, limits: ManifestLimits | None = None) -> RedisManifest:
+        """The warmup manifest, in Redis beside the pages (`<prefix>:manifest:{<ns>}`).
+
+        Scripts keep its reads bounded on the server; with `multikey=0` (or where scripting
+        is refused) it uses plain commands. It follows the page TTL, if one is set.
+        """
+        return RedisManifest(
+            self._redis,
+            prefix=self._prefix,
+            name=self._name,
+            ttl=self._ttl,
+            scripting=self._multikey,
+            limits=limits,
+        )
 
     # Lifecycle.
 

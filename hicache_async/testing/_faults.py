@@ -108,10 +108,12 @@ class FaultyStorage:
 
     @property
     def name(self) -> str:
+        """`faulty+` and the inner backend's name."""
         return f"faulty+{self._inner.name}"
 
     @property
     def capabilities(self) -> StorageCapabilities:
+        """The inner backend's capabilities."""
         return self._inner.capabilities
 
     def injected(self) -> FaultCounts:
@@ -179,12 +181,14 @@ class FaultyStorage:
     # StorageBackend.
 
     async def exists(self, keys: Sequence[bytes]) -> int:
+        """The inner `exists`, after latency, hang and error faults."""
         await self._before("exists")
         return await self._inner.exists(keys)
 
     async def get(
         self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
     ) -> list[Outcome]:
+        """The inner `get`, after call faults, with a partial batch failed when drawn."""
         if len(into) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(into)} buffers")
         await self._before("get")
@@ -201,6 +205,8 @@ class FaultyStorage:
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
+        """The inner `put` (call and partial-batch faults), then stored pages damaged when
+        drawn."""
         if len(pages) != len(keys) or len(metas) != len(keys):
             raise ValueError(f"got {len(keys)} keys, {len(pages)} pages and {len(metas)} metas")
         await self._before("put")
@@ -242,6 +248,7 @@ class FaultyStorage:
                 self._counts["truncated"] += 1
 
     async def delete(self, keys: Sequence[bytes]) -> int:
+        """The inner `delete`, after latency, hang and error faults."""
         await self._before("delete")
         return await self._inner.delete(keys)
 

@@ -420,7 +420,16 @@ class Prefetcher:
         if begin >= end:
             return PrefetchStatus.COMPLETE
         todo = keys[begin:end]
-        own = [k for k in todo if k not in self._inflight]
+        # Take the anchor first: allocating host pages below may evict, and must not take
+        # the prefix these pages will hang from.
+        anchor: TreeNode = found.host_node
+        locked: TreeNode = found.device_node
+        tree.lock_device(locked)
+        tree.protect_host(anchor)
+        # Pages another prefetch is reading: wait on its futures (captured now, since it
+        # forgets them once they land), never read them twice.
+        others = {k: self._inflight[k] for k in todo if k in self._inflight}
+        own = [k for k in todo if k not in others]
         budget = max(0, self._host_limit - self._held)
         if len(own) > budget:
             # Stop the plan before the first page beyond the budget.
@@ -435,6 +444,8 @@ class Prefetcher:
             todo, own = todo[:cut], own[: len(pages)]
         if not todo:
             cache._host_free(pages)
+            tree.unprotect_host(anchor)
+            tree.unlock_device(locked)
             return PrefetchStatus.TERMINATED
         loop = asyncio.get_running_loop()
         futures: dict[bytes, asyncio.Future[bool]] = {}
@@ -442,10 +453,6 @@ class Prefetcher:
             futures[key] = self._inflight[key] = loop.create_future()
         page_of = dict(zip(own, pages, strict=True))
         self._held += len(pages)
-        anchor: TreeNode = found.host_node
-        locked: TreeNode = found.device_node
-        tree.lock_device(locked)
-        tree.protect_host(anchor)
         batch_limit = min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
         landed = 0
         status = PrefetchStatus.COMPLETE
@@ -457,9 +464,7 @@ class Prefetcher:
                     break
                 key = todo[pos]
                 if key not in futures:
-                    # Another prefetch reads this page: wait for it to land, never read twice.
-                    other = self._inflight.get(key)
-                    arrived = await asyncio.shield(other) if other is not None else False
+                    arrived = await asyncio.shield(others[key])
                     if not arrived:
                         status = PrefetchStatus.TERMINATED
                         break

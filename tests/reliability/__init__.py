@@ -8,7 +8,6 @@ short versions that CI runs with the rest of the tests. The helpers the suites s
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import random
 from collections.abc import Callable, Mapping
@@ -24,7 +23,6 @@ __all__ = [
     "PAGE",
     "Record",
     "assert_drained",
-    "loops",
     "make_config",
     "percentile",
     "prompt_pool",
@@ -34,7 +32,6 @@ __all__ = [
 
 FULL = os.environ.get("HICACHE_RELIABILITY", "").strip().lower() == "full"
 PAGE = 4
-_HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 
 #: The `figures` fixture: `figures(name, **values)` records figures for the run's summary.
 Record = Callable[..., None]
@@ -43,14 +40,6 @@ Record = Callable[..., None]
 def scaled(short: int, full: int) -> int:
     """`full` under HICACHE_RELIABILITY=full, else `short`."""
     return full if FULL else short
-
-
-def loops(short: str) -> list[str]:
-    """Loop factories (as named in tests/conftest.py) a suite runs under: every one in the
-    full run, the one named in the short run (suites pick different ones to cover both)."""
-    if FULL:
-        return ["asyncio", "uvloop"] if _HAVE_UVLOOP else ["asyncio"]
-    return [short if short != "uvloop" or _HAVE_UVLOOP else "asyncio"]
 
 
 def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,9 +72,7 @@ def prompt_pool(
     """Prompts that share prefixes as chat traffic does: a few system prompts, conversations
     that grow turn by turn, and tails that are not whole pages."""
     rng = random.Random(seed)
-    heads = [
-        [rng.randrange(30_000) for _ in range(system_pages * PAGE)] for _ in range(systems)
-    ]
+    heads = [[rng.randrange(30_000) for _ in range(system_pages * PAGE)] for _ in range(systems)]
     prompts: list[np.ndarray[Any, Any]] = []
     for _ in range(count):
         if prompts and rng.random() < 0.4:
@@ -127,8 +114,7 @@ async def settle(cache: HiCache, *, timeout_s: float = 120.0) -> None:
                 await asyncio.sleep(0.002)
     except TimeoutError:
         raise AssertionError(
-            f"the cache did not settle within {timeout_s} s: {cache!r}, "
-            f"{cache.storage_status()}"
+            f"the cache did not settle within {timeout_s} s: {cache!r}, {cache.storage_status()}"
         ) from None
 
 

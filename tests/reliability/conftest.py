@@ -1,4 +1,8 @@
-"""Figures the reliability suites measure, printed at the end of the run.
+"""Event loops for the reliability suites, and the figures they measure.
+
+The full run (HICACHE_RELIABILITY=full) runs every async test under each loop factory; the
+short run under one, named by the module's `SHORT_LOOP` (suites pick different ones, so CI
+covers both loops without running everything twice).
 
 Each suite records what it did (kills, requests, faults injected, lag, memory, blocking calls)
 through the `figures` fixture; the terminal summary lists them, and with
@@ -7,14 +11,36 @@ through the `figures` fixture; the terminal summary lists them, and with
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from . import FULL, Record
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+    uvloop = None
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    factories: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {
+        "asyncio": asyncio.new_event_loop
+    }
+    if uvloop is not None:
+        factories["uvloop"] = uvloop.new_event_loop
+    if FULL:
+        return factories
+    short = getattr(getattr(item, "module", None), "SHORT_LOOP", "asyncio")
+    return {short: factories.get(short, asyncio.new_event_loop)}
+
 
 _FIGURES: list[dict[str, Any]] = []
 
@@ -42,9 +68,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     terminalreporter.section(f"reliability figures ({scale})")
     for entry in _FIGURES:
         values = ", ".join(
-            f"{key}={_format(value)}"
-            for key, value in entry.items()
-            if key not in ("test", "name")
+            f"{key}={_format(value)}" for key, value in entry.items() if key not in ("test", "name")
         )
         terminalreporter.write_line(f"{entry['name']}: {values}")
     target = os.environ.get("HICACHE_RELIABILITY_REPORT")

@@ -19,14 +19,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, get_args
 
 import numpy as np
-import pytest
 
 from hicache_async import HiCache
 from hicache_async._config import PrefetchPolicy
 from hicache_async.storage import MemoryStorage
 from hicache_async.testing import FaultyStorage, KVGenerator, serve
 
-from . import PAGE, Record, assert_drained, loops, make_config, prompt_pool, scaled, settle
+from . import PAGE, Record, assert_drained, make_config, prompt_pool, scaled, settle
+
+#: The loop this suite runs under in the short run (the full run uses every loop).
+SHORT_LOOP = "asyncio"
 
 REQUESTS = scaled(1_000, 10_000)
 WAVE = 40
@@ -51,7 +53,6 @@ async def _cancel_later(task: asyncio.Task[Any], rng: random.Random, where: list
     task.cancel()
 
 
-@pytest.mark.asyncio(loop_factories=loops("asyncio"))
 async def test_cancellation_storm(figures: Record) -> None:
     config = make_config(
         device_pages=CONCURRENCY * 10 + 16,

@@ -28,15 +28,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from hicache_async import HiCache, page_keys
 from hicache_async.storage import FileStorage, Outcome
 from hicache_async.storage._page import HEADER_NBYTES, PageCheck, decode_header, verify_payload
 from hicache_async.testing import KVGenerator, serve
 
-from . import Record, loops, scaled
+from . import Record, scaled
 from ._child import PAGE, crash_config, crash_prompt, namespace
+
+#: The loop this suite runs under in the short run (the full run uses every loop).
+SHORT_LOOP = "asyncio"
 
 KILLS = scaled(5, 50)
 CHILD = Path(__file__).with_name("_child.py")
@@ -69,7 +71,7 @@ async def _verify(root: Path) -> dict[str, int]:
 
 
 async def _kill_child(
-    mode: str, root: Path, log: Path, seed: int, fsync: str, threads: int, delay_s: float
+    mode: str, root: Path, log: Path, *, seed: int, fsync: str, threads: int, delay_s: float
 ) -> None:
     """Start a child, wait until it writes, kill it with SIGKILL after `delay_s`."""
     proc = await asyncio.create_subprocess_exec(
@@ -193,7 +195,6 @@ async def _serve_acked(root: Path, oracle: _Oracle, seed: int) -> int:
     return from_storage
 
 
-@pytest.mark.asyncio(loop_factories=loops("asyncio"))
 async def test_sigkill_during_backup(tmp_path: Path, figures: Record) -> None:
     root = tmp_path / "l3"
     root.mkdir(mode=0o700)
@@ -214,7 +215,13 @@ async def test_sigkill_during_backup(tmp_path: Path, figures: Record) -> None:
         seed = 100 + kill
         log = tmp_path / f"acks-{seed}.log"
         await _kill_child(
-            mode, root, log, seed, fsync, rng.choice((1, 2, 4)), rng.uniform(0.05, 1.5)
+            mode,
+            root,
+            log,
+            seed=seed,
+            fsync=fsync,
+            threads=rng.choice((1, 2, 4)),
+            delay_s=rng.uniform(0.05, 1.5),
         )
         totals["kills"] += 1
         totals["acks"] += oracle.read_log(seed, log)
@@ -253,7 +260,6 @@ async def test_sigkill_during_backup(tmp_path: Path, figures: Record) -> None:
     assert totals["served_from_storage_tokens"] > 0 or KILLS < 2
 
 
-@pytest.mark.asyncio(loop_factories=loops("asyncio"))
 async def test_verify_reports_the_leftovers_of_a_killed_writer(
     tmp_path: Path, figures: Record
 ) -> None:
@@ -268,10 +274,10 @@ async def test_verify_reports_the_leftovers_of_a_killed_writer(
             "storage",
             root,
             tmp_path / "acks.log",
-            500 + attempt,
-            "always",
-            4,
-            rng.uniform(0.2, 1.0),
+            seed=500 + attempt,
+            fsync="always",
+            threads=4,
+            delay_s=rng.uniform(0.2, 1.0),
         )
         leftovers = list((root / "tmp").iterdir())
         if leftovers:

@@ -21,7 +21,10 @@ from hicache_async import CacheConfig, HiCache
 from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend
 from hicache_async.testing import FaultyStorage, KVGenerator, ServedRequest, serve
 
-from . import PAGE, Record, assert_drained, loops, make_config, prompt_pool, scaled, settle
+from . import PAGE, Record, assert_drained, make_config, prompt_pool, scaled, settle
+
+#: The loop this suite runs under in the short run (the full run uses every loop).
+SHORT_LOOP = "uvloop"
 
 REQUESTS = scaled(1_000, 10_000)
 CONCURRENCY = 6
@@ -67,7 +70,6 @@ def _faulty(inner: StorageBackend, seed: int) -> FaultyStorage:
     )
 
 
-@pytest.mark.asyncio(loop_factories=loops("uvloop"))
 @pytest.mark.parametrize("kind", ["memory", "file"])
 async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
     config = _config()

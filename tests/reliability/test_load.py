@@ -27,7 +27,10 @@ import pytest
 from hicache_async import CacheConfig, HiCache
 from hicache_async.testing import KVGenerator, ServedRequest, serve
 
-from . import Record, assert_drained, loops, percentile, scaled, settle
+from . import Record, assert_drained, percentile, scaled, settle
+
+#: The loop this suite runs under in the short run (the full run uses every loop).
+SHORT_LOOP = "uvloop"
 
 HANDLERS = 1_000
 WAVES = scaled(4, 9)
@@ -106,7 +109,6 @@ async def _wave(
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
-@pytest.mark.asyncio(loop_factories=loops("uvloop"))
 async def test_thousand_concurrent_handlers(tmp_path: Path, figures: Record) -> None:
     config = _config()
     generator = KVGenerator(config.layout, PAGE, seed=3)
@@ -178,7 +180,6 @@ async def test_thousand_concurrent_handlers(tmp_path: Path, figures: Record) -> 
     assert growth <= bound, f"resident set grew {growth >> 20} MiB, bound {bound >> 20} MiB"
 
 
-@pytest.mark.asyncio(loop_factories=loops("asyncio"))
 async def test_python_heap_per_handler(figures: Record) -> None:
     """Python-level allocations of 1,000 concurrent handlers (the pools are torch memory,
     which tracemalloc does not see)."""

@@ -1,0 +1,528 @@
+"""The warmup manifest of `RedisStorage`, kept in Redis beside the pages.
+
+Keys, per namespace fingerprint `<ns>` (32 hex digits):
+
+    <prefix>:manifest:{<ns>}                    LIST of JSON records, oldest first
+    <prefix>:manifest:{<ns>}:meta               HASH: `bytes` (record bytes), `gen` (generation)
+    <prefix>:manifest:{<ns>}:compacting:<hex>   LIST a compaction builds, then renames over
+    <prefix>:manifest:namespaces                SET of the namespaces that have a manifest
+
+The `{<ns>}` hash tag puts a namespace's keys in one Redis Cluster slot, so the transaction
+of an append, the scripts, and the RENAME of a compaction are legal on a Cluster; pages keep
+their untagged keys and spread over all slots. `gen` changes whenever records are removed
+from the list (compaction, trim): readers work with head indices, which appends never move,
+and start over when `gen` changed under them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
+from redis.exceptions import RedisError, ResponseError, WatchError
+
+from .._errors import StorageError
+from ._manifest import (
+    CompactReport,
+    ManifestCollector,
+    ManifestEntry,
+    ManifestLimits,
+    ManifestRead,
+    encode_entry,
+)
+
+__all__ = ["RedisManifest"]
+
+_log = structlog.get_logger("hicache_async")
+
+_NAMESPACE = re.compile(r"[0-9a-f]{32}\Z")
+#: Records a window script looks at, and the bytes of records it returns, per round trip.
+_WINDOW_RECORDS = 1024
+_WINDOW_BYTES = 4 << 20
+#: Without scripting a window's records arrive whole, however large: fewer per round trip.
+_FALLBACK_WINDOW_RECORDS = 32
+#: Bytes of records per RPUSH command.
+_PUSH_BYTES = 4 << 20
+#: A compaction's temporary list expires on its own if the compaction dies half-way.
+_TEMP_TTL_S = 3600
+#: Attempts of a read (or compaction) that another compaction keeps overtaking.
+_ATTEMPTS = 3
+#: Namespaces a read over all of them looks at.
+_MAX_NAMESPACES = 4096
+
+# Up to ARGV[3] records of [lo, hi] from hi downwards (newest first), as long as the returned
+# records stay within ARGV[5] bytes (at least one); a record longer than ARGV[4] comes back as
+# its length only, so nothing larger than the bound ever crosses the network. Returns
+# {1, record-or-length, ...}, or {0} if `gen` is no longer ARGV[1].
+_WINDOW_SCRIPT = """
+local gen = redis.call('HGET', KEYS[2], 'gen') or '0'
+if gen ~= ARGV[1] then return {0} end
+local hi = tonumber(ARGV[2])
+local lo = math.max(0, hi - tonumber(ARGV[3]) + 1)
+local items = redis.call('LRANGE', KEYS[1], lo, hi)
+local max_entry = tonumber(ARGV[4])
+local budget = tonumber(ARGV[5])
+local out = {1}
+local total = 0
+for i = #items, 1, -1 do
+  local n = string.len(items[i])
+  if n > max_entry then
+    out[#out + 1] = n
+  else
+    if total + n > budget and #out > 1 then break end
+    out[#out + 1] = items[i]
+    total = total + n
+  end
+end
+return out
+"""
+
+# Compaction's switch: the records appended since the snapshot (head index ARGV[2] on) go
+# after the compacted ones in the temporary list, which then replaces the manifest; all in
+# one atomic step, or nothing (and the temporary list is dropped) if `gen` moved meanwhile.
+# ARGV: expected gen, snapshot length, compacted bytes, ttl (0: none). Returns the number of
+# records carried over, or -1.
+_SWITCH_SCRIPT = """
+local gen = redis.call('HGET', KEYS[2], 'gen') or '0'
+if gen ~= ARGV[1] then
+  redis.call('DEL', KEYS[3])
+  return -1
+end
+local tail = redis.call('LRANGE', KEYS[1], tonumber(ARGV[2]), -1)
+local nbytes = tonumber(ARGV[3])
+for i = 1, #tail, 1000 do
+  redis.call('RPUSH', KEYS[3], unpack(tail, i, math.min(i + 999, #tail)))
+end
+for _, v in ipairs(tail) do nbytes = nbytes + string.len(v) end
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('RENAME', KEYS[3], KEYS[1])
+  if tonumber(ARGV[4]) > 0 then
+    redis.call('EXPIRE', KEYS[1], ARGV[4])
+  else
+    redis.call('PERSIST', KEYS[1])
+  end
+else
+  redis.call('DEL', KEYS[1])
+end
+redis.call('HSET', KEYS[2], 'bytes', nbytes)
+redis.call('HINCRBY', KEYS[2], 'gen', 1)
+return #tail
+"""
+
+
+class _Stale(Exception):
+    """A compaction or trim changed the list while it was being read."""
+
+
+class RedisManifest:
+    """A bounded, per-namespace warmup manifest in Redis lists.
+
+    `append` pushes records in one transaction; once a list passes `2 * max_entries`
+    records or `max_bytes` it is compacted, and it never keeps more than `4 * max_entries`
+    records (the oldest go first). `read` walks the list newest first in windows of bounded
+    size and validates every record; `compact` rewrites a list atomically. Build it with
+    `RedisStorage.manifest()`.
+    """
+
+    def __init__(
+        self,
+        client: Callable[[], Redis],
+        *,
+        prefix: str,
+        name: str,
+        ttl: int | None = None,
+        scripting: bool = True,
+        limits: ManifestLimits | None = None,
+    ) -> None:
+        self.limits = limits or ManifestLimits()
+        self._client = client
+        self._prefix = prefix
+        self._name = name
+        self._ttl = ttl
+        self._scripting = scripting
+        self._known: set[str] = set()
+        self._window: AsyncScript | None = None
+        self._switch: AsyncScript | None = None
+        #: Compact a list that passes this many records; trim it to `_cap` records.
+        self._compact_records = 2 * self.limits.max_entries
+        self._cap = 4 * self.limits.max_entries
+
+    # Keys.
+
+    def list_key(self, namespace: str) -> str:
+        """The list that holds the records of `namespace`."""
+        return f"{self._prefix}:manifest:{{{namespace}}}"
+
+    def meta_key(self, namespace: str) -> str:
+        """The hash with the list's record bytes and generation."""
+        return f"{self.list_key(namespace)}:meta"
+
+    @property
+    def index_key(self) -> str:
+        """The set of namespaces that have a manifest."""
+        return f"{self._prefix}:manifest:namespaces"
+
+    # The protocol.
+
+    async def append(self, entries: Sequence[ManifestEntry]) -> None:
+        """Push the records (one transaction per namespace); compact or trim past the bounds.
+
+        A record longer than `max_entry_bytes` is not stored: every reader would skip it.
+        """
+        groups: dict[str, list[bytes]] = {}
+        for entry in entries:
+            if not _NAMESPACE.match(entry.namespace):
+                raise ValueError(f"manifest entry namespace is not 32 hex digits: {entry!r}")
+            line = encode_entry(entry)[:-1]
+            if len(line) > self.limits.max_entry_bytes:
+                _log.warning("hicache.manifest.entry_too_large", nbytes=len(line))
+                continue
+            groups.setdefault(entry.namespace, []).append(line)
+        for namespace, lines in groups.items():
+            await self._append(namespace, lines)
+
+    async def read(self, *, namespace: str | None = None) -> ManifestRead:
+        """The newest record per chain (of `namespace`, or of every namespace), bounded.
+
+        At most `max_bytes` of records are read, newest first; `truncated` says the bound
+        stopped the read. A read overtaken by a compaction starts over (a few times).
+        """
+        if namespace is not None and not _NAMESPACE.match(namespace):
+            return ManifestRead(entries=[])
+        namespaces = [namespace] if namespace is not None else await self._namespaces()
+        result = ManifestRead(entries=[])
+        for _ in range(_ATTEMPTS):
+            collector = ManifestCollector(self.limits, namespace)
+            budget = self.limits.max_bytes
+            truncated = False
+            try:
+                for ns in namespaces:
+                    gen, length = await self._snapshot(ns)
+                    used, cut = await self._collect(ns, gen, length, collector, budget)
+                    budget -= used
+                    if cut or budget <= 0:
+                        truncated = True
+                        break
+            except _Stale:
+                result = collector.result(truncated=truncated)
+                continue
+            return collector.result(truncated=truncated)
+        return result
+
+    async def compact(self) -> CompactReport:
+        """Rewrite every namespace's list with its newest valid record per chain.
+
+        Each list is replaced atomically (built under a temporary key, then renamed over
+        it); records appended meanwhile are kept.
+        """
+        totals = [0] * 6
+        for namespace in await self._namespaces():
+            report = await self.compact_namespace(namespace)
+            for i, value in enumerate(_report_values(report)):
+                totals[i] += value
+        return CompactReport(*totals)
+
+    # Appending.
+
+    async def _append(self, namespace: str, lines: list[bytes]) -> None:
+        client = self._client()
+        key, meta = self.list_key(namespace), self.meta_key(namespace)
+        batches = _batches(lines, _PUSH_BYTES)
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                for batch in batches:
+                    pipe.rpush(key, *batch)
+                pipe.hincrby(meta, "bytes", sum(map(len, lines)))
+                if self._ttl is not None:
+                    pipe.expire(key, self._ttl)
+                    pipe.expire(meta, self._ttl)
+                results = await pipe.execute()
+            if namespace not in self._known:
+                await client.sadd(self.index_key, namespace)
+                self._known.add(namespace)
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: manifest append failed: {exc}") from exc
+        # Replies: one RPUSH per batch (the last is the new length), then HINCRBY.
+        length, nbytes = int(results[len(batches) - 1]), int(results[len(batches)])
+        if length <= self._compact_records and nbytes <= self.limits.max_bytes:
+            return
+        try:
+            await self.compact_namespace(namespace)
+        except StorageError as exc:
+            _log.warning("hicache.manifest.compact_failed", backend=self._name, error=str(exc))
+        await self._trim(namespace)
+
+    async def _trim(self, namespace: str) -> None:
+        """Keep the newest `_cap` records if compaction could not bring the list down."""
+        client = self._client()
+        key, meta = self.list_key(namespace), self.meta_key(namespace)
+        try:
+            if await client.llen(key) <= self._cap:
+                return
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.ltrim(key, -self._cap, -1)
+                pipe.hincrby(meta, "gen", 1)
+                await pipe.execute()
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: manifest trim failed: {exc}") from exc
+
+    # Reading.
+
+    async def _namespaces(self) -> list[str]:
+        """The namespaces in the index set (validated, at most `_MAX_NAMESPACES`)."""
+        client = self._client()
+        found: list[str] = []
+        try:
+            async for member in client.sscan_iter(self.index_key, count=512):
+                text = member.decode("ascii", "replace") if isinstance(member, bytes) else ""
+                if _NAMESPACE.match(text):
+                    found.append(text)
+                if len(found) >= _MAX_NAMESPACES:
+                    break
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
+        return sorted(set(found))
+
+    async def _snapshot(self, namespace: str) -> tuple[bytes, int]:
+        """The list's generation and length, read together."""
+        client = self._client()
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.hget(self.meta_key(namespace), "gen")
+                pipe.llen(self.list_key(namespace))
+                gen, length = await pipe.execute()
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
+        return (gen if isinstance(gen, bytes) else b"0"), int(length)
+
+    async def _collect(
+        self,
+        namespace: str,
+        gen: bytes,
+        length: int,
+        collector: ManifestCollector,
+        budget: int,
+    ) -> tuple[int, bool]:
+        """Feed records [0, length) to `collector`, newest first, until `budget` bytes.
+
+        Returns (bytes read, whether the budget stopped it). Raises `_Stale` if the list's
+        generation is no longer `gen`.
+        """
+        hi = length - 1
+        used = 0
+        while hi >= 0:
+            if used >= budget:
+                return used, True
+            items = await self._window_items(namespace, gen, hi)
+            for item in items:
+                if isinstance(item, int):
+                    used += item
+                    collector.records += 1
+                    collector.oversized += 1
+                else:
+                    used += len(item)
+                    collector.add_line(item)
+            hi -= len(items)
+        return used, False
+
+    async def _window_items(self, namespace: str, gen: bytes, hi: int) -> list[bytes | int]:
+        """Records (newest first) of a window ending at head index `hi`; ints for oversized."""
+        client = self._client()
+        keys = [self.list_key(namespace), self.meta_key(namespace)]
+        max_entry = self.limits.max_entry_bytes
+        if self._scripting:
+            if self._window is None:
+                self._window = client.register_script(_WINDOW_SCRIPT)
+            args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, _WINDOW_BYTES]
+            try:
+                reply = await self._window(keys=keys, args=args)
+            except ResponseError as exc:
+                # Scripting refused here (disabled, a proxy): plain windows from now on.
+                _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
+                self._scripting = False
+            except RedisError as exc:
+                raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
+            else:
+                if not reply or reply[0] != 1:
+                    raise _Stale
+                return [_item(v) for v in reply[1:]]
+        lo = max(0, hi - _FALLBACK_WINDOW_RECORDS + 1)
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.hget(keys[1], "gen")
+                pipe.lrange(keys[0], lo, hi)
+                current, values = await pipe.execute()
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
+        if (current if isinstance(current, bytes) else b"0") != gen:
+            raise _Stale
+        return [v if len(v) <= max_entry else len(v) for v in reversed(values)]
+
+    # Compaction.
+
+    async def compact_namespace(self, namespace: str) -> CompactReport:
+        """Rewrite the list of one namespace atomically; see `compact`."""
+        if not _NAMESPACE.match(namespace):
+            raise ValueError(f"not a namespace fingerprint: {namespace!r}")
+        for _ in range(_ATTEMPTS):
+            gen, length = await self._snapshot(namespace)
+            collector = ManifestCollector(self.limits, namespace)
+            try:
+                _, truncated = await self._collect(
+                    namespace, gen, length, collector, self.limits.max_bytes
+                )
+            except _Stale:
+                continue
+            lines = _compacted(collector.result(truncated=truncated).entries, self.limits)
+            before = await self._bytes(namespace)
+            if await self._switch_to(namespace, gen, length, lines):
+                return CompactReport(
+                    records_before=collector.records,
+                    entries_after=len(lines),
+                    bytes_before=before,
+                    bytes_after=sum(map(len, lines)),
+                    malformed=collector.malformed,
+                    oversized=collector.oversized,
+                )
+        raise StorageError(
+            f"{self._name}: manifest compaction of {namespace} kept being overtaken by others"
+        )
+
+    async def _bytes(self, namespace: str) -> int:
+        try:
+            value = await self._client().hget(self.meta_key(namespace), "bytes")
+        except RedisError as exc:
+            raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
+        return int(value) if value is not None else 0
+
+    async def _switch_to(self, namespace: str, gen: bytes, length: int, lines: list[bytes]) -> bool:
+        """Build the compacted list under a temporary key and switch to it atomically.
+
+        False if a compaction or trim moved the generation meanwhile (nothing changed then).
+        """
+        client = self._client()
+        key, meta = self.list_key(namespace), self.meta_key(namespace)
+        temp = f"{key}:compacting:{os.urandom(8).hex()}"
+        nbytes = sum(map(len, lines))
+        try:
+            for batch in _batches(lines, _PUSH_BYTES):
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.rpush(temp, *batch)
+                    pipe.expire(temp, _TEMP_TTL_S)
+                    await pipe.execute()
+            if self._scripting:
+                if self._switch is None:
+                    self._switch = client.register_script(_SWITCH_SCRIPT)
+                try:
+                    args: list[bytes | int] = [gen, length, nbytes, self._ttl or 0]
+                    carried = await self._switch(keys=[key, meta, temp], args=args)
+                except ResponseError as exc:
+                    _log.warning(
+                        "hicache.manifest.no_scripting", backend=self._name, error=str(exc)
+                    )
+                    self._scripting = False
+                else:
+                    return int(carried) >= 0
+            return await self._switch_watched(namespace, gen, length, temp, nbytes)
+        except RedisError as exc:
+            await _forget(client, temp)
+            raise StorageError(f"{self._name}: manifest compaction failed: {exc}") from exc
+
+    async def _switch_watched(
+        self, namespace: str, gen: bytes, length: int, temp: str, nbytes: int
+    ) -> bool:
+        """The switch without scripting: WATCH, then RENAME in MULTI/EXEC.
+
+        Any change to the list since the snapshot (an append included) aborts it; the
+        caller retries, and the trim bounds the list if appends keep winning.
+        """
+        client = self._client()
+        key, meta = self.list_key(namespace), self.meta_key(namespace)
+        async with client.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key, meta)
+                current = await pipe.hget(meta, "gen")
+                if (current or b"0") != gen or await pipe.llen(key) != length:
+                    await _forget(client, temp)
+                    return False
+                has_records = bool(await client.exists(temp))
+                pipe.multi()  # type: ignore[no-untyped-call]
+                if has_records:
+                    pipe.rename(temp, key)
+                    if self._ttl is not None:
+                        pipe.expire(key, self._ttl)
+                    else:
+                        pipe.persist(key)
+                else:
+                    pipe.delete(key)
+                pipe.hset(meta, "bytes", nbytes)
+                pipe.hincrby(meta, "gen", 1)
+                await pipe.execute()
+            except WatchError:
+                await _forget(client, temp)
+                return False
+        return True
+
+
+def _item(value: Any) -> bytes | int:
+    return value if isinstance(value, bytes) else int(value)
+
+
+def _compacted(entries: list[ManifestEntry], limits: ManifestLimits) -> list[bytes]:
+    """The records a compaction keeps, oldest first (so later appends replace them).
+
+    `entries` come most valuable first; they are kept while they fit half of `max_bytes`,
+    so a compacted list has room to grow before it passes the bound again.
+    """
+    kept: list[ManifestEntry] = []
+    lines: dict[str, bytes] = {}
+    total = 0
+    for entry in entries:
+        line = encode_entry(entry)[:-1]
+        if kept and total + len(line) > limits.max_bytes // 2:
+            break
+        kept.append(entry)
+        lines[entry.chain_id] = line
+        total += len(line)
+    kept.sort(key=lambda e: e.last_use)
+    return [lines[e.chain_id] for e in kept]
+
+
+def _report_values(report: CompactReport) -> tuple[int, int, int, int, int, int]:
+    return (
+        report.records_before,
+        report.entries_after,
+        report.bytes_before,
+        report.bytes_after,
+        report.malformed,
+        report.oversized,
+    )
+
+
+def _batches(lines: list[bytes], max_bytes: int) -> list[list[bytes]]:
+    """Consecutive groups of at most `max_bytes` (at least one line each)."""
+    batches: list[list[bytes]] = []
+    current: list[bytes] = []
+    size = 0
+    for line in lines:
+        if current and size + len(line) > max_bytes:
+            batches.append(current)
+            current, size = [], 0
+        current.append(line)
+        size += len(line)
+    if current:
+        batches.append(current)
+    return batches
+
+
+async def _forget(client: Redis, key: str) -> None:
+    """Drop a temporary list; it expires on its own if even this fails."""
+    try:
+        await client.delete(key)
+    except RedisError:
+        _log.warning("hicache.manifest.temp_left", key=key)
