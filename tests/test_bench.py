@@ -115,6 +115,7 @@ def test_trace_records_are_consistent() -> None:
         [
             *("--requests", "150", "--host-ratios", "0.5,2"),
             *("--storages", "off,4x,unbounded", "--device-tokens", "131072"),
+            *("--jobs", "1"),
         ],
     )
     records = trace.run(args)
@@ -147,6 +148,15 @@ def test_trace_records_are_consistent() -> None:
     # Unbounded storage serves at least what a 4x one does, which serves at least none.
     hit = {s: by[f"trace.host2x.storage-{s}.hit.total"].value for s in ("off", "4x", "unbounded")}
     assert hit["off"] <= hit["unbounded"]
+
+
+def test_trace_replays_are_the_same_in_worker_processes() -> None:
+    argv = ["--requests", "80", "--host-ratios", "2", "--storages", "off,unbounded"]
+    argv += ["--device-tokens", "131072"]
+    here = trace.run(_args(trace, [*argv, "--jobs", "1"]))
+    there = trace.run(_args(trace, [*argv, "--jobs", "2"]))
+    # The clock is virtual: everything but the wall time of each replay is reproducible.
+    assert [r for r in here if "wall" not in r.name] == [r for r in there if "wall" not in r.name]
 
 
 def test_trace_rejects_bad_sizes() -> None:

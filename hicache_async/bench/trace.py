@@ -21,8 +21,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import multiprocessing
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any, TypeVar
 
 import anyio
@@ -36,7 +39,15 @@ from ..storage import HEADER_NBYTES, MemoryStorage
 from ._records import Record
 from ._sim import PROFILES, ModelProfile, NoCacheEngine, percentile, simulate, upper_bound
 
-__all__ = ["Scenario", "add_arguments", "describe", "prompt_tokens", "run"]
+__all__ = [
+    "Outcome",
+    "Scenario",
+    "add_arguments",
+    "describe",
+    "prompt_tokens",
+    "replay_scenario",
+    "run",
+]
 
 describe = "chat trace on a virtual clock: hit rate per tier vs the unlimited bound, TTFT, traffic"
 
@@ -133,6 +144,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="prefills that run at once, each at the profile's full rate (default 1)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="replays run side by side in worker processes (default: CPUs, at most 4)",
     )
     parser.add_argument(
         "--time-scale",
@@ -273,15 +290,34 @@ def _config(args: argparse.Namespace, device_pages: int, host_pages: int) -> Cac
     )
 
 
+class Outcome(msgspec.Struct, frozen=True):
+    """What one replay produced (plain data, so it can come back from a worker process)."""
+
+    scenario: Scenario
+    device: int
+    host: int
+    storage: int
+    computed: int
+    ttft: list[float]
+    attached: bool
+    read_pages: int
+    written_pages: int
+    prefetch_errors: int
+    stuck_prefetches: int
+    allocation_errors: int
+    wall_s: float
+
+
 async def _replay(
     args: argparse.Namespace,
     scenario: Scenario,
     requests: Sequence[TraceRequest],
     arrivals: Sequence[float],
     device_pages: int,
-) -> tuple[_Replay, list[float], Any]:
+) -> Outcome:
     from .._cache import HiCache
 
+    began = time.perf_counter()
     profile = PROFILES[args.profile]
     host_pages = max(1, round(device_pages * scenario.host_ratio))
     config = _config(args, device_pages, host_pages)
@@ -297,17 +333,101 @@ async def _replay(
     async with HiCache(config, storage=storage, clock=lambda: clock[0]) as cache:
         replay = _Replay(cache, requests, profile, clock)
         ttft, _ = await simulate(arrivals, replay, slots=args.prefill_slots)
-        return replay, ttft, cache.storage_status()
+        status = cache.storage_status()
+    return Outcome(
+        scenario=scenario,
+        device=replay.device,
+        host=replay.host,
+        storage=replay.from_storage,
+        computed=replay.computed,
+        ttft=ttft,
+        attached=status.attached,
+        read_pages=status.prefetch.pages_read if status.prefetch else 0,
+        written_pages=status.backup.written_pages if status.backup else 0,
+        prefetch_errors=status.prefetch.errors if status.prefetch else 0,
+        stuck_prefetches=replay.stuck_prefetches,
+        allocation_errors=replay.allocation_errors,
+        wall_s=time.perf_counter() - began,
+    )
+
+
+def replay_scenario(args: argparse.Namespace, scenario: Scenario, device_pages: int) -> Outcome:
+    """One replay of the trace (run in a worker process when `--jobs` > 1)."""
+    import logging
+
+    import structlog
+
+    # A worker process starts with the library's default logging: keep it to warnings.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    requests = load_trace(args.trace, limit=args.requests)
+    arrivals = [r.timestamp / 1000 * args.time_scale for r in requests]
+    return asyncio.run(_replay(args, scenario, requests, arrivals, device_pages))
+
+
+def _outcomes(
+    args: argparse.Namespace, scenarios: list[Scenario], device_pages: int
+) -> list[Outcome]:
+    """Every scenario's outcome, in order; replays are independent of wall time, so they
+    may run side by side."""
+    jobs = min(args.jobs, len(scenarios))
+    if jobs <= 1:
+        return [replay_scenario(args, s, device_pages) for s in scenarios]
+    # spawn: the parent has torch and maybe threads loaded, which fork does not copy safely.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = [pool.submit(replay_scenario, args, s, device_pages) for s in scenarios]
+        return [f.result() for f in futures]
+
+
+def _scenario_records(
+    outcome: Outcome,
+    total_tokens: int,
+    bound: float,
+    base: tuple[float, float],
+    page_bytes: int,
+) -> list[Record]:
+    prefix = f"trace.{outcome.scenario.label}"
+    hits = {
+        "device": outcome.device,
+        "host": outcome.host,
+        "storage": outcome.storage,
+        "total": outcome.device + outcome.host + outcome.storage,
+    }
+    records = [
+        Record.compare(f"{prefix}.hit.{tier}", tokens / total_tokens, "fraction", bound)
+        for tier, tokens in hits.items()
+    ]
+    records += [
+        Record.compare(f"{prefix}.ttft_p50_s", percentile(outcome.ttft, 50), "s", base[0]),
+        Record.compare(f"{prefix}.ttft_p99_s", percentile(outcome.ttft, 99), "s", base[1]),
+    ]
+    if outcome.attached:
+        read, written = outcome.read_pages, outcome.written_pages
+        records += [
+            Record(f"{prefix}.storage.read_pages", float(read), "pages"),
+            Record(f"{prefix}.storage.read_gb", read * page_bytes / 1e9, "GB"),
+            Record(f"{prefix}.storage.written_pages", float(written), "pages"),
+            Record(f"{prefix}.storage.written_gb", written * page_bytes / 1e9, "GB"),
+            Record(f"{prefix}.prefetch.errors", float(outcome.prefetch_errors), "count"),
+            Record(f"{prefix}.prefetch.stuck", float(outcome.stuck_prefetches), "count"),
+        ]
+    records += [
+        Record(f"{prefix}.allocation_errors", float(outcome.allocation_errors), "count"),
+        Record(f"{prefix}.replay_wall_s", outcome.wall_s, "s"),
+    ]
+    return records
 
 
 def run(args: argparse.Namespace) -> list[Record]:
     """Replay the trace once without a cache, then once per host and storage size."""
     if args.requests is not None and args.requests < 1:
         raise SystemExit("--requests must be >= 1")
-    if args.prefill_slots < 1 or args.time_scale <= 0:
-        raise SystemExit("--prefill-slots and --time-scale must be positive")
+    if args.prefill_slots < 1 or args.time_scale <= 0 or args.jobs < 1:
+        raise SystemExit("--prefill-slots, --time-scale and --jobs must be positive")
     profile = PROFILES[args.profile]
     page_size: int = args.page_size
+    if page_size < 1 or BLOCK_TOKENS % page_size:
+        raise SystemExit(f"--page-size must divide {BLOCK_TOKENS}")
     requests = load_trace(args.trace, limit=args.requests)
     arrivals = [r.timestamp / 1000 * args.time_scale for r in requests]
     lengths = [r.input_length for r in requests]
@@ -319,60 +439,18 @@ def run(args: argparse.Namespace) -> list[Record]:
     bound = upper_bound(requests, page_size)
     no_cache = NoCacheEngine(profile, lengths)
     base_ttft, _ = asyncio.run(simulate(arrivals, no_cache, slots=args.prefill_slots))
-    base_p50, base_p99 = percentile(base_ttft, 50), percentile(base_ttft, 99)
+    base = (percentile(base_ttft, 50), percentile(base_ttft, 99))
     records = [
         Record("trace.requests", float(len(requests)), "requests"),
         Record("trace.prompt_tokens", float(total_tokens), "tokens"),
         Record("trace.device_pool_tokens", float(device_pages * page_size), "tokens"),
         Record("trace.bound.block_hit_rate", bound.block_hit_rate, "fraction"),
         Record("trace.bound.token_hit_rate", bound.token_hit_rate, "fraction"),
-        Record("trace.nocache.ttft_p50_s", base_p50, "s"),
-        Record("trace.nocache.ttft_p99_s", base_p99, "s"),
+        Record("trace.nocache.ttft_p50_s", base[0], "s"),
+        Record("trace.nocache.ttft_p99_s", base[1], "s"),
     ]
+    scenarios = [Scenario(h, s) for h in args.host_ratios for s in args.storages]
     page_bytes = profile.kv_bytes(page_size)
-    for host_ratio in args.host_ratios:
-        for storage in args.storages:
-            scenario = Scenario(host_ratio, storage)
-            began = time.perf_counter()
-            replay, ttft, status = asyncio.run(
-                _replay(args, scenario, requests, arrivals, device_pages)
-            )
-            wall = time.perf_counter() - began
-            prefix = f"trace.{scenario.label}"
-            hits = {
-                "device": replay.device,
-                "host": replay.host,
-                "storage": replay.from_storage,
-                "total": replay.device + replay.host + replay.from_storage,
-            }
-            for tier, tokens in hits.items():
-                records.append(
-                    Record.compare(
-                        f"{prefix}.hit.{tier}",
-                        tokens / total_tokens,
-                        "fraction",
-                        bound.token_hit_rate,
-                    )
-                )
-            records.append(
-                Record.compare(f"{prefix}.ttft_p50_s", percentile(ttft, 50), "s", base_p50)
-            )
-            records.append(
-                Record.compare(f"{prefix}.ttft_p99_s", percentile(ttft, 99), "s", base_p99)
-            )
-            if status.attached:
-                read = status.prefetch.pages_read
-                written = status.backup.written_pages
-                records += [
-                    Record(f"{prefix}.prefetch.errors", float(status.prefetch.errors), "count"),
-                    Record(f"{prefix}.prefetch.stuck", float(replay.stuck_prefetches), "count"),
-                    Record(f"{prefix}.storage.read_pages", float(read), "pages"),
-                    Record(f"{prefix}.storage.read_gb", read * page_bytes / 1e9, "GB"),
-                    Record(f"{prefix}.storage.written_pages", float(written), "pages"),
-                    Record(f"{prefix}.storage.written_gb", written * page_bytes / 1e9, "GB"),
-                ]
-            records.append(
-                Record(f"{prefix}.allocation_errors", float(replay.allocation_errors), "count")
-            )
-            records.append(Record(f"{prefix}.replay_wall_s", wall, "s"))
+    for outcome in _outcomes(args, scenarios, device_pages):
+        records += _scenario_records(outcome, total_tokens, bound.token_hit_rate, base, page_bytes)
     return records

@@ -52,7 +52,10 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hicache-async` and `python -m hicache_async`."""
     # An application, unlike the library, decides what its log shows: warnings and up.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
     args = _build_parser().parse_args(argv)
     if args.command == "bench":
         module = importlib.import_module(BENCHMARKS[args.kind])

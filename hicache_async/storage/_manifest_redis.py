@@ -318,7 +318,10 @@ class RedisManifest:
         while hi >= 0:
             if used >= budget:
                 return used, True
-            items = await self._window_items(namespace, gen, hi)
+            # The window returns at most what is left of the budget (and one record), so
+            # no more than the bound crosses the network, whatever is stored.
+            room = min(_WINDOW_BYTES, budget - used)
+            items = await self._window_items(namespace, gen, hi, room)
             for item in items:
                 if isinstance(item, int):
                     used += item
@@ -330,15 +333,18 @@ class RedisManifest:
             hi -= len(items)
         return used, False
 
-    async def _window_items(self, namespace: str, gen: bytes, hi: int) -> list[bytes | int]:
-        """Records (newest first) of a window ending at head index `hi`; ints for oversized."""
+    async def _window_items(
+        self, namespace: str, gen: bytes, hi: int, room: int
+    ) -> list[bytes | int]:
+        """Records (newest first) of a window ending at head index `hi`, within `room`
+        bytes (at least one record); the lengths of oversized ones instead of them."""
         client = self._client()
         keys = [self.list_key(namespace), self.meta_key(namespace)]
         max_entry = self.limits.max_entry_bytes
         if self._scripting:
             if self._window is None:
                 self._window = client.register_script(_WINDOW_SCRIPT)
-            args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, _WINDOW_BYTES]
+            args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, room]
             try:
                 reply = await self._window(keys=keys, args=args)
             except ResponseError as exc:

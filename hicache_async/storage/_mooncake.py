@@ -45,6 +45,8 @@ from ._base import (
     parse_size,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
+from ._manifest import ManifestLimits
+from ._manifest_mooncake import MooncakeManifest
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -539,6 +541,12 @@ class MooncakeStorage(BackendBase):
             f"<MooncakeStorage {self._name} state={self._state.value} "
             f"registered={len(self._regions)}>"
         )
+
+    def manifest(self, limits: ManifestLimits | None = None) -> MooncakeManifest:
+        """The warmup manifest: immutable, hard-pinned objects `<prefix>:manifest:<ns>:...`
+        in the store beside the pages (docs/warmup.md). Listing its namespaces (`read()`
+        without one, `compact()`) needs `admin`."""
+        return MooncakeManifest(self, limits)
 
     # Memory registration.
 

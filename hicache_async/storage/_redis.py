@@ -283,16 +283,12 @@ class RedisStorage(BackendBase):
     def manifest(self, limits: ManifestLimits | None = None) -> RedisManifest:
         """The warmup manifest, in Redis beside the pages (`<prefix>:manifest:{<ns>}`).
 
-        Scripts keep its reads bounded on the server; with `multikey=0` (or where scripting
-        is refused) it uses plain commands. It follows the page TTL, if one is set.
+        Its keys of one namespace share a hash tag, so its scripts and transactions are
+        legal on Redis Cluster even with `multikey=0`; where scripting is refused it falls
+        back to plain commands. It follows the page TTL, if one is set.
         """
         return RedisManifest(
-            self._redis,
-            prefix=self._prefix,
-            name=self._name,
-            ttl=self._ttl,
-            scripting=self._multikey,
-            limits=limits,
+            self._redis, prefix=self._prefix, name=self._name, ttl=self._ttl, limits=limits
         )
 
     # Lifecycle.

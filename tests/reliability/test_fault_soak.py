@@ -11,10 +11,13 @@ reference is zero and every pool balanced.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from hicache_async import CacheConfig, HiCache
@@ -147,3 +150,65 @@ async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
     assert status.backup.written_pages > 0
     assert counters["device_evicted_pages"] > 0
     assert counters["host_evicted_pages"] > 0
+
+
+# Reductions of what the soak found, each to the smallest deterministic case.
+
+
+async def _storage_with(root: Path, *prompts: np.ndarray[Any, Any]) -> None:
+    """Back `prompts` up to the file storage at `root` through a roomy cache."""
+    generator = KVGenerator(make_config().layout, PAGE, seed=5)
+    async with HiCache(make_config(), storage=f"file://{root}") as writer:
+        for prompt in prompts:
+            await serve(writer, prompt, generator, prefetch=False)
+        await writer.drain()
+
+
+async def test_prefetch_that_evicts_the_prefix_it_extends(tmp_path: Path) -> None:
+    """A prefetch extending a host-only prefix allocates host pages before it protects that
+    prefix, so the allocation can evict it; `protect_host` then raises after the prefetch
+    registered its in-flight pages and took host pages and a device lock, outside the
+    try/finally that gives them back. The host pages and the lock leak, and every later
+    prefetch of those pages waits for a read nobody is doing (in the soak: all workers stuck,
+    then every request's `start_prefetch` blocked on the full queue)."""
+    prompt = np.random.default_rng(4).integers(0, 30_000, size=8 * PAGE)
+    root = tmp_path / "l3"
+    await _storage_with(root, prompt)
+    config = make_config(device_pages=8, host_pages=6, prefetch={"max_host_share": 1.0})
+    async with HiCache(config, storage=f"file://{root}") as cache:
+        first = await cache.prefetch(prompt[:PAGE])  # page 0 lands as a host-only leaf
+        assert first.storage_tokens == PAGE
+        # Pages 1-6 want 6 host pages; 5 are free, so the allocation evicts page 0.
+        await cache.prefetch(prompt)
+        await cache.drain()
+        assert cache.match(prompt).host_tokens > 0, "the prefetch landed nothing"
+        assert_drained(cache)  # no host page held or leaked, no lock left
+
+
+async def test_eviction_fallback_after_enough_pages_were_freed(tmp_path: Path) -> None:
+    """`_try_alloc_device`: when an eviction pass frees enough pages but also reports a node
+    that needs a host backup, and that backup cannot start (host full), the fallback pass is
+    asked for `count - free_count` pages, which is then negative: ValueError from
+    `evict_device` instead of the pages that are free."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 30_000, size=4 * PAGE)  # A (3 pages) + B (1 page) in storage
+    other = rng.integers(0, 30_000, size=3 * PAGE)  # X
+    root = tmp_path / "l3"
+    await _storage_with(root, prompt)
+    generator = KVGenerator(make_config().layout, PAGE, seed=5)
+    config = make_config(device_pages=6, host_pages=2, prefetch={"max_host_share": 1.0})
+    ticks = itertools.count()
+    async with HiCache(config, storage=f"file://{root}", clock=lambda: float(next(ticks))) as cache:
+        # X and A fill the device; neither fits in the 2 host pages, so neither is backed up.
+        await serve(cache, other, generator, prefetch=False)
+        await serve(cache, prompt[: 3 * PAGE], generator, prefetch=False)
+        await cache.drain()
+        # B lands on the host as A's child: A is now a device leaf that needs a backup.
+        assert (await cache.prefetch(prompt)).storage_tokens == PAGE
+        with cache.request(other):  # X becomes the most recently used
+            pass
+        # One page: eviction reaches A (needs a backup that cannot start), then frees X's 3.
+        with cache.request(rng.integers(0, 30_000, size=PAGE)) as request:
+            assert len(await request.allocate(PAGE)) == 1
+        await settle(cache)
+        assert_drained(cache)

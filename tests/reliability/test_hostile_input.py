@@ -1,5 +1,6 @@
 """Hostile input: malformed configurations, token ids and tensors that are not token ids,
-damaged pages, garbage in the storage root, and bad storage URLs.
+damaged pages, garbage in the storage root, bad storage URLs — and the security checks: pages
+without the MAC key on a shared root, and storage roots other users could tamper with.
 
 Each must get a clear error — an exception of hicache_async's own types whose message names
 the problem — or be skipped and counted (a damaged page is a miss, recomputed, counted as
@@ -27,11 +28,20 @@ from hicache_async import (
     HiCacheError,
     InvalidTokensError,
     KVLayout,
+    Namespace,
     OutOfPagesError,
     StorageConfigError,
     load_config,
+    page_keys,
 )
-from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, open_storage
+from hicache_async.storage import (
+    HEADER_NBYTES,
+    FileStorage,
+    MemoryStorage,
+    Outcome,
+    PageMeta,
+    open_storage,
+)
 from hicache_async.testing import KVGenerator, serve
 
 from . import PAGE, Record, assert_drained, make_config, prompt_pool, settle
@@ -594,4 +604,133 @@ async def test_bad_storage_when_opening_is_a_storage_config_error(storage: objec
     and the non-backend objects as TypeError from inside the storage task)."""
     with pytest.raises(StorageConfigError):
         async with HiCache(make_config(), storage=storage):  # type: ignore[arg-type]
+            pass
+
+
+# Security: keyed MACs on a shared root, and roots other users could tamper with.
+
+MAC_KEY = b"reliability-mac-key-0123456789ab"
+
+
+async def _write_pages_directly(
+    root: Path, config: CacheConfig, prompt: np.ndarray[Any, Any], mac_key: bytes | None
+) -> int:
+    """Store `prompt`'s pages (correct bytes, right namespace) with a bare FileStorage."""
+    generator = KVGenerator(config.layout, PAGE, seed=14)
+    namespace = Namespace.from_config(config)
+    keys = page_keys(prompt, PAGE, namespace.seed)
+    pages = [[memoryview(generator.page_bytes(prompt, i))] for i in range(len(keys))]
+    metas = [PageMeta(key, namespace.fingerprint, PAGE) for key in keys]
+    async with FileStorage(root, shared=True, mac_key=mac_key) as storage:
+        outcomes = await storage.put(keys, pages, metas)
+    assert outcomes == [Outcome.OK] * len(keys)
+    return len(keys)
+
+
+@pytest.mark.parametrize(
+    "writer_key", [None, b"another-key-0123456789abcdef0123"], ids=["no key", "other key"]
+)
+async def test_pages_without_the_mac_key_are_rejected_and_counted(
+    writer_key: bytes | None, tmp_path: Path, figures: Record
+) -> None:
+    config = make_config()
+    generator = KVGenerator(config.layout, PAGE, seed=14)
+    prompt = np.random.default_rng(6).integers(0, 30_000, size=8 * PAGE)
+    root = tmp_path / "shared"
+    written = await _write_pages_directly(root, config, prompt, writer_key)
+    url = f"file://{root}?shared=1"
+    async with HiCache(config, storage=url, mac_key=MAC_KEY) as reader:
+        result = await serve(reader, prompt, generator, check="all")
+        status = reader.storage_status()
+        await settle(reader)
+        assert_drained(reader)
+    assert status.storage is not None
+    assert status.prefetch is not None
+    figures(
+        f"mac ({'unkeyed' if writer_key is None else 'other key'} writer)",
+        written=written,
+        served_from_storage=result.storage_tokens,
+        corrupt_counted=status.storage.corrupt,
+    )
+    assert result.storage_tokens == 0
+    assert result.computed_tokens == len(prompt)
+    assert status.storage.corrupt >= 1
+    assert status.prefetch.corrupt >= 1
+    # The reader removed the pages it refused and backed up its own, keyed, copies; the
+    # pages after the first refused one were never read and stay until verify removes them.
+    async with FileStorage(root, shared=True, mac_key=MAC_KEY) as storage:
+        report = await storage.verify()
+    assert report.ok == status.storage.corrupt, report
+    assert report.corrupt_removed == written - status.storage.corrupt, report
+
+
+async def test_pages_with_the_mac_key_are_served(tmp_path: Path) -> None:
+    """The control: the same pages written with the reader's key come from storage."""
+    config = make_config()
+    generator = KVGenerator(config.layout, PAGE, seed=14)
+    prompt = np.random.default_rng(6).integers(0, 30_000, size=8 * PAGE)
+    root = tmp_path / "shared"
+    await _write_pages_directly(root, config, prompt, MAC_KEY)
+    async with HiCache(config, storage=f"file://{root}?shared=1", mac_key=MAC_KEY) as reader:
+        result = await serve(reader, prompt, generator, check="all")
+        status = reader.storage_status().storage
+    assert result.storage_tokens == len(prompt)
+    assert status is not None
+    assert status.corrupt == 0
+
+
+def _world_writable(root: Path) -> None:
+    root.mkdir()
+    root.chmod(0o777)
+
+
+def _other_owner(root: Path) -> None:
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)  # nobody
+
+
+def _symlink(root: Path) -> None:
+    real = root.with_name("real")
+    real.mkdir(mode=0o700)
+    root.symlink_to(real, target_is_directory=True)
+
+
+def _pages_symlink(root: Path) -> None:
+    root.mkdir(mode=0o700)
+    elsewhere = root.with_name("elsewhere")
+    elsewhere.mkdir(mode=0o700)
+    (root / "pages").symlink_to(elsewhere, target_is_directory=True)
+
+
+def _pages_world_writable(root: Path) -> None:
+    root.mkdir(mode=0o700)
+    (root / "pages").mkdir()
+    (root / "pages").chmod(0o777)
+
+
+ROOTS = {
+    "world-writable": (_world_writable, "world-writable"),
+    "other owner": (_other_owner, "owned by uid"),
+    "symlink": (_symlink, "symlink"),
+    # Refused, though as "Not a directory" (O_DIRECTORY | O_NOFOLLOW gives ENOTDIR).
+    "pages symlink": (_pages_symlink, "/pages:"),
+    "pages world-writable": (_pages_world_writable, "world-writable"),
+}
+
+
+@pytest.mark.parametrize("case", list(ROOTS))
+async def test_unsafe_storage_roots_are_refused(case: str, tmp_path: Path) -> None:
+    """A root another user could write to, or that points somewhere else, is refused with a
+    StorageConfigError saying why (today a symlinked root is followed and accepted)."""
+    prepare, needle = ROOTS[case]
+    if case == "other owner" and os.geteuid() != 0:
+        pytest.skip("creating a directory owned by another user needs root")
+    root = tmp_path / "root"
+    prepare(root)
+    with pytest.raises(StorageConfigError) as info:
+        async with FileStorage(root):
+            pass
+    assert needle in str(info.value), info.value
+    with pytest.raises(StorageConfigError):
+        async with HiCache(make_config(), storage=f"file://{root}"):
             pass

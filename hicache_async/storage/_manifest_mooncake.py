@@ -1,0 +1,672 @@
+"""The warmup manifest of `MooncakeStorage`, kept in the Mooncake store as immutable objects.
+
+Mooncake has no lists, no renames, no compare-and-swap, and an object, once put, never
+changes until it is removed (a second `put` of a name returns 0 and keeps the first value).
+So the manifest of a namespace `<ns>` is a set of immutable objects under
+`<prefix>:manifest:<ns>:`:
+
+    index.0, index.1        the index of generation g lives in slot g % 2: its stem and
+                            how many base chunks it has (generation 0 has no index)
+    <stem>:b<i>             base chunks: the records a compaction kept
+    <stem>:l<seq>           log chunks: one per append (more for a large one), seq 0, 1, ...
+    lock                    held by the one compaction that may run
+
+A chunk is a header line with a random token, then JSON records. Appends claim the next
+free `seq` by putting a chunk and reading it back: if the token is not theirs another writer
+won that seq, and they take the next one. Every object is hard-pinned (Mooncake never evicts
+it); readers fetch at most `chunk_bytes` per object into the backend's registered arena, so
+an object of any size costs bounded memory.
+
+A compaction writes the new base chunks under a fresh stem, folds in what was appended
+meanwhile, then puts the new index in the other slot (the switch: one object appears whole),
+copies what was appended during the switch into the new log, and only then removes the old
+index and the old generation's chunks. Readers see the old generation or the new one,
+complete; a reader overtaken by a switch starts over. An appender that finds the stem
+changed after its put writes its records again under the new stem and removes its copy.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import structlog
+
+from .._errors import StorageError
+from ._manifest import (
+    CompactReport,
+    ManifestCollector,
+    ManifestEntry,
+    ManifestLimits,
+    ManifestRead,
+    decode_entry,
+    encode_entry,
+)
+
+if TYPE_CHECKING:
+    from ._mooncake import MooncakeStorage
+
+__all__ = ["MooncakeManifest"]
+
+_log = structlog.get_logger("hicache_async")
+
+_NAMESPACE = re.compile(r"[0-9a-f]{32}\Z")
+_STEM = re.compile(r"g0\Z|g([1-9][0-9]{0,17})-[0-9a-f]{16}\Z")
+_CHUNK_MAGIC = b"#hicache-manifest-chunk "
+#: The header line of a chunk: the magic, a 16-hex-digit token and a newline.
+_HEADER_BYTES = len(_CHUNK_MAGIC) + 17
+_NOT_READY = -703  # being put: not visible yet
+_NOT_FOUND = -704
+_TOO_LARGE = -600
+#: Largest chunk object; a record must fit one chunk.
+_CHUNK_BYTES = 1 << 20
+_INDEX_BYTES = 64 << 10
+#: Sequence numbers probed per `batch_is_exist`; a gap this long ends a log.
+_PROBE = 64
+#: An append that lands at this seq (or later) compacts the namespace.
+_LOG_CHUNKS = 256
+#: Chunks read per Mooncake call.
+_READ_BATCH = 16
+_ATTEMPTS = 3
+#: A lock older than this belongs to a compaction that died; it may be broken.
+_LOCK_TTL_S = 300.0
+_ADMIN_TIMEOUT_S = 10.0
+_MAX_NAMESPACES = 4096
+
+
+class _Index(msgspec.Struct, frozen=True):
+    v: int
+    namespace: str
+    generation: int
+    stem: str
+    base: int
+
+
+class _Lock(msgspec.Struct, frozen=True):
+    token: str
+    expires: float
+
+
+class _Stale(Exception):
+    """A compaction switched generations while a read was under way."""
+
+
+_GEN0 = "g0"
+
+
+class MooncakeManifest:
+    """A bounded, per-namespace warmup manifest of immutable Mooncake objects.
+
+    Build it with `MooncakeStorage.manifest()`. Listing namespaces (a `read()` without a
+    namespace, `compact()`) needs the master's admin URL; without it only the namespaces
+    this object has appended to are known.
+    """
+
+    def __init__(self, storage: MooncakeStorage, limits: ManifestLimits | None = None) -> None:
+        self.limits = limits or ManifestLimits()
+        self._storage = storage
+        self._known: set[str] = set()
+        self._config: Any = None
+
+    # Names.
+
+    def object_name(self, namespace: str, suffix: str) -> str:
+        """The object `<prefix>:manifest:<namespace>:<suffix>`."""
+        return f"{self._storage.prefix}:manifest:{namespace}:{suffix}"
+
+    def _chunk_names(
+        self, namespace: str, stem: str, kind: str, numbers: Iterable[int]
+    ) -> list[str]:
+        """Names of the log (`kind="l"`) or base (`"b"`) chunks `numbers` of `stem`."""
+        return [self.object_name(namespace, f"{stem}:{kind}{n}") for n in numbers]
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The largest chunk this manifest writes or reads (at most half the backend's
+        staging arena, which reads go through, so page transfers keep room)."""
+        wanted = max(_CHUNK_BYTES, self.limits.max_entry_bytes + _HEADER_BYTES + 1)
+        return min(wanted, self._storage._arena.capacity // 2)
+
+    @property
+    def _line_limit(self) -> int:
+        """The longest record line stored: within the limits and within one chunk."""
+        return min(self.limits.max_entry_bytes, self.chunk_bytes - _HEADER_BYTES)
+
+    # The protocol.
+
+    async def append(self, entries: Sequence[ManifestEntry]) -> None:
+        """Store the records as new log chunks; compact a namespace whose log grew long.
+
+        A record longer than `max_entry_bytes` (or than a chunk) is not stored.
+        """
+        groups: dict[str, list[bytes]] = {}
+        limit = self._line_limit
+        for entry in entries:
+            if not _NAMESPACE.match(entry.namespace):
+                raise ValueError(f"manifest entry namespace is not 32 hex digits: {entry!r}")
+            line = encode_entry(entry)
+            if len(line) > limit:
+                _log.warning("hicache.manifest.entry_too_large", nbytes=len(line))
+                continue
+            groups.setdefault(entry.namespace, []).append(line)
+        for namespace, lines in groups.items():
+            self._known.add(namespace)
+            last_seq = await self._append(namespace, lines)
+            if last_seq + 1 >= _LOG_CHUNKS:
+                try:
+                    await self.compact_namespace(namespace)
+                except StorageError as exc:
+                    _log.warning("hicache.manifest.compact_failed", error=str(exc))
+
+    async def read(self, *, namespace: str | None = None) -> ManifestRead:
+        """The newest record per chain (of `namespace`, or of every known namespace).
+
+        Newest chunks first, at most `max_bytes` of them (`truncated` says the bound
+        stopped the read); every record is validated.
+        """
+        if namespace is not None and not _NAMESPACE.match(namespace):
+            return ManifestRead(entries=[])
+        namespaces = [namespace] if namespace is not None else await self._namespaces()
+        result = ManifestRead(entries=[])
+        for _ in range(_ATTEMPTS):
+            collector = ManifestCollector(self.limits, namespace)
+            budget = self.limits.max_bytes
+            truncated = False
+            try:
+                for ns in namespaces:
+                    used, cut = await self._collect(ns, collector, budget)
+                    budget -= used
+                    if cut or budget <= 0:
+                        truncated = True
+                        break
+            except _Stale:
+                result = collector.result(truncated=truncated)
+                continue
+            return collector.result(truncated=truncated)
+        return result
+
+    async def compact(self) -> CompactReport:
+        """Compact every known namespace (see `compact_namespace`)."""
+        totals = [0] * 6
+        for namespace in await self._namespaces():
+            report = await self.compact_namespace(namespace)
+            for i, value in enumerate(
+                (
+                    report.records_before,
+                    report.entries_after,
+                    report.bytes_before,
+                    report.bytes_after,
+                    report.malformed,
+                    report.oversized,
+                )
+            ):
+                totals[i] += value
+        return CompactReport(*totals)
+
+    async def compact_namespace(self, namespace: str) -> CompactReport:
+        """Rewrite a namespace's manifest as one new generation; see the module docstring.
+
+        Raises `StorageError` if another compaction holds the lock.
+        """
+        if not _NAMESPACE.match(namespace):
+            raise ValueError(f"not a namespace fingerprint: {namespace!r}")
+        token = await self._lock(namespace)
+        if token is None:
+            raise StorageError(
+                f"{self._storage.name}: another compaction of the manifest of {namespace} runs"
+            )
+        try:
+            return await self._compact(namespace)
+        finally:
+            await self._unlock(namespace, token)
+
+    # Appending.
+
+    async def _append(self, namespace: str, lines: list[bytes]) -> int:
+        """Write `lines` into the current log; returns the last seq used."""
+        payloads = _chunks(lines, self.chunk_bytes)
+        for _ in range(_ATTEMPTS):
+            index = await self._index(namespace)
+            written: list[str] = []
+            last = -1
+            for payload in payloads:
+                name, last = await self._put_log(namespace, index.stem, payload)
+                written.append(name)
+            now = await self._index(namespace)
+            if now.stem == index.stem:
+                return last
+            # A compaction switched generations meanwhile and may not have copied these:
+            # write them again under the new stem, and drop the copies nobody reads.
+            await self._remove(written)
+        raise StorageError(f"{self._storage.name}: manifest append kept racing compactions")
+
+    async def _put_log(self, namespace: str, stem: str, payload: bytes) -> tuple[str, int]:
+        """Put one chunk at the next free seq of `stem`'s log: (its name, its seq)."""
+        seq = await self._log_end(namespace, stem)
+        for _ in range(8):
+            name = self.object_name(namespace, f"{stem}:l{seq}")
+            if await self._claim(name, payload):
+                return name, seq
+            seq += 1  # another writer took it
+        raise StorageError(f"{self._storage.name}: no free manifest chunk in {stem}")
+
+    async def _claim(self, name: str, payload: bytes) -> bool:
+        """Put `payload` under `name` unless something is there; True if it is ours now.
+
+        Mooncake's put keeps an existing object and still returns 0, so the object is read
+        back: each payload carries a random token, so equal bytes mean it is ours.
+        """
+        chunk = _with_token(payload)
+        store = self._storage._open_store()
+        config = self._replicate_config()
+        code = await self._storage.run_job(lambda stop: int(store.put(name, chunk, config)))
+        if code != 0:
+            raise StorageError(f"{self._storage.name}: manifest put of {name} failed: {code}")
+        stored = await self._get([name], self.chunk_bytes)
+        return stored[0] == chunk
+
+    async def _log_end(self, namespace: str, stem: str, start: int = 0) -> int:
+        """One past the last seq of the log, scanning from `start` until a gap of `_PROBE`."""
+        end = start
+        base = start
+        while True:
+            names = self._chunk_names(namespace, stem, "l", range(base, base + _PROBE))
+            found = await self._exist(names)
+            present = [base + i for i, there in enumerate(found) if there]
+            if not present:
+                return end
+            end = present[-1] + 1
+            base += _PROBE
+
+    # Reading.
+
+    async def _collect(
+        self, namespace: str, collector: ManifestCollector, budget: int
+    ) -> tuple[int, bool]:
+        """Feed one namespace's records to `collector`, newest chunks first.
+
+        Returns (bytes read, whether the budget stopped it); raises `_Stale` if a
+        compaction switched generations meanwhile.
+        """
+        index = await self._index(namespace)
+        end = await self._log_end(namespace, index.stem)
+        base = set(self._chunk_names(namespace, index.stem, "b", range(index.base)))
+        names = self._chunk_names(namespace, index.stem, "l", reversed(range(end)))
+        names += self._chunk_names(namespace, index.stem, "b", reversed(range(index.base)))
+        used = 0
+        truncated = False
+        for group_start in range(0, len(names), _READ_BATCH):
+            group = names[group_start : group_start + _READ_BATCH]
+            if used >= budget:
+                truncated = True
+                break
+            values = await self._get(group, self.chunk_bytes)
+            for name, value in zip(group, values, strict=True):
+                if value is None:
+                    if name in base:
+                        raise _Stale  # its generation was removed under us
+                    continue  # a gap in the log
+                if isinstance(value, int):  # larger than any chunk: not read
+                    used += self.chunk_bytes
+                    collector.records += 1
+                    collector.oversized += 1
+                    continue
+                used += len(value)
+                for line in _records(value):
+                    collector.add_line(line)
+        if (await self._index(namespace)).stem != index.stem:
+            raise _Stale
+        return used, truncated
+
+    async def _index(self, namespace: str) -> _Index:
+        """The newest valid index of `namespace` (generation 0 when there is none)."""
+        names = [self.object_name(namespace, f"index.{slot}") for slot in (0, 1)]
+        best = _Index(v=1, namespace=namespace, generation=0, stem=_GEN0, base=0)
+        for slot, value in enumerate(await self._get(names, _INDEX_BYTES)):
+            if not isinstance(value, bytes):
+                continue
+            index = self._valid_index(value, namespace, slot)
+            if index is not None and index.generation > best.generation:
+                best = index
+        return best
+
+    def _valid_index(self, value: bytes, namespace: str, slot: int) -> _Index | None:
+        try:
+            index = msgspec.json.decode(value, type=_Index)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            index = None
+        # A compacted base has at most one chunk per kept entry, plus the folded-in tail.
+        max_base = self.limits.max_entries + 4 * _LOG_CHUNKS
+        match = _STEM.match(index.stem) if index is not None else None
+        if (
+            index is None
+            or match is None
+            or index.v != 1
+            or index.namespace != namespace
+            or index.generation < 1
+            or index.generation % 2 != slot
+            or match.group(1) != str(index.generation)
+            or not 0 <= index.base <= max_base
+        ):
+            _log.warning("hicache.manifest.bad_index", namespace=namespace, slot=slot)
+            return None
+        return index
+
+    async def _namespaces(self) -> list[str]:
+        """Namespaces this object wrote to, plus those the master's admin API lists."""
+        found = set(self._known)
+        admin = self._storage._admin
+        if admin is None:
+            if not found:
+                _log.warning(
+                    "hicache.manifest.no_admin",
+                    backend=self._storage.name,
+                    hint="listing manifests needs ?admin=http://master:port",
+                )
+            return sorted(found)
+        lead = f"{self._storage.prefix}:manifest:".encode()
+        url = f"{admin}/get_all_keys"
+
+        def job(stop: threading.Event) -> set[str]:
+            names: set[str] = set()
+            try:
+                with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
+                    for line in response:  # streamed: the list holds every page too
+                        if stop.is_set() or len(names) >= _MAX_NAMESPACES:
+                            break
+                        name = line.strip()
+                        rest = name[len(lead) :]
+                        if name.startswith(lead) and rest[32:33] == b":":
+                            ns = rest[:32].decode("ascii", "replace")
+                            if _NAMESPACE.match(ns):
+                                names.add(ns)
+            except (OSError, urllib.error.URLError) as exc:
+                raise StorageError(f"{self._storage.name}: {url} failed: {exc}") from exc
+            return names
+
+        found |= await self._storage.run_job(job)
+        return sorted(found)
+
+    # Compaction.
+
+    async def _compact(self, namespace: str) -> CompactReport:
+        old = await self._index(namespace)
+        end = await self._log_end(namespace, old.stem)
+        collector = ManifestCollector(self.limits, namespace)
+        before = await self._feed(namespace, old, range(end), collector)
+        result = collector.result(truncated=before >= self.limits.max_bytes)
+        kept = _compacted(result.entries, self.limits)
+        generation = old.generation + 1
+        stem = f"g{generation}-{os.urandom(8).hex()}"
+        payloads = _chunks([encode_entry(e) for e in kept], self.chunk_bytes)
+        # What was appended while the base was being built goes into the base too.
+        tail_end = await self._log_end(namespace, old.stem, end)
+        tail = await self._lines(namespace, old.stem, range(end, tail_end))
+        payloads += _chunks(tail, self.chunk_bytes)
+        new_base = self._chunk_names(namespace, stem, "b", range(len(payloads)))
+        index = _Index(
+            v=1, namespace=namespace, generation=generation, stem=stem, base=len(payloads)
+        )
+        try:
+            switched = await self._switch(namespace, index, new_base, payloads)
+        except BaseException:
+            await self._remove(new_base)
+            raise
+        if not switched:
+            await self._remove(new_base)
+            raise StorageError(f"{self._storage.name}: manifest objects of {stem} were taken")
+        # Switched: readers now take the new generation. Carry over what arrived meanwhile,
+        # then remove the old generation.
+        last_end = await self._log_end(namespace, old.stem, tail_end)
+        late = await self._lines(namespace, old.stem, range(tail_end, last_end))
+        for payload in _chunks(late, self.chunk_bytes):
+            await self._put_log(namespace, stem, payload)
+        old_names = self._chunk_names(namespace, old.stem, "l", range(last_end))
+        old_names += self._chunk_names(namespace, old.stem, "b", range(old.base))
+        if old.generation:
+            old_names.append(self.object_name(namespace, f"index.{old.generation % 2}"))
+        await self._remove(old_names)
+        await self._sweep(namespace, stem)
+        return CompactReport(
+            records_before=collector.records,
+            entries_after=len(kept),
+            bytes_before=before,
+            bytes_after=sum(len(p) + _HEADER_BYTES for p in payloads),
+            malformed=collector.malformed,
+            oversized=collector.oversized,
+        )
+
+    async def _switch(
+        self, namespace: str, index: _Index, names: list[str], payloads: list[bytes]
+    ) -> bool:
+        """Write the base chunks, then the index into its slot: the switch. False if any of
+        those objects turned out to be someone else's."""
+        for name, payload in zip(names, payloads, strict=True):
+            if not await self._claim(name, payload):
+                return False
+        slot = self.object_name(namespace, f"index.{index.generation % 2}")
+        await self._remove([slot])  # a stale generation's, if any
+        return await self._claim_raw(slot, msgspec.json.encode(index))
+
+    async def _feed(
+        self, namespace: str, index: _Index, seqs: range, collector: ManifestCollector
+    ) -> int:
+        """Feed the base and the log chunks `seqs` (newest first) to `collector`, bounded."""
+        names = self._chunk_names(namespace, index.stem, "l", reversed(seqs))
+        names += self._chunk_names(namespace, index.stem, "b", reversed(range(index.base)))
+        used = 0
+        for start in range(0, len(names), _READ_BATCH):
+            if used >= self.limits.max_bytes:
+                break
+            for value in await self._get(names[start : start + _READ_BATCH], self.chunk_bytes):
+                if isinstance(value, int):
+                    used += self.chunk_bytes
+                    collector.records += 1
+                    collector.oversized += 1
+                elif value is not None:
+                    used += len(value)
+                    for line in _records(value):
+                        collector.add_line(line)
+        return used
+
+    async def _lines(self, namespace: str, stem: str, seqs: range) -> list[bytes]:
+        """The valid records of the log chunks `seqs`, as lines."""
+        names = self._chunk_names(namespace, stem, "l", seqs)
+        lines: list[bytes] = []
+        for start in range(0, len(names), _READ_BATCH):
+            for value in await self._get(names[start : start + _READ_BATCH], self.chunk_bytes):
+                if isinstance(value, bytes):
+                    lines.extend(
+                        line + b"\n"
+                        for line in _records(value)
+                        if len(line) < self._line_limit and decode_entry(line) is not None
+                    )
+        return lines
+
+    async def _sweep(self, namespace: str, stem: str) -> None:
+        """With the admin API: remove objects of `namespace` no generation refers to any more
+        (left by compactions or appends that died half-way)."""
+        admin = self._storage._admin
+        if admin is None:
+            return
+        lead = self.object_name(namespace, "").encode()
+        keep = (f"{stem}:".encode(), b"index.", b"lock")
+        url = f"{admin}/get_all_keys"
+
+        def job(stop: threading.Event) -> list[str]:
+            names: list[str] = []
+            try:
+                with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
+                    for line in response:
+                        name = line.strip()
+                        if name.startswith(lead) and not name[len(lead) :].startswith(keep):
+                            names.append(name.decode("ascii", "replace"))
+            except (OSError, urllib.error.URLError) as exc:
+                raise StorageError(f"{self._storage.name}: {url} failed: {exc}") from exc
+            return names
+
+        await self._remove(await self._storage.run_job(job))
+
+    async def _lock(self, namespace: str) -> str | None:
+        """Take the compaction lock of `namespace`: its token, or None if someone holds it."""
+        name = self.object_name(namespace, "lock")
+        for _ in range(2):
+            token = os.urandom(8).hex()
+            body = msgspec.json.encode(_Lock(token=token, expires=time.time() + _LOCK_TTL_S))
+            if await self._claim_raw(name, body):
+                return token
+            held = (await self._get([name], _INDEX_BYTES))[0]
+            if held is None:
+                continue  # released meanwhile, or another compaction is putting it
+            try:
+                lock = msgspec.json.decode(held, type=_Lock) if isinstance(held, bytes) else None
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                lock = None
+            if lock is not None and lock.expires > time.time():
+                return None
+            # Abandoned (or unreadable): break it, once.
+            _log.warning("hicache.manifest.lock_broken", namespace=namespace)
+            await self._remove([name])
+        return None
+
+    async def _unlock(self, namespace: str, token: str) -> None:
+        name = self.object_name(namespace, "lock")
+        held = (await self._get([name], _INDEX_BYTES))[0]
+        if isinstance(held, bytes):
+            try:
+                lock = msgspec.json.decode(held, type=_Lock)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return
+            if lock.token == token:
+                await self._remove([name])
+
+    # Mooncake calls (one job each).
+
+    def _replicate_config(self) -> Any:
+        if self._config is None:
+            from mooncake.store import ReplicateConfig
+
+            config = ReplicateConfig()
+            config.replica_num = self._storage._replicas
+            config.with_hard_pin = True  # never evicted: a manifest is small and its gaps hurt
+            self._config = config
+        return self._config
+
+    async def _claim_raw(self, name: str, value: bytes) -> bool:
+        """Put `value` (which must be unique) under `name`; True if the object is it."""
+        store = self._storage._open_store()
+        config = self._replicate_config()
+        code = await self._storage.run_job(lambda stop: int(store.put(name, value, config)))
+        if code != 0:
+            raise StorageError(f"{self._storage.name}: manifest put of {name} failed: {code}")
+        return (await self._get([name], _INDEX_BYTES))[0] == value
+
+    async def _exist(self, names: list[str]) -> list[bool]:
+        store = self._storage._open_store()
+        codes = await self._storage.run_job(lambda stop: list(store.batch_is_exist(names)))
+        if any(code < 0 for code in codes):
+            raise StorageError(f"{self._storage.name}: manifest lookup failed")
+        return [code == 1 for code in codes]
+
+    async def _get(self, names: list[str], bound: int) -> list[bytes | int | None]:
+        """Each object's bytes, None if absent (or still being put), or -1 if larger than
+        `bound` (not read).
+
+        Objects land in the backend's registered arena, `bound` bytes each, so nothing
+        larger than the bound is ever transferred.
+        """
+        size = self._storage._arena.rounded(bound)
+        step = max(1, self._storage._arena.capacity // 2 // size)
+        values: list[bytes | int | None] = []
+        for start in range(0, len(names), step):
+            values += await self._get_some(names[start : start + step], bound, size)
+        return values
+
+    async def _get_some(self, names: list[str], bound: int, size: int) -> list[bytes | int | None]:
+        storage = self._storage
+        store = storage._open_store()
+        arena = storage._arena
+        offset = await arena.acquire(size * len(names))
+        view, address = storage._arena_view, storage._arena_base + offset
+        assert view is not None
+
+        def job(stop: threading.Event) -> list[bytes | int | None]:
+            addresses = [address + i * size for i in range(len(names))]
+            codes = list(store.batch_get_into(names, addresses, [bound] * len(names)))
+            values: list[bytes | int | None] = []
+            for i, code in enumerate(codes):
+                if code >= 0:
+                    start = offset + i * size
+                    values.append(bytes(view[start : start + code]))
+                elif code in (_NOT_FOUND, _NOT_READY):
+                    values.append(None)
+                elif code == _TOO_LARGE:
+                    values.append(-1)
+                else:
+                    raise StorageError(f"{storage.name}: manifest read failed with {code}")
+            return values
+
+        try:
+            return await storage.run_job(job)
+        finally:
+            arena.release(offset, size * len(names))
+
+    async def _remove(self, names: Iterable[str]) -> None:
+        todo = list(names)
+        if not todo:
+            return
+        store = self._storage._open_store()
+        codes = await self._storage.run_job(lambda stop: list(store.batch_remove(todo, force=True)))
+        failed = [c for c in codes if c not in (0, _NOT_FOUND)]
+        if failed:
+            _log.warning("hicache.manifest.remove_failed", count=len(failed), code=failed[0])
+
+
+def _with_token(payload: bytes) -> bytes:
+    return _CHUNK_MAGIC + os.urandom(8).hex().encode() + b"\n" + payload
+
+
+def _records(chunk: bytes) -> Iterable[bytes]:
+    """The record lines of a chunk (its header line, if it has one, left out)."""
+    lines = chunk.split(b"\n")
+    if lines and lines[0].startswith(_CHUNK_MAGIC):
+        lines = lines[1:]
+    return (line for line in lines if line.strip())
+
+
+def _chunks(lines: list[bytes], chunk_bytes: int) -> list[bytes]:
+    """Lines packed into payloads that fit a chunk with its header line."""
+    room = chunk_bytes - _HEADER_BYTES
+    payloads: list[bytes] = []
+    current: list[bytes] = []
+    size = 0
+    for line in lines:
+        if current and size + len(line) > room:
+            payloads.append(b"".join(current))
+            current, size = [], 0
+        current.append(line)
+        size += len(line)
+    if current:
+        payloads.append(b"".join(current))
+    return payloads
+
+
+def _compacted(entries: list[ManifestEntry], limits: ManifestLimits) -> list[ManifestEntry]:
+    """The entries a compaction keeps, oldest first: the most valuable that fit half of
+    `max_bytes`, so the manifest has room to grow before it passes the bound again."""
+    kept: list[ManifestEntry] = []
+    total = 0
+    for entry in entries:
+        size = len(encode_entry(entry))
+        if kept and total + size > limits.max_bytes // 2:
+            break
+        kept.append(entry)
+        total += size
+    return sorted(kept, key=lambda e: e.last_use)

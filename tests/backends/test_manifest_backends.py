@@ -1,0 +1,473 @@
+"""Warmup manifests of every backend, against real servers: memory, file, Redis, Mooncake.
+
+The same properties for each: round trip, newest record per chain, malformed and oversized
+records skipped and counted, bounded reads of a manifest far beyond its limits, bounded
+storage under appends, atomic and idempotent compaction, separated namespaces. Then the
+backend-specific ones (Redis Cluster slots, no scripting, TTL; Mooncake's index validation
+and compaction lock) and a HiCache that warms up from what another one backed up to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from redis.asyncio import Redis
+from redis.crc import key_slot
+
+from hicache_async import CacheConfig, HiCache, StorageError
+from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend
+from hicache_async.storage._manifest import (
+    ManifestEntry,
+    ManifestLimits,
+    ManifestRead,
+    MemoryManifest,
+    SupportsManifest,
+    WarmupManifest,
+    chain_entry,
+    encode_entry,
+)
+from hicache_async.storage._manifest_mooncake import MooncakeManifest
+from hicache_async.storage._manifest_redis import RedisManifest
+from hicache_async.storage._mooncake import MooncakeStorage
+from hicache_async.storage._redis import RedisStorage
+from hicache_async.testing import KVGenerator, serve
+from hicache_async.testing._servers import RedisServer
+from hicache_async.workers import WarmupStatus
+
+NS_A = bytes(range(16))
+NS_B = bytes(range(16, 32))
+PAGE = 4
+LIMITS = ManifestLimits(max_entries=64, max_entry_bytes=4096, max_bytes=8 << 20)
+MOONCAKE_SMALL = "&segment_size=512MiB&buffer_size=16MiB&staging_size=8MiB"
+
+
+def entry(ns: bytes, i: int, *, priority: int = 0, last_use: float | None = None) -> ManifestEntry:
+    """The entry of chain `i` of namespace `ns`: three page keys."""
+    keys = [hashlib.sha256(b"%d:%d:" % (i, j) + ns).digest() for j in range(3)]
+    return chain_entry(ns, keys, 3 * PAGE, priority, float(i) if last_use is None else last_use)
+
+
+def line(value: object) -> bytes:
+    return json.dumps(value).encode()
+
+
+class Store:
+    """A backend under test, with raw access to where its manifest lives."""
+
+    def __init__(self, kind: str, backend: StorageBackend) -> None:
+        self.kind = kind
+        self.backend = backend
+        self._manifest: WarmupManifest | None = None
+
+    def manifest(self, limits: ManifestLimits = LIMITS) -> WarmupManifest:
+        assert isinstance(self.backend, SupportsManifest)
+        self._manifest = self.backend.manifest(limits)
+        return self._manifest
+
+    async def write_raw(self, ns: bytes, lines: list[bytes]) -> None:
+        """Store `lines` as manifest records of `ns` as they are: no validation, no bounds."""
+        manifest = self._manifest or self.manifest()
+        if isinstance(manifest, MemoryManifest):
+            manifest._lines.extend(raw + b"\n" for raw in lines)
+        elif isinstance(self.backend, FileStorage):
+            with (self.backend.root / "manifest.jsonl").open("ab") as f:
+                f.write(b"".join(raw + b"\n" for raw in lines))
+        elif isinstance(manifest, RedisManifest):
+            assert isinstance(self.backend, RedisStorage)
+            client = self.backend._redis()
+            for start in range(0, len(lines), 1000):
+                await client.rpush(manifest.list_key(ns.hex()), *lines[start : start + 1000])
+            await client.sadd(manifest.index_key, ns.hex())
+        else:
+            assert isinstance(manifest, MooncakeManifest)
+            index = await manifest._index(ns.hex())
+            payload = b"".join(raw + b"\n" for raw in lines)
+            await manifest._put_log(ns.hex(), index.stem, payload)
+
+    async def write_huge(self, ns: bytes, nbytes: int) -> None:
+        """One record (for Mooncake: one object) of `nbytes`, beyond every bound."""
+        manifest = self._manifest or self.manifest()
+        if not isinstance(manifest, MooncakeManifest):
+            await self.write_raw(ns, [b"z" * nbytes])
+            return
+        assert isinstance(self.backend, MooncakeStorage)
+        index = await manifest._index(ns.hex())
+        end = await manifest._log_end(ns.hex(), index.stem)
+        name = manifest.object_name(ns.hex(), f"{index.stem}:l{end}")
+        store, config = self.backend._store, manifest._replicate_config()
+        code = await self.backend.run_job(lambda stop: store.put(name, b"z" * nbytes, config))
+        assert code == 0
+
+
+@pytest.fixture(params=["memory", "file", "redis", "mooncake"])
+async def store(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_url: str, mooncake_url: str
+) -> AsyncIterator[Store]:
+    prefix = f"t{uuid.uuid4().hex}"
+    backend: StorageBackend
+    if request.param == "memory":
+        backend = MemoryStorage()
+    elif request.param == "file":
+        backend = FileStorage(tmp_path / "root")
+    elif request.param == "redis":
+        backend = RedisStorage.from_url(f"{redis_url}?prefix={prefix}")
+    else:
+        backend = MooncakeStorage.from_url(f"{mooncake_url}{MOONCAKE_SMALL}&prefix={prefix}")
+    async with backend:
+        yield Store(request.param, backend)
+
+
+def chains(read: ManifestRead) -> set[str]:
+    return {e.chain_id for e in read.entries}
+
+
+async def test_round_trip_and_the_newest_record_of_a_chain_wins(store: Store) -> None:
+    manifest = store.manifest()
+    written = [entry(NS_A, i, priority=i % 3) for i in range(20)]
+    await manifest.append(written[:12])
+    await manifest.append(written[12:])
+    read = await manifest.read(namespace=NS_A.hex())
+    assert sorted(read.entries, key=lambda e: e.last_use) == written
+    assert (read.malformed, read.oversized, read.truncated) == (0, 0, False)
+    assert [e.priority for e in read.entries] == sorted((e.priority for e in written), reverse=True)
+
+    await manifest.append([entry(NS_A, 3, priority=7, last_use=1e6)])
+    await manifest.append([entry(NS_A, 4, priority=9, last_use=1.5)])  # older than chain 4's
+    read = await manifest.read(namespace=NS_A.hex())
+    assert len(read.entries) == 20
+    by_chain = {e.chain_id: e for e in read.entries}
+    assert by_chain[written[3].chain_id].priority == 7
+    assert by_chain[written[4].chain_id].priority == written[4].priority
+    assert read.entries[0].chain_id == written[3].chain_id  # highest priority first
+
+
+async def test_malformed_and_oversized_records_are_skipped_and_counted(store: Store) -> None:
+    manifest = store.manifest()
+    good = [entry(NS_A, i) for i in range(5)]
+    await manifest.append(good)
+    bad_key = {"namespace": NS_A.hex(), "keys": ["xy" * 32], "num_tokens": 4}
+    await store.write_raw(
+        NS_A,
+        [
+            b"not json",
+            line({"namespace": "zz", "keys": [], "num_tokens": -1}),
+            line({"namespace": NS_A.hex(), "keys": ["ab" * 32], "num_tokens": 4, "v": 99}),
+            line(bad_key),
+            b"x" * (LIMITS.max_entry_bytes + 10),
+        ],
+    )
+    await store.write_huge(NS_A, 3 << 19)  # 1.5 MiB: more than a record or a chunk may be
+    read = await manifest.read(namespace=NS_A.hex())
+    assert chains(read) == {e.chain_id for e in good}
+    assert (read.malformed, read.oversized, read.truncated) == (4, 2, False)
+
+    report = await manifest.compact()
+    assert (report.entries_after, report.malformed, report.oversized) == (5, 4, 2)
+    read = await manifest.read(namespace=NS_A.hex())
+    assert chains(read) == {e.chain_id for e in good}
+    assert (read.malformed, read.oversized) == (0, 0)
+
+
+async def _net_output(store: Store) -> int:
+    assert isinstance(store.backend, RedisStorage)
+    info = await store.backend._redis().info("stats")
+    return int(info["total_net_output_bytes"])
+
+
+async def test_a_manifest_far_beyond_its_limits_is_read_within_them(store: Store) -> None:
+    limits = ManifestLimits(max_entries=16, max_entry_bytes=2048, max_bytes=64 << 10)
+    manifest = store.manifest(limits)
+    records = [encode_entry(entry(NS_A, i, priority=i % 5))[:-1] for i in range(3000)]
+    assert sum(map(len, records)) > 10 * limits.max_bytes
+    for start in range(0, len(records), 100):
+        await store.write_raw(NS_A, records[start : start + 100])
+    before = await _net_output(store) if store.kind == "redis" else 0
+    read = await manifest.read(namespace=NS_A.hex())
+    assert 0 < len(read.entries) <= limits.max_entries
+    assert all(e.namespace == NS_A.hex() for e in read.entries)
+    if store.kind == "memory":
+        # The whole manifest is in this process already; the collector still keeps the bound.
+        assert not read.truncated
+    else:
+        assert read.truncated
+    if store.kind == "redis":
+        # What crossed the network: the byte bound (and one record), not the 900 KB stored.
+        sent = await _net_output(store) - before
+        assert sent < limits.max_bytes + limits.max_entry_bytes + (16 << 10)
+    report = await manifest.compact()
+    assert report.entries_after <= limits.max_entries
+    assert report.bytes_after <= limits.max_bytes
+
+
+async def test_appends_keep_the_stored_manifest_within_its_bounds(store: Store) -> None:
+    limits = ManifestLimits(max_entries=16, max_entry_bytes=2048, max_bytes=16 << 10)
+    manifest = store.manifest(limits)
+    for i in range(300):
+        await manifest.append([entry(NS_A, i)])
+    read = await manifest.read(namespace=NS_A.hex())
+    assert chains(read) == {entry(NS_A, i).chain_id for i in range(300 - 16, 300)}
+    record = len(encode_entry(entry(NS_A, 0)))
+    if isinstance(manifest, RedisManifest):
+        assert isinstance(store.backend, RedisStorage)
+        client = store.backend._redis()
+        assert await client.llen(manifest.list_key(NS_A.hex())) <= 2 * limits.max_entries
+        nbytes = int(await client.hget(manifest.meta_key(NS_A.hex()), "bytes") or 0)
+        assert nbytes <= limits.max_bytes + record
+    elif isinstance(manifest, MooncakeManifest):
+        index = await manifest._index(NS_A.hex())
+        assert index.generation >= 1  # the 256th append compacted it
+        assert await manifest._log_end(NS_A.hex(), index.stem) < 256
+    elif isinstance(manifest, MemoryManifest):
+        assert manifest._bytes <= limits.max_bytes + record
+    else:
+        assert isinstance(store.backend, FileStorage)
+        size = (store.backend.root / "manifest.jsonl").stat().st_size
+        assert size <= limits.max_bytes + record
+
+
+async def test_compaction_is_atomic_and_idempotent(store: Store) -> None:
+    manifest = store.manifest()
+    await manifest.append([entry(NS_A, i, priority=i % 4) for i in range(40)])
+    await manifest.append([entry(NS_A, i, priority=5, last_use=100.0 + i) for i in range(0, 40, 3)])
+    await store.write_raw(NS_A, [b"garbage"])
+    expected = await manifest.read(namespace=NS_A.hex())
+    assert len(expected.entries) == 40
+    assert expected.malformed == 1
+    snapshot = {(e.chain_id, e.priority) for e in expected.entries}
+
+    seen: list[set[tuple[str, int]]] = []
+
+    async def reader() -> None:
+        for _ in range(6):
+            read = await manifest.read(namespace=NS_A.hex())
+            seen.append({(e.chain_id, e.priority) for e in read.entries})
+
+    report, *_ = await asyncio.gather(manifest.compact(), reader(), reader())
+    # Every read saw the whole manifest, before or after the switch, never a partial one.
+    assert len(seen) == 12
+    assert all(s == snapshot for s in seen)
+    assert (report.records_before, report.entries_after, report.malformed) == (55, 40, 1)
+
+    again = await manifest.compact()
+    assert (again.records_before, again.entries_after, again.malformed) == (40, 40, 0)
+    third = await manifest.compact()
+    assert third.bytes_after == again.bytes_after
+    read = await manifest.read(namespace=NS_A.hex())
+    assert {(e.chain_id, e.priority) for e in read.entries} == snapshot
+    assert read.malformed == 0
+
+
+async def test_records_appended_during_a_compaction_are_kept(store: Store) -> None:
+    if store.kind == "file":
+        pytest.skip("FileManifest.compact replaces the file with what it read (see docs)")
+    manifest = store.manifest()
+    await manifest.append([entry(NS_A, i) for i in range(200)])
+    late = [entry(NS_A, 1000 + i) for i in range(12)]
+
+    async def appender() -> None:
+        for item in late:
+            await manifest.append([item])
+            await asyncio.sleep(0)
+
+    await asyncio.gather(manifest.compact(), appender())
+    read = await manifest.read(namespace=NS_A.hex())
+    assert len(read.entries) == LIMITS.max_entries
+    assert {e.chain_id for e in late} <= chains(read)
+
+
+async def test_namespaces_are_kept_apart(store: Store) -> None:
+    manifest = store.manifest()
+    await manifest.append([entry(NS_A, i) for i in range(6)] + [entry(NS_B, i) for i in range(4)])
+    # A record that claims namespace B, stored among A's records, never counts for A.
+    await store.write_raw(NS_A, [encode_entry(entry(NS_B, 99))[:-1]])
+    for _ in range(2):
+        a = await manifest.read(namespace=NS_A.hex())
+        assert chains(a) == {entry(NS_A, i).chain_id for i in range(6)}
+        b = await manifest.read(namespace=NS_B.hex())
+        assert {entry(NS_B, i).chain_id for i in range(4)} <= chains(b)
+        assert all(e.namespace == NS_B.hex() for e in b.entries)
+        both = await manifest.read()
+        assert chains(a) | {entry(NS_B, i).chain_id for i in range(4)} <= chains(both)
+        await manifest.compact()
+    assert (await manifest.read(namespace="00" * 16)).entries == []
+    if store.kind in ("redis", "mooncake"):
+        # A fresh reader knows no namespaces of its own: they come from the store.
+        fresh = store.manifest()
+        assert chains(a) | chains(b) <= chains(await fresh.read())
+
+
+# Redis: Cluster slots, no scripting, TTL.
+
+
+@pytest.fixture(scope="module")
+def cluster_node() -> Iterator[RedisServer]:
+    """A one-node Redis Cluster: multi-key commands across slots fail with CROSSSLOT."""
+    with RedisServer(
+        extra_args=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+    ) as server:
+        client = redis.Redis(host=server.host, port=server.port)
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)  # type: ignore[no-untyped-call]
+        for _ in range(200):
+            info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+            if b"cluster_state:ok" in info:
+                break
+            time.sleep(0.05)
+        client.close()
+        yield server
+
+
+@pytest.fixture(scope="module")
+def unscripted_redis() -> Iterator[RedisServer]:
+    """A redis-server that refuses scripts, as some proxies do."""
+    hidden = ["--rename-command", "EVALSHA", f"x{uuid.uuid4().hex}"]
+    hidden += ["--rename-command", "EVAL", f"x{uuid.uuid4().hex}"]
+    with RedisServer(extra_args=hidden) as server:
+        yield server
+
+
+def test_a_namespaces_keys_share_one_cluster_slot() -> None:
+    manifest = RedisManifest(Redis, prefix="hicache", name="redis")  # builds, never connects
+    ns = NS_A.hex()
+    slots = {key_slot(k.encode()) for k in (manifest.list_key(ns), manifest.meta_key(ns))}
+    slots.add(key_slot(f"{manifest.list_key(ns)}:compacting:0123".encode()))
+    assert len(slots) == 1
+    assert key_slot(manifest.list_key(NS_B.hex()).encode()) not in slots
+
+
+@pytest.mark.parametrize("server", ["cluster", "unscripted"])
+async def test_redis_manifest_on_a_cluster_and_without_scripting(
+    server: str, cluster_node: RedisServer, unscripted_redis: RedisServer
+) -> None:
+    node = cluster_node if server == "cluster" else unscripted_redis
+    url = f"{node.url}?prefix=t{uuid.uuid4().hex}&multikey=0"
+    async with RedisStorage.from_url(url) as backend:
+        manifest = backend.manifest(LIMITS)
+        await manifest.append([entry(NS_A, i) for i in range(100)])
+        await manifest.append([entry(NS_B, i, priority=1) for i in range(3)])
+        await backend._redis().rpush(manifest.list_key(NS_A.hex()), b"junk", b"y" * 5000)
+        read = await manifest.read(namespace=NS_A.hex())
+        assert len(read.entries) == LIMITS.max_entries
+        assert (read.malformed, read.oversized) == (1, 1)
+        report = await manifest.compact()
+        assert (report.entries_after, report.malformed, report.oversized) == (67, 1, 1)
+        assert (await manifest.read(namespace=NS_A.hex())).entries == read.entries
+        everything = await manifest.read()  # both namespaces, still max_entries in all
+        assert len(everything.entries) == LIMITS.max_entries
+        assert {entry(NS_B, i).chain_id for i in range(3)} <= chains(everything)
+        assert manifest._scripting is (server == "cluster")
+
+
+@pytest.mark.parametrize("ttl", [None, 3600])
+async def test_redis_manifest_follows_the_page_ttl(redis_url: str, ttl: int | None) -> None:
+    query = f"prefix=t{uuid.uuid4().hex}" + (f"&ttl={ttl}" if ttl else "")
+    async with RedisStorage.from_url(f"{redis_url}?{query}") as backend:
+        manifest = backend.manifest(LIMITS)
+        client = backend._redis()
+        await manifest.append([entry(NS_A, i) for i in range(5)])
+        key = manifest.list_key(NS_A.hex())
+        await manifest.compact()  # built under a temporary key that expires on its own
+        remaining = await client.ttl(key)
+        if ttl is None:
+            assert remaining == -1
+        else:
+            assert 0 < remaining <= ttl
+        assert await client.keys(f"{key}:compacting:*") == []
+
+
+# Mooncake: index validation, the compaction lock.
+
+
+async def test_mooncake_ignores_a_forged_index(mooncake_url: str) -> None:
+    url = f"{mooncake_url}{MOONCAKE_SMALL}&prefix=t{uuid.uuid4().hex}"
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest = backend.manifest(LIMITS)
+        await manifest.append([entry(NS_A, i) for i in range(4)])
+        ns = NS_A.hex()
+        # An index that points outside the namespace's objects, and one that is not JSON.
+        forged = {"v": 1, "namespace": ns, "generation": 1, "stem": "../other", "base": 1}
+        store, config = backend._store, manifest._replicate_config()
+        for slot, value in ((1, json.dumps(forged).encode()), (0, b"\xff{")):
+            name = manifest.object_name(ns, f"index.{slot}")
+
+            def put(stop: object, name: str = name, value: bytes = value) -> int:
+                return int(store.put(name, value, config))
+
+            assert await backend.run_job(put) == 0
+        read = await manifest.read(namespace=ns)
+        assert chains(read) == {entry(NS_A, i).chain_id for i in range(4)}
+        assert (await manifest._index(ns)).generation == 0
+
+
+async def test_mooncake_compactions_exclude_each_other(mooncake_url: str) -> None:
+    url = f"{mooncake_url}{MOONCAKE_SMALL}&prefix=t{uuid.uuid4().hex}"
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest = backend.manifest(LIMITS)
+        await manifest.append([entry(NS_A, i) for i in range(4)])
+        token = await manifest._lock(NS_A.hex())
+        assert token is not None
+        with pytest.raises(StorageError, match="another compaction"):
+            await manifest.compact_namespace(NS_A.hex())
+        await manifest._unlock(NS_A.hex(), token)
+        report = await manifest.compact_namespace(NS_A.hex())
+        assert report.entries_after == 4
+
+
+# A HiCache warms up from what another one backed up to Redis.
+
+
+def _config(**overrides: Any) -> CacheConfig:
+    base: dict[str, Any] = {
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        "page_size": PAGE,
+        "device_pages": 64,
+        "host_pages": 512,
+        "model_id": "manifest-e2e",
+        "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE},
+        "backup": {"retry_backoff_s": 0.001},
+    }
+    base.update(overrides)
+    return CacheConfig.from_dict(base)
+
+
+async def test_a_cold_instance_warms_up_from_redis_and_serves_from_its_host_pool(
+    redis_url: str,
+) -> None:
+    url = f"{redis_url}?prefix=t{uuid.uuid4().hex}"
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 50_000, size=int(rng.integers(3, 12)) * PAGE + 2) for _ in range(10)]
+    generator = KVGenerator(_config().layout, PAGE, seed=3)
+    async with HiCache(_config(), storage=url) as first:
+        for prompt in prompts:
+            served = await serve(first, prompt, generator)
+            assert served.computed_tokens == len(prompt)
+        await first.drain()
+        status = first.storage_status()
+        assert status.backup is not None
+        assert status.backup.manifest_entries >= len(prompts)
+
+    config = _config(warmup={"enabled": True, "ratio": 1.0})
+    async with HiCache(config, storage=url) as second:
+        result = await second.wait_warmup()
+        assert result is not None
+        assert result.status is WarmupStatus.COMPLETE
+        assert result.pages_loaded == sum(len(p) // PAGE for p in prompts)
+        assert (result.malformed, result.oversized) == (0, 0)
+        for prompt in prompts:
+            served = await serve(second, prompt, generator, check="all")
+            assert served.host_tokens == len(prompt) // PAGE * PAGE
+            assert served.storage_tokens == 0
+            assert served.checked_pages == len(prompt) // PAGE
+        await second.drain()
+        for node in second.tree.iter_nodes():
+            assert node.lock_ref == 0
+            assert node.host_ref == 0
