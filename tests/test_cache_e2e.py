@@ -18,7 +18,7 @@ from hicache_async import (
     OutOfPagesError,
     WrongThreadError,
 )
-from hicache_async.testing import KVGenerator, serve
+from hicache_async.testing import KVGenerator, assert_drained, serve
 
 PAGE = 4
 
@@ -53,22 +53,6 @@ def _prompts(count: int, seed: int) -> list[np.ndarray]:
     return prompts
 
 
-def _assert_drained(cache: HiCache) -> None:
-    stats = cache.statistics()
-    assert stats.live_requests == 0
-    for node in cache.tree.iter_nodes():
-        assert node.lock_ref == 0, node
-        assert node.host_ref == 0, node
-    cache.tree.check_invariants()
-    for pool, in_tree in (
-        (cache.device_pool, stats.tree.device_pages),
-        (cache.host_pool, stats.tree.host_pages),
-    ):
-        alloc = pool.allocator
-        assert alloc.free_count + alloc.used_count == alloc.capacity
-        assert alloc.used_count == in_tree, pool
-
-
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first_direct", "page_first"])
 async def test_many_requests_through_small_pools(policy: str, host_layout: str) -> None:
@@ -88,7 +72,7 @@ async def test_many_requests_through_small_pools(policy: str, host_layout: str) 
             assert sum(s.host_tokens for s in served) > 0, "no request was served from host"
             assert stats.counters["loaded_pages"] > 0
         assert sum(s.checked_pages for s in served) > 0
-        _assert_drained(cache)
+        assert_drained(cache)
 
 
 async def test_concurrent_requests_share_and_balance() -> None:
@@ -106,7 +90,7 @@ async def test_concurrent_requests_share_and_balance() -> None:
 
         await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         await cache.drain()
-        _assert_drained(cache)
+        assert_drained(cache)
 
 
 async def test_cancellation_at_every_await_point() -> None:
@@ -133,7 +117,7 @@ async def test_cancellation_at_every_await_point() -> None:
                 cancelled += 1
                 step += 1
                 await cache.drain()
-                _assert_drained(cache)
+                assert_drained(cache)
         assert cancelled >= len(prompts[30:])
         # The cache still serves correct bytes after all that.
         for prompt in prompts[:20]:
@@ -189,6 +173,6 @@ async def test_request_lifecycle_and_repr() -> None:
             await again.load()
             generator.check_page(cache.device_pool, again.page_table[1], tokens, 1)
         await cache.drain()
-        _assert_drained(cache)
+        assert_drained(cache)
         with pytest.raises(ValueError, match="num_tokens"), cache.request(tokens) as bad:
             await bad.allocate(-1)

@@ -23,7 +23,7 @@ from hicache_async.storage import (
     StorageCapabilities,
     StorageStats,
 )
-from hicache_async.testing import FaultyStorage, KVGenerator, serve
+from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4)
@@ -111,22 +111,6 @@ def _prompts(count: int, seed: int, *, length: int = 10 * PAGE) -> list[np.ndarr
     ]
 
 
-def _assert_drained(cache: HiCache) -> None:
-    stats = cache.statistics()
-    assert stats.live_requests == 0
-    for node in cache.tree.iter_nodes():
-        assert node.lock_ref == 0, node
-        assert node.host_ref == 0, node
-    cache.tree.check_invariants()
-    for pool, in_tree in (
-        (cache.device_pool, stats.tree.device_pages),
-        (cache.host_pool, stats.tree.host_pages),
-    ):
-        alloc = pool.allocator
-        assert alloc.free_count + alloc.used_count == alloc.capacity
-        assert alloc.used_count == in_tree
-
-
 @pytest.fixture
 def file_root(tmp_path: Path) -> Path:
     root = tmp_path / "l3"
@@ -167,7 +151,7 @@ async def test_second_instance_serves_first_ones_prefixes_from_storage(
                 r.storage_tokens // PAGE for r in results
             )
             await second.drain()
-            _assert_drained(second)
+            assert_drained(second)
 
 
 async def test_namespaces_never_share_pages() -> None:
@@ -217,7 +201,7 @@ async def test_concurrent_prefetches_of_one_prefix_read_each_page_once() -> None
             served = await serve(reader, prefix, generator, prefetch=False, check="all")
             assert served.host_tokens == len(prefix)
             await reader.drain()
-            _assert_drained(reader)
+            assert_drained(reader)
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -255,7 +239,7 @@ async def test_faulty_storage_degrades_to_misses(seed: int) -> None:
                 result = await serve(second, prompt, generator, request_id=f"f{i}")
                 assert result.num_tokens == len(prompt)
             await second.drain()
-            _assert_drained(second)
+            assert_drained(second)
             counts = faulty.injected()
             assert counts.errors + counts.partial_batches + counts.hangs > 0
 
@@ -285,7 +269,7 @@ async def test_cancelling_a_prefetching_handler_at_every_await_point() -> None:
                     await cache.drain()
                     for handle in list(cache._link.prefetcher._running if cache._link else []):
                         await handle.wait()
-                    _assert_drained(cache)
+                    assert_drained(cache)
                 if finished:
                     break
                 cancelled += 1
@@ -345,7 +329,7 @@ async def test_attach_detach_switch_at_run_time(tmp_path: Path) -> None:
         for prompt in _prompts(10, seed=4):
             await serve(cache, prompt, generator)
         await cache.drain()
-        _assert_drained(cache)
+        assert_drained(cache)
     async with FileStorage(root_b) as b:
         assert b.stats().pages > 0
 
@@ -381,7 +365,7 @@ async def test_prefetch_policies_and_early_termination() -> None:
             served = await serve(cache, prompt, generator, prefetch=False, check="all")
             assert served.computed_tokens == len(prompt) % PAGE
             await cache.drain()
-            _assert_drained(cache)
+            assert_drained(cache)
 
 
 async def test_metrics_and_statistics() -> None:
@@ -428,4 +412,4 @@ async def test_overlapping_prefetches_share_reads_and_both_complete() -> None:
             served = await serve(reader, long, generator, prefetch=False, check="all")
             assert served.host_tokens == len(long)
             await reader.drain()
-            _assert_drained(reader)
+            assert_drained(reader)

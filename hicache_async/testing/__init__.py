@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._invariants import assert_drained
 from ._kvgen import KVGenerator
 from ._workload import ServedRequest, serve
 
@@ -19,6 +20,7 @@ __all__ = [
     "RedisServer",
     "ServedRequest",
     "StorageConformance",
+    "assert_drained",
     "serve",
 ]
 
