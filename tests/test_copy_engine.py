@@ -62,10 +62,10 @@ def _check(
         assert dst.read_page(page) == empty, f"page {page} was not a destination"
 
 
-@pytest.fixture(params=[0, DEFAULT_MIN_RUN_BYTES], ids=["runs", "staged"])
+@pytest.fixture(params=[0, DEFAULT_MIN_RUN_BYTES], ids=["row-ops", "staged"])
 async def engine(request: pytest.FixtureRequest) -> AsyncIterator[CpuCopyEngine]:
-    """With min_run_bytes=0 pages move by gathers and scatters; with the default, this test
-    layout's small rows all go through the staging buffer."""
+    """With min_run_bytes=0 scattered pages move by gathers and scatters; with the default,
+    this test layout's small rows go through the staging buffer. Runs are runs either way."""
     eng = CpuCopyEngine(name="test-copy", min_run_bytes=request.param)
     yield eng
     await eng.aclose()
@@ -74,25 +74,37 @@ async def engine(request: pytest.FixtureRequest) -> AsyncIterator[CpuCopyEngine]
 def test_kernel_modes() -> None:
     src = KVPool(LAYOUT, PAGE, PAGES)
     dst = KVPool(LAYOUT, PAGE, PAGES)
-    expected = {"mixed": "gather", "to_run": "gather", "from_run": "scatter", "scattered": "gather"}
+    expected = {
+        "contiguous": ("runs", "runs"),
+        "mixed": ("runs", "runs"),
+        "to_run": ("gather", "stage"),
+        "from_run": ("scatter", "stage"),
+        "scattered": ("gather", "stage"),
+    }
     for name, (a, b) in PATTERNS.items():
-        if name == "contiguous":
-            # Within one pool index ops cannot run in place; the staging buffer separates them.
-            plan = plan_copy(src, a, src, b)
-            assert LayerKernel(plan, min_run_bytes=0).mode == "stage"
-            continue
         plan = plan_copy(src, a, dst, b)
-        assert LayerKernel(plan, min_run_bytes=0).mode == expected[name], name
-        assert LayerKernel(plan).mode == "stage", name
-    # Rows big enough to be worth one op each: consecutive pages gather, scattered ones stage.
+        # This layout's rows are far below the default run size, so scattered pages stage.
+        got = (LayerKernel(plan, min_run_bytes=0).mode, LayerKernel(plan).mode)
+        assert got == expected[name], name
+    # Within one pool index ops cannot run in place; the staging buffer separates them.
+    a, b = PATTERNS["scattered"]
+    assert LayerKernel(plan_copy(src, a, src, b), min_run_bytes=0).mode == "stage"
+    a, b = PATTERNS["contiguous"]
+    assert LayerKernel(plan_copy(src, a, src, b)).mode == "runs"
+    # Rows big enough to be worth one op each.
     big = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128)
-    host = KVPool(big, 64, 4, memory_layout="page_first_direct")
-    device = KVPool(big, 64, 4)
-    assert LayerKernel(plan_copy(host, [0, 1], device, [2, 3])).mode == "gather"
-    assert LayerKernel(plan_copy(device, [0, 1], host, [3, 1])).mode == "scatter"
-    # page_first_direct keeps a page's layers together, so its pages are never one run of rows.
-    assert LayerKernel(plan_copy(device, [0, 1], host, [2, 3]), min_run_bytes=0).mode == "scatter"
-    assert LayerKernel(plan_copy(host, [3, 0], device, [1, 3])).mode == "stage"
+    host = KVPool(big, 64, 6, memory_layout="page_first_direct")
+    device = KVPool(big, 64, 6)
+    assert LayerKernel(plan_copy(host, [4, 0, 2], device, [3, 4, 5])).mode == "gather"
+    assert LayerKernel(plan_copy(device, [0, 1, 2], host, [3, 1, 5])).mode == "scatter"
+    assert LayerKernel(plan_copy(host, [0, 1, 2], device, [3, 4, 5])).mode == "runs"
+    # Token-major rows are 2 KiB and never consecutive: between two such pools, they stage.
+    two_layers = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128)
+    token_major = KVPool(two_layers, 64, 6, memory_layout="page_first")
+    layer_major = KVPool(two_layers, 64, 6)
+    assert LayerKernel(plan_copy(token_major, [4, 0], layer_major, [1, 3])).mode == "gather"
+    other = KVPool(two_layers, 64, 6, memory_layout="page_first")
+    assert LayerKernel(plan_copy(token_major, [4, 0], other, [1, 3])).mode == "stage"
 
 
 def test_staging_buffer_is_reused() -> None:

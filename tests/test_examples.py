@@ -15,8 +15,8 @@ EXPECTED = {
     "http_handler.py": "turn 1: {'tokens': 104, 'cached': 64",
     "attach_detach.py": "attached at the end: False",
     "fault_scenario.py": "0 failed",
-    "cold_start_warmup.py": "",
-    "storage_plugin.py": "",
+    "cold_start_warmup.py": "all matched",
+    "storage_plugin.py": "a fresh cache read 200 tokens back",
 }
 
 

@@ -34,7 +34,7 @@ _SETTLE_S = 0.02
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options."""
     parser.add_argument(
-        "--pages", type=int, default=24, help="pages per copy (8 MiB each; default 24)"
+        "--pages", type=int, default=16, help="pages per copy (8 MiB each; default 16)"
     )
     parser.add_argument(
         "--repeats", type=int, default=7, help="rounds per figure; the best counts (default 7)"

@@ -131,6 +131,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pages per prompt in the memory part (default 64)",
     )
     parser.add_argument(
+        "--batch-pages",
+        type=int,
+        default=None,
+        help="prefetch.batch_pages (default: the configuration's default); the raw get uses "
+        "the same batches",
+    )
+    parser.add_argument(
         "--root",
         default=None,
         help="directory for the temporary file store (default: the user's cache directory)",
@@ -146,7 +153,16 @@ def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
     return asyncio.new_event_loop
 
 
-def _config(shape: Shape, host_pages: int, host_layout: HostLayout) -> CacheConfig:
+def _config(
+    shape: Shape, host_pages: int, host_layout: HostLayout, batch_pages: int | None = None
+) -> CacheConfig:
+    prefetch: dict[str, Any] = {
+        "policy": "wait_complete",
+        "threshold_tokens": shape.page_size,
+        "max_host_share": 1.0,
+    }
+    if batch_pages is not None:
+        prefetch["batch_pages"] = batch_pages
     return CacheConfig.from_dict(
         {
             "layout": shape.layout(),
@@ -157,11 +173,7 @@ def _config(shape: Shape, host_pages: int, host_layout: HostLayout) -> CacheConf
             "device": "cpu",
             "model_id": f"bench-orchestration-{shape.name}",
             "write_policy": "write_back",
-            "prefetch": {
-                "policy": "wait_complete",
-                "threshold_tokens": shape.page_size,
-                "max_host_share": 1.0,
-            },
+            "prefetch": prefetch,
         }
     )
 
@@ -174,7 +186,8 @@ def _prompt(seed: int, num_pages: int, page_size: int) -> np.ndarray[Any, Any]:
 async def _store(
     storage: StorageBackend, cache: Any, keys: list[bytes], page: memoryview, batch: int
 ) -> None:
-    """Put `keys` with `page` as every page's bytes, as the cache's namespace would."""
+    """Put the pages of `keys` (storage keys) with `page` as every page's bytes, as the
+    cache's backup would."""
     fingerprint = cache.namespace.fingerprint
     size = cache.config.page_size
     for start in range(0, len(keys), batch):
@@ -194,6 +207,7 @@ def _batch_limit(cache: Any, storage: StorageBackend) -> int:
 async def _raw_get(
     storage: StorageBackend, cache: Any, keys: list[bytes], into: list[Any], batch: int
 ) -> None:
+    """`get` of `keys` (storage keys) into `into`, `batch` pages per call."""
     fingerprint = cache.namespace.fingerprint
     for start in range(0, len(keys), batch):
         outcomes = await storage.get(
@@ -234,7 +248,7 @@ async def _memory_part(args: argparse.Namespace) -> dict[str, list[float]]:
     shape = _TINY
     per_round = args.prompts * args.prompt_pages
     rounds = 2 * args.reps
-    config = _config(shape, per_round * rounds + 1, "page_first_direct")
+    config = _config(shape, per_round * rounds + 1, "page_first_direct", args.batch_pages)
     storage = MemoryStorage(capacity_bytes=1 << 40)
     samples: dict[str, list[float]] = {}
 
@@ -249,7 +263,8 @@ async def _memory_part(args: argparse.Namespace) -> dict[str, list[float]]:
             for seed in range(args.prompts * rounds)
         ]
         all_keys = [cache.keys_for(p) for p in prompts]
-        for keys in all_keys:
+        stored = [cache.namespace.storage_keys(k) for k in all_keys]
+        for keys in stored:
             await _store(storage, cache, keys, page, 1024)
         expected = args.prompt_pages * shape.page_size
         for rep in range(args.reps):
@@ -272,7 +287,7 @@ async def _memory_part(args: argparse.Namespace) -> dict[str, list[float]]:
             buffers = [_host_buffers(cache, all_keys[i]) for i in seq]
             with _Timer() as t:
                 for i, into in zip(seq, buffers, strict=True):
-                    await _raw_get(storage, cache, all_keys[i], into, batch)
+                    await _raw_get(storage, cache, stored[i], into, batch)
             add("raw.wall", t.wall)
             add("raw.cpu", t.cpu)
             with _Timer() as t:
@@ -320,14 +335,15 @@ async def _file_part(
     samples: dict[str, list[float]] = {}
     try:
         num = args.pages
-        config = _config(shape, 2 * num, host_layout)
+        config = _config(shape, 2 * num, host_layout, args.batch_pages)
         storage = FileStorage(work / "store")
         async with HiCache(config, storage=storage) as cache:
             page = memoryview(bytearray(np.random.default_rng(1).bytes(config.page_nbytes)))
             batch = _batch_limit(cache, storage)
             prompts = [_prompt(seed, num, shape.page_size) for seed in range(_FILE_PROMPTS)]
             keys = [cache.keys_for(p) for p in prompts]
-            for k in keys:
+            stored = [cache.namespace.storage_keys(k) for k in keys]
+            for k in stored:
                 await _store(storage, cache, k, page, 16)
             expected = num * shape.page_size
 
@@ -341,7 +357,7 @@ async def _file_part(
             async def raw(i: int) -> _Timer:
                 into = _host_buffers(cache, keys[i])
                 with _Timer() as t:
-                    await _raw_get(storage, cache, keys[i], into, batch)
+                    await _raw_get(storage, cache, stored[i], into, batch)
                 return t
 
             # Warm up: the first prompt, both ways, not counted.
@@ -392,8 +408,8 @@ def _file_records(
 
 def run(args: argparse.Namespace) -> list[Record]:
     """Run the chosen parts under the chosen loops."""
-    if min(args.pages, args.reps, args.prompts, args.prompt_pages) < 1:
-        raise SystemExit("--pages, --reps, --prompts and --prompt-pages must be >= 1")
+    if min(args.pages, args.reps, args.prompts, args.prompt_pages, args.batch_pages or 1) < 1:
+        raise SystemExit("--pages, --reps, --prompts, --prompt-pages, --batch-pages must be >= 1")
     parent = Path(args.root) if args.root else default_root().parent
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     shape = SHAPES[args.shape]

@@ -432,8 +432,11 @@ def _describe(kind: str) -> str:
 
 
 @contextlib.contextmanager
-def _redis() -> Iterator[tuple[str | None, str | None]]:
+def _redis(wanted: bool) -> Iterator[tuple[str | None, str | None]]:
     """(url, None) with a private redis-server running, or (None, why not)."""
+    if not wanted:
+        yield None, "not selected"
+        return
     if shutil.which("redis-server") is None:
         yield None, "redis-server is not on PATH"
         return
@@ -456,7 +459,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Run every benchmark and regenerate docs/benchmarks.md from their JSON.",
     )
     parser.add_argument(
-        "--out-dir", default="bench-results", help="where JSON and logs go (default bench-results)"
+        "--out-dir", default="build/bench", help="where JSON and logs go (default build/bench)"
     )
     parser.add_argument(
         "--docs",
@@ -490,15 +493,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     manifest = out_dir / "report.json"
     if args.render_only:
+        if not manifest.exists():
+            raise SystemExit(
+                f"{manifest} does not exist: run the report once without --render-only"
+            )
         data = msgspec.json.decode(manifest.read_bytes())
         results = msgspec.convert(data["results"], list[JobResult])
         info, quick = data["machine"], data["quick"]
     else:
         info, quick = machine(), args.quick
-        with _redis() as (redis_url, redis_skip):
+        wanted = {k.strip() for k in args.only.split(",")} if args.only else None
+        with _redis(wanted is None or "storage-redis" in wanted) as (redis_url, redis_skip):
             planned = jobs(quick=quick, redis_url=redis_url, redis_skip=redis_skip)
-            if args.only:
-                wanted = {k.strip() for k in args.only.split(",")}
+            if wanted is not None:
                 planned = [job for job in planned if job.key in wanted]
             results = []
             for job in planned:

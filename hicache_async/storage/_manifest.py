@@ -15,6 +15,8 @@ newer than this reader knows is skipped as malformed; removing or retyping a fie
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -250,12 +252,13 @@ class FileManifest:
         if not entries:
             return
         data = b"".join(encode_entry(e) for e in entries)
-        async with aiofiles.open(self.path, "ab", opener=_no_follow_appender) as f:
-            await f.write(data)
-        try:
-            size = (await aiofiles.os.stat(self.path)).st_size
-        except FileNotFoundError:
-            return
+        async with _file_lock(self.path):
+            async with aiofiles.open(self.path, "ab", opener=_no_follow_appender) as f:
+                await f.write(data)
+            try:
+                size = (await aiofiles.os.stat(self.path)).st_size
+            except FileNotFoundError:
+                return
         if size > self.limits.max_bytes:
             await self.compact()
 
@@ -271,7 +274,15 @@ class FileManifest:
         return collector.result(truncated=truncated)
 
     async def compact(self) -> CompactReport:
-        """Rewrite the file with one valid record per chain; atomic (temp file + rename)."""
+        """Rewrite the file with one valid record per chain; atomic (temp file + rename).
+
+        Holds the manifest's lock throughout, so appends from this or another process on a
+        shared root wait instead of landing in the file being replaced.
+        """
+        async with _file_lock(self.path):
+            return await self._compact()
+
+    async def _compact(self) -> CompactReport:
         try:
             before = (await aiofiles.os.stat(self.path)).st_size
         except FileNotFoundError:
@@ -345,6 +356,20 @@ class MemoryManifest:
             malformed=collector.malformed,
             oversized=collector.oversized,
         )
+
+
+@contextlib.asynccontextmanager
+async def _file_lock(path: Path) -> AsyncIterator[None]:
+    """An exclusive flock on `<manifest>.lock`, taken off the loop's thread."""
+    lock_path = path.with_name(f".{path.name}.lock")
+    fd = await anyio.to_thread.run_sync(
+        os.open, str(lock_path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+    )
+    try:
+        await anyio.to_thread.run_sync(fcntl.flock, fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def _no_follow_creator(path: str, flags: int) -> int:

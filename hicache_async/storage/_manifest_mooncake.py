@@ -36,6 +36,7 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
 import structlog
 
@@ -225,7 +226,9 @@ class MooncakeManifest:
         try:
             return await self._compact(namespace)
         finally:
-            await self._unlock(namespace, token)
+            # Even when cancelled: a lock left behind blocks compaction until it expires.
+            with anyio.CancelScope(shield=True):
+                await self._unlock(namespace, token)
 
     # Appending.
 
@@ -417,7 +420,8 @@ class MooncakeManifest:
         try:
             switched = await self._switch(namespace, index, new_base, payloads)
         except BaseException:
-            await self._remove(new_base)
+            with anyio.CancelScope(shield=True):
+                await self._remove(new_base)
             raise
         if not switched:
             await self._remove(new_base)

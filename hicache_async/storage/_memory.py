@@ -97,6 +97,8 @@ class MemoryStorage(BackendBase):
         """The warmup manifest, kept in memory beside the pages."""
         if self._manifest is None:
             self._manifest = MemoryManifest(limits)
+        elif limits is not None:
+            self._manifest.limits = limits
         return self._manifest
 
     @property

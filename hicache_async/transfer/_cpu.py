@@ -21,7 +21,11 @@ __all__ = ["DEFAULT_MIN_RUN_BYTES", "CpuCopyEngine", "LayerKernel", "StagingBuff
 
 #: Gathers and scatters take one op per run of consecutive rows; below this many bytes per run
 #: on average the per-op cost outweighs a second pass, and rows go through a staging buffer.
-DEFAULT_MIN_RUN_BYTES = 192 * 1024
+DEFAULT_MIN_RUN_BYTES = 64 * 1024
+
+# Pages consecutive on both sides, in runs of at least this many on average, move as plain
+# slice copies: no index tensors, and both buffers of a layer in one op.
+_MIN_MEAN_RUN_PAGES = 2
 
 
 class StagingBuffer:
@@ -47,18 +51,21 @@ class LayerKernel:
     """Copies one layer of a planned batch; built once per batch, called once per layer.
 
     A layer is moved by a few large torch ops (they run without the GIL and spread over torch's
-    intra-op threads) over 2-D row views of the pools, never by a Python loop over pages
-    unless the pages themselves are that scattered. Rows are whole pages of one layer and
-    buffer, or single tokens when either pool is token-major (`page_first`), so any two memory
-    layouts pair up row for row. The pairs are sorted to find runs of consecutive rows, then:
+    intra-op threads), never by a Python loop over pages unless the pages themselves are that
+    scattered:
 
-    - `gather`: destination rows come in long runs: one `index_select` straight into each run
-      (a parallel memcpy, the fastest way torch has to move rows);
-    - `scatter`: source rows come in long runs: one `index_copy_` out of each run;
-    - `stage`: neither side has long runs: one `index_select` of the whole layer into a
-      staging buffer, then one `index_copy_` out of it;
-    - `runs`: pools on different devices move as one slice copy per run of pages that are
-      consecutive on both sides (`non_blocking` lets a CUDA stream order them).
+    - `runs`: pages consecutive on both sides move as one strided slice copy per run, both
+      buffers at once; so do copies between devices (`non_blocking` lets a CUDA stream order
+      them);
+    - otherwise rows are used: whole pages of one layer and buffer, or single tokens when
+      either pool is token-major (`page_first`), so any two memory layouts pair up row for row.
+      The pairs are sorted to find runs of consecutive rows on each side, and
+    - `gather`: the destination's runs are longer: one `index_select` (a parallel memcpy)
+      straight into each destination run;
+    - `scatter`: the source's runs are longer: one `index_copy_` out of each source run;
+    - `stage`: neither side has runs worth an op each (or both are one pool, where index ops
+      cannot run in place): one `index_select` of the whole layer into a staging buffer, then
+      one `index_copy_` out of it.
     """
 
     __slots__ = (
@@ -89,10 +96,10 @@ class LayerKernel:
         # (index, first row on the other side, row count) per op of layer 0.
         self._ops: list[tuple[torch.Tensor, int, int]] = []
         src, dst = plan.src, plan.dst
-        if src.device != dst.device:
+        self._src_rows = self._dst_rows = torch.empty(0)
+        self._src_step = self._dst_step = 0
+        if src.device != dst.device or plan.num_runs * _MIN_MEAN_RUN_PAGES <= plan.num_pages:
             self._mode = "runs"
-            self._src_rows = self._dst_rows = torch.empty(0)
-            self._src_step = self._dst_step = 0
             return
         per_token = src.token_major or dst.token_major
         src_rows = src.copy_rows(per_token=per_token)
@@ -123,8 +130,6 @@ class LayerKernel:
                 for a, e in zip(*s_runs, strict=True):
                     self._ops.append((by_src[b, a:e], int(s_rows[b, s_order[a]]), e - a))
         else:
-            # Also every copy within one pool: index ops refuse a source and destination in
-            # one tensor, and the staging buffer separates them.
             self._mode = "stage"
             self._src_rows, self._dst_rows = _wide(src_rows), _wide(dst_rows)
             s_index = torch.from_numpy(s_rows.reshape(-1)).to(device)

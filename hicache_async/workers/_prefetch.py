@@ -91,6 +91,7 @@ class PrefetchHandle:
         "device_tokens",
         "host_tokens",
         "keys",
+        "min_tokens",
         "num_tokens",
         "priority",
         "request_id",
@@ -108,10 +109,13 @@ class PrefetchHandle:
         *,
         group: RankGroup | None = None,
         priority: int = 0,
+        min_tokens: int | None = None,
     ) -> None:
         self._prefetcher = prefetcher
         self._group = group
         self.priority = priority
+        #: below this many uncached tokens the prefetch is skipped (default: the threshold).
+        self.min_tokens = min_tokens
         self._agreed: int | None = None
         self.keys = keys
         self.num_tokens = num_tokens
@@ -386,7 +390,9 @@ class Prefetcher:
         start = found.num_device_pages + found.num_host_pages
         if start == len(keys):
             return PrefetchStatus.COMPLETE  # everything is cached already
-        if (len(keys) - start) * size < max(self.config.threshold_tokens, 1):
+        threshold = self.config.threshold_tokens if handle.min_tokens is None else handle.min_tokens
+        threshold = max(threshold, 1)
+        if (len(keys) - start) * size < threshold:
             return PrefetchStatus.SKIPPED
         try:
             with anyio.fail_after(self.config.io_timeout_s):
@@ -399,7 +405,7 @@ class Prefetcher:
                 "hicache.prefetch.exists.failed", request_id=handle.request_id, error=repr(exc)
             )
             return PrefetchStatus.SKIPPED
-        if existing * size < max(self.config.threshold_tokens, 1):
+        if existing * size < threshold:
             self.misses += existing == 0
             return PrefetchStatus.SKIPPED
         if handle._terminated:

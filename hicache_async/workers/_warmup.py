@@ -128,6 +128,7 @@ class Warmer:
                 "warmup",
                 "wait_complete",
                 priority=entry.priority,
+                min_tokens=1,  # a warmup entry is worth loading whatever its length
             )
             await self._link.prefetcher.run_now(handle)
             landed = handle.storage_tokens // size

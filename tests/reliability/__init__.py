@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from hicache_async import CacheConfig, HiCache
+from hicache_async import CacheConfig, HiCache, testing
 
 __all__ = [
     "FULL",
@@ -119,22 +119,11 @@ async def settle(cache: HiCache, *, timeout_s: float = 120.0) -> None:
 
 
 def assert_drained(cache: HiCache) -> None:
-    """Invariants 1 and 4 once a workload has drained: no live request, every lock and
-    protection count zero, the tree consistent, every pool balanced and in step with the tree,
-    and no host page held by a prefetch."""
+    """Invariants 1 and 4 once a workload has settled (`testing.assert_drained`: no live
+    request, every lock and protection zero, pools balanced and in step with the tree), plus
+    the storage workers': no host page held by a prefetch, nothing queued."""
+    testing.assert_drained(cache)
     stats = cache.statistics()
-    assert stats.live_requests == 0, stats
-    for node in cache.tree.iter_nodes():
-        assert node.lock_ref == 0, node
-        assert node.host_ref == 0, node
-    cache.tree.check_invariants()
-    for pool, in_tree in (
-        (cache.device_pool, stats.tree.device_pages),
-        (cache.host_pool, stats.tree.host_pages),
-    ):
-        alloc = pool.allocator
-        assert alloc.free_count + alloc.used_count == alloc.capacity, pool
-        assert alloc.used_count == in_tree, pool
     if stats.storage is not None and stats.storage.prefetch is not None:
         assert stats.storage.prefetch.host_pages_held == 0, stats.storage.prefetch
         assert stats.storage.prefetch.queued == 0, stats.storage.prefetch

@@ -7,8 +7,9 @@ MODE `cache` runs a real HiCache that serves prompts and backs them up to a File
 way, once the backend has acknowledged a page (its put returned OK) the child appends
 `ack <key hex>` to LOG and flushes and fsyncs it, so a line in the log proves the ack came
 before the kill. Before it starts on prompt i it logs `prompt i`, so the parent knows whose
-pages can be on disk. It prints `ready` once the storage is open, and stops by itself after
-`_DEADLINE_S` if nobody kills it.
+pages can be on disk. It prints `imported`, waits for `go` on stdin before it touches ROOT,
+prints `ready` once the storage is open, and stops by itself after `_DEADLINE_S` if nobody
+kills it.
 
 The parent imports this module for the configuration and the prompts, so both sides agree on
 every page's bytes.
@@ -200,4 +201,8 @@ async def _main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(sys.argv[1:]))
+    # Imports take seconds; the parent starts the next child while it checks the last kill,
+    # and says `go` once the root is free again.
+    print("imported", flush=True)
+    if sys.stdin.readline().strip() == "go":
+        asyncio.run(_main(sys.argv[1:]))

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 
 from . import FULL, Record
 
@@ -43,6 +45,18 @@ def pytest_asyncio_loop_factories(
 
 
 _FIGURES: list[dict[str, Any]] = []
+
+
+@pytest.fixture(autouse=True)
+def _quiet_library_logs() -> Iterator[None]:
+    """The suites inject thousands of faults, each logged as a warning; keep errors only (a
+    failing test's report stays readable). The previous configuration comes back after."""
+    previous = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    try:
+        yield
+    finally:
+        structlog.configure(**previous)
 
 
 @pytest.fixture
