@@ -20,10 +20,18 @@ from ._errors import (
     WrongThreadError,
 )
 from ._keys import Namespace, page_keys
+from ._metrics import prometheus_collector, render_prometheus
 from ._request import Request
 from ._stats import CacheStatistics, TierTokens
 from .distributed import CollectiveError, CollectiveTimeout, GroupBrokenError, RankGroup
-from .workers import PrefetchHandle, PrefetchResult, PrefetchStatus, StorageStatus
+from .workers import (
+    PrefetchHandle,
+    PrefetchResult,
+    PrefetchStatus,
+    StorageStatus,
+    WarmupResult,
+    WarmupStatus,
+)
 
 __version__ = "0.1.0"
 
@@ -54,8 +62,12 @@ __all__ = [
     "StorageConfigError",
     "StorageError",
     "WarmupConfig",
+    "WarmupResult",
+    "WarmupStatus",
     "WrongThreadError",
     "load_config",
     "page_keys",
+    "prometheus_collector",
+    "render_prometheus",
     "__version__",
 ]

@@ -22,7 +22,7 @@ from ._metrics import Histogram
 from ._pool import KVPool, make_pools
 from ._request import Request
 from ._stats import CacheStatistics, Counters, TierTokens
-from .distributed import RankGroup, agree_min
+from .distributed import CollectiveError, RankGroup, agree_min
 from .storage import StorageBackend
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
 from .tree import MatchResult, RadixTree, TreeNode
@@ -105,6 +105,8 @@ class HiCache:
             )
         if mac_key is None and config.mac_key_file is not None:
             mac_key = _read_mac_key(config.mac_key_file)
+        if mac_key is not None and len(mac_key) < 16:
+            raise ConfigError("mac_key", "the secret must be at least 16 bytes")
         self.config = config
         self.rank_group = rank_group
         self.namespace = namespace or Namespace.from_config(config)
@@ -169,18 +171,19 @@ class HiCache:
     ) -> None:
         if self._state != "open":
             return
-        link = self._link
-        self._link = None
         self._state = "closing"
         self._capacity_changed.set()  # waiters for pages see the cache closing
         try:
-            if link is not None:
-                await link.close(flush=True, deadline_s=self.config.backup.flush_deadline_s)
             for request in list(self._requests):
                 request.release()
             with anyio.CancelScope(shield=True):
+                # Copies first: a device -> host backup landing now is still offered to
+                # storage, so pages committed just before leaving are flushed too.
                 while self._copies:
                     await asyncio.gather(*self._copies, return_exceptions=True)
+                link, self._link = self._link, None
+                if link is not None:
+                    await link.close(flush=True, deadline_s=self.config.backup.flush_deadline_s)
                 if self._engine is not None and self._engine_arg is None:
                     await self._engine.aclose()
         finally:
@@ -317,7 +320,12 @@ class HiCache:
         async def mine() -> int:
             return local
 
-        return await agree_min(self.rank_group, mine)
+        try:
+            return await agree_min(self.rank_group, mine)
+        except CollectiveError as exc:
+            # The group is broken: no rank can rely on another's cache, so use none of it.
+            _log.warning("hicache.tp.agreement.failed", error=repr(exc))
+            return 0
 
     # -- storage ----------------------------------------------------------------------------
 
@@ -560,6 +568,12 @@ class HiCache:
 
     async def _alloc_device(self, count: int) -> list[int]:
         """`count` device pages, evicting (and waiting for write-backs) as the policy says."""
+        assert self._device_pool is not None
+        if count > self._device_pool.num_pages:
+            raise OutOfPagesError(
+                f"{count} device pages asked for, but the device pool has only "
+                f"{self._device_pool.num_pages}: raise device_pages or shorten the prompt"
+            )
         await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
         while True:
             self._check_open()

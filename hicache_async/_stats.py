@@ -10,7 +10,12 @@ __all__ = ["CacheStatistics", "Counters", "TierTokens"]
 
 
 class TierTokens(msgspec.Struct, frozen=True):
-    """Tokens of the requests seen so far, by where their KV came from."""
+    """Token counts by tier, as each tier saw them (the tiers overlap).
+
+    `device` and `host`: tokens matched in that pool when requests started (`host` includes
+    pages a prefetch had just brought from storage). `storage`: tokens prefetches and warmup
+    read from storage. `computed`: tokens requests computed and committed.
+    """
 
     device: int
     host: int
@@ -70,4 +75,3 @@ class CacheStatistics(msgspec.Struct, frozen=True):
     tree: Any
     copy_engine: Any
     storage: Any = None
-    workers: Any = None

@@ -11,6 +11,7 @@ import asyncio
 import math
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -225,7 +226,27 @@ def test_report_renders_missing_failed_and_skipped_jobs(tmp_path: Path) -> None:
             key="off", title="off", kind="storage", command="z", status="skipped", detail="no"
         ),
     ]
+    trace_records = [
+        Record("trace.bound.token_hit_rate", 0.4, "fraction"),
+        Record("trace.bound.block_hit_rate", 0.38, "fraction"),
+        Record("trace.nocache.ttft_p50_s", 2.0, "s"),
+        Record("trace.nocache.ttft_p99_s", 9.0, "s"),
+        Record.compare("trace.host2x.storage-off.hit.device", 0.1, "fraction", 0.4),
+        Record.compare("trace.host2x.storage-off.hit.host", 0.1, "fraction", 0.4),
+        Record.compare("trace.host2x.storage-off.hit.storage", 0.0, "fraction", 0.4),
+        Record.compare("trace.host2x.storage-off.hit.total", 0.2, "fraction", 0.4),
+        Record.compare("trace.host2x.storage-off.ttft_p50_s", 1.0, "s", 2.0),
+        Record.compare("trace.host2x.storage-off.ttft_p99_s", 4.5, "s", 9.0),
+        Record("trace.host2x.storage-off.allocation_errors", 1.0, "count"),
+    ]
+    write_records(tmp_path / "trace.json", trace_records)
+    results.append(
+        report.JobResult(
+            key="trace", title="trace", kind="trace", command="t", status="ok", json="trace.json"
+        )
+    )
     page = report.render(results, tmp_path, {"nproc": "2"}, quick=True)
+    assert "| 2x, off | 10.0% | 10.0% | 0.0% | 20.0% | 50.0% | 1.00 s (0.50x) |" in page
     assert page.startswith(report.PREFACE.rstrip())
     assert "`copy h2d contiguous host=layer_first`" in page
     assert "**Not run:** absent." in page
@@ -242,6 +263,12 @@ def test_report_job_of_an_unknown_kind_is_missing(tmp_path: Path) -> None:
 
 
 def test_report_runs_a_benchmark_and_writes_the_page(tmp_path: Path) -> None:
+    # A previous quick run left a result for another job: a partial run keeps it.
+    earlier = report.JobResult(
+        key="copy", title="copy", kind="copy", command="c", status="failed", detail="earlier"
+    )
+    payload = {"machine": {"nproc": "2"}, "quick": True, "results": [earlier]}
+    (tmp_path / "report.json").write_bytes(msgspec.json.encode(payload))
     code = report.main(
         [
             *("--out-dir", str(tmp_path), "--docs", str(tmp_path / "page.md")),
@@ -252,6 +279,8 @@ def test_report_runs_a_benchmark_and_writes_the_page(tmp_path: Path) -> None:
     page = (tmp_path / "page.md").read_text(encoding="utf-8")
     assert "## tree" in page
     assert "`tree.match.ops_per_s`" in page
+    assert "## copy" in page
+    assert "earlier" in page
     assert (tmp_path / "tree.json").exists()
     # Rendering again from the JSON alone gives the same page.
     assert (

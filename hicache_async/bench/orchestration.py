@@ -65,9 +65,11 @@ class Shape(NamedTuple):
 
     @property
     def page_nbytes(self) -> int:
+        """Bytes of one page across every layer, K and V."""
         return KVLayout(**self.layout()).page_nbytes(self.page_size)
 
     def layout(self) -> dict[str, Any]:
+        """The `CacheConfig.layout` mapping of this shape."""
         return {
             "num_layers": self.layers,
             "num_kv_heads": self.kv_heads,

@@ -129,6 +129,8 @@ class JobResult(msgspec.Struct):
     detail: str = ""
     seconds: float = 0.0
     json: str | None = None
+    #: When it started (UTC), so a page merged from several runs says which is which.
+    started: str = ""
 
 
 def jobs(*, quick: bool, redis_url: str | None, redis_skip: str | None) -> list[Job]:
@@ -206,7 +208,12 @@ def _tail(text: str, lines: int = 6) -> str:
 def run_job(job: Job, out_dir: Path, timeout_s: float) -> JobResult:
     """Run one benchmark in its own process; never raises for the benchmark's failures."""
     result = JobResult(
-        key=job.key, title=job.title, kind=job.kind, command=_shown(job), status="ok"
+        key=job.key,
+        title=job.title,
+        kind=job.kind,
+        command=_shown(job),
+        status="ok",
+        started=_now(),
     )
     if job.skipped:
         result.status, result.detail = "skipped", job.skipped
@@ -307,13 +314,17 @@ def _git_commit() -> str:
     return f"{head} (with uncommitted changes)" if dirty else head
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def machine() -> dict[str, str]:
     """A description of this machine and software, for the page."""
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     memory = _meminfo_gib()
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": _now(),
         "cpu": _cpu_model(),
         "nproc": str(affinity or os.cpu_count()),
         "memory": f"{memory:.1f} GiB" if memory is not None else "unknown",
@@ -408,7 +419,14 @@ def render(results: Sequence[JobResult], out_dir: Path, info: dict[str, str], qu
             lines += [f"{describe[0].upper()}{describe[1:]}.", ""]
         lines += ["```", result.command, "```", ""]
         if result.key in loaded:
-            lines += [f"Took {result.seconds:.0f} s.", "", *_table(loaded[result.key]), ""]
+            records = loaded[result.key]
+            took = f"took {result.seconds:.0f} s."
+            lines += [f"Ran {result.started}, {took}" if result.started else f"T{took[1:]}", ""]
+            if result.kind == "trace":
+                lines += [*_trace_summary(records), "", "<details><summary>All records</summary>"]
+                lines += ["", *_table(records), "", "</details>", ""]
+            else:
+                lines += [*_table(records), ""]
         elif result.key in problems:
             lines += [f"**Not shown:** {problems[result.key]}", ""]
         elif result.status == "skipped":
@@ -419,6 +437,74 @@ def render(results: Sequence[JobResult], out_dir: Path, info: dict[str, str], qu
             detail = result.detail.replace("\n", " ⏎ ")
             lines += [f"**Failed** after {result.seconds:.0f} s: {detail}", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _trace_summary(records: Sequence[Record]) -> list[str]:
+    """One row per replay of `bench trace`: hit rates, TTFT, storage traffic."""
+    by = {r.name: r for r in records}
+    labels = [
+        r.name.removeprefix("trace.").removesuffix(".hit.total")
+        for r in records
+        if r.name.endswith(".hit.total")
+    ]
+
+    def value(name: str) -> float | None:
+        record = by.get(name)
+        return record.value if record is not None else None
+
+    def pct(share: float | None) -> str:
+        return f"{share:.1%}" if share is not None else "-"
+
+    def secs(name: str) -> str:
+        record = by.get(name)
+        if record is None:
+            return "-"
+        ratio = f" ({record.ratio:.2f}x)" if record.ratio is not None else ""
+        return f"{record.value:.2f} s{ratio}"
+
+    def tb(name: str) -> str:
+        gb = value(name)
+        return f"{gb / 1000:.2f} TB" if gb is not None else "-"
+
+    lines = []
+    bound, blocks = value("trace.bound.token_hit_rate"), value("trace.bound.block_hit_rate")
+    if bound is not None:
+        lines += [
+            f"Upper bound (unlimited cache): {pct(bound)} of prompt tokens, "
+            f"{pct(blocks)} of 512-token blocks.",
+            "",
+        ]
+    lines += [
+        "| host, storage | device | host | storage | total | of bound | TTFT p50 | TTFT p99 "
+        "| read | written | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label in labels:
+        prefix = f"trace.{label}"
+        total = by[f"{prefix}.hit.total"]
+        errors = sum(
+            int(value(f"{prefix}.{name}") or 0)
+            for name in ("prefetch.errors", "prefetch.stuck", "allocation_errors")
+        )
+        host, _, storage = label.partition(".storage-")
+        lines.append(
+            f"| {host.removeprefix('host')}, {storage} | {pct(value(f'{prefix}.hit.device'))} "
+            f"| {pct(value(f'{prefix}.hit.host'))} | {pct(value(f'{prefix}.hit.storage'))} "
+            f"| {pct(total.value)} | {pct(total.ratio)} "
+            f"| {secs(f'{prefix}.ttft_p50_s')} | {secs(f'{prefix}.ttft_p99_s')} "
+            f"| {tb(f'{prefix}.storage.read_gb')} | {tb(f'{prefix}.storage.written_gb')} "
+            f"| {errors} |"
+        )
+    p50, p99 = value("trace.nocache.ttft_p50_s"), value("trace.nocache.ttft_p99_s")
+    if p50 is not None and p99 is not None:
+        lines += [
+            "",
+            f"Host and storage sizes are multiples of the device pool. Without a cache: TTFT "
+            f"p50 {p50:.2f} s, p99 {p99:.2f} s (the ratios in brackets compare with these). "
+            "Traffic is in bytes of the real model's KV. Errors: failed or stuck prefetches "
+            "and failed device allocations.",
+        ]
+    return lines
 
 
 def _describe(kind: str) -> str:
@@ -468,7 +554,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument(
-        "--only", default=None, help="comma-separated job keys to run (others are left out)"
+        "--only",
+        default=None,
+        help="comma-separated job keys to run (tree, copy, storage-file, storage-memory, "
+        "storage-redis, orchestration, trace); the others keep their last results",
     )
     parser.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds per benchmark (default 1800)"
@@ -479,6 +568,19 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="rebuild the page from the JSON already in OUT_DIR without running anything",
     )
     return parser.parse_args(argv)
+
+
+def _load_manifest(path: Path) -> tuple[dict[str, str], bool, list[JobResult]] | None:
+    """(machine, quick, results) of the last run in `path`, or None."""
+    try:
+        data = msgspec.json.decode(path.read_bytes())
+        return (
+            msgspec.convert(data["machine"], dict[str, str]),
+            bool(data["quick"]),
+            msgspec.convert(data["results"], list[JobResult]),
+        )
+    except (OSError, KeyError, TypeError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -492,14 +594,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else (out_dir / "benchmarks.md" if args.quick else Path("docs") / "benchmarks.md")
     )
     manifest = out_dir / "report.json"
+    previous = _load_manifest(manifest)
     if args.render_only:
-        if not manifest.exists():
-            raise SystemExit(
-                f"{manifest} does not exist: run the report once without --render-only"
-            )
-        data = msgspec.json.decode(manifest.read_bytes())
-        results = msgspec.convert(data["results"], list[JobResult])
-        info, quick = data["machine"], data["quick"]
+        if previous is None:
+            raise SystemExit(f"no readable {manifest}: run the report without --render-only")
+        info, quick, results = previous
     else:
         info, quick = machine(), args.quick
         wanted = {k.strip() for k in args.only.split(",")} if args.only else None
@@ -518,6 +617,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
                 results.append(result)
+        if wanted is not None and previous is not None and previous[1] == quick:
+            # A partial run replaces its jobs in the last full one; the rest stay.
+            merged = {r.key: r for r in previous[2]}
+            merged.update((r.key, r) for r in results)
+            results = list(merged.values())
         payload = {"machine": info, "quick": quick, "results": results}
         manifest.write_bytes(msgspec.json.format(msgspec.json.encode(payload)) + b"\n")
     docs.parent.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,10 @@ for its prefetch; then it loads its host pages (real-model bytes over the host-t
 bandwidth) and computes its uncached tokens. TTFT is finish minus arrival. Real cache calls
 happen in virtual-time order, so the cache sees the requests interleave as they would.
 
-Hit rates are shares of all prompt tokens, per tier where the tokens came from, against the
-upper bound an unlimited page-granular cache reaches on the same requests. TTFT percentiles
-compare with the same replay without any cache.
+Replays are independent of wall time (the clock is virtual), so `--jobs` runs them side by
+side in worker processes with identical results. Hit rates are shares of all prompt tokens,
+per tier where the tokens came from, against the upper bound an unlimited page-granular cache
+reaches on the same requests. TTFT percentiles compare with the same replay without any cache.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ._records import Record
 from ._sim import PROFILES, ModelProfile, NoCacheEngine, percentile, simulate, upper_bound
 
 __all__ = [
-    "Outcome",
+    "ReplayOutcome",
     "Scenario",
     "add_arguments",
     "describe",
@@ -69,6 +70,7 @@ class Scenario(msgspec.Struct, frozen=True):
 
     @property
     def label(self) -> str:
+        """The scenario's part of record names, e.g. `host2x.storage-unbounded`."""
         return f"host{_ratio_text(self.host_ratio)}x.storage-{self.storage}"
 
 
@@ -290,7 +292,7 @@ def _config(args: argparse.Namespace, device_pages: int, host_pages: int) -> Cac
     )
 
 
-class Outcome(msgspec.Struct, frozen=True):
+class ReplayOutcome(msgspec.Struct, frozen=True):
     """What one replay produced (plain data, so it can come back from a worker process)."""
 
     scenario: Scenario
@@ -314,7 +316,7 @@ async def _replay(
     requests: Sequence[TraceRequest],
     arrivals: Sequence[float],
     device_pages: int,
-) -> Outcome:
+) -> ReplayOutcome:
     from .._cache import HiCache
 
     began = time.perf_counter()
@@ -334,7 +336,7 @@ async def _replay(
         replay = _Replay(cache, requests, profile, clock)
         ttft, _ = await simulate(arrivals, replay, slots=args.prefill_slots)
         status = cache.storage_status()
-    return Outcome(
+    return ReplayOutcome(
         scenario=scenario,
         device=replay.device,
         host=replay.host,
@@ -351,7 +353,9 @@ async def _replay(
     )
 
 
-def replay_scenario(args: argparse.Namespace, scenario: Scenario, device_pages: int) -> Outcome:
+def replay_scenario(
+    args: argparse.Namespace, scenario: Scenario, device_pages: int
+) -> ReplayOutcome:
     """One replay of the trace (run in a worker process when `--jobs` > 1)."""
     import logging
 
@@ -366,7 +370,7 @@ def replay_scenario(args: argparse.Namespace, scenario: Scenario, device_pages: 
 
 def _outcomes(
     args: argparse.Namespace, scenarios: list[Scenario], device_pages: int
-) -> list[Outcome]:
+) -> list[ReplayOutcome]:
     """Every scenario's outcome, in order; replays are independent of wall time, so they
     may run side by side."""
     jobs = min(args.jobs, len(scenarios))
@@ -380,7 +384,7 @@ def _outcomes(
 
 
 def _scenario_records(
-    outcome: Outcome,
+    outcome: ReplayOutcome,
     total_tokens: int,
     bound: float,
     base: tuple[float, float],

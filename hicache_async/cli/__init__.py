@@ -17,7 +17,10 @@ __all__ = ["main"]
 
 #: command -> module exposing `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "example": ("hicache_async.cli._example", "push a workload through device and host tiers"),
+    "example": (
+        "hicache_async.cli._example",
+        "replay trace requests through every tier (no model; pages checked)",
+    ),
     "storage": ("hicache_async.cli._storage", "inspect and maintain a storage backend"),
     "demo": (
         "hicache_async.cli._demo",
@@ -49,12 +52,18 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stderr_logger(*_args: object) -> structlog.PrintLogger:
+    # Resolved at each use, not at configure time: sys.stderr may be replaced (or closed,
+    # when main() runs inside a test harness) after the CLI configured logging.
+    return structlog.PrintLogger(sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hicache-async` and `python -m hicache_async`."""
     # An application, unlike the library, decides what its log shows: warnings and up.
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=_stderr_logger,
     )
     args = _build_parser().parse_args(argv)
     if args.command == "bench":

@@ -772,6 +772,8 @@ class FileStorage(BackendBase):
         if isinstance(header, PageCheck):
             return (_CORRUPT, "header", size)
         mismatch = _header_mismatch(header, key, namespace, expected)
+        if mismatch == "namespace":
+            return (_UNSUPPORTED, "", size)  # another deployment's page: a miss, left alone
         if mismatch:
             return (_CORRUPT, mismatch, size)
         if size != HEADER_NBYTES + expected:

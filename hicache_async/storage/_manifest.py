@@ -184,7 +184,9 @@ class ManifestCollector:
         )
 
 
-async def _lines(path: Path, limits: ManifestLimits) -> AsyncIterator[bytes | None]:
+async def _lines(
+    path: Path, limits: ManifestLimits, *, whole: bool = False
+) -> AsyncIterator[bytes | None]:
     """Lines of the file, each at most max_entry_bytes + 1 long (longer ones cut: oversized).
 
     Yields None at the end if the byte bound stopped the read early. Reads in chunks so an
@@ -221,7 +223,7 @@ async def _lines(path: Path, limits: ManifestLimits) -> AsyncIterator[bytes | No
                     yield bytes(pending)
                 pending.clear()
                 start = end + 1
-            if total >= limits.max_bytes:
+            if total >= limits.max_bytes and not whole:
                 yield None
                 return
     finally:
@@ -287,16 +289,12 @@ class FileManifest:
             before = (await aiofiles.os.stat(self.path)).st_size
         except FileNotFoundError:
             before = 0
+        # The whole file, newest records included: memory stays bounded by the collector.
         collector = ManifestCollector(self.limits)
-        truncated = False
-        async for line in _lines(self.path, self.limits):
-            if line is None:
-                truncated = True
-                break
-            collector.add_line(line)
-        result = collector.result(truncated=truncated)
-        # Oldest first, so appends after compaction keep "later replaces earlier".
-        entries = sorted(result.entries, key=lambda e: e.last_use)
+        async for line in _lines(self.path, self.limits, whole=True):
+            if line is not None:
+                collector.add_line(line)
+        entries = _fit(collector.result(truncated=False).entries, self.limits.max_bytes // 2)
         data = b"".join(encode_entry(e) for e in entries)
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         async with aiofiles.open(temp, "wb", opener=_no_follow_creator) as f:
@@ -344,7 +342,7 @@ class MemoryManifest:
         before = self._bytes
         for line in self._lines:
             collector.add_line(line)
-        entries = sorted(collector.result(truncated=False).entries, key=lambda e: e.last_use)
+        entries = _fit(collector.result(truncated=False).entries, self.limits.max_bytes // 2)
         self._lines = [encode_entry(e) for e in entries]
         self._bytes = sum(map(len, self._lines))
         await anyio.lowlevel.checkpoint()
@@ -356,6 +354,20 @@ class MemoryManifest:
             malformed=collector.malformed,
             oversized=collector.oversized,
         )
+
+
+def _fit(entries: list[ManifestEntry], budget: int) -> list[ManifestEntry]:
+    """The most valuable entries (they come ordered by value) that fit `budget` bytes,
+    oldest first, so appends after a compaction keep "later replaces earlier"."""
+    kept: list[ManifestEntry] = []
+    used = 0
+    for entry in entries:
+        size = len(encode_entry(entry))
+        if used + size > budget:
+            continue
+        kept.append(entry)
+        used += size
+    return sorted(kept, key=lambda e: e.last_use)
 
 
 @contextlib.asynccontextmanager

@@ -67,7 +67,7 @@ class PageCheck(enum.Enum):
     OK = "ok"
     #: magic, header checksum, key, length, namespace, payload checksum or MAC mismatch.
     CORRUPT = "corrupt"
-    #: written by a newer format version: not ours to judge or delete.
+    #: written by a newer format version, or under another namespace: a miss, left in place.
     UNSUPPORTED = "unsupported"
 
 
@@ -178,11 +178,13 @@ def check_header(
     """Check a decoded header against what the reader expects, before reading the payload."""
     if isinstance(header, PageCheck):
         return header
-    if (
-        header.key != key
-        or header.namespace != namespace
-        or header.payload_nbytes != payload_nbytes
-    ):
+    if header.key != key:
+        return PageCheck.CORRUPT
+    if header.namespace != namespace:
+        # A sound page of another deployment sharing the store (e.g. SGLang-compatible
+        # keys under another layout): a miss for us, but not ours to delete.
+        return PageCheck.UNSUPPORTED
+    if header.payload_nbytes != payload_nbytes:
         return PageCheck.CORRUPT
     return PageCheck.OK
 

@@ -47,7 +47,8 @@ class PageMeta(msgspec.Struct, frozen=True):
     """What is stored with a page besides its bytes."""
 
     key: bytes
-    #: `Namespace.fingerprint` of the writer; a reader with another fingerprint gets a miss.
+    #: `Namespace.fingerprint` of the writer; a reader with another fingerprint gets a MISS
+    #: and the page stays (it belongs to another deployment sharing the store).
     namespace: bytes
     num_tokens: int
     priority: int = 0
@@ -117,8 +118,9 @@ class StorageBackend(Protocol):
     ) -> list[Outcome]:
         """Read each page into its buffer; one outcome per key.
 
-        A page whose header, key, length, namespace fingerprint or checksum does not match is
-        `CORRUPT` (counted and removed); its buffer content is then undefined.
+        A page whose header, key, length or checksum (or MAC) does not match is `CORRUPT`
+        (counted and removed); its buffer content is then undefined. A sound page of another
+        namespace, or of a newer format version, is a `MISS` and is left in place.
         """
         ...
 

@@ -14,6 +14,8 @@ from ._kvgen import KVGenerator
 from ._workload import ServedRequest, serve
 
 __all__ = [
+    "MAC_KEY",
+    "FaultCounts",
     "FaultyStorage",
     "KVGenerator",
     "MooncakeMaster",
@@ -26,6 +28,8 @@ __all__ = [
 
 _LAZY = {
     "FaultyStorage": "._faults",
+    "FaultCounts": "._faults",
+    "MAC_KEY": "._conformance",
     "StorageConformance": "._conformance",
     "RedisServer": "._servers",
     "MooncakeMaster": "._servers",

@@ -196,7 +196,13 @@ class BackupWorker:
             if not keys:
                 return
             self.batches += 1
-            done = await self._put_with_retries(keys, buffers, metas)
+            limit = max(1, self._backend.capabilities.max_batch_pages)
+            done: list[bool] = []
+            for start in range(0, len(keys), limit):
+                end = start + limit
+                done += await self._put_with_retries(
+                    keys[start:end], buffers[start:end], metas[start:end]
+                )
             offset = 0
             for node in nodes:
                 n = node.num_pages

@@ -19,7 +19,7 @@ import msgspec
 import structlog
 
 from .._config import PrefetchConfig, PrefetchPolicy
-from ..distributed import RankGroup, agree_min
+from ..distributed import CollectiveError, RankGroup, agree_min
 from ..storage import Outcome, StorageBackend
 
 if TYPE_CHECKING:
@@ -185,7 +185,14 @@ class PrefetchHandle:
             async def mine() -> int:
                 return self.device_tokens + self.host_tokens + self.storage_tokens
 
-            self._agreed = await agree_min(group, mine)
+            try:
+                self._agreed = await agree_min(group, mine)
+            except CollectiveError as exc:
+                # A broken group: the ranks cannot agree, so none may use what it fetched.
+                _log.warning(
+                    "hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc)
+                )
+                self._agreed = 0
         return self.result()
 
     async def _wait_for_policy(self) -> None:

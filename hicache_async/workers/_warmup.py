@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from ..distributed import agree_entries, agree_min
+from ..distributed import CollectiveError, agree_entries, agree_min
 from ..storage._manifest import SupportsManifest
 from ._prefetch import PrefetchHandle
 
@@ -72,6 +72,14 @@ class Warmer:
         self._stop = True
 
     async def run(self) -> WarmupResult:
+        """Warm up; a broken rank group stops it (logged), it never fails the caller."""
+        try:
+            return await self._run()
+        except CollectiveError as exc:
+            _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
+            return WarmupResult(status=WarmupStatus.STOPPED)
+
+    async def _run(self) -> WarmupResult:
         began = time.monotonic()
         cache = self._cache
         backend = self._link.backend

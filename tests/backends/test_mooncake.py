@@ -178,11 +178,12 @@ async def test_damaged_pages_are_rejected(
         assert backend.stats().corrupt == 0
 
 
-async def test_other_namespace_is_corrupt(backend: MooncakeStorage) -> None:
+async def test_other_namespace_is_a_miss_left_in_place(backend: MooncakeStorage) -> None:
     keys, pages, metas = make_pages(1)
     await backend.put(keys, pages, metas)
-    assert await backend.get(keys, buffers(1), namespace=OTHER_NS) == [Outcome.CORRUPT]
-    assert await backend.exists(keys) == 0
+    assert await backend.get(keys, buffers(1), namespace=OTHER_NS) == [Outcome.MISS]
+    assert await backend.exists(keys) == 1  # another deployment's page is not ours to delete
+    assert await backend.get(keys, buffers(1), namespace=NS) == [Outcome.OK]
 
 
 async def test_mac_key_is_required_and_checked(mooncake_url: str) -> None:

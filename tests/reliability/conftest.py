@@ -24,6 +24,7 @@ import structlog
 
 from . import FULL, Record
 
+uvloop: Any
 try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows

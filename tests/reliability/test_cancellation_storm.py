@@ -15,7 +15,7 @@ import asyncio
 import collections
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, get_args
 
 import numpy as np
@@ -89,7 +89,7 @@ async def test_cancellation_storm(figures: Record) -> None:
         def pick() -> np.ndarray[Any, Any]:
             return pool[min(int(rng.expovariate(1 / 60)), len(pool) - 1)]
 
-        def action(number: int) -> tuple[str, Callable[[], Awaitable[object]]]:
+        def action(number: int) -> tuple[str, Callable[[], Coroutine[Any, Any, object]]]:
             prompt = pick()
             roll = rng.random()
             if roll < 0.75:

@@ -193,9 +193,10 @@ def test_pool_sizes_no_machine_can_hold_are_config_errors(
 def test_directly_built_config_checks_types(field: str, value: object) -> None:
     """`CacheConfig(...)` built in Python (not decoded) must refuse wrong types as `from_dict`
     does; today a dict for `prefetch` passes and the cache fails later with AttributeError."""
-    layout = KVLayout(**LAYOUT)
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4)
+    wrong: dict[str, Any] = {field: value}
     with pytest.raises(ConfigError) as info:
-        CacheConfig(layout=layout, device_pages=8, **{field: value})
+        CacheConfig(layout=layout, device_pages=8, **wrong)
     assert field in str(info.value)
 
 
@@ -304,7 +305,8 @@ async def test_nothing_cached_is_lost_to_hostile_calls(figures: Record) -> None:
                     wrong.append(f"{case} / {name}: {type(exc).__name__}: {exc}")
                 else:
                     wrong.append(f"{case} / {name}: accepted")
-        for empty in ([], np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.int64)):
+        empties: tuple[Any, ...] = ([], np.zeros(0, dtype=np.int64), torch.zeros(0))
+        for empty in empties:
             result = await serve(cache, empty, generator)  # nothing to do, nothing to fail
             assert result.num_tokens == 0
         await cache.detach_storage()

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import forbiddenfruit
+import forbiddenfruit  # type: ignore[import-untyped]
 import numpy as np
 import pytest
 from blockbuster import BlockBuster, BlockBusterFunction, BlockingError
@@ -270,7 +270,7 @@ def test_the_recorder_restores_every_function(name: str) -> None:
     assert getattr(module, attribute) is before
 
 
-CLOSES = 10
+CLOSES = 6
 
 
 def test_closing_caches_does_not_join_threads_on_the_loop(figures: Record) -> None:
