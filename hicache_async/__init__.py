@@ -1,5 +1,6 @@
 """hicache_async: an asyncio-native hierarchical KV cache (device, host, shared storage)."""
 
+from ._allocator import AllocatorStatistics, PageAllocator
 from ._cache import HiCache, MatchInfo
 from ._config import (
     BackupConfig,
@@ -21,6 +22,7 @@ from ._errors import (
 )
 from ._keys import Namespace, page_keys
 from ._metrics import prometheus_collector, render_prometheus
+from ._pool import KVPool, PoolStatistics, make_pools
 from ._request import Request
 from ._stats import CacheStatistics, TierTokens
 from .distributed import CollectiveError, CollectiveTimeout, GroupBrokenError, RankGroup
@@ -36,6 +38,7 @@ from .workers import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocatorStatistics",
     "BackupConfig",
     "CacheStatistics",
     "CollectiveError",
@@ -56,8 +59,11 @@ __all__ = [
     "HiCacheError",
     "InvalidTokensError",
     "KVLayout",
+    "KVPool",
     "Namespace",
     "OutOfPagesError",
+    "PageAllocator",
+    "PoolStatistics",
     "PrefetchConfig",
     "StorageConfigError",
     "StorageError",
@@ -66,6 +72,7 @@ __all__ = [
     "WarmupStatus",
     "WrongThreadError",
     "load_config",
+    "make_pools",
     "page_keys",
     "prometheus_collector",
     "render_prometheus",

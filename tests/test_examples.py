@@ -17,6 +17,7 @@ EXPECTED = {
     "fault_scenario.py": "0 failed",
     "cold_start_warmup.py": "all matched",
     "storage_plugin.py": "a fresh cache read 200 tokens back",
+    "tensor_parallel.py": "ranks agree",
 }
 
 
