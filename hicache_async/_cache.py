@@ -559,7 +559,12 @@ class HiCache:
         self._counters.device_evicted_pages += len(eviction.freed)
         self._device_free(eviction.freed)
         started = sum(self._back_up_to_host([node]) for node in eviction.needs_backup)
-        if eviction.needs_backup and not started and not self._device_backups:
+        if (
+            allocator.free_count < count
+            and eviction.needs_backup
+            and not started
+            and not self._device_backups
+        ):
             # No host room to back anything up: drop unbacked leaves rather than fail.
             fallback = self._tree.evict_device(count - allocator.free_count, backup_first=False)
             self._counters.device_evicted_pages += len(fallback.freed)

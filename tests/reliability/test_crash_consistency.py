@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from hicache_async import HiCache, page_keys
 from hicache_async.storage import FileStorage, Outcome
@@ -243,6 +244,8 @@ async def _check_after_kill(
     assert again.checked == len(files), again
 
 
+# The child does the work and the parent's loop only waits for it: one loop in every run.
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_sigkill_during_backup(tmp_path: Path, figures: Record) -> None:
     root = tmp_path / "l3"
     root.mkdir(mode=0o700)
@@ -289,6 +292,7 @@ async def test_sigkill_during_backup(tmp_path: Path, figures: Record) -> None:
     assert totals["served_from_storage_tokens"] > 0 or KILLS < 2
 
 
+@pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_verify_reports_the_leftovers_of_a_killed_writer(tmp_path: Path) -> None:
     """`storage verify` removes the temporary files of interrupted writes and must say how
     many. Today opening a private root deletes them first, uncounted, so verify reports 0.
