@@ -251,6 +251,17 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     def __post_init__(self) -> None:
         if not isinstance(self.layout, KVLayout):
             raise ConfigError("layout", "must be a KVLayout")
+        for name, kind in (
+            ("prefetch", PrefetchConfig),
+            ("backup", BackupConfig),
+            ("warmup", WarmupConfig),
+        ):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(name, f"must be a {kind.__name__} (use from_dict for mappings)")
+        for name in ("storage", "mac_key_file"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(name, f"must be a string or None, got {type(value).__name__}")
         _positive("page_size", self.page_size)
         _positive("device_pages", self.device_pages)
         if self.host_pages is not None and self.host_ratio is not None:
@@ -366,6 +377,8 @@ def load_config(source: Mapping[str, Any] | str | Path) -> CacheConfig:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError("$", f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError("$", f"{path} is not UTF-8 text") from None
     if path.suffix == ".toml":
         return CacheConfig.from_toml(text)
     return CacheConfig.from_json(text)

@@ -138,7 +138,6 @@ async def test_cancellation_storm(figures: Record) -> None:
             done += count
             await settle(cache, timeout_s=30)
             assert_drained(cache)
-            assert not failures, f"a call that was not cancelled failed: {failures[0]!r}"
         # The cache still serves correct bytes for what survived the storm.
         reused = 0
         for prompt in pool[:30]:
@@ -153,10 +152,12 @@ async def test_cancellation_storm(figures: Record) -> None:
         "cancellation storm",
         calls=REQUESTS,
         cancelled=cancelled,
+        failed=len(failures),
         seconds=round(elapsed, 1),
         **{key.replace(" ", "_"): n for key, n in sorted(outcomes.items())},
-        cancel_points=len(by_point),
+        cancel_points=", ".join(f"{point}: {n}" for point, n in sorted(by_point.items())),
     )
+    assert not failures, f"{len(failures)} calls not cancelled failed, first: {failures[0]!r}"
     assert cancelled > REQUESTS * 0.2, outcomes
     assert outcomes["serve cancelled"] > 0
     assert outcomes["serve completed"] > 0
