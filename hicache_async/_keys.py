@@ -100,9 +100,10 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
     Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor.
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
-        if getattr(tokens, "is_floating_point", lambda: False)() or getattr(
-            tokens, "is_complex", lambda: False
-        )():
+        if (
+            getattr(tokens, "is_floating_point", lambda: False)()
+            or getattr(tokens, "is_complex", lambda: False)()
+        ):
             kind = getattr(tokens, "dtype", "floating-point")
             raise InvalidTokensError(f"token ids must be integers, got a {kind} tensor")
         tokens = tokens.detach().cpu().numpy()

@@ -6,7 +6,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-USER_SUITE = '''
+USER_SUITE = """
 import numpy as np
 from hicache_async.storage import MemoryStorage
 from hicache_async.testing import serve
@@ -28,7 +28,7 @@ async def test_file_cache_and_faults(hicache_file, kv_generator, faulty_storage)
 
 def test_redis(redis_url):
     assert redis_url.startswith("redis://127.0.0.1:")
-'''
+"""
 
 
 def test_plugin_fixtures_in_a_user_suite(pytester: pytest.Pytester) -> None:
