@@ -43,3 +43,12 @@ def bench(session: nox.Session) -> None:
     """Every benchmark, then docs/benchmarks.md regenerated from their JSON."""
     _install(session, "dev,mooncake")
     session.run("python", "-m", "hicache_async.bench.report", *session.posargs)
+
+
+@nox.session
+def reliability(session: nox.Session) -> None:
+    """The reliability suites at full size (CI runs their short versions)."""
+    _install(session, "dev,mooncake")
+    session.run(
+        "pytest", "-q", "tests/reliability", *session.posargs, env={"HICACHE_RELIABILITY": "full"}
+    )
