@@ -122,6 +122,8 @@ class HiCache:
         self._copies: set[LayerwiseCopy] = set()
         self._loading: dict[int, LayerwiseCopy] = {}
         self._device_backups = 0
+        # Loads of released requests: their pages become evictable when they land.
+        self._abandoned_loads = 0
         self._backing_up: set[int] = set()
         self._capacity_changed = asyncio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
@@ -576,8 +578,8 @@ class HiCache:
         assert self._device_pool is not None
         if count > self._device_pool.num_pages:
             raise OutOfPagesError(
-                f"{count} device pages asked for, but the device pool has only "
-                f"{self._device_pool.num_pages}: raise device_pages or shorten the prompt"
+                f"the device pool cannot provide {count} pages: it has only "
+                f"{self._device_pool.num_pages} in all; raise device_pages or shorten the prompt"
             )
         await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
         while True:
@@ -585,7 +587,7 @@ class HiCache:
             pages = self._try_alloc_device(count)
             if pages is not None:
                 return pages
-            if not self._device_backups:
+            if not self._device_backups and not self._abandoned_loads:
                 assert self._device_pool is not None
                 raise OutOfPagesError(
                     f"the device pool cannot provide {count} pages: "
@@ -693,23 +695,37 @@ class HiCache:
         self._loading.pop(host_node.id, None)
         ok = copy.exception() is None
         private: list[int] = list(device_pages)
-        if ok:
-            private = []
-            offset = 0
-            for node in self._path(host_node, len(device_pages)):
-                part = device_pages[offset : offset + node.num_pages]
-                offset += node.num_pages
-                if node.on_device:
-                    private.extend(part)  # someone else's commit got there first
-                else:
-                    self._tree.set_device_pages(node, part)
-        else:
-            self._counters.copy_failures += 1
-            _log.warning(
-                "hicache.load.failed", request_id=request.request_id, error=repr(copy.exception())
-            )
-        request._on_load_done(host_node, private, ok)
-        self._tree.unprotect_host(host_node)
+        try:
+            path = self._path(host_node, len(device_pages)) if ok else []
+            top = path[0].parent if path else None
+            if top is not None and top.parent is not None and not top.on_device:
+                # The request's lock keeps the prefix above on the device until this runs;
+                # should it be gone anyway, the pages must not join the tree without it.
+                ok = False
+                _log.error("hicache.load.orphaned", request_id=request.request_id)
+            if ok:
+                private = []
+                offset = 0
+                for node in path:
+                    part = device_pages[offset : offset + node.num_pages]
+                    offset += node.num_pages
+                    if node.on_device:
+                        private.extend(part)  # someone else's commit got there first
+                    else:
+                        self._tree.set_device_pages(node, part)
+            else:
+                self._counters.copy_failures += 1
+                _log.warning(
+                    "hicache.load.failed",
+                    request_id=request.request_id,
+                    error=repr(copy.exception()),
+                )
+        finally:
+            # Runs in a done-callback, where an exception would only be logged: whatever
+            # happened, the pages and the host protection go back.
+            request._on_load_done(host_node, private, ok)
+            self._tree.unprotect_host(host_node)
+            self._capacity_changed.set()
 
     def _back_up_to_host(self, nodes: Sequence[TreeNode]) -> bool:
         """Copy the device pages of `nodes` to fresh host pages, as one batch."""

@@ -189,9 +189,14 @@ class Request:
             return
         self._released = True
         cache = self._cache
-        if self._lock_node is not None:
+        loading = self._load is not None and not self._load.done()
+        # A load in flight lands its pages under the device prefix this lock holds: keep the
+        # lock until it lands (`_on_load_done`), or the prefix could be evicted first.
+        if self._lock_node is not None and not loading:
             cache._tree.unlock_device(self._lock_node)
             self._lock_node = None
+        if loading:
+            cache._abandoned_loads += 1
         if self._host_node is not None and self._load is None:
             cache._tree.unprotect_host(self._host_node)
             self._host_node = None
@@ -206,7 +211,11 @@ class Request:
     def _on_load_done(self, host_node: TreeNode, private: list[int], ok: bool) -> None:
         """Called by the cache when this request's load finished (on the loop)."""
         if self._released:
+            self._cache._abandoned_loads -= 1
             self._cache._device_free(private)
+            if self._lock_node is not None:
+                self._cache._tree.unlock_device(self._lock_node)
+                self._lock_node = None
             return
         if not ok:
             # The host part was not copied: those tokens must be computed instead, so they

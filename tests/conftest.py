@@ -34,12 +34,6 @@ KNOWN_BUGS: dict[str, str] = {
     "tests/reliability/test_hostile_input.py::test_opening_with_an_overflowing_pool": (
         "an overflowing pool size surfaces as a torch error, not ConfigError"
     ),
-    "tests/reliability/test_hostile_input.py::test_nothing_cached_is_lost_to_hostile_calls": (
-        "a hostile call can evict cached pages before it is rejected"
-    ),
-    "tests/reliability/test_hostile_input.py::test_request_larger_than_the_pool": (
-        "a request larger than the device pool evicts before it fails"
-    ),
     "tests/reliability/test_hostile_input.py::test_bad_storage_url_is_a_storage_config_error": (
         "the registry lets some malformed URLs through as other exception types"
     ),

@@ -23,6 +23,7 @@ __all__ = [
     "PAGE",
     "Record",
     "assert_drained",
+    "loop_errors",
     "make_config",
     "percentile",
     "prompt_pool",
@@ -82,6 +83,14 @@ def prompt_pool(
         turn = [rng.randrange(30_000) for _ in range(rng.randrange(1, max_turn_pages * PAGE))]
         prompts.append(np.array(base + turn, dtype=np.int64))
     return prompts
+
+
+def loop_errors() -> list[dict[str, Any]]:
+    """Collect what the running loop would log as unhandled (an exception in a callback or a
+    task nobody awaited): such an error is invisible to the caller but leaves work undone."""
+    errors: list[dict[str, Any]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: errors.append(context))
+    return errors
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -20,12 +20,21 @@ from typing import Any, get_args
 
 import numpy as np
 
-from hicache_async import HiCache
+from hicache_async import CacheConfig, HiCache
 from hicache_async._config import PrefetchPolicy
 from hicache_async.storage import MemoryStorage
 from hicache_async.testing import FaultyStorage, KVGenerator, serve
 
-from . import PAGE, Record, assert_drained, make_config, prompt_pool, scaled, settle
+from . import (
+    PAGE,
+    Record,
+    assert_drained,
+    loop_errors,
+    make_config,
+    prompt_pool,
+    scaled,
+    settle,
+)
 
 #: The loop this suite runs under in the short run (the full run uses every loop).
 SHORT_LOOP = "asyncio"
@@ -82,6 +91,7 @@ async def test_cancellation_storm(figures: Record) -> None:
     outcomes: collections.Counter[str] = collections.Counter()
     cancel_points: list[str] = []
     failures: list[BaseException] = []
+    unhandled = loop_errors()
     began = time.perf_counter()
     async with HiCache(config, storage=storage) as cache:
         semaphore = asyncio.Semaphore(CONCURRENCY)
@@ -117,49 +127,105 @@ async def test_cancellation_storm(figures: Record) -> None:
             return "drain", cache.drain
 
         done = 0
-        while done < REQUESTS:
-            count = min(WAVE, REQUESTS - done)
-            planned = [action(done + i) for i in range(count)]
-            tasks = [asyncio.create_task(call()) for _, call in planned]
-            cancellers = [
-                asyncio.create_task(_cancel_later(task, rng, cancel_points))
-                for task in tasks
-                if rng.random() < CANCEL_RATE
-            ]
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            await asyncio.gather(*cancellers)
-            for (kind, _), result in zip(planned, results, strict=True):
-                if isinstance(result, asyncio.CancelledError):
-                    outcomes[f"{kind} cancelled"] += 1
-                elif isinstance(result, BaseException):
-                    failures.append(result)
-                else:
-                    outcomes[f"{kind} completed"] += 1
-            done += count
-            await settle(cache, timeout_s=30)
-            assert_drained(cache)
-        # The cache still serves correct bytes for what survived the storm.
         reused = 0
-        for prompt in pool[:30]:
-            result = await serve(cache, prompt, generator, check="all")
-            reused += result.device_tokens + result.host_tokens + result.storage_tokens
-        await settle(cache)
-        assert_drained(cache)
-        elapsed = time.perf_counter() - began
+        try:
+            while done < REQUESTS:
+                count = min(WAVE, REQUESTS - done)
+                planned = [action(done + i) for i in range(count)]
+                tasks = [asyncio.create_task(call()) for _, call in planned]
+                cancellers = [
+                    asyncio.create_task(_cancel_later(task, rng, cancel_points))
+                    for task in tasks
+                    if rng.random() < CANCEL_RATE
+                ]
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*cancellers)
+                for (kind, _), result in zip(planned, results, strict=True):
+                    if isinstance(result, asyncio.CancelledError):
+                        outcomes[f"{kind} cancelled"] += 1
+                    elif isinstance(result, BaseException):
+                        failures.append(result)
+                    else:
+                        outcomes[f"{kind} completed"] += 1
+                done += count
+                await settle(cache, timeout_s=30)
+                assert_drained(cache)
+            # The cache still serves correct bytes for what survived the storm.
+            for prompt in pool[:30]:
+                result = await serve(cache, prompt, generator, check="all")
+                reused += result.device_tokens + result.host_tokens + result.storage_tokens
+            await settle(cache)
+            assert_drained(cache)
+        finally:
+            # Recorded even when an invariant broke, with the calls made until then.
+            by_point = collections.Counter(cancel_points)
+            figures(
+                "cancellation storm",
+                calls=done,
+                cancelled=sum(n for key, n in outcomes.items() if key.endswith("cancelled")),
+                failed=len(failures),
+                unhandled_errors=len(unhandled),
+                seconds=round(time.perf_counter() - began, 1),
+                **{key.replace(" ", "_"): n for key, n in sorted(outcomes.items())},
+                cancel_points=", ".join(f"{p}: {n}" for p, n in sorted(by_point.items())),
+            )
     cancelled = sum(n for key, n in outcomes.items() if key.endswith("cancelled"))
-    by_point = collections.Counter(cancel_points)
-    figures(
-        "cancellation storm",
-        calls=REQUESTS,
-        cancelled=cancelled,
-        failed=len(failures),
-        seconds=round(elapsed, 1),
-        **{key.replace(" ", "_"): n for key, n in sorted(outcomes.items())},
-        cancel_points=", ".join(f"{point}: {n}" for point, n in sorted(by_point.items())),
-    )
     assert not failures, f"{len(failures)} calls not cancelled failed, first: {failures[0]!r}"
+    assert not unhandled, unhandled[0].get("exception", unhandled[0])
     assert cancelled > REQUESTS * 0.2, outcomes
     assert outcomes["serve cancelled"] > 0
     assert outcomes["serve completed"] > 0
     assert outcomes["prefetch cancelled"] + outcomes["prefetch handle cancelled"] > 0
     assert reused > 0
+
+
+async def test_release_during_a_load_then_eviction_of_the_prefix() -> None:
+    """What the full storm found, reduced: a request is released (its handler cancelled)
+    while its host → device load is in flight, and another request then needs the pages of
+    the device prefix the load hangs from. The released request keeps that prefix locked
+    until its load lands, so the other allocation waits for the landing instead of evicting
+    the prefix from under it (which once made the landing raise inside the copy's
+    done-callback and leak the host protection and the loaded pages)."""
+    page = 64
+    # 1 MiB pages: the load of 8 of them is still in flight one loop iteration later.
+    config = CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 4, "num_kv_heads": 8, "head_dim": 128},
+            "page_size": page,
+            "device_pages": 20,
+            "host_pages": 24,
+        }
+    )
+    generator = KVGenerator(config.layout, page, seed=29)
+    rng = np.random.default_rng(30)
+    prompt = rng.integers(0, 30_000, size=10 * page)  # D (2 pages) then H (8 pages)
+    errors = loop_errors()
+    in_flight = 0
+    async with HiCache(config) as cache:
+        for attempt in range(3):
+            await serve(cache, prompt[: 2 * page], generator, prefetch=False)  # D, own node
+            await serve(cache, prompt, generator, prefetch=False)  # H, D's child
+            await cache.drain()
+            # Push H (a leaf with a host copy) off the device; D stays.
+            with cache.request(rng.integers(0, 30_000, size=page)) as pusher:
+                await pusher.allocate((config.device_pages - 2) * page)
+            assert cache.match(prompt).device_tokens == 2 * page, attempt
+            request = cache.request(prompt)
+            load = await request.load()  # H: host → device, in flight
+            request.release()  # the handler is cancelled
+            in_flight += not load.done()
+            # Another request needs D's pages: it gets them once the load has landed.
+            with cache.request(rng.integers(0, 30_000, size=page)) as other:
+                pages = await other.allocate((config.device_pages - 8) * page)
+                assert len(pages) == config.device_pages - 8
+                assert load.done()
+            await cache.drain()
+            assert not errors, errors[0].get("exception")
+            await settle(cache)
+            assert_drained(cache)
+        assert in_flight, "the load finished before the release every time"
+        # What survived is still served with the right bytes.
+        await serve(cache, prompt, generator, check="all")
+        await settle(cache)
+        assert_drained(cache)
+        assert not errors, errors[0].get("exception")

@@ -24,7 +24,16 @@ from hicache_async import CacheConfig, HiCache
 from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend
 from hicache_async.testing import FaultyStorage, KVGenerator, ServedRequest, serve
 
-from . import PAGE, Record, assert_drained, make_config, prompt_pool, scaled, settle
+from . import (
+    PAGE,
+    Record,
+    assert_drained,
+    loop_errors,
+    make_config,
+    prompt_pool,
+    scaled,
+    settle,
+)
 
 #: The loop this suite runs under in the short run (the full run uses every loop).
 SHORT_LOOP = "uvloop"
@@ -91,6 +100,7 @@ async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
     faulty = _faulty(inner, seed)
     failures: list[BaseException] = []
     served: list[ServedRequest] = []
+    unhandled = loop_errors()
     began = time.perf_counter()
     async with HiCache(config, storage=faulty) as cache:
         semaphore = asyncio.Semaphore(CONCURRENCY)
@@ -107,37 +117,42 @@ async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
                     failures.append(exc)
 
         wave = 500
-        for start in range(0, REQUESTS, wave):
-            await asyncio.gather(*(handler(n) for n in range(start, min(start + wave, REQUESTS))))
-            await settle(cache)
-            assert_drained(cache)
-        elapsed = time.perf_counter() - began
-        status = cache.storage_status()
-        counters = cache.statistics().counters
-    injected = faulty.injected()
-    assert status.storage is not None
-    assert status.prefetch is not None
-    assert status.backup is not None
-    figures(
-        f"fault soak ({kind})",
-        requests=REQUESTS,
-        failed=len(failures),
-        seconds=round(elapsed, 1),
-        errors=injected.errors,
-        partial_batches=injected.partial_batches,
-        latency_spikes=injected.latency_spikes,
-        hangs=injected.hangs,
-        corrupted=injected.corrupted,
-        truncated=injected.truncated,
-        storage_corrupt_caught=status.storage.corrupt,
-        pages_read=status.prefetch.pages_read,
-        pages_written=status.backup.written_pages,
-        storage_tokens=sum(s.storage_tokens for s in served),
-        checked_pages=sum(s.checked_pages for s in served),
-        device_evicted=counters["device_evicted_pages"],
-        host_evicted=counters["host_evicted_pages"],
-    )
+        try:
+            for start in range(0, REQUESTS, wave):
+                end = min(start + wave, REQUESTS)
+                await asyncio.gather(*(handler(n) for n in range(start, end)))
+                await settle(cache)
+                assert_drained(cache)
+        finally:
+            # Recorded even when an invariant broke, with the requests served until then.
+            status = cache.storage_status()
+            counters = cache.statistics().counters
+            injected = faulty.injected()
+            assert status.storage is not None
+            assert status.prefetch is not None
+            assert status.backup is not None
+            figures(
+                f"fault soak ({kind})",
+                requests=len(served) + len(failures),
+                failed=len(failures),
+                unhandled_errors=len(unhandled),
+                seconds=round(time.perf_counter() - began, 1),
+                errors=injected.errors,
+                partial_batches=injected.partial_batches,
+                latency_spikes=injected.latency_spikes,
+                hangs=injected.hangs,
+                corrupted=injected.corrupted,
+                truncated=injected.truncated,
+                storage_corrupt_caught=status.storage.corrupt,
+                pages_read=status.prefetch.pages_read,
+                pages_written=status.backup.written_pages,
+                storage_tokens=sum(s.storage_tokens for s in served),
+                checked_pages=sum(s.checked_pages for s in served),
+                device_evicted=counters["device_evicted_pages"],
+                host_evicted=counters["host_evicted_pages"],
+            )
     assert not failures, f"{len(failures)} requests failed, first: {failures[0]!r}"
+    assert not unhandled, unhandled[0].get("exception", unhandled[0])
     assert len(served) == REQUESTS
     # The faults were really injected, and the workload really went through storage.
     assert injected.errors > 0

@@ -27,7 +27,7 @@ import pytest
 from hicache_async import CacheConfig, HiCache
 from hicache_async.testing import KVGenerator, ServedRequest, serve
 
-from . import Record, assert_drained, percentile, scaled, settle
+from . import Record, assert_drained, loop_errors, percentile, scaled, settle
 
 #: The loop this suite runs under in the short run (the full run uses every loop).
 SHORT_LOOP = "uvloop"
@@ -135,6 +135,7 @@ async def test_thousand_concurrent_handlers(tmp_path: Path, figures: Record) -> 
 
     failures: list[BaseException] = []
     served: list[ServedRequest] = []
+    unhandled = loop_errors()
     began = time.perf_counter()
     async with HiCache(config, storage=f"file://{root}") as cache:
         tick = asyncio.create_task(ticker())
@@ -174,6 +175,7 @@ async def test_thousand_concurrent_handlers(tmp_path: Path, figures: Record) -> 
         device_evicted=counters["device_evicted_pages"],
     )
     assert not failures, f"{len(failures)} handlers failed, first: {failures[0]!r}"
+    assert not unhandled, unhandled[0].get("exception", unhandled[0])
     assert len(lags) > 10, "the ticker never ran: the loop was blocked for the whole run"
     assert counters["device_evicted_pages"] > 0
     assert sum(s.host_tokens + s.storage_tokens for s in served) > 0
