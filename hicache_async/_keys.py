@@ -100,7 +100,8 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
     Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor.
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
-        if tokens.dim() == 1 and tokens.numel() == 0:
+        shape = tuple(getattr(tokens, "shape", ()))
+        if shape == (0,):
             return np.zeros(0, dtype="<u4")  # `torch.tensor([])` is float32: empty is empty
         if (
             getattr(tokens, "is_floating_point", lambda: False)()
