@@ -30,6 +30,8 @@ __all__ = [
     "EvictionPolicy",
     "HostLayout",
     "KVLayout",
+    "MAX_PAGE_TOKENS",
+    "MAX_POOL_NBYTES",
     "PrefetchConfig",
     "PrefetchPolicy",
     "WarmupConfig",
@@ -55,6 +57,15 @@ _ITEMSIZE: dict[str, int] = {
 
 _DEVICES = ("auto", "cpu", "cuda")
 
+#: The most bytes one pool may take. No machine holds more (256 TiB), element counts and
+#: byte offsets stay far inside int64, and the limit does not depend on the machine a
+#: configuration happens to be checked on. Whether a pool fits the memory actually present is
+#: checked when it is allocated.
+MAX_POOL_NBYTES = 1 << 48
+
+#: The most tokens a page may hold: a stored page records its token count in 32 bits.
+MAX_PAGE_TOKENS = (1 << 32) - 1
+
 
 def _positive(field: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -64,6 +75,20 @@ def _positive(field: str, value: int) -> None:
 def _non_negative(field: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(field, f"must be an integer >= 0, got {value!r}")
+
+
+def _within_pool(nbytes: int, factors: list[tuple[str, int]], what: str) -> int:
+    """`nbytes` times every factor; the first factor that takes the product past
+    `MAX_POOL_NBYTES` is the field the error names."""
+    for field, value in factors:
+        nbytes *= value
+        if nbytes > MAX_POOL_NBYTES:
+            raise ConfigError(
+                field,
+                f"{what} would take {nbytes} bytes, more than the {MAX_POOL_NBYTES} bytes "
+                f"({MAX_POOL_NBYTES >> 40} TiB) a pool may take",
+            )
+    return nbytes
 
 
 def _finite(field: str, value: float, *, low: float, high: float | None = None) -> None:
@@ -112,6 +137,21 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                     "layout.num_kv_heads",
                     "applies only to attention='mha'; MLA uses kv_lora_rank + qk_rope_head_dim",
                 )
+        # A layout whose single token overflows a pool can never be allocated.
+        factors = [("layout.num_layers", self.num_layers)]
+        if self.attention == "mha":
+            factors += [
+                ("layout.num_kv_heads", self.num_kv_heads),
+                ("layout.head_dim", self.head_dim),
+            ]
+        else:
+            widest = (
+                "layout.kv_lora_rank"
+                if self.kv_lora_rank >= self.qk_rope_head_dim
+                else "layout.qk_rope_head_dim"
+            )
+            factors.append((widest, self.kv_lora_rank + self.qk_rope_head_dim))
+        _within_pool(self.itemsize * self.num_buffers, factors, "one token")
 
     @property
     def num_buffers(self) -> int:
@@ -264,6 +304,8 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                 raise ConfigError(name, f"must be a string or None, got {type(value).__name__}")
         _positive("page_size", self.page_size)
         _positive("device_pages", self.device_pages)
+        # Before anything multiplies device_pages by a float (a huge int cannot become one).
+        page_nbytes = self._check_device_pool()
         if self.host_pages is not None and self.host_ratio is not None:
             raise ConfigError("host_pages", "give host_pages or host_ratio, not both")
         if self.host_pages is not None:
@@ -274,6 +316,9 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                 raise ConfigError(
                     "host_ratio", "host_ratio x device_pages must give at least one host page"
                 )
+        _within_pool(
+            page_nbytes, [(self._host_pages_field, self.resolved_host_pages)], "the host pool"
+        )
         if self.host_layout not in ("layer_first", "page_first", "page_first_direct"):
             raise ConfigError(
                 "host_layout",
@@ -299,6 +344,21 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                 "device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )
 
+    def _check_device_pool(self) -> int:
+        """The bytes of one page, once the page and the device pool are known to be sizes a
+        machine can hold: refused here, not as a torch error when the cache opens."""
+        if self.page_size > MAX_PAGE_TOKENS:
+            raise ConfigError(
+                "page_size",
+                f"must be <= {MAX_PAGE_TOKENS} (a stored page records its token count in 32 "
+                f"bits), got {self.page_size}",
+            )
+        page_nbytes = _within_pool(
+            self.layout.token_nbytes, [("page_size", self.page_size)], "a page"
+        )
+        _within_pool(page_nbytes, [("device_pages", self.device_pages)], "the device pool")
+        return page_nbytes
+
     @property
     def resolved_host_pages(self) -> int:
         """Size of the host pool in pages."""
@@ -306,6 +366,15 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             return self.host_pages
         ratio = 2.0 if self.host_ratio is None else self.host_ratio
         return max(1, int(self.device_pages * ratio))
+
+    @property
+    def _host_pages_field(self) -> str:
+        """The field that sizes the host pool, for errors about its size."""
+        if self.host_pages is not None:
+            return "host_pages"
+        if self.host_ratio is not None:
+            return "host_ratio"
+        return "device_pages"  # the host pool defaults to twice the device pool
 
     @property
     def page_nbytes(self) -> int:

@@ -27,6 +27,7 @@ rows of whole page-layers or single tokens), so they are exact whatever the orde
 from __future__ import annotations
 
 import operator
+import os
 from typing import Any
 
 import msgspec
@@ -34,7 +35,8 @@ import numpy as np
 import torch
 
 from ._allocator import PageAllocator
-from ._config import CacheConfig, HostLayout, KVLayout
+from ._config import MAX_POOL_NBYTES, CacheConfig, HostLayout, KVLayout
+from ._errors import ConfigError
 
 __all__ = ["KVPool", "PoolStatistics", "make_pools", "torch_dtype"]
 
@@ -64,6 +66,33 @@ def torch_dtype(layout: KVLayout) -> torch.dtype:
     return _TORCH_DTYPES[layout.dtype]
 
 
+def _memory_of(device: torch.device) -> int | None:
+    """Bytes of memory `device` has in all (not what is free now), or None where unknown."""
+    if device.type == "cpu":
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):  # not a POSIX system, or not told
+            return None
+        return total if total > 0 else None
+    if device.type == "cuda" and torch.cuda.is_available():
+        try:
+            index = torch.cuda.current_device() if device.index is None else device.index
+            return int(torch.cuda.get_device_properties(index).total_memory)
+        except (RuntimeError, AssertionError):
+            return None
+    return None
+
+
+def _check_fits(nbytes: int, device: torch.device, what: str, field: str) -> None:
+    """Refuse pools larger than the device's memory before touching any of it: zeroing a pool
+    the kernel overcommitted would end in the OOM killer, not in an exception."""
+    memory = _memory_of(device)
+    if memory is not None and nbytes > memory:
+        raise ConfigError(
+            field, f"{what} would take {nbytes} bytes, more than the {memory} bytes {device} has"
+        )
+
+
 class PoolStatistics(msgspec.Struct, frozen=True):
     """A snapshot of a `KVPool`: its shape and its allocator's occupancy."""
 
@@ -82,6 +111,9 @@ class KVPool:
 
     The memory is allocated once and zeroed up front so that no page fault lands on a hot path.
     Page indices handed out by `allocator` index every method here.
+
+    A pool that cannot be allocated (more bytes than the device has, or refused by torch)
+    raises `ConfigError` naming `config_field`, the setting that sized it.
     """
 
     def __init__(
@@ -94,6 +126,7 @@ class KVPool:
         memory_layout: HostLayout = "layer_first",
         pin_memory: bool = False,
         name: str = "pool",
+        config_field: str = "num_pages",
     ) -> None:
         if not isinstance(layout, KVLayout):
             raise TypeError(f"layout must be a KVLayout, got {type(layout).__name__}")
@@ -120,6 +153,14 @@ class KVPool:
         self.name = name
         self.page_nbytes = layout.page_nbytes(page_size)
         self.nbytes = self.page_nbytes * num_pages
+        what = f"the {name} pool ({num_pages} pages of {self.page_nbytes} bytes)"
+        if self.nbytes > MAX_POOL_NBYTES:
+            raise ConfigError(
+                config_field,
+                f"{what} would take {self.nbytes} bytes, more than the {MAX_POOL_NBYTES} a pool "
+                "may take",
+            )
+        _check_fits(self.nbytes, dev, what, config_field)
         self.allocator = PageAllocator(num_pages, name=name)
 
         nb, nl, ns = layout.num_buffers, layout.num_layers, page_size
@@ -131,7 +172,12 @@ class KVPool:
             shape = (nb, num_pages * ns, nl, heads, width)
         else:
             shape = (num_pages, nb, nl, ns, heads, width)
-        data = torch.empty(shape, dtype=self.dtype, device=dev, pin_memory=pin_memory)
+        try:
+            data = torch.empty(shape, dtype=self.dtype, device=dev, pin_memory=pin_memory)
+        except (RuntimeError, OverflowError, MemoryError, TypeError) as exc:
+            raise ConfigError(
+                config_field, f"cannot allocate {what}, {self.nbytes} bytes on {dev}: {exc}"
+            ) from exc
         raw = data.view(torch.uint8)
         raw.zero_()
         self._data = data
@@ -376,23 +422,36 @@ def make_pools(config: CacheConfig) -> tuple[KVPool, KVPool]:
     """The (device, host) pools a configuration describes.
 
     The device pool is always `layer_first` (what attention kernels index); the host pool uses
-    `config.host_layout` and is pinned exactly when CUDA is available.
+    `config.host_layout` and is pinned exactly when CUDA is available. Raises `ConfigError`
+    before allocating anything if the pools do not fit the memory they go to.
     """
+    device = _resolve_device(config.device)
+    host_field = config._host_pages_field
+    host_pages = config.resolved_host_pages
+    if device.type == "cpu":
+        # Both pools in host memory: each may fit on its own and the two together not.
+        page = config.page_nbytes
+        what = f"the device pool ({config.device_pages} pages of {page} bytes)"
+        _check_fits(config.device_pages * page, device, what, "device_pages")
+        what = f"the device and host pools ({config.device_pages} + {host_pages} pages)"
+        _check_fits((config.device_pages + host_pages) * page, device, what, host_field)
     device_pool = KVPool(
         config.layout,
         config.page_size,
         config.device_pages,
-        device=_resolve_device(config.device),
+        device=device,
         memory_layout="layer_first",
         name="device",
+        config_field="device_pages",
     )
     host_pool = KVPool(
         config.layout,
         config.page_size,
-        config.resolved_host_pages,
+        host_pages,
         device="cpu",
         memory_layout=config.host_layout,
         pin_memory=torch.cuda.is_available(),
         name="host",
+        config_field=host_field,
     )
     return device_pool, host_pool

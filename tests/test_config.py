@@ -7,6 +7,7 @@ import msgspec
 import pytest
 
 from hicache_async import CacheConfig, ConfigError, KVLayout, load_config
+from hicache_async._config import MAX_PAGE_TOKENS, MAX_POOL_NBYTES
 
 MHA = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8}
 
@@ -59,6 +60,60 @@ def test_invalid_values_name_the_field(data: dict[str, object], field: str) -> N
         CacheConfig.from_dict(data)
     assert info.value.field == field
     assert field in str(info.value)
+
+
+# 256-byte tokens and 64-token pages: 2**14 bytes a page, so 2**34 pages fill the bound.
+POOL_PAGES = MAX_POOL_NBYTES // (64 * 256)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "needle"),
+    [
+        ({"device_pages": POOL_PAGES + 1, "host_pages": 1}, "device_pages", "device pool"),
+        ({"device_pages": 4, "host_pages": POOL_PAGES + 1}, "host_pages", "host pool"),
+        ({"device_pages": 4, "host_ratio": POOL_PAGES / 2}, "host_ratio", "host pool"),
+        # The host pool defaults to twice the device pool: the device pages are what to change.
+        ({"device_pages": POOL_PAGES // 2 + 1}, "device_pages", "host pool"),
+        ({"device_pages": 1, "page_size": MAX_PAGE_TOKENS + 1}, "page_size", "32 bits"),
+        (
+            {"device_pages": 1, "page_size": 2**21 + 1, "layout": {**MHA, "num_kv_heads": 2**20}},
+            "page_size",
+            "a page",
+        ),
+        (
+            {"device_pages": 1, "layout": {**MHA, "num_kv_heads": MAX_POOL_NBYTES}},
+            "layout.num_kv_heads",
+            "one token",
+        ),
+        (
+            {
+                "device_pages": 1,
+                "layout": {
+                    "num_layers": 1,
+                    "attention": "mla",
+                    "kv_lora_rank": 1,
+                    "qk_rope_head_dim": MAX_POOL_NBYTES,
+                },
+            },
+            "layout.qk_rope_head_dim",
+            "one token",
+        ),
+    ],
+)
+def test_pools_past_the_bound_name_the_field(
+    data: dict[str, object], field: str, needle: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"layout": MHA, **data})
+    assert info.value.field == field
+    assert needle in info.value.reason
+
+
+def test_pools_up_to_the_bound_are_accepted() -> None:
+    config = CacheConfig(layout=KVLayout(**MHA), device_pages=POOL_PAGES, host_pages=POOL_PAGES)
+    assert config.device_pages * config.page_nbytes == MAX_POOL_NBYTES
+    assert CacheConfig(layout=KVLayout(**MHA), device_pages=POOL_PAGES // 2).resolved_host_pages
+    assert CacheConfig(layout=KVLayout(**MHA), device_pages=1, page_size=MAX_PAGE_TOKENS)
 
 
 def test_unknown_field_is_rejected() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -376,6 +378,39 @@ def dst_page_as_layer_major(pool: KVPool, page: int) -> bytes:
         for layer in range(pool.layout.num_layers)
     ]
     return b"".join(parts)
+
+
+async def test_aclose_waits_for_the_thread_off_the_loop() -> None:
+    """A worker that has signalled its stop may take a while to end (a busy process makes it
+    wait for the GIL): the loop keeps running meanwhile, and the thread is gone once aclose
+    returns."""
+    engine = CpuCopyEngine(name="slow-exit-engine")
+    worker = engine._worker
+    stopped = threading.Event()
+
+    def slow_exit(jobs: queue.SimpleQueue[object]) -> None:
+        worker(jobs)  # type: ignore[arg-type]
+        stopped.set()
+        time.sleep(0.3)
+
+    engine._worker = slow_exit  # type: ignore[assignment]
+    src, dst = KVPool(LAYOUT, PAGE, 2), KVPool(LAYOUT, PAGE, 2)
+    await engine.copy(src, [0], dst, [1])
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    await engine.aclose()
+    ticker.cancel()
+    assert stopped.is_set()
+    assert ticks >= 5, "the loop stood still while the thread finished"
+    assert not any(t.name == "slow-exit-engine" for t in threading.enumerate())
 
 
 async def test_aclose_of_an_unused_engine() -> None:

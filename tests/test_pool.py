@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hicache_async._config import CacheConfig, HostLayout, KVLayout
+from hicache_async._config import MAX_POOL_NBYTES, CacheConfig, HostLayout, KVLayout
+from hicache_async._errors import ConfigError
 from hicache_async._pool import KVPool, PoolStatistics, make_pools
 from hicache_async.testing._kvgen import KVGenerator
 
@@ -200,6 +201,29 @@ def test_bad_arguments_are_rejected() -> None:
         KVPool(layout, PAGE_SIZE, 0)
     with pytest.raises(ValueError, match="page_size"):
         KVPool(layout, 0, NUM_PAGES)
+
+
+def test_pools_too_big_to_allocate_are_config_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = _layout("mha", "float16")
+    past_bound = MAX_POOL_NBYTES // layout.page_nbytes(PAGE_SIZE) + 1
+    with pytest.raises(ConfigError) as info:
+        KVPool(layout, PAGE_SIZE, past_bound, config_field="host_pages")
+    assert info.value.field == "host_pages"
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    past_memory = memory // layout.page_nbytes(PAGE_SIZE) + 1
+    with pytest.raises(ConfigError, match=f"more than the {memory} bytes cpu has") as info:
+        KVPool(layout, PAGE_SIZE, past_memory)
+    assert info.value.field == "num_pages"
+
+    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    # Whatever torch says when it cannot allocate comes out as a ConfigError.
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(ConfigError, match="can't allocate memory") as info:
+        KVPool(layout, PAGE_SIZE, NUM_PAGES, name="device", config_field="device_pages")
+    assert info.value.field == "device_pages"
+    assert str(NUM_PAGES * layout.page_nbytes(PAGE_SIZE)) in info.value.reason
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import parse_qsl
+from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import structlog
 
@@ -38,9 +38,11 @@ __all__ = [
     "corrupt_reason",
     "fan_out",
     "parse_bool",
+    "parse_port",
     "parse_query",
     "parse_size",
     "payload_nbytes",
+    "split_url",
 ]
 
 T = TypeVar("T")
@@ -386,6 +388,29 @@ def parse_bool(text: str, *, field: str) -> bool:
     if lowered in _FALSE:
         return False
     raise StorageConfigError(f"{field}={text!r} is not a boolean (1/0, true/false, yes/no)")
+
+
+def split_url(url: str, *, scheme: str) -> SplitResult:
+    """`urlsplit(url)`, with its ValueError (a malformed IPv6 host) as StorageConfigError."""
+    try:
+        return urlsplit(url)
+    except ValueError as exc:
+        raise StorageConfigError(f"{scheme}:// URL is malformed ({exc})") from None
+
+
+def parse_port(parts: SplitResult, *, scheme: str) -> int | None:
+    """The port of a split URL, None when it has none; StorageConfigError when it is no port."""
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port is None or port > 0:
+        return port
+    # Shown from the text rather than the URL, which may carry a password.
+    text = parts.netloc.rpartition("@")[2].rpartition("]")[2].partition(":")[2]
+    raise StorageConfigError(
+        f"{scheme}:// URL port {text!r} is not a port number; accepted: an integer 1..65535"
+    )
 
 
 def parse_query(query: str, accepted: Mapping[str, str], *, scheme: str) -> dict[str, str]:

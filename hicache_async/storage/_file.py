@@ -6,9 +6,10 @@ Layout under the root (directories 0700, files 0600):
     pages/ab/<hex>   a page, `header ‖ payload`, named by its key's 64 hex digits
     tmp/             writes in progress; renamed into pages/ when complete
 
-The root is resolved once (it may be reached through a symlink, and must be owned by this user
-and not world-writable); everything below it is opened relative to directory descriptors with
-O_NOFOLLOW, so a symlink planted inside the root is never followed. A write goes to a fresh
+The root must be a directory owned by this user and not world-writable, and not itself a
+symlink (directories above it may be); it and everything below it are opened relative to
+directory descriptors with O_NOFOLLOW, so a symlink planted in or for the root is never
+followed. A write goes to a fresh
 O_EXCL temporary file and is renamed into place, so a page file is either absent or whole; after
 a crash without fsync the rename may survive while the data does not, which the page checksum
 catches (the page is then corrupt and removed, never served with wrong bytes).
@@ -41,8 +42,9 @@ from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Literal, cast, get_args
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
+import msgspec
 import xxhash
 
 from .._errors import StorageConfigError
@@ -57,6 +59,7 @@ from ._base import (
     parse_query,
     parse_size,
     payload_nbytes,
+    split_url,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import FileManifest, ManifestLimits
@@ -110,6 +113,32 @@ def default_root() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "hicache_async"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _root_path(root: object) -> Path:
+    """The configured root as an absolute path (`default_root()` for None), checked for what
+    no directory name can hold."""
+    if root is None:
+        return default_root()
+    try:
+        text = os.fspath(root)  # type: ignore[call-overload]
+    except TypeError:
+        text = None
+    if not isinstance(text, str):
+        raise StorageConfigError(
+            f"a storage root is a str or os.PathLike path, or None for the default root; "
+            f"got {type(root).__name__}"
+        )
+    if not text or "\0" in text:
+        raise StorageConfigError(
+            f"storage root {text!r} is not a usable path: accepted: a non-empty path without "
+            "NUL bytes"
+        )
+    return Path(os.path.abspath(text))
 
 
 class _Entry:
@@ -253,67 +282,129 @@ def _is_page_name(name: str) -> bool:
     return len(name) == _KEY_HEX_LEN and _HEX.issuperset(name)
 
 
-def _check_private_dir(fd: int, path: str) -> None:
+def _check_private_dir(fd: int, what: str) -> None:
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
-        raise StorageConfigError(f"storage root {path} is not a directory")
+        raise StorageConfigError(f"{what} is not a directory; expected a private directory")
     if st.st_uid != os.geteuid():
         raise StorageConfigError(
-            f"storage root {path} is owned by uid {st.st_uid}, not by this user "
+            f"{what} is owned by uid {st.st_uid}, not by this user "
             f"(uid {os.geteuid()}): its owner could replace pages; use a directory you own"
         )
     if st.st_mode & stat.S_IWOTH:
         raise StorageConfigError(
-            f"storage root {path} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"{what} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
             "other users could plant or replace pages; use a private directory (chmod 700)"
         )
 
 
-def _open_subdir(parent_fd: int, name: str, path: str) -> int:
-    with contextlib.suppress(FileExistsError):
+def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
+    """Create `name` (0700) under `parent_fd` if missing and open it, refusing a symlink
+    (whoever can change its target could redirect every page) and checking its owner and mode.
+    """
+    try:
         os.mkdir(name, _DIR_MODE, dir_fd=parent_fd)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise StorageConfigError(
+            f"{what}: cannot create it ({exc.strerror}); expected a private directory"
+        ) from None
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
-        reason = "is a symlink" if exc.errno == errno.ELOOP else exc.strerror
-        raise StorageConfigError(f"{path}/{name}: {reason}; expected a private directory") from None
+        # O_DIRECTORY | O_NOFOLLOW on a symlink fails with ELOOP or ENOTDIR depending on the
+        # kernel: look before saying which.
+        reason = exc.strerror or str(exc)
+        with contextlib.suppress(OSError):
+            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.readlink(name, dir_fd=parent_fd)
+                reason = f"is a symlink (to {target!r}), which is never followed"
+            elif not stat.S_ISDIR(st.st_mode):
+                reason = "is not a directory"
+        raise StorageConfigError(
+            f"{what}: {reason}; expected a private directory (owned by this user, mode 0700, "
+            "not a symlink)"
+        ) from None
     try:
-        _check_private_dir(fd, f"{path}/{name}")
+        _check_private_dir(fd, what)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
+def _take_lock(root_fd: int, root: Path, *, shared: bool) -> int:
+    """Open `LOCK` (never through a symlink) and flock it: exclusive for a private root."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        lock_fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
+    except OSError as exc:
+        raise StorageConfigError(
+            f"cannot open the lock file {root / _LOCK}: {exc.strerror or exc}; expected a "
+            "regular file (not a symlink) or none"
+        ) from None
+    try:
+        _flock(lock_fd, root, shared=shared)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    return lock_fd
+
+
+def _flock(lock_fd: int, root: Path, *, shared: bool) -> None:
+    if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
+        raise StorageConfigError(
+            f"{root / _LOCK} is not a regular file; remove it (it is created as needed)"
+        )
+    try:
+        fcntl.flock(lock_fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        how = "privately" if shared else "by another instance"
+        raise StorageConfigError(
+            f"storage root {root} is in use {how}; every instance sharing a root must "
+            "open it with shared=1"
+        ) from None
+
+
 def _open_root(root: Path, *, shared: bool) -> _Handles:
-    """Create (0700) and check the root, open its directories and take the instance lock."""
+    """Create (0700) and check the root, open its directories and take the instance lock.
+
+    Directories above the root may be symlinks; the root itself and everything in it may not.
+    """
+    parent = root.parent
     try:
-        root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        parent.mkdir(parents=True, exist_ok=True)
+        parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except (FileExistsError, NotADirectoryError):
+        raise StorageConfigError(
+            f"cannot create storage root {root}: {parent} is not a directory"
+        ) from None
     except OSError as exc:
-        raise StorageConfigError(f"cannot create storage root {root}: {exc.strerror}") from None
-    real = os.path.realpath(root)
+        raise StorageConfigError(
+            f"cannot create storage root {root}: {parent}: {exc.strerror or exc}"
+        ) from None
     try:
-        root_fd = os.open(real, _DIR_FLAGS)
-    except OSError as exc:
-        raise StorageConfigError(f"cannot open storage root {real}: {exc.strerror}") from None
+        if root.name:
+            root_fd = _open_private_dir(parent_fd, root.name, f"storage root {root}")
+        else:  # "/": nothing above it to hold a symlink
+            root_fd = os.open(root, _DIR_FLAGS)
+            try:
+                _check_private_dir(root_fd, f"storage root {root}")
+            except BaseException:
+                os.close(root_fd)
+                raise
+    finally:
+        os.close(parent_fd)
     opened = [root_fd]
     try:
-        _check_private_dir(root_fd, real)
-        pages_fd = _open_subdir(root_fd, _PAGES, real)
+        pages_fd = _open_private_dir(root_fd, _PAGES, f"storage directory {root / _PAGES}")
         opened.append(pages_fd)
-        tmp_fd = _open_subdir(root_fd, _TMP, real)
+        tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}")
         opened.append(tmp_fd)
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        lock_fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
+        lock_fd = _take_lock(root_fd, root, shared=shared)
         opened.append(lock_fd)
-        try:
-            fcntl.flock(lock_fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            how = "privately" if shared else "by another instance"
-            raise StorageConfigError(
-                f"storage root {real} is in use {how}; every instance sharing a root must "
-                "open it with shared=1"
-            ) from None
     except BaseException:
         for fd in opened:
             os.close(fd)
@@ -442,14 +533,19 @@ class FileStorage(BackendBase):
         mac_key: bytes | None = None,
         io_threads: int = 4,
     ) -> None:
+        path = _root_path(root)
         if fsync not in get_args(FsyncPolicy):
             raise StorageConfigError(f"fsync must be 'none', 'data' or 'always', got {fsync!r}")
-        if capacity_bytes is not None and capacity_bytes < 1:
-            raise StorageConfigError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
-        if io_threads < 1:
-            raise StorageConfigError(f"io_threads must be >= 1, got {io_threads}")
+        if capacity_bytes is not None and not (_is_int(capacity_bytes) and capacity_bytes >= 1):
+            raise StorageConfigError(
+                f"capacity_bytes must be an integer >= 1 or None, got {capacity_bytes!r}"
+            )
+        if not (_is_int(io_threads) and io_threads >= 1):
+            raise StorageConfigError(f"io_threads must be an integer >= 1, got {io_threads!r}")
+        if not isinstance(shared, bool):
+            raise StorageConfigError(f"shared must be True or False, got {shared!r}")
         super().__init__(mac_key=mac_key, job_threads=io_threads, thread_name="hicache-file")
-        self._root = Path(os.path.abspath(root)) if root is not None else default_root()
+        self._root = path
         self._capacity = capacity_bytes
         self._fsync: FsyncPolicy = fsync
         self._shared = shared
@@ -470,12 +566,16 @@ class FileStorage(BackendBase):
         self._pins: dict[bytes, int] = {}
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
+        # Temporary files of interrupted writes removed at open: the count stays for
+        # `leftovers_removed_at_open`, and the next verify() reports them as its own.
+        self._open_leftovers = 0
+        self._unreported_leftovers = 0
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> FileStorage:
         """`file:///abs/path?capacity=10GiB&fsync=data&shared=1&io_threads=4`; `file://`
         alone is the default root."""
-        parts = urlsplit(url)
+        parts = split_url(url, scheme="file")
         if parts.scheme != "file":
             raise StorageConfigError(f"not a file:// URL: {url!r}")
         if parts.netloc not in ("", "localhost"):
@@ -486,6 +586,11 @@ class FileStorage(BackendBase):
         path = unquote(parts.path)
         if path and not path.startswith("/"):
             raise StorageConfigError(f"file:// paths must be absolute, got {path!r}")
+        if "\0" in path:
+            raise StorageConfigError(
+                f"file:// paths cannot hold a NUL byte (or %00), got {url!r}; accepted: "
+                "file:///abs/path[?query]"
+            )
         params = parse_query(parts.query, _URL_PARAMS, scheme="file")
         capacity = params.get("capacity")
         fsync = params.get("fsync", "none")
@@ -507,6 +612,11 @@ class FileStorage(BackendBase):
     def root(self) -> Path:
         """The root directory as configured."""
         return self._root
+
+    @property
+    def leftovers_removed_at_open(self) -> int:
+        """Temporary files of interrupted writes removed when the storage opened."""
+        return self._open_leftovers
 
     @property
     def io_threads(self) -> int:
@@ -536,21 +646,24 @@ class FileStorage(BackendBase):
     async def _open(self) -> None:
         holder: list[_Handles] = []
         try:
-            found = await self.run_job(lambda stop: self._open_job(stop, holder))
+            leftovers, found = await self.run_job(lambda stop: self._open_job(stop, holder))
         except BaseException:
             for handles in holder:
                 handles.close()
             raise
         self._handles = holder[0]
+        self._open_leftovers = self._unreported_leftovers = leftovers
         for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
             self._insert(key, nbytes, mtime)
 
-    def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> list[_Found]:
+    def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> tuple[int, list[_Found]]:
         handles = _open_root(self._root, shared=self._shared)
         holder.append(handles)
-        _remove_leftovers(handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0)
+        # A private root is locked exclusively by now, so nobody is writing in it: every
+        # temporary file is a leftover, however fresh. A shared one may have writers.
+        leftovers = _remove_leftovers(handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0)
         # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
-        return _scan(handles, stop)
+        return leftovers, _scan(handles, stop)
 
     async def _release(self) -> None:
         if self._helpers is not None:
@@ -1227,7 +1340,10 @@ class FileStorage(BackendBase):
         self._merge_scan(found, since)
         for key, reason in corrupt:
             self._report_corrupt(key, reason)
-        return report
+        # Opening removed the leftovers it found before anyone could ask: a verify that
+        # opened the root (the CLI's) must still report them.
+        pending, self._unreported_leftovers = self._unreported_leftovers, 0
+        return msgspec.structs.replace(report, leftovers_removed=report.leftovers_removed + pending)
 
     def _verify_job(
         self, stop: threading.Event

@@ -21,7 +21,7 @@ import os
 import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Annotated, Protocol, runtime_checkable
 
 import aiofiles
 import aiofiles.os
@@ -48,14 +48,21 @@ MANIFEST_VERSION = 1
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 _HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 
+# Warmup hands an entry's priority to the pages it loads, and those pages are backed up again
+# with headers that hold the priority as an int32 and the token count as a uint32 (see
+# `_page`): a wider value read from a shared manifest would fail that write, so it is refused
+# as malformed when the entry is decoded.
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
+
 
 class ManifestEntry(msgspec.Struct, frozen=True):
     """One warmable prefix: the page keys of a chain from the root, in order."""
 
     namespace: str
     keys: list[str]
-    num_tokens: int
-    priority: int = 0
+    num_tokens: TokenCount
+    priority: Priority = 0
     last_use: float = 0.0
     v: int = MANIFEST_VERSION
 

@@ -15,7 +15,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import islice
 from typing import TypeVar
-from urllib.parse import urlsplit
 
 from .._errors import StorageConfigError
 from ._base import (
@@ -27,6 +26,7 @@ from ._base import (
     parse_query,
     parse_size,
     payload_nbytes,
+    split_url,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits, MemoryManifest
@@ -80,7 +80,7 @@ class MemoryStorage(BackendBase):
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MemoryStorage:
         """`memory://?capacity=1GiB` (the default capacity is 1 GiB)."""
-        parts = urlsplit(url)
+        parts = split_url(url, scheme="memory")
         if parts.scheme != "memory":
             raise StorageConfigError(f"not a memory:// URL: {url!r}")
         if parts.netloc or parts.path not in ("", "/"):

@@ -41,8 +41,10 @@ from ._base import (
     check_key,
     fan_out,
     log,
+    parse_port,
     parse_query,
     parse_size,
+    split_url,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
@@ -479,10 +481,11 @@ class MooncakeStorage(BackendBase):
         `admin`, `replicas`, `threads`, `max_batch_pages`, `capacity`. Anything else raises
         `StorageConfigError` listing what is accepted.
         """
-        parts = urlsplit(url)
+        parts = split_url(url, scheme="mooncake")
         if parts.scheme != "mooncake":
             raise StorageConfigError(f"not a mooncake:// URL: {parts.scheme!r}")
-        if not parts.hostname or parts.port is None:
+        port = parse_port(parts, scheme="mooncake")
+        if not parts.hostname or port is None:
             raise StorageConfigError(f"mooncake:// URL needs the master's host:port, got {url!r}")
         params = parse_query(parts.query, _URL_PARAMS, scheme="mooncake")
 
@@ -492,7 +495,7 @@ class MooncakeStorage(BackendBase):
         host = parts.hostname if ":" not in parts.hostname else f"[{parts.hostname}]"
         capacity = params.get("capacity")
         return cls(
-            f"{host}:{parts.port}",
+            f"{host}:{port}",
             mac_key=mac_key,
             metadata=params.get("metadata", "P2PHANDSHAKE"),
             protocol=params.get("protocol", "tcp"),

@@ -10,11 +10,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import msgspec
 
-from .._errors import StorageError
+from .._errors import StorageConfigError, StorageError
 
 __all__ = [
     "Outcome",
@@ -24,6 +24,7 @@ __all__ = [
     "StorageCapabilities",
     "StorageStats",
     "StorageError",
+    "check_backend",
 ]
 
 #: One page's memory as an ordered list of byte segments; their total is the payload length.
@@ -141,3 +142,37 @@ class StorageBackend(Protocol):
     async def close(self) -> None:
         """Release connections and threads. Idempotent."""
         ...
+
+
+# What `check_backend` looks for. `async with` looks its methods up on the type, so those are
+# checked there; the rest on the object, so that proxies answering through __getattr__ pass.
+_CONTEXT_METHODS = ("__aenter__", "__aexit__")
+_METHODS = ("exists", "get", "put", "delete", "stats", "close")
+_PROPERTIES = ("name", "capabilities")
+
+
+def _present(obj: object, name: str, *, call: bool) -> bool:
+    try:
+        value = getattr(obj, name)
+    except Exception:  # a property that fails, or a proxy's __getattr__ that does
+        return False
+    return callable(value) if call else True
+
+
+def check_backend(obj: object, what: str, *, accepted: str = "") -> StorageBackend:
+    """`obj` if it has every member of `StorageBackend`, else StorageConfigError naming what
+    it lacks (`isinstance` against the protocol would say no more than yes or no).
+
+    `what` names the object in the message; `accepted`, when given, ends it.
+    """
+    missing = [n for n in _CONTEXT_METHODS if not _present(type(obj), n, call=True)]
+    missing += [n for n in _METHODS if not _present(obj, n, call=True)]
+    missing += [n for n in _PROPERTIES if not _present(obj, n, call=False)]
+    if missing:
+        members = ", ".join([*_PROPERTIES, "async with", *_METHODS])
+        raise StorageConfigError(
+            f"{what} ({type(obj).__name__}) is not a StorageBackend: it lacks "
+            f"{', '.join(missing)} (a StorageBackend has {members})"
+            + (f"; {accepted}" if accepted else "")
+        )
+    return cast(StorageBackend, obj)

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import urlencode, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -32,9 +32,11 @@ from ._base import (
     corrupt_reason,
     log,
     parse_bool,
+    parse_port,
     parse_query,
     parse_size,
     payload_nbytes,
+    split_url,
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
@@ -162,10 +164,16 @@ class RedisStorage(BackendBase):
         multikey: bool = True,
         connection_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        parts = urlsplit(url)
+        parts = split_url(url, scheme="redis")
         if parts.scheme not in _SCHEMES:
             raise StorageConfigError(
                 f"redis URL must start with redis:// or rediss://, got {parts.scheme!r}"
+            )
+        port = parse_port(parts, scheme=parts.scheme) or 6379
+        db = parts.path.lstrip("/") or "0"
+        if not (db.isascii() and db.isdigit()):
+            raise StorageConfigError(
+                f"redis URL database {db!r} is not a number; accepted: /0, /1, ... or none (0)"
             )
         if not prefix or any(c.isspace() or c in "*?[]" for c in prefix):
             raise StorageConfigError(
@@ -192,8 +200,6 @@ class RedisStorage(BackendBase):
             thread_name="hicache-redis",
         )
         host = parts.hostname or "localhost"
-        port = parts.port or 6379
-        db = parts.path.lstrip("/") or "0"
         self._name = f"{parts.scheme}://{host}:{port}/{db}?prefix={prefix}"
         self._url = url
         self._prefix = prefix
@@ -230,7 +236,7 @@ class RedisStorage(BackendBase):
         `ssl_cert_reqs`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`,
         and `client_name`. Anything else raises `StorageConfigError` listing what is accepted.
         """
-        parts = urlsplit(url)
+        parts = split_url(url, scheme="redis")
         if parts.scheme not in _SCHEMES:
             raise StorageConfigError(
                 f"redis URL must start with redis:// or rediss://, got {parts.scheme!r}"

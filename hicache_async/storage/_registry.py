@@ -19,7 +19,7 @@ from typing import Protocol, cast
 from .._errors import StorageConfigError
 from ._file import FileStorage
 from ._memory import MemoryStorage
-from ._protocol import StorageBackend
+from ._protocol import StorageBackend, check_backend
 
 __all__ = ["ENTRY_POINT_GROUP", "StorageFactory", "open_storage", "storage_schemes"]
 
@@ -31,6 +31,8 @@ _IMPORT_PATH = re.compile(
     r"(?:\?.*)?$"
 )
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+_USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@")
+_FACTORY = "a storage factory is called as factory(url, *, mac_key) and returns a StorageBackend"
 
 # scheme -> (module, class, extra to install for its dependency)
 _OPTIONAL = {
@@ -101,22 +103,30 @@ def _import_factory(module_name: str, attr_path: str) -> Callable[..., StorageBa
                 f"{module_name}:{attr_path} not found ({attr!r} is missing)"
             ) from None
     if not callable(target):
-        raise StorageConfigError(f"{module_name}:{attr_path} is not callable")
+        raise StorageConfigError(f"{module_name}:{attr_path} is not callable; {_FACTORY}")
     return cast(Callable[..., StorageBackend], target)
+
+
+def _redact(url: str) -> str:
+    """`url` with its user information (which may hold a password) masked, for messages."""
+    return _USERINFO.sub(r"\g<head>***@", url)
 
 
 def open_storage(url: str, *, mac_key: bytes | None = None) -> StorageBackend:
     """The backend a storage URL names, constructed but not yet opened (`async with` it).
 
-    Raises StorageConfigError for an unknown scheme or bad parameters, listing what is accepted.
+    Raises StorageConfigError for an unknown scheme or bad parameters, listing what is accepted,
+    and when the factory fails or returns something that is not a StorageBackend.
     """
     if not isinstance(url, str) or not url.strip():
         raise StorageConfigError(f"a storage URL is a non-empty string; {_accepted()}")
     url = url.strip()
+    shown = _redact(url)
     factory: Callable[..., StorageBackend]
     scheme_match = _SCHEME.match(url)
     if scheme_match is not None:
         scheme = scheme_match.group("scheme").lower()
+        source = f"the {scheme}:// backend"
         if scheme in _BUILTIN:
             factory = _BUILTIN[scheme]
         elif scheme in _OPTIONAL:
@@ -125,23 +135,32 @@ def open_storage(url: str, *, mac_key: bytes | None = None) -> StorageBackend:
             entry_point = _entry_points().get(scheme)
             if entry_point is None:
                 raise StorageConfigError(
-                    f"unknown storage scheme {scheme!r} in {url!r}; {_accepted()}"
+                    f"unknown storage scheme {scheme!r} in {shown!r}; {_accepted()}"
                 )
+            source = f"storage plugin {entry_point.value!r} for {scheme}://"
             try:
                 factory = entry_point.load()
             except Exception as exc:
-                raise StorageConfigError(
-                    f"storage plugin {entry_point.value!r} for {scheme}:// failed to load: {exc}"
-                ) from exc
+                raise StorageConfigError(f"{source} failed to load: {exc}") from exc
+            if not callable(factory):
+                raise StorageConfigError(f"{source} is not callable; {_FACTORY}")
     elif (head := url.split(":", 1)[0].lower()) in {*_BUILTIN, *_OPTIONAL}:
-        raise StorageConfigError(f"{head} URLs start with {head}://, got {url!r}")
+        raise StorageConfigError(f"{head} URLs start with {head}://, got {shown!r}")
     elif (path_match := _IMPORT_PATH.match(url)) is not None:
-        factory = _import_factory(path_match.group("module"), path_match.group("attr"))
+        module_name, attr_path = path_match.group("module"), path_match.group("attr")
+        factory = _import_factory(module_name, attr_path)
+        source = f"storage plugin {module_name}:{attr_path}"
     else:
-        raise StorageConfigError(f"not a storage URL: {url!r}; {_accepted()}")
-    backend = factory(url, mac_key=mac_key)
-    if not isinstance(backend, StorageBackend):
+        raise StorageConfigError(f"not a storage URL: {shown!r}; {_accepted()}")
+    try:
+        backend = factory(url, mac_key=mac_key)
+    except StorageConfigError:
+        raise
+    except Exception as exc:
+        # Anything else from a factory (a wrong signature, a parser's ValueError) is still a
+        # URL that cannot be served: one exception type for every bad URL.
         raise StorageConfigError(
-            f"the factory for {url!r} returned {type(backend).__name__}, not a StorageBackend"
-        )
-    return backend
+            f"{source} cannot build a backend from {shown!r}: {type(exc).__name__}: {exc}; "
+            f"{_FACTORY}"
+        ) from exc
+    return check_backend(backend, f"what {source} returned for {shown!r}", accepted=_FACTORY)

@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+import anyio.to_thread
 import msgspec
 import numpy as np
 
@@ -274,9 +275,13 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
             else:
                 self._jobs.put(Stop(loop, self._stopped))
         await asyncio.shield(self._stopped)
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is not None:
-            thread.join()  # it has already signalled its exit, so this returns at once
+            if thread.is_alive():
+                # The worker has signalled its exit but may not have finished it (it may still
+                # be waiting for the GIL): joining here would hold up the loop meanwhile.
+                await anyio.to_thread.run_sync(thread.join)
+            self._thread = None
 
     @property
     def closed(self) -> bool:

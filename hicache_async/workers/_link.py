@@ -11,6 +11,7 @@ import msgspec
 import structlog
 
 from ..storage import StorageBackend, StorageStats
+from ..storage._protocol import check_backend
 from ._backup import BackupStatistics, BackupWorker
 from ._prefetch import Prefetcher, PrefetchStatistics
 from ._warmup import Warmer, WarmupResult
@@ -39,7 +40,11 @@ class StorageLink:
 
     def __init__(self, cache: HiCache, backend: StorageBackend, generation: int) -> None:
         self.cache = cache
-        self.backend = backend
+        # Checked here, before any worker holds it: otherwise a non-backend fails later, as
+        # a TypeError from inside the link's task.
+        self.backend = check_backend(
+            backend, "storage", accepted="pass a storage URL (str) or a StorageBackend object"
+        )
         self.generation = generation
         self.prefetcher = Prefetcher(cache, backend, cache.config.prefetch)
         self.backup = BackupWorker(cache, backend, cache.config.backup, is_current=self._is_current)

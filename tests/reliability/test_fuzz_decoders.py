@@ -386,6 +386,33 @@ def test_an_accepted_entry_fits_the_page_header(
         _assert_fits_pages(entry)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "accepted"),
+    [
+        ("num_tokens", 2**32 - 1, True),
+        ("num_tokens", 2**32, False),
+        ("num_tokens", -1, False),
+        ("priority", 2**31 - 1, True),
+        ("priority", -(2**31), True),
+        ("priority", 2**31, False),
+        ("priority", -(2**31) - 1, False),
+    ],
+)
+def test_header_widths_bound_entries_exactly(field: str, value: int, accepted: bool) -> None:
+    """The bounds are the page header's own: its extremes are entries, one past is malformed
+    (counted as such by a reader, never kept)."""
+    record = msgspec.to_builtins(
+        ManifestEntry(namespace="0" * 32, keys=["1" * 64], num_tokens=16, priority=0)
+    )
+    record[field] = value
+    line = msgspec.json.encode(record)
+    assert (decode_entry(line) is not None) is accepted
+    collector = ManifestCollector(ManifestLimits())
+    collector.add_line(line)
+    result = collector.result(truncated=False)
+    assert (len(result.entries), result.malformed) == ((1, 0) if accepted else (0, 1))
+
+
 @FUZZ
 @given(lines=st.lists(st.binary(max_size=300) | entries.map(encode_entry), max_size=40))
 def test_the_collector_is_bounded_and_never_raises(lines: list[bytes]) -> None:

@@ -201,10 +201,34 @@ def test_directly_built_config_checks_types(field: str, value: object) -> None:
 
 
 async def test_opening_with_an_overflowing_pool_is_a_config_error() -> None:
-    config = CacheConfig.from_dict(_config_dict({"device_pages": 2**70}))
-    with pytest.raises(HiCacheError):
+    async def open_cache() -> None:
+        config = CacheConfig.from_dict(_config_dict({"device_pages": 2**70}))
         async with HiCache(config):
             pass
+
+    # Validation may refuse the size before the cache is built: what matters is that no torch
+    # error escapes on the way to an open cache.
+    with pytest.raises(HiCacheError):
+        await open_cache()
+
+
+@pytest.mark.parametrize("pool", ["device", "host", "both"])
+async def test_opening_pools_larger_than_the_machine_is_a_config_error(pool: str) -> None:
+    """Sizes within what validation allows but beyond this machine's memory: refused when the
+    cache opens, naming the field, before any memory is touched."""
+    page_nbytes = CacheConfig.from_dict(_config_dict({})).page_nbytes
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    too_many = memory // page_nbytes + 1
+    half = too_many // 2 + 1  # each pool fits, the two together do not
+    sizes = {"device": (too_many, 8), "host": (8, too_many), "both": (half, half)}[pool]
+    config = CacheConfig.from_dict(
+        _config_dict({"device": "cpu", "device_pages": sizes[0], "host_pages": sizes[1]})
+    )
+    with pytest.raises(ConfigError) as info:
+        async with HiCache(config):
+            pass
+    assert info.value.field == ("device_pages" if pool == "device" else "host_pages")
+    assert "bytes" in info.value.reason
 
 
 # Token ids and things that are not token ids.
