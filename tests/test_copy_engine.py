@@ -25,6 +25,7 @@ from hicache_async.transfer import (
     LayerwiseCopy,
     default_copy_engine,
 )
+from hicache_async.transfer import _cpu as cpu_engine
 from hicache_async.transfer._cpu import DEFAULT_MIN_RUN_BYTES, LayerKernel, StagingBuffer
 from hicache_async.transfer._protocol import plan_copy
 
@@ -64,13 +65,24 @@ def _check(
         assert dst.read_page(page) == empty, f"page {page} was not a destination"
 
 
-@pytest.fixture(params=[0, DEFAULT_MIN_RUN_BYTES], ids=["row-ops", "staged"])
+@pytest.fixture(
+    params=[(0, None, 1), (DEFAULT_MIN_RUN_BYTES, None, 1), (0, 0, 1), (0, 0, 3)],
+    ids=["row-ops", "staged", "direct", "direct-shared"],
+)
 async def engine(request: pytest.FixtureRequest) -> AsyncIterator[CpuCopyEngine]:
     """With min_run_bytes=0 scattered pages move by gathers and scatters; with the default,
-    this test layout's small rows go through the staging buffer. Runs are runs either way."""
-    eng = CpuCopyEngine(name="test-copy", min_run_bytes=request.param)
-    yield eng
-    await eng.aclose()
+    this test layout's small rows go through the staging buffer (runs are runs either way);
+    with min_direct_bytes=0 every row moves by a direct copy, by one thread or shared out
+    between three (whatever the batch size, so that these small batches are shared too)."""
+    min_run, min_direct, threads = request.param
+    eng = CpuCopyEngine(
+        name="test-copy", min_run_bytes=min_run, min_direct_bytes=min_direct, threads=threads
+    )
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if threads > 1:
+            monkeypatch.setattr(cpu_engine, "_MIN_SHARED_BYTES", 0)
+        yield eng
+        await eng.aclose()
 
 
 def test_kernel_modes() -> None:
@@ -86,20 +98,29 @@ def test_kernel_modes() -> None:
     for name, (a, b) in PATTERNS.items():
         plan = plan_copy(src, a, dst, b)
         # This layout's rows are far below the default run size, so scattered pages stage.
-        got = (LayerKernel(plan, min_run_bytes=0).mode, LayerKernel(plan).mode)
+        got = (
+            LayerKernel(plan, min_run_bytes=0, min_direct_bytes=None).mode,
+            LayerKernel(plan).mode,
+        )
         assert got == expected[name], name
+        assert LayerKernel(plan, min_direct_bytes=0).mode == "direct"
     # Within one pool index ops cannot run in place; the staging buffer separates them.
     a, b = PATTERNS["scattered"]
     assert LayerKernel(plan_copy(src, a, src, b), min_run_bytes=0).mode == "stage"
     a, b = PATTERNS["contiguous"]
     assert LayerKernel(plan_copy(src, a, src, b)).mode == "runs"
-    # Rows big enough to be worth one op each.
+    # Rows big enough to be worth one op each: in host memory, one direct copy each.
     big = KVLayout(num_layers=1, num_kv_heads=8, head_dim=128)
     host = KVPool(big, 64, 6, memory_layout="page_first_direct")
     device = KVPool(big, 64, 6)
-    assert LayerKernel(plan_copy(host, [4, 0, 2], device, [3, 4, 5])).mode == "gather"
-    assert LayerKernel(plan_copy(device, [0, 1, 2], host, [3, 1, 5])).mode == "scatter"
-    assert LayerKernel(plan_copy(host, [0, 1, 2], device, [3, 4, 5])).mode == "runs"
+    for a, b in (([4, 0, 2], [3, 4, 5]), ([0, 1, 2], [3, 4, 5])):
+        kernel = LayerKernel(plan_copy(host, a, device, b))
+        assert (kernel.mode, kernel.shareable) == ("direct", True)
+    no_direct = {"min_direct_bytes": None}
+    assert LayerKernel(plan_copy(host, [4, 0, 2], device, [3, 4, 5]), **no_direct).mode == "gather"
+    assert LayerKernel(plan_copy(device, [0, 1, 2], host, [3, 1, 5]), **no_direct).mode == "scatter"
+    kernel = LayerKernel(plan_copy(host, [0, 1, 2], device, [3, 4, 5]), **no_direct)
+    assert (kernel.mode, kernel.shareable) == ("runs", False)
     # Token-major rows are 2 KiB and never consecutive: between two such pools, they stage.
     two_layers = KVLayout(num_layers=2, num_kv_heads=8, head_dim=128)
     token_major = KVPool(two_layers, 64, 6, memory_layout="page_first")
@@ -368,6 +389,54 @@ async def test_aclose_waits_for_copies_and_stops_the_thread() -> None:
         engine.copy(src, [0], dst, [0])
     await engine.aclose()  # idempotent
     assert "closed" in repr(engine)
+
+
+async def test_shared_copies_fail_whole_and_stop_with_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failure in a partner's layers fails the copy (once every thread has finished with
+    the pools); the engine goes on copying; its partners stop with it."""
+    monkeypatch.setattr(cpu_engine, "_MIN_SHARED_BYTES", 0)
+    engine = CpuCopyEngine(name="shared-engine", min_direct_bytes=0, threads=3)
+    layout = KVLayout(num_layers=7, num_kv_heads=4, head_dim=64)
+    src = KVPool(layout, 16, 8)
+    dst = KVPool(layout, 16, 8, memory_layout="page_first_direct")
+    src.data.view(torch.uint8).random_(0, 256)
+    real_call = LayerKernel.__call__
+    partner_threads: set[str] = set()
+
+    def failing(kernel: LayerKernel, layer: int) -> None:
+        name = threading.current_thread().name
+        if "-partner-" in name:
+            partner_threads.add(name)
+        if layer == 4:  # dealt to the first partner: layers 1, 4
+            raise OSError("copy failed")
+        real_call(kernel, layer)
+
+    monkeypatch.setattr(LayerKernel, "__call__", failing)
+    copy = engine.copy(src, [0, 3, 5], dst, [7, 2, 1])
+    await copy.layer(3)  # layers below the failed one still land
+    with pytest.raises(OSError, match="copy failed"):
+        await copy
+    assert copy.layers_landed == 4
+    assert partner_threads == {"shared-engine-partner-1", "shared-engine-partner-2"}
+    assert engine.statistics().failed == 1
+
+    monkeypatch.setattr(LayerKernel, "__call__", real_call)
+    await engine.copy(src, [0, 3, 5], dst, [7, 2, 1])
+    for s, d in ((0, 7), (3, 2), (5, 1)):
+        assert src.read_page(s) == dst.read_page(d)
+    await engine.aclose()
+    alive = {t.name for t in threading.enumerate()}
+    assert not any(name.startswith("shared-engine") for name in alive)
+
+
+@pytest.mark.parametrize("threads", [0, -1, True, 2.0, "2"])
+def test_engine_threads_must_be_a_positive_integer(threads: object) -> None:
+    with pytest.raises(ValueError, match="threads"):
+        CpuCopyEngine(threads=threads)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="min_direct_bytes"):
+        CpuCopyEngine(min_direct_bytes=-1)
 
 
 def dst_page_as_layer_major(pool: KVPool, page: int) -> bytes:
