@@ -13,6 +13,7 @@ from hicache_async.storage import HEADER_NBYTES, PageCheck, PageHeader, PageMeta
 from hicache_async.storage._page import (
     FORMAT_VERSION,
     MAGIC,
+    _scatter_checksum,
     check_header,
     decode_header,
     encode_header,
@@ -158,3 +159,22 @@ def test_scatter_checks_lengths() -> None:
     assert [bytes(v) for v in into] == [b"abc", b"de"]
     with pytest.raises(ValueError, match="does not fill"):
         scatter(b"abcdef", into)
+
+
+@given(
+    sizes=st.lists(st.integers(0, 700_000), min_size=1, max_size=4),
+    seed=st.integers(0, 255),
+)
+def test_scatter_checksum_copies_and_hashes_in_one_pass(sizes: list[int], seed: int) -> None:
+    """Copied piece by piece (pieces of 256 KiB, so segments span several), the bytes and
+    the checksum are those of a plain copy and a checksum of the whole."""
+    payload = bytes((seed + i * 7) % 256 for i in range(sum(sizes)))
+    into = [memoryview(bytearray(n)) for n in sizes]
+    checksum = _scatter_checksum(payload, into)
+    assert b"".join(bytes(v) for v in into) == payload
+    assert checksum == payload_checksum([payload]) == xxhash.xxh3_64_intdigest(payload)
+    with pytest.raises(ValueError, match="does not match"):
+        _scatter_checksum(payload + b"x", into)
+    if payload:
+        with pytest.raises(ValueError, match="does not match"):
+            _scatter_checksum(payload[:-1], into)

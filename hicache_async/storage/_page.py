@@ -190,10 +190,19 @@ def check_header(
 
 
 def verify_payload(
-    header: PageHeader, payload: PageBuffer, *, mac_key: bytes | None = None
+    header: PageHeader,
+    payload: PageBuffer,
+    *,
+    mac_key: bytes | None = None,
+    checksum: int | None = None,
 ) -> PageCheck:
-    """Check the payload's checksum (and MAC when the reader holds a key)."""
-    if payload_checksum(payload) != header.checksum:
+    """Check the payload's checksum (and MAC when the reader holds a key).
+
+    `checksum`, when given, is the payload's checksum already computed by the caller.
+    """
+    if checksum is None:
+        checksum = payload_checksum(payload)
+    if checksum != header.checksum:
         return PageCheck.CORRUPT
     if mac_key:
         # A reader with a key trusts only pages MACed with it: an unkeyed writer could have
@@ -231,6 +240,30 @@ def scatter(source: bytes | memoryview, into: PageBuffer) -> None:
         raise ValueError(f"payload of {len(view)} bytes does not fill buffers of {offset}")
 
 
+# Pieces copied and then hashed while still in the CPU cache: one pass over memory, not two.
+_PIECE = 256 << 10
+
+
+def _scatter_checksum(source: bytes | memoryview, into: PageBuffer) -> int:
+    """`scatter`, returning the checksum of what it copied."""
+    view = memoryview(source).cast("B")
+    if len(view) != sum(segment.nbytes for segment in into):
+        raise ValueError(f"payload of {len(view)} bytes does not match the buffers")
+    hasher = xxhash.xxh3_64()
+    update = hasher.update
+    offset = 0
+    for segment in into:
+        flat = segment if segment.format == "B" and segment.ndim == 1 else segment.cast("B")
+        nbytes = flat.nbytes
+        for start in range(0, nbytes, _PIECE):
+            end = min(start + _PIECE, nbytes)
+            piece = flat[start:end]
+            piece[:] = view[offset + start : offset + end]
+            update(piece)
+        offset += nbytes
+    return hasher.intdigest()
+
+
 def read_value_into(
     value: bytes | memoryview,
     *,
@@ -250,5 +283,5 @@ def read_value_into(
         return check
     if len(value) != HEADER_NBYTES + expected:
         return PageCheck.CORRUPT
-    scatter(memoryview(value)[HEADER_NBYTES:], into)
-    return verify_payload(header, into, mac_key=mac_key)
+    checksum = _scatter_checksum(memoryview(value)[HEADER_NBYTES:], into)
+    return verify_payload(header, into, mac_key=mac_key, checksum=checksum)
