@@ -91,8 +91,8 @@ class LayerKernel:
       one `index_copy_` out of it.
 
     Between two pools in host memory whose rows pair up in stretches of at least
-    `min_direct_bytes` on average (None: never), unless both share a memory layout and whole
-    runs of pages, one more mode comes first:
+    `min_direct_bytes` on average (None: never), one more mode comes before all of these,
+    `runs` included:
 
     - `direct`: one `memmove` per stretch of rows consecutive on both sides. It reads and
       writes each byte once, like `runs`, whatever the two layouts, and releases the GIL, so
@@ -136,24 +136,25 @@ class LayerKernel:
         self._src_base = self._dst_base = 0
         # (source byte offset, destination byte offset, bytes) per memmove of layer 0.
         self._direct: list[tuple[int, int, int]] = []
-        if src.device != dst.device:
-            self._mode = "runs"
-            return
-        if (
-            min_direct_bytes is not None
-            and src.device.type == "cpu"
-            and self._plan_direct(min_direct_bytes)
-        ):
-            self._mode = "direct"
-            return
-        if plan.num_runs * _MIN_MEAN_RUN_PAGES <= plan.num_pages:
+        long_runs = plan.num_runs * _MIN_MEAN_RUN_PAGES <= plan.num_pages
+        direct = min_direct_bytes is not None and src.device.type == "cpu"
+        if src.device != dst.device or (long_runs and not direct):
             self._mode = "runs"
             return
         per_token = src.token_major or dst.token_major
         src_rows = src.copy_rows(per_token=per_token)
         dst_rows = dst.copy_rows(per_token=per_token)
-        s_rows, self._src_step = src.copy_row_index(plan.src_pages, per_token=per_token)
-        d_rows, self._dst_step = dst.copy_row_index(plan.dst_pages, per_token=per_token)
+        s_rows, s_step = src.copy_row_index(plan.src_pages, per_token=per_token)
+        d_rows, d_step = dst.copy_row_index(plan.dst_pages, per_token=per_token)
+        if direct and self._plan_direct(
+            min_direct_bytes or 0, (src_rows, s_rows, s_step), (dst_rows, d_rows, d_step)
+        ):
+            self._mode = "direct"
+            return
+        if long_runs:
+            self._mode = "runs"
+            return
+        self._src_step, self._dst_step = s_step, d_step
         row_bytes = src_rows.shape[1] * src_rows.element_size()
         # Every buffer's rows are the same pattern shifted, so buffer 0 decides the runs.
         d_order = np.argsort(d_rows[0], kind="stable")
@@ -185,15 +186,15 @@ class LayerKernel:
             self._ops.append((s_index, 0, s_index.numel()))
             self._ops.append((d_index, 0, d_index.numel()))
 
-    def _plan_direct(self, min_direct_bytes: int) -> bool:
-        """Plan `direct` copies if the rows pair up in long enough stretches."""
-        plan = self._plan
-        src, dst = plan.src, plan.dst
-        per_token = src.token_major or dst.token_major
-        src_rows = src.copy_rows(per_token=per_token)
-        dst_rows = dst.copy_rows(per_token=per_token)
-        s_rows, s_step = src.copy_row_index(plan.src_pages, per_token=per_token)
-        d_rows, d_step = dst.copy_row_index(plan.dst_pages, per_token=per_token)
+    def _plan_direct(
+        self,
+        min_direct_bytes: int,
+        src: tuple[torch.Tensor, np.ndarray[Any, Any], int],
+        dst: tuple[torch.Tensor, np.ndarray[Any, Any], int],
+    ) -> bool:
+        """Plan `direct` copies if the rows pair up in long enough stretches. `src` and `dst`
+        are each side's (`copy_rows`, layer-0 row index, row step per layer)."""
+        (src_rows, s_rows, s_step), (dst_rows, d_rows, d_step) = src, dst
         s_flat, d_flat = s_rows.reshape(-1), d_rows.reshape(-1)
         order = np.argsort(d_flat, kind="stable")
         s_flat, d_flat = s_flat[order], d_flat[order]
@@ -206,7 +207,7 @@ class LayerKernel:
         # Raw addresses are only as safe as their bounds: every row of every layer must lie
         # inside its pool (copy_row_index guarantees it; this keeps a slip from being a
         # silent write into other memory).
-        last = plan.src.layout.num_layers - 1
+        last = self._plan.src.layout.num_layers - 1
         for rows, step, pool_rows in ((s_flat, s_step, src_rows), (d_flat, d_step, dst_rows)):
             if rows.min() < 0 or rows.max() + last * step >= pool_rows.shape[0]:
                 raise AssertionError("direct copy rows fall outside their pool")
