@@ -45,8 +45,8 @@ from typing import Literal, cast, get_args
 from urllib.parse import unquote
 
 import msgspec
-import xxhash
 
+from .. import _native
 from .._errors import StorageConfigError
 from ._base import (
     BackendBase,
@@ -89,9 +89,11 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _HEX = frozenset("0123456789abcdef")
 _KEY_HEX_LEN = 64
-# Copy/hash granularity: each chunk is hashed right after its copy, while mostly still in
-# cache; larger chunks mean fewer system calls, which cost microseconds each in a VM.
-_CHUNK = 2 << 20
+# Write granularity of large pages: each piece is hashed just before its copy, while it is
+# still in cache; larger pieces mean fewer system calls, which cost microseconds each in a VM.
+_CHUNK = 1 << 20
+# Pages up to this size are hashed whole and written with their header in one call.
+_ONE_WRITE_MAX = 1 << 20
 # Below this a batch stays on its one job thread: helpers cost more than they save.
 _FANOUT_MIN_BYTES = 2 << 20
 _IOV_MAX = 1024
@@ -207,39 +209,6 @@ _ERROR = "error"
 _EXISTS = "exists"
 
 _Result = tuple[str, str, int]  # (code, detail, stored bytes)
-
-
-def _split_chunks(
-    segments: list[memoryview], total: int, chunk: int
-) -> list[tuple[list[memoryview], int]]:
-    """Cut the segments into consecutive groups of at most `chunk` bytes: (views, bytes)."""
-    if total <= chunk:
-        return [(segments, total)] if total else []
-    chunks: list[tuple[list[memoryview], int]] = []
-    current: list[memoryview] = []
-    size = 0
-    for segment in segments:
-        length = segment.nbytes
-        if size + length <= chunk:  # the common case: a segment inside one chunk, unsliced
-            current.append(segment)
-            size += length
-        else:
-            offset = 0
-            while offset < length:
-                take = min(length - offset, chunk - size)
-                current.append(segment[offset : offset + take])
-                size += take
-                offset += take
-                if size == chunk:
-                    chunks.append((current, size))
-                    current, size = [], 0
-            continue
-        if size == chunk:
-            chunks.append((current, size))
-            current, size = [], 0
-    if current:
-        chunks.append((current, size))
-    return chunks
 
 
 def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
@@ -875,11 +844,9 @@ class FileStorage(BackendBase):
         size = st.st_size
         if not stat.S_ISREG(st.st_mode):
             return (_CORRUPT, "not a regular file", size)
-        chunks = _split_chunks(segments, expected, _CHUNK)
-        first, first_length = chunks[0] if chunks else ([], 0)
         header_buf = memoryview(bytearray(HEADER_NBYTES))
-        got = _preadv_full(fd, [header_buf, *first], 0, HEADER_NBYTES + first_length)
-        header = decode_header(header_buf) if got >= HEADER_NBYTES else PageCheck.CORRUPT
+        got = _preadv_full(fd, [header_buf], 0, HEADER_NBYTES)
+        header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
         if header is PageCheck.UNSUPPORTED:
             return (_UNSUPPORTED, "", size)
         if isinstance(header, PageCheck):
@@ -891,17 +858,11 @@ class FileStorage(BackendBase):
             return (_CORRUPT, mismatch, size)
         if size != HEADER_NBYTES + expected:
             return (_CORRUPT, "size", size)
-        hasher = xxhash.xxh3_64()
-        update = hasher.update
-        offset = HEADER_NBYTES
-        for number, (chunk, length) in enumerate(chunks):
-            read = got - HEADER_NBYTES if number == 0 else _preadv_full(fd, chunk, offset, length)
-            if read != length:
-                return (_CORRUPT, "truncated", size)
-            for view in chunk:
-                update(view)
-            offset += length
-        if hasher.intdigest() != header.checksum:
+        # Read and checksum in one pass: each piece is hashed while it is still in the cache.
+        read, digest = _native.pread_checksum(fd, HEADER_NBYTES, segments)
+        if read != expected:
+            return (_CORRUPT, "truncated", size)
+        if digest != header.checksum:
             return (_CORRUPT, "checksum", size)
         mac_key = self._mac_key
         if mac_key and verify_payload(header, segments, mac_key=mac_key) is not PageCheck.OK:
@@ -1143,23 +1104,23 @@ class FileStorage(BackendBase):
         return (_OK, "", nbytes)
 
     def _write_fd(self, fd: int, segments: list[memoryview], total: int, meta: PageMeta) -> int:
-        # Payload first, each chunk hashed right after the kernel copied it (so from cache,
-        # not memory); the header, which carries the checksum, last at offset 0.
-        hasher = xxhash.xxh3_64()
-        update = hasher.update
-        offset = HEADER_NBYTES
-        for chunk, length in _split_chunks(segments, total, _CHUNK):
-            _pwritev_full(fd, chunk, offset, length)
-            for view in chunk:
-                update(view)
-            offset += length
-        header = encode_header(meta, segments, mac_key=self._mac_key, checksum=hasher.intdigest())
-        _pwritev_full(fd, [memoryview(header)], 0, HEADER_NBYTES)
+        if total <= _ONE_WRITE_MAX:
+            # Small enough to stay in the cache between the checksum and the kernel's copy:
+            # one system call for header and payload.
+            digest = _native.checksum(segments)
+            header = encode_header(meta, segments, mac_key=self._mac_key, checksum=digest)
+            _pwritev_full(fd, [memoryview(header), *segments], 0, HEADER_NBYTES + total)
+        else:
+            # Payload first, each piece hashed just before the kernel copies it (so the copy
+            # reads the cache, not memory); the header, which carries the checksum, last.
+            digest = _native.pwrite_checksum(fd, HEADER_NBYTES, segments, _CHUNK)
+            header = encode_header(meta, segments, mac_key=self._mac_key, checksum=digest)
+            _pwritev_full(fd, [memoryview(header)], 0, HEADER_NBYTES)
         if self._fsync == "data":
             os.fdatasync(fd)
         elif self._fsync == "always":
             os.fsync(fd)
-        return offset
+        return HEADER_NBYTES + total
 
     def _commit_write(
         self,

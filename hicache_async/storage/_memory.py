@@ -35,7 +35,7 @@ from ._page import (
     PageCheck,
     PageHeader,
     decode_header,
-    encode_header,
+    encode_value,
     read_value_into,
     verify_payload,
 )
@@ -309,8 +309,7 @@ class MemoryStorage(BackendBase):
             for slot, (i, segments) in enumerate(zip(writes, views, strict=True)):
                 if stop.is_set():
                     return
-                header = encode_header(metas[i], segments, mac_key=mac_key)
-                built[slot] = b"".join([header, *segments])
+                built[slot] = encode_value(metas[i], segments, mac_key=mac_key)
 
         # Plan: reserve the room and mark keys and victims; evict and insert only at commit,
         # so a cancelled put leaves the store as it was.

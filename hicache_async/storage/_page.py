@@ -33,6 +33,7 @@ from collections.abc import Iterable
 import msgspec
 import xxhash
 
+from .. import _native
 from ._protocol import PageBuffer, PageMeta
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "check_header",
     "decode_header",
     "encode_header",
+    "encode_value",
     "payload_checksum",
     "read_value_into",
     "scatter",
@@ -92,10 +94,7 @@ class PageHeader(msgspec.Struct, frozen=True):
 
 def payload_checksum(segments: Iterable[memoryview | bytes]) -> int:
     """xxh3-64 over the payload segments in order, without joining them."""
-    hasher = xxhash.xxh3_64()
-    for segment in segments:
-        hasher.update(segment)
-    return hasher.intdigest()
+    return _native.checksum(list(segments))
 
 
 def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | bytes]) -> bytes:
@@ -240,28 +239,23 @@ def scatter(source: bytes | memoryview, into: PageBuffer) -> None:
         raise ValueError(f"payload of {len(view)} bytes does not fill buffers of {offset}")
 
 
-# Pieces copied and then hashed while still in the CPU cache: one pass over memory, not two.
-_PIECE = 256 << 10
-
-
 def _scatter_checksum(source: bytes | memoryview, into: PageBuffer) -> int:
-    """`scatter`, returning the checksum of what it copied."""
+    """`scatter`, returning the checksum of what it copied (one pass over the bytes)."""
     view = memoryview(source).cast("B")
     if len(view) != sum(segment.nbytes for segment in into):
         raise ValueError(f"payload of {len(view)} bytes does not match the buffers")
-    hasher = xxhash.xxh3_64()
-    update = hasher.update
-    offset = 0
-    for segment in into:
-        flat = segment if segment.format == "B" and segment.ndim == 1 else segment.cast("B")
-        nbytes = flat.nbytes
-        for start in range(0, nbytes, _PIECE):
-            end = min(start + _PIECE, nbytes)
-            piece = flat[start:end]
-            piece[:] = view[offset + start : offset + end]
-            update(piece)
-        offset += nbytes
-    return hasher.intdigest()
+    return _native.copy_checksum(list(into), [view])
+
+
+def encode_value(meta: PageMeta, payload: PageBuffer, *, mac_key: bytes | None = None) -> bytes:
+    """`header ‖ payload` as one value, for value stores; the payload is read once for both
+    the copy and its checksum (twice with a MAC key)."""
+    segments = list(payload)
+    return _native.build_value(
+        HEADER_NBYTES,
+        segments,
+        lambda digest: encode_header(meta, segments, mac_key=mac_key, checksum=digest),
+    )
 
 
 def read_value_into(
