@@ -199,3 +199,16 @@ def test_copy_spans_checks_every_span_before_copying(impl: str, bad: list[int]) 
     with pytest.raises(ValueError, match="outside"):
         native.copy_spans(memoryview(dst), memoryview(src), spans)
     assert not dst.any()  # the first, valid span was not copied either
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_copy_at_copies_between_addresses(impl: str, stream: bool) -> None:
+    rng = np.random.default_rng(2)
+    src = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    dst = np.zeros(1 << 20, dtype=np.uint8)
+    spans = np.array([[0, 64, 300_000], [700_000, 400_000, 4097], [9, 500_001, 3]], np.int64)
+    native.copy_at(dst.ctypes.data, src.ctypes.data, spans, stream=stream)
+    expected = np.zeros_like(dst)
+    for s, d, n in spans.tolist():
+        expected[d : d + n] = src[s : s + n]
+    assert np.array_equal(dst, expected)

@@ -851,6 +851,38 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(copy_at_doc,
+             "copy_at(dst_addr, src_addr, spans, stream) -> None\n\n"
+             "Like copy_spans, between raw addresses of memory the caller keeps alive and\n"
+             "has bounds-checked (the CPU copy engine's plans). Runs without the GIL.");
+
+static PyObject *py_copy_at(PyObject *self, PyObject *args) {
+    unsigned long long dst_addr, src_addr;
+    PyObject *spans_obj;
+    int stream;
+    if (!PyArg_ParseTuple(args, "KKOp", &dst_addr, &src_addr, &spans_obj, &stream)) return NULL;
+    Py_buffer spans;
+    if (PyObject_GetBuffer(spans_obj, &spans, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (spans.len % (3 * (Py_ssize_t)sizeof(int64_t)) != 0) {
+        PyBuffer_Release(&spans);
+        PyErr_SetString(PyExc_ValueError, "spans must be int64 rows of (src, dst, length)");
+        return NULL;
+    }
+    const int64_t *rows = spans.buf;
+    Py_ssize_t n = spans.len / (3 * (Py_ssize_t)sizeof(int64_t));
+    int mode = stream ? COPY_STREAM : COPY;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        copy_bytes((uint8_t *)(uintptr_t)dst_addr + rows[3 * i + 1],
+                   (const uint8_t *)(uintptr_t)src_addr + rows[3 * i], (size_t)rows[3 * i + 2],
+                   mode);
+    }
+    fence(mode);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&spans);
+    Py_RETURN_NONE;
+}
+
 static const char *const SIMD_NAMES[] = {"scalar", "avx2", "avx512"};
 
 PyDoc_STRVAR(simd_doc,
@@ -893,6 +925,7 @@ static PyMethodDef methods[] = {
     {"pread_xxh3", py_pread_xxh3, METH_VARARGS, pread_xxh3_doc},
     {"xxh3_pwrite", py_xxh3_pwrite, METH_VARARGS, xxh3_pwrite_doc},
     {"copy_spans", py_copy_spans, METH_VARARGS, copy_spans_doc},
+    {"copy_at", py_copy_at, METH_VARARGS, copy_at_doc},
     {"simd", py_simd, METH_NOARGS, simd_doc},
     {"set_simd", py_set_simd, METH_O, set_simd_doc},
     {NULL, NULL, 0, NULL},

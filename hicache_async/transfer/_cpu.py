@@ -10,7 +10,6 @@ its partner threads.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import queue
 import threading
@@ -19,6 +18,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .._native import copy_at
 from ._handle import LayerwiseCopy
 from ._protocol import CopyPlan, Stop, ThreadedEngine, signal
 
@@ -42,9 +42,6 @@ DEFAULT_MIN_DIRECT_BYTES = 64 * 1024
 # A batch of direct copies is shared out between threads from this size: below it, the
 # hand-off to a partner thread (about 100 µs) costs more than the partner saves.
 _MIN_SHARED_BYTES = 4 << 20
-
-# ctypes calls into foreign functions release the GIL, so several threads copy at once.
-_memmove = ctypes.memmove
 
 # Pages consecutive on both sides, in runs of at least this many on average, move as plain
 # slice copies: no index tensors, and both buffers of a layer in one op.
@@ -94,13 +91,15 @@ class LayerKernel:
     `min_direct_bytes` on average (None: never), one more mode comes before all of these,
     `runs` included:
 
-    - `direct`: one `memmove` per stretch of rows consecutive on both sides. It reads and
-      writes each byte once, like `runs`, whatever the two layouts, and releases the GIL, so
-      layers can be copied by several threads at once (`shareable`).
+    - `direct`: one copy per stretch of rows consecutive on both sides, all of a layer in one
+      native call with streaming stores (no read-for-ownership of the destination). It reads
+      and writes each byte once, like `runs`, whatever the two layouts, and releases the GIL,
+      so layers can be copied by several threads at once (`shareable`).
     """
 
     __slots__ = (
         "_direct",
+        "_direct_rows",
         "_dst_base",
         "_dst_rows",
         "_dst_step",
@@ -134,7 +133,7 @@ class LayerKernel:
         self._src_rows = self._dst_rows = torch.empty(0)
         self._src_step = self._dst_step = 0
         self._src_base = self._dst_base = 0
-        # (source byte offset, destination byte offset, bytes) per memmove of layer 0.
+        # (source byte offset, destination byte offset, bytes) per copy of layer 0.
         self._direct: list[tuple[int, int, int]] = []
         long_runs = plan.num_runs * _MIN_MEAN_RUN_PAGES <= plan.num_pages
         direct = min_direct_bytes is not None and src.device.type == "cpu"
@@ -224,6 +223,7 @@ class LayerKernel:
                 strict=True,
             )
         )
+        self._direct_rows = np.array(self._direct, dtype=np.int64).reshape(-1, 3)
         return True
 
     @property
@@ -245,8 +245,9 @@ class LayerKernel:
         if mode == "direct":
             src_at = self._src_base + layer * self._src_step
             dst_at = self._dst_base + layer * self._dst_step
-            for s, d, n in self._direct:
-                _memmove(dst_at + d, src_at + s, n)
+            # Streaming stores: the destination is not read again soon, and skipping the
+            # cache saves the read-for-ownership of every line written.
+            copy_at(dst_at, src_at, self._direct_rows, stream=True)
             return
         # Layer l's rows are layer 0's shifted by a fixed step, so slicing the row views lets
         # every layer reuse the same index tensors.
