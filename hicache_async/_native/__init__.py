@@ -3,7 +3,7 @@
 The native extension (`_kernels.c`, built at install time where a C compiler exists) does each
 of these in one pass over the bytes and without the GIL. Where it is missing, or when
 `HICACHE_ASYNC_NATIVE=0` is set, the same functions run in Python with python-xxhash: the same
-results, at about two thirds of the speed. Every checksum is xxh3-64 (seed 0), so pages written
+results, with more passes over memory. Every checksum is xxh3-64 (seed 0), so pages written
 by either path read back through the other.
 """
 
@@ -28,7 +28,6 @@ __all__ = [
     "checksum",
     "copy_at",
     "copy_checksum",
-    "copy_spans",
     "pread_checksum",
     "pwrite_checksum",
     "simd",
@@ -60,7 +59,7 @@ _local = threading.local()
 
 
 def simd() -> str:
-    """What the kernels run on: 'avx512', 'avx2', 'scalar' (native) or 'python'."""
+    """What the kernels run on: 'avx2', 'scalar' (native) or 'python'."""
     return str(_kernels.simd()) if _kernels is not None else "python"
 
 
@@ -121,18 +120,6 @@ def pwrite_checksum(fd: int, offset: int, src: Sequence[Buffer], chunk: int) -> 
     if _kernels is not None:
         return int(_kernels.xxh3_pwrite(fd, offset, src, chunk))
     return _fallback.pwrite_checksum(fd, offset, src, chunk)
-
-
-def copy_spans(
-    dst: memoryview, src: memoryview, spans: np.ndarray[Any, Any], *, stream: bool = True
-) -> None:
-    """Copy `length` bytes from `src[s:]` to `dst[d:]` for each int64 row (s, d, length) of
-    `spans`, with every span checked against both buffers first."""
-    rows = np.ascontiguousarray(spans, dtype=np.int64)
-    if _kernels is not None:
-        _kernels.copy_spans(dst, src, rows, stream)
-        return
-    _fallback.copy_spans(dst, src, rows)
 
 
 def copy_at(dst_addr: int, src_addr: int, spans: np.ndarray[Any, Any], *, stream: bool) -> None:

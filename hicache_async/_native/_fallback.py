@@ -6,12 +6,10 @@ from __future__ import annotations
 import errno
 import os
 from collections.abc import Sequence
-from typing import Any
 
-import numpy as np
 import xxhash
 
-__all__ = ["copy_checksum", "copy_spans", "pread_checksum", "pwrite_checksum"]
+__all__ = ["copy_checksum", "pread_checksum", "pwrite_checksum"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -87,15 +85,3 @@ def pwrite_checksum(fd: int, offset: int, src: Sequence[Buffer], chunk: int) -> 
             written += count
         at += written
     return int(hasher.intdigest())
-
-
-def copy_spans(dst: memoryview, src: memoryview, rows: np.ndarray[Any, Any]) -> None:
-    """`dst[d:d+n] = src[s:s+n]` for each row (s, d, n), all checked before any copy."""
-    d_flat, s_flat = _flat(dst), _flat(src)
-    if rows.ndim != 2 or rows.shape[1] != 3:
-        raise ValueError("spans must be int64 rows of (src, dst, length)")
-    for i, (s, d, n) in enumerate(rows.tolist()):
-        if min(s, d, n) < 0 or s + n > s_flat.nbytes or d + n > d_flat.nbytes:
-            raise ValueError(f"span {i} ({s}, {d}, {n}) is outside the buffers")
-    for s, d, n in rows.tolist():
-        d_flat[d : d + n] = s_flat[s : s + n]

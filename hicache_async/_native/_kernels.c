@@ -285,60 +285,6 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, size_t *
     }
 }
 
-/* One stripe is one 512-bit register. */
-__attribute__((target("avx512f"), always_inline)) static inline void
-avx512_loop(uint64_t *acc, size_t *in_block, const uint8_t *src, uint8_t *dst, size_t n,
-            const int kind) {
-    __m512i a = _mm512_loadu_si512((const void *)acc);
-    const __m512i sec = _mm512_loadu_si512((const void *)(SECRET + SECRET_LEN - STRIPE));
-    const __m512i prime = _mm512_set1_epi64((long long)P32_1);
-    size_t b = *in_block;
-    while (n > 0) {
-        size_t run = STRIPES_PER_BLOCK - b;
-        if (run > n) run = n;
-        const uint8_t *key = SECRET + 8 * b;
-        for (size_t j = 0; j < run; j++) {
-            __m512i d = _mm512_loadu_si512((const void *)src);
-            __m512i k = _mm512_xor_si512(d, _mm512_loadu_si512((const void *)key));
-            __m512i m = _mm512_mul_epu32(k, _mm512_srli_epi64(k, 32));
-            a = _mm512_add_epi64(a, _mm512_add_epi64(m, _mm512_shuffle_epi32(d, _MM_PERM_BADC)));
-            if (kind == ST_STREAM) {
-                _mm512_stream_si512((void *)dst, d);
-            } else if (kind == ST_STREAM_HALF) {
-                _mm256_stream_si256((__m256i *)dst, _mm512_castsi512_si256(d));
-                _mm256_stream_si256((__m256i *)(dst + 32), _mm512_extracti64x4_epi64(d, 1));
-            } else if (kind == ST_PLAIN) {
-                _mm512_storeu_si512((void *)dst, d);
-            }
-            src += STRIPE;
-            if (kind != ST_NONE) dst += STRIPE;
-            key += 8;
-        }
-        n -= run;
-        b += run;
-        if (b == STRIPES_PER_BLOCK) {
-            __m512i x = _mm512_xor_si512(_mm512_xor_si512(a, _mm512_srli_epi64(a, 47)), sec);
-            a = _mm512_add_epi64(
-                _mm512_mul_epu32(x, prime),
-                _mm512_slli_epi64(_mm512_mul_epu32(_mm512_srli_epi64(x, 32), prime), 32));
-            b = 0;
-        }
-    }
-    *in_block = b;
-    _mm512_storeu_si512((void *)acc, a);
-}
-
-__attribute__((target("avx512f"))) static void stripes_avx512(uint64_t *acc, size_t *in_block,
-                                                             const uint8_t *src, uint8_t *dst,
-                                                             size_t n, int mode) {
-    switch (store_kind(mode, dst, 64, 32)) {
-        case ST_NONE: avx512_loop(acc, in_block, src, dst, n, ST_NONE); break;
-        case ST_PLAIN: avx512_loop(acc, in_block, src, dst, n, ST_PLAIN); break;
-        case ST_STREAM: avx512_loop(acc, in_block, src, dst, n, ST_STREAM); break;
-        default: avx512_loop(acc, in_block, src, dst, n, ST_STREAM_HALF); break;
-    }
-}
-
 __attribute__((target("avx2"))) static void copy_stream_avx2(uint8_t *dst, const uint8_t *src,
                                                              size_t n) {
     size_t head = (32 - ((uintptr_t)dst & 31)) & 31;
@@ -359,16 +305,13 @@ __attribute__((target("avx2"))) static void copy_stream_avx2(uint8_t *dst, const
 }
 #endif
 
-/* Instruction sets the fused loops can use. The AVX-512 loop is kept for CPUs where it pays,
- * but 'auto' picks AVX2: on the Xeons measured so far it is faster (every 64-byte secret load
- * of the AVX-512 loop splits a cache line). AVX-512 is used only with its register state saved
- * by the OS, which __builtin_cpu_supports checks. */
-enum { SIMD_SCALAR = 0, SIMD_AVX2 = 1, SIMD_AVX512 = 2 };
+/* Instruction sets the fused loops can use. (An AVX-512 loop measured slower than AVX2 on the
+ * Xeons here: every 64-byte secret load splits a cache line.) */
+enum { SIMD_SCALAR = 0, SIMD_AVX2 = 1 };
 static int simd_level = SIMD_SCALAR;
 
 static int cpu_supports(int level) {
 #if HC_X86
-    if (level == SIMD_AVX512) return __builtin_cpu_supports("avx512f");
     if (level == SIMD_AVX2) return __builtin_cpu_supports("avx2");
 #endif
     return level == SIMD_SCALAR;
@@ -379,10 +322,6 @@ static int best_simd(void) { return cpu_supports(SIMD_AVX2) ? SIMD_AVX2 : SIMD_S
 static void stripes(uint64_t *acc, size_t *in_block, const uint8_t *src, uint8_t *dst,
                     size_t n, int mode) {
 #if HC_X86
-    if (simd_level == SIMD_AVX512) {
-        stripes_avx512(acc, in_block, src, dst, n, mode);
-        return;
-    }
     if (simd_level == SIMD_AVX2) {
         stripes_avx2(acc, in_block, src, dst, n, mode);
         return;
@@ -797,64 +736,12 @@ static PyObject *py_xxh3_pwrite(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(hstate_digest(&s));
 }
 
-PyDoc_STRVAR(copy_spans_doc,
-             "copy_spans(dst, src, spans, stream) -> None\n\n"
-             "For each (src offset, dst offset, length) row of `spans` (int64, C-contiguous,\n"
-             "n x 3), copy that many bytes from `src` to `dst`, with streaming stores if\n"
-             "`stream`. Every span is checked against both buffers before anything is copied.\n"
-             "Runs without the GIL.");
-
-static PyObject *py_copy_spans(PyObject *self, PyObject *args) {
-    PyObject *dst_obj, *src_obj, *spans_obj;
-    int stream;
-    if (!PyArg_ParseTuple(args, "OOOp", &dst_obj, &src_obj, &spans_obj, &stream)) return NULL;
-    Py_buffer dst, src, spans;
-    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    if (PyObject_GetBuffer(src_obj, &src, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(spans_obj, &spans, PyBUF_C_CONTIGUOUS) < 0) {
-        PyBuffer_Release(&dst);
-        PyBuffer_Release(&src);
-        return NULL;
-    }
-    PyObject *result = NULL;
-    if (spans.len % (3 * (Py_ssize_t)sizeof(int64_t)) != 0) {
-        PyErr_SetString(PyExc_ValueError, "spans must be int64 rows of (src, dst, length)");
-        goto done;
-    }
-    const int64_t *rows = spans.buf;
-    Py_ssize_t n = spans.len / (3 * (Py_ssize_t)sizeof(int64_t));
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t s = rows[3 * i], d = rows[3 * i + 1], len = rows[3 * i + 2];
-        if (s < 0 || d < 0 || len < 0 || s > src.len - len || d > dst.len - len) {
-            PyErr_Format(PyExc_ValueError, "span %zd (%lld, %lld, %lld) is outside the buffers", i,
-                         (long long)s, (long long)d, (long long)len);
-            goto done;
-        }
-    }
-    int mode = stream ? COPY_STREAM : COPY;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        copy_bytes((uint8_t *)dst.buf + rows[3 * i + 1], (const uint8_t *)src.buf + rows[3 * i],
-                   (size_t)rows[3 * i + 2], mode);
-    }
-    fence(mode);
-    Py_END_ALLOW_THREADS
-    result = Py_None;
-    Py_INCREF(result);
-done:
-    PyBuffer_Release(&spans);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    return result;
-}
-
 PyDoc_STRVAR(copy_at_doc,
              "copy_at(dst_addr, src_addr, spans, stream) -> None\n\n"
-             "Like copy_spans, between raw addresses of memory the caller keeps alive and\n"
-             "has bounds-checked (the CPU copy engine's plans). Runs without the GIL.");
+             "For each (src offset, dst offset, length) row of `spans` (int64, C-contiguous,\n"
+             "n x 3), copy that many bytes from src_addr + offset to dst_addr + offset, with\n"
+             "streaming stores if `stream`. The caller keeps the memory alive and has checked\n"
+             "every span against it (the CPU copy engine's plans). Runs without the GIL.");
 
 static PyObject *py_copy_at(PyObject *self, PyObject *args) {
     unsigned long long dst_addr, src_addr;
@@ -883,19 +770,19 @@ static PyObject *py_copy_at(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static const char *const SIMD_NAMES[] = {"scalar", "avx2", "avx512"};
+static const char *const SIMD_NAMES[] = {"scalar", "avx2"};
 
 PyDoc_STRVAR(simd_doc,
-             "simd() -> str\n\nThe instruction set the kernels use: 'avx512', 'avx2' or 'scalar'.");
+             "simd() -> str\n\nThe instruction set the kernels use: 'avx2' or 'scalar'.");
 
 static PyObject *py_simd(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(SIMD_NAMES[simd_level]);
 }
 
 PyDoc_STRVAR(set_simd_doc,
-             "set_simd(name) -> None\n\nUse the named instruction set ('avx512', 'avx2' or\n"
-             "'scalar', for tests and measurements), or 'auto' for the fastest one. Raises\n"
-             "ValueError for a set the CPU lacks.");
+             "set_simd(name) -> None\n\nUse the named instruction set ('avx2' or 'scalar', for\n"
+             "tests and measurements), or 'auto' for the fastest one. Raises ValueError for a\n"
+             "set the CPU lacks.");
 
 static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
@@ -904,7 +791,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
         simd_level = best_simd();
         Py_RETURN_NONE;
     }
-    for (int level = SIMD_SCALAR; level <= SIMD_AVX512; level++) {
+    for (int level = SIMD_SCALAR; level <= SIMD_AVX2; level++) {
         if (strcmp(name, SIMD_NAMES[level]) == 0) {
             if (!cpu_supports(level)) {
                 PyErr_Format(PyExc_ValueError, "this CPU does not support %s", name);
@@ -914,7 +801,7 @@ static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
             Py_RETURN_NONE;
         }
     }
-    PyErr_Format(PyExc_ValueError, "simd must be 'auto', 'avx512', 'avx2' or 'scalar', got %R",
+    PyErr_Format(PyExc_ValueError, "simd must be 'auto', 'avx2' or 'scalar', got %R",
                  arg);
     return NULL;
 }
@@ -924,7 +811,6 @@ static PyMethodDef methods[] = {
     {"xxh3_build", py_xxh3_build, METH_VARARGS, xxh3_build_doc},
     {"pread_xxh3", py_pread_xxh3, METH_VARARGS, pread_xxh3_doc},
     {"xxh3_pwrite", py_xxh3_pwrite, METH_VARARGS, xxh3_pwrite_doc},
-    {"copy_spans", py_copy_spans, METH_VARARGS, copy_spans_doc},
     {"copy_at", py_copy_at, METH_VARARGS, copy_at_doc},
     {"simd", py_simd, METH_NOARGS, simd_doc},
     {"set_simd", py_set_simd, METH_O, set_simd_doc},

@@ -865,7 +865,11 @@ class FileStorage(BackendBase):
         if digest != header.checksum:
             return (_CORRUPT, "checksum", size)
         mac_key = self._mac_key
-        if mac_key and verify_payload(header, segments, mac_key=mac_key) is not PageCheck.OK:
+        if (
+            mac_key
+            and verify_payload(header, segments, mac_key=mac_key, checksum=digest)
+            is not PageCheck.OK
+        ):
             return (_CORRUPT, "mac", size)
         return (_OK, "", size)
 

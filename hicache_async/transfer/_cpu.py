@@ -98,7 +98,6 @@ class LayerKernel:
     """
 
     __slots__ = (
-        "_direct",
         "_direct_rows",
         "_dst_base",
         "_dst_rows",
@@ -134,7 +133,7 @@ class LayerKernel:
         self._src_step = self._dst_step = 0
         self._src_base = self._dst_base = 0
         # (source byte offset, destination byte offset, bytes) per copy of layer 0.
-        self._direct: list[tuple[int, int, int]] = []
+        self._direct_rows = np.empty((0, 3), dtype=np.int64)
         long_runs = plan.num_runs * _MIN_MEAN_RUN_PAGES <= plan.num_pages
         direct = min_direct_bytes is not None and src.device.type == "cpu"
         if src.device != dst.device or (long_runs and not direct):
@@ -215,15 +214,10 @@ class LayerKernel:
         self._src_rows, self._dst_rows = src_rows, dst_rows
         self._src_base, self._dst_base = src_rows.data_ptr(), dst_rows.data_ptr()
         self._src_step, self._dst_step = s_step * row_bytes, d_step * row_bytes
-        self._direct = list(
-            zip(
-                (s_flat[starts] * row_bytes).tolist(),
-                (d_flat[starts] * row_bytes).tolist(),
-                (counts * row_bytes).tolist(),
-                strict=True,
-            )
+        self._direct_rows = np.ascontiguousarray(
+            np.stack((s_flat[starts], d_flat[starts], counts), axis=1) * row_bytes,
+            dtype=np.int64,
         )
-        self._direct_rows = np.array(self._direct, dtype=np.int64).reshape(-1, 3)
         return True
 
     @property
