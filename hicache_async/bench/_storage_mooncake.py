@@ -21,7 +21,6 @@ from ..storage._mooncake import pooled_client
 __all__ = ["measure_raw"]
 
 _EXISTS_CALLS = 200
-_REPS = 2
 
 
 def _calls(
@@ -50,14 +49,14 @@ def _timed(run: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure_raw(url: str, page_nbytes: int, num_pages: int) -> dict[str, float]:
+def measure_raw(url: str, page_nbytes: int, num_pages: int, *, reps: int = 2) -> dict[str, float]:
     """Best raw Mooncake throughput for `num_pages` objects of `page_nbytes` at `url`.
 
     Returns `put_gbps`, `get_gbps` and `exists64_us` (median microseconds of one
     `batch_is_exist` of 64 keys). Every object written is removed again.
     """
-    if page_nbytes < 1 or num_pages < 1:
-        raise ValueError("page_nbytes and num_pages must be >= 1")
+    if page_nbytes < 1 or num_pages < 1 or reps < 1:
+        raise ValueError("page_nbytes, num_pages and reps must be >= 1")
     total = page_nbytes * num_pages
     source = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
     target = np.zeros(total, dtype=np.uint8)
@@ -71,7 +70,7 @@ def measure_raw(url: str, page_nbytes: int, num_pages: int) -> dict[str, float]:
             if store.register_buffer(address, array.nbytes) != 0:
                 raise RuntimeError("raw mooncake: register_buffer failed")
         try:
-            for rep in range(_REPS):
+            for rep in range(reps):
                 for chunk in chunks:
                     keys = [f"{tag}:{rep}:{chunk}:{i}" for i in range(num_pages)]
                     best_put = min(
@@ -82,7 +81,7 @@ def measure_raw(url: str, page_nbytes: int, num_pages: int) -> dict[str, float]:
                         best_get = min(best_get, _timed(run))
                     if not np.array_equal(source, target):
                         raise RuntimeError("raw mooncake get returned other bytes")
-                    if rep == _REPS - 1 and chunk == chunks[-1]:
+                    if rep == reps - 1 and chunk == chunks[-1]:
                         exists = _exists_us(store, keys)
                     store.batch_remove(keys, force=True)
         finally:

@@ -5,7 +5,7 @@ Baselines: for `file://`, plain Python file I/O on the same kind of files (one f
 same sizes, `os.pwritev`/`os.preadv` from a thread pool as wide as the backend's `io_threads`),
 read page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync); for
 `memory://`, a dict of bytes with the same copies; for any other scheme, the function
-`measure_raw(url, page_nbytes, num_pages) -> {"put_gbps", "get_gbps", "exists64_us"}` of
+`measure_raw(url, page_nbytes, num_pages, *, reps) -> {"put_gbps", "get_gbps", "exists64_us"}` of
 `hicache_async.bench._storage_<scheme>` when that module exists, else no baseline.
 
 Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
@@ -481,7 +481,7 @@ def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Rec
     raw: dict[str, float] = {}
     module = _raw_module(scheme)
     if module is not None:
-        raw = module.measure_raw(args.backend, data.nbytes, data.pages)
+        raw = module.measure_raw(args.backend, data.nbytes, data.pages, reps=args.reps)
     prefix = f"storage.{scheme}.{data.shape.name}"
     records = []
     for name, times in ours.items():

@@ -371,6 +371,132 @@ class TestRedisConformance(StorageConformance):
             yield storage
 
 
+class TestRedisConformanceWithoutBulk(StorageConformance):
+    """The same contract with page values moved by redis-py (`bulk=0`, as over TLS)."""
+
+    @pytest_asyncio.fixture
+    async def backend(self, redis_url: str) -> AsyncIterator[RedisStorage]:
+        async with RedisStorage.from_url(fresh_url(redis_url, bulk=0)) as storage:
+            yield storage
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self, redis_url: str) -> AsyncIterator[RedisStorage]:
+        url = fresh_url(redis_url, bulk=0)
+        async with RedisStorage.from_url(url, mac_key=MAC_KEY) as storage:
+            yield storage
+
+
+@pytest.mark.parametrize("bulk", [0, 1])
+async def test_both_paths_store_the_same_values(redis_url: str, bulk: int) -> None:
+    url = fresh_url(redis_url, bulk=bulk, put_pipeline_bytes="8KiB", get_pipeline_bytes="8KiB")
+    async with RedisStorage.from_url(url) as backend:
+        assert (backend._bulk is not None) == bool(bulk)
+        keys, pages, metas = make_pages(9, 5000, split=1234)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 9
+        # What one path wrote, the other reads: the values are the same bytes.
+        other = fresh_url(redis_url, bulk=1 - bulk, prefix=backend.prefix)
+        async with RedisStorage.from_url(other) as reader:
+            into = buffers(9, 5000, split=1234)
+            assert await reader.get(keys, into, namespace=NS) == [Outcome.OK] * 9
+            assert [joined(b) for b in into] == [joined(p) for p in pages]
+            raw = await reader.read_raw(keys[0])
+            assert raw is not None
+            assert raw[HEADER_NBYTES:] == joined(pages[0])
+
+
+async def test_bulk_connections_authenticate_and_select_the_database() -> None:
+    with RedisServer() as server:
+        admin = aioredis.Redis(host=server.host, port=server.port)
+        try:
+            await admin.config_set("requirepass", "s3cret")
+        finally:
+            await admin.aclose()
+        url = f"redis://:s3cret@{server.host}:{server.port}/3?prefix=auth"
+        async with RedisStorage.from_url(url) as backend:
+            assert backend._bulk is not None
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+            into = buffers(3)
+            assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 3
+            assert [joined(b) for b in into] == [joined(p) for p in pages]
+        plain = aioredis.Redis(host=server.host, port=server.port, password="s3cret", db=3)
+        try:
+            assert await plain.exists(f"auth:{keys[0].hex()}") == 1
+            await plain.select(0)  # type: ignore[no-untyped-call]
+            assert await plain.dbsize() == 0
+        finally:
+            await plain.aclose()
+        wrong = f"redis://:nope@{server.host}:{server.port}/3?prefix=auth&timeout=2"
+        async with RedisStorage.from_url(wrong) as backend:
+            # Refused at the connection's setup: errors per key, nothing raised, nothing read.
+            into = buffers(3)
+            assert await backend.get(keys, into, namespace=NS) == [Outcome.ERROR] * 3
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+            assert not any(any(s) for b in into for s in b)
+
+
+@pytest.mark.parametrize("bulk", [0, 1])
+async def test_an_error_reply_fails_only_its_key(redis_url: str, bulk: int) -> None:
+    url = fresh_url(redis_url, bulk=bulk)
+    async with RedisStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(3)
+        plain = aioredis.Redis.from_url(redis_url)
+        try:  # the middle key holds a list: GET and SET on it answer WRONGTYPE / are refused
+            await plain.rpush(f"{backend.prefix}:{keys[1].hex()}", b"x")  # type: ignore[misc]
+        finally:
+            await plain.aclose()
+        assert await backend.put(keys, pages, metas) == [
+            Outcome.OK,
+            Outcome.OK,  # SET NX keeps the existing key, whatever its type
+            Outcome.OK,
+        ]
+        into = buffers(3)
+        outcomes = await backend.get(keys, into, namespace=NS)
+        assert outcomes == [Outcome.OK, Outcome.ERROR, Outcome.OK]
+        assert joined(into[2]) == joined(pages[2])
+        # The connection stayed in step: the next batch reads the right values.
+        again = buffers(3)
+        assert await backend.get(keys, again, namespace=NS) == outcomes
+        assert joined(again[0]) == joined(pages[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "reply"),
+    [
+        ("truncated value", b"$5000\r\nHCKV"),  # then the server hangs up
+        ("unknown reply type", b"*1\r\n$1\r\nx\r\n"),
+        ("bad length", b"$12x\r\n"),
+        ("no reply at all", None),  # accepts, reads, never answers
+    ],
+)
+async def test_a_misbehaving_server_gives_errors_not_wrong_pages(
+    name: str, reply: bytes | None
+) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(65536)
+        if reply is not None:
+            writer.write(reply)
+            await writer.drain()
+            writer.close()
+        else:
+            await reader.read()  # until the client gives up and closes
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        url = f"redis://127.0.0.1:{port}/0?timeout=0.5&prefix=odd"
+        async with RedisStorage.from_url(url) as backend:
+            assert backend._bulk is not None
+            keys, pages, metas = make_pages(2)
+            into = buffers(2)
+            assert await backend.get(keys, into, namespace=NS) == [Outcome.ERROR] * 2, name
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 2, name
+            assert backend.stats().errors >= 4
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 def test_redis_server_lifecycle() -> None:
     server = RedisServer()
     with server:
