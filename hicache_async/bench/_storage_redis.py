@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import redis
 import redis.asyncio as aioredis
 
-__all__ = ["measure_raw"]
+__all__ = ["RawModes", "measure_raw"]
 
 _MiB = 1 << 20
 #: redis-py's own URL options, kept when the backend URL is turned into a plain client URL.
@@ -115,76 +115,99 @@ async def _atimed(run: Callable[[], Awaitable[None]]) -> float:
     return time.perf_counter() - start
 
 
-def measure_raw(url: str, page_nbytes: int, num_pages: int, *, reps: int = 3) -> dict[str, float]:
-    """Best plain redis-py throughput for `num_pages` values of `page_nbytes` at `url`.
+class RawModes:
+    """Plain redis-py ways of moving `num_pages` values of `page_nbytes`, run one at a time.
 
-    Tries the sync client with pipelines of several depths and the asyncio client with 2 and
-    4 connections, each `reps` times; returns `put_gbps` and `get_gbps` of the mode whose
-    median is best, and `exists64_us` (median microseconds to check 64 keys, the faster of
-    one multi-key EXISTS and a pipeline of 64). Every put writes keys the server does not
-    hold (the previous run's are deleted first, untimed), as a cache's put does: overwriting
-    a value lets the server reuse its memory and runs about twice as fast on loopback, which
-    would measure another operation. Leaves nothing behind.
+    Modes: the sync client with pipelines of several depths (`sync/dN`) and the asyncio
+    client over 2 and 4 connections (`async/wN/dN`). `put(mode)` first deletes what the
+    previous put stored (untimed), then SETs keys the server does not hold, as a cache's put
+    does: overwriting a value lets the server reuse its memory and runs about twice as fast
+    on loopback, which would measure another operation. `get(mode)` reads the last put's
+    keys. Both return seconds. Use as a context manager; it leaves nothing behind.
     """
-    if page_nbytes < 1 or num_pages < 1 or reps < 1:
-        raise ValueError("page_nbytes, num_pages and reps must be >= 1")
-    client_url = _client_url(url)
-    tag = f"hicache-raw-bench:{uuid.uuid4().hex}"
-    values = [os.urandom(page_nbytes) for _ in range(num_pages)]
-    total = page_nbytes * num_pages
-    runs = itertools.count()
 
-    def fresh_keys() -> list[bytes]:
-        run = next(runs)
-        return [f"{tag}:{run}:{i}".encode() for i in range(num_pages)]
+    def __init__(self, url: str, page_nbytes: int, num_pages: int) -> None:
+        if page_nbytes < 1 or num_pages < 1:
+            raise ValueError("page_nbytes and num_pages must be >= 1")
+        self._url = _client_url(url)
+        self._tag = f"hicache-raw-bench:{uuid.uuid4().hex}"
+        self._values = [os.urandom(page_nbytes) for _ in range(num_pages)]
+        self._runs = itertools.count()
+        self._keys: list[bytes] = []
+        self._client = redis.Redis.from_url(self._url, socket_timeout=_TIMEOUT_S)
+        depths = _depths(page_nbytes, num_pages)
+        self.modes = [f"sync/d{d}" for d in depths] + [
+            f"async/w{w}/d{d}" for w in (2, 4) for d in depths[:2]
+        ]
 
-    put_s: list[float] = []  # the best median of each kind so far
-    get_s: list[float] = []
-    client = redis.Redis.from_url(client_url, socket_timeout=_TIMEOUT_S)
-    try:
-        keys: list[bytes] = []
-        for depth in _depths(page_nbytes, num_pages):
-            puts, gets = [], []
-            for _ in range(reps):
-                _delete(client, keys)
-                keys = fresh_keys()
-                put, get = _sync_modes(client, keys, values, depth)
-                puts.append(_timed(put))
-                gets.append(_timed(get))
-            put_s.append(statistics.median(puts))
-            get_s.append(statistics.median(gets))
-        exists = _exists_us(client, keys)
-        _delete(client, keys)
-    finally:
-        client.close()
+    def __enter__(self) -> RawModes:
+        return self
 
-    async def concurrent() -> None:
-        for width in (2, 4):
+    def __exit__(self, *exc: object) -> None:
+        try:
+            _delete(self._client, self._keys)
+        finally:
+            self._client.close()
+
+    def put(self, mode: str) -> float:
+        _delete(self._client, self._keys)
+        run = next(self._runs)
+        self._keys = [f"{self._tag}:{run}:{i}".encode() for i in range(len(self._values))]
+        return self._run(mode, put=True)
+
+    def get(self, mode: str) -> float:
+        if not self._keys:
+            raise RuntimeError("get before any put")
+        return self._run(mode, put=False)
+
+    def exists_us(self) -> float:
+        return _exists_us(self._client, self._keys)
+
+    def _run(self, mode: str, *, put: bool) -> float:
+        kind, *params = mode.split("/")
+        numbers = [int(p[1:]) for p in params]
+        if kind == "sync":
+            put_run, get_run = _sync_modes(self._client, self._keys, self._values, numbers[0])
+            return _timed(put_run if put else get_run)
+        width, depth = numbers
+
+        async def timed() -> float:
             pool = aioredis.BlockingConnectionPool.from_url(
-                client_url, max_connections=width, socket_timeout=_TIMEOUT_S
+                self._url, max_connections=width, socket_timeout=_TIMEOUT_S
             )
             aclient = aioredis.Redis(connection_pool=pool)
-            keys: list[bytes] = []
             try:
-                for depth in _depths(page_nbytes, num_pages)[:2]:
-                    puts, gets = [], []
-                    for _ in range(reps):
-                        await _adelete(aclient, keys)
-                        keys = fresh_keys()
-                        put, get = _async_modes(aclient, keys, values, depth, width)
-                        puts.append(await _atimed(put))
-                        gets.append(await _atimed(get))
-                    put_s.append(statistics.median(puts))
-                    get_s.append(statistics.median(gets))
-                await _adelete(aclient, keys)
+                put_run, get_run = _async_modes(aclient, self._keys, self._values, depth, width)
+                await aclient.ping()  # connect outside the timed part, as the sync client is
+                return await _atimed(put_run if put else get_run)
             finally:
                 await aclient.aclose()
                 await pool.aclose()
 
-    asyncio.run(concurrent())
+        return asyncio.run(timed())
+
+
+def measure_raw(url: str, page_nbytes: int, num_pages: int, *, reps: int = 3) -> dict[str, float]:
+    """Best plain redis-py throughput for `num_pages` values of `page_nbytes` at `url`.
+
+    Runs every mode of `RawModes` `reps` times; returns `put_gbps` and `get_gbps` of the
+    mode whose median is best, and `exists64_us` (median microseconds to check 64 keys, the
+    faster of one multi-key EXISTS and a pipeline of 64).
+    """
+    if reps < 1:
+        raise ValueError("reps must be >= 1")
+    total = page_nbytes * num_pages
+    with RawModes(url, page_nbytes, num_pages) as raw:
+        puts: dict[str, list[float]] = {}
+        gets: dict[str, list[float]] = {}
+        for _ in range(reps):
+            for mode in raw.modes:
+                puts.setdefault(mode, []).append(raw.put(mode))
+                gets.setdefault(mode, []).append(raw.get(mode))
+        exists = raw.exists_us()
     return {
-        "put_gbps": total / min(put_s) / 1e9,
-        "get_gbps": total / min(get_s) / 1e9,
+        "put_gbps": total / min(statistics.median(t) for t in puts.values()) / 1e9,
+        "get_gbps": total / min(statistics.median(t) for t in gets.values()) / 1e9,
         "exists64_us": exists,
     }
 
@@ -192,11 +215,6 @@ def measure_raw(url: str, page_nbytes: int, num_pages: int, *, reps: int = 3) ->
 def _delete(client: redis.Redis, keys: Sequence[bytes]) -> None:
     for start in range(0, len(keys), 1000):
         client.delete(*keys[start : start + 1000])
-
-
-async def _adelete(client: aioredis.Redis, keys: Sequence[bytes]) -> None:
-    for start in range(0, len(keys), 1000):
-        await client.delete(*keys[start : start + 1000])
 
 
 def _exists_us(client: redis.Redis, keys: Sequence[bytes]) -> float:

@@ -4,9 +4,11 @@ baseline moving the same bytes in the same run.
 Baselines: for `file://`, plain Python file I/O on the same kind of files (one file per page,
 same sizes, `os.pwritev`/`os.preadv` from a thread pool as wide as the backend's `io_threads`),
 read page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync); for
-`memory://`, a dict of bytes with the same copies; for any other scheme, the function
-`measure_raw(url, page_nbytes, num_pages, *, reps) -> {"put_gbps", "get_gbps", "exists64_us"}` of
-`hicache_async.bench._storage_<scheme>` when that module exists, else no baseline.
+`memory://`, a dict of bytes with the same copies; for any other scheme, the module
+`hicache_async.bench._storage_<scheme>` when it exists, else no baseline: its `RawModes` (ways
+of moving the bytes; the best of each direction by median is paired with ours run by run, as
+for files) or else its `measure_raw(url, page_nbytes, num_pages, *, reps) -> {"put_gbps",
+"get_gbps", "exists64_us"}`.
 
 Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
@@ -30,6 +32,7 @@ import itertools
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -58,6 +61,8 @@ describe = "storage backends: put/get/exists throughput against a raw baseline o
 
 _NAMESPACE = bytes(range(16))
 _EXISTS_CALLS = 2000
+#: Runs of each baseline mode before the best is chosen (by median) for the paired runs.
+_MODE_TRIALS = 2
 
 
 class Shape(NamedTuple):
@@ -456,7 +461,56 @@ def _raw_module(scheme: str) -> Any | None:
     return None
 
 
+def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any) -> list[Record]:
+    """Ours against the baseline's best mode, run by run, for a raw module with `RawModes`."""
+    reps = args.reps
+    pairs = _Pairs()
+    storage = open_storage(args.backend)
+    with (
+        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        modes(args.backend, data.nbytes, data.pages) as raw,
+    ):
+        # The baseline's modes: the best median of a few trials each, for put and for get.
+        trials: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in raw.modes}
+        for _ in range(_MODE_TRIALS):
+            for mode in raw.modes:
+                trials[mode][0].append(raw.put(mode))
+                trials[mode][1].append(raw.get(mode))
+        put_mode = min(raw.modes, key=lambda m: statistics.median(trials[m][0]))
+        get_mode = min(raw.modes, key=lambda m: statistics.median(trials[m][1]))
+        chosen = f"baseline put {put_mode}, get {get_mode}"
+        print(f"{scheme} {data.shape.name}: {chosen}", file=sys.stderr)
+        runner.run(storage.__aenter__())
+        try:
+            keys: list[bytes] = []
+            times = [(0.0, 0.0), (0.0, 0.0)]
+            for rep in range(reps):
+                for turn in _alternate(rep):
+                    if turn == 0:
+                        if keys:
+                            runner.run(storage.delete(keys))
+                        keys = data.keys()
+                        put_s = runner.run(_put_all(storage, data, keys, args.batch))
+                        get_s = runner.run(_get_all(storage, data, keys, args.batch))
+                        data.check()
+                        times[0] = (put_s, get_s)
+                    else:
+                        times[1] = (raw.put(put_mode), raw.get(get_mode))
+                pairs.add("put", times[0][0], times[1][0])
+                pairs.add("get", times[0][1], times[1][1])
+            exists = runner.run(_exists_us(storage, keys))
+            raw_exists = raw.exists_us()
+            runner.run(storage.delete(keys))
+        finally:
+            runner.run(storage.close())
+    prefix = f"storage.{scheme}.{data.shape.name}"
+    return [*pairs.records(prefix, data.total), _exists_record(prefix, exists, raw_exists)]
+
+
 def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Record]:
+    module = _raw_module(scheme)
+    if module is not None and hasattr(module, "RawModes"):
+        return _bench_paired(args, data, scheme, module.RawModes)
     reps = args.reps
     ours: dict[str, list[float]] = {"put": [], "get": []}
     storage = open_storage(args.backend)
@@ -479,7 +533,6 @@ def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Rec
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         exists = runner.run(session())
     raw: dict[str, float] = {}
-    module = _raw_module(scheme)
     if module is not None:
         raw = module.measure_raw(args.backend, data.nbytes, data.pages, reps=args.reps)
     prefix = f"storage.{scheme}.{data.shape.name}"

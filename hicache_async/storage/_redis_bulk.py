@@ -28,6 +28,15 @@ _RECV_NBYTES = 64 << 10
 _MAX_LINE = 64 << 10
 
 
+#: Buffers per `sendmsg` (Linux's UIO_MAXIOV is 1024).
+_IOV_MAX = 512
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class ProtocolError(ConnectionError):
     """The server sent something that is not a reply to what was asked."""
 
@@ -60,9 +69,31 @@ class BulkConnection:
         self._sock.close()
 
     async def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        """Send every part in order, without joining them."""
-        for part in parts:
-            await self._loop.sock_sendall(self._sock, part)
+        """Send every part in order, without joining them: as many per system call as the
+        socket takes (`sendmsg`), waiting for room when it is full."""
+        views = [memoryview(part) for part in parts]
+        first = 0
+        while first < len(views):
+            try:
+                sent = self._sock.sendmsg(views[first : first + _IOV_MAX])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            while sent and sent >= views[first].nbytes:
+                sent -= views[first].nbytes
+                first += 1
+            if sent:
+                views[first] = views[first][sent:]
+            elif first < len(views):
+                await self._writable()
+
+    async def _writable(self) -> None:
+        waiter = self._loop.create_future()
+        fd = self._sock.fileno()
+        self._loop.add_writer(fd, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            self._loop.remove_writer(fd)
 
     async def read_status(self) -> bool | ReplyError | None:
         """The reply to `SET ... NX`: True (`+OK`), None (nil: not set) or the error."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import uuid
@@ -433,6 +434,31 @@ async def test_bulk_connections_authenticate_and_select_the_database() -> None:
             assert await backend.get(keys, into, namespace=NS) == [Outcome.ERROR] * 3
             assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
             assert not any(any(s) for b in into for s in b)
+
+
+@pytest.mark.parametrize("mac", [False, True])
+async def test_big_pages_are_hashed_ahead_of_the_sends(redis_url: str, mac: bool) -> None:
+    # Pages over 2 MiB are hashed on a worker thread running ahead of the SETs.
+    url = fresh_url(redis_url, put_pipeline_bytes="1MiB")  # one page per pipeline
+    mac_key = MAC_KEY if mac else None
+    async with RedisStorage.from_url(url, mac_key=mac_key) as backend:
+        nbytes = 3 << 20
+        keys, pages, metas = make_pages(5, nbytes, split=1 << 20)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 5
+        into = buffers(5, nbytes, split=1 << 20)
+        assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 5
+        assert [joined(b) for b in into] == [joined(p) for p in pages]
+        # Cancelled while hashing and sending: nothing is left running, the backend works on.
+        more_keys, more_pages, more_metas = make_pages(6, nbytes, split=1 << 20)
+        task = asyncio.ensure_future(backend.put(more_keys, more_pages, more_metas))
+        await asyncio.sleep(0.005)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert await backend.put(more_keys, more_pages, more_metas) == [Outcome.OK] * 6
+        again = buffers(6, nbytes, split=1 << 20)
+        assert await backend.get(more_keys, again, namespace=NS) == [Outcome.OK] * 6
+        assert [joined(b) for b in again] == [joined(p) for p in more_pages]
 
 
 @pytest.mark.parametrize("bulk", [0, 1])
