@@ -36,7 +36,11 @@ from ._manifest import (
     encode_entry,
 )
 
-__all__ = ["RedisManifest"]
+__all__ = ["REDIS_FAULTS", "RedisManifest"]
+
+#: What a server can make redis-py raise: its own errors, and ValueError for a reply whose
+#: number does not parse (redis-py does not catch that; it drops the connection).
+REDIS_FAULTS = (RedisError, ValueError)
 
 _log = structlog.get_logger("hicache_async")
 
@@ -245,7 +249,7 @@ class RedisManifest:
             if namespace not in self._known:
                 await client.sadd(self.index_key, namespace)
                 self._known.add(namespace)
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest append failed: {exc}") from exc
         # Replies: one RPUSH per batch (the last is the new length), then HINCRBY.
         length, nbytes = int(results[len(batches) - 1]), int(results[len(batches)])
@@ -268,7 +272,7 @@ class RedisManifest:
                 pipe.ltrim(key, -self._cap, -1)
                 pipe.hincrby(meta, "gen", 1)
                 await pipe.execute()
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest trim failed: {exc}") from exc
 
     # Reading.
@@ -284,7 +288,7 @@ class RedisManifest:
                     found.append(text)
                 if len(found) >= _MAX_NAMESPACES:
                     break
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
         return sorted(set(found))
 
@@ -296,7 +300,7 @@ class RedisManifest:
                 pipe.hget(self.meta_key(namespace), "gen")
                 pipe.llen(self.list_key(namespace))
                 gen, length = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
         return (gen if isinstance(gen, bytes) else b"0"), int(length)
 
@@ -351,7 +355,7 @@ class RedisManifest:
                 # Scripting refused here (disabled, a proxy): plain windows from now on.
                 _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
                 self._scripting = False
-            except RedisError as exc:
+            except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
             else:
                 if not reply or reply[0] != 1:
@@ -363,7 +367,7 @@ class RedisManifest:
                 pipe.hget(keys[1], "gen")
                 pipe.lrange(keys[0], lo, hi)
                 current, values = await pipe.execute()
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
         if (current if isinstance(current, bytes) else b"0") != gen:
             raise _Stale
@@ -402,7 +406,7 @@ class RedisManifest:
     async def _bytes(self, namespace: str) -> int:
         try:
             value = await self._client().hget(self.meta_key(namespace), "bytes")
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
         return int(value) if value is not None else 0
 
@@ -435,7 +439,7 @@ class RedisManifest:
                 else:
                     return int(carried) >= 0
             return await self._switch_watched(namespace, gen, length, temp, nbytes)
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             await _forget(client, temp)
             raise StorageError(f"{self._name}: manifest compaction failed: {exc}") from exc
 
@@ -530,5 +534,5 @@ async def _forget(client: Redis, key: str) -> None:
     """Drop a temporary list; it expires on its own if even this fails."""
     try:
         await client.delete(key)
-    except RedisError:
+    except REDIS_FAULTS:
         _log.warning("hicache.manifest.temp_left", key=key)

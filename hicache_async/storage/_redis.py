@@ -26,7 +26,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from .._errors import StorageConfigError, StorageError
 from ._base import (
@@ -45,7 +45,7 @@ from ._base import (
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
-from ._manifest_redis import RedisManifest
+from ._manifest_redis import REDIS_FAULTS, RedisManifest
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -375,9 +375,8 @@ class RedisStorage(BackendBase):
         self._prefix_script = self._client.register_script(_PREFIX_SCRIPT)
         try:
             await self._client.ping()
-        except (RedisError, OSError, ValueError) as exc:
+        except (*REDIS_FAULTS, OSError) as exc:
             # Not fatal: the server may come (back) later; until then batches are ERROR.
-            # (redis-py lets a malformed reply escape as ValueError.)
             log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
 
     async def _release(self) -> None:
@@ -417,7 +416,7 @@ class RedisStorage(BackendBase):
                     for key in batch:
                         pipe.exists(self._rkey(key))
                     results = await pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except REDIS_FAULTS as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: exists failed: {exc}") from exc
             for result in results:
@@ -438,7 +437,7 @@ class RedisStorage(BackendBase):
                 found = int(await self._prefix_script(keys=batch))
             except ResponseError:
                 raise
-            except RedisError as exc:
+            except REDIS_FAULTS as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: exists failed: {exc}") from exc
             count += found
@@ -474,7 +473,7 @@ class RedisStorage(BackendBase):
                     for i in chunk:
                         pipe.get(self._rkey(keys[i]))
                     values = await pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except REDIS_FAULTS as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
                 return
             found = [
@@ -518,7 +517,7 @@ class RedisStorage(BackendBase):
         async def fetch_into(bulk: BulkConnectionPool, chunk: range) -> None:
             try:
                 received = await self._bulk_gets(bulk, keys, chunk, targets, namespace)
-            except (RedisError, OSError, TimeoutError) as exc:
+            except (*REDIS_FAULTS, OSError) as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
                 return
             landed = [(i, got) for i, got in received if isinstance(got, PageHeader)]
@@ -669,7 +668,7 @@ class RedisStorage(BackendBase):
                         for i, header in zip(chunk, headers, strict=True)
                     ]
                     results = await self._send_sets(items)
-            except RedisError as exc:
+            except REDIS_FAULTS as exc:
                 log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
                 return
             for i, result in zip(chunk, results, strict=True):
@@ -830,7 +829,7 @@ class RedisStorage(BackendBase):
         client = self._redis()
         try:
             value = await client.get(self._rkey(key))
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: read_raw failed: {exc}") from exc
         if value is None:
             return None
@@ -844,7 +843,7 @@ class RedisStorage(BackendBase):
         check_key(key)
         try:
             await client.set(self._rkey(key), value, ex=self._ttl)
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
 
     # Maintenance (MaintainableStorage).
@@ -867,7 +866,7 @@ class RedisStorage(BackendBase):
                         pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
                         pipe.strlen(rkey)
                     results = await pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
@@ -910,7 +909,7 @@ class RedisStorage(BackendBase):
                         for rkey in part:
                             pipe.get(rkey)
                         values = await pipe.execute(raise_on_error=False)
-                except RedisError as exc:
+                except REDIS_FAULTS as exc:
                     raise StorageError(f"{self._name}: verify failed: {exc}") from exc
                 for rkey, value in zip(part, values, strict=True):
                     if not isinstance(value, bytes):
@@ -990,7 +989,7 @@ class RedisStorage(BackendBase):
                 if len(batch) >= _KEYS_PER_PIPELINE:
                     yield batch
                     batch = []
-        except RedisError as exc:
+        except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: scan failed: {exc}") from exc
         if batch:
             yield batch
@@ -1045,7 +1044,7 @@ class RedisStorage(BackendBase):
                         pipe.strlen(rkey)
                         pipe.delete(rkey)
                     results = await pipe.execute(raise_on_error=False)
-            except RedisError as exc:
+            except REDIS_FAULTS as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: delete failed: {exc}") from exc
             for nbytes, deleted in zip(results[::2], results[1::2], strict=True):

@@ -492,6 +492,7 @@ async def test_an_error_reply_fails_only_its_key(redis_url: str, bulk: int) -> N
         ("truncated value", b"$5000\r\nHCKV"),  # then the server hangs up
         ("unknown reply type", b"*1\r\n$1\r\nx\r\n"),
         ("bad length", b"$12x\r\n"),
+        ("bad number", b":12x\r\n"),
         ("no reply at all", None),  # accepts, reads, never answers
     ],
 )
@@ -518,6 +519,16 @@ async def test_a_misbehaving_server_gives_errors_not_wrong_pages(
             assert await backend.get(keys, into, namespace=NS) == [Outcome.ERROR] * 2, name
             assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 2, name
             assert backend.stats().errors >= 4
+            # The calls that report failure by raising raise the backend's error, whatever
+            # the reply (redis-py itself lets a malformed number escape as ValueError).
+            with pytest.raises(StorageError):
+                await backend.exists(keys)
+            with pytest.raises(StorageError):
+                await backend.delete(keys)
+            with pytest.raises(StorageError):
+                await backend.read_raw(keys[0])
+            with pytest.raises(StorageError):
+                await backend.list_pages()
     finally:
         server.close()
         await server.wait_closed()
