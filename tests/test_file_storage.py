@@ -430,3 +430,121 @@ async def test_bad_buffers_raise_before_io(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="meta\\.key"):
             await storage.put(keys, _pages(keys), _metas(keys[::-1]))
         assert await _get(storage, keys) == [Outcome.OK] * 2
+
+
+# Spare files: removed pages' files reused by writes of the same size.
+
+
+def _spares(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "tmp").iterdir() if p.name.endswith(".spare"))
+
+
+async def test_deleted_pages_files_are_reused_and_never_served(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        old = _keys(3)
+        await _put(storage, old)
+        inodes = {_page_path(root, k).stat().st_ino for k in old}
+        assert await storage.delete(old) == 3
+        assert len(_spares(root)) == 3
+        assert "spare=" + str(3 * SIZE) in repr(storage)
+        new = _keys(3)
+        assert await _put(storage, new) == [Outcome.OK] * 3
+        assert _spares(root) == []  # every spare went into a new page
+        assert {_page_path(root, k).stat().st_ino for k in new} == inodes
+        assert await _get(storage, new) == [Outcome.OK] * 3  # checks the bytes too
+        assert await _get(storage, old) == [Outcome.MISS] * 3
+        assert await storage.exists(old) == 0
+        assert all(_page_path(root, k).stat().st_mode & 0o777 == 0o600 for k in new)
+    # Reopened, the pages are whole and valid.
+    async with FileStorage(root) as storage:
+        assert await _get(storage, new) == [Outcome.OK] * 3
+        report = await storage.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (3, 3, 0)
+
+
+async def test_spare_files_only_serve_writes_of_their_size(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        gone = _keys(1)
+        await _put(storage, gone)
+        await storage.delete(gone)
+        other = _keys(1)
+        small = [[memoryview(bytearray(other[0][:1] * (PAGE // 2)))]]
+        assert await storage.put(other, small, _metas(other)) == [Outcome.OK]
+        assert len(_spares(root)) == 1  # not the right size: a new file
+        buffers = [[memoryview(bytearray(PAGE // 2))]]
+        assert await storage.get(other, buffers, namespace=NS) == [Outcome.OK]
+        assert bytes(buffers[0][0]) == other[0][:1] * (PAGE // 2)
+
+
+async def test_spare_bytes_is_a_bound_and_zero_turns_it_off(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "a", spare_bytes=2 * SIZE) as storage:
+        keys = _keys(5)
+        await _put(storage, keys)
+        assert await storage.delete(keys) == 5
+        assert len(_spares(tmp_path / "a")) == 2  # the rest unlinked
+        assert _disk_usage(tmp_path / "a") == (0, 0)
+    async with FileStorage.from_url(f"file://{tmp_path / 'b'}?spare=0") as storage:
+        keys = _keys(2)
+        await _put(storage, keys)
+        await storage.delete(keys)
+        assert _spares(tmp_path / "b") == []
+    # The default is at most an eighth of the capacity.
+    async with FileStorage(tmp_path / "c", capacity_bytes=16 * SIZE) as storage:
+        keys = _keys(8)
+        await _put(storage, keys)
+        await storage.delete(keys)
+        assert len(_spares(tmp_path / "c")) == 2
+    with pytest.raises(StorageConfigError, match="spare"):
+        FileStorage(tmp_path, spare_bytes=-1)
+    with pytest.raises(StorageConfigError, match="spare"):
+        FileStorage.from_url(f"file://{tmp_path}?spare=lots")
+
+
+async def test_evicted_pages_files_take_the_new_pages(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root, capacity_bytes=4 * SIZE, spare_bytes=4 * SIZE) as storage:
+        first = _keys(4)
+        await _put(storage, first)
+        inodes = {_page_path(root, k).stat().st_ino for k in first}
+        second = _keys(4)
+        assert await _put(storage, second) == [Outcome.OK] * 4
+        assert {_page_path(root, k).stat().st_ino for k in second} == inodes
+        assert _disk_usage(root) == (4, 4 * SIZE)
+        assert _spares(root) == []
+        assert await _get(storage, second) == [Outcome.OK] * 4
+        assert await _get(storage, first) == [Outcome.MISS] * 4
+
+
+async def test_spare_files_go_at_close_and_at_the_next_open(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        keys = _keys(3)
+        await _put(storage, keys)
+        await storage.delete(keys)
+        assert len(_spares(root)) == 3
+    assert _spares(root) == []
+    # A process that died left its spare files behind: the next open removes them.
+    (root / "tmp" / "0123456789abcdef.spare").write_bytes(bytes(SIZE))
+    async with FileStorage(root) as storage:
+        assert storage.leftovers_removed_at_open == 1
+    assert _spares(root) == []
+
+
+async def test_a_spare_file_that_changed_is_not_written_over(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root, io_threads=1) as storage:
+        keys = _keys(3)
+        await _put(storage, keys)
+        await storage.delete(keys)
+        spares = _spares(root)
+        spares[0].unlink()  # gone (a verify elsewhere, say)
+        spares[1].write_bytes(b"short")  # no longer the size it was kept for
+        spares[2].unlink()
+        os.mkfifo(spares[2])  # something that would block a writer
+        new = _keys(3)
+        assert await _put(storage, new) == [Outcome.OK] * 3
+        assert await _get(storage, new) == [Outcome.OK] * 3
+        assert not spares[1].exists()  # dropped, not reused
+        assert all(stat.S_ISREG(_page_path(root, k).stat().st_mode) for k in new)

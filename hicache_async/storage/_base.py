@@ -36,6 +36,7 @@ __all__ = [
     "check_batch",
     "check_key",
     "corrupt_reason",
+    "drain_future",
     "fan_out",
     "parse_bool",
     "parse_port",
@@ -139,7 +140,7 @@ def payload_nbytes(page: PageBuffer) -> int:
     return sum(memoryview(segment).nbytes for segment in page)
 
 
-async def _drain(future: asyncio.Future[Any]) -> bool:
+async def drain_future(future: asyncio.Future[Any]) -> bool:
     """Wait until `future` is done whatever happens; return True if a cancellation came in."""
     cancelled = False
     while not future.done():
@@ -267,7 +268,7 @@ class BackendBase:
         interrupted = False
         for future, _ in jobs:
             if not future.done():
-                interrupted |= await _drain(asyncio.wrap_future(future))
+                interrupted |= await drain_future(asyncio.wrap_future(future))
         try:
             if was_open:
                 await self._release()
@@ -323,7 +324,7 @@ class BackendBase:
             return await asyncio.shield(waiter)
         except asyncio.CancelledError:
             stop.set()
-            await _drain(waiter)
+            await drain_future(waiter)
             raise
         finally:
             del self._jobs[future]

@@ -4,7 +4,7 @@ Layout under the root (directories 0700, files 0600):
 
     LOCK             flock: exclusive for a private root, shared for `shared=True` instances
     pages/ab/<hex>   a page, `header ‖ payload`, named by its key's 64 hex digits
-    tmp/             writes in progress; renamed into pages/ when complete
+    tmp/             writes in progress, renamed into pages/ when complete, and spare files
 
 The root must be a directory owned by this user and not world-writable, and not itself a
 symlink (directories above it may be); it and everything below it are opened relative to
@@ -13,6 +13,12 @@ followed. A write goes to a fresh
 O_EXCL temporary file and is renamed into place, so a page file is either absent or whole; after
 a crash without fsync the rename may survive while the data does not, which the page checksum
 catches (the page is then corrupt and removed, never served with wrong bytes).
+
+Removed pages (deleted or evicted) are kept as spare files in tmp/, up to `spare_bytes`, and the
+next write of the same size goes over one instead of into a new file: the kernel then copies
+into blocks and page-cache pages that exist already, which costs it less than allocating them
+and pays for the checksum (docs/storage.md). Spare files are never read; they are removed at
+close, and by the next open or `verify()` if the process died.
 
 An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
 call and drives eviction. It is built by scanning the root when the storage opens. With
@@ -28,6 +34,7 @@ caller's segments. The payload is hashed chunk by chunk right after the kernel c
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import errno
@@ -53,6 +60,7 @@ from ._base import (
     byte_segments,
     check_batch,
     check_key,
+    drain_future,
     fan_out,
     log,
     parse_bool,
@@ -87,6 +95,10 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted in the root must not block the open.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# A spare file is written over: it must exist, and nothing planted in its place may block.
+_REWRITE_FLAGS = os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_SPARE_SUFFIX = ".spare"
+_SPARE_DEFAULT = 1 << 30
 _HEX = frozenset("0123456789abcdef")
 _KEY_HEX_LEN = 64
 # Write granularity of large pages: each piece is hashed just before its copy, while it is
@@ -107,6 +119,7 @@ _URL_PARAMS = {
     "fsync": "none | data | always",
     "shared": "1 if several instances share the root",
     "io_threads": "threads per batch, >= 1",
+    "spare": "byte size of removed page files kept for reuse, e.g. 1GiB (0: none)",
 }
 
 
@@ -460,6 +473,12 @@ def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> None
         pass
 
 
+def _unlink_all(dir_fd: int, names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+
+
 def _header_mismatch(header: PageHeader, key: bytes, namespace: bytes, expected: int) -> str:
     if header.key != key:
         return "key"
@@ -468,6 +487,63 @@ def _header_mismatch(header: PageHeader, key: bytes, namespace: bytes, expected:
     if header.payload_nbytes != expected:
         return "length"
     return ""
+
+
+class _SparePool:
+    """Files of removed pages, kept in tmp/ for writes of the same size (thread-safe)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.nbytes = 0
+        self._by_size: dict[int, list[str]] = {}
+        self._lock = threading.Lock()
+
+    def keep(self, handles: _Handles, shard_fd: int, name: str) -> bool:
+        """Move the page file `name` into the pool if it has room; False if it did not take
+        it (the caller removes the file). Raises FileNotFoundError when there is no file."""
+        st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
+        size = st.st_size
+        with self._lock:
+            if not stat.S_ISREG(st.st_mode) or self.nbytes + size > self.limit:
+                return False
+            self.nbytes += size
+        spare = f"{secrets.token_hex(8)}{_SPARE_SUFFIX}"
+        try:
+            os.rename(name, spare, src_dir_fd=shard_fd, dst_dir_fd=handles.tmp_fd)
+        except BaseException:
+            with self._lock:
+                self.nbytes -= size
+            raise
+        with self._lock:
+            self._by_size.setdefault(size, []).append(spare)
+        return True
+
+    def take(self, size: int) -> str | None:
+        """The name in tmp/ of a spare file of `size` bytes, now the caller's, or None."""
+        with self._lock:
+            names = self._by_size.get(size)
+            if not names:
+                return None
+            self.nbytes -= size
+            name = names.pop()
+            if not names:
+                del self._by_size[size]
+            return name
+
+    def drain(self) -> list[str]:
+        """Every spare file's name, the pool now empty."""
+        with self._lock:
+            names = [name for group in self._by_size.values() for name in group]
+            self._by_size.clear()
+            self.nbytes = 0
+            return names
+
+
+def _remove_page(spares: _SparePool | None, handles: _Handles, shard_fd: int, name: str) -> None:
+    """Remove the page file `name`: into the spare pool if it takes it, else unlinked.
+    Raises FileNotFoundError when there is no such file."""
+    if spares is None or not spares.keep(handles, shard_fd, name):
+        os.unlink(name, dir_fd=shard_fd)
 
 
 class _Job:
@@ -486,7 +562,9 @@ class FileStorage(BackendBase):
     """Pages as files under a private directory (`file:///path`).
 
     `capacity_bytes` bounds the stored bytes (headers included); a put that would exceed it
-    first evicts the least recently used pages not being read. `fsync` is `"none"` (rely on
+    first evicts the least recently used pages not being read. Up to `spare_bytes` more (by
+    default 1 GiB, at most an eighth of the capacity; 0 for none) hold the files of removed
+    pages until writes of the same size reuse them. `fsync` is `"none"` (rely on
     the checksum after a crash), `"data"` (fdatasync each page before it is renamed into
     place) or `"always"` (also fsync the directory after the rename). `shared=True` lets
     several instances use one root. `io_threads` is the parallelism inside one batch.
@@ -501,6 +579,7 @@ class FileStorage(BackendBase):
         shared: bool = False,
         mac_key: bytes | None = None,
         io_threads: int = 4,
+        spare_bytes: int | None = None,
     ) -> None:
         path = _root_path(root)
         if fsync not in get_args(FsyncPolicy):
@@ -513,6 +592,12 @@ class FileStorage(BackendBase):
             raise StorageConfigError(f"io_threads must be an integer >= 1, got {io_threads!r}")
         if not isinstance(shared, bool):
             raise StorageConfigError(f"shared must be True or False, got {shared!r}")
+        if spare_bytes is not None and not (_is_int(spare_bytes) and spare_bytes >= 0):
+            raise StorageConfigError(
+                f"spare_bytes must be an integer >= 0 or None, got {spare_bytes!r}"
+            )
+        if spare_bytes is None:  # default: 1 GiB, at most an eighth of the capacity
+            spare_bytes = min(_SPARE_DEFAULT, (capacity_bytes or _SPARE_DEFAULT * 8) // 8)
         super().__init__(mac_key=mac_key, job_threads=io_threads, thread_name="hicache-file")
         self._root = path
         self._capacity = capacity_bytes
@@ -526,6 +611,7 @@ class FileStorage(BackendBase):
         )
         self._name = f"file://{self._root}" + ("?shared=1" if shared else "")
         self._handles: _Handles | None = None
+        self._spares = _SparePool(spare_bytes) if spare_bytes else None
         # Loop-owned state: LRU index, bytes indexed, bytes reserved by puts in flight, pins
         # of pages being read, keys being written or evicted.
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -542,8 +628,8 @@ class FileStorage(BackendBase):
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> FileStorage:
-        """`file:///abs/path?capacity=10GiB&fsync=data&shared=1&io_threads=4`; `file://`
-        alone is the default root."""
+        """`file:///abs/path?capacity=10GiB&fsync=data&shared=1&io_threads=4&spare=1GiB`;
+        `file://` alone is the default root."""
         parts = split_url(url, scheme="file")
         if parts.scheme != "file":
             raise StorageConfigError(f"not a file:// URL: {url!r}")
@@ -568,6 +654,7 @@ class FileStorage(BackendBase):
         threads = params.get("io_threads", "4")
         if not threads.isdigit():
             raise StorageConfigError(f"io_threads={threads!r} is not a positive integer")
+        spare = params.get("spare")
         return cls(
             path or None,
             capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
@@ -575,6 +662,7 @@ class FileStorage(BackendBase):
             shared=parse_bool(params.get("shared", "0"), field="shared"),
             mac_key=mac_key,
             io_threads=int(threads),
+            spare_bytes=parse_size(spare, field="spare") if spare else None,
         )
 
     @property
@@ -607,7 +695,8 @@ class FileStorage(BackendBase):
         return (
             f"<FileStorage {self._name} state={self._state.value} pages={len(self._index)} "
             f"bytes={self._bytes} capacity={self._capacity} reserved={self._reserved} "
-            f"reading={len(self._pins)} writing={len(self._writing)}>"
+            f"reading={len(self._pins)} writing={len(self._writing)} "
+            f"spare={self._spares.nbytes if self._spares else 0}>"
         )
 
     # Lifecycle.
@@ -637,9 +726,17 @@ class FileStorage(BackendBase):
     async def _release(self) -> None:
         if self._helpers is not None:
             self._helpers.shutdown(wait=False)
+        interrupted = False
+        if self._handles is not None and self._spares is not None:
+            names = self._spares.drain()
+            if names:  # off the loop: freeing cached pages takes a while per file
+                done = self._executor.submit(_unlink_all, self._handles.tmp_fd, names)
+                interrupted = await drain_future(asyncio.wrap_future(done))
         if self._handles is not None:
             self._handles.close()  # every job has stopped: no thread uses these descriptors
             self._handles = None
+        if interrupted:
+            raise asyncio.CancelledError
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return len(self._index), self._bytes, self._capacity
@@ -1051,7 +1148,9 @@ class FileStorage(BackendBase):
             try:
                 shard_fd = handles.shard(hexkey[:2], create=False)
                 if shard_fd is not None:
-                    _remove_if_same(shard_fd, hexkey, None)
+                    _remove_page(self._spares, handles, shard_fd, hexkey)
+            except FileNotFoundError:
+                pass
             except OSError as exc:
                 log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
             job.done += 1
@@ -1084,8 +1183,7 @@ class FileStorage(BackendBase):
                 else:
                     if stat.S_ISREG(st.st_mode):
                         return (_EXISTS, "", st.st_size)  # written by another instance
-            tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
-            fd = os.open(tmp_name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+            tmp_name, fd = self._open_for_write(handles, hexkey, HEADER_NBYTES + total)
             renamed = False
             try:
                 try:
@@ -1106,6 +1204,25 @@ class FileStorage(BackendBase):
             except OSError as exc:  # the page is in place and valid, just maybe not durable
                 return (_OK, f"directory fsync: {exc.strerror}", nbytes)
         return (_OK, "", nbytes)
+
+    def _open_for_write(self, handles: _Handles, hexkey: str, size: int) -> tuple[str, int]:
+        """A file in tmp/ to write a page of `size` bytes into: a spare file of that size
+        (whose every byte the write replaces), else a new one. Returns (name, descriptor)."""
+        spare = self._spares.take(size) if self._spares is not None else None
+        if spare is not None:
+            try:
+                fd = os.open(spare, _REWRITE_FLAGS, dir_fd=handles.tmp_fd)
+            except OSError:  # removed meanwhile (verify, another opener): a new file then
+                pass
+            else:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_size == size:
+                    return spare, fd
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(spare, dir_fd=handles.tmp_fd)
+        name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
+        return name, os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
 
     def _write_fd(self, fd: int, segments: list[memoryview], total: int, meta: PageMeta) -> int:
         if total <= _ONE_WRITE_MAX:
@@ -1198,7 +1315,7 @@ class FileStorage(BackendBase):
                 if shard_fd is None:
                     job.results[slot] = (_MISS, "", 0)
                 else:
-                    os.unlink(hexkey, dir_fd=shard_fd)
+                    _remove_page(self._spares, handles, shard_fd, hexkey)
                     job.results[slot] = (_OK, "", 0)
             except FileNotFoundError:
                 job.results[slot] = (_MISS, "", 0)
