@@ -27,9 +27,9 @@ pages another instance deleted read as misses, and capacity is enforced over wha
 knows of (`gc()` rescans the whole root).
 
 Each batch is one job on a worker thread (one hand-off); the job spreads its pages over up to
-`io_threads` threads and moves bytes with `preadv`/`pwritev` straight between the files and the
-caller's segments. The payload is hashed chunk by chunk right after the kernel copied each chunk
-(on reads and on writes), while it is still mostly in the CPU cache.
+`io_threads` threads and moves bytes with `preadv`/`pwritev` between the files and the caller's
+segments, hashing them on the way (`_native`): a read goes through a small buffer that stays in
+the CPU cache, a write hashes each piece just before the kernel copies it.
 """
 
 from __future__ import annotations
