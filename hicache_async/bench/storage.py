@@ -361,6 +361,7 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                             data.check()
                         else:
                             times[1] = _raw_get(pool, paths, data)
+                            data.check()  # both start from the same state of the buffers
                     pairs.add("get_hot", *times)
                 for rep in range(max(1, reps - 1)):  # each pair writes back and re-reads all
                     for turn in _alternate(rep):
@@ -370,6 +371,7 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                             data.check()
                         else:
                             times[1] = _raw_get(pool, paths, data)
+                            data.check()  # both start from the same state of the buffers
                     pairs.add("get_cold", *times)
                 exists = runner.run(_exists_us(storage, keys))
                 raw_exists = _raw_exists_us(paths)
@@ -441,6 +443,7 @@ def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
                         data.check()
                     else:
                         times[1] = _dict_get(store, keys, data)
+                        data.check()  # both start from the same state of the buffers
                 pairs.add("get", *times)
             exists = runner.run(_exists_us(storage, keys))
             raw_exists = _dict_exists_us(store, keys)
