@@ -548,3 +548,24 @@ async def test_a_spare_file_that_changed_is_not_written_over(tmp_path: Path) -> 
         assert await _get(storage, new) == [Outcome.OK] * 3
         assert not spares[1].exists()  # dropped, not reused
         assert all(stat.S_ISREG(_page_path(root, k).stat().st_mode) for k in new)
+
+
+async def test_verify_keeps_this_instances_spare_files(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        keys = _keys(2)
+        await _put(storage, keys)
+        await storage.delete(keys)
+        spares = _spares(root)
+        old = time.time() - 3600
+        for path in spares:  # long idle, as leftovers of a dead writer would be
+            os.utime(path, (old, old))
+        stray = root / "tmp" / "dead-writer.tmp"
+        stray.write_bytes(b"x")
+        os.utime(stray, (old, old))
+        report = await storage.verify()
+        assert report.leftovers_removed == 1
+        assert _spares(root) == spares
+        new = _keys(2)
+        assert await _put(storage, new) == [Outcome.OK] * 2
+        assert _spares(root) == []  # both reused

@@ -394,8 +394,11 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
     return _Handles(root_fd, pages_fd, tmp_fd, lock_fd)
 
 
-def _remove_leftovers(handles: _Handles, *, idle_s: float) -> int:
-    """Delete temporary files of interrupted writes not modified for `idle_s` seconds."""
+def _remove_leftovers(
+    handles: _Handles, *, idle_s: float, keep: frozenset[str] = frozenset()
+) -> int:
+    """Delete temporary files of interrupted writes not modified for `idle_s` seconds, but
+    not those named in `keep`."""
     removed = 0
     now = time.time()
     fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
@@ -403,7 +406,7 @@ def _remove_leftovers(handles: _Handles, *, idle_s: float) -> int:
         with os.scandir(fd) as entries:
             for entry in entries:
                 try:
-                    if entry.is_dir(follow_symlinks=False):
+                    if entry.is_dir(follow_symlinks=False) or entry.name in keep:
                         continue
                     if idle_s and now - entry.stat(follow_symlinks=False).st_mtime < idle_s:
                         continue
@@ -529,6 +532,10 @@ class _SparePool:
             if not names:
                 del self._by_size[size]
             return name
+
+    def names(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(name for group in self._by_size.values() for name in group)
 
     def drain(self) -> list[str]:
         """Every spare file's name, the pool now empty."""
@@ -1432,7 +1439,9 @@ class FileStorage(BackendBase):
     ) -> tuple[list[_Found], list[tuple[bytes, str]], VerifyReport]:
         handles = self._handles_or_raise()
         idle = _STALE_TMP_SHARED_S if self._shared else _STALE_TMP_PRIVATE_S
-        leftovers = _remove_leftovers(handles, idle_s=idle)
+        # This instance's own spare files are not leftovers, however long they have waited.
+        spares = self._spares.names() if self._spares is not None else frozenset()
+        leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares)
         strays: list[tuple[int, str]] = []
         found = _scan(handles, stop, strays)
         for dir_fd, name in strays:
