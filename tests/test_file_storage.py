@@ -439,6 +439,13 @@ def _spares(root: Path) -> list[Path]:
     return sorted(p for p in (root / "tmp").iterdir() if p.name.endswith(".spare"))
 
 
+async def _put_and_delete(storage: FileStorage, count: int) -> None:
+    """Store `count` new pages and delete them again, which leaves spare files."""
+    keys = _keys(count)
+    assert await _put(storage, keys) == [Outcome.OK] * count
+    assert await storage.delete(keys) == count
+
+
 async def test_deleted_pages_files_are_reused_and_never_served(tmp_path: Path) -> None:
     root = tmp_path / "s"
     async with FileStorage(root) as storage:
@@ -480,21 +487,15 @@ async def test_spare_files_only_serve_writes_of_their_size(tmp_path: Path) -> No
 
 async def test_spare_bytes_is_a_bound_and_zero_turns_it_off(tmp_path: Path) -> None:
     async with FileStorage(tmp_path / "a", spare_bytes=2 * SIZE) as storage:
-        keys = _keys(5)
-        await _put(storage, keys)
-        assert await storage.delete(keys) == 5
+        await _put_and_delete(storage, 5)
         assert len(_spares(tmp_path / "a")) == 2  # the rest unlinked
         assert _disk_usage(tmp_path / "a") == (0, 0)
     async with FileStorage.from_url(f"file://{tmp_path / 'b'}?spare=0") as storage:
-        keys = _keys(2)
-        await _put(storage, keys)
-        await storage.delete(keys)
+        await _put_and_delete(storage, 2)
         assert _spares(tmp_path / "b") == []
     # The default is at most an eighth of the capacity.
     async with FileStorage(tmp_path / "c", capacity_bytes=16 * SIZE) as storage:
-        keys = _keys(8)
-        await _put(storage, keys)
-        await storage.delete(keys)
+        await _put_and_delete(storage, 8)
         assert len(_spares(tmp_path / "c")) == 2
     with pytest.raises(StorageConfigError, match="spare"):
         FileStorage(tmp_path, spare_bytes=-1)
@@ -520,9 +521,7 @@ async def test_evicted_pages_files_take_the_new_pages(tmp_path: Path) -> None:
 async def test_spare_files_go_at_close_and_at_the_next_open(tmp_path: Path) -> None:
     root = tmp_path / "s"
     async with FileStorage(root) as storage:
-        keys = _keys(3)
-        await _put(storage, keys)
-        await storage.delete(keys)
+        await _put_and_delete(storage, 3)
         assert len(_spares(root)) == 3
     assert _spares(root) == []
     # A process that died left its spare files behind: the next open removes them.
@@ -535,9 +534,7 @@ async def test_spare_files_go_at_close_and_at_the_next_open(tmp_path: Path) -> N
 async def test_a_spare_file_that_changed_is_not_written_over(tmp_path: Path) -> None:
     root = tmp_path / "s"
     async with FileStorage(root, io_threads=1) as storage:
-        keys = _keys(3)
-        await _put(storage, keys)
-        await storage.delete(keys)
+        await _put_and_delete(storage, 3)
         spares = _spares(root)
         spares[0].unlink()  # gone (a verify elsewhere, say)
         spares[1].write_bytes(b"short")  # no longer the size it was kept for
@@ -553,9 +550,7 @@ async def test_a_spare_file_that_changed_is_not_written_over(tmp_path: Path) -> 
 async def test_verify_keeps_this_instances_spare_files(tmp_path: Path) -> None:
     root = tmp_path / "s"
     async with FileStorage(root) as storage:
-        keys = _keys(2)
-        await _put(storage, keys)
-        await storage.delete(keys)
+        await _put_and_delete(storage, 2)
         spares = _spares(root)
         old = time.time() - 3600
         for path in spares:  # long idle, as leftovers of a dead writer would be

@@ -20,7 +20,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import redis
 import redis.asyncio as aioredis
 
-__all__ = ["RawModes", "measure_raw"]
+__all__ = ["RawModes"]
 
 _MiB = 1 << 20
 #: redis-py's own URL options, kept when the backend URL is turned into a plain client URL.
@@ -185,31 +185,6 @@ class RawModes:
                 await pool.aclose()
 
         return asyncio.run(timed())
-
-
-def measure_raw(url: str, page_nbytes: int, num_pages: int, *, reps: int = 3) -> dict[str, float]:
-    """Best plain redis-py throughput for `num_pages` values of `page_nbytes` at `url`.
-
-    Runs every mode of `RawModes` `reps` times; returns `put_gbps` and `get_gbps` of the
-    mode whose median is best, and `exists64_us` (median microseconds to check 64 keys, the
-    faster of one multi-key EXISTS and a pipeline of 64).
-    """
-    if reps < 1:
-        raise ValueError("reps must be >= 1")
-    total = page_nbytes * num_pages
-    with RawModes(url, page_nbytes, num_pages) as raw:
-        puts: dict[str, list[float]] = {}
-        gets: dict[str, list[float]] = {}
-        for _ in range(reps):
-            for mode in raw.modes:
-                puts.setdefault(mode, []).append(raw.put(mode))
-                gets.setdefault(mode, []).append(raw.get(mode))
-        exists = raw.exists_us()
-    return {
-        "put_gbps": total / min(statistics.median(t) for t in puts.values()) / 1e9,
-        "get_gbps": total / min(statistics.median(t) for t in gets.values()) / 1e9,
-        "exists64_us": exists,
-    }
 
 
 def _delete(client: redis.Redis, keys: Sequence[bytes]) -> None:

@@ -45,7 +45,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Literal, cast, get_args
@@ -476,7 +476,7 @@ def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> None
         pass
 
 
-def _unlink_all(dir_fd: int, names: list[str]) -> None:
+def _unlink_all(dir_fd: int, names: Iterable[str]) -> None:
     for name in names:
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=dir_fd)
@@ -534,13 +534,14 @@ class _SparePool:
             return name
 
     def names(self) -> frozenset[str]:
+        """Every spare file's name."""
         with self._lock:
             return frozenset(name for group in self._by_size.values() for name in group)
 
-    def drain(self) -> list[str]:
+    def drain(self) -> frozenset[str]:
         """Every spare file's name, the pool now empty."""
         with self._lock:
-            names = [name for group in self._by_size.values() for name in group]
+            names = frozenset(name for group in self._by_size.values() for name in group)
             self._by_size.clear()
             self.nbytes = 0
             return names

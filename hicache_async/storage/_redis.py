@@ -12,6 +12,7 @@ behind that, the pipeline sizes and the limits.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -25,7 +26,6 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from .._errors import StorageConfigError, StorageError
@@ -144,13 +144,6 @@ def _settle(future: asyncio.Future[bytes], value: bytes, error: BaseException | 
     else:
         future.set_exception(error)
         future.exception()  # whoever awaits it gets the error; nobody has to
-
-
-def _header_reason(header: PageHeader | PageCheck, key: bytes) -> str:
-    """Which header check a value failed, for the `storage.page.corrupt` log event."""
-    if isinstance(header, PageCheck):
-        return "header"
-    return "key" if header.key != key else "length"
 
 
 def _int_param(params: Mapping[str, str], name: str) -> int | None:
@@ -516,7 +509,9 @@ class RedisStorage(BackendBase):
 
         async def fetch_into(bulk: BulkConnectionPool, chunk: range) -> None:
             try:
-                received = await self._bulk_gets(bulk, keys, chunk, targets, namespace)
+                received = await self._bulk_gets(
+                    bulk, chunk, keys=keys, targets=targets, payloads=payloads, namespace=namespace
+                )
             except (*REDIS_FAULTS, OSError) as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
                 return
@@ -546,13 +541,7 @@ class RedisStorage(BackendBase):
                 # else: an error reply for this key, which stays ERROR
 
         bulk = self._bulk
-        if bulk is not None:
-
-            async def fetch(chunk: range) -> None:
-                await fetch_into(bulk, chunk)
-
-        else:
-            fetch = fetch_values
+        fetch = fetch_values if bulk is None else functools.partial(fetch_into, bulk)
         pipeline = self._get_pipeline_bytes or (
             _GET_PIPELINE_BYTES if bulk is None else _BULK_GET_PIPELINE_BYTES
         )
@@ -572,9 +561,11 @@ class RedisStorage(BackendBase):
     async def _bulk_gets(
         self,
         bulk: BulkConnectionPool,
-        keys: Sequence[bytes],
         chunk: range,
+        *,
+        keys: Sequence[bytes],
         targets: Sequence[list[memoryview]],
+        payloads: Sequence[int],
         namespace: bytes,
     ) -> list[tuple[int, _Received]]:
         """GET the chunk's keys on a bulk connection, each value's payload received straight
@@ -599,7 +590,7 @@ class RedisStorage(BackendBase):
                         head = memoryview(bytearray(min(length, HEADER_NBYTES)))
                         await conn.read_into(head)
                         header = decode_header(head)
-                        expected = sum(t.nbytes for t in targets[i])
+                        expected = payloads[i]
                         verdict = check_header(
                             header, key=keys[i], namespace=namespace, payload_nbytes=expected
                         )
@@ -611,13 +602,16 @@ class RedisStorage(BackendBase):
                             received.append((i, header))
                         else:
                             await conn.skip(length - head.nbytes)
-                            received.append((i, (verdict, _header_reason(header, keys[i]))))
+                            reason = corrupt_reason(
+                                head, key=keys[i], namespace=namespace, payload_nbytes=expected
+                            )
+                            received.append((i, (verdict, reason)))
                         await conn.skip(2)
             return received
 
         try:
             return await exchange(fresh=False)
-        except (ConnectionError, EOFError):
+        except ConnectionError:
             # An idle connection the server dropped (restart, idle timeout): once more on a
             # new one; GET is safe to repeat.
             return await exchange(fresh=True)
@@ -668,7 +662,7 @@ class RedisStorage(BackendBase):
                         for i, header in zip(chunk, headers, strict=True)
                     ]
                     results = await self._send_sets(items)
-            except REDIS_FAULTS as exc:
+            except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
                 log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
                 return
             for i, result in zip(chunk, results, strict=True):
@@ -806,14 +800,11 @@ class RedisStorage(BackendBase):
                     return [await conn.read_status() for _ in range(count)]
 
         try:
-            try:
-                return await exchange(fresh=False)
-            except ConnectionError:
-                # An idle connection the server dropped: once more on a new one (SET NX makes
-                # a repeated page harmless).
-                return await exchange(fresh=True)
-        except (OSError, TimeoutError) as exc:
-            raise RedisConnectionError(f"bulk SET: {exc or type(exc).__name__}") from exc
+            return await exchange(fresh=False)
+        except ConnectionError:
+            # An idle connection the server dropped: once more on a new one (SET NX makes a
+            # repeated page harmless).
+            return await exchange(fresh=True)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """DEL each key; how many existed."""

@@ -77,14 +77,13 @@ class BulkConnection:
             try:
                 sent = self._sock.sendmsg(views[first : first + _IOV_MAX])
             except (BlockingIOError, InterruptedError):
-                sent = 0
-            while sent and sent >= views[first].nbytes:
+                await self._writable()  # the socket is full: wait for room
+                continue
+            while first < len(views) and sent >= views[first].nbytes:
                 sent -= views[first].nbytes
                 first += 1
             if sent:
                 views[first] = views[first][sent:]
-            elif first < len(views):
-                await self._writable()
 
     async def _writable(self) -> None:
         waiter = self._loop.create_future()
