@@ -3,11 +3,14 @@
 The Mooncake client's own zero-copy calls moving the same bytes as the backend (`page_nbytes`
 per page, no header, no checksum) between registered host memory and the store:
 `batch_put_from`, `batch_get_into` and `batch_is_exist`, with the client set up exactly as the
-URL says. A whole-batch call and 16-page calls are tried and the faster counts.
+URL says. A whole-batch call and 16-page calls are tried; the bench pairs the one with the
+better median with the backend, run by run, as for Redis.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import statistics
 import time
 import uuid
@@ -18,7 +21,7 @@ import numpy as np
 
 from ..storage._mooncake import pooled_client
 
-__all__ = ["measure_raw"]
+__all__ = ["RawModes"]
 
 _EXISTS_CALLS = 200
 
@@ -49,49 +52,84 @@ def _timed(run: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def measure_raw(url: str, page_nbytes: int, num_pages: int, *, reps: int = 2) -> dict[str, float]:
-    """Best raw Mooncake throughput for `num_pages` objects of `page_nbytes` at `url`.
+class RawModes:
+    """The Mooncake client's own calls moving `num_pages` objects of `page_nbytes`, run one at
+    a time, for paired runs against the backend.
 
-    Returns `put_gbps`, `get_gbps` and `exists64_us` (median microseconds of one
-    `batch_is_exist` of 64 keys). Every object written is removed again.
+    Modes: one call for the whole batch (`whole`) and 16-page calls (`c16`). `put(mode)` first
+    removes what the previous put stored (untimed), then stores keys the cluster does not
+    hold, from registered memory; `get(mode)` reads the last put's objects into registered
+    memory and checks they came back intact (untimed). Both return seconds. Use as a context
+    manager; it removes its objects and registrations on the way out.
     """
-    if page_nbytes < 1 or num_pages < 1 or reps < 1:
-        raise ValueError("page_nbytes, num_pages and reps must be >= 1")
-    total = page_nbytes * num_pages
-    source = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
-    target = np.zeros(total, dtype=np.uint8)
-    src, dst = int(source.ctypes.data), int(target.ctypes.data)
-    tag = f"hicache-raw-bench:{uuid.uuid4().hex}"
-    chunks = sorted({num_pages, min(16, num_pages)})
-    best_put = best_get = float("inf")
-    exists = float("nan")
-    with pooled_client(url) as store:
-        for address, array in ((src, source), (dst, target)):
-            if store.register_buffer(address, array.nbytes) != 0:
-                raise RuntimeError("raw mooncake: register_buffer failed")
-        try:
-            for rep in range(reps):
-                for chunk in chunks:
-                    keys = [f"{tag}:{rep}:{chunk}:{i}" for i in range(num_pages)]
-                    best_put = min(
-                        best_put, _timed(_calls(store, keys, src, page_nbytes, chunk, put=True))
-                    )
-                    for get_chunk in chunks:
-                        run = _calls(store, keys, dst, page_nbytes, get_chunk, put=False)
-                        best_get = min(best_get, _timed(run))
-                    if not np.array_equal(source, target):
-                        raise RuntimeError("raw mooncake get returned other bytes")
-                    if rep == reps - 1 and chunk == chunks[-1]:
-                        exists = _exists_us(store, keys)
-                    store.batch_remove(keys, force=True)
-        finally:
-            store.unregister_buffer(src)
-            store.unregister_buffer(dst)
-    return {
-        "put_gbps": total / best_put / 1e9,
-        "get_gbps": total / best_get / 1e9,
-        "exists64_us": exists,
-    }
+
+    def __init__(self, url: str, page_nbytes: int, num_pages: int) -> None:
+        if page_nbytes < 1 or num_pages < 1:
+            raise ValueError("page_nbytes and num_pages must be >= 1")
+        self._url = url
+        self._nbytes = page_nbytes
+        self._source = np.random.default_rng(0).integers(
+            0, 256, page_nbytes * num_pages, dtype=np.uint8
+        )
+        self._target = np.zeros_like(self._source)
+        self._tag = f"hicache-raw-bench:{uuid.uuid4().hex}"
+        self._runs = itertools.count()
+        self._keys: list[str] = []
+        self._stack = contextlib.ExitStack()
+        self._store: Any = None
+        self.modes = sorted({"whole", f"c{min(16, num_pages)}"})
+
+    def __enter__(self) -> RawModes:
+        with contextlib.ExitStack() as stack:
+            self._store = stack.enter_context(pooled_client(self._url))
+            for array in (self._source, self._target):
+                address = int(array.ctypes.data)
+                if self._store.register_buffer(address, array.nbytes) != 0:
+                    raise RuntimeError("raw mooncake: register_buffer failed")
+                stack.callback(self._store.unregister_buffer, address)
+            self._stack = stack.pop_all()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._stack:
+            self._remove()
+
+    def _remove(self) -> None:
+        if self._keys:
+            self._store.batch_remove(self._keys, force=True)
+            self._keys = []
+
+    def _chunk(self, mode: str) -> int:
+        if mode not in self.modes:
+            raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(self.modes)}")
+        return len(self._keys) if mode == "whole" else int(mode[1:])
+
+    def put(self, mode: str) -> float:
+        self._remove()
+        run = next(self._runs)
+        pages = self._source.nbytes // self._nbytes
+        self._keys = [f"{self._tag}:{run}:{i}" for i in range(pages)]
+        base = int(self._source.ctypes.data)
+        return _timed(
+            _calls(self._store, self._keys, base, self._nbytes, self._chunk(mode), put=True)
+        )
+
+    def get(self, mode: str) -> float:
+        if not self._keys:
+            raise RuntimeError("get before any put")
+        self._target[:] = 0
+        base = int(self._target.ctypes.data)
+        run = _calls(self._store, self._keys, base, self._nbytes, self._chunk(mode), put=False)
+        seconds = _timed(run)
+        if not np.array_equal(self._source, self._target):
+            raise RuntimeError("raw mooncake get returned other bytes")
+        return seconds
+
+    def exists_us(self) -> float:
+        """Median microseconds of one `batch_is_exist` of 64 of the last put's keys."""
+        if not self._keys:
+            raise RuntimeError("exists before any put")
+        return _exists_us(self._store, self._keys)
 
 
 def _exists_us(store: Any, keys: Sequence[str]) -> float:

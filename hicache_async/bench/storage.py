@@ -5,10 +5,9 @@ Baselines: for `file://`, plain Python file I/O on the same kind of files (one f
 same sizes, `os.pwritev`/`os.preadv` from a thread pool as wide as the backend's `io_threads`),
 read page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync); for
 `memory://`, a dict of bytes with the same copies; for any other scheme, the module
-`hicache_async.bench._storage_<scheme>` when it exists, else no baseline: its `RawModes` (ways
-of moving the bytes; the best of each direction by median is paired with ours run by run, as
-for files) or else its `measure_raw(url, page_nbytes, num_pages, *, reps) -> {"put_gbps",
-"get_gbps", "exists64_us"}`.
+`hicache_async.bench._storage_<scheme>` when it exists (`redis`, `mooncake`), else no
+baseline: its `RawModes` are ways of moving the bytes with the plain client, and the best of
+each direction by median is paired with ours run by run, as for files.
 
 Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
@@ -516,8 +515,9 @@ def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any
 
 def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Record]:
     module = _raw_module(scheme)
-    if module is not None and hasattr(module, "RawModes"):
+    if module is not None:
         return _bench_paired(args, data, scheme, module.RawModes)
+    # No raw way to move the bytes is known for this scheme (a plugin): ours alone.
     reps = args.reps
     ours: dict[str, list[float]] = {"put": [], "get": []}
     storage = open_storage(args.backend)
@@ -539,17 +539,14 @@ def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Rec
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         exists = runner.run(session())
-    raw: dict[str, float] = {}
-    if module is not None:
-        raw = module.measure_raw(args.backend, data.nbytes, data.pages, reps=args.reps)
     prefix = f"storage.{scheme}.{data.shape.name}"
-    records = []
-    for name, times in ours.items():
-        value = data.total / statistics.median(times) / 1e9
-        baseline = raw.get(f"{name}_gbps")
-        if baseline is None:
-            records.append(Record(name=f"{prefix}.{name}_gbps", value=value, unit="GB/s"))
-        else:
-            records.append(Record.compare(f"{prefix}.{name}_gbps", value, "GB/s", baseline))
-    records.append(_exists_record(prefix, exists, raw.get("exists64_us")))
+    records = [
+        Record(
+            name=f"{prefix}.{name}_gbps",
+            value=data.total / statistics.median(times) / 1e9,
+            unit="GB/s",
+        )
+        for name, times in ours.items()
+    ]
+    records.append(_exists_record(prefix, exists, None))
     return records

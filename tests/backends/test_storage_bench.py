@@ -1,0 +1,88 @@
+"""Smoke tests of `hicache-async bench storage` against every built-in backend, at tiny sizes.
+
+They check that the records are complete and well formed, each with its raw baseline, and
+that the bench leaves nothing behind; never how fast anything is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import pytest
+
+from hicache_async.bench import Record, storage
+from hicache_async.bench._storage_mooncake import RawModes as MooncakeRawModes
+from hicache_async.storage._mooncake import pooled_client
+
+_TINY = ["--shape", "small", "--pages", "3", "--reps", "1", "--batch", "2"]
+_THROUGHPUT = ["put_gbps", "get_gbps", "exists64_us"]
+
+
+def _run(backend: str, *extra: str) -> dict[str, Record]:
+    parser = argparse.ArgumentParser()
+    storage.add_arguments(parser)
+    records = storage.run(parser.parse_args(["--backend", backend, *_TINY, *extra]))
+    by = {r.name: r for r in records}
+    assert len(by) == len(records), "record names must be unique"
+    return by
+
+
+def _check(by: dict[str, Record], scheme: str, figures: list[str]) -> None:
+    assert sorted(by) == sorted(f"storage.{scheme}.small.{f}" for f in figures)
+    for name, r in by.items():
+        assert math.isfinite(r.value), r
+        assert r.value > 0, r
+        assert r.baseline is not None, r
+        assert r.baseline > 0, r
+        assert r.ratio is not None, r
+        assert r.ratio > 0, r
+        assert r.unit == ("us" if name.endswith("exists64_us") else "GB/s"), r
+        if name.endswith("exists64_us"):
+            # One figure each, not paired runs: the ratio is exactly value / baseline.
+            assert r.ratio == pytest.approx(r.value / r.baseline), r
+
+
+def test_file_records(tmp_path: Path) -> None:
+    by = _run(f"file://{tmp_path}")
+    _check(by, "file", ["put_gbps", "get_hot_gbps", "get_cold_gbps", "exists64_us"])
+    assert list(tmp_path.iterdir()) == []  # its store and the baseline's files are gone
+
+
+def test_memory_records() -> None:
+    _check(_run("memory://"), "memory", _THROUGHPUT)
+
+
+def test_redis_records(redis_url: str) -> None:
+    import redis
+
+    _check(_run(redis_url), "redis", _THROUGHPUT)
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert client.dbsize() == 0  # ours and the baseline's keys are gone
+    finally:
+        client.close()
+
+
+def test_mooncake_records(mooncake_url: str) -> None:
+    _check(_run(mooncake_url), "mooncake", _THROUGHPUT)
+
+
+def test_mooncake_raw_modes(mooncake_url: str) -> None:
+    with MooncakeRawModes(mooncake_url, 4096, 5) as raw:
+        assert raw.modes == ["c5", "whole"]
+        with pytest.raises(RuntimeError, match="get before any put"):
+            raw.get("whole")
+        with pytest.raises(ValueError, match="modes: c5, whole"):
+            raw.put("c16")
+        assert raw.put("whole") > 0
+        assert raw.get("c5") > 0  # checks the bytes came back
+        first = list(raw._keys)
+        assert raw.put("c5") > 0  # removes the first put's objects
+        keys = list(raw._keys)
+        assert raw.exists_us() > 0
+    with pooled_client(mooncake_url) as client:
+        assert list(client.batch_is_exist(first + keys)) == [0] * 10
+    with pytest.raises(ValueError, match=">= 1"):
+        MooncakeRawModes(mooncake_url, 0, 1)
