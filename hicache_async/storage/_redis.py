@@ -396,6 +396,8 @@ class RedisStorage(BackendBase):
         client = self._redis()
         if self._multikey and self._prefix_script is not None:
             try:
+                if self._bulk is not None:
+                    return await self._exists_on_bulk(self._bulk, keys)
                 return await self._exists_by_script(keys)
             except ResponseError as exc:
                 # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
@@ -419,6 +421,42 @@ class RedisStorage(BackendBase):
                 if not result:
                     return count
                 count += 1
+        return count
+
+    async def _exists_on_bulk(self, bulk: BulkConnectionPool, keys: Sequence[bytes]) -> int:
+        """`_exists_by_script` over a bulk connection: EVALSHA without redis-py's command
+        machinery, about half the client time per call on loopback."""
+        assert self._prefix_script is not None
+        sha = self._prefix_script.sha.encode()
+        count = 0
+        for start in range(0, len(keys), _KEYS_PER_SCRIPT):
+            batch = [self._rkey(k) for k in keys[start : start + _KEYS_PER_SCRIPT]]
+            command = (b"EVALSHA", sha, b"%d" % len(batch), *batch)
+
+            async def call(fresh: bool, command: tuple[bytes, ...] = command) -> int | ReplyError:
+                async with bulk.connection(fresh=fresh) as conn:
+                    with anyio.fail_after(self._timeout):
+                        return await conn.call_integer(*command)
+
+            try:
+                try:
+                    reply = await call(fresh=False)
+                except ConnectionError:
+                    reply = await call(fresh=True)  # a dropped idle connection; safe to repeat
+            except (*REDIS_FAULTS, OSError) as exc:
+                self._counters.errors += 1
+                raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+            if isinstance(reply, ReplyError):
+                if not str(reply).startswith("NOSCRIPT"):
+                    raise ResponseError(str(reply))  # scripting refused: see exists()
+                # Not loaded on this server yet (or flushed): redis-py loads it and answers.
+                return count + await self._exists_by_script(keys[start:])
+            if not 0 <= reply <= len(batch):
+                self._counters.errors += 1
+                raise StorageError(f"{self._name}: exists got {reply} for {len(batch)} keys")
+            count += reply
+            if reply < len(batch):
+                break
         return count
 
     async def _exists_by_script(self, keys: Sequence[bytes]) -> int:

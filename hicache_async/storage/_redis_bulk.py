@@ -1,4 +1,5 @@
-"""Plain-TCP Redis connections for moving page values: pipelined SET and GET only.
+"""Plain-TCP Redis connections for moving page values: pipelined SET and GET, and the
+`exists` script.
 
 redis-py's asyncio connection sends a pipeline through `StreamWriter.writelines`, which joins
 every value into one buffer and copies what the socket does not take at once into the
@@ -105,6 +106,21 @@ class BulkConnection:
         if line in {b"$-1", b"_"}:
             return None
         raise ProtocolError(f"unexpected reply to SET: {line[:40]!r}")
+
+    async def call_integer(self, *args: bytes) -> int | ReplyError:
+        """Send one command whose reply is an integer (`EVALSHA` of a script returning a
+        number); returns it, or the error reply."""
+        await self.send([_command(*args)])
+        line = await self._read_line()
+        kind = line[:1]
+        if kind == b":":
+            try:
+                return int(line[1:])
+            except ValueError:
+                raise ProtocolError(f"bad integer reply: {line[:40]!r}") from None
+        if kind == b"-":
+            return ReplyError(line[1:].decode("utf-8", "replace"))
+        raise ProtocolError(f"unexpected reply where an integer was due: {line[:40]!r}")
 
     async def read_bulk_length(self) -> int | ReplyError | None:
         """The head of a bulk reply: its length, None for nil, or the error reply.

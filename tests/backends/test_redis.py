@@ -89,9 +89,12 @@ async def test_existing_key_is_ok_and_not_rewritten(backend: RedisStorage) -> No
     assert backend.stats().pages == 1
 
 
-@pytest.mark.parametrize("multikey", [1, 0])
-async def test_exists_counts_the_consecutive_prefix(redis_url: str, multikey: int) -> None:
-    async with RedisStorage.from_url(fresh_url(redis_url, multikey=multikey)) as backend:
+@pytest.mark.parametrize(("multikey", "bulk"), [(1, 1), (1, 0), (0, 1)])
+async def test_exists_counts_the_consecutive_prefix(
+    redis_url: str, multikey: int, bulk: int
+) -> None:
+    url = fresh_url(redis_url, multikey=multikey, bulk=bulk)
+    async with RedisStorage.from_url(url) as backend:
         keys, pages, metas = make_pages(4)
         stored = [0, 1, 3]
         await backend.put(
@@ -434,6 +437,44 @@ async def test_bulk_connections_authenticate_and_select_the_database() -> None:
             assert await backend.get(keys, into, namespace=NS) == [Outcome.ERROR] * 3
             assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
             assert not any(any(s) for b in into for s in b)
+
+
+async def test_exists_loads_its_script_again_after_a_flush(redis_url: str) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+        assert backend._bulk is not None
+        keys, pages, metas = make_pages(3)
+        await backend.put(keys[:2], pages[:2], metas[:2])
+        assert await backend.exists(keys) == 2
+        plain = aioredis.Redis.from_url(redis_url)
+        try:
+            await plain.script_flush()  # the bulk EVALSHA now gets NOSCRIPT
+            assert await backend.exists(keys) == 2
+            assert await backend.exists(keys[1:]) == 1  # loaded again, on the bulk path
+            assert await plain.script_exists(backend._prefix_script.sha) == [True]  # type: ignore[union-attr]
+        finally:
+            await plain.aclose()
+        assert backend.stats().errors == 0
+
+
+async def test_exists_rejects_a_count_beyond_its_keys() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(65536):
+            writer.write(b":99\r\n")  # any command: "99", more keys than were asked about
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        url = f"redis://127.0.0.1:{port}/0?timeout=0.5&prefix=odd"
+        async with RedisStorage.from_url(url) as backend:
+            keys, _, _ = make_pages(2)
+            with pytest.raises(StorageError, match="exists got 99 for 2 keys"):
+                await backend.exists(keys)
+            assert backend.stats().errors == 1
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 @pytest.mark.parametrize("mac", [False, True])
