@@ -6,6 +6,12 @@ import asyncio
 from collections.abc import Callable, Mapping
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis' per-example deadline is a timed assertion: on a shared two-core machine a
+# multi-MB example can take 250 ms for reasons that have nothing to do with the code.
+settings.register_profile("hicache", deadline=None)
+settings.load_profile("hicache")
 
 try:
     import uvloop

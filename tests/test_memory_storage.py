@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import pytest
 
 from hicache_async import StorageConfigError
-from hicache_async.storage import HEADER_NBYTES, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage import HEADER_NBYTES, MemoryStorage, Outcome, PageMeta, VerifyReport
 
 NS = b"memory-storage-1"
 PAGE = 16 * 1024
@@ -112,3 +113,91 @@ async def test_repr_and_close() -> None:
         assert "pages=2" in repr(storage)
     assert "state=closed" in repr(storage)
     assert storage.stats().pages == 0
+
+
+async def test_removed_buffers_are_reused_by_puts_of_their_size() -> None:
+    old, new, other = _keys(2), _keys(2), _keys(1)
+    async with MemoryStorage(capacity_bytes=64 * SIZE, spare_bytes=2 * SIZE) as storage:
+        await _put(storage, old)
+        buffers = {id(storage._values[k].data) for k in old}
+        assert await storage.delete(old) == 2
+        assert storage._spare_bytes == 2 * SIZE
+        assert "spare=" in repr(storage)
+        await _put(storage, other, nbytes=PAGE // 2)  # another size: a new buffer
+        assert storage._spare_bytes == 2 * SIZE
+        assert await _put(storage, new) == [Outcome.OK] * 2
+        assert {id(storage._values[k].data) for k in new} == buffers
+        assert storage._spare_bytes == 0
+        # The old pages are gone for good and the new ones read back whole (_get checks).
+        assert await _get(storage, old) == [Outcome.MISS] * 2
+        assert await _get(storage, new) == [Outcome.OK] * 2
+        assert await storage.verify() == VerifyReport(
+            checked=3, ok=3, corrupt_removed=0, unsupported=0, leftovers_removed=0
+        )
+        raw = await storage.read_raw(new[0])
+        assert type(raw) is bytes  # a copy: the buffer may be reused once the page goes
+
+
+async def test_spare_buffers_stay_within_their_limit_and_gc_frees_them() -> None:
+    keys = _keys(4)
+    async with MemoryStorage(capacity_bytes=3 * SIZE, spare_bytes=SIZE) as storage:
+        await _put(storage, keys[:3])
+        assert await _put(storage, keys[3:]) == [Outcome.OK]  # evicts one: kept as a spare
+        assert storage.stats().evictions == 1
+        assert storage._spare_bytes == SIZE
+        await storage.delete(keys)  # beyond the limit: freed
+        assert storage._spare_bytes == SIZE
+        await storage.gc()
+        assert storage._spare_bytes == 0
+    async with MemoryStorage(capacity_bytes=3 * SIZE, spare_bytes=0) as storage:
+        await _put(storage, keys[:1])
+        await storage.delete(keys[:1])
+        assert storage._spare_bytes == 0
+
+
+async def test_a_buffer_read_by_a_get_in_flight_is_not_reused() -> None:
+    nbytes = 2 << 20  # above the inline limit: the get runs as a thread job
+    keys, more = _keys(2), _keys(2)
+    async with MemoryStorage(capacity_bytes=64 << 20) as storage:
+        await _put(storage, keys, nbytes)
+        reading = asyncio.ensure_future(_get(storage, keys, nbytes))
+        await asyncio.sleep(0)  # the job is on its thread now
+        assert storage._readers == 1
+        assert await storage.delete(keys) == 2
+        assert storage._spare_bytes == 0  # not recycled under the reader
+        await _put(storage, more, nbytes)
+        assert await reading == [Outcome.OK] * 2  # the bytes it read were never overwritten
+        assert storage._readers == 0
+        await storage.delete(more)
+        assert storage._spare_bytes == 2 * (HEADER_NBYTES + nbytes)
+
+
+async def test_a_cancelled_put_leaves_the_accounting_whole() -> None:
+    nbytes = 2 << 20
+    keys = _keys(8)
+    async with MemoryStorage(capacity_bytes=64 << 20, spare_bytes=16 << 20) as storage:
+        await _put(storage, keys[:4], nbytes)
+        await storage.delete(keys[:4])
+        spare = storage._spare_bytes
+        assert spare == 4 * (HEADER_NBYTES + nbytes)
+        task = asyncio.ensure_future(_put(storage, keys[4:], nbytes))
+        await asyncio.sleep(0)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        # The spares it took went with it; nothing is reserved or stored.
+        assert storage._spare_bytes == 0
+        assert (storage._reserved, storage.stats().bytes, storage.stats().pages) == (0, 0, 0)
+        assert await _put(storage, keys[4:], nbytes) == [Outcome.OK] * 4
+        assert await _get(storage, keys[4:], nbytes) == [Outcome.OK] * 4
+
+
+def test_spare_parameter() -> None:
+    assert MemoryStorage.from_url("memory://?capacity=8MiB")._spare_limit == 1 << 20
+    assert MemoryStorage.from_url("memory://")._spare_limit == 128 << 20
+    assert MemoryStorage.from_url("memory://?spare=0")._spare_limit == 0
+    assert MemoryStorage.from_url("memory://?capacity=1GiB&spare=5GiB")._spare_limit == 5 << 30
+    with pytest.raises(StorageConfigError, match="spare"):
+        MemoryStorage.from_url("memory://?spare=lots")
+    with pytest.raises(StorageConfigError, match="spare_bytes must be >= 0"):
+        MemoryStorage(spare_bytes=-1)

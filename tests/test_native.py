@@ -111,22 +111,6 @@ def test_copy_checksum_needs_writable_targets(impl: str) -> None:
         native.copy_checksum([b"0123"], [b"abcd"])
 
 
-def test_build_value_prefixes_the_checksum(impl: str) -> None:
-    rng = random.Random(3)
-    data = rng.randbytes(5000)
-    seen: list[int] = []
-
-    def prefix(digest: int) -> bytes:
-        seen.append(digest)
-        return digest.to_bytes(8, "little") + b"HEAD"
-
-    value = native.build_value(12, _cut(data, rng), prefix)
-    assert seen == [xxhash.xxh3_64_intdigest(data)]
-    assert value == seen[0].to_bytes(8, "little") + b"HEAD" + data
-    with pytest.raises(ValueError, match="expected 11"):
-        native.build_value(11, [data], prefix)
-
-
 def test_pread_checksum_reads_into_any_cut(impl: str, tmp_path: Path) -> None:
     rng = random.Random(5)
     data = rng.randbytes(3 * native.BOUNCE_NBYTES + 12345)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,6 @@ __all__ = [
     "BOUNCE_NBYTES",
     "NATIVE",
     "bounce_buffer",
-    "build_value",
     "checksum",
     "copy_at",
     "copy_checksum",
@@ -89,20 +88,6 @@ def copy_checksum(dst: Sequence[Buffer], src: Sequence[Buffer], *, stream: bool 
     if _kernels is not None:
         return int(_kernels.xxh3_copy(dst, src, stream))
     return _fallback.copy_checksum(dst, src)
-
-
-def build_value(
-    prefix_nbytes: int, src: Sequence[Buffer], make_prefix: Callable[[int], bytes]
-) -> bytes:
-    """`make_prefix(checksum) + b"".join(src)` in one pass over `src`, where `checksum` is the
-    xxh3-64 of `src` and the prefix is `prefix_nbytes` long."""
-    if _kernels is not None:
-        value: bytes = _kernels.xxh3_build(prefix_nbytes, src, make_prefix)
-        return value
-    prefix = make_prefix(checksum(src))
-    if len(prefix) != prefix_nbytes:
-        raise ValueError(f"make_prefix returned {len(prefix)} bytes, expected {prefix_nbytes}")
-    return b"".join([prefix, *src])
 
 
 def pread_checksum(fd: int, offset: int, dst: Sequence[Buffer]) -> tuple[int, int]:

@@ -526,68 +526,6 @@ static PyObject *py_xxh3_copy(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(digest);
 }
 
-PyDoc_STRVAR(xxh3_build_doc,
-             "xxh3_build(prefix_len, src, make_prefix) -> bytes\n\n"
-             "A new bytes object of `prefix_len` bytes and then the bytes of the buffers in\n"
-             "`src`, copied while their xxh3-64 is computed (without the GIL); the first\n"
-             "`prefix_len` bytes are `make_prefix(digest)`, which must return that many bytes.");
-
-static PyObject *py_xxh3_build(PyObject *self, PyObject *args) {
-    Py_ssize_t prefix_len;
-    PyObject *src_obj, *make_prefix;
-    if (!PyArg_ParseTuple(args, "nOO", &prefix_len, &src_obj, &make_prefix)) return NULL;
-    if (prefix_len < 0) {
-        PyErr_SetString(PyExc_ValueError, "prefix_len must be >= 0");
-        return NULL;
-    }
-    buflist src;
-    if (buflist_get(src_obj, 0, &src, "src") < 0) return NULL;
-    if (src.total > PY_SSIZE_T_MAX - prefix_len) {
-        buflist_release(&src);
-        return PyErr_NoMemory();
-    }
-    /* Uninitialised until filled here: nothing else can see it before it is returned. */
-    PyObject *out = PyBytes_FromStringAndSize(NULL, prefix_len + src.total);
-    if (!out) {
-        buflist_release(&src);
-        return NULL;
-    }
-    uint8_t *body = (uint8_t *)PyBytes_AS_STRING(out) + prefix_len;
-    hstate s;
-    hstate_init(&s);
-    Py_BEGIN_ALLOW_THREADS
-    Py_buffer whole = {0};
-    whole.buf = body;
-    whole.len = src.total;
-    buflist dst = {&whole, 1, src.total};
-    fused(&s, &dst, &src, COPY);
-    Py_END_ALLOW_THREADS
-    buflist_release(&src);
-    PyObject *prefix = PyObject_CallFunction(make_prefix, "K", (unsigned long long)hstate_digest(&s));
-    if (!prefix) {
-        Py_DECREF(out);
-        return NULL;
-    }
-    Py_buffer pv;
-    if (PyObject_GetBuffer(prefix, &pv, PyBUF_C_CONTIGUOUS) < 0) {
-        Py_DECREF(prefix);
-        Py_DECREF(out);
-        return NULL;
-    }
-    if (pv.len != prefix_len) {
-        PyErr_Format(PyExc_ValueError, "make_prefix returned %zd bytes, expected %zd", pv.len,
-                     prefix_len);
-        PyBuffer_Release(&pv);
-        Py_DECREF(prefix);
-        Py_DECREF(out);
-        return NULL;
-    }
-    memcpy(PyBytes_AS_STRING(out), pv.buf, (size_t)prefix_len);
-    PyBuffer_Release(&pv);
-    Py_DECREF(prefix);
-    return out;
-}
-
 PyDoc_STRVAR(pread_xxh3_doc,
              "pread_xxh3(fd, offset, dst, bounce) -> (nread, digest)\n\n"
              "Read from `fd` at `offset` until the buffers of `dst` are full or the file ends,\n"
@@ -808,7 +746,6 @@ static PyObject *py_set_simd(PyObject *self, PyObject *arg) {
 
 static PyMethodDef methods[] = {
     {"xxh3_copy", py_xxh3_copy, METH_VARARGS, xxh3_copy_doc},
-    {"xxh3_build", py_xxh3_build, METH_VARARGS, xxh3_build_doc},
     {"pread_xxh3", py_pread_xxh3, METH_VARARGS, pread_xxh3_doc},
     {"xxh3_pwrite", py_xxh3_pwrite, METH_VARARGS, xxh3_pwrite_doc},
     {"copy_at", py_copy_at, METH_VARARGS, copy_at_doc},

@@ -1,11 +1,8 @@
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from typing_extensions import Buffer
 
 def xxh3_copy(dst: Sequence[Buffer] | None, src: Sequence[Buffer], stream: bool, /) -> int: ...
-def xxh3_build(
-    prefix_len: int, src: Sequence[Buffer], make_prefix: Callable[[int], Buffer], /
-) -> bytes: ...
 def pread_xxh3(
     fd: int, offset: int, dst: Sequence[Buffer], bounce: Buffer, /
 ) -> tuple[int, int]: ...

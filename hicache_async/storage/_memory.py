@@ -5,17 +5,25 @@ checks as Redis or Mooncake (`read_value_into`). Copies of a batch up to `_INLIN
 done on the event loop, where a thread hand-off (~0.1 ms) would cost more than the copy; larger
 batches (a 64-page batch of 8 MiB pages is 512 MiB, ~0.1 s of copying and hashing) are one job
 on a worker thread so the loop stays responsive.
+
+Values are `bytearray`s, and the buffers of deleted and evicted pages are kept, up to
+`spare_bytes` beyond the capacity, for later puts of the same size: a fresh buffer costs a page
+fault per 4 KiB on its first write, about as much as the copy itself, and a cache at its
+capacity evicts a page for every page it stores. A buffer is recycled only while no thread job
+reads values (a get or a verify), so a reader never sees it change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from typing import TypeVar
 
+from .. import _native
 from .._errors import StorageConfigError
 from ._base import (
     BackendBase,
@@ -35,7 +43,7 @@ from ._page import (
     PageCheck,
     PageHeader,
     decode_header,
-    encode_value,
+    encode_header,
     read_value_into,
     verify_payload,
 )
@@ -47,25 +55,42 @@ T = TypeVar("T")
 
 _INLINE_MAX_BYTES = 1 << 20
 _DEFAULT_CAPACITY = 1 << 30
-_URL_PARAMS = {"capacity": "byte size, e.g. 1GiB"}
+_SPARE_DEFAULT = 1 << 30
+_URL_PARAMS = {
+    "capacity": "byte size, e.g. 1GiB",
+    "spare": "bytes of removed pages' buffers kept for reuse, e.g. 64MiB (0: none)",
+}
 
 
 class _Value:
     __slots__ = ("data", "last_access")
 
-    def __init__(self, data: bytes, last_access: float) -> None:
+    def __init__(self, data: bytearray, last_access: float) -> None:
         self.data = data
         self.last_access = last_access
 
 
 class MemoryStorage(BackendBase):
-    """An in-process store of at most `capacity_bytes` (headers included), LRU-evicted."""
+    """An in-process store of at most `capacity_bytes` (headers included), LRU-evicted.
+
+    Up to `spare_bytes` more (default 1 GiB, at most an eighth of the capacity; 0 for none)
+    hold the buffers of removed pages until a put of the same size reuses them or `gc()` frees
+    them.
+    """
 
     def __init__(
-        self, *, capacity_bytes: int = _DEFAULT_CAPACITY, mac_key: bytes | None = None
+        self,
+        *,
+        capacity_bytes: int = _DEFAULT_CAPACITY,
+        mac_key: bytes | None = None,
+        spare_bytes: int | None = None,
     ) -> None:
         if capacity_bytes < 1:
             raise StorageConfigError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        if spare_bytes is None:
+            spare_bytes = min(_SPARE_DEFAULT, capacity_bytes // 8)
+        if spare_bytes < 0:
+            raise StorageConfigError(f"spare_bytes must be >= 0, got {spare_bytes}")
         super().__init__(mac_key=mac_key, job_threads=1, thread_name="hicache-memory")
         self._capacity = capacity_bytes
         self._name = f"memory://?capacity={capacity_bytes}"
@@ -75,23 +100,31 @@ class MemoryStorage(BackendBase):
         self._reserved = 0
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
+        # Buffers of removed values, by size, for puts to reuse, and thread jobs reading
+        # values in flight (while there are any, removed buffers are not recycled).
+        self._spares: dict[int, list[bytearray]] = {}
+        self._spare_bytes = 0
+        self._spare_limit = spare_bytes
+        self._readers = 0
         self._manifest: MemoryManifest | None = None
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MemoryStorage:
-        """`memory://?capacity=1GiB` (the default capacity is 1 GiB)."""
+        """`memory://?capacity=1GiB&spare=64MiB` (the default capacity is 1 GiB)."""
         parts = split_url(url, scheme="memory")
         if parts.scheme != "memory":
             raise StorageConfigError(f"not a memory:// URL: {url!r}")
         if parts.netloc or parts.path not in ("", "/"):
             raise StorageConfigError(
-                f"memory:// URLs take no host or path, only ?capacity=SIZE; got {url!r}"
+                f"memory:// URLs take no host or path, only ?capacity=SIZE&spare=SIZE; got {url!r}"
             )
         params = parse_query(parts.query, _URL_PARAMS, scheme="memory")
         capacity = parse_size(params.get("capacity", str(_DEFAULT_CAPACITY)), field="capacity")
         if capacity < 1:
             raise StorageConfigError(f"capacity must be at least 1 byte, got {capacity}")
-        return cls(capacity_bytes=capacity, mac_key=mac_key)
+        spare = params.get("spare")
+        spare_bytes = parse_size(spare, field="spare") if spare is not None else None
+        return cls(capacity_bytes=capacity, mac_key=mac_key, spare_bytes=spare_bytes)
 
     def manifest(self, limits: ManifestLimits | None = None) -> MemoryManifest:
         """The warmup manifest, kept in memory beside the pages."""
@@ -111,7 +144,8 @@ class MemoryStorage(BackendBase):
     def __repr__(self) -> str:
         return (
             f"<MemoryStorage state={self._state.value} pages={len(self._values)} "
-            f"bytes={self._bytes} capacity={self._capacity} reserved={self._reserved}>"
+            f"bytes={self._bytes} capacity={self._capacity} reserved={self._reserved} "
+            f"spare={self._spare_bytes}>"
         )
 
     async def _open(self) -> None:
@@ -120,6 +154,7 @@ class MemoryStorage(BackendBase):
     async def _release(self) -> None:
         self._values.clear()
         self._bytes = 0
+        self._drop_spares()
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return len(self._values), self._bytes, self._capacity
@@ -134,7 +169,38 @@ class MemoryStorage(BackendBase):
         value = self._values.pop(key, None)
         if value is not None:
             self._bytes -= len(value.data)
+            size = len(value.data)
+            if (
+                self._readers == 0
+                and not self.closed
+                and self._spare_bytes + size <= self._spare_limit
+            ):
+                self._spares.setdefault(size, []).append(value.data)
+                self._spare_bytes += size
         return value
+
+    def _take_spare(self, size: int) -> bytearray | None:
+        pool = self._spares.get(size)
+        if not pool:
+            return None
+        buffer = pool.pop()
+        if not pool:
+            del self._spares[size]
+        self._spare_bytes -= size
+        return buffer
+
+    def _drop_spares(self) -> None:
+        self._spares.clear()
+        self._spare_bytes = 0
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Held while a job may read stored buffers: none is recycled meanwhile."""
+        self._readers += 1
+        try:
+            yield
+        finally:
+            self._readers -= 1
 
     # StorageBackend.
 
@@ -156,7 +222,7 @@ class MemoryStorage(BackendBase):
         check_batch(keys, ("buffers", into))
         outcomes = [Outcome.MISS] * len(keys)
         self._counters.gets += len(keys)
-        # Values are immutable: a thread may read them even if they are evicted meanwhile.
+        # A thread may read values even if they are removed meanwhile: see `_reading`.
         found = [
             (i, value) for i, key in enumerate(keys) if (value := self._values.get(key)) is not None
         ]
@@ -171,17 +237,20 @@ class MemoryStorage(BackendBase):
                 if stop.is_set():
                     return
                 results[slot] = read_value_into(
-                    value.data,
+                    memoryview(value.data),
                     key=keys[i],
                     namespace=namespace,
                     into=segments[slot],
                     mac_key=mac_key,
                 )
 
-        try:
-            await self._run(work, sum(len(value.data) for _, value in found))
-        finally:
-            self._commit_get(keys, into, namespace, found=found, results=results, outcomes=outcomes)
+        with self._reading():
+            try:
+                await self._run(work, sum(len(value.data) for _, value in found))
+            finally:
+                self._commit_get(
+                    keys, into, namespace, found=found, results=results, outcomes=outcomes
+                )
         return outcomes
 
     def _commit_get(
@@ -208,7 +277,10 @@ class MemoryStorage(BackendBase):
                 if self._values.get(key) is value:
                     self._remove(key)
                 reason = corrupt_reason(
-                    value.data, key=key, namespace=namespace, payload_nbytes=payload_nbytes(into[i])
+                    memoryview(value.data),
+                    key=key,
+                    namespace=namespace,
+                    payload_nbytes=payload_nbytes(into[i]),
                 )
                 self._report_corrupt(key, reason)
             elif check is None:  # stopped by close()
@@ -301,15 +373,22 @@ class MemoryStorage(BackendBase):
         outcomes: list[Outcome],
         now: float,
     ) -> None:
-        built: list[bytes | None] = [None] * len(writes)
+        built: list[bytearray | None] = [None] * len(writes)
         mac_key = self._mac_key
+        # Taken here, on the loop; a put that is cancelled or fails just drops them.
+        buffers = [self._take_spare(size) or bytearray(size) for size in sizes]
 
         def work(stop: threading.Event) -> None:
             views = [byte_segments(pages[i], writable=False) for i in writes]
             for slot, (i, segments) in enumerate(zip(writes, views, strict=True)):
                 if stop.is_set():
                     return
-                built[slot] = encode_value(metas[i], segments, mac_key=mac_key)
+                value = memoryview(buffers[slot])
+                digest = _native.copy_checksum([value[HEADER_NBYTES:]], segments)
+                value[:HEADER_NBYTES] = encode_header(
+                    metas[i], segments, mac_key=mac_key, checksum=digest
+                )
+                built[slot] = buffers[slot]
 
         # Plan: reserve the room and mark keys and victims; evict and insert only at commit,
         # so a cancelled put leaves the store as it was.
@@ -350,14 +429,14 @@ class MemoryStorage(BackendBase):
         """The stored `header ‖ payload` bytes, unchecked, or None."""
         self._check_open()
         value = self._values.get(key)
-        return None if value is None else value.data
+        return None if value is None else bytes(value.data)
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
         """Store `value` under `key` unchecked, replacing what is there."""
         self._check_open()
         check_key(key)
         self._remove(key)
-        self._values[key] = _Value(bytes(value), time.time())
+        self._values[key] = _Value(bytearray(value), time.time())
         self._bytes += len(value)
 
     # MaintainableStorage.
@@ -367,7 +446,7 @@ class MemoryStorage(BackendBase):
         self._check_open()
         pages: list[PageInfo] = []
         for key, value in islice(reversed(self._values.items()), limit):
-            header = decode_header(value.data)
+            header = decode_header(memoryview(value.data))
             if isinstance(header, PageHeader):
                 pages.append(
                     PageInfo(
@@ -394,7 +473,8 @@ class MemoryStorage(BackendBase):
                 checks.append(_self_check(key, value.data, mac_key))
             return checks
 
-        checks = await self._run(work, sum(len(value.data) for _, value in items))
+        with self._reading():
+            checks = await self._run(work, sum(len(value.data) for _, value in items))
         ok = unsupported = removed = 0
         for (key, value), check in zip(items, checks, strict=False):
             if check is PageCheck.OK:
@@ -415,7 +495,8 @@ class MemoryStorage(BackendBase):
         )
 
     async def gc(self) -> GcReport:
-        """Evict least recently used pages until within capacity (puts already keep it so)."""
+        """Evict least recently used pages until within capacity (puts already keep it so);
+        free the spare buffers kept for reuse."""
         self._check_open()
         evicted = freed = 0
         while self._bytes + self._reserved > self._capacity and self._values:
@@ -424,13 +505,14 @@ class MemoryStorage(BackendBase):
             if value is not None:
                 evicted += 1
                 freed += len(value.data)
+        self._drop_spares()
         self._counters.evictions += evicted
         return GcReport(evicted_pages=evicted, freed_bytes=freed)
 
 
-def _self_check(key: bytes, data: bytes, mac_key: bytes | None) -> PageCheck:
+def _self_check(key: bytes, data: bytearray, mac_key: bytes | None) -> PageCheck:
     """A stored value's own consistency (no reader namespace to compare against)."""
-    header = decode_header(data)
+    header = decode_header(memoryview(data))
     if isinstance(header, PageCheck):
         return header
     if header.key != key or len(data) != header.page_nbytes:

@@ -45,7 +45,6 @@ __all__ = [
     "check_header",
     "decode_header",
     "encode_header",
-    "encode_value",
     "payload_checksum",
     "read_value_into",
     "scatter",
@@ -245,17 +244,6 @@ def _scatter_checksum(source: bytes | memoryview, into: PageBuffer) -> int:
     if len(view) != sum(segment.nbytes for segment in into):
         raise ValueError(f"payload of {len(view)} bytes does not match the buffers")
     return _native.copy_checksum(list(into), [view])
-
-
-def encode_value(meta: PageMeta, payload: PageBuffer, *, mac_key: bytes | None = None) -> bytes:
-    """`header ‖ payload` as one value, for value stores; the payload is read once for both
-    the copy and its checksum (twice with a MAC key)."""
-    segments = list(payload)
-    return _native.build_value(
-        HEADER_NBYTES,
-        segments,
-        lambda digest: encode_header(meta, segments, mac_key=mac_key, checksum=digest),
-    )
 
 
 def read_value_into(
