@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import os
+import threading
 
 import pytest
 
@@ -201,3 +203,23 @@ def test_spare_parameter() -> None:
         MemoryStorage.from_url("memory://?spare=lots")
     with pytest.raises(StorageConfigError, match="spare_bytes must be >= 0"):
         MemoryStorage(spare_bytes=-1)
+
+
+async def test_new_buffers_of_a_big_put_are_allocated_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # bytearray(n) zero-fills n bytes: for a batch of many MiB that would stall the loop.
+    from hicache_async.storage import _memory
+
+    threads: list[threading.Thread] = []
+
+    def allocate(size: int) -> bytearray:
+        threads.append(threading.current_thread())
+        return builtins.bytearray(size)
+
+    monkeypatch.setattr(_memory, "bytearray", allocate, raising=False)
+    nbytes = 2 << 20  # 4 pages: above the inline limit, one thread job
+    async with MemoryStorage(capacity_bytes=64 << 20) as storage:
+        assert await _put(storage, _keys(4), nbytes) == [Outcome.OK] * 4
+    assert len(threads) == 4
+    assert threading.current_thread() not in threads

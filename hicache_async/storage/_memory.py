@@ -375,20 +375,24 @@ class MemoryStorage(BackendBase):
     ) -> None:
         built: list[bytearray | None] = [None] * len(writes)
         mac_key = self._mac_key
-        # Taken here, on the loop; a put that is cancelled or fails just drops them.
-        buffers = [self._take_spare(size) or bytearray(size) for size in sizes]
+        # Spares are taken here, on the loop (a put that is cancelled or fails just drops
+        # them); new buffers are allocated by the job, off the loop: bytearray zero-fills.
+        spares = [self._take_spare(size) for size in sizes]
 
         def work(stop: threading.Event) -> None:
             views = [byte_segments(pages[i], writable=False) for i in writes]
             for slot, (i, segments) in enumerate(zip(writes, views, strict=True)):
                 if stop.is_set():
                     return
-                value = memoryview(buffers[slot])
+                buffer = spares[slot]
+                if buffer is None:
+                    buffer = bytearray(sizes[slot])
+                value = memoryview(buffer)
                 digest = _native.copy_checksum([value[HEADER_NBYTES:]], segments)
                 value[:HEADER_NBYTES] = encode_header(
                     metas[i], segments, mac_key=mac_key, checksum=digest
                 )
-                built[slot] = buffers[slot]
+                built[slot] = buffer
 
         # Plan: reserve the room and mark keys and victims; evict and insert only at commit,
         # so a cancelled put leaves the store as it was.
