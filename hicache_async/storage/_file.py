@@ -533,17 +533,13 @@ class _SparePool:
                 del self._by_size[size]
             return name
 
-    def names(self) -> frozenset[str]:
-        """Every spare file's name."""
-        with self._lock:
-            return frozenset(name for group in self._by_size.values() for name in group)
-
-    def drain(self) -> frozenset[str]:
-        """Every spare file's name, the pool now empty."""
+    def names(self, *, drain: bool = False) -> frozenset[str]:
+        """Every spare file's name; with `drain`, the pool is then empty."""
         with self._lock:
             names = frozenset(name for group in self._by_size.values() for name in group)
-            self._by_size.clear()
-            self.nbytes = 0
+            if drain:
+                self._by_size.clear()
+                self.nbytes = 0
             return names
 
 
@@ -736,7 +732,7 @@ class FileStorage(BackendBase):
             self._helpers.shutdown(wait=False)
         interrupted = False
         if self._handles is not None and self._spares is not None:
-            names = self._spares.drain()
+            names = self._spares.names(drain=True)
             if names:  # off the loop: freeing cached pages takes a while per file
                 done = self._executor.submit(_unlink_all, self._handles.tmp_fd, names)
                 interrupted = await drain_future(asyncio.wrap_future(done))

@@ -168,8 +168,8 @@ class MemoryStorage(BackendBase):
     def _remove(self, key: bytes) -> _Value | None:
         value = self._values.pop(key, None)
         if value is not None:
-            self._bytes -= len(value.data)
             size = len(value.data)
+            self._bytes -= size
             if (
                 self._readers == 0
                 and not self.closed

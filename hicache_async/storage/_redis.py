@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from typing import Any
 from urllib.parse import urlencode, urlunsplit
 
-import anyio
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
@@ -57,7 +56,7 @@ from ._page import (
     verify_payload,
 )
 from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
-from ._redis_bulk import BulkConnectionPool, ReplyError
+from ._redis_bulk import BulkConnection, BulkConnectionPool, ReplyError
 
 __all__ = ["RedisStorage"]
 
@@ -364,6 +363,7 @@ class RedisStorage(BackendBase):
                 password=settings.get("password"),
                 client_name=settings.get("client_name"),
                 limit=self._max_connections,
+                timeout=self._timeout,
             )
         self._prefix_script = self._client.register_script(_PREFIX_SCRIPT)
         try:
@@ -432,17 +432,10 @@ class RedisStorage(BackendBase):
         for start in range(0, len(keys), _KEYS_PER_SCRIPT):
             batch = [self._rkey(k) for k in keys[start : start + _KEYS_PER_SCRIPT]]
             command = (b"EVALSHA", sha, b"%d" % len(batch), *batch)
-
-            async def call(fresh: bool, command: tuple[bytes, ...] = command) -> int | ReplyError:
-                async with bulk.connection(fresh=fresh) as conn:
-                    with anyio.fail_after(self._timeout):
-                        return await conn.call_integer(*command)
-
             try:
-                try:
-                    reply = await call(fresh=False)
-                except ConnectionError:
-                    reply = await call(fresh=True)  # a dropped idle connection; safe to repeat
+                reply = await bulk.exchange(
+                    functools.partial(BulkConnection.call_integer, command=command)
+                )
             except (*REDIS_FAULTS, OSError) as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: exists failed: {exc}") from exc
@@ -615,44 +608,37 @@ class RedisStorage(BackendBase):
             for rkey in (self._rkey(keys[i]) for i in chunk)
         )
 
-        async def exchange(fresh: bool) -> list[tuple[int, _Received]]:
+        async def talk(conn: BulkConnection) -> list[tuple[int, _Received]]:
             received: list[tuple[int, _Received]] = []
-            async with bulk.connection(fresh=fresh) as conn:
-                with anyio.fail_after(self._timeout):
-                    await conn.send([request])
-                    for i in chunk:
-                        length = await conn.read_bulk_length()
-                        if length is None or isinstance(length, ReplyError):
-                            received.append((i, length))
-                            continue
-                        head = memoryview(bytearray(min(length, HEADER_NBYTES)))
-                        await conn.read_into(head)
-                        header = decode_header(head)
-                        expected = payloads[i]
-                        verdict = check_header(
-                            header, key=keys[i], namespace=namespace, payload_nbytes=expected
-                        )
-                        if verdict is PageCheck.OK and length != HEADER_NBYTES + expected:
-                            verdict = PageCheck.CORRUPT
-                        if verdict is PageCheck.OK and isinstance(header, PageHeader):
-                            for segment in targets[i]:
-                                await conn.read_into(segment)
-                            received.append((i, header))
-                        else:
-                            await conn.skip(length - head.nbytes)
-                            reason = corrupt_reason(
-                                head, key=keys[i], namespace=namespace, payload_nbytes=expected
-                            )
-                            received.append((i, (verdict, reason)))
-                        await conn.skip(2)
+            await conn.send([request])
+            for i in chunk:
+                length = await conn.read_bulk_length()
+                if length is None or isinstance(length, ReplyError):
+                    received.append((i, length))
+                    continue
+                head = memoryview(bytearray(min(length, HEADER_NBYTES)))
+                await conn.read_into(head)
+                header = decode_header(head)
+                expected = payloads[i]
+                verdict = check_header(
+                    header, key=keys[i], namespace=namespace, payload_nbytes=expected
+                )
+                if verdict is PageCheck.OK and length != HEADER_NBYTES + expected:
+                    verdict = PageCheck.CORRUPT
+                if verdict is PageCheck.OK and isinstance(header, PageHeader):
+                    for segment in targets[i]:
+                        await conn.read_into(segment)
+                    received.append((i, header))
+                else:
+                    await conn.skip(length - head.nbytes)
+                    reason = corrupt_reason(
+                        head, key=keys[i], namespace=namespace, payload_nbytes=expected
+                    )
+                    received.append((i, (verdict, reason)))
+                await conn.skip(2)
             return received
 
-        try:
-            return await exchange(fresh=False)
-        except ConnectionError:
-            # An idle connection the server dropped (restart, idle timeout): once more on a
-            # new one; GET is safe to repeat.
-            return await exchange(fresh=True)
+        return await bulk.exchange(talk)  # GET is safe to repeat
 
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
@@ -830,19 +816,12 @@ class RedisStorage(BackendBase):
         just before it is sent. Replies: True (stored), None (the key existed) or the error
         reply of that command."""
 
-        async def exchange(fresh: bool) -> list[object]:
-            async with bulk.connection(fresh=fresh) as conn:
-                with anyio.fail_after(self._timeout):
-                    for k in range(count):
-                        await conn.send(await parts(k))
-                    return [await conn.read_status() for _ in range(count)]
+        async def talk(conn: BulkConnection) -> list[object]:
+            for k in range(count):
+                await conn.send(await parts(k))
+            return [await conn.read_status() for _ in range(count)]
 
-        try:
-            return await exchange(fresh=False)
-        except ConnectionError:
-            # An idle connection the server dropped: once more on a new one (SET NX makes a
-            # repeated page harmless).
-            return await exchange(fresh=True)
+        return await bulk.exchange(talk)  # SET NX makes a repeat harmless
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """DEL each key; how many existed."""

@@ -20,9 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
 
 __all__ = ["BulkConnection", "BulkConnectionPool", "ProtocolError", "ReplyError"]
+
+T = TypeVar("T")
 
 _RECV_NBYTES = 64 << 10
 #: Longest reply line accepted (status, error or bulk length); a longer one is a protocol error.
@@ -107,10 +112,10 @@ class BulkConnection:
             return None
         raise ProtocolError(f"unexpected reply to SET: {line[:40]!r}")
 
-    async def call_integer(self, *args: bytes) -> int | ReplyError:
+    async def call_integer(self, command: Sequence[bytes]) -> int | ReplyError:
         """Send one command whose reply is an integer (`EVALSHA` of a script returning a
         number); returns it, or the error reply."""
-        await self.send([_command(*args)])
+        await self.send([_command(*command)])
         line = await self._read_line()
         kind = line[:1]
         if kind == b":":
@@ -196,7 +201,8 @@ class BulkConnectionPool:
     """Up to `limit` `BulkConnection`s to one server, opened on demand and kept while idle.
 
     `connection()` lends one; if the block that holds it raises (cancellation included) the
-    connection is closed instead of returned.
+    connection is closed instead of returned. `exchange()` bounds a whole exchange (the wait
+    for a connection and its opening included) by `timeout` seconds.
     """
 
     def __init__(
@@ -209,9 +215,13 @@ class BulkConnectionPool:
         password: str | None = None,
         client_name: str | None = None,
         limit: int = 16,
+        timeout: float = 5.0,
     ) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        self._timeout = timeout
         self._host = host
         self._port = port
         self._setup: list[bytes] = []
@@ -256,6 +266,21 @@ class BulkConnectionPool:
                 conn.close()
             else:
                 self._idle.append(conn)
+
+    async def exchange(self, talk: Callable[[BulkConnection], Awaitable[T]]) -> T:
+        """`await talk(conn)` on a lent connection within `timeout` seconds (raising
+        TimeoutError); once more on a newly opened one if the connection fails (an idle one
+        the server dropped: a restart, an idle timeout), so `talk` must be safe to repeat."""
+
+        async def attempt(fresh: bool) -> T:
+            with anyio.fail_after(self._timeout):
+                async with self.connection(fresh=fresh) as conn:
+                    return await talk(conn)
+
+        try:
+            return await attempt(fresh=False)
+        except ConnectionError:
+            return await attempt(fresh=True)
 
     def close(self) -> None:
         """Close the idle connections; lent ones are closed when they come back."""

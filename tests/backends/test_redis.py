@@ -230,8 +230,11 @@ async def test_batches_work_again_after_a_server_restart() -> None:
             assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
             first.stop()
             with RedisServer(port=port):
-                # The pooled connections are dead; the next batches reconnect.
+                # The pooled connections are dead; the next calls reconnect (and exists loads
+                # its script again on the new server).
+                assert await backend.exists(keys) == 0
                 assert await backend.put(keys[1:], pages[1:], metas[1:]) == [Outcome.OK]
+                assert await backend.exists(keys[1:]) == 1
                 into = buffers(2)
                 outcomes = await backend.get(keys, into, namespace=NS)
                 assert outcomes == [Outcome.MISS, Outcome.OK]  # the first server kept nothing
