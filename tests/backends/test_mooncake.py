@@ -81,6 +81,19 @@ async def test_existing_key_is_ok_and_not_rewritten(backend: MooncakeStorage) ->
     assert backend.stats().pages == 1
 
 
+async def test_delete_counts_the_sizes_of_what_it_removed(backend: MooncakeStorage) -> None:
+    small_keys, small_pages, small_metas = make_pages(2)
+    big_keys, big_pages, big_metas = make_pages(1, 5000)
+    await backend.put(small_keys + big_keys, small_pages + big_pages, small_metas + big_metas)
+    assert backend.stats().bytes == 2 * (HEADER_NBYTES + 3000) + HEADER_NBYTES + 5000
+    absent = os.urandom(32)
+    # One size lookup for the whole batch; an absent key costs nothing and counts nothing.
+    assert await backend.delete([big_keys[0], absent, small_keys[0]]) == 2
+    stats = backend.stats()
+    assert (stats.pages, stats.bytes, stats.deletes) == (1, HEADER_NBYTES + 3000, 2)
+    assert await backend.exists(small_keys[1:]) == 1
+
+
 async def test_exists_counts_the_consecutive_prefix(backend: MooncakeStorage) -> None:
     keys, pages, metas = make_pages(4)
     stored = [0, 1, 3]
