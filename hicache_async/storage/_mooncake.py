@@ -69,6 +69,7 @@ _INVALID_PARAMS = -600  # among others: the object is larger than the buffers gi
 _TRANSFER_FAIL = -800  # among others: the object's length differs from the buffers'
 _NOT_FOUND = -704
 _ALREADY_EXISTS = -705
+_REFUSED = (_INVALID_PARAMS, _TRANSFER_FAIL)
 
 _MiB = 1 << 20
 _ALIGN = 64
@@ -364,6 +365,8 @@ def _header_reason(
 def _stored_sizes(store: Any, names: Sequence[str]) -> list[int]:
     """Each object's stored length, -1 when absent, from one `batch_get_replica_desc` RPC
     (a `get_size` per name would be one round trip each)."""
+    if not names:
+        return []
     described = store.batch_get_replica_desc(list(names))
     sizes: list[int] = []
     for name in names:
@@ -376,12 +379,6 @@ def _stored_sizes(store: Any, names: Sequence[str]) -> list[int]:
             size = max(int(store.get_size(name)), -1)  # a disk replica: ask for it alone
         sizes.append(size)
     return sizes
-
-
-def _other_length(store: Any, name: str, expected: int) -> bool:
-    """The object exists with a length other than `expected` (one `get_size` RPC)."""
-    size = int(store.get_size(name))
-    return size >= 0 and size != expected
 
 
 def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int = 1) -> int:
@@ -1106,15 +1103,15 @@ class MooncakeStorage(BackendBase):
             codes = list(store.batch_get_into_multi_buffers(names, buffers, sizes)) if todo else []
             corrupt: list[str] = []
             arrived: list[tuple[int, str]] = []
+            # Mooncake refuses a length mismatch with these codes (among other causes): one
+            # size lookup for all of them tells a damaged object from a failed transfer.
+            refused = [n for n, c in zip(names, codes, strict=True) if c in _REFUSED]
+            stored = dict(zip(refused, _stored_sizes(store, refused), strict=True))
             for j, name, code in zip(todo, names, codes, strict=True):
                 expected = HEADER_NBYTES + plans[chunk[j]].nbytes
                 if code == _NOT_FOUND:
                     results[j] = (Outcome.MISS, "")
-                elif code in (_INVALID_PARAMS, _TRANSFER_FAIL) and _other_length(
-                    store, name, expected
-                ):
-                    # Mooncake refuses a length mismatch this way: an object of another length
-                    # than the page is damaged (any other cause stays an ERROR).
+                elif code in _REFUSED and stored[name] not in (-1, expected):
                     results[j] = (Outcome.CORRUPT, "length")
                     corrupt.append(name)
                 elif code < 0:
@@ -1284,19 +1281,24 @@ class MooncakeStorage(BackendBase):
             [[[HEADER_NBYTES]] * len(names)],
         )
         now = time.time()
-        pages: list[PageInfo] = []
-        lead = len(self._prefix) + 1
-        for n, name in enumerate(names):
+        headers: list[PageHeader | PageCheck] = []
+        for n in range(len(names)):
             counts = got[0][n] if got and len(got[0]) > n else [-1]
-            key = bytes.fromhex(name[lead:])
             offset = base + n * HEADER_NBYTES
-            header = (
+            headers.append(
                 decode_header(arena[offset : offset + HEADER_NBYTES])
                 if counts and counts[0] == HEADER_NBYTES
                 else PageCheck.CORRUPT
             )
+        # Unreadable headers: list the objects by their stored size, for verify and gc.
+        unread = [n for n, h in zip(names, headers, strict=True) if isinstance(h, PageCheck)]
+        sizes = dict(zip(unread, _stored_sizes(store, unread), strict=True))
+        pages: list[PageInfo] = []
+        lead = len(self._prefix) + 1
+        for name, header in zip(names, headers, strict=True):
+            key = bytes.fromhex(name[lead:])
             if isinstance(header, PageCheck):
-                size = int(store.get_size(name))
+                size = sizes[name]
                 if size < 0:
                     continue  # gone since it was listed
                 pages.append(

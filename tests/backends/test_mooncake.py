@@ -191,6 +191,20 @@ async def test_damaged_pages_are_rejected(
         assert backend.stats().corrupt == 0
 
 
+async def test_several_wrong_lengths_in_one_batch(backend: MooncakeStorage) -> None:
+    keys, pages, metas = make_pages(3)
+    await backend.put(keys, pages, metas)
+    for key, change in ((keys[0], lambda v: v[:-10]), (keys[2], lambda v: v + b"extra")):
+        raw = await backend.read_raw(key)
+        assert raw is not None
+        await backend.write_raw(key, change(raw))
+    outcomes = await backend.get(keys, buffers(3), namespace=NS)
+    assert outcomes == [Outcome.CORRUPT, Outcome.OK, Outcome.CORRUPT]
+    assert await backend.read_raw(keys[0]) is None
+    assert await backend.read_raw(keys[2]) is None
+    assert backend.stats().corrupt == 2
+
+
 async def test_other_namespace_is_a_miss_left_in_place(backend: MooncakeStorage) -> None:
     keys, pages, metas = make_pages(1)
     await backend.put(keys, pages, metas)
@@ -324,6 +338,24 @@ async def test_list_verify_and_gc(mooncake_url: str) -> None:
         gc = await backend.gc()
         assert (gc.evicted_pages, gc.freed_bytes) == (1, HEADER_NBYTES + 3000)
         assert len(await backend.list_pages()) == 2
+
+
+async def test_pages_with_unreadable_headers_are_listed_by_size(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as backend:
+        keys, pages, metas = make_pages(3)
+        await backend.put(keys, pages, metas)
+        raw = await backend.read_raw(keys[0])
+        assert raw is not None
+        await backend.write_raw(keys[0], raw[:10] + bytes([raw[10] ^ 1]) + raw[11:])
+        await backend.write_raw(keys[1], b"short")
+        listed = {p.key: p for p in await backend.list_pages()}
+        assert set(listed) == set(keys)
+        assert listed[keys[0]].nbytes == HEADER_NBYTES + 3000
+        assert listed[keys[1]].nbytes == 5
+        assert (listed[keys[2]].nbytes, listed[keys[2]].priority) == (HEADER_NBYTES + 3000, 2)
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (3, 1, 2)
+        assert [p.key for p in await backend.list_pages()] == [keys[2]]
 
 
 async def test_listing_needs_the_admin_url(mooncake_master: MooncakeMaster) -> None:
