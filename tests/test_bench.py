@@ -256,6 +256,23 @@ def test_report_renders_missing_failed_and_skipped_jobs(tmp_path: Path) -> None:
     assert "| exists of 64 keys < 0.1 ms (file) | 1 | 1 |" in page
 
 
+def test_report_targets_leave_out_the_checked_baseline(tmp_path: Path) -> None:
+    records = [
+        Record.compare("storage.mooncake.small.put_gbps", 1.9, "GB/s", 2.0),
+        Record.compare("storage.mooncake.small.get_gbps", 1.9, "GB/s", 2.0),
+        # The baseline's own calls with checksums: a reference, not a figure of ours.
+        Record.compare("storage.mooncake.small.raw_checked_put_gbps", 1.6, "GB/s", 2.0),
+        Record.compare("storage.mooncake.small.raw_checked_get_gbps", 1.6, "GB/s", 2.0),
+    ]
+    write_records(tmp_path / "s.json", records)
+    job = report.JobResult(
+        key="s", title="s", kind="storage", command="c", status="ok", json="s.json"
+    )
+    page = report.render([job], tmp_path, {}, quick=False)
+    assert "| storage put ≥ 0.9x raw | 1 | 1 |" in page
+    assert "| storage get ≥ 0.9x raw | 1 | 1 |" in page
+
+
 def test_report_job_of_an_unknown_kind_is_missing(tmp_path: Path) -> None:
     job = report.Job(key="x", title="x", kind="no-such-benchmark", args=[])
     result = report.run_job(job, tmp_path, timeout_s=60)

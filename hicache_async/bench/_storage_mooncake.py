@@ -5,6 +5,10 @@ per page, no header, no checksum) between registered host memory and the store:
 `batch_put_from`, `batch_get_into` and `batch_is_exist`, with the client set up exactly as the
 URL says. A whole-batch call and 16-page calls are tried; the bench pairs the one with the
 better median with the backend, run by run, as for Redis.
+
+The same calls with xxh3 of every page (before a put, checked after a get, on two threads)
+are timed too, in the same runs: that is what any store that checksums its pages must do at
+the least, so their ratio to the plain calls is the ceiling of a checked store here.
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from .. import _native
 from ..storage._mooncake import pooled_client
 
 __all__ = ["RawModes"]
@@ -46,6 +52,12 @@ def _calls(
     return run
 
 
+def _digests(pool: ThreadPoolExecutor, data: np.ndarray[Any, Any], page_nbytes: int) -> list[int]:
+    view = memoryview(data.data)
+    pages = [view[start : start + page_nbytes] for start in range(0, len(view), page_nbytes)]
+    return list(pool.map(lambda page: _native.checksum([page]), pages))
+
+
 def _timed(run: Callable[[], None]) -> float:
     start = time.perf_counter()
     run()
@@ -59,9 +71,14 @@ class RawModes:
     Modes: one call for the whole batch (`whole`) and 16-page calls (`c16`). `put(mode)` first
     removes what the previous put stored (untimed), then stores keys the cluster does not
     hold, from registered memory; `get(mode)` reads the last put's objects into registered
-    memory and checks they came back intact (untimed). Both return seconds. Use as a context
-    manager; it removes its objects and registrations on the way out.
+    memory and checks they came back intact (untimed). Both return seconds. With
+    `checked=True` the timed part also hashes every page (xxh3, two threads): before the put,
+    and after the get against the source's digests. Use as a context manager; it removes its
+    objects and registrations on the way out.
     """
+
+    #: The bench also times the calls with checksums (`checked=True`), for the ceiling record.
+    checked_ceiling = True
 
     def __init__(self, url: str, page_nbytes: int, num_pages: int) -> None:
         if page_nbytes < 1 or num_pages < 1:
@@ -77,10 +94,14 @@ class RawModes:
         self._keys: list[str] = []
         self._stack = contextlib.ExitStack()
         self._store: Any = None
+        self._hashers: ThreadPoolExecutor | None = None
+        self._digests: list[int] = []
         self.modes = sorted({"whole", f"c{min(16, num_pages)}"})
 
     def __enter__(self) -> RawModes:
         with contextlib.ExitStack() as stack:
+            self._hashers = stack.enter_context(ThreadPoolExecutor(2, "raw-mooncake-hash"))
+            self._digests = _digests(self._hashers, self._source, self._nbytes)
             self._store = stack.enter_context(pooled_client(self._url))
             for array in (self._source, self._target):
                 address = int(array.ctypes.data)
@@ -91,8 +112,15 @@ class RawModes:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with self._stack:
-            self._remove()
+        try:
+            with self._stack:
+                self._remove()
+        finally:
+            self._store = self._hashers = None
+
+    def _check_open(self) -> None:
+        if self._store is None:
+            raise RuntimeError("RawModes is used outside its with block")
 
     def _remove(self) -> None:
         if self._keys:
@@ -104,29 +132,53 @@ class RawModes:
             raise ValueError(f"unknown mode {mode!r}; modes: {', '.join(self.modes)}")
         return len(self._keys) if mode == "whole" else int(mode[1:])
 
-    def put(self, mode: str) -> float:
+    def _hash(self, data: np.ndarray[Any, Any]) -> list[int]:
+        assert self._hashers is not None
+        return _digests(self._hashers, data, self._nbytes)
+
+    def put(self, mode: str, *, checked: bool = False) -> float:
+        self._check_open()
         self._remove()
         run = next(self._runs)
         pages = self._source.nbytes // self._nbytes
         self._keys = [f"{self._tag}:{run}:{i}" for i in range(pages)]
         base = int(self._source.ctypes.data)
-        return _timed(
-            _calls(self._store, self._keys, base, self._nbytes, self._chunk(mode), put=True)
-        )
+        calls = _calls(self._store, self._keys, base, self._nbytes, self._chunk(mode), put=True)
+        if not checked:
+            return _timed(calls)
+        digests: list[int] = []
 
-    def get(self, mode: str) -> float:
+        def hashed_calls() -> None:
+            digests.extend(self._hash(self._source))
+            calls()
+
+        seconds = _timed(hashed_calls)
+        if digests != self._digests:
+            raise RuntimeError("raw mooncake put: the source's digests changed")
+        return seconds
+
+    def get(self, mode: str, *, checked: bool = False) -> float:
+        self._check_open()
         if not self._keys:
             raise RuntimeError("get before any put")
         self._target[:] = 0
         base = int(self._target.ctypes.data)
-        run = _calls(self._store, self._keys, base, self._nbytes, self._chunk(mode), put=False)
-        seconds = _timed(run)
-        if not np.array_equal(self._source, self._target):
+        calls = _calls(self._store, self._keys, base, self._nbytes, self._chunk(mode), put=False)
+        intact = True
+
+        def checked_calls() -> None:
+            nonlocal intact
+            calls()
+            intact = self._hash(self._target) == self._digests
+
+        seconds = _timed(checked_calls if checked else calls)
+        if not intact or not np.array_equal(self._source, self._target):
             raise RuntimeError("raw mooncake get returned other bytes")
         return seconds
 
     def exists_us(self) -> float:
         """Median microseconds of one `batch_is_exist` of 64 of the last put's keys."""
+        self._check_open()
         if not self._keys:
             raise RuntimeError("exists before any put")
         return _exists_us(self._store, self._keys)

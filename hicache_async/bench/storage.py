@@ -247,9 +247,10 @@ def _exists_record(prefix: str, ours_us: float, base_us: float | None) -> Record
     return Record.compare(name, ours_us, "us", base_us)
 
 
-def _alternate(rep: int) -> tuple[int, int]:
-    """Who goes first in run `rep`: ours (0) and the baseline (1) take turns."""
-    return (rep % 2, 1 - rep % 2)
+def _rotate(rep: int, sides: int = 2) -> list[int]:
+    """The order of `sides` contenders in run `rep` (ours is 0, the baseline 1): each goes
+    first in turn."""
+    return [(rep + i) % sides for i in range(sides)]
 
 
 # file://
@@ -346,7 +347,7 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                             os.unlink(path)
                     keys = data.keys()
                     paths = [str(raw_dir / key.hex()) for key in keys]
-                    for turn in _alternate(rep):
+                    for turn in _rotate(rep):
                         os.sync()  # no writeback of the previous run competes with this one
                         if turn == 0:
                             times[0] = runner.run(_put_all(storage, data, keys, args.batch))
@@ -354,7 +355,7 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                             times[1] = _raw_put(pool, paths, data)
                     pairs.add("put", *times)
                 for rep in range(2 * reps):  # cheap, and the noisiest
-                    for turn in _alternate(rep):
+                    for turn in _rotate(rep):
                         if turn == 0:
                             times[0] = runner.run(_get_all(storage, data, keys, args.batch))
                             data.check()
@@ -363,7 +364,7 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                             data.check()  # both start from the same state of the buffers
                     pairs.add("get_hot", *times)
                 for rep in range(max(1, reps - 1)):  # each pair writes back and re-reads all
-                    for turn in _alternate(rep):
+                    for turn in _rotate(rep):
                         _drop_cache(storage.root, raw_dir)
                         if turn == 0:
                             times[0] = runner.run(_get_all(storage, data, keys, args.batch))
@@ -429,14 +430,14 @@ def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
                     runner.run(storage.delete(keys))
                 store = {}
                 keys = data.keys()
-                for turn in _alternate(rep):
+                for turn in _rotate(rep):
                     if turn == 0:
                         times[0] = runner.run(_put_all(storage, data, keys, args.batch))
                     else:
                         times[1] = _dict_put(store, keys, data)
                 pairs.add("put", *times)
             for rep in range(2 * reps):
-                for turn in _alternate(rep):
+                for turn in _rotate(rep):
                     if turn == 0:
                         times[0] = runner.run(_get_all(storage, data, keys, args.batch))
                         data.check()
@@ -489,10 +490,16 @@ def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any
             keys = data.keys()
             runner.run(_put_all(storage, data, keys, args.batch))
             runner.run(_get_all(storage, data, keys, args.batch))
-            times = [(0.0, 0.0), (0.0, 0.0)]
+            ceiling = bool(getattr(raw, "checked_ceiling", False))
+            times = [(0.0, 0.0), (0.0, 0.0), (0.0, 0.0)]
             for rep in range(reps):
-                for turn in _alternate(rep):
-                    if turn == 0:
+                for turn in _rotate(rep, 3 if ceiling else 2):
+                    if turn == 2:
+                        times[2] = (
+                            raw.put(put_mode, checked=True),
+                            raw.get(get_mode, checked=True),
+                        )
+                    elif turn == 0:
                         if keys:
                             runner.run(storage.delete(keys))
                         keys = data.keys()
@@ -504,6 +511,9 @@ def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any
                         times[1] = (raw.put(put_mode), raw.get(get_mode))
                 pairs.add("put", times[0][0], times[1][0])
                 pairs.add("get", times[0][1], times[1][1])
+                if ceiling:
+                    pairs.add("raw_checked_put", times[2][0], times[1][0])
+                    pairs.add("raw_checked_get", times[2][1], times[1][1])
             exists = runner.run(_exists_us(storage, keys))
             raw_exists = raw.exists_us()
             runner.run(storage.delete(keys))

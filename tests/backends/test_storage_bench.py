@@ -67,7 +67,25 @@ def test_redis_records(redis_url: str) -> None:
 
 
 def test_mooncake_records(mooncake_url: str) -> None:
-    _check(_run(mooncake_url), "mooncake", _THROUGHPUT)
+    by = _run(mooncake_url)
+    _check(by, "mooncake", [*_THROUGHPUT, "raw_checked_put_gbps", "raw_checked_get_gbps"])
+    for op in ("put", "get"):
+        # The checked calls are the plain calls plus hashing, against those same plain calls.
+        ceiling = by[f"storage.mooncake.small.raw_checked_{op}_gbps"]
+        assert ceiling.baseline == by[f"storage.mooncake.small.{op}_gbps"].baseline
+
+
+def test_mooncake_checked_raw_calls_verify_what_they_read(mooncake_url: str) -> None:
+    with MooncakeRawModes(mooncake_url, 4096, 3) as raw:
+        assert raw.put("whole", checked=True) > 0
+        assert raw.get("whole", checked=True) > 0
+        raw._digests[1] ^= 1  # as if the second page had come back other than it was sent
+        with pytest.raises(RuntimeError, match="other bytes"):
+            raw.get("whole", checked=True)
+        assert raw.get("whole") > 0  # the plain call does not hash
+    for call in (lambda: raw.put("whole"), lambda: raw.get("whole"), raw.exists_us):
+        with pytest.raises(RuntimeError, match="outside its with block"):
+            call()
 
 
 def test_mooncake_raw_modes(mooncake_url: str) -> None:
