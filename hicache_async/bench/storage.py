@@ -7,7 +7,10 @@ read page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a syn
 `memory://`, a dict of bytes with the same copies; for any other scheme, the module
 `hicache_async.bench._storage_<scheme>` when it exists (`redis`, `mooncake`), else no
 baseline: its `RawModes` are ways of moving the bytes with the plain client, and the best of
-each direction by median is paired with ours run by run, as for files.
+each direction by median is paired with ours run by run, as for files. Where `RawModes` has
+`checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take a third turn in each
+run, recorded as `raw_checked_put`/`raw_checked_get` against the plain calls: how close any
+store that checksums its pages could come to the baseline there.
 
 Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
