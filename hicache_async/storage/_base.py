@@ -25,6 +25,7 @@ import structlog
 from .._errors import StorageConfigError, StorageError
 from ._page import HEADER_NBYTES, PageCheck, decode_header
 from ._protocol import PageBuffer, PageMeta, StorageStats
+from ._threads import Job, JobThreads
 
 if TYPE_CHECKING:
     from typing import Self
@@ -214,10 +215,8 @@ class BackendBase:
         self._mac_key = mac_key or None
         self._counters = Counters()
         self._state = _State.NEW
-        self._jobs: dict[concurrent.futures.Future[Any], threading.Event] = {}
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=job_threads, thread_name_prefix=thread_name
-        )
+        self._jobs: set[Job[Any]] = set()
+        self._executor = JobThreads(job_threads, thread_name)
 
     @property
     def name(self) -> str:
@@ -262,13 +261,12 @@ class BackendBase:
             return
         was_open = self._state is _State.OPEN
         self._state = _State.CLOSED
-        jobs = list(self._jobs.items())
-        for _, stop in jobs:
-            stop.set()
+        jobs = list(self._jobs)
+        for job in jobs:
+            job.stop.set()
         interrupted = False
-        for future, _ in jobs:
-            if not future.done():
-                interrupted |= await drain_future(asyncio.wrap_future(future))
+        for job in jobs:
+            interrupted |= await job.drain()
         try:
             if was_open:
                 await self._release()
@@ -313,21 +311,21 @@ class BackendBase:
         """
         if self._state is _State.CLOSED:
             raise StorageError(f"{self._name} is closed")
-        stop = threading.Event()
+        job = Job(work, asyncio.get_running_loop())
         try:
-            future = self._executor.submit(work, stop)
+            self._executor.start(job.run)
         except RuntimeError as exc:  # shut down under us
             raise StorageError(f"{self._name} is closed") from exc
-        self._jobs[future] = stop
-        waiter = asyncio.wrap_future(future)
+        self._jobs.add(job)
         try:
-            return await asyncio.shield(waiter)
+            await job.wait()
         except asyncio.CancelledError:
-            stop.set()
-            await drain_future(waiter)
+            job.stop.set()
+            await job.drain()
             raise
         finally:
-            del self._jobs[future]
+            self._jobs.discard(job)
+        return job.result()
 
     # Subclass hooks.
 
