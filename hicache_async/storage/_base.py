@@ -37,7 +37,6 @@ __all__ = [
     "check_batch",
     "check_key",
     "corrupt_reason",
-    "drain_future",
     "fan_out",
     "parse_bool",
     "parse_port",
@@ -139,21 +138,6 @@ def byte_segments(page: PageBuffer, *, writable: bool) -> list[memoryview]:
 def payload_nbytes(page: PageBuffer) -> int:
     """Total bytes of a page's segments (`nbytes`, so any memoryview format counts right)."""
     return sum(memoryview(segment).nbytes for segment in page)
-
-
-async def drain_future(future: asyncio.Future[Any]) -> bool:
-    """Wait until `future` is done whatever happens; return True if a cancellation came in."""
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.shield(future)
-        except asyncio.CancelledError:
-            cancelled = True
-        except Exception:  # the job's own caller reports it
-            break
-    if not future.cancelled():
-        future.exception()  # mark retrieved: the job's caller has already dealt with it
-    return cancelled
 
 
 def fan_out(
@@ -326,6 +310,17 @@ class BackendBase:
         finally:
             self._jobs.discard(job)
         return job.result()
+
+    async def _run_while_closing(self, work: Callable[[], None]) -> bool:
+        """Run `work` on a job thread from `_release()`, where `run_job` refuses (the backend
+        is closed), and wait for it whatever happens: True if a cancellation came in
+        meanwhile, for the caller to re-raise once it has released the rest. Its errors
+        propagate."""
+        job: Job[None] = Job(lambda stop: work(), asyncio.get_running_loop())
+        self._executor.start(job.run)
+        interrupted = await job.drain()
+        job.result()
+        return interrupted
 
     # Subclass hooks.
 

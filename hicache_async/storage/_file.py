@@ -60,7 +60,6 @@ from ._base import (
     byte_segments,
     check_batch,
     check_key,
-    drain_future,
     fan_out,
     log,
     parse_bool,
@@ -734,8 +733,8 @@ class FileStorage(BackendBase):
         if self._handles is not None and self._spares is not None:
             names = self._spares.names(drain=True)
             if names:  # off the loop: freeing cached pages takes a while per file
-                done = self._executor.submit(_unlink_all, self._handles.tmp_fd, names)
-                interrupted = await drain_future(asyncio.wrap_future(done))
+                tmp_fd = self._handles.tmp_fd
+                interrupted = await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
         if self._handles is not None:
             self._handles.close()  # every job has stopped: no thread uses these descriptors
             self._handles = None

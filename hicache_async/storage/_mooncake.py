@@ -687,13 +687,15 @@ class MooncakeStorage(BackendBase):
                 store.unregister_buffer(address)
             _POOL.give_back(key, store)
 
+        interrupted = False
         if store is not None:
-            # Every job has stopped (BackendBase.close), so the executor is free for this;
-            # until it is done, the registered memory stays referenced here.
-            await asyncio.get_running_loop().run_in_executor(self._executor, release)
+            # Until it is done, the registered memory stays referenced here.
+            interrupted = await self._run_while_closing(release)
         self._regions = _Regions()
         self._arena_view = None
         self._arena_array = None
+        if interrupted:
+            raise asyncio.CancelledError
 
     def _client_key(self) -> _ClientKey:
         return (

@@ -9,17 +9,15 @@ for a queue put and a single `call_soon_threadsafe`. Every storage batch pays it
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from typing import Generic, ParamSpec, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["Job", "JobThreads"]
 
 T = TypeVar("T")
-P = ParamSpec("P")
 
 
 class Job(Generic[T]):
@@ -91,13 +89,10 @@ class Job(Generic[T]):
         return self._value  # type: ignore[return-value]  # T, set by run() when no error
 
 
-class JobThreads(concurrent.futures.Executor):
-    """Up to `max_workers` daemon threads taking callables from one queue, started as needed.
-
-    `start(job.run)` is the fast path for `Job`; `submit` gives a standard
-    `concurrent.futures.Future` for the rare calls that want one. The threads are daemons: an
-    unclosed backend must not keep the interpreter from exiting.
-    """
+class JobThreads:
+    """Up to `max_workers` daemon threads taking callables (`Job.run`) from one queue, started
+    as needed. The threads are daemons: an unclosed backend must not keep the interpreter from
+    exiting."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
         if max_workers < 1:
@@ -136,31 +131,9 @@ class JobThreads(concurrent.futures.Executor):
                 self._threads.append(thread)
             self._queue.put(item)
 
-    def submit(
-        self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
-    ) -> concurrent.futures.Future[T]:
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
-
-        def item() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:  # the future's owner gets it
-                future.set_exception(exc)
-            else:
-                future.set_result(result)
-
-        self.start(item)
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Refuse new jobs; the threads end after the jobs already queued (joined if `wait`).
-
-        Queued jobs always run, since their callers wait for them: `cancel_futures` is refused.
-        """
-        if cancel_futures:
-            raise ValueError("JobThreads runs every queued job; cancel_futures is not supported")
+    def shutdown(self, wait: bool = True) -> None:
+        """Refuse new jobs; the threads end after the jobs already queued, which always run
+        since their callers wait for them (joined if `wait`)."""
         with self._lock:
             if not self._closed:
                 self._closed = True
