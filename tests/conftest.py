@@ -6,11 +6,12 @@ import asyncio
 from collections.abc import Callable, Mapping
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 # Hypothesis' per-example deadline is a timed assertion: on a shared two-core machine a
-# multi-MB example can take 250 ms for reasons that have nothing to do with the code.
-settings.register_profile("hicache", deadline=None)
+# multi-MB example can take 250 ms for reasons that have nothing to do with the code. The
+# too_slow health check times example generation the same way.
+settings.register_profile("hicache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("hicache")
 
 try:
