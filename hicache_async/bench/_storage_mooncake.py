@@ -3,7 +3,8 @@
 The Mooncake client's own zero-copy calls moving the same bytes as the backend (`page_nbytes`
 per page, no header, no checksum) between registered host memory and the store:
 `batch_put_from`, `batch_get_into` and `batch_is_exist`, with the client set up exactly as the
-URL says. A whole-batch call and 16-page calls are tried; the bench pairs the one with the
+URL says, its placement included (`placement=local`: this client's segment first, as the backend
+does). A whole-batch call and 16-page calls are tried; the bench pairs the one with the
 better median with the backend, run by run, as for Redis.
 
 The same calls with xxh3 of every page (before a put, checked after a get, on two threads)
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from ..storage._mooncake import pooled_client
+from ..storage._mooncake import MooncakeStorage, pooled_client
 
 __all__ = ["RawModes"]
 
@@ -33,18 +34,26 @@ _EXISTS_CALLS = 200
 
 
 def _calls(
-    store: Any, keys: Sequence[str], base: int, page_nbytes: int, chunk: int, *, put: bool
+    store: Any,
+    keys: Sequence[str],
+    base: int,
+    page_nbytes: int,
+    chunk: int,
+    *,
+    put: bool,
+    config: Any = None,
 ) -> Callable[[], None]:
     def run() -> None:
         for start in range(0, len(keys), chunk):
             part = list(keys[start : start + chunk])
             ptrs = [base + (start + i) * page_nbytes for i in range(len(part))]
             sizes = [page_nbytes] * len(part)
-            codes = (
-                store.batch_put_from(part, ptrs, sizes)
-                if put
-                else store.batch_get_into(part, ptrs, sizes)
-            )
+            if not put:
+                codes = store.batch_get_into(part, ptrs, sizes)
+            elif config is None:
+                codes = store.batch_put_from(part, ptrs, sizes)
+            else:
+                codes = store.batch_put_from(part, ptrs, sizes, config)
             expected = 0 if put else page_nbytes
             if any(code != expected for code in codes):
                 raise RuntimeError(f"raw mooncake {'put' if put else 'get'} failed: {codes}")
@@ -94,6 +103,7 @@ class RawModes:
         self._keys: list[str] = []
         self._stack = contextlib.ExitStack()
         self._store: Any = None
+        self._replicate: Any = None
         self._hashers: ThreadPoolExecutor | None = None
         self._digests: list[int] = []
         self.modes = sorted({"whole", f"c{min(16, num_pages)}"})
@@ -103,6 +113,12 @@ class RawModes:
             self._hashers = stack.enter_context(ThreadPoolExecutor(2, "raw-mooncake-hash"))
             self._digests = _digests(self._hashers, self._source, self._nbytes)
             self._store = stack.enter_context(pooled_client(self._url))
+            if MooncakeStorage.from_url(self._url).placement == "local":
+                # The same placement as the backend's: this client's own segment first.
+                from mooncake.store import ReplicateConfig
+
+                self._replicate = ReplicateConfig()
+                self._replicate.preferred_segment = self._store.get_hostname()
             for array in (self._source, self._target):
                 address = int(array.ctypes.data)
                 if self._store.register_buffer(address, array.nbytes) != 0:
@@ -143,7 +159,15 @@ class RawModes:
         pages = self._source.nbytes // self._nbytes
         self._keys = [f"{self._tag}:{run}:{i}" for i in range(pages)]
         base = int(self._source.ctypes.data)
-        calls = _calls(self._store, self._keys, base, self._nbytes, self._chunk(mode), put=True)
+        calls = _calls(
+            self._store,
+            self._keys,
+            base,
+            self._nbytes,
+            self._chunk(mode),
+            put=True,
+            config=self._replicate,
+        )
         if not checked:
             return _timed(calls)
 

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from .. import _native
 from .._errors import StorageConfigError, StorageError
 from ._base import (
     BackendBase,
@@ -41,6 +42,7 @@ from ._base import (
     check_key,
     fan_out,
     log,
+    parse_bool,
     parse_port,
     parse_query,
     parse_size,
@@ -49,6 +51,7 @@ from ._base import (
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
 from ._manifest_mooncake import MooncakeManifest
+from ._mooncake_local import LocalObjects
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -70,6 +73,8 @@ _TRANSFER_FAIL = -800  # among others: the object's length differs from the buff
 _NOT_FOUND = -704
 _ALREADY_EXISTS = -705
 _REFUSED = (_INVALID_PARAMS, _TRANSFER_FAIL)
+#: The reason a get job gives for a page it read in place from this client's segment.
+_DIRECT = "direct"
 
 _MiB = 1 << 20
 _ALIGN = 64
@@ -102,7 +107,11 @@ _URL_PARAMS = {
     "threads": "worker threads for Mooncake calls and checksums (default 4)",
     "max_batch_pages": "pages per Mooncake call (default 256)",
     "capacity": "bytes under the prefix that gc() trims to (default: none)",
+    "direct_reads": "read pages in this client's own segment in place (default true)",
+    "placement": "where puts place pages: any (default, the master's choice) or local "
+    "(this client's segment first)",
 }
+_PLACEMENTS = ("any", "local")
 
 
 def _address(view: memoryview) -> int:
@@ -402,7 +411,10 @@ class MooncakeStorage(BackendBase):
     Build it with `MooncakeStorage.from_url("mooncake://master:50051?metadata=...")` or with
     keyword arguments. `segment_size` is the memory this client lends the cluster (pages can
     be placed there; they go when this client closes); `staging_size` is the registered arena
-    for headers and for memory that is not registered.
+    for headers and for memory that is not registered. Pages that lie in this client's own
+    segment are read in place, copied and checksummed in one pass (`direct_reads`);
+    `placement="local"` puts pages there first, so this instance reads back its own pages
+    without the transfer engine.
     """
 
     def __init__(
@@ -424,6 +436,8 @@ class MooncakeStorage(BackendBase):
         threads: int = 4,
         max_batch_pages: int = 256,
         capacity_bytes: int | None = None,
+        direct_reads: bool = True,
+        placement: str = "any",
     ) -> None:
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
@@ -434,6 +448,12 @@ class MooncakeStorage(BackendBase):
             raise StorageConfigError(
                 f"mooncake prefix must be non-empty without spaces: {prefix!r}"
             )
+        if placement not in _PLACEMENTS:
+            raise StorageConfigError(
+                f"mooncake placement must be one of {', '.join(_PLACEMENTS)}, got {placement!r}"
+            )
+        if placement == "local" and segment_size == 0:
+            raise StorageConfigError("mooncake placement=local needs a segment (segment_size > 0)")
         if admin is not None and urlsplit(admin).scheme not in ("http", "https"):
             raise StorageConfigError(f"mooncake admin must be an http:// URL, got {admin!r}")
         for field, value, minimum in (
@@ -485,6 +505,10 @@ class MooncakeStorage(BackendBase):
         self._bytes = 0
         self._zero_copy_pages = 0
         self._staged_pages = 0
+        self._direct_reads = direct_reads and segment_size > 0
+        self._placement = placement
+        self._local: LocalObjects | None = None
+        self._direct_pages = 0
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MooncakeStorage:
@@ -492,7 +516,8 @@ class MooncakeStorage(BackendBase):
 
         Parameters: `metadata`, `protocol`, `device`, `local_hostname`, `segment_size`,
         `buffer_size`, `staging_size`, `auto_register` (byte sizes such as 1GiB), `prefix`,
-        `admin`, `replicas`, `threads`, `max_batch_pages`, `capacity`. Anything else raises
+        `admin`, `replicas`, `threads`, `max_batch_pages`, `capacity`, `direct_reads`,
+        `placement`. Anything else raises
         `StorageConfigError` listing what is accepted.
         """
         parts = split_url(url, scheme="mooncake")
@@ -525,6 +550,8 @@ class MooncakeStorage(BackendBase):
             threads=_int_param(params, "threads", 4),
             max_batch_pages=_int_param(params, "max_batch_pages", 256),
             capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
+            direct_reads=parse_bool(params.get("direct_reads", "1"), field="direct_reads"),
+            placement=params.get("placement", "any"),
         )
 
     @property
@@ -552,6 +579,18 @@ class MooncakeStorage(BackendBase):
     def staged_pages(self) -> int:
         """Pages moved through the staging arena (their memory was not registered)."""
         return self._staged_pages
+
+    @property
+    def placement(self) -> str:
+        """Where puts place pages: `"any"` (the master's choice) or `"local"` (this client's
+        segment first)."""
+        return self._placement
+
+    @property
+    def direct_pages(self) -> int:
+        """Pages read in place from this client's own segment (`direct_reads`), not through
+        the transfer engine."""
+        return self._direct_pages
 
     def __repr__(self) -> str:
         return (
@@ -650,7 +689,7 @@ class MooncakeStorage(BackendBase):
 
         key = self._client_key()
 
-        def job(stop: threading.Event) -> tuple[Any, Any]:
+        def job(stop: threading.Event) -> tuple[Any, Any, str]:
             store = _POOL.take(key)
             if store is None:
                 store = self._new_client(MooncakeDistributedStore)
@@ -665,9 +704,14 @@ class MooncakeStorage(BackendBase):
                 raise StorageError(f"{self._name}: register_buffer failed with {failed}")
             config = ReplicateConfig()
             config.replica_num = self._replicas
-            return store, config
+            hostname = str(store.get_hostname())
+            if self._placement == "local":
+                # The master falls back to other segments when this one is full.
+                config.preferred_segment = hostname
+            return store, config, hostname if self._direct_reads else ""
 
-        self._store, self._config = await self.run_job(job)
+        self._store, self._config, endpoint = await self.run_job(job)
+        self._local = LocalObjects(endpoint) if endpoint else None
         self._arena_array = arena
         self._arena_view = arena.data
         self._arena_base = arena_base
@@ -764,7 +808,9 @@ class MooncakeStorage(BackendBase):
             )
             for i, (outcome, reason) in zip(chunk, part, strict=True):
                 outcomes[i] = outcome
-                if outcome is Outcome.CORRUPT:
+                if reason is _DIRECT:
+                    self._direct_pages += 1
+                elif outcome is Outcome.CORRUPT:
                     self._report_corrupt(keys[i], reason)
                     # Removed by the job; the stored size is not known, the page's is.
                     self._pages -= 1
@@ -1083,13 +1129,49 @@ class MooncakeStorage(BackendBase):
         base: int,
     ) -> Callable[[threading.Event], list[tuple[Outcome, str]]]:
         store, arena, arena_base = self._store, self._arena_view, self._arena_base
-        mac_key = self._mac_key
+        mac_key, local = self._mac_key, self._local
         assert arena is not None
         slots = self._slots(plans, chunk, base)
+
+        def read_in_place(
+            todo: list[int], results: list[tuple[Outcome, str]], stop: threading.Event
+        ) -> list[int]:
+            """Serve what lies in this client's segment; the rest, still to read."""
+            assert local is not None
+            names = [self._mkey(keys[chunk[j]]) for j in todo]
+            sizes = [HEADER_NBYTES + plans[chunk[j]].nbytes for j in todo]
+            items = list(local.sources(store, names, sizes).items())
+            served = [False] * len(items)
+
+            def read(index: int) -> None:
+                position, view = items[index]
+                i = chunk[todo[position]]
+                plan = plans[i]
+                header = decode_header(view[:HEADER_NBYTES])
+                result = check_header(
+                    header, key=keys[i], namespace=namespace, payload_nbytes=plan.nbytes
+                )
+                if result is not PageCheck.OK or isinstance(header, PageCheck):
+                    return  # the engine's path decides (corrupt, newer, or changed meanwhile)
+                digest = _native.copy_checksum(plan.segments, [view[HEADER_NBYTES:]])
+                checked = verify_payload(header, plan.segments, mac_key=mac_key, checksum=digest)
+                served[index] = checked is PageCheck.OK
+
+            total = sum(sizes[position] for position, _ in items)
+            width = self._threads if len(items) > 1 and total >= _FANOUT_MIN_BYTES else 1
+            fan_out(self._helpers, len(items), read, stop, width)
+            done = {items[k][0] for k, ok in enumerate(served) if ok}
+            for position in done:
+                results[todo[position]] = (Outcome.OK, _DIRECT)
+            return [j for position, j in enumerate(todo) if position not in done]
 
         def job(stop: threading.Event) -> list[tuple[Outcome, str]]:
             results: list[tuple[Outcome, str]] = [(Outcome.ERROR, "")] * len(chunk)
             todo = [j for j, slot in enumerate(slots) if slot is not None]
+            if local is not None and todo:
+                todo = read_in_place(todo, results, stop)
+                if stop.is_set():
+                    return results
             names = [self._mkey(keys[chunk[j]]) for j in todo]
             buffers: list[list[int]] = []
             sizes: list[list[int]] = []

@@ -416,6 +416,23 @@ class TestMooncakeZeroCopyConformance(StorageConformance):
             yield storage
 
 
+class TestMooncakeLocalConformance(StorageConformance):
+    """The same suite with pages placed in this client's segment, so gets read them in place."""
+
+    @pytest_asyncio.fixture
+    async def backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
+        url = fresh_url(mooncake_url, placement="local")
+        async with MooncakeStorage.from_url(url) as storage:
+            yield storage
+            assert storage.direct_pages > 0 or storage.stats().get_hits == 0
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
+        url = fresh_url(mooncake_url, placement="local")
+        async with MooncakeStorage.from_url(url, mac_key=MAC_KEY) as storage:
+            yield storage
+
+
 def test_a_missing_master_binary_fails_loudly() -> None:
     with pytest.raises(ServerBinaryNotFoundError, match="no-such-master"):
         MooncakeMaster(binary="no-such-master")

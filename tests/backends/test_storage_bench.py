@@ -105,3 +105,17 @@ def test_mooncake_raw_modes(mooncake_url: str) -> None:
         assert list(client.batch_is_exist(first + keys)) == [0] * 10
     with pytest.raises(ValueError, match=">= 1"):
         MooncakeRawModes(mooncake_url, 0, 1)
+
+
+def test_mooncake_raw_calls_follow_the_urls_placement(mooncake_url: str) -> None:
+    with MooncakeRawModes(mooncake_url + "&placement=local", 4096, 6) as raw:
+        raw.put("whole")
+        own = raw._store.get_hostname()
+        described = raw._store.batch_get_replica_desc(raw._keys)
+        endpoints = {
+            replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            for replicas in described.values()
+            for replica in replicas
+        }
+        assert endpoints == {own}
+        assert raw.get("c6") > 0
