@@ -108,8 +108,8 @@ _URL_PARAMS = {
     "max_batch_pages": "pages per Mooncake call (default 256)",
     "capacity": "bytes under the prefix that gc() trims to (default: none)",
     "direct_reads": "read pages in this client's own segment in place (default true)",
-    "placement": "where puts place pages: any (default, the master's choice) or local "
-    "(this client's segment first)",
+    "placement": "where puts place pages: local (this client's segment first; the default "
+    "when it lends one) or any (the master's choice)",
 }
 _PLACEMENTS = ("any", "local")
 
@@ -413,8 +413,9 @@ class MooncakeStorage(BackendBase):
     be placed there; they go when this client closes); `staging_size` is the registered arena
     for headers and for memory that is not registered. Pages that lie in this client's own
     segment are read in place, copied and checksummed in one pass (`direct_reads`);
-    `placement="local"` puts pages there first, so this instance reads back its own pages
-    without the transfer engine.
+    `placement="local"` (the default when this client lends a segment) puts pages there first,
+    so this instance reads its own pages back without the transfer engine; `"any"` leaves the
+    choice to the master.
     """
 
     def __init__(
@@ -437,7 +438,7 @@ class MooncakeStorage(BackendBase):
         max_batch_pages: int = 256,
         capacity_bytes: int | None = None,
         direct_reads: bool = True,
-        placement: str = "any",
+        placement: str | None = None,
     ) -> None:
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
@@ -448,6 +449,8 @@ class MooncakeStorage(BackendBase):
             raise StorageConfigError(
                 f"mooncake prefix must be non-empty without spaces: {prefix!r}"
             )
+        if placement is None:
+            placement = "local" if segment_size > 0 else "any"
         if placement not in _PLACEMENTS:
             raise StorageConfigError(
                 f"mooncake placement must be one of {', '.join(_PLACEMENTS)}, got {placement!r}"
@@ -551,7 +554,7 @@ class MooncakeStorage(BackendBase):
             max_batch_pages=_int_param(params, "max_batch_pages", 256),
             capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
             direct_reads=parse_bool(params.get("direct_reads", "1"), field="direct_reads"),
-            placement=params.get("placement", "any"),
+            placement=params.get("placement"),
         )
 
     @property

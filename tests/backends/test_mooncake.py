@@ -392,6 +392,8 @@ class TestMooncakeConformance(StorageConformance):
     async def backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
         async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
             yield storage
+            # Placed in this client's segment by default, so read in place.
+            assert storage.direct_pages > 0 or storage.stats().get_hits == 0
 
     @pytest_asyncio.fixture
     async def mac_backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
@@ -416,19 +418,19 @@ class TestMooncakeZeroCopyConformance(StorageConformance):
             yield storage
 
 
-class TestMooncakeLocalConformance(StorageConformance):
-    """The same suite with pages placed in this client's segment, so gets read them in place."""
+class TestMooncakeAnyPlacementConformance(StorageConformance):
+    """The same suite with pages placed by the master in any client's segment of the session,
+    so gets take both paths: in place for this client's segment, the engine for the others."""
 
     @pytest_asyncio.fixture
     async def backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
-        url = fresh_url(mooncake_url, placement="local")
+        url = fresh_url(mooncake_url, placement="any")
         async with MooncakeStorage.from_url(url) as storage:
             yield storage
-            assert storage.direct_pages > 0 or storage.stats().get_hits == 0
 
     @pytest_asyncio.fixture
     async def mac_backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
-        url = fresh_url(mooncake_url, placement="local")
+        url = fresh_url(mooncake_url, placement="any")
         async with MooncakeStorage.from_url(url, mac_key=MAC_KEY) as storage:
             yield storage
 

@@ -41,8 +41,8 @@ def _flip_in_segment(storage: MooncakeStorage, key: bytes, offset: int) -> None:
 
 async def test_local_placement_and_reads_in_place(mooncake_url: str) -> None:
     keys, pages, metas = make_pages(8, PAGE, split=SPLIT)
-    async with MooncakeStorage.from_url(fresh_url(mooncake_url, placement="local")) as storage:
-        assert storage.placement == "local"
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
+        assert storage.placement == "local"  # the default with a segment
         assert await storage.put(keys, pages, metas) == [Outcome.OK] * 8
         assert _endpoints(storage, keys) == {storage._store.get_hostname()}
         into = buffers(8, PAGE, split=SPLIT)
@@ -189,7 +189,7 @@ async def test_pages_of_any_placement_round_trip_with_both_paths(mooncake_url: s
     # Whichever path reads each one, the bytes are the page's.
     count = 24
     keys, pages, metas = make_pages(count, PAGE, split=SPLIT)
-    async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, placement="any")) as storage:
         assert storage.placement == "any"
         await storage.put(keys, pages, metas)
         into = buffers(count, PAGE, split=SPLIT)
