@@ -89,7 +89,10 @@ class LocalObjects:
         view of its bytes, by position in `names`. Objects elsewhere are left out."""
         if not names:
             return {}
-        described = store.batch_get_replica_desc(list(names))
+        try:
+            described = store.batch_get_replica_desc(list(names))
+        except Exception:  # any failure here only means: through the engine
+            return {}
         found: dict[int, memoryview] = {}
         for index, (name, size) in enumerate(zip(names, sizes, strict=True)):
             for replica in described.get(name, ()):

@@ -129,6 +129,9 @@ async def test_objects_elsewhere_or_of_another_size_are_not_read_in_place(
         assert sorted(own.sources(store, names, [size, size - 1])) == [0]
         assert LocalObjects("127.0.0.1:1").sources(store, names, [size, size]) == {}
         assert own.sources(store, [storage._mkey(os.urandom(32))], [size]) == {}
+        # A lookup that fails (here the binding refuses the argument) leaves every page to
+        # the engine's path instead of failing the get.
+        assert own.sources(store, [b"not a str"], [size]) == {}  # type: ignore[list-item]
         with pytest.raises(ValueError, match="endpoint"):
             LocalObjects("")
 
