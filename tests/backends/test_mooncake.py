@@ -392,8 +392,6 @@ class TestMooncakeConformance(StorageConformance):
     async def backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:
         async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
             yield storage
-            # Placed in this client's segment by default, so read in place.
-            assert storage.direct_pages > 0 or storage.stats().get_hits == 0
 
     @pytest_asyncio.fixture
     async def mac_backend(self, mooncake_url: str) -> AsyncIterator[MooncakeStorage]:

@@ -14,10 +14,18 @@ from hicache_async.storage._mooncake import MooncakeStorage
 from hicache_async.storage._mooncake_local import LocalObjects, readable_mapping
 from hicache_async.testing._conformance import MAC_KEY
 
-from .test_mooncake import NS, OTHER_NS, buffers, fresh_url, joined, make_pages
+from .test_mooncake import NS, OTHER_NS, buffers, joined, make_pages
+from .test_mooncake import fresh_url as _fresh_url
 
 PAGE = 64 * 1024
 SPLIT = 20_000
+
+
+def fresh_url(base: str, **params: object) -> str:
+    # A segment size no other test uses: these tests get a client of their own from the
+    # pool, whose segment the rest of the session has not filled, so local placement finds
+    # room in it.
+    return _fresh_url(base, **{"segment_size": "96MiB", **params})
 
 
 def _endpoints(storage: MooncakeStorage, keys: list[bytes]) -> set[str]:

@@ -108,7 +108,9 @@ def test_mooncake_raw_modes(mooncake_url: str) -> None:
 
 
 def test_mooncake_raw_calls_follow_the_urls_placement(mooncake_url: str) -> None:
-    with MooncakeRawModes(mooncake_url + "&placement=local", 4096, 6) as raw:
+    # A segment size of its own: a fresh client, whose segment has room for local placement.
+    url = mooncake_url + "&placement=local&segment_size=64MiB"
+    with MooncakeRawModes(url, 4096, 6) as raw:
         raw.put("whole")
         own = raw._store.get_hostname()
         described = raw._store.batch_get_replica_desc(raw._keys)
