@@ -711,10 +711,10 @@ class MooncakeStorage(BackendBase):
             if self._placement == "local":
                 # The master falls back to other segments when this one is full.
                 config.preferred_segment = hostname
-            return store, config, hostname if self._direct_reads else ""
+            return store, config, hostname
 
-        self._store, self._config, endpoint = await self.run_job(job)
-        self._local = LocalObjects(endpoint) if endpoint else None
+        self._store, self._config, hostname = await self.run_job(job)
+        self._local = LocalObjects(hostname) if self._direct_reads else None
         self._arena_array = arena
         self._arena_view = arena.data
         self._arena_base = arena_base
@@ -811,7 +811,7 @@ class MooncakeStorage(BackendBase):
             )
             for i, (outcome, reason) in zip(chunk, part, strict=True):
                 outcomes[i] = outcome
-                if reason is _DIRECT:
+                if reason == _DIRECT:
                     self._direct_pages += 1
                 elif outcome is Outcome.CORRUPT:
                     self._report_corrupt(keys[i], reason)
