@@ -85,6 +85,10 @@ _DEFAULT_AUTO_REGISTER = 64 * _MiB
 # Below this much payload per batch, checksums stay on the job's thread: helpers would cost
 # more hand-offs than they save.
 _FANOUT_MIN_BYTES = 4 * _MiB
+# Puts go out in groups of about this much payload on two lanes, so that checksumming one
+# group overlaps the transfer of another (more lanes only compete for memory bandwidth).
+_PUT_GROUP_BYTES = 64 * _MiB
+_PUT_LANES = 2
 _PROBE_TIMEOUT_S = 3.0
 _ADMIN_TIMEOUT_S = 10.0
 # Forget refused auto-registrations now and then: freed memory gets new owners.
@@ -371,6 +375,45 @@ def _header_reason(
     return "checksum or mac"
 
 
+def _put_groups(items: list[int], sizes: list[int], group_bytes: int) -> list[list[int]]:
+    """`items` cut, in order, into runs of at least `group_bytes` (the last may be short)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    nbytes = 0
+    for item, size in zip(items, sizes, strict=True):
+        current.append(item)
+        nbytes += size
+        if nbytes >= group_bytes:
+            groups.append(current)
+            current, nbytes = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _object_buffers(
+    items: Sequence[int],
+    plans: Sequence[_Plan],
+    chunk: range,
+    slots: Sequence[int | None],
+    arena_base: int,
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Each object's buffers and their sizes for Mooncake's multi-buffer calls: the header's
+    arena slot then the page's own segments (zero-copy), or the slot holding both (staged)."""
+    buffers: list[list[int]] = []
+    sizes: list[list[int]] = []
+    for j in items:
+        plan, slot = plans[chunk[j]], slots[j]
+        assert slot is not None
+        if plan.zero_copy:
+            buffers.append([arena_base + slot, *plan.addresses])
+            sizes.append([HEADER_NBYTES, *(len(s) for s in plan.segments)])
+        else:
+            buffers.append([arena_base + slot])
+            sizes.append([HEADER_NBYTES + plan.nbytes])
+    return buffers, sizes
+
+
 def _stored_sizes(store: Any, names: Sequence[str]) -> list[int]:
     """Each object's stored length, -1 when absent, from one `batch_get_replica_desc` RPC
     (a `get_size` per name would be one round trip each)."""
@@ -512,6 +555,7 @@ class MooncakeStorage(BackendBase):
         self._placement = placement
         self._local: LocalObjects | None = None
         self._direct_pages = 0
+        self._put_group_bytes = _PUT_GROUP_BYTES
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MooncakeStorage:
@@ -1176,17 +1220,7 @@ class MooncakeStorage(BackendBase):
                 if stop.is_set():
                     return results
             names = [self._mkey(keys[chunk[j]]) for j in todo]
-            buffers: list[list[int]] = []
-            sizes: list[list[int]] = []
-            for j in todo:
-                plan, slot = plans[chunk[j]], slots[j]
-                assert slot is not None
-                if plan.zero_copy:
-                    buffers.append([arena_base + slot, *plan.addresses])
-                    sizes.append([HEADER_NBYTES, *(len(s) for s in plan.segments)])
-                else:
-                    buffers.append([arena_base + slot])
-                    sizes.append([HEADER_NBYTES + plan.nbytes])
+            buffers, sizes = _object_buffers(todo, plans, chunk, slots, arena_base)
             codes = list(store.batch_get_into_multi_buffers(names, buffers, sizes)) if todo else []
             corrupt: list[str] = []
             arrived: list[tuple[int, str]] = []
@@ -1261,6 +1295,7 @@ class MooncakeStorage(BackendBase):
         config, mac_key = self._config, self._mac_key
         assert arena is not None
         slots = self._slots(plans, chunk, base)
+        group_bytes = self._put_group_bytes
 
         def job(stop: threading.Event) -> list[tuple[Outcome, bool]]:
             results: list[tuple[Outcome, bool]] = [(Outcome.ERROR, False)] * len(chunk)
@@ -1275,10 +1310,9 @@ class MooncakeStorage(BackendBase):
                 elif state == 0:
                     todo.append(j)
                 # else: the master did not answer; a put would fail the same way (slowly).
-            prepared = [False] * len(todo)
+            groups = _put_groups(todo, [plans[chunk[j]].nbytes for j in todo], group_bytes)
 
-            def prepare(index: int) -> None:
-                j = todo[index]
+            def prepare(j: int) -> None:
                 plan, slot = plans[chunk[j]], slots[j]
                 assert slot is not None
                 header = encode_header(metas[chunk[j]], plan.segments, mac_key=mac_key)
@@ -1288,37 +1322,38 @@ class MooncakeStorage(BackendBase):
                     for segment in plan.segments:
                         arena[offset : offset + len(segment)] = segment
                         offset += len(segment)
-                prepared[index] = True
 
-            # Checksums (and MACs, staged copies) of many MiB: spread over the helper threads.
-            # A cancelled caller's stop flag ends the hand-out; pages not prepared stay ERROR.
-            width = self._threads if self._worth_fanning(todo, chunk, plans) else 1
-            fan_out(self._helpers, len(todo), prepare, stop, width)
-            sent = [j for j, ready in zip(todo, prepared, strict=True) if ready]
-            buffers: list[list[int]] = []
-            sizes: list[list[int]] = []
-            for j in sent:
-                plan, slot = plans[chunk[j]], slots[j]
-                assert slot is not None
-                if plan.zero_copy:
-                    buffers.append([arena_base + slot, *plan.addresses])
-                    sizes.append([HEADER_NBYTES, *(len(s) for s in plan.segments)])
-                else:
-                    buffers.append([arena_base + slot])
-                    sizes.append([HEADER_NBYTES + plan.nbytes])
-            if not sent:
-                return results
-            names = [self._mkey(keys[chunk[j]]) for j in sent]
-            codes = list(store.batch_put_from_multi_buffers(names, buffers, sizes, config))
-            for j, code in zip(sent, codes, strict=True):
-                if code == 0:
-                    results[j] = (Outcome.OK, True)
-                elif code == _ALREADY_EXISTS:
-                    results[j] = (Outcome.OK, False)
-                elif code == _NO_SPACE:
-                    results[j] = (Outcome.MISS, False)
-                else:
-                    results[j] = (Outcome.ERROR, False)
+            def send(index: int) -> None:
+                # One lane checksums its group while another lane's group is in transfer:
+                # the two passes overlap instead of adding up.
+                group = groups[index]
+                ready = [False] * len(group)
+
+                def prepare_one(k: int) -> None:
+                    prepare(group[k])
+                    ready[k] = True
+
+                # A lone group spreads its checksums over the helpers instead.
+                alone = len(groups) == 1 and self._worth_fanning(group, chunk, plans)
+                fan_out(self._helpers, len(group), prepare_one, stop, self._threads if alone else 1)
+                sent = [j for j, done in zip(group, ready, strict=True) if done]
+                if not sent:
+                    return
+                buffers, sizes = _object_buffers(sent, plans, chunk, slots, arena_base)
+                names = [self._mkey(keys[chunk[j]]) for j in sent]
+                codes = list(store.batch_put_from_multi_buffers(names, buffers, sizes, config))
+                for j, code in zip(sent, codes, strict=True):
+                    if code == 0:
+                        results[j] = (Outcome.OK, True)
+                    elif code == _ALREADY_EXISTS:
+                        results[j] = (Outcome.OK, False)
+                    elif code == _NO_SPACE:
+                        results[j] = (Outcome.MISS, False)
+                    else:
+                        results[j] = (Outcome.ERROR, False)
+
+            # A cancelled caller's stop flag ends the hand-out; pages not sent stay ERROR.
+            fan_out(self._helpers, len(groups), send, stop, _PUT_LANES)
             return results
 
         return job

@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
-from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
+from hicache_async.storage._mooncake import MooncakeStorage, _put_groups, close_idle_clients
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._servers import MooncakeMaster, ServerBinaryNotFoundError, free_port
 
@@ -79,6 +79,61 @@ async def test_existing_key_is_ok_and_not_rewritten(backend: MooncakeStorage) ->
     assert await backend.put(keys, other, metas) == [Outcome.OK]
     assert await backend.read_raw(keys[0]) == before
     assert backend.stats().pages == 1
+
+
+def test_put_groups_cut_in_order_at_the_byte_budget() -> None:
+    assert _put_groups([], [], 10) == []
+    assert _put_groups([4, 7, 9], [3, 3, 3], 100) == [[4, 7, 9]]
+    assert _put_groups([0, 1, 2, 3, 4], [4, 6, 10, 1, 1], 10) == [[0, 1], [2], [3, 4]]
+    assert _put_groups([0, 1], [50, 50], 10) == [[0], [1]]
+
+
+@pytest.mark.parametrize("registered", [False, True])
+async def test_put_in_groups_on_two_lanes(mooncake_url: str, registered: bool) -> None:
+    """A batch larger than a group goes out in several groups at once; each page's outcome
+    and bytes are its own, pages already stored among them included."""
+    nbytes = 64 * 1024
+    keys, pages, metas = make_pages(11, nbytes, split=nbytes // 3)
+    arena = np.frombuffer(b"".join(joined(p) for p in pages), dtype=np.uint8).copy()
+    if registered:
+        flat = memoryview(arena.data)
+        pages = [[flat[i * nbytes : (i + 1) * nbytes]] for i in range(11)]
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
+        if registered:
+            await storage.register_memory(arena)
+        storage._put_group_bytes = 2 * nbytes
+        assert await storage.put(keys[3:5], pages[3:5], metas[3:5]) == [Outcome.OK] * 2
+        assert await storage.put(keys, pages, metas) == [Outcome.OK] * 11
+        assert storage.stats().pages == 11  # the two already stored were not counted again
+        assert storage.zero_copy_pages == (13 if registered else 0)
+        into = buffers(11, nbytes, split=nbytes // 3)
+        assert await storage.get(keys, into, namespace=NS) == [Outcome.OK] * 11
+        assert [joined(p) for p in into] == [
+            bytes(arena[i * nbytes : (i + 1) * nbytes]) for i in range(11)
+        ]
+
+
+async def test_cancelled_put_in_groups_leaves_whole_pages_or_none(mooncake_url: str) -> None:
+    keys, pages, metas = make_pages(48, 1 << 20, split=1 << 19)
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
+        storage._put_group_bytes = 2 << 20
+        task = asyncio.ensure_future(storage.put(keys, pages, metas))
+        await asyncio.sleep(0.003)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.2)  # whatever the job was doing has finished
+        into = buffers(48, 1 << 20, split=1 << 19)
+        outcomes = await storage.get(keys, into, namespace=NS)
+        assert set(outcomes) <= {Outcome.OK, Outcome.MISS}
+        assert outcomes.count(Outcome.OK) < 48  # 48 MiB take longer than the 3 ms allowed
+        for outcome, page, got in zip(outcomes, pages, into, strict=True):
+            if outcome is Outcome.OK:
+                assert joined(got) == joined(page)
+        assert storage.stats().corrupt == 0
+        # The put can be done again in full afterwards.
+        assert await storage.put(keys, pages, metas) == [Outcome.OK] * 48
+        assert await storage.get(keys, into, namespace=NS) == [Outcome.OK] * 48
 
 
 async def test_delete_counts_the_sizes_of_what_it_removed(backend: MooncakeStorage) -> None:
