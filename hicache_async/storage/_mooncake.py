@@ -346,18 +346,15 @@ class _Arena:
 class _Plan:
     """How one page moves: its byte segments, their addresses, zero-copy or staged."""
 
-    __slots__ = ("addresses", "nbytes", "segments", "zero_copy")
+    __slots__ = ("addresses", "arena_bytes", "nbytes", "segments", "zero_copy")
 
     def __init__(self, segments: list[memoryview], addresses: list[int], zero_copy: bool) -> None:
         self.segments = segments
         self.addresses = addresses
         self.nbytes = sum(len(s) for s in segments)
         self.zero_copy = zero_copy
-
-    @property
-    def arena_bytes(self) -> int:
-        """Arena space the page needs: its header slot, plus the payload when staged."""
-        return _Arena.rounded(HEADER_NBYTES if self.zero_copy else HEADER_NBYTES + self.nbytes)
+        #: Arena space the page needs: its header slot, plus the payload when staged.
+        self.arena_bytes = _Arena.rounded(HEADER_NBYTES + (0 if zero_copy else self.nbytes))
 
 
 def _header_reason(
