@@ -1334,8 +1334,8 @@ class MooncakeStorage(BackendBase):
                 alone = len(groups) == 1 and self._worth_fanning(group, chunk, plans)
                 fan_out(self._helpers, len(group), prepare_one, stop, self._threads if alone else 1)
                 sent = [j for j, done in zip(group, ready, strict=True) if done]
-                if not sent:
-                    return
+                if not sent or stop.is_set():
+                    return  # a cancelled caller waits for this job: no transfer it gave up
                 buffers, sizes = _object_buffers(sent, plans, chunk, slots, arena_base)
                 names = [self._mkey(keys[chunk[j]]) for j in sent]
                 codes = list(store.batch_put_from_multi_buffers(names, buffers, sizes, config))
