@@ -699,15 +699,22 @@ class MooncakeStorage(BackendBase):
 
     async def _register(self, regions: list[tuple[int, int, object]], *, strict: bool) -> None:
         store = self._store
+        codes: list[int] = []
 
-        def job(stop: threading.Event) -> list[int]:
-            return [int(store.register_buffer(address, size)) for address, size, _ in regions]
+        def job(stop: threading.Event) -> None:
+            for address, size, _ in regions:
+                codes.append(int(store.register_buffer(address, size)))
 
-        codes = await self.run_job(job)
-        for (address, size, owner), code in zip(regions, codes, strict=True):
-            if code == 0:
-                if not self._regions.overlaps(address, size):
+        try:
+            await self.run_job(job)
+        finally:
+            # Cancelled or not, the job has finished: what it registered must be known here,
+            # or close() would hand the pooled client back with stale registrations.
+            for (address, size, owner), code in zip(regions, codes, strict=False):
+                if code == 0 and not self._regions.overlaps(address, size):
                     self._regions.add(address, size, owner)
+        for (address, size, _), code in zip(regions, codes, strict=True):
+            if code == 0:
                 continue
             if strict:
                 raise StorageError(f"{self._name}: register_buffer failed with {code}")
@@ -731,16 +738,18 @@ class MooncakeStorage(BackendBase):
         arena_base = int(arena.ctypes.data)
         pending = list(self._pending)
 
+        regions_of_open = [(arena_base, self._staging_size), *((a, n) for a, n, _ in pending)]
         key = self._client_key()
+        # The client the job set up, for undoing it if the caller is cancelled meanwhile.
+        opened: list[Any] = []
 
         def job(stop: threading.Event) -> tuple[Any, Any, str]:
             store = _POOL.take(key)
             if store is None:
                 store = self._new_client(MooncakeDistributedStore)
-            regions = [(arena_base, self._staging_size), *((a, n) for a, n, _ in pending)]
-            codes = [int(store.register_buffer(a, n)) for a, n in regions]
+            codes = [int(store.register_buffer(a, n)) for a, n in regions_of_open]
             if any(codes):
-                for (address, _), code in zip(regions, codes, strict=True):
+                for (address, _), code in zip(regions_of_open, codes, strict=True):
                     if code == 0:
                         store.unregister_buffer(address)
                 _POOL.give_back(key, store)
@@ -752,9 +761,21 @@ class MooncakeStorage(BackendBase):
             if self._placement == "local":
                 # The master falls back to other segments when this one is full.
                 config.preferred_segment = hostname
+            opened.append(store)
             return store, config, hostname
 
-        self._store, self._config, hostname = await self.run_job(job)
+        def undo() -> None:
+            (store,) = opened
+            for address, _ in regions_of_open:
+                store.unregister_buffer(address)
+            _POOL.give_back(key, store)
+
+        try:
+            self._store, self._config, hostname = await self.run_job(job)
+        except BaseException:
+            if opened:  # cancelled once the client was ready: it goes back as it came
+                await self._run_while_closing(undo)
+            raise
         self._local = LocalObjects(hostname) if self._direct_reads else None
         self._arena_array = arena
         self._arena_view = arena.data

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +16,12 @@ import pytest_asyncio
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
-from hicache_async.storage._mooncake import MooncakeStorage, _put_groups, close_idle_clients
+from hicache_async.storage._mooncake import (
+    _POOL,
+    MooncakeStorage,
+    _put_groups,
+    close_idle_clients,
+)
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._servers import MooncakeMaster, ServerBinaryNotFoundError, free_port
 
@@ -113,27 +120,124 @@ async def test_put_in_groups_on_two_lanes(mooncake_url: str, registered: bool) -
         ]
 
 
-async def test_cancelled_put_in_groups_leaves_whole_pages_or_none(mooncake_url: str) -> None:
+class _CancelInside:
+    """The Mooncake client, except that the first call of `method` cancels `task` once it has
+    returned, and holds its thread until the cancellation has reached the job."""
+
+    def __init__(self, inner: Any, method: str) -> None:
+        self.inner = inner
+        self.method = method
+        self.loop = asyncio.get_running_loop()
+        self.task: asyncio.Future[Any] | None = None
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if name != self.method:
+            return attribute
+
+        def call(*args: Any) -> Any:
+            result = attribute(*args)
+            first = not self.calls
+            self.calls.append(args)
+            if first:
+                assert self.task is not None
+                self.loop.call_soon_threadsafe(self.task.cancel)
+                time.sleep(0.5)
+            return result
+
+        return call
+
+
+async def test_cancelled_put_in_groups_sends_no_group_after_the_cancel(mooncake_url: str) -> None:
     keys, pages, metas = make_pages(48, 1 << 20, split=1 << 19)
     async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as storage:
         storage._put_group_bytes = 2 << 20
-        task = asyncio.ensure_future(storage.put(keys, pages, metas))
-        await asyncio.sleep(0.003)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await asyncio.sleep(0.2)  # whatever the job was doing has finished
+        client = _CancelInside(storage._store, "batch_put_from_multi_buffers")
+        storage._store = client
+        try:
+            client.task = task = asyncio.ensure_future(storage.put(keys, pages, metas))
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            calls = len(client.calls)
+            await asyncio.sleep(0.2)
+            assert len(client.calls) == calls  # the put returned only once its job had stopped
+        finally:
+            storage._store = client.inner
+        sent = {name for args in client.calls for name in args[0]}
+        # The first lane's group, and at most what the other lane sent before the cancel.
+        assert 2 <= len(sent) <= 12
         into = buffers(48, 1 << 20, split=1 << 19)
         outcomes = await storage.get(keys, into, namespace=NS)
-        assert set(outcomes) <= {Outcome.OK, Outcome.MISS}
-        assert outcomes.count(Outcome.OK) < 48  # 48 MiB take longer than the 3 ms allowed
+        stored = {storage._mkey(k) for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK}
+        assert stored == sent
+        assert set(outcomes) == {Outcome.OK, Outcome.MISS}
         for outcome, page, got in zip(outcomes, pages, into, strict=True):
             if outcome is Outcome.OK:
                 assert joined(got) == joined(page)
-        assert storage.stats().corrupt == 0
         # The put can be done again in full afterwards.
         assert await storage.put(keys, pages, metas) == [Outcome.OK] * 48
         assert await storage.get(keys, into, namespace=NS) == [Outcome.OK] * 48
+
+
+async def test_registration_cancelled_midway_is_undone_on_close(mooncake_url: str) -> None:
+    pool = np.zeros(2 << 20, dtype=np.uint8)
+    address = int(pool.ctypes.data)
+    keys, _, metas = make_pages(1)
+    url = fresh_url(mooncake_url, auto_register="1MiB")
+    async with MooncakeStorage.from_url(url) as storage:
+        client = _CancelInside(storage._store, "register_buffer")
+        storage._store = client
+        try:
+            put = storage.put(keys, [[memoryview(pool[:4096])]], metas)
+            client.task = task = asyncio.ensure_future(put)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            storage._store = client.inner
+        assert [args[0] for args in client.calls] == [address]
+        assert "registered=1" in repr(storage)  # known, so close() undoes it
+    # The pooled client holds no stale registration of that memory.
+    assert client.inner.register_buffer(address, pool.nbytes) == 0
+    assert client.inner.unregister_buffer(address) == 0
+
+
+class _RecordingRegistrations(_CancelInside):
+    def __init__(self, inner: Any, method: str) -> None:
+        super().__init__(inner, method)
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def register_buffer(self, address: int, size: int) -> int:
+        code = int(self.inner.register_buffer(address, size))
+        if code == 0:
+            self.registered.append(address)
+        return code
+
+    def unregister_buffer(self, address: int) -> int:
+        self.unregistered.append(address)
+        return int(self.inner.unregister_buffer(address))
+
+
+async def test_open_cancelled_once_the_client_is_ready_hands_it_back(mooncake_url: str) -> None:
+    url = fresh_url(mooncake_url)
+    async with MooncakeStorage.from_url(url) as first:
+        key = first._client_key()
+    inner = _POOL.take(key)  # the client `first` gave back
+    assert inner is not None
+    client = _RecordingRegistrations(inner, "get_hostname")
+    _POOL.give_back(key, client)
+    try:
+        storage = MooncakeStorage.from_url(url)
+        client.task = task = asyncio.ensure_future(storage.__aenter__())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert storage.closed
+        assert len(client.registered) == 1  # the staging arena
+        assert client.unregistered == client.registered
+        assert _POOL.take(key) is client  # back in the pool, ready for the next backend
+    finally:
+        _POOL.give_back(key, inner)
 
 
 async def test_delete_counts_the_sizes_of_what_it_removed(backend: MooncakeStorage) -> None:
