@@ -898,15 +898,20 @@ class MooncakeStorage(BackendBase):
         plans = await self._plan([byte_segments(page, writable=False) for page in pages])
         self._count_paths(plans)
         outcomes = [Outcome.ERROR] * len(keys)
-        for chunk in self._chunks(plans):
-            part = await self._staged(
-                chunk, plans, functools.partial(self._put_job, keys, plans, metas)
-            )
-            for i, (outcome, stored) in zip(chunk, part, strict=True):
-                outcomes[i] = outcome
-                if stored:
-                    self._pages += 1
-                    self._bytes += HEADER_NBYTES + plans[i].nbytes
+        stored: list[int] = []
+        try:
+            for chunk in self._chunks(plans):
+                part = await self._staged(
+                    chunk,
+                    plans,
+                    functools.partial(self._put_job, keys, plans, metas, stored=stored),
+                )
+                for i, outcome in zip(chunk, part, strict=True):
+                    outcomes[i] = outcome
+        finally:
+            # A cancelled put's job has finished as well: count what it stored.
+            self._pages += len(stored)
+            self._bytes += sum(HEADER_NBYTES + plans[i].nbytes for i in stored)
         c = self._counters
         c.puts += len(keys)
         c.put_ok += outcomes.count(Outcome.OK)
@@ -1308,15 +1313,17 @@ class MooncakeStorage(BackendBase):
         metas: Sequence[PageMeta],
         chunk: range,
         base: int,
-    ) -> Callable[[threading.Event], list[tuple[Outcome, bool]]]:
+        *,
+        stored: list[int],
+    ) -> Callable[[threading.Event], list[Outcome]]:
         store, arena, arena_base = self._store, self._arena_view, self._arena_base
         config, mac_key = self._config, self._mac_key
         assert arena is not None
         slots = self._slots(plans, chunk, base)
         group_bytes = self._put_group_bytes
 
-        def job(stop: threading.Event) -> list[tuple[Outcome, bool]]:
-            results: list[tuple[Outcome, bool]] = [(Outcome.ERROR, False)] * len(chunk)
+        def job(stop: threading.Event) -> list[Outcome]:
+            results = [Outcome.ERROR] * len(chunk)
             candidates = [j for j, slot in enumerate(slots) if slot is not None]
             names = [self._mkey(keys[chunk[j]]) for j in candidates]
             # Existing pages are OK as they are: skip their checksum and transfer.
@@ -1324,7 +1331,7 @@ class MooncakeStorage(BackendBase):
             todo: list[int] = []
             for j, state in zip(candidates, present, strict=True):
                 if state == 1:
-                    results[j] = (Outcome.OK, False)
+                    results[j] = Outcome.OK
                 elif state == 0:
                     todo.append(j)
                 # else: the master did not answer; a put would fail the same way (slowly).
@@ -1362,13 +1369,13 @@ class MooncakeStorage(BackendBase):
                 codes = list(store.batch_put_from_multi_buffers(names, buffers, sizes, config))
                 for j, code in zip(sent, codes, strict=True):
                     if code == 0:
-                        results[j] = (Outcome.OK, True)
-                    elif code == _ALREADY_EXISTS:
-                        results[j] = (Outcome.OK, False)
+                        stored.append(chunk[j])  # list.append is atomic: lanes share it
+                    if code in (0, _ALREADY_EXISTS):
+                        results[j] = Outcome.OK
                     elif code == _NO_SPACE:
-                        results[j] = (Outcome.MISS, False)
+                        results[j] = Outcome.MISS
                     else:
-                        results[j] = (Outcome.ERROR, False)
+                        results[j] = Outcome.ERROR
 
             # A cancelled caller's stop flag ends the hand-out; pages not sent stay ERROR.
             fan_out(self._helpers, len(groups), send, stop, _PUT_LANES)

@@ -167,6 +167,7 @@ async def test_cancelled_put_in_groups_sends_no_group_after_the_cancel(mooncake_
         sent = {name for args in client.calls for name in args[0]}
         # The first lane's group, and at most what the other lane sent before the cancel.
         assert 2 <= len(sent) <= 12
+        assert storage.stats().pages == len(sent)  # counted although the caller gave up
         into = buffers(48, 1 << 20, split=1 << 19)
         outcomes = await storage.get(keys, into, namespace=NS)
         stored = {storage._mkey(k) for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK}
