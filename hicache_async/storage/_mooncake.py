@@ -1227,8 +1227,8 @@ class MooncakeStorage(BackendBase):
                 checked = verify_payload(header, plan.segments, mac_key=mac_key, checksum=digest)
                 served[index] = checked is PageCheck.OK
 
-            total = sum(sizes[position] for position, _ in items)
-            width = self._threads if len(items) > 1 and total >= _FANOUT_MIN_BYTES else 1
+            local_pages = [todo[position] for position, _ in items]
+            width = self._threads if self._worth_fanning(local_pages, chunk, plans) else 1
             fan_out(self._helpers, len(items), read, stop, width)
             done = {items[k][0] for k, ok in enumerate(served) if ok}
             for position in done:
