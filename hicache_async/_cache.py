@@ -277,6 +277,9 @@ class HiCache:
         to the pages it commits: higher priorities are evicted last (pin a system prompt).
         """
         self._check_open()
+        # Stored in every page header as int32: refused here, not by a backup much later.
+        if not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
+            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         if max_cached_tokens is not None:

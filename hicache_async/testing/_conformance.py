@@ -188,6 +188,27 @@ class StorageConformance:
             await backend.get(keys, [_empty([self.page_nbytes])], namespace=NAMESPACE)
         assert await backend.exists(keys[:1]) == 0
 
+    async def test_out_of_range_meta_raises_before_io(self, backend: StorageBackend) -> None:
+        keys = _keys(3)
+        pages = [_segments(_payload(self.page_nbytes, i), [self.page_nbytes]) for i in range(3)]
+        for bad in (
+            PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=1 << 32),
+            PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=-1),
+            PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=64, priority=1 << 31),
+            PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=64, priority=-(1 << 31) - 1),
+        ):
+            with pytest.raises(ValueError, match=r"num_tokens|priority"):
+                await backend.put(keys, pages, [_meta(keys[0]), _meta(keys[1]), bad])
+            # The pages before the bad one were not stored either.
+            assert await backend.exists(keys[:1]) == 0
+            assert await backend.exists(keys[1:2]) == 0
+        extremes = [
+            PageMeta(key=keys[0], namespace=NAMESPACE, num_tokens=(1 << 32) - 1),
+            PageMeta(key=keys[1], namespace=NAMESPACE, num_tokens=0, priority=-(1 << 31)),
+            PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=1, priority=(1 << 31) - 1),
+        ]
+        assert await backend.put(keys, pages, extremes) == [Outcome.OK] * 3
+
     # Batches and prefixes.
 
     async def test_mixed_batch_has_one_outcome_per_key(self, backend: StorageBackend) -> None:

@@ -369,6 +369,28 @@ async def test_request_larger_than_the_pool_fails_without_evicting() -> None:
         assert await _served_state(cache, prompts) == before
 
 
+@pytest.mark.parametrize("priority", [1 << 31, -(1 << 31) - 1, 1.5])
+async def test_priority_a_page_header_cannot_hold_is_refused_at_the_request(
+    priority: Any,
+) -> None:
+    """Pages carry their priority as int32: a request with one out of range fails at once
+    with a ValueError, instead of its backups failing later, and the cache is untouched."""
+    config = make_config()
+    generator = KVGenerator(config.layout, PAGE, seed=10)
+    prompts = prompt_pool(2, seed=14)
+    async with HiCache(config, storage="memory://?capacity=4MiB") as cache:
+        await serve(cache, prompts[0], generator)
+        await settle(cache)
+        before = await _served_state(cache, prompts)
+        with pytest.raises(ValueError, match="priority"):
+            cache.request(prompts[1], priority=priority)
+        assert await _served_state(cache, prompts) == before
+        with cache.request(prompts[1], priority=(1 << 31) - 1) as request:
+            assert request.priority == (1 << 31) - 1
+        await settle(cache)
+        assert_drained(cache)
+
+
 # Damaged pages and garbage in the storage root.
 
 
