@@ -23,7 +23,7 @@ from urllib.parse import SplitResult, parse_qsl, urlsplit
 import structlog
 
 from .._errors import StorageConfigError, StorageError
-from ._page import HEADER_NBYTES, PageCheck, decode_header
+from ._page import HEADER_NBYTES, PageCheck, check_header_fields, decode_header
 from ._protocol import PageBuffer, PageMeta, StorageStats
 from ._threads import Job, JobThreads
 
@@ -102,12 +102,8 @@ def check_key(key: bytes, meta: PageMeta | None = None) -> None:
             raise ValueError(f"meta.key does not match its key {key.hex()}")
         if len(meta.namespace) != 16:
             raise ValueError(f"namespace fingerprints are 16 bytes, got {len(meta.namespace)}")
-        # The header stores these as uint32 and int32: refuse here, before any page of the
-        # batch is written, rather than fail midway while encoding.
-        if not isinstance(meta.num_tokens, int) or not 0 <= meta.num_tokens < 1 << 32:
-            raise ValueError(f"meta.num_tokens must be in [0, 2**32), got {meta.num_tokens!r}")
-        if not isinstance(meta.priority, int) or not -(1 << 31) <= meta.priority < 1 << 31:
-            raise ValueError(f"meta.priority must be in [-2**31, 2**31), got {meta.priority!r}")
+        # Before any page of the batch is written, rather than midway while encoding.
+        check_header_fields(meta)
 
 
 def corrupt_reason(

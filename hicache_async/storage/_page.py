@@ -104,6 +104,15 @@ def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | byt
     return hasher.digest()
 
 
+def check_header_fields(meta: PageMeta) -> None:
+    """Raise ValueError unless the header can hold `meta.num_tokens` (uint32) and
+    `meta.priority` (int32)."""
+    if not isinstance(meta.num_tokens, int) or not 0 <= meta.num_tokens < 1 << 32:
+        raise ValueError(f"meta.num_tokens must be in [0, 2**32), got {meta.num_tokens!r}")
+    if not isinstance(meta.priority, int) or not -(1 << 31) <= meta.priority < 1 << 31:
+        raise ValueError(f"meta.priority must be in [-2**31, 2**31), got {meta.priority!r}")
+
+
 def encode_header(
     meta: PageMeta,
     payload: PageBuffer,
@@ -117,6 +126,7 @@ def encode_header(
         raise ValueError(f"page keys are 32 bytes, got {len(meta.key)}")
     if len(meta.namespace) != 16:
         raise ValueError(f"namespace fingerprints are 16 bytes, got {len(meta.namespace)}")
+    check_header_fields(meta)
     nbytes = sum(memoryview(s).nbytes for s in payload)
     digest = payload_checksum(payload) if checksum is None else checksum
     created = time.time_ns() if created_ns is None else created_ns
