@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import stat
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import structlog
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import (
@@ -17,6 +22,7 @@ from hicache_async.storage import (
     FileStorage,
     Outcome,
     PageMeta,
+    _file,
     default_root,
 )
 
@@ -57,6 +63,44 @@ def _page_path(root: Path, key: bytes) -> Path:
 def _disk_usage(root: Path) -> tuple[int, int]:
     files = [p for p in (root / "pages").rglob("*") if p.is_file()]
     return len(files), sum(p.stat().st_size for p in files)
+
+
+class _Gate:
+    """Holds a worker thread at a chosen point until the test, on the loop, lets it go."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def hold(self) -> None:
+        self.reached.set()
+        assert self.go.wait(10), "the test never released the worker"
+
+    async def wait_reached(self) -> None:
+        assert await asyncio.to_thread(self.reached.wait, 10)
+
+
+@contextlib.contextmanager
+def _released(*gates: _Gate) -> Iterator[None]:
+    try:
+        yield
+    finally:  # never leave a worker thread blocked, whatever failed
+        for gate in gates:
+            gate.go.set()
+
+
+def _held_after(original: Callable[..., Any], gate: _Gate) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        gate.hold()
+        return result
+
+    return wrapper
+
+
+async def _assert_index_matches_disk(storage: FileStorage, root: Path) -> None:
+    stats = storage.stats()
+    assert _disk_usage(root) == (stats.pages, stats.bytes)
 
 
 # The root.
@@ -570,3 +614,259 @@ async def test_verify_keeps_this_instances_spare_files(tmp_path: Path) -> None:
         new = _keys(2)
         assert await _put(storage, new) == [Outcome.OK] * 2
         assert _spares(root) == []  # both reused
+
+
+# Operations racing each other: a read or scan commits what it saw only if nothing changed since.
+
+
+async def test_read_done_before_a_delete_does_not_bring_the_page_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    (key,) = _keys(1)
+    gate = _Gate()
+    async with FileStorage(root, spare_bytes=0) as storage:
+        await _put(storage, [key])
+        monkeypatch.setattr(storage, "_read_one", _held_after(storage._read_one, gate))
+        with _released(gate):
+            get = asyncio.ensure_future(_get(storage, [key]))
+            await gate.wait_reached()  # read whole, not yet committed
+            assert await storage.delete([key]) == 1
+            gate.go.set()
+            assert await get == [Outcome.OK]
+        assert await storage.exists([key]) == 0
+        await _assert_index_matches_disk(storage, root)
+        monkeypatch.undo()
+        assert await _put(storage, [key]) == [Outcome.OK]
+        assert _page_path(root, key).exists()  # stored, not taken for already there
+        assert await _get(storage, [key]) == [Outcome.OK]
+
+
+async def test_read_that_missed_does_not_drop_a_page_written_since(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    (key,) = _keys(1)
+    before, after = _Gate(), _Gate()
+    original = FileStorage._read_one
+
+    def read_one(self: FileStorage, *args: Any) -> Any:
+        before.hold()
+        result = original(self, *args)
+        after.hold()
+        return result
+
+    async with FileStorage(root, spare_bytes=0) as storage:
+        await _put(storage, [key])
+        monkeypatch.setattr(FileStorage, "_read_one", read_one)
+        with _released(before, after):
+            get = asyncio.ensure_future(_get(storage, [key]))
+            await before.wait_reached()
+            assert await storage.delete([key]) == 1
+            before.go.set()
+            await after.wait_reached()  # the read missed
+            assert await _put(storage, [key]) == [Outcome.OK]
+            after.go.set()
+            assert await get == [Outcome.MISS]
+        assert await storage.exists([key]) == 1
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_verify_does_not_bring_back_pages_deleted_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    keys = _keys(6)
+    gate = _Gate()
+    checked: list[bytes] = []
+
+    async with FileStorage(root, spare_bytes=0) as storage:
+        original = storage._verify_file
+
+        def verify_file(shard_fd: int, key: bytes, scratch: bytearray) -> Any:
+            checked.append(key)
+            if len(checked) == len(keys):  # every other page is checked, and still listed
+                gate.hold()
+            return original(shard_fd, key, scratch)
+
+        await _put(storage, keys)
+        monkeypatch.setattr(storage, "_verify_file", verify_file)
+        with _released(gate):
+            task = asyncio.ensure_future(storage.verify())
+            await gate.wait_reached()
+            assert await storage.delete(checked[:-1]) == len(keys) - 1
+            gate.go.set()
+            assert (await task).ok == len(keys)
+        assert await storage.exists(checked[:1]) == 0
+        assert storage.stats().pages == 1
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_gc_does_not_bring_back_pages_deleted_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    keys = _keys(6)
+    gate = _Gate()
+    async with FileStorage(root, capacity_bytes=100 * SIZE, spare_bytes=0) as storage:
+        await _put(storage, keys)
+        monkeypatch.setattr(_file, "_scan", _held_after(_file._scan, gate))
+        with _released(gate):
+            task = asyncio.ensure_future(storage.gc())
+            await gate.wait_reached()  # the scan listed every page
+            assert await storage.delete(keys[:4]) == 4
+            gate.go.set()
+            await task
+        assert await storage.exists(keys[:1]) == 0
+        assert storage.stats().pages == 2
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_shared_stat_does_not_bring_back_a_page_deleted_meanwhile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    (key,) = _keys(1)
+    gate = _Gate()
+    async with (
+        FileStorage(root, shared=True) as writer,
+        FileStorage(root, shared=True) as reader,
+    ):
+        await _put(writer, [key])
+        monkeypatch.setattr(reader, "_stat_job", _held_after(reader._stat_job, gate))
+        with _released(gate):
+            exists = asyncio.ensure_future(reader.exists([key]))
+            await gate.wait_reached()
+            assert await reader.delete([key]) == 1
+            gate.go.set()
+            assert await exists == 1  # it was there when looked up
+        assert reader.stats().pages == 0
+        assert not _page_path(root, key).exists()
+
+
+# Removal failures: the page stays, so does its entry.
+
+
+def _failing_removal(monkeypatch: pytest.MonkeyPatch, failing: set[str]) -> None:
+    original = _file._remove_page
+
+    def remove_page(spares: Any, handles: Any, shard_fd: int, name: str) -> None:
+        if name in failing:
+            raise PermissionError(errno.EPERM, "Operation not permitted", name)
+        original(spares, handles, shard_fd, name)
+
+    monkeypatch.setattr(_file, "_remove_page", remove_page)
+
+
+async def test_a_page_that_cannot_be_removed_stays_indexed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    old, new = _keys(4), _keys(4)
+    failing: set[str] = set()
+    _failing_removal(monkeypatch, failing)
+    async with FileStorage(root, capacity_bytes=4 * SIZE, spare_bytes=0) as storage:
+        await _put(storage, old)
+        failing.add(old[0].hex())
+        assert await _put(storage, new) == [Outcome.OK] * 4
+        stats = storage.stats()
+        assert (stats.evictions, stats.errors) == (3, 1)
+        assert await storage.exists(old[:1]) == 1
+        await _assert_index_matches_disk(storage, root)
+        failing.clear()
+        report = await storage.gc()  # over capacity by old[0]; it goes now
+        assert (report.evicted_pages, storage.stats().bytes) == (1, 4 * SIZE)
+        failing.add(new[0].hex())
+        assert await storage.delete(new[:2]) == 1
+        assert await storage.exists(new[:1]) == 1
+        assert storage.stats().errors == 2
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_gc_does_not_count_a_failed_eviction(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    keys = _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+    now = time.time()
+    for age, key in zip((300, 200, 100), keys, strict=True):  # reopened in this LRU order
+        os.utime(_page_path(root, key), (now - age, now - age))
+    _failing_removal(monkeypatch, {keys[0].hex()})
+    async with FileStorage(root, capacity_bytes=SIZE, spare_bytes=0) as storage:
+        report = await storage.gc()
+        assert (report.evicted_pages, report.freed_bytes) == (1, SIZE)
+        assert storage.stats().evictions == 1
+        assert await storage.exists(keys[:1]) == 1
+        assert await storage.exists(keys[1:2]) == 0
+        await _assert_index_matches_disk(storage, root)
+
+
+# Shard directories are checked like pages/ and tmp/.
+
+
+async def test_a_world_writable_shard_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    kept = bytes.fromhex("ab" + "01" * 31)
+    async with FileStorage(root) as storage:
+        assert await _put(storage, [kept]) == [Outcome.OK]
+    (root / "pages" / "ab").chmod(0o777)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root) as storage:
+            assert storage.stats().pages == 0  # not indexed at open
+            assert await _get(storage, [kept]) == [Outcome.MISS]
+            new = bytes.fromhex("ab" + "02" * 31)
+            assert await _put(storage, [new]) == [Outcome.ERROR]
+            assert await _put(storage, [bytes.fromhex("cd" + "02" * 31)]) == [Outcome.OK]
+    assert not _page_path(root, new).exists()
+    assert _page_path(root, kept).exists()  # left alone
+    refused = [entry for entry in logs if entry["event"] == "storage.shard.refused"]
+    assert len(refused) == 1
+    assert "world-writable" in refused[0]["error"]
+
+
+# URL parameters.
+
+
+@pytest.mark.parametrize("param", ["capacity", "spare"])
+def test_blank_size_in_url_is_refused(tmp_path: Path, param: str) -> None:
+    with pytest.raises(StorageConfigError, match=f"{param}=''"):
+        FileStorage.from_url(f"file://{tmp_path}?{param}=")
+
+
+# Bad input is not a storage error.
+
+
+async def test_bad_input_is_not_counted_as_an_error(tmp_path: Path) -> None:
+    keys = _keys(2)
+    async with FileStorage(tmp_path / "s", capacity_bytes=2 * SIZE) as storage:
+        await _put(storage, keys)
+        strided = [[memoryview(bytearray(2 * PAGE))[::2]] for _ in keys]
+        new = _keys(2)  # would evict both pages
+        with pytest.raises(ValueError, match="contiguous"):
+            await storage.put(new, strided, _metas(new))
+        with pytest.raises(ValueError, match="writable"):
+            await storage.get(keys, [[memoryview(bytes(PAGE))] for _ in keys], namespace=NS)
+        stats = storage.stats()
+        assert (stats.errors, stats.evictions, stats.pages) == (0, 0, 2)
+        assert await _get(storage, keys) == [Outcome.OK] * 2
+
+
+# Recency survives a reopen.
+
+
+async def test_reads_order_eviction_after_reopen(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    read, unread, new = _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, [read, unread])
+        now = time.time()
+        os.utime(_page_path(root, read), (now - 100, now - 100))  # written first
+        os.utime(_page_path(root, unread), (now - 50, now - 50))
+        assert await _get(storage, [read]) == [Outcome.OK]
+        assert _page_path(root, read).stat().st_mtime >= now
+    async with FileStorage(root, capacity_bytes=2 * SIZE) as storage:
+        assert await _put(storage, [new]) == [Outcome.OK]
+        assert await storage.exists([read]) == 1
+        assert await storage.exists([unread]) == 0

@@ -9,7 +9,9 @@ Layout under the root (directories 0700, files 0600):
 The root must be a directory owned by this user and not world-writable, and not itself a
 symlink (directories above it may be); it and everything below it are opened relative to
 directory descriptors with O_NOFOLLOW, so a symlink planted in or for the root is never
-followed. A write goes to a fresh
+followed. pages/, tmp/ and each shard directory must be owned by this user and not
+world-writable; a shard directory that is not is refused until the next open (its pages are
+misses, writes into it fail). A write goes to a fresh
 O_EXCL temporary file and is renamed into place, so a page file is either absent or whole; after
 a crash without fsync the rename may survive while the data does not, which the page checksum
 catches (the page is then corrupt and removed, never served with wrong bytes).
@@ -21,7 +23,11 @@ and pays for the checksum (docs/storage.md). Spare files are never read; they ar
 close, and by the next open or `verify()` if the process died.
 
 An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
-call and drives eviction. It is built by scanning the root when the storage opens. With
+call and drives eviction. It is built by scanning the root when the storage opens, in the order
+of the files' mtimes: a read sets its file's mtime to now when it is over a second old, so
+recency survives a reopen to within a second (nothing else takes a page's mtime for its write
+time). Reads and scans commit what they saw only for keys no put, delete or eviction changed
+meanwhile (`_watch`, `_stale`). With
 `shared=True` several instances use one root: keys missing from the index are looked up on disk,
 pages another instance deleted read as misses, and capacity is enforced over what this instance
 knows of (`gc()` rescans the whole root).
@@ -112,6 +118,12 @@ _IOV_MAX = 1024
 # writing theirs (even at open); in a private one only our own puts, and only after open.
 _STALE_TMP_SHARED_S = 600.0
 _STALE_TMP_PRIVATE_S = 60.0
+# A read sets the page file's mtime to now (its last use, which orders eviction after a reopen)
+# when it is at least this old: a hot page costs no extra system call on every read.
+_TOUCH_AFTER_S = 1.0
+# Changes recorded for reads and scans in flight are pruned when they outgrow this (or twice
+# what the previous prune kept).
+_CHANGES_PRUNE_MIN = 4096
 
 _URL_PARAMS = {
     "capacity": "byte size, e.g. 10GiB",
@@ -166,19 +178,29 @@ class _Entry:
         self.seq = seq
 
 
-class _Handles:
-    """Directory descriptors of an open root. Shard directories are opened on first use."""
+class _RefusedShardError(OSError):
+    """A shard directory owned by someone else or world-writable: never used."""
 
-    def __init__(self, root_fd: int, pages_fd: int, tmp_fd: int, lock_fd: int) -> None:
+
+class _Handles:
+    """Directory descriptors of an open root. Shard directories are opened on first use,
+    checked like pages/ and tmp/; one that fails the check is refused until the next open."""
+
+    def __init__(
+        self, root_fd: int, pages_fd: int, tmp_fd: int, lock_fd: int, pages_path: Path
+    ) -> None:
         self.root_fd = root_fd
         self.pages_fd = pages_fd
         self.tmp_fd = tmp_fd
         self.lock_fd = lock_fd
+        self._pages_path = pages_path
         self._shards: dict[str, int] = {}
+        self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def shard(self, name: str, *, create: bool, durable: bool = False) -> int | None:
-        """The descriptor of `pages/<name>`, or None when it does not exist and create is off."""
+        """The descriptor of `pages/<name>`, or None when it does not exist and create is off.
+        Raises _RefusedShardError for a directory that fails the ownership and mode checks."""
         fd = self._shards.get(name)
         if fd is not None:
             return fd
@@ -186,6 +208,9 @@ class _Handles:
             fd = self._shards.get(name)
             if fd is not None:
                 return fd
+            refused = self._refused.get(name)
+            if refused is not None:
+                raise _RefusedShardError(errno.EPERM, refused)
             if create:
                 try:
                     os.mkdir(name, _DIR_MODE, dir_fd=self.pages_fd)
@@ -198,6 +223,17 @@ class _Handles:
                 fd = os.open(name, _DIR_FLAGS, dir_fd=self.pages_fd)
             except FileNotFoundError:
                 return None
+            try:
+                _check_private_dir(fd, f"shard directory {self._pages_path / name}")
+            except StorageConfigError as exc:
+                os.close(fd)
+                # Whoever else can write there could plant or swap pages: its pages are misses
+                # and writes into it fail, logged once.
+                self._refused[name] = str(exc)
+                log.warning(
+                    "storage.shard.refused", directory=str(self._pages_path / name), error=str(exc)
+                )
+                raise _RefusedShardError(errno.EPERM, str(exc)) from None
             self._shards[name] = fd
             return fd
 
@@ -390,7 +426,7 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
         for fd in opened:
             os.close(fd)
         raise
-    return _Handles(root_fd, pages_fd, tmp_fd, lock_fd)
+    return _Handles(root_fd, pages_fd, tmp_fd, lock_fd, root / _PAGES)
 
 
 def _remove_leftovers(
@@ -554,11 +590,13 @@ class _Job:
     the loop after every thread has stopped, whether the batch finished, failed or was
     cancelled."""
 
-    __slots__ = ("done", "results")
+    __slots__ = ("done", "failed", "rejected", "results")
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
-        self.done = 0  # victims removed, for put
+        self.done = 0  # removals reached (put's victims, delete's keys)
+        self.failed: list[int] = []  # positions among those whose file could not be removed
+        self.rejected = False  # bad input, refused before any I/O: nothing to commit
 
 
 class FileStorage(BackendBase):
@@ -624,6 +662,14 @@ class FileStorage(BackendBase):
         self._pins: dict[bytes, int] = {}
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
+        # Reads and scans observe the disk off the loop and commit later: each index change of
+        # a key takes the next epoch, and an observation started at epoch E commits nothing
+        # about a key changed after E (`_stale`). Changes are recorded only while an
+        # observation is in flight (`_watchers`: start epoch -> how many).
+        self._epoch = 0
+        self._changed: dict[bytes, int] = {}
+        self._watchers: dict[int, int] = {}
+        self._prune_at = _CHANGES_PRUNE_MIN
         # Temporary files of interrupted writes removed at open: the count stays for
         # `leftovers_removed_at_open`, and the next verify() reports them as its own.
         self._open_leftovers = 0
@@ -660,12 +706,12 @@ class FileStorage(BackendBase):
         spare = params.get("spare")
         return cls(
             path or None,
-            capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
+            capacity_bytes=None if capacity is None else parse_size(capacity, field="capacity"),
             fsync=cast(FsyncPolicy, fsync),  # checked above
             shared=parse_bool(params.get("shared", "0"), field="shared"),
             mac_key=mac_key,
             io_threads=int(threads),
-            spare_bytes=parse_size(spare, field="spare") if spare else None,
+            spare_bytes=None if spare is None else parse_size(spare, field="spare"),
         )
 
     @property
@@ -747,6 +793,7 @@ class FileStorage(BackendBase):
     # Index bookkeeping (loop only).
 
     def _insert(self, key: bytes, nbytes: int, last_access: float) -> None:
+        self._mark(key)
         entry = self._index.get(key)
         if entry is not None:
             self._bytes += nbytes - entry.nbytes
@@ -758,6 +805,7 @@ class FileStorage(BackendBase):
         self._bytes += nbytes
 
     def _drop(self, key: bytes) -> _Entry | None:
+        self._mark(key)
         entry = self._index.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
@@ -769,14 +817,45 @@ class FileStorage(BackendBase):
             entry.last_access = now
             self._index.move_to_end(key)
 
-    def _merge_scan(self, found: list[_Found], since_seq: int) -> None:
-        """Bring the index in line with a disk scan started when `self._seq` was `since_seq`."""
+    def _mark(self, key: bytes) -> None:
+        """Record a change of `key`'s entry (insert, drop, removal) for observations in flight."""
+        self._epoch += 1
+        if self._watchers:
+            self._changed[key] = self._epoch
+
+    def _watch(self) -> int:
+        """Start an observation (a read, a stat, a scan); returns its epoch for `_stale`."""
+        epoch = self._epoch
+        self._watchers[epoch] = self._watchers.get(epoch, 0) + 1
+        return epoch
+
+    def _unwatch(self, epoch: int) -> None:
+        left = self._watchers[epoch] - 1
+        if left:
+            self._watchers[epoch] = left
+        else:
+            del self._watchers[epoch]
+        if not self._watchers:
+            self._changed.clear()
+        elif len(self._changed) > self._prune_at:
+            oldest = min(self._watchers)
+            self._changed = {k: e for k, e in self._changed.items() if e > oldest}
+            self._prune_at = max(_CHANGES_PRUNE_MIN, 2 * len(self._changed))
+
+    def _stale(self, key: bytes, epoch: int) -> bool:
+        """Whether what an observation started at `epoch` saw of `key` may be out of date: the
+        key was put, deleted or evicted since, or is being written or removed."""
+        return self._changed.get(key, 0) > epoch or key in self._writing or key in self._evicting
+
+    def _merge_scan(self, found: list[_Found], since_seq: int, epoch: int) -> None:
+        """Bring the index in line with a disk scan started when `self._seq` was `since_seq`
+        and the change epoch `epoch`."""
         on_disk = {key: (nbytes, mtime) for key, nbytes, mtime in found}
         for key in [k for k, e in self._index.items() if e.seq <= since_seq]:
-            if key not in on_disk:
+            if key not in on_disk and not self._stale(key, epoch):
                 self._drop(key)
         for key, (nbytes, mtime) in sorted(on_disk.items(), key=lambda item: item[1][1]):
-            if key not in self._index:
+            if key not in self._index and not self._stale(key, epoch):
                 self._insert(key, nbytes, mtime)
                 self._index.move_to_end(key, last=False)  # unknown recency: evict early
 
@@ -811,11 +890,14 @@ class FileStorage(BackendBase):
         rest = list(keys[count:])
         known = [key in index for key in rest]
         found: list[_Found] = []
+        epoch = self._watch()
         try:
             more = await self.run_job(lambda stop: self._stat_job(stop, rest, known, found))
         finally:
             for key, nbytes, mtime in found:
-                self._insert(key, nbytes, mtime)
+                if not self._stale(key, epoch):
+                    self._insert(key, nbytes, mtime)
+            self._unwatch(epoch)
         return count + more
 
     def _stat_job(
@@ -862,6 +944,7 @@ class FileStorage(BackendBase):
         for key in todo_keys:
             pins[key] = pins.get(key, 0) + 1
         job = _Job(len(todo))
+        epoch = self._watch()
         try:
             await self.run_job(
                 lambda stop: self._read_job(stop, job, todo_keys, todo_pages, namespace)
@@ -873,7 +956,8 @@ class FileStorage(BackendBase):
                     pins[key] = left
                 else:
                     del pins[key]
-            self._commit_read(job, todo, todo_keys, outcomes)
+            self._commit_read(job, todo, todo_keys, outcomes, epoch)
+            self._unwatch(epoch)
         return outcomes
 
     def _read_job(
@@ -885,7 +969,11 @@ class FileStorage(BackendBase):
         namespace: bytes,
     ) -> None:
         handles = self._handles_or_raise()
-        segments = [byte_segments(page, writable=True) for page in pages]  # before any I/O
+        try:
+            segments = [byte_segments(page, writable=True) for page in pages]  # before any I/O
+        except (TypeError, ValueError):
+            job.rejected = True
+            raise
         sizes = [sum([view.nbytes for view in views]) for views in segments]
         results = job.results
 
@@ -905,6 +993,8 @@ class FileStorage(BackendBase):
         hexkey = key.hex()
         try:
             shard_fd = handles.shard(hexkey[:2], create=False)
+        except _RefusedShardError:
+            return (_MISS, "", 0)  # never read from (logged when refused)
         except OSError as exc:
             return (_ERROR, f"shard directory: {exc.strerror}", 0)
         if shard_fd is None:
@@ -922,6 +1012,10 @@ class FileStorage(BackendBase):
         try:
             st = os.fstat(fd)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
+            if result[0] == _OK and time.time() - st.st_mtime >= _TOUCH_AFTER_S:
+                # The mtime is the page's last use: the next open orders eviction by it.
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
         except OSError as exc:
             return (_ERROR, f"read: {exc.strerror}", 0)
         finally:
@@ -974,8 +1068,12 @@ class FileStorage(BackendBase):
         return (_OK, "", size)
 
     def _commit_read(
-        self, job: _Job, todo: list[int], keys: list[bytes], outcomes: list[Outcome]
+        self, job: _Job, todo: list[int], keys: list[bytes], outcomes: list[Outcome], epoch: int
     ) -> None:
+        """Record a read started at change epoch `epoch`; what it saw of a key changed since
+        is left out of the index (a delete, put or eviction decided later)."""
+        if job.rejected:
+            return
         now = time.time()
         counters = self._counters
         for slot, (i, key) in enumerate(zip(todo, keys, strict=True)):
@@ -990,15 +1088,17 @@ class FileStorage(BackendBase):
                 counters.get_hits += 1
                 if key in self._index:
                     self._touch(key, now)
-                else:  # found on disk in a shared root
+                elif not self._stale(key, epoch):  # found on disk in a shared root
                     self._insert(key, nbytes, now)
             elif code == _MISS:
-                self._drop(key)  # deleted by another instance
+                if not self._stale(key, epoch):
+                    self._drop(key)  # deleted by another instance
             elif code == _UNSUPPORTED:
                 pass  # a newer writer's page: a miss for us, kept for it
             elif code == _CORRUPT:
                 outcomes[i] = Outcome.CORRUPT
-                self._drop(key)
+                if not self._stale(key, epoch):
+                    self._drop(key)
                 self._report_corrupt(key, detail)
             else:
                 outcomes[i] = Outcome.ERROR
@@ -1128,7 +1228,7 @@ class FileStorage(BackendBase):
             self._reserved -= reserve
             self._writing.difference_update(write_keys)
             self._evicting.difference_update(victims)
-            self._commit_removal(removed, job.done, evictions=True)
+            self._commit_removal(removed, job, evictions=True)
             self._commit_write(job, writes, write_keys, outcomes, now)
 
     def _write_job(
@@ -1142,9 +1242,13 @@ class FileStorage(BackendBase):
         metas: list[PageMeta],
     ) -> None:
         handles = self._handles_or_raise()
-        segments = [byte_segments(page, writable=False) for page in pages]  # before any I/O
+        try:
+            segments = [byte_segments(page, writable=False) for page in pages]  # before any I/O
+        except (TypeError, ValueError):
+            job.rejected = True
+            raise
         sizes = [sum([view.nbytes for view in views]) for views in segments]
-        for key in victims:
+        for position, key in enumerate(victims):
             if stop.is_set():
                 return
             hexkey = key.hex()
@@ -1154,7 +1258,8 @@ class FileStorage(BackendBase):
                     _remove_page(self._spares, handles, shard_fd, hexkey)
             except FileNotFoundError:
                 pass
-            except OSError as exc:
+            except OSError as exc:  # the page stays: it goes back into the index
+                job.failed.append(position)
                 log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
             job.done += 1
         results = job.results
@@ -1254,6 +1359,8 @@ class FileStorage(BackendBase):
         outcomes: list[Outcome],
         now: float,
     ) -> None:
+        if job.rejected:
+            return
         for slot, (i, key) in enumerate(zip(writes, keys, strict=True)):
             result = job.results[slot]
             if result is None:
@@ -1273,22 +1380,33 @@ class FileStorage(BackendBase):
                 log.warning("storage.page.error", backend=self._name, key=key.hex(), error=detail)
 
     def _commit_removal(
-        self, removed: list[tuple[bytes, _Entry | None]], done: int, *, evictions: bool
+        self, removed: list[tuple[bytes, _Entry | None]], job: _Job, *, evictions: bool
     ) -> None:
         """Count removals that happened; put entries the job did not reach back in the index,
-        at the LRU end in their original order."""
+        at the LRU end in their original order, and those whose file it failed to remove at
+        the MRU end (the next eviction tries other pages first)."""
+        done, failed = job.done, job.failed
         if evictions:
-            self._counters.evictions += done
+            self._counters.evictions += done - len(failed)
+        self._counters.errors += len(failed)
+        for key, _ in removed:
+            self._mark(key)
         for key, entry in reversed(removed[done:]):
             if entry is not None and key not in self._index:
                 self._index[key] = entry
                 self._index.move_to_end(key, last=False)
                 self._bytes += entry.nbytes
+        for position in failed:
+            key, entry = removed[position]
+            if entry is not None and key not in self._index:
+                self._index[key] = entry
+                self._bytes += entry.nbytes
 
     # delete.
 
     async def delete(self, keys: Sequence[bytes]) -> int:
-        """Remove the pages; return how many existed."""
+        """Remove the pages; return how many existed and were removed (a page whose file could
+        not be removed stays, counted as an error)."""
         self._check_open()
         unique = list(dict.fromkeys(keys))
         if not self._shared:
@@ -1299,15 +1417,19 @@ class FileStorage(BackendBase):
         self._evicting.update(unique)
         job = _Job(len(unique))
         try:
-            await self.run_job(lambda stop: self._unlink_job(stop, job, unique))
+            await self.run_job(
+                lambda stop: self._unlink_job(stop, job, unique, event="storage.delete.error")
+            )
         finally:
             self._evicting.difference_update(unique)
-            self._commit_removal(removed, job.done, evictions=False)
+            self._commit_removal(removed, job, evictions=False)
         count = sum(1 for result in job.results if result is not None and result[0] == _OK)
         self._counters.deletes += count
         return count
 
-    def _unlink_job(self, stop: threading.Event, job: _Job, keys: list[bytes]) -> None:
+    def _unlink_job(
+        self, stop: threading.Event, job: _Job, keys: list[bytes], *, event: str
+    ) -> None:
         handles = self._handles_or_raise()
         for slot, key in enumerate(keys):
             if stop.is_set():
@@ -1322,8 +1444,10 @@ class FileStorage(BackendBase):
                     job.results[slot] = (_OK, "", 0)
             except FileNotFoundError:
                 job.results[slot] = (_MISS, "", 0)
-            except OSError as exc:
+            except OSError as exc:  # the page stays: it goes back into the index
                 job.results[slot] = (_ERROR, str(exc), 0)
+                job.failed.append(slot)
+                log.warning(event, backend=self._name, key=hexkey, error=str(exc))
             job.done = slot + 1
 
     # Raw access (RawAccess).
@@ -1420,9 +1544,12 @@ class FileStorage(BackendBase):
         """Check every page on disk; remove corrupt pages, temporary leftovers and strays."""
         self._check_open()
         since = self._seq
-        outcome = await self.run_job(self._verify_job)
-        found, corrupt, report = outcome
-        self._merge_scan(found, since)
+        epoch = self._watch()
+        try:
+            found, corrupt, report = await self.run_job(self._verify_job)
+            self._merge_scan(found, since, epoch)
+        finally:
+            self._unwatch(epoch)
         for key, reason in corrupt:
             self._report_corrupt(key, reason)
         # Opening removed the leftovers it found before anyone could ask: a verify that
@@ -1521,8 +1648,12 @@ class FileStorage(BackendBase):
         """Rescan the root, then evict least recently used pages down to the capacity."""
         self._check_open()
         since = self._seq
-        found = await self.run_job(lambda stop: _scan(self._handles_or_raise(), stop))
-        self._merge_scan(found, since)
+        epoch = self._watch()
+        try:
+            found = await self.run_job(lambda stop: _scan(self._handles_or_raise(), stop))
+            self._merge_scan(found, since, epoch)
+        finally:
+            self._unwatch(epoch)
         if self._capacity is None:
             return GcReport(evicted_pages=0, freed_bytes=0)
         excess = self._bytes + self._reserved - self._capacity
@@ -1539,9 +1670,16 @@ class FileStorage(BackendBase):
         self._evicting.update(victims)
         job = _Job(len(victims))
         try:
-            await self.run_job(lambda stop: self._unlink_job(stop, job, victims))
+            await self.run_job(
+                lambda stop: self._unlink_job(stop, job, victims, event="storage.evict.error")
+            )
         finally:
             self._evicting.difference_update(victims)
-            self._commit_removal(removed, job.done, evictions=True)
-        freed = sum(entry.nbytes for _, entry in removed[: job.done] if entry is not None)
-        return GcReport(evicted_pages=job.done, freed_bytes=freed)
+            self._commit_removal(removed, job, evictions=True)
+        failed = set(job.failed)
+        freed = sum(
+            entry.nbytes
+            for position, (_, entry) in enumerate(removed[: job.done])
+            if entry is not None and position not in failed
+        )
+        return GcReport(evicted_pages=job.done - len(failed), freed_bytes=freed)
