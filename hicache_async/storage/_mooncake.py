@@ -543,6 +543,8 @@ class MooncakeStorage(BackendBase):
         self._arena = _Arena(staging_size)
         self._regions = _Regions()
         self._pending: list[tuple[int, int, object]] = []
+        #: Set once `_open` has finished, opened or not (None until it begins).
+        self._opening: asyncio.Event | None = None
         self._refused: set[tuple[int, int]] = set()
         self._pages = 0
         self._bytes = 0
@@ -656,7 +658,9 @@ class MooncakeStorage(BackendBase):
         `memory` is a buffer object (a host pool's array, a bytearray, a memoryview over
         either), which is kept alive until `close()`, or an integer address with `nbytes`,
         which the caller keeps valid until `unregister_memory` or `close()`. Call it before
-        or after entering; overlapping an already registered range is an error.
+        or after entering; while entering it waits for the backend to open and then
+        registers (raising StorageError if it did not open). Overlapping an already
+        registered range is an error.
         """
         if self.closed:
             raise StorageError(f"{self._name} is closed")
@@ -674,6 +678,11 @@ class MooncakeStorage(BackendBase):
                 if not 0 < nbytes <= size:
                     raise ValueError(f"nbytes must be in [1, {size}], got {nbytes}")
                 size = nbytes
+        if self._store is None and self._opening is not None:
+            # Entering is under way and registers only what was pending when it began: wait
+            # for it, then register as on an open backend (or fail if it did not open).
+            await self._opening.wait()
+            self._check_open()
         if self._regions.overlaps(address, size) or any(
             a < address + size and address < a + n for a, n, _ in self._pending
         ):
@@ -726,6 +735,13 @@ class MooncakeStorage(BackendBase):
     # Lifecycle.
 
     async def _open(self) -> None:
+        self._opening = opening = asyncio.Event()
+        try:
+            await self._open_client()
+        finally:
+            opening.set()
+
+    async def _open_client(self) -> None:
         try:
             from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as exc:
@@ -867,19 +883,28 @@ class MooncakeStorage(BackendBase):
         plans = await self._plan([byte_segments(page, writable=True) for page in into])
         self._count_paths(plans)
         outcomes = [Outcome.ERROR] * len(keys)
-        for chunk in self._chunks(plans):
-            part = await self._staged(
-                chunk, plans, functools.partial(self._get_job, keys, plans, namespace)
-            )
-            for i, (outcome, reason) in zip(chunk, part, strict=True):
-                outcomes[i] = outcome
-                if reason == _DIRECT:
-                    self._direct_pages += 1
-                elif outcome is Outcome.CORRUPT:
-                    self._report_corrupt(keys[i], reason)
-                    # Removed by the job; the stored size is not known, the page's is.
-                    self._pages -= 1
-                    self._bytes -= HEADER_NBYTES + plans[i].nbytes
+        corrupt: list[tuple[int, str]] = []
+        removed: list[int] = []
+        try:
+            for chunk in self._chunks(plans):
+                part = await self._staged(
+                    chunk,
+                    plans,
+                    functools.partial(
+                        self._get_job, keys, plans, namespace, corrupt=corrupt, removed=removed
+                    ),
+                )
+                for i, (outcome, reason) in zip(chunk, part, strict=True):
+                    outcomes[i] = outcome
+                    if reason == _DIRECT:
+                        self._direct_pages += 1
+        finally:
+            # A cancelled get's job has finished as well: count what it found and removed.
+            for i, reason in corrupt:
+                self._report_corrupt(keys[i], reason)
+            # The stored size of a removed object is not known, the page's is.
+            self._pages -= len(removed)
+            self._bytes -= sum(HEADER_NBYTES + plans[i].nbytes for i in removed)
         c = self._counters
         c.gets += len(keys)
         c.get_hits += outcomes.count(Outcome.OK)
@@ -895,23 +920,35 @@ class MooncakeStorage(BackendBase):
         check_batch(keys, ("pages", pages), ("metas", metas))
         for key, meta in zip(keys, metas, strict=True):
             check_key(key, meta)
-        plans = await self._plan([byte_segments(page, writable=False) for page in pages])
+        # A key given twice is sent once (its first page): Mooncake would report both copies
+        # of one object as stored. The repeats take the first one's outcome.
+        position: dict[bytes, int] = {}
+        firsts: list[int] = []
+        for i, key in enumerate(keys):
+            if key not in position:
+                position[key] = len(firsts)
+                firsts.append(i)
+        segments = [byte_segments(page, writable=False) for page in pages]  # checks them all
+        unique = [keys[i] for i in firsts]
+        unique_metas = [metas[i] for i in firsts]
+        plans = await self._plan([segments[i] for i in firsts])
         self._count_paths(plans)
-        outcomes = [Outcome.ERROR] * len(keys)
+        sent = [Outcome.ERROR] * len(unique)
         stored: list[int] = []
         try:
             for chunk in self._chunks(plans):
                 part = await self._staged(
                     chunk,
                     plans,
-                    functools.partial(self._put_job, keys, plans, metas, stored=stored),
+                    functools.partial(self._put_job, unique, plans, unique_metas, stored=stored),
                 )
                 for i, outcome in zip(chunk, part, strict=True):
-                    outcomes[i] = outcome
+                    sent[i] = outcome
         finally:
             # A cancelled put's job has finished as well: count what it stored.
             self._pages += len(stored)
             self._bytes += sum(HEADER_NBYTES + plans[i].nbytes for i in stored)
+        outcomes = [sent[position[key]] for key in keys]
         c = self._counters
         c.puts += len(keys)
         c.put_ok += outcomes.count(Outcome.OK)
@@ -1002,7 +1039,8 @@ class MooncakeStorage(BackendBase):
         """Read every page under the prefix and remove the ones that fail their checks.
 
         Without a namespace only what a page says about itself is checked: header, key,
-        length, checksum, and the MAC when this instance holds a key. Needs `admin`.
+        length, checksum, and the MAC when this instance holds a key. A page that cannot be
+        read is left in place, not checked, and counted in `stats().errors`. Needs `admin`.
         """
         store = self._open_store()
         pages = await self.list_pages()
@@ -1026,6 +1064,13 @@ class MooncakeStorage(BackendBase):
             for info, check in zip(batch, checks, strict=True):
                 if check is None:
                     continue  # gone since it was listed
+                if isinstance(check, int):
+                    # Not read (a failed transfer, the master not answering): left in place.
+                    self._counters.errors += 1
+                    log.warning(
+                        "storage.page.error", backend=self._name, key=info.key.hex(), error=check
+                    )
+                    continue
                 checked += 1
                 if check is PageCheck.OK:
                     ok += 1
@@ -1197,7 +1242,12 @@ class MooncakeStorage(BackendBase):
         namespace: bytes,
         chunk: range,
         base: int,
+        *,
+        corrupt: list[tuple[int, str]],
+        removed: list[int],
     ) -> Callable[[threading.Event], list[tuple[Outcome, str]]]:
+        """The job reading `chunk`; it appends the pages it finds damaged to `corrupt` (index,
+        reason) and, once per object, those whose object it removed to `removed`."""
         store, arena, arena_base = self._store, self._arena_view, self._arena_base
         mac_key, local = self._mac_key, self._local
         assert arena is not None
@@ -1245,7 +1295,7 @@ class MooncakeStorage(BackendBase):
             names = [self._mkey(keys[chunk[j]]) for j in todo]
             buffers, sizes = _object_buffers(todo, plans, chunk, slots, arena_base)
             codes = list(store.batch_get_into_multi_buffers(names, buffers, sizes)) if todo else []
-            corrupt: list[str] = []
+            damaged: list[tuple[int, str]] = []  # (j, name)
             arrived: list[tuple[int, str]] = []
             # Mooncake refuses a length mismatch with these codes (among other causes): one
             # size lookup for all of them tells a damaged object from a failed transfer.
@@ -1257,12 +1307,12 @@ class MooncakeStorage(BackendBase):
                     results[j] = (Outcome.MISS, "")
                 elif code in _REFUSED and stored[name] not in (-1, expected):
                     results[j] = (Outcome.CORRUPT, "length")
-                    corrupt.append(name)
+                    damaged.append((j, name))
                 elif code < 0:
                     results[j] = (Outcome.ERROR, "")
                 elif code != expected:
                     results[j] = (Outcome.CORRUPT, "length")
-                    corrupt.append(name)
+                    damaged.append((j, name))
                 else:
                     arrived.append((j, name))
             checks: list[tuple[PageCheck, str] | None] = [None] * len(arrived)
@@ -1299,9 +1349,17 @@ class MooncakeStorage(BackendBase):
                     results[j] = (Outcome.MISS, "")  # a newer writer's page: left in place
                 else:
                     results[j] = (Outcome.CORRUPT, reason)
-                    corrupt.append(name)
-            if corrupt:
-                store.batch_remove(corrupt, force=True)
+                    damaged.append((j, name))
+            if damaged:
+                corrupt.extend((chunk[j], results[j][1]) for j, _ in damaged)
+                # One remove per object (a key may come twice), and only a removal this call
+                # made counts: a concurrent get of the same page may have removed it first.
+                first: dict[str, int] = {}
+                for j, name in damaged:
+                    first.setdefault(name, chunk[j])
+                doomed = list(first)
+                gone = list(store.batch_remove(doomed, force=True))
+                removed.extend(first[n] for n, c in zip(doomed, gone, strict=True) if c == 0)
             return results
 
         return job
@@ -1465,7 +1523,8 @@ class MooncakeStorage(BackendBase):
 
     def _verify_job(
         self, store: Any, pages: Sequence[PageInfo], base: int, stop: threading.Event
-    ) -> list[PageCheck | None]:
+    ) -> list[PageCheck | int | None]:
+        """Each page's check; None when it is gone, Mooncake's code when it was not read."""
         arena = self._arena_view
         assert arena is not None
         names = [self._mkey(p.key) for p in pages]
@@ -1479,10 +1538,20 @@ class MooncakeStorage(BackendBase):
                 names, [self._arena_base + o for o in offsets], [p.nbytes for p in pages]
             )
         )
-        checks: list[PageCheck | None] = []
-        for page, start, code in zip(pages, offsets, codes, strict=True):
+        # As on the get path: a refused read is a damaged page only if its stored size is
+        # wrong; any other failure says nothing about the page.
+        refused = [n for n, c in zip(names, codes, strict=True) if c in _REFUSED]
+        stored = dict(zip(refused, _stored_sizes(store, refused), strict=True))
+        checks: list[PageCheck | int | None] = []
+        for page, name, start, code in zip(pages, names, offsets, codes, strict=True):
             if code == _NOT_FOUND:
                 checks.append(None)
+                continue
+            if code in _REFUSED and stored[name] not in (-1, page.nbytes):
+                checks.append(PageCheck.CORRUPT)
+                continue
+            if code < 0:
+                checks.append(int(code))
                 continue
             if code != page.nbytes:
                 checks.append(PageCheck.CORRUPT)

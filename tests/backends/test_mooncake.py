@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ import pytest_asyncio
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
 from hicache_async.storage._mooncake import (
+    _NOT_FOUND,
     _POOL,
     MooncakeStorage,
     _put_groups,
@@ -88,6 +90,55 @@ async def test_existing_key_is_ok_and_not_rewritten(backend: MooncakeStorage) ->
     assert backend.stats().pages == 1
 
 
+class _Recording:
+    """The Mooncake client, recording the arguments of each call of `method`."""
+
+    def __init__(self, inner: Any, method: str) -> None:
+        self.inner = inner
+        self.method = method
+        self.calls: list[tuple[Any, ...]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.inner, name)
+        if name != self.method:
+            return attribute
+
+        def call(*args: Any) -> Any:
+            result = attribute(*args)
+            self.calls.append(args)
+            self._called(first=len(self.calls) == 1)
+            return result
+
+        return call
+
+    def _called(self, *, first: bool) -> None:
+        """Runs after each recorded call, on the caller's thread: nothing here."""
+
+
+async def test_a_key_put_twice_in_one_batch_is_sent_and_counted_once(
+    backend: MooncakeStorage,
+) -> None:
+    keys, pages, metas = make_pages(2)
+    _, other, _ = make_pages(1)
+    client = _Recording(backend._store, "batch_put_from_multi_buffers")
+    backend._store = client
+    try:
+        outcomes = await backend.put(
+            [keys[0], keys[1], keys[0]], [pages[0], pages[1], other[0]], [*metas, metas[0]]
+        )
+    finally:
+        backend._store = client.inner
+    assert outcomes == [Outcome.OK] * 3
+    assert [list(args[0]) for args in client.calls] == [[backend._mkey(k) for k in keys]]
+    stats = backend.stats()
+    assert (stats.pages, stats.bytes, stats.put_ok) == (2, 2 * (HEADER_NBYTES + 3000), 3)
+    into = buffers(1)
+    assert await backend.get(keys[:1], into, namespace=NS) == [Outcome.OK]
+    assert joined(into[0]) == joined(pages[0])  # the first occurrence's page
+    assert await backend.delete(keys) == 2
+    assert (backend.stats().pages, backend.stats().bytes) == (0, 0)
+
+
 def test_put_groups_cut_in_order_at_the_byte_budget() -> None:
     assert _put_groups([], [], 10) == []
     assert _put_groups([4, 7, 9], [3, 3, 3], 100) == [[4, 7, 9]]
@@ -120,33 +171,20 @@ async def test_put_in_groups_on_two_lanes(mooncake_url: str, registered: bool) -
         ]
 
 
-class _CancelInside:
+class _CancelInside(_Recording):
     """The Mooncake client, except that the first call of `method` cancels `task` once it has
     returned, and holds its thread until the cancellation has reached the job."""
 
     def __init__(self, inner: Any, method: str) -> None:
-        self.inner = inner
-        self.method = method
+        super().__init__(inner, method)
         self.loop = asyncio.get_running_loop()
         self.task: asyncio.Future[Any] | None = None
-        self.calls: list[tuple[Any, ...]] = []
 
-    def __getattr__(self, name: str) -> Any:
-        attribute = getattr(self.inner, name)
-        if name != self.method:
-            return attribute
-
-        def call(*args: Any) -> Any:
-            result = attribute(*args)
-            first = not self.calls
-            self.calls.append(args)
-            if first:
-                assert self.task is not None
-                self.loop.call_soon_threadsafe(self.task.cancel)
-                time.sleep(0.5)
-            return result
-
-        return call
+    def _called(self, *, first: bool) -> None:
+        if first:
+            assert self.task is not None
+            self.loop.call_soon_threadsafe(self.task.cancel)
+            time.sleep(0.5)
 
 
 async def test_cancelled_put_in_groups_sends_no_group_after_the_cancel(mooncake_url: str) -> None:
@@ -238,6 +276,92 @@ async def test_open_cancelled_once_the_client_is_ready_hands_it_back(mooncake_ur
         assert client.unregistered == client.registered
         assert _POOL.take(key) is client  # back in the pool, ready for the next backend
     finally:
+        _POOL.give_back(key, inner)
+
+
+class _RefusingRegistrations(_RecordingRegistrations):
+    """Records registrations and refuses those `refuse(address)` picks (as Mooncake refuses
+    an overlapping range)."""
+
+    def __init__(self, inner: Any, refuse: Any) -> None:
+        super().__init__(inner, "no_such_method")
+        self.refuse = refuse
+
+    def register_buffer(self, address: int, size: int) -> int:
+        if self.refuse(address):
+            return -600
+        return super().register_buffer(address, size)
+
+
+async def test_memory_registered_while_entering_takes_effect(mooncake_url: str) -> None:
+    pool = np.zeros(2 << 20, dtype=np.uint8)
+    keys, _, metas = make_pages(1)
+    storage = MooncakeStorage.from_url(fresh_url(mooncake_url))
+    opening = asyncio.ensure_future(storage.__aenter__())
+    await asyncio.sleep(0)  # the open job is running: the backend is neither new nor open
+    try:
+        await storage.register_memory(pool)
+        assert await opening is storage
+        assert "registered=1" in repr(storage)
+        assert await storage.put(keys, [[memoryview(pool[:4096])]], metas) == [Outcome.OK]
+        assert (storage.zero_copy_pages, storage.staged_pages) == (1, 0)
+        await storage.unregister_memory(pool)
+    finally:
+        await storage.close()
+
+
+async def test_registration_refused_while_entering_raises_and_leaves_none(
+    mooncake_url: str,
+) -> None:
+    url = fresh_url(mooncake_url)
+    async with MooncakeStorage.from_url(url) as first:
+        key = first._client_key()
+    inner = _POOL.take(key)
+    assert inner is not None
+    pool = np.zeros(2 << 20, dtype=np.uint8)
+    address = int(pool.ctypes.data)
+    client = _RefusingRegistrations(inner, lambda a: a == address)
+    _POOL.give_back(key, client)
+    try:
+        storage = MooncakeStorage.from_url(url)
+        opening = asyncio.ensure_future(storage.__aenter__())
+        await asyncio.sleep(0)
+        try:
+            # Strict, as once entered: the caller hears of it, the backend stays usable.
+            with pytest.raises(StorageError, match="register_buffer failed"):
+                await storage.register_memory(pool)
+            assert await opening is storage
+            assert "registered=0" in repr(storage)
+            keys, pages, metas = make_pages(1)
+            assert await storage.put(keys, pages, metas) == [Outcome.OK]
+        finally:
+            await storage.close()
+        assert len(client.registered) == 1  # the staging arena only
+        assert client.unregistered == client.registered
+    finally:
+        assert _POOL.take(key) is client
+        _POOL.give_back(key, inner)
+
+
+async def test_registration_while_entering_fails_when_the_open_fails(mooncake_url: str) -> None:
+    url = fresh_url(mooncake_url)
+    async with MooncakeStorage.from_url(url) as first:
+        key = first._client_key()
+    inner = _POOL.take(key)
+    assert inner is not None
+    client = _RefusingRegistrations(inner, lambda a: True)
+    _POOL.give_back(key, client)
+    try:
+        storage = MooncakeStorage.from_url(url)
+        opening = asyncio.ensure_future(storage.__aenter__())
+        await asyncio.sleep(0)
+        with pytest.raises(StorageError, match="closed"):
+            await storage.register_memory(np.zeros(2 << 20, dtype=np.uint8))
+        with pytest.raises(StorageError, match="register_buffer failed"):
+            await opening
+        assert client.registered == []
+    finally:
+        assert _POOL.take(key) is client
         _POOL.give_back(key, inner)
 
 
@@ -349,6 +473,86 @@ async def test_damaged_pages_are_rejected(
     else:
         assert await backend.read_raw(keys[0]) == damaged
         assert backend.stats().corrupt == 0
+
+
+async def test_cancelled_get_counts_the_damaged_pages_it_removed(
+    backend: MooncakeStorage,
+) -> None:
+    keys, pages, metas = make_pages(3)
+    await backend.put(keys, pages, metas)
+    raw = await backend.read_raw(keys[0])
+    assert raw is not None
+    await backend.write_raw(keys[0], raw[:-10])
+    client = _CancelInside(backend._store, "batch_get_into_multi_buffers")
+    backend._store = client
+    try:
+        client.task = task = asyncio.ensure_future(backend.get(keys, buffers(3), namespace=NS))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        backend._store = client.inner
+    assert len(client.calls) == 1
+    assert await backend.read_raw(keys[0]) is None  # removed by the job after the cancel
+    stats = backend.stats()
+    assert (stats.pages, stats.bytes, stats.corrupt) == (2, 2 * (HEADER_NBYTES + 3000), 1)
+
+
+async def test_a_damaged_page_got_twice_in_one_batch_is_counted_once(
+    backend: MooncakeStorage,
+) -> None:
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    raw = await backend.read_raw(keys[0])
+    assert raw is not None
+    await backend.write_raw(keys[0], raw[:-10])
+    outcomes = await backend.get([keys[0], keys[1], keys[0]], buffers(3), namespace=NS)
+    assert outcomes == [Outcome.CORRUPT, Outcome.OK, Outcome.CORRUPT]
+    stats = backend.stats()
+    assert (stats.pages, stats.bytes) == (1, HEADER_NBYTES + 3000)
+    assert stats.corrupt == 2  # found twice, removed once
+
+
+class _MeetingRemoves:
+    """The Mooncake client, except that `batch_remove` waits until `parties` jobs call it."""
+
+    def __init__(self, inner: Any, parties: int) -> None:
+        self.inner = inner
+        self.barrier = threading.Barrier(parties, timeout=10)
+        self.codes: list[list[int]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def batch_remove(self, names: list[str], force: bool = False) -> list[int]:
+        self.barrier.wait()
+        codes = [int(c) for c in self.inner.batch_remove(names, force=force)]
+        self.codes.append(codes)
+        return codes
+
+
+async def test_concurrent_gets_of_a_damaged_page_count_its_removal_once(
+    backend: MooncakeStorage,
+) -> None:
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    raw = await backend.read_raw(keys[0])
+    assert raw is not None
+    await backend.write_raw(keys[0], raw[:-10])
+    client = _MeetingRemoves(backend._store, 2)
+    backend._store = client
+    try:
+        # Both read the damaged page before either removes it.
+        got = await asyncio.gather(
+            backend.get(keys[:1], buffers(1), namespace=NS),
+            backend.get(keys[:1], buffers(1), namespace=NS),
+        )
+    finally:
+        backend._store = client.inner
+    assert got == [[Outcome.CORRUPT], [Outcome.CORRUPT]]
+    assert sorted(client.codes) == [[_NOT_FOUND], [0]]
+    stats = backend.stats()
+    assert (stats.pages, stats.bytes) == (1, HEADER_NBYTES + 3000)
+    assert await backend.exists(keys[1:]) == 1
 
 
 async def test_several_wrong_lengths_in_one_batch(backend: MooncakeStorage) -> None:
@@ -498,6 +702,52 @@ async def test_list_verify_and_gc(mooncake_url: str) -> None:
         gc = await backend.gc()
         assert (gc.evicted_pages, gc.freed_bytes) == (1, HEADER_NBYTES + 3000)
         assert len(await backend.list_pages()) == 2
+
+
+class _FailingReads:
+    """The Mooncake client, except that the first `batch_get_into` fails every transfer
+    (TRANSFER_FAIL, as when a peer's segment does not answer); the objects are intact."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.failed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def batch_get_into(self, names: list[str], addresses: list[int], sizes: list[int]) -> Any:
+        if self.failed:
+            return self.inner.batch_get_into(names, addresses, sizes)
+        self.failed = True
+        return [-800] * len(names)
+
+
+async def test_verify_leaves_pages_it_could_not_read(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as backend:
+        keys, pages, metas = make_pages(3)
+        await backend.put(keys, pages, metas)
+        raw = await backend.read_raw(keys[2])
+        assert raw is not None
+        await backend.write_raw(keys[2], raw[:-10])  # header intact: listed at 3128 bytes
+        client = _FailingReads(backend._store)
+        backend._store = client
+        try:
+            report = await backend.verify()
+        finally:
+            backend._store = client.inner
+        assert client.failed
+        # The truncated page's stored size shows it damaged; the others were not read.
+        assert (report.checked, report.ok, report.corrupt_removed) == (1, 0, 1)
+        stats = backend.stats()
+        assert (stats.errors, stats.corrupt) == (2, 1)
+        assert await backend.exists(keys[:2]) == 2
+        assert await backend.read_raw(keys[2]) is None
+        raw = await backend.read_raw(keys[1])
+        assert raw is not None
+        await backend.write_raw(keys[1], raw + b"extra")  # Mooncake refuses the read (-600)
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (2, 1, 1)
+        assert await backend.exists(keys[:1]) == 1
 
 
 async def test_pages_with_unreadable_headers_are_listed_by_size(mooncake_url: str) -> None:
