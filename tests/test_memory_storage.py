@@ -194,6 +194,48 @@ async def test_a_cancelled_put_leaves_the_accounting_whole() -> None:
         assert await _get(storage, keys[4:], nbytes) == [Outcome.OK] * 4
 
 
+async def test_a_cancelled_get_counts_no_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache_async.storage import _memory
+
+    nbytes = 1 << 20
+    keys = _keys(16)
+    entered, release = threading.Event(), threading.Event()
+    read = _memory.read_value_into
+
+    def held(*args: object, **kwargs: object) -> object:
+        entered.set()
+        release.wait(10)
+        return read(*args, **kwargs)  # type: ignore[arg-type]
+
+    async with MemoryStorage(capacity_bytes=64 << 20) as storage:
+        await _put(storage, keys, nbytes)
+        monkeypatch.setattr(_memory, "read_value_into", held)
+        task = asyncio.ensure_future(_get(storage, keys, nbytes))
+        assert await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        release.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert task.cancelled()
+        # The pages it did not read were given up by the caller, not failed by the store.
+        stats = storage.stats()
+        assert (stats.errors, stats.pages) == (0, 16)
+        monkeypatch.setattr(_memory, "read_value_into", read)
+        assert await _get(storage, keys, nbytes) == [Outcome.OK] * 16
+
+
+async def test_bad_buffers_raise_before_anything_is_counted() -> None:
+    keys = _keys(2)
+    async with MemoryStorage(capacity_bytes=1 << 20) as storage:
+        await _put(storage, keys)
+        readonly = [[memoryview(bytes(PAGE))] for _ in keys]
+        with pytest.raises(ValueError, match="writable"):
+            await storage.get(keys, readonly, namespace=NS)
+        stats = storage.stats()
+        assert (stats.errors, stats.gets, stats.get_hits) == (0, 0, 0)
+        assert await _get(storage, keys) == [Outcome.OK] * 2
+
+
 def test_spare_parameter() -> None:
     assert MemoryStorage.from_url("memory://?capacity=8MiB")._spare_limit == 1 << 20
     assert MemoryStorage.from_url("memory://")._spare_limit == 128 << 20

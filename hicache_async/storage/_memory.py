@@ -15,6 +15,7 @@ reads values (a get or a verify), so a reader never sees it change.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -220,6 +221,8 @@ class MemoryStorage(BackendBase):
         """Check and copy each page into its buffer; one outcome per key."""
         self._check_open()
         check_batch(keys, ("buffers", into))
+        # Bad buffers are the caller's error, raised before anything is read or counted.
+        segments = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.MISS] * len(keys)
         self._counters.gets += len(keys)
         # A thread may read values even if they are removed meanwhile: see `_reading`.
@@ -232,7 +235,6 @@ class MemoryStorage(BackendBase):
         mac_key = self._mac_key
 
         def work(stop: threading.Event) -> None:
-            segments = [byte_segments(into[i], writable=True) for i, _ in found]
             for slot, (i, value) in enumerate(found):
                 if stop.is_set():
                     return
@@ -240,16 +242,26 @@ class MemoryStorage(BackendBase):
                     memoryview(value.data),
                     key=keys[i],
                     namespace=namespace,
-                    into=segments[slot],
+                    into=segments[i],
                     mac_key=mac_key,
                 )
 
         with self._reading():
+            cancelled = False
             try:
                 await self._run(work, sum(len(value.data) for _, value in found))
+            except asyncio.CancelledError:
+                cancelled = True
+                raise
             finally:
                 self._commit_get(
-                    keys, into, namespace, found=found, results=results, outcomes=outcomes
+                    keys,
+                    into,
+                    namespace,
+                    found=found,
+                    results=results,
+                    outcomes=outcomes,
+                    cancelled=cancelled,
                 )
         return outcomes
 
@@ -262,6 +274,7 @@ class MemoryStorage(BackendBase):
         found: list[tuple[int, _Value]],
         results: list[PageCheck | None],
         outcomes: list[Outcome],
+        cancelled: bool,
     ) -> None:
         now = time.time()
         for (i, value), check in zip(found, results, strict=True):
@@ -283,9 +296,10 @@ class MemoryStorage(BackendBase):
                     payload_nbytes=payload_nbytes(into[i]),
                 )
                 self._report_corrupt(key, reason)
-            elif check is None:  # stopped by close()
+            elif check is None:  # not read: stopped by close(), or the caller gave up
                 outcomes[i] = Outcome.ERROR
-                self._counters.errors += 1
+                if not cancelled:
+                    self._counters.errors += 1
             # UNSUPPORTED: a newer writer's page, a miss left in place.
 
     async def put(

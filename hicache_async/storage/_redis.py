@@ -84,6 +84,14 @@ _PREFIX_SCRIPT = (
     "end return #KEYS"
 )
 _KEYS_PER_SCRIPT = 1024
+_HEX_DIGITS = frozenset(b"0123456789abcdef")
+# Removes a page verify() found damaged only if it still holds that value (same length, same
+# leading bytes): a page stored again meanwhile is sound and stays.
+_REMOVE_IF_SAME_SCRIPT = (
+    "if redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[1]) and "
+    "redis.call('GETRANGE', KEYS[1], 0, #ARGV[2] - 1) == ARGV[2] then "
+    "return redis.call('DEL', KEYS[1]) end return 0"
+)
 #: Below this many bytes per pipeline, checksums (and copies) stay on the loop, which they hold
 #: for at most ~0.25 ms: a thread hand-off (~0.1 ms each way) at every pipeline cost more
 #: throughput than that (768 KiB pages, put 1.7 -> 1.9 GB/s, get 2.2 -> 2.5).
@@ -127,6 +135,31 @@ _PASSTHROUGH = (
     "ssl_check_hostname",
     "client_name",
 )
+
+
+_CERT_REQS = ("none", "optional", "required")
+
+
+def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
+    """Refuse what redis-py would drop silently (blank values) or fail on only later, at open
+    or at every batch (TLS settings without TLS, an unknown ssl_cert_reqs)."""
+    for name in _PASSTHROUGH:
+        if name not in params:
+            continue
+        value = params[name]
+        if not value:
+            raise StorageConfigError(f"redis URL parameter {name} has no value")
+        if name.startswith("ssl_") and not tls:
+            raise StorageConfigError(f"redis URL parameter {name} needs a rediss:// URL")
+    if params.get("ssl_cert_reqs", "required") not in _CERT_REQS:
+        raise StorageConfigError(
+            f"redis URL parameter ssl_cert_reqs={params['ssl_cert_reqs']!r}; accepted: "
+            + ", ".join(_CERT_REQS)
+        )
+    if "ssl_check_hostname" in params:
+        # Spelled the way redis-py reads it, whichever spelling parse_bool accepted.
+        checked = parse_bool(params["ssl_check_hostname"], field="ssl_check_hostname")
+        params["ssl_check_hostname"] = "true" if checked else "false"
 
 
 #: What a bulk GET yields per key before the payload checksums are checked: the header of a
@@ -211,9 +244,11 @@ class RedisStorage(BackendBase):
             raise StorageConfigError(
                 f"redis URL database {db!r} is not a number; accepted: /0, /1, ... or none (0)"
             )
-        if not prefix or any(c.isspace() or c in "*?[]" for c in prefix):
+        # Backslash escapes in SCAN patterns: such a prefix would match other keys than its own.
+        if not prefix or any(c.isspace() or c in "*?[]\\" for c in prefix):
             raise StorageConfigError(
-                f"redis prefix must be non-empty, without spaces or glob characters: {prefix!r}"
+                f"redis prefix must be non-empty, without spaces, glob characters or backslashes: "
+                f"{prefix!r}"
             )
         if ttl is not None and ttl < 1:
             raise StorageConfigError(f"redis ttl must be >= 1 second, got {ttl}")
@@ -259,6 +294,7 @@ class RedisStorage(BackendBase):
         self._pool: BlockingConnectionPool | None = None
         self._client: Redis | None = None
         self._prefix_script: AsyncScript | None = None
+        self._remove_if_same: AsyncScript | None = None
         self._bulk: BulkConnectionPool | None = None
         # What this instance added minus what it removed (stats() does no I/O).
         self._pages = 0
@@ -308,6 +344,7 @@ class RedisStorage(BackendBase):
                 raise StorageConfigError(
                     f"redis URL parameter timeout={params['timeout']!r} is not a number"
                 ) from None
+        _check_passthrough(params, tls=parts.scheme == "rediss")
         query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
         return cls(base, mac_key=mac_key, **kwargs)
@@ -366,6 +403,7 @@ class RedisStorage(BackendBase):
                 timeout=self._timeout,
             )
         self._prefix_script = self._client.register_script(_PREFIX_SCRIPT)
+        self._remove_if_same = self._client.register_script(_REMOVE_IF_SAME_SCRIPT)
         try:
             await self._client.ping()
         except (*REDIS_FAULTS, OSError) as exc:
@@ -850,9 +888,16 @@ class RedisStorage(BackendBase):
         client = self._redis()
         check_key(key)
         try:
-            await client.set(self._rkey(key), value, ex=self._ttl)
+            # The length it replaces, in the same transaction, keeps stats() true.
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.strlen(self._rkey(key))
+                pipe.set(self._rkey(key), value, ex=self._ttl)
+                replaced, _ = await pipe.execute()
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
+        if not replaced:
+            self._pages += 1
+        self._bytes += len(value) - int(replaced)
 
     # Maintenance (MaintainableStorage).
 
@@ -908,7 +953,7 @@ class RedisStorage(BackendBase):
         """
         client = self._redis()
         checked = ok = unsupported = 0
-        bad: list[bytes] = []
+        bad: list[tuple[bytes, int, bytes]] = []  # key, length, leading bytes of what was read
         async for batch in self._scan():
             for start in range(0, len(batch), _VERIFY_PIPELINE):
                 part = batch[start : start + _VERIFY_PIPELINE]
@@ -929,9 +974,20 @@ class RedisStorage(BackendBase):
                     elif check is PageCheck.UNSUPPORTED:
                         unsupported += 1
                     else:
-                        bad.append(rkey)
+                        bad.append((rkey, len(value), value[:HEADER_NBYTES]))
                         self._report_corrupt(self._key_of(rkey), "verify")
-        removed = (await self._delete_rkeys(bad))[0] if bad else 0
+        removed = 0
+        assert self._remove_if_same is not None  # registered at open
+        for rkey, length, head in bad:
+            try:
+                deleted = await self._remove_if_same(keys=[rkey], args=[length, head])
+            except REDIS_FAULTS as exc:
+                self._counters.errors += 1
+                raise StorageError(f"{self._name}: verify failed: {exc}") from exc
+            if deleted:
+                removed += 1
+                self._pages -= 1
+                self._bytes -= length
         return VerifyReport(
             checked=checked,
             ok=ok,
@@ -1003,14 +1059,10 @@ class RedisStorage(BackendBase):
             yield batch
 
     def _is_page_rkey(self, rkey: bytes) -> bool:
+        # Exactly what _rkey writes (32-byte keys, lower-case hex): anything else under the
+        # prefix may be someone else's and is never listed, verified or evicted.
         tail = rkey[len(self._prefix) + 1 :]
-        if len(tail) % 2:
-            return False
-        try:
-            bytes.fromhex(tail.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            return False
-        return True
+        return len(tail) == 64 and all(c in _HEX_DIGITS for c in tail)
 
     async def _run_chunks(
         self, chunks: Sequence[range], run: Callable[[range], Awaitable[None]]

@@ -342,6 +342,67 @@ async def test_list_verify_and_gc(redis_url: str) -> None:
         assert backend.stats().evictions == 1
 
 
+async def test_verify_keeps_a_page_stored_again_while_it_ran(redis_url: str) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+        keys, pages, metas = make_pages(2)
+        await backend.put(keys, pages, metas)
+        raw = await backend.read_raw(keys[0])
+        assert raw is not None
+        await backend.write_raw(keys[0], raw[:-1] + bytes([raw[-1] ^ 1]))
+        remove = backend._remove_if_same
+        assert remove is not None
+
+        async def stored_again_first(**kwargs: object) -> object:
+            # Between verify's read and its removal, a get removes the damaged page and the
+            # page is stored again, sound.
+            assert await backend.get(keys[:1], buffers(1), namespace=NS) == [Outcome.CORRUPT]
+            assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+            return await remove(**kwargs)
+
+        backend._remove_if_same = stored_again_first  # type: ignore[assignment]
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (2, 1, 0)
+        into = buffers(2)
+        assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 2
+        assert [joined(page) for page in into] == [joined(page) for page in pages]
+        assert backend.stats().pages == 2
+
+
+async def test_write_raw_keeps_the_occupancy_true(backend: RedisStorage) -> None:
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys[:1], pages[:1], metas[:1])
+    raw = await backend.read_raw(keys[0])
+    assert raw is not None
+    await backend.write_raw(keys[1], raw[:100])  # a new key
+    await backend.write_raw(keys[0], raw + b"x")  # a replaced one
+    stats = backend.stats()
+    assert (stats.pages, stats.bytes) == (2, len(raw) + 1 + 100)
+    assert await backend.delete(keys) == 2
+    assert (backend.stats().pages, backend.stats().bytes) == (0, 0)
+
+
+async def test_keys_under_the_prefix_that_are_not_pages_are_left_alone(redis_url: str) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+        keys, pages, metas = make_pages(3)
+        await backend.put(keys, pages, metas)
+        foreign = [
+            f"{backend.prefix}:{tail}".encode()
+            for tail in ("deadbeef", "00", "AB" * 32, "ab" * 33, "manifest:x")
+        ]
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            for rkey in foreign:
+                await client.set(rkey, b"someone else's")
+            assert sorted(p.key for p in await backend.list_pages()) == sorted(keys)
+            report = await backend.verify()
+            assert (report.checked, report.ok, report.corrupt_removed) == (3, 3, 0)
+            assert await client.exists(*foreign) == len(foreign)
+            assert backend.stats().pages == 3
+        finally:
+            await client.delete(*foreign)
+            await client.aclose()
+
+
 def test_from_url_parameters() -> None:
     backend = RedisStorage.from_url(
         "redis://user:secret@127.0.0.1:6390/2?ttl=60&prefix=p&max_connections=4"
@@ -364,6 +425,22 @@ def test_from_url_parameters() -> None:
         RedisStorage.from_url("http://127.0.0.1:6379/0")
     with pytest.raises(StorageConfigError, match="prefix"):
         RedisStorage.from_url("redis://127.0.0.1:6379/0?prefix=a*b")
+    # redis-py would drop blank values silently, and fail on TLS settings only at open.
+    for query in ("client_name=", "ssl_ca_certs=", "ssl_cert_reqs=", "ssl_check_hostname="):
+        with pytest.raises(StorageConfigError, match="no value"):
+            RedisStorage.from_url(f"rediss://127.0.0.1:6379/0?{query}")
+    with pytest.raises(StorageConfigError, match="rediss://"):
+        RedisStorage.from_url("redis://127.0.0.1:6379/0?ssl_cert_reqs=none")
+    with pytest.raises(StorageConfigError, match="accepted: none, optional, required"):
+        RedisStorage.from_url("rediss://127.0.0.1:6379/0?ssl_cert_reqs=bogus")
+    with pytest.raises(StorageConfigError, match="ssl_check_hostname"):
+        RedisStorage.from_url("rediss://127.0.0.1:6379/0?ssl_check_hostname=maybe")
+    assert RedisStorage.from_url(
+        "rediss://127.0.0.1:6379/0?ssl_cert_reqs=none&ssl_check_hostname=0&client_name=me"
+    ).name.startswith("rediss://127.0.0.1:6379/0")
+    # A backslash escapes in SCAN patterns: t\e\am would match team's keys.
+    with pytest.raises(StorageConfigError, match="prefix"):
+        RedisStorage.from_url("redis://127.0.0.1:6379/0?prefix=t%5Ce%5Cam")
 
 
 class TestRedisConformance(StorageConformance):
