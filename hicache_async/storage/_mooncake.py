@@ -771,13 +771,14 @@ class MooncakeStorage(BackendBase):
                 _POOL.give_back(key, store)
                 failed = next(c for c in codes if c)
                 raise StorageError(f"{self._name}: register_buffer failed with {failed}")
+            # From here on a failure or a cancellation undoes the registrations (`undo`).
+            opened.append(store)
             config = ReplicateConfig()
             config.replica_num = self._replicas
             hostname = str(store.get_hostname())
             if self._placement == "local":
                 # The master falls back to other segments when this one is full.
                 config.preferred_segment = hostname
-            opened.append(store)
             return store, config, hostname
 
         def undo() -> None:
@@ -789,7 +790,7 @@ class MooncakeStorage(BackendBase):
         try:
             self._store, self._config, hostname = await self.run_job(job)
         except BaseException:
-            if opened:  # cancelled once the client was ready: it goes back as it came
+            if opened:  # failed or cancelled once registered: the client goes back as it came
                 await self._run_while_closing(undo)
             raise
         self._local = LocalObjects(hostname) if self._direct_reads else None

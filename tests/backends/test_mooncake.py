@@ -279,6 +279,31 @@ async def test_open_cancelled_once_the_client_is_ready_hands_it_back(mooncake_ur
         _POOL.give_back(key, inner)
 
 
+class _NoHostname(_RecordingRegistrations):
+    def get_hostname(self) -> str:
+        raise RuntimeError("no hostname")
+
+
+async def test_open_failing_once_registered_hands_the_client_back(mooncake_url: str) -> None:
+    url = fresh_url(mooncake_url)
+    async with MooncakeStorage.from_url(url) as first:
+        key = first._client_key()
+    inner = _POOL.take(key)  # the client `first` gave back
+    assert inner is not None
+    client = _NoHostname(inner, "no_such_method")
+    _POOL.give_back(key, client)
+    try:
+        storage = MooncakeStorage.from_url(url)
+        with pytest.raises(RuntimeError, match="no hostname"):
+            await storage.__aenter__()
+        assert storage.closed
+        assert len(client.registered) == 1  # the staging arena
+        assert client.unregistered == client.registered
+        assert _POOL.take(key) is client  # back in the pool, without registrations
+    finally:
+        _POOL.give_back(key, inner)
+
+
 class _RefusingRegistrations(_RecordingRegistrations):
     """Records registrations and refuses those `refuse(address)` picks (as Mooncake refuses
     an overlapping range)."""
