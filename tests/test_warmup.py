@@ -101,6 +101,36 @@ async def test_warmup_without_storage_or_manifest() -> None:
         assert (await cache.warmup()).status is WarmupStatus.NO_STORAGE
 
 
+@pytest.mark.parametrize("damage", ["directory", "symlink", "nested"])
+async def test_a_manifest_that_cannot_be_read_means_no_warmup(tmp_path: Path, damage: str) -> None:
+    prompts = _prompts(2, seed=9)
+    await _fill(tmp_path, prompts)
+    path = tmp_path / "manifest.jsonl"
+    if damage == "nested":
+        # Deep nesting in an unknown field: the decoder recurses, well within a record's size.
+        line = path.read_bytes().splitlines()[0]
+        assert line.endswith(b"}")
+        with path.open("ab") as f:
+            f.write(line[:-1] + b',"x":' + b"[" * 1200 + b"]" * 1200 + b"}\n")
+    else:
+        path.unlink()
+        if damage == "directory":
+            path.mkdir()
+        else:
+            (tmp_path / "elsewhere.jsonl").write_bytes(b"")
+            path.symlink_to(tmp_path / "elsewhere.jsonl")
+    async with HiCache(_config(), storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=1.0)
+        if damage == "nested":  # that record alone is skipped as malformed
+            assert result.status is WarmupStatus.COMPLETE
+            assert result.pages_loaded == sum(len(p) // PAGE for p in prompts)
+        else:
+            assert result.status is WarmupStatus.STOPPED
+            assert result.pages_loaded == 0
+        served = await serve(cache, prompts[0], KVGenerator(_config().layout, PAGE, seed=5))
+        assert served.computed_tokens < len(prompts[0])  # storage still serves the pages
+
+
 async def test_warmup_stops_on_detach_and_on_cancel(tmp_path: Path) -> None:
     prompts = _prompts(30, seed=3)
     await _fill(tmp_path, prompts)
@@ -207,6 +237,27 @@ def test_manifest_cli_show_and_compact(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert "nope" in bad.stderr
+    missing = tmp_path / "missing"
+    absent = subprocess.run(
+        [sys.executable, "-m", "hicache_async", "manifest", "show", f"file://{missing}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert absent.returncode == 2
+    assert "no storage at" in absent.stderr
+    assert not missing.exists()  # an inspection does not create a store
+    (tmp_path / "manifest.jsonl").unlink()
+    (tmp_path / "manifest.jsonl").mkdir()
+    broken = subprocess.run(
+        [sys.executable, "-m", "hicache_async", "manifest", "show", f"file://{tmp_path}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert broken.returncode == 1
+    assert "Traceback" not in broken.stderr
+    assert "IsADirectoryError" in broken.stderr
 
 
 @pytest.mark.parametrize("enabled", [True])

@@ -15,20 +15,11 @@ import msgspec
 
 from .._errors import StorageConfigError
 from ..demo import DemoOptions, demo_storage_root, format_summary, plan_demo, run_demo
+from ._args import positive_int
 
 __all__ = ["add_arguments", "run"]
 
 _DEFAULTS = DemoOptions()
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -52,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{demo_storage_root()}), or file:///path, memory://, redis://host:port, "
         "mooncake://..., or 'none'",
     )
-    parser.add_argument("--device-pages", type=_positive_int, default=d.device_pages)
-    parser.add_argument("--host-pages", type=_positive_int, default=d.host_pages)
-    parser.add_argument("--page-size", type=_positive_int, default=d.page_size)
+    parser.add_argument("--device-pages", type=positive_int, default=d.device_pages)
+    parser.add_argument("--host-pages", type=positive_int, default=d.host_pages)
+    parser.add_argument("--page-size", type=positive_int, default=d.page_size)
     parser.add_argument(
         "--write-policy",
         default=d.write_policy,
@@ -67,21 +58,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--requests",
-        type=_positive_int,
+        type=positive_int,
         default=d.requests,
         metavar="N",
         help="replay the first N multi-turn requests that fit (default %(default)s)",
     )
     parser.add_argument(
         "--max-prompt-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=d.max_prompt_tokens,
         metavar="T",
         help="only requests with prompts of at most T tokens (default %(default)s)",
     )
     parser.add_argument(
         "--concurrency",
-        type=_positive_int,
+        type=positive_int,
         default=d.concurrency,
         help="requests served at once; later arrivals queue (default %(default)s)",
     )

@@ -15,22 +15,26 @@ import msgspec
 
 from .._cache import HiCache
 from .._config import CacheConfig, KVLayout
+from .._errors import HiCacheError
 from .._trace import load_trace, request_tokens
 from ..testing import KVGenerator, ServedRequest, serve
+from ._args import positive_int
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=150, help="trace requests to replay")
+    parser.add_argument(
+        "--requests", type=positive_int, default=150, help="trace requests to replay"
+    )
     parser.add_argument(
         "--storage",
         default="file://",
         help="storage URL (default: files in the user's cache directory; 'none' for no L3)",
     )
-    parser.add_argument("--device-pages", type=int, default=2048)
-    parser.add_argument("--host-pages", type=int, default=6144)
-    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--device-pages", type=positive_int, default=2048)
+    parser.add_argument("--host-pages", type=positive_int, default=6144)
+    parser.add_argument("--page-size", type=positive_int, default=64)
     parser.add_argument(
         "--write-policy",
         default="write_through",
@@ -96,7 +100,11 @@ async def _replay(args: argparse.Namespace) -> ExampleSummary:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = asyncio.run(_replay(args))
+    try:
+        summary = asyncio.run(_replay(args))
+    except (HiCacheError, ValueError) as exc:  # configuration, storage URL, opening the cache
+        print(f"hicache-async example: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         sys.stdout.write(msgspec.json.format(msgspec.json.encode(summary)).decode() + "\n")
         return 0

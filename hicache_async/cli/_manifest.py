@@ -8,8 +8,8 @@ import sys
 
 import msgspec
 
-from .._errors import StorageConfigError
-from ..storage import open_storage
+from .._errors import HiCacheError, StorageConfigError
+from ..storage import FileStorage, open_storage
 from ..storage._manifest import SupportsManifest
 
 __all__ = ["add_arguments", "run"]
@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _run(args: argparse.Namespace) -> object:
     backend = open_storage(args.url)
+    if isinstance(backend, FileStorage) and not backend.root.is_dir():
+        # Opening would create it; an inspection tool should not.
+        raise StorageConfigError(f"no storage at {backend.root}")
     async with backend:
         if not isinstance(backend, SupportsManifest):
             raise StorageConfigError(f"{backend.name} keeps no warmup manifest")
@@ -39,6 +42,9 @@ def run(args: argparse.Namespace) -> int:
     except (StorageConfigError, ValueError) as exc:
         print(f"hicache-async manifest: {exc}", file=sys.stderr)
         return 2
+    except (HiCacheError, OSError, RecursionError) as exc:  # the store failed, not the caller
+        print(f"hicache-async manifest: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
         return 0

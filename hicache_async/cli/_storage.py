@@ -19,21 +19,12 @@ import structlog
 
 from .._errors import StorageConfigError, StorageError
 from ..storage import FileStorage, MaintainableStorage, StorageBackend, open_storage
+from ._args import positive_int
 
 __all__ = ["add_arguments", "run"]
 
 _ACTIONS = ("stats", "ls", "verify", "gc")
 _PROG = "hicache-async storage"
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "url", help="storage URL, e.g. file:///var/cache/hicache?capacity=100GiB or file://"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--limit", type=_positive_int, metavar="N", help="ls: list at most N pages")
+    parser.add_argument("--limit", type=positive_int, metavar="N", help="ls: list at most N pages")
 
 
 def _fail(message: str, code: int) -> int:

@@ -130,7 +130,8 @@ def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
     """A validated entry, or None for anything malformed. Never raises on bad bytes."""
     try:
         entry = _decoder.decode(line)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        # RecursionError: deeply nested JSON in an unknown field, well within a record's size.
         return None
     if entry.v != MANIFEST_VERSION or not entry.keys or entry.num_tokens < 0:
         return None

@@ -326,6 +326,10 @@ class RedisManifest:
             # no more than the bound crosses the network, whatever is stored.
             room = min(_WINDOW_BYTES, budget - used)
             items = await self._window_items(namespace, gen, hi, room)
+            if not items:
+                # The list shrank under us without a new generation (it expired or was
+                # deleted): there is nothing left to read.
+                return used, False
             for item in items:
                 if isinstance(item, int):
                     used += item

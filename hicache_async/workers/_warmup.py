@@ -96,7 +96,11 @@ class Warmer:
 
         async def local_entries() -> list[bytes]:
             nonlocal read
-            read = await manifest.read(namespace=namespace)
+            try:
+                read = await manifest.read(namespace=namespace)
+            except Exception as exc:  # a storage fault: no warmup, never a failed caller
+                _log.warning("hicache.warmup.manifest.failed", error=repr(exc))
+                return []
             return [bytes.fromhex(e.chain_id) for e in read.entries]
 
         if tp:

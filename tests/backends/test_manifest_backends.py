@@ -382,6 +382,25 @@ async def test_redis_manifest_follows_the_page_ttl(redis_url: str, ttl: int | No
         assert await client.keys(f"{key}:compacting:*") == []
 
 
+async def test_redis_manifest_that_vanishes_mid_read_ends_the_read(redis_url: str) -> None:
+    async with RedisStorage.from_url(f"{redis_url}?prefix=t{uuid.uuid4().hex}") as backend:
+        manifest = backend.manifest(LIMITS)
+        client = backend._redis()
+        ns = NS_A.hex()
+        await manifest.append([entry(NS_A, i) for i in range(5)])  # never compacted: gen 0
+        snapshot = manifest._snapshot
+
+        async def then_expire(namespace: str) -> tuple[bytes, int]:
+            # The list and its meta expire (or are deleted) right after the snapshot.
+            taken = await snapshot(namespace)
+            await client.delete(manifest.list_key(ns), manifest.meta_key(ns))
+            return taken
+
+        manifest._snapshot = then_expire  # type: ignore[method-assign]
+        read = await asyncio.wait_for(manifest.read(namespace=ns), 10)
+        assert read.entries == []
+
+
 # Mooncake: index validation, the compaction lock.
 
 
