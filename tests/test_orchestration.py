@@ -413,3 +413,103 @@ async def test_overlapping_prefetches_share_reads_and_both_complete() -> None:
             assert served.host_tokens == len(long)
             await reader.drain()
             assert_drained(reader)
+
+
+class GatedGets(Unowned):
+    """A real backend whose gets, once done, wait for `gate` (None: they don't)."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.gate: asyncio.Future[None] | None = None
+        self.get_started = asyncio.Event()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        outcomes = await self.inner.get(keys, into, namespace=namespace)
+        self.get_started.set()
+        if self.gate is not None:
+            await self.gate
+        return outcomes
+
+
+async def _stored(memory: MemoryStorage, config: CacheConfig, prompts: list[np.ndarray]) -> None:
+    generator = KVGenerator(config.layout, PAGE, seed=11)
+    async with HiCache(config, storage=Unowned(memory)) as writer:
+        for prompt in prompts:
+            await serve(writer, prompt, generator, prefetch=False)
+        await writer.drain()
+
+
+async def test_prefetches_still_queued_at_a_detach_finish_cancelled() -> None:
+    prefetch = {"policy": "wait_complete", "threshold_tokens": PAGE, "queue_size": 4}
+    config = _config(prefetch={**prefetch, "workers": 1})
+    prompts = [np.random.default_rng(40 + i).integers(0, 5000, size=4 * PAGE) for i in range(4)]
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory:
+        await _stored(memory, config, prompts)
+        gated = GatedGets(memory)
+        gated.gate = asyncio.get_running_loop().create_future()  # the first get never returns
+        async with HiCache(config, storage=gated) as cache:
+            handles = [await cache.start_prefetch(p) for p in prompts]
+            await gated.get_started.wait()  # one is reading, the others are queued
+            link = cache._link
+            assert link is not None
+            assert link.prefetcher.statistics().queued == len(prompts) - 1
+            await cache.detach_storage()
+            results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 10)
+            assert {r.status for r in results} == {PrefetchStatus.CANCELLED}
+            stats = link.prefetcher.statistics()
+            assert (stats.cancelled, stats.queued) == (len(prompts), 0)
+            assert_drained(cache)
+
+
+class HangingPuts(Unowned):
+    """A real backend whose puts never finish."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_a_flush_past_its_deadline_leaves_no_host_page_protected() -> None:
+    config = _config(
+        write_policy="write_through",
+        backup={"batch_pages": 1, "queue_size": 8, "flush_deadline_s": 0.1, "io_timeout_s": 3600},
+    )
+    generator = KVGenerator(config.layout, PAGE, seed=12)
+    rng = np.random.default_rng(12)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory, HiCache(config, storage=HangingPuts(memory)) as cache:
+        for _ in range(4):
+            await serve(cache, rng.integers(0, 5000, size=2 * PAGE), generator, prefetch=False)
+        await asyncio.sleep(0.05)
+        status = cache.storage_status().backup
+        assert status is not None
+        assert status.queued > 0  # jobs wait behind the hanging put
+        await cache.detach_storage(flush=True)  # gives up after 0.1 s
+        await cache.drain()
+        assert [n for n in cache.tree.iter_nodes() if n.host_ref] == []
+        assert_drained(cache)
+
+
+async def test_a_prefetch_landing_after_a_detach_marks_nothing_in_storage() -> None:
+    config = _config()
+    prompt = np.random.default_rng(13).integers(0, 5000, size=8 * PAGE)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory:
+        await _stored(memory, config, [prompt])
+        gated = GatedGets(memory)
+        gated.gate = asyncio.get_running_loop().create_future()
+        async with HiCache(config, storage=gated) as cache:
+            handle = await cache.start_prefetch(prompt)
+            await gated.get_started.wait()
+            gated.gate.set_result(None)  # the get has its bytes: nothing cancels it any more
+            await cache.detach_storage()
+            result = await handle.wait()
+            assert result.status is PrefetchStatus.COMPLETE
+            assert result.storage_tokens == len(prompt)  # the pages are good and landed
+            assert cache.statistics().tree.storage_pages == 0  # but no storage holds them now
+            assert_drained(cache)

@@ -97,8 +97,8 @@ class BackupWorker:
         return True
 
     async def run(self) -> None:
-        """The worker task; returns once closed and drained."""
-        async with self._receive:
+        """The worker task; returns once closed and drained, or cancelled."""
+        try:
             async for job in self._receive:
                 jobs = [job]
                 pages = job.num_pages
@@ -115,6 +115,11 @@ class BackupWorker:
                 finally:
                     self._writing = False
                     self._wake_idle()
+        finally:
+            # Cancelled (a flush past its deadline): the jobs still queued give their host
+            # protection back now; only then is the queue closed.
+            self.drop_queued()
+            self._receive.close()
 
     def close(self) -> None:
         """Accept nothing more; `run()` finishes once the queue is drained."""

@@ -46,7 +46,9 @@ class StorageLink:
             backend, "storage", accepted="pass a storage URL (str) or a StorageBackend object"
         )
         self.generation = generation
-        self.prefetcher = Prefetcher(cache, backend, cache.config.prefetch)
+        self.prefetcher = Prefetcher(
+            cache, backend, cache.config.prefetch, is_current=self._is_current
+        )
         self.backup = BackupWorker(cache, backend, cache.config.backup, is_current=self._is_current)
         self.warmers: set[Warmer] = set()
         self.warmup_result: asyncio.Future[WarmupResult] | None = None

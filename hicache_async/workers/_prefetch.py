@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
@@ -250,9 +251,19 @@ class PrefetchStatistics(msgspec.Struct, frozen=True):
 class Prefetcher:
     """Runs prefetch jobs from a bounded queue on a few cooperative worker tasks."""
 
-    def __init__(self, cache: HiCache, backend: StorageBackend, config: PrefetchConfig) -> None:
+    def __init__(
+        self,
+        cache: HiCache,
+        backend: StorageBackend,
+        config: PrefetchConfig,
+        *,
+        is_current: Callable[[], bool],
+    ) -> None:
         self._cache = cache
         self._backend = backend
+        # A prefetch can land after its backend was detached (its get had finished): the
+        # pages are good, but they are no longer "in storage".
+        self._is_current = is_current
         self.config = config
         self._send, self._receive = anyio.create_memory_object_stream[PrefetchHandle](
             max_buffer_size=config.queue_size
@@ -305,10 +316,16 @@ class Prefetcher:
         await self._process(handle)
 
     async def run(self) -> None:
-        """The worker tasks; returns when the queue is closed and drained."""
-        async with anyio.create_task_group() as tg, self._receive:
-            for _ in range(self.config.workers):
-                tg.start_soon(self._work, self._receive.clone())
+        """The worker tasks; returns when the queue is closed and drained, or cancelled."""
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(self.config.workers):
+                    tg.start_soon(self._work, self._receive.clone())
+        finally:
+            # Whatever is still queued when the workers stop finishes as CANCELLED, so no
+            # caller waits on it forever; only then is the queue closed.
+            self.cancel_queued()
+            self._receive.close()
 
     async def _work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
         async with receive:
@@ -377,14 +394,15 @@ class Prefetcher:
             handle._scope = None
             handle._finish(status)
             self._cache._counters.tokens_storage += handle.storage_tokens
-        if status is PrefetchStatus.COMPLETE:
-            self.completed += 1
-        elif status is PrefetchStatus.TERMINATED:
-            self.terminated += 1
-        elif status is PrefetchStatus.SKIPPED:
-            self.skipped += 1
-        else:
-            self.cancelled += 1
+            # Counted here: a prefetch cancelled from outside (a detach) counts too.
+            if status is PrefetchStatus.COMPLETE:
+                self.completed += 1
+            elif status is PrefetchStatus.TERMINATED:
+                self.terminated += 1
+            elif status is PrefetchStatus.SKIPPED:
+                self.skipped += 1
+            else:
+                self.cancelled += 1
 
     async def _fetch(self, handle: PrefetchHandle) -> PrefetchStatus:
         cache = self._cache
@@ -591,8 +609,9 @@ class Prefetcher:
         pages = [page_of[k] for k in batch]
         result = tree.insert(batch, host_pages=pages, under=found.host_node, priority=priority)
         self._cache._host_free(result.duplicate_host_pages)
-        for node in self._cache._path(result.node, len(batch)):
-            tree.mark_in_storage(node)
+        if self._is_current():
+            for node in self._cache._path(result.node, len(batch)):
+                tree.mark_in_storage(node)
         tree.protect_host(result.node)
         tree.unprotect_host(anchor)
         return result.node
