@@ -17,6 +17,7 @@ import uvicorn
 
 from hicache_async import CacheConfig, HiCache, KVLayout
 from hicache_async.admin import AdminApp
+from hicache_async.admin._http import redact
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
 
 PAGE = 4
@@ -362,6 +363,30 @@ async def test_unreachable_replacement_leaves_nothing_attached() -> None:
         assert not cache.storage_status().attached
 
 
+async def test_replacement_refused_after_the_detach_says_nothing_is_attached(
+    tmp_path: Path,
+) -> None:
+    blocked = tmp_path / "blocked"
+    blocked.write_bytes(b"")  # a file: the root under it can be neither found nor made
+    async with admin(storage="memory://") as (cache, client):
+        response = await client.put(
+            STORAGE, headers=AUTH, json={"url": f"file://{blocked}/root", "replace": True}
+        )
+        detail = _error(response, 502, "storage_unreachable")
+        assert "nothing is attached" in detail
+        assert "memory://" in detail  # says what was detached
+        assert not cache.storage_status().attached
+
+
+def test_secrets_are_scrubbed_from_long_messages() -> None:
+    long = "a" * 50_000
+    text = f"{long} redis://user:hunter2@host:6379/0 {long}x://tok@h"
+    scrubbed = redact(text)
+    assert "hunter2" not in scrubbed
+    assert "tok@" not in scrubbed
+    assert scrubbed.count("***@") == 2
+
+
 async def test_redis_password_is_never_echoed() -> None:
     server = RedisServer(extra_args=["--user", "admin", "on", f">{SECRET}", "~*", "&*", "+@all"])
     await asyncio.to_thread(server.start)
@@ -528,6 +553,7 @@ async def test_non_json_content_type_is_415() -> None:
         (b'{"replace": true}', "invalid_request", "missing required field `url`"),
         (b'{"url": "memory://", "force": 1}', "invalid_request", "unknown field `force`"),
         (b'{"url": "memory://", "replace": "yes"}', "invalid_request", "Expected `bool`"),
+        (b'{"url": "\xff\xfe"}', "invalid_json", "utf-8"),
     ],
 )
 async def test_invalid_body_is_400(body: bytes, code: str, expected: str) -> None:

@@ -89,7 +89,7 @@ def _decode(body: bytes, kind: type[S]) -> S:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         raise HTTPError(400, "invalid_request", str(exc)) from None
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise HTTPError(400, "invalid_json", str(exc)) from None
 
 
@@ -381,8 +381,10 @@ class AdminApp:
     def _attach_error(self, exc: Exception, name: str, url: str, lost: str) -> HTTPError:
         if isinstance(exc, CacheClosedError):
             return HTTPError(503, "cache_unavailable", str(exc))
-        if isinstance(exc, StorageConfigError):
+        if isinstance(exc, StorageConfigError) and not lost:
             return HTTPError(400, "invalid_storage_url", redact(str(exc), url=url))
+        # Refused only once the old backend was detached (a file root that cannot be made):
+        # 502 with what was lost, as for any other failure after the detach.
         if (
             isinstance(exc, HiCacheError)
             and not isinstance(exc, StorageError)

@@ -37,7 +37,9 @@ _COMMON_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 )
 
 # `scheme://userinfo@` anywhere in a message: the userinfo may hold a password or a token.
-_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/@'\"<>]+@")
+# A scheme starts only where a run of scheme characters starts: otherwise every position of
+# a long run would be tried, in time quadratic in the message's length.
+_USERINFO = re.compile(r"(?<![A-Za-z0-9+.-])(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/@'\"<>]+@")
 # `password=...` style query parameters (a plugin URL may carry its credentials that way).
 _SECRET_PARAM = re.compile(
     r"(?P<name>\b(?:password|passwd|pwd|secret|token|api_key|apikey|access_key|secret_key)=)"
