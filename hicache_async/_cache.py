@@ -24,6 +24,7 @@ from ._request import Request
 from ._stats import CacheStatistics, Counters, TierTokens
 from .distributed import CollectiveError, RankGroup, agree_min
 from .storage import StorageBackend
+from .storage._page import check_priority
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
 from .tree import MatchResult, RadixTree, TreeNode
 from .workers import (
@@ -277,9 +278,8 @@ class HiCache:
         to the pages it commits: higher priorities are evicted last (pin a system prompt).
         """
         self._check_open()
-        # Stored in every page header as int32: refused here, not by a backup much later.
-        if not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
-            raise ValueError(f"priority must be an int in [-2**31, 2**31), got {priority!r}")
+        # Stored in every page header: refused here, not by a backup much later.
+        check_priority(priority)
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         if max_cached_tokens is not None:

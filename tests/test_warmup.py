@@ -204,57 +204,31 @@ async def test_enormous_manifest_costs_bounded_memory(tmp_path: Path) -> None:
     assert read.entries == []
 
 
+def _manifest_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "hicache_async", "manifest", *args]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
 def test_manifest_cli_show_and_compact(tmp_path: Path) -> None:
     asyncio.run(_fill(tmp_path, _prompts(4, seed=4)))
-    show = subprocess.run(
-        [sys.executable, "-m", "hicache_async", "manifest", "show", f"file://{tmp_path}", "--json"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    show = _manifest_cli("show", f"file://{tmp_path}", "--json")
+    assert show.returncode == 0, show.stderr
     shown = json.loads(show.stdout)
     assert len(shown["entries"]) >= 4
-    compact = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hicache_async",
-            "manifest",
-            "compact",
-            f"file://{tmp_path}",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    compact = _manifest_cli("compact", f"file://{tmp_path}", "--json")
+    assert compact.returncode == 0, compact.stderr
     assert json.loads(compact.stdout)["entries_after"] == len(shown["entries"])
-    bad = subprocess.run(
-        [sys.executable, "-m", "hicache_async", "manifest", "show", "nope://x"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    bad = _manifest_cli("show", "nope://x")
     assert bad.returncode == 2
     assert "nope" in bad.stderr
     missing = tmp_path / "missing"
-    absent = subprocess.run(
-        [sys.executable, "-m", "hicache_async", "manifest", "show", f"file://{missing}"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    absent = _manifest_cli("show", f"file://{missing}")
     assert absent.returncode == 2
     assert "no storage at" in absent.stderr
     assert not missing.exists()  # an inspection does not create a store
     (tmp_path / "manifest.jsonl").unlink()
     (tmp_path / "manifest.jsonl").mkdir()
-    broken = subprocess.run(
-        [sys.executable, "-m", "hicache_async", "manifest", "show", f"file://{tmp_path}"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    broken = _manifest_cli("show", f"file://{tmp_path}")
     assert broken.returncode == 1
     assert "Traceback" not in broken.stderr
     assert "IsADirectoryError" in broken.stderr

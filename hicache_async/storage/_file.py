@@ -598,6 +598,14 @@ class _Job:
         self.failed: list[int] = []  # positions among those whose file could not be removed
         self.rejected = False  # bad input, refused before any I/O: nothing to commit
 
+    def segments(self, pages: Sequence[PageBuffer], *, writable: bool) -> list[list[memoryview]]:
+        """The pages' byte views; bad buffers mark the job rejected and raise."""
+        try:
+            return [byte_segments(page, writable=writable) for page in pages]
+        except (TypeError, ValueError):
+            self.rejected = True
+            raise
+
 
 class FileStorage(BackendBase):
     """Pages as files under a private directory (`file:///path`).
@@ -969,11 +977,7 @@ class FileStorage(BackendBase):
         namespace: bytes,
     ) -> None:
         handles = self._handles_or_raise()
-        try:
-            segments = [byte_segments(page, writable=True) for page in pages]  # before any I/O
-        except (TypeError, ValueError):
-            job.rejected = True
-            raise
+        segments = job.segments(pages, writable=True)  # before any I/O
         sizes = [sum([view.nbytes for view in views]) for views in segments]
         results = job.results
 
@@ -1242,11 +1246,7 @@ class FileStorage(BackendBase):
         metas: list[PageMeta],
     ) -> None:
         handles = self._handles_or_raise()
-        try:
-            segments = [byte_segments(page, writable=False) for page in pages]  # before any I/O
-        except (TypeError, ValueError):
-            job.rejected = True
-            raise
+        segments = job.segments(pages, writable=False)  # before any I/O
         sizes = [sum([view.nbytes for view in views]) for views in segments]
         for position, key in enumerate(victims):
             if stop.is_set():

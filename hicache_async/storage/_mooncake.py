@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -409,6 +409,34 @@ def _object_buffers(
             buffers.append([arena_base + slot])
             sizes.append([HEADER_NBYTES + plan.nbytes])
     return buffers, sizes
+
+
+_ReadState = Literal["missing", "damaged", "failed", "read"]
+
+
+def _read_states(
+    store: Any, names: Sequence[str], codes: Sequence[int], expected: Sequence[int]
+) -> list[_ReadState]:
+    """What each batch read of `names` (`expected` bytes each) says of its object: missing,
+    damaged (stored at another length), failed (nothing known of it) or read whole.
+
+    Mooncake refuses a length mismatch with the `_REFUSED` codes, among other causes: one
+    size lookup for all of them tells a damaged object from a failed transfer."""
+    refused = [n for n, c in zip(names, codes, strict=True) if c in _REFUSED]
+    stored = dict(zip(refused, _stored_sizes(store, refused), strict=True))
+    states: list[_ReadState] = []
+    for name, code, size in zip(names, codes, expected, strict=True):
+        if code == _NOT_FOUND:
+            states.append("missing")
+        elif code in _REFUSED and stored[name] not in (-1, size):
+            states.append("damaged")
+        elif code < 0:
+            states.append("failed")
+        elif code != size:
+            states.append("damaged")
+        else:
+            states.append("read")
+    return states
 
 
 def _stored_sizes(store: Any, names: Sequence[str]) -> list[int]:
@@ -1298,22 +1326,16 @@ class MooncakeStorage(BackendBase):
             codes = list(store.batch_get_into_multi_buffers(names, buffers, sizes)) if todo else []
             damaged: list[tuple[int, str]] = []  # (j, name)
             arrived: list[tuple[int, str]] = []
-            # Mooncake refuses a length mismatch with these codes (among other causes): one
-            # size lookup for all of them tells a damaged object from a failed transfer.
-            refused = [n for n, c in zip(names, codes, strict=True) if c in _REFUSED]
-            stored = dict(zip(refused, _stored_sizes(store, refused), strict=True))
-            for j, name, code in zip(todo, names, codes, strict=True):
-                expected = HEADER_NBYTES + plans[chunk[j]].nbytes
-                if code == _NOT_FOUND:
+            expected = [HEADER_NBYTES + plans[chunk[j]].nbytes for j in todo]
+            states = _read_states(store, names, codes, expected)
+            for j, name, state in zip(todo, names, states, strict=True):
+                if state == "missing":
                     results[j] = (Outcome.MISS, "")
-                elif code in _REFUSED and stored[name] not in (-1, expected):
+                elif state == "damaged":
                     results[j] = (Outcome.CORRUPT, "length")
                     damaged.append((j, name))
-                elif code < 0:
+                elif state == "failed":
                     results[j] = (Outcome.ERROR, "")
-                elif code != expected:
-                    results[j] = (Outcome.CORRUPT, "length")
-                    damaged.append((j, name))
                 else:
                     arrived.append((j, name))
             checks: list[tuple[PageCheck, str] | None] = [None] * len(arrived)
@@ -1384,9 +1406,9 @@ class MooncakeStorage(BackendBase):
         def job(stop: threading.Event) -> list[Outcome]:
             results = [Outcome.ERROR] * len(chunk)
             candidates = [j for j, slot in enumerate(slots) if slot is not None]
-            names = [self._mkey(keys[chunk[j]]) for j in candidates]
+            name_of = {j: self._mkey(keys[chunk[j]]) for j in candidates}
             # Existing pages are OK as they are: skip their checksum and transfer.
-            present = list(store.batch_is_exist(names)) if names else []
+            present = list(store.batch_is_exist(list(name_of.values()))) if name_of else []
             todo: list[int] = []
             for j, state in zip(candidates, present, strict=True):
                 if state == 1:
@@ -1424,7 +1446,7 @@ class MooncakeStorage(BackendBase):
                 if not sent or stop.is_set():
                     return  # a cancelled caller waits for this job: no transfer it gave up
                 buffers, sizes = _object_buffers(sent, plans, chunk, slots, arena_base)
-                names = [self._mkey(keys[chunk[j]]) for j in sent]
+                names = [name_of[j] for j in sent]
                 codes = list(store.batch_put_from_multi_buffers(names, buffers, sizes, config))
                 for j, code in zip(sent, codes, strict=True):
                     if code == 0:
@@ -1539,23 +1561,17 @@ class MooncakeStorage(BackendBase):
                 names, [self._arena_base + o for o in offsets], [p.nbytes for p in pages]
             )
         )
-        # As on the get path: a refused read is a damaged page only if its stored size is
-        # wrong; any other failure says nothing about the page.
-        refused = [n for n, c in zip(names, codes, strict=True) if c in _REFUSED]
-        stored = dict(zip(refused, _stored_sizes(store, refused), strict=True))
+        states = _read_states(store, names, codes, [p.nbytes for p in pages])
         checks: list[PageCheck | int | None] = []
-        for page, name, start, code in zip(pages, names, offsets, codes, strict=True):
-            if code == _NOT_FOUND:
+        for page, start, code, state in zip(pages, offsets, codes, states, strict=True):
+            if state == "missing":
                 checks.append(None)
                 continue
-            if code in _REFUSED and stored[name] not in (-1, page.nbytes):
+            if state == "damaged":
                 checks.append(PageCheck.CORRUPT)
                 continue
-            if code < 0:
+            if state == "failed":
                 checks.append(int(code))
-                continue
-            if code != page.nbytes:
-                checks.append(PageCheck.CORRUPT)
                 continue
             value = arena[start : start + page.nbytes]
             header = decode_header(value)

@@ -104,13 +104,18 @@ def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | byt
     return hasher.digest()
 
 
+def check_priority(priority: object, *, field: str = "priority") -> None:
+    """Raise ValueError unless a page header can hold `priority` (an int32)."""
+    if not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
+        raise ValueError(f"{field} must be an int in [-2**31, 2**31), got {priority!r}")
+
+
 def check_header_fields(meta: PageMeta) -> None:
     """Raise ValueError unless the header can hold `meta.num_tokens` (uint32) and
     `meta.priority` (int32)."""
     if not isinstance(meta.num_tokens, int) or not 0 <= meta.num_tokens < 1 << 32:
         raise ValueError(f"meta.num_tokens must be in [0, 2**32), got {meta.num_tokens!r}")
-    if not isinstance(meta.priority, int) or not -(1 << 31) <= meta.priority < 1 << 31:
-        raise ValueError(f"meta.priority must be in [-2**31, 2**31), got {meta.priority!r}")
+    check_priority(meta.priority, field="meta.priority")
 
 
 def encode_header(

@@ -977,10 +977,9 @@ class RedisStorage(BackendBase):
                         bad.append((rkey, len(value), value[:HEADER_NBYTES]))
                         self._report_corrupt(self._key_of(rkey), "verify")
         removed = 0
-        assert self._remove_if_same is not None  # registered at open
         for rkey, length, head in bad:
             try:
-                deleted = await self._remove_if_same(keys=[rkey], args=[length, head])
+                deleted = await self._remove_if_same_value(rkey, length, head)
             except REDIS_FAULTS as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: verify failed: {exc}") from exc
@@ -995,6 +994,25 @@ class RedisStorage(BackendBase):
             unsupported=unsupported,
             leftovers_removed=0,
         )
+
+    async def _remove_if_same_value(self, rkey: bytes, length: int, head: bytes) -> bool:
+        """DEL `rkey` if it still holds a value of `length` bytes starting with `head`."""
+        script = self._remove_if_same
+        assert script is not None  # registered at open
+        try:
+            return bool(await script(keys=[rkey], args=[length, head]))
+        except ResponseError as exc:
+            # Scripting refused (disabled, a proxy): the same check, then the delete, with a
+            # window between them in which the page may be stored again.
+            log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
+        client = self._redis()
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.strlen(rkey)
+            pipe.getrange(rkey, 0, len(head) - 1)
+            stored, start = await pipe.execute()
+        if stored != length or start != head:
+            return False
+        return bool(await client.delete(rkey))
 
     async def gc(self) -> GcReport:
         """Evict least recently used pages until those under the prefix fit `capacity`.

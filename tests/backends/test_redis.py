@@ -368,6 +368,23 @@ async def test_verify_keeps_a_page_stored_again_while_it_ran(redis_url: str) -> 
         assert backend.stats().pages == 2
 
 
+async def test_verify_without_scripting_removes_only_damaged_pages() -> None:
+    hidden = ["--rename-command", "EVALSHA", f"x{uuid.uuid4().hex}"]
+    hidden += ["--rename-command", "EVAL", f"x{uuid.uuid4().hex}"]
+    with RedisServer(extra_args=hidden) as server:
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", multikey=0)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(3)
+            await backend.put(keys, pages, metas)
+            raw = await backend.read_raw(keys[1])
+            assert raw is not None
+            await backend.write_raw(keys[1], raw[:-1] + bytes([raw[-1] ^ 1]))
+            report = await backend.verify()
+            assert (report.checked, report.ok, report.corrupt_removed) == (3, 2, 1)
+            assert await backend.read_raw(keys[1]) is None
+            assert backend.stats().pages == 2
+
+
 async def test_write_raw_keeps_the_occupancy_true(backend: RedisStorage) -> None:
     keys, pages, metas = make_pages(2)
     await backend.put(keys[:1], pages[:1], metas[:1])
