@@ -19,7 +19,7 @@ def pool_thread_ident(pool: JobThreads) -> int | None:
 
 
 async def _run(pool: JobThreads, job: Job[object]) -> object:
-    pool.start(job.run)
+    pool.start(job)
     await job.wait()
     return job.result()
 
@@ -52,7 +52,7 @@ async def test_result_before_the_end_is_refused() -> None:
     release = threading.Event()
     pool = JobThreads(1, "t")
     job: Job[object] = Job(lambda stop: release.wait(5), asyncio.get_running_loop())
-    pool.start(job.run)
+    pool.start(job)
     with pytest.raises(RuntimeError, match="not finished"):
         job.result()
     release.set()
@@ -73,7 +73,7 @@ async def test_a_cancelled_wait_leaves_the_work_running_and_drain_waits_for_it()
         return "done"
 
     job: Job[str] = Job(work, asyncio.get_running_loop())
-    pool.start(job.run)
+    pool.start(job)
     waiter = asyncio.create_task(job.wait())
     await asyncio.to_thread(started.wait, 5)
     waiter.cancel()
@@ -103,7 +103,7 @@ async def test_threads_are_started_as_needed_and_reused() -> None:
     gate = threading.Barrier(3, timeout=5)
     jobs: list[Job[object]] = [Job(lambda stop: gate.wait(), loop) for _ in range(3)]
     for job in jobs:  # three at once need three threads (the barrier waits for all)
-        pool.start(job.run)
+        pool.start(job)
     for job in jobs:
         await job.wait()
         job.result()

@@ -50,6 +50,31 @@ async def test_lru_eviction_within_capacity() -> None:
         assert (stats.pages, stats.bytes, stats.evictions) == (4, 4 * SIZE, 1)
 
 
+async def test_gc_during_a_put_leaves_the_puts_victims_to_it() -> None:
+    old, new = _keys(4), _keys(2)
+    async with MemoryStorage(capacity_bytes=4 * SIZE) as storage:
+        await _put(storage, old)
+        gate = asyncio.Event()
+        run = storage._run
+
+        async def gated(work, nbytes):  # type: ignore[no-untyped-def]
+            storage._run = run  # type: ignore[method-assign]  # only the put waits
+            await gate.wait()
+            return await run(work, nbytes)
+
+        storage._run = gated  # type: ignore[method-assign]
+        put = asyncio.create_task(_put(storage, new))
+        await asyncio.sleep(0)  # planned: old[0] and old[1] are its victims
+        await _get(storage, old[:2])  # they become the most recently used meanwhile
+        report = await storage.gc()
+        assert (report.evicted_pages, storage.stats().bytes) == (0, 4 * SIZE)
+        gate.set()
+        assert await put == [Outcome.OK, Outcome.OK]
+        assert await storage.exists(old[2:] + new) == 4
+        stats = storage.stats()
+        assert (stats.pages, stats.bytes, stats.evictions) == (4, 4 * SIZE, 2)
+
+
 async def test_batch_beyond_capacity_and_oversized_pages() -> None:
     async with MemoryStorage(capacity_bytes=3 * SIZE) as storage:
         keys = _keys(5)

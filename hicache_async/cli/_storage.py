@@ -18,7 +18,14 @@ import msgspec
 import structlog
 
 from .._errors import StorageConfigError, StorageError
-from ..storage import FileStorage, MaintainableStorage, StorageBackend, open_storage
+from ..storage import (
+    FileStorage,
+    MaintainableStorage,
+    MemoryStorage,
+    StorageBackend,
+    StorageStats,
+    open_storage,
+)
 from ._args import positive_int
 
 __all__ = ["add_arguments", "run"]
@@ -75,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 async def _run(backend: StorageBackend, action: str, limit: int | None, *, as_json: bool) -> str:
     async with backend:
         if action == "stats":
-            stats = backend.stats()
+            stats = await _store_stats(backend)
             if as_json:
                 return msgspec.json.encode(stats).decode()
             return "\n".join(
@@ -107,6 +114,21 @@ async def _run(backend: StorageBackend, action: str, limit: int | None, *, as_js
         return ", ".join(
             f"{name}={value}" for name, value in msgspec.structs.asdict(report).items()
         )
+
+
+async def _store_stats(backend: StorageBackend) -> StorageStats:
+    """The backend's stats, with `pages`/`bytes` counted in the store where the backend's own
+    figures cover only what this process did (Redis, Mooncake: a fresh client knows nothing
+    of the pages already there)."""
+    stats = backend.stats()
+    if isinstance(backend, FileStorage | MemoryStorage) or not isinstance(
+        backend, MaintainableStorage
+    ):
+        return stats  # the file index is read at open; a memory store starts empty
+    pages = await backend.list_pages()
+    return msgspec.structs.replace(
+        stats, pages=len(pages), bytes=sum(page.nbytes for page in pages)
+    )
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

@@ -299,7 +299,7 @@ class BackendBase:
             raise StorageError(f"{self._name} is closed")
         job = Job(work, asyncio.get_running_loop())
         try:
-            self._executor.start(job.run)
+            self._executor.start(job)
         except RuntimeError as exc:  # shut down under us
             raise StorageError(f"{self._name} is closed") from exc
         self._jobs.add(job)
@@ -319,7 +319,7 @@ class BackendBase:
         meanwhile, for the caller to re-raise once it has released the rest. Its errors
         propagate."""
         job: Job[None] = Job(lambda stop: work(), asyncio.get_running_loop())
-        self._executor.start(job.run)
+        self._executor.start(job)
         interrupted = await job.drain()
         job.result()
         return interrupted

@@ -517,8 +517,12 @@ class MemoryStorage(BackendBase):
         free the spare buffers kept for reuse."""
         self._check_open()
         evicted = freed = 0
-        while self._bytes + self._reserved > self._capacity and self._values:
-            key = next(iter(self._values))
+        # Pages that puts in flight will evict at their commit are room already made: count
+        # them gone, and leave them to those puts (evicting others instead would free twice).
+        doomed = sum(len(v.data) for k in self._evicting if (v := self._values.get(k)))
+        for key in [k for k in self._values if k not in self._evicting]:
+            if self._bytes - doomed + self._reserved <= self._capacity:
+                break
             value = self._remove(key)
             if value is not None:
                 evicted += 1

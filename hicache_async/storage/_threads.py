@@ -13,7 +13,7 @@ import contextlib
 import queue
 import threading
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Job", "JobThreads"]
 
@@ -48,10 +48,18 @@ class Job(Generic[T]):
 
     def run(self) -> None:
         """Run the work on this (worker) thread and tell the loop it is over."""
+        self.execute()
+        self.announce()
+
+    def execute(self) -> None:
+        """Run the work on this (worker) thread, keeping its result or error."""
         try:
             self._value = self._work(self.stop)
         except BaseException as exc:  # handed to the caller on the loop
             self._error = exc
+
+    def announce(self) -> None:
+        """Tell the loop that the work is over (from the worker thread, after `execute`)."""
         with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting any more
             self._loop.call_soon_threadsafe(self._finish)
 
@@ -97,7 +105,7 @@ class JobThreads:
     def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
         if max_workers < 1:
             raise ValueError("max_workers must be >= 1")
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Job[Any] | Callable[[], None] | None] = queue.SimpleQueue()
         self._max = max_workers
         self._prefix = thread_name_prefix
         self._threads: list[threading.Thread] = []
@@ -111,10 +119,12 @@ class JobThreads:
             f"idle={self._idle}{' shut down' if self._closed else ''}>"
         )
 
-    def start(self, item: Callable[[], None]) -> None:
+    def start(self, item: Job[Any] | Callable[[], None]) -> None:
         """Queue `item` for a worker thread, starting one if none is idle and there is room.
 
-        `item` must not raise: it runs on a thread that has nobody to report to.
+        A `Job`'s thread counts as idle again before the loop hears that the job is over, so
+        a caller that starts its next job then finds the same thread. A callable must not
+        raise: it runs on a thread that has nobody to report to.
         """
         with self._lock:
             if self._closed:
@@ -147,7 +157,13 @@ class JobThreads:
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
-            item()
+            if isinstance(item, Job):
+                item.execute()
+                with self._lock:
+                    self._idle += 1
+                item.announce()
+            else:
+                item()
+                with self._lock:
+                    self._idle += 1
             del item  # drop the job's references before waiting for the next one
-            with self._lock:
-                self._idle += 1

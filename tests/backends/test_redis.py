@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import socket
 import uuid
@@ -706,3 +707,27 @@ async def test_open_storage_builds_it_from_the_url(redis_url: str) -> None:
         raw = await storage.read_raw(keys[0])
         assert raw is not None
         assert raw[6] & 1  # written with the MAC
+
+
+def test_storage_command_counts_the_pages_in_the_server(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hicache_async.cli import main
+
+    url = fresh_url(redis_url)
+    keys, pages, metas = make_pages(5)
+
+    async def put() -> None:
+        async with open_storage(url) as storage:
+            assert await storage.put(keys, pages, metas) == [Outcome.OK] * 5
+
+    asyncio.run(put())
+    # A fresh client's own counters start at zero; the command counts what the server holds.
+    assert main(["storage", "stats", url, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["pages"], stats["bytes"]) == (5, 5 * (HEADER_NBYTES + 3000))
+    down = fresh_url(f"redis://127.0.0.1:{free_port()}/0", timeout="0.2")
+    assert main(["storage", "stats", down]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "scan failed" in captured.err
