@@ -22,7 +22,13 @@ from ._metrics import Histogram
 from ._pool import KVPool, make_pools
 from ._request import Request
 from ._stats import CacheStatistics, Counters, TierTokens
-from .distributed import CollectiveError, RankGroup, agree_min
+from .distributed import (
+    BackgroundAgreements,
+    CollectiveError,
+    RankGroup,
+    agree_min,
+    agreement_tag,
+)
 from .storage import StorageBackend
 from .storage._page import check_priority
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
@@ -121,6 +127,8 @@ class HiCache:
         self._counters = Counters()
         self._requests: set[Request] = set()
         self._copies: set[LayerwiseCopy] = set()
+        # Host page -> the load copying it to the device. Keyed by host page, not node id:
+        # a node split after the load started keeps its host pages but not its id.
         self._loading: dict[int, LayerwiseCopy] = {}
         self._device_backups = 0
         # Loads of released requests: their pages become evictable when they land.
@@ -314,7 +322,9 @@ class HiCache:
         """The cached prefix (device + host) every tensor-parallel rank has, in tokens.
 
         Enters exactly one collective when a rank group is set, whatever happens locally;
-        every rank must make its agreeing calls in the same order.
+        every rank must make its agreeing calls in the same order (one that pairs with
+        another prompt's agreement on some rank is an error there, and the answer is 0). A
+        running warmup is stopped first, at the same entry on every rank.
         """
         info = self.match(tokens, salt=salt)
         local = info.device_tokens + info.host_tokens
@@ -326,7 +336,12 @@ class HiCache:
             return local
 
         try:
-            return await agree_min(self.rank_group, mine)
+            return await agree_min(
+                self.rank_group,
+                mine,
+                tag=agreement_tag("agree_cached_tokens", info.num_tokens, *info.keys),
+                gate=BackgroundAgreements.of(self.rank_group).wait_idle,
+            )
         except CollectiveError as exc:
             # The group is broken: no rank can rely on another's cache, so use none of it.
             _log.warning("hicache.tp.agreement.failed", error=repr(exc))
@@ -468,6 +483,10 @@ class HiCache:
         """Prefetch `tokens` from storage and wait as the prefetch policy says.
 
         Cancelling the caller cancels the prefetch; pages that already landed stay cached.
+        With a rank group, every rank must prefetch the same prompts in the same order (one
+        scheduler task): a prefetch whose agreement pairs with another prompt's on some rank
+        is an `AgreementMismatch`, logged, and its result is a miss. Call
+        `request(max_cached_tokens=result.agreed_tokens)` right after, with no await between.
         """
         handle = await self.start_prefetch(tokens, request_id=request_id, salt=salt, policy=policy)
         try:
@@ -590,6 +609,10 @@ class HiCache:
             pages = self._try_alloc_device(count)
             if pages is not None:
                 return pages
+            if self._abandoned_loads < 0:
+                # A miscount here would make the wait below endless: repair it, loudly.
+                _log.error("hicache.abandoned_loads.negative", value=self._abandoned_loads)
+                self._abandoned_loads = 0
             if not self._device_backups and not self._abandoned_loads:
                 assert self._device_pool is not None
                 raise OutOfPagesError(
@@ -683,19 +706,54 @@ class HiCache:
         assert self._host_pool
         assert self._device_pool
         copy = self._engine.copy(self._host_pool, host_pages, self._device_pool, device_pages)
-        self._loading[host_node.id] = copy
+        for page in host_pages:
+            self._loading[page] = copy
         self._counters.loaded_pages += len(device_pages)
-        self._track(copy, functools.partial(self._on_load_done, request, host_node, device_pages))
+        self._track(
+            copy,
+            functools.partial(self._on_load_done, request, host_node, host_pages, device_pages),
+        )
         return copy
+
+    def _loads_in_flight(self, deep: TreeNode, num_pages: int) -> list[LayerwiseCopy]:
+        """The loads in flight that copy any of the last `num_pages` host pages up to `deep`."""
+        if not self._loading:
+            return []
+        found: dict[int, LayerwiseCopy] = {}
+        for node in self._path(deep, num_pages):
+            # Loads cover whole nodes, so a node's first page tells.
+            copy = self._loading.get(node.host_pages[0]) if node.host_pages else None
+            if copy is not None:
+                found[id(copy)] = copy
+        return list(found.values())
+
+    async def _wait_for_copies(self, copies: Sequence[LayerwiseCopy]) -> None:
+        """Wait until `copies` are done and their done callbacks ran; never cancels them."""
+        loop = asyncio.get_running_loop()
+        for copy in copies:
+            if copy.done():
+                continue
+            landed: asyncio.Future[None] = loop.create_future()
+
+            def wake(_: LayerwiseCopy, landed: asyncio.Future[None] = landed) -> None:
+                if not landed.done():  # the waiter may have been cancelled
+                    landed.set_result(None)
+
+            # Runs after the copy's own `_track` callback, so its pages are placed by then.
+            copy.add_done_callback(wake)
+            await landed
 
     def _on_load_done(
         self,
         request: Request,
         host_node: TreeNode,
+        host_pages: list[int],
         device_pages: list[int],
         copy: LayerwiseCopy,
     ) -> None:
-        self._loading.pop(host_node.id, None)
+        for page in host_pages:
+            if self._loading.get(page) is copy:
+                del self._loading[page]
         ok = copy.exception() is None
         private: list[int] = list(device_pages)
         try:

@@ -312,6 +312,12 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             _positive("host_pages", self.host_pages)
         if self.host_ratio is not None:
             _finite("host_ratio", self.host_ratio, low=0.0)
+            # The product can overflow to inf (1e308 x 10), which no page count converts from.
+            if not math.isfinite(self.host_ratio * self.device_pages):
+                raise ConfigError(
+                    "host_ratio",
+                    f"host_ratio x device_pages is too large a host pool, got {self.host_ratio!r}",
+                )
             if self.host_ratio * self.device_pages < 1:
                 raise ConfigError(
                     "host_ratio", "host_ratio x device_pages must give at least one host page"
@@ -338,8 +344,11 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         _non_negative("tp_rank", self.tp_rank)
         if self.tp_rank >= self.tp_size:
             raise ConfigError("tp_rank", f"must be < tp_size ({self.tp_size}), got {self.tp_rank}")
-        base, _, index = self.device.partition(":")
-        if base not in _DEVICES or (index and (base != "cuda" or not index.isdigit())):
+        base, colon, index = self.device.partition(":")
+        # An index is ASCII digits: str.isdigit() also takes "²", which torch refuses.
+        if base not in _DEVICES or (
+            colon and (base != "cuda" or not (index.isascii() and index.isdigit()))
+        ):
             raise ConfigError(
                 "device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
             )

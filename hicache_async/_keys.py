@@ -97,7 +97,9 @@ class Namespace(msgspec.Struct, frozen=True):
 def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.ndarray[Any, Any]:
     """Validate token ids and return them as a little-endian uint32 array.
 
-    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor.
+    Accepts a sequence of ints (Python or numpy integer scalars), a 1-D integer numpy array or
+    a 1-D integer torch tensor. Booleans are refused wherever they appear: a stray `True` is a
+    bug upstream, not token 1.
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
         shape = tuple(getattr(tokens, "shape", ()))
@@ -114,6 +116,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
         raise InvalidTokensError(
             f"token ids must be a sequence of integers, got {type(tokens).__name__}"
         )
+    from_array = isinstance(tokens, np.ndarray)
     try:
         arr = np.asarray(tokens)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -122,20 +125,33 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
         raise InvalidTokensError(f"token ids must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype="<u4")
-    if arr.dtype == np.bool_ or arr.dtype.kind not in "iu":
-        if arr.dtype == object and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in arr.tolist()
-        ):
-            ints = arr.tolist()
-            if min(ints) < 0 or max(ints) > _MAX_TOKEN:
-                raise InvalidTokensError(f"token ids must be in [0, {_MAX_TOKEN}]")
-            return np.asarray(ints, dtype="<u4")
-        raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
-    if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN:
-        raise InvalidTokensError(
-            f"token ids must be in [0, {_MAX_TOKEN}], got min {int(arr.min())} max {int(arr.max())}"
-        )
-    return arr.astype("<u4", copy=False)
+    if arr.dtype.kind in "iu":
+        if not from_array and not isinstance(tokens, range):
+            # numpy turns a bool among ints into 0 or 1 silently: look at the elements.
+            _check_element_types(tokens)
+        _check_range(int(arr.min()), int(arr.max()))
+        return arr.astype("<u4", copy=False)
+    if arr.dtype == object or (not from_array and arr.dtype.kind == "f"):
+        # Mixed Python and numpy ints, or ints past int64 that numpy made floats or objects.
+        items = arr.tolist() if arr.dtype == object else list(tokens)
+        _check_element_types(items)
+        ints = [int(t) for t in items]
+        _check_range(min(ints), max(ints))
+        return np.asarray(ints, dtype="<u4")
+    raise InvalidTokensError(f"token ids must be integers, got dtype {arr.dtype}")
+
+
+def _check_element_types(items: Any) -> None:
+    for kind in set(map(type, items)):
+        if issubclass(kind, (bool, np.bool_)):
+            raise InvalidTokensError("token ids must be integers, got a bool")
+        if not issubclass(kind, (int, np.integer)):
+            raise InvalidTokensError(f"token ids must be integers, got {kind.__name__}")
+
+
+def _check_range(low: int, high: int) -> None:
+    if low < 0 or high > _MAX_TOKEN:
+        raise InvalidTokensError(f"token ids must be in [0, 2**32), got min {low} max {high}")
 
 
 def page_keys(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -29,9 +30,12 @@ class Request:
     __slots__ = (
         "_cache",
         "_cached_pages",
+        "_committed",
         "_host_node",
         "_host_pages",
         "_load",
+        "_load_landed",
+        "_load_lock",
         "_lock_node",
         "_new_pages",
         "_page_table",
@@ -64,6 +68,12 @@ class Request:
         self._host_node: TreeNode | None = match.host_node if match.num_host_pages else None
         self._host_pages = match.num_host_pages
         self._load: LayerwiseCopy | None = None
+        # Set by the load's own bookkeeping, never inferred from `self._load.done()`: the
+        # copy may look done an instant before its pages were placed in the tree.
+        self._load_landed = False
+        # Created on first use: makes `load()` single-flight.
+        self._load_lock: asyncio.Lock | None = None
+        self._committed = False
         self._new_pages: list[int] = []
         # Device pages this request copied or computed that the tree already had from someone
         # else: the request may still be reading them, so they are freed only on release.
@@ -106,28 +116,100 @@ class Request:
     async def load(self) -> LayerwiseCopy:
         """Start copying the host-matched pages to the device; await layers on the result.
 
-        Waits only to obtain device pages (eviction may have to back pages up first). The
-        returned copy always finishes, even if the caller stops awaiting it; its pages join
-        the tree when it does.
+        Waits only to obtain device pages (eviction may have to back pages up first), or for
+        another request's copy of the same host pages to land: a page already being loaded
+        is shared, not copied again. The returned copy always finishes, even if the caller
+        stops awaiting it; its pages join the tree when it does.
+
+        Single-flight: concurrent and later calls get the same copy. The loaded pages go into
+        `page_table` right after the device prefix, ahead of pages from `allocate()` whether
+        it was called before or after. Raises `RuntimeError` after `commit()` (the committed
+        pages already stand for those tokens), `CacheClosedError` once released.
         """
         self._check()
         if self._load is not None:
             return self._load
+        self._check_loadable()
+        lock = self._load_lock
+        if lock is None:
+            lock = self._load_lock = asyncio.Lock()
+        async with lock:
+            # The caller holding the lock before us may have loaded, failed or been released.
+            self._check()
+            if self._load is None:
+                self._check_loadable()
+                self._load = await self._begin_load()
+        return self._load
+
+    def _check_loadable(self) -> None:
+        if self._committed:
+            raise RuntimeError(
+                "load() after commit(): the committed pages already cover the host run; "
+                "call load() before committing"
+            )
+
+    async def _begin_load(self) -> LayerwiseCopy:
+        """Obtain device pages for the host run and start its copy (under the load lock)."""
         cache = self._cache
+        while True:
+            self._take_landed()
+            host_node = self._host_node
+            if host_node is None:
+                self._load_landed = True
+                return cache._engine_done_copy()
+            joined = cache._loads_in_flight(host_node, self._host_pages)
+            if joined:
+                # Another request is copying some of these pages: wait (a wait of our own, so
+                # cancelling it leaves that copy alone), then adopt what it landed.
+                await cache._wait_for_copies(joined)
+                self._check()
+                continue
+            # The host pages stay protected from `HiCache.request()` until the load finishes.
+            host_pages = cache._host_path_pages(host_node, self._host_pages)
+            device_pages = await cache._alloc_device(len(host_pages))
+            if self._released:  # released while waiting for pages
+                cache._device_free(device_pages)
+                raise CacheClosedError("the request was released while loading")
+            if cache._loads_in_flight(host_node, self._host_pages) or self._top_on_device():
+                # Someone started or finished loading these pages while we waited: share.
+                cache._device_free(device_pages)
+                continue
+            # Right after the device prefix: pages from an earlier `allocate()` hold the
+            # tokens after the host run.
+            at = self._cached_pages
+            self._page_table[at:at] = device_pages
+            return cache._start_load(self, host_node, host_pages, device_pages)
+
+    def _top_on_device(self) -> bool:
+        assert self._host_node is not None
+        return self._cache._path(self._host_node, self._host_pages)[0].on_device
+
+    def _take_landed(self) -> None:
+        """Adopt the top of the host run that another request's load or commit put on the
+        device: lock it and move it from the host run to the device prefix."""
         host_node = self._host_node
         if host_node is None:
-            self._load = cache._engine_done_copy()
-            return self._load
-        # The host pages stay protected from `HiCache.request()` until the load finishes.
-        host_pages = cache._host_path_pages(host_node, self._host_pages)
-        device_pages = await cache._alloc_device(len(host_pages))
-        if self._released:  # released while waiting for pages
-            cache._device_free(device_pages)
-            raise CacheClosedError("the request was released while loading")
-        copy = cache._start_load(self, host_node, host_pages, device_pages)
-        self._page_table.extend(device_pages)
-        self._load = copy
-        return copy
+            return
+        cache = self._cache
+        landed: list[TreeNode] = []
+        for node in cache._path(host_node, self._host_pages):
+            if not node.on_device:
+                break  # device residency is prefix-closed: nothing below is on the device
+            landed.append(node)
+        if not landed:
+            return
+        pages = [page for node in landed for page in node.device_pages or ()]
+        cache._tree.lock_device(landed[-1])
+        if self._lock_node is not None:
+            cache._tree.unlock_device(self._lock_node)
+        self._lock_node = landed[-1]
+        at = self._cached_pages
+        self._page_table[at:at] = pages
+        self._cached_pages += len(pages)
+        self._host_pages -= len(pages)
+        if self._host_pages == 0:
+            cache._tree.unprotect_host(host_node)
+            self._host_node = None
 
     async def allocate(self, num_tokens: int) -> list[int]:
         """Device pages for `num_tokens` more tokens (whole pages, the tail page included)."""
@@ -147,10 +229,13 @@ class Request:
         """Publish the computed whole pages of the prompt; apply the write policy.
 
         Returns how many pages were committed. The tail page (fewer than `page_size` tokens)
-        is never committed; it is freed on release.
+        is never committed; it is freed on release. Raises `RuntimeError` while `load()` is
+        starting or its copy has not landed; once pages are committed, `load()` is refused.
         """
         self._check()
-        if self._load is not None and not self._load.done():
+        if self._load_lock is not None and self._load_lock.locked():
+            raise RuntimeError("commit() while load() is starting: await load() and the load")
+        if self._load is not None and not self._load_landed:
             raise RuntimeError("commit() before the load finished: await the load first")
         cache = self._cache
         page_size = cache.config.page_size
@@ -164,6 +249,9 @@ class Request:
                 f"commit() needs {count} computed pages after the cached prefix, but only "
                 f"{len(self._new_pages)} were allocated"
             )
+        # A load landing now would move the request's lock above these pages and place the
+        # host run over positions they hold.
+        self._committed = True
         pages = self._new_pages[:count]
         result = cache._tree.insert(
             self.keys[:full], device_pages=self._page_table[:full], priority=self.priority
@@ -189,7 +277,7 @@ class Request:
             return
         self._released = True
         cache = self._cache
-        loading = self._load is not None and not self._load.done()
+        loading = self._load is not None and not self._load_landed
         # A load in flight lands its pages under the device prefix this lock holds: keep the
         # lock until it lands (`_on_load_done`), or the prefix could be evicted first.
         if self._lock_node is not None and not loading:
@@ -210,6 +298,7 @@ class Request:
 
     def _on_load_done(self, host_node: TreeNode, private: list[int], ok: bool) -> None:
         """Called by the cache when this request's load finished (on the loop)."""
+        self._load_landed = True
         if self._released:
             self._cache._abandoned_loads -= 1
             self._cache._device_free(private)
@@ -254,7 +343,7 @@ class Request:
 
     def __repr__(self) -> str:
         state = "released" if self._released else "active"
-        loading = self._load is not None and not self._load.done()
+        loading = self._load is not None and not self._load_landed
         return (
             f"<Request {self.request_id or hex(id(self))} {state} tokens={self.num_tokens} "
             f"device={self.device_tokens} host={self.host_tokens} "

@@ -30,12 +30,14 @@ import torch
 import torch.distributed as dist
 
 from hicache_async.distributed import (
+    AgreementMismatch,
     CollectiveError,
     CollectiveTimeout,
     GroupBrokenError,
     TorchRankGroup,
     agree_entries,
     agree_min,
+    agreement_tag,
 )
 
 INT64_MIN = -(2**63)
@@ -293,6 +295,44 @@ async def absent_rank(ctx: Ctx) -> Result:
     return out
 
 
+async def _outcome(call: Callable[[], Awaitable[object]]) -> Any:
+    """The call's result, or the name of the rank-group error it raised."""
+    try:
+        return await call()
+    except (AgreementMismatch, GroupBrokenError) as exc:
+        return type(exc).__name__
+
+
+async def tags(ctx: Ctx) -> Result:
+    """Matching tags agree as usual; one rank pairing another agreement breaks every rank."""
+    g, rank, size = ctx.group, ctx.rank, ctx.size
+    out: Result = {}
+    prefetch_a = agreement_tag("prefetch", b"keys of A")
+    out["min"] = await agree_min(g, lambda: returns(10 + rank), tag=prefetch_a)
+    out["raw_min"] = await g.all_min(value_for(rank), tag=prefetch_a)
+    entries_tag = agreement_tag("warmup.entries")
+    out["entries"] = await agree_entries(g, lambda: returns(items_for(rank, size)), tag=entries_tag)
+    out["entries_empty"] = await agree_entries(g, lambda: returns([]), tag=entries_tag)
+    out["default"] = await agree_min(g, lambda: returns(rank))
+    # The last rank agrees on another prompt (its requests ran in another order).
+    other = agreement_tag("prefetch", b"keys of B") if rank == size - 1 else prefetch_a
+    out["mismatch"] = await _outcome(lambda: agree_min(g, lambda: returns(40), tag=other))
+    out["after"] = await _outcome(lambda: g.all_max(rank))
+    out["stats"] = stats(g)
+    return out
+
+
+async def tags_entries(ctx: Ctx) -> Result:
+    """A tag mismatch in agree_common is detected even when rank 0's list is empty."""
+    g, rank = ctx.group, ctx.rank
+    tag = agreement_tag("warmup.entries", rank)  # a different tag on every rank
+    out: Result = {
+        "mismatch": await _outcome(lambda: agree_entries(g, lambda: returns([]), tag=tag))
+    }
+    out["stats"] = stats(g)
+    return out
+
+
 SCENARIOS: dict[str, Callable[[Ctx], Awaitable[Result]]] = {
     "collectives": collectives,
     "local_failure": local_failure,
@@ -300,6 +340,8 @@ SCENARIOS: dict[str, Callable[[Ctx], Awaitable[Result]]] = {
     "slow_rank": slow_rank,
     "wrap_existing": wrap_existing,
     "absent_rank": absent_rank,
+    "tags": tags,
+    "tags_entries": tags_entries,
 }
 
 #: the collective timeout each scenario's group runs with.

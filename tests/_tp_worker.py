@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import traceback
+from collections.abc import Awaitable, Callable, Sequence
 from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,15 @@ import numpy as np
 
 from hicache_async import CacheConfig, HiCache
 from hicache_async.distributed import TorchRankGroup
-from hicache_async.storage import FileStorage
+from hicache_async.storage import FileStorage, Outcome, PageBuffer
 from hicache_async.testing import KVGenerator, serve
 
 PAGE = 4
 PROMPTS = 10
+
+
+#: the collective timeout of the regression scenarios: a rank left waiting fails in seconds.
+SHORT_TIMEOUT_S = 15.0
 
 
 def config(rank: int, size: int, **overrides: object) -> CacheConfig:
@@ -78,8 +83,194 @@ def shape(cache: HiCache) -> dict[str, Any]:
     }
 
 
+def extra_prompts() -> list[np.ndarray]:
+    """Three 10-page prompts outside `prompts()`."""
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, 40_000, size=10 * PAGE) for _ in range(3)]
+
+
+class SteeredStorage(FileStorage):
+    """A FileStorage whose reads can be slowed down or held, to put a rank at a chosen point.
+
+    Reads of pages whose first storage key is in `slow_keys` sleep `slow_s`, other reads
+    `other_s`; with `hold`, every read first waits for `release`. `entered` is set when the
+    first read starts.
+    """
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.slow_keys: set[bytes] = set()
+        self.slow_s = 0.0
+        self.other_s = 0.0
+        self.hold = False
+        self.entered = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        self.entered.set()
+        if self.hold:
+            await self.release.wait()
+        delay = self.slow_s if keys and keys[0] in self.slow_keys else self.other_s
+        if delay:
+            await asyncio.sleep(delay)
+        return await super().get(keys, into, namespace=namespace)
+
+
+def group_stats(group: TorchRankGroup) -> dict[str, Any]:
+    stats = group.statistics()
+    return {"collectives": stats.collectives, "broken": stats.broken}
+
+
+async def fill_prompts(root: Path, rank: int, size: int, which: list[np.ndarray]) -> None:
+    cfg = config(rank, size)
+    generator = KVGenerator(cfg.layout, PAGE, seed=rank)
+    async with HiCache(cfg, storage=FileStorage(root)) as cache:
+        for prompt in which:
+            await serve(cache, prompt, generator, prefetch=False)
+        await cache.drain()
+
+
+async def background_warmup(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
+    """The library's own warmup (warmup.enabled) runs while a request prefetches.
+
+    Every rank has prompts 0-8; of the extra prompt, rank 0 has 4 pages and the others all
+    10, so the request's agreement is 4 pages everywhere. Rank 0 reads the request's pages
+    slowly and warmup's quickly, the others the other way round, so without ordering the
+    ranks would pair the request's agreement with a warmup one.
+    """
+    prompt = extra_prompts()[0]
+    await fill_prompts(
+        root, rank, size, [*prompts()[:9], prompt[: 4 * PAGE] if rank == 0 else prompt]
+    )
+    group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
+    async with group:
+        cfg = config(rank, size, warmup={"enabled": True, "ratio": 1.0})
+        async with HiCache(cfg, rank_group=group) as cache:
+            store = SteeredStorage(root)
+            store.slow_keys = set(cache.namespace.storage_keys(cache.keys_for(prompt)))
+            store.slow_s, store.other_s = (1.0, 0.2) if rank == 0 else (0.0, 1.0)
+            await cache.attach_storage(store)
+            await asyncio.sleep(0.1)  # let the warmup get going: the race this guards against
+            result = await cache.prefetch(prompt)
+            with cache.request(prompt, max_cached_tokens=result.agreed_tokens) as req:
+                used = req.cached_tokens
+            warm = await cache.wait_warmup()
+            return {
+                "agreed": result.agreed_tokens,
+                "used": used,
+                "warmup": None if warm is None else warm.status.value,
+                **group_stats(group),
+            }
+
+
+async def cancel_ready(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
+    """Rank 0 cancels its prefetch while ready() waits for the read (its policy wait)."""
+    await fill(root, rank, size, list(range(PROMPTS)))
+    group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
+    async with group:
+        store = SteeredStorage(root)
+        store.hold = rank == 0
+        async with HiCache(config(rank, size), storage=store, rank_group=group) as cache:
+            first, second = prompts()[:2]
+            out: dict[str, Any] = {}
+            if rank == 0:
+                task = asyncio.create_task(cache.prefetch(first))
+                await store.entered.wait()  # the read is held: ready() waits for it
+                task.cancel()
+                try:
+                    await task
+                    out["first"] = "returned"
+                except asyncio.CancelledError:
+                    out["first"] = "cancelled"
+                store.release.set()
+            else:
+                out["first"] = (await cache.prefetch(first)).agreed_tokens
+            result = await cache.prefetch(second)
+            out["second"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
+            out.update(group_stats(group))
+            return out
+
+
+async def cancel_warmup(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
+    """Rank 0's warmup is cancelled while it loads its first entry (between collectives)."""
+    await fill(root, rank, size, list(range(PROMPTS)))
+    group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
+    async with group:
+        store = SteeredStorage(root)
+        store.hold = rank == 0
+        async with HiCache(config(rank, size), storage=store, rank_group=group) as cache:
+            out: dict[str, Any] = {}
+            task = asyncio.create_task(cache.warmup(ratio=1.0))
+            if rank == 0:
+                await store.entered.wait()  # inside the first entry's load
+                task.cancel()
+                try:
+                    out["warmup"] = (await task).status.value
+                except asyncio.CancelledError:
+                    out["warmup"] = "cancelled"
+                store.release.set()
+            else:
+                out["warmup"] = (await task).status.value
+            out["shape"] = shape(cache)
+            result = await cache.prefetch(prompts()[0])
+            out["next"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
+            out.update(group_stats(group))
+            return out
+
+
+async def evict_while_agreeing(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
+    """Two 10-page requests over a 16-page host pool, in the same order on every rank.
+
+    Rank 0 reads the first slowly, so the others wait in its agreement while the second's
+    prefetch wants host pages: the prefix they offered must not be evicted meanwhile.
+    """
+    first, second = extra_prompts()[1:]
+    await fill_prompts(root, rank, size, [first, second])
+    group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
+    async with group:
+        cfg = config(
+            rank,
+            size,
+            host_pages=16,
+            prefetch={"policy": "wait_complete", "threshold_tokens": PAGE, "max_host_share": 1.0},
+        )
+        store = SteeredStorage(root)
+        async with HiCache(cfg, storage=store, rank_group=group) as cache:
+            if rank == 0:
+                store.slow_keys = set(cache.namespace.storage_keys(cache.keys_for(first)))
+                store.slow_s = 1.0
+            first_handle = await cache.start_prefetch(first)
+
+            async def start_second() -> Any:
+                await asyncio.sleep(0.3)  # while the others wait in the first's agreement
+                return await cache.start_prefetch(second)
+
+            second_task = asyncio.create_task(start_second())
+            out: dict[str, Any] = {}
+            for name, prompt in (("first", first), ("second", second)):
+                handle = first_handle if name == "first" else await second_task
+                result = await handle.ready()
+                with cache.request(prompt, max_cached_tokens=result.agreed_tokens) as req:
+                    out[name] = {"agreed": result.agreed_tokens, "used": req.cached_tokens}
+            out.update(group_stats(group))
+            return out
+
+
+#: scenarios that each reproduce one ordering or cancellation bug between ranks.
+REGRESSIONS: dict[str, Callable[[int, int, int, Path], Awaitable[dict[str, Any]]]] = {
+    "background_warmup": background_warmup,
+    "cancel_ready": cancel_ready,
+    "cancel_warmup": cancel_warmup,
+    "evict": evict_while_agreeing,
+}
+
+
 async def scenario(rank: int, size: int, name: str, port: int, base: Path) -> dict[str, Any]:
     root = base / f"{name}-rank{rank}"
+    if name in REGRESSIONS:
+        return await REGRESSIONS[name](rank, size, port, root)
     await fill(root, rank, size, held_by(rank, name))
     if name == "failing" and rank == 1:
         shutil.rmtree(root / "pages")  # the manifest says yes, the pages are gone

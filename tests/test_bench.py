@@ -10,13 +10,16 @@ import argparse
 import asyncio
 import math
 from pathlib import Path
+from urllib.parse import quote
 
 import msgspec
 import numpy as np
 import pytest
+import structlog
 
 from hicache_async._trace import TraceRequest, load_trace, request_tokens
-from hicache_async.bench import Record, orchestration, report, trace, write_records
+from hicache_async.bench import Record, orchestration, report, trace, tree, write_records
+from hicache_async.bench import storage as storage_bench
 from hicache_async.bench._sim import (
     LLAMA3_8B_H100,
     NoCacheEngine,
@@ -24,6 +27,8 @@ from hicache_async.bench._sim import (
     simulate,
     upper_bound,
 )
+from hicache_async.cli import main
+from hicache_async.storage import FileStorage, MemoryStorage
 
 
 def _args(module: object, argv: list[str]) -> argparse.Namespace:
@@ -316,3 +321,222 @@ def test_simulate_is_deterministic() -> None:
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
+
+
+# Options and URLs the benchmarks refuse, and what they run on.
+
+
+def _bench_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(["bench", *argv])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["tree", "--requests", "0"],
+        ["tree", "--repeat", "0"],
+        ["tree", "--page-size", "0"],
+        ["copy", "--pages", "0"],
+        ["orchestration", "--batch-pages", "0"],
+        ["storage", "--pages", "0"],
+        ["trace", "--time-scale", "nan"],
+        ["trace", "--time-scale", "inf"],
+        ["trace", "--time-scale", "0"],
+        ["trace", "--device-tokens", "0"],
+        ["trace", "--jobs", "0"],
+    ],
+)
+def test_bench_options_out_of_range_are_usage_errors(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *argv])
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # Every prompt is shorter than a page: nothing to insert (was ZeroDivisionError).
+        (["tree", "--requests", "5", "--page-size", "1000000"], "lower --page-size"),
+        (["storage", "--backend", "file:///x?bogus=1"], "unknown parameter 'bogus'"),
+        (["storage", "--backend", "memory://?bogus=1"], "unknown parameter 'bogus'"),
+        (["storage", "--backend", "no_such_module_here.sub:make"], "cannot import"),
+        (["trace", "--requests", "5", "--page-size", "100"], "must divide 512"),
+        (["trace", "--requests", "5", "--device-tokens", "64"], "longest prompt"),
+    ],
+)
+def test_bench_configuration_errors_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, err = _bench_cli(capsys, *argv)
+    assert code == 2
+    assert message in err
+    assert err.startswith(f"hicache-async bench {argv[0]}: error: ")
+    assert "Traceback" not in err
+
+
+def test_bench_checks_its_inputs_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(args: argparse.Namespace) -> list[Record]:
+        raise AssertionError("ran with options that cannot work")
+
+    monkeypatch.setattr(tree, "run", never)
+    code, err = _bench_cli(capsys, "tree", "--trace", str(tmp_path / "absent.jsonl"))
+    assert code == 2
+    assert "absent.jsonl" in err
+    # A --json path that cannot be written is found before the run, not after it.
+    code, err = _bench_cli(
+        capsys, "tree", "--requests", "5", "--json", str(tmp_path / "no-dir" / "r.json")
+    )
+    assert code == 2
+    assert "no-dir" in err
+
+
+def test_non_finite_records_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = [Record("x.ok", 1.0, "s"), Record.compare("x.nan", float("nan"), "s", 1.0)]
+    with pytest.raises(ValueError, match=r"'x\.nan' has a non-finite value"):
+        write_records(tmp_path / "r.json", bad)
+    assert not (tmp_path / "r.json").exists()
+    # Through the command line: the run itself went wrong, so 1, not a usage error.
+    monkeypatch.setattr(tree, "run", lambda args: bad)
+    code, err = _bench_cli(capsys, "tree", "--requests", "5", "--json", str(tmp_path / "r.json"))
+    assert code == 1
+    assert "non-finite" in err
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_storage_workdir_keeps_a_quoted_path_inside_it(tmp_path: Path) -> None:
+    parent = tmp_path / "a%41b#c"
+    parent.mkdir()
+    with storage_bench._workdir("file://" + quote(str(parent)) + "?spare=0") as (url, raw):
+        store = FileStorage.from_url(url)
+        assert store.root == raw.parent / "store"
+        assert url.endswith("?spare=0")
+    assert list(parent.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [parent]
+
+
+def test_storage_memory_url_keeps_its_parameters() -> None:
+    assert storage_bench._memory_url("memory://", 100) == "memory://?capacity=100"
+    assert storage_bench._memory_url("memory://?spare=0", 100) == "memory://?spare=0&capacity=100"
+    assert storage_bench._memory_url("memory://?capacity=1KiB", 100) == "memory://?capacity=1KiB"
+    # The given capacity is the one used: too small for the pages, so the run says so.
+    args = _args(storage_bench, ["--backend", "memory://?capacity=1KiB", "--shape", "small"])
+    args.pages = 2
+    with pytest.raises(SystemExit, match="capacity"):
+        storage_bench.run(args)
+
+
+def test_storage_exists_probes_64_keys_with_few_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    probed: list[int] = []
+    exists = MemoryStorage.exists
+
+    async def spy(self: MemoryStorage, keys: list[bytes]) -> int:
+        probed.append(len(keys))
+        return await exists(self, keys)
+
+    monkeypatch.setattr(MemoryStorage, "exists", spy)
+    monkeypatch.setattr(storage_bench, "_EXISTS_CALLS", 3)
+    args = _args(storage_bench, ["--backend", "memory://", "--shape", "small", "--pages", "2"])
+    args.reps = 1
+    records = storage_bench.run(args)
+    assert probed
+    assert set(probed) == {64}
+    assert "storage.memory.small.exists64_us" in _by_name(records)
+
+
+_PLUGIN = """
+from hicache_async.storage import MemoryStorage
+
+def make(url, *, mac_key=None):
+    return MemoryStorage(capacity_bytes=1 << 26)
+"""
+
+
+def test_storage_plugin_import_path_runs_without_a_baseline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "hicache_benchplug.py").write_text(_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(storage_bench, "_EXISTS_CALLS", 3)
+    url = "hicache_benchplug:make"
+    assert storage_bench._scheme(url) is None
+    args = _args(
+        storage_bench, ["--backend", url, "--shape", "small", "--pages", "2", "--reps", "1"]
+    )
+    storage_bench.prepare(args)
+    records = _by_name(storage_bench.run(args))
+    assert set(records) == {
+        "storage.plugin.small.put_gbps",
+        "storage.plugin.small.get_gbps",
+        "storage.plugin.small.exists64_us",
+    }
+    assert all(r.baseline is None for r in records.values())
+
+
+def test_storage_raw_baseline_of_each_scheme() -> None:
+    pytest.importorskip("redis")
+    redis = storage_bench._raw_module("redis")
+    assert redis is not None
+    assert storage_bench._raw_module("rediss") is redis  # TLS: same baseline ("redi" is none)
+    assert storage_bench._raw_module("no.such-scheme") is None  # not a module name: no crash
+    assert storage_bench._raw_module("kvstore") is None
+
+
+def test_trace_workers_log_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    saved = structlog.get_config()
+    try:
+        trace._configure_logging()
+        structlog.get_logger("bench-test").warning("bench.trace.test_event")
+        structlog.get_logger("bench-test").info("bench.trace.quiet_event")
+    finally:
+        structlog.configure(**saved)
+    out, err = capsys.readouterr()
+    assert "bench.trace.test_event" in err
+    assert "bench.trace.test_event" not in out
+    assert "quiet_event" not in out + err
+
+
+def test_report_exits_1_when_a_job_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failed(job: report.Job, out_dir: Path, timeout_s: float) -> report.JobResult:
+        return report.JobResult(
+            key=job.key, title=job.title, kind=job.kind, command="c", status="failed"
+        )
+
+    monkeypatch.setattr(report, "run_job", failed)
+    argv = ["--out-dir", str(tmp_path), "--docs", str(tmp_path / "p.md"), "--quick"]
+    assert report.main([*argv, "--only", "copy"]) == 1
+    assert "**Failed**" in (tmp_path / "p.md").read_text(encoding="utf-8")
+
+
+def test_report_refuses_unknown_only_keys(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        report.main(["--out-dir", str(tmp_path), "--quick", "--only", "tree,storage"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "storage" in err
+    assert "storage-file" in err  # the known keys are listed
+    assert not (tmp_path / "benchmarks.md").exists()
+
+
+def test_report_render_only_writes_the_stored_runs_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    payload = {"machine": {"nproc": "2"}, "quick": True, "results": []}
+    (out / "report.json").write_bytes(msgspec.json.encode(payload))
+    # A quick run re-rendered without --quick still goes beside its JSON, not over the docs.
+    assert report.main(["--out-dir", str(out), "--render-only"]) == 0
+    assert (out / "benchmarks.md").exists()
+    assert not (tmp_path / "docs").exists()
+    payload["quick"] = False
+    (out / "report.json").write_bytes(msgspec.json.encode(payload))
+    assert report.main(["--out-dir", str(out), "--render-only", "--quick"]) == 0
+    assert (tmp_path / "docs" / "benchmarks.md").exists()

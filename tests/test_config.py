@@ -40,6 +40,10 @@ def test_mla_layout_is_one_latent_buffer() -> None:
         ({"layout": MHA, "device_pages": 4, "write_policy": "sometimes"}, "write_policy"),
         ({"layout": MHA, "device_pages": 4, "tp_rank": 2, "tp_size": 2}, "tp_rank"),
         ({"layout": MHA, "device_pages": 4, "device": "tpu"}, "device"),
+        ({"layout": MHA, "device_pages": 4, "device": "cuda:"}, "device"),
+        ({"layout": MHA, "device_pages": 4, "device": "cuda:\u00b2"}, "device"),
+        # host_ratio x device_pages overflows to inf: an error naming the field, not OverflowError.
+        ({"layout": MHA, "device_pages": 10, "host_ratio": 1e308}, "host_ratio"),
         ({"layout": {**MHA, "kv_lora_rank": 4}, "device_pages": 4}, "layout.kv_lora_rank"),
         (
             {"layout": {"num_layers": 2, "attention": "mla"}, "device_pages": 4},
@@ -125,6 +129,9 @@ def test_direct_construction_validates_too() -> None:
     with pytest.raises(ConfigError) as info:
         KVLayout(num_layers=2, num_kv_heads=0, head_dim=4)
     assert info.value.field == "layout.num_kv_heads"
+    with pytest.raises(ConfigError) as info:
+        CacheConfig(layout=KVLayout(**MHA), device_pages=10, host_ratio=1e308)
+    assert info.value.field == "host_ratio"
 
 
 def test_round_trip_dict_json_toml(tmp_path: Path) -> None:

@@ -1,13 +1,19 @@
-"""The storage conformance suite against every built-in backend."""
+"""The storage conformance suite against every built-in backend, and against broken backends
+it must fail."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
+from _plain_storage import PlainStorage
 
-from hicache_async.storage import FileStorage, MemoryStorage
+from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._faults import FaultyStorage
 
@@ -58,3 +64,105 @@ class TestFaultyStorageWithoutFaults(StorageConformance):
     async def backend(self) -> AsyncIterator[FaultyStorage]:
         async with FaultyStorage(MemoryStorage(capacity_bytes=_CAPACITY), seed=1) as storage:
             yield storage
+
+
+class TestPlainBackend(StorageConformance):
+    """The tests that need no raw access still run (the others are skipped)."""
+
+    @pytest_asyncio.fixture
+    async def backend(self) -> AsyncIterator[PlainStorage]:
+        async with PlainStorage(_CAPACITY) as storage:
+            yield storage
+
+
+class TestFaultyStorageOverAPlainBackend(StorageConformance):
+    """The wrapper claims no raw access its inner backend lacks, so the suite skips those
+    tests instead of failing them."""
+
+    @pytest_asyncio.fixture
+    async def backend(self) -> AsyncIterator[FaultyStorage]:
+        async with FaultyStorage(PlainStorage(_CAPACITY), seed=2) as storage:
+            yield storage
+
+
+class _Compacting(PlainStorage):
+    """BROKEN: a get reads the pages it finds into the first buffers and reports the hits
+    first, the classic batching bug."""
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        present = [key for key in keys if await self._inner.exists([key])]
+        found = await self._inner.get(present, list(into[: len(present)]), namespace=namespace)
+        return found + [Outcome.MISS] * (len(keys) - len(present))
+
+
+class _StragglingGet(PlainStorage):
+    """BROKEN: a get copies into the caller's buffers from a worker thread, which carries on
+    after the awaiting task is cancelled."""
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        staged = [[memoryview(bytearray(sum(s.nbytes for s in page)))] for page in into]
+        outcomes = await self._inner.get(keys, staged, namespace=namespace)
+
+        def copy() -> None:
+            for source, page in zip(staged, into, strict=True):
+                offset = 0
+                for segment in page:
+                    target = memoryview(segment).cast("B")
+                    target[:] = source[0][offset : offset + target.nbytes]
+                    offset += target.nbytes
+                time.sleep(0.0005)  # slow enough that a cancellation lands mid-copy
+
+        await asyncio.to_thread(copy)
+        return outcomes
+
+
+class _StragglingPut(PlainStorage):
+    """BROKEN: a put reads the caller's pages from a worker thread after a cancellation."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        inner = self._inner
+        loop = asyncio.get_running_loop()
+
+        def store() -> list[Outcome]:
+            outcomes = []
+            for key, page, meta in zip(keys, pages, metas, strict=True):
+                time.sleep(0.0005)
+                copy = [memoryview(bytearray(b"".join(bytes(s) for s in page)))]
+                future = asyncio.run_coroutine_threadsafe(inner.put([key], [copy], [meta]), loop)
+                outcomes += future.result()
+            return outcomes
+
+        return await asyncio.to_thread(store)
+
+
+async def _suite_fails(check: Awaitable[None]) -> None:
+    try:
+        await check
+    except AssertionError:
+        return
+    except pytest.skip.Exception as exc:
+        pytest.fail(f"the suite skipped its check of a broken backend: {exc}")
+    pytest.fail("the suite passed a broken backend")
+
+
+async def test_the_suite_fails_a_get_that_compacts_hits() -> None:
+    async with _Compacting() as backend:
+        await _suite_fails(StorageConformance().test_mixed_batch_has_one_outcome_per_key(backend))
+
+
+async def test_the_suite_fails_a_get_that_writes_after_cancellation() -> None:
+    async with _StragglingGet() as backend:
+        suite = StorageConformance()
+        await _suite_fails(suite.test_cancelled_get_never_writes_after_returning(backend))
+
+
+async def test_the_suite_fails_a_put_that_reads_after_cancellation() -> None:
+    async with _StragglingPut() as backend:
+        suite = StorageConformance()
+        await _suite_fails(suite.test_cancelled_put_stores_pages_whole_or_not_at_all(backend))

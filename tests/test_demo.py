@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 from pathlib import Path
 from typing import Literal
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hicache_async._errors import StorageConfigError
 from hicache_async._pool import KVPool
 from hicache_async._trace import TraceRequest, request_tokens
 from hicache_async.cli import main
@@ -289,3 +291,38 @@ def test_progress_draws_on_a_terminal_only() -> None:
     bar.advance("baseline")
     bar.close()
     assert pipe.getvalue() == ""
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (connections are refused at once)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@pytest.mark.parametrize("keep_storage", [False, True])
+def test_unreachable_storage_stops_the_demo_before_the_replay(keep_storage: bool) -> None:
+    pytest.importorskip("redis")
+    url = f"redis://127.0.0.1:{_closed_port()}"
+    options = _options(url, keep_storage=keep_storage)
+    with pytest.raises(StorageConfigError, match="storage cannot be used"):
+        run_demo(options, requests=_CONVERSATION[:1], model_config=SMALL)
+
+
+def test_cli_unreachable_storage_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("redis")
+    argv = ["--requests", "1", "--max-prompt-tokens", "1024"]
+    argv += ["--device-pages", "64", "--host-pages", "64"]
+    url = f"redis://127.0.0.1:{_closed_port()}"
+    assert main(["demo", "--storage", url, *argv]) == 2
+    err = capsys.readouterr().err
+    assert "hicache-async demo: error: the demo's storage cannot be used" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("seed", [str(2**64), "-1"])
+def test_cli_refuses_a_seed_out_of_range(seed: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--seed", seed]) == 2
+    assert "seed must be in [0, 2**64)" in capsys.readouterr().err
+    DemoOptions(seed=2**64 - 1)  # the largest torch takes

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from _plain_storage import PlainStorage
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta, StorageBackend
+from hicache_async.storage._maintenance import MaintainableStorage, RawAccess
+from hicache_async.storage._manifest import SupportsManifest
+from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing._faults import FaultCounts, FaultyStorage
 
 NS = b"faulty-storage-1"
@@ -151,3 +156,93 @@ async def test_passthrough_and_close() -> None:
     await storage.close()
     with pytest.raises(StorageError, match="closed"):
         await storage.exists(_keys(1))
+
+
+class _ReorderedPuts(MemoryStorage):
+    """Memory storage whose put number n finishes after `delays[n]` loop iterations, so a test
+    chooses the order in which concurrent puts complete."""
+
+    def __init__(self, delays: list[int]) -> None:
+        super().__init__(capacity_bytes=1 << 24)
+        self._delays = iter(delays)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        delay = next(self._delays)
+        outcomes = await super().put(keys, pages, metas)
+        for _ in range(delay):
+            await asyncio.sleep(0)
+        return outcomes
+
+
+async def _concurrent_faults(delays: list[int]) -> tuple[object, ...]:
+    inner = _ReorderedPuts(delays)
+    async with FaultyStorage(
+        inner, seed=11, corrupt_rate=0.3, truncate_rate=0.2, partial_batch_rate=0.3
+    ) as storage:
+        batches = [_keys(4, batch) for batch in range(len(delays))]
+        outcomes = await asyncio.gather(*(_put(storage, keys) for keys in batches))
+        damaged = [await _get(inner, keys) for keys in batches]
+        return tuple(map(tuple, outcomes)), tuple(map(tuple, damaged)), storage.injected()
+
+
+async def test_concurrent_calls_get_the_faults_of_their_call_order() -> None:
+    # The same puts, made in the same order, finishing in issue order and in reverse: every
+    # decision belongs to the call's number, not to when the call reaches a draw.
+    count = 12
+    in_order = await _concurrent_faults(list(range(count)))
+    reversed_ = await _concurrent_faults([count - i for i in range(count)])
+    assert in_order == reversed_
+    counts = in_order[2]
+    assert isinstance(counts, FaultCounts)
+    assert counts.corrupted
+    assert counts.truncated
+    assert counts.partial_batches
+
+
+class _Registering(PlainStorage):
+    """A plain backend that registers memory, as MooncakeStorage does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, object, int | None]] = []
+
+    async def register_memory(self, memory: object, nbytes: int | None = None) -> None:
+        self.calls.append(("register", memory, nbytes))
+
+    async def unregister_memory(self, memory: object) -> None:
+        self.calls.append(("unregister", memory, None))
+
+
+def test_optional_interfaces_follow_the_inner_backend() -> None:
+    plain = FaultyStorage(PlainStorage())
+    assert isinstance(plain, FaultyStorage)
+    assert isinstance(plain, StorageBackend)
+    for interface in (RawAccess, MaintainableStorage, SupportsManifest):
+        assert not isinstance(plain, interface)
+    assert not hasattr(plain, "register_memory")
+    full = FaultyStorage(MemoryStorage(), seed=4, error_rate=0.5)
+    assert isinstance(full, FaultyStorage)
+    assert type(full).__name__ == "FaultyStorage"
+    for interface in (RawAccess, MaintainableStorage, SupportsManifest):
+        assert isinstance(full, interface)
+    assert not hasattr(full, "register_memory")
+    with pytest.raises(StorageConfigError, match="raw access"):
+        FaultyStorage(PlainStorage(), corrupt_rate=0.1)
+
+
+async def test_manifest_and_memory_registration_are_forwarded() -> None:
+    inner = MemoryStorage()
+    storage = FaultyStorage(inner)
+    assert isinstance(storage, SupportsManifest)
+    async with storage:
+        manifest = storage.manifest()
+        assert type(manifest) is type(inner.manifest())
+        assert (await manifest.read()).entries == (await inner.manifest().read()).entries
+    registering = _Registering()
+    wrapped = FaultyStorage(registering)
+    memory = bytearray(64)
+    await getattr(wrapped, "register_memory")(memory, 32)  # noqa: B009
+    await getattr(wrapped, "unregister_memory")(memory)  # noqa: B009
+    assert registering.calls == [("register", memory, 32), ("unregister", memory, None)]

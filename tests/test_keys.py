@@ -96,3 +96,39 @@ def test_ranks_share_chains_but_not_storage_keys_or_fingerprints() -> None:
     assert ranks[0].fingerprint != ranks[1].fingerprint
     assert single.storage_keys(chains[0]) == chains[0]  # one rank: keys are storage keys
     assert page_keys(tokens, 8, single.seed) != chains[0]  # tp_size is in the seed
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [1, True],
+        [np.bool_(True), 1],
+        np.array([1, True], dtype=object),
+        np.array([np.bool_(False), 2], dtype=object),
+    ],
+)
+def test_bools_among_ints_are_rejected(tokens: object) -> None:
+    # numpy would silently make them 0 and 1: a different page than the caller meant.
+    with pytest.raises(InvalidTokensError, match="bool"):
+        page_keys(tokens, 1)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [np.int64(1), 2, 3, 4],
+        np.array([np.int64(1), 2, np.uint32(3), 4], dtype=object),
+        np.array([1, 2, 3, 4], dtype=object),
+    ],
+)
+def test_numpy_integer_scalars_are_accepted(tokens: object) -> None:
+    assert page_keys(tokens, 2) == page_keys([1, 2, 3, 4], 2)
+
+
+@pytest.mark.parametrize(
+    "tokens", [[2**63, 1], [-1, 2**63], [2**64, 1], [2**32, 0], np.array([2**32], np.uint64)]
+)
+def test_out_of_range_tokens_say_so(tokens: object) -> None:
+    with pytest.raises(InvalidTokensError, match=r"must be in \[0, 2\*\*32\)"):
+        page_keys(tokens, 1)
+    assert page_keys([2**32 - 1, 0], 2) == page_keys(np.array([2**32 - 1, 0], np.uint32), 2)

@@ -7,6 +7,8 @@ import re
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache_async._config import HostLayout, KVLayout
 from hicache_async._pool import KVPool
@@ -141,3 +143,53 @@ def test_generator_rejects_foreign_pools() -> None:
         gen.fill_page(KVPool(MLA, PAGE, 1), 0, _tokens(PAGE), 0)
     with pytest.raises(ValueError, match="page size"):
         gen.check_page(KVPool(LAYOUT, PAGE * 2, 1), 0, _tokens(PAGE), 0)
+
+
+def test_thue_morse_prompt_and_its_complement_differ() -> None:
+    # A linear prefix hash (sum of (tok + 1) * P^(t - i) mod 2^64) maps this pair, which
+    # differs at every one of 2048 positions, to the same hash: the Prouhet-Thue-Morse
+    # signs make every power of (P - 1) up to 2^11 cancel. The oracle must tell them apart.
+    gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=8), PAGE)
+    n = 2048
+    thue_morse = [bin(i).count("1") & 1 for i in range(n)]
+    tail = list(range(500, 500 + 2 * PAGE))
+    a = [100 + t for t in thue_morse] + tail
+    b = [101 - t for t in thue_morse] + tail
+    for page in (n // PAGE - 1, n // PAGE, n // PAGE + 1):
+        assert gen.page_bytes(a, page) != gen.page_bytes(b, page)
+
+
+def test_walking_a_prompt_in_any_order_gives_the_same_pages() -> None:
+    # The generator resumes its hash from the previous call's prefix: the bytes must not
+    # depend on what was asked before.
+    tokens = _tokens(6 * PAGE, seed=4)
+    fresh = [KVGenerator(LAYOUT, PAGE).page_bytes(tokens, p) for p in range(6)]
+    gen = KVGenerator(LAYOUT, PAGE)
+    other = _tokens(6 * PAGE, seed=5)
+    for page in (5, 0, 1, 3, 2, 4):
+        gen.page_bytes(other, page)
+        assert gen.page_bytes(tokens, page) == fresh[page]
+        assert gen.page_bytes(tokens[: (page + 1) * PAGE], page) == fresh[page]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    a=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=3 * PAGE),
+    b=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=3 * PAGE),
+    small=st.booleans(),
+)
+def test_distinct_prefixes_give_distinct_page_bytes(
+    a: list[int], b: list[int], small: bool
+) -> None:
+    # Optionally squeeze the ids into {0, 1, 2}: structured, low-entropy prompts are where a
+    # weak hash collides.
+    if small:
+        a, b = [x % 3 for x in a], [x % 3 for x in b]
+    gen = KVGenerator(KVLayout(num_layers=1, num_kv_heads=1, head_dim=4), PAGE)
+    pad = [7] * PAGE  # whole pages; the padding is the same for both prompts
+    a, b = a + pad, b + pad
+    last = min(len(a), len(b)) // PAGE - 1
+    for page in range(last + 1):
+        end = (page + 1) * PAGE
+        same = a[:end] == b[:end]
+        assert (gen.page_bytes(a, page) == gen.page_bytes(b, page)) == same

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
+
+from hicache_async.testing import serve
+
+if TYPE_CHECKING:
+    from hicache_async import HiCache
+    from hicache_async.testing import KVGenerator
 
 pytest_plugins = ["pytester"]
 
@@ -36,3 +44,13 @@ def test_plugin_fixtures_in_a_user_suite(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nasyncio_mode = auto\n")
     result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=3)
+
+
+@pytest.mark.parametrize("check", ["ALL", "full", "", None])
+async def test_serve_rejects_an_unknown_check(
+    hicache: HiCache, kv_generator: KVGenerator, check: object
+) -> None:
+    # A typo must not turn into a run that checks nothing.
+    with pytest.raises(ValueError, match="check must be one of"):
+        await serve(hicache, list(range(64)), kv_generator, check=check)  # type: ignore[arg-type]
+    assert (await serve(hicache, list(range(64)), kv_generator, check="all")).checked_pages == 0

@@ -9,9 +9,11 @@ timeout and killed if still alive.
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing as mp
 import queue
 import socket
+import threading
 import time
 from typing import Any
 
@@ -22,6 +24,8 @@ import structlog
 
 from hicache_async import ConfigError, HiCacheError
 from hicache_async.distributed import (
+    AgreementMismatch,
+    BackgroundAgreements,
     CollectiveError,
     CollectiveTimeout,
     GroupBrokenError,
@@ -31,6 +35,8 @@ from hicache_async.distributed import (
     TorchRankGroup,
     agree_entries,
     agree_min,
+    agreement_tag,
+    run_uncancelled,
 )
 
 #: a world that has not reported everything by then has failed (it normally takes seconds).
@@ -250,6 +256,30 @@ def test_absent_rank_times_out_then_group_is_broken(world: World) -> None:
     assert results[-1]["stats"]["collectives"] == 0
 
 
+def test_tagged_agreements_agree_and_a_mismatch_breaks_every_rank(world: World) -> None:
+    results = world.results("tags")
+    values = [rw.value_for(rank) for rank in range(world.size)]
+    for r in results:
+        assert r["min"] == 10
+        assert r["raw_min"] == min(values)
+        assert r["entries"] == rw.common_items(world.size)
+        assert r["entries_empty"] == []
+        assert r["default"] == 0
+        assert r["mismatch"] == "AgreementMismatch"  # on every rank, not a number
+        assert r["after"] == "GroupBrokenError"
+        assert r["stats"]["broken"] is True
+        assert r["stats"]["failures"] == 1
+        # One collective per agreement, the tag included.
+        assert r["stats"]["collectives"] == 6
+
+
+def test_tag_mismatch_in_agree_common_is_seen_with_an_empty_list(world: World) -> None:
+    for r in world.results("tags_entries"):
+        assert r["mismatch"] == "AgreementMismatch"
+        assert r["stats"]["collectives"] == 1
+        assert r["stats"]["broken"] is True
+
+
 # -- in-process tests ---------------------------------------------------------------------
 
 
@@ -370,6 +400,7 @@ def test_error_hierarchy() -> None:
     assert issubclass(CollectiveTimeout, CollectiveError)
     assert issubclass(CollectiveTimeout, TimeoutError)
     assert issubclass(GroupBrokenError, CollectiveError)
+    assert issubclass(AgreementMismatch, CollectiveError)
     assert issubclass(CollectiveError, HiCacheError)
 
 
@@ -382,3 +413,146 @@ async def test_torch_rank_group_rejects_bad_configuration() -> None:
         await TorchRankGroup.create(0, 2, port=29500, timeout_s=0)
     with pytest.raises(ConfigError, match="group"):
         TorchRankGroup()  # torch.distributed is not initialised in the test process
+
+
+def test_agreement_tags_name_what_is_agreed() -> None:
+    tag = agreement_tag("prefetch", 40, b"key")
+    assert tag == agreement_tag("prefetch", 40, b"key")
+    assert 0 <= tag < 2**63
+    distinct = {
+        tag,
+        agreement_tag("prefetch", 40, b"other"),
+        agreement_tag("prefetch", 41, b"key"),
+        agreement_tag("warmup.trim", 40, b"key"),
+        agreement_tag("prefetch", "40", b"key"),  # a str is not the int it spells
+        agreement_tag("prefetc", "h", 40, b"key"),  # parts are length-prefixed
+    }
+    assert len(distinct) == 6
+    with pytest.raises(TypeError):
+        agreement_tag("prefetch", 1.5)  # type: ignore[arg-type]
+
+
+async def test_single_rank_checks_tags_before_entering() -> None:
+    group = SingleRank()
+    assert await group.all_min(3, tag=agreement_tag("x")) == 3
+    assert await group.agree_common([b"a"], tag=0) == [b"a"]
+    for bad in (-1, 2**63, True):
+        with pytest.raises((TypeError, ValueError)):
+            await group.all_min(1, tag=bad)
+    with pytest.raises(TypeError):
+        await group.agree_common([], tag="x")  # type: ignore[arg-type]
+    assert group.statistics().collectives == 2
+
+
+async def test_a_gate_orders_the_collective_even_when_cancelled() -> None:
+    """Cancelled in its gate, agree_min still waits for the gate before entering (so it
+    cannot overtake what the gate waits for), enters once, then re-raises."""
+    group = SingleRank()
+    opened = asyncio.Event()
+    gate_entered = asyncio.Event()
+
+    async def gate() -> None:
+        gate_entered.set()
+        await opened.wait()
+
+    task = asyncio.create_task(agree_min(group, lambda: rw.returns(5), gate=gate))
+    await gate_entered.wait()
+    task.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task.done()
+    task.cancel()  # a second cancellation does not skip the gate either
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task.done()
+    assert group.statistics().collectives == 0
+    opened.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert group.statistics().collectives == 1
+
+
+async def test_run_uncancelled_finishes_and_reports_the_cancellation() -> None:
+    steps: list[int] = []
+    started = asyncio.Event()
+    release = asyncio.Event()
+
+    async def steps_to_finish() -> None:
+        steps.append(1)
+        started.set()
+        await release.wait()
+        steps.append(2)
+
+    async def caller() -> bool:
+        return await run_uncancelled(steps_to_finish())
+
+    task = asyncio.create_task(caller())
+    await started.wait()
+    task.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    assert await task is True
+    assert steps == [1, 2]
+
+
+async def test_background_agreements_stop_then_reset() -> None:
+    group = SingleRank()
+    background = BackgroundAgreements.of(group)
+    assert BackgroundAgreements.of(group) is background
+    await background.wait_idle()  # nothing runs: returns at once
+    assert background.stop_requested is False
+    background.begin()
+    waiter = asyncio.create_task(background.wait_idle())
+    await asyncio.sleep(0)
+    assert background.stop_requested is True
+    assert not waiter.done()
+    background.end()
+    await waiter
+    assert background.stop_requested is False  # the next warmup starts afresh
+    assert background.active == 0
+
+
+def _tp_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hicache-tp")]
+
+
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("timeout_s", {"timeout_s": math.inf}),
+        ("timeout_s", {"timeout_s": 1e300}),
+        ("timeout_s", {"timeout_s": math.nan}),
+        ("connect_timeout_s", {"connect_timeout_s": math.inf}),
+        ("connect_timeout_s", {"connect_timeout_s": 1e300}),
+        ("rank", {"rank": True, "size": 2}),  # bool is an int: True would mean rank 1
+        ("size", {"size": True}),
+    ],
+)
+async def test_create_rejects_unusable_values_before_joining(
+    field: str, kwargs: dict[str, Any]
+) -> None:
+    import torch.distributed as dist
+
+    args: dict[str, Any] = {"rank": 0, "size": 1, "port": free_ports(1)[0], **kwargs}
+    with pytest.raises(ConfigError, match=field):
+        await TorchRankGroup.create(args.pop("rank"), args.pop("size"), **args)
+    assert not dist.is_initialized()  # nothing joined, so a later create can
+    assert _tp_threads() == []  # and no thread was left behind
+
+
+def test_wrapping_rejects_an_infinite_timeout_first() -> None:
+    with pytest.raises(ConfigError, match="timeout_s"):
+        TorchRankGroup(timeout_s=math.inf)
+
+
+async def test_a_closed_group_frees_its_port() -> None:
+    port = free_ports(1)[0]
+    first = await TorchRankGroup.create(0, 1, port=port, connect_timeout_s=10.0)
+    await first.aclose()
+    # `first` is still referenced here, as a caller's variable would be.
+    second = await TorchRankGroup.create(0, 1, port=port, connect_timeout_s=10.0)
+    try:
+        assert await second.all_max(4) == 4
+    finally:
+        await second.aclose()
+    assert repr(first).endswith("closed>")

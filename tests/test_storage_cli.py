@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_async.cli import main
+from hicache_async.cli import _manifest, main
 from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta
 
 PAGE = 8192
@@ -149,3 +149,44 @@ def test_command_line_has_no_traceback(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "unknown storage scheme 'ftp'" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("action", ["stats", "ls", "verify", "gc"])
+def test_a_directory_that_is_no_store_is_left_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir(mode=0o700)
+    (plain / "notes.txt").write_text("mine")
+    code, _, err = _run(capsys, action, f"file://{plain}")
+    assert code == 2
+    assert "no storage at" in err
+    assert sorted(p.name for p in plain.iterdir()) == ["notes.txt"]  # no LOCK, pages/, tmp/
+
+
+@pytest.mark.parametrize("action", ["show", "compact"])
+def test_manifest_of_a_directory_that_is_no_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir(mode=0o700)
+    assert main(["manifest", action, f"file://{plain}"]) == 2
+    assert "no storage at" in capsys.readouterr().err
+    assert list(plain.iterdir()) == []
+
+
+def test_manifest_namespace_is_a_fingerprint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _populate(tmp_path / "s", 1)
+    url = f"file://{tmp_path / 's'}"
+    for bad in ("xyz", "ab" * 15, "g" * 32):
+        with pytest.raises(SystemExit) as info:
+            main(["manifest", "show", url, "--namespace", bad])
+        assert info.value.code == 2
+    assert _manifest._namespace("AB" * 16) == "ab" * 16  # entries hold lowercase hex
+    assert main(["manifest", "show", url, "--namespace", "AB" * 16, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["entries"] == []
+    # compact rewrites every namespace: a filter it would ignore is refused.
+    assert main(["manifest", "compact", url, "--namespace", "ab" * 16]) == 2
+    assert "--namespace only applies to show" in capsys.readouterr().err

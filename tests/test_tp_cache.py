@@ -11,7 +11,7 @@ from typing import Any
 import _tp_worker as worker
 import pytest
 
-SCENARIOS = ["same", "different", "failing", "slow", "prefetch"]
+SCENARIOS = ["same", "different", "failing", "slow", "prefetch", *worker.REGRESSIONS]
 DEADLINE_S = 240.0
 
 
@@ -109,3 +109,54 @@ def test_prefetch_hits_are_the_minimum_over_ranks(world: dict[str, Any]) -> None
     assert reports[0]["local"] > 0  # only rank 0 had the pages
     assert all(r["agreed"] == 0 for r in reports)
     assert all(r["used"] == 0 for r in reports)
+
+
+def _in_step(reports: list[Any]) -> None:
+    """Every rank entered the same number of collectives and no group broke."""
+    assert len({r["collectives"] for r in reports}) == 1, reports
+    assert not any(r["broken"] for r in reports), reports
+
+
+def test_background_warmup_never_interleaves_with_a_request_agreement(
+    world: dict[str, Any],
+) -> None:
+    reports = _per_rank(world, "background_warmup")
+    _in_step(reports)
+    for r in reports:
+        assert r["agreed"] == 4 * worker.PAGE  # rank 0 has 4 of the 10 pages
+        assert r["used"] == r["agreed"]
+    # The request stopped the warmup at the same entry on every rank.
+    assert len({r["warmup"] for r in reports}) == 1
+
+
+def test_cancelling_ready_in_its_policy_wait_still_enters_the_agreement(
+    world: dict[str, Any],
+) -> None:
+    reports = _per_rank(world, "cancel_ready")
+    _in_step(reports)
+    assert reports[0]["first"] == "cancelled"
+    assert all(r["first"] == 0 for r in reports[1:])  # rank 0 took part with 0
+    for r in reports:
+        assert r["second"]["agreed"] == r["second"]["local"] > 0
+
+
+def test_cancelling_warmup_between_its_collectives_keeps_ranks_in_step(
+    world: dict[str, Any],
+) -> None:
+    reports = _per_rank(world, "cancel_warmup")
+    _in_step(reports)
+    assert reports[0]["warmup"] == "cancelled"
+    assert all(r["warmup"] == "stopped" for r in reports[1:])
+    assert all(r["shape"] == reports[0]["shape"] for r in reports)
+    for r in reports:
+        assert r["next"]["agreed"] == r["next"]["local"] > 0
+
+
+def test_the_agreed_prefix_survives_eviction_until_the_request(world: dict[str, Any]) -> None:
+    reports = _per_rank(world, "evict")
+    _in_step(reports)
+    for name in ("first", "second"):
+        assert len({r[name]["agreed"] for r in reports}) == 1
+        for r in reports:
+            assert r[name]["used"] == r[name]["agreed"]
+    assert reports[0]["first"]["agreed"] == 10 * worker.PAGE

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
-__all__ = ["Record", "format_records", "write_records"]
+__all__ = ["Record", "check_finite", "format_records", "write_records"]
 
 
 class Record(msgspec.Struct, frozen=True):
@@ -26,8 +27,20 @@ class Record(msgspec.Struct, frozen=True):
         return cls(name=name, value=value, unit=unit, baseline=baseline, ratio=ratio)
 
 
+def check_finite(records: Sequence[Record]) -> None:
+    """Raise ValueError naming the first record with a nan or infinite figure (JSON would
+    turn it into null, which reads as "no baseline" rather than as a broken run)."""
+    for r in records:
+        for field in ("value", "baseline", "ratio"):
+            number = getattr(r, field)
+            if number is not None and not math.isfinite(number):
+                raise ValueError(f"record {r.name!r} has a non-finite {field}: {number!r}")
+
+
 def write_records(path: str | Path, records: Sequence[Record]) -> None:
-    """Write records as a JSON list (the format `nox -s bench` collects)."""
+    """Write records as a JSON list (the format `nox -s bench` collects); refuses non-finite
+    figures (ValueError) and writes nothing then."""
+    check_finite(records)
     Path(path).write_bytes(msgspec.json.format(msgspec.json.encode(list(records))) + b"\n")
 
 

@@ -18,6 +18,7 @@ import torch
 
 from .._config import HostLayout, KVLayout
 from .._pool import KVPool
+from ..cli._args import positive_int
 from ..transfer import CpuCopyEngine
 from ._records import Record
 
@@ -34,10 +35,13 @@ _SETTLE_S = 0.02
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options."""
     parser.add_argument(
-        "--pages", type=int, default=16, help="pages per copy (8 MiB each; default 16)"
+        "--pages", type=positive_int, default=16, help="pages per copy (8 MiB each; default 16)"
     )
     parser.add_argument(
-        "--repeats", type=int, default=7, help="rounds per figure; the best counts (default 7)"
+        "--repeats",
+        type=positive_int,
+        default=7,
+        help="rounds per figure; the best counts (default 7)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random page sets")
 

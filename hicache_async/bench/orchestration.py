@@ -37,10 +37,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._config import CacheConfig, HostLayout, KVLayout
+from ..cli._args import positive_int
 from ..storage import FileStorage, MemoryStorage, Outcome, PageMeta, StorageBackend, default_root
 from ._records import Record
 
-__all__ = ["SHAPES", "Shape", "add_arguments", "describe", "run"]
+__all__ = ["SHAPES", "Shape", "add_arguments", "describe", "prepare", "run"]
 
 describe = "prefetch path: loop CPU per page (memory://, tiny pages), GB/s vs raw get (file://)"
 
@@ -118,23 +119,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shape", choices=sorted(SHAPES), default="llama8b", help="file part page shape"
     )
     parser.add_argument(
-        "--pages", type=int, default=32, help="pages per prompt in the file part (default 32)"
+        "--pages",
+        type=positive_int,
+        default=32,
+        help="pages per prompt in the file part (default 32)",
     )
     parser.add_argument(
-        "--reps", type=int, default=7, help="rounds per figure; medians count (default 7)"
+        "--reps", type=positive_int, default=7, help="rounds per figure; medians count (default 7)"
     )
     parser.add_argument(
-        "--prompts", type=int, default=64, help="prompts per memory-part round (default 64)"
+        "--prompts",
+        type=positive_int,
+        default=64,
+        help="prompts per memory-part round (default 64)",
     )
     parser.add_argument(
         "--prompt-pages",
-        type=int,
+        type=positive_int,
         default=64,
         help="pages per prompt in the memory part (default 64)",
     )
     parser.add_argument(
         "--batch-pages",
-        type=int,
+        type=positive_int,
         default=None,
         help="prefetch.batch_pages (default: the configuration's default); the raw get uses "
         "the same batches",
@@ -408,12 +415,20 @@ def _file_records(
     ]
 
 
-def run(args: argparse.Namespace) -> list[Record]:
-    """Run the chosen parts under the chosen loops."""
-    if min(args.pages, args.reps, args.prompts, args.prompt_pages, args.batch_pages or 1) < 1:
-        raise SystemExit("--pages, --reps, --prompts, --prompt-pages, --batch-pages must be >= 1")
+def prepare(args: argparse.Namespace) -> Path:
+    """Check the sizes (ValueError) and make the parent of the temporary store (OSError);
+    return that parent."""
+    batch = 1 if args.batch_pages is None else args.batch_pages  # None: the config's default
+    if min(args.pages, args.reps, args.prompts, args.prompt_pages, batch) < 1:
+        raise ValueError("--pages, --reps, --prompts, --prompt-pages, --batch-pages must be >= 1")
     parent = Path(args.root) if args.root else default_root().parent
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return parent
+
+
+def run(args: argparse.Namespace) -> list[Record]:
+    """Run the chosen parts under the chosen loops."""
+    parent = prepare(args)
     shape = SHAPES[args.shape]
     records: list[Record] = []
     for loop in args.loops:

@@ -557,6 +557,7 @@ def _server(kind: str, wanted: bool) -> Iterator[tuple[str | None, str | None]]:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The options; an unknown `--only` key is an error (exit 2) listing the known ones."""
     parser = argparse.ArgumentParser(
         prog="python -m hicache_async.bench.report",
         description="Run every benchmark and regenerate docs/benchmarks.md from their JSON.",
@@ -567,7 +568,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--docs",
         default=None,
-        help="the page to write (default docs/benchmarks.md; with --quick, OUT_DIR/benchmarks.md)",
+        help="the page to write (default docs/benchmarks.md; for a --quick run, "
+        "OUT_DIR/benchmarks.md; with --render-only, as the stored run was)",
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     parser.add_argument(
@@ -585,7 +587,23 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="rebuild the page from the JSON already in OUT_DIR without running anything",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.only is not None:
+        known = [job.key for job in jobs(quick=False)]
+        args.only = {key.strip() for key in args.only.split(",") if key.strip()}
+        unknown = sorted(args.only - set(known))
+        if unknown or not args.only:
+            # Otherwise nothing would run, and the page would be rewritten without its figures.
+            parser.error(
+                f"--only: unknown job key(s) {', '.join(unknown) or '(none given)'}; "
+                f"known: {', '.join(known)}"
+            )
+    return args
+
+
+def _default_page(out_dir: Path, quick: bool) -> Path:
+    """A quick run's page goes beside its JSON: only a full run replaces the documentation."""
+    return out_dir / "benchmarks.md" if quick else Path("docs") / "benchmarks.md"
 
 
 def _load_manifest(path: Path) -> tuple[dict[str, str], bool, list[JobResult]] | None:
@@ -602,24 +620,22 @@ def _load_manifest(path: Path) -> tuple[dict[str, str], bool, list[JobResult]] |
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the benchmarks (or reuse their JSON) and write the page."""
+    """Run the benchmarks (or reuse their JSON) and write the page. Exit status 1 when a
+    benchmark run by this invocation failed (the page still says how), else 0."""
     args = _parse(argv)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    docs = (
-        Path(args.docs)
-        if args.docs
-        else (out_dir / "benchmarks.md" if args.quick else Path("docs") / "benchmarks.md")
-    )
     manifest = out_dir / "report.json"
     previous = _load_manifest(manifest)
+    failed: list[str] = []
     if args.render_only:
         if previous is None:
             raise SystemExit(f"no readable {manifest}: run the report without --render-only")
+        # The stored run says whether it was quick, not this command line.
         info, quick, results = previous
     else:
         info, quick = machine(), args.quick
-        wanted = {k.strip() for k in args.only.split(",")} if args.only else None
+        wanted: set[str] | None = args.only
         with (
             _server("redis", wanted is None or "storage-redis" in wanted) as redis,
             _server("mooncake", wanted is None or "storage-mooncake" in wanted) as mooncake,
@@ -638,6 +654,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     flush=True,
                 )
                 results.append(result)
+                if result.status == "failed":
+                    failed.append(job.key)
         if wanted is not None and previous is not None and previous[1] == quick:
             # A partial run replaces its jobs in the last full one; the rest stay.
             merged = {r.key: r for r in previous[2]}
@@ -645,9 +663,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             results = list(merged.values())
         payload = {"machine": info, "quick": quick, "results": results}
         manifest.write_bytes(msgspec.json.format(msgspec.json.encode(payload)) + b"\n")
+    docs = Path(args.docs) if args.docs else _default_page(out_dir, quick)
     docs.parent.mkdir(parents=True, exist_ok=True)
     docs.write_text(render(results, out_dir, info, quick), encoding="utf-8")
     print(f"[report] wrote {docs}", file=sys.stderr)
+    if failed:
+        print(f"[report] failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
     return 0
 
 

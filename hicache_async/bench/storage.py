@@ -40,11 +40,12 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit, urlunsplit
+from typing import Any, NamedTuple, TypeVar
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import numpy as np
 
+from ..cli._args import positive_int
 from ..storage import (
     HEADER_NBYTES,
     FileStorage,
@@ -57,7 +58,7 @@ from ..storage import (
 )
 from ._records import Record
 
-__all__ = ["SHAPES", "Shape", "add_arguments", "describe", "run"]
+__all__ = ["SHAPES", "Shape", "add_arguments", "describe", "prepare", "run"]
 
 describe = "storage backends: put/get/exists throughput against a raw baseline of the same bytes"
 
@@ -65,6 +66,8 @@ _NAMESPACE = bytes(range(16))
 _EXISTS_CALLS = 2000
 #: Runs of each baseline mode before the best is chosen (by median) for the paired runs.
 _MODE_TRIALS = 2
+
+_Item = TypeVar("_Item")
 
 
 class Shape(NamedTuple):
@@ -102,20 +105,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shape", choices=sorted(SHAPES), help="page shape (default: both, llama8b first)"
     )
-    parser.add_argument("--pages", type=int, help="pages per run (default 64 llama8b, 256 small)")
-    parser.add_argument("--batch", type=int, default=64, help="pages per call (default 64)")
-    parser.add_argument("--reps", type=int, default=3, help="runs per figure (default 3)")
-    parser.add_argument("--segments", type=int, default=1, help="segments per page (default 1)")
+    parser.add_argument(
+        "--pages", type=positive_int, help="pages per run (default 64 llama8b, 256 small)"
+    )
+    parser.add_argument(
+        "--batch", type=positive_int, default=64, help="pages per call (default 64)"
+    )
+    parser.add_argument("--reps", type=positive_int, default=3, help="runs per figure (default 3)")
+    parser.add_argument(
+        "--segments", type=positive_int, default=1, help="segments per page (default 1)"
+    )
+
+
+def _scheme(url: str) -> str | None:
+    """The URL's scheme, or None for a plugin's import path (`package.module:factory`, which
+    urlsplit would read as scheme `package.module`)."""
+    url = url.strip()
+    return urlsplit(url).scheme.lower() if "://" in url else None
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Check the sizes and the URL before anything runs (StorageConfigError, ValueError):
+    the backend is built, not opened."""
+    for name in ("pages", "batch", "reps", "segments"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {value}")
+    scheme = _scheme(args.backend)
+    if scheme == "file":
+        FileStorage.from_url(args.backend)
+    elif scheme == "memory":
+        MemoryStorage.from_url(_memory_url(args.backend, 1))
+    else:
+        open_storage(args.backend)
 
 
 def run(args: argparse.Namespace) -> list[Record]:
     """Measure every figure for the chosen shapes."""
-    if args.pages is not None and args.pages < 1:
-        raise SystemExit("--pages must be >= 1")
-    if args.batch < 1 or args.reps < 1 or args.segments < 1:
-        raise SystemExit("--batch, --reps and --segments must be >= 1")
+    prepare(args)
     shapes = [SHAPES[args.shape]] if args.shape else list(SHAPES.values())
-    scheme = urlsplit(args.backend).scheme
+    scheme = _scheme(args.backend)
     records: list[Record] = []
     for shape in shapes:
         pages = args.pages or shape.default_pages
@@ -203,8 +232,14 @@ async def _get_all(storage: StorageBackend, data: _Data, keys: list[bytes], batc
     return time.perf_counter() - start
 
 
+def _probe(items: Sequence[_Item]) -> list[_Item]:
+    """64 of `items`, repeating them when there are fewer (`--pages` < 64), so the
+    `exists64_us` records always time calls of 64 keys."""
+    return [items[i % len(items)] for i in range(64)]
+
+
 async def _exists_us(storage: StorageBackend, keys: list[bytes]) -> float:
-    probe = keys[:64]
+    probe = _probe(keys)
     if await storage.exists(probe) != len(probe):
         raise SystemExit(f"{storage.name}: exists did not find the pages just written")
     start = time.perf_counter()
@@ -270,7 +305,9 @@ def _workdir(url: str) -> Iterator[tuple[str, Path]]:
     try:
         raw = work / "raw"
         raw.mkdir(mode=0o700)
-        yield urlunsplit(("file", "", str(work / "store"), parts.query, "")), raw
+        # Quoted: the URL is parsed (and unquoted) again, so a '%' or '#' in the path would
+        # otherwise name another directory, outside the one removed below.
+        yield urlunsplit(("file", "", quote(str(work / "store")), parts.query, "")), raw
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -307,7 +344,7 @@ def _raw_get(pool: ThreadPoolExecutor, paths: list[str], data: _Data) -> float:
 
 
 def _raw_exists_us(paths: list[str]) -> float:
-    probe = paths[:64]
+    probe = _probe(paths)
     start = time.perf_counter()
     for _ in range(_EXISTS_CALLS // 10):
         for path in probe:
@@ -408,7 +445,7 @@ def _dict_get(store: dict[bytes, bytes], keys: list[bytes], data: _Data) -> floa
 
 
 def _dict_exists_us(store: dict[bytes, bytes], keys: list[bytes]) -> float:
-    probe = keys[:64]
+    probe = _probe(keys)
     start = time.perf_counter()
     for _ in range(_EXISTS_CALLS):
         for key in probe:  # the same prefix walk MemoryStorage.exists does
@@ -421,7 +458,7 @@ def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
     reps = args.reps
     pairs = _Pairs()
     capacity = 2 * data.pages * (data.nbytes + HEADER_NBYTES)
-    storage = MemoryStorage.from_url(f"memory://?capacity={capacity}")
+    storage = MemoryStorage.from_url(_memory_url(args.backend, capacity))
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(storage.__aenter__())
         try:
@@ -456,13 +493,26 @@ def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
     return [*pairs.records(prefix, data.total), _exists_record(prefix, exists, raw_exists)]
 
 
+def _memory_url(url: str, capacity: int) -> str:
+    """The given memory:// URL, its parameters kept, with `capacity` added when it has none."""
+    head, _, query = url.strip().partition("?")
+    if any(part.partition("=")[0] == "capacity" for part in query.split("&")):
+        return url.strip()
+    return f"{head}?{'&'.join(filter(None, (query, f'capacity={capacity}')))}"
+
+
 # Other schemes.
 
 
 def _raw_module(scheme: str) -> Any | None:
-    for name in dict.fromkeys((scheme, scheme.rstrip("s"))):
+    # removesuffix, not rstrip: "rediss" is TLS Redis, whose baseline is redis's.
+    for name in dict.fromkeys((scheme, scheme.removesuffix("s"))):
         module_name = f"hicache_async.bench._storage_{name}"
-        if importlib.util.find_spec(module_name) is not None:
+        try:
+            found = importlib.util.find_spec(module_name) is not None
+        except (ImportError, ValueError):  # a scheme with '.' or '-' names no module of ours
+            found = False
+        if found:
             return importlib.import_module(module_name)
     return None
 
@@ -526,10 +576,13 @@ def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any
     return [*pairs.records(prefix, data.total), _exists_record(prefix, exists, raw_exists)]
 
 
-def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Record]:
-    module = _raw_module(scheme)
-    if module is not None:
+def _bench_other(args: argparse.Namespace, data: _Data, scheme: str | None) -> list[Record]:
+    """A scheme with a raw module: paired with it. Otherwise (an entry point's scheme, or a
+    plugin's import path, whose records are named `storage.plugin.*`) ours alone."""
+    module = _raw_module(scheme) if scheme is not None else None
+    if scheme is not None and module is not None:
         return _bench_paired(args, data, scheme, module.RawModes)
+    label = scheme or "plugin"
     # No raw way to move the bytes is known for this scheme (a plugin): ours alone.
     reps = args.reps
     ours: dict[str, list[float]] = {"put": [], "get": []}
@@ -552,7 +605,7 @@ def _bench_other(args: argparse.Namespace, data: _Data, scheme: str) -> list[Rec
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         exists = runner.run(session())
-    prefix = f"storage.{scheme}.{data.shape.name}"
+    prefix = f"storage.{label}.{data.shape.name}"
     records = [
         Record(
             name=f"{prefix}.{name}_gbps",

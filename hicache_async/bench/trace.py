@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import multiprocessing
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +38,7 @@ import numpy as np
 from .._config import CacheConfig
 from .._errors import OutOfPagesError
 from .._trace import BLOCK_TOKENS, TraceRequest, load_trace
+from ..cli._args import positive_float, positive_int
 from ..storage import HEADER_NBYTES, MemoryStorage
 from ._records import Record
 from ._sim import PROFILES, ModelProfile, NoCacheEngine, percentile, simulate, upper_bound
@@ -45,6 +48,7 @@ __all__ = [
     "Scenario",
     "add_arguments",
     "describe",
+    "prepare",
     "prompt_tokens",
     "replay_scenario",
     "run",
@@ -110,7 +114,7 @@ def _parse_storages(text: str) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `hicache-async bench trace`."""
     parser.add_argument(
-        "--requests", type=int, default=None, help="requests from the trace (default: all)"
+        "--requests", type=positive_int, default=None, help="requests from the trace (default: all)"
     )
     parser.add_argument("--trace", default=None, help="a trace file (default: the packaged one)")
     parser.add_argument(
@@ -118,13 +122,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--page-size",
-        type=int,
+        type=positive_int,
         default=BLOCK_TOKENS,
         help="tokens per page (default 512, the trace's block: it knows reuse per block only)",
     )
     parser.add_argument(
         "--device-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         help="device pool in tokens (default: the profile's KV pool)",
     )
@@ -143,19 +147,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefill-slots",
-        type=int,
+        type=positive_int,
         default=1,
         help="prefills that run at once, each at the profile's full rate (default 1)",
     )
     parser.add_argument(
         "--jobs",
-        type=int,
+        type=positive_int,
         default=min(4, os.cpu_count() or 1),
         help="replays run side by side in worker processes (default: CPUs, at most 4)",
     )
     parser.add_argument(
         "--time-scale",
-        type=float,
+        type=positive_float,
         default=3.0,
         help="stretch the trace's arrival times by this factor (default 3: one GPU cannot "
         "prefill the trace's 40k tokens/s as it came)",
@@ -353,16 +357,31 @@ async def _replay(
     )
 
 
-def replay_scenario(
-    args: argparse.Namespace, scenario: Scenario, device_pages: int
-) -> ReplayOutcome:
-    """One replay of the trace (run in a worker process when `--jobs` > 1)."""
+def _stderr_logger(*_args: object) -> Any:
+    import structlog
+
+    # sys.stderr at each use, not at configure time: a test harness may swap it.
+    return structlog.PrintLogger(sys.stderr)
+
+
+def _configure_logging() -> None:
+    """Warnings and up, on stderr: a worker process starts with the library's default logging
+    (every level, on stdout, which holds the records' table)."""
     import logging
 
     import structlog
 
-    # A worker process starts with the library's default logging: keep it to warnings.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=_stderr_logger,
+    )
+
+
+def replay_scenario(
+    args: argparse.Namespace, scenario: Scenario, device_pages: int
+) -> ReplayOutcome:
+    """One replay of the trace (run in a worker process when `--jobs` > 1)."""
+    _configure_logging()
     requests = load_trace(args.trace, limit=args.requests)
     arrivals = [r.timestamp / 1000 * args.time_scale for r in requests]
     return asyncio.run(_replay(args, scenario, requests, arrivals, device_pages))
@@ -422,24 +441,53 @@ def _scenario_records(
     return records
 
 
+@functools.lru_cache(maxsize=1)
+def _requests(path: str | None, limit: int | None) -> tuple[TraceRequest, ...]:
+    # Read once for prepare() and run() alike.
+    return tuple(load_trace(path, limit=limit))
+
+
+def _device_pages(args: argparse.Namespace) -> int:
+    tokens: int | None = args.device_tokens
+    if tokens is None:
+        tokens = PROFILES[args.profile].device_kv_tokens
+    page_size: int = args.page_size
+    return max(1, tokens // page_size)
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Check the options against the trace before anything runs: ValueError, or OSError for
+    an unreadable trace."""
+    for name in ("requests", "page_size", "device_tokens", "prefill_slots", "jobs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):
+        # nan or inf arrivals would make every TTFT nan: records of nulls, not figures.
+        raise ValueError(f"--time-scale must be a finite number > 0, got {args.time_scale}")
+    if BLOCK_TOKENS % args.page_size:
+        raise ValueError(f"--page-size must divide {BLOCK_TOKENS}, got {args.page_size}")
+    requests = _requests(args.trace, args.requests)
+    if not requests:
+        raise ValueError(f"the trace {args.trace or '(packaged)'} holds no requests")
+    longest = max(r.input_length for r in requests)
+    if longest > _device_pages(args) * args.page_size:
+        raise ValueError(
+            f"the device pool ({_device_pages(args) * args.page_size} tokens) is smaller than "
+            f"the longest prompt ({longest} tokens); raise --device-tokens"
+        )
+
+
 def run(args: argparse.Namespace) -> list[Record]:
     """Replay the trace once without a cache, then once per host and storage size."""
-    if args.requests is not None and args.requests < 1:
-        raise SystemExit("--requests must be >= 1")
-    if args.prefill_slots < 1 or args.time_scale <= 0 or args.jobs < 1:
-        raise SystemExit("--prefill-slots, --time-scale and --jobs must be positive")
+    prepare(args)
     profile = PROFILES[args.profile]
     page_size: int = args.page_size
-    if page_size < 1 or BLOCK_TOKENS % page_size:
-        raise SystemExit(f"--page-size must divide {BLOCK_TOKENS}")
-    requests = load_trace(args.trace, limit=args.requests)
+    requests = list(_requests(args.trace, args.requests))
     arrivals = [r.timestamp / 1000 * args.time_scale for r in requests]
     lengths = [r.input_length for r in requests]
     total_tokens = sum(lengths)
-    device_tokens = args.device_tokens or profile.device_kv_tokens
-    device_pages = max(1, device_tokens // page_size)
-    if max(lengths, default=0) > device_pages * page_size:
-        raise SystemExit("the device pool is smaller than the longest prompt")
+    device_pages = _device_pages(args)
     bound = upper_bound(requests, page_size)
     no_cache = NoCacheEngine(profile, lengths)
     base_ttft, _ = asyncio.run(simulate(arrivals, no_cache, slots=args.prefill_slots))

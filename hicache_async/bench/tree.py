@@ -8,6 +8,7 @@ against the built tree. Memory is the tree's traced allocations, keys included, 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import time
 import tracemalloc
@@ -16,21 +17,46 @@ from typing import Any
 import numpy as np
 
 from .._keys import page_keys
-from .._trace import load_trace, request_tokens
+from .._trace import TraceRequest, load_trace, request_tokens
+from ..cli._args import positive_int
 from ..tree import RadixTree
 from ._records import Record
 
-__all__ = ["add_arguments", "describe", "run"]
+__all__ = ["add_arguments", "describe", "prepare", "run"]
 
 describe = "radix tree: match and insert per call, key hashing, memory per cached token"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `hicache-async bench tree`."""
-    parser.add_argument("--requests", type=int, default=3000, help="requests taken from the trace")
+    parser.add_argument(
+        "--requests", type=positive_int, default=3000, help="requests taken from the trace"
+    )
     parser.add_argument("--trace", default=None, help="a trace file (default: the packaged one)")
-    parser.add_argument("--page-size", type=int, default=64, help="tokens per page")
-    parser.add_argument("--repeat", type=int, default=3, help="match passes over the requests")
+    parser.add_argument("--page-size", type=positive_int, default=64, help="tokens per page")
+    parser.add_argument(
+        "--repeat", type=positive_int, default=3, help="match passes over the requests"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _requests(path: str | None, limit: int) -> tuple[TraceRequest, ...]:
+    # Read once for prepare() and run() alike.
+    return tuple(load_trace(path, limit=limit))
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Check the options against the trace before anything is measured: ValueError or
+    OSError (an unreadable trace) when they cannot run."""
+    requests = _requests(args.trace, args.requests)
+    if not requests:
+        raise ValueError(f"the trace {args.trace or '(packaged)'} holds no requests")
+    if max(r.input_length for r in requests) < args.page_size:
+        # Every prompt would be shorter than a page: no keys, nothing to insert or match.
+        raise ValueError(
+            f"no prompt of the first {len(requests)} requests fills a page of "
+            f"{args.page_size} tokens; lower --page-size"
+        )
 
 
 def _build(
@@ -80,8 +106,9 @@ def _traced_bytes(tokens: list[np.ndarray[Any, Any]], page_size: int) -> tuple[i
 
 def run(args: argparse.Namespace) -> list[Record]:
     """Measure the tree on the first `--requests` requests of the trace."""
+    prepare(args)
     page_size: int = args.page_size
-    requests = load_trace(args.trace, limit=args.requests)
+    requests = _requests(args.trace, args.requests)
     tokens = [request_tokens(r) for r in requests]
 
     gc.collect()

@@ -11,7 +11,10 @@ from collections.abc import Sequence
 
 import structlog
 
+from .._errors import HiCacheError
 from ..bench import BENCHMARKS, format_records, write_records
+from ..bench._records import check_finite
+from ._args import check_output_path
 
 __all__ = ["main"]
 
@@ -58,6 +61,33 @@ def _stderr_logger(*_args: object) -> structlog.PrintLogger:
     return structlog.PrintLogger(sys.stderr)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    """Run one benchmark. Exit 2 when its options cannot run (checked before anything is
+    measured, `prepare(args)` where the module has one), 1 when the run itself fails."""
+    prog = f"hicache-async bench {args.kind}"
+    module = importlib.import_module(BENCHMARKS[args.kind])
+    try:
+        if args.json:
+            check_output_path(args.json)  # now, not after a run of many minutes
+        prepare = getattr(module, "prepare", None)
+        if prepare is not None:
+            prepare(args)
+    except (HiCacheError, ValueError, OSError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    records = module.run(args)
+    print(format_records(records))
+    try:
+        if args.json:
+            write_records(args.json, records)
+        else:
+            check_finite(records)
+    except (ValueError, OSError) as exc:
+        print(f"{prog}: failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hicache-async` and `python -m hicache_async`."""
     # An application, unlike the library, decides what its log shows: warnings and up.
@@ -67,12 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = _build_parser().parse_args(argv)
     if args.command == "bench":
-        module = importlib.import_module(BENCHMARKS[args.kind])
-        records = module.run(args)
-        print(format_records(records))
-        if args.json:
-            write_records(args.json, records)
-        return 0
+        return _bench(args)
     module_path, _ = COMMANDS[args.command]
     code: int = importlib.import_module(module_path).run(args)
     return code

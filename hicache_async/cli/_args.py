@@ -1,10 +1,13 @@
-"""Argument types shared by the commands."""
+"""Argument types and checks shared by the commands."""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
 
-__all__ = ["positive_int"]
+__all__ = ["check_output_path", "positive_float", "positive_int", "store_missing"]
 
 
 def positive_int(text: str) -> int:
@@ -16,3 +19,36 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0, for argparse's `type=` (nan and inf are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def check_output_path(path: str) -> None:
+    """Raise OSError unless a file can be written at `path`, so a long run is not lost to a
+    bad path found only at its end."""
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{path} is a directory")
+    parent = target.parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"cannot write {path}: no directory {parent}")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise PermissionError(f"cannot write {path}: permission denied")
+    if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {path}: {parent} is not writable")
+
+
+def store_missing(root: Path) -> bool:
+    """Whether `root` does not hold a file store: opening one creates `pages/`, `tmp/` and
+    `LOCK`, so an inspection tool must not open a directory that has neither `pages/` nor
+    `LOCK` (it would turn any directory into a store)."""
+    return not (root.is_dir() and ((root / "pages").is_dir() or (root / "LOCK").is_file()))

@@ -3,7 +3,8 @@
 Prints where the prompt tokens came from (device, host, storage, recomputed), time to first
 token with and without hicache_async, KV bytes moved per tier, the hit rate against the best
 any cache could do, and how closely the cached path's first-token logits match a full
-recompute. Exit codes: 0 on success, 2 on bad options.
+recompute. Exit codes: 0 on success, 2 on bad options or a storage URL that cannot be used
+(malformed, or a store that cannot be reached when the demo starts).
 """
 
 from __future__ import annotations
@@ -94,7 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="keep pages from earlier runs (shows storage hits across restarts)",
     )
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the model weights")
+    parser.add_argument(
+        "--seed", type=int, default=d.seed, help="seed of the model weights, in [0, 2**64)"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -122,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         summary = run_demo(options, requests=requests)
-    except StorageConfigError as exc:  # raised when the cache opens, before any replay
+    except StorageConfigError as exc:  # a bad or unreachable store, before any replay
         print(f"hicache-async demo: error: {exc}", file=sys.stderr)
         return 2
     if args.json:

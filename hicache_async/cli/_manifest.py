@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 
 import msgspec
@@ -11,21 +12,39 @@ import msgspec
 from .._errors import HiCacheError, StorageConfigError
 from ..storage import FileStorage, open_storage
 from ..storage._manifest import SupportsManifest
+from ._args import store_missing
 
 __all__ = ["add_arguments", "run"]
+
+# A namespace fingerprint: 16 bytes, as the manifest records it (lowercase hex).
+_NAMESPACE = re.compile(r"[0-9a-f]{32}\Z")
+
+
+def _namespace(text: str) -> str:
+    """`--namespace`: 32 hex digits, either case; lowercased, as entries hold it."""
+    value = text.strip().lower()
+    if not _NAMESPACE.match(value):
+        raise argparse.ArgumentTypeError(
+            f"a namespace fingerprint is 32 hex digits (16 bytes), got {text!r}"
+        )
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["show", "compact"])
     parser.add_argument("url", help="storage URL, e.g. file:///path or redis://127.0.0.1:6379/0")
-    parser.add_argument("--namespace", help="only entries of this namespace fingerprint (hex)")
+    parser.add_argument(
+        "--namespace",
+        type=_namespace,
+        help="show: only entries of this namespace fingerprint (32 hex digits)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 async def _run(args: argparse.Namespace) -> object:
     backend = open_storage(args.url)
-    if isinstance(backend, FileStorage) and not backend.root.is_dir():
-        # Opening would create it; an inspection tool should not.
+    if isinstance(backend, FileStorage) and store_missing(backend.root):
+        # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool should not.
         raise StorageConfigError(f"no storage at {backend.root}")
     async with backend:
         if not isinstance(backend, SupportsManifest):
@@ -37,6 +56,10 @@ async def _run(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "compact" and args.namespace is not None:
+        # compact rewrites every namespace's entries; a filter it ignored would mislead.
+        print("hicache-async manifest: --namespace only applies to show", file=sys.stderr)
+        return 2
     try:
         result = asyncio.run(_run(args))
     except (StorageConfigError, ValueError) as exc:

@@ -26,7 +26,7 @@ from ..storage import (
     StorageStats,
     open_storage,
 )
-from ._args import positive_int
+from ._args import positive_int, store_missing
 
 __all__ = ["add_arguments", "run"]
 
@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         backend = open_storage(args.url)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
-    if isinstance(backend, FileStorage) and not backend.root.is_dir():
-        # Opening would create it; an inspection tool should not.
+    if isinstance(backend, FileStorage) and store_missing(backend.root):
+        # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool should not.
         return _fail(f"no storage at {backend.root}", 2)
     if args.action != "stats" and not isinstance(backend, MaintainableStorage):
         return _fail(f"{backend.name} does not support {args.action}", 2)

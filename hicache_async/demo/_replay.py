@@ -35,7 +35,7 @@ import torch
 
 from .._cache import HiCache
 from .._config import CacheConfig, PrefetchConfig, PrefetchPolicy, WritePolicy
-from .._errors import OutOfPagesError
+from .._errors import OutOfPagesError, StorageConfigError, StorageError
 from .._keys import Namespace, page_keys
 from .._trace import BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
 from ..storage import default_root, open_storage
@@ -106,6 +106,8 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"time_compression must be > 0, got {self.time_compression}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         needed = self.concurrency * math.ceil(self.max_prompt_tokens / self.page_size)
         if needed > self.device_pages:
             raise ValueError(
@@ -332,9 +334,25 @@ def _cache_config(options: DemoOptions, model: TinyTransformer) -> CacheConfig:
     )
 
 
-async def _forget_pages(url: str, config: CacheConfig, items: Sequence[_Item]) -> None:
-    """Delete the pages the demo would write from a backend it does not own, so every run
-    starts cold; only this model's namespace is touched."""
+async def _check_storage(
+    url: str, config: CacheConfig, items: Sequence[_Item], *, forget: bool
+) -> None:
+    """Reach the storage before the replay: with `forget`, delete the pages the demo would
+    write (so every run starts cold; only this model's namespace is touched), else look one
+    up. A store that cannot be reached would turn the replay into one without L3, so it is
+    refused here, as StorageConfigError, rather than logged on every request."""
+    try:
+        await _forget_pages(url, config, items, probe_only=not forget)
+    except (StorageError, OSError) as exc:
+        # The backend's own message names it with any password masked; the URL may hold one.
+        raise StorageConfigError(f"the demo's storage cannot be used: {exc}") from exc
+
+
+async def _forget_pages(
+    url: str, config: CacheConfig, items: Sequence[_Item], *, probe_only: bool = False
+) -> None:
+    """Delete the pages the demo would write from a backend it does not own (`probe_only`:
+    look the first up instead)."""
     namespace = Namespace.from_config(config)
     keys = sorted(
         {
@@ -346,6 +364,9 @@ async def _forget_pages(url: str, config: CacheConfig, items: Sequence[_Item]) -
         }
     )
     async with open_storage(url) as backend:
+        if probe_only:
+            await backend.exists(keys[:1])
+            return
         batch = max(1, backend.capabilities.max_batch_pages)
         for begin in range(0, len(keys), batch):
             await backend.delete(keys[begin : begin + batch])
@@ -387,8 +408,9 @@ async def _run(
     ]
     config = _cache_config(options, model)
     url = options.storage_url
-    if url is not None and not options.keep_storage and options.storage != DEFAULT_STORAGE:
-        await _forget_pages(url, config, items)
+    if url is not None and options.storage != DEFAULT_STORAGE:
+        # The default root was emptied by run_demo; its own store needs no check.
+        await _check_storage(url, config, items, forget=not options.keep_storage)
 
     baseline_runner, cached_runner = ModelRunner(), ModelRunner()
     # Warm the kernels up so neither server pays for first-call setup.

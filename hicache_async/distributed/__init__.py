@@ -5,12 +5,15 @@ must agree on how many pages a prefetch hit, how many pages arrived before sched
 which warmup entries to load. See docs/tensor-parallel.md.
 """
 
-from ._agree import agree_entries, agree_min
-from ._errors import CollectiveError, CollectiveTimeout, GroupBrokenError
-from ._group import GroupStatistics, RankGroup, SingleRank
+from ._agree import agree_entries, agree_min, run_uncancelled
+from ._errors import AgreementMismatch, CollectiveError, CollectiveTimeout, GroupBrokenError
+from ._group import GroupStatistics, RankGroup, SingleRank, agreement_tag
+from ._order import BackgroundAgreements
 from ._torch import TorchRankGroup
 
 __all__ = [
+    "AgreementMismatch",
+    "BackgroundAgreements",
     "CollectiveError",
     "CollectiveTimeout",
     "GroupBrokenError",
@@ -20,4 +23,6 @@ __all__ = [
     "TorchRankGroup",
     "agree_entries",
     "agree_min",
+    "agreement_tag",
+    "run_uncancelled",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .._errors import HiCacheError
 
-__all__ = ["CollectiveError", "CollectiveTimeout", "GroupBrokenError"]
+__all__ = ["AgreementMismatch", "CollectiveError", "CollectiveTimeout", "GroupBrokenError"]
 
 
 class CollectiveError(HiCacheError, RuntimeError):
@@ -20,3 +20,12 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 
 class GroupBrokenError(CollectiveError):
     """An earlier collective failed or the group was closed; no collective was entered."""
+
+
+class AgreementMismatch(CollectiveError):
+    """The ranks paired different agreements in one collective (their tags differed).
+
+    Every rank sees the same reduced tags, so every rank raises this for the same collective,
+    and the group is then broken like after any other failed collective: ranks that paired
+    different calls once are out of step, and anything they agree on afterwards is suspect.
+    """

@@ -8,16 +8,19 @@ The helpers in `_agree` keep that rule when a rank's local step fails.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import operator
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["GroupStatistics", "RankGroup", "SingleRank"]
+__all__ = ["GroupStatistics", "RankGroup", "SingleRank", "agreement_tag"]
 
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+#: tags are non-negative and fit 63 bits, so `-tag` fits a signed 64-bit integer too.
+TAG_MAX = 2**63 - 1
 
 
 class GroupStatistics(msgspec.Struct, frozen=True):
@@ -51,8 +54,12 @@ class RankGroup(Protocol):
     #: the number of ranks.
     size: int
 
-    async def all_min(self, value: int) -> int:
-        """The minimum of `value` (a signed 64-bit integer) over all ranks."""
+    async def all_min(self, value: int, *, tag: int | None = None) -> int:
+        """The minimum of `value` (a signed 64-bit integer) over all ranks.
+
+        With a `tag` (see `agreement_tag`), the same collective also checks that every rank
+        passed the same tag, and raises `AgreementMismatch` on every rank if not.
+        """
         ...
 
     async def all_max(self, value: int) -> int:
@@ -63,10 +70,10 @@ class RankGroup(Protocol):
         """Every rank's `payload`, indexed by rank; payloads may differ in length."""
         ...
 
-    async def agree_common(self, items: Sequence[bytes]) -> list[bytes]:
+    async def agree_common(self, items: Sequence[bytes], *, tag: int | None = None) -> list[bytes]:
         """The items every rank has, without duplicates, in rank 0's order.
 
-        Every rank gets the identical list.
+        Every rank gets the identical list. A `tag` is checked as in `all_min`.
         """
         ...
 
@@ -93,6 +100,41 @@ def check_int64(value: int) -> int:
     if not _INT64_MIN <= number <= _INT64_MAX:
         raise ValueError(f"a collective value must fit a signed 64-bit integer, got {number}")
     return number
+
+
+def check_tag(tag: int | None) -> int | None:
+    """`tag` as an int if it is None or an integer in [0, 2**63); raise otherwise."""
+    if tag is None:
+        return None
+    if isinstance(tag, bool) or not isinstance(tag, int):
+        raise TypeError(f"an agreement tag must be an int, not {type(tag).__name__}")
+    if not 0 <= tag <= TAG_MAX:
+        raise ValueError(f"an agreement tag must be in [0, 2**63), got {tag}")
+    return tag
+
+
+def agreement_tag(operation: str, *parts: bytes | str | int) -> int:
+    """A 63-bit tag naming one agreement: what is agreed (`operation`) and on what (`parts`,
+    e.g. a request's page keys or a warmup entry's id).
+
+    Ranks that mean the same agreement compute the same tag; a collective that pairs
+    different agreements then fails loudly instead of returning a number that means
+    something different on each rank.
+    """
+    digest = hashlib.blake2b(digest_size=8, person=b"hicache-tp-tag")
+    for part in (operation, *parts):
+        if isinstance(part, str):
+            raw = b"s" + part.encode()
+        elif isinstance(part, int) and not isinstance(part, bool):
+            raw = b"i" + str(part).encode()
+        elif isinstance(part, bytes):
+            raw = b"b" + part
+        else:
+            raise TypeError(f"a tag part must be bytes, str or int, not {type(part).__name__}")
+        # Length-prefixed, so ("ab", "c") and ("a", "bc") differ.
+        digest.update(len(raw).to_bytes(8, "little"))
+        digest.update(raw)
+    return int.from_bytes(digest.digest(), "little") & TAG_MAX
 
 
 def check_payload(payload: bytes) -> bytes:
@@ -138,9 +180,10 @@ class SingleRank:
         self._collectives += 1
         await asyncio.sleep(0)
 
-    async def all_min(self, value: int) -> int:
-        """`value` itself."""
+    async def all_min(self, value: int, *, tag: int | None = None) -> int:
+        """`value` itself (one rank cannot disagree with itself on the tag)."""
         number = check_int64(value)
+        check_tag(tag)
         await self._enter()
         return number
 
@@ -156,9 +199,10 @@ class SingleRank:
         await self._enter()
         return [payload]
 
-    async def agree_common(self, items: Sequence[bytes]) -> list[bytes]:
+    async def agree_common(self, items: Sequence[bytes], *, tag: int | None = None) -> list[bytes]:
         """`items` without duplicates, in their order."""
         unique = unique_items(items)
+        check_tag(tag)
         await self._enter()
         return unique
 

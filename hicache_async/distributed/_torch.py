@@ -8,6 +8,7 @@ slow peer, and collectives reach gloo in exactly the order they were called on t
 from __future__ import annotations
 
 import asyncio
+import math
 import queue
 import threading
 import time
@@ -24,8 +25,8 @@ import torch.distributed as dist
 
 from .._errors import ConfigError
 from .._loop import LoopOwner
-from ._errors import CollectiveError, CollectiveTimeout, GroupBrokenError
-from ._group import GroupStatistics, check_int64, check_payload, unique_items
+from ._errors import AgreementMismatch, CollectiveError, CollectiveTimeout, GroupBrokenError
+from ._group import GroupStatistics, check_int64, check_payload, check_tag, unique_items
 
 __all__ = ["TorchRankGroup"]
 
@@ -87,6 +88,11 @@ class _CollectiveThread:
         self._jobs.put(None)
 
 
+class _TagMismatch(Exception):
+    """Raised on the collective thread when the reduced tags show ranks paired different
+    agreements; `_guarded` turns it into `AgreementMismatch`."""
+
+
 def _is_timeout(error: BaseException, elapsed: float, timeout_s: float) -> bool:
     # gloo reports "Timed out waiting <n>ms for recv/send operation"; a peer whose own timeout
     # closed the connection a moment earlier shows up as a failure after about as long.
@@ -120,7 +126,7 @@ class TorchRankGroup:
     size: int
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout_s: float = 30.0) -> None:
-        _check_timeout("timeout_s", timeout_s)
+        timeout = _check_timeout("timeout_s", timeout_s)
         if not dist.is_available():
             raise ConfigError("group", "this torch build has no torch.distributed")
         if group is None:
@@ -140,21 +146,24 @@ class TorchRankGroup:
                 "make one with dist.new_group(backend='gloo')",
             )
         worker = _CollectiveThread(f"hicache-tp-{group.rank()}")
-        self._setup(group, timeout_s, worker, owned=False)
+        self._setup(group, timeout_s, timeout, worker, owned=False)
 
     def _setup(
         self,
         group: dist.ProcessGroup,
         timeout_s: float,
+        timeout: timedelta,
         worker: _CollectiveThread,
         *,
         owned: bool,
     ) -> None:
-        self._group = group
+        # None once `aclose` destroyed it: an owned group's TCPStore keeps listening on its
+        # port for as long as anything references the group.
+        self._group: dist.ProcessGroup | None = group
         self.rank = group.rank()
         self.size = group.size()
         self._timeout_s = timeout_s
-        self._timeout = timedelta(seconds=timeout_s)
+        self._timeout = timeout
         self._worker = worker
         self._owned = owned
         self._owner = LoopOwner("TorchRankGroup")
@@ -187,21 +196,23 @@ class TorchRankGroup:
         rank; `timeout_s` bounds each later collective. A failed rendezvous raises
         `CollectiveError`. Leaving the group (`aclose`) destroys the process group.
         """
-        if not isinstance(size, int) or size < 1:
+        # bool is an int subclass: rank=True would silently mean rank 1.
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ConfigError("size", f"must be an int >= 1, got {size!r}")
-        if not isinstance(rank, int) or not 0 <= rank < size:
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < size:
             raise ConfigError("rank", f"must be an int in [0, {size}), got {rank!r}")
-        if not isinstance(port, int) or not 0 < port < 65536:
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ConfigError("port", f"must be an int in [1, 65535], got {port!r}")
-        _check_timeout("timeout_s", timeout_s)
-        _check_timeout("connect_timeout_s", connect_timeout_s)
+        # Both timedeltas are built here, before any thread starts or any rank joins: a value
+        # that cannot become one must fail as a ConfigError now, not after the rendezvous.
+        timeout = _check_timeout("timeout_s", timeout_s)
+        connect = _check_timeout("connect_timeout_s", connect_timeout_s)
         if dist.is_initialized():
             raise ConfigError(
                 "torch.distributed",
                 "a default process group already exists; wrap it (or a gloo group made with "
                 "dist.new_group(backend='gloo')) with TorchRankGroup(group) instead",
             )
-        connect = timedelta(seconds=connect_timeout_s)
 
         def join() -> dist.ProcessGroup:
             # TCPStore is public API, re-exported without being listed in torch's stubs.
@@ -233,7 +244,7 @@ class TorchRankGroup:
                 f"rank {rank} of {size} could not join the group at {address}:{port}: {exc}"
             ) from exc
         self = cls.__new__(cls)
-        self._setup(group, timeout_s, worker, owned=True)
+        self._setup(group, timeout_s, timeout, worker, owned=True)
         return self
 
     def __repr__(self) -> str:
@@ -264,6 +275,9 @@ class TorchRankGroup:
         def shutdown() -> None:
             if owned and dist.is_initialized():
                 dist.destroy_process_group(self._group)
+            # Queued collectives have run (this job is last), so nothing needs the group any
+            # more; dropping it lets the TCPStore close its port, so the port can be reused.
+            self._group = None
 
         done = self._worker.submit(asyncio.get_running_loop(), shutdown)
         self._worker.stop()
@@ -282,10 +296,20 @@ class TorchRankGroup:
 
     # -- the collectives -------------------------------------------------------------------
 
-    async def all_min(self, value: int) -> int:
-        """The minimum of `value` (a signed 64-bit integer) over all ranks."""
+    async def all_min(self, value: int, *, tag: int | None = None) -> int:
+        """The minimum of `value` (a signed 64-bit integer) over all ranks.
+
+        With a `tag`, one reduction of ``[value, tag, -tag]`` also checks the tags: they
+        match iff ``min(tag) == -min(-tag)``. A mismatch raises `AgreementMismatch` on every
+        rank and breaks the group.
+        """
         number = check_int64(value)
-        return await self._collective("all_min", lambda: self._reduce(number, dist.ReduceOp.MIN))
+        checked = check_tag(tag)
+        if checked is None:
+            return await self._collective(
+                "all_min", lambda: self._reduce(number, dist.ReduceOp.MIN)
+            )
+        return await self._collective("all_min", lambda: self._min_tagged(number, checked))
 
     async def all_max(self, value: int) -> int:
         """The maximum of `value` (a signed 64-bit integer) over all ranks."""
@@ -297,15 +321,17 @@ class TorchRankGroup:
         check_payload(payload)
         return await self._collective("all_gather_bytes", lambda: self._gather(payload))
 
-    async def agree_common(self, items: Sequence[bytes]) -> list[bytes]:
+    async def agree_common(self, items: Sequence[bytes], *, tag: int | None = None) -> list[bytes]:
         """The items every rank has, without duplicates, in rank 0's order.
 
         Rank 0 broadcasts its list once; each rank answers with one byte per item (does it
         have it) and a MIN reduction of those bytes keeps what all ranks have. So the traffic is
-        rank 0's list plus one byte per item, not every rank's list.
+        rank 0's list plus one byte per item, not every rank's list. With a `tag`, the
+        reduction carries ``[tag, -tag]`` too and checks it as `all_min` does.
         """
         unique = unique_items(items)
-        return await self._collective("agree_common", lambda: self._common(unique))
+        checked = check_tag(tag)
+        return await self._collective("agree_common", lambda: self._common(unique, checked))
 
     async def barrier(self) -> None:
         """Return once every rank has called `barrier`."""
@@ -356,7 +382,10 @@ class TorchRankGroup:
             try:
                 return fn()
             except Exception as exc:
-                timed_out = _is_timeout(exc, time.monotonic() - started, self._timeout_s)
+                mismatch = isinstance(exc, _TagMismatch)
+                timed_out = not mismatch and _is_timeout(
+                    exc, time.monotonic() - started, self._timeout_s
+                )
                 with self._lock:
                     self._broken = True
                     if timed_out:
@@ -372,6 +401,8 @@ class TorchRankGroup:
                     error=str(exc),
                 )
                 where = f"{op} on rank {self.rank} of {self.size}"
+                if mismatch:
+                    raise AgreementMismatch(f"{where}: {exc}; the group is broken") from exc
                 if timed_out:
                     raise CollectiveTimeout(
                         f"{where} did not complete within {self._timeout_s}s; the group is broken"
@@ -382,28 +413,41 @@ class TorchRankGroup:
 
     # The bodies below run on the collective thread only.
 
+    def _pg(self) -> dist.ProcessGroup:
+        group = self._group
+        # Collectives are refused once closed, and shutdown is the thread's last job.
+        assert group is not None, "the group was used after aclose"
+        return group
+
     def _reduce(self, value: int, op: dist.ReduceOp.RedOpType) -> int:
         tensor = torch.tensor([value], dtype=torch.int64)
-        self._group.allreduce(tensor, op=op, timeout=self._timeout).wait()
+        self._pg().allreduce(tensor, op=op, timeout=self._timeout).wait()
         return int(tensor.item())
+
+    def _min_tagged(self, value: int, tag: int) -> int:
+        tensor = torch.tensor([value, tag, -tag], dtype=torch.int64)
+        self._pg().allreduce(tensor, op=dist.ReduceOp.MIN, timeout=self._timeout).wait()
+        low, low_tag, neg_high_tag = (int(x) for x in tensor.tolist())
+        _check_tags(tag, low_tag, -neg_high_tag)
+        return low
 
     def _broadcast_from_first(self, payload: bytes) -> bytes:
         """Rank 0's `payload` on every rank (other ranks' payloads are ignored)."""
         length = torch.tensor([len(payload)], dtype=torch.int64)
-        self._group.broadcast(length, 0, timeout=self._timeout).wait()
+        self._pg().broadcast(length, 0, timeout=self._timeout).wait()
         n = int(length.item())
         if n == 0:  # every rank knows n, so every rank skips the second transfer
             return b""
         buf = torch.zeros(n, dtype=torch.uint8)
         if self.rank == 0:
             buf.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
-        self._group.broadcast(buf, 0, timeout=self._timeout).wait()
+        self._pg().broadcast(buf, 0, timeout=self._timeout).wait()
         return buf.numpy().tobytes()
 
     def _gather(self, payload: bytes) -> list[bytes]:
         lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
         mine = torch.tensor([len(payload)], dtype=torch.int64)
-        self._group.allgather(lengths, mine, timeout=self._timeout).wait()
+        self._pg().allgather(lengths, mine, timeout=self._timeout).wait()
         sizes = [int(t.item()) for t in lengths]
         longest = max(sizes)
         if longest == 0:  # the same decision on every rank
@@ -411,22 +455,51 @@ class TorchRankGroup:
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded.numpy()[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
         outputs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
-        self._group.allgather(outputs, padded, timeout=self._timeout).wait()
+        self._pg().allgather(outputs, padded, timeout=self._timeout).wait()
         return [out.numpy()[:n].tobytes() for out, n in zip(outputs, sizes, strict=True)]
 
-    def _common(self, unique: list[bytes]) -> list[bytes]:
+    def _common(self, unique: list[bytes], tag: int | None) -> list[bytes]:
         first = _ITEMS.decode(self._broadcast_from_first(_ENCODER.encode(unique)))
-        if not first:
-            return []
         have = set(unique)
-        mask = torch.tensor([item in have for item in first], dtype=torch.uint8)
-        self._group.allreduce(mask, op=dist.ReduceOp.MIN, timeout=self._timeout).wait()
-        return [item for item, kept in zip(first, mask.tolist(), strict=True) if kept]
+        if tag is None:
+            if not first:  # every rank got the same `first`, so every rank skips the reduction
+                return []
+            mask = torch.tensor([item in have for item in first], dtype=torch.uint8)
+            self._pg().allreduce(mask, op=dist.ReduceOp.MIN, timeout=self._timeout).wait()
+            return [item for item, kept in zip(first, mask.tolist(), strict=True) if kept]
+        # Tagged: the tag rides in the same reduction as the mask (int64, to hold it), and the
+        # reduction runs even for an empty list so the tag is always checked.
+        flags = [tag, -tag, *(int(item in have) for item in first)]
+        reduced = torch.tensor(flags, dtype=torch.int64)
+        self._pg().allreduce(reduced, op=dist.ReduceOp.MIN, timeout=self._timeout).wait()
+        values = reduced.tolist()
+        _check_tags(tag, int(values[0]), -int(values[1]))
+        return [item for item, kept in zip(first, values[2:], strict=True) if kept]
 
 
-def _check_timeout(field: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise ConfigError(field, f"must be a number of seconds > 0, got {value!r}")
+def _check_tags(mine: int, lowest: int, highest: int) -> None:
+    if lowest != highest:
+        raise _TagMismatch(
+            f"the ranks paired different agreements (tags from {lowest:#x} to {highest:#x}, "
+            f"this rank {mine:#x}); every rank must make its agreements in the same order"
+        )
+
+
+def _check_timeout(field: str, value: float) -> timedelta:
+    """`value` seconds as the timedelta the collectives use; `ConfigError` unless it is a
+    finite number > 0 that a timedelta can hold (inf or 1e300 would otherwise pass here and
+    fail with OverflowError later, after threads started and ranks joined)."""
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not math.isfinite(value)
+        or not value > 0
+    ):
+        raise ConfigError(field, f"must be a finite number of seconds > 0, got {value!r}")
+    try:
+        return timedelta(seconds=value)
+    except OverflowError:
+        raise ConfigError(field, f"is too large for a timedelta, got {value!r}") from None
 
 
 def _drop(future: asyncio.Future[Any]) -> None:

@@ -773,8 +773,21 @@ class RedisStorage(BackendBase):
             for part in self._set_parts(rkey, header, segments)
         ]
         connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+        # The transports the pages were written to: uvloop keeps the buffers given to write()
+        # until they are sent, and redis-py closes gracefully on failure or cancellation, so
+        # the rest of the pipeline would be read from the caller's pages after put() returned
+        # (by then they may hold other bytes). Aborting drops it; the server never runs the
+        # command it got only part of.
+        transports: list[asyncio.WriteTransport] = []
+
+        def drop_unsent() -> None:
+            for transport in transports:
+                transport.abort()
 
         async def attempt() -> list[object]:
+            if not connection.is_connected:
+                await connection.connect()
+            transports.append(connection._writer.transport)
             await connection.send_packed_command(chunks, check_health=False)
             replies: list[object] = []
             for _ in items:
@@ -787,6 +800,7 @@ class RedisStorage(BackendBase):
             return replies
 
         async def failed(error: BaseException) -> None:
+            drop_unsent()
             await connection.disconnect()
 
         try:
@@ -794,12 +808,15 @@ class RedisStorage(BackendBase):
             # commands; SET NX makes a repeated page harmless. On any other failure or a
             # cancellation redis-py disconnects, so a half-sent pipeline is never continued.
             retry = connection.retry
-            if retry is None:
-                return await attempt()
-            result: list[object] = await retry.call_with_retry(attempt, failed)
-            return result
+            result: list[object] = (
+                await attempt() if retry is None else await retry.call_with_retry(attempt, failed)
+            )
+        except BaseException:
+            drop_unsent()
+            raise
         finally:
             await self._pool.release(connection)
+        return result
 
     def _encode_ahead(
         self, metas: Sequence[PageMeta], sources: Sequence[list[memoryview]]

@@ -30,6 +30,7 @@ import os
 import random
 import struct
 from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 import pytest
 import pytest_asyncio
@@ -72,6 +73,26 @@ def _empty(sizes: list[int], fill: int = 0) -> list[memoryview]:
     return [memoryview(bytearray([fill]) * size) for size in sizes]
 
 
+class _PageRing:
+    """Page buffers for the cancellation tests, cut from a few arenas taken in turn: each
+    attempt needs buffers of its own while earlier ones are watched, and a backend that
+    registers host memory on first use (Mooncake) then registers a few arenas, as it would
+    a host pool, instead of every attempt's pages."""
+
+    def __init__(self, pages: int, page_nbytes: int) -> None:
+        # The attempt running, the ones watched, and one more.
+        self._arenas = [bytearray(pages * page_nbytes) for _ in range(_CANCEL_WINDOW + 2)]
+        self._pages = pages
+        self._page_nbytes = page_nbytes
+        self._taken = 0
+
+    def take(self) -> list[list[memoryview]]:
+        arena = memoryview(self._arenas[self._taken % len(self._arenas)])
+        self._taken += 1
+        n = self._page_nbytes
+        return [[arena[i * n : (i + 1) * n]] for i in range(self._pages)]
+
+
 def _joined(page: list[memoryview]) -> bytes:
     return b"".join(bytes(view) for view in page)
 
@@ -90,6 +111,59 @@ def _flip(value: bytes, position: int) -> bytes:
     damaged = bytearray(value)
     damaged[position] ^= 0x40
     return bytes(damaged)
+
+
+# Cancellation points: after 0, 1, 2, ... event-loop iterations (sparser as they grow), then
+# after short delays, until a batch completes before its cancellation lands. A backend may
+# misbehave only when cancelled at one particular stage (mid-copy in a worker thread, between
+# network round trips, ...), which one fixed point would miss.
+_CANCEL_ITERATIONS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 13, 16, 20, 25, 32, 40, 50, 64, 80, 100, 128)
+_CANCEL_DELAYS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+# Cancelled attempts under watch at once (the oldest is checked as a new one arrives): bounds
+# the memory at a few batches while later attempts run.
+_CANCEL_WINDOW = 6
+
+
+class _CancelPoint(NamedTuple):
+    iterations: int  # -1: never cancel, await the batch to its end
+    delay: float
+
+    def __str__(self) -> str:
+        return f"{self.delay * 1000:g} ms" if self.delay else f"{self.iterations} loop iterations"
+
+
+class _GetAttempt(NamedTuple):
+    point: _CancelPoint
+    buffers: list[list[memoryview]]
+
+
+class _PutAttempt(NamedTuple):
+    point: _CancelPoint
+    keys: list[bytes]
+
+
+def _cancel_points() -> list[_CancelPoint]:
+    points = [_CancelPoint(n, 0.0) for n in _CANCEL_ITERATIONS]
+    points += [_CancelPoint(0, d) for d in _CANCEL_DELAYS]
+    return [*points, _CancelPoint(-1, 0.0)]
+
+
+async def _cancel_at(point: _CancelPoint, task: asyncio.Task[list[Outcome]]) -> bool:
+    """Let `task` run until `point`, cancel it and wait for it to end; whether it ended
+    cancelled (False: it completed first, or `point` is the last, which never cancels)."""
+    if point.iterations < 0:
+        await task
+        return False
+    for _ in range(point.iterations):
+        await asyncio.sleep(0)
+    if point.delay:
+        await asyncio.sleep(point.delay)
+    if task.done():
+        return task.cancelled()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return task.cancelled()
 
 
 class StorageConformance:
@@ -212,6 +286,18 @@ class StorageConformance:
     # Batches and prefixes.
 
     async def test_mixed_batch_has_one_outcome_per_key(self, backend: StorageBackend) -> None:
+        # Needs no raw access, so every backend is held to it: outcome i and buffer i belong
+        # to key i, however the backend groups the keys it finds and the ones it does not.
+        present_a, absent_a, present_b, absent_b = _keys(4)
+        data = await self._put(backend, [present_a, present_b])
+        keys = [present_a, absent_a, present_b, absent_b]
+        buffers = [_empty([self.page_nbytes]) for _ in keys]
+        outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+        assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.OK, Outcome.MISS]
+        assert _joined(buffers[0]) == data[present_a]
+        assert _joined(buffers[2]) == data[present_b]
+
+    async def test_mixed_batch_with_a_damaged_page(self, backend: StorageBackend) -> None:
         present_a, absent, present_b, damaged, absent_b = _keys(5)
         data = await self._put(backend, [present_a, present_b, damaged])
         raw = _raw(backend)
@@ -367,52 +453,102 @@ class StorageConformance:
     def _cancel_batch_pages(self) -> int:
         return max(16, (8 << 20) // self.page_nbytes)
 
+    async def _check_get_attempt(self, attempt: _GetAttempt) -> None:
+        canary = bytes([_CANARY]) * self.page_nbytes
+        for index, buffer in enumerate(attempt.buffers):
+            assert bytes(buffer[0]) == canary, (
+                f"buffer {index} of a get cancelled after {attempt.point} was written after "
+                "the cancelled call returned"
+            )
+
     async def test_cancelled_get_never_writes_after_returning(
         self, backend: StorageBackend
     ) -> None:
         keys = _keys(self._cancel_batch_pages())
         data = await self._put(backend, keys)
-        buffers = [_empty([self.page_nbytes]) for _ in keys]
-        task = asyncio.create_task(backend.get(keys, buffers, namespace=NAMESPACE))
-        for _ in range(3):
-            await asyncio.sleep(0)  # let the batch start
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        # The caller now owns the buffers again: mark them, then give any straggling worker
-        # every chance to write (a whole second batch, then a pause) before checking.
-        for buffer in buffers:
-            buffer[0][:] = bytes([_CANARY]) * self.page_nbytes
-        again = [_empty([self.page_nbytes]) for _ in keys]
+        ring = _PageRing(len(keys), self.page_nbytes)
+        pending: list[_GetAttempt] = []
+        for point in _cancel_points():
+            buffers = ring.take()
+            for buffer in buffers:
+                buffer[0][:] = bytes(self.page_nbytes)
+            task = asyncio.create_task(backend.get(keys, buffers, namespace=NAMESPACE))
+            if not await _cancel_at(point, task):
+                # The batch completed before the cancellation could land: every earlier
+                # point was a cancellation somewhere inside it.
+                outcomes = task.result()
+                assert outcomes == [Outcome.OK] * len(keys)
+                assert all(_joined(b) == data[k] for k, b in zip(keys, buffers, strict=True))
+                break
+            # The caller now owns the buffers again: mark them, and check them once later
+            # attempts (and at the end a whole batch and a pause) gave any straggling worker
+            # every chance to write.
+            for buffer in buffers:
+                buffer[0][:] = bytes([_CANARY]) * self.page_nbytes
+            pending.append(_GetAttempt(point, buffers))
+            if len(pending) > _CANCEL_WINDOW:
+                await self._check_get_attempt(pending.pop(0))
+        again = ring.take()
         assert await backend.get(keys, again, namespace=NAMESPACE) == [Outcome.OK] * len(keys)
         await asyncio.sleep(0.05)
-        canary = bytes([_CANARY]) * self.page_nbytes
-        assert all(bytes(buffer[0]) == canary for buffer in buffers)
+        for attempt in pending:
+            await self._check_get_attempt(attempt)
         assert all(_joined(buffer) == data[key] for key, buffer in zip(keys, again, strict=True))
+
+    async def _check_put_attempt(
+        self, backend: StorageBackend, attempt: _PutAttempt, data: list[bytes], ring: _PageRing
+    ) -> None:
+        buffers = ring.take()
+        outcomes = await backend.get(attempt.keys, buffers, namespace=NAMESPACE)
+        for index, (outcome, buffer) in enumerate(zip(outcomes, buffers, strict=True)):
+            assert outcome in (Outcome.OK, Outcome.MISS), (
+                f"page {index} of a put cancelled after {attempt.point}: {outcome}"
+            )
+            if outcome is Outcome.OK:
+                assert _joined(buffer) == data[index], (
+                    f"page {index} of a put cancelled after {attempt.point} is not the page "
+                    "as it was when the call returned"
+                )
+        await backend.delete(attempt.keys)
 
     async def test_cancelled_put_stores_pages_whole_or_not_at_all(
         self, backend: StorageBackend
     ) -> None:
-        keys = _keys(self._cancel_batch_pages())
-        data = {key: _payload(self.page_nbytes, i) for i, key in enumerate(keys)}
-        pages = [_segments(data[key], [self.page_nbytes]) for key in keys]
-        task = asyncio.create_task(backend.put(keys, pages, [_meta(key) for key in keys]))
-        for _ in range(3):
-            await asyncio.sleep(0)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        buffers = [_empty([self.page_nbytes]) for _ in keys]
-        outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
-        for key, outcome, buffer in zip(keys, outcomes, buffers, strict=True):
-            assert outcome in (Outcome.OK, Outcome.MISS)
-            if outcome is Outcome.OK:
-                assert _joined(buffer) == data[key]
-        # The store still works: the batch completes when retried.
-        assert await backend.put(keys, pages, [_meta(key) for key in keys]) == [Outcome.OK] * len(
-            keys
-        )
-        assert await backend.exists(keys) == len(keys)
+        count = self._cancel_batch_pages()
+        data = [_payload(self.page_nbytes, i) for i in range(count)]
+        ring = _PageRing(count, self.page_nbytes)
+        pending: list[_PutAttempt] = []
+        for point in _cancel_points():
+            keys = _keys(count)  # fresh keys: a put of stored keys has nothing left to do
+            pages = ring.take()
+            for page, payload in zip(pages, data, strict=True):
+                page[0][:] = payload
+            metas = [_meta(key) for key in keys]
+            task = asyncio.create_task(backend.put(keys, pages, metas))
+            if not await _cancel_at(point, task):
+                assert task.result() == [Outcome.OK] * count
+                break
+            # The caller owns its pages again and reuses them: a page stored from them from
+            # now on would be torn, which the checks below catch.
+            for page in pages:
+                page[0][:] = bytes([_CANARY]) * self.page_nbytes
+            pending.append(_PutAttempt(point, keys))
+            if len(pending) > _CANCEL_WINDOW:
+                await self._check_put_attempt(backend, pending.pop(0), data, ring)
+        else:
+            pytest.fail("no put completed, even uncancelled")
+        # The store still works: a cancelled batch completes when retried.
+        if pending:
+            retry = pending[-1]
+            pages = ring.take()
+            for page, payload in zip(pages, data, strict=True):
+                page[0][:] = payload
+            outcomes = await backend.put(retry.keys, pages, [_meta(key) for key in retry.keys])
+            assert outcomes == [Outcome.OK] * count
+            assert await backend.exists(retry.keys) == count
+        await asyncio.sleep(0.05)
+        for attempt in pending:
+            await self._check_put_attempt(backend, attempt, data, ring)
 
     # Lifecycle.
 

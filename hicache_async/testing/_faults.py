@@ -1,6 +1,6 @@
 """FaultyStorage: wrap any backend and inject failures, deterministically by seed.
 
-Faults, each drawn per call (or per key) from one `random.Random(seed)`:
+Faults, drawn per call (and per key of a put for damage):
 
 - `error_rate`: the call raises StorageError.
 - `partial_batch_rate`: a get/put returns ERROR for a random non-empty subset of its keys
@@ -11,8 +11,17 @@ Faults, each drawn per call (or per key) from one `random.Random(seed)`:
   damaged through the inner backend's raw access (one payload byte flipped, or the value cut
   short), so the inner backend's own verification must catch it on get.
 
+Determinism: calls are numbered in the order they are made (entered, not finished), and every
+random decision of call n (its spike, hang, error, failed subset, and which of its pages are
+damaged where) is drawn when the call is made, before it first awaits, from a generator seeded
+by (seed, n) alone. So with the same seed, the n-th call gets the same faults whatever the calls
+before it drew and in whatever order calls finish; a workload that makes the same calls in the
+same order replays exactly, also when they run concurrently.
+
 `injected()` returns counts of every fault actually injected, so a test can assert that its
-faults happened.
+faults happened. The wrapper offers the inner backend's optional interfaces (`RawAccess`,
+`MaintainableStorage`, `SupportsManifest`, `register_memory`/`unregister_memory`) exactly when
+the inner backend has them, passed through without faults.
 """
 
 from __future__ import annotations
@@ -21,12 +30,13 @@ import asyncio
 import random
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from .._errors import StorageConfigError, StorageError
 from ..storage._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
+from ..storage._manifest import ManifestLimits, SupportsManifest, WarmupManifest
 from ..storage._page import HEADER_NBYTES
 from ..storage._protocol import (
     Outcome,
@@ -55,6 +65,24 @@ class FaultCounts(msgspec.Struct, frozen=True):
     truncated: int = 0
 
 
+class _Damage(msgspec.Struct, frozen=True):
+    """Damage drawn for one page of a put: applied once the inner put stored it."""
+
+    corrupt: bool  # else truncate
+    where: float  # in [0, 1): the flipped byte's or the cut's place in the stored value
+    bit: int
+
+
+class _Plan(msgspec.Struct, frozen=True):
+    """Every fault decision of one call, drawn before the call first awaits."""
+
+    spike: bool
+    hang: bool
+    error: bool
+    failed: frozenset[int]
+    damage: tuple[_Damage | None, ...]
+
+
 def _rate(name: str, value: float) -> float:
     if not 0.0 <= value <= 1.0:
         raise StorageConfigError(f"{name} must be in [0, 1], got {value}")
@@ -64,8 +92,15 @@ def _rate(name: str, value: float) -> float:
 class FaultyStorage:
     """A StorageBackend that forwards to `inner` and injects faults (see the module doc).
 
-    Entering and closing it enters and closes `inner`.
+    Entering and closing it enters and closes `inner`. The object is of a subclass that adds
+    the optional interfaces `inner` has (and only those), so `isinstance(f, RawAccess)` and the
+    like answer for the inner backend.
     """
+
+    def __new__(cls, inner: StorageBackend, **rates: Any) -> FaultyStorage:
+        """A FaultyStorage of the subclass that matches `inner`'s optional interfaces."""
+        del rates  # __init__ takes and checks them
+        return object.__new__(_subclass_for(inner))
 
     def __init__(
         self,
@@ -97,7 +132,8 @@ class FaultyStorage:
         self._inner = inner
         self._latency_s = latency_s
         self._spike_s = latency_spike_s
-        self._random = random.Random(seed)
+        self._seed = seed
+        self._calls = 0
         self._counts: dict[str, int] = dict.fromkeys(FaultCounts.__struct_fields__, 0)
         self._closed = False
 
@@ -146,43 +182,62 @@ class FaultyStorage:
         """The inner backend's counters (injected faults are in `injected()`)."""
         return self._inner.stats()
 
-    # Fault drawing. Every draw happens on the loop in call order, so a seed replays exactly.
+    # Fault drawing: all of a call's decisions come from its own generator, seeded by (seed,
+    # call number) and used up before the call's first await (see the module doc).
 
-    def _hit(self, rate: float) -> bool:
-        return rate > 0.0 and self._random.random() < rate
-
-    async def _before(self, op: str) -> None:
+    def _plan(self, op: str, count: int) -> _Plan:
         if self._closed:
             raise StorageError(f"{self.name} is closed")
+        index = self._calls
+        self._calls += 1
+        rng = random.Random(f"{self._seed}:{index}")
+
+        def hit(rate: float) -> bool:
+            return rate > 0.0 and rng.random() < rate
+
+        spike = hit(self._spike_rate)
+        hang = hit(self._hang_rate)
+        error = hit(self._error_rate)
+        failed: frozenset[int] = frozenset()
+        if op in ("get", "put") and count and hit(self._partial_rate):
+            failed = frozenset(rng.sample(range(count), rng.randint(1, count)))
+        damage: list[_Damage | None] = []
+        if op == "put" and (self._corrupt_rate or self._truncate_rate):
+            for _ in range(count):
+                corrupt = hit(self._corrupt_rate)
+                truncate = not corrupt and hit(self._truncate_rate)
+                damage.append(
+                    _Damage(corrupt, rng.random(), rng.randrange(8))
+                    if corrupt or truncate
+                    else None
+                )
+        return _Plan(spike, hang, error, failed, tuple(damage))
+
+    async def _call_faults(self, plan: _Plan, op: str) -> None:
         delay = self._latency_s
-        if self._hit(self._spike_rate):
+        if plan.spike:
             self._counts["latency_spikes"] += 1
             delay += self._spike_s
-        hang = self._hit(self._hang_rate)
-        error = self._hit(self._error_rate)
         if delay > 0:
             await asyncio.sleep(delay)
-        if hang:
+        if plan.hang:
             self._counts["hangs"] += 1
             await asyncio.Event().wait()  # never set: only cancellation ends it
-        if error:
+        if plan.error:
             self._counts["errors"] += 1
             raise StorageError(f"injected fault in {op} on {self._inner.name}")
 
-    def _failed_subset(self, count: int) -> set[int]:
-        if count == 0 or not self._hit(self._partial_rate):
-            return set()
-        size = self._random.randint(1, count)
-        failed = set(self._random.sample(range(count), size))
-        self._counts["partial_batches"] += 1
-        self._counts["partial_keys"] += size
-        return failed
+    def _count_failed(self, plan: _Plan) -> None:
+        if plan.failed:
+            self._counts["partial_batches"] += 1
+            self._counts["partial_keys"] += len(plan.failed)
 
     # StorageBackend.
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         """The inner `exists`, after latency, hang and error faults."""
-        await self._before("exists")
+        plan = self._plan("exists", len(keys))
+        await self._call_faults(plan, "exists")
         return await self._inner.exists(keys)
 
     async def get(
@@ -191,9 +246,10 @@ class FaultyStorage:
         """The inner `get`, after call faults, with a partial batch failed when drawn."""
         if len(into) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(into)} buffers")
-        await self._before("get")
-        failed = self._failed_subset(len(keys))
-        keep = [i for i in range(len(keys)) if i not in failed]
+        plan = self._plan("get", len(keys))
+        await self._call_faults(plan, "get")
+        self._count_failed(plan)
+        keep = [i for i in range(len(keys)) if i not in plan.failed]
         outcomes = [Outcome.ERROR] * len(keys)
         inner = await self._inner.get(
             [keys[i] for i in keep], [into[i] for i in keep], namespace=namespace
@@ -209,77 +265,140 @@ class FaultyStorage:
         drawn."""
         if len(pages) != len(keys) or len(metas) != len(keys):
             raise ValueError(f"got {len(keys)} keys, {len(pages)} pages and {len(metas)} metas")
-        await self._before("put")
-        failed = self._failed_subset(len(keys))
-        keep = [i for i in range(len(keys)) if i not in failed]
+        plan = self._plan("put", len(keys))
+        await self._call_faults(plan, "put")
+        self._count_failed(plan)
+        keep = [i for i in range(len(keys)) if i not in plan.failed]
         outcomes = [Outcome.ERROR] * len(keys)
         inner = await self._inner.put(
             [keys[i] for i in keep], [pages[i] for i in keep], [metas[i] for i in keep]
         )
         for i, outcome in zip(keep, inner, strict=True):
             outcomes[i] = outcome
-        await self._damage([keys[i] for i, o in zip(keep, inner, strict=True) if o is Outcome.OK])
+        if plan.damage:
+            stored = [i for i, o in zip(keep, inner, strict=True) if o is Outcome.OK]
+            await self._damage([(keys[i], plan.damage[i]) for i in stored])
         return outcomes
 
-    async def _damage(self, keys: list[bytes]) -> None:
-        if not (self._corrupt_rate or self._truncate_rate):
-            return
+    async def _damage(self, pages: list[tuple[bytes, _Damage | None]]) -> None:
         inner = self._inner
         assert isinstance(inner, RawAccess)  # checked in __init__
-        for key in keys:
-            corrupt = self._hit(self._corrupt_rate)
-            truncate = not corrupt and self._hit(self._truncate_rate)
-            if not (corrupt or truncate):
+        for key, damage in pages:
+            if damage is None:
                 continue
             value = await inner.read_raw(key)
-            if value is None:
+            if not value:
                 continue
-            if corrupt:
+            if damage.corrupt:
                 damaged = bytearray(value)
                 # A payload byte when there is a payload, so the checksum (not the header
                 # check) has to catch it.
                 low = HEADER_NBYTES if len(value) > HEADER_NBYTES else 0
-                position = self._random.randrange(low, len(value))
-                damaged[position] ^= 1 << self._random.randrange(8)
+                position = low + int(damage.where * (len(value) - low))
+                damaged[position] ^= 1 << damage.bit
                 await inner.write_raw(key, bytes(damaged))
                 self._counts["corrupted"] += 1
             else:
-                await inner.write_raw(key, value[: self._random.randrange(len(value))])
+                await inner.write_raw(key, value[: int(damage.where * len(value))])
                 self._counts["truncated"] += 1
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """The inner `delete`, after latency, hang and error faults."""
-        await self._before("delete")
+        plan = self._plan("delete", len(keys))
+        await self._call_faults(plan, "delete")
         return await self._inner.delete(keys)
 
-    # Pass-through of the optional protocols, without faults.
+
+# The optional interfaces, each in a subclass that forwards it to the inner backend without
+# faults. `FaultyStorage.__new__` picks the combination the inner backend has, so a wrapper
+# never claims an interface (to isinstance checks, to the cache's warmup, to the conformance
+# suite) that its inner backend lacks, and never hides one it has.
+
+
+class _FaultyRaw(FaultyStorage):
+    """Adds `RawAccess`."""
 
     async def read_raw(self, key: bytes) -> bytes | None:
-        """The inner backend's stored bytes (needs its raw access)."""
-        return await self._raw().read_raw(key)
+        """The inner backend's stored bytes."""
+        inner = self._inner
+        assert isinstance(inner, RawAccess)  # this class is chosen only then
+        return await inner.read_raw(key)
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
-        """Replace the inner backend's stored bytes (needs its raw access)."""
-        await self._raw().write_raw(key, value)
+        """Replace the inner backend's stored bytes."""
+        inner = self._inner
+        assert isinstance(inner, RawAccess)
+        await inner.write_raw(key, value)
 
-    def _raw(self) -> RawAccess:
-        if not isinstance(self._inner, RawAccess):
-            raise StorageError(f"{self._inner.name} has no raw access")
-        return self._inner
+
+class _FaultyMaintainable(FaultyStorage):
+    """Adds `MaintainableStorage`."""
 
     def _maintainable(self) -> MaintainableStorage:
-        if not isinstance(self._inner, MaintainableStorage):
-            raise StorageError(f"{self._inner.name} has no maintenance operations")
-        return self._inner
+        inner = self._inner
+        assert isinstance(inner, MaintainableStorage)  # this class is chosen only then
+        return inner
 
     async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
-        """The inner backend's pages (needs its maintenance operations)."""
+        """The inner backend's pages."""
         return await self._maintainable().list_pages(limit)
 
     async def verify(self) -> VerifyReport:
-        """The inner backend's verify (needs its maintenance operations)."""
+        """The inner backend's verify."""
         return await self._maintainable().verify()
 
     async def gc(self) -> GcReport:
-        """The inner backend's gc (needs its maintenance operations)."""
+        """The inner backend's gc."""
         return await self._maintainable().gc()
+
+
+class _FaultyManifest(FaultyStorage):
+    """Adds `SupportsManifest`: warmup and manifest writes keep working through the wrapper."""
+
+    def manifest(self, limits: ManifestLimits | None = None) -> WarmupManifest:
+        """The inner backend's warmup manifest."""
+        inner = self._inner
+        assert isinstance(inner, SupportsManifest)  # this class is chosen only then
+        return inner.manifest(limits)
+
+
+class _FaultyMemory(FaultyStorage):
+    """Adds memory registration (as `MooncakeStorage` has)."""
+
+    async def register_memory(self, memory: object, nbytes: int | None = None) -> None:
+        """The inner backend's `register_memory`."""
+        await getattr(self._inner, "register_memory")(memory, nbytes)  # noqa: B009
+
+    async def unregister_memory(self, memory: object) -> None:
+        """The inner backend's `unregister_memory`."""
+        await getattr(self._inner, "unregister_memory")(memory)  # noqa: B009
+
+
+def _has_memory_registration(inner: object) -> bool:
+    return callable(getattr(inner, "register_memory", None)) and callable(
+        getattr(inner, "unregister_memory", None)
+    )
+
+
+_SUBCLASSES: dict[tuple[bool, ...], type[FaultyStorage]] = {}
+
+
+def _subclass_for(inner: StorageBackend) -> type[FaultyStorage]:
+    """FaultyStorage, or a (cached) subclass with the optional interfaces of `inner`."""
+    flags = (
+        isinstance(inner, RawAccess),
+        isinstance(inner, MaintainableStorage),
+        isinstance(inner, SupportsManifest),
+        _has_memory_registration(inner),
+    )
+    found = _SUBCLASSES.get(flags)
+    if found is None:
+        mixins = (_FaultyRaw, _FaultyMaintainable, _FaultyManifest, _FaultyMemory)
+        bases = tuple(m for m, has in zip(mixins, flags, strict=True) if has)
+        if not bases:
+            found = FaultyStorage
+        else:
+            # Named FaultyStorage too: reprs, tracebacks and docs show the one public name.
+            found = type("FaultyStorage", bases, {"__module__": __name__})
+        _SUBCLASSES[flags] = found
+    return found

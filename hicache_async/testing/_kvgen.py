@@ -4,14 +4,18 @@ The bytes of token t in layer l, buffer b, head h depend on the token ids up to 
 on t itself, on (l, b, h), on the element's index and on the seed, and on nothing else; so two
 prompts that share a prefix share that prefix's pages, exactly as real KV does.
 
-How: a polynomial prefix hash per token, h_t = sum_{i<=t} (tok_i + 1) * P^(t-i) mod 2^64,
-computed for all tokens at once as P^t * cumsum((tok_i + 1) * P^-i) (P is odd, so invertible
-mod 2^64); a splitmix64 round turns (h_t, t) into a token word and (seed, b, l, h, element) into a
-coordinate word; one multiply-xorshift of their sum gives each 64-bit word of the page.
+How: token t's word is h_t = BLAKE2b-64 of the token ids 0..t (little-endian uint32), a
+sequential, nonlinear hash of the whole prefix (its length, so t, is part of the input); a
+splitmix64 round turns (seed, b, l, h, element) into a coordinate word; one multiply-xorshift of
+h_t + coordinate gives each 64-bit word of the page. Both steps after the hash are bijections of
+h_t for a fixed coordinate, so two prefixes give the same bytes only if their 64-bit hashes
+collide (about 2^-64 per pair). An earlier linear polynomial hash had structural collisions
+(a Thue-Morse prompt and its complement gave identical pages), which an oracle must not have.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,22 +28,12 @@ from .._pool import KVPool
 __all__ = ["KVGenerator"]
 
 _U64 = np.uint64
-_P = 0x100000001B3  # FNV-64 prime: odd, hence invertible mod 2^64
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
-_POSITION = 0xD6E8FEB86659FD93
 _MASK = (1 << 64) - 1
 
 Tokens = Sequence[int] | np.ndarray[Any, Any]
-
-
-def _inverse_mod_2_64(a: int) -> int:
-    # Newton's iteration doubles the correct low bits each step; 6 steps cover 64 bits.
-    x = a
-    for _ in range(6):
-        x = (x * (2 - a * x)) & _MASK
-    return x
 
 
 def _splitmix(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -68,20 +62,27 @@ class KVGenerator:
         with np.errstate(over="ignore"):
             seeded = coords ^ _U64((seed * _GOLDEN) & _MASK)
             self._coords = _splitmix(seeded).reshape(nb, nl, 1, heads, words)
-        self._pow = np.ones(1, dtype=_U64)
-        self._ipow = np.ones(1, dtype=_U64)
+        # The hash state after the prefix of the last call, so that walking a prompt page by
+        # page hashes each token once (a comparison, far cheaper than hashing, checks that
+        # the next call's prompt starts with that prefix). One tuple, replaced whole, so a
+        # generator shared by threads never pairs a prefix with another prefix's state.
+        self._resume: tuple[bytes, Any] = (b"", hashlib.blake2b(digest_size=8))
 
-    def _powers(self, n: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        if len(self._pow) < n:
-            size = max(n, 2 * len(self._pow))
-            base = np.full(size, _P, dtype=_U64)
-            base[0] = 1
-            inverse = np.full(size, _inverse_mod_2_64(_P), dtype=_U64)
-            inverse[0] = 1
-            with np.errstate(over="ignore"):
-                self._pow = np.cumprod(base, dtype=_U64)
-                self._ipow = np.cumprod(inverse, dtype=_U64)
-        return self._pow[:n], self._ipow[:n]
+    def _token_hashes(self, toks: np.ndarray[Any, Any], start: int, end: int) -> list[int]:
+        """h_t for t in [start, end): the 64-bit hash of the token ids 0..t."""
+        data = toks[:end].astype("<u4", copy=False).tobytes()
+        done, state = self._resume
+        if len(done) <= 4 * start and data.startswith(done):
+            hasher = state.copy()
+            hasher.update(data[len(done) : 4 * start])
+        else:
+            hasher = hashlib.blake2b(data[: 4 * start], digest_size=8)
+        self._resume = (data[: 4 * start], hasher.copy())
+        hashes = []
+        for offset in range(4 * start, 4 * end, 4):
+            hasher.update(data[offset : offset + 4])
+            hashes.append(int.from_bytes(hasher.digest(), "little"))
+        return hashes
 
     def page_bytes(self, tokens: Tokens, page_index: int, *, token_major: bool = False) -> bytes:
         """The canonical bytes of page `page_index` of a prompt with token ids `tokens`.
@@ -96,12 +97,9 @@ class KVGenerator:
         toks = as_token_array(tokens)
         if len(toks) < end:
             raise ValueError(f"page {page_index} needs {end} tokens, the prompt has {len(toks)}")
-        pw, ipw = self._powers(end)
+        hashes = self._token_hashes(toks, end - ns, end)
+        per_token = np.array(hashes, dtype=_U64).reshape(1, 1, ns, 1, 1)
         with np.errstate(over="ignore"):
-            weighted = (toks[:end].astype(_U64) + _U64(1)) * ipw
-            prefix = np.cumsum(weighted, dtype=_U64)[end - ns :] * pw[end - ns :]
-            positions = np.arange(end - ns, end, dtype=_U64) * _U64(_POSITION)
-            per_token = _splitmix(prefix ^ positions).reshape(1, 1, ns, 1, 1)
             words = per_token + self._coords
             words *= _U64(_MIX1)
             words ^= words >> _U64(29)

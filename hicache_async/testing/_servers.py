@@ -1,9 +1,11 @@
 """Real servers for tests: a private `redis-server` and a `mooncake_master` on loopback.
 
 Each manager picks free ports on 127.0.0.1 (retrying if another process takes one first),
-starts the binary, waits until it answers, and stops it again: on `stop()`, on leaving its
-`with` block, at interpreter exit, and (on Linux) when the parent process dies. A missing binary
-raises `ServerBinaryNotFoundError` naming it, so a suite fails loudly instead of skipping.
+starts the binary, waits until it answers and checks that what answers is the process it
+started (not another server already on the port), and stops it again: on `stop()`, on leaving
+its `with` block, at interpreter exit, and (on Linux) when the parent process dies, whichever
+thread started it. A missing binary raises `ServerBinaryNotFoundError` naming it, so a suite
+fails loudly instead of skipping.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import atexit
 import ctypes
 import importlib.util
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -24,8 +27,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 __all__ = [
     "MooncakeMaster",
@@ -64,6 +69,49 @@ def _port_open(port: int) -> bool:
         return False
 
 
+def _listening_inodes(port: int) -> set[str] | None:
+    """Inodes of the TCP sockets listening on `port` (any address); None without /proc."""
+    inodes: set[str] = set()
+    found_table = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        found_table = True
+        for line in lines:
+            fields = line.split()
+            # local_address is HEXIP:HEXPORT; state 0A is LISTEN; the inode is field 9.
+            if (
+                len(fields) > 9
+                and fields[3] == "0A"
+                and int(fields[1].rsplit(":", 1)[1], 16) == port
+            ):
+                inodes.add(fields[9])
+    return inodes if found_table else None
+
+
+def _port_owned_by(pid: int, port: int) -> bool | None:
+    """Whether process `pid` holds a socket listening on `port`; None when this cannot be
+    told (no /proc, or its file descriptors are not readable)."""
+    inodes = _listening_inodes(port)
+    if inodes is None:
+        return None
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            return True
+    return False
+
+
 def _parent_death_hook() -> Callable[[], None] | None:
     # Children get SIGTERM if this process dies without running atexit (e.g. SIGKILL by CI).
     if not sys.platform.startswith("linux"):
@@ -81,6 +129,57 @@ def _parent_death_hook() -> Callable[[], None] | None:
 
 
 _PDEATHSIG = _parent_death_hook()
+
+
+class _Launcher:
+    """One long-lived daemon thread that forks every server.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process: a
+    server started from a short-lived thread (`await asyncio.to_thread(server.start)`, whose
+    executor is shut down with its loop) would be killed with that thread. Forking from a thread
+    that lives as long as the process ties the children to the process.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue()
+        )
+        self._pid = -1  # the process the thread runs in: a forked child needs its own
+
+    def _run(self) -> None:
+        while True:
+            call, future = self._requests.get()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(call())
+                except BaseException as exc:  # handed to the caller, which re-raises it
+                    future.set_exception(exc)
+
+    def popen(self, command: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        """`subprocess.Popen(command, **kwargs)`, forked from the launcher thread."""
+        with self._lock:
+            if self._pid != os.getpid():
+                self._requests = queue.SimpleQueue()
+                thread = threading.Thread(target=self._run, name="hicache-server-launcher")
+                thread.daemon = True
+                thread.start()
+                self._pid = os.getpid()
+        future: Future[subprocess.Popen[bytes]] = Future()
+        self._requests.put((lambda: subprocess.Popen(command, **kwargs), future))
+        try:
+            return future.result()
+        except BaseException:
+            # Interrupted (KeyboardInterrupt) while the launcher forks: a child started anyway
+            # belongs to nobody, so it must not outlive this call.
+            if not future.cancel() and future.exception() is None:
+                orphan = future.result()
+                orphan.kill()
+                orphan.wait()
+            raise
+
+
+_LAUNCHER = _Launcher()
 # Strong references: a server nobody stops explicitly is still stopped at exit.
 _LIVE: set[_ManagedServer] = set()
 _LIVE_LOCK = threading.Lock()
@@ -149,47 +248,78 @@ class _ManagedServer(abc.ABC):
         return data[-nbytes:].decode(errors="replace")
 
     def start(self) -> _ManagedServer:
-        """Start the server and wait until it answers. Idempotent while running."""
+        """Start the server and wait until it answers. Idempotent while running.
+
+        A directory left by `kill()` is removed first. If starting fails or is interrupted
+        (KeyboardInterrupt included), the process and its directory are cleaned up.
+        """
         if self.running:
             return self
+        self._kill()
+        self._remove_tmpdir()
+        # Registered before the first fork, so that atexit stops a server whose start was cut
+        # short by anything that escapes the cleanup below.
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        try:
+            self._start_attempts()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_attempts(self) -> None:
         self._tmpdir = tempfile.mkdtemp(prefix=f"hicache-{self._label}-")
         self._log_path = Path(self._tmpdir) / f"{self._label}.log"
         last_log = ""
+        reason = ""
         attempts = 1 if self._ports_fixed() else _START_ATTEMPTS
         for _ in range(attempts):
             self._choose_ports()
-            if self._launch_and_wait():
-                with _LIVE_LOCK:
-                    _LIVE.add(self)
-                return self
+            reason = self._launch_and_wait()
+            if not reason:
+                return
             last_log = self.log_tail()
             self._kill()
             # A port taken between choosing and binding: choose again.
-        self._remove_tmpdir()
         raise ServerError(
-            f"{self._label} did not become ready after {attempts} attempt(s); log tail:\n{last_log}"
+            f"{self._label} did not become ready after {attempts} attempt(s): {reason}; "
+            f"log tail:\n{last_log}"
         )
 
-    def _launch_and_wait(self) -> bool:
+    def _launch_and_wait(self) -> str:
+        """Start one attempt; "" once our process is ready, else why it is not."""
         assert self._log_path is not None
         command = self._command()
         with open(self._log_path, "wb") as log:
-            self._process = subprocess.Popen(
+            self._process = _LAUNCHER.popen(
                 command,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 cwd=self._tmpdir,
-                preexec_fn=_PDEATHSIG,  # noqa: PLW1509 - only a prctl call in the child
+                preexec_fn=_PDEATHSIG,  # only a prctl call in the child, so safe with threads
             )
+        process = self._process
         deadline = time.monotonic() + self._startup_timeout
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                return False
+            if process.poll() is not None:
+                return f"it exited with status {process.returncode}"
             if self._ready():
-                return True
+                # Something answers; make sure it is the process we started and not another
+                # server already on the port (ours then fails to bind and exits).
+                foreign = self._foreign_ports(process.pid)
+                if process.poll() is not None:
+                    return f"it exited with status {process.returncode}"
+                if foreign:
+                    return f"port(s) {foreign} are served by another process"
+                return ""
             time.sleep(0.05)
-        return False
+        return f"no answer within {self._startup_timeout} s"
+
+    @abc.abstractmethod
+    def _foreign_ports(self, pid: int) -> list[int]:
+        """The ports that answered `_ready()` but are not served by process `pid`."""
 
     def _kill(self) -> None:
         process, self._process = self._process, None
@@ -216,7 +346,8 @@ class _ManagedServer(abc.ABC):
             _LIVE.discard(self)
 
     def kill(self) -> None:
-        """Kill the server abruptly (SIGKILL), as a crash would; keeps its directory."""
+        """Kill the server abruptly (SIGKILL), as a crash would; keeps its directory (until
+        `stop()` or the next `start()`)."""
         process, self._process = self._process, None
         if process is not None and process.poll() is None:
             process.kill()
@@ -319,6 +450,31 @@ class RedisServer(_ManagedServer):
         except OSError:
             return False
 
+    def _server_pid(self) -> int | None:
+        """`process_id` from INFO server, or None if the server does not say."""
+        try:
+            with socket.create_connection((_HOST, self._port), timeout=1) as sock:
+                sock.sendall(b"INFO server\r\n")
+                data = b""
+                while b"process_id:" not in data or not data.endswith(b"\r\n"):
+                    chunk = sock.recv(65536)
+                    if not chunk or len(data) > 1 << 20:
+                        break
+                    data += chunk
+        except OSError:
+            return None
+        for line in data.split(b"\r\n"):
+            if line.startswith(b"process_id:"):
+                return int(line.split(b":", 1)[1])
+        return None
+
+    def _foreign_ports(self, pid: int) -> list[int]:
+        answering = self._server_pid()
+        if answering is None:  # INFO renamed away by extra_args: ask the kernel instead
+            owned = _port_owned_by(pid, self._port)
+            return [] if owned is None or owned else [self._port]
+        return [] if answering == pid else [self._port]
+
 
 def find_mooncake_master(binary: str | None = None) -> str:
     """The `mooncake_master` executable: `binary`, the one in the mooncake wheel, or PATH."""
@@ -364,6 +520,12 @@ class MooncakeMaster(_ManagedServer):
         startup_timeout: float = 20.0,
     ) -> None:
         super().__init__(startup_timeout=startup_timeout)
+        requested = [port for port in (rpc_port, http_port, admin_port) if port is not None]
+        if len(set(requested)) != len(requested):
+            raise ValueError(
+                f"rpc_port, http_port and admin_port must differ, got {rpc_port}, {http_port} "
+                f"and {admin_port}"
+            )
         self._binary = find_mooncake_master(binary)
         self._requested = (rpc_port, http_port, admin_port)
         self._rpc_port = rpc_port or 0
@@ -453,6 +615,16 @@ class MooncakeMaster(_ManagedServer):
             "-logtostderr=true",
             *self._extra_args,
         ]
+
+    def _foreign_ports(self, pid: int) -> list[int]:
+        ports = (self._rpc_port, self._http_port, self._admin_port)
+        owned = [_port_owned_by(pid, port) for port in ports]
+        if None in owned:
+            # No /proc: a master that lost a port to another process exits soon after
+            # answering; give it that moment, and report every port if it did.
+            time.sleep(0.5)
+            return [] if self._process is not None and self._process.poll() is None else [*ports]
+        return [port for port, ours in zip(ports, owned, strict=True) if not ours]
 
     def _ready(self) -> bool:
         if not (_port_open(self._rpc_port) and _port_open(self._http_port)):

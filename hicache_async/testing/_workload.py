@@ -7,7 +7,7 @@ page it reads against the generator, so scenarios and tests verify bytes from ev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import msgspec
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["ServedRequest", "serve"]
 
 Check = Literal["none", "loaded", "all"]
+_CHECKS: tuple[str, ...] = get_args(Check)
 
 
 class ServedRequest(msgspec.Struct, frozen=True):
@@ -47,8 +48,11 @@ async def serve(
     """Serve one prompt the way an engine would, checking pages against `generator`.
 
     `check="loaded"` verifies the pages copied from the host (and so from storage);
-    `check="all"` also the device prefix that was already there.
+    `check="all"` also the device prefix that was already there; `check="none"` nothing.
+    Any other `check` raises ValueError (a typo must not silently check nothing).
     """
+    if check not in _CHECKS:
+        raise ValueError(f"check must be one of {', '.join(map(repr, _CHECKS))}, got {check!r}")
     array = as_token_array(tokens)
     size = cache.config.page_size
     storage_tokens = 0

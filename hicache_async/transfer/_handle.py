@@ -18,8 +18,9 @@ class LayerwiseCopy:
 
     Waiting is never what drives the copy: cancelling a task that awaits a layer or the whole
     copy leaves the copy running to completion (its destination pages are being written), and
-    done callbacks still run. Done callbacks run before any task awaiting the copy resumes, so
-    the references they release are released by the time an `await copy` returns.
+    done callbacks still run. Done callbacks registered before completion run synchronously as
+    the copy completes, so by the time `done()` is true or any `await copy` returns, the
+    bookkeeping they do (references released, pages placed) has happened.
 
     Only the engine that created it completes it; everything here runs on one loop's thread.
     """
@@ -98,7 +99,9 @@ class LayerwiseCopy:
     def add_done_callback(self, fn: Callable[[LayerwiseCopy], None]) -> None:
         """Call `fn(self)` on the loop once the copy is done (succeeded or failed).
 
-        If it is already done, `fn` is scheduled with `call_soon`.
+        Registered before completion, `fn` runs synchronously as the copy completes, before
+        `done()` can be observed true; an exception it raises goes to the loop's exception
+        handler. If the copy is already done, `fn` is scheduled with `call_soon`.
         """
         if self._done:
             self._loop.call_soon(fn, self)
@@ -126,10 +129,18 @@ class LayerwiseCopy:
         self._done = True
         if self._on_finish is not None:
             self._on_finish(self)
-        # Scheduled before the waiters are woken, so callbacks run first (FIFO `call_soon`).
+        # Run now, not with `call_soon`: `done()` is already true and `layer()` returns without
+        # yielding for a landed layer, so a deferred callback would leave a window where the
+        # copy looks finished but its bookkeeping has not run. Each is guarded, so one failing
+        # callback neither skips the others nor leaves a waiter hanging.
         callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            self._loop.call_soon(fn, self)
+            try:
+                fn(self)
+            except Exception as exc:
+                self._loop.call_exception_handler(
+                    {"message": "LayerwiseCopy done callback failed", "exception": exc}
+                )
         self._wake(self.num_layers)
 
     def _wake(self, below: int) -> None:

@@ -10,6 +10,7 @@ import anyio
 import msgspec
 import structlog
 
+from ..distributed import BackgroundAgreements
 from ..storage import StorageBackend, StorageStats
 from ..storage._protocol import check_backend
 from ._backup import BackupStatistics, BackupWorker
@@ -55,6 +56,8 @@ class StorageLink:
         self._tg: anyio.abc.TaskGroup | None = None
         self._scope: anyio.CancelScope | None = None
         self._backup_done = anyio.Event()
+        # Ends the background warmup's count on the group (see `start_warmup`); idempotent.
+        self._background_end: Callable[[], None] | None = None
         self._stopped = anyio.Event()
 
     def _is_current(self) -> bool:
@@ -74,13 +77,27 @@ class StorageLink:
                         tg.start_soon(self._run_backup)
                         task_status.started()
         finally:
+            # A warmup task cancelled before its first step never runs its own `finally`.
+            self._end_background()
             self._stopped.set()
 
     def start_warmup(self, warmup: Callable[[], Awaitable[WarmupResult]]) -> None:
-        """Run `warmup` in this link's task group (a detach stops it); keep its result."""
+        """Run `warmup` in this link's task group (a detach stops it); keep its result.
+
+        With a rank group, the warmup counts as running from this call on, before its task
+        first runs: a request agreement made in between waits for (and stops) it on every
+        rank alike, instead of entering its collective before the warmup's on some ranks.
+        """
         assert self._tg is not None
         future: asyncio.Future[WarmupResult] = asyncio.get_running_loop().create_future()
         self.warmup_result = future
+        group = self.cache.rank_group
+        background = (
+            BackgroundAgreements.of(group) if group is not None and group.size > 1 else None
+        )
+        if background is not None:
+            background.begin()
+            self._background_end = background.end
 
         async def run() -> None:
             try:
@@ -93,9 +110,16 @@ class StorageLink:
                 future.exception()  # retrieved here: a failed warmup is no error of the link
                 _log.warning("hicache.warmup.failed", error=repr(exc))
                 return
+            finally:
+                self._end_background()
             future.set_result(result)
 
         self._tg.start_soon(run)
+
+    def _end_background(self) -> None:
+        end, self._background_end = self._background_end, None
+        if end is not None:
+            end()
 
     async def _run_backup(self) -> None:
         try:

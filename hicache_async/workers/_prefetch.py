@@ -20,7 +20,7 @@ import msgspec
 import structlog
 
 from .._config import PrefetchConfig, PrefetchPolicy
-from ..distributed import CollectiveError, RankGroup, agree_min
+from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
 from ..storage import Outcome, StorageBackend
 
 if TYPE_CHECKING:
@@ -84,6 +84,7 @@ class PrefetchHandle:
         "_cancel_requested",
         "_done",
         "_group",
+        "_held",
         "_policy",
         "_prefetcher",
         "_scope",
@@ -118,6 +119,10 @@ class PrefetchHandle:
         #: below this many uncached tokens the prefetch is skipped (default: the threshold).
         self.min_tokens = min_tokens
         self._agreed: int | None = None
+        # (device node, host node) of the prefix this rank offered in its agreement, kept
+        # locked and protected until `ready()` returns, so it cannot be evicted while the
+        # ranks agree on it.
+        self._held: tuple[TreeNode, TreeNode] | None = None
         self.keys = keys
         self.num_tokens = num_tokens
         self.request_id = request_id
@@ -176,25 +181,68 @@ class PrefetchHandle:
 
         `best_effort` takes what has landed now; `wait_complete` waits for everything;
         `timeout` waits up to base + per-1k-tokens x length (capped), then terminates.
+
         With a rank group, the ranks then agree on the tokens all of them have (one
-        collective, entered whatever happened locally): see `PrefetchResult.agreed_tokens`.
+        collective, entered whatever happened locally, cancellation included): see
+        `PrefetchResult.agreed_tokens`. Every rank must call `ready()` for the same prefetches
+        in the same order; the collective is tagged with the prompt's keys, so a mismatch
+        fails (`AgreementMismatch`, logged; the result is then a miss) rather than pairing
+        different prompts. Before entering it, a warmup running over the same group is asked
+        to stop and waited for, so its collectives never interleave with this one. The prefix
+        this rank offers stays locked and protected until `ready()` returns: call
+        `HiCache.request(..., max_cached_tokens=result.agreed_tokens)` right after it, with no
+        await in between.
         """
-        await self._wait_for_policy()
         group = self._group
-        if group is not None and group.size > 1:
+        if group is None or group.size == 1:
+            await self._wait_for_policy()
+            return self.result()
 
-            async def mine() -> int:
-                return self.device_tokens + self.host_tokens + self.storage_tokens
+        async def mine() -> int:
+            # The policy wait is part of the local step, so a cancellation while waiting still
+            # enters the collective (with 0) instead of leaving the peers in it.
+            await self._wait_for_policy()
+            return self._hold_cached()
 
-            try:
-                self._agreed = await agree_min(group, mine)
-            except CollectiveError as exc:
-                # A broken group: the ranks cannot agree, so none may use what it fetched.
-                _log.warning(
-                    "hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc)
-                )
-                self._agreed = 0
+        tag = agreement_tag("prefetch", self.num_tokens, *self.keys)
+        try:
+            self._agreed = await agree_min(
+                group, mine, tag=tag, gate=BackgroundAgreements.of(group).wait_idle
+            )
+        except CollectiveError as exc:
+            # A broken group: the ranks cannot agree, so none may use what it fetched.
+            _log.warning("hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc))
+            self._agreed = 0
+        finally:
+            self._release()
         return self.result()
+
+    def _hold_cached(self) -> int:
+        """Lock and protect the prefix cached now, and return its length in tokens: what
+        this rank can still serve when the agreement returns."""
+        cached = self.device_tokens + self.host_tokens + self.storage_tokens
+        if self._prefetcher is None:
+            return cached  # no storage: nothing of ours is in flight, nothing to hold
+        cache = self._prefetcher._cache
+        self._release()  # a second, concurrent ready() on this handle: hold once, not twice
+        if cache._state != "open":
+            return 0
+        tree = cache._tree
+        found = tree.match(self.keys, touch=False)
+        tree.lock_device(found.device_node)
+        tree.protect_host(found.host_node)
+        self._held = (found.device_node, found.host_node)
+        # Pages landed but since evicted are gone: offer only what is really there.
+        here = (found.num_device_pages + found.num_host_pages) * cache.config.page_size
+        return min(cached, here)
+
+    def _release(self) -> None:
+        held, self._held = self._held, None
+        if held is None or self._prefetcher is None:
+            return
+        tree = self._prefetcher._cache._tree
+        tree.unprotect_host(held[1])
+        tree.unlock_device(held[0])
 
     async def _wait_for_policy(self) -> None:
         if self._policy == "best_effort" or self._prefetcher is None:

@@ -7,11 +7,17 @@ a detach or the cache's close stops it.
 
 With a rank group, each entry costs exactly two collectives on every rank whatever happens
 locally: one to agree to go on, one to agree on how many pages every rank has; a rank that
-loaded more than the others drops the excess so every rank ends with the same tree.
+loaded more than the others drops the excess so every rank ends with the same tree. Each
+collective is tagged with what it agrees on (the step and the entry). A warmup cancelled
+between its collectives still enters the rest of the current entry's, contributing "stop",
+before it re-raises, so no peer is left waiting. A request agreement that arrives meanwhile
+asks the warmup to stop (`BackgroundAgreements`): the next "go on?" agreement then stops it on
+every rank at the same entry, and the request agrees after it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from typing import TYPE_CHECKING
@@ -19,8 +25,16 @@ from typing import TYPE_CHECKING
 import msgspec
 import structlog
 
-from ..distributed import CollectiveError, agree_entries, agree_min
-from ..storage._manifest import SupportsManifest
+from ..distributed import (
+    BackgroundAgreements,
+    CollectiveError,
+    RankGroup,
+    agree_entries,
+    agree_min,
+    agreement_tag,
+    run_uncancelled,
+)
+from ..storage._manifest import ManifestEntry, SupportsManifest
 from ._prefetch import PrefetchHandle
 
 if TYPE_CHECKING:
@@ -67,17 +81,32 @@ class Warmer:
         self._ratio = ratio
         self._deadline_s = deadline_s
         self._stop = False
+        group = cache.rank_group
+        self._background = (
+            BackgroundAgreements.of(group) if group is not None and group.size > 1 else None
+        )
 
     def stop(self) -> None:
         self._stop = True
 
+    def _stopping(self) -> bool:
+        """Stop requested locally, or by a request agreement waiting for this warmup."""
+        return self._stop or (self._background is not None and self._background.stop_requested)
+
     async def run(self) -> WarmupResult:
         """Warm up; a broken rank group stops it (logged), it never fails the caller."""
+        background = self._background
+        if background is not None:
+            # Request agreements on this group wait until every warmup's last collective.
+            background.begin()
         try:
             return await self._run()
         except CollectiveError as exc:
             _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
             return WarmupResult(status=WarmupStatus.STOPPED)
+        finally:
+            if background is not None:
+                background.end()
 
     async def _run(self) -> WarmupResult:
         began = time.monotonic()
@@ -88,7 +117,7 @@ class Warmer:
         if not isinstance(backend, SupportsManifest):
             if tp:
                 assert group is not None
-                await agree_entries(group, _nothing)
+                await agree_entries(group, _nothing, tag=_ENTRIES_TAG)
             return WarmupResult(status=WarmupStatus.UNSUPPORTED)
         manifest = backend.manifest()
         namespace = cache.namespace.fingerprint.hex()
@@ -105,7 +134,7 @@ class Warmer:
 
         if tp:
             assert group is not None
-            agreed_ids = await agree_entries(group, local_entries)
+            agreed_ids = await agree_entries(group, local_entries, tag=_ENTRIES_TAG)
         else:
             agreed_ids = await local_entries()
         if read is None:
@@ -118,40 +147,51 @@ class Warmer:
         loaded_pages = 0
         loaded_entries = 0
         status = WarmupStatus.COMPLETE
-        for entry in entries:
+        for index, entry in enumerate(entries):
             go_on = self._may_continue(loaded_pages, budget, began)
             if tp:
                 assert group is not None
-
-                async def wanted(flag: int = int(go_on is WarmupStatus.COMPLETE)) -> int:
-                    return flag
-
-                if not await agree_min(group, wanted) and go_on is WarmupStatus.COMPLETE:
+                # Cancelled inside: agree_min still entered it with 0, so every rank stops here.
+                wanted = int(go_on is WarmupStatus.COMPLETE)
+                agreed_go = await _agree_value(group, wanted, _go_on_tag(entry.chain_id))
+                if not agreed_go and go_on is WarmupStatus.COMPLETE:
                     go_on = WarmupStatus.STOPPED  # another rank stopped: stop together
             if go_on is not WarmupStatus.COMPLETE:
                 status = go_on
                 break
             keys = [bytes.fromhex(k) for k in entry.keys]
-            await self._link.prefetcher.wait_quiet()
-            handle = PrefetchHandle(
-                self._link.prefetcher,
-                keys,
-                len(keys) * size,
-                "warmup",
-                "wait_complete",
-                priority=entry.priority,
-                min_tokens=1,  # a warmup entry is worth loading whatever its length
-            )
-            await self._link.prefetcher.run_now(handle)
-            landed = handle.storage_tokens // size
-            if tp:
-                assert group is not None
-
-                async def mine(value: int = handle.result().cached_tokens) -> int:
-                    return value
-
-                agreed = await agree_min(group, mine)
-                cache._trim_host(keys, agreed // size)
+            trim_entered = False
+            try:
+                await self._link.prefetcher.wait_quiet()
+                landed = cached = 0
+                if not (tp and self._stopping()):
+                    handle = PrefetchHandle(
+                        self._link.prefetcher,
+                        keys,
+                        len(keys) * size,
+                        "warmup",
+                        "wait_complete",
+                        priority=entry.priority,
+                        min_tokens=1,  # a warmup entry is worth loading whatever its length
+                    )
+                    await self._link.prefetcher.run_now(handle)
+                    landed = handle.storage_tokens // size
+                    cached = handle.result().cached_tokens
+                # else: a request agreement is waiting; load nothing more, but still take
+                # part in this entry's agreement so every rank's count stays equal.
+                if tp:
+                    assert group is not None
+                    trim_entered = True  # agree_min enters it on every path from here
+                    agreed = await _agree_value(group, cached, _trim_tag(entry.chain_id))
+                    cache._trim_host(keys, agreed // size)
+            except asyncio.CancelledError:
+                if tp:
+                    assert group is not None
+                    following = entries[index + 1] if index + 1 < len(entries) else None
+                    await self._finish_cancelled(
+                        group, keys, entry.chain_id, trim_entered, following
+                    )
+                raise
             loaded_pages += landed
             loaded_entries += landed > 0
         return WarmupResult(
@@ -165,14 +205,61 @@ class Warmer:
             seconds=time.monotonic() - began,
         )
 
+    async def _finish_cancelled(
+        self,
+        group: RankGroup,
+        keys: list[bytes],
+        chain_id: str,
+        trim_entered: bool,
+        following: ManifestEntry | None,
+    ) -> None:
+        """Cancelled between an entry's collectives: enter the ones this rank still owes the
+        entry, contributing "stop" (0 pages, do not go on), so peers are not left waiting."""
+        size = self._cache.config.page_size
+
+        async def finish() -> None:
+            if not trim_entered:
+                agreed = await _agree_value(group, 0, _trim_tag(chain_id))
+                self._cache._trim_host(keys, agreed // size)
+            if following is not None:
+                # The peers go on to the next entry's "go on?"; answer it with "no".
+                await _agree_value(group, 0, _go_on_tag(following.chain_id))
+
+        try:
+            await run_uncancelled(finish())
+        except CollectiveError as exc:
+            # The cancellation is re-raised by the caller either way; the group's failure is
+            # what the next agreement on it reports.
+            _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
+
     def _may_continue(self, loaded: int, budget: int, began: float) -> WarmupStatus:
-        if self._stop or self._cache._link is not self._link or self._cache._state != "open":
+        if self._stopping() or self._cache._link is not self._link or self._cache._state != "open":
             return WarmupStatus.STOPPED
         if loaded >= budget:
             return WarmupStatus.BUDGET
         if time.monotonic() - began >= self._deadline_s:
             return WarmupStatus.DEADLINE
         return WarmupStatus.COMPLETE
+
+
+_ENTRIES_TAG = agreement_tag("warmup.entries")
+
+
+def _go_on_tag(chain_id: str) -> int:
+    return agreement_tag("warmup.go_on", chain_id)
+
+
+def _trim_tag(chain_id: str) -> int:
+    return agreement_tag("warmup.trim", chain_id)
+
+
+async def _agree_value(group: RankGroup, value: int, tag: int) -> int:
+    """The minimum of a value this rank already knows (no local step can fail)."""
+
+    async def mine() -> int:
+        return value
+
+    return await agree_min(group, mine, tag=tag)
 
 
 async def _nothing() -> list[bytes]:

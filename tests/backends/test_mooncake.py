@@ -25,7 +25,12 @@ from hicache_async.storage._mooncake import (
     close_idle_clients,
 )
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
-from hicache_async.testing._servers import MooncakeMaster, ServerBinaryNotFoundError, free_port
+from hicache_async.testing._servers import (
+    MooncakeMaster,
+    ServerBinaryNotFoundError,
+    ServerError,
+    free_port,
+)
 
 NS = bytes(range(16))
 OTHER_NS = bytes(16)
@@ -857,6 +862,29 @@ class TestMooncakeAnyPlacementConformance(StorageConformance):
         url = fresh_url(mooncake_url, placement="any")
         async with MooncakeStorage.from_url(url, mac_key=MAC_KEY) as storage:
             yield storage
+
+
+def test_master_ports_must_differ() -> None:
+    port = free_port()
+    with pytest.raises(ValueError, match="must differ"):
+        MooncakeMaster(rpc_port=port, http_port=port)
+    with pytest.raises(ValueError, match="must differ"):
+        MooncakeMaster(http_port=port, admin_port=port)
+
+
+def test_master_ports_served_by_another_master_are_refused(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # Every port of the running master answers; ours must not pass for ready on them.
+    ours = MooncakeMaster(
+        rpc_port=mooncake_master.rpc_port,
+        http_port=mooncake_master.http_port,
+        admin_port=mooncake_master.admin_port,
+    )
+    with pytest.raises(ServerError, match="did not become ready"):
+        ours.start()
+    assert not ours.running
+    assert mooncake_master.running
 
 
 def test_a_missing_master_binary_fails_loudly() -> None:

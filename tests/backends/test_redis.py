@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import socket
+import subprocess
+import threading
 import uuid
 from collections.abc import AsyncIterator
 
@@ -17,6 +19,7 @@ import redis.asyncio as aioredis
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
 from hicache_async.storage._redis import RedisStorage
+from hicache_async.testing import _servers
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._servers import (
     RedisServer,
@@ -691,6 +694,89 @@ def test_a_taken_port_is_a_clear_error() -> None:
         taken.listen()
         with pytest.raises(ServerError, match="did not become ready"):
             RedisServer(port=taken.getsockname()[1]).start()
+
+
+def test_a_requested_port_served_by_another_redis_is_refused() -> None:
+    # Another redis (a developer's own, say) answers PING on the port while ours fails to
+    # bind and exits: start() must not hand out a URL that points at the other one.
+    with RedisServer() as foreign:
+        ours = RedisServer(port=foreign.port)
+        with pytest.raises(ServerError, match="another process"):
+            ours.start()
+        assert not ours.running
+        assert foreign.running
+
+
+def test_a_chosen_port_served_by_another_redis_is_chosen_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with RedisServer() as foreign:
+        ports = iter([foreign.port])
+        choose = _servers.free_port
+        monkeypatch.setattr(_servers, "free_port", lambda: next(ports, None) or choose())
+        with RedisServer() as ours:
+            assert ours.port != foreign.port
+            assert ours._server_pid() == ours.pid
+
+
+def test_a_server_started_from_a_thread_outlives_the_thread() -> None:
+    # PR_SET_PDEATHSIG follows the thread that forked: a server forked from a short-lived
+    # thread (asyncio.to_thread in an async fixture) used to get SIGTERM when it ended.
+    server = RedisServer()
+    try:
+        thread = threading.Thread(target=server.start)
+        thread.start()
+        thread.join()
+        process = server._process
+        assert process is not None
+        with pytest.raises(subprocess.TimeoutExpired):
+            process.wait(timeout=1.0)  # a SIGTERMed redis exits within milliseconds
+        assert server.running
+    finally:
+        server.stop()
+
+
+def test_an_interrupted_start_leaves_no_process_or_directory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = RedisServer()
+    seen: list[tuple[subprocess.Popen[bytes], str]] = []
+
+    def interrupted(self: RedisServer) -> bool:
+        assert self._process is not None
+        seen.append((self._process, str(self.directory)))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(RedisServer, "_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        server.start()
+    ((process, directory),) = seen
+    assert process.poll() is not None
+    assert not os.path.exists(directory)
+    assert server not in _servers._LIVE
+
+
+def test_start_after_kill_removes_the_old_directory() -> None:
+    server = RedisServer()
+    with server:
+        first = server.directory
+        server.kill()
+        assert first.is_dir()  # kept for inspecting the crash
+        server.start()
+        assert not first.exists()
+        assert server.directory != first
+    assert not server.running
+
+
+def test_port_ownership_comes_from_the_kernel() -> None:
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        if _servers._port_owned_by(os.getpid(), port) is None:
+            pytest.skip("no /proc to ask")
+        assert _servers._port_owned_by(os.getpid(), port)
+        assert _servers._port_owned_by(os.getppid(), port) is False
 
 
 def test_a_missing_binary_fails_loudly() -> None:
