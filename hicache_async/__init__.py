@@ -25,7 +25,13 @@ from ._metrics import prometheus_collector, render_prometheus
 from ._pool import KVPool, PoolStatistics, make_pools
 from ._request import Request
 from ._stats import CacheStatistics, TierTokens
-from .distributed import CollectiveError, CollectiveTimeout, GroupBrokenError, RankGroup
+from .distributed import (
+    AgreementMismatch,
+    CollectiveError,
+    CollectiveTimeout,
+    GroupBrokenError,
+    RankGroup,
+)
 from .workers import (
     PrefetchHandle,
     PrefetchResult,
@@ -38,6 +44,7 @@ from .workers import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AgreementMismatch",
     "AllocatorStatistics",
     "BackupConfig",
     "CacheStatistics",
