@@ -110,8 +110,10 @@ async def run_uncancelled(coro: Coroutine[Any, Any, None]) -> bool:
             try:
                 await asyncio.shield(task)
             except asyncio.CancelledError:
-                if task.done():
+                if task.cancelled():
                     raise  # the task itself was cancelled (the loop is shutting down)
+                # The caller's cancellation, possibly landing just after the task finished:
+                # its result is there either way.
                 cancelled = True
     task.result()  # its exception, if any, is the caller's
     return cancelled

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -134,7 +135,7 @@ class Warmer:
 
         if tp:
             assert group is not None
-            agreed_ids = await agree_entries(group, local_entries, tag=_ENTRIES_TAG)
+            agreed_ids = await self._agree_entries_owing(group, local_entries)
         else:
             agreed_ids = await local_entries()
         if read is None:
@@ -151,9 +152,8 @@ class Warmer:
             go_on = self._may_continue(loaded_pages, budget, began)
             if tp:
                 assert group is not None
-                # Cancelled inside: agree_min still entered it with 0, so every rank stops here.
                 wanted = int(go_on is WarmupStatus.COMPLETE)
-                agreed_go = await _agree_value(group, wanted, _go_on_tag(entry.chain_id))
+                agreed_go = await self._agree_go_on_owing(group, wanted, entries, index)
                 if not agreed_go and go_on is WarmupStatus.COMPLETE:
                     go_on = WarmupStatus.STOPPED  # another rank stopped: stop together
             if go_on is not WarmupStatus.COMPLETE:
@@ -204,6 +204,54 @@ class Warmer:
             oversized=read.oversized,
             seconds=time.monotonic() - began,
         )
+
+    async def _agree_entries_owing(
+        self, group: RankGroup, local: Callable[[], Awaitable[list[bytes]]]
+    ) -> list[bytes]:
+        """The entries every rank has. A cancellation waits for the agreement (this rank may
+        have entered it already); if peers then go on to the first entry, it answers that
+        entry's "go on?" with "no" before re-raising, so they stop there with it."""
+        agreed: list[list[bytes]] = []
+
+        async def agree() -> None:
+            agreed.append(await agree_entries(group, local, tag=_ENTRIES_TAG))
+
+        if not await run_uncancelled(agree()):
+            return agreed[0]
+        if agreed[0]:
+            await self._owe(group, _go_on_tag(agreed[0][0].hex()))
+        raise asyncio.CancelledError
+
+    async def _agree_go_on_owing(
+        self, group: RankGroup, wanted: int, entries: list[ManifestEntry], index: int
+    ) -> int:
+        """Entry `index`'s "go on?" agreement. A cancellation waits for it (this rank may have
+        entered it with "go on"); if the peers go on, it still enters what it owes them for
+        the entry (its trim, and "no" for the next "go on?") before re-raising."""
+        entry = entries[index]
+        agreed: list[int] = []
+
+        async def agree() -> None:
+            agreed.append(await _agree_value(group, wanted, _go_on_tag(entry.chain_id)))
+
+        if not await run_uncancelled(agree()):
+            return agreed[0]
+        if agreed[0]:
+            following = entries[index + 1] if index + 1 < len(entries) else None
+            keys = [bytes.fromhex(k) for k in entry.keys]
+            await self._finish_cancelled(group, keys, entry.chain_id, False, following)
+        raise asyncio.CancelledError
+
+    async def _owe(self, group: RankGroup, tag: int) -> None:
+        """Enter a "go on?" agreement with "no", whatever cancels the caller meanwhile."""
+
+        async def answer() -> None:
+            await _agree_value(group, 0, tag)
+
+        try:
+            await run_uncancelled(answer())
+        except CollectiveError as exc:
+            _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
 
     async def _finish_cancelled(
         self,
