@@ -338,6 +338,7 @@ def _bench_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str
         ["tree", "--repeat", "0"],
         ["tree", "--page-size", "0"],
         ["copy", "--pages", "0"],
+        ["copy", "--seed", "-1"],
         ["orchestration", "--batch-pages", "0"],
         ["storage", "--pages", "0"],
         ["trace", "--time-scale", "nan"],

@@ -18,7 +18,7 @@ import torch
 
 from .._config import HostLayout, KVLayout
 from .._pool import KVPool
-from ..cli._args import positive_int
+from ..cli._args import positive_int, seed
 from ..transfer import CpuCopyEngine
 from ._records import Record
 
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=7,
         help="rounds per figure; the best counts (default 7)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random page sets")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the random page sets")
 
 
 def _page_sets(

@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["check_output_path", "positive_float", "positive_int", "store_missing"]
+__all__ = ["check_output_path", "positive_float", "positive_int", "seed", "store_missing"]
 
 
 def positive_int(text: str) -> int:
@@ -18,6 +18,17 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    """A seed for numpy's generators: an integer of at least 0, for argparse's `type=`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
