@@ -1,4 +1,5 @@
-"""A warmup cancelled while one rank waits in an agreement leaves no peer waiting.
+"""Agreements of two ranks in one event loop: a warmup cancelled while one rank waits in an
+agreement leaves no peer waiting; concurrent ready() calls on one handle share its hold.
 
 Two ranks share one event loop over an in-process group; rank 1 enters each collective only
 after rank 0 has, so rank 0 is always the one waiting when it is cancelled.
@@ -171,3 +172,28 @@ async def test_run_uncancelled_keeps_a_result_that_landed_before_the_cancellatio
     assert outcomes[0] is True  # cancelled before the coroutine even resumed
     assert True in outcomes[1:]  # ... and once it had finished, before the caller resumed
     assert set(outcomes) <= {True, None}
+
+
+async def test_two_ready_calls_on_one_handle_share_the_hold(tmp_path: Path) -> None:
+    """The prefix a rank offers stays held until the last of its ready() calls returns."""
+    prompt = np.arange(1000, 1000 + 6 * PAGE)
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    for rank, root in enumerate(roots):
+        await _fill(root, rank, [prompt])
+    world = _World()
+    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    async with (
+        HiCache(_config(0), storage=FileStorage(roots[0]), rank_group=ranks[0]) as first,
+        HiCache(_config(1), storage=FileStorage(roots[1]), rank_group=ranks[1]) as second,
+    ):
+        handles = [await cache.start_prefetch(prompt) for cache in (first, second)]
+        both = [asyncio.create_task(handles[0].ready()) for _ in range(2)]
+        one = await handles[1].ready()  # pairs with rank 0's first agreement only
+        done, pending = await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+        assert len(done) == 1
+        assert len(pending) == 1
+        assert one.agreed_tokens == done.pop().result().agreed_tokens == len(prompt)
+        assert handles[0]._held is not None  # the other ready() still offers that prefix
+        again = await handles[1].ready()
+        assert (await pending.pop()).agreed_tokens == again.agreed_tokens == len(prompt)
+        assert handles[0]._held is None

@@ -81,6 +81,7 @@ class PrefetchHandle:
 
     __slots__ = (
         "_agreed",
+        "_agreeing",
         "_cancel_requested",
         "_done",
         "_group",
@@ -123,6 +124,7 @@ class PrefetchHandle:
         # locked and protected until `ready()` returns, so it cannot be evicted while the
         # ranks agree on it.
         self._held: tuple[TreeNode, TreeNode] | None = None
+        self._agreeing = 0  # ready() calls in their agreement (they share one hold)
         self.keys = keys
         self.num_tokens = num_tokens
         self.request_id = request_id
@@ -205,6 +207,7 @@ class PrefetchHandle:
             return self._hold_cached()
 
         tag = agreement_tag("prefetch", self.num_tokens, *self.keys)
+        self._agreeing += 1
         try:
             self._agreed = await agree_min(
                 group, mine, tag=tag, gate=BackgroundAgreements.of(group).wait_idle
@@ -214,7 +217,9 @@ class PrefetchHandle:
             _log.warning("hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc))
             self._agreed = 0
         finally:
-            self._release()
+            self._agreeing -= 1
+            if not self._agreeing:  # another ready() on this handle still needs the hold
+                self._release()
         return self.result()
 
     def _hold_cached(self) -> int:
