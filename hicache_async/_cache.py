@@ -339,7 +339,8 @@ class HiCache:
             return await agree_min(
                 self.rank_group,
                 mine,
-                tag=agreement_tag("agree_cached_tokens", info.num_tokens, *info.keys),
+                # The last key names the whole prefix (keys are chained).
+                tag=agreement_tag("agree_cached_tokens", info.num_tokens, *info.keys[-1:]),
                 gate=BackgroundAgreements.of(self.rank_group).wait_idle,
             )
         except CollectiveError as exc:
@@ -706,8 +707,7 @@ class HiCache:
         assert self._host_pool
         assert self._device_pool
         copy = self._engine.copy(self._host_pool, host_pages, self._device_pool, device_pages)
-        for page in host_pages:
-            self._loading[page] = copy
+        self._loading.update(dict.fromkeys(host_pages, copy))
         self._counters.loaded_pages += len(device_pages)
         self._track(
             copy,
@@ -728,11 +728,13 @@ class HiCache:
         return list(found.values())
 
     async def _wait_for_copies(self, copies: Sequence[LayerwiseCopy]) -> None:
-        """Wait until `copies` are done and their done callbacks ran; never cancels them."""
+        """Wait until `copies` are done and their done callbacks ran; never cancels them.
+
+        Always yields: a copy already done may still have its callbacks queued (one that
+        finished inside `copy()`), and the caller loops until they have placed its pages.
+        """
         loop = asyncio.get_running_loop()
         for copy in copies:
-            if copy.done():
-                continue
             landed: asyncio.Future[None] = loop.create_future()
 
             def wake(_: LayerwiseCopy, landed: asyncio.Future[None] = landed) -> None:

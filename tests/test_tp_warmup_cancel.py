@@ -16,7 +16,12 @@ import numpy as np
 import pytest
 
 from hicache_async import CacheConfig, HiCache
-from hicache_async.distributed import AgreementMismatch, GroupStatistics, run_uncancelled
+from hicache_async.distributed import (
+    AgreementMismatch,
+    CollectiveError,
+    GroupStatistics,
+    run_uncancelled,
+)
 from hicache_async.storage import FileStorage
 
 PAGE = 4
@@ -197,3 +202,20 @@ async def test_two_ready_calls_on_one_handle_share_the_hold(tmp_path: Path) -> N
         again = await handles[1].ready()
         assert (await pending.pop()).agreed_tokens == again.agreed_tokens == len(prompt)
         assert handles[0]._held is None
+
+
+async def test_run_uncancelled_does_not_lose_a_cancellation_to_an_error() -> None:
+    release = asyncio.Event()
+
+    async def fails() -> None:
+        await release.wait()
+        raise CollectiveError("the group broke meanwhile")
+
+    caller = asyncio.create_task(run_uncancelled(fails()))
+    await asyncio.sleep(0)
+    caller.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    assert await caller is True  # the caller re-raises its cancellation from here
+    with pytest.raises(CollectiveError):
+        await run_uncancelled(fails())  # not cancelled: the error is the caller's

@@ -10,26 +10,24 @@ from pathlib import Path
 __all__ = ["check_output_path", "positive_float", "positive_int", "seed", "store_missing"]
 
 
-def positive_int(text: str) -> int:
-    """An integer of at least 1, for argparse's `type=`."""
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer of at least 1, for argparse's `type=`."""
+    return _int_at_least(text, 1)
 
 
 def seed(text: str) -> int:
     """A seed for numpy's generators: an integer of at least 0, for argparse's `type=`."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
 def positive_float(text: str) -> float:

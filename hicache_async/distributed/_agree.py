@@ -96,7 +96,8 @@ async def agree_entries(
 
 async def run_uncancelled(coro: Coroutine[Any, Any, None]) -> bool:
     """Run `coro` to its end whatever cancels the caller meanwhile; True if the caller was
-    cancelled (and should re-raise once this returns).
+    cancelled (and should re-raise once this returns). What `coro` raises is raised here,
+    unless the caller was cancelled: then it is logged, so the cancellation is not lost.
 
     For steps that keep ranks in step (collectives that must all be entered, in order): a
     cancellation arriving halfway must not leave the rank one collective short. The coroutine
@@ -115,6 +116,13 @@ async def run_uncancelled(coro: Coroutine[Any, Any, None]) -> bool:
                 # The caller's cancellation, possibly landing just after the task finished:
                 # its result is there either way.
                 cancelled = True
+            except Exception:  # the task failed: handled below, once it is done
+                continue
+    if cancelled and task.exception() is not None:
+        # The caller re-raises its cancellation, which must not be lost to this error; the
+        # peers see the failure of a collective themselves.
+        _log.warning("tp.uncancelled.failed", error=repr(task.exception()))
+        return True
     task.result()  # its exception, if any, is the caller's
     return cancelled
 

@@ -206,7 +206,8 @@ class PrefetchHandle:
             await self._wait_for_policy()
             return self._hold_cached()
 
-        tag = agreement_tag("prefetch", self.num_tokens, *self.keys)
+        # The last key names the whole prefix (keys are chained).
+        tag = agreement_tag("prefetch", self.num_tokens, *self.keys[-1:])
         self._agreeing += 1
         try:
             self._agreed = await agree_min(
