@@ -324,29 +324,51 @@ class HiCache:
         Enters exactly one collective when a rank group is set, whatever happens locally;
         every rank must make its agreeing calls in the same order (one that pairs with
         another prompt's agreement on some rank is an error there, and the answer is 0). A
-        running warmup is stopped first, at the same entry on every rank.
+        running warmup is stopped first, at the same entry on every rank, and the local
+        figure is taken after it stopped. Tokens this cache refuses (`TypeError`,
+        `ValueError`) and a closed cache (`CacheClosedError`) raise once the collective has
+        been entered with 0 (refused tokens under a tag no valid prompt has, so the peers
+        get 0 as well).
         """
-        info = self.match(tokens, salt=salt)
-        local = info.device_tokens + info.host_tokens
-        if self.rank_group is None or self.rank_group.size == 1:
+        group = self.rank_group
+        if group is None or group.size == 1:
+            info = self.match(tokens, salt=salt)
             await asyncio.sleep(0)
-            return local
+            return info.device_tokens + info.host_tokens
+        refused: Exception | None = None
+        try:
+            array = as_token_array(tokens)
+            keys = self.keys_for(array, salt=salt)
+            # The last key names the whole prefix (keys are chained).
+            tag = agreement_tag("agree_cached_tokens", len(array), *keys[-1:])
+        except (TypeError, ValueError) as exc:
+            refused = exc
+            tag = agreement_tag("agree_cached_tokens", "refused")
+        background = BackgroundAgreements.of(group)
 
         async def mine() -> int:
-            return local
+            nonlocal refused
+            # Taken once the warmup has stopped (it may have loaded or evicted pages
+            # meanwhile); the gate below then returns in this same step.
+            await background.wait_idle()
+            if refused is not None:
+                return 0
+            try:
+                info = self.match(array, salt=salt)
+            except CacheClosedError as exc:
+                refused = exc
+                return 0
+            return info.device_tokens + info.host_tokens
 
         try:
-            return await agree_min(
-                self.rank_group,
-                mine,
-                # The last key names the whole prefix (keys are chained).
-                tag=agreement_tag("agree_cached_tokens", info.num_tokens, *info.keys[-1:]),
-                gate=BackgroundAgreements.of(self.rank_group).wait_idle,
-            )
+            agreed = await agree_min(group, mine, tag=tag, gate=background.wait_idle)
         except CollectiveError as exc:
             # The group is broken: no rank can rely on another's cache, so use none of it.
             _log.warning("hicache.tp.agreement.failed", error=repr(exc))
-            return 0
+            agreed = 0
+        if refused is not None:
+            raise refused
+        return agreed
 
     # -- storage ----------------------------------------------------------------------------
 
@@ -596,8 +618,11 @@ class HiCache:
             self._device_free(fallback.freed)
         return allocator.alloc(count)
 
-    async def _alloc_device(self, count: int) -> list[int]:
-        """`count` device pages, evicting (and waiting for write-backs) as the policy says."""
+    async def _alloc_device(self, count: int, request: Request) -> list[int]:
+        """`count` device pages for `request`, evicting (and waiting for write-backs) as the
+        policy says. Raises `CacheClosedError` once `request` is released: checked right
+        before taking the pages, with no await after, so a released request never gets any.
+        """
         assert self._device_pool is not None
         if count > self._device_pool.num_pages:
             raise OutOfPagesError(
@@ -607,6 +632,7 @@ class HiCache:
         await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
         while True:
             self._check_open()
+            request._check()
             pages = self._try_alloc_device(count)
             if pages is not None:
                 return pages
@@ -682,10 +708,18 @@ class HiCache:
     # -- copies -----------------------------------------------------------------------------
 
     def _engine_done_copy(self) -> LayerwiseCopy:
+        """A finished empty copy: what `load()` returns when there is nothing to copy."""
         assert self._engine is not None
         assert self._host_pool
         assert self._device_pool
-        return self._engine.copy(self._host_pool, [], self._device_pool, [])
+        copy = self._engine.copy(self._host_pool, [], self._device_pool, [])
+        if copy.done():
+            return copy
+        # An engine may finish even an empty copy later; nothing is booked for this load,
+        # and a request takes a done load for a landed one, so hand back a finished handle.
+        done = LayerwiseCopy(asyncio.get_running_loop(), copy.num_layers, 0)
+        done._layer_landed(done.num_layers - 1)
+        return done
 
     def _track(self, copy: LayerwiseCopy, done: Callable[[LayerwiseCopy], None]) -> None:
         self._copies.add(copy)
@@ -696,24 +730,45 @@ class HiCache:
 
         copy.add_done_callback(finished)
 
-    def _start_load(
+    def _start_load(self, host_pages: list[int], device_pages: list[int]) -> LayerwiseCopy:
+        """Start copying `host_pages` into `device_pages`; book it with `_track_load`.
+
+        If the engine refuses to start (raises), `device_pages` are freed, as nothing will
+        land in them, and `HiCacheError` is raised (the engine's own `HiCacheError` as is).
+        """
+        assert self._engine is not None
+        assert self._host_pool
+        assert self._device_pool
+        try:
+            return self._engine.copy(self._host_pool, host_pages, self._device_pool, device_pages)
+        except BaseException as exc:
+            self._device_free(device_pages)
+            self._counters.copy_failures += 1
+            _log.warning("hicache.load.refused", pages=len(device_pages), error=repr(exc))
+            if isinstance(exc, HiCacheError) or not isinstance(exc, Exception):
+                raise
+            raise HiCacheError(
+                f"the copy engine refused to start loading {len(device_pages)} pages: {exc!r}"
+            ) from exc
+
+    def _track_load(
         self,
         request: Request,
         host_node: TreeNode,
         host_pages: list[int],
         device_pages: list[int],
-    ) -> LayerwiseCopy:
-        assert self._engine is not None
-        assert self._host_pool
-        assert self._device_pool
-        copy = self._engine.copy(self._host_pool, host_pages, self._device_pool, device_pages)
-        self._loading.update(dict.fromkeys(host_pages, copy))
+        copy: LayerwiseCopy,
+    ) -> None:
+        """Book a started load: others join it until it lands, and it lands in the tree."""
         self._counters.loaded_pages += len(device_pages)
-        self._track(
-            copy,
-            functools.partial(self._on_load_done, request, host_node, host_pages, device_pages),
-        )
-        return copy
+        landed = functools.partial(self._on_load_done, request, host_node, host_pages, device_pages)
+        if copy.done():
+            # It finished inside `copy()`: a callback would only run on a later loop step,
+            # and meanwhile the request would see a done load that has not landed.
+            landed(copy)
+            return
+        self._loading.update(dict.fromkeys(host_pages, copy))
+        self._track(copy, landed)
 
     def _loads_in_flight(self, deep: TreeNode, num_pages: int) -> list[LayerwiseCopy]:
         """The loads in flight that copy any of the last `num_pages` host pages up to `deep`."""
@@ -727,23 +782,27 @@ class HiCache:
                 found[id(copy)] = copy
         return list(found.values())
 
-    async def _wait_for_copies(self, copies: Sequence[LayerwiseCopy]) -> None:
-        """Wait until `copies` are done and their done callbacks ran; never cancels them.
+    def _copies_landed(self, copies: Sequence[LayerwiseCopy]) -> asyncio.Future[None]:
+        """A future resolved once `copies` are done and their done callbacks ran.
 
-        Always yields: a copy already done may still have its callbacks queued (one that
-        finished inside `copy()`), and the caller loops until they have placed its pages.
+        Private to its waiter: cancelling it (or resolving it early, as a released request
+        does) leaves the copies alone. Never resolved on the spot: a copy already done may
+        still have its callbacks queued, and the caller loops until they placed its pages.
         """
-        loop = asyncio.get_running_loop()
+        assert copies, "nothing to wait for: the future would never resolve"
+        landed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        remaining = len(copies)
+
+        def one_landed(_: LayerwiseCopy) -> None:
+            nonlocal remaining
+            remaining -= 1
+            if remaining == 0 and not landed.done():
+                landed.set_result(None)
+
         for copy in copies:
-            landed: asyncio.Future[None] = loop.create_future()
-
-            def wake(_: LayerwiseCopy, landed: asyncio.Future[None] = landed) -> None:
-                if not landed.done():  # the waiter may have been cancelled
-                    landed.set_result(None)
-
             # Runs after the copy's own `_track` callback, so its pages are placed by then.
-            copy.add_done_callback(wake)
-            await landed
+            copy.add_done_callback(one_landed)
+        return landed
 
     def _on_load_done(
         self,

@@ -33,8 +33,8 @@ class Request:
         "_committed",
         "_host_node",
         "_host_pages",
+        "_joining",
         "_load",
-        "_load_landed",
         "_load_lock",
         "_lock_node",
         "_new_pages",
@@ -68,9 +68,9 @@ class Request:
         self._host_node: TreeNode | None = match.host_node if match.num_host_pages else None
         self._host_pages = match.num_host_pages
         self._load: LayerwiseCopy | None = None
-        # Set by the load's own bookkeeping, never inferred from `self._load.done()`: the
-        # copy may look done an instant before its pages were placed in the tree.
-        self._load_landed = False
+        # While `load()` waits for another request's copy: `release()` resolves it, so the
+        # wait ends at once instead of when that copy lands.
+        self._joining: asyncio.Future[None] | None = None
         # Created on first use: makes `load()` single-flight.
         self._load_lock: asyncio.Lock | None = None
         self._committed = False
@@ -124,7 +124,10 @@ class Request:
         Single-flight: concurrent and later calls get the same copy. The loaded pages go into
         `page_table` right after the device prefix, ahead of pages from `allocate()` whether
         it was called before or after. Raises `RuntimeError` after `commit()` (the committed
-        pages already stand for those tokens), `CacheClosedError` once released.
+        pages already stand for those tokens), `CacheClosedError` once released (a call
+        waiting for another request's copy raises as soon as this one is released), and
+        `HiCacheError` if the copy engine refuses to start the copy (nothing is held then;
+        `load()` may be called again).
         """
         self._check()
         if self._load is not None:
@@ -155,30 +158,33 @@ class Request:
             self._take_landed()
             host_node = self._host_node
             if host_node is None:
-                self._load_landed = True
                 return cache._engine_done_copy()
             joined = cache._loads_in_flight(host_node, self._host_pages)
             if joined:
                 # Another request is copying some of these pages: wait (a wait of our own, so
                 # cancelling it leaves that copy alone), then adopt what it landed.
-                await cache._wait_for_copies(joined)
+                self._joining = cache._copies_landed(joined)
+                try:
+                    await self._joining
+                finally:
+                    self._joining = None
                 self._check()
                 continue
             # The host pages stay protected from `HiCache.request()` until the load finishes.
             host_pages = cache._host_path_pages(host_node, self._host_pages)
-            device_pages = await cache._alloc_device(len(host_pages))
-            if self._released:  # released while waiting for pages
-                cache._device_free(device_pages)
-                raise CacheClosedError("the request was released while loading")
+            device_pages = await cache._alloc_device(len(host_pages), self)
             if cache._loads_in_flight(host_node, self._host_pages) or self._top_on_device():
                 # Someone started or finished loading these pages while we waited: share.
                 cache._device_free(device_pages)
                 continue
+            # Frees the device pages itself if the engine refuses: nothing is held before this.
+            copy = cache._start_load(host_pages, device_pages)
             # Right after the device prefix: pages from an earlier `allocate()` hold the
             # tokens after the host run.
             at = self._cached_pages
             self._page_table[at:at] = device_pages
-            return cache._start_load(self, host_node, host_pages, device_pages)
+            cache._track_load(self, host_node, host_pages, device_pages, copy)
+            return copy
 
     def _top_on_device(self) -> bool:
         assert self._host_node is not None
@@ -212,15 +218,16 @@ class Request:
             self._host_node = None
 
     async def allocate(self, num_tokens: int) -> list[int]:
-        """Device pages for `num_tokens` more tokens (whole pages, the tail page included)."""
+        """Device pages for `num_tokens` more tokens (whole pages, the tail page included).
+
+        May wait for pages being freed (write-backs, loads landing); raises
+        `CacheClosedError` once released, a call still waiting included.
+        """
         self._check()
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         count = math.ceil(num_tokens / self._cache.config.page_size)
-        pages = await self._cache._alloc_device(count)
-        if self._released:
-            self._cache._device_free(pages)
-            raise CacheClosedError("the request was released while allocating")
+        pages = await self._cache._alloc_device(count, self)
         self._new_pages.extend(pages)
         self._page_table.extend(pages)
         return pages
@@ -235,7 +242,7 @@ class Request:
         self._check()
         if self._load_lock is not None and self._load_lock.locked():
             raise RuntimeError("commit() while load() is starting: await load() and the load")
-        if self._load is not None and not self._load_landed:
+        if self._load_in_flight():
             raise RuntimeError("commit() before the load finished: await the load first")
         cache = self._cache
         page_size = cache.config.page_size
@@ -272,12 +279,16 @@ class Request:
         return count
 
     def release(self) -> None:
-        """Give back every lock and page. Idempotent; safe at any point."""
+        """Give back every lock and page. Idempotent; safe at any point.
+
+        A `load()` or `allocate()` of this request still waiting raises `CacheClosedError`
+        right away; a copy already started goes on and frees its pages when it lands.
+        """
         if self._released:
             return
         self._released = True
         cache = self._cache
-        loading = self._load is not None and not self._load_landed
+        loading = self._load_in_flight()
         # A load in flight lands its pages under the device prefix this lock holds: keep the
         # lock until it lands (`_on_load_done`), or the prefix could be evicted first.
         if self._lock_node is not None and not loading:
@@ -288,6 +299,12 @@ class Request:
         if self._host_node is not None and self._load is None:
             cache._tree.unprotect_host(self._host_node)
             self._host_node = None
+        # A `load()` or `allocate()` still waiting holds nothing yet: wake it to raise now,
+        # not when the copy or the pages it waits for turn up.
+        joining = self._joining
+        if joining is not None and not joining.done():
+            joining.set_result(None)
+        cache._capacity_changed.set()
         # A load still in flight finishes on its own and frees what it must.
         cache._device_free(self._new_pages + self._private_pages)
         self._new_pages = []
@@ -296,9 +313,13 @@ class Request:
 
     # -- internal hooks used by the cache -------------------------------------------------
 
+    def _load_in_flight(self) -> bool:
+        """Whether a load started and has not landed. The cache books a load as its copy
+        completes (`_track_load`), so a done copy is a landed one."""
+        return self._load is not None and not self._load.done()
+
     def _on_load_done(self, host_node: TreeNode, private: list[int], ok: bool) -> None:
         """Called by the cache when this request's load finished (on the loop)."""
-        self._load_landed = True
         if self._released:
             self._cache._abandoned_loads -= 1
             self._cache._device_free(private)
@@ -343,7 +364,7 @@ class Request:
 
     def __repr__(self) -> str:
         state = "released" if self._released else "active"
-        loading = self._load is not None and not self._load_landed
+        loading = self._load_in_flight()
         return (
             f"<Request {self.request_id or hex(id(self))} {state} tokens={self.num_tokens} "
             f"device={self.device_tokens} host={self.host_tokens} "

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hicache_async import CacheConfig, HiCache
+from hicache_async import CacheConfig, HiCache, WarmupResult, WarmupStatus
 from hicache_async.distributed import (
     AgreementMismatch,
+    BackgroundAgreements,
     CollectiveError,
     GroupStatistics,
     run_uncancelled,
@@ -58,7 +61,11 @@ class _World:
         return slot[1]
 
 
-class _Rank:
+class _SlottedRank:
+    """One rank of a `_World`; a class with __slots__ and no __weakref__, as some groups are."""
+
+    __slots__ = ("calls", "on_enter", "rank", "size", "world")
+
     def __init__(self, world: _World, rank: int) -> None:
         self.world, self.rank, self.size = world, rank, 2
         self.calls = 0
@@ -93,9 +100,15 @@ class _Rank:
         return GroupStatistics()
 
 
-def _config(rank: int) -> CacheConfig:
+class _Rank(_SlottedRank):
+    """The same rank, weakly referenceable (a subclass without __slots__)."""
+
+
+def _config(rank: int, *, warmup: bool = False) -> CacheConfig:
+    """Rank `rank`'s config; `warmup` starts a warmup (all of the host pool) on attach."""
     return CacheConfig.from_dict(
         {
+            "warmup": {"enabled": warmup, "ratio": 1.0},
             "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4},
             "page_size": PAGE,
             "device_pages": 64,
@@ -219,3 +232,182 @@ async def test_run_uncancelled_does_not_lose_a_cancellation_to_an_error() -> Non
     assert await caller is True  # the caller re-raises its cancellation from here
     with pytest.raises(CollectiveError):
         await run_uncancelled(fails())  # not cancelled: the error is the caller's
+
+
+async def _fill_missing_tail(root: Path, rank: int, prompts: list[np.ndarray], keep: int) -> None:
+    """Fill the store, then drop every prompt's pages past the first `keep` from it (the
+    manifest still lists them): a warmup on this rank lands fewer pages than its peers'."""
+    await _fill(root, rank, prompts)
+    async with HiCache(_config(rank), storage=FileStorage(root)) as cache:
+        backend = cache._link.backend if cache._link is not None else None
+        assert backend is not None
+        for prompt in prompts:
+            keys = cache.namespace.storage_keys(cache.keys_for(prompt))
+            assert await backend.delete(keys[keep:]) == len(keys) - keep
+
+
+async def test_warmup_cancelled_in_a_trim_still_trims_like_its_peers(tmp_path: Path) -> None:
+    """Rank 1 holds fewer pages of each entry, so the agreed trim drops rank 0's excess; a
+    cancellation while rank 0 waits in that trim agreement must not skip the drop."""
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 50000, size=6 * PAGE) for _ in range(3)]
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    await _fill(roots[0], 0, prompts)
+    await _fill_missing_tail(roots[1], 1, prompts, keep=3)
+    world = _World()
+    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    async with (
+        HiCache(_config(0), storage=FileStorage(roots[0]), rank_group=ranks[0]) as first,
+        HiCache(_config(1), storage=FileStorage(roots[1]), rank_group=ranks[1]) as second,
+    ):
+        warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in (first, second)]
+
+        def cancel_in_first_trim(entered: str, index: int) -> None:
+            # 0: entries; 1: the first entry's "go on?"; 2: its trim.
+            if index == 2:
+                assert entered == "min"
+                warmups[0].cancel()  # rank 0 waits in the trim: rank 1 has not entered yet
+
+        ranks[0].on_enter = cancel_in_first_trim
+        with pytest.raises(asyncio.CancelledError):
+            await warmups[0]
+        result = await asyncio.wait_for(warmups[1], 30)
+        assert result.status.value == "stopped"
+        assert result.entries_loaded == 1
+        assert ranks[0].calls == ranks[1].calls
+        held = [[c.match(p).host_tokens for p in prompts] for c in (first, second)]
+        assert sorted(held[1]) == [0, 0, 3 * PAGE]  # rank 1 loaded what it had of one entry
+        assert held[0] == held[1]  # rank 0 dropped the pages rank 1 does not have
+        pools = [c.statistics().host_pool for c in (first, second)]
+        assert pools[0] is not None
+        assert pools[1] is not None
+        assert pools[0].used == pools[1].used == 3
+
+
+@pytest.mark.parametrize("stop", ["none", "detach", "at_once"])
+async def test_a_link_warmup_counts_once_and_ends_on_every_path(tmp_path: Path, stop: str) -> None:
+    """The warmup started on attach counts as one background sequence from the attach on,
+    and that count ends whether it completes, is cancelled mid-way (a detach) or at once;
+    a request agreement made afterwards then runs instead of waiting forever."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 50000, size=4 * PAGE) for _ in range(4)]
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    for rank, root in enumerate(roots):
+        await _fill(root, rank, prompts)
+    world = _World()
+    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    backgrounds = [BackgroundAgreements.of(rank) for rank in ranks]
+    async with (
+        HiCache(_config(0, warmup=True), rank_group=ranks[0]) as first,
+        HiCache(_config(1, warmup=True), rank_group=ranks[1]) as second,
+    ):
+        seen: list[int] = []
+        detaching: list[asyncio.Task[None]] = []
+
+        def watch(entered: str, index: int) -> None:
+            seen.append(backgrounds[0].active)
+            if stop == "detach" and index == 3:  # the second entry's "go on?"
+                detaching.append(asyncio.create_task(first.detach_storage()))
+
+        ranks[0].on_enter = watch
+        await first.attach_storage(FileStorage(roots[0]))
+        assert backgrounds[0].active == 1  # counted before its task first ran
+        if stop == "at_once":
+            # Its warmup, cancelled at its first step, still enters the entries agreement,
+            # so the detach completes once rank 1 has entered it too.
+            detaching.append(asyncio.create_task(first.detach_storage()))
+        await second.attach_storage(FileStorage(roots[1]))
+        theirs = await asyncio.wait_for(second.wait_warmup(), 30)
+        assert theirs is not None
+        if stop == "none":
+            ours = await first.wait_warmup()
+            assert ours is not None
+            assert ours.status.value == theirs.status.value == "complete"
+            assert ours.entries_loaded == theirs.entries_loaded == len(prompts)
+        else:
+            await asyncio.gather(*detaching)
+            assert theirs.status.value == "stopped"
+        assert seen
+        assert set(seen) == {1}  # one warmup, one count (not one per layer that began it)
+        assert [b.active for b in backgrounds] == [0, 0]
+        assert ranks[0].calls == ranks[1].calls
+        agreed = await asyncio.wait_for(
+            asyncio.gather(*(c.agree_cached_tokens(prompts[0]) for c in (first, second))), 30
+        )
+        assert agreed[0] == agreed[1]
+        assert ranks[0].calls == ranks[1].calls
+
+
+async def test_every_scheduled_link_warmup_ends_its_own_count(tmp_path: Path) -> None:
+    """Two warmups scheduled on one link count twice and end twice; a link whose task group
+    has ended refuses a warmup without counting it (a count that never ends would make every
+    later request agreement on the group wait forever)."""
+    world = _World()
+    rank = _Rank(world, 0)
+    background = BackgroundAgreements.of(rank)
+    release = asyncio.Event()
+
+    async def held() -> WarmupResult:
+        await release.wait()
+        return WarmupResult(status=WarmupStatus.COMPLETE)
+
+    async with HiCache(_config(0), storage=FileStorage(tmp_path), rank_group=rank) as cache:
+        link = cache._link
+        assert link is not None
+        futures = []
+        for _ in range(2):
+            link.start_warmup(held)
+            assert link.warmup_result is not None
+            futures.append(link.warmup_result)
+        assert background.active == 2
+        release.set()
+        results = await asyncio.gather(*futures)
+        assert [r.status for r in results] == [WarmupStatus.COMPLETE] * 2
+        assert background.active == 0
+        await cache.detach_storage()
+        with pytest.raises(RuntimeError):
+            link.start_warmup(held)
+        assert background.active == 0
+
+
+async def test_a_group_without_weakrefs_is_let_go_once_its_warmups_end(tmp_path: Path) -> None:
+    """A group that cannot be weakly referenced keeps one `BackgroundAgreements` while a
+    warmup runs on it, which a request agreement made meanwhile waits for; once the warmup
+    ended and nobody holds it, the table no longer keeps it (nor the group)."""
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 50000, size=4 * PAGE) for _ in range(4)]
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    for rank, root in enumerate(roots):
+        await _fill(root, rank, prompts)
+    world = _World()
+    ranks = [_SlottedRank(world, 0), _SlottedRank(world, 1)]
+    with pytest.raises(TypeError):
+        weakref.ref(ranks[0])
+    async with (
+        HiCache(_config(0), storage=FileStorage(roots[0]), rank_group=ranks[0]) as first,
+        HiCache(_config(1), storage=FileStorage(roots[1]), rank_group=ranks[1]) as second,
+    ):
+        warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in (first, second)]
+        requests: list[asyncio.Task[int]] = []
+        running: list[int] = []
+
+        def ask(entered: str, index: int) -> None:
+            if index == 1:  # rank 0's warmup waits in the first entry's "go on?"
+                running.append(BackgroundAgreements.of(ranks[0]).active)
+                requests.extend(
+                    asyncio.create_task(c.agree_cached_tokens(prompts[0])) for c in (first, second)
+                )
+
+        ranks[0].on_enter = ask
+        results = await asyncio.wait_for(asyncio.gather(*warmups), 30)
+        agreed = await asyncio.wait_for(asyncio.gather(*requests), 30)
+        assert running == [1]
+        assert [r.status for r in results] == [WarmupStatus.STOPPED] * 2
+        assert results[0].entries_loaded == results[1].entries_loaded < len(prompts)
+        # Had a request not waited for its rank's warmup, it would have paired with one of
+        # the warmup's collectives on the other rank.
+        assert all(not f.exception() for _, f in world.slots.values())
+        assert ranks[0].calls == ranks[1].calls
+        assert agreed[0] == agreed[1]
+        gc.collect()  # frames of finished tasks may sit in reference cycles
+        assert all(id(rank) not in BackgroundAgreements._of_strong for rank in ranks)

@@ -26,26 +26,37 @@ class BackgroundAgreements:
     _of: ClassVar[weakref.WeakKeyDictionary[RankGroup, BackgroundAgreements]] = (
         weakref.WeakKeyDictionary()
     )
-    # Groups that cannot be weakly referenced (custom classes with __slots__); kept alive by
-    # this table, which is one small object per group.
-    _of_strong: ClassVar[dict[int, tuple[RankGroup, BackgroundAgreements]]] = {}
+    # Groups that cannot be weakly referenced (classes with __slots__ and no __weakref__),
+    # by id. The entry lives exactly as long as its instance, which holds the group: the id
+    # cannot be reused meanwhile, and one group never has two live instances. Once nobody
+    # holds the instance (no sequence runs, nobody waits), both go.
+    _of_strong: ClassVar[weakref.WeakValueDictionary[int, BackgroundAgreements]] = (
+        weakref.WeakValueDictionary()
+    )
+    # Instances with sequences running: kept alive (so registered) even if only the count
+    # refers to them, so a request agreement always finds the running ones.
+    _running: ClassVar[set[BackgroundAgreements]] = set()
 
     def __init__(self) -> None:
         self._active = 0
         self._stop = False
         self._idle = asyncio.Event()
         self._idle.set()
+        self._group: RankGroup | None = None  # set for groups in `_of_strong` only
 
     @classmethod
     def of(cls, group: RankGroup) -> BackgroundAgreements:
-        """The one instance for `group` (made on first use)."""
+        """The one instance for `group` (made on first use; while anyone holds it or a
+        sequence runs, every call returns the same one)."""
         try:
             found = cls._of.get(group)
         except TypeError:
-            pair = cls._of_strong.get(id(group))
-            if pair is None or pair[0] is not group:
-                pair = cls._of_strong[id(group)] = (group, cls())
-            return pair[1]
+            found = cls._of_strong.get(id(group))
+            if found is None:
+                found = cls()
+                found._group = group
+                cls._of_strong[id(group)] = found
+            return found
         if found is None:
             found = cls._of[group] = cls()
         return found
@@ -65,6 +76,7 @@ class BackgroundAgreements:
         so a request agreement made meanwhile waits for it too)."""
         self._active += 1
         self._idle.clear()
+        self._running.add(self)
 
     def end(self) -> None:
         """A background sequence entered its last collective; pair with `begin`."""
@@ -73,6 +85,7 @@ class BackgroundAgreements:
             # The stop applied to the sequences that were running; later ones start afresh.
             self._stop = False
             self._idle.set()
+            self._running.discard(self)
 
     async def wait_idle(self) -> None:
         """Ask the running background sequences to stop, and return once none is left.

@@ -15,7 +15,7 @@ from ..storage import StorageBackend, StorageStats
 from ..storage._protocol import check_backend
 from ._backup import BackupStatistics, BackupWorker
 from ._prefetch import Prefetcher, PrefetchStatistics
-from ._warmup import Warmer, WarmupResult
+from ._warmup import BackgroundCount, Warmer, WarmupResult, scheduled_count
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -56,8 +56,9 @@ class StorageLink:
         self._tg: anyio.abc.TaskGroup | None = None
         self._scope: anyio.CancelScope | None = None
         self._backup_done = anyio.Event()
-        # Ends the background warmup's count on the group (see `start_warmup`); idempotent.
-        self._background_end: Callable[[], None] | None = None
+        # Warmups scheduled by `start_warmup` whose task has not run yet: their results, and
+        # their counts on the group's background agreements.
+        self._unstarted: dict[asyncio.Future[WarmupResult], BackgroundCount | None] = {}
         self._stopped = anyio.Event()
 
     def _is_current(self) -> bool:
@@ -78,7 +79,11 @@ class StorageLink:
                         task_status.started()
         finally:
             # A warmup task cancelled before its first step never runs its own `finally`.
-            self._end_background()
+            for future, count in self._unstarted.items():
+                future.cancel()
+                if count is not None:
+                    count.end()
+            self._unstarted.clear()
             self._stopped.set()
 
     def start_warmup(self, warmup: Callable[[], Awaitable[WarmupResult]]) -> None:
@@ -90,16 +95,13 @@ class StorageLink:
         """
         assert self._tg is not None
         future: asyncio.Future[WarmupResult] = asyncio.get_running_loop().create_future()
-        self.warmup_result = future
         group = self.cache.rank_group
-        background = (
-            BackgroundAgreements.of(group) if group is not None and group.size > 1 else None
-        )
-        if background is not None:
-            background.begin()
-            self._background_end = background.end
 
         async def run() -> None:
+            count = self._unstarted.pop(future)
+            # The warmup this task runs takes the count over (see `Warmer.run`); ending it
+            # here too is a no-op then, and ends it if `warmup` never got to take it.
+            scheduled_count.set(count)
             try:
                 result = await warmup()
             except asyncio.CancelledError:
@@ -111,15 +113,18 @@ class StorageLink:
                 _log.warning("hicache.warmup.failed", error=repr(exc))
                 return
             finally:
-                self._end_background()
+                if count is not None:
+                    count.end()
             future.set_result(result)
 
+        # Scheduled first: a task group that has ended refuses it, and then nothing is counted.
         self._tg.start_soon(run)
-
-    def _end_background(self) -> None:
-        end, self._background_end = self._background_end, None
-        if end is not None:
-            end()
+        self._unstarted[future] = (
+            BackgroundCount(BackgroundAgreements.of(group))
+            if group is not None and group.size > 1
+            else None
+        )
+        self.warmup_result = future
 
     async def _run_backup(self) -> None:
         try:

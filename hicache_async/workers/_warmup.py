@@ -10,14 +10,16 @@ locally: one to agree to go on, one to agree on how many pages every rank has; a
 loaded more than the others drops the excess so every rank ends with the same tree. Each
 collective is tagged with what it agrees on (the step and the entry). A warmup cancelled
 between its collectives still enters the rest of the current entry's, contributing "stop",
-before it re-raises, so no peer is left waiting. A request agreement that arrives meanwhile
-asks the warmup to stop (`BackgroundAgreements`): the next "go on?" agreement then stops it on
-every rank at the same entry, and the request agrees after it.
+and applies the trim they agree on before it re-raises, so no peer is left waiting and every
+rank keeps the same pages. A request agreement that arrives meanwhile asks the warmup to stop
+(`BackgroundAgreements`): the next "go on?" agreement then stops it on every rank at the same
+entry, and the request agrees after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 import time
 from collections.abc import Awaitable, Callable
@@ -71,6 +73,35 @@ class WarmupResult(msgspec.Struct, frozen=True):
     seconds: float = 0.0
 
 
+class BackgroundCount:
+    """One warmup's count on its group's `BackgroundAgreements`: begun when made, ended by
+    the first `end()` (later ones do nothing), so every `begin` pairs with exactly one `end`
+    whichever of its holders ends it."""
+
+    def __init__(self, background: BackgroundAgreements) -> None:
+        background.begin()
+        self._background: BackgroundAgreements | None = background
+
+    @property
+    def background(self) -> BackgroundAgreements | None:
+        """What this count is on; None once ended."""
+        return self._background
+
+    def end(self) -> None:
+        """End the count, if not ended yet."""
+        background, self._background = self._background, None
+        if background is not None:
+            background.end()
+
+
+#: In a link's warmup task, the count `StorageLink.start_warmup` took for the warmup before
+#: the task ran; the `Warmer` the task runs takes it over instead of counting itself again.
+#: A context variable, so a warmup started from any other task never takes it.
+scheduled_count: contextvars.ContextVar[BackgroundCount | None] = contextvars.ContextVar(
+    "hicache_async_scheduled_warmup_count", default=None
+)
+
+
 class Warmer:
     """One warmup run over one attached backend."""
 
@@ -96,18 +127,24 @@ class Warmer:
 
     async def run(self) -> WarmupResult:
         """Warm up; a broken rank group stops it (logged), it never fails the caller."""
-        background = self._background
-        if background is not None:
+        count: BackgroundCount | None = None
+        if self._background is not None:
             # Request agreements on this group wait until every warmup's last collective.
-            background.begin()
+            count = scheduled_count.get()
+            if count is not None and count.background is self._background:
+                # The link's warmup task counted this warmup when it was scheduled: take
+                # that count over (a second one would not be this warmup's either).
+                scheduled_count.set(None)
+            else:
+                count = BackgroundCount(self._background)
         try:
             return await self._run()
         except CollectiveError as exc:
             _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
             return WarmupResult(status=WarmupStatus.STOPPED)
         finally:
-            if background is not None:
-                background.end()
+            if count is not None:
+                count.end()
 
     async def _run(self) -> WarmupResult:
         began = time.monotonic()
@@ -159,12 +196,11 @@ class Warmer:
             if go_on is not WarmupStatus.COMPLETE:
                 status = go_on
                 break
-            keys = [bytes.fromhex(k) for k in entry.keys]
-            trim_entered = False
             try:
                 await self._link.prefetcher.wait_quiet()
                 landed = cached = 0
                 if not (tp and self._stopping()):
+                    keys = [bytes.fromhex(k) for k in entry.keys]
                     handle = PrefetchHandle(
                         self._link.prefetcher,
                         keys,
@@ -179,19 +215,15 @@ class Warmer:
                     cached = handle.result().cached_tokens
                 # else: a request agreement is waiting; load nothing more, but still take
                 # part in this entry's agreement so every rank's count stays equal.
-                if tp:
-                    assert group is not None
-                    trim_entered = True  # agree_min enters it on every path from here
-                    agreed = await _agree_value(group, cached, _trim_tag(entry.chain_id))
-                    cache._trim_host(keys, agreed // size)
             except asyncio.CancelledError:
                 if tp:
                     assert group is not None
-                    following = entries[index + 1] if index + 1 < len(entries) else None
-                    await self._finish_cancelled(
-                        group, keys, entry.chain_id, trim_entered, following
-                    )
+                    await self._agree_trim_owing(group, 0, entries, index, cancelled=True)
                 raise
+            if tp:
+                assert group is not None
+                if await self._agree_trim_owing(group, cached, entries, index):
+                    raise asyncio.CancelledError
             loaded_pages += landed
             loaded_entries += landed > 0
         return WarmupResult(
@@ -237,9 +269,7 @@ class Warmer:
         if not await run_uncancelled(agree()):
             return agreed[0]
         if agreed[0]:
-            following = entries[index + 1] if index + 1 < len(entries) else None
-            keys = [bytes.fromhex(k) for k in entry.keys]
-            await self._finish_cancelled(group, keys, entry.chain_id, False, following)
+            await self._agree_trim_owing(group, 0, entries, index, cancelled=True)
         raise asyncio.CancelledError
 
     async def _owe(self, group: RankGroup, tag: int) -> None:
@@ -253,32 +283,42 @@ class Warmer:
         except CollectiveError as exc:
             _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
 
-    async def _finish_cancelled(
+    async def _agree_trim_owing(
         self,
         group: RankGroup,
-        keys: list[bytes],
-        chain_id: str,
-        trim_entered: bool,
-        following: ManifestEntry | None,
-    ) -> None:
-        """Cancelled between an entry's collectives: enter the ones this rank still owes the
-        entry, contributing "stop" (0 pages, do not go on), so peers are not left waiting."""
-        size = self._cache.config.page_size
+        cached: int,
+        entries: list[ManifestEntry],
+        index: int,
+        *,
+        cancelled: bool = False,
+    ) -> bool:
+        """Entry `index`'s trim agreement, then the trim it agrees on; True if the caller was
+        cancelled (during it, or before it: `cancelled`) and must re-raise.
 
-        async def finish() -> None:
-            if not trim_entered:
-                agreed = await _agree_value(group, 0, _trim_tag(chain_id))
-                self._cache._trim_host(keys, agreed // size)
-            if following is not None:
-                # The peers go on to the next entry's "go on?"; answer it with "no".
-                await _agree_value(group, 0, _go_on_tag(following.chain_id))
+        A cancellation waits for the agreement and still trims to the agreed pages, so this
+        rank keeps the same pages as its peers; then, if they go on to the next entry, it
+        answers that entry's "go on?" with "no", so they stop there with it.
+        """
+        entry = entries[index]
+        agreed: list[int] = []
+
+        async def agree() -> None:
+            agreed.append(await _agree_value(group, cached, _trim_tag(entry.chain_id)))
 
         try:
-            await run_uncancelled(finish())
+            cancelled = await run_uncancelled(agree()) or cancelled
         except CollectiveError as exc:
-            # The cancellation is re-raised by the caller either way; the group's failure is
-            # what the next agreement on it reports.
+            if not cancelled:
+                raise
+            # The caller re-raises its cancellation either way; the group's failure is what
+            # the next agreement on it reports.
             _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
+        if agreed:
+            keys = [bytes.fromhex(k) for k in entry.keys]
+            self._cache._trim_host(keys, agreed[0] // self._cache.config.page_size)
+        if cancelled and agreed and index + 1 < len(entries):
+            await self._owe(group, _go_on_tag(entries[index + 1].chain_id))
+        return cancelled
 
     def _may_continue(self, loaded: int, budget: int, began: float) -> WarmupStatus:
         if self._stopping() or self._cache._link is not self._link or self._cache._state != "open":

@@ -1,0 +1,79 @@
+"""`agree_cached_tokens` over two ranks in one event loop: the local figure is taken after a
+running warmup stopped, and refused input still enters the collective."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_tp_warmup_cancel import PAGE, _config, _fill, _Rank, _World
+
+from hicache_async import CacheClosedError, HiCache
+from hicache_async.distributed import BackgroundAgreements
+from hicache_async.storage import FileStorage
+
+
+async def _commit(cache: HiCache, prompt: np.ndarray) -> None:
+    with cache.request(prompt) as request:
+        await request.allocate(len(prompt) - request.cached_tokens)
+        request.commit()
+
+
+async def test_the_figure_is_taken_after_the_warmup_stopped(tmp_path: Path) -> None:
+    prompt = np.arange(500, 500 + 5 * PAGE)
+    world = _World()
+    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    async with (
+        HiCache(_config(0), rank_group=ranks[0]) as first,
+        HiCache(_config(1), rank_group=ranks[1]) as second,
+    ):
+        await _commit(second, prompt)
+        background = BackgroundAgreements.of(ranks[0])
+        background.begin()  # a warmup runs on rank 0
+        agreeing = asyncio.create_task(first.agree_cached_tokens(prompt))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not agreeing.done()
+        assert background.stop_requested
+        # What the warmup brings in before it stops counts: rank 0 offers it.
+        await _commit(first, prompt)
+        background.end()
+        theirs = await second.agree_cached_tokens(prompt)
+        assert await agreeing == theirs == len(prompt)
+        assert ranks[0].calls == ranks[1].calls == 1
+
+
+@pytest.mark.parametrize("bad", [[1.5, 2.5], [True, False], [-3]], ids=["float", "bool", "neg"])
+async def test_refused_tokens_still_enter_the_collective(bad: list[object]) -> None:
+    prompt = np.arange(100, 100 + 3 * PAGE)
+    world = _World()
+    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    async with (
+        HiCache(_config(0), rank_group=ranks[0]) as first,
+        HiCache(_config(1), rank_group=ranks[1]) as second,
+    ):
+        await _commit(second, prompt)
+        refused = asyncio.create_task(first.agree_cached_tokens(bad))
+        # The peer's agreement pairs with a tag no valid prompt has: it gets 0, not a hang.
+        assert await asyncio.wait_for(second.agree_cached_tokens(prompt), 30) == 0
+        with pytest.raises((TypeError, ValueError)):
+            await refused
+        assert ranks[0].calls == ranks[1].calls == 1
+
+
+async def test_a_closed_cache_raises_after_entering(tmp_path: Path) -> None:
+    prompt = np.arange(100, 100 + 3 * PAGE)
+    world = _World()
+    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    await _fill(tmp_path, 1, [prompt])
+    async with HiCache(_config(1), storage=FileStorage(tmp_path), rank_group=ranks[1]) as second:
+        first = HiCache(_config(0), rank_group=ranks[0])
+        async with first:
+            await _commit(first, prompt)
+        closed = asyncio.create_task(first.agree_cached_tokens(prompt))
+        assert await asyncio.wait_for(second.agree_cached_tokens(prompt), 30) == 0
+        with pytest.raises(CacheClosedError):
+            await closed
+        assert ranks[0].calls == ranks[1].calls == 1
