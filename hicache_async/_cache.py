@@ -327,8 +327,9 @@ class HiCache:
         running warmup is stopped first, at the same entry on every rank, and the local
         figure is taken after it stopped. Tokens this cache refuses (`TypeError`,
         `ValueError`) and a closed cache (`CacheClosedError`) raise once the collective has
-        been entered with 0 (refused tokens under a tag no valid prompt has, so the peers
-        get 0 as well).
+        been entered with 0. Refused tokens enter under a tag no valid prompt has: unless
+        every rank refused the same way, that is an `AgreementMismatch`, so the peers get 0
+        and the group is broken, as after any mismatch.
         """
         group = self.rank_group
         if group is None or group.size == 1:

@@ -117,13 +117,21 @@ class StorageLink:
                     count.end()
             future.set_result(result)
 
-        # Scheduled first: a task group that has ended refuses it, and then nothing is counted.
-        self._tg.start_soon(run)
-        self._unstarted[future] = (
+        # Counted before it is scheduled (a task may start eagerly, inside `start_soon`); a
+        # task group that has ended refuses it, and then the count ends at once.
+        count = (
             BackgroundCount(BackgroundAgreements.of(group))
             if group is not None and group.size > 1
             else None
         )
+        self._unstarted[future] = count
+        try:
+            self._tg.start_soon(run)
+        except BaseException:
+            self._unstarted.pop(future, None)
+            if count is not None:
+                count.end()
+            raise
         self.warmup_result = future
 
     async def _run_backup(self) -> None:

@@ -9,8 +9,9 @@ With a rank group, each entry costs exactly two collectives on every rank whatev
 locally: one to agree to go on, one to agree on how many pages every rank has; a rank that
 loaded more than the others drops the excess so every rank ends with the same tree. Each
 collective is tagged with what it agrees on (the step and the entry). A warmup cancelled
-between its collectives still enters the rest of the current entry's, contributing "stop",
-and applies the trim they agree on before it re-raises, so no peer is left waiting and every
+between its collectives still enters the rest of the current entry's, contributing "stop"
+(the pages it holds of the entry, without loading more), and applies the trim they agree on
+before it re-raises, so no peer is left waiting and every
 rank keeps the same pages. A request agreement that arrives meanwhile asks the warmup to stop
 (`BackgroundAgreements`): the next "go on?" agreement then stops it on every rank at the same
 entry, and the request agrees after it.
@@ -198,7 +199,10 @@ class Warmer:
                 break
             try:
                 await self._link.prefetcher.wait_quiet()
-                landed = cached = 0
+                landed = 0
+                # Stopped (a request agreement waits): load nothing more, but offer what this
+                # rank holds of the entry already, so the trim keeps pages every rank has.
+                cached = self._held_tokens(entry) if tp else 0
                 if not (tp and self._stopping()):
                     keys = [bytes.fromhex(k) for k in entry.keys]
                     handle = PrefetchHandle(
@@ -213,12 +217,11 @@ class Warmer:
                     await self._link.prefetcher.run_now(handle)
                     landed = handle.storage_tokens // size
                     cached = handle.result().cached_tokens
-                # else: a request agreement is waiting; load nothing more, but still take
-                # part in this entry's agreement so every rank's count stays equal.
             except asyncio.CancelledError:
                 if tp:
                     assert group is not None
-                    await self._agree_trim_owing(group, 0, entries, index, cancelled=True)
+                    held = self._held_tokens(entry)
+                    await self._agree_trim_owing(group, held, entries, index, cancelled=True)
                 raise
             if tp:
                 assert group is not None
@@ -250,7 +253,8 @@ class Warmer:
 
         if not await run_uncancelled(agree()):
             return agreed[0]
-        if agreed[0]:
+        # Nothing agreed: the collective failed (logged), and the peers see that failure too.
+        if agreed and agreed[0]:
             await self._owe(group, _go_on_tag(agreed[0][0].hex()))
         raise asyncio.CancelledError
 
@@ -268,9 +272,18 @@ class Warmer:
 
         if not await run_uncancelled(agree()):
             return agreed[0]
-        if agreed[0]:
-            await self._agree_trim_owing(group, 0, entries, index, cancelled=True)
+        if agreed and agreed[0]:  # nothing agreed: as in `_agree_entries_owing`
+            held = self._held_tokens(entry)
+            await self._agree_trim_owing(group, held, entries, index, cancelled=True)
         raise asyncio.CancelledError
+
+    def _held_tokens(self, entry: ManifestEntry) -> int:
+        """Tokens of `entry` this rank holds now (device or host), loading nothing: what a
+        stopped or cancelled warmup offers to the entry's trim, so pages every rank had
+        before are kept."""
+        keys = [bytes.fromhex(k) for k in entry.keys]
+        found = self._cache.tree.match(keys, touch=False)
+        return (found.num_device_pages + found.num_host_pages) * self._cache.config.page_size
 
     async def _owe(self, group: RankGroup, tag: int) -> None:
         """Enter a "go on?" agreement with "no", whatever cancels the caller meanwhile."""
