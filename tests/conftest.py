@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
+from _gated_copies import GatedEngine
 from hypothesis import HealthCheck, settings
 
 # Hypothesis' per-example deadline is a timed assertion: on a shared two-core machine a
@@ -29,3 +30,13 @@ def pytest_asyncio_loop_factories(
     if uvloop is not None:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+@pytest.fixture
+async def gate() -> AsyncIterator[GatedEngine]:
+    """A gated copy engine (see `_gated_copies`), closed after the test."""
+    engine = GatedEngine()
+    try:
+        yield engine
+    finally:
+        await engine.aclose()

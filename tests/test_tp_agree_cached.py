@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_tp_warmup_cancel import PAGE, _config, _fill, _Rank, _World
+from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_caches
 
 from hicache_async import CacheClosedError, HiCache
 from hicache_async.distributed import BackgroundAgreements
@@ -23,12 +23,8 @@ async def _commit(cache: HiCache, prompt: np.ndarray) -> None:
 
 async def test_the_figure_is_taken_after_the_warmup_stopped(tmp_path: Path) -> None:
     prompt = np.arange(500, 500 + 5 * PAGE)
-    world = _World()
-    ranks = [_Rank(world, 0), _Rank(world, 1)]
-    async with (
-        HiCache(_config(0), rank_group=ranks[0]) as first,
-        HiCache(_config(1), rank_group=ranks[1]) as second,
-    ):
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks) as (first, second):
         await _commit(second, prompt)
         background = BackgroundAgreements.of(ranks[0])
         background.begin()  # a warmup runs on rank 0
@@ -48,12 +44,8 @@ async def test_the_figure_is_taken_after_the_warmup_stopped(tmp_path: Path) -> N
 @pytest.mark.parametrize("bad", [[1.5, 2.5], [True, False], [-3]], ids=["float", "bool", "neg"])
 async def test_refused_tokens_still_enter_the_collective(bad: list[object]) -> None:
     prompt = np.arange(100, 100 + 3 * PAGE)
-    world = _World()
-    ranks = [_Rank(world, 0), _Rank(world, 1)]
-    async with (
-        HiCache(_config(0), rank_group=ranks[0]) as first,
-        HiCache(_config(1), rank_group=ranks[1]) as second,
-    ):
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks) as (first, second):
         await _commit(second, prompt)
         refused = asyncio.create_task(first.agree_cached_tokens(bad))
         # The peer's agreement pairs with a tag no valid prompt has: it gets 0, not a hang.
@@ -65,8 +57,7 @@ async def test_refused_tokens_still_enter_the_collective(bad: list[object]) -> N
 
 async def test_a_closed_cache_raises_after_entering(tmp_path: Path) -> None:
     prompt = np.arange(100, 100 + 3 * PAGE)
-    world = _World()
-    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    ranks = _pair(_Rank)
     await _fill(tmp_path, 1, [prompt])
     async with HiCache(_config(1), storage=FileStorage(tmp_path), rank_group=ranks[1]) as second:
         first = HiCache(_config(0), rank_group=ranks[0])

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import gc
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -121,6 +122,36 @@ def _config(rank: int, *, warmup: bool = False) -> CacheConfig:
     )
 
 
+R = TypeVar("R", bound=_SlottedRank)
+
+
+def _pair(kind: type[R]) -> list[R]:
+    """Ranks 0 and 1 of a new `_World`."""
+    world = _World()
+    return [kind(world, 0), kind(world, 1)]
+
+
+@contextlib.asynccontextmanager
+async def _two_caches(
+    ranks: Sequence[_SlottedRank], roots: Sequence[Path] | None = None, *, warmup: bool = False
+) -> AsyncIterator[tuple[HiCache, HiCache]]:
+    """Rank 0's and rank 1's caches over `ranks`, each on a FileStorage at its root if given."""
+    stores = [None, None] if roots is None else [FileStorage(root) for root in roots]
+    async with (
+        HiCache(_config(0, warmup=warmup), storage=stores[0], rank_group=ranks[0]) as first,
+        HiCache(_config(1, warmup=warmup), storage=stores[1], rank_group=ranks[1]) as second,
+    ):
+        yield first, second
+
+
+async def _fill_both(tmp_path: Path, prompts: list[np.ndarray]) -> list[Path]:
+    """Stores for ranks 0 and 1 (under `tmp_path`), both holding `prompts`."""
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    for rank, root in enumerate(roots):
+        await _fill(root, rank, prompts)
+    return roots
+
+
 async def _fill(root: Path, rank: int, prompts: list[np.ndarray]) -> None:
     async with HiCache(_config(rank), storage=FileStorage(root)) as cache:
         for prompt in prompts:
@@ -135,15 +166,9 @@ async def _fill(root: Path, rank: int, prompts: list[np.ndarray]) -> None:
 async def test_cancelled_warmup_leaves_no_peer_waiting(tmp_path: Path, kind: str, at: int) -> None:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 50000, size=int(rng.integers(3 * PAGE, 8 * PAGE))) for _ in range(6)]
-    roots = [tmp_path / "r0", tmp_path / "r1"]
-    for rank, root in enumerate(roots):
-        await _fill(root, rank, prompts)
-    world = _World()
-    ranks = [_Rank(world, 0), _Rank(world, 1)]
-    async with (
-        HiCache(_config(0), storage=FileStorage(roots[0]), rank_group=ranks[0]) as first,
-        HiCache(_config(1), storage=FileStorage(roots[1]), rank_group=ranks[1]) as second,
-    ):
+    roots = await _fill_both(tmp_path, prompts)
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks, roots) as (first, second):
         warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in (first, second)]
         cancelled_at: list[int] = []
 
@@ -195,15 +220,9 @@ async def test_run_uncancelled_keeps_a_result_that_landed_before_the_cancellatio
 async def test_two_ready_calls_on_one_handle_share_the_hold(tmp_path: Path) -> None:
     """The prefix a rank offers stays held until the last of its ready() calls returns."""
     prompt = np.arange(1000, 1000 + 6 * PAGE)
-    roots = [tmp_path / "r0", tmp_path / "r1"]
-    for rank, root in enumerate(roots):
-        await _fill(root, rank, [prompt])
-    world = _World()
-    ranks = [_Rank(world, 0), _Rank(world, 1)]
-    async with (
-        HiCache(_config(0), storage=FileStorage(roots[0]), rank_group=ranks[0]) as first,
-        HiCache(_config(1), storage=FileStorage(roots[1]), rank_group=ranks[1]) as second,
-    ):
+    roots = await _fill_both(tmp_path, [prompt])
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks, roots) as (first, second):
         handles = [await cache.start_prefetch(prompt) for cache in (first, second)]
         both = [asyncio.create_task(handles[0].ready()) for _ in range(2)]
         one = await handles[1].ready()  # pairs with rank 0's first agreement only
@@ -254,12 +273,8 @@ async def test_warmup_cancelled_in_a_trim_still_trims_like_its_peers(tmp_path: P
     roots = [tmp_path / "r0", tmp_path / "r1"]
     await _fill(roots[0], 0, prompts)
     await _fill_missing_tail(roots[1], 1, prompts, keep=3)
-    world = _World()
-    ranks = [_Rank(world, 0), _Rank(world, 1)]
-    async with (
-        HiCache(_config(0), storage=FileStorage(roots[0]), rank_group=ranks[0]) as first,
-        HiCache(_config(1), storage=FileStorage(roots[1]), rank_group=ranks[1]) as second,
-    ):
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks, roots) as (first, second):
         warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in (first, second)]
 
         def cancel_in_first_trim(entered: str, index: int) -> None:
@@ -291,16 +306,10 @@ async def test_a_link_warmup_counts_once_and_ends_on_every_path(tmp_path: Path, 
     a request agreement made afterwards then runs instead of waiting forever."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 50000, size=4 * PAGE) for _ in range(4)]
-    roots = [tmp_path / "r0", tmp_path / "r1"]
-    for rank, root in enumerate(roots):
-        await _fill(root, rank, prompts)
-    world = _World()
-    ranks = [_Rank(world, 0), _Rank(world, 1)]
+    roots = await _fill_both(tmp_path, prompts)
+    ranks = _pair(_Rank)
     backgrounds = [BackgroundAgreements.of(rank) for rank in ranks]
-    async with (
-        HiCache(_config(0, warmup=True), rank_group=ranks[0]) as first,
-        HiCache(_config(1, warmup=True), rank_group=ranks[1]) as second,
-    ):
+    async with _two_caches(ranks, warmup=True) as (first, second):
         seen: list[int] = []
         detaching: list[asyncio.Task[None]] = []
 
@@ -376,17 +385,11 @@ async def test_a_group_without_weakrefs_is_let_go_once_its_warmups_end(tmp_path:
     ended and nobody holds it, the table no longer keeps it (nor the group)."""
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 50000, size=4 * PAGE) for _ in range(4)]
-    roots = [tmp_path / "r0", tmp_path / "r1"]
-    for rank, root in enumerate(roots):
-        await _fill(root, rank, prompts)
-    world = _World()
-    ranks = [_SlottedRank(world, 0), _SlottedRank(world, 1)]
+    roots = await _fill_both(tmp_path, prompts)
+    ranks = _pair(_SlottedRank)
     with pytest.raises(TypeError):
         weakref.ref(ranks[0])
-    async with (
-        HiCache(_config(0), storage=FileStorage(roots[0]), rank_group=ranks[0]) as first,
-        HiCache(_config(1), storage=FileStorage(roots[1]), rank_group=ranks[1]) as second,
-    ):
+    async with _two_caches(ranks, roots) as (first, second):
         warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in (first, second)]
         requests: list[asyncio.Task[int]] = []
         running: list[int] = []
@@ -406,7 +409,7 @@ async def test_a_group_without_weakrefs_is_let_go_once_its_warmups_end(tmp_path:
         assert results[0].entries_loaded == results[1].entries_loaded < len(prompts)
         # Had a request not waited for its rank's warmup, it would have paired with one of
         # the warmup's collectives on the other rank.
-        assert all(not f.exception() for _, f in world.slots.values())
+        assert all(not f.exception() for _, f in ranks[0].world.slots.values())
         assert ranks[0].calls == ranks[1].calls
         assert agreed[0] == agreed[1]
         gc.collect()  # frames of finished tasks may sit in reference cycles
