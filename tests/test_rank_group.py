@@ -12,7 +12,6 @@ import asyncio
 import math
 import multiprocessing as mp
 import queue
-import socket
 import threading
 import time
 from typing import Any
@@ -38,6 +37,7 @@ from hicache_async.distributed import (
     agreement_tag,
     run_uncancelled,
 )
+from hicache_async.testing._servers import free_ports
 
 #: a world that has not reported everything by then has failed (it normally takes seconds).
 WORLD_DEADLINE_S = 150.0
@@ -45,20 +45,6 @@ JOIN_TIMEOUT_S = 20.0
 
 
 # -- the multi-process worlds -------------------------------------------------------------
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports that were free a moment ago."""
-    sockets = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class World:

@@ -4,25 +4,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import socket
 import time
 from typing import Any
 
 import _tp_worker as worker
 import pytest
 
+from hicache_async.testing._servers import free_ports
+
 SCENARIOS = ["same", "different", "failing", "slow", "prefetch", *worker.REGRESSIONS]
 DEADLINE_S = 240.0
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-ranks", "4-ranks"])
@@ -31,7 +22,7 @@ def world(
 ) -> dict[str, Any]:
     size = request.param
     base = tmp_path_factory.mktemp(f"tp{size}")
-    ports = dict(zip(SCENARIOS, _free_ports(len(SCENARIOS)), strict=True))
+    ports = dict(zip(SCENARIOS, free_ports(len(SCENARIOS)), strict=True))
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     procs = [

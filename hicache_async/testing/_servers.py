@@ -16,6 +16,7 @@ import ctypes
 import importlib.util
 import os
 import queue
+import random
 import shutil
 import signal
 import socket
@@ -39,6 +40,7 @@ __all__ = [
     "ServerError",
     "find_mooncake_master",
     "free_port",
+    "free_ports",
 ]
 
 _HOST = "127.0.0.1"
@@ -55,10 +57,52 @@ class ServerBinaryNotFoundError(ServerError, FileNotFoundError):
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (callers retry on a race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((_HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+#: Where `free_ports` looks first: registered ports below the usual ephemeral range.
+_QUIET_PORTS = range(20000, 32768)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago.
+
+    Chosen below the kernel's ephemeral range when it leaves room: a port picked now and
+    bound later (by a process still starting, or a later step) is then never taken in
+    between by the local port of some outgoing connection, as ports the kernel hands out
+    for port 0 can be.
+    """
+    low = _ephemeral_low()
+    quiet = range(_QUIET_PORTS.start, min(_QUIET_PORTS.stop, low))
+    held: list[socket.socket] = []
+    try:
+        tries = 0
+        while len(held) < count and len(quiet) >= 4 * count and tries < 64 * count:
+            tries += 1
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.bind((_HOST, random.choice(quiet)))
+            except OSError:
+                sock.close()
+                continue
+            held.append(sock)
+        while len(held) < count:  # no room below the ephemeral range: let the kernel pick
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((_HOST, 0))
+            held.append(sock)
+        return [int(sock.getsockname()[1]) for sock in held]
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when unknown)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _port_open(port: int) -> bool:
