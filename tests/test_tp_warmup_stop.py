@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +29,23 @@ async def _on_host_only(cache: HiCache, prompt: np.ndarray) -> None:
     assert (info.device_tokens, info.host_tokens) == (0, len(prompt))
 
 
-async def test_a_stopped_warmup_keeps_the_pages_every_rank_had(tmp_path: Path) -> None:
-    prompt = np.arange(700, 700 + 4 * PAGE)
+@contextlib.asynccontextmanager
+async def _both_on_host(
+    tmp_path: Path, prompt: np.ndarray
+) -> AsyncIterator[tuple[list[_Rank], tuple[HiCache, HiCache]]]:
+    """Two ranks whose stores hold `prompt` (a one-entry manifest) and whose host pools hold
+    it already."""
     roots = await _fill_both(tmp_path, [prompt])
     ranks = _pair(_Rank)
     async with _two_caches(ranks, roots) as caches:
         for cache in caches:
             await _on_host_only(cache, prompt)
+        yield ranks, caches
+
+
+async def test_a_stopped_warmup_keeps_the_pages_every_rank_had(tmp_path: Path) -> None:
+    prompt = np.arange(700, 700 + 4 * PAGE)
+    async with _both_on_host(tmp_path, prompt) as (ranks, caches):
         warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in caches]
         agreements: list[asyncio.Task[int]] = []
 
@@ -80,3 +91,24 @@ async def test_a_cancelled_warmup_stays_cancelled_when_its_group_breaks(
         assert warmup.cancelled(), f"the cancellation was lost: {warmup.exception()!r}"
         if peer is not None:
             assert (await asyncio.wait_for(peer, 30)).status.value == "stopped"
+
+
+async def test_the_pages_offered_to_a_trim_are_held_until_it(tmp_path: Path) -> None:
+    """Host pressure on rank 0 while it waits in the entry's trim agreement cannot evict the
+    pages it offered (the peer would keep pages it no longer has)."""
+    prompt = np.arange(900, 900 + 4 * PAGE)
+    async with _both_on_host(tmp_path, prompt) as (ranks, caches):
+        warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in caches]
+        evicted: list[int] = []
+
+        def evict_in_trim(kind: str, index: int) -> None:
+            if index == 2:  # rank 0 waits in the entry's trim
+                freed = caches[0].tree.evict_host(4)
+                caches[0]._host_free(freed)
+                evicted.append(len(freed))
+
+        ranks[0].on_enter = evict_in_trim
+        await asyncio.wait_for(asyncio.gather(*warmups), 30)
+        assert evicted == [0]
+        assert [cache.match(prompt).host_tokens for cache in caches] == [len(prompt)] * 2
+        assert ranks[0].calls == ranks[1].calls == 3

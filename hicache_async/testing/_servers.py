@@ -62,6 +62,9 @@ def free_port() -> int:
 
 #: Where `free_ports` looks first: registered ports below the usual ephemeral range.
 _QUIET_PORTS = range(20000, 32768)
+#: Not the `random` module's generator: test tools seed that one, which would make every
+#: process (xdist workers, a Hypothesis example) pick the same ports.
+_PORT_CHOICE = random.SystemRandom()
 
 
 def free_ports(count: int) -> list[int]:
@@ -81,7 +84,7 @@ def free_ports(count: int) -> list[int]:
             tries += 1
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             try:
-                sock.bind((_HOST, random.choice(quiet)))
+                sock.bind((_HOST, _PORT_CHOICE.choice(quiet)))
             except OSError:
                 sock.close()
                 continue

@@ -200,9 +200,8 @@ class Warmer:
             try:
                 await self._link.prefetcher.wait_quiet()
                 landed = 0
-                # Stopped (a request agreement waits): load nothing more, but offer what this
-                # rank holds of the entry already, so the trim keeps pages every rank has.
-                cached = self._held_tokens(entry) if tp else 0
+                # Stopped (a request agreement waits): load nothing more; the trim below still
+                # runs, and keeps what every rank held of the entry already.
                 if not (tp and self._stopping()):
                     keys = [bytes.fromhex(k) for k in entry.keys]
                     handle = PrefetchHandle(
@@ -216,16 +215,14 @@ class Warmer:
                     )
                     await self._link.prefetcher.run_now(handle)
                     landed = handle.storage_tokens // size
-                    cached = handle.result().cached_tokens
             except asyncio.CancelledError:
                 if tp:
                     assert group is not None
-                    held = self._held_tokens(entry)
-                    await self._agree_trim_owing(group, held, entries, index, cancelled=True)
+                    await self._agree_trim_owing(group, entries, index, cancelled=True)
                 raise
             if tp:
                 assert group is not None
-                if await self._agree_trim_owing(group, cached, entries, index):
+                if await self._agree_trim_owing(group, entries, index):
                     raise asyncio.CancelledError
             loaded_pages += landed
             loaded_entries += landed > 0
@@ -273,17 +270,8 @@ class Warmer:
         if not await run_uncancelled(agree()):
             return agreed[0]
         if agreed and agreed[0]:  # nothing agreed: as in `_agree_entries_owing`
-            held = self._held_tokens(entry)
-            await self._agree_trim_owing(group, held, entries, index, cancelled=True)
+            await self._agree_trim_owing(group, entries, index, cancelled=True)
         raise asyncio.CancelledError
-
-    def _held_tokens(self, entry: ManifestEntry) -> int:
-        """Tokens of `entry` this rank holds now (device or host), loading nothing: what a
-        stopped or cancelled warmup offers to the entry's trim, so pages every rank had
-        before are kept."""
-        keys = [bytes.fromhex(k) for k in entry.keys]
-        found = self._cache.tree.match(keys, touch=False)
-        return (found.num_device_pages + found.num_host_pages) * self._cache.config.page_size
 
     async def _owe(self, group: RankGroup, tag: int) -> None:
         """Enter a "go on?" agreement with "no", whatever cancels the caller meanwhile."""
@@ -299,7 +287,6 @@ class Warmer:
     async def _agree_trim_owing(
         self,
         group: RankGroup,
-        cached: int,
         entries: list[ManifestEntry],
         index: int,
         *,
@@ -308,15 +295,25 @@ class Warmer:
         """Entry `index`'s trim agreement, then the trim it agrees on; True if the caller was
         cancelled (during it, or before it: `cancelled`) and must re-raise.
 
-        A cancellation waits for the agreement and still trims to the agreed pages, so this
-        rank keeps the same pages as its peers; then, if they go on to the next entry, it
-        answers that entry's "go on?" with "no", so they stop there with it.
+        This rank offers the entry's pages it holds now (loaded by this warmup or there
+        before; a stopped or cancelled warmup loads nothing more) and holds them until the
+        trim: a page evicted while the peers are waited for would be offered and then kept
+        by the peers alone. A cancellation waits for the agreement and still trims to the
+        agreed pages, so this rank keeps the same pages as its peers; then, if they go on to
+        the next entry, it answers that entry's "go on?" with "no", so they stop there with it.
         """
         entry = entries[index]
+        keys = [bytes.fromhex(k) for k in entry.keys]
+        size = self._cache.config.page_size
+        tree = self._cache.tree
+        found = tree.match(keys, touch=False)
+        tree.lock_device(found.device_node)
+        tree.protect_host(found.host_node)
+        held = (found.num_device_pages + found.num_host_pages) * size
         agreed: list[int] = []
 
         async def agree() -> None:
-            agreed.append(await _agree_value(group, cached, _trim_tag(entry.chain_id)))
+            agreed.append(await _agree_value(group, held, _trim_tag(entry.chain_id)))
 
         try:
             cancelled = await run_uncancelled(agree()) or cancelled
@@ -326,9 +323,11 @@ class Warmer:
             # The caller re-raises its cancellation either way; the group's failure is what
             # the next agreement on it reports.
             _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
+        finally:
+            tree.unprotect_host(found.host_node)
+            tree.unlock_device(found.device_node)
         if agreed:
-            keys = [bytes.fromhex(k) for k in entry.keys]
-            self._cache._trim_host(keys, agreed[0] // self._cache.config.page_size)
+            self._cache._trim_host(keys, agreed[0] // size)
         if cancelled and agreed and index + 1 < len(entries):
             await self._owe(group, _go_on_tag(entries[index + 1].chain_id))
         return cancelled
