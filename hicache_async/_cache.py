@@ -331,6 +331,7 @@ class HiCache:
         every rank refused the same way, that is an `AgreementMismatch`, so the peers get 0
         and the group is broken, as after any mismatch.
         """
+        self._owner.check()  # a call from another thread enters nothing
         group = self.rank_group
         if group is None or group.size == 1:
             info = self.match(tokens, salt=salt)

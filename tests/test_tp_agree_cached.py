@@ -4,13 +4,14 @@ running warmup stopped, and refused input still enters the collective."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_caches
 
-from hicache_async import CacheClosedError, HiCache
+from hicache_async import CacheClosedError, HiCache, WrongThreadError
 from hicache_async.distributed import BackgroundAgreements
 from hicache_async.storage import FileStorage
 
@@ -68,3 +69,24 @@ async def test_a_closed_cache_raises_after_entering(tmp_path: Path) -> None:
         with pytest.raises(CacheClosedError):
             await closed
         assert ranks[0].calls == ranks[1].calls == 1
+
+
+async def test_a_call_from_another_thread_raises_before_entering() -> None:
+    prompt = np.arange(100, 100 + 3 * PAGE)
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks) as (first, _):
+        raised: list[BaseException] = []
+
+        def elsewhere() -> None:
+            try:
+                asyncio.run(first.agree_cached_tokens(prompt))
+            except BaseException as exc:
+                raised.append(exc)
+
+        # A daemon thread joined with a bound: a call that entered the collective would
+        # wait there for a peer that never comes.
+        thread = threading.Thread(target=elsewhere, daemon=True)
+        thread.start()
+        await asyncio.to_thread(thread.join, 30)
+        assert [type(exc) for exc in raised] == [WrongThreadError]
+        assert ranks[0].calls == 0
