@@ -684,6 +684,23 @@ class HiCache:
         nodes.reverse()
         return nodes
 
+    def _hold_prefix(self, keys: list[bytes]) -> tuple[int, tuple[TreeNode, TreeNode]]:
+        """Lock on the device and protect on the host the prefix of `keys` cached now.
+
+        Returns its length in tokens and what `_let_go` takes to undo the hold: what a rank
+        offers in an agreement must still be there once the ranks have agreed.
+        """
+        found = self._tree.match(keys, touch=False)
+        self._tree.lock_device(found.device_node)
+        self._tree.protect_host(found.host_node)
+        tokens = (found.num_device_pages + found.num_host_pages) * self.config.page_size
+        return tokens, (found.device_node, found.host_node)
+
+    def _let_go(self, held: tuple[TreeNode, TreeNode]) -> None:
+        """Undo one `_hold_prefix`."""
+        self._tree.unprotect_host(held[1])
+        self._tree.unlock_device(held[0])
+
     def _trim_host(self, keys: list[bytes], keep_pages: int) -> None:
         """Drop host-only pages of `keys` beyond the first `keep_pages` (deepest first)."""
         if keep_pages >= len(keys):
@@ -788,8 +805,9 @@ class HiCache:
         """A future resolved once `copies` are done and their done callbacks ran.
 
         Private to its waiter: cancelling it (or resolving it early, as a released request
-        does) leaves the copies alone. Never resolved on the spot: a copy already done may
-        still have its callbacks queued, and the caller loops until they placed its pages.
+        does) leaves the copies alone. The copies are in flight (a load leaves `_loading` in
+        its own done callback, which runs as it completes), so this registers a callback
+        after theirs and resolves once the last has placed its pages.
         """
         assert copies, "nothing to wait for: the future would never resolve"
         landed: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -233,22 +233,14 @@ class PrefetchHandle:
         self._release()  # a second, concurrent ready() on this handle: hold once, not twice
         if cache._state != "open":
             return 0
-        tree = cache._tree
-        found = tree.match(self.keys, touch=False)
-        tree.lock_device(found.device_node)
-        tree.protect_host(found.host_node)
-        self._held = (found.device_node, found.host_node)
+        here, self._held = cache._hold_prefix(self.keys)
         # Pages landed but since evicted are gone: offer only what is really there.
-        here = (found.num_device_pages + found.num_host_pages) * cache.config.page_size
         return min(cached, here)
 
     def _release(self) -> None:
         held, self._held = self._held, None
-        if held is None or self._prefetcher is None:
-            return
-        tree = self._prefetcher._cache._tree
-        tree.unprotect_host(held[1])
-        tree.unlock_device(held[0])
+        if held is not None and self._prefetcher is not None:
+            self._prefetcher._cache._let_go(held)
 
     async def _wait_for_policy(self) -> None:
         if self._policy == "best_effort" or self._prefetcher is None:

@@ -304,12 +304,7 @@ class Warmer:
         """
         entry = entries[index]
         keys = [bytes.fromhex(k) for k in entry.keys]
-        size = self._cache.config.page_size
-        tree = self._cache.tree
-        found = tree.match(keys, touch=False)
-        tree.lock_device(found.device_node)
-        tree.protect_host(found.host_node)
-        held = (found.num_device_pages + found.num_host_pages) * size
+        held, nodes = self._cache._hold_prefix(keys)
         agreed: list[int] = []
 
         async def agree() -> None:
@@ -324,10 +319,9 @@ class Warmer:
             # the next agreement on it reports.
             _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
         finally:
-            tree.unprotect_host(found.host_node)
-            tree.unlock_device(found.device_node)
+            self._cache._let_go(nodes)
         if agreed:
-            self._cache._trim_host(keys, agreed[0] // size)
+            self._cache._trim_host(keys, agreed[0] // self._cache.config.page_size)
         if cancelled and agreed and index + 1 < len(entries):
             await self._owe(group, _go_on_tag(entries[index + 1].chain_id))
         return cancelled
