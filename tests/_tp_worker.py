@@ -8,9 +8,10 @@ reporting ``(rank, scenario, result)`` on a queue. The parent enforces a hard de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from multiprocessing.queues import Queue
 from pathlib import Path
 from typing import Any
@@ -165,59 +166,63 @@ async def background_warmup(rank: int, size: int, port: int, root: Path) -> dict
             }
 
 
-async def cancel_ready(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
-    """Rank 0 cancels its prefetch while ready() waits for the read (its policy wait)."""
+@contextlib.asynccontextmanager
+async def _rank_0_held(
+    rank: int, size: int, port: int, root: Path
+) -> AsyncIterator[tuple[TorchRankGroup, SteeredStorage, HiCache]]:
+    """A rank of a filled world whose storage reads are held on rank 0 until released."""
     await fill(root, rank, size, list(range(PROMPTS)))
     group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
     async with group:
         store = SteeredStorage(root)
         store.hold = rank == 0
         async with HiCache(config(rank, size), storage=store, rank_group=group) as cache:
-            first, second = prompts()[:2]
-            out: dict[str, Any] = {}
-            if rank == 0:
-                task = asyncio.create_task(cache.prefetch(first))
-                await store.entered.wait()  # the read is held: ready() waits for it
-                task.cancel()
-                try:
-                    await task
-                    out["first"] = "returned"
-                except asyncio.CancelledError:
-                    out["first"] = "cancelled"
-                store.release.set()
-            else:
-                out["first"] = (await cache.prefetch(first)).agreed_tokens
-            result = await cache.prefetch(second)
-            out["second"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
-            out.update(group_stats(group))
-            return out
+            yield group, store, cache
+
+
+async def cancel_ready(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
+    """Rank 0 cancels its prefetch while ready() waits for the read (its policy wait)."""
+    async with _rank_0_held(rank, size, port, root) as (group, store, cache):
+        first, second = prompts()[:2]
+        out: dict[str, Any] = {}
+        if rank == 0:
+            task = asyncio.create_task(cache.prefetch(first))
+            await store.entered.wait()  # the read is held: ready() waits for it
+            task.cancel()
+            try:
+                await task
+                out["first"] = "returned"
+            except asyncio.CancelledError:
+                out["first"] = "cancelled"
+            store.release.set()
+        else:
+            out["first"] = (await cache.prefetch(first)).agreed_tokens
+        result = await cache.prefetch(second)
+        out["second"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
+        out.update(group_stats(group))
+        return out
 
 
 async def cancel_warmup(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
     """Rank 0's warmup is cancelled while it loads its first entry (between collectives)."""
-    await fill(root, rank, size, list(range(PROMPTS)))
-    group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
-    async with group:
-        store = SteeredStorage(root)
-        store.hold = rank == 0
-        async with HiCache(config(rank, size), storage=store, rank_group=group) as cache:
-            out: dict[str, Any] = {}
-            task = asyncio.create_task(cache.warmup(ratio=1.0))
-            if rank == 0:
-                await store.entered.wait()  # inside the first entry's load
-                task.cancel()
-                try:
-                    out["warmup"] = (await task).status.value
-                except asyncio.CancelledError:
-                    out["warmup"] = "cancelled"
-                store.release.set()
-            else:
+    async with _rank_0_held(rank, size, port, root) as (group, store, cache):
+        out: dict[str, Any] = {}
+        task = asyncio.create_task(cache.warmup(ratio=1.0))
+        if rank == 0:
+            await store.entered.wait()  # inside the first entry's load
+            task.cancel()
+            try:
                 out["warmup"] = (await task).status.value
-            out["shape"] = shape(cache)
-            result = await cache.prefetch(prompts()[0])
-            out["next"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
-            out.update(group_stats(group))
-            return out
+            except asyncio.CancelledError:
+                out["warmup"] = "cancelled"
+            store.release.set()
+        else:
+            out["warmup"] = (await task).status.value
+        out["shape"] = shape(cache)
+        result = await cache.prefetch(prompts()[0])
+        out["next"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
+        out.update(group_stats(group))
+        return out
 
 
 async def evict_while_agreeing(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
