@@ -171,3 +171,42 @@ def test_copy_at_copies_between_addresses(impl: str, stream: bool) -> None:
     for s, d, n in spans.tolist():
         expected[d : d + n] = src[s : s + n]
     assert np.array_equal(dst, expected)
+
+
+def _fake_cache(root: Path, levels: list[tuple[str, str, str]]) -> Path:
+    """A sysfs-like cache folder: one indexN per (level, type, size)."""
+    for n, (level, kind, size) in enumerate(levels):
+        folder = root / f"index{n}"
+        folder.mkdir(parents=True)
+        (folder / "level").write_text(level + "\n")
+        (folder / "type").write_text(kind + "\n")
+        (folder / "size").write_text(size + "\n")
+    return root
+
+
+def test_the_bounce_is_sized_to_the_core_s_level_2_cache(tmp_path: Path) -> None:
+    levels = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "2048K")]
+    found = native._core_cache_nbytes(str(_fake_cache(tmp_path / "a", levels)))
+    assert found == 2 << 20
+    assert native.bounce_nbytes(found) == 2 << 20
+    # Past the clamp either way, and unknown: the defaults.
+    assert native.bounce_nbytes(32 << 20) == 4 << 20
+    assert native.bounce_nbytes(16 << 10) == 64 << 10
+    assert native.bounce_nbytes(None) == 256 << 10
+    assert native.bounce_nbytes(0) == 256 << 10
+
+
+def test_an_unreadable_cache_description_leaves_the_size_unknown(tmp_path: Path) -> None:
+    assert native._core_cache_nbytes(str(tmp_path / "missing")) is None
+    garbled = _fake_cache(tmp_path / "b", [("2", "Unified", "lots")])
+    assert native._core_cache_nbytes(str(garbled)) is None
+    no_level_2 = _fake_cache(tmp_path / "c", [("1", "Data", "32K"), ("3", "Unified", "32M")])
+    assert native._core_cache_nbytes(str(no_level_2)) is None
+    assert native._parse_size("1M") == 1 << 20
+    assert native._parse_size("512") == 512
+    assert native._parse_size("K") is None
+
+
+def test_each_thread_reads_through_a_bounce_of_the_chosen_size() -> None:
+    assert len(native.bounce_buffer()) == native.BOUNCE_NBYTES
+    assert native.bounce_nbytes(native._core_cache_nbytes()) == native.BOUNCE_NBYTES
