@@ -28,9 +28,6 @@ def config(**overrides: object) -> CacheConfig:
         "device_pages": 128,
         "host_pages": 1024,
         "model_id": "cold-start-example",
-        # Warmup loads through the prefetch path, which skips fetches shorter than this; the
-        # default (256 tokens) would skip prompts that share most pages with one loaded before.
-        "prefetch": {"policy": "wait_complete", "threshold_tokens": 16},
     }
     base.update(overrides)
     return CacheConfig.from_dict(base)

@@ -12,6 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
+from ._manifest import (
+    CompactReport,
+    ManifestEntry,
+    ManifestLimits,
+    ManifestRead,
+    SupportsManifest,
+    WarmupManifest,
+)
 from ._memory import MemoryStorage
 from ._page import (
     HEADER_NBYTES,
@@ -39,10 +47,14 @@ if TYPE_CHECKING:  # at run time these load on first use, with their optional de
 __all__ = [
     "ENTRY_POINT_GROUP",
     "HEADER_NBYTES",
+    "CompactReport",
     "FileStorage",
     "FsyncPolicy",
     "GcReport",
     "MaintainableStorage",
+    "ManifestEntry",
+    "ManifestLimits",
+    "ManifestRead",
     "MemoryStorage",
     "Outcome",
     "PageBuffer",
@@ -56,7 +68,9 @@ __all__ = [
     "StorageError",
     "StorageFactory",
     "StorageStats",
+    "SupportsManifest",
     "VerifyReport",
+    "WarmupManifest",
     "decode_header",
     "default_root",
     "encode_header",

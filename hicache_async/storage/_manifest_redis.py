@@ -24,7 +24,14 @@ from typing import Any
 import structlog
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import RedisError, ResponseError, WatchError
+from redis.exceptions import (
+    ClusterCrossSlotError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisError,
+    ResponseError,
+    WatchError,
+)
 
 from .._errors import StorageError
 from ._manifest import (
@@ -36,11 +43,41 @@ from ._manifest import (
     encode_entry,
 )
 
-__all__ = ["REDIS_FAULTS", "RedisManifest"]
+__all__ = ["REDIS_FAULTS", "RedisManifest", "no_room", "scripting_refused"]
 
 #: What a server can make redis-py raise: its own errors, and ValueError for a reply whose
 #: number does not parse (redis-py does not catch that; it drops the connection).
 REDIS_FAULTS = (RedisError, ValueError)
+
+# Replies that mean this server (or a proxy, or a cluster) will never run our scripts. Any
+# other error reply (BUSY, LOADING, OOM, MASTERDOWN, ...) fails one call and says nothing
+# about the next.
+_REFUSALS = (
+    "unknown command",
+    "unsupported command",
+    "not supported",
+    "noperm",
+    "no permissions",
+    "crossslot",
+)
+
+
+def scripting_refused(error: BaseException | str) -> bool:
+    """Whether an error reply to a script call means scripts are refused here for good.
+
+    `error` is redis-py's exception (which drops a known prefix such as NOPERM from its
+    text) or the whole error reply.
+    """
+    if isinstance(error, NoPermissionError | ClusterCrossSlotError):
+        return True
+    text = str(error).lower()
+    return any(refusal in text for refusal in _REFUSALS)
+
+
+def no_room(error: BaseException | str) -> bool:
+    """Whether an error reply to a write means the server is full (maxmemory reached)."""
+    return isinstance(error, OutOfMemoryError) or str(error).startswith("OOM ")
+
 
 _log = structlog.get_logger("hicache_async")
 
@@ -356,6 +393,8 @@ class RedisManifest:
             try:
                 reply = await self._window(keys=keys, args=args)
             except ResponseError as exc:
+                if not scripting_refused(exc):
+                    raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
                 # Scripting refused here (disabled, a proxy): plain windows from now on.
                 _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
                 self._scripting = False
@@ -436,6 +475,8 @@ class RedisManifest:
                     args: list[bytes | int] = [gen, length, nbytes, self._ttl or 0]
                     carried = await self._switch(keys=[key, meta, temp], args=args)
                 except ResponseError as exc:
+                    if not scripting_refused(exc):
+                        raise
                     _log.warning(
                         "hicache.manifest.no_scripting", backend=self._name, error=str(exc)
                     )

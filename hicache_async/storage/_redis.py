@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlencode, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -44,7 +44,7 @@ from ._base import (
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
-from ._manifest_redis import REDIS_FAULTS, RedisManifest
+from ._manifest_redis import REDIS_FAULTS, RedisManifest, no_room, scripting_refused
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -138,6 +138,35 @@ _PASSTHROUGH = (
 
 
 _CERT_REQS = ("none", "optional", "required")
+_PREFIX_REFUSED = "*?[]\\"
+
+
+def _refused_in_prefix(c: str) -> bool:
+    return not c.isprintable() or c.isspace() or c in _PREFIX_REFUSED or c in "{}"
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _counted(
+    method: Callable[Concatenate[RedisStorage, _P], Awaitable[_R]],
+) -> Callable[Concatenate[RedisStorage, _P], Awaitable[_R]]:
+    """Counts the call as in flight, so that `close()` releases the connections only after it:
+    a connection released under a running call would be reconnected by redis-py's retry and
+    returned, open, to the closed pool."""
+
+    @functools.wraps(method)
+    async def counted(self: RedisStorage, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._in_flight += 1
+        try:
+            return await method(self, *args, **kwargs)
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight and self._idle is not None:
+                self._idle.set()
+
+    return counted
 
 
 def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
@@ -149,6 +178,12 @@ def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
         value = params[name]
         if not value:
             raise StorageConfigError(f"redis URL parameter {name} has no value")
+        if name == "client_name" and not all("!" <= c <= "~" for c in value):
+            # The server refuses such a name at every connection: the store would open but
+            # fail every call.
+            raise StorageConfigError(
+                f"redis URL parameter client_name must be printable ASCII without spaces: {value!r}"
+            )
         if name.startswith("ssl_") and not tls:
             raise StorageConfigError(f"redis URL parameter {name} needs a rediss:// URL")
     if params.get("ssl_cert_reqs", "required") not in _CERT_REQS:
@@ -245,10 +280,12 @@ class RedisStorage(BackendBase):
                 f"redis URL database {db!r} is not a number; accepted: /0, /1, ... or none (0)"
             )
         # Backslash escapes in SCAN patterns: such a prefix would match other keys than its own.
-        if not prefix or any(c.isspace() or c in "*?[]\\" for c in prefix):
+        # Braces would make a cluster hash tag of it (every page in one slot); page names are
+        # cut after the prefix by length, which only ASCII keeps the same in bytes.
+        if not prefix or not prefix.isascii() or any(_refused_in_prefix(c) for c in prefix):
             raise StorageConfigError(
-                f"redis prefix must be non-empty, without spaces, glob characters or backslashes: "
-                f"{prefix!r}"
+                f"redis prefix must be non-empty printable ASCII, without spaces, glob "
+                f"characters ({_PREFIX_REFUSED}) or braces: {prefix!r}"
             )
         if ttl is not None and ttl < 1:
             raise StorageConfigError(f"redis ttl must be >= 1 second, got {ttl}")
@@ -285,6 +322,8 @@ class RedisStorage(BackendBase):
         self._connection_kwargs = dict(connection_kwargs or {})
         self._multikey = multikey
         self._bulk_wanted = bulk
+        self._in_flight = 0
+        self._idle: asyncio.Event | None = None
         # SET's trailing arguments, packed once: `NX` and, with a TTL, `EX <seconds>`.
         ex = [] if ttl is None else [b"EX", str(ttl).encode()]
         self._set_argc = 4 + len(ex)
@@ -411,6 +450,15 @@ class RedisStorage(BackendBase):
             log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
 
     async def _release(self) -> None:
+        # Calls in flight finish first (each socket operation is bounded by `timeout`, and a
+        # batch takes no new chunk once closed); even a cancelled close releases after that.
+        interrupted = False
+        if self._in_flight:
+            self._idle = asyncio.Event()
+            try:
+                await self._idle.wait()
+            except asyncio.CancelledError:
+                interrupted = True
         client, pool, bulk = self._client, self._pool, self._bulk
         self._client = self._pool = self._bulk = None
         if bulk is not None:
@@ -419,12 +467,15 @@ class RedisStorage(BackendBase):
             await client.aclose()
         if pool is not None:
             await pool.aclose()
+        if interrupted:
+            raise asyncio.CancelledError
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return max(self._pages, 0), max(self._bytes, 0), self._capacity
 
     # The protocol.
 
+    @_counted
     async def exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, exist consecutively.
 
@@ -438,6 +489,9 @@ class RedisStorage(BackendBase):
                     return await self._exists_on_bulk(self._bulk, keys)
                 return await self._exists_by_script(keys)
             except ResponseError as exc:
+                if not scripting_refused(exc):  # BUSY, LOADING, ...: this call fails
+                    self._counters.errors += 1
+                    raise StorageError(f"{self._name}: exists failed: {exc}") from exc
                 # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
                 log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
                 self._multikey = False
@@ -507,6 +561,7 @@ class RedisStorage(BackendBase):
                 break
         return count
 
+    @_counted
     async def get(
         self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
     ) -> list[Outcome]:
@@ -678,6 +733,7 @@ class RedisStorage(BackendBase):
 
         return await bulk.exchange(talk)  # GET is safe to repeat
 
+    @_counted
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
@@ -729,6 +785,8 @@ class RedisStorage(BackendBase):
                 return
             for i, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):
+                    if no_room(result):  # maxmemory under noeviction: declined, not failed
+                        outcomes[i] = Outcome.MISS
                     continue
                 outcomes[i] = Outcome.OK
                 if result:  # None: the key existed and was kept as it was
@@ -766,13 +824,14 @@ class RedisStorage(BackendBase):
         more allocation and copy of every page). Replies: True (stored), None (the key
         existed) or the error reply of that command.
         """
-        assert self._pool is not None
+        pool = self._pool
+        assert pool is not None
         chunks = [
             part
             for rkey, header, segments in items
             for part in self._set_parts(rkey, header, segments)
         ]
-        connection = await self._pool.get_connection()  # type: ignore[no-untyped-call]
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         # The transports the pages were written to: uvloop keeps the buffers given to write()
         # until they are sent, and redis-py closes gracefully on failure or cancellation, so
         # the rest of the pipeline would be read from the caller's pages after put() returned
@@ -815,7 +874,7 @@ class RedisStorage(BackendBase):
             drop_unsent()
             raise
         finally:
-            await self._pool.release(connection)
+            await pool.release(connection)
         return result
 
     def _encode_ahead(
@@ -878,6 +937,7 @@ class RedisStorage(BackendBase):
 
         return await bulk.exchange(talk)  # SET NX makes a repeat harmless
 
+    @_counted
     async def delete(self, keys: Sequence[bytes]) -> int:
         """DEL each key; how many existed."""
         self._redis()
@@ -887,6 +947,7 @@ class RedisStorage(BackendBase):
 
     # Raw access (RawAccess).
 
+    @_counted
     async def read_raw(self, key: bytes) -> bytes | None:
         """The stored `header ‖ payload` of `key`, or None when absent."""
         client = self._redis()
@@ -900,6 +961,7 @@ class RedisStorage(BackendBase):
             raise StorageError(f"{self._name}: read_raw got {type(value).__name__}")
         return value
 
+    @_counted
     async def write_raw(self, key: bytes, value: bytes) -> None:
         """Store `value` under `key` as is, replacing what is there (keeps the TTL policy)."""
         client = self._redis()
@@ -918,6 +980,7 @@ class RedisStorage(BackendBase):
 
     # Maintenance (MaintainableStorage).
 
+    @_counted
     async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
         """Pages under the prefix (SCAN), most recently used first by Redis's idle time.
 
@@ -961,6 +1024,7 @@ class RedisStorage(BackendBase):
         pages.sort(key=lambda p: p.last_access, reverse=True)
         return pages if limit is None else pages[:limit]
 
+    @_counted
     async def verify(self) -> VerifyReport:
         """Read every page under the prefix; remove the ones that fail their checks.
 
@@ -1019,6 +1083,8 @@ class RedisStorage(BackendBase):
         try:
             return bool(await script(keys=[rkey], args=[length, head]))
         except ResponseError as exc:
+            if not scripting_refused(exc):
+                raise
             # Scripting refused (disabled, a proxy): the same check, then the delete, with a
             # window between them in which the page may be stored again.
             log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
@@ -1031,6 +1097,7 @@ class RedisStorage(BackendBase):
             return False
         return bool(await client.delete(rkey))
 
+    @_counted
     async def gc(self) -> GcReport:
         """Evict least recently used pages until those under the prefix fit `capacity`.
 
@@ -1111,6 +1178,8 @@ class RedisStorage(BackendBase):
 
         async def worker() -> None:
             for chunk in pending:
+                if self.closed:  # close() waits for this call: take no more
+                    return
                 await run(chunk)
 
         tasks = [

@@ -21,6 +21,8 @@ __all__ = [
     "MooncakeMaster",
     "RedisServer",
     "ServedRequest",
+    "ServerBinaryNotFoundError",
+    "ServerError",
     "StorageConformance",
     "assert_drained",
     "serve",
@@ -33,6 +35,8 @@ _LAZY = {
     "StorageConformance": "._conformance",
     "RedisServer": "._servers",
     "MooncakeMaster": "._servers",
+    "ServerError": "._servers",
+    "ServerBinaryNotFoundError": "._servers",
 }
 
 

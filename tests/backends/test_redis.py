@@ -462,6 +462,17 @@ def test_from_url_parameters() -> None:
     # A backslash escapes in SCAN patterns: t\e\am would match team's keys.
     with pytest.raises(StorageConfigError, match="prefix"):
         RedisStorage.from_url("redis://127.0.0.1:6379/0?prefix=t%5Ce%5Cam")
+    # Braces make a cluster hash tag (every page in one slot); page names are cut after the
+    # prefix by its length, which a non-ASCII prefix has otherwise in bytes.
+    for prefix in ("hi%7Bcache%7D", "%7Btenant%7D", "hicach%C3%A9", "a%09b"):
+        with pytest.raises(StorageConfigError, match="prefix"):
+            RedisStorage.from_url(f"redis://127.0.0.1:6379/0?prefix={prefix}")
+    with pytest.raises(StorageConfigError, match="braces"):
+        RedisStorage(prefix="{x}")
+    # The server would refuse the name at every connection, so every call would fail.
+    for name in ("a%20b", "caf%C3%A9", "a%0Ab"):
+        with pytest.raises(StorageConfigError, match="client_name"):
+            RedisStorage.from_url(f"redis://127.0.0.1:6379/0?client_name={name}")
 
 
 class TestRedisConformance(StorageConformance):
@@ -817,3 +828,149 @@ def test_storage_command_counts_the_pages_in_the_server(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "scan failed" in captured.err
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_full_server_declines_pages_as_misses(bulk: int) -> None:
+    full = ["--maxmemory", "3mb", "--maxmemory-policy", "noeviction"]
+    with RedisServer(extra_args=full) as server:
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", bulk=bulk)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(64, 256 << 10, split=1 << 10)
+            outcomes = await backend.put(keys, pages, metas)
+            assert Outcome.ERROR not in outcomes
+            assert Outcome.MISS in outcomes
+            assert Outcome.OK in outcomes
+            stats = backend.stats()
+            assert (stats.errors, stats.put_ok) == (0, outcomes.count(Outcome.OK))
+            stored = [k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK]
+            assert await backend.exists(stored) == len(stored)
+
+
+def _hold_the_server(host: str, port: int, seconds: float) -> threading.Thread:
+    """Run a script that keeps `host:port` busy for `seconds`, on a thread."""
+    import redis as sync_redis
+
+    busy = (
+        "local s = redis.call('TIME') "
+        "while true do local n = redis.call('TIME') "
+        "if (n[1] - s[1]) * 1000000 + (n[2] - s[2]) > tonumber(ARGV[1]) then break end end "
+        "return 1"
+    )
+
+    def run() -> None:
+        client = sync_redis.Redis(host=host, port=port)
+        try:
+            client.eval(busy, 0, int(seconds * 1e6))
+        finally:
+            client.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_busy_server_fails_one_exists_and_keeps_scripts_on(bulk: int) -> None:
+    import redis as sync_redis
+
+    with RedisServer(extra_args=["--busy-reply-threshold", "50"]) as server:
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", bulk=bulk)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+            thread = _hold_the_server(server.host, server.port, 3.0)
+            probe = sync_redis.Redis(host=server.host, port=server.port)
+
+            def busy() -> bool:
+                try:
+                    probe.ping()
+                except sync_redis.ResponseError as exc:
+                    return "BUSY" in str(exc)
+                return False
+
+            try:
+                for _ in range(1000):  # until the server answers BUSY to everyone else
+                    if busy():
+                        break
+                    await asyncio.sleep(0.01)
+                else:
+                    pytest.fail("the script never made the server busy")
+                with pytest.raises(StorageError, match="BUSY"):
+                    await backend.exists(keys)
+            finally:
+                probe.close()
+                await asyncio.to_thread(thread.join)
+            assert backend._multikey
+            assert await backend.exists(keys) == 3
+            assert backend.stats().errors == 1
+
+
+def test_which_replies_refuse_scripts_for_good() -> None:
+    from redis._parsers.base import BaseParser
+
+    from hicache_async.storage._manifest_redis import no_room, scripting_refused
+
+    def parsed(reply: str) -> Exception:
+        return BaseParser.parse_error(reply)
+
+    for reply in (
+        "ERR unknown command 'evalsha', with args beginning with: ",
+        "NOPERM this user has no permissions to run the 'evalsha' command",
+        "CROSSSLOT Keys in request don't hash to the same slot",
+        "ERR unsupported command 'EVALSHA'",
+    ):
+        assert scripting_refused(parsed(reply)), reply
+        assert scripting_refused(reply), reply  # the bulk path sees the whole reply
+    for reply in (
+        "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT.",
+        "LOADING Redis is loading the dataset in memory",
+        "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+        "OOM command not allowed when used memory > 'maxmemory'.",
+    ):
+        assert not scripting_refused(parsed(reply)), reply
+        assert not scripting_refused(reply), reply
+    assert no_room(parsed("OOM command not allowed when used memory > 'maxmemory'."))
+    assert no_room("OOM command not allowed when used memory > 'maxmemory'.")
+    assert not no_room(parsed("ERR value is not an integer or out of range"))
+
+
+def _connections_named(host: str, port: int, name: str) -> int:
+    import redis as sync_redis
+
+    client = sync_redis.Redis(host=host, port=port)
+    try:
+        return sum(1 for c in client.client_list() if c.get("name") == name)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_close_waits_for_a_batch_in_flight_and_leaves_no_connection(bulk: int) -> None:
+    import redis as sync_redis
+
+    with RedisServer(extra_args=["--enable-debug-command", "yes"]) as server:
+        name = f"closing{uuid.uuid4().hex[:8]}"
+        base = f"redis://{server.host}:{server.port}/0"
+        backend = RedisStorage.from_url(fresh_url(base, bulk=bulk, client_name=name))
+        await backend.__aenter__()
+        keys, pages, metas = make_pages(16, 64 << 10, split=1 << 10)
+        sleeper = sync_redis.Redis(host=server.host, port=server.port)
+        # The server stops answering for a while: the put below is then surely in flight
+        # when close() is called.
+        pause = threading.Thread(target=sleeper.execute_command, args=("DEBUG", "SLEEP", "1"))
+        pause.start()
+        try:
+            await asyncio.sleep(0.1)
+            put = asyncio.ensure_future(backend.put(keys, pages, metas))
+            await asyncio.sleep(0.2)
+            assert not put.done()
+            await backend.close()
+            assert put.done()
+            assert await put == [Outcome.OK] * len(keys)
+        finally:
+            await asyncio.to_thread(pause.join)
+            sleeper.close()
+        assert _connections_named(server.host, server.port, name) == 0
+        with pytest.raises(StorageError, match="closed"):
+            await backend.exists(keys)

@@ -1,0 +1,48 @@
+"""Names the docs point to are importable from the public packages."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import hicache_async.storage
+import hicache_async.testing
+from hicache_async.storage import _manifest
+from hicache_async.testing import _servers
+
+
+def test_server_errors_are_exported_from_testing() -> None:
+    from hicache_async.testing import ServerBinaryNotFoundError, ServerError
+
+    assert ServerError is _servers.ServerError
+    assert ServerBinaryNotFoundError is _servers.ServerBinaryNotFoundError
+    assert issubclass(ServerBinaryNotFoundError, ServerError)
+    assert {"ServerError", "ServerBinaryNotFoundError"} <= set(hicache_async.testing.__all__)
+
+
+@pytest.mark.parametrize("name", hicache_async.testing.__all__)
+def test_every_testing_name_resolves(name: str) -> None:
+    module = importlib.import_module("hicache_async.testing")
+    assert getattr(module, name) is not None
+
+
+MANIFEST_NAMES = [
+    "SupportsManifest",
+    "WarmupManifest",
+    "ManifestEntry",
+    "ManifestLimits",
+    "ManifestRead",
+    "CompactReport",
+]
+
+
+@pytest.mark.parametrize("name", MANIFEST_NAMES)
+def test_manifest_interface_is_exported_from_storage(name: str) -> None:
+    assert name in hicache_async.storage.__all__
+    assert getattr(hicache_async.storage, name) is getattr(_manifest, name)
+
+
+def test_every_storage_name_resolves() -> None:
+    for name in hicache_async.storage.__all__:
+        assert hasattr(hicache_async.storage, name), name
