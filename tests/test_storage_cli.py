@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from hicache_async.cli import _manifest, main
-from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta
+from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage._page import FORMAT_VERSION
+from hicache_async.testing._servers import free_port
 
 PAGE = 8192
 SIZE = HEADER_NBYTES + PAGE
@@ -131,11 +133,27 @@ def test_root_in_use_privately(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "in use" in err
 
 
-@pytest.mark.parametrize("argv", [["bogus", "memory://"], ["ls", "memory://", "--limit", "0"]])
-def test_argparse_errors_exit_2(argv: list[str]) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bogus", "memory://"],
+        ["ls", "memory://", "--limit", "0"],
+        ["ls", "memory://", "--limit", str(sys.maxsize + 1)],
+        ["ls", "memory://", "--limit", "99999999999999999999999"],
+    ],
+)
+def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["storage", *argv])
     assert info.value.code == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_limit_up_to_maxsize(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _populate(tmp_path / "s", 2)
+    code, out, _ = _run(capsys, "ls", f"file://{tmp_path / 's'}", "--limit", str(sys.maxsize))
+    assert code == 0
+    assert "2 pages" in out
 
 
 def test_command_line_has_no_traceback(tmp_path: Path) -> None:
@@ -190,3 +208,102 @@ def test_manifest_namespace_is_a_fingerprint(
     # compact rewrites every namespace: a filter it would ignore is refused.
     assert main(["manifest", "compact", url, "--namespace", "ab" * 16]) == 2
     assert "--namespace only applies to show" in capsys.readouterr().err
+
+
+def test_stats_and_ls_leave_leftovers_for_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "s"
+    _populate(root, 2)
+    leftover = root / "tmp" / "x.tmp"
+    leftover.write_bytes(b"partial")
+    for action in ("stats", "ls"):
+        code, _, _ = _run(capsys, action, f"file://{root}")
+        assert code == 0
+        assert leftover.exists(), action
+    code, out, _ = _run(capsys, "verify", f"file://{root}", "--json")
+    assert code == 0
+    assert json.loads(out)["leftovers_removed"] == 1
+    assert not leftover.exists()
+
+
+def test_closed_stdout_exits_1_without_a_traceback(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    _populate(root, 3)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before anything is written, as after `| head -1`
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "hicache_async", "storage", "ls", f"file://{root}"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1
+    assert result.stderr == ""
+
+
+def _damage(root: Path, key: bytes, offset: int, value: bytes) -> None:
+    path = root / "pages" / key.hex()[:2] / key.hex()
+    data = bytearray(path.read_bytes())
+    data[offset : offset + len(value)] = value
+    path.write_bytes(bytes(data))
+
+
+def test_ls_lists_pages_whose_header_cannot_be_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "s"
+    keys = _populate(root, 4)
+    _damage(root, keys[0], 0, b"XXXX")  # bad magic: a damaged page
+    _damage(root, keys[2], 4, (FORMAT_VERSION + 1).to_bytes(2, "little"))  # a newer format
+    code, out, _ = _run(capsys, "stats", f"file://{root}", "--json")
+    assert code == 0
+    assert json.loads(out)["pages"] == 4
+    code, out, _ = _run(capsys, "ls", f"file://{root}", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    assert sorted(row["key"] for row in rows) == sorted(key.hex() for key in keys)
+    times = [row["last_access"] for row in rows]
+    assert times == sorted(times, reverse=True)  # most recently used first, damaged or not
+    fields = {row["key"]: (row["nbytes"], row["num_tokens"], row["priority"]) for row in rows}
+    assert fields[keys[0].hex()] == fields[keys[2].hex()] == (SIZE, 0, 0)
+    assert fields[keys[1].hex()] == fields[keys[3].hex()] == (SIZE, 32, 1)
+
+
+async def test_memory_list_pages_lists_pages_whose_header_cannot_be_read() -> None:
+    keys = [os.urandom(32) for _ in range(3)]
+    async with MemoryStorage() as storage:
+        for key in keys:
+            page = [memoryview(bytearray(PAGE))]
+            meta = PageMeta(key=key, namespace=NS, num_tokens=32, priority=1)
+            assert await storage.put([key], [page], [meta]) == [Outcome.OK]
+        raw = await storage.read_raw(keys[1])
+        assert raw is not None
+        await storage.write_raw(keys[1], b"XXXX" + raw[4:])
+        pages = await storage.list_pages()
+        assert len(pages) == storage.stats().pages == 3
+        assert pages[0].key == keys[1]  # rewritten last: most recently used
+        assert (pages[0].nbytes, pages[0].num_tokens, pages[0].priority) == (SIZE, 0, 0)
+        assert all((p.num_tokens, p.priority) == (32, 1) for p in pages[1:])
+
+
+@pytest.mark.parametrize("action", ["stats", "ls", "verify", "gc"])
+def test_memory_url_is_refused(capsys: pytest.CaptureFixture[str], action: str) -> None:
+    code, out, err = _run(capsys, action, "memory://")
+    assert code == 2
+    assert out == ""
+    assert "lives inside the process that opened it" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_backend_name_is_not_repeated_in_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    code, _, err = _run(capsys, "ls", url)
+    assert code == 1
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert line.count("redis://") == 1

@@ -5,24 +5,40 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from pathlib import Path
 
-__all__ = ["check_output_path", "positive_float", "positive_int", "seed", "store_missing"]
+__all__ = [
+    "check_output_path",
+    "count",
+    "positive_float",
+    "positive_int",
+    "seed",
+    "store_missing",
+]
 
 
-def _int_at_least(text: str, low: int) -> int:
+def _int_at_least(text: str, low: int, high: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
     return value
 
 
 def positive_int(text: str) -> int:
     """An integer of at least 1, for argparse's `type=`."""
     return _int_at_least(text, 1)
+
+
+def count(text: str) -> int:
+    """An integer from 1 to `sys.maxsize`, for argparse's `type=`: a count handed to
+    `itertools.islice` or a slice, which larger integers overflow."""
+    return _int_at_least(text, 1, sys.maxsize)
 
 
 def seed(text: str) -> int:

@@ -3,13 +3,16 @@
 `stats` shows occupancy and counters, `ls` the stored pages (most recently used first),
 `verify` checks every page's integrity and removes corrupt pages and leftover temporary files,
 `gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
-success, 1 when the backend fails, 2 on bad arguments or configuration.
+success, 1 when the backend fails or stdout is closed early (`| head`), 2 on bad arguments or
+configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -26,7 +29,7 @@ from ..storage import (
     StorageStats,
     open_storage,
 )
-from ._args import positive_int, store_missing
+from ._args import count, store_missing
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "url", help="storage URL, e.g. file:///var/cache/hicache?capacity=100GiB or file://"
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
-    parser.add_argument("--limit", type=positive_int, metavar="N", help="ls: list at most N pages")
+    parser.add_argument("--limit", type=count, metavar="N", help="ls: list at most N pages")
 
 
 def _fail(message: str, code: int) -> int:
@@ -64,9 +67,22 @@ def run(args: argparse.Namespace) -> int:
         backend = open_storage(args.url)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
-    if isinstance(backend, FileStorage) and store_missing(backend.root):
-        # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool should not.
-        return _fail(f"no storage at {backend.root}", 2)
+    caps = backend.capabilities
+    if not (caps.shared or caps.persistent):
+        # A fresh instance of such a store is empty: whatever it reported would say nothing
+        # about the store another process holds.
+        return _fail(
+            f"{backend.name} lives inside the process that opened it; the storage command "
+            "cannot reach it (use file://, redis:// or mooncake://)",
+            2,
+        )
+    if isinstance(backend, FileStorage):
+        if store_missing(backend.root):
+            # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
+            # should not.
+            return _fail(f"no storage at {backend.root}", 2)
+        if args.action in ("stats", "ls"):
+            backend._keep_leftovers = True  # looking must leave the store as it was
     if args.action != "stats" and not isinstance(backend, MaintainableStorage):
         return _fail(f"{backend.name} does not support {args.action}", 2)
     try:
@@ -74,8 +90,27 @@ def run(args: argparse.Namespace) -> int:
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
     except (StorageError, OSError) as exc:
-        return _fail(f"{backend.name}: {exc}", 1)
-    print(text)
+        message = str(exc)
+        if not message.startswith(backend.name):  # most backends' messages name them already
+            message = f"{backend.name}: {message}"
+        return _fail(message, 1)
+    return _print(text)
+
+
+def _print(text: str) -> int:
+    """Print `text`; 1 when the reader closed stdout first (`| head`), without a traceback."""
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python would flush stdout again at exit and report the same error there: point
+        # stdout at /dev/null first, as the Python documentation recommends for SIGPIPE.
+        # A stdout without a descriptor (a test harness) raises here: nothing flushes it at exit.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return 1
     return 0
 
 

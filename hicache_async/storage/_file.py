@@ -682,6 +682,10 @@ class FileStorage(BackendBase):
         # `leftovers_removed_at_open`, and the next verify() reports them as its own.
         self._open_leftovers = 0
         self._unreported_leftovers = 0
+        # Set before opening by tools that only look (`hicache-async storage stats|ls`):
+        # opening then leaves temporary files alone, so an inspection changes nothing and a
+        # later verify() still finds them.
+        self._keep_leftovers = False
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> FileStorage:
@@ -776,7 +780,11 @@ class FileStorage(BackendBase):
         holder.append(handles)
         # A private root is locked exclusively by now, so nobody is writing in it: every
         # temporary file is a leftover, however fresh. A shared one may have writers.
-        leftovers = _remove_leftovers(handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0)
+        leftovers = (
+            0
+            if self._keep_leftovers
+            else _remove_leftovers(handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0)
+        )
         # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
         return leftovers, _scan(handles, stop)
 
@@ -1501,26 +1509,31 @@ class FileStorage(BackendBase):
     # Maintenance (MaintainableStorage).
 
     async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
-        """Indexed pages, most recently used first, with their header fields."""
+        """Indexed pages, most recently used first, with their header fields (0 tokens and
+        priority 0 where the header cannot be read: a damaged page or a newer format's)."""
         self._check_open()
         chosen = list(islice(reversed(self._index.items()), limit))
         keys = [key for key, _ in chosen]
-        headers = await self.run_job(lambda stop: self._headers_job(stop, keys))
+        fields = await self.run_job(lambda stop: self._headers_job(stop, keys))
         return [
             PageInfo(
                 key=key,
                 nbytes=entry.nbytes,
-                num_tokens=header.num_tokens,
-                priority=header.priority,
+                num_tokens=found[0],
+                priority=found[1],
                 last_access=entry.last_access,
             )
-            for (key, entry), header in zip(chosen, headers, strict=True)
-            if header is not None
+            for (key, entry), found in zip(chosen, fields, strict=True)
+            if found is not None
         ]
 
-    def _headers_job(self, stop: threading.Event, keys: list[bytes]) -> list[PageHeader | None]:
+    def _headers_job(
+        self, stop: threading.Event, keys: list[bytes]
+    ) -> list[tuple[int, int] | None]:
+        """(tokens, priority) of each page, (0, 0) when its header cannot be read, None when
+        its file is gone."""
         handles = self._handles_or_raise()
-        headers: list[PageHeader | None] = []
+        fields: list[tuple[int, int] | None] = []
         buffer = memoryview(bytearray(HEADER_NBYTES))
         for key in keys:
             header: PageHeader | PageCheck = PageCheck.CORRUPT
@@ -1528,17 +1541,25 @@ class FileStorage(BackendBase):
             if not stop.is_set():
                 try:
                     shard_fd = handles.shard(hexkey[:2], create=False)
-                    if shard_fd is not None:
-                        fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
-                        try:
-                            if _preadv_full(fd, [buffer], 0, HEADER_NBYTES) == HEADER_NBYTES:
-                                header = decode_header(buffer)
-                        finally:
-                            os.close(fd)
+                    if shard_fd is None:
+                        fields.append(None)
+                        continue
+                    fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
+                    try:
+                        if _preadv_full(fd, [buffer], 0, HEADER_NBYTES) == HEADER_NBYTES:
+                            header = decode_header(buffer)
+                    finally:
+                        os.close(fd)
+                except FileNotFoundError:
+                    fields.append(None)  # removed since it was indexed: no longer a page
+                    continue
                 except OSError:
-                    pass  # vanished or unreadable: not listed
-            headers.append(header if isinstance(header, PageHeader) else None)
-        return headers
+                    pass  # unreadable: listed like a damaged page, as stats() counts it
+            if isinstance(header, PageHeader):
+                fields.append((header.num_tokens, header.priority))
+            else:
+                fields.append((0, 0))
+        return fields
 
     async def verify(self) -> VerifyReport:
         """Check every page on disk; remove corrupt pages, temporary leftovers and strays."""

@@ -460,21 +460,24 @@ class MemoryStorage(BackendBase):
     # MaintainableStorage.
 
     async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
-        """Stored pages, most recently used first."""
+        """Stored pages, most recently used first; 0 tokens and priority 0 where the header
+        cannot be read (a damaged page or a newer format's), so every stored page is listed."""
         self._check_open()
         pages: list[PageInfo] = []
         for key, value in islice(reversed(self._values.items()), limit):
             header = decode_header(memoryview(value.data))
+            tokens = priority = 0
             if isinstance(header, PageHeader):
-                pages.append(
-                    PageInfo(
-                        key=key,
-                        nbytes=len(value.data),
-                        num_tokens=header.num_tokens,
-                        priority=header.priority,
-                        last_access=value.last_access,
-                    )
+                tokens, priority = header.num_tokens, header.priority
+            pages.append(
+                PageInfo(
+                    key=key,
+                    nbytes=len(value.data),
+                    num_tokens=tokens,
+                    priority=priority,
+                    last_access=value.last_access,
                 )
+            )
         return pages
 
     async def verify(self) -> VerifyReport:

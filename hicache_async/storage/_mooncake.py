@@ -990,26 +990,38 @@ class MooncakeStorage(BackendBase):
         store = self._open_store()
         if not keys:
             return 0
+        removed, _ = await self._remove(store, keys, evictions=False)
+        return removed
+
+    async def _remove(
+        self, store: Any, keys: Sequence[bytes], *, evictions: bool
+    ) -> tuple[int, int]:
+        """Remove the objects; (how many existed, their stored bytes), counted as deletes or
+        evictions. Raises StorageError, after counting what was removed, when some failed."""
         names = [self._mkey(k) for k in keys]
 
         def job(stop: threading.Event) -> tuple[list[int], list[int]]:
-            # Sizes first, for the byte count of stats(): Mooncake's remove does not say.
+            # Sizes first, for the byte counts: Mooncake's remove does not say.
             sizes = _stored_sizes(store, names)
             return list(store.batch_remove(names, force=True)), sizes
 
         results, sizes = await self.run_job(job)
-        removed = 0
+        removed = freed = 0
         for result, size in zip(results, sizes, strict=True):
             if result == 0:
                 removed += 1
+                freed += max(size, 0)
                 self._pages -= 1
                 self._bytes -= max(size, 0)
-        self._counters.deletes += removed
+        if evictions:
+            self._counters.evictions += removed
+        else:
+            self._counters.deletes += removed
         failed = [r for r in results if r not in (0, _NOT_FOUND)]
         if failed:
             self._counters.errors += len(failed)
             raise StorageError(f"{self._name}: delete failed for {len(failed)} keys: {failed[0]}")
-        return removed
+        return removed, freed
 
     # Raw access (RawAccess).
 
@@ -1140,7 +1152,7 @@ class MooncakeStorage(BackendBase):
         Without a capacity this does nothing: the master evicts on its own when its memory
         passes `eviction_high_watermark_ratio`.
         """
-        self._open_store()
+        store = self._open_store()
         if self._capacity is None:
             return GcReport(evicted_pages=0, freed_bytes=0)
         pages = await self.list_pages()
@@ -1151,10 +1163,9 @@ class MooncakeStorage(BackendBase):
             total -= victims[-1].nbytes
         if not victims:
             return GcReport(evicted_pages=0, freed_bytes=0)
-        evicted = await self.delete([p.key for p in victims])
-        self._counters.deletes -= evicted  # counted as evictions, not deletes
-        self._counters.evictions += evicted
-        return GcReport(evicted_pages=evicted, freed_bytes=sum(p.nbytes for p in victims))
+        # What was removed, not what was chosen: another client may have removed some since.
+        evicted, freed = await self._remove(store, [p.key for p in victims], evictions=True)
+        return GcReport(evicted_pages=evicted, freed_bytes=freed)
 
     # Internals: planning and staging (event loop).
 
@@ -1466,8 +1477,8 @@ class MooncakeStorage(BackendBase):
 
     async def _list_names(self) -> list[str]:
         """Object names under the prefix that are page keys (from `/get_all_keys`)."""
-        if self._admin is None:
-            raise StorageError(
+        if self._admin is None:  # a missing URL parameter: configuration, not a failure
+            raise StorageConfigError(
                 f"{self._name}: listing pages needs the master's admin URL (?admin=http://...)"
             )
         url = f"{self._admin}/get_all_keys"

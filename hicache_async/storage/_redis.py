@@ -138,6 +138,8 @@ _PASSTHROUGH = (
 
 
 _CERT_REQS = ("none", "optional", "required")
+# Where a listing or verify records that it has just read (so touched) every page.
+_TOUCHED_NAME = "maintenance-read-at"
 _PREFIX_REFUSED = "*?[]\\"
 
 
@@ -989,6 +991,7 @@ class RedisStorage(BackendBase):
         """
         client = self._redis()
         now = time.time()
+        touched = await self._touched_idle()
         pages: list[PageInfo] = []
         async for batch in self._scan():
             try:
@@ -1012,6 +1015,10 @@ class RedisStorage(BackendBase):
                     tokens, priority = header.num_tokens, header.priority
                     created = header.created_ns / 1e9
                 last = now - idle if isinstance(idle, int) else created
+                if touched is not None and isinstance(idle, int) and idle >= touched:
+                    # Not used since a listing or verify read every page (which Redis
+                    # counts as a use): its creation is the best recency left.
+                    last = created
                 pages.append(
                     PageInfo(
                         key=self._key_of(rkey),
@@ -1021,8 +1028,30 @@ class RedisStorage(BackendBase):
                         last_access=last,
                     )
                 )
+        await self._mark_touched()
         pages.sort(key=lambda p: p.last_access, reverse=True)
         return pages if limit is None else pages[:limit]
+
+    def _touched_rkey(self) -> bytes:
+        return f"{self._prefix}:{_TOUCHED_NAME}".encode()  # never a page key (not hex)
+
+    async def _touched_idle(self) -> int | None:
+        """Seconds since a pass last read every page under the prefix, on the server's own
+        idle clock (so comparable with the pages' idle times); None if unknown."""
+        try:
+            idle = await self._redis().object("idletime", self._touched_rkey())
+        except REDIS_FAULTS:
+            return None  # never marked, or no idle times (an LFU policy)
+        return idle if isinstance(idle, int) else None
+
+    async def _mark_touched(self) -> None:
+        """Record that every page was just read: the mark's own idle time then tells which
+        pages were not used since. A server refusing the write (a read-only user) costs
+        only the ordering of the next listing."""
+        try:
+            await self._redis().set(self._touched_rkey(), repr(time.time()).encode())
+        except REDIS_FAULTS as exc:
+            log.warning("storage.redis.touch_mark_failed", backend=self._name, error=str(exc))
 
     @_counted
     async def verify(self) -> VerifyReport:
@@ -1068,6 +1097,7 @@ class RedisStorage(BackendBase):
                 removed += 1
                 self._pages -= 1
                 self._bytes -= length
+        await self._mark_touched()
         return VerifyReport(
             checked=checked,
             ok=ok,

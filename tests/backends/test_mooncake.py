@@ -16,7 +16,8 @@ import pytest
 import pytest_asyncio
 
 from hicache_async import StorageConfigError, StorageError
-from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
+from hicache_async.cli import main
+from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
     _POOL,
@@ -795,8 +796,43 @@ async def test_listing_needs_the_admin_url(mooncake_master: MooncakeMaster) -> N
         "&protocol=tcp&local_hostname=127.0.0.1"
     )
     async with MooncakeStorage.from_url(fresh_url(url)) as backend:
-        with pytest.raises(StorageError, match="admin"):
+        with pytest.raises(StorageConfigError, match="admin"):
             await backend.list_pages()
+
+
+def test_storage_command_without_the_admin_url_exits_2(
+    mooncake_master: MooncakeMaster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = fresh_url(
+        f"mooncake://127.0.0.1:{mooncake_master.rpc_port}?metadata={mooncake_master.metadata_url}"
+        "&protocol=tcp&local_hostname=127.0.0.1"
+    )
+    assert main(["storage", "ls", url]) == 2
+    err = capsys.readouterr().err
+    assert "needs the master's admin URL" in err
+    line = next(line for line in err.splitlines() if "error:" in line)
+    assert line.count("mooncake://") == 1
+
+
+class _RacedGc(MooncakeStorage):
+    """A MooncakeStorage whose listing is followed at once by the removal of its oldest
+    page, as when another client's gc or delete runs between gc's listing and its removal."""
+
+    async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
+        pages = await super().list_pages(limit)
+        if pages:
+            assert await self.delete([pages[-1].key]) == 1
+        return pages
+
+
+async def test_gc_reports_only_what_it_removed(mooncake_url: str) -> None:
+    async with _RacedGc.from_url(fresh_url(mooncake_url, capacity=7000)) as backend:
+        keys, pages, metas = make_pages(4)
+        await backend.put(keys, pages, metas)
+        # 4 pages of HEADER_NBYTES + 3000 bytes: gc chooses the 2 oldest, 1 is already gone.
+        gc = await backend.gc()
+        assert (gc.evicted_pages, gc.freed_bytes) == (1, HEADER_NBYTES + 3000)
+        assert backend.stats().evictions == 1
 
 
 def test_from_url_parameters() -> None:

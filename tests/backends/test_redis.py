@@ -346,6 +346,32 @@ async def test_list_verify_and_gc(redis_url: str) -> None:
         assert backend.stats().evictions == 1
 
 
+@pytest.mark.parametrize("inspect", ["list_pages", "verify", "gc"])
+async def test_listing_the_pages_does_not_cost_gc_its_order(redis_url: str, inspect: str) -> None:
+    # Reading every page counts as a use for Redis: after a listing, a verify or a gc, what
+    # was not used since goes by its age, oldest first, and what was used since goes last.
+    page = HEADER_NBYTES + 3000
+    url = fresh_url(redis_url)
+    async with (
+        RedisStorage.from_url(f"{url}&capacity={6 * page}") as roomy,
+        RedisStorage.from_url(f"{url}&capacity={3 * page}") as backend,
+    ):
+        old, old_pages, old_metas = make_pages(4)
+        for key, data, meta in zip(old, old_pages, old_metas, strict=True):
+            assert await backend.put([key], [data], [meta]) == [Outcome.OK]
+        new, new_pages, new_metas = make_pages(2)
+        assert await backend.put(new, new_pages, new_metas) == [Outcome.OK] * 2
+        await getattr(roomy, inspect)()  # a gc that has room for all six evicts nothing
+        # One old page is used after the pass, later than Redis's one-second idle clock.
+        await asyncio.sleep(2.2)
+        assert await backend.get(old[:1], buffers(1), namespace=NS) == [Outcome.OK]
+        gc = await backend.gc()
+        assert gc.evicted_pages == 3
+        assert await backend.exists(new) == 2
+        assert await backend.exists(old[:1]) == 1
+        assert sum([await backend.exists([key]) for key in old[1:]]) == 0
+
+
 async def test_verify_keeps_a_page_stored_again_while_it_ran(redis_url: str) -> None:
     async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
         keys, pages, metas = make_pages(2)
