@@ -1060,6 +1060,10 @@ class FileStorage(BackendBase):
         mismatch = _header_mismatch(header, key, namespace, expected)
         if mismatch == "namespace":
             return (_UNSUPPORTED, "", size)  # another deployment's page: a miss, left alone
+        if mismatch == "length" and size == HEADER_NBYTES + header.payload_nbytes:
+            # Sound, but not as long as the reader's buffer: the reader may be the one in the
+            # wrong, so a miss that deletes nothing.
+            return (_UNSUPPORTED, "", size)
         if mismatch:
             return (_CORRUPT, mismatch, size)
         if size != HEADER_NBYTES + expected:

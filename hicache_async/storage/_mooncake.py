@@ -90,6 +90,9 @@ _FANOUT_MIN_BYTES = 4 * _MiB
 _PUT_GROUP_BYTES = 64 * _MiB
 _PUT_LANES = 2
 _PROBE_TIMEOUT_S = 3.0
+# A get reads an object stored at another length than the page only up to this size, to tell
+# a sound page of another length (kept) from a damaged one (removed).
+_MAX_JUDGED_BYTES = 256 * _MiB
 _ADMIN_TIMEOUT_S = 10.0
 # Forget refused auto-registrations now and then: freed memory gets new owners.
 _MAX_REFUSED = 1024
@@ -1309,7 +1312,11 @@ class MooncakeStorage(BackendBase):
                 plan = plans[i]
                 header = decode_header(view[:HEADER_NBYTES])
                 result = check_header(
-                    header, key=keys[i], namespace=namespace, payload_nbytes=plan.nbytes
+                    header,
+                    key=keys[i],
+                    namespace=namespace,
+                    payload_nbytes=plan.nbytes,
+                    stored_nbytes=view.nbytes,
                 )
                 if result is not PageCheck.OK or isinstance(header, PageCheck):
                     return  # the engine's path decides (corrupt, newer, or changed meanwhile)
@@ -1324,6 +1331,30 @@ class MooncakeStorage(BackendBase):
             for position in done:
                 results[todo[position]] = (Outcome.OK, _DIRECT)
             return [j for position, j in enumerate(todo) if position not in done]
+
+        def other_length(i: int, name: str) -> tuple[Outcome, str]:
+            # Stored at another length than the buffer, and whole (Mooncake publishes objects
+            # whole). A page that agrees with itself (another layout under shared keys, or a
+            # reader's wrong-sized buffer) is a miss left in place; only a damaged one goes.
+            size = int(store.get_size(name))
+            if size < 0 or size > _MAX_JUDGED_BYTES:
+                return (Outcome.MISS, "")  # gone meanwhile, or too big to read just to judge
+            value = bytes(store.get(name))
+            if len(value) != size:
+                return (Outcome.MISS, "")  # changed meanwhile: the next read judges it
+            header = decode_header(value[:HEADER_NBYTES])
+            verdict = check_header(
+                header,
+                key=keys[i],
+                namespace=namespace,
+                payload_nbytes=plans[i].nbytes,
+                stored_nbytes=size,
+            )
+            return (
+                (Outcome.MISS, "")
+                if verdict is PageCheck.UNSUPPORTED
+                else (Outcome.CORRUPT, "length")
+            )
 
         def job(stop: threading.Event) -> list[tuple[Outcome, str]]:
             results: list[tuple[Outcome, str]] = [(Outcome.ERROR, "")] * len(chunk)
@@ -1343,8 +1374,9 @@ class MooncakeStorage(BackendBase):
                 if state == "missing":
                     results[j] = (Outcome.MISS, "")
                 elif state == "damaged":
-                    results[j] = (Outcome.CORRUPT, "length")
-                    damaged.append((j, name))
+                    results[j] = other_length(chunk[j], name)
+                    if results[j][0] is Outcome.CORRUPT:
+                        damaged.append((j, name))
                 elif state == "failed":
                     results[j] = (Outcome.ERROR, "")
                 else:
@@ -1356,8 +1388,12 @@ class MooncakeStorage(BackendBase):
                 i, slot, plan = chunk[j], slots[j], plans[chunk[j]]
                 assert slot is not None
                 header = decode_header(arena[slot : slot + HEADER_NBYTES])
-                result = check_header(
-                    header, key=keys[i], namespace=namespace, payload_nbytes=plan.nbytes
+                result = check_header(  # the object arrived: it is as long as the page
+                    header,
+                    key=keys[i],
+                    namespace=namespace,
+                    payload_nbytes=plan.nbytes,
+                    stored_nbytes=HEADER_NBYTES + plan.nbytes,
                 )
                 if result is PageCheck.OK and not isinstance(header, PageCheck):
                     if plan.zero_copy:

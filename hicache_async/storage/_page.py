@@ -186,9 +186,17 @@ def decode_header(raw: bytes | memoryview) -> PageHeader | PageCheck:
 
 
 def check_header(
-    header: PageHeader | PageCheck, *, key: bytes, namespace: bytes, payload_nbytes: int
+    header: PageHeader | PageCheck,
+    *,
+    key: bytes,
+    namespace: bytes,
+    payload_nbytes: int,
+    stored_nbytes: int | None = None,
 ) -> PageCheck:
-    """Check a decoded header against what the reader expects, before reading the payload."""
+    """Check a decoded header against what the reader expects, before reading the payload.
+
+    `stored_nbytes`, when known, is the length of the whole stored value (header included).
+    """
     if isinstance(header, PageCheck):
         return header
     if header.key != key:
@@ -198,6 +206,12 @@ def check_header(
         # keys under another layout): a miss for us, but not ours to delete.
         return PageCheck.UNSUPPORTED
     if header.payload_nbytes != payload_nbytes:
+        if stored_nbytes is not None and stored_nbytes != HEADER_NBYTES + header.payload_nbytes:
+            return PageCheck.CORRUPT  # its own length does not add up: torn or damaged
+        # A page that agrees with itself but not with the reader's buffer: the reader may be
+        # the one in the wrong, and deleting would lose a sound page. A miss, left in place.
+        return PageCheck.UNSUPPORTED
+    if stored_nbytes is not None and stored_nbytes != HEADER_NBYTES + payload_nbytes:
         return PageCheck.CORRUPT
     return PageCheck.OK
 
@@ -275,10 +289,10 @@ def read_value_into(
     """
     header = decode_header(value)
     expected = sum(s.nbytes for s in into)
-    check = check_header(header, key=key, namespace=namespace, payload_nbytes=expected)
+    check = check_header(
+        header, key=key, namespace=namespace, payload_nbytes=expected, stored_nbytes=len(value)
+    )
     if check is not PageCheck.OK or isinstance(header, PageCheck):
         return check
-    if len(value) != HEADER_NBYTES + expected:
-        return PageCheck.CORRUPT
     checksum = _scatter_checksum(memoryview(value)[HEADER_NBYTES:], into)
     return verify_payload(header, into, mac_key=mac_key, checksum=checksum)

@@ -119,9 +119,10 @@ class StorageBackend(Protocol):
     ) -> list[Outcome]:
         """Read each page into its buffer; one outcome per key.
 
-        A page whose header, key, length or checksum (or MAC) does not match is `CORRUPT`
+        A page whose header, key, own length or checksum (or MAC) does not match is `CORRUPT`
         (counted and removed); its buffer content is then undefined. A sound page of another
-        namespace, or of a newer format version, is a `MISS` and is left in place.
+        namespace, of another length than its buffer, or of a newer format version, is a
+        `MISS` and is left in place.
         """
         ...
 

@@ -716,10 +716,12 @@ class RedisStorage(BackendBase):
                 header = decode_header(head)
                 expected = payloads[i]
                 verdict = check_header(
-                    header, key=keys[i], namespace=namespace, payload_nbytes=expected
+                    header,
+                    key=keys[i],
+                    namespace=namespace,
+                    payload_nbytes=expected,
+                    stored_nbytes=length,
                 )
-                if verdict is PageCheck.OK and length != HEADER_NBYTES + expected:
-                    verdict = PageCheck.CORRUPT
                 if verdict is PageCheck.OK and isinstance(header, PageHeader):
                     for segment in targets[i]:
                         await conn.read_into(segment)

@@ -394,6 +394,22 @@ class StorageConformance:
         assert await backend.exists([key]) == 1  # another deployment's page stays
         assert (await self._get_one(backend, key))[0] is Outcome.OK
 
+    @pytest.mark.parametrize("delta", [-1, 1])
+    async def test_reader_with_another_length_misses_and_leaves_it(
+        self, backend: StorageBackend, delta: int
+    ) -> None:
+        # The page agrees with itself; the buffer may be what is wrong, so nothing is lost.
+        (key,) = _keys(1)
+        data = await self._put(backend, [key])
+        corrupt_before = backend.stats().corrupt
+        (outcome,) = await backend.get(
+            [key], [_empty([self.page_nbytes + delta])], namespace=NAMESPACE
+        )
+        assert outcome is Outcome.MISS
+        assert backend.stats().corrupt == corrupt_before
+        assert await backend.exists([key]) == 1
+        assert await self._get_one(backend, key) == (Outcome.OK, data[key])
+
     async def test_newer_format_version_is_a_miss_left_in_place(
         self, backend: StorageBackend
     ) -> None:
