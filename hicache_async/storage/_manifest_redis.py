@@ -186,7 +186,6 @@ class RedisManifest:
         self._name = name
         self._ttl = ttl
         self._scripting = scripting
-        self._known: set[str] = set()
         self._window: AsyncScript | None = None
         self._switch: AsyncScript | None = None
         #: Compact a list that passes this many records; trim it to `_cap` records.
@@ -235,12 +234,15 @@ class RedisManifest:
         """
         if namespace is not None and not _NAMESPACE.match(namespace):
             return ManifestRead(entries=[])
-        namespaces = [namespace] if namespace is not None else await self._namespaces()
-        result = ManifestRead(entries=[])
+        if namespace is None:
+            namespaces, more = await self._namespaces()
+        else:
+            namespaces, more = [namespace], False
+        result = ManifestRead(entries=[], truncated=more)
         for _ in range(_ATTEMPTS):
             collector = ManifestCollector(self.limits, namespace)
             budget = self.limits.max_bytes
-            truncated = False
+            truncated = more  # namespaces past the bound were not read
             try:
                 for ns in namespaces:
                     gen, length = await self._snapshot(ns)
@@ -262,7 +264,8 @@ class RedisManifest:
         it); records appended meanwhile are kept.
         """
         totals = [0] * 6
-        for namespace in await self._namespaces():
+        namespaces, _ = await self._namespaces()
+        for namespace in namespaces:
             report = await self.compact_namespace(namespace)
             for i, value in enumerate(_report_values(report)):
                 totals[i] += value
@@ -283,9 +286,9 @@ class RedisManifest:
                     pipe.expire(key, self._ttl)
                     pipe.expire(meta, self._ttl)
                 results = await pipe.execute()
-            if namespace not in self._known:
-                await client.sadd(self.index_key, namespace)
-                self._known.add(namespace)
+            # Every time, not once per process: the set may have been evicted or flushed, or
+            # pruned while this list was briefly gone.
+            await client.sadd(self.index_key, namespace)
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest append failed: {exc}") from exc
         # Replies: one RPUSH per batch (the last is the new length), then HINCRBY.
@@ -314,20 +317,52 @@ class RedisManifest:
 
     # Reading.
 
-    async def _namespaces(self) -> list[str]:
-        """The namespaces in the index set (validated, at most `_MAX_NAMESPACES`)."""
+    async def _namespaces(self) -> tuple[list[str], bool]:
+        """The namespaces in the index set whose list still exists (at most
+        `_MAX_NAMESPACES`), and whether there were more.
+
+        Members whose list has gone (expired with `ttl`, or deleted) are removed from the
+        set on the way, so that dead namespaces neither grow it nor crowd out live ones.
+        """
         client = self._client()
-        found: list[str] = []
+        found: set[str] = set()
+        dead: list[str] = []
+        more = False
+
+        async def sort_out(batch: list[str]) -> None:
+            nonlocal more
+            async with client.pipeline(transaction=False) as pipe:
+                for name in batch:
+                    pipe.exists(self.list_key(name))
+                alive = await pipe.execute()
+            for name, exists in zip(batch, alive, strict=True):
+                if not exists:
+                    dead.append(name)
+                elif len(found) < _MAX_NAMESPACES:
+                    found.add(name)
+                else:
+                    more = True
+
         try:
+            batch: list[str] = []
             async for member in client.sscan_iter(self.index_key, count=512):
                 text = member.decode("ascii", "replace") if isinstance(member, bytes) else ""
-                if _NAMESPACE.match(text):
-                    found.append(text)
-                if len(found) >= _MAX_NAMESPACES:
-                    break
+                if not _NAMESPACE.match(text):
+                    continue
+                batch.append(text)
+                if len(batch) >= 512:
+                    await sort_out(batch)
+                    batch = []
+                    if more:
+                        break
+            if batch and not more:
+                await sort_out(batch)
+            if dead:
+                # A list appended to since its EXISTS is put back by that append's SADD.
+                await client.srem(self.index_key, *dead)
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
-        return sorted(set(found))
+        return sorted(found), more
 
     async def _snapshot(self, namespace: str) -> tuple[bytes, int]:
         """The list's generation and length, read together."""

@@ -401,6 +401,39 @@ async def test_redis_manifest_that_vanishes_mid_read_ends_the_read(redis_url: st
         assert read.entries == []
 
 
+async def test_redis_manifest_index_keeps_live_namespaces_only(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hicache_async.storage._manifest_redis as manifest_redis
+
+    async with RedisStorage.from_url(f"{redis_url}?prefix=t{uuid.uuid4().hex}") as backend:
+        manifest = backend.manifest(LIMITS)
+        assert isinstance(manifest, RedisManifest)
+        client = backend._redis()
+        spaces = [bytes([n]) * 16 for n in range(5)]
+        for ns in spaces:
+            await manifest.append([entry(ns, 0)])
+        # Two lists go (expired with a ttl, or deleted): their namespaces leave the index at
+        # the next read instead of piling up in it.
+        for ns in spaces[:2]:
+            await client.delete(manifest.list_key(ns.hex()), manifest.meta_key(ns.hex()))
+        read = await manifest.read()
+        assert {e.namespace for e in read.entries} == {ns.hex() for ns in spaces[2:]}
+        assert not read.truncated
+        members = {m.decode() for m in await client.smembers(manifest.index_key)}
+        assert members == {ns.hex() for ns in spaces[2:]}
+        # Past the bound on namespaces, the read says it did not read everything.
+        monkeypatch.setattr(manifest_redis, "_MAX_NAMESPACES", 2)
+        bounded = await manifest.read()
+        assert bounded.truncated
+        assert len({e.namespace for e in bounded.entries}) == 2
+        monkeypatch.undo()
+        # An index lost (evicted, flushed) is rebuilt by the next append of each namespace.
+        await client.delete(manifest.index_key)
+        await manifest.append([entry(spaces[4], 1)])
+        assert {e.namespace for e in (await manifest.read()).entries} == {spaces[4].hex()}
+
+
 # Mooncake: index validation, the compaction lock.
 
 
