@@ -36,6 +36,7 @@ __all__ = [
     "byte_segments",
     "check_batch",
     "check_key",
+    "check_keys",
     "corrupt_reason",
     "fan_out",
     "parse_bool",
@@ -91,6 +92,16 @@ def check_batch(keys: Sequence[bytes], *others: tuple[str, Sequence[Any]]) -> No
     for label, items in others:
         if len(items) != len(keys):
             raise ValueError(f"got {len(keys)} keys but {len(items)} {label}")
+
+
+def check_keys(keys: Sequence[bytes], namespace: bytes | None = None) -> None:
+    """Raise ValueError unless every key is a 32-byte page key (and `namespace`, when given,
+    a 16-byte fingerprint): a wrong key would otherwise read as a miss, silently."""
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise ValueError(f"page keys are 32 bytes, got {key!r:.40}")
+    if namespace is not None and (not isinstance(namespace, bytes) or len(namespace) != 16):
+        raise ValueError(f"namespace fingerprints are 16 bytes, got {namespace!r:.40}")
 
 
 def check_key(key: bytes, meta: PageMeta | None = None) -> None:

@@ -66,6 +66,7 @@ from ._base import (
     byte_segments,
     check_batch,
     check_key,
+    check_keys,
     fan_out,
     log,
     parse_bool,
@@ -897,10 +898,17 @@ class FileStorage(BackendBase):
         self._check_open()
         index = self._index
         count = 0
-        for key in keys:
-            if key not in index:
-                break
-            count += 1
+        try:
+            for key in keys:
+                if key not in index:
+                    break
+                count += 1
+        except TypeError:  # an unhashable key
+            check_keys(keys)
+            raise
+        # The index holds only page keys: the ones found are sound, so only the rest need
+        # checking (the common all-found call pays nothing).
+        check_keys(keys[count:])
         if count == len(keys) or not self._shared:
             return count
         rest = list(keys[count:])
@@ -949,6 +957,7 @@ class FileStorage(BackendBase):
         """
         self._check_open()
         check_batch(keys, ("buffers", into))
+        check_keys(keys, namespace)
         outcomes = [Outcome.MISS] * len(keys)
         self._counters.gets += len(keys)
         todo = [i for i, key in enumerate(keys) if self._shared or key in self._index]
@@ -1420,6 +1429,7 @@ class FileStorage(BackendBase):
         """Remove the pages; return how many existed and were removed (a page whose file could
         not be removed stays, counted as an error)."""
         self._check_open()
+        check_keys(keys)
         unique = list(dict.fromkeys(keys))
         if not self._shared:
             unique = [key for key in unique if key in self._index]

@@ -31,6 +31,7 @@ from ._base import (
     byte_segments,
     check_batch,
     check_key,
+    check_keys,
     corrupt_reason,
     parse_query,
     parse_size,
@@ -208,6 +209,7 @@ class MemoryStorage(BackendBase):
     async def exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, counted from the first, exist consecutively."""
         self._check_open()
+        check_keys(keys)
         count = 0
         for key in keys:
             if key not in self._values:
@@ -221,6 +223,7 @@ class MemoryStorage(BackendBase):
         """Check and copy each page into its buffer; one outcome per key."""
         self._check_open()
         check_batch(keys, ("buffers", into))
+        check_keys(keys, namespace)
         # Bad buffers are the caller's error, raised before anything is read or counted.
         segments = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.MISS] * len(keys)
@@ -437,6 +440,7 @@ class MemoryStorage(BackendBase):
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Remove the pages; return how many existed."""
         self._check_open()
+        check_keys(keys)
         count = sum(1 for key in dict.fromkeys(keys) if self._remove(key) is not None)
         self._counters.deletes += count
         return count

@@ -40,6 +40,7 @@ from ._base import (
     byte_segments,
     check_batch,
     check_key,
+    check_keys,
     fan_out,
     log,
     parse_bool,
@@ -891,6 +892,7 @@ class MooncakeStorage(BackendBase):
     async def exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, exist consecutively (`batch_is_exist`)."""
         store = self._open_store()
+        check_keys(keys)
         if not keys:
             return 0
         names = [self._mkey(k) for k in keys]
@@ -912,6 +914,7 @@ class MooncakeStorage(BackendBase):
         """Read each page into its buffer (zero-copy where registered); one outcome each."""
         self._open_store()
         check_batch(keys, ("buffers", into))
+        check_keys(keys, namespace)
         plans = await self._plan([byte_segments(page, writable=True) for page in into])
         self._count_paths(plans)
         outcomes = [Outcome.ERROR] * len(keys)
@@ -991,6 +994,7 @@ class MooncakeStorage(BackendBase):
         """Remove the objects (forced: a reader's lease does not hold them); how many
         existed."""
         store = self._open_store()
+        check_keys(keys)
         if not keys:
             return 0
         removed, _ = await self._remove(store, keys, evictions=False)

@@ -33,6 +33,7 @@ from ._base import (
     byte_segments,
     check_batch,
     check_key,
+    check_keys,
     corrupt_reason,
     log,
     parse_bool,
@@ -485,6 +486,7 @@ class RedisStorage(BackendBase):
         a pipeline (`multikey=0`, for Redis Cluster and proxies that refuse multi-key calls).
         """
         client = self._redis()
+        check_keys(keys)
         if self._multikey and self._prefix_script is not None:
             try:
                 if self._bulk is not None:
@@ -570,6 +572,7 @@ class RedisStorage(BackendBase):
         """GET each page and check it into its buffer; one outcome per key."""
         client = self._redis()
         check_batch(keys, ("buffers", into))
+        check_keys(keys, namespace)
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         corrupt: list[bytes] = []
@@ -945,6 +948,7 @@ class RedisStorage(BackendBase):
     async def delete(self, keys: Sequence[bytes]) -> int:
         """DEL each key; how many existed."""
         self._redis()
+        check_keys(keys)
         removed, _ = await self._delete_rkeys([self._rkey(k) for k in keys])
         self._counters.deletes += removed
         return removed

@@ -262,6 +262,26 @@ class StorageConformance:
             await backend.get(keys, [_empty([self.page_nbytes])], namespace=NAMESPACE)
         assert await backend.exists(keys[:1]) == 0
 
+    async def test_bad_keys_and_namespaces_raise_on_every_call(
+        self, backend: StorageBackend
+    ) -> None:
+        # A key of another length or type would otherwise read as a miss, silently.
+        (key,) = _keys(1)
+        data = await self._put(backend, [key])
+        page = [_empty([self.page_nbytes])]
+        for bad in (key[:-1], key + b"\x00", key.hex(), None):
+            keys = [key, bad]
+            with pytest.raises(ValueError, match="32 bytes"):
+                await backend.exists(keys)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="32 bytes"):
+                await backend.get(keys, page * 2, namespace=NAMESPACE)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="32 bytes"):
+                await backend.delete(keys)  # type: ignore[arg-type]
+        for namespace in (NAMESPACE[:-1], NAMESPACE.hex()):
+            with pytest.raises(ValueError, match="16 bytes"):
+                await backend.get([key], page, namespace=namespace)  # type: ignore[arg-type]
+        assert await self._get_one(backend, key) == (Outcome.OK, data[key])
+
     async def test_out_of_range_meta_raises_before_io(self, backend: StorageBackend) -> None:
         keys = _keys(3)
         pages = [_segments(_payload(self.page_nbytes, i), [self.page_nbytes]) for i in range(3)]
