@@ -41,6 +41,16 @@ from hicache_async.testing import KVGenerator, serve
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 
 
+def check_keys(keys: Sequence[bytes], namespace: bytes | None = None) -> None:
+    """Refuse keys that are not 32 bytes (and a namespace that is not 16): read as misses,
+    they would hide the caller's mistake."""
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != 32:
+            raise ValueError(f"page keys are 32 bytes, got {key!r:.40}")
+    if namespace is not None and (not isinstance(namespace, bytes) or len(namespace) != 16):
+        raise ValueError(f"namespace fingerprints are 16 bytes, got {namespace!r:.40}")
+
+
 class SqliteStorage:
     """Pages in a SQLite database: `sqlite:///path/to/pages.db`."""
 
@@ -89,6 +99,7 @@ class SqliteStorage:
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         db = self._conn()
+        check_keys(keys)
 
         def count() -> int:
             for n, key in enumerate(keys):
@@ -103,6 +114,7 @@ class SqliteStorage:
     ) -> list[Outcome]:
         if len(keys) != len(into):
             raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
+        check_keys(keys, namespace)
         db = self._conn()
 
         def fetch() -> list[bytes | None]:
@@ -162,6 +174,7 @@ class SqliteStorage:
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         db = self._conn()
+        check_keys(keys)
 
         def remove() -> int:
             with db:

@@ -108,9 +108,22 @@ def test_newer_version_is_unsupported_whatever_follows() -> None:
 def test_check_header_compares_key_namespace_and_length() -> None:
     header = decode_header(encode_header(_meta(), [memoryview(bytes(10))]))
     assert check_header(header, key=KEY, namespace=NS, payload_nbytes=10) is PageCheck.OK
-    for key, namespace, nbytes in ((bytes(32), NS, 10), (KEY, NS, 11)):
-        check = check_header(header, key=key, namespace=namespace, payload_nbytes=nbytes)
-        assert check is PageCheck.CORRUPT
+    check = check_header(header, key=bytes(32), namespace=NS, payload_nbytes=10)
+    assert check is PageCheck.CORRUPT
+    # Another length than the reader's: a miss to leave in place if the page agrees with
+    # itself (the reader's buffer may be what is wrong), damaged if its own length does not.
+    assert check_header(header, key=KEY, namespace=NS, payload_nbytes=11) is PageCheck.UNSUPPORTED
+    whole = HEADER_NBYTES + 10
+    for nbytes, stored, expected in (
+        (11, whole, PageCheck.UNSUPPORTED),
+        (11, whole + 1, PageCheck.CORRUPT),
+        (10, whole, PageCheck.OK),
+        (10, whole - 1, PageCheck.CORRUPT),
+    ):
+        check = check_header(
+            header, key=KEY, namespace=NS, payload_nbytes=nbytes, stored_nbytes=stored
+        )
+        assert check is expected, (nbytes, stored)
     # Another deployment's sound page: a miss to leave in place, whatever its length.
     for nbytes in (10, 11):
         check = check_header(header, key=KEY, namespace=bytes(16), payload_nbytes=nbytes)
@@ -147,8 +160,8 @@ def test_read_value_into() -> None:
     assert read_value_into(value[:-1], key=KEY, namespace=NS, into=into) is PageCheck.CORRUPT
     other = read_value_into(value, key=KEY, namespace=bytes(16), into=into)
     assert other is PageCheck.UNSUPPORTED
-    short = [memoryview(bytearray(199))]
-    assert read_value_into(value, key=KEY, namespace=NS, into=short) is PageCheck.CORRUPT
+    short = [memoryview(bytearray(199))]  # a sound page, a buffer of another length
+    assert read_value_into(value, key=KEY, namespace=NS, into=short) is PageCheck.UNSUPPORTED
     newer = value[:4] + struct.pack("<H", FORMAT_VERSION + 1) + value[6:]
     assert read_value_into(newer, key=KEY, namespace=NS, into=into) is PageCheck.UNSUPPORTED
 

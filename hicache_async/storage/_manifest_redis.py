@@ -152,6 +152,9 @@ else
 end
 redis.call('HSET', KEYS[2], 'bytes', nbytes)
 redis.call('HINCRBY', KEYS[2], 'gen', 1)
+if tonumber(ARGV[4]) > 0 then
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
 return #tail
 """
 
@@ -552,6 +555,10 @@ class RedisManifest:
                     pipe.delete(key)
                 pipe.hset(meta, "bytes", nbytes)
                 pipe.hincrby(meta, "gen", 1)
+                if self._ttl is not None:
+                    # Refreshed with the list: a meta hash that expired first would reset the
+                    # generation readers compare against.
+                    pipe.expire(meta, self._ttl)
                 await pipe.execute()
             except WatchError:
                 await _forget(client, temp)

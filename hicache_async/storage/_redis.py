@@ -282,6 +282,18 @@ class RedisStorage(BackendBase):
             raise StorageConfigError(
                 f"redis URL database {db!r} is not a number; accepted: /0, /1, ... or none (0)"
             )
+        # Only what redis-py reads may ride in this URL: redis-py would take anything else for
+        # a connection argument and fail at the first connection.
+        params = parse_query(parts.query, _URL_PARAMS, scheme=parts.scheme)
+        ours = [name for name in params if name not in _PASSTHROUGH]
+        if ours:
+            raise StorageConfigError(
+                f"redis URL parameters {', '.join(ours)} are read by RedisStorage.from_url; "
+                f"pass them to RedisStorage() as arguments"
+            )
+        _check_passthrough(params, tls=parts.scheme == "rediss")
+        query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
+        url = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
         # Backslash escapes in SCAN patterns: such a prefix would match other keys than its own.
         # Braces would make a cluster hash tag of it (every page in one slot); page names are
         # cut after the prefix by length, which only ASCII keeps the same in bytes.

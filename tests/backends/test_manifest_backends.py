@@ -365,20 +365,27 @@ async def test_redis_manifest_on_a_cluster_and_without_scripting(
         assert manifest._scripting is (server == "cluster")
 
 
+@pytest.mark.parametrize("scripts", [True, False])
 @pytest.mark.parametrize("ttl", [None, 3600])
-async def test_redis_manifest_follows_the_page_ttl(redis_url: str, ttl: int | None) -> None:
+async def test_redis_manifest_follows_the_page_ttl(
+    redis_url: str, unscripted_redis: RedisServer, ttl: int | None, scripts: bool
+) -> None:
     query = f"prefix=t{uuid.uuid4().hex}" + (f"&ttl={ttl}" if ttl else "")
-    async with RedisStorage.from_url(f"{redis_url}?{query}") as backend:
+    base = redis_url if scripts else unscripted_redis.url
+    async with RedisStorage.from_url(f"{base}?{query}") as backend:
         manifest = backend.manifest(LIMITS)
         client = backend._redis()
         await manifest.append([entry(NS_A, i) for i in range(5)])
-        key = manifest.list_key(NS_A.hex())
+        key, meta = manifest.list_key(NS_A.hex()), manifest.meta_key(NS_A.hex())
+        if ttl is not None:
+            await client.expire(meta, 5)  # as if the last append was long ago
         await manifest.compact()  # built under a temporary key that expires on its own
-        remaining = await client.ttl(key)
+        remaining = [await client.ttl(key), await client.ttl(meta)]
         if ttl is None:
-            assert remaining == -1
+            assert remaining == [-1, -1]
         else:
-            assert 0 < remaining <= ttl
+            # The meta hash is refreshed with the list: expiring first, it would reset `gen`.
+            assert all(5 < left <= ttl for left in remaining)
         assert await client.keys(f"{key}:compacting:*") == []
 
 

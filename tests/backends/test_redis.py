@@ -499,6 +499,16 @@ def test_from_url_parameters() -> None:
             RedisStorage.from_url(f"redis://127.0.0.1:6379/0?prefix={prefix}")
     with pytest.raises(StorageConfigError, match="braces"):
         RedisStorage(prefix="{x}")
+    # The constructor's URL carries only what redis-py reads; redis-py would take the rest
+    # for connection arguments and fail at the first connection (or drop them).
+    for query in ("ttl=5", "prefix=mine", "timeout=1"):
+        with pytest.raises(StorageConfigError, match="as arguments"):
+            RedisStorage(f"redis://127.0.0.1:6379/0?{query}")
+    with pytest.raises(StorageConfigError, match="unknown parameter 'colour'"):
+        RedisStorage("redis://127.0.0.1:6379/0?colour=blue")
+    with pytest.raises(StorageConfigError, match="client_name"):
+        RedisStorage("redis://127.0.0.1:6379/0?client_name=a%20b")
+    assert RedisStorage("redis://127.0.0.1:6379/0?client_name=me").name.startswith("redis://")
     # The server would refuse the name at every connection, so every call would fail.
     for name in ("a%20b", "caf%C3%A9", "a%0Ab"):
         with pytest.raises(StorageConfigError, match="client_name"):
