@@ -870,3 +870,88 @@ async def test_reads_order_eviction_after_reopen(tmp_path: Path) -> None:
         assert await _put(storage, [new]) == [Outcome.OK]
         assert await storage.exists([read]) == 1
         assert await storage.exists([unread]) == 0
+
+
+class _KernelGate:
+    """Holds the first call of a native kernel on its worker thread until `release()`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        from hicache_async import _native
+
+        self.reached, self.go = threading.Event(), threading.Event()
+        inner = getattr(_native, name)
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            if not self.go.is_set():
+                self.reached.set()
+                self.go.wait(30)
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(_native, name, held)
+
+    async def wait(self) -> None:
+        assert await asyncio.to_thread(self.reached.wait, 30)
+
+    def release(self) -> None:
+        self.go.set()
+
+
+async def test_a_page_deleted_and_stored_again_while_read_is_never_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The page being read is unlinked, not kept as a spare, so the new page gets a file of
+    # its own; the read finishes on the old file and the new page stays.
+    page = 32 << 10
+    async with FileStorage(tmp_path / "store") as storage:
+        (key,) = _keys(1)
+        meta = [PageMeta(key=key, namespace=NS, num_tokens=1)]
+        assert await storage.put([key], [[memoryview(b"A" * page)]], meta) == [Outcome.OK]
+        gate = _KernelGate(monkeypatch, "pread_checksum")
+        into = [[memoryview(bytearray(page))]]
+        read = asyncio.ensure_future(storage.get([key], into, namespace=NS))
+        await gate.wait()
+        assert await storage.delete([key]) == 1
+        assert await storage.put([key], [[memoryview(b"B" * page)]], meta) == [Outcome.OK]
+        gate.release()
+        assert (await read)[0] in (Outcome.OK, Outcome.MISS)
+        again = [[memoryview(bytearray(page))]]
+        assert await storage.get([key], again, namespace=NS) == [Outcome.OK]
+        assert bytes(again[0][0]) == b"B" * page
+        assert storage.stats().corrupt == 0
+
+
+async def test_verify_leaves_a_spare_file_a_put_has_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    page = 32 << 10
+    root = tmp_path / "store"
+    async with FileStorage(root) as storage:
+        old, new = _keys(2)
+        meta = [PageMeta(key=old, namespace=NS, num_tokens=1)]
+        assert await storage.put([old], [[memoryview(b"A" * page)]], meta) == [Outcome.OK]
+        path = root / "pages" / old.hex()[:2] / old.hex()
+        hour_ago = time.time() - 3600
+        os.utime(path, (hour_ago, hour_ago))  # a spare keeps its page's old mtime
+        assert await storage.delete([old]) == 1
+        assert [n for n in os.listdir(root / "tmp") if n.endswith(".spare")]
+        gate = _KernelGate(monkeypatch, "checksum")  # the put has opened the spare, not written it
+        meta = [PageMeta(key=new, namespace=NS, num_tokens=1)]
+        put = asyncio.ensure_future(storage.put([new], [[memoryview(b"B" * page)]], meta))
+        await gate.wait()
+        report = await storage.verify()
+        gate.release()
+        assert await put == [Outcome.OK]
+        assert report.leftovers_removed == 0
+        into = [[memoryview(bytearray(page))]]
+        assert await storage.get([new], into, namespace=NS) == [Outcome.OK]
+
+
+async def test_a_shared_root_keeps_no_spare_files(tmp_path: Path) -> None:
+    # Another instance may be reading a page whose file would be reused, and cannot tell
+    # this instance's spares from leftovers.
+    root = tmp_path / "store"
+    async with FileStorage(root, shared=True, spare_bytes=1 << 20) as storage:
+        keys = _keys(2)
+        assert await storage.put(keys, _pages(keys), _metas(keys)) == [Outcome.OK] * 2
+        assert await storage.delete(keys[:1]) == 1
+        assert [n for n in os.listdir(root / "tmp") if n.endswith(".spare")] == []

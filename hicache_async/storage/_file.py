@@ -500,16 +500,24 @@ def _scan(
     return found
 
 
-def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> None:
-    """Unlink `name` unless it has been replaced since we looked at it (inode `st`)."""
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    # The inode alone is not enough: a write that reuses a spare file keeps it. Any write,
+    # rename or truncation moves the change time.
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> bool:
+    """Unlink `name` unless it has changed since we looked at it (`st`); False if it had
+    (it is then left alone)."""
     try:
         if st is not None:
             now = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
-            if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-                return
+            if _identity(now) != _identity(st):
+                return False
         os.unlink(name, dir_fd=shard_fd)
     except FileNotFoundError:
         pass
+    return True
 
 
 def _unlink_all(dir_fd: int, names: Iterable[str]) -> None:
@@ -535,6 +543,8 @@ class _SparePool:
         self.limit = limit
         self.nbytes = 0
         self._by_size: dict[int, list[str]] = {}
+        # Taken by a write still in progress: still ours, so verify() must not remove them.
+        self._taken: set[str] = set()
         self._lock = threading.Lock()
 
     def keep(self, handles: _Handles, shard_fd: int, name: str) -> bool:
@@ -567,12 +577,19 @@ class _SparePool:
             name = names.pop()
             if not names:
                 del self._by_size[size]
+            self._taken.add(name)
             return name
+
+    def done(self, name: str) -> None:
+        """The write that took `name` has renamed or removed it."""
+        with self._lock:
+            self._taken.discard(name)
 
     def names(self, *, drain: bool = False) -> frozenset[str]:
         """Every spare file's name; with `drain`, the pool is then empty."""
         with self._lock:
             names = frozenset(name for group in self._by_size.values() for name in group)
+            names |= self._taken
             if drain:
                 self._by_size.clear()
                 self.nbytes = 0
@@ -661,7 +678,10 @@ class FileStorage(BackendBase):
         )
         self._name = f"file://{self._root}" + ("?shared=1" if shared else "")
         self._handles: _Handles | None = None
-        self._spares = _SparePool(spare_bytes) if spare_bytes else None
+        # Not in a shared root: another instance may be reading a page whose file would be
+        # reused (it keeps its inode), and another instance's open or verify cannot tell
+        # this instance's spares from leftovers.
+        self._spares = _SparePool(spare_bytes) if spare_bytes and not shared else None
         # Loop-owned state: LRU index, bytes indexed, bytes reserved by puts in flight, pins
         # of pages being read, keys being written or evicted.
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
@@ -1042,8 +1062,13 @@ class FileStorage(BackendBase):
         finally:
             os.close(fd)
         if result[0] == _CORRUPT:
+            changed = False
             with contextlib.suppress(OSError):  # still reported; verify() retries the removal
-                _remove_if_same(shard_fd, hexkey, st)
+                changed = not _remove_if_same(shard_fd, hexkey, st)
+            if changed:
+                # Rewritten while it was read: what was read is torn, and the page now there
+                # is another. A miss that removes nothing and leaves the index alone.
+                return (_UNSUPPORTED, "", 0)
         return result
 
     def _read_fd(
@@ -1325,6 +1350,8 @@ class FileStorage(BackendBase):
                 if not renamed:  # else removed as a leftover at the next open or verify
                     with contextlib.suppress(OSError):
                         os.unlink(tmp_name, dir_fd=handles.tmp_fd)
+                if self._spares is not None:
+                    self._spares.done(tmp_name)
         except OSError as exc:
             return (_ERROR, f"write: {exc.strerror or exc}", 0)
         if durable:
@@ -1437,10 +1464,15 @@ class FileStorage(BackendBase):
             return 0
         removed = [(key, self._drop(key)) for key in unique]
         self._evicting.update(unique)
+        # A page being read is unlinked, not kept as a spare: a write reusing its file would
+        # change the bytes under the reader.
+        reading = {key for key in unique if key in self._pins}
         job = _Job(len(unique))
         try:
             await self.run_job(
-                lambda stop: self._unlink_job(stop, job, unique, event="storage.delete.error")
+                lambda stop: self._unlink_job(
+                    stop, job, unique, event="storage.delete.error", reading=reading
+                )
             )
         finally:
             self._evicting.difference_update(unique)
@@ -1450,7 +1482,13 @@ class FileStorage(BackendBase):
         return count
 
     def _unlink_job(
-        self, stop: threading.Event, job: _Job, keys: list[bytes], *, event: str
+        self,
+        stop: threading.Event,
+        job: _Job,
+        keys: list[bytes],
+        *,
+        event: str,
+        reading: frozenset[bytes] | set[bytes] = frozenset(),
     ) -> None:
         handles = self._handles_or_raise()
         for slot, key in enumerate(keys):
@@ -1462,7 +1500,8 @@ class FileStorage(BackendBase):
                 if shard_fd is None:
                     job.results[slot] = (_MISS, "", 0)
                 else:
-                    _remove_page(self._spares, handles, shard_fd, hexkey)
+                    spares = None if key in reading else self._spares
+                    _remove_page(spares, handles, shard_fd, hexkey)
                     job.results[slot] = (_OK, "", 0)
             except FileNotFoundError:
                 job.results[slot] = (_MISS, "", 0)
