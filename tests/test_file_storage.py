@@ -955,3 +955,46 @@ async def test_a_shared_root_keeps_no_spare_files(tmp_path: Path) -> None:
         assert await storage.put(keys, _pages(keys), _metas(keys)) == [Outcome.OK] * 2
         assert await storage.delete(keys[:1]) == 1
         assert [n for n in os.listdir(root / "tmp") if n.endswith(".spare")] == []
+
+
+async def test_a_cancelled_put_still_evicts_what_it_made_room_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The victims' room counts as free from the moment they are chosen; a put that runs
+    # meanwhile may fill it, so the cancelled put must still remove them.
+    big, small = 1 << 20, 4096
+    capacity = (HEADER_NBYTES + big) + (HEADER_NBYTES + small)
+    root = tmp_path / "store"
+    async with FileStorage(root, capacity_bytes=capacity, spare_bytes=0) as storage:
+        x, y, z, w = _keys(4)
+
+        def meta(key: bytes) -> list[PageMeta]:
+            return [PageMeta(key=key, namespace=NS, num_tokens=1)]
+
+        def page(nbytes: int) -> list[list[memoryview]]:
+            return [[memoryview(bytes(nbytes))]]
+
+        assert await storage.put([x], page(big), meta(x)) == [Outcome.OK]
+        assert await storage.put([y], page(small), meta(y)) == [Outcome.OK]
+        reached, go = threading.Event(), threading.Event()
+        segments = _file._Job.segments
+
+        def held(self: Any, pages: Any, *, writable: bool) -> Any:
+            if not reached.is_set():  # only the first put's job
+                reached.set()
+                go.wait(30)
+            return segments(self, pages, writable=writable)
+
+        monkeypatch.setattr(_file._Job, "segments", held)
+        first = asyncio.ensure_future(storage.put([z], page(small), meta(z)))  # evicts x
+        assert await asyncio.to_thread(reached.wait, 30)
+        assert await storage.put([w], page(big - small), meta(w)) == [Outcome.OK]
+        first.cancel()
+        await asyncio.sleep(0)
+        go.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        on_disk = sum(f.stat().st_size for f in (root / "pages").rglob("*") if f.is_file())
+        assert on_disk <= capacity
+        assert storage.stats().bytes <= capacity
+        assert await storage.exists([x]) == 0
