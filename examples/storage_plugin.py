@@ -186,6 +186,7 @@ class SqliteStorage:
 
     async def read_raw(self, key: bytes) -> bytes | None:
         db = self._conn()
+        check_keys([key])
 
         def fetch() -> bytes | None:
             row = db.execute("SELECT value FROM pages WHERE key = ?", (key,)).fetchone()

@@ -384,6 +384,9 @@ def parse_size(text: str, *, field: str = "size") -> int:
         value = Decimal(match.group(1)) * _UNITS[unit]
     except InvalidOperation:
         raise StorageConfigError(f"{field}={text!r} is not {_SIZE_HELP}") from None
+    if value != value.to_integral_value():
+        # Truncated, 0.5 would quietly mean 0 (for a segment: lend nothing).
+        raise StorageConfigError(f"{field}={text!r} is not a whole number of bytes")
     return int(value)
 
 

@@ -1516,6 +1516,7 @@ class FileStorage(BackendBase):
     async def read_raw(self, key: bytes) -> bytes | None:
         """The stored `header ‖ payload` bytes of `key`, unchecked, or None."""
         self._check_open()
+        check_key(key)
         return await self.run_job(lambda stop: self._read_raw_job(key))
 
     def _read_raw_job(self, key: bytes) -> bytes | None:

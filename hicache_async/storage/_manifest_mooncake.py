@@ -71,6 +71,8 @@ _CHUNK_BYTES = 1 << 20
 _INDEX_BYTES = 64 << 10
 #: Sequence numbers probed per `batch_is_exist`; a gap this long ends a log.
 _PROBE = 64
+# Rounds of eight claims, each after looking for the log's end again, before an append gives up.
+_CLAIM_ROUNDS = 64
 #: An append that lands at this seq (or later) compacts the namespace.
 _LOG_CHUNKS = 256
 #: Chunks read per Mooncake call.
@@ -253,11 +255,15 @@ class MooncakeManifest:
     async def _put_log(self, namespace: str, stem: str, payload: bytes) -> tuple[str, int]:
         """Put one chunk at the next free seq of `stem`'s log: (its name, its seq)."""
         seq = await self._log_end(namespace, stem)
-        for _ in range(8):
-            name = self.object_name(namespace, f"{stem}:l{seq}")
-            if await self._claim(name, payload):
-                return name, seq
-            seq += 1  # another writer took it
+        # Concurrent appenders all start from the same end and take seqs one after another:
+        # after a few lost races, look for the end again rather than give up.
+        for _ in range(_CLAIM_ROUNDS):
+            for _ in range(8):
+                name = self.object_name(namespace, f"{stem}:l{seq}")
+                if await self._claim(name, payload):
+                    return name, seq
+                seq += 1  # another writer took it
+            seq = await self._log_end(namespace, stem, seq)
         raise StorageError(f"{self._storage.name}: no free manifest chunk in {stem}")
 
     async def _claim(self, name: str, payload: bytes) -> bool:

@@ -450,6 +450,7 @@ class MemoryStorage(BackendBase):
     async def read_raw(self, key: bytes) -> bytes | None:
         """The stored `header ‖ payload` bytes, unchecked, or None."""
         self._check_open()
+        check_key(key)
         value = self._values.get(key)
         return None if value is None else bytes(value.data)
 

@@ -72,6 +72,8 @@ _NO_SPACE = -200  # NO_AVAILABLE_HANDLE: the cluster has no room; not stored, no
 _INVALID_PARAMS = -600  # among others: the object is larger than the buffers given
 _TRANSFER_FAIL = -800  # among others: the object's length differs from the buffers'
 _NOT_FOUND = -704
+# An object another client is still putting: not readable yet, so a miss like an absent one.
+_NOT_READY = -703
 _ALREADY_EXISTS = -705
 _REFUSED = (_INVALID_PARAMS, _TRANSFER_FAIL)
 #: The reason a get job gives for a page it read in place from this client's segment.
@@ -430,7 +432,7 @@ def _read_states(
     stored = dict(zip(refused, _stored_sizes(store, refused), strict=True))
     states: list[_ReadState] = []
     for name, code, size in zip(names, codes, expected, strict=True):
-        if code == _NOT_FOUND:
+        if code in (_NOT_FOUND, _NOT_READY):
             states.append("missing")
         elif code in _REFUSED and stored[name] not in (-1, size):
             states.append("damaged")
@@ -627,7 +629,7 @@ class MooncakeStorage(BackendBase):
             replicas=_int_param(params, "replicas", 1),
             threads=_int_param(params, "threads", 4),
             max_batch_pages=_int_param(params, "max_batch_pages", 256),
-            capacity_bytes=parse_size(capacity, field="capacity") if capacity else None,
+            capacity_bytes=None if capacity is None else parse_size(capacity, field="capacity"),
             direct_reads=parse_bool(params.get("direct_reads", "1"), field="direct_reads"),
             placement=params.get("placement"),
         )
@@ -1035,6 +1037,7 @@ class MooncakeStorage(BackendBase):
     async def read_raw(self, key: bytes) -> bytes | None:
         """The stored `header ‖ payload` of `key`, or None when absent."""
         store = self._open_store()
+        check_key(key)
         name = self._mkey(key)
 
         def job(stop: threading.Event) -> bytes | None:

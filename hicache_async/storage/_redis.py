@@ -971,6 +971,7 @@ class RedisStorage(BackendBase):
     async def read_raw(self, key: bytes) -> bytes | None:
         """The stored `header ‖ payload` of `key`, or None when absent."""
         client = self._redis()
+        check_key(key)
         try:
             value = await client.get(self._rkey(key))
         except REDIS_FAULTS as exc:

@@ -280,6 +280,10 @@ class StorageConformance:
         for namespace in (NAMESPACE[:-1], NAMESPACE.hex()):
             with pytest.raises(ValueError, match="16 bytes"):
                 await backend.get([key], page, namespace=namespace)  # type: ignore[arg-type]
+        if isinstance(backend, RawAccess):
+            for bad in (key[:-1], key.hex()):
+                with pytest.raises(ValueError, match="32 bytes"):
+                    await backend.read_raw(bad)  # type: ignore[arg-type]
         assert await self._get_one(backend, key) == (Outcome.OK, data[key])
 
     async def test_out_of_range_meta_raises_before_io(self, backend: StorageBackend) -> None:

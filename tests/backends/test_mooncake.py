@@ -937,3 +937,19 @@ async def test_open_storage_builds_it_from_the_url(mooncake_url: str) -> None:
         raw = await storage.read_raw(keys[0])
         assert raw is not None
         assert raw[6] & 1  # written with the MAC
+
+
+def test_an_object_still_being_put_reads_as_missing() -> None:
+    from hicache_async.storage._mooncake import _read_states
+
+    # -703: another client's put has not ended; the object is not readable yet.
+    states = _read_states(None, ["a", "b", "c"], [-703, -704, 4096], [4096, 4096, 4096])
+    assert states == ["missing", "missing", "read"]
+
+
+def test_sizes_are_whole_bytes_and_an_empty_capacity_is_refused() -> None:
+    base = "mooncake://127.0.0.1:50051?metadata=http://127.0.0.1:8080/metadata"
+    for query in ("segment_size=0.5", "segment_size=1.9", "capacity=", "capacity=1.5"):
+        with pytest.raises(StorageConfigError):
+            MooncakeStorage.from_url(f"{base}&{query}")
+    assert MooncakeStorage.from_url(f"{base}&segment_size=0.5KiB").name.startswith("mooncake://")
