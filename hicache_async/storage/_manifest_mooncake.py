@@ -603,7 +603,7 @@ class MooncakeManifest:
         storage = self._storage
         store = storage._open_store()
         arena = storage._arena
-        offset = await arena.acquire(size * len(names))
+        offset = await storage._acquire_arena(size * len(names))
         view, address = storage._arena_view, storage._arena_base + offset
         assert view is not None
 

@@ -1076,7 +1076,7 @@ class MooncakeStorage(BackendBase):
         step = min(self._max_batch_pages, self._arena.capacity // HEADER_NBYTES)
         for start in range(0, len(names), step):
             part = names[start : start + step]
-            base = await self._arena.acquire(len(part) * HEADER_NBYTES)
+            base = await self._acquire_arena(len(part) * HEADER_NBYTES)
             try:
                 pages.extend(
                     await self.run_job(functools.partial(self._headers_job, store, part, base))
@@ -1105,7 +1105,7 @@ class MooncakeStorage(BackendBase):
             if not batch:
                 return
             need = sum(_Arena.rounded(p.nbytes) for p in batch)
-            base = await self._arena.acquire(need)
+            base = await self._acquire_arena(need)
             try:
                 checks = await self.run_job(
                     functools.partial(self._verify_job, store, list(batch), base)
@@ -1182,6 +1182,15 @@ class MooncakeStorage(BackendBase):
     def _open_store(self) -> Any:
         self._check_open()
         return self._store
+
+    async def _acquire_arena(self, nbytes: int) -> int:
+        """`nbytes` of the staging arena; StorageError if the backend closed while waiting
+        for them (the arena's memory is gone then)."""
+        base = await self._arena.acquire(nbytes)
+        if self.closed:
+            self._arena.release(base, nbytes)
+            self._check_open()
+        return base
 
     def _mkey(self, key: bytes) -> str:
         return f"{self._prefix}:{key.hex()}"
@@ -1265,7 +1274,7 @@ class MooncakeStorage(BackendBase):
                 staging_size=self._arena.capacity,
             )
         need = sum(plans[i].arena_bytes for i, big in zip(chunk, too_big, strict=True) if not big)
-        base = await self._arena.acquire(need)
+        base = await self._acquire_arena(need)
         try:
             return await self.run_job(job(chunk, base))
         finally:

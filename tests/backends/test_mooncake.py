@@ -953,3 +953,28 @@ def test_sizes_are_whole_bytes_and_an_empty_capacity_is_refused() -> None:
         with pytest.raises(StorageConfigError):
             MooncakeStorage.from_url(f"{base}&{query}")
     assert MooncakeStorage.from_url(f"{base}&segment_size=0.5KiB").name.startswith("mooncake://")
+
+
+@pytest.mark.parametrize("call", ["get", "put"])
+async def test_a_call_waiting_for_the_staging_arena_at_close_raises_storage_error(
+    backend: MooncakeStorage, call: str
+) -> None:
+    keys, pages, metas = make_pages(2)
+    if call == "get":
+        await backend.put(keys, pages, metas)
+    arena = backend._arena
+    held = await arena.acquire(arena.capacity)  # every byte taken: the call below waits
+    waiting = asyncio.ensure_future(
+        backend.get(keys, buffers(2), namespace=NS)
+        if call == "get"
+        else backend.put(keys, pages, metas)
+    )
+    for _ in range(1000):
+        if arena._waiters:
+            break
+        await asyncio.sleep(0)
+    assert arena._waiters
+    await backend.close()
+    arena.release(held, arena.capacity)
+    with pytest.raises(StorageError, match="closed"):
+        await waiting
