@@ -998,3 +998,45 @@ async def test_a_cancelled_put_still_evicts_what_it_made_room_from(
         assert on_disk <= capacity
         assert storage.stats().bytes <= capacity
         assert await storage.exists([x]) == 0
+
+
+async def test_cancelled_puts_and_deletes_count_what_they_did(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with FileStorage(tmp_path / "store", io_threads=1) as storage:
+        keys = _keys(2)
+        gate = _KernelGate(monkeypatch, "checksum")  # the first page is being written
+        put = asyncio.ensure_future(storage.put(keys, _pages(keys), _metas(keys)))
+        await gate.wait()
+        put.cancel()
+        await asyncio.sleep(0)
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        stored = [await storage.exists([key]) for key in keys]
+        assert stored == [1, 0]  # the page under way lands whole; the next never starts
+        assert storage.stats().put_ok == 1
+        monkeypatch.undo()
+
+        more = _keys(2)
+        assert await storage.put(more, _pages(more), _metas(more)) == [Outcome.OK] * 2
+        reached, go = threading.Event(), threading.Event()
+        remove = _file._remove_page
+
+        def held(*args: Any) -> None:
+            if not reached.is_set():
+                reached.set()
+                go.wait(30)
+            remove(*args)
+
+        monkeypatch.setattr(_file, "_remove_page", held)
+        delete = asyncio.ensure_future(storage.delete(more))
+        assert await asyncio.to_thread(reached.wait, 30)
+        delete.cancel()
+        await asyncio.sleep(0)
+        go.set()
+        with pytest.raises(asyncio.CancelledError):
+            await delete
+        # Every page it took out of the index is removed, and counted.
+        assert [await storage.exists([key]) for key in more] == [0, 0]
+        assert storage.stats().deletes == 2

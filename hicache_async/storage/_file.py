@@ -1196,21 +1196,30 @@ class FileStorage(BackendBase):
         for i in writes[admitted:]:
             outcomes[i] = Outcome.MISS
         writes, sizes = writes[:admitted], sizes[:admitted]
-        if writes or victims:
-            await self._write_batch(
-                keys=keys,
-                pages=pages,
-                metas=metas,
-                writes=writes,
-                sizes=sizes,
-                victims=victims,
-                outcomes=outcomes,
-                now=now,
-            )
+        try:
+            if writes or victims:
+                await self._write_batch(
+                    keys=keys,
+                    pages=pages,
+                    metas=metas,
+                    writes=writes,
+                    sizes=sizes,
+                    victims=victims,
+                    outcomes=outcomes,
+                    now=now,
+                )
+        except asyncio.CancelledError:
+            self._count_put(outcomes, duplicates, writes)  # what the job stored still counts
+            raise
+        self._count_put(outcomes, duplicates, writes)
+        return outcomes
+
+    def _count_put(
+        self, outcomes: list[Outcome], duplicates: list[tuple[int, int]], writes: list[int]
+    ) -> None:
         for i, slot in duplicates:
             outcomes[i] = outcomes[writes[slot]] if slot < len(writes) else Outcome.MISS
         self._counters.put_ok += outcomes.count(Outcome.OK)
-        return outcomes
 
     def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
         """LRU victims that make room for the first pages of `sizes`, and how many fit.
@@ -1477,8 +1486,9 @@ class FileStorage(BackendBase):
         finally:
             self._evicting.difference_update(unique)
             self._commit_removal(removed, job, evictions=False)
-        count = sum(1 for result in job.results if result is not None and result[0] == _OK)
-        self._counters.deletes += count
+            # Cancelled too: the job removed every page (see _unlink_job).
+            count = sum(1 for result in job.results if result is not None and result[0] == _OK)
+            self._counters.deletes += count
         return count
 
     def _unlink_job(
