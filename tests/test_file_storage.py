@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import structlog
 
-from hicache_async import StorageConfigError, StorageError
+from hicache_async import StorageConfigError, StorageError, _native
 from hicache_async.storage import (
     HEADER_NBYTES,
     FileStorage,
@@ -872,28 +872,15 @@ async def test_reads_order_eviction_after_reopen(tmp_path: Path) -> None:
         assert await storage.exists([unread]) == 0
 
 
-class _KernelGate:
-    """Holds the first call of a native kernel on its worker thread until `release()`."""
+def _held_before(original: Callable[..., Any], gate: _Gate) -> Callable[..., Any]:
+    """`original`, whose first call waits at `gate` before it runs (later calls run)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-        from hicache_async import _native
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not gate.reached.is_set():
+            gate.hold()
+        return original(*args, **kwargs)
 
-        self.reached, self.go = threading.Event(), threading.Event()
-        inner = getattr(_native, name)
-
-        def held(*args: Any, **kwargs: Any) -> Any:
-            if not self.go.is_set():
-                self.reached.set()
-                self.go.wait(30)
-            return inner(*args, **kwargs)
-
-        monkeypatch.setattr(_native, name, held)
-
-    async def wait(self) -> None:
-        assert await asyncio.to_thread(self.reached.wait, 30)
-
-    def release(self) -> None:
-        self.go.set()
+    return wrapper
 
 
 async def test_a_page_deleted_and_stored_again_while_read_is_never_lost(
@@ -902,18 +889,20 @@ async def test_a_page_deleted_and_stored_again_while_read_is_never_lost(
     # The page being read is unlinked, not kept as a spare, so the new page gets a file of
     # its own; the read finishes on the old file and the new page stays.
     page = 32 << 10
+    gate = _Gate()
     async with FileStorage(tmp_path / "store") as storage:
         (key,) = _keys(1)
         meta = [PageMeta(key=key, namespace=NS, num_tokens=1)]
         assert await storage.put([key], [[memoryview(b"A" * page)]], meta) == [Outcome.OK]
-        gate = _KernelGate(monkeypatch, "pread_checksum")
-        into = [[memoryview(bytearray(page))]]
-        read = asyncio.ensure_future(storage.get([key], into, namespace=NS))
-        await gate.wait()
-        assert await storage.delete([key]) == 1
-        assert await storage.put([key], [[memoryview(b"B" * page)]], meta) == [Outcome.OK]
-        gate.release()
-        assert (await read)[0] in (Outcome.OK, Outcome.MISS)
+        monkeypatch.setattr(_native, "pread_checksum", _held_before(_native.pread_checksum, gate))
+        with _released(gate):
+            into = [[memoryview(bytearray(page))]]
+            read = asyncio.ensure_future(storage.get([key], into, namespace=NS))
+            await gate.wait_reached()
+            assert await storage.delete([key]) == 1
+            assert await storage.put([key], [[memoryview(b"B" * page)]], meta) == [Outcome.OK]
+            gate.go.set()
+            assert (await read)[0] in (Outcome.OK, Outcome.MISS)
         again = [[memoryview(bytearray(page))]]
         assert await storage.get([key], again, namespace=NS) == [Outcome.OK]
         assert bytes(again[0][0]) == b"B" * page
@@ -925,25 +914,28 @@ async def test_verify_leaves_a_spare_file_a_put_has_taken(
 ) -> None:
     page = 32 << 10
     root = tmp_path / "store"
+    gate = _Gate()
     async with FileStorage(root) as storage:
         old, new = _keys(2)
         meta = [PageMeta(key=old, namespace=NS, num_tokens=1)]
         assert await storage.put([old], [[memoryview(b"A" * page)]], meta) == [Outcome.OK]
-        path = root / "pages" / old.hex()[:2] / old.hex()
         hour_ago = time.time() - 3600
-        os.utime(path, (hour_ago, hour_ago))  # a spare keeps its page's old mtime
+        os.utime(_page_path(root, old), (hour_ago, hour_ago))  # a spare keeps this mtime
         assert await storage.delete([old]) == 1
         assert [n for n in os.listdir(root / "tmp") if n.endswith(".spare")]
-        gate = _KernelGate(monkeypatch, "checksum")  # the put has opened the spare, not written it
-        meta = [PageMeta(key=new, namespace=NS, num_tokens=1)]
-        put = asyncio.ensure_future(storage.put([new], [[memoryview(b"B" * page)]], meta))
-        await gate.wait()
-        report = await storage.verify()
-        gate.release()
-        assert await put == [Outcome.OK]
+        # The put has opened the spare and not written it yet.
+        monkeypatch.setattr(_native, "checksum", _held_before(_native.checksum, gate))
+        with _released(gate):
+            meta = [PageMeta(key=new, namespace=NS, num_tokens=1)]
+            put = asyncio.ensure_future(storage.put([new], [[memoryview(b"B" * page)]], meta))
+            await gate.wait_reached()
+            report = await storage.verify()
+            gate.go.set()
+            assert await put == [Outcome.OK]
         assert report.leftovers_removed == 0
         into = [[memoryview(bytearray(page))]]
         assert await storage.get([new], into, namespace=NS) == [Outcome.OK]
+        assert bytes(into[0][0]) == b"B" * page
 
 
 async def test_a_shared_root_keeps_no_spare_files(tmp_path: Path) -> None:
@@ -965,6 +957,7 @@ async def test_a_cancelled_put_still_evicts_what_it_made_room_from(
     big, small = 1 << 20, 4096
     capacity = (HEADER_NBYTES + big) + (HEADER_NBYTES + small)
     root = tmp_path / "store"
+    gate = _Gate()
     async with FileStorage(root, capacity_bytes=capacity, spare_bytes=0) as storage:
         x, y, z, w = _keys(4)
 
@@ -976,26 +969,18 @@ async def test_a_cancelled_put_still_evicts_what_it_made_room_from(
 
         assert await storage.put([x], page(big), meta(x)) == [Outcome.OK]
         assert await storage.put([y], page(small), meta(y)) == [Outcome.OK]
-        reached, go = threading.Event(), threading.Event()
-        segments = _file._Job.segments
-
-        def held(self: Any, pages: Any, *, writable: bool) -> Any:
-            if not reached.is_set():  # only the first put's job
-                reached.set()
-                go.wait(30)
-            return segments(self, pages, writable=writable)
-
-        monkeypatch.setattr(_file._Job, "segments", held)
-        first = asyncio.ensure_future(storage.put([z], page(small), meta(z)))  # evicts x
-        assert await asyncio.to_thread(reached.wait, 30)
-        assert await storage.put([w], page(big - small), meta(w)) == [Outcome.OK]
-        first.cancel()
-        await asyncio.sleep(0)
-        go.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await first
-        on_disk = sum(f.stat().st_size for f in (root / "pages").rglob("*") if f.is_file())
-        assert on_disk <= capacity
+        # Only the first put's job is held (the second's runs).
+        monkeypatch.setattr(_file._Job, "segments", _held_before(_file._Job.segments, gate))
+        with _released(gate):
+            first = asyncio.ensure_future(storage.put([z], page(small), meta(z)))  # evicts x
+            await gate.wait_reached()
+            assert await storage.put([w], page(big - small), meta(w)) == [Outcome.OK]
+            first.cancel()
+            await asyncio.sleep(0)
+            gate.go.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+        assert _disk_usage(root)[1] <= capacity
         assert storage.stats().bytes <= capacity
         assert await storage.exists([x]) == 0
 
@@ -1003,16 +988,19 @@ async def test_a_cancelled_put_still_evicts_what_it_made_room_from(
 async def test_cancelled_puts_and_deletes_count_what_they_did(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    writing, removing = _Gate(), _Gate()
     async with FileStorage(tmp_path / "store", io_threads=1) as storage:
         keys = _keys(2)
-        gate = _KernelGate(monkeypatch, "checksum")  # the first page is being written
-        put = asyncio.ensure_future(storage.put(keys, _pages(keys), _metas(keys)))
-        await gate.wait()
-        put.cancel()
-        await asyncio.sleep(0)
-        gate.release()
-        with pytest.raises(asyncio.CancelledError):
-            await put
+        # The first page is being written.
+        monkeypatch.setattr(_native, "checksum", _held_before(_native.checksum, writing))
+        with _released(writing):
+            put = asyncio.ensure_future(storage.put(keys, _pages(keys), _metas(keys)))
+            await writing.wait_reached()
+            put.cancel()
+            await asyncio.sleep(0)
+            writing.go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await put
         stored = [await storage.exists([key]) for key in keys]
         assert stored == [1, 0]  # the page under way lands whole; the next never starts
         assert storage.stats().put_ok == 1
@@ -1020,23 +1008,15 @@ async def test_cancelled_puts_and_deletes_count_what_they_did(
 
         more = _keys(2)
         assert await storage.put(more, _pages(more), _metas(more)) == [Outcome.OK] * 2
-        reached, go = threading.Event(), threading.Event()
-        remove = _file._remove_page
-
-        def held(*args: Any) -> None:
-            if not reached.is_set():
-                reached.set()
-                go.wait(30)
-            remove(*args)
-
-        monkeypatch.setattr(_file, "_remove_page", held)
-        delete = asyncio.ensure_future(storage.delete(more))
-        assert await asyncio.to_thread(reached.wait, 30)
-        delete.cancel()
-        await asyncio.sleep(0)
-        go.set()
-        with pytest.raises(asyncio.CancelledError):
-            await delete
+        monkeypatch.setattr(_file, "_remove_page", _held_before(_file._remove_page, removing))
+        with _released(removing):
+            delete = asyncio.ensure_future(storage.delete(more))
+            await removing.wait_reached()
+            delete.cancel()
+            await asyncio.sleep(0)
+            removing.go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await delete
         # Every page it took out of the index is removed, and counted.
         assert [await storage.exists([key]) for key in more] == [0, 0]
         assert storage.stats().deletes == 2
