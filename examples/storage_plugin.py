@@ -34,21 +34,12 @@ from hicache_async.storage import (
     PageMeta,
     StorageCapabilities,
     StorageStats,
+    check_keys,
     encode_header,
     read_value_into,
 )
 from hicache_async.testing import KVGenerator, serve
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
-
-
-def check_keys(keys: Sequence[bytes], namespace: bytes | None = None) -> None:
-    """Refuse keys that are not 32 bytes (and a namespace that is not 16): read as misses,
-    they would hide the caller's mistake."""
-    for key in keys:
-        if not isinstance(key, bytes) or len(key) != 32:
-            raise ValueError(f"page keys are 32 bytes, got {key!r:.40}")
-    if namespace is not None and (not isinstance(namespace, bytes) or len(namespace) != 16):
-        raise ValueError(f"namespace fingerprints are 16 bytes, got {namespace!r:.40}")
 
 
 class SqliteStorage:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._base import check_keys
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ._manifest import (
@@ -70,6 +71,7 @@ __all__ = [
     "StorageStats",
     "SupportsManifest",
     "VerifyReport",
+    "check_keys",
     "WarmupManifest",
     "decode_header",
     "default_root",
