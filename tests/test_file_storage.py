@@ -459,6 +459,27 @@ async def test_shared_instances_see_each_others_pages(tmp_path: Path) -> None:
         assert await _get(first, keys) == [Outcome.OK] * 4
 
 
+async def test_shared_put_rewrites_a_page_another_instance_deleted(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    keys = _keys(3)
+    async with (
+        FileStorage(root, shared=True) as first,
+        FileStorage(root, shared=True) as second,
+    ):
+        assert await _put(first, keys) == [Outcome.OK] * 3
+        assert await second.delete(keys[:2]) == 2
+        # `first` still indexes them; its put must look, not answer from the index.
+        assert await _put(first, keys) == [Outcome.OK] * 3
+        assert all(_page_path(root, key).is_file() for key in keys)
+        assert await _get(second, keys) == [Outcome.OK] * 3
+        assert first.stats().pages == 3
+        assert first.stats().bytes == 3 * SIZE
+        # A page still there is kept as it is, not written again.
+        before = _page_path(root, keys[2]).stat().st_ino
+        assert await _put(first, keys[2:]) == [Outcome.OK]
+        assert _page_path(root, keys[2]).stat().st_ino == before
+
+
 async def test_io_threads_one_and_many_agree(tmp_path: Path) -> None:
     keys = _keys(24)
     pages = [[memoryview(os.urandom(256 * 1024))] for _ in keys]

@@ -1162,8 +1162,9 @@ class FileStorage(BackendBase):
     ) -> list[Outcome]:
         """Store each page atomically (temporary file, then rename); one outcome per key.
 
-        An existing key is kept as is (OK). A page that does not fit even after evicting every
-        page not being read is a MISS, as is any later page of the batch.
+        An existing key is kept as is (OK); in a shared root its file is looked at first, and
+        written again if another instance removed it. A page that does not fit even after
+        evicting every page not being read is a MISS, as is any later page of the batch.
         """
         self._check_open()
         check_batch(keys, ("pages", pages), ("metas", metas))
@@ -1178,12 +1179,19 @@ class FileStorage(BackendBase):
         sizes: list[int] = []
         duplicates: list[tuple[int, int]] = []
         for i, key in enumerate(keys):
-            if key in index:
+            if key in index and not self._shared:
                 self._touch(key, now)
             elif key in slots:
                 duplicates.append((i, slots[key]))
             elif key in self._writing or key in self._evicting:
                 outcomes[i] = Outcome.MISS  # another batch is writing or removing it
+            elif key in index:
+                # Shared root: another instance may have removed the file since this one
+                # indexed it. The job looks and rewrites it if so; its room is counted already.
+                self._touch(key, now)
+                slots[key] = len(writes)
+                writes.append(i)
+                sizes.append(0)
             else:
                 size = HEADER_NBYTES + payload_nbytes(pages[i])
                 if self._capacity is not None and size > self._capacity:
@@ -1239,7 +1247,7 @@ class FileStorage(BackendBase):
                 if candidate is None:
                     break
                 key, entry = candidate
-                if key not in self._pins and key not in keep:
+                if key not in self._pins and key not in keep and key not in self._writing:
                     victims.append(key)
                     free += entry.nbytes
             if free < size:
