@@ -171,11 +171,36 @@ async def test_a_private_root_is_exclusive(tmp_path: Path) -> None:
         with pytest.raises(StorageConfigError, match="shared=1"):
             async with FileStorage(tmp_path / "s"):
                 pass
-        with pytest.raises(StorageConfigError, match="in use privately"):
+        with pytest.raises(StorageConfigError, match="an instance that opened it privately"):
             async with FileStorage(tmp_path / "s", shared=True):
                 pass
     async with FileStorage(tmp_path / "s", shared=True), FileStorage(tmp_path / "s", shared=True):
         pass
+
+
+async def test_a_forked_child_does_not_keep_the_root_locked(tmp_path: Path) -> None:
+    # A flock belongs to the open file: a child holding a copy of the descriptor would keep
+    # the root locked after the parent closed it, until the child exits.
+    root = tmp_path / "s"
+    wait_fd, wake_fd = os.pipe()
+    ready_fd, running_fd = os.pipe()
+    async with FileStorage(root):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(running_fd, b"r")  # the fork handlers have run
+                os.read(wait_fd, 1)
+            finally:
+                os._exit(0)
+        assert await asyncio.to_thread(os.read, ready_fd, 1) == b"r"
+    try:
+        async with FileStorage(root) as again:
+            assert again.stats().pages == 0
+    finally:
+        os.write(wake_fd, b"x")
+        await asyncio.to_thread(os.waitpid, pid, 0)
+        for fd in (wait_fd, wake_fd, ready_fd, running_fd):
+            os.close(fd)
 
 
 async def test_lifecycle_errors(tmp_path: Path) -> None:
@@ -902,6 +927,58 @@ def _held_before(original: Callable[..., Any], gate: _Gate) -> Callable[..., Any
         return original(*args, **kwargs)
 
     return wrapper
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["new", "indexed"])
+async def test_shared_delete_during_own_put_leaves_no_page_in_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, indexed: bool
+) -> None:
+    # In a shared root a delete does not wait for this instance's writes; when it removes the
+    # file after the write's rename, the put must not then index a page that is gone.
+    root = tmp_path / "s"
+    (key,) = _keys(1)
+    gate = _Gate()
+    async with FileStorage(root, shared=True) as storage:
+        if indexed:  # indexed here, removed by another instance: the put writes it again
+            await _put(storage, [key])
+            async with FileStorage(root, shared=True) as other:
+                assert await other.delete([key]) == 1
+        monkeypatch.setattr(storage, "_write_job", _held_after(storage._write_job, gate))
+        with _released(gate):
+            put = asyncio.ensure_future(_put(storage, [key]))
+            await gate.wait_reached()  # renamed into place, not yet committed
+            assert _page_path(root, key).is_file()
+            assert await storage.delete([key]) == 1
+        assert await put == [Outcome.OK]
+        assert not _page_path(root, key).exists()
+        assert await storage.exists([key]) == 0
+        await _assert_index_matches_disk(storage, root)
+
+
+@pytest.mark.parametrize("call", ["get", "put"])
+async def test_pages_a_cancelled_call_never_reached_are_not_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    keys = _keys(4)
+    gate = _Gate()
+    async with FileStorage(tmp_path / "s") as storage:
+        await _put(storage, keys[:2] if call == "put" else keys)
+        job = "_read_job" if call == "get" else "_write_job"
+        monkeypatch.setattr(storage, job, _held_before(getattr(storage, job), gate))
+        with _released(gate):
+            task = asyncio.ensure_future(
+                _get(storage, keys) if call == "get" else _put(storage, keys[2:])
+            )
+            await gate.wait_reached()  # the job has not begun: cancelled, it does nothing
+            task.cancel()
+            for _ in range(3):  # let the cancellation reach the job before it goes on
+                await asyncio.sleep(0)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = storage.stats()
+        assert stats.errors == 0
+        assert (stats.get_hits, stats.put_ok) == (0, 2 if call == "put" else 4)
+        await _assert_index_matches_disk(storage, tmp_path / "s")
 
 
 async def test_a_page_deleted_and_stored_again_while_read_is_never_lost(

@@ -50,6 +50,7 @@ import secrets
 import stat
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import islice
@@ -198,6 +199,7 @@ class _Handles:
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
+        _OPEN_ROOTS.add(self)
 
     def shard(self, name: str, *, create: bool, durable: bool = False) -> int | None:
         """The descriptor of `pages/<name>`, or None when it does not exist and create is off.
@@ -239,10 +241,28 @@ class _Handles:
             return fd
 
     def close(self) -> None:
+        _OPEN_ROOTS.discard(self)
         for fd in (*self._shards.values(), self.tmp_fd, self.pages_fd, self.root_fd, self.lock_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._shards.clear()
+
+
+_OPEN_ROOTS: weakref.WeakSet[_Handles] = weakref.WeakSet()
+
+
+def _drop_inherited_locks() -> None:
+    """In a forked child: close the lock descriptors it inherited. A flock belongs to the open
+    file, so the child's copies would keep a root locked after the parent closed it."""
+    for handles in list(_OPEN_ROOTS):
+        fd, handles.lock_fd = handles.lock_fd, -1
+        if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        self._shards.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 #: (key, stored bytes, mtime) of a page file found on disk.
@@ -379,10 +399,14 @@ def _flock(lock_fd: int, root: Path, *, shared: bool) -> None:
     try:
         fcntl.flock(lock_fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
-        how = "privately" if shared else "by another instance"
+        if shared:
+            raise StorageConfigError(
+                f"storage root {root} is in use by an instance that opened it privately; to "
+                "share a root, every instance must open it with shared=1"
+            ) from None
         raise StorageConfigError(
-            f"storage root {root} is in use {how}; every instance sharing a root must "
-            "open it with shared=1"
+            f"storage root {root} is in use by another instance; every instance sharing a "
+            "root must open it with shared=1"
         ) from None
 
 
@@ -608,13 +632,15 @@ class _Job:
     the loop after every thread has stopped, whether the batch finished, failed or was
     cancelled."""
 
-    __slots__ = ("done", "failed", "rejected", "results")
+    __slots__ = ("cancelled", "done", "failed", "rejected", "results")
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
         self.done = 0  # removals reached (put's victims, delete's keys)
         self.failed: list[int] = []  # positions among those whose file could not be removed
         self.rejected = False  # bad input, refused before any I/O: nothing to commit
+        # The caller was cancelled: pages the job never reached are not errors of the store.
+        self.cancelled = False
 
     def segments(self, pages: Sequence[PageBuffer], *, writable: bool) -> list[list[memoryview]]:
         """The pages' byte views; bad buffers mark the job rejected and raise."""
@@ -994,6 +1020,9 @@ class FileStorage(BackendBase):
             await self.run_job(
                 lambda stop: self._read_job(stop, job, todo_keys, todo_pages, namespace)
             )
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
         finally:
             for key in todo_keys:
                 left = pins[key] - 1
@@ -1130,7 +1159,7 @@ class FileStorage(BackendBase):
             result = job.results[slot]
             if result is None:  # stopped by close() (or cancelled: nobody looks)
                 outcomes[i] = Outcome.ERROR
-                counters.errors += 1
+                counters.errors += not job.cancelled
                 continue
             code, detail, nbytes = result
             if code == _OK:
@@ -1280,6 +1309,7 @@ class FileStorage(BackendBase):
         removed = [(key, self._drop(key)) for key in victims]
         self._evicting.update(victims)
         job = _Job(len(writes))
+        epoch = self._watch()
         try:
             await self.run_job(
                 lambda stop: self._write_job(
@@ -1291,12 +1321,16 @@ class FileStorage(BackendBase):
                     metas=write_metas,
                 )
             )
+        except asyncio.CancelledError:
+            job.cancelled = True
+            raise
         finally:
             self._reserved -= reserve
             self._writing.difference_update(write_keys)
             self._evicting.difference_update(victims)
             self._commit_removal(removed, job, evictions=True)
-            self._commit_write(job, writes, write_keys, outcomes, now)
+            self._commit_write(job, writes, write_keys, outcomes, now, epoch=epoch)
+            self._unwatch(epoch)
 
     def _write_job(
         self,
@@ -1423,6 +1457,8 @@ class FileStorage(BackendBase):
         keys: list[bytes],
         outcomes: list[Outcome],
         now: float,
+        *,
+        epoch: int,
     ) -> None:
         if job.rejected:
             return
@@ -1430,11 +1466,15 @@ class FileStorage(BackendBase):
             result = job.results[slot]
             if result is None:
                 outcomes[i] = Outcome.ERROR
-                self._counters.errors += 1
+                self._counters.errors += not job.cancelled
                 continue
             code, detail, nbytes = result
             if code in (_OK, _EXISTS):
-                self._insert(key, nbytes, now)
+                # A delete of the key while it was written (a shared root's delete does not
+                # wait for this instance's writes) may have come after the rename: leave the
+                # index without it, where a lookup on disk finds it if it is there.
+                if self._changed.get(key, 0) <= epoch:
+                    self._insert(key, nbytes, now)
                 if detail:
                     log.warning(
                         "storage.page.error", backend=self._name, key=key.hex(), error=detail
@@ -1754,7 +1794,7 @@ class FileStorage(BackendBase):
         for key, entry in self._index.items():
             if excess <= 0:
                 break
-            if key not in self._pins:
+            if key not in self._pins and key not in self._writing:
                 victims.append(key)
                 excess -= entry.nbytes
         if not victims:
