@@ -474,7 +474,11 @@ class HiCache:
         salt: str | bytes | None = None,
         policy: PrefetchPolicy | None = None,
     ) -> PrefetchHandle:
-        """Queue a storage → host prefetch of `tokens`; waits only while the queue is full."""
+        """Queue a storage → host prefetch of `tokens`; waits only while the queue is full.
+
+        Under the `timeout` policy that wait counts against the policy's limit (a prefetch
+        that finds no room in time is a miss, TERMINATED); `best_effort` does not wait.
+        """
         self._check_open()
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)

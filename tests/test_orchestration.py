@@ -24,6 +24,7 @@ from hicache_async.storage import (
     StorageStats,
 )
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
+from hicache_async.workers import BackupStatistics
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4)
@@ -102,6 +103,18 @@ class Unowned:
         await self.inner.write_raw(key, value)
 
 
+def _assert_backup_adds_up(backup: BackupStatistics) -> None:
+    """Every offered page is accounted for exactly once (nothing queued any more)."""
+    assert backup.queued == 0
+    assert backup.offered_pages == (
+        backup.written_pages
+        + backup.skipped_pages
+        + backup.failed_pages
+        + backup.dropped_pages
+        + backup.superseded_pages
+    )
+
+
 def _prompts(count: int, seed: int, *, length: int = 10 * PAGE) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     shared = rng.integers(0, 5000, size=4 * PAGE)
@@ -140,6 +153,7 @@ async def test_second_instance_serves_first_ones_prefixes_from_storage(
             written = first.storage_status().backup
             assert written is not None
             assert written.written_pages > 0
+            _assert_backup_adds_up(written)
         async with HiCache(config, storage=backend()) as second:
             results = [
                 await serve(second, prompt, generator, request_id=f"b{i}")
@@ -285,6 +299,32 @@ class SlowPuts(Unowned):
     ) -> list[Outcome]:
         await asyncio.sleep(0.05)
         return await self.inner.put(keys, pages, metas)
+
+
+async def test_pages_offered_again_once_stored_are_counted_superseded() -> None:
+    config = _config(write_policy="write_through")
+    generator = KVGenerator(config.layout, PAGE, seed=14)
+    prompt = np.random.default_rng(14).integers(0, 5000, size=6 * PAGE)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory, HiCache(config, storage=Unowned(memory)) as cache:
+        await serve(cache, prompt, generator, prefetch=False)
+        await cache.drain()
+        link = cache._link
+        assert link is not None
+        stored = [n for n in cache.tree.iter_nodes() if n.in_storage and n.host_pages is not None]
+        assert stored
+        before = link.backup.statistics()
+        for node in stored:  # twice each: one batch sees a node once, and stored already
+            assert link.backup.offer(node, node.num_pages)
+            assert link.backup.offer(node, node.num_pages)
+        await cache.drain()
+        after = link.backup.statistics()
+        again = 2 * sum(node.num_pages for node in stored)
+        assert after.superseded_pages - before.superseded_pages == again
+        assert after.written_pages == before.written_pages
+        assert memory.stats().puts == before.written_pages  # no page was put twice
+        _assert_backup_adds_up(after)
+        assert_drained(cache)
 
 
 async def test_slow_backend_fills_backup_queue_and_requests_go_on() -> None:
@@ -462,6 +502,71 @@ async def test_prefetches_still_queued_at_a_detach_finish_cancelled() -> None:
             stats = link.prefetcher.statistics()
             assert (stats.cancelled, stats.queued) == (len(prompts), 0)
             assert_drained(cache)
+
+
+class GatedExists(Unowned):
+    """A real backend whose `exists` calls are counted and, while `gate` is set, wait for it."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.gate: asyncio.Future[None] | None = None
+        self.calls = 0
+        self.started = asyncio.Event()
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        self.calls += 1
+        self.started.set()
+        if self.gate is not None:
+            await self.gate
+        return await self.inner.exists(keys)
+
+
+@pytest.mark.parametrize("policy", ["timeout", "best_effort"])
+async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothing(
+    policy: str,
+) -> None:
+    # Storage hangs: one prefetch is stuck in `exists`, one waits in the one-slot queue. A
+    # third caller must not wait for room past its policy's limit, and the queued one, whose
+    # caller gave up meanwhile, must issue no call when its turn comes.
+    prefetch = {
+        "policy": policy,
+        "threshold_tokens": PAGE,
+        "queue_size": 1,
+        "workers": 1,
+        "timeout_base_s": 0.05,
+        "timeout_per_1k_tokens_s": 0.0,
+        "timeout_max_s": 0.05,
+        "io_timeout_s": 3600,
+    }
+    config = _config(prefetch=prefetch)
+    prompts = [np.random.default_rng(60 + i).integers(0, 5000, size=4 * PAGE) for i in range(3)]
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory:
+        await _stored(memory, config, prompts)
+        gated = GatedExists(memory)
+        gated.gate = asyncio.get_running_loop().create_future()
+        async with HiCache(config, storage=gated) as cache:
+            stuck = await cache.start_prefetch(prompts[0])
+            await gated.started.wait()
+            queued = await cache.start_prefetch(prompts[1])
+            third = await asyncio.wait_for(cache.prefetch(prompts[2]), 10)
+            assert third.status is PrefetchStatus.TERMINATED
+            assert third.cached_tokens == 0
+            for handle in (stuck, queued):
+                assert (await handle.ready()).cached_tokens == 0  # the callers give up
+            gated.gate.set_result(None)
+            results = await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait()), 10)
+            assert {r.status for r in results} == {PrefetchStatus.TERMINATED}
+            assert gated.calls == 1  # the queued prefetch read nothing
+            link = cache._link
+            assert link is not None
+            stats = link.prefetcher.statistics()
+            assert (stats.terminated, stats.queued, stats.skipped) == (3, 0, 0)
+            assert stats.timeouts == (3 if policy == "timeout" else 0)
+            assert_drained(cache)
+            # Storage answers again: the same prompt is read in full.
+            again = await cache.prefetch(prompts[2], policy="wait_complete")
+            assert again.storage_tokens == len(prompts[2])
 
 
 class HangingPuts(Unowned):

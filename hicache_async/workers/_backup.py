@@ -47,6 +47,9 @@ class BackupStatistics(msgspec.Struct, frozen=True):
     dropped_pages: int
     batches: int
     manifest_entries: int
+    #: offered pages that needed no write by the time their batch ran (stored meanwhile,
+    #: or offered twice in one batch)
+    superseded_pages: int = 0
 
 
 class BackupWorker:
@@ -80,7 +83,7 @@ class BackupWorker:
         self._idle_waiters: list[anyio.Event] = []
         self.offered_pages = self.written_pages = self.bytes_written = 0
         self.skipped_pages = self.retried_pages = self.failed_pages = 0
-        self.dropped_pages = self.batches = 0
+        self.dropped_pages = self.batches = self.superseded_pages = 0
 
     def offer(self, node: TreeNode, num_pages: int) -> bool:
         """Queue the last `num_pages` pages ending at `node` for backup; never waits."""
@@ -171,6 +174,7 @@ class BackupWorker:
             dropped_pages=self.dropped_pages,
             batches=self.batches,
             manifest_entries=self.manifest_entries,
+            superseded_pages=self.superseded_pages,
         )
 
     async def _write(self, jobs: list[_Job]) -> None:
@@ -198,6 +202,8 @@ class BackupWorker:
                         keys.append(key)
                         buffers.append(host.page_segments(page))
                         metas.append(PageMeta(key, fingerprint, size, node.priority))
+            offered = sum(job.num_pages for job in jobs)
+            self.superseded_pages += max(0, offered - len(keys))
             if not keys:
                 return
             self.batches += 1

@@ -10,12 +10,14 @@ prefetches wait on are resolved.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import structlog
 
@@ -86,11 +88,13 @@ class PrefetchHandle:
         "_done",
         "_group",
         "_held",
+        "_live",
         "_policy",
         "_prefetcher",
         "_scope",
         "_started",
         "_terminated",
+        "_waited",
         "device_tokens",
         "host_tokens",
         "keys",
@@ -134,6 +138,10 @@ class PrefetchHandle:
         self.host_tokens = 0
         self.storage_tokens = 0
         self._terminated = False
+        # Seconds the caller already spent waiting for room in the queue: the `timeout`
+        # policy's wait in `ready()` is what is left of its limit.
+        self._waited = 0.0
+        self._live = False  # counted among the prefetcher's live prefetches
         self._cancel_requested = False
         self._scope: anyio.CancelScope | None = None
         self._done = asyncio.Event()
@@ -155,6 +163,11 @@ class PrefetchHandle:
             wait_s=time.monotonic() - self._started,
             agreed_tokens=cached if self._agreed is None else min(cached, self._agreed),
         )
+
+    def _gave_up(self) -> bool:
+        """Terminated or cancelled: no further reads (a call, so a check after an await is
+        not taken as settled by the one before it)."""
+        return self._terminated
 
     def terminate(self) -> None:
         """Issue no further reads; what is in flight still lands."""
@@ -253,8 +266,8 @@ class PrefetchHandle:
             await self._done.wait()
             self._observe(began)
             return
-        limit = self._prefetcher.config.timeout_for(self.num_tokens)
-        with anyio.move_on_after(limit):
+        limit = self._prefetcher.config.timeout_for(self.num_tokens) - self._waited
+        with anyio.move_on_after(max(0.0, limit)):
             await self._done.wait()
         self._observe(began)
         if not self.done():
@@ -332,22 +345,52 @@ class Prefetcher:
     # -- submission and workers -------------------------------------------------------------
 
     async def submit(self, handle: PrefetchHandle) -> None:
-        """Queue a prefetch; waits while the queue is full (a live request's prefetch waits)."""
+        """Queue a prefetch; waits while the queue is full (a live request's prefetch waits).
+
+        Under the `timeout` policy the wait for room counts against the policy's limit, and a
+        prefetch that finds none in time finishes TERMINATED without reading (a miss); under
+        `best_effort` a full queue is a miss at once.
+        """
         self.submitted += 1
         self._live += 1
+        handle._live = True
         self._quiet.clear()
+        policy = handle._policy
+        began = time.monotonic()
         try:
-            await self._send.send(handle)
+            if policy == "wait_complete":
+                await self._send.send(handle)
+                return
+            await anyio.lowlevel.checkpoint()
+            with contextlib.suppress(anyio.WouldBlock):
+                self._send.send_nowait(handle)
+                return
+            limit = 0.0 if policy == "best_effort" else self.config.timeout_for(handle.num_tokens)
+            with anyio.move_on_after(limit):
+                await self._send.send(handle)
+                handle._waited = time.monotonic() - began
+                return
+            # No room before the caller's limit. A receiver may still have moved it into the
+            # queue as the limit passed: finished now, the worker then drops it uncounted.
+            handle.terminate()
+            handle._finish(PrefetchStatus.TERMINATED)
+            self.terminated += 1
+            self.timeouts += policy == "timeout"
+            self._live_done(handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # Storage was detached while this prefetch waited for the queue: a miss.
-            self._live_done()
+            self._live_done(handle)
             handle._finish(PrefetchStatus.CANCELLED)
             self.cancelled += 1
         except BaseException:
-            self._live_done()
+            handle.cancel()  # should it be in the queue after all, it is dropped there
+            self._live_done(handle)
             raise
 
-    def _live_done(self) -> None:
+    def _live_done(self, handle: PrefetchHandle) -> None:
+        if not handle._live:
+            return
+        handle._live = False
         self._live -= 1
         if self._live == 0:
             self._quiet.set()
@@ -379,7 +422,7 @@ class Prefetcher:
                 try:
                     await self._process(handle)
                 finally:
-                    self._live_done()
+                    self._live_done(handle)
 
     def close(self) -> None:
         """Accept no more prefetches; cancel those queued or running."""
@@ -394,9 +437,10 @@ class Prefetcher:
                 handle = self._receive.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
-            handle._finish(PrefetchStatus.CANCELLED)
-            self.cancelled += 1
-            self._live_done()
+            if not handle.done():
+                handle._finish(PrefetchStatus.CANCELLED)
+                self.cancelled += 1
+            self._live_done(handle)
 
     def statistics(self) -> PrefetchStatistics:
         return PrefetchStatistics(
@@ -420,9 +464,16 @@ class Prefetcher:
     # -- one prefetch -----------------------------------------------------------------------
 
     async def _process(self, handle: PrefetchHandle) -> None:
+        if handle.done():
+            return  # finished while queued (its submit gave up waiting for room): counted
         if handle._cancel_requested or self._cache._state != "open":
             handle._finish(PrefetchStatus.CANCELLED)
             self.cancelled += 1
+            return
+        if handle._terminated:
+            # Its caller stopped waiting while it was queued: no read of it would be used.
+            handle._finish(PrefetchStatus.TERMINATED)
+            self.terminated += 1
             return
         handle.status = PrefetchStatus.RUNNING
         self._running.add(handle)
@@ -465,6 +516,8 @@ class Prefetcher:
         threshold = max(threshold, 1)
         if (len(keys) - start) * size < threshold:
             return PrefetchStatus.SKIPPED
+        if handle._gave_up():
+            return PrefetchStatus.TERMINATED
         try:
             with anyio.fail_after(self.config.io_timeout_s):
                 existing = await self._backend.exists(
@@ -479,7 +532,7 @@ class Prefetcher:
         if existing * size < threshold:
             self.misses += existing == 0
             return PrefetchStatus.SKIPPED
-        if handle._terminated:
+        if handle._gave_up():  # meanwhile
             return PrefetchStatus.TERMINATED
         return await self._read(handle, start + existing)
 
