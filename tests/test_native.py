@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,6 +98,30 @@ def test_copy_checksum_copies_exactly_and_hashes(impl: str, stream: bool) -> Non
         assert digest == xxhash.xxh3_64_intdigest(data)
         assert bytes(target[3:]) == data
         assert target[:3] == b"\0\0\0"
+
+
+def test_copy_checksum_hashes_the_bytes_it_copied_while_the_source_changes(impl: str) -> None:
+    # An in-place read copies from memory another process may reuse at any moment: the digest
+    # must be of what landed in the target, or a changed page could pass its check.
+    source = np.zeros(8192 + 8, dtype=np.uint8)
+    target = bytearray(source.nbytes)
+    stop = threading.Event()
+
+    def flip() -> None:
+        head, tail = source[:8], source[-8:]
+        while not stop.is_set():
+            np.bitwise_xor(head, 0xFF, out=head)
+            np.bitwise_xor(tail, 0xFF, out=tail)
+
+    flipper = threading.Thread(target=flip)
+    flipper.start()
+    try:
+        for _ in range(20_000):
+            digest = native.copy_checksum([memoryview(target)], [memoryview(source)])
+            assert digest == xxhash.xxh3_64_intdigest(bytes(target))
+    finally:
+        stop.set()
+        flipper.join()
 
 
 def test_copy_checksum_rejects_unequal_totals(impl: str) -> None:

@@ -40,12 +40,13 @@ def copy_checksum(dst: Sequence[Buffer], src: Sequence[Buffer]) -> int:
     hasher = xxhash.xxh3_64()
     index, at = 0, 0
     for piece in _pieces(src, _PIECE):
-        hasher.update(piece)
         taken = 0
         while taken < piece.nbytes:
             target = targets[index]
             n = min(piece.nbytes - taken, target.nbytes - at)
             target[at : at + n] = piece[taken : taken + n]
+            # The copy is hashed, not the source, which may change meanwhile.
+            hasher.update(target[at : at + n])
             taken += n
             at += n
             if at == target.nbytes:

@@ -190,7 +190,12 @@ static void scramble_scalar(uint64_t *acc) {
  * scrambling at every block end; the stripes are copied to `dst` as `mode` says. */
 static void stripes_scalar(uint64_t *acc, size_t *in_block, const uint8_t *src, uint8_t *dst,
                            size_t n, int mode) {
-    if (mode != HASH_ONLY) memcpy(dst, src, n * STRIPE);
+    /* Hash the copy, not the source: the digest must be of the bytes the caller got, even if
+     * the source changes meanwhile (memory another process may reuse). */
+    if (mode != HASH_ONLY) {
+        memcpy(dst, src, n * STRIPE);
+        src = dst;
+    }
     size_t b = *in_block;
     for (size_t j = 0; j < n; j++) {
         accumulate_scalar(acc, src + STRIPE * j, SECRET + 8 * b);
@@ -345,37 +350,50 @@ static void copy_bytes(uint8_t *dst, const uint8_t *src, size_t n, int mode) {
     memmove(dst, src, n);
 }
 
-/* Consume `n` bytes of `src` into the hash, copying them to `dst` unless mode is HASH_ONLY. */
+/* Consume `n` bytes of `src` into the hash, copying them to `dst` unless mode is HASH_ONLY.
+ * When copying, the source is read once: the fused stripes hash the registers they store, and
+ * every other byte the hash keeps is taken from `dst` after the copy, so the digest is of
+ * exactly the bytes copied even if the source changes meanwhile. */
 static void hstate_update(hstate *s, const uint8_t *src, uint8_t *dst, size_t n, int mode) {
     if (n == 0) return;
-    if (s->total < SMALL_MAX) {
-        size_t keep = SMALL_MAX - (size_t)s->total;
-        memcpy(s->small + s->total, src, keep < n ? keep : n);
-    }
+    int copying = mode != HASH_ONLY;
+    const uint64_t before = s->total;
+    const uint8_t *start = copying ? dst : src;
+    const size_t count = n;
     s->total += n;
     if (s->buf_len > 0) {
         size_t take = STRIPE - s->buf_len;
         if (take > n) take = n;
-        memcpy(s->buf + s->buf_len, src, take);
-        if (mode != HASH_ONLY) memcpy(dst, src, take);
+        if (copying) memcpy(dst, src, take);
+        memcpy(s->buf + s->buf_len, copying ? dst : src, take);
         s->buf_len += take;
         src += take;
         if (dst) dst += take;
         n -= take;
-        if (n == 0) return; /* the buffer may hold the final stripe */
-        stripes(s->acc, &s->stripes, s->buf, NULL, 1, HASH_ONLY);
-        memcpy(s->last, s->buf, STRIPE);
-        s->buf_len = 0;
+        if (n > 0) { /* else the buffer may hold the final stripe */
+            stripes(s->acc, &s->stripes, s->buf, NULL, 1, HASH_ONLY);
+            memcpy(s->last, s->buf, STRIPE);
+            s->buf_len = 0;
+        }
     }
-    size_t whole = (n - 1) / STRIPE; /* stripes known not to be the last one */
-    const uint8_t *p = src + whole * STRIPE;
-    uint8_t *q = mode != HASH_ONLY ? dst + whole * STRIPE : NULL;
-    if (whole > 0) stripes(s->acc, &s->stripes, src, dst, whole, mode);
-    if (whole > 0) memcpy(s->last, p - STRIPE, STRIPE);
-    size_t rest = n - whole * STRIPE; /* 1..64 */
-    memcpy(s->buf, p, rest);
-    if (mode != HASH_ONLY) memcpy(q, p, rest);
-    s->buf_len = rest;
+    if (n > 0) {
+        size_t whole = (n - 1) / STRIPE; /* stripes known not to be the last one */
+        const uint8_t *p = src + whole * STRIPE;
+        uint8_t *q = copying ? dst + whole * STRIPE : NULL;
+        if (whole > 0) stripes(s->acc, &s->stripes, src, dst, whole, mode);
+        size_t rest = n - whole * STRIPE; /* 1..64 */
+        if (copying) {
+            memcpy(q, p, rest);
+            p = q;
+        }
+        if (whole > 0) memcpy(s->last, p - STRIPE, STRIPE);
+        memcpy(s->buf, p, rest);
+        s->buf_len = rest;
+    }
+    if (before < SMALL_MAX) {
+        size_t keep = SMALL_MAX - (size_t)before;
+        memcpy(s->small + before, start, keep < count ? keep : count);
+    }
 }
 
 static uint64_t hstate_digest(const hstate *s) {
