@@ -96,6 +96,7 @@ _PROBE_TIMEOUT_S = 3.0
 # A get reads an object stored at another length than the page only up to this size, to tell
 # a sound page of another length (kept) from a damaged one (removed).
 _MAX_JUDGED_BYTES = 256 * _MiB
+_HEX_DIGITS = "0123456789abcdef"
 _ADMIN_TIMEOUT_S = 10.0
 # Forget refused auto-registrations now and then: freed memory gets new owners.
 _MAX_REFUSED = 1024
@@ -1026,7 +1027,8 @@ class MooncakeStorage(BackendBase):
             self._counters.evictions += removed
         else:
             self._counters.deletes += removed
-        failed = [r for r in results if r not in (0, _NOT_FOUND)]
+        # Another client still putting the object (-703): the put lands after this delete.
+        failed = [r for r in results if r not in (0, _NOT_FOUND, _NOT_READY)]
         if failed:
             self._counters.errors += len(failed)
             raise StorageError(f"{self._name}: delete failed for {len(failed)} keys: {failed[0]}")
@@ -1348,16 +1350,15 @@ class MooncakeStorage(BackendBase):
                 results[todo[position]] = (Outcome.OK, _DIRECT)
             return [j for position, j in enumerate(todo) if position not in done]
 
-        def other_length(i: int, name: str) -> tuple[Outcome, str]:
-            # Stored at another length than the buffer, and whole (Mooncake publishes objects
-            # whole). A page that agrees with itself (another layout under shared keys, or a
-            # reader's wrong-sized buffer) is a miss left in place; only a damaged one goes.
+        def judged_whole(i: int, name: str) -> PageCheck | None:
+            # The object read whole and judged; None when it is gone or changed meanwhile, or
+            # too big to read just to judge.
             size = int(store.get_size(name))
             if size < 0 or size > _MAX_JUDGED_BYTES:
-                return (Outcome.MISS, "")  # gone meanwhile, or too big to read just to judge
-            value = bytes(store.get(name))
+                return None
+            value = memoryview(bytes(store.get(name)))
             if len(value) != size:
-                return (Outcome.MISS, "")  # changed meanwhile: the next read judges it
+                return None
             header = decode_header(value[:HEADER_NBYTES])
             verdict = check_header(
                 header,
@@ -1366,11 +1367,23 @@ class MooncakeStorage(BackendBase):
                 payload_nbytes=plans[i].nbytes,
                 stored_nbytes=size,
             )
-            return (
-                (Outcome.MISS, "")
-                if verdict is PageCheck.UNSUPPORTED
-                else (Outcome.CORRUPT, "length")
-            )
+            if verdict is PageCheck.OK and not isinstance(header, PageCheck):
+                return verify_payload(header, [value[HEADER_NBYTES:]], mac_key=mac_key)
+            return verdict
+
+        def other_length(i: int, name: str) -> tuple[Outcome, str]:
+            # Stored at another length than the buffer, and whole (Mooncake publishes objects
+            # whole). A page that agrees with itself (another layout under shared keys, or a
+            # reader's wrong-sized buffer) is a miss left in place; only a damaged one goes.
+            if judged_whole(i, name) is PageCheck.CORRUPT:
+                return (Outcome.CORRUPT, "length")
+            return (Outcome.MISS, "")
+
+        def still_damaged(i: int, name: str) -> bool:
+            # A read sees other bytes when the object was removed and its memory reused while
+            # it ran (a concurrent delete and put): only an object that reads damaged again,
+            # whole, is judged corrupt and removed.
+            return judged_whole(i, name) is PageCheck.CORRUPT
 
         def job(stop: threading.Event) -> list[tuple[Outcome, str]]:
             results: list[tuple[Outcome, str]] = [(Outcome.ERROR, "")] * len(chunk)
@@ -1436,6 +1449,13 @@ class MooncakeStorage(BackendBase):
                 else:
                     results[j] = (Outcome.CORRUPT, reason)
                     damaged.append((j, name))
+            confirmed = []
+            for j, name in damaged:
+                if still_damaged(chunk[j], name):
+                    confirmed.append((j, name))
+                else:
+                    results[j] = (Outcome.MISS, "")  # changed under the read: left alone
+            damaged = confirmed
             if damaged:
                 corrupt.extend((chunk[j], results[j][1]) for j, _ in damaged)
                 # One remove per object (a key may come twice), and only a removal this call
@@ -1551,10 +1571,8 @@ class MooncakeStorage(BackendBase):
             if not name.startswith(lead):
                 continue
             tail = name[len(lead) :]
-            try:
-                bytes.fromhex(tail)
-            except ValueError:
-                continue  # not one of ours despite the prefix
+            if len(tail) != 64 or tail.strip(_HEX_DIGITS):
+                continue  # not a page name of ours despite the prefix (as `_mkey` writes them)
             names.append(name)
         return names
 

@@ -497,6 +497,84 @@ async def test_damaged_pages_are_rejected(
         assert backend.stats().corrupt == 0
 
 
+class _ReplacedAfterRead:
+    """The Mooncake client, except that right after the first batch read another client
+    stores `value` under `name`, as a delete and put racing with the read would."""
+
+    def __init__(self, inner: Any, name: str, value: bytes) -> None:
+        self.inner = inner
+        self.name = name
+        self.value = value
+        self.replaced = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def batch_get_into_multi_buffers(self, *args: Any) -> Any:
+        codes = self.inner.batch_get_into_multi_buffers(*args)
+        if not self.replaced:
+            self.replaced = True
+            assert self.inner.upsert(self.name, self.value) == 0
+        return codes
+
+
+async def test_a_page_replaced_while_read_is_a_miss_not_removed(backend: MooncakeStorage) -> None:
+    # The read saw another object's bytes under the name (its memory was reused): the page
+    # now there is sound and must stay, uncounted as corrupt.
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    sound, other = await backend.read_raw(keys[0]), await backend.read_raw(keys[1])
+    assert sound is not None
+    assert other is not None
+    await backend.write_raw(keys[0], other)  # the header names keys[1]
+    client = _ReplacedAfterRead(backend._store, backend._mkey(keys[0]), sound)
+    backend._store = client
+    try:
+        assert await backend.get(keys[:1], buffers(1), namespace=NS) == [Outcome.MISS]
+    finally:
+        backend._store = client.inner
+    assert client.replaced
+    assert backend.stats().corrupt == 0
+    assert await backend.read_raw(keys[0]) == sound
+    into = buffers(1)
+    assert await backend.get(keys[:1], into, namespace=NS) == [Outcome.OK]
+    assert joined(into[0]) == joined(pages[0])
+    # Without the race the same foreign object is judged corrupt and removed.
+    await backend.write_raw(keys[0], other)
+    assert await backend.get(keys[:1], buffers(1), namespace=NS) == [Outcome.CORRUPT]
+    assert await backend.read_raw(keys[0]) is None
+
+
+class _BeingPut:
+    """The Mooncake client, except that removing `name` finds another client still putting
+    it (OBJECT_NOT_READY, -703)."""
+
+    def __init__(self, inner: Any, name: str) -> None:
+        self.inner = inner
+        self.name = name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def batch_remove(self, names: list[str], force: bool) -> Any:
+        codes = list(self.inner.batch_remove(names, force=force))
+        return [-703 if n == self.name else c for n, c in zip(names, codes, strict=True)]
+
+
+async def test_deleting_a_key_another_client_is_putting_is_no_failure(
+    backend: MooncakeStorage,
+) -> None:
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    client = _BeingPut(backend._store, backend._mkey(keys[1]))
+    backend._store = client
+    try:
+        assert await backend.delete(keys) == 1
+    finally:
+        backend._store = client.inner
+    assert backend.stats().errors == 0
+
+
 async def test_cancelled_get_counts_the_damaged_pages_it_removed(
     backend: MooncakeStorage,
 ) -> None:
@@ -770,6 +848,24 @@ async def test_verify_leaves_pages_it_could_not_read(mooncake_url: str) -> None:
         report = await backend.verify()
         assert (report.checked, report.ok, report.corrupt_removed) == (2, 1, 1)
         assert await backend.exists(keys[:1]) == 1
+
+
+async def test_objects_not_named_as_pages_are_left_out_of_maintenance(mooncake_url: str) -> None:
+    url = fresh_url(mooncake_url, capacity=HEADER_NBYTES + 3000)
+    async with MooncakeStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(1)
+        await backend.put(keys, pages, metas)
+        prefix = backend._mkey(keys[0]).rsplit(":", 1)[0]
+        strangers = [f"{prefix}:abcd", f"{prefix}:{keys[0].hex().upper()}", f"{prefix}:{'g' * 64}"]
+        for name in strangers:
+            assert backend._store.upsert(name, b"x" * 5000) == 0
+        assert [p.key for p in await backend.list_pages()] == keys
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (1, 1, 0)
+        gc = await backend.gc()
+        assert gc.evicted_pages == 0
+        assert await backend.exists(keys) == 1
+        assert all(backend._store.get_size(name) == 5000 for name in strangers)
 
 
 async def test_pages_with_unreadable_headers_are_listed_by_size(mooncake_url: str) -> None:
