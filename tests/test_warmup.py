@@ -16,9 +16,11 @@ from hicache_async import CacheConfig, HiCache
 from hicache_async.storage import FileStorage
 from hicache_async.storage._manifest import (
     FileManifest,
+    ManifestCollector,
     ManifestLimits,
     chain_entry,
     decode_entry,
+    encode_entry,
 )
 from hicache_async.testing import KVGenerator, serve
 from hicache_async.workers import WarmupStatus
@@ -191,6 +193,71 @@ async def test_manifest_is_bounded_validated_and_compacted(tmp_path: Path) -> No
     again = await manifest.read(namespace=namespace.hex())
     assert again.entries[0].priority == 9
     assert len([e for e in again.entries if e.chain_id == newer.chain_id]) == 1
+
+
+async def test_an_append_after_a_torn_last_line_is_kept(tmp_path: Path) -> None:
+    # A writer killed mid-write leaves a line without its newline: only that record is lost.
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    namespace = bytes(range(16))
+    first, second = (chain_entry(namespace, [bytes([i]) * 32], PAGE, 0, float(i)) for i in range(2))
+    await manifest.append([first])
+    with path.open("ab") as f:
+        f.write(b'{"namespace": "torn')
+    await manifest.append([second])
+    read = await manifest.read(namespace=namespace.hex())
+    assert {e.chain_id for e in read.entries} == {first.chain_id, second.chain_id}
+    assert read.malformed == 1
+
+
+async def test_compaction_removes_temporary_files_of_compactions_that_died(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    await manifest.append([chain_entry(bytes(16), [bytes(32)], PAGE, 0, 1.0)])
+    leftover = tmp_path / ".manifest.jsonl.4242.tmp"
+    leftover.write_bytes(b"half a compaction")
+    unrelated = tmp_path / ".other.4242.tmp"
+    unrelated.write_bytes(b"not ours")
+    await manifest.compact()
+    assert not leftover.exists()
+    assert unrelated.exists()
+    assert len((await manifest.read()).entries) == 1
+
+
+def test_a_pinned_prefix_is_kept_beside_the_chains_that_continue_it() -> None:
+    namespace = bytes(range(16))
+    system = [bytes([1]) * 32, bytes([2]) * 32]
+    collector = ManifestCollector(ManifestLimits())
+    for keys, priority, used in (
+        (system, 10, 1.0),  # pinned
+        ([*system, bytes([3]) * 32], 0, 2.0),  # a conversation on top of it
+        ([bytes([4]) * 32], 0, 3.0),
+        ([bytes([4]) * 32, bytes([5]) * 32], 0, 4.0),  # covers the chain before: dropped
+    ):
+        collector.add_line(encode_entry(chain_entry(namespace, keys, PAGE, priority, used)))
+    read = collector.result(truncated=False)
+    assert [(len(e.keys), e.priority) for e in read.entries] == [(2, 10), (2, 0), (3, 0)]
+    assert read.entries[0].keys == [k.hex() for k in system]
+
+
+def test_a_chain_evicted_for_room_does_not_come_back_with_an_older_record() -> None:
+    namespace = bytes(range(16))
+    collector = ManifestCollector(ManifestLimits(max_entries=2))
+
+    def add(chain: int, priority: int, used: float) -> None:
+        keys = [bytes([chain]) * 32]
+        collector.add_line(encode_entry(chain_entry(namespace, keys, PAGE, priority, used)))
+
+    # Newest first, as Redis and Mooncake read: chain 1's newest record is the least valuable
+    # and makes room; its older record, ranked higher, must not replace it.
+    add(1, 0, 5.0)
+    add(2, 5, 4.0)
+    add(3, 5, 3.0)
+    add(1, 9, 1.0)
+    kept = {e.keys[0]: e.priority for e in collector.result(truncated=False).entries}
+    assert kept == {(bytes([2]) * 32).hex(): 5, (bytes([3]) * 32).hex(): 5}
 
 
 async def test_enormous_manifest_costs_bounded_memory(tmp_path: Path) -> None:

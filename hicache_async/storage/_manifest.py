@@ -153,6 +153,9 @@ class ManifestCollector:
         self._limits = limits
         self._namespace = namespace
         self._entries: dict[str, ManifestEntry] = {}
+        # Chains evicted for room, with the newest use seen of each: an older record of one
+        # of them, met later, must not come back in its place.
+        self._evicted: dict[str, float] = {}
         self.records = 0
         self.malformed = 0
         self.oversized = 0
@@ -170,6 +173,11 @@ class ManifestCollector:
             return
         if self._namespace is not None and entry.namespace != self._namespace:
             return
+        evicted = self._evicted.get(entry.chain_id)
+        if evicted is not None:
+            if entry.last_use <= evicted:
+                return
+            del self._evicted[entry.chain_id]
         previous = self._entries.pop(entry.chain_id, None)
         if previous is not None and previous.last_use > entry.last_use:
             entry = previous
@@ -177,12 +185,21 @@ class ManifestCollector:
         if len(self._entries) > self._limits.max_entries:
             worst = min(self._entries.values(), key=lambda e: (e.priority, e.last_use))
             del self._entries[worst.chain_id]
+            self._evicted[worst.chain_id] = worst.last_use
 
     def result(self, *, truncated: bool) -> ManifestRead:
-        # A chain that is a strict prefix of another adds nothing: loading the longer one
-        # brings its pages too.
-        inner = {k for e in self._entries.values() for k in e.keys[:-1]}
-        kept = [e for e in self._entries.values() if e.chain_id not in inner]
+        # A chain that is a strict prefix of another adds nothing, since loading the longer
+        # one brings its pages too, unless it ranks higher (a pinned system prompt that
+        # conversations continue): then it is kept, to be loaded first.
+        covered: dict[str, int] = {}
+        for e in self._entries.values():
+            for k in e.keys[:-1]:
+                covered[k] = max(covered.get(k, e.priority), e.priority)
+        kept = [
+            e
+            for e in self._entries.values()
+            if e.chain_id not in covered or covered[e.chain_id] < e.priority
+        ]
         ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
         return ManifestRead(
             entries=ordered,
@@ -242,6 +259,35 @@ async def _lines(
         yield bytes(pending)
 
 
+def _append_records(path: str, data: bytes) -> int:
+    """Append `data` (whole lines) to the file; returns its size after. A last line left
+    without its newline (a writer killed mid-write) is ended first, so only that record is
+    lost, not the first of these."""
+    fd = _no_follow_appender(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        size = os.fstat(fd).st_size
+        if size:
+            with open(path, "rb", opener=_no_follow_reader) as f:
+                f.seek(size - 1)
+                if f.read(1) != b"\n":
+                    data = b"\n" + data
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def _remove_temp_files(path: Path) -> None:
+    lead = f".{path.name}."
+    with contextlib.suppress(OSError), os.scandir(path.parent) as found:
+        for item in found:
+            if item.name.startswith(lead) and item.name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    os.unlink(item.path)
+
+
 def _no_follow_reader(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
 
@@ -263,12 +309,7 @@ class FileManifest:
             return
         data = b"".join(encode_entry(e) for e in entries)
         async with _file_lock(self.path):
-            async with aiofiles.open(self.path, "ab", opener=_no_follow_appender) as f:
-                await f.write(data)
-            try:
-                size = (await aiofiles.os.stat(self.path)).st_size
-            except FileNotFoundError:
-                return
+            size = await anyio.to_thread.run_sync(_append_records, str(self.path), data)
         if size > self.limits.max_bytes:
             await self.compact()
 
@@ -304,6 +345,9 @@ class FileManifest:
                 collector.add_line(line)
         entries = _fit(collector.result(truncated=False).entries, self.limits.max_bytes // 2)
         data = b"".join(encode_entry(e) for e in entries)
+        # The lock is held, so no other compaction runs: a temporary file of one is a
+        # leftover of a process that died compacting.
+        await anyio.to_thread.run_sync(_remove_temp_files, self.path)
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         async with aiofiles.open(temp, "wb", opener=_no_follow_creator) as f:
             await f.write(data)

@@ -190,7 +190,8 @@ class MooncakeManifest:
                         truncated = True
                         break
             except _Stale:
-                result = collector.result(truncated=truncated)
+                # What was read before the list changed: partial, and said to be.
+                result = collector.result(truncated=True)
                 continue
             return collector.result(truncated=truncated)
         return result

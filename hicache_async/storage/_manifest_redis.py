@@ -255,7 +255,8 @@ class RedisManifest:
                         truncated = True
                         break
             except _Stale:
-                result = collector.result(truncated=truncated)
+                # What was read before the list changed: partial, and said to be.
+                result = collector.result(truncated=True)
                 continue
             return collector.result(truncated=truncated)
         return result

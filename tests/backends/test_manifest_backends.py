@@ -37,7 +37,9 @@ from hicache_async.storage._manifest import (
     encode_entry,
 )
 from hicache_async.storage._manifest_mooncake import MooncakeManifest
+from hicache_async.storage._manifest_mooncake import _Stale as MooncakeStale
 from hicache_async.storage._manifest_redis import RedisManifest
+from hicache_async.storage._manifest_redis import _Stale as RedisStale
 from hicache_async.storage._mooncake import MooncakeStorage
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import KVGenerator, serve
@@ -281,6 +283,37 @@ async def test_records_appended_during_a_compaction_are_kept(store: Store) -> No
     read = await manifest.read(namespace=NS_A.hex())
     assert len(read.entries) == LIMITS.max_entries
     assert {e.chain_id for e in late} <= chains(read)
+
+
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+async def test_a_read_overtaken_every_time_says_it_is_partial(
+    kind: str, redis_url: str, mooncake_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+    backend: StorageBackend
+    if kind == "redis":
+        backend = RedisStorage.from_url(f"{redis_url}?prefix={prefix}")
+    else:
+        backend = MooncakeStorage.from_url(f"{mooncake_url}{MOONCAKE_SMALL}&prefix={prefix}")
+    async with backend:
+        manifest = Store(kind, backend).manifest()
+        assert isinstance(manifest, RedisManifest | MooncakeManifest)
+        await manifest.append([entry(NS_A, i) for i in range(8)])
+        assert not (await manifest.read(namespace=NS_A.hex())).truncated
+        stale = RedisStale if kind == "redis" else MooncakeStale
+        original = manifest._collect
+        overtaken = 0
+
+        async def collect(*args: Any, **kwargs: Any) -> Any:
+            nonlocal overtaken
+            await original(*args, **kwargs)  # what it read stays in the collector
+            overtaken += 1
+            raise stale
+
+        monkeypatch.setattr(manifest, "_collect", collect)
+        read = await manifest.read(namespace=NS_A.hex())
+        assert overtaken > 1
+        assert read.truncated  # not a complete manifest that happens to hold little
 
 
 async def test_namespaces_are_kept_apart(store: Store) -> None:
