@@ -78,6 +78,8 @@ _LOG_CHUNKS = 256
 #: Chunks read per Mooncake call.
 _READ_BATCH = 16
 _ATTEMPTS = 3
+#: Bound on an index's `carry_from` (a log this long would have compacted long before).
+_MAX_CARRY_FROM = 1 << 20
 #: A lock older than this belongs to a compaction that died; it may be broken.
 _LOCK_TTL_S = 300.0
 _ADMIN_TIMEOUT_S = 10.0
@@ -90,6 +92,11 @@ class _Index(msgspec.Struct, frozen=True):
     generation: int
     stem: str
     base: int
+    # The previous generation's stem and the seq from which its log may hold records not yet
+    # copied into this one (a compaction that died between its switch and that copy): readers
+    # and the next compaction read them too. Added in place: older indexes decode without it.
+    carry: str = ""
+    carry_from: int = 0
 
 
 class _Lock(msgspec.Struct, frozen=True):
@@ -307,8 +314,12 @@ class MooncakeManifest:
         """
         index = await self._index(namespace)
         end = await self._log_end(namespace, index.stem)
+        # The carried log may have gaps (appenders that saw the switch moved their records)
+        # and goes once copied into this log: a chunk missing there is no reason to restart.
+        carried = await self._carried(namespace, index)
         base = set(self._chunk_names(namespace, index.stem, "b", range(index.base)))
         names = self._chunk_names(namespace, index.stem, "l", reversed(range(end)))
+        names += carried
         names += self._chunk_names(namespace, index.stem, "b", reversed(range(index.base)))
         used = 0
         truncated = False
@@ -335,6 +346,16 @@ class MooncakeManifest:
             raise _Stale
         return used, truncated
 
+    async def _carried(self, namespace: str, index: _Index) -> list[str]:
+        """Names of the previous generation's log chunks that `index` carries, newest first
+        (none once the compaction that switched to it has copied and removed them)."""
+        if not index.carry:
+            return []
+        end = await self._log_end(namespace, index.carry, index.carry_from)
+        return self._chunk_names(
+            namespace, index.carry, "l", reversed(range(index.carry_from, end))
+        )
+
     async def _index(self, namespace: str) -> _Index:
         """The newest valid index of `namespace` (generation 0 when there is none)."""
         names = [self.object_name(namespace, f"index.{slot}") for slot in (0, 1)]
@@ -346,6 +367,19 @@ class MooncakeManifest:
             if index is not None and index.generation > best.generation:
                 best = index
         return best
+
+    @staticmethod
+    def _valid_carry(index: _Index) -> bool:
+        if not index.carry:
+            return index.carry_from == 0
+        match = _STEM.match(index.carry)
+        previous = str(index.generation - 1) if index.generation > 1 else None
+        return (
+            match is not None
+            and match.group(1) == previous
+            and index.carry != index.stem
+            and 0 <= index.carry_from <= _MAX_CARRY_FROM
+        )
 
     def _valid_index(self, value: bytes, namespace: str, slot: int) -> _Index | None:
         try:
@@ -364,6 +398,7 @@ class MooncakeManifest:
             or index.generation % 2 != slot
             or match.group(1) != str(index.generation)
             or not 0 <= index.base <= max_base
+            or not self._valid_carry(index)
         ):
             _log.warning("hicache.manifest.bad_index", namespace=namespace, slot=slot)
             return None
@@ -410,7 +445,9 @@ class MooncakeManifest:
         old = await self._index(namespace)
         end = await self._log_end(namespace, old.stem)
         collector = ManifestCollector(self.limits, namespace)
-        before = await self._feed(namespace, old, range(end), collector)
+        # What an earlier compaction carried but never copied (it died after its switch).
+        carried = await self._carried(namespace, old)
+        before = await self._feed(namespace, old, range(end), collector, carried)
         result = collector.result(truncated=before >= self.limits.max_bytes)
         kept = _compacted(result.entries, self.limits)
         generation = old.generation + 1
@@ -421,8 +458,16 @@ class MooncakeManifest:
         tail = await self._lines(namespace, old.stem, range(end, tail_end))
         payloads += _chunks(tail, self.chunk_bytes)
         new_base = self._chunk_names(namespace, stem, "b", range(len(payloads)))
+        # Records appended to the old log from `tail_end` on are copied after the switch;
+        # until then (or for good, should this process die first) the index carries them.
         index = _Index(
-            v=1, namespace=namespace, generation=generation, stem=stem, base=len(payloads)
+            v=1,
+            namespace=namespace,
+            generation=generation,
+            stem=stem,
+            base=len(payloads),
+            carry=old.stem,
+            carry_from=tail_end,
         )
         try:
             switched = await self._switch(namespace, index, new_base, payloads)
@@ -441,6 +486,7 @@ class MooncakeManifest:
             await self._put_log(namespace, stem, payload)
         old_names = self._chunk_names(namespace, old.stem, "l", range(last_end))
         old_names += self._chunk_names(namespace, old.stem, "b", range(old.base))
+        old_names += carried
         if old.generation:
             old_names.append(self.object_name(namespace, f"index.{old.generation % 2}"))
         await self._remove(old_names)
@@ -467,10 +513,17 @@ class MooncakeManifest:
         return await self._claim_raw(slot, msgspec.json.encode(index))
 
     async def _feed(
-        self, namespace: str, index: _Index, seqs: range, collector: ManifestCollector
+        self,
+        namespace: str,
+        index: _Index,
+        seqs: range,
+        collector: ManifestCollector,
+        carried: list[str],
     ) -> int:
-        """Feed the base and the log chunks `seqs` (newest first) to `collector`, bounded."""
+        """Feed the log chunks `seqs`, the `carried` chunks and the base (newest first) to
+        `collector`, bounded."""
         names = self._chunk_names(namespace, index.stem, "l", reversed(seqs))
+        names += carried
         names += self._chunk_names(namespace, index.stem, "b", reversed(range(index.base)))
         used = 0
         for start in range(0, len(names), _READ_BATCH):

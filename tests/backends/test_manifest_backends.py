@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import redis
@@ -522,6 +523,68 @@ async def test_mooncake_compactions_exclude_each_other(mooncake_url: str) -> Non
         await manifest._unlock(NS_A.hex(), token)
         report = await manifest.compact_namespace(NS_A.hex())
         assert report.entries_after == 4
+
+
+async def test_mooncake_records_appended_during_a_switch_survive_a_compaction_that_died(
+    mooncake_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process appends to the old log while the compaction switches (acknowledged:
+    # the stem had not changed yet), and the compacting process dies before copying it over.
+    url = f"{mooncake_url}{MOONCAKE_SMALL}&prefix=t{uuid.uuid4().hex}"
+    ns = NS_A.hex()
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest, other = backend.manifest(LIMITS), backend.manifest(LIMITS)
+        assert isinstance(manifest, MooncakeManifest)
+        await manifest.append([entry(NS_A, i) for i in range(4)])
+        late = entry(NS_A, 99)
+        switch, lines = manifest._switch, manifest._lines
+        calls = 0
+
+        async def appending_switch(*args: Any) -> bool:
+            await other.append([late])
+            return await switch(*args)
+
+        async def dying_lines(*args: Any) -> list[bytes]:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # the copy of what arrived during the switch
+                raise RuntimeError("the compacting process died here")
+            return await lines(*args)
+
+        monkeypatch.setattr(manifest, "_switch", appending_switch)
+        monkeypatch.setattr(manifest, "_lines", dying_lines)
+        with pytest.raises(RuntimeError, match="died"):
+            await manifest.compact_namespace(ns)
+        assert calls == 2
+        index = await other._index(ns)
+        assert index.generation == 1  # the switch happened
+        assert late.chain_id in chains(await other.read(namespace=ns))
+        # The next compaction folds the carried records in and removes the old log.
+        report = await other.compact_namespace(ns)
+        assert report.entries_after == 5
+        after = await other._index(ns)
+        assert after.generation == 2
+        assert await other._carried(ns, after) == []
+        assert await other._carried(ns, index) == []
+        assert chains(await other.read(namespace=ns)) == {
+            entry(NS_A, i).chain_id for i in [0, 1, 2, 3, 99]
+        }
+
+
+async def test_mooncake_ignores_an_index_whose_carry_is_forged(mooncake_url: str) -> None:
+    url = f"{mooncake_url}{MOONCAKE_SMALL}&prefix=t{uuid.uuid4().hex}"
+    ns = NS_A.hex()
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest = backend.manifest(LIMITS)
+        assert isinstance(manifest, MooncakeManifest)
+        await manifest.append([entry(NS_A, 1)])
+        await manifest.compact_namespace(ns)
+        index = await manifest._index(ns)
+        for carry, carry_from in ((index.stem, 0), ("g7-" + "0" * 16, 0), ("g0", -1), ("", 3)):
+            forged = msgspec.structs.replace(index, carry=carry, carry_from=carry_from)
+            raw = msgspec.json.encode(forged)
+            assert manifest._valid_index(raw, ns, index.generation % 2) is None
+        assert manifest._valid_index(msgspec.json.encode(index), ns, index.generation % 2)
 
 
 # A HiCache warms up from what another one backed up to Redis.
