@@ -5,8 +5,9 @@ changes until it is removed (a second `put` of a name returns 0 and keeps the fi
 So the manifest of a namespace `<ns>` is a set of immutable objects under
 `<prefix>:manifest:<ns>:`:
 
-    index.0, index.1        the index of generation g lives in slot g % 2: its stem and
-                            how many base chunks it has (generation 0 has no index)
+    index.0, index.1        the index of generation g lives in slot g % 2: its stem, how
+                            many base chunks it has, and the rest of the previous log it
+                            carries (generation 0 has no index)
     <stem>:b<i>             base chunks: the records a compaction kept
     <stem>:l<seq>           log chunks: one per append (more for a large one), seq 0, 1, ...
     lock                    held by the one compaction that may run
@@ -20,7 +21,9 @@ an object of any size costs bounded memory.
 A compaction writes the new base chunks under a fresh stem, folds in what was appended
 meanwhile, then puts the new index in the other slot (the switch: one object appears whole),
 copies what was appended during the switch into the new log, and only then removes the old
-index and the old generation's chunks. Readers see the old generation or the new one,
+index and the old generation's chunks. Until then the new index carries the old log from
+where the switch began, so readers see those records, and a compaction that dies after its
+switch leaves them for the next one to fold in. Readers see the old generation or the new one,
 complete; a reader overtaken by a switch starts over. An appender that finds the stem
 changed after its put writes its records again under the new stem and removes its copy.
 """
