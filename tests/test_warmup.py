@@ -83,6 +83,23 @@ async def test_cold_instance_warms_up_and_serves_from_host(tmp_path: Path) -> No
             assert node.host_ref == 0
 
 
+async def test_entries_whose_pages_are_gone_are_counted_missed(tmp_path: Path) -> None:
+    prompts = _prompts(6, seed=3)
+    await _fill(tmp_path, prompts)
+    config = _config()
+    async with HiCache(config) as keyer:
+        gone = [keyer.namespace.storage_keys(keyer.keys_for(p))[-1] for p in prompts[:2]]
+    async with FileStorage(tmp_path) as storage:
+        assert await storage.delete(gone) == 2
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=1.0)
+        assert result.status is WarmupStatus.COMPLETE
+        assert result.entries_missed == 2
+        assert result.entries_loaded == result.entries_agreed  # their other pages did land
+        for prompt in prompts[2:]:
+            assert cache.match(prompt).host_tokens == len(prompt) // PAGE * PAGE
+
+
 async def test_budget_takes_pinned_prefixes_first_and_keeps_priority(tmp_path: Path) -> None:
     prompts = _prompts(12, seed=2)
     await _fill(tmp_path, prompts, pinned=3)

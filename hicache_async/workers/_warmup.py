@@ -72,6 +72,9 @@ class WarmupResult(msgspec.Struct, frozen=True):
     malformed: int = 0
     oversized: int = 0
     seconds: float = 0.0
+    #: entries tried that are not wholly cached after it: storage lacked pages of them (gone,
+    #: damaged, or another deployment's), or their read failed
+    entries_missed: int = 0
 
 
 class BackgroundCount:
@@ -185,6 +188,7 @@ class Warmer:
         size = cache.config.page_size
         loaded_pages = 0
         loaded_entries = 0
+        missed = 0
         status = WarmupStatus.COMPLETE
         for index, entry in enumerate(entries):
             go_on = self._may_continue(loaded_pages, budget, began)
@@ -215,6 +219,8 @@ class Warmer:
                     )
                     await self._link.prefetcher.run_now(handle)
                     landed = handle.storage_tokens // size
+                    cached = handle.device_tokens + handle.host_tokens + handle.storage_tokens
+                    missed += cached < handle.num_tokens
             except asyncio.CancelledError:
                 if tp:
                     assert group is not None
@@ -235,6 +241,7 @@ class Warmer:
             malformed=read.malformed,
             oversized=read.oversized,
             seconds=time.monotonic() - began,
+            entries_missed=missed,
         )
 
     async def _agree_entries_owing(
