@@ -102,6 +102,7 @@ The assumed profile, `llama3-8b-h100`, is derived rather than measured:
 _TARGETS: tuple[tuple[str, str, str, str, float], ...] = (
     ("copy ≥ 0.9x tensor.copy_", "copy ", "ratio", ">=", 0.9),
     ("storage put ≥ 0.9x raw", "put_gbps", "ratio", ">=", 0.9),
+    ("storage put into new files ≥ 0.9x raw (file)", "put_new_gbps", "ratio", ">=", 0.9),
     ("storage get ≥ 0.9x raw", "get", "ratio", ">=", 0.9),
     ("exists of 64 keys < 0.1 ms (file)", "storage.file.", "value", "<", 100.0),
     ("prefetch ≥ 0.9x raw get", "prefetch_gbps", "ratio", ">=", 0.9),
