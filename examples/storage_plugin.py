@@ -8,6 +8,8 @@ Run: python examples/storage_plugin.py   (runs the conformance suite, then serve
 A plugin is found by URL scheme through the entry-point group `hicache_async.storage`, e.g.
 in the plugin's pyproject.toml: [project.entry-points."hicache_async.storage"]
 sqlite = "storage_plugin:SqliteStorage.from_url"
+then `sqlite:///var/cache/pages.db`; or by import path, where the location goes in a
+parameter: `storage_plugin:SqliteStorage.from_url?path=/var/cache/pages.db`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import anyio
 import numpy as np
@@ -33,13 +35,13 @@ from hicache_async.storage import (
     PageCheck,
     PageMeta,
     StorageCapabilities,
+    StorageConfigError,
     StorageStats,
     check_keys,
     encode_header,
     read_value_into,
 )
-from hicache_async.testing import KVGenerator, serve
-from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+from hicache_async.testing import MAC_KEY, KVGenerator, StorageConformance, serve
 
 
 class SqliteStorage:
@@ -54,7 +56,22 @@ class SqliteStorage:
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> SqliteStorage:
-        return cls(urlsplit(url).path, mac_key=mac_key)
+        """`sqlite:///path/to/pages.db`, or an import path with `?path=/path/to/pages.db`
+        (its own path is the factory's name). Anything else is refused, saying what is."""
+        parts = urlsplit(url)
+        params = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(params) - {"path"})
+        if unknown:
+            raise StorageConfigError(f"{url}: unknown parameters {unknown}; accepted: path")
+        path = params.get("path", "") if parts.scheme != "sqlite" else parts.path
+        if parts.scheme == "sqlite" and "path" in params:
+            raise StorageConfigError(f"{url}: give the database path once, in the URL's path")
+        if not path:
+            raise StorageConfigError(
+                f"{url}: no database path; use sqlite:///path/to/pages.db, or ?path= after an "
+                "import path"
+            )
+        return cls(path, mac_key=mac_key)
 
     @property
     def name(self) -> str:
@@ -144,6 +161,7 @@ class SqliteStorage:
     ) -> list[Outcome]:
         if not len(keys) == len(pages) == len(metas):
             raise ValueError(f"{len(keys)} keys, {len(pages)} pages, {len(metas)} metas")
+        check_keys(keys)
         db = self._conn()
         rows = [
             (

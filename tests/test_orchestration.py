@@ -569,6 +569,96 @@ async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothin
             assert again.storage_tokens == len(prompts[2])
 
 
+class Misbehaving(Unowned):
+    """A real backend that breaks the protocol in one chosen way, as a buggy plugin might."""
+
+    def __init__(self, inner: StorageBackend, fault: str) -> None:
+        super().__init__(inner)
+        self.fault = fault
+        self.closed = False
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        caps = self.inner.capabilities
+        if self.fault == "zero_batch":
+            return StorageCapabilities(
+                max_batch_pages=0, zero_copy=caps.zero_copy, shared=caps.shared, persistent=False
+            )
+        return caps
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        outcomes = await self.inner.get(keys, into, namespace=namespace)
+        if self.fault == "short_get":
+            return outcomes[:-1]
+        if self.fault == "long_get":
+            return [*outcomes, Outcome.OK]
+        return outcomes
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        outcomes = await self.inner.put(keys, pages, metas)
+        return outcomes[:-1] if self.fault == "short_put" else outcomes
+
+    def stats(self) -> StorageStats:
+        if self.fault == "stats":
+            raise RuntimeError("stats broke")
+        return self.inner.stats()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.closed = True
+        if self.fault == "close":
+            raise RuntimeError("close broke")
+
+
+@pytest.mark.parametrize(
+    "fault", ["short_put", "short_get", "long_get", "zero_batch", "stats", "close"]
+)
+async def test_a_backend_breaking_the_protocol_costs_misses_never_the_cache(fault: str) -> None:
+    config = _config(write_policy="write_through", backup={"max_retries": 1})
+    generator = KVGenerator(config.layout, PAGE, seed=11)  # as `_stored` writes them
+    prompts = _prompts(6, seed=15)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory:
+        if fault in ("short_get", "long_get", "zero_batch"):
+            await _stored(memory, config, prompts)
+        backend = Misbehaving(memory, fault)
+        async with HiCache(config, storage=backend) as cache:
+            results = [
+                await asyncio.wait_for(serve(cache, p, generator, check="all"), 10) for p in prompts
+            ]
+            await asyncio.wait_for(cache.drain(), 10)
+            status = cache.storage_status()
+            assert status.attached
+            assert status.prefetch is not None
+            assert status.backup is not None
+            assert "hicache_prefetch_" in cache.metrics_text()
+            storage_tokens = sum(r.storage_tokens for r in results)
+            if fault == "short_put":
+                assert status.backup.failed_pages > 0  # refused answers, counted, retried once
+                assert status.backup.written_pages == 0
+            elif fault in ("short_get", "long_get"):
+                assert storage_tokens == 0  # a wrong answer lands nothing
+                assert status.prefetch.errors > 0
+            elif fault == "zero_batch":
+                assert storage_tokens > 0  # read a page per call, and checked by serve()
+                assert status.prefetch.errors == 0
+            elif fault == "stats":
+                assert status.storage is None
+            await cache.detach_storage()
+            assert backend.closed
+            await cache.attach_storage(Unowned(memory))  # the cache goes on
+            await asyncio.wait_for(serve(cache, prompts[0], generator, check="all"), 10)
+            assert_drained(cache)
+
+
 class HangingPuts(Unowned):
     """A real backend whose puts never finish."""
 

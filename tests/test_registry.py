@@ -175,6 +175,7 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvplugin\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
         "[hicache_async.storage]\nkvstore = kvplugin:make\nbroken = kvplugin_missing:make\n"
+        "KvUpper = kvplugin:make\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "kvplugin", raising=False)
@@ -190,6 +191,10 @@ def test_entry_point_plugin(plugin_dir: Path) -> None:
     assert kvplugin.calls == [("kvstore://anything?x=1", b"m" * 32)]
     with pytest.raises(StorageConfigError, match="failed to load"):
         open_storage("broken://x")
+    # Schemes are case-insensitive: a name declared with capitals opens, under any case.
+    assert "kvupper" in storage_schemes()
+    assert isinstance(open_storage("KvUpper://x"), MemoryStorage)
+    assert isinstance(open_storage("kvupper://x"), MemoryStorage)
 
 
 def test_import_path_plugin(plugin_dir: Path) -> None:

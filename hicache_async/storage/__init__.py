@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .._errors import StorageConfigError
 from ._base import check_keys
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
@@ -66,6 +67,7 @@ __all__ = [
     "RawAccess",
     "StorageBackend",
     "StorageCapabilities",
+    "StorageConfigError",
     "StorageError",
     "StorageFactory",
     "StorageStats",

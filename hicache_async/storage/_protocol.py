@@ -25,6 +25,7 @@ __all__ = [
     "StorageStats",
     "StorageError",
     "check_backend",
+    "check_outcomes",
 ]
 
 #: One page's memory as an ordered list of byte segments; their total is the payload length.
@@ -177,3 +178,16 @@ def check_backend(obj: object, what: str, *, accepted: str = "") -> StorageBacke
             + (f"; {accepted}" if accepted else "")
         )
     return cast(StorageBackend, obj)
+
+
+def check_outcomes(outcomes: object, count: int, call: str) -> list[Outcome]:
+    """`outcomes` if it is a list of `count` Outcomes (what `get` and `put` must return),
+    else StorageError: a backend's wrong answer is a failed call, not a crash of its caller."""
+    if (
+        not isinstance(outcomes, list)
+        or len(outcomes) != count
+        or not all(isinstance(o, Outcome) for o in outcomes)
+    ):
+        shown = f"{len(outcomes)} items" if isinstance(outcomes, list) else type(outcomes).__name__
+        raise StorageError(f"{call} returned {shown}, not a list of {count} Outcomes")
+    return outcomes

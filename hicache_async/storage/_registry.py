@@ -53,7 +53,11 @@ class StorageFactory(Protocol):
 
 
 def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    # URL schemes are case-insensitive, and `open_storage` lowercases them: so are the names.
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        found.setdefault(ep.name.lower(), ep)
+    return found
 
 
 def storage_schemes() -> list[str]:
@@ -156,11 +160,15 @@ def open_storage(url: str, *, mac_key: bytes | None = None) -> StorageBackend:
         backend = factory(url, mac_key=mac_key)
     except StorageConfigError:
         raise
-    except Exception as exc:
-        # Anything else from a factory (a wrong signature, a parser's ValueError) is still a
-        # URL that cannot be served: one exception type for every bad URL.
+    except TypeError as exc:
+        # Most likely called with arguments it does not take: say how factories are called.
         raise StorageConfigError(
-            f"{source} cannot build a backend from {shown!r}: {type(exc).__name__}: {exc}; "
-            f"{_FACTORY}"
+            f"{source} cannot build a backend from {shown!r}: TypeError: {exc}; {_FACTORY}"
+        ) from exc
+    except Exception as exc:
+        # Anything else from a factory (a parser's ValueError) is still a URL that cannot be
+        # served: one exception type for every bad URL.
+        raise StorageConfigError(
+            f"{source} cannot build a backend from {shown!r}: {type(exc).__name__}: {exc}"
         ) from exc
     return check_backend(backend, f"what {source} returned for {shown!r}", accepted=_FACTORY)

@@ -236,6 +236,14 @@ class StorageConformance:
         assert await backend.get([key], [target], namespace=NAMESPACE) == [Outcome.OK]
         assert target[0].tobytes() == data
 
+    async def test_capabilities_are_usable(self, backend: StorageBackend) -> None:
+        # Callers size their batches by max_batch_pages: 0 would leave them nothing to send.
+        caps = backend.capabilities
+        assert isinstance(caps.max_batch_pages, int)
+        assert caps.max_batch_pages >= 1
+        for flag in (caps.zero_copy, caps.shared, caps.persistent):
+            assert isinstance(flag, bool)
+
     async def test_empty_batches(self, backend: StorageBackend) -> None:
         assert await backend.exists([]) == 0
         assert await backend.get([], [], namespace=NAMESPACE) == []
@@ -277,6 +285,12 @@ class StorageConformance:
                 await backend.get(keys, page * 2, namespace=NAMESPACE)  # type: ignore[arg-type]
             with pytest.raises(ValueError, match="32 bytes"):
                 await backend.delete(keys)  # type: ignore[arg-type]
+            (fresh,) = _keys(1)
+            pages = [_segments(_payload(self.page_nbytes, 1), [self.page_nbytes])] * 2
+            metas = [_meta(fresh), PageMeta(key=bad, namespace=NAMESPACE, num_tokens=64)]  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="32 bytes"):
+                await backend.put([fresh, bad], pages, metas)  # type: ignore[list-item]
+            assert await backend.exists([fresh]) == 0  # refused before any I/O
         for namespace in (NAMESPACE[:-1], NAMESPACE.hex()):
             with pytest.raises(ValueError, match="16 bytes"):
                 await backend.get([key], page, namespace=namespace)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ import structlog
 from .._config import BackupConfig
 from ..storage import Outcome, PageMeta, StorageBackend
 from ..storage._manifest import ManifestEntry, SupportsManifest, WarmupManifest, chain_entry
+from ..storage._protocol import check_outcomes
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -278,6 +279,7 @@ class BackupWorker:
                         [buffers[i] for i in todo],
                         [metas[i] for i in todo],
                     )
+                check_outcomes(outcomes, len(todo), "put")
                 self._cache.storage_put_latency.observe(time.monotonic() - began)
             except Exception as exc:
                 _log.warning(

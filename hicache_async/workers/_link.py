@@ -68,15 +68,26 @@ class StorageLink:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Enter the backend, start the workers, report started; exit closes the backend."""
+        body_failed = False
         try:
             async with self.backend:
-                with anyio.CancelScope() as scope:
-                    self._scope = scope
-                    async with anyio.create_task_group() as tg:
-                        self._tg = tg
-                        tg.start_soon(self.prefetcher.run)
-                        tg.start_soon(self._run_backup)
-                        task_status.started()
+                try:
+                    with anyio.CancelScope() as scope:
+                        self._scope = scope
+                        async with anyio.create_task_group() as tg:
+                            self._tg = tg
+                            tg.start_soon(self.prefetcher.run)
+                            tg.start_soon(self._run_backup)
+                            task_status.started()
+                except BaseException:
+                    body_failed = True
+                    raise
+        except Exception as exc:
+            if body_failed:
+                raise
+            # Closing the backend failed: its workers are done, nothing is lost by going on,
+            # and a detach or the cache's close must not fail for it.
+            _log.warning("hicache.storage.close.failed", backend=self.backend.name, error=repr(exc))
         finally:
             # A warmup task cancelled before its first step never runs its own `finally`.
             for future, count in self._unstarted.items():
@@ -160,11 +171,16 @@ class StorageLink:
             self.backup.drop_queued()
 
     def status(self) -> StorageStatus:
+        try:
+            stats: StorageStats | None = self.backend.stats()
+        except Exception as exc:  # a backend's bug must not break a status call or a scrape
+            _log.warning("hicache.storage.stats.failed", backend=self.backend.name, error=repr(exc))
+            stats = None
         return StorageStatus(
             attached=True,
             backend=self.backend.name,
             generation=self.generation,
-            storage=self.backend.stats(),
+            storage=stats,
             prefetch=self.prefetcher.statistics(),
             backup=self.backup.statistics(),
         )

@@ -24,6 +24,7 @@ import structlog
 from .._config import PrefetchConfig, PrefetchPolicy
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
 from ..storage import Outcome, StorageBackend
+from ..storage._protocol import check_outcomes
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -583,7 +584,9 @@ class Prefetcher:
             futures[key] = self._inflight[key] = loop.create_future()
         page_of = dict(zip(own, pages, strict=True))
         self._held += len(pages)
-        batch_limit = min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
+        batch_limit = max(
+            1, min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
+        )
         landed = 0
         status = PrefetchStatus.COMPLETE
         try:
@@ -673,6 +676,7 @@ class Prefetcher:
                 outcomes = await self._backend.get(
                     namespace.storage_keys(keys), into, namespace=namespace.fingerprint
                 )
+            check_outcomes(outcomes, len(keys), "get")
             self._cache.storage_get_latency.observe(time.monotonic() - began)
         except Exception as exc:
             self.errors += 1
