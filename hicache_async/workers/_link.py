@@ -68,9 +68,10 @@ class StorageLink:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Enter the backend, start the workers, report started; exit closes the backend."""
-        body_failed = False
+        entered = body_failed = False
         try:
             async with self.backend:
+                entered = True
                 try:
                     with anyio.CancelScope() as scope:
                         self._scope = scope
@@ -83,7 +84,7 @@ class StorageLink:
                     body_failed = True
                     raise
         except Exception as exc:
-            if body_failed:
+            if body_failed or not entered:  # the workers failed, or the backend did not open
                 raise
             # Closing the backend failed: its workers are done, nothing is lost by going on,
             # and a detach or the cache's close must not fail for it.
