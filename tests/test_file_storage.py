@@ -505,6 +505,26 @@ async def test_shared_put_rewrites_a_page_another_instance_deleted(tmp_path: Pat
         assert _page_path(root, keys[2]).stat().st_ino == before
 
 
+async def test_shared_put_of_a_stored_key_is_ok_and_takes_no_room(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    mine, theirs = _keys(2), _keys(4)
+    async with (
+        FileStorage(root, shared=True, capacity_bytes=3 * SIZE) as first,
+        FileStorage(root, shared=True, capacity_bytes=3 * SIZE) as second,
+    ):
+        assert await _put(first, mine) == [Outcome.OK] * 2
+        assert await _put(second, theirs[:3]) == [Outcome.OK] * 3
+        assert await _get(first, theirs[:3]) == [Outcome.OK] * 3  # now indexed here too
+        assert first.stats().bytes > 3 * SIZE
+        # Stored already: OK, and no eviction to make room it does not need.
+        assert await _put(first, mine[:1]) == [Outcome.OK]
+        assert first.stats().evictions == 0
+        # Two puts of it at once: both OK (one looks at the file, the other waits for nothing).
+        both = await asyncio.gather(_put(first, mine[:1]), _put(first, mine[:1]))
+        assert both == [[Outcome.OK], [Outcome.OK]]
+        assert first.stats().evictions == 0
+
+
 async def test_io_threads_one_and_many_agree(tmp_path: Path) -> None:
     keys = _keys(24)
     pages = [[memoryview(os.urandom(256 * 1024))] for _ in keys]

@@ -1208,7 +1208,8 @@ class FileStorage(BackendBase):
         sizes: list[int] = []
         duplicates: list[tuple[int, int]] = []
         for i, key in enumerate(keys):
-            if key in index and not self._shared:
+            if key in index and (not self._shared or key in self._writing):
+                # Stored; in a shared root with its file being looked at by another batch.
                 self._touch(key, now)
             elif key in slots:
                 duplicates.append((i, slots[key]))
@@ -1270,6 +1271,9 @@ class FileStorage(BackendBase):
         candidates = iter(self._index.items())
         admitted = 0
         for size in sizes:
+            if size == 0:  # a key already indexed: its room is counted already
+                admitted += 1
+                continue
             marked, freed = len(victims), free
             while free < size:
                 candidate = next(candidates, None)
