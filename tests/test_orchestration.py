@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 import pytest
+import structlog
 
-from hicache_async import CacheConfig, HiCache, KVLayout, PrefetchStatus
+from hicache_async import CacheConfig, HiCache, KVLayout, PrefetchHandle, PrefetchStatus
 from hicache_async.storage import (
     FileStorage,
     MemoryStorage,
@@ -521,25 +522,15 @@ class GatedExists(Unowned):
         return await self.inner.exists(keys)
 
 
-@pytest.mark.parametrize("policy", ["timeout", "best_effort"])
-async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothing(
-    policy: str,
-) -> None:
-    # Storage hangs: one prefetch is stuck in `exists`, one waits in the one-slot queue. A
-    # third caller must not wait for room past its policy's limit, and the queued one, whose
-    # caller gave up meanwhile, must issue no call when its turn comes.
-    prefetch = {
-        "policy": policy,
-        "threshold_tokens": PAGE,
-        "queue_size": 1,
-        "workers": 1,
-        "timeout_base_s": 0.05,
-        "timeout_per_1k_tokens_s": 0.0,
-        "timeout_max_s": 0.05,
-        "io_timeout_s": 3600,
-    }
-    config = _config(prefetch=prefetch)
-    prompts = [np.random.default_rng(60 + i).integers(0, 5000, size=4 * PAGE) for i in range(3)]
+@contextlib.asynccontextmanager
+async def _one_stuck_one_queued(
+    prefetch: dict[str, object], *, seed: int
+) -> AsyncIterator[tuple[HiCache, GatedExists, list[np.ndarray], PrefetchHandle, PrefetchHandle]]:
+    """A cache whose one prefetch worker is stuck in `exists` (until `gated.gate` is set) on
+    the first of three stored prompts, with the second queued in its one-slot queue."""
+    base = {"threshold_tokens": PAGE, "queue_size": 1, "workers": 1, "io_timeout_s": 3600}
+    config = _config(prefetch={**base, **prefetch})
+    prompts = [np.random.default_rng(seed + i).integers(0, 5000, size=4 * PAGE) for i in range(3)]
     memory = MemoryStorage(capacity_bytes=16 << 20)
     async with memory:
         await _stored(memory, config, prompts)
@@ -549,24 +540,42 @@ async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothin
             stuck = await cache.start_prefetch(prompts[0])
             await gated.started.wait()
             queued = await cache.start_prefetch(prompts[1])
-            third = await asyncio.wait_for(cache.prefetch(prompts[2]), 10)
-            assert third.status is PrefetchStatus.TERMINATED
-            assert third.cached_tokens == 0
-            for handle in (stuck, queued):
-                assert (await handle.ready()).cached_tokens == 0  # the callers give up
-            gated.gate.set_result(None)
-            results = await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait()), 10)
-            assert {r.status for r in results} == {PrefetchStatus.TERMINATED}
-            assert gated.calls == 1  # the queued prefetch read nothing
-            link = cache._link
-            assert link is not None
-            stats = link.prefetcher.statistics()
-            assert (stats.terminated, stats.queued, stats.skipped) == (3, 0, 0)
-            assert stats.timeouts == (3 if policy == "timeout" else 0)
-            assert_drained(cache)
-            # Storage answers again: the same prompt is read in full.
-            again = await cache.prefetch(prompts[2], policy="wait_complete")
-            assert again.storage_tokens == len(prompts[2])
+            yield cache, gated, prompts, stuck, queued
+
+
+@pytest.mark.parametrize("policy", ["timeout", "best_effort"])
+async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothing(
+    policy: str,
+) -> None:
+    # Storage hangs: one prefetch is stuck in `exists`, one waits in the one-slot queue. A
+    # third caller must not wait for room past its policy's limit, and the queued one, whose
+    # caller gave up meanwhile, must issue no call when its turn comes.
+    limits = {"timeout_base_s": 0.05, "timeout_per_1k_tokens_s": 0.0, "timeout_max_s": 0.05}
+    async with _one_stuck_one_queued({"policy": policy, **limits}, seed=60) as (
+        cache,
+        gated,
+        prompts,
+        stuck,
+        queued,
+    ):
+        third = await asyncio.wait_for(cache.prefetch(prompts[2]), 10)
+        assert third.status is PrefetchStatus.TERMINATED
+        assert third.cached_tokens == 0
+        for handle in (stuck, queued):
+            assert (await handle.ready()).cached_tokens == 0  # the callers give up
+        gated.gate.set_result(None)
+        results = await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait()), 10)
+        assert {r.status for r in results} == {PrefetchStatus.TERMINATED}
+        assert gated.calls == 1  # the queued prefetch read nothing
+        link = cache._link
+        assert link is not None
+        stats = link.prefetcher.statistics()
+        assert (stats.terminated, stats.queued, stats.skipped) == (3, 0, 0)
+        assert stats.timeouts == (3 if policy == "timeout" else 0)
+        assert_drained(cache)
+        # Storage answers again: the same prompt is read in full.
+        again = await cache.prefetch(prompts[2], policy="wait_complete")
+        assert again.storage_tokens == len(prompts[2])
 
 
 class Misbehaving(Unowned):
@@ -657,6 +666,107 @@ async def test_a_backend_breaking_the_protocol_costs_misses_never_the_cache(faul
             await cache.attach_storage(Unowned(memory))  # the cache goes on
             await asyncio.wait_for(serve(cache, prompts[0], generator, check="all"), 10)
             assert_drained(cache)
+
+
+async def test_a_prefetch_cancelled_while_waiting_for_room_is_counted_once() -> None:
+    async with _one_stuck_one_queued({"policy": "wait_complete"}, seed=70) as (
+        cache,
+        gated,
+        prompts,
+        stuck,
+        queued,
+    ):
+        waiting = asyncio.ensure_future(cache.start_prefetch(prompts[2]))
+        await asyncio.sleep(0.01)  # it waits for room
+        assert not waiting.done()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gated.gate.set_result(None)
+        await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait()), 10)
+        link = cache._link
+        assert link is not None
+        stats = link.prefetcher.statistics()
+        assert stats.submitted == 3
+        assert (stats.completed, stats.cancelled, stats.queued) == (2, 1, 0)
+        assert stats.terminated + stats.skipped == 0
+        assert_drained(cache)
+
+
+class SlowAfterFirstGet(Unowned):
+    """A real backend whose first `get` returns at once and whose later ones wait for `gate`."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.gets = 0
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        self.gets += 1
+        if self.gets > 1:
+            await self.gate
+        return await self.inner.get(keys, into, namespace=namespace)
+
+
+async def test_ready_reports_the_pages_that_landed_before_the_limit() -> None:
+    prefetch = {
+        "policy": "timeout",
+        "threshold_tokens": PAGE,
+        "batch_pages": 2,
+        "timeout_base_s": 0.05,
+        "timeout_per_1k_tokens_s": 0.0,
+        "timeout_max_s": 0.05,
+        "io_timeout_s": 3600,
+    }
+    config = _config(prefetch=prefetch)
+    prompt = np.random.default_rng(80).integers(0, 5000, size=8 * PAGE)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory:
+        await _stored(memory, config, [prompt])
+        slow = SlowAfterFirstGet(memory)
+        async with HiCache(config, storage=slow) as cache:
+            result = await cache.prefetch(prompt)  # the limit passes in the second batch
+            assert result.status is PrefetchStatus.RUNNING
+            assert result.storage_tokens == 2 * PAGE
+            assert cache.match(prompt).host_tokens == 2 * PAGE
+            slow.gate.set_result(None)
+            link = cache._link
+            assert link is not None
+            await asyncio.wait_for(link.prefetcher.wait_quiet(), 10)
+            assert_drained(cache)
+
+
+class HangingPutsRaisingClose(Misbehaving):
+    """Puts never finish, and closing raises."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("hanging", [False, True], ids=["idle", "cancelled"])
+async def test_a_backend_whose_close_raises_when_the_cache_closes_logs_it_once(
+    hanging: bool,
+) -> None:
+    # Cancelled: a backup hangs, so the close's flush passes its deadline and cancels the
+    # workers; the close error must not replace that cancellation.
+    config = _config(write_policy="write_through", backup={"flush_deadline_s": 0.05})
+    generator = KVGenerator(config.layout, PAGE, seed=16)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory:
+        cls = HangingPutsRaisingClose if hanging else Misbehaving
+        backend = cls(memory, "close")
+        with structlog.testing.capture_logs() as logs:
+            async with HiCache(config, storage=backend) as cache:
+                await serve(cache, np.arange(2 * PAGE), generator, prefetch=False)
+        events = [entry["event"] for entry in logs]
+        assert backend.closed
+        assert events.count("hicache.storage.close.failed") == 1
+        assert "hicache.workers.failed" not in events
 
 
 class HangingPuts(Unowned):

@@ -68,7 +68,8 @@ class StorageLink:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Enter the backend, start the workers, report started; exit closes the backend."""
-        entered = body_failed = False
+        entered = False
+        body_exc: BaseException | None = None
         try:
             async with self.backend:
                 entered = True
@@ -80,15 +81,18 @@ class StorageLink:
                             tg.start_soon(self.prefetcher.run)
                             tg.start_soon(self._run_backup)
                             task_status.started()
-                except BaseException:
-                    body_failed = True
+                except BaseException as exc:
+                    body_exc = exc
                     raise
         except Exception as exc:
-            if body_failed or not entered:  # the workers failed, or the backend did not open
+            if not entered or exc is body_exc:  # the backend did not open, or the workers failed
                 raise
             # Closing the backend failed: its workers are done, nothing is lost by going on,
-            # and a detach or the cache's close must not fail for it.
+            # and a detach or the cache's close must not fail for it. What ended the workers
+            # (a cancellation, their own failure) goes on as it was.
             _log.warning("hicache.storage.close.failed", backend=self.backend.name, error=repr(exc))
+            if body_exc is not None:
+                raise body_exc from None
         finally:
             # A warmup task cancelled before its first step never runs its own `finally`.
             for future, count in self._unstarted.items():

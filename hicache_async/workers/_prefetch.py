@@ -384,7 +384,12 @@ class Prefetcher:
             handle._finish(PrefetchStatus.CANCELLED)
             self.cancelled += 1
         except BaseException:
-            handle.cancel()  # should it be in the queue after all, it is dropped there
+            # Counted here, once: should it be in the queue after all, the worker drops it
+            # (it is done) without counting it again.
+            handle.cancel()
+            if not handle.done():
+                handle._finish(PrefetchStatus.CANCELLED)
+                self.cancelled += 1
             self._live_done(handle)
             raise
 
@@ -604,6 +609,7 @@ class Prefetcher:
                     self.pages_shared += 1
                     pos += 1
                     landed += 1
+                    handle.storage_tokens = landed * size  # what ready() reports meanwhile
                     continue
                 run_end = pos
                 while (
@@ -633,6 +639,7 @@ class Prefetcher:
                         futures.pop(k).set_result(True)
                         self._inflight.pop(k, None)
                     landed += ok
+                    handle.storage_tokens = landed * size  # what ready() reports meanwhile
                 pos += ok
                 if ok < len(batch):
                     status = PrefetchStatus.TERMINATED
