@@ -1192,8 +1192,10 @@ class FileStorage(BackendBase):
         """Store each page atomically (temporary file, then rename); one outcome per key.
 
         An existing key is kept as is (OK); in a shared root its file is looked at first, and
-        written again if another instance removed it. A page that does not fit even after
-        evicting every page not being read is a MISS, as is any later page of the batch.
+        written again if another instance removed it (a key another batch of this instance
+        is writing or looking at is a MISS: that batch's outcome is not known yet). A page
+        that does not fit even after evicting every page not being read is a MISS, as is any
+        later page of the batch.
         """
         self._check_open()
         check_batch(keys, ("pages", pages), ("metas", metas))
@@ -1208,8 +1210,7 @@ class FileStorage(BackendBase):
         sizes: list[int] = []
         duplicates: list[tuple[int, int]] = []
         for i, key in enumerate(keys):
-            if key in index and (not self._shared or key in self._writing):
-                # Stored; in a shared root with its file being looked at by another batch.
+            if key in index and not self._shared:
                 self._touch(key, now)
             elif key in slots:
                 duplicates.append((i, slots[key]))

@@ -385,9 +385,10 @@ class Prefetcher:
             self.cancelled += 1
         except BaseException:
             # Counted here, once: should it be in the queue after all, the worker drops it
-            # (it is done) without counting it again.
+            # (it is done) without counting it again. One a worker took already (running)
+            # is counted by the worker.
             handle.cancel()
-            if not handle.done():
+            if handle.status is PrefetchStatus.QUEUED:
                 handle._finish(PrefetchStatus.CANCELLED)
                 self.cancelled += 1
             self._live_done(handle)
