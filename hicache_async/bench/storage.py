@@ -11,10 +11,10 @@ renamed to the new page's name; and `put_new`, new files on both sides (a store 
 `memory://`, a dict of bytes with the same copies; for any other scheme, the module
 `hicache_async.bench._storage_<scheme>` when it exists (`redis`, `mooncake`), else no
 baseline: its `RawModes` are ways of moving the bytes with the plain client; the two best of
-each direction by median both run in every paired run, and the faster is the baseline's. Where `RawModes` has
-`checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take a third turn in each
-run, recorded as `raw_checked_put`/`raw_checked_get` against the plain calls: how close any
-store that checksums its pages could come to the baseline there.
+each direction by median both run in every paired run, and the faster is the baseline's.
+Where `RawModes` has `checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take
+a third turn in each run, recorded as `raw_checked_put`/`raw_checked_get` against the plain
+calls: how close any store that checksums its pages could come to the baseline there.
 
 Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
