@@ -1379,12 +1379,6 @@ class MooncakeStorage(BackendBase):
                 return (Outcome.CORRUPT, "length")
             return (Outcome.MISS, "")
 
-        def still_damaged(i: int, name: str) -> bool:
-            # A read sees other bytes when the object was removed and its memory reused while
-            # it ran (a concurrent delete and put): only an object that reads damaged again,
-            # whole, is judged corrupt and removed.
-            return judged_whole(i, name) is PageCheck.CORRUPT
-
         def job(stop: threading.Event) -> list[tuple[Outcome, str]]:
             results: list[tuple[Outcome, str]] = [(Outcome.ERROR, "")] * len(chunk)
             todo = [j for j, slot in enumerate(slots) if slot is not None]
@@ -1395,7 +1389,8 @@ class MooncakeStorage(BackendBase):
             names = [self._mkey(keys[chunk[j]]) for j in todo]
             buffers, sizes = _object_buffers(todo, plans, chunk, slots, arena_base)
             codes = list(store.batch_get_into_multi_buffers(names, buffers, sizes)) if todo else []
-            damaged: list[tuple[int, str]] = []  # (j, name)
+            damaged: list[tuple[int, str]] = []  # (j, name), judged on a whole read
+            suspect: list[tuple[int, str]] = []  # (j, name), failed the check of the batch read
             arrived: list[tuple[int, str]] = []
             expected = [HEADER_NBYTES + plans[chunk[j]].nbytes for j in todo]
             states = _read_states(store, names, codes, expected)
@@ -1448,14 +1443,15 @@ class MooncakeStorage(BackendBase):
                     results[j] = (Outcome.MISS, "")  # a newer writer's page: left in place
                 else:
                     results[j] = (Outcome.CORRUPT, reason)
+                    suspect.append((j, name))
+            # A read sees other bytes when the object was removed and its memory reused while
+            # it ran (a concurrent delete and put): only an object that reads damaged again,
+            # whole, is judged corrupt and removed; else it is a miss left alone.
+            for j, name in suspect:
+                if judged_whole(chunk[j], name) is PageCheck.CORRUPT:
                     damaged.append((j, name))
-            confirmed = []
-            for j, name in damaged:
-                if still_damaged(chunk[j], name):
-                    confirmed.append((j, name))
                 else:
-                    results[j] = (Outcome.MISS, "")  # changed under the read: left alone
-            damaged = confirmed
+                    results[j] = (Outcome.MISS, "")
             if damaged:
                 corrupt.extend((chunk[j], results[j][1]) for j, _ in damaged)
                 # One remove per object (a key may come twice), and only a removal this call
