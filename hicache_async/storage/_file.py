@@ -1260,6 +1260,10 @@ class FileStorage(BackendBase):
             outcomes[i] = outcomes[writes[slot]] if slot < len(writes) else Outcome.MISS
         self._counters.put_ok += outcomes.count(Outcome.OK)
 
+    def _evictable(self, key: bytes) -> bool:
+        """Neither being read nor being written (a shared root's put of an indexed key)."""
+        return key not in self._pins and key not in self._writing
+
     def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
         """LRU victims that make room for the first pages of `sizes`, and how many fit.
 
@@ -1281,7 +1285,7 @@ class FileStorage(BackendBase):
                 if candidate is None:
                     break
                 key, entry = candidate
-                if key not in self._pins and key not in keep and key not in self._writing:
+                if self._evictable(key) and key not in keep:
                     victims.append(key)
                     free += entry.nbytes
             if free < size:
@@ -1799,7 +1803,7 @@ class FileStorage(BackendBase):
         for key, entry in self._index.items():
             if excess <= 0:
                 break
-            if key not in self._pins and key not in self._writing:
+            if self._evictable(key):
                 victims.append(key)
                 excess -= entry.nbytes
         if not victims:

@@ -86,10 +86,10 @@ class PrefetchHandle:
         "_agreed",
         "_agreeing",
         "_cancel_requested",
+        "_counted_live",
         "_done",
         "_group",
         "_held",
-        "_live",
         "_policy",
         "_prefetcher",
         "_scope",
@@ -142,7 +142,7 @@ class PrefetchHandle:
         # Seconds the caller already spent waiting for room in the queue: the `timeout`
         # policy's wait in `ready()` is what is left of its limit.
         self._waited = 0.0
-        self._live = False  # counted among the prefetcher's live prefetches
+        self._counted_live = False  # counted in the prefetcher's live prefetches
         self._cancel_requested = False
         self._scope: anyio.CancelScope | None = None
         self._done = asyncio.Event()
@@ -354,7 +354,7 @@ class Prefetcher:
         """
         self.submitted += 1
         self._live += 1
-        handle._live = True
+        handle._counted_live = True
         self._quiet.clear()
         policy = handle._policy
         began = time.monotonic()
@@ -395,9 +395,9 @@ class Prefetcher:
             raise
 
     def _live_done(self, handle: PrefetchHandle) -> None:
-        if not handle._live:
+        if not handle._counted_live:
             return
-        handle._live = False
+        handle._counted_live = False
         self._live -= 1
         if self._live == 0:
             self._quiet.set()
