@@ -738,16 +738,6 @@ async def test_ready_reports_the_pages_that_landed_before_the_limit() -> None:
             assert_drained(cache)
 
 
-class HangingPutsRaisingClose(Misbehaving):
-    """Puts never finish, and closing raises."""
-
-    async def put(
-        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
-    ) -> list[Outcome]:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-
 @pytest.mark.parametrize("hanging", [False, True], ids=["idle", "cancelled"])
 async def test_a_backend_whose_close_raises_when_the_cache_closes_logs_it_once(
     hanging: bool,
@@ -758,8 +748,7 @@ async def test_a_backend_whose_close_raises_when_the_cache_closes_logs_it_once(
     generator = KVGenerator(config.layout, PAGE, seed=16)
     memory = MemoryStorage(capacity_bytes=16 << 20)
     async with memory:
-        cls = HangingPutsRaisingClose if hanging else Misbehaving
-        backend = cls(memory, "close")
+        backend = HangingPuts(memory, "close") if hanging else Misbehaving(memory, "close")
         with structlog.testing.capture_logs() as logs:
             async with HiCache(config, storage=backend) as cache:
                 await serve(cache, np.arange(2 * PAGE), generator, prefetch=False)
@@ -769,8 +758,11 @@ async def test_a_backend_whose_close_raises_when_the_cache_closes_logs_it_once(
         assert "hicache.workers.failed" not in events
 
 
-class HangingPuts(Unowned):
-    """A real backend whose puts never finish."""
+class HangingPuts(Misbehaving):
+    """A real backend whose puts never finish (and with `fault`, misbehaving so too)."""
+
+    def __init__(self, inner: StorageBackend, fault: str = "") -> None:
+        super().__init__(inner, fault)
 
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]

@@ -96,6 +96,16 @@ async def test_existing_key_is_ok_and_not_rewritten(backend: MooncakeStorage) ->
     assert backend.stats().pages == 1
 
 
+class _Client:
+    """The Mooncake client as it is, for subclasses to change one call of."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 class _Recording:
     """The Mooncake client, recording the arguments of each call of `method`."""
 
@@ -497,18 +507,15 @@ async def test_damaged_pages_are_rejected(
         assert backend.stats().corrupt == 0
 
 
-class _ReplacedAfterRead:
+class _ReplacedAfterRead(_Client):
     """The Mooncake client, except that right after the first batch read another client
     stores `value` under `name`, as a delete and put racing with the read would."""
 
     def __init__(self, inner: Any, name: str, value: bytes) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.name = name
         self.value = value
         self.replaced = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def batch_get_into_multi_buffers(self, *args: Any) -> Any:
         codes = self.inner.batch_get_into_multi_buffers(*args)
@@ -545,16 +552,13 @@ async def test_a_page_replaced_while_read_is_a_miss_not_removed(backend: Mooncak
     assert await backend.read_raw(keys[0]) is None
 
 
-class _BeingPut:
+class _BeingPut(_Client):
     """The Mooncake client, except that removing `name` finds another client still putting
     it (OBJECT_NOT_READY, -703)."""
 
     def __init__(self, inner: Any, name: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.name = name
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def batch_remove(self, names: list[str], force: bool) -> Any:
         codes = list(self.inner.batch_remove(names, force=force))
@@ -612,16 +616,13 @@ async def test_a_damaged_page_got_twice_in_one_batch_is_counted_once(
     assert stats.corrupt == 2  # found twice, removed once
 
 
-class _MeetingRemoves:
+class _MeetingRemoves(_Client):
     """The Mooncake client, except that `batch_remove` waits until `parties` jobs call it."""
 
     def __init__(self, inner: Any, parties: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.barrier = threading.Barrier(parties, timeout=10)
         self.codes: list[list[int]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def batch_remove(self, names: list[str], force: bool = False) -> list[int]:
         self.barrier.wait()
@@ -804,16 +805,13 @@ async def test_list_verify_and_gc(mooncake_url: str) -> None:
         assert len(await backend.list_pages()) == 2
 
 
-class _FailingReads:
+class _FailingReads(_Client):
     """The Mooncake client, except that the first `batch_get_into` fails every transfer
     (TRANSFER_FAIL, as when a peer's segment does not answer); the objects are intact."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.failed = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
 
     def batch_get_into(self, names: list[str], addresses: list[int], sizes: list[int]) -> Any:
         if self.failed:
