@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -26,6 +26,7 @@ from hicache_async.storage import (
 )
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
 from hicache_async.workers import BackupStatistics
+from hicache_async.workers._link import StorageLink
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4)
@@ -756,6 +757,105 @@ async def test_a_backend_whose_close_raises_when_the_cache_closes_logs_it_once(
         assert backend.closed
         assert events.count("hicache.storage.close.failed") == 1
         assert "hicache.workers.failed" not in events
+
+
+class _HeldExists(Unowned):
+    """A real backend whose first `exists` calls wait for their gates; `on_call[n]` runs as
+    call n (from 1) begins, before the call goes on."""
+
+    def __init__(
+        self,
+        inner: StorageBackend,
+        gates: list[asyncio.Future[None]],
+        on_call: dict[int, Callable[[], None]],
+    ) -> None:
+        super().__init__(inner)
+        self.gates = gates
+        self.on_call = on_call
+        self.calls = 0
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        self.calls += 1
+        hook = self.on_call.get(self.calls)
+        if hook is not None:
+            hook()
+            await asyncio.sleep(0)  # where a cancellation the hook caused lands
+        if self.calls <= len(self.gates):
+            await self.gates[self.calls - 1]
+        return await self.inner.exists(keys)
+
+
+async def test_a_submit_cancelled_as_a_worker_takes_its_prefetch_counts_it_once() -> None:
+    # Two workers blocked, one prefetch queued, a fourth waiting for room. Both workers free
+    # up in one tick: the first takes the queued one (moving the fourth into the queue and
+    # waking its submit), the second takes the fourth and runs it before that submit resumes;
+    # the submit is cancelled right then. The worker counts it; the submit must not as well.
+    prefetch = {"policy": "wait_complete", "threshold_tokens": PAGE, "queue_size": 1}
+    config = _config(prefetch={**prefetch, "workers": 2, "io_timeout_s": 3600})
+    prompts = [np.random.default_rng(90 + i).integers(0, 5000, size=2 * PAGE) for i in range(4)]
+    loop = asyncio.get_running_loop()
+    gates: list[asyncio.Future[None]] = [loop.create_future(), loop.create_future()]
+    both_held = asyncio.Event()
+    raced: list[bool] = []
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    backend = _HeldExists(memory, gates, {2: both_held.set})
+    async with memory, HiCache(config, storage=backend) as cache:
+        link = cache._link
+        assert link is not None
+        await cache.start_prefetch(prompts[0])
+        await cache.start_prefetch(prompts[1])
+        await asyncio.wait_for(both_held.wait(), 10)
+        await cache.start_prefetch(prompts[2])  # fills the queue
+        fourth = asyncio.create_task(cache.start_prefetch(prompts[3]))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not fourth.done()
+        assert link.prefetcher.statistics().submitted == 4
+
+        def cancel_fourth() -> None:
+            raced.append(not fourth.done())
+            fourth.cancel()
+
+        backend.on_call[4] = cancel_fourth
+        for gate in gates:
+            gate.set_result(None)
+        await asyncio.wait([fourth], timeout=10)
+        await asyncio.wait_for(link.prefetcher.wait_quiet(), 10)
+        stats = link.prefetcher.statistics()
+    assert raced == [True]  # the fourth ran before its submit resumed
+    assert fourth.cancelled()
+    assert (stats.cancelled, stats.skipped) == (1, 3)  # the others found nothing stored
+    assert stats.completed + stats.terminated + stats.skipped + stats.cancelled == 4
+
+
+class _Started:
+    """A task status for a task started without a task group."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+
+    def started(self, value: object = None) -> None:
+        self.event.set()
+
+
+async def test_a_cancelled_link_stays_cancelled_when_closing_its_backend_raises() -> None:
+    # The cache's own close and detach end the workers through the link's scope, not by
+    # cancelling its task: this cancels the task itself, which must end cancelled, neither
+    # with the close error nor with a normal return that swallowed the cancellation.
+    config = _config()
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory, HiCache(config) as cache:
+        backend = Misbehaving(memory, "close")
+        link = StorageLink(cache, backend, generation=1)
+        started = _Started()
+        task = asyncio.create_task(link.run(task_status=started))
+        await asyncio.wait_for(started.event.wait(), 10)
+        with structlog.testing.capture_logs() as logs:
+            task.cancel()
+            await asyncio.wait([task], timeout=10)
+        assert task.cancelled()
+        assert backend.closed
+        assert [entry["event"] for entry in logs].count("hicache.storage.close.failed") == 1
 
 
 class HangingPuts(Misbehaving):
