@@ -399,6 +399,28 @@ async def test_gc_enforces_a_shrunk_capacity(tmp_path: Path) -> None:
     assert _disk_usage(root) == (2, 2 * SIZE)
 
 
+async def test_gc_of_a_shared_root_evicts_by_file_time_among_pages_found_on_disk(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    old, new = _keys(4), _keys(2)
+    async with FileStorage(root, shared=True) as writer:
+        await _put(writer, old)
+        day_ago = time.time() - 86400
+        for key in old:
+            os.utime(_page_path(root, key), (day_ago, day_ago))
+        async with FileStorage(root, shared=True, capacity_bytes=3 * SIZE) as gc_side:
+            await _put(writer, new)  # after gc_side's open: found by gc's rescan
+            report = await gc_side.gc()
+            assert report.evicted_pages == 3
+            # The day-old pages go; the ones just written by the other instance stay.
+            assert await gc_side.exists(new[:1]) == 1
+            assert await gc_side.exists(new[1:]) == 1
+            assert sum(_page_path(root, key).exists() for key in old) == 1
+            listed = [page.key for page in await gc_side.list_pages()]
+            assert set(listed[:2]) == set(new)  # most recently used first
+
+
 async def test_index_matches_disk_after_cancelled_operations(tmp_path: Path) -> None:
     root = tmp_path / "store"
     async with FileStorage(root, capacity_bytes=40 * SIZE) as storage:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache_async.cli import _manifest, main
+from hicache_async.cli import _manifest, _storage, main
 from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, Outcome, PageMeta
 from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.testing._servers import free_port
@@ -77,15 +77,87 @@ def test_verify_removes_corrupt_pages_and_leftovers(
     path.write_bytes(bytes(data))
     (root / "tmp" / "interrupted.tmp").write_bytes(b"partial")
     code, out, _ = _run(capsys, "verify", f"file://{root}", "--json")
-    assert code == 0
+    assert code == 3  # damage found (and removed): a script must be able to tell
     report = json.loads(out)
     assert report["checked"] == 3
     assert report["corrupt_removed"] == 1
     assert report["ok"] == 2
+    assert report["unchecked"] == 0
     assert not path.exists()
     code, out, _ = _run(capsys, "verify", f"file://{root}")
     assert code == 0
     assert "corrupt_removed=0" in out
+
+
+def test_verify_removes_a_directory_where_a_page_belongs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "s"
+    _populate(root, 2)
+    key = bytes([0xAB]) + os.urandom(31)
+    blocker = root / "pages" / "ab" / key.hex()
+    (blocker / "inner").mkdir(parents=True, mode=0o700)
+    (blocker / "inner" / "file").write_bytes(b"x")
+    code, out, _ = _run(capsys, "verify", f"file://{root}", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["checked"], report["leftovers_removed"], report["unchecked"]) == (2, 1, 0)
+    assert not blocker.exists()
+
+    async def put() -> list[Outcome]:
+        async with FileStorage(root) as storage:
+            meta = PageMeta(key=key, namespace=NS, num_tokens=32)
+            return await storage.put([key], [[memoryview(bytearray(PAGE))]], [meta])
+
+    assert asyncio.run(put()) == [Outcome.OK]
+
+
+def test_verify_counts_a_refused_shard_as_unchecked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "s"
+    keys = _populate(root, 3)
+    shard = root / "pages" / keys[0].hex()[:2]
+    held = len(list(shard.iterdir()))
+    shard.chmod(0o777)  # anyone could plant pages there: it is not read
+    code, out, err = _run(capsys, "verify", f"file://{root}", "--json")
+    assert code == 3
+    report = json.loads(out)
+    assert report["unchecked"] == 1
+    assert report["checked"] == 3 - held
+    assert "storage.shard.refused" in err
+    assert len(list(shard.iterdir())) == held  # left as it was
+
+
+def test_unwritable_stdout_exits_1_without_a_traceback(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    _populate(root, 3)
+    with open("/dev/full", "w") as full:
+        result = subprocess.run(
+            [sys.executable, "-m", "hicache_async", "storage", "ls", f"file://{root}"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=120,
+        )
+    assert result.returncode == 1
+    assert "cannot write the output" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_root_that_cannot_be_searched_exits_2_with_a_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As root, permissions do not stop a search: the failing check stands in for them.
+    def denied(root: Path) -> bool:
+        raise PermissionError(13, "Permission denied", str(root))
+
+    monkeypatch.setattr(_storage, "store_missing", denied)
+    code, _, err = _run(capsys, "stats", f"file://{tmp_path / 's'}")
+    assert code == 2
+    assert "cannot look into" in err
+    assert "Permission denied" in err
 
 
 def test_gc_enforces_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

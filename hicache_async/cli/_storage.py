@@ -3,8 +3,12 @@
 `stats` shows occupancy and counters, `ls` the stored pages (most recently used first),
 `verify` checks every page's integrity and removes corrupt pages and leftover temporary files,
 `gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
-success, 1 when the backend fails or stdout is closed early (`| head`), 2 on bad arguments or
-configuration.
+success, 1 when the backend fails or stdout cannot be written (closed early by `| head`, a full
+disk), 2 on bad arguments or configuration, 3 when `verify` found damaged pages (removed) or
+could not check some (see its report and the log).
+
+The command opens a Mooncake store as a client that lends the cluster no memory, whatever the
+URL says: pages the cluster placed in a lent segment would vanish when the command exits.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import sys
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 import structlog
@@ -27,6 +32,7 @@ from ..storage import (
     MemoryStorage,
     StorageBackend,
     StorageStats,
+    VerifyReport,
     open_storage,
 )
 from ._args import count, store_missing
@@ -35,6 +41,8 @@ __all__ = ["add_arguments", "run"]
 
 _ACTIONS = ("stats", "ls", "verify", "gc")
 _PROG = "hicache-async storage"
+#: Exit code of a verify that found damage or could not check everything.
+EXIT_DAMAGE = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.action != "ls":
         return _fail("--limit only applies to ls", 2)
     try:
-        backend = open_storage(args.url)
+        backend = open_storage(_lending_nothing(args.url))
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
     caps = backend.capabilities
@@ -77,7 +85,11 @@ def run(args: argparse.Namespace) -> int:
             2,
         )
     if isinstance(backend, FileStorage):
-        if store_missing(backend.root):
+        try:
+            missing = store_missing(backend.root)
+        except OSError as exc:  # a root this user may not search
+            return _fail(f"cannot look into {backend.root}: {exc.strerror or exc}", 2)
+        if missing:
             # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
             # should not.
             return _fail(f"no storage at {backend.root}", 2)
@@ -86,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action != "stats" and not isinstance(backend, MaintainableStorage):
         return _fail(f"{backend.name} does not support {args.action}", 2)
     try:
-        text = asyncio.run(_run(backend, args.action, args.limit, as_json=args.json))
+        text, code = asyncio.run(_run(backend, args.action, args.limit, as_json=args.json))
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
     except (StorageError, OSError) as exc:
@@ -94,15 +106,30 @@ def run(args: argparse.Namespace) -> int:
         if not message.startswith(backend.name):  # most backends' messages name them already
             message = f"{backend.name}: {message}"
         return _fail(message, 1)
-    return _print(text)
+    return _print(text) or code
+
+
+def _lending_nothing(url: str) -> str:
+    """`url`, for a Mooncake store with `segment_size=0` (and no placement, which only puts
+    use): a command's client must not lend the cluster memory that vanishes at its exit."""
+    parts = urlsplit(url.strip())
+    if parts.scheme.lower() != "mooncake":
+        return url
+    query = [
+        (name, value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        if name not in ("segment_size", "placement")
+    ]
+    return urlunsplit(parts._replace(query=urlencode([*query, ("segment_size", "0")])))
 
 
 def _print(text: str) -> int:
-    """Print `text`; 1 when the reader closed stdout first (`| head`), without a traceback."""
+    """Print `text`; 1, without a traceback, when stdout cannot take it: the reader closed it
+    first (`| head`) or the write failed (a full disk)."""
     try:
         print(text)
         sys.stdout.flush()
-    except BrokenPipeError:
+    except OSError as exc:
         # Python would flush stdout again at exit and report the same error there: point
         # stdout at /dev/null first, as the Python documentation recommends for SIGPIPE.
         # A stdout without a descriptor (a test harness) raises here: nothing flushes it at exit.
@@ -110,19 +137,25 @@ def _print(text: str) -> int:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
+        if not isinstance(exc, BrokenPipeError):
+            with contextlib.suppress(OSError):
+                _fail(f"cannot write the output: {exc.strerror or exc}", 1)
         return 1
     return 0
 
 
-async def _run(backend: StorageBackend, action: str, limit: int | None, *, as_json: bool) -> str:
+async def _run(
+    backend: StorageBackend, action: str, limit: int | None, *, as_json: bool
+) -> tuple[str, int]:
+    """The action's output and the exit code it calls for."""
     async with backend:
         if action == "stats":
             stats = await _store_stats(backend)
             if as_json:
-                return msgspec.json.encode(stats).decode()
+                return msgspec.json.encode(stats).decode(), 0
             return "\n".join(
                 f"{name}: {value}" for name, value in msgspec.structs.asdict(stats).items()
-            )
+            ), 0
         assert isinstance(backend, MaintainableStorage)  # checked by run()
         if action == "ls":
             pages = await backend.list_pages(limit)
@@ -137,18 +170,23 @@ async def _run(backend: StorageBackend, action: str, limit: int | None, *, as_js
                 for page in pages
             ]
             if as_json:
-                return msgspec.json.encode(rows).decode()
-            return _table(rows)
+                return msgspec.json.encode(rows).decode(), 0
+            return _table(rows), 0
         report: msgspec.Struct
+        code = 0
         if action == "verify":
             report = await backend.verify()
+            code = EXIT_DAMAGE if _damaged(report) else 0
         else:
             report = await backend.gc()
         if as_json:
-            return msgspec.json.encode(report).decode()
-        return ", ".join(
-            f"{name}={value}" for name, value in msgspec.structs.asdict(report).items()
-        )
+            return msgspec.json.encode(report).decode(), code
+        fields = msgspec.structs.asdict(report).items()
+        return ", ".join(f"{name}={value}" for name, value in fields), code
+
+
+def _damaged(report: VerifyReport) -> bool:
+    return report.corrupt_removed > 0 or report.unchecked > 0
 
 
 async def _store_stats(backend: StorageBackend) -> StorageStats:

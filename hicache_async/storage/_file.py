@@ -47,6 +47,7 @@ import errno
 import fcntl
 import os
 import secrets
+import shutil
 import stat
 import threading
 import time
@@ -480,10 +481,17 @@ def _remove_leftovers(
 
 
 def _scan(
-    handles: _Handles, stop: threading.Event, strays: list[tuple[int, str]] | None = None
+    handles: _Handles,
+    stop: threading.Event,
+    strays: list[tuple[int, str]] | None = None,
+    *,
+    stray_dirs: list[tuple[int, str]] | None = None,
+    refused: list[str] | None = None,
 ) -> list[_Found]:
     """Every page file under pages/. Entries that are not page files go to `strays`
-    (as (directory fd, name)) when given; their descriptors stay open in `handles`."""
+    (as (directory fd, name)) when given, and directories inside a shard to `stray_dirs`;
+    their descriptors stay open in `handles`. Shards that cannot be opened, or are refused
+    as unsafe, go to `refused`."""
     found: list[_Found] = []
     pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
     try:
@@ -501,21 +509,33 @@ def _scan(
             continue
         try:
             shard_fd = handles.shard(shard_name, create=False)
-        except OSError:
+            if shard_fd is None:
+                continue
+            scan_fd = os.open(".", _DIR_FLAGS, dir_fd=shard_fd)
+        except FileNotFoundError:
             continue
-        if shard_fd is None:
+        except OSError:  # refused (logged once by `shard`) or unreadable
+            if refused is not None:
+                refused.append(shard_name)
             continue
-        scan_fd = os.open(".", _DIR_FLAGS, dir_fd=shard_fd)
         try:
             with os.scandir(scan_fd) as entries:
                 for entry in entries:
                     name = entry.name
                     try:
-                        is_file = entry.is_file(follow_symlinks=False)
-                        if is_file and _is_page_name(name) and name[:2] == shard_name:
+                        if entry.is_dir(follow_symlinks=False):
+                            # A directory where a page belongs would fail every write of
+                            # that key; maintenance takes it out.
+                            if stray_dirs is not None:
+                                stray_dirs.append((shard_fd, name))
+                        elif (
+                            entry.is_file(follow_symlinks=False)
+                            and _is_page_name(name)
+                            and name[:2] == shard_name
+                        ):
                             st = entry.stat(follow_symlinks=False)
                             found.append((bytes.fromhex(name), st.st_size, st.st_mtime))
-                        elif strays is not None and not entry.is_dir(follow_symlinks=False):
+                        elif strays is not None:
                             strays.append((shard_fd, name))
                     except FileNotFoundError:
                         continue
@@ -917,10 +937,18 @@ class FileStorage(BackendBase):
         for key in [k for k, e in self._index.items() if e.seq <= since_seq]:
             if key not in on_disk and not self._stale(key, epoch):
                 self._drop(key)
-        for key, (nbytes, mtime) in sorted(on_disk.items(), key=lambda item: item[1][1]):
+        added = False
+        for key, (nbytes, mtime) in on_disk.items():
             if key not in self._index and not self._stale(key, epoch):
                 self._insert(key, nbytes, mtime)
-                self._index.move_to_end(key, last=False)  # unknown recency: evict early
+                added = True
+        if added:
+            # Pages another instance wrote take their place by their file's time (a write, or
+            # a read that touched it), among this instance's own by their last access: the
+            # order eviction follows. Stable, so equal times keep their order.
+            by_time = sorted(self._index.items(), key=lambda item: item[1].last_access)
+            for key, _ in by_time:
+                self._index.move_to_end(key)
 
     def _handles_or_raise(self) -> _Handles:
         handles = self._handles
@@ -1708,13 +1736,26 @@ class FileStorage(BackendBase):
         spares = self._spares.names() if self._spares is not None else frozenset()
         leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares)
         strays: list[tuple[int, str]] = []
-        found = _scan(handles, stop, strays)
+        stray_dirs: list[tuple[int, str]] = []
+        refused: list[str] = []
+        found = _scan(handles, stop, strays, stray_dirs=stray_dirs, refused=refused)
+        unchecked = len(refused)
         for dir_fd, name in strays:
             try:
                 os.unlink(name, dir_fd=dir_fd)
                 leftovers += 1
             except FileNotFoundError:
                 pass
+        for dir_fd, name in stray_dirs:
+            try:
+                # rmtree by descriptor never follows a symlink out of the root.
+                shutil.rmtree(name, dir_fd=dir_fd)
+                leftovers += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                unchecked += 1
+                log.warning("storage.stray.error", backend=self._name, entry=name, error=str(exc))
         kept: list[_Found] = []
         corrupt: list[tuple[bytes, str]] = []
         ok = unsupported = 0
@@ -1735,6 +1776,7 @@ class FileStorage(BackendBase):
             except OSError as exc:
                 log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
                 kept.append(item)
+                unchecked += 1
                 continue
             if code == _CORRUPT:
                 _remove_if_same(shard_fd, hexkey, st)
@@ -1751,6 +1793,7 @@ class FileStorage(BackendBase):
             corrupt_removed=len(corrupt),
             unsupported=unsupported,
             leftovers_removed=leftovers,
+            unchecked=unchecked,
         )
         return kept, corrupt, report
 

@@ -22,12 +22,17 @@ class PageInfo(msgspec.Struct, frozen=True):
     nbytes: int
     num_tokens: int
     priority: int
-    #: unix seconds of the last read or write this backend knows of.
+    #: unix seconds of the last read or write this backend knows of; 0.0 when there is none
+    #: to go by (a header that cannot be read), which makes the page the first gc evicts.
     last_access: float
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
-    """What `verify` found: every page checked, bad ones and leftovers removed."""
+    """What `verify` found: every page checked, bad ones and leftovers removed.
+
+    A verify that is clean has `corrupt_removed == 0` and `unchecked == 0`; the
+    `hicache-async storage verify` command exits 3 otherwise.
+    """
 
     checked: int
     ok: int
@@ -36,6 +41,10 @@ class VerifyReport(msgspec.Struct, frozen=True):
     unsupported: int
     #: temporary files of interrupted writes and stray entries.
     leftovers_removed: int
+    #: what could not be checked, so may still hold damage: unreadable pages, pages larger
+    #: than the backend can stage, directories refused as unsafe (each counts once, whatever
+    #: it holds). The log names them. (Added after the first release: decoders default it.)
+    unchecked: int = 0
 
 
 class GcReport(msgspec.Struct, frozen=True):

@@ -24,7 +24,6 @@ import ctypes
 import functools
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -1097,13 +1096,13 @@ class MooncakeStorage(BackendBase):
         """
         store = self._open_store()
         pages = await self.list_pages()
-        checked = ok = unsupported = 0
+        checked = ok = unsupported = unchecked = 0
         bad: list[bytes] = []
         batch: list[PageInfo] = []
         batch_bytes = 0
 
         async def flush() -> None:
-            nonlocal checked, ok, unsupported, batch, batch_bytes
+            nonlocal checked, ok, unsupported, unchecked, batch, batch_bytes
             if not batch:
                 return
             need = sum(_Arena.rounded(p.nbytes) for p in batch)
@@ -1120,6 +1119,7 @@ class MooncakeStorage(BackendBase):
                 if isinstance(check, int):
                     # Not read (a failed transfer, the master not answering): left in place.
                     self._counters.errors += 1
+                    unchecked += 1
                     log.warning(
                         "storage.page.error", backend=self._name, key=info.key.hex(), error=check
                     )
@@ -1143,6 +1143,7 @@ class MooncakeStorage(BackendBase):
                     key=info.key.hex(),
                     nbytes=info.nbytes,
                 )
+                unchecked += 1
                 continue
             if batch_bytes + size > self._arena.capacity or len(batch) >= self._max_batch_pages:
                 await flush()
@@ -1156,6 +1157,7 @@ class MooncakeStorage(BackendBase):
             corrupt_removed=removed,
             unsupported=unsupported,
             leftovers_removed=0,
+            unchecked=unchecked,
         )
 
     async def gc(self) -> GcReport:
@@ -1585,7 +1587,6 @@ class MooncakeStorage(BackendBase):
             [[[0]] * len(names)],
             [[[HEADER_NBYTES]] * len(names)],
         )
-        now = time.time()
         headers: list[PageHeader | PageCheck] = []
         for n in range(len(names)):
             counts = got[0][n] if got and len(got[0]) > n else [-1]
@@ -1595,25 +1596,25 @@ class MooncakeStorage(BackendBase):
                 if counts and counts[0] == HEADER_NBYTES
                 else PageCheck.CORRUPT
             )
-        # Unreadable headers: list the objects by their stored size, for verify and gc.
-        unread = [n for n, h in zip(names, headers, strict=True) if isinstance(h, PageCheck)]
-        sizes = dict(zip(unread, _stored_sizes(store, unread), strict=True))
+        # Objects are listed by their stored size, not the one their header claims: what
+        # stats and gc count, and what verify reads (a short object then fails its check).
+        sizes = _stored_sizes(store, names)
         pages: list[PageInfo] = []
         lead = len(self._prefix) + 1
-        for name, header in zip(names, headers, strict=True):
+        for name, header, size in zip(names, headers, sizes, strict=True):
+            if size < 0:
+                continue  # gone since it was listed
             key = bytes.fromhex(name[lead:])
             if isinstance(header, PageCheck):
-                size = sizes[name]
-                if size < 0:
-                    continue  # gone since it was listed
+                # No time to go by: such a page is the first gc evicts.
                 pages.append(
-                    PageInfo(key=key, nbytes=size, num_tokens=0, priority=0, last_access=now)
+                    PageInfo(key=key, nbytes=size, num_tokens=0, priority=0, last_access=0.0)
                 )
                 continue
             pages.append(
                 PageInfo(
                     key=key,
-                    nbytes=HEADER_NBYTES + header.payload_nbytes,
+                    nbytes=size,
                     num_tokens=header.num_tokens,
                     priority=header.priority,
                     last_access=header.created_ns / 1e9,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest_asyncio
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.cli import main
+from hicache_async.cli._storage import _lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
@@ -826,7 +828,7 @@ async def test_verify_leaves_pages_it_could_not_read(mooncake_url: str) -> None:
         await backend.put(keys, pages, metas)
         raw = await backend.read_raw(keys[2])
         assert raw is not None
-        await backend.write_raw(keys[2], raw[:-10])  # header intact: listed at 3128 bytes
+        await backend.write_raw(keys[2], raw[:-10])  # header intact, 10 bytes short
         client = _FailingReads(backend._store)
         backend._store = client
         try:
@@ -834,18 +836,19 @@ async def test_verify_leaves_pages_it_could_not_read(mooncake_url: str) -> None:
         finally:
             backend._store = client.inner
         assert client.failed
-        # The truncated page's stored size shows it damaged; the others were not read.
-        assert (report.checked, report.ok, report.corrupt_removed) == (1, 0, 1)
+        # Nothing was read: nothing is judged, nothing removed, and the report says so.
+        assert (report.checked, report.corrupt_removed, report.unchecked) == (0, 0, 3)
         stats = backend.stats()
-        assert (stats.errors, stats.corrupt) == (2, 1)
-        assert await backend.exists(keys[:2]) == 2
-        assert await backend.read_raw(keys[2]) is None
+        assert (stats.errors, stats.corrupt) == (3, 0)
+        assert await backend.exists(keys) == 3
         raw = await backend.read_raw(keys[1])
         assert raw is not None
-        await backend.write_raw(keys[1], raw + b"extra")  # Mooncake refuses the read (-600)
+        await backend.write_raw(keys[1], raw + b"extra")
         report = await backend.verify()
-        assert (report.checked, report.ok, report.corrupt_removed) == (2, 1, 1)
+        assert (report.checked, report.ok, report.corrupt_removed, report.unchecked) == (3, 1, 2, 0)
         assert await backend.exists(keys[:1]) == 1
+        assert await backend.exists(keys[1:2]) == 0
+        assert await backend.exists(keys[2:]) == 0
 
 
 async def test_objects_not_named_as_pages_are_left_out_of_maintenance(mooncake_url: str) -> None:
@@ -882,6 +885,55 @@ async def test_pages_with_unreadable_headers_are_listed_by_size(mooncake_url: st
         report = await backend.verify()
         assert (report.checked, report.ok, report.corrupt_removed) == (3, 1, 2)
         assert [p.key for p in await backend.list_pages()] == [keys[2]]
+
+
+async def test_listing_counts_stored_bytes_and_puts_unreadable_headers_first_for_gc(
+    mooncake_url: str,
+) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, capacity=7000)) as backend:
+        keys, pages, metas = make_pages(4)
+        for i in range(4):  # one at a time: each later page is newer
+            await backend.put(keys[i : i + 1], pages[i : i + 1], metas[i : i + 1])
+        raw = await backend.read_raw(keys[3])
+        assert raw is not None
+        await backend.write_raw(keys[3], raw[:-10])  # header intact, claims 10 bytes more
+        raw = await backend.read_raw(keys[2])
+        assert raw is not None
+        await backend.write_raw(keys[2], raw[:10] + bytes([raw[10] ^ 1]) + raw[11:])
+        listed = {p.key: p for p in await backend.list_pages()}
+        assert listed[keys[3]].nbytes == HEADER_NBYTES + 3000 - 10
+        assert listed[keys[2]].last_access == 0.0  # no time to go by
+        assert listed[keys[1]].last_access > 0
+        # 7000 bytes hold two pages: the unreadable one goes first, then the oldest.
+        gc = await backend.gc()
+        assert gc.evicted_pages == 2
+        assert await backend.exists([keys[2]]) == 0
+        assert await backend.exists([keys[0]]) == 0
+        assert await backend.exists([keys[1]]) == 1
+
+
+async def test_verify_counts_pages_too_large_to_stage_as_unchecked(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, staging_size="1MiB")) as backend:
+        keys, pages, metas = make_pages(2)
+        await backend.put(keys, pages, metas)
+        raw = await backend.read_raw(keys[1])
+        assert raw is not None
+        await backend.write_raw(keys[1], raw + bytes(2 << 20))  # damaged, and past the arena
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.unchecked) == (1, 1, 1)
+        assert await backend.exists(keys) == 2  # left as it is: it could not be read
+
+
+def test_storage_command_lends_the_cluster_no_memory(
+    mooncake_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = fresh_url(mooncake_url, placement="local")  # a URL a serving instance would use
+    opened = open_storage(_lending_nothing(url))
+    assert isinstance(opened, MooncakeStorage)
+    assert opened._segment_size == 0
+    assert opened.name == MooncakeStorage.from_url(url).name
+    assert main(["storage", "stats", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pages"] == 0
 
 
 async def test_listing_needs_the_admin_url(mooncake_master: MooncakeMaster) -> None:
