@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,18 +130,23 @@ def test_verify_counts_a_refused_shard_as_unchecked(
     assert len(list(shard.iterdir())) == held  # left as it was
 
 
+def _ls_into(root: Path, stdout: Any) -> subprocess.CompletedProcess[str]:
+    """`storage ls` of `root` in a process of its own, its stdout going to `stdout`."""
+    return subprocess.run(
+        [sys.executable, "-m", "hicache_async", "storage", "ls", f"file://{root}"],
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
 def test_unwritable_stdout_exits_1_without_a_traceback(tmp_path: Path) -> None:
     root = tmp_path / "s"
     _populate(root, 3)
     with open("/dev/full", "w") as full:
-        result = subprocess.run(
-            [sys.executable, "-m", "hicache_async", "storage", "ls", f"file://{root}"],
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+        result = _ls_into(root, full)
     assert result.returncode == 1
     assert "cannot write the output" in result.stderr
     assert "Traceback" not in result.stderr
@@ -305,14 +311,7 @@ def test_closed_stdout_exits_1_without_a_traceback(tmp_path: Path) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before anything is written, as after `| head -1`
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "hicache_async", "storage", "ls", f"file://{root}"],
-            stdout=write_end,
-            stderr=subprocess.PIPE,
-            text=True,
-            check=False,
-            timeout=120,
-        )
+        result = _ls_into(root, write_end)
     finally:
         os.close(write_end)
     assert result.returncode == 1

@@ -53,7 +53,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Literal, cast, get_args
@@ -1740,16 +1740,14 @@ class FileStorage(BackendBase):
         refused: list[str] = []
         found = _scan(handles, stop, strays, stray_dirs=stray_dirs, refused=refused)
         unchecked = len(refused)
-        for dir_fd, name in strays:
+        # rmtree by descriptor never follows a symlink out of the root.
+        removals: list[tuple[int, str, Callable[..., object]]] = [
+            *((dir_fd, name, os.unlink) for dir_fd, name in strays),
+            *((dir_fd, name, shutil.rmtree) for dir_fd, name in stray_dirs),
+        ]
+        for dir_fd, name, remove in removals:
             try:
-                os.unlink(name, dir_fd=dir_fd)
-                leftovers += 1
-            except FileNotFoundError:
-                pass
-        for dir_fd, name in stray_dirs:
-            try:
-                # rmtree by descriptor never follows a symlink out of the root.
-                shutil.rmtree(name, dir_fd=dir_fd)
+                remove(name, dir_fd=dir_fd)
                 leftovers += 1
             except FileNotFoundError:
                 pass
