@@ -38,6 +38,7 @@ from hicache_async.storage import (
     StorageConfigError,
     StorageStats,
     check_keys,
+    check_metas,
     encode_header,
     read_value_into,
 )
@@ -161,7 +162,7 @@ class SqliteStorage:
     ) -> list[Outcome]:
         if not len(keys) == len(pages) == len(metas):
             raise ValueError(f"{len(keys)} keys, {len(pages)} pages, {len(metas)} metas")
-        check_keys(keys)
+        check_metas(keys, metas)  # keys, and each meta for its own key, before any I/O
         db = self._conn()
         rows = [
             (

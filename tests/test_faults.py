@@ -135,11 +135,53 @@ async def test_damage_is_caught_by_the_inner_verification(
         assert await inner.exists(keys[:1]) == 0
 
 
-def test_rates_are_checked() -> None:
-    with pytest.raises(StorageConfigError, match="error_rate"):
-        FaultyStorage(MemoryStorage(), error_rate=1.5)
-    with pytest.raises(StorageConfigError, match="latencies"):
-        FaultyStorage(MemoryStorage(), latency_s=-1)
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("error_rate", 1.5),
+        ("error_rate", "0.5"),
+        ("hang_rate", float("nan")),
+        ("corrupt_rate", True),
+        ("latency_s", -1),
+        ("latency_s", float("inf")),
+        ("latency_spike_s", float("nan")),
+    ],
+)
+def test_rates_and_latencies_are_checked(name: str, value: object) -> None:
+    with pytest.raises(StorageConfigError, match=name):
+        FaultyStorage(MemoryStorage(), **{name: value})
+
+
+async def test_bad_input_raises_before_any_fault() -> None:
+    # Every fault certain: still the caller's bug is a ValueError, and nothing is stored.
+    storage = FaultyStorage(
+        MemoryStorage(capacity_bytes=1 << 24), error_rate=1.0, hang_rate=1.0, partial_batch_rate=1.0
+    )
+    (good,) = _keys(1)
+    page = [memoryview(bytearray(PAGE))]
+    async with storage:
+        for bad in (good[:5], good + b"x"):
+            with pytest.raises(ValueError, match="32 bytes"):
+                await storage.exists([good, bad])
+            with pytest.raises(ValueError, match="32 bytes"):
+                await storage.get([good, bad], [page, page], namespace=NS)
+            with pytest.raises(ValueError, match="32 bytes"):
+                await storage.delete([bad])
+            metas = [PageMeta(key=k, namespace=NS, num_tokens=4) for k in (good, bad)]
+            with pytest.raises(ValueError, match="32 bytes"):
+                await storage.put([good, bad], [page, page], metas)
+        with pytest.raises(ValueError, match="16 bytes"):
+            await storage.get([good], [page], namespace=NS + b"x")
+        with pytest.raises(ValueError, match="meta"):
+            await storage.put(
+                [good], [page], [PageMeta(key=b"\x09" * 32, namespace=NS, num_tokens=4)]
+            )
+        with pytest.raises(ValueError, match="buffers"):
+            await storage.get([good], [page, page], namespace=NS)
+        with pytest.raises(ValueError, match="writable"):
+            await storage.get([good], [[memoryview(bytes(PAGE))]], namespace=NS)
+        assert storage.injected() == FaultCounts()
+        assert await storage.inner.exists([good]) == 0
 
 
 async def test_passthrough_and_close() -> None:

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .._errors import StorageConfigError
-from ._base import check_keys
+from ._base import check_keys, check_metas
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ._manifest import (
@@ -74,6 +74,7 @@ __all__ = [
     "SupportsManifest",
     "VerifyReport",
     "check_keys",
+    "check_metas",
     "WarmupManifest",
     "decode_header",
     "default_root",

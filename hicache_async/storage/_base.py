@@ -117,6 +117,14 @@ def check_key(key: bytes, meta: PageMeta | None = None) -> None:
         check_header_fields(meta)
 
 
+def check_metas(keys: Sequence[bytes], metas: Sequence[PageMeta]) -> None:
+    """Raise ValueError unless there is one meta per key, each for its own 32-byte key, with a
+    16-byte namespace and fields a page header can hold: a put's checks before any I/O."""
+    check_batch(keys, ("metas", metas))
+    for key, meta in zip(keys, metas, strict=True):
+        check_key(key, meta)
+
+
 def corrupt_reason(
     value: bytes | memoryview, *, key: bytes, namespace: bytes, payload_nbytes: int
 ) -> str:

@@ -291,7 +291,7 @@ class StorageConformance:
             with pytest.raises(ValueError, match="32 bytes"):
                 await backend.put([fresh, bad], pages, metas)  # type: ignore[list-item]
             assert await backend.exists([fresh]) == 0  # refused before any I/O
-        for namespace in (NAMESPACE[:-1], NAMESPACE.hex()):
+        for namespace in (NAMESPACE[:-1], NAMESPACE + b"\x00", NAMESPACE.hex()):
             with pytest.raises(ValueError, match="16 bytes"):
                 await backend.get([key], page, namespace=namespace)  # type: ignore[arg-type]
         if isinstance(backend, RawAccess):
@@ -299,6 +299,14 @@ class StorageConformance:
                 with pytest.raises(ValueError, match="32 bytes"):
                     await backend.read_raw(bad)  # type: ignore[arg-type]
         assert await self._get_one(backend, key) == (Outcome.OK, data[key])
+
+    async def test_a_meta_of_another_key_raises_before_io(self, backend: StorageBackend) -> None:
+        keys = _keys(2)
+        pages = [_segments(_payload(self.page_nbytes, i), [self.page_nbytes]) for i in range(2)]
+        with pytest.raises(ValueError, match="meta"):
+            await backend.put(keys, pages, [_meta(keys[0]), _meta(keys[0])])
+        assert await backend.exists(keys[:1]) == 0
+        assert await backend.exists(keys[1:]) == 0
 
     async def test_out_of_range_meta_raises_before_io(self, backend: StorageBackend) -> None:
         keys = _keys(3)
@@ -336,18 +344,23 @@ class StorageConformance:
         assert _joined(buffers[2]) == data[present_b]
 
     async def test_mixed_batch_with_a_damaged_page(self, backend: StorageBackend) -> None:
-        present_a, absent, present_b, damaged, absent_b = _keys(5)
-        data = await self._put(backend, [present_a, present_b, damaged])
+        # The damaged page sits between sound ones: the outcomes and buffers after it still
+        # belong to their own keys, and only the damaged page is removed.
+        present_a, damaged, absent, present_b, present_c = _keys(5)
+        data = await self._put(backend, [present_a, damaged, present_b, present_c])
         raw = _raw(backend)
         value = await raw.read_raw(damaged)
         assert value is not None
         await raw.write_raw(damaged, _flip(value, HEADER_NBYTES + self.page_nbytes // 2))
-        keys = [present_a, absent, present_b, damaged, absent_b]
+        keys = [present_a, damaged, absent, present_b, present_c]
         buffers = [_empty([self.page_nbytes]) for _ in keys]
         outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
-        assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.OK, Outcome.CORRUPT, Outcome.MISS]
-        assert _joined(buffers[0]) == data[present_a]
-        assert _joined(buffers[2]) == data[present_b]
+        assert outcomes == [Outcome.OK, Outcome.CORRUPT, Outcome.MISS, Outcome.OK, Outcome.OK]
+        for i in (0, 3, 4):
+            assert _joined(buffers[i]) == data[keys[i]]
+        assert await backend.exists([present_a]) == 1
+        assert await backend.exists([present_b, present_c]) == 2
+        assert await backend.exists([damaged]) == 0
 
     async def test_exists_counts_the_consecutive_prefix(self, backend: StorageBackend) -> None:
         keys = _keys(6)
@@ -367,6 +380,7 @@ class StorageConformance:
         assert (await self._get_one(backend, keys[0]))[0] is Outcome.MISS
         assert await self._get_one(backend, keys[2]) == (Outcome.OK, data[keys[2]])
         assert await backend.delete(keys[:2]) == 0
+        assert await backend.delete([keys[2], keys[2]]) == 1  # one page, however often named
 
     # Integrity.
 
@@ -483,6 +497,44 @@ class StorageConformance:
             assert await raw.read_raw(key) is None
 
     # Concurrency and cancellation.
+
+    async def test_counters_count_keys(self, backend: StorageBackend) -> None:
+        keys = _keys(3)
+        (absent,) = _keys(1)
+        before = backend.stats()
+        await self._put(backend, keys)
+        buffers = [_empty([self.page_nbytes]) for _ in range(3)]
+        await backend.get([keys[0], keys[1], absent], buffers, namespace=NAMESPACE)
+        after = backend.stats()
+        assert (after.puts - before.puts, after.put_ok - before.put_ok) == (3, 3)
+        assert (after.gets - before.gets, after.get_hits - before.get_hits) == (3, 2)
+
+    async def test_a_get_racing_a_put_of_the_same_key_sees_all_of_it_or_nothing(
+        self, backend: StorageBackend
+    ) -> None:
+        # Never the page half written, never judged damaged (and removed) while it is. The
+        # reads start at a different loop iteration of the put each time, so a window of a
+        # single iteration is met whatever the get awaits before it reads.
+        corrupt_before = backend.stats().corrupt
+        for offset in range(12):
+            (key,) = _keys(1)
+            payload = _payload(self.page_nbytes, 17 + offset)
+            put = asyncio.create_task(
+                backend.put([key], [_segments(payload, [self.page_nbytes])], [_meta(key)])
+            )
+            for _ in range(offset):
+                await asyncio.sleep(0)
+            reads = 0
+            while not put.done() and reads < 10_000:
+                outcome, data = await self._get_one(backend, key)
+                reads += 1
+                assert outcome is not Outcome.CORRUPT, f"read {reads} after {offset} iterations"
+                if outcome is Outcome.OK:
+                    assert data == payload
+                await asyncio.sleep(0)  # the put runs too, whether or not the get yielded
+            assert await put == [Outcome.OK]
+            assert await self._get_one(backend, key) == (Outcome.OK, payload)
+        assert backend.stats().corrupt == corrupt_before
 
     async def test_concurrent_batches(self, backend: StorageBackend) -> None:
         groups = [_keys(4) for _ in range(12)]
@@ -605,6 +657,12 @@ class StorageConformance:
             await self._check_put_attempt(backend, attempt, data, ring)
 
     # Lifecycle.
+
+    async def test_leaving_its_context_closes_it(self, backend: StorageBackend) -> None:
+        (key,) = _keys(1)
+        await backend.__aexit__(None, None, None)
+        with pytest.raises(StorageError):
+            await backend.exists([key])
 
     async def test_close_is_idempotent_and_later_calls_raise(self, backend: StorageBackend) -> None:
         (key,) = _keys(1)

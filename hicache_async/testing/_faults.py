@@ -9,7 +9,15 @@ Faults, drawn per call (and per key of a put for damage):
 - `hang_rate`: the call waits forever (until cancelled), as a dead connection would.
 - `corrupt_rate` / `truncate_rate`: after a successful inner put, the stored bytes of a page are
   damaged through the inner backend's raw access (one payload byte flipped, or the value cut
-  short), so the inner backend's own verification must catch it on get.
+  short), so the inner backend's own verification must catch it on get. A page is corrupted
+  with probability `corrupt_rate`, else truncated with probability `truncate_rate` (so
+  truncation happens at `(1 - corrupt_rate) * truncate_rate` overall). A put of a key already
+  stored answers OK without writing, and a drawn damage then hits the stored page, as decay of
+  stored bytes would.
+
+Bad input (keys that are not 32 bytes, a namespace that is not 16, a meta of another key,
+batches of mismatched lengths) raises ValueError before any fault is drawn, as the protocol
+asks of every backend: a fault never hides a caller's bug.
 
 Determinism: calls are numbered in the order they are made (entered, not finished), and every
 random decision of call n (its spike, hang, error, failed subset, and which of its pages are
@@ -27,6 +35,7 @@ the inner backend has them, passed through without faults.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 from collections.abc import Sequence
 from types import TracebackType
@@ -35,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from .._errors import StorageConfigError, StorageError
+from ..storage._base import byte_segments, check_batch, check_keys, check_metas
 from ..storage._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ..storage._manifest import ManifestLimits, SupportsManifest, WarmupManifest
 from ..storage._page import HEADER_NBYTES
@@ -84,9 +94,25 @@ class _Plan(msgspec.Struct, frozen=True):
 
 
 def _rate(name: str, value: float) -> float:
-    if not 0.0 <= value <= 1.0:
-        raise StorageConfigError(f"{name} must be in [0, 1], got {value}")
-    return value
+    if not _is_number(value) or not 0.0 <= value <= 1.0:
+        raise StorageConfigError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _seconds(name: str, value: float) -> float:
+    # inf would hang every call (hang_rate says that), nan would silently add nothing.
+    if not _is_number(value) or not 0.0 <= value < math.inf:
+        raise StorageConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_pages(pages: Sequence[PageBuffer], *, writable: bool) -> None:
+    for page in pages:
+        byte_segments(page, writable=writable)
 
 
 class FaultyStorage:
@@ -116,8 +142,8 @@ class FaultyStorage:
         truncate_rate: float = 0.0,
         partial_batch_rate: float = 0.0,
     ) -> None:
-        if latency_s < 0 or latency_spike_s < 0:
-            raise StorageConfigError("latencies must be >= 0")
+        latency_s = _seconds("latency_s", latency_s)
+        latency_spike_s = _seconds("latency_spike_s", latency_spike_s)
         self._error_rate = _rate("error_rate", error_rate)
         self._spike_rate = _rate("latency_spike_rate", latency_spike_rate)
         self._hang_rate = _rate("hang_rate", hang_rate)
@@ -236,6 +262,7 @@ class FaultyStorage:
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         """The inner `exists`, after latency, hang and error faults."""
+        check_keys(keys)
         plan = self._plan("exists", len(keys))
         await self._call_faults(plan, "exists")
         return await self._inner.exists(keys)
@@ -244,8 +271,9 @@ class FaultyStorage:
         self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
     ) -> list[Outcome]:
         """The inner `get`, after call faults, with a partial batch failed when drawn."""
-        if len(into) != len(keys):
-            raise ValueError(f"got {len(keys)} keys but {len(into)} buffers")
+        check_batch(keys, ("buffers", into))
+        check_keys(keys, namespace)
+        _check_pages(into, writable=True)
         plan = self._plan("get", len(keys))
         await self._call_faults(plan, "get")
         self._count_failed(plan)
@@ -263,8 +291,9 @@ class FaultyStorage:
     ) -> list[Outcome]:
         """The inner `put` (call and partial-batch faults), then stored pages damaged when
         drawn."""
-        if len(pages) != len(keys) or len(metas) != len(keys):
-            raise ValueError(f"got {len(keys)} keys, {len(pages)} pages and {len(metas)} metas")
+        check_batch(keys, ("pages", pages))
+        check_metas(keys, metas)
+        _check_pages(pages, writable=False)
         plan = self._plan("put", len(keys))
         await self._call_faults(plan, "put")
         self._count_failed(plan)
@@ -304,6 +333,7 @@ class FaultyStorage:
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """The inner `delete`, after latency, hang and error faults."""
+        check_keys(keys)
         plan = self._plan("delete", len(keys))
         await self._call_faults(plan, "delete")
         return await self._inner.delete(keys)
