@@ -23,7 +23,6 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlencode, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
@@ -67,6 +66,7 @@ from ._page import (
 )
 from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
 from ._redis_bulk import BulkConnection, BulkConnectionPool, ReplyError
+from ._redis_cluster import GuardedCluster
 
 __all__ = ["RedisStorage"]
 
@@ -115,6 +115,9 @@ _KEYS_PER_PIPELINE = 256
 _MAX_COMMANDS_PER_PIPELINE = 512
 #: Pages per pipeline when `verify` reads whole values.
 _VERIFY_PIPELINE = 8
+#: Connections per cluster node beyond the `max_connections` commands and pipelines that run
+#: at once: a manifest compaction without scripting holds one through its WATCH.
+_CLUSTER_SPARE_CONNECTIONS = 2
 
 _SCHEMES = ("redis", "rediss")
 _URL_PARAMS = {
@@ -360,6 +363,11 @@ class RedisStorage(BackendBase):
         self._capacity = capacity_bytes
         self._connection_kwargs = dict(connection_kwargs or {})
         self._cluster = cluster
+        # On a cluster a pipeline that failed as a whole has already cost redis-py's retries
+        # (0.25 s sleeps each, fixed in redis-py); the batch's other pipelines, their keys
+        # spread over the same nodes, would most likely pay them again. They are ERROR at
+        # once instead: a lost node fails a batch in about a second, not a second a pipeline.
+        self._cluster_gives_up_batch = cluster
         self._multikey = not cluster if multikey is None else multikey
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
@@ -498,13 +506,14 @@ class RedisStorage(BackendBase):
             log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
 
     async def _open_cluster(self) -> None:
-        # redis-py's cluster client keeps a pool per node (`max_connections` each) and learns
-        # the slot map from the seed at the first command; MOVED, ASK, TRYAGAIN and lost
-        # nodes are retried by it, at most twice here and with a short backoff, so a fault
-        # becomes an error soon.
-        client = RedisCluster.from_url(
+        # redis-py's cluster client keeps a pool per node and learns the slot map from the
+        # seed at the first command; MOVED, ASK, TRYAGAIN and lost nodes are retried by it,
+        # at most twice here and with a short backoff, so a fault becomes an error soon. At
+        # most `max_connections` commands and pipelines run at once (see _redis_cluster).
+        client = GuardedCluster.from_url(
             self._url,
-            max_connections=self._max_connections,
+            turns=self._max_connections,
+            max_connections=self._max_connections + _CLUSTER_SPARE_CONNECTIONS,
             socket_timeout=self._timeout,
             socket_connect_timeout=self._timeout,
             retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
@@ -656,7 +665,12 @@ class RedisStorage(BackendBase):
                 corrupt.append(keys[i])
                 self._report_corrupt(keys[i], reason)
 
+        given_up = False
+
         async def fetch_values(chunk: range) -> None:
+            nonlocal given_up
+            if given_up:
+                return  # stays ERROR
             try:
                 async with client.pipeline(transaction=False) as pipe:
                     for i in chunk:
@@ -664,6 +678,7 @@ class RedisStorage(BackendBase):
                     values = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
+                given_up = self._cluster_gives_up_batch
                 return
             found = [
                 (i, value)
@@ -821,8 +836,13 @@ class RedisStorage(BackendBase):
         payloads = [payload_nbytes(page) for page in sources]
 
         mac_key = self._mac_key
+        given_up = False
 
         async def store(chunk: range) -> None:
+            nonlocal given_up
+            if given_up:
+                return  # stays ERROR
+
             def encode(stop: threading.Event) -> list[bytes]:
                 return [encode_header(metas[i], sources[i], mac_key=mac_key) for i in chunk]
 
@@ -856,6 +876,7 @@ class RedisStorage(BackendBase):
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
                 log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
+                given_up = self._cluster_gives_up_batch
                 return
             for i, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):

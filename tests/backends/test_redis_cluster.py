@@ -290,6 +290,68 @@ async def test_a_killed_node_gives_errors_not_wrong_pages_or_hangs() -> None:
             assert backend.stats().errors > 32
 
 
+async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
+    # A cluster node's pool does not wait: past max_connections redis-py fails the call and
+    # closes every connection under the others. The backend runs at most max_connections
+    # commands and pipelines at once instead, so all of these succeed.
+    url = fresh_url(redis_cluster_url, max_connections=2, get_pipeline_bytes="8KiB")
+    async with RedisStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(64)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 64
+
+        async def read() -> None:
+            into = buffers(64)
+            assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 64
+            assert [joined(b) for b in into] == [joined(p) for p in pages]
+
+        async def write() -> None:
+            assert await backend.put(*make_pages(8)) == [Outcome.OK] * 8
+
+        calls = [read() for _ in range(10)] + [write() for _ in range(10)]
+        await asyncio.wait_for(asyncio.gather(*calls), FAULT_TIMEOUT_S)
+        assert backend.stats().errors == 0
+
+
+async def test_a_node_lost_under_concurrent_batches_raises_only_storage_errors() -> None:
+    # redis-py closes every connection after a fault, under the calls still using them; what
+    # those then raise inside redis-py must still reach the caller as ERROR or StorageError.
+    with RedisClusterServer(node_timeout=0.5) as cluster:
+        url = fresh_url(cluster.url, timeout=2, get_pipeline_bytes="8KiB")
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(64)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 64
+            first_round = asyncio.Event()
+            rounds = 6
+            errors = 0
+
+            async def worker(i: int) -> None:
+                nonlocal errors
+                for n in range(rounds):
+                    if n == 1:
+                        first_round.set()
+                    try:
+                        if i % 3 == 0:
+                            outcomes = await backend.get(keys, buffers(64), namespace=NS)
+                        elif i % 3 == 1:
+                            outcomes = await backend.put(*make_pages(8))
+                        else:
+                            await backend.exists(keys)
+                            continue
+                    except StorageError:
+                        errors += 1
+                        continue
+                    assert set(outcomes) <= {Outcome.OK, Outcome.ERROR}
+                    errors += outcomes.count(Outcome.ERROR)
+
+            async def kill() -> None:
+                await first_round.wait()
+                cluster.nodes[2].kill()
+
+            work = [worker(i) for i in range(12)]
+            await asyncio.wait_for(asyncio.gather(kill(), *work), FAULT_TIMEOUT_S)
+            assert errors > 0
+
+
 async def test_a_cluster_that_never_answered_gives_errors() -> None:
     with RedisClusterServer() as cluster:
         url = fresh_url(cluster.url, timeout=1)
