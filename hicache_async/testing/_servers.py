@@ -578,6 +578,7 @@ class RedisClusterServer:
 
     @property
     def host(self) -> str:
+        """The address every node listens on (loopback)."""
         return _HOST
 
     @property
