@@ -15,6 +15,7 @@ import pytest
 from hicache_async.bench import Record, storage
 from hicache_async.bench._storage_mooncake import RawModes as MooncakeRawModes
 from hicache_async.storage._mooncake import pooled_client
+from hicache_async.testing import RedisClusterServer
 
 _TINY = ["--shape", "small", "--pages", "3", "--reps", "1", "--batch", "2"]
 _THROUGHPUT = ["put_gbps", "get_gbps", "exists64_us"]
@@ -64,6 +65,20 @@ def test_redis_records(redis_url: str) -> None:
         assert client.dbsize() == before  # ours and the baseline's keys are gone
     finally:
         client.close()
+
+
+def test_redis_cluster_records(redis_cluster: RedisClusterServer) -> None:
+    import redis
+
+    clients = [redis.Redis(host=node.host, port=node.port) for node in redis_cluster.nodes]
+    try:
+        before = [client.dbsize() for client in clients]  # the cluster is shared
+        # The baseline runs redis-py's cluster clients: a plain client would meet MOVED.
+        _check(_run(redis_cluster.url), "redis", _THROUGHPUT)
+        assert [client.dbsize() for client in clients] == before
+    finally:
+        for client in clients:
+            client.close()
 
 
 def test_mooncake_records(mooncake_url: str) -> None:
