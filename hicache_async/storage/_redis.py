@@ -363,11 +363,6 @@ class RedisStorage(BackendBase):
         self._capacity = capacity_bytes
         self._connection_kwargs = dict(connection_kwargs or {})
         self._cluster = cluster
-        # On a cluster a pipeline that failed as a whole has already cost redis-py's retries
-        # (0.25 s sleeps each, fixed in redis-py); the batch's other pipelines, their keys
-        # spread over the same nodes, would most likely pay them again. They are ERROR at
-        # once instead: a lost node fails a batch in about a second, not a second a pipeline.
-        self._cluster_gives_up_batch = cluster
         self._multikey = not cluster if multikey is None else multikey
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
@@ -507,9 +502,10 @@ class RedisStorage(BackendBase):
 
     async def _open_cluster(self) -> None:
         # redis-py's cluster client keeps a pool per node and learns the slot map from the
-        # seed at the first command; MOVED, ASK, TRYAGAIN and lost nodes are retried by it,
-        # at most twice here and with a short backoff, so a fault becomes an error soon. At
-        # most `max_connections` commands and pipelines run at once (see _redis_cluster).
+        # seed at the first command. It follows MOVED and ASK, and retries TRYAGAIN,
+        # CLUSTERDOWN and lost nodes at most twice here (relearning the slot map, after a
+        # 0.25 s pause for a pipeline or on CLUSTERDOWN), so a fault becomes an error soon.
+        # At most `max_connections` commands and pipelines run at once (see _redis_cluster).
         client = GuardedCluster.from_url(
             self._url,
             turns=self._max_connections,
@@ -665,6 +661,10 @@ class RedisStorage(BackendBase):
                 corrupt.append(keys[i])
                 self._report_corrupt(keys[i], reason)
 
+        # On a cluster a pipeline that failed as a whole has already cost redis-py's retries
+        # (it sleeps 0.25 s before each); the batch's other pipelines, their keys spread over
+        # the same nodes, would most likely pay them again. They are ERROR at once instead:
+        # a lost node fails a batch in about a second, not a second a pipeline.
         given_up = False
 
         async def fetch_values(chunk: range) -> None:
@@ -678,7 +678,7 @@ class RedisStorage(BackendBase):
                     values = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
-                given_up = self._cluster_gives_up_batch
+                given_up = self._cluster
                 return
             found = [
                 (i, value)
@@ -836,7 +836,7 @@ class RedisStorage(BackendBase):
         payloads = [payload_nbytes(page) for page in sources]
 
         mac_key = self._mac_key
-        given_up = False
+        given_up = False  # on a cluster, after a pipeline failed as a whole: see get()
 
         async def store(chunk: range) -> None:
             nonlocal given_up
@@ -876,7 +876,7 @@ class RedisStorage(BackendBase):
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
                 log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
-                given_up = self._cluster_gives_up_batch
+                given_up = self._cluster
                 return
             for i, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):
