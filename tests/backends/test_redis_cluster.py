@@ -13,6 +13,8 @@ import redis
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, open_storage
+from hicache_async.storage._manifest import ManifestLimits, chain_entry
+from hicache_async.storage._manifest_redis import RedisManifest
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import RedisClusterServer, RedisServer
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
@@ -173,9 +175,6 @@ def test_the_storage_command_counts_pages_on_every_primary(
 async def test_warmup_manifest_round_trip_on_the_cluster(
     backend: RedisStorage, redis_cluster: RedisClusterServer, scripting: bool
 ) -> None:
-    from hicache_async.storage._manifest import ManifestLimits, chain_entry
-    from hicache_async.storage._manifest_redis import RedisManifest
-
     limits = ManifestLimits(max_entries=16, max_entry_bytes=4096, max_bytes=1 << 20)
     # Without scripting, a compaction switches lists with WATCH, MULTI, RENAME and EXEC.
     manifest = RedisManifest(
@@ -188,12 +187,14 @@ async def test_warmup_manifest_round_trip_on_the_cluster(
     }
     for entries in written.values():
         await manifest.append(entries)
-    # The namespaces' lists lie on more than one node, each namespace's keys on one.
-    homes = set()
-    for node in redis_cluster.nodes:
-        held = keys_on(node, f"{backend.prefix}:manifest")
-        homes |= {node.port for k in held if b"{" in k}
-    assert len(homes) > 1
+    # Each namespace's keys lie on one node, and the namespaces on more than one.
+    held = {node.port: keys_on(node, f"{backend.prefix}:manifest") for node in redis_cluster.nodes}
+    homes = {
+        ns: {port for port, keys in held.items() if any(ns.hex().encode() in k for k in keys)}
+        for ns in namespaces
+    }
+    assert all(len(ports) == 1 for ports in homes.values()), homes
+    assert len(set().union(*homes.values())) > 1
     report = await manifest.compact()
     assert report.entries_after == 6 * 16
     for ns, entries in written.items():
