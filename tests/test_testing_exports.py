@@ -21,6 +21,14 @@ def test_server_errors_are_exported_from_testing() -> None:
     assert {"ServerError", "ServerBinaryNotFoundError"} <= set(hicache_async.testing.__all__)
 
 
+def test_server_helpers_are_exported_from_testing() -> None:
+    from hicache_async.testing import RedisClusterServer, RedisServer
+
+    assert RedisServer is _servers.RedisServer
+    assert RedisClusterServer is _servers.RedisClusterServer
+    assert {"RedisServer", "RedisClusterServer"} <= set(hicache_async.testing.__all__)
+
+
 @pytest.mark.parametrize("name", hicache_async.testing.__all__)
 def test_every_testing_name_resolves(name: str) -> None:
     module = importlib.import_module("hicache_async.testing")

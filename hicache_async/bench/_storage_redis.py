@@ -4,6 +4,8 @@ Plain redis-py moving the same bytes as the backend (`page_nbytes` per page, no 
 checksum): several ways of issuing SET and GET are tried, each a few times, and the mode
 with the best median counts, so the baseline is the best plain redis-py does here, not one
 arbitrary mode. Like the backend's put, every put stores keys the server does not hold yet.
+With `cluster=1` in the URL the same modes run on redis-py's cluster clients, whose
+pipelines split per node.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster
+import redis.cluster
 
 __all__ = ["RawModes"]
 
@@ -36,6 +40,14 @@ _EXISTS_CALLS = 200
 _TIMEOUT_S = 30.0
 
 
+_SyncClient = redis.Redis | redis.cluster.RedisCluster
+_AsyncClient = aioredis.Redis | redis.asyncio.cluster.RedisCluster
+
+
+def _is_cluster(url: str) -> bool:
+    return any(k == "cluster" and v == "1" for k, v in parse_qsl(urlsplit(url).query))
+
+
 def _client_url(url: str) -> str:
     parts = urlsplit(url)
     query = "&".join(f"{k}={v}" for k, v in parse_qsl(parts.query) if k in _CLIENT_PARAMS)
@@ -51,7 +63,7 @@ def _depths(page_nbytes: int, num_pages: int) -> list[int]:
 
 
 def _sync_modes(
-    client: redis.Redis, keys: Sequence[bytes], values: Sequence[bytes], depth: int
+    client: _SyncClient, keys: Sequence[bytes], values: Sequence[bytes], depth: int
 ) -> tuple[Callable[[], None], Callable[[], None]]:
     def put() -> None:
         for start in range(0, len(keys), depth):
@@ -71,7 +83,7 @@ def _sync_modes(
 
 
 def _async_modes(
-    client: aioredis.Redis,
+    client: _AsyncClient,
     keys: Sequence[bytes],
     values: Sequence[bytes],
     depth: int,
@@ -130,11 +142,16 @@ class RawModes:
         if page_nbytes < 1 or num_pages < 1:
             raise ValueError("page_nbytes and num_pages must be >= 1")
         self._url = _client_url(url)
+        self._cluster = _is_cluster(url)
         self._tag = f"hicache-raw-bench:{uuid.uuid4().hex}"
         self._values = [os.urandom(page_nbytes) for _ in range(num_pages)]
         self._runs = itertools.count()
         self._keys: list[bytes] = []
-        self._client = redis.Redis.from_url(self._url, socket_timeout=_TIMEOUT_S)
+        self._client: _SyncClient = (
+            redis.cluster.RedisCluster.from_url(self._url, socket_timeout=_TIMEOUT_S)
+            if self._cluster
+            else redis.Redis.from_url(self._url, socket_timeout=_TIMEOUT_S)
+        )
         depths = _depths(page_nbytes, num_pages)
         self.modes = [f"sync/d{d}" for d in depths] + [
             f"async/w{w}/d{d}" for w in (2, 4) for d in depths[:2]
@@ -172,27 +189,36 @@ class RawModes:
         width, depth = numbers
 
         async def timed() -> float:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                self._url, max_connections=width, socket_timeout=_TIMEOUT_S
-            )
-            aclient = aioredis.Redis(connection_pool=pool)
+            pool: aioredis.BlockingConnectionPool | None = None
+            aclient: _AsyncClient
+            if self._cluster:
+                # `width` connections per node, as many as the standalone mode has in all.
+                aclient = redis.asyncio.cluster.RedisCluster.from_url(
+                    self._url, max_connections=width, socket_timeout=_TIMEOUT_S
+                )
+            else:
+                pool = aioredis.BlockingConnectionPool.from_url(
+                    self._url, max_connections=width, socket_timeout=_TIMEOUT_S
+                )
+                aclient = aioredis.Redis(connection_pool=pool)
             try:
                 put_run, get_run = _async_modes(aclient, self._keys, self._values, depth, width)
                 await aclient.ping()  # connect outside the timed part, as the sync client is
                 return await _atimed(put_run if put else get_run)
             finally:
                 await aclient.aclose()
-                await pool.aclose()
+                if pool is not None:
+                    await pool.aclose()
 
         return asyncio.run(timed())
 
 
-def _delete(client: redis.Redis, keys: Sequence[bytes]) -> None:
+def _delete(client: _SyncClient, keys: Sequence[bytes]) -> None:
     for start in range(0, len(keys), 1000):
         client.delete(*keys[start : start + 1000])
 
 
-def _exists_us(client: redis.Redis, keys: Sequence[bytes]) -> float:
+def _exists_us(client: _SyncClient, keys: Sequence[bytes]) -> float:
     probe = [keys[i % len(keys)] for i in range(64)]
     multi: list[float] = []
     piped: list[float] = []

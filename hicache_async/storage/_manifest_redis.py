@@ -23,11 +23,13 @@ from typing import Any
 
 import structlog
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import (
     ClusterCrossSlotError,
     NoPermissionError,
     OutOfMemoryError,
+    RedisClusterException,
     RedisError,
     ResponseError,
     WatchError,
@@ -43,11 +45,15 @@ from ._manifest import (
     encode_entry,
 )
 
-__all__ = ["REDIS_FAULTS", "RedisManifest", "no_room", "scripting_refused"]
+__all__ = ["REDIS_FAULTS", "RedisClient", "RedisManifest", "no_room", "scripting_refused"]
 
-#: What a server can make redis-py raise: its own errors, and ValueError for a reply whose
-#: number does not parse (redis-py does not catch that; it drops the connection).
-REDIS_FAULTS = (RedisError, ValueError)
+#: A standalone client, or the cluster client of `cluster=1`.
+RedisClient = Redis | RedisCluster
+
+#: What a server can make redis-py raise: its own errors, the cluster client's (a slot no
+#: node serves, a topology it cannot learn: not RedisErrors), and ValueError for a reply
+#: whose number does not parse (redis-py does not catch that; it drops the connection).
+REDIS_FAULTS = (RedisError, RedisClusterException, ValueError)
 
 # Replies that mean this server (or a proxy, or a cluster) will never run our scripts. Any
 # other error reply (BUSY, LOADING, OOM, MASTERDOWN, ...) fails one call and says nothing
@@ -175,7 +181,7 @@ class RedisManifest:
 
     def __init__(
         self,
-        client: Callable[[], Redis],
+        client: Callable[[], RedisClient],
         *,
         prefix: str,
         name: str,
@@ -547,7 +553,9 @@ class RedisManifest:
                 has_records = bool(await client.exists(temp))
                 pipe.multi()  # type: ignore[no-untyped-call]
                 if has_records:
-                    pipe.rename(temp, key)
+                    # As a raw command: redis-py's cluster pipeline refuses its rename()
+                    # outright, though both keys share the namespace's slot.
+                    pipe.execute_command("RENAME", temp, key)
                     if self._ttl is not None:
                         pipe.expire(key, self._ttl)
                     else:
@@ -618,7 +626,7 @@ def _batches(lines: list[bytes], max_bytes: int) -> list[list[bytes]]:
     return batches
 
 
-async def _forget(client: Redis, key: str) -> None:
+async def _forget(client: RedisClient, key: str) -> None:
     """Drop a temporary list; it expires on its own if even this fails."""
     try:
         await client.delete(key)

@@ -5,8 +5,10 @@ multi-key commands and no hash tags, so the same layout works on Redis Cluster w
 spread over all slots. Batches go out as non-transactional pipelines, a few at a time over a
 bounded `BlockingConnectionPool`; on plain TCP the page values themselves travel over the
 backend's own bulk connections (`_redis_bulk`), which send page segments as they are and
-receive values straight into the pages. docs/storage-redis.md records the measurements
-behind that, the pipeline sizes and the limits.
+receive values straight into the pages. With `cluster=1` everything, page values included,
+goes through redis-py's `RedisCluster`, which splits each pipeline per node.
+docs/storage-redis.md records the measurements behind that, the pipeline sizes and the
+limits.
 """
 
 from __future__ import annotations
@@ -45,7 +47,13 @@ from ._base import (
 )
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
-from ._manifest_redis import REDIS_FAULTS, RedisManifest, no_room, scripting_refused
+from ._manifest_redis import (
+    REDIS_FAULTS,
+    RedisClient,
+    RedisManifest,
+    no_room,
+    scripting_refused,
+)
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -58,6 +66,7 @@ from ._page import (
 )
 from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
 from ._redis_bulk import BulkConnection, BulkConnectionPool, ReplyError
+from ._redis_cluster import GuardedCluster
 
 __all__ = ["RedisStorage"]
 
@@ -106,6 +115,9 @@ _KEYS_PER_PIPELINE = 256
 _MAX_COMMANDS_PER_PIPELINE = 512
 #: Pages per pipeline when `verify` reads whole values.
 _VERIFY_PIPELINE = 8
+#: Connections per cluster node beyond the `max_connections` commands and pipelines that run
+#: at once: a manifest compaction without scripting holds one through its WATCH.
+_CLUSTER_SPARE_CONNECTIONS = 2
 
 _SCHEMES = ("redis", "rediss")
 _URL_PARAMS = {
@@ -118,7 +130,8 @@ _URL_PARAMS = {
     "get_pipeline_bytes": "bytes per GET pipeline (default 2MiB, 8MiB with bulk=0)",
     "max_batch_pages": "advertised batch size (default 512)",
     "capacity": "bytes under the prefix that gc() trims to (default: none)",
-    "multikey": "0: no multi-key calls (Redis Cluster, proxies); default 1",
+    "multikey": "0: no multi-key calls (Redis Cluster, proxies); default 1 (0 with cluster=1)",
+    "cluster": "1: Redis Cluster, the URL's host:port a seed node, database 0; default 0",
     "bulk": "0: page values through redis-py too; default 1 (own plain-TCP connections)",
     # Passed through to redis-py.
     "ssl_cert_reqs": "rediss: none | optional | required",
@@ -250,7 +263,9 @@ class RedisStorage(BackendBase):
 
     Build it with `RedisStorage.from_url("redis://host:6379/0?ttl=3600&prefix=hicache")` or
     with keyword arguments (the URL then carries only what redis-py understands). With
-    `mac_key` every page written carries a keyed MAC and every page read must.
+    `mac_key` every page written carries a keyed MAC and every page read must. With
+    `cluster=True` the URL names a seed node of a Redis Cluster and every command goes
+    through redis-py's cluster client (`multikey` then defaults to False).
     """
 
     def __init__(
@@ -267,8 +282,9 @@ class RedisStorage(BackendBase):
         get_pipeline_bytes: int | None = None,
         max_batch_pages: int = 512,
         capacity_bytes: int | None = None,
-        multikey: bool = True,
+        multikey: bool | None = None,
         bulk: bool = True,
+        cluster: bool = False,
         connection_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         parts = split_url(url, scheme="redis")
@@ -292,6 +308,15 @@ class RedisStorage(BackendBase):
                 f"pass them to RedisStorage() as arguments"
             )
         _check_passthrough(params, tls=parts.scheme == "rediss")
+        if cluster and db != "0":
+            raise StorageConfigError(
+                f"redis URL database /{db} with cluster=1: Redis Cluster has only database 0"
+            )
+        if cluster and multikey:
+            raise StorageConfigError(
+                "redis multikey=1 with cluster=1: page keys lie in different cluster slots, "
+                "so no multi-key call can cover them; leave multikey out (0)"
+            )
         query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         url = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
         # Backslash escapes in SCAN patterns: such a prefix would match other keys than its own.
@@ -323,7 +348,9 @@ class RedisStorage(BackendBase):
             thread_name="hicache-redis",
         )
         host = parts.hostname or "localhost"
-        self._name = f"{parts.scheme}://{host}:{port}/{db}?prefix={prefix}"
+        self._name = f"{parts.scheme}://{host}:{port}/{db}?prefix={prefix}" + (
+            "&cluster=1" if cluster else ""
+        )
         self._url = url
         self._prefix = prefix
         self._ttl = ttl
@@ -335,8 +362,10 @@ class RedisStorage(BackendBase):
         self._max_batch_pages = max_batch_pages
         self._capacity = capacity_bytes
         self._connection_kwargs = dict(connection_kwargs or {})
-        self._multikey = multikey
-        self._bulk_wanted = bulk
+        self._cluster = cluster
+        self._multikey = not cluster if multikey is None else multikey
+        # The bulk connections talk to one server: a cluster's values go through its client.
+        self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
         self._idle: asyncio.Event | None = None
         # SET's trailing arguments, packed once: `NX` and, with a TTL, `EX <seconds>`.
@@ -346,7 +375,7 @@ class RedisStorage(BackendBase):
             b"$%d\r\n%s\r\n" % (len(arg), arg) for arg in ex
         )
         self._pool: BlockingConnectionPool | None = None
-        self._client: Redis | None = None
+        self._client: RedisClient | None = None
         self._prefix_script: AsyncScript | None = None
         self._remove_if_same: AsyncScript | None = None
         self._bulk: BulkConnectionPool | None = None
@@ -360,7 +389,9 @@ class RedisStorage(BackendBase):
 
         Parameters: `ttl` (seconds), `prefix`, `max_connections`, `timeout` (seconds),
         `concurrency`, `put_pipeline_bytes`, `get_pipeline_bytes`, `max_batch_pages`,
-        `capacity` (a byte size such as 10GiB), `multikey` (0: no multi-key calls), for TLS
+        `capacity` (a byte size such as 10GiB), `multikey` (0: no multi-key calls), `bulk`
+        (0: page values through redis-py), `cluster` (1: Redis Cluster, seeded by the URL's
+        host:port, database 0), for TLS
         `ssl_cert_reqs`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`,
         and `client_name`. Anything else raises `StorageConfigError` listing what is accepted.
         """
@@ -391,6 +422,8 @@ class RedisStorage(BackendBase):
             kwargs["multikey"] = parse_bool(params["multikey"], field="multikey")
         if "bulk" in params:
             kwargs["bulk"] = parse_bool(params["bulk"], field="bulk")
+        if "cluster" in params:
+            kwargs["cluster"] = parse_bool(params["cluster"], field="cluster")
         if "timeout" in params:
             try:
                 kwargs["timeout"] = float(params["timeout"])
@@ -433,6 +466,9 @@ class RedisStorage(BackendBase):
     async def _open(self) -> None:
         # Few quick retries: a lost server must turn into ERROR outcomes soon, not after a
         # long backoff; every socket operation and pool wait is bounded by `timeout`.
+        if self._cluster:
+            await self._open_cluster()
+            return
         self._pool = BlockingConnectionPool.from_url(
             self._url,
             max_connections=self._max_connections,
@@ -462,6 +498,30 @@ class RedisStorage(BackendBase):
             await self._client.ping()
         except (*REDIS_FAULTS, OSError) as exc:
             # Not fatal: the server may come (back) later; until then batches are ERROR.
+            log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
+
+    async def _open_cluster(self) -> None:
+        # redis-py's cluster client keeps a pool per node and learns the slot map from the
+        # seed at the first command. It follows MOVED and ASK, and retries TRYAGAIN,
+        # CLUSTERDOWN and lost nodes at most twice here (relearning the slot map, after a
+        # 0.25 s pause for a pipeline or on CLUSTERDOWN), so a fault becomes an error soon.
+        # At most `max_connections` commands and pipelines run at once (see _redis_cluster).
+        client = GuardedCluster.from_url(
+            self._url,
+            turns=self._max_connections,
+            max_connections=self._max_connections + _CLUSTER_SPARE_CONNECTIONS,
+            socket_timeout=self._timeout,
+            socket_connect_timeout=self._timeout,
+            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+            **self._connection_kwargs,
+        )
+        self._client = client
+        self._prefix_script = client.register_script(_PREFIX_SCRIPT)
+        self._remove_if_same = client.register_script(_REMOVE_IF_SAME_SCRIPT)
+        try:
+            await client.ping()
+        except (*REDIS_FAULTS, OSError) as exc:
+            # As for one server: batches are ERROR until the cluster answers.
             log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
 
     async def _release(self) -> None:
@@ -601,7 +661,16 @@ class RedisStorage(BackendBase):
                 corrupt.append(keys[i])
                 self._report_corrupt(keys[i], reason)
 
+        # On a cluster a pipeline that failed as a whole has already cost redis-py's retries
+        # (it sleeps 0.25 s before each); the batch's other pipelines, their keys spread over
+        # the same nodes, would most likely pay them again. They are ERROR at once instead:
+        # a lost node fails a batch in about a second, not a second a pipeline.
+        given_up = False
+
         async def fetch_values(chunk: range) -> None:
+            nonlocal given_up
+            if given_up:
+                return  # stays ERROR
             try:
                 async with client.pipeline(transaction=False) as pipe:
                     for i in chunk:
@@ -609,6 +678,7 @@ class RedisStorage(BackendBase):
                     values = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
+                given_up = self._cluster
                 return
             found = [
                 (i, value)
@@ -766,8 +836,13 @@ class RedisStorage(BackendBase):
         payloads = [payload_nbytes(page) for page in sources]
 
         mac_key = self._mac_key
+        given_up = False  # on a cluster, after a pipeline failed as a whole: see get()
 
         async def store(chunk: range) -> None:
+            nonlocal given_up
+            if given_up:
+                return  # stays ERROR
+
             def encode(stop: threading.Event) -> list[bytes]:
                 return [encode_header(metas[i], sources[i], mac_key=mac_key) for i in chunk]
 
@@ -801,6 +876,7 @@ class RedisStorage(BackendBase):
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
                 log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
+                given_up = self._cluster
                 return
             for i, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):
@@ -844,7 +920,8 @@ class RedisStorage(BackendBase):
         existed) or the error reply of that command.
         """
         pool = self._pool
-        assert pool is not None
+        if pool is None:
+            return await self._cluster_sets(items)
         chunks = [
             part
             for rkey, header, segments in items
@@ -895,6 +972,22 @@ class RedisStorage(BackendBase):
         finally:
             await pool.release(connection)
         return result
+
+    async def _cluster_sets(
+        self, items: Sequence[tuple[bytes, bytes, Sequence[memoryview]]]
+    ) -> list[object]:
+        """The SETs of `_send_sets` through the cluster client, which splits the pipeline per
+        node. Its SET takes one value, so each page is joined into a private copy (which also
+        means nothing reads the caller's pages after a cancelled put)."""
+        client = self._redis()
+        async with client.pipeline(transaction=False) as pipe:
+            for rkey, header, segments in items:
+                pipe.set(rkey, b"".join((header, *segments)), nx=True, ex=self._ttl)
+            replies = await pipe.execute(raise_on_error=False)
+        return [
+            reply if isinstance(reply, Exception) else (True if reply else None)
+            for reply in replies
+        ]
 
     def _encode_ahead(
         self, metas: Sequence[PageMeta], sources: Sequence[list[memoryview]]
@@ -1170,7 +1263,7 @@ class RedisStorage(BackendBase):
 
     # Internals.
 
-    def _redis(self) -> Redis:
+    def _redis(self) -> RedisClient:
         self._check_open()
         assert self._client is not None
         return self._client

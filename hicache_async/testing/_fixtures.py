@@ -12,12 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from ._servers import MooncakeMaster, RedisServer
+from ._servers import MooncakeMaster, RedisClusterServer, RedisServer
 
 __all__ = [
     "close_mooncake_clients",
     "mooncake_master",
     "mooncake_url",
+    "redis_cluster",
+    "redis_cluster_url",
     "redis_server",
     "redis_url",
 ]
@@ -34,6 +36,19 @@ def redis_server() -> Iterator[RedisServer]:
 def redis_url(redis_server: RedisServer) -> str:
     """`redis://127.0.0.1:PORT/0` of the session's server."""
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServer]:
+    """A Redis Cluster of three primaries on free 127.0.0.1 ports for the whole session."""
+    with RedisClusterServer() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(redis_cluster: RedisClusterServer) -> str:
+    """`redis://127.0.0.1:PORT/0?cluster=1` of the session's cluster (PORT: a seed node)."""
+    return redis_cluster.url
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Real servers for tests: a private `redis-server` and a `mooncake_master` on loopback.
+"""Real servers for tests: a private `redis-server`, a Redis Cluster of them and a
+`mooncake_master` on loopback.
 
 Each manager picks free ports on 127.0.0.1 (retrying if another process takes one first),
 starts the binary, waits until it answers and checks that what answers is the process it
@@ -35,6 +36,7 @@ from typing import Any
 
 __all__ = [
     "MooncakeMaster",
+    "RedisClusterServer",
     "RedisServer",
     "ServerBinaryNotFoundError",
     "ServerError",
@@ -521,6 +523,171 @@ class RedisServer(_ManagedServer):
             owned = _port_owned_by(pid, self._port)
             return [] if owned is None or owned else [self._port]
         return [] if answering == pid else [self._port]
+
+
+class RedisClusterServer:
+    """A private Redis Cluster on 127.0.0.1: `primaries` `redis-server` nodes (no replicas,
+    no persistence), each on a free port in its own directory, joined with
+    `redis-cli --cluster create`.
+
+    >>> with RedisClusterServer() as cluster:
+    ...     url = cluster.url  # redis://127.0.0.1:PORT/0?cluster=1 (PORT: the first node)
+
+    `start()` returns once every node reports `cluster_state:ok`; `stop()` (or leaving the
+    `with` block) stops every node, and so does a failed or interrupted start. Each node is a
+    `RedisServer` in `nodes`, so a test can `kill()` or `stop()` one of them; with a short
+    `node_timeout` (seconds; Redis's default is 15) the others soon mark it failed and answer
+    CLUSTERDOWN.
+    """
+
+    def __init__(
+        self,
+        primaries: int = 3,
+        *,
+        binary: str = "redis-server",
+        cli: str = "redis-cli",
+        node_timeout: float | None = None,
+        startup_timeout: float = 20.0,
+    ) -> None:
+        if primaries < 3:
+            # redis-cli refuses to create a cluster of fewer than three primaries.
+            raise ServerError(f"a Redis Cluster needs at least 3 primaries, got {primaries}")
+        found = shutil.which(cli)
+        if found is None:
+            raise ServerBinaryNotFoundError(
+                f"{cli!r} is not installed or not on PATH; install it with "
+                "`apt-get install redis-tools` (or run scripts/setup.sh --dev)"
+            )
+        self._cli = found
+        self._binary = binary
+        self._primaries = primaries
+        self._node_args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        if node_timeout is not None:
+            if not node_timeout > 0:
+                raise ServerError(f"node_timeout must be positive, got {node_timeout}")
+            self._node_args += ["--cluster-node-timeout", str(max(1, round(node_timeout * 1000)))]
+        self._startup_timeout = startup_timeout
+        self._nodes: list[RedisServer] = []
+
+    @property
+    def nodes(self) -> list[RedisServer]:
+        """The primaries, in the order their slot ranges were assigned."""
+        if not self._nodes:
+            raise ServerError("the redis cluster is not started")
+        return list(self._nodes)
+
+    @property
+    def host(self) -> str:
+        """The address every node listens on (loopback)."""
+        return _HOST
+
+    @property
+    def port(self) -> int:
+        """The first node's port: the seed node of `url`."""
+        return self.nodes[0].port
+
+    @property
+    def url(self) -> str:
+        """`redis://127.0.0.1:PORT/0?cluster=1`, seeded with the first node."""
+        return f"redis://{_HOST}:{self.port}/0?cluster=1"
+
+    @property
+    def running(self) -> bool:
+        """Every node's process is alive."""
+        return bool(self._nodes) and all(node.running for node in self._nodes)
+
+    def start(self) -> RedisClusterServer:
+        """Start the nodes, create the cluster and wait for `cluster_state:ok` on every node.
+        Idempotent while running; on any failure everything started is stopped again."""
+        if self.running:
+            return self
+        self.stop()
+        try:
+            deadline = time.monotonic() + self._startup_timeout
+            for _ in range(self._primaries):
+                node = RedisServer(
+                    binary=self._binary,
+                    extra_args=self._node_args,
+                    startup_timeout=self._startup_timeout,
+                )
+                self._nodes.append(node)
+                node.start()
+            self._create(deadline)
+            self._wait_ok(deadline)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _create(self, deadline: float) -> None:
+        command = [
+            self._cli,
+            "--cluster",
+            "create",
+            *(f"{_HOST}:{node.port}" for node in self._nodes),
+            "--cluster-replicas",
+            "0",
+            "--cluster-yes",
+        ]
+        try:
+            done = subprocess.run(
+                command,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=max(deadline - time.monotonic(), 1.0),
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise ServerError(f"redis-cli --cluster create did not finish: {exc}") from None
+        if done.returncode != 0:
+            output = (done.stdout + done.stderr).decode(errors="replace")[-4000:]
+            raise ServerError(
+                f"redis-cli --cluster create failed with status {done.returncode}:\n{output}"
+            )
+
+    def _wait_ok(self, deadline: float) -> None:
+        waiting = list(self._nodes)
+        while waiting:
+            waiting = [node for node in waiting if not _cluster_ok(node.port)]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                ports = [node.port for node in waiting]
+                raise ServerError(f"cluster nodes {ports} did not reach cluster_state:ok")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Stop every node and remove their directories. Idempotent."""
+        nodes, self._nodes = self._nodes, []
+        for node in nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisClusterServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _cluster_ok(port: int) -> bool:
+    """The node on `port` answers CLUSTER INFO with `cluster_state:ok`."""
+    try:
+        with socket.create_connection((_HOST, port), timeout=1) as sock:
+            sock.sendall(b"CLUSTER INFO\r\n")
+            data = b""
+            while b"cluster_state:" not in data or not data.endswith(b"\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk or len(data) > 1 << 16:
+                    break
+                data += chunk
+    except OSError:
+        return False
+    return b"cluster_state:ok" in data
 
 
 def find_mooncake_master(binary: str | None = None) -> str:

@@ -1,4 +1,5 @@
-"""Real servers for the backend tests: a redis-server and a mooncake_master per session.
+"""Real servers for the backend tests: a redis-server, a Redis Cluster and a mooncake_master
+per session.
 
 A missing binary fails these fixtures (and the tests that use them); it never skips them.
 """
@@ -6,8 +7,17 @@ A missing binary fails these fixtures (and the tests that use them); it never sk
 from hicache_async.testing._fixtures import (
     mooncake_master,
     mooncake_url,
+    redis_cluster,
+    redis_cluster_url,
     redis_server,
     redis_url,
 )
 
-__all__ = ["mooncake_master", "mooncake_url", "redis_server", "redis_url"]
+__all__ = [
+    "mooncake_master",
+    "mooncake_url",
+    "redis_cluster",
+    "redis_cluster_url",
+    "redis_server",
+    "redis_url",
+]

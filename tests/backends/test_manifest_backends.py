@@ -1,4 +1,5 @@
-"""Warmup manifests of every backend, against real servers: memory, file, Redis, Mooncake.
+"""Warmup manifests of every backend, against real servers: memory, file, Redis (one server
+and a three-primary cluster), Mooncake.
 
 The same properties for each: round trip, newest record per chain, malformed and oversized
 records skipped and counted, bounded reads of a manifest far beyond its limits, bounded
@@ -112,7 +113,7 @@ class Store:
         assert code == 0
 
 
-@pytest.fixture(params=["memory", "file", "redis", "mooncake"])
+@pytest.fixture(params=["memory", "file", "redis", "redis-cluster", "mooncake"])
 async def store(
     request: pytest.FixtureRequest, tmp_path: Path, redis_url: str, mooncake_url: str
 ) -> AsyncIterator[Store]:
@@ -124,6 +125,11 @@ async def store(
         backend = FileStorage(tmp_path / "root")
     elif request.param == "redis":
         backend = RedisStorage.from_url(f"{redis_url}?prefix={prefix}")
+    elif request.param == "redis-cluster":
+        # Three primaries: the manifest's keys of a namespace share a slot, the set of
+        # namespaces lies elsewhere, and its scripts and RENAME run on the slot's node.
+        cluster_url = request.getfixturevalue("redis_cluster_url")
+        backend = RedisStorage.from_url(f"{cluster_url}&prefix={prefix}")
     else:
         backend = MooncakeStorage.from_url(f"{mooncake_url}{MOONCAKE_SMALL}&prefix={prefix}")
     async with backend:
@@ -332,7 +338,7 @@ async def test_namespaces_are_kept_apart(store: Store) -> None:
         assert chains(a) | {entry(NS_B, i).chain_id for i in range(4)} <= chains(both)
         await manifest.compact()
     assert (await manifest.read(namespace="00" * 16)).entries == []
-    if store.kind in ("redis", "mooncake"):
+    if store.kind in ("redis", "redis-cluster", "mooncake"):
         # A fresh reader knows no namespaces of its own: they come from the store.
         fresh = store.manifest()
         assert chains(a) | chains(b) <= chains(await fresh.read())

@@ -1,0 +1,386 @@
+"""RedisStorage with `cluster=1` against real three-primary Redis Clusters on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import redis
+
+from hicache_async import StorageConfigError, StorageError
+from hicache_async.storage import HEADER_NBYTES, Outcome, open_storage
+from hicache_async.storage._manifest import ManifestLimits, chain_entry
+from hicache_async.storage._manifest_redis import RedisManifest
+from hicache_async.storage._redis import RedisStorage
+from hicache_async.testing import RedisClusterServer, RedisServer
+from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+
+from .test_redis import NS, buffers, joined, make_pages
+
+#: Bound of every test that makes a node fail: a hang fails the test instead of the suite.
+FAULT_TIMEOUT_S = 30.0
+
+
+def fresh_url(base: str, **params: object) -> str:
+    """`base` (which carries `?cluster=1`) with a prefix of its own and `params` added."""
+    extra = {"prefix": f"t{uuid.uuid4().hex}", **params}
+    return base + "".join(f"&{k}={v}" for k, v in extra.items())
+
+
+def node_client(node: RedisServer) -> redis.Redis:
+    return redis.Redis(host=node.host, port=node.port)
+
+
+def keys_on(node: RedisServer, prefix: str) -> set[bytes]:
+    """The keys under `prefix` that `node` itself holds."""
+    client = node_client(node)
+    try:
+        return set(client.scan_iter(match=f"{prefix}:*", count=1000))
+    finally:
+        client.close()
+
+
+def pages_on(node: RedisServer, prefix: str) -> set[bytes]:
+    """The page keys (`<prefix>:` and 64 hex digits) that `node` holds: not the mark that
+    maintenance leaves under the prefix."""
+    return {k for k in keys_on(node, prefix) if len(k) == len(prefix) + 65}
+
+
+@pytest_asyncio.fixture
+async def backend(redis_cluster_url: str) -> AsyncIterator[RedisStorage]:
+    async with RedisStorage.from_url(fresh_url(redis_cluster_url)) as storage:
+        yield storage
+
+
+class TestRedisClusterConformance(StorageConformance):
+    @pytest_asyncio.fixture
+    async def backend(self, redis_cluster_url: str) -> AsyncIterator[RedisStorage]:
+        async with RedisStorage.from_url(fresh_url(redis_cluster_url)) as storage:
+            yield storage
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self, redis_cluster_url: str) -> AsyncIterator[RedisStorage]:
+        url = fresh_url(redis_cluster_url)
+        async with RedisStorage.from_url(url, mac_key=MAC_KEY) as storage:
+            yield storage
+
+
+def test_the_cluster_helper_runs_three_primaries(redis_cluster: RedisClusterServer) -> None:
+    assert redis_cluster.url == f"redis://127.0.0.1:{redis_cluster.nodes[0].port}/0?cluster=1"
+    assert len({node.port for node in redis_cluster.nodes}) == 3
+    for node in redis_cluster.nodes:
+        client = node_client(node)
+        try:
+            info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+            assert b"cluster_state:ok" in info
+            assert b"cluster_known_nodes:3" in info
+            assert b"cluster_size:3" in info  # three primaries serving slots
+        finally:
+            client.close()
+
+
+def test_a_stopped_cluster_leaves_no_process() -> None:
+    cluster = RedisClusterServer().start()
+    nodes = cluster.nodes
+    assert all(node.running for node in nodes)
+    cluster.stop()
+    assert not any(node.running for node in nodes)
+    assert not cluster.running
+    cluster.stop()  # idempotent
+
+
+async def test_pages_spread_over_every_primary(
+    backend: RedisStorage, redis_cluster: RedisClusterServer
+) -> None:
+    keys, pages, metas = make_pages(64)
+    assert await backend.put(keys, pages, metas) == [Outcome.OK] * 64
+    held = [pages_on(node, backend.prefix) for node in redis_cluster.nodes]
+    assert all(held), [len(h) for h in held]  # every primary holds some
+    assert sum(len(h) for h in held) == 64  # and no page is on two
+    assert set().union(*held) == {backend._rkey(k) for k in keys}
+    into = buffers(64)
+    assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 64
+    assert [joined(b) for b in into] == [joined(p) for p in pages]
+    assert await backend.exists(keys) == 64
+    assert await backend.delete(keys[:10]) == 10
+    assert await backend.exists(keys) == 0
+    assert await backend.exists(keys[10:]) == 54
+
+
+async def test_maintenance_sees_the_pages_of_every_primary(
+    redis_cluster_url: str, redis_cluster: RedisClusterServer
+) -> None:
+    page = HEADER_NBYTES + 3000
+    async with RedisStorage.from_url(fresh_url(redis_cluster_url, capacity=60 * page)) as backend:
+        keys, pages, metas = make_pages(64)
+        await backend.put(keys, pages, metas)
+        listed = await backend.list_pages()
+        assert sorted(p.key for p in listed) == sorted(keys)
+        assert {p.nbytes for p in listed} == {page}
+        # One damaged page on each primary: verify reads them all and removes exactly those.
+        damaged: list[bytes] = []
+        for node in redis_cluster.nodes:
+            rkey = sorted(pages_on(node, backend.prefix))[0]
+            key = backend._key_of(rkey)
+            raw = await backend.read_raw(key)
+            assert raw is not None
+            await backend.write_raw(key, raw[:-1] + bytes([raw[-1] ^ 1]))
+            damaged.append(key)
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.corrupt_removed) == (64, 61, 3)
+        assert [await backend.read_raw(k) for k in damaged] == [None] * 3
+        gc = await backend.gc()  # 61 pages, room for 60
+        assert (gc.evicted_pages, gc.freed_bytes) == (1, page)
+        assert len(await backend.list_pages()) == 60
+        assert sum(len(pages_on(node, backend.prefix)) for node in redis_cluster.nodes) == 60
+
+
+def test_the_storage_command_counts_pages_on_every_primary(
+    redis_cluster_url: str,
+    redis_cluster: RedisClusterServer,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from hicache_async.cli import main
+
+    page = HEADER_NBYTES + 3000
+    url = fresh_url(redis_cluster_url, capacity=40 * page)
+    keys, pages, metas = make_pages(48)
+
+    async def put() -> None:
+        async with open_storage(url) as storage:
+            assert await storage.put(keys, pages, metas) == [Outcome.OK] * 48
+
+    asyncio.run(put())
+    prefix = url.rsplit("prefix=", 1)[1].split("&")[0]
+    per_node = [len(pages_on(node, prefix)) for node in redis_cluster.nodes]
+    assert all(per_node)
+    assert main(["storage", "stats", url, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert (stats["pages"], stats["bytes"]) == (sum(per_node), sum(per_node) * page)
+    assert main(["storage", "ls", url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert sorted(row["key"] for row in listed) == sorted(k.hex() for k in keys)
+    assert main(["storage", "verify", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checked"] == 48
+    assert main(["storage", "gc", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["evicted_pages"] == 8
+    assert sum(len(pages_on(node, prefix)) for node in redis_cluster.nodes) == 40
+
+
+@pytest.mark.parametrize("scripting", [True, False])
+async def test_warmup_manifest_round_trip_on_the_cluster(
+    backend: RedisStorage, redis_cluster: RedisClusterServer, scripting: bool
+) -> None:
+    limits = ManifestLimits(max_entries=16, max_entry_bytes=4096, max_bytes=1 << 20)
+    # Without scripting, a compaction switches lists with WATCH, MULTI, RENAME and EXEC.
+    manifest = RedisManifest(
+        backend._redis, prefix=backend.prefix, name=backend.name, scripting=scripting, limits=limits
+    )
+    namespaces = [bytes([n]) * 16 for n in range(6)]
+    written = {
+        ns: [chain_entry(ns, make_pages(2)[0], 8, i, float(i)) for i in range(20)]
+        for ns in namespaces
+    }
+    for entries in written.values():
+        await manifest.append(entries)
+    # Each namespace's keys lie on one node, and the namespaces on more than one.
+    held = {node.port: keys_on(node, f"{backend.prefix}:manifest") for node in redis_cluster.nodes}
+    homes = {
+        ns: {port for port, keys in held.items() if any(ns.hex().encode() in k for k in keys)}
+        for ns in namespaces
+    }
+    assert all(len(ports) == 1 for ports in homes.values()), homes
+    assert len(set().union(*homes.values())) > 1
+    report = await manifest.compact()
+    assert report.entries_after == 6 * 16
+    for ns, entries in written.items():
+        read = await manifest.read(namespace=ns.hex())
+        newest = {e.chain_id for e in entries if e.priority >= 4}
+        assert {e.chain_id for e in read.entries} == newest
+    assert manifest._scripting is scripting
+
+
+async def test_a_slot_moved_under_a_client_is_followed(redis_cluster: RedisClusterServer) -> None:
+    # A reshard: the slot of a stored page moves to another primary while a backend holds the
+    # old slot map. Mid-move (ASK) and after it (MOVED) the backend finds the page there.
+    async with RedisStorage.from_url(fresh_url(redis_cluster.url)) as backend:
+        keys, pages, metas = make_pages(8)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 8
+        rkey = backend._rkey(keys[0])
+        source = next(n for n in redis_cluster.nodes if rkey in pages_on(n, backend.prefix))
+        target = next(n for n in redis_cluster.nodes if n is not source)
+        clients = {node.port: node_client(node) for node in redis_cluster.nodes}
+        try:
+            src, dst = clients[source.port], clients[target.port]
+            slot = int(src.execute_command("CLUSTER", "KEYSLOT", rkey))  # type: ignore[no-untyped-call]
+            src_id = src.execute_command("CLUSTER", "MYID").decode()  # type: ignore[no-untyped-call]
+            dst_id = dst.execute_command("CLUSTER", "MYID").decode()  # type: ignore[no-untyped-call]
+            dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)  # type: ignore[no-untyped-call]
+            src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)  # type: ignore[no-untyped-call]
+            src.execute_command(  # type: ignore[no-untyped-call]
+                "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", rkey
+            )
+            into = buffers(8)
+            outcomes = await asyncio.wait_for(
+                backend.get(keys, into, namespace=NS), FAULT_TIMEOUT_S
+            )
+            assert outcomes == [Outcome.OK] * 8  # page 0 through ASK
+            assert joined(into[0]) == joined(pages[0])
+            for client in clients.values():
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)  # type: ignore[no-untyped-call]
+            into = buffers(8)
+            outcomes = await asyncio.wait_for(
+                backend.get(keys, into, namespace=NS), FAULT_TIMEOUT_S
+            )
+            assert outcomes == [Outcome.OK] * 8  # through MOVED
+            assert [joined(b) for b in into] == [joined(p) for p in pages]
+            assert rkey in pages_on(target, backend.prefix)
+            assert await backend.exists(keys[:1]) == 1
+        finally:
+            for client in clients.values():
+                client.close()
+
+
+async def test_a_killed_node_gives_errors_not_wrong_pages_or_hangs() -> None:
+    with RedisClusterServer(node_timeout=0.5) as cluster:
+        url = fresh_url(cluster.url, timeout=2)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(32)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 32
+            victim = cluster.nodes[1]
+            lost = pages_on(victim, backend.prefix)
+            assert lost
+            victim.kill()
+
+            async def faults() -> None:
+                into = buffers(32)
+                outcomes = await backend.get(keys, into, namespace=NS)
+                for key, outcome, page, got in zip(keys, outcomes, pages, into, strict=True):
+                    assert outcome in (Outcome.OK, Outcome.ERROR)
+                    if backend._rkey(key) in lost:
+                        assert outcome is Outcome.ERROR
+                    elif outcome is Outcome.OK:
+                        assert joined(got) == joined(page)
+                more, more_pages, more_metas = make_pages(16)
+                put = await backend.put(more, more_pages, more_metas)
+                assert Outcome.ERROR in put
+                assert Outcome.MISS not in put
+                for call in (backend.exists(keys), backend.list_pages(), backend.verify()):
+                    with pytest.raises(StorageError):
+                        await call
+                # The survivors soon mark the node failed and refuse every slot (CLUSTERDOWN).
+                survivor = node_client(cluster.nodes[0])
+                try:
+                    while True:
+                        info = survivor.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+                        if b"cluster_state:fail" in info:
+                            break
+                        await asyncio.sleep(0.05)
+                finally:
+                    survivor.close()
+                outcomes = await backend.get(keys, buffers(32), namespace=NS)
+                assert outcomes == [Outcome.ERROR] * 32
+                with pytest.raises(StorageError):
+                    await backend.delete(keys)
+
+            await asyncio.wait_for(faults(), FAULT_TIMEOUT_S)
+            assert backend.stats().errors > 32
+
+
+async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
+    # A cluster node's pool does not wait: past max_connections redis-py fails the call and
+    # closes every connection under the others. The backend runs at most max_connections
+    # commands and pipelines at once instead, so all of these succeed.
+    url = fresh_url(redis_cluster_url, max_connections=2, get_pipeline_bytes="8KiB")
+    async with RedisStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(64)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 64
+
+        async def read() -> None:
+            into = buffers(64)
+            assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 64
+            assert [joined(b) for b in into] == [joined(p) for p in pages]
+
+        async def write() -> None:
+            assert await backend.put(*make_pages(8)) == [Outcome.OK] * 8
+
+        calls = [read() for _ in range(10)] + [write() for _ in range(10)]
+        await asyncio.wait_for(asyncio.gather(*calls), FAULT_TIMEOUT_S)
+        assert backend.stats().errors == 0
+
+
+async def test_a_node_lost_under_concurrent_batches_raises_only_storage_errors() -> None:
+    # redis-py closes every connection after a fault, under the calls still using them; what
+    # those then raise inside redis-py must still reach the caller as ERROR or StorageError.
+    with RedisClusterServer(node_timeout=0.5) as cluster:
+        url = fresh_url(cluster.url, timeout=2, get_pipeline_bytes="8KiB")
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(64)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 64
+            first_round = asyncio.Event()
+            rounds = 6
+            errors = 0
+
+            async def worker(i: int) -> None:
+                nonlocal errors
+                for n in range(rounds):
+                    if n == 1:
+                        first_round.set()
+                    try:
+                        if i % 3 == 0:
+                            outcomes = await backend.get(keys, buffers(64), namespace=NS)
+                        elif i % 3 == 1:
+                            outcomes = await backend.put(*make_pages(8))
+                        else:
+                            await backend.exists(keys)
+                            continue
+                    except StorageError:
+                        errors += 1
+                        continue
+                    assert set(outcomes) <= {Outcome.OK, Outcome.ERROR}
+                    errors += outcomes.count(Outcome.ERROR)
+
+            async def kill() -> None:
+                await first_round.wait()
+                cluster.nodes[2].kill()
+
+            work = [worker(i) for i in range(12)]
+            await asyncio.wait_for(asyncio.gather(kill(), *work), FAULT_TIMEOUT_S)
+            assert errors > 0
+
+
+async def test_a_cluster_that_never_answered_gives_errors() -> None:
+    with RedisClusterServer() as cluster:
+        url = fresh_url(cluster.url, timeout=1)
+    async with RedisStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(2)
+        outcomes = await asyncio.wait_for(backend.put(keys, pages, metas), FAULT_TIMEOUT_S)
+        assert outcomes == [Outcome.ERROR] * 2
+        got = await asyncio.wait_for(backend.get(keys, buffers(2), namespace=NS), FAULT_TIMEOUT_S)
+        assert got == [Outcome.ERROR] * 2
+        with pytest.raises(StorageError):
+            await asyncio.wait_for(backend.exists(keys), FAULT_TIMEOUT_S)
+
+
+def test_cluster_configuration_errors() -> None:
+    with pytest.raises(StorageConfigError, match="only database 0"):
+        RedisStorage.from_url("redis://127.0.0.1:7000/1?cluster=1")
+    with pytest.raises(StorageConfigError, match="only database 0"):
+        RedisStorage("redis://127.0.0.1:7000/2", cluster=True)
+    with pytest.raises(StorageConfigError, match="different cluster slots"):
+        RedisStorage.from_url("redis://127.0.0.1:7000/0?cluster=1&multikey=1")
+    with pytest.raises(StorageConfigError, match="cluster"):
+        RedisStorage.from_url("redis://127.0.0.1:7000/0?cluster=maybe")
+    with pytest.raises(StorageConfigError, match="as arguments"):
+        RedisStorage("redis://127.0.0.1:7000/0?cluster=1")
+    # The accepted parameters, listed in the error about an unknown one, name it.
+    with pytest.raises(StorageConfigError, match="cluster"):
+        RedisStorage.from_url("redis://127.0.0.1:7000/0?clutser=1")
+    storage = RedisStorage.from_url("redis://127.0.0.1:7000?cluster=1&multikey=0")
+    assert storage.name == "redis://127.0.0.1:7000/0?prefix=hicache&cluster=1"
+    assert (storage._multikey, storage._bulk_wanted) == (False, False)
+    assert RedisStorage.from_url("redis://127.0.0.1:7000/0?cluster=0")._multikey
