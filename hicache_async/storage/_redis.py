@@ -1118,15 +1118,17 @@ class RedisStorage(BackendBase):
                 raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
-                if not isinstance(nbytes, int) or nbytes == 0:
-                    continue  # expired or deleted since the scan
+                if not isinstance(nbytes, int) or (nbytes == 0 and not isinstance(idle, int)):
+                    continue  # expired or deleted since the scan (an empty value is listed)
                 header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
                 tokens = priority = 0
-                created = now
+                created = 0.0  # unknown: such a page is the first gc evicts
                 if not isinstance(header, PageCheck):
                     tokens, priority = header.num_tokens, header.priority
                     created = header.created_ns / 1e9
                 last = now - idle if isinstance(idle, int) else created
+                if header is PageCheck.CORRUPT:
+                    last = created  # damaged: whatever read it last, it is of no use
                 if touched is not None and isinstance(idle, int) and idle >= touched:
                     # Not used since a listing or verify read every page (which Redis
                     # counts as a use): its creation is the best recency left.

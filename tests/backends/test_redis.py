@@ -376,6 +376,33 @@ async def test_listing_the_pages_does_not_cost_gc_its_order(redis_url: str, insp
         assert sum([await backend.exists([key]) for key in old[1:]]) == 0
 
 
+async def test_gc_evicts_pages_with_unreadable_headers_first_and_lists_empty_values(
+    redis_url: str,
+) -> None:
+    page = HEADER_NBYTES + 3000
+    async with RedisStorage.from_url(fresh_url(redis_url, capacity=2 * page)) as backend:
+        keys, pages, metas = make_pages(4)
+        assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+        raw = await backend.read_raw(keys[0])
+        assert raw is not None
+        await backend.write_raw(keys[0], raw[:40] + bytes([raw[40] ^ 1]) + raw[41:])
+        await backend.list_pages()  # the listing itself reads every page
+        assert await backend.put(keys[1:], pages[1:], metas[1:]) == [Outcome.OK] * 3
+        (empty,) = make_pages(1)[0]
+        await backend.write_raw(empty, b"")
+        listed = {p.key: p for p in await backend.list_pages()}
+        assert listed[keys[0]].last_access == 0.0
+        assert listed[empty].nbytes == 0
+        # The empty value and the damaged page first (no time to go by), then the oldest
+        # sound page.
+        gc = await backend.gc()
+        assert (gc.evicted_pages, gc.freed_bytes) == (3, 2 * page)
+        assert await backend.exists([empty]) == 0
+        assert await backend.exists(keys[:1]) == 0
+        assert await backend.exists(keys[1:2]) == 0
+        assert await backend.exists(keys[2:]) == 2
+
+
 async def test_verify_keeps_a_page_stored_again_while_it_ran(redis_url: str) -> None:
     async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
         keys, pages, metas = make_pages(2)
