@@ -99,11 +99,16 @@ def test_verify_removes_a_directory_where_a_page_belongs(
     blocker = root / "pages" / "ab" / key.hex()
     (blocker / "inner").mkdir(parents=True, mode=0o700)
     (blocker / "inner" / "file").write_bytes(b"x")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept").write_bytes(b"y")
+    (blocker / "inner" / "out").symlink_to(outside)  # removed, never followed
     code, out, _ = _run(capsys, "verify", f"file://{root}", "--json")
     assert code == 0
     report = json.loads(out)
     assert (report["checked"], report["leftovers_removed"], report["unchecked"]) == (2, 1, 0)
     assert not blocker.exists()
+    assert (outside / "kept").read_bytes() == b"y"
 
     async def put() -> list[Outcome]:
         async with FileStorage(root) as storage:

@@ -72,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.action != "ls":
         return _fail("--limit only applies to ls", 2)
     try:
-        backend = open_storage(_lending_nothing(args.url))
+        backend = open_storage(args.url)  # the URL as given is checked, then adjusted
+        lending_nothing = _lending_nothing(args.url)
+        if lending_nothing != args.url:
+            backend = open_storage(lending_nothing)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
     caps = backend.capabilities

@@ -45,9 +45,9 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import heapq
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
@@ -455,6 +455,27 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
     return _Handles(root_fd, pages_fd, tmp_fd, lock_fd, root / _PAGES)
 
 
+def _remove_tree(name: str, dir_fd: int) -> None:
+    """Remove the directory `name` under `dir_fd` and everything in it, through descriptors
+    opened without following symlinks, so nothing outside it is ever touched (shutil.rmtree
+    takes `dir_fd` only from Python 3.11)."""
+    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        with os.scandir(fd) as entries:
+            inside = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for child, is_dir in inside:
+            try:
+                if is_dir:
+                    _remove_tree(child, fd)
+                else:
+                    os.unlink(child, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
 def _remove_leftovers(
     handles: _Handles, *, idle_s: float, keep: frozenset[str] = frozenset()
 ) -> int:
@@ -514,7 +535,13 @@ def _scan(
             scan_fd = os.open(".", _DIR_FLAGS, dir_fd=shard_fd)
         except FileNotFoundError:
             continue
-        except OSError:  # refused (logged once by `shard`) or unreadable
+        except OSError as exc:  # refused (logged once by `shard`) or unreadable
+            if not isinstance(exc, _RefusedShardError):
+                log.warning(
+                    "storage.shard.unreadable",
+                    directory=str(handles._pages_path / shard_name),
+                    error=exc.strerror or str(exc),
+                )
             if refused is not None:
                 refused.append(shard_name)
             continue
@@ -562,6 +589,10 @@ def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> bool
     except FileNotFoundError:
         pass
     return True
+
+
+def _unlink_at(name: str, dir_fd: int) -> None:
+    os.unlink(name, dir_fd=dir_fd)
 
 
 def _unlink_all(dir_fd: int, names: Iterable[str]) -> None:
@@ -937,18 +968,33 @@ class FileStorage(BackendBase):
         for key in [k for k, e in self._index.items() if e.seq <= since_seq]:
             if key not in on_disk and not self._stale(key, epoch):
                 self._drop(key)
-        added = False
-        for key, (nbytes, mtime) in on_disk.items():
-            if key not in self._index and not self._stale(key, epoch):
-                self._insert(key, nbytes, mtime)
-                added = True
-        if added:
-            # Pages another instance wrote take their place by their file's time (a write, or
-            # a read that touched it), among this instance's own by their last access: the
-            # order eviction follows. Stable, so equal times keep their order.
-            by_time = sorted(self._index.items(), key=lambda item: item[1].last_access)
-            for key, _ in by_time:
-                self._index.move_to_end(key)
+        found_keys = [
+            key for key in on_disk if key not in self._index and not self._stale(key, epoch)
+        ]
+        if not found_keys:
+            return
+        found_keys.sort(key=lambda key: on_disk[key][1])
+        # Pages another instance wrote take their place by their file's time (its write, or a
+        # read that touched it) among this instance's own, whose order stays as it is: only
+        # the entries used since the oldest such time are merged with them and moved, which
+        # on a busy shared root is a short tail of the index, not all of it.
+        oldest = on_disk[found_keys[0]][1]
+        tail: list[bytes] = []
+        for key, entry in reversed(self._index.items()):
+            if entry.last_access <= oldest:
+                break
+            tail.append(key)
+        tail.reverse()
+        for key in found_keys:
+            nbytes, mtime = on_disk[key]
+            self._insert(key, nbytes, mtime)
+        merged = heapq.merge(
+            ((self._index[key].last_access, 0, key) for key in tail),
+            ((on_disk[key][1], 1, key) for key in found_keys),
+            key=lambda item: (item[0], item[1]),
+        )
+        for _, _, key in list(merged):
+            self._index.move_to_end(key)
 
     def _handles_or_raise(self) -> _Handles:
         handles = self._handles
@@ -1740,14 +1786,13 @@ class FileStorage(BackendBase):
         refused: list[str] = []
         found = _scan(handles, stop, strays, stray_dirs=stray_dirs, refused=refused)
         unchecked = len(refused)
-        # rmtree by descriptor never follows a symlink out of the root.
-        removals: list[tuple[int, str, Callable[..., object]]] = [
-            *((dir_fd, name, os.unlink) for dir_fd, name in strays),
-            *((dir_fd, name, shutil.rmtree) for dir_fd, name in stray_dirs),
+        removals: list[tuple[int, str, Callable[[str, int], None]]] = [
+            *((dir_fd, name, _unlink_at) for dir_fd, name in strays),
+            *((dir_fd, name, _remove_tree) for dir_fd, name in stray_dirs),
         ]
         for dir_fd, name, remove in removals:
             try:
-                remove(name, dir_fd=dir_fd)
+                remove(name, dir_fd)
                 leftovers += 1
             except FileNotFoundError:
                 pass

@@ -24,6 +24,7 @@ import ctypes
 import functools
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -1587,6 +1588,7 @@ class MooncakeStorage(BackendBase):
             [[[0]] * len(names)],
             [[[HEADER_NBYTES]] * len(names)],
         )
+        now = time.time()
         headers: list[PageHeader | PageCheck] = []
         for n in range(len(names)):
             counts = got[0][n] if got and len(got[0]) > n else [-1]
@@ -1606,9 +1608,11 @@ class MooncakeStorage(BackendBase):
                 continue  # gone since it was listed
             key = bytes.fromhex(name[lead:])
             if isinstance(header, PageCheck):
-                # No time to go by: such a page is the first gc evicts.
+                # A damaged page is the first gc evicts; one of a newer format version (sound,
+                # for the instances that can read it) counts as new, its time being unknown.
+                last = 0.0 if header is PageCheck.CORRUPT else now
                 pages.append(
-                    PageInfo(key=key, nbytes=size, num_tokens=0, priority=0, last_access=0.0)
+                    PageInfo(key=key, nbytes=size, num_tokens=0, priority=0, last_access=last)
                 )
                 continue
             pages.append(

@@ -1118,21 +1118,23 @@ class RedisStorage(BackendBase):
                 raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
-                if not isinstance(nbytes, int) or (nbytes == 0 and not isinstance(idle, int)):
-                    continue  # expired or deleted since the scan (an empty value is listed)
+                # A key gone since the scan has no idle time (nil); under an LFU policy an
+                # existing one answers an error instead. An empty value is listed.
+                if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):
+                    continue
                 header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
                 tokens = priority = 0
-                created = 0.0  # unknown: such a page is the first gc evicts
+                created = now  # a newer format's: unknown, so counted as new
                 if not isinstance(header, PageCheck):
                     tokens, priority = header.num_tokens, header.priority
                     created = header.created_ns / 1e9
                 last = now - idle if isinstance(idle, int) else created
-                if header is PageCheck.CORRUPT:
-                    last = created  # damaged: whatever read it last, it is of no use
                 if touched is not None and isinstance(idle, int) and idle >= touched:
                     # Not used since a listing or verify read every page (which Redis
                     # counts as a use): its creation is the best recency left.
                     last = created
+                if header is PageCheck.CORRUPT:
+                    last = 0.0  # damaged: the first gc evicts, whatever read it last
                 pages.append(
                     PageInfo(
                         key=self._key_of(rkey),
@@ -1176,7 +1178,7 @@ class RedisStorage(BackendBase):
         that are not page keys are left alone (they may belong to someone else).
         """
         client = self._redis()
-        checked = ok = unsupported = 0
+        checked = ok = unsupported = unchecked = 0
         bad: list[tuple[bytes, int, bytes]] = []  # key, length, leading bytes of what was read
         async for batch in self._scan():
             for start in range(0, len(batch), _VERIFY_PIPELINE):
@@ -1189,6 +1191,17 @@ class RedisStorage(BackendBase):
                 except REDIS_FAULTS as exc:
                     raise StorageError(f"{self._name}: verify failed: {exc}") from exc
                 for rkey, value in zip(part, values, strict=True):
+                    if isinstance(value, Exception):
+                        # Not a string (WRONGTYPE: another client's hash or list under a page
+                        # key, left alone as not ours to remove), or the node failed.
+                        unchecked += 1
+                        log.warning(
+                            "storage.page.error",
+                            backend=self._name,
+                            key=self._key_of(rkey).hex(),
+                            error=str(value),
+                        )
+                        continue
                     if not isinstance(value, bytes):
                         continue  # gone since the scan
                     checked += 1
@@ -1218,6 +1231,7 @@ class RedisStorage(BackendBase):
             corrupt_removed=removed,
             unsupported=unsupported,
             leftovers_removed=0,
+            unchecked=unchecked,
         )
 
     async def _remove_if_same_value(self, rkey: bytes, length: int, head: bytes) -> bool:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import struct
 import threading
 import time
 import uuid
@@ -27,6 +28,7 @@ from hicache_async.storage._mooncake import (
     _put_groups,
     close_idle_clients,
 )
+from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._servers import (
     MooncakeMaster,
@@ -900,16 +902,20 @@ async def test_listing_counts_stored_bytes_and_puts_unreadable_headers_first_for
         raw = await backend.read_raw(keys[2])
         assert raw is not None
         await backend.write_raw(keys[2], raw[:10] + bytes([raw[10] ^ 1]) + raw[11:])
+        raw = await backend.read_raw(keys[1])
+        assert raw is not None
+        newer = raw[:4] + struct.pack("<H", FORMAT_VERSION + 1) + raw[6:]
+        await backend.write_raw(keys[1], newer)  # sound for a newer reader: not evicted first
         listed = {p.key: p for p in await backend.list_pages()}
         assert listed[keys[3]].nbytes == HEADER_NBYTES + 3000 - 10
-        assert listed[keys[2]].last_access == 0.0  # no time to go by
-        assert listed[keys[1]].last_access > 0
-        # 7000 bytes hold two pages: the unreadable one goes first, then the oldest.
+        assert listed[keys[2]].last_access == 0.0  # damaged: no time to go by
+        assert listed[keys[1]].last_access > listed[keys[0]].last_access
+        # 7000 bytes hold two pages: the damaged one goes first, then the oldest.
         gc = await backend.gc()
         assert gc.evicted_pages == 2
         assert await backend.exists([keys[2]]) == 0
         assert await backend.exists([keys[0]]) == 0
-        assert await backend.exists([keys[1]]) == 1
+        assert await backend.read_raw(keys[1]) == newer
 
 
 async def test_verify_counts_pages_too_large_to_stage_as_unchecked(mooncake_url: str) -> None:
@@ -922,6 +928,14 @@ async def test_verify_counts_pages_too_large_to_stage_as_unchecked(mooncake_url:
         report = await backend.verify()
         assert (report.checked, report.ok, report.unchecked) == (1, 1, 1)
         assert await backend.exists(keys) == 2  # left as it is: it could not be read
+
+
+def test_storage_command_checks_the_url_before_it_adjusts_it(
+    mooncake_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = fresh_url(mooncake_url, placement="nearby")
+    assert main(["storage", "stats", url]) == 2
+    assert "placement" in capsys.readouterr().err
 
 
 def test_storage_command_lends_the_cluster_no_memory(

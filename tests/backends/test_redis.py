@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import threading
 import uuid
@@ -18,6 +19,7 @@ import redis.asyncio as aioredis
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
+from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import _servers
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
@@ -401,6 +403,38 @@ async def test_gc_evicts_pages_with_unreadable_headers_first_and_lists_empty_val
         assert await backend.exists(keys[:1]) == 0
         assert await backend.exists(keys[1:2]) == 0
         assert await backend.exists(keys[2:]) == 2
+
+
+async def test_listings_keep_newer_format_pages_recent_and_verify_counts_foreign_types(
+    redis_url: str,
+) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+        keys, pages, metas = make_pages(3)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+        raw = await backend.read_raw(keys[0])
+        assert raw is not None
+        newer = raw[:4] + struct.pack("<H", FORMAT_VERSION + 1) + raw[6:]
+        await backend.write_raw(keys[0], newer)
+        await backend.list_pages()  # marks every page read: later listings go by creation
+        await asyncio.sleep(1.1)  # past the one-second idle clock
+        listed = {p.key: p for p in await backend.list_pages()}
+        assert listed[keys[0]].last_access >= listed[keys[1]].last_access > 0
+        client = backend._redis()
+        await client.delete(backend._rkey(keys[1]))
+        await client.hset(backend._rkey(keys[1]), "field", "value")  # not ours to remove
+        report = await backend.verify()
+        assert (report.checked, report.ok, report.unsupported, report.unchecked) == (2, 1, 1, 1)
+        assert await client.type(backend._rkey(keys[1])) in (b"hash", "hash")
+
+
+async def test_an_lfu_server_lists_empty_values(redis_url: str) -> None:
+    with RedisServer(extra_args=["--maxmemory-policy", "allkeys-lfu"]) as server:
+        async with RedisStorage.from_url(fresh_url(server.url)) as backend:
+            keys, pages, metas = make_pages(2)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+            await backend.write_raw(keys[1], b"")
+            listed = {p.key: p.nbytes for p in await backend.list_pages()}
+            assert listed == {keys[0]: HEADER_NBYTES + 3000, keys[1]: 0}
 
 
 async def test_verify_keeps_a_page_stored_again_while_it_ran(redis_url: str) -> None:
