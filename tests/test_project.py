@@ -26,3 +26,18 @@ def test_quickstart_has_two_commands_demo_then_tests() -> None:
 def test_ci_runs_exactly_readmes_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == _quickstart()[1]
+
+
+def test_the_package_calls_nothing_newer_than_its_oldest_python() -> None:
+    # pyproject says >=3.10, CI runs 3.11: these would pass every test here and fail there.
+    assert 'requires-python = ">=3.10"' in (ROOT / "pyproject.toml").read_text()
+    newer = re.compile(
+        r"asyncio\.Runner\b|asyncio\.timeout\b|asyncio\.TaskGroup\b|rmtree\([^)]*dir_fd"
+    )
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted((ROOT / "hicache_async").rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if newer.search(line)
+    ]
+    assert found == []

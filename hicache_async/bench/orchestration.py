@@ -40,6 +40,7 @@ from .._config import CacheConfig, HostLayout, KVLayout
 from ..cli._args import positive_int
 from ..storage import FileStorage, MemoryStorage, Outcome, PageMeta, StorageBackend, default_root
 from ._records import Record
+from ._runner import LoopRunner
 
 __all__ = ["SHAPES", "Shape", "add_arguments", "describe", "prepare", "run"]
 
@@ -434,12 +435,12 @@ def run(args: argparse.Namespace) -> list[Record]:
     for loop in args.loops:
         factory = _loop_factory(loop)
         if "memory" in args.parts:
-            with asyncio.Runner(loop_factory=factory) as runner:
+            with LoopRunner(factory) as runner:
                 samples = runner.run(_memory_part(args))
             records += _memory_records(loop, samples, args.prompts * args.prompt_pages)
         if "file" in args.parts:
             for host_layout in args.layouts:
-                with asyncio.Runner(loop_factory=factory) as runner:
+                with LoopRunner(factory) as runner:
                     samples = runner.run(_file_part(args, shape, host_layout, parent))
                 records += _file_records(shape, host_layout, loop, samples, args.pages)
     return records

@@ -61,6 +61,7 @@ from ..storage import (
     open_storage,
 )
 from ._records import Record
+from ._runner import LoopRunner
 
 __all__ = ["SHAPES", "Shape", "add_arguments", "describe", "prepare", "run"]
 
@@ -391,7 +392,7 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
     pairs = _Pairs()
     with (
         _workdir(args.backend) as (url, raw_dir),
-        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        LoopRunner(_loop_factory()) as runner,
     ):
         storage = FileStorage.from_url(url)
         # The same store without spare files, for puts into new files on both sides.
@@ -501,7 +502,7 @@ def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
     pairs = _Pairs()
     capacity = 2 * data.pages * (data.nbytes + HEADER_NBYTES)
     storage = MemoryStorage.from_url(_memory_url(args.backend, capacity))
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with LoopRunner(_loop_factory()) as runner:
         runner.run(storage.__aenter__())
         try:
             keys: list[bytes] = []
@@ -565,7 +566,7 @@ def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any
     pairs = _Pairs()
     storage = open_storage(args.backend)
     with (
-        asyncio.Runner(loop_factory=_loop_factory()) as runner,
+        LoopRunner(_loop_factory()) as runner,
         modes(args.backend, data.nbytes, data.pages) as raw,
     ):
         # The baseline's modes: the best median of a few trials each, for put and for get.
@@ -649,7 +650,7 @@ def _bench_other(args: argparse.Namespace, data: _Data, scheme: str | None) -> l
             await storage.delete(keys)
             return exists
 
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with LoopRunner(_loop_factory()) as runner:
         exists = runner.run(session())
     prefix = f"storage.{label}.{data.shape.name}"
     records = [
