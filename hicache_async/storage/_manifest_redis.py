@@ -16,13 +16,14 @@ and start over when `gen` changed under them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import (
@@ -542,6 +543,33 @@ class RedisManifest:
         caller retries, and the trim bounds the list if appends keep winning.
         """
         client = self._client()
+        if isinstance(client, RedisCluster):
+            # redis-py's cluster pipeline runs each command between WATCH and MULTI in a
+            # thread of its own that the event loop waits for, blocked; the namespace's keys
+            # share one slot, so the switch runs on plain connections to that slot's node
+            # (two: the watching one, and one for what is asked beside it).
+            node = client.get_node_from_key(self.list_key(namespace))
+            if node is None:
+                raise RedisClusterException(f"no node serves the slot of {namespace}")
+            pool = ConnectionPool(
+                connection_class=node.connection_class, max_connections=2, **node.connection_kwargs
+            )
+            standalone = Redis(connection_pool=pool)
+            try:
+                return await self._switch_watched_on(
+                    standalone, namespace, gen=gen, length=length, temp=temp, nbytes=nbytes
+                )
+            finally:
+                with contextlib.suppress(*REDIS_FAULTS, OSError):
+                    await standalone.aclose()
+                await pool.aclose()
+        return await self._switch_watched_on(
+            client, namespace, gen=gen, length=length, temp=temp, nbytes=nbytes
+        )
+
+    async def _switch_watched_on(
+        self, client: Redis, namespace: str, *, gen: bytes, length: int, temp: str, nbytes: int
+    ) -> bool:
         key, meta = self.list_key(namespace), self.meta_key(namespace)
         async with client.pipeline(transaction=True) as pipe:
             try:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -202,6 +205,26 @@ async def test_warmup_manifest_round_trip_on_the_cluster(
         newest = {e.chain_id for e in entries if e.priority >= 4}
         assert {e.chain_id for e in read.entries} == newest
     assert manifest._scripting is scripting
+
+
+def test_compactions_without_scripting_never_block_the_loop(redis_cluster_url: str) -> None:
+    # redis-py's cluster pipeline ran the commands between WATCH and MULTI in threads the
+    # loop waited for, blocked; with one connection per node and three appenders it froze
+    # for good. In a process of its own, so such a freeze fails the test, not the suite.
+    worker = Path(__file__).resolve().parent.parent / "_cluster_manifest_worker.py"
+    url = fresh_url(redis_cluster_url, max_connections=1, timeout=2)
+    result = subprocess.run(
+        [sys.executable, str(worker), url, "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["foreign"] == []
+    assert all(count > 0 for count in report["appends"])
+    assert report["namespaces_read"]
 
 
 async def test_a_slot_moved_under_a_client_is_followed(redis_cluster: RedisClusterServer) -> None:
