@@ -244,8 +244,12 @@ async def test_a_slot_moved_under_a_client_is_followed(redis_cluster: RedisClust
             dst_id = dst.execute_command("CLUSTER", "MYID").decode()  # type: ignore[no-untyped-call]
             dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)  # type: ignore[no-untyped-call]
             src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)  # type: ignore[no-untyped-call]
+            # Every key of the slot moves (other tests' pages may share it on this session's
+            # cluster): the slot's owner cannot change while its old node holds one.
+            held = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100_000)  # type: ignore[no-untyped-call]
+            assert rkey in held
             src.execute_command(  # type: ignore[no-untyped-call]
-                "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", rkey
+                "MIGRATE", target.host, target.port, "", 0, 5000, "KEYS", *held
             )
             into = buffers(8)
             outcomes = await asyncio.wait_for(
