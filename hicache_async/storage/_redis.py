@@ -27,7 +27,7 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import ResponseError
+from redis.exceptions import MovedError, ResponseError
 
 from .._errors import StorageConfigError, StorageError
 from ._base import (
@@ -367,6 +367,7 @@ class RedisStorage(BackendBase):
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
+        self._moved_noted = False
         self._idle: asyncio.Event | None = None
         # SET's trailing arguments, packed once: `NX` and, with a TTL, `EX <seconds>`.
         ex = [] if ttl is None else [b"EX", str(ttl).encode()]
@@ -683,7 +684,7 @@ class RedisStorage(BackendBase):
             found = [
                 (i, value)
                 for i, value in zip(chunk, values, strict=True)
-                if not isinstance(value, Exception)
+                if not isinstance(value, Exception) or self._note_reply(value)
             ]
             checks: list[PageCheck | None] = [None] * len(found)
 
@@ -749,7 +750,8 @@ class RedisStorage(BackendBase):
                         judge(i, verdict, "checksum or mac")
                 elif isinstance(got, tuple):
                     judge(i, *got)
-                # else: an error reply for this key, which stays ERROR
+                else:  # an error reply for this key, which stays ERROR
+                    self._note_reply(got)
 
         bulk = self._bulk
         fetch = fetch_values if bulk is None else functools.partial(fetch_into, bulk)
@@ -882,6 +884,7 @@ class RedisStorage(BackendBase):
                 if isinstance(result, Exception):
                     if no_room(result):  # maxmemory under noeviction: declined, not failed
                         outcomes[i] = Outcome.MISS
+                    self._note_reply(result)
                     continue
                 outcomes[i] = Outcome.OK
                 if result:  # None: the key existed and was kept as it was
@@ -1278,6 +1281,21 @@ class RedisStorage(BackendBase):
         return GcReport(evicted_pages=evicted, freed_bytes=freed)
 
     # Internals.
+
+    def _note_reply(self, error: object) -> bool:
+        """Log, once, a MOVED reply to a client without `cluster=1`: pointed at a cluster node,
+        it gets one for every key of another node, which would otherwise show only as
+        ERROR outcomes. False, so a filter can call it."""
+        moved = isinstance(error, MovedError) or str(error).startswith("MOVED")
+        if moved and not self._cluster and not self._moved_noted:
+            self._moved_noted = True
+            log.warning(
+                "storage.redis.cluster_node",
+                backend=self._name,
+                error=str(error),
+                hint="the server is a Redis Cluster node: open it with cluster=1",
+            )
+        return False
 
     def _redis(self) -> RedisClient:
         self._check_open()

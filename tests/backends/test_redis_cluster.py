@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import redis
+import structlog
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, open_storage
@@ -391,6 +392,24 @@ async def test_a_cluster_that_never_answered_gives_errors() -> None:
         assert got == [Outcome.ERROR] * 2
         with pytest.raises(StorageError):
             await asyncio.wait_for(backend.exists(keys), FAULT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_plain_client_on_a_cluster_node_says_to_use_cluster_mode(
+    redis_cluster: RedisClusterServer, bulk: int
+) -> None:
+    node = redis_cluster.nodes[0]
+    url = f"redis://127.0.0.1:{node.port}/0?prefix=t{uuid.uuid4().hex}&bulk={bulk}"
+    keys, pages, metas = make_pages(16)
+    with structlog.testing.capture_logs() as logs:
+        async with RedisStorage.from_url(url) as backend:
+            put = await backend.put(keys, pages, metas)
+            got = await backend.get(keys, buffers(16), namespace=NS)
+    assert Outcome.ERROR in put  # the keys of the other two primaries
+    assert [o is Outcome.OK for o in got] == [o is Outcome.OK for o in put]
+    events = [entry for entry in logs if entry["event"] == "storage.redis.cluster_node"]
+    assert len(events) == 1
+    assert "cluster=1" in events[0]["hint"]
 
 
 def test_cluster_configuration_errors() -> None:
