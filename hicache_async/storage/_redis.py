@@ -681,11 +681,12 @@ class RedisStorage(BackendBase):
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
                 given_up = self._cluster
                 return
-            found = [
-                (i, value)
-                for i, value in zip(chunk, values, strict=True)
-                if not isinstance(value, Exception) or self._note_reply(value)
-            ]
+            found: list[tuple[int, bytes | None]] = []
+            for i, value in zip(chunk, values, strict=True):
+                if isinstance(value, Exception):
+                    self._note_reply(value)  # an error reply for this key: it stays ERROR
+                else:
+                    found.append((i, value))
             checks: list[PageCheck | None] = [None] * len(found)
 
             def check(stop: threading.Event) -> None:
@@ -1282,10 +1283,10 @@ class RedisStorage(BackendBase):
 
     # Internals.
 
-    def _note_reply(self, error: object) -> bool:
+    def _note_reply(self, error: object) -> None:
         """Log, once, a MOVED reply to a client without `cluster=1`: pointed at a cluster node,
         it gets one for every key of another node, which would otherwise show only as
-        ERROR outcomes. False, so a filter can call it."""
+        ERROR outcomes."""
         moved = isinstance(error, MovedError) or str(error).startswith("MOVED")
         if moved and not self._cluster and not self._moved_noted:
             self._moved_noted = True
@@ -1295,7 +1296,6 @@ class RedisStorage(BackendBase):
                 error=str(error),
                 hint="the server is a Redis Cluster node: open it with cluster=1",
             )
-        return False
 
     def _redis(self) -> RedisClient:
         self._check_open()
