@@ -236,6 +236,9 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     retry_backoff_s: float = 0.05
     flush_deadline_s: float = 10.0
     io_timeout_s: float = 30.0
+    #: Before each batch, ask storage (one `exists` per chain) whether the prefix above each
+    #: job is still there, and write again what it lost and this instance still holds.
+    check_prefix: bool = True
 
     def __post_init__(self) -> None:
         _positive("backup.queue_size", self.queue_size)

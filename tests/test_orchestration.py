@@ -11,6 +11,7 @@ from types import TracebackType
 import numpy as np
 import pytest
 import structlog
+from _unowned_storage import Unowned, assert_backup_adds_up
 
 from hicache_async import CacheConfig, HiCache, KVLayout, PrefetchHandle, PrefetchStatus
 from hicache_async.storage import (
@@ -19,13 +20,11 @@ from hicache_async.storage import (
     Outcome,
     PageBuffer,
     PageMeta,
-    RawAccess,
     StorageBackend,
     StorageCapabilities,
     StorageStats,
 )
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
-from hicache_async.workers import BackupStatistics
 from hicache_async.workers._link import StorageLink
 
 PAGE = 4
@@ -44,77 +43,6 @@ def _config(**overrides: object) -> CacheConfig:
     }
     base.update(overrides)
     return CacheConfig.from_dict(base)
-
-
-class Unowned:
-    """Forwards to a backend but leaves entering and closing it to the test.
-
-    Two caches in one process can then share one real backend instance.
-    """
-
-    def __init__(self, inner: StorageBackend) -> None:
-        self.inner = inner
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def capabilities(self) -> StorageCapabilities:
-        return self.inner.capabilities
-
-    async def __aenter__(self) -> Unowned:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        return None
-
-    async def exists(self, keys: Sequence[bytes]) -> int:
-        return await self.inner.exists(keys)
-
-    async def get(
-        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
-    ) -> list[Outcome]:
-        return await self.inner.get(keys, into, namespace=namespace)
-
-    async def put(
-        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
-    ) -> list[Outcome]:
-        return await self.inner.put(keys, pages, metas)
-
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        return await self.inner.delete(keys)
-
-    def stats(self) -> StorageStats:
-        return self.inner.stats()
-
-    async def close(self) -> None:
-        return None
-
-    async def read_raw(self, key: bytes) -> bytes | None:
-        assert isinstance(self.inner, RawAccess)
-        return await self.inner.read_raw(key)
-
-    async def write_raw(self, key: bytes, value: bytes) -> None:
-        assert isinstance(self.inner, RawAccess)
-        await self.inner.write_raw(key, value)
-
-
-def _assert_backup_adds_up(backup: BackupStatistics) -> None:
-    """Every offered page is accounted for exactly once (nothing queued any more)."""
-    assert backup.queued == 0
-    assert backup.offered_pages == (
-        backup.written_pages
-        + backup.skipped_pages
-        + backup.failed_pages
-        + backup.dropped_pages
-        + backup.superseded_pages
-    )
 
 
 def _prompts(count: int, seed: int, *, length: int = 10 * PAGE) -> list[np.ndarray]:
@@ -155,7 +83,7 @@ async def test_second_instance_serves_first_ones_prefixes_from_storage(
             written = first.storage_status().backup
             assert written is not None
             assert written.written_pages > 0
-            _assert_backup_adds_up(written)
+            assert_backup_adds_up(written)
         async with HiCache(config, storage=backend()) as second:
             results = [
                 await serve(second, prompt, generator, request_id=f"b{i}")
@@ -325,7 +253,7 @@ async def test_pages_offered_again_once_stored_are_counted_superseded() -> None:
         assert after.superseded_pages - before.superseded_pages == again
         assert after.written_pages == before.written_pages
         assert memory.stats().puts == before.written_pages  # no page was put twice
-        _assert_backup_adds_up(after)
+        assert_backup_adds_up(after)
         assert_drained(cache)
 
 
@@ -612,6 +540,10 @@ class Misbehaving(Unowned):
         outcomes = await self.inner.put(keys, pages, metas)
         return outcomes[:-1] if self.fault == "short_put" else outcomes
 
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        found = await self.inner.exists(keys)
+        return len(keys) + 1 if self.fault == "long_exists" else found
+
     def stats(self) -> StorageStats:
         if self.fault == "stats":
             raise RuntimeError("stats broke")
@@ -629,7 +561,7 @@ class Misbehaving(Unowned):
 
 
 @pytest.mark.parametrize(
-    "fault", ["short_put", "short_get", "long_get", "zero_batch", "stats", "close"]
+    "fault", ["short_put", "short_get", "long_get", "long_exists", "zero_batch", "stats", "close"]
 )
 async def test_a_backend_breaking_the_protocol_costs_misses_never_the_cache(fault: str) -> None:
     config = _config(write_policy="write_through", backup={"max_retries": 1})
@@ -637,7 +569,7 @@ async def test_a_backend_breaking_the_protocol_costs_misses_never_the_cache(faul
     prompts = _prompts(6, seed=15)
     memory = MemoryStorage(capacity_bytes=16 << 20)
     async with memory:
-        if fault in ("short_get", "long_get", "zero_batch"):
+        if fault in ("short_get", "long_get", "long_exists", "zero_batch"):
             await _stored(memory, config, prompts)
         backend = Misbehaving(memory, fault)
         async with HiCache(config, storage=backend) as cache:
@@ -654,7 +586,7 @@ async def test_a_backend_breaking_the_protocol_costs_misses_never_the_cache(faul
             if fault == "short_put":
                 assert status.backup.failed_pages > 0  # refused answers, counted, retried once
                 assert status.backup.written_pages == 0
-            elif fault in ("short_get", "long_get"):
+            elif fault in ("short_get", "long_get", "long_exists"):
                 assert storage_tokens == 0  # a wrong answer lands nothing
                 assert status.prefetch.errors > 0
             elif fault == "zero_batch":

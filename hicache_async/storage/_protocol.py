@@ -191,3 +191,11 @@ def check_outcomes(outcomes: object, count: int, call: str) -> list[Outcome]:
         shown = f"{len(outcomes)} items" if isinstance(outcomes, list) else type(outcomes).__name__
         raise StorageError(f"{call} returned {shown}, not a list of {count} Outcomes")
     return outcomes
+
+
+def check_exists(found: object, count: int) -> int:
+    """`found` if it is a count of 0 to `count` keys (what `exists` must return), else
+    StorageError: a backend's wrong answer is a failed call, not a crash of its caller."""
+    if not isinstance(found, int) or isinstance(found, bool) or not 0 <= found <= count:
+        raise StorageError(f"exists returned {found!r}, not a count of 0 to {count} keys")
+    return found

@@ -4,10 +4,16 @@ Offering a node is synchronous and never waits: it protects the node's host page
 it, or, when the queue is full, skips it and counts the skip. The worker writes batches,
 retries failed pages with bounded backoff, marks a node "in storage" only once the backend
 acknowledged all its pages, and then lifts the protection.
+
+A batch also writes the pages above each job that storage lacks: a prefix is found in storage
+only up to its first missing page, so one page skipped, failed, or lost by the store (a
+restart without persistence, its own eviction, another instance's gc) would otherwise cut
+every chain through it for every other instance, for as long as this one holds the page.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -19,7 +25,7 @@ import structlog
 from .._config import BackupConfig
 from ..storage import Outcome, PageMeta, StorageBackend
 from ..storage._manifest import ManifestEntry, SupportsManifest, WarmupManifest, chain_entry
-from ..storage._protocol import check_outcomes
+from ..storage._protocol import check_exists, check_outcomes
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -51,6 +57,10 @@ class BackupStatistics(msgspec.Struct, frozen=True):
     #: offered pages that needed no write by the time their batch ran (stored meanwhile,
     #: or offered twice in one batch)
     superseded_pages: int = 0
+    #: pages above a job's range, not offered, added to its batch because storage lacked them
+    repaired_pages: int = 0
+    #: pages marked in storage that a check of the prefix above a job found missing there
+    lost_pages: int = 0
 
 
 class BackupWorker:
@@ -85,6 +95,7 @@ class BackupWorker:
         self.offered_pages = self.written_pages = self.bytes_written = 0
         self.skipped_pages = self.retried_pages = self.failed_pages = 0
         self.dropped_pages = self.batches = self.superseded_pages = 0
+        self.repaired_pages = self.lost_pages = 0
 
     def offer(self, node: TreeNode, num_pages: int) -> bool:
         """Queue the last `num_pages` pages ending at `node` for backup; never waits."""
@@ -176,6 +187,8 @@ class BackupWorker:
             batches=self.batches,
             manifest_entries=self.manifest_entries,
             superseded_pages=self.superseded_pages,
+            repaired_pages=self.repaired_pages,
+            lost_pages=self.lost_pages,
         )
 
     async def _write(self, jobs: list[_Job]) -> None:
@@ -186,25 +199,34 @@ class BackupWorker:
         fingerprint = cache.namespace.fingerprint
         size = cache.config.page_size
         try:
-            # Plan: the pages of every node not yet in storage, in tree order.
+            if self.config.check_prefix and self._is_current():
+                await self._check_prefixes(jobs)
+            # Plan: the pages of every node not yet in storage, in tree order, with those
+            # above each job's range that storage lacks.
             nodes: list[TreeNode] = []
             seen: set[int] = set()
             keys: list[bytes] = []
             buffers = []
             metas: list[PageMeta] = []
-            for job in jobs:
-                for node in cache._path(job.node, job.num_pages):
+            paths = [cache._path(job.node, job.num_pages) for job in jobs]
+            offered_ids = {node.id for path in paths for node in path}
+            repaired = 0
+            for path in paths:
+                for node in (*_chain(path[0].parent), *path):
                     if node.in_storage or node.host_pages is None or node.id in seen:
                         continue
                     seen.add(node.id)
                     nodes.append(node)
+                    if node.id not in offered_ids:
+                        repaired += node.num_pages
                     storage_keys = cache.namespace.storage_keys(node.keys)
                     for key, page in zip(storage_keys, node.host_pages, strict=True):
                         keys.append(key)
                         buffers.append(host.page_segments(page))
                         metas.append(PageMeta(key, fingerprint, size, node.priority))
             offered = sum(job.num_pages for job in jobs)
-            self.superseded_pages += max(0, offered - len(keys))
+            self.repaired_pages += repaired
+            self.superseded_pages += max(0, offered - (len(keys) - repaired))
             if not keys:
                 return
             self.batches += 1
@@ -229,6 +251,57 @@ class BackupWorker:
         finally:
             for job in jobs:
                 tree.unprotect_host(job.node)
+
+    async def _check_prefixes(self, jobs: list[_Job]) -> None:
+        """Unmark the nodes above the jobs' ranges that are marked in storage but missing
+        there, so that this batch writes them again (those still on the host).
+
+        One `exists` per chain answers up to its first missing page; the node holding it is
+        unmarked and the rest of the chain is asked again. An intact chain costs one call; a
+        chain the store lost whole, one per node.
+        """
+        cache = self._cache
+        tops: dict[int, TreeNode] = {}
+        for job in jobs:
+            top = cache._path(job.node, job.num_pages)[0].parent
+            if top is not None and top.parent is not None:
+                tops[top.id] = top
+        # A chain that runs through another one's top covers it.
+        covered = {n.id for top in tops.values() for n in _chain(top.parent)}
+        for top in tops.values():
+            if top.id in covered:
+                continue
+            start = 0  # pages of the chain known to be in storage, or already unmarked
+            while True:
+                # The chain is read again after every wait: a node may have been split
+                # meanwhile (which keeps the chain's keys); protection keeps all of it.
+                chain = _chain(top)
+                ends = list(itertools.accumulate(node.num_pages for node in chain))
+                if not any(n.in_storage for n, end in zip(chain, ends, strict=True) if end > start):
+                    break  # nothing marked in storage is left to check
+                keys = [key for node in chain for key in node.keys][start:]
+                try:
+                    with anyio.fail_after(self.config.io_timeout_s):
+                        answer = await self._backend.exists(cache.namespace.storage_keys(keys))
+                    found = check_exists(answer, len(keys))
+                except Exception as exc:
+                    # Unknown: nothing is unmarked on a guess.
+                    _log.warning("hicache.backup.check.failed", pages=len(keys), error=repr(exc))
+                    return
+                if not self._is_current():
+                    return
+                start += found
+                chain = _chain(top)
+                ends = list(itertools.accumulate(node.num_pages for node in chain))
+                missing = next((k for k, end in enumerate(ends) if end > start), None)
+                if missing is None:
+                    break
+                node = chain[missing]
+                if node.in_storage:
+                    cache._tree.mark_in_storage(node, False)
+                    self.lost_pages += node.num_pages
+                    _log.info("hicache.backup.lost", pages=node.num_pages)
+                start = ends[missing]
 
     def _chain_entry(self, job: _Job) -> ManifestEntry | None:
         """A manifest entry for the chain ending at the job's node, if all of it is stored."""
@@ -303,3 +376,13 @@ class BackupWorker:
             self.failed_pages += len(todo)
             _log.warning("hicache.backup.dropped", pages=len(todo))
         return done
+
+
+def _chain(node: TreeNode | None) -> list[TreeNode]:
+    """The nodes from the root (left out) down to `node`, top-down."""
+    chain: list[TreeNode] = []
+    while node is not None and node.parent is not None:
+        chain.append(node)
+        node = node.parent
+    chain.reverse()
+    return chain

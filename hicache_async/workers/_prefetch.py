@@ -24,7 +24,7 @@ import structlog
 from .._config import PrefetchConfig, PrefetchPolicy
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
 from ..storage import Outcome, StorageBackend
-from ..storage._protocol import check_outcomes
+from ..storage._protocol import check_exists, check_outcomes
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -527,9 +527,10 @@ class Prefetcher:
             return PrefetchStatus.TERMINATED
         try:
             with anyio.fail_after(self.config.io_timeout_s):
-                existing = await self._backend.exists(
+                answer = await self._backend.exists(
                     self._cache.namespace.storage_keys(keys[start:])
                 )
+            existing = check_exists(answer, len(keys) - start)
         except Exception as exc:
             self.errors += 1
             _log.warning(
