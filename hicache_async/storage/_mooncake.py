@@ -22,7 +22,6 @@ import concurrent.futures
 import contextlib
 import ctypes
 import functools
-import socket
 import threading
 import time
 import urllib.error
@@ -53,6 +52,7 @@ from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
 from ._manifest_mooncake import MooncakeManifest
 from ._mooncake_local import LocalObjects
+from ._mooncake_watch import MasterWatch, http_probe, reachable, tcp_probe
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -72,6 +72,7 @@ _NO_SPACE = -200  # NO_AVAILABLE_HANDLE: the cluster has no room; not stored, no
 _INVALID_PARAMS = -600  # among others: the object is larger than the buffers given
 _TRANSFER_FAIL = -800  # among others: the object's length differs from the buffers'
 _NOT_FOUND = -704
+_RPC_FAIL = -900  # the master did not answer
 # An object another client is still putting: not readable yet, so a miss like an absent one.
 _NOT_READY = -703
 _ALREADY_EXISTS = -705
@@ -208,20 +209,12 @@ class _ClientPool:
             idle, self._idle = self._idle, {}
         for key, clients in idle.items():
             host, _, port = key[0].rpartition(":")
-            if _reachable((host.strip("[]"), int(port))):
+            if reachable((host.strip("[]"), int(port)), _PROBE_TIMEOUT_S):
                 for client in clients:
                     client.close()
             else:
                 log.warning("storage.mooncake.master_gone_at_exit", master=key[0])
                 self._abandoned.extend(clients)
-
-
-def _reachable(address: tuple[str, int]) -> bool:
-    try:
-        socket.create_connection(address, timeout=_PROBE_TIMEOUT_S).close()
-    except OSError:
-        return False
-    return True
 
 
 _POOL = _ClientPool()
@@ -590,6 +583,7 @@ class MooncakeStorage(BackendBase):
         self._local: LocalObjects | None = None
         self._direct_pages = 0
         self._put_group_bytes = _PUT_GROUP_BYTES
+        self._watch: MasterWatch | None = None
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MooncakeStorage:
@@ -829,6 +823,9 @@ class MooncakeStorage(BackendBase):
                 await self._run_while_closing(undo)
             raise
         self._local = LocalObjects(hostname) if self._direct_reads else None
+        probe = http_probe(self._admin) if self._admin else tcp_probe(self._master_addr)
+        self._watch = MasterWatch(probe, name=self._master)
+        self._watch.start()
         self._arena_array = arena
         self._arena_view = arena.data
         self._arena_base = arena_base
@@ -837,6 +834,8 @@ class MooncakeStorage(BackendBase):
         self._pending.clear()
 
     async def _release(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self._helpers is not None:
             self._helpers.shutdown(wait=False)  # every job (and so every helper) has finished
         store, self._store = self._store, None
@@ -871,7 +870,7 @@ class MooncakeStorage(BackendBase):
 
     def _new_client(self, factory: Callable[[], Any]) -> Any:
         # setup() waits a long time for a master that is not there: probe it first.
-        if not _reachable(self._master_addr):
+        if not reachable(self._master_addr, _PROBE_TIMEOUT_S):
             raise StorageError(f"{self._name}: cannot reach the Mooncake master at {self._master}")
         store = factory()
         code = store.setup(
@@ -898,6 +897,7 @@ class MooncakeStorage(BackendBase):
         check_keys(keys)
         if not keys:
             return 0
+        self._check_master()
         names = [self._mkey(k) for k in keys]
         results = await self.run_job(lambda stop: list(store.batch_is_exist(names)))
         count = 0
@@ -918,9 +918,12 @@ class MooncakeStorage(BackendBase):
         self._open_store()
         check_batch(keys, ("buffers", into))
         check_keys(keys, namespace)
-        plans = await self._plan([byte_segments(page, writable=True) for page in into])
-        self._count_paths(plans)
+        targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
+        if self._master_down():
+            return self._count_failed(outcomes, get=True)
+        plans = await self._plan(targets)
+        self._count_paths(plans)
         corrupt: list[tuple[int, str]] = []
         removed: list[int] = []
         try:
@@ -967,6 +970,8 @@ class MooncakeStorage(BackendBase):
                 position[key] = len(firsts)
                 firsts.append(i)
         segments = [byte_segments(page, writable=False) for page in pages]  # checks them all
+        if self._master_down():
+            return self._count_failed([Outcome.ERROR] * len(keys), get=False)
         unique = [keys[i] for i in firsts]
         unique_metas = [metas[i] for i in firsts]
         plans = await self._plan([segments[i] for i in firsts])
@@ -1000,6 +1005,7 @@ class MooncakeStorage(BackendBase):
         check_keys(keys)
         if not keys:
             return 0
+        self._check_master()
         removed, _ = await self._remove(store, keys, evictions=False)
         return removed
 
@@ -1013,6 +1019,8 @@ class MooncakeStorage(BackendBase):
         def job(stop: threading.Event) -> tuple[list[int], list[int]]:
             # Sizes first, for the byte counts: Mooncake's remove does not say.
             sizes = _stored_sizes(store, names)
+            if self._master_down():  # the sizes call waited for a master gone meanwhile
+                return [_RPC_FAIL] * len(names), sizes
             return list(store.batch_remove(names, force=True)), sizes
 
         results, sizes = await self.run_job(job)
@@ -1040,6 +1048,7 @@ class MooncakeStorage(BackendBase):
         """The stored `header ‖ payload` of `key`, or None when absent."""
         store = self._open_store()
         check_key(key)
+        self._check_master()
         name = self._mkey(key)
 
         def job(stop: threading.Event) -> bytes | None:
@@ -1059,6 +1068,7 @@ class MooncakeStorage(BackendBase):
         """Store `value` under `key` as is, replacing what is there (`upsert`)."""
         store = self._open_store()
         check_key(key)
+        self._check_master()
         name = self._mkey(key)
         code = await self.run_job(lambda stop: int(store.upsert(name, bytes(value))))
         if code != 0:
@@ -1187,6 +1197,27 @@ class MooncakeStorage(BackendBase):
     def _open_store(self) -> Any:
         self._check_open()
         return self._store
+
+    def _master_down(self) -> bool:
+        """Whether the master is known not to answer now (see _mooncake_watch)."""
+        return self._watch is not None and self._watch.down
+
+    def _count_failed(self, outcomes: list[Outcome], *, get: bool) -> list[Outcome]:
+        """Count a batch that failed whole before any call (the master is not answering)."""
+        c = self._counters
+        if get:
+            c.gets += len(outcomes)
+        else:
+            c.puts += len(outcomes)
+        c.errors += len(outcomes)
+        return outcomes
+
+    def _check_master(self) -> None:
+        """StorageError at once while the master is known not to answer: a call would wait
+        seconds for the same failure."""
+        if self._master_down():
+            self._counters.errors += 1
+            raise StorageError(f"{self._name}: the Mooncake master is not answering")
 
     async def _acquire_arena(self, nbytes: int) -> int:
         """`nbytes` of the staging arena; StorageError if the backend closed while waiting
@@ -1387,7 +1418,8 @@ class MooncakeStorage(BackendBase):
             todo = [j for j, slot in enumerate(slots) if slot is not None]
             if local is not None and todo:
                 todo = read_in_place(todo, results, stop)
-                if stop.is_set():
+                # Stopped, or the lookup waited for a master gone meanwhile (the rest ERROR).
+                if stop.is_set() or self._master_down():
                     return results
             names = [self._mkey(keys[chunk[j]]) for j in todo]
             buffers, sizes = _object_buffers(todo, plans, chunk, slots, arena_base)
@@ -1552,6 +1584,7 @@ class MooncakeStorage(BackendBase):
             raise StorageConfigError(
                 f"{self._name}: listing pages needs the master's admin URL (?admin=http://...)"
             )
+        self._check_master()
         url = f"{self._admin}/get_all_keys"
 
         def job(stop: threading.Event) -> bytes:

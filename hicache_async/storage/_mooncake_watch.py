@@ -1,0 +1,107 @@
+"""Whether the Mooncake master answers, known before a call is made.
+
+A Mooncake client call to a master that is gone waits out the client's reconnect (about
+4.3 s), and one to a master that stopped answering waits out its request timeout (30 s);
+the client has no setting for either, and a call running in a thread cannot be interrupted.
+A prefetch worker stuck that long turns every request into a miss meanwhile. So a thread
+probes the master a few times a second, and the backend's calls check the verdict first and
+fail at once while the master is known not to answer; the calls already running still wait.
+
+The probe is a GET of the master's `/health` on its admin (metrics) port when the backend was
+given `admin=`, which also notices a frozen master; without it, a TCP connect to the RPC port,
+which notices only a master that is gone (a stopped process's kernel still accepts).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from ._base import log
+
+__all__ = ["MasterWatch", "http_probe", "reachable", "tcp_probe"]
+
+#: Seconds between probes, and the bound on each.
+_INTERVAL_S = 0.25
+_PROBE_TIMEOUT_S = 1.0
+#: Probes failed in a row before the master counts as down (one slow answer is not enough).
+_FAILURES_FOR_DOWN = 2
+
+
+def http_probe(admin: str) -> Callable[[], bool]:
+    """A probe that the master's admin server answers `/health` with 200."""
+    url = f"{admin}/health"
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT_S) as response:
+                response.read()
+                return int(response.status) == 200
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+
+    return probe
+
+
+def reachable(address: tuple[str, int], timeout_s: float) -> bool:
+    """Whether `address` accepts a TCP connection within `timeout_s`."""
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except OSError:
+        return False
+    return True
+
+
+def tcp_probe(address: tuple[str, int]) -> Callable[[], bool]:
+    """A probe that the master's RPC port accepts a connection."""
+    return lambda: reachable(address, _PROBE_TIMEOUT_S)
+
+
+class MasterWatch:
+    """Runs `probe` on a daemon thread every quarter second; `down` once it failed twice in
+    a row, up again at its first success."""
+
+    def __init__(self, probe: Callable[[], bool], *, name: str) -> None:
+        self._probe = probe
+        self._name = name
+        self._failures = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        running = self._thread is not None and not self._stop.is_set()
+        state = "down" if self.down else "up"
+        return f"<MasterWatch {self._name} {state} running={running}>"
+
+    @property
+    def down(self) -> bool:
+        """Whether the master failed the last probes (read from any thread)."""
+        return self._failures >= _FAILURES_FOR_DOWN
+
+    def start(self) -> None:
+        """Start probing (once)."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self!r} was started already")
+        self._thread = threading.Thread(
+            target=self._run, name=f"hicache-mooncake-watch {self._name}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop probing; never waits (a probe in progress ends within its timeout)."""
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            was_down = self.down
+            # One writer: the counter is only ever replaced, so readers see either value.
+            self._failures = 0 if self._probe() else self._failures + 1
+            if self.down != was_down and not self._stop.is_set():
+                if self.down:
+                    log.warning("storage.mooncake.master_down", master=self._name)
+                else:
+                    log.info("storage.mooncake.master_up", master=self._name)
+            self._stop.wait(_INTERVAL_S)

@@ -1,0 +1,171 @@
+"""A Mooncake master known not to answer fails calls at once, with no call to the client.
+
+Without the watch each call waits for the client's own timeouts: about 4.3 s per master call
+for a master that is gone, 30 s for one that is frozen (docs/storage-mooncake.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import structlog
+
+from hicache_async import StorageError
+from hicache_async.storage import Outcome
+from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
+from hicache_async.storage._mooncake_watch import MasterWatch
+from hicache_async.testing._servers import MooncakeMaster
+
+from .test_mooncake import NS, buffers, fresh_url, joined, make_pages
+
+#: Far above the watch's own reaction (two failed probes a quarter second apart, each bounded
+#: by one second): only a watch that never notices runs into it.
+NOTICE_WITHIN_S = 20.0
+
+
+class CountingClient:
+    """Forwards to a Mooncake client and records the name of every method called on it."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._client, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return attribute(*args, **kwargs)
+
+        return call
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + NOTICE_WITHIN_S
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came true"
+        await asyncio.sleep(0.05)
+
+
+async def _every_call_fails_without_reaching_the_client(
+    backend: MooncakeStorage, client: CountingClient
+) -> None:
+    keys, pages, metas = make_pages(3)
+    errors = backend.stats().errors
+    calls = len(client.calls)
+    assert await backend.get(keys, buffers(3), namespace=NS) == [Outcome.ERROR] * 3
+    assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+    for call in (
+        backend.exists(keys),
+        backend.delete(keys),
+        backend.read_raw(keys[0]),
+        backend.write_raw(keys[0], b"value"),
+        backend.list_pages(),
+        backend.verify(),
+        backend.gc(),
+    ):
+        with pytest.raises(StorageError, match="not answering"):
+            await call
+    assert client.calls[calls:] == []
+    assert backend.stats().errors >= errors + 6 + 7
+
+
+@pytest.fixture
+def master() -> Iterator[MooncakeMaster]:
+    with MooncakeMaster() as server:
+        yield server
+
+
+async def test_a_frozen_master_fails_calls_at_once_until_it_answers_again(
+    master: MooncakeMaster,
+) -> None:
+    # The pages live in the holder's segment; the backend under test lends nothing.
+    async with MooncakeStorage.from_url(fresh_url(master.url)) as holder:
+        url = fresh_url(master.url, prefix=holder.prefix, segment_size=0, capacity="1MiB")
+        async with MooncakeStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(4)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 4
+            real = backend._store
+            client = CountingClient(real)
+            backend._store = client
+            pid = master.pid
+            assert pid is not None
+            try:
+                with structlog.testing.capture_logs() as logs:
+                    os.kill(pid, signal.SIGSTOP)
+                    try:
+                        await _until(backend._master_down)
+                        await _every_call_fails_without_reaching_the_client(backend, client)
+                    finally:
+                        os.kill(pid, signal.SIGCONT)
+                    await _until(lambda: not backend._master_down())
+                events = [e["event"] for e in logs]
+                # Once each for the holder's watch and the backend's.
+                assert events.count("storage.mooncake.master_down") == 2
+                assert events.count("storage.mooncake.master_up") == 2
+                into = buffers(4)
+                assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 4
+                assert [joined(b) for b in into] == [joined(p) for p in pages]
+                assert await backend.exists(keys) == 4
+                assert client.calls  # the calls reached the client again
+            finally:
+                backend._store = real  # the real client goes back to the pool on close
+
+
+async def test_a_master_gone_is_noticed_without_the_admin_url(master: MooncakeMaster) -> None:
+    # No admin=: the watch connects to the RPC port, which a master that is gone refuses.
+    url = (
+        f"mooncake://127.0.0.1:{master.rpc_port}?metadata={master.metadata_url}"
+        "&protocol=tcp&local_hostname=127.0.0.1"
+    )
+    async with MooncakeStorage.from_url(fresh_url(url, segment_size=0)) as backend:
+        assert "admin" not in backend.name
+        assert await backend.exists(make_pages(1)[0]) == 0  # healthy: the call is made
+        real = backend._store
+        client = CountingClient(real)
+        backend._store = client
+        try:
+            close_idle_clients(master.address)
+            master.kill()
+            await _until(backend._master_down)
+            keys, pages, metas = make_pages(2)
+            assert await backend.get(keys, buffers(2), namespace=NS) == [Outcome.ERROR] * 2
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 2
+            with pytest.raises(StorageError, match="not answering"):
+                await backend.exists(keys)
+            assert client.calls == []
+        finally:
+            backend._store = real
+
+
+def test_the_watch_needs_two_failed_probes_and_one_success() -> None:
+    answers = iter([True, False, True, False, False, False, True])
+    seen: list[bool] = []  # the verdict before each probe
+    probed = threading.Event()
+
+    def probe() -> bool:
+        seen.append(watch.down)
+        if len(seen) == 8:
+            probed.set()
+        return next(answers, True)
+
+    watch = MasterWatch(probe, name="test")
+    assert "up" in repr(watch)
+    watch.start()
+    try:
+        assert probed.wait(NOTICE_WITHIN_S)
+    finally:
+        watch.stop()
+    # Down after the second failure in a row (the 5th probe), up again at the next success.
+    assert seen == [False, False, False, False, False, True, True, False]
+    with pytest.raises(RuntimeError, match="started already"):
+        watch.start()
