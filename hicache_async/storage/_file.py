@@ -931,6 +931,15 @@ class FileStorage(BackendBase):
             entry.last_access = now
             self._index.move_to_end(key)
 
+    def _touch_chain(self, keys: Sequence[bytes], now: float) -> None:
+        """Make the indexed `keys` the most recently used, the first of them most of all.
+
+        A batch's keys run down a prefix chain, which is found only up to its first missing
+        page: evicting a chain's deepest pages first keeps the rest of it usable.
+        """
+        for key in reversed(keys):
+            self._touch(key, now)
+
     def _mark(self, key: bytes) -> None:
         """Record a change of `key`'s entry (insert, drop, removal) for observations in flight."""
         self._epoch += 1
@@ -1029,6 +1038,8 @@ class FileStorage(BackendBase):
         # The index holds only page keys: the ones found are sound, so only the rest need
         # checking (the common all-found call pays nothing).
         check_keys(keys[count:])
+        # A lookup is a use: a prefix every new chain is checked against stays in the store.
+        self._touch_chain(keys[:count], time.time())
         if count == len(keys) or not self._shared:
             return count
         rest = list(keys[count:])
@@ -1042,6 +1053,7 @@ class FileStorage(BackendBase):
                 if not self._stale(key, epoch):
                     self._insert(key, nbytes, mtime)
             self._unwatch(epoch)
+        self._touch_chain(keys[: count + more], time.time())
         return count + more
 
     def _stat_job(
@@ -1106,6 +1118,8 @@ class FileStorage(BackendBase):
                     del pins[key]
             self._commit_read(job, todo, todo_keys, outcomes, epoch)
             self._unwatch(epoch)
+        hits = [k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK]
+        self._touch_chain(hits, time.time())
         return outcomes
 
     def _read_job(
@@ -1239,10 +1253,8 @@ class FileStorage(BackendBase):
             if code == _OK:
                 outcomes[i] = Outcome.OK
                 counters.get_hits += 1
-                if key in self._index:
-                    self._touch(key, now)
-                elif not self._stale(key, epoch):  # found on disk in a shared root
-                    self._insert(key, nbytes, now)
+                if key not in self._index and not self._stale(key, epoch):
+                    self._insert(key, nbytes, now)  # found on disk in a shared root
             elif code == _MISS:
                 if not self._stale(key, epoch):
                     self._drop(key)  # deleted by another instance
@@ -1325,6 +1337,7 @@ class FileStorage(BackendBase):
             self._count_put(outcomes, duplicates, writes)  # what the job stored still counts
             raise
         self._count_put(outcomes, duplicates, writes)
+        self._touch_chain([k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK], now)
         return outcomes
 
     def _count_put(

@@ -215,7 +215,20 @@ class MemoryStorage(BackendBase):
             if key not in self._values:
                 break
             count += 1
+        # A lookup is a use: a prefix every new chain is checked against stays in the store.
+        self._touch_chain(keys[:count], time.time())
         return count
+
+    def _touch_chain(self, keys: Sequence[bytes], now: float) -> None:
+        """Make the stored `keys` the most recently used, the first of them most of all.
+
+        A batch's keys run down a prefix chain, which is found only up to its first missing
+        page: evicting a chain's deepest pages first keeps the rest of it usable.
+        """
+        for key in reversed(keys):
+            if (value := self._values.get(key)) is not None:
+                value.last_access = now
+                self._values.move_to_end(key)
 
     async def get(
         self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
@@ -279,15 +292,14 @@ class MemoryStorage(BackendBase):
         outcomes: list[Outcome],
         cancelled: bool,
     ) -> None:
-        now = time.time()
+        hits: list[bytes] = []
         for (i, value), check in zip(found, results, strict=True):
             key = keys[i]
             if check is PageCheck.OK:
                 outcomes[i] = Outcome.OK
                 self._counters.get_hits += 1
                 if self._values.get(key) is value:
-                    value.last_access = now
-                    self._values.move_to_end(key)
+                    hits.append(key)
             elif check is PageCheck.CORRUPT:
                 outcomes[i] = Outcome.CORRUPT
                 if self._values.get(key) is value:
@@ -304,6 +316,7 @@ class MemoryStorage(BackendBase):
                 if not cancelled:
                     self._counters.errors += 1
             # UNSUPPORTED: a newer writer's page, a miss left in place.
+        self._touch_chain(hits, time.time())
 
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
@@ -354,6 +367,7 @@ class MemoryStorage(BackendBase):
         for i, slot in duplicates:
             outcomes[i] = outcomes[writes[slot]] if slot < len(writes) else Outcome.MISS
         self._counters.put_ok += outcomes.count(Outcome.OK)
+        self._touch_chain([k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK], now)
         return outcomes
 
     def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
