@@ -437,6 +437,30 @@ async def test_an_lfu_server_lists_empty_values(redis_url: str) -> None:
             assert listed == {keys[0]: HEADER_NBYTES + 3000, keys[1]: 0}
 
 
+@pytest.mark.parametrize("params", [{}, {"bulk": 0}, {"multikey": 0}])
+async def test_exists_counts_as_a_use_for_the_servers_eviction(params: dict[str, int]) -> None:
+    # Under LFU a key's counter starts at 5 and its first use makes it 6 (for sure, not by
+    # chance); EXISTS is no use, TOUCH is. The script touches only the prefix it found; a
+    # pipeline (multikey=0) touches every key it asked about.
+    with RedisServer(extra_args=["--maxmemory-policy", "allkeys-lfu"]) as server:
+        async with RedisStorage.from_url(fresh_url(server.url, **params)) as backend:
+            keys, pages, metas = make_pages(4)
+            stored = [0, 1, 3]
+            outcomes = await backend.put(
+                [keys[i] for i in stored], [pages[i] for i in stored], [metas[i] for i in stored]
+            )
+            assert outcomes == [Outcome.OK] * 3
+            client = backend._redis()
+
+            async def counters() -> list[int]:
+                return [await client.object("freq", backend._rkey(keys[i])) for i in stored]
+
+            before = await counters()
+            assert await backend.exists(keys) == 2
+            beyond = 1 if params.get("multikey") == 0 else 0
+            assert await counters() == [before[0] + 1, before[1] + 1, before[2] + beyond]
+
+
 async def test_verify_keeps_a_page_stored_again_while_it_ran(redis_url: str) -> None:
     async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
         keys, pages, metas = make_pages(2)
