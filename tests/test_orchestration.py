@@ -795,10 +795,12 @@ class HangingPuts(Misbehaving):
 
     def __init__(self, inner: StorageBackend, fault: str = "") -> None:
         super().__init__(inner, fault)
+        self.putting = asyncio.Event()
 
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
+        self.putting.set()
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
@@ -821,6 +823,22 @@ async def test_a_flush_past_its_deadline_leaves_no_host_page_protected() -> None
         await cache.detach_storage(flush=True)  # gives up after 0.1 s
         await cache.drain()
         assert [n for n in cache.tree.iter_nodes() if n.host_ref] == []
+        assert_drained(cache)
+
+
+async def test_a_detach_without_flush_cancels_the_write_in_progress_at_once() -> None:
+    # The deadline is an hour: only a detach that waits for it runs into the test's bound.
+    config = _config(backup={"flush_deadline_s": 3600, "io_timeout_s": 3600})
+    generator = KVGenerator(config.layout, PAGE, seed=16)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    hanging = HangingPuts(memory)
+    async with memory, HiCache(config, storage=hanging) as cache:
+        prompt = np.random.default_rng(16).integers(0, 5000, size=2 * PAGE)
+        await serve(cache, prompt, generator, prefetch=False)
+        await asyncio.wait_for(hanging.putting.wait(), 30)
+        await asyncio.wait_for(cache.detach_storage(flush=False), 30)
+        assert not cache.storage_status().attached
+        assert [n for n in cache.tree.iter_nodes() if n.host_ref or n.in_storage] == []
         assert_drained(cache)
 
 

@@ -166,9 +166,10 @@ class StorageLink:
         if not flush:
             self.backup.drop_queued()
         with anyio.CancelScope(shield=True):
-            with anyio.move_on_after(deadline_s):
+            # Without a flush nothing is waited for, the write in progress included.
+            with anyio.move_on_after(deadline_s if flush else 0.0):
                 await self._backup_done.wait()
-            if not self._backup_done.is_set():
+            if flush and not self._backup_done.is_set():
                 _log.warning("hicache.backup.flush.deadline", pending=self.backup.pending)
             if self._scope is not None:
                 self._scope.cancel()
