@@ -62,12 +62,18 @@ def tcp_probe(address: tuple[str, int]) -> Callable[[], bool]:
 
 class MasterWatch:
     """Runs `probe` on a daemon thread every quarter second; `down` once it failed twice in
-    a row, up again at its first success."""
+    a row, up again at its first success.
+
+    A probe that has never succeeded says nothing about the master (the backend opened, so
+    the master answered then): the probe itself is what fails, say an `admin` URL this host
+    cannot reach. Then the watch never reports down, and logs once that it is blind.
+    """
 
     def __init__(self, probe: Callable[[], bool], *, name: str) -> None:
         self._probe = probe
         self._name = name
         self._failures = 0
+        self._seen_up = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -79,7 +85,7 @@ class MasterWatch:
     @property
     def down(self) -> bool:
         """Whether the master failed the last probes (read from any thread)."""
-        return self._failures >= _FAILURES_FOR_DOWN
+        return self._seen_up and self._failures >= _FAILURES_FOR_DOWN
 
     def start(self) -> None:
         """Start probing (once)."""
@@ -97,8 +103,13 @@ class MasterWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             was_down = self.down
-            # One writer: the counter is only ever replaced, so readers see either value.
-            self._failures = 0 if self._probe() else self._failures + 1
+            answered = self._probe()
+            # One writer: each field is only ever replaced, so readers see either value.
+            self._failures = 0 if answered else self._failures + 1
+            if answered:
+                self._seen_up = True
+            elif not self._seen_up and self._failures == _FAILURES_FOR_DOWN:
+                log.warning("storage.mooncake.watch_blind", master=self._name)
             if self.down != was_down and not self._stop.is_set():
                 if self.down:
                     log.warning("storage.mooncake.master_down", master=self._name)

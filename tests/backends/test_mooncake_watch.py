@@ -169,3 +169,25 @@ def test_the_watch_needs_two_failed_probes_and_one_success() -> None:
     assert seen == [False, False, False, False, False, True, True, False]
     with pytest.raises(RuntimeError, match="started already"):
         watch.start()
+
+
+def test_a_probe_that_never_answered_never_reports_the_master_down() -> None:
+    probes = 0
+    probed = threading.Event()
+
+    def probe() -> bool:
+        nonlocal probes
+        probes += 1
+        if probes == 4:
+            probed.set()
+        return False
+
+    watch = MasterWatch(probe, name="test")
+    with structlog.testing.capture_logs() as logs:
+        watch.start()
+        try:
+            assert probed.wait(NOTICE_WITHIN_S)
+            assert not watch.down
+        finally:
+            watch.stop()
+    assert [e["event"] for e in logs] == ["storage.mooncake.watch_blind"]
