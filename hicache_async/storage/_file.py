@@ -83,6 +83,7 @@ from ._page import (
     HEADER_NBYTES,
     PageCheck,
     PageHeader,
+    PayloadVerifier,
     decode_header,
     encode_header,
     verify_payload,
@@ -1859,14 +1860,19 @@ class FileStorage(BackendBase):
                 return (_CORRUPT, "key", st, scratch)
             if st.st_size != header.page_nbytes:
                 return (_CORRUPT, "size", st, scratch)
-            if len(scratch) < header.payload_nbytes:
-                scratch = bytearray(header.payload_nbytes)
-            payload = memoryview(scratch)[: header.payload_nbytes]
-            nbytes = header.payload_nbytes
-            if _preadv_full(fd, [payload], HEADER_NBYTES, nbytes) != nbytes:
-                return (_CORRUPT, "truncated", st, scratch)
-            check = verify_payload(header, [payload], mac_key=self._mac_key)
-            if check is not PageCheck.OK:
+            # In pieces through one buffer: the header, whatever length it claims (a sparse
+            # file can back any), decides how long this takes, never how much memory.
+            if not scratch:
+                scratch = bytearray(_CHUNK)
+            verifier = PayloadVerifier(header, mac_key=self._mac_key)
+            offset, end = HEADER_NBYTES, header.page_nbytes
+            while offset < end:
+                piece = memoryview(scratch)[: min(_CHUNK, end - offset)]
+                if _preadv_full(fd, [piece], offset, piece.nbytes) != piece.nbytes:
+                    return (_CORRUPT, "truncated", st, scratch)
+                verifier.update(piece)
+                offset += piece.nbytes
+            if verifier.result() is not PageCheck.OK:
                 return (_CORRUPT, "checksum or mac", st, scratch)
             return (_OK, "", st, scratch)
         finally:

@@ -1,0 +1,70 @@
+"""FileStorage against a root damaged or changed behind its back: huge or extended files,
+entries that cannot be removed, a vanished tmp/, races with maintenance."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from test_file_storage import NS, _keys, _page_path, _put
+
+from hicache_async.storage import FileStorage, PageMeta, encode_header
+
+_GIB = 1 << 30
+
+
+async def _store(root: Path, keys: list[bytes]) -> None:
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+
+
+def _plant_sparse_page(root: Path, key: bytes, payload_nbytes: int) -> Path:
+    """A page file whose header (checksummed, consistent) claims `payload_nbytes`, backed by a
+    sparse file of that length: costs no disk, reads as zeros."""
+    zeros = memoryview(bytes(1 << 20))
+    pieces = [zeros] * (payload_nbytes // zeros.nbytes)  # only lengths matter to the header
+    header = encode_header(PageMeta(key=key, namespace=NS, num_tokens=1), pieces, checksum=0)
+    path = _page_path(root, key)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    with open(path, "wb") as file:
+        file.write(header)
+        file.truncate(len(header) + payload_nbytes)
+    path.chmod(0o600)
+    return path
+
+
+def test_verify_memory_does_not_follow_a_huge_header(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(2)
+    asyncio.run(_store(root, keys))
+    huge = _keys(1)[0]
+    _plant_sparse_page(root, huge, 2 * _GIB)
+    # A child whose address space cannot hold a buffer of the claimed size: verify must
+    # still check every page (the planted one fails its checksum and goes).
+    script = textwrap.dedent(
+        f"""
+        import asyncio, resource
+        from hicache_async.storage import FileStorage
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                report = await storage.verify()
+                print(report.checked, report.ok, report.corrupt_removed, report.unchecked)
+        import hicache_async.storage._file  # everything loaded before the limit
+        with open("/proc/self/statm") as statm:
+            limit = int(statm.read().split()[0]) * {resource.getpagesize()} + {_GIB}
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        asyncio.run(main())
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1].split() == ["3", "2", "1", "0"]  # after the log
+    assert not _page_path(root, huge).exists()
