@@ -9,11 +9,12 @@ import resource
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
-from test_file_storage import NS, _keys, _page_path, _put
+from test_file_storage import NS, SIZE, _get, _keys, _page_path, _put
 
-from hicache_async.storage import FileStorage, PageMeta, encode_header
+from hicache_async.storage import FileStorage, Outcome, PageMeta, encode_header
 
 _GIB = 1 << 30
 
@@ -68,3 +69,24 @@ def test_verify_memory_does_not_follow_a_huge_header(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1].split() == ["3", "2", "1", "0"]  # after the log
     assert not _page_path(root, huge).exists()
+
+
+async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(8)
+    async with FileStorage(root, capacity_bytes=8 * SIZE) as storage:
+        await _put(storage, keys)
+    past = time.time() - 100
+    for key in keys:
+        os.utime(_page_path(root, key), (past, past))
+    # Changed by someone else, so the most recently touched: one extended (sparse) far past
+    # the capacity, one cut shorter than a header.
+    os.truncate(_page_path(root, keys[0]), 10 * _GIB)
+    os.truncate(_page_path(root, keys[1]), 5)
+    sound = keys[2:]
+    async with FileStorage(root, capacity_bytes=8 * SIZE) as storage:
+        new = _keys(1)
+        assert await _put(storage, new) == [Outcome.OK]
+        assert storage.stats().evictions <= 2
+        assert not _page_path(root, keys[0]).exists()
+        assert await _get(storage, sound + new) == [Outcome.OK] * 7

@@ -873,6 +873,7 @@ class FileStorage(BackendBase):
         self._open_leftovers = self._unreported_leftovers = leftovers
         for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
             self._insert(key, nbytes, mtime)
+        self._misfits_first(found)
 
     def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> tuple[int, list[_Found]]:
         handles = _open_root(self._root, shared=self._shared)
@@ -996,6 +997,22 @@ class FileStorage(BackendBase):
         )
         for _, _, key in list(merged):
             self._index.move_to_end(key)
+        self._misfits_first([(key, *on_disk[key]) for key in found_keys])
+
+    def _misfits_first(self, found: list[_Found]) -> None:
+        """Move the pages of `found` whose file size no page of this root can have (shorter
+        than a header, longer than the capacity) to the LRU end, whatever their mtime: the
+        next put or gc() evicts them before any page that may be sound. A file extended by
+        someone else (a sparse `truncate -s 10G`) would otherwise count at its new size and
+        make the next put evict every other page to fit it."""
+        capacity = self._capacity
+        for key, nbytes, _ in found:
+            if nbytes >= HEADER_NBYTES and (capacity is None or nbytes <= capacity):
+                continue
+            entry = self._index.get(key)
+            if entry is not None and entry.nbytes == nbytes:
+                self._index.move_to_end(key, last=False)
+                log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=nbytes)
 
     def _handles_or_raise(self) -> _Handles:
         handles = self._handles
@@ -1039,9 +1056,10 @@ class FileStorage(BackendBase):
         try:
             more = await self.run_job(lambda stop: self._stat_job(stop, rest, known, found))
         finally:
-            for key, nbytes, mtime in found:
-                if not self._stale(key, epoch):
-                    self._insert(key, nbytes, mtime)
+            fresh = [item for item in found if not self._stale(item[0], epoch)]
+            for key, nbytes, mtime in fresh:
+                self._insert(key, nbytes, mtime)
+            self._misfits_first(fresh)
             self._unwatch(epoch)
         return count + more
 
