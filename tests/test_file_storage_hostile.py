@@ -10,11 +10,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import pytest
+import structlog
 from test_file_storage import NS, SIZE, _get, _keys, _page_path, _put
 
-from hicache_async.storage import FileStorage, Outcome, PageMeta, encode_header
+from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta, encode_header
 
 _GIB = 1 << 30
 
@@ -90,3 +93,93 @@ async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
         assert storage.stats().evictions <= 2
         assert not _page_path(root, keys[0]).exists()
         assert await _get(storage, sound + new) == [Outcome.OK] * 7
+
+
+# One entry that cannot be removed is logged and counted, never fails the whole operation.
+
+
+@pytest.fixture
+def immutable() -> Iterator[Callable[[Path], None]]:
+    """Makes a file immutable (`chattr +i`: even root cannot unlink it), undone at teardown
+    so the temporary directory can go."""
+    marked: list[Path] = []
+
+    def mark(path: Path) -> None:
+        try:
+            done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
+        except FileNotFoundError:
+            pytest.skip("chattr is not installed")
+        if done.returncode != 0:
+            pytest.skip(f"chattr +i does not work here: {done.stderr.decode().strip()}")
+        marked.append(path)
+
+    yield mark
+    for path in marked:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True, check=False)
+
+
+async def test_verify_keeps_going_past_a_corrupt_page_it_cannot_remove(
+    tmp_path: Path, immutable: Callable[[Path], None]
+) -> None:
+    root, keys = tmp_path / "s", _keys(3)
+    await _store(root, keys)
+    async with FileStorage(root) as storage:
+        path = _page_path(root, keys[0])
+        data = bytearray(path.read_bytes())
+        data[HEADER_NBYTES + 5] ^= 0xFF
+        path.write_bytes(data)
+        immutable(path)
+        with structlog.testing.capture_logs() as logs:
+            report = await storage.verify()
+        assert (report.ok, report.corrupt_removed, report.unchecked) == (2, 0, 1)
+        assert [entry["key"] for entry in logs if entry["event"] == "storage.page.error"] == [
+            keys[0].hex()
+        ]
+        assert storage.stats().corrupt == 0  # nothing was removed
+        assert await _get(storage, keys[1:]) == [Outcome.OK] * 2
+
+
+async def test_a_leftover_that_cannot_be_removed_fails_neither_open_nor_verify(
+    tmp_path: Path, immutable: Callable[[Path], None]
+) -> None:
+    root, keys = tmp_path / "s", _keys(2)
+    await _store(root, keys)
+    stuck = root / "tmp" / "stuck.tmp"
+    stuck.write_bytes(b"x")
+    (root / "tmp" / "gone.tmp").write_bytes(b"x")
+    past = time.time() - 3600  # a leftover to verify() too
+    os.utime(stuck, (past, past))
+    immutable(stuck)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root) as storage:
+            assert storage.leftovers_removed_at_open == 1
+            assert await _get(storage, keys) == [Outcome.OK] * 2
+            report = await storage.verify()
+            assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 1, 1)
+    errors = [entry["entry"] for entry in logs if entry["event"] == "storage.stray.error"]
+    assert errors == ["stuck.tmp", "stuck.tmp"]  # at open, then by verify()
+
+
+async def test_verify_removes_a_directory_tree_deeper_than_the_recursion_limit(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+    keys = _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[:2])
+        # Where keys[2]'s page belongs: a directory 3000 levels deep, with a file at the bottom.
+        where = _page_path(root, keys[2])
+        where.parent.mkdir(mode=0o700, exist_ok=True)
+        where.mkdir()
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(3000):
+            os.mkdir("d", dir_fd=fd)
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+        os.close(fd)
+        report = await storage.verify()
+        assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 1, 0)
+        assert not where.exists()
+        assert await _put(storage, keys[2:]) == [Outcome.OK]

@@ -459,29 +459,68 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
 def _remove_tree(name: str, dir_fd: int) -> None:
     """Remove the directory `name` under `dir_fd` and everything in it, through descriptors
     opened without following symlinks, so nothing outside it is ever touched (shutil.rmtree
-    takes `dir_fd` only from Python 3.11)."""
+    takes `dir_fd` only from Python 3.11).
+
+    Iterative, holding two descriptors whatever the depth (a planted tree thousands of levels
+    deep would exhaust the recursion limit or the descriptors): it goes down one subdirectory
+    at a time and back up through "..", only into the directory it came from."""
     fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    # (name, identity) of each directory entered below `name`, innermost last.
+    path: list[tuple[str, tuple[int, int]]] = []
     try:
-        with os.scandir(fd) as entries:
-            inside = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
-        for child, is_dir in inside:
-            try:
-                if is_dir:
-                    _remove_tree(child, fd)
-                else:
-                    os.unlink(child, dir_fd=fd)
-            except FileNotFoundError:
+        while True:
+            child = _empty_but_one_dir(fd)
+            if child is not None:
+                try:
+                    down = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                st = os.fstat(fd)
+                path.append((child, (st.st_dev, st.st_ino)))
+                os.close(fd)
+                fd = down
                 continue
+            if not path:
+                break
+            child, parent = path.pop()
+            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != parent:
+                raise OSError(errno.ESTALE, f"directory moved while it was removed: {name}")
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(child, dir_fd=fd)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
 
 
+def _empty_but_one_dir(fd: int) -> str | None:
+    """Unlink every entry of the directory `fd` but subdirectories; the name of one of
+    those, or None when there is none."""
+    with os.scandir(fd) as entries:
+        inside = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+    subdir = None
+    for child, is_dir in inside:
+        if is_dir:
+            subdir = child
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(child, dir_fd=fd)
+    return subdir
+
+
 def _remove_leftovers(
-    handles: _Handles, *, idle_s: float, keep: frozenset[str] = frozenset()
+    handles: _Handles,
+    *,
+    idle_s: float,
+    keep: frozenset[str] = frozenset(),
+    failed: list[tuple[str, str]] | None = None,
 ) -> int:
     """Delete temporary files of interrupted writes not modified for `idle_s` seconds, but
-    not those named in `keep`."""
+    not those named in `keep`. One that cannot be removed goes to `failed` as (name, error)
+    and the rest go on: a single immutable file must not fail an open or a verify()."""
     removed = 0
     now = time.time()
     fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
@@ -497,6 +536,9 @@ def _remove_leftovers(
                     removed += 1
                 except FileNotFoundError:
                     continue
+                except OSError as exc:
+                    if failed is not None:
+                        failed.append((entry.name, exc.strerror or str(exc)))
     finally:
         os.close(fd)
     return removed
@@ -880,11 +922,15 @@ class FileStorage(BackendBase):
         holder.append(handles)
         # A private root is locked exclusively by now, so nobody is writing in it: every
         # temporary file is a leftover, however fresh. A shared one may have writers.
+        failed: list[tuple[str, str]] = []
         leftovers = (
             0
             if self._keep_leftovers
-            else _remove_leftovers(handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0)
+            else _remove_leftovers(
+                handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0, failed=failed
+            )
         )
+        self._log_stray_errors(failed)
         # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
         return leftovers, _scan(handles, stop)
 
@@ -1799,12 +1845,14 @@ class FileStorage(BackendBase):
         idle = _STALE_TMP_SHARED_S if self._shared else _STALE_TMP_PRIVATE_S
         # This instance's own spare files are not leftovers, however long they have waited.
         spares = self._spares.names() if self._spares is not None else frozenset()
-        leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares)
+        failed: list[tuple[str, str]] = []
+        leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares, failed=failed)
+        self._log_stray_errors(failed)
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []
         refused: list[str] = []
         found = _scan(handles, stop, strays, stray_dirs=stray_dirs, refused=refused)
-        unchecked = len(refused)
+        unchecked = len(refused) + len(failed)
         removals: list[tuple[int, str, Callable[[str, int], None]]] = [
             *((dir_fd, name, _unlink_at) for dir_fd, name in strays),
             *((dir_fd, name, _remove_tree) for dir_fd, name in stray_dirs),
@@ -1817,7 +1865,7 @@ class FileStorage(BackendBase):
                 pass
             except OSError as exc:
                 unchecked += 1
-                log.warning("storage.stray.error", backend=self._name, entry=name, error=str(exc))
+                self._log_stray_errors([(name, str(exc))])
         kept: list[_Found] = []
         corrupt: list[tuple[bytes, str]] = []
         ok = unsupported = 0
@@ -1841,7 +1889,18 @@ class FileStorage(BackendBase):
                 unchecked += 1
                 continue
             if code == _CORRUPT:
-                _remove_if_same(shard_fd, hexkey, st)
+                try:
+                    _remove_if_same(shard_fd, hexkey, st)
+                except OSError as exc:  # e.g. immutable: it stays, and so does its entry
+                    log.warning(
+                        "storage.page.error",
+                        backend=self._name,
+                        key=hexkey,
+                        error=f"corrupt ({reason}), cannot remove it: {exc.strerror or exc}",
+                    )
+                    kept.append(item)
+                    unchecked += 1
+                    continue
                 corrupt.append((key, reason))
                 continue
             if code == _UNSUPPORTED:
@@ -1858,6 +1917,10 @@ class FileStorage(BackendBase):
             unchecked=unchecked,
         )
         return kept, corrupt, report
+
+    def _log_stray_errors(self, failed: list[tuple[str, str]]) -> None:
+        for name, error in failed:
+            log.warning("storage.stray.error", backend=self._name, entry=name, error=error)
 
     def _verify_file(
         self, shard_fd: int, key: bytes, scratch: bytearray
