@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,15 @@ from pathlib import Path
 
 import pytest
 import structlog
-from test_file_storage import NS, SIZE, _get, _keys, _page_path, _put
+from test_file_storage import (
+    NS,
+    SIZE,
+    _assert_index_matches_disk,
+    _get,
+    _keys,
+    _page_path,
+    _put,
+)
 
 from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta, encode_header
 
@@ -183,3 +193,44 @@ async def test_verify_removes_a_directory_tree_deeper_than_the_recursion_limit(
         assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 1, 0)
         assert not where.exists()
         assert await _put(storage, keys[2:]) == [Outcome.OK]
+
+
+# tmp/ removed under a running instance.
+
+
+async def test_removal_and_writes_work_after_tmp_is_removed(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(8)
+    async with FileStorage(root, capacity_bytes=8 * SIZE, spare_bytes=4 * SIZE) as storage:
+        await _put(storage, keys)
+        await storage.delete(keys[:1])  # one spare file, gone with tmp/
+        shutil.rmtree(root / "tmp")
+        # Deletes and evictions would move pages into tmp/: they unlink them instead.
+        assert await storage.delete(keys[1:3]) == 2
+        assert not _page_path(root, keys[1]).exists()
+        await _assert_index_matches_disk(storage, root)
+        with structlog.testing.capture_logs() as logs:
+            more = _keys(6)  # 3 fit, then 3 evictions
+            assert await _put(storage, more) == [Outcome.OK] * 6
+        assert [entry["event"] for entry in logs] == ["storage.tmp.recreated"]
+        assert stat.S_IMODE((root / "tmp").stat().st_mode) == 0o700
+        assert storage.stats().evictions == 3
+        await _assert_index_matches_disk(storage, root)
+        assert await _get(storage, more) == [Outcome.OK] * 6
+
+
+async def test_a_tmp_replaced_by_a_symlink_is_not_used(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[:1])
+        shutil.rmtree(root / "tmp")
+        (root / "tmp").symlink_to(elsewhere)
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, keys[1:]) == [Outcome.ERROR]
+        assert "storage.tmp.refused" in [entry["event"] for entry in logs]
+        assert list(elsewhere.iterdir()) == []
+        assert await storage.delete(keys[:1]) == 1
+        await _assert_index_matches_disk(storage, root)

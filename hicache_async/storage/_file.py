@@ -198,6 +198,9 @@ class _Handles:
         self.tmp_fd = tmp_fd
         self.lock_fd = lock_fd
         self._pages_path = pages_path
+        # Descriptors of tmp/ directories removed under us, replaced by `renew_tmp`: another
+        # thread may still hold one, so they are closed with the rest.
+        self._retired: list[int] = []
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -242,9 +245,31 @@ class _Handles:
             self._shards[name] = fd
             return fd
 
+    def renew_tmp(self, seen_fd: int) -> bool:
+        """After a call in tmp/ through `seen_fd` failed with ENOENT: if that directory was
+        removed (someone deleted tmp/ under a running instance), create and open it again,
+        checked as at open, and return True; False when it was not removed or cannot be
+        reopened safely (logged)."""
+        with self._lock:
+            if self.tmp_fd != seen_fd:
+                return True  # another thread renewed it
+            if os.fstat(seen_fd).st_nlink:
+                return False
+            what = f"storage directory {self._pages_path.parent / _TMP}"
+            try:
+                fd = _open_private_dir(self.root_fd, _TMP, what)
+            except StorageConfigError as exc:
+                log.warning("storage.tmp.refused", directory=what, error=str(exc))
+                return False
+            self._retired.append(seen_fd)
+            self.tmp_fd = fd
+        log.warning("storage.tmp.recreated", directory=what)
+        return True
+
     def close(self) -> None:
         _OPEN_ROOTS.discard(self)
-        for fd in (*self._shards.values(), self.tmp_fd, self.pages_fd, self.root_fd, self.lock_fd):
+        fds = (*self._shards.values(), *self._retired, self.tmp_fd, self.pages_fd, self.root_fd)
+        for fd in (*fds, self.lock_fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -634,6 +659,14 @@ def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> bool
     return True
 
 
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def _unlink_at(name: str, dir_fd: int) -> None:
     os.unlink(name, dir_fd=dir_fd)
 
@@ -677,9 +710,13 @@ class _SparePool:
         spare = f"{secrets.token_hex(8)}{_SPARE_SUFFIX}"
         try:
             os.rename(name, spare, src_dir_fd=shard_fd, dst_dir_fd=handles.tmp_fd)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self.nbytes -= size
+            # ENOENT also when tmp/ was removed: the page is still there, and the caller
+            # unlinks it instead (the next write recreates tmp/).
+            if isinstance(exc, FileNotFoundError) and _exists(shard_fd, name):
+                return False
             raise
         with self._lock:
             self._by_size.setdefault(size, []).append(spare)
@@ -1577,7 +1614,19 @@ class FileStorage(BackendBase):
                 with contextlib.suppress(OSError):
                     os.unlink(spare, dir_fd=handles.tmp_fd)
         name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        return name, os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+        return name, self._create_tmp(handles, name)
+
+    def _create_tmp(self, handles: _Handles, name: str) -> int:
+        """Create `name` in tmp/ for writing; recreates tmp/ if it was removed under us."""
+        tmp_fd = handles.tmp_fd
+        try:
+            return os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=tmp_fd)
+        except FileNotFoundError:
+            if not handles.renew_tmp(tmp_fd):
+                raise
+        if self._spares is not None:
+            self._spares.names(drain=True)  # they went with the old tmp/
+        return os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
 
     def _write_fd(self, fd: int, segments: list[memoryview], total: int, meta: PageMeta) -> int:
         if total <= _ONE_WRITE_MAX:
@@ -1759,7 +1808,7 @@ class FileStorage(BackendBase):
         if shard_fd is None:
             raise OSError(errno.ENOENT, "shard directory vanished")
         tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        fd = os.open(tmp_name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+        fd = self._create_tmp(handles, tmp_name)
         try:
             _pwritev_full(fd, [memoryview(value)], 0, len(value))
         finally:
