@@ -21,13 +21,24 @@ from test_file_storage import (
     NS,
     SIZE,
     _assert_index_matches_disk,
+    _Gate,
     _get,
     _keys,
     _page_path,
     _put,
+    _released,
 )
 
-from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta, encode_header
+from hicache_async.storage import (
+    HEADER_NBYTES,
+    FileStorage,
+    Outcome,
+    PageHeader,
+    PageMeta,
+    _file,
+    encode_header,
+)
+from hicache_async.storage._page import PayloadVerifier
 
 _GIB = 1 << 30
 
@@ -233,4 +244,36 @@ async def test_a_tmp_replaced_by_a_symlink_is_not_used(tmp_path: Path) -> None:
         assert "storage.tmp.refused" in [entry["event"] for entry in logs]
         assert list(elsewhere.iterdir()) == []
         assert await storage.delete(keys[:1]) == 1
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_verify_does_not_call_corrupt_a_page_evicted_while_it_read_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    old, new = _keys(2), _keys(1)
+    gate = _Gate()
+
+    class HeldVerifier(PayloadVerifier):
+        """Holds verify() after it read `old[0]`'s header, before its payload: the real
+        eviction and spare-file reuse then run in that window."""
+
+        def __init__(self, header: PageHeader, *, mac_key: bytes | None = None) -> None:
+            if header.key == old[0]:
+                gate.hold()
+            super().__init__(header, mac_key=mac_key)
+
+    monkeypatch.setattr(_file, "PayloadVerifier", HeldVerifier)
+    async with FileStorage(root, capacity_bytes=2 * SIZE, spare_bytes=SIZE) as storage:
+        await _put(storage, old)
+        with structlog.testing.capture_logs() as logs, _released(gate):
+            verifying = asyncio.create_task(storage.verify())
+            await gate.wait_reached()
+            # Evicts old[0] into the spare files; new[0], of its size, is written over it.
+            assert await _put(storage, new) == [Outcome.OK]
+            assert storage.stats().evictions == 1
+        report = await verifying
+        assert (report.corrupt_removed, storage.stats().corrupt) == (0, 0)
+        assert "storage.page.corrupt" not in [entry["event"] for entry in logs]
+        assert await _get(storage, old[1:] + new) == [Outcome.OK] * 2
         await _assert_index_matches_disk(storage, root)

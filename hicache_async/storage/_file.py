@@ -645,9 +645,11 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> bool:
+def _remove_if_same(
+    shard_fd: int, name: str, st: os.stat_result | None, *, gone: bool = True
+) -> bool:
     """Unlink `name` unless it has changed since we looked at it (`st`); False if it had
-    (it is then left alone)."""
+    (it is then left alone), `gone` if it is not there (any more)."""
     try:
         if st is not None:
             now = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -655,7 +657,7 @@ def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> bool
                 return False
         os.unlink(name, dir_fd=shard_fd)
     except FileNotFoundError:
-        pass
+        return gone
     return True
 
 
@@ -1939,7 +1941,12 @@ class FileStorage(BackendBase):
                 continue
             if code == _CORRUPT:
                 try:
-                    _remove_if_same(shard_fd, hexkey, st)
+                    # Evicted, deleted or rewritten while it was read (its file may have been
+                    # reused by a write meanwhile): what was read is torn, not a corrupt page.
+                    if not _remove_if_same(shard_fd, hexkey, st, gone=False):
+                        if _exists(shard_fd, hexkey):
+                            kept.append(item)
+                        continue
                 except OSError as exc:  # e.g. immutable: it stays, and so does its entry
                     log.warning(
                         "storage.page.error",
