@@ -29,6 +29,7 @@ from test_file_storage import (
     _released,
 )
 
+from hicache_async import StorageError
 from hicache_async.storage import (
     HEADER_NBYTES,
     FileStorage,
@@ -277,3 +278,21 @@ async def test_verify_does_not_call_corrupt_a_page_evicted_while_it_read_it(
         assert "storage.page.corrupt" not in [entry["event"] for entry in logs]
         assert await _get(storage, old[1:] + new) == [Outcome.OK] * 2
         await _assert_index_matches_disk(storage, root)
+
+
+async def test_raw_access_answers_like_get_and_raises_storage_errors(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = [bytes.fromhex("ab" + "01" * 31), bytes.fromhex("cd" + "01" * 31)]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        path = _page_path(root, keys[0])
+        path.unlink()
+        path.symlink_to(_page_path(root, keys[1]))
+        assert await storage.read_raw(keys[0]) is None  # never followed
+        assert await _get(storage, keys[:1]) == [Outcome.CORRUPT]
+    _page_path(root, keys[1]).parent.chmod(0o777)  # refused at the next open
+    async with FileStorage(root) as storage:
+        assert await storage.read_raw(keys[1]) is None
+        assert await _get(storage, keys[1:]) == [Outcome.MISS]
+        with pytest.raises(StorageError, match="write_raw failed"):
+            await storage.write_raw(keys[1], b"x" * HEADER_NBYTES)

@@ -62,7 +62,7 @@ from urllib.parse import unquote
 import msgspec
 
 from .. import _native
-from .._errors import StorageConfigError
+from .._errors import StorageConfigError, StorageError
 from ._base import (
     BackendBase,
     byte_segments,
@@ -1771,21 +1771,33 @@ class FileStorage(BackendBase):
     # Raw access (RawAccess).
 
     async def read_raw(self, key: bytes) -> bytes | None:
-        """The stored `header ‖ payload` bytes of `key`, unchecked, or None."""
+        """The stored `header ‖ payload` bytes of `key`, unchecked, or None when there is no
+        page file: like `get`'s misses, also a symlink or other non-regular file where the
+        page belongs, and a refused shard directory. Raises StorageError on an I/O error."""
         self._check_open()
         check_key(key)
-        return await self.run_job(lambda stop: self._read_raw_job(key))
+        try:
+            return await self.run_job(lambda stop: self._read_raw_job(key))
+        except OSError as exc:
+            raise StorageError(f"{self._name}: read_raw failed: {exc}") from exc
 
     def _read_raw_job(self, key: bytes) -> bytes | None:
         handles = self._handles_or_raise()
         hexkey = key.hex()
-        shard_fd = handles.shard(hexkey[:2], create=False)
+        try:
+            shard_fd = handles.shard(hexkey[:2], create=False)
+        except _RefusedShardError:
+            return None  # never read from (logged when refused)
         if shard_fd is None:
             return None
         try:
             fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink, never followed: no page
+                return None
+            raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -1797,10 +1809,14 @@ class FileStorage(BackendBase):
             os.close(fd)
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
-        """Store `value` under `key` unchecked (atomically), replacing what is there."""
+        """Store `value` under `key` unchecked (atomically), replacing what is there. Raises
+        StorageError when it cannot (an I/O error, a refused shard directory)."""
         self._check_open()
         check_key(key)
-        await self.run_job(lambda stop: self._write_raw_job(key, value))
+        try:
+            await self.run_job(lambda stop: self._write_raw_job(key, value))
+        except OSError as exc:
+            raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
         self._insert(key, len(value), time.time())
 
     def _write_raw_job(self, key: bytes, value: bytes) -> None:
