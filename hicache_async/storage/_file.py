@@ -1329,7 +1329,8 @@ class FileStorage(BackendBase):
     ) -> None:
         """Record a read started at change epoch `epoch`; what it saw of a key changed since
         is left out of the index (a delete, put or eviction decided later)."""
-        if job.rejected:
+        if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
+            self._counters.gets -= len(outcomes)
             return
         now = time.time()
         counters = self._counters
@@ -1659,7 +1660,8 @@ class FileStorage(BackendBase):
         *,
         epoch: int,
     ) -> None:
-        if job.rejected:
+        if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
+            self._counters.puts -= len(outcomes)
             return
         for slot, (i, key) in enumerate(zip(writes, keys, strict=True)):
             result = job.results[slot]
