@@ -940,6 +940,7 @@ async def test_bad_input_is_not_counted_as_an_error(tmp_path: Path) -> None:
             await storage.get(keys, [[memoryview(bytes(PAGE))] for _ in keys], namespace=NS)
         stats = storage.stats()
         assert (stats.errors, stats.evictions, stats.pages) == (0, 0, 2)
+        assert (stats.gets, stats.puts) == (0, 2)  # nor as a call
         assert await _get(storage, keys) == [Outcome.OK] * 2
 
 

@@ -13,6 +13,7 @@ from hicache_async.storage import HEADER_NBYTES, PageCheck, PageHeader, PageMeta
 from hicache_async.storage._page import (
     FORMAT_VERSION,
     MAGIC,
+    PayloadVerifier,
     _scatter_checksum,
     check_header,
     decode_header,
@@ -148,6 +149,28 @@ def test_verify_payload_checksum_and_mac() -> None:
     assert verify_payload(plain, good, mac_key=MAC_KEY) is PageCheck.CORRUPT  # no MAC at all
     assert verify_payload(keyed, good, mac_key=b"other" * 6) is PageCheck.CORRUPT
     assert verify_payload(keyed, bad, mac_key=MAC_KEY) is PageCheck.CORRUPT
+
+
+@pytest.mark.parametrize("mac_key", [None, MAC_KEY, b"other" * 6])
+@pytest.mark.parametrize("keyed", [False, True])
+@pytest.mark.parametrize("damaged", [False, True])
+def test_payload_verifier_in_pieces_agrees_with_verify_payload(
+    mac_key: bytes | None, keyed: bool, damaged: bool
+) -> None:
+    payload = bytes(range(256)) * 40
+    header = decode_header(
+        encode_header(_meta(), [memoryview(payload)], mac_key=MAC_KEY if keyed else None)
+    )
+    assert isinstance(header, PageHeader)
+    read = payload[:-1] + b"\x00" if damaged else payload
+    verifier = PayloadVerifier(header, mac_key=mac_key)
+    for start in range(0, len(read), 999):
+        verifier.update(memoryview(read)[start : start + 999])
+    expected = verify_payload(header, [memoryview(read)], mac_key=mac_key)
+    assert verifier.result() is expected
+    assert (expected is PageCheck.OK) == (
+        not damaged and (mac_key is None or (mac_key == MAC_KEY and keyed))
+    )
 
 
 def test_read_value_into() -> None:

@@ -62,7 +62,7 @@ from urllib.parse import unquote
 import msgspec
 
 from .. import _native
-from .._errors import StorageConfigError
+from .._errors import StorageConfigError, StorageError
 from ._base import (
     BackendBase,
     byte_segments,
@@ -83,6 +83,7 @@ from ._page import (
     HEADER_NBYTES,
     PageCheck,
     PageHeader,
+    PayloadVerifier,
     decode_header,
     encode_header,
     verify_payload,
@@ -197,6 +198,9 @@ class _Handles:
         self.tmp_fd = tmp_fd
         self.lock_fd = lock_fd
         self._pages_path = pages_path
+        # Descriptors of tmp/ directories removed under us, replaced by `renew_tmp`: another
+        # thread may still hold one, so they are closed with the rest.
+        self._retired: list[int] = []
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -241,9 +245,31 @@ class _Handles:
             self._shards[name] = fd
             return fd
 
+    def renew_tmp(self, seen_fd: int) -> bool:
+        """After a call in tmp/ through `seen_fd` failed with ENOENT: if that directory was
+        removed (someone deleted tmp/ under a running instance), create and open it again,
+        checked as at open, and return True; False when it was not removed or cannot be
+        reopened safely (logged)."""
+        with self._lock:
+            if self.tmp_fd != seen_fd:
+                return True  # another thread renewed it
+            if os.fstat(seen_fd).st_nlink:
+                return False
+            what = f"storage directory {self._pages_path.parent / _TMP}"
+            try:
+                fd = _open_private_dir(self.root_fd, _TMP, what)
+            except StorageConfigError as exc:
+                log.warning("storage.tmp.refused", directory=what, error=str(exc))
+                return False
+            self._retired.append(seen_fd)
+            self.tmp_fd = fd
+        log.warning("storage.tmp.recreated", directory=what)
+        return True
+
     def close(self) -> None:
         _OPEN_ROOTS.discard(self)
-        for fd in (*self._shards.values(), self.tmp_fd, self.pages_fd, self.root_fd, self.lock_fd):
+        fds = (*self._shards.values(), *self._retired, self.tmp_fd, self.pages_fd, self.root_fd)
+        for fd in (*fds, self.lock_fd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
@@ -458,29 +484,68 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
 def _remove_tree(name: str, dir_fd: int) -> None:
     """Remove the directory `name` under `dir_fd` and everything in it, through descriptors
     opened without following symlinks, so nothing outside it is ever touched (shutil.rmtree
-    takes `dir_fd` only from Python 3.11)."""
+    takes `dir_fd` only from Python 3.11).
+
+    Iterative, holding two descriptors whatever the depth (a planted tree thousands of levels
+    deep would exhaust the recursion limit or the descriptors): it goes down one subdirectory
+    at a time and back up through "..", only into the directory it came from."""
     fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    # (name, identity) of each directory entered below `name`, innermost last.
+    path: list[tuple[str, tuple[int, int]]] = []
     try:
-        with os.scandir(fd) as entries:
-            inside = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
-        for child, is_dir in inside:
-            try:
-                if is_dir:
-                    _remove_tree(child, fd)
-                else:
-                    os.unlink(child, dir_fd=fd)
-            except FileNotFoundError:
+        while True:
+            child = _empty_but_one_dir(fd)
+            if child is not None:
+                try:
+                    down = os.open(child, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    continue
+                st = os.fstat(fd)
+                path.append((child, (st.st_dev, st.st_ino)))
+                os.close(fd)
+                fd = down
                 continue
+            if not path:
+                break
+            child, parent = path.pop()
+            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != parent:
+                raise OSError(errno.ESTALE, f"directory moved while it was removed: {name}")
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(child, dir_fd=fd)
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
 
 
+def _empty_but_one_dir(fd: int) -> str | None:
+    """Unlink every entry of the directory `fd` but subdirectories; the name of one of
+    those, or None when there is none."""
+    with os.scandir(fd) as entries:
+        inside = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+    subdir = None
+    for child, is_dir in inside:
+        if is_dir:
+            subdir = child
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(child, dir_fd=fd)
+    return subdir
+
+
 def _remove_leftovers(
-    handles: _Handles, *, idle_s: float, keep: frozenset[str] = frozenset()
+    handles: _Handles,
+    *,
+    idle_s: float,
+    keep: frozenset[str] = frozenset(),
+    failed: list[tuple[str, str]] | None = None,
 ) -> int:
     """Delete temporary files of interrupted writes not modified for `idle_s` seconds, but
-    not those named in `keep`."""
+    not those named in `keep`. One that cannot be removed goes to `failed` as (name, error)
+    and the rest go on: a single immutable file must not fail an open or a verify()."""
     removed = 0
     now = time.time()
     fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
@@ -496,6 +561,9 @@ def _remove_leftovers(
                     removed += 1
                 except FileNotFoundError:
                     continue
+                except OSError as exc:
+                    if failed is not None:
+                        failed.append((entry.name, exc.strerror or str(exc)))
     finally:
         os.close(fd)
     return removed
@@ -577,9 +645,11 @@ def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> bool:
+def _remove_if_same(
+    shard_fd: int, name: str, st: os.stat_result | None, *, gone: bool = True
+) -> bool:
     """Unlink `name` unless it has changed since we looked at it (`st`); False if it had
-    (it is then left alone)."""
+    (it is then left alone), `gone` if it is not there (any more)."""
     try:
         if st is not None:
             now = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -587,7 +657,15 @@ def _remove_if_same(shard_fd: int, name: str, st: os.stat_result | None) -> bool
                 return False
         os.unlink(name, dir_fd=shard_fd)
     except FileNotFoundError:
-        pass
+        return gone
+    return True
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
     return True
 
 
@@ -634,9 +712,13 @@ class _SparePool:
         spare = f"{secrets.token_hex(8)}{_SPARE_SUFFIX}"
         try:
             os.rename(name, spare, src_dir_fd=shard_fd, dst_dir_fd=handles.tmp_fd)
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 self.nbytes -= size
+            # ENOENT also when tmp/ was removed: the page is still there, and the caller
+            # unlinks it instead (the next write recreates tmp/).
+            if isinstance(exc, FileNotFoundError) and _exists(shard_fd, name):
+                return False
             raise
         with self._lock:
             self._by_size.setdefault(size, []).append(spare)
@@ -872,17 +954,22 @@ class FileStorage(BackendBase):
         self._open_leftovers = self._unreported_leftovers = leftovers
         for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
             self._insert(key, nbytes, mtime)
+        self._misfits_first(found)
 
     def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> tuple[int, list[_Found]]:
         handles = _open_root(self._root, shared=self._shared)
         holder.append(handles)
         # A private root is locked exclusively by now, so nobody is writing in it: every
         # temporary file is a leftover, however fresh. A shared one may have writers.
+        failed: list[tuple[str, str]] = []
         leftovers = (
             0
             if self._keep_leftovers
-            else _remove_leftovers(handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0)
+            else _remove_leftovers(
+                handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0, failed=failed
+            )
         )
+        self._log_stray_errors(failed)
         # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
         return leftovers, _scan(handles, stop)
 
@@ -927,9 +1014,15 @@ class FileStorage(BackendBase):
 
     def _touch(self, key: bytes, now: float) -> None:
         entry = self._index.get(key)
-        if entry is not None:
+        # A misfit stays first in line for eviction, even when a lookup finds it.
+        if entry is not None and self._could_be_page(entry.nbytes):
             entry.last_access = now
             self._index.move_to_end(key)
+
+    def _could_be_page(self, nbytes: int) -> bool:
+        """Whether a file of `nbytes` can hold a page of this root (not shorter than a header,
+        not longer than the capacity)."""
+        return nbytes >= HEADER_NBYTES and (self._capacity is None or nbytes <= self._capacity)
 
     def _touch_chain(self, keys: Sequence[bytes], now: float) -> None:
         """Make the indexed `keys` the most recently used, the first of them most of all.
@@ -1004,6 +1097,21 @@ class FileStorage(BackendBase):
         )
         for _, _, key in list(merged):
             self._index.move_to_end(key)
+        self._misfits_first([(key, *on_disk[key]) for key in found_keys])
+
+    def _misfits_first(self, found: list[_Found]) -> None:
+        """Move the pages of `found` whose file size no page of this root can have (shorter
+        than a header, longer than the capacity) to the LRU end, whatever their mtime: the
+        next put or gc() evicts them before any page that may be sound. A file extended by
+        someone else (a sparse `truncate -s 10G`) would otherwise count at its new size and
+        make the next put evict every other page to fit it."""
+        for key, nbytes, _ in found:
+            if self._could_be_page(nbytes):
+                continue
+            entry = self._index.get(key)
+            if entry is not None and entry.nbytes == nbytes:
+                self._index.move_to_end(key, last=False)
+                log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=nbytes)
 
     def _handles_or_raise(self) -> _Handles:
         handles = self._handles
@@ -1049,9 +1157,10 @@ class FileStorage(BackendBase):
         try:
             more = await self.run_job(lambda stop: self._stat_job(stop, rest, known, found))
         finally:
-            for key, nbytes, mtime in found:
-                if not self._stale(key, epoch):
-                    self._insert(key, nbytes, mtime)
+            fresh = [item for item in found if not self._stale(item[0], epoch)]
+            for key, nbytes, mtime in fresh:
+                self._insert(key, nbytes, mtime)
+            self._misfits_first(fresh)
             self._unwatch(epoch)
         self._touch_chain(keys[: count + more], time.time())
         return count + more
@@ -1239,7 +1348,8 @@ class FileStorage(BackendBase):
     ) -> None:
         """Record a read started at change epoch `epoch`; what it saw of a key changed since
         is left out of the index (a delete, put or eviction decided later)."""
-        if job.rejected:
+        if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
+            self._counters.gets -= len(outcomes)
             return
         now = time.time()
         counters = self._counters
@@ -1525,7 +1635,19 @@ class FileStorage(BackendBase):
                 with contextlib.suppress(OSError):
                     os.unlink(spare, dir_fd=handles.tmp_fd)
         name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        return name, os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+        return name, self._create_tmp(handles, name)
+
+    def _create_tmp(self, handles: _Handles, name: str) -> int:
+        """Create `name` in tmp/ for writing; recreates tmp/ if it was removed under us."""
+        tmp_fd = handles.tmp_fd
+        try:
+            return os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=tmp_fd)
+        except FileNotFoundError:
+            if not handles.renew_tmp(tmp_fd):
+                raise
+        if self._spares is not None:
+            self._spares.names(drain=True)  # they went with the old tmp/
+        return os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
 
     def _write_fd(self, fd: int, segments: list[memoryview], total: int, meta: PageMeta) -> int:
         if total <= _ONE_WRITE_MAX:
@@ -1556,7 +1678,8 @@ class FileStorage(BackendBase):
         *,
         epoch: int,
     ) -> None:
-        if job.rejected:
+        if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
+            self._counters.puts -= len(outcomes)
             return
         for slot, (i, key) in enumerate(zip(writes, keys, strict=True)):
             result = job.results[slot]
@@ -1668,21 +1791,33 @@ class FileStorage(BackendBase):
     # Raw access (RawAccess).
 
     async def read_raw(self, key: bytes) -> bytes | None:
-        """The stored `header ‖ payload` bytes of `key`, unchecked, or None."""
+        """The stored `header ‖ payload` bytes of `key`, unchecked, or None when there is no
+        page file: like `get`'s misses, also a symlink or other non-regular file where the
+        page belongs, and a refused shard directory. Raises StorageError on an I/O error."""
         self._check_open()
         check_key(key)
-        return await self.run_job(lambda stop: self._read_raw_job(key))
+        try:
+            return await self.run_job(lambda stop: self._read_raw_job(key))
+        except OSError as exc:
+            raise StorageError(f"{self._name}: read_raw failed: {exc}") from exc
 
     def _read_raw_job(self, key: bytes) -> bytes | None:
         handles = self._handles_or_raise()
         hexkey = key.hex()
-        shard_fd = handles.shard(hexkey[:2], create=False)
+        try:
+            shard_fd = handles.shard(hexkey[:2], create=False)
+        except _RefusedShardError:
+            return None  # never read from (logged when refused)
         if shard_fd is None:
             return None
         try:
             fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
         except FileNotFoundError:
             return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink, never followed: no page
+                return None
+            raise
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -1694,10 +1829,14 @@ class FileStorage(BackendBase):
             os.close(fd)
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
-        """Store `value` under `key` unchecked (atomically), replacing what is there."""
+        """Store `value` under `key` unchecked (atomically), replacing what is there. Raises
+        StorageError when it cannot (an I/O error, a refused shard directory)."""
         self._check_open()
         check_key(key)
-        await self.run_job(lambda stop: self._write_raw_job(key, value))
+        try:
+            await self.run_job(lambda stop: self._write_raw_job(key, value))
+        except OSError as exc:
+            raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
         self._insert(key, len(value), time.time())
 
     def _write_raw_job(self, key: bytes, value: bytes) -> None:
@@ -1707,7 +1846,7 @@ class FileStorage(BackendBase):
         if shard_fd is None:
             raise OSError(errno.ENOENT, "shard directory vanished")
         tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
-        fd = os.open(tmp_name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+        fd = self._create_tmp(handles, tmp_name)
         try:
             _pwritev_full(fd, [memoryview(value)], 0, len(value))
         finally:
@@ -1793,12 +1932,14 @@ class FileStorage(BackendBase):
         idle = _STALE_TMP_SHARED_S if self._shared else _STALE_TMP_PRIVATE_S
         # This instance's own spare files are not leftovers, however long they have waited.
         spares = self._spares.names() if self._spares is not None else frozenset()
-        leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares)
+        failed: list[tuple[str, str]] = []
+        leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares, failed=failed)
+        self._log_stray_errors(failed)
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []
         refused: list[str] = []
         found = _scan(handles, stop, strays, stray_dirs=stray_dirs, refused=refused)
-        unchecked = len(refused)
+        unchecked = len(refused) + len(failed)
         removals: list[tuple[int, str, Callable[[str, int], None]]] = [
             *((dir_fd, name, _unlink_at) for dir_fd, name in strays),
             *((dir_fd, name, _remove_tree) for dir_fd, name in stray_dirs),
@@ -1811,7 +1952,7 @@ class FileStorage(BackendBase):
                 pass
             except OSError as exc:
                 unchecked += 1
-                log.warning("storage.stray.error", backend=self._name, entry=name, error=str(exc))
+                self._log_stray_errors([(name, str(exc))])
         kept: list[_Found] = []
         corrupt: list[tuple[bytes, str]] = []
         ok = unsupported = 0
@@ -1835,7 +1976,23 @@ class FileStorage(BackendBase):
                 unchecked += 1
                 continue
             if code == _CORRUPT:
-                _remove_if_same(shard_fd, hexkey, st)
+                try:
+                    # Evicted, deleted or rewritten while it was read (its file may have been
+                    # reused by a write meanwhile): what was read is torn, not a corrupt page.
+                    if not _remove_if_same(shard_fd, hexkey, st, gone=False):
+                        if _exists(shard_fd, hexkey):
+                            kept.append(item)
+                        continue
+                except OSError as exc:  # e.g. immutable: it stays, and so does its entry
+                    log.warning(
+                        "storage.page.error",
+                        backend=self._name,
+                        key=hexkey,
+                        error=f"corrupt ({reason}), cannot remove it: {exc.strerror or exc}",
+                    )
+                    kept.append(item)
+                    unchecked += 1
+                    continue
                 corrupt.append((key, reason))
                 continue
             if code == _UNSUPPORTED:
@@ -1852,6 +2009,10 @@ class FileStorage(BackendBase):
             unchecked=unchecked,
         )
         return kept, corrupt, report
+
+    def _log_stray_errors(self, failed: list[tuple[str, str]]) -> None:
+        for name, error in failed:
+            log.warning("storage.stray.error", backend=self._name, entry=name, error=error)
 
     def _verify_file(
         self, shard_fd: int, key: bytes, scratch: bytearray
@@ -1872,14 +2033,19 @@ class FileStorage(BackendBase):
                 return (_CORRUPT, "key", st, scratch)
             if st.st_size != header.page_nbytes:
                 return (_CORRUPT, "size", st, scratch)
-            if len(scratch) < header.payload_nbytes:
-                scratch = bytearray(header.payload_nbytes)
-            payload = memoryview(scratch)[: header.payload_nbytes]
-            nbytes = header.payload_nbytes
-            if _preadv_full(fd, [payload], HEADER_NBYTES, nbytes) != nbytes:
-                return (_CORRUPT, "truncated", st, scratch)
-            check = verify_payload(header, [payload], mac_key=self._mac_key)
-            if check is not PageCheck.OK:
+            # In pieces through one buffer: the header, whatever length it claims (a sparse
+            # file can back any), decides how long this takes, never how much memory.
+            if not scratch:
+                scratch = bytearray(_CHUNK)
+            verifier = PayloadVerifier(header, mac_key=self._mac_key)
+            offset, end = HEADER_NBYTES, header.page_nbytes
+            while offset < end:
+                piece = memoryview(scratch)[: min(_CHUNK, end - offset)]
+                if _preadv_full(fd, [piece], offset, piece.nbytes) != piece.nbytes:
+                    return (_CORRUPT, "truncated", st, scratch)
+                verifier.update(piece)
+                offset += piece.nbytes
+            if verifier.result() is not PageCheck.OK:
                 return (_CORRUPT, "checksum or mac", st, scratch)
             return (_OK, "", st, scratch)
         finally:

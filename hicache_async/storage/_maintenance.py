@@ -43,7 +43,8 @@ class VerifyReport(msgspec.Struct, frozen=True):
     leftovers_removed: int
     #: what could not be checked, so may still hold damage: unreadable pages, pages larger
     #: than the backend can stage, directories refused as unsafe (each counts once, whatever
-    #: it holds). The log names them. (Added after the first release: decoders default it.)
+    #: it holds), corrupt pages and leftovers that could not be removed. The log names
+    #: them. (Added after the first release: decoders default it.)
     unchecked: int = 0
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "MAGIC",
     "PageCheck",
     "PageHeader",
+    "PayloadVerifier",
     "check_header",
     "decode_header",
     "encode_header",
@@ -96,9 +97,14 @@ def payload_checksum(segments: Iterable[memoryview | bytes]) -> int:
     return _native.checksum(list(segments))
 
 
-def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | bytes]) -> bytes:
+def _mac_hasher(mac_key: bytes, header_body: bytes) -> hashlib.blake2b:
     hasher = hashlib.blake2b(key=mac_key, digest_size=32, person=b"hicache-page")
     hasher.update(header_body[:_MAC_OFFSET])
+    return hasher
+
+
+def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | bytes]) -> bytes:
+    hasher = _mac_hasher(mac_key, header_body)
     for segment in segments:
         hasher.update(segment)
     return hasher.digest()
@@ -236,22 +242,56 @@ def verify_payload(
         # produced any payload with a matching checksum.
         if not header.flags & FLAG_MAC:
             return PageCheck.CORRUPT
-        body = _BODY.pack(
-            MAGIC,
-            header.version,
-            header.flags,
-            header.namespace,
-            header.key,
-            header.payload_nbytes,
-            header.num_tokens,
-            header.priority,
-            header.checksum,
-            header.created_ns,
-            bytes(32),
-        )
-        if not hmac.compare_digest(_mac(mac_key, body, payload), header.mac):
+        if not hmac.compare_digest(_mac(mac_key, _mac_body(header), payload), header.mac):
             return PageCheck.CORRUPT
     return PageCheck.OK
+
+
+def _mac_body(header: PageHeader) -> bytes:
+    """The header bytes the MAC covers (its own field zeroed), rebuilt from `header`."""
+    return _BODY.pack(
+        MAGIC,
+        header.version,
+        header.flags,
+        header.namespace,
+        header.key,
+        header.payload_nbytes,
+        header.num_tokens,
+        header.priority,
+        header.checksum,
+        header.created_ns,
+        bytes(32),
+    )
+
+
+class PayloadVerifier:
+    """`verify_payload` over a payload fed in pieces, in order: its memory does not depend on
+    the payload's length, so a header claiming a huge payload costs time, never memory."""
+
+    def __init__(self, header: PageHeader, *, mac_key: bytes | None = None) -> None:
+        self._header = header
+        self._xxh = xxhash.xxh3_64()
+        self._mac_key = mac_key
+        self._hmac: hashlib.blake2b | None = None
+        if mac_key and header.flags & FLAG_MAC:
+            self._hmac = _mac_hasher(mac_key, _mac_body(header))
+
+    def update(self, piece: memoryview | bytes) -> None:
+        """Feed the next piece of the payload."""
+        self._xxh.update(piece)
+        if self._hmac is not None:
+            self._hmac.update(piece)
+
+    def result(self) -> PageCheck:
+        """OK when the pieces fed so far are the payload the header describes."""
+        if self._xxh.intdigest() != self._header.checksum:
+            return PageCheck.CORRUPT
+        if self._mac_key:
+            if self._hmac is None:  # unkeyed page: see verify_payload
+                return PageCheck.CORRUPT
+            if not hmac.compare_digest(self._hmac.digest(), self._header.mac):
+                return PageCheck.CORRUPT
+        return PageCheck.OK
 
 
 def scatter(source: bytes | memoryview, into: PageBuffer) -> None:

@@ -1,0 +1,301 @@
+"""FileStorage against a root damaged or changed behind its back: huge or extended files,
+entries that cannot be removed, a vanished tmp/, races with maintenance."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import structlog
+from test_file_storage import (
+    NS,
+    SIZE,
+    _assert_index_matches_disk,
+    _Gate,
+    _get,
+    _keys,
+    _page_path,
+    _put,
+    _released,
+)
+
+from hicache_async import StorageError
+from hicache_async.storage import (
+    HEADER_NBYTES,
+    FileStorage,
+    Outcome,
+    PageHeader,
+    PageMeta,
+    _file,
+    encode_header,
+)
+from hicache_async.storage._page import PayloadVerifier
+
+_GIB = 1 << 30
+
+
+async def _store(root: Path, keys: list[bytes]) -> None:
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+
+
+def _plant_sparse_page(root: Path, key: bytes, payload_nbytes: int) -> Path:
+    """A page file whose header (checksummed, consistent) claims `payload_nbytes`, backed by a
+    sparse file of that length: costs no disk, reads as zeros."""
+    zeros = memoryview(bytes(1 << 20))
+    pieces = [zeros] * (payload_nbytes // zeros.nbytes)  # only lengths matter to the header
+    header = encode_header(PageMeta(key=key, namespace=NS, num_tokens=1), pieces, checksum=0)
+    path = _page_path(root, key)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    with open(path, "wb") as file:
+        file.write(header)
+        file.truncate(len(header) + payload_nbytes)
+    path.chmod(0o600)
+    return path
+
+
+def test_verify_memory_does_not_follow_a_huge_header(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(2)
+    asyncio.run(_store(root, keys))
+    huge = _keys(1)[0]
+    _plant_sparse_page(root, huge, 2 * _GIB)
+    # A child whose address space cannot hold a buffer of the claimed size: verify must
+    # still check every page (the planted one fails its checksum and goes).
+    script = textwrap.dedent(
+        f"""
+        import asyncio, resource
+        from hicache_async.storage import FileStorage
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                report = await storage.verify()
+                print(report.checked, report.ok, report.corrupt_removed, report.unchecked)
+        import hicache_async.storage._file  # everything loaded before the limit
+        with open("/proc/self/statm") as statm:
+            limit = int(statm.read().split()[0]) * {resource.getpagesize()} + {_GIB}
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        asyncio.run(main())
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1].split() == ["3", "2", "1", "0"]  # after the log
+    assert not _page_path(root, huge).exists()
+
+
+async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(8)
+    async with FileStorage(root, capacity_bytes=8 * SIZE) as storage:
+        await _put(storage, keys)
+    past = time.time() - 100
+    for key in keys:
+        os.utime(_page_path(root, key), (past, past))
+    # Changed by someone else, so the most recently touched: one extended (sparse) far past
+    # the capacity, one cut shorter than a header.
+    os.truncate(_page_path(root, keys[0]), 10 * _GIB)
+    os.truncate(_page_path(root, keys[1]), 5)
+    sound = keys[2:]
+    async with FileStorage(root, capacity_bytes=8 * SIZE) as storage:
+        # A lookup finds every file (a use of each): it must not make the misfits recent.
+        assert await storage.exists(keys) == len(keys)
+        new = _keys(1)
+        assert await _put(storage, new) == [Outcome.OK]
+        assert storage.stats().evictions <= 2
+        assert not _page_path(root, keys[0]).exists()
+        assert await _get(storage, sound + new) == [Outcome.OK] * 7
+
+
+# One entry that cannot be removed is logged and counted, never fails the whole operation.
+
+
+@pytest.fixture
+def immutable() -> Iterator[Callable[[Path], None]]:
+    """Makes a file immutable (`chattr +i`: even root cannot unlink it), undone at teardown
+    so the temporary directory can go."""
+    marked: list[Path] = []
+
+    def mark(path: Path) -> None:
+        try:
+            done = subprocess.run(["chattr", "+i", str(path)], capture_output=True, check=False)
+        except FileNotFoundError:
+            pytest.skip("chattr is not installed")
+        if done.returncode != 0:
+            pytest.skip(f"chattr +i does not work here: {done.stderr.decode().strip()}")
+        marked.append(path)
+
+    yield mark
+    for path in marked:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True, check=False)
+
+
+async def test_verify_keeps_going_past_a_corrupt_page_it_cannot_remove(
+    tmp_path: Path, immutable: Callable[[Path], None]
+) -> None:
+    root, keys = tmp_path / "s", _keys(3)
+    await _store(root, keys)
+    async with FileStorage(root) as storage:
+        path = _page_path(root, keys[0])
+        data = bytearray(path.read_bytes())
+        data[HEADER_NBYTES + 5] ^= 0xFF
+        path.write_bytes(data)
+        immutable(path)
+        with structlog.testing.capture_logs() as logs:
+            report = await storage.verify()
+        assert (report.ok, report.corrupt_removed, report.unchecked) == (2, 0, 1)
+        assert [entry["key"] for entry in logs if entry["event"] == "storage.page.error"] == [
+            keys[0].hex()
+        ]
+        assert storage.stats().corrupt == 0  # nothing was removed
+        assert await _get(storage, keys[1:]) == [Outcome.OK] * 2
+
+
+async def test_a_leftover_that_cannot_be_removed_fails_neither_open_nor_verify(
+    tmp_path: Path, immutable: Callable[[Path], None]
+) -> None:
+    root, keys = tmp_path / "s", _keys(2)
+    await _store(root, keys)
+    stuck = root / "tmp" / "stuck.tmp"
+    stuck.write_bytes(b"x")
+    (root / "tmp" / "gone.tmp").write_bytes(b"x")
+    past = time.time() - 3600  # a leftover to verify() too
+    os.utime(stuck, (past, past))
+    immutable(stuck)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root) as storage:
+            assert storage.leftovers_removed_at_open == 1
+            assert await _get(storage, keys) == [Outcome.OK] * 2
+            report = await storage.verify()
+            assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 1, 1)
+    errors = [entry["entry"] for entry in logs if entry["event"] == "storage.stray.error"]
+    assert errors == ["stuck.tmp", "stuck.tmp"]  # at open, then by verify()
+
+
+async def test_verify_removes_a_directory_tree_deeper_than_the_recursion_limit(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+    keys = _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[:2])
+        # Where keys[2]'s page belongs: a directory 3000 levels deep, with a file at the bottom.
+        where = _page_path(root, keys[2])
+        where.parent.mkdir(mode=0o700, exist_ok=True)
+        where.mkdir()
+        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(3000):
+            os.mkdir("d", dir_fd=fd)
+            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = below
+        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+        os.close(fd)
+        report = await storage.verify()
+        assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 1, 0)
+        assert not where.exists()
+        assert await _put(storage, keys[2:]) == [Outcome.OK]
+
+
+# tmp/ removed under a running instance.
+
+
+async def test_removal_and_writes_work_after_tmp_is_removed(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(8)
+    async with FileStorage(root, capacity_bytes=8 * SIZE, spare_bytes=4 * SIZE) as storage:
+        await _put(storage, keys)
+        await storage.delete(keys[:1])  # one spare file, gone with tmp/
+        shutil.rmtree(root / "tmp")
+        # Deletes and evictions would move pages into tmp/: they unlink them instead.
+        assert await storage.delete(keys[1:3]) == 2
+        assert not _page_path(root, keys[1]).exists()
+        await _assert_index_matches_disk(storage, root)
+        with structlog.testing.capture_logs() as logs:
+            more = _keys(6)  # 3 fit, then 3 evictions
+            assert await _put(storage, more) == [Outcome.OK] * 6
+        assert [entry["event"] for entry in logs] == ["storage.tmp.recreated"]
+        assert stat.S_IMODE((root / "tmp").stat().st_mode) == 0o700
+        assert storage.stats().evictions == 3
+        await _assert_index_matches_disk(storage, root)
+        assert await _get(storage, more) == [Outcome.OK] * 6
+
+
+async def test_a_tmp_replaced_by_a_symlink_is_not_used(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[:1])
+        shutil.rmtree(root / "tmp")
+        (root / "tmp").symlink_to(elsewhere)
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, keys[1:]) == [Outcome.ERROR]
+        assert "storage.tmp.refused" in [entry["event"] for entry in logs]
+        assert list(elsewhere.iterdir()) == []
+        assert await storage.delete(keys[:1]) == 1
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_verify_does_not_call_corrupt_a_page_evicted_while_it_read_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = tmp_path / "s"
+    old, new = _keys(2), _keys(1)
+    gate = _Gate()
+
+    class HeldVerifier(PayloadVerifier):
+        """Holds verify() after it read `old[0]`'s header, before its payload: the real
+        eviction and spare-file reuse then run in that window."""
+
+        def __init__(self, header: PageHeader, *, mac_key: bytes | None = None) -> None:
+            if header.key == old[0]:
+                gate.hold()
+            super().__init__(header, mac_key=mac_key)
+
+    monkeypatch.setattr(_file, "PayloadVerifier", HeldVerifier)
+    async with FileStorage(root, capacity_bytes=2 * SIZE, spare_bytes=SIZE) as storage:
+        for key in old:  # one at a time: old[0] is the least recently used
+            await _put(storage, [key])
+        with structlog.testing.capture_logs() as logs, _released(gate):
+            verifying = asyncio.create_task(storage.verify())
+            await gate.wait_reached()
+            # Evicts old[0] into the spare files; new[0], of its size, is written over it.
+            assert await _put(storage, new) == [Outcome.OK]
+            assert storage.stats().evictions == 1
+        report = await verifying
+        assert (report.corrupt_removed, storage.stats().corrupt) == (0, 0)
+        assert "storage.page.corrupt" not in [entry["event"] for entry in logs]
+        assert await _get(storage, old[1:] + new) == [Outcome.OK] * 2
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_raw_access_answers_like_get_and_raises_storage_errors(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = [bytes.fromhex("ab" + "01" * 31), bytes.fromhex("cd" + "01" * 31)]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        path = _page_path(root, keys[0])
+        path.unlink()
+        path.symlink_to(_page_path(root, keys[1]))
+        assert await storage.read_raw(keys[0]) is None  # never followed
+        assert await _get(storage, keys[:1]) == [Outcome.CORRUPT]
+    _page_path(root, keys[1]).parent.chmod(0o777)  # refused at the next open
+    async with FileStorage(root) as storage:
+        assert await storage.read_raw(keys[1]) is None
+        assert await _get(storage, keys[1:]) == [Outcome.MISS]
+        with pytest.raises(StorageError, match="write_raw failed"):
+            await storage.write_raw(keys[1], b"x" * HEADER_NBYTES)
