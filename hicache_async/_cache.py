@@ -180,6 +180,9 @@ class HiCache:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Before any state changes: from another thread this would wait on the owner loop's
+        # supervisor (a deadlock if that loop is blocked), from another loop it cannot await it.
+        self._owner.check()
         if self._state != "open":
             return
         self._state = "closing"

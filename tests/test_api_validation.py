@@ -1,0 +1,72 @@
+"""The public API's argument checks: misuse raises the documented error at once, before any
+state changes, and the cache goes on working afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import pytest
+from _gated_copies import PAGE, config
+
+from hicache_async import HiCache, WrongThreadError
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+    uvloop = None
+
+#: For the tests that drive loops themselves (the conftest parametrizes only async tests).
+LOOP_FACTORIES: list[Callable[[], asyncio.AbstractEventLoop]] = [asyncio.new_event_loop]
+if uvloop is not None:
+    LOOP_FACTORIES.append(uvloop.new_event_loop)
+
+
+# -- leaving the cache from the wrong thread or loop ------------------------------------------
+
+
+def _leave_one_step(cache: HiCache) -> None:
+    """Run `cache.__aexit__` up to its first suspension. Stepped by hand rather than awaited:
+    without the ownership check it would wait for the owner's supervisor forever."""
+    leaving = cache.__aexit__(None, None, None)
+    try:
+        leaving.send(None)
+    finally:
+        leaving.close()
+
+
+async def test_aexit_from_another_thread_is_refused_and_changes_nothing() -> None:
+    async with HiCache(config()) as cache:
+        req = cache.request(list(range(4 * PAGE)))
+        await req.allocate(4 * PAGE)
+
+        with pytest.raises(WrongThreadError):
+            await asyncio.to_thread(_leave_one_step, cache)
+        assert cache.statistics().state == "open"
+        assert not req.released
+        assert req.commit() == 4
+        assert cache.match(list(range(4 * PAGE))).device_tokens == 4 * PAGE
+    assert cache.statistics().state == "closed"
+    assert req.released
+
+
+@pytest.mark.parametrize("new_loop", LOOP_FACTORIES)
+def test_aexit_from_another_loop_is_refused_and_changes_nothing(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    owner, other = new_loop(), new_loop()
+    try:
+        cache = HiCache(config())
+        owner.run_until_complete(cache.__aenter__())
+
+        async def leave_from_other_loop() -> None:
+            _leave_one_step(cache)
+
+        with pytest.raises(WrongThreadError, match="another event loop"):
+            other.run_until_complete(leave_from_other_loop())
+        assert cache.statistics().state == "open"
+        owner.run_until_complete(cache.__aexit__(None, None, None))
+        assert cache.statistics().state == "closed"
+    finally:
+        other.close()
+        owner.close()
