@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+import msgspec
 import pytest
+import torch
 from _gated_copies import PAGE, config
 
-from hicache_async import HiCache, WrongThreadError
+from hicache_async import ConfigError, HiCache, WrongThreadError
 
 try:
     import uvloop
@@ -70,3 +72,16 @@ def test_aexit_from_another_loop_is_refused_and_changes_nothing(
     finally:
         other.close()
         owner.close()
+
+
+# -- a CUDA device the machine lacks ---------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+async def test_a_cuda_device_without_cuda_is_a_config_error_on_entry(device: str) -> None:
+    cache = HiCache(msgspec.structs.replace(config(), device=device))
+    with pytest.raises(ConfigError, match="none is available") as raised:
+        await cache.__aenter__()
+    assert raised.value.field == "device"
+    assert cache.statistics().state == "closed"
