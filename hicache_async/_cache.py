@@ -9,7 +9,7 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, get_args
 
 import anyio
 import structlog
@@ -46,6 +46,8 @@ from .workers import (
 __all__ = ["HiCache", "MatchInfo"]
 
 _log = structlog.get_logger("hicache_async")
+
+_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 
 
 def _read_mac_key(path: str) -> bytes:
@@ -483,6 +485,11 @@ class HiCache:
         that finds no room in time is a miss, TERMINATED); `best_effort` does not wait.
         """
         self._check_open()
+        if policy is not None and (not isinstance(policy, str) or policy not in _POLICIES):
+            # Otherwise an unknown name would quietly act as `timeout` in the prefetcher.
+            raise ValueError(
+                f"policy must be None or one of {', '.join(map(repr, _POLICIES))}, got {policy!r}"
+            )
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         link = self._link
@@ -491,7 +498,7 @@ class HiCache:
             keys,
             len(array),
             request_id,
-            policy or self.config.prefetch.policy,
+            self.config.prefetch.policy if policy is None else policy,
             group=self.rank_group,
         )
         if link is None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from _gated_copies import PAGE, config
 
-from hicache_async import ConfigError, HiCache, WrongThreadError
+from hicache_async import ConfigError, HiCache, PrefetchStatus, WrongThreadError
 
 try:
     import uvloop
@@ -85,3 +85,18 @@ async def test_a_cuda_device_without_cuda_is_a_config_error_on_entry(device: str
         await cache.__aenter__()
     assert raised.value.field == "device"
     assert cache.statistics().state == "closed"
+
+
+# -- prefetch policies -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["bogus", "", 123, "TIMEOUT"])
+async def test_an_unknown_prefetch_policy_is_refused(policy: object) -> None:
+    async with HiCache(config()) as cache:
+        prompt = list(range(4 * PAGE))
+        with pytest.raises(ValueError, match="policy must be None or one of 'best_effort'"):
+            await cache.start_prefetch(prompt, policy=policy)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="policy must be"):
+            await cache.prefetch(prompt, policy=policy)  # type: ignore[arg-type]
+        result = await cache.prefetch(prompt, policy="best_effort")
+        assert result.status is PrefetchStatus.SKIPPED
