@@ -259,8 +259,12 @@ class HiCache:
         return self._tree
 
     def keys_for(self, tokens: Any, *, salt: str | bytes | None = None) -> list[bytes]:
-        """Page keys of `tokens` in this cache's namespace (and the request's salt)."""
-        namespace = self.namespace.salted(salt) if salt else self.namespace
+        """Page keys of `tokens` in this cache's namespace (and the request's salt).
+
+        Raises `InvalidTokensError` for bad tokens, `TypeError` for a salt that is not a
+        `str`, `bytes` or None.
+        """
+        namespace = self.namespace if salt is None else self.namespace.salted(salt)
         return page_keys(tokens, self.config.page_size, namespace.seed)
 
     def match(self, tokens: Any, *, salt: str | bytes | None = None) -> MatchInfo:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -100,3 +101,32 @@ async def test_an_unknown_prefetch_policy_is_refused(policy: object) -> None:
             await cache.prefetch(prompt, policy=policy)  # type: ignore[arg-type]
         result = await cache.prefetch(prompt, policy="best_effort")
         assert result.status is PrefetchStatus.SKIPPED
+
+
+# -- salts -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("salt", [123, 0, False, 1.5, 2**62, bytearray(b"salt")])
+async def test_a_salt_that_is_not_str_or_bytes_is_refused_everywhere(salt: object) -> None:
+    async with HiCache(config()) as cache:
+        prompt = list(range(4 * PAGE))
+        bad: Any = salt
+        with pytest.raises(TypeError, match="salt must be a str, bytes or None"):
+            cache.keys_for(prompt, salt=bad)
+        with pytest.raises(TypeError, match="salt must be"):
+            cache.match(prompt, salt=bad)
+        with pytest.raises(TypeError, match="salt must be"):
+            cache.request(prompt, salt=bad)
+        with pytest.raises(TypeError, match="salt must be"):
+            await cache.start_prefetch(prompt, salt=bad)
+        with pytest.raises(TypeError, match="salt must be"):
+            await cache.prefetch(prompt, salt=bad)
+        with pytest.raises(TypeError, match="salt must be"):
+            await cache.agree_cached_tokens(prompt, salt=bad)
+        with pytest.raises(TypeError, match="salt must be"):
+            cache.namespace.salted(bad)
+        assert cache.statistics().live_requests == 0
+        # What is accepted: an empty salt is no salt, and str and bytes salt alike.
+        assert cache.keys_for(prompt, salt="") == cache.keys_for(prompt)
+        assert cache.keys_for(prompt, salt="s") == cache.keys_for(prompt, salt=b"s")
+        assert cache.keys_for(prompt, salt="s") != cache.keys_for(prompt)
