@@ -14,7 +14,7 @@ from typing import Any, get_args
 import anyio
 import structlog
 
-from ._config import CacheConfig, PrefetchPolicy
+from ._config import CacheConfig, PrefetchPolicy, WarmupConfig
 from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
@@ -441,19 +441,21 @@ class HiCache:
 
         Entries go by priority, then recency, up to `ratio` (default `warmup.ratio`) of the
         host pool, yielding to live prefetches; it stops at the budget, the deadline, a detach
-        or the cache's close. Cancelling it keeps the pages that already landed.
+        or the cache's close. Cancelling it keeps the pages that already landed. A `ratio`
+        outside [0, 1] or a `deadline_s` that is negative or not finite raises `ConfigError`.
         """
         self._check_open()
+        # The configuration's own checks, so the same limits apply (ConfigError naming
+        # warmup.ratio or warmup.deadline_s), with or without storage.
+        limits = WarmupConfig(
+            ratio=self.config.warmup.ratio if ratio is None else ratio,
+            deadline_s=self.config.warmup.deadline_s if deadline_s is None else deadline_s,
+        )
         link = self._link
         if link is None:
             await asyncio.sleep(0)
             return WarmupResult(status=WarmupStatus.NO_STORAGE)
-        warmer = Warmer(
-            self,
-            link,
-            ratio=self.config.warmup.ratio if ratio is None else ratio,
-            deadline_s=self.config.warmup.deadline_s if deadline_s is None else deadline_s,
-        )
+        warmer = Warmer(self, link, ratio=limits.ratio, deadline_s=limits.deadline_s)
         link.warmers.add(warmer)
         try:
             result = await warmer.run()

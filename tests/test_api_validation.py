@@ -12,7 +12,7 @@ import pytest
 import torch
 from _gated_copies import PAGE, config
 
-from hicache_async import ConfigError, HiCache, PrefetchStatus, WrongThreadError
+from hicache_async import ConfigError, HiCache, PrefetchStatus, WarmupStatus, WrongThreadError
 
 try:
     import uvloop
@@ -130,3 +130,31 @@ async def test_a_salt_that_is_not_str_or_bytes_is_refused_everywhere(salt: objec
         assert cache.keys_for(prompt, salt="") == cache.keys_for(prompt)
         assert cache.keys_for(prompt, salt="s") == cache.keys_for(prompt, salt=b"s")
         assert cache.keys_for(prompt, salt="s") != cache.keys_for(prompt)
+
+
+# -- warmup limits ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("arguments", "field"),
+    [
+        ({"ratio": 2}, "warmup.ratio"),
+        ({"ratio": -1}, "warmup.ratio"),
+        ({"ratio": "x"}, "warmup.ratio"),
+        ({"ratio": float("nan")}, "warmup.ratio"),
+        ({"deadline_s": -1}, "warmup.deadline_s"),
+        ({"deadline_s": float("inf")}, "warmup.deadline_s"),
+    ],
+)
+@pytest.mark.parametrize("storage", [None, "memory://"])
+async def test_warmup_arguments_have_the_configuration_limits(
+    arguments: dict[str, Any], field: str, storage: str | None
+) -> None:
+    async with HiCache(config(), storage=storage) as cache:
+        with pytest.raises(ConfigError) as raised:
+            await cache.warmup(**arguments)
+        assert raised.value.field == field
+        # The bounds themselves are accepted (an empty store has nothing to warm up).
+        expected = WarmupStatus.NO_STORAGE if storage is None else WarmupStatus.COMPLETE
+        assert (await cache.warmup(ratio=1, deadline_s=30)).status is expected
+        assert (await cache.warmup(ratio=0)).status is expected
