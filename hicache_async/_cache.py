@@ -20,7 +20,7 @@ from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
 from ._pool import KVPool, make_pools
-from ._request import Request
+from ._request import Request, check_count
 from ._stats import CacheStatistics, Counters, TierTokens
 from .distributed import (
     BackgroundAgreements,
@@ -300,9 +300,7 @@ class HiCache:
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         if max_cached_tokens is not None:
-            if max_cached_tokens < 0:
-                raise ValueError(f"max_cached_tokens must be >= 0, got {max_cached_tokens}")
-            limit = max_cached_tokens // self.config.page_size
+            limit = check_count("max_cached_tokens", max_cached_tokens) // self.config.page_size
             found = self._tree.match(keys[:limit])
             found = MatchResult(
                 keys=keys,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,17 @@ if TYPE_CHECKING:
     from .tree import MatchResult, TreeNode
 
 __all__ = ["Request"]
+
+
+def check_count(name: str, value: object) -> int:
+    """`value` as a count: `TypeError` unless an int (a bool or a float is a bug upstream, not
+    a count to round), `ValueError` if negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    count = int(value)
+    if count < 0:
+        raise ValueError(f"{name} must be >= 0, got {count}")
+    return count
 
 
 class Request:
@@ -221,12 +231,12 @@ class Request:
         """Device pages for `num_tokens` more tokens (whole pages, the tail page included).
 
         May wait for pages being freed (write-backs, loads landing); raises
-        `CacheClosedError` once released, a call still waiting included.
+        `CacheClosedError` once released, a call still waiting included. `num_tokens` must be
+        an int (`TypeError` otherwise, a bool included) and >= 0 (`ValueError`).
         """
         self._check()
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        count = math.ceil(num_tokens / self._cache.config.page_size)
+        num_tokens = check_count("num_tokens", num_tokens)
+        count = -(-num_tokens // self._cache.config.page_size)
         pages = await self._cache._alloc_device(count, self)
         self._new_pages.extend(pages)
         self._page_table.extend(pages)

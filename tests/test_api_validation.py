@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from _gated_copies import PAGE, config
@@ -158,3 +159,34 @@ async def test_warmup_arguments_have_the_configuration_limits(
         expected = WarmupStatus.NO_STORAGE if storage is None else WarmupStatus.COMPLETE
         assert (await cache.warmup(ratio=1, deadline_s=30)).status is expected
         assert (await cache.warmup(ratio=0)).status is expected
+
+
+# -- counts ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("count", "error", "message"),
+    [
+        ("3", TypeError, "must be an int, got str"),
+        (None, TypeError, "must be an int, got NoneType"),
+        (1.5, TypeError, "must be an int, got float"),
+        (float("inf"), TypeError, "must be an int, got float"),
+        (True, TypeError, "must be an int, got bool"),
+        (-1, ValueError, "must be >= 0, got -1"),
+    ],
+)
+async def test_counts_must_be_ints(count: Any, error: type[Exception], message: str) -> None:
+    async with HiCache(config()) as cache:
+        prompt = list(range(4 * PAGE))
+        if count is not None:  # None is no cap
+            with pytest.raises(error, match=f"max_cached_tokens {message}"):
+                cache.request(prompt, max_cached_tokens=count)
+        assert cache.statistics().live_requests == 0
+        with cache.request(prompt) as req:
+            with pytest.raises(error, match=f"num_tokens {message}"):
+                await req.allocate(count)
+            assert req.page_table == []
+            # numpy integers are ints; a count rounds up to whole pages.
+            assert len(await req.allocate(np.int64(PAGE + 1))) == 2
+        with cache.request(prompt, max_cached_tokens=np.int64(PAGE)) as capped:
+            assert capped.cached_tokens == 0
