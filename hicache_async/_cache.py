@@ -104,6 +104,9 @@ class HiCache:
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if mac_key is not None and not isinstance(mac_key, bytes):
+            # Otherwise found only on entry, and never without storage.
+            raise TypeError(f"mac_key must be bytes or None, got {type(mac_key).__name__}")
         if rank_group is not None and (
             rank_group.size != config.tp_size or rank_group.rank != config.tp_rank
         ):

@@ -190,3 +190,14 @@ async def test_counts_must_be_ints(count: Any, error: type[Exception], message: 
             assert len(await req.allocate(np.int64(PAGE + 1))) == 2
         with cache.request(prompt, max_cached_tokens=np.int64(PAGE)) as capped:
             assert capped.cached_tokens == 0
+
+
+# -- the constructor -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mac_key", ["a str of more than 16 chars", bytearray(32), 12345])
+def test_a_mac_key_that_is_not_bytes_is_refused_at_construction(mac_key: Any) -> None:
+    # Without storage nothing would ever use the key, so only the constructor can tell.
+    with pytest.raises(TypeError, match="mac_key must be bytes or None, got"):
+        HiCache(config(), mac_key=mac_key)
+    assert HiCache(config(), mac_key=bytes(16)).statistics().state == "new"
