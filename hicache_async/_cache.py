@@ -415,8 +415,11 @@ class HiCache:
         Prefetches in flight are cancelled (their requests go on without them); pending
         backups are flushed within `backup.flush_deadline_s` or, with `flush=False`,
         dropped; then the backend is closed. Detaching when nothing is attached does nothing.
+        `flush` must be a bool (`TypeError` otherwise: "no" is true).
         """
         self._owner.check()
+        if not isinstance(flush, bool):
+            raise TypeError(f"flush must be a bool, got {type(flush).__name__}")
         link = self._link
         if link is None:
             return

@@ -201,3 +201,17 @@ def test_a_mac_key_that_is_not_bytes_is_refused_at_construction(mac_key: Any) ->
     with pytest.raises(TypeError, match="mac_key must be bytes or None, got"):
         HiCache(config(), mac_key=mac_key)
     assert HiCache(config(), mac_key=bytes(16)).statistics().state == "new"
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flush", ["no", 0, None])
+@pytest.mark.parametrize("storage", [None, "memory://"])
+async def test_detach_flush_must_be_a_bool(flush: Any, storage: str | None) -> None:
+    async with HiCache(config(), storage=storage) as cache:
+        with pytest.raises(TypeError, match="flush must be a bool, got"):
+            await cache.detach_storage(flush=flush)
+        assert cache.storage_status().attached == (storage is not None)
+        await cache.detach_storage(flush=False)
+        assert not cache.storage_status().attached
