@@ -133,11 +133,12 @@ class Request:
 
         Single-flight: concurrent and later calls get the same copy. The loaded pages go into
         `page_table` right after the device prefix, ahead of pages from `allocate()` whether
-        it was called before or after. Raises `RuntimeError` after `commit()` (the committed
-        pages already stand for those tokens), `CacheClosedError` once released (a call
-        waiting for another request's copy raises as soon as this one is released), and
-        `HiCacheError` if the copy engine refuses to start the copy (nothing is held then;
-        `load()` may be called again).
+        it was called before or after. Raises `RuntimeError` when first called after
+        `commit()` (the committed pages already stand for those tokens; a load started
+        before the commit is returned again, as to any later call), `CacheClosedError` once
+        released (a call waiting for another request's copy raises as soon as this one is
+        released), and `HiCacheError` if the copy engine refuses to start the copy (nothing
+        is held then; `load()` may be called again).
         """
         self._check()
         if self._load is not None:
@@ -247,7 +248,8 @@ class Request:
 
         Returns how many pages were committed. The tail page (fewer than `page_size` tokens)
         is never committed; it is freed on release. Raises `RuntimeError` while `load()` is
-        starting or its copy has not landed; once pages are committed, `load()` is refused.
+        starting or its copy has not landed; once pages are committed, a first `load()` is
+        refused.
         """
         self._check()
         if self._load_lock is not None and self._load_lock.locked():
