@@ -224,6 +224,15 @@ class HiCache:
         except BaseException as exc:
             if not started.done():
                 started.set_exception(exc)
+            elif isinstance(exc, asyncio.CancelledError):
+                # Not a failure of the workers: the loop is shutting down (asyncio.run cancels
+                # the tasks left), and before that the cache should have been left.
+                if not self._stop.is_set():
+                    _log.warning(
+                        "hicache.unclosed",
+                        reason="the event loop ended with the cache open; leave it with "
+                        "`async with` (or await __aexit__) before the loop ends",
+                    )
             else:
                 _log.error("hicache.workers.failed", error=repr(exc))
         finally:

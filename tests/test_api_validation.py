@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import structlog
 import torch
 from _gated_copies import PAGE, config
 
@@ -215,3 +216,20 @@ async def test_detach_flush_must_be_a_bool(flush: Any, storage: str | None) -> N
         assert cache.storage_status().attached == (storage is not None)
         await cache.detach_storage(flush=False)
         assert not cache.storage_status().attached
+
+
+# -- a loop that ends with the cache open ----------------------------------------------------
+
+
+@pytest.mark.parametrize("new_loop", LOOP_FACTORIES)
+def test_a_loop_ending_with_the_cache_open_warns_that_it_was_not_closed(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    cache = HiCache(config())
+
+    async def forget_to_leave() -> None:
+        await cache.__aenter__()
+
+    with structlog.testing.capture_logs() as logs, asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(forget_to_leave())
+    assert [(e["event"], e["log_level"]) for e in logs] == [("hicache.unclosed", "warning")]
