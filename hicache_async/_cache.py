@@ -9,18 +9,18 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, get_args
 
 import anyio
 import structlog
 
-from ._config import CacheConfig, PrefetchPolicy
+from ._config import CacheConfig, PrefetchPolicy, WarmupConfig
 from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
 from ._pool import KVPool, make_pools
-from ._request import Request
+from ._request import Request, check_count
 from ._stats import CacheStatistics, Counters, TierTokens
 from .distributed import (
     BackgroundAgreements,
@@ -46,6 +46,8 @@ from .workers import (
 __all__ = ["HiCache", "MatchInfo"]
 
 _log = structlog.get_logger("hicache_async")
+
+_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 
 
 def _read_mac_key(path: str) -> bytes:
@@ -102,6 +104,9 @@ class HiCache:
     ) -> None:
         if not isinstance(config, CacheConfig):
             raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+        if mac_key is not None and not isinstance(mac_key, bytes):
+            # Otherwise found only on entry, and never without storage.
+            raise TypeError(f"mac_key must be bytes or None, got {type(mac_key).__name__}")
         if rank_group is not None and (
             rank_group.size != config.tp_size or rank_group.rank != config.tp_rank
         ):
@@ -180,6 +185,9 @@ class HiCache:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        # Before any state changes: from another thread this would wait on the owner loop's
+        # supervisor (a deadlock if that loop is blocked), from another loop it cannot await it.
+        self._owner.check()
         if self._state != "open":
             return
         self._state = "closing"
@@ -216,6 +224,15 @@ class HiCache:
         except BaseException as exc:
             if not started.done():
                 started.set_exception(exc)
+            elif isinstance(exc, asyncio.CancelledError):
+                # Not a failure of the workers: the loop is shutting down (asyncio.run cancels
+                # the tasks left), and before that the cache should have been left.
+                if not self._stop.is_set():
+                    _log.warning(
+                        "hicache.unclosed",
+                        reason="the event loop ended with the cache open; leave it with "
+                        "`async with` (or await __aexit__) before the loop ends",
+                    )
             else:
                 _log.error("hicache.workers.failed", error=repr(exc))
         finally:
@@ -254,8 +271,12 @@ class HiCache:
         return self._tree
 
     def keys_for(self, tokens: Any, *, salt: str | bytes | None = None) -> list[bytes]:
-        """Page keys of `tokens` in this cache's namespace (and the request's salt)."""
-        namespace = self.namespace.salted(salt) if salt else self.namespace
+        """Page keys of `tokens` in this cache's namespace (and the request's salt).
+
+        Raises `InvalidTokensError` for bad tokens, `TypeError` for a salt that is not a
+        `str`, `bytes` or None.
+        """
+        namespace = self.namespace if salt is None else self.namespace.salted(salt)
         return page_keys(tokens, self.config.page_size, namespace.seed)
 
     def match(self, tokens: Any, *, salt: str | bytes | None = None) -> MatchInfo:
@@ -291,9 +312,7 @@ class HiCache:
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         if max_cached_tokens is not None:
-            if max_cached_tokens < 0:
-                raise ValueError(f"max_cached_tokens must be >= 0, got {max_cached_tokens}")
-            limit = max_cached_tokens // self.config.page_size
+            limit = check_count("max_cached_tokens", max_cached_tokens) // self.config.page_size
             found = self._tree.match(keys[:limit])
             found = MatchResult(
                 keys=keys,
@@ -404,9 +423,13 @@ class HiCache:
 
         Prefetches in flight are cancelled (their requests go on without them); pending
         backups are flushed within `backup.flush_deadline_s` or, with `flush=False`,
-        dropped; then the backend is closed. Detaching when nothing is attached does nothing.
+        dropped, the write in progress cancelled at once; then the backend is closed.
+        Detaching when nothing is attached does nothing. `flush` must be a bool
+        (`TypeError` otherwise: "no" is true).
         """
         self._owner.check()
+        if not isinstance(flush, bool):
+            raise TypeError(f"flush must be a bool, got {type(flush).__name__}")
         link = self._link
         if link is None:
             return
@@ -432,19 +455,21 @@ class HiCache:
 
         Entries go by priority, then recency, up to `ratio` (default `warmup.ratio`) of the
         host pool, yielding to live prefetches; it stops at the budget, the deadline, a detach
-        or the cache's close. Cancelling it keeps the pages that already landed.
+        or the cache's close. Cancelling it keeps the pages that already landed. A `ratio`
+        outside [0, 1] or a `deadline_s` that is negative or not finite raises `ConfigError`.
         """
         self._check_open()
+        # The configuration's own checks, so the same limits apply (ConfigError naming
+        # warmup.ratio or warmup.deadline_s), with or without storage.
+        limits = WarmupConfig(
+            ratio=self.config.warmup.ratio if ratio is None else ratio,
+            deadline_s=self.config.warmup.deadline_s if deadline_s is None else deadline_s,
+        )
         link = self._link
         if link is None:
             await asyncio.sleep(0)
             return WarmupResult(status=WarmupStatus.NO_STORAGE)
-        warmer = Warmer(
-            self,
-            link,
-            ratio=self.config.warmup.ratio if ratio is None else ratio,
-            deadline_s=self.config.warmup.deadline_s if deadline_s is None else deadline_s,
-        )
+        warmer = Warmer(self, link, ratio=limits.ratio, deadline_s=limits.deadline_s)
         link.warmers.add(warmer)
         try:
             result = await warmer.run()
@@ -480,6 +505,11 @@ class HiCache:
         that finds no room in time is a miss, TERMINATED); `best_effort` does not wait.
         """
         self._check_open()
+        if policy is not None and (not isinstance(policy, str) or policy not in _POLICIES):
+            # Otherwise an unknown name would quietly act as `timeout` in the prefetcher.
+            raise ValueError(
+                f"policy must be None or one of {', '.join(map(repr, _POLICIES))}, got {policy!r}"
+            )
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         link = self._link
@@ -488,7 +518,7 @@ class HiCache:
             keys,
             len(array),
             request_id,
-            policy or self.config.prefetch.policy,
+            self.config.prefetch.policy if policy is None else policy,
             group=self.rank_group,
         )
         if link is None:

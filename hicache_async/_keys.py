@@ -85,10 +85,16 @@ class Namespace(msgspec.Struct, frozen=True):
         return cls(seed=b"", fingerprint=bytes(_FINGERPRINT_NBYTES))
 
     def salted(self, salt: str | bytes) -> Namespace:
-        """A namespace for one request's salt: pages under different salts never match."""
+        """A namespace for one request's salt: pages under different salts never match.
+
+        Raises `TypeError` unless `salt` is a `str` or `bytes` (an empty one is no salt).
+        """
+        if not isinstance(salt, (str, bytes)):
+            # bytes(123) would be 123 zero bytes, and 0 or False no salt at all.
+            raise TypeError(f"salt must be a str, bytes or None, got {type(salt).__name__}")
         if not salt:
             return self
-        raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+        raw = salt.encode() if isinstance(salt, str) else salt
         seed = hashlib.sha256(self.seed + b"\x00salt\x00" + raw).digest()
         fingerprint = hashlib.sha256(self.fingerprint + raw).digest()[:_FINGERPRINT_NBYTES]
         return Namespace(seed=seed, fingerprint=fingerprint, rank_salt=self.rank_salt)

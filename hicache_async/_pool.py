@@ -83,6 +83,27 @@ def _memory_of(device: torch.device) -> int | None:
     return None
 
 
+def _check_device(device: torch.device) -> None:
+    """Refuse a CUDA device this machine lacks with a `ConfigError` naming `device`, before
+    torch fails on it with an assertion or an invalid-ordinal error."""
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ConfigError(
+            "device",
+            f"{str(device)!r} needs a CUDA device, but none is available (torch "
+            f"{torch.__version__}, {built}); use 'cpu' or 'auto'",
+        )
+    if device.index is not None and device.index >= count:
+        raise ConfigError(
+            "device",
+            f"{str(device)!r} is not on this machine: it has {count} CUDA device(s), "
+            f"'cuda:0' to 'cuda:{count - 1}'",
+        )
+
+
 def _check_fits(nbytes: int, device: torch.device, what: str, field: str) -> None:
     """Refuse pools larger than the device's memory before touching any of it: zeroing a pool
     the kernel overcommitted would end in the OOM killer, not in an exception."""
@@ -141,6 +162,7 @@ class KVPool:
                 f"memory_layout must be one of {', '.join(_MEMORY_LAYOUTS)}, got {memory_layout!r}"
             )
         dev = torch.device(device)
+        _check_device(dev)
         if pin_memory and (dev.type != "cpu" or not torch.cuda.is_available()):
             raise ValueError("pin_memory applies only to a CPU pool on a machine with CUDA")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,17 @@ if TYPE_CHECKING:
     from .tree import MatchResult, TreeNode
 
 __all__ = ["Request"]
+
+
+def check_count(name: str, value: object) -> int:
+    """`value` as a count: `TypeError` unless an int (a bool or a float is a bug upstream, not
+    a count to round), `ValueError` if negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    count = int(value)
+    if count < 0:
+        raise ValueError(f"{name} must be >= 0, got {count}")
+    return count
 
 
 class Request:
@@ -123,11 +133,12 @@ class Request:
 
         Single-flight: concurrent and later calls get the same copy. The loaded pages go into
         `page_table` right after the device prefix, ahead of pages from `allocate()` whether
-        it was called before or after. Raises `RuntimeError` after `commit()` (the committed
-        pages already stand for those tokens), `CacheClosedError` once released (a call
-        waiting for another request's copy raises as soon as this one is released), and
-        `HiCacheError` if the copy engine refuses to start the copy (nothing is held then;
-        `load()` may be called again).
+        it was called before or after. Raises `RuntimeError` when first called after
+        `commit()` (the committed pages already stand for those tokens; a load started
+        before the commit is returned again, as to any later call), `CacheClosedError` once
+        released (a call waiting for another request's copy raises as soon as this one is
+        released), and `HiCacheError` if the copy engine refuses to start the copy (nothing
+        is held then; `load()` may be called again).
         """
         self._check()
         if self._load is not None:
@@ -221,12 +232,12 @@ class Request:
         """Device pages for `num_tokens` more tokens (whole pages, the tail page included).
 
         May wait for pages being freed (write-backs, loads landing); raises
-        `CacheClosedError` once released, a call still waiting included.
+        `CacheClosedError` once released, a call still waiting included. `num_tokens` must be
+        an int (`TypeError` otherwise, a bool included) and >= 0 (`ValueError`).
         """
         self._check()
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        count = math.ceil(num_tokens / self._cache.config.page_size)
+        num_tokens = check_count("num_tokens", num_tokens)
+        count = -(-num_tokens // self._cache.config.page_size)
         pages = await self._cache._alloc_device(count, self)
         self._new_pages.extend(pages)
         self._page_table.extend(pages)
@@ -237,7 +248,8 @@ class Request:
 
         Returns how many pages were committed. The tail page (fewer than `page_size` tokens)
         is never committed; it is freed on release. Raises `RuntimeError` while `load()` is
-        starting or its copy has not landed; once pages are committed, `load()` is refused.
+        starting or its copy has not landed; once pages are committed, a first `load()` is
+        refused.
         """
         self._check()
         if self._load_lock is not None and self._load_lock.locked():

@@ -80,6 +80,21 @@ async def test_load_after_commit_is_refused() -> None:
             check_table(cache, generator, req, 4)
 
 
+async def test_a_load_started_before_commit_is_returned_again_after_it() -> None:
+    async with host_cache(None, A) as (cache, generator):
+        with cache.request(B) as req:
+            load = await req.load()
+            await load
+            assert await finish(cache, generator, req) == 2
+            # A repeated call, not a new load: the same finished copy, nothing copied again.
+            loaded = _loaded_pages(cache)
+            assert await req.load() is load
+            assert _loaded_pages(cache) == loaded
+            check_table(cache, generator, req, 4)
+        await cache.drain()
+        assert_drained(cache)
+
+
 # -- bug 2: a landed load is fully booked the moment it can be seen as done ---------------------
 
 
