@@ -46,19 +46,26 @@ def _config(**backup: object) -> CacheConfig:
 
 
 class Shared(Unowned):
-    """A real backend the test opens and closes itself, so two caches can share it; it
-    counts `exists` calls and can be told to fail them, decline puts, or hold `exists`."""
+    """A real backend the test opens and closes itself, so two caches can share it. It
+    counts `exists` calls and keys and can fail them or hold them, and can decline puts
+    (whole calls, or chosen keys), hold them, and record the keys they were given."""
 
     def __init__(self, inner: StorageBackend) -> None:
         super().__init__(inner)
         self.exists_calls = 0
+        self.exists_keys = 0
         self.exists_answer: object = None  # what to return instead, or an exception to raise
         self.declined_puts = 0  # the next this many puts are declined (MISS for every page)
+        self.declined_keys: set[bytes] = set()  # always declined
         self.hold_exists: asyncio.Event | None = None
         self.exists_waiting = asyncio.Event()
+        self.hold_puts: asyncio.Event | None = None
+        self.put_waiting = asyncio.Event()
+        self.put_keys: list[bytes] = []
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         self.exists_calls += 1
+        self.exists_keys += len(keys)
         if self.hold_exists is not None:
             self.exists_waiting.set()
             await self.hold_exists.wait()
@@ -71,10 +78,32 @@ class Shared(Unowned):
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
+        self.put_keys += keys
+        if self.hold_puts is not None:
+            self.put_waiting.set()
+            await self.hold_puts.wait()
         if self.declined_puts:
             self.declined_puts -= 1
             return [Outcome.MISS] * len(keys)
-        return await self.inner.put(keys, pages, metas)
+        chosen = [i for i, key in enumerate(keys) if key not in self.declined_keys]
+        stored = await self.inner.put(
+            [keys[i] for i in chosen], [pages[i] for i in chosen], [metas[i] for i in chosen]
+        )
+        outcomes = [Outcome.MISS] * len(keys)
+        for i, outcome in zip(chosen, stored, strict=True):
+            outcomes[i] = outcome
+        return outcomes
+
+
+async def _queued(cache: HiCache, jobs: int) -> None:
+    """Wait until the backup queue holds `jobs` jobs (device → host copies land meanwhile)."""
+    link = cache._link
+    assert link is not None
+    for _ in range(500):
+        if link.backup.pending >= jobs:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"the backup queue never held {jobs} jobs")
 
 
 def _backup(cache: HiCache) -> BackupStatistics:
@@ -252,3 +281,82 @@ async def test_a_detach_during_the_check_leaves_nothing_protected() -> None:
             assert not any(node.in_storage for node in cache.tree.iter_nodes())
             cache.tree.check_invariants()
             assert_drained(cache)
+
+
+async def test_a_node_split_while_its_put_runs_is_marked_by_the_pages_planned() -> None:
+    # One batch holds `long` (8 pages) and `declined` (2 pages, refused by the store). While
+    # its put runs, a prompt diverging after `long`'s fourth page splits that node: its
+    # pages are then in two nodes, and `declined` must not be marked as stored.
+    config = _config(max_retries=0, batch_pages=64)
+    generator = KVGenerator(config.layout, PAGE, seed=10)
+    first, long, declined = _prompt(14, 1), _prompt(15, 8), _prompt(16, 2)
+    fork = np.concatenate([long[: 4 * PAGE], _prompt(17, 1)])
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        async with HiCache(config, storage=shared) as cache:
+            shared.declined_keys = set(cache.namespace.storage_keys(cache.keys_for(declined)))
+            shared.hold_puts = asyncio.Event()
+            await serve(cache, first, generator, prefetch=False)
+            await asyncio.wait_for(shared.put_waiting.wait(), 5)  # the first put is held
+            await serve(cache, long, generator, prefetch=False)
+            await serve(cache, declined, generator, prefetch=False)
+            await _queued(cache, 2)  # one batch for both
+            shared.put_waiting.clear()
+            held, shared.hold_puts = shared.hold_puts, asyncio.Event()
+            held.set()
+            await asyncio.wait_for(shared.put_waiting.wait(), 5)  # `long` and `declined`
+            await serve(cache, fork, generator, prefetch=False)
+            shared.hold_puts.set()
+            await cache.drain()
+            stored = {
+                key for node in cache.tree.iter_nodes() if node.in_storage for key in node.keys
+            }
+            assert not stored & set(cache.keys_for(declined))
+            assert set(cache.keys_for(long)) <= stored  # both parts of the split node
+            assert await _in_storage(cache, memory, long) == 8
+            cache.tree.check_invariants()
+            assert_drained(cache)
+
+
+async def test_a_flush_at_a_detach_writes_only_what_was_offered() -> None:
+    # The detach unmarks every node before the flush: the chain above a queued job is not
+    # "missing" from the old backend, and the flush must not write it again.
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=11)
+    base = _prompt(18, 12)
+    longer = np.concatenate([base, _prompt(19, 1)])
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        async with HiCache(config, storage=shared) as cache:
+            await serve(cache, base, generator, prefetch=False)
+            await cache.drain()
+            shared.put_keys.clear()
+            shared.hold_puts = asyncio.Event()
+            await serve(cache, _prompt(21, 1), generator, prefetch=False)
+            await asyncio.wait_for(shared.put_waiting.wait(), 5)  # that put is held
+            await serve(cache, longer, generator, prefetch=False)
+            await _queued(cache, 1)  # planned only once the detach has begun
+            detaching = asyncio.create_task(cache.detach_storage())
+            await asyncio.sleep(0)
+            shared.hold_puts.set()
+            await detaching
+            assert len(shared.put_keys) == 2  # the jobs' pages, not the 12 above the second
+            assert_drained(cache)
+
+
+async def test_a_long_conversation_asks_about_its_history_once_not_every_turn() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=12)
+    turns = [_prompt(20 + turn, 1) for turn in range(40)]
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        shared = Shared(memory)
+        async with HiCache(config, storage=shared) as cache:
+            for turn in range(len(turns)):
+                await serve(cache, np.concatenate(turns[: turn + 1]), generator, prefetch=False)
+                await cache.drain()
+            backup = _backup(cache)
+            assert backup.written_pages == 40
+            # Each turn asks about what lies below the part found whole moments ago: about
+            # one page a turn, not the whole conversation each time (820 keys).
+            assert shared.exists_keys <= 2 * backup.written_pages
+            assert backup.lost_pages == backup.repaired_pages == 0

@@ -35,6 +35,11 @@ __all__ = ["BackupStatistics", "BackupWorker"]
 
 _log = structlog.get_logger("hicache_async")
 
+#: Seconds a chain found whole in storage counts as checked (see `_check_prefixes`).
+_CHECKED_FOR_S = 2.0
+#: Entries of that record before the stale ones are dropped.
+_CHECKED_MAX = 4096
+
 
 class _Job(msgspec.Struct):
     node: TreeNode
@@ -73,7 +78,6 @@ class BackupWorker:
         config: BackupConfig,
         *,
         is_current: Callable[[], bool],
-        on_written: Callable[[TreeNode, int], None] | None = None,
     ) -> None:
         self._cache = cache
         self._backend = backend
@@ -81,7 +85,8 @@ class BackupWorker:
         # After a detach the flush still writes, but its pages belong to a backend that is
         # no longer ours: they must not mark nodes "in storage".
         self._is_current = is_current
-        self._on_written = on_written
+        #: node id -> when its chain from the root was last found whole in storage
+        self._checked: dict[int, float] = {}
         self._manifest: WarmupManifest | None = (
             backend.manifest() if isinstance(backend, SupportsManifest) else None
         )
@@ -202,21 +207,24 @@ class BackupWorker:
             if self.config.check_prefix and self._is_current():
                 await self._check_prefixes(jobs)
             # Plan: the pages of every node not yet in storage, in tree order, with those
-            # above each job's range that storage lacks.
-            nodes: list[TreeNode] = []
+            # above each job's range that storage lacks. A flush to a backend no longer
+            # attached writes only what was offered: the detach unmarked every node.
+            planned: list[tuple[TreeNode, int]] = []
             seen: set[int] = set()
             keys: list[bytes] = []
             buffers = []
             metas: list[PageMeta] = []
             paths = [cache._path(job.node, job.num_pages) for job in jobs]
             offered_ids = {node.id for path in paths for node in path}
+            repairing = self._is_current()
             repaired = 0
             for path in paths:
-                for node in (*_chain(path[0].parent), *path):
+                above = _chain(path[0].parent) if repairing else []
+                for node in (*above, *path):
                     if node.in_storage or node.host_pages is None or node.id in seen:
                         continue
                     seen.add(node.id)
-                    nodes.append(node)
+                    planned.append((node, node.num_pages))
                     if node.id not in offered_ids:
                         repaired += node.num_pages
                     storage_keys = cache.namespace.storage_keys(node.keys)
@@ -237,13 +245,13 @@ class BackupWorker:
                 done += await self._put_with_retries(
                     keys[start:end], buffers[start:end], metas[start:end]
                 )
+            # By the page counts planned: a node split meanwhile holds fewer of them now,
+            # the rest in the new node above it, and both are marked.
             offset = 0
-            for node in nodes:
-                n = node.num_pages
+            for node, n in planned:
                 if all(done[offset : offset + n]) and self._is_current():
-                    tree.mark_in_storage(node)
-                    if self._on_written is not None:
-                        self._on_written(node, n)
+                    for part in cache._path(node, n):
+                        tree.mark_in_storage(part)
                 offset += n
             if self._manifest is not None and self._is_current():
                 entries = [e for e in map(self._chain_entry, jobs) if e is not None]
@@ -257,8 +265,9 @@ class BackupWorker:
         there, so that this batch writes them again (those still on the host).
 
         One `exists` per chain answers up to its first missing page; the node holding it is
-        unmarked and the rest of the chain is asked again. An intact chain costs one call; a
-        chain the store lost whole, one per node.
+        unmarked and the rest of the chain is asked again. A chain found whole within the
+        last `_CHECKED_FOR_S` is not asked about again, only what lies below it: a long
+        conversation's batches would otherwise ask about its whole history each time.
         """
         cache = self._cache
         tops: dict[int, TreeNode] = {}
@@ -271,7 +280,8 @@ class BackupWorker:
         for top in tops.values():
             if top.id in covered:
                 continue
-            start = 0  # pages of the chain known to be in storage, or already unmarked
+            # Pages of the chain known to be in storage, or already unmarked.
+            start = self._checked_pages(_chain(top), time.monotonic())
             while True:
                 # The chain is read again after every wait: a node may have been split
                 # meanwhile (which keeps the chain's keys); protection keeps all of it.
@@ -293,6 +303,7 @@ class BackupWorker:
                 start += found
                 chain = _chain(top)
                 ends = list(itertools.accumulate(node.num_pages for node in chain))
+                self._note_checked(chain, ends, start, time.monotonic())
                 missing = next((k for k, end in enumerate(ends) if end > start), None)
                 if missing is None:
                     break
@@ -302,6 +313,26 @@ class BackupWorker:
                     self.lost_pages += node.num_pages
                     _log.info("hicache.backup.lost", pages=node.num_pages)
                 start = ends[missing]
+
+    def _checked_pages(self, chain: list[TreeNode], now: float) -> int:
+        """How many pages at the top of `chain` were found whole in storage lately."""
+        ends = list(itertools.accumulate(node.num_pages for node in chain))
+        for k in range(len(chain) - 1, -1, -1):
+            when = self._checked.get(chain[k].id)
+            if when is not None and now - when < _CHECKED_FOR_S:
+                return ends[k]
+        return 0
+
+    def _note_checked(self, chain: list[TreeNode], ends: list[int], found: int, now: float) -> None:
+        """Record the nodes of `chain` whose pages all lie within the first `found`."""
+        for node, end in zip(chain, ends, strict=True):
+            if end > found:
+                break
+            self._checked[node.id] = now
+        if len(self._checked) > _CHECKED_MAX:  # forget what is stale, and removed nodes
+            self._checked = {
+                key: when for key, when in self._checked.items() if now - when < _CHECKED_FOR_S
+            }
 
     def _chain_entry(self, job: _Job) -> ManifestEntry | None:
         """A manifest entry for the chain ending at the job's node, if all of it is stored."""
