@@ -25,6 +25,7 @@ from hicache_async.storage import (
     StorageBackend,
     StorageError,
 )
+from hicache_async.storage._protocol import check_exists
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import BackupStatistics
 
@@ -360,3 +361,12 @@ async def test_a_long_conversation_asks_about_its_history_once_not_every_turn() 
             # one page a turn, not the whole conversation each time (820 keys).
             assert shared.exists_keys <= 2 * backup.written_pages
             assert backup.lost_pages == backup.repaired_pages == 0
+
+
+def test_an_exists_answer_is_a_count_of_the_keys_asked_about() -> None:
+    assert check_exists(2, 3) == 2
+    assert check_exists(np.int64(3), 3) == 3  # an integer type of a plugin's own
+    assert type(check_exists(np.int64(0), 3)) is int
+    for wrong in (True, False, 4, -1, "3", 2.0, np.float64(2.0), None):
+        with pytest.raises(StorageError, match="not a count of 0 to 3 keys"):
+            check_exists(wrong, 3)

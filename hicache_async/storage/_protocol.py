@@ -196,6 +196,8 @@ def check_outcomes(outcomes: object, count: int, call: str) -> list[Outcome]:
 def check_exists(found: object, count: int) -> int:
     """`found` if it is a count of 0 to `count` keys (what `exists` must return), else
     StorageError: a backend's wrong answer is a failed call, not a crash of its caller."""
-    if not isinstance(found, int) or isinstance(found, bool) or not 0 <= found <= count:
+    index = getattr(found, "__index__", None)  # an int, or an integer type such as numpy's
+    value = index() if callable(index) else -1
+    if isinstance(found, bool) or not 0 <= value <= count:
         raise StorageError(f"exists returned {found!r}, not a count of 0 to {count} keys")
-    return found
+    return value

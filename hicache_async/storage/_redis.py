@@ -89,9 +89,12 @@ _CONCURRENCY = 2
 #: EXISTS, whose per-command client overhead (~30 us each in redis-py) made 64 keys cost ~2 ms
 #: against ~0.3 ms here. TOUCH answers as EXISTS does and counts as a use for the server's
 #: LRU/LFU eviction (EXISTS does not): a prefix that new chains are looked up against stays.
+#: Where TOUCH is refused (an ACL listing commands, a proxy) the key is asked with EXISTS.
 _PREFIX_SCRIPT = (
     "for i, key in ipairs(KEYS) do "
-    "if redis.call('TOUCH', key) == 0 then return i - 1 end "
+    "local found = redis.pcall('TOUCH', key) "
+    "if type(found) == 'table' then found = redis.call('EXISTS', key) end "
+    "if found == 0 then return i - 1 end "
     "end return #KEYS"
 )
 _KEYS_PER_SCRIPT = 1024
@@ -365,6 +368,7 @@ class RedisStorage(BackendBase):
         self._connection_kwargs = dict(connection_kwargs or {})
         self._cluster = cluster
         self._multikey = not cluster if multikey is None else multikey
+        self._touch = True  # False once TOUCH is refused (see _exists_pipeline)
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
@@ -576,14 +580,14 @@ class RedisStorage(BackendBase):
         count = 0
         for start in range(0, len(keys), _KEYS_PER_PIPELINE):
             batch = keys[start : start + _KEYS_PER_PIPELINE]
-            try:
-                async with client.pipeline(transaction=False) as pipe:
-                    for key in batch:
-                        pipe.touch(self._rkey(key))  # EXISTS that counts as a use
-                    results = await pipe.execute(raise_on_error=False)
-            except REDIS_FAULTS as exc:
-                self._counters.errors += 1
-                raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+            results = await self._exists_pipeline(client, batch)
+            if self._touch and any(
+                isinstance(r, Exception) and scripting_refused(r) for r in results
+            ):
+                # TOUCH refused here (an ACL listing commands, a proxy): EXISTS from now on.
+                log.warning("storage.redis.no_touch", backend=self._name)
+                self._touch = False
+                results = await self._exists_pipeline(client, batch)
             for result in results:
                 if isinstance(result, Exception):
                     self._counters.errors += 1
@@ -592,6 +596,21 @@ class RedisStorage(BackendBase):
                     return count
                 count += 1
         return count
+
+    async def _exists_pipeline(self, client: RedisClient, batch: Sequence[bytes]) -> list[Any]:
+        """A pipeline of TOUCH (an EXISTS that counts as a use), or of EXISTS where TOUCH is
+        refused: its replies, error replies included."""
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                for key in batch:
+                    if self._touch:
+                        pipe.touch(self._rkey(key))
+                    else:
+                        pipe.exists(self._rkey(key))
+                return list(await pipe.execute(raise_on_error=False))
+        except REDIS_FAULTS as exc:
+            self._counters.errors += 1
+            raise StorageError(f"{self._name}: exists failed: {exc}") from exc
 
     async def _exists_on_bulk(self, bulk: BulkConnectionPool, keys: Sequence[bytes]) -> int:
         """`_exists_by_script` over a bulk connection: EVALSHA without redis-py's command

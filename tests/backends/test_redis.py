@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+import structlog
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
@@ -674,6 +675,30 @@ async def test_bulk_connections_authenticate_and_select_the_database() -> None:
             assert await backend.get(keys, into, namespace=NS) == [Outcome.ERROR] * 3
             assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
             assert not any(any(s) for b in into for s in b)
+
+
+@pytest.mark.parametrize("params", [{}, {"bulk": 0}, {"multikey": 0}])
+async def test_exists_asks_with_exists_where_touch_is_refused(params: dict[str, int]) -> None:
+    # An ACL that lists commands and leaves TOUCH out: exists answers all the same.
+    with RedisServer() as server:
+        admin = aioredis.Redis(host=server.host, port=server.port)
+        try:
+            await admin.execute_command(
+                "ACL", "SETUSER", "touchless", "on", ">pw", "~*", "+@all", "-touch"
+            )
+        finally:
+            await admin.aclose()
+        url = fresh_url(f"redis://touchless:pw@{server.host}:{server.port}/0", **params)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+            with structlog.testing.capture_logs() as logs:
+                assert await backend.exists(keys) == 2
+                assert await backend.exists(keys[:1]) == 1
+                assert await backend.exists(keys[2:]) == 0
+            assert backend.stats().errors == 0
+        fallbacks = [e["event"] for e in logs].count("storage.redis.no_touch")
+        assert fallbacks == (1 if params.get("multikey") == 0 else 0)
 
 
 async def test_exists_loads_its_script_again_after_a_flush(redis_url: str) -> None:
