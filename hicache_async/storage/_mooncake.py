@@ -1198,6 +1198,13 @@ class MooncakeStorage(BackendBase):
         self._check_open()
         return self._store
 
+    def _master_store(self) -> Any:
+        """The client, for a call that goes to the master (the warmup manifest's): raises
+        StorageError at once while the master is known not to answer."""
+        store = self._open_store()
+        self._check_master()
+        return store
+
     def _master_down(self) -> bool:
         """Whether the master is known not to answer now (see _mooncake_watch)."""
         return self._watch is not None and self._watch.down

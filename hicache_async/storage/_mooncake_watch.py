@@ -27,8 +27,9 @@ __all__ = ["MasterWatch", "http_probe", "reachable", "tcp_probe"]
 #: Seconds between probes, and the bound on each.
 _INTERVAL_S = 0.25
 _PROBE_TIMEOUT_S = 1.0
-#: Probes failed in a row before the master counts as down (one slow answer is not enough).
-_FAILURES_FOR_DOWN = 2
+#: Probes failed in a row before the master counts as down (a slow answer or two from a busy
+#: admin server is not enough).
+_FAILURES_FOR_DOWN = 3
 
 
 def http_probe(admin: str) -> Callable[[], bool]:
@@ -61,8 +62,8 @@ def tcp_probe(address: tuple[str, int]) -> Callable[[], bool]:
 
 
 class MasterWatch:
-    """Runs `probe` on a daemon thread every quarter second; `down` once it failed twice in
-    a row, up again at its first success.
+    """Runs `probe` on a daemon thread every quarter second; `down` once it failed three
+    times in a row, up again at its first success.
 
     A probe that has never succeeded says nothing about the master (the backend opened, so
     the master answered then): the probe itself is what fails, say an `admin` URL this host

@@ -19,14 +19,15 @@ import structlog
 
 from hicache_async import StorageError
 from hicache_async.storage import Outcome
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
 from hicache_async.storage._mooncake_watch import MasterWatch
 from hicache_async.testing._servers import MooncakeMaster
 
 from .test_mooncake import NS, buffers, fresh_url, joined, make_pages
 
-#: Far above the watch's own reaction (two failed probes a quarter second apart, each bounded
-#: by one second): only a watch that never notices runs into it.
+#: Far above the watch's own reaction (three failed probes a quarter second apart, each
+#: bounded by one second): only a watch that never notices runs into it.
 NOTICE_WITHIN_S = 20.0
 
 
@@ -64,6 +65,8 @@ async def _every_call_fails_without_reaching_the_client(
     calls = len(client.calls)
     assert await backend.get(keys, buffers(3), namespace=NS) == [Outcome.ERROR] * 3
     assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+    manifest = backend.manifest()
+    entry = chain_entry(NS, keys, 3 * 16, 0, time.time())
     for call in (
         backend.exists(keys),
         backend.delete(keys),
@@ -72,11 +75,14 @@ async def _every_call_fails_without_reaching_the_client(
         backend.list_pages(),
         backend.verify(),
         backend.gc(),
+        manifest.append([entry]),
+        manifest.read(),
+        manifest.compact(),
     ):
         with pytest.raises(StorageError, match="not answering"):
             await call
     assert client.calls[calls:] == []
-    assert backend.stats().errors >= errors + 6 + 7
+    assert backend.stats().errors >= errors + 6 + 10
 
 
 @pytest.fixture
@@ -147,7 +153,7 @@ async def test_a_master_gone_is_noticed_without_the_admin_url(master: MooncakeMa
             backend._store = real
 
 
-def test_the_watch_needs_two_failed_probes_and_one_success() -> None:
+def test_the_watch_needs_three_failed_probes_and_one_success() -> None:
     answers = iter([True, False, True, False, False, False, True])
     seen: list[bool] = []  # the verdict before each probe
     probed = threading.Event()
@@ -165,8 +171,8 @@ def test_the_watch_needs_two_failed_probes_and_one_success() -> None:
         assert probed.wait(NOTICE_WITHIN_S)
     finally:
         watch.stop()
-    # Down after the second failure in a row (the 5th probe), up again at the next success.
-    assert seen == [False, False, False, False, False, True, True, False]
+    # Down after the third failure in a row (the 6th probe), up again at the next success.
+    assert seen == [False, False, False, False, False, False, True, False]
     with pytest.raises(RuntimeError, match="started already"):
         watch.start()
 
@@ -178,7 +184,7 @@ def test_a_probe_that_never_answered_never_reports_the_master_down() -> None:
     def probe() -> bool:
         nonlocal probes
         probes += 1
-        if probes == 4:
+        if probes == 5:
             probed.set()
         return False
 
