@@ -239,6 +239,10 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     #: Before each batch, ask storage (one `exists` per chain) whether the prefix above each
     #: job is still there, and write again what it lost and this instance still holds.
     check_prefix: bool = True
+    #: A chain found whole this recently is asked about only below that part. The asking is
+    #: also what keeps a hot prefix in a store that evicts by use: a store that cycles
+    #: through its whole capacity faster than this may evict one.
+    check_prefix_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         _positive("backup.queue_size", self.queue_size)
@@ -247,6 +251,7 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         _finite("backup.retry_backoff_s", self.retry_backoff_s, low=0.0)
         _finite("backup.flush_deadline_s", self.flush_deadline_s, low=0.0)
         _finite("backup.io_timeout_s", self.io_timeout_s, low=0.001)
+        _finite("backup.check_prefix_interval_s", self.check_prefix_interval_s, low=0.0)
 
 
 class WarmupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -103,6 +103,9 @@ def _config() -> CacheConfig:
             "host_pages": 256,
             "model_id": "chain-eviction-test",
             "prefetch": {"policy": "wait_complete", "threshold_tokens": 8},
+            # This store cycles through its capacity within milliseconds: every batch asks
+            # about (and so touches) the shared prefix, as batches 2 s apart would.
+            "backup": {"check_prefix_interval_s": 0},
         }
     )
 

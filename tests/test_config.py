@@ -57,6 +57,10 @@ def test_mla_layout_is_one_latent_buffer() -> None:
             {"layout": MHA, "device_pages": 4, "prefetch": {"timeout_base_s": float("nan")}},
             "prefetch.timeout_base_s",
         ),
+        (
+            {"layout": MHA, "device_pages": 4, "backup": {"check_prefix_interval_s": -1}},
+            "backup.check_prefix_interval_s",
+        ),
     ],
 )
 def test_invalid_values_name_the_field(data: dict[str, object], field: str) -> None:

@@ -105,15 +105,19 @@ class MasterWatch:
         while not self._stop.is_set():
             was_down = self.down
             answered = self._probe()
-            # One writer: each field is only ever replaced, so readers see either value.
-            self._failures = 0 if answered else self._failures + 1
-            if answered:
-                self._seen_up = True
-            elif not self._seen_up and self._failures == _FAILURES_FOR_DOWN:
-                log.warning("storage.mooncake.watch_blind", master=self._name)
-            if self.down != was_down and not self._stop.is_set():
-                if self.down:
+            failures = 0 if answered else self._failures + 1
+            seen_up = self._seen_up or answered
+            down = seen_up and failures >= _FAILURES_FOR_DOWN
+            # Logged before the new state is published: whoever sees it can find the line.
+            if down != was_down and not self._stop.is_set():
+                if down:
                     log.warning("storage.mooncake.master_down", master=self._name)
                 else:
                     log.info("storage.mooncake.master_up", master=self._name)
+            elif not seen_up and failures == _FAILURES_FOR_DOWN:
+                log.warning("storage.mooncake.watch_blind", master=self._name)
+            # One writer, each field replaced whole; the count first, so that a first
+            # success after failures never reads as down in between.
+            self._failures = failures
+            self._seen_up = seen_up
             self._stop.wait(_INTERVAL_S)

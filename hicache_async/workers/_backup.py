@@ -35,9 +35,7 @@ __all__ = ["BackupStatistics", "BackupWorker"]
 
 _log = structlog.get_logger("hicache_async")
 
-#: Seconds a chain found whole in storage counts as checked (see `_check_prefixes`).
-_CHECKED_FOR_S = 2.0
-#: Entries of that record before the stale ones are dropped.
+#: Chains found whole kept on record before the stale ones are dropped (see `_checked`).
 _CHECKED_MAX = 4096
 
 
@@ -266,8 +264,8 @@ class BackupWorker:
 
         One `exists` per chain answers up to its first missing page; the node holding it is
         unmarked and the rest of the chain is asked again. A chain found whole within the
-        last `_CHECKED_FOR_S` is not asked about again, only what lies below it: a long
-        conversation's batches would otherwise ask about its whole history each time.
+        last `check_prefix_interval_s` is not asked about again, only what lies below it: a
+        long conversation's batches would otherwise ask about its whole history each time.
         """
         cache = self._cache
         tops: dict[int, TreeNode] = {}
@@ -319,7 +317,7 @@ class BackupWorker:
         ends = list(itertools.accumulate(node.num_pages for node in chain))
         for k in range(len(chain) - 1, -1, -1):
             when = self._checked.get(chain[k].id)
-            if when is not None and now - when < _CHECKED_FOR_S:
+            if when is not None and now - when < self.config.check_prefix_interval_s:
                 return ends[k]
         return 0
 
@@ -330,8 +328,9 @@ class BackupWorker:
                 break
             self._checked[node.id] = now
         if len(self._checked) > _CHECKED_MAX:  # forget what is stale, and removed nodes
+            interval = self.config.check_prefix_interval_s
             self._checked = {
-                key: when for key, when in self._checked.items() if now - when < _CHECKED_FOR_S
+                key: when for key, when in self._checked.items() if now - when < interval
             }
 
     def _chain_entry(self, job: _Job) -> ManifestEntry | None:

@@ -109,11 +109,11 @@ async def test_a_frozen_master_fails_calls_at_once_until_it_answers_again(
                 with structlog.testing.capture_logs() as logs:
                     os.kill(pid, signal.SIGSTOP)
                     try:
-                        await _until(backend._master_down)
+                        await _until(lambda: backend._master_down() and holder._master_down())
                         await _every_call_fails_without_reaching_the_client(backend, client)
                     finally:
                         os.kill(pid, signal.SIGCONT)
-                    await _until(lambda: not backend._master_down())
+                    await _until(lambda: not backend._master_down() and not holder._master_down())
                 events = [e["event"] for e in logs]
                 # Once each for the holder's watch and the backend's.
                 assert events.count("storage.mooncake.master_down") == 2
