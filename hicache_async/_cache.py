@@ -600,7 +600,7 @@ class HiCache:
         return (
             f"<HiCache {self._state} requests={len(self._requests)} "
             f"device={d.used_count}/{d.capacity} host={h.used_count}/{h.capacity} "
-            f"copies={len(self._copies)} nodes={self._tree.statistics().nodes}>"
+            f"copies={len(self._copies)} nodes={self._tree.num_nodes}>"
         )
 
     def _histograms(self) -> list[Histogram]:

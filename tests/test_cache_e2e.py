@@ -130,7 +130,10 @@ async def test_wrong_thread_and_closed_errors() -> None:
     async with HiCache(config) as cache:
         errors: list[BaseException] = []
 
+        shown: list[str] = []
+
         def other_thread() -> None:
+            shown.append(repr(cache))  # a repr never raises, from anywhere
             try:
                 cache.match([1, 2, 3, 4])
             except BaseException as exc:
@@ -141,6 +144,8 @@ async def test_wrong_thread_and_closed_errors() -> None:
         thread.join()
         assert len(errors) == 1
         assert isinstance(errors[0], WrongThreadError)
+        assert shown[0].startswith("<HiCache open")
+        assert "nodes=" in shown[0]
         info = cache.match(list(range(9)))
         assert info.device_tokens == 0
         assert "HiCache open" in repr(cache)

@@ -486,6 +486,11 @@ class RadixTree:
 
     # -- reporting ----------------------------------------------------------------------------
 
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree; readable from any thread, for a `repr` that never raises."""
+        return self._nodes
+
     def statistics(self) -> TreeStatistics:
         """Counts of nodes, pages per tier, references and evictable pages (O(1))."""
         if self._owner is not None:
