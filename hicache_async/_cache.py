@@ -31,6 +31,7 @@ from .distributed import (
 )
 from .storage import StorageBackend
 from .storage._page import check_priority
+from .storage._protocol import STORAGE_ACCEPTED, check_backend
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
 from .tree import MatchResult, RadixTree, TreeNode
 from .workers import (
@@ -107,6 +108,8 @@ class HiCache:
         if mac_key is not None and not isinstance(mac_key, bytes):
             # Otherwise found only on entry, and never without storage.
             raise TypeError(f"mac_key must be bytes or None, got {type(mac_key).__name__}")
+        if storage is not None and not isinstance(storage, str):
+            check_backend(storage, "storage", accepted=STORAGE_ACCEPTED)  # not only on entry
         if rank_group is not None and (
             rank_group.size != config.tp_size or rank_group.rank != config.tp_rank
         ):

@@ -14,7 +14,14 @@ import structlog
 import torch
 from _gated_copies import PAGE, config
 
-from hicache_async import ConfigError, HiCache, PrefetchStatus, WarmupStatus, WrongThreadError
+from hicache_async import (
+    ConfigError,
+    HiCache,
+    PrefetchStatus,
+    StorageConfigError,
+    WarmupStatus,
+    WrongThreadError,
+)
 
 try:
     import uvloop
@@ -202,6 +209,14 @@ def test_a_mac_key_that_is_not_bytes_is_refused_at_construction(mac_key: Any) ->
     with pytest.raises(TypeError, match="mac_key must be bytes or None, got"):
         HiCache(config(), mac_key=mac_key)
     assert HiCache(config(), mac_key=bytes(16)).statistics().state == "new"
+
+
+@pytest.mark.parametrize("storage", [123, b"memory://", object()])
+def test_storage_that_is_neither_a_url_nor_a_backend_is_refused_at_construction(
+    storage: Any,
+) -> None:
+    with pytest.raises(StorageConfigError, match="pass a storage URL"):
+        HiCache(config(), storage=storage)
 
 
 # -- flags -----------------------------------------------------------------------------------

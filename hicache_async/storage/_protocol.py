@@ -161,6 +161,10 @@ def _present(obj: object, name: str, *, call: bool) -> bool:
     return callable(value) if call else True
 
 
+#: What a cache takes as its storage, for error messages.
+STORAGE_ACCEPTED = "pass a storage URL (str) or a StorageBackend object"
+
+
 def check_backend(obj: object, what: str, *, accepted: str = "") -> StorageBackend:
     """`obj` if it has every member of `StorageBackend`, else StorageConfigError naming what
     it lacks (`isinstance` against the protocol would say no more than yes or no).

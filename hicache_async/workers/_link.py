@@ -12,7 +12,7 @@ import structlog
 
 from ..distributed import BackgroundAgreements
 from ..storage import StorageBackend, StorageStats
-from ..storage._protocol import check_backend
+from ..storage._protocol import STORAGE_ACCEPTED, check_backend
 from ._backup import BackupStatistics, BackupWorker
 from ._prefetch import Prefetcher, PrefetchStatistics
 from ._warmup import BackgroundCount, Warmer, WarmupResult, scheduled_count
@@ -43,9 +43,7 @@ class StorageLink:
         self.cache = cache
         # Checked here, before any worker holds it: otherwise a non-backend fails later, as
         # a TypeError from inside the link's task.
-        self.backend = check_backend(
-            backend, "storage", accepted="pass a storage URL (str) or a StorageBackend object"
-        )
+        self.backend = check_backend(backend, "storage", accepted=STORAGE_ACCEPTED)
         self.generation = generation
         self.prefetcher = Prefetcher(
             cache, backend, cache.config.prefetch, is_current=self._is_current
