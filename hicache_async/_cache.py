@@ -188,11 +188,11 @@ class HiCache:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if self._state != "open":
+            return  # nothing to do, from anywhere (teardown may run it again elsewhere)
         # Before any state changes: from another thread this would wait on the owner loop's
         # supervisor (a deadlock if that loop is blocked), from another loop it cannot await it.
         self._owner.check()
-        if self._state != "open":
-            return
         self._state = "closing"
         self._capacity_changed.set()  # waiters for pages see the cache closing
         try:

@@ -79,6 +79,10 @@ def test_aexit_from_another_loop_is_refused_and_changes_nothing(
         assert cache.statistics().state == "open"
         owner.run_until_complete(cache.__aexit__(None, None, None))
         assert cache.statistics().state == "closed"
+        # Closed, leaving again is nothing to refuse, from any loop (a teardown may repeat it).
+        other.run_until_complete(cache.__aexit__(None, None, None))
+        never_entered = HiCache(config())
+        other.run_until_complete(never_entered.__aexit__(None, None, None))
     finally:
         other.close()
         owner.close()

@@ -773,11 +773,13 @@ async def test_verify_does_not_bring_back_pages_deleted_meanwhile(
     async with FileStorage(root, spare_bytes=0) as storage:
         original = storage._verify_file
 
-        def verify_file(shard_fd: int, key: bytes, scratch: bytearray) -> Any:
+        def verify_file(
+            shard_fd: int, key: bytes, scratch: bytearray, stop: threading.Event
+        ) -> Any:
             checked.append(key)
             if len(checked) == len(keys):  # every other page is checked, and still listed
                 gate.hold()
-            return original(shard_fd, key, scratch)
+            return original(shard_fd, key, scratch, stop)
 
         await _put(storage, keys)
         monkeypatch.setattr(storage, "_verify_file", verify_file)

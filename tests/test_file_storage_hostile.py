@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -184,29 +185,62 @@ async def test_a_leftover_that_cannot_be_removed_fails_neither_open_nor_verify(
     assert errors == ["stuck.tmp", "stuck.tmp"]  # at open, then by verify()
 
 
-async def test_verify_removes_a_directory_tree_deeper_than_the_recursion_limit(
-    tmp_path: Path,
+def _plant_tree(where: Path, *, depth: int, width: int = 0) -> None:
+    """A directory `depth` levels deep with a file at the bottom, and `width` empty
+    subdirectories beside the first level."""
+    where.parent.mkdir(mode=0o700, exist_ok=True)
+    where.mkdir()
+    for n in range(width):
+        (where / f"w{n}").mkdir()
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = below
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
+    os.close(fd)
+
+
+async def test_verify_removes_a_stray_tree_listing_each_directory_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    root = tmp_path / "s"
+    keys = _keys(3)
+    listed: list[int] = []
+    empty_but_dirs = _file._empty_but_dirs
+
+    def counted(fd: int) -> list[str]:
+        listed.append(fd)
+        return empty_but_dirs(fd)
+
+    monkeypatch.setattr(_file, "_empty_but_dirs", counted)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[:2])
+        # Where keys[2]'s page belongs: 60 levels, and 300 directories beside the first.
+        where = _page_path(root, keys[2])
+        _plant_tree(where, depth=60, width=300)
+        report = await storage.verify()
+        assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 1, 0)
+        assert not where.exists()
+        assert len(listed) == 1 + 60 + 300  # once each: climbing back never lists again
+        assert await _put(storage, keys[2:]) == [Outcome.OK]
+
+
+async def test_verify_leaves_a_stray_tree_too_deep_to_be_a_leftover(tmp_path: Path) -> None:
     root = tmp_path / "s"
     keys = _keys(3)
     async with FileStorage(root) as storage:
         await _put(storage, keys[:2])
-        # Where keys[2]'s page belongs: a directory 3000 levels deep, with a file at the bottom.
         where = _page_path(root, keys[2])
-        where.parent.mkdir(mode=0o700, exist_ok=True)
-        where.mkdir()
-        fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY)
-        for _ in range(3000):
-            os.mkdir("d", dir_fd=fd)
-            below = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = below
-        os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))
-        os.close(fd)
-        report = await storage.verify()
-        assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 1, 0)
-        assert not where.exists()
-        assert await _put(storage, keys[2:]) == [Outcome.OK]
+        _plant_tree(where, depth=100)
+        with structlog.testing.capture_logs() as logs:
+            report = await storage.verify()
+        assert (report.ok, report.leftovers_removed, report.unchecked) == (2, 0, 1)
+        assert where.is_dir()  # left, and said so
+        errors = [e for e in logs if e["event"] == "storage.stray.error"]
+        assert len(errors) == 1
+        assert "deeper than 64 levels" in errors[0]["error"]
 
 
 # tmp/ removed under a running instance.
@@ -299,3 +333,30 @@ async def test_raw_access_answers_like_get_and_raises_storage_errors(tmp_path: P
         assert await _get(storage, keys[1:]) == [Outcome.MISS]
         with pytest.raises(StorageError, match="write_raw failed"):
             await storage.write_raw(keys[1], b"x" * HEADER_NBYTES)
+
+
+async def test_verify_stops_mid_page_when_asked_and_calls_it_unchecked(tmp_path: Path) -> None:
+    # A page as large as a sparse file can make it would take long to read: a close sets
+    # `stop`, and the page is left unchecked rather than read to its end.
+    root = tmp_path / "s"
+    keys = _keys(1)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        handles = storage._handles_or_raise()
+        shard_fd = handles.shard(keys[0].hex()[:2], create=False)
+        assert shard_fd is not None
+        stop = threading.Event()
+        stop.set()
+        code, reason, _, _ = storage._verify_file(shard_fd, keys[0], bytearray(), stop)
+        assert (code, reason) == (_file._ERROR, "stopped")
+        assert await _get(storage, keys) == [Outcome.OK]  # left as it was
+
+
+async def test_read_raw_refuses_a_file_larger_than_any_page(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = _keys(1)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        os.truncate(_page_path(root, keys[0]), 2 * _GIB)  # sparse: costs no disk
+        with pytest.raises(StorageError, match="more than a page can be"):
+            await storage.read_raw(keys[0])

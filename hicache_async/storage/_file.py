@@ -45,6 +45,7 @@ import concurrent.futures
 import contextlib
 import errno
 import fcntl
+import functools
 import heapq
 import os
 import secrets
@@ -481,59 +482,66 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
     return _Handles(root_fd, pages_fd, tmp_fd, lock_fd, root / _PAGES)
 
 
-def _remove_tree(name: str, dir_fd: int) -> None:
-    """Remove the directory `name` under `dir_fd` and everything in it, through descriptors
-    opened without following symlinks, so nothing outside it is ever touched (shutil.rmtree
-    takes `dir_fd` only from Python 3.11).
+#: Largest value `read_raw` reads: far past any page (a 70B model's is tens of MiB), and a
+#: file larger than that is damage, not a page to hand back whole.
+_RAW_MAX_NBYTES = 1 << 30
+#: Deepest stray tree removed: each level holds a descriptor. A deeper one is no crash's
+#: leftover but planted; it is left in place, logged and counted as unchecked.
+_REMOVE_MAX_DEPTH = 64
 
-    Iterative, holding two descriptors whatever the depth (a planted tree thousands of levels
-    deep would exhaust the recursion limit or the descriptors): it goes down one subdirectory
-    at a time and back up through "..", only into the directory it came from."""
-    fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    # (name, identity) of each directory entered below `name`, innermost last.
-    path: list[tuple[str, tuple[int, int]]] = []
+
+def _remove_tree(name: str, dir_fd: int, stop: threading.Event | None = None) -> None:
+    """Remove the directory `name` under `dir_fd` and everything in it, through descriptors
+    opened without following symlinks (shutil.rmtree takes `dir_fd` only from Python 3.11).
+
+    Every level it is in stays open, so it never climbs back through "..": a directory moved
+    meanwhile is still the one it empties, and nothing it did not enter is reached. Each
+    directory is listed once. OSError (ELOOP) for a tree deeper than `_REMOVE_MAX_DEPTH`,
+    (EINTR) once `stop` is set."""
+    # Per level: its descriptor, its name in the level above, its subdirectories still to go.
+    levels: list[tuple[int, str, list[str]]] = []
     try:
-        while True:
-            child = _empty_but_one_dir(fd)
-            if child is not None:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        levels.append((fd, name, []))
+        levels[-1][2].extend(_empty_but_dirs(fd))
+        while levels:
+            if stop is not None and stop.is_set():
+                raise OSError(errno.EINTR, f"stopped while removing {name}")
+            fd, here, subdirs = levels[-1]
+            if subdirs:
+                if len(levels) >= _REMOVE_MAX_DEPTH:
+                    raise OSError(errno.ELOOP, f"deeper than {_REMOVE_MAX_DEPTH} levels: {name}")
+                child = subdirs.pop()
                 try:
                     down = os.open(child, _DIR_FLAGS, dir_fd=fd)
                 except FileNotFoundError:
                     continue
-                st = os.fstat(fd)
-                path.append((child, (st.st_dev, st.st_ino)))
-                os.close(fd)
-                fd = down
+                levels.append((down, child, []))
+                levels[-1][2].extend(_empty_but_dirs(down))
                 continue
-            if not path:
-                break
-            child, parent = path.pop()
-            up = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            levels.pop()
             os.close(fd)
-            fd = up
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != parent:
-                raise OSError(errno.ESTALE, f"directory moved while it was removed: {name}")
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(child, dir_fd=fd)
+            if levels:
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(here, dir_fd=levels[-1][0])
     finally:
-        os.close(fd)
+        for fd, _, _ in levels:
+            os.close(fd)
     os.rmdir(name, dir_fd=dir_fd)
 
 
-def _empty_but_one_dir(fd: int) -> str | None:
-    """Unlink every entry of the directory `fd` but subdirectories; the name of one of
-    those, or None when there is none."""
+def _empty_but_dirs(fd: int) -> list[str]:
+    """Unlink every entry of the directory `fd` but subdirectories; the subdirectories."""
     with os.scandir(fd) as entries:
         inside = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
-    subdir = None
+    subdirs = []
     for child, is_dir in inside:
         if is_dir:
-            subdir = child
+            subdirs.append(child)
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(child, dir_fd=fd)
-    return subdir
+    return subdirs
 
 
 def _remove_leftovers(
@@ -1822,6 +1830,8 @@ class FileStorage(BackendBase):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return None
+            if st.st_size > _RAW_MAX_NBYTES:  # no page is this large; a sparse file can be
+                raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than a page can be")
             buffer = bytearray(st.st_size)
             count = _preadv_full(fd, [memoryview(buffer)], 0, st.st_size)
             return bytes(buffer[:count])
@@ -1942,7 +1952,10 @@ class FileStorage(BackendBase):
         unchecked = len(refused) + len(failed)
         removals: list[tuple[int, str, Callable[[str, int], None]]] = [
             *((dir_fd, name, _unlink_at) for dir_fd, name in strays),
-            *((dir_fd, name, _remove_tree) for dir_fd, name in stray_dirs),
+            *(
+                (dir_fd, name, functools.partial(_remove_tree, stop=stop))
+                for dir_fd, name in stray_dirs
+            ),
         ]
         for dir_fd, name, remove in removals:
             try:
@@ -1967,7 +1980,7 @@ class FileStorage(BackendBase):
             if shard_fd is None:
                 continue
             try:
-                code, reason, st, scratch = self._verify_file(shard_fd, key, scratch)
+                code, reason, st, scratch = self._verify_file(shard_fd, key, scratch, stop)
             except FileNotFoundError:
                 continue  # removed meanwhile
             except OSError as exc:
@@ -1995,6 +2008,10 @@ class FileStorage(BackendBase):
                     continue
                 corrupt.append((key, reason))
                 continue
+            if code == _ERROR:  # stopped mid-page (a close): left in place, not checked
+                kept.append(item)
+                unchecked += 1
+                continue
             if code == _UNSUPPORTED:
                 unsupported += 1
             else:
@@ -2015,7 +2032,7 @@ class FileStorage(BackendBase):
             log.warning("storage.stray.error", backend=self._name, entry=name, error=error)
 
     def _verify_file(
-        self, shard_fd: int, key: bytes, scratch: bytearray
+        self, shard_fd: int, key: bytes, scratch: bytearray, stop: threading.Event
     ) -> tuple[str, str, os.stat_result | None, bytearray]:
         fd = os.open(key.hex(), _READ_FLAGS, dir_fd=shard_fd)
         try:
@@ -2040,6 +2057,8 @@ class FileStorage(BackendBase):
             verifier = PayloadVerifier(header, mac_key=self._mac_key)
             offset, end = HEADER_NBYTES, header.page_nbytes
             while offset < end:
+                if stop.is_set():  # a huge page takes long to read: close() must not wait
+                    return (_ERROR, "stopped", st, scratch)
                 piece = memoryview(scratch)[: min(_CHUNK, end - offset)]
                 if _preadv_full(fd, [piece], offset, piece.nbytes) != piece.nbytes:
                     return (_CORRUPT, "truncated", st, scratch)
