@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -91,10 +92,14 @@ def _within_pool(nbytes: int, factors: list[tuple[str, int]], what: str) -> int:
     return nbytes
 
 
-def _finite(field: str, value: float, *, low: float, high: float | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+def _finite(field: str, value: object, *, low: float, high: float | None = None) -> None:
+    # numbers.Real takes numpy's scalars too (a ratio computed with numpy is one).
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(field, f"must be a finite number, got {value!r}")
-    if value < low or (high is not None and value > high):
+    number = float(value)
+    if not math.isfinite(number):
+        raise ConfigError(field, f"must be a finite number, got {value!r}")
+    if number < low or (high is not None and number > high):
         bound = f"between {low} and {high}" if high is not None else f">= {low}"
         raise ConfigError(field, f"must be {bound}, got {value!r}")
 

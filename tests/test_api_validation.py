@@ -171,6 +171,12 @@ async def test_warmup_arguments_have_the_configuration_limits(
         expected = WarmupStatus.NO_STORAGE if storage is None else WarmupStatus.COMPLETE
         assert (await cache.warmup(ratio=1, deadline_s=30)).status is expected
         assert (await cache.warmup(ratio=0)).status is expected
+        # numpy's scalars are numbers too.
+        assert (
+            await cache.warmup(ratio=np.float32(0.5), deadline_s=np.int64(5))
+        ).status is expected
+        with pytest.raises(ConfigError):
+            await cache.warmup(ratio=np.bool_(True))
 
 
 # -- counts ----------------------------------------------------------------------------------
