@@ -202,6 +202,7 @@ class _Handles:
         # Descriptors of tmp/ directories removed under us, replaced by `renew_tmp`: another
         # thread may still hold one, so they are closed with the rest.
         self._retired: list[int] = []
+        self._tmp_refused = ""  # why tmp/ could not be made again, logged once per reason
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -260,8 +261,11 @@ class _Handles:
             try:
                 fd = _open_private_dir(self.root_fd, _TMP, what)
             except StorageConfigError as exc:
-                log.warning("storage.tmp.refused", directory=what, error=str(exc))
+                if str(exc) != self._tmp_refused:  # not again at every write
+                    self._tmp_refused = str(exc)
+                    log.warning("storage.tmp.refused", directory=what, error=str(exc))
                 return False
+            self._tmp_refused = ""
             self._retired.append(seen_fd)
             self.tmp_fd = fd
         log.warning("storage.tmp.recreated", directory=what)
