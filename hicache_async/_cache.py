@@ -9,12 +9,12 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, get_args
+from typing import Any
 
 import anyio
 import structlog
 
-from ._config import CacheConfig, PrefetchPolicy, WarmupConfig
+from ._config import PREFETCH_POLICIES, CacheConfig, PrefetchPolicy, WarmupConfig
 from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
@@ -47,8 +47,6 @@ from .workers import (
 __all__ = ["HiCache", "MatchInfo"]
 
 _log = structlog.get_logger("hicache_async")
-
-_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 
 
 def _read_mac_key(path: str) -> bytes:
@@ -508,11 +506,10 @@ class HiCache:
         that finds no room in time is a miss, TERMINATED); `best_effort` does not wait.
         """
         self._check_open()
-        if policy is not None and (not isinstance(policy, str) or policy not in _POLICIES):
+        if policy is not None and (not isinstance(policy, str) or policy not in PREFETCH_POLICIES):
             # Otherwise an unknown name would quietly act as `timeout` in the prefetcher.
-            raise ValueError(
-                f"policy must be None or one of {', '.join(map(repr, _POLICIES))}, got {policy!r}"
-            )
+            accepted = ", ".join(map(repr, PREFETCH_POLICIES))
+            raise ValueError(f"policy must be None or one of {accepted}, got {policy!r}")
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         link = self._link

@@ -12,7 +12,7 @@ import numbers
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -46,6 +46,8 @@ HostLayout = Literal["layer_first", "page_first", "page_first_direct"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 EvictionPolicy = Literal["lru", "lfu"]
 PrefetchPolicy = Literal["best_effort", "wait_complete", "timeout"]
+#: Every prefetch policy, for checks of a policy given at run time.
+PREFETCH_POLICIES: tuple[PrefetchPolicy, ...] = get_args(PrefetchPolicy)
 
 _ITEMSIZE: dict[str, int] = {
     "float16": 2,
@@ -209,7 +211,7 @@ class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     io_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.policy not in ("best_effort", "wait_complete", "timeout"):
+        if self.policy not in PREFETCH_POLICIES:
             raise ConfigError(
                 "prefetch.policy",
                 f"must be 'best_effort', 'wait_complete' or 'timeout', got {self.policy!r}",

@@ -1158,9 +1158,9 @@ class FileStorage(BackendBase):
         # The index holds only page keys: the ones found are sound, so only the rest need
         # checking (the common all-found call pays nothing).
         check_keys(keys[count:])
-        # A lookup is a use: a prefix every new chain is checked against stays in the store.
-        self._touch_chain(keys[:count], time.time())
         if count == len(keys) or not self._shared:
+            # A lookup is a use: a prefix every new chain is checked against stays stored.
+            self._touch_chain(keys[:count], time.time())
             return count
         rest = list(keys[count:])
         known = [key in index for key in rest]

@@ -280,6 +280,7 @@ class BackupWorker:
                 continue
             # Pages of the chain known to be in storage, or already unmarked.
             start = self._checked_pages(_chain(top), time.monotonic())
+            whole = True  # no page found missing yet: what was found is on record
             while True:
                 # The chain is read again after every wait: a node may have been split
                 # meanwhile (which keeps the chain's keys); protection keeps all of it.
@@ -301,10 +302,12 @@ class BackupWorker:
                 start += found
                 chain = _chain(top)
                 ends = list(itertools.accumulate(node.num_pages for node in chain))
-                self._note_checked(chain, ends, start, time.monotonic())
+                if whole:
+                    self._note_checked(chain, ends, start, time.monotonic())
                 missing = next((k for k, end in enumerate(ends) if end > start), None)
                 if missing is None:
                     break
+                whole = False
                 node = chain[missing]
                 if node.in_storage:
                     cache._tree.mark_in_storage(node, False)
