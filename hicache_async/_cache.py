@@ -15,7 +15,7 @@ import anyio
 import structlog
 
 from ._config import PREFETCH_POLICIES, CacheConfig, PrefetchPolicy, WarmupConfig
-from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError
+from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError, type_name
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
@@ -430,7 +430,7 @@ class HiCache:
         """
         self._owner.check()
         if not isinstance(flush, bool):
-            raise TypeError(f"flush must be a bool, got {type(flush).__name__}")
+            raise TypeError(f"flush must be a bool, got {type_name(flush)}")
         link = self._link
         if link is None:
             return

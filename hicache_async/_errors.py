@@ -53,3 +53,12 @@ class StorageError(HiCacheError):
 
 class StorageConfigError(HiCacheError, ValueError):
     """A storage URL or backend parameter is invalid; the message lists what is accepted."""
+
+
+def type_name(value: object) -> str:
+    """The name of `value`'s type for an error message, qualified outside the builtins:
+    numpy's bool is also called `bool`, and "must be a bool, got bool" helps no one."""
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._errors import CacheClosedError
+from ._errors import CacheClosedError, type_name
 from .transfer import LayerwiseCopy
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ def check_count(name: str, value: object) -> int:
     """`value` as a count: `TypeError` unless an int (a bool or a float is a bug upstream, not
     a count to round), `ValueError` if negative."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int, got {type_name(value)}")
     count = int(value)
     if count < 0:
         raise ValueError(f"{name} must be >= 0, got {count}")

@@ -190,6 +190,8 @@ async def test_warmup_arguments_have_the_configuration_limits(
         (1.5, TypeError, "must be an int, got float"),
         (float("inf"), TypeError, "must be an int, got float"),
         (True, TypeError, "must be an int, got bool"),
+        # numpy's bool is also named `bool`: the message qualifies it.
+        (np.True_, TypeError, r"must be an int, got numpy\.bool"),
         (-1, ValueError, "must be >= 0, got -1"),
     ],
 )
@@ -232,11 +234,13 @@ def test_storage_that_is_neither_a_url_nor_a_backend_is_refused_at_construction(
 # -- flags -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flush", ["no", 0, None])
+@pytest.mark.parametrize(
+    ("flush", "shown"), [("no", "str"), (0, "int"), (None, "NoneType"), (np.True_, r"numpy\.bool")]
+)
 @pytest.mark.parametrize("storage", [None, "memory://"])
-async def test_detach_flush_must_be_a_bool(flush: Any, storage: str | None) -> None:
+async def test_detach_flush_must_be_a_bool(flush: Any, shown: str, storage: str | None) -> None:
     async with HiCache(config(), storage=storage) as cache:
-        with pytest.raises(TypeError, match="flush must be a bool, got"):
+        with pytest.raises(TypeError, match=f"flush must be a bool, got {shown}$"):
             await cache.detach_storage(flush=flush)
         assert cache.storage_status().attached == (storage is not None)
         await cache.detach_storage(flush=False)
