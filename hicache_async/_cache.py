@@ -22,6 +22,7 @@ from ._metrics import Histogram
 from ._pool import KVPool, make_pools
 from ._request import Request, check_count
 from ._stats import CacheStatistics, Counters, TierTokens
+from ._uncancelled import run_uncancelled
 from .distributed import (
     BackgroundAgreements,
     CollectiveError,
@@ -193,26 +194,36 @@ class HiCache:
         self._owner.check()
         self._state = "closing"
         self._capacity_changed.set()  # waiters for pages see the cache closing
+        link = self._link
+
+        def hurry() -> None:
+            if link is not None:
+                link.hurry()
+
+        # A cancelled exit (a shutdown under a timeout) gives up the flush, never the close:
+        # the copy threads and the backend are closed before the cancellation goes on.
+        if await run_uncancelled(self._shut_down(), on_cancel=hurry):
+            raise asyncio.CancelledError
+
+    async def _shut_down(self) -> None:
         try:
             for request in list(self._requests):
                 request.release()
-            with anyio.CancelScope(shield=True):
-                # Copies first: a device -> host backup landing now is still offered to
-                # storage, so pages committed just before leaving are flushed too.
-                while self._copies:
-                    await asyncio.gather(*self._copies, return_exceptions=True)
-                link, self._link = self._link, None
-                if link is not None:
-                    await link.close(flush=True, deadline_s=self.config.backup.flush_deadline_s)
-                if self._engine is not None and self._engine_arg is None:
-                    await self._engine.aclose()
+            # Copies first: a device -> host backup landing now is still offered to storage,
+            # so pages committed just before leaving are flushed too.
+            while self._copies:
+                await asyncio.gather(*self._copies, return_exceptions=True)
+            link, self._link = self._link, None
+            if link is not None:
+                await link.close(flush=True, deadline_s=self.config.backup.flush_deadline_s)
+            if self._engine is not None and self._engine_arg is None:
+                await self._engine.aclose()
         finally:
             self._state = "closed"
             self._stop.set()
             supervisor, self._supervisor = self._supervisor, None
             if supervisor is not None:
-                with anyio.CancelScope(shield=True):
-                    await asyncio.wait([supervisor])
+                await asyncio.wait([supervisor])
 
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""
@@ -439,6 +450,7 @@ class HiCache:
         for node in self._tree.iter_nodes():
             if node.in_storage:
                 self._tree.mark_in_storage(node, False)
+        # A cancelled detach gives up the flush, not the close (see StorageLink.close).
         await link.close(flush=flush, deadline_s=self.config.backup.flush_deadline_s)
         _log.info("hicache.storage.detached", backend=link.backend.name)
 

@@ -16,9 +16,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
-import anyio
 import structlog
 
+from .._uncancelled import run_uncancelled
 from ._group import RankGroup, agreement_tag, check_int64, unique_items
 
 __all__ = ["agree_entries", "agree_min", "run_uncancelled"]
@@ -92,39 +92,6 @@ async def agree_entries(
         _log_failure(group, "agree_entries", exc)
         items = []
     return await group.agree_common(items, tag=key)
-
-
-async def run_uncancelled(coro: Coroutine[Any, Any, None]) -> bool:
-    """Run `coro` to its end whatever cancels the caller meanwhile; True if the caller was
-    cancelled (and should re-raise once this returns). What `coro` raises is raised here,
-    unless the caller was cancelled: then it is logged, so the cancellation is not lost.
-
-    For steps that keep ranks in step (collectives that must all be entered, in order): a
-    cancellation arriving halfway must not leave the rank one collective short. The coroutine
-    runs as its own task, so a cancellation of the caller never reaches it, and anyio cancel
-    scopes are shielded so they do not re-deliver their cancellation on every wait.
-    """
-    task = asyncio.ensure_future(coro)
-    cancelled = False
-    with anyio.CancelScope(shield=True):
-        while not task.done():
-            try:
-                await asyncio.shield(task)
-            except asyncio.CancelledError:
-                if task.cancelled():
-                    raise  # the task itself was cancelled (the loop is shutting down)
-                # The caller's cancellation, possibly landing just after the task finished:
-                # its result is there either way.
-                cancelled = True
-            except Exception:  # the task failed: handled below, once it is done
-                continue
-    if cancelled and task.exception() is not None:
-        # The caller re-raises its cancellation, which must not be lost to this error; the
-        # peers see the failure of a collective themselves.
-        _log.warning("tp.uncancelled.failed", error=repr(task.exception()))
-        return True
-    task.result()  # its exception, if any, is the caller's
-    return cancelled
 
 
 async def _enter_then_reraise(

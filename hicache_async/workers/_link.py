@@ -10,6 +10,7 @@ import anyio
 import msgspec
 import structlog
 
+from .._uncancelled import run_uncancelled
 from ..distributed import BackgroundAgreements
 from ..storage import StorageBackend, StorageStats
 from ..storage._protocol import STORAGE_ACCEPTED, check_backend
@@ -58,6 +59,9 @@ class StorageLink:
         # their counts on the group's background agreements.
         self._unstarted: dict[asyncio.Future[WarmupResult], BackgroundCount | None] = {}
         self._stopped = anyio.Event()
+        # A close whose caller was cancelled: its flush is given up (`hurry`).
+        self._hurried = False
+        self._flush_scope: anyio.CancelScope | None = None
 
     def _is_current(self) -> bool:
         return self.cache._link is self
@@ -155,7 +159,11 @@ class StorageLink:
             self._backup_done.set()
 
     async def close(self, *, flush: bool, deadline_s: float) -> None:
-        """Stop prefetches, flush (or drop) pending backups within the deadline, close."""
+        """Stop prefetches, flush (or drop) pending backups within the deadline, close.
+
+        Cancelling the caller abandons the flush, as `flush=False` would, but not the close:
+        the workers have stopped and the backend is closed before the cancellation goes on.
+        """
         for warmer in self.warmers:
             warmer.stop()
         self.prefetcher.close()
@@ -163,16 +171,34 @@ class StorageLink:
         self.backup.close()
         if not flush:
             self.backup.drop_queued()
-        with anyio.CancelScope(shield=True):
-            # Without a flush nothing is waited for, the write in progress included.
-            with anyio.move_on_after(deadline_s if flush else 0.0):
-                await self._backup_done.wait()
-            if flush and not self._backup_done.is_set():
-                _log.warning("hicache.backup.flush.deadline", pending=self.backup.pending)
-            if self._scope is not None:
-                self._scope.cancel()
-            await self._stopped.wait()
-            self.backup.drop_queued()
+        if await run_uncancelled(self._finish_close(flush, deadline_s), on_cancel=self.hurry):
+            raise asyncio.CancelledError
+
+    def hurry(self) -> None:
+        """Give up the flush of a close in progress (or about to start): what is queued is
+        dropped and the write in progress cancelled, as with `flush=False`."""
+        if not self._hurried:
+            self._hurried = True
+            _log.warning("hicache.backup.flush.abandoned", pending=self.backup.pending)
+        self.backup.drop_queued()
+        if self._flush_scope is not None:
+            self._flush_scope.cancel()
+
+    async def _finish_close(self, flush: bool, deadline_s: float) -> None:
+        # Without a flush nothing is waited for, the write in progress included.
+        with anyio.move_on_after(deadline_s if flush and not self._hurried else 0.0) as scope:
+            self._flush_scope = scope
+            await self._backup_done.wait()
+        self._flush_scope = None
+        if flush and not self._hurried and not self._backup_done.is_set():
+            _log.warning("hicache.backup.flush.deadline", pending=self.backup.pending)
+        # Warmup prefetches run in their callers' tasks, outside the task group: the reads
+        # they were cancelled in must be over before the backend closes under them.
+        await self.prefetcher.wait_stopped()
+        if self._scope is not None:
+            self._scope.cancel()
+        await self._stopped.wait()
+        self.backup.drop_queued()
 
     def status(self) -> StorageStatus:
         try:

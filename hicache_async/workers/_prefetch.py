@@ -332,6 +332,7 @@ class Prefetcher:
         # the prefetch reading it gave up. Concurrent prefetches wait on it instead of reading.
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
         self._running: set[PrefetchHandle] = set()
+        self._closed = False
         # Live (request-driven) prefetches queued or running; warmup waits for zero.
         self._live = 0
         self._quiet = asyncio.Event()
@@ -407,9 +408,18 @@ class Prefetcher:
         await self._quiet.wait()
 
     async def run_now(self, handle: PrefetchHandle) -> None:
-        """Run a (warmup) prefetch in the caller's task, outside the queue."""
+        """Run a (warmup) prefetch in the caller's task, outside the queue; after `close()`
+        it finishes as CANCELLED at once."""
         self.submitted += 1
+        if self._closed:
+            handle.cancel()
         await self._process(handle)
+
+    async def wait_stopped(self) -> None:
+        """Wait until no prefetch runs: after `close()`, those running in their callers'
+        tasks (`run_now`) end at their next step."""
+        while self._running:
+            await next(iter(self._running))._done.wait()
 
     async def run(self) -> None:
         """The worker tasks; returns when the queue is closed and drained, or cancelled."""
@@ -433,6 +443,7 @@ class Prefetcher:
 
     def close(self) -> None:
         """Accept no more prefetches; cancel those queued or running."""
+        self._closed = True
         self._send.close()
         for handle in list(self._running):
             handle.cancel()

@@ -1,0 +1,135 @@
+"""A detach or an exit cancelled by its caller (a shutdown under `asyncio.timeout`) gives up
+its flush, never its close: the backend is closed and the copy threads have stopped before the
+cancellation goes on. Plain `task.cancel()` lands inside anyio's shielded scopes, so these
+closes must not rely on them."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+from structlog.testing import capture_logs
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async.storage import FileStorage, Outcome, PageBuffer
+from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
+
+PAGE = 8
+
+CONFIG = CacheConfig.from_dict(
+    {
+        "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+        "page_size": PAGE,
+        "device_pages": 96,
+        "host_pages": 160,
+        "model_id": "cancelled-close",
+        "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE},
+        # Long enough that the flush is still running when the caller's timeout fires.
+        "backup": {"flush_deadline_s": 30.0},
+    }
+)
+
+
+def _prompts(count: int) -> list[list[int]]:
+    return [[i] * PAGE + list(range(64)) for i in range(count)]
+
+
+async def _serve_all(cache: HiCache, generator: KVGenerator) -> None:
+    for prompt in _prompts(6):
+        await serve(cache, prompt, generator, prefetch=False)
+    # The device -> host copies land and their backups queue on the slow store.
+    for _ in range(1000):
+        if not cache.statistics().copy_engine.in_flight:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("device -> host copies still in flight after 10 s")
+
+
+class SlowToStopFiles(FileStorage):
+    """Reads that, like one already handed to a thread, end their current step before a
+    cancellation lands."""
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(0.3)
+        return await super().get(keys, into, namespace=namespace)
+
+
+def _copy_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if "copy" in t.name]
+
+
+async def test_a_cancelled_detach_closes_the_backend_and_gives_up_the_flush(
+    tmp_path: Path,
+) -> None:
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    slow = FaultyStorage(FileStorage(tmp_path), latency_s=0.5)
+    async with HiCache(CONFIG, storage=slow) as cache:
+        await _serve_all(cache, generator)
+        link = cache._link
+        assert link is not None
+        backup = link.backup.statistics()
+        assert backup.offered_pages > backup.written_pages + 1  # the flush has work left
+        with capture_logs() as logs, pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await cache.detach_storage()
+        assert not cache.storage_status().attached
+        assert [e for e in logs if e["event"] == "hicache.backup.flush.abandoned"]
+        after = link.backup.statistics()
+        assert after.written_pages < after.offered_pages  # the flush was given up
+        # Closed before the cancellation went on: the root's lock is free again.
+        await cache.attach_storage(FileStorage(tmp_path))
+        assert cache.storage_status().attached
+        assert_drained(cache)
+
+
+async def test_a_cancelled_exit_closes_the_backend_and_the_copy_engine(tmp_path: Path) -> None:
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    before = _copy_threads()
+    cache = HiCache(CONFIG, storage=FaultyStorage(FileStorage(tmp_path), latency_s=0.5))
+    await cache.__aenter__()
+    try:
+        await _serve_all(cache, generator)
+        assert len(_copy_threads()) > len(before)
+    finally:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.05):
+                await cache.__aexit__(None, None, None)
+    assert cache.statistics().state == "closed"
+    assert _copy_threads() == before
+    # The backend was closed: another instance can take the root.
+    async with FileStorage(tmp_path) as again:
+        assert again.stats().pages >= 0
+
+
+async def test_a_detach_waits_for_the_read_of_a_warmup_it_stops(tmp_path: Path) -> None:
+    generator = KVGenerator(CONFIG.layout, PAGE, seed=2)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 50_000, size=10 * PAGE) for _ in range(8)]
+    async with HiCache(CONFIG, storage=FileStorage(tmp_path)) as first:
+        for prompt in prompts:
+            await serve(first, prompt, generator, prefetch=False)
+        await first.drain()
+    async with HiCache(CONFIG, storage=SlowToStopFiles(tmp_path)) as cache:
+        link = cache._link
+        assert link is not None
+        warmup = asyncio.create_task(cache.warmup(ratio=1.0))
+        for _ in range(1000):  # until a warmup read is in flight
+            if link.prefetcher.statistics().host_pages_held:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the warmup read nothing for 10 s")
+        await cache.detach_storage()
+        # The warmup's read ended before the backend was closed under it.
+        assert link.prefetcher.statistics().host_pages_held == 0
+        await warmup
+        await cache.drain()
+        assert_drained(cache)
