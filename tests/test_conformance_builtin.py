@@ -152,6 +152,21 @@ class _StragglingPut(PlainStorage):
         return await loop.run_in_executor(self._threads, store)
 
 
+class _ScribblingPut(PlainStorage):
+    """BROKEN: a put uses the caller's pages as scratch space once it has stored them."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        outcomes = await self._inner.put(keys, pages, metas)
+        for page in pages:
+            for segment in page:
+                view = memoryview(segment)
+                if not view.readonly:
+                    view.cast("B")[:] = bytes(view.nbytes)
+        return outcomes
+
+
 async def _suite_fails(check: Awaitable[None]) -> None:
     try:
         await check
@@ -177,3 +192,11 @@ async def test_the_suite_fails_a_put_that_reads_after_cancellation() -> None:
     async with _StragglingPut() as backend:
         suite = StorageConformance()
         await _suite_fails(suite.test_cancelled_put_stores_pages_whole_or_not_at_all(backend))
+
+
+async def test_the_suite_fails_a_put_that_writes_into_its_pages() -> None:
+    async with _ScribblingPut() as backend:
+        suite = StorageConformance()
+        await _suite_fails(
+            suite.test_put_leaves_its_pages_untouched_and_takes_read_only_ones(backend)
+        )

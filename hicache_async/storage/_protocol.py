@@ -29,7 +29,8 @@ __all__ = [
 ]
 
 #: One page's memory as an ordered list of byte segments; their total is the payload length.
-#: Segments for `get` are writable; a backend fills them in order.
+#: Segments for `get` are writable; a backend fills them in order. Segments for `put` may be
+#: read-only and must never be written: they are host-pool pages the cache goes on serving.
 PageBuffer = Sequence[memoryview]
 
 
@@ -130,7 +131,9 @@ class StorageBackend(Protocol):
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
-        """Store each page atomically; one outcome per key. An existing key is kept (OK)."""
+        """Store each page atomically; one outcome per key. An existing key is kept (OK).
+
+        `pages` may be read-only views and are only read, never written."""
         ...
 
     async def delete(self, keys: Sequence[bytes]) -> int:

@@ -236,6 +236,31 @@ class StorageConformance:
         assert await backend.get([key], [target], namespace=NAMESPACE) == [Outcome.OK]
         assert target[0].tobytes() == data
 
+    async def test_put_leaves_its_pages_untouched_and_takes_read_only_ones(
+        self, backend: StorageBackend
+    ) -> None:
+        # The cache puts straight from host-pool pages it goes on serving: a backend that used
+        # them as scratch space (encrypting or compressing in place) would corrupt served KV.
+        shapes = self._shapes()
+        count = len(shapes)
+        keys = _keys(2 * count)
+        data = [_payload(self.page_nbytes, 40 + i) for i in range(2 * count)]
+        metas = [_meta(key) for key in keys]
+        writable = [_segments(d, shape) for d, shape in zip(data, shapes, strict=False)]
+        assert await backend.put(keys[:count], writable, metas[:count]) == [Outcome.OK] * count
+        for index, page in enumerate(writable):
+            assert _joined(page) == data[index], f"put wrote into page {index} it was given"
+        # What the cache hands over: read-only views of the host pool's memory.
+        read_only = [
+            [view.toreadonly() for view in _segments(d, shape)]
+            for d, shape in zip(data[count:], shapes, strict=True)
+        ]
+        assert await backend.put(keys[count:], read_only, metas[count:]) == [Outcome.OK] * count
+        buffers = [_empty([self.page_nbytes]) for _ in keys]
+        assert await backend.get(keys, buffers, namespace=NAMESPACE) == [Outcome.OK] * len(keys)
+        for expected, buffer in zip(data, buffers, strict=True):
+            assert _joined(buffer) == expected
+
     async def test_capabilities_are_usable(self, backend: StorageBackend) -> None:
         # Callers size their batches by max_batch_pages: 0 would leave them nothing to send.
         caps = backend.capabilities

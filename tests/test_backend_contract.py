@@ -1,0 +1,52 @@
+"""What the cache hands a backend, and what it makes of a backend's wrong answers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from _plain_storage import PlainStorage
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async.storage import Outcome, PageBuffer, PageMeta
+from hicache_async.testing import KVGenerator, serve
+
+
+class _Scribbler(PlainStorage):
+    """Stores a page, then zeroes every segment of it it is able to write (scratch use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments = 0
+        self.writable = 0
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        outcomes = await super().put(keys, pages, metas)
+        for page in pages:
+            for segment in page:
+                self.segments += 1
+                view = memoryview(segment)
+                if not view.readonly:
+                    self.writable += 1
+                    view.cast("B")[:] = bytes(view.nbytes)
+        return outcomes
+
+
+async def test_backups_hand_put_read_only_views_of_host_pages(
+    hicache_config: CacheConfig, kv_generator: KVGenerator
+) -> None:
+    generator = kv_generator
+    prompt = np.arange(8 * hicache_config.page_size)
+    storage = _Scribbler()
+    async with HiCache(hicache_config, storage=storage) as cache:
+        await serve(cache, prompt, generator)
+        await cache.drain()
+        assert storage.segments > 0
+        assert storage.writable == 0
+        # What the host pool serves is still the prompt's KV.
+        host = cache.host_pool
+        found = cache.tree.match(cache.keys_for(prompt), touch=False)
+        for index, page in enumerate(found.host_pages):
+            generator.check_page(host, page, prompt, index)
