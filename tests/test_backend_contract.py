@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
 from _plain_storage import PlainStorage
 
 from hicache_async import CacheConfig, HiCache
@@ -50,3 +51,9 @@ async def test_backups_hand_put_read_only_views_of_host_pages(
         found = cache.tree.match(cache.keys_for(prompt), touch=False)
         for index, page in enumerate(found.host_pages):
             generator.check_page(host, page, prompt, index)
+
+
+async def test_a_bool_priority_is_refused_when_the_request_starts(hicache: HiCache) -> None:
+    # It would be stored in page headers, where a put refuses it (much later, in a backup).
+    with pytest.raises(ValueError, match="priority"):
+        hicache.request(list(range(16)), priority=True)

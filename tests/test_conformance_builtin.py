@@ -6,14 +6,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 import pytest_asyncio
 from _plain_storage import PlainStorage
 
-from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage import (
+    FileStorage,
+    MemoryStorage,
+    Outcome,
+    PageMeta,
+    StorageBackend,
+    StorageCapabilities,
+)
 from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._faults import FaultyStorage
@@ -167,6 +175,26 @@ class _ScribblingPut(PlainStorage):
         return outcomes
 
 
+class _BoolCounts(PlainStorage):
+    """BROKEN: exists and delete answer 0 and 1 as bools (`return key in pages`)."""
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        found = await self._inner.exists(keys)
+        return bool(found) if found <= 1 else found
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        removed = await self._inner.delete(keys)
+        return bool(removed) if removed <= 1 else removed
+
+
+class _BoolCapabilities(PlainStorage):
+    """BROKEN: max_batch_pages is True, which is 1 to `==` and an int to isinstance."""
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return msgspec.structs.replace(self._inner.capabilities, max_batch_pages=True)
+
+
 async def _suite_fails(check: Awaitable[None]) -> None:
     try:
         await check
@@ -200,3 +228,23 @@ async def test_the_suite_fails_a_put_that_writes_into_its_pages() -> None:
         await _suite_fails(
             suite.test_put_leaves_its_pages_untouched_and_takes_read_only_ones(backend)
         )
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        StorageConformance.test_empty_batches,
+        StorageConformance.test_exists_counts_the_consecutive_prefix,
+        StorageConformance.test_delete,
+    ],
+)
+async def test_the_suite_fails_counts_that_are_bools(
+    test: Callable[[StorageConformance, StorageBackend], Awaitable[None]],
+) -> None:
+    async with _BoolCounts() as backend:
+        await _suite_fails(test(StorageConformance(), backend))
+
+
+async def test_the_suite_fails_a_bool_max_batch_pages() -> None:
+    async with _BoolCapabilities() as backend:
+        await _suite_fails(StorageConformance().test_capabilities_are_usable(backend))
