@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import pytest
+import structlog
 from _plain_storage import PlainStorage
 
 from hicache_async import CacheConfig, HiCache
-from hicache_async.storage import Outcome, PageBuffer, PageMeta
+from hicache_async.storage import Outcome, PageBuffer, PageMeta, StorageStats
 from hicache_async.testing import KVGenerator, serve
 
 
@@ -57,3 +59,21 @@ async def test_a_bool_priority_is_refused_when_the_request_starts(hicache: HiCac
     # It would be stored in page headers, where a put refuses it (much later, in a backup).
     with pytest.raises(ValueError, match="priority"):
         hicache.request(list(range(16)), priority=True)
+
+
+class _BadStats(PlainStorage):
+    """Stats of the wrong types, which msgspec builds without a word."""
+
+    def stats(self) -> StorageStats:
+        return msgspec.structs.replace(super().stats(), pages="many", bytes=-5)  # type: ignore[arg-type]
+
+
+async def test_malformed_stats_count_as_a_failed_stats_call(hicache_config: CacheConfig) -> None:
+    async with HiCache(hicache_config, storage=_BadStats()) as cache:
+        with structlog.testing.capture_logs() as logs:
+            status = cache.storage_status()
+        assert status.attached
+        assert status.storage is None
+        (failed,) = [e for e in logs if e["event"] == "hicache.storage.stats.failed"]
+        assert "pages='many'" in failed["error"]
+        assert "hicache_storage_bytes" not in cache.metrics_text()

@@ -21,6 +21,7 @@ from hicache_async.storage import (
     PageMeta,
     StorageBackend,
     StorageCapabilities,
+    StorageStats,
 )
 from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
@@ -195,6 +196,15 @@ class _BoolCapabilities(PlainStorage):
         return msgspec.structs.replace(self._inner.capabilities, max_batch_pages=True)
 
 
+class _FloatStats(PlainStorage):
+    """BROKEN: every counter a float, which msgspec builds without a word."""
+
+    def stats(self) -> StorageStats:
+        stats = self._inner.stats()
+        counters = {f: float(getattr(stats, f)) for f in StorageStats.__struct_fields__[1:]}
+        return msgspec.structs.replace(stats, **counters)
+
+
 async def _suite_fails(check: Awaitable[None]) -> None:
     try:
         await check
@@ -248,3 +258,8 @@ async def test_the_suite_fails_counts_that_are_bools(
 async def test_the_suite_fails_a_bool_max_batch_pages() -> None:
     async with _BoolCapabilities() as backend:
         await _suite_fails(StorageConformance().test_capabilities_are_usable(backend))
+
+
+async def test_the_suite_fails_stats_of_other_types() -> None:
+    async with _FloatStats() as backend:
+        await _suite_fails(StorageConformance().test_stats_have_their_declared_types(backend))

@@ -38,7 +38,7 @@ import pytest_asyncio
 from .._errors import StorageError
 from ..storage._maintenance import RawAccess
 from ..storage._page import FORMAT_VERSION, HEADER_NBYTES, encode_header
-from ..storage._protocol import Outcome, PageMeta, StorageBackend
+from ..storage._protocol import Outcome, PageMeta, StorageBackend, check_stats
 
 __all__ = ["MAC_KEY", "NAMESPACE", "OTHER_NAMESPACE", "StorageConformance"]
 
@@ -552,6 +552,19 @@ class StorageConformance:
         after = backend.stats()
         assert (after.puts - before.puts, after.put_ok - before.put_ok) == (3, 3)
         assert (after.gets - before.gets, after.get_hits - before.get_hits) == (3, 2)
+
+    async def test_stats_have_their_declared_types(self, backend: StorageBackend) -> None:
+        # msgspec does not check a Struct's fields when it is built: a str or float counter
+        # would reach the cache's status calls, admin JSON and metrics as it is.
+        await self._put(backend, _keys(2))
+        for moment in ("after two puts", "after a get"):
+            problem = None
+            try:
+                check_stats(backend.stats())
+            except StorageError as exc:
+                problem = str(exc)
+            assert problem is None, f"{moment}: {problem}"
+            await self._get_one(backend, _keys(1)[0])
 
     async def test_a_get_racing_a_put_of_the_same_key_sees_all_of_it_or_nothing(
         self, backend: StorageBackend
