@@ -205,6 +205,34 @@ class _FloatStats(PlainStorage):
         return msgspec.structs.replace(stats, **counters)
 
 
+class _LeavesATask(PlainStorage):
+    """BROKEN: opening starts a flusher task that close() never stops."""
+
+    async def __aenter__(self) -> _LeavesATask:
+        await super().__aenter__()
+        self.flusher = asyncio.create_task(asyncio.Event().wait())
+        return self
+
+
+class _OkWhenClosed(PlainStorage):
+    """BROKEN: a get that close() interrupts reports every page OK, read or not."""
+
+    closed = False
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if self.closed:
+            return [Outcome.OK] * len(keys)
+        return await self._inner.get(keys, into, namespace=namespace)
+
+    async def close(self) -> None:
+        self.closed = True
+        await super().close()
+
+
 async def _suite_fails(check: Awaitable[None]) -> None:
     try:
         await check
@@ -263,3 +291,20 @@ async def test_the_suite_fails_a_bool_max_batch_pages() -> None:
 async def test_the_suite_fails_stats_of_other_types() -> None:
     async with _FloatStats() as backend:
         await _suite_fails(StorageConformance().test_stats_have_their_declared_types(backend))
+
+
+async def test_the_suite_fails_a_close_that_leaves_a_task_running() -> None:
+    before = set(asyncio.all_tasks())
+    async with _LeavesATask() as backend:
+        suite = StorageConformance()
+        try:
+            await _suite_fails(suite.test_close_leaves_no_task_running(backend, before))
+        finally:
+            backend.flusher.cancel()
+
+
+async def test_the_suite_fails_a_get_that_close_interrupts_and_reports_ok() -> None:
+    before = set(asyncio.all_tasks())
+    async with _OkWhenClosed() as backend:
+        suite = StorageConformance()
+        await _suite_fails(suite.test_close_while_a_get_and_a_put_run(backend, before))

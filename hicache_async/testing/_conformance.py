@@ -113,6 +113,15 @@ def _assert_count(value: object, expected: int, call: str) -> None:
     assert value == expected, f"{call} returned {value}, not {expected}"
 
 
+async def _assert_no_tasks_left(before: set[asyncio.Task[object]]) -> None:
+    """Fail if a task not in `before` is still running once the backend is closed."""
+    for _ in range(8):  # a task cancelled by close() ends within a few loop iterations
+        await asyncio.sleep(0)
+    current = asyncio.current_task()
+    left = [task for task in asyncio.all_tasks() if task is not current and task not in before]
+    assert not left, f"close() left {len(left)} task(s) running: {left[:3]}"
+
+
 def _flip(value: bytes, position: int) -> bytes:
     damaged = bytearray(value)
     damaged[position] ^= 0x40
@@ -179,6 +188,12 @@ class StorageConformance:
     page_nbytes: int = 64 * 1024
 
     pytestmark = pytest.mark.asyncio
+
+    @pytest_asyncio.fixture(autouse=True)
+    async def tasks_before_backend(self) -> AsyncIterator[set[asyncio.Task[object]]]:
+        """The tasks running before the `backend` fixture opened it (autouse fixtures are set
+        up first): any other task still running once it is closed is one it left behind."""
+        yield set(asyncio.all_tasks())
 
     @pytest_asyncio.fixture
     async def mac_backend(self) -> AsyncIterator[StorageBackend | None]:
@@ -735,3 +750,46 @@ class StorageConformance:
             await backend.put([key], [page], [_meta(key)])
         with pytest.raises(StorageError):
             await backend.delete([key])
+
+    async def test_close_leaves_no_task_running(
+        self, backend: StorageBackend, tasks_before_backend: set[asyncio.Task[object]]
+    ) -> None:
+        (key,) = _keys(1)
+        await self._put(backend, [key])
+        await self._get_one(backend, key)
+        await backend.close()
+        await _assert_no_tasks_left(tasks_before_backend)
+
+    async def test_close_while_a_get_and_a_put_run(
+        self, backend: StorageBackend, tasks_before_backend: set[asyncio.Task[object]]
+    ) -> None:
+        # close() may wait for calls in flight or make them raise StorageError; either way a
+        # call that returns outcomes kept to them, and nothing writes into buffers later.
+        count = self._cancel_batch_pages()
+        stored = _keys(count)
+        data = await self._put(backend, stored)
+        buffers = [_empty([self.page_nbytes]) for _ in stored]
+        fresh = _keys(count)
+        pages = [_segments(data[key], [self.page_nbytes]) for key in stored]
+        get = asyncio.create_task(backend.get(stored, buffers, namespace=NAMESPACE))
+        put = asyncio.create_task(backend.put(fresh, pages, [_meta(key) for key in fresh]))
+        await asyncio.sleep(0)  # both calls start
+        await backend.close()
+        got, put_result = await asyncio.gather(get, put, return_exceptions=True)
+        for call, result in (("get", got), ("put", put_result)):
+            if isinstance(result, BaseException):
+                assert isinstance(result, StorageError), f"{call} raised {result!r}"
+            else:
+                assert isinstance(result, list), f"{call} returned {result!r}"
+                assert len(result) == count, f"{call} returned {len(result)} outcomes"
+        if isinstance(got, list):
+            for index, (key, outcome) in enumerate(zip(stored, got, strict=True)):
+                if outcome is Outcome.OK:
+                    assert _joined(buffers[index]) == data[key], f"page {index} reported OK"
+        canary = bytes([_CANARY]) * self.page_nbytes
+        for buffer in buffers:
+            buffer[0][:] = canary
+        await _assert_no_tasks_left(tasks_before_backend)
+        await asyncio.sleep(0.05)  # a straggling worker thread's chance to write
+        for index, buffer in enumerate(buffers):
+            assert bytes(buffer[0]) == canary, f"buffer {index} written after the get returned"
