@@ -79,6 +79,8 @@ class TestFaultyStorageWithoutFaults(StorageConformance):
 class TestPlainBackend(StorageConformance):
     """The tests that need no raw access still run (the others are skipped)."""
 
+    raw_access = False
+
     @pytest_asyncio.fixture
     async def backend(self) -> AsyncIterator[PlainStorage]:
         async with PlainStorage(_CAPACITY) as storage:
@@ -87,7 +89,9 @@ class TestPlainBackend(StorageConformance):
 
 class TestFaultyStorageOverAPlainBackend(StorageConformance):
     """The wrapper claims no raw access its inner backend lacks, so the suite skips those
-    tests instead of failing them."""
+    tests (declared here) instead of failing them."""
+
+    raw_access = False
 
     @pytest_asyncio.fixture
     async def backend(self) -> AsyncIterator[FaultyStorage]:
@@ -308,3 +312,14 @@ async def test_the_suite_fails_a_get_that_close_interrupts_and_reports_ok() -> N
     async with _OkWhenClosed() as backend:
         suite = StorageConformance()
         await _suite_fails(suite.test_close_while_a_get_and_a_put_run(backend, before))
+
+
+async def test_the_suite_fails_a_backend_without_raw_access_unless_declared() -> None:
+    async with PlainStorage() as backend:
+        await _suite_fails(StorageConformance().test_mixed_batch_with_a_damaged_page(backend))
+
+        class Declared(StorageConformance):
+            raw_access = False
+
+        with pytest.raises(pytest.skip.Exception, match="no raw access"):
+            await Declared().test_mixed_batch_with_a_damaged_page(backend)

@@ -5,7 +5,7 @@ yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_K
 `page_nbytes` (the page size the tests use, default 64 KiB):
 
     import pytest_asyncio
-    from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+    from hicache_async.testing import MAC_KEY, StorageConformance
 
     class TestMyStorage(StorageConformance):
         @pytest_asyncio.fixture
@@ -18,8 +18,9 @@ yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_K
             async with MyStorage("...", mac_key=MAC_KEY) as storage:
                 yield storage
 
-Tests that damage stored pages need the backend's raw access (`read_raw`/`write_raw`) and are
-skipped without it. Keys are random per test, so a shared server needs no cleanup between tests.
+Tests that damage stored pages need the backend's raw access (`read_raw`/`write_raw`): without
+it they fail, unless the class sets `raw_access = False`, which skips them. Keys are random per
+test, so a shared server needs no cleanup between tests.
 """
 
 from __future__ import annotations
@@ -99,12 +100,6 @@ def _joined(page: list[memoryview]) -> bytes:
 
 def _meta(key: bytes, namespace: bytes = NAMESPACE) -> PageMeta:
     return PageMeta(key=key, namespace=namespace, num_tokens=64, priority=1)
-
-
-def _raw(backend: StorageBackend) -> RawAccess:
-    if not isinstance(backend, RawAccess):
-        pytest.skip(f"{backend.name} has no raw access (read_raw/write_raw)")
-    return backend
 
 
 def _assert_count(value: object, expected: int, call: str) -> None:
@@ -187,6 +182,11 @@ class StorageConformance:
     #: Payload bytes per page in these tests.
     page_nbytes: int = 64 * 1024
 
+    #: Whether the backend implements `RawAccess`, which the tests that damage stored pages
+    #: need. Without it they fail, so that a suite cannot pass without checking integrity
+    #: unnoticed; set False for a backend that has no raw access to skip them instead.
+    raw_access: bool = True
+
     pytestmark = pytest.mark.asyncio
 
     @pytest_asyncio.fixture(autouse=True)
@@ -201,6 +201,17 @@ class StorageConformance:
         yield None
 
     # Helpers.
+
+    def _raw(self, backend: StorageBackend) -> RawAccess:
+        if isinstance(backend, RawAccess):
+            return backend
+        if not self.raw_access:
+            pytest.skip(f"{backend.name} has no raw access (read_raw/write_raw)")
+        raise AssertionError(
+            f"{backend.name} has no raw access (read_raw/write_raw), which the tests that damage "
+            "stored pages need: implement RawAccess, or set raw_access = False in the test "
+            "class to skip them"
+        )
 
     def _shapes(self) -> list[list[int]]:
         n = self.page_nbytes
@@ -403,7 +414,7 @@ class StorageConformance:
         # belong to their own keys, and only the damaged page is removed.
         present_a, damaged, absent, present_b, present_c = _keys(5)
         data = await self._put(backend, [present_a, damaged, present_b, present_c])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(damaged)
         assert value is not None
         await raw.write_raw(damaged, _flip(value, HEADER_NBYTES + self.page_nbytes // 2))
@@ -482,7 +493,7 @@ class StorageConformance:
     ) -> None:
         (key,) = _keys(1)
         data = await self._put(backend, [key])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(key)
         assert value is not None
         assert value[HEADER_NBYTES:] == data[key]
@@ -526,7 +537,7 @@ class StorageConformance:
     ) -> None:
         (key,) = _keys(1)
         await self._put(backend, [key])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(key)
         assert value is not None
         newer = value[:4] + struct.pack("<H", FORMAT_VERSION + 1) + value[6:]
@@ -544,7 +555,7 @@ class StorageConformance:
         good, unkeyed, other_key = _keys(3)
         data = await self._put(backend, [good, unkeyed, other_key])
         assert await self._get_one(backend, good) == (Outcome.OK, data[good])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(good)
         assert value is not None
         assert struct.unpack_from("<H", value, 6)[0] & 1  # the MAC flag is set
