@@ -18,9 +18,10 @@ import asyncio
 import sqlite3
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
 import anyio
@@ -44,6 +45,8 @@ from hicache_async.storage import (
 )
 from hicache_async.testing import MAC_KEY, KVGenerator, StorageConformance, serve
 
+T = TypeVar("T")
+
 
 class SqliteStorage:
     """Pages in a SQLite database: `sqlite:///path/to/pages.db`."""
@@ -54,6 +57,9 @@ class SqliteStorage:
         self._db: sqlite3.Connection | None = None
         self._closed = False
         self._counts = {"gets": 0, "hits": 0, "puts": 0, "ok": 0, "corrupt": 0}
+        self._pages = self._bytes = 0
+        self._busy = 0  # thread jobs running: close() waits for them
+        self._idle: anyio.Event | None = None
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> SqliteStorage:
@@ -91,6 +97,12 @@ class SqliteStorage:
             return db
 
         self._db = await anyio.to_thread.run_sync(connect)
+        # Counted once here, then kept up to date: stats() does no I/O.
+        self._pages, self._bytes = await self._run(
+            lambda db: db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(value)), 0) FROM pages"
+            ).fetchone()
+        )
         return self
 
     async def __aexit__(
@@ -101,22 +113,36 @@ class SqliteStorage:
     ) -> None:
         await self.close()
 
-    def _conn(self) -> sqlite3.Connection:
+    async def _run(self, job: Callable[[sqlite3.Connection], T]) -> T:
+        """`job(db)` on a worker thread. A cancellation waits for the thread (anyio's default),
+        so no job outlives its call; close() waits for running ones, since closing the
+        connection under a job would crash SQLite."""
         if self._closed or self._db is None:
             raise StorageError(f"{self.name} is closed")
-        return self._db
+        db = self._db
+        self._busy += 1
+        try:
+            return await anyio.to_thread.run_sync(lambda: job(db))
+        finally:
+            self._busy -= 1
+            if not self._busy and self._idle is not None:
+                self._idle.set()
+
+    def _removed(self, lengths: Sequence[tuple[int]]) -> int:
+        self._pages -= len(lengths)
+        self._bytes -= sum(length for (length,) in lengths)
+        return len(lengths)
 
     async def exists(self, keys: Sequence[bytes]) -> int:
-        db = self._conn()
         check_keys(keys)
 
-        def count() -> int:
+        def count(db: sqlite3.Connection) -> int:
             for n, key in enumerate(keys):
                 if db.execute("SELECT 1 FROM pages WHERE key = ?", (key,)).fetchone() is None:
                     return n
             return len(keys)
 
-        return await anyio.to_thread.run_sync(count)
+        return await self._run(count)
 
     async def get(
         self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
@@ -124,16 +150,15 @@ class SqliteStorage:
         if len(keys) != len(into):
             raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
         check_keys(keys, namespace)
-        db = self._conn()
 
-        def fetch() -> list[bytes | None]:
+        def fetch(db: sqlite3.Connection) -> list[bytes | None]:
             rows = []
             for key in keys:
                 row = db.execute("SELECT value FROM pages WHERE key = ?", (key,)).fetchone()
                 rows.append(None if row is None else bytes(row[0]))
             return rows
 
-        values = await anyio.to_thread.run_sync(fetch)
+        values = await self._run(fetch)
         outcomes: list[Outcome] = []
         corrupt: list[bytes] = []
         for key, value, target in zip(keys, values, into, strict=True):
@@ -163,7 +188,8 @@ class SqliteStorage:
         if not len(keys) == len(pages) == len(metas):
             raise ValueError(f"{len(keys)} keys, {len(pages)} pages, {len(metas)} metas")
         check_metas(keys, metas)  # keys, and each meta for its own key, before any I/O
-        db = self._conn()
+        if self._closed:
+            raise StorageError(f"{self.name} is closed")
         rows = [
             (
                 key,
@@ -173,51 +199,58 @@ class SqliteStorage:
             for key, page, meta in zip(keys, pages, metas, strict=True)
         ]
 
-        def store() -> None:
+        def store(db: sqlite3.Connection) -> list[int]:
+            added = []
             with db:  # one transaction: the batch lands whole or not at all
-                db.executemany("INSERT OR IGNORE INTO pages (key, value) VALUES (?, ?)", rows)
+                for key, value in rows:
+                    insert = "INSERT OR IGNORE INTO pages (key, value) VALUES (?, ?)"
+                    if db.execute(insert, (key, value)).rowcount:
+                        added.append(len(value))
+            return added
 
-        await anyio.to_thread.run_sync(store)
+        added = await self._run(store)
+        self._pages += len(added)
+        self._bytes += sum(added)
         self._counts["puts"] += len(keys)
         self._counts["ok"] += len(keys)
         return [Outcome.OK] * len(keys)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
-        db = self._conn()
         check_keys(keys)
 
-        def remove() -> int:
+        def remove(db: sqlite3.Connection) -> list[tuple[int]]:
+            delete = "DELETE FROM pages WHERE key = ? RETURNING LENGTH(value)"
             with db:
-                return sum(
-                    db.execute("DELETE FROM pages WHERE key = ?", (k,)).rowcount for k in keys
-                )
+                return [row for k in keys for row in db.execute(delete, (k,)).fetchall()]
 
-        return await anyio.to_thread.run_sync(remove)
+        return self._removed(await self._run(remove))
 
     async def read_raw(self, key: bytes) -> bytes | None:
-        db = self._conn()
         check_keys([key])
 
-        def fetch() -> bytes | None:
+        def fetch(db: sqlite3.Connection) -> bytes | None:
             row = db.execute("SELECT value FROM pages WHERE key = ?", (key,)).fetchone()
             return None if row is None else bytes(row[0])
 
-        return await anyio.to_thread.run_sync(fetch)
+        return await self._run(fetch)
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
-        db = self._conn()
-
-        def store() -> None:
+        def store(db: sqlite3.Connection) -> list[tuple[int]]:
             with db:
-                db.execute("INSERT OR REPLACE INTO pages (key, value) VALUES (?, ?)", (key, value))
+                delete = "DELETE FROM pages WHERE key = ? RETURNING LENGTH(value)"
+                replaced = db.execute(delete, (key,)).fetchall()
+                db.execute("INSERT INTO pages (key, value) VALUES (?, ?)", (key, value))
+                return replaced
 
-        await anyio.to_thread.run_sync(store)
+        self._removed(await self._run(store))
+        self._pages += 1
+        self._bytes += len(value)
 
     def stats(self) -> StorageStats:
         return StorageStats(
             backend=self.name,
-            pages=-1,
-            bytes=-1,
+            pages=self._pages,
+            bytes=self._bytes,
             capacity_bytes=None,
             gets=self._counts["gets"],
             get_hits=self._counts["hits"],
@@ -230,6 +263,9 @@ class SqliteStorage:
         if self._closed:
             return
         self._closed = True
+        while self._busy:
+            self._idle = anyio.Event()
+            await self._idle.wait()
         if self._db is not None:
             await anyio.to_thread.run_sync(self._db.close)
 

@@ -6,14 +6,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 import pytest_asyncio
 from _plain_storage import PlainStorage
 
-from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage import (
+    FileStorage,
+    MemoryStorage,
+    Outcome,
+    PageMeta,
+    StorageBackend,
+    StorageCapabilities,
+    StorageStats,
+)
 from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._faults import FaultyStorage
@@ -70,6 +79,8 @@ class TestFaultyStorageWithoutFaults(StorageConformance):
 class TestPlainBackend(StorageConformance):
     """The tests that need no raw access still run (the others are skipped)."""
 
+    raw_access = False
+
     @pytest_asyncio.fixture
     async def backend(self) -> AsyncIterator[PlainStorage]:
         async with PlainStorage(_CAPACITY) as storage:
@@ -78,7 +89,9 @@ class TestPlainBackend(StorageConformance):
 
 class TestFaultyStorageOverAPlainBackend(StorageConformance):
     """The wrapper claims no raw access its inner backend lacks, so the suite skips those
-    tests instead of failing them."""
+    tests (declared here) instead of failing them."""
+
+    raw_access = False
 
     @pytest_asyncio.fixture
     async def backend(self) -> AsyncIterator[FaultyStorage]:
@@ -152,6 +165,78 @@ class _StragglingPut(PlainStorage):
         return await loop.run_in_executor(self._threads, store)
 
 
+class _ScribblingPut(PlainStorage):
+    """BROKEN: a put uses the caller's pages as scratch space once it has stored them."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        outcomes = await self._inner.put(keys, pages, metas)
+        for page in pages:
+            for segment in page:
+                view = memoryview(segment)
+                if not view.readonly:
+                    view.cast("B")[:] = bytes(view.nbytes)
+        return outcomes
+
+
+class _BoolCounts(PlainStorage):
+    """BROKEN: exists and delete answer 0 and 1 as bools (`return key in pages`)."""
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        found = await self._inner.exists(keys)
+        return bool(found) if found <= 1 else found
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        removed = await self._inner.delete(keys)
+        return bool(removed) if removed <= 1 else removed
+
+
+class _BoolCapabilities(PlainStorage):
+    """BROKEN: max_batch_pages is True, which is 1 to `==` and an int to isinstance."""
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return msgspec.structs.replace(self._inner.capabilities, max_batch_pages=True)
+
+
+class _FloatStats(PlainStorage):
+    """BROKEN: every counter a float, which msgspec builds without a word."""
+
+    def stats(self) -> StorageStats:
+        stats = self._inner.stats()
+        counters = {f: float(getattr(stats, f)) for f in StorageStats.__struct_fields__[1:]}
+        return msgspec.structs.replace(stats, **counters)
+
+
+class _LeavesATask(PlainStorage):
+    """BROKEN: opening starts a flusher task that close() never stops."""
+
+    async def __aenter__(self) -> _LeavesATask:
+        await super().__aenter__()
+        self.flusher = asyncio.create_task(asyncio.Event().wait())
+        return self
+
+
+class _OkWhenClosed(PlainStorage):
+    """BROKEN: a get that close() interrupts reports every page OK, read or not."""
+
+    closed = False
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if self.closed:
+            return [Outcome.OK] * len(keys)
+        return await self._inner.get(keys, into, namespace=namespace)
+
+    async def close(self) -> None:
+        self.closed = True
+        await super().close()
+
+
 async def _suite_fails(check: Awaitable[None]) -> None:
     try:
         await check
@@ -177,3 +262,64 @@ async def test_the_suite_fails_a_put_that_reads_after_cancellation() -> None:
     async with _StragglingPut() as backend:
         suite = StorageConformance()
         await _suite_fails(suite.test_cancelled_put_stores_pages_whole_or_not_at_all(backend))
+
+
+async def test_the_suite_fails_a_put_that_writes_into_its_pages() -> None:
+    async with _ScribblingPut() as backend:
+        suite = StorageConformance()
+        await _suite_fails(
+            suite.test_put_leaves_its_pages_untouched_and_takes_read_only_ones(backend)
+        )
+
+
+@pytest.mark.parametrize(
+    "test",
+    [
+        StorageConformance.test_empty_batches,
+        StorageConformance.test_exists_counts_the_consecutive_prefix,
+        StorageConformance.test_delete,
+    ],
+)
+async def test_the_suite_fails_counts_that_are_bools(
+    test: Callable[[StorageConformance, StorageBackend], Awaitable[None]],
+) -> None:
+    async with _BoolCounts() as backend:
+        await _suite_fails(test(StorageConformance(), backend))
+
+
+async def test_the_suite_fails_a_bool_max_batch_pages() -> None:
+    async with _BoolCapabilities() as backend:
+        await _suite_fails(StorageConformance().test_capabilities_are_usable(backend))
+
+
+async def test_the_suite_fails_stats_of_other_types() -> None:
+    async with _FloatStats() as backend:
+        await _suite_fails(StorageConformance().test_stats_have_their_declared_types(backend))
+
+
+async def test_the_suite_fails_a_close_that_leaves_a_task_running() -> None:
+    before = set(asyncio.all_tasks())
+    async with _LeavesATask() as backend:
+        suite = StorageConformance()
+        try:
+            await _suite_fails(suite.test_close_leaves_no_task_running(backend, before))
+        finally:
+            backend.flusher.cancel()
+
+
+async def test_the_suite_fails_a_get_that_close_interrupts_and_reports_ok() -> None:
+    before = set(asyncio.all_tasks())
+    async with _OkWhenClosed() as backend:
+        suite = StorageConformance()
+        await _suite_fails(suite.test_close_while_a_get_and_a_put_run(backend, before))
+
+
+async def test_the_suite_fails_a_backend_without_raw_access_unless_declared() -> None:
+    async with PlainStorage() as backend:
+        await _suite_fails(StorageConformance().test_mixed_batch_with_a_damaged_page(backend))
+
+        class Declared(StorageConformance):
+            raw_access = False
+
+        with pytest.raises(pytest.skip.Exception, match="no raw access"):
+            await Declared().test_mixed_batch_with_a_damaged_page(backend)

@@ -135,6 +135,11 @@ async def test_damage_is_caught_by_the_inner_verification(
         assert await inner.exists(keys[:1]) == 0
 
 
+def test_an_inner_object_that_is_no_backend_is_refused_at_construction() -> None:
+    with pytest.raises(TypeError, match=r"inner backend \(object\) is not a StorageBackend"):
+        FaultyStorage(object())  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [

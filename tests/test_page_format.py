@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import struct
 
+import msgspec
 import pytest
 import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache_async.storage import HEADER_NBYTES, PageCheck, PageHeader, PageMeta
+from hicache_async.storage import HEADER_NBYTES, PageCheck, PageHeader, PageMeta, check_metas
 from hicache_async.storage._page import (
     FORMAT_VERSION,
     MAGIC,
@@ -79,6 +80,20 @@ def test_encode_rejects_bad_key_and_namespace_sizes() -> None:
         encode_header(_meta(key=b"short"), [])
     with pytest.raises(ValueError, match="16 bytes"):
         encode_header(_meta(namespace=b"short"), [])
+    with pytest.raises(ValueError, match="16 bytes"):
+        encode_header(_meta(namespace=NS.hex()[:16]), [])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_tokens", True), ("priority", False), ("priority", True), ("namespace", "n" * 16)],
+)
+def test_check_metas_refuses_bools_and_a_str_namespace(field: str, value: object) -> None:
+    # A bool is an int to isinstance, and a 16-character str has a namespace's length: both
+    # must be refused before any I/O, not stored as 1 or fail midway as a struct.error.
+    meta = msgspec.structs.replace(_meta(), **{field: value})
+    with pytest.raises(ValueError, match=field if field != "namespace" else "16 bytes"):
+        check_metas([KEY], [meta])
 
 
 @given(position=st.integers(0, HEADER_NBYTES - 1), bit=st.integers(0, 7))

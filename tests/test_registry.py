@@ -8,12 +8,14 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import structlog
 
 from hicache_async import StorageConfigError
 from hicache_async.storage import (
     FileStorage,
     MemoryStorage,
     StorageBackend,
+    _registry,
     default_root,
     open_storage,
     storage_schemes,
@@ -214,3 +216,44 @@ def test_import_path_plugin(plugin_dir: Path) -> None:
 def test_builtin_classes_have_from_url() -> None:
     for cls in (FileStorage, MemoryStorage):
         assert callable(cls.from_url)
+
+
+def _distribution(root: Path, name: str, entry_points: str) -> None:
+    dist = root / f"{name}-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(f"[hicache_async.storage]\n{entry_points}")
+
+
+def test_entry_points_that_cannot_be_schemes_are_left_out_with_a_warning(
+    plugin_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _distribution(plugin_dir, "oddplugin", "my_scheme = kvplugin:make\n9lives = kvplugin:make\n")
+    monkeypatch.setattr(_registry, "_warned", set())
+    with structlog.testing.capture_logs() as logs:
+        schemes = storage_schemes()
+        storage_schemes()  # warned once, not at every lookup
+    assert "my_scheme" not in schemes
+    assert "9lives" not in schemes
+    refused = [e for e in logs if e["event"] == "storage.plugin.refused"]
+    assert sorted(e["name"] for e in refused) == ["9lives", "my_scheme"]
+    assert {e["distribution"] for e in refused} == {"oddplugin"}
+    # The error says why, instead of listing the scheme as accepted.
+    with pytest.raises(StorageConfigError, match="'my_scheme' of distribution 'oddplugin'") as info:
+        open_storage("my_scheme://x")
+    assert "accepted:" not in str(info.value)
+
+
+def test_duplicate_and_built_in_entry_point_names_are_warned_about(
+    plugin_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _distribution(plugin_dir, "dupplugin", "KVSTORE = kvplugin:make\nmemory = kvplugin:make\n")
+    monkeypatch.setattr(_registry, "_warned", set())
+    with structlog.testing.capture_logs() as logs:
+        schemes = storage_schemes()
+    assert schemes.count("kvstore") == 1
+    assert isinstance(open_storage("memory://"), MemoryStorage)  # the built-in wins
+    events = {e["event"]: e for e in logs}
+    assert events["storage.plugin.shadowed"]["name"] == "memory"
+    duplicate = events["storage.plugin.duplicate"]
+    assert {duplicate["name"].lower(), duplicate["kept"].split()[0].lower()} == {"kvstore"}

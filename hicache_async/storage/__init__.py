@@ -39,6 +39,7 @@ from ._protocol import (
     StorageCapabilities,
     StorageError,
     StorageStats,
+    check_stats,
 )
 from ._registry import ENTRY_POINT_GROUP, StorageFactory, open_storage, storage_schemes
 
@@ -75,6 +76,7 @@ __all__ = [
     "VerifyReport",
     "check_keys",
     "check_metas",
+    "check_stats",
     "WarmupManifest",
     "decode_header",
     "default_root",

@@ -111,8 +111,8 @@ def check_key(key: bytes, meta: PageMeta | None = None) -> None:
     if meta is not None:
         if meta.key != key:
             raise ValueError(f"meta.key does not match its key {key.hex()}")
-        if len(meta.namespace) != 16:
-            raise ValueError(f"namespace fingerprints are 16 bytes, got {len(meta.namespace)}")
+        if not isinstance(meta.namespace, bytes) or len(meta.namespace) != 16:
+            raise ValueError(f"namespace fingerprints are 16 bytes, got {meta.namespace!r:.40}")
         # Before any page of the batch is written, rather than midway while encoding.
         check_header_fields(meta)
 

@@ -112,14 +112,20 @@ def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | byt
 
 def check_priority(priority: object, *, field: str = "priority") -> None:
     """Raise ValueError unless a page header can hold `priority` (an int32)."""
-    if not isinstance(priority, int) or not -(1 << 31) <= priority < 1 << 31:
+    # Not a bool, which an int check lets through (True would be stored as priority 1).
+    if (
+        isinstance(priority, bool)
+        or not isinstance(priority, int)
+        or not -(1 << 31) <= priority < 1 << 31
+    ):
         raise ValueError(f"{field} must be an int in [-2**31, 2**31), got {priority!r}")
 
 
 def check_header_fields(meta: PageMeta) -> None:
     """Raise ValueError unless the header can hold `meta.num_tokens` (uint32) and
     `meta.priority` (int32)."""
-    if not isinstance(meta.num_tokens, int) or not 0 <= meta.num_tokens < 1 << 32:
+    tokens = meta.num_tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 1 << 32:
         raise ValueError(f"meta.num_tokens must be in [0, 2**32), got {meta.num_tokens!r}")
     check_priority(meta.priority, field="meta.priority")
 
@@ -135,8 +141,8 @@ def encode_header(
     """The 128-byte header for `payload` (a page's segments) described by `meta`."""
     if len(meta.key) != 32:
         raise ValueError(f"page keys are 32 bytes, got {len(meta.key)}")
-    if len(meta.namespace) != 16:
-        raise ValueError(f"namespace fingerprints are 16 bytes, got {len(meta.namespace)}")
+    if not isinstance(meta.namespace, bytes) or len(meta.namespace) != 16:
+        raise ValueError(f"namespace fingerprints are 16 bytes, got {meta.namespace!r:.40}")
     check_header_fields(meta)
     nbytes = sum(memoryview(s).nbytes for s in payload)
     digest = payload_checksum(payload) if checksum is None else checksum

@@ -26,10 +26,12 @@ __all__ = [
     "StorageError",
     "check_backend",
     "check_outcomes",
+    "check_stats",
 ]
 
 #: One page's memory as an ordered list of byte segments; their total is the payload length.
-#: Segments for `get` are writable; a backend fills them in order.
+#: Segments for `get` are writable; a backend fills them in order. Segments for `put` may be
+#: read-only and must never be written: they are host-pool pages the cache goes on serving.
 PageBuffer = Sequence[memoryview]
 
 
@@ -130,7 +132,9 @@ class StorageBackend(Protocol):
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
-        """Store each page atomically; one outcome per key. An existing key is kept (OK)."""
+        """Store each page atomically; one outcome per key. An existing key is kept (OK).
+
+        `pages` may be read-only views and are only read, never written."""
         ...
 
     async def delete(self, keys: Sequence[bytes]) -> int:
@@ -205,3 +209,21 @@ def check_exists(found: object, count: int) -> int:
     if isinstance(found, bool) or not 0 <= value <= count:
         raise StorageError(f"exists returned {found!r}, not a count of 0 to {count} keys")
     return value
+
+
+def check_stats(stats: object) -> StorageStats:
+    """`stats` if it is a StorageStats whose fields have their declared types (a str `backend`,
+    counters that are ints, not bools, and not negative; `capacity_bytes` may be None), else
+    StorageError. msgspec does not check a Struct's fields when it is built, and these go on
+    to status calls, the admin API's JSON and metrics."""
+    if not isinstance(stats, StorageStats):
+        raise StorageError(f"stats returned {type(stats).__name__}, not a StorageStats")
+    if not isinstance(stats.backend, str):
+        raise StorageError(f"stats returned backend={stats.backend!r}, not a str")
+    for field in StorageStats.__struct_fields__[1:]:
+        value = getattr(stats, field)
+        if field == "capacity_bytes" and value is None:
+            continue
+        if type(value) is not int or value < 0:
+            raise StorageError(f"stats returned {field}={value!r}, not an int of 0 or more")
+    return stats

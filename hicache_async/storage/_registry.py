@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable
 from typing import Protocol, cast
 
+import structlog
+
 from .._errors import StorageConfigError
 from ._file import FileStorage
 from ._memory import MemoryStorage
@@ -25,12 +27,15 @@ __all__ = ["ENTRY_POINT_GROUP", "StorageFactory", "open_storage", "storage_schem
 
 ENTRY_POINT_GROUP = "hicache_async.storage"
 
+_log = structlog.get_logger("hicache_async")
+
 # `package.module:factory` or `package.module:Class.from_url`, optionally with `?query`.
 _IMPORT_PATH = re.compile(
     r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)"
     r"(?:\?.*)?$"
 )
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*$")
 _USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@")
 _FACTORY = "a storage factory is called as factory(url, *, mac_key) and returns a StorageBackend"
 
@@ -52,16 +57,61 @@ class StorageFactory(Protocol):
     def __call__(self, url: str, *, mac_key: bytes | None) -> StorageBackend: ...
 
 
-def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
-    # URL schemes are case-insensitive, and `open_storage` lowercases them: so are the names.
+# Each warning about the installed entry points once per process, not at every lookup.
+_warned: set[tuple[str, ...]] = set()
+
+
+def _warn_once(event: str, **fields: str) -> None:
+    key = (event, *fields.values())
+    if key not in _warned:
+        _warned.add(key)
+        _log.warning(event, **fields)
+
+
+def _distribution(ep: importlib.metadata.EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else "?"
+
+
+def _scan() -> tuple[dict[str, importlib.metadata.EntryPoint], dict[str, str]]:
+    """The usable entry points by lowercased name, and the refused names (lowercased) with
+    why. URL schemes are case-insensitive, and `open_storage` lowercases them: so are the
+    names. Of two entry points of one name the first found wins; a built-in scheme always
+    does."""
     found: dict[str, importlib.metadata.EntryPoint] = {}
+    refused: dict[str, str] = {}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        found.setdefault(ep.name.lower(), ep)
-    return found
+        name, dist = ep.name.lower(), _distribution(ep)
+        if _SCHEME_NAME.match(ep.name) is None:
+            refused[name] = (
+                f"entry point {ep.name!r} of distribution {dist!r} in group "
+                f"{ENTRY_POINT_GROUP!r} is not a valid URL scheme ({_SCHEME_NAME.pattern})"
+            )
+            _warn_once("storage.plugin.refused", name=ep.name, distribution=dist)
+        elif name in _BUILTIN or name in _OPTIONAL:
+            _warn_once("storage.plugin.shadowed", name=ep.name, distribution=dist)
+        elif name in found:
+            kept = found[name]
+            _warn_once(
+                "storage.plugin.duplicate",
+                name=ep.name,
+                distribution=dist,
+                kept=f"{kept.name} of {_distribution(kept)}",
+            )
+        else:
+            found[name] = ep
+    return found, refused
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    return _scan()[0]
 
 
 def storage_schemes() -> list[str]:
-    """Every URL scheme `open_storage` accepts here (built in and from entry points)."""
+    """Every URL scheme `open_storage` accepts here (built in and from entry points).
+
+    An entry point whose name is not a valid URL scheme, or is a built-in scheme, or was
+    declared already (case-insensitively) by another, is left out, with a warning logged
+    once (`storage.plugin.refused`, `.shadowed`, `.duplicate`)."""
     return sorted({*_BUILTIN, *_OPTIONAL, *_entry_points()})
 
 
@@ -155,6 +205,9 @@ def open_storage(url: str, *, mac_key: bytes | None = None) -> StorageBackend:
         factory = _import_factory(module_name, attr_path)
         source = f"storage plugin {module_name}:{attr_path}"
     else:
+        refused = _scan()[1].get(url.split("://", 1)[0].lower()) if "://" in url else None
+        if refused is not None:
+            raise StorageConfigError(f"not a storage URL: {shown!r}: {refused}")
         raise StorageConfigError(f"not a storage URL: {shown!r}; {_accepted()}")
     try:
         backend = factory(url, mac_key=mac_key)

@@ -5,7 +5,7 @@ yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_K
 `page_nbytes` (the page size the tests use, default 64 KiB):
 
     import pytest_asyncio
-    from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+    from hicache_async.testing import MAC_KEY, StorageConformance
 
     class TestMyStorage(StorageConformance):
         @pytest_asyncio.fixture
@@ -18,8 +18,9 @@ yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_K
             async with MyStorage("...", mac_key=MAC_KEY) as storage:
                 yield storage
 
-Tests that damage stored pages need the backend's raw access (`read_raw`/`write_raw`) and are
-skipped without it. Keys are random per test, so a shared server needs no cleanup between tests.
+Tests that damage stored pages need the backend's raw access (`read_raw`/`write_raw`): without
+it they fail, unless the class sets `raw_access = False`, which skips them. Keys are random per
+test, so a shared server needs no cleanup between tests.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import pytest_asyncio
 from .._errors import StorageError
 from ..storage._maintenance import RawAccess
 from ..storage._page import FORMAT_VERSION, HEADER_NBYTES, encode_header
-from ..storage._protocol import Outcome, PageMeta, StorageBackend
+from ..storage._protocol import Outcome, PageMeta, StorageBackend, check_stats
 
 __all__ = ["MAC_KEY", "NAMESPACE", "OTHER_NAMESPACE", "StorageConformance"]
 
@@ -101,10 +102,19 @@ def _meta(key: bytes, namespace: bytes = NAMESPACE) -> PageMeta:
     return PageMeta(key=key, namespace=namespace, num_tokens=64, priority=1)
 
 
-def _raw(backend: StorageBackend) -> RawAccess:
-    if not isinstance(backend, RawAccess):
-        pytest.skip(f"{backend.name} has no raw access (read_raw/write_raw)")
-    return backend
+def _assert_count(value: object, expected: int, call: str) -> None:
+    # `==` alone would pass False for 0 and True for 1, which the cache refuses as answers.
+    assert type(value) is int, f"{call} returned {value!r}, a {type(value).__name__}, not an int"
+    assert value == expected, f"{call} returned {value}, not {expected}"
+
+
+async def _assert_no_tasks_left(before: set[asyncio.Task[object]]) -> None:
+    """Fail if a task not in `before` is still running once the backend is closed."""
+    for _ in range(8):  # a task cancelled by close() ends within a few loop iterations
+        await asyncio.sleep(0)
+    current = asyncio.current_task()
+    left = [task for task in asyncio.all_tasks() if task is not current and task not in before]
+    assert not left, f"close() left {len(left)} task(s) running: {left[:3]}"
 
 
 def _flip(value: bytes, position: int) -> bytes:
@@ -172,7 +182,18 @@ class StorageConformance:
     #: Payload bytes per page in these tests.
     page_nbytes: int = 64 * 1024
 
+    #: Whether the backend implements `RawAccess`, which the tests that damage stored pages
+    #: need. Without it they fail, so that a suite cannot pass without checking integrity
+    #: unnoticed; set False for a backend that has no raw access to skip them instead.
+    raw_access: bool = True
+
     pytestmark = pytest.mark.asyncio
+
+    @pytest_asyncio.fixture(autouse=True)
+    async def tasks_before_backend(self) -> AsyncIterator[set[asyncio.Task[object]]]:
+        """The tasks running before the `backend` fixture opened it (autouse fixtures are set
+        up first): any other task still running once it is closed is one it left behind."""
+        yield set(asyncio.all_tasks())
 
     @pytest_asyncio.fixture
     async def mac_backend(self) -> AsyncIterator[StorageBackend | None]:
@@ -180,6 +201,17 @@ class StorageConformance:
         yield None
 
     # Helpers.
+
+    def _raw(self, backend: StorageBackend) -> RawAccess:
+        if isinstance(backend, RawAccess):
+            return backend
+        if not self.raw_access:
+            pytest.skip(f"{backend.name} has no raw access (read_raw/write_raw)")
+        raise AssertionError(
+            f"{backend.name} has no raw access (read_raw/write_raw), which the tests that damage "
+            "stored pages need: implement RawAccess, or set raw_access = False in the test "
+            "class to skip them"
+        )
 
     def _shapes(self) -> list[list[int]]:
         n = self.page_nbytes
@@ -236,19 +268,44 @@ class StorageConformance:
         assert await backend.get([key], [target], namespace=NAMESPACE) == [Outcome.OK]
         assert target[0].tobytes() == data
 
+    async def test_put_leaves_its_pages_untouched_and_takes_read_only_ones(
+        self, backend: StorageBackend
+    ) -> None:
+        # The cache puts straight from host-pool pages it goes on serving: a backend that used
+        # them as scratch space (encrypting or compressing in place) would corrupt served KV.
+        shapes = self._shapes()
+        count = len(shapes)
+        keys = _keys(2 * count)
+        data = [_payload(self.page_nbytes, 40 + i) for i in range(2 * count)]
+        metas = [_meta(key) for key in keys]
+        writable = [_segments(d, shape) for d, shape in zip(data, shapes, strict=False)]
+        assert await backend.put(keys[:count], writable, metas[:count]) == [Outcome.OK] * count
+        for index, page in enumerate(writable):
+            assert _joined(page) == data[index], f"put wrote into page {index} it was given"
+        # What the cache hands over: read-only views of the host pool's memory.
+        read_only = [
+            [view.toreadonly() for view in _segments(d, shape)]
+            for d, shape in zip(data[count:], shapes, strict=True)
+        ]
+        assert await backend.put(keys[count:], read_only, metas[count:]) == [Outcome.OK] * count
+        buffers = [_empty([self.page_nbytes]) for _ in keys]
+        assert await backend.get(keys, buffers, namespace=NAMESPACE) == [Outcome.OK] * len(keys)
+        for expected, buffer in zip(data, buffers, strict=True):
+            assert _joined(buffer) == expected
+
     async def test_capabilities_are_usable(self, backend: StorageBackend) -> None:
         # Callers size their batches by max_batch_pages: 0 would leave them nothing to send.
         caps = backend.capabilities
-        assert isinstance(caps.max_batch_pages, int)
+        assert type(caps.max_batch_pages) is int, f"max_batch_pages is {caps.max_batch_pages!r}"
         assert caps.max_batch_pages >= 1
         for flag in (caps.zero_copy, caps.shared, caps.persistent):
             assert isinstance(flag, bool)
 
     async def test_empty_batches(self, backend: StorageBackend) -> None:
-        assert await backend.exists([]) == 0
+        _assert_count(await backend.exists([]), 0, "exists([])")
         assert await backend.get([], [], namespace=NAMESPACE) == []
         assert await backend.put([], [], []) == []
-        assert await backend.delete([]) == 0
+        _assert_count(await backend.delete([]), 0, "delete([])")
 
     async def test_put_is_idempotent_and_keeps_the_first(self, backend: StorageBackend) -> None:
         (key,) = _keys(1)
@@ -294,6 +351,13 @@ class StorageConformance:
         for namespace in (NAMESPACE[:-1], NAMESPACE + b"\x00", NAMESPACE.hex()):
             with pytest.raises(ValueError, match="16 bytes"):
                 await backend.get([key], page, namespace=namespace)  # type: ignore[arg-type]
+        (fresh,) = _keys(1)
+        # A str of 16 characters too: the header packs bytes.
+        for namespace in (NAMESPACE[:-1], NAMESPACE.decode()):
+            meta = PageMeta(key=fresh, namespace=namespace, num_tokens=64)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="16 bytes"):
+                await backend.put([fresh], [_segments(data[key], [self.page_nbytes])], [meta])
+            assert await backend.exists([fresh]) == 0
         if isinstance(backend, RawAccess):
             for bad in (key[:-1], key.hex()):
                 with pytest.raises(ValueError, match="32 bytes"):
@@ -316,6 +380,8 @@ class StorageConformance:
             PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=-1),
             PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=64, priority=1 << 31),
             PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=64, priority=-(1 << 31) - 1),
+            PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=True),
+            PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=64, priority=False),
         ):
             with pytest.raises(ValueError, match=r"num_tokens|priority"):
                 await backend.put(keys, pages, [_meta(keys[0]), _meta(keys[1]), bad])
@@ -348,7 +414,7 @@ class StorageConformance:
         # belong to their own keys, and only the damaged page is removed.
         present_a, damaged, absent, present_b, present_c = _keys(5)
         data = await self._put(backend, [present_a, damaged, present_b, present_c])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(damaged)
         assert value is not None
         await raw.write_raw(damaged, _flip(value, HEADER_NBYTES + self.page_nbytes // 2))
@@ -365,22 +431,26 @@ class StorageConformance:
     async def test_exists_counts_the_consecutive_prefix(self, backend: StorageBackend) -> None:
         keys = _keys(6)
         await self._put(backend, [keys[0], keys[1], keys[2], keys[4]])
-        assert await backend.exists(keys) == 3
-        assert await backend.exists(keys[:2]) == 2
-        assert await backend.exists(keys[3:]) == 0
-        assert await backend.exists(keys[4:]) == 1
-        assert await backend.exists([keys[5], keys[0]]) == 0
+        for query, expected in (
+            (keys, 3),
+            (keys[:2], 2),
+            (keys[3:], 0),
+            (keys[4:], 1),
+            ([keys[5], keys[0]], 0),
+        ):
+            _assert_count(await backend.exists(query), expected, f"exists of {len(query)} keys")
 
     async def test_delete(self, backend: StorageBackend) -> None:
         keys = _keys(3)
         data = await self._put(backend, keys)
         (unknown,) = _keys(1)
-        assert await backend.delete([keys[0], keys[1], unknown]) == 2
+        _assert_count(await backend.delete([keys[0], keys[1], unknown]), 2, "delete")
         assert await backend.exists(keys[:2]) == 0
         assert (await self._get_one(backend, keys[0]))[0] is Outcome.MISS
         assert await self._get_one(backend, keys[2]) == (Outcome.OK, data[keys[2]])
-        assert await backend.delete(keys[:2]) == 0
-        assert await backend.delete([keys[2], keys[2]]) == 1  # one page, however often named
+        _assert_count(await backend.delete(keys[:2]), 0, "delete of deleted pages")
+        # One page, however often named.
+        _assert_count(await backend.delete([keys[2], keys[2]]), 1, "delete of one key twice")
 
     # Integrity.
 
@@ -423,7 +493,7 @@ class StorageConformance:
     ) -> None:
         (key,) = _keys(1)
         data = await self._put(backend, [key])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(key)
         assert value is not None
         assert value[HEADER_NBYTES:] == data[key]
@@ -467,7 +537,7 @@ class StorageConformance:
     ) -> None:
         (key,) = _keys(1)
         await self._put(backend, [key])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(key)
         assert value is not None
         newer = value[:4] + struct.pack("<H", FORMAT_VERSION + 1) + value[6:]
@@ -485,7 +555,7 @@ class StorageConformance:
         good, unkeyed, other_key = _keys(3)
         data = await self._put(backend, [good, unkeyed, other_key])
         assert await self._get_one(backend, good) == (Outcome.OK, data[good])
-        raw = _raw(backend)
+        raw = self._raw(backend)
         value = await raw.read_raw(good)
         assert value is not None
         assert struct.unpack_from("<H", value, 6)[0] & 1  # the MAC flag is set
@@ -508,6 +578,19 @@ class StorageConformance:
         after = backend.stats()
         assert (after.puts - before.puts, after.put_ok - before.put_ok) == (3, 3)
         assert (after.gets - before.gets, after.get_hits - before.get_hits) == (3, 2)
+
+    async def test_stats_have_their_declared_types(self, backend: StorageBackend) -> None:
+        # msgspec does not check a Struct's fields when it is built: a str or float counter
+        # would reach the cache's status calls, admin JSON and metrics as it is.
+        await self._put(backend, _keys(2))
+        for moment in ("after two puts", "after a get"):
+            problem = None
+            try:
+                check_stats(backend.stats())
+            except StorageError as exc:
+                problem = str(exc)
+            assert problem is None, f"{moment}: {problem}"
+            await self._get_one(backend, _keys(1)[0])
 
     async def test_a_get_racing_a_put_of_the_same_key_sees_all_of_it_or_nothing(
         self, backend: StorageBackend
@@ -678,3 +761,46 @@ class StorageConformance:
             await backend.put([key], [page], [_meta(key)])
         with pytest.raises(StorageError):
             await backend.delete([key])
+
+    async def test_close_leaves_no_task_running(
+        self, backend: StorageBackend, tasks_before_backend: set[asyncio.Task[object]]
+    ) -> None:
+        (key,) = _keys(1)
+        await self._put(backend, [key])
+        await self._get_one(backend, key)
+        await backend.close()
+        await _assert_no_tasks_left(tasks_before_backend)
+
+    async def test_close_while_a_get_and_a_put_run(
+        self, backend: StorageBackend, tasks_before_backend: set[asyncio.Task[object]]
+    ) -> None:
+        # close() may wait for calls in flight or make them raise StorageError; either way a
+        # call that returns outcomes kept to them, and nothing writes into buffers later.
+        count = self._cancel_batch_pages()
+        stored = _keys(count)
+        data = await self._put(backend, stored)
+        buffers = [_empty([self.page_nbytes]) for _ in stored]
+        fresh = _keys(count)
+        pages = [_segments(data[key], [self.page_nbytes]) for key in stored]
+        get = asyncio.create_task(backend.get(stored, buffers, namespace=NAMESPACE))
+        put = asyncio.create_task(backend.put(fresh, pages, [_meta(key) for key in fresh]))
+        await asyncio.sleep(0)  # both calls start
+        await backend.close()
+        got, put_result = await asyncio.gather(get, put, return_exceptions=True)
+        for call, result in (("get", got), ("put", put_result)):
+            if isinstance(result, BaseException):
+                assert isinstance(result, StorageError), f"{call} raised {result!r}"
+            else:
+                assert isinstance(result, list), f"{call} returned {result!r}"
+                assert len(result) == count, f"{call} returned {len(result)} outcomes"
+        if isinstance(got, list):
+            for index, (key, outcome) in enumerate(zip(stored, got, strict=True)):
+                if outcome is Outcome.OK:
+                    assert _joined(buffers[index]) == data[key], f"page {index} reported OK"
+        canary = bytes([_CANARY]) * self.page_nbytes
+        for buffer in buffers:
+            buffer[0][:] = canary
+        await _assert_no_tasks_left(tasks_before_backend)
+        await asyncio.sleep(0.05)  # a straggling worker thread's chance to write
+        for index, buffer in enumerate(buffers):
+            assert bytes(buffer[0]) == canary, f"buffer {index} written after the get returned"

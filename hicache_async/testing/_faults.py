@@ -55,6 +55,7 @@ from ..storage._protocol import (
     StorageBackend,
     StorageCapabilities,
     StorageStats,
+    check_backend,
 )
 
 if TYPE_CHECKING:
@@ -142,6 +143,11 @@ class FaultyStorage:
         truncate_rate: float = 0.0,
         partial_batch_rate: float = 0.0,
     ) -> None:
+        try:
+            check_backend(inner, "FaultyStorage's inner backend")
+        except StorageConfigError as exc:
+            # A wrong argument type, here rather than as an AttributeError on entry.
+            raise TypeError(str(exc)) from None
         latency_s = _seconds("latency_s", latency_s)
         latency_spike_s = _seconds("latency_spike_s", latency_spike_s)
         self._error_rate = _rate("error_rate", error_rate)

@@ -228,7 +228,9 @@ class BackupWorker:
                     storage_keys = cache.namespace.storage_keys(node.keys)
                     for key, page in zip(storage_keys, node.host_pages, strict=True):
                         keys.append(key)
-                        buffers.append(host.page_segments(page))
+                        # Read-only: a backend that wrote into them would change pages
+                        # the host pool still serves.
+                        buffers.append([s.toreadonly() for s in host.page_segments(page)])
                         metas.append(PageMeta(key, fingerprint, size, node.priority))
             offered = sum(job.num_pages for job in jobs)
             self.repaired_pages += repaired

@@ -13,7 +13,7 @@ import structlog
 from .._uncancelled import run_uncancelled
 from ..distributed import BackgroundAgreements
 from ..storage import StorageBackend, StorageStats
-from ..storage._protocol import STORAGE_ACCEPTED, check_backend
+from ..storage._protocol import STORAGE_ACCEPTED, check_backend, check_stats
 from ._backup import BackupStatistics, BackupWorker
 from ._prefetch import Prefetcher, PrefetchStatistics
 from ._warmup import BackgroundCount, Warmer, WarmupResult, scheduled_count
@@ -202,7 +202,8 @@ class StorageLink:
 
     def status(self) -> StorageStatus:
         try:
-            stats: StorageStats | None = self.backend.stats()
+            # Checked: a malformed answer would reach the admin API's JSON and the metrics.
+            stats: StorageStats | None = check_stats(self.backend.stats())
         except Exception as exc:  # a backend's bug must not break a status call or a scrape
             _log.warning("hicache.storage.stats.failed", backend=self.backend.name, error=repr(exc))
             stats = None

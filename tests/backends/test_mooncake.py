@@ -440,7 +440,9 @@ async def test_registered_memory_moves_zero_copy(backend: MooncakeStorage) -> No
     ]
     keys = [os.urandom(32) for _ in range(count)]
     metas = [PageMeta(key=k, namespace=NS, num_tokens=64) for k in keys]
-    assert await backend.put(keys, segments, metas) == [Outcome.OK] * count
+    # Read-only, as the cache hands them over: still zero copy.
+    read_only = [[view.toreadonly() for view in page] for page in segments]
+    assert await backend.put(keys, read_only, metas) == [Outcome.OK] * count
     pool[: source.size] = 0
     assert await backend.get(keys, segments, namespace=NS) == [Outcome.OK] * count
     assert np.array_equal(pool[: source.size], source)
@@ -458,7 +460,8 @@ async def test_host_pools_register_on_first_use(mooncake_url: str) -> None:
         pool = np.zeros(2 << 20, dtype=np.uint8)
         pool[:4096] = 7
         keys, _, _ = make_pages(2)
-        pages = [[memoryview(pool[:4096])], [memoryview(pool[4096:8192])]]
+        # Read-only, as the cache hands them over: they register all the same.
+        pages = [[memoryview(pool[:4096]).toreadonly()], [memoryview(pool[4096:8192]).toreadonly()]]
         metas = [PageMeta(key=k, namespace=NS, num_tokens=1) for k in keys]
         small = bytearray(4096)  # below the threshold: staged
         assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
