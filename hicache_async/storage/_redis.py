@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import numbers
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeGuard, TypeVar
 from urllib.parse import urlencode, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -29,7 +30,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import MovedError, ResponseError
 
-from .._errors import StorageConfigError, StorageError
+from .._errors import StorageConfigError, StorageError, type_name
 from ._base import (
     BackendBase,
     byte_segments,
@@ -83,6 +84,11 @@ _GET_PIPELINE_BYTES = 8 * _MiB
 #: back to back (~1.9 GB/s at 16 MiB, ~1.8 at 4 MiB).
 _BULK_GET_PIPELINE_BYTES = 2 * _MiB
 _BULK_PUT_PIPELINE_BYTES = 16 * _MiB
+#: The longest `ttl`, in seconds (10 years). Redis 7 refuses an `EX` whose expiry in
+#: milliseconds overflows 64 bits (`invalid expire time`), at every SET; older servers
+#: overflowed silently and dropped the key at once. Far below either, and longer than any page
+#: is worth keeping.
+_MAX_TTL_S = 10 * 365 * 24 * 3600
 #: Connections one batch uses at once.
 _CONCURRENCY = 2
 #: `exists` as one server-side loop over the keys: one round trip instead of a pipeline of
@@ -246,6 +252,58 @@ def _int_param(params: Mapping[str, str], name: str) -> int | None:
     return value
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(
+    *,
+    url: object,
+    prefix: object,
+    ttl: object,
+    timeout: object,
+    counts: Mapping[str, object],
+    sizes: Mapping[str, object],
+    flags: Mapping[str, object],
+    connection_kwargs: object,
+) -> None:
+    """Refuse arguments of the wrong type or range before anything uses them: a float or
+    bool `ttl`, say, would be accepted here and refused by the server at every SET."""
+    if not isinstance(url, str):
+        raise StorageConfigError(f"redis url must be a str, got {type_name(url)}")
+    if not isinstance(prefix, str):
+        raise StorageConfigError(f"redis prefix must be a str, got {type_name(prefix)}")
+    if ttl is not None and not (_is_int(ttl) and 1 <= ttl <= _MAX_TTL_S):
+        raise StorageConfigError(
+            f"redis ttl must be an integer from 1 to {_MAX_TTL_S} seconds (10 years) or None, "
+            f"got {ttl!r}"
+        )
+    for field, value in counts.items():
+        if not (_is_int(value) and value >= 1):
+            raise StorageConfigError(f"redis {field} must be an integer >= 1, got {value!r}")
+    for field, value in sizes.items():
+        if value is not None and not (_is_int(value) and value >= 1):
+            raise StorageConfigError(
+                f"redis {field} must be an integer >= 1 (bytes) or None, got {value!r}"
+            )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not 0 < float(timeout) < math.inf
+    ):
+        raise StorageConfigError(
+            f"redis timeout must be a finite number of seconds > 0, got {timeout!r}"
+        )
+    for field, value in flags.items():
+        if not (isinstance(value, bool) or (field == "multikey" and value is None)):
+            accepted = "True, False or None" if field == "multikey" else "True or False"
+            raise StorageConfigError(f"redis {field} must be {accepted}, got {value!r}")
+    if connection_kwargs is not None and not isinstance(connection_kwargs, Mapping):
+        raise StorageConfigError(
+            f"redis connection_kwargs must be a mapping or None, got {type_name(connection_kwargs)}"
+        )
+
+
 def _chunks(sizes: Sequence[int], max_bytes: int) -> list[range]:
     """Consecutive index ranges of at most `max_bytes` of payload (at least one page) each;
     headers are left out so that, say, two 4 MiB pages make one 8 MiB pipeline."""
@@ -291,6 +349,24 @@ class RedisStorage(BackendBase):
         cluster: bool = False,
         connection_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        _check_arguments(
+            url=url,
+            prefix=prefix,
+            ttl=ttl,
+            timeout=timeout,
+            counts={
+                "max_connections": max_connections,
+                "concurrency": concurrency,
+                "max_batch_pages": max_batch_pages,
+            },
+            sizes={
+                "put_pipeline_bytes": put_pipeline_bytes,
+                "get_pipeline_bytes": get_pipeline_bytes,
+                "capacity_bytes": capacity_bytes,
+            },
+            flags={"multikey": multikey, "bulk": bulk, "cluster": cluster},
+            connection_kwargs=connection_kwargs,
+        )
         parts = split_url(url, scheme="redis")
         if parts.scheme not in _SCHEMES:
             raise StorageConfigError(
@@ -331,20 +407,6 @@ class RedisStorage(BackendBase):
                 f"redis prefix must be non-empty printable ASCII, without spaces, glob "
                 f"characters ({_PREFIX_REFUSED}) or braces: {prefix!r}"
             )
-        if ttl is not None and ttl < 1:
-            raise StorageConfigError(f"redis ttl must be >= 1 second, got {ttl}")
-        for field, value in (
-            ("max_connections", max_connections),
-            ("concurrency", concurrency),
-            ("put_pipeline_bytes", 1 if put_pipeline_bytes is None else put_pipeline_bytes),
-            ("get_pipeline_bytes", 1 if get_pipeline_bytes is None else get_pipeline_bytes),
-            ("max_batch_pages", max_batch_pages),
-            ("capacity_bytes", 1 if capacity_bytes is None else capacity_bytes),
-        ):
-            if value < 1:
-                raise StorageConfigError(f"redis {field} must be >= 1, got {value}")
-        if not timeout > 0 or math.isinf(timeout):
-            raise StorageConfigError(f"redis timeout must be a positive number, got {timeout}")
         # Job threads check and copy values off the loop, one per connection a batch uses.
         super().__init__(
             mac_key=mac_key,
@@ -358,7 +420,7 @@ class RedisStorage(BackendBase):
         self._url = url
         self._prefix = prefix
         self._ttl = ttl
-        self._timeout = timeout
+        self._timeout = float(timeout)
         self._max_connections = max_connections
         self._concurrency = min(concurrency, max_connections)
         self._put_pipeline_bytes = put_pipeline_bytes

@@ -601,6 +601,52 @@ def test_from_url_parameters() -> None:
             RedisStorage.from_url(f"redis://127.0.0.1:6379/0?client_name={name}")
 
 
+def test_ttl_and_argument_types_are_checked() -> None:
+    # The server refuses such a ttl at every SET (or an old one drops the key at once): every
+    # put would be ERROR, so it is refused here, by URL and by argument.
+    for ttl in ("10000000000000000", "99999999999999999999", "315360001", "1.5", "nan", "0"):
+        with pytest.raises(StorageConfigError, match="ttl"):
+            RedisStorage.from_url(f"redis://127.0.0.1:6379/0?ttl={ttl}")
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/0?ttl=315360000")._ttl == 315360000
+    refused: list[tuple[dict[str, object], str]] = [
+        ({"ttl": 1.5}, "ttl must be an integer from 1 to 315360000"),
+        ({"ttl": float("nan")}, "ttl must be an integer"),
+        ({"ttl": True}, "ttl must be an integer"),
+        ({"ttl": "60"}, "ttl must be an integer"),
+        ({"ttl": 315360001}, "ttl must be an integer"),
+        ({"max_connections": 2.5}, "max_connections must be an integer >= 1"),
+        ({"concurrency": True}, "concurrency must be an integer >= 1"),
+        ({"max_batch_pages": "8"}, "max_batch_pages must be an integer >= 1"),
+        ({"get_pipeline_bytes": 1.0}, "get_pipeline_bytes must be an integer >= 1"),
+        ({"capacity_bytes": 0}, "capacity_bytes must be an integer >= 1"),
+        ({"timeout": "5"}, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": True}, "timeout must be a finite number"),
+        ({"timeout": float("inf")}, "timeout must be a finite number"),
+        ({"prefix": b"x"}, "prefix must be a str, got bytes"),
+        ({"bulk": 1}, "bulk must be True or False"),
+        ({"multikey": "no"}, "multikey must be True, False or None"),
+        ({"connection_kwargs": [("a", 1)]}, "connection_kwargs must be a mapping"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(StorageConfigError, match=message):
+            RedisStorage(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(StorageConfigError, match="url must be a str"):
+        RedisStorage(b"redis://127.0.0.1:6379/0")  # type: ignore[arg-type]
+    assert RedisStorage(timeout=1)._timeout == 1
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_the_longest_ttl_is_one_the_server_accepts(redis_url: str, bulk: int) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, bulk=bulk, ttl=315360000)) as backend:
+        keys, pages, metas = make_pages(2)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+        plain = aioredis.Redis.from_url(redis_url)
+        try:
+            assert await plain.ttl(f"{backend.prefix}:{keys[0].hex()}") > 315350000
+        finally:
+            await plain.aclose()
+
+
 class TestRedisConformance(StorageConformance):
     @pytest_asyncio.fixture
     async def backend(self, redis_url: str) -> AsyncIterator[RedisStorage]:
