@@ -120,6 +120,10 @@ _INLINE_MAX_BYTES = 4 * _MiB
 #: each is sent (~0.1 ms each at most), which hides the hash behind the server's reading;
 #: bigger ones on a worker thread that runs ahead of the sends.
 _HASH_AT_SEND_MAX = 2 * _MiB
+#: An error reply to a key's SET or GET is logged at most once per this many seconds per
+#: kind (its first word), and so many kinds at most are told apart.
+_REPLY_ERROR_INTERVAL_S = 60.0
+_REPLY_ERROR_KINDS = 32
 #: Small commands (EXISTS, DEL, SCAN results) per pipeline.
 _KEYS_PER_PIPELINE = 256
 _MAX_COMMANDS_PER_PIPELINE = 512
@@ -227,6 +231,14 @@ def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
 #: payload now in its page, None (absent), (verdict, reason) for a value its header rejects,
 #: or the key's error reply.
 _Received = PageHeader | tuple[PageCheck, str] | ReplyError | None
+
+
+def _reply_text(error: object) -> str:
+    """The server's error reply as it was sent: redis-py drops the code of the ones it knows
+    (ERR, NOPERM, READONLY, ...) from its exception's text and keeps it apart."""
+    code = getattr(error, "status_code", None)
+    text = str(error)
+    return f"{code} {text}" if isinstance(code, str) and code else text
 
 
 def _settle(future: asyncio.Future[bytes], value: bytes, error: BaseException | None) -> None:
@@ -435,6 +447,8 @@ class RedisStorage(BackendBase):
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
         self._moved_noted = False
+        # Per kind of error reply: when it was last logged, and how many were not since.
+        self._reply_errors: dict[str, tuple[float, int]] = {}
         self._idle: asyncio.Event | None = None
         # SET's trailing arguments, packed once: `NX` and, with a TTL, `EX <seconds>`.
         ex = [] if ttl is None else [b"EX", str(ttl).encode()]
@@ -1366,18 +1380,39 @@ class RedisStorage(BackendBase):
     # Internals.
 
     def _note_reply(self, error: object) -> None:
-        """Log, once, a MOVED reply to a client without `cluster=1`: pointed at a cluster node,
-        it gets one for every key of another node, which would otherwise show only as
-        ERROR outcomes."""
-        moved = isinstance(error, MovedError) or str(error).startswith("MOVED")
-        if moved and not self._cluster and not self._moved_noted:
-            self._moved_noted = True
-            log.warning(
-                "storage.redis.cluster_node",
-                backend=self._name,
-                error=str(error),
-                hint="the server is a Redis Cluster node: open it with cluster=1",
-            )
+        """Log an error reply to one key's SET or GET, which fails only that key (`ERROR`,
+        or `MISS` for OOM). A server that refuses every key (an ACL, a key of another type,
+        a read-only replica) would otherwise show only as a 100 % error rate: each kind of
+        reply (its first word: ERR, NOPERM, WRONGTYPE, ...) is logged at most once per
+        `_REPLY_ERROR_INTERVAL_S`, with how many went unlogged since, never once per key."""
+        text = _reply_text(error)
+        if text.startswith("MOVED") or isinstance(error, MovedError):
+            if not self._cluster and not self._moved_noted:
+                # Pointed at a cluster node without cluster=1: a MOVED for every key of
+                # another node.
+                self._moved_noted = True
+                log.warning(
+                    "storage.redis.cluster_node",
+                    backend=self._name,
+                    error=text,
+                    hint="the server is a Redis Cluster node: open it with cluster=1",
+                )
+            return
+        kind = text.split(" ", 1)[0]
+        if kind not in self._reply_errors and len(self._reply_errors) >= _REPLY_ERROR_KINDS:
+            kind = "other"  # a server inventing replies cannot grow this without bound
+        now = time.monotonic()
+        last, unlogged = self._reply_errors.get(kind, (-math.inf, 0))
+        if now - last < _REPLY_ERROR_INTERVAL_S:
+            self._reply_errors[kind] = (last, unlogged + 1)
+            return
+        self._reply_errors[kind] = (now, 0)
+        log.warning(
+            "storage.redis.reply_error",
+            backend=self._name,
+            error=text,
+            unlogged_since_last=unlogged,
+        )
 
     def _redis(self) -> RedisClient:
         self._check_open()

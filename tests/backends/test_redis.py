@@ -835,6 +835,50 @@ async def test_an_error_reply_fails_only_its_key(redis_url: str, bulk: int) -> N
         assert joined(again[0]) == joined(pages[0])
 
 
+@contextlib.asynccontextmanager
+async def acl_user(redis_url: str, *rules: str) -> AsyncIterator[tuple[str, aioredis.Redis]]:
+    """A user on the server with `rules` (password `pw`), deleted afterwards: its name, and
+    an admin client to change its rules with."""
+    name = f"u{uuid.uuid4().hex[:12]}"
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await admin.execute_command("ACL", "SETUSER", name, "on", ">pw", *rules)
+        yield name, admin
+    finally:
+        await admin.execute_command("ACL", "DELUSER", name)
+        await admin.aclose()
+
+
+def user_url(redis_url: str, user: str, **params: object) -> str:
+    return fresh_url(redis_url.replace("redis://", f"redis://{user}:pw@"), **params)
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int) -> None:
+    # A user that may read but not write: every SET answers NOPERM.
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-@write") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        keys, pages, metas = make_pages(3)
+        await admin.rpush(f"{backend.prefix}:{keys[1].hex()}", b"x")  # type: ignore[misc]
+        with structlog.testing.capture_logs() as logs:
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+            into = buffers(3)
+            assert await backend.get(keys, into, namespace=NS) == [
+                Outcome.MISS,
+                Outcome.ERROR,  # WRONGTYPE
+                Outcome.MISS,
+            ]
+            await backend.get(keys, into, namespace=NS)
+    # One line per kind of reply, not one per key or per batch.
+    logged = [e for e in logs if e["event"] == "storage.redis.reply_error"]
+    assert [e["error"].split(" ", 1)[0] for e in logged] == ["NOPERM", "WRONGTYPE"]
+    assert "no permissions to run the 'set' command" in logged[0]["error"]
+    assert {e["backend"] for e in logged} == {backend.name}
+
+
 @pytest.mark.parametrize(
     ("name", "reply"),
     [
