@@ -703,7 +703,7 @@ class RedisStorage(BackendBase):
                 )
             except (*REDIS_FAULTS, OSError) as exc:
                 self._counters.errors += 1
-                raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+                raise StorageError(f"{self._name}: exists failed: {self._fault(exc)}") from exc
             if isinstance(reply, ReplyError):
                 if not str(reply).startswith("NOSCRIPT"):
                     raise ResponseError(str(reply))  # scripting refused: see exists()
@@ -822,7 +822,7 @@ class RedisStorage(BackendBase):
                     bulk, chunk, keys=keys, targets=targets, payloads=payloads, namespace=namespace
                 )
             except (*REDIS_FAULTS, OSError) as exc:
-                log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
+                log.warning("storage.redis.get_failed", backend=self._name, error=self._fault(exc))
                 return
             landed = [(i, got) for i, got in received if isinstance(got, PageHeader)]
             checks: list[PageCheck | None] = [None] * len(landed)
@@ -974,7 +974,7 @@ class RedisStorage(BackendBase):
                     ]
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
-                log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
+                log.warning("storage.redis.put_failed", backend=self._name, error=self._fault(exc))
                 given_up = self._cluster
                 return
             for i, result in zip(chunk, results, strict=True):
@@ -1413,6 +1413,13 @@ class RedisStorage(BackendBase):
             error=text,
             unlogged_since_last=unlogged,
         )
+
+    def _fault(self, exc: BaseException) -> str:
+        """What failed, for a message: a bulk exchange that ran out of time raises a
+        TimeoutError without text."""
+        if isinstance(exc, TimeoutError):
+            return f"timed out after {self._timeout}s"
+        return str(exc) or repr(exc)
 
     def _redis(self) -> RedisClient:
         self._check_open()

@@ -879,6 +879,23 @@ async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int)
     assert {e["backend"] for e in logged} == {backend.name}
 
 
+async def test_an_exists_that_times_out_on_a_bulk_connection_says_so() -> None:
+    with RedisServer() as server:
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", timeout=0.2)
+        async with RedisStorage.from_url(url) as backend:
+            assert backend._bulk is not None
+            keys, _, _ = make_pages(2)
+            admin = aioredis.Redis(host=server.host, port=server.port)
+            try:
+                # The server holds scripts (which may write) far longer than the timeout.
+                await admin.execute_command("CLIENT", "PAUSE", 30000, "WRITE")
+                with pytest.raises(StorageError, match=r"exists failed: timed out after 0.2s"):
+                    await backend.exists(keys)
+            finally:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+                await admin.aclose()
+
+
 @pytest.mark.parametrize(
     ("name", "reply"),
     [
