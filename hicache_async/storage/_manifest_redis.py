@@ -28,7 +28,6 @@ from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import (
     ClusterCrossSlotError,
-    NoPermissionError,
     OutOfMemoryError,
     RedisClusterException,
     RedisError,
@@ -63,22 +62,29 @@ _REFUSALS = (
     "unknown command",
     "unsupported command",
     "not supported",
-    "noperm",
-    "no permissions",
     "crossslot",
+)
+# An ACL refusal names what it refuses. Only a refused script command (or TOUCH, which
+# `exists` can do without) means the same for every later call; a key outside the user's
+# patterns ("no permissions to access one of the keys used as arguments") or another
+# command refused at connection setup (CLIENT SETNAME) says nothing about scripts, and
+# taking it for a refusal would switch the fast path off for the rest of the process.
+_REFUSED_COMMAND = re.compile(
+    r"no permissions to run the '(eval|evalsha|eval_ro|evalsha_ro|script\|load|touch)' command"
 )
 
 
 def scripting_refused(error: BaseException | str) -> bool:
-    """Whether an error reply to a script call means scripts are refused here for good.
+    """Whether an error reply to a script call (or to TOUCH) means it is refused here for
+    good: an unknown or unsupported command, CROSSSLOT, or an ACL refusing that command.
 
     `error` is redis-py's exception (which drops a known prefix such as NOPERM from its
     text) or the whole error reply.
     """
-    if isinstance(error, NoPermissionError | ClusterCrossSlotError):
+    if isinstance(error, ClusterCrossSlotError):
         return True
     text = str(error).lower()
-    return any(refusal in text for refusal in _REFUSALS)
+    return any(refusal in text for refusal in _REFUSALS) or bool(_REFUSED_COMMAND.search(text))
 
 
 def no_room(error: BaseException | str) -> bool:

@@ -879,6 +879,45 @@ async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int)
     assert {e["backend"] for e in logged} == {backend.name}
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_only_a_refused_script_command_turns_the_script_off(
+    redis_url: str, bulk: int
+) -> None:
+    keys, pages, metas = make_pages(3)
+    # Keys outside the user's patterns: NOPERM, which says nothing about scripts.
+    async with (
+        acl_user(redis_url, "~elsewhere:*", "+@all") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        with pytest.raises(StorageError, match="access one of the keys"):
+            await backend.exists(keys)
+        assert (backend._multikey, backend._touch) == (True, True)
+        # Once the ACL lets it in, exists is the script call again.
+        await admin.execute_command("ACL", "SETUSER", user, "allkeys")
+        assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        assert await backend.exists(keys) == 2
+        assert backend._multikey
+    # CLIENT SETNAME refused when redis-py sets a connection up (bulk=0 asks EVALSHA there).
+    async with acl_user(redis_url, "~*", "+@all", "-client|setname") as (user, admin):
+        url = user_url(redis_url, user, bulk=bulk, client_name="named")
+        async with RedisStorage.from_url(url) as backend:
+            with pytest.raises(StorageError, match=r"client\|setname"):
+                await backend.exists(keys)
+            assert backend._multikey
+            await admin.execute_command("ACL", "SETUSER", user, "+client|setname")
+            assert await backend.exists(keys) == 0
+            assert backend._multikey
+    # The script commands refused: one EXISTS per key from then on.
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-evalsha", "-eval", "-script") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        assert await backend.exists(keys) == 2
+        assert not backend._multikey
+        assert backend.stats().errors == 0
+
+
 async def test_an_exists_that_times_out_on_a_bulk_connection_says_so() -> None:
     with RedisServer() as server:
         url = fresh_url(f"redis://{server.host}:{server.port}/0", timeout=0.2)
@@ -1176,6 +1215,9 @@ def test_which_replies_refuse_scripts_for_good() -> None:
         "NOPERM this user has no permissions to run the 'evalsha' command",
         "CROSSSLOT Keys in request don't hash to the same slot",
         "ERR unsupported command 'EVALSHA'",
+        "NOPERM this user has no permissions to run the 'eval' command",
+        "NOPERM this user has no permissions to run the 'script|load' command",
+        "NOPERM this user has no permissions to run the 'touch' command",
     ):
         assert scripting_refused(parsed(reply)), reply
         assert scripting_refused(reply), reply  # the bulk path sees the whole reply
@@ -1184,6 +1226,10 @@ def test_which_replies_refuse_scripts_for_good() -> None:
         "LOADING Redis is loading the dataset in memory",
         "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
         "OOM command not allowed when used memory > 'maxmemory'.",
+        # An ACL refusing a key, or another command, says nothing about scripts.
+        "NOPERM this user has no permissions to access one of the keys used as arguments",
+        "NOPERM this user has no permissions to run the 'client|setname' command",
+        "NOPERM this user has no permissions to run the 'set' command",
     ):
         assert not scripting_refused(parsed(reply)), reply
         assert not scripting_refused(reply), reply
