@@ -28,7 +28,6 @@ from redis.asyncio.cluster import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import (
     ClusterCrossSlotError,
-    NoPermissionError,
     OutOfMemoryError,
     RedisClusterException,
     RedisError,
@@ -63,22 +62,29 @@ _REFUSALS = (
     "unknown command",
     "unsupported command",
     "not supported",
-    "noperm",
-    "no permissions",
     "crossslot",
+)
+# An ACL refusal names what it refuses. Only a refused script command (or TOUCH, which
+# `exists` can do without) means the same for every later call; a key outside the user's
+# patterns ("no permissions to access one of the keys used as arguments") or another
+# command refused at connection setup (CLIENT SETNAME) says nothing about scripts, and
+# taking it for a refusal would switch the fast path off for the rest of the process.
+_REFUSED_COMMAND = re.compile(
+    r"no permissions to run the '(eval|evalsha|eval_ro|evalsha_ro|script\|load|touch)' command"
 )
 
 
 def scripting_refused(error: BaseException | str) -> bool:
-    """Whether an error reply to a script call means scripts are refused here for good.
+    """Whether an error reply to a script call (or to TOUCH) means it is refused here for
+    good: an unknown or unsupported command, CROSSSLOT, or an ACL refusing that command.
 
     `error` is redis-py's exception (which drops a known prefix such as NOPERM from its
     text) or the whole error reply.
     """
-    if isinstance(error, NoPermissionError | ClusterCrossSlotError):
+    if isinstance(error, ClusterCrossSlotError):
         return True
     text = str(error).lower()
-    return any(refusal in text for refusal in _REFUSALS)
+    return any(refusal in text for refusal in _REFUSALS) or bool(_REFUSED_COMMAND.search(text))
 
 
 def no_room(error: BaseException | str) -> bool:
@@ -170,6 +176,14 @@ class _Stale(Exception):
     """A compaction or trim changed the list while it was being read."""
 
 
+class _Damaged(Exception):
+    """A namespace's list or meta key holds another type (WRONGTYPE at every command)."""
+
+
+def _wrong_type(reply: object) -> bool:
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
 class RedisManifest:
     """A bounded, per-namespace warmup manifest in Redis lists.
 
@@ -255,7 +269,20 @@ class RedisManifest:
             truncated = more  # namespaces past the bound were not read
             try:
                 for ns in namespaces:
-                    gen, length = await self._snapshot(ns)
+                    try:
+                        gen, length = await self._snapshot(ns)
+                    except _Damaged as exc:
+                        # Another client's key (or a bug's) under this namespace's names:
+                        # the other namespaces are still worth reading. The next append or
+                        # compaction of this one removes the damaged key.
+                        collector.malformed += 1
+                        _log.warning(
+                            "hicache.manifest.damaged",
+                            backend=self._name,
+                            namespace=ns,
+                            error=str(exc),
+                        )
+                        continue
                     used, cut = await self._collect(ns, gen, length, collector, budget)
                     budget -= used
                     if cut or budget <= 0:
@@ -288,7 +315,8 @@ class RedisManifest:
         client = self._client()
         key, meta = self.list_key(namespace), self.meta_key(namespace)
         batches = _batches(lines, _PUSH_BYTES)
-        try:
+
+        async def push() -> list[Any]:
             async with client.pipeline(transaction=True) as pipe:
                 for batch in batches:
                     pipe.rpush(key, *batch)
@@ -296,15 +324,32 @@ class RedisManifest:
                 if self._ttl is not None:
                     pipe.expire(key, self._ttl)
                     pipe.expire(meta, self._ttl)
-                results = await pipe.execute()
+                return list(await pipe.execute(raise_on_error=False))
+
+        try:
+            results = await push()
+            if any(_wrong_type(r) for r in results):
+                # A key of another type under our names refuses every append until it is
+                # gone. If it was the list, none of the records was stored: push again.
+                await self._repair(namespace)
+                if any(_wrong_type(r) for r in results[: len(batches)]):
+                    results = await push()
             # Every time, not once per process: the set may have been evicted or flushed, or
             # pruned while this list was briefly gone.
             await client.sadd(self.index_key, namespace)
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest append failed: {exc}") from exc
         # Replies: one RPUSH per batch (the last is the new length), then HINCRBY.
-        length, nbytes = int(results[len(batches) - 1]), int(results[len(batches)])
-        if length <= self._compact_records and nbytes <= self.limits.max_bytes:
+        length, nbytes = results[len(batches) - 1], results[len(batches)]
+        if isinstance(length, Exception):
+            raise StorageError(f"{self._name}: manifest append failed: {length}")
+        if isinstance(nbytes, Exception):
+            if not (_wrong_type(nbytes) or "not an integer" in str(nbytes)):
+                raise StorageError(f"{self._name}: manifest append failed: {nbytes}")
+            # The meta hash was damaged (just removed) or its `bytes` is no number: the
+            # records are stored, and the compaction below counts them afresh.
+            nbytes = self.limits.max_bytes + 1
+        if int(length) <= self._compact_records and int(nbytes) <= self.limits.max_bytes:
             return
         try:
             await self.compact_namespace(namespace)
@@ -382,10 +427,17 @@ class RedisManifest:
             async with client.pipeline(transaction=True) as pipe:
                 pipe.hget(self.meta_key(namespace), "gen")
                 pipe.llen(self.list_key(namespace))
-                gen, length = await pipe.execute()
+                gen, length = await pipe.execute(raise_on_error=False)
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
-        return (gen if isinstance(gen, bytes) else b"0"), int(length)
+        for reply in (gen, length):
+            if _wrong_type(reply):
+                raise _Damaged(f"{namespace}: {reply}")
+            if isinstance(reply, Exception):
+                raise StorageError(f"{self._name}: manifest read failed: {reply}")
+        if not isinstance(length, int):
+            raise StorageError(f"{self._name}: manifest read got LLEN {length!r}")
+        return (gen if isinstance(gen, bytes) else b"0"), length
 
     async def _collect(
         self,
@@ -469,7 +521,11 @@ class RedisManifest:
         if not _NAMESPACE.match(namespace):
             raise ValueError(f"not a namespace fingerprint: {namespace!r}")
         for _ in range(_ATTEMPTS):
-            gen, length = await self._snapshot(namespace)
+            try:
+                gen, length = await self._snapshot(namespace)
+            except _Damaged:
+                await self._repair(namespace)
+                continue
             collector = ManifestCollector(self.limits, namespace)
             try:
                 _, truncated = await self._collect(
@@ -497,7 +553,47 @@ class RedisManifest:
             value = await self._client().hget(self.meta_key(namespace), "bytes")
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
-        return int(value) if value is not None else 0
+        try:
+            return int(value) if value is not None else 0
+        except ValueError:
+            # Not a number (another client wrote it): it is only the report's "before"
+            # figure and the trigger for compaction, and the compaction that asked for it
+            # writes it afresh, so the manifest stays usable.
+            return 0
+
+    async def _repair(self, namespace: str) -> None:
+        """Delete the namespace's list or meta key where it holds another type than ours.
+
+        Both are under our prefix and the namespace's hash tag, so nobody else's: left in
+        place, such a key fails every append and compaction of the namespace for good.
+        Records in a deleted list are lost (they could not be read); a new generation tells
+        readers the list changed.
+        """
+        client = self._client()
+        key, meta = self.list_key(namespace), self.meta_key(namespace)
+        try:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.type(key)
+                pipe.type(meta)
+                kinds = await pipe.execute()
+            wrong = [
+                name
+                for name, kind, ours in ((key, kinds[0], b"list"), (meta, kinds[1], b"hash"))
+                if kind not in (ours, b"none", ours.decode(), "none")
+            ]
+            if not wrong:
+                return
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.delete(*wrong)
+                if meta not in wrong:
+                    pipe.hset(meta, "bytes", 0)
+                    pipe.hincrby(meta, "gen", 1)
+                await pipe.execute()
+        except REDIS_FAULTS as exc:
+            raise StorageError(f"{self._name}: manifest repair failed: {exc}") from exc
+        _log.warning(
+            "hicache.manifest.repaired", backend=self._name, namespace=namespace, removed=wrong
+        )
 
     async def _switch_to(self, namespace: str, gen: bytes, length: int, lines: list[bytes]) -> bool:
         """Build the compacted list under a temporary key and switch to it atomically.

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import numbers
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeGuard, TypeVar
 from urllib.parse import urlencode, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -29,7 +30,7 @@ from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import MovedError, ResponseError
 
-from .._errors import StorageConfigError, StorageError
+from .._errors import StorageConfigError, StorageError, type_name
 from ._base import (
     BackendBase,
     byte_segments,
@@ -83,6 +84,11 @@ _GET_PIPELINE_BYTES = 8 * _MiB
 #: back to back (~1.9 GB/s at 16 MiB, ~1.8 at 4 MiB).
 _BULK_GET_PIPELINE_BYTES = 2 * _MiB
 _BULK_PUT_PIPELINE_BYTES = 16 * _MiB
+#: The longest `ttl`, in seconds (10 years). Redis 7 refuses an `EX` whose expiry in
+#: milliseconds overflows 64 bits (`invalid expire time`), at every SET; older servers
+#: overflowed silently and dropped the key at once. Far below either, and longer than any page
+#: is worth keeping.
+_MAX_TTL_S = 10 * 365 * 24 * 3600
 #: Connections one batch uses at once.
 _CONCURRENCY = 2
 #: `exists` as one server-side loop over the keys: one round trip instead of a pipeline of
@@ -114,6 +120,10 @@ _INLINE_MAX_BYTES = 4 * _MiB
 #: each is sent (~0.1 ms each at most), which hides the hash behind the server's reading;
 #: bigger ones on a worker thread that runs ahead of the sends.
 _HASH_AT_SEND_MAX = 2 * _MiB
+#: An error reply to a key's SET or GET is logged at most once per this many seconds per
+#: kind (its first word), and so many kinds at most are told apart.
+_REPLY_ERROR_INTERVAL_S = 60.0
+_REPLY_ERROR_KINDS = 32
 #: Small commands (EXISTS, DEL, SCAN results) per pipeline.
 _KEYS_PER_PIPELINE = 256
 _MAX_COMMANDS_PER_PIPELINE = 512
@@ -223,6 +233,14 @@ def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
 _Received = PageHeader | tuple[PageCheck, str] | ReplyError | None
 
 
+def _reply_text(error: object) -> str:
+    """The server's error reply as it was sent: redis-py drops the code of the ones it knows
+    (ERR, NOPERM, READONLY, ...) from its exception's text and keeps it apart."""
+    code = getattr(error, "status_code", None)
+    text = str(error)
+    return f"{code} {text}" if isinstance(code, str) and code else text
+
+
 def _settle(future: asyncio.Future[bytes], value: bytes, error: BaseException | None) -> None:
     if future.done():
         return
@@ -244,6 +262,58 @@ def _int_param(params: Mapping[str, str], name: str) -> int | None:
     if value < 1:
         raise StorageConfigError(f"redis URL parameter {name} must be >= 1, got {value}")
     return value
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_arguments(
+    *,
+    url: object,
+    prefix: object,
+    ttl: object,
+    timeout: object,
+    counts: Mapping[str, object],
+    sizes: Mapping[str, object],
+    flags: Mapping[str, object],
+    connection_kwargs: object,
+) -> None:
+    """Refuse arguments of the wrong type or range before anything uses them: a float or
+    bool `ttl`, say, would be accepted here and refused by the server at every SET."""
+    if not isinstance(url, str):
+        raise StorageConfigError(f"redis url must be a str, got {type_name(url)}")
+    if not isinstance(prefix, str):
+        raise StorageConfigError(f"redis prefix must be a str, got {type_name(prefix)}")
+    if ttl is not None and not (_is_int(ttl) and 1 <= ttl <= _MAX_TTL_S):
+        raise StorageConfigError(
+            f"redis ttl must be an integer from 1 to {_MAX_TTL_S} seconds (10 years) or None, "
+            f"got {ttl!r}"
+        )
+    for field, value in counts.items():
+        if not (_is_int(value) and value >= 1):
+            raise StorageConfigError(f"redis {field} must be an integer >= 1, got {value!r}")
+    for field, value in sizes.items():
+        if value is not None and not (_is_int(value) and value >= 1):
+            raise StorageConfigError(
+                f"redis {field} must be an integer >= 1 (bytes) or None, got {value!r}"
+            )
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not 0 < float(timeout) < math.inf
+    ):
+        raise StorageConfigError(
+            f"redis timeout must be a finite number of seconds > 0, got {timeout!r}"
+        )
+    for field, value in flags.items():
+        if not (isinstance(value, bool) or (field == "multikey" and value is None)):
+            accepted = "True, False or None" if field == "multikey" else "True or False"
+            raise StorageConfigError(f"redis {field} must be {accepted}, got {value!r}")
+    if connection_kwargs is not None and not isinstance(connection_kwargs, Mapping):
+        raise StorageConfigError(
+            f"redis connection_kwargs must be a mapping or None, got {type_name(connection_kwargs)}"
+        )
 
 
 def _chunks(sizes: Sequence[int], max_bytes: int) -> list[range]:
@@ -291,6 +361,24 @@ class RedisStorage(BackendBase):
         cluster: bool = False,
         connection_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        _check_arguments(
+            url=url,
+            prefix=prefix,
+            ttl=ttl,
+            timeout=timeout,
+            counts={
+                "max_connections": max_connections,
+                "concurrency": concurrency,
+                "max_batch_pages": max_batch_pages,
+            },
+            sizes={
+                "put_pipeline_bytes": put_pipeline_bytes,
+                "get_pipeline_bytes": get_pipeline_bytes,
+                "capacity_bytes": capacity_bytes,
+            },
+            flags={"multikey": multikey, "bulk": bulk, "cluster": cluster},
+            connection_kwargs=connection_kwargs,
+        )
         parts = split_url(url, scheme="redis")
         if parts.scheme not in _SCHEMES:
             raise StorageConfigError(
@@ -331,20 +419,6 @@ class RedisStorage(BackendBase):
                 f"redis prefix must be non-empty printable ASCII, without spaces, glob "
                 f"characters ({_PREFIX_REFUSED}) or braces: {prefix!r}"
             )
-        if ttl is not None and ttl < 1:
-            raise StorageConfigError(f"redis ttl must be >= 1 second, got {ttl}")
-        for field, value in (
-            ("max_connections", max_connections),
-            ("concurrency", concurrency),
-            ("put_pipeline_bytes", 1 if put_pipeline_bytes is None else put_pipeline_bytes),
-            ("get_pipeline_bytes", 1 if get_pipeline_bytes is None else get_pipeline_bytes),
-            ("max_batch_pages", max_batch_pages),
-            ("capacity_bytes", 1 if capacity_bytes is None else capacity_bytes),
-        ):
-            if value < 1:
-                raise StorageConfigError(f"redis {field} must be >= 1, got {value}")
-        if not timeout > 0 or math.isinf(timeout):
-            raise StorageConfigError(f"redis timeout must be a positive number, got {timeout}")
         # Job threads check and copy values off the loop, one per connection a batch uses.
         super().__init__(
             mac_key=mac_key,
@@ -358,7 +432,7 @@ class RedisStorage(BackendBase):
         self._url = url
         self._prefix = prefix
         self._ttl = ttl
-        self._timeout = timeout
+        self._timeout = float(timeout)
         self._max_connections = max_connections
         self._concurrency = min(concurrency, max_connections)
         self._put_pipeline_bytes = put_pipeline_bytes
@@ -373,6 +447,8 @@ class RedisStorage(BackendBase):
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
         self._moved_noted = False
+        # Per kind of error reply: when it was last logged, and how many were not since.
+        self._reply_errors: dict[str, tuple[float, int]] = {}
         self._idle: asyncio.Event | None = None
         # SET's trailing arguments, packed once: `NX` and, with a TTL, `EX <seconds>`.
         ex = [] if ttl is None else [b"EX", str(ttl).encode()]
@@ -627,7 +703,7 @@ class RedisStorage(BackendBase):
                 )
             except (*REDIS_FAULTS, OSError) as exc:
                 self._counters.errors += 1
-                raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+                raise StorageError(f"{self._name}: exists failed: {self._fault(exc)}") from exc
             if isinstance(reply, ReplyError):
                 if not str(reply).startswith("NOSCRIPT"):
                     raise ResponseError(str(reply))  # scripting refused: see exists()
@@ -746,7 +822,7 @@ class RedisStorage(BackendBase):
                     bulk, chunk, keys=keys, targets=targets, payloads=payloads, namespace=namespace
                 )
             except (*REDIS_FAULTS, OSError) as exc:
-                log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
+                log.warning("storage.redis.get_failed", backend=self._name, error=self._fault(exc))
                 return
             landed = [(i, got) for i, got in received if isinstance(got, PageHeader)]
             checks: list[PageCheck | None] = [None] * len(landed)
@@ -898,7 +974,7 @@ class RedisStorage(BackendBase):
                     ]
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
-                log.warning("storage.redis.put_failed", backend=self._name, error=str(exc))
+                log.warning("storage.redis.put_failed", backend=self._name, error=self._fault(exc))
                 given_up = self._cluster
                 return
             for i, result in zip(chunk, results, strict=True):
@@ -1304,18 +1380,46 @@ class RedisStorage(BackendBase):
     # Internals.
 
     def _note_reply(self, error: object) -> None:
-        """Log, once, a MOVED reply to a client without `cluster=1`: pointed at a cluster node,
-        it gets one for every key of another node, which would otherwise show only as
-        ERROR outcomes."""
-        moved = isinstance(error, MovedError) or str(error).startswith("MOVED")
-        if moved and not self._cluster and not self._moved_noted:
-            self._moved_noted = True
-            log.warning(
-                "storage.redis.cluster_node",
-                backend=self._name,
-                error=str(error),
-                hint="the server is a Redis Cluster node: open it with cluster=1",
-            )
+        """Log an error reply to one key's SET or GET, which fails only that key (`ERROR`,
+        or `MISS` for OOM). A server that refuses every key (an ACL, a key of another type,
+        a read-only replica) would otherwise show only as a 100 % error rate: each kind of
+        reply (its first word: ERR, NOPERM, WRONGTYPE, ...) is logged at most once per
+        `_REPLY_ERROR_INTERVAL_S`, with how many went unlogged since, never once per key."""
+        text = _reply_text(error)
+        if text.startswith("MOVED") or isinstance(error, MovedError):
+            if not self._cluster and not self._moved_noted:
+                # Pointed at a cluster node without cluster=1: a MOVED for every key of
+                # another node.
+                self._moved_noted = True
+                log.warning(
+                    "storage.redis.cluster_node",
+                    backend=self._name,
+                    error=text,
+                    hint="the server is a Redis Cluster node: open it with cluster=1",
+                )
+            return
+        kind = text.split(" ", 1)[0]
+        if kind not in self._reply_errors and len(self._reply_errors) >= _REPLY_ERROR_KINDS:
+            kind = "other"  # a server inventing replies cannot grow this without bound
+        now = time.monotonic()
+        last, unlogged = self._reply_errors.get(kind, (-math.inf, 0))
+        if now - last < _REPLY_ERROR_INTERVAL_S:
+            self._reply_errors[kind] = (last, unlogged + 1)
+            return
+        self._reply_errors[kind] = (now, 0)
+        log.warning(
+            "storage.redis.reply_error",
+            backend=self._name,
+            error=text,
+            unlogged_since_last=unlogged,
+        )
+
+    def _fault(self, exc: BaseException) -> str:
+        """What failed, for a message: a bulk exchange that ran out of time raises a
+        TimeoutError without text."""
+        if isinstance(exc, TimeoutError):
+            return f"timed out after {self._timeout}s"
+        return str(exc) or repr(exc)
 
     def _redis(self) -> RedisClient:
         self._check_open()

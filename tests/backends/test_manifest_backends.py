@@ -23,6 +23,7 @@ import msgspec
 import numpy as np
 import pytest
 import redis
+import structlog
 from redis.asyncio import Redis
 from redis.crc import key_slot
 
@@ -479,6 +480,70 @@ async def test_redis_manifest_index_keeps_live_namespaces_only(
         await client.delete(manifest.index_key)
         await manifest.append([entry(spaces[4], 1)])
         assert {e.namespace for e in (await manifest.read()).entries} == {spaces[4].hex()}
+
+
+@pytest.fixture(params=[True, False], ids=["scripts", "no-scripts"])
+async def redis_backend(
+    request: pytest.FixtureRequest, redis_url: str, unscripted_redis: RedisServer
+) -> AsyncIterator[RedisStorage]:
+    """A RedisStorage under a prefix of its own, on a server with scripting and on one
+    without."""
+    base = redis_url if request.param else unscripted_redis.url
+    async with RedisStorage.from_url(f"{base}?prefix=t{uuid.uuid4().hex}") as backend:
+        yield backend
+
+
+async def test_redis_manifest_with_a_non_numeric_byte_count_stays_usable(
+    redis_backend: RedisStorage,
+) -> None:
+    manifest = redis_backend.manifest(LIMITS)
+    client = redis_backend._redis()
+    meta = manifest.meta_key(NS_A.hex())
+    await manifest.append([entry(NS_A, i) for i in range(3)])
+    await client.hset(meta, "bytes", "notanumber")  # type: ignore[misc]
+    # Only a statistic: compaction counts it as 0 and writes it afresh.
+    report = await manifest.compact_namespace(NS_A.hex())
+    assert (report.bytes_before, report.entries_after) == (0, 3)
+    assert int(await client.hget(meta, "bytes")) == report.bytes_after  # type: ignore[misc]
+    # An append that meets it (HINCRBY refuses it) keeps its records and repairs it.
+    await client.hset(meta, "bytes", "notanumber")  # type: ignore[misc]
+    await manifest.append([entry(NS_A, 3)])
+    assert len((await manifest.read(namespace=NS_A.hex())).entries) == 4
+    assert int(await client.hget(meta, "bytes")) > 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("damaged", ["list", "meta"])
+async def test_a_damaged_redis_manifest_namespace_spares_the_others(
+    redis_backend: RedisStorage, damaged: str
+) -> None:
+    manifest = redis_backend.manifest(LIMITS)
+    client = redis_backend._redis()
+    ns = NS_A.hex()
+    await manifest.append([entry(NS_A, 0), entry(NS_B, 1)])
+    # Another client's string where the namespace's list or meta hash should be: every
+    # command on it answers WRONGTYPE.
+    key = manifest.list_key(ns) if damaged == "list" else manifest.meta_key(ns)
+    await client.delete(key)
+    await client.set(key, b"not ours")
+    with structlog.testing.capture_logs() as logs:
+        read = await manifest.read()
+    assert {e.namespace for e in read.entries} == {NS_B.hex()}
+    assert read.malformed == 1
+    assert [e["namespace"] for e in logs if e["event"] == "hicache.manifest.damaged"] == [ns]
+    # The next append to it removes the damaged key and stores its records.
+    with structlog.testing.capture_logs() as logs:
+        await manifest.append([entry(NS_A, 2)])
+    assert [e["removed"] for e in logs if e["event"] == "hicache.manifest.repaired"] == [[key]]
+    chains = {e.chain_id for e in (await manifest.read(namespace=ns)).entries}
+    assert entry(NS_A, 2).chain_id in chains
+    # A compaction repairs it too, and compacts every namespace.
+    await client.delete(key)
+    await client.set(key, b"not ours")
+    report = await manifest.compact()
+    assert report.entries_after >= 1
+    read = await manifest.read()
+    assert read.malformed == 0
+    assert NS_B.hex() in {e.namespace for e in read.entries}
 
 
 # Mooncake: index validation, the compaction lock.

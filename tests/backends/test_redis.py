@@ -601,6 +601,52 @@ def test_from_url_parameters() -> None:
             RedisStorage.from_url(f"redis://127.0.0.1:6379/0?client_name={name}")
 
 
+def test_ttl_and_argument_types_are_checked() -> None:
+    # The server refuses such a ttl at every SET (or an old one drops the key at once): every
+    # put would be ERROR, so it is refused here, by URL and by argument.
+    for ttl in ("10000000000000000", "99999999999999999999", "315360001", "1.5", "nan", "0"):
+        with pytest.raises(StorageConfigError, match="ttl"):
+            RedisStorage.from_url(f"redis://127.0.0.1:6379/0?ttl={ttl}")
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/0?ttl=315360000")._ttl == 315360000
+    refused: list[tuple[dict[str, object], str]] = [
+        ({"ttl": 1.5}, "ttl must be an integer from 1 to 315360000"),
+        ({"ttl": float("nan")}, "ttl must be an integer"),
+        ({"ttl": True}, "ttl must be an integer"),
+        ({"ttl": "60"}, "ttl must be an integer"),
+        ({"ttl": 315360001}, "ttl must be an integer"),
+        ({"max_connections": 2.5}, "max_connections must be an integer >= 1"),
+        ({"concurrency": True}, "concurrency must be an integer >= 1"),
+        ({"max_batch_pages": "8"}, "max_batch_pages must be an integer >= 1"),
+        ({"get_pipeline_bytes": 1.0}, "get_pipeline_bytes must be an integer >= 1"),
+        ({"capacity_bytes": 0}, "capacity_bytes must be an integer >= 1"),
+        ({"timeout": "5"}, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": True}, "timeout must be a finite number"),
+        ({"timeout": float("inf")}, "timeout must be a finite number"),
+        ({"prefix": b"x"}, "prefix must be a str, got bytes"),
+        ({"bulk": 1}, "bulk must be True or False"),
+        ({"multikey": "no"}, "multikey must be True, False or None"),
+        ({"connection_kwargs": [("a", 1)]}, "connection_kwargs must be a mapping"),
+    ]
+    for kwargs, message in refused:
+        with pytest.raises(StorageConfigError, match=message):
+            RedisStorage(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(StorageConfigError, match="url must be a str"):
+        RedisStorage(b"redis://127.0.0.1:6379/0")  # type: ignore[arg-type]
+    assert RedisStorage(timeout=1)._timeout == 1
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_the_longest_ttl_is_one_the_server_accepts(redis_url: str, bulk: int) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, bulk=bulk, ttl=315360000)) as backend:
+        keys, pages, metas = make_pages(2)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+        plain = aioredis.Redis.from_url(redis_url)
+        try:
+            assert await plain.ttl(f"{backend.prefix}:{keys[0].hex()}") > 315350000
+        finally:
+            await plain.aclose()
+
+
 class TestRedisConformance(StorageConformance):
     @pytest_asyncio.fixture
     async def backend(self, redis_url: str) -> AsyncIterator[RedisStorage]:
@@ -787,6 +833,106 @@ async def test_an_error_reply_fails_only_its_key(redis_url: str, bulk: int) -> N
         again = buffers(3)
         assert await backend.get(keys, again, namespace=NS) == outcomes
         assert joined(again[0]) == joined(pages[0])
+
+
+@contextlib.asynccontextmanager
+async def acl_user(redis_url: str, *rules: str) -> AsyncIterator[tuple[str, aioredis.Redis]]:
+    """A user on the server with `rules` (password `pw`), deleted afterwards: its name, and
+    an admin client to change its rules with."""
+    name = f"u{uuid.uuid4().hex[:12]}"
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        await admin.execute_command("ACL", "SETUSER", name, "on", ">pw", *rules)
+        yield name, admin
+    finally:
+        await admin.execute_command("ACL", "DELUSER", name)
+        await admin.aclose()
+
+
+def user_url(redis_url: str, user: str, **params: object) -> str:
+    return fresh_url(redis_url.replace("redis://", f"redis://{user}:pw@"), **params)
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int) -> None:
+    # A user that may read but not write: every SET answers NOPERM.
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-@write") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        keys, pages, metas = make_pages(3)
+        await admin.rpush(f"{backend.prefix}:{keys[1].hex()}", b"x")  # type: ignore[misc]
+        with structlog.testing.capture_logs() as logs:
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+            into = buffers(3)
+            assert await backend.get(keys, into, namespace=NS) == [
+                Outcome.MISS,
+                Outcome.ERROR,  # WRONGTYPE
+                Outcome.MISS,
+            ]
+            await backend.get(keys, into, namespace=NS)
+    # One line per kind of reply, not one per key or per batch.
+    logged = [e for e in logs if e["event"] == "storage.redis.reply_error"]
+    assert [e["error"].split(" ", 1)[0] for e in logged] == ["NOPERM", "WRONGTYPE"]
+    assert "no permissions to run the 'set' command" in logged[0]["error"]
+    assert {e["backend"] for e in logged} == {backend.name}
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_only_a_refused_script_command_turns_the_script_off(
+    redis_url: str, bulk: int
+) -> None:
+    keys, pages, metas = make_pages(3)
+    # Keys outside the user's patterns: NOPERM, which says nothing about scripts.
+    async with (
+        acl_user(redis_url, "~elsewhere:*", "+@all") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        with pytest.raises(StorageError, match="access one of the keys"):
+            await backend.exists(keys)
+        assert (backend._multikey, backend._touch) == (True, True)
+        # Once the ACL lets it in, exists is the script call again.
+        await admin.execute_command("ACL", "SETUSER", user, "allkeys")
+        assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        assert await backend.exists(keys) == 2
+        assert backend._multikey
+    # CLIENT SETNAME refused when redis-py sets a connection up (bulk=0 asks EVALSHA there).
+    async with acl_user(redis_url, "~*", "+@all", "-client|setname") as (user, admin):
+        url = user_url(redis_url, user, bulk=bulk, client_name="named")
+        async with RedisStorage.from_url(url) as backend:
+            with pytest.raises(StorageError, match=r"client\|setname"):
+                await backend.exists(keys)
+            assert backend._multikey
+            await admin.execute_command("ACL", "SETUSER", user, "+client|setname")
+            assert await backend.exists(keys) == 0
+            assert backend._multikey
+    # The script commands refused: one EXISTS per key from then on.
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-evalsha", "-eval", "-script") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        assert await backend.exists(keys) == 2
+        assert not backend._multikey
+        assert backend.stats().errors == 0
+
+
+async def test_an_exists_that_times_out_on_a_bulk_connection_says_so() -> None:
+    with RedisServer() as server:
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", timeout=0.2)
+        async with RedisStorage.from_url(url) as backend:
+            assert backend._bulk is not None
+            keys, _, _ = make_pages(2)
+            admin = aioredis.Redis(host=server.host, port=server.port)
+            try:
+                # The server holds scripts (which may write) far longer than the timeout.
+                await admin.execute_command("CLIENT", "PAUSE", 30000, "WRITE")
+                with pytest.raises(StorageError, match=r"exists failed: timed out after 0.2s"):
+                    await backend.exists(keys)
+            finally:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+                await admin.aclose()
 
 
 @pytest.mark.parametrize(
@@ -1069,6 +1215,9 @@ def test_which_replies_refuse_scripts_for_good() -> None:
         "NOPERM this user has no permissions to run the 'evalsha' command",
         "CROSSSLOT Keys in request don't hash to the same slot",
         "ERR unsupported command 'EVALSHA'",
+        "NOPERM this user has no permissions to run the 'eval' command",
+        "NOPERM this user has no permissions to run the 'script|load' command",
+        "NOPERM this user has no permissions to run the 'touch' command",
     ):
         assert scripting_refused(parsed(reply)), reply
         assert scripting_refused(reply), reply  # the bulk path sees the whole reply
@@ -1077,6 +1226,10 @@ def test_which_replies_refuse_scripts_for_good() -> None:
         "LOADING Redis is loading the dataset in memory",
         "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
         "OOM command not allowed when used memory > 'maxmemory'.",
+        # An ACL refusing a key, or another command, says nothing about scripts.
+        "NOPERM this user has no permissions to access one of the keys used as arguments",
+        "NOPERM this user has no permissions to run the 'client|setname' command",
+        "NOPERM this user has no permissions to run the 'set' command",
     ):
         assert not scripting_refused(parsed(reply)), reply
         assert not scripting_refused(reply), reply
