@@ -1,7 +1,7 @@
 """Steps that must reach their end even when the task awaiting them is cancelled.
 
 `anyio.CancelScope(shield=True)` stops anyio's own cancel scopes, not a plain
-`task.cancel()` (what `asyncio.timeout` and `asyncio.wait_for` use): that still lands inside
+`task.cancel()` (what asyncio's timeouts and `asyncio.wait_for` use): that still lands inside
 the shielded block. A step that must finish runs as a task of its own instead; the caller
 waits for it through any cancellation and re-raises the cancellation afterwards.
 """

@@ -1,4 +1,4 @@
-"""A detach or an exit cancelled by its caller (a shutdown under `asyncio.timeout`) gives up
+"""A detach or an exit cancelled by its caller (a shutdown under a timeout) gives up
 its flush, never its close: the backend is closed and the copy threads have stopped before the
 cancellation goes on. Plain `task.cancel()` lands inside anyio's shielded scopes, so these
 closes must not rely on them."""
@@ -77,9 +77,8 @@ async def test_a_cancelled_detach_closes_the_backend_and_gives_up_the_flush(
         assert link is not None
         backup = link.backup.statistics()
         assert backup.offered_pages > backup.written_pages + 1  # the flush has work left
-        with capture_logs() as logs, pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.05):
-                await cache.detach_storage()
+        with capture_logs() as logs, pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(cache.detach_storage(), 0.05)
         assert not cache.storage_status().attached
         assert [e for e in logs if e["event"] == "hicache.backup.flush.abandoned"]
         after = link.backup.statistics()
@@ -99,9 +98,8 @@ async def test_a_cancelled_exit_closes_the_backend_and_the_copy_engine(tmp_path:
         await _serve_all(cache, generator)
         assert len(_copy_threads()) > len(before)
     finally:
-        with pytest.raises(TimeoutError):
-            async with asyncio.timeout(0.05):
-                await cache.__aexit__(None, None, None)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(cache.__aexit__(None, None, None), 0.05)
     assert cache.statistics().state == "closed"
     assert _copy_threads() == before
     # The backend was closed: another instance can take the root.
