@@ -14,6 +14,7 @@ import pytest
 
 from hicache_async.cli import _manifest, _storage, main
 from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage._manifest import ManifestEntry
 from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.testing._servers import free_port
 
@@ -383,3 +384,41 @@ def test_backend_name_is_not_repeated_in_errors(capsys: pytest.CaptureFixture[st
     assert code == 1
     line = next(line for line in err.splitlines() if "error:" in line)
     assert line.count("redis://") == 1
+
+
+def test_manifest_show_into_a_closed_stdout_exits_1_without_a_traceback(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+
+    async def fill() -> None:
+        async with FileStorage(root) as storage:
+            entries = [
+                ManifestEntry(namespace="0" * 32, keys=[os.urandom(32).hex()], num_tokens=16)
+                for _ in range(3000)
+            ]
+            await storage.manifest().append(entries)  # far more output than a pipe buffers
+
+    asyncio.run(fill())
+    for extra in ([], ["--json"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone, as after `| head -1`
+        try:
+            result = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "hicache_async",
+                    "manifest",
+                    "show",
+                    f"file://{root}",
+                    *extra,
+                ],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                check=False,
+                timeout=120,
+            )
+        finally:
+            os.close(write_end)
+        assert result.returncode == 1, extra
+        assert result.stderr == "", extra

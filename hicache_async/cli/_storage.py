@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -36,6 +34,7 @@ from ..storage import (
     open_storage,
 )
 from ._args import count, store_missing
+from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -109,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if not message.startswith(backend.name):  # most backends' messages name them already
             message = f"{backend.name}: {message}"
         return _fail(message, 1)
-    return _print(text) or code
+    return print_output(text, prog=_PROG) or code
 
 
 def _lending_nothing(url: str) -> str:
@@ -124,27 +123,6 @@ def _lending_nothing(url: str) -> str:
         if name not in ("segment_size", "placement")
     ]
     return urlunsplit(parts._replace(query=urlencode([*query, ("segment_size", "0")])))
-
-
-def _print(text: str) -> int:
-    """Print `text`; 1, without a traceback, when stdout cannot take it: the reader closed it
-    first (`| head`) or the write failed (a full disk)."""
-    try:
-        print(text)
-        sys.stdout.flush()
-    except OSError as exc:
-        # Python would flush stdout again at exit and report the same error there: point
-        # stdout at /dev/null first, as the Python documentation recommends for SIGPIPE.
-        # A stdout without a descriptor (a test harness) raises here: nothing flushes it at exit.
-        with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        if not isinstance(exc, BrokenPipeError):
-            with contextlib.suppress(OSError):
-                _fail(f"cannot write the output: {exc.strerror or exc}", 1)
-        return 1
-    return 0
 
 
 async def _run(
