@@ -422,3 +422,13 @@ def test_manifest_show_into_a_closed_stdout_exits_1_without_a_traceback(tmp_path
             os.close(write_end)
         assert result.returncode == 1, extra
         assert result.stderr == "", extra
+
+
+@pytest.mark.parametrize("action", ["show", "compact"])
+def test_manifest_of_a_memory_url_is_refused(
+    capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    assert main(["manifest", action, "memory://"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "lives inside the process that opened it" in err

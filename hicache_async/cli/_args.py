@@ -7,10 +7,15 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..storage import StorageBackend
 
 __all__ = [
     "check_output_path",
     "count",
+    "local_only",
     "positive_float",
     "positive_int",
     "seed",
@@ -77,3 +82,16 @@ def store_missing(root: Path) -> bool:
     `LOCK`, so an inspection tool must not open a directory that has neither `pages/` nor
     `LOCK` (it would turn any directory into a store)."""
     return not (root.is_dir() and ((root / "pages").is_dir() or (root / "LOCK").is_file()))
+
+
+def local_only(backend: StorageBackend, command: str) -> str | None:
+    """Why `command` refuses `backend`, or None: a store neither shared nor persistent (such
+    as `memory://`) lives inside the process that opened it, so a fresh instance is empty and
+    whatever it reported would say nothing about the store another process holds."""
+    caps = backend.capabilities
+    if caps.shared or caps.persistent:
+        return None
+    return (
+        f"{backend.name} lives inside the process that opened it; the {command} command "
+        "cannot reach it (use file://, redis:// or mooncake://)"
+    )

@@ -12,7 +12,7 @@ import msgspec
 from .._errors import HiCacheError, StorageConfigError
 from ..storage import FileStorage, open_storage
 from ..storage._manifest import SupportsManifest
-from ._args import store_missing
+from ._args import local_only, store_missing
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _run(args: argparse.Namespace) -> object:
     backend = open_storage(args.url)
+    refusal = local_only(backend, "manifest")
+    if refusal is not None:
+        raise StorageConfigError(refusal)
     if isinstance(backend, FileStorage) and store_missing(backend.root):
         # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool should not.
         raise StorageConfigError(f"no storage at {backend.root}")

@@ -33,7 +33,7 @@ from ..storage import (
     VerifyReport,
     open_storage,
 )
-from ._args import count, store_missing
+from ._args import count, local_only, store_missing
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -77,15 +77,9 @@ def run(args: argparse.Namespace) -> int:
             backend = open_storage(lending_nothing)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
-    caps = backend.capabilities
-    if not (caps.shared or caps.persistent):
-        # A fresh instance of such a store is empty: whatever it reported would say nothing
-        # about the store another process holds.
-        return _fail(
-            f"{backend.name} lives inside the process that opened it; the storage command "
-            "cannot reach it (use file://, redis:// or mooncake://)",
-            2,
-        )
+    refusal = local_only(backend, "storage")
+    if refusal is not None:
+        return _fail(refusal, 2)
     if isinstance(backend, FileStorage):
         try:
             missing = store_missing(backend.root)
