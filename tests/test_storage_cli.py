@@ -305,6 +305,9 @@ def test_stats_and_ls_leave_leftovers_for_verify(
         code, _, _ = _run(capsys, action, f"file://{root}")
         assert code == 0
         assert leftover.exists(), action
+    assert main(["manifest", "show", f"file://{root}"]) == 0
+    assert leftover.exists(), "manifest show"
+    capsys.readouterr()
     code, out, _ = _run(capsys, "verify", f"file://{root}", "--json")
     assert code == 0
     assert json.loads(out)["leftovers_removed"] == 1
@@ -432,3 +435,22 @@ def test_manifest_of_a_memory_url_is_refused(
     out, err = capsys.readouterr()
     assert out == ""
     assert "lives inside the process that opened it" in err
+
+
+@pytest.mark.parametrize("parts", [["pages"], ["LOCK"], ["LOCK", "pages"], ["pages", "tmp"]])
+@pytest.mark.parametrize("argv", [["storage", "stats"], ["storage", "ls"], ["manifest", "show"]])
+def test_looking_at_an_incomplete_store_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], parts: list[str], argv: list[str]
+) -> None:
+    root = tmp_path / "s"
+    root.mkdir(mode=0o700)
+    for part in parts:
+        if part == "LOCK":
+            (root / part).touch(mode=0o600)
+        else:
+            (root / part).mkdir(mode=0o700)
+    assert main([*argv, f"file://{root}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "is not a complete store" in err
+    assert sorted(p.name for p in root.iterdir()) == sorted(parts)

@@ -12,7 +12,7 @@ import msgspec
 from .._errors import HiCacheError, StorageConfigError
 from ..storage import FileStorage, open_storage
 from ..storage._manifest import SupportsManifest
-from ._args import local_only, store_missing
+from ._args import incomplete_message, local_only, store_incomplete, store_missing
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -49,9 +49,15 @@ async def _run(args: argparse.Namespace) -> object:
     refusal = local_only(backend, "manifest")
     if refusal is not None:
         raise StorageConfigError(refusal)
-    if isinstance(backend, FileStorage) and store_missing(backend.root):
-        # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool should not.
-        raise StorageConfigError(f"no storage at {backend.root}")
+    if isinstance(backend, FileStorage):
+        if store_missing(backend.root):
+            # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
+            # should not.
+            raise StorageConfigError(f"no storage at {backend.root}")
+        lacking = store_incomplete(backend.root) if args.action == "show" else []
+        if lacking:  # opening would create what is missing: showing must change nothing
+            raise StorageConfigError(incomplete_message(backend.root, lacking, "show"))
+        backend._keep_leftovers = args.action == "show"  # as storage stats: looking changes nothing
     async with backend:
         if not isinstance(backend, SupportsManifest):
             raise StorageConfigError(f"{backend.name} keeps no warmup manifest")

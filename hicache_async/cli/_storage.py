@@ -5,7 +5,8 @@
 `gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
 success, 1 when the backend fails or stdout cannot be written (closed early by `| head`, a full
 disk), 2 on bad arguments or configuration, 3 when `verify` found damaged pages (removed) or
-could not check some (see its report and the log).
+could not check some (see its report and the log). `stats` and `ls` create nothing: they
+refuse a `file://` root that is not a complete store.
 
 The command opens a Mooncake store as a client that lends the cluster no memory, whatever the
 URL says: pages the cluster placed in a lent segment would vanish when the command exits.
@@ -33,7 +34,7 @@ from ..storage import (
     VerifyReport,
     open_storage,
 )
-from ._args import count, local_only, store_missing
+from ._args import count, incomplete_message, local_only, store_incomplete, store_missing
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -81,15 +82,19 @@ def run(args: argparse.Namespace) -> int:
     if refusal is not None:
         return _fail(refusal, 2)
     if isinstance(backend, FileStorage):
+        looking = args.action in ("stats", "ls")
         try:
             missing = store_missing(backend.root)
+            lacking = store_incomplete(backend.root) if looking and not missing else []
         except OSError as exc:  # a root this user may not search
             return _fail(f"cannot look into {backend.root}: {exc.strerror or exc}", 2)
         if missing:
             # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
             # should not.
             return _fail(f"no storage at {backend.root}", 2)
-        if args.action in ("stats", "ls"):
+        if lacking:  # opening would create what is missing: looking must change nothing
+            return _fail(incomplete_message(backend.root, lacking, args.action), 2)
+        if looking:
             backend._keep_leftovers = True  # looking must leave the store as it was
     if args.action != "stats" and not isinstance(backend, MaintainableStorage):
         return _fail(f"{backend.name} does not support {args.action}", 2)
