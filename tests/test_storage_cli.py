@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -454,3 +455,68 @@ def test_looking_at_an_incomplete_store_creates_nothing(
     assert out == ""
     assert "is not a complete store" in err
     assert sorted(p.name for p in root.iterdir()) == sorted(parts)
+
+
+# Runs the command line with every page check (verify) or removal (gc) slowed down, so that it
+# is still at work when the signal comes; prints "started" once the first page is reached.
+_SLOW_CLI = """
+import sys, threading
+from hicache_async.cli import main
+from hicache_async.storage import _file
+
+started = threading.Event()
+
+def announce():
+    if not started.is_set():
+        started.set()
+        print("started", flush=True)
+
+check, remove = _file.FileStorage._verify_file, _file._remove_page
+
+def slow_check(self, shard_fd, key, scratch, stop):
+    announce()
+    stop.wait(0.05)
+    return check(self, shard_fd, key, scratch, stop)
+
+def slow_remove(*args):
+    announce()
+    threading.Event().wait(0.01)
+    return remove(*args)
+
+_file.FileStorage._verify_file = slow_check
+_file._remove_page = slow_remove
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("action", "query"), [("verify", ""), ("gc", f"?capacity={SIZE}&spare={64 * SIZE}")]
+)
+def test_interrupt_exits_130_and_closes_the_store(tmp_path: Path, action: str, query: str) -> None:
+    root = tmp_path / "s"
+    _populate(root, 200)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLI, "storage", action, f"file://{root}{query}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "started\n"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    assert err == "hicache-async: interrupted\n"
+    assert out == ""
+    assert list((root / "tmp").iterdir()) == []  # no write in progress, no spare file left
+
+    async def reopen() -> None:
+        async with FileStorage(root):  # the lock was released
+            pass
+
+    asyncio.run(reopen())

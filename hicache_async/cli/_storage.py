@@ -5,8 +5,8 @@
 `gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
 success, 1 when the backend fails or stdout cannot be written (closed early by `| head`, a full
 disk), 2 on bad arguments or configuration, 3 when `verify` found damaged pages (removed) or
-could not check some (see its report and the log). `stats` and `ls` create nothing: they
-refuse a `file://` root that is not a complete store.
+could not check some (see its report and the log), 130 when interrupted (Ctrl-C). `stats` and
+`ls` create nothing: they refuse a `file://` root that is not a complete store.
 
 The command opens a Mooncake store as a client that lends the cluster no memory, whatever the
 URL says: pages the cluster placed in a lent segment would vanish when the command exits.
