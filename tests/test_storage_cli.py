@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from hicache_async.cli import _manifest, _storage, main
 from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage._manifest import ManifestEntry
 from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.testing._servers import free_port
 
@@ -304,6 +306,9 @@ def test_stats_and_ls_leave_leftovers_for_verify(
         code, _, _ = _run(capsys, action, f"file://{root}")
         assert code == 0
         assert leftover.exists(), action
+    assert main(["manifest", "show", f"file://{root}"]) == 0
+    assert leftover.exists(), "manifest show"
+    capsys.readouterr()
     code, out, _ = _run(capsys, "verify", f"file://{root}", "--json")
     assert code == 0
     assert json.loads(out)["leftovers_removed"] == 1
@@ -383,3 +388,135 @@ def test_backend_name_is_not_repeated_in_errors(capsys: pytest.CaptureFixture[st
     assert code == 1
     line = next(line for line in err.splitlines() if "error:" in line)
     assert line.count("redis://") == 1
+
+
+def test_manifest_show_into_a_closed_stdout_exits_1_without_a_traceback(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+
+    async def fill() -> None:
+        async with FileStorage(root) as storage:
+            entries = [
+                ManifestEntry(namespace="0" * 32, keys=[os.urandom(32).hex()], num_tokens=16)
+                for _ in range(3000)
+            ]
+            await storage.manifest().append(entries)  # far more output than a pipe buffers
+
+    asyncio.run(fill())
+    for extra in ([], ["--json"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone, as after `| head -1`
+        try:
+            result = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "hicache_async",
+                    "manifest",
+                    "show",
+                    f"file://{root}",
+                    *extra,
+                ],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                check=False,
+                timeout=120,
+            )
+        finally:
+            os.close(write_end)
+        assert result.returncode == 1, extra
+        assert result.stderr == "", extra
+
+
+@pytest.mark.parametrize("action", ["show", "compact"])
+def test_manifest_of_a_memory_url_is_refused(
+    capsys: pytest.CaptureFixture[str], action: str
+) -> None:
+    assert main(["manifest", action, "memory://"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "lives inside the process that opened it" in err
+
+
+@pytest.mark.parametrize("parts", [["pages"], ["LOCK"], ["LOCK", "pages"], ["pages", "tmp"]])
+@pytest.mark.parametrize("argv", [["storage", "stats"], ["storage", "ls"], ["manifest", "show"]])
+def test_looking_at_an_incomplete_store_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], parts: list[str], argv: list[str]
+) -> None:
+    root = tmp_path / "s"
+    root.mkdir(mode=0o700)
+    for part in parts:
+        if part == "LOCK":
+            (root / part).touch(mode=0o600)
+        else:
+            (root / part).mkdir(mode=0o700)
+    assert main([*argv, f"file://{root}"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "is not a complete store" in err
+    assert sorted(p.name for p in root.iterdir()) == sorted(parts)
+
+
+# Runs the command line with every page check (verify) or removal (gc) slowed down, so that it
+# is still at work when the signal comes; prints "started" once the first page is reached.
+_SLOW_CLI = """
+import sys, threading
+from hicache_async.cli import main
+from hicache_async.storage import _file
+
+started = threading.Event()
+
+def announce():
+    if not started.is_set():
+        started.set()
+        print("started", flush=True)
+
+check, remove = _file.FileStorage._verify_file, _file._remove_page
+
+def slow_check(self, shard_fd, key, scratch, stop):
+    announce()
+    stop.wait(0.05)
+    return check(self, shard_fd, key, scratch, stop)
+
+def slow_remove(*args):
+    announce()
+    threading.Event().wait(0.01)
+    return remove(*args)
+
+_file.FileStorage._verify_file = slow_check
+_file._remove_page = slow_remove
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("action", "query"), [("verify", ""), ("gc", f"?capacity={SIZE}&spare={64 * SIZE}")]
+)
+def test_interrupt_exits_130_and_closes_the_store(tmp_path: Path, action: str, query: str) -> None:
+    root = tmp_path / "s"
+    _populate(root, 200)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SLOW_CLI, "storage", action, f"file://{root}{query}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "started\n"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    assert err == "hicache-async: interrupted\n"
+    assert out == ""
+    assert list((root / "tmp").iterdir()) == []  # no write in progress, no spare file left
+
+    async def reopen() -> None:
+        async with FileStorage(root):  # the lock was released
+            pass
+
+    asyncio.run(reopen())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -17,6 +18,9 @@ from ..bench._records import check_finite
 from ._args import check_output_path
 
 __all__ = ["main"]
+
+#: Exit code after Ctrl-C (SIGINT): 128 + the signal number, as shells report it.
+EXIT_INTERRUPTED = 130
 
 #: command -> module exposing `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -95,11 +99,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
         logger_factory=_stderr_logger,
     )
-    args = _build_parser().parse_args(argv)
-    if args.command == "bench":
-        return _bench(args)
-    module_path, _ = COMMANDS[args.command]
-    code: int = importlib.import_module(module_path).run(args)
+    try:
+        args = _build_parser().parse_args(argv)
+        if args.command == "bench":
+            return _bench(args)
+        module_path, _ = COMMANDS[args.command]
+        code: int = importlib.import_module(module_path).run(args)
+    except KeyboardInterrupt:
+        # Ctrl-C is the user's choice, not a failure to debug: no traceback. The commands do
+        # their work under asyncio.run (or anyio.run), which cancels the main task on SIGINT
+        # (Python 3.10: once the loop stops) and lets it close what it opened (a store: lock
+        # released, temporary files removed) before this is raised.
+        with contextlib.suppress(OSError):
+            print("hicache-async: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return code
 
 

@@ -7,13 +7,20 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..storage import StorageBackend
 
 __all__ = [
     "check_output_path",
     "count",
+    "incomplete_message",
     "positive_float",
     "positive_int",
+    "local_only",
     "seed",
+    "store_incomplete",
     "store_missing",
 ]
 
@@ -77,3 +84,32 @@ def store_missing(root: Path) -> bool:
     `LOCK`, so an inspection tool must not open a directory that has neither `pages/` nor
     `LOCK` (it would turn any directory into a store)."""
     return not (root.is_dir() and ((root / "pages").is_dir() or (root / "LOCK").is_file()))
+
+
+def store_incomplete(root: Path) -> list[str]:
+    """What `root`, a file store by `store_missing`, lacks of a complete one (`pages/`, `tmp/`,
+    `LOCK`): opening it would create those, which a command that only looks must not do."""
+    parts = [("pages/", (root / "pages").is_dir()), ("tmp/", (root / "tmp").is_dir())]
+    parts.append(("LOCK", (root / "LOCK").is_file()))
+    return [name for name, present in parts if not present]
+
+
+def incomplete_message(root: Path, lacking: list[str], doing: str) -> str:
+    """The refusal of a command that only looks (`doing`) at an incomplete store."""
+    return (
+        f"{root} is not a complete store (no {', '.join(lacking)}), and {doing} creates "
+        "nothing there; `hicache-async storage verify` opens it as a store, creating them"
+    )
+
+
+def local_only(backend: StorageBackend, command: str) -> str | None:
+    """Why `command` refuses `backend`, or None: a store neither shared nor persistent (such
+    as `memory://`) lives inside the process that opened it, so a fresh instance is empty and
+    whatever it reported would say nothing about the store another process holds."""
+    caps = backend.capabilities
+    if caps.shared or caps.persistent:
+        return None
+    return (
+        f"{backend.name} lives inside the process that opened it; the {command} command "
+        "cannot reach it (use file://, redis:// or mooncake://)"
+    )

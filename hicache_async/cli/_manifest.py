@@ -12,9 +12,12 @@ import msgspec
 from .._errors import HiCacheError, StorageConfigError
 from ..storage import FileStorage, open_storage
 from ..storage._manifest import SupportsManifest
-from ._args import store_missing
+from ._args import incomplete_message, local_only, store_incomplete, store_missing
+from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
+
+_PROG = "hicache-async manifest"
 
 # A namespace fingerprint: 16 bytes, as the manifest records it (lowercase hex).
 _NAMESPACE = re.compile(r"[0-9a-f]{32}\Z")
@@ -43,9 +46,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _run(args: argparse.Namespace) -> object:
     backend = open_storage(args.url)
-    if isinstance(backend, FileStorage) and store_missing(backend.root):
-        # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool should not.
-        raise StorageConfigError(f"no storage at {backend.root}")
+    refusal = local_only(backend, "manifest")
+    if refusal is not None:
+        raise StorageConfigError(refusal)
+    if isinstance(backend, FileStorage):
+        if store_missing(backend.root):
+            # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
+            # should not.
+            raise StorageConfigError(f"no storage at {backend.root}")
+        lacking = store_incomplete(backend.root) if args.action == "show" else []
+        if lacking:  # opening would create what is missing: showing must change nothing
+            raise StorageConfigError(incomplete_message(backend.root, lacking, "show"))
+        backend._keep_leftovers = args.action == "show"  # as storage stats: looking changes nothing
     async with backend:
         if not isinstance(backend, SupportsManifest):
             raise StorageConfigError(f"{backend.name} keeps no warmup manifest")
@@ -58,31 +70,34 @@ async def _run(args: argparse.Namespace) -> object:
 def run(args: argparse.Namespace) -> int:
     if args.action == "compact" and args.namespace is not None:
         # compact rewrites every namespace's entries; a filter it ignored would mislead.
-        print("hicache-async manifest: --namespace only applies to show", file=sys.stderr)
+        print(f"{_PROG}: --namespace only applies to show", file=sys.stderr)
         return 2
     try:
         result = asyncio.run(_run(args))
     except (StorageConfigError, ValueError) as exc:
-        print(f"hicache-async manifest: {exc}", file=sys.stderr)
+        print(f"{_PROG}: {exc}", file=sys.stderr)
         return 2
     except (HiCacheError, OSError, RecursionError) as exc:  # the store failed, not the caller
-        print(f"hicache-async manifest: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{_PROG}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    return print_output(_format(args, result), prog=_PROG)
+
+
+def _format(args: argparse.Namespace, result: object) -> str:
+    """The output of `run`, as one text: written at once, so that a closed stdout is one
+    error, handled in one place."""
     if args.json:
-        sys.stdout.write(msgspec.json.encode(result).decode() + "\n")
-        return 0
+        return msgspec.json.encode(result).decode()
     data = msgspec.to_builtins(result)
     if args.action == "compact":
-        for key, value in data.items():
-            print(f"{key}: {value}")
-        return 0
-    print(
+        return "\n".join(f"{key}: {value}" for key, value in data.items())
+    lines = [
         f"{len(data['entries'])} entries ({data['malformed']} malformed, "
         f"{data['oversized']} oversized skipped{', truncated' if data['truncated'] else ''})"
+    ]
+    lines.extend(
+        f"  {entry['keys'][-1][:16]}…  pages={len(entry['keys'])} tokens={entry['num_tokens']} "
+        f"priority={entry['priority']} last_use={entry['last_use']:.0f}"
+        for entry in data["entries"]
     )
-    for entry in data["entries"]:
-        print(
-            f"  {entry['keys'][-1][:16]}…  pages={len(entry['keys'])} tokens={entry['num_tokens']} "
-            f"priority={entry['priority']} last_use={entry['last_use']:.0f}"
-        )
-    return 0
+    return "\n".join(lines)

@@ -5,7 +5,8 @@
 `gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
 success, 1 when the backend fails or stdout cannot be written (closed early by `| head`, a full
 disk), 2 on bad arguments or configuration, 3 when `verify` found damaged pages (removed) or
-could not check some (see its report and the log).
+could not check some (see its report and the log), 130 when interrupted (Ctrl-C). `stats` and
+`ls` create nothing: they refuse a `file://` root that is not a complete store.
 
 The command opens a Mooncake store as a client that lends the cluster no memory, whatever the
 URL says: pages the cluster placed in a lent segment would vanish when the command exits.
@@ -15,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -35,7 +34,8 @@ from ..storage import (
     VerifyReport,
     open_storage,
 )
-from ._args import count, store_missing
+from ._args import count, incomplete_message, local_only, store_incomplete, store_missing
+from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -78,25 +78,23 @@ def run(args: argparse.Namespace) -> int:
             backend = open_storage(lending_nothing)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
-    caps = backend.capabilities
-    if not (caps.shared or caps.persistent):
-        # A fresh instance of such a store is empty: whatever it reported would say nothing
-        # about the store another process holds.
-        return _fail(
-            f"{backend.name} lives inside the process that opened it; the storage command "
-            "cannot reach it (use file://, redis:// or mooncake://)",
-            2,
-        )
+    refusal = local_only(backend, "storage")
+    if refusal is not None:
+        return _fail(refusal, 2)
     if isinstance(backend, FileStorage):
+        looking = args.action in ("stats", "ls")
         try:
             missing = store_missing(backend.root)
+            lacking = store_incomplete(backend.root) if looking and not missing else []
         except OSError as exc:  # a root this user may not search
             return _fail(f"cannot look into {backend.root}: {exc.strerror or exc}", 2)
         if missing:
             # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
             # should not.
             return _fail(f"no storage at {backend.root}", 2)
-        if args.action in ("stats", "ls"):
+        if lacking:  # opening would create what is missing: looking must change nothing
+            return _fail(incomplete_message(backend.root, lacking, args.action), 2)
+        if looking:
             backend._keep_leftovers = True  # looking must leave the store as it was
     if args.action != "stats" and not isinstance(backend, MaintainableStorage):
         return _fail(f"{backend.name} does not support {args.action}", 2)
@@ -109,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
         if not message.startswith(backend.name):  # most backends' messages name them already
             message = f"{backend.name}: {message}"
         return _fail(message, 1)
-    return _print(text) or code
+    return print_output(text, prog=_PROG) or code
 
 
 def _lending_nothing(url: str) -> str:
@@ -124,27 +122,6 @@ def _lending_nothing(url: str) -> str:
         if name not in ("segment_size", "placement")
     ]
     return urlunsplit(parts._replace(query=urlencode([*query, ("segment_size", "0")])))
-
-
-def _print(text: str) -> int:
-    """Print `text`; 1, without a traceback, when stdout cannot take it: the reader closed it
-    first (`| head`) or the write failed (a full disk)."""
-    try:
-        print(text)
-        sys.stdout.flush()
-    except OSError as exc:
-        # Python would flush stdout again at exit and report the same error there: point
-        # stdout at /dev/null first, as the Python documentation recommends for SIGPIPE.
-        # A stdout without a descriptor (a test harness) raises here: nothing flushes it at exit.
-        with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        if not isinstance(exc, BrokenPipeError):
-            with contextlib.suppress(OSError):
-                _fail(f"cannot write the output: {exc.strerror or exc}", 1)
-        return 1
-    return 0
 
 
 async def _run(
