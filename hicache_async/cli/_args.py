@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 if TYPE_CHECKING:
     from ..storage import StorageBackend
@@ -113,3 +114,18 @@ def local_only(backend: StorageBackend, command: str) -> str | None:
         f"{backend.name} lives inside the process that opened it; the {command} command "
         "cannot reach it (use file://, redis:// or mooncake://)"
     )
+
+
+def mooncake_lending_nothing(url: str) -> str:
+    """`url`, for a Mooncake store with `segment_size=0` (and no placement, which only puts
+    use): a command's client must not lend the cluster memory that vanishes at its exit, and
+    what it writes (a compacted manifest) must land in memory that outlives it."""
+    parts = urlsplit(url.strip())
+    if parts.scheme.lower() != "mooncake":
+        return url
+    query = [
+        (name, value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        if name not in ("segment_size", "placement")
+    ]
+    return urlunsplit(parts._replace(query=urlencode([*query, ("segment_size", "0")])))

@@ -12,7 +12,13 @@ import msgspec
 from .._errors import HiCacheError, StorageConfigError
 from ..storage import FileStorage, open_storage
 from ..storage._manifest import SupportsManifest
-from ._args import incomplete_message, local_only, store_incomplete, store_missing
+from ._args import (
+    incomplete_message,
+    local_only,
+    mooncake_lending_nothing,
+    store_incomplete,
+    store_missing,
+)
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -45,7 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace) -> object:
-    backend = open_storage(args.url)
+    backend = open_storage(args.url)  # the URL as given is checked, then adjusted
+    lending_nothing = mooncake_lending_nothing(args.url)
+    if lending_nothing != args.url:
+        backend = open_storage(lending_nothing)
     refusal = local_only(backend, "manifest")
     if refusal is not None:
         raise StorageConfigError(refusal)

@@ -19,7 +19,6 @@ import asyncio
 import sys
 from datetime import datetime, timezone
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import msgspec
 import structlog
@@ -34,7 +33,14 @@ from ..storage import (
     VerifyReport,
     open_storage,
 )
-from ._args import count, incomplete_message, local_only, store_incomplete, store_missing
+from ._args import (
+    count,
+    incomplete_message,
+    local_only,
+    mooncake_lending_nothing,
+    store_incomplete,
+    store_missing,
+)
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -73,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--limit only applies to ls", 2)
     try:
         backend = open_storage(args.url)  # the URL as given is checked, then adjusted
-        lending_nothing = _lending_nothing(args.url)
+        lending_nothing = mooncake_lending_nothing(args.url)
         if lending_nothing != args.url:
             backend = open_storage(lending_nothing)
     except StorageConfigError as exc:
@@ -108,20 +114,6 @@ def run(args: argparse.Namespace) -> int:
             message = f"{backend.name}: {message}"
         return _fail(message, 1)
     return print_output(text, prog=_PROG) or code
-
-
-def _lending_nothing(url: str) -> str:
-    """`url`, for a Mooncake store with `segment_size=0` (and no placement, which only puts
-    use): a command's client must not lend the cluster memory that vanishes at its exit."""
-    parts = urlsplit(url.strip())
-    if parts.scheme.lower() != "mooncake":
-        return url
-    query = [
-        (name, value)
-        for name, value in parse_qsl(parts.query, keep_blank_values=True)
-        if name not in ("segment_size", "placement")
-    ]
-    return urlunsplit(parts._replace(query=urlencode([*query, ("segment_size", "0")])))
 
 
 async def _run(

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -19,8 +20,9 @@ import pytest_asyncio
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.cli import main
-from hicache_async.cli._storage import _lending_nothing
+from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
     _POOL,
@@ -945,7 +947,7 @@ def test_storage_command_lends_the_cluster_no_memory(
     mooncake_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = fresh_url(mooncake_url, placement="local")  # a URL a serving instance would use
-    opened = open_storage(_lending_nothing(url))
+    opened = open_storage(mooncake_lending_nothing(url))
     assert isinstance(opened, MooncakeStorage)
     assert opened._segment_size == 0
     assert opened.name == MooncakeStorage.from_url(url).name
@@ -1141,3 +1143,23 @@ async def test_a_call_waiting_for_the_staging_arena_at_close_raises_storage_erro
     arena.release(held, arena.capacity)
     with pytest.raises(StorageError, match="closed"):
         await waiting
+
+
+async def test_manifest_compact_writes_where_it_outlives_the_command(mooncake_url: str) -> None:
+    # The URL a serving instance would use: its own puts go to its own segment. A command's
+    # client is gone at its exit, so a compaction written there would vanish with it.
+    url = fresh_url(mooncake_url, placement="local")
+    namespace = bytes(range(16))
+    async with MooncakeStorage.from_url(url) as serving:
+        manifest = serving.manifest()
+        for i in range(4):  # four records, so the compaction has something to rewrite
+            keys = [uuid.uuid4().bytes * 2 for _ in range(3)]
+            await manifest.append([chain_entry(namespace, keys, 3 * 64, 0, float(i))])
+        command = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "hicache_async", "manifest", "compact", url,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await command.communicate()
+        assert command.returncode == 0, err.decode()
+        read = await manifest.read(namespace=namespace.hex())
+        assert len(read.entries) == 4, (out.decode(), err.decode())
