@@ -216,14 +216,18 @@ class HiCache:
             link, self._link = self._link, None
             if link is not None:
                 await link.close(flush=True, deadline_s=self.config.backup.flush_deadline_s)
-            if self._engine is not None and self._engine_arg is None:
-                await self._engine.aclose()
         finally:
-            self._state = "closed"
-            self._stop.set()
-            supervisor, self._supervisor = self._supervisor, None
-            if supervisor is not None:
-                await asyncio.wait([supervisor])
+            # Even when this task itself is cancelled (the loop shutting down): the copy
+            # engine's threads must not outlive the cache.
+            try:
+                if self._engine is not None and self._engine_arg is None:
+                    await self._engine.aclose()
+            finally:
+                self._state = "closed"
+                self._stop.set()
+                supervisor, self._supervisor = self._supervisor, None
+                if supervisor is not None:
+                    await asyncio.wait([supervisor])
 
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""

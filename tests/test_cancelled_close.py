@@ -18,6 +18,7 @@ from structlog.testing import capture_logs
 from hicache_async import CacheConfig, HiCache
 from hicache_async.storage import FileStorage, Outcome, PageBuffer
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
+from hicache_async.workers import PrefetchStatus
 
 PAGE = 8
 
@@ -131,3 +132,56 @@ async def test_a_detach_waits_for_the_read_of_a_warmup_it_stops(tmp_path: Path) 
         await warmup
         await cache.drain()
         assert_drained(cache)
+
+
+async def test_a_prefetch_a_worker_took_just_before_a_detach_is_cancelled(tmp_path: Path) -> None:
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    prompt = np.arange(1000, 1000 + 8 * PAGE)
+    async with HiCache(CONFIG, storage=FileStorage(tmp_path)) as first:
+        await serve(first, prompt, generator, prefetch=False)
+        await first.drain()
+    slow = FaultyStorage(FileStorage(tmp_path), latency_s=0.5)
+    async with HiCache(CONFIG, storage=slow) as cache:
+        await asyncio.sleep(0.05)  # the workers wait on the queue: one takes the prefetch at once
+        handle = await cache.start_prefetch(prompt)
+        await cache.detach_storage()
+        result = await handle.wait()
+        assert result.status is PrefetchStatus.CANCELLED
+        assert result.storage_tokens == 0
+
+
+class SlowToStopExists(FileStorage):
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        with anyio.CancelScope(shield=True):
+            await anyio.sleep(0.3)
+        return await super().exists(keys)
+
+
+def test_a_detach_does_not_spin_on_a_prefetch_finished_while_it_runs(tmp_path: Path) -> None:
+    # A handle can be finished while a worker still runs it (a submit's limit passing as the
+    # worker took it): waiting for it must still yield to the worker. Run in a thread of its
+    # own, so that a loop that never yields fails this test instead of hanging the suite.
+    async def scenario() -> PrefetchStatus:
+        generator = KVGenerator(CONFIG.layout, PAGE)
+        prompt = np.arange(1000, 1000 + 8 * PAGE)
+        async with HiCache(CONFIG, storage=FileStorage(tmp_path)) as first:
+            await serve(first, prompt, generator, prefetch=False)
+            await first.drain()
+        async with HiCache(CONFIG, storage=SlowToStopExists(tmp_path)) as cache:
+            handle = await cache.start_prefetch(prompt)
+            link = cache._link
+            assert link is not None
+            for _ in range(1000):
+                if handle in link.prefetcher._running:
+                    break
+                await asyncio.sleep(0.01)
+            handle._finish(PrefetchStatus.TERMINATED)  # the end state of that race
+            await cache.detach_storage()
+            return handle.status
+
+    outcome: list[PrefetchStatus] = []
+    runner = threading.Thread(target=lambda: outcome.append(asyncio.run(scenario())), daemon=True)
+    runner.start()
+    runner.join(60)
+    assert not runner.is_alive(), "detach_storage() never returned"
+    assert outcome == [PrefetchStatus.TERMINATED]

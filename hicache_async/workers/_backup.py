@@ -94,6 +94,8 @@ class BackupWorker:
         )
         self._closed = False
         self._writing = False
+        #: pages of the batch being written (0 between batches)
+        self.writing_pages = 0
         self._idle_waiters: list[anyio.Event] = []
         self.offered_pages = self.written_pages = self.bytes_written = 0
         self.skipped_pages = self.retried_pages = self.failed_pages = 0
@@ -128,10 +130,12 @@ class BackupWorker:
                     jobs.append(more)
                     pages += more.num_pages
                 self._writing = True
+                self.writing_pages = pages
                 try:
                     await self._write(jobs)
                 finally:
                     self._writing = False
+                    self.writing_pages = 0
                     self._wake_idle()
         finally:
             # Cancelled (a flush past its deadline): the jobs still queued give their host

@@ -179,7 +179,11 @@ class StorageLink:
         dropped and the write in progress cancelled, as with `flush=False`."""
         if not self._hurried:
             self._hurried = True
-            _log.warning("hicache.backup.flush.abandoned", pending=self.backup.pending)
+            _log.warning(
+                "hicache.backup.flush.abandoned",
+                pending=self.backup.pending,
+                writing_pages=self.backup.writing_pages,
+            )
         self.backup.drop_queued()
         if self._flush_scope is not None:
             self._flush_scope.cancel()

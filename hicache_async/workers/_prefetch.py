@@ -332,6 +332,7 @@ class Prefetcher:
         # the prefetch reading it gave up. Concurrent prefetches wait on it instead of reading.
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
         self._running: set[PrefetchHandle] = set()
+        self._left = asyncio.Event()  # a prefetch left `_running` (see `wait_stopped`)
         self._closed = False
         # Live (request-driven) prefetches queued or running; warmup waits for zero.
         self._live = 0
@@ -373,11 +374,13 @@ class Prefetcher:
                 handle._waited = time.monotonic() - began
                 return
             # No room before the caller's limit. A receiver may still have moved it into the
-            # queue as the limit passed: finished now, the worker then drops it uncounted.
+            # queue as the limit passed: finished now, the worker then drops it uncounted. One
+            # a worker took already (running) reads nothing more and is counted by the worker.
             handle.terminate()
-            handle._finish(PrefetchStatus.TERMINATED)
-            self.terminated += 1
-            self.timeouts += policy == "timeout"
+            if handle.status is PrefetchStatus.QUEUED:
+                handle._finish(PrefetchStatus.TERMINATED)
+                self.terminated += 1
+                self.timeouts += policy == "timeout"
             self._live_done(handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # Storage was detached while this prefetch waited for the queue: a miss.
@@ -411,15 +414,16 @@ class Prefetcher:
         """Run a (warmup) prefetch in the caller's task, outside the queue; after `close()`
         it finishes as CANCELLED at once."""
         self.submitted += 1
-        if self._closed:
-            handle.cancel()
         await self._process(handle)
 
     async def wait_stopped(self) -> None:
         """Wait until no prefetch runs: after `close()`, those running in their callers'
         tasks (`run_now`) end at their next step."""
         while self._running:
-            await next(iter(self._running))._done.wait()
+            # Set as each one leaves `_running`: a handle's own `done` may be set before it
+            # leaves, and waiting on that would not yield.
+            self._left.clear()
+            await self._left.wait()
 
     async def run(self) -> None:
         """The worker tasks; returns when the queue is closed and drained, or cancelled."""
@@ -484,7 +488,9 @@ class Prefetcher:
     async def _process(self, handle: PrefetchHandle) -> None:
         if handle.done():
             return  # finished while queued (its submit gave up waiting for room): counted
-        if handle._cancel_requested or self._cache._state != "open":
+        # Closed: a detach in progress (the cache is still open then), which cancels every
+        # prefetch, this one included if a worker took it just before.
+        if handle._cancel_requested or self._closed or self._cache._state != "open":
             handle._finish(PrefetchStatus.CANCELLED)
             self.cancelled += 1
             return
@@ -506,6 +512,7 @@ class Prefetcher:
             _log.warning("hicache.prefetch.failed", request_id=handle.request_id, error=repr(exc))
         finally:
             self._running.discard(handle)
+            self._left.set()
             handle._scope = None
             handle._finish(status)
             self._cache._counters.tokens_storage += handle.storage_tokens
