@@ -17,7 +17,9 @@ import uvicorn
 
 from hicache_async import CacheConfig, HiCache, KVLayout
 from hicache_async.admin import AdminApp
+from hicache_async.admin._app import _describe
 from hicache_async.admin._http import redact
+from hicache_async.storage import StorageError
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
 
 PAGE = 4
@@ -60,6 +62,40 @@ def _closed_port() -> Iterator[int]:
         yield sock.getsockname()[1]
     finally:
         sock.close()
+
+
+class SilentListener:
+    """A loopback port that accepts connections and never sends a byte."""
+
+    def __init__(self) -> None:
+        self._sock = _listening_socket()
+        self.port: int = self._sock.getsockname()[1]
+        self.connected = threading.Event()
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name="silent-listener", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the listening socket was closed
+            while True:
+                connection, _ = self._sock.accept()
+                self._accepted.append(connection)
+                self.connected.set()
+
+    def close(self) -> None:
+        self._sock.close()
+        for connection in self._accepted:
+            connection.close()
+        self._thread.join(5)
+
+
+@contextlib.contextmanager
+def _silent_port() -> Iterator[SilentListener]:
+    listener = SilentListener()
+    try:
+        yield listener
+    finally:
+        listener.close()
 
 
 class ThreadRecorder:
@@ -376,6 +412,54 @@ async def test_replacement_refused_after_the_detach_says_nothing_is_attached(
         assert "nothing is attached" in detail
         assert "memory://" in detail  # says what was detached
         assert not cache.storage_status().attached
+
+
+async def test_attach_that_never_answers_times_out_and_leaves_nothing_attached() -> None:
+    # The URL's own timeout (60 s, with retries) would hold the lock for minutes.
+    async with admin(storage="memory://", attach_timeout_s=1.0) as (cache, client):
+        with _silent_port() as silent:
+            url = f"redis://admin:{SECRET}@127.0.0.1:{silent.port}/0?timeout=60"
+            response = await client.put(STORAGE, headers=AUTH, json={"url": url, "replace": True})
+        detail = _error(response, 504, "storage_timeout")
+        assert "within 1 s" in detail
+        assert "memory://" in detail  # says what was detached
+        assert SECRET not in response.text
+        assert not cache.storage_status().attached
+        assert cache.storage_status().generation == 0
+        again = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+        assert again.status_code == 200, again.text
+        assert again.json()["generation"] == 2  # the timed-out attach never opened
+
+
+async def test_status_and_delete_during_a_slow_attach() -> None:
+    async with admin(attach_timeout_s=3.0) as (cache, client):
+        with _silent_port() as silent:
+            url = f"redis://127.0.0.1:{silent.port}/0?timeout=60"
+            put = asyncio.create_task(client.put(STORAGE, headers=AUTH, json={"url": url}))
+            await asyncio.to_thread(silent.connected.wait, 30)
+            status = await client.get(STORAGE, headers=AUTH)
+            assert status.json()["attached"] is False  # not open yet
+            metrics = await client.get("/metrics", headers=AUTH)
+            assert "hicache_storage_attached 0.0" in metrics.text
+            # Queued behind the attach, which gives up within its bound.
+            delete = await client.delete(STORAGE, headers=AUTH)
+            assert delete.status_code == 200, delete.text
+            assert put.done()
+            _error(await put, 504, "storage_timeout")
+        assert not cache.storage_status().attached
+
+
+class _Silent(Exception):
+    """An error without any text."""
+
+
+def test_error_details_are_never_empty() -> None:
+    wrapped = StorageError("empty://: exists failed: ")
+    wrapped.__cause__ = _Silent()
+    assert _describe(wrapped, "empty://") == "exists failed: _Silent()"
+    assert _describe(_Silent(), "empty://") == "_Silent"
+    assert _describe(StorageError("empty://: "), "empty://") == "StorageError"
+    assert _describe(StorageError("empty://: gone"), "empty://") == "gone"
 
 
 def test_secrets_are_scrubbed_from_long_messages() -> None:

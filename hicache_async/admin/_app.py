@@ -46,7 +46,6 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _REALM = b'Bearer realm="hicache-admin"'
 # Never a real page key (those are hashes), so the probe reads nothing and writes nothing.
 _PROBE_KEY = bytes(32)
-_PROBE_TIMEOUT_S = 10.0
 _SCHEME_URL = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -98,17 +97,24 @@ def _client(scope: Scope) -> str | None:
     return f"{client[0]}:{client[1]}" if client else None
 
 
+def _describe(exc: BaseException, name: str) -> str:
+    """`exc` as a short detail, never empty: an exception without text names its type."""
+    # Backends prefix their errors with their name, which the caller quotes already.
+    text = str(exc).strip().removeprefix(f"{name}:").strip()
+    if text and not text.endswith(":"):
+        return text
+    # No text, or a wrapper whose cause had none ("exists failed: "): say what was raised.
+    cause = exc.__cause__
+    what = repr(cause) if cause is not None else type(exc).__name__
+    return f"{text} {what}" if text else what
+
+
 async def _probe(backend: StorageBackend) -> str | None:
     """Why `backend` cannot serve requests, or None when it answered a lookup."""
     try:
-        with anyio.fail_after(_PROBE_TIMEOUT_S):
-            await backend.exists([_PROBE_KEY])
-    except TimeoutError:
-        return f"no answer within {_PROBE_TIMEOUT_S:g} s"
+        await backend.exists([_PROBE_KEY])
     except Exception as exc:
-        problem = str(exc) or type(exc).__name__
-        # Backends prefix their errors with their name, which the caller quotes already.
-        return problem.removeprefix(f"{backend.name}: ")
+        return _describe(exc, backend.name)
     return None
 
 
@@ -122,6 +128,10 @@ class AdminApp:
     - ``DELETE /hicache/storage-backend`` with an optional ``{"flush": true}``: detach.
     - ``GET /metrics``: the Prometheus text exposition.
 
+    A ``PUT`` must open and check its backend within `attach_timeout_s` seconds, or it is
+    closed again and the answer is 504 (changes are serialised, so a ``DELETE`` waits for
+    at most that long behind it).
+
     Errors are ``{"error": code, "detail": message}``. The app may run on any event loop:
     cache calls are handed to the cache's loop when the server's loop is another one.
     """
@@ -133,6 +143,7 @@ class AdminApp:
         token: str | bytes,
         max_body_bytes: int = 64 * 1024,
         path_prefix: str = "",
+        attach_timeout_s: float = 30.0,
     ) -> None:
         if isinstance(token, str):
             token = token.encode()
@@ -144,12 +155,21 @@ class AdminApp:
             raise ValueError("token must not contain whitespace or control characters")
         if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+        if (
+            isinstance(attach_timeout_s, bool)
+            or not isinstance(attach_timeout_s, (int, float))
+            or not 0 < attach_timeout_s < float("inf")
+        ):
+            raise ValueError(
+                f"attach_timeout_s must be a positive finite number, got {attach_timeout_s!r}"
+            )
         prefix = path_prefix.rstrip("/")
         if prefix and not prefix.startswith("/"):
             raise ValueError(f"path_prefix must start with '/', got {path_prefix!r}")
         self.cache = cache
         self.max_body_bytes = max_body_bytes
         self.path_prefix = prefix
+        self.attach_timeout_s = float(attach_timeout_s)
         self._token = token
         self._loop = CacheLoop(cache)
         # Serialises admin changes on the cache's loop: check, detach, attach, probe.
@@ -352,11 +372,20 @@ class AdminApp:
                 )
             replaced = current.backend if current.attached else None
             lost = f"; {replaced!r} was detached first, so nothing is attached" if replaced else ""
+            opened = False
+            problem: str | None = None
             try:
                 if replaced is not None:
                     await cache.detach_storage(flush=True)
-                await cache.attach_storage(backend)
+                # One bound for opening, attaching and checking: a backend that never answers
+                # (a URL `timeout`, connection retries) must not hold the lock DELETE waits on.
+                with anyio.move_on_after(self.attach_timeout_s) as deadline:
+                    await cache.attach_storage(backend)
+                    opened = True
+                    problem = await _probe(backend)
             except BaseException as exc:
+                if opened:
+                    raise
                 # Never entered, or entered and closed again by the cache: close() is a no-op
                 # then, but a backend that failed half-way must not keep its threads.
                 with anyio.CancelScope(shield=True):
@@ -364,7 +393,22 @@ class AdminApp:
                 if not isinstance(exc, Exception):
                     raise
                 raise self._attach_error(exc, backend.name, request.url, lost) from None
-            problem = await _probe(backend)
+            if deadline.cancelled_caught:
+                if opened:
+                    await cache.detach_storage(flush=False)
+                else:
+                    # Cancelled inside the open: the cache let go of it; close what is left.
+                    with anyio.CancelScope(shield=True):
+                        await backend.close()
+                raise HTTPError(
+                    504,
+                    "storage_timeout",
+                    redact(
+                        f"storage {backend.name!r} did not open and answer within "
+                        f"{self.attach_timeout_s:g} s, so it was not attached{lost}",
+                        url=request.url,
+                    ),
+                )
             if problem is not None:
                 await cache.detach_storage(flush=False)
                 raise HTTPError(
@@ -392,7 +436,7 @@ class AdminApp:
         ):
             # Attached by someone other than this app in the meantime.
             return HTTPError(409, "storage_attached", str(exc))
-        detail = f"cannot open storage {name!r} ({exc or type(exc).__name__}){lost}"
+        detail = f"cannot open storage {name!r} ({_describe(exc, name)}){lost}"
         return HTTPError(502, "storage_unreachable", redact(detail, url=url))
 
     async def _detach(self, flush: bool) -> tuple[StorageStatus, str | None]:
