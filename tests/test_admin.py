@@ -16,10 +16,11 @@ import pytest
 import uvicorn
 
 from hicache_async import CacheConfig, HiCache, KVLayout
+from hicache_async._errors import StorageConfigError
 from hicache_async.admin import AdminApp
 from hicache_async.admin._app import _describe
 from hicache_async.admin._http import redact
-from hicache_async.storage import StorageError
+from hicache_async.storage import StorageError, open_storage
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
 
 PAGE = 4
@@ -460,6 +461,32 @@ def test_error_details_are_never_empty() -> None:
     assert _describe(_Silent(), "empty://") == "_Silent"
     assert _describe(StorageError("empty://: "), "empty://") == "StorageError"
     assert _describe(StorageError("empty://: gone"), "empty://") == "gone"
+
+
+# Unescaped '/', '?' or '#' in a password: `urlsplit` ends the user information there.
+_CUT_PASSWORDS = ["Zx9/Qw+7kLm", "Zx9?Qw7kLm", "Zx9#Qw7kLm", "Zx9:Qw7kLm/x"]
+
+
+@pytest.mark.parametrize("password", _CUT_PASSWORDS)
+async def test_password_cut_short_by_the_url_parser_is_not_echoed(password: str) -> None:
+    async with admin() as (_, client):
+        for url in (
+            f"redis://default:{password}@10.0.0.5:6379/0",
+            f"nope://default:{password}@10.0.0.5:6379/0",
+        ):
+            response = await client.put(STORAGE, headers=AUTH, json={"url": url})
+            _error(response, 400, "invalid_storage_url")
+            for piece in ("Zx9", "Qw7kLm", "Qw+7kLm"):
+                assert piece not in response.text
+
+
+@pytest.mark.parametrize("password", _CUT_PASSWORDS)
+def test_open_storage_errors_hide_a_cut_password(password: str) -> None:
+    # What the command line prints: the StorageConfigError's own message.
+    with pytest.raises(StorageConfigError) as caught:
+        open_storage(f"redis://default:{password}@10.0.0.5:6379/0")
+    for piece in ("Zx9", "Qw7kLm", "Qw+7kLm"):
+        assert piece not in str(caught.value)
 
 
 def test_secrets_are_scrubbed_from_long_messages() -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import msgspec
+
+from ..storage._redact import scrub_secrets
 
 __all__ = [
     "ClientDisconnected",
@@ -78,16 +79,9 @@ class _ErrorBody(msgspec.Struct, frozen=True):
 def redact(text: str, *, url: str | None = None) -> str:
     """`text` without URL credentials, and without any part of `url`'s userinfo."""
     if url:
-        try:
-            parts = urlsplit(url)
-        except ValueError:
-            parts = None
-        # A backend's own message may quote the secret outside of a URL. Without a password
-        # the user part is the credential (`scheme://token@host`).
-        secret = None if parts is None else parts.password or parts.username
-        if secret:
-            for form in {secret, unquote(secret)}:
-                text = text.replace(form, "***")
+        # A backend's own message may quote the secret outside of a URL, or a piece of it
+        # when an unescaped '/', '?' or '#' in the password made it look like a host or path.
+        text = scrub_secrets(text, url)
     text = _USERINFO.sub(r"\g<scheme>***@", text)
     return _SECRET_PARAM.sub(r"\g<name>***", text)
 
