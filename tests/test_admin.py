@@ -211,6 +211,10 @@ async def test_constructor_validates() -> None:
             AdminApp(cache, token=TOKEN, max_body_bytes=0)
         with pytest.raises(ValueError, match="path_prefix"):
             AdminApp(cache, token=TOKEN, path_prefix="admin")
+        for name in ("attach_timeout_s", "body_timeout_s"):
+            for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
+                with pytest.raises(ValueError, match=name):
+                    AdminApp(cache, token=TOKEN, **{name: bad})
 
 
 # -- storage status, attach, detach -------------------------------------------------------
@@ -634,6 +638,27 @@ async def test_body_too_large_is_413() -> None:
         )
         assert fits.status_code == 200, fits.text
         assert cache.storage_status().attached
+
+
+async def test_stalled_body_is_408_and_closes_the_connection() -> None:
+    async with admin(body_timeout_s=0.5) as (_, client):
+        address = client.base_url
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        try:
+            writer.write(
+                f"PUT {STORAGE} HTTP/1.1\r\nHost: admin\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode()
+            )
+            await writer.drain()
+            # Generous: only that the server answers and hangs up, not how fast.
+            answer = await asyncio.wait_for(reader.read(), 30)
+        finally:
+            writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), answer
+        assert b'"error":"request_timeout"' in body
+        # Other requests are still served.
+        assert (await client.get(STORAGE, headers=AUTH)).status_code == 200
 
 
 async def test_non_json_content_type_is_415() -> None:

@@ -92,6 +92,15 @@ def _decode(body: bytes, kind: type[S]) -> S:
         raise HTTPError(400, "invalid_json", str(exc)) from None
 
 
+def _check_seconds(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
 def _client(scope: Scope) -> str | None:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else None
@@ -130,7 +139,8 @@ class AdminApp:
 
     A ``PUT`` must open and check its backend within `attach_timeout_s` seconds, or it is
     closed again and the answer is 504 (changes are serialised, so a ``DELETE`` waits for
-    at most that long behind it).
+    at most that long behind it). A request body must arrive within `body_timeout_s`
+    seconds (408 otherwise).
 
     Errors are ``{"error": code, "detail": message}``. The app may run on any event loop:
     cache calls are handed to the cache's loop when the server's loop is another one.
@@ -144,6 +154,7 @@ class AdminApp:
         max_body_bytes: int = 64 * 1024,
         path_prefix: str = "",
         attach_timeout_s: float = 30.0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         if isinstance(token, str):
             token = token.encode()
@@ -155,14 +166,8 @@ class AdminApp:
             raise ValueError("token must not contain whitespace or control characters")
         if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
-        if (
-            isinstance(attach_timeout_s, bool)
-            or not isinstance(attach_timeout_s, (int, float))
-            or not 0 < attach_timeout_s < float("inf")
-        ):
-            raise ValueError(
-                f"attach_timeout_s must be a positive finite number, got {attach_timeout_s!r}"
-            )
+        _check_seconds("attach_timeout_s", attach_timeout_s)
+        _check_seconds("body_timeout_s", body_timeout_s)
         prefix = path_prefix.rstrip("/")
         if prefix and not prefix.startswith("/"):
             raise ValueError(f"path_prefix must start with '/', got {path_prefix!r}")
@@ -170,6 +175,7 @@ class AdminApp:
         self.max_body_bytes = max_body_bytes
         self.path_prefix = prefix
         self.attach_timeout_s = float(attach_timeout_s)
+        self.body_timeout_s = float(body_timeout_s)
         self._token = token
         self._loop = CacheLoop(cache)
         # Serialises admin changes on the cache's loop: check, detach, attach, probe.
@@ -299,7 +305,9 @@ class AdminApp:
             raise HTTPError(
                 415, "unsupported_media_type", "the request body must be application/json"
             )
-        request = _decode(await read_body(scope, receive, self.max_body_bytes), AttachRequest)
+        request = _decode(
+            await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s), AttachRequest
+        )
         if not _SCHEME_URL.match(request.url):
             # Import-path plugins (`package.module:factory`) would let a token import and call
             # arbitrary code; they can be configured at start-up, not over HTTP.
@@ -319,7 +327,7 @@ class AdminApp:
         return _json(200, status)
 
     async def _delete_storage(self, scope: Scope, receive: Receive) -> _Response:
-        body = await read_body(scope, receive, self.max_body_bytes)
+        body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
         request = DetachRequest()
         if body.strip():
             content_type = header(scope, b"content-type")
