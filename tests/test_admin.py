@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import structlog
 import uvicorn
 
 from hicache_async import CacheConfig, HiCache, KVLayout
@@ -285,8 +286,12 @@ async def test_double_attach_conflicts_unless_replace(tmp_path: Path) -> None:
         assert first.status_code == 200
         name = first.json()["backend"]
 
-        second = await client.put(STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}"})
+        with structlog.testing.capture_logs() as logs:
+            second = await client.put(STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}"})
         detail = _error(second, 409, "storage_attached")
+        (refused,) = [log for log in logs if log["event"] == "hicache.admin.storage.refused"]
+        assert refused["status"] == 409
+        assert refused["client"].startswith("127.0.0.1:")
         assert name in detail
         assert cache.storage_status().backend == name
 
@@ -349,9 +354,15 @@ async def test_cache_not_open_is_503() -> None:
 )
 async def test_bad_url_is_400(url: str, expected: str) -> None:
     async with admin() as (cache, client):
-        response = await client.put(STORAGE, headers=AUTH, json={"url": url})
-        assert expected in _error(response, 400, "invalid_storage_url")
+        with structlog.testing.capture_logs() as logs:
+            response = await client.put(STORAGE, headers=AUTH, json={"url": url})
+        detail = _error(response, 400, "invalid_storage_url")
+        assert expected in detail
+        assert "import path" not in detail  # the admin API refuses them
         assert not cache.storage_status().attached
+        (refused,) = [log for log in logs if log["event"] == "hicache.admin.storage.refused"]
+        assert refused["status"] == 400
+        assert refused["client"].startswith("127.0.0.1:")
 
 
 async def test_bad_url_keeps_the_attached_backend_even_with_replace() -> None:
@@ -393,7 +404,7 @@ async def test_unreachable_redis_is_502_and_nothing_is_attached() -> None:
 
 async def test_unreachable_replacement_leaves_nothing_attached() -> None:
     async with admin(storage="memory://") as (cache, client):
-        with _closed_port() as port:
+        with _closed_port() as port, structlog.testing.capture_logs() as logs:
             response = await client.put(
                 STORAGE,
                 headers=AUTH,
@@ -402,6 +413,11 @@ async def test_unreachable_replacement_leaves_nothing_attached() -> None:
         detail = _error(response, 502, "storage_unreachable")
         assert "memory://" in detail  # says what was detached
         assert not cache.storage_status().attached
+        events = {log["event"]: log for log in logs}
+        detached = events["hicache.admin.storage.detached"]
+        assert detached["backend"].startswith("memory://")
+        assert detached["client"].startswith("127.0.0.1:")
+        assert events["hicache.admin.storage.refused"]["status"] == 502
 
 
 async def test_replacement_refused_after_the_detach_says_nothing_is_attached(

@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from .._errors import CacheClosedError, HiCacheError, StorageConfigError
-from ..storage import StorageBackend, StorageError
+from ..storage import ENTRY_POINT_GROUP, StorageBackend, StorageError, storage_schemes
 from ..workers import StorageStatus
 from ._dispatch import CacheLoop
 from ._http import (
@@ -46,7 +46,7 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _REALM = b'Bearer realm="hicache-admin"'
 # Never a real page key (those are hashes), so the probe reads nothing and writes nothing.
 _PROBE_KEY = bytes(32)
-_SCHEME_URL = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
+_SCHEME_URL = re.compile(r"^\s*(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -300,6 +300,20 @@ class AdminApp:
         return _json(200, status)
 
     async def _put_storage(self, scope: Scope, receive: Receive) -> _Response:
+        try:
+            return await self._attach_from(scope, receive)
+        except HTTPError as error:
+            # Refused changes are audited like accepted ones and failed tokens.
+            _log.warning(
+                "hicache.admin.storage.refused",
+                status=error.status,
+                error=error.code,
+                detail=redact(error.detail),
+                client=_client(scope),
+            )
+            raise
+
+    async def _attach_from(self, scope: Scope, receive: Receive) -> _Response:
         content_type = header(scope, b"content-type")
         if not content_type or not is_json(content_type[0]):
             raise HTTPError(
@@ -308,21 +322,31 @@ class AdminApp:
         request = _decode(
             await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s), AttachRequest
         )
-        if not _SCHEME_URL.match(request.url):
+        scheme = _SCHEME_URL.match(request.url)
+        if scheme is None or scheme.group("scheme").lower() not in storage_schemes():
             # Import-path plugins (`package.module:factory`) would let a token import and call
-            # arbitrary code; they can be configured at start-up, not over HTTP.
+            # arbitrary code; they can be configured at start-up, not over HTTP. Said here,
+            # as `open_storage`'s own message lists them among the accepted forms.
+            shown = repr(redact(request.url, url=request.url))
             raise HTTPError(
                 400,
                 "invalid_storage_url",
-                "the admin API accepts scheme:// URLs only (built in or an installed "
-                "entry point); got " + repr(redact(request.url, url=request.url)),
+                (
+                    "the admin API accepts scheme:// URLs only"
+                    if scheme is None
+                    else f"unknown storage scheme {scheme.group('scheme')!r}"
+                )
+                + f" in {shown}; accepted: "
+                + ", ".join(f"{name}://" for name in storage_schemes())
+                + f" (built in or installed as an entry point in group {ENTRY_POINT_GROUP!r})",
             )
-        status, replaced = await self._loop.run(lambda: self._attach(request))
+        client = _client(scope)
+        status, replaced = await self._loop.run(lambda: self._attach(request, client))
         _log.info(
             "hicache.admin.storage.attached",
             backend=status.backend,
             replaced=replaced,
-            client=_client(scope),
+            client=client,
         )
         return _json(200, status)
 
@@ -363,7 +387,9 @@ class AdminApp:
                 502, "storage_unreachable", redact(f"cannot create the backend: {exc}", url=url)
             ) from None
 
-    async def _attach(self, request: AttachRequest) -> tuple[StorageStatus, str | None]:
+    async def _attach(
+        self, request: AttachRequest, client: str | None
+    ) -> tuple[StorageStatus, str | None]:
         """Attach `request.url` (replacing when asked); the status and what was replaced."""
         cache = self.cache
         async with self._lock:
@@ -385,6 +411,13 @@ class AdminApp:
             try:
                 if replaced is not None:
                     await cache.detach_storage(flush=True)
+                    # Logged now: if the new backend fails, nothing else says the old is gone.
+                    _log.info(
+                        "hicache.admin.storage.detached",
+                        backend=replaced,
+                        flush=True,
+                        client=client,
+                    )
                 # One bound for opening, attaching and checking: a backend that never answers
                 # (a URL `timeout`, connection retries) must not hold the lock DELETE waits on.
                 with anyio.move_on_after(self.attach_timeout_s) as deadline:
