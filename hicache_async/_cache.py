@@ -420,8 +420,8 @@ class HiCache:
                 f"storage {self._link.backend.name!r} is attached; detach it before attaching"
             )
         backend = self.open_storage(storage) if isinstance(storage, str) else storage
-        self._generation += 1
-        link = StorageLink(self, backend, self._generation)
+        # Counted once the backend opened: a failed attach leaves no trace in the status.
+        link = StorageLink(self, backend, self._generation + 1)
         self._link = link
         assert self._task_group is not None
         try:
@@ -430,6 +430,7 @@ class HiCache:
             if self._link is link:
                 self._link = None
             raise
+        self._generation = link.generation
         _log.info("hicache.storage.attached", backend=backend.name)
         if self.config.warmup.enabled:
             link.start_warmup(self.warmup)
@@ -461,7 +462,8 @@ class HiCache:
     def storage_status(self) -> StorageStatus:
         """Whether storage is attached, and its backend's and workers' statistics."""
         self._owner.check()
-        if self._link is None:
+        # Not attached until the backend has opened: an open can take its whole timeout.
+        if self._link is None or not self._link.running:
             return StorageStatus(attached=False)
         return self._link.status()
 

@@ -74,11 +74,23 @@ def _flatten(prefix: str, record: Any) -> Iterator[tuple[str, float]]:
         yield prefix, float(data)
 
 
+# CacheStatistics fields exported as gauges, and the name prefix of each.
+_GAUGE_SECTIONS = (
+    ("tokens", "tier_tokens"),
+    ("device_pool", "device_pool"),
+    ("host_pool", "host_pool"),
+    ("tree", "tree"),
+    ("copy_engine", "copy_engine"),
+)
+
+
 def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
     """(name, kind, value-or-histogram) for everything the cache exposes."""
     stats = cache.statistics()
-    for field in ("tokens", "device_pool", "host_pool", "tree", "copy_engine"):
-        for name, value in _flatten(f"hicache_{field}", getattr(stats, field)):
+    # `tier_tokens`, not `tokens`: the gauge `hicache_tokens_device` would share its family
+    # name with the counter `hicache_tokens_device_total`, which OpenMetrics refuses.
+    for field, prefix in _GAUGE_SECTIONS:
+        for name, value in _flatten(f"hicache_{prefix}", getattr(stats, field)):
             yield name, "gauge", value
     for name, value in stats.counters.items():
         yield f"hicache_{name}_total", "counter", float(value)

@@ -13,11 +13,15 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import structlog
 import uvicorn
 
 from hicache_async import CacheConfig, HiCache, KVLayout
+from hicache_async._errors import StorageConfigError
 from hicache_async.admin import AdminApp
+from hicache_async.admin._app import _describe
 from hicache_async.admin._http import redact
+from hicache_async.storage import StorageError, open_storage
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
 
 PAGE = 4
@@ -60,6 +64,40 @@ def _closed_port() -> Iterator[int]:
         yield sock.getsockname()[1]
     finally:
         sock.close()
+
+
+class SilentListener:
+    """A loopback port that accepts connections and never sends a byte."""
+
+    def __init__(self) -> None:
+        self._sock = _listening_socket()
+        self.port: int = self._sock.getsockname()[1]
+        self.connected = threading.Event()
+        self._accepted: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name="silent-listener", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the listening socket was closed
+            while True:
+                connection, _ = self._sock.accept()
+                self._accepted.append(connection)
+                self.connected.set()
+
+    def close(self) -> None:
+        self._sock.close()
+        for connection in self._accepted:
+            connection.close()
+        self._thread.join(5)
+
+
+@contextlib.contextmanager
+def _silent_port() -> Iterator[SilentListener]:
+    listener = SilentListener()
+    try:
+        yield listener
+    finally:
+        listener.close()
 
 
 class ThreadRecorder:
@@ -174,6 +212,10 @@ async def test_constructor_validates() -> None:
             AdminApp(cache, token=TOKEN, max_body_bytes=0)
         with pytest.raises(ValueError, match="path_prefix"):
             AdminApp(cache, token=TOKEN, path_prefix="admin")
+        for name in ("attach_timeout_s", "body_timeout_s"):
+            for bad in (0, -1.0, float("inf"), float("nan"), True, "5"):
+                with pytest.raises(ValueError, match=name):
+                    AdminApp(cache, token=TOKEN, **{name: bad})
 
 
 # -- storage status, attach, detach -------------------------------------------------------
@@ -244,8 +286,12 @@ async def test_double_attach_conflicts_unless_replace(tmp_path: Path) -> None:
         assert first.status_code == 200
         name = first.json()["backend"]
 
-        second = await client.put(STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}"})
+        with structlog.testing.capture_logs() as logs:
+            second = await client.put(STORAGE, headers=AUTH, json={"url": f"file://{tmp_path}"})
         detail = _error(second, 409, "storage_attached")
+        (refused,) = [log for log in logs if log["event"] == "hicache.admin.storage.refused"]
+        assert refused["status"] == 409
+        assert refused["client"].startswith("127.0.0.1:")
         assert name in detail
         assert cache.storage_status().backend == name
 
@@ -308,9 +354,15 @@ async def test_cache_not_open_is_503() -> None:
 )
 async def test_bad_url_is_400(url: str, expected: str) -> None:
     async with admin() as (cache, client):
-        response = await client.put(STORAGE, headers=AUTH, json={"url": url})
-        assert expected in _error(response, 400, "invalid_storage_url")
+        with structlog.testing.capture_logs() as logs:
+            response = await client.put(STORAGE, headers=AUTH, json={"url": url})
+        detail = _error(response, 400, "invalid_storage_url")
+        assert expected in detail
+        assert "import path" not in detail  # the admin API refuses them
         assert not cache.storage_status().attached
+        (refused,) = [log for log in logs if log["event"] == "hicache.admin.storage.refused"]
+        assert refused["status"] == 400
+        assert refused["client"].startswith("127.0.0.1:")
 
 
 async def test_bad_url_keeps_the_attached_backend_even_with_replace() -> None:
@@ -352,7 +404,7 @@ async def test_unreachable_redis_is_502_and_nothing_is_attached() -> None:
 
 async def test_unreachable_replacement_leaves_nothing_attached() -> None:
     async with admin(storage="memory://") as (cache, client):
-        with _closed_port() as port:
+        with _closed_port() as port, structlog.testing.capture_logs() as logs:
             response = await client.put(
                 STORAGE,
                 headers=AUTH,
@@ -361,6 +413,11 @@ async def test_unreachable_replacement_leaves_nothing_attached() -> None:
         detail = _error(response, 502, "storage_unreachable")
         assert "memory://" in detail  # says what was detached
         assert not cache.storage_status().attached
+        events = {log["event"]: log for log in logs}
+        detached = events["hicache.admin.storage.detached"]
+        assert detached["backend"].startswith("memory://")
+        assert detached["client"].startswith("127.0.0.1:")
+        assert events["hicache.admin.storage.refused"]["status"] == 502
 
 
 async def test_replacement_refused_after_the_detach_says_nothing_is_attached(
@@ -376,6 +433,80 @@ async def test_replacement_refused_after_the_detach_says_nothing_is_attached(
         assert "nothing is attached" in detail
         assert "memory://" in detail  # says what was detached
         assert not cache.storage_status().attached
+
+
+async def test_attach_that_never_answers_times_out_and_leaves_nothing_attached() -> None:
+    # The URL's own timeout (60 s, with retries) would hold the lock for minutes.
+    async with admin(storage="memory://", attach_timeout_s=1.0) as (cache, client):
+        with _silent_port() as silent:
+            url = f"redis://admin:{SECRET}@127.0.0.1:{silent.port}/0?timeout=60"
+            response = await client.put(STORAGE, headers=AUTH, json={"url": url, "replace": True})
+        detail = _error(response, 504, "storage_timeout")
+        assert "within 1 s" in detail
+        assert "memory://" in detail  # says what was detached
+        assert SECRET not in response.text
+        assert not cache.storage_status().attached
+        assert cache.storage_status().generation == 0
+        again = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+        assert again.status_code == 200, again.text
+        assert again.json()["generation"] == 2  # the timed-out attach never opened
+
+
+async def test_status_and_delete_during_a_slow_attach() -> None:
+    async with admin(attach_timeout_s=3.0) as (cache, client):
+        with _silent_port() as silent:
+            url = f"redis://127.0.0.1:{silent.port}/0?timeout=60"
+            put = asyncio.create_task(client.put(STORAGE, headers=AUTH, json={"url": url}))
+            await asyncio.to_thread(silent.connected.wait, 30)
+            status = await client.get(STORAGE, headers=AUTH)
+            assert status.json()["attached"] is False  # not open yet
+            metrics = await client.get("/metrics", headers=AUTH)
+            assert "hicache_storage_attached 0.0" in metrics.text
+            # Queued behind the attach, which gives up within its bound.
+            delete = await client.delete(STORAGE, headers=AUTH)
+            assert delete.status_code == 200, delete.text
+            assert put.done()
+            _error(await put, 504, "storage_timeout")
+        assert not cache.storage_status().attached
+
+
+class _Silent(Exception):
+    """An error without any text."""
+
+
+def test_error_details_are_never_empty() -> None:
+    wrapped = StorageError("empty://: exists failed: ")
+    wrapped.__cause__ = _Silent()
+    assert _describe(wrapped, "empty://") == "exists failed: _Silent()"
+    assert _describe(_Silent(), "empty://") == "_Silent"
+    assert _describe(StorageError("empty://: "), "empty://") == "StorageError"
+    assert _describe(StorageError("empty://: gone"), "empty://") == "gone"
+
+
+# Unescaped '/', '?' or '#' in a password: `urlsplit` ends the user information there.
+_CUT_PASSWORDS = ["Zx9/Qw+7kLm", "Zx9?Qw7kLm", "Zx9#Qw7kLm", "Zx9:Qw7kLm/x"]
+
+
+@pytest.mark.parametrize("password", _CUT_PASSWORDS)
+async def test_password_cut_short_by_the_url_parser_is_not_echoed(password: str) -> None:
+    async with admin() as (_, client):
+        for url in (
+            f"redis://default:{password}@10.0.0.5:6379/0",
+            f"nope://default:{password}@10.0.0.5:6379/0",
+        ):
+            response = await client.put(STORAGE, headers=AUTH, json={"url": url})
+            _error(response, 400, "invalid_storage_url")
+            for piece in ("Zx9", "Qw7kLm", "Qw+7kLm"):
+                assert piece not in response.text
+
+
+@pytest.mark.parametrize("password", _CUT_PASSWORDS)
+def test_open_storage_errors_hide_a_cut_password(password: str) -> None:
+    # What the command line prints: the StorageConfigError's own message.
+    with pytest.raises(StorageConfigError) as caught:
+        open_storage(f"redis://default:{password}@10.0.0.5:6379/0")
+    for piece in ("Zx9", "Qw7kLm", "Qw+7kLm"):
+        assert piece not in str(caught.value)
 
 
 def test_secrets_are_scrubbed_from_long_messages() -> None:
@@ -523,6 +654,27 @@ async def test_body_too_large_is_413() -> None:
         )
         assert fits.status_code == 200, fits.text
         assert cache.storage_status().attached
+
+
+async def test_stalled_body_is_408_and_closes_the_connection() -> None:
+    async with admin(body_timeout_s=0.5) as (_, client):
+        address = client.base_url
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        try:
+            writer.write(
+                f"PUT {STORAGE} HTTP/1.1\r\nHost: admin\r\nAuthorization: Bearer {TOKEN}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode()
+            )
+            await writer.drain()
+            # Generous: only that the server answers and hangs up, not how fast.
+            answer = await asyncio.wait_for(reader.read(), 30)
+        finally:
+            writer.close()
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), answer
+        assert b'"error":"request_timeout"' in body
+        # Other requests are still served.
+        assert (await client.get(STORAGE, headers=AUTH)).status_code == 200
 
 
 async def test_non_json_content_type_is_415() -> None:

@@ -14,6 +14,7 @@ import structlog
 from _unowned_storage import Unowned, assert_backup_adds_up
 
 from hicache_async import CacheConfig, HiCache, KVLayout, PrefetchHandle, PrefetchStatus
+from hicache_async._metrics import _families, prometheus_collector
 from hicache_async.storage import (
     FileStorage,
     MemoryStorage,
@@ -353,6 +354,22 @@ async def test_metrics_and_statistics() -> None:
         assert stats.storage is not None
         assert stats.storage.backup is not None
         assert stats.storage.backup.written_pages > 0
+
+        # OpenMetrics names a counter's family without `_total`: a gauge of that name clashes.
+        families = [
+            name.removesuffix("_total") if kind == "counter" else name
+            for name, kind, _ in _families(cache)
+        ]
+        assert len(families) == len(set(families))
+        assert "hicache_tier_tokens_device" in families
+        prometheus_client = pytest.importorskip("prometheus_client")
+        from prometheus_client.openmetrics.exposition import generate_latest
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(prometheus_collector(cache))
+        parsed = list(text_string_to_metric_families(generate_latest(registry).decode()))
+        assert {family.name for family in parsed} == set(families)
 
 
 async def test_overlapping_prefetches_share_reads_and_both_complete() -> None:

@@ -13,7 +13,7 @@ import msgspec
 import structlog
 
 from .._errors import CacheClosedError, HiCacheError, StorageConfigError
-from ..storage import StorageBackend, StorageError
+from ..storage import ENTRY_POINT_GROUP, StorageBackend, StorageError, storage_schemes
 from ..workers import StorageStatus
 from ._dispatch import CacheLoop
 from ._http import (
@@ -46,8 +46,7 @@ _METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 _REALM = b'Bearer realm="hicache-admin"'
 # Never a real page key (those are hashes), so the probe reads nothing and writes nothing.
 _PROBE_KEY = bytes(32)
-_PROBE_TIMEOUT_S = 10.0
-_SCHEME_URL = re.compile(r"^\s*[A-Za-z][A-Za-z0-9+.-]*://")
+_SCHEME_URL = re.compile(r"^\s*(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -93,22 +92,38 @@ def _decode(body: bytes, kind: type[S]) -> S:
         raise HTTPError(400, "invalid_json", str(exc)) from None
 
 
+def _check_seconds(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not 0 < value < float("inf")
+    ):
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
+
+
 def _client(scope: Scope) -> str | None:
     client = scope.get("client")
     return f"{client[0]}:{client[1]}" if client else None
 
 
+def _describe(exc: BaseException, name: str) -> str:
+    """`exc` as a short detail, never empty: an exception without text names its type."""
+    # Backends prefix their errors with their name, which the caller quotes already.
+    text = str(exc).strip().removeprefix(f"{name}:").strip()
+    if text and not text.endswith(":"):
+        return text
+    # No text, or a wrapper whose cause had none ("exists failed: "): say what was raised.
+    cause = exc.__cause__
+    what = repr(cause) if cause is not None else type(exc).__name__
+    return f"{text} {what}" if text else what
+
+
 async def _probe(backend: StorageBackend) -> str | None:
     """Why `backend` cannot serve requests, or None when it answered a lookup."""
     try:
-        with anyio.fail_after(_PROBE_TIMEOUT_S):
-            await backend.exists([_PROBE_KEY])
-    except TimeoutError:
-        return f"no answer within {_PROBE_TIMEOUT_S:g} s"
+        await backend.exists([_PROBE_KEY])
     except Exception as exc:
-        problem = str(exc) or type(exc).__name__
-        # Backends prefix their errors with their name, which the caller quotes already.
-        return problem.removeprefix(f"{backend.name}: ")
+        return _describe(exc, backend.name)
     return None
 
 
@@ -122,6 +137,11 @@ class AdminApp:
     - ``DELETE /hicache/storage-backend`` with an optional ``{"flush": true}``: detach.
     - ``GET /metrics``: the Prometheus text exposition.
 
+    A ``PUT`` must open and check its backend within `attach_timeout_s` seconds, or it is
+    closed again and the answer is 504 (changes are serialised, so a ``DELETE`` waits for
+    at most that long behind it). A request body must arrive within `body_timeout_s`
+    seconds (408 otherwise).
+
     Errors are ``{"error": code, "detail": message}``. The app may run on any event loop:
     cache calls are handed to the cache's loop when the server's loop is another one.
     """
@@ -133,6 +153,8 @@ class AdminApp:
         token: str | bytes,
         max_body_bytes: int = 64 * 1024,
         path_prefix: str = "",
+        attach_timeout_s: float = 30.0,
+        body_timeout_s: float = 30.0,
     ) -> None:
         if isinstance(token, str):
             token = token.encode()
@@ -144,12 +166,16 @@ class AdminApp:
             raise ValueError("token must not contain whitespace or control characters")
         if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
+        _check_seconds("attach_timeout_s", attach_timeout_s)
+        _check_seconds("body_timeout_s", body_timeout_s)
         prefix = path_prefix.rstrip("/")
         if prefix and not prefix.startswith("/"):
             raise ValueError(f"path_prefix must start with '/', got {path_prefix!r}")
         self.cache = cache
         self.max_body_bytes = max_body_bytes
         self.path_prefix = prefix
+        self.attach_timeout_s = float(attach_timeout_s)
+        self.body_timeout_s = float(body_timeout_s)
         self._token = token
         self._loop = CacheLoop(cache)
         # Serialises admin changes on the cache's loop: check, detach, attach, probe.
@@ -274,32 +300,58 @@ class AdminApp:
         return _json(200, status)
 
     async def _put_storage(self, scope: Scope, receive: Receive) -> _Response:
+        try:
+            return await self._attach_from(scope, receive)
+        except HTTPError as error:
+            # Refused changes are audited like accepted ones and failed tokens.
+            _log.warning(
+                "hicache.admin.storage.refused",
+                status=error.status,
+                error=error.code,
+                detail=redact(error.detail),
+                client=_client(scope),
+            )
+            raise
+
+    async def _attach_from(self, scope: Scope, receive: Receive) -> _Response:
         content_type = header(scope, b"content-type")
         if not content_type or not is_json(content_type[0]):
             raise HTTPError(
                 415, "unsupported_media_type", "the request body must be application/json"
             )
-        request = _decode(await read_body(scope, receive, self.max_body_bytes), AttachRequest)
-        if not _SCHEME_URL.match(request.url):
+        request = _decode(
+            await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s), AttachRequest
+        )
+        scheme = _SCHEME_URL.match(request.url)
+        if scheme is None or scheme.group("scheme").lower() not in storage_schemes():
             # Import-path plugins (`package.module:factory`) would let a token import and call
-            # arbitrary code; they can be configured at start-up, not over HTTP.
+            # arbitrary code; they can be configured at start-up, not over HTTP. Said here,
+            # as `open_storage`'s own message lists them among the accepted forms.
+            shown = repr(redact(request.url, url=request.url))
             raise HTTPError(
                 400,
                 "invalid_storage_url",
-                "the admin API accepts scheme:// URLs only (built in or an installed "
-                "entry point); got " + repr(redact(request.url, url=request.url)),
+                (
+                    "the admin API accepts scheme:// URLs only"
+                    if scheme is None
+                    else f"unknown storage scheme {scheme.group('scheme')!r}"
+                )
+                + f" in {shown}; accepted: "
+                + ", ".join(f"{name}://" for name in storage_schemes())
+                + f" (built in or installed as an entry point in group {ENTRY_POINT_GROUP!r})",
             )
-        status, replaced = await self._loop.run(lambda: self._attach(request))
+        client = _client(scope)
+        status, replaced = await self._loop.run(lambda: self._attach(request, client))
         _log.info(
             "hicache.admin.storage.attached",
             backend=status.backend,
             replaced=replaced,
-            client=_client(scope),
+            client=client,
         )
         return _json(200, status)
 
     async def _delete_storage(self, scope: Scope, receive: Receive) -> _Response:
-        body = await read_body(scope, receive, self.max_body_bytes)
+        body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
         request = DetachRequest()
         if body.strip():
             content_type = header(scope, b"content-type")
@@ -335,7 +387,9 @@ class AdminApp:
                 502, "storage_unreachable", redact(f"cannot create the backend: {exc}", url=url)
             ) from None
 
-    async def _attach(self, request: AttachRequest) -> tuple[StorageStatus, str | None]:
+    async def _attach(
+        self, request: AttachRequest, client: str | None
+    ) -> tuple[StorageStatus, str | None]:
         """Attach `request.url` (replacing when asked); the status and what was replaced."""
         cache = self.cache
         async with self._lock:
@@ -352,11 +406,27 @@ class AdminApp:
                 )
             replaced = current.backend if current.attached else None
             lost = f"; {replaced!r} was detached first, so nothing is attached" if replaced else ""
+            opened = False
+            problem: str | None = None
             try:
                 if replaced is not None:
                     await cache.detach_storage(flush=True)
-                await cache.attach_storage(backend)
+                    # Logged now: if the new backend fails, nothing else says the old is gone.
+                    _log.info(
+                        "hicache.admin.storage.detached",
+                        backend=replaced,
+                        flush=True,
+                        client=client,
+                    )
+                # One bound for opening, attaching and checking: a backend that never answers
+                # (a URL `timeout`, connection retries) must not hold the lock DELETE waits on.
+                with anyio.move_on_after(self.attach_timeout_s) as deadline:
+                    await cache.attach_storage(backend)
+                    opened = True
+                    problem = await _probe(backend)
             except BaseException as exc:
+                if opened:
+                    raise
                 # Never entered, or entered and closed again by the cache: close() is a no-op
                 # then, but a backend that failed half-way must not keep its threads.
                 with anyio.CancelScope(shield=True):
@@ -364,7 +434,22 @@ class AdminApp:
                 if not isinstance(exc, Exception):
                     raise
                 raise self._attach_error(exc, backend.name, request.url, lost) from None
-            problem = await _probe(backend)
+            if deadline.cancelled_caught:
+                if opened:
+                    await cache.detach_storage(flush=False)
+                else:
+                    # Cancelled inside the open: the cache let go of it; close what is left.
+                    with anyio.CancelScope(shield=True):
+                        await backend.close()
+                raise HTTPError(
+                    504,
+                    "storage_timeout",
+                    redact(
+                        f"storage {backend.name!r} did not open and answer within "
+                        f"{self.attach_timeout_s:g} s, so it was not attached{lost}",
+                        url=request.url,
+                    ),
+                )
             if problem is not None:
                 await cache.detach_storage(flush=False)
                 raise HTTPError(
@@ -392,7 +477,7 @@ class AdminApp:
         ):
             # Attached by someone other than this app in the meantime.
             return HTTPError(409, "storage_attached", str(exc))
-        detail = f"cannot open storage {name!r} ({exc or type(exc).__name__}){lost}"
+        detail = f"cannot open storage {name!r} ({_describe(exc, name)}){lost}"
         return HTTPError(502, "storage_unreachable", redact(detail, url=url))
 
     async def _detach(self, flush: bool) -> tuple[StorageStatus, str | None]:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
+import anyio
 import msgspec
+
+from ..storage._redact import scrub_secrets
 
 __all__ = [
     "ClientDisconnected",
@@ -78,16 +80,9 @@ class _ErrorBody(msgspec.Struct, frozen=True):
 def redact(text: str, *, url: str | None = None) -> str:
     """`text` without URL credentials, and without any part of `url`'s userinfo."""
     if url:
-        try:
-            parts = urlsplit(url)
-        except ValueError:
-            parts = None
-        # A backend's own message may quote the secret outside of a URL. Without a password
-        # the user part is the credential (`scheme://token@host`).
-        secret = None if parts is None else parts.password or parts.username
-        if secret:
-            for form in {secret, unquote(secret)}:
-                text = text.replace(form, "***")
+        # A backend's own message may quote the secret outside of a URL, or a piece of it
+        # when an unescaped '/', '?' or '#' in the password made it look like a host or path.
+        text = scrub_secrets(text, url)
     text = _USERINFO.sub(r"\g<scheme>***@", text)
     return _SECRET_PARAM.sub(r"\g<name>***", text)
 
@@ -116,8 +111,9 @@ def is_json(content_type: bytes) -> bool:
     )
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it exceeds `limit` bytes.
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout_s: float) -> bytes:
+    """The request body, refused with 413 as soon as it exceeds `limit` bytes, and with 408
+    unless all of it arrives within `timeout_s` seconds.
 
     A declared `Content-Length` over the limit is refused before reading anything; otherwise
     chunks are taken one at a time and the first one that would cross the limit is dropped,
@@ -137,16 +133,26 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         if declared > limit:
             raise too_large
     body = bytearray()
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientDisconnected
-        chunk: bytes = message.get("body", b"")
-        if len(body) + len(chunk) > limit:
-            raise too_large
-        body += chunk
-        if not message.get("more_body", False):
-            return bytes(body)
+    # A client that stalls its body would otherwise hold the connection (and a file
+    # descriptor) for as long as it likes.
+    with anyio.move_on_after(timeout_s):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected
+            chunk: bytes = message.get("body", b"")
+            if len(body) + len(chunk) > limit:
+                raise too_large
+            body += chunk
+            if not message.get("more_body", False):
+                return bytes(body)
+    # The rest of the body may still come: close rather than read it as the next request.
+    raise HTTPError(
+        408,
+        "request_timeout",
+        f"the request body did not arrive within {timeout_s:g} s",
+        headers=[(b"connection", b"close")],
+    )
 
 
 async def send_response(

@@ -22,6 +22,7 @@ from .._errors import StorageConfigError
 from ._file import FileStorage
 from ._memory import MemoryStorage
 from ._protocol import StorageBackend, check_backend
+from ._redact import mask_userinfo, scrub_secrets
 
 __all__ = ["ENTRY_POINT_GROUP", "StorageFactory", "open_storage", "storage_schemes"]
 
@@ -36,7 +37,6 @@ _IMPORT_PATH = re.compile(
 )
 _SCHEME = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 _SCHEME_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*$")
-_USERINFO = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@")
 _FACTORY = "a storage factory is called as factory(url, *, mac_key) and returns a StorageBackend"
 
 # scheme -> (module, class, extra to install for its dependency)
@@ -163,7 +163,7 @@ def _import_factory(module_name: str, attr_path: str) -> Callable[..., StorageBa
 
 def _redact(url: str) -> str:
     """`url` with its user information (which may hold a password) masked, for messages."""
-    return _USERINFO.sub(r"\g<head>***@", url)
+    return mask_userinfo(url)
 
 
 def open_storage(url: str, *, mac_key: bytes | None = None) -> StorageBackend:
@@ -211,17 +211,23 @@ def open_storage(url: str, *, mac_key: bytes | None = None) -> StorageBackend:
         raise StorageConfigError(f"not a storage URL: {shown!r}; {_accepted()}")
     try:
         backend = factory(url, mac_key=mac_key)
-    except StorageConfigError:
-        raise
+    except StorageConfigError as exc:
+        # A parser may quote a piece of a password it took for a port or a query.
+        message = scrub_secrets(str(exc), url)
+        if message == str(exc):
+            raise
+        raise StorageConfigError(message) from None
     except TypeError as exc:
         # Most likely called with arguments it does not take: say how factories are called.
         raise StorageConfigError(
-            f"{source} cannot build a backend from {shown!r}: TypeError: {exc}; {_FACTORY}"
+            f"{source} cannot build a backend from {shown!r}: TypeError: "
+            f"{scrub_secrets(str(exc), url)}; {_FACTORY}"
         ) from exc
     except Exception as exc:
         # Anything else from a factory (a parser's ValueError) is still a URL that cannot be
         # served: one exception type for every bad URL.
         raise StorageConfigError(
-            f"{source} cannot build a backend from {shown!r}: {type(exc).__name__}: {exc}"
+            f"{source} cannot build a backend from {shown!r}: {type(exc).__name__}: "
+            f"{scrub_secrets(str(exc), url)}"
         ) from exc
     return check_backend(backend, f"what {source} returned for {shown!r}", accepted=_FACTORY)

@@ -62,6 +62,8 @@ class StorageLink:
         # A close whose caller was cancelled: its flush is given up (`hurry`).
         self._hurried = False
         self._flush_scope: anyio.CancelScope | None = None
+        #: The backend is open and the workers have started.
+        self.running = False
 
     def _is_current(self) -> bool:
         return self.cache._link is self
@@ -82,6 +84,7 @@ class StorageLink:
                             self._tg = tg
                             tg.start_soon(self.prefetcher.run)
                             tg.start_soon(self._run_backup)
+                            self.running = True
                             task_status.started()
                 except BaseException as exc:
                     body_exc = exc
