@@ -172,6 +172,29 @@ return #tail
 """
 
 
+# Repair: delete the list (KEYS[1]) or meta hash (KEYS[2]) where it holds another type than
+# ours, in one atomic step with the check, so a list another writer repaired and appended to
+# meanwhile is never taken for the damaged one. A deleted list's records are gone: the
+# generation moves on. Returns the names removed.
+_REPAIR_SCRIPT = """
+local removed = {}
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind ~= 'list' and kind ~= 'none' then
+  redis.call('DEL', KEYS[1])
+  removed[#removed + 1] = KEYS[1]
+end
+kind = redis.call('TYPE', KEYS[2]).ok
+if kind ~= 'hash' and kind ~= 'none' then
+  redis.call('DEL', KEYS[2])
+  removed[#removed + 1] = KEYS[2]
+elseif #removed > 0 then
+  redis.call('HSET', KEYS[2], 'bytes', 0)
+  redis.call('HINCRBY', KEYS[2], 'gen', 1)
+end
+return removed
+"""
+
+
 class _Stale(Exception):
     """A compaction or trim changed the list while it was being read."""
 
@@ -212,6 +235,7 @@ class RedisManifest:
         self._scripting = scripting
         self._window: AsyncScript | None = None
         self._switch: AsyncScript | None = None
+        self._repair_script: AsyncScript | None = None
         #: Compact a list that passes this many records; trim it to `_cap` records.
         self._compact_records = 2 * self.limits.max_entries
         self._cap = 4 * self.limits.max_entries
@@ -572,28 +596,66 @@ class RedisManifest:
         client = self._client()
         key, meta = self.list_key(namespace), self.meta_key(namespace)
         try:
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.type(key)
-                pipe.type(meta)
-                kinds = await pipe.execute()
-            wrong = [
-                name
-                for name, kind, ours in ((key, kinds[0], b"list"), (meta, kinds[1], b"hash"))
-                if kind not in (ours, b"none", ours.decode(), "none")
-            ]
-            if not wrong:
-                return
-            async with client.pipeline(transaction=True) as pipe:
+            wrong: list[str] | None = None
+            if self._scripting:
+                if self._repair_script is None:
+                    self._repair_script = client.register_script(_REPAIR_SCRIPT)
+                ran, removed = await self._run_script(self._repair_script, [key, meta], [])
+                if ran:
+                    wrong = [n.decode() if isinstance(n, bytes) else str(n) for n in removed]
+            if wrong is None:
+                wrong = await self._repair_unscripted(client, key, meta)
+        except REDIS_FAULTS as exc:
+            raise StorageError(f"{self._name}: manifest repair failed: {exc}") from exc
+        if wrong:
+            _log.warning(
+                "hicache.manifest.repaired", backend=self._name, namespace=namespace, removed=wrong
+            )
+
+    async def _run_script(
+        self, script: AsyncScript, keys: list[str], args: list[bytes | int]
+    ) -> tuple[bool, Any]:
+        """(True, its reply), or (False, None) once scripting is refused here (disabled, a
+        proxy, an ACL): logged, and the plain commands are used from then on."""
+        try:
+            return True, await script(keys=keys, args=args)
+        except ResponseError as exc:
+            if not scripting_refused(exc):
+                raise
+            _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
+            self._scripting = False
+            return False, None
+
+    async def _repair_unscripted(self, client: RedisClient, key: str, meta: str) -> list[str]:
+        """The repair without scripting: check the types, then delete in MULTI/EXEC, watched
+        on a standalone server so that a key changed meanwhile aborts it (it is then left
+        for the next repair). redis-py's cluster pipeline cannot watch without blocking the
+        loop, so on a cluster the check and the delete are two steps."""
+        watched = not isinstance(client, RedisCluster)
+        async with client.pipeline(transaction=True) as pipe:
+            try:
+                if watched:
+                    await pipe.watch(key, meta)
+                    kinds = [await pipe.type(key), await pipe.type(meta)]
+                else:
+                    kinds = [await client.type(key), await client.type(meta)]
+                wrong = [
+                    name
+                    for name, kind, ours in ((key, kinds[0], b"list"), (meta, kinds[1], b"hash"))
+                    if kind not in (ours, b"none", ours.decode(), "none")
+                ]
+                if not wrong:
+                    return []
+                if watched:
+                    pipe.multi()  # type: ignore[no-untyped-call]
                 pipe.delete(*wrong)
                 if meta not in wrong:
                     pipe.hset(meta, "bytes", 0)
                     pipe.hincrby(meta, "gen", 1)
                 await pipe.execute()
-        except REDIS_FAULTS as exc:
-            raise StorageError(f"{self._name}: manifest repair failed: {exc}") from exc
-        _log.warning(
-            "hicache.manifest.repaired", backend=self._name, namespace=namespace, removed=wrong
-        )
+            except WatchError:
+                return []
+        return wrong
 
     async def _switch_to(self, namespace: str, gen: bytes, length: int, lines: list[bytes]) -> bool:
         """Build the compacted list under a temporary key and switch to it atomically.
@@ -613,17 +675,9 @@ class RedisManifest:
             if self._scripting:
                 if self._switch is None:
                     self._switch = client.register_script(_SWITCH_SCRIPT)
-                try:
-                    args: list[bytes | int] = [gen, length, nbytes, self._ttl or 0]
-                    carried = await self._switch(keys=[key, meta, temp], args=args)
-                except ResponseError as exc:
-                    if not scripting_refused(exc):
-                        raise
-                    _log.warning(
-                        "hicache.manifest.no_scripting", backend=self._name, error=str(exc)
-                    )
-                    self._scripting = False
-                else:
+                args: list[bytes | int] = [gen, length, nbytes, self._ttl or 0]
+                ran, carried = await self._run_script(self._switch, [key, meta, temp], args)
+                if ran:
                     return int(carried) >= 0
             return await self._switch_watched(namespace, gen, length, temp, nbytes)
         except REDIS_FAULTS as exc:

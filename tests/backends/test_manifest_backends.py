@@ -15,7 +15,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -707,3 +707,79 @@ async def test_a_cold_instance_warms_up_from_redis_and_serves_from_its_host_pool
         for node in second.tree.iter_nodes():
             assert node.lock_ref == 0
             assert node.host_ref == 0
+
+
+class _RaceAfterTypes:
+    """A client whose first look at a key's type lets `meanwhile` run right after it: the
+    moment between a repair's check and its delete."""
+
+    def __init__(self, client: Any, meanwhile: Callable[[], Awaitable[None]]) -> None:
+        self._client = client
+        self._meanwhile: Callable[[], Awaitable[None]] | None = meanwhile
+
+    async def _after_check(self) -> None:
+        if self._meanwhile is not None:
+            run, self._meanwhile = self._meanwhile, None
+            await run()
+
+    def pipeline(self, transaction: bool = True) -> Any:
+        race = self
+        inner = self._client.pipeline(transaction=transaction)
+
+        class Pipe:
+            async def __aenter__(self) -> Pipe:
+                await inner.__aenter__()
+                return self
+
+            async def __aexit__(self, *exc: object) -> None:
+                await inner.__aexit__(*exc)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(inner, name)
+
+            async def execute(self, *args: Any, **kwargs: Any) -> Any:
+                replies = await inner.execute(*args, **kwargs)
+                if not transaction:  # the check, sent in a pipeline of its own
+                    await race._after_check()
+                return replies
+
+            def type(self, key: str) -> Any:
+                result = inner.type(key)
+                if not transaction or not key.endswith(":meta"):
+                    return result  # queued in a pipeline
+
+                async def checked() -> Any:  # the check, while watching
+                    kind = await result
+                    await race._after_check()
+                    return kind
+
+                return checked()
+
+        return Pipe()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+async def test_a_redis_manifest_repair_never_removes_a_list_repaired_meanwhile(
+    redis_url: str,
+) -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+    async with (
+        RedisStorage.from_url(f"{redis_url}?prefix={prefix}") as one,
+        RedisStorage.from_url(f"{redis_url}?prefix={prefix}") as two,
+    ):
+        first, second = one.manifest(LIMITS), two.manifest(LIMITS)
+        first._scripting = False  # the path that checks, then deletes
+        ns = NS_A.hex()
+        key = first.list_key(ns)
+        client = one._redis()
+        await client.set(key, b"not ours")
+        # Another writer repairs the list and appends to it between this one's check and its
+        # delete: what it appended must stay.
+        plain = first._client
+        first._client = lambda: _RaceAfterTypes(plain(), lambda: second.append([entry(NS_A, 100)]))
+        await first.append([entry(NS_A, 1)])
+        chains = {e.chain_id for e in (await second.read(namespace=ns)).entries}
+        assert entry(NS_A, 100).chain_id in chains
+        assert entry(NS_A, 1).chain_id in chains
