@@ -412,7 +412,9 @@ class HiCache:
     async def attach_storage(self, storage: StorageBackend | str) -> None:
         """Attach an L3 backend (a URL or a backend object, which the cache then owns).
 
-        Raises if one is attached already: detach it first.
+        Raises if one is attached (or opening) already: detach it first. A detach that comes
+        while this one opens waits for the open to end and closes the backend; this call
+        raises `HiCacheError` then.
         """
         self._check_open()
         if self._link is not None:
@@ -430,6 +432,8 @@ class HiCache:
             if self._link is link:
                 self._link = None
             raise
+        if self._link is not link:  # a detach (or the cache's close) came while it opened
+            raise HiCacheError(f"storage {backend.name!r} was detached while it was opening")
         self._generation = link.generation
         _log.info("hicache.storage.attached", backend=backend.name)
         if self.config.warmup.enabled:
@@ -462,10 +466,15 @@ class HiCache:
     def storage_status(self) -> StorageStatus:
         """Whether storage is attached, and its backend's and workers' statistics."""
         self._owner.check()
-        # Not attached until the backend has opened: an open can take its whole timeout.
-        if self._link is None or not self._link.running:
+        return self._storage_status()
+
+    def _storage_status(self) -> StorageStatus:
+        link = self._link
+        if link is None:
             return StorageStatus(attached=False)
-        return self._link.status()
+        if not link.running:  # not attached until the backend has opened: that can take long
+            return StorageStatus(attached=False, opening=True, backend=link.backend.name)
+        return link.status()
 
     async def warmup(
         self, *, ratio: float | None = None, deadline_s: float | None = None
@@ -608,7 +617,7 @@ class HiCache:
             host_pool=self._host_pool.statistics() if self._host_pool else None,
             tree=self._tree.statistics(),
             copy_engine=self._engine.statistics() if self._engine else None,
-            storage=self._link.status() if self._link else None,
+            storage=self._storage_status() if self._link else None,
         )
 
     def __repr__(self) -> str:

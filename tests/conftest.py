@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import pytest
+import structlog
 from _gated_copies import GatedEngine
 from hypothesis import HealthCheck, settings
 
@@ -40,3 +41,14 @@ async def gate() -> AsyncIterator[GatedEngine]:
         yield engine
     finally:
         await engine.aclose()
+
+
+@pytest.fixture(autouse=True)
+def _logging_config_restored() -> Iterator[None]:
+    """The command line, run in-process by some tests, configures logging as an application
+    (warnings and up): the tests after it must still see the library's info events."""
+    saved = structlog.get_config()
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)

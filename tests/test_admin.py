@@ -16,12 +16,12 @@ import pytest
 import structlog
 import uvicorn
 
-from hicache_async import CacheConfig, HiCache, KVLayout
+from hicache_async import CacheConfig, HiCache, HiCacheError, KVLayout
 from hicache_async._errors import StorageConfigError
 from hicache_async.admin import AdminApp
 from hicache_async.admin._app import _describe
 from hicache_async.admin._http import redact
-from hicache_async.storage import StorageError, open_storage
+from hicache_async.storage import MemoryStorage, StorageError, open_storage
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
 
 PAGE = 4
@@ -554,6 +554,7 @@ async def test_delete_with_and_without_flush_and_twice() -> None:
             "attached": False,
             "backend": None,
             "generation": 0,
+            "opening": False,
             "storage": None,
             "prefetch": None,
             "backup": None,
@@ -824,3 +825,52 @@ async def test_changes_while_requests_are_served(tmp_path: Path, thread: bool) -
             assert all(r.num_tokens == len(prompt) for r in rounds)
         await cache.drain()
         assert cache.statistics().live_requests == 0
+
+
+class _OpensWhenLetGo(MemoryStorage):
+    """A store whose opening waits for the test: an attach in progress, for as long as needed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = asyncio.Event()
+
+    async def __aenter__(self) -> _OpensWhenLetGo:
+        await self.go.wait()
+        await super().__aenter__()
+        return self
+
+
+async def test_an_attach_still_opening_is_reported_refused_and_can_be_detached() -> None:
+    async with admin() as (cache, client):
+        opening = _OpensWhenLetGo()
+        attach = asyncio.create_task(cache.attach_storage(opening))
+        for _ in range(100):
+            if cache.storage_status().opening:
+                break
+            await asyncio.sleep(0.01)
+        status = cache.storage_status()
+        assert (status.attached, status.opening, status.backend) == (False, True, opening.name)
+        assert cache.statistics().storage == status
+        # Another attach, from the API too, is refused as for an attached one.
+        response = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+        _error(response, 409, "storage_attached")
+        # A detach meanwhile waits for the open to end, then closes the backend; the attach
+        # says it was detached.
+        with structlog.testing.capture_logs() as logs:
+            delete = asyncio.create_task(client.delete(STORAGE, headers=AUTH))
+            for _ in range(100):
+                if not cache.storage_status().opening:  # the detach has taken the link
+                    break
+                await asyncio.sleep(0.01)
+            opening.go.set()
+            response = await delete
+        assert response.status_code == 200, response.text
+        assert [e["backend"] for e in logs if e["event"] == "hicache.admin.storage.detached"] == [
+            opening.name
+        ]
+        with pytest.raises(HiCacheError, match="detached while it was opening"):
+            await attach
+        assert not cache.storage_status().attached
+        assert cache.storage_status().generation == 0
+        with pytest.raises(StorageError):  # closed: it refuses calls
+            await opening.exists([bytes(32)])

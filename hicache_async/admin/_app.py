@@ -470,12 +470,13 @@ class AdminApp:
             return HTTPError(400, "invalid_storage_url", redact(str(exc), url=url))
         # Refused only once the old backend was detached (a file root that cannot be made):
         # 502 with what was lost, as for any other failure after the detach.
+        status = self.cache.storage_status()
         if (
             isinstance(exc, HiCacheError)
             and not isinstance(exc, StorageError)
-            and self.cache.storage_status().attached
+            and (status.attached or status.opening)
         ):
-            # Attached by someone other than this app in the meantime.
+            # Attached (or being attached) by someone other than this app in the meantime.
             return HTTPError(409, "storage_attached", str(exc))
         detail = f"cannot open storage {name!r} ({_describe(exc, name)}){lost}"
         return HTTPError(502, "storage_unreachable", redact(detail, url=url))

@@ -32,6 +32,8 @@ class StorageStatus(msgspec.Struct, frozen=True):
     attached: bool
     backend: str | None = None
     generation: int = 0
+    #: `attach_storage` is opening `backend`: not attached yet, and another attach refused
+    opening: bool = False
     storage: StorageStats | None = None
     prefetch: PrefetchStatistics | None = None
     backup: BackupStatistics | None = None
