@@ -843,34 +843,37 @@ class _OpensWhenLetGo(MemoryStorage):
 async def test_an_attach_still_opening_is_reported_refused_and_can_be_detached() -> None:
     async with admin() as (cache, client):
         opening = _OpensWhenLetGo()
-        attach = asyncio.create_task(cache.attach_storage(opening))
-        for _ in range(100):
-            if cache.storage_status().opening:
-                break
-            await asyncio.sleep(0.01)
-        status = cache.storage_status()
-        assert (status.attached, status.opening, status.backend) == (False, True, opening.name)
-        assert cache.statistics().storage == status
-        # Another attach, from the API too, is refused as for an attached one.
-        response = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
-        _error(response, 409, "storage_attached")
-        # A detach meanwhile waits for the open to end, then closes the backend; the attach
-        # says it was detached.
-        with structlog.testing.capture_logs() as logs:
-            delete = asyncio.create_task(client.delete(STORAGE, headers=AUTH))
+        try:
+            attach = asyncio.create_task(cache.attach_storage(opening))
             for _ in range(100):
-                if not cache.storage_status().opening:  # the detach has taken the link
+                if cache.storage_status().opening:
                     break
                 await asyncio.sleep(0.01)
-            opening.go.set()
-            response = await delete
-        assert response.status_code == 200, response.text
-        assert [e["backend"] for e in logs if e["event"] == "hicache.admin.storage.detached"] == [
-            opening.name
-        ]
-        with pytest.raises(HiCacheError, match="detached while it was opening"):
-            await attach
-        assert not cache.storage_status().attached
-        assert cache.storage_status().generation == 0
-        with pytest.raises(StorageError):  # closed: it refuses calls
-            await opening.exists([bytes(32)])
+            status = cache.storage_status()
+            assert (status.attached, status.opening, status.backend) == (False, True, opening.name)
+            assert cache.statistics().storage == status
+            # Another attach, from the API too, is refused as for an attached one.
+            response = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+            _error(response, 409, "storage_attached")
+            # A detach meanwhile waits for the open to end, then closes the backend; the attach
+            # says it was detached.
+            with structlog.testing.capture_logs() as logs:
+                delete = asyncio.create_task(client.delete(STORAGE, headers=AUTH))
+                for _ in range(100):
+                    if not cache.storage_status().opening:  # the detach has taken the link
+                        break
+                    await asyncio.sleep(0.01)
+                opening.go.set()
+                response = await delete
+            assert response.status_code == 200, response.text
+            assert [
+                e["backend"] for e in logs if e["event"] == "hicache.admin.storage.detached"
+            ] == [opening.name]
+            with pytest.raises(HiCacheError, match="detached while it was opening"):
+                await attach
+            assert not cache.storage_status().attached
+            assert cache.storage_status().generation == 0
+            with pytest.raises(StorageError):  # closed: it refuses calls
+                await opening.exists([bytes(32)])
+        finally:
+            opening.go.set()  # a failure above must not leave the cache's exit waiting
