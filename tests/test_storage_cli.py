@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hicache_async.cli import _manifest, _storage, main
+from hicache_async.cli import _args, _manifest, main
 from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, Outcome, PageMeta
 from hicache_async.storage._manifest import ManifestEntry
 from hicache_async.storage._page import FORMAT_VERSION
@@ -166,7 +166,7 @@ def test_a_root_that_cannot_be_searched_exits_2_with_a_message(
     def denied(root: Path) -> bool:
         raise PermissionError(13, "Permission denied", str(root))
 
-    monkeypatch.setattr(_storage, "store_missing", denied)
+    monkeypatch.setattr(_args, "store_missing", denied)
     code, _, err = _run(capsys, "stats", f"file://{tmp_path / 's'}")
     assert code == 2
     assert "cannot look into" in err

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+from .._errors import StorageConfigError
+from ..storage import FileStorage, open_storage
+
 if TYPE_CHECKING:
     from ..storage import StorageBackend
 
@@ -129,3 +132,31 @@ def mooncake_lending_nothing(url: str) -> str:
         if name not in ("segment_size", "placement")
     ]
     return urlunsplit(parts._replace(query=urlencode([*query, ("segment_size", "0")])))
+
+
+def backend_for_command(url: str, command: str, action: str, *, looking: bool) -> StorageBackend:
+    """The backend `url` names, built (not entered) for `command`'s `action`, or
+    `StorageConfigError` saying why the command refuses it: a store local to one process, a
+    directory that holds no store, or, for an action that only looks (`looking`), an
+    incomplete one, which opening would complete. A Mooncake client lends nothing."""
+    backend = open_storage(url)  # the URL as given is checked, then adjusted
+    lending_nothing = mooncake_lending_nothing(url)
+    if lending_nothing != url:
+        backend = open_storage(lending_nothing)
+    refusal = local_only(backend, command)
+    if refusal is not None:
+        raise StorageConfigError(refusal)
+    if isinstance(backend, FileStorage):
+        root = backend.root
+        try:
+            missing = store_missing(root)
+            lacking = store_incomplete(root) if looking and not missing else []
+        except OSError as exc:  # a root this user may not search
+            raise StorageConfigError(f"cannot look into {root}: {exc.strerror or exc}") from None
+        if missing:
+            # Opening would create a store there (pages/, tmp/, LOCK); a command should not.
+            raise StorageConfigError(f"no storage at {root}")
+        if lacking:
+            raise StorageConfigError(incomplete_message(root, lacking, action))
+        backend._keep_leftovers = looking  # looking must leave the store as it was
+    return backend

@@ -10,15 +10,8 @@ import sys
 import msgspec
 
 from .._errors import HiCacheError, StorageConfigError
-from ..storage import FileStorage, open_storage
 from ..storage._manifest import SupportsManifest
-from ._args import (
-    incomplete_message,
-    local_only,
-    mooncake_lending_nothing,
-    store_incomplete,
-    store_missing,
-)
+from ._args import backend_for_command
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -51,22 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace) -> object:
-    backend = open_storage(args.url)  # the URL as given is checked, then adjusted
-    lending_nothing = mooncake_lending_nothing(args.url)
-    if lending_nothing != args.url:
-        backend = open_storage(lending_nothing)
-    refusal = local_only(backend, "manifest")
-    if refusal is not None:
-        raise StorageConfigError(refusal)
-    if isinstance(backend, FileStorage):
-        if store_missing(backend.root):
-            # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
-            # should not.
-            raise StorageConfigError(f"no storage at {backend.root}")
-        lacking = store_incomplete(backend.root) if args.action == "show" else []
-        if lacking:  # opening would create what is missing: showing must change nothing
-            raise StorageConfigError(incomplete_message(backend.root, lacking, "show"))
-        backend._keep_leftovers = args.action == "show"  # as storage stats: looking changes nothing
+    backend = backend_for_command(args.url, "manifest", args.action, looking=args.action == "show")
     async with backend:
         if not isinstance(backend, SupportsManifest):
             raise StorageConfigError(f"{backend.name} keeps no warmup manifest")

@@ -31,16 +31,8 @@ from ..storage import (
     StorageBackend,
     StorageStats,
     VerifyReport,
-    open_storage,
 )
-from ._args import (
-    count,
-    incomplete_message,
-    local_only,
-    mooncake_lending_nothing,
-    store_incomplete,
-    store_missing,
-)
+from ._args import backend_for_command, count
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -77,31 +69,11 @@ def run(args: argparse.Namespace) -> int:
     _log_to_stderr()
     if args.limit is not None and args.action != "ls":
         return _fail("--limit only applies to ls", 2)
+    looking = args.action in ("stats", "ls")
     try:
-        backend = open_storage(args.url)  # the URL as given is checked, then adjusted
-        lending_nothing = mooncake_lending_nothing(args.url)
-        if lending_nothing != args.url:
-            backend = open_storage(lending_nothing)
+        backend = backend_for_command(args.url, "storage", args.action, looking=looking)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
-    refusal = local_only(backend, "storage")
-    if refusal is not None:
-        return _fail(refusal, 2)
-    if isinstance(backend, FileStorage):
-        looking = args.action in ("stats", "ls")
-        try:
-            missing = store_missing(backend.root)
-            lacking = store_incomplete(backend.root) if looking and not missing else []
-        except OSError as exc:  # a root this user may not search
-            return _fail(f"cannot look into {backend.root}: {exc.strerror or exc}", 2)
-        if missing:
-            # Opening would create a store there (pages/, tmp/, LOCK); an inspection tool
-            # should not.
-            return _fail(f"no storage at {backend.root}", 2)
-        if lacking:  # opening would create what is missing: looking must change nothing
-            return _fail(incomplete_message(backend.root, lacking, args.action), 2)
-        if looking:
-            backend._keep_leftovers = True  # looking must leave the store as it was
     if args.action != "stats" and not isinstance(backend, MaintainableStorage):
         return _fail(f"{backend.name} does not support {args.action}", 2)
     try:
