@@ -37,7 +37,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    # Only the chosen command's module is imported to add its arguments: the others import
+    # torch, and `storage ls` should not take seconds to start. The top-level parser and
+    # `bench` take no options of their own, so the first words that are not options name the
+    # command and the benchmark.
+    words = [arg for arg in argv if not arg.startswith("-")]
+    chosen = words[0] if words else None
     parser = argparse.ArgumentParser(
         prog="hicache-async", description="Hierarchical KV cache for LLM serving, asyncio-native."
     )
@@ -46,14 +52,20 @@ def _build_parser() -> argparse.ArgumentParser:
         if importlib.util.find_spec(module_path) is None:
             continue  # not part of this build
         cmd = sub.add_parser(name, help=help_text)
-        importlib.import_module(module_path).add_arguments(cmd)
+        if name == chosen:
+            importlib.import_module(module_path).add_arguments(cmd)
     bench = sub.add_parser("bench", help="run a benchmark against an in-process baseline")
     kinds = bench.add_subparsers(dest="kind", required=True)
-    for kind, module_path in BENCHMARKS.items():
+    kind = words[1] if chosen == "bench" and len(words) > 1 else None
+    for name, module_path in BENCHMARKS.items():
         if importlib.util.find_spec(module_path) is None:
             continue  # not part of this build
+        if chosen != "bench" or (kind in BENCHMARKS and name != kind):
+            kinds.add_parser(name)
+            continue
+        # The chosen benchmark, or all of them when `bench` alone lists them with their help.
         module = importlib.import_module(module_path)
-        bench_parser = kinds.add_parser(kind, help=module.describe)
+        bench_parser = kinds.add_parser(name, help=module.describe)
         bench_parser.add_argument("--json", metavar="PATH", help="write the records as JSON")
         module.add_arguments(bench_parser)
     return parser
@@ -100,7 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger_factory=_stderr_logger,
     )
     try:
-        args = _build_parser().parse_args(argv)
+        if argv is None:
+            argv = sys.argv[1:]
+        args = _build_parser(argv).parse_args(argv)
         if args.command == "bench":
             return _bench(args)
         module_path, _ = COMMANDS[args.command]

@@ -1,0 +1,72 @@
+"""The package imports torch only when something that needs it is used."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hicache_async
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def test_every_public_name_resolves_to_its_module() -> None:
+    exports = hicache_async._EXPORTS
+    assert set(exports) | {"__version__"} == set(hicache_async.__all__)
+    for name, module in exports.items():
+        value = getattr(hicache_async, name)
+        assert value.__module__.startswith(f"hicache_async{module}"), (name, value.__module__)
+    assert set(hicache_async.__all__) <= set(dir(hicache_async))
+
+
+def test_an_unknown_name_raises_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchThing'"):
+        hicache_async.NoSuchThing  # noqa: B018
+
+
+def test_storage_and_errors_do_not_import_torch() -> None:
+    done = _run(
+        "import sys, hicache_async, hicache_async.storage, hicache_async._errors\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "hicache_async.StorageError\n"
+        "assert 'torch' not in sys.modules, 'torch imported by an error class'\n"
+        "hicache_async.HiCache\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_storage_command_does_not_import_torch(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    done = _run(
+        "import asyncio, json, sys\n"
+        "from hicache_async.storage import FileStorage\n"
+        "from hicache_async.cli import main\n"
+        "async def create():\n"
+        f"    async with FileStorage({str(root)!r}) as storage:\n"
+        "        assert await storage.exists([]) == 0\n"
+        "asyncio.run(create())\n"
+        f"code = main(['storage', 'stats', '--json', 'file://{root}'])\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "sys.exit(code)\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert '"pages": 0' in done.stdout or '"pages":0' in done.stdout, done.stdout
+
+
+def test_the_chosen_benchmark_parses_its_own_options() -> None:
+    done = _run(
+        "import sys\nfrom hicache_async.cli import main\nmain(['bench', 'storage', '--help'])\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--backend" in done.stdout
+    bad = _run("from hicache_async.cli import main\nmain(['bench', 'storage', '--no-such'])\n")
+    assert bad.returncode == 2
+    assert "unrecognized arguments: --no-such" in bad.stderr
