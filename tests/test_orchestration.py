@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 
+import anyio
 import numpy as np
 import pytest
 import structlog
@@ -522,6 +523,57 @@ async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothin
         # Storage answers again: the same prompt is read in full.
         again = await cache.prefetch(prompts[2], policy="wait_complete")
         assert again.storage_tokens == len(prompts[2])
+
+
+class TakenAsTheLimitPasses:
+    """Stands in for the prefetch queue when it is full: the item sent is taken by a worker,
+    which starts reading it, and the sender runs again only after its limit passed."""
+
+    def __init__(self, link: StorageLink) -> None:
+        self.link = link
+        self.send_to_worker, self.worker_queue = anyio.create_memory_object_stream[PrefetchHandle](
+            1
+        )
+
+    def send_nowait(self, handle: PrefetchHandle) -> None:
+        raise anyio.WouldBlock
+
+    async def send(self, handle: PrefetchHandle) -> None:
+        self.send_to_worker.send_nowait(handle)
+        await asyncio.sleep(3600)  # the worker starts it; the limit passes
+
+
+async def test_a_prefetch_a_worker_runs_as_its_submit_gives_up_stays_live() -> None:
+    # Warmup waits while any live prefetch runs; one whose caller stopped waiting for room just
+    # as a worker took it still reads into the host pool until that worker stops it.
+    limits = {"timeout_base_s": 0.05, "timeout_per_1k_tokens_s": 0.0, "timeout_max_s": 0.05}
+    async with _one_stuck_one_queued({"policy": "timeout", **limits}, seed=90) as (
+        cache,
+        gated,
+        prompts,
+        stuck,
+        queued,
+    ):
+        link = cache._link
+        assert link is not None
+        prefetcher = link.prefetcher
+        full = TakenAsTheLimitPasses(link)
+        real_send, prefetcher._send = prefetcher._send, full  # type: ignore[assignment]
+        worker = asyncio.ensure_future(prefetcher._work(full.worker_queue))
+        try:
+            third = await asyncio.wait_for(cache.start_prefetch(prompts[2]), 10)
+            assert third.status is PrefetchStatus.RUNNING  # in the (gated) exists call
+            assert prefetcher._live == 3  # the stuck one, the queued one, and this one
+            assert not prefetcher._quiet.is_set()
+        finally:
+            prefetcher._send = real_send
+            gated.gate.set_result(None)
+        await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait(), third.wait()), 10)
+        full.send_to_worker.close()
+        await asyncio.wait_for(worker, 10)
+        assert prefetcher._live == 0
+        assert prefetcher._quiet.is_set()
+        assert_drained(cache)
 
 
 class Misbehaving(Unowned):

@@ -381,7 +381,7 @@ class Prefetcher:
                 handle._finish(PrefetchStatus.TERMINATED)
                 self.terminated += 1
                 self.timeouts += policy == "timeout"
-            self._live_done(handle)
+            self._live_done_unless_running(handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # Storage was detached while this prefetch waited for the queue: a miss.
             self._live_done(handle)
@@ -395,8 +395,14 @@ class Prefetcher:
             if handle.status is PrefetchStatus.QUEUED:
                 handle._finish(PrefetchStatus.CANCELLED)
                 self.cancelled += 1
-            self._live_done(handle)
+            self._live_done_unless_running(handle)
             raise
+
+    def _live_done_unless_running(self, handle: PrefetchHandle) -> None:
+        # A worker that took the handle is still reading into the host pool: warmup must go
+        # on yielding until it stops, and the worker marks it done then.
+        if handle not in self._running:
+            self._live_done(handle)
 
     def _live_done(self, handle: PrefetchHandle) -> None:
         if not handle._counted_live:
