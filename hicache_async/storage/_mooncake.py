@@ -33,7 +33,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from .. import _native
-from .._errors import StorageConfigError, StorageError
+from .._errors import StorageConfigError, StorageError, type_name
 from ._base import (
     BackendBase,
     byte_segments,
@@ -124,6 +124,31 @@ _URL_PARAMS = {
     "when it lends one) or any (the master's choice)",
 }
 _PLACEMENTS = ("any", "local")
+
+
+_METADATA_PORTS = {"http": 80, "https": 443, "etcd": 2379}
+
+
+def _metadata_address(metadata: str) -> tuple[str, int] | None:
+    """The metadata server's (host, port) to probe; None for P2PHANDSHAKE.
+
+    Checked before Mooncake sees it: an unknown scheme aborts the whole process inside
+    Mooncake (a fatal log, not an error code).
+    """
+    if metadata == "P2PHANDSHAKE":
+        return None
+    accepted = "accepted: P2PHANDSHAKE, http://host:port/metadata or etcd://host:port"
+    if not isinstance(metadata, str):
+        raise StorageConfigError(f"mooncake metadata must be a str, got {type_name(metadata)}")
+    try:
+        parts = urlsplit(metadata)
+        port = parts.port
+    except ValueError as exc:
+        raise StorageConfigError(f"mooncake metadata {metadata!r}: {exc}; {accepted}") from None
+    scheme = parts.scheme.lower()
+    if scheme not in _METADATA_PORTS or not parts.hostname:
+        raise StorageConfigError(f"mooncake metadata {metadata!r} is not usable; {accepted}")
+    return parts.hostname, _METADATA_PORTS[scheme] if port is None else port
 
 
 def _address(view: memoryview) -> int:
@@ -525,8 +550,17 @@ class MooncakeStorage(BackendBase):
             )
         if placement == "local" and segment_size == 0:
             raise StorageConfigError("mooncake placement=local needs a segment (segment_size > 0)")
-        if admin is not None and urlsplit(admin).scheme not in ("http", "https"):
-            raise StorageConfigError(f"mooncake admin must be an http:// URL, got {admin!r}")
+        if admin is not None and (
+            urlsplit(admin).scheme not in ("http", "https") or not urlsplit(admin).hostname
+        ):
+            raise StorageConfigError(
+                f"mooncake admin must be an http://host:port URL, got {admin!r}"
+            )
+        if device and protocol != "rdma":
+            raise StorageConfigError(
+                f"mooncake device names RDMA devices; it needs protocol=rdma, got {protocol!r}"
+            )
+        metadata_address = _metadata_address(metadata)
         for field, value, minimum in (
             ("segment_size", segment_size, 0),
             ("buffer_size", buffer_size, 1 << 10),
@@ -550,6 +584,7 @@ class MooncakeStorage(BackendBase):
         self._master = master
         self._master_addr = (host.strip("[]"), int(port))
         self._metadata = metadata
+        self._metadata_address = metadata_address
         self._protocol = protocol
         self._device = device
         self._local_hostname = local_hostname
@@ -601,6 +636,12 @@ class MooncakeStorage(BackendBase):
         port = parse_port(parts, scheme="mooncake")
         if not parts.hostname or port is None:
             raise StorageConfigError(f"mooncake:// URL needs the master's host:port, got {url!r}")
+        if parts.username is not None or parts.path not in ("", "/") or parts.fragment:
+            # Mooncake takes no credentials and the master no database: what was meant?
+            raise StorageConfigError(
+                "a mooncake:// URL is the master's host:port and query parameters only; "
+                "it takes no user, password, path or fragment"
+            )
         params = parse_query(parts.query, _URL_PARAMS, scheme="mooncake")
 
         def size(name: str, default: int) -> int:
@@ -779,7 +820,13 @@ class MooncakeStorage(BackendBase):
                 "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
                 "mooncake-transfer-engine for CUDA/RDMA hosts"
             ) from exc
-        arena = np.zeros(self._staging_size, dtype=np.uint8)
+        try:
+            arena = np.zeros(self._staging_size, dtype=np.uint8)
+        except MemoryError as exc:
+            raise StorageError(
+                f"{self._name}: cannot allocate the staging arena "
+                f"(staging_size={self._staging_size} bytes)"
+            ) from exc
         arena_base = int(arena.ctypes.data)
         pending = list(self._pending)
 
@@ -872,6 +919,14 @@ class MooncakeStorage(BackendBase):
         # setup() waits a long time for a master that is not there: probe it first.
         if not reachable(self._master_addr, _PROBE_TIMEOUT_S):
             raise StorageError(f"{self._name}: cannot reach the Mooncake master at {self._master}")
+        # And the metadata server: an etcd client retries it for minutes.
+        if self._metadata_address is not None and not reachable(
+            self._metadata_address, _PROBE_TIMEOUT_S
+        ):
+            host, port = self._metadata_address
+            raise StorageError(
+                f"{self._name}: cannot reach the Mooncake metadata server at {host}:{port}"
+            )
         store = factory()
         code = store.setup(
             self._local_hostname,

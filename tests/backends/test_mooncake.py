@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import struct
 import sys
 import threading
@@ -753,6 +754,63 @@ async def test_unreachable_master_fails_to_open() -> None:
     with pytest.raises(StorageError, match="cannot reach"):
         async with MooncakeStorage.from_url(fresh_url(url)):
             pass
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        # Mooncake aborts the process on a metadata scheme it has no plugin for.
+        ({"metadata": "foo://127.0.0.1:1"}, "accepted: P2PHANDSHAKE, http://host:port"),
+        ({"metadata": "redis://127.0.0.1:1"}, "accepted: P2PHANDSHAKE, http://host:port"),
+        ({"metadata": "http:///metadata"}, "metadata 'http:///metadata' is not usable"),
+        ({"metadata": "etcd://127.0.0.1:99999"}, "metadata 'etcd://127.0.0.1:99999'"),
+        ({"admin": "http://"}, "admin must be an http://host:port URL"),
+        ({"device": "mlx5_0"}, "needs protocol=rdma"),
+    ],
+)
+def test_bad_parameters_are_refused_before_mooncake_sees_them(
+    params: dict[str, str], match: str
+) -> None:
+    url = f"mooncake://127.0.0.1:{free_port()}?protocol=tcp"
+    with pytest.raises(StorageConfigError, match=re.escape(match)):
+        MooncakeStorage.from_url(fresh_url(url, **params))
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mooncake://user:secret@127.0.0.1:50051",
+        "mooncake://127.0.0.1:50051/0",
+        "mooncake://127.0.0.1:50051#x",
+    ],
+)
+def test_url_parts_mooncake_has_no_use_for_are_refused(url: str) -> None:
+    with pytest.raises(StorageConfigError, match="no user, password, path or fragment") as info:
+        MooncakeStorage.from_url(url)
+    assert "secret" not in str(info.value)
+
+
+async def test_unreachable_metadata_server_fails_to_open_at_once(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # An etcd client retries an unreachable server for minutes, in a thread no cancel stops.
+    port = free_port()
+    url = f"mooncake://{mooncake_master.address}?protocol=tcp&metadata=etcd://127.0.0.1:{port}"
+    storage = MooncakeStorage.from_url(fresh_url(url))
+    reason = f"cannot reach the Mooncake metadata server at 127.0.0.1:{port}"
+    with pytest.raises(StorageError, match=reason):
+        async with storage:
+            pytest.fail("opened without its metadata server")
+
+
+async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
+    mooncake_url: str,
+) -> None:
+    # More than any x86-64 or arm64 process can map, whatever the overcommit policy.
+    storage = MooncakeStorage.from_url(fresh_url(mooncake_url, staging_size=str(1 << 50)))
+    with pytest.raises(StorageError, match="staging_size=1125899906842624"):
+        async with storage:
+            pytest.fail("opened with a petabyte arena")
 
 
 async def test_page_larger_than_staging_is_an_error_alone(mooncake_url: str) -> None:
