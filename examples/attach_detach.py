@@ -25,31 +25,30 @@ async def main() -> None:
     model = KVGenerator(config.layout, config.page_size)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 30_000, size=int(rng.integers(40, 200))) for _ in range(40)]
-    first, second = tempfile.mkdtemp(), tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory() as first, tempfile.TemporaryDirectory() as second:
+        async with HiCache(config) as cache:
+            print("attached at start:", cache.storage_status().attached)
 
-    async with HiCache(config) as cache:
-        print("attached at start:", cache.storage_status().attached)
+            async def traffic() -> None:
+                for i, prompt in enumerate(prompts):
+                    await serve(cache, prompt, model, request_id=f"req-{i}")
+                    await asyncio.sleep(0.001)
 
-        async def traffic() -> None:
-            for i, prompt in enumerate(prompts):
-                await serve(cache, prompt, model, request_id=f"req-{i}")
-                await asyncio.sleep(0.001)
-
-        serving = asyncio.create_task(traffic())
-        await cache.attach_storage(f"file://{first}")
-        await asyncio.sleep(0.02)
-        # No need to wait for idle: in-flight prefetches are cancelled, backups flushed.
-        await cache.detach_storage(flush=True)
-        await cache.attach_storage(f"file://{second}")
-        status = cache.storage_status()
-        print(f"now attached to {status.backend} (generation {status.generation})")
-        await serving
-        await cache.drain()
-        backup = cache.storage_status().backup
-        print("pages backed up to the second store:", backup.written_pages if backup else 0)
-        await cache.detach_storage()
-        await cache.detach_storage()  # detaching twice is harmless
-        print("attached at the end:", cache.storage_status().attached)
+            serving = asyncio.create_task(traffic())
+            await cache.attach_storage(f"file://{first}")
+            await asyncio.sleep(0.02)
+            # No need to wait for idle: in-flight prefetches are cancelled, backups flushed.
+            await cache.detach_storage(flush=True)
+            await cache.attach_storage(f"file://{second}")
+            status = cache.storage_status()
+            print(f"now attached to {status.backend} (generation {status.generation})")
+            await serving
+            await cache.drain()
+            backup = cache.storage_status().backup
+            print("pages backed up to the second store:", backup.written_pages if backup else 0)
+            await cache.detach_storage()
+            await cache.detach_storage()  # detaching twice is harmless
+            print("attached at the end:", cache.storage_status().attached)
 
 
 if __name__ == "__main__":

@@ -34,46 +34,46 @@ def config(**overrides: object) -> CacheConfig:
 
 
 async def main() -> None:
-    root = tempfile.mkdtemp(prefix="hicache-warmup-")
-    model = KVGenerator(config().layout, 16)  # stands in for a model's KV
-    rng = np.random.default_rng(7)
-    system = rng.integers(0, 32_000, size=128)  # a shared system prompt: 8 pages
-    prompts = [np.concatenate([system, rng.integers(0, 32_000, size=200)]) for _ in range(8)]
+    with tempfile.TemporaryDirectory(prefix="hicache-warmup-") as root:
+        model = KVGenerator(config().layout, 16)  # stands in for a model's KV
+        rng = np.random.default_rng(7)
+        system = rng.integers(0, 32_000, size=128)  # a shared system prompt: 8 pages
+        prompts = [np.concatenate([system, rng.integers(0, 32_000, size=200)]) for _ in range(8)]
 
-    # 1. A warm instance serves traffic; backups fill the store and its manifest.
-    async with HiCache(config(), storage=FileStorage(root)) as first:
-        for prompt in prompts:
-            await serve(first, prompt, model)
-        await first.drain()
-        backup = first.storage_status().backup
-        assert backup is not None
-        print(
-            f"first instance: backed up {backup.written_pages} pages, "
-            f"recorded {backup.manifest_entries} manifest entries"
-        )
+        # 1. A warm instance serves traffic; backups fill the store and its manifest.
+        async with HiCache(config(), storage=FileStorage(root)) as first:
+            for prompt in prompts:
+                await serve(first, prompt, model)
+            await first.drain()
+            backup = first.storage_status().backup
+            assert backup is not None
+            print(
+                f"first instance: backed up {backup.written_pages} pages, "
+                f"recorded {backup.manifest_entries} manifest entries"
+            )
 
-    # 2. A new instance starts cold and warms up from the store before serving.
-    cold = config(warmup={"enabled": True, "ratio": 0.9, "deadline_s": 30.0})
-    async with HiCache(cold, storage=FileStorage(root)) as second:
-        result = await second.wait_warmup()
-        assert result is not None
-        print(
-            f"warmup: {result.status.value}, {result.entries_loaded} of {result.entries_read} "
-            f"entries, {result.pages_loaded} pages in {result.seconds * 1000:.0f} ms"
-        )
-        host = device = computed = checked = 0
-        for prompt in prompts:
-            served = await serve(second, prompt, model, check="all")
-            host += served.host_tokens
-            device += served.device_tokens
-            computed += served.computed_tokens
-            checked += served.checked_pages
-        total = sum(len(p) for p in prompts)
-        print(
-            f"second instance: {total} prompt tokens, {host} from its host pool, "
-            f"{device} from its device pool, {computed} computed; "
-            f"{checked} pages checked, all matched"
-        )
+        # 2. A new instance starts cold and warms up from the store before serving.
+        cold = config(warmup={"enabled": True, "ratio": 0.9, "deadline_s": 30.0})
+        async with HiCache(cold, storage=FileStorage(root)) as second:
+            result = await second.wait_warmup()
+            assert result is not None
+            print(
+                f"warmup: {result.status.value}, {result.entries_loaded} of {result.entries_read} "
+                f"entries, {result.pages_loaded} pages in {result.seconds * 1000:.0f} ms"
+            )
+            host = device = computed = checked = 0
+            for prompt in prompts:
+                served = await serve(second, prompt, model, check="all")
+                host += served.host_tokens
+                device += served.device_tokens
+                computed += served.computed_tokens
+                checked += served.checked_pages
+            total = sum(len(p) for p in prompts)
+            print(
+                f"second instance: {total} prompt tokens, {host} from its host pool, "
+                f"{device} from its device pool, {computed} computed; "
+                f"{checked} pages checked, all matched"
+            )
 
 
 if __name__ == "__main__":

@@ -37,38 +37,38 @@ async def main() -> None:
         for _ in range(60)
     ]
     # Fill storage with a healthy instance first.
-    root = tempfile.mkdtemp(prefix="hicache-faults-")
-    async with HiCache(CONFIG, storage=FileStorage(root)) as healthy:
-        for prompt in prompts:
-            await serve(healthy, prompt, model)
-        await healthy.drain()
-        store = healthy.storage_status()
-    print(f"healthy instance wrote {store.backup.written_pages if store.backup else 0} pages")
+    with tempfile.TemporaryDirectory(prefix="hicache-faults-") as root:
+        async with HiCache(CONFIG, storage=FileStorage(root)) as healthy:
+            for prompt in prompts:
+                await serve(healthy, prompt, model)
+            await healthy.drain()
+            store = healthy.storage_status()
+        print(f"healthy instance wrote {store.backup.written_pages if store.backup else 0} pages")
 
-    faulty = FaultyStorage(
-        FileStorage(root),
-        seed=7,
-        error_rate=0.1,
-        hang_rate=0.05,
-        corrupt_rate=0.1,
-        truncate_rate=0.05,
-        partial_batch_rate=0.1,
-        latency_spike_rate=0.1,
-        latency_spike_s=0.005,
-    )
-    async with HiCache(CONFIG, storage=faulty) as cache:
-        results = [
-            await serve(cache, p, model, request_id=f"r{i}") for i, p in enumerate(prompts * 2)
-        ]
-        await cache.drain()
-        locks = sum(node.lock_ref + node.host_ref for node in cache.tree.iter_nodes())
-        device, host = cache.device_pool.allocator, cache.host_pool.allocator
-        assert locks == 0, "a reference leaked"
-        assert device.free_count + device.used_count == device.capacity
-        assert host.free_count + host.used_count == host.capacity
-    print(f"{len(results)} requests served, 0 failed; faults injected: {faulty.injected()}")
-    print(f"tokens from storage despite the faults: {sum(r.storage_tokens for r in results)}")
-    print(f"pages checked against the generator: {sum(r.checked_pages for r in results)}")
+        faulty = FaultyStorage(
+            FileStorage(root),
+            seed=7,
+            error_rate=0.1,
+            hang_rate=0.05,
+            corrupt_rate=0.1,
+            truncate_rate=0.05,
+            partial_batch_rate=0.1,
+            latency_spike_rate=0.1,
+            latency_spike_s=0.005,
+        )
+        async with HiCache(CONFIG, storage=faulty) as cache:
+            results = [
+                await serve(cache, p, model, request_id=f"r{i}") for i, p in enumerate(prompts * 2)
+            ]
+            await cache.drain()
+            locks = sum(node.lock_ref + node.host_ref for node in cache.tree.iter_nodes())
+            device, host = cache.device_pool.allocator, cache.host_pool.allocator
+            assert locks == 0, "a reference leaked"
+            assert device.free_count + device.used_count == device.capacity
+            assert host.free_count + host.used_count == host.capacity
+        print(f"{len(results)} requests served, 0 failed; faults injected: {faulty.injected()}")
+        print(f"tokens from storage despite the faults: {sum(r.storage_tokens for r in results)}")
+        print(f"pages checked against the generator: {sum(r.checked_pages for r in results)}")
 
 
 if __name__ == "__main__":

@@ -67,27 +67,27 @@ async def handle(cache: HiCache, model: KVGenerator, tokens: list[int]) -> dict[
 
 
 async def main() -> None:
-    root = tempfile.mkdtemp(prefix="hicache-http-")
-    model = KVGenerator(CONFIG.layout, CONFIG.page_size)
-    async with HiCache(CONFIG, storage=f"file://{root}") as cache:
-        # Bind the listening socket first: connections queue in its backlog until the
-        # server accepts them, so there is no start-up race to wait out.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(64)
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(make_app(cache, model), log_level="warning"))
-        serving = asyncio.create_task(server.serve(sockets=[sock]))
-        system_prompt = list(range(500, 564))
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for turn in range(3):
-                tokens = system_prompt + list(range(turn * 40, turn * 40 + 40))
-                reply = await client.post("/generate", json={"tokens": tokens})
-                print(f"turn {turn}: {reply.json()}")
-            bad = await client.post("/generate", json={"tokens": [-1]})
-            print(f"bad input: {bad.status_code} {bad.json()['error']}")
-        server.should_exit = True
-        await serving
+    with tempfile.TemporaryDirectory(prefix="hicache-http-") as root:
+        model = KVGenerator(CONFIG.layout, CONFIG.page_size)
+        async with HiCache(CONFIG, storage=f"file://{root}") as cache:
+            # Bind the listening socket first: connections queue in its backlog until the
+            # server accepts them, so there is no start-up race to wait out.
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(64)
+            port = sock.getsockname()[1]
+            server = uvicorn.Server(uvicorn.Config(make_app(cache, model), log_level="warning"))
+            serving = asyncio.create_task(server.serve(sockets=[sock]))
+            system_prompt = list(range(500, 564))
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                for turn in range(3):
+                    tokens = system_prompt + list(range(turn * 40, turn * 40 + 40))
+                    reply = await client.post("/generate", json={"tokens": tokens})
+                    print(f"turn {turn}: {reply.json()}")
+                bad = await client.post("/generate", json={"tokens": [-1]})
+                print(f"bad input: {bad.status_code} {bad.json()['error']}")
+            server.should_exit = True
+            await serving
 
 
 if __name__ == "__main__":

@@ -22,26 +22,26 @@ async def main() -> None:
     )
     # The embedded default is files under ~/.cache/hicache_async; a private root keeps the
     # example self-contained.
-    root = tempfile.mkdtemp(prefix="hicache-quickstart-")
-    model = KVGenerator(config.layout, config.page_size)  # stands in for a model's KV
-    prompt = list(range(1000, 1100))
+    with tempfile.TemporaryDirectory(prefix="hicache-quickstart-") as root:
+        model = KVGenerator(config.layout, config.page_size)  # stands in for a model's KV
+        prompt = list(range(1000, 1100))
 
-    async with HiCache(config, storage=f"file://{root}") as cache:
-        for attempt in (1, 2):
-            await cache.prefetch(prompt, request_id=f"attempt-{attempt}")
-            with cache.request(prompt, request_id=f"attempt-{attempt}") as req:
-                load = await req.load()
-                for layer in range(config.layout.num_layers):
-                    await load.layer(layer)  # a model computes layer `layer` here
-                cached = req.cached_tokens
-                pages = await req.allocate(len(prompt) - cached)
-                first = cached // config.page_size
-                for offset, page in enumerate(pages[: len(prompt) // config.page_size - first]):
-                    model.fill_page(cache.device_pool, page, prompt, first + offset)
-                req.commit()
-            print(f"attempt {attempt}: {cached} of {len(prompt)} tokens came from the cache")
-        await cache.drain()
-        print(cache)
+        async with HiCache(config, storage=f"file://{root}") as cache:
+            for attempt in (1, 2):
+                await cache.prefetch(prompt, request_id=f"attempt-{attempt}")
+                with cache.request(prompt, request_id=f"attempt-{attempt}") as req:
+                    load = await req.load()
+                    for layer in range(config.layout.num_layers):
+                        await load.layer(layer)  # a model computes layer `layer` here
+                    cached = req.cached_tokens
+                    pages = await req.allocate(len(prompt) - cached)
+                    first = cached // config.page_size
+                    for offset, page in enumerate(pages[: len(prompt) // config.page_size - first]):
+                        model.fill_page(cache.device_pool, page, prompt, first + offset)
+                    req.commit()
+                print(f"attempt {attempt}: {cached} of {len(prompt)} tokens came from the cache")
+            await cache.drain()
+            print(cache)
 
 
 if __name__ == "__main__":

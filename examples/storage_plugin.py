@@ -295,14 +295,15 @@ async def serve_with_plugin() -> None:
         }
     )
     model = KVGenerator(config.layout, config.page_size)
-    db = Path(tempfile.mkdtemp()) / "pages.db"
-    prompt = np.arange(200)
-    async with HiCache(config, storage=SqliteStorage(db)) as first:
-        await serve(first, prompt, model)
-        await first.drain()
-    async with HiCache(config, storage=SqliteStorage(db)) as second:
-        result = await serve(second, prompt, model)
-    print(f"a fresh cache read {result.storage_tokens} tokens back from {db.name}")
+    with tempfile.TemporaryDirectory() as scratch:
+        db = Path(scratch) / "pages.db"
+        prompt = np.arange(200)
+        async with HiCache(config, storage=SqliteStorage(db)) as first:
+            await serve(first, prompt, model)
+            await first.drain()
+        async with HiCache(config, storage=SqliteStorage(db)) as second:
+            result = await serve(second, prompt, model)
+        print(f"a fresh cache read {result.storage_tokens} tokens back from {db.name}")
 
 
 if __name__ == "__main__":

@@ -78,28 +78,28 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    root = tempfile.mkdtemp(prefix="hicache-tp-")
-    ctx = mp.get_context("spawn")
-    results: Any = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(r, port, root, results)) for r in range(SIZE)]
-    for proc in procs:
-        proc.start()
-    try:
-        reports = dict(results.get(timeout=120) for _ in procs)
-    finally:
+    with tempfile.TemporaryDirectory(prefix="hicache-tp-") as root:
+        ctx = mp.get_context("spawn")
+        results: Any = ctx.Queue()
+        procs = [ctx.Process(target=run_rank, args=(r, port, root, results)) for r in range(SIZE)]
         for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()
-    for rank in sorted(reports):
-        r = reports[rank]
-        print(
-            f"rank {rank}: warmed {r['entries']} agreed entries ({r['pages']} pages); "
-            f"prefetch had {r['local']} tokens locally, agreed {r['agreed']}, used {r['used']}"
-        )
-    same = len({(r["entries"], r["pages"], r["used"]) for r in reports.values()}) == 1
-    print("ranks agree" if same else "ranks DISAGREE")
-    return 0 if same else 1
+            proc.start()
+        try:
+            reports = dict(results.get(timeout=120) for _ in procs)
+        finally:
+            for proc in procs:
+                proc.join(30)
+                if proc.is_alive():
+                    proc.kill()
+        for rank in sorted(reports):
+            r = reports[rank]
+            print(
+                f"rank {rank}: warmed {r['entries']} agreed entries ({r['pages']} pages); "
+                f"prefetch had {r['local']} tokens locally, agreed {r['agreed']}, used {r['used']}"
+            )
+        same = len({(r["entries"], r["pages"], r["used"]) for r in reports.values()}) == 1
+        print("ranks agree" if same else "ranks DISAGREE")
+        return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -463,6 +463,13 @@ def load_config(source: Mapping[str, Any] | str | Path) -> CacheConfig:
     """Load a `CacheConfig` from a mapping, or a `.json` / `.toml` file path."""
     if isinstance(source, Mapping):
         return CacheConfig.from_dict(source)
+    if isinstance(source, str) and (source.lstrip().startswith(("{", "[")) or "\n" in source):
+        # Text, not a path: its "suffix" would make a baffling message.
+        raise ConfigError(
+            "$",
+            "load_config takes a mapping or the path of a .json or .toml file, not the "
+            "document's text; for text use CacheConfig.from_json or CacheConfig.from_toml",
+        )
     path = Path(source)
     if path.suffix not in (".toml", ".json"):
         raise ConfigError("$", f"unknown config file type {path.suffix!r}; use .json or .toml")

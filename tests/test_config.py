@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import msgspec
@@ -174,6 +175,12 @@ def test_bad_documents() -> None:
         CacheConfig.from_json("[1, 2]")
     with pytest.raises(ConfigError, match="unknown config file type"):
         load_config("config.yaml")
+    # The text of a document, not its path: the message says where text goes.
+    for text in ('{"page_size": 64, "x": 1.0}', "page_size = 64\ndevice_pages = 8\n"):
+        with pytest.raises(
+            ConfigError, match=re.escape("CacheConfig.from_json or CacheConfig.from_toml")
+        ):
+            load_config(text)
 
 
 def test_timeout_policy_is_capped() -> None:

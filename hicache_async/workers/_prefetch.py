@@ -196,7 +196,9 @@ class PrefetchHandle:
         """Wait as the prefetch policy says, then report what arrived.
 
         `best_effort` takes what has landed now; `wait_complete` waits for everything;
-        `timeout` waits up to base + per-1k-tokens x length (capped), then terminates.
+        `timeout` waits up to base + per-1k-tokens x length (capped), then terminates. The
+        result's status is the handle's at that moment: QUEUED or RUNNING when the wait
+        stopped first (it finishes TERMINATED once the read in flight lands; `wait()`).
 
         With a rank group, the ranks then agree on the tokens all of them have (one
         collective, entered whatever happened locally, cancellation included): see
