@@ -30,7 +30,7 @@ from test_file_storage import (
     _released,
 )
 
-from hicache_async import StorageError
+from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import (
     HEADER_NBYTES,
     FileStorage,
@@ -97,6 +97,41 @@ def test_verify_memory_does_not_follow_a_huge_header(tmp_path: Path) -> None:
     assert not _page_path(root, huge).exists()
 
 
+def test_deletes_unlink_pages_when_tmp_cannot_be_written(tmp_path: Path) -> None:
+    # Deletes move pages into tmp/ as spare files; with tmp/ read-only they are unlinked.
+    # Root writes anywhere, so the child drops the capabilities that let it.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        keys = [bytes([i]) * 32 for i in range(1, 4)]
+        async def main():
+            async with FileStorage({str(root)!r}, spare_bytes=1 << 20) as storage:
+                pages = [[memoryview(bytearray(key[:1] * 1024))] for key in keys]
+                metas = [PageMeta(key=k, namespace=bytes(16), num_tokens=1) for k in keys]
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                os.chmod({str(root / "tmp")!r}, 0o500)
+                print(await storage.delete(keys[:2]), await storage.exists(keys[2:]))
+        asyncio.run(main())
+        """
+    )
+    command = [sys.executable, "-c", script]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to run without root's permission overrides")
+        caps = "-dac_override,-dac_read_search,-fowner"
+        command = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *command]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    (root / "tmp").chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["2", "1"]
+    assert sorted(p.name for p in (root / "pages").rglob("*") if p.is_file()) == [
+        (bytes([3]) * 32).hex()
+    ]
+
+
 async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
     root = tmp_path / "s"
     keys = _keys(8)
@@ -111,8 +146,11 @@ async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
     os.truncate(_page_path(root, keys[1]), 5)
     sound = keys[2:]
     async with FileStorage(root, capacity_bytes=8 * SIZE) as storage:
+        # A file no page can be ends the prefix: a read of it could only fail.
+        assert await storage.exists(keys) == 0
+        assert await storage.exists([*sound[:2], keys[1], *sound[2:]]) == 2
         # A lookup finds every file (a use of each): it must not make the misfits recent.
-        assert await storage.exists(keys) == len(keys)
+        assert await storage.exists(sound + keys[:2]) == len(sound)
         new = _keys(1)
         assert await _put(storage, new) == [Outcome.OK]
         assert storage.stats().evictions <= 2
@@ -265,6 +303,63 @@ async def test_removal_and_writes_work_after_tmp_is_removed(tmp_path: Path) -> N
         assert storage.stats().evictions == 3
         await _assert_index_matches_disk(storage, root)
         assert await _get(storage, more) == [Outcome.OK] * 6
+
+
+async def test_writes_work_after_a_shard_directory_is_removed(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = [bytes.fromhex("ab" + f"{i:02x}" * 31) for i in range(4)]
+    async with FileStorage(root) as storage:
+        assert await _put(storage, keys[:2]) == [Outcome.OK] * 2
+        shutil.rmtree(root / "pages" / "ab")
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, keys[2:]) == [Outcome.OK] * 2
+        assert [entry["event"] for entry in logs] == ["storage.shard.recreated"]
+        assert stat.S_IMODE((root / "pages" / "ab").stat().st_mode) == 0o700
+        assert await _get(storage, keys) == [Outcome.MISS] * 2 + [Outcome.OK] * 2
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_an_emptied_root_is_made_again_and_stays_locked(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        old = _keys(4)
+        assert await _put(storage, old) == [Outcome.OK] * 4
+        for entry in root.iterdir():  # someone clears the cache by hand: rm -rf root/*
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        with structlog.testing.capture_logs() as logs:
+            new = _keys(6)
+            assert await _put(storage, new) == [Outcome.OK] * 6
+        events = [entry["event"] for entry in logs]
+        assert "storage.pages.recreated" in events or "storage.tmp.recreated" in events
+        assert "storage.lock.recreated" in events
+        assert await _get(storage, new) == [Outcome.OK] * 6
+        assert await _get(storage, old) == [Outcome.MISS] * 4
+        await _assert_index_matches_disk(storage, root)
+        # LOCK was made again and taken: a second private instance is still refused.
+        with pytest.raises(StorageConfigError, match="in use by another instance"):
+            async with FileStorage(root):
+                pytest.fail("a second private instance opened a root in use")
+    async with FileStorage(root) as storage:
+        assert await _get(storage, new) == [Outcome.OK] * 6
+
+
+@pytest.mark.parametrize("shard", ["symlink", "file"])
+async def test_read_raw_of_a_shard_that_is_not_a_directory_is_none(
+    tmp_path: Path, shard: str
+) -> None:
+    root = tmp_path / "s"
+    keys = [bytes.fromhex("ab" + "01" * 31), bytes.fromhex("cd" + "01" * 31)]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[1:])
+    target = root / "pages" / "ab"
+    if shard == "symlink":
+        target.symlink_to(root / "pages" / "cd")
+    else:
+        target.write_bytes(b"")
+    async with FileStorage(root) as storage:
+        assert await storage.read_raw(keys[0]) is None
+        assert await _get(storage, keys[:1]) == [Outcome.MISS]
+        assert await storage.read_raw(keys[1]) is not None
 
 
 async def test_a_tmp_replaced_by_a_symlink_is_not_used(tmp_path: Path) -> None:

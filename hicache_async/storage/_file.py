@@ -192,17 +192,27 @@ class _Handles:
     checked like pages/ and tmp/; one that fails the check is refused until the next open."""
 
     def __init__(
-        self, root_fd: int, pages_fd: int, tmp_fd: int, lock_fd: int, pages_path: Path
+        self,
+        root_fd: int,
+        pages_fd: int,
+        tmp_fd: int,
+        lock_fd: int,
+        pages_path: Path,
+        *,
+        shared: bool,
     ) -> None:
         self.root_fd = root_fd
         self.pages_fd = pages_fd
         self.tmp_fd = tmp_fd
         self.lock_fd = lock_fd
         self._pages_path = pages_path
-        # Descriptors of tmp/ directories removed under us, replaced by `renew_tmp`: another
-        # thread may still hold one, so they are closed with the rest.
+        self._shared = shared
+        # Descriptors of directories removed under us and made again (`renew_tmp`,
+        # `renew_shard`): another thread may still hold one, so they are closed with the rest.
         self._retired: list[int] = []
-        self._tmp_refused = ""  # why tmp/ could not be made again, logged once per reason
+        # Why tmp/ or pages/ could not be made again, logged once per reason.
+        self._dir_refused: dict[str, str] = {}
+        self._lock_lost = False  # logged once
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -215,37 +225,128 @@ class _Handles:
         if fd is not None:
             return fd
         with self._lock:
-            fd = self._shards.get(name)
-            if fd is not None:
-                return fd
-            refused = self._refused.get(name)
-            if refused is not None:
-                raise _RefusedShardError(errno.EPERM, refused)
-            if create:
-                try:
-                    os.mkdir(name, _DIR_MODE, dir_fd=self.pages_fd)
-                except FileExistsError:
-                    pass
-                else:
-                    if durable:
-                        os.fsync(self.pages_fd)
+            return self._shard_locked(name, create=create, durable=durable)
+
+    def _shard_locked(self, name: str, *, create: bool, durable: bool) -> int | None:
+        fd = self._shards.get(name)
+        if fd is not None:
+            return fd
+        refused = self._refused.get(name)
+        if refused is not None:
+            raise _RefusedShardError(errno.EPERM, refused)
+        if create:
             try:
-                fd = os.open(name, _DIR_FLAGS, dir_fd=self.pages_fd)
+                self._make_shard(name, durable=durable)
             except FileNotFoundError:
+                # pages/ itself was removed under us (someone emptied the root).
+                if not self._renew_pages_locked(self.pages_fd):
+                    raise
+                self._make_shard(name, durable=durable)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=self.pages_fd)
+        except FileNotFoundError:
+            return None
+        try:
+            _check_private_dir(fd, f"shard directory {self._pages_path / name}")
+        except StorageConfigError as exc:
+            os.close(fd)
+            # Whoever else can write there could plant or swap pages: its pages are misses
+            # and writes into it fail, logged once.
+            self._refused[name] = str(exc)
+            log.warning(
+                "storage.shard.refused", directory=str(self._pages_path / name), error=str(exc)
+            )
+            raise _RefusedShardError(errno.EPERM, str(exc)) from None
+        self._shards[name] = fd
+        return fd
+
+    def _make_shard(self, name: str, *, durable: bool) -> None:
+        try:
+            os.mkdir(name, _DIR_MODE, dir_fd=self.pages_fd)
+        except FileExistsError:
+            return
+        if durable:
+            os.fsync(self.pages_fd)
+
+    def renew_shard(self, name: str, seen_fd: int, *, durable: bool) -> int | None:
+        """After a call in `pages/<name>` through `seen_fd` failed with ENOENT: if that
+        directory was removed under us (and pages/ with it, perhaps), make it again and return
+        its descriptor; None when it was not removed or cannot be made again."""
+        with self._lock:
+            current = self._shards.get(name)
+            if current is not None and current != seen_fd:
+                return current  # another thread renewed it
+            if current is not None:
+                if os.fstat(seen_fd).st_nlink:
+                    return None
+                del self._shards[name]
+                self._retired.append(seen_fd)
+            if not os.fstat(self.pages_fd).st_nlink and not self._renew_pages_locked(self.pages_fd):
                 return None
             try:
-                _check_private_dir(fd, f"shard directory {self._pages_path / name}")
-            except StorageConfigError as exc:
-                os.close(fd)
-                # Whoever else can write there could plant or swap pages: its pages are misses
-                # and writes into it fail, logged once.
-                self._refused[name] = str(exc)
-                log.warning(
-                    "storage.shard.refused", directory=str(self._pages_path / name), error=str(exc)
-                )
-                raise _RefusedShardError(errno.EPERM, str(exc)) from None
-            self._shards[name] = fd
-            return fd
+                fd = self._shard_locked(name, create=True, durable=durable)
+            except OSError:
+                return None
+        log.warning("storage.shard.recreated", directory=str(self._pages_path / name))
+        return fd
+
+    def _renew_pages_locked(self, seen_fd: int) -> bool:
+        if self.pages_fd != seen_fd:
+            return True  # another thread renewed it
+        fd = self._remade_locked(seen_fd, _PAGES)
+        if fd is None:
+            return False
+        # Every shard directory went with it.
+        self._retired.extend(self._shards.values())
+        self._shards.clear()
+        self._refused.clear()
+        self.pages_fd = fd
+        return True
+
+    def _remade_locked(self, seen_fd: int, name: str) -> int | None:
+        """A new descriptor of the root's directory `name` (pages/ or tmp/) if `seen_fd`, its
+        old one, shows it removed, made again and checked as at open; None when it was not
+        removed or what is there now fails those checks (logged once per reason)."""
+        if os.fstat(seen_fd).st_nlink:
+            return None
+        what = f"storage directory {self._pages_path.parent / name}"
+        try:
+            fd = _open_private_dir(self.root_fd, name, what)
+        except StorageConfigError as exc:
+            if str(exc) != self._dir_refused.get(name):  # not again at every write
+                self._dir_refused[name] = str(exc)
+                log.warning(f"storage.{name}.refused", directory=what, error=str(exc))
+            return None
+        self._dir_refused.pop(name, None)
+        self._retired.append(seen_fd)
+        log.warning(f"storage.{name}.recreated", directory=what)
+        self._check_lock_locked()
+        return fd
+
+    def _check_lock_locked(self) -> None:
+        """Take `LOCK` again if it was removed or replaced (with the rest of the root):
+        without it another instance could open this root privately while this one runs."""
+        if self.lock_fd < 0:
+            return
+        mine = os.fstat(self.lock_fd)
+        try:
+            st = os.stat(_LOCK, dir_fd=self.root_fd, follow_symlinks=False)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+            return
+        root = self._pages_path.parent
+        try:
+            fd = _take_lock(self.root_fd, root, shared=self._shared)
+        except StorageConfigError as exc:
+            if not self._lock_lost:
+                self._lock_lost = True
+                log.error("storage.lock.lost", root=str(root), error=str(exc))
+            return
+        old, self.lock_fd = self.lock_fd, fd
+        os.close(old)
+        self._lock_lost = False
+        log.warning("storage.lock.recreated", root=str(root))
 
     def renew_tmp(self, seen_fd: int) -> bool:
         """After a call in tmp/ through `seen_fd` failed with ENOENT: if that directory was
@@ -255,20 +356,10 @@ class _Handles:
         with self._lock:
             if self.tmp_fd != seen_fd:
                 return True  # another thread renewed it
-            if os.fstat(seen_fd).st_nlink:
+            fd = self._remade_locked(seen_fd, _TMP)
+            if fd is None:
                 return False
-            what = f"storage directory {self._pages_path.parent / _TMP}"
-            try:
-                fd = _open_private_dir(self.root_fd, _TMP, what)
-            except StorageConfigError as exc:
-                if str(exc) != self._tmp_refused:  # not again at every write
-                    self._tmp_refused = str(exc)
-                    log.warning("storage.tmp.refused", directory=what, error=str(exc))
-                return False
-            self._tmp_refused = ""
-            self._retired.append(seen_fd)
             self.tmp_fd = fd
-        log.warning("storage.tmp.recreated", directory=what)
         return True
 
     def close(self) -> None:
@@ -483,7 +574,7 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
         for fd in opened:
             os.close(fd)
         raise
-    return _Handles(root_fd, pages_fd, tmp_fd, lock_fd, root / _PAGES)
+    return _Handles(root_fd, pages_fd, tmp_fd, lock_fd, root / _PAGES, shared=shared)
 
 
 #: Largest value `read_raw` reads: far past any page (a 70B model's is tens of MiB), and a
@@ -727,9 +818,9 @@ class _SparePool:
         except BaseException as exc:
             with self._lock:
                 self.nbytes -= size
-            # ENOENT also when tmp/ was removed: the page is still there, and the caller
-            # unlinks it instead (the next write recreates tmp/).
-            if isinstance(exc, FileNotFoundError) and _exists(shard_fd, name):
+            # ENOENT when tmp/ was removed, EACCES when it cannot be written: the page is
+            # still there, and the caller unlinks it instead (the next write recreates tmp/).
+            if isinstance(exc, OSError) and _exists(shard_fd, name):
                 return False
             raise
         with self._lock:
@@ -856,6 +947,8 @@ class FileStorage(BackendBase):
         # Loop-owned state: LRU index, bytes indexed, bytes reserved by puts in flight, pins
         # of pages being read, keys being written or evicted.
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
+        # Keys whose file no page of this root can be (see `_misfits_first`).
+        self._misfits: set[bytes] = set()
         self._bytes = 0
         self._reserved = 0
         self._seq = 0
@@ -1016,9 +1109,13 @@ class FileStorage(BackendBase):
         self._seq += 1
         self._index[key] = _Entry(nbytes, last_access, self._seq)
         self._bytes += nbytes
+        if self._misfits:
+            self._misfits.discard(key)
 
     def _drop(self, key: bytes) -> _Entry | None:
         self._mark(key)
+        if self._misfits:
+            self._misfits.discard(key)
         entry = self._index.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
@@ -1123,7 +1220,18 @@ class FileStorage(BackendBase):
             entry = self._index.get(key)
             if entry is not None and entry.nbytes == nbytes:
                 self._index.move_to_end(key, last=False)
+                self._misfits.add(key)
                 log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=nbytes)
+
+    def _before_misfit(self, keys: Sequence[bytes], count: int) -> int:
+        """`count`, or fewer: the position of the first of `keys[:count]` whose file cannot be
+        a page (`exists` must not promise a read that can only fail)."""
+        misfits = self._misfits
+        if misfits:
+            for position, key in enumerate(keys[:count]):
+                if key in misfits:
+                    return position
+        return count
 
     def _handles_or_raise(self) -> _Handles:
         handles = self._handles
@@ -1159,6 +1267,7 @@ class FileStorage(BackendBase):
         # checking (the common all-found call pays nothing).
         check_keys(keys[count:])
         if count == len(keys) or not self._shared:
+            count = self._before_misfit(keys, count)
             # A lookup is a use: a prefix every new chain is checked against stays stored.
             self._touch_chain(keys[:count], time.time())
             return count
@@ -1174,8 +1283,9 @@ class FileStorage(BackendBase):
                 self._insert(key, nbytes, mtime)
             self._misfits_first(fresh)
             self._unwatch(epoch)
-        self._touch_chain(keys[: count + more], time.time())
-        return count + more
+        total = self._before_misfit(keys, count + more)
+        self._touch_chain(keys[:total], time.time())
+        return total
 
     def _stat_job(
         self, stop: threading.Event, keys: list[bytes], known: list[bool], found: list[_Found]
@@ -1613,7 +1723,15 @@ class FileStorage(BackendBase):
                     nbytes = self._write_fd(fd, segments, total, meta)
                 finally:
                     os.close(fd)
-                os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+                try:
+                    os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+                except FileNotFoundError:
+                    # The shard directory was removed under us: made again, once.
+                    renewed = handles.renew_shard(hexkey[:2], shard_fd, durable=durable)
+                    if renewed is None:
+                        raise
+                    shard_fd = renewed
+                    os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
                 renamed = True
             finally:
                 if not renamed:  # else removed as a leftover at the next open or verify
@@ -1820,6 +1938,10 @@ class FileStorage(BackendBase):
             shard_fd = handles.shard(hexkey[:2], create=False)
         except _RefusedShardError:
             return None  # never read from (logged when refused)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or symlink: no shard, as get
+                return None
+            raise
         if shard_fd is None:
             return None
         try:
