@@ -490,11 +490,13 @@ def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int 
     try:
         value = int(raw)
     except ValueError:
+        value = None
+    if value is None or value < minimum:
+        # Say what the parameter is, as the message for an unknown one does.
         raise StorageConfigError(
-            f"mooncake URL parameter {name}={raw!r} is not an integer"
-        ) from None
-    if value < minimum:
-        raise StorageConfigError(f"mooncake URL parameter {name} must be >= {minimum}")
+            f"mooncake URL parameter {name}={raw!r} must be an integer >= {minimum}: "
+            f"{_URL_PARAMS[name]}"
+        )
     return value
 
 

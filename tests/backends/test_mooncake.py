@@ -766,6 +766,8 @@ async def test_unreachable_master_fails_to_open() -> None:
         ({"metadata": "etcd://127.0.0.1:99999"}, "metadata 'etcd://127.0.0.1:99999'"),
         ({"admin": "http://"}, "admin must be an http://host:port URL"),
         ({"device": "mlx5_0"}, "needs protocol=rdma"),
+        ({"replicas": "x"}, "replicas='x' must be an integer >= 1: replicas per page"),
+        ({"threads": "0"}, "threads='0' must be an integer >= 1: worker threads"),
     ],
 )
 def test_bad_parameters_are_refused_before_mooncake_sees_them(
