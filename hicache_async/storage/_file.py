@@ -57,7 +57,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Literal, cast, get_args
+from typing import Literal, TypeVar, cast, get_args
 from urllib.parse import unquote
 
 import msgspec
@@ -95,6 +95,7 @@ __all__ = ["FileStorage", "FsyncPolicy", "default_root"]
 
 FsyncPolicy = Literal["none", "data", "always"]
 
+_T = TypeVar("_T")
 _PAGES = "pages"
 _TMP = "tmp"
 _LOCK = "LOCK"
@@ -309,6 +310,10 @@ class _Handles:
         removed or what is there now fails those checks (logged once per reason)."""
         if os.fstat(seen_fd).st_nlink:
             return None
+        # Whoever removed it may have removed LOCK with it, and another instance may have
+        # taken the root since: then this one must not write into it.
+        if not self._hold_lock_locked():
+            return None
         what = f"storage directory {self._pages_path.parent / name}"
         try:
             fd = _open_private_dir(self.root_fd, name, what)
@@ -320,33 +325,47 @@ class _Handles:
         self._dir_refused.pop(name, None)
         self._retired.append(seen_fd)
         log.warning(f"storage.{name}.recreated", directory=what)
-        self._check_lock_locked()
         return fd
 
-    def _check_lock_locked(self) -> None:
-        """Take `LOCK` again if it was removed or replaced (with the rest of the root):
-        without it another instance could open this root privately while this one runs."""
-        if self.lock_fd < 0:
-            return
+    def _hold_lock_locked(self) -> bool:
+        """Whether this instance still holds the root's `LOCK`, taking it again if it was
+        removed or replaced; False for good once another instance holds it (logged once)."""
+        if self._lock_lost:
+            return False
+        if self.lock_fd < 0:  # a forked child's copy: it never owned the root
+            return False
         mine = os.fstat(self.lock_fd)
         try:
             st = os.stat(_LOCK, dir_fd=self.root_fd, follow_symlinks=False)
         except OSError:
             st = None
         if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-            return
+            return True
         root = self._pages_path.parent
         try:
             fd = _take_lock(self.root_fd, root, shared=self._shared)
         except StorageConfigError as exc:
-            if not self._lock_lost:
-                self._lock_lost = True
-                log.error("storage.lock.lost", root=str(root), error=str(exc))
-            return
+            self._lock_lost = True
+            log.error("storage.lock.lost", root=str(root), error=str(exc))
+            return False
         old, self.lock_fd = self.lock_fd, fd
         os.close(old)
-        self._lock_lost = False
         log.warning("storage.lock.recreated", root=str(root))
+        return True
+
+    @property
+    def has_retired(self) -> bool:
+        return bool(self._retired)
+
+    def reap_retired(self) -> None:
+        """Close the descriptors of directories removed and made again. Only while no job
+        runs: a thread may be between taking one and using it, and a closed number can be
+        reused for another file at once."""
+        with self._lock:
+            retired, self._retired = self._retired, []
+        for fd in retired:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def renew_tmp(self, seen_fd: int) -> bool:
         """After a call in tmp/ through `seen_fd` failed with ENOENT: if that directory was
@@ -947,8 +966,6 @@ class FileStorage(BackendBase):
         # Loop-owned state: LRU index, bytes indexed, bytes reserved by puts in flight, pins
         # of pages being read, keys being written or evicted.
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()
-        # Keys whose file no page of this root can be (see `_misfits_first`).
-        self._misfits: set[bytes] = set()
         self._bytes = 0
         self._reserved = 0
         self._seq = 0
@@ -1109,13 +1126,9 @@ class FileStorage(BackendBase):
         self._seq += 1
         self._index[key] = _Entry(nbytes, last_access, self._seq)
         self._bytes += nbytes
-        if self._misfits:
-            self._misfits.discard(key)
 
     def _drop(self, key: bytes) -> _Entry | None:
         self._mark(key)
-        if self._misfits:
-            self._misfits.discard(key)
         entry = self._index.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
@@ -1220,18 +1233,17 @@ class FileStorage(BackendBase):
             entry = self._index.get(key)
             if entry is not None and entry.nbytes == nbytes:
                 self._index.move_to_end(key, last=False)
-                self._misfits.add(key)
                 log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=nbytes)
 
-    def _before_misfit(self, keys: Sequence[bytes], count: int) -> int:
-        """`count`, or fewer: the position of the first of `keys[:count]` whose file cannot be
-        a page (`exists` must not promise a read that can only fail)."""
-        misfits = self._misfits
-        if misfits:
-            for position, key in enumerate(keys[:count]):
-                if key in misfits:
-                    return position
-        return count
+    async def run_job(self, work: Callable[[threading.Event], _T]) -> _T:
+        try:
+            return await super().run_job(work)
+        finally:
+            handles = self._handles
+            # No job left, so no thread holds a descriptor of a directory removed and made
+            # again: close them now, not at close(), or a root emptied often runs out of them.
+            if not self._jobs and handles is not None and handles.has_retired:
+                handles.reap_retired()
 
     def _handles_or_raise(self) -> _Handles:
         handles = self._handles
@@ -1267,7 +1279,6 @@ class FileStorage(BackendBase):
         # checking (the common all-found call pays nothing).
         check_keys(keys[count:])
         if count == len(keys) or not self._shared:
-            count = self._before_misfit(keys, count)
             # A lookup is a use: a prefix every new chain is checked against stays stored.
             self._touch_chain(keys[:count], time.time())
             return count
@@ -1283,9 +1294,8 @@ class FileStorage(BackendBase):
                 self._insert(key, nbytes, mtime)
             self._misfits_first(fresh)
             self._unwatch(epoch)
-        total = self._before_misfit(keys, count + more)
-        self._touch_chain(keys[:total], time.time())
-        return total
+        self._touch_chain(keys[: count + more], time.time())
+        return count + more
 
     def _stat_job(
         self, stop: threading.Event, keys: list[bytes], known: list[bool], found: list[_Found]
@@ -1385,6 +1395,8 @@ class FileStorage(BackendBase):
         except _RefusedShardError:
             return (_MISS, "", 0)  # never read from (logged when refused)
         except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or symlink: no shard
+                return (_MISS, "", 0)
             return (_ERROR, f"shard directory: {exc.strerror}", 0)
         if shard_fd is None:
             return (_MISS, "", 0)

@@ -145,7 +145,8 @@ def _metadata_address(metadata: str) -> tuple[str, int] | None:
         port = parts.port
     except ValueError as exc:
         raise StorageConfigError(f"mooncake metadata {metadata!r}: {exc}; {accepted}") from None
-    scheme = parts.scheme.lower()
+    # As written: Mooncake matches its plugins' names case-sensitively (urlsplit lowers it).
+    scheme = metadata.partition("://")[0]
     if scheme not in _METADATA_PORTS or not parts.hostname:
         raise StorageConfigError(f"mooncake metadata {metadata!r} is not usable; {accepted}")
     return parts.hostname, _METADATA_PORTS[scheme] if port is None else port

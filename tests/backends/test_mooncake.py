@@ -762,6 +762,7 @@ async def test_unreachable_master_fails_to_open() -> None:
         # Mooncake aborts the process on a metadata scheme it has no plugin for.
         ({"metadata": "foo://127.0.0.1:1"}, "accepted: P2PHANDSHAKE, http://host:port"),
         ({"metadata": "redis://127.0.0.1:1"}, "accepted: P2PHANDSHAKE, http://host:port"),
+        ({"metadata": "HTTP://127.0.0.1:1/metadata"}, "accepted: P2PHANDSHAKE, http://host"),
         ({"metadata": "http:///metadata"}, "metadata 'http:///metadata' is not usable"),
         ({"metadata": "etcd://127.0.0.1:99999"}, "metadata 'etcd://127.0.0.1:99999'"),
         ({"admin": "http://"}, "admin must be an http://host:port URL"),
