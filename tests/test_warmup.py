@@ -18,6 +18,7 @@ from hicache_async.storage._manifest import (
     FileManifest,
     ManifestCollector,
     ManifestLimits,
+    ManifestRead,
     chain_entry,
     decode_entry,
     encode_entry,
@@ -275,6 +276,106 @@ def test_a_chain_evicted_for_room_does_not_come_back_with_an_older_record() -> N
     add(1, 9, 1.0)
     kept = {e.keys[0]: e.priority for e in collector.result(truncated=False).entries}
     assert kept == {(bytes([2]) * 32).hex(): 5, (bytes([3]) * 32).hex(): 5}
+
+
+def _line(namespace: bytes, keys: list[bytes], priority: int, used: float) -> bytes:
+    return encode_entry(chain_entry(namespace, keys, PAGE, priority, used))
+
+
+def test_the_most_valuable_chains_are_kept_past_many_times_the_bound() -> None:
+    namespace = bytes(range(16))
+    rng = np.random.default_rng(12)
+    collector = ManifestCollector(ManifestLimits(max_entries=50))
+    chains = []
+    for chain in range(1_000):
+        priority, used = int(rng.integers(0, 4)), float(rng.integers(0, 10_000))
+        chains.append((priority, used, chain))
+        key = chain.to_bytes(32, "big")
+        collector.add_line(_line(namespace, [key], priority, used))
+    best = sorted(chains, reverse=True)[:50]
+    kept = collector.result(truncated=False).entries
+    assert [(e.priority, e.last_use) for e in kept] == [(p, u) for p, u, _ in best]
+
+
+def test_chains_of_namespaces_that_share_keys_are_kept_apart() -> None:
+    # Tensor-parallel ranks' namespaces share page keys: one namespace's chain neither
+    # replaces nor covers another's.
+    a, b = bytes(range(16)), bytes(range(1, 17))
+    keys = [bytes([i]) * 32 for i in range(3)]
+    collector = ManifestCollector(ManifestLimits())
+    collector.add_line(_line(a, keys[:2], 0, 1.0))
+    collector.add_line(_line(b, keys[:2], 0, 2.0))
+    collector.add_line(_line(b, keys, 0, 3.0))
+    read = collector.result(truncated=False)
+    assert sorted((e.namespace, len(e.keys)) for e in read.entries) == [
+        (a.hex(), 2),
+        (b.hex(), 3),
+    ]
+
+
+async def test_compaction_keeps_each_namespace_s_chains(tmp_path: Path) -> None:
+    a, b = bytes(range(16)), bytes(range(1, 17))
+    keys = [bytes([i]) * 32 for i in range(3)]
+    manifest = FileManifest(tmp_path / "manifest.jsonl")
+    await manifest.append(
+        [
+            chain_entry(a, keys[:2], PAGE, 0, 1.0),
+            chain_entry(b, keys[:2], PAGE, 0, 2.0),
+            chain_entry(b, keys, PAGE, 0, 3.0),
+        ]
+    )
+    report = await manifest.compact()
+    assert report.entries_after == 2
+    assert [len(e.keys) for e in (await manifest.read(namespace=a.hex())).entries] == [2]
+    assert [len(e.keys) for e in (await manifest.read(namespace=b.hex())).entries] == [3]
+
+
+def test_a_chain_covers_only_the_chains_it_starts_with() -> None:
+    namespace = bytes(range(16))
+    k = [bytes([i]) * 32 for i in range(6)]
+    collector = ManifestCollector(ManifestLimits())
+    collector.add_line(_line(namespace, [k[0], k[1]], 0, 1.0))
+    # A damaged (or forged) record listing k1 after another key, ranked high: it must not
+    # make the real chain ending at k1 look redundant.
+    collector.add_line(_line(namespace, [k[5], k[1], k[4]], 1000, 2.0))
+    read = collector.result(truncated=False)
+    assert sorted(len(e.keys) for e in read.entries) == [2, 3]
+
+
+async def test_the_budget_holds_within_one_long_entry(tmp_path: Path) -> None:
+    rng = np.random.default_rng(21)
+    prompt = rng.integers(0, 50_000, size=40 * PAGE)
+    await _fill(tmp_path, [prompt])
+    config = _config()
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=10 / config.resolved_host_pages)
+        assert result.status is WarmupStatus.BUDGET
+        assert result.pages_loaded == 10
+        assert cache.match(prompt).host_tokens == 10 * PAGE
+        # The rest still comes from storage, whole and right.
+        generator = KVGenerator(config.layout, PAGE, seed=5)
+        served = await serve(cache, prompt, generator, check="all")
+        assert served.storage_tokens == 30 * PAGE
+
+
+class _SlowManifestStorage(FileStorage):
+    """A file store whose manifest takes an hour to read."""
+
+    def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
+        class Slow(FileManifest):
+            async def read(self, *, namespace: str | None = None) -> ManifestRead:
+                await asyncio.sleep(3600)
+                return await super().read(namespace=namespace)
+
+        return Slow(self.root / "manifest.jsonl", limits)
+
+
+async def test_the_deadline_covers_reading_the_manifest(tmp_path: Path) -> None:
+    await _fill(tmp_path, _prompts(2, seed=22))
+    async with HiCache(_config(), storage=_SlowManifestStorage(tmp_path)) as cache:
+        result = await asyncio.wait_for(cache.warmup(ratio=1.0, deadline_s=0.1), 10)
+        assert result.status is WarmupStatus.DEADLINE
+        assert result.pages_loaded == 0
 
 
 async def test_enormous_manifest_costs_bounded_memory(tmp_path: Path) -> None:

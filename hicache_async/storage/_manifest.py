@@ -71,6 +71,11 @@ class ManifestEntry(msgspec.Struct, frozen=True):
         """Names the chain: its last key (which covers the whole prefix)."""
         return self.keys[-1]
 
+    @property
+    def ident(self) -> tuple[str, str]:
+        """(namespace, chain id): the chain within its namespace."""
+        return (self.namespace, self.keys[-1])
+
 
 class ManifestLimits(msgspec.Struct, frozen=True):
     """Bounds on what a manifest may hold and what a reader keeps in memory."""
@@ -145,17 +150,19 @@ def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
 class ManifestCollector:
     """Keeps the newest record per chain, at most `max_entries` of them.
 
-    When full, the least valuable entry (lowest priority, then oldest use) makes room, so a
-    huge manifest costs bounded memory and keeps what warmup would want most.
+    When full, the least valuable entries (lowest priority, then oldest use) make room, so a
+    huge manifest costs bounded memory (twice `max_entries` at most, between trims) and keeps
+    what warmup would want most.
     """
 
     def __init__(self, limits: ManifestLimits, namespace: str | None = None) -> None:
         self._limits = limits
         self._namespace = namespace
-        self._entries: dict[str, ManifestEntry] = {}
+        # By (namespace, chain id): tensor-parallel ranks' namespaces share page keys.
+        self._entries: dict[tuple[str, str], ManifestEntry] = {}
         # Chains evicted for room, with the newest use seen of each: an older record of one
         # of them, met later, must not come back in its place.
-        self._evicted: dict[str, float] = {}
+        self._evicted: dict[tuple[str, str], float] = {}
         self.records = 0
         self.malformed = 0
         self.oversized = 0
@@ -173,33 +180,45 @@ class ManifestCollector:
             return
         if self._namespace is not None and entry.namespace != self._namespace:
             return
-        evicted = self._evicted.get(entry.chain_id)
+        ident = entry.ident
+        evicted = self._evicted.get(ident)
         if evicted is not None:
             if entry.last_use <= evicted:
                 return
-            del self._evicted[entry.chain_id]
-        previous = self._entries.pop(entry.chain_id, None)
+            del self._evicted[ident]
+        previous = self._entries.pop(ident, None)
         if previous is not None and previous.last_use > entry.last_use:
             entry = previous
-        self._entries[entry.chain_id] = entry
-        if len(self._entries) > self._limits.max_entries:
-            worst = min(self._entries.values(), key=lambda e: (e.priority, e.last_use))
-            del self._entries[worst.chain_id]
-            self._evicted[worst.chain_id] = worst.last_use
+        self._entries[ident] = entry
+        if len(self._entries) >= 2 * self._limits.max_entries:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Keep the `max_entries` most valuable entries. Once per `max_entries` new chains,
+        not once per record: finding the least valuable costs a pass over all of them."""
+        excess = len(self._entries) - self._limits.max_entries
+        if excess <= 0:
+            return
+        # Stable: among equals, the first recorded goes first.
+        ranked = sorted(self._entries.values(), key=lambda e: (e.priority, e.last_use))
+        for worst in ranked[:excess]:
+            del self._entries[worst.ident]
+            self._evicted[worst.ident] = worst.last_use
 
     def result(self, *, truncated: bool) -> ManifestRead:
+        self._trim()
         # A chain that is a strict prefix of another adds nothing, since loading the longer
         # one brings its pages too, unless it ranks higher (a pinned system prompt that
-        # conversations continue): then it is kept, to be loaded first.
-        covered: dict[str, int] = {}
+        # conversations continue): then it is kept, to be loaded first. Only a chain of the
+        # same namespace that starts with the same keys covers it: ranks may share keys
+        # across namespaces, and a damaged record may list any keys.
+        covered: dict[tuple[str, str], ManifestEntry] = {}
         for e in self._entries.values():
             for k in e.keys[:-1]:
-                covered[k] = max(covered.get(k, e.priority), e.priority)
-        kept = [
-            e
-            for e in self._entries.values()
-            if e.chain_id not in covered or covered[e.chain_id] < e.priority
-        ]
+                best = covered.get((e.namespace, k))
+                if best is None or best.priority < e.priority:
+                    covered[(e.namespace, k)] = e
+        kept = [e for e in self._entries.values() if not _covers(covered.get(e.ident), e)]
         ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
         return ManifestRead(
             entries=ordered,
@@ -207,6 +226,15 @@ class ManifestCollector:
             oversized=self.oversized,
             truncated=truncated,
         )
+
+
+def _covers(longer: ManifestEntry | None, entry: ManifestEntry) -> bool:
+    """Whether loading `longer` loads all of `entry` and ranks as high."""
+    return (
+        longer is not None
+        and longer.priority >= entry.priority
+        and longer.keys[: len(entry.keys)] == entry.keys
+    )
 
 
 async def _lines(

@@ -26,6 +26,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
+import anyio
 import msgspec
 import structlog
 
@@ -164,14 +165,21 @@ class Warmer:
         manifest = backend.manifest()
         namespace = cache.namespace.fingerprint.hex()
         read = None
+        read_too_long = False
 
         async def local_entries() -> list[bytes]:
-            nonlocal read
+            nonlocal read, read_too_long
             try:
-                read = await manifest.read(namespace=namespace)
+                # The deadline covers the read too: a large manifest takes seconds to read.
+                with anyio.move_on_after(self._deadline_s - (time.monotonic() - began)) as scope:
+                    read = await manifest.read(namespace=namespace)
             except Exception as exc:  # a storage fault: no warmup, never a failed caller
                 _log.warning("hicache.warmup.manifest.failed", error=repr(exc))
                 return []
+            if scope.cancelled_caught:
+                read_too_long = True
+                return []
+            assert read is not None
             return [bytes.fromhex(e.chain_id) for e in read.entries]
 
         if tp:
@@ -180,7 +188,8 @@ class Warmer:
         else:
             agreed_ids = await local_entries()
         if read is None:
-            return WarmupResult(status=WarmupStatus.STOPPED, seconds=time.monotonic() - began)
+            status = WarmupStatus.DEADLINE if read_too_long else WarmupStatus.STOPPED
+            return WarmupResult(status=status, seconds=time.monotonic() - began)
         by_id = {bytes.fromhex(e.chain_id): e for e in read.entries}
         entries = [by_id[i] for i in agreed_ids if i in by_id]
         assert cache._host_pool is not None
@@ -189,6 +198,7 @@ class Warmer:
         loaded_pages = 0
         loaded_entries = 0
         missed = 0
+        budget_cut = False  # an entry was loaded only in part, for the budget
         status = WarmupStatus.COMPLETE
         for index, entry in enumerate(entries):
             go_on = self._may_continue(loaded_pages, budget, began)
@@ -208,6 +218,12 @@ class Warmer:
                 # runs, and keeps what every rank held of the entry already.
                 if not (tp and self._stopping()):
                     keys = [bytes.fromhex(k) for k in entry.keys]
+                    # No further than the budget allows: pages cached already cost nothing.
+                    found = cache._tree.match(keys, touch=False)
+                    allowed = found.num_device_pages + found.num_host_pages + budget - loaded_pages
+                    if len(keys) > allowed:
+                        keys = keys[:allowed]
+                        budget_cut = True
                     handle = PrefetchHandle(
                         self._link.prefetcher,
                         keys,
@@ -232,6 +248,8 @@ class Warmer:
                     raise asyncio.CancelledError
             loaded_pages += landed
             loaded_entries += landed > 0
+        if status is WarmupStatus.COMPLETE and budget_cut and loaded_pages >= budget:
+            status = WarmupStatus.BUDGET  # reached within the last entry
         return WarmupResult(
             status=status,
             entries_read=len(read.entries),
