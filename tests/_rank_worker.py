@@ -333,6 +333,33 @@ async def tags_entries(ctx: Ctx) -> Result:
     return out
 
 
+async def untagged(ctx: Ctx) -> Result:
+    """Plain calls check a tag of their own: pairing one with a tagged agreement, or with
+    another kind of plain call, raises on every rank instead of returning a number."""
+    g, rank, size = ctx.group, ctx.rank, ctx.size
+    out: Result = {"min": await g.all_min(value_for(rank)), "max": await g.all_max(rank)}
+    await g.barrier()
+    last = rank == size - 1
+    tagged = agreement_tag("prefetch", b"keys of A")
+    out["mismatch"] = await _outcome(
+        (lambda: g.all_min(7)) if last else (lambda: g.all_min(100, tag=tagged))
+    )
+    out["stats"] = stats(g)
+    return out
+
+
+async def barrier_paired(ctx: Ctx) -> Result:
+    """A barrier paired with an all_max on one rank is a mismatch, not a barrier passed."""
+    g, rank, size = ctx.group, ctx.rank, ctx.size
+
+    async def barrier() -> str:
+        await g.barrier()
+        return "passed"
+
+    call = (lambda: g.all_max(5)) if rank == size - 1 else barrier
+    return {"mismatch": await _outcome(call), "stats": stats(g)}
+
+
 SCENARIOS: dict[str, Callable[[Ctx], Awaitable[Result]]] = {
     "collectives": collectives,
     "local_failure": local_failure,
@@ -342,6 +369,8 @@ SCENARIOS: dict[str, Callable[[Ctx], Awaitable[Result]]] = {
     "absent_rank": absent_rank,
     "tags": tags,
     "tags_entries": tags_entries,
+    "untagged": untagged,
+    "barrier_paired": barrier_paired,
 }
 
 #: the collective timeout each scenario's group runs with.

@@ -266,6 +266,18 @@ def test_tag_mismatch_in_agree_common_is_seen_with_an_empty_list(world: World) -
         assert r["stats"]["broken"] is True
 
 
+def test_plain_calls_paired_with_other_calls_raise_on_every_rank(world: World) -> None:
+    values = [rw.value_for(rank) for rank in range(world.size)]
+    for r in world.results("untagged"):
+        assert (r["min"], r["max"]) == (min(values), world.size - 1)
+        assert r["mismatch"] == "AgreementMismatch"  # on every rank, not a number
+        assert r["stats"]["broken"] is True
+        assert r["stats"]["collectives"] == 4
+    for r in world.results("barrier_paired"):
+        assert r["mismatch"] == "AgreementMismatch"
+        assert r["stats"]["broken"] is True
+
+
 # -- in-process tests ---------------------------------------------------------------------
 
 

@@ -26,7 +26,14 @@ import torch.distributed as dist
 from .._errors import ConfigError
 from .._loop import LoopOwner
 from ._errors import AgreementMismatch, CollectiveError, CollectiveTimeout, GroupBrokenError
-from ._group import GroupStatistics, check_int64, check_payload, check_tag, unique_items
+from ._group import (
+    GroupStatistics,
+    agreement_tag,
+    check_int64,
+    check_payload,
+    check_tag,
+    unique_items,
+)
 
 __all__ = ["TorchRankGroup"]
 
@@ -299,22 +306,23 @@ class TorchRankGroup:
     async def all_min(self, value: int, *, tag: int | None = None) -> int:
         """The minimum of `value` (a signed 64-bit integer) over all ranks.
 
-        With a `tag`, one reduction of ``[value, tag, -tag]`` also checks the tags: they
-        match iff ``min(tag) == -min(-tag)``. A mismatch raises `AgreementMismatch` on every
-        rank and breaks the group.
+        One reduction of ``[value, tag, -tag]`` also checks the tags: they match iff
+        ``min(tag) == -min(-tag)``. A mismatch raises `AgreementMismatch` on every rank and
+        breaks the group. Without a `tag`, the tag is that of a plain `all_min`, so pairing
+        one with another agreement, `all_max` or `barrier` is a mismatch too.
         """
         number = check_int64(value)
         checked = check_tag(tag)
-        if checked is None:
-            return await self._collective(
-                "all_min", lambda: self._reduce(number, dist.ReduceOp.MIN)
-            )
-        return await self._collective("all_min", lambda: self._min_tagged(number, checked))
+        mine = _ALL_MIN_TAG if checked is None else checked
+        return await self._collective("all_min", lambda: self._tagged_min(number, mine))
 
     async def all_max(self, value: int) -> int:
-        """The maximum of `value` (a signed 64-bit integer) over all ranks."""
+        """The maximum of `value` (a signed 64-bit integer) over all ranks (tag-checked as
+        `all_min` is)."""
         number = check_int64(value)
-        return await self._collective("all_max", lambda: self._reduce(number, dist.ReduceOp.MAX))
+        # max(v) == ~min(~v), and ~ maps the int64 range onto itself (unlike negation).
+        low = await self._collective("all_max", lambda: self._tagged_min(~number, _ALL_MAX_TAG))
+        return ~low
 
     async def all_gather_bytes(self, payload: bytes) -> list[bytes]:
         """Every rank's `payload`, indexed by rank; payloads may differ in length."""
@@ -335,7 +343,7 @@ class TorchRankGroup:
 
     async def barrier(self) -> None:
         """Return once every rank has called `barrier`."""
-        await self._collective("barrier", lambda: self._reduce(0, dist.ReduceOp.MIN))
+        await self._collective("barrier", lambda: self._tagged_min(0, _BARRIER_TAG))
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -419,17 +427,15 @@ class TorchRankGroup:
         assert group is not None, "the group was used after aclose"
         return group
 
-    def _reduce(self, value: int, op: dist.ReduceOp.RedOpType) -> int:
-        tensor = torch.tensor([value], dtype=torch.int64)
-        self._pg().allreduce(tensor, op=op, timeout=self._timeout).wait()
-        return int(tensor.item())
-
-    def _min_tagged(self, value: int, tag: int) -> int:
+    def _tagged_min(self, value: int, tag: int) -> int:
+        """The minimum of `value`, in one reduction that also carries the tags as
+        [tag, -tag], from which every rank learns the lowest and highest tag. Always MIN:
+        ranks reducing with different operations could each see matching tags."""
         tensor = torch.tensor([value, tag, -tag], dtype=torch.int64)
         self._pg().allreduce(tensor, op=dist.ReduceOp.MIN, timeout=self._timeout).wait()
-        low, low_tag, neg_high_tag = (int(x) for x in tensor.tolist())
+        result, low_tag, neg_high_tag = (int(x) for x in tensor.tolist())
         _check_tags(tag, low_tag, -neg_high_tag)
-        return low
+        return result
 
     def _broadcast_from_first(self, payload: bytes) -> bytes:
         """Rank 0's `payload` on every rank (other ranks' payloads are ignored)."""
@@ -475,6 +481,12 @@ class TorchRankGroup:
         values = reduced.tolist()
         _check_tags(tag, int(values[0]), -int(values[1]))
         return [item for item, kept in zip(first, values[2:], strict=True) if kept]
+
+
+# The tags of the untagged calls: every collective that reduces checks a tag.
+_ALL_MIN_TAG = agreement_tag("tp.all_min")
+_ALL_MAX_TAG = agreement_tag("tp.all_max")
+_BARRIER_TAG = agreement_tag("tp.barrier")
 
 
 def _check_tags(mine: int, lowest: int, highest: int) -> None:
