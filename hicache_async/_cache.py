@@ -330,6 +330,18 @@ class HiCache:
         if max_cached_tokens is not None:
             limit = check_count("max_cached_tokens", max_cached_tokens) // self.config.page_size
             found = self._tree.match(keys[:limit])
+            short = min(limit, len(keys)) - found.num_device_pages - found.num_host_pages
+            group = self.rank_group
+            if short > 0 and group is not None and group.size > 1:
+                # The ranks agreed on more than this one still has: an await came between
+                # the agreement and this call. The ranks now compute different tokens.
+                _log.warning(
+                    "hicache.tp.prefix.short",
+                    request_id=request_id,
+                    agreed_tokens=max_cached_tokens,
+                    cached_tokens=(found.num_device_pages + found.num_host_pages)
+                    * self.config.page_size,
+                )
             found = MatchResult(
                 keys=keys,
                 device_pages=found.device_pages,
@@ -360,7 +372,9 @@ class HiCache:
         every rank must make its agreeing calls in the same order (one that pairs with
         another prompt's agreement on some rank is an error there, and the answer is 0). A
         running warmup is stopped first, at the same entry on every rank, and the local
-        figure is taken after it stopped. Tokens this cache refuses (`TypeError`,
+        figure is taken after it stopped. The prefix this rank offers stays locked and
+        protected until the agreement returns: call `request(..., max_cached_tokens=...)`
+        right after it, with no await in between. Tokens this cache refuses (`TypeError`,
         `ValueError`) and a closed cache (`CacheClosedError`) raise once the collective has
         been entered with 0. Refused tokens enter under a tag no valid prompt has: unless
         every rank refused the same way, that is an `AgreementMismatch`, so the peers get 0
@@ -382,6 +396,7 @@ class HiCache:
             refused = exc
             tag = agreement_tag("agree_cached_tokens", "refused")
         background = BackgroundAgreements.of(group)
+        held: list[tuple[TreeNode, TreeNode]] = []
 
         async def mine() -> int:
             nonlocal refused
@@ -391,11 +406,15 @@ class HiCache:
             if refused is not None:
                 return 0
             try:
-                info = self.match(array, salt=salt)
+                self.match(array, salt=salt)  # a use of the prefix, as a request's
             except CacheClosedError as exc:
                 refused = exc
                 return 0
-            return info.device_tokens + info.host_tokens
+            # Held until the agreement returns: the loop serves others meanwhile, and what
+            # this rank offers must still be here when every rank has agreed.
+            tokens, nodes = self._hold_prefix(keys)
+            held.append(nodes)
+            return tokens
 
         try:
             agreed = await agree_min(group, mine, tag=tag, gate=background.wait_idle)
@@ -403,6 +422,9 @@ class HiCache:
             # The group is broken: no rank can rely on another's cache, so use none of it.
             _log.warning("hicache.tp.agreement.failed", error=repr(exc))
             agreed = 0
+        finally:
+            for nodes in held:
+                self._let_go(nodes)
         if refused is not None:
             raise refused
         return agreed

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog
 from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_caches
 
 from hicache_async import CacheClosedError, HiCache, WrongThreadError
@@ -40,6 +41,48 @@ async def test_the_figure_is_taken_after_the_warmup_stopped(tmp_path: Path) -> N
         theirs = await second.agree_cached_tokens(prompt)
         assert await agreeing == theirs == len(prompt)
         assert ranks[0].calls == ranks[1].calls == 1
+
+
+async def test_the_prefix_offered_is_held_until_the_ranks_agree() -> None:
+    prompt = np.arange(500, 500 + 5 * PAGE)
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks) as (first, second):
+        for cache in (first, second):
+            await _commit(cache, prompt)
+        agreeing = asyncio.create_task(first.agree_cached_tokens(prompt))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not agreeing.done()  # rank 1 is late
+        # Rank 0's loop serves other prompts meanwhile, more than both pools hold.
+        for i in range(12):
+            start = 10_000 + i * 1_000
+            await _commit(first, np.arange(start, start + 32 * PAGE))
+        theirs = await second.agree_cached_tokens(prompt)
+        agreed = await agreeing
+        assert agreed == theirs == len(prompt)
+        with (
+            structlog.testing.capture_logs() as logs,
+            first.request(prompt, max_cached_tokens=agreed) as request,
+        ):
+            assert request.cached_tokens == agreed
+        assert logs == []
+        # An await between the agreement and the request lets the prefix go: the request
+        # says so, as the ranks now compute different tokens.
+        agreed = (await asyncio.gather(*(c.agree_cached_tokens(prompt) for c in (first, second))))[
+            0
+        ]
+        for i in range(12):
+            start = 50_000 + i * 1_000
+            await _commit(first, np.arange(start, start + 32 * PAGE))
+        with (
+            structlog.testing.capture_logs() as logs,
+            first.request(prompt, max_cached_tokens=agreed) as request,
+        ):
+            assert request.cached_tokens == 0
+        assert [(e["event"], e["agreed_tokens"], e["cached_tokens"]) for e in logs] == [
+            ("hicache.tp.prefix.short", len(prompt), 0)
+        ]
+        first.tree.check_invariants()
 
 
 @pytest.mark.parametrize("bad", [[1.5, 2.5], [True, False], [-3]], ids=["float", "bool", "neg"])
