@@ -15,6 +15,7 @@ from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_cache
 from hicache_async import CacheClosedError, HiCache, WrongThreadError
 from hicache_async.distributed import BackgroundAgreements
 from hicache_async.storage import FileStorage
+from hicache_async.testing import KVGenerator, serve
 
 
 async def _commit(cache: HiCache, prompt: np.ndarray) -> None:
@@ -83,6 +84,26 @@ async def test_the_prefix_offered_is_held_until_the_ranks_agree() -> None:
             ("hicache.tp.prefix.short", len(prompt), 0)
         ]
         first.tree.check_invariants()
+
+
+async def test_serve_uses_the_prefix_every_rank_holds(tmp_path: Path) -> None:
+    prompt = np.arange(700, 700 + 6 * PAGE)
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    await _fill(roots[0], 0, [prompt])  # only rank 0's store has it
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks, roots) as (first, second):
+        generator = KVGenerator(first.config.layout, PAGE)
+        for prefetch in (True, False):
+            served = await asyncio.wait_for(
+                asyncio.gather(
+                    *(serve(c, prompt, generator, prefetch=prefetch) for c in (first, second))
+                ),
+                30,
+            )
+            # Rank 0 could load the prompt, rank 1 cannot: both compute it all, the first
+            # time (the prompt's pages then stay on both ranks' devices).
+            computed = [s.computed_tokens for s in served]
+            assert computed == ([len(prompt)] * 2 if prefetch else [0, 0])
 
 
 @pytest.mark.parametrize("bad", [[1.5, 2.5], [True, False], [-3]], ids=["float", "bool", "neg"])

@@ -47,6 +47,10 @@ async def serve(
 ) -> ServedRequest:
     """Serve one prompt the way an engine would, checking pages against `generator`.
 
+    With a tensor-parallel rank group it uses only the prefix every rank holds (the
+    prefetch's `agreed_tokens`, or `agree_cached_tokens` without a prefetch): every rank must
+    serve the same prompts in the same order.
+
     `check="loaded"` verifies the pages copied from the host (and so from storage);
     `check="all"` also the device prefix that was already there; `check="none"` nothing.
     Any other `check` raises ValueError (a typo must not silently check nothing).
@@ -56,10 +60,18 @@ async def serve(
     array = as_token_array(tokens)
     size = cache.config.page_size
     storage_tokens = 0
+    group = cache.rank_group
+    tp = group is not None and group.size > 1
+    # With tensor parallelism every rank uses the prefix all of them hold, as an engine must.
+    cap: int | None = None
     if prefetch and cache.storage_status().attached:
         result = await cache.prefetch(array, request_id=request_id)
         storage_tokens = result.storage_tokens
-    with cache.request(array, request_id=request_id) as req:
+        if tp:
+            cap = result.agreed_tokens
+    elif tp:
+        cap = await cache.agree_cached_tokens(array)
+    with cache.request(array, request_id=request_id, max_cached_tokens=cap) as req:
         device_tokens = req.device_tokens
         load = await req.load()
         if layerwise:
