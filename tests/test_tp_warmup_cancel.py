@@ -414,3 +414,27 @@ async def test_a_group_without_weakrefs_is_let_go_once_its_warmups_end(tmp_path:
         assert agreed[0] == agreed[1]
         gc.collect()  # frames of finished tasks may sit in reference cycles
         assert all(id(rank) not in BackgroundAgreements._of_strong for rank in ranks)
+
+
+async def test_a_warmup_a_broken_group_stops_reports_what_it_loaded(tmp_path: Path) -> None:
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 50000, size=4 * PAGE) for _ in range(5)]
+    roots = await _fill_both(tmp_path, prompts)
+    ranks = _pair(_Rank)
+
+    def break_at(kind: str, index: int) -> None:
+        # Collectives: the entries, then "go on?" and the trim per entry; the third entry's
+        # "go on?" fails on both ranks, as a dead peer's would.
+        if index == 5:
+            raise CollectiveError("the peer went away")
+
+    for rank in ranks:
+        rank.on_enter = break_at
+    async with _two_caches(ranks, roots) as (first, second):
+        results = await asyncio.wait_for(
+            asyncio.gather(*(c.warmup(ratio=1.0) for c in (first, second))), 30
+        )
+    for result in results:
+        assert result.status is WarmupStatus.STOPPED
+        assert (result.entries_read, result.entries_agreed) == (len(prompts), len(prompts))
+        assert (result.entries_loaded, result.pages_loaded) == (2, 8)

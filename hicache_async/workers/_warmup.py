@@ -118,6 +118,8 @@ class Warmer:
         self._ratio = ratio
         self._deadline_s = deadline_s
         self._stop = False
+        # What was read and loaded so far: a broken group ends the run with an exception.
+        self._partial = WarmupResult(status=WarmupStatus.STOPPED)
         group = cache.rank_group
         self._background = (
             BackgroundAgreements.of(group) if group is not None and group.size > 1 else None
@@ -142,11 +144,12 @@ class Warmer:
                 scheduled_count.set(None)
             else:
                 count = BackgroundCount(self._background)
+        began = time.monotonic()
         try:
             return await self._run()
         except CollectiveError as exc:
             _log.warning("hicache.warmup.agreement.failed", error=repr(exc))
-            return WarmupResult(status=WarmupStatus.STOPPED)
+            return msgspec.structs.replace(self._partial, seconds=time.monotonic() - began)
         finally:
             if count is not None:
                 count.end()
@@ -199,6 +202,13 @@ class Warmer:
         loaded_entries = 0
         missed = 0
         budget_cut = False  # an entry was loaded only in part, for the budget
+        self._partial = WarmupResult(
+            status=WarmupStatus.STOPPED,
+            entries_read=len(read.entries),
+            entries_agreed=len(entries),
+            malformed=read.malformed,
+            oversized=read.oversized,
+        )
         status = WarmupStatus.COMPLETE
         for index, entry in enumerate(entries):
             go_on = self._may_continue(loaded_pages, budget, began)
@@ -248,6 +258,12 @@ class Warmer:
                     raise asyncio.CancelledError
             loaded_pages += landed
             loaded_entries += landed > 0
+            self._partial = msgspec.structs.replace(
+                self._partial,
+                entries_loaded=loaded_entries,
+                pages_loaded=loaded_pages,
+                entries_missed=missed,
+            )
         if status is WarmupStatus.COMPLETE and budget_cut and loaded_pages >= budget:
             status = WarmupStatus.BUDGET  # reached within the last entry
         return WarmupResult(
