@@ -758,10 +758,11 @@ class RedisStorage(BackendBase):
                 corrupt.append(keys[i])
                 self._report_corrupt(keys[i], reason)
 
-        # On a cluster a pipeline that failed as a whole has already cost redis-py's retries
-        # (it sleeps 0.25 s before each); the batch's other pipelines, their keys spread over
-        # the same nodes, would most likely pay them again. They are ERROR at once instead:
-        # a lost node fails a batch in about a second, not a second a pipeline.
+        # A pipeline that failed as a whole (a timeout, a lost connection) has already cost
+        # the timeout, and redis-py's retries; the batch's other pipelines, to the same server
+        # or the same nodes, would most likely pay them again, one after another: a stalled
+        # server would hold a batch for minutes. They are ERROR at once instead, and a batch
+        # fails in about one timeout.
         given_up = False
 
         async def fetch_values(chunk: range) -> None:
@@ -775,7 +776,7 @@ class RedisStorage(BackendBase):
                     values = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
-                given_up = self._cluster
+                given_up = True
                 return
             found: list[tuple[int, bytes | None]] = []
             for i, value in zip(chunk, values, strict=True):
@@ -817,12 +818,16 @@ class RedisStorage(BackendBase):
                     judge(i, result, reason)
 
         async def fetch_into(bulk: BulkConnectionPool, chunk: range) -> None:
+            nonlocal given_up
+            if given_up:
+                return  # stays ERROR
             try:
                 received = await self._bulk_gets(
                     bulk, chunk, keys=keys, targets=targets, payloads=payloads, namespace=namespace
                 )
             except (*REDIS_FAULTS, OSError) as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=self._fault(exc))
+                given_up = True
                 return
             landed = [(i, got) for i, got in received if isinstance(got, PageHeader)]
             checks: list[PageCheck | None] = [None] * len(landed)
@@ -935,7 +940,7 @@ class RedisStorage(BackendBase):
         payloads = [payload_nbytes(page) for page in sources]
 
         mac_key = self._mac_key
-        given_up = False  # on a cluster, after a pipeline failed as a whole: see get()
+        given_up = False  # after a pipeline failed as a whole: see get()
 
         async def store(chunk: range) -> None:
             nonlocal given_up
@@ -975,7 +980,7 @@ class RedisStorage(BackendBase):
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
                 log.warning("storage.redis.put_failed", backend=self._name, error=self._fault(exc))
-                given_up = self._cluster
+                given_up = True
                 return
             for i, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):

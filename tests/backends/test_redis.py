@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -230,6 +231,35 @@ async def test_server_loss_gives_errors_not_hangs() -> None:
             with pytest.raises(StorageError):
                 await backend.delete(keys)
             assert backend.stats().errors >= 5
+
+
+@pytest.mark.parametrize("bulk", [0, 1], ids=["redis-py", "bulk"])
+async def test_a_stalled_server_fails_a_batch_in_about_one_timeout(bulk: int) -> None:
+    # Ten pipelines of two pages on two connections: once the first fail as a whole, the
+    # rest of the batch is ERROR at once instead of each waiting out its own timeout.
+    with RedisServer() as server:
+        url = (
+            f"{server.url}?timeout=0.3&bulk={bulk}&get_pipeline_bytes=6000&put_pipeline_bytes=6000"
+        )
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(20)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 20
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with structlog.testing.capture_logs() as logs:
+                    got = await backend.get(keys, buffers(20), namespace=NS)
+                    put = await backend.put(*make_pages(20))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert got == [Outcome.ERROR] * 20
+            assert put == [Outcome.ERROR] * 20
+            events = [entry["event"] for entry in logs]
+            assert 1 <= events.count("storage.redis.get_failed") <= 2  # not one per pipeline
+            assert 1 <= events.count("storage.redis.put_failed") <= 2
+            # The server is back: the next batch reads every page.
+            assert await backend.get(keys, buffers(20), namespace=NS) == [Outcome.OK] * 20
 
 
 async def test_batches_work_again_after_a_server_restart() -> None:
