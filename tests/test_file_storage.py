@@ -958,7 +958,9 @@ async def test_reads_order_eviction_after_reopen(tmp_path: Path) -> None:
         os.utime(_page_path(root, read), (now - 100, now - 100))  # written first
         os.utime(_page_path(root, unread), (now - 50, now - 50))
         assert await _get(storage, [read]) == [Outcome.OK]
-        assert _page_path(root, read).stat().st_mtime >= now
+        # Touched by the read (the kernel stamps files from a coarser clock than time.time:
+        # up to a few ms behind it, so not `>= now`).
+        assert _page_path(root, read).stat().st_mtime > now - 1
     async with FileStorage(root, capacity_bytes=2 * SIZE) as storage:
         assert await _put(storage, [new]) == [Outcome.OK]
         assert await storage.exists([read]) == 1
