@@ -406,7 +406,7 @@ class HiCache:
             if refused is not None:
                 return 0
             try:
-                self.match(array, salt=salt)  # a use of the prefix, as a request's
+                self._check_open()
             except CacheClosedError as exc:
                 refused = exc
                 return 0

@@ -106,6 +106,23 @@ async def test_serve_uses_the_prefix_every_rank_holds(tmp_path: Path) -> None:
             assert computed == ([len(prompt)] * 2 if prefetch else [0, 0])
 
 
+async def test_serve_agrees_when_only_one_rank_has_storage(tmp_path: Path) -> None:
+    prompt = np.arange(900, 900 + 6 * PAGE)
+    ranks = _pair(_Rank)
+    async with (
+        HiCache(_config(0), storage=FileStorage(tmp_path), rank_group=ranks[0]) as first,
+        HiCache(_config(1), rank_group=ranks[1]) as second,
+    ):
+        generator = KVGenerator(first.config.layout, PAGE)
+        with structlog.testing.capture_logs() as logs:
+            served = await asyncio.wait_for(
+                asyncio.gather(*(serve(c, prompt, generator) for c in (first, second))), 30
+            )
+        assert "hicache.tp.agreement.failed" not in [entry["event"] for entry in logs]
+        assert [s.computed_tokens for s in served] == [len(prompt)] * 2
+        assert ranks[0].calls == ranks[1].calls == 1
+
+
 @pytest.mark.parametrize("bad", [[1.5, 2.5], [True, False], [-3]], ids=["float", "bool", "neg"])
 async def test_refused_tokens_still_enter_the_collective(bad: list[object]) -> None:
     prompt = np.arange(100, 100 + 3 * PAGE)

@@ -27,6 +27,7 @@ from hicache_async.distributed import (
     run_uncancelled,
 )
 from hicache_async.storage import FileStorage
+from hicache_async.workers._prefetch import PrefetchHandle
 
 PAGE = 4
 
@@ -438,3 +439,26 @@ async def test_a_warmup_a_broken_group_stops_reports_what_it_loaded(tmp_path: Pa
         assert result.status is WarmupStatus.STOPPED
         assert (result.entries_read, result.entries_agreed) == (len(prompts), len(prompts))
         assert (result.entries_loaded, result.pages_loaded) == (2, 8)
+
+
+async def test_a_budget_never_makes_a_rank_drop_pages_it_held(tmp_path: Path) -> None:
+    # Rank 0 holds half of the entry already; the budget is less than the rest. Cuts of each
+    # rank's own would leave the ranks different prefixes, and the trim would drop what rank
+    # 0 held: with a rank group the entry is loaded whole.
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 50000, size=10 * PAGE)
+    roots = await _fill_both(tmp_path, [prompt])
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks, roots) as (first, second):
+        link = first._link
+        assert link is not None
+        keys = first.keys_for(prompt)
+        held = PrefetchHandle(link.prefetcher, keys[:5], 5 * PAGE, "own", "wait_complete")
+        await link.prefetcher.run_now(held)
+        assert first.match(prompt).host_tokens == 5 * PAGE
+        ratio = 3 / first.config.resolved_host_pages
+        await asyncio.wait_for(
+            asyncio.gather(first.warmup(ratio=ratio), second.warmup(ratio=ratio)), 30
+        )
+        for cache in (first, second):
+            assert cache.match(prompt).host_tokens == len(prompt)

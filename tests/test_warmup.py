@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import numpy as np
 import pytest
 
@@ -376,6 +378,37 @@ async def test_the_deadline_covers_reading_the_manifest(tmp_path: Path) -> None:
         result = await asyncio.wait_for(cache.warmup(ratio=1.0, deadline_s=0.1), 10)
         assert result.status is WarmupStatus.DEADLINE
         assert result.pages_loaded == 0
+
+
+def _open_files() -> set[str]:
+    """The paths this process has open."""
+    paths = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed since
+            paths.add(os.readlink(f"/proc/self/fd/{fd}"))
+    return paths
+
+
+async def test_a_manifest_read_cut_short_closes_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "manifest.jsonl"
+    namespace = bytes(range(16))
+    with path.open("wb") as f:  # several read chunks
+        for chain in range(5_000):
+            f.write(_line(namespace, [chain.to_bytes(32, "big")], 0, float(chain)))
+    scope = anyio.CancelScope()
+    original = ManifestCollector.add_line
+
+    def add_line(self: ManifestCollector, line: bytes) -> None:
+        scope.cancel()  # a deadline passing mid-read
+        original(self, line)
+
+    monkeypatch.setattr(ManifestCollector, "add_line", add_line)
+    with scope:
+        await FileManifest(path).read()
+    assert scope.cancelled_caught
+    assert str(path) not in _open_files()
 
 
 async def test_enormous_manifest_costs_bounded_memory(tmp_path: Path) -> None:

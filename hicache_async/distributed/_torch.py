@@ -483,7 +483,7 @@ class TorchRankGroup:
         return [item for item, kept in zip(first, values[2:], strict=True) if kept]
 
 
-# The tags of the untagged calls: every collective that reduces checks a tag.
+# The tags of the plain calls: all_min, all_max and barrier always check one.
 _ALL_MIN_TAG = agreement_tag("tp.all_min")
 _ALL_MAX_TAG = agreement_tag("tp.all_max")
 _BARRIER_TAG = agreement_tag("tp.barrier")

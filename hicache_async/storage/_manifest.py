@@ -19,7 +19,7 @@ import contextlib
 import fcntl
 import os
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Protocol, runtime_checkable
 
@@ -239,7 +239,7 @@ def _covers(longer: ManifestEntry | None, entry: ManifestEntry) -> bool:
 
 async def _lines(
     path: Path, limits: ManifestLimits, *, whole: bool = False
-) -> AsyncIterator[bytes | None]:
+) -> AsyncGenerator[bytes | None, None]:
     """Lines of the file, each at most max_entry_bytes + 1 long (longer ones cut: oversized).
 
     Yields None at the end if the byte bound stopped the read early. Reads in chunks so an
@@ -280,7 +280,9 @@ async def _lines(
                 yield None
                 return
     finally:
-        await f.close()
+        # Shielded: a read cut short by a cancel scope (warmup's deadline) still closes it.
+        with anyio.CancelScope(shield=True):
+            await f.close()
     if skipping:
         yield bytes(limits.max_entry_bytes + 1)
     elif pending:
@@ -345,11 +347,12 @@ class FileManifest:
         """The newest record per chain (of `namespace`, if given), bounded by the limits."""
         collector = ManifestCollector(self.limits, namespace)
         truncated = False
-        async for line in _lines(self.path, self.limits):
-            if line is None:
-                truncated = True
-                break
-            collector.add_line(line)
+        async with contextlib.aclosing(_lines(self.path, self.limits)) as lines:
+            async for line in lines:
+                if line is None:
+                    truncated = True
+                    break
+                collector.add_line(line)
         return collector.result(truncated=truncated)
 
     async def compact(self) -> CompactReport:
@@ -368,9 +371,10 @@ class FileManifest:
             before = 0
         # The whole file, newest records included: memory stays bounded by the collector.
         collector = ManifestCollector(self.limits)
-        async for line in _lines(self.path, self.limits, whole=True):
-            if line is not None:
-                collector.add_line(line)
+        async with contextlib.aclosing(_lines(self.path, self.limits, whole=True)) as lines:
+            async for line in lines:
+                if line is not None:
+                    collector.add_line(line)
         entries = _fit(collector.result(truncated=False).entries, self.limits.max_bytes // 2)
         data = b"".join(encode_entry(e) for e in entries)
         # The lock is held, so no other compaction runs: a temporary file of one is a

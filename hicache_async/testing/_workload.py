@@ -64,7 +64,9 @@ async def serve(
     tp = group is not None and group.size > 1
     # With tensor parallelism every rank uses the prefix all of them hold, as an engine must.
     cap: int | None = None
-    if prefetch and cache.storage_status().attached:
+    # With a rank group every rank prefetches (and so agrees) whatever its own storage: the
+    # ranks must enter the same agreement, and a prefetch without storage still agrees.
+    if prefetch and (tp or cache.storage_status().attached):
         result = await cache.prefetch(array, request_id=request_id)
         storage_tokens = result.storage_tokens
         if tp:

@@ -228,12 +228,17 @@ class Warmer:
                 # runs, and keeps what every rank held of the entry already.
                 if not (tp and self._stopping()):
                     keys = [bytes.fromhex(k) for k in entry.keys]
-                    # No further than the budget allows: pages cached already cost nothing.
-                    found = cache._tree.match(keys, touch=False)
-                    allowed = found.num_device_pages + found.num_host_pages + budget - loaded_pages
-                    if len(keys) > allowed:
-                        keys = keys[:allowed]
-                        budget_cut = True
+                    if not tp:
+                        # No further than the budget allows: pages cached already cost
+                        # nothing. (With a rank group the entry is loaded whole: ranks hold
+                        # different prefixes of it, and cuts of their own would make the trim
+                        # below drop pages some rank held before.)
+                        found = cache._tree.match(keys, touch=False)
+                        cached = found.num_device_pages + found.num_host_pages
+                        allowed = cached + budget - loaded_pages
+                        if len(keys) > allowed:
+                            keys = keys[:allowed]
+                            budget_cut = True
                     handle = PrefetchHandle(
                         self._link.prefetcher,
                         keys,
@@ -252,18 +257,19 @@ class Warmer:
                     assert group is not None
                     await self._agree_trim_owing(group, entries, index, cancelled=True)
                 raise
-            if tp:
-                assert group is not None
-                if await self._agree_trim_owing(group, entries, index):
-                    raise asyncio.CancelledError
             loaded_pages += landed
             loaded_entries += landed > 0
+            # Before the trim's agreement: should it fail, what landed stays (untrimmed).
             self._partial = msgspec.structs.replace(
                 self._partial,
                 entries_loaded=loaded_entries,
                 pages_loaded=loaded_pages,
                 entries_missed=missed,
             )
+            if tp:
+                assert group is not None
+                if await self._agree_trim_owing(group, entries, index):
+                    raise asyncio.CancelledError
         if status is WarmupStatus.COMPLETE and budget_cut and loaded_pages >= budget:
             status = WarmupStatus.BUDGET  # reached within the last entry
         return WarmupResult(
