@@ -29,6 +29,7 @@ from hicache_async.bench._sim import (
 )
 from hicache_async.cli import main
 from hicache_async.storage import FileStorage, MemoryStorage
+from hicache_async.testing._servers import free_port
 
 
 def _args(module: object, argv: list[str]) -> argparse.Namespace:
@@ -361,6 +362,8 @@ def test_bench_options_out_of_range_are_usage_errors(argv: list[str]) -> None:
         (["tree", "--requests", "5", "--page-size", "1000000"], "lower --page-size"),
         (["storage", "--backend", "file:///x?bogus=1"], "unknown parameter 'bogus'"),
         (["storage", "--backend", "memory://?bogus=1"], "unknown parameter 'bogus'"),
+        # More buffers than one vectored call takes (was OSError from pwritev mid-run).
+        (["storage", "--segments", "1024"], "--segments must be at most 1023"),
         (["storage", "--backend", "no_such_module_here.sub:make"], "cannot import"),
         (["trace", "--requests", "5", "--page-size", "100"], "must divide 512"),
         (["trace", "--requests", "5", "--device-tokens", "64"], "longest prompt"),
@@ -374,6 +377,23 @@ def test_bench_configuration_errors_are_one_line(
     assert message in err
     assert err.startswith(f"hicache-async bench {argv[0]}: error: ")
     assert "Traceback" not in err
+
+
+def test_a_backend_that_cannot_be_reached_fails_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    port = free_port()
+    for backend, message in (
+        (f"redis://127.0.0.1:{port}/0", "the raw baseline cannot reach"),
+        (f"mooncake://127.0.0.1:{port}?protocol=tcp", "cannot reach the Mooncake master"),
+        ("file:///proc/hicache-none", "No such file or directory"),
+    ):
+        argv = ["storage", "--backend", backend, "--shape", "small", "--pages", "2"]
+        code, err = _bench_cli(capsys, *argv, "--reps", "1")
+        assert code == 1, err
+        assert err.startswith("hicache-async bench storage: failed: ")
+        assert message in err
+        assert "Traceback" not in err
 
 
 def test_bench_checks_its_inputs_before_running(

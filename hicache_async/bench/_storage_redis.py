@@ -24,6 +24,9 @@ import redis.asyncio as aioredis
 import redis.asyncio.cluster
 import redis.cluster
 
+from .._errors import StorageError
+from ..storage._redact import mask_userinfo
+
 __all__ = ["RawModes"]
 
 _MiB = 1 << 20
@@ -158,6 +161,13 @@ class RawModes:
         ]
 
     def __enter__(self) -> RawModes:
+        try:
+            self._client.ping()
+        except redis.RedisError as exc:
+            self._client.close()
+            # Said in one line by the command, not as a traceback.
+            where = mask_userinfo(self._url)
+            raise StorageError(f"the raw baseline cannot reach {where}: {exc}") from None
         return self
 
     def __exit__(self, *exc: object) -> None:

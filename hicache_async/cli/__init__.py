@@ -91,7 +91,13 @@ def _bench(args: argparse.Namespace) -> int:
     except (HiCacheError, ValueError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    records = module.run(args)
+    try:
+        records = module.run(args)
+    except (HiCacheError, OSError) as exc:
+        # A backend or baseline that cannot be reached, a root that cannot be written: one
+        # line, not a traceback.
+        print(f"{prog}: failed: {exc}", file=sys.stderr)
+        return 1
     print(format_records(records))
     try:
         if args.json:
