@@ -37,10 +37,12 @@ PREFACE = """\
 
 Figures on this page are generated: `nox -s bench` (or `python -m hicache_async.bench.report`)
 runs every benchmark, writes each one's records as JSON and rebuilds this page from them, so it
-always shows one real run. Every speed figure is a ratio against a baseline measured in the same
+shows one real run. Every speed figure is a ratio against a baseline measured in the same
 process and the same run, because absolute figures on a shared or virtual machine mean little;
 read the *ratio* column. A throughput ratio above 1 is better than the baseline; for times (µs,
-seconds) below 1 is.
+seconds) below 1 is. Sides are measured in pairs, back to back and in alternating order;
+`value` and `baseline` are the medians of each side and `ratio` the median of the pairs'
+ratios, so it need not equal `value / baseline`.
 
 What each benchmark measures, and what it must reach:
 
