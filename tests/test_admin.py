@@ -539,7 +539,8 @@ async def test_redis_password_is_never_echoed() -> None:
 
             wrong = url.replace(SECRET, "not-the-password")
             refused = await client.put(STORAGE, headers=AUTH, json={"url": wrong})
-            _error(refused, 502, "storage_unreachable")
+            _error(refused, 400, "invalid_storage_url")  # the server refused its credentials
+            assert "refused this configuration" in refused.text
             assert "not-the-password" not in refused.text
             assert not cache.storage_status().attached
     finally:

@@ -28,7 +28,7 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import MovedError, ResponseError
+from redis.exceptions import AuthenticationError, MovedError, NoPermissionError, ResponseError
 
 from .._errors import StorageConfigError, StorageError, type_name
 from ._base import (
@@ -576,10 +576,25 @@ class RedisStorage(BackendBase):
             )
         self._prefix_script = self._client.register_script(_PREFIX_SCRIPT)
         self._remove_if_same = self._client.register_script(_REMOVE_IF_SAME_SCRIPT)
+        await self._check_reachable(self._client)
+
+    async def _check_reachable(self, client: RedisClient) -> None:
+        """Ping the server: a refusal of this configuration (credentials, database, a
+        connection setting the ACL refuses) raises `StorageConfigError`, as no later call could
+        succeed; an unreachable server is only logged, as it may come (back) later and until
+        then batches are ERROR."""
         try:
-            await self._client.ping()
+            await client.ping()
+        except (AuthenticationError, NoPermissionError, ResponseError) as exc:
+            message = str(exc)
+            if isinstance(exc, NoPermissionError) and "'ping'" in message:
+                return  # only PING is refused: the calls the store makes may be allowed
+            if isinstance(exc, (AuthenticationError, NoPermissionError)) or ("DB index" in message):
+                raise StorageConfigError(
+                    f"{self._name}: the server refused this configuration: {message}"
+                ) from None
+            log.warning("storage.redis.unreachable", backend=self._name, error=message)
         except (*REDIS_FAULTS, OSError) as exc:
-            # Not fatal: the server may come (back) later; until then batches are ERROR.
             log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
 
     async def _open_cluster(self) -> None:
@@ -600,11 +615,7 @@ class RedisStorage(BackendBase):
         self._client = client
         self._prefix_script = client.register_script(_PREFIX_SCRIPT)
         self._remove_if_same = client.register_script(_REMOVE_IF_SAME_SCRIPT)
-        try:
-            await client.ping()
-        except (*REDIS_FAULTS, OSError) as exc:
-            # As for one server: batches are ERROR until the cluster answers.
-            log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
+        await self._check_reachable(client)
 
     async def _release(self) -> None:
         # Calls in flight finish first (each socket operation is bounded by `timeout`, and a

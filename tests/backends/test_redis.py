@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -744,13 +745,34 @@ async def test_bulk_connections_authenticate_and_select_the_database() -> None:
             assert await plain.dbsize() == 0
         finally:
             await plain.aclose()
-        wrong = f"redis://:nope@{server.host}:{server.port}/3?prefix=auth&timeout=2"
-        async with RedisStorage.from_url(wrong) as backend:
-            # Refused at the connection's setup: errors per key, nothing raised, nothing read.
-            into = buffers(3)
-            assert await backend.get(keys, into, namespace=NS) == [Outcome.ERROR] * 3
-            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
-            assert not any(any(s) for b in into for s in b)
+        # Credentials, a database or a connection setting the server refuses: no call could
+        # ever succeed, so the open fails, saying why (and not the password).
+        for wrong, why in (
+            (f"redis://:nope@{server.host}:{server.port}/3", "invalid username-password"),
+            (f"redis://{server.host}:{server.port}/3", "authenticate"),
+            (f"redis://:s3cret@{server.host}:{server.port}/99", "DB index is out of range"),
+        ):
+            with pytest.raises(StorageConfigError, match="refused this configuration") as info:
+                async with RedisStorage.from_url(f"{wrong}?prefix=auth&timeout=2"):
+                    pytest.fail("opened with a configuration the server refuses")
+            assert why in str(info.value)
+            assert "nope" not in str(info.value)
+
+
+async def test_an_acl_refusing_the_connection_setup_fails_the_open(redis_url: str) -> None:
+    async with acl_user(redis_url, "~*", "+@all", "-client") as (user, _):
+        url = user_url(redis_url, user, client_name="hicache")
+        with pytest.raises(StorageConfigError, match=re.escape("'client|setname'")):
+            async with RedisStorage.from_url(url):
+                pytest.fail("opened with a client name the ACL refuses")
+    # Refusing PING alone refuses nothing the store needs: it opens, quietly, and works.
+    async with acl_user(redis_url, "~*", "+@all", "-ping") as (user, _):
+        with structlog.testing.capture_logs() as logs:
+            async with RedisStorage.from_url(user_url(redis_url, user)) as backend:
+                keys, pages, metas = make_pages(2)
+                assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+                assert await backend.get(keys, buffers(2), namespace=NS) == [Outcome.OK] * 2
+        assert "storage.redis.unreachable" not in [entry["event"] for entry in logs]
 
 
 @pytest.mark.parametrize("params", [{}, {"bulk": 0}, {"multikey": 0}])
@@ -927,10 +949,14 @@ async def test_only_a_refused_script_command_turns_the_script_off(
         assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
         assert await backend.exists(keys) == 2
         assert backend._multikey
-    # CLIENT SETNAME refused when redis-py sets a connection up (bulk=0 asks EVALSHA there).
-    async with acl_user(redis_url, "~*", "+@all", "-client|setname") as (user, admin):
+    # CLIENT SETNAME refused when redis-py sets a connection up (bulk=0 asks EVALSHA there):
+    # at open that fails the open; refused later, on the connections made after it, the
+    # calls fail until it is allowed again, and the script stays on.
+    async with acl_user(redis_url, "~*", "+@all") as (user, admin):
         url = user_url(redis_url, user, bulk=bulk, client_name="named")
         async with RedisStorage.from_url(url) as backend:
+            await admin.execute_command("ACL", "SETUSER", user, "-client|setname")
+            await admin.execute_command("CLIENT", "KILL", "USER", user)
             with pytest.raises(StorageError, match=r"client\|setname"):
                 await backend.exists(keys)
             assert backend._multikey
