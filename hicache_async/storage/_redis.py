@@ -251,14 +251,17 @@ def _settle(future: asyncio.Future[bytes], value: bytes, error: BaseException | 
         future.exception()  # whoever awaits it gets the error; nobody has to
 
 
+_MIN_TIMEOUT_S = 0.001
+
+
 def _int_param(params: Mapping[str, str], name: str) -> int | None:
     raw = params.get(name)
     if raw is None:
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise StorageConfigError(f"redis URL parameter {name}={raw!r} is not an integer") from None
+    # ASCII digits only: int() also takes "+5", " 5" and other scripts' digits.
+    if not (raw.isascii() and raw.isdigit()):
+        raise StorageConfigError(f"redis URL parameter {name}={raw!r} is not an integer")
+    value = int(raw)
     if value < 1:
         raise StorageConfigError(f"redis URL parameter {name} must be >= 1, got {value}")
     return value
@@ -301,10 +304,11 @@ def _check_arguments(
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, numbers.Real)
-        or not 0 < float(timeout) < math.inf
+        or not _MIN_TIMEOUT_S <= float(timeout) < math.inf
     ):
+        # Less than a millisecond is no timeout a round trip can meet: every call would fail.
         raise StorageConfigError(
-            f"redis timeout must be a finite number of seconds > 0, got {timeout!r}"
+            f"redis timeout must be a finite number of seconds >= {_MIN_TIMEOUT_S}, got {timeout!r}"
         )
     for field, value in flags.items():
         if not (isinstance(value, bool) or (field == "multikey" and value is None)):
@@ -481,6 +485,12 @@ class RedisStorage(BackendBase):
         if parts.scheme not in _SCHEMES:
             raise StorageConfigError(
                 f"redis URL must start with redis:// or rediss://, got {parts.scheme!r}"
+            )
+        if not parts.hostname or parts.fragment:
+            # redis-py would take `redis:///0` for localhost, and drop a fragment unsaid.
+            raise StorageConfigError(
+                f"a {parts.scheme}:// URL needs a host, and takes no fragment: "
+                f"{parts.scheme}://[user:password@]host[:port][/db][?params]"
             )
         params = parse_query(parts.query, _URL_PARAMS, scheme=parts.scheme)
         kwargs: dict[str, Any] = {}
@@ -1234,6 +1244,10 @@ class RedisStorage(BackendBase):
                 raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
+                if isinstance(nbytes, NoPermissionError):
+                    # The ACL keeps these keys from this user: a listing without them would
+                    # pass for the whole store (gc and stats would see it empty).
+                    raise StorageError(f"{self._name}: list_pages failed: {nbytes}")
                 # A key gone since the scan has no idle time (nil); under an LFU policy an
                 # existing one answers an error instead. An empty value is listed.
                 if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):

@@ -591,6 +591,10 @@ def test_from_url_parameters() -> None:
         RedisStorage.from_url("redis://127.0.0.1:6379/0?ttl=1&ttl=2")
     with pytest.raises(StorageConfigError, match="redis://"):
         RedisStorage.from_url("http://127.0.0.1:6379/0")
+    # redis-py would take these for localhost, or drop the fragment unsaid.
+    for url in ("redis:///0", "redis://127.0.0.1:6379/0#x"):
+        with pytest.raises(StorageConfigError, match="needs a host, and takes no fragment"):
+            RedisStorage.from_url(url)
     with pytest.raises(StorageConfigError, match="prefix"):
         RedisStorage.from_url("redis://127.0.0.1:6379/0?prefix=a*b")
     # redis-py would drop blank values silently, and fail on TLS settings only at open.
@@ -635,7 +639,18 @@ def test_from_url_parameters() -> None:
 def test_ttl_and_argument_types_are_checked() -> None:
     # The server refuses such a ttl at every SET (or an old one drops the key at once): every
     # put would be ERROR, so it is refused here, by URL and by argument.
-    for ttl in ("10000000000000000", "99999999999999999999", "315360001", "1.5", "nan", "0"):
+    # int() would also take "+5", " 5" and digits of other scripts ("٣").
+    for ttl in (
+        "10000000000000000",
+        "99999999999999999999",
+        "315360001",
+        "1.5",
+        "nan",
+        "0",
+        "%2B5",
+        "%205",
+        "%D9%A3",
+    ):
         with pytest.raises(StorageConfigError, match="ttl"):
             RedisStorage.from_url(f"redis://127.0.0.1:6379/0?ttl={ttl}")
     assert RedisStorage.from_url("redis://127.0.0.1:6379/0?ttl=315360000")._ttl == 315360000
@@ -650,7 +665,8 @@ def test_ttl_and_argument_types_are_checked() -> None:
         ({"max_batch_pages": "8"}, "max_batch_pages must be an integer >= 1"),
         ({"get_pipeline_bytes": 1.0}, "get_pipeline_bytes must be an integer >= 1"),
         ({"capacity_bytes": 0}, "capacity_bytes must be an integer >= 1"),
-        ({"timeout": "5"}, "timeout must be a finite number of seconds > 0"),
+        ({"timeout": "5"}, "timeout must be a finite number of seconds >= 0.001"),
+        ({"timeout": 1e-9}, "timeout must be a finite number of seconds >= 0.001"),
         ({"timeout": True}, "timeout must be a finite number"),
         ({"timeout": float("inf")}, "timeout must be a finite number"),
         ({"prefix": b"x"}, "prefix must be a str, got bytes"),
@@ -757,6 +773,20 @@ async def test_bulk_connections_authenticate_and_select_the_database() -> None:
                     pytest.fail("opened with a configuration the server refuses")
             assert why in str(info.value)
             assert "nope" not in str(info.value)
+
+
+async def test_a_listing_the_acl_keeps_keys_from_is_an_error(redis_url: str) -> None:
+    url = fresh_url(redis_url)
+    async with RedisStorage.from_url(url) as writer:
+        keys, pages, metas = make_pages(2)
+        assert await writer.put(keys, pages, metas) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    async with (
+        acl_user(redis_url, "~elsewhere:*", "+@all") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix)) as reader,
+    ):
+        with pytest.raises(StorageError, match=r"list_pages failed: .*no permissions"):
+            await reader.list_pages()
 
 
 async def test_an_acl_refusing_the_connection_setup_fails_the_open(redis_url: str) -> None:
