@@ -361,6 +361,26 @@ async def test_an_instance_whose_emptied_root_another_took_writes_nothing_there(
             assert await _get(second, theirs) == [Outcome.OK] * 2
 
 
+async def test_a_shard_removed_with_the_lock_is_not_made_again_in_a_root_another_took(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+    keys = [bytes.fromhex("ab" + f"{i:02x}" * 31) for i in range(4)]
+    async with FileStorage(root) as first:
+        assert await _put(first, keys[:1]) == [Outcome.OK]
+        shutil.rmtree(root / "pages" / "ab")
+        (root / "LOCK").unlink()
+        async with FileStorage(root) as second:
+            with structlog.testing.capture_logs() as logs:
+                assert await _put(first, keys[1:2]) == [Outcome.ERROR]
+            events = [entry["event"] for entry in logs]
+            assert events.count("storage.lock.lost") == 1
+            assert "storage.shard.recreated" not in events
+            assert not (root / "pages" / "ab").exists()
+            assert await _put(second, keys[2:]) == [Outcome.OK] * 2
+            await _assert_index_matches_disk(second, root)
+
+
 async def test_descriptors_of_removed_directories_are_closed_once_idle(tmp_path: Path) -> None:
     root = tmp_path / "s"
     async with FileStorage(root) as storage:

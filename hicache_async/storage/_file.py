@@ -284,6 +284,9 @@ class _Handles:
                 self._retired.append(seen_fd)
             if not os.fstat(self.pages_fd).st_nlink and not self._renew_pages_locked(self.pages_fd):
                 return None
+            # Whoever removed it may have removed LOCK too (see `_remade_locked`).
+            if not self._hold_lock_locked():
+                return None
             try:
                 fd = self._shard_locked(name, create=True, durable=durable)
             except OSError:
