@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,11 @@ import structlog
 from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_caches
 
 from hicache_async import CacheClosedError, HiCache, WrongThreadError
-from hicache_async.distributed import BackgroundAgreements
+from hicache_async.distributed import (
+    BackgroundAgreements,
+    GroupBrokenError,
+    GroupStatistics,
+)
 from hicache_async.storage import FileStorage
 from hicache_async.testing import KVGenerator, serve
 
@@ -121,6 +126,36 @@ async def test_serve_agrees_when_only_one_rank_has_storage(tmp_path: Path) -> No
         assert "hicache.tp.agreement.failed" not in [entry["event"] for entry in logs]
         assert [s.computed_tokens for s in served] == [len(prompt)] * 2
         assert ranks[0].calls == ranks[1].calls == 1
+
+
+class _BrokenRank(_Rank):
+    """A rank whose group broke earlier: every collective refuses at once."""
+
+    def statistics(self) -> GroupStatistics:
+        return GroupStatistics(collectives=0, timeouts=0, failures=1, broken=True, cancelled=0)
+
+    async def all_min(self, value: int, *, tag: int | None = None) -> int:
+        raise GroupBrokenError("an earlier collective failed; the group is broken")
+
+
+class _HangingStorage(FileStorage):
+    """A file store whose lookups never answer."""
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        await asyncio.Event().wait()
+        return 0
+
+
+async def test_a_broken_group_answers_a_prefetch_without_waiting_for_its_reads(
+    tmp_path: Path,
+) -> None:
+    prompt = np.arange(1_100, 1_100 + 6 * PAGE)
+    (rank, _) = _pair(_BrokenRank)
+    # wait_complete: without the group's state, ready() would wait for storage for ever.
+    async with HiCache(_config(0), storage=_HangingStorage(tmp_path), rank_group=rank) as cache:
+        result = await asyncio.wait_for(cache.prefetch(prompt), 10)
+        assert result.agreed_tokens == 0
+        assert result.storage_tokens == 0
 
 
 @pytest.mark.parametrize("bad", [[1.5, 2.5], [True, False], [-3]], ids=["float", "bool", "neg"])

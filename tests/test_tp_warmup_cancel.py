@@ -99,7 +99,9 @@ class _SlottedRank:
         raise NotImplementedError
 
     def statistics(self) -> GroupStatistics:
-        return GroupStatistics()
+        return GroupStatistics(
+            collectives=self.calls, timeouts=0, failures=0, broken=False, cancelled=0
+        )
 
 
 class _Rank(_SlottedRank):

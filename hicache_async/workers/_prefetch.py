@@ -217,6 +217,12 @@ class PrefetchHandle:
             return self.result()
 
         async def mine() -> int:
+            if group.statistics().broken:
+                # The agreement fails at once (0 tokens, logged): waiting out the policy for
+                # reads no rank will use would only hold the caller. None are issued now.
+                self.terminate()
+                await asyncio.sleep(0)
+                return 0
             # The policy wait is part of the local step, so a cancellation while waiting still
             # enters the collective (with 0) instead of leaving the peers in it.
             await self._wait_for_policy()
