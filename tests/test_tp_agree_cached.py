@@ -158,6 +158,26 @@ async def test_a_broken_group_answers_a_prefetch_without_waiting_for_its_reads(
         assert result.storage_tokens == 0
 
 
+class _NoStatisticsRank(_Rank):
+    """A user's group that does not implement `statistics()`."""
+
+    def statistics(self) -> GroupStatistics:
+        raise NotImplementedError
+
+
+async def test_a_group_without_statistics_still_agrees(tmp_path: Path) -> None:
+    prompt = np.arange(1_300, 1_300 + 6 * PAGE)
+    roots = [tmp_path / "r0", tmp_path / "r1"]
+    for rank, root in enumerate(roots):
+        await _fill(root, rank, [prompt])
+    ranks = _pair(_NoStatisticsRank)
+    async with _two_caches(ranks, roots) as (first, second):
+        results = await asyncio.wait_for(
+            asyncio.gather(*(c.prefetch(prompt) for c in (first, second))), 30
+        )
+        assert [r.agreed_tokens for r in results] == [len(prompt)] * 2
+
+
 @pytest.mark.parametrize("bad", [[1.5, 2.5], [True, False], [-3]], ids=["float", "bool", "neg"])
 async def test_refused_tokens_still_enter_the_collective(bad: list[object]) -> None:
     prompt = np.arange(100, 100 + 3 * PAGE)

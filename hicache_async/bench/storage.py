@@ -336,16 +336,18 @@ def _without_spares(url: str, name: str) -> str:
 def _raw_put(
     pool: ThreadPoolExecutor, paths: list[str], data: _Data, *, reuse: list[str] | None = None
 ) -> float:
-    """Write each page into a file of its own: a new one, or with `reuse` the file of the same
-    position there, renamed to the page's path and written over (as the backend writes over
-    the files of removed pages)."""
+    """Write each page into a file of its own: the file of the same position in `reuse`,
+    while there is one, renamed to the page's path and written over (as the backend writes
+    over the files of removed pages it kept), else a new one."""
     header = memoryview(bytes(HEADER_NBYTES))
-    flags = os.O_WRONLY | os.O_CLOEXEC | (0 if reuse else os.O_CREAT | os.O_TRUNC)
+    reused = reuse or []
+    over = os.O_WRONLY | os.O_CLOEXEC
+    new = over | os.O_CREAT | os.O_TRUNC
 
     def one(p: int) -> None:
-        if reuse:
-            os.rename(reuse[p], paths[p])
-        fd = os.open(paths[p], flags, 0o600)
+        if p < len(reused):
+            os.rename(reused[p], paths[p])
+        fd = os.open(paths[p], over if p < len(reused) else new, 0o600)
         try:
             os.pwritev(fd, [header, *data.src[p]], 0)
         finally:
@@ -409,6 +411,8 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
         runner.run(storage.__aenter__())
         runner.run(fresh.__aenter__())
         try:
+            spares = storage._spares
+            spare_pages = (0 if spares is None else spares.limit) // (HEADER_NBYTES + data.nbytes)
             with ThreadPoolExecutor(storage.io_threads) as pool:
                 # Untimed: a first put on both sides, so that every timed `put` (the first
                 # one too) writes over the files of the run before, as in a steady state.
@@ -425,7 +429,11 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                     # neither: new files on both sides.
                     runner.run(storage.delete(keys))
                     runner.run(fresh.delete(keys))
-                    old_paths = paths
+                    # As many of the run before's files as the store keeps as spares; the
+                    # rest go, as the store's do (both outside the timed part).
+                    old_paths = paths[:spare_pages]
+                    for path in paths[spare_pages:]:
+                        os.unlink(path)
                     for path in fresh_paths:
                         os.unlink(path)
                     keys = data.keys()

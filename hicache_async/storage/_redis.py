@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeGuard, TypeVar
-from urllib.parse import urlencode, urlunsplit
+from urllib.parse import SplitResult, urlencode, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import Connection
@@ -254,6 +254,15 @@ def _settle(future: asyncio.Future[bytes], value: bytes, error: BaseException | 
 _MIN_TIMEOUT_S = 0.001
 
 
+def _check_host_and_fragment(parts: SplitResult) -> None:
+    if not parts.hostname or parts.fragment:
+        # redis-py would take `redis:///0` for localhost, and drop a fragment unsaid.
+        raise StorageConfigError(
+            f"a {parts.scheme}:// URL needs a host, and takes no fragment: "
+            f"{parts.scheme}://[user:password@]host[:port][/db][?params]"
+        )
+
+
 def _int_param(params: Mapping[str, str], name: str) -> int | None:
     raw = params.get(name)
     if raw is None:
@@ -388,6 +397,7 @@ class RedisStorage(BackendBase):
             raise StorageConfigError(
                 f"redis URL must start with redis:// or rediss://, got {parts.scheme!r}"
             )
+        _check_host_and_fragment(parts)
         port = parse_port(parts, scheme=parts.scheme) or 6379
         db = parts.path.lstrip("/") or "0"
         if not (db.isascii() and db.isdigit()):
@@ -486,12 +496,7 @@ class RedisStorage(BackendBase):
             raise StorageConfigError(
                 f"redis URL must start with redis:// or rediss://, got {parts.scheme!r}"
             )
-        if not parts.hostname or parts.fragment:
-            # redis-py would take `redis:///0` for localhost, and drop a fragment unsaid.
-            raise StorageConfigError(
-                f"a {parts.scheme}:// URL needs a host, and takes no fragment: "
-                f"{parts.scheme}://[user:password@]host[:port][/db][?params]"
-            )
+        _check_host_and_fragment(parts)
         params = parse_query(parts.query, _URL_PARAMS, scheme=parts.scheme)
         kwargs: dict[str, Any] = {}
         for name in (
@@ -594,7 +599,14 @@ class RedisStorage(BackendBase):
         succeed; an unreachable server is only logged, as it may come (back) later and until
         then batches are ERROR."""
         try:
-            await client.ping()
+            try:
+                await client.ping()
+            except REDIS_FAULTS as exc:
+                # The cluster client wraps what a node refused (RedisClusterException).
+                cause = exc.__cause__ or exc.__context__
+                if isinstance(cause, (AuthenticationError, NoPermissionError)):
+                    raise cause from None
+                raise
         except (AuthenticationError, NoPermissionError, ResponseError) as exc:
             message = str(exc)
             if isinstance(exc, NoPermissionError) and "'ping'" in message:

@@ -216,8 +216,14 @@ class PrefetchHandle:
             await self._wait_for_policy()
             return self.result()
 
+        def broken() -> bool:
+            try:
+                return group.statistics().broken
+            except Exception:  # a group that breaks the protocol: never a reason for 0 tokens
+                return False
+
         async def mine() -> int:
-            if group.statistics().broken:
+            if broken():
                 # The agreement fails at once (0 tokens, logged): waiting out the policy for
                 # reads no rank will use would only hold the caller. None are issued now.
                 self.terminate()

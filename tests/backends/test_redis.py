@@ -595,6 +595,8 @@ def test_from_url_parameters() -> None:
     for url in ("redis:///0", "redis://127.0.0.1:6379/0#x"):
         with pytest.raises(StorageConfigError, match="needs a host, and takes no fragment"):
             RedisStorage.from_url(url)
+        with pytest.raises(StorageConfigError, match="needs a host, and takes no fragment"):
+            RedisStorage(url)
     with pytest.raises(StorageConfigError, match="prefix"):
         RedisStorage.from_url("redis://127.0.0.1:6379/0?prefix=a*b")
     # redis-py would drop blank values silently, and fail on TLS settings only at open.

@@ -430,3 +430,12 @@ def test_cluster_configuration_errors() -> None:
     assert storage.name == "redis://127.0.0.1:7000/0?prefix=hicache&cluster=1"
     assert (storage._multikey, storage._bulk_wanted) == (False, False)
     assert RedisStorage.from_url("redis://127.0.0.1:7000/0?cluster=0")._multikey
+
+
+async def test_credentials_a_cluster_refuses_fail_the_open(redis_cluster_url: str) -> None:
+    # The cluster client wraps the node's refusal; it is a configuration error all the same.
+    url = fresh_url(redis_cluster_url.replace("redis://", "redis://nouser:wrong@"))
+    with pytest.raises(StorageConfigError, match="refused this configuration") as info:
+        async with RedisStorage.from_url(url):
+            pytest.fail("opened with credentials the cluster refuses")
+    assert "wrong" not in str(info.value)
