@@ -6,6 +6,10 @@ request's path (they become misses), so only the backend API itself raises `Stor
 
 from __future__ import annotations
 
+import operator
+
+import numpy as np
+
 __all__ = [
     "CacheClosedError",
     "ConfigError",
@@ -62,3 +66,11 @@ def type_name(value: object) -> str:
     if kind.__module__ == "builtins":
         return kind.__qualname__
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def index_of(value: object, what: str) -> int:
+    """`value` as an index (`operator.index`), refusing a bool: `True` would pass as 1, and a
+    bool where a page or layer number belongs is a bug upstream."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be an int, got {type_name(value)}")
+    return operator.index(value)  # type: ignore[arg-type]

@@ -36,7 +36,7 @@ import torch
 
 from ._allocator import PageAllocator
 from ._config import MAX_POOL_NBYTES, CacheConfig, HostLayout, KVLayout
-from ._errors import ConfigError
+from ._errors import ConfigError, index_of
 
 __all__ = ["KVPool", "PoolStatistics", "make_pools", "torch_dtype"]
 
@@ -278,13 +278,13 @@ class KVPool:
     # -- views --------------------------------------------------------------------------------
 
     def _check_page(self, page: int) -> int:
-        page = operator.index(page)
+        page = index_of(page, "page")
         if not 0 <= page < self.num_pages:
             raise ValueError(f"{self.name}: page {page} is out of range [0, {self.num_pages})")
         return page
 
     def _check_layer(self, layer: int) -> int:
-        layer = operator.index(layer)
+        layer = index_of(layer, "layer")
         if not 0 <= layer < self.layout.num_layers:
             raise ValueError(
                 f"{self.name}: layer {layer} is out of range [0, {self.layout.num_layers})"

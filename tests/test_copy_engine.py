@@ -206,6 +206,8 @@ async def test_layers_land_in_order(engine: CpuCopyEngine) -> None:
     await copy.layer(0)  # landed layers return at once, any number of times
     with pytest.raises(ValueError, match="out of range"):
         await copy.layer(layout.num_layers)
+    with pytest.raises(TypeError, match="layer must be an int, got bool"):
+        await copy.layer(True)
 
 
 @pytest.mark.parametrize("whole", [False, True])

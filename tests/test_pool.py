@@ -193,6 +193,12 @@ def test_bad_arguments_are_rejected() -> None:
             pool.read_page(page)
     with pytest.raises(ValueError, match="layer"):
         pool.page_view(0, 3)
+    # A bool is no page or layer number (True would pass as 1).
+    for page, layer in ((True, 0), (0, True), (np.True_, 0)):
+        with pytest.raises(TypeError, match="must be an int, got"):
+            pool.page_view(page, layer)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="page must be an int, got bool"):
+        pool.read_page(True)
     with pytest.raises(ValueError, match="bytes"):
         pool.write_page(0, b"\x00" * (pool.page_nbytes - 1))
     with pytest.raises(ValueError, match="memory_layout"):

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import operator
 from collections.abc import Callable, Generator
 from typing import Any
+
+from .._errors import index_of
 
 __all__ = ["LayerwiseCopy"]
 
@@ -57,7 +58,7 @@ class LayerwiseCopy:
 
     async def layer(self, i: int) -> None:
         """Return once layer `i` has landed; raise the copy's error if it failed before then."""
-        i = operator.index(i)
+        i = index_of(i, "layer")
         if not 0 <= i < self.num_layers:
             raise ValueError(f"layer {i} is out of range [0, {self.num_layers})")
         if i < self._landed:
