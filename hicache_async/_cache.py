@@ -330,17 +330,16 @@ class HiCache:
         if max_cached_tokens is not None:
             limit = check_count("max_cached_tokens", max_cached_tokens) // self.config.page_size
             found = self._tree.match(keys[:limit])
-            short = min(limit, len(keys)) - found.num_device_pages - found.num_host_pages
+            cached = found.num_device_pages + found.num_host_pages
             group = self.rank_group
-            if short > 0 and group is not None and group.size > 1:
+            if cached < min(limit, len(keys)) and group is not None and group.size > 1:
                 # The ranks agreed on more than this one still has: an await came between
                 # the agreement and this call. The ranks now compute different tokens.
                 _log.warning(
                     "hicache.tp.prefix.short",
                     request_id=request_id,
                     agreed_tokens=max_cached_tokens,
-                    cached_tokens=(found.num_device_pages + found.num_host_pages)
-                    * self.config.page_size,
+                    cached_tokens=cached * self.config.page_size,
                 )
             found = MatchResult(
                 keys=keys,

@@ -553,8 +553,9 @@ class MooncakeStorage(BackendBase):
             )
         if placement == "local" and segment_size == 0:
             raise StorageConfigError("mooncake placement=local needs a segment (segment_size > 0)")
-        if admin is not None and (
-            urlsplit(admin).scheme not in ("http", "https") or not urlsplit(admin).hostname
+        admin_parts = None if admin is None else urlsplit(admin)
+        if admin_parts is not None and (
+            admin_parts.scheme not in ("http", "https") or not admin_parts.hostname
         ):
             raise StorageConfigError(
                 f"mooncake admin must be an http://host:port URL, got {admin!r}"

@@ -62,10 +62,10 @@ async def serve(
     storage_tokens = 0
     group = cache.rank_group
     tp = group is not None and group.size > 1
-    # With tensor parallelism every rank uses the prefix all of them hold, as an engine must.
+    # With tensor parallelism every rank uses the prefix all of them hold, as an engine must;
+    # and every rank prefetches (so agrees) whatever its own storage, since the ranks must
+    # enter the same agreement (a prefetch without storage still agrees).
     cap: int | None = None
-    # With a rank group every rank prefetches (and so agrees) whatever its own storage: the
-    # ranks must enter the same agreement, and a prefetch without storage still agrees.
     if prefetch and (tp or cache.storage_status().attached):
         result = await cache.prefetch(array, request_id=request_id)
         storage_tokens = result.storage_tokens

@@ -272,16 +272,9 @@ class Warmer:
                     raise asyncio.CancelledError
         if status is WarmupStatus.COMPLETE and budget_cut and loaded_pages >= budget:
             status = WarmupStatus.BUDGET  # reached within the last entry
-        return WarmupResult(
-            status=status,
-            entries_read=len(read.entries),
-            entries_agreed=len(entries),
-            entries_loaded=loaded_entries,
-            pages_loaded=loaded_pages,
-            malformed=read.malformed,
-            oversized=read.oversized,
-            seconds=time.monotonic() - began,
-            entries_missed=missed,
+        # `_partial` holds every count by now.
+        return msgspec.structs.replace(
+            self._partial, status=status, seconds=time.monotonic() - began
         )
 
     async def _agree_entries_owing(
