@@ -27,6 +27,7 @@ from hicache_async.storage._manifest import (
 )
 from hicache_async.testing import KVGenerator, serve
 from hicache_async.workers import WarmupStatus
+from hicache_async.workers._prefetch import PrefetchHandle
 
 PAGE = 4
 
@@ -461,3 +462,50 @@ async def test_warmup_on_attach_when_configured(tmp_path: Path, enabled: bool) -
         status = await cache.wait_warmup()
         assert status is not None
         assert status.pages_loaded == sum(len(p) // PAGE for p in prompts)
+
+
+@pytest.mark.parametrize("pattern", [(0, 0, 1), (0, 1, 0, 2), (3, 1, 3, 2), (0, 1, 0)])
+async def test_a_manifest_entry_that_repeats_a_key_is_malformed(
+    tmp_path: Path, pattern: tuple[int, ...]
+) -> None:
+    # A forged record; each key of a real chain hashes the one before, so none repeats. Read
+    # as a chain, it gave one host page two places in the tree, and a later request's commit
+    # raised while freeing that page twice.
+    prompt = _prompts(1, seed=8)[0][: 4 * PAGE]
+    await _fill(tmp_path, [prompt])
+    path = tmp_path / "manifest.jsonl"
+    record = json.loads(path.read_bytes().splitlines()[-1])
+    real = record["keys"]
+    record["keys"] = [real[i] for i in pattern]
+    path.write_bytes(json.dumps(record).encode() + b"\n")
+    assert decode_entry(path.read_bytes()) is None
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=1.0)
+        assert (result.malformed, result.pages_loaded) == (1, 0)
+        cache.tree.check_invariants()
+        for _ in range(3):
+            await serve(cache, prompt, generator, check="all")
+        await cache.drain()
+        cache.tree.check_invariants()
+
+
+async def test_a_prefetch_reads_no_further_than_the_first_repeated_key(tmp_path: Path) -> None:
+    prompt = _prompts(1, seed=9)[0][: 4 * PAGE]
+    await _fill(tmp_path, [prompt])
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        link = cache._link
+        assert link is not None
+        real = cache.keys_for(prompt)
+        keys = [real[0], real[1], real[0], real[2]]
+        handle = PrefetchHandle(link.prefetcher, keys, len(keys) * PAGE, "own", "wait_complete")
+        await link.prefetcher.run_now(handle)
+        assert handle.storage_tokens == 2 * PAGE
+        cache.tree.check_invariants()
+        served = await serve(cache, prompt, generator, check="all")
+        assert served.host_tokens == 2 * PAGE
+        await cache.drain()
+        cache.tree.check_invariants()

@@ -142,6 +142,9 @@ def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
         return None
     if not _HEX32.match(entry.namespace) or not all(_HEX64.match(k) for k in entry.keys):
         return None
+    if len(set(entry.keys)) != len(entry.keys):
+        # Each key of a chain hashes the one before, so a real chain never repeats one.
+        return None
     if not (entry.last_use == entry.last_use and abs(entry.last_use) < 1e12):  # NaN, huge
         return None
     return entry
