@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 from _plain_storage import PlainStorage
 
@@ -14,6 +15,7 @@ from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta, StorageBackend
 from hicache_async.storage._maintenance import MaintainableStorage, RawAccess
 from hicache_async.storage._manifest import SupportsManifest
+from hicache_async.storage._page import HEADER_NBYTES
 from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing._faults import FaultCounts, FaultyStorage
 
@@ -155,6 +157,74 @@ def test_an_inner_object_that_is_no_backend_is_refused_at_construction() -> None
 def test_rates_and_latencies_are_checked(name: str, value: object) -> None:
     with pytest.raises(StorageConfigError, match=name):
         FaultyStorage(MemoryStorage(), **{name: value})
+
+
+@pytest.mark.parametrize("seed", [None, 1.0, "1", True, np.bool_(True), [1]])
+def test_a_seed_that_is_not_an_int_is_refused(seed: object) -> None:
+    # Seeds are text to the generator: True and 1, or 1.0 and 1, gave other faults, and None
+    # a fixed seed where random.Random(None) means a fresh one.
+    with pytest.raises(StorageConfigError, match="seed must be an int"):
+        FaultyStorage(MemoryStorage(), seed=seed)  # type: ignore[arg-type]
+
+
+async def test_numpy_numbers_are_taken_for_seeds_rates_and_latencies() -> None:
+    plain = FaultyStorage(MemoryStorage(), seed=3, error_rate=0.5, latency_s=0.001)
+    numpy = FaultyStorage(
+        MemoryStorage(),
+        seed=np.int64(3),  # type: ignore[arg-type]
+        error_rate=np.float32(0.5),  # type: ignore[arg-type]
+        latency_s=np.float32(0.001),  # type: ignore[arg-type]
+    )
+    outcomes: list[list[object]] = []
+    for storage in (plain, numpy):
+        trace: list[object] = []
+        async with storage:
+            for round_ in range(10):
+                try:
+                    trace.append(await _put(storage, _keys(2, round_)))
+                except StorageError:
+                    trace.append("error")
+        outcomes.append(trace)
+    assert outcomes[0] == outcomes[1]
+    assert "error" in outcomes[0]
+
+
+async def _overlapping_puts(root: Path) -> tuple[FaultCounts, list[tuple[int, bytes] | None]]:
+    storage = FaultyStorage(
+        FileStorage(root, io_threads=4), seed=7, corrupt_rate=0.5, truncate_rate=0.5
+    )
+    keys = _keys(8)
+    async with storage:
+        for _ in range(6):
+            await asyncio.gather(_put(storage, keys), _put(storage, keys))
+        values = [await storage.read_raw(key) for key in keys]
+    # The header holds the write's time; the length and payload are what damage changes.
+    stored = [None if v is None else (len(v), v[HEADER_NBYTES:]) for v in values]
+    return storage.injected(), stored
+
+
+async def test_overlapping_puts_of_a_key_damage_it_alike_in_every_run(tmp_path: Path) -> None:
+    # Two instances backing up one prefix put the same keys at once. Damage was a read and a
+    # write across awaits, so the two calls' damages interleaved differently run to run (one
+    # lost, or one cut applied over the other's flip): same seed, other stored bytes.
+    runs = [await _overlapping_puts(tmp_path / str(run)) for run in range(8)]
+    assert all(run == runs[0] for run in runs[1:])
+    counts, stored = runs[0]
+    assert counts.corrupted
+    assert counts.truncated
+    assert any(value is not None and value[0] < PAGE for value in stored)
+
+
+async def test_a_damage_whose_raw_access_fails_is_skipped(tmp_path: Path) -> None:
+    class _Unwritable(FileStorage):
+        async def write_raw(self, key: bytes, data: bytes) -> None:
+            raise StorageError("read-only medium")
+
+    storage = FaultyStorage(_Unwritable(tmp_path), seed=1, corrupt_rate=1.0)
+    async with storage:
+        assert await _put(storage, _keys(3)) == [Outcome.OK] * 3
+        assert await _get(storage, _keys(3)) == [Outcome.OK] * 3
+    assert storage.injected().corrupted == 0
 
 
 async def test_bad_input_raises_before_any_fault() -> None:

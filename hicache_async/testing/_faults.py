@@ -13,7 +13,11 @@ Faults, drawn per call (and per key of a put for damage):
   with probability `corrupt_rate`, else truncated with probability `truncate_rate` (so
   truncation happens at `(1 - corrupt_rate) * truncate_rate` overall). A put of a key already
   stored answers OK without writing, and a drawn damage then hits the stored page, as decay of
-  stored bytes would.
+  stored bytes would. Damages drawn for one key are applied one at a time in the order of
+  their calls, each after the earlier call's put has finished, so overlapping puts of a key
+  leave the same bytes whatever order they finish in. A damage whose page is gone by then (a
+  read found an earlier damage and removed it), or whose raw access fails, is not applied and
+  not counted.
 
 Bad input (keys that are not 32 bytes, a namespace that is not 16, a meta of another key,
 batches of mismatched lengths) raises ValueError before any fault is drawn, as the protocol
@@ -35,13 +39,16 @@ the inner backend has them, passed through without faults.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+import numbers
 import random
 from collections.abc import Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 
 from .._errors import StorageConfigError, StorageError
 from ..storage._base import byte_segments, check_batch, check_keys, check_metas
@@ -84,6 +91,17 @@ class _Damage(msgspec.Struct, frozen=True):
     bit: int
 
 
+class _Turn(msgspec.Struct, frozen=True):
+    """One drawn damage's place in its key's queue: it waits for `before` (the earlier
+    call's turn on the key, if any) and sets `mine` when done."""
+
+    index: int  # in the call's batch
+    key: bytes
+    damage: _Damage
+    before: asyncio.Event | None
+    mine: asyncio.Event
+
+
 class _Plan(msgspec.Struct, frozen=True):
     """Every fault decision of one call, drawn before the call first awaits."""
 
@@ -108,7 +126,16 @@ def _seconds(name: str, value: float) -> float:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    # numbers.Real takes numpy's scalars too (a rate computed with numpy is one).
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _seed(value: object) -> int:
+    # Seeds are text to the generator: True and 1, or 1.0 and 1, would give other faults,
+    # and None a fixed seed where random.Random(None) means a fresh one.
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise StorageConfigError(f"seed must be an int, got {value!r}")
+    return int(value)
 
 
 def _check_pages(pages: Sequence[PageBuffer], *, writable: bool) -> None:
@@ -164,8 +191,10 @@ class FaultyStorage:
         self._inner = inner
         self._latency_s = latency_s
         self._spike_s = latency_spike_s
-        self._seed = seed
+        self._seed = _seed(seed)
         self._calls = 0
+        # Per key, the turn of the last put drawn to damage it.
+        self._last_turn: dict[bytes, asyncio.Event] = {}
         self._counts: dict[str, int] = dict.fromkeys(FaultCounts.__struct_fields__, 0)
         self._closed = False
 
@@ -301,41 +330,70 @@ class FaultyStorage:
         check_metas(keys, metas)
         _check_pages(pages, writable=False)
         plan = self._plan("put", len(keys))
-        await self._call_faults(plan, "put")
-        self._count_failed(plan)
-        keep = [i for i in range(len(keys)) if i not in plan.failed]
-        outcomes = [Outcome.ERROR] * len(keys)
-        inner = await self._inner.put(
-            [keys[i] for i in keep], [pages[i] for i in keep], [metas[i] for i in keep]
-        )
-        for i, outcome in zip(keep, inner, strict=True):
-            outcomes[i] = outcome
-        if plan.damage:
-            stored = [i for i, o in zip(keep, inner, strict=True) if o is Outcome.OK]
-            await self._damage([(keys[i], plan.damage[i]) for i in stored])
-        return outcomes
+        turns = self._queue_damage(keys, plan)
+        try:
+            await self._call_faults(plan, "put")
+            self._count_failed(plan)
+            keep = [i for i in range(len(keys)) if i not in plan.failed]
+            outcomes = [Outcome.ERROR] * len(keys)
+            inner = await self._inner.put(
+                [keys[i] for i in keep], [pages[i] for i in keep], [metas[i] for i in keep]
+            )
+            for i, outcome in zip(keep, inner, strict=True):
+                outcomes[i] = outcome
+            if turns:
+                await self._damage(turns, {i for i in keep if outcomes[i] is Outcome.OK})
+            return outcomes
+        finally:
+            for turn in turns:
+                self._end_turn(turn)
 
-    async def _damage(self, pages: list[tuple[bytes, _Damage | None]]) -> None:
+    def _queue_damage(self, keys: Sequence[bytes], plan: _Plan) -> list[_Turn]:
+        # Synchronous, with the plan: the queue order is the call order.
+        if plan.hang or plan.error:
+            return []  # this call never reaches its damage
+        turns = []
+        for i, damage in enumerate(plan.damage):
+            if damage is None or i in plan.failed:
+                continue
+            key = keys[i]
+            mine = asyncio.Event()
+            turns.append(_Turn(i, key, damage, self._last_turn.get(key), mine))
+            self._last_turn[key] = mine
+        return turns
+
+    def _end_turn(self, turn: _Turn) -> None:
+        turn.mine.set()
+        if self._last_turn.get(turn.key) is turn.mine:
+            del self._last_turn[turn.key]
+
+    async def _damage(self, turns: list[_Turn], stored: set[int]) -> None:
         inner = self._inner
         assert isinstance(inner, RawAccess)  # checked in __init__
-        for key, damage in pages:
-            if damage is None:
-                continue
-            value = await inner.read_raw(key)
-            if not value:
-                continue
-            if damage.corrupt:
-                damaged = bytearray(value)
-                # A payload byte when there is a payload, so the checksum (not the header
-                # check) has to catch it.
-                low = HEADER_NBYTES if len(value) > HEADER_NBYTES else 0
-                position = low + int(damage.where * (len(value) - low))
-                damaged[position] ^= 1 << damage.bit
-                await inner.write_raw(key, bytes(damaged))
-                self._counts["corrupted"] += 1
-            else:
-                await inner.write_raw(key, value[: int(damage.where * len(value))])
-                self._counts["truncated"] += 1
+        for turn in turns:
+            if turn.before is not None:
+                await turn.before.wait()
+            if turn.index in stored:
+                with contextlib.suppress(StorageError):  # decay that did not happen
+                    await self._damage_one(inner, turn.key, turn.damage)
+            self._end_turn(turn)
+
+    async def _damage_one(self, inner: RawAccess, key: bytes, damage: _Damage) -> None:
+        value = await inner.read_raw(key)
+        if not value:
+            return
+        if damage.corrupt:
+            damaged = bytearray(value)
+            # A payload byte when there is a payload, so the checksum (not the header check)
+            # has to catch it.
+            low = HEADER_NBYTES if len(value) > HEADER_NBYTES else 0
+            position = low + int(damage.where * (len(value) - low))
+            damaged[position] ^= 1 << damage.bit
+            await inner.write_raw(key, bytes(damaged))
+            self._counts["corrupted"] += 1
+        else:
+            await inner.write_raw(key, value[: int(damage.where * len(value))])
+            self._counts["truncated"] += 1
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """The inner `delete`, after latency, hang and error faults."""
