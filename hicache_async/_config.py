@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import os
+import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -415,7 +417,10 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         """Build from a JSON document."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except RecursionError:
+            raise ConfigError("$", "not valid JSON: nested too deeply") from None
+        except ValueError as exc:
+            # Also bytes that are not UTF-8 and integers past Python's digit limit.
             raise ConfigError("$", f"not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError("$", "a JSON object is required")
@@ -426,7 +431,9 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         """Build from a TOML document."""
         try:
             data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
+        except RecursionError:
+            raise ConfigError("$", "not valid TOML: nested too deeply") from None
+        except ValueError as exc:  # TOMLDecodeError, and integers past the digit limit
             raise ConfigError("$", f"not valid TOML: {exc}") from None
         return cls.from_dict(data)
 
@@ -474,11 +481,35 @@ def load_config(source: Mapping[str, Any] | str | Path) -> CacheConfig:
     if path.suffix not in (".toml", ".json"):
         raise ConfigError("$", f"unknown config file type {path.suffix!r}; use .json or .toml")
     try:
-        text = path.read_text(encoding="utf-8")
+        data = _read_config_file(path)
     except OSError as exc:
         raise ConfigError("$", f"cannot read {path}: {exc.strerror}") from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError("$", f"{path} is not UTF-8 text") from None
     if path.suffix == ".toml":
         return CacheConfig.from_toml(text)
     return CacheConfig.from_json(text)
+
+
+_MAX_CONFIG_BYTES = 16 << 20
+
+
+def _read_config_file(path: Path) -> bytes:
+    # Non-blocking open and a regular-file check: a FIFO or a device at the path would
+    # otherwise block the caller for ever or stream without end.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        raise ConfigError("$", f"{path} is not a regular file")
+    with os.fdopen(fd, "rb") as file:
+        data = file.read(_MAX_CONFIG_BYTES + 1)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ConfigError("$", f"{path} is larger than {_MAX_CONFIG_BYTES >> 20} MiB")
+    return data

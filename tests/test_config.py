@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -181,6 +184,42 @@ def test_bad_documents() -> None:
             ConfigError, match=re.escape("CacheConfig.from_json or CacheConfig.from_toml")
         ):
             load_config(text)
+
+
+@pytest.mark.parametrize(
+    ("parse", "text"),
+    [
+        (CacheConfig.from_json, "[" * 100_000),
+        (CacheConfig.from_json, '{"page_size": 1' + "0" * 5000 + "}"),
+        (CacheConfig.from_json, b'{"page_size": "\xff"}'),
+        (CacheConfig.from_toml, "a = " + "[" * 100_000),
+        (CacheConfig.from_toml, "page_size = 1" + "0" * 5000),
+    ],
+    ids=["json-deep", "json-digits", "json-not-utf8", "toml-deep", "toml-digits"],
+)
+def test_documents_past_the_parsers_limits_are_config_errors(
+    parse: Callable[[Any], CacheConfig], text: str | bytes
+) -> None:
+    # They raised RecursionError or ValueError, not the HiCacheError the docs promise.
+    with pytest.raises(ConfigError, match="not valid"):
+        parse(text)
+
+
+def test_load_config_refuses_what_is_not_a_regular_file(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)  # opening it to read blocked until a writer came: for ever
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(fifo)
+    (tmp_path / "dir.toml").mkdir()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(tmp_path / "dir.toml")
+    big = tmp_path / "big.json"
+    with big.open("wb") as f:
+        f.truncate((16 << 20) + 1)
+    with pytest.raises(ConfigError, match="larger than 16 MiB"):
+        load_config(big)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.json")
 
 
 def test_timeout_policy_is_capped() -> None:
