@@ -171,6 +171,7 @@ class HiCache:
             await started
         except BaseException:
             self._state = "closed"
+            self._stop.set()  # a supervisor that started before the cancellation ends
             raise
         self._state = "open"
         if self._storage_arg is not None:
@@ -231,6 +232,8 @@ class HiCache:
 
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""
+        if started.done():
+            return  # the entry was cancelled before this task first ran
         try:
             async with anyio.create_task_group() as tg:
                 self._task_group = tg

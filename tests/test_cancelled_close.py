@@ -6,8 +6,10 @@ closes must not rely on them."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -16,7 +18,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from hicache_async import CacheConfig, HiCache
-from hicache_async.storage import FileStorage, Outcome, PageBuffer
+from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageBuffer
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
 from hicache_async.workers import PrefetchStatus
 
@@ -185,3 +187,66 @@ def test_a_detach_does_not_spin_on_a_prefetch_finished_while_it_runs(tmp_path: P
     runner.join(60)
     assert not runner.is_alive(), "detach_storage() never returned"
     assert outcome == [PrefetchStatus.TERMINATED]
+
+
+async def test_an_entry_cancelled_while_the_workers_start_logs_no_failure() -> None:
+    # Cancelled before the supervisor first ran, the supervisor set the result of the entry's
+    # cancelled future, which raised inside its task group and was logged as
+    # hicache.workers.failed (an error alert for a cancel). Cancelled just after it ran, it
+    # waited for the cache's close for ever.
+    cancelled = 0
+    for spins in (0, 1):
+        cache = HiCache(CONFIG)
+        entry = asyncio.create_task(cache.__aenter__())
+        await _until(lambda cache=cache: cache._supervisor is not None)
+        for _ in range(spins):
+            await asyncio.sleep(0)
+        with capture_logs() as logs:
+            entry.cancel()
+            (outcome,) = await asyncio.gather(entry, return_exceptions=True)
+            supervisor = cache._supervisor
+            assert supervisor is not None
+            if isinstance(outcome, asyncio.CancelledError):
+                cancelled += 1
+                await asyncio.wait_for(supervisor, 5)
+                assert cache._task_group is None
+            else:  # entered before the cancel landed
+                await cache.__aexit__(None, None, None)
+        assert [e for e in logs if e["log_level"] == "error"] == []
+    assert cancelled
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(10_000):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not met")
+
+
+class NeverOpens(MemoryStorage):
+    async def __aenter__(self) -> NeverOpens:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_an_attach_cancelled_while_its_backend_opens_closes_its_queues() -> None:
+    # The link's workers never ran, so nothing closed their queues' streams: two pairs of
+    # ResourceWarnings per cancelled attach.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        async with HiCache(CONFIG) as cache:
+            attach = asyncio.create_task(cache.attach_storage(NeverOpens()))
+            await _until(lambda: cache._link is not None)
+            link = cache._link
+            assert link is not None
+            await asyncio.sleep(0.01)
+            attach.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await attach
+            assert cache._link is None
+            assert link.prefetcher._receive._closed
+            assert link.backup._receive._closed
+            del link, attach
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import gc
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -548,3 +551,48 @@ async def test_cuda_engine_round_trip() -> None:
         assert engine.statistics().failed == 0
     finally:
         await engine.aclose()
+
+
+_LEFT_OPEN = """
+import atexit, threading
+
+def report():  # registered first, so it runs after every other exit hook
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    print("alive", sum(t.is_alive() for t in others), flush=True)
+
+atexit.register(report)
+
+import asyncio
+from hicache_async import CacheConfig, HiCache
+from hicache_async.testing import KVGenerator, serve
+
+config = CacheConfig.from_dict({
+    "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 16},
+    "page_size": 16, "device_pages": 32, "host_pages": 64, "model_id": "left-open",
+})
+kept = []
+
+async def main():
+    for i in range(3):
+        cache = HiCache(config)
+        await cache.__aenter__()
+        prompt = list(range(7000 + i, 7300 + i))
+        await serve(cache, prompt, KVGenerator(config.layout, 16), prefetch=False)
+        kept.append(cache)  # a singleton never left
+
+asyncio.run(main())
+"""
+
+
+def test_copy_threads_of_caches_never_left_are_joined_before_the_interpreter_ends(
+    tmp_path: Path,
+) -> None:
+    # A worker still running while the interpreter finalized was stopped inside libtorch's
+    # frames, and the process aborted (SIGABRT) in about one exit out of six.
+    script = tmp_path / "left_open.py"
+    script.write_text(_LEFT_OPEN)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "alive 0", done.stdout[-2000:]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import atexit
 import queue
 import threading
 import weakref
@@ -180,6 +181,20 @@ class Stop:
 JobT = TypeVar("JobT")
 
 
+# Engines whose worker thread runs. A daemon thread still running when the interpreter
+# finalizes is stopped wherever it is, inside libtorch's frames too, and that aborts the
+# process; an engine left without aclose() (by a cache never left) is stopped and joined at
+# exit instead.
+_RUNNING: weakref.WeakSet[ThreadedEngine[Any]] = weakref.WeakSet()
+_EXIT_JOIN_S = 5.0
+
+
+@atexit.register
+def _stop_running_engines() -> None:
+    for engine in list(_RUNNING):
+        engine._stop_at_exit()
+
+
 class ThreadedEngine(abc.ABC, Generic[JobT]):
     """What every engine shares: validation, handles, one worker thread fed by a queue,
     completion bookkeeping on the loop, draining `aclose`, statistics.
@@ -238,6 +253,7 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
                 target=self._worker, args=(self._jobs,), name=self._name, daemon=True
             )
             self._thread.start()
+            _RUNNING.add(self)
         self._in_flight += 1
         self._jobs.put(job)
         return handle
@@ -282,6 +298,13 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
                 # be waiting for the GIL): joining here would hold up the loop meanwhile.
                 await anyio.to_thread.run_sync(thread.join)
             self._thread = None
+            _RUNNING.discard(self)
+
+    def _stop_at_exit(self) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._jobs.put(None)
+            thread.join(_EXIT_JOIN_S)
 
     @property
     def closed(self) -> bool:

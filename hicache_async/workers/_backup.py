@@ -149,6 +149,13 @@ class BackupWorker:
         self._send.close()
         self._wake_idle()
 
+    def discard(self) -> None:
+        """For a worker that never ran (its backend did not open): drop what is queued and
+        close both ends of the queue."""
+        self.close()
+        self.drop_queued()
+        self._receive.close()
+
     def drop_queued(self) -> None:
         """Drop every queued job (counted), lifting its protection."""
         while True:

@@ -101,6 +101,10 @@ class StorageLink:
             if body_exc is not None:
                 raise body_exc from None
         finally:
+            if not self.running:
+                # The backend never opened, so the workers never ran to close their queues.
+                self.prefetcher.discard()
+                self.backup.discard()
             # A warmup task cancelled before its first step never runs its own `finally`.
             for future, count in self._unstarted.items():
                 future.cancel()

@@ -484,6 +484,13 @@ class Prefetcher:
                 self.cancelled += 1
             self._live_done(handle)
 
+    def discard(self) -> None:
+        """For a prefetcher whose worker never ran (its backend did not open): cancel what
+        is queued and close both ends of the queue."""
+        self.close()
+        self.cancel_queued()
+        self._receive.close()
+
     def statistics(self) -> PrefetchStatistics:
         return PrefetchStatistics(
             submitted=self.submitted,
