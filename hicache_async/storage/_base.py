@@ -126,9 +126,18 @@ def check_metas(keys: Sequence[bytes], metas: Sequence[PageMeta]) -> None:
 
 
 def corrupt_reason(
-    value: bytes | memoryview, *, key: bytes, namespace: bytes, payload_nbytes: int
+    value: bytes | memoryview,
+    *,
+    key: bytes,
+    namespace: bytes,
+    payload_nbytes: int,
+    stored_nbytes: int | None = None,
 ) -> str:
-    """Which check a stored value failed, for the `storage.page.corrupt` log event."""
+    """Which check a stored value failed, for the `storage.page.corrupt` log event.
+
+    `stored_nbytes`: the stored value's length, when `value` holds only its first bytes.
+    """
+    stored = len(value) if stored_nbytes is None else stored_nbytes
     header = decode_header(value)
     if isinstance(header, PageCheck):
         return "header"
@@ -136,7 +145,7 @@ def corrupt_reason(
         return "key"
     if header.namespace != namespace:
         return "namespace"
-    if header.payload_nbytes != payload_nbytes or len(value) != HEADER_NBYTES + payload_nbytes:
+    if header.payload_nbytes != payload_nbytes or stored != HEADER_NBYTES + payload_nbytes:
         return "length"
     return "checksum or mac"
 

@@ -136,12 +136,32 @@ end
 return out
 """
 
+# `gen` as HINCRBY takes it: "0", or an integer without leading zeros of at most 18
+# characters, so that adding one never overflows. Anything else (another client's write) is
+# damage.
+_SOUND_GEN = re.compile(rb"(0|-[1-9][0-9]{0,16}|[1-9][0-9]{0,17})\Z")
+
+# Moves `gen` of the meta hash KEYS[2] on, never failing: a `gen` HINCRBY would refuse is
+# reset to 0 first. A script that failed there would keep its earlier writes (Redis does not
+# roll them back) with the generation unchanged, so readers could not tell the list changed.
+_BUMP_GEN = """
+local function bump_gen()
+  local gen = redis.call('HGET', KEYS[2], 'gen')
+  if gen and not ((gen == '0' or string.match(gen, '^%-?[1-9]%d*$')) and #gen <= 18) then
+    redis.call('HSET', KEYS[2], 'gen', 0)
+  end
+  redis.call('HINCRBY', KEYS[2], 'gen', 1)
+end
+"""
+
 # Compaction's switch: the records appended since the snapshot (head index ARGV[2] on) go
 # after the compacted ones in the temporary list, which then replaces the manifest; all in
 # one atomic step, or nothing (and the temporary list is dropped) if `gen` moved meanwhile.
 # ARGV: expected gen, snapshot length, compacted bytes, ttl (0: none). Returns the number of
 # records carried over, or -1.
-_SWITCH_SCRIPT = """
+_SWITCH_SCRIPT = (
+    _BUMP_GEN
+    + """
 local gen = redis.call('HGET', KEYS[2], 'gen') or '0'
 if gen ~= ARGV[1] then
   redis.call('DEL', KEYS[3])
@@ -164,19 +184,22 @@ else
   redis.call('DEL', KEYS[1])
 end
 redis.call('HSET', KEYS[2], 'bytes', nbytes)
-redis.call('HINCRBY', KEYS[2], 'gen', 1)
+bump_gen()
 if tonumber(ARGV[4]) > 0 then
   redis.call('EXPIRE', KEYS[2], ARGV[4])
 end
 return #tail
 """
+)
 
 
 # Repair: delete the list (KEYS[1]) or meta hash (KEYS[2]) where it holds another type than
 # ours, in one atomic step with the check, so a list another writer repaired and appended to
 # meanwhile is never taken for the damaged one. A deleted list's records are gone: the
 # generation moves on. Returns the names removed.
-_REPAIR_SCRIPT = """
+_REPAIR_SCRIPT = (
+    _BUMP_GEN
+    + """
 local removed = {}
 local kind = redis.call('TYPE', KEYS[1]).ok
 if kind ~= 'list' and kind ~= 'none' then
@@ -189,10 +212,11 @@ if kind ~= 'hash' and kind ~= 'none' then
   removed[#removed + 1] = KEYS[2]
 elseif #removed > 0 then
   redis.call('HSET', KEYS[2], 'bytes', 0)
-  redis.call('HINCRBY', KEYS[2], 'gen', 1)
+  bump_gen()
 end
 return removed
 """
+)
 
 
 class _Stale(Exception):
@@ -323,14 +347,34 @@ class RedisManifest:
         """Rewrite every namespace's list with its newest valid record per chain.
 
         Each list is replaced atomically (built under a temporary key, then renamed over
-        it); records appended meanwhile are kept.
+        it); records appended meanwhile are kept. A namespace that fails is logged and the
+        others are still compacted; then StorageError says which failed.
         """
         totals = [0] * 6
         namespaces, _ = await self._namespaces()
+        failed: list[tuple[str, StorageError]] = []
         for namespace in namespaces:
-            report = await self.compact_namespace(namespace)
+            try:
+                report = await self.compact_namespace(namespace)
+            except StorageError as exc:
+                # One namespace that fails (a damaged key, a node down) must not keep the
+                # ones after it from being compacted and repaired.
+                _log.warning(
+                    "hicache.manifest.compact_failed",
+                    backend=self._name,
+                    namespace=namespace,
+                    error=str(exc),
+                )
+                failed.append((namespace, exc))
+                continue
             for i, value in enumerate(_report_values(report)):
                 totals[i] += value
+        if failed:
+            namespace, first = failed[0]
+            raise StorageError(
+                f"{self._name}: manifest compaction failed for {len(failed)} of "
+                f"{len(namespaces)} namespaces (the others were compacted); {namespace}: {first}"
+            ) from first
         return CompactReport(*totals)
 
     # Appending.
@@ -388,9 +432,10 @@ class RedisManifest:
         try:
             if await client.llen(key) <= self._cap:
                 return
+            gen = await client.hget(meta, "gen")
             async with client.pipeline(transaction=True) as pipe:
                 pipe.ltrim(key, -self._cap, -1)
-                pipe.hincrby(meta, "gen", 1)
+                _bump_gen(pipe, meta, gen)
                 await pipe.execute()
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest trim failed: {exc}") from exc
@@ -646,12 +691,15 @@ class RedisManifest:
                 ]
                 if not wrong:
                     return []
+                gen = None
+                if meta not in wrong:
+                    gen = await (pipe if watched else client).hget(meta, "gen")
                 if watched:
                     pipe.multi()  # type: ignore[no-untyped-call]
                 pipe.delete(*wrong)
                 if meta not in wrong:
                     pipe.hset(meta, "bytes", 0)
-                    pipe.hincrby(meta, "gen", 1)
+                    _bump_gen(pipe, meta, gen)
                 await pipe.execute()
             except WatchError:
                 return []
@@ -741,7 +789,7 @@ class RedisManifest:
                 else:
                     pipe.delete(key)
                 pipe.hset(meta, "bytes", nbytes)
-                pipe.hincrby(meta, "gen", 1)
+                _bump_gen(pipe, meta, current)
                 if self._ttl is not None:
                     # Refreshed with the list: a meta hash that expired first would reset the
                     # generation readers compare against.
@@ -751,6 +799,15 @@ class RedisManifest:
                 await _forget(client, temp)
                 return False
         return True
+
+
+def _bump_gen(pipe: Any, meta: str, gen: object) -> None:
+    """Queue the move of `gen` on (as the scripts' `bump_gen`): reset to 0 first when it
+    holds what HINCRBY refuses, which would fail that command only, after the list had
+    changed, with the generation left where it was."""
+    if isinstance(gen, bytes) and not _SOUND_GEN.match(gen):
+        pipe.hset(meta, "gen", 0)
+    pipe.hincrby(meta, "gen", 1)
 
 
 def _item(value: Any) -> bytes | int:

@@ -328,15 +328,20 @@ def read_value_into(
     namespace: bytes,
     into: PageBuffer,
     mac_key: bytes | None = None,
+    stored_nbytes: int | None = None,
 ) -> PageCheck:
     """Check a stored `header ‖ payload` value and copy its payload into `into`.
 
     For value stores (memory, Redis, Mooncake) that hand back a page as one buffer.
+    `stored_nbytes`, when given, is the stored value's length and `value` its first bytes
+    (a reader that fetched no more than a page of the expected size); otherwise `value` is
+    the whole value.
     """
     header = decode_header(value)
     expected = sum(s.nbytes for s in into)
+    stored = len(value) if stored_nbytes is None else stored_nbytes
     check = check_header(
-        header, key=key, namespace=namespace, payload_nbytes=expected, stored_nbytes=len(value)
+        header, key=key, namespace=namespace, payload_nbytes=expected, stored_nbytes=stored
     )
     if check is not PageCheck.OK or isinstance(header, PageCheck):
         return check

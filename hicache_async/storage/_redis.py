@@ -20,7 +20,7 @@ import numbers
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeGuard, TypeVar
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeGuard, TypeVar
 from urllib.parse import SplitResult, urlencode, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -59,6 +59,7 @@ from ._page import (
     HEADER_NBYTES,
     PageCheck,
     PageHeader,
+    PayloadVerifier,
     check_header,
     decode_header,
     encode_header,
@@ -127,8 +128,10 @@ _REPLY_ERROR_KINDS = 32
 #: Small commands (EXISTS, DEL, SCAN results) per pipeline.
 _KEYS_PER_PIPELINE = 256
 _MAX_COMMANDS_PER_PIPELINE = 512
-#: Pages per pipeline when `verify` reads whole values.
-_VERIFY_PIPELINE = 8
+#: `verify` reads payloads in pieces of this size, at most so many bytes per pipeline: what it
+#: holds does not depend on what is stored.
+_VERIFY_PIECE_BYTES = _MiB
+_VERIFY_PIPELINE_BYTES = 8 * _MiB
 #: Connections per cluster node beyond the `max_connections` commands and pipelines that run
 #: at once: a manifest compaction without scripting holds one through its WATCH.
 _CLUSTER_SPARE_CONNECTIONS = 2
@@ -231,6 +234,16 @@ def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
 #: payload now in its page, None (absent), (verdict, reason) for a value its header rejects,
 #: or the key's error reply.
 _Received = PageHeader | tuple[PageCheck, str] | ReplyError | None
+
+
+class _Stream(NamedTuple):
+    """A page `verify` reads the payload of: its key, stored length, the header as read, and
+    the verifier its payload's pieces go to."""
+
+    rkey: bytes
+    length: int
+    head: bytes
+    verifier: PayloadVerifier
 
 
 def _reply_text(error: object) -> str:
@@ -803,24 +816,15 @@ class RedisStorage(BackendBase):
             if given_up:
                 return  # stays ERROR
             try:
-                async with client.pipeline(transaction=False) as pipe:
-                    for i in chunk:
-                        pipe.get(self._rkey(keys[i]))
-                    values = await pipe.execute(raise_on_error=False)
+                found = await self._read_starts(client, chunk, keys=keys, payloads=payloads)
             except REDIS_FAULTS as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
                 given_up = True
                 return
-            found: list[tuple[int, bytes | None]] = []
-            for i, value in zip(chunk, values, strict=True):
-                if isinstance(value, Exception):
-                    self._note_reply(value)  # an error reply for this key: it stays ERROR
-                else:
-                    found.append((i, value))
             checks: list[PageCheck | None] = [None] * len(found)
 
             def check(stop: threading.Event) -> None:
-                for slot, (i, value) in enumerate(found):
+                for slot, (i, value, stored) in enumerate(found):
                     if stop.is_set():
                         return
                     if value is not None:
@@ -830,23 +834,28 @@ class RedisStorage(BackendBase):
                             namespace=namespace,
                             into=targets[i],
                             mac_key=mac_key,
+                            stored_nbytes=stored,
                         )
 
             # Hashing and copying a few MiB takes milliseconds: a worker thread does it (while
             # the loop receives the next pipeline) unless the chunk is small. Either way it is
             # finished before this coroutine returns, even when cancelled (run_job waits).
-            if sum(len(v) for _, v in found if v is not None) >= _INLINE_MAX_BYTES:
+            if sum(len(v) for _, v, _ in found if v is not None) >= _INLINE_MAX_BYTES:
                 await self.run_job(check)
             else:
                 check(threading.Event())
-            for (i, value), result in zip(found, checks, strict=True):
+            for (i, value, stored), result in zip(found, checks, strict=True):
                 if value is None:
                     outcomes[i] = Outcome.MISS
                 elif result is not None:
                     reason = ""
                     if result is PageCheck.CORRUPT:
                         reason = corrupt_reason(
-                            value, key=keys[i], namespace=namespace, payload_nbytes=payloads[i]
+                            value,
+                            key=keys[i],
+                            namespace=namespace,
+                            payload_nbytes=payloads[i],
+                            stored_nbytes=stored,
                         )
                     judge(i, result, reason)
 
@@ -905,6 +914,62 @@ class RedisStorage(BackendBase):
         c.get_hits += outcomes.count(Outcome.OK)
         c.errors += outcomes.count(Outcome.ERROR)
         return outcomes
+
+    async def _read_starts(
+        self,
+        client: RedisClient,
+        chunk: range,
+        *,
+        keys: Sequence[bytes],
+        payloads: Sequence[int],
+    ) -> list[tuple[int, bytes | None, int]]:
+        """Per key of the chunk without an error reply: (index, the value's first
+        header + expected payload bytes or None when absent, the stored length).
+
+        A whole GET would hold whatever a writer stored under a page key (512 MB values
+        exhaust a reader's memory before any check); STRLEN says how long the value is and
+        GETRANGE reads no more than a page of the expected size, which is all a page that
+        passes its checks holds. Error replies are noted; those keys stay ERROR.
+        """
+        async with client.pipeline(transaction=False) as pipe:
+            for i in chunk:
+                rkey = self._rkey(keys[i])
+                pipe.strlen(rkey)
+                pipe.getrange(rkey, 0, HEADER_NBYTES + payloads[i] - 1)
+            replies = await pipe.execute(raise_on_error=False)
+        found: list[tuple[int, bytes | None, int]] = []
+        unsure: list[int] = []  # absent, or an empty value: the replies are the same
+        for k, i in enumerate(chunk):
+            stored, value = replies[2 * k], replies[2 * k + 1]
+            error = next((r for r in (stored, value) if isinstance(r, Exception)), None)
+            if error is not None:
+                self._note_reply(error)
+            elif not isinstance(stored, int) or not isinstance(value, bytes):
+                self._note_reply(f"ERR unexpected replies {stored!r:.40} {value!r:.40}")
+            elif stored == 0 and not value:
+                unsure.append(i)
+            elif len(value) != min(stored, HEADER_NBYTES + payloads[i]):
+                # Deleted or replaced between the two commands: nothing consistent was read,
+                # and what is stored now may be sound. A miss; the next reader looks again.
+                found.append((i, None, 0))
+            else:
+                found.append((i, value, stored))
+        if unsure:
+            async with client.pipeline(transaction=False) as pipe:
+                for i in unsure:
+                    rkey = self._rkey(keys[i])
+                    pipe.exists(rkey)
+                    pipe.strlen(rkey)
+                replies = await pipe.execute(raise_on_error=False)
+            for k, i in enumerate(unsure):
+                exists, stored = replies[2 * k], replies[2 * k + 1]
+                if isinstance(exists, Exception) or isinstance(stored, Exception):
+                    self._note_reply(exists if isinstance(exists, Exception) else stored)
+                elif exists == 1 and stored == 0:
+                    found.append((i, b"", 0))  # an empty value: no page, corrupt
+                else:
+                    found.append((i, None, 0))  # absent (or stored only since: a miss)
+        return found
 
     async def _bulk_gets(
         self,
@@ -1322,39 +1387,74 @@ class RedisStorage(BackendBase):
         client = self._redis()
         checked = ok = unsupported = unchecked = 0
         bad: list[tuple[bytes, int, bytes]] = []  # key, length, leading bytes of what was read
+
+        def unreadable(rkey: bytes, error: Exception) -> None:
+            # Not a string (WRONGTYPE: another client's hash or list under a page key, left
+            # alone as not ours to remove), or the node failed.
+            nonlocal unchecked
+            unchecked += 1
+            log.warning(
+                "storage.page.error",
+                backend=self._name,
+                key=self._key_of(rkey).hex(),
+                error=str(error),
+            )
+
         async for batch in self._scan():
-            for start in range(0, len(batch), _VERIFY_PIPELINE):
-                part = batch[start : start + _VERIFY_PIPELINE]
-                try:
-                    async with client.pipeline(transaction=False) as pipe:
-                        for rkey in part:
-                            pipe.get(rkey)
-                        values = await pipe.execute(raise_on_error=False)
-                except REDIS_FAULTS as exc:
-                    raise StorageError(f"{self._name}: verify failed: {exc}") from exc
-                for rkey, value in zip(part, values, strict=True):
-                    if isinstance(value, Exception):
-                        # Not a string (WRONGTYPE: another client's hash or list under a page
-                        # key, left alone as not ours to remove), or the node failed.
-                        unchecked += 1
-                        log.warning(
-                            "storage.page.error",
-                            backend=self._name,
-                            key=self._key_of(rkey).hex(),
-                            error=str(value),
-                        )
-                        continue
-                    if not isinstance(value, bytes):
-                        continue  # gone since the scan
+            # The header and the length first: a value is read no further than its header
+            # allows, and its payload in pieces (whatever a writer stored under a page key,
+            # verify holds at most one pipeline of pieces).
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for rkey in batch:
+                        pipe.exists(rkey)  # an empty value and an absent key read the same
+                        pipe.strlen(rkey)
+                        pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
+                    replies = await pipe.execute(raise_on_error=False)
+            except REDIS_FAULTS as exc:
+                raise StorageError(f"{self._name}: verify failed: {exc}") from exc
+            streams: list[_Stream] = []
+            for j, rkey in enumerate(batch):
+                replied = replies[3 * j : 3 * j + 3]
+                error = next((r for r in replied if isinstance(r, Exception)), None)
+                if error is not None:
+                    unreadable(rkey, error)
+                    continue
+                exists, length, head = replied
+                if not exists or not isinstance(length, int) or not isinstance(head, bytes):
+                    continue  # gone since the scan
+                if len(head) != min(length, HEADER_NBYTES):
+                    continue  # replaced between the commands: the next pass checks it
+                header = decode_header(head)
+                key = self._key_of(rkey)
+                if header is PageCheck.UNSUPPORTED:
                     checked += 1
-                    check = self._check_value(self._key_of(rkey), value)
-                    if check is PageCheck.OK:
-                        ok += 1
-                    elif check is PageCheck.UNSUPPORTED:
-                        unsupported += 1
-                    else:
-                        bad.append((rkey, len(value), value[:HEADER_NBYTES]))
-                        self._report_corrupt(self._key_of(rkey), "verify")
+                    unsupported += 1
+                elif (
+                    isinstance(header, PageCheck)
+                    or header.key != key
+                    or length != header.page_nbytes
+                ):
+                    checked += 1
+                    bad.append((rkey, length, head))
+                    self._report_corrupt(key, "verify")
+                else:
+                    verifier = PayloadVerifier(header, mac_key=self._mac_key)
+                    streams.append(_Stream(rkey, length, head, verifier))
+            for stream, verdict in zip(
+                streams, await self._verify_payloads(client, streams), strict=True
+            ):
+                if isinstance(verdict, Exception):
+                    unreadable(stream.rkey, verdict)
+                    continue
+                if verdict is None:
+                    continue  # gone or replaced while its pieces were read
+                checked += 1
+                if verdict is PageCheck.OK:
+                    ok += 1
+                elif verdict is PageCheck.CORRUPT:
+                    bad.append((stream.rkey, stream.length, stream.head))
+                    self._report_corrupt(self._key_of(stream.rkey), "verify")
         removed = 0
         for rkey, length, head in bad:
             try:
@@ -1375,6 +1475,54 @@ class RedisStorage(BackendBase):
             leftovers_removed=0,
             unchecked=unchecked,
         )
+
+    async def _verify_payloads(
+        self, client: RedisClient, streams: Sequence[_Stream]
+    ) -> list[PageCheck | Exception | None]:
+        """Feed each stream's payload to its verifier in GETRANGE pieces, at most
+        `_VERIFY_PIPELINE_BYTES` per pipeline; its verdict, the error reply that stopped it,
+        or None if the value changed while it was read (a piece came back short)."""
+        verdicts: list[PageCheck | Exception | None] = [None] * len(streams)
+        stopped = [False] * len(streams)
+        pieces = (
+            (s, start, min(start + _VERIFY_PIECE_BYTES, stream.length))
+            for s, stream in enumerate(streams)
+            for start in range(HEADER_NBYTES, stream.length, _VERIFY_PIECE_BYTES)
+        )
+
+        async def run(batch: list[tuple[int, int, int]]) -> None:
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for s, start, end in batch:
+                        pipe.getrange(streams[s].rkey, start, end - 1)
+                    replies = await pipe.execute(raise_on_error=False)
+            except REDIS_FAULTS as exc:
+                raise StorageError(f"{self._name}: verify failed: {exc}") from exc
+            for (s, start, end), piece in zip(batch, replies, strict=True):
+                if stopped[s]:
+                    continue
+                if isinstance(piece, Exception):
+                    verdicts[s] = piece
+                    stopped[s] = True
+                elif not isinstance(piece, bytes) or len(piece) != end - start:
+                    stopped[s] = True
+                else:
+                    streams[s].verifier.update(piece)
+
+        batch: list[tuple[int, int, int]] = []
+        nbytes = 0
+        for piece in pieces:
+            batch.append(piece)
+            nbytes += piece[2] - piece[1]
+            if nbytes >= _VERIFY_PIPELINE_BYTES or len(batch) >= _MAX_COMMANDS_PER_PIPELINE:
+                await run(batch)
+                batch, nbytes = [], 0
+        if batch:
+            await run(batch)
+        for s, stream in enumerate(streams):
+            if not stopped[s]:
+                verdicts[s] = stream.verifier.result()
+        return verdicts
 
     async def _remove_if_same_value(self, rkey: bytes, length: int, head: bytes) -> bool:
         """DEL `rkey` if it still holds a value of `length` bytes starting with `head`."""
@@ -1473,15 +1621,6 @@ class RedisStorage(BackendBase):
 
     def _key_of(self, rkey: bytes) -> bytes:
         return bytes.fromhex(rkey[len(self._prefix) + 1 :].decode("ascii"))
-
-    def _check_value(self, key: bytes, value: bytes) -> PageCheck:
-        header = decode_header(value)
-        if isinstance(header, PageCheck):
-            return header
-        if header.key != key or len(value) != HEADER_NBYTES + header.payload_nbytes:
-            return PageCheck.CORRUPT
-        payload = [memoryview(value)[HEADER_NBYTES:]]
-        return verify_payload(header, payload, mac_key=self._mac_key)
 
     async def _scan(self) -> AsyncIterator[list[bytes]]:
         """Page keys under the prefix in batches (SCAN: no order, a key may repeat)."""

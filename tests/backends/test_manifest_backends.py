@@ -512,6 +512,75 @@ async def test_redis_manifest_with_a_non_numeric_byte_count_stays_usable(
     assert int(await client.hget(meta, "bytes")) > 0  # type: ignore[misc]
 
 
+async def test_a_non_integer_redis_manifest_generation_is_reset_and_moved_on(
+    redis_backend: RedisStorage,
+) -> None:
+    manifest = redis_backend.manifest(ManifestLimits(max_entries=4, max_entry_bytes=4096))
+    assert isinstance(manifest, RedisManifest)
+    client = redis_backend._redis()
+    ns = NS_A.hex()
+    meta, key = manifest.meta_key(ns), manifest.list_key(ns)
+
+    async def gen() -> bytes:
+        value = await client.hget(meta, "gen")  # type: ignore[misc]
+        assert isinstance(value, bytes)
+        return value
+
+    await manifest.append([entry(NS_A, i) for i in range(3)])
+    # Another client's write: HINCRBY refuses it. A compaction replaces the list and moves
+    # the generation on (readers compare it), every time, not only once.
+    for damage in (b"garbage", b"1.5", b"007", b"9223372036854775807"):
+        await client.hset(meta, "gen", damage)  # type: ignore[misc]
+        await manifest.compact_namespace(ns)
+        moved = await gen()
+        assert moved.isdigit()
+        assert moved != damage
+    assert {e.chain_id for e in (await manifest.read(namespace=ns)).entries} == {
+        entry(NS_A, i).chain_id for i in range(3)
+    }
+    # The trim of an append (the list past 4 x max_entries) moves it on too.
+    await client.rpush(key, *[encode_entry(entry(NS_A, i))[:-1] for i in range(20)])  # type: ignore[misc]
+    await client.hset(meta, "gen", b"garbage")  # type: ignore[misc]
+    await manifest._trim(ns)
+    assert await client.llen(key) == 16  # type: ignore[misc]
+    assert (await gen()).isdigit()
+    # So does the repair of a list of another type.
+    await client.delete(key)
+    await client.set(key, b"not ours")
+    await client.hset(meta, "gen", b"garbage")  # type: ignore[misc]
+    await manifest.append([entry(NS_A, 20)])
+    assert (await gen()).isdigit()
+    assert [e.chain_id for e in (await manifest.read(namespace=ns)).entries] == [
+        entry(NS_A, 20).chain_id
+    ]
+
+
+async def test_a_redis_compaction_goes_on_past_a_namespace_that_fails(
+    redis_backend: RedisStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = redis_backend.manifest(LIMITS)
+    assert isinstance(manifest, RedisManifest)
+    client = redis_backend._redis()
+    spaces = sorted([NS_A, NS_B, bytes(range(32, 48))], key=bytes.hex)
+    for ns in spaces:
+        for i in range(3):  # the same chain three times: compaction keeps one record
+            await manifest.append([entry(ns, 0, last_use=float(i))])
+    compact_namespace = manifest.compact_namespace
+
+    async def first_fails(namespace: str) -> Any:
+        if namespace == spaces[0].hex():
+            raise StorageError("node down")
+        return await compact_namespace(namespace)
+
+    monkeypatch.setattr(manifest, "compact_namespace", first_fails)
+    with structlog.testing.capture_logs() as logs, pytest.raises(StorageError, match="1 of 3"):
+        await manifest.compact()
+    failed = [e["namespace"] for e in logs if e["event"] == "hicache.manifest.compact_failed"]
+    assert failed == [spaces[0].hex()]
+    lengths = [await client.llen(manifest.list_key(ns.hex())) for ns in spaces]  # type: ignore[misc]
+    assert lengths == [3, 1, 1]
+
+
 @pytest.mark.parametrize("damaged", ["list", "meta"])
 async def test_a_damaged_redis_manifest_namespace_spares_the_others(
     redis_backend: RedisStorage, damaged: str

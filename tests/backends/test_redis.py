@@ -12,8 +12,10 @@ import socket
 import struct
 import subprocess
 import threading
+import tracemalloc
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 import pytest
 import pytest_asyncio
@@ -21,7 +23,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from hicache_async import StorageConfigError, StorageError
-from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, open_storage
+from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, encode_header, open_storage
 from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import _servers
@@ -34,6 +36,7 @@ from hicache_async.testing._servers import (
 )
 
 NS = bytes(range(16))
+T = TypeVar("T")
 OTHER_NS = bytes(16)
 
 
@@ -163,6 +166,72 @@ async def test_damaged_pages_are_rejected(
     else:
         assert await backend.read_raw(keys[0]) == damaged  # a newer writer's: left alone
         assert backend.stats().corrupt == 0
+
+
+#: Values a writer to Redis could store under page keys, far longer than a page.
+BIG = 64 << 20
+
+
+def page_value(key: bytes, payload: bytes, *, claimed: int | None = None) -> bytes:
+    """`header ‖ payload`, the header describing `payload`, or a payload of `claimed` bytes."""
+    header = encode_header(PageMeta(key=key, namespace=NS, num_tokens=1), [payload])
+    if claimed is not None:
+        header = encode_header(PageMeta(key=key, namespace=NS, num_tokens=1), [bytes(claimed)])
+    return header + payload
+
+
+async def peak_allocated(call: Awaitable[T]) -> tuple[T, int]:
+    """`call`'s result and the most bytes Python held beyond what it held before the call."""
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        result = await call
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return result, peak - before
+
+
+async def check_oversized_values_are_not_read_whole(backend: RedisStorage) -> None:
+    """A get holds about header + expected payload per key, whatever is stored, and sorts
+    values as it does when it reads them whole."""
+    keys, pages, metas = make_pages(5)
+    assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+    sound_big = page_value(keys[1], bytes(BIG))  # agrees with itself: another page size
+    await backend.write_raw(keys[1], sound_big)
+    await backend.write_raw(keys[2], page_value(keys[2], bytes(BIG), claimed=3000))
+    await backend.write_raw(keys[3], b"")  # no header at all
+    del sound_big
+    outcomes, peak = await peak_allocated(backend.get(keys, buffers(5), namespace=NS))
+    assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.CORRUPT, Outcome.CORRUPT, Outcome.MISS]
+    assert peak < 16 << 20  # the two big values are 128 MiB
+    assert await backend.exists(keys[1:2]) == 1  # a sound page of another size stays
+    assert await backend.read_raw(keys[2]) is None
+    assert await backend.read_raw(keys[3]) is None
+    assert backend.stats().corrupt == 2
+
+
+@pytest.mark.parametrize("bulk", [0, 1])
+async def test_a_get_never_reads_a_value_longer_than_its_page(redis_url: str, bulk: int) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, bulk=bulk)) as backend:
+        await check_oversized_values_are_not_read_whole(backend)
+
+
+async def test_verify_reads_long_values_in_pieces(redis_url: str) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, bulk=0)) as backend:
+        keys, pages, metas = make_pages(3)
+        assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+        payload = os.urandom(BIG)
+        await backend.write_raw(keys[1], page_value(keys[1], payload))  # sound, however long
+        damaged = page_value(keys[2], payload)
+        await backend.write_raw(keys[2], damaged[:-1] + bytes([damaged[-1] ^ 1]))
+        del payload, damaged
+        report, peak = await peak_allocated(backend.verify())
+        assert (report.checked, report.ok, report.corrupt_removed) == (3, 2, 1)
+        assert peak < 32 << 20  # the two big values are 128 MiB
+        assert await backend.exists(keys[:2]) == 2
+        assert await backend.exists(keys[2:]) == 0
 
 
 async def test_other_namespace_is_a_miss_left_in_place(backend: RedisStorage) -> None:

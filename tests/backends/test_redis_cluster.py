@@ -23,7 +23,13 @@ from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import RedisClusterServer, RedisServer
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 
-from .test_redis import NS, buffers, joined, make_pages
+from .test_redis import (
+    NS,
+    buffers,
+    check_oversized_values_are_not_read_whole,
+    joined,
+    make_pages,
+)
 
 #: Bound of every test that makes a node fail: a hang fails the test instead of the suite.
 FAULT_TIMEOUT_S = 30.0
@@ -113,6 +119,10 @@ async def test_pages_spread_over_every_primary(
     assert await backend.delete(keys[:10]) == 10
     assert await backend.exists(keys) == 0
     assert await backend.exists(keys[10:]) == 54
+
+
+async def test_a_get_never_reads_a_value_longer_than_its_page(backend: RedisStorage) -> None:
+    await check_oversized_values_are_not_read_whole(backend)
 
 
 async def test_maintenance_sees_the_pages_of_every_primary(
