@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import gc
 import os
 import stat
 import threading
@@ -1167,3 +1168,38 @@ async def test_cancelled_puts_and_deletes_count_what_they_did(
         # Every page it took out of the index is removed, and counted.
         assert [await storage.exists([key]) for key in more] == [0, 0]
         assert storage.stats().deletes == 2
+
+
+async def test_the_index_is_built_off_the_loop_untracked_and_oldest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A million pages sorted and indexed on the loop stalled it for seconds at open (an
+    # attach while serving), and a million tracked entries made every full collection slow.
+    keys = _keys(12)
+    async with FileStorage(tmp_path) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 12
+    base = time.time() - 1000
+    order = [5, 0, 11, 3, 7, 1, 9, 2, 10, 4, 8, 6]
+    for rank, i in enumerate(order):
+        os.utime(_page_path(tmp_path, keys[i]), (base + rank, base + rank))
+    builders: list[str] = []
+    original = FileStorage._index_of
+
+    def recorded(self: FileStorage, found: Any) -> Any:
+        builders.append(threading.current_thread().name)
+        return original(self, found)
+
+    monkeypatch.setattr(FileStorage, "_index_of", recorded)
+    async with FileStorage(tmp_path) as storage:
+        assert builders
+        assert threading.main_thread().name not in builders
+        index = storage._index
+        assert list(index) == [keys[i] for i in order]
+        assert not any(gc.is_tracked(entry) for entry in index.values())
+        assert [entry.seq for entry in index.values()] == sorted(e.seq for e in index.values())
+        assert storage._bytes == sum(e.nbytes for e in index.values())
+        await _assert_index_matches_disk(storage, tmp_path)
+        # The next pages are ordered after them, and the oldest is evicted first.
+        more = _keys(2)
+        assert await _put(storage, more) == [Outcome.OK] * 2
+        assert set(list(storage._index)[-2:]) == set(more)

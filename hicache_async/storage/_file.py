@@ -173,15 +173,22 @@ def _root_path(root: object) -> Path:
     return Path(os.path.abspath(text))
 
 
-class _Entry:
-    """One indexed page; `seq` orders insertions so a rescan can tell stale entries from new."""
+class _Entry(msgspec.Struct, gc=False):
+    """One indexed page; `seq` orders insertions so a rescan can tell stale entries from new.
 
-    __slots__ = ("last_access", "nbytes", "seq")
+    Untracked by the garbage collector (it holds numbers only): a store of a million pages
+    would otherwise add a million objects to every full collection, a second or more of
+    the loop's time each.
+    """
 
-    def __init__(self, nbytes: int, last_access: float, seq: int) -> None:
-        self.nbytes = nbytes
-        self.last_access = last_access
-        self.seq = seq
+    nbytes: int
+    last_access: float
+    seq: int
+
+
+# An index built off the loop: the entries, their bytes, the last seq, the misfits' keys and
+# sizes.
+_BuiltIndex = tuple[OrderedDict[bytes, _Entry], int, int, list[tuple[bytes, int]]]
 
 
 class _RefusedShardError(OSError):
@@ -1070,18 +1077,45 @@ class FileStorage(BackendBase):
     async def _open(self) -> None:
         holder: list[_Handles] = []
         try:
-            leftovers, found = await self.run_job(lambda stop: self._open_job(stop, holder))
+            leftovers, built = await self.run_job(lambda stop: self._open_job(stop, holder))
         except BaseException:
             for handles in holder:
                 handles.close()
             raise
         self._handles = holder[0]
         self._open_leftovers = self._unreported_leftovers = leftovers
-        for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
-            self._insert(key, nbytes, mtime)
-        self._misfits_first(found)
+        index, nbytes, seq, misfits = built
+        assert not self._index  # nothing can have put before the open returned
+        self._index, self._bytes, self._seq = index, nbytes, seq
+        self._epoch += 1
+        for key, size in misfits:
+            log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=size)
 
-    def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> tuple[int, list[_Found]]:
+    def _index_of(self, found: list[_Found]) -> _BuiltIndex:
+        """The index of the pages found at open, oldest first, as `_insert` in order of mtime
+        would make it; with misfits first (see `_misfits_first`), which it returns."""
+        index: OrderedDict[bytes, _Entry] = OrderedDict()
+        total = 0
+        seq = self._seq
+        for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
+            entry = index.get(key)
+            if entry is not None:
+                total += nbytes - entry.nbytes
+                entry.nbytes = nbytes
+                entry.last_access = max(entry.last_access, mtime)
+                continue
+            seq += 1
+            index[key] = _Entry(nbytes, mtime, seq)
+            total += nbytes
+        misfits: list[tuple[bytes, int]] = []
+        for key, nbytes, _ in found:
+            entry = index.get(key)
+            if not self._could_be_page(nbytes) and entry is not None and entry.nbytes == nbytes:
+                index.move_to_end(key, last=False)
+                misfits.append((key, nbytes))
+        return index, total, seq, misfits
+
+    def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> tuple[int, _BuiltIndex]:
         handles = _open_root(self._root, shared=self._shared)
         holder.append(handles)
         # A private root is locked exclusively by now, so nobody is writing in it: every
@@ -1096,7 +1130,9 @@ class FileStorage(BackendBase):
         )
         self._log_stray_errors(failed)
         # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
-        return leftovers, _scan(handles, stop)
+        # The index is built here too: for a million pages, sorting and indexing them on the
+        # loop stalled it for seconds (an attach while serving runs this open).
+        return leftovers, self._index_of(_scan(handles, stop))
 
     async def _release(self) -> None:
         if self._helpers is not None:
