@@ -419,6 +419,19 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 #: (key, stored bytes, mtime) of a page file found on disk.
 _Found = tuple[bytes, int, float]
+# What a rescan changed: the keys indexed when it started that it did not find, and the pages
+# it found that were not indexed then, oldest first.
+_ScanDiff = tuple[list[bytes], list[_Found]]
+
+
+def _diff_scan(found: list[_Found], indexed: list[bytes]) -> _ScanDiff:
+    """Compared off the loop: for a million pages the comparison took the loop a second."""
+    on_disk = {key: (nbytes, mtime) for key, nbytes, mtime in found}
+    before = set(indexed)
+    gone = list(before.difference(on_disk))
+    new = [(key, *on_disk[key]) for key in on_disk.keys() - before]
+    new.sort(key=lambda item: item[2])
+    return gone, new
 
 
 # Per-page results a worker thread records for the loop to commit.
@@ -1224,41 +1237,40 @@ class FileStorage(BackendBase):
         key was put, deleted or evicted since, or is being written or removed."""
         return self._changed.get(key, 0) > epoch or key in self._writing or key in self._evicting
 
-    def _merge_scan(self, found: list[_Found], since_seq: int, epoch: int) -> None:
+    def _merge_scan(self, diff: _ScanDiff, since_seq: int, epoch: int) -> None:
         """Bring the index in line with a disk scan started when `self._seq` was `since_seq`
-        and the change epoch `epoch`."""
-        on_disk = {key: (nbytes, mtime) for key, nbytes, mtime in found}
-        for key in [k for k, e in self._index.items() if e.seq <= since_seq]:
-            if key not in on_disk and not self._stale(key, epoch):
+        and the change epoch `epoch`. Costs the loop what changed, not the store's size."""
+        gone, new = diff
+        for key in gone:
+            entry = self._index.get(key)
+            if entry is not None and entry.seq <= since_seq and not self._stale(key, epoch):
                 self._drop(key)
-        found_keys = [
-            key for key in on_disk if key not in self._index and not self._stale(key, epoch)
+        found = [
+            item for item in new if item[0] not in self._index and not self._stale(item[0], epoch)
         ]
-        if not found_keys:
+        if not found:
             return
-        found_keys.sort(key=lambda key: on_disk[key][1])
         # Pages another instance wrote take their place by their file's time (its write, or a
         # read that touched it) among this instance's own, whose order stays as it is: only
         # the entries used since the oldest such time are merged with them and moved, which
         # on a busy shared root is a short tail of the index, not all of it.
-        oldest = on_disk[found_keys[0]][1]
+        oldest = found[0][2]
         tail: list[bytes] = []
         for key, entry in reversed(self._index.items()):
             if entry.last_access <= oldest:
                 break
             tail.append(key)
         tail.reverse()
-        for key in found_keys:
-            nbytes, mtime = on_disk[key]
+        for key, nbytes, mtime in found:
             self._insert(key, nbytes, mtime)
         merged = heapq.merge(
             ((self._index[key].last_access, 0, key) for key in tail),
-            ((on_disk[key][1], 1, key) for key in found_keys),
+            ((mtime, 1, key) for key, _, mtime in found),
             key=lambda item: (item[0], item[1]),
         )
         for _, _, key in list(merged):
             self._index.move_to_end(key)
-        self._misfits_first([(key, *on_disk[key]) for key in found_keys])
+        self._misfits_first(found)
 
     def _misfits_first(self, found: list[_Found]) -> None:
         """Move the pages of `found` whose file size no page of this root can have (shorter
@@ -2100,9 +2112,10 @@ class FileStorage(BackendBase):
         self._check_open()
         since = self._seq
         epoch = self._watch()
+        before = list(self._index)  # the set is made off the loop
         try:
             found, corrupt, report = await self.run_job(self._verify_job)
-            self._merge_scan(found, since, epoch)
+            self._merge_scan(await self.run_job(lambda _: _diff_scan(found, before)), since, epoch)
         finally:
             self._unwatch(epoch)
         for key, reason in corrupt:
@@ -2252,9 +2265,12 @@ class FileStorage(BackendBase):
         self._check_open()
         since = self._seq
         epoch = self._watch()
+        before = list(self._index)  # the set is made off the loop
         try:
-            found = await self.run_job(lambda stop: _scan(self._handles_or_raise(), stop))
-            self._merge_scan(found, since, epoch)
+            diff = await self.run_job(
+                lambda stop: _diff_scan(_scan(self._handles_or_raise(), stop), before)
+            )
+            self._merge_scan(diff, since, epoch)
         finally:
             self._unwatch(epoch)
         if self._capacity is None:
