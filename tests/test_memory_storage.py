@@ -13,6 +13,7 @@ import pytest
 
 from hicache_async import StorageConfigError
 from hicache_async.storage import HEADER_NBYTES, MemoryStorage, Outcome, PageMeta, VerifyReport
+from hicache_async.storage._memory import _LIST_SLICE
 
 NS = b"memory-storage-1"
 PAGE = 16 * 1024
@@ -306,3 +307,27 @@ async def test_stored_values_are_untracked_by_the_garbage_collector() -> None:
         assert len(values) == 8
         assert not any(gc.is_tracked(value) for value in values)
         assert await _get(storage, keys) == [Outcome.OK] * 8
+
+
+async def test_list_pages_lets_the_loop_run_and_skips_pages_removed_meanwhile() -> None:
+    # Half a million headers decoded in one go held the loop for over a second.
+    count = 2 * _LIST_SLICE + 10
+    keys = _keys(count)
+    async with MemoryStorage(capacity_bytes=count * (HEADER_NBYTES + 64)) as storage:
+        for start in range(0, count, 256):
+            part = keys[start : start + 256]
+            assert await _put(storage, part, nbytes=64) == [Outcome.OK] * len(part)
+        removed: list[int] = []
+
+        async def remove_the_oldest() -> None:
+            await asyncio.sleep(0)
+            removed.append(await storage.delete([keys[0]]))
+
+        task = asyncio.create_task(remove_the_oldest())
+        pages = await storage.list_pages()
+        await task
+        assert removed == [1]
+        listed = [page.key for page in pages]
+        assert keys[0] not in listed
+        assert len(listed) == count - 1
+        assert (await storage.gc()).evicted_pages == 0

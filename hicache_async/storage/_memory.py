@@ -60,6 +60,8 @@ T = TypeVar("T")
 _INLINE_MAX_BYTES = 1 << 20
 _DEFAULT_CAPACITY = 1 << 30
 _SPARE_DEFAULT = 1 << 30
+#: `list_pages` lets the loop run between slices of this many pages.
+_LIST_SLICE = 4096
 _URL_PARAMS = {
     "capacity": "byte size, e.g. 1GiB",
     "spare": "bytes of removed pages' buffers kept for reuse, e.g. 64MiB (0: none)",
@@ -484,7 +486,13 @@ class MemoryStorage(BackendBase):
         cannot be read (a damaged page or a newer format's), so every stored page is listed."""
         self._check_open()
         pages: list[PageInfo] = []
-        for key, value in islice(reversed(self._values.items()), limit):
+        listed = list(islice(reversed(self._values.items()), limit))
+        for at, (key, value) in enumerate(listed):
+            if at % _LIST_SLICE == 0:
+                # Half a million headers decoded in one go held the loop for over a second.
+                await asyncio.sleep(0)
+            if self._values.get(key) is not value:
+                continue  # removed (its buffer maybe reused) meanwhile
             header = decode_header(memoryview(value.data))
             tokens = priority = 0
             if isinstance(header, PageHeader):
@@ -543,7 +551,9 @@ class MemoryStorage(BackendBase):
         # Pages that puts in flight will evict at their commit are room already made: count
         # them gone, and leave them to those puts (evicting others instead would free twice).
         doomed = sum(len(v.data) for k in self._evicting if (v := self._values.get(k)))
-        for key in [k for k in self._values if k not in self._evicting]:
+        over = self._bytes - doomed + self._reserved > self._capacity
+        # Only when over: a copy of every key is no small cost for a big store.
+        for key in [k for k in self._values if k not in self._evicting] if over else []:
             if self._bytes - doomed + self._reserved <= self._capacity:
                 break
             value = self._remove(key)
