@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import anyio
@@ -15,12 +17,14 @@ import numpy as np
 import pytest
 
 from hicache_async import CacheConfig, HiCache
-from hicache_async.storage import FileStorage
+from hicache_async.storage import FileStorage, MemoryStorage
 from hicache_async.storage._manifest import (
     FileManifest,
     ManifestCollector,
+    ManifestEntry,
     ManifestLimits,
     ManifestRead,
+    MemoryManifest,
     chain_entry,
     decode_entry,
     encode_entry,
@@ -214,6 +218,68 @@ async def test_manifest_is_bounded_validated_and_compacted(tmp_path: Path) -> No
     again = await manifest.read(namespace=namespace.hex())
     assert again.entries[0].priority == 9
     assert len([e for e in again.entries if e.chain_id == newer.chain_id]) == 1
+
+
+def _chain(namespace: bytes, i: int, *, priority: int = 0, last_use: float = 0.0) -> ManifestEntry:
+    """Chain `i`: 25 page keys, as a 100-token prefix of 4-token pages would have."""
+    keys = [hashlib.sha256(b"%d:%d" % (i, j)).digest() for j in range(25)]
+    return chain_entry(namespace, keys, 25 * PAGE, priority, last_use)
+
+
+async def test_a_memory_manifest_holds_a_bounded_number_of_records() -> None:
+    limits = ManifestLimits(max_entries=16)
+    manifest = MemoryStorage().manifest(limits)
+    namespace = bytes(range(16))
+    written = [_chain(namespace, i, priority=i % 4, last_use=float(i)) for i in range(5 * 16)]
+    for item in written:
+        await manifest.append([item])
+    read = await manifest.read(namespace=namespace.hex())
+    assert read.entries == sorted(written, key=lambda e: (-e.priority, -e.last_use))[:16]
+    # What it held: trimmed on the way, never more than twice the entries a read keeps.
+    report = await manifest.compact()
+    record = max(len(encode_entry(e)) for e in written)
+    assert report.records_before == len(written)
+    assert report.bytes_before <= 2 * limits.max_entries * record
+    assert report.entries_after == 16
+    assert report.bytes_after == sum(len(encode_entry(e)) for e in read.entries)
+    assert (await manifest.read(namespace=namespace.hex())).entries == read.entries
+
+
+async def test_a_newer_memory_manifest_record_replaces_the_older() -> None:
+    manifest = MemoryManifest()
+    namespace = bytes(range(16))
+    for i in range(500):
+        await manifest.append([_chain(namespace, 7, priority=i % 3, last_use=float(i))])
+    await manifest.append([_chain(namespace, 7, priority=9, last_use=-1.0)])  # older: ignored
+    read = await manifest.read()
+    assert [(e.priority, e.last_use) for e in read.entries] == [(499 % 3, 499.0)]
+    report = await manifest.compact()
+    assert report.records_before == 501
+    assert report.bytes_before == report.bytes_after == len(encode_entry(read.entries[0]))
+
+
+async def test_a_memory_manifest_costs_memory_by_its_entries_not_its_appends() -> None:
+    limits = ManifestLimits(max_entries=20)
+    manifest = MemoryManifest(limits)
+    namespace = bytes(range(16))
+    record = len(encode_entry(_chain(namespace, 0)))
+    appends = 50 * limits.max_entries
+    # The first append's one-time costs (lazy imports, the loop's first checkpoint) aside.
+    await manifest.append([_chain(bytes(16), 0)])
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        for i in range(appends):
+            await manifest.append([_chain(namespace, i, last_use=float(i))])
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # At most 2 * max_entries records, with room for their bookkeeping: a tenth of what
+    # keeping every appended record would take.
+    assert after - before < appends * record // 10
+    read = await manifest.read(namespace=namespace.hex())
+    newest = reversed(range(appends - limits.max_entries, appends))
+    assert [e.last_use for e in read.entries] == [float(i) for i in newest]
 
 
 async def test_an_append_after_a_torn_last_line_is_kept(tmp_path: Path) -> None:

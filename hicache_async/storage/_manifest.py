@@ -19,7 +19,7 @@ import contextlib
 import fcntl
 import os
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Protocol, runtime_checkable
 
@@ -181,6 +181,10 @@ class ManifestCollector:
         if entry is None:
             self.malformed += 1
             return
+        self.add_entry(entry)
+
+    def add_entry(self, entry: ManifestEntry) -> None:
+        """Adds a valid entry (as `decode_entry` returns them); it counts as no record."""
         if self._namespace is not None and entry.namespace != self._namespace:
             return
         ident = entry.ident
@@ -400,60 +404,165 @@ class FileManifest:
 
 
 class MemoryManifest:
-    """A manifest kept in process memory (for MemoryStorage): bounded by the same limits."""
+    """A manifest kept in process memory (for MemoryStorage): the newest record of each chain.
+
+    Records are validated as they are appended, as a reader would validate them, and only the
+    newest of a chain is kept, so memory follows `max_entries`, not the number of appends.
+    Once `2 * max_entries` chains or `max_bytes` of records are held, the least valuable make
+    room in one pass, which leaves at most `max_entries` within `max_bytes // 2`: that pass
+    runs at most once per `max_entries` new chains or `max_bytes // 2` appended bytes, so an
+    append costs amortized O(1) on the loop instead of an occasional rewrite of everything.
+    """
 
     def __init__(self, limits: ManifestLimits | None = None) -> None:
         self.limits = limits or ManifestLimits()
-        self._lines: list[bytes] = []
+        # By (namespace, chain id), as ManifestCollector keys chains, least recently recorded
+        # first: the rank (priority, last use) and the record line of each chain's newest
+        # record. Lines rather than entries: bytes and flat tuples are not tracked by the
+        # garbage collector, so a full manifest does not slow every full collection.
+        self._held: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
         self._bytes = 0
+        # Chains the last trim dropped, with their newest use: an older record of one of
+        # them, appended later, must not come back in its place. Only the last trim's, so
+        # this stays bounded too.
+        self._evicted: dict[tuple[str, str], float] = {}
+        # Since the last compaction, counted as a log of records would count them.
+        self._records = 0
+        self._malformed = 0
+        self._oversized = 0
 
     async def append(self, entries: Sequence[ManifestEntry]) -> None:
+        """Validate and record `entries`; an older record of a chain never replaces a newer."""
         for entry in entries:
-            line = encode_entry(entry)
-            self._lines.append(line)
-            self._bytes += len(line)
-        if self._bytes > self.limits.max_bytes:
-            await self.compact()
-        else:
-            await anyio.lowlevel.checkpoint()
+            self._add_line(encode_entry(entry))
+        await anyio.lowlevel.checkpoint()
+
+    def _add_line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        self._records += 1
+        if len(line) > self.limits.max_entry_bytes:
+            self._oversized += 1
+            return
+        # Decoded from its encoding, an entry meets exactly the checks a reader applies.
+        entry = decode_entry(line)
+        if entry is None:
+            self._malformed += 1
+            return
+        ident = entry.ident
+        evicted = self._evicted.get(ident)
+        if evicted is not None:
+            if entry.last_use <= evicted:
+                return
+            del self._evicted[ident]
+        held = ((entry.priority, entry.last_use), line)
+        previous = self._held.pop(ident, None)
+        if previous is not None:
+            self._bytes -= len(previous[1])
+            if previous[0][1] > entry.last_use:
+                held = previous
+        self._held[ident] = held
+        self._bytes += len(held[1])
+        limits = self.limits
+        if len(self._held) >= 2 * limits.max_entries or self._bytes > limits.max_bytes:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Keep the most valuable records (highest priority, then newest use): at most
+        `max_entries`, within `max_bytes // 2` (a record that does not fit makes way for a
+        less valuable one that does, as compaction's fit does)."""
+        limits = self.limits
+        # Stable and ascending, walked from the end: among equals the first recorded goes
+        # first, as in ManifestCollector.
+        ranked = sorted(self._held.items(), key=_rank)
+        kept: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
+        evicted: dict[tuple[str, str], float] = {}
+        used = 0
+        budget = limits.max_bytes // 2
+        for ident, held in reversed(ranked):
+            if len(kept) < limits.max_entries and used + len(held[1]) <= budget:
+                kept[ident] = held
+                used += len(held[1])
+            else:
+                evicted[ident] = held[0][1]
+        self._held = {ident: held for ident, held in self._held.items() if ident in kept}
+        self._bytes = used
+        self._evicted = evicted
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
         collector = ManifestCollector(self.limits, namespace)
-        for line in self._lines:
-            collector.add_line(line)
-        await anyio.lowlevel.checkpoint()
+        collector.malformed, collector.oversized = self._malformed, self._oversized
+        # A snapshot, decoded with pauses so a large one does not hold the loop: appends and
+        # compactions meanwhile do not change what this read returns.
+        lines = [line for _, line in self._held.values()]
+        for start in range(0, len(lines), _READ_BATCH):
+            for line in lines[start : start + _READ_BATCH]:
+                collector.add_entry(_held_entry(line))
+            await anyio.lowlevel.checkpoint()
         return collector.result(truncated=False)
 
     async def compact(self) -> CompactReport:
+        """Keep the newest valid record per chain as a reader sees them (prefixes covered by
+        a longer chain dropped), fitting half of `max_bytes`, and reset the counts of records,
+        malformed and oversized. Synchronous, over at most `2 * max_entries` records: readers
+        see the manifest before or after it."""
         collector = ManifestCollector(self.limits)
-        before = self._bytes
-        for line in self._lines:
-            collector.add_line(line)
-        entries = _fit(collector.result(truncated=False).entries, self.limits.max_bytes // 2)
-        self._lines = [encode_entry(e) for e in entries]
-        self._bytes = sum(map(len, self._lines))
-        await anyio.lowlevel.checkpoint()
-        return CompactReport(
-            records_before=collector.records,
-            entries_after=len(entries),
-            bytes_before=before,
-            bytes_after=self._bytes,
-            malformed=collector.malformed,
-            oversized=collector.oversized,
+        for _, line in self._held.values():
+            collector.add_entry(_held_entry(line))
+        held = self._held
+        entries = _fit(
+            collector.result(truncated=False).entries,
+            self.limits.max_bytes // 2,
+            size=lambda e: len(held[e.ident][1]),
         )
+        self._held = {e.ident: held[e.ident] for e in entries}
+        report = CompactReport(
+            records_before=self._records,
+            entries_after=len(entries),
+            bytes_before=self._bytes,
+            bytes_after=sum(len(line) for _, line in self._held.values()),
+            malformed=self._malformed,
+            oversized=self._oversized,
+        )
+        self._bytes = report.bytes_after
+        self._records = len(entries)
+        self._malformed = self._oversized = 0
+        await anyio.lowlevel.checkpoint()
+        return report
 
 
-def _fit(entries: list[ManifestEntry], budget: int) -> list[ManifestEntry]:
+# Records a memory manifest's read decodes between pauses.
+_READ_BATCH = 512
+
+
+def _rank(item: tuple[tuple[str, str], tuple[tuple[int, float], bytes]]) -> tuple[int, float]:
+    return item[1][0]
+
+
+def _held_entry(line: bytes) -> ManifestEntry:
+    """The entry of a line a memory manifest holds: it was validated when appended."""
+    return _decoder.decode(line)
+
+
+def _encoded_size(entry: ManifestEntry) -> int:
+    return len(encode_entry(entry))
+
+
+def _fit(
+    entries: list[ManifestEntry],
+    budget: int,
+    size: Callable[[ManifestEntry], int] = _encoded_size,
+) -> list[ManifestEntry]:
     """The most valuable entries (they come ordered by value) that fit `budget` bytes,
     oldest first, so appends after a compaction keep "later replaces earlier"."""
     kept: list[ManifestEntry] = []
     used = 0
     for entry in entries:
-        size = len(encode_entry(entry))
-        if used + size > budget:
+        nbytes = size(entry)
+        if used + nbytes > budget:
             continue
         kept.append(entry)
-        used += size
+        used += nbytes
     return sorted(kept, key=lambda e: e.last_use)
 
 

@@ -83,7 +83,8 @@ class Store:
         """Store `lines` as manifest records of `ns` as they are: no validation, no bounds."""
         manifest = self._manifest or self.manifest()
         if isinstance(manifest, MemoryManifest):
-            manifest._lines.extend(raw + b"\n" for raw in lines)
+            for raw in lines:
+                manifest._add_line(raw + b"\n")
         elif isinstance(self.backend, FileStorage):
             with (self.backend.root / "manifest.jsonl").open("ab") as f:
                 f.write(b"".join(raw + b"\n" for raw in lines))
