@@ -18,7 +18,7 @@ import argparse
 import asyncio
 import sys
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -28,6 +28,7 @@ from ..storage import (
     FileStorage,
     MaintainableStorage,
     MemoryStorage,
+    PageInfo,
     StorageBackend,
     StorageStats,
     VerifyReport,
@@ -41,6 +42,18 @@ _ACTIONS = ("stats", "ls", "verify", "gc")
 _PROG = "hicache-async storage"
 #: Exit code of a verify that found damage or could not check everything.
 EXIT_DAMAGE = 3
+
+
+@runtime_checkable
+class _CountsAndLooks(Protocol):
+    """Optional beside `MaintainableStorage` (Redis): a count of the stored pages cheaper than
+    listing them, and a listing that writes nothing (Redis's records the pass by default)."""
+
+    async def count_pages(self) -> tuple[int, int]: ...
+
+    async def list_pages(
+        self, limit: int | None = None, *, record: bool = True
+    ) -> list[PageInfo]: ...
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -102,7 +115,10 @@ async def _run(
             ), 0
         assert isinstance(backend, MaintainableStorage)  # checked by run()
         if action == "ls":
-            pages = await backend.list_pages(limit)
+            if isinstance(backend, _CountsAndLooks):
+                pages = await backend.list_pages(limit, record=False)  # ls only looks
+            else:
+                pages = await backend.list_pages(limit)
             rows = [
                 {
                     "key": page.key.hex(),
@@ -142,6 +158,9 @@ async def _store_stats(backend: StorageBackend) -> StorageStats:
         backend, MaintainableStorage
     ):
         return stats  # the file index is read at open; a memory store starts empty
+    if isinstance(backend, _CountsAndLooks):
+        counted, nbytes = await backend.count_pages()
+        return msgspec.structs.replace(stats, pages=counted, bytes=nbytes)
     pages = await backend.list_pages()
     return msgspec.structs.replace(
         stats, pages=len(pages), bytes=sum(page.nbytes for page in pages)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import heapq
 import math
 import numbers
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeGuard, TypeVar
 from urllib.parse import SplitResult, urlencode, urlunsplit
 
@@ -244,6 +246,16 @@ class _Stream(NamedTuple):
     length: int
     head: bytes
     verifier: PayloadVerifier
+
+
+class _Listed(NamedTuple):
+    """One page as a listing found it (see `list_pages`)."""
+
+    rkey: bytes
+    nbytes: int
+    num_tokens: int
+    priority: int
+    last_access: float
 
 
 def _reply_text(error: object) -> str:
@@ -1298,16 +1310,82 @@ class RedisStorage(BackendBase):
     # Maintenance (MaintainableStorage).
 
     @_counted
-    async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
+    async def list_pages(self, limit: int | None = None, *, record: bool = True) -> list[PageInfo]:
         """Pages under the prefix (SCAN), most recently used first by Redis's idle time.
 
         Under an LFU `maxmemory-policy` Redis keeps no idle time; the page's creation time
-        stands in for its last access then.
+        stands in for its last access then. Reading the headers counts as a use for Redis:
+        with `record` the pass then writes the `maintenance-read-at` mark that lets later
+        listings see past it; without, it writes nothing (the CLI's `ls`). With `limit`
+        only that many pages are held at a time (a bounded heap over the same order).
         """
+        if limit is not None and limit <= 0:
+            return []
+        listed: list[tuple[float, int, PageInfo]] = []  # (last access, -scan index, page)
+        index = 0
+        async for batch in self._listed(record=record):
+            for rkey, nbytes, tokens, priority, last in batch:
+                page = PageInfo(
+                    key=self._key_of(rkey),
+                    nbytes=nbytes,
+                    num_tokens=tokens,
+                    priority=priority,
+                    last_access=last,
+                )
+                index -= 1
+                if limit is None or len(listed) < limit:
+                    if limit is None:
+                        listed.append((last, index, page))
+                    else:
+                        heapq.heappush(listed, (last, index, page))
+                elif (last, index) > listed[0][:2]:
+                    # The heap's root is the page the full listing would put last: a later
+                    # page displaces it only if more recent (on a tie, scan order wins).
+                    heapq.heapreplace(listed, (last, index, page))
+        if limit is None:
+            listed.sort(key=lambda entry: entry[0], reverse=True)  # stable: ties in scan order
+        else:
+            listed.sort(reverse=True)  # (last, -index): the same order as the full listing
+        return [entry[2] for entry in listed]
+
+    async def count_pages(self) -> tuple[int, int]:
+        """(pages, bytes) under the prefix: the pages `list_pages` lists, their stored bytes.
+
+        A `STRLEN` per key and nothing else (an `EXISTS` for an empty value, to tell it from
+        a key gone since the scan): no header is read or decoded, nothing is written.
+        """
+        client = self._redis()
+        pages = nbytes = 0
+        async for batch in self._scan():
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for rkey in batch:
+                        pipe.strlen(rkey)
+                    lengths = await pipe.execute(raise_on_error=False)
+                empty = [rkey for rkey, n in zip(batch, lengths, strict=True) if n == 0]
+                if empty:
+                    async with client.pipeline(transaction=False) as pipe:
+                        for rkey in empty:
+                            pipe.exists(rkey)  # EXISTS, unlike a read, is no use for Redis
+                        pages += sum(1 for there in await pipe.execute() if there)
+            except REDIS_FAULTS as exc:
+                raise StorageError(f"{self._name}: count_pages failed: {exc}") from exc
+            for length in lengths:
+                if isinstance(length, NoPermissionError):
+                    # As in list_pages: a count without these keys would pass for the store's.
+                    raise StorageError(f"{self._name}: count_pages failed: {length}")
+                if _is_int(length) and length > 0:  # not a string (WRONGTYPE): not listed
+                    pages += 1
+                    nbytes += length
+        return pages, nbytes
+
+    async def _listed(self, *, record: bool) -> AsyncIterator[list[_Listed]]:
+        """The pages under the prefix, one pipeline's worth at a time (so a caller keeps only
+        what it needs and the loop runs between pipelines); the mark is written at the end
+        with `record`."""
         client = self._redis()
         now = time.time()
         touched = await self._touched_idle()
-        pages: list[PageInfo] = []
         async for batch in self._scan():
             try:
                 async with client.pipeline(transaction=False) as pipe:
@@ -1319,6 +1397,7 @@ class RedisStorage(BackendBase):
                     results = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
+            listed: list[_Listed] = []
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
                 if isinstance(nbytes, NoPermissionError):
@@ -1337,23 +1416,15 @@ class RedisStorage(BackendBase):
                     created = header.created_ns / 1e9
                 last = now - idle if isinstance(idle, int) else created
                 if touched is not None and isinstance(idle, int) and idle >= touched:
-                    # Not used since a listing or verify read every page (which Redis
-                    # counts as a use): its creation is the best recency left.
+                    # Not used since a pass that read every page and recorded it (which
+                    # Redis counts as a use): its creation is the best recency left.
                     last = created
                 if header is PageCheck.CORRUPT:
                     last = 0.0  # damaged: the first gc evicts, whatever read it last
-                pages.append(
-                    PageInfo(
-                        key=self._key_of(rkey),
-                        nbytes=nbytes,
-                        num_tokens=tokens,
-                        priority=priority,
-                        last_access=last,
-                    )
-                )
-        await self._mark_touched()
-        pages.sort(key=lambda p: p.last_access, reverse=True)
-        return pages if limit is None else pages[:limit]
+                listed.append(_Listed(rkey, nbytes, tokens, priority, last))
+            yield listed
+        if record:
+            await self._mark_touched()
 
     def _touched_rkey(self) -> bytes:
         return f"{self._prefix}:{_TOUCHED_NAME}".encode()  # never a page key (not hex)
@@ -1554,16 +1625,23 @@ class RedisStorage(BackendBase):
         self._redis()
         if self._capacity is None:
             return GcReport(evicted_pages=0, freed_bytes=0)
-        pages = await self.list_pages()
-        total = sum(p.nbytes for p in pages)
-        victims: list[PageInfo] = []
-        while pages and total > self._capacity:
-            victim = pages.pop()  # least recently used
-            victims.append(victim)
-            total -= victim.nbytes
+        # Headers are needed (a damaged page goes first; one not used since the last recorded
+        # pass goes by its creation), but not PageInfo objects: (last access, bytes, key).
+        entries: list[tuple[float, int, bytes]] = []
+        total = 0
+        async for batch in self._listed(record=True):
+            for listed in batch:
+                entries.append((listed.last_access, listed.nbytes, listed.rkey))
+                total += listed.nbytes
+        entries.sort(key=itemgetter(0), reverse=True)  # the listing's order
+        victims: list[bytes] = []
+        while entries and total > self._capacity:
+            _, nbytes, rkey = entries.pop()  # least recently used
+            victims.append(rkey)
+            total -= nbytes
         if not victims:
             return GcReport(evicted_pages=0, freed_bytes=0)
-        evicted, freed = await self._delete_rkeys([self._rkey(p.key) for p in victims])
+        evicted, freed = await self._delete_rkeys(victims)
         self._counters.evictions += evicted
         return GcReport(evicted_pages=evicted, freed_bytes=freed)
 

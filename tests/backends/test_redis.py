@@ -858,6 +858,8 @@ async def test_a_listing_the_acl_keeps_keys_from_is_an_error(redis_url: str) -> 
     ):
         with pytest.raises(StorageError, match=r"list_pages failed: .*no permissions"):
             await reader.list_pages()
+        with pytest.raises(StorageError, match=r"count_pages failed: .*no permissions"):
+            await reader.count_pages()
 
 
 async def test_an_acl_refusing_the_connection_setup_fails_the_open(redis_url: str) -> None:
@@ -1281,6 +1283,110 @@ def test_storage_command_counts_the_pages_in_the_server(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "scan failed" in captured.err
+
+
+async def _store_image(redis_url: str, prefix: str) -> dict[bytes, tuple[bytes | None, int]]:
+    """Every key under `prefix`: its value (None for a non-string) and when it expires (-1:
+    never)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        image: dict[bytes, tuple[bytes | None, int]] = {}
+        async for rkey in client.scan_iter(match=f"{prefix}:*".encode()):
+            kind = await client.type(rkey)
+            value = await client.get(rkey) if kind in (b"string", "string") else None
+            image[rkey] = (value, await client.execute_command("PEXPIRETIME", rkey))
+        return image
+    finally:
+        await client.aclose()
+
+
+async def _damaged_store(url: str) -> list[bytes]:
+    """Sound pages, one with a TTL, a damaged one, an empty value, a foreign hash under a page
+    key and a key under the prefix that is no page key; the sound pages' keys."""
+    keys, pages, metas = make_pages(6)
+    async with RedisStorage.from_url(url) as storage:
+        assert await storage.put(keys[:4], pages[:4], metas[:4]) == [Outcome.OK] * 4
+        async with RedisStorage.from_url(f"{url}&ttl=3600") as expiring:
+            assert await expiring.put(keys[4:5], pages[4:5], metas[4:5]) == [Outcome.OK]
+        raw = await storage.read_raw(keys[0])
+        assert raw is not None
+        await storage.write_raw(keys[0], raw[:40] + bytes([raw[40] ^ 1]) + raw[41:])
+        await storage.write_raw(keys[5], b"")
+        client = storage._redis()
+        await client.hset(storage._rkey(os.urandom(32)), "field", "value")
+        await client.set(f"{storage.prefix}:not-a-page".encode(), b"x")
+    return keys
+
+
+def test_stats_and_ls_leave_the_store_as_it_was(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The look-only commands write nothing: no mark, no value or TTL changed.
+    from hicache_async.cli import main
+
+    url = fresh_url(redis_url)
+    prefix = url.split("prefix=")[1]
+    asyncio.run(_damaged_store(url))
+    before = asyncio.run(_store_image(redis_url, prefix))
+    assert main(["storage", "stats", url, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert main(["storage", "ls", url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert main(["storage", "ls", url, "--limit", "2"]) == 0
+    capsys.readouterr()
+    assert asyncio.run(_store_image(redis_url, prefix)) == before
+    assert f"{prefix}:maintenance-read-at".encode() not in before
+    # stats counts the pages ls lists: the damaged one and the empty value included.
+    assert (stats["pages"], stats["bytes"]) == (len(listed), sum(p["nbytes"] for p in listed))
+    assert stats["pages"] == 6
+
+
+async def test_count_pages_counts_what_list_pages_lists_and_writes_nothing(
+    redis_url: str,
+) -> None:
+    url = fresh_url(redis_url)
+    await _damaged_store(url)
+    async with RedisStorage.from_url(url) as backend:
+        before = await _store_image(redis_url, backend.prefix)
+        pages, nbytes = await backend.count_pages()
+        assert await _store_image(redis_url, backend.prefix) == before
+        listed = await backend.list_pages(record=False)
+        assert await _store_image(redis_url, backend.prefix) == before
+        assert (pages, nbytes) == (len(listed), sum(p.nbytes for p in listed))
+        assert (pages, nbytes) == (6, 5 * (HEADER_NBYTES + 3000))
+        # The default listing still records its pass, for later listings' order.
+        await backend.list_pages()
+        mark = f"{backend.prefix}:maintenance-read-at".encode()
+        assert mark in await _store_image(redis_url, backend.prefix)
+
+
+@pytest.mark.parametrize("record", [True, False])
+async def test_a_limited_listing_is_the_full_listings_first_pages(
+    redis_url: str, record: bool
+) -> None:
+    # An unrecorded listing reads every page, so on an LRU server the order it leaves moves
+    # with the clock; under LFU the pages go by their creation, which stays put.
+    with contextlib.ExitStack() as stack:
+        if not record:
+            lfu = ["--maxmemory-policy", "allkeys-lfu"]
+            redis_url = stack.enter_context(RedisServer(extra_args=lfu)).url
+        await _check_limited_listings(redis_url, record=record)
+
+
+async def _check_limited_listings(redis_url: str, *, record: bool) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+        keys, pages, metas = make_pages(30, 200)
+        for key, page, meta in zip(keys, pages, metas, strict=True):
+            assert await backend.put([key], [page], [meta]) == [Outcome.OK]  # own creation time
+        for key in keys[::7]:  # damaged: last used at 0, the listing's ties
+            raw = await backend.read_raw(key)
+            assert raw is not None
+            await backend.write_raw(key, raw[:40] + bytes([raw[40] ^ 1]) + raw[41:])
+        await backend.list_pages()  # recorded: from now on the pages go by their creation
+        full = await backend.list_pages(record=record)
+        assert len({p.last_access for p in full}) > 20  # an order to keep, not all ties
+        for limit in (1, 2, 5, 29, 30, 31, 1000):
+            assert await backend.list_pages(limit, record=record) == full[:limit]
 
 
 @pytest.mark.parametrize("bulk", [1, 0])
