@@ -396,6 +396,24 @@ async def test_aclose_waits_for_copies_and_stops_the_thread() -> None:
     assert "closed" in repr(engine)
 
 
+async def test_an_engine_stopped_at_interpreter_exit_closes_at_once_and_refuses_copies() -> None:
+    # A cache left by a shutdown hook that runs after the library's: aclose() sent its Stop
+    # to a worker that had exited, and waited for the answer for ever.
+    engine = CpuCopyEngine(name="exit-engine")
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16)
+    src, dst = KVPool(layout, 16, 4), KVPool(layout, 16, 4)
+    await engine.copy(src, [0], dst, [1])
+    thread = engine._thread
+    assert thread is not None
+    engine._stop_at_exit()
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(CacheClosedError):
+        engine.copy(src, [1], dst, [2])
+    await asyncio.wait_for(engine.aclose(), 10)
+    assert engine.closed
+
+
 async def test_shared_copies_fail_whole_and_stop_with_the_engine(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from hicache_async import StorageConfigError
+from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, MemoryStorage, Outcome, PageMeta, VerifyReport
 from hicache_async.storage._memory import _LIST_SLICE
 
@@ -331,3 +331,16 @@ async def test_list_pages_lets_the_loop_run_and_skips_pages_removed_meanwhile() 
         assert keys[0] not in listed
         assert len(listed) == count - 1
         assert (await storage.gc()).evicted_pages == 0
+
+
+async def test_a_store_closed_while_it_lists_raises_instead_of_listing_short() -> None:
+    count = 2 * _LIST_SLICE
+    keys = _keys(count)
+    storage = MemoryStorage(capacity_bytes=count * (HEADER_NBYTES + 64))
+    async with storage:
+        for start in range(0, count, 256):
+            assert await _put(storage, keys[start : start + 256], nbytes=64) == [Outcome.OK] * 256
+        listing = asyncio.create_task(storage.list_pages())
+        await asyncio.sleep(0)
+    with pytest.raises(StorageError, match="closed"):
+        await listing

@@ -575,3 +575,20 @@ async def test_a_prefetch_reads_no_further_than_the_first_repeated_key(tmp_path:
         assert served.host_tokens == 2 * PAGE
         await cache.drain()
         cache.tree.check_invariants()
+
+
+async def test_a_memory_manifest_checks_held_records_against_lowered_limits() -> None:
+    # MemoryStorage.manifest(limits) gives the held manifest new limits; records held since a
+    # higher max_entry_bytes were served as if they fitted.
+    storage = MemoryStorage()
+    async with storage:
+        manifest = storage.manifest(ManifestLimits(max_entry_bytes=1 << 20))
+        keys = [f"{i:064x}" for i in range(1, 3000)]  # a record of about 200 KB
+        small = ManifestEntry(namespace="0" * 32, keys=["ab" * 32], num_tokens=1)
+        await manifest.append([ManifestEntry(namespace="0" * 32, keys=keys, num_tokens=1), small])
+        lowered = storage.manifest(ManifestLimits(max_entry_bytes=64 * 1024))
+        read = await lowered.read()
+        assert ([e.keys for e in read.entries], read.oversized) == ([small.keys], 1)
+        report = await lowered.compact()
+        assert (report.entries_after, report.oversized) == (1, 1)
+        assert [e.keys for e in (await lowered.read()).entries] == [small.keys]

@@ -497,9 +497,16 @@ class MemoryManifest:
         lines = [line for _, line in self._held.values()]
         for start in range(0, len(lines), _READ_BATCH):
             for line in lines[start : start + _READ_BATCH]:
-                collector.add_entry(_held_entry(line))
+                self._add_held(collector, line)
             await anyio.lowlevel.checkpoint()
         return collector.result(truncated=False)
+
+    def _add_held(self, collector: ManifestCollector, line: bytes) -> None:
+        # Checked again: `MemoryStorage.manifest(limits)` may have lowered the bound since.
+        if len(line) > self.limits.max_entry_bytes:
+            collector.oversized += 1
+        else:
+            collector.add_entry(_held_entry(line))
 
     async def compact(self) -> CompactReport:
         """Keep the newest valid record per chain as a reader sees them (prefixes covered by
@@ -507,8 +514,9 @@ class MemoryManifest:
         malformed and oversized. Synchronous, over at most `2 * max_entries` records: readers
         see the manifest before or after it."""
         collector = ManifestCollector(self.limits)
+        collector.oversized = self._oversized
         for _, line in self._held.values():
-            collector.add_entry(_held_entry(line))
+            self._add_held(collector, line)
         held = self._held
         entries = _fit(
             collector.result(truncated=False).entries,
@@ -522,7 +530,7 @@ class MemoryManifest:
             bytes_before=self._bytes,
             bytes_after=sum(len(line) for _, line in self._held.values()),
             malformed=self._malformed,
-            oversized=self._oversized,
+            oversized=collector.oversized,
         )
         self._bytes = report.bytes_after
         self._records = len(entries)

@@ -491,6 +491,7 @@ class MemoryStorage(BackendBase):
             if at % _LIST_SLICE == 0:
                 # Half a million headers decoded in one go held the loop for over a second.
                 await asyncio.sleep(0)
+                self._check_open()  # closed meanwhile: an error, not a short listing
             if self._values.get(key) is not value:
                 continue  # removed (its buffer maybe reused) meanwhile
             header = decode_header(memoryview(value.data))

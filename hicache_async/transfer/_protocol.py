@@ -8,6 +8,7 @@ import asyncio
 import atexit
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
@@ -191,8 +192,14 @@ _EXIT_JOIN_S = 5.0
 
 @atexit.register
 def _stop_running_engines() -> None:
-    for engine in list(_RUNNING):
+    engines = list(_RUNNING)
+    for engine in engines:
         engine._stop_at_exit()
+    deadline = time.monotonic() + _EXIT_JOIN_S  # one for all, not one each
+    for engine in engines:
+        thread = engine._thread
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class ThreadedEngine(abc.ABC, Generic[JobT]):
@@ -286,7 +293,8 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
             await waiter
         if self._stopped is None:
             self._stopped = loop.create_future()
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():
+                # No worker, or one stopped at interpreter exit: nobody would answer a Stop.
                 self._stopped.set_result(None)
             else:
                 self._jobs.put(Stop(loop, self._stopped))
@@ -301,10 +309,10 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
             _RUNNING.discard(self)
 
     def _stop_at_exit(self) -> None:
-        thread = self._thread
-        if thread is not None and thread.is_alive():
+        """Ask the worker to stop (joined by the caller); later copies are refused."""
+        self._closed = True
+        if self._thread is not None:
             self._jobs.put(None)
-            thread.join(_EXIT_JOIN_S)
 
     @property
     def closed(self) -> bool:
