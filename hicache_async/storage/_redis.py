@@ -18,6 +18,7 @@ import functools
 import heapq
 import math
 import numbers
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -258,6 +259,18 @@ class _Listed(NamedTuple):
     last_access: float
 
 
+_READ_REFUSALS = re.compile(
+    r"no permissions to run the '(strlen|getrange|exists)' command"
+    r"|unknown command|unsupported command|not supported"
+)
+
+
+def _read_refused(error: BaseException) -> bool:
+    """Whether an error reply to STRLEN, GETRANGE or EXISTS means the command is refused
+    here for good (an ACL that lists commands, a proxy), not a fault of one key."""
+    return bool(_READ_REFUSALS.search(_reply_text(error).lower()))
+
+
 def _reply_text(error: object) -> str:
     """The server's error reply as it was sent: redis-py drops the code of the ones it knows
     (ERR, NOPERM, READONLY, ...) from its exception's text and keeps it apart."""
@@ -481,6 +494,7 @@ class RedisStorage(BackendBase):
         self._connection_kwargs = dict(connection_kwargs or {})
         self._cluster = cluster
         self._multikey = not cluster if multikey is None else multikey
+        self._bounded_reads = True  # False once STRLEN or GETRANGE is refused (_read_starts)
         self._touch = True  # False once TOUCH is refused (see _exists_pipeline)
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
@@ -803,6 +817,9 @@ class RedisStorage(BackendBase):
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         corrupt: list[bytes] = []
+        # For pages judged from a value read in two commands: its length and header, so the
+        # removal takes only that value, not one stored meanwhile.
+        seen: dict[bytes, tuple[int, bytes]] = {}
         payloads = [payload_nbytes(page) for page in targets]
         mac_key = self._mac_key
 
@@ -828,11 +845,14 @@ class RedisStorage(BackendBase):
             if given_up:
                 return  # stays ERROR
             try:
-                found = await self._read_starts(client, chunk, keys=keys, payloads=payloads)
+                found, failed = await self._read_starts(client, chunk, keys=keys, payloads=payloads)
             except REDIS_FAULTS as exc:
-                log.warning("storage.redis.get_failed", backend=self._name, error=str(exc))
+                failed, found = exc, []
+            if failed is not None:
+                log.warning("storage.redis.get_failed", backend=self._name, error=str(failed))
                 given_up = True
-                return
+                if not found:
+                    return
             checks: list[PageCheck | None] = [None] * len(found)
 
             def check(stop: threading.Event) -> None:
@@ -862,6 +882,8 @@ class RedisStorage(BackendBase):
                 elif result is not None:
                     reason = ""
                     if result is PageCheck.CORRUPT:
+                        if self._bounded_reads:
+                            seen[keys[i]] = (stored, bytes(value[:HEADER_NBYTES]))
                         reason = corrupt_reason(
                             value,
                             key=keys[i],
@@ -917,7 +939,11 @@ class RedisStorage(BackendBase):
         await self._run_chunks(_chunks(payloads, pipeline), fetch)
         if corrupt:
             try:
-                await self._delete_rkeys([self._rkey(k) for k in corrupt])
+                for key in [k for k in corrupt if k in seen]:
+                    await self._remove_if_same_value(self._rkey(key), *seen[key])
+                await self._delete_rkeys([self._rkey(k) for k in corrupt if k not in seen])
+            except REDIS_FAULTS as exc:
+                log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
             except StorageError as exc:
                 # Counted either way; the next reader that meets the page retries.
                 log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
@@ -934,45 +960,61 @@ class RedisStorage(BackendBase):
         *,
         keys: Sequence[bytes],
         payloads: Sequence[int],
-    ) -> list[tuple[int, bytes | None, int]]:
+    ) -> tuple[list[tuple[int, bytes | memoryview | None, int]], BaseException | None]:
         """Per key of the chunk without an error reply: (index, the value's first
-        header + expected payload bytes or None when absent, the stored length).
+        header + expected payload bytes or None when absent, the stored length); and the
+        failure of a second look, which leaves only the keys it was for ERROR.
 
         A whole GET would hold whatever a writer stored under a page key (512 MB values
         exhaust a reader's memory before any check); STRLEN says how long the value is and
-        GETRANGE reads no more than a page of the expected size, which is all a page that
-        passes its checks holds. Error replies are noted; those keys stay ERROR.
+        GETRANGE reads one byte more than a page of the expected size, which is all a page
+        that passes its checks holds. Error replies are noted; those keys stay ERROR.
         """
+        if not self._bounded_reads:
+            return await self._read_whole(client, chunk, keys=keys), None
         async with client.pipeline(transaction=False) as pipe:
             for i in chunk:
                 rkey = self._rkey(keys[i])
                 pipe.strlen(rkey)
-                pipe.getrange(rkey, 0, HEADER_NBYTES + payloads[i] - 1)
+                pipe.getrange(rkey, 0, HEADER_NBYTES + payloads[i])
             replies = await pipe.execute(raise_on_error=False)
-        found: list[tuple[int, bytes | None, int]] = []
+        refused = next((r for r in replies if isinstance(r, Exception) and _read_refused(r)), None)
+        if refused is not None:
+            # An ACL listing commands without STRLEN or GETRANGE, or a proxy without them.
+            self._bounded_reads = False
+            log.warning(
+                "storage.redis.bounded_reads_refused", backend=self._name, error=str(refused)
+            )
+            return await self._read_whole(client, chunk, keys=keys), None
+        found: list[tuple[int, bytes | memoryview | None, int]] = []
         unsure: list[int] = []  # absent, or an empty value: the replies are the same
         for k, i in enumerate(chunk):
             stored, value = replies[2 * k], replies[2 * k + 1]
             error = next((r for r in (stored, value) if isinstance(r, Exception)), None)
+            page = HEADER_NBYTES + payloads[i]
             if error is not None:
                 self._note_reply(error)
             elif not isinstance(stored, int) or not isinstance(value, bytes):
                 self._note_reply(f"ERR unexpected replies {stored!r:.40} {value!r:.40}")
             elif stored == 0 and not value:
                 unsure.append(i)
-            elif len(value) != min(stored, HEADER_NBYTES + payloads[i]):
-                # Deleted or replaced between the two commands: nothing consistent was read,
-                # and what is stored now may be sound. A miss; the next reader looks again.
+            elif len(value) != min(stored, page + 1):
+                # Replaced or deleted between the two commands (the byte past a page shows a
+                # longer value): nothing consistent was read, and what is stored now may be
+                # sound. A miss; the next reader looks again.
                 found.append((i, None, 0))
             else:
-                found.append((i, value, stored))
+                found.append((i, value if len(value) <= page else memoryview(value)[:page], stored))
         if unsure:
-            async with client.pipeline(transaction=False) as pipe:
-                for i in unsure:
-                    rkey = self._rkey(keys[i])
-                    pipe.exists(rkey)
-                    pipe.strlen(rkey)
-                replies = await pipe.execute(raise_on_error=False)
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for i in unsure:
+                        rkey = self._rkey(keys[i])
+                        pipe.exists(rkey)
+                        pipe.strlen(rkey)
+                    replies = await pipe.execute(raise_on_error=False)
+            except REDIS_FAULTS as exc:
+                return found, exc
             for k, i in enumerate(unsure):
                 exists, stored = replies[2 * k], replies[2 * k + 1]
                 if isinstance(exists, Exception) or isinstance(stored, Exception):
@@ -981,6 +1023,22 @@ class RedisStorage(BackendBase):
                     found.append((i, b"", 0))  # an empty value: no page, corrupt
                 else:
                     found.append((i, None, 0))  # absent (or stored only since: a miss)
+        return found, None
+
+    async def _read_whole(
+        self, client: RedisClient, chunk: range, *, keys: Sequence[bytes]
+    ) -> list[tuple[int, bytes | memoryview | None, int]]:
+        """As `_read_starts`, with whole values (GET): where STRLEN or GETRANGE is refused."""
+        async with client.pipeline(transaction=False) as pipe:
+            for i in chunk:
+                pipe.get(self._rkey(keys[i]))
+            values = await pipe.execute(raise_on_error=False)
+        found: list[tuple[int, bytes | memoryview | None, int]] = []
+        for i, value in zip(chunk, values, strict=True):
+            if isinstance(value, Exception):
+                self._note_reply(value)  # an error reply for this key: it stays ERROR
+            elif value is None or isinstance(value, bytes):
+                found.append((i, value, 0 if value is None else len(value)))
         return found
 
     async def _bulk_gets(
@@ -1508,7 +1566,6 @@ class RedisStorage(BackendBase):
                 ):
                     checked += 1
                     bad.append((rkey, length, head))
-                    self._report_corrupt(key, "verify")
                 else:
                     verifier = PayloadVerifier(header, mac_key=self._mac_key)
                     streams.append(_Stream(rkey, length, head, verifier))
@@ -1525,7 +1582,6 @@ class RedisStorage(BackendBase):
                     ok += 1
                 elif verdict is PageCheck.CORRUPT:
                     bad.append((stream.rkey, stream.length, stream.head))
-                    self._report_corrupt(self._key_of(stream.rkey), "verify")
         removed = 0
         for rkey, length, head in bad:
             try:
@@ -1533,7 +1589,10 @@ class RedisStorage(BackendBase):
             except REDIS_FAULTS as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: verify failed: {exc}") from exc
+            # Reported only once removed: a value read in several commands that another
+            # writer replaced meanwhile (not removed then) is no damage.
             if deleted:
+                self._report_corrupt(self._key_of(rkey), "verify")
                 removed += 1
                 self._pages -= 1
                 self._bytes -= length

@@ -14,7 +14,7 @@ import subprocess
 import threading
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TypeVar
 
 import pytest
@@ -1540,3 +1540,170 @@ async def test_close_waits_for_a_batch_in_flight_and_leaves_no_connection(bulk: 
         assert _connections_named(server.host, server.port, name) == 0
         with pytest.raises(StorageError, match="closed"):
             await backend.exists(keys)
+
+
+class _SteppedPipeline:
+    """A pipeline whose commands run one at a time, with `between(command)` awaited after
+    each: the interleaving a server allows another client within a pipeline."""
+
+    def __init__(self, client: aioredis.Redis, between: Callable[[str], Awaitable[None]]):
+        self._client = client
+        self._between = between
+        self._queued: list[tuple[str, tuple[object, ...]]] = []
+
+    async def __aenter__(self) -> _SteppedPipeline:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._queued = []
+
+    def __getattr__(self, name: str) -> Callable[..., _SteppedPipeline]:
+        def queue(*args: object) -> _SteppedPipeline:
+            self._queued.append((name, args))
+            return self
+
+        return queue
+
+    async def execute(self, raise_on_error: bool = True) -> list[object]:
+        replies: list[object] = []
+        for name, args in self._queued:
+            try:
+                replies.append(await getattr(self._client, name)(*args))
+            except aioredis.ResponseError as exc:
+                replies.append(exc)
+            await self._between(name)
+        return replies
+
+
+@contextlib.contextmanager
+def _stepped(backend: RedisStorage, between: Callable[[str], Awaitable[None]]) -> Iterator[None]:
+    real = backend._client
+    assert real is not None
+
+    class _Client:
+        def pipeline(self, transaction: bool = True) -> _SteppedPipeline:
+            return _SteppedPipeline(real, between)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    backend._client = _Client()  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        backend._client = real
+
+
+@pytest.mark.parametrize(("before", "after"), [(3000, 6000), (6000, 3000)])
+async def test_a_value_replaced_between_length_and_read_is_a_miss_left_in_place(
+    redis_url: str, before: int, after: int
+) -> None:
+    # The length came from one value and the bytes from the next: two sound pages were
+    # judged CORRUPT and the one stored later was removed (a single GET never could).
+    async with RedisStorage.from_url(fresh_url(redis_url, bulk=0)) as backend:
+        key = os.urandom(32)
+        other = aioredis.Redis.from_url(redis_url)
+        replacement = page_value(key, os.urandom(after))
+        await backend.write_raw(key, page_value(key, os.urandom(before)))
+        replaced = False
+
+        async def replace(command: str) -> None:
+            nonlocal replaced
+            if command == "strlen" and not replaced:
+                replaced = True
+                await other.set(backend._rkey(key), replacement)
+
+        try:
+            with _stepped(backend, replace):
+                outcomes = await backend.get([key], buffers(1), namespace=NS)
+            assert replaced
+            assert outcomes == [Outcome.MISS]
+            assert await backend.read_raw(key) == replacement
+            assert backend.stats().corrupt == 0
+        finally:
+            await other.aclose()
+
+
+async def test_a_damaged_value_replaced_before_its_removal_keeps_the_new_page(
+    redis_url: str,
+) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, bulk=0)) as backend:
+        keys, pages, _ = make_pages(1)
+        other = aioredis.Redis.from_url(redis_url)
+        payload = joined(pages[0])
+        damaged = page_value(keys[0], payload)
+        await backend.write_raw(keys[0], damaged[:-1] + bytes([damaged[-1] ^ 1]))
+        # Another writer's copy: the same page, its header written apart (another count).
+        meta = PageMeta(key=keys[0], namespace=NS, num_tokens=2)
+        sound = encode_header(meta, [payload]) + payload
+        replaced = False
+
+        async def replace(command: str) -> None:
+            nonlocal replaced
+            if command == "getrange" and not replaced:
+                replaced = True
+                await other.set(backend._rkey(keys[0]), sound)
+
+        try:
+            with _stepped(backend, replace):
+                assert await backend.get(keys, buffers(1), namespace=NS) == [Outcome.CORRUPT]
+            assert await backend.read_raw(keys[0]) == sound
+            into = buffers(1)
+            assert await backend.get(keys, into, namespace=NS) == [Outcome.OK]
+            assert joined(into[0]) == joined(pages[0])
+        finally:
+            await other.aclose()
+
+
+async def test_a_user_without_getrange_reads_whole_values(redis_url: str) -> None:
+    # An ACL listing the commands a deployment allows (the data path as the docs had it):
+    # every get was ERROR once reads went by STRLEN and GETRANGE.
+    rules = ("allkeys", "+@connection", "+set", "+get", "+touch", "+exists", "+del", "+scan")
+    rules += ("+evalsha", "+eval", "+script|load", "+info", "+client")
+    async with acl_user(redis_url, *rules) as (user, _):
+        url = user_url(redis_url, user, bulk=0)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+            with structlog.testing.capture_logs() as logs:
+                into = buffers(3)
+                assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 3
+            assert [joined(b) for b in into] == [joined(p) for p in pages]
+            assert [e["event"] for e in logs if e["log_level"] == "warning"] == [
+                "storage.redis.bounded_reads_refused"
+            ]
+            assert await backend.get(keys, buffers(3), namespace=NS) == [Outcome.OK] * 3
+
+
+async def test_a_page_replaced_while_verify_reads_it_is_not_reported_corrupt(
+    redis_url: str,
+) -> None:
+    async with RedisStorage.from_url(fresh_url(redis_url, bulk=0)) as backend:
+        key = os.urandom(32)
+        other = aioredis.Redis.from_url(redis_url)
+        payload = os.urandom(3 << 20)  # read in several pieces
+        await backend.write_raw(key, page_value(key, payload))
+        other_payload = os.urandom(len(payload))
+        replacement = (
+            encode_header(PageMeta(key=key, namespace=NS, num_tokens=2), [other_payload])
+            + other_payload
+        )
+        ranges = 0
+
+        async def replace(command: str) -> None:
+            nonlocal ranges
+            if command == "getrange":
+                ranges += 1
+                if ranges == 2:  # the header, then the first piece of the payload
+                    await other.set(backend._rkey(key), replacement)
+
+        try:
+            with structlog.testing.capture_logs() as logs, _stepped(backend, replace):
+                report = await backend.verify()
+            assert ranges > 2
+            assert report.corrupt_removed == 0
+            assert backend.stats().corrupt == 0
+            assert not [e for e in logs if e["event"] == "storage.page.corrupt"]
+            assert await backend.read_raw(key) == replacement
+        finally:
+            await other.aclose()
