@@ -293,7 +293,7 @@ hex32 = st.text("0123456789abcdef", min_size=32, max_size=32)
 entries = st.builds(
     ManifestEntry,
     namespace=hex32,
-    keys=st.lists(hex64, min_size=1, max_size=8),
+    keys=st.lists(hex64, min_size=1, max_size=8, unique=True),  # a chain never repeats a key
     num_tokens=st.integers(0, 2**32 - 1),
     priority=st.integers(-(2**31), 2**31 - 1),
     last_use=st.floats(0, 1e11, allow_nan=False),

@@ -140,7 +140,7 @@ def test_malformed_toml_is_a_config_error(text: str) -> None:
         ("absent.toml", None, "cannot read"),
         ("config.yaml", b"layout: {}", "config file type"),
         ("config", b"", "config file type"),
-        ("directory.toml", "dir", "cannot read"),
+        ("directory.toml", "dir", "not a regular file"),
         # Not UTF-8: escapes as UnicodeDecodeError today.
         ("binary.json", b"\xff\xfe\xb9garbage", "binary.json"),
         ("binary.toml", b"device_pages = 8\n\xc3\x28", "binary.toml"),
