@@ -34,6 +34,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import AuthenticationError, MovedError, NoPermissionError, ResponseError
 
 from .._errors import StorageConfigError, StorageError, type_name
+from .._uncancelled import run_uncancelled
 from ._base import (
     BackendBase,
     byte_segments,
@@ -277,6 +278,13 @@ def _reply_text(error: object) -> str:
     code = getattr(error, "status_code", None)
     text = str(error)
     return f"{code} {text}" if isinstance(code, str) and code else text
+
+
+async def _close_clients(client: RedisClient | None, pool: BlockingConnectionPool | None) -> None:
+    if client is not None:
+        await client.aclose()
+    if pool is not None:
+        await pool.aclose()
 
 
 def _settle(future: asyncio.Future[bytes], value: bytes, error: BaseException | None) -> None:
@@ -692,10 +700,9 @@ class RedisStorage(BackendBase):
         self._client = self._pool = self._bulk = None
         if bulk is not None:
             bulk.close()
-        if client is not None:
-            await client.aclose()
-        if pool is not None:
-            await pool.aclose()
+        # To their end however the caller is cancelled: a cancelled aclose() (a cache never
+        # left, its loop ending) left the connections open.
+        interrupted |= await run_uncancelled(_close_clients(client, pool))
         if interrupted:
             raise asyncio.CancelledError
 

@@ -1707,3 +1707,36 @@ async def test_a_page_replaced_while_verify_reads_it_is_not_reported_corrupt(
             assert await backend.read_raw(key) == replacement
         finally:
             await other.aclose()
+
+
+async def test_a_close_cancelled_at_once_still_closes_every_connection(redis_url: str) -> None:
+    # A cache never left: its loop's end cancels the close, whose aclose() of the client and
+    # the pool was cancelled with it, and the connections stayed open.
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        name = f"c{uuid.uuid4().hex[:10]}"
+        backend = RedisStorage.from_url(fresh_url(redis_url, bulk=0, client_name=name))
+        await backend.__aenter__()
+        keys, pages, metas = make_pages(8)
+        await asyncio.gather(
+            *(backend.put(keys[i : i + 1], pages[i : i + 1], metas[i : i + 1]) for i in range(8))
+        )
+
+        async def connections() -> int:
+            listed = await admin.execute_command("CLIENT", "LIST")
+            text = listed.decode() if isinstance(listed, bytes) else str(listed)
+            return text.count(f"name={name} ")
+
+        assert await connections() > 0
+        closing = asyncio.create_task(backend.close())
+        await asyncio.sleep(0)
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        for _ in range(200):
+            if await connections() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await connections() == 0
+    finally:
+        await admin.aclose()
