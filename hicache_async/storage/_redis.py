@@ -824,9 +824,10 @@ class RedisStorage(BackendBase):
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         corrupt: list[bytes] = []
-        # For pages judged from a value read in two commands: its length and header, so the
-        # removal takes only that value, not one stored meanwhile.
-        seen: dict[bytes, tuple[int, bytes]] = {}
+        # Pages judged damaged from a value read in two commands (index, length, header,
+        # reason): judged for good by their removal, which takes only that value. Another
+        # writer may have replaced it between the commands; then it is a miss.
+        suspects: list[tuple[int, int, bytes, str]] = []
         payloads = [payload_nbytes(page) for page in targets]
         mac_key = self._mac_key
 
@@ -851,10 +852,12 @@ class RedisStorage(BackendBase):
             nonlocal given_up
             if given_up:
                 return  # stays ERROR
+            bounded = self._bounded_reads
             try:
                 found, failed = await self._read_starts(client, chunk, keys=keys, payloads=payloads)
             except REDIS_FAULTS as exc:
                 failed, found = exc, []
+            bounded &= self._bounded_reads  # this chunk's values were read in two commands
             if failed is not None:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(failed))
                 given_up = True
@@ -889,8 +892,6 @@ class RedisStorage(BackendBase):
                 elif result is not None:
                     reason = ""
                     if result is PageCheck.CORRUPT:
-                        if self._bounded_reads:
-                            seen[keys[i]] = (stored, bytes(value[:HEADER_NBYTES]))
                         reason = corrupt_reason(
                             value,
                             key=keys[i],
@@ -898,6 +899,10 @@ class RedisStorage(BackendBase):
                             payload_nbytes=payloads[i],
                             stored_nbytes=stored,
                         )
+                        if bounded:
+                            outcomes[i] = Outcome.CORRUPT
+                            suspects.append((i, stored, bytes(value[:HEADER_NBYTES]), reason))
+                            continue
                     judge(i, result, reason)
 
         async def fetch_into(bulk: BulkConnectionPool, chunk: range) -> None:
@@ -944,13 +949,25 @@ class RedisStorage(BackendBase):
             _GET_PIPELINE_BYTES if bulk is None else _BULK_GET_PIPELINE_BYTES
         )
         await self._run_chunks(_chunks(payloads, pipeline), fetch)
+        for i, length, head, reason in suspects:
+            try:
+                removed = await self._remove_if_same_value(self._rkey(keys[i]), length, head)
+            except REDIS_FAULTS as exc:
+                # Damaged for all this reader knows: counted, and the next reader retries.
+                self._counters.errors += 1
+                log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
+                removed = True
+            else:
+                if removed:
+                    self._pages -= 1
+                    self._bytes -= length
+            if removed:
+                self._report_corrupt(keys[i], reason)
+            else:
+                outcomes[i] = Outcome.MISS  # replaced meanwhile: what is stored now may be sound
         if corrupt:
             try:
-                for key in [k for k in corrupt if k in seen]:
-                    await self._remove_if_same_value(self._rkey(key), *seen[key])
-                await self._delete_rkeys([self._rkey(k) for k in corrupt if k not in seen])
-            except REDIS_FAULTS as exc:
-                log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
+                await self._delete_rkeys([self._rkey(k) for k in corrupt])
             except StorageError as exc:
                 # Counted either way; the next reader that meets the page retries.
                 log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
@@ -1022,6 +1039,9 @@ class RedisStorage(BackendBase):
                     replies = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 return found, exc
+            if any(isinstance(r, Exception) and _read_refused(r) for r in replies):
+                # EXISTS refused (an ACL that lists commands): GET tells them apart too.
+                return found + await self._read_whole(client, unsure, keys=keys), None
             for k, i in enumerate(unsure):
                 exists, stored = replies[2 * k], replies[2 * k + 1]
                 if isinstance(exists, Exception) or isinstance(stored, Exception):
@@ -1033,7 +1053,7 @@ class RedisStorage(BackendBase):
         return found, None
 
     async def _read_whole(
-        self, client: RedisClient, chunk: range, *, keys: Sequence[bytes]
+        self, client: RedisClient, chunk: Sequence[int], *, keys: Sequence[bytes]
     ) -> list[tuple[int, bytes | memoryview | None, int]]:
         """As `_read_starts`, with whole values (GET): where STRLEN or GETRANGE is refused."""
         async with client.pipeline(transaction=False) as pipe:

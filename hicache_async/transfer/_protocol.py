@@ -217,6 +217,7 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         self._jobs: queue.SimpleQueue[JobT | Stop | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._exit_stopped = False
         self._stopped: asyncio.Future[None] | None = None
         self._idle: list[asyncio.Future[None]] = []
         self._in_flight = 0
@@ -287,6 +288,12 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
             self._owner.check()
         self._closed = True
         loop = asyncio.get_running_loop()
+        if self._exit_stopped:
+            # Stopped at interpreter exit: the worker took its None and answers nothing more
+            # (copies queued behind it never run), and it was joined there.
+            self._thread = None
+            _RUNNING.discard(self)
+            return
         while self._in_flight:
             waiter: asyncio.Future[None] = loop.create_future()
             self._idle.append(waiter)
@@ -294,8 +301,7 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         if self._stopped is None:
             self._stopped = loop.create_future()
             if self._thread is None or not self._thread.is_alive():
-                # No worker, or one stopped at interpreter exit: nobody would answer a Stop.
-                self._stopped.set_result(None)
+                self._stopped.set_result(None)  # no worker (or a dead one) to answer a Stop
             else:
                 self._jobs.put(Stop(loop, self._stopped))
         await asyncio.shield(self._stopped)
@@ -311,6 +317,7 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
     def _stop_at_exit(self) -> None:
         """Ask the worker to stop (joined by the caller); later copies are refused."""
         self._closed = True
+        self._exit_stopped = True
         if self._thread is not None:
             self._jobs.put(None)
 
