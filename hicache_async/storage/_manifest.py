@@ -131,6 +131,21 @@ def encode_entry(entry: ManifestEntry) -> bytes:
     return _encoder.encode(entry) + b"\n"
 
 
+_OVERSIZED = "oversized"
+_MALFORMED = "malformed"
+
+
+def _checked_line(line: bytes, limits: ManifestLimits) -> ManifestEntry | str | None:
+    """A record line's entry, `_OVERSIZED` or `_MALFORMED`; None for a blank line (no
+    record)."""
+    if not line.strip():
+        return None
+    if len(line) > limits.max_entry_bytes:
+        return _OVERSIZED
+    entry = decode_entry(line)
+    return _MALFORMED if entry is None else entry
+
+
 def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
     """A validated entry, or None for anything malformed. Never raises on bad bytes."""
     try:
@@ -171,17 +186,17 @@ class ManifestCollector:
         self.oversized = 0
 
     def add_line(self, line: bytes) -> None:
-        if not line.strip():
+        entry = _checked_line(line, self._limits)
+        if entry is None:
             return
         self.records += 1
-        if len(line) > self._limits.max_entry_bytes:
+        if entry == _OVERSIZED:
             self.oversized += 1
-            return
-        entry = decode_entry(line)
-        if entry is None:
+        elif entry == _MALFORMED:
             self.malformed += 1
-            return
-        self.add_entry(entry)
+        else:
+            assert isinstance(entry, ManifestEntry)
+            self.add_entry(entry)
 
     def add_entry(self, entry: ManifestEntry) -> None:
         """Adds a valid entry (as `decode_entry` returns them); it counts as no record."""
@@ -438,17 +453,18 @@ class MemoryManifest:
         await anyio.lowlevel.checkpoint()
 
     def _add_line(self, line: bytes) -> None:
-        if not line.strip():
+        # Decoded from its encoding, an entry meets exactly the checks a reader applies.
+        entry = _checked_line(line, self.limits)
+        if entry is None:
             return
         self._records += 1
-        if len(line) > self.limits.max_entry_bytes:
+        if entry == _OVERSIZED:
             self._oversized += 1
             return
-        # Decoded from its encoding, an entry meets exactly the checks a reader applies.
-        entry = decode_entry(line)
-        if entry is None:
+        if entry == _MALFORMED:
             self._malformed += 1
             return
+        assert isinstance(entry, ManifestEntry)
         ident = entry.ident
         evicted = self._evicted.get(ident)
         if evicted is not None:
