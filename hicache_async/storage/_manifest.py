@@ -131,19 +131,33 @@ def encode_entry(entry: ManifestEntry) -> bytes:
     return _encoder.encode(entry) + b"\n"
 
 
-_OVERSIZED = "oversized"
-_MALFORMED = "malformed"
+def _evicted_before(evicted: dict[tuple[str, str], float], entry: ManifestEntry) -> bool:
+    """Whether `entry`'s chain was evicted for room with a use no older than this record's
+    (which must not come back in its place); a newer record ends the eviction."""
+    last = evicted.get(entry.ident)
+    if last is None:
+        return False
+    if entry.last_use <= last:
+        return True
+    del evicted[entry.ident]
+    return False
 
 
-def _checked_line(line: bytes, limits: ManifestLimits) -> ManifestEntry | str | None:
-    """A record line's entry, `_OVERSIZED` or `_MALFORMED`; None for a blank line (no
-    record)."""
+def _checked_line(
+    line: bytes, limits: ManifestLimits, count: Callable[[str], None]
+) -> ManifestEntry | None:
+    """A record line's entry, or None; `count` is told "records" for every line that is not
+    blank, and "oversized" or "malformed" for those without an entry."""
     if not line.strip():
         return None
+    count("records")
     if len(line) > limits.max_entry_bytes:
-        return _OVERSIZED
+        count("oversized")
+        return None
     entry = decode_entry(line)
-    return _MALFORMED if entry is None else entry
+    if entry is None:
+        count("malformed")
+    return entry
 
 
 def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
@@ -186,28 +200,20 @@ class ManifestCollector:
         self.oversized = 0
 
     def add_line(self, line: bytes) -> None:
-        entry = _checked_line(line, self._limits)
-        if entry is None:
-            return
-        self.records += 1
-        if entry == _OVERSIZED:
-            self.oversized += 1
-        elif entry == _MALFORMED:
-            self.malformed += 1
-        else:
-            assert isinstance(entry, ManifestEntry)
+        entry = _checked_line(line, self._limits, self._count)
+        if entry is not None:
             self.add_entry(entry)
+
+    def _count(self, what: str) -> None:
+        setattr(self, what, getattr(self, what) + 1)
 
     def add_entry(self, entry: ManifestEntry) -> None:
         """Adds a valid entry (as `decode_entry` returns them); it counts as no record."""
         if self._namespace is not None and entry.namespace != self._namespace:
             return
+        if _evicted_before(self._evicted, entry):
+            return
         ident = entry.ident
-        evicted = self._evicted.get(ident)
-        if evicted is not None:
-            if entry.last_use <= evicted:
-                return
-            del self._evicted[ident]
         previous = self._entries.pop(ident, None)
         if previous is not None and previous.last_use > entry.last_use:
             entry = previous
@@ -446,6 +452,9 @@ class MemoryManifest:
         self._malformed = 0
         self._oversized = 0
 
+    def _count(self, what: str) -> None:
+        setattr(self, f"_{what}", getattr(self, f"_{what}") + 1)
+
     async def append(self, entries: Sequence[ManifestEntry]) -> None:
         """Validate and record `entries`; an older record of a chain never replaces a newer."""
         for entry in entries:
@@ -454,23 +463,10 @@ class MemoryManifest:
 
     def _add_line(self, line: bytes) -> None:
         # Decoded from its encoding, an entry meets exactly the checks a reader applies.
-        entry = _checked_line(line, self.limits)
-        if entry is None:
+        entry = _checked_line(line, self.limits, self._count)
+        if entry is None or _evicted_before(self._evicted, entry):
             return
-        self._records += 1
-        if entry == _OVERSIZED:
-            self._oversized += 1
-            return
-        if entry == _MALFORMED:
-            self._malformed += 1
-            return
-        assert isinstance(entry, ManifestEntry)
         ident = entry.ident
-        evicted = self._evicted.get(ident)
-        if evicted is not None:
-            if entry.last_use <= evicted:
-                return
-            del self._evicted[ident]
         held = ((entry.priority, entry.last_use), line)
         previous = self._held.pop(ident, None)
         if previous is not None:
