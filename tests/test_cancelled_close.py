@@ -217,11 +217,13 @@ async def test_an_entry_cancelled_while_the_workers_start_logs_no_failure() -> N
 
 
 async def _until(condition: Callable[[], bool]) -> None:
-    for _ in range(10_000):
-        if condition():
-            return
+    # Spins, so the condition is seen in the loop iteration it becomes true; bounded in time
+    # (the pools are made on a thread, which a loaded machine may be slow to run).
+    deadline = asyncio.get_running_loop().time() + 30
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met")
         await asyncio.sleep(0)
-    raise AssertionError("condition not met")
 
 
 class NeverOpens(MemoryStorage):
