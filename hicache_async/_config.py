@@ -501,15 +501,12 @@ def _read_config_file(path: Path) -> bytes:
     # otherwise block the caller for ever or stream without end.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
     try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-    except BaseException:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError("$", f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(_MAX_CONFIG_BYTES + 1)
+    finally:
         os.close(fd)
-        raise
-    if not regular:
-        os.close(fd)
-        raise ConfigError("$", f"{path} is not a regular file")
-    with os.fdopen(fd, "rb") as file:
-        data = file.read(_MAX_CONFIG_BYTES + 1)
     if len(data) > _MAX_CONFIG_BYTES:
         raise ConfigError("$", f"{path} is larger than {_MAX_CONFIG_BYTES >> 20} MiB")
     return data

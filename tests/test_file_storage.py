@@ -1183,16 +1183,17 @@ async def test_the_index_is_built_off_the_loop_untracked_and_oldest_first(
     for rank, i in enumerate(order):
         os.utime(_page_path(tmp_path, keys[i]), (base + rank, base + rank))
     builders: list[str] = []
-    original = FileStorage._index_of
+    original = FileStorage._insert
 
-    def recorded(self: FileStorage, found: Any) -> Any:
+    def recorded(self: FileStorage, *args: Any) -> Any:
         builders.append(threading.current_thread().name)
-        return original(self, found)
+        return original(self, *args)
 
-    monkeypatch.setattr(FileStorage, "_index_of", recorded)
+    monkeypatch.setattr(FileStorage, "_insert", recorded)
     async with FileStorage(tmp_path) as storage:
         assert builders
         assert threading.main_thread().name not in builders
+        builders.clear()
         index = storage._index
         assert list(index) == [keys[i] for i in order]
         assert not any(gc.is_tracked(entry) for entry in index.values())

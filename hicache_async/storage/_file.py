@@ -186,11 +186,6 @@ class _Entry(msgspec.Struct, gc=False):
     seq: int
 
 
-# An index built off the loop: the entries, their bytes, the last seq, the misfits' keys and
-# sizes.
-_BuiltIndex = tuple[OrderedDict[bytes, _Entry], int, int, list[tuple[bytes, int]]]
-
-
 class _RefusedShardError(OSError):
     """A shard directory owned by someone else or world-writable: never used."""
 
@@ -1090,45 +1085,15 @@ class FileStorage(BackendBase):
     async def _open(self) -> None:
         holder: list[_Handles] = []
         try:
-            leftovers, built = await self.run_job(lambda stop: self._open_job(stop, holder))
+            leftovers = await self.run_job(lambda stop: self._open_job(stop, holder))
         except BaseException:
             for handles in holder:
                 handles.close()
             raise
         self._handles = holder[0]
         self._open_leftovers = self._unreported_leftovers = leftovers
-        index, nbytes, seq, misfits = built
-        assert not self._index  # nothing can have put before the open returned
-        self._index, self._bytes, self._seq = index, nbytes, seq
-        self._epoch += 1
-        for key, size in misfits:
-            log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=size)
 
-    def _index_of(self, found: list[_Found]) -> _BuiltIndex:
-        """The index of the pages found at open, oldest first, as `_insert` in order of mtime
-        would make it; with misfits first (see `_misfits_first`), which it returns."""
-        index: OrderedDict[bytes, _Entry] = OrderedDict()
-        total = 0
-        seq = self._seq
-        for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
-            entry = index.get(key)
-            if entry is not None:
-                total += nbytes - entry.nbytes
-                entry.nbytes = nbytes
-                entry.last_access = max(entry.last_access, mtime)
-                continue
-            seq += 1
-            index[key] = _Entry(nbytes, mtime, seq)
-            total += nbytes
-        misfits: list[tuple[bytes, int]] = []
-        for key, nbytes, _ in found:
-            entry = index.get(key)
-            if not self._could_be_page(nbytes) and entry is not None and entry.nbytes == nbytes:
-                index.move_to_end(key, last=False)
-                misfits.append((key, nbytes))
-        return index, total, seq, misfits
-
-    def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> tuple[int, _BuiltIndex]:
+    def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> int:
         handles = _open_root(self._root, shared=self._shared)
         holder.append(handles)
         # A private root is locked exclusively by now, so nobody is writing in it: every
@@ -1142,10 +1107,15 @@ class FileStorage(BackendBase):
             )
         )
         self._log_stray_errors(failed)
-        # Pages beyond a (shrunk) capacity stay until the next put or gc() evicts them.
         # The index is built here too: for a million pages, sorting and indexing them on the
-        # loop stalled it for seconds (an attach while serving runs this open).
-        return leftovers, self._index_of(_scan(handles, stop))
+        # loop stalled it for seconds (an attach while serving runs this open). Nothing on the
+        # loop uses the index before the open returns. Pages beyond a (shrunk) capacity stay
+        # until the next put or gc() evicts them.
+        found = _scan(handles, stop)
+        for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
+            self._insert(key, nbytes, mtime)
+        self._misfits_first(found)
+        return leftovers
 
     async def _release(self) -> None:
         if self._helpers is not None:

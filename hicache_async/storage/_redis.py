@@ -272,6 +272,10 @@ def _read_refused(error: BaseException) -> bool:
     return bool(_READ_REFUSALS.search(_reply_text(error).lower()))
 
 
+def _last_access(page: PageInfo) -> float:
+    return page.last_access
+
+
 def _reply_text(error: object) -> str:
     """The server's error reply as it was sent: redis-py drops the code of the ones it knows
     (ERR, NOPERM, READONLY, ...) from its exception's text and keeps it apart."""
@@ -1406,32 +1410,24 @@ class RedisStorage(BackendBase):
         """
         if limit is not None and limit <= 0:
             return []
-        listed: list[tuple[float, int, PageInfo]] = []  # (last access, -scan index, page)
-        index = 0
+        pages: list[PageInfo] = []
         async for batch in self._listed(record=record):
-            for rkey, nbytes, tokens, priority, last in batch:
-                page = PageInfo(
+            pages.extend(
+                PageInfo(
                     key=self._key_of(rkey),
                     nbytes=nbytes,
                     num_tokens=tokens,
                     priority=priority,
                     last_access=last,
                 )
-                index -= 1
-                if limit is None or len(listed) < limit:
-                    if limit is None:
-                        listed.append((last, index, page))
-                    else:
-                        heapq.heappush(listed, (last, index, page))
-                elif (last, index) > listed[0][:2]:
-                    # The heap's root is the page the full listing would put last: a later
-                    # page displaces it only if more recent (on a tie, scan order wins).
-                    heapq.heapreplace(listed, (last, index, page))
-        if limit is None:
-            listed.sort(key=lambda entry: entry[0], reverse=True)  # stable: ties in scan order
-        else:
-            listed.sort(reverse=True)  # (last, -index): the same order as the full listing
-        return [entry[2] for entry in listed]
+                for rkey, nbytes, tokens, priority, last in batch
+            )
+            if limit is not None and len(pages) > 2 * limit:
+                # As sorted(reverse=True)[:limit], ties in scan order: the pages kept are
+                # those the full listing would start with.
+                pages = heapq.nlargest(limit, pages, key=_last_access)
+        pages.sort(key=_last_access, reverse=True)  # stable: ties in scan order
+        return pages if limit is None else pages[:limit]
 
     async def count_pages(self) -> tuple[int, int]:
         """(pages, bytes) under the prefix: the pages `list_pages` lists, their stored bytes.

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from .._errors import StorageConfigError, StorageError
+from .._errors import StorageConfigError, StorageError, index_of
 from ..storage._base import byte_segments, check_batch, check_keys, check_metas
 from ..storage._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ..storage._manifest import ManifestLimits, SupportsManifest, WarmupManifest
@@ -133,9 +133,10 @@ def _is_number(value: object) -> bool:
 def _seed(value: object) -> int:
     # Seeds are text to the generator: True and 1, or 1.0 and 1, would give other faults,
     # and None a fixed seed where random.Random(None) means a fresh one.
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise StorageConfigError(f"seed must be an int, got {value!r}")
-    return int(value)
+    try:
+        return index_of(value, "seed")
+    except TypeError:
+        raise StorageConfigError(f"seed must be an int, got {value!r}") from None
 
 
 def _check_pages(pages: Sequence[PageBuffer], *, writable: bool) -> None:

@@ -599,12 +599,8 @@ class Prefetcher:
         keys = handle.keys
         # A chain never repeats a key; keys that do (a forged manifest entry) would give one
         # host page two places in the tree. Read no further than the first repeat.
-        seen: set[bytes] = set()
-        for i, key in enumerate(keys[:end]):
-            if key in seen:
-                end = i
-                break
-            seen.add(key)
+        if len(set(keys[:end])) < end:
+            end = next(i for i, key in enumerate(keys) if key in keys[:i])
         # Re-plan after the await: others may have brought pages meanwhile.
         found = tree.match(keys, touch=False)
         begin = found.num_device_pages + found.num_host_pages
