@@ -616,3 +616,66 @@ def test_copy_threads_of_caches_never_left_are_joined_before_the_interpreter_end
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == "alive 0", done.stdout[-2000:]
+
+
+_QUEUED_AT_EXIT = """
+import asyncio, atexit, threading
+
+loop = asyncio.new_event_loop()
+copies = []
+
+def await_queued():  # registered before the engines' exit hook, so it runs after it
+    async def outcome(copy):
+        try:
+            await copy
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "copied"
+    print("queued:", loop.run_until_complete(outcome(copies[1])), flush=True)
+    print("in flight:", engine.statistics().in_flight, flush=True)
+
+atexit.register(await_queued)
+
+from hicache_async._config import KVLayout
+from hicache_async._pool import KVPool
+from hicache_async.transfer import CpuCopyEngine, _protocol
+from hicache_async.transfer._cpu import LayerKernel
+
+_protocol._EXIT_JOIN_S = 0.5
+started, release = threading.Event(), threading.Event()
+real_call = LayerKernel.__call__
+
+def held(kernel, layer):  # the first copy outlasts the exit's deadline
+    started.set()
+    release.wait()
+    real_call(kernel, layer)
+
+LayerKernel.__call__ = held
+layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16)
+src, dst = KVPool(layout, 16, 4), KVPool(layout, 16, 4)
+engine = CpuCopyEngine(name="exit-queue-engine")
+
+async def start():
+    copies.append(engine.copy(src, [0], dst, [1]))
+    copies.append(engine.copy(src, [1], dst, [2]))
+
+loop.run_until_complete(start())
+started.wait()
+"""
+
+
+def test_a_copy_left_queued_at_interpreter_exit_fails_for_its_waiters(tmp_path: Path) -> None:
+    # The exit stop ended the worker's queue: a copy still queued behind a copy that outlasted
+    # the join deadline (or put there after the stop) never ran, and an exit hook that ran
+    # its loop to await it waited for ever.
+    script = tmp_path / "queued_at_exit.py"
+    script.write_text(_QUEUED_AT_EXIT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("queued: CacheClosedError: exit-queue-engine is closed"), lines
+    assert "interpreter exit" in lines[0]
+    # The held copy is still the worker's; the queued one was counted as failed.
+    assert lines[1] == "in flight: 1", lines

@@ -24,6 +24,7 @@ from ._handle import LayerwiseCopy
 
 __all__ = [
     "CopyEngine",
+    "CopyJob",
     "CopyPlan",
     "CopyStatistics",
     "Stop",
@@ -179,7 +180,17 @@ class Stop:
         signal(self.loop, _resolve, self.done)
 
 
-JobT = TypeVar("JobT")
+class CopyJob(Protocol):
+    """What an engine queues for its worker: a copy's handle and the loop to tell."""
+
+    @property
+    def handle(self) -> LayerwiseCopy: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+
+JobT = TypeVar("JobT", bound=CopyJob)
 
 
 # Engines whose worker thread runs. A daemon thread still running when the interpreter
@@ -200,6 +211,10 @@ def _stop_running_engines() -> None:
         thread = engine._thread
         if thread is not None:
             thread.join(max(0.0, deadline - time.monotonic()))
+    # Copies the workers did not take in time never run: their waiters (a later exit hook
+    # may run their loop) are told so instead of waiting for ever.
+    for engine in engines:
+        engine._fail_left_behind()
 
 
 class ThreadedEngine(abc.ABC, Generic[JobT]):
@@ -264,6 +279,10 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
             _RUNNING.add(self)
         self._in_flight += 1
         self._jobs.put(job)
+        if self._exit_stopped:
+            # The exit hook stopped the engine (on another thread) after the check above, and
+            # may have failed what was queued before this job came: fail it here.
+            self._fail_left_behind()
         return handle
 
     def _finished(self, handle: LayerwiseCopy) -> None:
@@ -290,7 +309,7 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         loop = asyncio.get_running_loop()
         if self._exit_stopped:
             # Stopped at interpreter exit: the worker took its None and answers nothing more
-            # (copies queued behind it never run), and it was joined there.
+            # (copies it left in its queue were failed there), and it was joined there.
             self._thread = None
             _RUNNING.discard(self)
             return
@@ -319,6 +338,29 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         self._closed = True
         self._exit_stopped = True
         if self._thread is not None:
+            self._jobs.put(None)
+
+    def _fail_left_behind(self) -> None:
+        """After an exit stop: fail every copy still queued with `CacheClosedError`, on its
+        loop if that loop is still open (a closed one has nobody left to tell).
+
+        A worker still copying past the exit's deadline gets its None back, so that it stops
+        after that copy instead of waiting on an empty queue.
+        """
+        while True:
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Stop):
+                item.acknowledge()  # an aclose waiting for a worker that will never answer
+            elif item is not None:
+                error = CacheClosedError(
+                    f"{self._name} is closed: stopped at interpreter exit before this copy ran"
+                )
+                signal(item.loop, item.handle._fail, error)
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             self._jobs.put(None)
 
     @property
