@@ -577,6 +577,34 @@ async def test_a_prefetch_reads_no_further_than_the_first_repeated_key(tmp_path:
         cache.tree.check_invariants()
 
 
+async def test_a_memory_manifest_read_keeps_to_a_lowered_byte_bound() -> None:
+    # MemoryStorage.manifest(limits) may lower max_bytes below what is held: a read returned
+    # every held record, where the file and Redis manifests stop at the bound.
+    storage = MemoryStorage()
+    async with storage:
+        manifest = storage.manifest()
+        ours, theirs = bytes(range(16)), bytes(range(1, 17))
+        # Uses of one width, so that every record has the same size.
+        written = [_chain(ours, i, last_use=1000.0 + i) for i in range(40)]
+        for i, entry in enumerate(written):
+            await manifest.append([entry, _chain(theirs, 100 + i, last_use=1000.0 + i)])
+        whole = await manifest.read(namespace=ours.hex())
+        assert (len(whole.entries), whole.truncated) == (40, False)
+        record = len(encode_entry(written[0]))
+        assert all(len(encode_entry(e)) == record for e in written)
+        # Room for 10 records and a half: the 10 newest are read, newest first.
+        lowered = storage.manifest(ManifestLimits(max_bytes=10 * record + record // 2))
+        read = await lowered.read(namespace=ours.hex())
+        assert read.truncated
+        assert read.entries == written[:-11:-1]
+        assert sum(len(encode_entry(e)) for e in read.entries) <= lowered.limits.max_bytes
+        # Every namespace: the bound covers them all, still newest first.
+        both = await lowered.read()
+        assert both.truncated
+        assert len(both.entries) == 10
+        assert {e.last_use for e in both.entries} == {1000.0 + i for i in range(35, 40)}
+
+
 async def test_a_memory_manifest_checks_held_records_against_lowered_limits() -> None:
     # MemoryStorage.manifest(limits) gives the held manifest new limits; records held since a
     # higher max_entry_bytes were served as if they fitted.

@@ -502,16 +502,38 @@ class MemoryManifest:
         self._evicted = evicted
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
+        """The newest record per chain (of `namespace`, if given), bounded by the limits.
+
+        At most `max_bytes` of records are read, newest first, as the file and Redis
+        manifests bound theirs; `truncated` says the bound stopped the read (the limits may
+        have been lowered since the records were appended).
+        """
         collector = ManifestCollector(self.limits, namespace)
         collector.malformed, collector.oversized = self._malformed, self._oversized
         # A snapshot, decoded with pauses so a large one does not hold the loop: appends and
         # compactions meanwhile do not change what this read returns.
-        lines = [line for _, line in self._held.values()]
+        lines, truncated = self._newest_lines(namespace)
         for start in range(0, len(lines), _READ_BATCH):
             for line in lines[start : start + _READ_BATCH]:
                 self._add_held(collector, line)
             await anyio.lowlevel.checkpoint()
-        return collector.result(truncated=False)
+        return collector.result(truncated=truncated)
+
+    def _newest_lines(self, namespace: str | None) -> tuple[list[bytes], bool]:
+        """The newest held lines (of `namespace`) within `max_bytes`, in the order they were
+        recorded, and whether older ones were left out. An oversized line counts its bytes
+        as well, as a reader of a log would have read them."""
+        budget = self.limits.max_bytes
+        used = 0
+        newest: list[bytes] = []
+        for ident, (_, line) in reversed(self._held.items()):
+            if namespace is not None and ident[0] != namespace:
+                continue
+            if used + len(line) > budget:
+                return newest[::-1], True
+            used += len(line)
+            newest.append(line)
+        return newest[::-1], False
 
     def _add_held(self, collector: ManifestCollector, line: bytes) -> None:
         # Checked again: `MemoryStorage.manifest(limits)` may have lowered the bound since.
