@@ -24,6 +24,7 @@ from hicache_async.admin._http import redact
 from hicache_async.storage import MemoryStorage, StorageError, open_storage
 from hicache_async.storage._redact import mask_userinfo, scrub_secrets, url_secrets
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
+from hicache_async.workers import StorageStatus
 
 PAGE = 4
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4)
@@ -454,21 +455,30 @@ async def test_attach_that_never_answers_times_out_and_leaves_nothing_attached()
 
 
 async def test_status_and_delete_during_a_slow_attach() -> None:
-    async with admin(attach_timeout_s=3.0) as (cache, client):
+    # A DELETE waited behind the attach's lock until the open gave up (attach_timeout_s, 30 s
+    # by default); it now cancels the open, as the bound would, and goes on at once.
+    async with admin(attach_timeout_s=30.0) as (cache, client):
         with _silent_port() as silent:
-            url = f"redis://127.0.0.1:{silent.port}/0?timeout=60"
+            url = f"redis://admin:{SECRET}@127.0.0.1:{silent.port}/0?timeout=60"
             put = asyncio.create_task(client.put(STORAGE, headers=AUTH, json={"url": url}))
             await asyncio.to_thread(silent.connected.wait, 30)
             status = await client.get(STORAGE, headers=AUTH)
             assert status.json()["attached"] is False  # not open yet
             metrics = await client.get("/metrics", headers=AUTH)
             assert "hicache_storage_attached 0.0" in metrics.text
-            # Queued behind the attach, which gives up within its bound.
             delete = await client.delete(STORAGE, headers=AUTH)
             assert delete.status_code == 200, delete.text
-            assert put.done()
-            _error(await put, 504, "storage_timeout")
-        assert not cache.storage_status().attached
+            assert delete.json()["attached"] is False
+            assert delete.json()["opening"] is False
+            response = await put
+            detail = _error(response, 409, "attach_cancelled")
+            assert "a DELETE came before it was" in detail
+            assert SECRET not in response.text
+        # Nothing half-attached: the backend never opened, and the next attach is whole.
+        assert cache.storage_status() == StorageStatus(attached=False)
+        again = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
+        assert again.status_code == 200, again.text
+        assert again.json()["generation"] == 1
 
 
 class _Silent(Exception):

@@ -66,6 +66,22 @@ class DetachRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     flush: bool = True
 
 
+class _Attaching:
+    """An attach this app is running: a DELETE that comes before it ends cancels it."""
+
+    __slots__ = ("cancelled", "scope")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        # Bounds the open, the attach and the lookup; None outside them.
+        self.scope: anyio.CancelScope | None = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.scope is not None:
+            self.scope.cancel()
+
+
 class _Response(NamedTuple):
     status: int
     body: bytes
@@ -138,8 +154,9 @@ class AdminApp:
     - ``GET /metrics``: the Prometheus text exposition.
 
     A ``PUT`` must open and check its backend within `attach_timeout_s` seconds, or it is
-    closed again and the answer is 504 (changes are serialised, so a ``DELETE`` waits for
-    at most that long behind it). A request body must arrive within `body_timeout_s`
+    closed again and the answer is 504. Changes are serialised; a ``DELETE`` cancels the
+    attaches of ``PUT`` requests that came before it (closed again, 409 `attach_cancelled`)
+    instead of waiting for them to open. A request body must arrive within `body_timeout_s`
     seconds (408 otherwise).
 
     Errors are ``{"error": code, "detail": message}``. The app may run on any event loop:
@@ -180,6 +197,8 @@ class AdminApp:
         self._loop = CacheLoop(cache)
         # Serialises admin changes on the cache's loop: check, detach, attach, probe.
         self._lock = asyncio.Lock()
+        # Attaches under way or waiting for the lock, for a DELETE to cancel.
+        self._attaching: set[_Attaching] = set()
         self._routes: dict[str, dict[str, _Handler]] = {
             STORAGE_PATH: {
                 "GET": self._get_storage,
@@ -391,6 +410,16 @@ class AdminApp:
         self, request: AttachRequest, client: str | None
     ) -> tuple[StorageStatus, str | None]:
         """Attach `request.url` (replacing when asked); the status and what was replaced."""
+        attaching = _Attaching()
+        self._attaching.add(attaching)
+        try:
+            return await self._attach_locked(request, client, attaching)
+        finally:
+            self._attaching.discard(attaching)
+
+    async def _attach_locked(
+        self, request: AttachRequest, client: str | None, attaching: _Attaching
+    ) -> tuple[StorageStatus, str | None]:
         cache = self.cache
         async with self._lock:
             # A bad URL is a 400 whatever is attached; the backend is only constructed here.
@@ -420,10 +449,13 @@ class AdminApp:
                     )
                 # One bound for opening, attaching and checking: a backend that never answers
                 # (a URL `timeout`, connection retries) must not hold the lock DELETE waits on.
+                # A DELETE cancels the same scope: the open gives way as it does to the bound.
                 with anyio.move_on_after(self.attach_timeout_s) as deadline:
-                    await cache.attach_storage(backend)
-                    opened = True
-                    problem = await _probe(backend)
+                    attaching.scope = deadline
+                    if not attaching.cancelled:  # else a DELETE came while waiting or replacing
+                        await cache.attach_storage(backend)
+                        opened = True
+                        problem = await _probe(backend)
             except BaseException as exc:
                 if opened:
                     raise
@@ -434,13 +466,25 @@ class AdminApp:
                 if not isinstance(exc, Exception):
                     raise
                 raise self._attach_error(exc, backend.name, request.url, lost) from None
-            if deadline.cancelled_caught:
+            finally:
+                attaching.scope = None
+            if deadline.cancelled_caught or attaching.cancelled:
                 if opened:
                     await cache.detach_storage(flush=False)
                 else:
                     # Cancelled inside the open: the cache let go of it; close what is left.
                     with anyio.CancelScope(shield=True):
                         await backend.close()
+                if attaching.cancelled:
+                    raise HTTPError(
+                        409,
+                        "attach_cancelled",
+                        redact(
+                            f"storage {backend.name!r} was not attached: a DELETE came before it "
+                            f"was{lost}",
+                            url=request.url,
+                        ),
+                    )
                 raise HTTPError(
                     504,
                     "storage_timeout",
@@ -482,8 +526,14 @@ class AdminApp:
         return HTTPError(502, "storage_unreachable", redact(detail, url=url))
 
     async def _detach(self, flush: bool) -> tuple[StorageStatus, str | None]:
-        """Detach whatever is attached; the status and the detached backend's name."""
+        """Detach whatever is attached; the status and the detached backend's name.
+
+        Attaches this app started before it are cancelled first (they answer 409
+        `attach_cancelled`), so that it waits for none to open.
+        """
         cache = self.cache
+        for attaching in self._attaching:
+            attaching.cancel()
         async with self._lock:
             before = cache.storage_status()
             await cache.detach_storage(flush=flush)
