@@ -29,6 +29,7 @@ from hicache_async.transfer import (
     default_copy_engine,
 )
 from hicache_async.transfer import _cpu as cpu_engine
+from hicache_async.transfer import _protocol as protocol_module
 from hicache_async.transfer._cpu import DEFAULT_MIN_RUN_BYTES, LayerKernel, StagingBuffer
 from hicache_async.transfer._protocol import plan_copy
 
@@ -414,6 +415,24 @@ async def test_an_engine_stopped_at_interpreter_exit_closes_at_once_and_refuses_
     assert engine.closed
     thread.join(10)
     assert not thread.is_alive()
+
+
+async def test_an_engine_never_started_refuses_copies_after_the_exit_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The exit hook stops only engines whose worker runs: a copy asked of another one by a
+    # later exit hook started a worker that nothing joins before finalization.
+    engine = CpuCopyEngine(name="late-engine")
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16)
+    src, dst = KVPool(layout, 16, 4), KVPool(layout, 16, 4)
+    exiting = threading.Event()
+    exiting.set()
+    monkeypatch.setattr(protocol_module, "_EXITING", exiting)
+    with pytest.raises(CacheClosedError, match="interpreter is exiting"):
+        engine.copy(src, [0], dst, [1])
+    assert engine._thread is None
+    assert engine.statistics().in_flight == 0
+    await engine.aclose()
 
 
 async def test_shared_copies_fail_whole_and_stop_with_the_engine(

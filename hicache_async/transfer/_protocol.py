@@ -199,10 +199,14 @@ JobT = TypeVar("JobT", bound=CopyJob)
 # exit instead.
 _RUNNING: weakref.WeakSet[ThreadedEngine[Any]] = weakref.WeakSet()
 _EXIT_JOIN_S = 5.0
+# Set by the exit hook: an engine whose worker never started refuses copies from then on too,
+# since a worker started by a later exit hook would be one that nothing joins.
+_EXITING = threading.Event()
 
 
 @atexit.register
 def _stop_running_engines() -> None:
+    _EXITING.set()
     engines = list(_RUNNING)
     for engine in engines:
         engine._stop_at_exit()
@@ -258,6 +262,8 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         """
         if self._closed:
             raise CacheClosedError(f"{self._name} is closed")
+        if _EXITING.is_set():
+            raise CacheClosedError(f"{self._name} is closed: the interpreter is exiting")
         loop = asyncio.get_running_loop()
         if self._owner.loop is None:
             self._owner.bind(loop)
