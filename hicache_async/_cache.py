@@ -109,6 +109,22 @@ class HiCache:
             raise TypeError(f"mac_key must be bytes or None, got {type(mac_key).__name__}")
         if storage is not None and not isinstance(storage, str):
             check_backend(storage, "storage", accepted=STORAGE_ACCEPTED)  # not only on entry
+        # Each would otherwise fail only once the cache is open, as an AttributeError.
+        if namespace is not None and not isinstance(namespace, Namespace):
+            raise TypeError(f"namespace must be a Namespace or None, got {type_name(namespace)}")
+        if copy_engine is not None and not all(
+            callable(getattr(copy_engine, name, None)) for name in ("copy", "aclose", "statistics")
+        ):
+            raise TypeError(
+                "copy_engine must be a CopyEngine (copy, aclose, statistics) or None, "
+                f"got {type_name(copy_engine)}"
+            )
+        if rank_group is not None and not all(
+            isinstance(getattr(rank_group, name, None), int) for name in ("rank", "size")
+        ):
+            raise TypeError(f"rank_group must be a RankGroup or None, got {type_name(rank_group)}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type_name(clock)}")
         if rank_group is not None and (
             rank_group.size != config.tp_size or rank_group.rank != config.tp_rank
         ):

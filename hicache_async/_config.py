@@ -96,16 +96,46 @@ def _within_pool(nbytes: int, factors: list[tuple[str, int]], what: str) -> int:
     return nbytes
 
 
-def _finite(field: str, value: object, *, low: float, high: float | None = None) -> None:
+def _finite(field: str, value: object, *, low: float, high: float | None = None) -> float:
     # numbers.Real takes numpy's scalars too (a ratio computed with numpy is one).
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(field, f"must be a finite number, got {value!r}")
-    number = float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an int past a float's range
+        number = math.inf
     if not math.isfinite(number):
         raise ConfigError(field, f"must be a finite number, got {value!r}")
     if number < low or (high is not None and number > high):
         bound = f"between {low} and {high}" if high is not None else f">= {low}"
         raise ConfigError(field, f"must be {bound}, got {value!r}")
+    return number
+
+
+def _float_field(
+    config: msgspec.Struct, name: str, field: str, *, low: float, high: float | None = None
+) -> None:
+    """Check a float field with `_finite` and store it as a Python float: numpy's float32 or a
+    Fraction would otherwise pass and then break `to_dict` (msgspec cannot encode them)."""
+    number = _finite(field, getattr(config, name), low=low, high=high)
+    msgspec.structs.force_setattr(config, name, number)
+
+
+def _flag(field: str, value: object) -> None:
+    # A string "false" is truthy: from an environment variable it would turn a feature on.
+    if not isinstance(value, bool):
+        raise ConfigError(field, f"must be a bool (True or False), got {value!r}")
+
+
+def _text(field: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(field, f"must be a string, got {type(value).__name__}")
+
+
+def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(choice) for choice in choices[:-1])
+        raise ConfigError(field, f"must be {listed} or {choices[-1]!r}, got {value!r}")
 
 
 class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -125,12 +155,15 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
 
     def __post_init__(self) -> None:
         _positive("layout.num_layers", self.num_layers)
-        if self.attention not in ("mha", "mla"):
-            raise ConfigError("layout.attention", f"must be 'mha' or 'mla', got {self.attention!r}")
-        if self.dtype not in _ITEMSIZE:
+        _choice("layout.attention", self.attention, ("mha", "mla"))
+        if not isinstance(self.dtype, str) or self.dtype not in _ITEMSIZE:
             raise ConfigError(
                 "layout.dtype", f"must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}"
             )
+        # Every size field is an int, also those the other attention kind leaves 0 (a 0.0 or
+        # False there would pass as 0 and then fail `from_dict(to_dict())`).
+        for name in ("num_kv_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim"):
+            _non_negative(f"layout.{name}", getattr(self, name))
         if self.attention == "mha":
             _positive("layout.num_kv_heads", self.num_kv_heads)
             _positive("layout.head_dim", self.head_dim)
@@ -140,7 +173,6 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                 )
         else:
             _positive("layout.kv_lora_rank", self.kv_lora_rank)
-            _non_negative("layout.qk_rope_head_dim", self.qk_rope_head_dim)
             if self.num_kv_heads or self.head_dim:
                 raise ConfigError(
                     "layout.num_kv_heads",
@@ -213,22 +245,17 @@ class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     io_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.policy not in PREFETCH_POLICIES:
-            raise ConfigError(
-                "prefetch.policy",
-                f"must be 'best_effort', 'wait_complete' or 'timeout', got {self.policy!r}",
-            )
-        _finite("prefetch.timeout_base_s", self.timeout_base_s, low=0.0)
-        _finite("prefetch.timeout_per_1k_tokens_s", self.timeout_per_1k_tokens_s, low=0.0)
-        _finite("prefetch.timeout_max_s", self.timeout_max_s, low=0.0)
+        _choice("prefetch.policy", self.policy, PREFETCH_POLICIES)
+        for name in ("timeout_base_s", "timeout_per_1k_tokens_s", "timeout_max_s"):
+            _float_field(self, name, f"prefetch.{name}", low=0.0)
         if self.timeout_max_s < self.timeout_base_s:
             raise ConfigError("prefetch.timeout_max_s", "must be >= prefetch.timeout_base_s")
         _non_negative("prefetch.threshold_tokens", self.threshold_tokens)
-        _finite("prefetch.max_host_share", self.max_host_share, low=0.0, high=1.0)
+        _float_field(self, "max_host_share", "prefetch.max_host_share", low=0.0, high=1.0)
         _positive("prefetch.batch_pages", self.batch_pages)
         _positive("prefetch.queue_size", self.queue_size)
         _positive("prefetch.workers", self.workers)
-        _finite("prefetch.io_timeout_s", self.io_timeout_s, low=0.001)
+        _float_field(self, "io_timeout_s", "prefetch.io_timeout_s", low=0.001)
 
     def timeout_for(self, num_tokens: int) -> float:
         """The `timeout` policy's wait for a prefetch of `num_tokens` tokens."""
@@ -257,10 +284,11 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         _positive("backup.queue_size", self.queue_size)
         _positive("backup.batch_pages", self.batch_pages)
         _non_negative("backup.max_retries", self.max_retries)
-        _finite("backup.retry_backoff_s", self.retry_backoff_s, low=0.0)
-        _finite("backup.flush_deadline_s", self.flush_deadline_s, low=0.0)
-        _finite("backup.io_timeout_s", self.io_timeout_s, low=0.001)
-        _finite("backup.check_prefix_interval_s", self.check_prefix_interval_s, low=0.0)
+        _float_field(self, "retry_backoff_s", "backup.retry_backoff_s", low=0.0)
+        _float_field(self, "flush_deadline_s", "backup.flush_deadline_s", low=0.0)
+        _float_field(self, "io_timeout_s", "backup.io_timeout_s", low=0.001)
+        _flag("backup.check_prefix", self.check_prefix)
+        _float_field(self, "check_prefix_interval_s", "backup.check_prefix_interval_s", low=0.0)
 
 
 class WarmupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -271,8 +299,9 @@ class WarmupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     deadline_s: float = 60.0
 
     def __post_init__(self) -> None:
-        _finite("warmup.ratio", self.ratio, low=0.0, high=1.0)
-        _finite("warmup.deadline_s", self.deadline_s, low=0.0)
+        _flag("warmup.enabled", self.enabled)
+        _float_field(self, "ratio", "warmup.ratio", low=0.0, high=1.0)
+        _float_field(self, "deadline_s", "warmup.deadline_s", low=0.0)
 
 
 class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -319,6 +348,8 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(name, f"must be a string or None, got {type(value).__name__}")
+        for name in ("model_id", "salt", "device"):
+            _text(name, getattr(self, name))
         _positive("page_size", self.page_size)
         _positive("device_pages", self.device_pages)
         # Before anything multiplies device_pages by a float (a huge int cannot become one).
@@ -328,7 +359,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         if self.host_pages is not None:
             _positive("host_pages", self.host_pages)
         if self.host_ratio is not None:
-            _finite("host_ratio", self.host_ratio, low=0.0)
+            _float_field(self, "host_ratio", "host_ratio", low=0.0)
             # The product can overflow to inf (1e308 x 10), which no page count converts from.
             if not math.isfinite(self.host_ratio * self.device_pages):
                 raise ConfigError(
@@ -342,21 +373,10 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         _within_pool(
             page_nbytes, [(self._host_pages_field, self.resolved_host_pages)], "the host pool"
         )
-        if self.host_layout not in ("layer_first", "page_first", "page_first_direct"):
-            raise ConfigError(
-                "host_layout",
-                "must be 'layer_first', 'page_first' or 'page_first_direct', "
-                f"got {self.host_layout!r}",
-            )
-        if self.write_policy not in ("write_through", "write_through_selective", "write_back"):
-            raise ConfigError(
-                "write_policy",
-                "must be 'write_through', 'write_through_selective' or 'write_back', "
-                f"got {self.write_policy!r}",
-            )
+        _choice("host_layout", self.host_layout, get_args(HostLayout))
+        _choice("write_policy", self.write_policy, get_args(WritePolicy))
         _positive("write_through_threshold", self.write_through_threshold)
-        if self.eviction not in ("lru", "lfu"):
-            raise ConfigError("eviction", f"must be 'lru' or 'lfu', got {self.eviction!r}")
+        _choice("eviction", self.eviction, get_args(EvictionPolicy))
         _positive("tp_size", self.tp_size)
         _non_negative("tp_rank", self.tp_rank)
         if self.tp_rank >= self.tp_size:

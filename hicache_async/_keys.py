@@ -44,6 +44,20 @@ class Namespace(msgspec.Struct, frozen=True):
     fingerprint: bytes
     rank_salt: bytes = b""
 
+    def __post_init__(self) -> None:
+        """Refuse what would only fail later, in every backup (`TypeError` for a field that is
+        not `bytes`, `ValueError` for a fingerprint that is not 16 bytes). The seed may be any
+        bytes: it only starts the key chain."""
+        for name in ("seed", "fingerprint", "rank_salt"):
+            value = getattr(self, name)
+            if not isinstance(value, bytes):
+                raise TypeError(f"Namespace.{name} must be bytes, got {type(value).__name__}")
+        if len(self.fingerprint) != _FINGERPRINT_NBYTES:
+            raise ValueError(
+                f"Namespace.fingerprint must be {_FINGERPRINT_NBYTES} bytes, "
+                f"got {len(self.fingerprint)}"
+            )
+
     def storage_keys(self, keys: Sequence[bytes]) -> list[bytes]:
         """The keys under which this rank stores `keys` (themselves with one rank)."""
         salt = self.rank_salt

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import structlog
 import torch
-from _gated_copies import PAGE, config
+from _gated_copies import PAGE, GatedEngine, config
 
 from hicache_async import (
     ConfigError,
     HiCache,
+    Namespace,
     PrefetchStatus,
     StorageConfigError,
     WarmupStatus,
@@ -221,6 +222,36 @@ def test_a_mac_key_that_is_not_bytes_is_refused_at_construction(mac_key: Any) ->
     with pytest.raises(TypeError, match="mac_key must be bytes or None, got"):
         HiCache(config(), mac_key=mac_key)
     assert HiCache(config(), mac_key=bytes(16)).statistics().state == "new"
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "message"),
+    [
+        ("namespace", 5, "namespace must be a Namespace or None, got int"),
+        ("namespace", bytes(16), "namespace must be a Namespace or None, got bytes"),
+        ("copy_engine", 5, r"copy_engine must be a CopyEngine \(copy, aclose, statistics\)"),
+        ("copy_engine", object(), "copy_engine must be a CopyEngine"),
+        ("rank_group", 5, "rank_group must be a RankGroup or None, got int"),
+        ("clock", 5, "clock must be a callable returning seconds, got int"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_refused_at_construction(
+    argument: str, value: Any, message: str
+) -> None:
+    # Each used to fail only once the cache was open, as an AttributeError.
+    with pytest.raises(TypeError, match=message):
+        HiCache(config(), **{argument: value})
+
+
+async def test_a_namespace_and_a_copy_engine_of_the_right_type_are_used(gate: GatedEngine) -> None:
+    namespace = Namespace(seed=b"seed", fingerprint=bytes(range(16)))
+    async with HiCache(config(), namespace=namespace, copy_engine=gate) as cache:
+        assert cache.namespace is namespace
+        req = cache.request(list(range(2 * PAGE)))
+        await req.allocate(2 * PAGE)
+        assert req.commit() == 2
+        req.release()
+        assert cache.match(list(range(2 * PAGE))).device_tokens == 2 * PAGE
 
 
 @pytest.mark.parametrize("storage", [123, b"memory://", object()])

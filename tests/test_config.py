@@ -4,13 +4,23 @@ import json
 import os
 import re
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
-from hicache_async import CacheConfig, ConfigError, KVLayout, load_config
+from hicache_async import (
+    BackupConfig,
+    CacheConfig,
+    ConfigError,
+    KVLayout,
+    PrefetchConfig,
+    WarmupConfig,
+    load_config,
+)
 from hicache_async._config import MAX_PAGE_TOKENS, MAX_POOL_NBYTES
 
 MHA = {"num_layers": 4, "num_kv_heads": 2, "head_dim": 8}
@@ -229,3 +239,92 @@ def test_timeout_policy_is_capped() -> None:
     assert cfg.prefetch.timeout_for(0) == pytest.approx(1.0)
     assert cfg.prefetch.timeout_for(2000) == pytest.approx(1.5)
     assert cfg.prefetch.timeout_for(100_000) == pytest.approx(2.0)
+
+
+# -- field types: what construction takes must survive `from_dict(to_dict())` -----------------
+
+
+def _cache(**fields: Any) -> CacheConfig:
+    return CacheConfig(layout=KVLayout(**MHA), device_pages=4, **fields)
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        # A str "false" (from an environment variable, say) is truthy: warmup would run.
+        (lambda: WarmupConfig(enabled="false"), "warmup.enabled"),
+        (lambda: WarmupConfig(enabled=1), "warmup.enabled"),
+        (lambda: WarmupConfig(enabled=None), "warmup.enabled"),
+        (lambda: WarmupConfig(enabled=np.True_), "warmup.enabled"),
+        (lambda: WarmupConfig(deadline_s=10**400), "warmup.deadline_s"),
+        (lambda: BackupConfig(check_prefix="false"), "backup.check_prefix"),
+        (lambda: BackupConfig(check_prefix=0), "backup.check_prefix"),
+        (lambda: PrefetchConfig(policy=["timeout"]), "prefetch.policy"),
+        (lambda: PrefetchConfig(policy=None), "prefetch.policy"),
+        (lambda: KVLayout(**MHA, dtype=["float16"]), "layout.dtype"),
+        (lambda: KVLayout(**MHA, dtype=None), "layout.dtype"),
+        (lambda: KVLayout(**MHA, attention=None), "layout.attention"),
+        (lambda: KVLayout(**MHA, kv_lora_rank=0.0), "layout.kv_lora_rank"),
+        (lambda: KVLayout(**MHA, qk_rope_head_dim=False), "layout.qk_rope_head_dim"),
+        (
+            lambda: KVLayout(num_layers=2, attention="mla", kv_lora_rank=8, head_dim=0.0),
+            "layout.head_dim",
+        ),
+        (lambda: _cache(model_id=5), "model_id"),
+        (lambda: _cache(model_id=None), "model_id"),
+        (lambda: _cache(salt=b"x"), "salt"),
+        (lambda: _cache(device=None), "device"),
+        (lambda: _cache(device=5), "device"),
+        (lambda: _cache(host_layout=None), "host_layout"),
+        (lambda: _cache(write_policy=b"write_back"), "write_policy"),
+        (lambda: _cache(eviction=["lru"]), "eviction"),
+        (lambda: _cache(host_ratio=Fraction(10**400, 3)), "host_ratio"),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_a_config_error(build: Callable[[], Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert info.value.field == field
+
+
+SECTIONS: list[Any] = [
+    KVLayout(**MHA, dtype="bfloat16"),
+    KVLayout(num_layers=3, attention="mla", kv_lora_rank=512, qk_rope_head_dim=64),
+    # Numbers of other types where a float goes: numpy's, an int, a Fraction.
+    PrefetchConfig(
+        policy="wait_complete",
+        timeout_base_s=np.float32(0.5),
+        timeout_per_1k_tokens_s=1,
+        timeout_max_s=Fraction(3, 2),
+        max_host_share=np.float64(0.25),
+        io_timeout_s=np.int64(2),
+    ),
+    BackupConfig(check_prefix=False, retry_backoff_s=np.float16(0.5), check_prefix_interval_s=0),
+    WarmupConfig(enabled=True, ratio=Fraction(1, 4), deadline_s=np.float32(1.5)),
+]
+
+
+@pytest.mark.parametrize("section", SECTIONS, ids=lambda section: type(section).__name__)
+def test_every_section_built_directly_round_trips(section: Any) -> None:
+    data = msgspec.to_builtins(section)
+    assert msgspec.convert(data, type(section)) == section
+    assert json.loads(json.dumps(data)) == data
+
+
+def test_a_config_built_directly_round_trips_through_its_dict() -> None:
+    layout, mla, prefetch, backup, warmup = SECTIONS
+    for chosen in (layout, mla):
+        config = CacheConfig(
+            layout=chosen,
+            device_pages=4,
+            host_ratio=np.float32(1.5),
+            model_id="model",
+            salt="salt",
+            device="cpu",
+            prefetch=prefetch,
+            backup=backup,
+            warmup=warmup,
+        )
+        assert CacheConfig.from_dict(config.to_dict()) == config
+        assert CacheConfig.from_json(json.dumps(config.to_dict())) == config
+        assert type(config.host_ratio) is float

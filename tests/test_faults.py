@@ -261,6 +261,7 @@ async def test_bad_input_raises_before_any_fault() -> None:
 
 async def test_passthrough_and_close() -> None:
     storage = FaultyStorage(MemoryStorage(capacity_bytes=1 << 20))
+    assert "FaultyStorage new" in repr(storage)  # not open before it is entered
     async with storage:
         assert storage.name.startswith("faulty+memory://")
         assert storage.capabilities == storage.inner.capabilities
@@ -270,6 +271,7 @@ async def test_passthrough_and_close() -> None:
         assert (await storage.verify()).ok == 3
         assert (await storage.gc()).evicted_pages == 0
         assert "FaultyStorage open" in repr(storage)
+    assert "FaultyStorage closed" in repr(storage)
     await storage.close()
     with pytest.raises(StorageError, match="closed"):
         await storage.exists(_keys(1))

@@ -132,3 +132,33 @@ def test_out_of_range_tokens_say_so(tokens: object) -> None:
     with pytest.raises(InvalidTokensError, match=r"must be in \[0, 2\*\*32\)"):
         page_keys(tokens, 1)
     assert page_keys([2**32 - 1, 0], 2) == page_keys(np.array([2**32 - 1, 0], np.uint32), 2)
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"seed": b"x", "fingerprint": b"short"}, ValueError, "fingerprint must be 16 bytes"),
+        ({"seed": b"", "fingerprint": bytes(17)}, ValueError, "fingerprint must be 16 bytes"),
+        ({"seed": b"", "fingerprint": "f" * 16}, TypeError, "fingerprint must be bytes"),
+        ({"seed": b"", "fingerprint": bytearray(16)}, TypeError, "fingerprint must be bytes"),
+        ({"seed": "seed", "fingerprint": bytes(16)}, TypeError, "seed must be bytes"),
+        ({"seed": None, "fingerprint": bytes(16)}, TypeError, "seed must be bytes"),
+        (
+            {"seed": b"", "fingerprint": bytes(16), "rank_salt": 1},
+            TypeError,
+            "rank_salt must be bytes",
+        ),
+    ],
+)
+def test_a_namespace_refuses_what_every_backup_would_fail_on(
+    fields: dict[str, object], error: type[Exception], message: str
+) -> None:
+    # A short fingerprint used to be taken, and then every page's backup failed.
+    with pytest.raises(error, match=message):
+        Namespace(**fields)  # type: ignore[arg-type]
+
+
+def test_a_namespace_takes_any_seed_and_a_16_byte_fingerprint() -> None:
+    assert Namespace(seed=b"x", fingerprint=bytes(16)).seed == b"x"
+    assert Namespace(b"", bytes(16), b"rank").rank_salt == b"rank"
+    assert Namespace.empty().salted("s").salted(b"t").fingerprint != bytes(16)

@@ -272,7 +272,7 @@ def test_spare_parameter() -> None:
     assert MemoryStorage.from_url("memory://?capacity=1GiB&spare=5GiB")._spare_limit == 5 << 30
     with pytest.raises(StorageConfigError, match="spare"):
         MemoryStorage.from_url("memory://?spare=lots")
-    with pytest.raises(StorageConfigError, match="spare_bytes must be >= 0"):
+    with pytest.raises(StorageConfigError, match="spare_bytes must be an integer >= 0"):
         MemoryStorage(spare_bytes=-1)
 
 

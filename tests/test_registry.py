@@ -6,6 +6,7 @@ import importlib.util
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -182,6 +183,16 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "kvplugin", raising=False)
     return tmp_path
+
+
+@pytest.mark.parametrize("mac_key", [b"", b"short", "a str key of 32 characters......"])
+def test_a_bad_mac_key_is_refused_before_a_plugin_is_called(plugin_dir: Path, mac_key: Any) -> None:
+    # A plugin's backend need not derive from BackendBase: open_storage checks the key itself.
+    with pytest.raises(StorageConfigError, match="mac_key must be"):
+        open_storage("kvstore://anything", mac_key=mac_key)
+    import kvplugin  # type: ignore[import-not-found]
+
+    assert kvplugin.calls == []
 
 
 def test_entry_point_plugin(plugin_dir: Path) -> None:

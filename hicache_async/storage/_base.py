@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 import structlog
@@ -37,8 +37,12 @@ __all__ = [
     "check_batch",
     "check_key",
     "check_keys",
+    "check_mac_key",
+    "check_pages",
+    "check_put",
     "corrupt_reason",
     "fan_out",
+    "is_int",
     "parse_bool",
     "parse_port",
     "parse_query",
@@ -50,6 +54,9 @@ __all__ = [
 T = TypeVar("T")
 
 log = structlog.get_logger("hicache_async.storage")
+
+#: The shortest MAC secret a backend takes (the cache asks the same of `mac_key`).
+MIN_MAC_KEY_NBYTES = 16
 
 
 class Counters:
@@ -87,6 +94,11 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
+def is_int(value: object) -> TypeGuard[int]:
+    """True for an int that is not a bool (a count or size given as True is a bug upstream)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_batch(keys: Sequence[bytes], *others: tuple[str, Sequence[Any]]) -> None:
     """Raise ValueError unless every sequence has one item per key (checked before any I/O)."""
     for label, items in others:
@@ -118,11 +130,68 @@ def check_key(key: bytes, meta: PageMeta | None = None) -> None:
 
 
 def check_metas(keys: Sequence[bytes], metas: Sequence[PageMeta]) -> None:
-    """Raise ValueError unless there is one meta per key, each for its own 32-byte key, with a
-    16-byte namespace and fields a page header can hold: a put's checks before any I/O."""
+    """Raise ValueError unless there is one `PageMeta` per key, each for its own 32-byte key,
+    with a 16-byte namespace and fields a page header can hold: a put's checks before any I/O."""
     check_batch(keys, ("metas", metas))
     for key, meta in zip(keys, metas, strict=True):
+        if not isinstance(meta, PageMeta):
+            # ValueError like every other bad argument of a put (the documented contract).
+            raise ValueError(f"each meta must be a PageMeta, got {type(meta).__name__}")  # noqa: TRY004
         check_key(key, meta)
+
+
+def check_pages(pages: Sequence[PageBuffer]) -> None:
+    """Raise ValueError unless every page is a sequence of C-contiguous bytes-like segments
+    (what `payload_nbytes` and `byte_segments` take), before a put counts or touches a key."""
+    for index, page in enumerate(pages):
+        problem = _page_problem(page)
+        if problem is not None:
+            raise ValueError(f"pages[{index}] must be a sequence of bytes-like segments: {problem}")
+
+
+def _page_problem(page: Any) -> str | None:
+    # Bytes iterate as ints, a memoryview of several dimensions not at all, and a one-shot
+    # iterator would be used up here and then read as an empty page.
+    if isinstance(page, (str, bytes, bytearray, memoryview)):
+        return f"got {type(page).__name__}"
+    try:
+        if iter(page) is page:
+            return f"got {type(page).__name__}, an iterator"
+    except TypeError:
+        return f"got {type(page).__name__}"
+    for segment in page:
+        try:
+            view = memoryview(segment)
+        except TypeError:
+            return f"got a segment of type {type(segment).__name__}"
+        if not view.c_contiguous:
+            return "got a segment that is not C-contiguous"
+    return None
+
+
+def check_put(
+    keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+) -> None:
+    """A put's checks of its arguments (`check_metas`, `check_pages`, the batch lengths), all
+    before any I/O, counter or change of use order: a bad batch raises ValueError and changes
+    nothing."""
+    check_batch(keys, ("pages", pages))
+    check_metas(keys, metas)
+    check_pages(pages)
+
+
+def check_mac_key(mac_key: bytes | None) -> bytes | None:
+    """`mac_key` if it is None or bytes of at least `MIN_MAC_KEY_NBYTES`, else
+    StorageConfigError: an empty key would turn the MAC off, and a short one is guessable."""
+    if mac_key is None:
+        return None
+    if not isinstance(mac_key, bytes):
+        raise StorageConfigError(f"mac_key must be bytes or None, got {type(mac_key).__name__}")
+    if len(mac_key) < MIN_MAC_KEY_NBYTES:
+        raise StorageConfigError(
+            f"mac_key must be at least {MIN_MAC_KEY_NBYTES} bytes, got {len(mac_key)}"
+        )
+    return mac_key
 
 
 def corrupt_reason(
@@ -218,15 +287,14 @@ class BackendBase:
     """Lifecycle, counters and thread jobs for a storage backend.
 
     Subclasses set `self._name` and implement `capabilities`, `_open()`, `_release()`,
-    `_occupancy()` and the storage methods.
+    `_occupancy()` and the storage methods. `mac_key` is checked with `check_mac_key`
+    (StorageConfigError for a key that is not bytes of at least 16).
     """
 
     _name: str
 
     def __init__(self, *, mac_key: bytes | None, job_threads: int, thread_name: str) -> None:
-        if mac_key is not None and not isinstance(mac_key, bytes):
-            raise StorageConfigError("mac_key must be bytes or None")
-        self._mac_key = mac_key or None
+        self._mac_key = check_mac_key(mac_key)
         self._counters = Counters()
         self._state = _State.NEW
         self._jobs: set[Job[Any]] = set()

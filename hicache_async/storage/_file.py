@@ -70,6 +70,7 @@ from ._base import (
     check_batch,
     check_key,
     check_keys,
+    check_put,
     fan_out,
     log,
     parse_bool,
@@ -1549,9 +1550,7 @@ class FileStorage(BackendBase):
         later page of the batch.
         """
         self._check_open()
-        check_batch(keys, ("pages", pages), ("metas", metas))
-        for key, meta in zip(keys, metas, strict=True):
-            check_key(key, meta)
+        check_put(keys, pages, metas)
         outcomes = [Outcome.OK] * len(keys)
         self._counters.puts += len(keys)
         now = time.time()

@@ -34,7 +34,9 @@ from ._base import (
     check_batch,
     check_key,
     check_keys,
+    check_put,
     corrupt_reason,
+    is_int,
     parse_query,
     parse_size,
     payload_nbytes,
@@ -76,7 +78,8 @@ class _Value(msgspec.Struct, gc=False):
 
 
 class MemoryStorage(BackendBase):
-    """An in-process store of at most `capacity_bytes` (headers included), LRU-evicted.
+    """An in-process store of at most `capacity_bytes` (an int >= 1, headers included),
+    LRU-evicted.
 
     Up to `spare_bytes` more (default 1 GiB, at most an eighth of the capacity; 0 for none)
     hold the buffers of removed pages until a put of the same size reuses them or `gc()` frees
@@ -90,12 +93,18 @@ class MemoryStorage(BackendBase):
         mac_key: bytes | None = None,
         spare_bytes: int | None = None,
     ) -> None:
-        if capacity_bytes < 1:
-            raise StorageConfigError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
+        # Whole numbers only: nan passes every comparison (an unbounded store), 1.5 a
+        # capacity stats() cannot report, True a capacity of one byte.
+        if not (is_int(capacity_bytes) and capacity_bytes >= 1):
+            raise StorageConfigError(
+                f"capacity_bytes must be an integer >= 1, got {capacity_bytes!r}"
+            )
+        if spare_bytes is not None and not (is_int(spare_bytes) and spare_bytes >= 0):
+            raise StorageConfigError(
+                f"spare_bytes must be an integer >= 0 or None, got {spare_bytes!r}"
+            )
         if spare_bytes is None:
             spare_bytes = min(_SPARE_DEFAULT, capacity_bytes // 8)
-        if spare_bytes < 0:
-            raise StorageConfigError(f"spare_bytes must be >= 0, got {spare_bytes}")
         super().__init__(mac_key=mac_key, job_threads=1, thread_name="hicache-memory")
         self._capacity = capacity_bytes
         self._name = f"memory://?capacity={capacity_bytes}"
@@ -326,9 +335,7 @@ class MemoryStorage(BackendBase):
     ) -> list[Outcome]:
         """Store each page; an existing key is kept (OK); a page that cannot fit is a MISS."""
         self._check_open()
-        check_batch(keys, ("pages", pages), ("metas", metas))
-        for key, meta in zip(keys, metas, strict=True):
-            check_key(key, meta)
+        check_put(keys, pages, metas)
         outcomes = [Outcome.OK] * len(keys)
         self._counters.puts += len(keys)
         now = time.time()

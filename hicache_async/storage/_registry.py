@@ -19,6 +19,7 @@ from typing import Protocol, cast
 import structlog
 
 from .._errors import StorageConfigError
+from ._base import check_mac_key
 from ._file import FileStorage
 from ._memory import MemoryStorage
 from ._protocol import StorageBackend, check_backend
@@ -170,10 +171,12 @@ def open_storage(url: str, *, mac_key: bytes | None = None) -> StorageBackend:
     """The backend a storage URL names, constructed but not yet opened (`async with` it).
 
     Raises StorageConfigError for an unknown scheme or bad parameters, listing what is accepted,
-    and when the factory fails or returns something that is not a StorageBackend.
+    for a `mac_key` that is not bytes of at least 16 (before any factory is called), and when
+    the factory fails or returns something that is not a StorageBackend.
     """
     if not isinstance(url, str) or not url.strip():
         raise StorageConfigError(f"a storage URL is a non-empty string; {_accepted()}")
+    check_mac_key(mac_key)  # for plugins too, which need not derive from BackendBase
     url = url.strip()
     shown = _redact(url)
     factory: Callable[..., StorageBackend]

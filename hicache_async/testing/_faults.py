@@ -51,7 +51,7 @@ import msgspec
 import numpy as np
 
 from .._errors import StorageConfigError, StorageError, index_of
-from ..storage._base import byte_segments, check_batch, check_keys, check_metas
+from ..storage._base import byte_segments, check_batch, check_keys, check_pages, check_put
 from ..storage._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ..storage._manifest import ManifestLimits, SupportsManifest, WarmupManifest
 from ..storage._page import HEADER_NBYTES
@@ -139,9 +139,9 @@ def _seed(value: object) -> int:
         raise StorageConfigError(f"seed must be an int, got {value!r}") from None
 
 
-def _check_pages(pages: Sequence[PageBuffer], *, writable: bool) -> None:
+def _check_writable(pages: Sequence[PageBuffer]) -> None:
     for page in pages:
-        byte_segments(page, writable=writable)
+        byte_segments(page, writable=True)
 
 
 class FaultyStorage:
@@ -197,6 +197,7 @@ class FaultyStorage:
         # Per key, the turn of the last put drawn to damage it.
         self._last_turn: dict[bytes, asyncio.Event] = {}
         self._counts: dict[str, int] = dict.fromkeys(FaultCounts.__struct_fields__, 0)
+        self._entered = False
         self._closed = False
 
     @property
@@ -220,11 +221,12 @@ class FaultyStorage:
 
     def __repr__(self) -> str:
         injected = ", ".join(f"{k}={v}" for k, v in self._counts.items() if v)
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._closed else "open" if self._entered else "new"
         return f"<FaultyStorage {state} over {self._inner!r} injected({injected})>"
 
     async def __aenter__(self) -> Self:
         await self._inner.__aenter__()
+        self._entered = True
         return self
 
     async def __aexit__(
@@ -309,7 +311,8 @@ class FaultyStorage:
         """The inner `get`, after call faults, with a partial batch failed when drawn."""
         check_batch(keys, ("buffers", into))
         check_keys(keys, namespace)
-        _check_pages(into, writable=True)
+        check_pages(into)  # ValueError, not byte_segments' TypeError, for a wrong type
+        _check_writable(into)
         plan = self._plan("get", len(keys))
         await self._call_faults(plan, "get")
         self._count_failed(plan)
@@ -327,9 +330,7 @@ class FaultyStorage:
     ) -> list[Outcome]:
         """The inner `put` (call and partial-batch faults), then stored pages damaged when
         drawn."""
-        check_batch(keys, ("pages", pages))
-        check_metas(keys, metas)
-        _check_pages(pages, writable=False)
+        check_put(keys, pages, metas)
         plan = self._plan("put", len(keys))
         turns = self._queue_damage(keys, plan)
         try:
