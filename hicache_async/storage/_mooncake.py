@@ -40,6 +40,7 @@ from ._base import (
     check_batch,
     check_key,
     check_keys,
+    check_put,
     fan_out,
     log,
     parse_bool,
@@ -1017,9 +1018,7 @@ class MooncakeStorage(BackendBase):
         """Store each missing page whole (Mooncake publishes an object only once all of it
         has arrived); an existing key is kept and is OK."""
         self._open_store()
-        check_batch(keys, ("pages", pages), ("metas", metas))
-        for key, meta in zip(keys, metas, strict=True):
-            check_key(key, meta)
+        check_put(keys, pages, metas)
         # A key given twice is sent once (its first page): Mooncake would report both copies
         # of one object as stored. The repeats take the first one's outcome.
         position: dict[bytes, int] = {}
