@@ -49,6 +49,10 @@ class PrefetchStatus(enum.Enum):
     SKIPPED = "skipped"
 
 
+# Plans a prefetch makes again after another prefetch it waited on gave up its pages: each
+# reads what is left itself, so a few suffice unless others keep giving up under it.
+_REPLANS = 3
+
 _FINAL = frozenset(
     {
         PrefetchStatus.COMPLETE,
@@ -542,7 +546,6 @@ class Prefetcher:
             self._left.set()
             handle._scope = None
             handle._finish(status)
-            self._cache._counters.tokens_storage += handle.storage_tokens
             # Counted here: a prefetch cancelled from outside (a detach) counts too.
             if status is PrefetchStatus.COMPLETE:
                 self.completed += 1
@@ -587,10 +590,19 @@ class Prefetcher:
             return PrefetchStatus.SKIPPED
         if handle._gave_up():  # meanwhile
             return PrefetchStatus.TERMINATED
-        return await self._read(handle, start + existing)
+        for _ in range(_REPLANS):
+            status = await self._read(handle, start + existing)
+            if status is not None:
+                return status
+        return PrefetchStatus.TERMINATED
 
-    async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus:
-        """Read keys[cached:end] into the host pool, landing batches as they arrive."""
+    async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus | None:
+        """Read keys[cached:end] into the host pool, landing batches as they arrive.
+
+        None when a page another prefetch was reading did not arrive (it was cancelled,
+        terminated or failed) while this one goes on: the caller plans again, and this
+        prefetch reads that page itself.
+        """
         cache = self._cache
         tree = cache._tree
         host = cache._host_pool
@@ -643,8 +655,10 @@ class Prefetcher:
         batch_limit = max(
             1, min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
         )
-        landed = 0
-        status = PrefetchStatus.COMPLETE
+        # Pages landed by an earlier plan of this prefetch count as its own too.
+        landed = handle.storage_tokens // size
+        own_landed = 0
+        status: PrefetchStatus | None = PrefetchStatus.COMPLETE
         try:
             pos = 0
             while pos < len(todo):
@@ -655,7 +669,7 @@ class Prefetcher:
                 if key not in futures:
                     arrived = await asyncio.shield(others[key])
                     if not arrived:
-                        status = PrefetchStatus.TERMINATED
+                        status = PrefetchStatus.TERMINATED if handle._terminated else None
                         break
                     self.pages_shared += 1
                     pos += 1
@@ -690,6 +704,7 @@ class Prefetcher:
                         futures.pop(k).set_result(True)
                         self._inflight.pop(k, None)
                     landed += ok
+                    own_landed += ok
                     handle.storage_tokens = landed * size  # what ready() reports meanwhile
                 pos += ok
                 if ok < len(batch):
@@ -710,7 +725,11 @@ class Prefetcher:
                     del self._inflight[k]
             tree.unprotect_host(anchor)
             tree.unlock_device(locked)
-            handle.storage_tokens = landed * size
+            # A page landed by a plan before and evicted since is read again: it counts once.
+            cap = len(keys) * size - handle.device_tokens - handle.host_tokens
+            handle.storage_tokens = min(landed * size, cap)
+            # Only what this prefetch read: a shared page counts for the one that read it.
+            cache._counters.tokens_storage += own_landed * size
         return status
 
     def _cut(self, todo: list[bytes], allowed_own: int) -> int:
