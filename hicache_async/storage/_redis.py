@@ -272,6 +272,37 @@ def _read_refused(error: BaseException) -> bool:
     return bool(_READ_REFUSALS.search(_reply_text(error).lower()))
 
 
+#: Pages `gc` sorts in one piece: a sort holds the GIL throughout, this many for about 2 ms.
+_GC_SLICE = 8192
+
+
+def _gc_victims(
+    entries: Sequence[tuple[float, int, bytes]],
+    total: int,
+    capacity: int,
+    *,
+    slice_len: int = _GC_SLICE,
+) -> list[bytes]:
+    """The keys `gc` evicts, least recently used first, until the rest (of `total` bytes
+    in all) fit `capacity`: among equal last accesses the last one listed goes first.
+
+    `entries` are (last access, bytes, key) in listing order. Run on a worker thread, in
+    slices: one sort of every page would hold the GIL, so the loop, throughout; the slices
+    are merged by a generator, between whose steps the loop gets the GIL back.
+    """
+    # Slices taken from the end and reversed, each sorted stably by last access: the merge
+    # (which takes ties from earlier slices first) then yields ties latest listed first.
+    ends = range(len(entries), 0, -slice_len)
+    runs = [sorted(entries[max(end - slice_len, 0) : end][::-1], key=itemgetter(0)) for end in ends]
+    victims: list[bytes] = []
+    for _, nbytes, rkey in heapq.merge(*runs, key=itemgetter(0)):
+        if total <= capacity:
+            break
+        victims.append(rkey)
+        total -= nbytes
+    return victims
+
+
 def _last_access(page: PageInfo) -> float:
     return page.last_access
 
@@ -1715,12 +1746,11 @@ class RedisStorage(BackendBase):
             for listed in batch:
                 entries.append((listed.last_access, listed.nbytes, listed.rkey))
                 total += listed.nbytes
-        entries.sort(key=itemgetter(0), reverse=True)  # the listing's order
-        victims: list[bytes] = []
-        while entries and total > self._capacity:
-            _, nbytes, rkey = entries.pop()  # least recently used
-            victims.append(rkey)
-            total -= nbytes
+        if total <= self._capacity:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        capacity = self._capacity
+        # Sorting every page at once held the loop (~0.1 s for 200k pages).
+        victims = await self.run_job(lambda stop: _gc_victims(entries, total, capacity))
         if not victims:
             return GcReport(evicted_pages=0, freed_bytes=0)
         evicted, freed = await self._delete_rkeys(victims)
