@@ -235,9 +235,9 @@ def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
 
 
 #: What a bulk GET yields per key before the payload checksums are checked: the header of a
-#: payload now in its page, None (absent), (verdict, reason) for a value its header rejects,
-#: or the key's error reply.
-_Received = PageHeader | tuple[PageCheck, str] | ReplyError | None
+#: payload now in its page, None (absent), (verdict, reason, stored length) for a value its
+#: header rejects, or the key's error reply.
+_Received = PageHeader | tuple[PageCheck, str, int] | ReplyError | None
 
 
 class _Stream(NamedTuple):
@@ -301,6 +301,15 @@ def _gc_victims(
         victims.append(rkey)
         total -= nbytes
     return victims
+
+
+def _nbytes_from_start(head: bytes) -> int | None:
+    """A value's length told by its first `HEADER_NBYTES` bytes: itself if shorter, else
+    the page size its header gives; None if the header does not decode."""
+    if len(head) < HEADER_NBYTES:
+        return len(head)
+    header = decode_header(head)
+    return None if isinstance(header, PageCheck) else header.page_nbytes
 
 
 def _last_access(page: PageInfo) -> float:
@@ -539,6 +548,7 @@ class RedisStorage(BackendBase):
         self._multikey = not cluster if multikey is None else multikey
         self._bounded_reads = True  # False once STRLEN or GETRANGE is refused (_read_starts)
         self._touch = True  # False once TOUCH is refused (see _exists_pipeline)
+        self._strlen = True  # False once STRLEN is refused (see _delete_rkeys)
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
@@ -859,6 +869,7 @@ class RedisStorage(BackendBase):
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         corrupt: list[bytes] = []
+        corrupt_nbytes: list[int] = []  # the stored length each was read with
         # Pages judged damaged from a value read in two commands (index, length, header,
         # reason): judged for good by their removal, which takes only that value. Another
         # writer may have replaced it between the commands; then it is a miss.
@@ -866,7 +877,7 @@ class RedisStorage(BackendBase):
         payloads = [payload_nbytes(page) for page in targets]
         mac_key = self._mac_key
 
-        def judge(i: int, result: PageCheck, reason: str) -> None:
+        def judge(i: int, result: PageCheck, reason: str, stored: int) -> None:
             if result is PageCheck.OK:
                 outcomes[i] = Outcome.OK
             elif result is PageCheck.UNSUPPORTED:
@@ -874,6 +885,7 @@ class RedisStorage(BackendBase):
             else:
                 outcomes[i] = Outcome.CORRUPT
                 corrupt.append(keys[i])
+                corrupt_nbytes.append(stored)
                 self._report_corrupt(keys[i], reason)
 
         # A pipeline that failed as a whole (a timeout, a lost connection) has already cost
@@ -938,7 +950,7 @@ class RedisStorage(BackendBase):
                             outcomes[i] = Outcome.CORRUPT
                             suspects.append((i, stored, bytes(value[:HEADER_NBYTES]), reason))
                             continue
-                    judge(i, result, reason)
+                    judge(i, result, reason, stored)
 
         async def fetch_into(bulk: BulkConnectionPool, chunk: range) -> None:
             nonlocal given_up
@@ -972,7 +984,7 @@ class RedisStorage(BackendBase):
                 elif isinstance(got, PageHeader):
                     verdict = next(verdicts)
                     if verdict is not None:
-                        judge(i, verdict, "checksum or mac")
+                        judge(i, verdict, "checksum or mac", HEADER_NBYTES + payloads[i])
                 elif isinstance(got, tuple):
                     judge(i, *got)
                 else:  # an error reply for this key, which stays ERROR
@@ -1002,7 +1014,7 @@ class RedisStorage(BackendBase):
                 outcomes[i] = Outcome.MISS  # replaced meanwhile: what is stored now may be sound
         if corrupt:
             try:
-                await self._delete_rkeys([self._rkey(k) for k in corrupt])
+                await self._delete_rkeys([self._rkey(k) for k in corrupt], corrupt_nbytes)
             except StorageError as exc:
                 # Counted either way; the next reader that meets the page retries.
                 log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
@@ -1150,7 +1162,7 @@ class RedisStorage(BackendBase):
                     reason = corrupt_reason(
                         head, key=keys[i], namespace=namespace, payload_nbytes=expected
                     )
-                    received.append((i, (verdict, reason)))
+                    received.append((i, (verdict, reason, length)))
                 await conn.skip(2)
             return received
 
@@ -1866,8 +1878,18 @@ class RedisStorage(BackendBase):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _delete_rkeys(self, rkeys: Sequence[bytes]) -> tuple[int, int]:
-        """DEL the keys (STRLEN first, for the byte count): (how many existed, their bytes)."""
+    async def _delete_rkeys(
+        self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
+    ) -> tuple[int, int]:
+        """DEL the keys: (how many existed, their bytes).
+
+        Each DEL comes with a STRLEN for the byte count. Where STRLEN is refused (an ACL
+        that lists commands, a proxy), a key's bytes are the length its value was just read
+        with (`read_nbytes`, from a get), else what its header says (a GETRANGE of it, exact
+        for a page as written and for a value shorter than a header), else unknown: counted
+        as this instance's mean page, so that `stats().bytes` neither drifts below zero nor
+        grows without bound.
+        """
         client = self._redis()
         removed = 0
         freed = 0
@@ -1876,20 +1898,38 @@ class RedisStorage(BackendBase):
             try:
                 async with client.pipeline(transaction=False) as pipe:
                     for rkey in batch:
-                        pipe.strlen(rkey)
+                        if self._strlen:
+                            pipe.strlen(rkey)
+                        else:
+                            pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
                         pipe.delete(rkey)
                     results = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: delete failed: {exc}") from exc
-            for nbytes, deleted in zip(results[::2], results[1::2], strict=True):
+            for k, (sized, deleted) in enumerate(zip(results[::2], results[1::2], strict=True)):
                 if isinstance(deleted, Exception):
                     self._counters.errors += 1
                     raise StorageError(f"{self._name}: delete failed: {deleted}")
-                if deleted:
-                    removed += 1
-                    size = nbytes if isinstance(nbytes, int) else 0
-                    freed += size
-                    self._pages -= 1
-                    self._bytes -= size
+                if self._strlen and isinstance(sized, Exception) and _read_refused(sized):
+                    self._strlen = False  # learnt from the header from now on
+                    log.warning(
+                        "storage.redis.strlen_refused", backend=self._name, error=str(sized)
+                    )
+                if not deleted:
+                    continue
+                size = sized if _is_int(sized) else None
+                if size is None and read_nbytes is not None:
+                    size = read_nbytes[start + k]
+                if size is None and isinstance(sized, bytes):
+                    size = _nbytes_from_start(sized)
+                if size is None:
+                    # Unknown: this instance's mean page, and all that is left with its last
+                    # page, so `bytes` is back at 0 when `pages` is.
+                    left = max(self._bytes, 0)
+                    size = left // self._pages if self._pages > 1 else left
+                removed += 1
+                freed += size
+                self._pages -= 1
+                self._bytes -= size
         return removed, freed

@@ -1842,3 +1842,44 @@ async def test_a_user_without_exists_gets_misses_for_absent_keys(redis_url: str)
         outcomes = await backend.get(keys, buffers(3), namespace=NS)
         assert outcomes == [Outcome.OK, Outcome.CORRUPT, Outcome.MISS]
         assert backend.stats().errors == 0
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_removals_keep_the_byte_count_where_strlen_is_refused(
+    redis_url: str, bulk: int
+) -> None:
+    # A removal's bytes came from STRLEN alone: refused, they were counted as 0, and
+    # stats().bytes grew with every page removed.
+    page = HEADER_NBYTES + 3000
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-strlen") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        keys, pages, metas = make_pages(4)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 4
+        assert (backend.stats().pages, backend.stats().bytes) == (4, 4 * page)
+        for key, at in ((keys[0], page - 1), (keys[1], 40)):  # the payload, the header
+            raw = await admin.get(backend._rkey(key))
+            assert isinstance(raw, bytes)
+            await admin.set(backend._rkey(key), raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1 :])
+        outcomes = await backend.get(keys[:2], buffers(2), namespace=NS)
+        assert outcomes == [Outcome.CORRUPT] * 2  # removed, at the lengths they were read with
+        assert (backend.stats().pages, backend.stats().bytes) == (2, 2 * page)
+        assert await backend.delete(keys[2:3]) == 1  # its header tells its length
+        assert (backend.stats().pages, backend.stats().bytes) == (1, page)
+        # A value whose length nothing tells: the mean page, all that is left with the last.
+        await admin.set(backend._rkey(keys[3]), os.urandom(5000))
+        assert await backend.delete(keys[3:]) == 1
+        assert (backend.stats().pages, backend.stats().bytes) == (0, 0)
+        more, more_pages, more_metas = make_pages(3, 1000)
+        assert await backend.put(more, more_pages, more_metas) == [Outcome.OK] * 3
+        for key in more:
+            await admin.set(backend._rkey(key), os.urandom(777))
+        assert await backend.delete(more[:2]) == 2
+        assert (backend.stats().pages, backend.stats().bytes) == (1, HEADER_NBYTES + 1000)
+        assert await backend.delete(more) == 1
+        assert (backend.stats().pages, backend.stats().bytes) == (0, 0)
+        # Pages another writer stored, removed here, take nothing below zero.
+        await admin.set(backend._rkey(keys[0]), os.urandom(900))
+        assert await backend.delete(keys[:1]) == 1
+        assert backend._bytes == 0
