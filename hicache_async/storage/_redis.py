@@ -109,7 +109,7 @@ _PREFIX_SCRIPT = (
     "end return #KEYS"
 )
 _KEYS_PER_SCRIPT = 1024
-_HEX_DIGITS = frozenset(b"0123456789abcdef")
+_HEX_DIGITS = b"0123456789abcdef"
 # Removes a page verify() found damaged only if it still holds that value (same length, same
 # leading bytes): a page stored again meanwhile is sound and stays.
 _REMOVE_IF_SAME_SCRIPT = (
@@ -1449,10 +1449,14 @@ class RedisStorage(BackendBase):
         stands in for its last access then. Reading the headers counts as a use for Redis:
         with `record` the pass then writes the `maintenance-read-at` mark that lets later
         listings see past it; without, it writes nothing (the CLI's `ls`). With `limit`
-        only that many pages are held at a time (a bounded heap over the same order).
+        only that many pages are held at a time (a bounded heap over the same order), and
+        without `record` only the headers that can decide the result are read: see
+        `_best_listed`.
         """
         if limit is not None and limit <= 0:
             return []
+        if limit is not None and not record:
+            return await self._best_listed(limit)
         pages: list[PageInfo] = []
         async for batch in self._listed(record=record):
             pages.extend(
@@ -1524,31 +1528,159 @@ class RedisStorage(BackendBase):
             listed: list[_Listed] = []
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
-                if isinstance(nbytes, NoPermissionError):
-                    # The ACL keeps these keys from this user: a listing without them would
-                    # pass for the whole store (gc and stats would see it empty).
-                    raise StorageError(f"{self._name}: list_pages failed: {nbytes}")
-                # A key gone since the scan has no idle time (nil); under an LFU policy an
-                # existing one answers an error instead. An empty value is listed.
-                if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):
-                    continue
-                header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
-                tokens = priority = 0
-                created = now  # a newer format's: unknown, so counted as new
-                if not isinstance(header, PageCheck):
-                    tokens, priority = header.num_tokens, header.priority
-                    created = header.created_ns / 1e9
-                last = now - idle if isinstance(idle, int) else created
-                if touched is not None and isinstance(idle, int) and idle >= touched:
-                    # Not used since a pass that read every page and recorded it (which
-                    # Redis counts as a use): its creation is the best recency left.
-                    last = created
-                if header is PageCheck.CORRUPT:
-                    last = 0.0  # damaged: the first gc evicts, whatever read it last
-                listed.append(_Listed(rkey, nbytes, tokens, priority, last))
+                page = self._judged(rkey, idle, head, nbytes, now=now, touched=touched)
+                if page is not None:
+                    listed.append(page)
             yield listed
         if record:
             await self._mark_touched()
+
+    def _judged(
+        self,
+        rkey: bytes,
+        idle: object,
+        head: object,
+        nbytes: object,
+        *,
+        now: float,
+        touched: int | None,
+    ) -> _Listed | None:
+        """A page as a listing gives it, from its `OBJECT IDLETIME`, header `GETRANGE` and
+        `STRLEN` replies (read in that order: the GETRANGE counts as an access); None for a
+        key gone since the scan or not a string."""
+        if isinstance(nbytes, NoPermissionError):
+            # The ACL keeps these keys from this user: a listing without them would pass for
+            # the whole store (gc and stats would see it empty).
+            raise StorageError(f"{self._name}: list_pages failed: {nbytes}")
+        # A key gone since the scan has no idle time (nil); under an LFU policy an existing
+        # one answers an error instead. An empty value is listed.
+        if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):
+            return None
+        header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
+        tokens = priority = 0
+        created = now  # a newer format's: unknown, so counted as new
+        if not isinstance(header, PageCheck):
+            tokens, priority = header.num_tokens, header.priority
+            created = header.created_ns / 1e9
+        last = now - idle if isinstance(idle, int) else created
+        if touched is not None and isinstance(idle, int) and idle >= touched:
+            # Not used since a pass that read every page and recorded it (which Redis
+            # counts as a use): its creation is the best recency left.
+            last = created
+        if header is PageCheck.CORRUPT:
+            last = 0.0  # damaged: the first gc evicts, whatever read it last
+        return _Listed(rkey, nbytes, tokens, priority, last)
+
+    async def _best_listed(self, limit: int) -> list[PageInfo]:
+        """The first `limit` pages of the full listing (`list_pages(limit, record=False)`),
+        reading only the headers that can decide them.
+
+        `OBJECT IDLETIME` (which, unlike a read, is no use for Redis) of every page comes
+        first, pipelined; a page whose idle time sets its last access (no LFU policy, used
+        since the last recorded pass) is last used at most then: less if its header says it
+        is damaged. Such pages are read (header and `STRLEN`) best first, and only while they
+        could still beat the `limit`-th page kept so far (ties go by scan order, as in the
+        full listing); the others, whose order their header decides, are all read. A page
+        that turns out damaged or gone makes room for the next.
+        """
+        client = self._redis()
+        now = time.time()
+        touched = await self._touched_idle()
+        # The best `limit` pages so far, the worst on top: (last access, -scan index, page).
+        best: list[tuple[float, int, _Listed]] = []
+        damaged = 0  # of those, listed as last used at 0: any page with an idle time beats them
+        scanned = 0
+
+        async def read(candidates: Sequence[tuple[int, bytes, object]]) -> None:
+            nonlocal damaged
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for _, rkey, _ in candidates:
+                        pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
+                        pipe.strlen(rkey)
+                    results = await pipe.execute(raise_on_error=False)
+            except REDIS_FAULTS as exc:
+                raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
+            for j, (index, rkey, idle) in enumerate(candidates):
+                head, nbytes = results[2 * j : 2 * j + 2]
+                page = self._judged(rkey, idle, head, nbytes, now=now, touched=touched)
+                if page is None:
+                    continue
+                entry = (page.last_access, -index, page)
+                if len(best) < limit:
+                    heapq.heappush(best, entry)
+                elif entry[:2] > best[0][:2]:
+                    damaged -= heapq.heapreplace(best, entry)[0] == 0.0
+                else:
+                    continue
+                damaged += page.last_access == 0.0
+
+        async for batch in self._scan():
+            idles = await self._idle_times(client, batch)
+            unbounded: list[tuple[int, bytes, object]] = []
+            bounded: list[tuple[float, int, bytes, int]] = []  # (bound, -index, key, idle)
+            for index, (rkey, idle) in enumerate(zip(batch, idles, strict=True), scanned):
+                if idle is None:
+                    continue  # gone since the scan
+                if _is_int(idle) and (touched is None or idle < touched):
+                    bounded.append((now - idle, -index, rkey, idle))
+                else:
+                    unbounded.append((index, rkey, idle))
+            scanned += len(batch)
+            for start in range(0, len(unbounded), _KEYS_PER_PIPELINE):
+                await read(unbounded[start : start + _KEYS_PER_PIPELINE])
+            bounded.sort(reverse=True)
+            taken = 0
+            while taken < len(bounded):
+                # Those that could still enter: as many as there is room for (damaged pages
+                # kept give theirs up), or once full of sound ones, at most as many as may be
+                # kept.
+                bar = best[0][:2] if len(best) == limit else None
+                room = limit - len(best) + damaged or limit
+                chunk = []
+                for bound, negative, rkey, idle in bounded[taken : taken + room]:
+                    if bar is not None and (bound, negative) < bar:
+                        break
+                    chunk.append((-negative, rkey, idle))
+                if not chunk:
+                    break
+                taken += len(chunk)
+                await read(chunk)
+        best.sort(reverse=True)
+        return [
+            PageInfo(
+                key=self._key_of(page.rkey),
+                nbytes=page.nbytes,
+                num_tokens=page.num_tokens,
+                priority=page.priority,
+                last_access=page.last_access,
+            )
+            for _, _, page in best
+        ]
+
+    async def _idle_times(self, client: RedisClient, rkeys: Sequence[bytes]) -> list[object]:
+        """`OBJECT IDLETIME` of each key, pipelined (on a bulk connection where there is one:
+        redis-py's own costs several times the server's time for such small replies): the
+        seconds, None for a key gone, or the error reply (an LFU policy keeps no idle time)."""
+        bulk = self._bulk
+        try:
+            if bulk is None:
+                async with client.pipeline(transaction=False) as pipe:
+                    for rkey in rkeys:
+                        pipe.object("idletime", rkey)
+                    return list(await pipe.execute(raise_on_error=False))
+            request = b"".join(
+                b"*3\r\n$6\r\nOBJECT\r\n$8\r\nIDLETIME\r\n$%d\r\n%s\r\n" % (len(rkey), rkey)
+                for rkey in rkeys
+            )
+
+            async def talk(conn: BulkConnection) -> list[object]:
+                await conn.send([request])
+                return [await conn.read_integer() for _ in rkeys]
+
+            return await bulk.exchange(talk)  # reads nothing: safe to repeat
+        except (*REDIS_FAULTS, OSError) as exc:
+            raise StorageError(f"{self._name}: list_pages failed: {self._fault(exc)}") from exc
 
     def _touched_rkey(self) -> bytes:
         return f"{self._prefix}:{_TOUCHED_NAME}".encode()  # never a page key (not hex)
@@ -1847,7 +1979,7 @@ class RedisStorage(BackendBase):
         # Exactly what _rkey writes (32-byte keys, lower-case hex): anything else under the
         # prefix may be someone else's and is never listed, verified or evicted.
         tail = rkey[len(self._prefix) + 1 :]
-        return len(tail) == 64 and all(c in _HEX_DIGITS for c in tail)
+        return len(tail) == 64 and not tail.translate(None, _HEX_DIGITS)
 
     async def _run_chunks(
         self, chunks: Sequence[range], run: Callable[[range], Awaitable[None]]

@@ -15,7 +15,7 @@ import subprocess
 import threading
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from operator import itemgetter
 from typing import Any, TypeVar
 
@@ -33,7 +33,7 @@ from hicache_async.storage import (
     encode_header,
     open_storage,
 )
-from hicache_async.storage._page import FORMAT_VERSION
+from hicache_async.storage._page import FORMAT_VERSION, PageCheck, decode_header
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import _servers
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
@@ -1883,3 +1883,140 @@ async def test_removals_keep_the_byte_count_where_strlen_is_refused(
         await admin.set(backend._rkey(keys[0]), os.urandom(900))
         assert await backend.delete(keys[:1]) == 1
         assert backend._bytes == 0
+
+
+async def _old_and_recent_pages(
+    backend: RedisStorage, admin: aioredis.Redis, old_count: int, *, gap_s: float
+) -> tuple[list[bytes], list[bytes], dict[bytes, int], dict[bytes, int]]:
+    """`old_count` pages, then after `gap_s` 12 recent ones; some of each damaged, and an
+    empty value. The old keys, the recent ones, {damaged key: stored length} and {sound
+    key: priority}."""
+    old, old_pages, old_metas = make_pages(old_count, 200)
+    assert await backend.put(old, old_pages, old_metas) == [Outcome.OK] * old_count
+    await asyncio.sleep(gap_s)  # past Redis's one-second idle clock
+    new, new_pages, new_metas = make_pages(12, 200)
+    assert await backend.put(new, new_pages, new_metas) == [Outcome.OK] * 12
+    damaged = {}
+    for key in [*old[::50], *new[::4]]:  # some among the most recent: read, passed over
+        rkey = backend._rkey(key)
+        raw = await admin.get(rkey)
+        assert isinstance(raw, bytes)
+        await admin.set(rkey, raw[:40] + bytes([raw[40] ^ 1]) + raw[41:])
+        damaged[rkey] = len(raw)
+    (empty,) = make_pages(1)[0]
+    await admin.set(backend._rkey(empty), b"")
+    damaged[backend._rkey(empty)] = 0
+    sound = {
+        backend._rkey(m.key): m.priority
+        for m in [*old_metas, *new_metas]
+        if backend._rkey(m.key) not in damaged
+    }
+    return old, new, damaged, sound
+
+
+async def _scan_order(
+    backend: RedisStorage, admin: aioredis.Redis, rkeys: Iterable[bytes]
+) -> list[bytes]:
+    """The pages in the order the backend's listing scans them. Lookups first (EXISTS: no
+    use for Redis) finish the server's incremental rehash, a step each, which would reorder
+    SCAN between this and the listing."""
+    async with admin.pipeline(transaction=False) as pipe:
+        for rkey in rkeys:
+            pipe.exists(rkey)
+        await pipe.execute()
+    return [rkey async for batch in backend._scan() for rkey in batch]
+
+
+async def _header_reads(admin: aioredis.Redis, call: Awaitable[T]) -> tuple[T, int]:
+    """What `call` returns, and how many GETRANGE the server ran meanwhile."""
+    await admin.config_resetstat()
+    result = await call
+    stats = await admin.info("commandstats")
+    return result, stats.get("cmdstat_getrange", {}).get("calls", 0)
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_limited_look_reads_only_the_headers_that_decide_it(bulk: int) -> None:
+    # `storage ls --limit 10` read every page's header (13.6 s for 200k pages). It reads the
+    # idle times of all (no use for Redis), then headers best first, and more where some
+    # of those turn out damaged: the same pages as the full listing's first ones. (The pages
+    # fit one scan batch, whose idle times are read together: the clock's one-second tick
+    # between two batches would move one against the other, here and in the full listing.)
+    with RedisServer() as server:
+        admin = aioredis.Redis(host=server.host, port=server.port)
+        try:
+            async with RedisStorage.from_url(fresh_url(server.url, bulk=bulk)) as backend:
+                old, new, damaged, sound = await _old_and_recent_pages(
+                    backend, admin, 200, gap_s=1.1
+                )
+                everything = sound.keys() | damaged.keys()
+                for limit in (1, 5, 10, 12, 20, 400):
+                    scanned = await _scan_order(backend, admin, everything)
+                    assert len(scanned) == 213
+                    # The full listing's order, from what reads nothing: idle times, the
+                    # scan's order, the damage done (damaged pages: last used at 0).
+                    async with admin.pipeline(transaction=False) as pipe:
+                        for rkey in scanned:
+                            pipe.object("idletime", rkey)
+                        idles = await pipe.execute()
+                    ranks = [
+                        (rkey in damaged, 0 if rkey in damaged else idle, i)
+                        for i, (rkey, idle) in enumerate(zip(scanned, idles, strict=True))
+                    ]
+                    order = sorted(range(len(scanned)), key=ranks.__getitem__)
+                    listed, reads = await _header_reads(
+                        admin, backend.list_pages(limit, record=False)
+                    )
+                    assert [backend._rkey(p.key) for p in listed] == [
+                        scanned[i] for i in order[:limit]
+                    ]
+                    for page in listed:
+                        rkey = backend._rkey(page.key)
+                        if rkey in damaged:
+                            assert (page.nbytes, page.last_access) == (damaged[rkey], 0.0)
+                            assert (page.num_tokens, page.priority) == (0, 0)
+                        else:
+                            assert page.nbytes == HEADER_NBYTES + 200
+                            assert (page.num_tokens, page.priority) == (16, sound[rkey])
+                    if limit < len(sound):
+                        assert reads <= limit + len(damaged)
+                # After a recorded pass the pages not used since go by their creation, which
+                # only their headers tell: those are all read, the ones used since are not.
+                created = {}
+                for rkey in scanned:
+                    header = decode_header(await admin.getrange(rkey, 0, HEADER_NBYTES - 1))
+                    if not isinstance(header, PageCheck):
+                        created[rkey] = header.created_ns / 1e9
+                await backend.list_pages()
+                await asyncio.sleep(2.2)  # used clearly after the mark, on a one-second clock
+                used = [new[1], old[7]]
+                assert (
+                    await backend.get(used, buffers(2, 200, split=200), namespace=NS)
+                    == [Outcome.OK] * 2
+                )
+                used_rkeys = {backend._rkey(key) for key in used}
+                scanned = await _scan_order(backend, admin, everything)
+                used_idle = {rkey: await admin.object("idletime", rkey) for rkey in used_rkeys}
+
+                def after_the_pass(i: int) -> tuple[bool, float, int]:
+                    rkey = scanned[i]
+                    if rkey in used_rkeys:
+                        return (False, used_idle[rkey], i)
+                    return (True, -created.get(rkey, 0.0), i)
+
+                order = sorted(range(len(scanned)), key=after_the_pass)
+                listed = await backend.list_pages(5, record=False)
+                assert [backend._rkey(p.key) for p in listed] == [scanned[i] for i in order[:5]]
+            # Over several scan batches: the recent pages, a few headers read per batch.
+            async with RedisStorage.from_url(fresh_url(server.url, bulk=bulk)) as backend:
+                _, new, damaged, sound = await _old_and_recent_pages(backend, admin, 600, gap_s=2.2)
+                recent = {backend._rkey(key) for key in new} - damaged.keys()
+                listed, reads = await _header_reads(
+                    admin, backend.list_pages(len(recent), record=False)
+                )
+                assert {backend._rkey(p.key) for p in listed} == recent
+                batches = -(-(len(sound) + len(damaged)) // 256)
+                assert reads <= batches * (2 * len(recent) + len(damaged))
+                assert reads < len(sound) // 4
+        finally:
+            await admin.aclose()
