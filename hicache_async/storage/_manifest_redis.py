@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import structlog
@@ -219,6 +219,20 @@ return removed
 )
 
 
+# Trim: keep the newest ARGV[1] records of the list KEYS[1] if it holds more, and move `gen`
+# of KEYS[2] on, in one atomic step. Returns 1 if it trimmed.
+_TRIM_SCRIPT = (
+    _BUMP_GEN
+    + """
+local cap = tonumber(ARGV[1])
+if redis.call('LLEN', KEYS[1]) <= cap then return 0 end
+redis.call('LTRIM', KEYS[1], -cap, -1)
+bump_gen()
+return 1
+"""
+)
+
+
 class _Stale(Exception):
     """A compaction or trim changed the list while it was being read."""
 
@@ -260,6 +274,7 @@ class RedisManifest:
         self._window: AsyncScript | None = None
         self._switch: AsyncScript | None = None
         self._repair_script: AsyncScript | None = None
+        self._trim_script: AsyncScript | None = None
         #: Compact a list that passes this many records; trim it to `_cap` records.
         self._compact_records = 2 * self.limits.max_entries
         self._cap = 4 * self.limits.max_entries
@@ -426,19 +441,47 @@ class RedisManifest:
         await self._trim(namespace)
 
     async def _trim(self, namespace: str) -> None:
-        """Keep the newest `_cap` records if compaction could not bring the list down."""
+        """Keep the newest `_cap` records if compaction could not bring the list down.
+
+        The length check, the trim and the move of `gen` are one atomic step (a script, or
+        without scripting a watched transaction): a `gen` read apart from its reset could be
+        reset again after a compaction had already moved it on, back to a generation readers
+        have seen.
+        """
         client = self._client()
         key, meta = self.list_key(namespace), self.meta_key(namespace)
         try:
-            if await client.llen(key) <= self._cap:
-                return
-            gen = await client.hget(meta, "gen")
-            async with client.pipeline(transaction=True) as pipe:
+            if self._scripting:
+                if self._trim_script is None:
+                    self._trim_script = client.register_script(_TRIM_SCRIPT)
+                ran, _ = await self._run_script(self._trim_script, [key, meta], [self._cap])
+                if ran:
+                    return
+            async with self._slot_client(namespace) as watching:
+                for _ in range(_ATTEMPTS):
+                    if await self._trim_watched(watching, key, meta):
+                        return
+        except REDIS_FAULTS as exc:
+            raise StorageError(f"{self._name}: manifest trim failed: {exc}") from exc
+        # Appends kept changing the list meanwhile; each append that passes the bound trims.
+        _log.warning("hicache.manifest.trim_overtaken", backend=self._name, namespace=namespace)
+
+    async def _trim_watched(self, client: Redis, key: str, meta: str) -> bool:
+        """The trim without scripting: the length and `gen` read under WATCH, then LTRIM and
+        the move of `gen` in MULTI/EXEC; False if a change meanwhile aborted it."""
+        async with client.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(key, meta)
+                if await pipe.llen(key) <= self._cap:
+                    return True
+                gen = await pipe.hget(meta, "gen")
+                pipe.multi()  # type: ignore[no-untyped-call]
                 pipe.ltrim(key, -self._cap, -1)
                 _bump_gen(pipe, meta, gen)
                 await pipe.execute()
-        except REDIS_FAULTS as exc:
-            raise StorageError(f"{self._name}: manifest trim failed: {exc}") from exc
+            except WatchError:
+                return False
+        return True
 
     # Reading.
 
@@ -649,7 +692,8 @@ class RedisManifest:
                 if ran:
                     wrong = [n.decode() if isinstance(n, bytes) else str(n) for n in removed]
             if wrong is None:
-                wrong = await self._repair_unscripted(client, key, meta)
+                async with self._slot_client(namespace) as watching:
+                    wrong = await self._repair_unscripted(watching, key, meta)
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest repair failed: {exc}") from exc
         if wrong:
@@ -671,19 +715,14 @@ class RedisManifest:
             self._scripting = False
             return False, None
 
-    async def _repair_unscripted(self, client: RedisClient, key: str, meta: str) -> list[str]:
-        """The repair without scripting: check the types, then delete in MULTI/EXEC, watched
-        on a standalone server so that a key changed meanwhile aborts it (it is then left
-        for the next repair). redis-py's cluster pipeline cannot watch without blocking the
-        loop, so on a cluster the check and the delete are two steps."""
-        watched = not isinstance(client, RedisCluster)
+    async def _repair_unscripted(self, client: Redis, key: str, meta: str) -> list[str]:
+        """The repair without scripting: check the types (and read `gen`) under WATCH, then
+        delete in MULTI/EXEC, so that a key changed meanwhile aborts it (it is then left for
+        the next repair). `client` is one whose pipelines can watch (`_slot_client`)."""
         async with client.pipeline(transaction=True) as pipe:
             try:
-                if watched:
-                    await pipe.watch(key, meta)
-                    kinds = [await pipe.type(key), await pipe.type(meta)]
-                else:
-                    kinds = [await client.type(key), await client.type(meta)]
+                await pipe.watch(key, meta)
+                kinds = [await pipe.type(key), await pipe.type(meta)]
                 wrong = [
                     name
                     for name, kind, ours in ((key, kinds[0], b"list"), (meta, kinds[1], b"hash"))
@@ -693,9 +732,8 @@ class RedisManifest:
                     return []
                 gen = None
                 if meta not in wrong:
-                    gen = await (pipe if watched else client).hget(meta, "gen")
-                if watched:
-                    pipe.multi()  # type: ignore[no-untyped-call]
+                    gen = await pipe.hget(meta, "gen")
+                pipe.multi()  # type: ignore[no-untyped-call]
                 pipe.delete(*wrong)
                 if meta not in wrong:
                     pipe.hset(meta, "bytes", 0)
@@ -740,30 +778,35 @@ class RedisManifest:
         Any change to the list since the snapshot (an append included) aborts it; the
         caller retries, and the trim bounds the list if appends keep winning.
         """
-        client = self._client()
-        if isinstance(client, RedisCluster):
-            # redis-py's cluster pipeline runs each command between WATCH and MULTI in a
-            # thread of its own that the event loop waits for, blocked; the namespace's keys
-            # share one slot, so the switch runs on plain connections to that slot's node
-            # (two: the watching one, and one for what is asked beside it).
-            node = client.get_node_from_key(self.list_key(namespace))
-            if node is None:
-                raise RedisClusterException(f"no node serves the slot of {namespace}")
-            pool = ConnectionPool(
-                connection_class=node.connection_class, max_connections=2, **node.connection_kwargs
+        async with self._slot_client(namespace) as client:
+            return await self._switch_watched_on(
+                client, namespace, gen=gen, length=length, temp=temp, nbytes=nbytes
             )
-            standalone = Redis(connection_pool=pool)
-            try:
-                return await self._switch_watched_on(
-                    standalone, namespace, gen=gen, length=length, temp=temp, nbytes=nbytes
-                )
-            finally:
-                with contextlib.suppress(*REDIS_FAULTS, OSError):
-                    await standalone.aclose()
-                await pool.aclose()
-        return await self._switch_watched_on(
-            client, namespace, gen=gen, length=length, temp=temp, nbytes=nbytes
+
+    @contextlib.asynccontextmanager
+    async def _slot_client(self, namespace: str) -> AsyncIterator[Redis]:
+        """A client whose pipelines can WATCH the namespace's keys: the store's own on a
+        standalone server. redis-py's cluster pipeline runs each command between WATCH and
+        MULTI in a thread of its own that the event loop waits for, blocked; the namespace's
+        keys share one slot, so on a cluster this is a client of plain connections to that
+        slot's node (two: the watching one, and one for what is asked beside it)."""
+        client = self._client()
+        if not isinstance(client, RedisCluster):
+            yield client
+            return
+        node = client.get_node_from_key(self.list_key(namespace))
+        if node is None:
+            raise RedisClusterException(f"no node serves the slot of {namespace}")
+        pool = ConnectionPool(
+            connection_class=node.connection_class, max_connections=2, **node.connection_kwargs
         )
+        standalone = Redis(connection_pool=pool)
+        try:
+            yield standalone
+        finally:
+            with contextlib.suppress(*REDIS_FAULTS, OSError):
+                await standalone.aclose()
+            await pool.aclose()
 
     async def _switch_watched_on(
         self, client: Redis, namespace: str, *, gen: bytes, length: int, temp: str, nbytes: int

@@ -109,7 +109,7 @@ _PREFIX_SCRIPT = (
     "end return #KEYS"
 )
 _KEYS_PER_SCRIPT = 1024
-_HEX_DIGITS = frozenset(b"0123456789abcdef")
+_HEX_DIGITS = b"0123456789abcdef"
 # Removes a page verify() found damaged only if it still holds that value (same length, same
 # leading bytes): a page stored again meanwhile is sound and stays.
 _REMOVE_IF_SAME_SCRIPT = (
@@ -235,9 +235,9 @@ def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
 
 
 #: What a bulk GET yields per key before the payload checksums are checked: the header of a
-#: payload now in its page, None (absent), (verdict, reason) for a value its header rejects,
-#: or the key's error reply.
-_Received = PageHeader | tuple[PageCheck, str] | ReplyError | None
+#: payload now in its page, None (absent), (verdict, reason, stored length) for a value its
+#: header rejects, or the key's error reply.
+_Received = PageHeader | tuple[PageCheck, str, int] | ReplyError | None
 
 
 class _Stream(NamedTuple):
@@ -270,6 +270,46 @@ def _read_refused(error: BaseException) -> bool:
     """Whether an error reply to STRLEN, GETRANGE or EXISTS means the command is refused
     here for good (an ACL that lists commands, a proxy), not a fault of one key."""
     return bool(_READ_REFUSALS.search(_reply_text(error).lower()))
+
+
+#: Pages `gc` sorts in one piece: a sort holds the GIL throughout, this many for about 2 ms.
+_GC_SLICE = 8192
+
+
+def _gc_victims(
+    entries: Sequence[tuple[float, int, bytes]],
+    total: int,
+    capacity: int,
+    *,
+    slice_len: int = _GC_SLICE,
+) -> list[bytes]:
+    """The keys `gc` evicts, least recently used first, until the rest (of `total` bytes
+    in all) fit `capacity`: among equal last accesses the last one listed goes first.
+
+    `entries` are (last access, bytes, key) in listing order. Run on a worker thread, in
+    slices: one sort of every page would hold the GIL, so the loop, throughout; the slices
+    are merged by a generator, between whose steps the loop gets the GIL back.
+    """
+    # Slices taken from the end and reversed, each sorted stably by last access: the merge
+    # (which takes ties from earlier slices first) then yields ties latest listed first.
+    ends = range(len(entries), 0, -slice_len)
+    runs = [sorted(entries[max(end - slice_len, 0) : end][::-1], key=itemgetter(0)) for end in ends]
+    victims: list[bytes] = []
+    for _, nbytes, rkey in heapq.merge(*runs, key=itemgetter(0)):
+        if total <= capacity:
+            break
+        victims.append(rkey)
+        total -= nbytes
+    return victims
+
+
+def _nbytes_from_start(head: bytes) -> int | None:
+    """A value's length told by its first `HEADER_NBYTES` bytes: itself if shorter, else
+    the page size its header gives; None if the header does not decode."""
+    if len(head) < HEADER_NBYTES:
+        return len(head)
+    header = decode_header(head)
+    return None if isinstance(header, PageCheck) else header.page_nbytes
 
 
 def _last_access(page: PageInfo) -> float:
@@ -508,6 +548,7 @@ class RedisStorage(BackendBase):
         self._multikey = not cluster if multikey is None else multikey
         self._bounded_reads = True  # False once STRLEN or GETRANGE is refused (_read_starts)
         self._touch = True  # False once TOUCH is refused (see _exists_pipeline)
+        self._strlen = True  # False once STRLEN is refused (see _delete_rkeys)
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
@@ -828,6 +869,7 @@ class RedisStorage(BackendBase):
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         corrupt: list[bytes] = []
+        corrupt_nbytes: list[int] = []  # the stored length each was read with
         # Pages judged damaged from a value read in two commands (index, length, header,
         # reason): judged for good by their removal, which takes only that value. Another
         # writer may have replaced it between the commands; then it is a miss.
@@ -835,7 +877,7 @@ class RedisStorage(BackendBase):
         payloads = [payload_nbytes(page) for page in targets]
         mac_key = self._mac_key
 
-        def judge(i: int, result: PageCheck, reason: str) -> None:
+        def judge(i: int, result: PageCheck, reason: str, stored: int) -> None:
             if result is PageCheck.OK:
                 outcomes[i] = Outcome.OK
             elif result is PageCheck.UNSUPPORTED:
@@ -843,6 +885,7 @@ class RedisStorage(BackendBase):
             else:
                 outcomes[i] = Outcome.CORRUPT
                 corrupt.append(keys[i])
+                corrupt_nbytes.append(stored)
                 self._report_corrupt(keys[i], reason)
 
         # A pipeline that failed as a whole (a timeout, a lost connection) has already cost
@@ -907,7 +950,7 @@ class RedisStorage(BackendBase):
                             outcomes[i] = Outcome.CORRUPT
                             suspects.append((i, stored, bytes(value[:HEADER_NBYTES]), reason))
                             continue
-                    judge(i, result, reason)
+                    judge(i, result, reason, stored)
 
         async def fetch_into(bulk: BulkConnectionPool, chunk: range) -> None:
             nonlocal given_up
@@ -941,7 +984,7 @@ class RedisStorage(BackendBase):
                 elif isinstance(got, PageHeader):
                     verdict = next(verdicts)
                     if verdict is not None:
-                        judge(i, verdict, "checksum or mac")
+                        judge(i, verdict, "checksum or mac", HEADER_NBYTES + payloads[i])
                 elif isinstance(got, tuple):
                     judge(i, *got)
                 else:  # an error reply for this key, which stays ERROR
@@ -971,7 +1014,7 @@ class RedisStorage(BackendBase):
                 outcomes[i] = Outcome.MISS  # replaced meanwhile: what is stored now may be sound
         if corrupt:
             try:
-                await self._delete_rkeys([self._rkey(k) for k in corrupt])
+                await self._delete_rkeys([self._rkey(k) for k in corrupt], corrupt_nbytes)
             except StorageError as exc:
                 # Counted either way; the next reader that meets the page retries.
                 log.warning("storage.redis.remove_failed", backend=self._name, error=str(exc))
@@ -1119,7 +1162,7 @@ class RedisStorage(BackendBase):
                     reason = corrupt_reason(
                         head, key=keys[i], namespace=namespace, payload_nbytes=expected
                     )
-                    received.append((i, (verdict, reason)))
+                    received.append((i, (verdict, reason, length)))
                 await conn.skip(2)
             return received
 
@@ -1406,10 +1449,14 @@ class RedisStorage(BackendBase):
         stands in for its last access then. Reading the headers counts as a use for Redis:
         with `record` the pass then writes the `maintenance-read-at` mark that lets later
         listings see past it; without, it writes nothing (the CLI's `ls`). With `limit`
-        only that many pages are held at a time (a bounded heap over the same order).
+        only that many pages are held at a time (a bounded heap over the same order), and
+        without `record` only the headers that can decide the result are read: see
+        `_best_listed`.
         """
         if limit is not None and limit <= 0:
             return []
+        if limit is not None and not record:
+            return await self._best_listed(limit)
         pages: list[PageInfo] = []
         async for batch in self._listed(record=record):
             pages.extend(
@@ -1481,31 +1528,159 @@ class RedisStorage(BackendBase):
             listed: list[_Listed] = []
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
-                if isinstance(nbytes, NoPermissionError):
-                    # The ACL keeps these keys from this user: a listing without them would
-                    # pass for the whole store (gc and stats would see it empty).
-                    raise StorageError(f"{self._name}: list_pages failed: {nbytes}")
-                # A key gone since the scan has no idle time (nil); under an LFU policy an
-                # existing one answers an error instead. An empty value is listed.
-                if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):
-                    continue
-                header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
-                tokens = priority = 0
-                created = now  # a newer format's: unknown, so counted as new
-                if not isinstance(header, PageCheck):
-                    tokens, priority = header.num_tokens, header.priority
-                    created = header.created_ns / 1e9
-                last = now - idle if isinstance(idle, int) else created
-                if touched is not None and isinstance(idle, int) and idle >= touched:
-                    # Not used since a pass that read every page and recorded it (which
-                    # Redis counts as a use): its creation is the best recency left.
-                    last = created
-                if header is PageCheck.CORRUPT:
-                    last = 0.0  # damaged: the first gc evicts, whatever read it last
-                listed.append(_Listed(rkey, nbytes, tokens, priority, last))
+                page = self._judged(rkey, idle, head, nbytes, now=now, touched=touched)
+                if page is not None:
+                    listed.append(page)
             yield listed
         if record:
             await self._mark_touched()
+
+    def _judged(
+        self,
+        rkey: bytes,
+        idle: object,
+        head: object,
+        nbytes: object,
+        *,
+        now: float,
+        touched: int | None,
+    ) -> _Listed | None:
+        """A page as a listing gives it, from its `OBJECT IDLETIME`, header `GETRANGE` and
+        `STRLEN` replies (read in that order: the GETRANGE counts as an access); None for a
+        key gone since the scan or not a string."""
+        if isinstance(nbytes, NoPermissionError):
+            # The ACL keeps these keys from this user: a listing without them would pass for
+            # the whole store (gc and stats would see it empty).
+            raise StorageError(f"{self._name}: list_pages failed: {nbytes}")
+        # A key gone since the scan has no idle time (nil); under an LFU policy an existing
+        # one answers an error instead. An empty value is listed.
+        if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):
+            return None
+        header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
+        tokens = priority = 0
+        created = now  # a newer format's: unknown, so counted as new
+        if not isinstance(header, PageCheck):
+            tokens, priority = header.num_tokens, header.priority
+            created = header.created_ns / 1e9
+        last = now - idle if isinstance(idle, int) else created
+        if touched is not None and isinstance(idle, int) and idle >= touched:
+            # Not used since a pass that read every page and recorded it (which Redis
+            # counts as a use): its creation is the best recency left.
+            last = created
+        if header is PageCheck.CORRUPT:
+            last = 0.0  # damaged: the first gc evicts, whatever read it last
+        return _Listed(rkey, nbytes, tokens, priority, last)
+
+    async def _best_listed(self, limit: int) -> list[PageInfo]:
+        """The first `limit` pages of the full listing (`list_pages(limit, record=False)`),
+        reading only the headers that can decide them.
+
+        `OBJECT IDLETIME` (which, unlike a read, is no use for Redis) of every page comes
+        first, pipelined; a page whose idle time sets its last access (no LFU policy, used
+        since the last recorded pass) is last used at most then: less if its header says it
+        is damaged. Such pages are read (header and `STRLEN`) best first, and only while they
+        could still beat the `limit`-th page kept so far (ties go by scan order, as in the
+        full listing); the others, whose order their header decides, are all read. A page
+        that turns out damaged or gone makes room for the next.
+        """
+        client = self._redis()
+        now = time.time()
+        touched = await self._touched_idle()
+        # The best `limit` pages so far, the worst on top: (last access, -scan index, page).
+        best: list[tuple[float, int, _Listed]] = []
+        damaged = 0  # of those, listed as last used at 0: any page with an idle time beats them
+        scanned = 0
+
+        async def read(candidates: Sequence[tuple[int, bytes, object]]) -> None:
+            nonlocal damaged
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for _, rkey, _ in candidates:
+                        pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
+                        pipe.strlen(rkey)
+                    results = await pipe.execute(raise_on_error=False)
+            except REDIS_FAULTS as exc:
+                raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
+            for j, (index, rkey, idle) in enumerate(candidates):
+                head, nbytes = results[2 * j : 2 * j + 2]
+                page = self._judged(rkey, idle, head, nbytes, now=now, touched=touched)
+                if page is None:
+                    continue
+                entry = (page.last_access, -index, page)
+                if len(best) < limit:
+                    heapq.heappush(best, entry)
+                elif entry[:2] > best[0][:2]:
+                    damaged -= heapq.heapreplace(best, entry)[0] == 0.0
+                else:
+                    continue
+                damaged += page.last_access == 0.0
+
+        async for batch in self._scan():
+            idles = await self._idle_times(client, batch)
+            unbounded: list[tuple[int, bytes, object]] = []
+            bounded: list[tuple[float, int, bytes, int]] = []  # (bound, -index, key, idle)
+            for index, (rkey, idle) in enumerate(zip(batch, idles, strict=True), scanned):
+                if idle is None:
+                    continue  # gone since the scan
+                if _is_int(idle) and (touched is None or idle < touched):
+                    bounded.append((now - idle, -index, rkey, idle))
+                else:
+                    unbounded.append((index, rkey, idle))
+            scanned += len(batch)
+            for start in range(0, len(unbounded), _KEYS_PER_PIPELINE):
+                await read(unbounded[start : start + _KEYS_PER_PIPELINE])
+            bounded.sort(reverse=True)
+            taken = 0
+            while taken < len(bounded):
+                # Those that could still enter: as many as there is room for (damaged pages
+                # kept give theirs up), or once full of sound ones, at most as many as may be
+                # kept.
+                bar = best[0][:2] if len(best) == limit else None
+                room = limit - len(best) + damaged or limit
+                chunk = []
+                for bound, negative, rkey, idle in bounded[taken : taken + room]:
+                    if bar is not None and (bound, negative) < bar:
+                        break
+                    chunk.append((-negative, rkey, idle))
+                if not chunk:
+                    break
+                taken += len(chunk)
+                await read(chunk)
+        best.sort(reverse=True)
+        return [
+            PageInfo(
+                key=self._key_of(page.rkey),
+                nbytes=page.nbytes,
+                num_tokens=page.num_tokens,
+                priority=page.priority,
+                last_access=page.last_access,
+            )
+            for _, _, page in best
+        ]
+
+    async def _idle_times(self, client: RedisClient, rkeys: Sequence[bytes]) -> list[object]:
+        """`OBJECT IDLETIME` of each key, pipelined (on a bulk connection where there is one:
+        redis-py's own costs several times the server's time for such small replies): the
+        seconds, None for a key gone, or the error reply (an LFU policy keeps no idle time)."""
+        bulk = self._bulk
+        try:
+            if bulk is None:
+                async with client.pipeline(transaction=False) as pipe:
+                    for rkey in rkeys:
+                        pipe.object("idletime", rkey)
+                    return list(await pipe.execute(raise_on_error=False))
+            request = b"".join(
+                b"*3\r\n$6\r\nOBJECT\r\n$8\r\nIDLETIME\r\n$%d\r\n%s\r\n" % (len(rkey), rkey)
+                for rkey in rkeys
+            )
+
+            async def talk(conn: BulkConnection) -> list[object]:
+                await conn.send([request])
+                return [await conn.read_integer() for _ in rkeys]
+
+            return await bulk.exchange(talk)  # reads nothing: safe to repeat
+        except (*REDIS_FAULTS, OSError) as exc:
+            raise StorageError(f"{self._name}: list_pages failed: {self._fault(exc)}") from exc
 
     def _touched_rkey(self) -> bytes:
         return f"{self._prefix}:{_TOUCHED_NAME}".encode()  # never a page key (not hex)
@@ -1715,12 +1890,11 @@ class RedisStorage(BackendBase):
             for listed in batch:
                 entries.append((listed.last_access, listed.nbytes, listed.rkey))
                 total += listed.nbytes
-        entries.sort(key=itemgetter(0), reverse=True)  # the listing's order
-        victims: list[bytes] = []
-        while entries and total > self._capacity:
-            _, nbytes, rkey = entries.pop()  # least recently used
-            victims.append(rkey)
-            total -= nbytes
+        if total <= self._capacity:
+            return GcReport(evicted_pages=0, freed_bytes=0)
+        capacity = self._capacity
+        # Sorting every page at once held the loop (~0.1 s for 200k pages).
+        victims = await self.run_job(lambda stop: _gc_victims(entries, total, capacity))
         if not victims:
             return GcReport(evicted_pages=0, freed_bytes=0)
         evicted, freed = await self._delete_rkeys(victims)
@@ -1805,7 +1979,7 @@ class RedisStorage(BackendBase):
         # Exactly what _rkey writes (32-byte keys, lower-case hex): anything else under the
         # prefix may be someone else's and is never listed, verified or evicted.
         tail = rkey[len(self._prefix) + 1 :]
-        return len(tail) == 64 and all(c in _HEX_DIGITS for c in tail)
+        return len(tail) == 64 and not tail.translate(None, _HEX_DIGITS)
 
     async def _run_chunks(
         self, chunks: Sequence[range], run: Callable[[range], Awaitable[None]]
@@ -1836,8 +2010,18 @@ class RedisStorage(BackendBase):
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _delete_rkeys(self, rkeys: Sequence[bytes]) -> tuple[int, int]:
-        """DEL the keys (STRLEN first, for the byte count): (how many existed, their bytes)."""
+    async def _delete_rkeys(
+        self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
+    ) -> tuple[int, int]:
+        """DEL the keys: (how many existed, their bytes).
+
+        Each DEL comes with a STRLEN for the byte count. Where STRLEN is refused (an ACL
+        that lists commands, a proxy), a key's bytes are the length its value was just read
+        with (`read_nbytes`, from a get), else what its header says (a GETRANGE of it, exact
+        for a page as written and for a value shorter than a header), else unknown: counted
+        as this instance's mean page, so that `stats().bytes` neither drifts below zero nor
+        grows without bound.
+        """
         client = self._redis()
         removed = 0
         freed = 0
@@ -1846,20 +2030,38 @@ class RedisStorage(BackendBase):
             try:
                 async with client.pipeline(transaction=False) as pipe:
                     for rkey in batch:
-                        pipe.strlen(rkey)
+                        if self._strlen:
+                            pipe.strlen(rkey)
+                        else:
+                            pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
                         pipe.delete(rkey)
                     results = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: delete failed: {exc}") from exc
-            for nbytes, deleted in zip(results[::2], results[1::2], strict=True):
+            for k, (sized, deleted) in enumerate(zip(results[::2], results[1::2], strict=True)):
                 if isinstance(deleted, Exception):
                     self._counters.errors += 1
                     raise StorageError(f"{self._name}: delete failed: {deleted}")
-                if deleted:
-                    removed += 1
-                    size = nbytes if isinstance(nbytes, int) else 0
-                    freed += size
-                    self._pages -= 1
-                    self._bytes -= size
+                if self._strlen and isinstance(sized, Exception) and _read_refused(sized):
+                    self._strlen = False  # learnt from the header from now on
+                    log.warning(
+                        "storage.redis.strlen_refused", backend=self._name, error=str(sized)
+                    )
+                if not deleted:
+                    continue
+                size = sized if _is_int(sized) else None
+                if size is None and read_nbytes is not None:
+                    size = read_nbytes[start + k]
+                if size is None and isinstance(sized, bytes):
+                    size = _nbytes_from_start(sized)
+                if size is None:
+                    # Unknown: this instance's mean page, and all that is left with its last
+                    # page, so `bytes` is back at 0 when `pages` is.
+                    left = max(self._bytes, 0)
+                    size = left // self._pages if self._pages > 1 else left
+                removed += 1
+                freed += size
+                self._pages -= 1
+                self._bytes -= size
         return removed, freed

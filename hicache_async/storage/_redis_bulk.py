@@ -116,6 +116,14 @@ class BulkConnection:
         """Send one command whose reply is an integer (`EVALSHA` of a script returning a
         number); returns it, or the error reply."""
         await self.send([_command(*command)])
+        reply = await self.read_integer()
+        if reply is None:
+            raise ProtocolError("nil reply where an integer was due")
+        return reply
+
+    async def read_integer(self) -> int | ReplyError | None:
+        """The reply to a command that answers an integer or nil (`OBJECT IDLETIME`): the
+        integer, None for nil, or the error reply."""
         line = await self._read_line()
         kind = line[:1]
         if kind == b":":
@@ -125,6 +133,8 @@ class BulkConnection:
                 raise ProtocolError(f"bad integer reply: {line[:40]!r}") from None
         if kind == b"-":
             return ReplyError(line[1:].decode("utf-8", "replace"))
+        if line in {b"$-1", b"_"}:
+            return None
         raise ProtocolError(f"unexpected reply where an integer was due: {line[:40]!r}")
 
     async def read_bulk_length(self) -> int | ReplyError | None:

@@ -779,18 +779,43 @@ async def test_a_cold_instance_warms_up_from_redis_and_serves_from_its_host_pool
             assert node.host_ref == 0
 
 
-class _RaceAfterTypes:
-    """A client whose first look at a key's type lets `meanwhile` run right after it: the
-    moment between a repair's check and its delete."""
+class _RaceAfter:
+    """A client whose first command that `picked(name, args)` chooses, sent on its own or run
+    at once under WATCH, lets `meanwhile` run right after it: what another writer may do
+    between a read and what follows it."""
 
-    def __init__(self, client: Any, meanwhile: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        client: Any,
+        meanwhile: Callable[[], Awaitable[None]],
+        picked: Callable[[str, tuple[Any, ...]], bool],
+    ) -> None:
         self._client = client
         self._meanwhile: Callable[[], Awaitable[None]] | None = meanwhile
+        self._picked = picked
 
-    async def _after_check(self) -> None:
+    async def _after(self) -> None:
         if self._meanwhile is not None:
             run, self._meanwhile = self._meanwhile, None
             await run()
+
+    def _wrapped(self, name: str, attr: Any, queue: object) -> Any:
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = attr(*args, **kwargs)
+            if result is queue or not self._picked(name, args):
+                return result  # queued in a pipeline, or not the command picked
+
+            async def then() -> Any:
+                value = await result
+                await self._after()
+                return value
+
+            return then()
+
+        return call
 
     def pipeline(self, transaction: bool = True) -> Any:
         race = self
@@ -805,30 +830,12 @@ class _RaceAfterTypes:
                 await inner.__aexit__(*exc)
 
             def __getattr__(self, name: str) -> Any:
-                return getattr(inner, name)
-
-            async def execute(self, *args: Any, **kwargs: Any) -> Any:
-                replies = await inner.execute(*args, **kwargs)
-                if not transaction:  # the check, sent in a pipeline of its own
-                    await race._after_check()
-                return replies
-
-            def type(self, key: str) -> Any:
-                result = inner.type(key)
-                if not transaction or not key.endswith(":meta"):
-                    return result  # queued in a pipeline
-
-                async def checked() -> Any:  # the check, while watching
-                    kind = await result
-                    await race._after_check()
-                    return kind
-
-                return checked()
+                return race._wrapped(name, getattr(inner, name), inner)
 
         return Pipe()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
+        return self._wrapped(name, getattr(self._client, name), None)
 
 
 async def test_a_redis_manifest_repair_never_removes_a_list_repaired_meanwhile(
@@ -848,8 +855,66 @@ async def test_a_redis_manifest_repair_never_removes_a_list_repaired_meanwhile(
         # Another writer repairs the list and appends to it between this one's check and its
         # delete: what it appended must stay.
         plain = first._client
-        first._client = lambda: _RaceAfterTypes(plain(), lambda: second.append([entry(NS_A, 100)]))
+        first._client = lambda: _RaceAfter(
+            plain(),
+            lambda: second.append([entry(NS_A, 100)]),
+            lambda name, args: name == "type" and str(args[0]).endswith(":meta"),
+        )
         await first.append([entry(NS_A, 1)])
         chains = {e.chain_id for e in (await second.read(namespace=ns)).entries}
         assert entry(NS_A, 100).chain_id in chains
         assert entry(NS_A, 1).chain_id in chains
+
+
+async def test_a_redis_manifest_trim_reads_and_resets_a_damaged_gen_in_one_step(
+    redis_backend: RedisStorage,
+) -> None:
+    # A compaction that moved a damaged `gen` on between the trim's read of it and its reset
+    # was undone by that reset: the list trimmed after it, under the generation a reader had
+    # seen after the compaction.
+    limits = ManifestLimits(max_entries=4, max_entry_bytes=4096)
+    manifest, other = redis_backend.manifest(limits), redis_backend.manifest(limits)
+    client = redis_backend._redis()
+    ns = NS_A.hex()
+    meta, key = manifest.meta_key(ns), manifest.list_key(ns)
+    records = [encode_entry(entry(NS_A, i))[:-1] for i in range(20)]
+    await client.rpush(key, *records)  # type: ignore[misc]
+    await client.hset(meta, "gen", b"garbage")  # type: ignore[misc]
+    seen: dict[str, Any] = {}
+
+    async def compact_and_append() -> None:
+        await other.compact_namespace(ns)  # moves the damaged gen on: reset, then 1
+        await client.rpush(key, *records)  # type: ignore[misc]  # past the cap again
+        seen["gen"] = await client.hget(meta, "gen")  # type: ignore[misc]
+        seen["list"] = await client.lrange(key, 0, -1)  # type: ignore[misc]
+
+    plain = manifest._client
+    manifest._client = lambda: _RaceAfter(
+        plain(), compact_and_append, lambda name, args: name == "hget" and args[1:] == ("gen",)
+    )
+    await manifest._trim(ns)
+    gen = await client.hget(meta, "gen")  # type: ignore[misc]
+    assert isinstance(gen, bytes)
+    assert gen.isdigit()
+    assert await client.llen(key) == 16  # type: ignore[misc]
+    if seen:  # read apart from the script (without scripting: under WATCH)
+        assert gen != seen["gen"] or await client.lrange(key, 0, -1) == seen["list"]  # type: ignore[misc]
+
+
+async def test_a_redis_cluster_manifest_trims_without_scripting(redis_cluster_url: str) -> None:
+    # Without scripting the trim watches the namespace's keys on plain connections to their
+    # node (redis-py's cluster pipeline would block the loop through WATCH).
+    url = f"{redis_cluster_url}&prefix=t{uuid.uuid4().hex}"
+    async with RedisStorage.from_url(url) as backend:
+        manifest = backend.manifest(ManifestLimits(max_entries=4, max_entry_bytes=4096))
+        manifest._scripting = False
+        client = backend._redis()
+        ns = NS_A.hex()
+        meta, key = manifest.meta_key(ns), manifest.list_key(ns)
+        await client.rpush(key, *[encode_entry(entry(NS_A, i))[:-1] for i in range(20)])  # type: ignore[misc]
+        await client.hset(meta, "gen", b"garbage")  # type: ignore[misc]
+        await manifest._trim(ns)
+        assert await client.llen(key) == 16  # type: ignore[misc]
+        assert await client.hget(meta, "gen") == b"1"  # type: ignore[misc]
+        await manifest._trim(ns)  # within the cap: nothing to do, gen stays
+        assert await client.hget(meta, "gen") == b"1"  # type: ignore[misc]

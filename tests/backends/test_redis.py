@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -14,8 +15,9 @@ import subprocess
 import threading
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from operator import itemgetter
+from typing import Any, TypeVar
 
 import pytest
 import pytest_asyncio
@@ -23,8 +25,15 @@ import redis.asyncio as aioredis
 import structlog
 
 from hicache_async import StorageConfigError, StorageError
-from hicache_async.storage import HEADER_NBYTES, Outcome, PageMeta, encode_header, open_storage
-from hicache_async.storage._page import FORMAT_VERSION
+from hicache_async.storage import (
+    HEADER_NBYTES,
+    Outcome,
+    PageMeta,
+    _redis,
+    encode_header,
+    open_storage,
+)
+from hicache_async.storage._page import FORMAT_VERSION, PageCheck, decode_header
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import _servers
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
@@ -477,6 +486,64 @@ async def test_listing_the_pages_does_not_cost_gc_its_order(redis_url: str, insp
         assert await backend.exists(new) == 2
         assert await backend.exists(old[:1]) == 1
         assert sum([await backend.exists([key]) for key in old[1:]]) == 0
+
+
+def _victims_by_one_sort(
+    entries: list[tuple[float, int, bytes]], total: int, capacity: int
+) -> list[bytes]:
+    """What gc evicted when it sorted every page at once: the reference order."""
+    ordered = sorted(entries, key=itemgetter(0), reverse=True)
+    victims = []
+    while ordered and total > capacity:
+        _, nbytes, rkey = ordered.pop()
+        victims.append(rkey)
+        total -= nbytes
+    return victims
+
+
+def test_gc_victims_in_slices_are_those_of_one_sort() -> None:
+    rng = random.Random(7)
+    for count, slice_len in [(0, 4), (1, 4), (50, 7), (1000, 64), (1000, 1000), (1000, 5000)]:
+        # Few distinct times: many ties, which go latest listed first.
+        entries = [
+            (float(rng.randrange(20)), rng.randrange(1, 100), b"%d" % i) for i in range(count)
+        ]
+        total = sum(nbytes for _, nbytes, _ in entries)
+        for capacity in (0, total // 3, total - 1, total):
+            chosen = _redis._gc_victims(entries, total, capacity, slice_len=slice_len)
+            assert chosen == _victims_by_one_sort(entries, total, capacity)
+
+
+async def test_gc_chooses_its_victims_off_the_loop(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sorting every page on the loop held it for about 0.1 s at 200k pages.
+    page = HEADER_NBYTES + 3000
+    async with RedisStorage.from_url(fresh_url(redis_url, capacity=2 * page)) as backend:
+        keys, pages, metas = make_pages(4)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 4
+        reached, go = threading.Event(), threading.Event()
+        threads: list[threading.Thread] = []
+        choose = _redis._gc_victims
+
+        def held(*args: Any, **kwargs: Any) -> list[bytes]:
+            threads.append(threading.current_thread())
+            reached.set()
+            assert go.wait(10), "the test never let the worker go"
+            return choose(*args, **kwargs)
+
+        monkeypatch.setattr(_redis, "_gc_victims", held)
+        collecting = asyncio.ensure_future(backend.gc())
+        try:
+            assert await asyncio.to_thread(reached.wait, 10)
+            # While gc chooses, the loop serves other calls.
+            assert await backend.exists(keys) == 4
+        finally:
+            go.set()
+        report = await collecting
+        assert (report.evicted_pages, report.freed_bytes) == (2, 2 * page)
+        assert threads
+        assert threading.current_thread() not in threads
 
 
 async def test_gc_evicts_pages_with_unreadable_headers_first_and_lists_empty_values(
@@ -1775,3 +1842,181 @@ async def test_a_user_without_exists_gets_misses_for_absent_keys(redis_url: str)
         outcomes = await backend.get(keys, buffers(3), namespace=NS)
         assert outcomes == [Outcome.OK, Outcome.CORRUPT, Outcome.MISS]
         assert backend.stats().errors == 0
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_removals_keep_the_byte_count_where_strlen_is_refused(
+    redis_url: str, bulk: int
+) -> None:
+    # A removal's bytes came from STRLEN alone: refused, they were counted as 0, and
+    # stats().bytes grew with every page removed.
+    page = HEADER_NBYTES + 3000
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-strlen") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        keys, pages, metas = make_pages(4)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 4
+        assert (backend.stats().pages, backend.stats().bytes) == (4, 4 * page)
+        for key, at in ((keys[0], page - 1), (keys[1], 40)):  # the payload, the header
+            raw = await admin.get(backend._rkey(key))
+            assert isinstance(raw, bytes)
+            await admin.set(backend._rkey(key), raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1 :])
+        outcomes = await backend.get(keys[:2], buffers(2), namespace=NS)
+        assert outcomes == [Outcome.CORRUPT] * 2  # removed, at the lengths they were read with
+        assert (backend.stats().pages, backend.stats().bytes) == (2, 2 * page)
+        assert await backend.delete(keys[2:3]) == 1  # its header tells its length
+        assert (backend.stats().pages, backend.stats().bytes) == (1, page)
+        # A value whose length nothing tells: the mean page, all that is left with the last.
+        await admin.set(backend._rkey(keys[3]), os.urandom(5000))
+        assert await backend.delete(keys[3:]) == 1
+        assert (backend.stats().pages, backend.stats().bytes) == (0, 0)
+        more, more_pages, more_metas = make_pages(3, 1000)
+        assert await backend.put(more, more_pages, more_metas) == [Outcome.OK] * 3
+        for key in more:
+            await admin.set(backend._rkey(key), os.urandom(777))
+        assert await backend.delete(more[:2]) == 2
+        assert (backend.stats().pages, backend.stats().bytes) == (1, HEADER_NBYTES + 1000)
+        assert await backend.delete(more) == 1
+        assert (backend.stats().pages, backend.stats().bytes) == (0, 0)
+        # Pages another writer stored, removed here, take nothing below zero.
+        await admin.set(backend._rkey(keys[0]), os.urandom(900))
+        assert await backend.delete(keys[:1]) == 1
+        assert backend._bytes == 0
+
+
+async def _old_and_recent_pages(
+    backend: RedisStorage, admin: aioredis.Redis, old_count: int, *, gap_s: float
+) -> tuple[list[bytes], list[bytes], dict[bytes, int], dict[bytes, int]]:
+    """`old_count` pages, then after `gap_s` 12 recent ones; some of each damaged, and an
+    empty value. The old keys, the recent ones, {damaged key: stored length} and {sound
+    key: priority}."""
+    old, old_pages, old_metas = make_pages(old_count, 200)
+    assert await backend.put(old, old_pages, old_metas) == [Outcome.OK] * old_count
+    await asyncio.sleep(gap_s)  # past Redis's one-second idle clock
+    new, new_pages, new_metas = make_pages(12, 200)
+    assert await backend.put(new, new_pages, new_metas) == [Outcome.OK] * 12
+    damaged = {}
+    for key in [*old[::50], *new[::4]]:  # some among the most recent: read, passed over
+        rkey = backend._rkey(key)
+        raw = await admin.get(rkey)
+        assert isinstance(raw, bytes)
+        await admin.set(rkey, raw[:40] + bytes([raw[40] ^ 1]) + raw[41:])
+        damaged[rkey] = len(raw)
+    (empty,) = make_pages(1)[0]
+    await admin.set(backend._rkey(empty), b"")
+    damaged[backend._rkey(empty)] = 0
+    sound = {
+        backend._rkey(m.key): m.priority
+        for m in [*old_metas, *new_metas]
+        if backend._rkey(m.key) not in damaged
+    }
+    return old, new, damaged, sound
+
+
+async def _scan_order(
+    backend: RedisStorage, admin: aioredis.Redis, rkeys: Iterable[bytes]
+) -> list[bytes]:
+    """The pages in the order the backend's listing scans them. Lookups first (EXISTS: no
+    use for Redis) finish the server's incremental rehash, a step each, which would reorder
+    SCAN between this and the listing."""
+    async with admin.pipeline(transaction=False) as pipe:
+        for rkey in rkeys:
+            pipe.exists(rkey)
+        await pipe.execute()
+    return [rkey async for batch in backend._scan() for rkey in batch]
+
+
+async def _header_reads(admin: aioredis.Redis, call: Awaitable[T]) -> tuple[T, int]:
+    """What `call` returns, and how many GETRANGE the server ran meanwhile."""
+    await admin.config_resetstat()
+    result = await call
+    stats = await admin.info("commandstats")
+    return result, stats.get("cmdstat_getrange", {}).get("calls", 0)
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_limited_look_reads_only_the_headers_that_decide_it(bulk: int) -> None:
+    # `storage ls --limit 10` read every page's header (13.6 s for 200k pages). It reads the
+    # idle times of all (no use for Redis), then headers best first, and more where some
+    # of those turn out damaged: the same pages as the full listing's first ones. (The pages
+    # fit one scan batch, whose idle times are read together: the clock's one-second tick
+    # between two batches would move one against the other, here and in the full listing.)
+    with RedisServer() as server:
+        admin = aioredis.Redis(host=server.host, port=server.port)
+        try:
+            async with RedisStorage.from_url(fresh_url(server.url, bulk=bulk)) as backend:
+                old, new, damaged, sound = await _old_and_recent_pages(
+                    backend, admin, 200, gap_s=1.1
+                )
+                everything = sound.keys() | damaged.keys()
+                for limit in (1, 5, 10, 12, 20, 400):
+                    scanned = await _scan_order(backend, admin, everything)
+                    assert len(scanned) == 213
+                    # The full listing's order, from what reads nothing: idle times, the
+                    # scan's order, the damage done (damaged pages: last used at 0).
+                    async with admin.pipeline(transaction=False) as pipe:
+                        for rkey in scanned:
+                            pipe.object("idletime", rkey)
+                        idles = await pipe.execute()
+                    ranks = [
+                        (rkey in damaged, 0 if rkey in damaged else idle, i)
+                        for i, (rkey, idle) in enumerate(zip(scanned, idles, strict=True))
+                    ]
+                    order = sorted(range(len(scanned)), key=ranks.__getitem__)
+                    listed, reads = await _header_reads(
+                        admin, backend.list_pages(limit, record=False)
+                    )
+                    assert [backend._rkey(p.key) for p in listed] == [
+                        scanned[i] for i in order[:limit]
+                    ]
+                    for page in listed:
+                        rkey = backend._rkey(page.key)
+                        if rkey in damaged:
+                            assert (page.nbytes, page.last_access) == (damaged[rkey], 0.0)
+                            assert (page.num_tokens, page.priority) == (0, 0)
+                        else:
+                            assert page.nbytes == HEADER_NBYTES + 200
+                            assert (page.num_tokens, page.priority) == (16, sound[rkey])
+                    if limit < len(sound):
+                        assert reads <= limit + len(damaged)
+                # After a recorded pass the pages not used since go by their creation, which
+                # only their headers tell: those are all read, the ones used since are not.
+                created = {}
+                for rkey in scanned:
+                    header = decode_header(await admin.getrange(rkey, 0, HEADER_NBYTES - 1))
+                    if not isinstance(header, PageCheck):
+                        created[rkey] = header.created_ns / 1e9
+                await backend.list_pages()
+                await asyncio.sleep(2.2)  # used clearly after the mark, on a one-second clock
+                used = [new[1], old[7]]
+                assert (
+                    await backend.get(used, buffers(2, 200, split=200), namespace=NS)
+                    == [Outcome.OK] * 2
+                )
+                used_rkeys = {backend._rkey(key) for key in used}
+                scanned = await _scan_order(backend, admin, everything)
+                used_idle = {rkey: await admin.object("idletime", rkey) for rkey in used_rkeys}
+
+                def after_the_pass(i: int) -> tuple[bool, float, int]:
+                    rkey = scanned[i]
+                    if rkey in used_rkeys:
+                        return (False, used_idle[rkey], i)
+                    return (True, -created.get(rkey, 0.0), i)
+
+                order = sorted(range(len(scanned)), key=after_the_pass)
+                listed = await backend.list_pages(5, record=False)
+                assert [backend._rkey(p.key) for p in listed] == [scanned[i] for i in order[:5]]
+            # Over several scan batches: the recent pages, a few headers read per batch.
+            async with RedisStorage.from_url(fresh_url(server.url, bulk=bulk)) as backend:
+                _, new, damaged, sound = await _old_and_recent_pages(backend, admin, 600, gap_s=2.2)
+                recent = {backend._rkey(key) for key in new} - damaged.keys()
+                listed, reads = await _header_reads(
+                    admin, backend.list_pages(len(recent), record=False)
+                )
+                assert {backend._rkey(p.key) for p in listed} == recent
+                batches = -(-(len(sound) + len(damaged)) // 256)
+                assert reads <= batches * (2 * len(recent) + len(damaged))
+                assert reads < len(sound) // 4
+        finally:
+            await admin.aclose()
