@@ -41,6 +41,7 @@ from ._base import (
     check_batch,
     check_key,
     check_keys,
+    check_put,
     corrupt_reason,
     log,
     parse_bool,
@@ -1174,9 +1175,7 @@ class RedisStorage(BackendBase):
     ) -> list[Outcome]:
         """SET NX each page (`header ‖ payload`); an existing key is kept and is OK."""
         self._redis()
-        check_batch(keys, ("pages", pages), ("metas", metas))
-        for key, meta in zip(keys, metas, strict=True):
-            check_key(key, meta)
+        check_put(keys, pages, metas)
         sources = [byte_segments(page, writable=False) for page in pages]
         outcomes = [Outcome.ERROR] * len(keys)
         payloads = [payload_nbytes(page) for page in sources]

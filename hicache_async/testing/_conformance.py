@@ -372,6 +372,20 @@ class StorageConformance:
         assert await backend.exists(keys[:1]) == 0
         assert await backend.exists(keys[1:]) == 0
 
+    async def test_malformed_pages_and_metas_raise_before_io(self, backend: StorageBackend) -> None:
+        # Bytes iterate as ints and a str is no buffer: a page is a sequence of bytes-like
+        # segments. Refused before the batch counts or stores anything.
+        keys = _keys(2)
+        good = _segments(_payload(self.page_nbytes, 0), [self.page_nbytes])
+        puts = backend.stats().puts
+        for bad in (None, b"abc", ["abc"], [None], iter([good[0]])):
+            with pytest.raises(ValueError, match=r"pages\[1\]"):
+                await backend.put(keys, [good, bad], [_meta(keys[0]), _meta(keys[1])])  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="PageMeta"):
+            await backend.put(keys, [good, good], [_meta(keys[0]), None])  # type: ignore[list-item]
+        assert await backend.exists(keys[:1]) == 0
+        assert backend.stats().puts == puts
+
     async def test_out_of_range_meta_raises_before_io(self, backend: StorageBackend) -> None:
         keys = _keys(3)
         pages = [_segments(_payload(self.page_nbytes, i), [self.page_nbytes]) for i in range(3)]
