@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import io
 import json
+import signal
 import socket
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Literal
 
@@ -19,7 +25,9 @@ from hicache_async.cli import main
 from hicache_async.demo import (
     ContiguousKV,
     DemoOptions,
+    ForwardStopped,
     ModelConfig,
+    ModelRunner,
     PagedKV,
     Prefill,
     Progress,
@@ -326,3 +334,149 @@ def test_cli_refuses_a_seed_out_of_range(seed: str, capsys: pytest.CaptureFixtur
     assert main(["demo", "--seed", seed]) == 2
     assert "seed must be in [0, 2**64)" in capsys.readouterr().err
     DemoOptions(seed=2**64 - 1)  # the largest torch takes
+
+
+def test_attention_in_pieces_equals_one_pass(
+    attention_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = ModelConfig(
+        vocab_size=1000, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
+    )
+    model = TinyTransformer(config, seed=5)
+    tokens = np.random.default_rng(3).integers(0, 1000, size=301)
+    table = list(range(19))
+
+    def both_passes() -> tuple[torch.Tensor, torch.Tensor]:
+        pool = KVPool(config.kv_layout(), 16, 19)
+        _prefill(model, tokens[:100], 0, pool, table)
+        return model.prefill_logits(tokens), _prefill(model, tokens, 100, pool, table)
+
+    whole = both_passes()
+    monkeypatch.setattr(_model, "_PIECE_SCORES", 7 * len(tokens))  # 7 queries or more a piece
+    pieced = both_passes()
+    for got, expected in zip(pieced, whole, strict=True):
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0), (got - expected).abs().max()
+
+
+class _PausesOnRead(ContiguousKV):
+    """A contiguous KV that sets `reading` as a layer reads it (after writing its own K/V,
+    before its attention), then waits until `release` is set."""
+
+    def __init__(self, config: ModelConfig, release: threading.Event) -> None:
+        super().__init__(config.num_layers, config.kv_torch_dtype)
+        self.reading = threading.Event()
+        self.release = release
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reading.set()
+        self.release.wait(30)
+        return super().read(layer)
+
+
+# A prompt whose attention is more than one piece (over 4096 tokens).
+_LONG = np.arange(9000) % SMALL.vocab_size
+
+
+def test_a_stop_during_a_layer_ends_it_before_its_next_attention_piece() -> None:
+    model = TinyTransformer(SMALL)
+    stop = threading.Event()
+    kv = _PausesOnRead(SMALL, release=stop)
+    prefill = Prefill(model, _LONG, 0, kv, stop=stop)
+    asker = threading.Thread(target=lambda: kv.reading.wait(30) and stop.set())
+    asker.start()
+    try:
+        with pytest.raises(ForwardStopped):
+            prefill.run_layer(0)  # stop is asked while the layer runs
+    finally:
+        stop.set()
+        asker.join()
+    with pytest.raises(ForwardStopped):
+        prefill.run_layer(0)  # and nothing more runs
+    with pytest.raises(ForwardStopped):
+        model.prefill_logits(_LONG, stop=stop)
+
+
+async def test_a_cancelled_model_job_is_stopped_and_waited_for() -> None:
+    # The caller is cancelled the way Ctrl-C cancels the demo's main task: the runner must ask
+    # the layer to stop and return only once the thread has left it, mid-layer.
+    model = TinyTransformer(SMALL)
+    prefill_stop = threading.Event()
+    kv = _PausesOnRead(SMALL, release=prefill_stop)
+    prefill = Prefill(model, _LONG, 0, kv, stop=prefill_stop)
+    left = threading.Event()
+
+    def layer() -> None:
+        try:
+            prefill.run_layer(0)
+        finally:
+            left.set()
+
+    runner = ModelRunner()
+    job = asyncio.ensure_future(runner.run(layer, stop=prefill.stop))
+    assert await asyncio.to_thread(kv.reading.wait, 30)
+    job.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await job
+    assert left.is_set()  # the thread was waited for
+    assert prefill.stop.is_set()
+    with pytest.raises(RuntimeError, match="before every layer ran"):
+        prefill.logits()  # layer 0 never completed
+    # The runner is free for the next job.
+    tokens = np.arange(40) % SMALL.vocab_size
+    logits = await asyncio.wait_for(runner.run(functools.partial(model.prefill_logits, tokens)), 30)
+    assert torch.equal(logits, model.prefill_logits(tokens))
+
+
+def test_options_refuse_a_page_longer_than_the_longest_prompt(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(ValueError, match=r"page_size \(8192\) must not exceed max_prompt_tokens"):
+        DemoOptions(page_size=8192, max_prompt_tokens=4096)
+    DemoOptions(page_size=4096, max_prompt_tokens=4096, device_pages=4)
+    assert main(["demo", "--page-size", "100000", "--device-pages", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "page_size (100000) must not exceed max_prompt_tokens (4096)" in err
+    assert "Traceback" not in err
+
+
+# Runs `hicache-async demo` and prints "started" as the model's warm-up pass begins: with pages
+# of 65536 tokens that pass covers 131072 tokens, minutes of work on one thread.
+_ANNOUNCED_DEMO = """
+import sys
+from hicache_async.cli import main
+from hicache_async.demo import TinyTransformer
+
+prefill_logits = TinyTransformer.prefill_logits
+
+def announced(self, *args, **kwargs):
+    print("started", flush=True)
+    return prefill_logits(self, *args, **kwargs)
+
+TinyTransformer.prefill_logits = announced
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_interrupt_stops_the_model_and_exits_130() -> None:
+    argv = ["demo", "--storage", "none", "--requests", "1", "--concurrency", "1"]
+    argv += ["--max-prompt-tokens", "65536", "--page-size", "65536"]
+    argv += ["--device-pages", "1", "--host-pages", "1", "--threads", "1"]
+    process = subprocess.Popen(
+        [sys.executable, "-c", _ANNOUNCED_DEMO, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "started\n"
+        process.send_signal(signal.SIGINT)
+        # Only a guard against hanging: an interrupted run ends within about a second.
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 130, err
+    assert err == "hicache-async: interrupted\n"
+    assert out == ""

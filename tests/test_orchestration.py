@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import structlog
 from _unowned_storage import Unowned, assert_backup_adds_up
+from test_cancelled_close import _until
 
 from hicache_async import CacheConfig, HiCache, KVLayout, PrefetchHandle, PrefetchStatus
 from hicache_async._metrics import _families, prometheus_collector
@@ -320,7 +321,8 @@ async def test_prefetch_policies_and_early_termination() -> None:
         ) as cache:
             handle = await cache.start_prefetch(prompt, request_id="early")
             first = await handle.ready()  # best effort: what has landed now
-            assert first.status in (PrefetchStatus.QUEUED, PrefetchStatus.RUNNING)
+            # Running, or finished at once if it was still queued.
+            assert first.status in (PrefetchStatus.RUNNING, PrefetchStatus.TERMINATED)
             final = await handle.wait()
             assert final.status is PrefetchStatus.TERMINATED
             assert final.storage_tokens < len(prompt) // PAGE * PAGE
@@ -469,6 +471,10 @@ class GatedExists(Unowned):
         return await self.inner.exists(keys)
 
 
+# A `timeout` policy's limit: 50 ms whatever the prompt's length.
+_SHORT_LIMITS = {"timeout_base_s": 0.05, "timeout_per_1k_tokens_s": 0.0, "timeout_max_s": 0.05}
+
+
 @contextlib.asynccontextmanager
 async def _one_stuck_one_queued(
     prefetch: dict[str, object], *, seed: int
@@ -497,8 +503,7 @@ async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothin
     # Storage hangs: one prefetch is stuck in `exists`, one waits in the one-slot queue. A
     # third caller must not wait for room past its policy's limit, and the queued one, whose
     # caller gave up meanwhile, must issue no call when its turn comes.
-    limits = {"timeout_base_s": 0.05, "timeout_per_1k_tokens_s": 0.0, "timeout_max_s": 0.05}
-    async with _one_stuck_one_queued({"policy": policy, **limits}, seed=60) as (
+    async with _one_stuck_one_queued({"policy": policy, **_SHORT_LIMITS}, seed=60) as (
         cache,
         gated,
         prompts,
@@ -542,12 +547,14 @@ class TakenAsTheLimitPasses:
         self.send_to_worker.send_nowait(handle)
         await asyncio.sleep(3600)  # the worker starts it; the limit passes
 
+    def release(self, handle: PrefetchHandle) -> None:
+        """No slot to free: the item went straight to the worker."""
+
 
 async def test_a_prefetch_a_worker_runs_as_its_submit_gives_up_stays_live() -> None:
     # Warmup waits while any live prefetch runs; one whose caller stopped waiting for room just
     # as a worker took it still reads into the host pool until that worker stops it.
-    limits = {"timeout_base_s": 0.05, "timeout_per_1k_tokens_s": 0.0, "timeout_max_s": 0.05}
-    async with _one_stuck_one_queued({"policy": "timeout", **limits}, seed=90) as (
+    async with _one_stuck_one_queued({"policy": "timeout", **_SHORT_LIMITS}, seed=90) as (
         cache,
         gated,
         prompts,
@@ -929,3 +936,149 @@ async def test_a_prefetch_landing_after_a_detach_marks_nothing_in_storage() -> N
             assert result.storage_tokens == len(prompt)  # the pages are good and landed
             assert cache.statistics().tree.storage_pages == 0  # but no storage holds them now
             assert_drained(cache)
+
+
+def _prefetches_add_up(link: StorageLink) -> None:
+    """Once no prefetch runs: each one submitted is counted in exactly one outcome, or queued."""
+    stats = link.prefetcher.statistics()
+    outcomes = stats.completed + stats.terminated + stats.cancelled + stats.skipped
+    assert stats.submitted == outcomes + stats.queued, stats
+
+
+async def test_cancelling_a_queued_prefetch_frees_its_slot_for_a_new_arrival() -> None:
+    # One worker stuck on a stored prompt, the next one queued in the one-slot queue. The
+    # request behind the queued prefetch is aborted: its slot must be free at once, so the
+    # next arrival (timeout policy) is queued rather than turned away, and loads every page.
+    async with _one_stuck_one_queued({"policy": "timeout", **_SHORT_LIMITS}, seed=100) as (
+        cache,
+        gated,
+        prompts,
+        stuck,
+        queued,
+    ):
+        link = cache._link
+        assert link is not None
+        queued.cancel()
+        assert (queued.status, queued.done()) == (PrefetchStatus.CANCELLED, True)
+        assert (await asyncio.wait_for(queued.wait(), 10)).status is PrefetchStatus.CANCELLED
+        assert link.prefetcher.statistics().queued == 0
+        arrival = await asyncio.wait_for(cache.start_prefetch(prompts[2]), 10)
+        assert (arrival.status, arrival.done()) == (PrefetchStatus.QUEUED, False)
+        gated.gate.set_result(None)
+        result = await asyncio.wait_for(arrival.wait(), 10)
+        assert result.status is PrefetchStatus.COMPLETE
+        assert result.storage_tokens == len(prompts[2])
+        await asyncio.wait_for(stuck.wait(), 10)
+        assert gated.calls == 2  # the cancelled prefetch asked storage nothing
+        generator = KVGenerator(cache.config.layout, PAGE, seed=11)  # as `_stored` wrote them
+        served = await serve(cache, prompts[2], generator, prefetch=False, check="all")
+        assert served.host_tokens == len(prompts[2])  # and every loaded page checked
+        stats = link.prefetcher.statistics()
+        assert (stats.submitted, stats.completed, stats.cancelled) == (3, 2, 1)
+        assert (stats.terminated, stats.timeouts, stats.queued) == (0, 0, 0)
+        _prefetches_add_up(link)
+        await cache.drain()
+        assert_drained(cache)
+
+
+@pytest.mark.parametrize("policy", ["timeout", "best_effort"])
+async def test_ready_giving_up_on_a_queued_prefetch_finishes_it_at_once(policy: str) -> None:
+    async with _one_stuck_one_queued({"policy": policy, **_SHORT_LIMITS}, seed=110) as (
+        cache,
+        gated,
+        prompts,
+        stuck,
+        queued,
+    ):
+        link = cache._link
+        assert link is not None
+        result = await asyncio.wait_for(queued.ready(), 10)
+        assert result.status is PrefetchStatus.TERMINATED
+        assert result.cached_tokens == 0
+        assert queued.done()
+        stats = link.prefetcher.statistics()
+        assert (stats.terminated, stats.queued) == (1, 0)
+        assert stats.timeouts == (1 if policy == "timeout" else 0)
+        arrival = await asyncio.wait_for(cache.start_prefetch(prompts[2]), 10)
+        assert arrival.status is PrefetchStatus.QUEUED  # the slot was free
+        gated.gate.set_result(None)
+        finals = await asyncio.wait_for(asyncio.gather(stuck.wait(), arrival.wait()), 10)
+        assert {r.status for r in finals} == {PrefetchStatus.COMPLETE}
+        assert gated.calls == 2  # the prefetch given up asked storage nothing
+        stats = link.prefetcher.statistics()
+        assert (stats.completed, stats.terminated, stats.cancelled) == (2, 1, 0)
+        _prefetches_add_up(link)
+        assert_drained(cache)
+
+
+@pytest.mark.parametrize("how", ["cancel", "terminate"])
+async def test_a_prefetch_given_up_as_the_worker_dequeues_it_is_counted_once(how: str) -> None:
+    # The idle worker waits on the queue, so the prefetch is handed straight to it; the
+    # caller gives it up before the worker runs again.
+    config = _config(prefetch={"policy": "wait_complete", "threshold_tokens": PAGE, "workers": 1})
+    prompt = np.random.default_rng(120).integers(0, 5000, size=4 * PAGE)
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    async with memory:
+        await _stored(memory, config, [prompt])
+        backend = GatedExists(memory)
+        async with HiCache(config, storage=backend) as cache:
+            link = cache._link
+            assert link is not None
+            receive = link.prefetcher._receive
+            await _until(lambda: receive.statistics().tasks_waiting_receive == 1)
+            handle = await cache.start_prefetch(prompt)
+            # In the worker's hands: not in the stream's buffer, and not yet running.
+            assert receive.statistics().current_buffer_used == 0
+            assert handle.status is PrefetchStatus.QUEUED
+            handle.cancel() if how == "cancel" else handle.terminate()
+            expected = PrefetchStatus.CANCELLED if how == "cancel" else PrefetchStatus.TERMINATED
+            assert (handle.status, handle.done()) == (expected, True)
+            assert link.prefetcher.statistics().queued == 0
+            await asyncio.wait_for(link.prefetcher.wait_quiet(), 10)
+            # Waiting again: it has taken the prefetch and skipped it.
+            await _until(lambda: receive.statistics().tasks_waiting_receive == 1)
+            assert handle.status is expected
+            stats = link.prefetcher.statistics()
+            assert (stats.submitted, stats.cancelled + stats.terminated, stats.completed) == (
+                1,
+                1,
+                0,
+            )
+            _prefetches_add_up(link)
+            assert backend.calls == 0
+            again = await asyncio.wait_for(cache.prefetch(prompt), 10)  # the worker goes on
+            assert again.storage_tokens == len(prompt)
+            assert_drained(cache)
+
+
+async def test_many_queued_prefetches_cancelled_in_a_row_keep_the_queue_small() -> None:
+    # While the worker is stuck, every arrival is cancelled at once (its request aborted).
+    # Each frees its slot, and the entries they leave in the stream are dropped as they pile
+    # up, so neither the wait for room nor the memory held grows with their number.
+    size = 4
+    async with _one_stuck_one_queued({"policy": "wait_complete", "queue_size": size}, seed=130) as (
+        cache,
+        gated,
+        prompts,
+        stuck,
+        queued,
+    ):
+        link = cache._link
+        assert link is not None
+        queue = link.prefetcher._send
+        most = 0
+        for _ in range(500):
+            handle = await asyncio.wait_for(cache.start_prefetch(prompts[2]), 10)
+            handle.cancel()
+            assert handle.status is PrefetchStatus.CANCELLED
+            most = max(most, queue._stream.statistics().current_buffer_used)
+        assert most <= 2 * size + 1
+        assert link.prefetcher.statistics().queued == 1  # the one queued before
+        gated.gate.set_result(None)
+        await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait()), 10)
+        await asyncio.wait_for(link.prefetcher.wait_quiet(), 10)
+        stats = link.prefetcher.statistics()
+        assert (stats.submitted, stats.completed, stats.cancelled) == (502, 2, 500)
+        _prefetches_add_up(link)
+        assert gated.calls == 2
+        assert_drained(cache)

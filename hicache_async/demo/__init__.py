@@ -7,7 +7,15 @@ reports where the tokens came from, time to first token, bytes moved and whether
 path's first-token logits match the baseline's. See docs/demo.md.
 """
 
-from ._model import ContiguousKV, KVStore, ModelConfig, PagedKV, Prefill, TinyTransformer
+from ._model import (
+    ContiguousKV,
+    ForwardStopped,
+    KVStore,
+    ModelConfig,
+    PagedKV,
+    Prefill,
+    TinyTransformer,
+)
 from ._replay import (
     DEFAULT_STORAGE,
     DemoOptions,
@@ -34,6 +42,7 @@ __all__ = [
     "ContiguousKV",
     "DemoOptions",
     "DemoSummary",
+    "ForwardStopped",
     "KVStore",
     "LogitCheck",
     "ModelConfig",

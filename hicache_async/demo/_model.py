@@ -10,11 +10,16 @@ layer i as soon as the cache has copied layer i of the cached prefix to the devi
 K/V live is up to a `KVStore`: `ContiguousKV` keeps them in plain tensors (no cache at all),
 `PagedKV` writes the new tokens' K/V into a paged pool by slot and gathers every previous
 token's K/V (cached or new) back from it.
+
+A pass can be asked to stop (`Prefill.stop`): it checks between layers and between pieces of a
+layer's attention, so a cancelled request frees its model thread within a fraction of a second
+even on a long prompt.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -26,7 +31,19 @@ import torch.nn.functional as F
 from .._config import KVLayout
 from .._pool import KVPool
 
-__all__ = ["ContiguousKV", "KVStore", "ModelConfig", "PagedKV", "Prefill", "TinyTransformer"]
+__all__ = [
+    "ContiguousKV",
+    "ForwardStopped",
+    "KVStore",
+    "ModelConfig",
+    "PagedKV",
+    "Prefill",
+    "TinyTransformer",
+]
+
+
+class ForwardStopped(Exception):
+    """A forward pass was asked to stop (`Prefill.stop` was set) before it finished."""
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,8 +201,11 @@ class TinyTransformer:
         start: int,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: KVStore,
+        *,
+        stop: threading.Event | None = None,
     ) -> torch.Tensor:
-        """Block `index` over the hidden states of tokens start .. start + n - 1."""
+        """Block `index` over the hidden states of tokens start .. start + n - 1; raises
+        ForwardStopped if `stop` is set between pieces of its attention."""
         c, layer = self.config, self.layers[index]
         n = x.shape[0]
         h = self._norm(x, layer.attn_norm)
@@ -194,11 +214,12 @@ class TinyTransformer:
         v = (h @ layer.w_v).view(n, c.num_kv_heads, c.head_dim)
         kv.write(index, k, v)
         keys, values = kv.read(index)  # [start + n, kv_heads, head_dim]: prefix and new
-        attn = _attention(
+        attn = _attention_in_pieces(
             q.transpose(0, 1)[None],
             keys.to(q.dtype).transpose(0, 1)[None],
             values.to(q.dtype).transpose(0, 1)[None],
             start,
+            stop,
         )
         x = x + attn[0].transpose(0, 1).reshape(n, c.num_heads * c.head_dim) @ layer.w_o
         h = self._norm(x, layer.mlp_norm)
@@ -206,11 +227,14 @@ class TinyTransformer:
         out: torch.Tensor = x + (gate * (h @ layer.w_up)) @ layer.w_down
         return out
 
-    def prefill_logits(self, tokens: np.ndarray[Any, Any] | Sequence[int]) -> torch.Tensor:
-        """Logits of the last position, computing the whole prompt with a contiguous KV."""
+    def prefill_logits(
+        self, tokens: np.ndarray[Any, Any] | Sequence[int], *, stop: threading.Event | None = None
+    ) -> torch.Tensor:
+        """Logits of the last position, computing the whole prompt with a contiguous KV.
+        Raises ForwardStopped if `stop` is set before it finishes."""
         array = np.asarray(tokens)
         kv = ContiguousKV(self.config.num_layers, self.config.kv_torch_dtype)
-        prefill = Prefill(self, array, 0, kv)
+        prefill = Prefill(self, array, 0, kv, stop=stop)
         for index in range(self.config.num_layers):
             prefill.run_layer(index)
         return prefill.logits()
@@ -219,6 +243,35 @@ class TinyTransformer:
 # The CPU flash kernel, which also returns each query's log-sum-exp (an aten op, present since
 # torch 2.2; without it attention falls back to one masked pass).
 _FLASH_CPU: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+# Attention scores (queries x keys) per piece of a layer's attention: a piece takes a fraction
+# of a second on one core, and a prompt of up to 4096 tokens is one piece.
+_PIECE_SCORES = 1 << 24
+
+
+def _attention_in_pieces(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    stop: threading.Event | None,
+) -> torch.Tensor:
+    """`_attention` over consecutive runs of queries, checking `stop` before each: the
+    cost of attention grows with the square of the prompt, and a stop must not wait for it."""
+    n = q.shape[2]
+    rows = max(1, _PIECE_SCORES // k.shape[2])
+    if n <= rows:
+        return _attention(q, k, v, start)
+    pieces = []
+    for first in range(0, n, rows):
+        if stop is not None and stop.is_set():
+            raise ForwardStopped
+        end = min(n, first + rows)
+        # Queries first .. end - 1 see the keys up to their own position.
+        keys, values = k[:, :, : start + end], v[:, :, : start + end]
+        pieces.append(_attention(q[:, :, first:end], keys, values, start + first))
+    return torch.cat(pieces, dim=2)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -314,10 +367,19 @@ class Prefill:
     `run_layer(i)` must be called for i = 0, 1, ... in order; `logits()` then gives the last
     position's logits. Tokens before `start` are not computed: their K/V must be in `kv`.
     Everything here is synchronous torch work; call it off the event loop's thread.
+
+    Setting `stop` (from any thread) makes the pass end early: `run_layer` then raises
+    ForwardStopped at its next check (before a layer, or between pieces of its attention).
     """
 
     def __init__(
-        self, model: TinyTransformer, tokens: np.ndarray[Any, Any], start: int, kv: KVStore
+        self,
+        model: TinyTransformer,
+        tokens: np.ndarray[Any, Any],
+        start: int,
+        kv: KVStore,
+        *,
+        stop: threading.Event | None = None,
     ) -> None:
         if not 0 <= start < len(tokens):
             raise ValueError(f"start must be in [0, {len(tokens)}), got {start}")
@@ -330,6 +392,8 @@ class Prefill:
         self._hidden: torch.Tensor | None = None
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._next = 0
+        #: set to stop the pass (see the class docstring).
+        self.stop = stop if stop is not None else threading.Event()
 
     @property
     def num_tokens(self) -> int:
@@ -340,6 +404,8 @@ class Prefill:
         """Compute block `index` for the new tokens (embedding them first at layer 0)."""
         if index != self._next:
             raise RuntimeError(f"layer {index} run out of order; expected {self._next}")
+        if self.stop.is_set():
+            raise ForwardStopped
         model = self._model
         with torch.no_grad():
             if self._hidden is None or self._rope is None:
@@ -347,7 +413,9 @@ class Prefill:
                 self._hidden = model.embed(ids.to(model.device))
                 positions = torch.arange(self._start, len(self._tokens), device=model.device)
                 self._rope = model.rope(positions)
-            self._hidden = model.block(index, self._hidden, self._start, self._rope, self._kv)
+            self._hidden = model.block(
+                index, self._hidden, self._start, self._rope, self._kv, stop=self.stop
+            )
         self._next += 1
 
     def logits(self) -> torch.Tensor:

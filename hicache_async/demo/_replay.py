@@ -22,10 +22,11 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import anyio
@@ -108,6 +109,12 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.page_size > self.max_prompt_tokens:
+            # Only whole pages are cached, and no prompt fills a page longer than the longest.
+            raise ValueError(
+                f"page_size ({self.page_size}) must not exceed max_prompt_tokens "
+                f"({self.max_prompt_tokens}): no prompt would fill a page, so none is cached"
+            )
         needed = self.concurrency * math.ceil(self.max_prompt_tokens / self.page_size)
         if needed > self.device_pages:
             raise ValueError(
@@ -178,25 +185,70 @@ def reuse_upper_bound(requests: Sequence[TraceRequest]) -> int:
 # -- the serving stack --------------------------------------------------------------------
 
 
+class _Abandoned(Exception):
+    """A job whose caller left before it started: it never runs."""
+
+
+class _Job(Generic[_T]):
+    """One call on a model thread, which its caller may leave before or while it runs."""
+
+    def __init__(self, fn: Callable[[], _T]) -> None:
+        self._fn = fn
+        self._mutex = threading.Lock()
+        self._started = self._abandoned = False
+        self.finished = threading.Event()  # set once a started call returns
+        self.busy_s = 0.0
+
+    def __call__(self) -> _T:
+        with self._mutex:
+            if self._abandoned:
+                raise _Abandoned
+            self._started = True
+        began = time.perf_counter()
+        try:
+            return self._fn()
+        finally:
+            self.busy_s = time.perf_counter() - began
+            self.finished.set()
+
+    def abandon(self) -> bool:
+        """Make a call that has not started never start; True if it had started."""
+        with self._mutex:
+            self._abandoned = True
+            return self._started
+
+
 class ModelRunner:
     """Runs model work one job at a time on a worker thread, like a GPU's compute stream."""
 
     def __init__(self) -> None:
-        self._limiter = anyio.CapacityLimiter(1)
+        self._lock = anyio.Lock()
         self.busy_s = 0.0
 
-    async def run(self, fn: Callable[[], _T]) -> _T:
-        """Run `fn` on the model thread when it is free; a cancelled caller waits for `fn`
-        to finish (it may be writing into pool pages that must not be freed under it)."""
+    async def run(self, fn: Callable[[], _T], *, stop: threading.Event | None = None) -> _T:
+        """Run `fn` on the model thread when it is free.
 
-        def timed() -> _T:
-            began = time.perf_counter()
+        A cancelled caller (a cancel scope, or the main task cancelled by Ctrl-C) sets `stop`,
+        which model work checks between layers and between pieces of a layer, and waits for
+        `fn` to return: it may be writing into pool pages that must not be freed under it.
+        Only then is the next job started, and the cancellation goes on.
+        """
+        job = _Job(fn)
+        async with self._lock:
             try:
-                return fn()
+                # Abandoned on cancellation, so that even the event loop's own cancellation of
+                # its main task (which no shield holds back) gets here and sets `stop` rather
+                # than leaving the thread to run to its end while the process exits.
+                return await anyio.to_thread.run_sync(job, abandon_on_cancel=True)
+            except anyio.get_cancelled_exc_class():
+                if job.abandon():
+                    if stop is not None:
+                        stop.set()
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(job.finished.wait)
+                raise
             finally:
-                self.busy_s += time.perf_counter() - began
-
-        return await anyio.to_thread.run_sync(timed, limiter=self._limiter)
+                self.busy_s += job.busy_s
 
 
 class _Item(msgspec.Struct, frozen=True):
@@ -224,7 +276,7 @@ async def _baseline(
         kv = ContiguousKV(model.config.num_layers, model.config.kv_torch_dtype)
         prefill = Prefill(model, item.tokens, 0, kv)
         for layer in range(model.config.num_layers):
-            await runner.run(functools.partial(prefill.run_layer, layer))
+            await runner.run(functools.partial(prefill.run_layer, layer), stop=prefill.stop)
         logits = await runner.run(prefill.logits)
     return _Served(logits=logits, computed_tokens=len(item.tokens))
 
@@ -283,7 +335,7 @@ async def _compute_cached(
                 await load.layer(layer)
             except Exception:  # a failed copy means recompute, not fail
                 return None
-            await runner.run(functools.partial(prefill.run_layer, layer))
+            await runner.run(functools.partial(prefill.run_layer, layer), stop=prefill.stop)
         logits = await runner.run(prefill.logits)
         req.commit()
     return _Served(
@@ -415,7 +467,8 @@ async def _run(
     baseline_runner, cached_runner = ModelRunner(), ModelRunner()
     # Warm the kernels up so neither server pays for first-call setup.
     warm = np.arange(2 * options.page_size, dtype=np.int64) % model.config.vocab_size
-    await ModelRunner().run(functools.partial(model.prefill_logits, warm))
+    stop = threading.Event()
+    await ModelRunner().run(functools.partial(model.prefill_logits, warm, stop=stop), stop=stop)
 
     baseline: list[_Served] = []
     cached: list[_Served] = []

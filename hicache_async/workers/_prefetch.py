@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,7 @@ import anyio
 import anyio.lowlevel
 import msgspec
 import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._config import PrefetchConfig, PrefetchPolicy
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
@@ -94,6 +97,7 @@ class PrefetchHandle:
         "_done",
         "_group",
         "_held",
+        "_in_queue",
         "_policy",
         "_prefetcher",
         "_scope",
@@ -147,6 +151,7 @@ class PrefetchHandle:
         # policy's wait in `ready()` is what is left of its limit.
         self._waited = 0.0
         self._counted_live = False  # counted in the prefetcher's live prefetches
+        self._in_queue = False  # holds a slot of the prefetcher's queue (see `_PrefetchQueue`)
         self._cancel_requested = False
         self._scope: anyio.CancelScope | None = None
         self._done = asyncio.Event()
@@ -175,13 +180,19 @@ class PrefetchHandle:
         return self._terminated
 
     def terminate(self) -> None:
-        """Issue no further reads; what is in flight still lands."""
+        """Issue no further reads; what is in flight still lands. A prefetch still queued
+        finishes TERMINATED at once, and its place in the queue is free again."""
         self._terminated = True
+        if self._in_queue and self._prefetcher is not None:
+            self._prefetcher._drop_queued(self, PrefetchStatus.TERMINATED)
 
     def cancel(self) -> None:
-        """Stop now: the read in flight is abandoned and its pages go back."""
+        """Stop now: the read in flight is abandoned and its pages go back. A prefetch still
+        queued finishes CANCELLED at once, and its place in the queue is free again."""
         self._cancel_requested = True
         self._terminated = True
+        if self._in_queue and self._prefetcher is not None:
+            self._prefetcher._drop_queued(self, PrefetchStatus.CANCELLED)
         if self._scope is not None:
             self._scope.cancel()
 
@@ -201,8 +212,9 @@ class PrefetchHandle:
 
         `best_effort` takes what has landed now; `wait_complete` waits for everything;
         `timeout` waits up to base + per-1k-tokens x length (capped), then terminates. The
-        result's status is the handle's at that moment: QUEUED or RUNNING when the wait
-        stopped first (it finishes TERMINATED once the read in flight lands; `wait()`).
+        result's status is the handle's at that moment: RUNNING when the wait stopped first
+        (it finishes TERMINATED once the read in flight lands; `wait()`), TERMINATED when the
+        prefetch was still queued (it finishes at once, and reads nothing).
 
         With a rank group, the ranks then agree on the tokens all of them have (one
         collective, entered whatever happened locally, cancellation included): see
@@ -326,6 +338,108 @@ class PrefetchStatistics(msgspec.Struct, frozen=True):
     host_pages_limit: int
 
 
+class _PrefetchQueue:
+    """The sending side of the prefetch queue: room for `size` queued prefetches.
+
+    A slot is held from admission until a worker takes the prefetch or it finishes while
+    queued (cancelled or terminated), so a given-up prefetch frees its room at once even
+    though its entry stays in the stream until a worker skips it or a compaction drops it.
+    Senders that find no room wait in arrival order and are admitted as slots free up.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        send: MemoryObjectSendStream[PrefetchHandle],
+        receive: MemoryObjectReceiveStream[PrefetchHandle],
+    ) -> None:
+        self._size = size
+        self._stream = send  # unbounded: room is counted here, in `queued`
+        self._receive = receive  # for compaction only; workers read clones of it
+        self._waiting: deque[tuple[PrefetchHandle, asyncio.Future[bool]]] = deque()
+        self._closed = False
+        #: live prefetches holding a slot.
+        self.queued = 0
+
+    def send_nowait(self, handle: PrefetchHandle) -> None:
+        """Admit `handle` if there is room and nobody waits for it before; else WouldBlock."""
+        if self._waiting or self.queued >= self._size:
+            raise anyio.WouldBlock
+        self._admit(handle)
+
+    async def send(self, handle: PrefetchHandle) -> None:
+        """Admit `handle`, waiting for room in turn. Raises ClosedResourceError if the queue
+        closes first. A cancellation that lands once it was admitted still raises, with
+        `handle` queued: the caller must give it up."""
+        await anyio.lowlevel.checkpoint()
+        with contextlib.suppress(anyio.WouldBlock):
+            self.send_nowait(handle)
+            return
+        if self._closed:
+            raise anyio.ClosedResourceError
+        entry = (handle, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            admitted = await entry[1]
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiting.remove(entry)  # still waiting: cancelled
+        if not admitted:
+            raise anyio.ClosedResourceError
+
+    def _admit(self, handle: PrefetchHandle) -> None:
+        self._stream.send_nowait(handle)  # raises if closed: then not admitted
+        handle._in_queue = True
+        self.queued += 1
+
+    def release(self, handle: PrefetchHandle) -> None:
+        """Free the slot of a queued `handle`: a worker took it, or it finished while queued
+        (its entry is then dead)."""
+        if not handle._in_queue:
+            return
+        handle._in_queue = False
+        self.queued -= 1
+        while self._waiting and self.queued < self._size:
+            waiter, admitted = self._waiting.popleft()
+            if admitted.done():
+                continue  # its sender was cancelled and has not yet left the line
+            try:
+                self._admit(waiter)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                admitted.set_result(False)
+            else:
+                admitted.set_result(True)
+        # Buffered entries beyond the live ones are dead: at most `size` of them, so each
+        # compaction's cost is spread over as many give-ups as it drops.
+        if self._stream.statistics().current_buffer_used > self.queued + self._size:
+            self._compact()
+
+    def _compact(self) -> None:
+        # Many prefetches given up while a worker is busy: drop their dead entries now
+        # rather than when a worker reaches them, so the stream stays about `size` long.
+        # Synchronous, and no receiver waits while entries are buffered, so every live one
+        # goes back into the buffer, in order.
+        if self._closed:
+            return
+        live = []
+        with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+            while True:
+                handle = self._receive.receive_nowait()
+                if handle._in_queue:
+                    live.append(handle)
+        for handle in live:
+            self._stream.send_nowait(handle)
+
+    def close(self) -> None:
+        """Admit nothing more: those waiting for room fail with ClosedResourceError."""
+        self._closed = True
+        self._stream.close()
+        waiting, self._waiting = self._waiting, deque()
+        for _, admitted in waiting:
+            if not admitted.done():
+                admitted.set_result(False)
+
+
 class Prefetcher:
     """Runs prefetch jobs from a bounded queue on a few cooperative worker tasks."""
 
@@ -343,9 +457,10 @@ class Prefetcher:
         # pages are good, but they are no longer "in storage".
         self._is_current = is_current
         self.config = config
-        self._send, self._receive = anyio.create_memory_object_stream[PrefetchHandle](
-            max_buffer_size=config.queue_size
+        send, self._receive = anyio.create_memory_object_stream[PrefetchHandle](
+            max_buffer_size=math.inf
         )
+        self._send = _PrefetchQueue(config.queue_size, send, self._receive)
         # Key -> future resolved True once the page is in the tree as a host page, False if
         # the prefetch reading it gave up. Concurrent prefetches wait on it instead of reading.
         self._inflight: dict[bytes, asyncio.Future[bool]] = {}
@@ -391,14 +506,16 @@ class Prefetcher:
                 await self._send.send(handle)
                 handle._waited = time.monotonic() - began
                 return
-            # No room before the caller's limit. A receiver may still have moved it into the
-            # queue as the limit passed: finished now, the worker then drops it uncounted. One
-            # a worker took already (running) reads nothing more and is counted by the worker.
+            # No room before the caller's limit. A slot may still have freed up for it as
+            # the limit passed: `terminate()` then finishes it at once, counted, and the worker
+            # drops it uncounted. One a worker took already (running) reads nothing more and
+            # is counted by the worker.
+            if handle.status is PrefetchStatus.QUEUED:
+                self.timeouts += policy == "timeout"
             handle.terminate()
             if handle.status is PrefetchStatus.QUEUED:
                 handle._finish(PrefetchStatus.TERMINATED)
                 self.terminated += 1
-                self.timeouts += policy == "timeout"
             self._live_done_unless_running(handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # Storage was detached while this prefetch waited for the queue: a miss.
@@ -406,15 +523,26 @@ class Prefetcher:
             handle._finish(PrefetchStatus.CANCELLED)
             self.cancelled += 1
         except BaseException:
-            # Counted here, once: should it be in the queue after all, the worker drops it
-            # (it is done) without counting it again. One a worker took already (running)
-            # is counted by the worker.
+            # Counted here, once: should it be in the queue after all, `cancel()` finishes
+            # it (counted) and the worker drops it without counting it again. One a worker
+            # took already (running) is counted by the worker.
             handle.cancel()
             if handle.status is PrefetchStatus.QUEUED:
                 handle._finish(PrefetchStatus.CANCELLED)
                 self.cancelled += 1
             self._live_done_unless_running(handle)
             raise
+
+    def _drop_queued(self, handle: PrefetchHandle, status: PrefetchStatus) -> None:
+        """Finish a prefetch given up while queued: counted once, here; its slot is free at
+        once and a worker reaching its entry skips it (it is done)."""
+        self._send.release(handle)
+        handle._finish(status)
+        if status is PrefetchStatus.CANCELLED:
+            self.cancelled += 1
+        else:
+            self.terminated += 1
+        self._live_done(handle)
 
     def _live_done_unless_running(self, handle: PrefetchHandle) -> None:
         # A worker that took the handle is still reading into the host pool: warmup must go
@@ -464,6 +592,7 @@ class Prefetcher:
     async def _work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
         async with receive:
             async for handle in receive:
+                self._send.release(handle)
                 try:
                     await self._process(handle)
                 finally:
@@ -483,6 +612,7 @@ class Prefetcher:
                 handle = self._receive.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
                 return
+            self._send.release(handle)
             if not handle.done():
                 handle._finish(PrefetchStatus.CANCELLED)
                 self.cancelled += 1
@@ -503,7 +633,7 @@ class Prefetcher:
             cancelled=self.cancelled,
             skipped=self.skipped,
             timeouts=self.timeouts,
-            queued=self._send.statistics().current_buffer_used,
+            queued=self._send.queued,
             pages_read=self.pages_read,
             bytes_read=self.bytes_read,
             pages_shared=self.pages_shared,
@@ -518,7 +648,7 @@ class Prefetcher:
 
     async def _process(self, handle: PrefetchHandle) -> None:
         if handle.done():
-            return  # finished while queued (its submit gave up waiting for room): counted
+            return  # given up while queued, or its submit gave up on room: counted then
         # Closed: a detach in progress (the cache is still open then), which cancels every
         # prefetch, this one included if a worker took it just before.
         if handle._cancel_requested or self._closed or self._cache._state != "open":
@@ -526,7 +656,8 @@ class Prefetcher:
             self.cancelled += 1
             return
         if handle._terminated:
-            # Its caller stopped waiting while it was queued: no read of it would be used.
+            # Given up before it started without passing through the queue (which finishes
+            # those at once): no read of it would be used.
             handle._finish(PrefetchStatus.TERMINATED)
             self.terminated += 1
             return
