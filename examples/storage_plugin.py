@@ -39,7 +39,7 @@ from hicache_async.storage import (
     StorageConfigError,
     StorageStats,
     check_keys,
-    check_metas,
+    check_put,
     encode_header,
     read_value_into,
 )
@@ -185,9 +185,9 @@ class SqliteStorage:
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
-        if not len(keys) == len(pages) == len(metas):
-            raise ValueError(f"{len(keys)} keys, {len(pages)} pages, {len(metas)} metas")
-        check_metas(keys, metas)  # keys, and each meta for its own key, before any I/O
+        # Lengths, keys, each meta for its own key, and every page a sequence of bytes-like
+        # segments: a bad batch raises ValueError before any I/O.
+        check_put(keys, pages, metas)
         if self._closed:
             raise StorageError(f"{self.name} is closed")
         rows = [

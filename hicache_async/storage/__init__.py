@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .._errors import StorageConfigError
-from ._base import check_keys, check_metas
+from ._base import check_keys, check_metas, check_pages, check_put
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ._manifest import (
@@ -76,6 +76,8 @@ __all__ = [
     "VerifyReport",
     "check_keys",
     "check_metas",
+    "check_pages",
+    "check_put",
     "check_stats",
     "WarmupManifest",
     "decode_header",
