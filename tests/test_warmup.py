@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tracemalloc
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -445,6 +446,110 @@ async def test_the_deadline_covers_reading_the_manifest(tmp_path: Path) -> None:
         result = await asyncio.wait_for(cache.warmup(ratio=1.0, deadline_s=0.1), 10)
         assert result.status is WarmupStatus.DEADLINE
         assert result.pages_loaded == 0
+
+
+class _GatedStorage(FileStorage):
+    """A file store whose `exists` calls (a prefetch's first read) are counted and wait for
+    `gate`, and whose manifest reads wait for `manifest_gate` and then set `manifest_read`."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.exists_calls = 0
+        self.in_exists = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.manifest_gate = asyncio.Event()
+        self.manifest_read = asyncio.Event()
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        self.exists_calls += 1
+        self.in_exists.set()
+        await self.gate.wait()
+        return await super().exists(keys)
+
+    def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
+        gate, read = self.manifest_gate, self.manifest_read
+
+        class Gated(FileManifest):
+            async def read(self, *, namespace: str | None = None) -> ManifestRead:
+                await gate.wait()
+                entries = await super().read(namespace=namespace)
+                read.set()
+                return entries
+
+        return Gated(self.root / "manifest.jsonl", limits)
+
+
+def _gated_config(**overrides: object) -> CacheConfig:
+    # A live prefetch held in `exists` must not time out while a test holds it.
+    prefetch = {"policy": "wait_complete", "threshold_tokens": PAGE, "io_timeout_s": 3600}
+    return _config(prefetch=prefetch, **overrides)
+
+
+#: Tokens no store holds: a live prefetch of them is one `exists`, then a miss.
+_LIVE = np.arange(60_000, 60_000 + 8 * PAGE)
+
+
+@pytest.mark.parametrize("started", ["by_call", "on_attach"])
+async def test_the_deadline_holds_while_live_prefetches_run(tmp_path: Path, started: str) -> None:
+    prompts = _prompts(4, seed=31)
+    await _fill(tmp_path, prompts)
+    storage = _GatedStorage(tmp_path)
+    deadline = 0.5
+    on_attach = started == "on_attach"
+    config = _gated_config(warmup={"enabled": on_attach, "ratio": 1.0, "deadline_s": deadline})
+    async with HiCache(config, storage=storage) as cache:
+        live = asyncio.create_task(cache.prefetch(_LIVE))
+        await storage.in_exists.wait()  # a live prefetch runs, and goes on until the gate opens
+        storage.manifest_gate.set()
+        warm = asyncio.create_task(
+            cache.wait_warmup() if on_attach else cache.warmup(ratio=1.0, deadline_s=deadline)
+        )
+        # The warmup yields to the live prefetch, but only until its deadline. (A hang guard:
+        # waiting for the live traffic to end, it would still be waiting.)
+        done, _ = await asyncio.wait([warm], timeout=30)
+        storage.gate.set()
+        await live
+        result = await warm
+        assert result is not None
+        assert done, "the warmup outlived its deadline while a live prefetch ran"
+        assert result.status is WarmupStatus.DEADLINE
+        assert result.entries_read >= len(prompts)  # it got past the manifest
+        # No entry was begun: the only `exists` is the live prefetch's.
+        assert storage.exists_calls == 1
+        assert (result.entries_loaded, result.pages_loaded, result.entries_missed) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("when", ["detach_in_entry", "close_in_entry", "detach_while_yielding"])
+async def test_a_warmup_stopped_in_its_last_entry_reports_stopped(
+    tmp_path: Path, when: str
+) -> None:
+    prompts = _prompts(1, seed=32)
+    await _fill(tmp_path, prompts)
+    storage = _GatedStorage(tmp_path)
+    storage.manifest_gate.set()
+    async with HiCache(_gated_config(), storage=storage) as cache:
+        live = None
+        if when == "detach_while_yielding":
+            live = asyncio.create_task(cache.prefetch(_LIVE))
+            await storage.in_exists.wait()
+            warm = asyncio.create_task(cache.warmup(ratio=1.0))
+            # From its manifest read the warmup goes on to wait for the live prefetch
+            # without yielding: once the read is seen over, it waits there.
+            await storage.manifest_read.wait()
+        else:
+            warm = asyncio.create_task(cache.warmup(ratio=1.0))
+            await storage.in_exists.wait()  # the one entry's read is in progress
+        if when == "close_in_entry":
+            await cache.__aexit__(None, None, None)
+        else:
+            await cache.detach_storage()
+        result = await asyncio.wait_for(warm, 30)
+        if live is not None:
+            await live
+        assert result.status is WarmupStatus.STOPPED
+        assert result.entries_agreed == 1
+        assert result.pages_loaded == 0
+        assert storage.exists_calls == 1
 
 
 def _open_files() -> set[str]:

@@ -2,8 +2,8 @@
 
 It reads the backend's manifest (bounded), agrees with the other tensor-parallel ranks on the
 entries they all have, and loads them by priority then recency through the prefetch path,
-one at a time and only while no live prefetch is waiting, until the host budget, the deadline,
-a detach or the cache's close stops it.
+one at a time and only while no live prefetch is waiting (it waits for them no longer than its
+deadline), until the host budget, the deadline, a detach or the cache's close stops it.
 
 With a rank group, each entry costs exactly two collectives on every rank whatever happens
 locally: one to agree to go on, one to agree on how many pages every rank has; a rank that
@@ -40,7 +40,7 @@ from ..distributed import (
     run_uncancelled,
 )
 from ..storage._manifest import ManifestEntry, SupportsManifest
-from ._prefetch import PrefetchHandle
+from ._prefetch import PrefetchHandle, PrefetchStatus
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -210,8 +210,11 @@ class Warmer:
             oversized=read.oversized,
         )
         status = WarmupStatus.COMPLETE
+        # Why this rank stops after the current entry (None: it goes on). With a rank group
+        # the next "go on?" agreement then stops every rank at the same entry.
+        halt: WarmupStatus | None = None
         for index, entry in enumerate(entries):
-            go_on = self._may_continue(loaded_pages, budget, began)
+            go_on = self._may_continue(loaded_pages, budget, began) if halt is None else halt
             if tp:
                 assert group is not None
                 wanted = int(go_on is WarmupStatus.COMPLETE)
@@ -222,11 +225,12 @@ class Warmer:
                 status = go_on
                 break
             try:
-                await self._link.prefetcher.wait_quiet()
+                halt = await self._yield_to_live(loaded_pages, budget, began)
                 landed = 0
-                # Stopped (a request agreement waits): load nothing more; the trim below still
-                # runs, and keeps what every rank held of the entry already.
-                if not (tp and self._stopping()):
+                # Past the deadline or stopped (a detach, the close, a request agreement
+                # waiting) while live prefetches went first: the entry is not begun. With a
+                # rank group the trim below still runs, and keeps what every rank held of it.
+                if halt is None:
                     keys = [bytes.fromhex(k) for k in entry.keys]
                     if not tp:
                         # No further than the budget allows: pages cached already cost
@@ -252,6 +256,9 @@ class Warmer:
                     landed = handle.storage_tokens // size
                     cached = handle.device_tokens + handle.host_tokens + handle.storage_tokens
                     missed += cached < handle.num_tokens
+                    # A detach or the close cancelled the entry's read.
+                    if handle.status is PrefetchStatus.CANCELLED:
+                        halt = WarmupStatus.STOPPED
             except asyncio.CancelledError:
                 if tp:
                     assert group is not None
@@ -270,6 +277,13 @@ class Warmer:
                 assert group is not None
                 if await self._agree_trim_owing(group, entries, index):
                     raise asyncio.CancelledError
+            if halt is None and self._ended():
+                halt = WarmupStatus.STOPPED  # stopped while the entry ran
+            # A last entry that is all there anyway was not cut short: the run is complete.
+            if halt is not None and not (index + 1 == len(entries) and self._all_cached(entry)):
+                status = halt
+                if not tp:
+                    break
         if status is WarmupStatus.COMPLETE and budget_cut and loaded_pages >= budget:
             status = WarmupStatus.BUDGET  # reached within the last entry
         # `_partial` holds every count by now.
@@ -366,8 +380,32 @@ class Warmer:
             await self._owe(group, _go_on_tag(entries[index + 1].chain_id))
         return cancelled
 
+    async def _yield_to_live(self, loaded: int, budget: int, began: float) -> WarmupStatus | None:
+        """Wait until no live prefetch is queued or running, but no longer than the deadline;
+        then why the warmup must not begin its next entry (None: it may)."""
+        prefetcher = self._link.prefetcher
+        # Timed against `time.monotonic()`, as `_may_continue` is: the loop's clock may lag it.
+        while (left := self._deadline_s - (time.monotonic() - began)) > 0:
+            with anyio.move_on_after(left) as scope:
+                await prefetcher.wait_quiet()
+            if not scope.cancelled_caught:
+                break
+        go_on = self._may_continue(loaded, budget, began)
+        return None if go_on is WarmupStatus.COMPLETE else go_on
+
+    def _all_cached(self, entry: ManifestEntry) -> bool:
+        keys = [bytes.fromhex(k) for k in entry.keys]
+        found = self._cache._tree.match(keys, touch=False)
+        return found.num_device_pages + found.num_host_pages == len(keys)
+
+    def _ended(self) -> bool:
+        """Stopped: locally, by a request agreement, a detach or the cache's close."""
+        return (
+            self._stopping() or self._cache._link is not self._link or self._cache._state != "open"
+        )
+
     def _may_continue(self, loaded: int, budget: int, began: float) -> WarmupStatus:
-        if self._stopping() or self._cache._link is not self._link or self._cache._state != "open":
+        if self._ended():
             return WarmupStatus.STOPPED
         if loaded >= budget:
             return WarmupStatus.BUDGET
