@@ -29,6 +29,7 @@ from test_file_storage import (
     _put,
     _released,
 )
+from test_file_storage_maintenance import _VERIFY_PAGES, _damaged_store
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import (
@@ -37,6 +38,7 @@ from hicache_async.storage import (
     Outcome,
     PageHeader,
     PageMeta,
+    VerifyReport,
     _file,
     encode_header,
 )
@@ -197,6 +199,27 @@ async def test_verify_keeps_going_past_a_corrupt_page_it_cannot_remove(
         ]
         assert storage.stats().corrupt == 0  # nothing was removed
         assert await _get(storage, keys[1:]) == [Outcome.OK] * 2
+
+
+def test_verify_on_several_threads_leaves_what_cannot_be_removed_unchecked(
+    tmp_path: Path, immutable: Callable[[Path], None]
+) -> None:
+    root = tmp_path / "s"
+    _, corrupt, unsupported = _damaged_store(root)
+    stuck = corrupt[::5]  # spread over the scan, so over the threads
+    for key in stuck:
+        immutable(_page_path(root, key))
+
+    async def verify() -> VerifyReport:
+        async with FileStorage(root, io_threads=4) as storage:
+            return await storage.verify()
+
+    report = asyncio.run(verify())
+    assert report.corrupt_removed == len(corrupt) - len(stuck)
+    assert report.unchecked == len(stuck)
+    assert report.checked == _VERIFY_PAGES - len(stuck)
+    assert report.unsupported == len(unsupported)
+    assert all(_page_path(root, key).exists() for key in stuck)
 
 
 async def test_a_leftover_that_cannot_be_removed_fails_neither_open_nor_verify(

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import signal
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from hicache_async.cli import _args, _manifest, main
-from hicache_async.storage import HEADER_NBYTES, FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage import (
+    HEADER_NBYTES,
+    FileStorage,
+    MemoryStorage,
+    Outcome,
+    PageInfo,
+    PageMeta,
+)
 from hicache_async.storage._manifest import ManifestEntry
 from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.testing._servers import free_port
@@ -520,3 +530,151 @@ def test_interrupt_exits_130_and_closes_the_store(tmp_path: Path, action: str, q
             pass
 
     asyncio.run(reopen())
+
+
+def _listing(root: Path) -> list[PageInfo]:
+    async def pages() -> list[PageInfo]:
+        async with FileStorage(root) as storage:
+            return await storage.list_pages()
+
+    return asyncio.run(pages())
+
+
+def _expected_ls(pages: list[PageInfo], *, as_json: bool) -> str:
+    """`ls`'s output as it was printed in one piece: a table, or one JSON array."""
+    rows = [
+        {
+            "key": page.key.hex(),
+            "nbytes": page.nbytes,
+            "num_tokens": page.num_tokens,
+            "priority": page.priority,
+            "last_access": page.last_access,
+        }
+        for page in pages
+    ]
+    if as_json:
+        return msgspec.json.encode(rows).decode() + "\n"
+    lines = [f"{'key':<64}  {'bytes':>12}  {'tokens':>6}  {'prio':>4}  last access (UTC)"]
+    for row in rows:
+        when = datetime.fromtimestamp(row["last_access"], tz=timezone.utc)
+        lines.append(
+            f"{row['key']:<64}  {row['nbytes']:>12}  {row['num_tokens']:>6}  "
+            f"{row['priority']:>4}  {when:%Y-%m-%d %H:%M:%S}"
+        )
+    lines.append(f"{len(rows)} pages")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 10])
+def test_ls_streams_the_output_it_printed_in_one_piece(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, count: int
+) -> None:
+    root = tmp_path / "s"
+    keys = _populate(root, count)
+    if count:
+        _damage(root, keys[0], 0, b"XXXX")  # listed with 0 tokens and priority 0
+    pages = _listing(root)
+    original = FileStorage.stream_pages
+    batches: list[int] = []
+
+    def stream_pages(self: FileStorage, batch_pages: int = 1024) -> Any:
+        batches.append(batch_pages)
+        return original(self, 3)  # several batches of a small store
+
+    monkeypatch.setattr(FileStorage, "stream_pages", stream_pages)
+    for as_json in (False, True):
+        flag = ["--json"] if as_json else []
+        code, out, _ = _run(capsys, "ls", f"file://{root}", *flag)
+        assert code == 0
+        assert out == _expected_ls(pages, as_json=as_json)
+        # --limit lists in one piece, through list_pages: the same bytes.
+        code, limited, _ = _run(capsys, "ls", f"file://{root}", *flag, "--limit", str(1 << 40))
+        assert (code, limited) == (0, out)
+    assert batches == [1024, 1024]
+
+
+# Lists the store in batches of 2 and holds the batch of the least recently used page until
+# the file named by the last argument exists (at most 60 s, then says so on stderr).
+_HELD_LS = """
+import os, sys, time
+from hicache_async.cli import main
+from hicache_async.storage import FileStorage
+
+flag, last = sys.argv.pop(), bytes.fromhex(sys.argv.pop())
+headers = FileStorage._headers_job
+stream = getattr(FileStorage, "stream_pages", None)  # absent: one listing, held whole
+
+def held(self, stop, keys):
+    if last in keys:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(flag):
+            if time.monotonic() > deadline:
+                print("held to the end", file=sys.stderr)
+                break
+            time.sleep(0.01)
+    return headers(self, stop, keys)
+
+FileStorage._headers_job = held
+if stream is not None:
+    FileStorage.stream_pages = lambda self, batch_pages=1024: stream(self, 2)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ls_prints_the_first_pages_before_the_listing_ends(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    _populate(root, 5)
+    order = [page.key for page in _listing(root)]
+    flag = tmp_path / "go"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _HELD_LS, "storage", "ls", f"file://{root}", order[-1].hex(), flag],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        head = process.stdout.readline()  # printed while the last batch is held
+        flag.touch()
+        rest = process.stdout.read()
+        assert process.stderr is not None
+        err = process.stderr.read()
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    assert "held to the end" not in err
+    lines = (head + rest).splitlines()
+    assert head.startswith("key ")
+    assert [line[:64] for line in lines[1:6]] == [key.hex() for key in order]
+    assert lines[6:] == ["5 pages"]
+
+
+def test_ls_that_fails_midway_keeps_what_it_printed_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "s"
+    _populate(root, 4)
+    order = [page.key for page in _listing(root)]
+    headers = FileStorage._headers_job
+    calls = 0
+
+    def failing(self: FileStorage, stop: Any, keys: list[bytes]) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return headers(self, stop, keys)
+
+    original = FileStorage.stream_pages
+    monkeypatch.setattr(FileStorage, "_headers_job", failing)
+    monkeypatch.setattr(
+        FileStorage, "stream_pages", lambda self, batch_pages=1024: original(self, 2)
+    )
+    code, out, err = _run(capsys, "ls", f"file://{root}")
+    assert code == 1
+    # The heading and the first batch, no count.
+    assert [line[:64] for line in out.splitlines()[1:]] == [key.hex() for key in order[:2]]
+    assert err == f"hicache-async storage: error: file://{root}: [Errno 5] Input/output error\n"

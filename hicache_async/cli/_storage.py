@@ -1,6 +1,7 @@
 """`hicache-async storage stats|ls|verify|gc URL`: inspect and maintain a storage backend.
 
-`stats` shows occupancy and counters, `ls` the stored pages (most recently used first),
+`stats` shows occupancy and counters, `ls` the stored pages (most recently used first; printed
+as they are listed from a backend that streams its listing),
 `verify` checks every page's integrity and removes corrupt pages and leftover temporary files,
 `gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
 success, 1 when the backend fails or stdout cannot be written (closed early by `| head`, a full
@@ -16,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import sys
+from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,6 +35,7 @@ from ..storage import (
     PageInfo,
     StorageBackend,
     StorageStats,
+    StreamsPages,
     VerifyReport,
 )
 from ._args import backend_for_command, count
@@ -91,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(f"{backend.name} does not support {args.action}", 2)
     try:
         text, code = asyncio.run(_run(backend, args.action, args.limit, as_json=args.json))
+    except _OutputError as exc:
+        return _output_failed(exc.error)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
     except (StorageError, OSError) as exc:
@@ -98,13 +105,16 @@ def run(args: argparse.Namespace) -> int:
         if not message.startswith(backend.name):  # most backends' messages name them already
             message = f"{backend.name}: {message}"
         return _fail(message, 1)
+    if text is None:
+        return code
     return print_output(text, prog=_PROG) or code
 
 
 async def _run(
     backend: StorageBackend, action: str, limit: int | None, *, as_json: bool
-) -> tuple[str, int]:
-    """The action's output and the exit code it calls for."""
+) -> tuple[str | None, int]:
+    """The action's output (None when it has written it as it went) and the exit code it
+    calls for."""
     async with backend:
         if action == "stats":
             stats = await _store_stats(backend)
@@ -115,23 +125,8 @@ async def _run(
             ), 0
         assert isinstance(backend, MaintainableStorage)  # checked by run()
         if action == "ls":
-            if isinstance(backend, _CountsAndLooks):
-                pages = await backend.list_pages(limit, record=False)  # ls only looks
-            else:
-                pages = await backend.list_pages(limit)
-            rows = [
-                {
-                    "key": page.key.hex(),
-                    "nbytes": page.nbytes,
-                    "num_tokens": page.num_tokens,
-                    "priority": page.priority,
-                    "last_access": page.last_access,
-                }
-                for page in pages
-            ]
-            if as_json:
-                return msgspec.json.encode(rows).decode(), 0
-            return _table(rows), 0
+            await _list(backend, limit, as_json=as_json)
+            return None, 0
         report: msgspec.Struct
         code = 0
         if action == "verify":
@@ -167,13 +162,95 @@ async def _store_stats(backend: StorageBackend) -> StorageStats:
     )
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'key':<64}  {'bytes':>12}  {'tokens':>6}  {'prio':>4}  last access (UTC)"]
-    for row in rows:
-        when = datetime.fromtimestamp(row["last_access"], tz=timezone.utc)
-        lines.append(
-            f"{row['key']:<64}  {row['nbytes']:>12}  {row['num_tokens']:>6}  "
-            f"{row['priority']:>4}  {when:%Y-%m-%d %H:%M:%S}"
-        )
-    lines.append(f"{len(rows)} pages")
-    return "\n".join(lines)
+class _OutputError(Exception):
+    """stdout could not take the output, which the command then stops writing."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _write(text: str) -> None:
+    """Write one piece of an output that is printed as it comes; `_OutputError` when stdout
+    cannot take it."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except OSError as exc:
+        raise _OutputError(exc) from exc
+
+
+def _output_failed(error: OSError) -> int:
+    """Exit 1 when a streamed output could not be written, as `print_output` does (which
+    this mirrors for output written in pieces): no message for a reader that closed stdout
+    first (`| head`), a one-line one otherwise (a full disk)."""
+    # Python would flush stdout again at exit and fail the same way: point it at /dev/null.
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    if not isinstance(error, BrokenPipeError):
+        with contextlib.suppress(OSError):
+            print(
+                f"{_PROG}: error: cannot write the output: {error.strerror or error}",
+                file=sys.stderr,
+            )
+    return 1
+
+
+async def _list(backend: MaintainableStorage, limit: int | None, *, as_json: bool) -> None:
+    """Print the pages as they are listed: in batches from a backend that streams its listing
+    (`StreamsPages`), so a store of millions of pages starts printing at once and holds one
+    batch; in one piece from `list_pages` otherwise, or with `--limit`. The output is the
+    same either way: one table, or one JSON array."""
+    batches: AsyncIterator[list[PageInfo]]
+    if limit is None and isinstance(backend, StreamsPages):
+        batches = backend.stream_pages()
+    else:
+        batches = _whole_listing(backend, limit)
+    count = 0
+    async for pages in batches:
+        if not pages:  # an empty store's one listing
+            continue
+        rows = [
+            {
+                "key": page.key.hex(),
+                "nbytes": page.nbytes,
+                "num_tokens": page.num_tokens,
+                "priority": page.priority,
+                "last_access": page.last_access,
+            }
+            for page in pages
+        ]
+        if as_json:  # the array's items, without its brackets
+            _write(("," if count else "[") + msgspec.json.encode(rows)[1:-1].decode())
+        else:
+            lines = [_table_line(row) for row in rows]
+            if not count:
+                lines.insert(0, _TABLE_HEAD)
+            _write("".join(f"{line}\n" for line in lines))
+        count += len(rows)
+    if as_json:
+        _write("]\n" if count else "[]\n")
+    else:
+        _write(f"{count} pages\n" if count else f"{_TABLE_HEAD}\n0 pages\n")
+
+
+async def _whole_listing(
+    backend: MaintainableStorage, limit: int | None
+) -> AsyncIterator[list[PageInfo]]:
+    if isinstance(backend, _CountsAndLooks):
+        yield await backend.list_pages(limit, record=False)  # ls only looks
+    else:
+        yield await backend.list_pages(limit)
+
+
+_TABLE_HEAD = f"{'key':<64}  {'bytes':>12}  {'tokens':>6}  {'prio':>4}  last access (UTC)"
+
+
+def _table_line(row: dict[str, Any]) -> str:
+    when = datetime.fromtimestamp(row["last_access"], tz=timezone.utc)
+    return (
+        f"{row['key']:<64}  {row['nbytes']:>12}  {row['num_tokens']:>6}  "
+        f"{row['priority']:>4}  {when:%Y-%m-%d %H:%M:%S}"
+    )

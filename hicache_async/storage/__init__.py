@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 from .._errors import StorageConfigError
 from ._base import check_keys, check_metas, check_pages, check_put
 from ._file import FileStorage, FsyncPolicy, default_root
-from ._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
+from ._maintenance import (
+    GcReport,
+    MaintainableStorage,
+    PageInfo,
+    RawAccess,
+    StreamsPages,
+    VerifyReport,
+)
 from ._manifest import (
     CompactReport,
     ManifestEntry,
@@ -72,6 +79,7 @@ __all__ = [
     "StorageError",
     "StorageFactory",
     "StorageStats",
+    "StreamsPages",
     "SupportsManifest",
     "VerifyReport",
     "check_keys",

@@ -54,7 +54,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Literal, TypeVar, cast, get_args
@@ -439,6 +439,7 @@ _ERROR = "error"
 _EXISTS = "exists"
 
 _Result = tuple[str, str, int]  # (code, detail, stored bytes)
+_Checked = tuple[str, str]  # (code, reason) of a page verify() checked
 
 
 def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
@@ -899,6 +900,66 @@ def _remove_page(spares: _SparePool | None, handles: _Handles, shard_fd: int, na
     Raises FileNotFoundError when there is no such file."""
     if spares is None or not spares.keep(handles, shard_fd, name):
         os.unlink(name, dir_fd=shard_fd)
+
+
+class _IndexWalk:
+    """The index, most recently used first, a slice at a time across awaits, without a copy.
+
+    A live iterator serves while the index keeps its order. Once it has changed between two
+    slices (a put, a read, a removal), the walk goes on after the last page of the previous
+    slice that is still there, unused since: the keys after it are copied then, once, a
+    reference each (the index's own keys), and pages stored or used since, now at the front,
+    are not listed again. When no page of that slice is left, it goes on from the pages used
+    no later than the oldest of them.
+    """
+
+    __slots__ = ("_index", "_last", "_live", "_rest")
+
+    def __init__(self, index: OrderedDict[bytes, _Entry]) -> None:
+        self._index = index
+        self._live: Iterator[tuple[bytes, _Entry]] = reversed(index.items())
+        self._rest: Iterator[bytes] | None = None
+        # The previous slice: (key, entry, its last access when taken).
+        self._last: list[tuple[bytes, _Entry, float]] = []
+
+    def take(self, count: int) -> list[tuple[bytes, _Entry]]:
+        """The next `count` indexed pages at most (empty at the end). Loop only."""
+        chosen: list[tuple[bytes, _Entry]] = []
+        if self._rest is None:
+            try:
+                chosen = list(islice(self._live, count))
+            except RuntimeError:  # the order changed since the previous slice
+                self._rest = self._after_last()
+        if self._rest is not None:
+            index = self._index
+            for key in self._rest:
+                entry = index.get(key)
+                if entry is None:  # removed since the copy
+                    continue
+                chosen.append((key, entry))
+                if len(chosen) == count:
+                    break
+        self._last = [(key, entry, entry.last_access) for key, entry in chosen]
+        return chosen
+
+    def _after_last(self) -> Iterator[bytes]:
+        index = self._index
+        keys = list(reversed(index))
+        for key, entry, seen in reversed(self._last):
+            if index.get(key) is entry and entry.last_access == seen:
+                del keys[: keys.index(key) + 1]
+                return iter(keys)
+        if not self._last:
+            return iter(keys)
+        oldest = min(seen for _, _, seen in self._last)
+        listed = {key for key, _, _ in self._last}
+        return (
+            key
+            for key in keys
+            if key not in listed
+            and (found := index.get(key)) is not None
+            and found.last_access <= oldest
+        )
 
 
 class _Job:
@@ -2027,9 +2088,40 @@ class FileStorage(BackendBase):
         """Indexed pages, most recently used first, with their header fields (0 tokens and
         priority 0 where the header cannot be read: a damaged page or a newer format's)."""
         self._check_open()
-        chosen = list(islice(reversed(self._index.items()), limit))
+        return await self._page_infos(list(islice(reversed(self._index.items()), limit)))
+
+    def stream_pages(self, batch_pages: int = 1024) -> AsyncIterator[list[PageInfo]]:
+        """`list_pages()` in batches of at most `batch_pages` (`StreamsPages`), each read by
+        one job, without a copy of the index: memory and the time to the first batch do not
+        grow with the store.
+
+        While the index is unchanged (a maintenance tool's listing) the batches are exactly
+        `list_pages()`. A page removed while the listing runs is left out; one stored or used
+        meanwhile moves to the front of the order, which the listing has passed, so it is
+        left out too (or listed where it was, if its batch was taken already). A close raises
+        the store's closed error, even mid-batch.
+        """
+        if not (_is_int(batch_pages) and batch_pages >= 1):
+            raise ValueError(f"batch_pages must be an integer >= 1, got {batch_pages!r}")
+        self._check_open()
+        return self._stream_pages(_IndexWalk(self._index), batch_pages)
+
+    async def _stream_pages(
+        self, walk: _IndexWalk, batch_pages: int
+    ) -> AsyncIterator[list[PageInfo]]:
+        while chosen := walk.take(batch_pages):
+            self._check_open()
+            pages = await self._page_infos(chosen)
+            if pages:
+                yield pages
+
+    async def _page_infos(self, chosen: list[tuple[bytes, _Entry]]) -> list[PageInfo]:
+        """`PageInfo` of the indexed pages `chosen`, their headers read by one job; pages whose
+        file or entry went meanwhile are left out."""
         keys = [key for key, _ in chosen]
         fields = await self.run_job(lambda stop: self._headers_job(stop, keys))
+        self._check_open()  # a close stops the job part-way: its answers are not the pages'
+        index = self._index
         return [
             PageInfo(
                 key=key,
@@ -2039,7 +2131,7 @@ class FileStorage(BackendBase):
                 last_access=entry.last_access,
             )
             for (key, entry), found in zip(chosen, fields, strict=True)
-            if found is not None
+            if found is not None and key in index
         ]
 
     def _headers_job(
@@ -2077,7 +2169,11 @@ class FileStorage(BackendBase):
         return fields
 
     async def verify(self) -> VerifyReport:
-        """Check every page on disk; remove corrupt pages, temporary leftovers and strays."""
+        """Check every page on disk; remove corrupt pages, temporary leftovers and strays.
+
+        The pages are checked on up to `io_threads` threads (those of batched reads and
+        writes); the report does not depend on how many.
+        """
         self._check_open()
         since = self._seq
         epoch = self._watch()
@@ -2125,57 +2221,34 @@ class FileStorage(BackendBase):
             except OSError as exc:
                 unchecked += 1
                 self._log_stray_errors([(name, str(exc))])
+        # The pages are checked on up to `io_threads` threads, each with its own buffer; their
+        # results are tallied here, in the scan's order, once every thread has stopped.
+        results: list[_Checked | None] = [None] * len(found)
+        local = threading.local()
+
+        def check(i: int) -> None:
+            scratch: bytearray = getattr(local, "scratch", bytearray())
+            results[i], local.scratch = self._check_page(handles, found[i][0], scratch, stop)
+
+        # Reading pages the page cache does not hold, the threads overlap their waits: 200,000
+        # pages of 2 KiB took 60 s on one thread, 32 s on two, 28 s on four. Cached ones are
+        # checked mostly in Python, under the GIL, which more threads only pass around.
+        width = self._width(len(found), sum(item[1] for item in found))
+        fan_out(self._helpers, len(found), check, stop, width)
         kept: list[_Found] = []
         corrupt: list[tuple[bytes, str]] = []
         ok = unsupported = 0
-        scratch = bytearray()
-        for item in found:
-            if stop.is_set():
-                kept.append(item)
-                continue
-            key = item[0]
-            hexkey = key.hex()
-            shard_fd = handles.shard(hexkey[:2], create=False)
-            if shard_fd is None:
-                continue
-            try:
-                code, reason, st, scratch = self._verify_file(shard_fd, key, scratch, stop)
-            except FileNotFoundError:
-                continue  # removed meanwhile
-            except OSError as exc:
-                log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
-                kept.append(item)
-                unchecked += 1
+        for item, result in zip(found, results, strict=True):
+            code, reason = result or (_EXISTS, "")  # never reached (a close): left alone
+            if code == _MISS:  # removed meanwhile: no longer indexed
                 continue
             if code == _CORRUPT:
-                try:
-                    # Evicted, deleted or rewritten while it was read (its file may have been
-                    # reused by a write meanwhile): what was read is torn, not a corrupt page.
-                    if not _remove_if_same(shard_fd, hexkey, st, gone=False):
-                        if _exists(shard_fd, hexkey):
-                            kept.append(item)
-                        continue
-                except OSError as exc:  # e.g. immutable: it stays, and so does its entry
-                    log.warning(
-                        "storage.page.error",
-                        backend=self._name,
-                        key=hexkey,
-                        error=f"corrupt ({reason}), cannot remove it: {exc.strerror or exc}",
-                    )
-                    kept.append(item)
-                    unchecked += 1
-                    continue
-                corrupt.append((key, reason))
+                corrupt.append((item[0], reason))
                 continue
-            if code == _ERROR:  # stopped mid-page (a close): left in place, not checked
-                kept.append(item)
-                unchecked += 1
-                continue
-            if code == _UNSUPPORTED:
-                unsupported += 1
-            else:
-                ok += 1
             kept.append(item)
+            ok += code == _OK
+            unsupported += code == _UNSUPPORTED
+            unchecked += code == _ERROR
         report = VerifyReport(
             checked=ok + unsupported + len(corrupt),
             ok=ok,
@@ -2185,6 +2258,42 @@ class FileStorage(BackendBase):
             unchecked=unchecked,
         )
         return kept, corrupt, report
+
+    def _check_page(
+        self, handles: _Handles, key: bytes, scratch: bytearray, stop: threading.Event
+    ) -> tuple[_Checked, bytearray]:
+        """Check one page found by verify's scan, removing it if it is corrupt and unchanged
+        since it was read. Returns (code, reason) and the buffer to reuse: `_OK`,
+        `_UNSUPPORTED`, `_CORRUPT` (removed), `_MISS` (no longer there), `_EXISTS` (changed
+        while it was read: left, uncounted) or `_ERROR` (left unchecked: unreadable, stopped
+        mid-page, or corrupt and impossible to remove)."""
+        hexkey = key.hex()
+        shard_fd = handles.shard(hexkey[:2], create=False)
+        if shard_fd is None:
+            return (_MISS, ""), scratch
+        try:
+            code, reason, st, scratch = self._verify_file(shard_fd, key, scratch, stop)
+        except FileNotFoundError:
+            return (_MISS, ""), scratch  # removed meanwhile
+        except OSError as exc:
+            log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
+            return (_ERROR, ""), scratch
+        if code != _CORRUPT:
+            return (code, reason), scratch  # _ERROR: stopped mid-page (a close), left in place
+        try:
+            # Evicted, deleted or rewritten while it was read (its file may have been reused
+            # by a write meanwhile): what was read is torn, not a corrupt page.
+            if not _remove_if_same(shard_fd, hexkey, st, gone=False):
+                return (_EXISTS if _exists(shard_fd, hexkey) else _MISS, ""), scratch
+        except OSError as exc:  # e.g. immutable: it stays, and so does its entry
+            log.warning(
+                "storage.page.error",
+                backend=self._name,
+                key=hexkey,
+                error=f"corrupt ({reason}), cannot remove it: {exc.strerror or exc}",
+            )
+            return (_ERROR, ""), scratch
+        return (_CORRUPT, reason), scratch
 
     def _log_stray_errors(self, failed: list[tuple[str, str]]) -> None:
         for name, error in failed:

@@ -2,16 +2,25 @@
 
 `RawAccess` exposes the stored `header ‖ payload` bytes, below the verification path, so the
 conformance suite and fault injection can damage a page and check that `get` catches it.
-`MaintainableStorage` is what `hicache-async storage ls|verify|gc` needs.
+`MaintainableStorage` is what `hicache-async storage ls|verify|gc` needs, and `StreamsPages`
+lets `ls` print a large store as it lists it instead of after.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Protocol, runtime_checkable
 
 import msgspec
 
-__all__ = ["GcReport", "MaintainableStorage", "PageInfo", "RawAccess", "VerifyReport"]
+__all__ = [
+    "GcReport",
+    "MaintainableStorage",
+    "PageInfo",
+    "RawAccess",
+    "StreamsPages",
+    "VerifyReport",
+]
 
 
 class PageInfo(msgspec.Struct, frozen=True):
@@ -82,4 +91,19 @@ class MaintainableStorage(Protocol):
 
     async def gc(self) -> GcReport:
         """Evict least recently used pages until the store is within its capacity."""
+        ...
+
+
+@runtime_checkable
+class StreamsPages(Protocol):
+    """Optional beside `MaintainableStorage`: the listing of `list_pages()` in batches, for a
+    store too large to list in one piece (memory bounded by a batch, the first pages out at
+    once).
+
+    The batches run most recently used first, as `list_pages()` does; a page removed while
+    the listing runs is left out, and a store closed meanwhile raises its closed error.
+    """
+
+    def stream_pages(self, batch_pages: int = 1024) -> AsyncIterator[list[PageInfo]]:
+        """Every stored page, at most `batch_pages` a batch (each non-empty)."""
         ...
