@@ -6,7 +6,7 @@ import contextlib
 import os
 import sys
 
-__all__ = ["print_output"]
+__all__ = ["output_failed", "print_output"]
 
 
 def print_output(text: str, *, prog: str) -> int:
@@ -17,18 +17,24 @@ def print_output(text: str, *, prog: str) -> int:
         print(text)
         sys.stdout.flush()
     except OSError as exc:
-        # Python would flush stdout again at exit and report the same error there: point
-        # stdout at /dev/null first, as the Python documentation recommends for SIGPIPE.
-        # A stdout without a descriptor (a test harness) raises here: nothing flushes it at exit.
-        with contextlib.suppress(OSError, ValueError):
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
-        if not isinstance(exc, BrokenPipeError):
-            with contextlib.suppress(OSError):
-                print(
-                    f"{prog}: error: cannot write the output: {exc.strerror or exc}",
-                    file=sys.stderr,
-                )
-        return 1
+        return output_failed(exc, prog=prog)
     return 0
+
+
+def output_failed(error: OSError, *, prog: str) -> int:
+    """Exit status 1 for an output stdout could not take (`error`), said on stderr unless the
+    reader closed stdout first; also for outputs written in pieces."""
+    # Python would flush stdout again at exit and report the same error there: point
+    # stdout at /dev/null first, as the Python documentation recommends for SIGPIPE.
+    # A stdout without a descriptor (a test harness) raises here: nothing flushes it at exit.
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    if not isinstance(error, BrokenPipeError):
+        with contextlib.suppress(OSError):
+            print(
+                f"{prog}: error: cannot write the output: {error.strerror or error}",
+                file=sys.stderr,
+            )
+    return 1

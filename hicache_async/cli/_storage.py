@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import sys
 from collections.abc import AsyncIterator
 from datetime import datetime, timezone
@@ -39,7 +37,7 @@ from ..storage import (
     VerifyReport,
 )
 from ._args import backend_for_command, count
-from ._output import print_output
+from ._output import output_failed, print_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -97,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         text, code = asyncio.run(_run(backend, args.action, args.limit, as_json=args.json))
     except _OutputError as exc:
-        return _output_failed(exc.error)
+        return output_failed(exc.error, prog=_PROG)
     except StorageConfigError as exc:
         return _fail(str(exc), 2)
     except (StorageError, OSError) as exc:
@@ -178,24 +176,6 @@ def _write(text: str) -> None:
         sys.stdout.flush()
     except OSError as exc:
         raise _OutputError(exc) from exc
-
-
-def _output_failed(error: OSError) -> int:
-    """Exit 1 when a streamed output could not be written, as `print_output` does (which
-    this mirrors for output written in pieces): no message for a reader that closed stdout
-    first (`| head`), a one-line one otherwise (a full disk)."""
-    # Python would flush stdout again at exit and fail the same way: point it at /dev/null.
-    with contextlib.suppress(OSError, ValueError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    if not isinstance(error, BrokenPipeError):
-        with contextlib.suppress(OSError):
-            print(
-                f"{_PROG}: error: cannot write the output: {error.strerror or error}",
-                file=sys.stderr,
-            )
-    return 1
 
 
 async def _list(backend: MaintainableStorage, limit: int | None, *, as_json: bool) -> None:
