@@ -127,6 +127,30 @@ async def test_a_listing_goes_on_when_every_page_of_its_last_batch_went(tmp_path
     assert listed == order
 
 
+@pytest.mark.parametrize("change", ["delete", "read"])
+async def test_pages_of_one_put_are_listed_once_when_a_later_batch_of_them_goes(
+    tmp_path: Path, change: str
+) -> None:
+    # Every page of one put shares its last access: when no page of the batch listed before
+    # a change was left in place, the listing went on from the pages as old as that batch's
+    # oldest, and listed the earlier batches of the put again.
+    keys = _keys(12)
+    async with FileStorage(tmp_path / "s") as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 12
+        order = [page.key for page in await storage.list_pages()]
+        stream = storage.stream_pages(4)
+        first = [page.key for page in await anext(stream)]
+        second = [page.key for page in await anext(stream)]
+        if change == "delete":
+            assert await storage.delete(second) == 4
+        else:
+            assert await _get(storage, second) == [Outcome.OK] * 4
+        rest = [page.key async for batch in stream for page in batch]
+    listed = first + second + rest
+    assert len(listed) == len(set(listed)) == 12
+    assert listed == order
+
+
 async def test_pages_used_or_stored_while_the_listing_runs_are_listed_once_at_most(
     tmp_path: Path,
 ) -> None:

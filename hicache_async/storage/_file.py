@@ -910,10 +910,11 @@ class _IndexWalk:
     slice that is still there, unused since: the keys after it are copied then, once, a
     reference each (the index's own keys), and pages stored or used since, now at the front,
     are not listed again. When no page of that slice is left, it goes on from the pages used
-    no later than the oldest of them.
+    no later than the oldest page listed so far, leaving out those of that same last access
+    it listed (all the pages of one put share it).
     """
 
-    __slots__ = ("_index", "_last", "_live", "_rest")
+    __slots__ = ("_index", "_last", "_live", "_oldest", "_oldest_listed", "_rest")
 
     def __init__(self, index: OrderedDict[bytes, _Entry]) -> None:
         self._index = index
@@ -921,6 +922,10 @@ class _IndexWalk:
         self._rest: Iterator[bytes] | None = None
         # The previous slice: (key, entry, its last access when taken).
         self._last: list[tuple[bytes, _Entry, float]] = []
+        # The oldest last access listed so far, and the keys listed with it: a page's last
+        # access only grows, so no other page listed can be as old.
+        self._oldest = float("inf")
+        self._oldest_listed: set[bytes] = set()
 
     def take(self, count: int) -> list[tuple[bytes, _Entry]]:
         """The next `count` indexed pages at most (empty at the end). Loop only."""
@@ -940,6 +945,12 @@ class _IndexWalk:
                 if len(chosen) == count:
                     break
         self._last = [(key, entry, entry.last_access) for key, entry in chosen]
+        for key, _, seen in self._last:
+            if seen < self._oldest:
+                self._oldest = seen
+                self._oldest_listed = {key}
+            elif seen == self._oldest:
+                self._oldest_listed.add(key)
         return chosen
 
     def _after_last(self) -> Iterator[bytes]:
@@ -951,14 +962,12 @@ class _IndexWalk:
                 return iter(keys)
         if not self._last:
             return iter(keys)
-        oldest = min(seen for _, _, seen in self._last)
-        listed = {key for key, _, _ in self._last}
+        oldest, listed = self._oldest, self._oldest_listed
         return (
             key
             for key in keys
-            if key not in listed
-            and (found := index.get(key)) is not None
-            and found.last_access <= oldest
+            if (found := index.get(key)) is not None
+            and (found.last_access < oldest or (found.last_access == oldest and key not in listed))
         )
 
 
