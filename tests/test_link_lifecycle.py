@@ -276,3 +276,23 @@ async def test_leaving_during_a_detach_lets_its_flush_finish(tmp_path: Path) -> 
     backup = link.backup.statistics()
     assert backup.dropped_pages == 0
     assert backup.written_pages == backup.offered_pages
+
+
+async def test_a_cancelled_exit_gives_up_the_flush_of_a_detach_in_progress(tmp_path: Path) -> None:
+    # As it gives up its own: the exit must end soon, and it waits for that close.
+    store = GatedPuts(tmp_path)
+    cache = HiCache(CONFIG, storage=store)
+    await cache.__aenter__()
+    with capture_logs() as logs:
+        link, detach, waiting = await _detach_in_progress(cache, store)
+        leave = asyncio.create_task(cache.__aexit__(None, None, None))
+        await _until(lambda: waiting.is_set() or leave.done())
+        leave.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(leave, GUARD_S)
+        await detach
+    assert [e for e in logs if e["event"] == "hicache.backup.flush.abandoned"]
+    assert cache.statistics().state == "closed"
+    assert link.closed
+    assert store.closed
+    assert link.backup.statistics().written_pages < link.backup.statistics().offered_pages
