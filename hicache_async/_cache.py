@@ -91,6 +91,11 @@ class HiCache:
     everything. Every method must be called from the loop that entered it.
     """
 
+    # The link a detach (or the exit, or a cancelled attach) is closing, once it is no longer
+    # `_link`: an attach waits for it to let go of its backend (a file root's lock), a second
+    # detach and the exit for its flush. Stale once that link is closed.
+    _closing: StorageLink | None = None
+
     def __init__(
         self,
         config: CacheConfig,
@@ -214,8 +219,10 @@ class HiCache:
         link = self._link
 
         def hurry() -> None:
-            if link is not None:
-                link.hurry()
+            # The attached link, and a detach's that the exit waits for.
+            for each in (link, self._closing):
+                if each is not None:
+                    each.hurry()
 
         # A cancelled exit (a shutdown under a timeout) gives up the flush, never the close:
         # the copy threads and the backend are closed before the cancellation goes on.
@@ -230,9 +237,12 @@ class HiCache:
             # so pages committed just before leaving are flushed too.
             while self._copies:
                 await asyncio.gather(*self._copies, return_exceptions=True)
+            # A detach in progress flushes within its deadline before the workers' task
+            # group, which runs its link's workers, is stopped.
+            await self._wait_closing()
             link, self._link = self._link, None
             if link is not None:
-                await link.close(flush=True, deadline_s=self.config.backup.flush_deadline_s)
+                await self._close_link(link, flush=True)
         finally:
             # Even when this task itself is cancelled (the loop shutting down): the copy
             # engine's threads must not outlive the cache.
@@ -454,8 +464,13 @@ class HiCache:
 
         Raises if one is attached (or opening) already: detach it first. A detach that comes
         while this one opens waits for the open to end and closes the backend; this call
-        raises `HiCacheError` then.
+        raises `HiCacheError` then. A detach still closing is waited for first (its backend
+        may hold what this one opens, a file root). Cancelled once the backend opened, the
+        backend is detached again, without a flush, before the cancellation goes on.
         """
+        self._check_open()
+        # A detach still closing holds its backend (a file root's lock) until it has closed.
+        await self._wait_closing()
         self._check_open()
         if self._link is not None:
             raise HiCacheError(
@@ -471,6 +486,12 @@ class HiCache:
         except BaseException:
             if self._link is link:
                 self._link = None
+                if link.running:
+                    # Cancelled once the backend had opened, before this call resumed: the
+                    # task group cancelled the link's task, which closes no worker's queue
+                    # and wakes no waiter. Closed as a detach without a flush would.
+                    self._forget_storage()
+                    await self._close_link(link, flush=False)
             raise
         if self._link is not link:  # a detach (or the cache's close) came while it opened
             raise HiCacheError(f"storage {backend.name!r} was detached while it was opening")
@@ -485,23 +506,45 @@ class HiCache:
         Prefetches in flight are cancelled (their requests go on without them); pending
         backups are flushed within `backup.flush_deadline_s` or, with `flush=False`,
         dropped, the write in progress cancelled at once; then the backend is closed.
-        Detaching when nothing is attached does nothing. `flush` must be a bool
-        (`TypeError` otherwise: "no" is true).
+        Detaching when nothing is attached does nothing; while another detach (or the
+        cache's exit) is closing a backend, this returns once that close has finished.
+        `flush` must be a bool (`TypeError` otherwise: "no" is true).
         """
         self._owner.check()
         if not isinstance(flush, bool):
             raise TypeError(f"flush must be a bool, got {type_name(flush)}")
+        # One in progress (or the exit's close): this one returns once that has finished.
+        await self._wait_closing()
         link = self._link
         if link is None:
             return
         self._link = None
-        # Pages acknowledged by the old backend are not in the next one.
+        self._forget_storage()
+        # A cancelled detach gives up the flush, not the close (see StorageLink.close).
+        await self._close_link(link, flush=flush)
+        _log.info("hicache.storage.detached", backend=link.backend.name)
+
+    def _forget_storage(self) -> None:
+        """Unmark every node in storage: pages acknowledged by the old backend are not in the
+        next one."""
         for node in self._tree.iter_nodes():
             if node.in_storage:
                 self._tree.mark_in_storage(node, False)
-        # A cancelled detach gives up the flush, not the close (see StorageLink.close).
-        await link.close(flush=flush, deadline_s=self.config.backup.flush_deadline_s)
-        _log.info("hicache.storage.detached", backend=link.backend.name)
+
+    async def _close_link(self, link: StorageLink, *, flush: bool) -> None:
+        """Close `link`, no longer `_link`, where every other caller sees it (`_closing`)."""
+        self._closing = link
+        try:
+            await link.close(flush=flush, deadline_s=self.config.backup.flush_deadline_s)
+        finally:
+            if self._closing is link:
+                self._closing = None
+
+    async def _wait_closing(self) -> None:
+        """Wait until no link is closing. Cancelling the caller stops only its wait: the close
+        goes on in the task that started it."""
+        while (link := self._closing) is not None and not link.closed:
+            await link.wait_closed()
 
     def storage_status(self) -> StorageStatus:
         """Whether storage is attached, and its backend's and workers' statistics."""

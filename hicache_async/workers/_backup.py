@@ -138,8 +138,11 @@ class BackupWorker:
                     self.writing_pages = 0
                     self._wake_idle()
         finally:
-            # Cancelled (a flush past its deadline): the jobs still queued give their host
+            # Nothing is written any more, whatever ended the worker (a flush past its
+            # deadline, the link's task cancelled without a close): later offers are skipped
+            # and `wait_idle()` waiters woken. The jobs still queued give their host
             # protection back now; only then is the queue closed.
+            self.close()
             self.drop_queued()
             self._receive.close()
 

@@ -66,6 +66,7 @@ class StorageLink:
         self._flush_scope: anyio.CancelScope | None = None
         #: The backend is open and the workers have started.
         self.running = False
+        self._closed = anyio.Event()
 
     def _is_current(self) -> bool:
         return self.cache._link is self
@@ -91,6 +92,9 @@ class StorageLink:
                 except BaseException as exc:
                     body_exc = exc
                     raise
+                finally:
+                    if self.running:
+                        await self._stop_outside_readers()
         except Exception as exc:
             if not entered or exc is body_exc:  # the backend did not open, or the workers failed
                 raise
@@ -161,6 +165,17 @@ class StorageLink:
             raise
         self.warmup_result = future
 
+    async def _stop_outside_readers(self) -> None:
+        """Before the backend closes: stop the warmups and wait for the prefetches they run in
+        their own tasks. Done by `close()` already, unless this task was cancelled without it
+        (an attach cancelled just as the backend opened)."""
+        for warmer in self.warmers:
+            warmer.stop()
+        self.prefetcher.close()
+        self.backup.close()
+        with anyio.CancelScope(shield=True):
+            await self.prefetcher.wait_stopped()
+
     async def _run_backup(self) -> None:
         try:
             await self.backup.run()
@@ -180,8 +195,23 @@ class StorageLink:
         self.backup.close()
         if not flush:
             self.backup.drop_queued()
-        if await run_uncancelled(self._finish_close(flush, deadline_s), on_cancel=self.hurry):
+        try:
+            cancelled = await run_uncancelled(
+                self._finish_close(flush, deadline_s), on_cancel=self.hurry
+            )
+        finally:
+            self._closed.set()
+        if cancelled:
             raise asyncio.CancelledError
+
+    @property
+    def closed(self) -> bool:
+        """`close()` has finished: the workers have stopped and the backend is closed."""
+        return self._closed.is_set()
+
+    async def wait_closed(self) -> None:
+        """Wait until `closed` (a close must be in progress, or it waits for the next)."""
+        await self._closed.wait()
 
     def hurry(self) -> None:
         """Give up the flush of a close in progress (or about to start): what is queued is

@@ -585,7 +585,9 @@ class Prefetcher:
                     tg.start_soon(self._work, self._receive.clone())
         finally:
             # Whatever is still queued when the workers stop finishes as CANCELLED, so no
-            # caller waits on it forever; only then is the queue closed.
+            # caller waits on it forever; only then is the queue closed. Closed first, even
+            # without a close() (the link's task cancelled): nothing more is accepted.
+            self.close()
             self.cancel_queued()
             self._receive.close()
 
