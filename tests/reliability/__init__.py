@@ -103,14 +103,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def settle(cache: HiCache, *, timeout_s: float = 120.0) -> None:
-    """Wait until no copy, backup or prefetch is in flight.
+    """Wait until no copy, backup, warmup or prefetch is in flight.
 
     `drain()` does not wait for prefetches that outlived their request (a `timeout` or
     `best_effort` prefetch keeps its read in flight), so this also waits for the prefetcher to
-    have none running; the deadline only guards against a hang.
+    have none running, and for the warmup started on attach, whose read may not have started
+    yet; the deadline only guards against a hang.
     """
     try:
         with anyio.fail_after(timeout_s):
+            await cache.wait_warmup()
             while True:
                 await cache.drain()
                 link = cache._link
