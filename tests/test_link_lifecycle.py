@@ -296,3 +296,48 @@ async def test_a_cancelled_exit_gives_up_the_flush_of_a_detach_in_progress(tmp_p
     assert link.closed
     assert store.closed
     assert link.backup.statistics().written_pages < link.backup.statistics().offered_pages
+
+
+class FailsToOpen(FileStorage):
+    """Its open fails once `fail` is set: a fault, a locked root, a server down."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.fail = asyncio.Event()
+
+    async def __aenter__(self) -> FailsToOpen:
+        await self.fail.wait()
+        raise OSError("backend unreachable")
+
+
+@pytest.mark.parametrize("how", ["detach", "exit"])
+async def test_a_close_racing_a_failed_open_does_not_wait_for_a_flush(
+    tmp_path: Path, how: str
+) -> None:
+    # No backup ever ran, yet the close waited out the whole flush deadline for one, and
+    # an attach retried after it waited as long.
+    config = CacheConfig.from_dict(
+        {**CONFIG.to_dict(), "backup": {"batch_pages": 1, "flush_deadline_s": 3600.0}}
+    )
+    backend = FailsToOpen(tmp_path / "l3")
+    cache = HiCache(config)
+    await cache.__aenter__()
+    try:
+        attach = asyncio.ensure_future(cache.attach_storage(backend))
+        await _until(lambda: cache._link is not None)
+        with capture_logs() as logs:
+            if how == "detach":
+                closing = asyncio.ensure_future(cache.detach_storage(flush=True))
+            else:
+                closing = asyncio.ensure_future(cache.__aexit__(None, None, None))
+            await _until(lambda: cache._closing is not None)
+            backend.fail.set()
+            with pytest.raises(OSError, match="unreachable"):
+                await asyncio.wait_for(attach, GUARD_S)
+            await asyncio.wait_for(closing, GUARD_S)
+        assert not [e for e in logs if e["event"] == "hicache.backup.flush.deadline"]
+        if how == "detach":
+            await asyncio.wait_for(cache.attach_storage(FileStorage(tmp_path / "ok")), GUARD_S)
+            assert cache.storage_status().attached
+    finally:
+        await cache.__aexit__(None, None, None)

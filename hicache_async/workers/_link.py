@@ -106,9 +106,12 @@ class StorageLink:
                 raise body_exc from None
         finally:
             if not self.running:
-                # The backend never opened, so the workers never ran to close their queues.
+                # The backend never opened, so the workers never ran to close their queues,
+                # and no backup can be pending: a close racing the failed open has nothing
+                # to flush (it waited out the whole flush deadline).
                 self.prefetcher.discard()
                 self.backup.discard()
+                self._backup_done.set()
             # A warmup task cancelled before its first step never runs its own `finally`.
             for future, count in self._unstarted.items():
                 future.cancel()
