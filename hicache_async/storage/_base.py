@@ -160,10 +160,14 @@ def _page_problem(page: Any) -> str | None:
     except TypeError:
         return f"got {type(page).__name__}"
     for segment in page:
-        try:
-            view = memoryview(segment)
-        except TypeError:
-            return f"got a segment of type {type(segment).__name__}"
+        # A host pool's pages are memoryviews already: no new view per segment for them
+        # (this runs on the loop for every page a put is given).
+        view = segment if type(segment) is memoryview else None
+        if view is None:
+            try:
+                view = memoryview(segment)
+            except TypeError:
+                return f"got a segment of type {type(segment).__name__}"
         if not view.c_contiguous:
             return "got a segment that is not C-contiguous"
     return None
