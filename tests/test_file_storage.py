@@ -295,6 +295,40 @@ async def test_pages_survive_reopen(tmp_path: Path, fsync: str) -> None:
         assert await _get(storage, keys) == [Outcome.OK] * 5
 
 
+@pytest.mark.parametrize("fsync", ["none", "data", "always"])
+async def test_write_raw_syncs_as_a_put_does(
+    tmp_path: Path, fsync: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The real calls, recorded: (function, whether the descriptor is a directory's).
+    synced: list[tuple[str, bool]] = []
+
+    def recorded(name: str, call: Callable[[int], None]) -> Callable[[int], None]:
+        def sync(fd: int) -> None:
+            synced.append((name, stat.S_ISDIR(os.fstat(fd).st_mode)))
+            call(fd)
+
+        return sync
+
+    monkeypatch.setattr(os, "fsync", recorded("fsync", os.fsync))
+    monkeypatch.setattr(os, "fdatasync", recorded("fdatasync", os.fdatasync))
+    # Each in a shard directory of its own, made by the write.
+    put_key, raw_key = b"\x01" * 32, b"\x02" * 32
+    async with FileStorage(tmp_path / "store", fsync=fsync) as storage:  # type: ignore[arg-type]
+        synced.clear()
+        assert await _put(storage, [put_key]) == [Outcome.OK]
+        by_put, synced[:] = synced[:], []
+        await storage.write_raw(raw_key, b"r" * SIZE)
+        by_raw = synced[:]
+    expected = {
+        "none": [],
+        "data": [("fdatasync", False)],
+        # the new shard directory's parent, the file, the shard directory after the rename
+        "always": [("fsync", True), ("fsync", False), ("fsync", True)],
+    }
+    assert by_put == expected[fsync]
+    assert by_raw == by_put
+
+
 async def test_torn_page_after_crash_is_corrupt_not_served(tmp_path: Path) -> None:
     # What a crash with fsync="none" can leave: the rename survived, the data did not.
     root = tmp_path / "store"

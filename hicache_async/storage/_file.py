@@ -1894,11 +1894,15 @@ class FileStorage(BackendBase):
             digest = _native.pwrite_checksum(fd, HEADER_NBYTES, segments, _CHUNK)
             header = encode_header(meta, segments, mac_key=self._mac_key, checksum=digest)
             _pwritev_full(fd, [memoryview(header)], 0, HEADER_NBYTES)
+        self._sync_file(fd)
+        return HEADER_NBYTES + total
+
+    def _sync_file(self, fd: int) -> None:
+        """Sync a file written in tmp/, before its rename, as the fsync policy asks."""
         if self._fsync == "data":
             os.fdatasync(fd)
         elif self._fsync == "always":
             os.fsync(fd)
-        return HEADER_NBYTES + total
 
     def _commit_write(
         self,
@@ -2080,16 +2084,22 @@ class FileStorage(BackendBase):
     def _write_raw_job(self, key: bytes, value: bytes) -> None:
         handles = self._handles_or_raise()
         hexkey = key.hex()
-        shard_fd = handles.shard(hexkey[:2], create=True)
+        # The fsync policy of puts (`_write_one`): the file before its rename, and with
+        # "always" a new shard directory and the directory after the rename.
+        durable = self._fsync == "always"
+        shard_fd = handles.shard(hexkey[:2], create=True, durable=durable)
         if shard_fd is None:
             raise OSError(errno.ENOENT, "shard directory vanished")
         tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
         fd = self._create_tmp(handles, tmp_name)
         try:
             _pwritev_full(fd, [memoryview(value)], 0, len(value))
+            self._sync_file(fd)
         finally:
             os.close(fd)
         os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+        if durable:
+            os.fsync(shard_fd)
 
     # Maintenance (MaintainableStorage).
 
