@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
+import stat
 import subprocess
 import sys
+import threading
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
-from hicache_async import CacheConfig, HiCache
-from hicache_async.storage import FileStorage, MemoryStorage
+from hicache_async import CacheConfig, HiCache, StorageError
+from hicache_async.storage import FileStorage, MemoryStorage, _manifest
 from hicache_async.storage._manifest import (
     FileManifest,
     ManifestCollector,
@@ -312,6 +317,159 @@ async def test_compaction_removes_temporary_files_of_compactions_that_died(
     assert not leftover.exists()
     assert unrelated.exists()
     assert len((await manifest.read()).entries) == 1
+
+
+@contextlib.asynccontextmanager
+async def _fifo_guard(*fifos: Path, seconds: float = 10.0) -> AsyncIterator[None]:
+    """A wall bound on code that might block opening a FIFO, so that it fails the test instead
+    of hanging it: at the bound each FIFO is opened at both ends, which lets an open blocked on
+    a thread go on, and the block fails with TimeoutError soon after."""
+
+    async def release() -> None:
+        await anyio.sleep(seconds)
+        for fifo in fifos:
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_RDWR | os.O_NONBLOCK))
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(release)
+        with anyio.fail_after(2 * seconds):
+            yield
+        tasks.cancel_scope.cancel()
+
+
+def _refused(name: str) -> pytest.RaisesExc[StorageError]:
+    return pytest.raises(StorageError, match=f"/{name} is a FIFO, not a regular file; remove it")
+
+
+@pytest.mark.parametrize("planted", ["manifest.jsonl", ".manifest.jsonl.lock"])
+async def test_a_fifo_in_place_of_a_manifest_file_is_refused_without_blocking(
+    tmp_path: Path, planted: str
+) -> None:
+    # Opening a FIFO blocks until its other end is opened, and a thread blocked in open()
+    # cannot be cancelled: the manifest opens its files non-blocking and refuses all but
+    # regular files.
+    fifo = tmp_path / planted
+    os.mkfifo(fifo, 0o600)
+    manifest = FileManifest(tmp_path / "manifest.jsonl")
+    entry = chain_entry(bytes(16), [bytes(32)], PAGE, 0, 1.0)
+    async with _fifo_guard(fifo):
+        with _refused(planted):
+            await manifest.append([entry])
+        with _refused(planted):
+            await manifest.compact()
+        if planted == "manifest.jsonl":
+            with _refused(planted):
+                await manifest.read()
+        else:  # reads take no lock
+            assert (await manifest.read()).entries == []
+    assert stat.S_ISFIFO(fifo.lstat().st_mode)  # left for whoever planted it
+    fifo.unlink()
+    await manifest.append([entry])
+    assert [e.chain_id for e in (await manifest.read()).entries] == [entry.chain_id]
+
+
+async def test_a_fifo_for_the_manifest_costs_only_warmup_and_manifest_entries(
+    tmp_path: Path,
+) -> None:
+    # Planted by anyone who can write the root: warmup reads nothing, backups store their
+    # pages and log their failed appends, and drain, detach and close finish.
+    async with FileStorage(tmp_path):
+        pass
+    fifo = tmp_path / "manifest.jsonl"
+    os.mkfifo(fifo, 0o600)
+    prompts = _prompts(3, seed=4)
+    generator = KVGenerator(_config().layout, PAGE, seed=5)
+    with capture_logs() as logs:
+        async with _fifo_guard(fifo), HiCache(_config(), storage=FileStorage(tmp_path)) as cache:
+            result = await cache.warmup(ratio=1.0)
+            assert (result.status, result.pages_loaded) == (WarmupStatus.STOPPED, 0)
+            for prompt in prompts:
+                await serve(cache, prompt, generator)
+            await cache.drain()
+            await cache.detach_storage(flush=True)
+    failures = [e for e in logs if e["event"].startswith("hicache.") and "failed" in e["event"]]
+    assert {e["event"] for e in failures} == {
+        "hicache.warmup.manifest.failed",
+        "hicache.manifest.append.failed",
+    }
+    assert all("a FIFO, not a regular file" in e["error"] for e in failures)
+    async with FileStorage(tmp_path) as storage:
+        assert storage.stats().pages == sum(len(p) // PAGE for p in prompts)
+
+
+async def test_an_append_gives_up_at_its_deadline_while_another_holds_the_lock(
+    tmp_path: Path,
+) -> None:
+    # Another process's compaction holds the lock for as long as it takes: an append under a
+    # deadline (the backup worker's io_timeout_s) gives up at it, having written nothing.
+    manifest = FileManifest(tmp_path / "manifest.jsonl")
+    first, second, third = (chain_entry(bytes(16), [bytes([i]) * 32], PAGE, 0, i) for i in range(3))
+    await manifest.append([first])
+    # An open file description of its own, as another process's: flock is per description.
+    holder = os.open(tmp_path / ".manifest.jsonl.lock", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        released = anyio.Event()
+
+        async def release_at_the_wall_bound() -> None:  # a hang guard only
+            await anyio.sleep(10)
+            released.set()
+            fcntl.flock(holder, fcntl.LOCK_UN)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(release_at_the_wall_bound)
+            with pytest.raises(TimeoutError), anyio.fail_after(0.5):
+                await manifest.append([second])
+            assert not released.is_set(), "the append waited for the lock past its deadline"
+            assert (await manifest.read()).entries == [first]
+            tasks.cancel_scope.cancel()
+    finally:
+        os.close(holder)
+    with anyio.fail_after(10):  # the lock is free again: nothing kept it
+        await manifest.append([third])
+        await manifest.compact()
+    assert sorted(e.last_use for e in (await manifest.read()).entries) == [0.0, 2.0]
+
+
+async def test_an_append_given_up_mid_write_writes_nothing_after_and_then_unlocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stalled filesystem, as the gate stands for: the append's thread cannot be stopped,
+    # so the caller stops waiting for it. The thread keeps the lock until it ends (a
+    # compaction must not replace the file under its write), then writes nothing, since
+    # the caller was told the append failed, and releases the lock.
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    first, second = (chain_entry(bytes(16), [bytes([i]) * 32], PAGE, 0, i) for i in range(2))
+    await manifest.append([first])
+    reached, go = threading.Event(), threading.Event()
+    append_records = _manifest._append_records
+
+    def stalled(*args: Any) -> int:
+        reached.set()
+        assert go.wait(10), "the caller waited for the stalled write"
+        return append_records(*args)
+
+    monkeypatch.setattr(_manifest, "_append_records", stalled)
+    with pytest.raises(TimeoutError), anyio.fail_after(0.5):
+        await manifest.append([second])
+    assert reached.is_set()
+    lock = os.open(tmp_path / ".manifest.jsonl.lock", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        with pytest.raises(BlockingIOError):  # still the stalled thread's
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        go.set()
+        with anyio.fail_after(10):  # the thread ends and releases it
+            while True:
+                with contextlib.suppress(BlockingIOError):
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                await anyio.sleep(0.01)
+    finally:
+        os.close(lock)
+    assert (await manifest.read()).entries == [first]
+    assert path.read_bytes() == encode_entry(first)
 
 
 def test_a_pinned_prefix_is_kept_beside_the_chains_that_continue_it() -> None:

@@ -16,18 +16,24 @@ newer than this reader knows is skipped as malformed; removing or retyping a fie
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import functools
 import os
 import re
+import stat
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Protocol, runtime_checkable
+from typing import Annotated, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 import aiofiles
 import aiofiles.os
 import anyio
 import anyio.lowlevel
 import msgspec
+
+from .._errors import StorageError
 
 __all__ = [
     "CompactReport",
@@ -278,7 +284,7 @@ async def _lines(
     pending = bytearray()
     skipping = False
     try:
-        f = await aiofiles.open(path, "rb", opener=_no_follow_reader)
+        f = await aiofiles.open(path, "rb", opener=_open_regular)
     except FileNotFoundError:
         return
     try:
@@ -317,20 +323,18 @@ async def _lines(
         yield bytes(pending)
 
 
-def _append_records(path: str, data: bytes) -> int:
+def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
     """Append `data` (whole lines) to the file; returns its size after. A last line left
     without its newline (a writer killed mid-write) is ended first, so only that record is
-    lost, not the first of these."""
-    fd = _no_follow_appender(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    lost, not the first of these. Writes nothing more once `wanted()` is false (the caller
+    gave up: it was told the append failed); a write already under way completes."""
+    fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
-        if size:
-            with open(path, "rb", opener=_no_follow_reader) as f:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    data = b"\n" + data
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
         view = memoryview(data)
-        while view:
+        while view and wanted():
             view = view[os.write(fd, view) :]
         return os.fstat(fd).st_size
     finally:
@@ -346,12 +350,47 @@ def _remove_temp_files(path: Path) -> None:
                     os.unlink(item.path)
 
 
-def _no_follow_reader(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _open_regular(path: str, flags: int) -> int:
+    """Open a file of the manifest (created 0600 with O_CREAT), never through a symlink, and
+    refuse anything but a regular file with StorageError. Opened non-blocking, so that a
+    FIFO planted in its place fails here instead of blocking the thread for ever (a
+    write-only open of one without a reader fails with ENXIO); blocking again once known to
+    be a regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
+            raise _not_regular(path, "a FIFO or a socket") from None
+        raise
+    try:
+        _check_regular(fd, path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _no_follow_appender(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+def _check_regular(fd: int, path: str) -> None:
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):  # as an open of one for writing fails
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, _file_kind(mode))
+
+
+def _not_regular(path: str, kind: str) -> StorageError:
+    return StorageError(
+        f"{path} is {kind}, not a regular file; remove it (it is created again as needed)"
+    )
+
+
+def _file_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device"
 
 
 class FileManifest:
@@ -362,17 +401,33 @@ class FileManifest:
         self.limits = limits or ManifestLimits()
 
     async def append(self, entries: Sequence[ManifestEntry]) -> None:
-        """Append records (one write); compacts once the file passes its byte bound."""
+        """Append records (one write); compacts once the file passes its byte bound.
+
+        Cancellable at every step, so a deadline around it holds even while another
+        process holds the manifest's lock or the filesystem stalls. An append given up
+        while its thread waits on the filesystem writes nothing after that, except a write
+        already under way, which completes (its records land whole); that thread holds the
+        lock until it ends, so no compaction can lose them. Raises StorageError when the
+        manifest or its lock file is not a regular file (a FIFO, say), OSError on an I/O
+        error.
+        """
         if not entries:
             return
         data = b"".join(encode_entry(e) for e in entries)
-        async with _file_lock(self.path):
-            size = await anyio.to_thread.run_sync(_append_records, str(self.path), data)
+        lock_fd = await _lock(self.path)
+        # The lock is released when the write ends: here, or by the thread if this task
+        # gives up while the thread runs (see _Handoff).
+        size = await _Handoff(
+            functools.partial(_append_records, str(self.path), data),
+            lambda _: _close(lock_fd),
+        ).run()
+        os.close(lock_fd)
         if size > self.limits.max_bytes:
             await self.compact()
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
-        """The newest record per chain (of `namespace`, if given), bounded by the limits."""
+        """The newest record per chain (of `namespace`, if given), bounded by the limits.
+        Raises StorageError when the manifest is not a regular file (a FIFO, say)."""
         collector = ManifestCollector(self.limits, namespace)
         truncated = False
         async with contextlib.aclosing(_lines(self.path, self.limits)) as lines:
@@ -387,7 +442,9 @@ class FileManifest:
         """Rewrite the file with one valid record per chain; atomic (temp file + rename).
 
         Holds the manifest's lock throughout, so appends from this or another process on a
-        shared root wait instead of landing in the file being replaced.
+        shared root wait instead of landing in the file being replaced. The wait for the lock
+        can be cancelled. Raises StorageError when the manifest or its lock file is not a
+        regular file.
         """
         async with _file_lock(self.path):
             return await self._compact()
@@ -409,7 +466,7 @@ class FileManifest:
         # leftover of a process that died compacting.
         await anyio.to_thread.run_sync(_remove_temp_files, self.path)
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        async with aiofiles.open(temp, "wb", opener=_no_follow_creator) as f:
+        async with aiofiles.open(temp, "wb", opener=_open_regular) as f:
             await f.write(data)
             await f.flush()
             await anyio.to_thread.run_sync(os.fsync, f.fileno())
@@ -608,22 +665,114 @@ def _fit(
     return sorted(kept, key=lambda e: e.last_use)
 
 
+_T = TypeVar("_T")
+
+
+class _Handoff(Generic[_T]):
+    """Work on a worker thread that its caller may stop waiting for (a deadline, a cancel),
+    and who then releases what the work holds.
+
+    The caller owns the work's result when it gets it. If it gives up first, work that had
+    not begun never runs; work under way cannot be stopped, so it runs to its end, seeing
+    through the `wanted` it is handed that nobody waits for it any more. Either way
+    `release` is called exactly once, with the work's result (None if it raised or never
+    ran), by whichever side comes last: the caller giving up, or the thread ending.
+    """
+
+    def __init__(
+        self,
+        work: Callable[[Callable[[], bool]], _T],
+        release: Callable[[_T | None], None],
+    ) -> None:
+        self._work = work
+        self._release = release
+        self._mutex = threading.Lock()
+        self._began = self._ended = self._given_up = False
+        self._result: _T | None = None
+
+    def _wanted(self) -> bool:
+        with self._mutex:
+            return not self._given_up
+
+    def _run(self) -> _T | None:
+        with self._mutex:
+            if self._given_up:
+                return None  # never begun: the caller released
+            self._began = True
+        try:
+            self._result = self._work(self._wanted)
+            return self._result
+        finally:
+            if self._end():
+                self._release(self._result)
+
+    def _end(self) -> bool:
+        """Mark the work ended; returns whether the caller gave up (then the thread releases)."""
+        with self._mutex:
+            self._ended = True
+            return self._given_up
+
+    async def run(self) -> _T:
+        try:
+            result = await anyio.to_thread.run_sync(self._run, abandon_on_cancel=True)
+        except BaseException:
+            with self._mutex:
+                self._given_up = True
+                release = not self._began or self._ended
+            if release:
+                self._release(self._result)
+            raise
+        # Only a caller that did not give up gets here, and to it the work returned.
+        return cast(_T, result)
+
+
+def _close(fd: int | None) -> None:
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+# Pauses between tries of a lock another process holds: short at first (an append holds it
+# for one write), then up to this long (a compaction of a large manifest takes seconds).
+_LOCK_PAUSE_FIRST_S = 0.001
+_LOCK_PAUSE_MAX_S = 0.05
+
+
+async def _lock(path: Path) -> int:
+    """A descriptor of `<manifest>.lock` holding an exclusive flock on it; closing it
+    releases the lock. Waiting can be cancelled at any point: the open and each try run on
+    threads the caller need not wait for (see _Handoff), and the flock is tried without
+    blocking, with pauses between tries."""
+    lock_path = str(path.with_name(f".{path.name}.lock"))
+    fd = await _Handoff(lambda _: _open_regular(lock_path, os.O_RDWR | os.O_CREAT), _close).run()
+    pause = _LOCK_PAUSE_FIRST_S
+    # A failed or cancelled try has closed the descriptor (its release).
+    while not await _Handoff(lambda _: _try_lock(fd), lambda _: _close(fd)).run():
+        try:
+            await anyio.sleep(pause)
+        except BaseException:
+            os.close(fd)
+            raise
+        pause = min(2 * pause, _LOCK_PAUSE_MAX_S)
+    return fd
+
+
 @contextlib.asynccontextmanager
 async def _file_lock(path: Path) -> AsyncIterator[None]:
-    """An exclusive flock on `<manifest>.lock`, taken off the loop's thread."""
-    lock_path = path.with_name(f".{path.name}.lock")
-    fd = await anyio.to_thread.run_sync(
-        os.open, str(lock_path), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-    )
+    """An exclusive flock on `<manifest>.lock` (see `_lock`), held for the block."""
+    fd = await _lock(path)
     try:
-        await anyio.to_thread.run_sync(fcntl.flock, fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)  # closing releases the lock
-
-
-def _no_follow_creator(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        os.close(fd)
 
 
 def chain_entry(
