@@ -186,16 +186,23 @@ def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
 
 
 class ManifestCollector:
-    """Keeps the newest record per chain, at most `max_entries` of them.
+    """Keeps the newest record per chain, at most `max_entries` of them; of records with
+    the same use, the one stored last (records are fed oldest first unless `newest_first`).
 
     When full, the least valuable entries (lowest priority, then oldest use) make room, so a
     huge manifest costs bounded memory (twice `max_entries` at most, between trims) and keeps
     what warmup would want most.
     """
 
-    def __init__(self, limits: ManifestLimits, namespace: str | None = None) -> None:
+    def __init__(
+        self, limits: ManifestLimits, namespace: str | None = None, *, newest_first: bool = False
+    ) -> None:
         self._limits = limits
         self._namespace = namespace
+        # Which of two records of a chain with the same use wins: the later one stored,
+        # which is the later fed, or with `newest_first` (records fed newest first) the
+        # earlier fed.
+        self._newest_first = newest_first
         # By (namespace, chain id): tensor-parallel ranks' namespaces share page keys.
         self._entries: dict[tuple[str, str], ManifestEntry] = {}
         # Chains evicted for room, with the newest use seen of each: an older record of one
@@ -221,7 +228,10 @@ class ManifestCollector:
             return
         ident = entry.ident
         previous = self._entries.pop(ident, None)
-        if previous is not None and previous.last_use > entry.last_use:
+        if previous is not None and (
+            previous.last_use > entry.last_use
+            or (self._newest_first and previous.last_use == entry.last_use)
+        ):
             entry = previous
         self._entries[ident] = entry
         if len(self._entries) >= 2 * self._limits.max_entries:

@@ -189,7 +189,7 @@ class MooncakeManifest:
         namespaces = [namespace] if namespace is not None else await self._namespaces()
         result = ManifestRead(entries=[])
         for _ in range(_ATTEMPTS):
-            collector = ManifestCollector(self.limits, namespace)
+            collector = ManifestCollector(self.limits, namespace, newest_first=True)
             budget = self.limits.max_bytes
             truncated = False
             try:
@@ -343,7 +343,7 @@ class MooncakeManifest:
                     collector.oversized += 1
                     continue
                 used += len(value)
-                for line in _records(value):
+                for line in reversed([*_records(value)]):  # newest first, as the chunks
                     collector.add_line(line)
         if (await self._index(namespace)).stem != index.stem:
             raise _Stale
@@ -448,7 +448,7 @@ class MooncakeManifest:
     async def _compact(self, namespace: str) -> CompactReport:
         old = await self._index(namespace)
         end = await self._log_end(namespace, old.stem)
-        collector = ManifestCollector(self.limits, namespace)
+        collector = ManifestCollector(self.limits, namespace, newest_first=True)
         # What an earlier compaction carried but never copied (it died after its switch).
         carried = await self._carried(namespace, old)
         before = await self._feed(namespace, old, range(end), collector, carried)
@@ -540,7 +540,7 @@ class MooncakeManifest:
                     collector.oversized += 1
                 elif value is not None:
                     used += len(value)
-                    for line in _records(value):
+                    for line in reversed([*_records(value)]):  # newest first, as the chunks
                         collector.add_line(line)
         return used
 

@@ -45,7 +45,16 @@ from ._manifest import (
     encode_entry,
 )
 
-__all__ = ["REDIS_FAULTS", "RedisClient", "RedisManifest", "no_room", "scripting_refused"]
+__all__ = [
+    "NO_WRITES",
+    "REDIS_FAULTS",
+    "RedisClient",
+    "RedisManifest",
+    "no_room",
+    "run_read_only",
+    "scripting_refused",
+    "transactions_refused",
+]
 
 #: A standalone client, or the cluster client of `cluster=1`.
 RedisClient = Redis | RedisCluster
@@ -87,6 +96,63 @@ def scripting_refused(error: BaseException | str) -> bool:
     return any(refusal in text for refusal in _REFUSALS) or bool(_REFUSED_COMMAND.search(text))
 
 
+#: The first line of a script that only reads. Redis 7 takes a script without flags for one
+#: that may write: it holds it through a `CLIENT PAUSE WRITE` (what FAILOVER and a manual
+#: cluster failover do for seconds), while plain reads are answered at once.
+NO_WRITES = "#!lua flags=no-writes\n"
+
+# A transaction the server did not take: MULTI refused (an ACL without it, a proxy), so the
+# commands ran one by one and EXEC found no transaction; or EXEC itself refused.
+_REFUSED_TRANSACTION = re.compile(
+    r"exec without multi|(unknown|unsupported) command\W+(multi|exec)\b"
+    r"|no permissions to run the '(multi|exec)' command"
+)
+
+
+def flags_refused(error: BaseException | str) -> bool:
+    """Whether an error reply to a script that starts with `NO_WRITES` means the server
+    knows no script flags: before Redis 7 the shebang line is a syntax error (`unexpected
+    symbol near '#'`); a server that knows shebangs but not the flag names the shebang."""
+    text = str(error).lower()
+    return "shebang" in text or "near '#'" in text
+
+
+async def run_read_only(
+    client: RedisClient, script: AsyncScript, keys: Sequence[str | bytes], args: Sequence[Any] = ()
+) -> tuple[AsyncScript, Any]:
+    """Run `script` (which starts with `NO_WRITES`): (the script to use from now on, its
+    reply). Where the server refuses the flag (Redis before 7.0), the same script without
+    it, which such a server does not hold for a pause either."""
+    try:
+        return script, await script(keys=keys, args=args)
+    except ResponseError as exc:
+        text = script.script
+        if not (isinstance(text, str) and text.startswith(NO_WRITES) and flags_refused(exc)):
+            raise
+        _log.info("hicache.redis.script_flags_refused", error=str(exc))
+        plain = client.register_script(text[len(NO_WRITES) :])
+        return plain, await plain(keys=keys, args=args)
+
+
+async def transactions_refused(client: RedisClient, key: str | bytes) -> bool | None:
+    """Whether the server refuses MULTI (an ACL without it, a proxy): True, False, or None
+    when the question failed otherwise (the caller's own commands then say how).
+
+    redis-py sends MULTI, the commands and EXEC in one write, so a refused MULTI is known
+    only after the commands ran one by one: this asks with a transaction of one EXISTS,
+    which changes nothing either way, before any write relies on one.
+    """
+    try:
+        async with client.pipeline(transaction=True) as pipe:
+            pipe.exists(key)
+            await pipe.execute()
+    except ResponseError as exc:
+        return True if _REFUSED_TRANSACTION.search(str(exc).lower()) else None
+    except REDIS_FAULTS:
+        return None
+    return False
+
+
 def no_room(error: BaseException | str) -> bool:
     """Whether an error reply to a write means the server is full (maxmemory reached)."""
     return isinstance(error, OutOfMemoryError) or str(error).startswith("OOM ")
@@ -113,7 +179,9 @@ _MAX_NAMESPACES = 4096
 # records stay within ARGV[5] bytes (at least one); a record longer than ARGV[4] comes back as
 # its length only, so nothing larger than the bound ever crosses the network. Returns
 # {1, record-or-length, ...}, or {0} if `gen` is no longer ARGV[1].
-_WINDOW_SCRIPT = """
+_WINDOW_SCRIPT = (
+    NO_WRITES
+    + """
 local gen = redis.call('HGET', KEYS[2], 'gen') or '0'
 if gen ~= ARGV[1] then return {0} end
 local hi = tonumber(ARGV[2])
@@ -134,6 +202,25 @@ for i = #items, 1, -1 do
   end
 end
 return out
+"""
+)
+
+# An append where the server refuses MULTI: the records ARGV[3..] pushed on the list KEYS[1],
+# ARGV[1] added to `bytes` of KEYS[2], both given ARGV[2] seconds to live (0: as they are).
+# Returns {RPUSH reply, HINCRBY reply}, either an error reply (WRONGTYPE) as in a
+# transaction, which runs the other commands all the same.
+_APPEND_SCRIPT = """
+local length
+for i = 3, #ARGV, 1000 do
+  length = redis.pcall('RPUSH', KEYS[1], unpack(ARGV, i, math.min(i + 999, #ARGV)))
+  if type(length) == 'table' then break end
+end
+local nbytes = redis.pcall('HINCRBY', KEYS[2], 'bytes', ARGV[1])
+if tonumber(ARGV[2]) > 0 then
+  redis.pcall('EXPIRE', KEYS[1], ARGV[2])
+  redis.pcall('EXPIRE', KEYS[2], ARGV[2])
+end
+return {length, nbytes}
 """
 
 # `gen` as HINCRBY takes it: "0", or an integer without leading zeros of at most 18
@@ -248,11 +335,11 @@ def _wrong_type(reply: object) -> bool:
 class RedisManifest:
     """A bounded, per-namespace warmup manifest in Redis lists.
 
-    `append` pushes records in one transaction; once a list passes `2 * max_entries`
-    records or `max_bytes` it is compacted, and it never keeps more than `4 * max_entries`
-    records (the oldest go first). `read` walks the list newest first in windows of bounded
-    size and validates every record; `compact` rewrites a list atomically. Build it with
-    `RedisStorage.manifest()`.
+    `append` pushes records in one transaction (a script where MULTI is refused); once a
+    list passes `2 * max_entries` records or `max_bytes` it is compacted, and it never keeps
+    more than `4 * max_entries` records (the oldest go first). `read` walks the list newest
+    first in windows of bounded size and validates every record; `compact` rewrites a list
+    atomically. Build it with `RedisStorage.manifest()`.
     """
 
     def __init__(
@@ -275,6 +362,9 @@ class RedisManifest:
         self._switch: AsyncScript | None = None
         self._repair_script: AsyncScript | None = None
         self._trim_script: AsyncScript | None = None
+        self._append_script: AsyncScript | None = None
+        # Whether the server takes MULTI (None: not asked yet, see `_multi_allowed`).
+        self._multi: bool | None = None
         #: Compact a list that passes this many records; trim it to `_cap` records.
         self._compact_records = 2 * self.limits.max_entries
         self._cap = 4 * self.limits.max_entries
@@ -327,7 +417,7 @@ class RedisManifest:
             namespaces, more = [namespace], False
         result = ManifestRead(entries=[], truncated=more)
         for _ in range(_ATTEMPTS):
-            collector = ManifestCollector(self.limits, namespace)
+            collector = ManifestCollector(self.limits, namespace, newest_first=True)
             budget = self.limits.max_bytes
             truncated = more  # namespaces past the bound were not read
             try:
@@ -399,11 +489,15 @@ class RedisManifest:
         key, meta = self.list_key(namespace), self.meta_key(namespace)
         batches = _batches(lines, _PUSH_BYTES)
 
+        nbytes_added = sum(map(len, lines))
+
         async def push() -> list[Any]:
+            if not await self._multi_allowed(namespace):
+                return await self._push_scripted(key, meta, lines, len(batches))
             async with client.pipeline(transaction=True) as pipe:
                 for batch in batches:
                     pipe.rpush(key, *batch)
-                pipe.hincrby(meta, "bytes", sum(map(len, lines)))
+                pipe.hincrby(meta, "bytes", nbytes_added)
                 if self._ttl is not None:
                     pipe.expire(key, self._ttl)
                     pipe.expire(meta, self._ttl)
@@ -440,6 +534,39 @@ class RedisManifest:
             _log.warning("hicache.manifest.compact_failed", backend=self._name, error=str(exc))
         await self._trim(namespace)
 
+    async def _push_scripted(
+        self, key: str, meta: str, lines: list[bytes], nbatches: int
+    ) -> list[Any]:
+        """The append's transaction as a script, where the server refuses MULTI: its
+        replies as the transaction's would be (one RPUSH reply per batch, then HINCRBY)."""
+        if self._scripting:
+            if self._append_script is None:
+                self._append_script = self._client().register_script(_APPEND_SCRIPT)
+            args: list[bytes | int] = [sum(map(len, lines)), self._ttl or 0, *lines]
+            ran, reply = await self._run_script(self._append_script, [key, meta], args)
+            if ran:
+                length, nbytes = reply
+                return [length] * nbatches + [nbytes]
+        raise self._no_atomic_step("append")
+
+    async def _multi_allowed(self, namespace: str) -> bool:
+        """Whether a transaction can be used: asked once, before the first one (see
+        `transactions_refused`), as a refused MULTI runs its commands anyway, one by one."""
+        if self._multi is None:
+            refused = await transactions_refused(self._client(), self.list_key(namespace))
+            if refused is not None:
+                self._multi = not refused
+                if refused:
+                    _log.warning("hicache.manifest.no_multi", backend=self._name)
+        return self._multi is not False
+
+    def _no_atomic_step(self, what: str) -> StorageError:
+        return StorageError(
+            f"{self._name}: manifest {what} refused: the server refuses both MULTI and "
+            f"scripting, and the manifest needs one of them to change a list and its "
+            f"generation together (grant +multi +exec, or +eval +evalsha +script|load)"
+        )
+
     async def _trim(self, namespace: str) -> None:
         """Keep the newest `_cap` records if compaction could not bring the list down.
 
@@ -457,6 +584,8 @@ class RedisManifest:
                 ran, _ = await self._run_script(self._trim_script, [key, meta], [self._cap])
                 if ran:
                     return
+            if not await self._multi_allowed(namespace):
+                raise self._no_atomic_step("trim")
             async with self._slot_client(namespace) as watching:
                 for _ in range(_ATTEMPTS):
                     if await self._trim_watched(watching, key, meta):
@@ -533,10 +662,17 @@ class RedisManifest:
         return sorted(found), more
 
     async def _snapshot(self, namespace: str) -> tuple[bytes, int]:
-        """The list's generation and length, read together."""
+        """The list's generation and length.
+
+        A plain pipeline, `gen` first: a compaction or trim between the two moves `gen` on,
+        which every window read and the switch check against it, so a length of the next
+        generation is never used with this one. No transaction: Redis refuses to queue
+        commands over `maxmemory` (warmup would read nothing from a full server), and some
+        users or proxies may not run MULTI.
+        """
         client = self._client()
         try:
-            async with client.pipeline(transaction=True) as pipe:
+            async with client.pipeline(transaction=False) as pipe:
                 pipe.hget(self.meta_key(namespace), "gen")
                 pipe.llen(self.list_key(namespace))
                 gen, length = await pipe.execute(raise_on_error=False)
@@ -601,7 +737,7 @@ class RedisManifest:
                 self._window = client.register_script(_WINDOW_SCRIPT)
             args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, room]
             try:
-                reply = await self._window(keys=keys, args=args)
+                self._window, reply = await run_read_only(client, self._window, keys, args)
             except ResponseError as exc:
                 if not scripting_refused(exc):
                     raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
@@ -616,10 +752,13 @@ class RedisManifest:
                 return [_item(v) for v in reply[1:]]
         lo = max(0, hi - _FALLBACK_WINDOW_RECORDS + 1)
         try:
-            async with client.pipeline(transaction=True) as pipe:
-                pipe.hget(keys[1], "gen")
+            # The records first, then `gen`, in a plain pipeline (see `_snapshot`): `gen`
+            # only moves on, so finding it unchanged after the LRANGE means the LRANGE read
+            # the list of that generation.
+            async with client.pipeline(transaction=False) as pipe:
                 pipe.lrange(keys[0], lo, hi)
-                current, values = await pipe.execute()
+                pipe.hget(keys[1], "gen")
+                values, current = await pipe.execute()
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
         if (current if isinstance(current, bytes) else b"0") != gen:
@@ -638,7 +777,7 @@ class RedisManifest:
             except _Damaged:
                 await self._repair(namespace)
                 continue
-            collector = ManifestCollector(self.limits, namespace)
+            collector = ManifestCollector(self.limits, namespace, newest_first=True)
             try:
                 _, truncated = await self._collect(
                     namespace, gen, length, collector, self.limits.max_bytes
@@ -692,6 +831,8 @@ class RedisManifest:
                 if ran:
                     wrong = [n.decode() if isinstance(n, bytes) else str(n) for n in removed]
             if wrong is None:
+                if not await self._multi_allowed(namespace):
+                    raise self._no_atomic_step("repair")
                 async with self._slot_client(namespace) as watching:
                     wrong = await self._repair_unscripted(watching, key, meta)
         except REDIS_FAULTS as exc:
@@ -765,6 +906,9 @@ class RedisManifest:
                 ran, carried = await self._run_script(self._switch, [key, meta, temp], args)
                 if ran:
                     return int(carried) >= 0
+            if not await self._multi_allowed(namespace):
+                await _forget(client, temp)
+                raise self._no_atomic_step("compaction")
             return await self._switch_watched(namespace, gen, length, temp, nbytes)
         except REDIS_FAULTS as exc:
             await _forget(client, temp)

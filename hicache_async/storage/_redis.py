@@ -54,11 +54,14 @@ from ._base import (
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
 from ._manifest_redis import (
+    NO_WRITES,
     REDIS_FAULTS,
     RedisClient,
     RedisManifest,
     no_room,
+    run_read_only,
     scripting_refused,
+    transactions_refused,
 )
 from ._page import (
     HEADER_NBYTES,
@@ -102,8 +105,10 @@ _CONCURRENCY = 2
 #: against ~0.3 ms here. TOUCH answers as EXISTS does and counts as a use for the server's
 #: LRU/LFU eviction (EXISTS does not): a prefix that new chains are looked up against stays.
 #: Where TOUCH is refused (an ACL listing commands, a proxy) the key is asked with EXISTS.
+#: Flagged as one that does not write (TOUCH is a read) so that Redis 7 answers it through a
+#: `CLIENT PAUSE WRITE`, as it does GET; a server before 7.0 gets it without the flag.
 _PREFIX_SCRIPT = (
-    "for i, key in ipairs(KEYS) do "
+    NO_WRITES + "for i, key in ipairs(KEYS) do "
     "local found = redis.pcall('TOUCH', key) "
     "if type(found) == 'table' then found = redis.call('EXISTS', key) end "
     "if found == 0 then return i - 1 end "
@@ -117,6 +122,13 @@ _REMOVE_IF_SAME_SCRIPT = (
     "if redis.call('STRLEN', KEYS[1]) == tonumber(ARGV[1]) and "
     "redis.call('GETRANGE', KEYS[1], 0, #ARGV[2] - 1) == ARGV[2] then "
     "return redis.call('DEL', KEYS[1]) end return 0"
+)
+# write_raw where the server refuses MULTI: the length it replaces, and the SET (with EX
+# ARGV[2] unless empty), in one step.
+_WRITE_RAW_SCRIPT = (
+    "local n = redis.call('STRLEN', KEYS[1]) "
+    "if ARGV[2] == '' then redis.call('SET', KEYS[1], ARGV[1]) "
+    "else redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2]) end return n"
 )
 #: Below this many bytes per pipeline, checksums (and copies) stay on the loop, which they hold
 #: for at most ~0.25 ms: a thread hand-off (~0.1 ms each way) at every pipeline cost more
@@ -132,6 +144,9 @@ _REPLY_ERROR_INTERVAL_S = 60.0
 _REPLY_ERROR_KINDS = 32
 #: Small commands (EXISTS, DEL, SCAN results) per pipeline.
 _KEYS_PER_PIPELINE = 256
+#: Keys of DELs whose replies never came that are kept for a later look (see
+#: `_settle_deletes`); beyond this, the oldest stay counted as stored.
+_MAX_UNSETTLED = 16 * _KEYS_PER_PIPELINE
 _MAX_COMMANDS_PER_PIPELINE = 512
 #: `verify` reads payloads in pieces of this size, at most so many bytes per pipeline: what it
 #: holds does not depend on what is stored.
@@ -567,10 +582,14 @@ class RedisStorage(BackendBase):
         self._client: RedisClient | None = None
         self._prefix_script: AsyncScript | None = None
         self._remove_if_same: AsyncScript | None = None
+        self._write_raw_script: AsyncScript | None = None
+        self._multi: bool | None = None  # whether MULTI is taken (None: not asked yet)
         self._bulk: BulkConnectionPool | None = None
         # What this instance added minus what it removed (stats() does no I/O).
         self._pages = 0
         self._bytes = 0
+        # Keys a DEL was sent for without a reply: whether it ran is looked at later.
+        self._unsettled: dict[bytes, None] = {}
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> RedisStorage:
@@ -645,7 +664,8 @@ class RedisStorage(BackendBase):
 
         Its keys of one namespace share a hash tag, so its scripts and transactions are
         legal on Redis Cluster even with `multikey=0`; where scripting is refused it falls
-        back to plain commands. It follows the page TTL, if one is set.
+        back to plain commands and transactions, where MULTI is refused to scripts (where
+        both are, its writes raise `StorageError`). It follows the page TTL, if one is set.
         """
         return RedisManifest(
             self._redis, prefix=self._prefix, name=self._name, ttl=self._ttl, limits=limits
@@ -848,7 +868,9 @@ class RedisStorage(BackendBase):
         for start in range(0, len(keys), _KEYS_PER_SCRIPT):
             batch = [self._rkey(k) for k in keys[start : start + _KEYS_PER_SCRIPT]]
             try:
-                found = int(await self._prefix_script(keys=batch))
+                script, reply = await run_read_only(self._redis(), self._prefix_script, batch)
+                self._prefix_script = script
+                found = int(reply)
             except ResponseError:
                 raise
             except REDIS_FAULTS as exc:
@@ -1176,6 +1198,9 @@ class RedisStorage(BackendBase):
         """SET NX each page (`header ‖ payload`); an existing key is kept and is OK."""
         self._redis()
         check_put(keys, pages, metas)
+        if self._unsettled:
+            # Before a page that a DEL without reply removed is stored, and counted, again.
+            await self._settle_deletes([self._rkey(k) for k in keys])
         sources = [byte_segments(page, writable=False) for page in pages]
         outcomes = [Outcome.ERROR] * len(keys)
         payloads = [payload_nbytes(page) for page in sources]
@@ -1426,17 +1451,41 @@ class RedisStorage(BackendBase):
         """Store `value` under `key` as is, replacing what is there (keeps the TTL policy)."""
         client = self._redis()
         check_key(key)
+        rkey = self._rkey(key)
         try:
-            # The length it replaces, in the same transaction, keeps stats() true.
-            async with client.pipeline(transaction=True) as pipe:
-                pipe.strlen(self._rkey(key))
-                pipe.set(self._rkey(key), value, ex=self._ttl)
-                replaced, _ = await pipe.execute()
+            if self._multi is None:
+                # Asked before the first: a refused MULTI would run the SET all the same.
+                refused = await transactions_refused(client, rkey)
+                self._multi = None if refused is None else not refused
+            if self._multi is not False:
+                # The length it replaces, in the same transaction, keeps stats() true.
+                async with client.pipeline(transaction=True) as pipe:
+                    pipe.strlen(rkey)
+                    pipe.set(rkey, value, ex=self._ttl)
+                    replaced, _ = await pipe.execute()
+            else:
+                replaced = await self._write_raw_scripted(client, rkey, value)
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
         if not replaced:
             self._pages += 1
         self._bytes += len(value) - int(replaced)
+
+    async def _write_raw_scripted(self, client: RedisClient, rkey: bytes, value: bytes) -> int:
+        """write_raw's transaction as a script, where the server refuses MULTI."""
+        if self._write_raw_script is None:
+            self._write_raw_script = client.register_script(_WRITE_RAW_SCRIPT)
+        ttl = b"" if self._ttl is None else str(self._ttl).encode()
+        try:
+            return int(await self._write_raw_script(keys=[rkey], args=[value, ttl]))
+        except ResponseError as exc:
+            if not scripting_refused(exc):
+                raise
+            raise StorageError(
+                f"{self._name}: write_raw refused: the server refuses both MULTI and "
+                f"scripting, and write_raw needs one of them (grant +multi +exec, or +eval "
+                f"+evalsha +script|load): {exc}"
+            ) from None
 
     # Maintenance (MaintainableStorage).
 
@@ -2020,47 +2069,138 @@ class RedisStorage(BackendBase):
         for a page as written and for a value shorter than a header), else unknown: counted
         as this instance's mean page, so that `stats().bytes` neither drifts below zero nor
         grows without bound.
+
+        A pipeline, once sent, is never sent again (see `_send_once`), and its replies are
+        read and counted even if the call is cancelled meanwhile: the server runs the DELs it
+        received either way, and pages removed but still counted would stay in `stats()`.
         """
         client = self._redis()
-        removed = 0
-        freed = 0
+        if self._unsettled:
+            # Those about to be deleted, before their DEL finds nothing; and some others.
+            await self._settle_deletes([*rkeys, *list(self._unsettled)[:_KEYS_PER_PIPELINE]])
+        totals = [0, 0]  # removed, freed
         for start in range(0, len(rkeys), _KEYS_PER_PIPELINE):
             batch = rkeys[start : start + _KEYS_PER_PIPELINE]
-            try:
-                async with client.pipeline(transaction=False) as pipe:
-                    for rkey in batch:
-                        if self._strlen:
-                            pipe.strlen(rkey)
-                        else:
-                            pipe.getrange(rkey, 0, HEADER_NBYTES - 1)
-                        pipe.delete(rkey)
-                    results = await pipe.execute(raise_on_error=False)
-            except REDIS_FAULTS as exc:
+            sizes = None if read_nbytes is None else read_nbytes[start : start + len(batch)]
+            if await run_uncancelled(self._delete_batch(client, batch, sizes, totals)):
+                raise asyncio.CancelledError
+        return totals[0], totals[1]
+
+    async def _delete_batch(
+        self,
+        client: RedisClient,
+        batch: Sequence[bytes],
+        read_nbytes: Sequence[int] | None,
+        totals: list[int],
+    ) -> None:
+        """One pipeline of `_delete_rkeys`; what it removed is added to `totals`."""
+        commands: list[tuple[bytes | str | int, ...]] = []
+        for rkey in batch:
+            if self._strlen:
+                commands.append(("STRLEN", rkey))
+            else:
+                commands.append(("GETRANGE", rkey, 0, HEADER_NBYTES - 1))
+            commands.append(("DEL", rkey))
+        sent = False
+
+        def on_sent() -> None:
+            nonlocal sent
+            sent = True
+
+        try:
+            results = await self._send_once(client, commands, on_sent=on_sent)
+        except REDIS_FAULTS as exc:
+            self._counters.errors += 1
+            if sent:
+                # The server may have run the DELs (a timeout, a lost connection): they
+                # stay counted until a later call finds them gone.
+                self._unsettled.update(dict.fromkeys(batch))
+                for rkey in list(self._unsettled)[: len(self._unsettled) - _MAX_UNSETTLED]:
+                    del self._unsettled[rkey]
+            raise StorageError(f"{self._name}: delete failed: {exc}") from exc
+        for k, (sized, deleted) in enumerate(zip(results[::2], results[1::2], strict=True)):
+            if isinstance(deleted, Exception):
                 self._counters.errors += 1
-                raise StorageError(f"{self._name}: delete failed: {exc}") from exc
-            for k, (sized, deleted) in enumerate(zip(results[::2], results[1::2], strict=True)):
-                if isinstance(deleted, Exception):
-                    self._counters.errors += 1
-                    raise StorageError(f"{self._name}: delete failed: {deleted}")
-                if self._strlen and isinstance(sized, Exception) and _read_refused(sized):
-                    self._strlen = False  # learnt from the header from now on
-                    log.warning(
-                        "storage.redis.strlen_refused", backend=self._name, error=str(sized)
-                    )
-                if not deleted:
-                    continue
-                size = sized if _is_int(sized) else None
-                if size is None and read_nbytes is not None:
-                    size = read_nbytes[start + k]
-                if size is None and isinstance(sized, bytes):
-                    size = _nbytes_from_start(sized)
-                if size is None:
-                    # Unknown: this instance's mean page, and all that is left with its last
-                    # page, so `bytes` is back at 0 when `pages` is.
-                    left = max(self._bytes, 0)
-                    size = left // self._pages if self._pages > 1 else left
-                removed += 1
-                freed += size
-                self._pages -= 1
-                self._bytes -= size
-        return removed, freed
+                raise StorageError(f"{self._name}: delete failed: {deleted}")
+            if self._strlen and isinstance(sized, Exception) and _read_refused(sized):
+                self._strlen = False  # learnt from the header from now on
+                log.warning("storage.redis.strlen_refused", backend=self._name, error=str(sized))
+            if not deleted:
+                continue
+            size = sized if _is_int(sized) else None
+            if size is None and read_nbytes is not None:
+                size = read_nbytes[k]
+            if size is None and isinstance(sized, bytes):
+                size = _nbytes_from_start(sized)
+            totals[0] += 1
+            totals[1] += self._uncount(size)
+
+    async def _settle_deletes(self, rkeys: Sequence[bytes]) -> None:
+        """Uncount those of `rkeys` whose DEL got no reply (see `_delete_batch`) and that are
+        gone now: the server ran the DEL after all. Those still there leave the watch (their
+        DEL did not run). The bytes of a page found gone are unknown: it counts as this
+        instance's mean page. If the server does not answer, they stay for the next call."""
+        taken = [rkey for rkey in rkeys if self._unsettled.pop(rkey, False) is None]
+        if not taken:
+            return
+        try:
+            async with self._redis().pipeline(transaction=False) as pipe:
+                for rkey in taken:
+                    pipe.exists(rkey)
+                found = await pipe.execute(raise_on_error=False)
+        except BaseException as exc:
+            self._unsettled.update(dict.fromkeys(taken))
+            if isinstance(exc, REDIS_FAULTS):
+                return  # this call goes on; its own commands meet the fault
+            raise
+        for there in found:
+            if there == 0:
+                self._uncount(None)
+
+    def _uncount(self, size: int | None) -> int:
+        """Take one page of `size` bytes off the counts; an unknown size counts as this
+        instance's mean page, and its last page as all the bytes left, so `bytes` is back at
+        0 when `pages` is. Returns the bytes taken off."""
+        if size is None:
+            left = max(self._bytes, 0)
+            size = left // self._pages if self._pages > 1 else left
+        self._pages -= 1
+        self._bytes -= size
+        return size
+
+    async def _send_once(
+        self,
+        client: RedisClient,
+        commands: Sequence[tuple[bytes | str | int, ...]],
+        *,
+        on_sent: Callable[[], None],
+    ) -> list[object]:
+        """The replies to a pipeline of `commands` (error replies among them), sent at most
+        once. redis-py's retry sends a pipeline again after a timeout, when the server may
+        well have run the first (a DEL that ran finds nothing the second time); here only
+        getting a connection is retried (the pool reconnects a dropped one). On a cluster
+        the cluster client's pipeline is used, which follows MOVED and may resend."""
+        pool = self._pool
+        if pool is None:
+            async with client.pipeline(transaction=False) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                on_sent()
+                return list(await pipe.execute(raise_on_error=False))
+        connection = await pool.get_connection()  # type: ignore[no-untyped-call]
+        replies: list[object] = []
+        try:
+            on_sent()
+            await connection.send_packed_command(connection.pack_commands(commands))
+            for _ in commands:
+                try:
+                    replies.append(await connection.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            # Replies may be left unread on it: never reused.
+            await connection.disconnect()
+            raise
+        finally:
+            await pool.release(connection)
+        return replies

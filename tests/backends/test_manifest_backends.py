@@ -346,6 +346,24 @@ async def test_namespaces_are_kept_apart(store: Store) -> None:
         assert chains(a) | chains(b) <= chains(await fresh.read())
 
 
+async def test_of_records_of_a_chain_with_the_same_use_the_later_one_wins(store: Store) -> None:
+    # The same chain recorded twice in one clock tick (or with the default use, 0): every
+    # backend keeps the later record, in one append or two, and a compaction keeps it too.
+    manifest = store.manifest()
+    await manifest.append([entry(NS_A, 1, priority=1, last_use=7.0)])
+    await manifest.append([entry(NS_A, 1, priority=2, last_use=7.0)])
+    pair = [entry(NS_A, 2, priority=p, last_use=7.0) for p in (3, 4)]
+    await manifest.append(pair)
+    await manifest.append([entry(NS_A, 3, priority=5, last_use=7.0), entry(NS_A, 4)])
+    await manifest.append([entry(NS_A, 3, priority=6, last_use=7.0)])
+    wanted = {entry(NS_A, 1).chain_id: 2, pair[0].chain_id: 4, entry(NS_A, 3).chain_id: 6}
+    for _ in range(2):
+        read = await manifest.read(namespace=NS_A.hex())
+        kept = {e.chain_id: e.priority for e in read.entries if e.chain_id in wanted}
+        assert kept == wanted
+        await manifest.compact()
+
+
 # Redis: Cluster slots, no scripting, TTL.
 
 
@@ -918,3 +936,89 @@ async def test_a_redis_cluster_manifest_trims_without_scripting(redis_cluster_ur
         assert await client.hget(meta, "gen") == b"1"  # type: ignore[misc]
         await manifest._trim(ns)  # within the cap: nothing to do, gen stays
         assert await client.hget(meta, "gen") == b"1"  # type: ignore[misc]
+
+
+async def test_a_redis_manifest_is_read_through_a_client_pause_write(redis_url: str) -> None:
+    # FAILOVER and a manual cluster failover pause writes for seconds: the window script
+    # only reads and says so, or Redis 7 held it (the read failed after `timeout`).
+    admin = Redis.from_url(redis_url)
+    try:
+        async with RedisStorage.from_url(f"{redis_url}?prefix=t{uuid.uuid4().hex}") as backend:
+            manifest = backend.manifest(LIMITS)
+            written = [entry(NS_A, i) for i in range(10)]
+            await manifest.append(written)
+            assert len((await manifest.read(namespace=NS_A.hex())).entries) == 10
+            await admin.execute_command("CLIENT", "PAUSE", 30000, "WRITE")
+            try:
+                read = await asyncio.wait_for(manifest.read(namespace=NS_A.hex()), 10)
+                everything = await asyncio.wait_for(manifest.read(), 10)
+            finally:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+            assert sorted(read.entries, key=lambda e: e.last_use) == written
+            assert chains(everything) == chains(read)
+    finally:
+        await admin.aclose()
+
+
+@pytest.mark.parametrize("scripts", [True, False], ids=["scripts", "no-scripts"])
+async def test_a_redis_manifest_is_read_from_a_server_at_its_maxmemory(scripts: bool) -> None:
+    # Under noeviction (Redis's default policy) a full server still serves every page, but
+    # refuses to queue commands in MULTI: warmup read nothing from it.
+    hidden = [] if scripts else ["--rename-command", "EVAL", "", "--rename-command", "EVALSHA", ""]
+    with RedisServer(extra_args=hidden) as server:
+        async with RedisStorage.from_url(f"{server.url}?prefix=full") as backend:
+            manifest = backend.manifest(LIMITS)
+            written = [entry(NS_A, i) for i in range(40)]
+            await manifest.append(written)
+            admin = Redis(host=server.host, port=server.port)
+            try:
+                await admin.config_set("maxmemory-policy", "noeviction")
+                await admin.config_set("maxmemory", 1)
+                with pytest.raises(StorageError, match="maxmemory"):
+                    await manifest.append([entry(NS_A, 99)])  # full indeed
+                read = await manifest.read(namespace=NS_A.hex())
+                everything = await manifest.read()
+            finally:
+                await admin.config_set("maxmemory", 0)
+                await admin.aclose()
+            assert sorted(read.entries, key=lambda e: e.last_use) == written
+            assert chains(everything) == chains(read)
+            assert manifest._scripting is scripts
+
+
+async def test_a_redis_manifest_for_a_user_without_multi(redis_url: str) -> None:
+    # A refused MULTI runs the transaction's commands one by one (redis-py sends MULTI, them
+    # and EXEC in one write): every append stored its records and raised, so the namespace
+    # was never indexed, compacted nor trimmed, and read(namespace) raised. Scripts do it
+    # instead; where scripting is refused too, appends are refused before writing anything.
+    admin = Redis.from_url(redis_url)
+    names = [f"u{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    users = {names[0]: ["-multi"], names[1]: ["-multi", "-@scripting"]}
+    host = redis_url.removeprefix("redis://")
+    try:
+        for name, rules in users.items():
+            await admin.execute_command("ACL", "SETUSER", name, "on", ">pw", "~*", "+@all", *rules)
+        limits = ManifestLimits(max_entries=10, max_entry_bytes=4096)
+        url = f"redis://{names[0]}:pw@{host}?prefix=t{uuid.uuid4().hex}"
+        async with RedisStorage.from_url(url) as backend:
+            manifest = backend.manifest(limits)
+            for i in range(100):
+                await manifest.append([entry(NS_A, i % 15, last_use=float(i))])
+            assert await admin.llen(manifest.list_key(NS_A.hex())) <= 2 * limits.max_entries  # type: ignore[misc]
+            assert await admin.sismember(manifest.index_key, NS_A.hex())  # type: ignore[misc]
+            read = await manifest.read(namespace=NS_A.hex())
+            assert len(read.entries) == limits.max_entries
+            assert chains(await manifest.read()) == chains(read)
+            await manifest.compact()
+            assert chains(await manifest.read(namespace=NS_A.hex())) == chains(read)
+        url = f"redis://{names[1]}:pw@{host}?prefix=t{uuid.uuid4().hex}"
+        async with RedisStorage.from_url(url) as backend:
+            manifest = backend.manifest(limits)
+            with pytest.raises(StorageError, match="MULTI"):
+                await manifest.append([entry(NS_A, 0)])
+            assert await admin.exists(manifest.list_key(NS_A.hex())) == 0
+            assert (await manifest.read(namespace=NS_A.hex())).entries == []
+    finally:
+        for name in users:
+            await admin.execute_command("ACL", "DELUSER", name)
+        await admin.aclose()

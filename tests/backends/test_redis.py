@@ -2024,3 +2024,172 @@ async def test_a_limited_look_reads_only_the_headers_that_decide_it(bulk: int) -
                 assert reads < len(sound) // 4
         finally:
             await admin.aclose()
+
+
+@pytest.mark.parametrize(
+    "params", [{}, {"bulk": 0}, {"multikey": 0}], ids=["bulk", "redis-py", "no-multikey"]
+)
+async def test_exists_answers_through_a_client_pause_write(
+    redis_url: str, params: dict[str, int]
+) -> None:
+    # FAILOVER and a manual cluster failover pause writes for seconds while reads go on. The
+    # script of exists only reads (TOUCH is a read), and says so: without the flag Redis 7
+    # held it for the whole pause, and exists failed after `timeout` while get answered.
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        async with RedisStorage.from_url(fresh_url(redis_url, **params)) as backend:
+            keys, pages, metas = make_pages(8)
+            assert await backend.put(keys[:5], pages[:5], metas[:5]) == [Outcome.OK] * 5
+            assert await backend.exists(keys[:1]) == 1  # the server has the script loaded
+            await admin.execute_command("CLIENT", "PAUSE", 30000, "WRITE")
+            try:
+                assert await asyncio.wait_for(backend.exists(keys), 10) == 5
+            finally:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+            assert backend.stats().errors == 0
+    finally:
+        await admin.aclose()
+
+
+async def test_a_server_that_refuses_script_flags_gets_the_scripts_without_them(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before Redis 7.0 the flag line is a syntax error; this server refuses an unknown flag
+    # alike. exists and the manifest's reads then use their scripts without it.
+    from hicache_async.storage import _manifest_redis
+    from hicache_async.storage._manifest import ManifestEntry
+
+    unknown = "#!lua flags=no-such-flag\n"
+    real = _manifest_redis.NO_WRITES
+    monkeypatch.setattr(_manifest_redis, "NO_WRITES", unknown)
+    monkeypatch.setattr(_redis, "_PREFIX_SCRIPT", unknown + _redis._PREFIX_SCRIPT[len(real) :])
+    window = unknown + _manifest_redis._WINDOW_SCRIPT[len(real) :]
+    monkeypatch.setattr(_manifest_redis, "_WINDOW_SCRIPT", window)
+    for params in ({}, {"bulk": 0}):
+        async with RedisStorage.from_url(fresh_url(redis_url, **params)) as backend:
+            keys, pages, metas = make_pages(4)
+            assert await backend.put(keys[:3], pages[:3], metas[:3]) == [Outcome.OK] * 3
+            assert await backend.exists(keys) == 3
+            assert await backend.exists(keys) == 3
+            assert backend._prefix_script is not None
+            assert not backend._prefix_script.script.startswith("#!")
+            manifest = backend.manifest()
+            chain = ManifestEntry(namespace="ab" * 16, keys=["cd" * 32], num_tokens=8)
+            await manifest.append([chain])
+            assert (await manifest.read(namespace="ab" * 16)).entries == [chain]
+            assert manifest._scripting
+            assert backend.stats().errors == 0
+
+
+def test_which_replies_refuse_script_flags() -> None:
+    from hicache_async.storage._manifest_redis import flags_refused
+
+    for reply in (
+        # Redis 6.2, and a server that takes the flag line for Lua (Dragonfly).
+        "ERR Error compiling script (new function): user_script:1: unexpected symbol near '#'",
+        "user_script:2: unexpected symbol near '#'",
+        "ERR Unexpected flag in script shebang: no-writes",
+        "ERR Unexpected engine in script shebang: lua",
+    ):
+        assert flags_refused(reply), reply
+    for reply in (
+        "NOSCRIPT No matching script. Please use EVAL.",
+        "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT.",
+        "NOPERM this user has no permissions to run the 'evalsha' command",
+    ):
+        assert not flags_refused(reply), reply
+
+
+async def test_a_cancelled_delete_counts_what_the_server_removed() -> None:
+    # The server runs the DELs it received whether or not the caller waits for the replies:
+    # dropped with the cancellation, stats() kept counting pages that were gone, for good.
+    page = HEADER_NBYTES + 3000
+    with RedisServer() as server:
+        async with RedisStorage.from_url(f"{server.url}?prefix=cancelled") as backend:
+            keys, pages, metas = make_pages(300)  # two pipelines of DELs
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 300
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                task = asyncio.ensure_future(backend.delete(keys))
+                await asyncio.sleep(0.3)  # its first pipeline is sent, the server holds it
+                task.cancel()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            admin = aioredis.Redis(host=server.host, port=server.port)
+            try:
+                left = await admin.dbsize()
+            finally:
+                await admin.aclose()
+            assert left == 300 - 256  # the second pipeline was never sent
+            assert (backend.stats().pages, backend.stats().bytes) == (left, left * page)
+
+
+async def test_a_delete_that_times_out_is_not_sent_again_nor_counted_twice() -> None:
+    # redis-py's retry sent the pipeline again after the timeout: the server had run the
+    # first meanwhile, so the second found nothing and delete() returned 0 for pages it had
+    # removed, which stats() went on counting (and counted again once put again).
+    page = HEADER_NBYTES + 3000
+    with RedisServer() as server:
+        admin = aioredis.Redis(host=server.host, port=server.port)
+        url = f"{server.url}?prefix=late&timeout=1"
+        try:
+            async with RedisStorage.from_url(url) as backend:
+                keys, pages, metas = make_pages(50)
+                assert await backend.put(keys, pages, metas) == [Outcome.OK] * 50
+                await admin.config_resetstat()
+                pid = server.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)
+                # Back after the first attempt timed out, while a retry would be connecting.
+                resume = asyncio.get_running_loop().call_later(1.5, os.kill, pid, signal.SIGCONT)
+                try:
+                    with pytest.raises(StorageError, match="delete failed"):
+                        await backend.delete(keys)
+                finally:
+                    resume.cancel()
+                    os.kill(pid, signal.SIGCONT)
+                for _ in range(200):  # the server runs the DELs it had received
+                    if await admin.dbsize() == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert await admin.dbsize() == 0
+                calls = (await admin.info("commandstats"))["cmdstat_del"]["calls"]
+                assert calls == 50  # sent once
+                # The next put finds them gone before storing them again: counted once.
+                assert await backend.put(keys, pages, metas) == [Outcome.OK] * 50
+                assert (backend.stats().pages, backend.stats().bytes) == (50, 50 * page)
+                assert await backend.delete(keys) == 50
+                assert (backend.stats().pages, backend.stats().bytes) == (0, 0)
+                assert not backend._unsettled
+        finally:
+            await admin.aclose()
+
+
+async def test_write_raw_where_multi_is_refused(redis_url: str) -> None:
+    # A refused MULTI runs the commands of a transaction one by one (redis-py sends them in
+    # one write): write_raw stored the value, then raised. A script does it instead, and
+    # where scripting is refused too, nothing is written.
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-multi") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user)) as backend,
+    ):
+        keys, pages, metas = make_pages(2)
+        assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+        raw = await backend.read_raw(keys[0])
+        assert raw is not None
+        await backend.write_raw(keys[1], raw[:100])
+        await backend.write_raw(keys[0], raw + b"x")
+        assert await backend.read_raw(keys[0]) == raw + b"x"
+        assert (backend.stats().pages, backend.stats().bytes) == (2, len(raw) + 1 + 100)
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-multi", "-@scripting") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user)) as backend,
+    ):
+        key = os.urandom(32)
+        with pytest.raises(StorageError, match="MULTI"):
+            await backend.write_raw(key, b"value")
+        assert await admin.exists(backend._rkey(key)) == 0
