@@ -409,6 +409,9 @@ class FileManifest:
     def __init__(self, path: str | os.PathLike[str], limits: ManifestLimits | None = None):
         self.path = Path(path)
         self.limits = limits or ManifestLimits()
+        # This instance's appends and compactions take the file's lock in turn: tries of a
+        # lock held elsewhere are polls, which would otherwise let newcomers overtake.
+        self._turns = anyio.Lock()
 
     async def append(self, entries: Sequence[ManifestEntry]) -> None:
         """Append records (one write); compacts once the file passes its byte bound.
@@ -424,14 +427,15 @@ class FileManifest:
         if not entries:
             return
         data = b"".join(encode_entry(e) for e in entries)
-        lock_fd = await _lock(self.path)
-        # The lock is released when the write ends: here, or by the thread if this task
-        # gives up while the thread runs (see _Handoff).
-        size = await _Handoff(
-            functools.partial(_append_records, str(self.path), data),
-            lambda _: _close(lock_fd),
-        ).run()
-        os.close(lock_fd)
+        async with self._turns:
+            lock_fd = await _lock(self.path)
+            # The lock is released when the write ends: here, or by the thread if this task
+            # gives up while the thread runs (see _Handoff).
+            size = await _Handoff(
+                functools.partial(_append_records, str(self.path), data),
+                lambda _: _close(lock_fd),
+            ).run()
+            os.close(lock_fd)
         if size > self.limits.max_bytes:
             await self.compact()
 
@@ -456,7 +460,7 @@ class FileManifest:
         can be cancelled. Raises StorageError when the manifest or its lock file is not a
         regular file.
         """
-        async with _file_lock(self.path):
+        async with self._turns, _file_lock(self.path):
             return await self._compact()
 
     async def _compact(self) -> CompactReport:
@@ -751,9 +755,9 @@ def _try_lock(fd: int) -> bool:
 
 
 # Pauses between tries of a lock another process holds: short at first (an append holds it
-# for one write), then up to this long (a compaction of a large manifest takes seconds).
+# for one write) and never long, as a waiter that pauses long loses the lock to newcomers.
 _LOCK_PAUSE_FIRST_S = 0.001
-_LOCK_PAUSE_MAX_S = 0.05
+_LOCK_PAUSE_MAX_S = 0.005
 
 
 async def _lock(path: Path) -> int:

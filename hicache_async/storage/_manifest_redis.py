@@ -122,16 +122,21 @@ async def run_read_only(
 ) -> tuple[AsyncScript, Any]:
     """Run `script` (which starts with `NO_WRITES`): (the script to use from now on, its
     reply). Where the server refuses the flag (Redis before 7.0), the same script without
-    it, which such a server does not hold for a pause either."""
+    it, which such a server does not hold for a pause either.
+
+    Sent with EVAL and its text, never EVALSHA: a server that has not cached it (after a
+    restart or `SCRIPT FLUSH`) holds an EVALSHA through a `CLIENT PAUSE WRITE` before it can
+    answer NOSCRIPT, as it cannot know the flags of a script it does not have.
+    """
+    text = script.script
     try:
-        return script, await script(keys=keys, args=args)
+        return script, await client.eval(text, len(keys), *keys, *args)  # type: ignore[arg-type]
     except ResponseError as exc:
-        text = script.script
         if not (isinstance(text, str) and text.startswith(NO_WRITES) and flags_refused(exc)):
             raise
         _log.info("hicache.redis.script_flags_refused", error=str(exc))
         plain = client.register_script(text[len(NO_WRITES) :])
-        return plain, await plain(keys=keys, args=args)
+        return plain, await client.eval(plain.script, len(keys), *keys, *args)  # type: ignore[arg-type]
 
 
 async def transactions_refused(client: RedisClient, key: str | bytes) -> bool | None:
