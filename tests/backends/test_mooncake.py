@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +28,7 @@ from hicache_async.storage._mooncake import (
     _NOT_FOUND,
     _POOL,
     MooncakeStorage,
+    _Arena,
     _put_groups,
     close_idle_clients,
 )
@@ -1196,14 +1197,125 @@ async def test_a_call_waiting_for_the_staging_arena_at_close_raises_storage_erro
         else backend.put(keys, pages, metas)
     )
     for _ in range(1000):
-        if arena._waiters:
+        if arena._queue:
             break
         await asyncio.sleep(0)
-    assert arena._waiters
+    assert arena._queue
     await backend.close()
     arena.release(held, arena.capacity)
     with pytest.raises(StorageError, match="closed"):
         await waiting
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait until `condition()` holds (a hang guard of 30 s of wall time)."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came true"
+        await asyncio.sleep(0)
+
+
+_SLOT = 64  # the arena's alignment: every request below is whole slots
+
+
+async def test_the_arena_serves_waiting_requests_first_come_first_served() -> None:
+    arena = _Arena(4 * _SLOT)
+    first = await arena.acquire(2 * _SLOT)
+    second = await arena.acquire(2 * _SLOT)
+    big = asyncio.ensure_future(arena.acquire(3 * _SLOT))
+    await _until(lambda: len(arena._queue) == 1)
+    # Two slots come free: the waiting request does not fit them yet, and a later one that
+    # would fit queues behind it instead of taking them.
+    arena.release(second, 2 * _SLOT)
+    small = asyncio.ensure_future(arena.acquire(_SLOT))
+    await _until(lambda: len(arena._queue) == 2)
+    assert not big.done()
+    assert not small.done()
+    arena.release(first, 2 * _SLOT)  # now the first in line fits, then the next
+    await _until(lambda: big.done() and small.done())
+    assert await big == 0
+    assert await small == 3 * _SLOT
+    assert not arena._queue
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_lets_the_next_be_served() -> None:
+    arena = _Arena(4 * _SLOT)
+    held = await arena.acquire(2 * _SLOT)
+    head = asyncio.ensure_future(arena.acquire(4 * _SLOT))
+    await _until(lambda: len(arena._queue) == 1)
+    behind = asyncio.ensure_future(arena.acquire(2 * _SLOT))
+    await _until(lambda: len(arena._queue) == 2)
+    assert not behind.done()  # queued behind the head, though it fits the free space
+    head.cancel()
+    await _until(behind.done)
+    assert await behind == 2 * _SLOT
+    assert head.cancelled()
+    assert not arena._queue
+    arena.release(held, 2 * _SLOT)
+    arena.release(2 * _SLOT, 2 * _SLOT)
+    assert arena._free == [(0, 4 * _SLOT)]
+
+
+async def test_space_granted_to_a_waiter_cancelled_before_it_resumed_goes_back() -> None:
+    arena = _Arena(4 * _SLOT)
+    held = await arena.acquire(4 * _SLOT)
+    head = asyncio.ensure_future(arena.acquire(4 * _SLOT))
+    await _until(lambda: len(arena._queue) == 1)
+    behind = asyncio.ensure_future(arena.acquire(_SLOT))
+    await _until(lambda: len(arena._queue) == 2)
+    arena.release(held, 4 * _SLOT)  # the whole arena goes to the head...
+    head.cancel()  # ...which is cancelled before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await head
+    # The head's space went back, and to the next in line.
+    await _until(behind.done)
+    assert await behind == 0
+    arena.release(0, _SLOT)
+    assert arena._free == [(0, 4 * _SLOT)]
+    assert not arena._queue
+
+
+async def test_a_request_larger_than_the_arena_is_refused() -> None:
+    arena = _Arena(4 * _SLOT)
+    with pytest.raises(ValueError, match="exceed the staging arena"):
+        await arena.acquire(4 * _SLOT + 1)
+
+
+async def test_a_large_staged_get_is_not_starved_by_a_stream_of_small_ones(
+    mooncake_url: str,
+) -> None:
+    # Memory that is not registered goes through the staging arena: one page needing most of
+    # it waits for room while small gets keep parts of it busy.
+    url = fresh_url(mooncake_url, staging_size="1MiB", auto_register=0)
+    async with MooncakeStorage.from_url(url) as storage:
+        small_keys, small_pages, small_metas = make_pages(64, 16 << 10, split=8 << 10)
+        assert await storage.put(small_keys, small_pages, small_metas) == [Outcome.OK] * 64
+        big_keys, big_pages, big_metas = make_pages(1, 900 << 10, split=450 << 10)
+        assert await storage.put(big_keys, big_pages, big_metas) == [Outcome.OK]
+        stop = asyncio.Event()
+        small_gets = 0
+
+        async def small_reader(seed: int) -> None:
+            nonlocal small_gets
+            rng = np.random.default_rng(seed)
+            while not stop.is_set():
+                picked = [small_keys[i] for i in rng.choice(64, 8, replace=False)]
+                await storage.get(picked, buffers(8, 16 << 10, split=8 << 10), namespace=NS)
+                small_gets += 1
+
+        readers = [asyncio.ensure_future(small_reader(seed)) for seed in range(6)]
+        try:
+            await _until(lambda: small_gets >= 12)  # the stream is under way
+            into = buffers(1, 900 << 10, split=450 << 10)
+            big = asyncio.ensure_future(storage.get(big_keys, into, namespace=NS))
+            # A hang guard: starved, it would wait for as long as the small gets go on.
+            done, _ = await asyncio.wait([big], timeout=30)
+        finally:
+            stop.set()
+            await asyncio.gather(*readers)
+        assert done, "the large get still waits for the staging arena"
+        assert await big == [Outcome.OK]
+        assert joined(into[0]) == joined(big_pages[0])
 
 
 async def test_manifest_compact_writes_where_it_outlives_the_command(mooncake_url: str) -> None:
