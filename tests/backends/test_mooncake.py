@@ -23,7 +23,8 @@ from hicache_async import StorageConfigError, StorageError
 from hicache_async.cli import main
 from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
-from hicache_async.storage._manifest import chain_entry
+from hicache_async.storage._manifest import chain_entry, encode_entry
+from hicache_async.storage._manifest_mooncake import _with_token
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
     _POOL,
@@ -1336,3 +1337,60 @@ async def test_manifest_compact_writes_where_it_outlives_the_command(mooncake_ur
         assert command.returncode == 0, err.decode()
         read = await manifest.read(namespace=namespace.hex())
         assert len(read.entries) == 4, (out.decode(), err.decode())
+
+
+# Lends a segment, puts one object there (argv: URL, name, hex of the value), says so, and
+# waits to be killed: its segment stays mounted on the master, unreachable.
+_LENDER = """
+import sys, time
+from mooncake.store import ReplicateConfig
+from hicache_async.storage._mooncake import pooled_client
+with pooled_client(sys.argv[1]) as client:
+    config = ReplicateConfig()
+    config.with_hard_pin = True
+    config.preferred_segment = str(client.get_hostname())
+    print(client.put(sys.argv[2], bytes.fromhex(sys.argv[3]), config), flush=True)
+    time.sleep(3600)
+"""
+
+
+async def test_a_manifest_chunk_in_a_dead_clients_segment_leaves_a_gap() -> None:
+    # The master keeps the dead client's segment for an hour: reads of it fail (-800)
+    # instead of missing. Each failure takes about a second, so the read leases are
+    # Mooncake's default 10 s: one of 0.5 s would expire on the other chunk meanwhile.
+    with MooncakeMaster(lease_ttl_ms=10_000, extra_args=["-client_ttl=3600"]) as master:
+        url = fresh_url(master.url, segment_size="64MiB")
+        namespace = bytes(range(16))
+        ns = namespace.hex()
+        alive, dead = (
+            chain_entry(namespace, [uuid.uuid4().bytes * 2], 64, 0, float(i)) for i in range(2)
+        )
+        async with MooncakeStorage.from_url(url) as storage:
+            manifest = storage.manifest()
+            await manifest.append([alive])  # seq 0, in this client's segment (the only one)
+            # Seq 1 in the segment of another client, which then dies without unmounting it.
+            name = manifest.object_name(ns, "g0:l1")
+            chunk = _with_token(encode_entry(dead))
+            lender = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _LENDER, fresh_url(master.url, segment_size="64MiB"),
+                name, chunk.hex(), stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            try:
+                assert lender.stdout is not None
+                line = await asyncio.wait_for(lender.stdout.readline(), 60)
+                assert line.strip() == b"0", line
+            finally:
+                lender.kill()
+                await lender.wait()
+            errors = storage.stats().errors
+            read = await manifest.read(namespace=ns)
+            # The other chunk's record is read; the read says it is partial.
+            assert read.entries == [alive]
+            assert read.truncated
+            assert storage.stats().errors == errors + 1
+            # A compaction never goes on without a chunk it could not read: it would drop
+            # the chunk's records for good.
+            with pytest.raises(StorageError):
+                await manifest.compact_namespace(ns)
+            assert (await manifest.read(namespace=ns)).entries == [alive]
+        assert close_idle_clients(master.address) == 1
