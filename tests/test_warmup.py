@@ -158,10 +158,46 @@ async def test_a_manifest_that_cannot_be_read_means_no_warmup(tmp_path: Path, da
             assert result.status is WarmupStatus.COMPLETE
             assert result.pages_loaded == sum(len(p) // PAGE for p in prompts)
         else:
-            assert result.status is WarmupStatus.STOPPED
+            # A storage fault, told apart from a detach or the close (STOPPED).
+            assert result.status is WarmupStatus.MANIFEST_FAILED
+            assert result.status.value == "manifest_failed"
             assert result.pages_loaded == 0
         served = await serve(cache, prompts[0], KVGenerator(_config().layout, PAGE, seed=5))
         assert served.computed_tokens < len(prompts[0])  # storage still serves the pages
+
+
+class _ClosingManifestStorage(FileStorage):
+    """A file store whose manifest read waits for `gate`, then fails as a read of a closed
+    backend does."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.reading = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
+        reading, gate = self.reading, self.gate
+
+        class Closing(FileManifest):
+            async def read(self, *, namespace: str | None = None) -> ManifestRead:
+                reading.set()
+                await gate.wait()
+                raise StorageError("the backend is closed")
+
+        return Closing(self.root / "manifest.jsonl", limits)
+
+
+async def test_a_manifest_read_failed_by_a_detach_reports_stopped(tmp_path: Path) -> None:
+    await _fill(tmp_path, _prompts(2, seed=23))
+    storage = _ClosingManifestStorage(tmp_path)
+    async with HiCache(_config(), storage=storage) as cache:
+        warm = asyncio.create_task(cache.warmup(ratio=1.0))
+        await asyncio.wait_for(storage.reading.wait(), 30)
+        await cache.detach_storage()
+        storage.gate.set()
+        result = await asyncio.wait_for(warm, 30)
+        assert result.status is WarmupStatus.STOPPED
+        assert result.pages_loaded == 0
 
 
 async def test_warmup_stops_on_detach_and_on_cancel(tmp_path: Path) -> None:
@@ -383,7 +419,7 @@ async def test_a_fifo_for_the_manifest_costs_only_warmup_and_manifest_entries(
     with capture_logs() as logs:
         async with _fifo_guard(fifo), HiCache(_config(), storage=FileStorage(tmp_path)) as cache:
             result = await cache.warmup(ratio=1.0)
-            assert (result.status, result.pages_loaded) == (WarmupStatus.STOPPED, 0)
+            assert (result.status, result.pages_loaded) == (WarmupStatus.MANIFEST_FAILED, 0)
             for prompt in prompts:
                 await serve(cache, prompt, generator)
             await cache.drain()

@@ -69,6 +69,12 @@ _HEADER_BYTES = len(_CHUNK_MAGIC) + 17
 _NOT_READY = -703  # being put: not visible yet
 _NOT_FOUND = -704
 _TOO_LARGE = -600
+_RPC_FAIL = -900  # the master did not answer
+#: What `_get` gives for an object larger than its bound (not read).
+_OVERSIZED = -1
+#: What `_get(..., gaps=True)` gives for an object whose transfer failed (a replica in the
+#: segment of a client that died and that the master has not dropped yet, for instance).
+_UNREADABLE = -2
 #: Largest chunk object; a record must fit one chunk.
 _CHUNK_BYTES = 1 << 20
 _INDEX_BYTES = 64 << 10
@@ -182,7 +188,9 @@ class MooncakeManifest:
         """The newest record per chain (of `namespace`, or of every known namespace).
 
         Newest chunks first, at most `max_bytes` of them (`truncated` says the bound
-        stopped the read); every record is validated.
+        stopped the read, or that chunks could not be read: their records are left out and
+        the rest is returned); every record is validated. Raises `StorageError` if the master
+        does not answer or an index cannot be read.
         """
         if namespace is not None and not _NAMESPACE.match(namespace):
             return ManifestRead(entries=[])
@@ -194,8 +202,11 @@ class MooncakeManifest:
             truncated = False
             try:
                 for ns in namespaces:
-                    used, cut = await self._collect(ns, collector, budget)
+                    used, cut, unreadable = await self._collect(ns, collector, budget)
                     budget -= used
+                    # Chunks that could not be read: what the others hold is still returned,
+                    # and said to be partial.
+                    truncated = truncated or unreadable
                     if cut or budget <= 0:
                         truncated = True
                         break
@@ -309,11 +320,13 @@ class MooncakeManifest:
 
     async def _collect(
         self, namespace: str, collector: ManifestCollector, budget: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int, bool, bool]:
         """Feed one namespace's records to `collector`, newest chunks first.
 
-        Returns (bytes read, whether the budget stopped it); raises `_Stale` if a
-        compaction switched generations meanwhile.
+        Returns (bytes read, whether the budget stopped it, whether chunks could not be
+        read); raises `_Stale` if a compaction switched generations meanwhile. A chunk whose
+        transfer failed is left out (logged and counted in the backend's errors): the read
+        goes on without its records.
         """
         index = await self._index(namespace)
         end = await self._log_end(namespace, index.stem)
@@ -325,18 +338,21 @@ class MooncakeManifest:
         names += carried
         names += self._chunk_names(namespace, index.stem, "b", reversed(range(index.base)))
         used = 0
-        truncated = False
+        truncated = unreadable = False
         for group_start in range(0, len(names), _READ_BATCH):
             group = names[group_start : group_start + _READ_BATCH]
             if used >= budget:
                 truncated = True
                 break
-            values = await self._get(group, self.chunk_bytes)
+            values = await self._get(group, self.chunk_bytes, gaps=True)
             for name, value in zip(group, values, strict=True):
                 if value is None:
                     if name in base:
                         raise _Stale  # its generation was removed under us
                     continue  # a gap in the log
+                if value == _UNREADABLE:
+                    unreadable = True
+                    continue
                 if isinstance(value, int):  # larger than any chunk: not read
                     used += self.chunk_bytes
                     collector.records += 1
@@ -347,7 +363,7 @@ class MooncakeManifest:
                     collector.add_line(line)
         if (await self._index(namespace)).stem != index.stem:
             raise _Stale
-        return used, truncated
+        return used, truncated, unreadable
 
     async def _carried(self, namespace: str, index: _Index) -> list[str]:
         """Names of the previous generation's log chunks that `index` carries, newest first
@@ -643,21 +659,28 @@ class MooncakeManifest:
             raise StorageError(f"{self._storage.name}: manifest lookup failed")
         return [code == 1 for code in codes]
 
-    async def _get(self, names: list[str], bound: int) -> list[bytes | int | None]:
-        """Each object's bytes, None if absent (or still being put), or -1 if larger than
-        `bound` (not read).
+    async def _get(
+        self, names: list[str], bound: int, *, gaps: bool = False
+    ) -> list[bytes | int | None]:
+        """Each object's bytes, None if absent (or still being put), or `_OVERSIZED` if
+        larger than `bound` (not read).
 
-        Objects land in the backend's registered arena, `bound` bytes each, so nothing
-        larger than the bound is ever transferred.
+        An object whose transfer failed raises `StorageError`, or with `gaps` is
+        `_UNREADABLE` (logged and counted in the backend's errors): only a read may go on
+        without it, never a step that writes or removes what it read. The master not
+        answering raises either way. Objects land in the backend's registered arena, `bound`
+        bytes each, so nothing larger than the bound is ever transferred.
         """
         size = self._storage._arena.rounded(bound)
         step = max(1, self._storage._arena.capacity // 2 // size)
         values: list[bytes | int | None] = []
         for start in range(0, len(names), step):
-            values += await self._get_some(names[start : start + step], bound, size)
+            values += await self._get_some(names[start : start + step], bound, size, gaps)
         return values
 
-    async def _get_some(self, names: list[str], bound: int, size: int) -> list[bytes | int | None]:
+    async def _get_some(
+        self, names: list[str], bound: int, size: int, gaps: bool
+    ) -> list[bytes | int | None]:
         storage = self._storage
         store = storage._master_store()
         arena = storage._arena
@@ -665,7 +688,7 @@ class MooncakeManifest:
         view, address = storage._arena_view, storage._arena_base + offset
         assert view is not None
 
-        def job(stop: threading.Event) -> list[bytes | int | None]:
+        def job(stop: threading.Event) -> tuple[list[bytes | int | None], list[int]]:
             addresses = [address + i * size for i in range(len(names))]
             codes = list(store.batch_get_into(names, addresses, [bound] * len(names)))
             values: list[bytes | int | None] = []
@@ -676,15 +699,33 @@ class MooncakeManifest:
                 elif code in (_NOT_FOUND, _NOT_READY):
                     values.append(None)
                 elif code == _TOO_LARGE:
-                    values.append(-1)
+                    values.append(_OVERSIZED)
                 else:
-                    raise StorageError(f"{storage.name}: manifest read failed with {code}")
-            return values
+                    values.append(_UNREADABLE)
+            return values, codes
 
         try:
-            return await storage.run_job(job)
+            values, codes = await storage.run_job(job)
         finally:
             arena.release(offset, size * len(names))
+        failed = [
+            (name, code)
+            for name, code, value in zip(names, codes, values, strict=True)
+            if value == _UNREADABLE
+        ]
+        if failed:
+            code = failed[0][1]
+            if not gaps or storage._master_down() or any(c == _RPC_FAIL for _, c in failed):
+                raise StorageError(f"{storage.name}: manifest read failed with {code}")
+            storage._counters.errors += len(failed)
+            _log.warning(
+                "hicache.manifest.unreadable",
+                backend=storage.name,
+                objects=len(failed),
+                first=failed[0][0],
+                code=code,
+            )
+        return values
 
     async def _remove(self, names: Iterable[str]) -> None:
         todo = list(names)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import bisect
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -318,13 +319,16 @@ class _Regions:
 class _Arena:
     """First-fit allocator over the registered staging buffer; used only on the event loop.
 
-    A caller that does not fit waits until others release; requests never exceed capacity.
+    Requests are served first come, first served: while one waits, later ones queue behind
+    it even if they would fit, so a large request is not starved by a stream of small ones.
+    Requests never exceed capacity.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._free: list[tuple[int, int]] = [(0, capacity)]
-        self._waiters: list[asyncio.Future[None]] = []
+        # Waiting requests, oldest first: (bytes, the future their offset is given through).
+        self._queue: collections.deque[tuple[int, asyncio.Future[int]]] = collections.deque()
 
     @staticmethod
     def rounded(nbytes: int) -> int:
@@ -344,15 +348,22 @@ class _Arena:
         nbytes = self.rounded(nbytes)
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the staging arena of {self.capacity}")
-        while (offset := self._take(nbytes)) is None:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        return offset
+        if not self._queue and (offset := self._take(nbytes)) is not None:
+            return offset
+        waiter: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        entry = (nbytes, waiter)
+        self._queue.append(entry)
+        try:
+            return await waiter
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                # Granted, then cancelled before it resumed: the space goes back.
+                self.release(waiter.result(), nbytes)
+            else:
+                with contextlib.suppress(ValueError):  # `_serve` may have dropped it
+                    self._queue.remove(entry)
+                self._serve()  # it may have been the head that held the others back
+            raise
 
     def release(self, offset: int, nbytes: int) -> None:
         nbytes = self.rounded(nbytes)
@@ -364,10 +375,20 @@ class _Arena:
             else:
                 merged.append((start, size))
         self._free = merged
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
+        self._serve()
+
+    def _serve(self) -> None:
+        """Grant waiting requests in order, up to the first that does not fit."""
+        while self._queue:
+            nbytes, waiter = self._queue[0]
+            if waiter.done():  # cancelled while it waited
+                self._queue.popleft()
+                continue
+            offset = self._take(nbytes)
+            if offset is None:
+                return
+            self._queue.popleft()
+            waiter.set_result(offset)
 
 
 class _Plan:

@@ -52,12 +52,21 @@ _log = structlog.get_logger("hicache_async")
 
 
 class WarmupStatus(enum.Enum):
-    """Why a warmup ended."""
+    """Why a warmup ended.
+
+    `COMPLETE`: every agreed entry was tried. `BUDGET`: it loaded its share of the host
+    pool. `DEADLINE`: its deadline passed (reading the manifest counts). `STOPPED`: a
+    detach, the cache's close, `stop`, a cancellation, another rank stopping, a request
+    agreement on the rank group or a failed agreement. `MANIFEST_FAILED`: the manifest could
+    not be read (a storage fault, logged as `hicache.warmup.manifest.failed`), so nothing was
+    loaded. `UNSUPPORTED`: the backend keeps no manifest. `NO_STORAGE`: none is attached.
+    """
 
     COMPLETE = "complete"
     BUDGET = "budget"
     DEADLINE = "deadline"
     STOPPED = "stopped"
+    MANIFEST_FAILED = "manifest_failed"
     UNSUPPORTED = "unsupported"
     NO_STORAGE = "no_storage"
 
@@ -191,7 +200,12 @@ class Warmer:
         else:
             agreed_ids = await local_entries()
         if read is None:
-            status = WarmupStatus.DEADLINE if read_too_long else WarmupStatus.STOPPED
+            if read_too_long:
+                status = WarmupStatus.DEADLINE
+            elif self._ended():
+                status = WarmupStatus.STOPPED  # the read failed because of a detach or close
+            else:
+                status = WarmupStatus.MANIFEST_FAILED
             return WarmupResult(status=status, seconds=time.monotonic() - began)
         by_id = {bytes.fromhex(e.chain_id): e for e in read.entries}
         entries = [by_id[i] for i in agreed_ids if i in by_id]

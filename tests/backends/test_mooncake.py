@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import numpy as np
@@ -23,11 +23,13 @@ from hicache_async import StorageConfigError, StorageError
 from hicache_async.cli import main
 from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
-from hicache_async.storage._manifest import chain_entry
+from hicache_async.storage._manifest import chain_entry, encode_entry
+from hicache_async.storage._manifest_mooncake import _with_token
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
     _POOL,
     MooncakeStorage,
+    _Arena,
     _put_groups,
     close_idle_clients,
 )
@@ -1196,14 +1198,125 @@ async def test_a_call_waiting_for_the_staging_arena_at_close_raises_storage_erro
         else backend.put(keys, pages, metas)
     )
     for _ in range(1000):
-        if arena._waiters:
+        if arena._queue:
             break
         await asyncio.sleep(0)
-    assert arena._waiters
+    assert arena._queue
     await backend.close()
     arena.release(held, arena.capacity)
     with pytest.raises(StorageError, match="closed"):
         await waiting
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    """Wait until `condition()` holds (a hang guard of 30 s of wall time)."""
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came true"
+        await asyncio.sleep(0)
+
+
+_SLOT = 64  # the arena's alignment: every request below is whole slots
+
+
+async def test_the_arena_serves_waiting_requests_first_come_first_served() -> None:
+    arena = _Arena(4 * _SLOT)
+    first = await arena.acquire(2 * _SLOT)
+    second = await arena.acquire(2 * _SLOT)
+    big = asyncio.ensure_future(arena.acquire(3 * _SLOT))
+    await _until(lambda: len(arena._queue) == 1)
+    # Two slots come free: the waiting request does not fit them yet, and a later one that
+    # would fit queues behind it instead of taking them.
+    arena.release(second, 2 * _SLOT)
+    small = asyncio.ensure_future(arena.acquire(_SLOT))
+    await _until(lambda: len(arena._queue) == 2)
+    assert not big.done()
+    assert not small.done()
+    arena.release(first, 2 * _SLOT)  # now the first in line fits, then the next
+    await _until(lambda: big.done() and small.done())
+    assert await big == 0
+    assert await small == 3 * _SLOT
+    assert not arena._queue
+
+
+async def test_a_cancelled_waiter_leaves_the_queue_and_lets_the_next_be_served() -> None:
+    arena = _Arena(4 * _SLOT)
+    held = await arena.acquire(2 * _SLOT)
+    head = asyncio.ensure_future(arena.acquire(4 * _SLOT))
+    await _until(lambda: len(arena._queue) == 1)
+    behind = asyncio.ensure_future(arena.acquire(2 * _SLOT))
+    await _until(lambda: len(arena._queue) == 2)
+    assert not behind.done()  # queued behind the head, though it fits the free space
+    head.cancel()
+    await _until(behind.done)
+    assert await behind == 2 * _SLOT
+    assert head.cancelled()
+    assert not arena._queue
+    arena.release(held, 2 * _SLOT)
+    arena.release(2 * _SLOT, 2 * _SLOT)
+    assert arena._free == [(0, 4 * _SLOT)]
+
+
+async def test_space_granted_to_a_waiter_cancelled_before_it_resumed_goes_back() -> None:
+    arena = _Arena(4 * _SLOT)
+    held = await arena.acquire(4 * _SLOT)
+    head = asyncio.ensure_future(arena.acquire(4 * _SLOT))
+    await _until(lambda: len(arena._queue) == 1)
+    behind = asyncio.ensure_future(arena.acquire(_SLOT))
+    await _until(lambda: len(arena._queue) == 2)
+    arena.release(held, 4 * _SLOT)  # the whole arena goes to the head...
+    head.cancel()  # ...which is cancelled before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await head
+    # The head's space went back, and to the next in line.
+    await _until(behind.done)
+    assert await behind == 0
+    arena.release(0, _SLOT)
+    assert arena._free == [(0, 4 * _SLOT)]
+    assert not arena._queue
+
+
+async def test_a_request_larger_than_the_arena_is_refused() -> None:
+    arena = _Arena(4 * _SLOT)
+    with pytest.raises(ValueError, match="exceed the staging arena"):
+        await arena.acquire(4 * _SLOT + 1)
+
+
+async def test_a_large_staged_get_is_not_starved_by_a_stream_of_small_ones(
+    mooncake_url: str,
+) -> None:
+    # Memory that is not registered goes through the staging arena: one page needing most of
+    # it waits for room while small gets keep parts of it busy.
+    url = fresh_url(mooncake_url, staging_size="1MiB", auto_register=0)
+    async with MooncakeStorage.from_url(url) as storage:
+        small_keys, small_pages, small_metas = make_pages(64, 16 << 10, split=8 << 10)
+        assert await storage.put(small_keys, small_pages, small_metas) == [Outcome.OK] * 64
+        big_keys, big_pages, big_metas = make_pages(1, 900 << 10, split=450 << 10)
+        assert await storage.put(big_keys, big_pages, big_metas) == [Outcome.OK]
+        stop = asyncio.Event()
+        small_gets = 0
+
+        async def small_reader(seed: int) -> None:
+            nonlocal small_gets
+            rng = np.random.default_rng(seed)
+            while not stop.is_set():
+                picked = [small_keys[i] for i in rng.choice(64, 8, replace=False)]
+                await storage.get(picked, buffers(8, 16 << 10, split=8 << 10), namespace=NS)
+                small_gets += 1
+
+        readers = [asyncio.ensure_future(small_reader(seed)) for seed in range(6)]
+        try:
+            await _until(lambda: small_gets >= 12)  # the stream is under way
+            into = buffers(1, 900 << 10, split=450 << 10)
+            big = asyncio.ensure_future(storage.get(big_keys, into, namespace=NS))
+            # A hang guard: starved, it would wait for as long as the small gets go on.
+            done, _ = await asyncio.wait([big], timeout=30)
+        finally:
+            stop.set()
+            await asyncio.gather(*readers)
+        assert done, "the large get still waits for the staging arena"
+        assert await big == [Outcome.OK]
+        assert joined(into[0]) == joined(big_pages[0])
 
 
 async def test_manifest_compact_writes_where_it_outlives_the_command(mooncake_url: str) -> None:
@@ -1224,3 +1337,60 @@ async def test_manifest_compact_writes_where_it_outlives_the_command(mooncake_ur
         assert command.returncode == 0, err.decode()
         read = await manifest.read(namespace=namespace.hex())
         assert len(read.entries) == 4, (out.decode(), err.decode())
+
+
+# Lends a segment, puts one object there (argv: URL, name, hex of the value), says so, and
+# waits to be killed: its segment stays mounted on the master, unreachable.
+_LENDER = """
+import sys, time
+from mooncake.store import ReplicateConfig
+from hicache_async.storage._mooncake import pooled_client
+with pooled_client(sys.argv[1]) as client:
+    config = ReplicateConfig()
+    config.with_hard_pin = True
+    config.preferred_segment = str(client.get_hostname())
+    print(client.put(sys.argv[2], bytes.fromhex(sys.argv[3]), config), flush=True)
+    time.sleep(3600)
+"""
+
+
+async def test_a_manifest_chunk_in_a_dead_clients_segment_leaves_a_gap() -> None:
+    # The master keeps the dead client's segment for an hour: reads of it fail (-800)
+    # instead of missing. Each failure takes about a second, so the read leases are
+    # Mooncake's default 10 s: one of 0.5 s would expire on the other chunk meanwhile.
+    with MooncakeMaster(lease_ttl_ms=10_000, extra_args=["-client_ttl=3600"]) as master:
+        url = fresh_url(master.url, segment_size="64MiB")
+        namespace = bytes(range(16))
+        ns = namespace.hex()
+        alive, dead = (
+            chain_entry(namespace, [uuid.uuid4().bytes * 2], 64, 0, float(i)) for i in range(2)
+        )
+        async with MooncakeStorage.from_url(url) as storage:
+            manifest = storage.manifest()
+            await manifest.append([alive])  # seq 0, in this client's segment (the only one)
+            # Seq 1 in the segment of another client, which then dies without unmounting it.
+            name = manifest.object_name(ns, "g0:l1")
+            chunk = _with_token(encode_entry(dead))
+            lender = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _LENDER, fresh_url(master.url, segment_size="64MiB"),
+                name, chunk.hex(), stdout=asyncio.subprocess.PIPE,
+            )  # fmt: skip
+            try:
+                assert lender.stdout is not None
+                line = await asyncio.wait_for(lender.stdout.readline(), 60)
+                assert line.strip() == b"0", line
+            finally:
+                lender.kill()
+                await lender.wait()
+            errors = storage.stats().errors
+            read = await manifest.read(namespace=ns)
+            # The other chunk's record is read; the read says it is partial.
+            assert read.entries == [alive]
+            assert read.truncated
+            assert storage.stats().errors == errors + 1
+            # A compaction never goes on without a chunk it could not read: it would drop
+            # the chunk's records for good.
+            with pytest.raises(StorageError):
+                await manifest.compact_namespace(ns)
+            assert (await manifest.read(namespace=ns)).entries == [alive]
+        assert close_idle_clients(master.address) == 1
