@@ -6,7 +6,8 @@ spread over all slots. Batches go out as non-transactional pipelines, a few at a
 bounded `BlockingConnectionPool`; on plain TCP the page values themselves travel over the
 backend's own bulk connections (`_redis_bulk`), which send page segments as they are and
 receive values straight into the pages. With `cluster=1` everything, page values included,
-goes through redis-py's `RedisCluster`, which splits each pipeline per node.
+goes through redis-py's `RedisCluster`; each batch's keys are grouped by the node that owns
+their slot and every pipeline goes to one node, so a lost node fails only its own keys.
 docs/storage-redis.md records the measurements behind that, the pipeline sizes and the
 limits.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import heapq
+import itertools
 import math
 import numbers
 import re
@@ -203,6 +205,7 @@ def _refused_in_prefix(c: str) -> bool:
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+_C = TypeVar("_C")
 
 
 def _counted(
@@ -452,6 +455,23 @@ def _chunks(sizes: Sequence[int], max_bytes: int) -> list[range]:
     if start < len(sizes):
         chunks.append(range(start, len(sizes)))
     return chunks
+
+
+class _Chunk(NamedTuple):
+    """The keys of one pipeline: indexes into the batch, all of one node group."""
+
+    group: int  # which of the batch's node groups (0 off a cluster)
+    indexes: Sequence[int]
+
+
+def _cut(groups: Sequence[Sequence[int]], sizes: Sequence[int], max_bytes: int) -> list[_Chunk]:
+    """Each group's indexes cut as `_chunks` cuts them, the groups' chunks taken in turn:
+    the batch's connections then work on different nodes at once."""
+    cut = [
+        [_Chunk(g, group[r.start : r.stop]) for r in _chunks([sizes[i] for i in group], max_bytes)]
+        for g, group in enumerate(groups)
+    ]
+    return [chunk for row in itertools.zip_longest(*cut) for chunk in row if chunk is not None]
 
 
 class RedisStorage(BackendBase):
@@ -804,37 +824,52 @@ class RedisStorage(BackendBase):
         count = 0
         for start in range(0, len(keys), _KEYS_PER_PIPELINE):
             batch = keys[start : start + _KEYS_PER_PIPELINE]
-            results = await self._exists_pipeline(client, batch)
+            results = await self._exists_replies(client, batch)
             if self._touch and any(
                 isinstance(r, Exception) and scripting_refused(r) for r in results
             ):
                 # TOUCH refused here (an ACL listing commands, a proxy): EXISTS from now on.
                 log.warning("storage.redis.no_touch", backend=self._name)
                 self._touch = False
-                results = await self._exists_pipeline(client, batch)
+                results = await self._exists_replies(client, batch)
+            # Up to the first missing key: a key unanswered before it (its node lost, an
+            # error reply) leaves the count unknown, and a shorter count would say that key
+            # is missing, which a caller may act on (the backup's prefix check writes such
+            # pages again and counts them lost). One unanswered after it changes nothing.
             for result in results:
                 if isinstance(result, Exception):
                     self._counters.errors += 1
-                    raise StorageError(f"{self._name}: exists failed: {result}")
+                    raise StorageError(f"{self._name}: exists failed: {result}") from result
                 if not result:
                     return count
                 count += 1
         return count
 
-    async def _exists_pipeline(self, client: RedisClient, batch: Sequence[bytes]) -> list[Any]:
-        """A pipeline of TOUCH (an EXISTS that counts as a use), or of EXISTS where TOUCH is
-        refused: its replies, error replies included."""
-        try:
-            async with client.pipeline(transaction=False) as pipe:
-                for key in batch:
-                    if self._touch:
-                        pipe.touch(self._rkey(key))
-                    else:
-                        pipe.exists(self._rkey(key))
-                return list(await pipe.execute(raise_on_error=False))
-        except REDIS_FAULTS as exc:
-            self._counters.errors += 1
-            raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+    async def _exists_replies(self, client: RedisClient, batch: Sequence[bytes]) -> list[object]:
+        """A TOUCH (an EXISTS that counts as a use), or an EXISTS where TOUCH is refused, per
+        key: the replies, error replies included, in a pipeline per cluster node, those
+        running at once. A pipeline that fails as a whole gives its error for each of its
+        keys, so one lost node leaves the other nodes' answers."""
+        unasked = StorageError(f"{self._name}: closed during the call")
+        replies: list[object] = [unasked] * len(batch)
+
+        async def ask(group: Sequence[int]) -> None:
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    for i in group:
+                        if self._touch:
+                            pipe.touch(self._rkey(batch[i]))
+                        else:
+                            pipe.exists(self._rkey(batch[i]))
+                    results: list[object] = list(await pipe.execute(raise_on_error=False))
+            except REDIS_FAULTS as exc:
+                results = [exc] * len(group)
+            for i, result in zip(group, results, strict=True):
+                replies[i] = result
+
+        groups = self._by_node(batch)
+        await self._run_chunks(groups, ask, concurrency=len(groups))
+        return replies
 
     async def _exists_on_bulk(self, bulk: BulkConnectionPool, keys: Sequence[bytes]) -> int:
         """`_exists_by_script` over a bulk connection: EVAL without redis-py's command
@@ -917,25 +952,27 @@ class RedisStorage(BackendBase):
                 self._report_corrupt(keys[i], reason)
 
         # A pipeline that failed as a whole (a timeout, a lost connection) has already cost
-        # the timeout, and redis-py's retries; the batch's other pipelines, to the same server
-        # or the same nodes, would most likely pay them again, one after another: a stalled
+        # the timeout, and redis-py's retries; the batch's other pipelines to the same server
+        # (or cluster node) would most likely pay them again, one after another: a stalled
         # server would hold a batch for minutes. They are ERROR at once instead, and a batch
-        # fails in about one timeout.
-        given_up = False
+        # fails in about one timeout. On a cluster each pipeline goes to one node, and only
+        # that node's are given up: the keys of the other nodes are read as usual.
+        given_up: set[int] = set()
 
-        async def fetch_values(chunk: range) -> None:
-            nonlocal given_up
-            if given_up:
+        async def fetch_values(chunk: _Chunk) -> None:
+            if chunk.group in given_up:
                 return  # stays ERROR
             bounded = self._bounded_reads
             try:
-                found, failed = await self._read_starts(client, chunk, keys=keys, payloads=payloads)
+                found, failed = await self._read_starts(
+                    client, chunk.indexes, keys=keys, payloads=payloads
+                )
             except REDIS_FAULTS as exc:
                 failed, found = exc, []
             bounded &= self._bounded_reads  # this chunk's values were read in two commands
             if failed is not None:
                 log.warning("storage.redis.get_failed", backend=self._name, error=str(failed))
-                given_up = True
+                given_up.add(chunk.group)
                 if not found:
                     return
             checks: list[PageCheck | None] = [None] * len(found)
@@ -980,17 +1017,21 @@ class RedisStorage(BackendBase):
                             continue
                     judge(i, result, reason, stored)
 
-        async def fetch_into(bulk: BulkConnectionPool, chunk: range) -> None:
-            nonlocal given_up
-            if given_up:
+        async def fetch_into(bulk: BulkConnectionPool, chunk: _Chunk) -> None:
+            if chunk.group in given_up:
                 return  # stays ERROR
             try:
                 received = await self._bulk_gets(
-                    bulk, chunk, keys=keys, targets=targets, payloads=payloads, namespace=namespace
+                    bulk,
+                    chunk.indexes,
+                    keys=keys,
+                    targets=targets,
+                    payloads=payloads,
+                    namespace=namespace,
                 )
             except (*REDIS_FAULTS, OSError) as exc:
                 log.warning("storage.redis.get_failed", backend=self._name, error=self._fault(exc))
-                given_up = True
+                given_up.add(chunk.group)
                 return
             landed = [(i, got) for i, got in received if isinstance(got, PageHeader)]
             checks: list[PageCheck | None] = [None] * len(landed)
@@ -1023,7 +1064,7 @@ class RedisStorage(BackendBase):
         pipeline = self._get_pipeline_bytes or (
             _GET_PIPELINE_BYTES if bulk is None else _BULK_GET_PIPELINE_BYTES
         )
-        await self._run_chunks(_chunks(payloads, pipeline), fetch)
+        await self._run_chunks(_cut(self._by_node(keys), payloads, pipeline), fetch)
         for i, length, head, reason in suspects:
             try:
                 removed = await self._remove_if_same_value(self._rkey(keys[i]), length, head)
@@ -1055,7 +1096,7 @@ class RedisStorage(BackendBase):
     async def _read_starts(
         self,
         client: RedisClient,
-        chunk: range,
+        chunk: Sequence[int],
         *,
         keys: Sequence[bytes],
         payloads: Sequence[int],
@@ -1146,7 +1187,7 @@ class RedisStorage(BackendBase):
     async def _bulk_gets(
         self,
         bulk: BulkConnectionPool,
-        chunk: range,
+        chunk: Sequence[int],
         *,
         keys: Sequence[bytes],
         targets: Sequence[list[memoryview]],
@@ -1211,12 +1252,12 @@ class RedisStorage(BackendBase):
         payloads = [payload_nbytes(page) for page in sources]
 
         mac_key = self._mac_key
-        given_up = False  # after a pipeline failed as a whole: see get()
+        given_up: set[int] = set()  # node groups whose pipeline failed as a whole: see get()
 
-        async def store(chunk: range) -> None:
-            nonlocal given_up
-            if given_up:
+        async def store(piece: _Chunk) -> None:
+            if piece.group in given_up:
                 return  # stays ERROR
+            chunk = piece.indexes
 
             def encode(stop: threading.Event) -> list[bytes]:
                 return [encode_header(metas[i], sources[i], mac_key=mac_key) for i in chunk]
@@ -1251,7 +1292,7 @@ class RedisStorage(BackendBase):
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
                 log.warning("storage.redis.put_failed", backend=self._name, error=self._fault(exc))
-                given_up = True
+                given_up.add(piece.group)
                 return
             for i, result in zip(chunk, results, strict=True):
                 if isinstance(result, Exception):
@@ -1274,7 +1315,7 @@ class RedisStorage(BackendBase):
         if self._bulk is not None and keys and max(payloads) > _HASH_AT_SEND_MAX:
             ahead, hashing = self._encode_ahead(metas, sources)
         try:
-            await self._run_chunks(_chunks(payloads, pipeline), store)
+            await self._run_chunks(_cut(self._by_node(keys), payloads, pipeline), store)
         finally:
             if hashing is not None:
                 hashing.cancel()  # the job stops between pages and is waited for
@@ -2034,10 +2075,23 @@ class RedisStorage(BackendBase):
         tail = rkey[len(self._prefix) + 1 :]
         return len(tail) == 64 and not tail.translate(None, _HEX_DIGITS)
 
+    def _by_node(self, keys: Sequence[bytes]) -> list[Sequence[int]]:
+        """The indexes of `keys` grouped by the cluster node that owns each key
+        (`GuardedCluster.by_node`); off a cluster, one group of them all."""
+        client = self._client
+        if isinstance(client, GuardedCluster) and len(keys) > 1:
+            return list(client.by_node([self._rkey(k) for k in keys]))
+        return [range(len(keys))]
+
     async def _run_chunks(
-        self, chunks: Sequence[range], run: Callable[[range], Awaitable[None]]
+        self,
+        chunks: Sequence[_C],
+        run: Callable[[_C], Awaitable[None]],
+        *,
+        concurrency: int | None = None,
     ) -> None:
-        """Run `run` over `chunks` on at most `concurrency` connections at once."""
+        """Run `run` over `chunks` on at most `concurrency` (default: the backend's)
+        connections at once."""
         if len(chunks) <= 1:
             for chunk in chunks:
                 await run(chunk)
@@ -2051,7 +2105,8 @@ class RedisStorage(BackendBase):
                 await run(chunk)
 
         tasks = [
-            asyncio.ensure_future(worker()) for _ in range(min(self._concurrency, len(chunks)))
+            asyncio.ensure_future(worker())
+            for _ in range(min(concurrency or self._concurrency, len(chunks)))
         ]
         try:
             await asyncio.gather(*tasks)

@@ -10,17 +10,31 @@
   `RedisError` (seen: `AttributeError` on a writer already gone). Those are raised as
   `redis.exceptions.ConnectionError`, so that the backend turns them into `ERROR` outcomes
   or `StorageError` like any other lost connection.
+* **Relearning.** After a lost node (or CLUSTERDOWN) fails a pipeline, redis-py closes every
+  connection of every node before it tries again with the slot map learnt anew; the
+  pipelines running on the other nodes then lose their replies, and a batch split per node
+  lost the keys of healthy nodes with those of the lost one. Within a call the client only
+  marks the slot map to be learnt again at the next command, as it does itself for a single
+  command that lost its node; a connection that failed has closed itself already.
+* **ASK.** redis-py follows an ASK redirect with `ASKING` and then the command, each on a
+  connection it takes from the node's free ones; it takes the one freed longest ago and so,
+  with two or more free, sends the command on another connection than `ASKING`. The node
+  then answers MOVED back to the old owner, which answers ASK again, until the redirects
+  run out: every key of a slot being moved failed. A node's free connections are taken
+  most recently freed first here, so the command follows `ASKING` on its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 
@@ -29,6 +43,14 @@ __all__ = ["GuardedCluster"]
 # Set while this task holds a turn: a call the client makes from within one (a redirected
 # command of a pipeline, a script load) must not wait for a second turn.
 _HOLDING_TURN: ContextVar[bool] = ContextVar("hicache_redis_cluster_turn", default=False)
+
+
+class _LastFreedFirst(collections.deque[Connection]):
+    """A cluster node's free connections, from which redis-py takes the leftmost: a
+    connection freed goes to the left, so the next command runs on it (see ASK above)."""
+
+    def append(self, connection: Connection) -> None:
+        self.appendleft(connection)
 
 
 class GuardedCluster(RedisCluster):
@@ -45,12 +67,33 @@ class GuardedCluster(RedisCluster):
         if _HOLDING_TURN.get():
             yield
             return
+        self._reuse_last_freed()
         async with self._turns:
             token = _HOLDING_TURN.set(True)
             try:
                 yield
             finally:
                 _HOLDING_TURN.reset(token)
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> GuardedCluster:
+        await super().initialize(*args, **kwargs)
+        self._reuse_last_freed()  # the nodes it may have learnt
+        return self
+
+    def _reuse_last_freed(self) -> None:
+        # redis-py's private free list: a release that lays it out otherwise keeps its order.
+        for node in self.nodes_manager.nodes_cache.values():
+            free = getattr(node, "_free", None)
+            if isinstance(free, collections.deque) and not isinstance(free, _LastFreedFirst):
+                node._free = _LastFreedFirst(free, maxlen=free.maxlen)
+
+    async def aclose(self) -> None:
+        """Close every connection; called by redis-py within a call (holding a turn) to
+        relearn the slot map after a fault, it only marks the map to be learnt again."""
+        if _HOLDING_TURN.get():
+            self._initialize = True
+            return
+        await super().aclose()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.turn():
@@ -60,6 +103,21 @@ class GuardedCluster(RedisCluster):
                 raise
             except Exception as exc:
                 raise _lost(exc) from exc
+
+    def by_node(self, keys: Sequence[bytes]) -> list[list[int]]:
+        """The indexes of `keys` grouped by the node that owns each key's slot in the
+        client's slot map, groups in the order of their first key, each in the order of
+        `keys`. Keys of a slot the map lacks (not learnt yet) make one group of their own,
+        which the cluster pipeline routes as it can; a stale map costs a MOVED, which it
+        follows."""
+        # As redis-py's own get_node_from_key, for bytes keys and without its error.
+        # A release without the slot map's cache: one group, routed by the pipeline.
+        slots: dict[int, list[Any]] = getattr(self.nodes_manager, "slots_cache", {})
+        groups: dict[str | None, list[int]] = {}
+        for i, key in enumerate(keys):
+            owners = slots.get(self.keyslot(key))
+            groups.setdefault(owners[0].name if owners else None, []).append(i)
+        return list(groups.values())
 
     def pipeline(
         self, transaction: Any | None = None, shard_hint: Any | None = None

@@ -537,7 +537,9 @@ class RedisClusterServer:
     `with` block) stops every node, and so does a failed or interrupted start. Each node is a
     `RedisServer` in `nodes`, so a test can `kill()` or `stop()` one of them; with a short
     `node_timeout` (seconds; Redis's default is 15) the others soon mark it failed and answer
-    CLUSTERDOWN.
+    CLUSTERDOWN for every slot. With `full_coverage=False` (`cluster-require-full-coverage
+    no`) they go on serving their own slots instead, and only the failed node's slots are
+    refused.
     """
 
     def __init__(
@@ -547,6 +549,7 @@ class RedisClusterServer:
         binary: str = "redis-server",
         cli: str = "redis-cli",
         node_timeout: float | None = None,
+        full_coverage: bool = True,
         startup_timeout: float = 20.0,
     ) -> None:
         if primaries < 3:
@@ -566,6 +569,10 @@ class RedisClusterServer:
             if not node_timeout > 0:
                 raise ServerError(f"node_timeout must be positive, got {node_timeout}")
             self._node_args += ["--cluster-node-timeout", str(max(1, round(node_timeout * 1000)))]
+        if not isinstance(full_coverage, bool):
+            raise ServerError(f"full_coverage must be True or False, got {full_coverage!r}")
+        if not full_coverage:
+            self._node_args += ["--cluster-require-full-coverage", "no"]
         self._startup_timeout = startup_timeout
         self._nodes: list[RedisServer] = []
 

@@ -14,13 +14,14 @@ import pytest
 import pytest_asyncio
 import redis
 import structlog
+from redis.crc import key_slot
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import HEADER_NBYTES, Outcome, open_storage
 from hicache_async.storage._manifest import ManifestLimits, chain_entry
 from hicache_async.storage._manifest_redis import RedisManifest
 from hicache_async.storage._redis import RedisStorage
-from hicache_async.testing import RedisClusterServer, RedisServer
+from hicache_async.testing import RedisClusterServer, RedisServer, ServerError
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 
 from .test_redis import (
@@ -58,6 +59,45 @@ def pages_on(node: RedisServer, prefix: str) -> set[bytes]:
     """The page keys (`<prefix>:` and 64 hex digits) that `node` holds: not the mark that
     maintenance leaves under the prefix."""
     return {k for k in keys_on(node, prefix) if len(k) == len(prefix) + 65}
+
+
+def slots_of(node: RedisServer) -> set[int]:
+    """The slots `node` serves, as it says itself."""
+    client = node_client(node)
+    try:
+        ranges = client.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+    return {
+        slot
+        for first, last, primary, *_ in ranges
+        if int(primary[1]) == node.port
+        for slot in range(first, last + 1)
+    }
+
+
+def node_failed(survivor: RedisServer, lost: RedisServer) -> bool:
+    """`survivor` has marked `lost` failed (`fail` in its flags, not just suspected)."""
+    client = node_client(survivor)
+    try:
+        nodes = client.execute_command("CLUSTER", "NODES")  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+    text = nodes.decode() if isinstance(nodes, bytes) else str(nodes)
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[1].split("@")[0].endswith(f":{lost.port}"):
+            return "fail" in fields[2].split(",")
+    return False
+
+
+def cluster_ok(node: RedisServer) -> bool:
+    client = node_client(node)
+    try:
+        info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+    finally:
+        client.close()
+    return b"cluster_state:ok" in info
 
 
 @pytest_asyncio.fixture
@@ -101,6 +141,11 @@ def test_a_stopped_cluster_leaves_no_process() -> None:
     assert not any(node.running for node in nodes)
     assert not cluster.running
     cluster.stop()  # idempotent
+
+
+def test_the_cluster_helper_refuses_a_full_coverage_that_is_not_a_bool() -> None:
+    with pytest.raises(ServerError, match="full_coverage"):
+        RedisClusterServer(full_coverage="no")  # type: ignore[arg-type]
 
 
 async def test_pages_spread_over_every_primary(
@@ -244,6 +289,10 @@ async def test_a_slot_moved_under_a_client_is_followed(redis_cluster: RedisClust
     async with RedisStorage.from_url(fresh_url(redis_cluster.url)) as backend:
         keys, pages, metas = make_pages(8)
         assert await backend.put(keys, pages, metas) == [Outcome.OK] * 8
+        # Batches at once, as under load, leave every node more than one free connection:
+        # the command an ASK redirects must still follow its ASKING on the same one.
+        reads = [backend.get(keys, buffers(8), namespace=NS) for _ in range(6)]
+        assert await asyncio.gather(*reads) == [[Outcome.OK] * 8] * 6
         rkey = backend._rkey(keys[0])
         source = next(n for n in redis_cluster.nodes if rkey in pages_on(n, backend.prefix))
         target = next(n for n in redis_cluster.nodes if n is not source)
@@ -290,23 +339,38 @@ async def test_a_killed_node_gives_errors_not_wrong_pages_or_hangs() -> None:
             keys, pages, metas = make_pages(32)
             assert await backend.put(keys, pages, metas) == [Outcome.OK] * 32
             victim = cluster.nodes[1]
+            survivors = [n for n in cluster.nodes if n is not victim]
             lost = pages_on(victim, backend.prefix)
             assert lost
+            lost_slots = slots_of(victim)
             victim.kill()
 
+            def serving() -> bool:
+                return all(cluster_ok(n) for n in survivors)
+
             async def faults() -> None:
+                # Until the survivors mark the node failed they serve their own slots, and
+                # only the lost node's keys fail; a call that ended while they still did
+                # (the state never goes back while the node is down) met only that.
                 into = buffers(32)
                 outcomes = await backend.get(keys, into, namespace=NS)
+                served = serving()
                 for key, outcome, page, got in zip(keys, outcomes, pages, into, strict=True):
                     assert outcome in (Outcome.OK, Outcome.ERROR)
                     if backend._rkey(key) in lost:
                         assert outcome is Outcome.ERROR
-                    elif outcome is Outcome.OK:
+                    else:
+                        assert outcome is Outcome.OK or not served
+                    if outcome is Outcome.OK:
                         assert joined(got) == joined(page)
                 more, more_pages, more_metas = make_pages(16)
                 put = await backend.put(more, more_pages, more_metas)
-                assert Outcome.ERROR in put
-                assert Outcome.MISS not in put
+                served = serving()
+                for key, outcome in zip(more, put, strict=True):
+                    if key_slot(backend._rkey(key)) in lost_slots:
+                        assert outcome is Outcome.ERROR
+                    else:
+                        assert outcome is Outcome.OK or not served
                 for call in (backend.exists(keys), backend.list_pages(), backend.verify()):
                     with pytest.raises(StorageError):
                         await call
@@ -327,6 +391,69 @@ async def test_a_killed_node_gives_errors_not_wrong_pages_or_hangs() -> None:
 
             await asyncio.wait_for(faults(), FAULT_TIMEOUT_S)
             assert backend.stats().errors > 32
+
+
+async def test_a_lost_primary_fails_only_its_own_keys() -> None:
+    # With cluster-require-full-coverage no the other primaries go on serving their slots:
+    # a batch's keys on them are read and written as usual, before the survivors mark the
+    # lost node failed and after, and only the lost node's keys are ERROR.
+    with RedisClusterServer(node_timeout=0.5, full_coverage=False) as cluster:
+        url = fresh_url(cluster.url, timeout=2)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(48)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 48
+            victim = cluster.nodes[1]
+            survivors = [n for n in cluster.nodes if n is not victim]
+            lost_slots = slots_of(victim)
+
+            def on_victim(key: bytes) -> bool:
+                return key_slot(backend._rkey(key)) in lost_slots
+
+            assert any(map(on_victim, keys))
+            assert not all(map(on_victim, keys))
+            victim.kill()
+
+            async def only_the_lost_keys_fail() -> None:
+                into = buffers(48)
+                outcomes = await backend.get(keys, into, namespace=NS)
+                for key, outcome, page, got in zip(keys, outcomes, pages, into, strict=True):
+                    if on_victim(key):
+                        assert outcome is Outcome.ERROR
+                    else:
+                        assert outcome is Outcome.OK
+                        assert joined(got) == joined(page)
+                more, more_pages, more_metas = make_pages(48)
+                put = await backend.put(more, more_pages, more_metas)
+                assert put == [Outcome.ERROR if on_victim(k) else Outcome.OK for k in more]
+                live = [k for k in more if not on_victim(k)]
+                into = buffers(len(live))
+                got = await backend.get(live, into, namespace=NS)
+                assert got == [Outcome.OK] * len(live)
+                stored = {k: joined(p) for k, p in zip(more, more_pages, strict=True)}
+                assert [joined(b) for b in into] == [stored[k] for k in live]
+                # exists: exact wherever a missing key on a live node ends the prefix before
+                # any key of the lost node; unknown (raised) where a lost key comes first.
+                alive = [k for k in keys if not on_victim(k)]
+                dead = [k for k in keys if on_victim(k)]
+                absent = next(k for k in make_pages(64)[0] if not on_victim(k))
+                assert await backend.exists([*alive[:5], absent, *dead]) == 5
+                assert await backend.exists(alive) == len(alive)
+                with pytest.raises(StorageError):
+                    await backend.exists([*alive[:5], dead[0], absent])
+                with pytest.raises(StorageError):  # a lost node fails the whole delete
+                    await backend.delete([absent, dead[0]])
+
+            await asyncio.wait_for(only_the_lost_keys_fail(), FAULT_TIMEOUT_S)
+
+            async def marked_failed() -> None:
+                while True:
+                    if all(node_failed(n, victim) for n in survivors):
+                        return
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(marked_failed(), FAULT_TIMEOUT_S)
+            assert all(cluster_ok(n) for n in survivors)  # serving their own slots still
+            await asyncio.wait_for(only_the_lost_keys_fail(), FAULT_TIMEOUT_S)
 
 
 async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
