@@ -93,6 +93,9 @@ class GuardedCluster(RedisCluster):
         if _HOLDING_TURN.get():
             self._initialize = True
             return
+        # redis-py closes only a client whose map is not marked stale, and a call that failed
+        # for good leaves it marked, with the connections to the other nodes still open.
+        self._initialize = False
         await super().aclose()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:

@@ -576,3 +576,42 @@ async def test_credentials_a_cluster_refuses_fail_the_open(redis_cluster_url: st
         async with RedisStorage.from_url(url):
             pytest.fail("opened with credentials the cluster refuses")
     assert "wrong" not in str(info.value)
+
+
+async def test_a_close_after_a_command_failed_on_a_down_cluster_closes_every_connection() -> None:
+    # redis-py answers CLUSTERDOWN by closing the client within the call, which the backend
+    # turns into a mark to learn the slot map again (closing would cut the other nodes'
+    # pipelines): a command that failed for good left the map marked, and redis-py's close
+    # skips a marked client, so the connections to the live nodes stayed open.
+    def connections(node: RedisServer) -> int:
+        client = node_client(node)
+        try:
+            return sum(1 for c in client.client_list() if c["cmd"] != "client|list")
+        finally:
+            client.close()
+
+    with RedisClusterServer(node_timeout=0.5) as cluster:
+        backend = RedisStorage.from_url(fresh_url(cluster.url, timeout=2))
+        async with backend:
+            keys, pages, metas = make_pages(8)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 8
+            victim, survivors = cluster.nodes[1], [cluster.nodes[0], cluster.nodes[2]]
+            victim.kill()
+
+            async def down() -> None:
+                for node in survivors:
+                    client = node_client(node)
+                    try:
+                        while True:
+                            info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+                            if b"cluster_state:fail" in info:
+                                break
+                            await asyncio.sleep(0.05)
+                    finally:
+                        client.close()
+
+            await asyncio.wait_for(down(), FAULT_TIMEOUT_S)
+            with pytest.raises(StorageError):
+                await backend.read_raw(keys[0])
+            assert sum(connections(node) for node in survivors) > 0
+        assert [connections(node) for node in survivors] == [0, 0]
