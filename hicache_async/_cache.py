@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from ._config import PREFETCH_POLICIES, CacheConfig, PrefetchPolicy, WarmupConfig
@@ -498,7 +499,7 @@ class HiCache:
         self._generation = link.generation
         _log.info("hicache.storage.attached", backend=backend.name)
         if self.config.warmup.enabled:
-            link.start_warmup(self.warmup)
+            link.start_warmup(self._warmup_on_attach)
 
     async def detach_storage(self, *, flush: bool = True) -> None:
         """Detach the backend without waiting for idle.
@@ -588,6 +589,16 @@ class HiCache:
             link.warmers.discard(warmer)
         _log.info("hicache.warmup.done", status=result.status.value, pages=result.pages_loaded)
         return result
+
+    async def _warmup_on_attach(self) -> WarmupResult:
+        """`warmup()` as an attach starts it. Its task may first run after the cache's close
+        began (a cache left without yielding): that ends it as the close ends a warmup
+        under way, `STOPPED`, not as a failure."""
+        if self._state != "open":
+            await anyio.lowlevel.checkpoint()
+            _log.info("hicache.warmup.done", status=WarmupStatus.STOPPED.value, pages=0)
+            return WarmupResult(status=WarmupStatus.STOPPED)
+        return await self.warmup()
 
     async def wait_warmup(self) -> WarmupResult | None:
         """The result of the warmup started on attach (`warmup.enabled`), once it ends."""

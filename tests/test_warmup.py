@@ -919,3 +919,17 @@ async def test_a_memory_manifest_checks_held_records_against_lowered_limits() ->
         report = await lowered.compact()
         assert (report.entries_after, report.oversized) == (1, 1)
         assert [e.keys for e in (await lowered.read()).entries] == [small.keys]
+
+
+async def test_a_cache_left_before_its_attach_warmup_ran_ends_it_stopped(tmp_path: Path) -> None:
+    # The warmup attach starts runs as a task: a cache entered and left without yielding
+    # (an aborted start, a health probe) closed before that task first ran, and the task
+    # then failed on the closed cache, logged as `hicache.warmup.failed`.
+    config = _config(warmup={"enabled": True, "ratio": 1.0})
+    with capture_logs() as logs:
+        async with HiCache(config, storage=FileStorage(tmp_path)):
+            pass
+    events = [e["event"] for e in logs]
+    assert "hicache.warmup.failed" not in events, logs
+    done = [e for e in logs if e["event"] == "hicache.warmup.done"]
+    assert [e["status"] for e in done] == ["stopped"]
