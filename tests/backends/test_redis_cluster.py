@@ -55,6 +55,20 @@ def keys_on(node: RedisServer, prefix: str) -> set[bytes]:
         client.close()
 
 
+async def cluster_failed(node: RedisServer) -> None:
+    """Return once `node` reports the cluster failed (a lost primary marked failed, with
+    full coverage required); bounded by the caller."""
+    client = node_client(node)
+    try:
+        while True:
+            info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+            if b"cluster_state:fail" in info:
+                return
+            await asyncio.sleep(0.05)
+    finally:
+        client.close()
+
+
 def pages_on(node: RedisServer, prefix: str) -> set[bytes]:
     """The page keys (`<prefix>:` and 64 hex digits) that `node` holds: not the mark that
     maintenance leaves under the prefix."""
@@ -375,15 +389,7 @@ async def test_a_killed_node_gives_errors_not_wrong_pages_or_hangs() -> None:
                     with pytest.raises(StorageError):
                         await call
                 # The survivors soon mark the node failed and refuse every slot (CLUSTERDOWN).
-                survivor = node_client(cluster.nodes[0])
-                try:
-                    while True:
-                        info = survivor.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
-                        if b"cluster_state:fail" in info:
-                            break
-                        await asyncio.sleep(0.05)
-                finally:
-                    survivor.close()
+                await cluster_failed(cluster.nodes[0])
                 outcomes = await backend.get(keys, buffers(32), namespace=NS)
                 assert outcomes == [Outcome.ERROR] * 32
                 with pytest.raises(StorageError):
@@ -598,19 +604,9 @@ async def test_a_close_after_a_command_failed_on_a_down_cluster_closes_every_con
             victim, survivors = cluster.nodes[1], [cluster.nodes[0], cluster.nodes[2]]
             victim.kill()
 
-            async def down() -> None:
-                for node in survivors:
-                    client = node_client(node)
-                    try:
-                        while True:
-                            info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
-                            if b"cluster_state:fail" in info:
-                                break
-                            await asyncio.sleep(0.05)
-                    finally:
-                        client.close()
-
-            await asyncio.wait_for(down(), FAULT_TIMEOUT_S)
+            await asyncio.wait_for(
+                asyncio.gather(*(cluster_failed(node) for node in survivors)), FAULT_TIMEOUT_S
+            )
             with pytest.raises(StorageError):
                 await backend.read_raw(keys[0])
             assert sum(connections(node) for node in survivors) > 0
