@@ -686,11 +686,12 @@ class _Handoff(Generic[_T]):
     """Work on a worker thread that its caller may stop waiting for (a deadline, a cancel),
     and who then releases what the work holds.
 
-    The caller owns the work's result when it gets it. If it gives up first, work that had
-    not begun never runs; work under way cannot be stopped, so it runs to its end, seeing
-    through the `wanted` it is handed that nobody waits for it any more. Either way
-    `release` is called exactly once, with the work's result (None if it raised or never
-    ran), by whichever side comes last: the caller giving up, or the thread ending.
+    The caller owns the work's result when it gets it; `release` is not called then. If the
+    work raises, or the caller gives up first, `release` is called exactly once, with the
+    work's result (None if it raised or never ran), by whichever side comes last: the
+    caller, or the thread ending. Work that had not begun when the caller gave up never
+    runs; work under way cannot be stopped, so it runs to its end, seeing through the
+    `wanted` it is handed that nobody waits for it any more.
     """
 
     def __init__(
