@@ -407,6 +407,24 @@ async def test_page_larger_than_capacity_is_a_miss(tmp_path: Path) -> None:
     assert _disk_usage(root) == (0, 0)
 
 
+async def test_a_page_larger_than_the_capacity_ends_its_batch(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    (stored,), (first, big, after, last) = _keys(1), _keys(4)
+    async with FileStorage(root, capacity_bytes=3 * SIZE) as storage:
+        assert await _put(storage, [stored]) == [Outcome.OK]
+        keys = [first, big, after, stored, last]
+        sizes = [PAGE, 3 * SIZE, PAGE, PAGE, PAGE]
+        pages = [[memoryview(bytearray(nbytes))] for nbytes in sizes]
+        outcomes = await storage.put(keys, pages, _metas(keys))
+        # Pages past it could only be reached through it: stored, they would evict others.
+        # One stored already stays so.
+        assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.MISS, Outcome.OK, Outcome.MISS]
+        assert [await storage.exists([key]) for key in keys] == [1, 0, 0, 1, 0]
+        stats = storage.stats()
+        assert (stats.pages, stats.evictions) == (2, 0)
+    assert _disk_usage(root) == (2, 2 * SIZE)
+
+
 async def test_pages_being_read_are_not_evicted(tmp_path: Path) -> None:
     reading = _keys(8)
     older = _keys(4)
@@ -561,6 +579,34 @@ async def test_shared_put_rewrites_a_page_another_instance_deleted(tmp_path: Pat
         before = _page_path(root, keys[2]).stat().st_ino
         assert await _put(first, keys[2:]) == [Outcome.OK]
         assert _page_path(root, keys[2]).stat().st_ino == before
+
+
+async def test_shared_rewrite_at_another_size_makes_room_for_it(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    older, (tiny, resized) = _keys(2), _keys(2)
+    capacity = 3 * SIZE
+    async with (
+        FileStorage(root, shared=True, capacity_bytes=capacity) as first,
+        FileStorage(root, shared=True, capacity_bytes=capacity) as second,
+    ):
+        for key in older:  # the least recently used
+            assert await _put(first, [key]) == [Outcome.OK]
+        header_only = [[memoryview(bytearray(HEADER_NBYTES))]]
+        for key in (tiny, resized):
+            assert await first.put([key], header_only, _metas([key])) == [Outcome.OK]
+        assert await second.delete([resized]) == 1
+        # Still indexed by `first` at its old size: written again at a page's, it needs the
+        # room of the difference, made by evicting the least recently used page.
+        assert await _put(first, [resized]) == [Outcome.OK]
+        stats = first.stats()
+        assert (stats.pages, stats.bytes, stats.evictions) == (3, 2 * SIZE + 2 * HEADER_NBYTES, 1)
+        assert await first.exists(older[:1]) == 0
+        assert _disk_usage(root) == (3, stats.bytes)
+        # Larger than the capacity: a miss, whatever its entry counts, and nothing written.
+        assert await second.delete([resized]) == 1
+        huge = [[memoryview(bytearray(capacity))]]
+        assert await first.put([resized], huge, _metas([resized])) == [Outcome.MISS]
+        assert not _page_path(root, resized).exists()
 
 
 async def test_shared_put_of_a_stored_key_is_ok_and_takes_no_room(tmp_path: Path) -> None:
@@ -775,9 +821,9 @@ async def test_read_that_missed_does_not_drop_a_page_written_since(
     before, after = _Gate(), _Gate()
     original = FileStorage._read_one
 
-    def read_one(self: FileStorage, *args: Any) -> Any:
+    def read_one(self: FileStorage, *args: Any, **kwargs: Any) -> Any:
         before.hold()
-        result = original(self, *args)
+        result = original(self, *args, **kwargs)
         after.hold()
         return result
 

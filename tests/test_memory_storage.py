@@ -53,22 +53,32 @@ async def test_lru_eviction_within_capacity() -> None:
         assert (stats.pages, stats.bytes, stats.evictions) == (4, 4 * SIZE, 1)
 
 
+async def _held_put(
+    storage: MemoryStorage, old: list[bytes], new: list[bytes]
+) -> tuple[asyncio.Task[list[Outcome]], asyncio.Event]:
+    """Store `old` one at a time (`old[0]` the least recently used), then start a put of
+    `new` that, once it has planned (room reserved, victims chosen), waits before its copy
+    until the event returned is set."""
+    for key in old:
+        await _put(storage, [key])
+    gate = asyncio.Event()
+    run = storage._run
+
+    async def gated(work, nbytes):  # type: ignore[no-untyped-def]
+        storage._run = run  # type: ignore[method-assign]  # only this put waits
+        await gate.wait()
+        return await run(work, nbytes)
+
+    storage._run = gated  # type: ignore[method-assign]
+    put = asyncio.create_task(_put(storage, new))
+    await asyncio.sleep(0)  # it plans
+    return put, gate
+
+
 async def test_gc_during_a_put_leaves_the_puts_victims_to_it() -> None:
     old, new = _keys(4), _keys(2)
     async with MemoryStorage(capacity_bytes=4 * SIZE) as storage:
-        for key in old:  # one at a time: old[0] is the least recently used
-            await _put(storage, [key])
-        gate = asyncio.Event()
-        run = storage._run
-
-        async def gated(work, nbytes):  # type: ignore[no-untyped-def]
-            storage._run = run  # type: ignore[method-assign]  # only the put waits
-            await gate.wait()
-            return await run(work, nbytes)
-
-        storage._run = gated  # type: ignore[method-assign]
-        put = asyncio.create_task(_put(storage, new))
-        await asyncio.sleep(0)  # planned: old[0] and old[1] are its victims
+        put, gate = await _held_put(storage, old, new)  # victims: old[0] and old[1]
         await _get(storage, old[:2])  # they become the most recently used meanwhile
         report = await storage.gc()
         assert (report.evicted_pages, storage.stats().bytes) == (0, 4 * SIZE)
@@ -77,6 +87,35 @@ async def test_gc_during_a_put_leaves_the_puts_victims_to_it() -> None:
         assert await storage.exists(old[2:] + new) == 4
         stats = storage.stats()
         assert (stats.pages, stats.bytes, stats.evictions) == (4, 4 * SIZE, 2)
+
+
+async def test_a_put_of_a_page_a_put_in_flight_evicts_is_a_miss() -> None:
+    old, new = _keys(3), _keys(1)
+    async with MemoryStorage(capacity_bytes=3 * SIZE) as storage:
+        put, gate = await _held_put(storage, old, new)  # victim: old[0], stored until it ends
+        assert await storage.exists(old[:1]) == 1
+        # Not OK: the caller would count it stored, and the put in flight removes it.
+        assert await _put(storage, old[:1]) == [Outcome.MISS]
+        gate.set()
+        assert await put == [Outcome.OK]
+        assert await storage.exists(old[:1]) == 0
+        assert await storage.exists(old[1:] + new) == 3
+
+
+async def test_a_page_larger_than_the_capacity_ends_its_batch() -> None:
+    (stored,), (first, big, after, last) = _keys(1), _keys(4)
+    async with MemoryStorage(capacity_bytes=3 * SIZE) as storage:
+        assert await _put(storage, [stored]) == [Outcome.OK]
+        keys = [first, big, after, stored, last]
+        sizes = [PAGE, 3 * SIZE, PAGE, PAGE, PAGE]
+        pages = [[memoryview(bytearray(nbytes))] for nbytes in sizes]
+        outcomes = await storage.put(keys, pages, [PageMeta(k, NS, 8) for k in keys])
+        # Pages past it could only be reached through it: stored, they would evict others.
+        # One stored already stays so.
+        assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.MISS, Outcome.OK, Outcome.MISS]
+        assert [await storage.exists([key]) for key in keys] == [1, 0, 0, 1, 0]
+        stats = storage.stats()
+        assert (stats.pages, stats.evictions) == (2, 0)
 
 
 async def test_batch_beyond_capacity_and_oversized_pages() -> None:

@@ -24,7 +24,12 @@ close, and by the next open or `verify()` if the process died.
 
 An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
 call and drives eviction. It is built by scanning the root when the storage opens, in the order
-of the files' mtimes: a read sets its file's mtime to now when it is over a second old, so
+of the files' mtimes, which every use the index counts reaches: a put writes its files with
+mtimes that fall from its first key to its last, as the index orders them, and a `get` hit, an
+`exists` that finds a page and a put of a page stored already set its file's mtime (falling
+likewise within the call) when it is a second or more old. A get, or a put that writes, does it
+in its own job; an `exists`, which makes no system call, queues it for a task that it does not
+wait for (as does a put that writes nothing), and a close writes out what is still queued. So
 recency survives a reopen to within a second (nothing else takes a page's mtime for its write
 time). Reads and scans commit what they saw only for keys no put, delete or eviction changed
 meanwhile (`_watch`, `_stale`). With
@@ -125,9 +130,15 @@ _IOV_MAX = 1024
 # writing theirs (even at open); in a private one only our own puts, and only after open.
 _STALE_TMP_SHARED_S = 600.0
 _STALE_TMP_PRIVATE_S = 60.0
-# A read sets the page file's mtime to now (its last use, which orders eviction after a reopen)
-# when it is at least this old: a hot page costs no extra system call on every read.
+# A use sets the page file's mtime to now (its last use, which orders eviction after a reopen)
+# when it is at least this old: a hot page costs no extra system call on every use.
 _TOUCH_AFTER_S = 1.0
+_TOUCH_AFTER_NS = int(_TOUCH_AFTER_S * 1e9)
+# The files one call stamps get mtimes this far apart, falling from its first key to its last,
+# so a reopen orders them as the index did (a chain's deepest page oldest). A microsecond, not
+# a nanosecond: a float st_mtime still tells them apart (its step is under half of one until
+# 2106), and so do file systems that keep mtimes to 100 ns.
+_STAMP_STEP_NS = 1_000
 # Changes recorded for reads and scans in flight are pruned when they outgrow this (or twice
 # what the previous prune kept).
 _CHANGES_PRUNE_MIN = 4096
@@ -175,7 +186,9 @@ def _root_path(root: object) -> Path:
 
 
 class _Entry(msgspec.Struct, gc=False):
-    """One indexed page; `seq` orders insertions so a rescan can tell stale entries from new.
+    """One indexed page; `seq` orders insertions so a rescan can tell stale entries from new,
+    and `mtime` is its file's mtime as this instance last saw, set or queued it: a use that
+    finds it `_TOUCH_AFTER_S` old stamps the file again.
 
     Untracked by the garbage collector (it holds numbers only): a store of a million pages
     would otherwise add a million objects to every full collection, a second or more of
@@ -185,6 +198,7 @@ class _Entry(msgspec.Struct, gc=False):
     nbytes: int
     last_access: float
     seq: int
+    mtime: float
 
 
 class _RefusedShardError(OSError):
@@ -821,6 +835,33 @@ def _unlink_all(dir_fd: int, names: Iterable[str]) -> None:
             os.unlink(name, dir_fd=dir_fd)
 
 
+def _stamp(handles: _Handles, hexkey: str, mtime_ns: int) -> bool:
+    """Set the mtime (and atime) of the page file `hexkey` to `mtime_ns`, never through a
+    symlink; False when there is no such file or it cannot be stamped (that use is then
+    forgotten at the next open, nothing more)."""
+    try:
+        shard_fd = handles.shard(hexkey[:2], create=False)
+        if shard_fd is None:
+            return False
+        os.utime(hexkey, ns=(mtime_ns, mtime_ns), dir_fd=shard_fd, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _stamp_all(handles: _Handles, stamps: dict[bytes, int], base_ns: int) -> None:
+    """Stamp the files of `stamps` (key -> position in its call): the first key's newest.
+    Not stopped by a close: a system call a page, and a use left out would be lost."""
+    for key, position in stamps.items():
+        _stamp(handles, key.hex(), base_ns - position * _STAMP_STEP_NS)
+
+
+def _stamp_queued(handles: _Handles, queued: list[tuple[int, dict[bytes, int]]]) -> None:
+    """Stamp the files of each queued call, (its time in ns, key -> position in it)."""
+    for base_ns, stamps in queued:
+        _stamp_all(handles, stamps, base_ns)
+
+
 def _header_mismatch(header: PageHeader, key: bytes, namespace: bytes, expected: int) -> str:
     if header.key != key:
         return "key"
@@ -1077,6 +1118,10 @@ class FileStorage(BackendBase):
         # opening then leaves temporary files alone, so an inspection changes nothing and a
         # later verify() still finds them.
         self._keep_leftovers = False
+        # Stamps of the files of pages that lookups and re-puts used, as (the call's time in
+        # ns, key -> position in the call), queued for the one task that writes them.
+        self._unstamped: list[tuple[int, dict[bytes, int]]] = []
+        self._stamper: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> FileStorage:
@@ -1189,14 +1234,22 @@ class FileStorage(BackendBase):
         return leftovers
 
     async def _release(self) -> None:
+        # Every job has stopped: the stamper's has ended, and what it has not started yet is
+        # written here, so a use just before the close still orders the next open.
+        if self._stamper is not None:
+            self._stamper.cancel()
+        pending, self._unstamped = self._unstamped, []
+        interrupted = False
+        if self._handles is not None and pending:
+            handles = self._handles
+            interrupted = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
         if self._helpers is not None:
             self._helpers.shutdown(wait=False)
-        interrupted = False
         if self._handles is not None and self._spares is not None:
             names = self._spares.names(drain=True)
             if names:  # off the loop: freeing cached pages takes a while per file
                 tmp_fd = self._handles.tmp_fd
-                interrupted = await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
+                interrupted |= await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
         if self._handles is not None:
             self._handles.close()  # every job has stopped: no thread uses these descriptors
             self._handles = None
@@ -1215,9 +1268,10 @@ class FileStorage(BackendBase):
             self._bytes += nbytes - entry.nbytes
             entry.nbytes = nbytes
             entry.last_access = max(entry.last_access, last_access)
+            entry.mtime = max(entry.mtime, last_access)
             return
         self._seq += 1
-        self._index[key] = _Entry(nbytes, last_access, self._seq)
+        self._index[key] = _Entry(nbytes, last_access, self._seq, last_access)
         self._bytes += nbytes
 
     def _drop(self, key: bytes) -> _Entry | None:
@@ -1227,26 +1281,54 @@ class FileStorage(BackendBase):
             self._bytes -= entry.nbytes
         return entry
 
-    def _touch(self, key: bytes, now: float) -> None:
+    def _touch(self, key: bytes, now: float) -> bool:
+        """Make `key` the most recently used; True when its file is due a stamp of its mtime
+        (then counted as done: the caller has it written)."""
         entry = self._index.get(key)
         # A misfit stays first in line for eviction, even when a lookup finds it.
-        if entry is not None and self._could_be_page(entry.nbytes):
-            entry.last_access = now
-            self._index.move_to_end(key)
+        if entry is None or not self._could_be_page(entry.nbytes):
+            return False
+        entry.last_access = now
+        self._index.move_to_end(key)
+        if entry.mtime > now - _TOUCH_AFTER_S:
+            return False
+        entry.mtime = now
+        return True
 
     def _could_be_page(self, nbytes: int) -> bool:
         """Whether a file of `nbytes` can hold a page of this root (not shorter than a header,
         not longer than the capacity)."""
         return nbytes >= HEADER_NBYTES and (self._capacity is None or nbytes <= self._capacity)
 
-    def _touch_chain(self, keys: Sequence[bytes], now: float) -> None:
+    def _touch_chain(
+        self, keys: Sequence[bytes], now: float, stamps: dict[bytes, int] | None = None
+    ) -> None:
         """Make the indexed `keys` the most recently used, the first of them most of all.
 
         A batch's keys run down a prefix chain, which is found only up to its first missing
-        page: evicting a chain's deepest pages first keeps the rest of it usable.
+        page: evicting a chain's deepest pages first keeps the rest of it usable. With
+        `stamps`, the keys whose file is due a stamp of its mtime go there with their
+        position among `keys` (the first, for a key given twice), for the caller to have
+        written; without, the caller's job has stamped them (a read stamps what it reads).
         """
-        for key in reversed(keys):
-            self._touch(key, now)
+        # `_touch` inlined: a lookup of 64 keys is timed in microseconds.
+        index = self._index
+        move_to_end = index.move_to_end
+        could_be_page = self._could_be_page
+        stale = now - _TOUCH_AFTER_S
+        for position in range(len(keys) - 1, -1, -1):
+            key = keys[position]
+            entry = index.get(key)
+            if entry is None or not could_be_page(entry.nbytes):
+                continue
+            entry.last_access = now
+            move_to_end(key)
+            if entry.mtime <= stale:
+                entry.mtime = now
+                if stamps is not None:
+                    stamps[key] = position
+            elif stamps and key in stamps:
+                stamps[key] = position
 
     def _mark(self, key: bytes) -> None:
         """Record a change of `key`'s entry (insert, drop, removal) for observations in flight."""
@@ -1354,7 +1436,9 @@ class FileStorage(BackendBase):
         """How many of `keys`, counted from the first, exist consecutively.
 
         Answered from the index without a system call; in a shared root, keys missing from the
-        index are then looked up on disk (one job) and added to it.
+        index are then looked up on disk (one job) and added to it. A lookup is a use: the
+        files of pages found whose mtime is a second or more behind are stamped by one job,
+        which the call does not wait for (or by the lookup's own job).
         """
         self._check_open()
         index = self._index
@@ -1370,29 +1454,70 @@ class FileStorage(BackendBase):
         # The index holds only page keys: the ones found are sound, so only the rest need
         # checking (the common all-found call pays nothing).
         check_keys(keys[count:])
+        now = time.time()
+        stamps: dict[bytes, int] = {}
+        # A lookup is a use: a prefix every new chain is checked against stays stored.
+        self._touch_chain(keys[:count], now, stamps)
         if count == len(keys) or not self._shared:
-            # A lookup is a use: a prefix every new chain is checked against stays stored.
-            self._touch_chain(keys[:count], time.time())
+            if stamps:
+                self._stamp_later(stamps)
             return count
         rest = list(keys[count:])
         known = [key in index for key in rest]
         found: list[_Found] = []
         epoch = self._watch()
         try:
-            more = await self.run_job(lambda stop: self._stat_job(stop, rest, known, found))
+            more = await self.run_job(
+                lambda stop: self._stat_job(stop, rest, known, found, stamps, offset=count)
+            )
         finally:
             fresh = [item for item in found if not self._stale(item[0], epoch)]
             for key, nbytes, mtime in fresh:
                 self._insert(key, nbytes, mtime)
             self._misfits_first(fresh)
             self._unwatch(epoch)
-        self._touch_chain(keys[: count + more], time.time())
+        self._touch_chain(keys[: count + more], now)
         return count + more
 
+    def _stamp_later(self, stamps: dict[bytes, int]) -> None:
+        """Queue the stamps of a call (key -> position) for the stamper task, started if none
+        runs: one job writes what calls queued meanwhile, and no call waits for it."""
+        self._unstamped.append((time.time_ns(), stamps))
+        if self._stamper is None:
+            self._stamper = asyncio.get_running_loop().create_task(self._run_stamper())
+
+    async def _run_stamper(self) -> None:
+        try:
+            while self._unstamped:
+                queued, self._unstamped = self._unstamped, []
+                try:
+                    await self._stamp_job(queued)
+                except (StorageError, OSError):  # closing: `_release` writes them
+                    self._unstamped[:0] = queued
+                    return
+        finally:
+            self._stamper = None
+
+    async def _stamp_job(self, queued: list[tuple[int, dict[bytes, int]]]) -> None:
+        await self.run_job(lambda _: _stamp_queued(self._handles_or_raise(), queued))
+
     def _stat_job(
-        self, stop: threading.Event, keys: list[bytes], known: list[bool], found: list[_Found]
+        self,
+        stop: threading.Event,
+        keys: list[bytes],
+        known: list[bool],
+        found: list[_Found],
+        stamps: dict[bytes, int],
+        *,
+        offset: int,
     ) -> int:
+        """How many of `keys` are there, from the first; those not `known` (indexed) are
+        looked at, and go to `found`. The files of `stamps` (keys before `keys`, at their
+        positions) and of pages found a second or more old are stamped, falling from the
+        first key to the last, as `_touch_chain` orders them."""
         handles = self._handles_or_raise()
+        base = time.time_ns()
+        _stamp_all(handles, stamps, base)
         for position, key in enumerate(keys):
             if stop.is_set():
                 return position
@@ -1408,7 +1533,11 @@ class FileStorage(BackendBase):
                 return position
             if not stat.S_ISREG(st.st_mode):
                 return position
-            found.append((key, st.st_size, st.st_mtime))
+            mtime = st.st_mtime
+            stamp = base - (offset + position) * _STAMP_STEP_NS
+            if stamp - st.st_mtime_ns >= _TOUCH_AFTER_NS and _stamp(handles, hexkey, stamp):
+                mtime = stamp / 1e9
+            found.append((key, st.st_size, mtime))
         return len(keys)
 
     # get.
@@ -1467,9 +1596,13 @@ class FileStorage(BackendBase):
         segments = job.segments(pages, writable=True)  # before any I/O
         sizes = [sum([view.nbytes for view in views]) for views in segments]
         results = job.results
+        base = time.time_ns()
 
         def work(i: int) -> None:
-            results[i] = self._read_one(handles, keys[i], segments[i], sizes[i], namespace)
+            stamp = base - i * _STAMP_STEP_NS  # the first hit the most recent, as in the index
+            results[i] = self._read_one(
+                handles, keys[i], segments[i], sizes[i], namespace, stamp_ns=stamp
+            )
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
 
@@ -1480,6 +1613,8 @@ class FileStorage(BackendBase):
         segments: list[memoryview],
         expected: int,
         namespace: bytes,
+        *,
+        stamp_ns: int,
     ) -> _Result:
         hexkey = key.hex()
         try:
@@ -1505,10 +1640,10 @@ class FileStorage(BackendBase):
         try:
             st = os.fstat(fd)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
-            if result[0] == _OK and time.time() - st.st_mtime >= _TOUCH_AFTER_S:
+            if result[0] == _OK and stamp_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:
                 # The mtime is the page's last use: the next open orders eviction by it.
                 with contextlib.suppress(OSError):
-                    os.utime(fd)
+                    os.utime(fd, ns=(stamp_ns, stamp_ns))
         except OSError as exc:
             return (_ERROR, f"read: {exc.strerror}", 0)
         finally:
@@ -1616,8 +1751,13 @@ class FileStorage(BackendBase):
         An existing key is kept as is (OK); in a shared root its file is looked at first, and
         written again if another instance removed it (a key another batch of this instance
         is writing or looking at is a MISS: that batch's outcome is not known yet). A page
-        that does not fit even after evicting every page not being read is a MISS, as is any
-        later page of the batch.
+        larger than the capacity, or that does not fit even after evicting every page not
+        being read, is a MISS, as is every later page of the batch not stored already.
+
+        The files written get mtimes falling from the first key to the last, the order the
+        index gives them, and a page there already is a use whose file's mtime is stamped
+        (when a second or more old) by the batch's job, or by a job the call does not wait
+        for when nothing is written.
         """
         self._check_open()
         check_put(keys, pages, metas)
@@ -1629,25 +1769,31 @@ class FileStorage(BackendBase):
         writes: list[int] = []
         sizes: list[int] = []
         duplicates: list[tuple[int, int]] = []
+        stamps: dict[bytes, int] = {}
+        # A batch runs down a prefix chain: past a page it cannot store, its pages would be
+        # unreachable, so storing them would only evict reachable ones.
+        full = False
         for i, key in enumerate(keys):
             if key in index and not self._shared:
-                self._touch(key, now)
+                if self._touch(key, now):
+                    stamps[key] = i
             elif key in slots:
                 duplicates.append((i, slots[key]))
             elif key in self._writing or key in self._evicting:
                 outcomes[i] = Outcome.MISS  # another batch is writing or removing it
-            elif key in index:
-                # Shared root: another instance may have removed the file since this one
-                # indexed it. The job looks and rewrites it if so; its room is counted already.
-                self._touch(key, now)
-                slots[key] = len(writes)
-                writes.append(i)
-                sizes.append(0)
             else:
                 size = HEADER_NBYTES + payload_nbytes(pages[i])
-                if self._capacity is not None and size > self._capacity:
+                if full or (self._capacity is not None and size > self._capacity):
+                    full = True
                     outcomes[i] = Outcome.MISS
                     continue
+                entry = index.get(key)
+                if entry is not None:
+                    # Shared root: another instance may have removed the file since this one
+                    # indexed it. The job looks and rewrites it if so, at this page's size:
+                    # room is planned for what that adds to the size indexed.
+                    self._touch(key, now)
+                    size = max(0, size - entry.nbytes)
                 slots[key] = len(writes)
                 writes.append(i)
                 sizes.append(size)
@@ -1664,9 +1810,12 @@ class FileStorage(BackendBase):
                     writes=writes,
                     sizes=sizes,
                     victims=victims,
+                    stamps=stamps,
                     outcomes=outcomes,
                     now=now,
                 )
+            elif stamps:
+                self._stamp_later(stamps)
         except asyncio.CancelledError:
             self._count_put(outcomes, duplicates, writes)  # what the job stored still counts
             raise
@@ -1697,7 +1846,7 @@ class FileStorage(BackendBase):
         candidates = iter(self._index.items())
         admitted = 0
         for size in sizes:
-            if size == 0:  # a key already indexed: its room is counted already
+            if size == 0:  # a key indexed at this size or larger: its room is counted already
                 admitted += 1
                 continue
             marked, freed = len(victims), free
@@ -1726,6 +1875,7 @@ class FileStorage(BackendBase):
         writes: list[int],
         sizes: list[int],
         victims: list[bytes],
+        stamps: dict[bytes, int],
         outcomes: list[Outcome],
         now: float,
     ) -> None:
@@ -1749,6 +1899,8 @@ class FileStorage(BackendBase):
                     keys=write_keys,
                     pages=write_pages,
                     metas=write_metas,
+                    positions=writes,
+                    stamps=stamps,
                 )
             )
         except asyncio.CancelledError:
@@ -1771,7 +1923,11 @@ class FileStorage(BackendBase):
         keys: list[bytes],
         pages: list[PageBuffer],
         metas: list[PageMeta],
+        positions: list[int],
+        stamps: dict[bytes, int],
     ) -> None:
+        """Remove `victims`, stamp the files of `stamps` and write the pages; each page's
+        mtime falls with its position in the batch, as the index orders the batch's keys."""
         handles = self._handles_or_raise()
         segments = job.segments(pages, writable=False)  # before any I/O
         sizes = [sum([view.nbytes for view in views]) for views in segments]
@@ -1789,10 +1945,15 @@ class FileStorage(BackendBase):
                 job.failed.append(position)
                 log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
             job.done += 1
+        base = time.time_ns()
+        _stamp_all(handles, stamps, base)
         results = job.results
 
         def work(i: int) -> None:
-            results[i] = self._write_one(handles, keys[i], segments[i], sizes[i], metas[i])
+            mtime_ns = base - positions[i] * _STAMP_STEP_NS
+            results[i] = self._write_one(
+                handles, keys[i], segments[i], sizes[i], metas[i], mtime_ns=mtime_ns
+            )
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
 
@@ -1803,6 +1964,8 @@ class FileStorage(BackendBase):
         segments: list[memoryview],
         total: int,
         meta: PageMeta,
+        *,
+        mtime_ns: int,
     ) -> _Result:
         hexkey = key.hex()
         durable = self._fsync == "always"
@@ -1816,13 +1979,15 @@ class FileStorage(BackendBase):
                 except FileNotFoundError:
                     pass
                 else:
-                    if stat.S_ISREG(st.st_mode):
-                        return (_EXISTS, "", st.st_size)  # written by another instance
+                    if stat.S_ISREG(st.st_mode):  # written by another instance, or still there
+                        if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
+                            _stamp(handles, hexkey, mtime_ns)
+                        return (_EXISTS, "", st.st_size)
             tmp_name, fd = self._open_for_write(handles, hexkey, HEADER_NBYTES + total)
             renamed = False
             try:
                 try:
-                    nbytes = self._write_fd(fd, segments, total, meta)
+                    nbytes = self._write_fd(fd, segments, total, meta, mtime_ns=mtime_ns)
                 finally:
                     os.close(fd)
                 try:
@@ -1881,7 +2046,9 @@ class FileStorage(BackendBase):
             self._spares.names(drain=True)  # they went with the old tmp/
         return os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
 
-    def _write_fd(self, fd: int, segments: list[memoryview], total: int, meta: PageMeta) -> int:
+    def _write_fd(
+        self, fd: int, segments: list[memoryview], total: int, meta: PageMeta, *, mtime_ns: int
+    ) -> int:
         if total <= _ONE_WRITE_MAX:
             # Small enough to stay in the cache between the checksum and the kernel's copy:
             # one system call for header and payload.
@@ -1894,6 +2061,11 @@ class FileStorage(BackendBase):
             digest = _native.pwrite_checksum(fd, HEADER_NBYTES, segments, _CHUNK)
             header = encode_header(meta, segments, mac_key=self._mac_key, checksum=digest)
             _pwritev_full(fd, [memoryview(header)], 0, HEADER_NBYTES)
+        # After the last write, which sets the mtime to now, and before the sync that makes
+        # it durable with the rest. A file system that refuses it costs the order after a
+        # reopen, not the page.
+        with contextlib.suppress(OSError):
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
         self._sync_file(fd)
         return HEADER_NBYTES + total
 

@@ -333,7 +333,13 @@ class MemoryStorage(BackendBase):
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
     ) -> list[Outcome]:
-        """Store each page; an existing key is kept (OK); a page that cannot fit is a MISS."""
+        """Store each page; one outcome per key.
+
+        An existing key is kept (OK), unless a put in flight is evicting it (a MISS: it will
+        be gone when that put ends). A page larger than the capacity, or that does not fit
+        even after evicting every page not in the batch, is a MISS, as is every later page of
+        the batch not stored already.
+        """
         self._check_open()
         check_put(keys, pages, metas)
         outcomes = [Outcome.OK] * len(keys)
@@ -343,17 +349,24 @@ class MemoryStorage(BackendBase):
         writes: list[int] = []
         sizes: list[int] = []
         duplicates: list[tuple[int, int]] = []
+        # A batch runs down a prefix chain: past a page it cannot store, its pages would be
+        # unreachable, so storing them would only evict reachable ones.
+        full = False
         for i, key in enumerate(keys):
-            if (value := self._values.get(key)) is not None:
+            if key in self._evicting:
+                # Still stored, but the put in flight that chose it removes it at its commit.
+                outcomes[i] = Outcome.MISS
+            elif (value := self._values.get(key)) is not None:
                 value.last_access = now
                 self._values.move_to_end(key)
             elif key in slots:
                 duplicates.append((i, slots[key]))
-            elif key in self._writing or key in self._evicting:
+            elif key in self._writing:
                 outcomes[i] = Outcome.MISS
             else:
                 size = HEADER_NBYTES + payload_nbytes(pages[i])
-                if size > self._capacity:
+                if full or size > self._capacity:
+                    full = True
                     outcomes[i] = Outcome.MISS
                     continue
                 slots[key] = len(writes)

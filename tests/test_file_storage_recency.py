@@ -1,0 +1,173 @@
+"""FileStorage: the order of use survives a reopen.
+
+The index is rebuilt from the page files' mtimes at open, so every use the index counts
+(a put, a `get` hit, an `exists` that finds the page, a put of a page stored already) must
+reach the file's mtime, and the pages of one call must get mtimes that fall from its first
+key to its last, as the index orders them: a chain then still loses its deepest pages first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_file_storage import SIZE, _Gate, _get, _keys, _page_path, _put, _released
+
+from hicache_async.storage import FileStorage, Outcome, _file
+
+HOUR_NS = 3600 * 10**9
+
+
+def _mtimes(root: Path, keys: list[bytes]) -> list[int]:
+    return [_page_path(root, key).stat().st_mtime_ns for key in keys]
+
+
+def _age(root: Path, keys: list[bytes], base_ns: int) -> None:
+    """Set the pages' mtimes to `base_ns`, `base_ns` + 1 s, ...: used long ago, the first key
+    least recently."""
+    for rank, key in enumerate(keys):
+        stamp = base_ns + rank * 10**9
+        os.utime(_page_path(root, key), ns=(stamp, stamp))
+
+
+def _strictly_falling(values: list[int]) -> bool:
+    return all(a > b for a, b in itertools.pairwise(values))
+
+
+async def test_a_chain_put_in_one_batch_loses_its_deepest_page_first_after_a_reopen(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+    chain, new = _keys(5), _keys(1)
+    async with FileStorage(root, capacity_bytes=5 * SIZE, io_threads=1) as storage:
+        assert await _put(storage, chain) == [Outcome.OK] * 5
+    # Written in batch order, the root's file would be the oldest (and within one tick of the
+    # kernel's clock, all alike): the reopened index would evict the chain from its root.
+    assert _strictly_falling(_mtimes(root, chain))
+    async with FileStorage(root, capacity_bytes=5 * SIZE, io_threads=1) as storage:
+        assert list(storage._index) == chain[::-1]
+        assert await _put(storage, new) == [Outcome.OK]
+        assert await storage.exists(chain) == 4
+        assert await storage.exists(chain[4:]) == 0
+
+
+async def test_lookups_and_puts_of_stored_pages_order_eviction_after_a_reopen(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+    old, new = _keys(5), _keys(1)
+    async with FileStorage(root) as storage:
+        for key in old:
+            assert await _put(storage, [key]) == [Outcome.OK]
+    _age(root, old, time.time_ns() - HOUR_NS)  # old[0] the least recently used
+    async with FileStorage(root) as storage:
+        assert list(storage._index) == old
+        assert await storage.exists(old[:1]) == 1  # a lookup: stamped by a job of its own
+        assert await _put(storage, old[1:2]) == [Outcome.OK]  # stored already: the same
+        # Stored already, then written: both stamped by the put's job, the first key newest.
+        assert await _put(storage, [old[2], new[0]]) == [Outcome.OK] * 2
+        expected = [old[2], new[0], old[1], old[0], old[4], old[3]]
+        assert [page.key for page in await storage.list_pages()] == expected
+    async with FileStorage(root) as storage:  # read back from the files' mtimes
+        assert [page.key for page in await storage.list_pages()] == expected
+    async with FileStorage(root, capacity_bytes=6 * SIZE) as storage:
+        assert await _put(storage, _keys(1)) == [Outcome.OK]
+        assert await storage.exists(old[3:4]) == 0
+        assert [await storage.exists([key]) for key in expected[:-1]] == [1] * 5
+
+
+async def test_a_lookup_does_not_wait_for_its_stamps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "s"
+    keys = _keys(4)
+    async with FileStorage(root) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 4
+    long_ago = time.time_ns() - HOUR_NS
+    _age(root, keys, long_ago)
+    gate = _Gate()
+    threads: list[threading.Thread] = []
+    jobs: list[list[int]] = []  # per stamping job: how many stamps each call queued
+    original = _file._stamp_queued
+
+    def held(handles: Any, queued: list[tuple[int, dict[bytes, int]]]) -> None:
+        threads.append(threading.current_thread())
+        jobs.append([len(stamps) for _, stamps in queued])
+        if len(jobs) == 1:
+            gate.hold()
+        original(handles, queued)
+
+    monkeypatch.setattr(_file, "_stamp_queued", held, raising=False)
+    async with FileStorage(root) as storage:
+        with _released(gate):
+            assert await storage.exists(keys[:3]) == 3  # answered while its stamps wait
+            assert await storage.exists(keys[:1]) == 1  # used again: nothing new to stamp
+            await gate.wait_reached()
+            assert jobs == [[3]]
+            assert _mtimes(root, keys)[0] == long_ago
+            # Queued while the stamper's job runs, and still queued at the close: written
+            # by the close, after that job.
+            assert await storage.exists(keys[3:]) == 1
+            gate.go.set()
+    assert jobs == [[3], [1]]
+    assert threading.main_thread() not in threads
+    stamped = _mtimes(root, keys)
+    assert stamped[3] > stamped[0] > long_ago + 3 * 10**9
+    assert _strictly_falling(stamped[:3])
+
+
+async def test_the_hits_of_a_get_are_stamped_first_key_newest(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    chain = _keys(4)
+    async with FileStorage(root, io_threads=1) as storage:
+        assert await _put(storage, chain) == [Outcome.OK] * 4
+        long_ago = time.time_ns() - HOUR_NS
+        for key in chain:  # all alike: only the read's stamps can order them
+            os.utime(_page_path(root, key), ns=(long_ago, long_ago))
+        assert await _get(storage, chain) == [Outcome.OK] * 4
+        stamped = _mtimes(root, chain)
+        assert stamped[-1] > long_ago
+        assert _strictly_falling(stamped)
+
+
+async def test_a_shared_lookup_stamps_in_its_own_job(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    chain = _keys(5)
+    async with FileStorage(root, shared=True) as writer:
+        assert await _put(writer, chain[:2]) == [Outcome.OK] * 2
+        long_ago = time.time_ns() - HOUR_NS
+        _age(root, chain[:2], long_ago)
+        async with FileStorage(root, shared=True) as reader:
+            assert list(reader._index) == chain[:2]  # indexed at open
+            assert await _put(writer, chain[2:]) == [Outcome.OK] * 3
+            _age(root, chain[2:], long_ago)
+            # The first two from the index, the rest looked up on disk by the call's job,
+            # which also stamps all five.
+            assert await reader.exists(chain) == 5
+            stamped = _mtimes(root, chain)
+            assert stamped[-1] > long_ago + 4 * 10**9
+            assert _strictly_falling(stamped)
+            assert reader._stamper is None  # no job of its own
+
+
+async def test_a_shared_put_of_a_stored_page_stamps_its_file(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    mine, theirs = _keys(1), _keys(1)
+    async with (
+        FileStorage(root, shared=True) as first,
+        FileStorage(root, shared=True) as second,
+    ):
+        assert await _put(first, mine) == [Outcome.OK]
+        assert await _put(second, theirs) == [Outcome.OK]
+        long_ago = time.time_ns() - HOUR_NS
+        _age(root, mine + theirs, long_ago)
+        # One this instance indexes, one another instance wrote: a use either way.
+        assert await _put(first, mine + theirs) == [Outcome.OK] * 2
+        stamped = _mtimes(root, mine + theirs)
+        assert stamped[-1] > long_ago + 10**9
+        assert _strictly_falling(stamped)
