@@ -407,10 +407,11 @@ async def test_page_larger_than_capacity_is_a_miss(tmp_path: Path) -> None:
     assert _disk_usage(root) == (0, 0)
 
 
-async def test_a_page_larger_than_the_capacity_ends_its_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_page_larger_than_the_capacity_ends_its_batch(tmp_path: Path, shared: bool) -> None:
     root = tmp_path / "store"
     (stored,), (first, big, after, last) = _keys(1), _keys(4)
-    async with FileStorage(root, capacity_bytes=3 * SIZE) as storage:
+    async with FileStorage(root, capacity_bytes=3 * SIZE, shared=shared) as storage:
         assert await _put(storage, [stored]) == [Outcome.OK]
         keys = [first, big, after, stored, last]
         sizes = [PAGE, 3 * SIZE, PAGE, PAGE, PAGE]

@@ -171,3 +171,24 @@ async def test_a_shared_put_of_a_stored_page_stamps_its_file(tmp_path: Path) -> 
         stamped = _mtimes(root, mine + theirs)
         assert stamped[-1] > long_ago + 10**9
         assert _strictly_falling(stamped)
+
+
+async def test_a_shared_lookup_stamps_indexed_pages_past_one_it_looked_up(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    first, middle, last = _keys(3)
+    async with FileStorage(root, shared=True) as writer:
+        assert await _put(writer, [first, last]) == [Outcome.OK] * 2
+    long_ago = time.time_ns() - HOUR_NS
+    _age(root, [first, last], long_ago)
+    async with (
+        FileStorage(root, shared=True) as reader,
+        FileStorage(root, shared=True) as writer,
+    ):
+        assert await _put(writer, [middle]) == [Outcome.OK]  # not in the reader's index
+        _age(root, [middle], long_ago)
+        # `last` is indexed but comes after a key the lookup's job had to look at on disk.
+        assert await reader.exists([first, middle, last]) == 3
+        assert await reader.exists([last]) == 1  # within the second: nothing new to stamp
+    stamped = _mtimes(root, [first, middle, last])
+    assert stamped[-1] > long_ago + 2 * 10**9
+    assert _strictly_falling(stamped)

@@ -1464,11 +1464,14 @@ class FileStorage(BackendBase):
             return count
         rest = list(keys[count:])
         known = [key in index for key in rest]
+        base = time.time_ns()  # the job's stamps and the later ones fall from one time
         found: list[_Found] = []
         epoch = self._watch()
         try:
             more = await self.run_job(
-                lambda stop: self._stat_job(stop, rest, known, found, stamps, offset=count)
+                lambda stop: self._stat_job(
+                    stop, rest, known, found, stamps, offset=count, base=base
+                )
             )
         finally:
             fresh = [item for item in found if not self._stale(item[0], epoch)]
@@ -1476,13 +1479,19 @@ class FileStorage(BackendBase):
                 self._insert(key, nbytes, mtime)
             self._misfits_first(fresh)
             self._unwatch(epoch)
-        self._touch_chain(keys[: count + more], now)
+        # Indexed keys past the first missing one were not looked at: their stamps go to
+        # the stamper (those found on disk were stamped by the job).
+        late: dict[bytes, int] = {}
+        self._touch_chain(keys[: count + more], now, late)
+        if late:
+            self._stamp_later(late, base)
         return count + more
 
-    def _stamp_later(self, stamps: dict[bytes, int]) -> None:
+    def _stamp_later(self, stamps: dict[bytes, int], base: int | None = None) -> None:
         """Queue the stamps of a call (key -> position) for the stamper task, started if none
-        runs: one job writes what calls queued meanwhile, and no call waits for it."""
-        self._unstamped.append((time.time_ns(), stamps))
+        runs: one job writes what calls queued meanwhile, and no call waits for it. `base`
+        is the call's time in ns, when some of its stamps were written already."""
+        self._unstamped.append((time.time_ns() if base is None else base, stamps))
         if self._stamper is None:
             self._stamper = asyncio.get_running_loop().create_task(self._run_stamper())
 
@@ -1510,13 +1519,13 @@ class FileStorage(BackendBase):
         stamps: dict[bytes, int],
         *,
         offset: int,
+        base: int,
     ) -> int:
         """How many of `keys` are there, from the first; those not `known` (indexed) are
         looked at, and go to `found`. The files of `stamps` (keys before `keys`, at their
         positions) and of pages found a second or more old are stamped, falling from the
-        first key to the last, as `_touch_chain` orders them."""
+        first key to the last from `base` (ns), as `_touch_chain` orders them."""
         handles = self._handles_or_raise()
-        base = time.time_ns()
         _stamp_all(handles, stamps, base)
         for position, key in enumerate(keys):
             if stop.is_set():
@@ -1783,17 +1792,20 @@ class FileStorage(BackendBase):
                 outcomes[i] = Outcome.MISS  # another batch is writing or removing it
             else:
                 size = HEADER_NBYTES + payload_nbytes(pages[i])
-                if full or (self._capacity is not None and size > self._capacity):
+                entry = index.get(key)
+                oversize = self._capacity is not None and size > self._capacity
+                if oversize or (full and entry is None):
                     full = True
                     outcomes[i] = Outcome.MISS
                     continue
-                entry = index.get(key)
                 if entry is not None:
                     # Shared root: another instance may have removed the file since this one
                     # indexed it. The job looks and rewrites it if so, at this page's size:
-                    # room is planned for what that adds to the size indexed.
+                    # room is planned for what that adds to the size indexed (none past a
+                    # page that did not fit: a page stored already stays OK, as in a private
+                    # root).
                     self._touch(key, now)
-                    size = max(0, size - entry.nbytes)
+                    size = 0 if full else max(0, size - entry.nbytes)
                 slots[key] = len(writes)
                 writes.append(i)
                 sizes.append(size)
