@@ -1,5 +1,9 @@
 import sys
 
-from .cli import main
+try:
+    from .cli import main
+except KeyboardInterrupt:  # Ctrl-C while it loads: as the command's own interrupt
+    print("hicache-async: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -521,7 +521,8 @@ async def test_verify_removes_corrupt_pages_and_leftovers(tmp_path: Path) -> Non
         hour_ago = time.time() - 3600
         os.utime(leftover, (hour_ago, hour_ago))
         (root / "tmp" / "y.tmp").write_bytes(b"a put in flight")  # fresh: kept
-        (root / "pages" / "zz-not-a-page").write_bytes(b"stray")
+        (root / "pages" / "zz-not-a-page").write_bytes(b"an operator's")  # left, counted
+        (root / "pages" / "zz-link").symlink_to("elsewhere")  # a stray entry: removed
         report = await storage.verify()
         assert (report.checked, report.ok, report.corrupt_removed, report.unsupported) == (
             4,
@@ -529,13 +530,15 @@ async def test_verify_removes_corrupt_pages_and_leftovers(tmp_path: Path) -> Non
             1,
             1,
         )
-        assert report.leftovers_removed == 2
+        assert (report.leftovers_removed, report.foreign) == (2, 1)
         assert storage.stats().pages == 3
         assert storage.stats().corrupt == 1
     assert not _page_path(root, keys[0]).exists()
     assert _page_path(root, keys[1]).exists()
     assert not leftover.exists()
     assert (root / "tmp" / "y.tmp").exists()
+    assert (root / "pages" / "zz-not-a-page").read_bytes() == b"an operator's"
+    assert not (root / "pages" / "zz-link").is_symlink()
 
 
 # Shared roots.

@@ -277,7 +277,7 @@ def _damaged_store(root: Path) -> tuple[list[bytes], list[bytes], list[bytes]]:
         _damage(root, key, HEADER_NBYTES + 17, b"\xff\x00")  # the payload: checksum
     for key in unsupported:
         _damage(root, key, 4, (99).to_bytes(2, "little"))  # format version 99
-    (root / "pages" / "zz-stray").write_bytes(b"stray")
+    (root / "pages" / "zz-stray").symlink_to("elsewhere")  # a regular file would be left
     return keys, corrupt, unsupported
 
 

@@ -188,8 +188,40 @@ def test_gc_enforces_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     _populate(root, 5)
     code, out, _ = _run(capsys, "gc", f"file://{root}?capacity={2 * SIZE}", "--json")
     assert code == 0
-    assert json.loads(out) == {"evicted_pages": 3, "freed_bytes": 3 * SIZE}
+    assert json.loads(out) == {
+        "evicted_pages": 3,
+        "freed_bytes": 3 * SIZE,
+        "failed": 0,
+        "over_capacity_bytes": 0,
+    }
     assert len([p for p in (root / "pages").rglob("*") if p.is_file()]) == 2
+
+
+def test_gc_that_cannot_evict_exits_3(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Immutable shard directories (`chattr +i`: even root cannot unlink in them) leave every
+    # page in place: that is a gc that did not do its job, not a store within capacity.
+    root = tmp_path / "s"
+    _populate(root, 4)
+    shards = sorted((root / "pages").iterdir())
+    try:
+        for shard in shards:
+            done = subprocess.run(["chattr", "+i", str(shard)], capture_output=True, check=False)
+            if done.returncode != 0:
+                pytest.skip(f"chattr +i does not work here: {done.stderr.decode().strip()}")
+        code, out, err = _run(capsys, "gc", f"file://{root}?capacity={SIZE}", "--json")
+    finally:
+        for shard in shards:
+            subprocess.run(["chattr", "-i", str(shard)], capture_output=True, check=False)
+    assert code == 3
+    report = json.loads(out)
+    assert (report["evicted_pages"], report["failed"]) == (0, 3)
+    assert report["over_capacity_bytes"] == 3 * SIZE
+    assert err.count("storage.evict.error") == 3
+    code, out, _ = _run(capsys, "gc", f"file://{root}?capacity={SIZE}")
+    assert code == 0  # removable again: the same gc does its job
+    assert (
+        out.strip() == f"evicted_pages=3, freed_bytes={3 * SIZE}, failed=0, over_capacity_bytes=0"
+    )
 
 
 @pytest.mark.parametrize(
@@ -303,6 +335,35 @@ def test_manifest_namespace_is_a_fingerprint(
     # compact rewrites every namespace: a filter it would ignore is refused.
     assert main(["manifest", "compact", url, "--namespace", "ab" * 16]) == 2
     assert "--namespace only applies to show" in capsys.readouterr().err
+
+
+def test_verify_leaves_files_that_are_no_pages_and_logs_each_stray_it_removes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "s"
+    keys = _populate(root, 2)
+    page = root / "pages" / keys[0].hex()[:2] / keys[0].hex()
+    # An operator's files: a backup copy of a page, notes, a page put in the wrong shard.
+    backup = page.with_name(page.name + ".bak")
+    backup.write_bytes(page.read_bytes())
+    notes = page.with_name("NOTES.txt")
+    notes.write_bytes(b"do not delete")
+    readme = root / "pages" / "README"
+    readme.write_bytes(b"do not delete")
+    wrong = root / "pages" / ("00" if keys[0].hex()[:2] != "00" else "01")
+    wrong.mkdir(mode=0o700, exist_ok=True)
+    (wrong / page.name).write_bytes(page.read_bytes())
+    link = root / "pages" / "ab"
+    link.mkdir(mode=0o700, exist_ok=True)
+    (link / ("ab" + "0" * 62)).symlink_to(page)  # a stray entry where a page belongs
+    code, out, err = _run(capsys, "verify", f"file://{root}", "--json")
+    assert code == 0
+    report = json.loads(out)
+    assert (report["ok"], report["leftovers_removed"], report["foreign"]) == (2, 1, 4)
+    assert all(path.read_bytes() for path in (backup, notes, readme, wrong / page.name))
+    assert not (link / ("ab" + "0" * 62)).is_symlink()
+    assert err.count("storage.stray.removed") == 1
+    assert "ab" + "0" * 62 in err
 
 
 def test_stats_and_ls_leave_leftovers_for_verify(
@@ -470,7 +531,7 @@ def test_looking_at_an_incomplete_store_creates_nothing(
 # Runs the command line with every page check (verify) or removal (gc) slowed down, so that it
 # is still at work when the signal comes; prints "started" once the first page is reached.
 _SLOW_CLI = """
-import sys, threading
+import asyncio, sys, threading
 from hicache_async.cli import main
 from hicache_async.storage import _file
 
@@ -495,6 +556,16 @@ def slow_remove(*args):
 
 _file.FileStorage._verify_file = slow_check
 _file._remove_page = slow_remove
+if "--slow-close" in sys.argv:  # the store's close announced, and slow
+    sys.argv.remove("--slow-close")
+    close = _file.FileStorage.close
+
+    async def slow_close(self):
+        print("closing", flush=True)
+        await asyncio.sleep(0.5)
+        await close(self)
+
+    _file.FileStorage.close = slow_close
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -502,11 +573,23 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize(
     ("action", "query"), [("verify", ""), ("gc", f"?capacity={SIZE}&spare={64 * SIZE}")]
 )
-def test_interrupt_exits_130_and_closes_the_store(tmp_path: Path, action: str, query: str) -> None:
+@pytest.mark.parametrize(
+    ("signals", "code", "said"),
+    [
+        ([signal.SIGINT], 130, "interrupted"),
+        ([signal.SIGTERM], 143, "terminated"),  # as `timeout`, systemd and kubectl stop it
+        ([signal.SIGINT, signal.SIGINT], 130, "interrupted"),  # the second one while closing
+        ([signal.SIGTERM, signal.SIGINT], 143, "terminated"),
+    ],
+)
+def test_interrupt_exits_130_and_closes_the_store(
+    tmp_path: Path, action: str, query: str, *, signals: list[int], code: int, said: str
+) -> None:
     root = tmp_path / "s"
     _populate(root, 200)
+    slow_close = ["--slow-close"] if len(signals) > 1 else []
     process = subprocess.Popen(
-        [sys.executable, "-c", _SLOW_CLI, "storage", action, f"file://{root}{query}"],
+        [sys.executable, "-c", _SLOW_CLI, *slow_close, "storage", action, f"file://{root}{query}"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -514,14 +597,17 @@ def test_interrupt_exits_130_and_closes_the_store(tmp_path: Path, action: str, q
     try:
         assert process.stdout is not None
         assert process.stdout.readline() == "started\n"
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signals[0])
+        for again in signals[1:]:
+            assert process.stdout.readline() == "closing\n"
+            process.send_signal(again)
         out, err = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert process.returncode == 130, err
-    assert err == "hicache-async: interrupted\n"
+    assert process.returncode == code, err
+    assert err == f"hicache-async: {said}\n"
     assert out == ""
     assert list((root / "tmp").iterdir()) == []  # no write in progress, no spare file left
 
@@ -530,6 +616,38 @@ def test_interrupt_exits_130_and_closes_the_store(tmp_path: Path, action: str, q
             pass
 
     asyncio.run(reopen())
+
+
+# Runs `python -m hicache_async ARGS` with a Ctrl-C (KeyboardInterrupt) raised when the module
+# named first is imported: a Ctrl-C while the command starts, most of its start-up time.
+_INTERRUPTED_IMPORT = """
+import runpy, sys
+
+MODULE = sys.argv[1]
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == MODULE:
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["hicache-async", *sys.argv[2:]]
+runpy.run_module("hicache_async", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("module", ["hicache_async.cli._signals", "hicache_async.storage"])
+def test_interrupt_while_the_command_starts_exits_130(tmp_path: Path, module: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_IMPORT, module, "storage", "stats", "memory://"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert (result.returncode, result.stderr) == (130, "hicache-async: interrupted\n")
+    assert result.stdout == ""
 
 
 def _listing(root: Path) -> list[PageInfo]:

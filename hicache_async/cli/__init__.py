@@ -7,20 +7,25 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import signal
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import structlog
+from ._signals import ignore_more, received
 
-from .._errors import HiCacheError
-from ..bench import BENCHMARKS, format_records, write_records
-from ..bench._records import check_finite
-from ._args import check_output_path
+if TYPE_CHECKING:
+    import structlog
+
+# The rest is imported inside main(), where a Ctrl-C while it loads (most of the start-up
+# time) is an interrupt like any other, not a traceback.
 
 __all__ = ["main"]
 
 #: Exit code after Ctrl-C (SIGINT): 128 + the signal number, as shells report it.
 EXIT_INTERRUPTED = 130
+#: Exit code after SIGTERM, which the storage and manifest commands take as Ctrl-C.
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 #: command -> module exposing `add_arguments(parser)` and `run(args) -> int`.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -38,6 +43,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    from ..bench import BENCHMARKS
+
     # Only the chosen command's module is imported to add its arguments: the others import
     # torch, and `storage ls` should not take seconds to start. The top-level parser and
     # `bench` take no options of their own, so the first words that are not options name the
@@ -74,12 +81,19 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 def _stderr_logger(*_args: object) -> structlog.PrintLogger:
     # Resolved at each use, not at configure time: sys.stderr may be replaced (or closed,
     # when main() runs inside a test harness) after the CLI configured logging.
+    import structlog
+
     return structlog.PrintLogger(sys.stderr)
 
 
 def _bench(args: argparse.Namespace) -> int:
     """Run one benchmark. Exit 2 when its options cannot run (checked before anything is
     measured, `prepare(args)` where the module has one), 1 when the run itself fails."""
+    from .._errors import HiCacheError
+    from ..bench import BENCHMARKS, format_records, write_records
+    from ..bench._records import check_finite
+    from ._args import check_output_path
+
     prog = f"hicache-async bench {args.kind}"
     module = importlib.import_module(BENCHMARKS[args.kind])
     try:
@@ -112,12 +126,14 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `hicache-async` and `python -m hicache_async`."""
-    # An application, unlike the library, decides what its log shows: warnings and up.
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=_stderr_logger,
-    )
     try:
+        import structlog
+
+        # An application, unlike the library, decides what its log shows: warnings and up.
+        structlog.configure(
+            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+            logger_factory=_stderr_logger,
+        )
         if argv is None:
             argv = sys.argv[1:]
         args = _build_parser(argv).parse_args(argv)
@@ -129,10 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Ctrl-C is the user's choice, not a failure to debug: no traceback. The commands do
         # their work under asyncio.run (or anyio.run), which cancels the main task on SIGINT
         # (Python 3.10: once the loop stops) and lets it close what it opened (a store: lock
-        # released, temporary files removed) before this is raised.
+        # released, temporary files removed) before this is raised. The storage and manifest
+        # commands take SIGTERM the same way. The command is ending: another Ctrl-C would
+        # only cut the clean-up short with a traceback.
+        ignore_more()
+        terminated = received() == signal.SIGTERM
         with contextlib.suppress(OSError):
-            print("hicache-async: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+            word = "terminated" if terminated else "interrupted"
+            print(f"hicache-async: {word}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     return code
 
 

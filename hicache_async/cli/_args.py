@@ -6,18 +6,22 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .._errors import StorageConfigError
 from ..storage import FileStorage, open_storage
+from ._signals import ignore_more, signals_interrupt
 
 if TYPE_CHECKING:
     from ..storage import StorageBackend
 
 __all__ = [
     "check_output_path",
+    "close_pooled_clients",
+    "run_command",
     "count",
     "incomplete_message",
     "positive_float",
@@ -160,3 +164,27 @@ def backend_for_command(url: str, command: str, action: str, *, looking: bool) -
             raise StorageConfigError(incomplete_message(root, lacking, action))
         backend._keep_leftovers = looking  # looking must leave the store as it was
     return backend
+
+
+def close_pooled_clients() -> None:
+    """Close the Mooncake clients a command's backends left pooled (about a second each),
+    before the command returns: a Ctrl-C then is the command's interrupt, where in the exit
+    handler that would close them otherwise it prints a traceback. Those of a master that
+    is gone are left, as at exit (closing them would wait seconds on it)."""
+    mooncake = sys.modules.get("hicache_async.storage._mooncake")
+    if mooncake is not None:  # never imported: no client to close
+        mooncake.close_idle_clients(reachable_only=True)
+
+
+def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`action(args)` for a command that opens a store: SIGTERM taken as Ctrl-C, the first
+    signal the only one (see `_signals`), and the pooled Mooncake clients closed before it
+    returns."""
+    with signals_interrupt():
+        try:
+            return action(args)
+        except KeyboardInterrupt:
+            ignore_more()  # ending: a second Ctrl-C must not cut the clean-up short
+            raise
+        finally:
+            close_pooled_clients()

@@ -11,8 +11,9 @@ import msgspec
 
 from .._errors import HiCacheError, StorageConfigError
 from ..storage._manifest import SupportsManifest
-from ._args import backend_for_command
+from ._args import backend_for_command, run_command
 from ._output import print_output
+from ._signals import install_inside
 
 __all__ = ["add_arguments", "run"]
 
@@ -44,6 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _run(args: argparse.Namespace) -> object:
+    install_inside()
     backend = backend_for_command(args.url, "manifest", args.action, looking=args.action == "show")
     async with backend:
         if not isinstance(backend, SupportsManifest):
@@ -55,6 +57,11 @@ async def _run(args: argparse.Namespace) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run one action; return the exit code."""
+    return run_command(_action, args)
+
+
+def _action(args: argparse.Namespace) -> int:
     if args.action == "compact" and args.namespace is not None:
         # compact rewrites every namespace's entries; a filter it ignored would mislead.
         print(f"{_PROG}: --namespace only applies to show", file=sys.stderr)

@@ -6,8 +6,9 @@ as they are listed from a backend that streams its listing),
 `gc` evicts least recently used pages until the store is within its capacity. Exit codes: 0 on
 success, 1 when the backend fails or stdout cannot be written (closed early by `| head`, a full
 disk), 2 on bad arguments or configuration, 3 when `verify` found damaged pages (removed) or
-could not check some (see its report and the log), 130 when interrupted (Ctrl-C). `stats` and
-`ls` create nothing: they refuse a `file://` root that is not a complete store.
+could not check some, or `gc` could not remove some pages or left the store over its capacity
+(see the report and the log), 130 when interrupted (Ctrl-C), 143 on SIGTERM (taken as Ctrl-C).
+`stats` and `ls` create nothing: they refuse a `file://` root that is not a complete store.
 
 The command opens a Mooncake store as a client that lends the cluster no memory, whatever the
 URL says: pages the cluster placed in a lent segment would vanish when the command exits.
@@ -28,6 +29,7 @@ import structlog
 from .._errors import StorageConfigError, StorageError
 from ..storage import (
     FileStorage,
+    GcReport,
     MaintainableStorage,
     MemoryStorage,
     PageInfo,
@@ -36,14 +38,16 @@ from ..storage import (
     StreamsPages,
     VerifyReport,
 )
-from ._args import backend_for_command, count
+from ._args import backend_for_command, count, run_command
 from ._output import output_failed, print_output
+from ._signals import install_inside
 
 __all__ = ["add_arguments", "run"]
 
 _ACTIONS = ("stats", "ls", "verify", "gc")
 _PROG = "hicache-async storage"
-#: Exit code of a verify that found damage or could not check everything.
+#: Exit code of a verify that found damage or could not check everything, and of a gc that
+#: could not remove some pages or left the store over its capacity.
 EXIT_DAMAGE = 3
 
 
@@ -82,6 +86,10 @@ def _log_to_stderr() -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run one action; return the exit code."""
+    return run_command(_action, args)
+
+
+def _action(args: argparse.Namespace) -> int:
     _log_to_stderr()
     if args.limit is not None and args.action != "ls":
         return _fail("--limit only applies to ls", 2)
@@ -113,6 +121,7 @@ async def _run(
 ) -> tuple[str | None, int]:
     """The action's output (None when it has written it as it went) and the exit code it
     calls for."""
+    install_inside()
     async with backend:
         if action == "stats":
             stats = await _store_stats(backend)
@@ -132,6 +141,7 @@ async def _run(
             code = EXIT_DAMAGE if _damaged(report) else 0
         else:
             report = await backend.gc()
+            code = EXIT_DAMAGE if _short(report) else 0
         if as_json:
             return msgspec.json.encode(report).decode(), code
         fields = msgspec.structs.asdict(report).items()
@@ -140,6 +150,12 @@ async def _run(
 
 def _damaged(report: VerifyReport) -> bool:
     return report.corrupt_removed > 0 or report.unchecked > 0
+
+
+def _short(report: GcReport) -> bool:
+    """Whether gc left work undone: pages it could not remove, or the store still over its
+    capacity."""
+    return report.failed > 0 or report.over_capacity_bytes > 0
 
 
 async def _store_stats(backend: StorageBackend) -> StorageStats:

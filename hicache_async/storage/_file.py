@@ -732,24 +732,32 @@ def _scan(
     *,
     stray_dirs: list[tuple[int, str]] | None = None,
     refused: list[str] | None = None,
+    foreign: list[str] | None = None,
 ) -> list[_Found]:
-    """Every page file under pages/. Entries that are not page files go to `strays`
-    (as (directory fd, name)) when given, and directories inside a shard to `stray_dirs`;
-    their descriptors stay open in `handles`. Shards that cannot be opened, or are refused
-    as unsafe, go to `refused`."""
+    """Every page file under pages/. Entries that are neither page files nor regular files
+    (symlinks, FIFOs, devices) go to `strays` (as (directory fd, name)) when given, and
+    directories inside a shard to `stray_dirs`; their descriptors stay open in `handles`.
+    Regular files that are no page of their shard (an operator's notes or backup copy, a
+    page in the wrong shard) go to `foreign`: never the store's, so never removed. Shards
+    that cannot be opened, or are refused as unsafe, go to `refused`."""
     found: list[_Found] = []
     pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
     try:
         with os.scandir(pages_fd) as shards:
-            shard_names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in shards]
+            shard_names = [
+                (entry.name, entry.is_dir(follow_symlinks=False), _is_regular(entry))
+                for entry in shards
+            ]
     finally:
         os.close(pages_fd)
-    for shard_name, is_dir in sorted(shard_names):
+    for shard_name, is_dir, regular in sorted(shard_names):
         if stop.is_set():
             break
         valid = len(shard_name) == 2 and _HEX.issuperset(shard_name)
         if not (is_dir and valid):
-            if strays is not None and not is_dir:
+            if regular and foreign is not None:
+                foreign.append(shard_name)
+            elif strays is not None and not is_dir:
                 strays.append((handles.pages_fd, shard_name))
             continue
         try:
@@ -779,20 +787,26 @@ def _scan(
                             # that key; maintenance takes it out.
                             if stray_dirs is not None:
                                 stray_dirs.append((shard_fd, name))
-                        elif (
-                            entry.is_file(follow_symlinks=False)
-                            and _is_page_name(name)
-                            and name[:2] == shard_name
-                        ):
+                        elif not entry.is_file(follow_symlinks=False):
+                            if strays is not None:
+                                strays.append((shard_fd, name))
+                        elif _is_page_name(name) and name[:2] == shard_name:
                             st = entry.stat(follow_symlinks=False)
                             found.append((bytes.fromhex(name), st.st_size, st.st_mtime))
-                        elif strays is not None:
-                            strays.append((shard_fd, name))
+                        elif foreign is not None:
+                            foreign.append(f"{shard_name}/{name}")
                     except FileNotFoundError:
                         continue
         finally:
             os.close(scan_fd)
     return found
+
+
+def _is_regular(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_file(follow_symlinks=False)
+    except OSError:  # gone meanwhile, or unreadable: no file to keep
+        return False
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -2406,7 +2420,10 @@ class FileStorage(BackendBase):
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []
         refused: list[str] = []
-        found = _scan(handles, stop, strays, stray_dirs=stray_dirs, refused=refused)
+        foreign: list[str] = []
+        found = _scan(
+            handles, stop, strays, stray_dirs=stray_dirs, refused=refused, foreign=foreign
+        )
         unchecked = len(refused) + len(failed)
         removals: list[tuple[int, str, Callable[[str, int], None]]] = [
             *((dir_fd, name, _unlink_at) for dir_fd, name in strays),
@@ -2419,6 +2436,7 @@ class FileStorage(BackendBase):
             try:
                 remove(name, dir_fd)
                 leftovers += 1
+                log.warning("storage.stray.removed", backend=self._name, entry=name)
             except FileNotFoundError:
                 pass
             except OSError as exc:
@@ -2459,6 +2477,7 @@ class FileStorage(BackendBase):
             unsupported=unsupported,
             leftovers_removed=leftovers,
             unchecked=unchecked,
+            foreign=len(foreign),
         )
         return kept, corrupt, report
 
@@ -2565,7 +2584,7 @@ class FileStorage(BackendBase):
                 victims.append(key)
                 excess -= entry.nbytes
         if not victims:
-            return GcReport(evicted_pages=0, freed_bytes=0)
+            return GcReport(evicted_pages=0, freed_bytes=0, over_capacity_bytes=self._excess())
         removed = [(key, self._drop(key)) for key in victims]
         self._evicting.update(victims)
         job = _Job(len(victims))
@@ -2582,4 +2601,14 @@ class FileStorage(BackendBase):
             for position, (_, entry) in enumerate(removed[: job.done])
             if entry is not None and position not in failed
         )
-        return GcReport(evicted_pages=job.done - len(failed), freed_bytes=freed)
+        return GcReport(
+            evicted_pages=job.done - len(failed),
+            freed_bytes=freed,
+            failed=len(failed),
+            over_capacity_bytes=self._excess(),
+        )
+
+    def _excess(self) -> int:
+        """Bytes above the capacity, counting the room reserved for puts in flight."""
+        assert self._capacity is not None
+        return max(0, self._bytes + self._reserved - self._capacity)

@@ -48,20 +48,35 @@ class VerifyReport(msgspec.Struct, frozen=True):
     corrupt_removed: int
     #: pages of a newer format version, left in place.
     unsupported: int
-    #: temporary files of interrupted writes and stray entries.
+    #: temporary files of interrupted writes and stray entries (symlinks, FIFOs, devices
+    #: and directories under `pages/`).
     leftovers_removed: int
     #: what could not be checked, so may still hold damage: unreadable pages, pages larger
     #: than the backend can stage, directories refused as unsafe (each counts once, whatever
     #: it holds), corrupt pages and leftovers that could not be removed. The log names
     #: them. (Added after the first release: decoders default it.)
     unchecked: int = 0
+    #: regular files under `pages/` that are no page of the store (an operator's notes or
+    #: backup copy, a page in the wrong shard): left in place, never the store's to remove.
+    #: File store only. (Added after the first release, as `unchecked`.)
+    foreign: int = 0
 
 
 class GcReport(msgspec.Struct, frozen=True):
-    """What `gc` evicted to bring the store within its capacity."""
+    """What `gc` evicted to bring the store within its capacity.
+
+    A gc that did its job has `failed == 0` and `over_capacity_bytes == 0`; the
+    `hicache-async storage gc` command exits 3 otherwise.
+    """
 
     evicted_pages: int
     freed_bytes: int
+    #: pages gc chose to evict but could not remove (they stay; the log names them). (Added
+    #: after the first release, as the next field: decoders default them.)
+    failed: int = 0
+    #: bytes the store still holds above its capacity after gc: pages that could not be
+    #: removed, or that could not be evicted at all (being read or written).
+    over_capacity_bytes: int = 0
 
 
 @runtime_checkable

@@ -23,9 +23,9 @@ import concurrent.futures
 import contextlib
 import ctypes
 import functools
+import http.client
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -66,6 +66,7 @@ from ._page import (
     verify_payload,
 )
 from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
+from ._redact import mask_userinfo
 
 __all__ = ["MooncakeStorage", "close_idle_clients", "pooled_client"]
 
@@ -221,43 +222,63 @@ class _ClientPool:
         with self._lock:
             self._idle.setdefault(key, []).append(client)
 
-    def close_idle(self, master: str | None = None) -> int:
-        """Close the idle clients of `master` (all when None); how many were closed."""
+    def close_idle(self, master: str | None = None, *, reachable_only: bool = False) -> int:
+        """Close the idle clients of `master` (all when None); how many were closed. With
+        `reachable_only`, those whose master does not accept a connection are abandoned
+        instead (see the class)."""
         with self._lock:
             chosen = {k: v for k, v in self._idle.items() if master is None or k[0] == master}
             for key in chosen:
                 del self._idle[key]
-        for clients in chosen.values():
-            for client in clients:
-                client.close()
-        return sum(len(clients) for clients in chosen.values())
-
-    def close_all(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, {}
-        for key, clients in idle.items():
+        closed = 0
+        for key, clients in chosen.items():
             host, _, port = key[0].rpartition(":")
-            if reachable((host.strip("[]"), int(port)), _PROBE_TIMEOUT_S):
-                for client in clients:
-                    client.close()
-            else:
+            if reachable_only and not reachable((host.strip("[]"), int(port)), _PROBE_TIMEOUT_S):
                 log.warning("storage.mooncake.master_gone_at_exit", master=key[0])
                 self._abandoned.extend(clients)
+                continue
+            for client in clients:
+                client.close()
+            closed += len(clients)
+        return closed
+
+    def close_all(self) -> None:
+        self.close_idle(reachable_only=True)
 
 
 _POOL = _ClientPool()
 
 
-def close_idle_clients(master: str | None = None) -> int:
+def _check_admin(admin: str) -> None:
+    """StorageConfigError unless `admin` is an http(s)://host[:port] URL urllib can call;
+    messages quote it with any user information masked."""
+    parts = urlsplit(admin)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise StorageConfigError(
+            f"mooncake admin must be an http://host:port URL, got {mask_userinfo(admin)!r}"
+        )
+    if parts.username is not None or parts.password is not None:
+        # urllib sends no credentials from a URL: they would only end up in messages.
+        raise StorageConfigError(
+            "mooncake admin must not hold a user or password (http://host:port): "
+            "the admin server is called without them"
+        )
+    parse_port(parts, scheme=f"mooncake admin {parts.scheme}")
+
+
+def close_idle_clients(master: str | None = None, *, reachable_only: bool = False) -> int:
     """Close the pooled Mooncake clients that no backend uses, of `master` ("host:port") or
     of all masters; return how many.
 
     Closed backends leave their client in a pool for the next backend with the same
     settings (Mooncake's own close holds the GIL for 1-2 s). Call this before stopping a
     master, so the clients unmount their segments while it still answers; it blocks for
-    those seconds per client.
+    those seconds per client. With `reachable_only`, the clients of a master that does not
+    accept a connection are left unclosed (closing them would wait seconds on it), as at
+    exit; a program can so close them itself before it exits, where an interrupt is its own
+    to handle, not one in an exit handler.
     """
-    return _POOL.close_idle(master)
+    return _POOL.close_idle(master, reachable_only=reachable_only)
 
 
 @contextlib.contextmanager
@@ -575,13 +596,8 @@ class MooncakeStorage(BackendBase):
             )
         if placement == "local" and segment_size == 0:
             raise StorageConfigError("mooncake placement=local needs a segment (segment_size > 0)")
-        admin_parts = None if admin is None else urlsplit(admin)
-        if admin_parts is not None and (
-            admin_parts.scheme not in ("http", "https") or not admin_parts.hostname
-        ):
-            raise StorageConfigError(
-                f"mooncake admin must be an http://host:port URL, got {admin!r}"
-            )
+        if admin is not None:
+            _check_admin(admin)
         if device and protocol != "rdma":
             raise StorageConfigError(
                 f"mooncake device names RDMA devices; it needs protocol=rdma, got {protocol!r}"
@@ -1085,14 +1101,18 @@ class MooncakeStorage(BackendBase):
         if not keys:
             return 0
         self._check_master()
-        removed, _ = await self._remove(store, keys, evictions=False)
+        removed, _, failed = await self._remove(store, keys, evictions=False)
+        if failed:
+            code = failed[0][1]
+            raise StorageError(f"{self._name}: delete failed for {len(failed)} keys: {code}")
         return removed
 
     async def _remove(
         self, store: Any, keys: Sequence[bytes], *, evictions: bool
-    ) -> tuple[int, int]:
-        """Remove the objects; (how many existed, their stored bytes), counted as deletes or
-        evictions. Raises StorageError, after counting what was removed, when some failed."""
+    ) -> tuple[int, int, list[tuple[int, int]]]:
+        """Remove the objects; (how many existed, their stored bytes, (position, error code)
+        of each that could not be removed), counted as deletes or evictions (failures as
+        errors)."""
         names = [self._mkey(k) for k in keys]
 
         def job(stop: threading.Event) -> tuple[list[int], list[int]]:
@@ -1115,11 +1135,9 @@ class MooncakeStorage(BackendBase):
         else:
             self._counters.deletes += removed
         # Another client still putting the object (-703): the put lands after this delete.
-        failed = [r for r in results if r not in (0, _NOT_FOUND, _NOT_READY)]
-        if failed:
-            self._counters.errors += len(failed)
-            raise StorageError(f"{self._name}: delete failed for {len(failed)} keys: {failed[0]}")
-        return removed, freed
+        failed = [(i, r) for i, r in enumerate(results) if r not in (0, _NOT_FOUND, _NOT_READY)]
+        self._counters.errors += len(failed)
+        return removed, freed, failed
 
     # Raw access (RawAccess).
 
@@ -1268,8 +1286,23 @@ class MooncakeStorage(BackendBase):
         if not victims:
             return GcReport(evicted_pages=0, freed_bytes=0)
         # What was removed, not what was chosen: another client may have removed some since.
-        evicted, freed = await self._remove(store, [p.key for p in victims], evictions=True)
-        return GcReport(evicted_pages=evicted, freed_bytes=freed)
+        # Objects the master refused to remove stay, counted (as in the file store's gc); a
+        # master that did not answer is the backend failing, not a page.
+        keys = [p.key for p in victims]
+        evicted, freed, failed = await self._remove(store, keys, evictions=True)
+        if any(code == _RPC_FAIL for _, code in failed):
+            raise StorageError(f"{self._name}: gc failed: the Mooncake master did not answer")
+        if failed:
+            log.warning(
+                "storage.evict.error", backend=self._name, pages=len(failed), error=failed[0][1]
+            )
+        stayed = sum(victims[position].nbytes for position, _ in failed)
+        return GcReport(
+            evicted_pages=evicted,
+            freed_bytes=freed,
+            failed=len(failed),
+            over_capacity_bytes=max(0, total + stayed - self._capacity),
+        )
 
     # Internals: planning and staging (event loop).
 
@@ -1678,8 +1711,8 @@ class MooncakeStorage(BackendBase):
                 with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
                     data: bytes = response.read()
                     return data
-            except (OSError, urllib.error.URLError) as exc:
-                raise StorageError(f"{self._name}: {url} failed: {exc}") from exc
+            except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
+                raise StorageError(f"{self._name}: {mask_userinfo(url)} failed: {exc}") from exc
 
         text = (await self.run_job(job)).decode(errors="replace")
         lead = f"{self._prefix}:"

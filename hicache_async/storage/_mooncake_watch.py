@@ -14,9 +14,9 @@ which notices only a master that is gone (a stopped process's kernel still accep
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
-import urllib.error
 import urllib.request
 from collections.abc import Callable
 
@@ -41,7 +41,9 @@ def http_probe(admin: str) -> Callable[[], bool]:
             with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT_S) as response:
                 response.read()
                 return int(response.status) == 200
-        except (OSError, urllib.error.URLError, ValueError):
+        except (OSError, http.client.HTTPException, ValueError):
+            # URLError is an OSError; HTTPException covers a bad URL (InvalidURL), a garbled
+            # or cut answer: any of them is a failed probe, never the end of the thread.
             return False
 
     return probe

@@ -36,6 +36,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import AuthenticationError, MovedError, NoPermissionError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._errors import StorageConfigError, StorageError, type_name
 from .._uncancelled import run_uncancelled
@@ -260,6 +261,16 @@ def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:
 #: payload now in its page, None (absent), (verdict, reason, stored length) for a value its
 #: header rejects, or the key's error reply.
 _Received = PageHeader | tuple[PageCheck, str, int] | ReplyError | None
+
+
+def _retry() -> Retry:
+    """redis-py's retry of a command: twice, soon, and only after a lost or refused
+    connection. Not after a timeout: `timeout` is the bound the user set on a command, and
+    retrying would make a silent server take several times that to fail (a serving
+    request's miss arrives that much later)."""
+    return Retry(
+        ExponentialBackoff(cap=0.2, base=0.02), retries=2, supported_errors=(RedisConnectionError,)
+    )
 
 
 class _Stream(NamedTuple):
@@ -708,7 +719,7 @@ class RedisStorage(BackendBase):
             timeout=self._timeout,
             socket_timeout=self._timeout,
             socket_connect_timeout=self._timeout,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+            retry=_retry(),
             **self._connection_kwargs,
         )
         self._client = Redis(connection_pool=self._pool)
@@ -767,7 +778,7 @@ class RedisStorage(BackendBase):
             max_connections=self._max_connections + _CLUSTER_SPARE_CONNECTIONS,
             socket_timeout=self._timeout,
             socket_connect_timeout=self._timeout,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), retries=2),
+            retry=_retry(),
             **self._connection_kwargs,
         )
         self._client = client
