@@ -30,11 +30,11 @@ changed after its put writes its records again under the new stem and removes it
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -452,7 +452,7 @@ class MooncakeManifest:
                             ns = rest[:32].decode("ascii", "replace")
                             if _NAMESPACE.match(ns):
                                 names.add(ns)
-            except (OSError, urllib.error.URLError) as exc:
+            except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
                 raise StorageError(f"{self._storage.name}: {url} failed: {exc}") from exc
             return names
 
@@ -592,7 +592,7 @@ class MooncakeManifest:
                         name = line.strip()
                         if name.startswith(lead) and not name[len(lead) :].startswith(keep):
                             names.append(name.decode("ascii", "replace"))
-            except (OSError, urllib.error.URLError) as exc:
+            except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
                 raise StorageError(f"{self._storage.name}: {url} failed: {exc}") from exc
             return names
 

@@ -55,7 +55,9 @@ def test_an_admin_url_with_credentials_is_refused_without_quoting_them(
 
 
 @contextlib.contextmanager
-def _cut_answers() -> Iterator[str]:
+def _cut_answers(
+    answer: bytes = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort",
+) -> Iterator[str]:
     """An HTTP server on loopback whose every answer promises 100 bytes and sends 5: the
     reader's `read()` raises `http.client.IncompleteRead`, no OSError. Yields its URL."""
     listener = socket.create_server(("127.0.0.1", 0))
@@ -72,7 +74,7 @@ def _cut_answers() -> Iterator[str]:
                 conn.settimeout(5)
                 with contextlib.suppress(OSError):
                     conn.recv(4096)
-                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nshort")
+                    conn.sendall(answer)
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -180,4 +182,21 @@ def test_ctrl_c_while_the_clients_close_is_an_interrupt(mooncake_url: str) -> No
     assert process.returncode == 130, err
     assert "pages:" in out  # the result came first
     assert "hicache-async: interrupted" in err
+    assert "Traceback" not in err
+
+
+def test_a_broken_answer_to_a_manifest_listing_is_a_backend_error(
+    mooncake_master: MooncakeMaster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without --namespace, `manifest show` lists the namespaces through the admin server,
+    # which here answers something that is not HTTP (`http.client.BadStatusLine`).
+    with _cut_answers(b"not http at all\r\n\r\n") as admin:
+        url = fresh_url(
+            f"mooncake://127.0.0.1:{mooncake_master.rpc_port}"
+            f"?metadata={mooncake_master.metadata_url}&protocol=tcp&local_hostname=127.0.0.1"
+            f"&admin={admin}"
+        )
+        assert main(["manifest", "show", url]) == 1
+    err = capsys.readouterr().err
+    assert "get_all_keys failed" in err
     assert "Traceback" not in err
