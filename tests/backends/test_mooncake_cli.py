@@ -86,6 +86,13 @@ def _cut_answers(
         listener.close()
 
 
+def _url_with_admin(master: MooncakeMaster, admin: str) -> str:
+    return fresh_url(
+        f"mooncake://127.0.0.1:{master.rpc_port}"
+        f"?metadata={master.metadata_url}&protocol=tcp&local_hostname=127.0.0.1&admin={admin}"
+    )
+
+
 def test_a_probe_of_a_broken_admin_server_fails_without_raising() -> None:
     # The probe runs on the watch's thread: anything it raised would end the thread.
     with _cut_answers() as admin:
@@ -97,11 +104,7 @@ def test_a_broken_answer_of_the_admin_server_is_a_backend_error(
     mooncake_master: MooncakeMaster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with _cut_answers() as admin:
-        url = fresh_url(
-            f"mooncake://127.0.0.1:{mooncake_master.rpc_port}"
-            f"?metadata={mooncake_master.metadata_url}&protocol=tcp&local_hostname=127.0.0.1"
-            f"&admin={admin}"
-        )
+        url = _url_with_admin(mooncake_master, admin)
         assert main(["storage", "ls", url]) == 1
     err = capsys.readouterr().err
     assert "get_all_keys failed" in err
@@ -191,11 +194,7 @@ def test_a_broken_answer_to_a_manifest_listing_is_a_backend_error(
     # Without --namespace, `manifest show` lists the namespaces through the admin server,
     # which here answers something that is not HTTP (`http.client.BadStatusLine`).
     with _cut_answers(b"not http at all\r\n\r\n") as admin:
-        url = fresh_url(
-            f"mooncake://127.0.0.1:{mooncake_master.rpc_port}"
-            f"?metadata={mooncake_master.metadata_url}&protocol=tcp&local_hostname=127.0.0.1"
-            f"&admin={admin}"
-        )
+        url = _url_with_admin(mooncake_master, admin)
         assert main(["manifest", "show", url]) == 1
     err = capsys.readouterr().err
     assert "get_all_keys failed" in err
