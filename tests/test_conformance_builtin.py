@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 import pytest_asyncio
 from _plain_storage import PlainStorage
 
+from hicache_async import StorageError
 from hicache_async.storage import (
     FileStorage,
     MemoryStorage,
@@ -58,12 +61,22 @@ class TestSharedFileStorage(StorageConformance):
     """Shared mode, with a second instance open on the same root the whole time."""
 
     @pytest_asyncio.fixture
-    async def backend(self, tmp_path: Path) -> AsyncIterator[FileStorage]:
-        root = tmp_path / "shared"
-        async with (
-            FileStorage(root, shared=True, io_threads=2),
-            FileStorage(root, shared=True, fsync="always") as storage,
-        ):
+    async def other_instance(self, tmp_path: Path) -> AsyncIterator[FileStorage]:
+        async with FileStorage(tmp_path / "shared", shared=True, io_threads=2) as storage:
+            yield storage
+
+    @pytest_asyncio.fixture(autouse=True)
+    async def threads_before_backend(
+        self, other_instance: FileStorage
+    ) -> AsyncIterator[set[threading.Thread]]:
+        # Taken once the other instance is open: its threads run on after `backend` closes.
+        yield set(threading.enumerate())
+
+    @pytest_asyncio.fixture
+    async def backend(
+        self, other_instance: FileStorage, tmp_path: Path
+    ) -> AsyncIterator[FileStorage]:
+        async with FileStorage(tmp_path / "shared", shared=True, fsync="always") as storage:
             yield storage
 
 
@@ -97,6 +110,54 @@ class TestFaultyStorageOverAPlainBackend(StorageConformance):
     async def backend(self) -> AsyncIterator[FaultyStorage]:
         async with FaultyStorage(PlainStorage(_CAPACITY), seed=2) as storage:
             yield storage
+
+
+class _BatchLimited(MemoryStorage):
+    """Serves at most 3 pages in a get or put, as its capabilities declare, and refuses a
+    bigger batch with StorageError before any I/O."""
+
+    limit = 3
+
+    def __init__(self, *, mac_key: bytes | None = None) -> None:
+        super().__init__(capacity_bytes=_CAPACITY, mac_key=mac_key)
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return msgspec.structs.replace(super().capabilities, max_batch_pages=self.limit)
+
+    def _refuse_oversized(self, keys: Sequence[bytes]) -> None:
+        if len(keys) > self.limit:
+            raise StorageError(f"at most {self.limit} pages a call, got {len(keys)}")
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        self._refuse_oversized(keys)
+        return await super().get(keys, into, namespace=namespace)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        self._refuse_oversized(keys)
+        return await super().put(keys, pages, metas)
+
+
+class TestBatchLimitedStorage(StorageConformance):
+    """The suite sends no call bigger than max_batch_pages, but for the one test of it."""
+
+    @pytest_asyncio.fixture
+    async def backend(self) -> AsyncIterator[_BatchLimited]:
+        async with _BatchLimited() as storage:
+            yield storage
+
+    @pytest_asyncio.fixture
+    async def mac_backend(self) -> AsyncIterator[_BatchLimited]:
+        async with _BatchLimited(mac_key=MAC_KEY) as storage:
+            yield storage
+
+
+class TestMemoryStorageWithTheSmallestPages(TestMemoryStorage):
+    page_nbytes = 16
 
 
 class _Compacting(PlainStorage):
@@ -165,6 +226,68 @@ class _StragglingPut(PlainStorage):
         return await loop.run_in_executor(self._threads, store)
 
 
+class _WaitsOutCancellation(PlainStorage):
+    """BROKEN: a get or put waits for its I/O through every cancellation, then returns its
+    outcomes as if it had not been cancelled."""
+
+    @staticmethod
+    async def _slow(call: Awaitable[list[Outcome]]) -> list[Outcome]:
+        await asyncio.sleep(0.01)
+        return await call
+
+    async def _uncancellable(self, call: Awaitable[list[Outcome]]) -> list[Outcome]:
+        io = asyncio.ensure_future(self._slow(call))
+        while not io.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(io)
+        return io.result()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        return await self._uncancellable(super().get(keys, into, namespace=namespace))
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        return await self._uncancellable(super().put(keys, pages, metas))
+
+
+class _StoresThenRefuses(_BatchLimited):
+    """BROKEN: a put of more than max_batch_pages pages stores the first ones, then raises."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        n = self.limit
+        await MemoryStorage.put(self, keys[:n], pages[:n], metas[:n])
+        return await super().put(keys, pages, metas)
+
+
+class _WritesThenRefuses(_BatchLimited):
+    """BROKEN: a get of more than max_batch_pages pages fills the first buffers, then raises."""
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        n = self.limit
+        await MemoryStorage.get(self, keys[:n], into[:n], namespace=namespace)
+        return await super().get(keys, into, namespace=namespace)
+
+
+class _HugeLimit(_BatchLimited):
+    """Declares a limit of 2**30 pages a call, yet refuses a call of more than 1024 pages,
+    the most the suite sends whatever the page size; remembers the biggest it was sent."""
+
+    limit = 1 << 30
+    largest = 0
+
+    def _refuse_oversized(self, keys: Sequence[bytes]) -> None:
+        if len(keys) > 1024:
+            raise StorageError(f"the suite sent a batch of {len(keys)} pages")
+        self.largest = max(self.largest, len(keys))
+
+
 class _ScribblingPut(PlainStorage):
     """BROKEN: a put uses the caller's pages as scratch space once it has stored them."""
 
@@ -214,8 +337,26 @@ class _LeavesATask(PlainStorage):
 
     async def __aenter__(self) -> _LeavesATask:
         await super().__aenter__()
-        self.flusher = asyncio.create_task(asyncio.Event().wait())
+        self._flusher = asyncio.create_task(asyncio.Event().wait())
         return self
+
+    def stop_flusher(self) -> None:
+        self._flusher.cancel()
+
+
+class _LeavesAThread(PlainStorage):
+    """BROKEN: opening starts a flusher thread that close() never stops."""
+
+    async def __aenter__(self) -> _LeavesAThread:
+        await super().__aenter__()
+        self._stop = threading.Event()
+        self._flusher = threading.Thread(target=self._stop.wait, name="plain-flusher")
+        self._flusher.start()
+        return self
+
+    def stop_flusher(self) -> None:
+        self._stop.set()
+        self._flusher.join()
 
 
 class _OkWhenClosed(PlainStorage):
@@ -264,6 +405,49 @@ async def test_the_suite_fails_a_put_that_reads_after_cancellation() -> None:
         await _suite_fails(suite.test_cancelled_put_stores_pages_whole_or_not_at_all(backend))
 
 
+@pytest.mark.parametrize(
+    "test",
+    [
+        StorageConformance.test_cancelled_get_never_writes_after_returning,
+        StorageConformance.test_cancelled_put_stores_pages_whole_or_not_at_all,
+    ],
+    ids=["get", "put"],
+)
+async def test_the_suite_fails_a_call_that_waits_out_its_cancellation(
+    test: Callable[[StorageConformance, StorageBackend], Awaitable[None]],
+) -> None:
+    async with _WaitsOutCancellation() as backend:
+        await _suite_fails(test(StorageConformance(), backend))
+
+
+@pytest.mark.parametrize("broken", [_StoresThenRefuses, _WritesThenRefuses])
+async def test_the_suite_fails_an_oversized_batch_refused_after_io(
+    broken: type[_BatchLimited],
+) -> None:
+    async with broken() as backend:
+        suite = StorageConformance()
+        await _suite_fails(
+            suite.test_a_batch_over_max_batch_pages_is_served_or_refused_cleanly(backend)
+        )
+
+
+async def test_the_suite_sends_tiny_pages_in_batches_of_at_most_1024() -> None:
+    # 8 MiB of 16-byte pages would be half a million pages a call.
+    class TestTinyPages(StorageConformance):
+        page_nbytes = 16
+
+    async with _HugeLimit() as backend:
+        await TestTinyPages().test_cancelled_get_never_writes_after_returning(backend)
+        await TestTinyPages().test_cancelled_put_stores_pages_whole_or_not_at_all(backend)
+    assert 16 <= backend.largest <= 1024
+
+
+@pytest.mark.parametrize("page_nbytes", [15, 1, 0, -65536, 65536.0, True, "65536"])
+def test_the_suite_refuses_a_page_size_it_cannot_test(page_nbytes: object) -> None:
+    with pytest.raises(ValueError, match=r"page_nbytes must be an int of at least 16 bytes"):
+        type("TestBadPages", (StorageConformance,), {"page_nbytes": page_nbytes})
+
+
 async def test_the_suite_fails_a_put_that_writes_into_its_pages() -> None:
     async with _ScribblingPut() as backend:
         suite = StorageConformance()
@@ -297,21 +481,26 @@ async def test_the_suite_fails_stats_of_other_types() -> None:
         await _suite_fails(StorageConformance().test_stats_have_their_declared_types(backend))
 
 
-async def test_the_suite_fails_a_close_that_leaves_a_task_running() -> None:
-    before = set(asyncio.all_tasks())
-    async with _LeavesATask() as backend:
+@pytest.mark.parametrize("broken", [_LeavesATask, _LeavesAThread])
+async def test_the_suite_fails_a_close_that_leaves_a_task_or_thread_running(
+    broken: type[_LeavesATask | _LeavesAThread],
+) -> None:
+    before, threads = set(asyncio.all_tasks()), set(threading.enumerate())
+    async with broken() as backend:
         suite = StorageConformance()
         try:
-            await _suite_fails(suite.test_close_leaves_no_task_running(backend, before))
+            await _suite_fails(
+                suite.test_close_leaves_no_task_or_thread_running(backend, before, threads)
+            )
         finally:
-            backend.flusher.cancel()
+            backend.stop_flusher()
 
 
 async def test_the_suite_fails_a_get_that_close_interrupts_and_reports_ok() -> None:
-    before = set(asyncio.all_tasks())
+    before, threads = set(asyncio.all_tasks()), set(threading.enumerate())
     async with _OkWhenClosed() as backend:
         suite = StorageConformance()
-        await _suite_fails(suite.test_close_while_a_get_and_a_put_run(backend, before))
+        await _suite_fails(suite.test_close_while_a_get_and_a_put_run(backend, before, threads))
 
 
 async def test_the_suite_fails_a_backend_without_raw_access_unless_declared() -> None:

@@ -1140,10 +1140,16 @@ class FileStorage(BackendBase):
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> FileStorage:
         """`file:///abs/path?capacity=10GiB&fsync=data&shared=1&io_threads=4&spare=1GiB`;
-        `file://` alone is the default root."""
+        `file://` alone is the default root. A `#` in a path is written `%23`: a fragment
+        is refused."""
         parts = split_url(url, scheme="file")
         if parts.scheme != "file":
             raise StorageConfigError(f"not a file:// URL: {url!r}")
+        if "#" in url:
+            # urlsplit drops it, and the store would open at another root or ignore settings.
+            raise StorageConfigError(
+                f"file:// URLs take no fragment, got {url!r}; write a '#' in a path as %23"
+            )
         if parts.netloc not in ("", "localhost"):
             raise StorageConfigError(
                 f"file:// URLs take an absolute path (file:///abs/path) or none for the default "

@@ -124,10 +124,17 @@ class MemoryStorage(BackendBase):
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MemoryStorage:
-        """`memory://?capacity=1GiB&spare=64MiB` (the default capacity is 1 GiB)."""
+        """`memory://?capacity=1GiB&spare=64MiB` (the default capacity is 1 GiB); a fragment
+        is refused."""
         parts = split_url(url, scheme="memory")
         if parts.scheme != "memory":
             raise StorageConfigError(f"not a memory:// URL: {url!r}")
+        if "#" in url:
+            # urlsplit drops it: `memory://#capacity=1KiB` would get the default 1 GiB.
+            raise StorageConfigError(
+                f"memory:// URLs take no fragment, got {url!r}; accepted: "
+                "memory://?capacity=SIZE&spare=SIZE (a '#' in a value is written %23)"
+            )
         if parts.netloc or parts.path not in ("", "/"):
             raise StorageConfigError(
                 f"memory:// URLs take no host or path, only ?capacity=SIZE&spare=SIZE; got {url!r}"

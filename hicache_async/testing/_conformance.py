@@ -1,8 +1,8 @@
 """A pytest conformance suite for StorageBackend implementations (built-in or plugins).
 
 Subclass `StorageConformance` in a test module and provide an async fixture `backend` that
-yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_KEY`) and
-`page_nbytes` (the page size the tests use, default 64 KiB):
+yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_KEY`) and the
+class attribute `page_nbytes` (the page size the tests use, default 64 KiB, at least 16):
 
     import pytest_asyncio
     from hicache_async.testing import MAC_KEY, StorageConformance
@@ -20,18 +20,22 @@ yields an entered backend; optionally `mac_backend` (entered with `mac_key=MAC_K
 
 Tests that damage stored pages need the backend's raw access (`read_raw`/`write_raw`): without
 it they fail, unless the class sets `raw_access = False`, which skips them. Keys are random per
-test, so a shared server needs no cleanup between tests.
+test, so a shared server needs no cleanup between tests. No call of the suite holds more pages
+than the backend's `capabilities.max_batch_pages`, except the one test of a bigger batch, which
+the backend may serve or refuse with StorageError.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
+import re
 import struct
-from collections.abc import AsyncIterator, Callable
-from typing import NamedTuple
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, NamedTuple
 
 import pytest
 import pytest_asyncio
@@ -39,7 +43,7 @@ import pytest_asyncio
 from .._errors import StorageError
 from ..storage._maintenance import RawAccess
 from ..storage._page import FORMAT_VERSION, HEADER_NBYTES, encode_header
-from ..storage._protocol import Outcome, PageMeta, StorageBackend, check_stats
+from ..storage._protocol import Outcome, PageBuffer, PageMeta, StorageBackend, check_stats
 
 __all__ = ["MAC_KEY", "NAMESPACE", "OTHER_NAMESPACE", "StorageConformance"]
 
@@ -49,6 +53,25 @@ NAMESPACE = b"conformance-ns-1"
 OTHER_NAMESPACE = b"conformance-ns-2"
 
 _CANARY = 0xA5
+
+#: The smallest `page_nbytes` the suite takes: its pages are cut into segments of up to four
+#: parts, one of 7 bytes, and a test reads into a buffer one byte shorter than a page.
+_MIN_PAGE_NBYTES = 16
+#: The most pages in one call of the cancellation and close tests, whatever the page size:
+#: they size their batches at 8 MiB, which at a few bytes a page would be millions of pages.
+_MAX_BATCH_PAGES = 1024
+#: The most page bytes in the one batch of more than `max_batch_pages` pages the suite sends;
+#: a backend whose limit is higher than this holds has that test skipped.
+_OVERSIZED_BATCH_BYTES = 128 << 20
+#: How long a thread the backend started may take to end once close() has returned.
+_THREAD_GRACE_S = 5.0
+#: How long a cancelled call may take to end (a backend may finish a step it cannot cut
+#: short, a pipeline sent or a copy under way, before it re-raises).
+_CANCELLED_CALL_END_S = 10.0
+# Threads of the event loop's default executor (asyncio's `asyncio_N`, uvloop's `uvloop_N`)
+# and of anyio's per-loop worker pool: they serve any code on the loop, `asyncio.to_thread`
+# included, and end with the loop (or idle), not with a backend.
+_LOOP_THREAD = re.compile(r"(asyncio|uvloop)_\d+|AnyIO worker thread")
 
 
 def _keys(count: int) -> list[bytes]:
@@ -102,6 +125,56 @@ def _meta(key: bytes, namespace: bytes = NAMESPACE) -> PageMeta:
     return PageMeta(key=key, namespace=namespace, num_tokens=64, priority=1)
 
 
+def _check_page_nbytes(value: object) -> None:
+    if type(value) is not int or value < _MIN_PAGE_NBYTES:
+        raise ValueError(
+            f"page_nbytes must be an int of at least {_MIN_PAGE_NBYTES} bytes, got {value!r}"
+        )
+
+
+def _batch_limit(backend: StorageBackend) -> int:
+    limit = backend.capabilities.max_batch_pages
+    if type(limit) is not int or limit < 1:
+        raise AssertionError(f"capabilities.max_batch_pages is {limit!r}, not an int of 1 or more")
+    return limit
+
+
+def _batches(backend: StorageBackend, count: int) -> list[slice]:
+    """`range(count)` cut into slices of at most the backend's `max_batch_pages`."""
+    limit = _batch_limit(backend)
+    return [slice(start, start + limit) for start in range(0, count, limit)]
+
+
+async def _get_batches(
+    backend: StorageBackend,
+    keys: Sequence[bytes],
+    into: Sequence[PageBuffer],
+    namespace: bytes = NAMESPACE,
+) -> list[Outcome]:
+    """A get of `keys` in calls of at most `max_batch_pages` pages, as the cache makes them."""
+    outcomes: list[Outcome] = []
+    for part in _batches(backend, len(keys)):
+        outcomes += await backend.get(keys[part], into[part], namespace=namespace)
+    return outcomes
+
+
+async def _put_batches(
+    backend: StorageBackend,
+    keys: Sequence[bytes],
+    pages: Sequence[PageBuffer],
+    metas: Sequence[PageMeta],
+) -> list[Outcome]:
+    """A put of `keys` in calls of at most `max_batch_pages` pages, as the cache makes them."""
+    outcomes: list[Outcome] = []
+    for part in _batches(backend, len(keys)):
+        outcomes += await backend.put(keys[part], pages[part], metas[part])
+    return outcomes
+
+
+async def _delete_batches(backend: StorageBackend, keys: Sequence[bytes]) -> int:
+    return sum([await backend.delete(keys[part]) for part in _batches(backend, len(keys))])
+
+
 def _assert_count(value: object, expected: int, call: str) -> None:
     # `==` alone would pass False for 0 and True for 1, which the cache refuses as answers.
     assert type(value) is int, f"{call} returned {value!r}, a {type(value).__name__}, not an int"
@@ -115,6 +188,33 @@ async def _assert_no_tasks_left(before: set[asyncio.Task[object]]) -> None:
     current = asyncio.current_task()
     left = [task for task in asyncio.all_tasks() if task is not current and task not in before]
     assert not left, f"close() left {len(left)} task(s) running: {left[:3]}"
+
+
+def _threads_left(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread not in before and not _LOOP_THREAD.fullmatch(thread.name)
+    ]
+
+
+def _join(threads: list[threading.Thread], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+async def _assert_no_threads_left(before: set[threading.Thread]) -> None:
+    """Fail if a thread not in `before` still runs `_THREAD_GRACE_S` after the backend closed
+    (a close() may ask its threads to stop without joining them)."""
+    if left := _threads_left(before):
+        # Joined from a worker thread: the loop runs on, for threads that wait on it to end.
+        await asyncio.to_thread(_join, left, _THREAD_GRACE_S)
+        left = _threads_left(before)
+    assert not left, (
+        f"close() left {len(left)} thread(s) running after {_THREAD_GRACE_S:g} s: "
+        f"{[thread.name for thread in left[:3]]}"
+    )
 
 
 def _flip(value: bytes, position: int) -> bytes:
@@ -158,9 +258,17 @@ def _cancel_points() -> list[_CancelPoint]:
     return [*points, _CancelPoint(-1, 0.0)]
 
 
-async def _cancel_at(point: _CancelPoint, task: asyncio.Task[list[Outcome]]) -> bool:
-    """Let `task` run until `point`, cancel it and wait for it to end; whether it ended
-    cancelled (False: it completed first, or `point` is the last, which never cancels)."""
+async def _cancel_at(point: _CancelPoint, task: asyncio.Task[list[Outcome]], call: str) -> bool:
+    """Let `task` run until `point`, cancel it and wait for it to end; whether it was cancelled
+    (False: it completed first, or `point` is the last, which never cancels).
+
+    Once cancelled, a call must end cancelled, or raise: one that waits out its I/O and
+    returns outcomes holds its caller past any deadline (the cache's `io_timeout_s` then takes
+    as long as the I/O does). The task is cancelled again at every loop iteration until it
+    ends, as the cache's anyio deadlines do: a cancellation lost to a race (Python 3.11's
+    `asyncio.wait_for`, which redis-py awaits, drops one that lands as its inner call ends)
+    reaches the call at its next await, and only one that catches them all returns.
+    """
     if point.iterations < 0:
         await task
         return False
@@ -169,17 +277,28 @@ async def _cancel_at(point: _CancelPoint, task: asyncio.Task[list[Outcome]]) -> 
     if point.delay:
         await asyncio.sleep(point.delay)
     if task.done():
-        return task.cancelled()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return task.cancelled()
+        return False
+    deadline = time.monotonic() + _CANCELLED_CALL_END_S
+    while not task.done():
+        task.cancel()
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"{call} cancelled after {point} still runs {_CANCELLED_CALL_END_S:g} s later"
+            )
+        await asyncio.sleep(0)
+    if not task.cancelled() and task.exception() is None:
+        raise AssertionError(
+            f"{call} cancelled after {point} returned {len(task.result())} outcomes instead of "
+            "ending cancelled: a cancelled call must stop waiting and re-raise CancelledError"
+        )
+    return True
 
 
 class StorageConformance:
     """Behaviour every StorageBackend must show. Subclasses provide the `backend` fixture."""
 
-    #: Payload bytes per page in these tests.
+    #: Payload bytes per page in these tests: an int of at least 16, checked when a subclass
+    #: is defined.
     page_nbytes: int = 64 * 1024
 
     #: Whether the backend implements `RawAccess`, which the tests that damage stored pages
@@ -189,11 +308,23 @@ class StorageConformance:
 
     pytestmark = pytest.mark.asyncio
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # Refused when the test module is collected, not as a test that takes minutes.
+        super().__init_subclass__(**kwargs)
+        _check_page_nbytes(cls.page_nbytes)
+
     @pytest_asyncio.fixture(autouse=True)
     async def tasks_before_backend(self) -> AsyncIterator[set[asyncio.Task[object]]]:
         """The tasks running before the `backend` fixture opened it (autouse fixtures are set
         up first): any other task still running once it is closed is one it left behind."""
         yield set(asyncio.all_tasks())
+
+    @pytest_asyncio.fixture(autouse=True)
+    async def threads_before_backend(self) -> AsyncIterator[set[threading.Thread]]:
+        """The threads running before the `backend` fixture opened it: any other thread still
+        running a few seconds after it is closed is one it left behind (the event loop's
+        default executor and anyio's worker threads excepted)."""
+        yield set(threading.enumerate())
 
     @pytest_asyncio.fixture
     async def mac_backend(self) -> AsyncIterator[StorageBackend | None]:
@@ -225,7 +356,7 @@ class StorageConformance:
     ) -> dict[bytes, bytes]:
         data = {key: _payload(self.page_nbytes, seed + i) for i, key in enumerate(keys)}
         pages = [_segments(data[key], [self.page_nbytes]) for key in keys]
-        outcomes = await backend.put(keys, pages, [_meta(key) for key in keys])
+        outcomes = await _put_batches(backend, keys, pages, [_meta(key) for key in keys])
         assert outcomes == [Outcome.OK] * len(keys)
         return data
 
@@ -244,11 +375,11 @@ class StorageConformance:
         data = [_payload(self.page_nbytes, i) for i in range(len(shapes))]
         pages = [_segments(d, shape) for d, shape in zip(data, shapes, strict=True)]
         metas = [_meta(key) for key in keys]
-        assert await backend.put(keys, pages, metas) == [Outcome.OK] * len(keys)
+        assert await _put_batches(backend, keys, pages, metas) == [Outcome.OK] * len(keys)
         # Read each page back through a different segmentation than it was written with.
         read_shapes = shapes[1:] + shapes[:1]
         buffers = [_empty(shape) for shape in read_shapes]
-        assert await backend.get(keys, buffers, namespace=NAMESPACE) == [Outcome.OK] * len(keys)
+        assert await _get_batches(backend, keys, buffers) == [Outcome.OK] * len(keys)
         for expected, buffer in zip(data, buffers, strict=True):
             assert _joined(buffer) == expected
 
@@ -279,7 +410,8 @@ class StorageConformance:
         data = [_payload(self.page_nbytes, 40 + i) for i in range(2 * count)]
         metas = [_meta(key) for key in keys]
         writable = [_segments(d, shape) for d, shape in zip(data, shapes, strict=False)]
-        assert await backend.put(keys[:count], writable, metas[:count]) == [Outcome.OK] * count
+        outcomes = await _put_batches(backend, keys[:count], writable, metas[:count])
+        assert outcomes == [Outcome.OK] * count
         for index, page in enumerate(writable):
             assert _joined(page) == data[index], f"put wrote into page {index} it was given"
         # What the cache hands over: read-only views of the host pool's memory.
@@ -287,9 +419,10 @@ class StorageConformance:
             [view.toreadonly() for view in _segments(d, shape)]
             for d, shape in zip(data[count:], shapes, strict=True)
         ]
-        assert await backend.put(keys[count:], read_only, metas[count:]) == [Outcome.OK] * count
+        outcomes = await _put_batches(backend, keys[count:], read_only, metas[count:])
+        assert outcomes == [Outcome.OK] * count
         buffers = [_empty([self.page_nbytes]) for _ in keys]
-        assert await backend.get(keys, buffers, namespace=NAMESPACE) == [Outcome.OK] * len(keys)
+        assert await _get_batches(backend, keys, buffers) == [Outcome.OK] * len(keys)
         for expected, buffer in zip(data, buffers, strict=True):
             assert _joined(buffer) == expected
 
@@ -300,6 +433,37 @@ class StorageConformance:
         assert caps.max_batch_pages >= 1
         for flag in (caps.zero_copy, caps.shared, caps.persistent):
             assert isinstance(flag, bool)
+
+    async def test_a_batch_over_max_batch_pages_is_served_or_refused_cleanly(
+        self, backend: StorageBackend
+    ) -> None:
+        # The cache never sends more than max_batch_pages pages in one call. A backend may
+        # still serve a bigger batch, or refuse it with StorageError before any I/O: nothing
+        # stored, no buffer written, and the batches it takes still served.
+        count = _batch_limit(backend) + 1
+        if count * self.page_nbytes > _OVERSIZED_BATCH_BYTES:
+            pytest.skip(f"max_batch_pages + 1 = {count} pages is more than the suite sends")
+        keys = _keys(count)
+        payload = _payload(self.page_nbytes, 50)
+        pages = [[memoryview(payload)]] * count  # read-only, one page for every key
+        metas = [_meta(key) for key in keys]
+        try:
+            outcomes = await backend.put(keys, pages, metas)
+        except StorageError:
+            _assert_count(await _delete_batches(backend, keys), 0, "delete after a refused put")
+            outcomes = await _put_batches(backend, keys, pages, metas)
+        assert outcomes == [Outcome.OK] * count
+        n = self.page_nbytes
+        arena = memoryview(bytearray([_CANARY]) * (count * n))
+        buffers = [[arena[i * n : (i + 1) * n]] for i in range(count)]
+        try:
+            outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+        except StorageError:
+            assert arena == bytes([_CANARY]) * len(arena), "a refused get wrote into buffers"
+            outcomes = await _get_batches(backend, keys, buffers)
+        assert outcomes == [Outcome.OK] * count
+        assert all(bytes(buffer[0]) == payload for buffer in buffers)
+        _assert_count(await _delete_batches(backend, keys), count, "delete")
 
     async def test_empty_batches(self, backend: StorageBackend) -> None:
         _assert_count(await backend.exists([]), 0, "exists([])")
@@ -407,7 +571,7 @@ class StorageConformance:
             PageMeta(key=keys[1], namespace=NAMESPACE, num_tokens=0, priority=-(1 << 31)),
             PageMeta(key=keys[2], namespace=NAMESPACE, num_tokens=1, priority=(1 << 31) - 1),
         ]
-        assert await backend.put(keys, pages, extremes) == [Outcome.OK] * 3
+        assert await _put_batches(backend, keys, pages, extremes) == [Outcome.OK] * 3
 
     # Batches and prefixes.
 
@@ -418,7 +582,7 @@ class StorageConformance:
         data = await self._put(backend, [present_a, present_b])
         keys = [present_a, absent_a, present_b, absent_b]
         buffers = [_empty([self.page_nbytes]) for _ in keys]
-        outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+        outcomes = await _get_batches(backend, keys, buffers)
         assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.OK, Outcome.MISS]
         assert _joined(buffers[0]) == data[present_a]
         assert _joined(buffers[2]) == data[present_b]
@@ -434,7 +598,7 @@ class StorageConformance:
         await raw.write_raw(damaged, _flip(value, HEADER_NBYTES + self.page_nbytes // 2))
         keys = [present_a, damaged, absent, present_b, present_c]
         buffers = [_empty([self.page_nbytes]) for _ in keys]
-        outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+        outcomes = await _get_batches(backend, keys, buffers)
         assert outcomes == [Outcome.OK, Outcome.CORRUPT, Outcome.MISS, Outcome.OK, Outcome.OK]
         for i in (0, 3, 4):
             assert _joined(buffers[i]) == data[keys[i]]
@@ -588,7 +752,7 @@ class StorageConformance:
         before = backend.stats()
         await self._put(backend, keys)
         buffers = [_empty([self.page_nbytes]) for _ in range(3)]
-        await backend.get([keys[0], keys[1], absent], buffers, namespace=NAMESPACE)
+        await _get_batches(backend, [keys[0], keys[1], absent], buffers)
         after = backend.stats()
         assert (after.puts - before.puts, after.put_ok - before.put_ok) == (3, 3)
         assert (after.gets - before.gets, after.get_hits - before.get_hits) == (3, 2)
@@ -640,7 +804,7 @@ class StorageConformance:
             data = await self._put(backend, keys, seed=100 * index)
             assert await backend.exists(keys) == len(keys)
             buffers = [_empty([self.page_nbytes]) for _ in keys]
-            assert await backend.get(keys, buffers, namespace=NAMESPACE) == [Outcome.OK] * 4
+            assert await _get_batches(backend, keys, buffers) == [Outcome.OK] * 4
             for key, buffer in zip(keys, buffers, strict=True):
                 assert _joined(buffer) == data[key]
 
@@ -648,13 +812,14 @@ class StorageConformance:
         # The same pages read by many batches at once.
         flat = [key for keys in groups for key in keys]
         reads = [[_empty([self.page_nbytes]) for _ in flat] for _ in range(4)]
-        results = await asyncio.gather(
-            *(backend.get(flat, buffers, namespace=NAMESPACE) for buffers in reads)
-        )
+        results = await asyncio.gather(*(_get_batches(backend, flat, buffers) for buffers in reads))
         assert all(outcomes == [Outcome.OK] * len(flat) for outcomes in results)
 
-    def _cancel_batch_pages(self) -> int:
-        return max(16, (8 << 20) // self.page_nbytes)
+    def _cancel_batch_pages(self, backend: StorageBackend) -> int:
+        # 8 MiB, for a batch long enough to be cancelled in the middle, in one call the cache
+        # could make, and few enough pages that tiny ones do not take minutes.
+        pages = max(16, (8 << 20) // self.page_nbytes)
+        return min(pages, _MAX_BATCH_PAGES, _batch_limit(backend))
 
     async def _check_get_attempt(self, attempt: _GetAttempt) -> None:
         canary = bytes([_CANARY]) * self.page_nbytes
@@ -667,7 +832,7 @@ class StorageConformance:
     async def test_cancelled_get_never_writes_after_returning(
         self, backend: StorageBackend
     ) -> None:
-        keys = _keys(self._cancel_batch_pages())
+        keys = _keys(self._cancel_batch_pages(backend))
         data = await self._put(backend, keys)
         ring = _PageRing(len(keys), self.page_nbytes)
         pending: list[_GetAttempt] = []
@@ -676,7 +841,7 @@ class StorageConformance:
             for buffer in buffers:
                 buffer[0][:] = bytes(self.page_nbytes)
             task = asyncio.create_task(backend.get(keys, buffers, namespace=NAMESPACE))
-            if not await _cancel_at(point, task):
+            if not await _cancel_at(point, task, "a get"):
                 # The batch completed before the cancellation could land: every earlier
                 # point was a cancellation somewhere inside it.
                 outcomes = task.result()
@@ -717,7 +882,7 @@ class StorageConformance:
     async def test_cancelled_put_stores_pages_whole_or_not_at_all(
         self, backend: StorageBackend
     ) -> None:
-        count = self._cancel_batch_pages()
+        count = self._cancel_batch_pages(backend)
         data = [_payload(self.page_nbytes, i) for i in range(count)]
         ring = _PageRing(count, self.page_nbytes)
         pending: list[_PutAttempt] = []
@@ -728,7 +893,7 @@ class StorageConformance:
                 page[0][:] = payload
             metas = [_meta(key) for key in keys]
             task = asyncio.create_task(backend.put(keys, pages, metas))
-            if not await _cancel_at(point, task):
+            if not await _cancel_at(point, task, "a put"):
                 assert task.result() == [Outcome.OK] * count
                 break
             # The caller owns its pages again and reuses them: a page stored from them from
@@ -776,21 +941,28 @@ class StorageConformance:
         with pytest.raises(StorageError):
             await backend.delete([key])
 
-    async def test_close_leaves_no_task_running(
-        self, backend: StorageBackend, tasks_before_backend: set[asyncio.Task[object]]
+    async def test_close_leaves_no_task_or_thread_running(
+        self,
+        backend: StorageBackend,
+        tasks_before_backend: set[asyncio.Task[object]],
+        threads_before_backend: set[threading.Thread],
     ) -> None:
         (key,) = _keys(1)
         await self._put(backend, [key])
         await self._get_one(backend, key)
         await backend.close()
         await _assert_no_tasks_left(tasks_before_backend)
+        await _assert_no_threads_left(threads_before_backend)
 
     async def test_close_while_a_get_and_a_put_run(
-        self, backend: StorageBackend, tasks_before_backend: set[asyncio.Task[object]]
+        self,
+        backend: StorageBackend,
+        tasks_before_backend: set[asyncio.Task[object]],
+        threads_before_backend: set[threading.Thread],
     ) -> None:
         # close() may wait for calls in flight or make them raise StorageError; either way a
         # call that returns outcomes kept to them, and nothing writes into buffers later.
-        count = self._cancel_batch_pages()
+        count = self._cancel_batch_pages(backend)
         stored = _keys(count)
         data = await self._put(backend, stored)
         buffers = [_empty([self.page_nbytes]) for _ in stored]
@@ -815,6 +987,7 @@ class StorageConformance:
         for buffer in buffers:
             buffer[0][:] = canary
         await _assert_no_tasks_left(tasks_before_backend)
+        await _assert_no_threads_left(threads_before_backend)
         await asyncio.sleep(0.05)  # a straggling worker thread's chance to write
         for index, buffer in enumerate(buffers):
             assert bytes(buffer[0]) == canary, f"buffer {index} written after the get returned"
