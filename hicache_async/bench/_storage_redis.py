@@ -1,16 +1,16 @@
 """The raw Redis baseline for `hicache-async bench storage --backend redis://...`.
 
 Plain redis-py moving the same bytes as the backend (`page_nbytes` per page, no header, no
-checksum): several ways of issuing SET and GET are tried, each a few times, and the mode
-with the best median counts, so the baseline is the best plain redis-py does here, not one
+checksum): several ways of issuing SET and GET are tried, each a few times, and the modes
+with the best medians count, so the baseline is the best plain redis-py does here, not one
 arbitrary mode. Like the backend's put, every put stores keys the server does not hold yet.
 With `cluster=1` in the URL the same modes run on redis-py's cluster clients, whose
 pipelines split per node.
 
-redis-py parses replies with `hiredis` when that package is installed (its fastest mode: a
-GET of 768 KiB values runs about twice as fast) and in pure Python otherwise. `RawModes.parser`
-says which the baseline's connections use, and `RawModes.warning` what that means when it is
-not hiredis; the bench prints both.
+redis-py parses replies with `hiredis` when that package is installed (its fastest mode: GETs
+of large values run faster, up to about 2.6 times for 768 KiB values) and in pure Python
+otherwise. `RawModes.parser` says which the baseline's connections use, and
+`RawModes.warning` what that means when it is not hiredis; the bench prints both.
 """
 
 from __future__ import annotations
@@ -152,8 +152,8 @@ def parser_name() -> str:
 
 _NO_HIREDIS = (
     "hiredis is not installed, so the Redis baseline parses replies in pure Python: that is "
-    "not redis-py's fastest mode (its GETs of large values run about half as fast) and the "
-    "ratios flatter ours; `pip install hiredis` for the baseline the target means"
+    "not redis-py's fastest mode (its GETs of large values are slower) and the ratios "
+    "flatter ours; `pip install hiredis` for the baseline the target means"
 )
 
 

@@ -42,9 +42,10 @@ process and the same run, because absolute figures on a shared or virtual machin
 read the *ratio* column. A throughput ratio above 1 is better than the baseline; for times (µs,
 seconds) below 1 is. How the two sides are timed:
 
-- `storage` throughputs and the `file://` part of `orchestration`: in pairs, back to back and
-  in alternating order; `value` and `baseline` are the medians of each side and `ratio` the
-  median of the pairs' ratios, so it need not equal `value / baseline`.
+- `storage` throughputs and `orchestration`'s `prefetch_gbps`: in pairs, back to back and in
+  alternating order; `value` and `baseline` are the medians of each side and `ratio` the
+  median of the pairs' ratios, so it need not equal `value / baseline`. The same runs'
+  `loop_us_per_page` compares the medians of each side: `ratio` is `value / baseline`.
 - `storage` `exists64_us`: the median of as many calls on each side; `ratio` is
   `value / baseline`.
 - `copy`: each round times the plain copy, then the engine's; `value` and `baseline` are the

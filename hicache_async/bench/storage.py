@@ -2,16 +2,19 @@
 baseline moving the same bytes in the same run.
 
 Baselines: for `file://`, plain Python file I/O on the same kind of files (one file per page,
-same sizes, `os.pwritev`/`os.preadv` from a thread pool as wide as the backend's `io_threads`),
-read page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync). Puts are
-compared like for like twice: `put`, where the store writes over the files of the pages
-removed before the run (its spare files) and the baseline over its previous run's files, each
-renamed to the new page's name; and `put_new`, new files on both sides (a store with
-`spare=0`). For
-`memory://`, a dict of bytes with the same copies; for any other scheme, the module
-`hicache_async.bench._storage_<scheme>` when it exists (`redis`, `mooncake`), else no
-baseline: its `RawModes` are ways of moving the bytes with the plain client; the two best of
-each direction by median both run in every paired run, and the faster is the baseline's.
+same sizes). Writes are `os.pwritev` from a thread pool as wide as the backend's `io_threads`;
+reads, page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync, before
+every read of either side), are `os.preadv` in the modes of `_FileReads` (one call, header then
+page, 128 KiB pieces; on 2, 4 and 8 threads). Puts are compared like for like twice: `put`,
+where the store writes over the files of the pages removed before the run (its spare files)
+and the baseline over its previous run's files, each renamed to the new page's name; and
+`put_new`, new files on both sides (a store with `spare=0`). For `memory://`, a dict of bytes
+with the same copies; for any other scheme, the module `hicache_async.bench._storage_<scheme>`
+when it exists (`redis`, `mooncake`), else no baseline: its `RawModes` are ways of moving the
+bytes with the plain client. Wherever the baseline has several modes, each is tried twice
+(`_pick`); the two best by median both run in every paired run, and the faster is the
+baseline's. Which ones, and for Redis which reply parser redis-py uses (hiredis, its fastest,
+or pure Python, with a warning), go to stderr.
 Where `RawModes` has `checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take
 a third turn in each run, recorded as `raw_checked_put`/`raw_checked_get` against the plain
 calls: how close any store that checksums its pages could come to the baseline there.
@@ -20,7 +23,8 @@ Pages are one contiguous segment by default (`--segments N` cuts each into N, li
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
 the median over the runs (`--reps`; hot reads twice as many, cold ones one fewer) and its ratio
 the median of the per-pair ratios, so load that comes and goes between runs cancels out. Ratios
-above 1 are better for throughput; for `exists64` (microseconds per call) below 1 is.
+above 1 are better for throughput; for `exists64` (microseconds per call, the median of as many
+calls on each side) below 1 is.
 
 Where the file backend stands: it verifies every page it reads and checksums every page it
 writes (xxh3-64, ~20 GB/s per core from cache with python-xxhash's SSE2 build); the raw baseline
