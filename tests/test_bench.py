@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import os
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -613,6 +614,42 @@ def test_storage_file_read_modes_each_read_every_byte(tmp_path: Path) -> None:
             reads("mmap/t2")
 
 
+def test_storage_file_put_modes_write_over_the_files_before_or_new_ones(tmp_path: Path) -> None:
+    data = storage_bench._Data(storage_bench.SHAPES["small"], 4, 2)
+    root, fresh = tmp_path / "raw", tmp_path / "fresh"
+    root.mkdir()
+    fresh.mkdir()
+    page = bytes(storage_bench.HEADER_NBYTES) + bytes(data.source[: data.nbytes])
+
+    def contents(folder: Path) -> list[bytes]:
+        return [path.read_bytes() for path in sorted(folder.iterdir())]
+
+    with contextlib.ExitStack() as stack:
+        puts = storage_bench._FilePuts(stack, root, fresh, data, keep=3)
+        assert puts.modes == ["t1", "t2", "t4", "t8"]
+        for mode in puts.modes:
+            # Held open, the files before keep their inodes (none is reused for a new file).
+            held = [os.open(path, os.O_RDONLY) for path in puts.paths]
+            try:
+                assert puts.over(mode) > 0
+                before = {os.fstat(fd).st_ino for fd in held}
+            finally:
+                for fd in held:
+                    os.close(fd)
+            # Every page in a file of its own; three of them the files before, renamed.
+            assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in puts.paths)
+            assert contents(root)[0] == page
+            reused = {os.stat(path).st_ino for path in puts.paths} & before
+            assert len(reused) == (3 if held else 0)
+            assert puts.new(mode) > 0
+            assert len(os.listdir(fresh)) == 4  # the new() before's files went first
+            assert contents(fresh)[0] == page
+        puts.discard()
+        assert os.listdir(fresh) == []
+        with pytest.raises(ValueError, match="unknown write mode 't3'"):
+            puts.over("t3")
+
+
 def test_storage_file_baseline_reads_in_its_best_modes_each_from_a_cold_cache(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -637,6 +674,7 @@ def test_storage_file_baseline_reads_in_its_best_modes_each_from_a_cold_cache(
     records = _by_name(storage_bench.run(args))
     assert records["storage.file.small.get_cold_gbps"].baseline
     err = capsys.readouterr().err
+    assert "file small: baseline put t" in err  # its thread counts, chosen as the reads' ways
     chosen = {}
     for figure in ("get_hot", "get_cold"):
         head = f"file small: baseline {figure} "

@@ -2,19 +2,19 @@
 baseline moving the same bytes in the same run.
 
 Baselines: for `file://`, plain Python file I/O on the same kind of files (one file per page,
-same sizes). Writes are `os.pwritev` from a thread pool as wide as the backend's `io_threads`;
-reads, page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync, before
-every read of either side), are `os.preadv` in the modes of `_FileReads` (one call, header then
-page, 128 KiB pieces; on 2, 4 and 8 threads). Puts are compared like for like twice: `put`,
-where the store writes over the files of the pages removed before the run (its spare files)
-and the baseline over its previous run's files, each renamed to the new page's name; and
-`put_new`, new files on both sides (a store with `spare=0`). For `memory://`, a dict of bytes
-with the same copies; for any other scheme, the module `hicache_async.bench._storage_<scheme>`
-when it exists (`redis`, `mooncake`), else no baseline: its `RawModes` are ways of moving the
-bytes with the plain client. Wherever the baseline has several modes, each is tried twice
-(`_pick`); the two best by median both run in every paired run, and the faster is the
-baseline's. Which ones, and for Redis which reply parser redis-py uses (hiredis, its fastest,
-or pure Python, with a warning), go to stderr.
+same sizes): writes are `os.pwritev` on 1, 2, 4 or 8 threads (`_FilePuts`); reads, page-cache
+hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync, before every read of either
+side), are `os.preadv` in the modes of `_FileReads` (one call, header then page, 128 KiB
+pieces; on 2, 4 and 8 threads). Puts are compared like for like twice: `put`, where the store
+writes over the files of the pages removed before the run (its spare files) and the baseline
+over its previous run's files, each renamed to a new page's name; and `put_new`, new files on
+both sides (a store with `spare=0`). For `memory://`, a dict of bytes with the same copies; for
+any other scheme, the module `hicache_async.bench._storage_<scheme>` when it exists (`redis`,
+`mooncake`), else no baseline: its `RawModes` are ways of moving the bytes with the plain
+client. Wherever the baseline has several modes, each is tried twice (`_pick`); the two best
+by median both run in every paired run, and the faster is the baseline's. Which ones, and for
+Redis which reply parser redis-py uses (hiredis, its fastest, or pure Python, with a warning),
+go to stderr.
 Where `RawModes` has `checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take
 a third turn in each run, recorded as `raw_checked_put`/`raw_checked_get` against the plain
 calls: how close any store that checksums its pages could come to the baseline there.
@@ -78,7 +78,9 @@ _EXISTS_CALLS = EXISTS_CALLS
 _CHECK_NBYTES = 1 << 20
 #: Runs of each baseline mode before the best is chosen (by median) for the paired runs.
 _MODE_TRIALS = 2
-#: Threads of the file baseline's read modes, and the piece size of its chunked reads.
+#: Threads of the file baseline's write and read modes, and the piece size of its chunked
+#: reads.
+_WRITE_THREADS = (1, 2, 4, 8)
 _READ_THREADS = (2, 4, 8)
 _READ_CHUNK = 128 << 10
 _READ_MODES = tuple(f"{how}/t{n}" for how in ("preadv", "split", "chunked") for n in _READ_THREADS)
@@ -364,6 +366,62 @@ def _raw_put(
     return time.perf_counter() - start
 
 
+class _FilePuts:
+    """The baseline's puts: each writes every page into a file of its own, in mode `tN` on N
+    threads (`_WRITE_THREADS`), and returns its seconds.
+
+    `over(mode)` writes over the files of the `over` before (as many as the store keeps as
+    spare files, each renamed to a new page's name; the rest are removed first), as the store
+    writes over its spares; `paths` are then the new files. `new(mode)` writes new files in
+    `fresh`, after removing those of the `new` before (`discard()` removes the last ones).
+    Removals and a sync come before the timed part.
+    """
+
+    def __init__(
+        self, stack: contextlib.ExitStack, root: Path, fresh: Path, data: _Data, keep: int
+    ) -> None:
+        self._root, self._fresh, self._data, self._keep = root, fresh, data, keep
+        self._runs = itertools.count()
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        for count in _WRITE_THREADS:
+            pool = stack.enter_context(ThreadPoolExecutor(count, f"raw-write-{count}"))
+            _start_threads(pool, count)
+            self._pools[count] = pool
+        self.modes = [f"t{count}" for count in _WRITE_THREADS]
+        self.paths: list[str] = []
+        self._new: list[str] = []
+
+    def _pool(self, mode: str) -> ThreadPoolExecutor:
+        if mode not in self.modes:
+            raise ValueError(f"unknown write mode {mode!r}; modes: {', '.join(self.modes)}")
+        return self._pools[int(mode[1:])]
+
+    def _names(self, folder: Path) -> list[str]:
+        run = next(self._runs)
+        return [str(folder / f"{run}-{page}") for page in range(self._data.pages)]
+
+    def over(self, mode: str) -> float:
+        pool = self._pool(mode)
+        old, self.paths = self.paths, self._names(self._root)
+        for path in old[self._keep :]:
+            os.unlink(path)
+        os.sync()  # no writeback of an earlier put competes with this one
+        return _raw_put(pool, self.paths, self._data, reuse=old[: self._keep])
+
+    def new(self, mode: str) -> float:
+        pool = self._pool(mode)
+        self.discard()
+        self._new = self._names(self._fresh)
+        os.sync()
+        return _raw_put(pool, self._new, self._data)
+
+    def discard(self) -> None:
+        """Remove the files of the last `new`."""
+        for path in self._new:
+            os.unlink(path)
+        self._new = []
+
+
 def _start_threads(pool: ThreadPoolExecutor, count: int) -> None:
     """Start `count` threads of `pool` now (it starts them on demand), so that no timed
     read pays for a thread's start."""
@@ -504,46 +562,48 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
         try:
             spares = storage._spares
             spare_pages = (0 if spares is None else spares.limit) // (HEADER_NBYTES + data.nbytes)
-            with ThreadPoolExecutor(storage.io_threads) as pool, contextlib.ExitStack() as stack:
+            with contextlib.ExitStack() as stack:
                 # Untimed: a first put on both sides, so that every timed `put` (the first
                 # one too) writes over the files of the run before, as in a steady state.
+                puts = _FilePuts(stack, raw_dir, fresh_raw, data, spare_pages)
                 keys = data.keys()
-                paths = [str(raw_dir / key.hex()) for key in keys]
                 runner.run(_put_all(storage, data, keys, args.batch))
-                _raw_put(pool, paths, data)
-                fresh_paths: list[str] = []
+                puts.over(puts.modes[-1])
+                # The baseline's thread counts: each tried twice, the two best in every pair.
+                put_modes = _pick(puts.modes, puts.over)
+                new_modes = _pick(puts.modes, puts.new)
+                print(
+                    f"file {data.shape.name}: baseline put {' or '.join(put_modes)}, "
+                    f"put_new {' or '.join(new_modes)}",
+                    file=sys.stderr,
+                )
                 times = [0.0, 0.0]
                 for rep in range(reps):
                     # Fresh pages each time (a put of an existing key is a no-op). The store
                     # keeps the removed pages' files as spares and writes over them; the
-                    # baseline writes over the previous run's files likewise. `put_new` has
-                    # neither: new files on both sides.
+                    # baseline writes over the previous put's files likewise (as many as the
+                    # store keeps; the rest go first, untimed). `put_new` has neither: new
+                    # files on both sides.
                     runner.run(storage.delete(keys))
                     runner.run(fresh.delete(keys))
-                    # As many of the run before's files as the store keeps as spares; the
-                    # rest go, as the store's do (both outside the timed part).
-                    old_paths = paths[:spare_pages]
-                    for path in paths[spare_pages:]:
-                        os.unlink(path)
-                    for path in fresh_paths:
-                        os.unlink(path)
+                    puts.discard()  # as the store's fresh files just went
                     keys = data.keys()
-                    paths = [str(raw_dir / key.hex()) for key in keys]
-                    fresh_paths = [str(fresh_raw / key.hex()) for key in keys]
                     for turn in _rotate(rep):
-                        os.sync()  # no writeback of the previous run competes with this one
                         if turn == 0:
+                            os.sync()  # no writeback of an earlier run competes with this one
                             times[0] = runner.run(_put_all(storage, data, keys, args.batch))
-                        else:
-                            times[1] = _raw_put(pool, paths, data, reuse=old_paths)
+                        else:  # each mode syncs first too
+                            times[1] = min(puts.over(mode) for mode in put_modes)
                     pairs.add("put", *times)
                     for turn in _rotate(rep):
-                        os.sync()
                         if turn == 0:
+                            os.sync()
                             times[0] = runner.run(_put_all(fresh, data, keys, args.batch))
                         else:
-                            times[1] = _raw_put(pool, fresh_paths, data)
+                            times[1] = min(puts.new(mode) for mode in new_modes)
                     pairs.add("put_new", *times)
+                puts.discard()
+                paths = puts.paths
                 reads = _FileReads(stack, paths, data)
 
                 def hot(mode: str) -> float:
