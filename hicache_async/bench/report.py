@@ -64,12 +64,13 @@ What each benchmark measures, and what it must reach:
   **Target: ≥ 0.9x the plain copy.**
 - **storage**: `put`, `get` and `exists` of each backend against a raw baseline moving the same
   bytes, the fastest plain-Python way found in the same run: for `file://`, `os.pwritev` and
-  `os.preadv` on one file per page, page cache hot and cold, reads in three ways (one call,
-  header then page, 128 KiB pieces) on 2, 4 and 8 threads; a dict of bytes for `memory://`;
-  redis-py for `redis://`, several pipelined and asyncio ways (its fastest parser, `hiredis`,
-  only when that is installed: the run says which it used, and warns otherwise); the Mooncake
-  client's own batch calls for `mooncake://`. Where there are several ways, each is tried
-  twice and the two best by median both run in every pair, the faster counting.
+  `os.preadv` on one file per page, writes on 1, 2, 4 and 8 threads, reads (page cache hot
+  and cold) in three ways (one call, header then page, 128 KiB pieces) on 2, 4 and 8 threads;
+  a dict of bytes for `memory://`; redis-py for `redis://`, several pipelined and asyncio
+  ways (its fastest parser, `hiredis`, only when that is installed: the run says which it
+  used, and warns otherwise); the Mooncake client's own batch calls for `mooncake://`. Where
+  there are several ways, each is tried twice and the two best by median both run in every
+  pair, the faster counting.
   **Targets: get and put ≥ 0.9x raw; `exists` of 64 keys < 0.1 ms on files.**
 - **orchestration**: the prefetch path (storage → host pool) end to end. With `memory://` and
   512-byte pages, its own cost: pages per second and loop-thread CPU µs per page, against the
