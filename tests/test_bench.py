@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
+import os
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
 
@@ -27,9 +31,14 @@ from hicache_async.bench._sim import (
     simulate,
     upper_bound,
 )
+from hicache_async.bench._timing import median_us
 from hicache_async.cli import main
 from hicache_async.storage import FileStorage, MemoryStorage
+from hicache_async.testing._fixtures import redis_server, redis_url
 from hicache_async.testing._servers import free_port
+
+# Real servers for the Redis baseline's tests (pytest finds fixtures imported here).
+__all__ = ["redis_server", "redis_url"]
 
 
 def _args(module: object, argv: list[str]) -> argparse.Namespace:
@@ -561,3 +570,251 @@ def test_report_render_only_writes_the_stored_runs_page(
     (out / "report.json").write_bytes(msgspec.json.encode(payload))
     assert report.main(["--out-dir", str(out), "--render-only", "--quick"]) == 0
     assert (tmp_path / "docs" / "benchmarks.md").exists()
+
+
+# How the storage bench's raw baselines are chosen and timed.
+
+
+def test_storage_pick_keeps_the_two_best_medians_of_interleaved_trials(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(storage_bench, "_MODE_TRIALS", 3)
+    # Seconds of each trial per mode; one slow trial does not sink "a", one fast one does not
+    # lift "c".
+    seconds = {"a": [1.0, 9.0, 1.0], "b": [2.0, 2.0, 2.0], "c": [0.1, 5.0, 5.0], "d": [3.0] * 3}
+    calls: list[str] = []
+
+    def trial(mode: str) -> float:
+        calls.append(mode)
+        return seconds[mode][calls.count(mode) - 1]
+
+    assert storage_bench._pick(list(seconds), trial) == ["a", "b"]
+    assert calls == list(seconds) * 3  # round after round over every mode
+    assert storage_bench._pick(["only"], lambda mode: 1.0) == ["only"]
+    with pytest.raises(ValueError, match="no modes"):
+        storage_bench._pick([], lambda mode: 1.0)
+
+
+def test_storage_file_read_modes_each_read_every_byte(tmp_path: Path) -> None:
+    # Five segments per page: pieces of the chunked mode straddle the segments' ends.
+    data = storage_bench._Data(storage_bench.SHAPES["small"], 3, 5)
+    keys = data.keys()
+    paths = [str(tmp_path / key.hex()) for key in keys]
+    with ThreadPoolExecutor(2) as pool, contextlib.ExitStack() as stack:
+        storage_bench._raw_put(pool, paths, data)
+        reads = storage_bench._FileReads(stack, paths, data)
+        assert sorted(reads.modes) == sorted(
+            f"{how}/t{n}" for how in ("preadv", "split", "chunked") for n in (2, 4, 8)
+        )
+        assert reads.modes == list(storage_bench._READ_MODES)
+        for mode in reads.modes:
+            assert reads(mode) > 0
+            data.check()  # exits unless every page came back whole; then zeroes the pages
+        with pytest.raises(ValueError, match="unknown read mode 'mmap/t2'"):
+            reads("mmap/t2")
+
+
+def test_storage_file_put_modes_write_over_the_files_before_or_new_ones(tmp_path: Path) -> None:
+    data = storage_bench._Data(storage_bench.SHAPES["small"], 4, 2)
+    root, fresh = tmp_path / "raw", tmp_path / "fresh"
+    root.mkdir()
+    fresh.mkdir()
+    page = bytes(storage_bench.HEADER_NBYTES) + bytes(data.source[: data.nbytes])
+
+    def contents(folder: Path) -> list[bytes]:
+        return [path.read_bytes() for path in sorted(folder.iterdir())]
+
+    with contextlib.ExitStack() as stack:
+        puts = storage_bench._FilePuts(stack, root, fresh, data, keep=3)
+        assert puts.modes == ["t1", "t2", "t4", "t8"]
+        for mode in puts.modes:
+            # Held open, the files before keep their inodes (none is reused for a new file).
+            held = [os.open(path, os.O_RDONLY) for path in puts.paths]
+            try:
+                assert puts.over(mode) > 0
+                before = {os.fstat(fd).st_ino for fd in held}
+            finally:
+                for fd in held:
+                    os.close(fd)
+            # Every page in a file of its own; three of them the files before, renamed.
+            assert sorted(os.listdir(root)) == sorted(os.path.basename(p) for p in puts.paths)
+            assert contents(root)[0] == page
+            reused = {os.stat(path).st_ino for path in puts.paths} & before
+            assert len(reused) == (3 if held else 0)
+            assert puts.new(mode) > 0
+            assert len(os.listdir(fresh)) == 4  # the new() before's files went first
+            assert contents(fresh)[0] == page
+        puts.discard()
+        assert os.listdir(fresh) == []
+        with pytest.raises(ValueError, match="unknown write mode 't3'"):
+            puts.over("t3")
+
+
+def test_storage_file_baseline_reads_in_its_best_modes_each_from_a_cold_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    drop, call = storage_bench._drop_cache, storage_bench._FileReads.__call__
+
+    def dropped(*dirs: Path) -> None:
+        events.append("drop")
+        drop(*dirs)
+
+    def read(self: storage_bench._FileReads, mode: str) -> float:
+        events.append(mode)
+        return call(self, mode)
+
+    monkeypatch.setattr(storage_bench, "_drop_cache", dropped)
+    monkeypatch.setattr(storage_bench._FileReads, "__call__", read)
+    monkeypatch.setattr(storage_bench, "_EXISTS_CALLS", 3)
+    args = _args(
+        storage_bench,
+        ["--backend", f"file://{tmp_path}", "--shape", "small", "--pages", "2", "--reps", "2"],
+    )
+    records = _by_name(storage_bench.run(args))
+    assert records["storage.file.small.get_cold_gbps"].baseline
+    err = capsys.readouterr().err
+    assert "file small: baseline put t" in err  # its thread counts, chosen as the reads' ways
+    chosen = {}
+    for figure in ("get_hot", "get_cold"):
+        head = f"file small: baseline {figure} "
+        line = next(x for x in err.splitlines() if x.startswith(head))
+        chosen[figure] = line.removeprefix(head).split(" or ")
+        assert len(chosen[figure]) == 2
+    modes = list(storage_bench._READ_MODES)
+    trials = storage_bench._MODE_TRIALS * len(modes)
+    # Hot: trials of every mode in turn, then 4 pairs (twice --reps) reading in both best.
+    assert events[:trials] == modes * storage_bench._MODE_TRIALS
+    hot_pairs = events[trials : trials + 4 * 2]
+    assert sorted(set(hot_pairs)) == sorted(chosen["get_hot"])
+    # Cold: every trial read, and every read of the pairs, right after an eviction; one pair
+    # (--reps less one) of the store's read and the baseline's two best modes.
+    cold = events[trials + 4 * 2 :]
+    assert cold[: 2 * trials] == [
+        e for m in modes * storage_bench._MODE_TRIALS for e in ("drop", m)
+    ]
+    first, second = chosen["get_cold"]
+    assert cold[2 * trials :] == ["drop", "drop", first, "drop", second]  # ours went first
+
+
+def test_storage_exists_is_the_median_of_as_many_calls_on_each_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counts: list[tuple[str, int]] = []
+    median_us, amedian_us = storage_bench.median_us, storage_bench.amedian_us
+
+    def spy(call: Callable[[], object], calls: int) -> float:
+        counts.append(("baseline", calls))
+        return median_us(call, calls)
+
+    async def aspy(call: Callable[[], Awaitable[object]], calls: int) -> float:
+        counts.append(("ours", calls))
+        return await amedian_us(call, calls)
+
+    monkeypatch.setattr(storage_bench, "median_us", spy)
+    monkeypatch.setattr(storage_bench, "amedian_us", aspy)
+    monkeypatch.setattr(storage_bench, "_EXISTS_CALLS", 7)
+    args = _args(storage_bench, ["--backend", "memory://", "--shape", "small", "--pages", "2"])
+    args.reps = 1
+    storage_bench.run(args)
+    assert counts == [("ours", 7), ("baseline", 7)]
+
+
+def test_median_us_times_each_call() -> None:
+    ticks = iter(range(100))
+    assert median_us(lambda: next(ticks), 5) >= 0
+    assert next(ticks) == 5
+    with pytest.raises(ValueError, match="calls must be >= 1"):
+        median_us(lambda: None, 0)
+
+
+def test_redis_baseline_reports_its_reply_parser(
+    redis_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import redis
+
+    from hicache_async.bench import _storage_redis
+
+    with _storage_redis.RawModes(redis_url, 1024, 4) as raw:
+        # What the baseline's connections really parse with, sync and asyncio alike.
+        client = redis.Redis.from_url(redis_url)
+        try:
+            conn = client.connection_pool.get_connection()
+            parser = type(conn._parser).__name__
+            client.connection_pool.release(conn)
+        finally:
+            client.close()
+        assert raw.parser == ("hiredis" if "Hiredis" in parser else "python")
+        assert ("hiredis" in raw.parser) == redis.utils.HIREDIS_AVAILABLE
+        assert (raw.warning is None) == (raw.parser == "hiredis")
+    args = _args(
+        storage_bench,
+        ["--backend", redis_url, "--shape", "small", "--pages", "2", "--reps", "1"],
+    )
+    storage_bench.run(args)
+    err = capsys.readouterr().err
+    assert f"; reply parser {raw.parser}\n" in err
+    if raw.parser == "hiredis":
+        assert "warning" not in err
+    else:
+        warning = next(line for line in err.splitlines() if line.startswith("warning: "))
+        assert "not redis-py's fastest mode" in warning
+        assert "pip install hiredis" in warning
+
+
+def test_redis_baseline_opens_its_connections_before_timing(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    from hicache_async.bench import _storage_redis
+
+    watcher = redis.Redis.from_url(redis_url)
+    opened: list[int] = []
+    timed = _storage_redis._atimed
+
+    def connections() -> int:
+        return int(watcher.info("stats")["total_connections_received"])
+
+    async def counted(run: Callable[[], Awaitable[None]]) -> float:
+        before = connections()
+        seconds = await timed(run)
+        opened.append(connections() - before)
+        return seconds
+
+    monkeypatch.setattr(_storage_redis, "_atimed", counted)
+    try:
+        watcher.ping()
+        with _storage_redis.RawModes(redis_url, 256 << 10, 8) as raw:
+            modes = [m for m in raw.modes if m.startswith("async/w4")]
+            assert modes
+            for mode in modes:
+                raw.put(mode)
+                raw.get(mode)
+    finally:
+        watcher.close()
+    assert opened == [0] * 2 * len(modes)
+
+
+def test_redis_baseline_runs_its_asyncio_modes_on_the_stores_loop(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hicache_async.bench import _storage_redis
+
+    loops: list[type[asyncio.AbstractEventLoop]] = []
+    timed = _storage_redis._atimed
+
+    async def on(run: Callable[[], Awaitable[None]]) -> float:
+        loops.append(type(asyncio.get_running_loop()))
+        return await timed(run)
+
+    monkeypatch.setattr(_storage_redis, "_atimed", on)
+    with _storage_redis.RawModes(redis_url, 1024, 4) as raw:
+        raw.put("async/w2/d1")
+        raw.get("async/w2/d1")
+    assert raw.modes
+    loop = storage_bench.fastest_loop_factory()()
+    loop.close()
+    assert loops == [type(loop), type(loop)]
+    with pytest.raises(RuntimeError, match="outside its with block"):
+        raw.get("async/w2/d1")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["LoopRunner"]
+__all__ = ["LoopRunner", "fastest_loop_factory"]
 
 T = TypeVar("T")
 
@@ -38,3 +38,14 @@ class LoopRunner:
             loop.run_until_complete(loop.shutdown_default_executor())
         finally:
             loop.close()
+
+
+def fastest_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop's event loop where it is installed, else asyncio's: the storage bench runs the
+    store and the baselines' asyncio clients on it alike."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        return asyncio.new_event_loop
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import statistics
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,10 +26,9 @@ import numpy as np
 
 from .. import _native
 from ..storage._mooncake import MooncakeStorage, pooled_client
+from ._timing import EXISTS_CALLS, median_us
 
 __all__ = ["RawModes"]
-
-_EXISTS_CALLS = 200
 
 
 def _calls(
@@ -196,19 +194,11 @@ class RawModes:
             raise RuntimeError("raw mooncake get returned other bytes")
         return seconds
 
-    def exists_us(self) -> float:
-        """Median microseconds of one `batch_is_exist` of 64 of the last put's keys."""
+    def exists_us(self, calls: int = EXISTS_CALLS) -> float:
+        """Median microseconds of `calls` calls of `batch_is_exist` of 64 of the last put's
+        keys."""
         self._check_open()
         if not self._keys:
             raise RuntimeError("exists before any put")
-        return _exists_us(self._store, self._keys)
-
-
-def _exists_us(store: Any, keys: Sequence[str]) -> float:
-    probe = [keys[i % len(keys)] for i in range(64)]
-    times: list[float] = []
-    for _ in range(_EXISTS_CALLS):
-        start = time.perf_counter()
-        store.batch_is_exist(probe)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+        probe = [self._keys[i % len(self._keys)] for i in range(64)]
+        return median_us(lambda: self._store.batch_is_exist(probe), calls)

@@ -1,11 +1,16 @@
 """The raw Redis baseline for `hicache-async bench storage --backend redis://...`.
 
 Plain redis-py moving the same bytes as the backend (`page_nbytes` per page, no header, no
-checksum): several ways of issuing SET and GET are tried, each a few times, and the mode
-with the best median counts, so the baseline is the best plain redis-py does here, not one
+checksum): several ways of issuing SET and GET are tried, each a few times, and the modes
+with the best medians count, so the baseline is the best plain redis-py does here, not one
 arbitrary mode. Like the backend's put, every put stores keys the server does not hold yet.
 With `cluster=1` in the URL the same modes run on redis-py's cluster clients, whose
 pipelines split per node.
+
+redis-py parses replies with `hiredis` when that package is installed (its fastest mode: GETs
+of large values run faster, up to about 2.6 times for 768 KiB values) and in pure Python
+otherwise. `RawModes.parser` says which the baseline's connections use, and
+`RawModes.warning` what that means when it is not hiredis; the bench prints both.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,10 +26,14 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.cluster
+import redis.asyncio.connection
 import redis.cluster
+import redis.connection
 
 from .._errors import StorageError
 from ..storage._redact import mask_userinfo
+from ._runner import LoopRunner, fastest_loop_factory
+from ._timing import EXISTS_CALLS, median_us
 
 __all__ = ["RawModes"]
 
@@ -39,7 +47,6 @@ _CLIENT_PARAMS = (
     "ssl_check_hostname",
     "client_name",
 )
-_EXISTS_CALLS = 200
 _TIMEOUT_S = 30.0
 
 
@@ -130,11 +137,32 @@ async def _atimed(run: Callable[[], Awaitable[None]]) -> float:
     return time.perf_counter() - start
 
 
+async def _connect_all(client: _AsyncClient, width: int) -> None:
+    """Open the `width` connections a mode uses (per node, on a cluster) before it is timed:
+    pings at once each take a connection of their own, as the mode's workers will."""
+    await asyncio.gather(*(client.ping() for _ in range(width)))
+
+
+def parser_name() -> str:
+    """The reply parser redis-py's connections use here, sync and asyncio alike: "hiredis"
+    when that package (>= 3.2) is importable, else "python" (redis-py's own)."""
+    classes = (redis.connection.DefaultParser, redis.asyncio.connection.DefaultParser)
+    return "hiredis" if all("Hiredis" in c.__name__ for c in classes) else "python"
+
+
+_NO_HIREDIS = (
+    "hiredis is not installed, so the Redis baseline parses replies in pure Python: that is "
+    "not redis-py's fastest mode (its GETs of large values are slower) and the ratios "
+    "flatter ours; `pip install hiredis` for the baseline the target means"
+)
+
+
 class RawModes:
     """Plain redis-py ways of moving `num_pages` values of `page_nbytes`, run one at a time.
 
     Modes: the sync client with pipelines of several depths (`sync/dN`) and the asyncio
-    client over 2 and 4 connections (`async/wN/dN`). `put(mode)` first deletes what the
+    client over 2 and 4 connections (`async/wN/dN`), on uvloop where it is installed, every
+    connection opened before the timing starts. `put(mode)` first deletes what the
     previous put stored (untimed), then SETs keys the server does not hold, as a cache's put
     does: overwriting a value lets the server reuse its memory and runs about twice as fast
     on loopback, which would measure another operation. `get(mode)` reads the last put's
@@ -144,12 +172,17 @@ class RawModes:
     def __init__(self, url: str, page_nbytes: int, num_pages: int) -> None:
         if page_nbytes < 1 or num_pages < 1:
             raise ValueError("page_nbytes and num_pages must be >= 1")
+        #: Which reply parser the baseline's clients use ("hiredis" or "python"), and
+        #: what it means for the figures when it is not hiredis (else None).
+        self.parser = parser_name()
+        self.warning = None if self.parser == "hiredis" else _NO_HIREDIS
         self._url = _client_url(url)
         self._cluster = _is_cluster(url)
         self._tag = f"hicache-raw-bench:{uuid.uuid4().hex}"
         self._values = [os.urandom(page_nbytes) for _ in range(num_pages)]
         self._runs = itertools.count()
         self._keys: list[bytes] = []
+        self._runner: LoopRunner | None = None
         self._client: _SyncClient = (
             redis.cluster.RedisCluster.from_url(self._url, socket_timeout=_TIMEOUT_S)
             if self._cluster
@@ -168,6 +201,9 @@ class RawModes:
             # Said in one line by the command, not as a traceback.
             where = mask_userinfo(self._url)
             raise StorageError(f"the raw baseline cannot reach {where}: {exc}") from None
+        # The asyncio modes run on the loop the bench runs the store on (uvloop where it is
+        # installed: 7 to 18% faster here than asyncio's own for these modes).
+        self._runner = LoopRunner(fastest_loop_factory())
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -175,6 +211,9 @@ class RawModes:
             _delete(self._client, self._keys)
         finally:
             self._client.close()
+            if self._runner is not None:
+                self._runner.__exit__(None, None, None)
+                self._runner = None
 
     def put(self, mode: str) -> float:
         _delete(self._client, self._keys)
@@ -187,8 +226,12 @@ class RawModes:
             raise RuntimeError("get before any put")
         return self._run(mode, put=False)
 
-    def exists_us(self) -> float:
-        return _exists_us(self._client, self._keys)
+    def exists_us(self, calls: int = EXISTS_CALLS) -> float:
+        """Median microseconds of a 64-key existence check of the last put's keys, over
+        `calls` calls: one multi-key `EXISTS` or a pipeline of 64, whichever is faster."""
+        if not self._keys:
+            raise RuntimeError("exists before any put")
+        return _exists_us(self._client, self._keys, calls)
 
     def _run(self, mode: str, *, put: bool) -> float:
         kind, *params = mode.split("/")
@@ -213,14 +256,17 @@ class RawModes:
                 aclient = aioredis.Redis(connection_pool=pool)
             try:
                 put_run, get_run = _async_modes(aclient, self._keys, self._values, depth, width)
-                await aclient.ping()  # connect outside the timed part, as the sync client is
+                # Every connection opened outside the timed part, as the sync client's is.
+                await _connect_all(aclient, width)
                 return await _atimed(put_run if put else get_run)
             finally:
                 await aclient.aclose()
                 if pool is not None:
                     await pool.aclose()
 
-        return asyncio.run(timed())
+        if self._runner is None:
+            raise RuntimeError("RawModes is used outside its with block")
+        return self._runner.run(timed())
 
 
 def _delete(client: _SyncClient, keys: Sequence[bytes]) -> None:
@@ -228,18 +274,13 @@ def _delete(client: _SyncClient, keys: Sequence[bytes]) -> None:
         client.delete(*keys[start : start + 1000])
 
 
-def _exists_us(client: _SyncClient, keys: Sequence[bytes]) -> float:
+def _exists_us(client: _SyncClient, keys: Sequence[bytes], calls: int) -> float:
     probe = [keys[i % len(keys)] for i in range(64)]
-    multi: list[float] = []
-    piped: list[float] = []
-    for _ in range(_EXISTS_CALLS):
-        start = time.perf_counter()
-        client.exists(*probe)
-        multi.append(time.perf_counter() - start)
-        start = time.perf_counter()
+
+    def piped() -> None:
         with client.pipeline(transaction=False) as pipe:
             for key in probe:
                 pipe.exists(key)
             pipe.execute()
-        piped.append(time.perf_counter() - start)
-    return min(statistics.median(multi), statistics.median(piped)) * 1e6
+
+    return min(median_us(lambda: client.exists(*probe), calls), median_us(piped, calls))

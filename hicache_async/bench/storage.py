@@ -2,16 +2,19 @@
 baseline moving the same bytes in the same run.
 
 Baselines: for `file://`, plain Python file I/O on the same kind of files (one file per page,
-same sizes, `os.pwritev`/`os.preadv` from a thread pool as wide as the backend's `io_threads`),
-read page-cache hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync). Puts are
-compared like for like twice: `put`, where the store writes over the files of the pages
-removed before the run (its spare files) and the baseline over its previous run's files, each
-renamed to the new page's name; and `put_new`, new files on both sides (a store with
-`spare=0`). For
-`memory://`, a dict of bytes with the same copies; for any other scheme, the module
-`hicache_async.bench._storage_<scheme>` when it exists (`redis`, `mooncake`), else no
-baseline: its `RawModes` are ways of moving the bytes with the plain client; the two best of
-each direction by median both run in every paired run, and the faster is the baseline's.
+same sizes): writes are `os.pwritev` on 1, 2, 4 or 8 threads (`_FilePuts`); reads, page-cache
+hot and cold (evicted with `posix_fadvise(DONTNEED)` after a sync, before every read of either
+side), are `os.preadv` in the modes of `_FileReads` (one call, header then page, 128 KiB
+pieces; on 2, 4 and 8 threads). Puts are compared like for like twice: `put`, where the store
+writes over the files of the pages removed before the run (its spare files) and the baseline
+over its previous run's files, each renamed to a new page's name; and `put_new`, new files on
+both sides (a store with `spare=0`). For `memory://`, a dict of bytes with the same copies; for
+any other scheme, the module `hicache_async.bench._storage_<scheme>` when it exists (`redis`,
+`mooncake`), else no baseline: its `RawModes` are ways of moving the bytes with the plain
+client. Wherever the baseline has several modes, each is tried twice (`_pick`); the two best
+by median both run in every paired run, and the faster is the baseline's. Which ones, and for
+Redis which reply parser redis-py uses (hiredis, its fastest, or pure Python, with a warning),
+go to stderr.
 Where `RawModes` has `checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take
 a third turn in each run, recorded as `raw_checked_put`/`raw_checked_get` against the plain
 calls: how close any store that checksums its pages could come to the baseline there.
@@ -20,7 +23,8 @@ Pages are one contiguous segment by default (`--segments N` cuts each into N, li
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
 the median over the runs (`--reps`; hot reads twice as many, cold ones one fewer) and its ratio
 the median of the per-pair ratios, so load that comes and goes between runs cancels out. Ratios
-above 1 are better for throughput; for `exists64` (microseconds per call) below 1 is.
+above 1 are better for throughput; for `exists64` (microseconds per call, the median of as many
+calls on each side) below 1 is.
 
 Where the file backend stands: it verifies every page it reads and checksums every page it
 writes (xxh3-64, ~20 GB/s per core from cache with python-xxhash's SSE2 build); the raw baseline
@@ -30,7 +34,6 @@ does neither. On a machine whose cores are busy copying, that pass is most of th
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import importlib
 import importlib.util
@@ -40,6 +43,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -61,16 +65,25 @@ from ..storage import (
     open_storage,
 )
 from ._records import Record
-from ._runner import LoopRunner
+from ._runner import LoopRunner, fastest_loop_factory
+from ._timing import EXISTS_CALLS, amedian_us, median_us
 
 __all__ = ["SHAPES", "Shape", "add_arguments", "describe", "prepare", "run"]
 
 describe = "storage backends: put/get/exists throughput against a raw baseline of the same bytes"
 
 _NAMESPACE = bytes(range(16))
-_EXISTS_CALLS = 2000
+#: Calls timed for each side's `exists64_us` (the median counts); the baselines get the same.
+_EXISTS_CALLS = EXISTS_CALLS
+_CHECK_NBYTES = 1 << 20
 #: Runs of each baseline mode before the best is chosen (by median) for the paired runs.
 _MODE_TRIALS = 2
+#: Threads of the file baseline's write and read modes, and the piece size of its chunked
+#: reads.
+_WRITE_THREADS = (1, 2, 4, 8)
+_READ_THREADS = (2, 4, 8)
+_READ_CHUNK = 128 << 10
+_READ_MODES = tuple(f"{how}/t{n}" for how in ("preadv", "split", "chunked") for n in _READ_THREADS)
 
 _Item = TypeVar("_Item")
 
@@ -204,18 +217,16 @@ class _Data:
         return [PageMeta(key=k, namespace=_NAMESPACE, num_tokens=tokens) for k in keys]
 
     def check(self) -> None:
-        if self.target != self.source:
-            raise SystemExit("benchmark read back different bytes than it wrote")
-        self.target[:] = bytes(self.total)
-
-
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        return asyncio.new_event_loop
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory
+        """Exit if the destination differs from the source; then zero it for the next read."""
+        # Compared piece by piece in place: a whole-buffer comparison allocates (or unpacks)
+        # as much again, which took seconds per check on a guest that faults memory in.
+        target = np.frombuffer(self.target, dtype=np.uint8)
+        source = np.frombuffer(self.source, dtype=np.uint8)
+        for start in range(0, self.total, _CHECK_NBYTES):
+            piece = slice(start, start + _CHECK_NBYTES)
+            if not np.array_equal(target[piece], source[piece]):
+                raise SystemExit("benchmark read back different bytes than it wrote")
+        target.fill(0)
 
 
 def _batches(count: int, size: int) -> list[slice]:
@@ -254,10 +265,7 @@ async def _exists_us(storage: StorageBackend, keys: list[bytes]) -> float:
     probe = _probe(keys)
     if await storage.exists(probe) != len(probe):
         raise SystemExit(f"{storage.name}: exists did not find the pages just written")
-    start = time.perf_counter()
-    for _ in range(_EXISTS_CALLS):
-        await storage.exists(probe)
-    return (time.perf_counter() - start) / _EXISTS_CALLS * 1e6
+    return await amedian_us(lambda: storage.exists(probe), _EXISTS_CALLS)
 
 
 class _Pairs:
@@ -358,28 +366,169 @@ def _raw_put(
     return time.perf_counter() - start
 
 
-def _raw_get(pool: ThreadPoolExecutor, paths: list[str], data: _Data) -> float:
-    headers = [memoryview(bytearray(HEADER_NBYTES)) for _ in range(data.pages)]
+class _FilePuts:
+    """The baseline's puts: each writes every page into a file of its own, in mode `tN` on N
+    threads (`_WRITE_THREADS`), and returns its seconds.
 
-    def one(p: int) -> None:
-        fd = os.open(paths[p], os.O_RDONLY | os.O_CLOEXEC)
+    `over(mode)` writes over the files of the `over` before (as many as the store keeps as
+    spare files, each renamed to a new page's name; the rest are removed first), as the store
+    writes over its spares; `paths` are then the new files. `new(mode)` writes new files in
+    `fresh`, after removing those of the `new` before (`discard()` removes the last ones).
+    Removals and a sync come before the timed part.
+    """
+
+    def __init__(
+        self, stack: contextlib.ExitStack, root: Path, fresh: Path, data: _Data, keep: int
+    ) -> None:
+        self._root, self._fresh, self._data, self._keep = root, fresh, data, keep
+        self._runs = itertools.count()
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        for count in _WRITE_THREADS:
+            pool = stack.enter_context(ThreadPoolExecutor(count, f"raw-write-{count}"))
+            _start_threads(pool, count)
+            self._pools[count] = pool
+        self.modes = [f"t{count}" for count in _WRITE_THREADS]
+        self.paths: list[str] = []
+        self._new: list[str] = []
+
+    def _pool(self, mode: str) -> ThreadPoolExecutor:
+        if mode not in self.modes:
+            raise ValueError(f"unknown write mode {mode!r}; modes: {', '.join(self.modes)}")
+        return self._pools[int(mode[1:])]
+
+    def _names(self, folder: Path) -> list[str]:
+        run = next(self._runs)
+        return [str(folder / f"{run}-{page}") for page in range(self._data.pages)]
+
+    def over(self, mode: str) -> float:
+        pool = self._pool(mode)
+        old, self.paths = self.paths, self._names(self._root)
+        for path in old[self._keep :]:
+            os.unlink(path)
+        os.sync()  # no writeback of an earlier put competes with this one
+        return _raw_put(pool, self.paths, self._data, reuse=old[: self._keep])
+
+    def new(self, mode: str) -> float:
+        pool = self._pool(mode)
+        self.discard()
+        self._new = self._names(self._fresh)
+        os.sync()
+        return _raw_put(pool, self._new, self._data)
+
+    def discard(self) -> None:
+        """Remove the files of the last `new`."""
+        for path in self._new:
+            os.unlink(path)
+        self._new = []
+
+
+def _start_threads(pool: ThreadPoolExecutor, count: int) -> None:
+    """Start `count` threads of `pool` now (it starts them on demand), so that no timed
+    read pays for a thread's start."""
+    barrier = threading.Barrier(count)
+    list(pool.map(lambda _: barrier.wait(timeout=60.0), range(count)))
+
+
+class _FileReads:
+    """Plain-Python ways of reading every page's file (its header, then the page) into the
+    destination buffers, for the baseline's gets. Modes are `HOW/tN`, on N threads:
+
+    - `preadv`: header and page in one `os.preadv`;
+    - `split`: the header, then the page, in two calls (as the store reads);
+    - `chunked`: the header, then the page in calls of `_READ_CHUNK` bytes.
+
+    Which is fastest depends on the machine and on whether the page cache is hot or cold,
+    so the bench times them all and pairs the best with the store (`_pick`). Calling a mode
+    reads every page once and returns its seconds.
+    """
+
+    def __init__(self, stack: contextlib.ExitStack, paths: Sequence[str], data: _Data) -> None:
+        self._paths = list(paths)
+        self._pages = data.pages
+        self._headers = [memoryview(bytearray(HEADER_NBYTES)) for _ in range(data.pages)]
+        self._dst = data.dst
+        self._pieces = [_pieces(page, _READ_CHUNK) for page in data.dst]
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        for count in _READ_THREADS:
+            pool = stack.enter_context(ThreadPoolExecutor(count, f"raw-read-{count}"))
+            _start_threads(pool, count)
+            self._pools[count] = pool
+        self._ways: dict[str, Callable[[int], None]] = {
+            "preadv": self._whole,
+            "split": self._split,
+            "chunked": self._chunked,
+        }
+        self.modes = list(_READ_MODES)
+
+    def __call__(self, mode: str) -> float:
+        if mode not in self.modes:
+            raise ValueError(f"unknown read mode {mode!r}; modes: {', '.join(self.modes)}")
+        how, _, count = mode.partition("/t")
+        read, pool = self._ways[how], self._pools[int(count)]
+        start = time.perf_counter()
+        list(pool.map(read, range(self._pages)))
+        return time.perf_counter() - start
+
+    def _whole(self, p: int) -> None:
+        fd = os.open(self._paths[p], os.O_RDONLY | os.O_CLOEXEC)
         try:
-            os.preadv(fd, [headers[p], *data.dst[p]], 0)
+            os.preadv(fd, [self._headers[p], *self._dst[p]], 0)
         finally:
             os.close(fd)
 
-    start = time.perf_counter()
-    list(pool.map(one, range(data.pages)))
-    return time.perf_counter() - start
+    def _split(self, p: int) -> None:
+        fd = os.open(self._paths[p], os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.preadv(fd, [self._headers[p]], 0)
+            os.preadv(fd, self._dst[p], HEADER_NBYTES)
+        finally:
+            os.close(fd)
+
+    def _chunked(self, p: int) -> None:
+        fd = os.open(self._paths[p], os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.preadv(fd, [self._headers[p]], 0)
+            for offset, piece in self._pieces[p]:
+                os.preadv(fd, [piece], offset)
+        finally:
+            os.close(fd)
+
+
+def _pieces(page: Sequence[memoryview], size: int) -> list[tuple[int, memoryview]]:
+    """(file offset, view) of each piece of at most `size` bytes of `page`'s segments, in
+    order, as stored after the header."""
+    pieces = []
+    offset = HEADER_NBYTES
+    for segment in page:
+        for start in range(0, segment.nbytes, size):
+            piece = segment[start : start + size]
+            pieces.append((offset, piece))
+            offset += piece.nbytes
+    return pieces
+
+
+def _pick(modes: Sequence[str], trial: Callable[[str], float]) -> list[str]:
+    """The two of `modes` with the best median of `_MODE_TRIALS` runs of `trial(mode)` (its
+    seconds), best first; the runs go round all modes in turn, so that a spell of load does
+    not fall on one mode's runs alone. Both run in every paired run and the faster counts: a
+    few noisy trials cannot saddle the baseline with a weak mode."""
+    if not modes:
+        raise ValueError("no modes to pick from")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(_MODE_TRIALS):
+        for mode in modes:
+            times[mode].append(trial(mode))
+    return sorted(modes, key=lambda mode: statistics.median(times[mode]))[:2]
 
 
 def _raw_exists_us(paths: list[str]) -> float:
     probe = _probe(paths)
-    start = time.perf_counter()
-    for _ in range(_EXISTS_CALLS // 10):
+
+    def call() -> None:
         for path in probe:
             os.stat(path)
-    return (time.perf_counter() - start) / (_EXISTS_CALLS // 10) * 1e6
+
+    return median_us(call, _EXISTS_CALLS)
 
 
 def _drop_cache(*dirs: Path) -> None:
@@ -401,7 +550,7 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
     pairs = _Pairs()
     with (
         _workdir(args.backend) as (url, raw_dir),
-        LoopRunner(_loop_factory()) as runner,
+        LoopRunner(fastest_loop_factory()) as runner,
     ):
         storage = FileStorage.from_url(url)
         # The same store without spare files, for puts into new files on both sides.
@@ -413,64 +562,85 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
         try:
             spares = storage._spares
             spare_pages = (0 if spares is None else spares.limit) // (HEADER_NBYTES + data.nbytes)
-            with ThreadPoolExecutor(storage.io_threads) as pool:
+            with contextlib.ExitStack() as stack:
                 # Untimed: a first put on both sides, so that every timed `put` (the first
                 # one too) writes over the files of the run before, as in a steady state.
+                puts = _FilePuts(stack, raw_dir, fresh_raw, data, spare_pages)
                 keys = data.keys()
-                paths = [str(raw_dir / key.hex()) for key in keys]
                 runner.run(_put_all(storage, data, keys, args.batch))
-                _raw_put(pool, paths, data)
-                fresh_paths: list[str] = []
+                puts.over(puts.modes[-1])
+                # The baseline's thread counts: each tried twice, the two best in every pair.
+                put_modes = _pick(puts.modes, puts.over)
+                new_modes = _pick(puts.modes, puts.new)
+                print(
+                    f"file {data.shape.name}: baseline put {' or '.join(put_modes)}, "
+                    f"put_new {' or '.join(new_modes)}",
+                    file=sys.stderr,
+                )
                 times = [0.0, 0.0]
                 for rep in range(reps):
                     # Fresh pages each time (a put of an existing key is a no-op). The store
                     # keeps the removed pages' files as spares and writes over them; the
-                    # baseline writes over the previous run's files likewise. `put_new` has
-                    # neither: new files on both sides.
+                    # baseline writes over the previous put's files likewise (as many as the
+                    # store keeps; the rest go first, untimed). `put_new` has neither: new
+                    # files on both sides.
                     runner.run(storage.delete(keys))
                     runner.run(fresh.delete(keys))
-                    # As many of the run before's files as the store keeps as spares; the
-                    # rest go, as the store's do (both outside the timed part).
-                    old_paths = paths[:spare_pages]
-                    for path in paths[spare_pages:]:
-                        os.unlink(path)
-                    for path in fresh_paths:
-                        os.unlink(path)
+                    puts.discard()  # as the store's fresh files just went
                     keys = data.keys()
-                    paths = [str(raw_dir / key.hex()) for key in keys]
-                    fresh_paths = [str(fresh_raw / key.hex()) for key in keys]
                     for turn in _rotate(rep):
-                        os.sync()  # no writeback of the previous run competes with this one
                         if turn == 0:
+                            os.sync()  # no writeback of an earlier run competes with this one
                             times[0] = runner.run(_put_all(storage, data, keys, args.batch))
-                        else:
-                            times[1] = _raw_put(pool, paths, data, reuse=old_paths)
+                        else:  # each mode syncs first too
+                            times[1] = min(puts.over(mode) for mode in put_modes)
                     pairs.add("put", *times)
                     for turn in _rotate(rep):
-                        os.sync()
                         if turn == 0:
+                            os.sync()
                             times[0] = runner.run(_put_all(fresh, data, keys, args.batch))
                         else:
-                            times[1] = _raw_put(pool, fresh_paths, data)
+                            times[1] = min(puts.new(mode) for mode in new_modes)
                     pairs.add("put_new", *times)
+                puts.discard()
+                paths = puts.paths
+                reads = _FileReads(stack, paths, data)
+
+                def hot(mode: str) -> float:
+                    seconds = reads(mode)
+                    data.check()  # both sides start from the same state of the buffers
+                    return seconds
+
+                def cold(mode: str) -> float:
+                    _drop_cache(storage.root, raw_dir)
+                    return hot(mode)
+
+                hot_modes = _pick(reads.modes, hot)
+                print(
+                    f"file {data.shape.name}: baseline get_hot {' or '.join(hot_modes)}",
+                    file=sys.stderr,
+                )
                 for rep in range(2 * reps):  # cheap, and the noisiest
                     for turn in _rotate(rep):
                         if turn == 0:
                             times[0] = runner.run(_get_all(storage, data, keys, args.batch))
                             data.check()
                         else:
-                            times[1] = _raw_get(pool, paths, data)
-                            data.check()  # both start from the same state of the buffers
+                            times[1] = min(hot(mode) for mode in hot_modes)
                     pairs.add("get_hot", *times)
+                cold_modes = _pick(reads.modes, cold)
+                print(
+                    f"file {data.shape.name}: baseline get_cold {' or '.join(cold_modes)}",
+                    file=sys.stderr,
+                )
                 for rep in range(max(1, reps - 1)):  # each pair writes back and re-reads all
                     for turn in _rotate(rep):
-                        _drop_cache(storage.root, raw_dir)
                         if turn == 0:
+                            _drop_cache(storage.root, raw_dir)
                             times[0] = runner.run(_get_all(storage, data, keys, args.batch))
                             data.check()
-                        else:
-                            times[1] = _raw_get(pool, paths, data)
-                            data.check()  # both start from the same state of the buffers
+                        else:  # each of the baseline's modes from a cold cache too
+                            times[1] = min(cold(mode) for mode in cold_modes)
                     pairs.add("get_cold", *times)
                 exists = runner.run(_exists_us(storage, keys))
                 raw_exists = _raw_exists_us(paths)
@@ -519,12 +689,13 @@ def _dict_get(store: dict[bytes, bytearray], keys: list[bytes], data: _Data) -> 
 
 def _dict_exists_us(store: dict[bytes, bytearray], keys: list[bytes]) -> float:
     probe = _probe(keys)
-    start = time.perf_counter()
-    for _ in range(_EXISTS_CALLS):
+
+    def call() -> None:
         for key in probe:  # the same prefix walk MemoryStorage.exists does
             if key not in store:
                 break
-    return (time.perf_counter() - start) / _EXISTS_CALLS * 1e6
+
+    return median_us(call, _EXISTS_CALLS)
 
 
 def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
@@ -532,7 +703,7 @@ def _bench_memory(args: argparse.Namespace, data: _Data) -> list[Record]:
     pairs = _Pairs()
     capacity = 2 * data.pages * (data.nbytes + HEADER_NBYTES)
     storage = MemoryStorage.from_url(_memory_url(args.backend, capacity))
-    with LoopRunner(_loop_factory()) as runner:
+    with LoopRunner(fastest_loop_factory()) as runner:
         runner.run(storage.__aenter__())
         try:
             # Untimed: a first put on both sides. Each timed put then follows the removal of
@@ -602,21 +773,23 @@ def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any
     pairs = _Pairs()
     storage = open_storage(args.backend)
     with (
-        LoopRunner(_loop_factory()) as runner,
+        LoopRunner(fastest_loop_factory()) as runner,
         modes(args.backend, data.nbytes, data.pages) as raw,
     ):
-        # The baseline's modes: the best median of a few trials each, for put and for get.
-        trials: dict[str, tuple[list[float], list[float]]] = {m: ([], []) for m in raw.modes}
-        for _ in range(_MODE_TRIALS):
-            for mode in raw.modes:
-                trials[mode][0].append(raw.put(mode))
-                trials[mode][1].append(raw.get(mode))
-        # The two best of each direction both run in every paired run, and the baseline's
-        # time is the faster: a few noisy trials cannot saddle the baseline with a weak mode.
-        put_modes = sorted(raw.modes, key=lambda m: statistics.median(trials[m][0]))[:2]
-        get_modes = sorted(raw.modes, key=lambda m: statistics.median(trials[m][1]))[:2]
+        # The baseline's modes: the two best medians of a few trials each, for put and for
+        # get (every get reads the last put's values).
+        put_modes = _pick(raw.modes, raw.put)
+        get_modes = _pick(raw.modes, raw.get)
         put_mode, get_mode = put_modes[0], get_modes[0]
         chosen = f"baseline put {' or '.join(put_modes)}, get {' or '.join(get_modes)}"
+        # Where the plain client's speed depends on how it is installed (redis-py's reply
+        # parser), which way it ran, and a warning when that is not its fastest.
+        parser = getattr(raw, "parser", None)
+        if parser is not None:
+            chosen += f"; reply parser {parser}"
+        warning = getattr(raw, "warning", None)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         print(f"{scheme} {data.shape.name}: {chosen}", file=sys.stderr)
         runner.run(storage.__aenter__())
         try:
@@ -651,7 +824,7 @@ def _bench_paired(args: argparse.Namespace, data: _Data, scheme: str, modes: Any
                     pairs.add("raw_checked_put", times[2][0], times[1][0])
                     pairs.add("raw_checked_get", times[2][1], times[1][1])
             exists = runner.run(_exists_us(storage, keys))
-            raw_exists = raw.exists_us()
+            raw_exists = raw.exists_us(_EXISTS_CALLS)
             runner.run(storage.delete(keys))
         finally:
             runner.run(storage.close())
@@ -686,7 +859,7 @@ def _bench_other(args: argparse.Namespace, data: _Data, scheme: str | None) -> l
             await storage.delete(keys)
             return exists
 
-    with LoopRunner(_loop_factory()) as runner:
+    with LoopRunner(fastest_loop_factory()) as runner:
         exists = runner.run(session())
     prefix = f"storage.{label}.{data.shape.name}"
     records = [
