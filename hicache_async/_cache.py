@@ -37,6 +37,7 @@ from .storage._protocol import STORAGE_ACCEPTED, check_backend
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
 from .tree import MatchResult, RadixTree, TreeNode
 from .workers import (
+    BackupWorker,
     PrefetchHandle,
     PrefetchResult,
     StorageLink,
@@ -777,8 +778,11 @@ class HiCache:
 
     async def _alloc_device(self, count: int, request: Request) -> list[int]:
         """`count` device pages for `request`, evicting (and waiting for write-backs) as the
-        policy says. Raises `CacheClosedError` once `request` is released: checked right
-        before taking the pages, with no await after, so a released request never gets any.
+        policy says. Backups to storage that protect what eviction needs give way (a backup
+        never fails a request): this then waits at most for their backend call in progress.
+        Raises `OutOfPagesError` once nothing in flight could free pages, and
+        `CacheClosedError` once `request` is released: checked right before taking the
+        pages, with no await after, so a released request never gets any.
         """
         assert self._device_pool is not None
         if count > self._device_pool.num_pages:
@@ -798,14 +802,29 @@ class HiCache:
                 _log.error("hicache.abandoned_loads.negative", value=self._abandoned_loads)
                 self._abandoned_loads = 0
             if not self._device_backups and not self._abandoned_loads:
-                assert self._device_pool is not None
-                raise OutOfPagesError(
-                    f"the device pool cannot provide {count} pages: "
-                    f"{self._device_pool.allocator.free_count} free of "
-                    f"{self._device_pool.num_pages}, the rest in use by running requests"
-                )
+                # Nothing in flight will free pages. Backups to storage may still protect the
+                # host pages eviction needs (a device-only node's host-only children, a host
+                # too full to take a write-back): they give way, and once the call in progress
+                # returns (within backup.io_timeout_s) this tries again.
+                backups = [b for b in self._storage_backups() if b.protecting]
+                if not backups:
+                    assert self._device_pool is not None
+                    raise OutOfPagesError(
+                        f"the device pool cannot provide {count} pages: "
+                        f"{self._device_pool.allocator.free_count} free of "
+                        f"{self._device_pool.num_pages}, the rest in use by running requests"
+                    )
+                for backup in backups:
+                    backup.give_way()
+                if not any(backup.protecting for backup in backups):
+                    continue  # only queued jobs held pages: they are dropped
             self._capacity_changed.clear()
             await self._capacity_changed.wait()
+
+    def _storage_backups(self) -> list[BackupWorker]:
+        """The backup workers of the attached link and of one still closing (its flush)."""
+        links = (self._link, self._closing)
+        return [link.backup for link in links if link is not None and not link.closed]
 
     def _try_alloc_host(self, count: int) -> list[int] | None:
         assert self._host_pool is not None

@@ -5,6 +5,10 @@ it, or, when the queue is full, skips it and counts the skip. The worker writes 
 retries failed pages with bounded backoff, marks a node "in storage" only once the backend
 acknowledged all its pages, and then lifts the protection.
 
+A protection must never cost a request its pages: a device allocation that eviction cannot
+meet otherwise makes the worker give way (`give_way`), dropping what is queued and ending the
+batch in progress after the backend call it is in, without retrying.
+
 A batch also writes the pages above each job that storage lacks: a prefix is found in storage
 only up to its first missing page, so one page skipped, failed, or lost by the store (a
 restart without persistence, its own eviction, another instance's gc) would otherwise cut
@@ -94,6 +98,14 @@ class BackupWorker:
         )
         self._closed = False
         self._writing = False
+        # Set by `give_way` for the batch being written (a fresh one per batch).
+        self._give_way: anyio.Event | None = None
+        # The next batch starts giving way: `give_way` came while its first job was handed
+        # to the worker, no longer queued, before the batch began.
+        self._give_way_next = False
+        # Jobs whose protection is held: queued, handed to the worker, or in the batch.
+        self._held_jobs = 0
+        self._stopped = False
         #: pages of the batch being written (0 between batches)
         self.writing_pages = 0
         self._idle_waiters: list[anyio.Event] = []
@@ -114,6 +126,7 @@ class BackupWorker:
             self.skipped_pages += num_pages
             return False
         self._cache._tree.protect_host(node)
+        self._held_jobs += 1
         return True
 
     async def run(self) -> None:
@@ -129,14 +142,21 @@ class BackupWorker:
                         break
                     jobs.append(more)
                     pages += more.num_pages
+                self._give_way = anyio.Event()
+                if self._give_way_next:
+                    self._give_way_next = False
+                    self._give_way.set()
                 self._writing = True
                 self.writing_pages = pages
                 try:
                     await self._write(jobs)
                 finally:
                     self._writing = False
+                    self._give_way = None
                     self.writing_pages = 0
                     self._wake_idle()
+                    # An allocation that made the worker give way waits for the batch's end.
+                    self._cache._capacity_changed.set()
         finally:
             # Nothing is written any more, whatever ended the worker (a flush past its
             # deadline, the link's task cancelled without a close): later offers are skipped
@@ -145,6 +165,7 @@ class BackupWorker:
             self.close()
             self.drop_queued()
             self._receive.close()
+            self._stopped = True  # nothing will lift a protection left now
 
     def close(self) -> None:
         """Accept nothing more; `run()` finishes once the queue is drained."""
@@ -158,6 +179,7 @@ class BackupWorker:
         self.close()
         self.drop_queued()
         self._receive.close()
+        self._stopped = True
 
     def drop_queued(self) -> None:
         """Drop every queued job (counted), lifting its protection."""
@@ -168,6 +190,38 @@ class BackupWorker:
                 return
             self.dropped_pages += job.num_pages
             self._cache._tree.unprotect_host(job.node)
+            self._held_jobs -= 1
+            self._cache._capacity_changed.set()
+
+    def give_way(self) -> None:
+        """Let go of the host pages this worker protects, for a device allocation that
+        eviction cannot meet otherwise: a backup must never make a request fail.
+
+        Queued jobs are dropped (`dropped_pages`). The batch being written (or the one about
+        to begin with a job already handed to the worker) makes no further backend call (no
+        retry, no later chunk, no further prefix check): it ends once the call in progress
+        returns, within `io_timeout_s`, its unwritten pages counted in `failed_pages`, and
+        then lifts its protections. What it wrote is marked as usual.
+        """
+        if not self.protecting or (self.pending == 0 and (self._giving_way or self._give_way_next)):
+            return  # nothing held, or nothing more to give up
+        _log.warning(
+            "hicache.backup.gave_way", queued=self.pending, writing_pages=self.writing_pages
+        )
+        self.drop_queued()
+        if self._writing and self._give_way is not None:
+            self._give_way.set()
+        elif self._held_jobs:
+            self._give_way_next = True
+
+    @property
+    def protecting(self) -> bool:
+        """Some job's host protection is held, and the running worker will lift it."""
+        return self._held_jobs > 0 and not self._stopped
+
+    @property
+    def _giving_way(self) -> bool:
+        return self._give_way is not None and self._give_way.is_set()
 
     @property
     def idle(self) -> bool:
@@ -215,6 +269,7 @@ class BackupWorker:
         assert host is not None
         fingerprint = cache.namespace.fingerprint
         size = cache.config.page_size
+        entries: list[ManifestEntry] = []
         try:
             if self.config.check_prefix and self._is_current():
                 await self._check_prefixes(jobs)
@@ -269,10 +324,13 @@ class BackupWorker:
                 offset += n
             if self._manifest is not None and self._is_current():
                 entries = [e for e in map(self._chain_entry, jobs) if e is not None]
-                await self._record(entries)
         finally:
             for job in jobs:
                 tree.unprotect_host(job.node)
+            self._held_jobs -= len(jobs)
+            cache._capacity_changed.set()  # an allocation waiting on them retries
+        # The entries are taken: the manifest append needs no host page held.
+        await self._record(entries)
 
     async def _check_prefixes(self, jobs: list[_Job]) -> None:
         """Unmark the nodes above the jobs' ranges that are marked in storage but missing
@@ -297,7 +355,7 @@ class BackupWorker:
             # Pages of the chain known to be in storage, or already unmarked.
             start = self._checked_pages(_chain(top), time.monotonic())
             whole = True  # no page found missing yet: what was found is on record
-            while True:
+            while not self._giving_way:
                 # The chain is read again after every wait: a node may have been split
                 # meanwhile (which keeps the chain's keys); protection keeps all of it.
                 chain = _chain(top)
@@ -391,8 +449,14 @@ class BackupWorker:
         page_nbytes = self._cache.config.page_nbytes
         for attempt in range(self.config.max_retries + 1):
             if attempt:
+                # The backoff ends early when the worker gives way.
+                with anyio.move_on_after(self.config.retry_backoff_s * 2 ** (attempt - 1)):
+                    assert self._give_way is not None
+                    await self._give_way.wait()
+            if self._giving_way:
+                break  # a device allocation needs the pages: no further call
+            if attempt:
                 self.retried_pages += len(todo)
-                await anyio.sleep(self.config.retry_backoff_s * 2 ** (attempt - 1))
             began = time.monotonic()
             try:
                 with anyio.fail_after(self.config.io_timeout_s):
