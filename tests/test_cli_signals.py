@@ -80,6 +80,17 @@ def _verify(root: Path, started: threading.Event, number: int) -> int:
     return code
 
 
+def _assert_closed(root: Path) -> None:
+    """The command closed the store: no temporary file left, the lock released."""
+    assert list((root / "tmp").iterdir()) == []
+
+    async def reopen() -> None:
+        async with FileStorage(root):
+            pass
+
+    asyncio.run(reopen())
+
+
 def _handlers() -> tuple[object, object]:
     return signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
 
@@ -98,6 +109,7 @@ def test_interrupted_command_leaves_the_default_handlers(
     _populate(tmp_path / "s", 100)
     assert _verify(tmp_path / "s", started, number) == code
     assert capsys.readouterr().out == ""
+    _assert_closed(tmp_path / "s")
     # Not ignored for good: the host can still be stopped, and asyncio.run still cancels.
     assert _handlers() == (signal.default_int_handler, signal.SIG_DFL)
 
@@ -120,6 +132,7 @@ def test_sigterm_ends_the_command_and_leaves_the_hosts_sigint_handler(
     assert _handlers() == (host, signal.SIG_DFL)
     signal.raise_signal(signal.SIGINT)  # still the host's
     assert calls == [signal.SIGINT]
+    _assert_closed(tmp_path / "s")
 
 
 @pytest.mark.usefixtures("dispositions")
