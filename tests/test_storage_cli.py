@@ -346,27 +346,36 @@ def test_verify_leaves_files_that_are_no_pages_and_logs_each_stray_it_removes(
     root = tmp_path / "s"
     keys = _populate(root, 2)
     page = root / "pages" / keys[0].hex()[:2] / keys[0].hex()
-    # An operator's files: a backup copy of a page, notes, a page put in the wrong shard.
+    # An operator's files: a backup copy of a page, notes.
     backup = page.with_name(page.name + ".bak")
     backup.write_bytes(page.read_bytes())
     notes = page.with_name("NOTES.txt")
     notes.write_bytes(b"do not delete")
     readme = root / "pages" / "README"
     readme.write_bytes(b"do not delete")
+    # Pages out of their place: never found, never counted against the capacity, never
+    # evicted; removed as strays, so that they do not hold the disk for good.
     wrong = root / "pages" / ("00" if keys[0].hex()[:2] != "00" else "01")
     wrong.mkdir(mode=0o700, exist_ok=True)
     (wrong / page.name).write_bytes(page.read_bytes())
+    upper = page.with_name(page.name.upper())
+    upper.write_bytes(page.read_bytes())
+    loose = root / "pages" / page.name
+    loose.write_bytes(page.read_bytes())
     link = root / "pages" / "ab"
     link.mkdir(mode=0o700, exist_ok=True)
     (link / ("ab" + "0" * 62)).symlink_to(page)  # a stray entry where a page belongs
     code, out, err = _run(capsys, "verify", f"file://{root}", "--json")
     assert code == 0
     report = json.loads(out)
-    assert (report["ok"], report["leftovers_removed"], report["foreign"]) == (2, 1, 4)
-    assert all(path.read_bytes() for path in (backup, notes, readme, wrong / page.name))
-    assert not (link / ("ab" + "0" * 62)).is_symlink()
-    assert err.count("storage.stray.removed") == 1
+    assert (report["ok"], report["leftovers_removed"], report["foreign"]) == (2, 4, 3)
+    assert all(path.read_bytes() for path in (backup, notes, readme, page))
+    for stray in (wrong / page.name, upper, loose, link / ("ab" + "0" * 62)):
+        assert not stray.is_symlink()
+        assert not stray.exists()
+    assert err.count("storage.stray.removed") == 4
     assert "ab" + "0" * 62 in err
+    assert page.name.upper() in err
 
 
 def test_stats_and_ls_leave_leftovers_for_verify(

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from ._signals import ignore_more, received
+from ._signals import ignore_at_exit, received, reset
 
 if TYPE_CHECKING:
     import structlog
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # The rest is imported inside main(), where a Ctrl-C while it loads (most of the start-up
 # time) is an interrupt like any other, not a traceback.
 
-__all__ = ["main"]
+__all__ = ["console_main", "main"]
 
 #: Exit code after Ctrl-C (SIGINT): 128 + the signal number, as shells report it.
 EXIT_INTERRUPTED = 130
@@ -125,7 +125,10 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `hicache-async` and `python -m hicache_async`."""
+    """Run one command of `hicache-async` (`argv`, or the process's arguments) and return its
+    exit code. A function a host process may call too: the signal dispositions it finds are
+    the ones it leaves (see `_signals`)."""
+    reset()  # a signal an earlier call received is not this one's
     try:
         import structlog
 
@@ -146,9 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # their work under asyncio.run (or anyio.run), which cancels the main task on SIGINT
         # (Python 3.10: once the loop stops) and lets it close what it opened (a store: lock
         # released, temporary files removed) before this is raised. The storage and manifest
-        # commands take SIGTERM the same way. The command is ending: another Ctrl-C would
-        # only cut the clean-up short with a traceback.
-        ignore_more()
+        # commands take SIGTERM the same way.
         terminated = received() == signal.SIGTERM
         with contextlib.suppress(OSError):
             word = "terminated" if terminated else "interrupted"
@@ -157,5 +158,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def console_main() -> int:
+    """Entry point of the `hicache-async` executable and `python -m hicache_async`: `main()`,
+    after which an interrupted command's process ignores further signals while it exits."""
+    code = main()
+    if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
+        ignore_at_exit()  # another Ctrl-C would only cut the exit short with a traceback
+    return code
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    sys.exit(console_main())

@@ -13,7 +13,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .._errors import StorageConfigError
 from ..storage import FileStorage, open_storage
-from ._signals import ignore_more, signals_interrupt
+from ._signals import ignore_while_ending, signals_interrupt
 
 if TYPE_CHECKING:
     from ..storage import StorageBackend
@@ -184,7 +184,7 @@ def run_command(action: Callable[[argparse.Namespace], int], args: argparse.Name
         try:
             return action(args)
         except KeyboardInterrupt:
-            ignore_more()  # ending: a second Ctrl-C must not cut the clean-up short
+            ignore_while_ending()  # a second Ctrl-C must not cut the clean-up short
             raise
         finally:
             close_pooled_clients()

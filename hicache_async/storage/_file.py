@@ -737,9 +737,12 @@ def _scan(
     """Every page file under pages/. Entries that are neither page files nor regular files
     (symlinks, FIFOs, devices) go to `strays` (as (directory fd, name)) when given, and
     directories inside a shard to `stray_dirs`; their descriptors stay open in `handles`.
-    Regular files that are no page of their shard (an operator's notes or backup copy, a
-    page in the wrong shard) go to `foreign`: never the store's, so never removed. Shards
-    that cannot be opened, or are refused as unsafe, go to `refused`."""
+    A regular file named as a page key (64 hex digits, of either case) that is no page of
+    its shard (one moved to another shard or out of the shards, or named in upper case) is
+    a stray too: a page the store can neither find nor account for, which would outlive its
+    capacity. Other regular files (an operator's notes or backup copy) go to `foreign`:
+    never the store's, so never removed. Shards that cannot be opened, or are refused as
+    unsafe, go to `refused`."""
     found: list[_Found] = []
     pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
     try:
@@ -755,7 +758,7 @@ def _scan(
             break
         valid = len(shard_name) == 2 and _HEX.issuperset(shard_name)
         if not (is_dir and valid):
-            if regular and foreign is not None:
+            if regular and not _names_a_page(shard_name) and foreign is not None:
                 foreign.append(shard_name)
             elif strays is not None and not is_dir:
                 strays.append((handles.pages_fd, shard_name))
@@ -793,6 +796,9 @@ def _scan(
                         elif _is_page_name(name) and name[:2] == shard_name:
                             st = entry.stat(follow_symlinks=False)
                             found.append((bytes.fromhex(name), st.st_size, st.st_mtime))
+                        elif _names_a_page(name):
+                            if strays is not None:  # a page out of its place
+                                strays.append((shard_fd, name))
                         elif foreign is not None:
                             foreign.append(f"{shard_name}/{name}")
                     except FileNotFoundError:
@@ -800,6 +806,12 @@ def _scan(
         finally:
             os.close(scan_fd)
     return found
+
+
+def _names_a_page(name: str) -> bool:
+    # A page key in either case: the store writes lower case only, so any such file out of
+    # its place (or in upper case) is a page it lost track of, never an operator's file.
+    return len(name) == _KEY_HEX_LEN and _HEX.issuperset(name.lower())
 
 
 def _is_regular(entry: os.DirEntry[str]) -> bool:

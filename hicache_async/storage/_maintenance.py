@@ -56,8 +56,9 @@ class VerifyReport(msgspec.Struct, frozen=True):
     #: it holds), corrupt pages and leftovers that could not be removed. The log names
     #: them. (Added after the first release: decoders default it.)
     unchecked: int = 0
-    #: regular files under `pages/` that are no page of the store (an operator's notes or
-    #: backup copy, a page in the wrong shard): left in place, never the store's to remove.
+    #: regular files under `pages/` whose names are no page keys (an operator's notes or
+    #: backup copy): left in place, never the store's to remove. A page key's file out of its
+    #: place (the wrong shard) is a stray, removed and counted in `leftovers_removed`.
     #: File store only. (Added after the first release, as `unchecked`.)
     foreign: int = 0
 

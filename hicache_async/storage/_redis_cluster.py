@@ -22,6 +22,11 @@
   then answers MOVED back to the old owner, which answers ASK again, until the redirects
   run out: every key of a slot being moved failed. A node's free connections are taken
   most recently freed first here, so the command follows `ASKING` on its connection.
+* **Timeouts.** redis-py's cluster client sends a command or pipeline that timed out again
+  (after relearning the slot map, and for a pipeline a 0.25 s pause), whatever retry it was
+  given: a silent node took over twice `timeout` to fail a call. `timeout` is the bound the
+  user set on a call, so here a timeout is not retried; a lost or refused connection, MOVED,
+  ASK, TRYAGAIN and CLUSTERDOWN still are.
 """
 
 from __future__ import annotations
@@ -29,14 +34,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import copy
 from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis.asyncio.cluster import (
+    ClusterPipeline,
+    PipelineStrategy,
+    RedisCluster,
+    TransactionStrategy,
+)
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["GuardedCluster"]
 
@@ -53,9 +65,20 @@ class _LastFreedFirst(collections.deque[Connection]):
         self.appendleft(connection)
 
 
+#: The failures after which the client sends a call again: redis-py's, but a timeout.
+_ERRORS_ALLOW_RETRY: tuple[type[Exception], ...] = tuple(
+    error for error in RedisCluster.ERRORS_ALLOW_RETRY if not issubclass(error, RedisTimeoutError)
+)
+
+
 class GuardedCluster(RedisCluster):
     """`RedisCluster` running at most `turns` commands or pipelines at once, whose failures
-    are always `RedisError`s (or the client's own `RedisClusterException`s)."""
+    are always `RedisError`s (or the client's own `RedisClusterException`s), and which does
+    not send a call that timed out again."""
+
+    # Read by redis-py's execute_command as `self.__class__.ERRORS_ALLOW_RETRY`; typed there
+    # as the exact tuple redis-py lists.
+    ERRORS_ALLOW_RETRY = _ERRORS_ALLOW_RETRY  # type: ignore[assignment]
 
     def __init__(self, *args: Any, turns: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -138,6 +161,16 @@ class _GuardedPipeline(ClusterPipeline):
     def __init__(self, client: GuardedCluster, transaction: Any | None = None) -> None:
         super().__init__(client, transaction)
         self._guarded = client
+        # redis-py's strategies name `RedisCluster.ERRORS_ALLOW_RETRY`, timeouts included.
+        strategy = self._execution_strategy
+        if isinstance(strategy, TransactionStrategy):
+            retry = copy.copy(client.retry)
+            retry.update_supported_errors(
+                (*_ERRORS_ALLOW_RETRY, *strategy.SLOT_REDIRECT_ERRORS)  # type: ignore[arg-type]
+            )
+            strategy._retry = retry
+        else:
+            self._execution_strategy = _PipelineStrategy(self)
 
     async def execute(
         self, raise_on_error: bool = True, allow_redirections: bool = True
@@ -149,6 +182,41 @@ class _GuardedPipeline(ClusterPipeline):
                 raise
             except Exception as exc:
                 raise _lost(exc) from exc
+
+
+class _PipelineStrategy(PipelineStrategy):
+    """redis-py's strategy for a pipeline outside a transaction, whose `execute` is redis-py's
+    but for the failures it sends the pipeline again after: those of `GuardedCluster`."""
+
+    async def execute(
+        self, raise_on_error: bool = True, allow_redirections: bool = True
+    ) -> list[Any]:
+        if not self._command_queue:
+            return []
+        client = self._pipe.cluster_client
+        try:
+            retries = client.retry.get_retries()
+            while True:
+                try:
+                    if client._initialize:
+                        await client.initialize()
+                    result: list[Any] = await self._execute(
+                        client,
+                        self._command_queue,
+                        raise_on_error=raise_on_error,
+                        allow_redirections=allow_redirections,
+                    )
+                except _ERRORS_ALLOW_RETRY:
+                    if retries <= 0:
+                        raise
+                    # Try again with the slot map learnt anew (see `GuardedCluster.aclose`).
+                    retries -= 1
+                    await client.aclose()
+                    await asyncio.sleep(0.25)
+                else:
+                    return result
+        finally:
+            await self.reset()  # type: ignore[no-untyped-call]
 
 
 def _lost(error: Exception) -> RedisConnectionError:
