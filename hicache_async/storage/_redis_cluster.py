@@ -39,12 +39,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from redis.asyncio.cluster import (
-    ClusterPipeline,
-    PipelineStrategy,
-    RedisCluster,
-    TransactionStrategy,
-)
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
@@ -162,15 +157,19 @@ class _GuardedPipeline(ClusterPipeline):
         super().__init__(client, transaction)
         self._guarded = client
         # redis-py's strategies name `RedisCluster.ERRORS_ALLOW_RETRY`, timeouts included.
-        strategy = self._execution_strategy
-        if isinstance(strategy, TransactionStrategy):
+        # Before redis-py 6.2 pipelines have no strategies: their own retries stay.
+        strategy = getattr(self, "_execution_strategy", None)
+        if _strategies is None or _UntimedPipelineStrategy is None or strategy is None:
+            return
+        pipeline_strategy, transaction_strategy = _strategies
+        if isinstance(strategy, transaction_strategy):
             retry = copy.copy(client.retry)
             retry.update_supported_errors(
                 (*_ERRORS_ALLOW_RETRY, *strategy.SLOT_REDIRECT_ERRORS)  # type: ignore[arg-type]
             )
             strategy._retry = retry
-        else:
-            self._execution_strategy = _PipelineStrategy(self)
+        elif type(strategy) is pipeline_strategy:
+            self._execution_strategy = _UntimedPipelineStrategy(self)
 
     async def execute(
         self, raise_on_error: bool = True, allow_redirections: bool = True
@@ -184,39 +183,62 @@ class _GuardedPipeline(ClusterPipeline):
                 raise _lost(exc) from exc
 
 
-class _PipelineStrategy(PipelineStrategy):
-    """redis-py's strategy for a pipeline outside a transaction, whose `execute` is redis-py's
-    but for the failures it sends the pipeline again after: those of `GuardedCluster`."""
+def _load_strategies() -> tuple[type[Any], type[Any]] | None:
+    try:
+        from redis.asyncio.cluster import (  # type: ignore[attr-defined,unused-ignore]
+            PipelineStrategy,
+            TransactionStrategy,
+        )
+    except ImportError:
+        return None
+    return PipelineStrategy, TransactionStrategy
 
-    async def execute(
-        self, raise_on_error: bool = True, allow_redirections: bool = True
-    ) -> list[Any]:
-        if not self._command_queue:
-            return []
-        client = self._pipe.cluster_client
-        try:
-            retries = client.retry.get_retries()
-            while True:
-                try:
-                    if client._initialize:
-                        await client.initialize()
-                    result: list[Any] = await self._execute(
-                        client,
-                        self._command_queue,
-                        raise_on_error=raise_on_error,
-                        allow_redirections=allow_redirections,
-                    )
-                except _ERRORS_ALLOW_RETRY:
-                    if retries <= 0:
-                        raise
-                    # Try again with the slot map learnt anew (see `GuardedCluster.aclose`).
-                    retries -= 1
-                    await client.aclose()
-                    await asyncio.sleep(0.25)
-                else:
-                    return result
-        finally:
-            await self.reset()  # type: ignore[no-untyped-call]
+
+_strategies = _load_strategies()
+
+
+def _untimed_pipeline_strategy(base: type[Any]) -> type[Any]:
+    """redis-py's strategy for a pipeline outside a transaction (`base`), whose `execute` is
+    redis-py's but for the failures it sends the pipeline again after: those of
+    `GuardedCluster`."""
+
+    class UntimedPipelineStrategy(base):  # type: ignore[misc]
+        async def execute(
+            self, raise_on_error: bool = True, allow_redirections: bool = True
+        ) -> list[Any]:
+            if not self._command_queue:
+                return []
+            client = self._pipe.cluster_client
+            try:
+                retries = client.retry.get_retries()
+                while True:
+                    try:
+                        if client._initialize:
+                            await client.initialize()
+                        result: list[Any] = await self._execute(
+                            client,
+                            self._command_queue,
+                            raise_on_error=raise_on_error,
+                            allow_redirections=allow_redirections,
+                        )
+                    except _ERRORS_ALLOW_RETRY:
+                        if retries <= 0:
+                            raise
+                        # Again with the slot map learnt anew (see `GuardedCluster.aclose`).
+                        retries -= 1
+                        await client.aclose()
+                        await asyncio.sleep(0.25)
+                    else:
+                        return result
+            finally:
+                await self.reset()
+
+    return UntimedPipelineStrategy
+
+
+_UntimedPipelineStrategy = (
+    None if _strategies is None else _untimed_pipeline_strategy(_strategies[0])
+)
 
 
 def _lost(error: Exception) -> RedisConnectionError:
