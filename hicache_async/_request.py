@@ -231,8 +231,10 @@ class Request:
     async def allocate(self, num_tokens: int) -> list[int]:
         """Device pages for `num_tokens` more tokens (whole pages, the tail page included).
 
-        May wait for pages being freed (write-backs, loads landing); raises
-        `CacheClosedError` once released, a call still waiting included. `num_tokens` must be
+        May wait for pages being freed (write-backs, loads landing, and at most
+        `backup.io_timeout_s` for a storage backup in progress that gives way); raises
+        `OutOfPagesError` when running requests hold the pages, and `CacheClosedError` once
+        released, a call still waiting included. `num_tokens` must be
         an int (`TypeError` otherwise, a bool included) and >= 0 (`ValueError`).
         """
         self._check()
