@@ -595,7 +595,9 @@ def test_storage_pick_keeps_the_two_best_medians_of_interleaved_trials(
         storage_bench._pick([], lambda mode: 1.0)
 
 
-def test_storage_file_read_modes_each_read_every_byte(tmp_path: Path) -> None:
+def test_storage_file_read_modes_each_read_every_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Five segments per page: pieces of the chunked mode straddle the segments' ends.
     data = storage_bench._Data(storage_bench.SHAPES["small"], 3, 5)
     keys = data.keys()
@@ -610,6 +612,17 @@ def test_storage_file_read_modes_each_read_every_byte(tmp_path: Path) -> None:
         for mode in reads.modes:
             assert reads(mode) > 0
             data.check()  # exits unless every page came back whole; then zeroes the pages
+        hashed: list[int] = []
+        checksum = storage_bench._native.checksum
+
+        def counted(segments: list[memoryview]) -> int:
+            hashed.append(sum(view.nbytes for view in segments))
+            return checksum(segments)
+
+        monkeypatch.setattr(storage_bench._native, "checksum", counted)
+        assert reads("split/t2", checked=True) > 0
+        data.check()
+        assert hashed == [data.nbytes] * 3  # each page hashed once, whole
         with pytest.raises(ValueError, match="unknown read mode 'mmap/t2'"):
             reads("mmap/t2")
 
@@ -660,9 +673,9 @@ def test_storage_file_baseline_reads_in_its_best_modes_each_from_a_cold_cache(
         events.append("drop")
         drop(*dirs)
 
-    def read(self: storage_bench._FileReads, mode: str) -> float:
-        events.append(mode)
-        return call(self, mode)
+    def read(self: storage_bench._FileReads, mode: str, *, checked: bool = False) -> float:
+        events.append(f"{mode}+xxh3" if checked else mode)
+        return call(self, mode, checked=checked)
 
     monkeypatch.setattr(storage_bench, "_drop_cache", dropped)
     monkeypatch.setattr(storage_bench._FileReads, "__call__", read)
@@ -683,13 +696,19 @@ def test_storage_file_baseline_reads_in_its_best_modes_each_from_a_cold_cache(
         assert len(chosen[figure]) == 2
     modes = list(storage_bench._READ_MODES)
     trials = storage_bench._MODE_TRIALS * len(modes)
-    # Hot: trials of every mode in turn, then 4 pairs (twice --reps) reading in both best.
+    # Hot: trials of every mode in turn, then 4 runs (twice --reps) reading in both best,
+    # plain and with each page hashed (the checked ceiling).
     assert events[:trials] == modes * storage_bench._MODE_TRIALS
-    hot_pairs = events[trials : trials + 4 * 2]
-    assert sorted(set(hot_pairs)) == sorted(chosen["get_hot"])
+    hot_runs = events[trials : trials + 4 * 4]
+    assert sorted(hot_runs) == sorted(
+        4 * [*chosen["get_hot"], *(f"{mode}+xxh3" for mode in chosen["get_hot"])]
+    )
+    assert records["storage.file.small.raw_checked_get_hot_gbps"].baseline == (
+        records["storage.file.small.get_hot_gbps"].baseline
+    )
     # Cold: every trial read, and every read of the pairs, right after an eviction; one pair
     # (--reps less one) of the store's read and the baseline's two best modes.
-    cold = events[trials + 4 * 2 :]
+    cold = events[trials + 4 * 4 :]
     assert cold[: 2 * trials] == [
         e for m in modes * storage_bench._MODE_TRIALS for e in ("drop", m)
     ]

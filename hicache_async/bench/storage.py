@@ -17,7 +17,9 @@ Redis which reply parser redis-py uses (hiredis, its fastest, or pure Python, wi
 go to stderr.
 Where `RawModes` has `checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take
 a third turn in each run, recorded as `raw_checked_put`/`raw_checked_get` against the plain
-calls: how close any store that checksums its pages could come to the baseline there.
+calls: how close any store that checksums its pages could come to the baseline there. The
+file bench does the same for hot reads (`raw_checked_get_hot`: the baseline's reads, each page
+hashed right after it is read).
 
 Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
@@ -53,6 +55,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsp
 
 import numpy as np
 
+from .. import _native
 from ..cli._args import positive_int
 from ..storage import (
     HEADER_NBYTES,
@@ -460,11 +463,20 @@ class _FileReads:
         }
         self.modes = list(_READ_MODES)
 
-    def __call__(self, mode: str) -> float:
+    def __call__(self, mode: str, *, checked: bool = False) -> float:
+        """Read every page in `mode`; `checked` also takes the xxh3 of each page right after
+        reading it (from the cache), as a store that verifies its pages must at least."""
         if mode not in self.modes:
             raise ValueError(f"unknown read mode {mode!r}; modes: {', '.join(self.modes)}")
         how, _, count = mode.partition("/t")
         read, pool = self._ways[how], self._pools[int(count)]
+        if checked:
+            plain = read
+
+            def read(p: int) -> None:
+                plain(p)
+                _native.checksum(self._dst[p])
+
         start = time.perf_counter()
         list(pool.map(read, range(self._pages)))
         return time.perf_counter() - start
@@ -620,14 +632,21 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                     f"file {data.shape.name}: baseline get_hot {' or '.join(hot_modes)}",
                     file=sys.stderr,
                 )
+                # A third turn: the baseline's reads plus the xxh3 of each page, the least a
+                # store that verifies what it reads must do (`raw_checked_get_hot`).
+                checked = [0.0, 0.0, 0.0]
                 for rep in range(2 * reps):  # cheap, and the noisiest
-                    for turn in _rotate(rep):
+                    for turn in _rotate(rep, 3):
                         if turn == 0:
-                            times[0] = runner.run(_get_all(storage, data, keys, args.batch))
+                            checked[0] = runner.run(_get_all(storage, data, keys, args.batch))
                             data.check()
+                        elif turn == 1:
+                            checked[1] = min(hot(mode) for mode in hot_modes)
                         else:
-                            times[1] = min(hot(mode) for mode in hot_modes)
-                    pairs.add("get_hot", *times)
+                            checked[2] = min(reads(mode, checked=True) for mode in hot_modes)
+                            data.check()
+                    pairs.add("get_hot", checked[0], checked[1])
+                    pairs.add("raw_checked_get_hot", checked[2], checked[1])
                 cold_modes = _pick(reads.modes, cold)
                 print(
                     f"file {data.shape.name}: baseline get_cold {' or '.join(cold_modes)}",
