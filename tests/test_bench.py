@@ -627,7 +627,9 @@ def test_storage_file_read_modes_each_read_every_byte(
             reads("mmap/t2")
 
 
-def test_storage_file_put_modes_write_over_the_files_before_or_new_ones(tmp_path: Path) -> None:
+def test_storage_file_put_modes_write_over_the_files_before_or_new_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     data = storage_bench._Data(storage_bench.SHAPES["small"], 4, 2)
     root, fresh = tmp_path / "raw", tmp_path / "fresh"
     root.mkdir()
@@ -659,6 +661,17 @@ def test_storage_file_put_modes_write_over_the_files_before_or_new_ones(tmp_path
             assert contents(fresh)[0] == page
         puts.discard()
         assert os.listdir(fresh) == []
+        hashed: list[int] = []
+        checksum = storage_bench._native.checksum
+
+        def counted(segments: list[memoryview]) -> int:
+            hashed.append(sum(view.nbytes for view in segments))
+            return checksum(segments)
+
+        monkeypatch.setattr(storage_bench._native, "checksum", counted)
+        assert puts.over("t2", checked=True) > 0
+        assert hashed == [data.nbytes] * 4  # each page hashed once, whole
+        assert contents(root)[0] == page
         with pytest.raises(ValueError, match="unknown write mode 't3'"):
             puts.over("t3")
 

@@ -18,8 +18,8 @@ go to stderr.
 Where `RawModes` has `checked_ceiling` (Mooncake), the same calls plus xxh3 of every page take
 a third turn in each run, recorded as `raw_checked_put`/`raw_checked_get` against the plain
 calls: how close any store that checksums its pages could come to the baseline there. The
-file bench does the same for hot reads (`raw_checked_get_hot`: the baseline's reads, each page
-hashed right after it is read).
+file bench does the same for puts over existing files and hot reads (`raw_checked_put`, each
+page hashed before it is written; `raw_checked_get_hot`, right after it is read).
 
 Pages are one contiguous segment by default (`--segments N` cuts each into N, like a layer-first
 host pool). Ours and the baseline run back to back, taking turns to go first; a throughput is
@@ -345,11 +345,17 @@ def _without_spares(url: str, name: str) -> str:
 
 
 def _raw_put(
-    pool: ThreadPoolExecutor, paths: list[str], data: _Data, *, reuse: list[str] | None = None
+    pool: ThreadPoolExecutor,
+    paths: list[str],
+    data: _Data,
+    *,
+    reuse: list[str] | None = None,
+    checked: bool = False,
 ) -> float:
     """Write each page into a file of its own: the file of the same position in `reuse`,
     while there is one, renamed to the page's path and written over (as the backend writes
-    over the files of removed pages it kept), else a new one."""
+    over the files of removed pages it kept), else a new one. `checked` also takes the xxh3
+    of each page first, as a store that checksums its pages must at least."""
     header = memoryview(bytes(HEADER_NBYTES))
     reused = reuse or []
     over = os.O_WRONLY | os.O_CLOEXEC
@@ -358,6 +364,8 @@ def _raw_put(
     def one(p: int) -> None:
         if p < len(reused):
             os.rename(reused[p], paths[p])
+        if checked:
+            _native.checksum(data.src[p])
         fd = os.open(paths[p], over if p < len(reused) else new, 0o600)
         try:
             os.pwritev(fd, [header, *data.src[p]], 0)
@@ -403,13 +411,13 @@ class _FilePuts:
         run = next(self._runs)
         return [str(folder / f"{run}-{page}") for page in range(self._data.pages)]
 
-    def over(self, mode: str) -> float:
+    def over(self, mode: str, *, checked: bool = False) -> float:
         pool = self._pool(mode)
         old, self.paths = self.paths, self._names(self._root)
         for path in old[self._keep :]:
             os.unlink(path)
         os.sync()  # no writeback of an earlier put competes with this one
-        return _raw_put(pool, self.paths, self._data, reuse=old[: self._keep])
+        return _raw_put(pool, self.paths, self._data, reuse=old[: self._keep], checked=checked)
 
     def new(self, mode: str) -> float:
         pool = self._pool(mode)
@@ -600,13 +608,19 @@ def _bench_file(args: argparse.Namespace, data: _Data) -> list[Record]:
                     runner.run(fresh.delete(keys))
                     puts.discard()  # as the store's fresh files just went
                     keys = data.keys()
-                    for turn in _rotate(rep):
+                    # A third turn: the baseline's writes plus the xxh3 of each page, the
+                    # least a store that checksums its pages must do (`raw_checked_put`).
+                    written = [0.0, 0.0, 0.0]
+                    for turn in _rotate(rep, 3):
                         if turn == 0:
                             os.sync()  # no writeback of an earlier run competes with this one
-                            times[0] = runner.run(_put_all(storage, data, keys, args.batch))
-                        else:  # each mode syncs first too
-                            times[1] = min(puts.over(mode) for mode in put_modes)
-                    pairs.add("put", *times)
+                            written[0] = runner.run(_put_all(storage, data, keys, args.batch))
+                        elif turn == 1:  # each mode syncs first too
+                            written[1] = min(puts.over(mode) for mode in put_modes)
+                        else:
+                            written[2] = min(puts.over(mode, checked=True) for mode in put_modes)
+                    pairs.add("put", written[0], written[1])
+                    pairs.add("raw_checked_put", written[2], written[1])
                     for turn in _rotate(rep):
                         if turn == 0:
                             os.sync()

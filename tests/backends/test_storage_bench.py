@@ -47,7 +47,8 @@ def _check(by: dict[str, Record], scheme: str, figures: list[str]) -> None:
 
 def test_file_records(tmp_path: Path) -> None:
     by = _run(f"file://{tmp_path}")
-    _check(by, "file", ["put_gbps", "put_new_gbps", "get_hot_gbps", "get_cold_gbps", "exists64_us"])
+    figures = ["put_gbps", "put_new_gbps", "get_hot_gbps", "get_cold_gbps", "exists64_us"]
+    _check(by, "file", [*figures, "raw_checked_put_gbps", "raw_checked_get_hot_gbps"])
     assert list(tmp_path.iterdir()) == []  # its store and the baseline's files are gone
 
 
