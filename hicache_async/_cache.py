@@ -805,21 +805,32 @@ class HiCache:
                 # Nothing in flight will free pages. Backups to storage may still protect the
                 # host pages eviction needs (a device-only node's host-only children, a host
                 # too full to take a write-back): they give way, and once the call in progress
-                # returns (within backup.io_timeout_s) this tries again.
+                # returns (within backup.io_timeout_s) this tries again. Not when pages locked
+                # by running requests are what is missing: giving way could not help.
                 backups = [b for b in self._storage_backups() if b.protecting]
-                if not backups:
-                    assert self._device_pool is not None
-                    raise OutOfPagesError(
-                        f"the device pool cannot provide {count} pages: "
-                        f"{self._device_pool.allocator.free_count} free of "
-                        f"{self._device_pool.num_pages}, the rest in use by running requests"
-                    )
+                if not backups or self._device_short_of_unlocked(count):
+                    raise self._out_of_pages(count)
                 for backup in backups:
                     backup.give_way()
                 if not any(backup.protecting for backup in backups):
                     continue  # only queued jobs held pages: they are dropped
             self._capacity_changed.clear()
             await self._capacity_changed.wait()
+
+    def _device_short_of_unlocked(self, count: int) -> bool:
+        """Whether free device pages and every page no running request locks, together, are
+        fewer than `count`: then no eviction could make room."""
+        assert self._device_pool is not None
+        unlocked = self._tree.statistics().evictable_device_pages
+        return self._device_pool.allocator.free_count + unlocked < count
+
+    def _out_of_pages(self, count: int) -> OutOfPagesError:
+        assert self._device_pool is not None
+        return OutOfPagesError(
+            f"the device pool cannot provide {count} pages: "
+            f"{self._device_pool.allocator.free_count} free of "
+            f"{self._device_pool.num_pages}, the rest in use by running requests"
+        )
 
     def _storage_backups(self) -> list[BackupWorker]:
         """The backup workers of the attached link and of one still closing (its flush)."""

@@ -174,8 +174,9 @@ async def test_a_request_waits_for_the_put_in_flight_then_is_served() -> None:
             assert backup.written_pages > 0  # the puts let through stored their pages
 
 
-async def test_a_request_that_cannot_fit_still_fails_once_backups_gave_way() -> None:
-    # Giving way is no endless wait: what running requests hold is not freed by it.
+async def test_a_request_that_cannot_fit_fails_at_once_and_the_backups_go_on() -> None:
+    # What running requests lock is not freed by giving way: the request fails at once, and
+    # the backups keep their jobs.
     config = _config("write_through")
     generator = KVGenerator(config.layout, PAGE, seed=9)
     prompts = _prompts()
@@ -190,15 +191,19 @@ async def test_a_request_that_cannot_fit_still_fails_once_backups_gave_way() -> 
                 cache.request(np.arange(28 * PAGE)) as big,
             ):
                 await big.allocate(28 * PAGE)
-                with cache.request(np.arange(10**6, 10**6 + 8 * PAGE)) as other:
-                    allocation = asyncio.create_task(other.allocate(8 * PAGE))
-                    await _until(functools.partial(_waiting, allocation, logs, 0))
-                    assert _gave_way(logs) == 1
-                    store.gate.set()
-                    with pytest.raises(OutOfPagesError, match="cannot provide 8 pages"):
-                        await allocation
+                with (
+                    cache.request(np.arange(10**6, 10**6 + 8 * PAGE)) as other,
+                    pytest.raises(OutOfPagesError, match="cannot provide 8 pages"),
+                ):
+                    await other.allocate(8 * PAGE)
+                assert _gave_way(logs) == 0
+                assert store.held == 1  # the put in progress goes on
+            store.gate.set()
             await cache.drain()
-            assert_backup_adds_up(_backup(cache))
+            backup = _backup(cache)
+            assert backup.dropped_pages == 0
+            assert backup.failed_pages == 0
+            assert_backup_adds_up(backup)
             assert_drained(cache)
 
 
