@@ -1267,9 +1267,12 @@ class FileStorage(BackendBase):
 
     async def _release(self) -> None:
         # Every job has stopped: the stamper's has ended, and what it has not started yet is
-        # written here, so a use just before the close still orders the next open.
-        if self._stamper is not None:
-            self._stamper.cancel()
+        # written here, so a use just before the close still orders the next open. It is
+        # awaited first: what it took and did not write goes back to the queue.
+        stamper = self._stamper
+        if stamper is not None:
+            stamper.cancel()
+            await asyncio.wait([stamper])
         pending, self._unstamped = self._unstamped, []
         interrupted = False
         if self._handles is not None and pending:
@@ -1536,6 +1539,9 @@ class FileStorage(BackendBase):
                 except (StorageError, OSError):  # closing: `_release` writes them
                     self._unstamped[:0] = queued
                     return
+                except BaseException:  # cancelled by `_release`, which writes them
+                    self._unstamped[:0] = queued
+                    raise
         finally:
             self._stamper = None
 
