@@ -595,6 +595,19 @@ def test_storage_pick_keeps_the_two_best_medians_of_interleaved_trials(
         storage_bench._pick([], lambda mode: 1.0)
 
 
+def _counted_checksums(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the bench's checksums from now on: the bytes of each call, in order."""
+    hashed: list[int] = []
+    checksum = storage_bench._native.checksum
+
+    def counted(segments: list[memoryview]) -> int:
+        hashed.append(sum(view.nbytes for view in segments))
+        return checksum(segments)
+
+    monkeypatch.setattr(storage_bench._native, "checksum", counted)
+    return hashed
+
+
 def test_storage_file_read_modes_each_read_every_byte(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -612,14 +625,7 @@ def test_storage_file_read_modes_each_read_every_byte(
         for mode in reads.modes:
             assert reads(mode) > 0
             data.check()  # exits unless every page came back whole; then zeroes the pages
-        hashed: list[int] = []
-        checksum = storage_bench._native.checksum
-
-        def counted(segments: list[memoryview]) -> int:
-            hashed.append(sum(view.nbytes for view in segments))
-            return checksum(segments)
-
-        monkeypatch.setattr(storage_bench._native, "checksum", counted)
+        hashed = _counted_checksums(monkeypatch)
         assert reads("split/t2", checked=True) > 0
         data.check()
         assert hashed == [data.nbytes] * 3  # each page hashed once, whole
@@ -661,14 +667,7 @@ def test_storage_file_put_modes_write_over_the_files_before_or_new_ones(
             assert contents(fresh)[0] == page
         puts.discard()
         assert os.listdir(fresh) == []
-        hashed: list[int] = []
-        checksum = storage_bench._native.checksum
-
-        def counted(segments: list[memoryview]) -> int:
-            hashed.append(sum(view.nbytes for view in segments))
-            return checksum(segments)
-
-        monkeypatch.setattr(storage_bench._native, "checksum", counted)
+        hashed = _counted_checksums(monkeypatch)
         assert puts.over("t2", checked=True) > 0
         assert hashed == [data.nbytes] * 4  # each page hashed once, whole
         assert contents(root)[0] == page
