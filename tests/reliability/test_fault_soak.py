@@ -21,7 +21,13 @@ import numpy as np
 import pytest
 
 from hicache_async import CacheConfig, HiCache
-from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend
+from hicache_async.storage import (
+    HEADER_NBYTES,
+    FileStorage,
+    MemoryStorage,
+    RawAccess,
+    StorageBackend,
+)
 from hicache_async.testing import FaultyStorage, KVGenerator, ServedRequest, serve
 
 from . import (
@@ -101,6 +107,8 @@ async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
     failures: list[BaseException] = []
     served: list[ServedRequest] = []
     unhandled = loop_errors()
+    soak_corrupt = -1
+    read_back: list[ServedRequest] = []
     began = time.perf_counter()
     async with HiCache(config, storage=faulty) as cache:
         semaphore = asyncio.Semaphore(CONCURRENCY)
@@ -123,6 +131,10 @@ async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
                 await asyncio.gather(*(handler(n) for n in range(start, end)))
                 await settle(cache)
                 assert_drained(cache)
+            soak_corrupt = _corrupt(cache)
+            read_back = await _read_back_damaged(cache, inner, pool, generator)
+            await settle(cache)
+            assert_drained(cache)
         finally:
             # Recorded even when an invariant broke, with the requests served until then.
             status = cache.storage_status()
@@ -144,6 +156,7 @@ async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
                 corrupted=injected.corrupted,
                 truncated=injected.truncated,
                 storage_corrupt_caught=status.storage.corrupt,
+                soak_corrupt_caught=soak_corrupt,
                 pages_read=status.prefetch.pages_read,
                 pages_written=status.backup.written_pages,
                 storage_tokens=sum(s.storage_tokens for s in served),
@@ -161,10 +174,54 @@ async def test_fault_soak(kind: str, tmp_path: Path, figures: Record) -> None:
     assert injected.hangs > 0
     assert injected.corrupted + injected.truncated > 0
     assert status.storage.corrupt > 0, "no damaged page was ever read back"
+    assert read_back, "no request read a damaged page back"
     assert sum(s.storage_tokens for s in served) > 0
     assert status.backup.written_pages > 0
     assert counters["device_evicted_pages"] > 0
     assert counters["host_evicted_pages"] > 0
+
+
+def _corrupt(cache: HiCache) -> int:
+    status = cache.storage_status().storage
+    assert status is not None
+    return status.corrupt
+
+
+async def _read_back_damaged(
+    cache: HiCache,
+    inner: StorageBackend,
+    pool: list[np.ndarray[Any, Any]],
+    generator: KVGenerator,
+) -> list[ServedRequest]:
+    """Damage the first page a prompt would read from storage and serve it, until the backend
+    catches one: the soak's random damage is read back only when a request happens to want a
+    damaged page before the backend evicts it (some runs on files never did).
+
+    Each try can still miss the page through the wrapper's own faults on that read (an error,
+    a hang, a partial batch): a handful of prompts make that vanishingly unlikely.
+    """
+    assert isinstance(inner, RawAccess)
+    served: list[ServedRequest] = []
+    before = _corrupt(cache)
+    for number, prompt in enumerate(pool):
+        if _corrupt(cache) > before or len(served) == 16:
+            break
+        found = cache.match(prompt)
+        cached = (found.device_tokens + found.host_tokens) // PAGE
+        keys = found.keys[cached:]
+        if not keys or await inner.exists(keys) == 0:
+            continue
+        value = await inner.read_raw(keys[0])
+        assert value is not None
+        assert len(value) > HEADER_NBYTES
+        damaged = bytearray(value)
+        damaged[HEADER_NBYTES + (len(value) - HEADER_NBYTES) // 2] ^= 0x10
+        await inner.write_raw(keys[0], bytes(damaged))
+        # Waits for the read (or its `io_timeout_s`), so it is done before the next try.
+        await cache.prefetch(prompt, request_id=f"r{number}", policy="wait_complete")
+        served.append(await serve(cache, prompt, generator, request_id=f"r{number}", check="all"))
+    assert _corrupt(cache) > before, f"{len(served)} reads of a damaged page went uncaught"
+    return served
 
 
 # Reductions of what the soak found, each to the smallest deterministic case.
