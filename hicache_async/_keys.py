@@ -109,7 +109,11 @@ class Namespace(msgspec.Struct, frozen=True):
         if not salt:
             return self
         raw = salt.encode() if isinstance(salt, str) else salt
-        seed = hashlib.sha256(self.seed + b"\x00salt\x00" + raw).digest()
+        # The salt goes in hashed: with a namespace's seed (empty or 32 bytes) the input is 38
+        # or 70 bytes, never the 4k or 32 + 4k of a chain step, so no page of any prompt hashes
+        # to a salted seed. (Taken whole, a salt of 4 * page_size - 6 bytes made one prompt's
+        # unsalted chain, shifted by a page, the salted chain.)
+        seed = hashlib.sha256(self.seed + b"\x00salt\x00" + hashlib.sha256(raw).digest()).digest()
         fingerprint = hashlib.sha256(self.fingerprint + raw).digest()[:_FINGERPRINT_NBYTES]
         return Namespace(seed=seed, fingerprint=fingerprint, rank_salt=self.rank_salt)
 

@@ -162,3 +162,25 @@ def test_a_namespace_takes_any_seed_and_a_16_byte_fingerprint() -> None:
     assert Namespace(seed=b"x", fingerprint=bytes(16)).seed == b"x"
     assert Namespace(b"", bytes(16), b"rank").rank_salt == b"rank"
     assert Namespace.empty().salted("s").salted(b"t").fingerprint != bytes(16)
+
+
+@pytest.mark.parametrize("sglang_compatible", [False, True])
+@pytest.mark.parametrize("page_size", [2, 16, 64])
+def test_no_prompt_reaches_a_salted_chain(page_size: int, sglang_compatible: bool) -> None:
+    # The salted seed once hashed the salt itself after b"\0salt\0": for a salt of
+    # 4 * page_size - 6 bytes that is exactly the chain step of a first page holding those
+    # bytes, so an unsalted prompt's chain, shifted by a page, was the salted prompt's chain
+    # and a salted request loaded another prompt's pages.
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    config = CacheConfig(layout=layout, device_pages=4, page_size=page_size)
+    namespace = Namespace.from_config(config, sglang_compatible=sglang_compatible)
+    salt = bytes(range(4 * page_size - 6))
+    page0 = np.frombuffer(b"\x00salt\x00" + salt, dtype="<u4")
+    rest = np.arange(3 * page_size, dtype="<u4")
+    unsalted = page_keys(np.concatenate([page0, rest]), page_size, namespace.seed)
+    salted = page_keys(rest, page_size, namespace.salted(salt).seed)
+    assert len(salted) == 3
+    assert not set(salted) & set(unsalted)
+    # And a salt still separates: the same tokens under two salts share no key.
+    other = page_keys(rest, page_size, namespace.salted(salt + b"!").seed)
+    assert not set(salted) & set(other)
