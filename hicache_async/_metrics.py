@@ -95,10 +95,12 @@ def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
     for name, value in stats.counters.items():
         yield f"hicache_{name}_total", "counter", float(value)
     yield "hicache_live_requests", "gauge", float(stats.live_requests)
-    status = cache.storage_status()
-    yield "hicache_storage_attached", "gauge", float(status.attached)
+    # From the same snapshot: asking the backend's stats() a second time would log a failing
+    # one twice per scrape.
+    status = stats.storage
+    yield "hicache_storage_attached", "gauge", float(status is not None and status.attached)
     for section in ("storage", "prefetch", "backup"):
-        record = getattr(status, section)
+        record = None if status is None else getattr(status, section)
         if record is not None:
             for name, value in _flatten(f"hicache_{section}", record):
                 yield name, "gauge", value

@@ -197,6 +197,25 @@ async def test_requests_need_the_bearer_token() -> None:
         assert lower.status_code == 200
 
 
+async def test_every_refused_attempt_is_logged_once() -> None:
+    # A request with no Authorization header at all (the usual probe) used to leave no trace.
+    async with admin() as (_, client):
+        attempts: list[dict[str, str]] = [
+            {},
+            {"Authorization": f"Bearer {TOKEN}x"},
+            {"Authorization": f"Basic {TOKEN}"},
+        ]
+        for headers in attempts:
+            with structlog.testing.capture_logs() as logs:
+                _error(await client.get(STORAGE, headers=headers), 401, "unauthorized")
+            refused = [e for e in logs if e["event"] == "hicache.admin.unauthorized"]
+            assert len(refused) == 1, headers
+            assert refused[0]["path"] == STORAGE
+        with structlog.testing.capture_logs() as logs:
+            assert (await client.get(STORAGE, headers=AUTH)).status_code == 200
+        assert not [e for e in logs if e["event"] == "hicache.admin.unauthorized"]
+
+
 async def test_bytes_token() -> None:
     async with admin(token=TOKEN.encode()) as (_, client):
         assert (await client.get(STORAGE, headers=AUTH)).status_code == 200

@@ -76,4 +76,7 @@ async def test_malformed_stats_count_as_a_failed_stats_call(hicache_config: Cach
         assert status.storage is None
         (failed,) = [e for e in logs if e["event"] == "hicache.storage.stats.failed"]
         assert "pages='many'" in failed["error"]
-        assert "hicache_storage_bytes" not in cache.metrics_text()
+        with structlog.testing.capture_logs() as logs:
+            assert "hicache_storage_bytes" not in cache.metrics_text()
+        # Once per scrape: the exposition used to ask the backend a second time.
+        assert [e["event"] for e in logs].count("hicache.storage.stats.failed") == 1

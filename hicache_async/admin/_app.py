@@ -263,6 +263,9 @@ class AdminApp:
     def _authorize(self, scope: Scope) -> None:
         values = header(scope, b"authorization")
         if not values:
+            _log.warning(
+                "hicache.admin.unauthorized", path=scope.get("path"), client=_client(scope)
+            )
             raise HTTPError(
                 401,
                 "unauthorized",
