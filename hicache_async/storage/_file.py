@@ -549,12 +549,20 @@ def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
     return fd
 
 
-def _take_lock(root_fd: int, root: Path, *, shared: bool) -> int:
-    """Open `LOCK` (never through a symlink) and flock it: exclusive for a private root."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False) -> int:
+    """Open `LOCK` (never through a symlink) and flock it: exclusive for a private root.
+
+    An opener that only looks (`looking`) opens an existing `LOCK` read-only, which flock
+    needs no more than, so a store on a read-only file system can still be inspected."""
     try:
-        lock_fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
+        lock_fd = _open_lock(root_fd, looking=looking)
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise StorageConfigError(
+                f"cannot open the lock file {root / _LOCK}: the storage root is on a read-only "
+                "file system; a store that writes needs a writable root (the commands that "
+                "only look, `storage stats|ls` and `manifest show`, open a read-only one)"
+            ) from None
         raise StorageConfigError(
             f"cannot open the lock file {root / _LOCK}: {exc.strerror or exc}; expected a "
             "regular file (not a symlink) or none"
@@ -565,6 +573,15 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool) -> int:
         os.close(lock_fd)
         raise
     return lock_fd
+
+
+def _open_lock(root_fd: int, *, looking: bool) -> int:
+    if looking:
+        # _READ_FLAGS: no FIFO planted as LOCK blocks the open (`_flock` refuses it).
+        with contextlib.suppress(FileNotFoundError):
+            return os.open(_LOCK, _READ_FLAGS, dir_fd=root_fd)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
 
 
 def _flock(lock_fd: int, root: Path, *, shared: bool) -> None:
@@ -586,8 +603,9 @@ def _flock(lock_fd: int, root: Path, *, shared: bool) -> None:
         ) from None
 
 
-def _open_root(root: Path, *, shared: bool) -> _Handles:
-    """Create (0700) and check the root, open its directories and take the instance lock.
+def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
+    """Create (0700) and check the root, open its directories and take the instance lock
+    (opening an existing `LOCK` read-only when `looking`: see `_take_lock`).
 
     Directories above the root may be symlinks; the root itself and everything in it may not.
     """
@@ -621,7 +639,7 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
         opened.append(pages_fd)
         tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}")
         opened.append(tmp_fd)
-        lock_fd = _take_lock(root_fd, root, shared=shared)
+        lock_fd = _take_lock(root_fd, root, shared=shared, looking=looking)
         opened.append(lock_fd)
     except BaseException:
         for fd in opened:
@@ -771,15 +789,9 @@ def _scan(
         except FileNotFoundError:
             continue
         except OSError as exc:  # refused (logged once by `shard`) or unreadable
-            if not isinstance(exc, _RefusedShardError):
-                log.warning(
-                    "storage.shard.unreadable",
-                    directory=str(handles._pages_path / shard_name),
-                    error=exc.strerror or str(exc),
-                )
-            if refused is not None:
-                refused.append(shard_name)
+            _unreadable_shard(handles, shard_name, exc, refused)
             continue
+        shard: list[_Found] = []
         try:
             with os.scandir(scan_fd) as entries:
                 for entry in entries:
@@ -795,7 +807,7 @@ def _scan(
                                 strays.append((shard_fd, name))
                         elif _is_page_name(name) and name[:2] == shard_name:
                             st = entry.stat(follow_symlinks=False)
-                            found.append((bytes.fromhex(name), st.st_size, st.st_mtime))
+                            shard.append((bytes.fromhex(name), st.st_size, st.st_mtime))
                         elif _names_a_page(name):
                             if strays is not None:  # a page out of its place
                                 strays.append((shard_fd, name))
@@ -803,9 +815,30 @@ def _scan(
                             foreign.append(f"{shard_name}/{name}")
                     except FileNotFoundError:
                         continue
+        except OSError as exc:
+            # Listing takes a descriptor of its own: out of them (EMFILE near the process's
+            # limit), or an unreadable directory, leaves this shard's pages out, as above.
+            _unreadable_shard(handles, shard_name, exc, refused)
+            continue
         finally:
             os.close(scan_fd)
+        found.extend(shard)
     return found
+
+
+def _unreadable_shard(
+    handles: _Handles, name: str, exc: OSError, refused: list[str] | None
+) -> None:
+    """A shard directory `_scan` could not list: logged (a refused one was when refused) and
+    counted in `refused`."""
+    if not isinstance(exc, _RefusedShardError):
+        log.warning(
+            "storage.shard.unreadable",
+            directory=str(handles._pages_path / name),
+            error=exc.strerror or str(exc),
+        )
+    if refused is not None:
+        refused.append(name)
 
 
 def _names_a_page(name: str) -> bool:
@@ -1140,9 +1173,10 @@ class FileStorage(BackendBase):
         # `leftovers_removed_at_open`, and the next verify() reports them as its own.
         self._open_leftovers = 0
         self._unreported_leftovers = 0
-        # Set before opening by tools that only look (`hicache-async storage stats|ls`):
-        # opening then leaves temporary files alone, so an inspection changes nothing and a
-        # later verify() still finds them.
+        # Set before opening by tools that only look (`hicache-async storage stats|ls`,
+        # `manifest show`): opening then leaves temporary files alone, so an inspection
+        # changes nothing and a later verify() still finds them, and opens an existing LOCK
+        # read-only, so a read-only file system can be inspected.
         self._keep_leftovers = False
         # Stamps of the files of pages that lookups and re-puts used, as (the call's time in
         # ns, key -> position in the call), queued for the one task that writes them.
@@ -1234,15 +1268,20 @@ class FileStorage(BackendBase):
         holder: list[_Handles] = []
         try:
             leftovers = await self.run_job(lambda stop: self._open_job(stop, holder))
-        except BaseException:
+        except BaseException as exc:
             for handles in holder:
                 handles.close()
+            if isinstance(exc, OSError):  # out of descriptors, an I/O error: not a config's
+                raise StorageError(
+                    f"cannot open {self._name}: {exc.strerror or exc}"
+                    + ("; raise the limit (ulimit -n)" if exc.errno == errno.EMFILE else "")
+                ) from exc
             raise
         self._handles = holder[0]
         self._open_leftovers = self._unreported_leftovers = leftovers
 
     def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> int:
-        handles = _open_root(self._root, shared=self._shared)
+        handles = _open_root(self._root, shared=self._shared, looking=self._keep_leftovers)
         holder.append(handles)
         # A private root is locked exclusively by now, so nobody is writing in it: every
         # temporary file is a leftover, however fresh. A shared one may have writers.
