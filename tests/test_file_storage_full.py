@@ -151,6 +151,20 @@ async def test_inode_exhaustion_evicts_like_a_full_disk(tmpfs: Mount) -> None:
         assert await _get(storage, batches[-1]) == [Outcome.OK] * 8
 
 
+async def test_out_of_inodes_a_new_shard_directory_costs_one_more_page(tmpfs: Mount) -> None:
+    root = tmpfs("disk", size="16m", nr_inodes=32) / "s"
+    async with FileStorage(root, spare_bytes=0) as storage:
+        while not storage.stats().evictions:  # until every inode is taken
+            assert await _put(storage, [b"\x01" + _keys(1)[0][1:]]) == [Outcome.OK]
+        before = storage.stats().evictions
+        # Its shard directory does not exist: the page needs an inode for it and one for
+        # its file, so two pages are evicted for it.
+        key = b"\x02" + _keys(1)[0][1:]
+        assert await _put(storage, [key]) == [Outcome.OK]
+        assert storage.stats().evictions == before + 2
+        assert await _get(storage, [key]) == [Outcome.OK]
+
+
 async def test_no_room_even_after_evicting_is_one_miss_logged_once(tmpfs: Mount) -> None:
     disk = tmpfs("disk", size="2m")
     root = disk / "s"

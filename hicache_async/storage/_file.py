@@ -380,6 +380,11 @@ class _Handles:
         log.warning("storage.lock.recreated", root=str(root))
         return True
 
+    def opened(self, name: str) -> bool:
+        """Whether the shard directory `name` is open (so exists: a write into it makes no
+        directory)."""
+        return name in self._shards
+
     @property
     def has_retired(self) -> bool:
         return bool(self._retired)
@@ -1009,6 +1014,12 @@ class _SparePool:
         """The write that took `name` has renamed or removed it."""
         with self._lock:
             self._taken.discard(name)
+
+    @property
+    def files(self) -> int:
+        """How many spare files the pool holds."""
+        with self._lock:
+            return sum(len(group) for group in self._by_size.values())
 
     def release(self) -> list[tuple[str, int]]:
         """Empty the pool: (name, size) of each spare file no write has taken, now the
@@ -2032,17 +2043,18 @@ class FileStorage(BackendBase):
             admitted += 1
         return victims, admitted
 
-    def _plan_disk_room(self, nbytes: int, *, keep: set[bytes]) -> list[bytes]:
-        """LRU victims worth `nbytes` of the disk, whatever the capacity: room for writes the
-        file system had none for. Never picks a page being read or written, or one in `keep`.
-        """
+    def _plan_disk_room(self, nbytes: int, files: int, *, keep: set[bytes]) -> list[bytes]:
+        """LRU victims worth `nbytes` of the disk and `files` inodes, whatever the capacity:
+        room for writes the file system had none for. Never picks a page being read or
+        written, or one in `keep`."""
         victims: list[bytes] = []
         for key, entry in self._index.items():
-            if nbytes <= 0:
+            if nbytes <= 0 and files <= 0:
                 break
             if self._evictable(key) and key not in keep:
                 victims.append(key)
                 nbytes -= entry.nbytes
+                files -= 1
         return victims
 
     async def _write_again(
@@ -2060,15 +2072,22 @@ class FileStorage(BackendBase):
         worth what those do not cover are evicted. Planned here in one step, as a put's first
         round; a page that still finds no room is a MISS."""
         writes = [i for i, _ in no_room]
-        need = sum(HEADER_NBYTES + payload_nbytes(pages[i]) for i in writes)
-        spare = self._spares.nbytes if self._spares is not None else 0
+        nbytes = sum(HEADER_NBYTES + payload_nbytes(pages[i]) for i in writes)
+        # Out of inodes, a page needs one for its file and one for a shard directory not
+        # made yet (an evicted page frees one).
+        handles = self._handles_or_raise()
+        files = len(writes) + sum(not handles.opened(keys[i].hex()[:2]) for i in writes)
+        spares = self._spares
+        if spares is not None:
+            nbytes -= spares.nbytes
+            files -= spares.files
         await self._write_batch(
             keys=keys,
             pages=pages,
             metas=metas,
             writes=writes,
             sizes=[size for _, size in no_room],
-            victims=self._plan_disk_room(need - spare, keep=set(keys)),
+            victims=self._plan_disk_room(nbytes, files, keep=set(keys)),
             stamps={},
             outcomes=outcomes,
             now=now,
