@@ -20,7 +20,14 @@ Removed pages (deleted or evicted) are kept as spare files in tmp/, up to `spare
 next write of the same size goes over one instead of into a new file: the kernel then copies
 into blocks and page-cache pages that exist already, which costs it less than allocating them
 and pays for the checksum (docs/storage.md). Spare files are never read; they are removed at
-close, and by the next open or `verify()` if the process died.
+close, by `gc()` and when a write finds the disk full, and by the next open or `verify()` if
+the process died.
+
+A write the file system has no room for (ENOSPC, EDQUOT) is tried once more in the same put,
+after the spare files are released and least recently used pages evicted for it; one that
+still finds none, or that the file system refuses for good (EROFS, EFBIG), is a MISS, not an
+ERROR that a caller would retry (`refused_writes` counts them). A batch logs each distinct
+page error once, with how many pages had it.
 
 An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
 call and drives eviction. It is built by scanning the root when the storage opens, in the order
@@ -373,6 +380,11 @@ class _Handles:
         log.warning("storage.lock.recreated", root=str(root))
         return True
 
+    def opened(self, name: str) -> bool:
+        """Whether the shard directory `name` is open (so exists: a write into it makes no
+        directory)."""
+        return name in self._shards
+
     @property
     def has_retired(self) -> bool:
         return bool(self._retired)
@@ -451,6 +463,25 @@ _UNSUPPORTED = "unsupported"
 _CORRUPT = "corrupt"
 _ERROR = "error"
 _EXISTS = "exists"
+# A write the file system refused: no room (ENOSPC, EDQUOT), retried once after room is made,
+# or refused for good (EROFS, EFBIG). Either is a MISS, never an ERROR to retry.
+_NO_ROOM = "no room"
+_REFUSED = "refused"
+_NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG})
+
+
+def _write_failure(exc: OSError) -> _Result:
+    """The result of a page write that failed with `exc`, its errno kept in the code."""
+    code = (
+        _NO_ROOM
+        if exc.errno in _NO_ROOM_ERRNOS
+        else _REFUSED
+        if exc.errno in _REFUSED_ERRNOS
+        else _ERROR
+    )
+    return (code, f"write: {exc.strerror or exc}", 0)
+
 
 _Result = tuple[str, str, int]  # (code, detail, stored bytes)
 _Checked = tuple[str, str]  # (code, reason) of a page verify() checked
@@ -549,12 +580,20 @@ def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
     return fd
 
 
-def _take_lock(root_fd: int, root: Path, *, shared: bool) -> int:
-    """Open `LOCK` (never through a symlink) and flock it: exclusive for a private root."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False) -> int:
+    """Open `LOCK` (never through a symlink) and flock it: exclusive for a private root.
+
+    An opener that only looks (`looking`) opens an existing `LOCK` read-only, which flock
+    needs no more than, so a store on a read-only file system can still be inspected."""
     try:
-        lock_fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
+        lock_fd = _open_lock(root_fd, looking=looking)
     except OSError as exc:
+        if exc.errno == errno.EROFS:
+            raise StorageConfigError(
+                f"cannot open the lock file {root / _LOCK}: the storage root is on a read-only "
+                "file system; a store that writes needs a writable root (the commands that "
+                "only look, `storage stats|ls` and `manifest show`, open a read-only one)"
+            ) from None
         raise StorageConfigError(
             f"cannot open the lock file {root / _LOCK}: {exc.strerror or exc}; expected a "
             "regular file (not a symlink) or none"
@@ -565,6 +604,15 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool) -> int:
         os.close(lock_fd)
         raise
     return lock_fd
+
+
+def _open_lock(root_fd: int, *, looking: bool) -> int:
+    if looking:
+        # _READ_FLAGS: no FIFO planted as LOCK blocks the open (`_flock` refuses it).
+        with contextlib.suppress(FileNotFoundError):
+            return os.open(_LOCK, _READ_FLAGS, dir_fd=root_fd)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
 
 
 def _flock(lock_fd: int, root: Path, *, shared: bool) -> None:
@@ -586,8 +634,9 @@ def _flock(lock_fd: int, root: Path, *, shared: bool) -> None:
         ) from None
 
 
-def _open_root(root: Path, *, shared: bool) -> _Handles:
-    """Create (0700) and check the root, open its directories and take the instance lock.
+def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
+    """Create (0700) and check the root, open its directories and take the instance lock
+    (opening an existing `LOCK` read-only when `looking`: see `_take_lock`).
 
     Directories above the root may be symlinks; the root itself and everything in it may not.
     """
@@ -621,7 +670,7 @@ def _open_root(root: Path, *, shared: bool) -> _Handles:
         opened.append(pages_fd)
         tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}")
         opened.append(tmp_fd)
-        lock_fd = _take_lock(root_fd, root, shared=shared)
+        lock_fd = _take_lock(root_fd, root, shared=shared, looking=looking)
         opened.append(lock_fd)
     except BaseException:
         for fd in opened:
@@ -771,15 +820,9 @@ def _scan(
         except FileNotFoundError:
             continue
         except OSError as exc:  # refused (logged once by `shard`) or unreadable
-            if not isinstance(exc, _RefusedShardError):
-                log.warning(
-                    "storage.shard.unreadable",
-                    directory=str(handles._pages_path / shard_name),
-                    error=exc.strerror or str(exc),
-                )
-            if refused is not None:
-                refused.append(shard_name)
+            _unreadable_shard(handles, shard_name, exc, refused)
             continue
+        shard: list[_Found] = []
         try:
             with os.scandir(scan_fd) as entries:
                 for entry in entries:
@@ -795,7 +838,7 @@ def _scan(
                                 strays.append((shard_fd, name))
                         elif _is_page_name(name) and name[:2] == shard_name:
                             st = entry.stat(follow_symlinks=False)
-                            found.append((bytes.fromhex(name), st.st_size, st.st_mtime))
+                            shard.append((bytes.fromhex(name), st.st_size, st.st_mtime))
                         elif _names_a_page(name):
                             if strays is not None:  # a page out of its place
                                 strays.append((shard_fd, name))
@@ -803,9 +846,30 @@ def _scan(
                             foreign.append(f"{shard_name}/{name}")
                     except FileNotFoundError:
                         continue
+        except OSError as exc:
+            # Listing takes a descriptor of its own: out of them (EMFILE near the process's
+            # limit), or an unreadable directory, leaves this shard's pages out, as above.
+            _unreadable_shard(handles, shard_name, exc, refused)
+            continue
         finally:
             os.close(scan_fd)
+        found.extend(shard)
     return found
+
+
+def _unreadable_shard(
+    handles: _Handles, name: str, exc: OSError, refused: list[str] | None
+) -> None:
+    """A shard directory `_scan` could not list: logged (a refused one was when refused) and
+    counted in `refused`."""
+    if not isinstance(exc, _RefusedShardError):
+        log.warning(
+            "storage.shard.unreadable",
+            directory=str(handles._pages_path / name),
+            error=exc.strerror or str(exc),
+        )
+    if refused is not None:
+        refused.append(name)
 
 
 def _names_a_page(name: str) -> bool:
@@ -951,6 +1015,21 @@ class _SparePool:
         with self._lock:
             self._taken.discard(name)
 
+    @property
+    def files(self) -> int:
+        """How many spare files the pool holds."""
+        with self._lock:
+            return sum(len(group) for group in self._by_size.values())
+
+    def release(self) -> list[tuple[str, int]]:
+        """Empty the pool: (name, size) of each spare file no write has taken, now the
+        caller's to unlink (a full disk wants their room back)."""
+        with self._lock:
+            released = [(name, size) for size, group in self._by_size.items() for name in group]
+            self._by_size.clear()
+            self.nbytes = 0
+            return released
+
     def names(self, *, drain: bool = False) -> frozenset[str]:
         """Every spare file's name; with `drain`, the pool is then empty."""
         with self._lock:
@@ -1036,6 +1115,27 @@ class _IndexWalk:
             if (found := index.get(key)) is not None
             and (found.last_access < oldest or (found.last_access == oldest and key not in listed))
         )
+
+
+class _PageErrors:
+    """A batch's page errors, logged as one `storage.page.error` per distinct error (its
+    count and first key): a full disk fails every page of every batch alike, and a line per
+    page would flood the log."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, bytes]] = {}  # error -> (count, first key)
+
+    def add(self, key: bytes, error: str) -> None:
+        count, first = self._seen.get(error, (0, key))
+        self._seen[error] = (count + 1, first)
+
+    def log(self, backend: str) -> None:
+        for error, (count, key) in self._seen.items():
+            log.warning(
+                "storage.page.error", backend=backend, key=key.hex(), count=count, error=error
+            )
 
 
 class _Job:
@@ -1140,9 +1240,12 @@ class FileStorage(BackendBase):
         # `leftovers_removed_at_open`, and the next verify() reports them as its own.
         self._open_leftovers = 0
         self._unreported_leftovers = 0
-        # Set before opening by tools that only look (`hicache-async storage stats|ls`):
-        # opening then leaves temporary files alone, so an inspection changes nothing and a
-        # later verify() still finds them.
+        # Pages put found no room for (after one more try) or the file system refused.
+        self._refused_writes = 0
+        # Set before opening by tools that only look (`hicache-async storage stats|ls`,
+        # `manifest show`): opening then leaves temporary files alone, so an inspection
+        # changes nothing and a later verify() still finds them, and opens an existing LOCK
+        # read-only, so a read-only file system can be inspected.
         self._keep_leftovers = False
         # Stamps of the files of pages that lookups and re-puts used, as (the call's time in
         # ns, key -> position in the call), queued for the one task that writes them.
@@ -1205,6 +1308,14 @@ class FileStorage(BackendBase):
         return self._open_leftovers
 
     @property
+    def refused_writes(self) -> int:
+        """Pages `put` could not store because the file system refused them: no room
+        (ENOSPC, EDQUOT) even after releasing spare files and evicting pages for one more
+        try, a read-only file system (EROFS), a file size limit (EFBIG). Each was a MISS,
+        not an ERROR: the same write would fail the same way."""
+        return self._refused_writes
+
+    @property
     def io_threads(self) -> int:
         """Threads one batch may use."""
         return self._io_threads
@@ -1234,15 +1345,20 @@ class FileStorage(BackendBase):
         holder: list[_Handles] = []
         try:
             leftovers = await self.run_job(lambda stop: self._open_job(stop, holder))
-        except BaseException:
+        except BaseException as exc:
             for handles in holder:
                 handles.close()
+            if isinstance(exc, OSError):  # out of descriptors, an I/O error: not a config's
+                raise StorageError(
+                    f"cannot open {self._name}: {exc.strerror or exc}"
+                    + ("; raise the limit (ulimit -n)" if exc.errno == errno.EMFILE else "")
+                ) from exc
             raise
         self._handles = holder[0]
         self._open_leftovers = self._unreported_leftovers = leftovers
 
     def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> int:
-        handles = _open_root(self._root, shared=self._shared)
+        handles = _open_root(self._root, shared=self._shared, looking=self._keep_leftovers)
         holder.append(handles)
         # A private root is locked exclusively by now, so nobody is writing in it: every
         # temporary file is a leftover, however fresh. A shared one may have writers.
@@ -1761,6 +1877,7 @@ class FileStorage(BackendBase):
             return
         now = time.time()
         counters = self._counters
+        errors = _PageErrors()
         for slot, (i, key) in enumerate(zip(todo, keys, strict=True)):
             result = job.results[slot]
             if result is None:  # stopped by close() (or cancelled: nobody looks)
@@ -1786,7 +1903,8 @@ class FileStorage(BackendBase):
             else:
                 outcomes[i] = Outcome.ERROR
                 counters.errors += 1
-                log.warning("storage.page.error", backend=self._name, key=key.hex(), error=detail)
+                errors.add(key, detail)
+        errors.log(self._name)
 
     # put.
 
@@ -1853,7 +1971,7 @@ class FileStorage(BackendBase):
         writes, sizes = writes[:admitted], sizes[:admitted]
         try:
             if writes or victims:
-                await self._write_batch(
+                no_room = await self._write_batch(
                     keys=keys,
                     pages=pages,
                     metas=metas,
@@ -1864,6 +1982,15 @@ class FileStorage(BackendBase):
                     outcomes=outcomes,
                     now=now,
                 )
+                if no_room:
+                    await self._write_again(
+                        keys=keys,
+                        pages=pages,
+                        metas=metas,
+                        no_room=no_room,
+                        outcomes=outcomes,
+                        now=now,
+                    )
             elif stamps:
                 self._stamp_later(stamps)
         except asyncio.CancelledError:
@@ -1916,6 +2043,57 @@ class FileStorage(BackendBase):
             admitted += 1
         return victims, admitted
 
+    def _plan_disk_room(self, nbytes: int, files: int, *, keep: set[bytes]) -> list[bytes]:
+        """LRU victims worth `nbytes` of the disk and `files` inodes, whatever the capacity:
+        room for writes the file system had none for. Never picks a page being read or
+        written, or one in `keep`."""
+        victims: list[bytes] = []
+        for key, entry in self._index.items():
+            if nbytes <= 0 and files <= 0:
+                break
+            if self._evictable(key) and key not in keep:
+                victims.append(key)
+                nbytes -= entry.nbytes
+                files -= 1
+        return victims
+
+    async def _write_again(
+        self,
+        *,
+        keys: Sequence[bytes],
+        pages: Sequence[PageBuffer],
+        metas: Sequence[PageMeta],
+        no_room: list[tuple[int, int]],
+        outcomes: list[Outcome],
+        now: float,
+    ) -> None:
+        """Write once more the pages of a batch (position, reserved size) that the file system
+        had no room for: the job first releases the spare files, and least recently used pages
+        worth what those do not cover are evicted. Planned here in one step, as a put's first
+        round; a page that still finds no room is a MISS."""
+        writes = [i for i, _ in no_room]
+        nbytes = sum(HEADER_NBYTES + payload_nbytes(pages[i]) for i in writes)
+        # Out of inodes, a page needs one for its file and one for a shard directory not
+        # made yet (an evicted page frees one).
+        handles = self._handles_or_raise()
+        files = len(writes) + sum(not handles.opened(keys[i].hex()[:2]) for i in writes)
+        spares = self._spares
+        if spares is not None:
+            nbytes -= spares.nbytes
+            files -= spares.files
+        await self._write_batch(
+            keys=keys,
+            pages=pages,
+            metas=metas,
+            writes=writes,
+            sizes=[size for _, size in no_room],
+            victims=self._plan_disk_room(nbytes, files, keep=set(keys)),
+            stamps={},
+            outcomes=outcomes,
+            now=now,
+            again=True,
+        )
+
     async def _write_batch(
         self,
         *,
@@ -1928,7 +2106,11 @@ class FileStorage(BackendBase):
         stamps: dict[bytes, int],
         outcomes: list[Outcome],
         now: float,
-    ) -> None:
+        again: bool = False,
+    ) -> list[tuple[int, int]]:
+        """Write the pages at `writes` after evicting `victims`; the pages the file system had
+        no room for, as (position, reserved size), for `_write_again` (none when `again`: this
+        is that second try, whose pages without room are MISSes)."""
         write_keys = [keys[i] for i in writes]
         write_pages = [pages[i] for i in writes]
         write_metas = [metas[i] for i in writes]
@@ -1951,6 +2133,7 @@ class FileStorage(BackendBase):
                     metas=write_metas,
                     positions=writes,
                     stamps=stamps,
+                    no_room=again,
                 )
             )
         except asyncio.CancelledError:
@@ -1961,8 +2144,11 @@ class FileStorage(BackendBase):
             self._writing.difference_update(write_keys)
             self._evicting.difference_update(victims)
             self._commit_removal(removed, job, evictions=True)
-            self._commit_write(job, writes, write_keys, outcomes, now, epoch=epoch)
+            no_room = self._commit_write(
+                job, writes, write_keys, outcomes, now, epoch=epoch, final=again
+            )
             self._unwatch(epoch)
+        return [(i, sizes[slot]) for slot, i in enumerate(writes) if i in no_room]
 
     def _write_job(
         self,
@@ -1975,12 +2161,19 @@ class FileStorage(BackendBase):
         metas: list[PageMeta],
         positions: list[int],
         stamps: dict[bytes, int],
+        no_room: bool = False,
     ) -> None:
         """Remove `victims`, stamp the files of `stamps` and write the pages; each page's
-        mtime falls with its position in the batch, as the index orders the batch's keys."""
+        mtime falls with its position in the batch, as the index orders the batch's keys.
+        With `no_room` (the disk had none) the spare files are released first, and the
+        victims unlinked rather than kept as spares."""
         handles = self._handles_or_raise()
         segments = job.segments(pages, writable=False)  # before any I/O
         sizes = [sum([view.nbytes for view in views]) for views in segments]
+        spares = self._spares
+        if no_room:
+            self._release_spares(handles, reason="disk full")
+            spares = None
         # Victims go even when the caller is cancelled: their room was counted free when
         # they were planned, and another put may have used it already.
         for position, key in enumerate(victims):
@@ -1988,7 +2181,7 @@ class FileStorage(BackendBase):
             try:
                 shard_fd = handles.shard(hexkey[:2], create=False)
                 if shard_fd is not None:
-                    _remove_page(self._spares, handles, shard_fd, hexkey)
+                    _remove_page(spares, handles, shard_fd, hexkey)
             except FileNotFoundError:
                 pass
             except OSError as exc:  # the page stays: it goes back into the index
@@ -2057,7 +2250,7 @@ class FileStorage(BackendBase):
                 if self._spares is not None:
                     self._spares.done(tmp_name)
         except OSError as exc:
-            return (_ERROR, f"write: {exc.strerror or exc}", 0)
+            return _write_failure(exc)
         if durable:
             try:
                 os.fsync(shard_fd)
@@ -2135,10 +2328,15 @@ class FileStorage(BackendBase):
         now: float,
         *,
         epoch: int,
-    ) -> None:
+        final: bool,
+    ) -> set[int]:
+        """Record a write job's pages; returns the positions of those the file system had no
+        room for, to be written again (none when `final` or cancelled: those are MISSes)."""
+        no_room: set[int] = set()
         if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
             self._counters.puts -= len(outcomes)
-            return
+            return no_room
+        errors = _PageErrors()
         for slot, (i, key) in enumerate(zip(writes, keys, strict=True)):
             result = job.results[slot]
             if result is None:
@@ -2147,19 +2345,28 @@ class FileStorage(BackendBase):
                 continue
             code, detail, nbytes = result
             if code in (_OK, _EXISTS):
+                outcomes[i] = Outcome.OK  # a second try's page was a MISS until now
                 # A delete of the key while it was written (a shared root's delete does not
                 # wait for this instance's writes) may have come after the rename: leave the
                 # index without it, where a lookup on disk finds it if it is there.
                 if self._changed.get(key, 0) <= epoch:
                     self._insert(key, nbytes, now)
                 if detail:
-                    log.warning(
-                        "storage.page.error", backend=self._name, key=key.hex(), error=detail
-                    )
+                    errors.add(key, detail)
+            elif code == _NO_ROOM and not (final or job.cancelled):
+                outcomes[i] = Outcome.MISS  # unless the second try stores it
+                no_room.add(i)
+            elif code in (_NO_ROOM, _REFUSED):
+                # Not an error to retry: the same write would fail the same way.
+                outcomes[i] = Outcome.MISS
+                self._refused_writes += 1
+                errors.add(key, detail)
             else:
                 outcomes[i] = Outcome.ERROR
                 self._counters.errors += 1
-                log.warning("storage.page.error", backend=self._name, key=key.hex(), error=detail)
+                errors.add(key, detail)
+        errors.log(self._name)
+        return no_room
 
     def _commit_removal(
         self, removed: list[tuple[bytes, _Entry | None]], job: _Job, *, evictions: bool
@@ -2585,15 +2792,15 @@ class FileStorage(BackendBase):
             os.close(fd)
 
     async def gc(self) -> GcReport:
-        """Rescan the root, then evict least recently used pages down to the capacity."""
+        """Rescan the root, release the spare files (a full disk wants their room back;
+        logged, not in the report), then evict least recently used pages down to the
+        capacity."""
         self._check_open()
         since = self._seq
         epoch = self._watch()
         before = list(self._index)  # the set is made off the loop
         try:
-            diff = await self.run_job(
-                lambda stop: _diff_scan(_scan(self._handles_or_raise(), stop), before)
-            )
+            diff = await self.run_job(lambda stop: self._gc_scan_job(stop, before))
             self._merge_scan(diff, since, epoch)
         finally:
             self._unwatch(epoch)
@@ -2631,6 +2838,35 @@ class FileStorage(BackendBase):
             failed=len(failed),
             over_capacity_bytes=self._excess(),
         )
+
+    def _gc_scan_job(self, stop: threading.Event, before: list[bytes]) -> _ScanDiff:
+        """Release the spare files, then scan the root against the index (`before`)."""
+        handles = self._handles_or_raise()
+        self._release_spares(handles, reason="gc")
+        return _diff_scan(_scan(handles, stop), before)
+
+    def _release_spares(self, handles: _Handles, *, reason: str) -> None:
+        """Unlink every spare file no write has taken, logged when there were any: a warning
+        when a full disk needed their room, else (`gc()`) as information."""
+        if self._spares is None:
+            return
+        files = nbytes = 0
+        for name, size in self._spares.release():
+            try:
+                os.unlink(name, dir_fd=handles.tmp_fd)
+            except OSError:  # gone with tmp/, or removed by verify(): no room held either way
+                continue
+            files += 1
+            nbytes += size
+        if files:
+            emit = log.warning if reason == "disk full" else log.info
+            emit(
+                "storage.spares.released",
+                backend=self._name,
+                reason=reason,
+                files=files,
+                bytes=nbytes,
+            )
 
     def _excess(self) -> int:
         """Bytes above the capacity, counting the room reserved for puts in flight."""

@@ -1,0 +1,379 @@
+"""FileStorage when the file system says no: a full disk (bytes or inodes), a read-only file
+system, a file size limit, a process out of descriptors.
+
+Every such fault is a miss, never a failed request: pages that find no room make it by evicting
+least recently used pages (after the spare files go), pages that cannot be written at all are
+MISSes, not ERRORs a backup worker would retry, and each batch logs one line per distinct error.
+
+The small file systems are tmpfs mounts, made only when running as root where mounting is
+permitted; those tests skip otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import resource
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import structlog
+from test_file_storage import (
+    PAGE,
+    _assert_index_matches_disk,
+    _get,
+    _keys,
+    _metas,
+    _put,
+)
+
+from hicache_async import CacheConfig, HiCache, StorageConfigError, StorageError
+from hicache_async.storage import FileStorage, Outcome
+from hicache_async.testing import KVGenerator, serve
+
+Mount = Callable[..., Path]
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Mount]:
+    """`tmpfs(name, size=..., nr_inodes=..., mode=..., ro=...)`: a tmpfs mounted at
+    `tmp_path / name`, unmounted after the test. Skips when mounting is not permitted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mounted: list[Path] = []
+
+    def mount(name: str, **options: object) -> Path:
+        path = tmp_path / name
+        path.mkdir(mode=0o700, exist_ok=True)
+        flags = ",".join(
+            key if value is True else f"{key}={value}" for key, value in options.items()
+        )
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", flags or "defaults", "tmpfs", str(path)],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        done = subprocess.run(["umount", str(path)], capture_output=True, check=False)
+        if done.returncode != 0:  # still busy: detach it, it goes when the last user does
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+def _remount(path: Path, how: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{how}", str(path)], check=True)
+
+
+def _fill(path: Path) -> Path:
+    """Fill the file system of `path` with one file (`path / "filler"`), to ENOSPC."""
+    filler = path / "filler"
+    chunk = bytes(64 << 10)
+    with open(filler, "wb", buffering=0) as file, contextlib.suppress(OSError):
+        while True:
+            file.write(chunk)
+    return filler
+
+
+def _spares(root: Path) -> list[str]:
+    return [name for name in os.listdir(root / "tmp") if name.endswith(".spare")]
+
+
+@contextlib.contextmanager
+def _limit(which: int, soft: int) -> Iterator[None]:
+    """Lower a resource's soft limit to `soft` for the block."""
+    old = resource.getrlimit(which)
+    resource.setrlimit(which, (soft, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(which, old)
+
+
+@contextlib.contextmanager
+def _descriptors_left(count: int) -> Iterator[None]:
+    """Let the process open exactly `count` more descriptors in the block: holes below the
+    highest one are filled first (with /dev/null), so the next ones are numbered in a row."""
+    top = max(int(name) for name in os.listdir("/proc/self/fd"))
+    held: list[int] = []
+    try:
+        while (fd := os.open(os.devnull, os.O_RDONLY)) < top:
+            held.append(fd)
+        os.close(fd)
+        with _limit(resource.RLIMIT_NOFILE, top + 1 + count):
+            yield
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _page_errors(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [entry for entry in logs if entry["event"] == "storage.page.error"]
+
+
+# A full disk.
+
+
+@pytest.mark.parametrize("capacity", [None, 64 << 20], ids=["no-capacity", "capacity-past-disk"])
+async def test_a_full_disk_evicts_and_keeps_writing(tmpfs: Mount, capacity: int | None) -> None:
+    root = tmpfs("disk", size="2m") / "s"
+    async with FileStorage(root, capacity_bytes=capacity) as storage:
+        batches = [_keys(8) for _ in range(12)]  # 3 MiB of pages on a 2 MiB disk
+        for keys in batches:
+            with structlog.testing.capture_logs() as logs:
+                assert await _put(storage, keys) == [Outcome.OK] * 8
+            assert not _page_errors(logs)
+        stats = storage.stats()
+        assert (stats.errors, storage.refused_writes) == (0, 0)
+        assert stats.evictions > 0  # least recently used first: the last batch is all there
+        assert await _get(storage, batches[-1]) == [Outcome.OK] * 8
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_inode_exhaustion_evicts_like_a_full_disk(tmpfs: Mount) -> None:
+    root = tmpfs("disk", size="16m", nr_inodes=32) / "s"
+    async with FileStorage(root) as storage:
+        # One shard directory for all of them: each page costs an inode, nothing else.
+        batches = [[b"\x01" + key[1:] for key in _keys(8)] for _ in range(8)]
+        for keys in batches:
+            assert await _put(storage, keys) == [Outcome.OK] * 8
+        assert (storage.stats().errors, storage.refused_writes) == (0, 0)
+        assert storage.stats().evictions > 0
+        assert await _get(storage, batches[-1]) == [Outcome.OK] * 8
+
+
+async def test_out_of_inodes_a_new_shard_directory_costs_one_more_page(tmpfs: Mount) -> None:
+    root = tmpfs("disk", size="16m", nr_inodes=32) / "s"
+    async with FileStorage(root, spare_bytes=0) as storage:
+        while not storage.stats().evictions:  # until every inode is taken
+            assert await _put(storage, [b"\x01" + _keys(1)[0][1:]]) == [Outcome.OK]
+        before = storage.stats().evictions
+        # Its shard directory does not exist: the page needs an inode for it and one for
+        # its file, so two pages are evicted for it.
+        key = b"\x02" + _keys(1)[0][1:]
+        assert await _put(storage, [key]) == [Outcome.OK]
+        assert storage.stats().evictions == before + 2
+        assert await _get(storage, [key]) == [Outcome.OK]
+
+
+async def test_no_room_even_after_evicting_is_one_miss_logged_once(tmpfs: Mount) -> None:
+    disk = tmpfs("disk", size="2m")
+    root = disk / "s"
+    async with FileStorage(root) as storage:
+        filler = _fill(disk)  # someone else's file: evicting every page would not make room
+        keys = _keys(8)
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, keys) == [Outcome.MISS] * 8
+        assert (storage.stats().errors, storage.refused_writes) == (0, 8)
+        # One line for the batch, not one a page.
+        [event] = _page_errors(logs)
+        assert (event["count"], event["key"]) == (8, keys[0].hex())
+        assert os.strerror(errno.ENOSPC) in event["error"]
+        assert os.listdir(root / "tmp") == []  # no half-written file holds the room
+        filler.unlink()  # room again: writes resume, no restart
+        assert await _put(storage, keys) == [Outcome.OK] * 8
+        assert await _get(storage, keys) == [Outcome.OK] * 8
+
+
+async def test_a_full_disk_releases_the_spare_files_first(tmpfs: Mount) -> None:
+    disk = tmpfs("disk", size="2m")
+    root = disk / "s"
+    async with FileStorage(root) as storage:
+        keys = _keys(32)
+        assert await _put(storage, keys) == [Outcome.OK] * 32
+        assert await storage.delete(keys[8:]) == 24  # their files are kept as spares
+        assert len(_spares(root)) == 24
+        _fill(disk)
+        # Pages of another size cannot go over a spare file: the spares must make room.
+        small = _keys(8)
+        pages = [[memoryview(bytearray(key[:1] * (PAGE // 2)))] for key in small]
+        with structlog.testing.capture_logs() as logs:
+            assert await storage.put(small, pages, _metas(small)) == [Outcome.OK] * 8
+        assert _spares(root) == []
+        [released] = [entry for entry in logs if entry["event"] == "storage.spares.released"]
+        assert (released["files"], released["reason"]) == (24, "disk full")
+        # The spares made room enough: no page was evicted for it.
+        assert storage.stats().evictions == 0
+        assert await _get(storage, keys[:8]) == [Outcome.OK] * 8
+
+
+async def test_gc_releases_the_spare_files(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        keys = _keys(5)
+        await _put(storage, keys)
+        assert await storage.delete(keys) == 5
+        assert len(_spares(root)) == 5
+        with structlog.testing.capture_logs() as logs:
+            report = await storage.gc()
+        assert report.evicted_pages == 0
+        assert _spares(root) == []
+        [released] = [entry for entry in logs if entry["event"] == "storage.spares.released"]
+        assert (released["files"], released["reason"]) == (5, "gc")
+
+
+# Writes the file system refuses for good.
+
+
+async def test_a_file_size_limit_is_a_miss_not_an_error(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "s") as storage:
+        keys = _keys(4)
+        with structlog.testing.capture_logs() as logs, _limit(resource.RLIMIT_FSIZE, PAGE // 2):
+            outcomes = await _put(storage, keys)
+        assert outcomes == [Outcome.MISS] * 4
+        assert (storage.stats().errors, storage.refused_writes) == (0, 4)
+        [event] = _page_errors(logs)
+        assert event["count"] == 4
+        assert os.strerror(errno.EFBIG) in event["error"]
+        assert await _put(storage, keys) == [Outcome.OK] * 4  # the limit gone, they fit
+
+
+async def test_a_read_only_file_system_is_a_miss_not_an_error(tmpfs: Mount) -> None:
+    root = tmpfs("disk", size="4m") / "s"
+    async with FileStorage(root):
+        pass  # the store's directories and LOCK
+    # Writes go through tmp/: a read-only file system there refuses every one.
+    tmpfs("disk/s/tmp", size="1m", mode="0700", ro=True)
+    async with FileStorage(root) as storage:
+        keys = _keys(4)
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, keys) == [Outcome.MISS] * 4
+        assert (storage.stats().errors, storage.refused_writes) == (0, 4)
+        [event] = _page_errors(logs)
+        assert os.strerror(errno.EROFS) in event["error"]
+
+
+# Reads.
+
+
+async def test_read_errors_are_logged_once_per_batch(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "s") as storage:
+        keys = [b"\x02" + key[1:] for key in _keys(16)]  # one shard, its descriptor held
+        await _put(storage, keys)
+        with structlog.testing.capture_logs() as logs, _descriptors_left(0):
+            outcomes = await _get(storage, keys)
+        assert outcomes == [Outcome.ERROR] * 16
+        [event] = _page_errors(logs)
+        assert (event["count"], event["key"]) == (16, keys[0].hex())
+        assert os.strerror(errno.EMFILE) in event["error"]
+        assert await _get(storage, keys) == [Outcome.OK] * 16
+
+
+# Opening short of descriptors, or on a read-only file system.
+
+
+async def test_open_short_of_descriptors_leaves_unreadable_shards_out(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keys = [bytes([shard]) + key[1:] for shard, key in enumerate(_keys(40))]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+    storage = FileStorage(root)
+    # The root's four, then a descriptor a shard kept and two while it is listed.
+    with structlog.testing.capture_logs() as logs, _descriptors_left(12):
+        await storage.__aenter__()
+    try:
+        unreadable = [entry for entry in logs if entry["event"] == "storage.shard.unreadable"]
+        assert unreadable
+        assert os.strerror(errno.EMFILE) in unreadable[0]["error"]
+        indexed = storage.stats().pages
+        assert 0 < indexed < len(keys)
+        assert await storage.exists(keys[:indexed]) == indexed  # the shards read first
+    finally:
+        await storage.close()
+    async with FileStorage(root) as storage:  # with descriptors enough, every page is back
+        assert storage.stats().pages == len(keys)
+
+
+async def test_open_out_of_descriptors_is_a_storage_error(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        await _put(storage, _keys(2))
+    storage = FileStorage(root)
+    with _descriptors_left(4), pytest.raises(StorageError, match=r"ulimit -n"):
+        await storage.__aenter__()  # the root's four descriptors, none to list tmp/
+
+
+async def test_a_read_only_root_opens_for_a_look_only(tmpfs: Mount) -> None:
+    disk = tmpfs("disk", size="4m")
+    root = disk / "s"
+    keys = _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+    _remount(disk, "ro")
+    try:
+        with pytest.raises(StorageConfigError, match="read-only file system"):
+            async with FileStorage(root):
+                pass
+        looking = FileStorage(root)
+        looking._keep_leftovers = True  # as `hicache-async storage stats|ls` open it
+        async with looking:
+            assert looking.stats().pages == 3
+            assert len(await looking.list_pages()) == 3
+    finally:
+        _remount(disk, "rw")
+
+
+# End to end.
+
+
+_CONFIG = {
+    "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 64},
+    "page_size": 16,
+    "device_pages": 32,
+    "host_pages": 48,
+    "model_id": "full-disk",
+    "prefetch": {"policy": "wait_complete", "io_timeout_s": 5, "threshold_tokens": 16},
+    "backup": {"io_timeout_s": 5, "retry_backoff_s": 0.001},
+}
+
+
+def _prompts(count: int, seed: int) -> list[np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, 50_000, size=64)
+    return [
+        np.concatenate([shared, rng.integers(0, 50_000, size=int(rng.integers(16, 160)))])
+        for _ in range(count)
+    ]
+
+
+async def test_a_cache_on_a_full_disk_serves_every_request(tmpfs: Mount) -> None:
+    config = CacheConfig.from_dict(_CONFIG)
+    generator = KVGenerator(config.layout, config.page_size, seed=1)
+    storage = FileStorage(tmpfs("disk", size="2m") / "s")
+    async with HiCache(config, storage=storage) as cache:
+
+        async def phase(prompts: list[np.ndarray[Any, Any]], tag: str) -> int:
+            for number, prompt in enumerate(prompts):
+                # check="all": every page read (from any tier) holds its prefix's bytes.
+                await serve(cache, prompt, generator, request_id=f"{tag}{number}", check="all")
+            await cache.drain()
+            return cache.storage_status().backup.written_pages
+
+        filled = await phase(_prompts(40, 1), "fill")  # some 4 MiB of pages for 2 MiB
+        second = _prompts(40, 2)
+        written = await phase(second, "full")
+        assert written > filled  # still writing, with the disk full
+        # Prompts whose next pages are on the disk only: served, the pages read back right.
+        stored = []
+        for prompt in second:
+            found = cache.match(prompt)
+            cached = (found.device_tokens + found.host_tokens) // config.page_size
+            if found.keys[cached:] and await storage.exists(found.keys[cached:]):
+                stored.append(prompt)
+        assert stored
+        await phase(stored, "again")
+        backup = cache.storage_status().backup
+        stats = storage.stats()
+    assert stats.get_hits > 0
+    assert stats.evictions > 0
+    assert stats.errors == 0
+    assert backup.retried_pages == 0  # no room is no error to retry
