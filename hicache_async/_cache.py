@@ -524,7 +524,6 @@ class HiCache:
         self._forget_storage()
         # A cancelled detach gives up the flush, not the close (see StorageLink.close).
         await self._close_link(link, flush=flush)
-        _log.info("hicache.storage.detached", backend=link.backend.name)
 
     def _forget_storage(self) -> None:
         """Unmark every node in storage: pages acknowledged by the old backend are not in the
@@ -541,6 +540,15 @@ class HiCache:
         finally:
             if self._closing is link:
                 self._closing = None
+            # The link's figures go with it: what it left unwritten is said here, or nowhere.
+            backup = link.backup
+            (_log.warning if backup.dropped_pages else _log.info)(
+                "hicache.storage.detached",
+                backend=link.backend.name,
+                written_pages=backup.written_pages,
+                dropped_pages=backup.dropped_pages,
+                failed_pages=backup.failed_pages,
+            )
 
     async def _wait_closing(self) -> None:
         """Wait until no link is closing. Cancelling the caller stops only its wait: the close

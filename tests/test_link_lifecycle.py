@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from structlog.testing import capture_logs
@@ -341,3 +342,26 @@ async def test_a_close_racing_a_failed_open_does_not_wait_for_a_flush(
             assert cache.storage_status().attached
     finally:
         await cache.__aexit__(None, None, None)
+
+
+@pytest.mark.parametrize("how", ["detach", "close"])
+async def test_what_a_detach_left_unwritten_is_logged(tmp_path: Path, how: str) -> None:
+    # The link's statistics vanish with it: a detach without a flush dropped queued backups
+    # with no trace anywhere.
+    store = GatedPuts(tmp_path)
+    # For the close, which flushes: a deadline the gated write cannot meet drops the rest.
+    config = msgspec.structs.replace(
+        CONFIG, backup=msgspec.structs.replace(CONFIG.backup, flush_deadline_s=0.05)
+    )
+    with capture_logs() as logs:
+        async with HiCache(config, storage=store) as cache:
+            link = await _flushing(cache, store)
+            if how == "detach":
+                await cache.detach_storage(flush=False)
+    (detached,) = [e for e in logs if e["event"] == "hicache.storage.detached"]
+    backup = link.backup.statistics()
+    assert backup.dropped_pages > 0
+    assert detached["log_level"] == "warning"
+    assert detached["dropped_pages"] == backup.dropped_pages
+    assert detached["written_pages"] == backup.written_pages
+    assert detached["failed_pages"] == backup.failed_pages

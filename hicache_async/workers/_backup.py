@@ -466,7 +466,8 @@ class BackupWorker:
                         [metas[i] for i in todo],
                     )
                 check_outcomes(outcomes, len(todo), "put")
-                self._cache.storage_put_latency.observe(time.monotonic() - began)
+                if Outcome.OK in outcomes:  # a call that stored nothing says nothing of speed
+                    self._cache.storage_put_latency.observe(time.monotonic() - began)
             except Exception as exc:
                 _log.warning(
                     "hicache.backup.put.failed", pages=len(todo), attempt=attempt, error=repr(exc)

@@ -94,6 +94,7 @@ class PrefetchHandle:
         "_agreeing",
         "_cancel_requested",
         "_counted_live",
+        "_deadline",
         "_done",
         "_group",
         "_held",
@@ -103,6 +104,7 @@ class PrefetchHandle:
         "_scope",
         "_started",
         "_terminated",
+        "_timed_out",
         "_waited",
         "device_tokens",
         "host_tokens",
@@ -150,6 +152,10 @@ class PrefetchHandle:
         # Seconds the caller already spent waiting for room in the queue: the `timeout`
         # policy's wait in `ready()` is what is left of its limit.
         self._waited = 0.0
+        # When the `timeout` policy's wait ends, set by the first `ready()`: a later call
+        # waits what is left of it, not a whole limit again, and the timeout counts once.
+        self._deadline: float | None = None
+        self._timed_out = False
         self._counted_live = False  # counted in the prefetcher's live prefetches
         self._in_queue = False  # holds a slot of the prefetcher's queue (see `_PrefetchQueue`)
         self._cancel_requested = False
@@ -297,13 +303,17 @@ class PrefetchHandle:
             await self._done.wait()
             self._observe(began)
             return
-        limit = self._prefetcher.config.timeout_for(self.num_tokens) - self._waited
-        with anyio.move_on_after(max(0.0, limit)):
+        if self._deadline is None:
+            limit = self._prefetcher.config.timeout_for(self.num_tokens) - self._waited
+            self._deadline = began + max(0.0, limit)
+        with anyio.move_on_after(max(0.0, self._deadline - began)):
             await self._done.wait()
         self._observe(began)
         if not self.done():
             self.terminate()
-            self._prefetcher.timeouts += 1
+            if not self._timed_out:
+                self._timed_out = True
+                self._prefetcher.timeouts += 1
 
     def _finish(self, status: PrefetchStatus) -> None:
         if not self.done():
@@ -713,13 +723,14 @@ class Prefetcher:
                 )
             existing = check_exists(answer, len(keys) - start)
         except Exception as exc:
-            self.errors += 1
+            # Pages, as everywhere in these counters: the ones that could not be looked up.
+            self.errors += len(keys) - start
             _log.warning(
                 "hicache.prefetch.exists.failed", request_id=handle.request_id, error=repr(exc)
             )
             return PrefetchStatus.SKIPPED
+        self.misses += len(keys) - start - existing  # asked of storage, not there
         if existing * size < threshold:
-            self.misses += existing == 0
             return PrefetchStatus.SKIPPED
         if handle._gave_up():  # meanwhile
             return PrefetchStatus.TERMINATED
@@ -887,9 +898,10 @@ class Prefetcher:
                     namespace.storage_keys(keys), into, namespace=namespace.fingerprint
                 )
             check_outcomes(outcomes, len(keys), "get")
-            self._cache.storage_get_latency.observe(time.monotonic() - began)
+            if Outcome.OK in outcomes:  # a call that read nothing says nothing of speed
+                self._cache.storage_get_latency.observe(time.monotonic() - began)
         except Exception as exc:
-            self.errors += 1
+            self.errors += len(keys)
             _log.warning("hicache.prefetch.get.failed", pages=len(keys), error=repr(exc))
             return [Outcome.ERROR] * len(keys)
         for outcome in outcomes:

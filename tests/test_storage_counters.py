@@ -1,0 +1,133 @@
+"""What the prefetch and backup counters and the storage latency histograms count: pages
+everywhere, a timeout once per prefetch, and batch latencies only of calls that moved a page."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _plain_storage import PlainStorage
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async.storage import Outcome, PageMeta
+from hicache_async.storage._protocol import PageBuffer
+from hicache_async.testing import FaultyStorage, KVGenerator, serve
+
+PAGE = 8
+
+
+def _config(**prefetch: object) -> CacheConfig:
+    return CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8},
+            "page_size": PAGE,
+            "device_pages": 64,
+            "host_pages": 96,
+            "model_id": "counters",
+            "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE, **prefetch},
+            "backup": {"max_retries": 1, "retry_backoff_s": 0.0},
+        }
+    )
+
+
+def _prompt(pages: int, seed: int = 0) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(seed).integers(0, 30_000, size=pages * PAGE)
+
+
+class _Scripted(PlainStorage):
+    """Claims every page exists; gets wait for `release`, then answer MISS for every page;
+    puts answer ERROR for every page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        return len(keys)
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        await self.release.wait()
+        return [Outcome.MISS] * len(keys)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        return [Outcome.ERROR] * len(keys)
+
+
+async def test_a_prefetch_times_out_once_however_often_it_is_awaited() -> None:
+    # Each `ready()` used to wait a whole limit again and count one more timeout.
+    config = _config(policy="timeout", timeout_base_s=0.2, timeout_per_1k_tokens_s=0.0)
+    store = _Scripted()
+    async with HiCache(config, storage=store) as cache:
+        handle = await cache.start_prefetch(_prompt(4))
+        assert (await handle.ready()).storage_tokens == 0
+        # Past its deadline, another wait ends at once instead of waiting 0.2 s again.
+        second = asyncio.ensure_future(handle.ready())
+        for _ in range(20):
+            if second.done():
+                break
+            await asyncio.sleep(0)
+        assert second.done()
+        await second
+        await handle.ready()
+        status = cache.storage_status().prefetch
+        assert status is not None
+        assert status.submitted == 1
+        assert status.timeouts == 1
+        store.release.set()
+        await handle.wait()
+
+
+async def test_prefetch_misses_and_errors_count_pages(tmp_path: Path) -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE)
+    prompt = _prompt(5)
+    root = tmp_path / "l3"
+    async with HiCache(config, storage=f"file://{root}") as writer:
+        await serve(writer, prompt[: 2 * PAGE], generator, prefetch=False)
+        await writer.drain()
+    async with HiCache(config, storage=f"file://{root}") as reader:
+        result = await reader.prefetch(prompt)
+        assert result.storage_tokens == 2 * PAGE
+        status = reader.storage_status().prefetch
+        assert status is not None
+        assert status.pages_read == 2
+        assert status.misses == 3  # asked of storage, not there: pages, not one per prefetch
+        assert status.errors == 0
+    failing = FaultyStorage(PlainStorage(), seed=1, error_rate=1.0)
+    async with HiCache(config, storage=failing) as cache:
+        await cache.prefetch(prompt)  # its exists fails: five pages unread
+        status = cache.storage_status().prefetch
+        assert status is not None
+        assert status.errors == 5
+        assert status.misses == 0
+
+
+async def test_batch_latencies_leave_out_calls_that_moved_no_page() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE)
+    store = _Scripted()
+    store.release.set()
+    async with HiCache(config, storage=store) as cache:
+        await serve(cache, _prompt(3), generator, prefetch=False)
+        await cache.drain()
+        backup = cache.storage_status().backup
+        assert backup is not None
+        assert backup.failed_pages == 3  # every put call returned, storing nothing
+        assert cache.storage_put_latency.snapshot().count == 0
+        await cache.prefetch(_prompt(3, seed=1))  # every get returns, reading nothing
+        prefetch = cache.storage_status().prefetch
+        assert prefetch is not None
+        assert prefetch.misses == 3
+        assert cache.storage_get_latency.snapshot().count == 0
+    # And a call that moved pages is observed.
+    async with HiCache(config, storage=PlainStorage()) as cache:
+        await serve(cache, _prompt(3), generator, prefetch=False)
+        await cache.drain()
+        assert cache.storage_put_latency.snapshot().count >= 1
