@@ -233,27 +233,28 @@ async def test_manifest_is_bounded_validated_and_compacted(tmp_path: Path) -> No
         for i in range(20)
     ]
     await manifest.append(entries)
+    # A record of a newer version (99) is no damage: skipped, counted apart, kept.
+    newer_version = json.dumps(
+        {"namespace": "00" * 16, "keys": ["ab" * 32], "num_tokens": 4, "v": 99}
+    ).encode()
     with path.open("ab") as f:
         f.write(b"not json\n")
         f.write(b'{"namespace": "zz", "keys": [], "num_tokens": -1}\n')
         f.write(b"x" * 10_000 + b"\n")
-        f.write(
-            json.dumps(
-                {"namespace": "00" * 16, "keys": ["ab" * 32], "num_tokens": 4, "v": 99}
-            ).encode()
-            + b"\n"
-        )
+        f.write(newer_version + b"\n")
     read = await manifest.read(namespace=namespace.hex())
     assert len(read.entries) == 5
-    assert read.malformed == 3
+    assert (read.malformed, read.newer) == (2, 1)
     assert read.oversized == 1
     assert [e.priority for e in read.entries] == sorted(
         (e.priority for e in read.entries), reverse=True
     )
     report = await manifest.compact()
-    assert report.entries_after == 5
+    assert report.entries_after == 6  # five entries of `namespace`, and the newer record
     assert report.bytes_after < report.bytes_before
-    assert all(decode_entry(line) is not None for line in path.read_bytes().splitlines())
+    kept = path.read_bytes().splitlines()
+    assert newer_version in kept
+    assert all(decode_entry(line) is not None for line in kept if line != newer_version)
     # A later record for the same chain replaces the earlier one.
     newer = chain_entry(namespace, [bytes.fromhex(k) for k in read.entries[0].keys], 12, 9, 1e6)
     await manifest.append([newer])

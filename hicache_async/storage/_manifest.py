@@ -8,9 +8,11 @@ than the configured bound in memory, whatever the manifest's size.
 Entries hold page keys, not token ids: the keys are all a cache needs to find the pages, and a
 shared manifest of raw prompts would hand every reader of the store everyone's prompts.
 
-Evolution: unknown fields are ignored (a newer writer may add some); a record whose `v` is
-newer than this reader knows is skipped as malformed; removing or retyping a field needs a new
-`v`.
+Evolution: a reader ignores the fields it does not know (a newer writer may add some), and
+skips a record whose `v` is newer than it knows (counted as `newer`, not as malformed).
+Compaction changes neither: it carries every record it keeps as the bytes stored, so unknown
+fields survive, and keeps a newer version's records byte for byte, bounded and ranked with the
+others (see `ManifestCollector`). Removing or retyping a field needs a new `v`.
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ import os
 import re
 import stat
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Hashable,
+    Iterable,
+    Sequence,
+)
 from pathlib import Path
-from typing import Annotated, Generic, Protocol, TypeVar, cast, runtime_checkable
+from typing import Annotated, Generic, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 import aiofiles
 import aiofiles.os
@@ -99,6 +109,8 @@ class ManifestRead(msgspec.Struct, frozen=True):
     oversized: int = 0
     #: the manifest was larger than the byte bound; reading stopped there.
     truncated: bool = False
+    #: records of a newer manifest version than this reader knows: skipped, left in place.
+    newer: int = 0
 
 
 class CompactReport(msgspec.Struct, frozen=True):
@@ -108,6 +120,15 @@ class CompactReport(msgspec.Struct, frozen=True):
     bytes_after: int
     malformed: int
     oversized: int
+    #: records of a newer manifest version: carried as they are (those kept are counted in
+    #: `entries_after`).
+    newer: int = 0
+
+
+def add_reports(first: CompactReport, second: CompactReport) -> CompactReport:
+    """The report of two compactions together (of two namespaces, say)."""
+    pairs = zip(msgspec.structs.astuple(first), msgspec.structs.astuple(second), strict=True)
+    return CompactReport(*(a + b for a, b in pairs))
 
 
 @runtime_checkable
@@ -137,23 +158,86 @@ def encode_entry(entry: ManifestEntry) -> bytes:
     return _encoder.encode(entry) + b"\n"
 
 
-def _evicted_before(evicted: dict[tuple[str, str], float], entry: ManifestEntry) -> bool:
-    """Whether `entry`'s chain was evicted for room with a use no older than this record's
-    (which must not come back in its place); a newer record ends the eviction."""
-    last = evicted.get(entry.ident)
+_K = TypeVar("_K", bound=Hashable)
+
+
+def _evicted_before(evicted: dict[_K, float], key: _K, last_use: float) -> bool:
+    """Whether the chain `key` was evicted for room with a use no older than `last_use` (a
+    record that must not come back in its place); a newer record ends the eviction."""
+    last = evicted.get(key)
     if last is None:
         return False
-    if entry.last_use <= last:
+    if last_use <= last:
         return True
-    del evicted[entry.ident]
+    del evicted[key]
     return False
+
+
+class _Newer(NamedTuple):
+    """A record of a newer manifest version: never loaded, carried by compaction as stored."""
+
+    #: What deduplicates it: (version, namespace, last key) where it has them as this version
+    #: knows them, else its bytes (only identical records are one).
+    key: Hashable
+    namespace: str | None
+    priority: int
+    last_use: float
+    line: bytes
+
+
+class _Envelope(msgspec.Struct):
+    """What an older reader looks at in a record of any version: its `v`, and the fields that
+    rank and deduplicate it, whatever their type."""
+
+    v: int
+    namespace: object = None
+    keys: object = None
+    priority: object = 0
+    last_use: object = 0.0
+
+
+_envelope_decoder = msgspec.json.Decoder(_Envelope)
+
+
+def _newer_record(line: bytes) -> _Newer | None:
+    """The record as one of a newer version (a JSON object with an integer `v` above this
+    version's), or None. Fields that do not hold what this version means by them rank it
+    lowest: priority 0, last use 0."""
+    try:
+        envelope = _envelope_decoder.decode(line)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        return None
+    if envelope.v <= MANIFEST_VERSION:
+        return None
+    namespace = envelope.namespace if isinstance(envelope.namespace, str) else None
+    priority = envelope.priority
+    if (
+        not isinstance(priority, int)
+        or isinstance(priority, bool)
+        or not -(2**31) <= priority < 2**31
+    ):
+        priority = 0
+    last_use = envelope.last_use
+    if (
+        not isinstance(last_use, (int, float))
+        or isinstance(last_use, bool)
+        or not abs(last_use) < 1e12  # NaN, huge
+    ):
+        last_use = 0.0
+    keys = envelope.keys
+    chain = keys[-1] if isinstance(keys, list) and keys and isinstance(keys[-1], str) else None
+    key: Hashable = line
+    if namespace is not None and chain is not None:
+        key = (envelope.v, namespace, chain)
+    return _Newer(key, namespace, priority, float(last_use), line)
 
 
 def _checked_line(
     line: bytes, limits: ManifestLimits, count: Callable[[str], None]
-) -> ManifestEntry | None:
-    """A record line's entry, or None; `count` is told "records" for every line that is not
-    blank, and "oversized" or "malformed" for those without an entry."""
+) -> ManifestEntry | _Newer | None:
+    """A record line's entry, the line as a newer version's record, or None; `count` is told
+    "records" for every line that is not blank, then "oversized" or "malformed" for those
+    that are neither, "newer" for a newer version's."""
     if not line.strip():
         return None
     count("records")
@@ -161,13 +245,16 @@ def _checked_line(
         count("oversized")
         return None
     entry = decode_entry(line)
-    if entry is None:
-        count("malformed")
-    return entry
+    if entry is not None:
+        return entry
+    newer = _newer_record(line)
+    count("malformed" if newer is None else "newer")
+    return newer
 
 
 def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
-    """A validated entry, or None for anything malformed. Never raises on bad bytes."""
+    """A validated entry of this version, or None for anything else (malformed, or of a newer
+    version). Never raises on bad bytes."""
     try:
         entry = _decoder.decode(line)
     except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
@@ -185,6 +272,12 @@ def decode_entry(line: bytes | memoryview) -> ManifestEntry | None:
     return entry
 
 
+def carried_record(line: bytes) -> bool:
+    """Whether a compaction keeps the record (it may still rank too low to): a valid entry
+    of this version, or a record of a newer one."""
+    return decode_entry(line) is not None or _newer_record(line) is not None
+
+
 class ManifestCollector:
     """Keeps the newest record per chain, at most `max_entries` of them; of records with
     the same use, the one stored last (records are fed oldest first unless `newest_first`).
@@ -192,10 +285,23 @@ class ManifestCollector:
     When full, the least valuable entries (lowest priority, then oldest use) make room, so a
     huge manifest costs bounded memory (twice `max_entries` at most, between trims) and keeps
     what warmup would want most.
+
+    With `carry` (a compaction's collector) `max_entries` bounds each namespace, and it also
+    keeps every entry's record as stored, so that fields this version does not know survive,
+    and the records of newer manifest versions (see `_Newer` for how they are deduplicated).
+    Those compete with the entries of their namespace for room, ranked by their `priority`
+    and `last_use` where these hold what this version means by them: they age out as entries
+    do, and are never dropped while their namespace has room. `compacted` gives what a
+    compaction writes. Without `carry` newer records are only counted.
     """
 
     def __init__(
-        self, limits: ManifestLimits, namespace: str | None = None, *, newest_first: bool = False
+        self,
+        limits: ManifestLimits,
+        namespace: str | None = None,
+        *,
+        newest_first: bool = False,
+        carry: bool = False,
     ) -> None:
         self._limits = limits
         self._namespace = namespace
@@ -203,73 +309,137 @@ class ManifestCollector:
         # which is the later fed, or with `newest_first` (records fed newest first) the
         # earlier fed.
         self._newest_first = newest_first
-        # By (namespace, chain id): tensor-parallel ranks' namespaces share page keys.
-        self._entries: dict[tuple[str, str], ManifestEntry] = {}
+        self._carry = carry
+        # Entries by (namespace, chain id) (tensor-parallel ranks' namespaces share page
+        # keys), and with `carry` newer records by their key.
+        self._held: dict[Hashable, ManifestEntry | _Newer] = {}
+        # With `carry`: each held entry's record as stored, where it was given.
+        self._lines: dict[Hashable, bytes] = {}
+        # What `max_entries` bounds separately (see `_bound_of`), as of the last trim and since.
+        self._namespaces: set[str | None] = set()
         # Chains evicted for room, with the newest use seen of each: an older record of one
         # of them, met later, must not come back in its place.
-        self._evicted: dict[tuple[str, str], float] = {}
+        self._evicted: dict[Hashable, float] = {}
         self.records = 0
         self.malformed = 0
         self.oversized = 0
+        self.newer = 0
 
     def add_line(self, line: bytes) -> None:
-        entry = _checked_line(line, self._limits, self._count)
-        if entry is not None:
-            self.add_entry(entry)
+        """Adds a record line as stored (without its newline), validated."""
+        record = _checked_line(line, self._limits, self._count)
+        if isinstance(record, ManifestEntry):
+            self._add(record.ident, record, line)
+        elif record is not None and self._carry:
+            self._add(record.key, record, None)
 
     def _count(self, what: str) -> None:
         setattr(self, what, getattr(self, what) + 1)
 
-    def add_entry(self, entry: ManifestEntry) -> None:
-        """Adds a valid entry (as `decode_entry` returns them); it counts as no record."""
-        if self._namespace is not None and entry.namespace != self._namespace:
+    def add_entry(self, entry: ManifestEntry, line: bytes | None = None) -> None:
+        """Adds a valid entry (as `decode_entry` returns them), with its record as stored
+        (without newline) if known; it counts as no record."""
+        self._add(entry.ident, entry, line)
+
+    def _add(self, key: Hashable, record: ManifestEntry | _Newer, line: bytes | None) -> None:
+        namespace = record.namespace
+        if self._namespace is not None and namespace not in (None, self._namespace):
             return
-        if _evicted_before(self._evicted, entry):
+        if _evicted_before(self._evicted, key, record.last_use):
             return
-        ident = entry.ident
-        previous = self._entries.pop(ident, None)
+        previous = self._held.pop(key, None)
         if previous is not None and (
-            previous.last_use > entry.last_use
-            or (self._newest_first and previous.last_use == entry.last_use)
+            previous.last_use > record.last_use
+            or (self._newest_first and previous.last_use == record.last_use)
         ):
-            entry = previous
-        self._entries[ident] = entry
-        if len(self._entries) >= 2 * self._limits.max_entries:
+            self._held[key] = previous
+        else:
+            self._held[key] = record
+            if self._carry and line is not None:
+                self._lines[key] = line
+            elif previous is not None:
+                self._lines.pop(key, None)
+        self._namespaces.add(self._bound_of(record))
+        if len(self._held) >= 2 * self._limits.max_entries * len(self._namespaces):
             self._trim()
 
+    def _bound_of(self, record: ManifestEntry | _Newer) -> str | None:
+        """What `max_entries` bounds the record with: its namespace's records when
+        compacting (a busy namespace must not push a quiet one's out of the store), all
+        records read together when reading (what a reader holds)."""
+        return record.namespace if self._carry else None
+
     def _trim(self) -> None:
-        """Keep the `max_entries` most valuable entries. Once per `max_entries` new chains,
-        not once per record: finding the least valuable costs a pass over all of them."""
-        excess = len(self._entries) - self._limits.max_entries
-        if excess <= 0:
+        """Keep the `max_entries` most valuable records (of each namespace, with `carry`).
+        Once per `max_entries` new chains (per namespace), not once per record: finding the
+        least valuable costs a pass over all of them."""
+        cap = self._limits.max_entries
+        counts = Counter(self._bound_of(record) for record in self._held.values())
+        self._namespaces = set(counts)
+        excess = {bound: n - cap for bound, n in counts.items() if n > cap}
+        if not excess:
             return
         # Stable: among equals, the first recorded goes first.
-        ranked = sorted(self._entries.values(), key=lambda e: (e.priority, e.last_use))
-        for worst in ranked[:excess]:
-            del self._entries[worst.ident]
-            self._evicted[worst.ident] = worst.last_use
+        ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
+        for key, worst in ranked:
+            bound = self._bound_of(worst)
+            left = excess.get(bound, 0)
+            if left > 0:
+                excess[bound] = left - 1
+                del self._held[key]
+                self._lines.pop(key, None)
+                self._evicted[key] = worst.last_use
 
     def result(self, *, truncated: bool) -> ManifestRead:
         self._trim()
+        entries = [r for r in self._held.values() if isinstance(r, ManifestEntry)]
         # A chain that is a strict prefix of another adds nothing, since loading the longer
         # one brings its pages too, unless it ranks higher (a pinned system prompt that
         # conversations continue): then it is kept, to be loaded first. Only a chain of the
         # same namespace that starts with the same keys covers it: ranks may share keys
         # across namespaces, and a damaged record may list any keys.
         covered: dict[tuple[str, str], ManifestEntry] = {}
-        for e in self._entries.values():
+        for e in entries:
             for k in e.keys[:-1]:
                 best = covered.get((e.namespace, k))
                 if best is None or best.priority < e.priority:
                     covered[(e.namespace, k)] = e
-        kept = [e for e in self._entries.values() if not _covers(covered.get(e.ident), e)]
+        kept = [e for e in entries if not _covers(covered.get(e.ident), e)]
         ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
         return ManifestRead(
             entries=ordered,
             malformed=self.malformed,
             oversized=self.oversized,
             truncated=truncated,
+            newer=self.newer,
         )
+
+    def compacted(self, budget: int) -> list[tuple[Hashable, bytes]]:
+        """What a compaction writes: (key, record as stored, without newline) of the entries
+        `result` returns and of the newer records held, the most valuable that fit `budget`
+        bytes (newlines counted; the most valuable always), oldest use first, so that
+        appends after the compaction keep "later replaces earlier"."""
+        ranked: list[tuple[int, float, Hashable, bytes]] = [
+            (e.priority, e.last_use, e.ident, self._lines.get(e.ident) or encode_entry(e)[:-1])
+            for e in self.result(truncated=False).entries
+        ]
+        ranked += [
+            (r.priority, r.last_use, r.key, r.line)
+            for r in self._held.values()
+            if isinstance(r, _Newer)
+        ]
+        # Stable: of equal rank, entries of this version before newer records.
+        ranked.sort(key=lambda r: (-r[0], -r[1]))
+        kept: list[tuple[int, float, Hashable, bytes]] = []
+        used = 0
+        for record in ranked:
+            nbytes = len(record[3]) + 1
+            if kept and used + nbytes > budget:
+                continue
+            kept.append(record)
+            used += nbytes
+        kept.sort(key=lambda r: r[1])
+        return [(r[2], r[3]) for r in kept]
 
 
 def _covers(longer: ManifestEntry | None, entry: ManifestEntry) -> bool:
@@ -336,16 +506,26 @@ async def _lines(
 def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
     """Append `data` (whole lines) to the file; returns its size after. A last line left
     without its newline (a writer killed mid-write) is ended first, so only that record is
-    lost, not the first of these. Writes nothing more once `wanted()` is false (the caller
-    gave up: it was told the append failed); a write already under way completes."""
+    lost, not the first of these. All or nothing: a write that fails part-way (a full disk)
+    is cut back to the size before it, so no record of a failed append lands and no torn
+    one is left for readers; so is one that `wanted()` stops (the caller gave up: it was
+    told the append failed), unless the write under way had already written everything.
+    The caller holds the manifest's lock, so nothing else appended meanwhile."""
     fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             data = b"\n" + data
         view = memoryview(data)
-        while view and wanted():
-            view = view[os.write(fd, view) :]
+        try:
+            while view and wanted():
+                view = view[os.write(fd, view) :]
+        finally:
+            if view:
+                # Best effort: should the cut fail too, the next append ends the torn line,
+                # so only these records are lost.
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
@@ -468,30 +648,40 @@ class FileManifest:
             before = (await aiofiles.os.stat(self.path)).st_size
         except FileNotFoundError:
             before = 0
-        # The whole file, newest records included: memory stays bounded by the collector.
-        collector = ManifestCollector(self.limits)
+        # The whole file, newest records included: memory stays bounded by the collector,
+        # which keeps `max_entries` per namespace, each record as stored.
+        collector = ManifestCollector(self.limits, carry=True)
         async with contextlib.aclosing(_lines(self.path, self.limits, whole=True)) as lines:
             async for line in lines:
                 if line is not None:
                     collector.add_line(line)
-        entries = _fit(collector.result(truncated=False).entries, self.limits.max_bytes // 2)
-        data = b"".join(encode_entry(e) for e in entries)
+        kept = collector.compacted(self.limits.max_bytes // 2)
+        data = b"".join(line + b"\n" for _, line in kept)
         # The lock is held, so no other compaction runs: a temporary file of one is a
         # leftover of a process that died compacting.
         await anyio.to_thread.run_sync(_remove_temp_files, self.path)
         temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        async with aiofiles.open(temp, "wb", opener=_open_regular) as f:
-            await f.write(data)
-            await f.flush()
-            await anyio.to_thread.run_sync(os.fsync, f.fileno())
-        await aiofiles.os.replace(temp, self.path)
+        try:
+            async with aiofiles.open(temp, "wb", opener=_open_regular) as f:
+                await f.write(data)
+                await f.flush()
+                await anyio.to_thread.run_sync(os.fsync, f.fileno())
+            await aiofiles.os.replace(temp, self.path)
+        except BaseException:
+            # Failed or cancelled short of the replace: a temporary file left on a full disk
+            # would hold the last free space until the next compaction, which would fail the
+            # same way. (A replace that went through after all leaves nothing to remove.)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
         return CompactReport(
             records_before=collector.records,
-            entries_after=len(entries),
+            entries_after=len(kept),
             bytes_before=before,
             bytes_after=len(data),
             malformed=collector.malformed,
             oversized=collector.oversized,
+            newer=collector.newer,
         )
 
 
@@ -499,7 +689,9 @@ class MemoryManifest:
     """A manifest kept in process memory (for MemoryStorage): the newest record of each chain.
 
     Records are validated as they are appended, as a reader would validate them, and only the
-    newest of a chain is kept, so memory follows `max_entries`, not the number of appends.
+    newest of a chain is kept, so memory follows `max_entries`, not the number of appends (a
+    record of a newer manifest version is counted as `newer` and not kept: the records come
+    from this process, whose readers are of this version).
     Once `2 * max_entries` chains or `max_bytes` of records are held, the least valuable make
     room in one pass, which leaves at most `max_entries` within `max_bytes // 2`: that pass
     runs at most once per `max_entries` new chains or `max_bytes // 2` appended bytes, so an
@@ -522,6 +714,7 @@ class MemoryManifest:
         self._records = 0
         self._malformed = 0
         self._oversized = 0
+        self._newer = 0
 
     def _count(self, what: str) -> None:
         setattr(self, f"_{what}", getattr(self, f"_{what}") + 1)
@@ -535,9 +728,11 @@ class MemoryManifest:
     def _add_line(self, line: bytes) -> None:
         # Decoded from its encoding, an entry meets exactly the checks a reader applies.
         entry = _checked_line(line, self.limits, self._count)
-        if entry is None or _evicted_before(self._evicted, entry):
+        if not isinstance(entry, ManifestEntry):
             return
         ident = entry.ident
+        if _evicted_before(self._evicted, ident, entry.last_use):
+            return
         held = ((entry.priority, entry.last_use), line)
         previous = self._held.pop(ident, None)
         if previous is not None:
@@ -581,6 +776,7 @@ class MemoryManifest:
         """
         collector = ManifestCollector(self.limits, namespace)
         collector.malformed, collector.oversized = self._malformed, self._oversized
+        collector.newer = self._newer
         # A snapshot, decoded with pauses so a large one does not hold the loop: appends and
         # compactions meanwhile do not change what this read returns.
         lines, truncated = self._newest_lines(namespace)
@@ -606,40 +802,39 @@ class MemoryManifest:
             newest.append(line)
         return newest[::-1], False
 
-    def _add_held(self, collector: ManifestCollector, line: bytes) -> None:
+    def _add_held(self, collector: ManifestCollector, line: bytes, *, stored: bool = False) -> None:
         # Checked again: `MemoryStorage.manifest(limits)` may have lowered the bound since.
         if len(line) > self.limits.max_entry_bytes:
             collector.oversized += 1
         else:
-            collector.add_entry(_held_entry(line))
+            collector.add_entry(_held_entry(line), line[:-1] if stored else None)
 
     async def compact(self) -> CompactReport:
         """Keep the newest valid record per chain as a reader sees them (prefixes covered by
         a longer chain dropped), fitting half of `max_bytes`, and reset the counts of records,
         malformed and oversized. Synchronous, over at most `2 * max_entries` records: readers
         see the manifest before or after it."""
-        collector = ManifestCollector(self.limits)
+        collector = ManifestCollector(self.limits, carry=True)
         collector.oversized = self._oversized
         for _, line in self._held.values():
-            self._add_held(collector, line)
+            self._add_held(collector, line, stored=True)
         held = self._held
-        entries = _fit(
-            collector.result(truncated=False).entries,
-            self.limits.max_bytes // 2,
-            size=lambda e: len(held[e.ident][1]),
-        )
-        self._held = {e.ident: held[e.ident] for e in entries}
+        kept = collector.compacted(self.limits.max_bytes // 2)
+        # Only entries are held here, so every key kept is a chain's (namespace, chain id).
+        idents = [cast(tuple[str, str], key) for key, _ in kept]
+        self._held = {ident: held[ident] for ident in idents}
         report = CompactReport(
             records_before=self._records,
-            entries_after=len(entries),
+            entries_after=len(kept),
             bytes_before=self._bytes,
             bytes_after=sum(len(line) for _, line in self._held.values()),
             malformed=self._malformed,
             oversized=collector.oversized,
+            newer=self._newer,
         )
         self._bytes = report.bytes_after
-        self._records = len(entries)
-        self._malformed = self._oversized = 0
+        self._records = len(kept)
+        self._malformed = self._oversized = self._newer = 0
         await anyio.lowlevel.checkpoint()
         return report
 
@@ -655,28 +850,6 @@ def _rank(item: tuple[tuple[str, str], tuple[tuple[int, float], bytes]]) -> tupl
 def _held_entry(line: bytes) -> ManifestEntry:
     """The entry of a line a memory manifest holds: it was validated when appended."""
     return _decoder.decode(line)
-
-
-def _encoded_size(entry: ManifestEntry) -> int:
-    return len(encode_entry(entry))
-
-
-def _fit(
-    entries: list[ManifestEntry],
-    budget: int,
-    size: Callable[[ManifestEntry], int] = _encoded_size,
-) -> list[ManifestEntry]:
-    """The most valuable entries (they come ordered by value) that fit `budget` bytes,
-    oldest first, so appends after a compaction keep "later replaces earlier"."""
-    kept: list[ManifestEntry] = []
-    used = 0
-    for entry in entries:
-        nbytes = size(entry)
-        if used + nbytes > budget:
-            continue
-        kept.append(entry)
-        used += nbytes
-    return sorted(kept, key=lambda e: e.last_use)
 
 
 _T = TypeVar("_T")

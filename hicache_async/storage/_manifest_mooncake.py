@@ -50,7 +50,8 @@ from ._manifest import (
     ManifestEntry,
     ManifestLimits,
     ManifestRead,
-    decode_entry,
+    add_reports,
+    carried_record,
     encode_entry,
 )
 
@@ -63,6 +64,8 @@ _log = structlog.get_logger("hicache_async")
 
 _NAMESPACE = re.compile(r"[0-9a-f]{32}\Z")
 _STEM = re.compile(r"g0\Z|g([1-9][0-9]{0,17})-[0-9a-f]{16}\Z")
+#: The name of a chunk under a namespace's lead: `<stem>:b<i>` or `<stem>:l<seq>`.
+_CHUNK_NAME = re.compile(rb"(g0|g[1-9][0-9]{0,17}-[0-9a-f]{16}):[bl](0|[1-9][0-9]{0,17})\Z")
 _CHUNK_MAGIC = b"#hicache-manifest-chunk "
 #: The header line of a chunk: the magic, a 16-hex-digit token and a newline.
 _HEADER_BYTES = len(_CHUNK_MAGIC) + 17
@@ -219,21 +222,10 @@ class MooncakeManifest:
 
     async def compact(self) -> CompactReport:
         """Compact every known namespace (see `compact_namespace`)."""
-        totals = [0] * 6
+        total = CompactReport(0, 0, 0, 0, 0, 0)
         for namespace in await self._namespaces():
-            report = await self.compact_namespace(namespace)
-            for i, value in enumerate(
-                (
-                    report.records_before,
-                    report.entries_after,
-                    report.bytes_before,
-                    report.bytes_after,
-                    report.malformed,
-                    report.oversized,
-                )
-            ):
-                totals[i] += value
-        return CompactReport(*totals)
+            total = add_reports(total, await self.compact_namespace(namespace))
+        return total
 
     async def compact_namespace(self, namespace: str) -> CompactReport:
         """Rewrite a namespace's manifest as one new generation; see the module docstring.
@@ -464,15 +456,16 @@ class MooncakeManifest:
     async def _compact(self, namespace: str) -> CompactReport:
         old = await self._index(namespace)
         end = await self._log_end(namespace, old.stem)
-        collector = ManifestCollector(self.limits, namespace, newest_first=True)
+        collector = ManifestCollector(self.limits, namespace, newest_first=True, carry=True)
         # What an earlier compaction carried but never copied (it died after its switch).
         carried = await self._carried(namespace, old)
         before = await self._feed(namespace, old, range(end), collector, carried)
-        result = collector.result(truncated=before >= self.limits.max_bytes)
-        kept = _compacted(result.entries, self.limits)
+        # Records as stored (fields this version does not know kept), newer versions'
+        # included, within half of `max_bytes` so the manifest has room to grow.
+        kept = collector.compacted(self.limits.max_bytes // 2)
         generation = old.generation + 1
         stem = f"g{generation}-{os.urandom(8).hex()}"
-        payloads = _chunks([encode_entry(e) for e in kept], self.chunk_bytes)
+        payloads = _chunks([line + b"\n" for _, line in kept], self.chunk_bytes)
         # What was appended while the base was being built goes into the base too.
         tail_end = await self._log_end(namespace, old.stem, end)
         tail = await self._lines(namespace, old.stem, range(end, tail_end))
@@ -518,6 +511,7 @@ class MooncakeManifest:
             bytes_after=sum(len(p) + _HEADER_BYTES for p in payloads),
             malformed=collector.malformed,
             oversized=collector.oversized,
+            newer=collector.newer,
         )
 
     async def _switch(
@@ -561,7 +555,8 @@ class MooncakeManifest:
         return used
 
     async def _lines(self, namespace: str, stem: str, seqs: range) -> list[bytes]:
-        """The valid records of the log chunks `seqs`, as lines."""
+        """The records of the log chunks `seqs` worth keeping (valid, or of a newer version),
+        as lines."""
         names = self._chunk_names(namespace, stem, "l", seqs)
         lines: list[bytes] = []
         for start in range(0, len(names), _READ_BATCH):
@@ -570,18 +565,23 @@ class MooncakeManifest:
                     lines.extend(
                         line + b"\n"
                         for line in _records(value)
-                        if len(line) < self._line_limit and decode_entry(line) is not None
+                        if len(line) < self._line_limit and carried_record(line)
                     )
         return lines
 
     async def _sweep(self, namespace: str, stem: str) -> None:
         """With the admin API: remove objects of `namespace` no generation refers to any more
-        (left by compactions or appends that died half-way)."""
+        (left by compactions or appends that died half-way).
+
+        Only names of the chunks a manifest writes (`<stem>:b<i>`, `<stem>:l<seq>`) are
+        removed: another client's prefix may itself start with this namespace's lead (a
+        prefix `t:manifest:<ns>` under `t`), and its objects are not ours.
+        """
         admin = self._storage._admin
         if admin is None:
             return
         lead = self.object_name(namespace, "").encode()
-        keep = (f"{stem}:".encode(), b"index.", b"lock")
+        current = f"{stem}:".encode()
         url = f"{admin}/get_all_keys"
 
         def job(stop: threading.Event) -> list[str]:
@@ -590,7 +590,10 @@ class MooncakeManifest:
                 with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
                     for line in response:
                         name = line.strip()
-                        if name.startswith(lead) and not name[len(lead) :].startswith(keep):
+                        if not name.startswith(lead):
+                            continue
+                        rest = name[len(lead) :]
+                        if _CHUNK_NAME.match(rest) and not rest.startswith(current):
                             names.append(name.decode("ascii", "replace"))
             except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
                 raise StorageError(f"{self._storage.name}: {url} failed: {exc}") from exc
@@ -765,17 +768,3 @@ def _chunks(lines: list[bytes], chunk_bytes: int) -> list[bytes]:
     if current:
         payloads.append(b"".join(current))
     return payloads
-
-
-def _compacted(entries: list[ManifestEntry], limits: ManifestLimits) -> list[ManifestEntry]:
-    """The entries a compaction keeps, oldest first: the most valuable that fit half of
-    `max_bytes`, so the manifest has room to grow before it passes the bound again."""
-    kept: list[ManifestEntry] = []
-    total = 0
-    for entry in entries:
-        size = len(encode_entry(entry))
-        if kept and total + size > limits.max_bytes // 2:
-            break
-        kept.append(entry)
-        total += size
-    return sorted(kept, key=lambda e: e.last_use)

@@ -42,6 +42,7 @@ from ._manifest import (
     ManifestEntry,
     ManifestLimits,
     ManifestRead,
+    add_reports,
     encode_entry,
 )
 
@@ -460,7 +461,7 @@ class RedisManifest:
         it); records appended meanwhile are kept. A namespace that fails is logged and the
         others are still compacted; then StorageError says which failed.
         """
-        totals = [0] * 6
+        total = CompactReport(0, 0, 0, 0, 0, 0)
         namespaces, _ = await self._namespaces()
         failed: list[tuple[str, StorageError]] = []
         for namespace in namespaces:
@@ -477,15 +478,14 @@ class RedisManifest:
                 )
                 failed.append((namespace, exc))
                 continue
-            for i, value in enumerate(_report_values(report)):
-                totals[i] += value
+            total = add_reports(total, report)
         if failed:
             namespace, first = failed[0]
             raise StorageError(
                 f"{self._name}: manifest compaction failed for {len(failed)} of "
                 f"{len(namespaces)} namespaces (the others were compacted); {namespace}: {first}"
             ) from first
-        return CompactReport(*totals)
+        return total
 
     # Appending.
 
@@ -782,14 +782,14 @@ class RedisManifest:
             except _Damaged:
                 await self._repair(namespace)
                 continue
-            collector = ManifestCollector(self.limits, namespace, newest_first=True)
+            collector = ManifestCollector(self.limits, namespace, newest_first=True, carry=True)
             try:
-                _, truncated = await self._collect(
-                    namespace, gen, length, collector, self.limits.max_bytes
-                )
+                await self._collect(namespace, gen, length, collector, self.limits.max_bytes)
             except _Stale:
                 continue
-            lines = _compacted(collector.result(truncated=truncated).entries, self.limits)
+            # Records as stored (fields this version does not know kept), newer versions'
+            # included, within half of `max_bytes` so the list has room to grow.
+            lines = [line for _, line in collector.compacted(self.limits.max_bytes // 2)]
             before = await self._bytes(namespace)
             if await self._switch_to(namespace, gen, length, lines):
                 return CompactReport(
@@ -799,6 +799,7 @@ class RedisManifest:
                     bytes_after=sum(map(len, lines)),
                     malformed=collector.malformed,
                     oversized=collector.oversized,
+                    newer=collector.newer,
                 )
         raise StorageError(
             f"{self._name}: manifest compaction of {namespace} kept being overtaken by others"
@@ -1004,37 +1005,6 @@ def _bump_gen(pipe: Any, meta: str, gen: object) -> None:
 
 def _item(value: Any) -> bytes | int:
     return value if isinstance(value, bytes) else int(value)
-
-
-def _compacted(entries: list[ManifestEntry], limits: ManifestLimits) -> list[bytes]:
-    """The records a compaction keeps, oldest first (so later appends replace them).
-
-    `entries` come most valuable first; they are kept while they fit half of `max_bytes`,
-    so a compacted list has room to grow before it passes the bound again.
-    """
-    kept: list[ManifestEntry] = []
-    lines: dict[str, bytes] = {}
-    total = 0
-    for entry in entries:
-        line = encode_entry(entry)[:-1]
-        if kept and total + len(line) > limits.max_bytes // 2:
-            break
-        kept.append(entry)
-        lines[entry.chain_id] = line
-        total += len(line)
-    kept.sort(key=lambda e: e.last_use)
-    return [lines[e.chain_id] for e in kept]
-
-
-def _report_values(report: CompactReport) -> tuple[int, int, int, int, int, int]:
-    return (
-        report.records_before,
-        report.entries_after,
-        report.bytes_before,
-        report.bytes_after,
-        report.malformed,
-        report.oversized,
-    )
 
 
 def _batches(lines: list[bytes], max_bytes: int) -> list[list[bytes]]:

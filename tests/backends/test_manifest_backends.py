@@ -28,7 +28,13 @@ from redis.asyncio import Redis
 from redis.crc import key_slot
 
 from hicache_async import CacheConfig, HiCache, StorageError
-from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend
+from hicache_async.storage import (
+    FileStorage,
+    MemoryStorage,
+    Outcome,
+    PageMeta,
+    StorageBackend,
+)
 from hicache_async.storage._manifest import (
     ManifestEntry,
     ManifestLimits,
@@ -39,7 +45,7 @@ from hicache_async.storage._manifest import (
     chain_entry,
     encode_entry,
 )
-from hicache_async.storage._manifest_mooncake import MooncakeManifest
+from hicache_async.storage._manifest_mooncake import MooncakeManifest, _records
 from hicache_async.storage._manifest_mooncake import _Stale as MooncakeStale
 from hicache_async.storage._manifest_redis import RedisManifest
 from hicache_async.storage._manifest_redis import _Stale as RedisStale
@@ -99,6 +105,28 @@ class Store:
             index = await manifest._index(ns.hex())
             payload = b"".join(raw + b"\n" for raw in lines)
             await manifest._put_log(ns.hex(), index.stem, payload)
+
+    async def raw_records(self, ns: bytes) -> list[bytes]:
+        """The records stored for `ns` (for the file: of every namespace) as they are, oldest
+        first as far as the store orders them."""
+        manifest = self._manifest or self.manifest()
+        if isinstance(manifest, MemoryManifest):
+            held = manifest._held.items()
+            return [raw[:-1] for ident, (_, raw) in held if ident[0] == ns.hex()]
+        if isinstance(self.backend, FileStorage):
+            path = self.backend.root / "manifest.jsonl"
+            return [raw for raw in path.read_bytes().split(b"\n") if raw]
+        if isinstance(manifest, RedisManifest):
+            assert isinstance(self.backend, RedisStorage)
+            client = self.backend._redis()
+            return list(await client.lrange(manifest.list_key(ns.hex()), 0, -1))
+        assert isinstance(manifest, MooncakeManifest)
+        index = await manifest._index(ns.hex())
+        end = await manifest._log_end(ns.hex(), index.stem)
+        names = manifest._chunk_names(ns.hex(), index.stem, "b", range(index.base))
+        names += manifest._chunk_names(ns.hex(), index.stem, "l", range(end))
+        chunks = await manifest._get(names, manifest.chunk_bytes)
+        return [raw for chunk in chunks if isinstance(chunk, bytes) for raw in _records(chunk)]
 
     async def write_huge(self, ns: bytes, nbytes: int) -> None:
         """One record (for Mooncake: one object) of `nbytes`, beyond every bound."""
@@ -180,13 +208,16 @@ async def test_malformed_and_oversized_records_are_skipped_and_counted(store: St
     await store.write_huge(NS_A, 3 << 19)  # 1.5 MiB: more than a record or a chunk may be
     read = await manifest.read(namespace=NS_A.hex())
     assert chains(read) == {e.chain_id for e in good}
-    assert (read.malformed, read.oversized, read.truncated) == (4, 2, False)
+    # The record of version 99 is no damage: one of a newer version, skipped and counted.
+    assert (read.malformed, read.oversized, read.newer, read.truncated) == (3, 2, 1, False)
 
     report = await manifest.compact()
-    assert (report.entries_after, report.malformed, report.oversized) == (5, 4, 2)
+    # Kept by compaction for readers that know it, except in memory (see below).
+    carried = 0 if store.kind == "memory" else 1
+    assert (report.entries_after, report.malformed, report.oversized) == (5 + carried, 3, 2)
     read = await manifest.read(namespace=NS_A.hex())
     assert chains(read) == {e.chain_id for e in good}
-    assert (read.malformed, read.oversized) == (0, 0)
+    assert (read.malformed, read.oversized, read.newer) == (0, 0, carried)
 
 
 async def _net_output(store: Store) -> int:
@@ -362,6 +393,126 @@ async def test_of_records_of_a_chain_with_the_same_use_the_later_one_wins(store:
         kept = {e.chain_id: e.priority for e in read.entries if e.chain_id in wanted}
         assert kept == wanted
         await manifest.compact()
+
+
+# Evolution: what an older reader does with what a newer writer recorded.
+
+
+def newer_record(ns: bytes, i: int, *, v: int = 2, priority: int = 0, last_use: float) -> bytes:
+    """A record of chain `i` as a writer of manifest version `v` might store it: fields this
+    version does not know, spaced as another encoder spaces them."""
+    keys = [
+        k.hex() for k in (hashlib.sha256(b"newer:%d:%d" % (i, j) + ns).digest() for j in (0, 1))
+    ]
+    fields = {"namespace": ns.hex(), "keys": keys, "num_tokens": 2 * PAGE}
+    fields |= {"priority": priority, "last_use": last_use, "v": v, "tokens_hash": "abc"}
+    return line(fields)
+
+
+def with_unknown_field(e: ManifestEntry) -> bytes:
+    """The record of `e` with a field this version does not know (a newer writer's v1)."""
+    return line({**msgspec.to_builtins(e), "adapter": "lora-7"})
+
+
+async def test_compaction_keeps_a_newer_writers_records_byte_for_byte(store: Store) -> None:
+    manifest = store.manifest()
+    await manifest.append([entry(NS_A, i, last_use=1000.0 + i) for i in range(4)])
+    v2 = newer_record(NS_A, 1, priority=5, last_use=2000.0)
+    # Of a version that retyped the fields this one ranks by: kept, ranked lowest.
+    v3 = line({"namespace": NS_A.hex(), "keys": {"root": "x"}, "priority": "high", "v": 3})
+    extra = with_unknown_field(entry(NS_A, 10, last_use=2001.0))
+    # A later record of chain 2 by the newer writer: merged by chain, and kept whole.
+    update = with_unknown_field(entry(NS_A, 2, priority=3, last_use=3000.0))
+    await store.write_raw(NS_A, [v2, v3, extra, update])
+    read = await manifest.read(namespace=NS_A.hex())
+    assert (read.malformed, read.newer) == (0, 2)
+    assert entry(NS_A, 10).chain_id in chains(read)  # its unknown field ignored
+
+    for _ in range(2):  # a compaction, and one of what it wrote
+        report = await manifest.compact()
+        raw = await store.raw_records(NS_A)
+        if store.kind == "memory":
+            # Appended in this process, by this version: a record of another is not kept.
+            assert report.entries_after == 5
+            assert {extra, update} <= set(raw)
+            continue
+        assert {v2, v3, extra, update} <= set(raw)
+        assert encode_entry(entry(NS_A, 2, last_use=1002.0))[:-1] not in raw
+        assert report.newer == 2
+        assert report.entries_after == 7
+        read = await manifest.read(namespace=NS_A.hex())
+        assert len(read.entries) == 5
+        assert (read.malformed, read.newer) == (0, 2)
+        assert {e.chain_id: e.priority for e in read.entries}[entry(NS_A, 2).chain_id] == 3
+
+
+async def test_a_newer_writers_records_survive_automatic_compaction(store: Store) -> None:
+    # Past 16 KiB the file compacts (Redis past 32 records, memory trims). Mooncake compacts
+    # at its 256th log chunk, and like every compaction reads only the newest `max_bytes`:
+    # room for the whole log, so that the records written first are read at all.
+    max_bytes = (1 << 20) if store.kind == "mooncake" else 16 << 10
+    limits = ManifestLimits(max_entries=16, max_entry_bytes=2048, max_bytes=max_bytes)
+    manifest = store.manifest(limits)
+    v2 = newer_record(NS_A, 1, priority=9, last_use=9e8)
+    extra = with_unknown_field(entry(NS_A, 1000, priority=9, last_use=9e8))
+    await store.write_raw(NS_A, [v2, extra])
+    for i in range(300):  # an older instance's ordinary backups, one entry each
+        await manifest.append([entry(NS_A, i)])
+    raw = await store.raw_records(NS_A)
+    if store.kind != "memory":
+        assert v2 in raw
+    assert extra in raw
+    read = await manifest.read(namespace=NS_A.hex())
+    assert entry(NS_A, 1000).chain_id in chains(read)
+
+
+def manifest_beyond_memory(store: Store, max_entries: int, why: str) -> WarmupManifest:
+    """The manifest of `store` with room for `max_entries` of each namespace; a memory
+    manifest, to which `why` does not apply, is skipped."""
+    if store.kind == "memory":
+        pytest.skip(why)
+    limits = ManifestLimits(max_entries=max_entries, max_entry_bytes=2048, max_bytes=8 << 20)
+    return store.manifest(limits)
+
+
+async def test_a_newer_writers_records_are_bounded_and_ranked_like_entries(store: Store) -> None:
+    manifest = manifest_beyond_memory(store, 4, "a memory manifest holds this version's only")
+    await manifest.append([entry(NS_A, i, last_use=10.0 + i) for i in range(2)])
+    # Chain 0 twice: the later use wins, as for entries. With room for four, chains 1 and 2
+    # (uses 1 and 2) rank below the two entries and chains 0 and 3 (uses 5 and 4): they go.
+    older = [newer_record(NS_A, 0, last_use=3.0)]
+    kept = [newer_record(NS_A, 0, last_use=5.0), newer_record(NS_A, 3, last_use=4.0)]
+    aged = [newer_record(NS_A, 1, last_use=1.0), newer_record(NS_A, 2, last_use=2.0)]
+    await store.write_raw(NS_A, older + aged + kept)
+    report = await manifest.compact()
+    raw = await store.raw_records(NS_A)
+    assert report.entries_after == 4
+    assert len(raw) == 4
+    assert set(kept) <= set(raw)
+    assert not (set(aged) | set(older)) & set(raw)
+    read = await manifest.read(namespace=NS_A.hex())
+    assert chains(read) == {entry(NS_A, i).chain_id for i in range(2)}
+    # Of a higher priority, a newer record outranks entries as one of this version would.
+    await store.write_raw(NS_A, [newer_record(NS_A, 7, priority=1, last_use=0.5)])
+    await manifest.append([entry(NS_A, 5, last_use=20.0)])
+    await manifest.compact()
+    raw = await store.raw_records(NS_A)
+    assert newer_record(NS_A, 7, priority=1, last_use=0.5) in raw
+    assert len(raw) == 4
+
+
+async def test_compaction_keeps_max_entries_per_namespace(store: Store) -> None:
+    manifest = manifest_beyond_memory(
+        store, 16, "a memory manifest's bounds count every namespace together (documented)"
+    )
+    await manifest.append([entry(NS_B, i, last_use=1.0 + i) for i in range(5)])
+    # A busy namespace, every chain of it more recent than the quiet one's.
+    await manifest.append([entry(NS_A, i, last_use=100.0 + i) for i in range(40)])
+    await manifest.compact()
+    quiet = await manifest.read(namespace=NS_B.hex())
+    assert chains(quiet) == {entry(NS_B, i).chain_id for i in range(5)}
+    busy = await manifest.read(namespace=NS_A.hex())
+    assert chains(busy) == {entry(NS_A, i).chain_id for i in range(24, 40)}
 
 
 # Redis: Cluster slots, no scripting, TTL.
@@ -682,6 +833,36 @@ async def test_mooncake_compactions_exclude_each_other(mooncake_url: str) -> Non
         await manifest._unlock(NS_A.hex(), token)
         report = await manifest.compact_namespace(NS_A.hex())
         assert report.entries_after == 4
+
+
+async def test_a_mooncake_compaction_sweeps_only_its_own_chunk_names(mooncake_url: str) -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+    # Another client whose prefix starts with this one's manifest lead for NS_A.
+    other_url = f"{mooncake_url}{MOONCAKE_SMALL}&prefix={prefix}:manifest:{NS_A.hex()}"
+    async with (
+        MooncakeStorage.from_url(f"{mooncake_url}{MOONCAKE_SMALL}&prefix={prefix}") as backend,
+        MooncakeStorage.from_url(other_url) as other,
+    ):
+        keys = [hashlib.sha256(b"page %d" % i).digest() for i in range(4)]
+        pages = [[memoryview(bytes([i]) * 4096)] for i in range(4)]
+        metas = [PageMeta(key=k, namespace=NS_A, num_tokens=16, priority=0) for k in keys]
+        assert set(await other.put(keys, pages, metas)) == {Outcome.OK}
+        manifest = backend.manifest(LIMITS)
+        await manifest.append([entry(NS_A, i) for i in range(4)])
+        # A chunk of a generation nobody refers to (a compaction that died), and an object
+        # under the lead of a form the manifest never writes.
+        stray = manifest.object_name(NS_A.hex(), "g7-0123456789abcdef:l0")
+        foreign = manifest.object_name(NS_A.hex(), "notes")
+        store, config = backend._store, manifest._replicate_config()
+        for name in (stray, foreign):
+            code = await backend.run_job(lambda stop, name=name: store.put(name, b"x", config))
+            assert code == 0
+        report = await manifest.compact_namespace(NS_A.hex())
+        assert report.entries_after == 4
+        assert await manifest._exist([stray, foreign]) == [False, True]
+        assert len(await other.list_pages()) == 4
+        got = await other.get(keys, [[bytearray(4096)] for _ in keys], namespace=NS_A)
+        assert set(got) == {Outcome.OK}
 
 
 async def test_mooncake_records_appended_during_a_switch_survive_a_compaction_that_died(

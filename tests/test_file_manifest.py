@@ -1,0 +1,117 @@
+"""The file manifest when the filesystem refuses a write part-way (a full disk, a file size
+limit): an append lands whole or not at all, and a compaction leaves no temporary file.
+
+The refusal is real: a child process runs the step under `RLIMIT_FSIZE`, so the kernel
+writes up to the limit (a short write) and then refuses with EFBIG, as a full disk does with
+ENOSPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache_async.storage._manifest import FileManifest, ManifestEntry, chain_entry
+
+NS = b"n" * 16
+
+# argv: the manifest's path, the file size limit, then "append" (of five records) or
+# "compact". Prints the errno the step failed with, or "ok".
+_CHILD = """
+import asyncio, resource, signal, sys
+from hicache_async.storage._manifest import FileManifest, chain_entry
+
+path, limit, step = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+manifest = FileManifest(path)
+entries = [
+    chain_entry(b"n" * 16, [bytes([i, j]) * 16 for j in range(64)], 1024, 0, 2.0 + i)
+    for i in range(5)
+]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    asyncio.run(manifest.append(entries) if step == "append" else manifest.compact())
+except OSError as exc:
+    print(exc.errno)
+else:
+    print("ok")
+"""
+
+
+def _run_limited(path: Path, limit: int, step: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), str(limit), step],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _entry(i: int) -> ManifestEntry:
+    keys = [i.to_bytes(4, "big") + bytes([j]) * 28 for j in range(8)]
+    return chain_entry(NS, keys, 128, 0, float(i))
+
+
+def test_an_append_that_fails_part_way_lands_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    asyncio.run(manifest.append([_entry(0)]))
+    before = path.read_bytes()
+    # Room for a record and a half of the five: the write is cut short, then refused.
+    assert _run_limited(path, len(before) + 6000, "append") == str(errno.EFBIG)
+    assert path.read_bytes() == before
+    read = asyncio.run(manifest.read())
+    assert [e.chain_id for e in read.entries] == [_entry(0).chain_id]
+    assert read.malformed == 0
+    # The next append lands whole, after the record that was there.
+    asyncio.run(manifest.append([_entry(1)]))
+    read = asyncio.run(manifest.read())
+    assert {e.chain_id for e in read.entries} == {_entry(0).chain_id, _entry(1).chain_id}
+    assert read.malformed == 0
+
+
+def test_a_compaction_that_fails_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    asyncio.run(manifest.append([_entry(i) for i in range(40)]))
+    before = path.read_bytes()
+    # The compacted file would be as large: its temporary copy is refused part-way.
+    assert _run_limited(path, len(before) // 2, "compact") == str(errno.EFBIG)
+    assert _names(tmp_path) == [".manifest.jsonl.lock", "manifest.jsonl"]
+    assert path.read_bytes() == before
+    report = asyncio.run(manifest.compact())
+    assert report.entries_after == 40
+
+
+async def test_a_compaction_cancelled_before_its_rename_leaves_no_temporary_file(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    # Large enough that writing and syncing the temporary file take a while.
+    for start in range(0, 3000, 500):
+        await manifest.append([_entry(i) for i in range(start, start + 500)])
+    before = path.read_bytes()
+    compaction = asyncio.create_task(manifest.compact())
+    deadline = time.monotonic() + 30
+    while not any(name.endswith(".tmp") for name in _names(tmp_path)):
+        assert not compaction.done()
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0)
+    compaction.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await compaction
+    assert _names(tmp_path) == [".manifest.jsonl.lock", "manifest.jsonl"]
+    assert path.read_bytes() == before
