@@ -312,6 +312,19 @@ def test_a_directory_that_is_no_store_is_left_alone(
     assert sorted(p.name for p in plain.iterdir()) == ["notes.txt"]  # no LOCK, pages/, tmp/
 
 
+def test_manifest_show_says_what_a_newer_version_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _populate(tmp_path / "s", 1)
+    # A record of a later manifest version: skipped and kept, and the listing says so.
+    newer = b'{"v":2,"namespace":"' + NS.hex().encode() + b'","keys":[]}\n'
+    with open(tmp_path / "s" / "manifest.jsonl", "ab") as f:
+        f.write(newer)
+    assert main(["manifest", "show", f"file://{tmp_path / 's'}"]) == 0
+    assert "1 of a newer version left" in capsys.readouterr().out
+    assert newer in (tmp_path / "s" / "manifest.jsonl").read_bytes()
+
+
 @pytest.mark.parametrize("action", ["show", "compact"])
 def test_manifest_of_a_directory_that_is_no_store(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], action: str

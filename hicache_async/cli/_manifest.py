@@ -87,7 +87,8 @@ def _format(args: argparse.Namespace, result: object) -> str:
         return "\n".join(f"{key}: {value}" for key, value in data.items())
     lines = [
         f"{len(data['entries'])} entries ({data['malformed']} malformed, "
-        f"{data['oversized']} oversized skipped{', truncated' if data['truncated'] else ''})"
+        f"{data['oversized']} oversized skipped, {data['newer']} of a newer version left"
+        f"{', truncated' if data['truncated'] else ''})"
     ]
     lines.extend(
         f"  {entry['keys'][-1][:16]}…  pages={len(entry['keys'])} tokens={entry['num_tokens']} "
