@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import resource
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import pytest
 import structlog
 from test_file_storage import (
     PAGE,
+    SIZE,
     _assert_index_matches_disk,
     _get,
     _keys,
@@ -33,7 +36,7 @@ from test_file_storage import (
 )
 
 from hicache_async import CacheConfig, HiCache, StorageConfigError, StorageError
-from hicache_async.storage import FileStorage, Outcome
+from hicache_async.storage import FileStorage, Outcome, _file
 from hicache_async.testing import KVGenerator, serve
 
 Mount = Callable[..., Path]
@@ -165,6 +168,94 @@ async def test_out_of_inodes_a_new_shard_directory_costs_one_more_page(tmpfs: Mo
         assert await _get(storage, [key]) == [Outcome.OK]
 
 
+def _sized(keys: list[bytes], nbytes: int) -> list[list[memoryview]]:
+    return [[memoryview(bytearray(key[:1] * nbytes))] for key in keys]
+
+
+def _in_shard(shard: int, count: int) -> list[bytes]:
+    return [bytes([shard]) + key[1:] for key in _keys(count)]
+
+
+async def test_out_of_bytes_the_second_try_evicts_only_the_bytes_short(tmpfs: Mount) -> None:
+    disk = tmpfs("disk", size="2m")
+    async with FileStorage(disk / "s", spare_bytes=0) as storage:
+        big = _in_shard(1, 6)
+        assert await storage.put(big, _sized(big, 256 << 10), _metas(big)) == [Outcome.OK] * 6
+        _fill(disk)
+        # Eight small pages into the same shard: bytes are short, not inodes, and one of the
+        # big pages frees room for all eight.
+        small = _in_shard(1, 8)
+        assert await storage.put(small, _sized(small, 1024), _metas(small)) == [Outcome.OK] * 8
+        assert storage.stats().evictions == 1
+        assert await storage.exists(big) == 5
+
+
+async def test_out_of_inodes_pages_into_one_new_shard_cost_one_directory(tmpfs: Mount) -> None:
+    root = tmpfs("disk", size="64m", nr_inodes=64) / "s"
+    async with FileStorage(root, spare_bytes=0) as storage:
+        while not storage.stats().evictions:  # until every inode is taken
+            assert await _put(storage, _in_shard(1, 1)) == [Outcome.OK]
+        before = storage.stats().evictions
+        # Eight files and the one shard directory they share: nine inodes, nine pages.
+        keys = _in_shard(2, 8)
+        assert await _put(storage, keys) == [Outcome.OK] * 8
+        assert storage.stats().evictions == before + 9
+        assert await _get(storage, keys) == [Outcome.OK] * 8
+
+
+async def test_a_page_no_eviction_makes_room_for_evicts_nothing(tmpfs: Mount) -> None:
+    disk = tmpfs("disk", size="2m")
+    async with FileStorage(disk / "s", spare_bytes=0) as storage:
+        keys = _keys(8)
+        assert await _put(storage, keys) == [Outcome.OK] * 8
+        _fill(disk)  # someone else's file: evicting all eight makes room for one page of 288 KiB
+        huge = _keys(1)
+        with structlog.testing.capture_logs() as logs:
+            outcomes = await storage.put(huge, _sized(huge, 512 << 10), _metas(huge))
+        assert outcomes == [Outcome.MISS]
+        assert (storage.stats().evictions, storage.refused_writes) == (0, 1)
+        [event] = _page_errors(logs)
+        assert os.strerror(errno.ENOSPC) in event["error"]
+        assert await _get(storage, keys) == [Outcome.OK] * 8
+        # Planned page by page in batch order: the first page evicts what it needs, the huge
+        # one nothing, and the page after it, down the same chain, is a MISS too.
+        batch = _keys(3)
+        pages = [*_sized(batch[:1], PAGE), *_sized(batch[1:2], 512 << 10), *_sized(batch[2:], PAGE)]
+        with structlog.testing.capture_logs() as logs:
+            outcomes = await storage.put(batch, pages, _metas(batch))
+        assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.MISS]
+        assert (storage.stats().evictions, storage.refused_writes) == (1, 3)
+        [event] = _page_errors(logs)  # one line for the batch
+        assert (event["count"], event["key"]) == (2, batch[1].hex())
+        assert await storage.exists(keys) == 7
+
+
+async def test_a_full_disk_the_second_try_handles_is_logged_once(
+    tmpfs: Mount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once until a put finds room again, however long it takes.
+    monkeypatch.setattr(_file, "_DISK_FULL_LOG_S", math.inf, raising=False)
+    disk = tmpfs("disk", size="2m")
+    async with FileStorage(disk / "s", spare_bytes=0, capacity_bytes=64 << 20) as storage:
+        assert await _put(storage, _keys(16)) == [Outcome.OK] * 16
+        filler = _fill(disk)
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                assert await _put(storage, _keys(4)) == [Outcome.OK] * 4
+        [event] = [entry for entry in logs if entry["event"] == "storage.disk.full"]
+        assert event["log_level"] == "warning"
+        assert (event["pages"], event["refused"], event["victims"]) == (4, 0, 4)
+        block = os.statvfs(disk).f_frsize  # files take whole blocks
+        assert (event["bytes"], event["inodes"]) == (4 * -(-SIZE // block) * block, 0)
+        assert storage.stats().evictions == 12  # far below the capacity: hence the warning
+        filler.unlink()
+        assert await _put(storage, _keys(4)) == [Outcome.OK] * 4  # room: no second try
+        _fill(disk)
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, _keys(4)) == [Outcome.OK] * 4
+        assert [entry["event"] for entry in logs] == ["storage.disk.full"]
+
+
 async def test_no_room_even_after_evicting_is_one_miss_logged_once(tmpfs: Mount) -> None:
     disk = tmpfs("disk", size="2m")
     root = disk / "s"
@@ -219,6 +310,53 @@ async def test_gc_releases_the_spare_files(tmp_path: Path) -> None:
         assert _spares(root) == []
         [released] = [entry for entry in logs if entry["event"] == "storage.spares.released"]
         assert (released["files"], released["reason"]) == (5, "gc")
+
+
+class _EmptiedWhileMoving:
+    """A spare pool's lock that empties the pool (as a full disk or gc() does) as soon as the
+    first section under it ends, `keep`'s count of a page file, before the file moves; then
+    runs `then` (nothing by default)."""
+
+    def __init__(self, pool: Any, then: Callable[[], None] = lambda: None) -> None:
+        self._lock = threading.Lock()
+        self._pool = pool
+        self._then = then
+        self.released: list[tuple[str, int]] = []
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self._lock.release()
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            self.released = pool.release()
+            self._then()
+
+
+@pytest.mark.parametrize("move", ["moves", "fails"])
+async def test_spares_released_while_a_page_moves_in_stay_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, move: str
+) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        keys = _keys(2)
+        assert await _put(storage, keys) == [Outcome.OK] * 2
+        pool = storage._spares
+        assert pool is not None
+        # "fails": tmp/ goes before the rename, which then fails and the page is unlinked.
+        then = (root / "tmp").rmdir if move == "fails" else (lambda: None)
+        lock = _EmptiedWhileMoving(pool, then)
+        monkeypatch.setattr(pool, "_lock", lock)
+        assert await storage.delete(keys[:1]) == 1
+        assert lock.released == []  # the pool was empty: the page's file was moving
+        held = _spares(root) if (root / "tmp").exists() else []
+        # The count is what the pool holds, and the pool holds every spare file there is.
+        assert (pool.nbytes, pool.files, len(held)) == (0, 0, 0)
+        fresh = _keys(1)  # its write makes tmp/ again if it went
+        assert await _put(storage, fresh) == [Outcome.OK]
+        assert await storage.delete(fresh) == 1  # the pool works on as before
+        assert (pool.nbytes, pool.files, len(_spares(root))) == (SIZE, 1, 1)
 
 
 # Writes the file system refuses for good.
@@ -291,6 +429,42 @@ async def test_open_short_of_descriptors_leaves_unreadable_shards_out(tmp_path: 
         await storage.close()
     async with FileStorage(root) as storage:  # with descriptors enough, every page is back
         assert storage.stats().pages == len(keys)
+
+
+@pytest.mark.parametrize("scan", ["gc", "verify"])
+async def test_a_shard_listing_that_fails_keeps_its_pages_indexed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, scan: str
+) -> None:
+    root = tmp_path / "s"
+    listing = os.scandir
+
+    def scandir(path: Any) -> Any:
+        # The shard's listing fails as it does when the process runs out of descriptors
+        # between opening the directory and listing it.
+        if isinstance(path, int) and os.readlink(f"/proc/self/fd/{path}") == str(unlisted):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return listing(path)
+
+    async with FileStorage(root, capacity_bytes=64 * SIZE) as storage:
+        keys = [
+            bytes([shard]) + key[1:] for shard, key in zip([1] * 4 + [2] * 4, _keys(8), strict=True)
+        ]
+        assert await _put(storage, keys) == [Outcome.OK] * 8
+        unlisted = root / "pages" / "01"
+        monkeypatch.setattr(os, "scandir", scandir)
+        with structlog.testing.capture_logs() as logs:
+            if scan == "gc":
+                await storage.gc()
+            else:
+                assert (await storage.verify()).unchecked == 1
+        monkeypatch.undo()
+        [unreadable] = [entry for entry in logs if entry["event"] == "storage.shard.unreadable"]
+        assert unreadable["directory"] == str(unlisted)
+        # Unlisted is not gone: its pages stay indexed, readable and counted.
+        assert storage.stats().pages == 8
+        assert await storage.exists(keys) == 8
+        assert await _get(storage, keys) == [Outcome.OK] * 8
+        await _assert_index_matches_disk(storage, root)
 
 
 async def test_open_out_of_descriptors_is_a_storage_error(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ close, by `gc()` and when a write finds the disk full, and by the next open or `
 the process died.
 
 A write the file system has no room for (ENOSPC, EDQUOT) is tried once more in the same put,
-after the spare files are released and least recently used pages evicted for it; one that
+after the spare files are released and least recently used pages evicted for what statvfs()
+shows is short (bytes or inodes; nothing for a page no eviction could make room for); one that
 still finds none, or that the file system refuses for good (EROFS, EFBIG), is a MISS, not an
 ERROR that a caller would retry (`refused_writes` counts them). A batch logs each distinct
 page error once, with how many pages had it.
@@ -66,10 +67,10 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Literal, TypeVar, cast, get_args
+from typing import Literal, NamedTuple, TypeVar, cast, get_args
 from urllib.parse import unquote
 
 import msgspec
@@ -146,6 +147,9 @@ _TOUCH_AFTER_NS = int(_TOUCH_AFTER_S * 1e9)
 # a nanosecond: a float st_mtime still tells them apart (its step is under half of one until
 # 2106), and so do file systems that keep mtimes to 100 ns.
 _STAMP_STEP_NS = 1_000
+# A full disk that the second try of puts keeps making room on logs storage.disk.full at most
+# this often (and again as soon as a put found room without one).
+_DISK_FULL_LOG_S = 60.0
 # Changes recorded for reads and scans in flight are pruned when they outgrow this (or twice
 # what the previous prune kept).
 _CHANGES_PRUNE_MIN = 4096
@@ -446,11 +450,17 @@ _Found = tuple[bytes, int, float]
 _ScanDiff = tuple[list[bytes], list[_Found]]
 
 
-def _diff_scan(found: list[_Found], indexed: list[bytes]) -> _ScanDiff:
-    """Compared off the loop: for a million pages the comparison took the loop a second."""
+def _diff_scan(
+    found: list[_Found], indexed: list[bytes], unlisted: Collection[str] = ()
+) -> _ScanDiff:
+    """Compared off the loop: for a million pages the comparison took the loop a second.
+    Indexed keys of the shards in `unlisted` (ones the scan could not list) are not gone:
+    the scan did not see their files, which are most likely still there."""
     on_disk = {key: (nbytes, mtime) for key, nbytes, mtime in found}
     before = set(indexed)
-    gone = list(before.difference(on_disk))
+    gone = [
+        key for key in before.difference(on_disk) if not unlisted or key.hex()[:2] not in unlisted
+    ]
     new = [(key, *on_disk[key]) for key in on_disk.keys() - before]
     new.sort(key=lambda item: item[2])
     return gone, new
@@ -469,6 +479,56 @@ _NO_ROOM = "no room"
 _REFUSED = "refused"
 _NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG})
+
+
+# A quota that ran out does not show in statvfs(): the second try counts no free bytes then.
+_QUOTA_DETAIL = f"write: {os.strerror(errno.EDQUOT)}"
+
+
+class _DiskRoom(NamedTuple):
+    """What the file system had free once a put's first try found no room: bytes (none when
+    a quota ran out), inodes (None when it has no inode limit) and its block size."""
+
+    nbytes: int
+    files: int | None
+    block: int
+
+
+class _NoRoom(NamedTuple):
+    """The pages of a put's first try the file system had no room for, as (position, reserved
+    size, error), and the room it had then (None: statvfs failed)."""
+
+    pages: list[tuple[int, int, str]]
+    room: _DiskRoom | None
+
+
+class _DiskPlan(NamedTuple):
+    """Room made on the disk for the first `admitted` pages of a second try: the `victims` to
+    evict, and the `nbytes` and `files` (inodes) those pages need beyond what was free."""
+
+    victims: list[bytes]
+    admitted: int
+    nbytes: int
+    files: int
+
+
+def _disk_room(dir_fd: int, results: Sequence[_Result | None]) -> _DiskRoom | None:
+    """The room on the file system of `dir_fd` after writes with `results` found none."""
+    try:
+        st = os.fstatvfs(dir_fd)
+    except OSError:
+        return None
+    quota = any(result is not None and result[1] == _QUOTA_DETAIL for result in results)
+    return _DiskRoom(
+        nbytes=0 if quota else st.f_bavail * st.f_frsize,
+        files=st.f_favail if st.f_files else None,  # a total of 0: no inode limit
+        block=st.f_frsize or 1,
+    )
+
+
+def _in_blocks(nbytes: int, block: int) -> int:
+    """`nbytes` rounded up to whole blocks: what a file of that size takes on the disk."""
+    return -(-nbytes // block) * block
 
 
 def _write_failure(exc: OSError) -> _Result:
@@ -971,6 +1031,9 @@ class _SparePool:
         self._by_size: dict[int, list[str]] = {}
         # Taken by a write still in progress: still ours, so verify() must not remove them.
         self._taken: set[str] = set()
+        # Bumped by each emptying (`release`, `names(drain=True)`), which zeroes `nbytes`: a
+        # `keep` that counted its file before one must not add it to the pool after it.
+        self._generation = 0
         self._lock = threading.Lock()
 
     def keep(self, handles: _Handles, shard_fd: int, name: str) -> bool:
@@ -982,19 +1045,28 @@ class _SparePool:
             if not stat.S_ISREG(st.st_mode) or self.nbytes + size > self.limit:
                 return False
             self.nbytes += size
+            generation = self._generation
         spare = f"{secrets.token_hex(8)}{_SPARE_SUFFIX}"
         try:
             os.rename(name, spare, src_dir_fd=shard_fd, dst_dir_fd=handles.tmp_fd)
         except BaseException as exc:
             with self._lock:
-                self.nbytes -= size
+                if self._generation == generation:  # else the emptying zeroed it already
+                    self.nbytes -= size
             # ENOENT when tmp/ was removed, EACCES when it cannot be written: the page is
             # still there, and the caller unlinks it instead (the next write recreates tmp/).
             if isinstance(exc, OSError) and _exists(shard_fd, name):
                 return False
             raise
         with self._lock:
-            self._by_size.setdefault(size, []).append(spare)
+            emptied = self._generation != generation
+            if not emptied:
+                self._by_size.setdefault(size, []).append(spare)
+        if emptied:
+            # Emptied while the file moved (a full disk or gc() wants the room back): the
+            # pool no longer counts it, so it goes now rather than held uncounted.
+            with contextlib.suppress(OSError):
+                os.unlink(spare, dir_fd=handles.tmp_fd)
         return True
 
     def take(self, size: int) -> str | None:
@@ -1028,6 +1100,7 @@ class _SparePool:
             released = [(name, size) for size, group in self._by_size.items() for name in group]
             self._by_size.clear()
             self.nbytes = 0
+            self._generation += 1
             return released
 
     def names(self, *, drain: bool = False) -> frozenset[str]:
@@ -1038,6 +1111,7 @@ class _SparePool:
             if drain:
                 self._by_size.clear()
                 self.nbytes = 0
+                self._generation += 1
             return names
 
 
@@ -1143,7 +1217,7 @@ class _Job:
     the loop after every thread has stopped, whether the batch finished, failed or was
     cancelled."""
 
-    __slots__ = ("cancelled", "done", "failed", "rejected", "results")
+    __slots__ = ("cancelled", "done", "failed", "rejected", "results", "room")
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
@@ -1152,6 +1226,8 @@ class _Job:
         self.rejected = False  # bad input, refused before any I/O: nothing to commit
         # The caller was cancelled: pages the job never reached are not errors of the store.
         self.cancelled = False
+        # The file system's free room, taken when a write found none (for the second try).
+        self.room: _DiskRoom | None = None
 
     def segments(self, pages: Sequence[PageBuffer], *, writable: bool) -> list[list[memoryview]]:
         """The pages' byte views; bad buffers mark the job rejected and raise."""
@@ -1242,6 +1318,8 @@ class FileStorage(BackendBase):
         self._unreported_leftovers = 0
         # Pages put found no room for (after one more try) or the file system refused.
         self._refused_writes = 0
+        # When the last storage.disk.full was logged (monotonic), None once a put found room.
+        self._disk_full_logged: float | None = None
         # Set before opening by tools that only look (`hicache-async storage stats|ls`,
         # `manifest show`): opening then leaves temporary files alone, so an inspection
         # changes nothing and a later verify() still finds them, and opens an existing LOCK
@@ -1982,7 +2060,7 @@ class FileStorage(BackendBase):
                     outcomes=outcomes,
                     now=now,
                 )
-                if no_room:
+                if no_room.pages:
                     await self._write_again(
                         keys=keys,
                         pages=pages,
@@ -1991,6 +2069,8 @@ class FileStorage(BackendBase):
                         outcomes=outcomes,
                         now=now,
                     )
+                elif writes:
+                    self._disk_full_logged = None  # room again: the next full disk is news
             elif stamps:
                 self._stamp_later(stamps)
         except asyncio.CancelledError:
@@ -2011,6 +2091,15 @@ class FileStorage(BackendBase):
         """Neither being read nor being written (a shared root's put of an indexed key)."""
         return key not in self._pins and key not in self._writing
 
+    def _candidates(self, keep: set[bytes]) -> Iterator[tuple[bytes, _Entry]]:
+        """Pages that may be evicted, least recently used first: none being read or written,
+        none in `keep`."""
+        return (
+            (key, entry)
+            for key, entry in self._index.items()
+            if self._evictable(key) and key not in keep
+        )
+
     def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
         """LRU victims that make room for the first pages of `sizes`, and how many fit.
 
@@ -2020,21 +2109,16 @@ class FileStorage(BackendBase):
             return [], len(sizes)
         free = self._capacity - self._bytes - self._reserved
         victims: list[bytes] = []
-        candidates = iter(self._index.items())
+        candidates = self._candidates(keep)
         admitted = 0
         for size in sizes:
             if size == 0:  # a key indexed at this size or larger: its room is counted already
                 admitted += 1
                 continue
             marked, freed = len(victims), free
-            while free < size:
-                candidate = next(candidates, None)
-                if candidate is None:
-                    break
-                key, entry = candidate
-                if self._evictable(key) and key not in keep:
-                    victims.append(key)
-                    free += entry.nbytes
+            while free < size and (candidate := next(candidates, None)) is not None:
+                victims.append(candidate[0])
+                free += candidate[1].nbytes
             if free < size:
                 del victims[marked:]  # this page does not fit: evict nothing for it
                 free = freed
@@ -2043,19 +2127,59 @@ class FileStorage(BackendBase):
             admitted += 1
         return victims, admitted
 
-    def _plan_disk_room(self, nbytes: int, files: int, *, keep: set[bytes]) -> list[bytes]:
-        """LRU victims worth `nbytes` of the disk and `files` inodes, whatever the capacity:
-        room for writes the file system had none for. Never picks a page being read or
-        written, or one in `keep`."""
+    def _plan_disk_room(
+        self, pages: list[tuple[int, str]], room: _DiskRoom, *, keep: set[bytes]
+    ) -> _DiskPlan:
+        """LRU victims that make room on the disk, whatever the capacity, for the first pages
+        of `pages` ((file size, shard directory), in batch order) that the file system had
+        none for. The spare files (the job releases them first) and the free bytes and
+        inodes in `room` count before any victim, and only the resource that is short asks
+        for more. A page that evicting every other page would not make room for is planned
+        no victim: it and the pages after it are left out, as `_plan_room` leaves them.
+        Never picks a page being read or written, or one in `keep`."""
+        handles = self._handles_or_raise()
+        spares = self._spares
+        block = room.block
+        free_bytes = room.nbytes + (spares.nbytes if spares is not None else 0)
+        free_files = room.files
+        if free_files is not None and spares is not None:
+            free_files += spares.files
+        made: set[str] = set()  # shard directories the planned pages make
         victims: list[bytes] = []
-        for key, entry in self._index.items():
-            if nbytes <= 0 and files <= 0:
+        candidates = self._candidates(keep)
+        admitted = need_bytes = need_files = 0
+
+        def short(nbytes: int, files: int) -> bool:
+            return free_bytes < nbytes or (free_files is not None and free_files < files)
+
+        for size, shard in pages:
+            # Out of inodes, a shard directory not made yet costs one (and a block) more,
+            # once for all the pages that go into it.
+            directory = shard not in made and not handles.opened(shard)
+            nbytes = _in_blocks(size, block) + directory * block
+            files = 1 + directory
+            marked, saved = len(victims), (free_bytes, free_files)
+            while short(nbytes, files) and (candidate := next(candidates, None)) is not None:
+                victims.append(candidate[0])
+                free_bytes += _in_blocks(candidate[1].nbytes, block)
+                free_files = None if free_files is None else free_files + 1
+            if short(nbytes, files):
+                del victims[marked:]  # this page does not fit: evict nothing for it
+                free_bytes, free_files = saved
                 break
-            if self._evictable(key) and key not in keep:
-                victims.append(key)
-                nbytes -= entry.nbytes
-                files -= 1
-        return victims
+            free_bytes -= nbytes
+            free_files = None if free_files is None else free_files - files
+            if directory:
+                made.add(shard)
+            admitted += 1
+            need_bytes += nbytes
+            need_files += files
+        return _DiskPlan(
+            victims=victims,
+            admitted=admitted,
+            nbytes=max(0, need_bytes - room.nbytes),
+            files=0 if room.files is None else max(0, need_files - room.files),
+        )
 
     async def _write_again(
         self,
@@ -2063,36 +2187,70 @@ class FileStorage(BackendBase):
         keys: Sequence[bytes],
         pages: Sequence[PageBuffer],
         metas: Sequence[PageMeta],
-        no_room: list[tuple[int, int]],
+        no_room: _NoRoom,
         outcomes: list[Outcome],
         now: float,
     ) -> None:
-        """Write once more the pages of a batch (position, reserved size) that the file system
-        had no room for: the job first releases the spare files, and least recently used pages
-        worth what those do not cover are evicted. Planned here in one step, as a put's first
-        round; a page that still finds no room is a MISS."""
-        writes = [i for i, _ in no_room]
-        nbytes = sum(HEADER_NBYTES + payload_nbytes(pages[i]) for i in writes)
-        # Out of inodes, a page needs one for its file and one for a shard directory not
-        # made yet (an evicted page frees one).
-        handles = self._handles_or_raise()
-        files = len(writes) + sum(not handles.opened(keys[i].hex()[:2]) for i in writes)
-        spares = self._spares
-        if spares is not None:
-            nbytes -= spares.nbytes
-            files -= spares.files
+        """Write once more the pages of a batch that the file system had no room for: the
+        job first releases the spare files, then evicts the least recently used pages that
+        the room left short of those pages needs. Planned here in one step, as a put's first
+        round, page by page in batch order; a page that no eviction could make room for, the
+        pages after it, and any that still finds no room, are MISSes."""
+        plan = _DiskPlan([], 0, 0, 0)
+        if no_room.room is not None:
+            needs = [
+                (HEADER_NBYTES + payload_nbytes(pages[i]), keys[i].hex()[:2])
+                for i, _, _ in no_room.pages
+            ]
+            plan = self._plan_disk_room(needs, no_room.room, keep=set(keys))
+        retried, refused = no_room.pages[: plan.admitted], no_room.pages[plan.admitted :]
+        self._log_disk_full(plan, refused=len(refused))
+        given_up = [(keys[i], detail) for i, _, detail in refused]
+        if not retried:
+            errors = _PageErrors()
+            self._refuse(errors, given_up)
+            errors.log(self._name)
+            return
         await self._write_batch(
             keys=keys,
             pages=pages,
             metas=metas,
-            writes=writes,
-            sizes=[size for _, size in no_room],
-            victims=self._plan_disk_room(nbytes, files, keep=set(keys)),
+            writes=[i for i, _, _ in retried],
+            sizes=[size for _, size, _ in retried],
+            victims=plan.victims,
             stamps={},
             outcomes=outcomes,
             now=now,
             again=True,
+            given_up=given_up,
         )
+
+    def _log_disk_full(self, plan: _DiskPlan, *, refused: int) -> None:
+        """Log `storage.disk.full` for a second try, unless it was logged in the last
+        `_DISK_FULL_LOG_S` with no put finding room since: a disk that someone else keeps
+        full evicts below the capacity, which the operator should hear of, once."""
+        clock = time.monotonic()
+        if self._disk_full_logged is not None and clock - self._disk_full_logged < (
+            _DISK_FULL_LOG_S
+        ):
+            return
+        self._disk_full_logged = clock
+        log.warning(
+            "storage.disk.full",
+            backend=self._name,
+            pages=plan.admitted,
+            refused=refused,
+            victims=len(plan.victims),
+            bytes=plan.nbytes,
+            inodes=plan.files,
+        )
+
+    def _refuse(self, errors: _PageErrors, pages: list[tuple[bytes, str]]) -> None:
+        """Count pages (key, error) the file system refused as `refused_writes`, their
+        errors in `errors`: each is a MISS, not an error a caller would retry."""
+        self._refused_writes += len(pages)
+        for key, detail in pages:
+            errors.add(key, detail)
 
     async def _write_batch(
         self,
@@ -2107,10 +2265,12 @@ class FileStorage(BackendBase):
         outcomes: list[Outcome],
         now: float,
         again: bool = False,
-    ) -> list[tuple[int, int]]:
+        given_up: Sequence[tuple[bytes, str]] = (),
+    ) -> _NoRoom:
         """Write the pages at `writes` after evicting `victims`; the pages the file system had
-        no room for, as (position, reserved size), for `_write_again` (none when `again`: this
-        is that second try, whose pages without room are MISSes)."""
+        no room for, for `_write_again` (none when `again`: this is that second try, whose
+        pages without room are MISSes, as are those it left out, `given_up`, logged with
+        it)."""
         write_keys = [keys[i] for i in writes]
         write_pages = [pages[i] for i in writes]
         write_metas = [metas[i] for i in writes]
@@ -2145,10 +2305,13 @@ class FileStorage(BackendBase):
             self._evicting.difference_update(victims)
             self._commit_removal(removed, job, evictions=True)
             no_room = self._commit_write(
-                job, writes, write_keys, outcomes, now, epoch=epoch, final=again
+                job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
             self._unwatch(epoch)
-        return [(i, sizes[slot]) for slot, i in enumerate(writes) if i in no_room]
+        return _NoRoom(
+            [(i, sizes[slot], no_room[i]) for slot, i in enumerate(writes) if i in no_room],
+            job.room,
+        )
 
     def _write_job(
         self,
@@ -2199,6 +2362,10 @@ class FileStorage(BackendBase):
             )
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
+        if not no_room and any(result is not None and result[0] == _NO_ROOM for result in results):
+            # After every write of the batch (and the removal of their temporary files): the
+            # second try asks only for what the file system is short of.
+            job.room = _disk_room(handles.pages_fd, results)
 
     def _write_one(
         self,
@@ -2329,10 +2496,13 @@ class FileStorage(BackendBase):
         *,
         epoch: int,
         final: bool,
-    ) -> set[int]:
+        given_up: Sequence[tuple[bytes, str]] = (),
+    ) -> dict[int, str]:
         """Record a write job's pages; returns the positions of those the file system had no
-        room for, to be written again (none when `final` or cancelled: those are MISSes)."""
-        no_room: set[int] = set()
+        room for, with the error, to be written again (none when `final` or cancelled: those
+        are MISSes). `given_up`: pages (key, error) of the batch refused without a write,
+        counted and logged with the job's."""
+        no_room: dict[int, str] = {}
         if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
             self._counters.puts -= len(outcomes)
             return no_room
@@ -2355,16 +2525,16 @@ class FileStorage(BackendBase):
                     errors.add(key, detail)
             elif code == _NO_ROOM and not (final or job.cancelled):
                 outcomes[i] = Outcome.MISS  # unless the second try stores it
-                no_room.add(i)
+                no_room[i] = detail
             elif code in (_NO_ROOM, _REFUSED):
                 # Not an error to retry: the same write would fail the same way.
                 outcomes[i] = Outcome.MISS
-                self._refused_writes += 1
-                errors.add(key, detail)
+                self._refuse(errors, [(key, detail)])
             else:
                 outcomes[i] = Outcome.ERROR
                 self._counters.errors += 1
                 errors.add(key, detail)
+        self._refuse(errors, list(given_up))  # after the batch's pages written before them
         errors.log(self._name)
         return no_room
 
@@ -2627,8 +2797,9 @@ class FileStorage(BackendBase):
         epoch = self._watch()
         before = list(self._index)  # the set is made off the loop
         try:
-            found, corrupt, report = await self.run_job(self._verify_job)
-            self._merge_scan(await self.run_job(lambda _: _diff_scan(found, before)), since, epoch)
+            found, unlisted, corrupt, report = await self.run_job(self._verify_job)
+            diff = await self.run_job(lambda _: _diff_scan(found, before, unlisted))
+            self._merge_scan(diff, since, epoch)
         finally:
             self._unwatch(epoch)
         for key, reason in corrupt:
@@ -2640,7 +2811,9 @@ class FileStorage(BackendBase):
 
     def _verify_job(
         self, stop: threading.Event
-    ) -> tuple[list[_Found], list[tuple[bytes, str]], VerifyReport]:
+    ) -> tuple[list[_Found], frozenset[str], list[tuple[bytes, str]], VerifyReport]:
+        """Check the root; returns the pages kept, the shards it could not list (whose
+        indexed pages stay indexed), the corrupt pages removed, and the report."""
         handles = self._handles_or_raise()
         idle = _STALE_TMP_SHARED_S if self._shared else _STALE_TMP_PRIVATE_S
         # This instance's own spare files are not leftovers, however long they have waited.
@@ -2710,7 +2883,7 @@ class FileStorage(BackendBase):
             unchecked=unchecked,
             foreign=len(foreign),
         )
-        return kept, corrupt, report
+        return kept, frozenset(refused), corrupt, report
 
     def _check_page(
         self, handles: _Handles, key: bytes, scratch: bytearray, stop: threading.Event
@@ -2843,7 +3016,9 @@ class FileStorage(BackendBase):
         """Release the spare files, then scan the root against the index (`before`)."""
         handles = self._handles_or_raise()
         self._release_spares(handles, reason="gc")
-        return _diff_scan(_scan(handles, stop), before)
+        unlisted: list[str] = []
+        found = _scan(handles, stop, refused=unlisted)
+        return _diff_scan(found, before, frozenset(unlisted))
 
     def _release_spares(self, handles: _Handles, *, reason: str) -> None:
         """Unlink every spare file no write has taken, logged when there were any: a warning
