@@ -11,11 +11,14 @@ permitted; those tests skip otherwise.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import math
 import os
+import random
 import resource
+import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -37,6 +40,7 @@ from test_file_storage import (
 
 from hicache_async import CacheConfig, HiCache, StorageConfigError, StorageError
 from hicache_async.storage import FileStorage, Outcome, _file
+from hicache_async.storage._page import HEADER_NBYTES
 from hicache_async.testing import KVGenerator, serve
 
 Mount = Callable[..., Path]
@@ -56,21 +60,57 @@ def tmpfs(tmp_path: Path) -> Iterator[Mount]:
         flags = ",".join(
             key if value is True else f"{key}={value}" for key, value in options.items()
         )
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", flags or "defaults", "tmpfs", str(path)],
-            capture_output=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-        mounted.append(path)
+        _mount(["-t", "tmpfs", "-o", flags or "defaults", "tmpfs"], path, mounted)
         return path
 
     yield mount
+    _unmount(mounted)
+
+
+def _mount(how: list[str], path: Path, mounted: list[Path]) -> None:
+    """Mount at `path` (`mount *how path`), noted in `mounted`; skips the test if refused."""
+    done = subprocess.run(["mount", *how, str(path)], capture_output=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount {how[-1]} here: {done.stderr.decode().strip()}")
+    mounted.append(path)
+
+
+def _unmount(mounted: list[Path]) -> None:
+    """Unmount `mounted`, last first; a loop device that mount set up goes with it."""
     for path in reversed(mounted):
         done = subprocess.run(["umount", str(path)], capture_output=True, check=False)
         if done.returncode != 0:  # still busy: detach it, it goes when the last user does
             subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def ext4(tmp_path: Path) -> Iterator[Callable[[str, int, int], Path]]:
+    """`ext4(name, size, block)`: an ext4 file system of `size` bytes and `block`-byte blocks
+    in an image file, loop-mounted at `tmp_path / name`, unmounted after the test. Skips
+    when mkfs.ext4 or a loop mount is not available or not permitted."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting an ext4 image needs root")
+    if shutil.which("mkfs.ext4") is None or shutil.which("losetup") is None:
+        pytest.skip("mkfs.ext4 and losetup are needed for an ext4 image")
+    mounted: list[Path] = []
+
+    def mount(name: str, size: int, block: int) -> Path:
+        image, path = tmp_path / f"{name}.img", tmp_path / name
+        with open(image, "wb") as file:
+            file.truncate(size)
+        made = subprocess.run(
+            ["mkfs.ext4", "-q", "-F", "-b", str(block), "-m", "0", "-N", "2048", str(image)],
+            capture_output=True,
+            check=False,
+        )
+        if made.returncode != 0:
+            pytest.skip(f"cannot make an ext4 image: {made.stderr.decode().strip()}")
+        path.mkdir(mode=0o700)
+        _mount(["-o", "loop", str(image)], path, mounted)
+        return path
+
+    yield mount
+    _unmount(mounted)
 
 
 def _remount(path: Path, how: str) -> None:
@@ -217,23 +257,24 @@ async def test_a_page_no_eviction_makes_room_for_evicts_nothing(tmpfs: Mount) ->
         [event] = _page_errors(logs)
         assert os.strerror(errno.ENOSPC) in event["error"]
         assert await _get(storage, keys) == [Outcome.OK] * 8
-        # Planned page by page in batch order: the first page evicts what it needs, the huge
-        # one nothing, and the page after it, down the same chain, is a MISS too.
+        # Planned page by page in batch order: the first page evicts what it needs (its
+        # blocks and the slack, two pages' worth), the huge one nothing, and the page after it,
+        # down the same chain, is a MISS too.
         batch = _keys(3)
         pages = [*_sized(batch[:1], PAGE), *_sized(batch[1:2], 512 << 10), *_sized(batch[2:], PAGE)]
         with structlog.testing.capture_logs() as logs:
             outcomes = await storage.put(batch, pages, _metas(batch))
         assert outcomes == [Outcome.OK, Outcome.MISS, Outcome.MISS]
-        assert (storage.stats().evictions, storage.refused_writes) == (1, 3)
+        assert (storage.stats().evictions, storage.refused_writes) == (2, 3)
         [event] = _page_errors(logs)  # one line for the batch
         assert (event["count"], event["key"]) == (2, batch[1].hex())
-        assert await storage.exists(keys) == 7
+        assert await storage.exists(keys) == 6
 
 
 async def test_a_full_disk_the_second_try_handles_is_logged_once(
     tmpfs: Mount, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Once until a put finds room again, however long it takes.
+    # Once an interval, however many puts find room meanwhile.
     monkeypatch.setattr(_file, "_DISK_FULL_LOG_S", math.inf, raising=False)
     disk = tmpfs("disk", size="2m")
     async with FileStorage(disk / "s", spare_bytes=0, capacity_bytes=64 << 20) as storage:
@@ -244,16 +285,139 @@ async def test_a_full_disk_the_second_try_handles_is_logged_once(
                 assert await _put(storage, _keys(4)) == [Outcome.OK] * 4
         [event] = [entry for entry in logs if entry["event"] == "storage.disk.full"]
         assert event["log_level"] == "warning"
-        assert (event["pages"], event["refused"], event["victims"]) == (4, 0, 4)
-        block = os.statvfs(disk).f_frsize  # files take whole blocks
-        assert (event["bytes"], event["inodes"]) == (4 * -(-SIZE // block) * block, 0)
-        assert storage.stats().evictions == 12  # far below the capacity: hence the warning
+        # Each page is planned its whole blocks and the slack, the batch the room for a
+        # directory to grow; a victim frees its blocks.
+        block = os.statvfs(disk).f_frsize
+        need = 4 * _file._disk_need(SIZE, block) + _file._DISK_GROWTH_BLOCKS * block
+        victims = -(-need // (-(-SIZE // block) * block))
+        assert (event["pages"], event["refused"], event["victims"]) == (4, 0, victims)
+        assert (event["bytes"], event["inodes"]) == (need, 0)
+        assert storage.stats().evictions < 16  # far below the capacity: hence the warning
         filler.unlink()
         assert await _put(storage, _keys(4)) == [Outcome.OK] * 4  # room: no second try
         _fill(disk)
         with structlog.testing.capture_logs() as logs:
             assert await _put(storage, _keys(4)) == [Outcome.OK] * 4
-        assert [entry["event"] for entry in logs] == ["storage.disk.full"]
+        assert "storage.disk.full" not in [entry["event"] for entry in logs]
+
+
+async def test_a_disk_kept_full_logs_once_however_often_puts_find_room(tmpfs: Mount) -> None:
+    # A spare reused, or a big victim leaving room for small pages: on a disk that stays full
+    # puts find room all the time, and the warning still comes once an interval.
+    disk = tmpfs("disk", size="2m")
+    async with FileStorage(disk / "s") as storage:
+        keys = _keys(40)
+        assert await _put(storage, keys) == [Outcome.OK] * 40
+        _fill(disk)
+        with structlog.testing.capture_logs() as logs:
+            for key in keys[:10]:
+                assert await storage.delete([key]) == 1  # its file kept as a spare
+                for _ in range(2):  # the first reuses the spare, the second has no room
+                    assert await _put(storage, _keys(1)) == [Outcome.OK]
+        assert [entry["event"] for entry in logs].count("storage.disk.full") == 1
+
+
+async def test_a_second_try_that_needed_nothing_is_not_logged(tmpfs: Mount) -> None:
+    disk = tmpfs("disk", size="2m")
+    async with FileStorage(disk / "s", spare_bytes=0) as storage:
+        assert await _put(storage, _keys(8)) == [Outcome.OK] * 8
+        filler = _fill(disk)
+        write_one = storage._write_one
+
+        def room_made_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            # Someone else frees room right after the first try found none.
+            result = write_one(*args, **kwargs)
+            if result[0] == _file._NO_ROOM and filler.exists():
+                filler.unlink()
+            return result
+
+        storage._write_one = room_made_meanwhile  # type: ignore[method-assign]
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, _keys(1)) == [Outcome.OK]
+        assert not filler.exists()  # the first try did find no room
+        assert storage.stats().evictions == 0
+        assert "storage.disk.full" not in [entry["event"] for entry in logs]
+
+
+@pytest.mark.parametrize("block", [1024, 4096])
+async def test_a_full_ext4_second_try_allows_for_metadata(
+    ext4: Callable[[str, int, int], Path], block: int
+) -> None:
+    # A file takes more than its blocks (extent blocks once fragmented, a directory growing
+    # a block): a second try planned only to the block still finds no room, a MISS.
+    disk = ext4("disk", 8 << 20 if block == 1024 else 16 << 20, block)
+    draw = random.Random(7)
+    async with FileStorage(disk / "s", spare_bytes=0) as storage:
+        for _ in range(400):
+            keys = _keys(draw.randint(1, 3))
+            size = draw.choice([500, 3000, 32768, 70000])
+            outcomes = await storage.put(keys, _sized(keys, size), _metas(keys))
+            assert outcomes == [Outcome.OK] * len(keys)
+        assert storage.stats().evictions > 0  # the disk was full, often
+        assert storage.refused_writes == 0
+        await _assert_index_matches_disk(storage, disk / "s")
+
+
+async def test_concurrent_puts_count_the_room_each_other_claimed(
+    tmpfs: Mount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two one-page puts on a full disk, their threads only held back, nothing faked: A's
+    # second try has removed its victim and not yet written into the room it made when B,
+    # whose first try found no room, takes statvfs. That room is A's: B must plan a victim
+    # of its own, or its second try finds no room either.
+    disk = tmpfs("disk", size="2m")
+    wait_s = 10.0  # wall time: each wait ends as soon as the other thread gets there
+    b_failed, victim_gone, b_looked = threading.Event(), threading.Event(), threading.Event()
+    a_looked = threading.Event()
+    async with FileStorage(disk / "s", spare_bytes=0) as storage:
+        assert await _put(storage, _keys(40)) == [Outcome.OK] * 40
+        _fill(disk)
+        key_a, key_b = _keys(1), _keys(1)
+        tries: dict[bytes, int] = {}
+        write_one = storage._write_one
+        release_spares = storage._release_spares
+        disk_room = _file._disk_room
+
+        def held_write(handles: Any, key: bytes, *args: Any, **kwargs: Any) -> Any:
+            tries[key] = tries.get(key, 0) + 1
+            if key == key_a[0] and tries[key] == 2:  # A's second try, its victim gone
+                victim_gone.set()
+                b_looked.wait(wait_s)
+            result = write_one(handles, key, *args, **kwargs)
+            if key == key_b[0] and tries[key] == 1 and result[0] == _file._NO_ROOM:
+                b_failed.set()
+            return result
+
+        def held_release(handles: Any, *, reason: str) -> None:
+            if reason == "disk full":  # A removes its victim once B found no room
+                b_failed.wait(wait_s)
+            release_spares(handles, reason=reason)
+
+        looks: list[int] = []
+
+        def held_room(dir_fd: int, results: Any) -> Any:
+            looks.append(dir_fd)
+            if len(looks) == 1:  # A's
+                try:
+                    return disk_room(dir_fd, results)
+                finally:
+                    a_looked.set()
+            victim_gone.wait(wait_s)
+            try:
+                return disk_room(dir_fd, results)
+            finally:
+                b_looked.set()
+
+        monkeypatch.setattr(storage, "_write_one", held_write)
+        monkeypatch.setattr(storage, "_release_spares", held_release)
+        monkeypatch.setattr(_file, "_disk_room", held_room)
+        put_a = asyncio.ensure_future(_put(storage, key_a))
+        await asyncio.to_thread(a_looked.wait, wait_s)  # A's first try found no room
+        put_b = asyncio.ensure_future(_put(storage, key_b))
+        assert (await put_a, await put_b) == ([Outcome.OK], [Outcome.OK])
+        assert all(event.is_set() for event in (b_failed, victim_gone, b_looked))
+        assert storage.refused_writes == 0
+        assert storage._claims.pending() == (0, 0)  # every claim settled
 
 
 async def test_no_room_even_after_evicting_is_one_miss_logged_once(tmpfs: Mount) -> None:
@@ -295,6 +459,28 @@ async def test_a_full_disk_releases_the_spare_files_first(tmpfs: Mount) -> None:
         # The spares made room enough: no page was evicted for it.
         assert storage.stats().evictions == 0
         assert await _get(storage, keys[:8]) == [Outcome.OK] * 8
+
+
+async def test_spare_files_count_the_blocks_they_hold(tmpfs: Mount) -> None:
+    disk = tmpfs("disk", size="2m")
+    root = disk / "s"
+    async with FileStorage(root) as storage:
+        small = _keys(48)
+        assert await storage.put(small, _sized(small, 1024), _metas(small)) == [Outcome.OK] * 48
+        assert await storage.delete(small[:24]) == 24  # spare files of 1152 bytes, a block each
+        _fill(disk)
+        block = os.statvfs(disk).f_frsize
+        held = sum(os.stat(root / "tmp" / name).st_blocks * 512 for name in _spares(root))
+        assert held == 24 * block
+        # Pages whose planned room is what the spare files hold: releasing them is enough.
+        size = 2 * block
+        growth = _file._DISK_GROWTH_BLOCKS * block
+        count = (held - growth) // _file._disk_need(HEADER_NBYTES + size, block)
+        assert count >= 4
+        keys = _keys(count)
+        assert await storage.put(keys, _sized(keys, size), _metas(keys)) == [Outcome.OK] * count
+        assert storage.stats().evictions == 0
+        assert await storage.exists(small[24:]) == 24
 
 
 async def test_gc_releases_the_spare_files(tmp_path: Path) -> None:

@@ -148,8 +148,13 @@ _TOUCH_AFTER_NS = int(_TOUCH_AFTER_S * 1e9)
 # 2106), and so do file systems that keep mtimes to 100 ns.
 _STAMP_STEP_NS = 1_000
 # A full disk that the second try of puts keeps making room on logs storage.disk.full at most
-# this often (and again as soon as a put found room without one).
+# this often: on a disk that stays full some puts find room all the time, so that restarts
+# nothing.
 _DISK_FULL_LOG_S = 60.0
+# A page is planned one block and this fraction of its size more than its own blocks.
+_DISK_SLACK_RATIO = 64
+# And a second try this many blocks more, once, for directories that grow.
+_DISK_GROWTH_BLOCKS = 2
 # Changes recorded for reads and scans in flight are pruned when they outgrow this (or twice
 # what the previous prune kept).
 _CHANGES_PRUNE_MIN = 4096
@@ -492,6 +497,8 @@ class _DiskRoom(NamedTuple):
     nbytes: int
     files: int | None
     block: int
+    # What this store's settled writes had taken when it was taken (`_DiskClaims.written`).
+    written: tuple[int, int] = (0, 0)
 
 
 class _NoRoom(NamedTuple):
@@ -529,6 +536,13 @@ def _disk_room(dir_fd: int, results: Sequence[_Result | None]) -> _DiskRoom | No
 def _in_blocks(nbytes: int, block: int) -> int:
     """`nbytes` rounded up to whole blocks: what a file of that size takes on the disk."""
     return -(-nbytes // block) * block
+
+
+def _disk_need(nbytes: int, block: int) -> int:
+    """The room to plan for writing a file of `nbytes`: its blocks, and slack for what the
+    file system adds (extent or indirect blocks, a directory growing by a block), which
+    does not show in the file's size."""
+    return _in_blocks(nbytes + nbytes // _DISK_SLACK_RATIO, block) + block
 
 
 def _write_failure(exc: OSError) -> _Result:
@@ -1028,7 +1042,10 @@ class _SparePool:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.nbytes = 0
-        self._by_size: dict[int, list[str]] = {}
+        # What the files hold on the disk, in whole blocks: the room releasing them makes.
+        self.disk_nbytes = 0
+        # Size -> (name, bytes on the disk) of each file of that size.
+        self._by_size: dict[int, list[tuple[str, int]]] = {}
         # Taken by a write still in progress: still ours, so verify() must not remove them.
         self._taken: set[str] = set()
         # Bumped by each emptying (`release`, `names(drain=True)`), which zeroes `nbytes`: a
@@ -1041,10 +1058,13 @@ class _SparePool:
         it (the caller removes the file). Raises FileNotFoundError when there is no file."""
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
         size = st.st_size
+        # st_blocks counts 512-byte units whatever the block size; 0 where it is not kept.
+        disk = st.st_blocks * 512 if st.st_blocks else size
         with self._lock:
             if not stat.S_ISREG(st.st_mode) or self.nbytes + size > self.limit:
                 return False
             self.nbytes += size
+            self.disk_nbytes += disk
             generation = self._generation
         spare = f"{secrets.token_hex(8)}{_SPARE_SUFFIX}"
         try:
@@ -1053,6 +1073,7 @@ class _SparePool:
             with self._lock:
                 if self._generation == generation:  # else the emptying zeroed it already
                     self.nbytes -= size
+                    self.disk_nbytes -= disk
             # ENOENT when tmp/ was removed, EACCES when it cannot be written: the page is
             # still there, and the caller unlinks it instead (the next write recreates tmp/).
             if isinstance(exc, OSError) and _exists(shard_fd, name):
@@ -1061,7 +1082,7 @@ class _SparePool:
         with self._lock:
             emptied = self._generation != generation
             if not emptied:
-                self._by_size.setdefault(size, []).append(spare)
+                self._by_size.setdefault(size, []).append((spare, disk))
         if emptied:
             # Emptied while the file moved (a full disk or gc() wants the room back): the
             # pool no longer counts it, so it goes now rather than held uncounted.
@@ -1076,7 +1097,8 @@ class _SparePool:
             if not names:
                 return None
             self.nbytes -= size
-            name = names.pop()
+            name, disk = names.pop()
+            self.disk_nbytes -= disk
             if not names:
                 del self._by_size[size]
             self._taken.add(name)
@@ -1097,22 +1119,75 @@ class _SparePool:
         """Empty the pool: (name, size) of each spare file no write has taken, now the
         caller's to unlink (a full disk wants their room back)."""
         with self._lock:
-            released = [(name, size) for size, group in self._by_size.items() for name in group]
+            released = [(name, size) for size, group in self._by_size.items() for name, _ in group]
             self._by_size.clear()
-            self.nbytes = 0
+            self.nbytes = self.disk_nbytes = 0
             self._generation += 1
             return released
 
     def names(self, *, drain: bool = False) -> frozenset[str]:
         """Every spare file's name; with `drain`, the pool is then empty."""
         with self._lock:
-            names = frozenset(name for group in self._by_size.values() for name in group)
+            names = frozenset(name for group in self._by_size.values() for name, _ in group)
             names |= self._taken
             if drain:
                 self._by_size.clear()
-                self.nbytes = 0
+                self.nbytes = self.disk_nbytes = 0
                 self._generation += 1
             return names
+
+
+class _DiskClaims:
+    """Room on the disk claimed by this store's page writes in flight (thread-safe): a
+    second try plans with the room statvfs showed less what those writes will still take.
+
+    Each page is claimed when its batch is planned and settled once its write ends, or
+    when the batch commits (cancelled, stopped, failed). `written` counts what settled
+    pages took, so the room a statvfs showed can be brought up to date by what was written
+    since (`pending` no longer counts it)."""
+
+    def __init__(self) -> None:
+        self.block = 4096  # the file system's, once a statvfs has told it
+        self._nbytes = 0
+        self._files = 0
+        self._written_nbytes = 0
+        self._written_files = 0
+        self._lock = threading.Lock()
+
+    def claim(self, sizes: Iterable[int]) -> list[int]:
+        """Claim room for files of `sizes` bytes; the claims, each settled by `settle`."""
+        claims = [_disk_need(size, self.block) for size in sizes]
+        with self._lock:
+            self._nbytes += sum(claims)
+            self._files += len(claims)
+        return claims
+
+    def settle(self, claims: list[int], i: int, *, written: bool) -> None:
+        """The write of claim `i` ended (`written`: its file took its room)."""
+        with self._lock:
+            nbytes, claims[i] = claims[i], 0
+            if not nbytes:
+                return
+            self._nbytes -= nbytes
+            self._files -= 1
+            if written:
+                self._written_nbytes += nbytes
+                self._written_files += 1
+
+    def settle_all(self, claims: list[int]) -> None:
+        """Settle, as not written, every claim of `claims` still open."""
+        for i in range(len(claims)):
+            self.settle(claims, i, written=False)
+
+    def written(self) -> tuple[int, int]:
+        """Bytes and files that settled writes took so far (only ever grows)."""
+        with self._lock:
+            return self._written_nbytes, self._written_files
+
+    def pending(self) -> tuple[int, int]:
+        """Bytes and files claimed by writes not settled yet."""
+        with self._lock:
+            return self._nbytes, self._files
 
 
 def _remove_page(spares: _SparePool | None, handles: _Handles, shard_fd: int, name: str) -> None:
@@ -1318,8 +1393,10 @@ class FileStorage(BackendBase):
         self._unreported_leftovers = 0
         # Pages put found no room for (after one more try) or the file system refused.
         self._refused_writes = 0
-        # When the last storage.disk.full was logged (monotonic), None once a put found room.
+        # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
+        # Room on the disk that page writes in flight will still take.
+        self._claims = _DiskClaims()
         # Set before opening by tools that only look (`hicache-async storage stats|ls`,
         # `manifest show`): opening then leaves temporary files alone, so an inspection
         # changes nothing and a later verify() still finds them, and opens an existing LOCK
@@ -2069,8 +2146,6 @@ class FileStorage(BackendBase):
                         outcomes=outcomes,
                         now=now,
                     )
-                elif writes:
-                    self._disk_full_logged = None  # room again: the next full disk is news
             elif stamps:
                 self._stamp_later(stamps)
         except asyncio.CancelledError:
@@ -2139,8 +2214,9 @@ class FileStorage(BackendBase):
         Never picks a page being read or written, or one in `keep`."""
         handles = self._handles_or_raise()
         spares = self._spares
+        room = self._room_left(room)
         block = room.block
-        free_bytes = room.nbytes + (spares.nbytes if spares is not None else 0)
+        free_bytes = room.nbytes + (spares.disk_nbytes if spares is not None else 0)
         free_files = room.files
         if free_files is not None and spares is not None:
             free_files += spares.files
@@ -2148,6 +2224,9 @@ class FileStorage(BackendBase):
         victims: list[bytes] = []
         candidates = self._candidates(keep)
         admitted = need_bytes = need_files = 0
+        # Once for the batch: tmp/ or a shard directory that grows (an indexed directory
+        # splitting takes two blocks).
+        growth = _DISK_GROWTH_BLOCKS * block
 
         def short(nbytes: int, files: int) -> bool:
             return free_bytes < nbytes or (free_files is not None and free_files < files)
@@ -2156,7 +2235,7 @@ class FileStorage(BackendBase):
             # Out of inodes, a shard directory not made yet costs one (and a block) more,
             # once for all the pages that go into it.
             directory = shard not in made and not handles.opened(shard)
-            nbytes = _in_blocks(size, block) + directory * block
+            nbytes = _disk_need(size, block) + directory * block + growth
             files = 1 + directory
             marked, saved = len(victims), (free_bytes, free_files)
             while short(nbytes, files) and (candidate := next(candidates, None)) is not None:
@@ -2171,6 +2250,7 @@ class FileStorage(BackendBase):
             free_files = None if free_files is None else free_files - files
             if directory:
                 made.add(shard)
+            growth = 0
             admitted += 1
             need_bytes += nbytes
             need_files += files
@@ -2180,6 +2260,18 @@ class FileStorage(BackendBase):
             nbytes=max(0, need_bytes - room.nbytes),
             files=0 if room.files is None else max(0, need_files - room.files),
         )
+
+    def _room_left(self, room: _DiskRoom) -> _DiskRoom:
+        """`room` less what this store's writes took since it was taken and what those in
+        flight will still take: two puts on a full disk must not both plan for the same
+        free blocks, or for the blocks a victim of the other one freed."""
+        written = self._claims.written()
+        pending = self._claims.pending()
+        nbytes = max(0, room.nbytes - (written[0] - room.written[0]) - pending[0])
+        files = room.files
+        if files is not None:
+            files = max(0, files - (written[1] - room.written[1]) - pending[1])
+        return room._replace(nbytes=nbytes, files=files, written=written)
 
     async def _write_again(
         self,
@@ -2204,7 +2296,8 @@ class FileStorage(BackendBase):
             ]
             plan = self._plan_disk_room(needs, no_room.room, keep=set(keys))
         retried, refused = no_room.pages[: plan.admitted], no_room.pages[plan.admitted :]
-        self._log_disk_full(plan, refused=len(refused))
+        if plan.victims or plan.nbytes or plan.files or refused:
+            self._log_disk_full(plan, refused=len(refused))
         given_up = [(keys[i], detail) for i, _, detail in refused]
         if not retried:
             errors = _PageErrors()
@@ -2227,8 +2320,9 @@ class FileStorage(BackendBase):
 
     def _log_disk_full(self, plan: _DiskPlan, *, refused: int) -> None:
         """Log `storage.disk.full` for a second try, unless it was logged in the last
-        `_DISK_FULL_LOG_S` with no put finding room since: a disk that someone else keeps
-        full evicts below the capacity, which the operator should hear of, once."""
+        `_DISK_FULL_LOG_S`: a disk that someone else keeps full evicts below the capacity,
+        which the operator should hear of, but once a while (on such a disk some puts find
+        room all the time, so room found does not restart the count)."""
         clock = time.monotonic()
         if self._disk_full_logged is not None and clock - self._disk_full_logged < (
             _DISK_FULL_LOG_S
@@ -2275,8 +2369,10 @@ class FileStorage(BackendBase):
         write_pages = [pages[i] for i in writes]
         write_metas = [metas[i] for i in writes]
         reserve = sum(sizes)
-        # Plan: reserve room, mark keys, take victims out of the index, in one step.
+        # Plan: reserve room, claim it on the disk, mark keys, take victims out of the index,
+        # in one step.
         self._reserved += reserve
+        claims = self._claims.claim(HEADER_NBYTES + payload_nbytes(page) for page in write_pages)
         self._writing.update(write_keys)
         removed = [(key, self._drop(key)) for key in victims]
         self._evicting.update(victims)
@@ -2293,6 +2389,7 @@ class FileStorage(BackendBase):
                     metas=write_metas,
                     positions=writes,
                     stamps=stamps,
+                    claims=claims,
                     no_room=again,
                 )
             )
@@ -2301,6 +2398,7 @@ class FileStorage(BackendBase):
             raise
         finally:
             self._reserved -= reserve
+            self._claims.settle_all(claims)  # pages the job did not reach take no room
             self._writing.difference_update(write_keys)
             self._evicting.difference_update(victims)
             self._commit_removal(removed, job, evictions=True)
@@ -2324,6 +2422,7 @@ class FileStorage(BackendBase):
         metas: list[PageMeta],
         positions: list[int],
         stamps: dict[bytes, int],
+        claims: list[int],
         no_room: bool = False,
     ) -> None:
         """Remove `victims`, stamp the files of `stamps` and write the pages; each page's
@@ -2357,15 +2456,21 @@ class FileStorage(BackendBase):
 
         def work(i: int) -> None:
             mtime_ns = base - positions[i] * _STAMP_STEP_NS
-            results[i] = self._write_one(
+            result = results[i] = self._write_one(
                 handles, keys[i], segments[i], sizes[i], metas[i], mtime_ns=mtime_ns
             )
+            self._claims.settle(claims, i, written=result[0] == _OK)
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
         if not no_room and any(result is not None and result[0] == _NO_ROOM for result in results):
             # After every write of the batch (and the removal of their temporary files): the
-            # second try asks only for what the file system is short of.
-            job.room = _disk_room(handles.pages_fd, results)
+            # second try asks only for what the file system is short of. What this store
+            # wrote so far is read first: a write settled in between counts twice, never none.
+            written = self._claims.written()
+            room = _disk_room(handles.pages_fd, results)
+            if room is not None:
+                self._claims.block = room.block
+                job.room = room._replace(written=written)
 
     def _write_one(
         self,
