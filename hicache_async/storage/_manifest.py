@@ -280,16 +280,18 @@ def carried_record(line: bytes) -> bool:
     return decode_entry(line) is not None or _newer_record(line) is not None
 
 
-_Record = ManifestEntry | _Newer
+# A compaction of every namespace together (a file's) keeps at most this many times
+# `max_entries` records in all, so that records naming ever new namespaces (any string, in a
+# newer version's records) cannot hold memory without bound.
+_SHARED_ENTRIES = 16
 
 
-def _rank_key(item: tuple[Hashable, _Record]) -> tuple[int, float]:
-    return (item[1].priority, item[1].last_use)
+class _Candidate(NamedTuple):
+    """A held record as the budget sees it: what it is shared with, and what it costs."""
 
-
-def _bound_order(bound: str | None) -> tuple[bool, str]:
-    """Orders bounds deterministically: namespaces by name, then newer records naming none."""
-    return (bound is None, bound or "")
+    key: Hashable
+    bound: str | None
+    size: int
 
 
 class ManifestCollector:
@@ -297,23 +299,11 @@ class ManifestCollector:
     the same use, the one stored last (records are fed oldest first unless `newest_first`).
 
     When full, the least valuable entries (lowest priority, then oldest use) make room, so a
-    huge manifest costs bounded memory and keeps what warmup would want most. Without `carry`
-    (a reader's), or given a namespace (a collector of one namespace), every record counts
-    against one `max_entries`, and it holds at most `2 * max_entries` records between trims
-    (with `carry` also at most `2 * max_bytes + max_entry_bytes` of records).
-
-    Without a namespace and with `carry` (a file's compaction, every namespace together) the
-    namespaces take turns (see `compacted`): each namespace's records are ranked and capped
-    at `max_entries`, and the compaction keeps the longest prefix of their interleaving that
-    fits its budget. Between trims it holds at most `2 * max_entries` records of each
-    namespace and `2 * max_bytes + max_entry_bytes` of records in all (whatever the number
-    of namespaces), plus a count per namespace held. A trim keeps each namespace's
-    `max_entries` best and, of their interleaving, the prefix of at least `max_bytes` bytes
-    (twice a compaction's budget). As records arrive, the records before one in the
-    interleaving only grow in number (unless a chain's newer record ranks it lower), so
-    where records differ in size by at most a factor of two a trim never evicts a record
-    the final prefix keeps; records that arrive later outranking, and far smaller than, the
-    ones held may make it evict one, and the prefix then reaches further down instead.
+    huge manifest costs bounded memory and keeps what warmup would want most. What it holds,
+    between trims: a reader's, or a collector of one namespace, at most `2 * max_entries`
+    records; a compaction of every namespace (`carry` without a namespace) at most
+    `2 * max_entries` of each namespace and `2 * _SHARED_ENTRIES * max_entries` (32 times)
+    in all. With `carry`, also at most `max_bytes` of records plus one (`max_entry_bytes`).
     Of the chains evicted it remembers as many as it may hold records, the latest, each by
     its key: a chain's (namespace, last key), or a 16-byte digest of a record naming none.
 
@@ -323,9 +313,10 @@ class ManifestCollector:
     ranked by their `priority` and `last_use` where these hold what this version means by
     them: they age out as entries do. Given a namespace, every record it holds counts
     against that namespace's `max_entries`, whatever namespace a newer record names (it was
-    stored under this one). Without one, `max_entries` bounds each namespace, and newer
-    records without a string namespace are a namespace of their own. `compacted` gives what
-    a compaction writes. Without `carry` newer records are only counted.
+    stored under this one). Without one, `max_entries` bounds each namespace, newer records
+    without a string namespace together, and the byte budget is shared fairly (see
+    `compacted`). `compacted` gives what a compaction writes. Without `carry` newer records
+    are only counted.
     """
 
     def __init__(
@@ -346,6 +337,7 @@ class ManifestCollector:
         # Whether every record counts against one `max_entries`: a reader's (what it holds),
         # or a collector of one namespace (everything stored under it is that namespace's).
         self._single = not carry or namespace is not None
+        self._total = limits.max_entries * (1 if self._single else _SHARED_ENTRIES)
         # Entries by (namespace, chain id) (tensor-parallel ranks' namespaces share page
         # keys), and with `carry` newer records by their key.
         self._held: dict[Hashable, ManifestEntry | _Newer] = {}
@@ -412,10 +404,10 @@ class ManifestCollector:
         if self._carry:
             self._bytes += self._size(key, self._held[key])
         limits = self._limits
-        # A trim keeps at least `max_bytes` (see `_trim`): it runs once twice that is held,
-        # so that it runs once per `max_bytes` new bytes, not once per record.
-        if self._counts[bound] >= 2 * limits.max_entries or (
-            self._carry and self._bytes > 2 * limits.max_bytes + limits.max_entry_bytes
+        if (
+            self._counts[bound] >= 2 * limits.max_entries
+            or len(self._held) >= 2 * self._total
+            or (self._carry and self._bytes > limits.max_bytes + limits.max_entry_bytes)
         ):
             self._trim()
 
@@ -433,57 +425,82 @@ class ManifestCollector:
         return len(line) + 1 if line is not None else len(encode_entry(record))
 
     def _trim(self) -> None:
-        """Keep each bound's `max_entries` most valuable records, and with `carry` of their
-        interleaving (see `_turns`) the prefix of at least `max_bytes` bytes (twice a
-        compaction's budget: the slack that keeps a trim from evicting what the compaction
-        keeps). Once per `max_entries` new chains of a bound or `max_bytes` new bytes, not
-        once per record: ranking costs a pass over all of them."""
-        order = self._turns(list(self._held.items()))
-        if self._carry:
-            used = 0
-            limit = self._limits.max_bytes
-            for end, (key, record) in enumerate(order):
-                if used >= limit:
-                    del order[end:]
-                    break
-                used += self._size(key, record)
-        if len(order) == len(self._held):
+        """Keep the most valuable records a compaction would keep (see `_fit`): with
+        `carry` within half of `max_bytes` too. Once per `max_entries` new chains of a
+        namespace, `_SHARED_ENTRIES * max_entries` in all or `max_bytes // 2` new bytes, not
+        once per record: finding the least valuable costs a pass over all of them."""
+        # Stable, walked from the end: among equals, the first recorded goes first.
+        ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
+        budget = self._limits.max_bytes // 2 if self._carry else None
+        kept = self._fit(
+            [
+                _Candidate(
+                    key,
+                    self._bound_of(record),
+                    self._size(key, record) if budget is not None else 0,
+                )
+                for key, record in reversed(ranked)
+            ],
+            budget,
+        )
+        if len(kept) == len(self._held):
             return
-        kept = {key for key, _ in order}
-        for key, record in list(self._held.items()):
+        for key, worst in ranked:
             if key not in kept:
                 del self._held[key]
                 self._lines.pop(key, None)
-                self._evicted[key] = record.last_use
+                self._evicted[key] = worst.last_use
         self._counts = Counter(self._bound_of(record) for record in self._held.values())
         if self._carry:
             self._bytes = sum(self._size(key, record) for key, record in self._held.items())
         # The oldest evictions are forgotten first.
-        cap = max(2 * self._limits.max_entries, len(self._held))
-        for key in list(self._evicted)[: max(0, len(self._evicted) - cap)]:
+        for key in list(self._evicted)[: max(0, len(self._evicted) - 2 * self._total)]:
             del self._evicted[key]
 
-    def _turns(self, records: list[tuple[Hashable, _Record]]) -> list[tuple[Hashable, _Record]]:
-        """`records` (in the order recorded) in the order a compaction keeps them: each
-        bound's most valuable first (highest priority, then newest use, then the last
-        recorded), at most `max_entries` of each, the bounds taking turns: every bound's
-        best, then every bound's second best, and so on; within a turn by rank, then by
-        bound. Of one bound (a reader, a collector of one namespace), that is rank order."""
-        # Stable and ascending, reversed: among equals the last recorded ranks first.
-        ranked = sorted(records, key=_rank_key)[::-1]
+    def _fit(self, ranked: list[_Candidate], budget: int | None) -> set[Hashable]:
+        """What is kept of `ranked` (the most valuable first): at most `max_entries` of each
+        bound, and in all at most `_total` and within `budget` bytes (if given). Each bound
+        first gets its share of the total and of the budget (an equal part of each, its most
+        valuable records that fit), then what is left goes by rank, so a busy namespace never
+        takes a quiet one's room. The most valuable record is always kept, and a record that
+        does not fit makes way for a less valuable one that does."""
         cap = self._limits.max_entries
+        seen: Counter[str | None] = Counter()
+        candidates: list[_Candidate] = []
+        for candidate in ranked:
+            seen[candidate.bound] += 1
+            if seen[candidate.bound] <= cap:
+                candidates.append(candidate)
+        if not candidates:
+            return set()
+        share = self._total // len(seen)
+        share_bytes = budget // len(seen) if budget is not None else 0
         taken: Counter[str | None] = Counter()
-        turns: list[tuple[int, int, float, tuple[bool, str], int]] = []
-        for position, (_, record) in enumerate(ranked):
-            bound = self._bound_of(record)
-            turn = taken[bound]
-            if turn < cap:
-                taken[bound] = turn + 1
-                turns.append(
-                    (turn, -record.priority, -record.last_use, _bound_order(bound), position)
-                )
-        turns.sort()
-        return [ranked[turn[-1]] for turn in turns]
+        used: Counter[str | None] = Counter()
+        kept: set[Hashable] = set()
+
+        def keep(candidate: _Candidate) -> None:
+            kept.add(candidate.key)
+            taken[candidate.bound] += 1
+            used[candidate.bound] += candidate.size
+
+        keep(candidates[0])
+        for candidate in candidates[1:]:
+            bound = candidate.bound
+            if taken[bound] < share and (
+                budget is None or used[bound] + candidate.size <= share_bytes
+            ):
+                keep(candidate)
+        total_bytes = sum(used.values())
+        for candidate in candidates:
+            if len(kept) >= self._total:
+                break
+            if candidate.key in kept:
+                continue
+            if budget is None or total_bytes + candidate.size <= budget:
+                keep(candidate)
+                total_bytes += candidate.size
+        return kept
 
     def result(self, *, truncated: bool) -> ManifestRead:
         self._trim()
@@ -511,39 +528,30 @@ class ManifestCollector:
 
     def compacted(self, budget: int) -> list[tuple[Hashable, bytes]]:
         """What a compaction writes: (key, record as stored, without newline) of the entries
-        `result` returns and of the newer records held, oldest use first, so that appends
-        after the compaction keep "later replaces earlier".
-
-        The namespaces take turns (see `_turns`): every namespace's most valuable record,
-        then every namespace's second, and so on, at most `max_entries` of each; kept is the
-        longest prefix of that order within `budget` bytes (newlines counted), which stops
-        at the first record that does not fit. So a compaction never writes more than
-        `budget`, a busy namespace never pushes out a quiet one's best records, and of one
-        namespace the most valuable are kept."""
-        entries = {e.ident for e in self.result(truncated=False).entries}
-        order = self._turns(
-            [
-                (key, record)
-                for key, record in self._held.items()
-                if isinstance(record, _Newer) or key in entries
-            ]
-        )
-        kept: list[tuple[float, Hashable, bytes]] = []
-        used = 0
-        for key, record in order:
-            line = record.line if isinstance(record, _Newer) else self._line(key, record)
-            used += len(line) + 1
-            if used > budget:
-                break
-            kept.append((record.last_use, key, line))
-        # Stable: of equal use, in the order kept.
-        kept.sort(key=lambda item: item[0])
-        return [(key, line) for _, key, line in kept]
-
-    def _line(self, key: Hashable, entry: ManifestEntry) -> bytes:
-        """The entry's record as stored (or as encoded, if not given), without newline."""
-        line = self._lines.get(key)
-        return line if line is not None else encode_entry(entry)[:-1]
+        `result` returns and of the newer records held, the most valuable that fit `budget`
+        bytes (newlines counted; the most valuable always), each namespace with its share of
+        them (see `_fit`), oldest use first, so that appends after the compaction keep
+        "later replaces earlier"."""
+        ranked: list[tuple[int, float, Hashable, bytes, str | None]] = [
+            (
+                e.priority,
+                e.last_use,
+                e.ident,
+                self._lines.get(e.ident) or encode_entry(e)[:-1],
+                self._bound_of(e),
+            )
+            for e in self.result(truncated=False).entries
+        ]
+        ranked += [
+            (r.priority, r.last_use, r.key, r.line, self._bound_of(r))
+            for r in self._held.values()
+            if isinstance(r, _Newer)
+        ]
+        # Stable: of equal rank, entries of this version before newer records.
+        ranked.sort(key=lambda r: (-r[0], -r[1]))
+        chosen = self._fit([_Candidate(r[2], r[4], len(r[3]) + 1) for r in ranked], budget)
+        kept = sorted((r for r in ranked if r[2] in chosen), key=lambda r: r[1])
+        return [(r[2], r[3]) for r in kept]
 
 
 def _covers(longer: ManifestEntry | None, entry: ManifestEntry) -> bool:
@@ -875,7 +883,7 @@ class MemoryManifest:
     def _trim(self) -> None:
         """Keep the most valuable records (highest priority, then newest use): at most
         `max_entries`, within `max_bytes // 2` (a record that does not fit makes way for a
-        less valuable one that does)."""
+        less valuable one that does, as compaction's fit does)."""
         limits = self.limits
         # Stable and ascending, walked from the end: among equals the first recorded goes
         # first, as in ManifestCollector.
