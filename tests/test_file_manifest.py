@@ -1,6 +1,5 @@
 """The file manifest when the filesystem refuses a write part-way (a full disk, a file size
-limit): an append lands whole or not at all, and a compaction leaves no temporary file, nor
-does one cancelled at any step. And how a compaction shares the file among namespaces.
+limit): an append lands whole or not at all, and a compaction leaves no temporary file.
 
 The refusal is real: a child process runs the step under `RLIMIT_FSIZE`, so the kernel
 writes up to the limit (a short write) and then refuses with EFBIG, as a full disk does with
@@ -13,20 +12,12 @@ import asyncio
 import errno
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from hicache_async.storage import _manifest
-from hicache_async.storage._manifest import (
-    FileManifest,
-    ManifestEntry,
-    ManifestLimits,
-    chain_entry,
-    encode_entry,
-)
+from hicache_async.storage._manifest import FileManifest, ManifestEntry, chain_entry
 
 NS = b"n" * 16
 
@@ -124,81 +115,3 @@ async def test_a_compaction_cancelled_before_its_rename_leaves_no_temporary_file
         await compaction
     assert _names(tmp_path) == [".manifest.jsonl.lock", "manifest.jsonl"]
     assert path.read_bytes() == before
-
-
-async def test_a_compaction_cancelled_while_its_temporary_file_opens_leaves_none(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = tmp_path / "manifest.jsonl"
-    manifest = FileManifest(path)
-    await manifest.append([_entry(i) for i in range(5)])
-    before = path.read_bytes()
-    # The open of the temporary file waits (a stalled filesystem) until the compaction has
-    # been cancelled, then goes through.
-    opening, go_on, opened = threading.Event(), threading.Event(), threading.Event()
-    open_regular = _manifest._open_regular
-
-    def stalled_open(name: str, flags: int) -> int:
-        if not (str(name).startswith(str(tmp_path)) and str(name).endswith(".tmp")):
-            return open_regular(name, flags)
-        opening.set()
-        go_on.wait(30)
-        try:
-            return open_regular(name, flags)
-        finally:
-            opened.set()
-
-    monkeypatch.setattr(_manifest, "_open_regular", stalled_open)
-    compaction = asyncio.create_task(manifest.compact())
-    deadline = time.monotonic() + 30
-    while not opening.is_set():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.001)
-    compaction.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await compaction
-    go_on.set()
-    deadline = time.monotonic() + 30
-    while not opened.is_set():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.001)
-    # The thread that created the file removes it, since nobody waits for it any more.
-    deadline = time.monotonic() + 10
-    while any(name.endswith(".tmp") for name in _names(tmp_path)):
-        if time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.01)
-    assert _names(tmp_path) == [".manifest.jsonl.lock", "manifest.jsonl"]
-    assert path.read_bytes() == before
-    monkeypatch.undo()
-    assert (await manifest.compact()).entries_after == 5
-
-
-def _prompt(ns: bytes, i: int, used: float) -> ManifestEntry:
-    """A 40-page prompt's chain, of about 2.8 KB."""
-    keys = [i.to_bytes(4, "big") + ns[:1] + bytes([j]) * 27 for j in range(40)]
-    return chain_entry(ns, keys, 160, 0, used)
-
-
-async def test_a_busy_namespace_never_takes_a_quiet_ones_bytes(tmp_path: Path) -> None:
-    quiet, busy = b"q" * 16, b"b" * 16
-    size = len(encode_entry(_prompt(busy, 0, 0.0)))
-    # Room for 11 records in half of `max_bytes`; the busy namespace alone has 16, all more
-    # recent than the quiet one's 5.
-    limits = ManifestLimits(max_entries=16, max_entry_bytes=8192, max_bytes=23 * size)
-    manifest = FileManifest(tmp_path / "manifest.jsonl", limits)
-    await manifest.append([_prompt(quiet, i, 1.0 + i) for i in range(5)])
-    await manifest.append([_prompt(busy, i, 100.0 + i) for i in range(16)])
-    report = await manifest.compact()
-    assert report.bytes_after <= limits.max_bytes // 2
-    kept_quiet = (await manifest.read(namespace=quiet.hex())).entries
-    assert len(kept_quiet) == 5
-    # Each namespace had half of the room; the busy one keeps its newest in its half and
-    # what the quiet one left.
-    kept_busy = (await manifest.read(namespace=busy.hex())).entries
-    assert {e.last_use for e in kept_busy} == {100.0 + i for i in range(10, 16)}
-    # A busy namespace of its own gets all the room.
-    alone = FileManifest(tmp_path / "alone.jsonl", limits)
-    await alone.append([_prompt(busy, i, 100.0 + i) for i in range(16)])
-    await alone.compact()
-    assert len((await alone.read()).entries) == 11

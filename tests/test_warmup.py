@@ -547,43 +547,6 @@ def _line(namespace: bytes, keys: list[bytes], priority: int, used: float) -> by
     return encode_entry(chain_entry(namespace, keys, PAGE, priority, used))
 
 
-def _held_bytes(collector: ManifestCollector) -> int:
-    return sum(
-        len(record.line) if isinstance(record, _manifest._Newer) else len(encode_entry(record))
-        for record in collector._held.values()
-    )
-
-
-def test_a_compactions_collector_holds_bounded_records_whatever_namespaces_they_name() -> None:
-    """Newer records may name any namespace: a compaction of a whole file still holds at
-    most `2 * 16 * max_entries` records, and keeps `16 * max_entries`."""
-    limits = ManifestLimits(max_entries=4, max_entry_bytes=64 << 10, max_bytes=1 << 20)
-    collector = ManifestCollector(limits, carry=True)
-    most = 0
-    for i in range(5_000):  # each naming a namespace of its own
-        collector.add_line(json.dumps({"v": 2, "namespace": f"ns{i}", "keys": [f"k{i}"]}).encode())
-        most = max(most, len(collector._held), len(collector._evicted))
-    assert most <= 2 * 16 * limits.max_entries
-    assert len(collector.compacted(limits.max_bytes // 2)) == 16 * limits.max_entries
-
-
-def test_a_compactions_collector_holds_bounded_bytes_of_records_told_apart_by_bytes() -> None:
-    """Newer records naming no namespace and no chain: held within `max_bytes` (plus one),
-    and those evicted remembered in a few bytes each."""
-    pad = "x" * 50_000
-    for max_entries in (4, 1_000):
-        limits = ManifestLimits(max_entries, max_entry_bytes=64 << 10, max_bytes=1 << 20)
-        collector = ManifestCollector(limits, carry=True)
-        most = 0
-        for i in range(200):  # 10 MB, each record told apart by its bytes only
-            collector.add_line(json.dumps({"v": 2, "i": i, "pad": pad}).encode())
-            most = max(most, _held_bytes(collector))
-            assert all(len(key) <= 16 for key in collector._evicted)  # type: ignore[arg-type]
-        assert most <= limits.max_bytes + limits.max_entry_bytes
-        kept = collector.compacted(limits.max_bytes // 2)
-        assert sum(len(line) + 1 for _, line in kept) <= limits.max_bytes // 2
-
-
 def test_the_most_valuable_chains_are_kept_past_many_times_the_bound() -> None:
     namespace = bytes(range(16))
     rng = np.random.default_rng(12)

@@ -21,7 +21,6 @@ import contextlib
 import errno
 import fcntl
 import functools
-import hashlib
 import os
 import re
 import stat
@@ -178,8 +177,7 @@ class _Newer(NamedTuple):
     """A record of a newer manifest version: never loaded, carried by compaction as stored."""
 
     #: What deduplicates it: (version, namespace, last key) where it has them as this version
-    #: knows them, else a digest of its bytes (only identical records are one; a digest, so
-    #: that remembering an evicted record costs a few bytes, not the record's).
+    #: knows them, else its bytes (only identical records are one).
     key: Hashable
     namespace: str | None
     priority: int
@@ -228,7 +226,7 @@ def _newer_record(line: bytes) -> _Newer | None:
         last_use = 0.0
     keys = envelope.keys
     chain = keys[-1] if isinstance(keys, list) and keys and isinstance(keys[-1], str) else None
-    key: Hashable = hashlib.blake2b(line, digest_size=16).digest()
+    key: Hashable = line
     if namespace is not None and chain is not None:
         key = (envelope.v, namespace, chain)
     return _Newer(key, namespace, priority, float(last_use), line)
@@ -280,43 +278,21 @@ def carried_record(line: bytes) -> bool:
     return decode_entry(line) is not None or _newer_record(line) is not None
 
 
-# A compaction of every namespace together (a file's) keeps at most this many times
-# `max_entries` records in all, so that records naming ever new namespaces (any string, in a
-# newer version's records) cannot hold memory without bound.
-_SHARED_ENTRIES = 16
-
-
-class _Candidate(NamedTuple):
-    """A held record as the budget sees it: what it is shared with, and what it costs."""
-
-    key: Hashable
-    bound: str | None
-    size: int
-
-
 class ManifestCollector:
     """Keeps the newest record per chain, at most `max_entries` of them; of records with
     the same use, the one stored last (records are fed oldest first unless `newest_first`).
 
     When full, the least valuable entries (lowest priority, then oldest use) make room, so a
-    huge manifest costs bounded memory and keeps what warmup would want most. What it holds,
-    between trims: a reader's, or a collector of one namespace, at most `2 * max_entries`
-    records; a compaction of every namespace (`carry` without a namespace) at most
-    `2 * max_entries` of each namespace and `2 * _SHARED_ENTRIES * max_entries` (32 times)
-    in all. With `carry`, also at most `max_bytes` of records plus one (`max_entry_bytes`).
-    Of the chains evicted it remembers as many as it may hold records, the latest, each by
-    its key: a chain's (namespace, last key), or a 16-byte digest of a record naming none.
+    huge manifest costs bounded memory (twice `max_entries` at most, between trims) and keeps
+    what warmup would want most.
 
-    With `carry` (a compaction's collector) it keeps every entry's record as stored, so that
-    fields this version does not know survive, and the records of newer manifest versions
-    (see `_Newer` for how they are deduplicated). Those compete with the entries for room,
-    ranked by their `priority` and `last_use` where these hold what this version means by
-    them: they age out as entries do. Given a namespace, every record it holds counts
-    against that namespace's `max_entries`, whatever namespace a newer record names (it was
-    stored under this one). Without one, `max_entries` bounds each namespace, newer records
-    without a string namespace together, and the byte budget is shared fairly (see
-    `compacted`). `compacted` gives what a compaction writes. Without `carry` newer records
-    are only counted.
+    With `carry` (a compaction's collector) `max_entries` bounds each namespace, and it also
+    keeps every entry's record as stored, so that fields this version does not know survive,
+    and the records of newer manifest versions (see `_Newer` for how they are deduplicated).
+    Those compete with the entries of their namespace for room, ranked by their `priority`
+    and `last_use` where these hold what this version means by them: they age out as entries
+    do, and are never dropped while their namespace has room. `compacted` gives what a
+    compaction writes. Without `carry` newer records are only counted.
     """
 
     def __init__(
@@ -334,22 +310,15 @@ class ManifestCollector:
         # earlier fed.
         self._newest_first = newest_first
         self._carry = carry
-        # Whether every record counts against one `max_entries`: a reader's (what it holds),
-        # or a collector of one namespace (everything stored under it is that namespace's).
-        self._single = not carry or namespace is not None
-        self._total = limits.max_entries * (1 if self._single else _SHARED_ENTRIES)
         # Entries by (namespace, chain id) (tensor-parallel ranks' namespaces share page
         # keys), and with `carry` newer records by their key.
         self._held: dict[Hashable, ManifestEntry | _Newer] = {}
         # With `carry`: each held entry's record as stored, where it was given.
         self._lines: dict[Hashable, bytes] = {}
-        # Held records by what `max_entries` bounds (see `_bound_of`), and with `carry` the
-        # bytes of their records.
-        self._counts: Counter[str | None] = Counter()
-        self._bytes = 0
+        # What `max_entries` bounds separately (see `_bound_of`), as of the last trim and since.
+        self._namespaces: set[str | None] = set()
         # Chains evicted for room, with the newest use seen of each: an older record of one
-        # of them, met later, must not come back in its place. The latest evicted, as many
-        # as records may be held.
+        # of them, met later, must not come back in its place.
         self._evicted: dict[Hashable, float] = {}
         self.records = 0
         self.malformed = 0
@@ -373,22 +342,12 @@ class ManifestCollector:
         self._add(entry.ident, entry, line)
 
     def _add(self, key: Hashable, record: ManifestEntry | _Newer, line: bytes | None) -> None:
-        # An entry names its namespace as this version means it; a newer record's namespace
-        # may mean something else, and it belongs where it was stored.
-        if (
-            self._namespace is not None
-            and isinstance(record, ManifestEntry)
-            and record.namespace != self._namespace
-        ):
+        namespace = record.namespace
+        if self._namespace is not None and namespace not in (None, self._namespace):
             return
         if _evicted_before(self._evicted, key, record.last_use):
             return
-        bound = self._bound_of(record)
         previous = self._held.pop(key, None)
-        if previous is not None:
-            self._counts[bound] -= 1
-            if self._carry:
-                self._bytes -= self._size(key, previous)
         if previous is not None and (
             previous.last_use > record.last_use
             or (self._newest_first and previous.last_use == record.last_use)
@@ -400,107 +359,36 @@ class ManifestCollector:
                 self._lines[key] = line
             elif previous is not None:
                 self._lines.pop(key, None)
-        self._counts[bound] += 1
-        if self._carry:
-            self._bytes += self._size(key, self._held[key])
-        limits = self._limits
-        if (
-            self._counts[bound] >= 2 * limits.max_entries
-            or len(self._held) >= 2 * self._total
-            or (self._carry and self._bytes > limits.max_bytes + limits.max_entry_bytes)
-        ):
+        self._namespaces.add(self._bound_of(record))
+        if len(self._held) >= 2 * self._limits.max_entries * len(self._namespaces):
             self._trim()
 
     def _bound_of(self, record: ManifestEntry | _Newer) -> str | None:
-        """What `max_entries` bounds the record with: everything together in a reader (what
-        it holds) or a collector of one namespace, else its namespace's records (a busy
-        namespace must not push a quiet one's out of the store)."""
-        return None if self._single else record.namespace
-
-    def _size(self, key: Hashable, record: ManifestEntry | _Newer) -> int:
-        """The bytes of the record as a compaction writes it, newline included."""
-        if isinstance(record, _Newer):
-            return len(record.line) + 1
-        line = self._lines.get(key)
-        return len(line) + 1 if line is not None else len(encode_entry(record))
+        """What `max_entries` bounds the record with: its namespace's records when
+        compacting (a busy namespace must not push a quiet one's out of the store), all
+        records read together when reading (what a reader holds)."""
+        return record.namespace if self._carry else None
 
     def _trim(self) -> None:
-        """Keep the most valuable records a compaction would keep (see `_fit`): with
-        `carry` within half of `max_bytes` too. Once per `max_entries` new chains of a
-        namespace, `_SHARED_ENTRIES * max_entries` in all or `max_bytes // 2` new bytes, not
-        once per record: finding the least valuable costs a pass over all of them."""
-        # Stable, walked from the end: among equals, the first recorded goes first.
-        ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
-        budget = self._limits.max_bytes // 2 if self._carry else None
-        kept = self._fit(
-            [
-                _Candidate(
-                    key,
-                    self._bound_of(record),
-                    self._size(key, record) if budget is not None else 0,
-                )
-                for key, record in reversed(ranked)
-            ],
-            budget,
-        )
-        if len(kept) == len(self._held):
+        """Keep the `max_entries` most valuable records (of each namespace, with `carry`).
+        Once per `max_entries` new chains (per namespace), not once per record: finding the
+        least valuable costs a pass over all of them."""
+        cap = self._limits.max_entries
+        counts = Counter(self._bound_of(record) for record in self._held.values())
+        self._namespaces = set(counts)
+        excess = {bound: n - cap for bound, n in counts.items() if n > cap}
+        if not excess:
             return
+        # Stable: among equals, the first recorded goes first.
+        ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
         for key, worst in ranked:
-            if key not in kept:
+            bound = self._bound_of(worst)
+            left = excess.get(bound, 0)
+            if left > 0:
+                excess[bound] = left - 1
                 del self._held[key]
                 self._lines.pop(key, None)
                 self._evicted[key] = worst.last_use
-        self._counts = Counter(self._bound_of(record) for record in self._held.values())
-        if self._carry:
-            self._bytes = sum(self._size(key, record) for key, record in self._held.items())
-        # The oldest evictions are forgotten first.
-        for key in list(self._evicted)[: max(0, len(self._evicted) - 2 * self._total)]:
-            del self._evicted[key]
-
-    def _fit(self, ranked: list[_Candidate], budget: int | None) -> set[Hashable]:
-        """What is kept of `ranked` (the most valuable first): at most `max_entries` of each
-        bound, and in all at most `_total` and within `budget` bytes (if given). Each bound
-        first gets its share of the total and of the budget (an equal part of each, its most
-        valuable records that fit), then what is left goes by rank, so a busy namespace never
-        takes a quiet one's room. The most valuable record is always kept, and a record that
-        does not fit makes way for a less valuable one that does."""
-        cap = self._limits.max_entries
-        seen: Counter[str | None] = Counter()
-        candidates: list[_Candidate] = []
-        for candidate in ranked:
-            seen[candidate.bound] += 1
-            if seen[candidate.bound] <= cap:
-                candidates.append(candidate)
-        if not candidates:
-            return set()
-        share = self._total // len(seen)
-        share_bytes = budget // len(seen) if budget is not None else 0
-        taken: Counter[str | None] = Counter()
-        used: Counter[str | None] = Counter()
-        kept: set[Hashable] = set()
-
-        def keep(candidate: _Candidate) -> None:
-            kept.add(candidate.key)
-            taken[candidate.bound] += 1
-            used[candidate.bound] += candidate.size
-
-        keep(candidates[0])
-        for candidate in candidates[1:]:
-            bound = candidate.bound
-            if taken[bound] < share and (
-                budget is None or used[bound] + candidate.size <= share_bytes
-            ):
-                keep(candidate)
-        total_bytes = sum(used.values())
-        for candidate in candidates:
-            if len(kept) >= self._total:
-                break
-            if candidate.key in kept:
-                continue
-            if budget is None or total_bytes + candidate.size <= budget:
-                keep(candidate)
-                total_bytes += candidate.size
-        return kept
 
     def result(self, *, truncated: bool) -> ManifestRead:
         self._trim()
@@ -529,28 +417,28 @@ class ManifestCollector:
     def compacted(self, budget: int) -> list[tuple[Hashable, bytes]]:
         """What a compaction writes: (key, record as stored, without newline) of the entries
         `result` returns and of the newer records held, the most valuable that fit `budget`
-        bytes (newlines counted; the most valuable always), each namespace with its share of
-        them (see `_fit`), oldest use first, so that appends after the compaction keep
-        "later replaces earlier"."""
-        ranked: list[tuple[int, float, Hashable, bytes, str | None]] = [
-            (
-                e.priority,
-                e.last_use,
-                e.ident,
-                self._lines.get(e.ident) or encode_entry(e)[:-1],
-                self._bound_of(e),
-            )
+        bytes (newlines counted; the most valuable always), oldest use first, so that
+        appends after the compaction keep "later replaces earlier"."""
+        ranked: list[tuple[int, float, Hashable, bytes]] = [
+            (e.priority, e.last_use, e.ident, self._lines.get(e.ident) or encode_entry(e)[:-1])
             for e in self.result(truncated=False).entries
         ]
         ranked += [
-            (r.priority, r.last_use, r.key, r.line, self._bound_of(r))
+            (r.priority, r.last_use, r.key, r.line)
             for r in self._held.values()
             if isinstance(r, _Newer)
         ]
         # Stable: of equal rank, entries of this version before newer records.
         ranked.sort(key=lambda r: (-r[0], -r[1]))
-        chosen = self._fit([_Candidate(r[2], r[4], len(r[3]) + 1) for r in ranked], budget)
-        kept = sorted((r for r in ranked if r[2] in chosen), key=lambda r: r[1])
+        kept: list[tuple[int, float, Hashable, bytes]] = []
+        used = 0
+        for record in ranked:
+            nbytes = len(record[3]) + 1
+            if kept and used + nbytes > budget:
+                continue
+            kept.append(record)
+            used += nbytes
+        kept.sort(key=lambda r: r[1])
         return [(r[2], r[3]) for r in kept]
 
 
@@ -641,22 +529,6 @@ def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
-
-
-def _discard(path: Path, fd: int | None) -> None:
-    """Close and remove a compaction's temporary file."""
-    _close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(path)
-
-
-def _write_synced(fd: int, data: bytes, wanted: Callable[[], bool]) -> None:
-    """Write `data` to `fd` and fsync it, unless `wanted()` says nobody waits any more."""
-    view = memoryview(data)
-    while view and wanted():
-        view = view[os.write(fd, view) :]
-    if wanted():
-        os.fsync(fd)
 
 
 def _remove_temp_files(path: Path) -> None:
@@ -776,8 +648,8 @@ class FileManifest:
             before = (await aiofiles.os.stat(self.path)).st_size
         except FileNotFoundError:
             before = 0
-        # The whole file, newest records included: memory stays bounded by the collector
-        # (see its bounds), which keeps each record as stored.
+        # The whole file, newest records included: memory stays bounded by the collector,
+        # which keeps `max_entries` per namespace, each record as stored.
         collector = ManifestCollector(self.limits, carry=True)
         async with contextlib.aclosing(_lines(self.path, self.limits, whole=True)) as lines:
             async for line in lines:
@@ -788,19 +660,12 @@ class FileManifest:
         # The lock is held, so no other compaction runs: a temporary file of one is a
         # leftover of a process that died compacting.
         await anyio.to_thread.run_sync(_remove_temp_files, self.path)
-        # Named for this compaction alone: a thread it gave up on removes its own file, and
-        # must never remove the next compaction's.
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            # Given up on while the thread opens it, the thread removes the file once open:
-            # removed here, it would be created again after.
-            fd = await _Handoff(
-                lambda _: _open_regular(str(temp), flags), functools.partial(_discard, temp)
-            ).run()
-            # Closed here, or by the thread if this task gives up while it writes (_Handoff).
-            await _Handoff(functools.partial(_write_synced, fd, data), lambda _: _close(fd)).run()
-            os.close(fd)
+            async with aiofiles.open(temp, "wb", opener=_open_regular) as f:
+                await f.write(data)
+                await f.flush()
+                await anyio.to_thread.run_sync(os.fsync, f.fileno())
             await aiofiles.os.replace(temp, self.path)
         except BaseException:
             # Failed or cancelled short of the replace: a temporary file left on a full disk

@@ -515,46 +515,6 @@ async def test_compaction_keeps_max_entries_per_namespace(store: Store) -> None:
     assert chains(busy) == {entry(NS_A, i).chain_id for i in range(24, 40)}
 
 
-def retyped_namespace(ns: bytes, i: int, namespace: object) -> bytes:
-    """A newer version's record of chain `i` stored under `ns` whose `namespace` field holds
-    what that version means by it (not this version's hex)."""
-    record = json.loads(newer_record(ns, i, last_use=5000.0 + i))
-    return line({**record, "namespace": namespace})
-
-
-async def test_a_newer_record_naming_another_namespace_stays_where_it_was_stored(
-    store: Store,
-) -> None:
-    manifest = manifest_beyond_memory(store, 16, "a memory manifest holds this version's only")
-    await manifest.append([entry(NS_A, i, last_use=10.0 + i) for i in range(3)])
-    newer = [retyped_namespace(NS_A, i, f"ns:{NS_A.hex()}") for i in range(3)]
-    await store.write_raw(NS_A, newer)
-    for _ in range(2):
-        report = await manifest.compact()
-        assert (report.newer, report.entries_after) == (3, 6)
-        assert set(newer) <= set(await store.raw_records(NS_A))
-
-
-async def test_a_compacted_namespace_holds_max_entries_whatever_its_records_name(
-    store: Store,
-) -> None:
-    if store.kind == "file":
-        pytest.skip("a file holds every namespace: a record naming none is bounded apart")
-    manifest = manifest_beyond_memory(store, 4, "a memory manifest holds this version's only")
-    await manifest.append([entry(NS_A, i, last_use=10.0 + i) for i in range(4)])
-    # Of a version that retyped `namespace`: stored under NS_A, so NS_A's.
-    nameless = [retyped_namespace(NS_A, i, {"hex": NS_A.hex(), "rank": 0}) for i in range(4)]
-    await store.write_raw(NS_A, nameless)
-    report = await manifest.compact()
-    raw = await store.raw_records(NS_A)
-    assert report.entries_after == len(raw) == 4
-    assert set(nameless) <= set(raw)  # the most recent
-    if store.kind != "mooncake":
-        # Well below the list's bound of `2 * max_entries`, an append compacts nothing.
-        await manifest.append([entry(NS_A, 10, last_use=9000.0)])
-        assert len(await store.raw_records(NS_A)) == 5
-
-
 # Redis: Cluster slots, no scripting, TTL.
 
 
