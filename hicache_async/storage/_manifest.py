@@ -283,8 +283,9 @@ class ManifestCollector:
     the same use, the one stored last (records are fed oldest first unless `newest_first`).
 
     When full, the least valuable entries (lowest priority, then oldest use) make room, so a
-    huge manifest costs bounded memory (twice `max_entries` at most, between trims) and keeps
-    what warmup would want most.
+    huge manifest costs bounded memory (twice `max_entries` at most between trims; when
+    compacting, per namespace, so a file holding many namespaces, or newer records naming
+    many, costs more) and keeps what warmup would want most.
 
     With `carry` (a compaction's collector) `max_entries` bounds each namespace, and it also
     keeps every entry's record as stored, so that fields this version does not know survive,
