@@ -9,14 +9,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from _plain_storage import PlainStorage
 
 from hicache_async import CacheConfig, HiCache
+from hicache_async._config import PrefetchConfig
 from hicache_async.storage import Outcome, PageMeta
 from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing import FaultyStorage, KVGenerator, serve
 
 PAGE = 8
+# Bounds waits that must end at once: far above any stall of a loaded machine.
+GUARD_S = 30.0
 
 
 def _config(**prefetch: object) -> CacheConfig:
@@ -60,22 +64,23 @@ class _Scripted(PlainStorage):
         return [Outcome.ERROR] * len(keys)
 
 
-async def test_a_prefetch_times_out_once_however_often_it_is_awaited() -> None:
+async def test_a_prefetch_times_out_once_however_often_it_is_awaited(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # Each `ready()` used to wait a whole limit again and count one more timeout.
-    config = _config(policy="timeout", timeout_base_s=0.2, timeout_per_1k_tokens_s=0.0)
+    # The read is held until the end, and nothing times it out meanwhile.
+    config = _config(
+        policy="timeout", timeout_base_s=0.2, timeout_per_1k_tokens_s=0.0, io_timeout_s=3600.0
+    )
     store = _Scripted()
     async with HiCache(config, storage=store) as cache:
         handle = await cache.start_prefetch(_prompt(4))
         assert (await handle.ready()).storage_tokens == 0
-        # Past its deadline, another wait ends at once instead of waiting 0.2 s again.
-        second = asyncio.ensure_future(handle.ready())
-        for _ in range(20):
-            if second.done():
-                break
-            await asyncio.sleep(0)
-        assert second.done()
-        await second
-        await handle.ready()
+        # Past its deadline, later waits end at once. Were each to take a whole limit again,
+        # an hour from now, these would not return within the guard.
+        monkeypatch.setattr(PrefetchConfig, "timeout_for", lambda self, num_tokens: 3600.0)
+        await asyncio.wait_for(handle.ready(), GUARD_S)
+        await asyncio.wait_for(handle.ready(), GUARD_S)
         status = cache.storage_status().prefetch
         assert status is not None
         assert status.submitted == 1
