@@ -353,6 +353,8 @@ class _Handles:
         what = f"storage directory {self._pages_path.parent / name}"
         try:
             fd = _open_private_dir(self.root_fd, name, what)
+        except OSError:  # out of descriptors: the next write tries again
+            return None
         except StorageConfigError as exc:
             if str(exc) != self._dir_refused.get(name):  # not again at every write
                 self._dir_refused[name] = str(exc)
@@ -380,6 +382,8 @@ class _Handles:
         root = self._pages_path.parent
         try:
             fd = _take_lock(self.root_fd, root, shared=self._shared)
+        except OSError:  # out of descriptors: not lost, the next write tries again
+            return False
         except StorageConfigError as exc:
             self._lock_lost = True
             log.error("storage.lock.lost", root=str(root), error=str(exc))
@@ -601,6 +605,15 @@ def _is_page_name(name: str) -> bool:
     return len(name) == _KEY_HEX_LEN and _HEX.issuperset(name)
 
 
+#: Errors of opening anything once the process (EMFILE) or the system (ENFILE) has no
+#: descriptor left: passed on as OSError, never called a bad root, and transient when serving.
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE})
+_DESCRIPTOR_HINTS = {
+    errno.EMFILE: "; raise the process's limit (ulimit -n)",
+    errno.ENFILE: "; the system's open-file table is full (fs.file-max)",
+}
+
+
 def _check_private_dir(fd: int, what: str) -> None:
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
@@ -632,6 +645,8 @@ def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
+        if exc.errno in _OUT_OF_DESCRIPTORS:
+            raise  # the process's state, not the directory's: no config error
         # O_DIRECTORY | O_NOFOLLOW on a symlink fails with ELOOP or ENOTDIR depending on the
         # kernel: look before saying which.
         reason = exc.strerror or str(exc)
@@ -662,6 +677,8 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False)
     try:
         lock_fd = _open_lock(root_fd, looking=looking)
     except OSError as exc:
+        if exc.errno in _OUT_OF_DESCRIPTORS:
+            raise
         if exc.errno == errno.EROFS:
             raise StorageConfigError(
                 f"cannot open the lock file {root / _LOCK}: the storage root is on a read-only "
@@ -723,6 +740,8 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
             f"cannot create storage root {root}: {parent} is not a directory"
         ) from None
     except OSError as exc:
+        if exc.errno in _OUT_OF_DESCRIPTORS:
+            raise
         raise StorageConfigError(
             f"cannot create storage root {root}: {parent}: {exc.strerror or exc}"
         ) from None
@@ -1506,7 +1525,7 @@ class FileStorage(BackendBase):
             if isinstance(exc, OSError):  # out of descriptors, an I/O error: not a config's
                 raise StorageError(
                     f"cannot open {self._name}: {exc.strerror or exc}"
-                    + ("; raise the limit (ulimit -n)" if exc.errno == errno.EMFILE else "")
+                    + _DESCRIPTOR_HINTS.get(exc.errno or 0, "")
                 ) from exc
             raise
         self._handles = holder[0]
