@@ -934,3 +934,22 @@ async def test_a_cache_left_before_its_attach_warmup_ran_ends_it_stopped(tmp_pat
     assert "hicache.warmup.failed" not in events, logs
     done = [e for e in logs if e["event"] == "hicache.warmup.done"]
     assert [e["status"] for e in done] == ["stopped"]
+
+
+async def test_a_warmup_counts_records_of_a_newer_version_and_leaves_them(tmp_path: Path) -> None:
+    prompt = _prompts(1, seed=9)[0][: 3 * PAGE]
+    await _fill(tmp_path, [prompt])
+    path = tmp_path / "manifest.jsonl"
+    record = json.loads(path.read_bytes().splitlines()[-1])
+    newer = json.dumps({**record, "v": record["v"] + 1, "shape": "unknown here"}).encode()
+    path.write_bytes(path.read_bytes() + newer + b"\n")
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=1.0)
+        assert (result.status, result.newer, result.malformed) == (WarmupStatus.COMPLETE, 1, 0)
+        assert result.pages_loaded == 3  # from the record of this version only
+        served = await serve(cache, prompt, generator, prefetch=False, check="all")
+        assert served.host_tokens == 3 * PAGE
+        await cache.drain()
+    assert newer in path.read_bytes()

@@ -85,6 +85,9 @@ class WarmupResult(msgspec.Struct, frozen=True):
     #: entries tried that are not wholly cached after it: storage lacked pages of them (gone,
     #: damaged, or another deployment's), or their read failed
     entries_missed: int = 0
+    #: manifest records of a newer format version than this instance knows: left in place for
+    #: the instances that know it, never loaded (a rolling upgrade's older instances count them)
+    newer: int = 0
 
 
 class BackgroundCount:
@@ -222,6 +225,7 @@ class Warmer:
             entries_agreed=len(entries),
             malformed=read.malformed,
             oversized=read.oversized,
+            newer=read.newer,
         )
         status = WarmupStatus.COMPLETE
         # Why this rank stops after the current entry (None: it goes on). With a rank group
