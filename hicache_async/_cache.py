@@ -91,6 +91,12 @@ class HiCache:
     Use as ``async with HiCache(config) as cache:``. Entering allocates the pools (off the
     loop's thread) and starts the workers; leaving waits for in-flight copies and closes
     everything. Every method must be called from the loop that entered it.
+
+    The cache may be left from several tasks (a lifespan teardown and a shutdown hook): a
+    leave that comes while another is closing returns once that close has finished, and one
+    that comes while another task is still entering waits for the entry to end, then closes
+    the cache (or returns, if the entry failed). Cancelling such a leave stops only its own
+    wait, never the close.
     """
 
     # The link a detach (or the exit, or a cancelled attach) is closing, once it is no longer
@@ -165,6 +171,10 @@ class HiCache:
         self._abandoned_loads = 0
         self._backing_up: set[int] = set()
         self._capacity_changed = asyncio.Event()
+        # Set once `__aenter__` has ended (however it ended), and once a close has finished:
+        # a leave that comes meanwhile from another task waits on them.
+        self._entry_ended = asyncio.Event()
+        self._close_ended = asyncio.Event()
         self._task_group: anyio.abc.TaskGroup | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
@@ -183,6 +193,13 @@ class HiCache:
             raise CacheClosedError(f"a HiCache can be entered once; this one is {self._state}")
         self._owner.bind()
         self._state = "opening"
+        try:
+            await self._enter()
+        finally:
+            self._entry_ended.set()
+        return self
+
+    async def _enter(self) -> None:
         try:
             device, host = await anyio.to_thread.run_sync(make_pools, self.config)
             self._device_pool, self._host_pool = device, host
@@ -203,7 +220,6 @@ class HiCache:
             except BaseException as exc:
                 await self.__aexit__(type(exc), exc, exc.__traceback__)
                 raise
-        return self
 
     async def __aexit__(
         self,
@@ -211,11 +227,24 @@ class HiCache:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._state != "open":
+        """Close the cache (see the class docstring for a leave from several tasks)."""
+        if self._state in ("new", "closed"):
             return  # nothing to do, from anywhere (teardown may run it again elsewhere)
-        # Before any state changes: from another thread this would wait on the owner loop's
-        # supervisor (a deadlock if that loop is blocked), from another loop it cannot await it.
+        # Before any state changes or waits: from another thread this would wait on the owner
+        # loop's supervisor (a deadlock if that loop is blocked), from another loop it cannot
+        # await it.
         self._owner.check()
+        if self._state == "opening":
+            # Another task is entering: returning now would leave the cache to open and stay
+            # open. What the entry ends in decides below (open, closed, or another leave's
+            # close under way).
+            await self._entry_ended.wait()
+        if self._state == "closing":
+            # Another task's close: a caller that reopens the same file root right after
+            # must find its lock released. Cancelling this wait leaves that close alone.
+            await self._close_ended.wait()
+        if self._state != "open":
+            return
         self._state = "closing"
         self._capacity_changed.set()  # waiters for pages see the cache closing
         link = self._link
@@ -255,8 +284,11 @@ class HiCache:
                 self._state = "closed"
                 self._stop.set()
                 supervisor, self._supervisor = self._supervisor, None
-                if supervisor is not None:
-                    await asyncio.wait([supervisor])
+                try:
+                    if supervisor is not None:
+                        await asyncio.wait([supervisor])
+                finally:
+                    self._close_ended.set()
 
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""
@@ -650,6 +682,7 @@ class HiCache:
             request_id,
             self.config.prefetch.policy if policy is None else policy,
             group=self.rank_group,
+            owner=self._owner,
         )
         if link is None:
             found = self._tree.match(keys, touch=False)

@@ -296,8 +296,13 @@ class Request:
         """Give back every lock and page. Idempotent; safe at any point.
 
         A `load()` or `allocate()` of this request still waiting raises `CacheClosedError`
-        right away; a copy already started goes on and frees its pages when it lands.
+        right away; a copy already started goes on and frees its pages when it lands. From
+        another thread or loop it raises `WrongThreadError` and changes nothing: the owner's
+        release still gives everything back.
         """
+        # Before the request is marked released: a call from another thread would otherwise
+        # mark it and then fail at the tree, and the owner's release would find nothing to do.
+        self._cache._owner.check()
         if self._released:
             return
         self._released = True

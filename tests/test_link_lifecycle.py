@@ -1,19 +1,23 @@
 """A storage link's end as the rest of the cache sees it: an attach cancelled just as its backend
-opened, workers that end without a close, and a detach in progress that a second detach, an
-attach of the same file root and the cache's exit all wait for."""
+opened, workers that end without a close, a detach in progress that a second detach, an
+attach of the same file root and the cache's exit all wait for, and a cache left from two tasks
+(a second leave waits for the first's close, a leave during the entry for the entry)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from hicache_async import CacheConfig, HiCache
+import hicache_async._cache as cache_module
+from hicache_async import CacheConfig, HiCache, KVPool, WrongThreadError, make_pools
 from hicache_async.storage import FileStorage, Outcome, PageBuffer, PageMeta
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import (
@@ -86,6 +90,22 @@ class GatedPuts(FileStorage):
             self.cut = True
             raise
         return await super().put(keys, pages, metas)
+
+
+class GatedGets(FileStorage):
+    """Reads wait for `gate`; `reading` is set once one does."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.gate = asyncio.Event()
+        self.reading = asyncio.Event()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        self.reading.set()
+        await self.gate.wait()
+        return await super().get(keys, into, namespace=namespace)
 
 
 async def _flushing(cache: HiCache, store: GatedPuts) -> StorageLink:
@@ -365,3 +385,224 @@ async def test_what_a_detach_left_unwritten_is_logged(tmp_path: Path, how: str) 
     assert detached["dropped_pages"] == backup.dropped_pages
     assert detached["written_pages"] == backup.written_pages
     assert detached["failed_pages"] == backup.failed_pages
+
+
+class SpiedEvent(asyncio.Event):
+    """An event that records that someone started waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = False
+
+    async def wait(self) -> Literal[True]:
+        self.waited = True
+        return await super().wait()
+
+
+async def _leave_twice(
+    cache: HiCache, store: GatedPuts
+) -> tuple[StorageLink, asyncio.Task[None], asyncio.Task[None]]:
+    """Leave `cache` from one task, its flush held by the gate, then from a second task once
+    the first closes the link; returns when the second waits for that close."""
+    ended = cache._close_ended = SpiedEvent()
+    link = await _flushing(cache, store)
+    first = asyncio.create_task(cache.__aexit__(None, None, None))
+    await _until(lambda: cache._closing is link)
+    second = asyncio.create_task(cache.__aexit__(None, None, None))
+    await _until(lambda: ended.waited or second.done())
+    assert not second.done()
+    return link, first, second
+
+
+async def test_a_second_leave_returns_once_the_first_has_closed(tmp_path: Path) -> None:
+    # A lifespan teardown and a shutdown hook leave the same cache: the second returned at
+    # once while the first still flushed and held the root's lock, so a new instance opening
+    # the root right after was refused ("in use by another instance").
+    store = GatedPuts(tmp_path)
+    cache = HiCache(CONFIG, storage=store)
+    await cache.__aenter__()
+    try:
+        link, first, second = await _leave_twice(cache, store)
+        # From another thread, even while closing: refused before anything is waited for.
+        refused: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                asyncio.run(cache.__aexit__(None, None, None))
+            except BaseException as exc:
+                refused.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(GUARD_S)
+        assert [type(e) for e in refused] == [WrongThreadError]
+        store.gate.set()
+        await asyncio.wait_for(second, GUARD_S)
+        assert cache.statistics().state == "closed"
+        assert link.closed
+        assert store.closed
+        async with HiCache(CONFIG, storage=f"file://{tmp_path}") as again:
+            assert again.storage_status().attached
+        await asyncio.wait_for(first, GUARD_S)
+    finally:
+        store.gate.set()
+        await cache.__aexit__(None, None, None)
+    backup = link.backup.statistics()
+    assert backup.written_pages == backup.offered_pages
+
+
+async def test_a_cancelled_second_leave_leaves_the_first_close_alone(tmp_path: Path) -> None:
+    store = GatedPuts(tmp_path)
+    cache = HiCache(CONFIG, storage=store)
+    await cache.__aenter__()
+    with capture_logs() as logs:
+        try:
+            link, first, second = await _leave_twice(cache, store)
+            second.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            assert not first.done()
+            assert cache.statistics().state == "closing"
+            store.gate.set()
+            await asyncio.wait_for(first, GUARD_S)
+        finally:
+            store.gate.set()
+            await cache.__aexit__(None, None, None)
+    assert "hicache.backup.flush.abandoned" not in [e["event"] for e in logs]
+    assert not store.cut
+    backup = link.backup.statistics()
+    assert backup.dropped_pages == 0
+    assert backup.written_pages == backup.offered_pages
+
+
+@pytest.fixture
+def held_pools(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The real pools, made once the returned event is set: until then an entry stays
+    "opening"."""
+    release = threading.Event()
+
+    def held(config: CacheConfig) -> tuple[KVPool, KVPool]:
+        release.wait(GUARD_S)
+        return make_pools(config)
+
+    monkeypatch.setattr(cache_module, "make_pools", held)
+    yield release
+    release.set()
+
+
+async def _leave_while_entering(
+    cache: HiCache,
+) -> tuple[asyncio.Task[HiCache], asyncio.Task[None]]:
+    """Enter `cache` in a task of its own, held while "opening" (`held_pools`), and leave it
+    from another; returns when the leave waits for the entry."""
+    ended = cache._entry_ended = SpiedEvent()
+    entry = asyncio.create_task(cache.__aenter__())
+    await _until(lambda: cache.statistics().state == "opening")
+    leave = asyncio.create_task(cache.__aexit__(None, None, None))
+    await _until(lambda: ended.waited or leave.done())
+    assert not leave.done()
+    return entry, leave
+
+
+async def test_a_leave_while_another_task_enters_closes_the_cache_once_entered(
+    tmp_path: Path, held_pools: threading.Event
+) -> None:
+    # A shutdown hook leaving while the entry still made the pools returned at once and did
+    # nothing: the cache then opened, attached its storage and stayed open.
+    cache = HiCache(CONFIG, storage=FileStorage(tmp_path))
+    try:
+        entry, leave = await _leave_while_entering(cache)
+        held_pools.set()
+        await asyncio.wait_for(leave, GUARD_S)
+        assert entry.done()
+        assert entry.result() is cache
+        assert cache.statistics().state == "closed"
+        async with HiCache(CONFIG, storage=FileStorage(tmp_path)) as again:
+            assert again.storage_status().attached
+    finally:
+        held_pools.set()
+        await cache.__aexit__(None, None, None)
+
+
+async def test_a_leave_while_an_entry_fails_returns_once_it_failed(
+    tmp_path: Path, held_pools: threading.Event
+) -> None:
+    backend = FailsToOpen(tmp_path)
+    backend.fail.set()
+    cache = HiCache(CONFIG, storage=backend)
+    try:
+        entry, leave = await _leave_while_entering(cache)
+        held_pools.set()
+        await asyncio.wait_for(leave, GUARD_S)
+        assert entry.done()
+        with pytest.raises(OSError, match="unreachable"):
+            entry.result()
+        assert cache.statistics().state == "closed"
+    finally:
+        held_pools.set()
+        await cache.__aexit__(None, None, None)
+
+
+async def test_a_cancelled_leave_while_entering_leaves_the_entry_alone(
+    tmp_path: Path, held_pools: threading.Event
+) -> None:
+    cache = HiCache(CONFIG, storage=FileStorage(tmp_path))
+    try:
+        entry, leave = await _leave_while_entering(cache)
+        leave.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leave
+        held_pools.set()
+        assert await asyncio.wait_for(entry, GUARD_S) is cache
+        assert cache.statistics().state == "open"
+        assert cache.storage_status().attached
+    finally:
+        held_pools.set()
+        await cache.__aexit__(None, None, None)
+    assert cache.statistics().state == "closed"
+
+
+async def test_a_prefetch_handle_refuses_calls_from_another_thread(tmp_path: Path) -> None:
+    # cancel() set the handle's flags, then failed at its cancel scope (no running loop in that
+    # thread) with a RuntimeError: the read went on, under a handle marked cancelled.
+    # terminate() stopped a prefetch from a thread that does not own it.
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    prompt = _prompts(1)[0]
+    async with HiCache(CONFIG, storage=FileStorage(tmp_path)) as first:
+        await serve(first, prompt, generator, prefetch=False)
+        await first.drain()
+    store = GatedGets(tmp_path)
+    async with HiCache(CONFIG, storage=store) as cache:
+        handle = await cache.start_prefetch(prompt)
+        await _until(store.reading.is_set)
+        assert handle.status is PrefetchStatus.RUNNING
+        calls: dict[str, Callable[[], object]] = {
+            "cancel": handle.cancel,
+            "terminate": handle.terminate,
+            "wait": lambda: asyncio.run(handle.wait()),
+            "ready": lambda: asyncio.run(handle.ready()),
+        }
+        raised: dict[str, type[BaseException] | None] = {}
+
+        def other() -> None:
+            for name, call in calls.items():
+                try:
+                    call()
+                    raised[name] = None
+                except BaseException as exc:
+                    raised[name] = type(exc)
+
+        thread = threading.Thread(target=other, daemon=True)
+        thread.start()
+        thread.join(GUARD_S)
+        assert raised == dict.fromkeys(calls, WrongThreadError)
+        assert handle.status is PrefetchStatus.RUNNING
+        assert not handle._gave_up()
+        assert not handle._cancel_requested
+        # From the owner's loop, the same handle is cancelled at once, mid-read.
+        handle.cancel()
+        result = await asyncio.wait_for(handle.wait(), GUARD_S)
+        assert result.status is PrefetchStatus.CANCELLED
+        store.gate.set()
+        await cache.drain()
+        assert_drained(cache)

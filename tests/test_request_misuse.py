@@ -5,6 +5,7 @@ every interleaving here is chosen, not timed."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from _gated_copies import (
@@ -22,7 +23,7 @@ from _gated_copies import (
     start_joining,
 )
 
-from hicache_async import CacheClosedError, HiCache, OutOfPagesError
+from hicache_async import CacheClosedError, HiCache, OutOfPagesError, WrongThreadError
 from hicache_async.testing import assert_drained
 from hicache_async.transfer import LayerwiseCopy
 
@@ -236,3 +237,30 @@ async def test_joiner_released_while_waiting(gate: GatedEngine) -> None:
                     await joining
         finally:
             await gate.open()
+
+
+async def test_a_release_from_another_thread_changes_nothing() -> None:
+    # It marked the request released, then failed at the tree: the owner's release found
+    # nothing to do, and the request's lock, host hold and pages were never given back.
+    async with host_cache(None, A) as (cache, _):
+        req = cache.request(B)
+        await req.allocate(len(B) - len(A))
+        used = cache.device_pool.allocator.used_count
+        raised: list[BaseException] = []
+
+        def other() -> None:
+            try:
+                req.release()
+            except BaseException as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert [type(e) for e in raised] == [WrongThreadError]
+        assert not req.released
+        assert cache.statistics().live_requests == 1
+        assert cache.device_pool.allocator.used_count == used
+        req.release()
+        assert req.released
+        assert cache.statistics().live_requests == 0

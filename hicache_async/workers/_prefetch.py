@@ -25,6 +25,7 @@ import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._config import PrefetchConfig, PrefetchPolicy
+from .._loop import LoopOwner
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
 from ..storage import Outcome, StorageBackend
 from ..storage._protocol import check_exists, check_outcomes
@@ -87,7 +88,13 @@ class PrefetchResult(msgspec.Struct, frozen=True):
 
 
 class PrefetchHandle:
-    """A prefetch in progress. Await `ready()` when the request is about to be scheduled."""
+    """A prefetch in progress. Await `ready()` when the request is about to be scheduled.
+
+    Owned by the cache's event loop: `terminate()`, `cancel()`, `wait()` and `ready()` from
+    another thread or loop raise `WrongThreadError` before anything changes (hand the call
+    to the loop: `loop.call_soon_threadsafe(handle.cancel)`). `done()` and `result()` only
+    read.
+    """
 
     __slots__ = (
         "_agreed",
@@ -99,6 +106,7 @@ class PrefetchHandle:
         "_group",
         "_held",
         "_in_queue",
+        "_owner",
         "_policy",
         "_prefetcher",
         "_scope",
@@ -128,8 +136,13 @@ class PrefetchHandle:
         group: RankGroup | None = None,
         priority: int = 0,
         min_tokens: int | None = None,
+        owner: LoopOwner | None = None,
     ) -> None:
         self._prefetcher = prefetcher
+        # The cache's: a handle without storage has no prefetcher, but the same owner.
+        if owner is None and prefetcher is not None:
+            owner = prefetcher._cache._owner
+        self._owner = owner
         self._group = group
         self.priority = priority
         #: below this many uncached tokens the prefetch is skipped (default: the threshold).
@@ -188,6 +201,7 @@ class PrefetchHandle:
     def terminate(self) -> None:
         """Issue no further reads; what is in flight still lands. A prefetch still queued
         finishes TERMINATED at once, and its place in the queue is free again."""
+        self._check_owner()
         self._terminated = True
         if self._in_queue and self._prefetcher is not None:
             self._prefetcher._drop_queued(self, PrefetchStatus.TERMINATED)
@@ -195,6 +209,10 @@ class PrefetchHandle:
     def cancel(self) -> None:
         """Stop now: the read in flight is abandoned and its pages go back. A prefetch still
         queued finishes CANCELLED at once, and its place in the queue is free again."""
+        # Before the flags: from another thread the cancel scope cannot be cancelled (no
+        # running loop there), and flags set before that failure would stop the prefetch
+        # half-way, without its scope.
+        self._check_owner()
         self._cancel_requested = True
         self._terminated = True
         if self._in_queue and self._prefetcher is not None:
@@ -204,10 +222,15 @@ class PrefetchHandle:
 
     async def wait(self) -> PrefetchResult:
         """Wait until the prefetch has finished, whatever the policy."""
+        self._check_owner()
         began = time.monotonic()
         await self._done.wait()
         self._observe(began)
         return self.result()
+
+    def _check_owner(self) -> None:
+        if self._owner is not None:
+            self._owner.check()
 
     def _observe(self, began: float) -> None:
         if self._prefetcher is not None:
@@ -233,6 +256,7 @@ class PrefetchHandle:
         `HiCache.request(..., max_cached_tokens=result.agreed_tokens)` right after it, with no
         await in between.
         """
+        self._check_owner()
         group = self._group
         if group is None or group.size == 1:
             await self._wait_for_policy()
