@@ -14,7 +14,7 @@ import stat
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import msgspec
 
@@ -156,10 +156,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     def __post_init__(self) -> None:
         _positive("layout.num_layers", self.num_layers)
         _choice("layout.attention", self.attention, ("mha", "mla"))
-        if not isinstance(self.dtype, str) or self.dtype not in _ITEMSIZE:
-            raise ConfigError(
-                "layout.dtype", f"must be one of {sorted(_ITEMSIZE)}, got {self.dtype!r}"
-            )
+        _choice("layout.dtype", self.dtype, get_args(DType))
         # Every size field is an int, also those the other attention kind leaves 0 (a 0.0 or
         # False there would pass as 0 and then fail `from_dict(to_dict())`).
         for name in ("num_kv_heads", "head_dim", "kv_lora_rank", "qk_rope_head_dim"):
@@ -167,17 +164,19 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         if self.attention == "mha":
             _positive("layout.num_kv_heads", self.num_kv_heads)
             _positive("layout.head_dim", self.head_dim)
-            if self.kv_lora_rank or self.qk_rope_head_dim:
-                raise ConfigError(
-                    "layout.kv_lora_rank", "applies only to attention='mla'; leave it 0 for mha"
-                )
+            for name in ("kv_lora_rank", "qk_rope_head_dim"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"layout.{name}", "applies only to attention='mla'; leave it 0 for mha"
+                    )
         else:
             _positive("layout.kv_lora_rank", self.kv_lora_rank)
-            if self.num_kv_heads or self.head_dim:
-                raise ConfigError(
-                    "layout.num_kv_heads",
-                    "applies only to attention='mha'; MLA uses kv_lora_rank + qk_rope_head_dim",
-                )
+            for name in ("num_kv_heads", "head_dim"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"layout.{name}",
+                        "applies only to attention='mha'; MLA uses kv_lora_rank + qk_rope_head_dim",
+                    )
         # A layout whose single token overflows a pool can never be allocated.
         factors = [("layout.num_layers", self.num_layers)]
         if self.attention == "mha":
@@ -429,7 +428,8 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CacheConfig:
-        """Build from a mapping (as parsed from JSON or TOML)."""
+        """Build from a mapping (as parsed from JSON or TOML), checked as direct construction
+        checks it: the same numbers taken, the same errors for refused values."""
         return _convert(data, cls)
 
     @classmethod
@@ -463,14 +463,36 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         return result
 
 
-_T = TypeVar("_T")
+_T = TypeVar("_T", bound=msgspec.Struct)
+
+
+def _prepared(data: Mapping[str, Any], cls: type[msgspec.Struct], prefix: str) -> dict[str, Any]:
+    """`data` as a dict msgspec can convert to `cls`, checked as direct construction checks it
+    where msgspec would differ: a choice field's error names the accepted values (msgspec's
+    says only "Invalid enum value"), and a float field takes any finite real number, a
+    Fraction or a numpy scalar too (msgspec takes only int and float). Names `cls` does not
+    have are left for msgspec to refuse."""
+    hints = get_type_hints(cls)
+    result = dict(data)
+    for name, value in result.items():
+        hint = hints.get(name)
+        field = prefix + name
+        if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+            if isinstance(value, Mapping):
+                result[name] = _prepared(value, hint, f"{field}.")
+        elif get_origin(hint) is Literal:
+            _choice(field, value, get_args(hint))
+        elif float in (hint, *get_args(hint)) and value is not None:
+            # Stored as a float, as `_float_field` stores what direct construction is given.
+            result[name] = _finite(field, value, low=-math.inf)
+    return result
 
 
 def _convert(data: Mapping[str, Any], cls: type[_T]) -> _T:
     if not isinstance(data, Mapping):
         raise ConfigError("$", f"a mapping is required, got {type(data).__name__}")
     try:
-        return msgspec.convert(dict(data), cls)
+        return msgspec.convert(_prepared(data, cls, ""), cls)
     except ConfigError:
         raise
     except msgspec.ValidationError as exc:

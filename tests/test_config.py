@@ -63,6 +63,27 @@ def test_mla_layout_is_one_latent_buffer() -> None:
             {"layout": {"num_layers": 2, "attention": "mla"}, "device_pages": 4},
             "layout.kv_lora_rank",
         ),
+        # A field of the other attention kind: the error names the one set.
+        ({"layout": {**MHA, "qk_rope_head_dim": 64}, "device_pages": 4}, "layout.qk_rope_head_dim"),
+        (
+            {
+                "layout": {"num_layers": 2, "attention": "mla", "kv_lora_rank": 8, "head_dim": 64},
+                "device_pages": 4,
+            },
+            "layout.head_dim",
+        ),
+        (
+            {
+                "layout": {
+                    "num_layers": 2,
+                    "attention": "mla",
+                    "kv_lora_rank": 8,
+                    "num_kv_heads": 2,
+                },
+                "device_pages": 4,
+            },
+            "layout.num_kv_heads",
+        ),
         (
             {"layout": MHA, "device_pages": 4, "prefetch": {"max_host_share": 1.5}},
             "prefetch.max_host_share",
@@ -328,3 +349,107 @@ def test_a_config_built_directly_round_trips_through_its_dict() -> None:
         assert CacheConfig.from_dict(config.to_dict()) == config
         assert CacheConfig.from_json(json.dumps(config.to_dict())) == config
         assert type(config.host_ratio) is float
+
+
+# -- a mapping is checked as direct construction checks ------------------------------------------
+
+CHOICES: list[tuple[str, tuple[str, ...]]] = [
+    ("host_layout", ("layer_first", "page_first", "page_first_direct")),
+    ("write_policy", ("write_through", "write_through_selective", "write_back")),
+    ("eviction", ("lru", "lfu")),
+    ("prefetch.policy", ("best_effort", "wait_complete", "timeout")),
+    ("layout.attention", ("mha", "mla")),
+    ("layout.dtype", ("float16", "bfloat16", "float32", "float8_e4m3fn", "float8_e5m2", "uint8")),
+]
+
+
+def _with(field: str, value: object) -> dict[str, Any]:
+    """A valid mapping with `field` (dotted for a section) set to `value`."""
+    data: dict[str, Any] = {"layout": dict(MHA), "device_pages": 4}
+    section, _, name = field.rpartition(".")
+    if section:
+        data.setdefault(section, {})[name] = value
+    else:
+        data[name] = value
+    return data
+
+
+def _direct(data: dict[str, Any]) -> CacheConfig:
+    sections = {"prefetch": PrefetchConfig, "backup": BackupConfig, "warmup": WarmupConfig}
+    fields = {name: sections[name](**value) for name, value in data.items() if name in sections}
+    rest = {name: value for name, value in data.items() if name not in sections}
+    return CacheConfig(**{**rest, "layout": KVLayout(**data["layout"]), **fields})
+
+
+@pytest.mark.parametrize(("field", "choices"), CHOICES, ids=[field for field, _ in CHOICES])
+@pytest.mark.parametrize("value", ["x", 5])
+def test_a_choice_refused_in_a_mapping_names_its_values_as_direct_construction_does(
+    field: str, choices: tuple[str, ...], value: object
+) -> None:
+    data = _with(field, value)
+    with pytest.raises(ConfigError) as direct:
+        _direct(data)
+    for load in (
+        CacheConfig.from_dict,
+        load_config,
+        lambda d: CacheConfig.from_json(json.dumps(d)),
+    ):
+        with pytest.raises(ConfigError) as mapped:
+            load(data)
+        assert (mapped.value.field, mapped.value.reason) == (field, direct.value.reason)
+    listed = ", ".join(repr(choice) for choice in choices[:-1])
+    assert direct.value.reason == f"must be {listed} or {choices[-1]!r}, got {value!r}"
+
+
+FLOATS = [
+    "host_ratio",
+    "prefetch.timeout_base_s",
+    "prefetch.max_host_share",
+    "backup.retry_backoff_s",
+    "warmup.ratio",
+]
+
+
+@pytest.mark.parametrize("field", FLOATS)
+@pytest.mark.parametrize(
+    "value",
+    [Fraction(1, 2), np.float32(0.5), np.float64(0.5), np.int64(1), 1],
+    ids=["Fraction", "float32", "float64", "int64", "int"],
+)
+def test_a_mapping_takes_every_finite_number_direct_construction_takes(
+    field: str, value: object
+) -> None:
+    data = _with(field, value)
+    config = CacheConfig.from_dict(data)
+    assert config == _direct(data)
+    section, _, name = field.rpartition(".")
+    stored = getattr(getattr(config, section) if section else config, name)
+    assert type(stored) is float
+    assert stored == float(value)  # type: ignore[arg-type]
+    assert CacheConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize(
+    "value", [Fraction(10**400, 3), float("inf"), "0.5", True], ids=["huge", "inf", "str", "bool"]
+)
+def test_a_number_refused_in_a_mapping_is_refused_as_direct_construction_refuses_it(
+    value: object,
+) -> None:
+    data = _with("prefetch.timeout_base_s", value)
+    with pytest.raises(ConfigError) as direct:
+        _direct(data)
+    with pytest.raises(ConfigError) as mapped:
+        CacheConfig.from_dict(data)
+    assert (mapped.value.field, mapped.value.reason) == (direct.value.field, direct.value.reason)
+
+
+@pytest.mark.parametrize("value", [np.int64(4), 4.0, True], ids=["int64", "float", "bool"])
+def test_an_int_field_refuses_in_a_mapping_what_direct_construction_refuses(
+    value: object,
+) -> None:
+    data = _with("device_pages", value)
+    with pytest.raises(ConfigError, match="device_pages"):
+        _direct(data)
+    with pytest.raises(ConfigError) as mapped:
+        CacheConfig.from_dict(data)
+    assert mapped.value.field == "device_pages"

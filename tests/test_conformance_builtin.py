@@ -275,6 +275,37 @@ class _WritesThenRefuses(_BatchLimited):
         return await super().get(keys, into, namespace=namespace)
 
 
+class _SmallErroring(MemoryStorage):
+    """BROKEN: too small for the suite's oversized batch, and answers ERROR, not MISS, for
+    the pages it has no room for."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=64 << 20)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        outcomes = await super().put(keys, pages, metas)
+        return [Outcome.ERROR if o is Outcome.MISS else o for o in outcomes]
+
+
+class _SmallGarbling(MemoryStorage):
+    """BROKEN: too small for the suite's oversized batch, and its gets garble the last byte of
+    every page they read."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=64 << 20)
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        outcomes = await super().get(keys, into, namespace=namespace)
+        for page, outcome in zip(into, outcomes, strict=True):
+            if outcome is Outcome.OK:
+                page[-1][-1] ^= 0xFF
+        return outcomes
+
+
 class _HugeLimit(_BatchLimited):
     """Declares a limit of 2**30 pages a call, yet refuses a call of more than 1024 pages,
     the most the suite sends whatever the page size; remembers the biggest it was sent."""
@@ -420,15 +451,26 @@ async def test_the_suite_fails_a_call_that_waits_out_its_cancellation(
         await _suite_fails(test(StorageConformance(), backend))
 
 
-@pytest.mark.parametrize("broken", [_StoresThenRefuses, _WritesThenRefuses])
-async def test_the_suite_fails_an_oversized_batch_refused_after_io(
-    broken: type[_BatchLimited],
+@pytest.mark.parametrize(
+    "broken", [_StoresThenRefuses, _WritesThenRefuses, _SmallErroring, _SmallGarbling]
+)
+async def test_the_suite_fails_a_broken_answer_to_an_oversized_batch(
+    broken: type[MemoryStorage],
 ) -> None:
+    # Refused after I/O; or, from a store too small for the batch, ERROR or wrong bytes.
     async with broken() as backend:
         suite = StorageConformance()
         await _suite_fails(
             suite.test_a_batch_over_max_batch_pages_is_served_or_refused_cleanly(backend)
         )
+
+
+async def test_the_suite_takes_misses_from_a_store_too_small_for_its_oversized_batch() -> None:
+    # 64 MiB holds 1022 of the 1025 pages of 64 KiB (headers included): the pages it has no
+    # room for are misses, which a bounded store may answer.
+    async with MemoryStorage(capacity_bytes=64 << 20) as backend:
+        suite = StorageConformance()
+        await suite.test_a_batch_over_max_batch_pages_is_served_or_refused_cleanly(backend)
 
 
 async def test_the_suite_sends_tiny_pages_in_batches_of_at_most_1024() -> None:

@@ -486,6 +486,20 @@ def test_backend_name_is_not_repeated_in_errors(capsys: pytest.CaptureFixture[st
     assert line.count("redis://") == 1
 
 
+@pytest.mark.parametrize("capacity", ["", "?capacity=1MiB"], ids=["unbounded", "bounded"])
+def test_gc_of_a_server_nothing_answers_exits_1(
+    capsys: pytest.CaptureFixture[str], capacity: str
+) -> None:
+    # Without a capacity gc has nothing to trim; still, exit 0 with an empty report would tell
+    # a cron job it succeeded against a server that is not there. It fails as stats does.
+    url = f"redis://127.0.0.1:{free_port()}/0{capacity}"  # nothing listens there
+    for action in ("stats", "gc"):
+        code, out, err = _run(capsys, action, url)
+        assert (code, out) == (1, ""), (action, err)
+        assert "error:" in err
+        assert "Connect" in err
+
+
 def test_manifest_show_into_a_closed_stdout_exits_1_without_a_traceback(tmp_path: Path) -> None:
     root = tmp_path / "s"
 

@@ -486,7 +486,7 @@ def parse_bool(text: str, *, field: str) -> bool:
         return True
     if lowered in _FALSE:
         return False
-    raise StorageConfigError(f"{field}={text!r} is not a boolean (1/0, true/false, yes/no)")
+    raise StorageConfigError(f"{field}={text!r} is not a boolean (1/0, true/false, yes/no, on/off)")
 
 
 def split_url(url: str, *, scheme: str) -> SplitResult:

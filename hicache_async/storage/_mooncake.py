@@ -1271,11 +1271,20 @@ class MooncakeStorage(BackendBase):
     async def gc(self) -> GcReport:
         """Evict the oldest pages until those under the prefix fit `capacity`.
 
-        Without a capacity this does nothing: the master evicts on its own when its memory
-        passes `eviction_high_watermark_ratio`.
+        Without a capacity this evicts nothing (the master evicts on its own when its memory
+        passes `eviction_high_watermark_ratio`), once the master has answered one existence
+        query: a master that does not answer raises StorageError, as with a capacity, not an
+        empty report that reads as success.
         """
         store = self._open_store()
         if self._capacity is None:
+            self._check_master()
+            probe = [self._mkey(bytes(32))]
+            (answer,) = await self.run_job(lambda stop: list(store.batch_is_exist(probe)))
+            if answer not in (0, 1):
+                raise StorageError(
+                    f"{self._name}: gc failed: the Mooncake master did not answer ({answer})"
+                )
             return GcReport(evicted_pages=0, freed_bytes=0)
         pages = await self.list_pages()
         total = sum(p.nbytes for p in pages)

@@ -1982,10 +1982,13 @@ class RedisStorage(BackendBase):
     async def gc(self) -> GcReport:
         """Evict least recently used pages until those under the prefix fit `capacity`.
 
-        Without a capacity this does nothing: Redis's own `maxmemory` policy bounds it.
+        Without a capacity this evicts nothing (Redis's own `maxmemory` policy bounds it),
+        once the server has answered a PING: a server that cannot be reached raises
+        StorageError, as with a capacity, not an empty report that reads as success.
         """
-        self._redis()
+        client = self._redis()
         if self._capacity is None:
+            await self._ping_for("gc", client)
             return GcReport(evicted_pages=0, freed_bytes=0)
         # Headers are needed (a damaged page goes first; one not used since the last recorded
         # pass goes by its creation), but not PageInfo objects: (last access, bytes, key).
@@ -2042,6 +2045,15 @@ class RedisStorage(BackendBase):
             error=text,
             unlogged_since_last=unlogged,
         )
+
+    async def _ping_for(self, call: str, client: RedisClient) -> None:
+        """One round trip; StorageError naming `call` if the server does not answer."""
+        try:
+            await client.ping()
+        except NoPermissionError:
+            return  # only PING is refused: the server answered
+        except (*REDIS_FAULTS, OSError) as exc:
+            raise StorageError(f"{self._name}: {call} failed: {self._fault(exc)}") from exc
 
     def _fault(self, exc: BaseException) -> str:
         """What failed, for a message: a bulk exchange that ran out of time raises a

@@ -18,7 +18,7 @@ import pytest
 import structlog
 
 from hicache_async import StorageError
-from hicache_async.storage import Outcome
+from hicache_async.storage import GcReport, Outcome
 from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
 from hicache_async.storage._mooncake_watch import MasterWatch
@@ -151,6 +151,32 @@ async def test_a_master_gone_is_noticed_without_the_admin_url(master: MooncakeMa
             assert client.calls == []
         finally:
             backend._store = real
+
+
+async def test_gc_without_a_capacity_fails_when_the_master_is_gone(master: MooncakeMaster) -> None:
+    # Nothing to trim, but an empty report would tell a cron job that gc succeeded against a
+    # master that is gone: the watch fails it at once, and without the watch (a master lost
+    # before it noticed) gc's own query to the master does.
+    url = (
+        f"mooncake://127.0.0.1:{master.rpc_port}?metadata={master.metadata_url}"
+        "&protocol=tcp&local_hostname=127.0.0.1"
+    )
+    async with (
+        MooncakeStorage.from_url(fresh_url(url, segment_size=0)) as watched,
+        MooncakeStorage.from_url(fresh_url(url, segment_size=0)) as unwatched,
+    ):
+        for backend in (watched, unwatched):
+            assert "capacity" not in backend.name
+            assert await backend.gc() == GcReport(evicted_pages=0, freed_bytes=0)
+        assert unwatched._watch is not None
+        unwatched._watch.stop()
+        close_idle_clients(master.address)
+        master.kill()
+        await _until(watched._master_down)
+        with pytest.raises(StorageError, match="not answering"):
+            await watched.gc()
+        with pytest.raises(StorageError, match="gc failed: the Mooncake master did not answer"):
+            await unwatched.gc()
 
 
 def test_the_watch_needs_three_failed_probes_and_one_success() -> None:

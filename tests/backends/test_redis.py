@@ -28,6 +28,7 @@ import structlog
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import (
     HEADER_NBYTES,
+    GcReport,
     Outcome,
     PageMeta,
     _redis,
@@ -311,6 +312,19 @@ async def test_server_loss_gives_errors_not_hangs() -> None:
             with pytest.raises(StorageError):
                 await backend.delete(keys)
             assert backend.stats().errors >= 5
+
+
+@pytest.mark.parametrize("capacity", ["", "&capacity=1MiB"], ids=["unbounded", "bounded"])
+async def test_gc_of_a_server_gone_fails_with_or_without_a_capacity(capacity: str) -> None:
+    # Without a capacity there is nothing to trim, but an empty report would tell a cron job
+    # that gc succeeded against a server that is gone.
+    with RedisServer() as server:
+        url = f"{server.url}?timeout=2&prefix=gone{capacity}"
+        async with RedisStorage.from_url(url) as backend:
+            assert await backend.gc() == GcReport(evicted_pages=0, freed_bytes=0)
+            server.stop()
+            with pytest.raises(StorageError, match="failed"):
+                await backend.gc()
 
 
 @pytest.mark.parametrize("bulk", [0, 1], ids=["redis-py", "bulk"])
