@@ -1388,6 +1388,7 @@ class FileStorage(BackendBase):
         )
         self._name = f"file://{self._root}" + ("?shared=1" if shared else "")
         self._handles: _Handles | None = None
+        self._handles_closer: weakref.finalize[[], FileStorage] | None = None
         # Not in a shared root: another instance may be reading a page whose file would be
         # reused (it keeps its inode), and another instance's open or verify cannot tell
         # this instance's spares from leftovers.
@@ -1532,6 +1533,10 @@ class FileStorage(BackendBase):
                 ) from exc
             raise
         self._handles = holder[0]
+        # Closing the descriptors releases the root's lock, if this store is collected
+        # without a close (BackendBase warns): no job runs then, as each holds the store.
+        self._handles_closer = weakref.finalize(self, holder[0].close)
+        self._handles_closer.atexit = False  # daemon job threads may still be using them
         self._open_leftovers = self._unreported_leftovers = leftovers
 
     def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> int:
@@ -1579,6 +1584,8 @@ class FileStorage(BackendBase):
                 tmp_fd = self._handles.tmp_fd
                 interrupted |= await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
         if self._handles is not None:
+            if self._handles_closer is not None:
+                self._handles_closer.detach()
             self._handles.close()  # every job has stopped: no thread uses these descriptors
             self._handles = None
         if interrupted:
