@@ -52,10 +52,14 @@ def open_lock_fd(opener: Callable[[], int]) -> int:
 def close_lock_fd(fd: int) -> None:
     """Close a descriptor from `open_lock_fd` (releasing its flock) and unregister it, in one
     step as far as fork is concerned. Raises OSError as `os.close` does (unregistered even
-    then: the descriptor is gone either way)."""
+    then: the descriptor is gone either way).
+
+    One no longer registered is left alone: in a forked child the hook closed it, and its
+    number may since belong to another file of the child's."""
     with _REGISTRY.mutex:
-        _REGISTRY.held.discard(fd)
-        os.close(fd)
+        if fd in _REGISTRY.held:
+            _REGISTRY.held.discard(fd)
+            os.close(fd)
 
 
 def _before_fork() -> None:
