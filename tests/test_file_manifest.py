@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _idle_child import IdleChild
 
-from hicache_async.storage._manifest import FileManifest, ManifestEntry, chain_entry
+from hicache_async.storage._manifest import FileManifest, ManifestEntry, _file_lock, chain_entry
 
 NS = b"n" * 16
 
@@ -115,3 +118,33 @@ async def test_a_compaction_cancelled_before_its_rename_leaves_no_temporary_file
         await compaction
     assert _names(tmp_path) == [".manifest.jsonl.lock", "manifest.jsonl"]
     assert path.read_bytes() == before
+
+
+def _lock_is_free(path: Path) -> bool:
+    """Whether an exclusive flock on the manifest's lock file can be taken now (through a
+    descriptor of its own, so a copy held by any process counts)."""
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+async def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: Path) -> None:
+    # A flock belongs to the open file: a child holding a copy of the lock's descriptor (a
+    # long-lived worker forked while an append or a compaction held it) would keep the
+    # manifest locked after the parent released it, and every later append would wait on it.
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    async with _file_lock(path):
+        child = IdleChild()
+    try:
+        await child.started()
+        assert _lock_is_free(path)
+        await manifest.append([_entry(0)])
+        assert [e.chain_id for e in (await manifest.read()).entries] == [_entry(0).chain_id]
+    finally:
+        assert await child.exit() == 0

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import structlog
+from _idle_child import IdleChild
 
 from hicache_async import StorageConfigError, StorageError, _native
 from hicache_async.storage import (
@@ -183,25 +184,14 @@ async def test_a_forked_child_does_not_keep_the_root_locked(tmp_path: Path) -> N
     # A flock belongs to the open file: a child holding a copy of the descriptor would keep
     # the root locked after the parent closed it, until the child exits.
     root = tmp_path / "s"
-    wait_fd, wake_fd = os.pipe()
-    ready_fd, running_fd = os.pipe()
     async with FileStorage(root):
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.write(running_fd, b"r")  # the fork handlers have run
-                os.read(wait_fd, 1)
-            finally:
-                os._exit(0)
-        assert await asyncio.to_thread(os.read, ready_fd, 1) == b"r"
+        child = IdleChild()
+        await child.started()
     try:
         async with FileStorage(root) as again:
             assert again.stats().pages == 0
     finally:
-        os.write(wake_fd, b"x")
-        await asyncio.to_thread(os.waitpid, pid, 0)
-        for fd in (wait_fd, wake_fd, ready_fd, running_fd):
-            os.close(fd)
+        assert await child.exit() == 0
 
 
 async def test_lifecycle_errors(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ entries that cannot be removed, a vanished tmp/, races with maintenance."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import resource
 import shutil
@@ -13,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -337,6 +339,29 @@ async def test_writes_work_after_a_shard_directory_is_removed(tmp_path: Path) ->
         assert stat.S_IMODE((root / "pages" / "ab").stat().st_mode) == 0o700
         assert await _get(storage, keys) == [Outcome.MISS] * 2 + [Outcome.OK] * 2
         await _assert_index_matches_disk(storage, root)
+
+
+async def test_a_store_dropped_open_warns_and_frees_its_root(tmp_path: Path) -> None:
+    # Entered and never closed: once collected, its descriptors are closed (the root's lock
+    # with them) and its job threads end, with a ResourceWarning saying it was not closed.
+    root = tmp_path / "s"
+    storage = FileStorage(root)
+    await storage.__aenter__()
+    await _put(storage, _keys(2))
+    threads = list(storage._executor._threads)
+    assert threads
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        del storage  # collected here, or by the collection for a cycle
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == [
+        f"storage backend file://{root} was never closed; close it or use `async with`"
+    ]
+    for thread in threads:
+        await asyncio.to_thread(thread.join, 60)
+        assert not thread.is_alive()
+    async with FileStorage(root) as again:
+        assert again.stats().pages == 2
 
 
 async def test_an_emptied_root_is_made_again_and_stays_locked(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ import concurrent.futures
 import enum
 import re
 import threading
+import warnings
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from types import TracebackType
@@ -287,12 +289,26 @@ def fan_out(
             raise error
 
 
+def _collected_open(name: str, executor: JobThreads) -> None:
+    """A backend collected while open: warn, and end its idle job threads (no I/O)."""
+    warnings.warn(
+        f"storage backend {name} was never closed; close it or use `async with`",
+        ResourceWarning,
+        stacklevel=1,
+    )
+    executor.shutdown(wait=False)
+
+
 class BackendBase:
     """Lifecycle, counters and thread jobs for a storage backend.
 
     Subclasses set `self._name` and implement `capabilities`, `_open()`, `_release()`,
     `_occupancy()` and the storage methods. `mac_key` is checked with `check_mac_key`
     (StorageConfigError for a key that is not bytes of at least 16).
+
+    A backend garbage-collected while open (never closed) emits a ResourceWarning, as
+    asyncio's unclosed transports do, and its job threads end; a subclass releases what it
+    can without I/O from a finalizer of its own (see FileStorage).
     """
 
     _name: str
@@ -303,6 +319,7 @@ class BackendBase:
         self._state = _State.NEW
         self._jobs: set[Job[Any]] = set()
         self._executor = JobThreads(job_threads, thread_name)
+        self._unclosed: weakref.finalize[[str, JobThreads], BackendBase] | None = None
 
     @property
     def name(self) -> str:
@@ -331,6 +348,10 @@ class BackendBase:
                 self._executor.shutdown(wait=False)
             raise StorageError(f"{self._name} was closed while opening")
         self._state = _State.OPEN
+        # Holds the name and the threads, not the backend: the threads reference the queue
+        # they wait on, never the backend, so it stays collectable.
+        self._unclosed = weakref.finalize(self, _collected_open, self._name, self._executor)
+        self._unclosed.atexit = False  # the process's end releases everything anyway
         return self
 
     async def __aexit__(
@@ -347,6 +368,8 @@ class BackendBase:
             return
         was_open = self._state is _State.OPEN
         self._state = _State.CLOSED
+        if self._unclosed is not None:
+            self._unclosed.detach()
         jobs = list(self._jobs)
         for job in jobs:
             job.stop.set()

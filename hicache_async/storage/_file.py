@@ -92,6 +92,7 @@ from ._base import (
     payload_nbytes,
     split_url,
 )
+from ._flocks import close_lock_fd, open_lock_fd
 from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import FileManifest, ManifestLimits
 from ._page import (
@@ -389,7 +390,7 @@ class _Handles:
             log.error("storage.lock.lost", root=str(root), error=str(exc))
             return False
         old, self.lock_fd = self.lock_fd, fd
-        os.close(old)
+        close_lock_fd(old)
         log.warning("storage.lock.recreated", root=str(root))
         return True
 
@@ -429,10 +430,13 @@ class _Handles:
     def close(self) -> None:
         _OPEN_ROOTS.discard(self)
         fds = (*self._shards.values(), *self._retired, self.tmp_fd, self.pages_fd, self.root_fd)
-        for fd in (*fds, self.lock_fd):
+        for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        if self.lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                close_lock_fd(self.lock_fd)
         self._shards.clear()
 
 
@@ -440,13 +444,12 @@ _OPEN_ROOTS: weakref.WeakSet[_Handles] = weakref.WeakSet()
 
 
 def _drop_inherited_locks() -> None:
-    """In a forked child: close the lock descriptors it inherited. A flock belongs to the open
-    file, so the child's copies would keep a root locked after the parent closed it."""
+    """In a forked child: forget the lock descriptors it inherited, which `_flocks` closes
+    there (a flock belongs to the open file, so the child's copies would keep a root locked
+    after the parent closed it); a close of the child's copy of the store leaves the numbers
+    alone, which the child may have reused."""
     for handles in list(_OPEN_ROOTS):
-        fd, handles.lock_fd = handles.lock_fd, -1
-        if fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        handles.lock_fd = -1
 
 
 os.register_at_fork(after_in_child=_drop_inherited_locks)
@@ -675,7 +678,8 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False)
     An opener that only looks (`looking`) opens an existing `LOCK` read-only, which flock
     needs no more than, so a store on a read-only file system can still be inspected."""
     try:
-        lock_fd = _open_lock(root_fd, looking=looking)
+        # Registered from its open, so that a child forked at any point closes its copy.
+        lock_fd = open_lock_fd(lambda: _open_lock(root_fd, looking=looking))
     except OSError as exc:
         if exc.errno in _OUT_OF_DESCRIPTORS:
             raise
@@ -692,7 +696,7 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False)
     try:
         _flock(lock_fd, root, shared=shared)
     except BaseException:
-        os.close(lock_fd)
+        close_lock_fd(lock_fd)
         raise
     return lock_fd
 
@@ -764,7 +768,6 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
         tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}")
         opened.append(tmp_fd)
         lock_fd = _take_lock(root_fd, root, shared=shared, looking=looking)
-        opened.append(lock_fd)
     except BaseException:
         for fd in opened:
             os.close(fd)
@@ -1385,6 +1388,7 @@ class FileStorage(BackendBase):
         )
         self._name = f"file://{self._root}" + ("?shared=1" if shared else "")
         self._handles: _Handles | None = None
+        self._handles_closer: weakref.finalize[[], FileStorage] | None = None
         # Not in a shared root: another instance may be reading a page whose file would be
         # reused (it keeps its inode), and another instance's open or verify cannot tell
         # this instance's spares from leftovers.
@@ -1529,6 +1533,10 @@ class FileStorage(BackendBase):
                 ) from exc
             raise
         self._handles = holder[0]
+        # Closing the descriptors releases the root's lock, if this store is collected
+        # without a close (BackendBase warns): no job runs then, as each holds the store.
+        self._handles_closer = weakref.finalize(self, holder[0].close)
+        self._handles_closer.atexit = False  # daemon job threads may still be using them
         self._open_leftovers = self._unreported_leftovers = leftovers
 
     def _open_job(self, stop: threading.Event, holder: list[_Handles]) -> int:
@@ -1576,6 +1584,8 @@ class FileStorage(BackendBase):
                 tmp_fd = self._handles.tmp_fd
                 interrupted |= await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
         if self._handles is not None:
+            if self._handles_closer is not None:
+                self._handles_closer.detach()
             self._handles.close()  # every job has stopped: no thread uses these descriptors
             self._handles = None
         if interrupted:

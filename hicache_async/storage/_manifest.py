@@ -44,6 +44,7 @@ import anyio.lowlevel
 import msgspec
 
 from .._errors import StorageError
+from ._flocks import close_lock_fd, open_lock_fd
 
 __all__ = [
     "CompactReport",
@@ -614,9 +615,9 @@ class FileManifest:
             # gives up while the thread runs (see _Handoff).
             size = await _Handoff(
                 functools.partial(_append_records, str(self.path), data),
-                lambda _: _close(lock_fd),
+                lambda _: _unlock(lock_fd),
             ).run()
-            os.close(lock_fd)
+            close_lock_fd(lock_fd)
         if size > self.limits.max_bytes:
             await self.compact()
 
@@ -915,10 +916,10 @@ class _Handoff(Generic[_T]):
         return cast(_T, result)
 
 
-def _close(fd: int | None) -> None:
+def _unlock(fd: int | None) -> None:
     if fd is not None:
         with contextlib.suppress(OSError):
-            os.close(fd)
+            close_lock_fd(fd)
 
 
 def _try_lock(fd: int) -> bool:
@@ -941,14 +942,19 @@ async def _lock(path: Path) -> int:
     threads the caller need not wait for (see _Handoff), and the flock is tried without
     blocking, with pauses between tries."""
     lock_path = str(path.with_name(f".{path.name}.lock"))
-    fd = await _Handoff(lambda _: _open_regular(lock_path, os.O_RDWR | os.O_CREAT), _close).run()
+    # Registered from its open to its close, so that a child forked meanwhile closes its copy
+    # (see _flocks): one it kept would hold the lock for the child's life.
+    fd = await _Handoff(
+        lambda _: open_lock_fd(lambda: _open_regular(lock_path, os.O_RDWR | os.O_CREAT)),
+        _unlock,
+    ).run()
     pause = _LOCK_PAUSE_FIRST_S
     # A failed or cancelled try has closed the descriptor (its release).
-    while not await _Handoff(lambda _: _try_lock(fd), lambda _: _close(fd)).run():
+    while not await _Handoff(lambda _: _try_lock(fd), lambda _: _unlock(fd)).run():
         try:
             await anyio.sleep(pause)
         except BaseException:
-            os.close(fd)
+            close_lock_fd(fd)
             raise
         pause = min(2 * pause, _LOCK_PAUSE_MAX_S)
     return fd
@@ -961,7 +967,7 @@ async def _file_lock(path: Path) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        os.close(fd)
+        close_lock_fd(fd)
 
 
 def chain_entry(

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import functools
 import http.client
+import os
 import threading
 import time
 import urllib.request
@@ -204,7 +205,8 @@ class _ClientPool:
     undone) and the next backend with the same settings takes it over; the pages in its
     segment stay available meanwhile. At exit the idle clients are closed, except those
     whose master is gone: closing them would spend seconds on RPCs to it, so they are kept
-    referenced (no destructor runs) and left to Mooncake's own exit handler.
+    referenced (no destructor runs) and left to Mooncake's own exit handler. A forked child
+    abandons the clients it inherited (see `_abandon_all`).
     """
 
     def __init__(self) -> None:
@@ -212,6 +214,7 @@ class _ClientPool:
         self._idle: dict[_ClientKey, list[Any]] = {}
         self._abandoned: list[Any] = []
         atexit.register(self.close_all)
+        os.register_at_fork(after_in_child=self._abandon_all)
 
     def take(self, key: _ClientKey) -> Any | None:
         with self._lock:
@@ -244,6 +247,15 @@ class _ClientPool:
 
     def close_all(self) -> None:
         self.close_idle(reachable_only=True)
+
+    def _abandon_all(self) -> None:
+        """In a forked child: the idle clients are the parent's, whose threads the child
+        does not have (closing or using one there crashes it), so none is handed out or
+        closed at exit; they stay referenced instead."""
+        self._lock = threading.Lock()  # another thread of the parent may have held it
+        for clients in self._idle.values():
+            self._abandoned.extend(clients)
+        self._idle.clear()
 
 
 _POOL = _ClientPool()

@@ -751,6 +751,39 @@ async def test_master_loss_gives_errors_not_hangs() -> None:
                 assert backend.stats().errors >= 6
 
 
+_FORK_AFTER_CLOSE = """
+import asyncio, atexit, os, sys
+from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
+
+async def use():
+    async with MooncakeStorage.from_url(sys.argv[1]):
+        pass  # closed: its client waits in the idle pool
+
+asyncio.run(use())
+pid = os.fork()
+if pid == 0:
+    # The exit handlers a normal exit runs. The child then skips the C library's, as
+    # multiprocessing's children do: Mooncake's own tears down every client of the process.
+    atexit._run_exitfuncs()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), flush=True)
+close_idle_clients()
+"""
+
+
+async def test_a_forked_child_closes_none_of_the_parents_idle_clients(mooncake_url: str) -> None:
+    # The idle clients are the parent's: closing one in the child, whose process has none of
+    # their threads, crashed it (SIGSEGV) at exit.
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FORK_AFTER_CLOSE, fresh_url(mooncake_url),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(child.communicate(), 120)
+    assert child.returncode == 0
+    assert out.decode().split() == ["0"]
+
+
 async def test_unreachable_master_fails_to_open() -> None:
     url = f"mooncake://127.0.0.1:{free_port()}?protocol=tcp"
     with pytest.raises(StorageError, match="cannot reach"):
