@@ -94,9 +94,10 @@ class HiCache:
 
     The cache may be left from several tasks (a lifespan teardown and a shutdown hook): a
     leave that comes while another is closing returns once that close has finished, and one
-    that comes while another task is still entering waits for the entry to end, then closes
-    the cache (or returns, if the entry failed). Cancelling such a leave stops only its own
-    wait, never the close.
+    that comes while another task is still making the pools waits for that, then closes the
+    cache (or returns, if the entry failed). One that comes while the entry attaches its
+    `storage=` closes at once, cutting the attach short (that entry raises `HiCacheError`).
+    Cancelling a leave that waits stops only its own wait, never the close.
     """
 
     # The link a detach (or the exit, or a cancelled attach) is closing, once it is no longer

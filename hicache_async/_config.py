@@ -473,8 +473,10 @@ def _prepared(data: Mapping[str, Any], cls: type[msgspec.Struct], prefix: str) -
     Fraction or a numpy scalar too (msgspec takes only int and float). Names `cls` does not
     have are left for msgspec to refuse."""
     hints = get_type_hints(cls)
-    result = dict(data)
+    result: dict[Any, Any] = dict(data)  # parsed input: keys need not be strings
     for name, value in result.items():
+        if not isinstance(name, str):
+            continue  # msgspec refuses it, naming where
         hint = hints.get(name)
         field = prefix + name
         if isinstance(hint, type) and issubclass(hint, msgspec.Struct):

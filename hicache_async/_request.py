@@ -297,14 +297,15 @@ class Request:
 
         A `load()` or `allocate()` of this request still waiting raises `CacheClosedError`
         right away; a copy already started goes on and frees its pages when it lands. From
-        another thread or loop it raises `WrongThreadError` and changes nothing: the owner's
-        release still gives everything back.
+        another thread or loop it raises `WrongThreadError` and changes nothing (unless already
+        released: then it returns, from anywhere): the owner's release still gives everything
+        back.
         """
+        if self._released:
+            return  # from anywhere, as before: a `with` block's exit after the owner's release
         # Before the request is marked released: a call from another thread would otherwise
         # mark it and then fail at the tree, and the owner's release would find nothing to do.
         self._cache._owner.check()
-        if self._released:
-            return
         self._released = True
         cache = self._cache
         loading = self._load_in_flight()

@@ -453,3 +453,13 @@ def test_an_int_field_refuses_in_a_mapping_what_direct_construction_refuses(
     with pytest.raises(ConfigError) as mapped:
         CacheConfig.from_dict(data)
     assert mapped.value.field == "device_pages"
+
+
+@pytest.mark.parametrize("section", ["", "layout", "prefetch"])
+@pytest.mark.parametrize("key", [1, b"x", None], ids=["int", "bytes", "None"])
+def test_a_mapping_key_that_is_no_string_is_a_config_error(section: str, key: object) -> None:
+    data = _with("device_pages", 4)
+    (data.setdefault(section, {}) if section else data)[key] = 2
+    for load in (CacheConfig.from_dict, load_config):
+        with pytest.raises(ConfigError, match=r"Expected `str`"):
+            load(data)

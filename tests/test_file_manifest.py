@@ -47,6 +47,62 @@ else:
 """
 
 
+# argv: a path prefix for three lock files. Forks once the three are registered; in the child,
+# the fork hook's first close runs a store's finalizer (as a collection there may) that closes
+# another of them. Prints the child's exit code: 0 when every descriptor is closed in it and
+# the registry's mutex is free for another of its threads.
+_FORK_CHILD = """
+import os, sys, threading
+from hicache_async.storage import _flocks
+
+fds = [
+    _flocks.open_lock_fd(lambda n=n: os.open(f"{sys.argv[1]}.{n}", os.O_RDWR | os.O_CREAT, 0o600))
+    for n in range(3)
+]
+plain_close, finalized = os.close, []
+
+def close(fd):
+    if not finalized:
+        finalized.append(fd)
+        _flocks.close_lock_fd(next(other for other in fds if other != fd))
+    plain_close(fd)
+
+os.close = close
+pid = os.fork()
+if pid == 0:
+    os.close = plain_close
+    taken = []
+    mutex = _flocks._REGISTRY.mutex
+    thread = threading.Thread(target=lambda: taken.append(mutex.acquire(timeout=5)))
+    thread.start()
+    thread.join()
+    still_open = []
+    for fd in fds:
+        try:
+            os.fstat(fd)
+            still_open.append(fd)
+        except OSError:
+            pass
+    os._exit(0 if taken == [True] and not still_open else 1)
+os.close = plain_close
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_finalizer_run_by_the_child_s_fork_hook_leaves_it_whole(tmp_path: Path) -> None:
+    # The hook iterated over the registered set while a finalizer it set off (a dropped store
+    # collected in the child) changed it: it raised, left descriptors open and the mutex held,
+    # and every later lock open in the child (a FileStorage's) hung.
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_CHILD, str(tmp_path / "lock")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.strip() == "0", done.stderr
+
+
 def _run_limited(path: Path, limit: int, step: str) -> str:
     done = subprocess.run(
         [sys.executable, "-c", _CHILD, str(path), str(limit), step],

@@ -264,3 +264,8 @@ async def test_a_release_from_another_thread_changes_nothing() -> None:
         req.release()
         assert req.released
         assert cache.statistics().live_requests == 0
+        # Released by now: from another thread (a `with` block's exit) it returns, as it did.
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert len(raised) == 1  # only the first call's

@@ -72,11 +72,16 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    for fd in _REGISTRY.held:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _REGISTRY.held.clear()
-    _REGISTRY.mutex.release()
+    # Taken out first: a collection here may run a store's finalizer, whose `close_lock_fd`
+    # (the mutex is reentrant) would change the set under the loop. It finds its descriptor
+    # unregistered and leaves it to this loop.
+    held, _REGISTRY.held = _REGISTRY.held, set()
+    try:
+        for fd in held:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    finally:
+        _REGISTRY.mutex.release()
 
 
 os.register_at_fork(
