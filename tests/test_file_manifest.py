@@ -14,12 +14,14 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from _idle_child import IdleChild
 
+from hicache_async.storage import _manifest
 from hicache_async.storage._manifest import FileManifest, ManifestEntry, _file_lock, chain_entry
 
 NS = b"n" * 16
@@ -204,3 +206,45 @@ async def test_a_child_forked_while_the_lock_is_held_does_not_keep_it(tmp_path: 
         assert [e.chain_id for e in (await manifest.read()).entries] == [_entry(0).chain_id]
     finally:
         assert await child.exit() == 0
+
+
+async def test_a_compaction_cancelled_while_its_temp_file_opens_leaves_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The temp file was opened on a thread the cancel did not wait for: the compaction removed
+    # it before it existed, and the thread then made it, left until the next compaction.
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    await manifest.append([_entry(i) for i in range(4)])
+    before = path.read_bytes()
+    opening, go, opened = threading.Event(), threading.Event(), threading.Event()
+    plain_open = _manifest._open_regular
+
+    def held_open(name: str, flags: int) -> int:
+        if not name.endswith(".tmp"):
+            return plain_open(name, flags)
+        opening.set()
+        go.wait(30)
+        try:
+            return plain_open(name, flags)
+        finally:
+            opened.set()
+
+    monkeypatch.setattr(_manifest, "_open_regular", held_open)
+    compaction = asyncio.create_task(manifest.compact())
+    assert await asyncio.to_thread(opening.wait, 30)
+    compaction.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await compaction
+    go.set()
+    assert await asyncio.to_thread(opened.wait, 30)
+    assert await asyncio.to_thread(_temp_files_after, tmp_path, 10.0) == []
+    assert path.read_bytes() == before
+
+
+def _temp_files_after(directory: Path, wait_s: float) -> list[Path]:
+    """The manifest's temp files in `directory` once there are none, or after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while (temps := list(directory.glob(".manifest.jsonl.*.tmp"))) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return temps

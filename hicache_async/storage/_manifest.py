@@ -542,6 +542,26 @@ def _remove_temp_files(path: Path) -> None:
                     os.unlink(item.path)
 
 
+def _write_temp(path: str, data: bytes, wanted: Callable[[], bool]) -> None:
+    """Write `data` into a new file at `path` and sync it; stops early (OSError EINTR) once
+    nobody waits for it."""
+    fd = _open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        view = memoryview(data)
+        while view:
+            if not wanted():
+                raise OSError(errno.EINTR, "the compaction was given up")
+            view = view[os.write(fd, view[: 8 << 20]) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
 def _open_regular(path: str, flags: int) -> int:
     """Open a file of the manifest (created 0600 with O_CREAT), never through a symlink, and
     refuse anything but a regular file with StorageError. Opened non-blocking, so that a
@@ -662,12 +682,16 @@ class FileManifest:
         # The lock is held, so no other compaction runs: a temporary file of one is a
         # leftover of a process that died compacting.
         await anyio.to_thread.run_sync(_remove_temp_files, self.path)
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        # Named for this compaction alone: one given up may still be writing its temp file
+        # when the next of this process begins, and removes only its own.
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
         try:
-            async with aiofiles.open(temp, "wb", opener=_open_regular) as f:
-                await f.write(data)
-                await f.flush()
-                await anyio.to_thread.run_sync(os.fsync, f.fileno())
+            # On a thread the caller may give up waiting for; whichever side ends last removes
+            # the file then, so a cancel while it is being opened leaves none behind.
+            await _Handoff(
+                functools.partial(_write_temp, str(temp), data),
+                lambda _: _remove_quietly(temp),
+            ).run()
             await aiofiles.os.replace(temp, self.path)
         except BaseException:
             # Failed or cancelled short of the replace: a temporary file left on a full disk
