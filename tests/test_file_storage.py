@@ -27,6 +27,7 @@ from hicache_async.storage import (
     _file,
     default_root,
 )
+from hicache_async.storage._manifest import _file_lock
 
 NS = b"file-storage-ns!"
 PAGE = 32 * 1024
@@ -1280,3 +1281,18 @@ async def test_the_index_is_built_off_the_loop_untracked_and_oldest_first(
         more = _keys(2)
         assert await _put(storage, more) == [Outcome.OK] * 2
         assert set(list(storage._index)[-2:]) == set(more)
+
+
+async def test_verify_removes_dead_compactions_temp_files_unless_one_runs(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    async with FileStorage(root) as storage:
+        await _put(storage, _keys(2))
+        dead = root / ".manifest.jsonl.4242.0a0b0c0d.tmp"  # a process killed compacting
+        dead.write_bytes(b'{"v":1}\n')
+        # While a compaction holds the manifest's lock, its temp file is its own.
+        async with _file_lock(root / "manifest.jsonl"):
+            assert (await storage.verify()).leftovers_removed == 0
+        assert dead.exists()
+        assert (await storage.verify()).leftovers_removed == 1
+        assert not dead.exists()
+        assert storage.stats().pages == 2

@@ -94,7 +94,7 @@ from ._base import (
 )
 from ._flocks import close_lock_fd, open_lock_fd
 from ._maintenance import GcReport, PageInfo, VerifyReport
-from ._manifest import FileManifest, ManifestLimits
+from ._manifest import FileManifest, ManifestLimits, remove_dead_compactions
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -774,6 +774,8 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
         raise
     return _Handles(root_fd, pages_fd, tmp_fd, lock_fd, root / _PAGES, shared=shared)
 
+
+_MANIFEST_NAME = "manifest.jsonl"
 
 #: Largest value `read_raw` reads: far past any page (a 70B model's is tens of MiB), and a
 #: file larger than that is damage, not a page to hand back whole.
@@ -1500,7 +1502,7 @@ class FileStorage(BackendBase):
 
     def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
         """The warmup manifest: `manifest.jsonl` in the root, beside the pages."""
-        return FileManifest(self._root / "manifest.jsonl", limits)
+        return FileManifest(self._root / _MANIFEST_NAME, limits)
 
     @property
     def capabilities(self) -> StorageCapabilities:
@@ -2954,6 +2956,7 @@ class FileStorage(BackendBase):
         spares = self._spares.names() if self._spares is not None else frozenset()
         failed: list[tuple[str, str]] = []
         leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares, failed=failed)
+        leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
         self._log_stray_errors(failed)
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []

@@ -48,8 +48,9 @@ class VerifyReport(msgspec.Struct, frozen=True):
     corrupt_removed: int
     #: pages of a newer format version, left in place.
     unsupported: int
-    #: temporary files of interrupted writes and stray entries (symlinks, FIFOs, devices
-    #: and directories under `pages/`).
+    #: temporary files of interrupted writes (of pages, and of a file store's manifest
+    #: compactions) and stray entries (symlinks, FIFOs, devices and directories under
+    #: `pages/`).
     leftovers_removed: int
     #: what could not be checked, so may still hold damage: unreadable pages, pages larger
     #: than the backend can stage, directories refused as unsafe (each counts once, whatever

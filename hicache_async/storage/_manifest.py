@@ -533,13 +533,33 @@ def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
         os.close(fd)
 
 
-def _remove_temp_files(path: Path) -> None:
+def _remove_temp_files(path: Path) -> int:
+    """Remove the temp files of compactions of the manifest at `path`; how many. Only with
+    its lock held: a compaction under way has one."""
     lead = f".{path.name}."
+    removed = 0
     with contextlib.suppress(OSError), os.scandir(path.parent) as found:
         for item in found:
             if item.name.startswith(lead) and item.name.endswith(".tmp"):
                 with contextlib.suppress(OSError):
                     os.unlink(item.path)
+                    removed += 1
+    return removed
+
+
+def remove_dead_compactions(path: Path) -> int:
+    """Remove the temp files that compactions of the manifest at `path` left when their
+    process died, unless a compaction holds the manifest's lock now; how many. Blocking: for
+    a store's verify (the next compaction removes them too)."""
+    lock_path = str(path.with_name(f".{path.name}.lock"))
+    try:
+        fd = open_lock_fd(lambda: _open_regular(lock_path, os.O_RDWR | os.O_CREAT))
+    except (OSError, StorageError):
+        return 0  # no lock to take (a read-only or damaged root): nothing is removed
+    try:
+        return _remove_temp_files(path) if _try_lock(fd) else 0
+    finally:
+        close_lock_fd(fd)
 
 
 def _write_temp(path: str, data: bytes, wanted: Callable[[], bool]) -> None:
