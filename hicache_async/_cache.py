@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import msgspec
 import structlog
 
 from ._config import PREFETCH_POLICIES, CacheConfig, PrefetchPolicy, WarmupConfig
@@ -597,10 +598,21 @@ class HiCache:
     def _storage_status(self) -> StorageStatus:
         link = self._link
         if link is None:
-            return StorageStatus(attached=False)
-        if not link.running:  # not attached until the backend has opened: that can take long
-            return StorageStatus(attached=False, opening=True, backend=link.backend.name)
-        return link.status()
+            status = StorageStatus(attached=False)
+        elif not link.running:  # not attached until the backend has opened: can take long
+            status = StorageStatus(attached=False, opening=True, backend=link.backend.name)
+        else:
+            status = link.status()
+        closing = self._closing
+        if closing is None or closing.closed:
+            return status
+        # Its series are gone with the link: without this a long flush at a detach or at
+        # shutdown showed nothing until it had ended.
+        return msgspec.structs.replace(
+            status,
+            flushing=closing.backup.statistics(),
+            flushing_backend=closing.backend.name,
+        )
 
     async def warmup(
         self, *, ratio: float | None = None, deadline_s: float | None = None
@@ -754,7 +766,7 @@ class HiCache:
             host_pool=self._host_pool.statistics() if self._host_pool else None,
             tree=self._tree.statistics(),
             copy_engine=self._engine.statistics() if self._engine else None,
-            storage=self._storage_status() if self._link else None,
+            storage=self._storage_status() if self._link or self._closing else None,
         )
 
     def __repr__(self) -> str:

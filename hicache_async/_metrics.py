@@ -99,7 +99,7 @@ def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
     # one twice per scrape.
     status = stats.storage
     yield "hicache_storage_attached", "gauge", float(status is not None and status.attached)
-    for section in ("storage", "prefetch", "backup"):
+    for section in ("storage", "prefetch", "backup", "flushing"):
         record = None if status is None else getattr(status, section)
         if record is not None:
             for name, value in _flatten(f"hicache_{section}", record):

@@ -588,6 +588,8 @@ async def test_delete_with_and_without_flush_and_twice() -> None:
             "storage": None,
             "prefetch": None,
             "backup": None,
+            "flushing": None,
+            "flushing_backend": None,
         }
 
         assert (await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})).is_success

@@ -606,3 +606,31 @@ async def test_a_prefetch_handle_refuses_calls_from_another_thread(tmp_path: Pat
         store.gate.set()
         await cache.drain()
         assert_drained(cache)
+
+
+async def test_a_flush_in_progress_is_seen_in_the_status_until_it_has_closed(
+    tmp_path: Path,
+) -> None:
+    # The link left the status at the start of its detach: a flush taking minutes at
+    # shutdown showed nothing until its log line.
+    store = GatedPuts(tmp_path)
+    async with HiCache(CONFIG, storage=store) as cache:
+        link, detach, _ = await _detach_in_progress(cache, store)
+        status = cache.storage_status()
+        assert not status.attached
+        assert status.flushing_backend == store.name
+        assert status.flushing is not None
+        assert status.flushing.written_pages < status.flushing.offered_pages
+        seen = cache.statistics().storage
+        assert seen is not None
+        assert seen.flushing == status.flushing
+        offered = f"hicache_flushing_offered_pages {float(status.flushing.offered_pages)!r}"
+        assert offered in cache.metrics_text().splitlines()
+        store.gate.set()
+        await asyncio.wait_for(detach, GUARD_S)
+        after = cache.storage_status()
+        assert (after.flushing, after.flushing_backend) == (None, None)
+        assert cache.statistics().storage is None
+        assert "hicache_flushing_" not in cache.metrics_text()
+        backup = link.backup.statistics()
+        assert backup.written_pages == backup.offered_pages

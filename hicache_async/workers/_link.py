@@ -37,6 +37,11 @@ class StorageStatus(msgspec.Struct, frozen=True):
     storage: StorageStats | None = None
     prefetch: PrefetchStatistics | None = None
     backup: BackupStatistics | None = None
+    #: a backend a detach, a replace or the cache's close is flushing and closing, named in
+    #: `flushing_backend`: its backup figures, live until it has closed (they then come with
+    #: the `hicache.storage.detached` log line). None when no flush runs.
+    flushing: BackupStatistics | None = None
+    flushing_backend: str | None = None
 
 
 class StorageLink:
