@@ -678,7 +678,9 @@ class HiCache:
         """Queue a storage → host prefetch of `tokens`; waits only while the queue is full.
 
         Under the `timeout` policy that wait counts against the policy's limit (a prefetch
-        that finds no room in time is a miss, TERMINATED); `best_effort` does not wait.
+        that finds no room in time is a miss, TERMINATED); `best_effort` does not wait. With
+        a rank group, a start that is cancelled (or fails) while it waits still enters the
+        prefetch's agreement, with 0, as its `ready()` would have, then raises.
         """
         self._check_open()
         if policy is not None and (not isinstance(policy, str) or policy not in PREFETCH_POLICIES):
@@ -702,9 +704,16 @@ class HiCache:
             handle.device_tokens = found.num_device_pages * self.config.page_size
             handle.host_tokens = found.num_host_pages * self.config.page_size
             handle._finish(handle.status.SKIPPED)
-            await asyncio.sleep(0)
-            return handle
-        await link.prefetcher.submit(handle)
+        try:
+            if link is None:
+                await asyncio.sleep(0)
+            else:
+                await link.prefetcher.submit(handle)
+        except BaseException:
+            # Cancelled (or failed) while waiting for queue room: the caller never gets the
+            # handle, so no `ready()` would enter the agreement the other ranks are in.
+            await handle._enter_unstarted()
+            raise
         return handle
 
     async def prefetch(

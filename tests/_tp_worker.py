@@ -203,6 +203,53 @@ async def cancel_ready(rank: int, size: int, port: int, root: Path) -> dict[str,
         return out
 
 
+async def cancel_start(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
+    """Rank 0's third prefetch is cancelled while it waits for queue room (one worker held in
+    the first's read, the second queued): its start must still enter the third's agreement,
+    which the other ranks run first."""
+    first, second, third, fourth = prompts()[:4]
+    await fill(root, rank, size, list(range(PROMPTS)))
+    group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
+    async with group:
+        store = SteeredStorage(root)
+        store.hold = rank == 0
+        cfg = config(
+            rank,
+            size,
+            prefetch={
+                "policy": "wait_complete",
+                "threshold_tokens": PAGE,
+                "queue_size": 1,
+                "workers": 1,
+            },
+        )
+        async with HiCache(cfg, storage=store, rank_group=group) as cache:
+            out: dict[str, Any] = {}
+            if rank == 0:
+                held = await cache.start_prefetch(first)
+                await store.entered.wait()  # the worker is in its read
+                queued = await cache.start_prefetch(second)
+                waiting = asyncio.create_task(cache.start_prefetch(third))
+                await asyncio.sleep(0.05)
+                waiting.cancel()
+                try:
+                    await waiting
+                    out["third"] = "started"
+                except asyncio.CancelledError:
+                    out["third"] = "cancelled"
+                store.release.set()
+                out["first"] = (await held.ready()).agreed_tokens
+                out["second"] = (await queued.ready()).agreed_tokens
+            else:
+                out["third"] = (await cache.prefetch(third)).agreed_tokens
+                out["first"] = (await cache.prefetch(first)).agreed_tokens
+                out["second"] = (await cache.prefetch(second)).agreed_tokens
+            result = await cache.prefetch(fourth)
+            out["fourth"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
+            out.update(group_stats(group))
+            return out
+
+
 async def cancel_warmup(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
     """Rank 0's warmup is cancelled while it loads its first entry (between collectives)."""
     async with _rank_0_held(rank, size, port, root) as (group, store, cache):
@@ -267,6 +314,7 @@ async def evict_while_agreeing(rank: int, size: int, port: int, root: Path) -> d
 REGRESSIONS: dict[str, Callable[[int, int, int, Path], Awaitable[dict[str, Any]]]] = {
     "background_warmup": background_warmup,
     "cancel_ready": cancel_ready,
+    "cancel_start": cancel_start,
     "cancel_warmup": cancel_warmup,
     "evict": evict_while_agreeing,
 }

@@ -131,6 +131,22 @@ def test_cancelling_ready_in_its_policy_wait_still_enters_the_agreement(
         assert r["second"]["agreed"] == r["second"]["local"] > 0
 
 
+def test_cancelling_a_start_waiting_for_queue_room_still_enters_its_agreement(
+    world: dict[str, Any],
+) -> None:
+    # Cancelled before it had a handle, the start entered no agreement: rank 0's next one
+    # paired with the others' third, every rank raised AgreementMismatch, and the broken
+    # group made every later prefetch a miss on every rank.
+    reports = _per_rank(world, "cancel_start")
+    _in_step(reports)
+    assert reports[0]["third"] == "cancelled"
+    assert all(r["third"] == 0 for r in reports[1:])  # rank 0 took part with 0
+    for r in reports:
+        assert r["first"] > 0
+        assert r["second"] > 0
+        assert r["fourth"]["agreed"] == r["fourth"]["local"] > 0
+
+
 def test_cancelling_warmup_between_its_collectives_keeps_ranks_in_step(
     world: dict[str, Any],
 ) -> None:

@@ -21,7 +21,7 @@ import structlog
 from .._uncancelled import run_uncancelled
 from ._group import RankGroup, agreement_tag, check_int64, unique_items
 
-__all__ = ["agree_entries", "agree_min", "run_uncancelled"]
+__all__ = ["agree_entries", "agree_min", "enter_min_cancelled", "run_uncancelled"]
 
 _log = structlog.get_logger("hicache_async")
 
@@ -92,6 +92,19 @@ async def agree_entries(
         _log_failure(group, "agree_entries", exc)
         items = []
     return await group.agree_common(items, tag=key)
+
+
+async def enter_min_cancelled(
+    group: RankGroup,
+    *,
+    tag: int,
+    gate: Callable[[], Coroutine[Any, Any, None]] | None = None,
+) -> None:
+    """For an `agree_min` (same `tag` and `gate`) that this rank can no longer run, its work
+    cancelled or failed before it began: enter the collective with 0 as `agree_min` would
+    after a cancelled local step, and wait for it, so the peers are not left in it. The
+    caller then raises its own error; errors of the collective are swallowed."""
+    await _enter_then_reraise(gate, lambda: group.all_min(0, tag=tag))
 
 
 async def _enter_then_reraise(

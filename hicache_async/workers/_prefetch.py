@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .._config import PrefetchConfig, PrefetchPolicy
 from .._loop import LoopOwner
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
+from ..distributed._agree import enter_min_cancelled
 from ..storage import Outcome, StorageBackend
 from ..storage._protocol import check_exists, check_outcomes
 
@@ -280,8 +281,7 @@ class PrefetchHandle:
             await self._wait_for_policy()
             return self._hold_cached()
 
-        # The last key names the whole prefix (keys are chained).
-        tag = agreement_tag("prefetch", self.num_tokens, *self.keys[-1:])
+        tag = self._agreement_tag()
         self._agreeing += 1
         try:
             self._agreed = await agree_min(
@@ -296,6 +296,21 @@ class PrefetchHandle:
             if not self._agreeing:  # another ready() on this handle still needs the hold
                 self._release()
         return self.result()
+
+    def _agreement_tag(self) -> int:
+        # The last key names the whole prefix (keys are chained).
+        return agreement_tag("prefetch", self.num_tokens, *self.keys[-1:])
+
+    async def _enter_unstarted(self) -> None:
+        """In place of `ready()`, for a prefetch whose start was cancelled or failed (its
+        caller never gets the handle to call `ready()` on): with a rank group, enter its
+        agreement with 0, so the peers' `ready()` is not left waiting, or paired with this
+        rank's next prefetch."""
+        group = self._group
+        if group is None or group.size == 1:
+            return
+        gate = BackgroundAgreements.of(group).wait_idle
+        await enter_min_cancelled(group, tag=self._agreement_tag(), gate=gate)
 
     def _hold_cached(self) -> int:
         """Lock and protect the prefix cached now, and return its length in tokens: what
