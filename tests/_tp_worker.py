@@ -345,6 +345,7 @@ async def scenario(rank: int, size: int, name: str, port: int, base: Path) -> di
             return {
                 "status": warm.status.value,
                 "entries_agreed": warm.entries_agreed,
+                "loaded": (warm.entries_loaded, warm.pages_loaded, warm.entries_missed),
                 "shape": shape(cache),
                 "collectives": group.statistics().collectives,
             }

@@ -86,6 +86,10 @@ def test_a_rank_whose_storage_fails_leaves_every_rank_equal(world: dict[str, Any
     assert all(s == shapes[0] for s in shapes)
     assert shapes[0]["host_pages"] == 0  # rank 1 has nothing, so nobody keeps anything
     assert len({r["collectives"] for r in reports}) == 1
+    # What the agreed trim dropped is not counted loaded on the ranks that had read it.
+    for r in reports:
+        assert r["entries_agreed"] > 0
+        assert tuple(r["loaded"]) == (0, 0, r["entries_agreed"])
 
 
 def test_a_slow_rank_is_waited_for(world: dict[str, Any]) -> None:

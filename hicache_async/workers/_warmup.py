@@ -245,6 +245,8 @@ class Warmer:
             try:
                 halt = await self._yield_to_live(loaded_pages, budget, began)
                 landed = 0
+                before = 0  # pages of the entry cached before its read
+                tried_whole: bool | None = None  # None: the entry was not begun
                 # Past the deadline or stopped (a detach, the close, a request agreement
                 # waiting) while live prefetches went first: the entry is not begun. With a
                 # rank group the trim below still runs, and keeps what every rank held of it.
@@ -272,8 +274,10 @@ class Warmer:
                     )
                     await self._link.prefetcher.run_now(handle)
                     landed = handle.storage_tokens // size
+                    before = (handle.device_tokens + handle.host_tokens) // size
                     cached = handle.device_tokens + handle.host_tokens + handle.storage_tokens
-                    missed += cached < handle.num_tokens
+                    tried_whole = cached >= handle.num_tokens
+                    missed += not tried_whole
                     # A detach or the close cancelled the entry's read.
                     if handle.status is PrefetchStatus.CANCELLED:
                         halt = WarmupStatus.STOPPED
@@ -293,7 +297,21 @@ class Warmer:
             )
             if tp:
                 assert group is not None
-                if await self._agree_trim_owing(group, entries, index):
+                cancelled, agreed_tokens = await self._agree_trim_owing(group, entries, index)
+                if agreed_tokens is not None and tried_whole is not None:
+                    # What the trim dropped of the pages this read loaded is not loaded, and
+                    # an entry it cut short is not wholly cached.
+                    kept = min(landed, max(0, agreed_tokens // size - before))
+                    loaded_pages -= landed - kept
+                    loaded_entries -= landed > 0 and kept == 0
+                    missed += tried_whole and agreed_tokens < len(entry.keys) * size
+                    self._partial = msgspec.structs.replace(
+                        self._partial,
+                        entries_loaded=loaded_entries,
+                        pages_loaded=loaded_pages,
+                        entries_missed=missed,
+                    )
+                if cancelled:
                     raise asyncio.CancelledError
             if halt is None and self._ended():
                 halt = WarmupStatus.STOPPED  # stopped while the entry ran
@@ -363,9 +381,10 @@ class Warmer:
         index: int,
         *,
         cancelled: bool = False,
-    ) -> bool:
-        """Entry `index`'s trim agreement, then the trim it agrees on; True if the caller was
-        cancelled (during it, or before it: `cancelled`) and must re-raise.
+    ) -> tuple[bool, int | None]:
+        """Entry `index`'s trim agreement, then the trim it agrees on; whether the caller was
+        cancelled (during it, or before it: `cancelled`) and must re-raise, and the tokens
+        agreed on (None if the agreement failed).
 
         This rank offers the entry's pages it holds now (loaded by this warmup or there
         before; a stopped or cancelled warmup loads nothing more) and holds them until the
@@ -396,7 +415,7 @@ class Warmer:
             self._cache._trim_host(keys, agreed[0] // self._cache.config.page_size)
         if cancelled and agreed and index + 1 < len(entries):
             await self._owe(group, _go_on_tag(entries[index + 1].chain_id))
-        return cancelled
+        return cancelled, agreed[0] if agreed else None
 
     async def _yield_to_live(self, loaded: int, budget: int, began: float) -> WarmupStatus | None:
         """Wait until no live prefetch is queued or running, but no longer than the deadline;
