@@ -604,7 +604,7 @@ class HiCache:
         else:
             status = link.status()
         closing = self._closing
-        if closing is None or closing.closed:
+        if closing is None or not closing.flushing:
             return status
         # Its series are gone with the link: without this a long flush at a detach or at
         # shutdown showed nothing until it had ended.
@@ -775,7 +775,11 @@ class HiCache:
             host_pool=self._host_pool.statistics() if self._host_pool else None,
             tree=self._tree.statistics(),
             copy_engine=self._engine.statistics() if self._engine else None,
-            storage=self._storage_status() if self._link or self._closing else None,
+            storage=(
+                self._storage_status()
+                if self._link or (self._closing and self._closing.flushing)
+                else None
+            ),
         )
 
     def __repr__(self) -> str:

@@ -634,3 +634,28 @@ async def test_a_flush_in_progress_is_seen_in_the_status_until_it_has_closed(
         assert "hicache_flushing_" not in cache.metrics_text()
         backup = link.backup.statistics()
         assert backup.written_pages == backup.offered_pages
+
+
+async def test_a_detach_without_a_flush_shows_no_flush(tmp_path: Path) -> None:
+    # It showed the dropped backups as a flush for as long as the backend took to close.
+    store = GatedPuts(tmp_path)
+    async with HiCache(CONFIG, storage=store) as cache:
+        link = await _flushing(cache, store)
+        closing = asyncio.Event()
+        close = link.backend.close
+
+        async def held_close() -> None:
+            closing.set()
+            await store.gate.wait()
+            await close()
+
+        link.backend.close = held_close  # type: ignore[method-assign]
+        detach = asyncio.create_task(cache.detach_storage(flush=False))
+        await asyncio.wait_for(closing.wait(), GUARD_S)
+        status = cache.storage_status()
+        assert (status.flushing, status.flushing_backend) == (None, None)
+        assert cache.statistics().storage is None
+        assert "hicache_flushing_" not in cache.metrics_text()
+        store.gate.set()
+        await asyncio.wait_for(detach, GUARD_S)
+        assert link.backup.statistics().dropped_pages > 0

@@ -37,9 +37,10 @@ class StorageStatus(msgspec.Struct, frozen=True):
     storage: StorageStats | None = None
     prefetch: PrefetchStatistics | None = None
     backup: BackupStatistics | None = None
-    #: a backend a detach, a replace or the cache's close is flushing and closing, named in
-    #: `flushing_backend`: its backup figures, live until it has closed (they then come with
-    #: the `hicache.storage.detached` log line). None when no flush runs.
+    #: a backend a detach, a replace or the cache's close is flushing, named in
+    #: `flushing_backend`: its backup figures, live while its pending backups are being
+    #: written (the final ones come with the `hicache.storage.detached` log line). None when
+    #: no flush runs: a detach with `flush=False`, or one given up, shows none.
     flushing: BackupStatistics | None = None
     flushing_backend: str | None = None
 
@@ -69,6 +70,7 @@ class StorageLink:
         # A close whose caller was cancelled: its flush is given up (`hurry`).
         self._hurried = False
         self._flush_scope: anyio.CancelScope | None = None
+        self._flushing = False
         #: The backend is open and the workers have started.
         self.running = False
         self._closed = anyio.Event()
@@ -203,6 +205,9 @@ class StorageLink:
         self.backup.close()
         if not flush:
             self.backup.drop_queued()
+        # From here, not from the task below: a status asked for right after this call
+        # began must see the flush.
+        self._flushing = flush and not self._hurried and not self._backup_done.is_set()
         try:
             cancelled = await run_uncancelled(
                 self._finish_close(flush, deadline_s), on_cancel=self.hurry
@@ -221,9 +226,15 @@ class StorageLink:
         """Wait until `closed` (a close must be in progress, or it waits for the next)."""
         await self._closed.wait()
 
+    @property
+    def flushing(self) -> bool:
+        """A close is waiting for pending backups to be written (a flush not given up)."""
+        return self._flushing
+
     def hurry(self) -> None:
         """Give up the flush of a close in progress (or about to start): what is queued is
         dropped and the write in progress cancelled, as with `flush=False`."""
+        self._flushing = False
         if not self._hurried:
             self._hurried = True
             _log.warning(
@@ -239,7 +250,10 @@ class StorageLink:
         # Without a flush nothing is waited for, the write in progress included.
         with anyio.move_on_after(deadline_s if flush and not self._hurried else 0.0) as scope:
             self._flush_scope = scope
-            await self._backup_done.wait()
+            try:
+                await self._backup_done.wait()
+            finally:
+                self._flushing = False
         self._flush_scope = None
         if flush and not self._hurried and not self._backup_done.is_set():
             _log.warning("hicache.backup.flush.deadline", pending=self.backup.pending)
