@@ -616,17 +616,19 @@ async def test_a_flush_in_progress_is_seen_in_the_status_until_it_has_closed(
     store = GatedPuts(tmp_path)
     async with HiCache(CONFIG, storage=store) as cache:
         link, detach, _ = await _detach_in_progress(cache, store)
-        status = cache.storage_status()
-        assert not status.attached
-        assert status.flushing_backend == store.name
-        assert status.flushing is not None
-        assert status.flushing.written_pages < status.flushing.offered_pages
-        seen = cache.statistics().storage
-        assert seen is not None
-        assert seen.flushing == status.flushing
-        offered = f"hicache_flushing_offered_pages {float(status.flushing.offered_pages)!r}"
-        assert offered in cache.metrics_text().splitlines()
-        store.gate.set()
+        try:
+            status = cache.storage_status()
+            assert not status.attached
+            assert status.flushing_backend == store.name
+            assert status.flushing is not None
+            assert status.flushing.written_pages < status.flushing.offered_pages
+            seen = cache.statistics().storage
+            assert seen is not None
+            assert seen.flushing == status.flushing
+            offered = f"hicache_flushing_offered_pages {float(status.flushing.offered_pages)!r}"
+            assert offered in cache.metrics_text().splitlines()
+        finally:
+            store.gate.set()  # else a failure here would hang the cache's close
         await asyncio.wait_for(detach, GUARD_S)
         after = cache.storage_status()
         assert (after.flushing, after.flushing_backend) == (None, None)
@@ -651,11 +653,13 @@ async def test_a_detach_without_a_flush_shows_no_flush(tmp_path: Path) -> None:
 
         link.backend.close = held_close  # type: ignore[method-assign]
         detach = asyncio.create_task(cache.detach_storage(flush=False))
-        await asyncio.wait_for(closing.wait(), GUARD_S)
-        status = cache.storage_status()
-        assert (status.flushing, status.flushing_backend) == (None, None)
-        assert cache.statistics().storage is None
-        assert "hicache_flushing_" not in cache.metrics_text()
-        store.gate.set()
+        try:
+            await asyncio.wait_for(closing.wait(), GUARD_S)
+            status = cache.storage_status()
+            assert (status.flushing, status.flushing_backend) == (None, None)
+            assert cache.statistics().storage is None
+            assert "hicache_flushing_" not in cache.metrics_text()
+        finally:
+            store.gate.set()  # else a failure here would hang the cache's close
         await asyncio.wait_for(detach, GUARD_S)
         assert link.backup.statistics().dropped_pages > 0
