@@ -47,6 +47,7 @@ from .workers import (
     WarmupResult,
     WarmupStatus,
 )
+from .workers._prefetch import StartOrder
 
 __all__ = ["HiCache", "MatchInfo"]
 
@@ -154,6 +155,10 @@ class HiCache:
             raise ConfigError("mac_key", "the secret must be at least 16 bytes")
         self.config = config
         self.rank_group = rank_group
+        # Where each prefetch start stands, for the agreements of cancelled starts.
+        self._start_order = (
+            StartOrder(rank_group) if rank_group is not None and rank_group.size > 1 else None
+        )
         self.namespace = namespace or Namespace.from_config(config)
         self._owner = LoopOwner("HiCache")
         self._tree = RadixTree(eviction=config.eviction, owner=self._owner, clock=clock)
@@ -679,8 +684,9 @@ class HiCache:
 
         Under the `timeout` policy that wait counts against the policy's limit (a prefetch
         that finds no room in time is a miss, TERMINATED); `best_effort` does not wait. With
-        a rank group, a start that is cancelled (or fails) while it waits still enters the
-        prefetch's agreement, with 0, as its `ready()` would have, then raises.
+        a rank group, a start that is cancelled (or fails) while it waits still has the
+        prefetch's agreement entered, with 0, where its `ready()` would have: after those of
+        the prefetches started before it (docs/tensor-parallel.md).
         """
         self._check_open()
         if policy is not None and (not isinstance(policy, str) or policy not in PREFETCH_POLICIES):
@@ -699,6 +705,9 @@ class HiCache:
             group=self.rank_group,
             owner=self._owner,
         )
+        if self._start_order is not None:
+            handle._order = self._start_order
+            handle._seq = self._start_order.started()
         if link is None:
             found = self._tree.match(keys, touch=False)
             handle.device_tokens = found.num_device_pages * self.config.page_size

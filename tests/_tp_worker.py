@@ -204,9 +204,10 @@ async def cancel_ready(rank: int, size: int, port: int, root: Path) -> dict[str,
 
 
 async def cancel_start(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
-    """Rank 0's third prefetch is cancelled while it waits for queue room (one worker held in
-    the first's read, the second queued): its start must still enter the third's agreement,
-    which the other ranks run first."""
+    """Every rank starts three prefetches, then makes each ready in turn; rank 0's third
+    start is cancelled while it waits for queue room (its one worker held in the first's
+    read, the second queued). It must still enter the third's agreement, with 0, where its
+    peers do: after the first's and the second's."""
     first, second, third, fourth = prompts()[:4]
     await fill(root, rank, size, list(range(PROMPTS)))
     group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
@@ -241,9 +242,10 @@ async def cancel_start(rank: int, size: int, port: int, root: Path) -> dict[str,
                 out["first"] = (await held.ready()).agreed_tokens
                 out["second"] = (await queued.ready()).agreed_tokens
             else:
-                out["third"] = (await cache.prefetch(third)).agreed_tokens
-                out["first"] = (await cache.prefetch(first)).agreed_tokens
-                out["second"] = (await cache.prefetch(second)).agreed_tokens
+                handles = [await cache.start_prefetch(p) for p in (first, second, third)]
+                out["first"], out["second"], out["third"] = [
+                    (await handle.ready()).agreed_tokens for handle in handles
+                ]
             result = await cache.prefetch(fourth)
             out["fourth"] = {"local": result.cached_tokens, "agreed": result.agreed_tokens}
             out.update(group_stats(group))

@@ -140,7 +140,8 @@ def test_cancelling_a_start_waiting_for_queue_room_still_enters_its_agreement(
 ) -> None:
     # Cancelled before it had a handle, the start entered no agreement: rank 0's next one
     # paired with the others' third, every rank raised AgreementMismatch, and the broken
-    # group made every later prefetch a miss on every rank.
+    # group made every later prefetch a miss on every rank. (Entered at the cancellation,
+    # it paired with the others' first instead.)
     reports = _per_rank(world, "cancel_start")
     _in_step(reports)
     assert reports[0]["third"] == "cancelled"

@@ -10,6 +10,7 @@ prefetches wait on are resolved.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import math
@@ -88,6 +89,57 @@ class PrefetchResult(msgspec.Struct, frozen=True):
         return self.device_tokens + self.host_tokens + self.storage_tokens
 
 
+class StartOrder:
+    """The prefetch agreements a cache with a rank group owes for starts that were cancelled
+    or failed before their caller got a handle (so no `ready()` enters them), entered with 0
+    in start order.
+
+    Every rank runs the same program: starts A, B, C, then `ready()` on each in that order. A
+    rank whose start of C is cancelled must enter C's agreement after A's and B's, as its
+    peers do, not at the cancellation: an owed agreement is entered once every prefetch
+    started before it has entered its own (by the `ready()` that enters the last of them,
+    before it returns), at once if none is pending. A prefetch started and never made
+    `ready()` holds back the agreements owed after it.
+    """
+
+    def __init__(self, group: RankGroup) -> None:
+        self._group = group
+        self._next = 0
+        self._pending: set[int] = set()  # started, agreement not entered yet
+        self._owed: collections.deque[tuple[int, int]] = collections.deque()  # (start, tag)
+        self._paying = False
+
+    def started(self) -> int:
+        """Number a start (with a handle to come); `entered` or `owe` it later."""
+        seq = self._next
+        self._next += 1
+        self._pending.add(seq)
+        return seq
+
+    def entered(self, seq: int) -> None:
+        """Start `seq`'s `ready()` has entered its agreement."""
+        self._pending.discard(seq)
+
+    async def owe(self, seq: int, tag: int) -> None:
+        """Start `seq` will never enter its agreement (tagged `tag`): enter it with 0 when due."""
+        self._pending.discard(seq)
+        self._owed.append((seq, tag))
+        await self.pay()
+
+    async def pay(self) -> None:
+        """Enter, in order, the owed agreements that are due."""
+        if self._paying:
+            return  # the payer under way goes on to whatever falls due meanwhile
+        self._paying = True
+        try:
+            while self._owed and not (self._pending and min(self._pending) < self._owed[0][0]):
+                _, tag = self._owed.popleft()
+                gate = BackgroundAgreements.of(self._group).wait_idle
+                await enter_min_cancelled(self._group, tag=tag, gate=gate)
+        finally:
+            self._paying = False
+
+
 class PrefetchHandle:
     """A prefetch in progress. Await `ready()` when the request is about to be scheduled.
 
@@ -107,10 +159,12 @@ class PrefetchHandle:
         "_group",
         "_held",
         "_in_queue",
+        "_order",
         "_owner",
         "_policy",
         "_prefetcher",
         "_scope",
+        "_seq",
         "_started",
         "_terminated",
         "_timed_out",
@@ -145,6 +199,10 @@ class PrefetchHandle:
             owner = prefetcher._cache._owner
         self._owner = owner
         self._group = group
+        # Set by `HiCache.start_prefetch` with a rank group: where this start stands among
+        # the cache's prefetch starts (see `StartOrder`).
+        self._order: StartOrder | None = None
+        self._seq = 0
         self.priority = priority
         #: below this many uncached tokens the prefetch is skipped (default: the threshold).
         self.min_tokens = min_tokens
@@ -295,6 +353,10 @@ class PrefetchHandle:
             self._agreeing -= 1
             if not self._agreeing:  # another ready() on this handle still needs the hold
                 self._release()
+            if self._order is not None:
+                # Entered: an agreement owed by a later start that was cancelled may be due.
+                self._order.entered(self._seq)
+                await self._order.pay()
         return self.result()
 
     def _agreement_tag(self) -> int:
@@ -303,14 +365,11 @@ class PrefetchHandle:
 
     async def _enter_unstarted(self) -> None:
         """In place of `ready()`, for a prefetch whose start was cancelled or failed (its
-        caller never gets the handle to call `ready()` on): with a rank group, enter its
-        agreement with 0, so the peers' `ready()` is not left waiting, or paired with this
-        rank's next prefetch."""
-        group = self._group
-        if group is None or group.size == 1:
-            return
-        gate = BackgroundAgreements.of(group).wait_idle
-        await enter_min_cancelled(group, tag=self._agreement_tag(), gate=gate)
+        caller never gets the handle to call `ready()` on): with a rank group, owe its
+        agreement, entered with 0 in its place among the starts (see `StartOrder`), so the
+        peers' `ready()` is neither left waiting nor paired with another prompt's."""
+        if self._order is not None:
+            await self._order.owe(self._seq, self._agreement_tag())
 
     def _hold_cached(self) -> int:
         """Lock and protect the prefix cached now, and return its length in tokens: what
