@@ -144,7 +144,7 @@ async def test_gc_counts_the_pages_it_could_not_remove(mooncake_url: str) -> Non
 # Runs the storage command with each pooled Mooncake client's close slowed down and announced
 # ("closing" on stderr), so that a signal can come while the command closes them.
 _SLOW_CLOSE = """
-import sys, threading
+import sys, time
 from hicache_async.cli import main
 from hicache_async.storage import _mooncake
 
@@ -155,7 +155,9 @@ class Slow:
         return getattr(self.inner, name)
     def close(self):
         print("closing", file=sys.stderr, flush=True)
-        threading.Event().wait(2)
+        # A sleep, not a threading wait: Ctrl-C raised inside Condition.wait can leave its
+        # lock released twice (RuntimeError), which is the wait's, not the command's.
+        time.sleep(2)
         self.inner.close()
 
 give_back = _mooncake._ClientPool.give_back
