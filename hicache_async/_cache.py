@@ -705,14 +705,16 @@ class HiCache:
             group=self.rank_group,
             owner=self._owner,
         )
-        if self._start_order is not None:
-            handle._order = self._start_order
-            handle._seq = self._start_order.started()
         if link is None:
             found = self._tree.match(keys, touch=False)
             handle.device_tokens = found.num_device_pages * self.config.page_size
             handle.host_tokens = found.num_host_pages * self.config.page_size
             handle._finish(handle.status.SKIPPED)
+        # Numbered right before the awaits: from here every path either hands the handle
+        # (to `ready()`) or owes its agreement.
+        if self._start_order is not None:
+            handle._order = self._start_order
+            handle._seq = self._start_order.started()
         try:
             if link is None:
                 await asyncio.sleep(0)

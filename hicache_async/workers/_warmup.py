@@ -246,7 +246,7 @@ class Warmer:
                 halt = await self._yield_to_live(loaded_pages, budget, began)
                 landed = 0
                 before = 0  # pages of the entry cached before its read
-                tried_whole: bool | None = None  # None: the entry was not begun
+                whole: bool | None = None  # all cached after its read; None: not begun
                 # Past the deadline or stopped (a detach, the close, a request agreement
                 # waiting) while live prefetches went first: the entry is not begun. With a
                 # rank group the trim below still runs, and keeps what every rank held of it.
@@ -276,8 +276,8 @@ class Warmer:
                     landed = handle.storage_tokens // size
                     before = (handle.device_tokens + handle.host_tokens) // size
                     cached = handle.device_tokens + handle.host_tokens + handle.storage_tokens
-                    tried_whole = cached >= handle.num_tokens
-                    missed += not tried_whole
+                    whole = cached >= handle.num_tokens
+                    missed += not whole
                     # A detach or the close cancelled the entry's read.
                     if handle.status is PrefetchStatus.CANCELLED:
                         halt = WarmupStatus.STOPPED
@@ -289,28 +289,18 @@ class Warmer:
             loaded_pages += landed
             loaded_entries += landed > 0
             # Before the trim's agreement: should it fail, what landed stays (untrimmed).
-            self._partial = msgspec.structs.replace(
-                self._partial,
-                entries_loaded=loaded_entries,
-                pages_loaded=loaded_pages,
-                entries_missed=missed,
-            )
+            self._count(loaded_entries, loaded_pages, missed)
             if tp:
                 assert group is not None
                 cancelled, agreed_tokens = await self._agree_trim_owing(group, entries, index)
-                if agreed_tokens is not None and tried_whole is not None:
+                if agreed_tokens is not None and whole is not None:
                     # What the trim dropped of the pages this read loaded is not loaded, and
                     # an entry it cut short is not wholly cached.
                     kept = min(landed, max(0, agreed_tokens // size - before))
                     loaded_pages -= landed - kept
                     loaded_entries -= landed > 0 and kept == 0
-                    missed += tried_whole and agreed_tokens < len(entry.keys) * size
-                    self._partial = msgspec.structs.replace(
-                        self._partial,
-                        entries_loaded=loaded_entries,
-                        pages_loaded=loaded_pages,
-                        entries_missed=missed,
-                    )
+                    missed += whole and agreed_tokens < len(entry.keys) * size
+                    self._count(loaded_entries, loaded_pages, missed)
                 if cancelled:
                     raise asyncio.CancelledError
             if halt is None and self._ended():
@@ -325,6 +315,15 @@ class Warmer:
         # `_partial` holds every count by now.
         return msgspec.structs.replace(
             self._partial, status=status, seconds=time.monotonic() - began
+        )
+
+    def _count(self, entries_loaded: int, pages_loaded: int, entries_missed: int) -> None:
+        """Record the figures so far in the result a stopped warmup returns."""
+        self._partial = msgspec.structs.replace(
+            self._partial,
+            entries_loaded=entries_loaded,
+            pages_loaded=pages_loaded,
+            entries_missed=entries_missed,
         )
 
     async def _agree_entries_owing(
