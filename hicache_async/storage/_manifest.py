@@ -717,8 +717,7 @@ class FileManifest:
             # Failed or cancelled short of the replace: a temporary file left on a full disk
             # would hold the last free space until the next compaction, which would fail the
             # same way. (A replace that went through after all leaves nothing to remove.)
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
+            _remove_quietly(temp)
             raise
         return CompactReport(
             records_before=collector.records,
