@@ -176,6 +176,8 @@ class HiCache:
         self._device_backups = 0
         # Loads of released requests: their pages become evictable when they land.
         self._abandoned_loads = 0
+        # Device pages being copied to the host. Keyed by page, not node id: a split gives
+        # the head a new id, and a node's pages are all in flight or none (nodes only split).
         self._backing_up: set[int] = set()
         self._capacity_changed = asyncio.Event()
         # Set once `__aenter__` has ended (however it ended), and once a close has finished:
@@ -1133,14 +1135,21 @@ class HiCache:
             self._capacity_changed.set()
 
     def _back_up_to_host(self, nodes: Sequence[TreeNode]) -> bool:
-        """Copy the device pages of `nodes` to fresh host pages, as one batch."""
+        """Copy the device pages of `nodes` to fresh host pages, as one batch.
+
+        A backup is optional: if there is no host room or the engine refuses to start the
+        copy, nothing is booked, the pages go back and False is returned (never an error for
+        the request, commit or eviction that asked for it).
+        """
         assert self._engine is not None
         assert self._host_pool
         assert self._device_pool
         nodes = [
             n
             for n in nodes
-            if n.device_pages is not None and n.host_pages is None and n.id not in self._backing_up
+            if n.device_pages is not None
+            and n.host_pages is None
+            and n.device_pages[0] not in self._backing_up
         ]
         if not nodes:
             return False
@@ -1153,18 +1162,31 @@ class HiCache:
         for node in nodes:
             assert node.device_pages is not None
             source.extend(node.device_pages)
+        try:
+            copy = self._engine.copy(self._device_pool, source, self._host_pool, host_pages)
+        except BaseException as exc:
+            self._host_free(host_pages)
+            if not isinstance(exc, Exception):
+                raise
+            self._counters.copy_failures += 1
+            _log.warning("hicache.backup.host.refused", pages=total, error=repr(exc))
+            return False
+        # Booked only once the copy runs, in this same synchronous step.
+        for node in nodes:
             self._tree.lock_device(node)
-            self._backing_up.add(node.id)
+        self._backing_up.update(source)
         sizes = [n.num_pages for n in nodes]
         self._device_backups += 1
-        copy = self._engine.copy(self._device_pool, source, self._host_pool, host_pages)
-        self._track(copy, functools.partial(self._on_host_backup_done, nodes, sizes, host_pages))
+        self._track(
+            copy, functools.partial(self._on_host_backup_done, nodes, sizes, source, host_pages)
+        )
         return True
 
     def _on_host_backup_done(
         self,
         nodes: list[TreeNode],
         sizes: list[int],
+        device_pages: list[int],
         host_pages: list[int],
         copy: LayerwiseCopy,
     ) -> None:
@@ -1179,7 +1201,7 @@ class HiCache:
             else:
                 self._host_free(part)
             self._tree.unlock_device(node)
-            self._backing_up.discard(node.id)
+        self._backing_up.difference_update(device_pages)
         if ok:
             self._counters.host_backup_pages += len(host_pages)
         else:
