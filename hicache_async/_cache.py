@@ -739,7 +739,8 @@ class HiCache:
     ) -> PrefetchResult:
         """Prefetch `tokens` from storage and wait as the prefetch policy says.
 
-        Cancelling the caller cancels the prefetch; pages that already landed stay cached.
+        Cancelling the caller cancels the prefetch (`PrefetchHandle.cancel()`: a read other
+        prefetches wait on still lands for them); pages that already landed stay cached.
         With a rank group, every rank must prefetch the same prompts in the same order (one
         scheduler task): a prefetch whose agreement pairs with another prompt's on some rank
         is an `AgreementMismatch`, logged, and its result is a miss. Call

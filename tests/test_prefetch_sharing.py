@@ -1,24 +1,36 @@
-"""Prefetches that share reads: one giving up never makes another give up, and a page read
-once counts once."""
+"""Prefetches that share reads: one giving up never makes another give up, a page read once
+counts once, a failed read is not read again by those that waited on it, and a prefetch
+reports (and holds) the pages others brought it."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import numpy as np
+import pytest
 from _unowned_storage import Unowned
 
-from hicache_async import CacheConfig, HiCache, PrefetchStatus
+from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchStatus
 from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, StorageBackend
 from hicache_async.testing import KVGenerator, assert_drained, serve
+from hicache_async.workers import Prefetcher
 
 PAGE = 4
 PAGES = 8
 
 
-def _config() -> CacheConfig:
+def _config(**prefetch: Any) -> CacheConfig:
+    settings: dict[str, Any] = {
+        "policy": "wait_complete",
+        "threshold_tokens": PAGE,
+        "batch_pages": 4,
+    }
+    settings.update(prefetch)
     return CacheConfig.from_dict(
         {
             "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
@@ -26,7 +38,7 @@ def _config() -> CacheConfig:
             "device_pages": 64,
             "host_pages": 128,
             "model_id": "prefetch-sharing-test",
-            "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE, "batch_pages": 4},
+            "prefetch": settings,
         }
     )
 
@@ -52,6 +64,62 @@ class HeldGets(Unowned):
         return outcomes
 
 
+class Gate:
+    """While closed, each call that passes waits until the test releases it."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.waiting: list[asyncio.Event] = []
+
+    async def passage(self) -> None:
+        if not self.closed:
+            return
+        event = asyncio.Event()
+        self.waiting.append(event)
+        try:
+            await event.wait()
+        finally:
+            self.waiting.remove(event)
+
+    def release(self) -> None:
+        """Let through every call waiting now (later ones wait while the gate is closed)."""
+        for event in self.waiting:
+            event.set()
+
+    def open(self) -> None:
+        self.closed = False
+        self.release()
+
+
+class GatedStorage(Unowned):
+    """A real backend whose `get` and `exists` calls pass gates the test opens; it counts
+    the reads of each key, and can fail gets (`error`) once they pass the gate."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.gets = Gate()
+        self.lookups = Gate()
+        self.reads: collections.Counter[bytes] = collections.Counter()
+        self.error: Exception | None = None
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        await self.lookups.passage()
+        return await self.inner.exists(keys)
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        self.reads.update(bytes(key) for key in keys)
+        await self.gets.passage()
+        if self.error is not None:
+            raise self.error
+        return await self.inner.get(keys, into, namespace=namespace)
+
+    def open(self) -> None:
+        self.gets.open()
+        self.lookups.open()
+
+
 async def _until(condition: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + 30
     while not condition():
@@ -67,37 +135,127 @@ async def _stored(memory: MemoryStorage, config: CacheConfig, prompt: np.ndarray
     return generator
 
 
-async def test_a_prefetch_whose_shared_reads_were_given_up_reads_the_pages_itself() -> None:
-    # B waited on A's reads; A's caller was cancelled mid-batch, and B ended TERMINATED with
-    # nothing although every page was in storage and nobody had asked B to stop.
-    config = _config()
-    prompt = np.random.default_rng(5).integers(0, 5000, size=PAGES * PAGE)
+@contextlib.asynccontextmanager
+async def _gated(
+    config: CacheConfig, *prompts: np.ndarray
+) -> AsyncIterator[tuple[HiCache, GatedStorage, KVGenerator]]:
+    """A cache over a store holding `prompts`, whose gets wait at the gate until the test
+    lets them through (opened on the way out, so a failed assertion cannot hang the close)."""
     async with MemoryStorage(capacity_bytes=64 << 20) as memory:
-        generator = await _stored(memory, config, prompt)
-        held = HeldGets(memory)
-        async with HiCache(config, storage=held) as reader:
-            held.gate = asyncio.get_running_loop().create_future()
-            first = asyncio.create_task(reader.prefetch(prompt, request_id="A"))
-            await asyncio.wait_for(held.held.wait(), 30)  # A's first batch is read, not landed
-            second = await reader.start_prefetch(prompt, request_id="B")
-            link = reader._link
-            assert link is not None
-            await _until(lambda: len(link.prefetcher._running) == 2, "B to wait on A's reads")
-            held.gate = None  # B's own reads go through
-            first.cancel()
-            result = await asyncio.wait_for(second.wait(), 30)
-            assert result.status is PrefetchStatus.COMPLETE
-            assert result.storage_tokens == len(prompt)
-            assert reader.statistics().tokens.storage == len(prompt)  # A landed nothing
-            served = await serve(reader, prompt, generator, prefetch=False, check="all")
-            assert served.host_tokens == len(prompt)
-            await reader.drain()
-            assert_drained(reader)
+        generator = KVGenerator(config.layout, PAGE, seed=5)
+        for prompt in prompts:
+            await _stored(memory, config, prompt)
+        store = GatedStorage(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.gets.closed = True
+            try:
+                yield cache, store, generator
+            finally:
+                store.open()
+
+
+def _prompt(seed: int, pages: int = PAGES) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 5000, size=pages * PAGE)
+
+
+def _prefetcher(cache: HiCache) -> Prefetcher:
+    link = cache._link
+    assert link is not None
+    return link.prefetcher
+
+
+def _waiters(cache: HiCache, key: bytes) -> int:
+    """How many prefetches wait on another's read of `key`."""
+    flight = _prefetcher(cache)._inflight.get(key)
+    return 0 if flight is None else flight.waiters
+
+
+def _reader(cache: HiCache) -> PrefetchHandle:
+    """The one prefetch whose storage call is in flight."""
+    (reader,) = [h for h in _prefetcher(cache)._running if h._reading]
+    return reader
+
+
+async def _sharing(
+    cache: HiCache, store: GatedStorage, prompt: np.ndarray, names: str
+) -> list[PrefetchHandle]:
+    """Prefetches of `prompt`, one per letter of `names`: the first reads (its get held at
+    the gate), the others wait on its read."""
+    key = cache.keys_for(prompt)[0]
+    handles = [await cache.start_prefetch(prompt, request_id=names[0])]
+    await _until(lambda: len(store.gets.waiting) == 1, f"{names[0]}'s get in flight")
+    for count, name in enumerate(names[1:], 1):
+        handles.append(await cache.start_prefetch(prompt, request_id=name))
+        await _until(lambda n=count: _waiters(cache, key) == n, f"{name} to wait")
+    return handles
+
+
+def _read_once(store: GatedStorage, cache: HiCache, prompt: np.ndarray) -> None:
+    keys = cache.namespace.storage_keys(cache.keys_for(prompt))
+    assert [store.reads[key] for key in keys] == [1] * len(keys)
+
+
+async def _check_and_drain(cache: HiCache, prompt: np.ndarray, generator: KVGenerator) -> None:
+    await serve(cache, prompt, generator, prefetch=False, check="all")
+    await cache.drain()
+    assert_drained(cache)
+
+
+async def test_a_cancelled_prefetch_lands_the_batch_others_wait_on_and_they_read_the_rest() -> None:
+    # A's caller is cancelled while B waits on A's first batch: that batch still lands (for
+    # B), A issues no further read and ends CANCELLED, and B reads the pages A gave up itself.
+    prompt = _prompt(5)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        first = asyncio.create_task(cache.prefetch(prompt, request_id="A"))
+        await _until(lambda: len(store.gets.waiting) == 1, "A's first batch in flight")
+        a = _reader(cache)
+        second = await cache.start_prefetch(prompt, request_id="B")
+        await _until(lambda: _waiters(cache, a.keys[0]) == 1, "B to wait on A's reads")
+        first.cancel()
+        # The caller is let go at once; the read it started is not.
+        await asyncio.wait([first])
+        assert first.cancelled()
+        assert not a.done()
+        store.gets.open()
+        result = await asyncio.wait_for(second.wait(), 30)
+        assert (await asyncio.wait_for(a.wait(), 30)).status is PrefetchStatus.CANCELLED
+        assert a.storage_tokens == 4 * PAGE  # its batch in flight, nothing after it
+        assert result.status is PrefetchStatus.COMPLETE
+        assert result.storage_tokens == len(prompt)
+        _read_once(store, cache, prompt)
+        assert cache.statistics().tokens.storage == len(prompt)
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_cancelled_prefetch_stops_its_read_once_nobody_waits_on_it() -> None:
+    prompt = _prompt(8)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        a, b = await _sharing(cache, store, prompt, "AB")
+        a.cancel()
+        scope = a._scope
+        assert scope is not None
+        assert not scope.cancel_called  # B waits on its read
+        b.cancel()  # the last waiter leaves: A's read is abandoned, the gate still shut
+        one, two = await asyncio.wait_for(asyncio.gather(a.wait(), b.wait()), 30)
+        assert one.status is two.status is PrefetchStatus.CANCELLED
+        assert one.storage_tokens == two.storage_tokens == 0
+        store.gets.open()
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_detach_cancels_a_read_others_wait_on_at_once() -> None:
+    prompt = _prompt(9)
+    async with _gated(_config(), prompt) as (cache, store, _):
+        a, b = await _sharing(cache, store, prompt, "AB")
+        # With the gate still shut: the detach does not wait for A's read.
+        await asyncio.wait_for(cache.detach_storage(flush=False), 30)
+        assert a.status is b.status is PrefetchStatus.CANCELLED
+        assert_drained(cache)
 
 
 async def test_pages_read_once_for_two_prefetches_count_once_in_the_storage_tokens() -> None:
     config = _config()
-    prompt = np.random.default_rng(6).integers(0, 5000, size=PAGES * PAGE)
+    prompt = _prompt(6)
     async with MemoryStorage(capacity_bytes=64 << 20) as memory:
         generator = await _stored(memory, config, prompt)
         held = HeldGets(memory)
@@ -117,6 +275,127 @@ async def test_pages_read_once_for_two_prefetches_count_once_in_the_storage_toke
             assert one.storage_tokens == two.storage_tokens == len(prompt)
             assert held.gets == PAGES // 4
             assert reader.statistics().tokens.storage == len(prompt)
-            await serve(reader, prompt, generator, prefetch=False, check="all")
-            await reader.drain()
-            assert_drained(reader)
+            await _check_and_drain(reader, prompt, generator)
+
+
+async def test_pages_others_landed_while_a_prefetch_looked_them_up_count_for_it() -> None:
+    # B matched nothing, then A landed the whole prompt while B's `exists` ran: B found it
+    # all cached when it planned, and reported 0 tokens (COMPLETE) for a prompt on the host.
+    prompt = _prompt(7)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        (a,) = await _sharing(cache, store, prompt, "A")
+        store.lookups.closed = True
+        b = await cache.start_prefetch(prompt, request_id="B")
+        await _until(lambda: len(store.lookups.waiting) == 1, "B's lookup in flight")
+        store.gets.open()
+        one = await asyncio.wait_for(a.wait(), 30)
+        store.lookups.open()
+        two = await asyncio.wait_for(b.wait(), 30)
+        assert one.status is two.status is PrefetchStatus.COMPLETE
+        assert one.cached_tokens == two.cached_tokens == len(prompt)
+        assert two.storage_tokens == len(prompt)
+        assert cache.statistics().tokens.storage == len(prompt)  # read once, by A
+        _read_once(store, cache, prompt)
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_prefetch_sharing_with_readers_that_stop_in_turn_reads_everything() -> None:
+    # Three prefetches read the prompt in turn, each terminated (a timeout policy's wait
+    # ending) once its batch in flight lands. B, waiting on each, used to count every hand-over
+    # as a failed plan and end TERMINATED after the third with part of the prompt.
+    prompt = _prompt(10, 4 * PAGES)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        *readers, b = await _sharing(cache, store, prompt, "XYZB")
+        for turn, reader in enumerate(readers):
+            assert _reader(cache) is reader  # the earliest waiter plans first
+            reader.terminate()
+            store.gets.release()
+            await asyncio.wait_for(reader.wait(), 30)
+            if turn < len(readers) - 1:
+                await _until(lambda: len(store.gets.waiting) == 1, "the next reader")
+        store.gets.open()
+        result = await asyncio.wait_for(b.wait(), 30)
+        assert [r.status for r in readers] == [PrefetchStatus.TERMINATED] * 3
+        assert result.status is PrefetchStatus.COMPLETE
+        assert result.storage_tokens == len(prompt)
+        _read_once(store, cache, prompt)
+        await _check_and_drain(cache, prompt, generator)
+
+
+@pytest.mark.parametrize("failure", ["error", "timeout"])
+async def test_a_failed_shared_read_ends_those_waiting_on_it_without_reading_it_again(
+    failure: str,
+) -> None:
+    # A's get failed (raised, or hung past io_timeout_s): B and C, waiting on it, each read
+    # the page again in turn, so a hanging store held them for one timeout after another.
+    prompt = _prompt(11)
+    config = _config(io_timeout_s=1.0 if failure == "timeout" else 10.0)
+    async with _gated(config, prompt) as (cache, store, generator):
+        handles = await _sharing(cache, store, prompt, "ABC")
+        if failure == "error":
+            store.error = OSError("storage unreachable")
+            store.gets.release()
+        # else: the gate stays shut until A's call times out
+        results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+        assert [r.status for r in results] == [PrefetchStatus.TERMINATED] * 3
+        assert [r.cached_tokens for r in results] == [0, 0, 0]
+        storage_keys = cache.namespace.storage_keys(cache.keys_for(prompt))
+        assert [store.reads[key] for key in storage_keys[:4]] == [1] * 4
+        assert sum(store.reads.values()) == 4  # A's first batch, once
+        status = cache.storage_status().prefetch
+        assert status is not None
+        assert status.errors == 4
+        store.error = None
+        store.gets.open()
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_corrupt_page_ends_those_sharing_its_read_at_it_without_rereads() -> None:
+    # Page 1 of a batch is corrupt: the sharers used to read pages 1-7 again (the reader had
+    # read 2-7 fine) and ask for the removed page again.
+    prompt = _prompt(12)
+    async with _gated(_config(batch_pages=PAGES), prompt) as (cache, store, generator):
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[1]
+        raw = bytearray(await store.read_raw(key))
+        raw[-1] ^= 0xFF
+        await store.write_raw(key, bytes(raw))
+        handles = await _sharing(cache, store, prompt, "ABC")
+        store.gets.open()
+        results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+        assert [r.status for r in results] == [PrefetchStatus.TERMINATED] * 3
+        assert [r.cached_tokens for r in results] == [PAGE] * 3
+        _read_once(store, cache, prompt)
+        status = cache.storage_status().prefetch
+        assert status is not None
+        assert status.corrupt == 1
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_prefetch_holds_the_pages_it_waited_for_until_it_ends() -> None:
+    # B (a longer prompt) waited on A's read of its first pages and read the rest itself.
+    # Once A ended nobody protected A's pages: host pressure evicted them, B's own pages
+    # could not attach, and B reported tokens that were no longer cached.
+    d = _config(batch_pages=PAGES, max_host_share=1.0).to_dict()
+    d["host_pages"] = 16
+    config = CacheConfig.from_dict(d)
+    long, other = _prompt(13), _prompt(14, 12)
+    short = long[: 6 * PAGE]
+    async with _gated(config, long, other) as (cache, store, generator):
+        a = await cache.start_prefetch(short, request_id="A")
+        await _until(lambda: len(store.gets.waiting) == 1, "A's read in flight")
+        b = await cache.start_prefetch(long, request_id="B")
+        await _until(lambda: _waiters(cache, a.keys[0]) == 1, "B to wait on A's reads")
+        # A's read lands and A ends: the pages are B's to hold now, while it reads the rest.
+        store.gets.release()
+        assert (await asyncio.wait_for(a.wait(), 30)).status is PrefetchStatus.COMPLETE
+        await _until(lambda: len(store.gets.waiting) == 1, "B's own read in flight")
+        # Host pressure: a prefetch of another prompt takes every host page it can.
+        c = await cache.start_prefetch(other, request_id="C")
+        await _until(lambda: len(store.gets.waiting) == 2, "C's read in flight")
+        store.gets.open()
+        result = await asyncio.wait_for(b.wait(), 30)
+        await asyncio.wait_for(c.wait(), 30)
+        assert result.status is PrefetchStatus.COMPLETE
+        assert result.cached_tokens == len(long)
+        assert cache.match(long).host_tokens == len(long)
+        await _check_and_drain(cache, long, generator)

@@ -55,9 +55,35 @@ class PrefetchStatus(enum.Enum):
     SKIPPED = "skipped"
 
 
-# Plans a prefetch makes again after another prefetch it waited on gave up its pages: each
-# reads what is left itself, so a few suffice unless others keep giving up under it.
+# Plans that brought nothing, each ended by another prefetch dropping a page this one waited
+# for (it could not keep it): after this many the prefetch ends with what it has. A plan that
+# brought pages, or whose reader stopped on request, does not count (see `Prefetcher._fetch`).
 _REPLANS = 3
+
+
+class _Shared(enum.Enum):
+    """How a page one prefetch was reading ended, for the prefetches waiting on it."""
+
+    #: in the tree as a host page.
+    LANDED = "landed"
+    #: given up: its reader was terminated or cancelled before reading it.
+    STOPPED = "stopped"
+    #: given up: its reader could not keep it (host pressure, or it stopped on a failed page).
+    DROPPED = "dropped"
+    #: storage did not deliver it (MISS, CORRUPT, ERROR, or the call failed or timed out).
+    FAILED = "failed"
+
+
+class _Flight:
+    """A page being read by `reader`, and how many other prefetches wait on it."""
+
+    __slots__ = ("future", "reader", "waiters")
+
+    def __init__(self, future: asyncio.Future[_Shared], reader: PrefetchHandle) -> None:
+        self.future = future
+        self.reader = reader
+        self.waiters = 0
+
 
 _FINAL = frozenset(
     {
@@ -163,6 +189,7 @@ class PrefetchHandle:
         "_owner",
         "_policy",
         "_prefetcher",
+        "_reading",
         "_scope",
         "_seq",
         "_started",
@@ -232,6 +259,8 @@ class PrefetchHandle:
         self._in_queue = False  # holds a slot of the prefetcher's queue (see `_PrefetchQueue`)
         self._cancel_requested = False
         self._scope: anyio.CancelScope | None = None
+        # The keys of this prefetch's storage call in flight (others may wait on them).
+        self._reading: list[bytes] = []
         self._done = asyncio.Event()
         self._started = time.monotonic()
 
@@ -257,6 +286,10 @@ class PrefetchHandle:
         not taken as settled by the one before it)."""
         return self._terminated
 
+    def _stopped(self) -> PrefetchStatus:
+        """The status of a prefetch that stops because it was asked to."""
+        return PrefetchStatus.CANCELLED if self._cancel_requested else PrefetchStatus.TERMINATED
+
     def terminate(self) -> None:
         """Issue no further reads; what is in flight still lands. A prefetch still queued
         finishes TERMINATED at once, and its place in the queue is free again."""
@@ -266,16 +299,33 @@ class PrefetchHandle:
             self._prefetcher._drop_queued(self, PrefetchStatus.TERMINATED)
 
     def cancel(self) -> None:
-        """Stop now: the read in flight is abandoned and its pages go back. A prefetch still
-        queued finishes CANCELLED at once, and its place in the queue is free again."""
+        """Stop now: the read in flight is abandoned and its pages go back, unless other
+        prefetches wait on it (they need the same pages): it then lands for them (or is
+        abandoned once the last of them stops waiting), and no further read is issued.
+        Either way the prefetch finishes CANCELLED. A prefetch still queued finishes
+        CANCELLED at once, and its place in the queue is free again."""
         # Before the flags: from another thread the cancel scope cannot be cancelled (no
         # running loop there), and flags set before that failure would stop the prefetch
         # half-way, without its scope.
         self._check_owner()
+        self._request_cancel()
+        prefetcher = self._prefetcher
+        if prefetcher is not None and prefetcher._shared_in_flight(self):
+            return  # the last waiter to leave cancels the read (`Prefetcher._unwait`)
+        self._cancel_scope()
+
+    def _abort(self) -> None:
+        """Cancel at once, the read in flight too, whoever waits on it (a detach or close)."""
+        self._request_cancel()
+        self._cancel_scope()
+
+    def _request_cancel(self) -> None:
         self._cancel_requested = True
         self._terminated = True
         if self._in_queue and self._prefetcher is not None:
             self._prefetcher._drop_queued(self, PrefetchStatus.CANCELLED)
+
+    def _cancel_scope(self) -> None:
         if self._scope is not None:
             self._scope.cancel()
 
@@ -569,9 +619,9 @@ class Prefetcher:
             max_buffer_size=math.inf
         )
         self._send = _PrefetchQueue(config.queue_size, send, self._receive)
-        # Key -> future resolved True once the page is in the tree as a host page, False if
-        # the prefetch reading it gave up. Concurrent prefetches wait on it instead of reading.
-        self._inflight: dict[bytes, asyncio.Future[bool]] = {}
+        # Key -> the page being read, whose future says how the read ended (`_Shared`).
+        # Concurrent prefetches wait on it instead of reading.
+        self._inflight: dict[bytes, _Flight] = {}
         self._running: set[PrefetchHandle] = set()
         self._left = asyncio.Event()  # a prefetch left `_running` (see `wait_stopped`)
         self._closed = False
@@ -713,7 +763,7 @@ class Prefetcher:
         self._closed = True
         self._send.close()
         for handle in list(self._running):
-            handle.cancel()
+            handle._abort()
 
     def cancel_queued(self) -> None:
         """Cancel every prefetch still waiting in the queue (they finish as CANCELLED)."""
@@ -831,20 +881,49 @@ class Prefetcher:
         if existing * size < threshold:
             return PrefetchStatus.SKIPPED
         if handle._gave_up():  # meanwhile
-            return PrefetchStatus.TERMINATED
-        for _ in range(_REPLANS):
+            return handle._stopped()
+        fruitless = 0
+        # A plan per page and a few more: bounded however often others give up under it.
+        for _ in range(len(keys) + _REPLANS):
+            before = handle.storage_tokens
             status = await self._read(handle, start + existing)
-            if status is not None:
+            if isinstance(status, PrefetchStatus):
                 return status
+            # Plan again, and read what was given up. A plan that brought pages, or whose
+            # reader stopped on request (a timeout, a cancelled caller), does not use up one:
+            # a prefetch sharing with readers that give up in turn still reads everything.
+            if handle.storage_tokens <= before and status is _Shared.DROPPED:
+                fruitless += 1
+                if fruitless == _REPLANS:
+                    break
         return PrefetchStatus.TERMINATED
 
-    async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus | None:
+    def _shared_in_flight(self, handle: PrefetchHandle) -> bool:
+        """Whether another prefetch waits on a page of `handle`'s storage call in flight."""
+        return any(
+            flight.waiters
+            for flight in (self._inflight.get(key) for key in handle._reading)
+            if flight is not None and flight.reader is handle
+        )
+
+    def _unwait(self, flight: _Flight) -> None:
+        """A prefetch no longer waits on `flight`: its reader, cancelled but kept reading
+        for its waiters, stops now if it was the last one."""
+        flight.waiters -= 1
+        reader = flight.reader
+        if not flight.waiters and reader._cancel_requested and not self._shared_in_flight(reader):
+            reader._cancel_scope()
+
+    async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus | _Shared:
         """Read keys[cached:end] into the host pool, landing batches as they arrive.
 
-        None when a page another prefetch was reading did not arrive (it was cancelled,
-        terminated or failed) while this one goes on: the caller plans again, and this
-        prefetch reads that page itself.
+        Returns how a page another prefetch was reading was given up (STOPPED, DROPPED)
+        while this one goes on: the caller plans again, and this prefetch reads that page
+        itself. A page storage did not deliver to that prefetch (FAILED) ends this one as it
+        ended that one, with what it has: it is not asked for again.
         """
+        if handle._gave_up():
+            return handle._stopped()
         cache = self._cache
         tree = cache._tree
         host = cache._host_pool
@@ -858,6 +937,14 @@ class Prefetcher:
         # Re-plan after the await: others may have brought pages meanwhile.
         found = tree.match(keys, touch=False)
         begin = found.num_device_pages + found.num_host_pages
+        # Pages past the first match, in pages: cached then (`device_tokens`, `host_tokens`)
+        # and at most the rest of the prompt from storage, so a page counts once.
+        first = (handle.device_tokens + handle.host_tokens) // size
+        cap = len(keys) - first
+        # What others landed since the first match (while `exists` ran, before this plan) is
+        # cached for this prompt as much as what this prefetch lands itself.
+        landed = min(max(handle.storage_tokens // size, begin - first), cap)
+        handle.storage_tokens = landed * size
         if begin >= end:
             return PrefetchStatus.COMPLETE
         todo = keys[begin:end]
@@ -867,7 +954,7 @@ class Prefetcher:
         locked: TreeNode = found.device_node
         tree.lock_device(locked)
         tree.protect_host(anchor)
-        # Pages another prefetch is reading: wait on its futures (captured now, since it
+        # Pages another prefetch is reading: wait on its flights (captured now, since it
         # forgets them once they land), never read them twice.
         others = {k: self._inflight[k] for k in todo if k in self._inflight}
         own = [k for k in todo if k not in others]
@@ -888,43 +975,76 @@ class Prefetcher:
             tree.unprotect_host(anchor)
             tree.unlock_device(locked)
             return PrefetchStatus.TERMINATED
+        # Counted as a waiter of each until it passes it or leaves: a cancelled reader keeps
+        # reading a batch someone waits on (see `PrefetchHandle.cancel`).
+        waiting = {k: others[k] for k in todo if k in others}
+        for flight in waiting.values():
+            flight.waiters += 1
         loop = asyncio.get_running_loop()
-        futures: dict[bytes, asyncio.Future[bool]] = {}
+        flights: dict[bytes, _Flight] = {}
         for key in own:
-            futures[key] = self._inflight[key] = loop.create_future()
+            flights[key] = self._inflight[key] = _Flight(loop.create_future(), handle)
         page_of = dict(zip(own, pages, strict=True))
         self._held += len(pages)
         batch_limit = max(
             1, min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
         )
-        # Pages landed by an earlier plan of this prefetch count as its own too.
-        landed = handle.storage_tokens // size
         own_landed = 0
-        status: PrefetchStatus | None = PrefetchStatus.COMPLETE
+        failed: set[bytes] = set()  # own pages storage did not deliver
+        given_up = _Shared.STOPPED  # what an own page not landed tells those waiting on it
+        status: PrefetchStatus | _Shared = PrefetchStatus.COMPLETE
         try:
             pos = 0
             while pos < len(todo):
                 if handle._terminated:
-                    status = PrefetchStatus.TERMINATED
+                    status = handle._stopped()
                     break
                 key = todo[pos]
-                if key not in futures:
-                    arrived = await asyncio.shield(others[key])
-                    if not arrived:
-                        status = PrefetchStatus.TERMINATED if handle._terminated else None
+                if key not in flights:
+                    outcome = await asyncio.shield(others[key].future)
+                    if outcome is not _Shared.LANDED:
+                        if outcome is _Shared.FAILED:
+                            status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
+                        elif handle._gave_up():
+                            status = handle._stopped()
+                        else:
+                            status = given_up = outcome
                         break
-                    self.pages_shared += 1
-                    pos += 1
-                    landed += 1
+                    # Every page of the run landed with it: take them together.
+                    run = pos + 1
+                    while run < len(todo) and todo[run] in waiting:
+                        ahead = waiting[todo[run]].future
+                        if not ahead.done() or ahead.result() is not _Shared.LANDED:
+                            break
+                        run += 1
+                    for k in todo[pos:run]:
+                        self._unwait(waiting.pop(k))
+                    # Hold them as own pages are held (`_land`): their reader lets go of
+                    # them when it ends, and the pages after them must have them to attach.
+                    reached = tree.match(keys[: begin + run], touch=False)
+                    if reached.num_device_pages + reached.num_host_pages != begin + run:
+                        # Evicted before this prefetch could hold them: plan again.
+                        status = given_up = _Shared.DROPPED
+                        break
+                    tree.protect_host(reached.host_node)
+                    tree.unprotect_host(anchor)
+                    anchor = reached.host_node
+                    self.pages_shared += run - pos
+                    landed = min(landed + run - pos, cap)
                     handle.storage_tokens = landed * size  # what ready() reports meanwhile
+                    pos = run
                     continue
                 run_end = pos
                 while (
-                    run_end < len(todo) and todo[run_end] in futures and run_end - pos < batch_limit
+                    run_end < len(todo) and todo[run_end] in flights and run_end - pos < batch_limit
                 ):
                     run_end += 1
                 batch = todo[pos:run_end]
-                outcomes = await self._get(batch, [page_of[k] for k in batch])
+                handle._reading = batch
+                try:
+                    outcomes = await self._get(batch, [page_of[k] for k in batch])
+                finally:
+                    handle._reading = []
                 ok = 0
                 while ok < len(batch) and outcomes[ok] is Outcome.OK:
                     ok += 1
@@ -938,38 +1058,45 @@ class Prefetcher:
                         anchor=anchor,
                     )
                     if extended is None:
-                        status = PrefetchStatus.TERMINATED
+                        # The prefix was evicted: report only what is still cached.
+                        now = tree.match(keys, touch=False)
+                        here = now.num_device_pages + now.num_host_pages
+                        landed = min(landed, max(0, here - first))
+                        status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                         break
                     anchor = extended
                     for k in batch[:ok]:
                         del page_of[k]
-                        futures.pop(k).set_result(True)
+                        flights.pop(k).future.set_result(_Shared.LANDED)
                         self._inflight.pop(k, None)
-                    landed += ok
+                    landed = min(landed + ok, cap)
                     own_landed += ok
                     handle.storage_tokens = landed * size  # what ready() reports meanwhile
                 pos += ok
                 if ok < len(batch):
-                    status = PrefetchStatus.TERMINATED
+                    failed.update(
+                        k for k, o in zip(batch, outcomes, strict=True) if o is not Outcome.OK
+                    )
+                    status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                     break
         except BaseException:
-            status = PrefetchStatus.CANCELLED
+            status, given_up = PrefetchStatus.CANCELLED, _Shared.STOPPED
             raise
         finally:
             # Sync cleanup: every page not landed goes back, every waiter learns the outcome.
+            for flight in waiting.values():
+                self._unwait(flight)
             leftover = list(page_of.values())
             self._held -= len(pages)
             cache._host_free(leftover)
-            for k, fut in futures.items():
-                if not fut.done():
-                    fut.set_result(False)
-                if self._inflight.get(k) is fut:
+            for k, flight in flights.items():
+                if not flight.future.done():
+                    flight.future.set_result(_Shared.FAILED if k in failed else given_up)
+                if self._inflight.get(k) is flight:
                     del self._inflight[k]
             tree.unprotect_host(anchor)
             tree.unlock_device(locked)
-            # A page landed by a plan before and evicted since is read again: it counts once.
-            cap = len(keys) * size - handle.device_tokens - handle.host_tokens
-            handle.storage_tokens = min(landed * size, cap)
+            handle.storage_tokens = landed * size
             # Only what this prefetch read: a shared page counts for the one that read it.
             cache._counters.tokens_storage += own_landed * size
         return status
