@@ -698,6 +698,10 @@ class HiCache:
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         link = self._link
+        if link is not None and not link.running:
+            # Still opening (an attach can take up to its timeout): a miss now, rather than
+            # a request held in a queue no worker reads yet.
+            link = None
         handle = PrefetchHandle(
             link.prefetcher if link else None,
             keys,

@@ -70,6 +70,16 @@ class OpensThen(FileStorage):
         return opened
 
 
+class OpensWhenLetGo(FileStorage):
+    """Opens once `gate` is set."""
+
+    gate: asyncio.Event
+
+    async def __aenter__(self) -> OpensWhenLetGo:
+        await self.gate.wait()
+        return await super().__aenter__()
+
+
 class GatedPuts(FileStorage):
     """Writes wait for `gate`; `writing` is set once one does. A write cancelled while it
     waits sets `cut`."""
@@ -663,3 +673,37 @@ async def test_a_detach_without_a_flush_shows_no_flush(tmp_path: Path) -> None:
             store.gate.set()  # else a failure here would hang the cache's close
         await asyncio.wait_for(detach, GUARD_S)
         assert link.backup.statistics().dropped_pages > 0
+
+
+async def test_a_prefetch_while_storage_is_still_opening_is_a_miss_at_once(
+    tmp_path: Path,
+) -> None:
+    # It used to wait in the queue of workers not started yet: under `wait_complete` (this
+    # config) for the whole attach, under `timeout` for its whole limit.
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    stored = np.arange(3000, 3000 + 8 * PAGE)
+    async with HiCache(CONFIG, storage=FileStorage(tmp_path)) as first:
+        await serve(first, stored, generator, prefetch=False)
+        await first.drain()
+    async with HiCache(CONFIG) as cache:
+        store = OpensWhenLetGo(tmp_path)
+        store.gate = asyncio.Event()
+        attach = asyncio.create_task(cache.attach_storage(store))
+        try:
+            await _until(lambda: cache.storage_status().opening)
+            prefetching = asyncio.ensure_future(cache.prefetch(stored))
+            done, _ = await asyncio.wait([prefetching], timeout=GUARD_S)
+            assert done, "the prefetch waited for the attach"
+            result = prefetching.result()
+            assert result.status is PrefetchStatus.SKIPPED
+            assert result.cached_tokens == 0
+        finally:
+            store.gate.set()
+        await attach
+        # Once open, the same prompt is read.
+        result = await cache.prefetch(stored)
+        assert result.status is PrefetchStatus.COMPLETE
+        assert result.storage_tokens == len(stored)
+        await serve(cache, stored, generator, prefetch=False, check="all")
+        await cache.drain()
+        assert_drained(cache)
