@@ -167,7 +167,7 @@ def _prefetcher(cache: HiCache) -> Prefetcher:
 def _waiters(cache: HiCache, key: bytes) -> int:
     """How many prefetches wait on another's read of `key`."""
     flight = _prefetcher(cache)._inflight.get(key)
-    return 0 if flight is None else flight.waiters
+    return 0 if flight is None else len(flight.waiters)
 
 
 def _reader(cache: HiCache) -> PrefetchHandle:
@@ -399,3 +399,114 @@ async def test_a_prefetch_holds_the_pages_it_waited_for_until_it_ends() -> None:
         assert result.cached_tokens == len(long)
         assert cache.match(long).host_tokens == len(long)
         await _check_and_drain(cache, long, generator)
+
+
+async def test_a_prefetch_cut_by_the_host_budget_ends_terminated() -> None:
+    # Half the prompt fits the prefetches' share of the host pool: it reads that half and
+    # says it stopped early, as the docs say, rather than COMPLETE.
+    prompt = _prompt(11)
+    async with _gated(_config(max_host_share=(PAGES // 2) / 128), prompt) as (
+        cache,
+        store,
+        generator,
+    ):
+        store.gets.open()
+        result = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert result.status is PrefetchStatus.TERMINATED
+        assert result.storage_tokens == len(prompt) // 2
+        await _check_and_drain(cache, prompt, generator)
+
+
+@pytest.mark.parametrize("order", ["cancel_first", "terminate_first"])
+async def test_a_cancelled_read_is_not_kept_for_a_waiter_that_gave_up(order: str) -> None:
+    # A's read was kept going for B alone; once B gives up too (a best_effort or timed-out
+    # caller terminates it), A stops at once instead of holding a worker until its get ends.
+    prompt = _prompt(12)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        a, b = await _sharing(cache, store, prompt, "AB")
+        if order == "cancel_first":
+            a.cancel()
+            assert not a.done()  # kept for B
+            b.terminate()
+        else:
+            b.terminate()
+            a.cancel()
+        # The gate stays shut: only A's abandoned read can end it.
+        done, _ = await asyncio.wait([asyncio.ensure_future(a.wait())], timeout=30)
+        assert done, "the cancelled read was kept for a waiter that had given up"
+        assert a.status is PrefetchStatus.CANCELLED
+        result = await asyncio.wait_for(b.wait(), 30)
+        assert result.status is PrefetchStatus.TERMINATED
+        assert result.storage_tokens == 0
+        store.open()
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_prefetch_cancelled_during_its_last_batch_ends_cancelled() -> None:
+    # Its one batch is kept going for B and lands; A was still cancelled, and says so.
+    prompt = _prompt(13, pages=4)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        a, b = await _sharing(cache, store, prompt, "AB")
+        a.cancel()
+        store.open()
+        assert (await asyncio.wait_for(b.wait(), 30)).status is PrefetchStatus.COMPLETE
+        result = await asyncio.wait_for(a.wait(), 30)
+        assert result.status is PrefetchStatus.CANCELLED
+        stats = cache.storage_status().prefetch
+        assert stats is not None
+        assert (stats.completed, stats.cancelled) == (1, 1)
+        _read_once(store, cache, prompt)
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_pages_computed_while_a_prefetch_looked_them_up_are_not_from_storage() -> None:
+    prompt = _prompt(14)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        store.gets.open()
+        store.lookups.closed = True
+        try:
+            handle = await cache.start_prefetch(prompt, request_id="P")
+            await _until(lambda: len(store.lookups.waiting) == 1, "P's lookup in flight")
+            # Meanwhile a request computes the whole prompt on the device.
+            await serve(cache, prompt, generator, prefetch=False)
+        finally:
+            store.open()
+        result = await asyncio.wait_for(handle.wait(), 30)
+        assert result.status is PrefetchStatus.COMPLETE
+        assert result.storage_tokens == 0
+        assert sum(store.reads.values()) == 0
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_prefetch_never_reports_more_than_is_cached() -> None:
+    # P's first look finds A's first 4 pages on the host; they are evicted while it looks up
+    # the rest, and storage holds only 6 of A's 8 pages: P reads 6 and must report 6.
+    config = CacheConfig.from_dict({**_config(max_host_share=1.0).to_dict(), "host_pages": 12})
+    a = _prompt(15)
+    b = _prompt(16, pages=12)
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        generator = KVGenerator(config.layout, PAGE, seed=5)
+        async with HiCache(_config(), storage=Unowned(memory)) as writer:
+            await serve(writer, a[: 6 * PAGE], generator, prefetch=False)
+            await serve(writer, b, generator, prefetch=False)
+            await writer.drain()
+        store = GatedStorage(memory)
+        async with HiCache(config, storage=store) as cache:
+            try:
+                await cache.prefetch(a[: 4 * PAGE])  # A's first 4 pages on the host
+                store.lookups.closed = True
+                handle = await cache.start_prefetch(a, request_id="P")
+                await _until(lambda: len(store.lookups.waiting) == 1, "P's lookup in flight")
+                store.lookups.closed = False
+                # B fills the host pool: A's pages go.
+                await cache.prefetch(b)
+                assert cache.match(a).host_tokens == 0
+            finally:
+                store.open()
+            result = await asyncio.wait_for(handle.wait(), 30)
+            found = cache.match(a)
+            cached = found.device_tokens + found.host_tokens
+            assert cached == 6 * PAGE
+            assert result.cached_tokens == cached
+            await cache.drain()
+            assert_drained(cache)

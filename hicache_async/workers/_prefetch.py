@@ -75,14 +75,18 @@ class _Shared(enum.Enum):
 
 
 class _Flight:
-    """A page being read by `reader`, and how many other prefetches wait on it."""
+    """A page being read by `reader`, and the other prefetches waiting on it."""
 
     __slots__ = ("future", "reader", "waiters")
 
     def __init__(self, future: asyncio.Future[_Shared], reader: PrefetchHandle) -> None:
         self.future = future
         self.reader = reader
-        self.waiters = 0
+        self.waiters: set[PrefetchHandle] = set()
+
+    def wanted(self) -> bool:
+        """Whether a waiter still wants the page: one terminated or cancelled does not."""
+        return any(not waiter._terminated for waiter in self.waiters)
 
 
 _FINAL = frozenset(
@@ -196,6 +200,7 @@ class PrefetchHandle:
         "_terminated",
         "_timed_out",
         "_waited",
+        "_waiting",
         "device_tokens",
         "host_tokens",
         "keys",
@@ -261,6 +266,8 @@ class PrefetchHandle:
         self._scope: anyio.CancelScope | None = None
         # The keys of this prefetch's storage call in flight (others may wait on them).
         self._reading: list[bytes] = []
+        # The reads of others this prefetch waits on.
+        self._waiting: list[_Flight] = []
         self._done = asyncio.Event()
         self._started = time.monotonic()
 
@@ -295,13 +302,17 @@ class PrefetchHandle:
         finishes TERMINATED at once, and its place in the queue is free again."""
         self._check_owner()
         self._terminated = True
-        if self._in_queue and self._prefetcher is not None:
-            self._prefetcher._drop_queued(self, PrefetchStatus.TERMINATED)
+        if self._prefetcher is not None:
+            if self._in_queue:
+                self._prefetcher._drop_queued(self, PrefetchStatus.TERMINATED)
+            # A cancelled read kept going for this prefetch alone need not go on.
+            self._prefetcher._unwanted(self)
 
     def cancel(self) -> None:
         """Stop now: the read in flight is abandoned and its pages go back, unless other
         prefetches wait on it (they need the same pages): it then lands for them (or is
-        abandoned once the last of them stops waiting), and no further read is issued.
+        abandoned once none of them still wants it: each has stopped waiting, or was
+        terminated or cancelled), and no further read is issued.
         Either way the prefetch finishes CANCELLED. A prefetch still queued finishes
         CANCELLED at once, and its place in the queue is free again."""
         # Before the flags: from another thread the cancel scope cannot be cancelled (no
@@ -322,8 +333,10 @@ class PrefetchHandle:
     def _request_cancel(self) -> None:
         self._cancel_requested = True
         self._terminated = True
-        if self._in_queue and self._prefetcher is not None:
-            self._prefetcher._drop_queued(self, PrefetchStatus.CANCELLED)
+        if self._prefetcher is not None:
+            if self._in_queue:
+                self._prefetcher._drop_queued(self, PrefetchStatus.CANCELLED)
+            self._prefetcher._unwanted(self)
 
     def _cancel_scope(self) -> None:
         if self._scope is not None:
@@ -899,19 +912,28 @@ class Prefetcher:
         return PrefetchStatus.TERMINATED
 
     def _shared_in_flight(self, handle: PrefetchHandle) -> bool:
-        """Whether another prefetch waits on a page of `handle`'s storage call in flight."""
+        """Whether another prefetch, not given up, waits on a page of `handle`'s storage
+        call in flight."""
         return any(
-            flight.waiters
+            flight.wanted()
             for flight in (self._inflight.get(key) for key in handle._reading)
             if flight is not None and flight.reader is handle
         )
 
-    def _unwait(self, flight: _Flight) -> None:
-        """A prefetch no longer waits on `flight`: its reader, cancelled but kept reading
-        for its waiters, stops now if it was the last one."""
-        flight.waiters -= 1
-        reader = flight.reader
-        if not flight.waiters and reader._cancel_requested and not self._shared_in_flight(reader):
+    def _unwait(self, flight: _Flight, waiter: PrefetchHandle) -> None:
+        """`waiter` no longer waits on `flight`: its reader, cancelled but kept reading for
+        its waiters, stops now if no one else wants the read."""
+        flight.waiters.discard(waiter)
+        self._let_go(flight.reader)
+
+    def _unwanted(self, waiter: PrefetchHandle) -> None:
+        """`waiter` gave up (it still waits until its reads end): readers kept going only
+        for it stop now."""
+        for flight in waiter._waiting:
+            self._let_go(flight.reader)
+
+    def _let_go(self, reader: PrefetchHandle) -> None:
+        if reader._cancel_requested and not self._shared_in_flight(reader):
             reader._cancel_scope()
 
     async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus | _Shared:
@@ -942,8 +964,10 @@ class Prefetcher:
         first = (handle.device_tokens + handle.host_tokens) // size
         cap = len(keys) - first
         # What others landed since the first match (while `exists` ran, before this plan) is
-        # cached for this prompt as much as what this prefetch lands itself.
-        landed = min(max(handle.storage_tokens // size, begin - first), cap)
+        # cached for this prompt as much as what this prefetch lands itself; pages a request
+        # computed on the device meanwhile are not from storage.
+        beyond = begin - max(first, found.num_device_pages)
+        landed = min(max(handle.storage_tokens // size, beyond), cap)
         handle.storage_tokens = landed * size
         if begin >= end:
             return PrefetchStatus.COMPLETE
@@ -975,11 +999,14 @@ class Prefetcher:
             tree.unprotect_host(anchor)
             tree.unlock_device(locked)
             return PrefetchStatus.TERMINATED
+        # Cut by the host budget or a full pool: what it reads is not all storage had.
+        short = begin + len(todo) < end
         # Counted as a waiter of each until it passes it or leaves: a cancelled reader keeps
         # reading a batch someone waits on (see `PrefetchHandle.cancel`).
         waiting = {k: others[k] for k in todo if k in others}
         for flight in waiting.values():
-            flight.waiters += 1
+            flight.waiters.add(handle)
+        handle._waiting = list(waiting.values())
         loop = asyncio.get_running_loop()
         flights: dict[bytes, _Flight] = {}
         for key in own:
@@ -992,7 +1019,9 @@ class Prefetcher:
         own_landed = 0
         failed: set[bytes] = set()  # own pages storage did not deliver
         given_up = _Shared.STOPPED  # what an own page not landed tells those waiting on it
-        status: PrefetchStatus | _Shared = PrefetchStatus.COMPLETE
+        status: PrefetchStatus | _Shared = (
+            PrefetchStatus.TERMINATED if short else PrefetchStatus.COMPLETE
+        )
         try:
             pos = 0
             while pos < len(todo):
@@ -1018,7 +1047,7 @@ class Prefetcher:
                             break
                         run += 1
                     for k in todo[pos:run]:
-                        self._unwait(waiting.pop(k))
+                        self._unwait(waiting.pop(k), handle)
                     # Hold them as own pages are held (`_land`): their reader lets go of
                     # them when it ends, and the pages after them must have them to attach.
                     reached = tree.match(keys[: begin + run], touch=False)
@@ -1058,10 +1087,7 @@ class Prefetcher:
                         anchor=anchor,
                     )
                     if extended is None:
-                        # The prefix was evicted: report only what is still cached.
-                        now = tree.match(keys, touch=False)
-                        here = now.num_device_pages + now.num_host_pages
-                        landed = min(landed, max(0, here - first))
+                        # The prefix was evicted (what is reported is cut below).
                         status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                         break
                     anchor = extended
@@ -1084,8 +1110,9 @@ class Prefetcher:
             raise
         finally:
             # Sync cleanup: every page not landed goes back, every waiter learns the outcome.
+            handle._waiting = []
             for flight in waiting.values():
-                self._unwait(flight)
+                self._unwait(flight, handle)
             leftover = list(page_of.values())
             self._held -= len(pages)
             cache._host_free(leftover)
@@ -1096,9 +1123,17 @@ class Prefetcher:
                     del self._inflight[k]
             tree.unprotect_host(anchor)
             tree.unlock_device(locked)
+            # Never more than is cached now past the first match: pages landed and evicted
+            # since (and read again) count once.
+            now = tree.match(keys, touch=False)
+            landed = min(landed, max(0, now.num_device_pages + now.num_host_pages - first))
             handle.storage_tokens = landed * size
             # Only what this prefetch read: a shared page counts for the one that read it.
             cache._counters.tokens_storage += own_landed * size
+        if handle._cancel_requested and isinstance(status, PrefetchStatus):
+            # Cancelled while its last batch was kept going for others: it still ends
+            # as it was asked to.
+            return PrefetchStatus.CANCELLED
         return status
 
     def _cut(self, todo: list[bytes], allowed_own: int) -> int:
