@@ -160,6 +160,8 @@ async def test_a_split_during_a_backup_does_not_copy_the_head_again() -> None:
             # A shorter prompt splits the node while its backup runs, and hits the head.
             cache.request(prompt[: 4 * PAGE]).release()
             assert gate.backups == [8], "the split's head was copied a second time"
+            cache.request(prompt).release()  # a hit on the head and the tail
+            assert gate.backups == [8], "the split's tail was copied a second time"
             assert host_used(cache) == 8
         finally:
             await gate.open()
