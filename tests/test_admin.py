@@ -356,7 +356,8 @@ async def test_cache_not_open_is_503() -> None:
     async with cache:
         pass
     async with running(AdminApp(cache, token=TOKEN)) as client:
-        assert (await client.get(STORAGE, headers=AUTH)).json()["attached"] is False
+        closed = _error(await client.get(STORAGE, headers=AUTH), 503, "cache_unavailable")
+        assert closed == "the cache is closed"
         put = await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})
         assert "closed" in _error(put, 503, "cache_unavailable")
 

@@ -20,6 +20,7 @@ from ._http import (
     ClientDisconnected,
     HTTPError,
     Receive,
+    ResponseNotRead,
     Scope,
     Send,
     header,
@@ -157,7 +158,8 @@ class AdminApp:
     closed again and the answer is 504. Changes are serialised; a ``DELETE`` cancels the
     attaches of ``PUT`` requests that came before it (closed again, 409 `attach_cancelled`)
     instead of waiting for them to open. A request body must arrive within `body_timeout_s`
-    seconds (408 otherwise).
+    seconds (408 otherwise), and each response must be taken within `send_timeout_s` seconds
+    (a client that does not read has that response given up, left incomplete).
 
     Errors are ``{"error": code, "detail": message}``. The app may run on any event loop:
     cache calls are handed to the cache's loop when the server's loop is another one.
@@ -172,6 +174,7 @@ class AdminApp:
         path_prefix: str = "",
         attach_timeout_s: float = 30.0,
         body_timeout_s: float = 30.0,
+        send_timeout_s: float = 30.0,
     ) -> None:
         if isinstance(token, str):
             token = token.encode()
@@ -185,6 +188,7 @@ class AdminApp:
             raise ValueError(f"max_body_bytes must be a positive integer, got {max_body_bytes!r}")
         _check_seconds("attach_timeout_s", attach_timeout_s)
         _check_seconds("body_timeout_s", body_timeout_s)
+        _check_seconds("send_timeout_s", send_timeout_s)
         prefix = path_prefix.rstrip("/")
         if prefix and not prefix.startswith("/"):
             raise ValueError(f"path_prefix must start with '/', got {path_prefix!r}")
@@ -193,6 +197,7 @@ class AdminApp:
         self.path_prefix = prefix
         self.attach_timeout_s = float(attach_timeout_s)
         self.body_timeout_s = float(body_timeout_s)
+        self.send_timeout_s = float(send_timeout_s)
         self._token = token
         self._loop = CacheLoop(cache)
         # Serialises admin changes on the cache's loop: check, detach, attach, probe.
@@ -236,16 +241,31 @@ class AdminApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
+            await self._answer(scope, receive, send)
+        except ResponseNotRead:
+            # Returning with the response incomplete: the server closes the connection.
+            _log.warning(
+                "hicache.admin.response_not_read",
+                path=scope.get("path"),
+                client=_client(scope),
+                send_timeout_s=self.send_timeout_s,
+            )
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout_s = self.send_timeout_s
+        try:
             self._authorize(scope)
             handler = self._route(scope)
             response = await handler(scope, receive)
         except ClientDisconnected:
             return
         except HTTPError as error:
-            await send_error(send, error)
+            await send_error(send, error, timeout_s=timeout_s)
             return
         except CacheClosedError as exc:
-            await send_error(send, HTTPError(503, "cache_unavailable", str(exc)))
+            await send_error(
+                send, HTTPError(503, "cache_unavailable", str(exc)), timeout_s=timeout_s
+            )
             return
         except Exception:
             _log.exception(
@@ -255,10 +275,14 @@ class AdminApp:
                 client=_client(scope),
             )
             await send_error(
-                send, HTTPError(500, "internal_error", "the request failed; see the server log")
+                send,
+                HTTPError(500, "internal_error", "the request failed; see the server log"),
+                timeout_s=timeout_s,
             )
             return
-        await send_response(send, response.status, response.body, response.content_type)
+        await send_response(
+            send, response.status, response.body, response.content_type, timeout_s=timeout_s
+        )
 
     def _authorize(self, scope: Scope) -> None:
         values = header(scope, b"authorization")
@@ -513,6 +537,11 @@ class AdminApp:
     def _attach_error(self, exc: Exception, name: str, url: str, lost: str) -> HTTPError:
         if isinstance(exc, CacheClosedError):
             return HTTPError(503, "cache_unavailable", str(exc))
+        closed = self._loop.closed_state()
+        if closed is not None:
+            # The close detached the backend while it was opening: the storage is not at fault.
+            detail = f"the cache is {closed}, so storage {name!r} was not attached{lost}"
+            return HTTPError(503, "cache_unavailable", redact(detail, url=url))
         if isinstance(exc, StorageConfigError) and not lost:
             return HTTPError(400, "invalid_storage_url", redact(str(exc), url=url))
         # Refused only once the old backend was detached (a file root that cannot be made):

@@ -39,7 +39,17 @@ class CacheLoop:
             )
         if loop.is_closed() or not loop.is_running():
             raise HTTPError(503, "cache_unavailable", "the cache's event loop is not running")
+        state = self.closed_state()
+        if state is not None:
+            # Its loop may run on after the close (the host's own loop): nothing to inspect.
+            raise HTTPError(503, "cache_unavailable", f"the cache is {state}")
         return loop
+
+    def closed_state(self) -> str | None:
+        """`"closing"` or `"closed"` once the cache's close began, None before."""
+        # HiCache has no public accessor for its state; a str attribute, read from any thread.
+        state = self._cache._state
+        return state if state in ("closing", "closed") else None
 
     async def call(self, function: Callable[[], T]) -> T:
         """`function()` on the cache's loop, for synchronous cache methods."""

@@ -15,6 +15,7 @@ __all__ = [
     "ClientDisconnected",
     "HTTPError",
     "Message",
+    "ResponseNotRead",
     "Receive",
     "Scope",
     "Send",
@@ -70,6 +71,10 @@ class HTTPError(Exception):
 
 class ClientDisconnected(Exception):
     """The client went away before its request body arrived; nobody is left to answer."""
+
+
+class ResponseNotRead(Exception):
+    """The client did not take a response within the send bound; it was given up."""
 
 
 class _ErrorBody(msgspec.Struct, frozen=True):
@@ -161,24 +166,38 @@ async def send_response(
     body: bytes,
     content_type: bytes,
     headers: Iterable[tuple[bytes, bytes]] = (),
+    *,
+    timeout_s: float,
 ) -> None:
-    """One complete response with `Content-Type` and `Content-Length` set."""
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", content_type),
-                (b"content-length", str(len(body)).encode()),
-                *_COMMON_HEADERS,
-                *headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    """One complete response with `Content-Type` and `Content-Length` set; `ResponseNotRead`
+    unless the server took all of it within `timeout_s` seconds.
+
+    A server waits for the client to read before it takes more (flow control): a client that
+    pipelines requests and never reads would hold the connection, and a graceful shutdown
+    waiting for it, for as long as it likes. Given up, the response stays incomplete: a server
+    closes the connection then (uvicorn first tries a 500 if no header went out).
+    """
+    with anyio.move_on_after(timeout_s):
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"content-length", str(len(body)).encode()),
+                    *_COMMON_HEADERS,
+                    *headers,
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+        return
+    raise ResponseNotRead(f"the response was not taken within {timeout_s:g} s")
 
 
-async def send_error(send: Send, error: HTTPError) -> None:
+async def send_error(send: Send, error: HTTPError, *, timeout_s: float) -> None:
     """`error` as its JSON body, with any URL credential in the detail removed."""
     body = msgspec.json.encode(_ErrorBody(error.code, redact(error.detail)))
-    await send_response(send, error.status, body, b"application/json", error.headers)
+    await send_response(
+        send, error.status, body, b"application/json", error.headers, timeout_s=timeout_s
+    )

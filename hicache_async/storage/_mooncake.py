@@ -55,7 +55,7 @@ from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
 from ._manifest_mooncake import MooncakeManifest
 from ._mooncake_local import LocalObjects
-from ._mooncake_watch import MasterWatch, http_probe, reachable, tcp_probe
+from ._mooncake_watch import MasterWatch, answers, http_probe, reachable, tcp_probe
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -98,6 +98,8 @@ _FANOUT_MIN_BYTES = 4 * _MiB
 _PUT_GROUP_BYTES = 64 * _MiB
 _PUT_LANES = 2
 _PROBE_TIMEOUT_S = 3.0
+# Sent to a server to see it answer: not its protocol, so a live one drops the connection.
+_NOT_A_REQUEST = bytes(32)
 # A get reads an object stored at another length than the page only up to this size, to tell
 # a sound page of another length (kept) from a damaged one (removed).
 _MAX_JUDGED_BYTES = 256 * _MiB
@@ -970,17 +972,28 @@ class MooncakeStorage(BackendBase):
         )
 
     def _new_client(self, factory: Callable[[], Any]) -> Any:
-        # setup() waits a long time for a master that is not there: probe it first.
-        if not reachable(self._master_addr, _PROBE_TIMEOUT_S):
-            raise StorageError(f"{self._name}: cannot reach the Mooncake master at {self._master}")
-        # And the metadata server: an etcd client retries it for minutes.
-        if self._metadata_address is not None and not reachable(
-            self._metadata_address, _PROBE_TIMEOUT_S
-        ):
-            host, port = self._metadata_address
-            raise StorageError(
-                f"{self._name}: cannot reach the Mooncake metadata server at {host}:{port}"
-            )
+        # setup() retries a master or a metadata server that does not answer for minutes
+        # (20 tries of 30 s, of 6 s for an HTTP metadata server) and holds the GIL while it
+        # does, so no timeout or cancellation can cut it short: each is probed first.
+        self._probe_server("master", self._master, self._master_addr, _NOT_A_REQUEST)
+        address = self._metadata_address
+        if address is not None:
+            host, port = address
+            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if self._metadata.startswith("etcd://"):
+                # Only whether it accepts (an etcd client retries one that does not for
+                # minutes): how etcd treats bytes that are not its protocol is not relied on.
+                if not reachable(address, _PROBE_TIMEOUT_S):
+                    raise StorageError(
+                        f"{self._name}: cannot reach the Mooncake metadata server at {shown}"
+                    )
+            else:
+                request = _NOT_A_REQUEST  # https: a TLS server drops it at once
+                if self._metadata.startswith("http://"):
+                    # A real request: an HTTP server may wait for a whole one to answer.
+                    path = urlsplit(self._metadata).path or "/"
+                    request = f"GET {path} HTTP/1.0\r\nHost: {shown}\r\n\r\n".encode()
+                self._probe_server("metadata server", shown, address, request)
         store = factory()
         code = store.setup(
             self._local_hostname,
@@ -994,6 +1007,20 @@ class MooncakeStorage(BackendBase):
         if code != 0:
             raise StorageError(f"{self._name}: Mooncake setup failed with {code}")
         return store
+
+    def _probe_server(
+        self, role: str, shown: str, address: tuple[str, int], request: bytes
+    ) -> None:
+        """Raise a `StorageError` unless the Mooncake `role` at `address` answers `request`
+        (or closes the connection) within the probe timeout."""
+        answered = answers(address, request, _PROBE_TIMEOUT_S)
+        if answered is None:
+            raise StorageError(f"{self._name}: cannot reach the Mooncake {role} at {shown}")
+        if not answered:
+            raise StorageError(
+                f"{self._name}: the Mooncake {role} at {shown} accepts connections but does "
+                f"not answer (nothing within {_PROBE_TIMEOUT_S:g} s)"
+            )
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return max(self._pages, 0), max(self._bytes, 0), self._capacity

@@ -17,12 +17,13 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 
 from ._base import log
 
-__all__ = ["MasterWatch", "http_probe", "reachable", "tcp_probe"]
+__all__ = ["MasterWatch", "answers", "http_probe", "reachable", "tcp_probe"]
 
 #: Seconds between probes, and the bound on each.
 _INTERVAL_S = 0.25
@@ -55,6 +56,34 @@ def reachable(address: tuple[str, int], timeout_s: float) -> bool:
         socket.create_connection(address, timeout=timeout_s).close()
     except OSError:
         return False
+    return True
+
+
+def answers(address: tuple[str, int], request: bytes, timeout_s: float) -> bool | None:
+    """Whether the server at `address`, sent `request` and then the end of the stream,
+    answers or closes the connection within `timeout_s` seconds in all: True if it does,
+    False if it accepts the connection but stays silent (a frozen process whose kernel still
+    accepts, a port that accepts and never reads), None if it cannot be connected to.
+
+    Any answer counts, an error or a close included: a live server is quick to drop a
+    connection whose first bytes are not its protocol (a `mooncake_master` does at once).
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        connection = socket.create_connection(address, timeout=timeout_s)
+    except OSError:
+        return None
+    with connection:
+        try:
+            connection.settimeout(max(deadline - time.monotonic(), 0.001))
+            connection.sendall(request)
+            connection.shutdown(socket.SHUT_WR)
+            connection.settimeout(max(deadline - time.monotonic(), 0.001))
+            connection.recv(1)  # data or end of stream alike
+        except TimeoutError:
+            return False
+        except OSError:
+            return True  # reset or refused mid-way: a live peer's kernel or process said so
     return True
 
 
