@@ -189,6 +189,7 @@ class PrefetchHandle:
         "_group",
         "_held",
         "_in_queue",
+        "_kept_for_others",
         "_order",
         "_owner",
         "_policy",
@@ -268,6 +269,8 @@ class PrefetchHandle:
         self._reading: list[bytes] = []
         # The reads of others this prefetch waits on.
         self._waiting: list[_Flight] = []
+        # Cancelled while others waited on its read, which went on for them.
+        self._kept_for_others = False
         self._done = asyncio.Event()
         self._started = time.monotonic()
 
@@ -322,7 +325,10 @@ class PrefetchHandle:
         self._request_cancel()
         prefetcher = self._prefetcher
         if prefetcher is not None and prefetcher._shared_in_flight(self):
-            return  # the last waiter to leave cancels the read (`Prefetcher._unwait`)
+            # The last waiter to leave cancels the read (`Prefetcher._unwait`); if it lands
+            # first, this prefetch still ends CANCELLED, as it would have without them.
+            self._kept_for_others = True
+            return
         self._cancel_scope()
 
     def _abort(self) -> None:
@@ -1130,9 +1136,9 @@ class Prefetcher:
             handle.storage_tokens = landed * size
             # Only what this prefetch read: a shared page counts for the one that read it.
             cache._counters.tokens_storage += own_landed * size
-        if handle._cancel_requested and isinstance(status, PrefetchStatus):
-            # Cancelled while its last batch was kept going for others: it still ends
-            # as it was asked to.
+        if handle._kept_for_others and isinstance(status, PrefetchStatus):
+            # Cancelled while its last batch was kept going for others: it still ends as
+            # it was asked to. (A cancel after its last read, a detach's, finds it done.)
             return PrefetchStatus.CANCELLED
         return status
 
