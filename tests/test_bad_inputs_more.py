@@ -1,0 +1,78 @@
+"""Bad inputs found by fuzzing the parsers: each is a clear, typed error, not a hang, a raw
+exception from a lower layer, or damage that grows."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from hicache_async import CacheConfig, ConfigError, HiCache, KVLayout, load_config
+
+LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
+
+
+def _config(**fields: object) -> CacheConfig:
+    return CacheConfig(layout=LAYOUT, device_pages=4, device="cpu", **fields)  # type: ignore[arg-type]
+
+
+def test_a_mac_key_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "mac.key"
+    os.mkfifo(fifo, 0o600)
+    outcome: list[BaseException | None] = []
+
+    def construct() -> None:
+        try:
+            HiCache(_config(mac_key_file=str(fifo)))
+            outcome.append(None)
+        except BaseException as exc:  # reported to the test thread below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=construct, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        # Release the blocked open so the thread ends, then fail.
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(60)
+        pytest.fail("HiCache blocked opening a FIFO as its MAC key file")
+    assert isinstance(outcome[0], ConfigError)
+    assert outcome[0].field == "mac_key_file"
+    assert "not a regular file" in str(outcome[0])
+
+
+def test_a_mac_key_file_path_with_a_nul_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="not a usable path") as info:
+        HiCache(_config(mac_key_file="/tmp/a\0b"))
+    assert info.value.field == "mac_key_file"
+
+
+def test_a_readable_mac_key_file_still_works(tmp_path: Path) -> None:
+    key = tmp_path / "mac.key"
+    key.write_bytes(b"  0123456789abcdef0123  \n")
+    key.chmod(0o600)
+    assert HiCache(_config(mac_key_file=str(key))).statistics().state == "new"
+    key.chmod(0o640)
+    with pytest.raises(ConfigError, match="readable by others"):
+        HiCache(_config(mac_key_file=str(key)))
+
+
+def test_load_config_refuses_what_is_no_path_with_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a usable path"):
+        load_config(str(tmp_path / "x\0.json"))
+    with pytest.raises(ConfigError, match=r"a mapping or the path \(str or os.PathLike\)"):
+        load_config(123)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"a JSON document \(str or bytes\) is required"):
+        CacheConfig.from_json(5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"a TOML document \(str or bytes\) is required"):
+        CacheConfig.from_toml(5)  # type: ignore[arg-type]
+
+
+def test_from_toml_takes_utf8_bytes_as_from_json_does() -> None:
+    text = "device_pages = 8\ndevice = 'cpu'\n[layout]\nnum_layers = 1\nnum_kv_heads = 1\n"
+    text += "head_dim = 4\n"
+    assert CacheConfig.from_toml(text.encode()) == CacheConfig.from_toml(text)
+    with pytest.raises(ConfigError, match="not valid TOML: not UTF-8"):
+        CacheConfig.from_toml(b"device = '\xff'")
