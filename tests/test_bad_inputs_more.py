@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
 
-from hicache_async import CacheConfig, ConfigError, HiCache, KVLayout, load_config
+from hicache_async import (
+    CacheConfig,
+    ConfigError,
+    HiCache,
+    KVLayout,
+    StorageConfigError,
+    load_config,
+)
+from hicache_async.cli import main
+from hicache_async.storage import open_storage
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
 
@@ -76,3 +86,28 @@ def test_from_toml_takes_utf8_bytes_as_from_json_does() -> None:
     assert CacheConfig.from_toml(text.encode()) == CacheConfig.from_toml(text)
     with pytest.raises(ConfigError, match="not valid TOML: not UTF-8"):
         CacheConfig.from_toml(b"device = '\xff'")
+
+
+@pytest.mark.parametrize(
+    ("source", "error"),
+    [
+        ("raise RuntimeError('boom at import')\n", "failed to import: RuntimeError: boom"),
+        ("def f(:\n", "failed to import: SyntaxError"),
+        ("def __getattr__(name):\n    raise KeyError(name)\n", "cannot be looked up"),
+    ],
+)
+def test_a_plugin_module_that_fails_its_own_way_is_a_storage_config_error(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    error: str,
+) -> None:
+    name = f"plugin_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(StorageConfigError, match=error):
+        open_storage(f"{name}:factory")
+    # The command line says so in one line and exits 2, as for any bad URL.
+    assert main(["storage", "stats", f"{name}:factory"]) == 2
+    assert error.split(":", maxsplit=1)[0] in capsys.readouterr().err
