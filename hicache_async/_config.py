@@ -130,6 +130,15 @@ def _flag(field: str, value: object) -> None:
 def _text(field: str, value: object) -> None:
     if not isinstance(value, str):
         raise ConfigError(field, f"must be a string, got {type(value).__name__}")
+    if not value.isascii():
+        # It is hashed or printed as UTF-8 later: a lone surrogate (JSON's "\ud800") would
+        # fail there, far from the configuration.
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                field, f"must be text UTF-8 can encode, got a lone surrogate at {exc.start}"
+            ) from None
 
 
 def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:

@@ -101,14 +101,20 @@ class Namespace(msgspec.Struct, frozen=True):
     def salted(self, salt: str | bytes) -> Namespace:
         """A namespace for one request's salt: pages under different salts never match.
 
-        Raises `TypeError` unless `salt` is a `str` or `bytes` (an empty one is no salt).
+        Raises `TypeError` unless `salt` is a `str` UTF-8 can encode or `bytes` (an empty one
+        is no salt).
         """
         if not isinstance(salt, (str, bytes)):
             # bytes(123) would be 123 zero bytes, and 0 or False no salt at all.
             raise TypeError(f"salt must be a str, bytes or None, got {type(salt).__name__}")
         if not salt:
             return self
-        raw = salt.encode() if isinstance(salt, str) else salt
+        try:
+            raw = salt.encode() if isinstance(salt, str) else salt
+        except UnicodeEncodeError as exc:
+            raise TypeError(
+                f"a str salt must be text UTF-8 can encode, got a lone surrogate at {exc.start}"
+            ) from None
         # The salt goes in hashed: with a namespace's seed (empty or 32 bytes) the input is 38
         # or 70 bytes, never the 4k or 32 + 4k of a chain step, so no page of any prompt hashes
         # to a salted seed. (Taken whole, a salt of 4 * page_size - 6 bytes made one prompt's

@@ -25,7 +25,7 @@ LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
 
 
 def _config(**fields: object) -> CacheConfig:
-    return CacheConfig(layout=LAYOUT, device_pages=4, device="cpu", **fields)  # type: ignore[arg-type]
+    return CacheConfig(**{"layout": LAYOUT, "device_pages": 4, "device": "cpu", **fields})
 
 
 def test_a_mac_key_file_that_is_a_fifo_is_refused_not_waited_on(tmp_path: Path) -> None:
@@ -111,3 +111,22 @@ def test_a_plugin_module_that_fails_its_own_way_is_a_storage_config_error(
     # The command line says so in one line and exits 2, as for any bad URL.
     assert main(["storage", "stats", f"{name}:factory"]) == 2
     assert error.split(":", maxsplit=1)[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["model_id", "salt", "device"])
+def test_a_text_field_with_a_lone_surrogate_is_a_config_error(field: str) -> None:
+    with pytest.raises(ConfigError, match="UTF-8 can encode") as info:
+        _config(**{field: "model-\ud800"})
+    assert info.value.field == field
+    layout = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 4}
+    document = {"layout": layout, "device_pages": 4, field: "\udcff"}
+    with pytest.raises(ConfigError, match="UTF-8 can encode"):
+        CacheConfig.from_dict(document)
+
+
+@pytest.mark.parametrize("salt", ["\ud800", "ok-\udcff"])
+def test_a_salt_with_a_lone_surrogate_is_the_documented_type_error(salt: str) -> None:
+    cache = HiCache(_config())
+    with pytest.raises(TypeError, match="salt must be text UTF-8 can encode"):
+        cache.keys_for(list(range(64)), salt=salt)
+    assert cache.keys_for(list(range(64)), salt="sel-\u00e9") != cache.keys_for(list(range(64)))
