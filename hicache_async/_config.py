@@ -61,6 +61,8 @@ _ITEMSIZE: dict[str, int] = {
 }
 
 _DEVICES = ("auto", "cpu", "cuda")
+# torch keeps a device index in 8 signed bits: "cuda:256" would silently be cuda:0.
+MAX_DEVICE_INDEX = 127
 
 #: The most bytes one pool may take. No machine holds more (256 TiB), element counts and
 #: byte offsets stay far inside int64, and the limit does not depend on the machine a
@@ -390,12 +392,22 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         if self.tp_rank >= self.tp_size:
             raise ConfigError("tp_rank", f"must be < tp_size ({self.tp_size}), got {self.tp_rank}")
         base, colon, index = self.device.partition(":")
-        # An index is ASCII digits: str.isdigit() also takes "²", which torch refuses.
+        # An index is ASCII digits (str.isdigit() also takes "²") without leading zeros,
+        # as torch parses it, and within what torch can hold.
         if base not in _DEVICES or (
-            colon and (base != "cuda" or not (index.isascii() and index.isdigit()))
+            colon
+            and (
+                base != "cuda"
+                or not (index.isascii() and index.isdigit())
+                or len(index) > 3
+                or (index != "0" and index.startswith("0"))
+                or int(index) > MAX_DEVICE_INDEX
+            )
         ):
             raise ConfigError(
-                "device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+                "device",
+                f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N from 0 to {MAX_DEVICE_INDEX}, "
+                f"no leading zeros), got {self.device!r}",
             )
 
     def _check_device_pool(self) -> int:

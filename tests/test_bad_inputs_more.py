@@ -18,6 +18,7 @@ from hicache_async import (
     StorageConfigError,
     load_config,
 )
+from hicache_async._pool import _resolve_device
 from hicache_async.cli import main
 from hicache_async.storage import open_storage
 
@@ -130,3 +131,20 @@ def test_a_salt_with_a_lone_surrogate_is_the_documented_type_error(salt: str) ->
     with pytest.raises(TypeError, match="salt must be text UTF-8 can encode"):
         cache.keys_for(list(range(64)), salt=salt)
     assert cache.keys_for(list(range(64)), salt="sel-\u00e9") != cache.keys_for(list(range(64)))
+
+
+@pytest.mark.parametrize(
+    "device", ["cuda:128", "cuda:256", "cuda:2147483648", "cuda:01", "cuda:" + "9" * 5000]
+)
+def test_a_cuda_index_torch_cannot_hold_is_a_config_error(device: str) -> None:
+    with pytest.raises(ConfigError, match=r"N from 0 to 127") as info:
+        _config(device=device)
+    assert info.value.field == "device"
+    with pytest.raises(ConfigError, match="torch"):
+        _resolve_device(device)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:7", "cuda:127"])
+def test_a_cuda_index_torch_holds_is_accepted(device: str) -> None:
+    assert _config(device=device).device == device
+    assert str(_resolve_device(device)) == device
