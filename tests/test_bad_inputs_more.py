@@ -20,7 +20,7 @@ from hicache_async import (
 )
 from hicache_async._pool import _resolve_device
 from hicache_async.cli import main
-from hicache_async.storage import open_storage
+from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta, open_storage
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
 
@@ -148,3 +148,39 @@ def test_a_cuda_index_torch_cannot_hold_is_a_config_error(device: str) -> None:
 def test_a_cuda_index_torch_holds_is_accepted(device: str) -> None:
     assert _config(device=device).device == device
     assert str(_resolve_device(device)) == device
+
+
+async def _store_zero_page(root: Path, payload: int) -> Path:
+    """The file of one all-zero page of `payload` bytes, stored by FileStorage."""
+    key = bytes(range(32))
+    async with FileStorage(root) as storage:
+        meta = PageMeta(key=key, namespace=bytes(16), num_tokens=4)
+        page = [memoryview(bytearray(payload))]
+        assert await storage.put([key], [page], [meta]) == [Outcome.OK]
+    return root / "pages" / key.hex()[:2] / key.hex()
+
+
+async def test_verify_judges_a_long_sparse_page_without_reading_it(tmp_path: Path) -> None:
+    path = await _store_zero_page(tmp_path / "s", 80 << 20)
+    # The same bytes, its zeros made a hole: the checksum still holds, but no store wrote
+    # it, and a header can claim any length over such a file.
+    header = path.read_bytes()[:HEADER_NBYTES]
+    size = path.stat().st_size
+    path.unlink()
+    with path.open("wb") as f:
+        f.write(header)
+        f.truncate(size)
+    assert os.stat(path).st_blocks * 512 < size // 16, "the file system filled the hole"
+    async with FileStorage(tmp_path / "s") as storage:
+        report = await storage.verify()
+    assert (report.ok, report.corrupt_removed) == (0, 1)
+
+
+async def test_verify_judges_a_page_longer_than_the_capacity_without_reading_it(
+    tmp_path: Path,
+) -> None:
+    await _store_zero_page(tmp_path / "s", 2 << 20)
+    # A store of 1 MiB never writes a 2 MiB page: it is not one of its pages.
+    async with FileStorage(tmp_path / "s", capacity_bytes=1 << 20) as storage:
+        report = await storage.verify()
+    assert (report.ok, report.corrupt_removed) == (0, 1)

@@ -130,6 +130,8 @@ _KEY_HEX_LEN = 64
 # Write granularity of large pages: each piece is hashed just before its copy, while it is
 # still in cache; larger pieces mean fewer system calls, which cost microseconds each in a VM.
 _CHUNK = 1 << 20
+# Past this length a page file is checked for holes before it is read (see `_has_holes`).
+_SPARSE_CHECK_NBYTES = 64 << 20
 # Pages up to this size are hashed whole and written with their header in one call.
 _ONE_WRITE_MAX = 1 << 20
 # Below this a batch stays on its one job thread: helpers cost more than they save.
@@ -577,6 +579,19 @@ def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
     if done:
         rest[0] = rest[0][done:]
     return rest
+
+
+def _has_holes(st: os.stat_result) -> bool:
+    """Whether a long page file's blocks cover far less than its length.
+
+    The store writes a page whole, never seeking past a byte, so such a file was made by
+    something else (a header claiming any length is cheap over a sparse file), and reading
+    it all would take as long as its length says. Only far less (a sixteenth), so that a
+    file system that compresses, and reports fewer blocks, is not mistaken for it; 0 blocks
+    is where the count is not kept.
+    """
+    allocated = st.st_blocks * 512  # 512-byte units, whatever the block size
+    return st.st_size > _SPARSE_CHECK_NBYTES and 0 < allocated < st.st_size // 16
 
 
 def _preadv_full(fd: int, iov: list[memoryview], offset: int, length: int) -> int:
@@ -3079,8 +3094,11 @@ class FileStorage(BackendBase):
                 return (_CORRUPT, "header", st, scratch)
             if header.key != key:
                 return (_CORRUPT, "key", st, scratch)
-            if st.st_size != header.page_nbytes:
+            if st.st_size != header.page_nbytes or not self._could_be_page(st.st_size):
+                # Also a page longer than the capacity: this store never writes one.
                 return (_CORRUPT, "size", st, scratch)
+            if _has_holes(st):
+                return (_CORRUPT, "sparse", st, scratch)
             # In pieces through one buffer: the header, whatever length it claims (a sparse
             # file can back any), decides how long this takes, never how much memory.
             if not scratch:
