@@ -184,3 +184,39 @@ async def test_verify_judges_a_page_longer_than_the_capacity_without_reading_it(
     async with FileStorage(tmp_path / "s", capacity_bytes=1 << 20) as storage:
         report = await storage.verify()
     assert (report.ok, report.corrupt_removed) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("file:///tmp/x?io_threads=\u00b2", r"io_threads='\u00b2' must be an integer >= 1 \(ASCII"),
+        ("file:///tmp/x?io_threads=\u0661\u0662", "must be an integer >= 1"),
+        ("file:///tmp/x?io_threads=" + "9" * 5000, r"\.\.\. \(5000 characters\) must be an"),
+        ("memory://?capacity=\u0661\u0662", "is not a byte size such as"),
+        ("memory://?capacity=" + "9" * 5000, r"\(5000 characters\) is not a byte size"),
+        ("redis://h/0?timeout=\u0661\u0662", r"is not a number \(ASCII decimal digits"),
+        ("redis://h/0?timeout=" + "9" * 5000, "is not a number"),
+        ("redis://h/0?ttl=\u0661\u0662", "ttl='\u0661\u0662' must be an integer >= 1"),
+        ("redis://h/0?ttl=" + "9" * 5000, "must be an integer >= 1"),
+        ("mooncake://h:1?admin=http://[::1", "admin must be an http://host:port URL"),
+        ("mooncake://h:1?replicas=\u0661", "replicas='\u0661' must be an integer >= 1: replicas"),
+        ("rediss://h/0?ssl_ca_certs=\ud800", "must be text UTF-8 can encode"),
+    ],
+)
+def test_a_url_parameter_is_read_in_ascii_or_refused_saying_what_is_accepted(
+    url: str, message: str
+) -> None:
+    with pytest.raises(StorageConfigError, match=message):
+        open_storage(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "attribute", "value"),
+    [
+        ("file:///tmp/fz-unused?io_threads=12", "io_threads", 12),
+        ("redis://h/0?timeout=0.25", "_timeout", 0.25),
+        ("redis://h/0?timeout=1e1", "_timeout", 10.0),
+    ],
+)
+def test_a_url_parameter_in_ascii_is_read(url: str, attribute: str, value: object) -> None:
+    assert getattr(open_storage(url), attribute) == value

@@ -87,6 +87,7 @@ from ._base import (
     fan_out,
     log,
     parse_bool,
+    parse_int,
     parse_query,
     parse_size,
     payload_nbytes,
@@ -1478,9 +1479,7 @@ class FileStorage(BackendBase):
         fsync = params.get("fsync", "none")
         if fsync not in get_args(FsyncPolicy):
             raise StorageConfigError(f"fsync={fsync!r}; accepted: none, data, always")
-        threads = params.get("io_threads", "4")
-        if not threads.isdigit():
-            raise StorageConfigError(f"io_threads={threads!r} is not a positive integer")
+        threads = parse_int(params.get("io_threads", "4"), field="io_threads", minimum=1)
         spare = params.get("spare")
         return cls(
             path or None,
@@ -1488,7 +1487,7 @@ class FileStorage(BackendBase):
             fsync=cast(FsyncPolicy, fsync),  # checked above
             shared=parse_bool(params.get("shared", "0"), field="shared"),
             mac_key=mac_key,
-            io_threads=int(threads),
+            io_threads=threads,
             spare_bytes=None if spare is None else parse_size(spare, field="spare"),
         )
 

@@ -50,6 +50,8 @@ from ._base import (
     corrupt_reason,
     log,
     parse_bool,
+    parse_int,
+    parse_number,
     parse_port,
     parse_query,
     parse_size,
@@ -390,13 +392,7 @@ def _int_param(params: Mapping[str, str], name: str) -> int | None:
     raw = params.get(name)
     if raw is None:
         return None
-    # ASCII digits only: int() also takes "+5", " 5" and other scripts' digits.
-    if not (raw.isascii() and raw.isdigit()):
-        raise StorageConfigError(f"redis URL parameter {name}={raw!r} is not an integer")
-    value = int(raw)
-    if value < 1:
-        raise StorageConfigError(f"redis URL parameter {name} must be >= 1, got {value}")
-    return value
+    return parse_int(raw, field=f"redis URL parameter {name}", minimum=1)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -668,12 +664,7 @@ class RedisStorage(BackendBase):
         if "cluster" in params:
             kwargs["cluster"] = parse_bool(params["cluster"], field="cluster")
         if "timeout" in params:
-            try:
-                kwargs["timeout"] = float(params["timeout"])
-            except ValueError:
-                raise StorageConfigError(
-                    f"redis URL parameter timeout={params['timeout']!r} is not a number"
-                ) from None
+            kwargs["timeout"] = parse_number(params["timeout"], field="redis URL parameter timeout")
         _check_passthrough(params, tls=parts.scheme == "rediss")
         query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
