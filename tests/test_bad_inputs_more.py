@@ -220,3 +220,10 @@ def test_a_url_parameter_is_read_in_ascii_or_refused_saying_what_is_accepted(
 )
 def test_a_url_parameter_in_ascii_is_read(url: str, attribute: str, value: object) -> None:
     assert getattr(open_storage(url), attribute) == value
+
+
+@pytest.mark.parametrize("path", ["/tmp/fz-pct/%FF", "/tmp/fz-pct/%ED%A0%80", "/tmp/fz-\ud800"])
+def test_a_file_url_path_that_is_no_utf8_is_refused_not_replaced(path: str) -> None:
+    with pytest.raises(StorageConfigError, match="file:// paths must be UTF-8 text"):
+        open_storage(f"file://{path}")
+    assert str(open_storage("file:///tmp/fz-pct/%C3%A9").root) == "/tmp/fz-pct/\u00e9"  # type: ignore[attr-defined]

@@ -1466,7 +1466,16 @@ class FileStorage(BackendBase):
                 f"file:// URLs take an absolute path (file:///abs/path) or none for the default "
                 f"root; got host {parts.netloc!r} in {url!r}"
             )
-        path = unquote(parts.path)
+        try:
+            # unquote's default would make a byte that is not UTF-8 (%FF) U+FFFD: another
+            # directory than the one named. Such paths are refused, as are lone surrogates.
+            path = unquote(parts.path, errors="strict")
+            path.encode("utf-8")
+        except UnicodeError:
+            raise StorageConfigError(
+                f"file:// paths must be UTF-8 text, their percent-encoded bytes included; got "
+                f"{url!r}"
+            ) from None
         if path and not path.startswith("/"):
             raise StorageConfigError(f"file:// paths must be absolute, got {path!r}")
         if "\0" in path:
