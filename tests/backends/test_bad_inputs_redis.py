@@ -10,7 +10,7 @@ import pytest
 import redis.asyncio
 import structlog
 
-from hicache_async import StorageError
+from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage._manifest import ManifestEntry, ManifestLimits
 from hicache_async.storage._manifest_redis import RedisManifest
 from hicache_async.storage._redis import RedisStorage
@@ -85,3 +85,19 @@ async def test_an_index_that_cannot_be_updated_does_not_stop_compaction(
     finally:
         await admin.acl_deluser(name)
         await admin.aclose()
+
+
+@pytest.mark.parametrize("db", ["2147483648", "99999999999999999999"])
+def test_a_database_past_what_select_takes_is_refused_by_the_parser(db: str) -> None:
+    with pytest.raises(StorageConfigError, match="must be an integer from 0 to 2147483647"):
+        RedisStorage.from_url(f"redis://127.0.0.1:6379/{db}")
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/2147483647") is not None
+
+
+async def test_a_password_for_a_server_without_one_is_refused_at_open(redis_url: str) -> None:
+    # redis-py lets this AUTH pass; the bulk path's connections did not, so every batch
+    # failed on a store that had opened.
+    url = redis_url.replace("redis://", "redis://:secret@", 1)
+    with pytest.raises(StorageConfigError, match="without any password configured"):
+        async with RedisStorage.from_url(url):
+            pytest.fail("opened")
