@@ -124,6 +124,21 @@ class Namespace(msgspec.Struct, frozen=True):
         return Namespace(seed=seed, fingerprint=fingerprint, rank_salt=self.rank_salt)
 
 
+def _tensor_tokens(tokens: Any) -> np.ndarray[Any, Any]:
+    """A torch tensor's token ids as numpy (an empty tensor, of any dtype, as no tokens)."""
+    shape = tuple(getattr(tokens, "shape", ()))
+    if shape == (0,):
+        return np.zeros(0, dtype="<u4")  # `torch.tensor([])` is float32: empty is empty
+    if (
+        getattr(tokens, "is_floating_point", lambda: False)()
+        or getattr(tokens, "is_complex", lambda: False)()
+    ):
+        kind = getattr(tokens, "dtype", "floating-point")
+        raise InvalidTokensError(f"token ids must be integers, got a {kind} tensor")
+    array: np.ndarray[Any, Any] = tokens.detach().cpu().numpy()
+    return array
+
+
 def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.ndarray[Any, Any]:
     """Validate token ids and return them as a little-endian uint32 array.
 
@@ -132,17 +147,18 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
     bug upstream, not token 1.
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
-        shape = tuple(getattr(tokens, "shape", ()))
-        if shape == (0,):
-            return np.zeros(0, dtype="<u4")  # `torch.tensor([])` is float32: empty is empty
-        if (
-            getattr(tokens, "is_floating_point", lambda: False)()
-            or getattr(tokens, "is_complex", lambda: False)()
-        ):
-            kind = getattr(tokens, "dtype", "floating-point")
-            raise InvalidTokensError(f"token ids must be integers, got a {kind} tensor")
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, (str, bytes, bytearray)):
+        try:
+            tokens = _tensor_tokens(tokens)
+        except InvalidTokensError:
+            raise
+        except Exception as exc:  # sparse, quantized, meta, nested: torch's own errors
+            raise InvalidTokensError(
+                f"token ids must be a dense 1-D integer tensor holding data, got one with "
+                f"layout {getattr(tokens, 'layout', '?')} and dtype "
+                f"{getattr(tokens, 'dtype', '?')}: {type(exc).__name__}: {exc}"
+            ) from None
+    # A memoryview is bytes as much as bytes is: numpy would read it as small token ids.
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
         raise InvalidTokensError(
             f"token ids must be a sequence of integers, got {type(tokens).__name__}"
         )

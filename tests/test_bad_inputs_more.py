@@ -6,18 +6,23 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import warnings
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 from hicache_async import (
     CacheConfig,
     ConfigError,
     HiCache,
+    InvalidTokensError,
     KVLayout,
     StorageConfigError,
     load_config,
 )
+from hicache_async._keys import as_token_array
 from hicache_async._pool import _resolve_device
 from hicache_async.cli import main
 from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta, open_storage
@@ -227,3 +232,36 @@ def test_a_file_url_path_that_is_no_utf8_is_refused_not_replaced(path: str) -> N
     with pytest.raises(StorageConfigError, match="file:// paths must be UTF-8 text"):
         open_storage(f"file://{path}")
     assert str(open_storage("file:///tmp/fz-pct/%C3%A9").root) == "/tmp/fz-pct/\u00e9"  # type: ignore[attr-defined]
+
+
+async def test_a_numpy_integer_priority_is_refused_saying_how_to_pass_it() -> None:
+    async with HiCache(_config()) as cache:
+        with pytest.raises(ValueError, match=r"got np.int64\(3\) \(convert it with int\(\)\)"):
+            cache.request(list(range(8)), priority=np.int64(3))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"got 2147483648$"):
+            cache.request(list(range(8)), priority=1 << 31)
+
+
+def _odd_tensors() -> dict[str, Any]:
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested and sparse tensors are announced as beta
+        return {
+            "sparse": torch.arange(8).to_sparse(),
+            "quantized": torch.quantize_per_tensor(torch.zeros(8), 1.0, 0, torch.quint8),
+            "meta": torch.empty(8, dtype=torch.long, device="meta"),
+            "nested": torch.nested.nested_tensor([torch.arange(2), torch.arange(3)]),
+        }
+
+
+@pytest.mark.parametrize("kind", ["sparse", "quantized", "meta", "nested"])
+def test_a_tensor_without_dense_data_is_invalid_tokens(kind: str) -> None:
+    with pytest.raises(InvalidTokensError, match="dense 1-D integer tensor holding data"):
+        as_token_array(_odd_tensors()[kind])
+
+
+def test_a_memoryview_is_refused_as_bytes_are() -> None:
+    for tokens in (b"\x01\x02", memoryview(b"\x01\x02"), memoryview(bytearray(4))):
+        with pytest.raises(InvalidTokensError, match="sequence of integers, got"):
+            as_token_array(tokens)
