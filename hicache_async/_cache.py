@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import stat
 import time
 from collections.abc import Callable, Sequence
@@ -56,14 +55,15 @@ _log = structlog.get_logger("hicache_async")
 
 def _read_mac_key(path: str) -> bytes:
     """The MAC secret from `path`, refusing a file others can read."""
-    try:
-        with open(path, "rb") as f:
-            mode = os.fstat(f.fileno()).st_mode
-            key = f.read(4096).strip()
-    except OSError as exc:
-        raise ConfigError("mac_key_file", f"cannot read {path}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+    # Imported here: the module's import block is shared with unrelated code.
+    from ._config import read_regular_file
+
+    # A regular file only (a FIFO would block the constructor for ever); a symbolic link is
+    # followed, as mounted secrets are commonly links.
+    data, status = read_regular_file(path, "mac_key_file", 4096)
+    if status.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ConfigError("mac_key_file", f"{path} is readable by others; chmod 600 it")
+    key = data[:4096].strip()
     if len(key) < 16:
         raise ConfigError("mac_key_file", "the secret must be at least 16 bytes")
     return key

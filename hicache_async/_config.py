@@ -61,6 +61,8 @@ _ITEMSIZE: dict[str, int] = {
 }
 
 _DEVICES = ("auto", "cpu", "cuda")
+# torch keeps a device index in 8 signed bits: "cuda:256" would silently be cuda:0.
+MAX_DEVICE_INDEX = 127
 
 #: The most bytes one pool may take. No machine holds more (256 TiB), element counts and
 #: byte offsets stay far inside int64, and the limit does not depend on the machine a
@@ -130,6 +132,15 @@ def _flag(field: str, value: object) -> None:
 def _text(field: str, value: object) -> None:
     if not isinstance(value, str):
         raise ConfigError(field, f"must be a string, got {type(value).__name__}")
+    if not value.isascii():
+        # It is hashed or printed as UTF-8 later: a lone surrogate (JSON's "\ud800") would
+        # fail there, far from the configuration.
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(
+                field, f"must be text UTF-8 can encode, got a lone surrogate at {exc.start}"
+            ) from None
 
 
 def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
@@ -381,12 +392,22 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         if self.tp_rank >= self.tp_size:
             raise ConfigError("tp_rank", f"must be < tp_size ({self.tp_size}), got {self.tp_rank}")
         base, colon, index = self.device.partition(":")
-        # An index is ASCII digits: str.isdigit() also takes "²", which torch refuses.
+        # An index is ASCII digits (str.isdigit() also takes "²") without leading zeros,
+        # as torch parses it, and within what torch can hold.
         if base not in _DEVICES or (
-            colon and (base != "cuda" or not (index.isascii() and index.isdigit()))
+            colon
+            and (
+                base != "cuda"
+                or not (index.isascii() and index.isdigit())
+                or len(index) > 3
+                or (index != "0" and index.startswith("0"))
+                or int(index) > MAX_DEVICE_INDEX
+            )
         ):
             raise ConfigError(
-                "device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+                "device",
+                f"must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N from 0 to {MAX_DEVICE_INDEX}, "
+                f"no leading zeros), got {self.device!r}",
             )
 
     def _check_device_pool(self) -> int:
@@ -434,7 +455,11 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
 
     @classmethod
     def from_json(cls, text: str | bytes) -> CacheConfig:
-        """Build from a JSON document."""
+        """Build from a JSON document (str, or UTF-8 bytes)."""
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise ConfigError(
+                "$", f"a JSON document (str or bytes) is required, not {type(text).__name__}"
+            )
         try:
             data = json.loads(text)
         except RecursionError:
@@ -447,8 +472,17 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         return cls.from_dict(data)
 
     @classmethod
-    def from_toml(cls, text: str) -> CacheConfig:
-        """Build from a TOML document."""
+    def from_toml(cls, text: str | bytes) -> CacheConfig:
+        """Build from a TOML document (str, or UTF-8 bytes)."""
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError("$", f"not valid TOML: not UTF-8 ({exc.reason})") from None
+        if not isinstance(text, str):
+            raise ConfigError(
+                "$", f"a TOML document (str or bytes) is required, not {type(text).__name__}"
+            )
         try:
             data = tomllib.loads(text)
         except RecursionError:
@@ -510,10 +544,17 @@ def _convert(data: Mapping[str, Any], cls: type[_T]) -> _T:
         raise ConfigError(field, message) from None
 
 
-def load_config(source: Mapping[str, Any] | str | Path) -> CacheConfig:
-    """Load a `CacheConfig` from a mapping, or a `.json` / `.toml` file path."""
+def load_config(source: Mapping[str, Any] | str | os.PathLike[str]) -> CacheConfig:
+    """Load a `CacheConfig` from a mapping, or a `.json` / `.toml` file path (str or
+    `os.PathLike`)."""
     if isinstance(source, Mapping):
         return CacheConfig.from_dict(source)
+    if not isinstance(source, (str, os.PathLike)) or isinstance(os.fspath(source), bytes):
+        raise ConfigError(
+            "$",
+            "load_config takes a mapping or the path (str or os.PathLike) of a .json or .toml "
+            f"file, not {type(source).__name__}",
+        )
     if isinstance(source, str) and (source.lstrip().startswith(("{", "[")) or "\n" in source):
         # Text, not a path: its "suffix" would make a baffling message.
         raise ConfigError(
@@ -524,10 +565,9 @@ def load_config(source: Mapping[str, Any] | str | Path) -> CacheConfig:
     path = Path(source)
     if path.suffix not in (".toml", ".json"):
         raise ConfigError("$", f"unknown config file type {path.suffix!r}; use .json or .toml")
-    try:
-        data = _read_config_file(path)
-    except OSError as exc:
-        raise ConfigError("$", f"cannot read {path}: {exc.strerror}") from None
+    data, _ = read_regular_file(path, "$", _MAX_CONFIG_BYTES)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ConfigError("$", f"{path} is larger than {_MAX_CONFIG_BYTES >> 20} MiB")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -540,17 +580,30 @@ def load_config(source: Mapping[str, Any] | str | Path) -> CacheConfig:
 _MAX_CONFIG_BYTES = 16 << 20
 
 
-def _read_config_file(path: Path) -> bytes:
+def read_regular_file(
+    path: str | os.PathLike[str], field: str, limit: int
+) -> tuple[bytes, os.stat_result]:
+    """Up to `limit` + 1 bytes of the regular file at `path`, and its status; anything that
+    keeps it from being read (a path with a NUL or that cannot be encoded, a missing file, a
+    FIFO, a device, a directory) is a `ConfigError` naming `field`."""
     # Non-blocking open and a regular-file check: a FIFO or a device at the path would
     # otherwise block the caller for ever or stream without end.
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError("$", f"{path} is not a regular file")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise ConfigError(field, f"cannot read {path}: {exc.strerror}") from None
+    except ValueError:  # an embedded NUL, or text the file system encoding cannot hold
+        raise ConfigError(
+            field, f"{os.fspath(path)!r} is not a usable path (NUL or unencodable characters)"
+        ) from None
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise ConfigError(field, f"{path} is not a regular file")
         with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read(_MAX_CONFIG_BYTES + 1)
+            data = file.read(limit + 1)
+    except OSError as exc:
+        raise ConfigError(field, f"cannot read {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
-    if len(data) > _MAX_CONFIG_BYTES:
-        raise ConfigError("$", f"{path} is larger than {_MAX_CONFIG_BYTES >> 20} MiB")
-    return data
+    return data, status

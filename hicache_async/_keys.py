@@ -101,14 +101,20 @@ class Namespace(msgspec.Struct, frozen=True):
     def salted(self, salt: str | bytes) -> Namespace:
         """A namespace for one request's salt: pages under different salts never match.
 
-        Raises `TypeError` unless `salt` is a `str` or `bytes` (an empty one is no salt).
+        Raises `TypeError` unless `salt` is a `str` UTF-8 can encode or `bytes` (an empty one
+        is no salt).
         """
         if not isinstance(salt, (str, bytes)):
             # bytes(123) would be 123 zero bytes, and 0 or False no salt at all.
             raise TypeError(f"salt must be a str, bytes or None, got {type(salt).__name__}")
         if not salt:
             return self
-        raw = salt.encode() if isinstance(salt, str) else salt
+        try:
+            raw = salt.encode() if isinstance(salt, str) else salt
+        except UnicodeEncodeError as exc:
+            raise TypeError(
+                f"a str salt must be text UTF-8 can encode, got a lone surrogate at {exc.start}"
+            ) from None
         # The salt goes in hashed: with a namespace's seed (empty or 32 bytes) the input is 38
         # or 70 bytes, never the 4k or 32 + 4k of a chain step, so no page of any prompt hashes
         # to a salted seed. (Taken whole, a salt of 4 * page_size - 6 bytes made one prompt's
@@ -116,6 +122,21 @@ class Namespace(msgspec.Struct, frozen=True):
         seed = hashlib.sha256(self.seed + b"\x00salt\x00" + hashlib.sha256(raw).digest()).digest()
         fingerprint = hashlib.sha256(self.fingerprint + raw).digest()[:_FINGERPRINT_NBYTES]
         return Namespace(seed=seed, fingerprint=fingerprint, rank_salt=self.rank_salt)
+
+
+def _tensor_tokens(tokens: Any) -> np.ndarray[Any, Any]:
+    """A torch tensor's token ids as numpy (an empty tensor, of any dtype, as no tokens)."""
+    shape = tuple(getattr(tokens, "shape", ()))
+    if shape == (0,):
+        return np.zeros(0, dtype="<u4")  # `torch.tensor([])` is float32: empty is empty
+    if (
+        getattr(tokens, "is_floating_point", lambda: False)()
+        or getattr(tokens, "is_complex", lambda: False)()
+    ):
+        kind = getattr(tokens, "dtype", "floating-point")
+        raise InvalidTokensError(f"token ids must be integers, got a {kind} tensor")
+    array: np.ndarray[Any, Any] = tokens.detach().cpu().numpy()
+    return array
 
 
 def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.ndarray[Any, Any]:
@@ -126,17 +147,18 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
     bug upstream, not token 1.
     """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):
-        shape = tuple(getattr(tokens, "shape", ()))
-        if shape == (0,):
-            return np.zeros(0, dtype="<u4")  # `torch.tensor([])` is float32: empty is empty
-        if (
-            getattr(tokens, "is_floating_point", lambda: False)()
-            or getattr(tokens, "is_complex", lambda: False)()
-        ):
-            kind = getattr(tokens, "dtype", "floating-point")
-            raise InvalidTokensError(f"token ids must be integers, got a {kind} tensor")
-        tokens = tokens.detach().cpu().numpy()
-    if isinstance(tokens, (str, bytes, bytearray)):
+        try:
+            tokens = _tensor_tokens(tokens)
+        except InvalidTokensError:
+            raise
+        except Exception as exc:  # sparse, quantized, meta, nested: torch's own errors
+            raise InvalidTokensError(
+                f"token ids must be a dense 1-D integer tensor holding data, got one with "
+                f"layout {getattr(tokens, 'layout', '?')} and dtype "
+                f"{getattr(tokens, 'dtype', '?')}: {type(exc).__name__}: {exc}"
+            ) from None
+    # A memoryview is bytes as much as bytes is: numpy would read it as small token ids.
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
         raise InvalidTokensError(
             f"token ids must be a sequence of integers, got {type(tokens).__name__}"
         )

@@ -437,7 +437,15 @@ class KVPool:
 def _resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    # The configuration checked the string; torch may still parse it otherwise (an index
+    # past its 8 bits wraps round), so what it made must say the same.
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError("device", f"torch refuses {device!r}: {exc}") from None
+    if str(resolved) != device:
+        raise ConfigError("device", f"torch reads {device!r} as {str(resolved)!r}")
+    return resolved
 
 
 def make_pools(config: CacheConfig) -> tuple[KVPool, KVPool]:

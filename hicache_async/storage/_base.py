@@ -46,6 +46,8 @@ __all__ = [
     "fan_out",
     "is_int",
     "parse_bool",
+    "parse_int",
+    "parse_number",
     "parse_port",
     "parse_query",
     "parse_size",
@@ -464,7 +466,11 @@ class BackendBase:
 
 # URL parameters, shared by the built-in backends' `from_url`.
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+# ASCII only: \d would take other scripts' digits ("١٢"), which Decimal and int() read as 12.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$", re.ASCII)
+# Long enough for any real value, short of Python's limit on digits it converts (4300).
+_MAX_NUMBER_CHARS = 40
+_NUMBER = re.compile(r"^(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?$", re.ASCII)
 _UNITS = {
     "": 1,
     "b": 1,
@@ -486,20 +492,55 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
+def _shown(text: str) -> str:
+    """`text` quoted for a message, cut short: a parameter can be thousands of characters."""
+    if len(text) <= _MAX_NUMBER_CHARS:
+        return repr(text)
+    return f"{text[:_MAX_NUMBER_CHARS]!r}... ({len(text)} characters)"
+
+
 def parse_size(text: str, *, field: str = "size") -> int:
     """Bytes from `123`, `4KiB`, `1.5GiB`, `10MB` (binary K/M/G/T, decimal KB/MB/GB/TB)."""
-    match = _SIZE.match(text)
+    match = _SIZE.match(text) if len(text) <= _MAX_NUMBER_CHARS else None
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _UNITS:
-        raise StorageConfigError(f"{field}={text!r} is not {_SIZE_HELP}")
+        raise StorageConfigError(f"{field}={_shown(text)} is not {_SIZE_HELP}")
     try:
         value = Decimal(match.group(1)) * _UNITS[unit]
     except InvalidOperation:
-        raise StorageConfigError(f"{field}={text!r} is not {_SIZE_HELP}") from None
+        raise StorageConfigError(f"{field}={_shown(text)} is not {_SIZE_HELP}") from None
     if value != value.to_integral_value():
         # Truncated, 0.5 would quietly mean 0 (for a segment: lend nothing).
-        raise StorageConfigError(f"{field}={text!r} is not a whole number of bytes")
+        raise StorageConfigError(f"{field}={_shown(text)} is not a whole number of bytes")
     return int(value)
+
+
+def parse_int(
+    text: str, *, field: str, minimum: int = 0, maximum: int | None = None, detail: str = ""
+) -> int:
+    """A whole number from a URL parameter, in ASCII digits (int() would also take other
+    scripts' digits, signs and spaces, and fail on "²" or past 4300 digits with its own
+    message). Anything else, or a value out of range, is a `StorageConfigError` that says
+    what is accepted (`field`, then `detail` after the range)."""
+    if text.isascii() and text.isdigit() and len(text) <= _MAX_NUMBER_CHARS:
+        value = int(text)
+        if value >= minimum and (maximum is None or value <= maximum):
+            return value
+    bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+    raise StorageConfigError(
+        f"{field}={_shown(text)} must be an integer {bound}{detail} (ASCII digits 0-9)"
+    )
+
+
+def parse_number(text: str, *, field: str) -> float:
+    """A number from a URL parameter: ASCII decimal digits with an optional fraction and
+    exponent (`5`, `0.25`, `1e-3`); float() would also take other scripts' digits, `inf`,
+    `nan` and spaces. Anything else is a `StorageConfigError` saying what is accepted."""
+    if len(text) <= _MAX_NUMBER_CHARS and _NUMBER.match(text):
+        return float(text)
+    raise StorageConfigError(
+        f"{field}={_shown(text)} is not a number (ASCII decimal digits, e.g. 5, 0.25 or 1e-3)"
+    )
 
 
 def parse_bool(text: str, *, field: str) -> bool:
@@ -553,5 +594,14 @@ def parse_query(query: str, accepted: Mapping[str, str], *, scheme: str) -> dict
             )
         if key in params:
             raise StorageConfigError(f"parameter {key!r} given twice in {scheme}:// URL")
+        if not value.isascii():
+            # Passed on as UTF-8 (a file name, a header): a lone surrogate cannot be.
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise StorageConfigError(
+                    f"parameter {key!r} in {scheme}:// URL must be text UTF-8 can encode, "
+                    f"got {value!r}"
+                ) from None
         params[key] = value
     return params

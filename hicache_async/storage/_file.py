@@ -87,6 +87,7 @@ from ._base import (
     fan_out,
     log,
     parse_bool,
+    parse_int,
     parse_query,
     parse_size,
     payload_nbytes,
@@ -130,6 +131,8 @@ _KEY_HEX_LEN = 64
 # Write granularity of large pages: each piece is hashed just before its copy, while it is
 # still in cache; larger pieces mean fewer system calls, which cost microseconds each in a VM.
 _CHUNK = 1 << 20
+# Past this length a page file is checked for holes before it is read (see `_has_holes`).
+_SPARSE_CHECK_NBYTES = 64 << 20
 # Pages up to this size are hashed whole and written with their header in one call.
 _ONE_WRITE_MAX = 1 << 20
 # Below this a batch stays on its one job thread: helpers cost more than they save.
@@ -577,6 +580,19 @@ def _advance(iov: list[memoryview], done: int) -> list[memoryview]:
     if done:
         rest[0] = rest[0][done:]
     return rest
+
+
+def _has_holes(st: os.stat_result) -> bool:
+    """Whether a long page file's blocks cover far less than its length.
+
+    The store writes a page whole, never seeking past a byte, so such a file was made by
+    something else (a header claiming any length is cheap over a sparse file), and reading
+    it all would take as long as its length says. Only far less (a sixteenth), so that a
+    file system that compresses, and reports fewer blocks, is not mistaken for it; 0 blocks
+    is where the count is not kept.
+    """
+    allocated = st.st_blocks * 512  # 512-byte units, whatever the block size
+    return st.st_size > _SPARSE_CHECK_NBYTES and 0 < allocated < st.st_size // 16
 
 
 def _preadv_full(fd: int, iov: list[memoryview], offset: int, length: int) -> int:
@@ -1450,7 +1466,16 @@ class FileStorage(BackendBase):
                 f"file:// URLs take an absolute path (file:///abs/path) or none for the default "
                 f"root; got host {parts.netloc!r} in {url!r}"
             )
-        path = unquote(parts.path)
+        try:
+            # unquote's default would make a byte that is not UTF-8 (%FF) U+FFFD: another
+            # directory than the one named. Such paths are refused, as are lone surrogates.
+            path = unquote(parts.path, errors="strict")
+            path.encode("utf-8")
+        except UnicodeError:
+            raise StorageConfigError(
+                f"file:// paths must be UTF-8 text, their percent-encoded bytes included; got "
+                f"{url!r}"
+            ) from None
         if path and not path.startswith("/"):
             raise StorageConfigError(f"file:// paths must be absolute, got {path!r}")
         if "\0" in path:
@@ -1463,9 +1488,7 @@ class FileStorage(BackendBase):
         fsync = params.get("fsync", "none")
         if fsync not in get_args(FsyncPolicy):
             raise StorageConfigError(f"fsync={fsync!r}; accepted: none, data, always")
-        threads = params.get("io_threads", "4")
-        if not threads.isdigit():
-            raise StorageConfigError(f"io_threads={threads!r} is not a positive integer")
+        threads = parse_int(params.get("io_threads", "4"), field="io_threads", minimum=1)
         spare = params.get("spare")
         return cls(
             path or None,
@@ -1473,7 +1496,7 @@ class FileStorage(BackendBase):
             fsync=cast(FsyncPolicy, fsync),  # checked above
             shared=parse_bool(params.get("shared", "0"), field="shared"),
             mac_key=mac_key,
-            io_threads=int(threads),
+            io_threads=threads,
             spare_bytes=None if spare is None else parse_size(spare, field="spare"),
         )
 
@@ -3079,8 +3102,11 @@ class FileStorage(BackendBase):
                 return (_CORRUPT, "header", st, scratch)
             if header.key != key:
                 return (_CORRUPT, "key", st, scratch)
-            if st.st_size != header.page_nbytes:
+            if st.st_size != header.page_nbytes or not self._could_be_page(st.st_size):
+                # Also a page longer than the capacity: this store never writes one.
                 return (_CORRUPT, "size", st, scratch)
+            if _has_holes(st):
+                return (_CORRUPT, "sparse", st, scratch)
             # In pieces through one buffer: the header, whatever length it claims (a sparse
             # file can back any), decides how long this takes, never how much memory.
             if not scratch:

@@ -516,11 +516,12 @@ class RedisManifest:
                 await self._repair(namespace)
                 if any(_wrong_type(r) for r in results[: len(batches)]):
                     results = await push()
-            # Every time, not once per process: the set may have been evicted or flushed, or
-            # pruned while this list was briefly gone.
-            await client.sadd(self.index_key, namespace)
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest append failed: {exc}") from exc
+        # Every time, not once per process: the set may have been evicted or flushed, or
+        # pruned while this list was briefly gone. Outside the push's error handling: the
+        # records are stored whatever the index does, and the list must still be bounded.
+        index_error = await self._add_to_index(namespace)
         # Replies: one RPUSH per batch (the last is the new length), then HINCRBY.
         length, nbytes = results[len(batches) - 1], results[len(batches)]
         if isinstance(length, Exception):
@@ -531,13 +532,48 @@ class RedisManifest:
             # The meta hash was damaged (just removed) or its `bytes` is no number: the
             # records are stored, and the compaction below counts them afresh.
             nbytes = self.limits.max_bytes + 1
-        if int(length) <= self._compact_records and int(nbytes) <= self.limits.max_bytes:
-            return
+        if int(length) > self._compact_records or int(nbytes) > self.limits.max_bytes:
+            try:
+                await self.compact_namespace(namespace)
+            except StorageError as exc:
+                _log.warning("hicache.manifest.compact_failed", backend=self._name, error=str(exc))
+            await self._trim(namespace)
+        if index_error is not None:
+            raise index_error
+
+    async def _add_to_index(self, namespace: str) -> StorageError | None:
+        """Add `namespace` to the index set, replacing an index key of another type; the
+        error, if that fails, for the append to raise once the list is bounded."""
+        client = self._client()
         try:
-            await self.compact_namespace(namespace)
-        except StorageError as exc:
-            _log.warning("hicache.manifest.compact_failed", backend=self._name, error=str(exc))
-        await self._trim(namespace)
+            try:
+                await client.sadd(self.index_key, namespace)
+            except ResponseError as exc:
+                if not _wrong_type(exc):
+                    raise
+                await self._repair_index()
+                await client.sadd(self.index_key, namespace)
+        except REDIS_FAULTS as exc:
+            return StorageError(
+                f"{self._name}: manifest append stored its records but could not index "
+                f"the namespace: {exc}"
+            )
+        return None
+
+    async def _repair_index(self) -> None:
+        """Delete the index key if it holds another type than a set.
+
+        It is under our prefix, so nobody else's; left in place it fails every append,
+        read and compaction for good. The namespaces it should have named come back with
+        their next append. Not atomic: a repair by another client between TYPE and DEL
+        loses only the members it added meanwhile, which also come back that way.
+        """
+        client = self._client()
+        kind = await client.type(self.index_key)
+        if kind in (b"set", b"none", "set", "none"):
+            return
+        await client.delete(self.index_key)
+        _log.warning("hicache.manifest.repaired", backend=self._name, removed=[self.index_key])
 
     async def _push_scripted(
         self, key: str, meta: str, lines: list[bytes], nbatches: int
@@ -662,6 +698,16 @@ class RedisManifest:
             if dead:
                 # A list appended to since its EXISTS is put back by that append's SADD.
                 await client.srem(self.index_key, *dead)
+        except ResponseError as exc:
+            if not _wrong_type(exc):
+                raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
+            # An index of another type names nothing; appends re-add their namespaces once
+            # it is gone.
+            try:
+                await self._repair_index()
+            except REDIS_FAULTS as fault:
+                raise StorageError(f"{self._name}: manifest read failed: {fault}") from fault
+            return [], False
         except REDIS_FAULTS as exc:
             raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
         return sorted(found), more

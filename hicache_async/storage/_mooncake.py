@@ -46,6 +46,7 @@ from ._base import (
     fan_out,
     log,
     parse_bool,
+    parse_int,
     parse_port,
     parse_query,
     parse_size,
@@ -266,8 +267,11 @@ _POOL = _ClientPool()
 def _check_admin(admin: str) -> None:
     """StorageConfigError unless `admin` is an http(s)://host[:port] URL urllib can call;
     messages quote it with any user information masked."""
-    parts = urlsplit(admin)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    try:
+        parts = urlsplit(admin)
+    except ValueError:  # an unclosed IPv6 bracket, say
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise StorageConfigError(
             f"mooncake admin must be an http://host:port URL, got {mask_userinfo(admin)!r}"
         )
@@ -545,17 +549,13 @@ def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int 
     raw = params.get(name)
     if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        # Say what the parameter is, as the message for an unknown one does.
-        raise StorageConfigError(
-            f"mooncake URL parameter {name}={raw!r} must be an integer >= {minimum}: "
-            f"{_URL_PARAMS[name]}"
-        )
-    return value
+    # Say what the parameter is, as the message for an unknown one does.
+    return parse_int(
+        raw,
+        field=f"mooncake URL parameter {name}",
+        minimum=minimum,
+        detail=f": {_URL_PARAMS[name]}",
+    )
 
 
 class MooncakeStorage(BackendBase):

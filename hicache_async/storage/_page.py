@@ -118,7 +118,10 @@ def check_priority(priority: object, *, field: str = "priority") -> None:
         or not isinstance(priority, int)
         or not -(1 << 31) <= priority < 1 << 31
     ):
-        raise ValueError(f"{field} must be an int in [-2**31, 2**31), got {priority!r}")
+        # A numpy integer is refused too: it would reach the manifest's JSON encoder as is.
+        numpy_like = not isinstance(priority, int) and hasattr(priority, "__index__")
+        hint = " (convert it with int())" if numpy_like else ""
+        raise ValueError(f"{field} must be a Python int in [-2**31, 2**31), got {priority!r}{hint}")
 
 
 def check_header_fields(meta: PageMeta) -> None:

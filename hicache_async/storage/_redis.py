@@ -50,6 +50,8 @@ from ._base import (
     corrupt_reason,
     log,
     parse_bool,
+    parse_int,
+    parse_number,
     parse_port,
     parse_query,
     parse_size,
@@ -386,17 +388,22 @@ def _check_host_and_fragment(parts: SplitResult) -> None:
         )
 
 
+# The largest database index SELECT takes (a server's `databases` may allow fewer; that is
+# refused at open).
+_MAX_DB = (1 << 31) - 1
+# Replies to the connection's own SELECT or AUTH that no later call can get past.
+_REFUSED_AT_CONNECT = (
+    "DB index",  # SELECT past the server's `databases`
+    "value is not an integer or out of range",  # SELECT of an index it cannot parse
+    "without any password configured",  # AUTH to a server that has no password
+)
+
+
 def _int_param(params: Mapping[str, str], name: str) -> int | None:
     raw = params.get(name)
     if raw is None:
         return None
-    # ASCII digits only: int() also takes "+5", " 5" and other scripts' digits.
-    if not (raw.isascii() and raw.isdigit()):
-        raise StorageConfigError(f"redis URL parameter {name}={raw!r} is not an integer")
-    value = int(raw)
-    if value < 1:
-        raise StorageConfigError(f"redis URL parameter {name} must be >= 1, got {value}")
-    return value
+    return parse_int(raw, field=f"redis URL parameter {name}", minimum=1)
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -540,10 +547,13 @@ class RedisStorage(BackendBase):
         _check_host_and_fragment(parts)
         port = parse_port(parts, scheme=parts.scheme) or 6379
         db = parts.path.lstrip("/") or "0"
-        if not (db.isascii() and db.isdigit()):
-            raise StorageConfigError(
-                f"redis URL database {db!r} is not a number; accepted: /0, /1, ... or none (0)"
-            )
+        # Past 2**31 - 1 Redis refuses SELECT with a reply that reads like any other error.
+        parse_int(
+            db,
+            field="redis URL database",
+            maximum=_MAX_DB,
+            detail=" (the path: /0, /1, ... or none for 0)",
+        )
         # Only what redis-py reads may ride in this URL: redis-py would take anything else for
         # a connection argument and fail at the first connection.
         params = parse_query(parts.query, _URL_PARAMS, scheme=parts.scheme)
@@ -668,12 +678,7 @@ class RedisStorage(BackendBase):
         if "cluster" in params:
             kwargs["cluster"] = parse_bool(params["cluster"], field="cluster")
         if "timeout" in params:
-            try:
-                kwargs["timeout"] = float(params["timeout"])
-            except ValueError:
-                raise StorageConfigError(
-                    f"redis URL parameter timeout={params['timeout']!r} is not a number"
-                ) from None
+            kwargs["timeout"] = parse_number(params["timeout"], field="redis URL parameter timeout")
         _check_passthrough(params, tls=parts.scheme == "rediss")
         query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
@@ -738,13 +743,32 @@ class RedisStorage(BackendBase):
             )
         self._prefix_script = self._client.register_script(_PREFIX_SCRIPT)
         self._remove_if_same = self._client.register_script(_REMOVE_IF_SAME_SCRIPT)
-        await self._check_reachable(self._client)
+        if await self._check_reachable(self._client) and self._bulk is not None:
+            await self._check_bulk_setup(self._bulk)
 
-    async def _check_reachable(self, client: RedisClient) -> None:
+    async def _check_bulk_setup(self, bulk: BulkConnectionPool) -> None:
+        """Open one bulk connection, which sends its own AUTH and SELECT: redis-py lets an
+        AUTH to a server without a password pass, the bulk path does not, and every batch
+        would fail on it. Such a refusal raises `StorageConfigError`; anything else (the
+        server went away since the ping) is for the batches to meet."""
+        try:
+            with anyio.fail_after(self._timeout):
+                async with bulk.connection():
+                    return
+        except ConnectionRefusedError as exc:
+            message = str(exc)
+            if any(refusal in message for refusal in _REFUSED_AT_CONNECT):
+                raise StorageConfigError(
+                    f"{self._name}: the server refused this configuration: {message}"
+                ) from None
+        except (OSError, TimeoutError):
+            return
+
+    async def _check_reachable(self, client: RedisClient) -> bool:
         """Ping the server: a refusal of this configuration (credentials, database, a
         connection setting the ACL refuses) raises `StorageConfigError`, as no later call could
-        succeed; an unreachable server is only logged, as it may come (back) later and until
-        then batches are ERROR."""
+        succeed; an unreachable server is only logged (False), as it may come (back) later
+        and until then batches are ERROR."""
         try:
             try:
                 await client.ping()
@@ -757,14 +781,19 @@ class RedisStorage(BackendBase):
         except (AuthenticationError, NoPermissionError, ResponseError) as exc:
             message = str(exc)
             if isinstance(exc, NoPermissionError) and "'ping'" in message:
-                return  # only PING is refused: the calls the store makes may be allowed
-            if isinstance(exc, (AuthenticationError, NoPermissionError)) or ("DB index" in message):
+                return True  # only PING is refused: the calls the store makes may be allowed
+            if isinstance(exc, (AuthenticationError, NoPermissionError)) or any(
+                refusal in message for refusal in _REFUSED_AT_CONNECT
+            ):
                 raise StorageConfigError(
                     f"{self._name}: the server refused this configuration: {message}"
                 ) from None
             log.warning("storage.redis.unreachable", backend=self._name, error=message)
         except (*REDIS_FAULTS, OSError) as exc:
             log.warning("storage.redis.unreachable", backend=self._name, error=str(exc))
+        else:
+            return True
+        return False
 
     async def _open_cluster(self) -> None:
         # redis-py's cluster client keeps a pool per node and learns the slot map from the

@@ -150,6 +150,10 @@ def _import_factory(module_name: str, attr_path: str) -> Callable[..., StorageBa
         raise StorageConfigError(
             f"cannot import storage plugin module {module_name!r}: {exc}"
         ) from None
+    except Exception as exc:  # the module's own code failed, as an entry point's may
+        raise StorageConfigError(
+            f"storage plugin module {module_name!r} failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
     for attr in attr_path.split("."):
         try:
             target = getattr(target, attr)
@@ -157,6 +161,11 @@ def _import_factory(module_name: str, attr_path: str) -> Callable[..., StorageBa
             raise StorageConfigError(
                 f"{module_name}:{attr_path} not found ({attr!r} is missing)"
             ) from None
+        except Exception as exc:  # a module or class __getattr__ of the plugin's
+            raise StorageConfigError(
+                f"{module_name}:{attr_path} cannot be looked up ({attr!r}): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     if not callable(target):
         raise StorageConfigError(f"{module_name}:{attr_path} is not callable; {_FACTORY}")
     return cast(Callable[..., StorageBackend], target)
