@@ -157,8 +157,11 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
                 f"layout {getattr(tokens, 'layout', '?')} and dtype "
                 f"{getattr(tokens, 'dtype', '?')}: {type(exc).__name__}: {exc}"
             ) from None
-    # A memoryview is bytes as much as bytes is: numpy would read it as small token ids.
-    if isinstance(tokens, (str, bytes, bytearray, memoryview)):
+    # A memoryview of bytes is bytes as much as bytes is (numpy would read it as small token
+    # ids); one of typed items (`array('i')`, an int32 buffer) is a sequence of integers.
+    if isinstance(tokens, (str, bytes, bytearray)) or (
+        isinstance(tokens, memoryview) and tokens.itemsize == 1
+    ):
         raise InvalidTokensError(
             f"token ids must be a sequence of integers, got {type(tokens).__name__}"
         )

@@ -3,6 +3,7 @@ exception from a lower layer, or damage that grows."""
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 import uuid
@@ -165,10 +166,13 @@ async def _store_zero_page(root: Path, payload: int) -> Path:
     return root / "pages" / key.hex()[:2] / key.hex()
 
 
-async def test_verify_judges_a_long_sparse_page_without_reading_it(tmp_path: Path) -> None:
+async def test_verify_leaves_a_long_sparse_page_unchecked_without_reading_it(
+    tmp_path: Path,
+) -> None:
     path = await _store_zero_page(tmp_path / "s", 80 << 20)
-    # The same bytes, its zeros made a hole: the checksum still holds, but no store wrote
-    # it, and a header can claim any length over such a file.
+    # The same bytes, its zeros made a hole (as a sparse-aware copy makes them): the checksum
+    # still holds, but a header can claim any length over holes, so it is not read; nor is
+    # it removed, as it may well be sound.
     header = path.read_bytes()[:HEADER_NBYTES]
     size = path.stat().st_size
     path.unlink()
@@ -178,17 +182,18 @@ async def test_verify_judges_a_long_sparse_page_without_reading_it(tmp_path: Pat
     assert os.stat(path).st_blocks * 512 < size // 16, "the file system filled the hole"
     async with FileStorage(tmp_path / "s") as storage:
         report = await storage.verify()
-    assert (report.ok, report.corrupt_removed) == (0, 1)
+    assert (report.ok, report.corrupt_removed, report.unchecked) == (0, 0, 1)
+    assert path.exists()
 
 
-async def test_verify_judges_a_page_longer_than_the_capacity_without_reading_it(
-    tmp_path: Path,
-) -> None:
-    await _store_zero_page(tmp_path / "s", 2 << 20)
-    # A store of 1 MiB never writes a 2 MiB page: it is not one of its pages.
+async def test_verify_keeps_a_sound_page_longer_than_the_capacity(tmp_path: Path) -> None:
+    path = await _store_zero_page(tmp_path / "s", 2 << 20)
+    # Written under a larger capacity (lowered since, or another instance's): a misfit,
+    # evicted first, but sound.
     async with FileStorage(tmp_path / "s", capacity_bytes=1 << 20) as storage:
         report = await storage.verify()
-    assert (report.ok, report.corrupt_removed) == (0, 1)
+    assert (report.ok, report.corrupt_removed) == (1, 0)
+    assert path.exists()
 
 
 @pytest.mark.parametrize(
@@ -265,3 +270,13 @@ def test_a_memoryview_is_refused_as_bytes_are() -> None:
     for tokens in (b"\x01\x02", memoryview(b"\x01\x02"), memoryview(bytearray(4))):
         with pytest.raises(InvalidTokensError, match="sequence of integers, got"):
             as_token_array(tokens)
+
+
+def test_a_memoryview_of_typed_items_is_read_as_token_ids() -> None:
+    ids = [101, 2023, 3000]
+    for view in (
+        memoryview(array.array("i", ids)),
+        memoryview(array.array("I", ids)),
+        memoryview(np.asarray(ids, dtype=np.int64)),
+    ):
+        assert as_token_array(view).tolist() == ids

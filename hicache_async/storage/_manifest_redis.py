@@ -211,6 +211,21 @@ return out
 """
 )
 
+# Replaces an index key of another type (and adds ARGV[1], if given) in one step: two
+# clients repairing at once must not delete each other's new set between TYPE and DEL.
+_INDEX_REPAIR_SCRIPT = """
+local kind = redis.call('TYPE', KEYS[1])['ok']
+local repaired = 0
+if kind ~= 'set' and kind ~= 'none' then
+    redis.call('DEL', KEYS[1])
+    repaired = 1
+end
+if ARGV[1] then
+    redis.call('SADD', KEYS[1], ARGV[1])
+end
+return repaired
+"""
+
 # An append where the server refuses MULTI: the records ARGV[3..] pushed on the list KEYS[1],
 # ARGV[1] added to `bytes` of KEYS[2], both given ARGV[2] seconds to live (0: as they are).
 # Returns {RPUSH reply, HINCRBY reply}, either an error reply (WRONGTYPE) as in a
@@ -369,6 +384,7 @@ class RedisManifest:
         self._repair_script: AsyncScript | None = None
         self._trim_script: AsyncScript | None = None
         self._append_script: AsyncScript | None = None
+        self._index_repair_script: AsyncScript | None = None
         # Whether the server takes MULTI (None: not asked yet, see `_multi_allowed`).
         self._multi: bool | None = None
         #: Compact a list that passes this many records; trim it to `_cap` records.
@@ -551,8 +567,7 @@ class RedisManifest:
             except ResponseError as exc:
                 if not _wrong_type(exc):
                     raise
-                await self._repair_index()
-                await client.sadd(self.index_key, namespace)
+                await self._repair_index(add=namespace)
         except REDIS_FAULTS as exc:
             return StorageError(
                 f"{self._name}: manifest append stored its records but could not index "
@@ -560,20 +575,36 @@ class RedisManifest:
             )
         return None
 
-    async def _repair_index(self) -> None:
-        """Delete the index key if it holds another type than a set.
+    async def _repair_index(self, *, add: str | None = None) -> None:
+        """Delete the index key if it holds another type than a set, then add `add` to it.
 
         It is under our prefix, so nobody else's; left in place it fails every append,
         read and compaction for good. The namespaces it should have named come back with
-        their next append. Not atomic: a repair by another client between TYPE and DEL
-        loses only the members it added meanwhile, which also come back that way.
+        their next append. One script, so that two clients repairing at once never delete
+        each other's new set; where scripting is refused, TYPE, DEL and SADD go one by one,
+        and a repair racing another can lose the members that one added meanwhile (they
+        come back with their next append).
         """
         client = self._client()
+        if self._scripting:
+            if self._index_repair_script is None:
+                self._index_repair_script = client.register_script(_INDEX_REPAIR_SCRIPT)
+            args: list[bytes | int] = [] if add is None else [add.encode()]
+            ran, repaired = await self._run_script(
+                self._index_repair_script, [self.index_key], args
+            )
+            if ran:
+                if repaired:
+                    _log.warning(
+                        "hicache.manifest.repaired", backend=self._name, removed=[self.index_key]
+                    )
+                return
         kind = await client.type(self.index_key)
-        if kind in (b"set", b"none", "set", "none"):
-            return
-        await client.delete(self.index_key)
-        _log.warning("hicache.manifest.repaired", backend=self._name, removed=[self.index_key])
+        if kind not in (b"set", b"none", "set", "none"):
+            await client.delete(self.index_key)
+            _log.warning("hicache.manifest.repaired", backend=self._name, removed=[self.index_key])
+        if add is not None:
+            await client.sadd(self.index_key, add)
 
     async def _push_scripted(
         self, key: str, meta: str, lines: list[bytes], nbatches: int

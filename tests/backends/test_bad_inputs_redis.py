@@ -3,6 +3,8 @@ never an error at every later call."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
@@ -101,3 +103,32 @@ async def test_a_password_for_a_server_without_one_is_refused_at_open(redis_url:
     with pytest.raises(StorageConfigError, match="without any password configured"):
         async with RedisStorage.from_url(url):
             pytest.fail("opened")
+
+
+async def test_clients_repairing_the_index_at_once_keep_every_namespace(redis_url: str) -> None:
+    # The repair is one step: a client that finds the damage never deletes the set another
+    # client has just made (losing its namespace from every read of all namespaces). Checked
+    # over many rounds, since the interleaving is the server's.
+    def entry(namespace: str, i: int) -> ManifestEntry:
+        return ManifestEntry(
+            namespace=namespace, keys=["%064x" % (i + 1)], num_tokens=16, last_use=float(i)
+        )
+
+    namespaces = ["aa" * 16, "bb" * 16, "cc" * 16]
+    for i in range(60):
+        url = f"{redis_url}?prefix=t{uuid.uuid4().hex}"
+        async with contextlib.AsyncExitStack() as stack:
+            stores = [
+                await stack.enter_async_context(RedisStorage.from_url(url)) for _ in namespaces
+            ]
+            manifests = [store.manifest(ManifestLimits(max_entries=10)) for store in stores]
+            first = manifests[0]
+            assert isinstance(first, RedisManifest)
+            await stores[0]._redis().set(first.index_key, b"not ours")
+            await asyncio.gather(
+                *(m.append([entry(ns, i)]) for m, ns in zip(manifests, namespaces, strict=True))
+            )
+            members = await stores[0]._redis().smembers(first.index_key)
+            assert sorted(members) == [ns.encode() for ns in namespaces], f"round {i}"
+            found = {e.namespace for e in (await first.read()).entries}
+            assert found == set(namespaces), f"round {i}"
