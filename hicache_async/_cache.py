@@ -396,7 +396,7 @@ class HiCache:
         """
         self._check_open()
         # Stored in every page header: refused here, not by a backup much later.
-        check_priority(priority)
+        priority = check_priority(priority)
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         if max_cached_tokens is not None:

@@ -239,12 +239,26 @@ def test_a_file_url_path_that_is_no_utf8_is_refused_not_replaced(path: str) -> N
     assert str(open_storage("file:///tmp/fz-pct/%C3%A9").root) == "/tmp/fz-pct/\u00e9"  # type: ignore[attr-defined]
 
 
-async def test_a_numpy_integer_priority_is_refused_saying_how_to_pass_it() -> None:
-    async with HiCache(_config()) as cache:
-        with pytest.raises(ValueError, match=r"got np.int64\(3\) \(convert it with int\(\)\)"):
-            cache.request(list(range(8)), priority=np.int64(3))  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match=r"got 2147483648$"):
-            cache.request(list(range(8)), priority=1 << 31)
+async def test_a_numpy_integer_priority_is_taken_as_its_value_through_to_storage(
+    tmp_path: Path,
+) -> None:
+    # It once reached the manifest's JSON encoder as a numpy scalar and failed the backup.
+    tokens = list(range(16))
+    async with HiCache(_config(host_pages=8, page_size=4), storage=FileStorage(tmp_path)) as cache:
+        with cache.request(tokens, priority=np.int64(3)) as req:  # type: ignore[arg-type]
+            pages = await req.allocate(len(tokens))
+            assert len(pages) == len(tokens) // cache.config.page_size
+            req.commit()
+        await cache.drain()
+        status = cache.storage_status()
+        assert status.backup is not None
+        assert (status.backup.written_pages, status.backup.failed_pages) == (4, 0)
+        manifest = cache._link.backend.manifest()  # type: ignore[union-attr]
+        entries = (await manifest.read()).entries
+        assert [(e.priority, type(e.priority)) for e in entries] == [(3, int)]
+        for bad in (np.bool_(True), True, 1 << 31, np.int64(1 << 31), 3.0):
+            with pytest.raises(ValueError, match="must be an int in"):
+                cache.request(tokens, priority=bad)  # type: ignore[arg-type]
 
 
 def _odd_tensors() -> dict[str, Any]:

@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterable
 
 import msgspec
+import numpy as np
 import xxhash
 
 from .. import _native
@@ -110,18 +111,20 @@ def _mac(mac_key: bytes, header_body: bytes, segments: Iterable[memoryview | byt
     return hasher.digest()
 
 
-def check_priority(priority: object, *, field: str = "priority") -> None:
-    """Raise ValueError unless a page header can hold `priority` (an int32)."""
-    # Not a bool, which an int check lets through (True would be stored as priority 1).
-    if (
-        isinstance(priority, bool)
-        or not isinstance(priority, int)
-        or not -(1 << 31) <= priority < 1 << 31
-    ):
-        # A numpy integer is refused too: it would reach the manifest's JSON encoder as is.
-        numpy_like = not isinstance(priority, int) and hasattr(priority, "__index__")
-        hint = " (convert it with int())" if numpy_like else ""
-        raise ValueError(f"{field} must be a Python int in [-2**31, 2**31), got {priority!r}{hint}")
+def check_priority(priority: object, *, field: str = "priority") -> int:
+    """`priority` as a Python int; ValueError unless a page header can hold it (an int32).
+
+    A numpy integer is taken as its value (returned as an int, so it never reaches the
+    manifest's JSON encoder as a numpy scalar); a bool is not, though an int check lets it
+    through (True would be stored as priority 1).
+    """
+    message = f"{field} must be an int in [-2**31, 2**31), got {priority!r}"
+    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        raise ValueError(message)  # noqa: TRY004  (documented: ValueError, as for the range)
+    value = int(priority)
+    if not -(1 << 31) <= value < 1 << 31:
+        raise ValueError(message)
+    return value
 
 
 def check_header_fields(meta: PageMeta) -> None:
