@@ -698,9 +698,12 @@ class HiCache:
         array = as_token_array(tokens)
         keys = self.keys_for(array, salt=salt)
         link = self._link
-        if link is not None and not link.running:
+        group = self.rank_group
+        if link is not None and not link.running and (group is None or group.size == 1):
             # Still opening (an attach can take up to its timeout): a miss now, rather than
-            # a request held in a queue no worker reads yet.
+            # a request held in a queue no worker reads yet. Not with a rank group: this
+            # rank's agreement must wait, as the peers' do, for the warmup the attach starts
+            # (its collectives come first on every rank).
             link = None
         handle = PrefetchHandle(
             link.prefetcher if link else None,
@@ -710,6 +713,7 @@ class HiCache:
             self.config.prefetch.policy if policy is None else policy,
             group=self.rank_group,
             owner=self._owner,
+            cache=self,
         )
         if link is None:
             found = self._tree.match(keys, touch=False)

@@ -459,7 +459,9 @@ async def test_a_prefetch_cancelled_during_its_last_batch_ends_cancelled() -> No
         await _check_and_drain(cache, prompt, generator)
 
 
-async def test_pages_computed_while_a_prefetch_looked_them_up_are_not_from_storage() -> None:
+async def test_pages_cached_while_a_prefetch_looked_them_up_count_wherever_they_are() -> None:
+    # Q reads the prompt and a request loads it to the device while P looks it up: P finds
+    # every page cached, and must say so (with a rank group it offers that figure).
     prompt = _prompt(14)
     async with _gated(_config(), prompt) as (cache, store, generator):
         store.gets.open()
@@ -467,20 +469,25 @@ async def test_pages_computed_while_a_prefetch_looked_them_up_are_not_from_stora
         try:
             handle = await cache.start_prefetch(prompt, request_id="P")
             await _until(lambda: len(store.lookups.waiting) == 1, "P's lookup in flight")
-            # Meanwhile a request computes the whole prompt on the device.
-            await serve(cache, prompt, generator, prefetch=False)
+            store.lookups.closed = False
+            other = await asyncio.wait_for(cache.prefetch(prompt, request_id="Q"), 30)
+            assert other.storage_tokens == len(prompt)
+            await serve(cache, prompt, generator, prefetch=False, check="all")
+            assert cache.match(prompt).device_tokens == len(prompt)
         finally:
             store.open()
         result = await asyncio.wait_for(handle.wait(), 30)
         assert result.status is PrefetchStatus.COMPLETE
-        assert result.storage_tokens == 0
-        assert sum(store.reads.values()) == 0
+        assert result.cached_tokens == len(prompt)
+        _read_once(store, cache, prompt)
         await _check_and_drain(cache, prompt, generator)
 
 
-async def test_a_prefetch_never_reports_more_than_is_cached() -> None:
+@pytest.mark.parametrize("stop", ["none", "terminate", "cancel"])
+async def test_a_prefetch_never_reports_more_than_is_cached(stop: str) -> None:
     # P's first look finds A's first 4 pages on the host; they are evicted while it looks up
-    # the rest, and storage holds only 6 of A's 8 pages: P reads 6 and must report 6.
+    # the rest, and storage holds only 6 of A's 8 pages: P reads 6 and must report 6. Stopped
+    # during its lookup, it reads nothing and must report nothing (not the 4 pages it saw).
     config = CacheConfig.from_dict({**_config(max_host_share=1.0).to_dict(), "host_pages": 12})
     a = _prompt(15)
     b = _prompt(16, pages=12)
@@ -501,12 +508,16 @@ async def test_a_prefetch_never_reports_more_than_is_cached() -> None:
                 # B fills the host pool: A's pages go.
                 await cache.prefetch(b)
                 assert cache.match(a).host_tokens == 0
+                if stop == "terminate":
+                    handle.terminate()
+                elif stop == "cancel":
+                    handle.cancel()
             finally:
                 store.open()
             result = await asyncio.wait_for(handle.wait(), 30)
             found = cache.match(a)
             cached = found.device_tokens + found.host_tokens
-            assert cached == 6 * PAGE
+            assert cached == (6 * PAGE if stop == "none" else 0)
             assert result.cached_tokens == cached
             await cache.drain()
             assert_drained(cache)

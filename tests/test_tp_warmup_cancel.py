@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import numpy as np
 import pytest
+import structlog
 
 from hicache_async import CacheConfig, HiCache, WarmupResult, WarmupStatus
 from hicache_async.distributed import (
@@ -464,3 +465,97 @@ async def test_a_budget_never_makes_a_rank_drop_pages_it_held(tmp_path: Path) ->
         )
         for cache in (first, second):
             assert cache.match(prompt).host_tokens == len(prompt)
+
+
+class _OpensWhenLetGo(FileStorage):
+    """Opens once `gate` is set."""
+
+    gate: asyncio.Event
+
+    async def __aenter__(self) -> _OpensWhenLetGo:
+        await self.gate.wait()
+        return await super().__aenter__()
+
+
+async def test_a_prefetch_while_one_ranks_storage_opens_pairs_after_its_warmup(
+    tmp_path: Path,
+) -> None:
+    # Rank 1's storage is open and its warmup on attach has begun; rank 0's is still
+    # opening. Rank 0's prefetch must not enter its agreement before its own warmup's, or it
+    # pairs with rank 1's warmup collective: a mismatch on both ranks.
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, 50000, size=8 * PAGE) for _ in range(4)]
+    roots = await _fill_both(tmp_path, prompts)
+    ranks = _pair(_Rank)
+    store = _OpensWhenLetGo(roots[0])
+    store.gate = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        async with (
+            HiCache(_config(0, warmup=True), rank_group=ranks[0]) as first,
+            HiCache(_config(1, warmup=True), rank_group=ranks[1]) as second,
+        ):
+            attaching = asyncio.create_task(first.attach_storage(store))
+            try:
+                await second.attach_storage(FileStorage(roots[1]))
+                deadline = asyncio.get_running_loop().time() + 30
+                while not first.storage_status().opening:
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.001)
+                prompt = rng.integers(0, 50000, size=6 * PAGE)  # in neither store
+                handles = [await cache.start_prefetch(prompt) for cache in (first, second)]
+                ready = asyncio.ensure_future(asyncio.gather(*(h.ready() for h in handles)))
+                await asyncio.sleep(0)
+            finally:
+                store.gate.set()
+            results = await asyncio.wait_for(ready, 60)
+            await attaching
+            warmups = await asyncio.wait_for(
+                asyncio.gather(first.wait_warmup(), second.wait_warmup()), 60
+            )
+    failed = [e["event"] for e in logs if "agreement.failed" in e["event"]]
+    assert failed == []
+    assert [r.agreed_tokens for r in results] == [0, 0]
+    # The same on both ranks (a request agreement stops a warmup under way: STOPPED).
+    assert warmups[0] is not None
+    assert warmups[1] is not None
+    assert warmups[0].status is warmups[1].status
+    assert warmups[0].pages_loaded == warmups[1].pages_loaded
+    assert ranks[0].calls == ranks[1].calls
+
+
+async def test_a_rank_without_storage_holds_the_prefix_it_offers(tmp_path: Path) -> None:
+    # Rank 0 has no storage and offers the prefix it has cached; while the agreement waits
+    # for rank 1, eviction must not take that prefix, or rank 0 computes tokens the ranks
+    # agreed were cached (`hicache.tp.prefix.short`) and the ranks diverge.
+    prompt = np.arange(700, 700 + 6 * PAGE)
+    root = tmp_path / "r1"
+    await _fill(root, 1, [prompt])
+    ranks = _pair(_Rank)
+    async with (
+        HiCache(_config(0), rank_group=ranks[0]) as first,
+        HiCache(_config(1), storage=FileStorage(root), rank_group=ranks[1]) as second,
+    ):
+        with first.request(prompt) as request:
+            await request.allocate(len(prompt))
+            request.commit()
+        await first.drain()
+        handles = [await cache.start_prefetch(prompt) for cache in (first, second)]
+        mine = asyncio.ensure_future(handles[0].ready())
+        deadline = asyncio.get_running_loop().time() + 30
+        while not ranks[0].calls:  # rank 0 waits in the agreement
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.001)
+        # Meanwhile rank 0 serves other prompts: everything evictable goes.
+        eviction = first.tree.evict_device(10**6, backup_first=False)
+        first._device_free(eviction.freed)
+        first._host_free(first.tree.evict_host(10**6))
+        results = await asyncio.wait_for(asyncio.gather(mine, handles[1].ready()), 60)
+        agreed = results[0].agreed_tokens
+        assert agreed == results[1].agreed_tokens == len(prompt)
+        with (
+            structlog.testing.capture_logs() as logs,
+            first.request(prompt, max_cached_tokens=agreed) as request,
+        ):
+            assert request.cached_tokens == agreed
+        assert not [e for e in logs if e["event"] == "hicache.tp.prefix.short"]
+        await first.drain()

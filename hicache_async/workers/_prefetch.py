@@ -182,6 +182,7 @@ class PrefetchHandle:
     __slots__ = (
         "_agreed",
         "_agreeing",
+        "_cache",
         "_cancel_requested",
         "_counted_live",
         "_deadline",
@@ -225,8 +226,13 @@ class PrefetchHandle:
         priority: int = 0,
         min_tokens: int | None = None,
         owner: LoopOwner | None = None,
+        cache: HiCache | None = None,
     ) -> None:
         self._prefetcher = prefetcher
+        # Where the prefix this rank offers in an agreement is held: with storage or not.
+        if cache is None and prefetcher is not None:
+            cache = prefetcher._cache
+        self._cache = cache
         # The cache's: a handle without storage has no prefetcher, but the same owner.
         if owner is None and prefetcher is not None:
             owner = prefetcher._cache._owner
@@ -444,9 +450,10 @@ class PrefetchHandle:
         """Lock and protect the prefix cached now, and return its length in tokens: what
         this rank can still serve when the agreement returns."""
         cached = self.device_tokens + self.host_tokens + self.storage_tokens
-        if self._prefetcher is None:
-            return cached  # no storage: nothing of ours is in flight, nothing to hold
-        cache = self._prefetcher._cache
+        cache = self._cache
+        if cache is None:
+            return cached  # a handle made outside a cache: nothing to hold
+        # Held without storage too: what this rank offers must be there once the ranks agree.
         self._release()  # a second, concurrent ready() on this handle: hold once, not twice
         if cache._state != "open":
             return 0
@@ -456,8 +463,8 @@ class PrefetchHandle:
 
     def _release(self) -> None:
         held, self._held = self._held, None
-        if held is not None and self._prefetcher is not None:
-            self._prefetcher._cache._let_go(held)
+        if held is not None and self._cache is not None:
+            self._cache._let_go(held)
 
     async def _wait_for_policy(self) -> None:
         if self._policy == "best_effort" or self._prefetcher is None:
@@ -855,6 +862,7 @@ class Prefetcher:
             self._running.discard(handle)
             self._left.set()
             handle._scope = None
+            self._report_only_cached(handle)
             handle._finish(status)
             # Counted here: a prefetch cancelled from outside (a detach) counts too.
             if status is PrefetchStatus.COMPLETE:
@@ -865,6 +873,21 @@ class Prefetcher:
                 self.skipped += 1
             else:
                 self.cancelled += 1
+
+    def _report_only_cached(self, handle: PrefetchHandle) -> None:
+        """Cut what `handle` reports to what is cached now: the first match's pages, or
+        pages landed since, may have been evicted meanwhile (newest figures first)."""
+        cache = self._cache
+        found = cache._tree.match(handle.keys, touch=False)
+        here = (found.num_device_pages + found.num_host_pages) * cache.config.page_size
+        excess = handle.device_tokens + handle.host_tokens + handle.storage_tokens - here
+        cut = min(max(excess, 0), handle.storage_tokens)
+        handle.storage_tokens -= cut
+        excess -= cut
+        cut = min(max(excess, 0), handle.host_tokens)
+        handle.host_tokens -= cut
+        excess -= cut
+        handle.device_tokens -= min(max(excess, 0), handle.device_tokens)
 
     async def _fetch(self, handle: PrefetchHandle) -> PrefetchStatus:
         cache = self._cache
@@ -969,11 +992,11 @@ class Prefetcher:
         # and at most the rest of the prompt from storage, so a page counts once.
         first = (handle.device_tokens + handle.host_tokens) // size
         cap = len(keys) - first
-        # What others landed since the first match (while `exists` ran, before this plan) is
-        # cached for this prompt as much as what this prefetch lands itself; pages a request
-        # computed on the device meanwhile are not from storage.
-        beyond = begin - max(first, found.num_device_pages)
-        landed = min(max(handle.storage_tokens // size, beyond), cap)
+        # What became cached since the first match (while `exists` ran, before this plan:
+        # landed by others, and maybe loaded to the device by a request since) is cached for
+        # this prompt as much as what this prefetch lands itself. (Which of it a request
+        # computed rather than storage delivered, the tree cannot tell.)
+        landed = min(max(handle.storage_tokens // size, begin - first), cap)
         handle.storage_tokens = landed * size
         if begin >= end:
             return PrefetchStatus.COMPLETE
