@@ -70,3 +70,17 @@ def test_the_chosen_benchmark_parses_its_own_options() -> None:
     bad = _run("from hicache_async.cli import main\nmain(['bench', 'storage', '--no-such'])\n")
     assert bad.returncode == 2
     assert "unrecognized arguments: --no-such" in bad.stderr
+
+
+def test_the_pytest_plugin_does_not_import_torch() -> None:
+    # pytest loads the plugin in every run of an environment that has the package: a project
+    # whose tests never touch the cache must not pay for torch.
+    done = _run(
+        "import sys, hicache_async.testing.pytest_plugin\n"
+        "from hicache_async.testing import assert_drained, serve\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "from hicache_async.testing import KVGenerator\n"
+        "assert KVGenerator.__module__ == 'hicache_async.testing._kvgen'\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    assert done.returncode == 0, done.stderr

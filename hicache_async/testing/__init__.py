@@ -2,16 +2,19 @@
 storage conformance suite, and real Redis / Mooncake servers for scenario tests.
 
 `StorageConformance` and the server helpers are imported lazily: the first needs pytest (the
-`testing` extra), the second the server binaries.
+`testing` extra), the second the server binaries; `KVGenerator` too, as it needs torch, and
+this package is imported by the pytest plugin in every test run of the environment.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._invariants import assert_drained
-from ._kvgen import KVGenerator
 from ._workload import ServedRequest, serve
+
+if TYPE_CHECKING:
+    from ._kvgen import KVGenerator
 
 __all__ = [
     "MAC_KEY",
@@ -30,6 +33,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "KVGenerator": "._kvgen",
     "FaultyStorage": "._faults",
     "FaultCounts": "._faults",
     "MAC_KEY": "._conformance",
