@@ -79,6 +79,8 @@ def test_the_pytest_plugin_does_not_import_torch() -> None:
         "import sys, hicache_async.testing.pytest_plugin\n"
         "from hicache_async.testing import assert_drained, serve\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "import hicache_async.testing as testing\n"
+        "assert set(testing.__all__) <= set(dir(testing)), 'lazy names not listed'\n"
         "from hicache_async.testing import KVGenerator\n"
         "assert KVGenerator.__module__ == 'hicache_async.testing._kvgen'\n"
         "assert 'torch' in sys.modules\n"

@@ -46,6 +46,11 @@ _LAZY = {
 }
 
 
+def __dir__() -> list[str]:
+    # The lazy names too, for completion and help().
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
