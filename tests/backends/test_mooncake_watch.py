@@ -57,6 +57,16 @@ async def _until(condition: Callable[[], bool]) -> None:
         await asyncio.sleep(0.05)
 
 
+async def _seen_up(*backends: MooncakeStorage) -> None:
+    """Wait until each backend's watch has seen its master answer: a watch that never has is
+    blind (it cannot tell a master gone from a probe that cannot work) and never says down,
+    and on a loaded machine its first probe can come after the test has stopped the master."""
+    for backend in backends:
+        watch = backend._watch
+        assert watch is not None
+        await _until(lambda watch=watch: watch._seen_up)
+
+
 async def _every_call_fails_without_reaching_the_client(
     backend: MooncakeStorage, client: CountingClient
 ) -> None:
@@ -106,6 +116,7 @@ async def test_a_frozen_master_fails_calls_at_once_until_it_answers_again(
             pid = master.pid
             assert pid is not None
             try:
+                await _seen_up(backend, holder)
                 with structlog.testing.capture_logs() as logs:
                     os.kill(pid, signal.SIGSTOP)
                     try:
@@ -140,6 +151,7 @@ async def test_a_master_gone_is_noticed_without_the_admin_url(master: MooncakeMa
         client = CountingClient(real)
         backend._store = client
         try:
+            await _seen_up(backend)
             close_idle_clients(master.address)
             master.kill()
             await _until(backend._master_down)
@@ -170,6 +182,7 @@ async def test_gc_without_a_capacity_fails_when_the_master_is_gone(master: Moonc
             assert await backend.gc() == GcReport(evicted_pages=0, freed_bytes=0)
         assert unwatched._watch is not None
         unwatched._watch.stop()
+        await _seen_up(watched)
         close_idle_clients(master.address)
         master.kill()
         await _until(watched._master_down)
