@@ -15,7 +15,13 @@ import anyio.lowlevel
 import msgspec
 import structlog
 
-from ._config import PREFETCH_POLICIES, CacheConfig, PrefetchPolicy, WarmupConfig
+from ._config import (
+    PREFETCH_POLICIES,
+    CacheConfig,
+    PrefetchPolicy,
+    WarmupConfig,
+    read_regular_file,
+)
 from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError, type_name
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
@@ -55,9 +61,6 @@ _log = structlog.get_logger("hicache_async")
 
 def _read_mac_key(path: str) -> bytes:
     """The MAC secret from `path`, refusing a file others can read."""
-    # Imported here: the module's import block is shared with unrelated code.
-    from ._config import read_regular_file
-
     # A regular file only (a FIFO would block the constructor for ever); a symbolic link is
     # followed, as mounted secrets are commonly links.
     data, status = read_regular_file(path, "mac_key_file", 4096)

@@ -1152,10 +1152,8 @@ class Prefetcher:
                     del self._inflight[k]
             tree.unprotect_host(anchor)
             tree.unlock_device(locked)
-            # Never more than is cached now past the first match: pages landed and evicted
-            # since (and read again) count once.
-            now = tree.match(keys, touch=False)
-            landed = min(landed, max(0, now.num_device_pages + now.num_host_pages - first))
+            # What is evicted by the end is cut once, when the prefetch finishes
+            # (`_report_only_cached`).
             handle.storage_tokens = landed * size
             # Only what this prefetch read: a shared page counts for the one that read it.
             cache._counters.tokens_storage += own_landed * size
