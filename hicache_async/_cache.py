@@ -8,7 +8,7 @@ import stat
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
@@ -70,6 +70,10 @@ def _read_mac_key(path: str) -> bytes:
     if len(key) < 16:
         raise ConfigError("mac_key_file", "the secret must be at least 16 bytes")
     return key
+
+
+# Where a `HiCache` stands in its life (`HiCache.state`).
+_State = Literal["new", "opening", "open", "closing", "closed"]
 
 
 class MatchInfo:
@@ -169,7 +173,7 @@ class HiCache:
         self._engine: CopyEngine | None = None
         self._device_pool: KVPool | None = None
         self._host_pool: KVPool | None = None
-        self._state = "new"
+        self._state: _State = "new"
         self._counters = Counters()
         self._requests: set[Request] = set()
         self._copies: set[LayerwiseCopy] = set()
@@ -344,6 +348,14 @@ class HiCache:
         self._check_open()
         assert self._host_pool is not None
         return self._host_pool
+
+    @property
+    def state(self) -> Literal["new", "opening", "open", "closing", "closed"]:
+        """Where the cache stands: `"new"`, `"opening"`, `"open"`, `"closing"` or `"closed"`.
+
+        A plain read, safe from any thread (the admin endpoint reads it from its own).
+        """
+        return self._state
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:

@@ -127,6 +127,8 @@ async def test_cancellation_at_every_await_point() -> None:
 
 async def test_wrong_thread_and_closed_errors() -> None:
     config = _config()
+    unentered = HiCache(config)
+    assert unentered.state == "new"
     async with HiCache(config) as cache:
         errors: list[BaseException] = []
 
@@ -134,6 +136,7 @@ async def test_wrong_thread_and_closed_errors() -> None:
 
         def other_thread() -> None:
             shown.append(repr(cache))  # a repr never raises, from anywhere
+            shown.append(cache.state)  # nor does reading the state
             try:
                 cache.match([1, 2, 3, 4])
             except BaseException as exc:
@@ -146,9 +149,11 @@ async def test_wrong_thread_and_closed_errors() -> None:
         assert isinstance(errors[0], WrongThreadError)
         assert shown[0].startswith("<HiCache open")
         assert "nodes=" in shown[0]
+        assert shown[1] == "open"
         info = cache.match(list(range(9)))
         assert info.device_tokens == 0
         assert "HiCache open" in repr(cache)
+    assert cache.state == "closed"
     with pytest.raises(CacheClosedError):
         cache.match([1, 2, 3, 4])
     with pytest.raises(CacheClosedError):

@@ -47,8 +47,7 @@ class CacheLoop:
 
     def closed_state(self) -> str | None:
         """`"closing"` or `"closed"` once the cache's close began, None before."""
-        # HiCache has no public accessor for its state; a str attribute, read from any thread.
-        state = self._cache._state
+        state = self._cache.state
         return state if state in ("closing", "closed") else None
 
     async def call(self, function: Callable[[], T]) -> T:
