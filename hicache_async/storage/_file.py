@@ -1925,8 +1925,15 @@ class FileStorage(BackendBase):
         check_batch(keys, ("buffers", into))
         check_keys(keys, namespace)
         outcomes = [Outcome.MISS] * len(keys)
-        self._counters.gets += len(keys)
         todo = [i for i, key in enumerate(keys) if self._shared or key in self._index]
+        if len(todo) < len(keys):
+            # A bad buffer is the caller's error whether or not its key is stored (the read
+            # job checks the buffers it reads into, before any I/O).
+            reading = set(todo)
+            for i, page in enumerate(into):
+                if i not in reading:
+                    byte_segments(page, writable=True)
+        self._counters.gets += len(keys)
         if not todo:
             return outcomes
         todo_keys = [keys[i] for i in todo]

@@ -578,6 +578,26 @@ class StorageConformance:
         assert await backend.exists(keys[:1]) == 0
         assert backend.stats().puts == puts
 
+    async def test_unwritable_buffers_raise_whether_or_not_stored(
+        self, backend: StorageBackend
+    ) -> None:
+        # A bad buffer is the caller's error: raised as well for a key that is not stored,
+        # so it shows before the first hit, and never counted as a get.
+        stored, absent = _keys(2)
+        data = await self._put(backend, [stored])
+        gets = backend.stats().gets
+        for key in (absent, stored):
+            with pytest.raises(ValueError, match="writable"):
+                await backend.get(
+                    [key], [[_empty([self.page_nbytes])[0].toreadonly()]], namespace=NAMESPACE
+                )
+            with pytest.raises(ValueError, match="contiguous"):
+                await backend.get(
+                    [key], [[memoryview(bytearray(2 * self.page_nbytes))[::2]]], namespace=NAMESPACE
+                )
+        assert backend.stats().gets == gets
+        assert await self._get_one(backend, stored) == (Outcome.OK, data[stored])
+
     async def test_out_of_range_meta_raises_before_io(self, backend: StorageBackend) -> None:
         keys = _keys(3)
         pages = [_segments(_payload(self.page_nbytes, i), [self.page_nbytes]) for i in range(3)]
