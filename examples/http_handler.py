@@ -37,9 +37,10 @@ def make_app(cache: HiCache, model: KVGenerator) -> Any:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        payload: dict[str, int | str]
         try:
             tokens = json.loads(body)["tokens"]
-            status, payload = 200, await handle(cache, model, tokens)
+            status, payload = 200, dict(await handle(cache, model, tokens))
         except (KeyError, ValueError, InvalidTokensError) as exc:
             status, payload = 400, {"error": str(exc)}
         data = json.dumps(payload).encode()

@@ -38,6 +38,7 @@ from hicache_async.storage import (
     StorageCapabilities,
     StorageConfigError,
     StorageStats,
+    check_get,
     check_keys,
     check_put,
     encode_header,
@@ -147,9 +148,7 @@ class SqliteStorage:
     async def get(
         self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
     ) -> list[Outcome]:
-        if len(keys) != len(into):
-            raise ValueError(f"{len(keys)} keys but {len(into)} buffers")
-        check_keys(keys, namespace)
+        check_get(keys, into, namespace)
 
         def fetch(db: sqlite3.Connection) -> list[bytes | None]:
             rows = []

@@ -26,7 +26,7 @@ from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesErro
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
-from ._pool import KVPool, make_pools
+from ._pool import KVPool, PoolStatistics, make_pools
 from ._request import Request, check_count
 from ._stats import CacheStatistics, Counters, TierTokens
 from ._uncancelled import run_uncancelled
@@ -173,6 +173,8 @@ class HiCache:
         self._engine: CopyEngine | None = None
         self._device_pool: KVPool | None = None
         self._host_pool: KVPool | None = None
+        # The pools' last statistics, once a close has released them.
+        self._closed_pools: tuple[PoolStatistics | None, PoolStatistics | None] = (None, None)
         self._state: _State = "new"
         self._counters = Counters()
         self._requests: set[Request] = set()
@@ -303,8 +305,17 @@ class HiCache:
                 try:
                     if supervisor is not None:
                         await asyncio.wait([supervisor])
+                    self._release_pools()
                 finally:
                     self._close_ended.set()
+
+    def _release_pools(self) -> None:
+        # A closed cache may live on (a reference in a registry, a traceback): its pools'
+        # memory, device memory included, goes now. Not while a copy could still touch them.
+        if self._copies or self._device_pool is None or self._host_pool is None:
+            return
+        self._closed_pools = (self._device_pool.statistics(), self._host_pool.statistics())
+        self._device_pool = self._host_pool = None
 
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""
@@ -798,6 +809,7 @@ class HiCache:
     def statistics(self) -> CacheStatistics:
         """A snapshot of counters, pools, tree and copy engine."""
         c = self._counters
+        closed = self._closed_pools
         return CacheStatistics(
             state=self._state,
             live_requests=len(self._requests),
@@ -808,8 +820,8 @@ class HiCache:
                 computed=c.tokens_computed,
             ),
             counters=c.snapshot(),
-            device_pool=self._device_pool.statistics() if self._device_pool else None,
-            host_pool=self._host_pool.statistics() if self._host_pool else None,
+            device_pool=self._device_pool.statistics() if self._device_pool else closed[0],
+            host_pool=self._host_pool.statistics() if self._host_pool else closed[1],
             tree=self._tree.statistics(),
             copy_engine=self._engine.statistics() if self._engine else None,
             storage=(

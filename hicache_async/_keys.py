@@ -179,7 +179,12 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
             # numpy turns a bool among ints into 0 or 1 silently: look at the elements.
             _check_element_types(tokens)
         _check_range(int(arr.min()), int(arr.max()))
-        return arr.astype("<u4", copy=False)
+        result = arr.astype("<u4", copy=False)
+        if result is arr and (from_array or not arr.flags.owndata):
+            # Still the caller's buffer: a request keeps its tokens while the caller may
+            # reuse that buffer for the next prompt, and its keys stand for these tokens.
+            result = result.copy()
+        return result
     if arr.dtype == object or (not from_array and arr.dtype.kind == "f"):
         # Mixed Python and numpy ints, or ints past int64 that numpy made floats or objects.
         items = arr.tolist() if arr.dtype == object else list(tokens)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
+
+if TYPE_CHECKING:  # the records' modules import torch; these are annotations only
+    from ._pool import PoolStatistics
+    from .transfer._protocol import CopyStatistics
+    from .tree._results import TreeStatistics
+    from .workers._link import StorageStatus
 
 __all__ = ["CacheStatistics", "Counters", "TierTokens"]
 
@@ -64,14 +70,18 @@ class Counters:
 
 
 class CacheStatistics(msgspec.Struct, frozen=True):
-    """A snapshot of a `HiCache`: its counters and each component's own statistics."""
+    """A snapshot of a `HiCache`: its counters and each component's own statistics.
+
+    `counters` is a copy, made for this snapshot. The pools' and copy engine's records are
+    None before the cache is entered; after its close, the pools' are their last.
+    """
 
     state: str
     live_requests: int
     tokens: TierTokens
     counters: dict[str, int]
-    device_pool: Any
-    host_pool: Any
-    tree: Any
-    copy_engine: Any
-    storage: Any = None
+    device_pool: PoolStatistics | None
+    host_pool: PoolStatistics | None
+    tree: TreeStatistics
+    copy_engine: CopyStatistics | None
+    storage: StorageStatus | None = None

@@ -186,3 +186,24 @@ async def test_request_lifecycle_and_repr() -> None:
         assert_drained(cache)
         with pytest.raises(ValueError, match="num_tokens"), cache.request(tokens) as bad:
             await bad.allocate(-1)
+
+
+async def test_a_closed_cache_lets_its_pools_go() -> None:
+    import gc
+    import weakref
+
+    config = _config()
+    async with HiCache(config) as cache:
+        device = weakref.ref(cache.device_pool.data)
+        host = weakref.ref(cache.host_pool.data)
+        open_stats = cache.statistics()
+    gc.collect()
+    assert device() is None
+    assert host() is None
+    closed = cache.statistics()
+    assert closed.device_pool is not None
+    assert closed.device_pool.num_pages == open_stats.device_pool.num_pages  # type: ignore[union-attr]
+    assert closed.host_pool is not None
+    assert repr(cache) == "<HiCache closed>"
+    with pytest.raises(CacheClosedError):
+        cache.device_pool  # noqa: B018

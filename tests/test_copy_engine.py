@@ -698,3 +698,32 @@ def test_a_copy_left_queued_at_interpreter_exit_fails_for_its_waiters(tmp_path: 
     assert "interpreter exit" in lines[0]
     # The held copy is still the worker's; the queued one was counted as failed.
     assert lines[1] == "in flight: 1", lines
+
+
+async def test_a_copy_refuses_another_loop() -> None:
+    import threading
+
+    from hicache_async import WrongThreadError
+
+    loop = asyncio.get_running_loop()
+    copy = LayerwiseCopy(loop, 2, 1)
+    errors: list[BaseException] = []
+
+    def elsewhere() -> None:
+        async def wait() -> None:
+            await copy.layer(0)
+
+        for attempt in (lambda: asyncio.run(wait()), lambda: copy.add_done_callback(print)):
+            try:
+                attempt()
+            except BaseException as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert [type(e) for e in errors] == [WrongThreadError, WrongThreadError]
+    assert copy._waiters == []
+    assert copy._callbacks == []
+    copy._layer_landed(1)
+    await copy  # still usable on its own loop

@@ -184,3 +184,43 @@ def test_no_prompt_reaches_a_salted_chain(page_size: int, sglang_compatible: boo
     # And a salt still separates: the same tokens under two salts share no key.
     other = page_keys(rest, page_size, namespace.salted(salt + b"!").seed)
     assert not set(salted) & set(other)
+
+
+def _uint32_buffers() -> list[object]:
+    import array
+
+    return [
+        np.arange(8, dtype="<u4"),
+        np.arange(8, dtype="<u4")[::1],
+        torch.arange(8, dtype=torch.int64).to(torch.uint32),
+        memoryview(np.arange(8, dtype="<u4")),
+        array.array("I", range(8)),
+    ]
+
+
+@pytest.mark.parametrize("tokens", _uint32_buffers(), ids=type)
+def test_token_arrays_never_share_the_callers_buffer(tokens: object) -> None:
+    # A request keeps its tokens; a caller reusing its buffer must not change them.
+    from hicache_async._keys import as_token_array
+
+    array = as_token_array(tokens)
+    assert array.tolist() == list(range(8))
+    buffer = np.asarray(tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens)
+    assert not np.shares_memory(array, buffer)
+
+
+async def test_a_request_keeps_its_tokens_when_the_caller_reuses_its_buffer() -> None:
+    from hicache_async import HiCache
+
+    config = CacheConfig(
+        layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16"),
+        device_pages=8,
+        page_size=4,
+        host_pages=8,
+    )
+    tokens = np.arange(8, dtype="<u4")
+    async with HiCache(config) as cache:
+        request = cache.request(tokens)
+        tokens[:] = 100
+        assert request.tokens.tolist() == list(range(8))
+        request.release()

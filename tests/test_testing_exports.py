@@ -54,3 +54,32 @@ def test_manifest_interface_is_exported_from_storage(name: str) -> None:
 def test_every_storage_name_resolves() -> None:
     for name in hicache_async.storage.__all__:
         assert hasattr(hicache_async.storage, name), name
+
+
+def test_faulty_storage_shows_its_rates() -> None:
+    import inspect
+
+    from hicache_async.testing import FaultyStorage
+
+    parameters = inspect.signature(FaultyStorage).parameters
+    assert list(parameters)[:3] == ["inner", "seed", "error_rate"]
+    assert "rates" not in parameters
+
+
+def test_star_import_and_mac_key_need_no_pytest() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "sys.modules['pytest'] = None  # as if the testing extra were not installed\n"
+        "from hicache_async.testing import *\n"
+        "from hicache_async.testing import MAC_KEY\n"
+        "assert len(MAC_KEY) >= 16 and callable(serve)\n"
+        "import hicache_async.testing as t\n"
+        "assert 'StorageConformance' in dir(t)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr

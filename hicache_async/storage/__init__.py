@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .._errors import StorageConfigError
-from ._base import check_keys, check_metas, check_pages, check_put
+from ._base import check_get, check_keys, check_metas, check_pages, check_put
 from ._file import FileStorage, FsyncPolicy, default_root
 from ._maintenance import (
     GcReport,
@@ -84,6 +84,7 @@ __all__ = [
     "VerifyReport",
     "check_keys",
     "check_metas",
+    "check_get",
     "check_pages",
     "check_put",
     "check_stats",
@@ -103,13 +104,15 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which would otherwise type any misspelt name as Any.
+    def __getattr__(name: str) -> Any:
+        module_name = _LAZY.get(name)
+        if module_name is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module_name), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
 
 
 def __dir__() -> list[str]:

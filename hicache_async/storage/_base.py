@@ -30,13 +30,14 @@ from ._protocol import PageBuffer, PageMeta, StorageStats
 from ._threads import Job, JobThreads
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self
 
 __all__ = [
     "BackendBase",
     "Counters",
     "byte_segments",
     "check_batch",
+    "check_get",
     "check_key",
     "check_keys",
     "check_mac_key",
@@ -175,6 +176,22 @@ def _page_problem(page: Any) -> str | None:
         if not view.c_contiguous:
             return "got a segment that is not C-contiguous"
     return None
+
+
+def check_get(keys: Sequence[bytes], into: Sequence[PageBuffer], namespace: bytes) -> None:
+    """A `get`'s checks in one call, before any I/O or counter: one buffer per key,
+    `check_keys`, and every buffer a sequence of writable, C-contiguous bytes-like segments
+    (whether or not its key is stored). Raises ValueError."""
+    check_batch(keys, ("buffers", into))
+    check_keys(keys, namespace)
+    for index, page in enumerate(into):
+        problem = _page_problem(page)
+        if problem is None and any(memoryview(segment).readonly for segment in page):
+            problem = "got a segment that is not writable"
+        if problem is not None:
+            raise ValueError(
+                f"into[{index}] must be a sequence of writable bytes-like segments: {problem}"
+            )
 
 
 def check_put(

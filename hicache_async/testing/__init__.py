@@ -2,8 +2,9 @@
 storage conformance suite, and real Redis / Mooncake servers for scenario tests.
 
 `StorageConformance` and the server helpers are imported lazily: the first needs pytest (the
-`testing` extra), the second the server binaries; `KVGenerator` too, as it needs torch, and
-this package is imported by the pytest plugin in every test run of the environment.
+`testing` extra), so `import *` leaves it out; the second the server binaries; `KVGenerator`
+too, as it needs torch, and this package is imported by the pytest plugin in every test run
+of the environment.
 """
 
 from __future__ import annotations
@@ -14,7 +15,17 @@ from ._invariants import assert_drained
 from ._workload import ServedRequest, serve
 
 if TYPE_CHECKING:
+    from ._conformance import StorageConformance as StorageConformance
+    from ._faults import FaultCounts, FaultyStorage
     from ._kvgen import KVGenerator
+    from ._mac_key import MAC_KEY
+    from ._servers import (
+        MooncakeMaster,
+        RedisClusterServer,
+        RedisServer,
+        ServerBinaryNotFoundError,
+        ServerError,
+    )
 
 __all__ = [
     "MAC_KEY",
@@ -27,7 +38,6 @@ __all__ = [
     "ServedRequest",
     "ServerBinaryNotFoundError",
     "ServerError",
-    "StorageConformance",
     "assert_drained",
     "serve",
 ]
@@ -36,7 +46,7 @@ _LAZY = {
     "KVGenerator": "._kvgen",
     "FaultyStorage": "._faults",
     "FaultCounts": "._faults",
-    "MAC_KEY": "._conformance",
+    "MAC_KEY": "._mac_key",
     "StorageConformance": "._conformance",
     "RedisServer": "._servers",
     "RedisClusterServer": "._servers",
@@ -48,13 +58,15 @@ _LAZY = {
 
 def __dir__() -> list[str]:
     # The lazy names too, for completion and help().
-    return sorted({*globals(), *__all__})
+    return sorted({*globals(), *__all__, *_LAZY})
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which would otherwise type any misspelt name as Any.
+    def __getattr__(name: str) -> Any:
+        module = _LAZY.get(name)
+        if module is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
 
-    return getattr(importlib.import_module(module, __name__), name)
+        return getattr(importlib.import_module(module, __name__), name)

@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 import pytest_asyncio
@@ -52,11 +52,10 @@ from ..storage._protocol import (
     StorageStats,
     check_stats,
 )
+from ._mac_key import MAC_KEY
 
 __all__ = ["MAC_KEY", "NAMESPACE", "OTHER_NAMESPACE", "StorageConformance"]
 
-#: The key a `mac_backend` fixture must be opened with.
-MAC_KEY = b"conformance-mac-key-0123456789ab"
 NAMESPACE = b"conformance-ns-1"
 OTHER_NAMESPACE = b"conformance-ns-2"
 
@@ -342,10 +341,17 @@ class StorageConformance:
         default executor and anyio's worker threads excepted)."""
         yield set(threading.enumerate())
 
-    @pytest_asyncio.fixture
-    async def mac_backend(self) -> AsyncIterator[StorageBackend | None]:
-        """Override to yield a backend entered with `mac_key=MAC_KEY`; None skips MAC tests."""
-        yield None
+    if TYPE_CHECKING:
+        # Overrides take whatever fixtures they need (`tmp_path`, a server): a typed
+        # signature here would make each of them an incompatible override.
+        mac_backend: Any
+    else:
+
+        @pytest_asyncio.fixture
+        async def mac_backend(self) -> AsyncIterator[StorageBackend | None]:
+            """Override to yield a backend entered with `mac_key=MAC_KEY`; None skips MAC
+            tests."""
+            yield None
 
     # Helpers.
 
@@ -511,11 +517,12 @@ class StorageConformance:
     async def test_mismatched_lengths_raise_before_io(self, backend: StorageBackend) -> None:
         keys = _keys(2)
         page = _segments(_payload(self.page_nbytes, 0), [self.page_nbytes])
-        with pytest.raises(ValueError, match="2"):
+        # Any message: the docs ask only for ValueError.
+        with pytest.raises(ValueError):  # noqa: PT011
             await backend.put(keys, [page], [_meta(keys[0]), _meta(keys[1])])
-        with pytest.raises(ValueError, match="2"):
+        with pytest.raises(ValueError):  # noqa: PT011
             await backend.put(keys, [page, page], [_meta(keys[0])])
-        with pytest.raises(ValueError, match="2"):
+        with pytest.raises(ValueError):  # noqa: PT011
             await backend.get(keys, [_empty([self.page_nbytes])], namespace=NAMESPACE)
         assert await backend.exists(keys[:1]) == 0
 
@@ -587,11 +594,11 @@ class StorageConformance:
         data = await self._put(backend, [stored])
         gets = backend.stats().gets
         for key in (absent, stored):
-            with pytest.raises(ValueError, match="writable"):
+            with pytest.raises(ValueError):  # noqa: PT011 - any message
                 await backend.get(
                     [key], [[_empty([self.page_nbytes])[0].toreadonly()]], namespace=NAMESPACE
                 )
-            with pytest.raises(ValueError, match="contiguous"):
+            with pytest.raises(ValueError):  # noqa: PT011 - any message
                 await backend.get(
                     [key], [[memoryview(bytearray(2 * self.page_nbytes))[::2]]], namespace=NAMESPACE
                 )

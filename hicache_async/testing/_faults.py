@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import math
 import numbers
 import random
@@ -66,7 +67,7 @@ from ..storage._protocol import (
 )
 
 if TYPE_CHECKING:
-    from typing import Self
+    from typing_extensions import Self
 
 __all__ = ["FaultCounts", "FaultyStorage"]
 
@@ -477,6 +478,14 @@ def _has_memory_registration(inner: object) -> bool:
 
 
 _SUBCLASSES: dict[tuple[bool, ...], type[FaultyStorage]] = {}
+
+
+# help() and inspect show the rates `__init__` takes, not `__new__`'s catch-all.
+_init_signature = inspect.signature(FaultyStorage.__init__)
+FaultyStorage.__signature__ = _init_signature.replace(  # type: ignore[attr-defined]
+    return_annotation=inspect.Signature.empty,
+    parameters=list(_init_signature.parameters.values())[1:],
+)
 
 
 def _subclass_for(inner: StorageBackend) -> type[FaultyStorage]:

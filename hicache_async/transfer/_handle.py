@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Generator
 from typing import Any
 
-from .._errors import index_of
+from .._errors import WrongThreadError, index_of
 
 __all__ = ["LayerwiseCopy"]
 
@@ -56,8 +56,25 @@ class LayerwiseCopy:
 
     # -- the awaiting side ---------------------------------------------------------------------
 
+    def _check_loop(self) -> None:
+        # Futures and callbacks of another loop would fail inside asyncio, after this copy's
+        # waiter list was already changed from the wrong thread.
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            raise WrongThreadError(
+                "a LayerwiseCopy belongs to the event loop of the cache that made it; "
+                "await it there (asyncio.run_coroutine_threadsafe from other threads)"
+            )
+
     async def layer(self, i: int) -> None:
-        """Return once layer `i` has landed; raise the copy's error if it failed before then."""
+        """Return once layer `i` has landed; raise the copy's error if it failed before then.
+
+        Raises `WrongThreadError` unless awaited on the copy's own event loop.
+        """
+        self._check_loop()
         i = index_of(i, "layer")
         if not 0 <= i < self.num_layers:
             raise ValueError(f"layer {i} is out of range [0, {self.num_layers})")
@@ -102,8 +119,10 @@ class LayerwiseCopy:
 
         Registered before completion, `fn` runs synchronously as the copy completes, before
         `done()` can be observed true; an exception it raises goes to the loop's exception
-        handler. If the copy is already done, `fn` is scheduled with `call_soon`.
+        handler. If the copy is already done, `fn` is scheduled with `call_soon`. Raises
+        `WrongThreadError` unless called on the copy's own event loop.
         """
+        self._check_loop()
         if self._done:
             self._loop.call_soon(fn, self)
         else:
