@@ -9,7 +9,8 @@ instance then loads the whole prefix, every page checked against the KV generato
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 import pytest
@@ -28,6 +29,8 @@ from hicache_async.storage import (
 from hicache_async.storage._protocol import check_exists
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import BackupStatistics
+from hicache_async.workers import _backup as backup_worker
+from hicache_async.workers._backup import BackupWorker
 
 PAGE = 4
 
@@ -361,6 +364,74 @@ async def test_a_long_conversation_asks_about_its_history_once_not_every_turn() 
             # one page a turn, not the whole conversation each time (820 keys).
             assert shared.exists_keys <= 2 * backup.written_pages
             assert backup.lost_pages == backup.repaired_pages == 0
+
+
+async def _conversations(
+    cache: HiCache, generator: KVGenerator, seeds: range, turns: int = 2
+) -> list[np.ndarray]:
+    """Serve a conversation of `turns` one-page turns per seed, each backed up before the
+    next: from the second turn on, each backup finds the chain above it whole."""
+    prompts = [_prompt(seed, 1) for seed in seeds]
+    for turn in range(turns):
+        if turn:
+            prompts = [
+                np.concatenate([p, _prompt(1000 * turn + s, 1)])
+                for p, s in zip(prompts, seeds, strict=True)
+            ]
+        for prompt in prompts:
+            await serve(cache, prompt, generator, prefetch=False)
+            await cache.drain()
+    return prompts
+
+
+@contextlib.asynccontextmanager
+async def _recording(
+    interval: float, seed: int
+) -> AsyncIterator[tuple[HiCache, Shared, KVGenerator, BackupWorker]]:
+    """A cache over a counting store whose backup keeps chains found whole on record for
+    `interval` seconds."""
+    config = _config(check_prefix_interval_s=interval)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        async with HiCache(config, storage=shared) as cache:
+            link = cache._link
+            assert link is not None
+            yield cache, shared, KVGenerator(config.layout, PAGE, seed=seed), link.backup
+            assert_drained(cache)
+
+
+async def test_chains_found_whole_are_kept_on_record_up_to_a_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # More chains found whole than the record holds, all fresh: the least recently found
+    # are forgotten (not the record rebuilt on every batch), and a forgotten chain's next
+    # batch asks about its whole history again, one longer `exists`.
+    monkeypatch.setattr(backup_worker, "_CHECKED_MAX", 4)
+    async with _recording(3600.0, seed=13) as (cache, shared, generator, worker):
+        record = worker._checked
+        prompts = await _conversations(cache, generator, range(60, 66))
+        assert worker._checked is record
+        assert len(record) == 4  # six chains found whole, the first two forgotten
+        asked = []
+        for prompt in (prompts[-1], prompts[0]):
+            before = shared.exists_keys
+            longer = np.concatenate([prompt, _prompt(99, 1)])
+            await serve(cache, longer, generator, prefetch=False)
+            await cache.drain()
+            asked.append(shared.exists_keys - before)
+        # The last conversation: its second turn only; the first: its whole history.
+        assert asked == [1, 2]
+        backup = _backup(cache)
+        assert backup.lost_pages == backup.repaired_pages == 0
+
+
+async def test_stale_chains_are_dropped_as_others_are_found() -> None:
+    async with _recording(0.05, seed=14) as (cache, _, generator, worker):
+        await _conversations(cache, generator, range(80, 84))
+        assert worker._checked
+        await asyncio.sleep(0.1)  # all of them stale now
+        await _conversations(cache, generator, range(90, 91))
+        assert len(worker._checked) == 1  # only the chain just found
 
 
 def test_an_exists_answer_is_a_count_of_the_keys_asked_about() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -39,8 +40,10 @@ __all__ = ["BackupStatistics", "BackupWorker"]
 
 _log = structlog.get_logger("hicache_async")
 
-#: Chains found whole kept on record before the stale ones are dropped (see `_checked`).
-_CHECKED_MAX = 4096
+#: Most nodes kept on record as found whole in storage (see `_checked`): past it the least
+#: recently found is forgotten even if fresh, and its chain is next asked about whole, one
+#: longer `exists`, as after `check_prefix_interval_s`. About 120 bytes each.
+_CHECKED_MAX = 65536
 
 
 class _Job(msgspec.Struct):
@@ -87,8 +90,9 @@ class BackupWorker:
         # After a detach the flush still writes, but its pages belong to a backend that is
         # no longer ours: they must not mark nodes "in storage".
         self._is_current = is_current
-        #: node id -> when its chain from the root was last found whole in storage
-        self._checked: dict[int, float] = {}
+        #: node id -> when its chain from the root was last found whole in storage, the
+        #: least recently found first (so the stale ones are dropped from the front)
+        self._checked: OrderedDict[int, float] = OrderedDict()
         self._manifest: WarmupManifest | None = (
             backend.manifest() if isinstance(backend, SupportsManifest) else None
         )
@@ -400,15 +404,19 @@ class BackupWorker:
 
     def _note_checked(self, chain: list[TreeNode], ends: list[int], found: int, now: float) -> None:
         """Record the nodes of `chain` whose pages all lie within the first `found`."""
+        checked = self._checked
         for node, end in zip(chain, ends, strict=True):
             if end > found:
                 break
-            self._checked[node.id] = now
-        if len(self._checked) > _CHECKED_MAX:  # forget what is stale, and removed nodes
-            interval = self.config.check_prefix_interval_s
-            self._checked = {
-                key: when for key, when in self._checked.items() if now - when < interval
-            }
+            checked[node.id] = now
+            checked.move_to_end(node.id)  # `now` never decreases: the order stays by time
+        # Forget what is stale (removed nodes too, in time), and the least recently found
+        # past the cap: each entry is dropped once, so this costs O(1) amortized per entry.
+        interval = self.config.check_prefix_interval_s
+        while checked and (
+            len(checked) > _CHECKED_MAX or now - checked[next(iter(checked))] >= interval
+        ):
+            checked.popitem(last=False)
 
     def _chain_entry(self, job: _Job) -> ManifestEntry | None:
         """A manifest entry for the chain ending at the job's node, if all of it is stored."""

@@ -136,6 +136,9 @@ class StartOrder:
         self._group = group
         self._next = 0
         self._pending: set[int] = set()  # started, agreement not entered yet
+        # No start numbered below this is pending: advanced lazily past the numbers left
+        # pending, so finding the earliest pending start costs O(1) amortized, not O(pending).
+        self._low = 0
         self._owed: collections.deque[tuple[int, int]] = collections.deque()  # (start, tag)
         self._paying = False
 
@@ -162,12 +165,19 @@ class StartOrder:
             return  # the payer under way goes on to whatever falls due meanwhile
         self._paying = True
         try:
-            while self._owed and not (self._pending and min(self._pending) < self._owed[0][0]):
+            while self._owed and self._earliest_pending() > self._owed[0][0]:
                 _, tag = self._owed.popleft()
                 gate = BackgroundAgreements.of(self._group).wait_idle
                 await enter_min_cancelled(self._group, tag=tag, gate=gate)
         finally:
             self._paying = False
+
+    def _earliest_pending(self) -> int:
+        """The number of the earliest start still pending, or the next number if none is."""
+        # Numbers are handed out increasing and leave `_pending` for good: each is passed once.
+        while self._low < self._next and self._low not in self._pending:
+            self._low += 1
+        return self._low
 
 
 class PrefetchHandle:
@@ -522,13 +532,31 @@ class PrefetchStatistics(msgspec.Struct, frozen=True):
     host_pages_limit: int
 
 
+class _Waiter:
+    """A sender waiting in line for room in the prefetch queue."""
+
+    __slots__ = ("admitted", "handle", "in_line", "left")
+
+    def __init__(self, handle: PrefetchHandle, admitted: asyncio.Future[bool]) -> None:
+        self.handle = handle
+        #: True once admitted, False if the queue closed first.
+        self.admitted = admitted
+        #: still in the line: taken out only as it reaches the front, or at close.
+        self.in_line = True
+        #: its sender was cancelled while in line: a dead entry, skipped when it is reached.
+        self.left = False
+
+
 class _PrefetchQueue:
     """The sending side of the prefetch queue: room for `size` queued prefetches.
 
     A slot is held from admission until a worker takes the prefetch or it finishes while
     queued (cancelled or terminated), so a given-up prefetch frees its room at once even
     though its entry stays in the stream until a worker skips it or a compaction drops it.
-    Senders that find no room wait in arrival order and are admitted as slots free up.
+    Senders that find no room wait in arrival order and are admitted as slots free up. A
+    sender cancelled while waiting leaves a dead entry in the line, skipped when it reaches
+    the front or dropped by a compaction once the dead outnumber the live, so neither an
+    admission nor a cancellation searches the line.
     """
 
     def __init__(
@@ -540,14 +568,15 @@ class _PrefetchQueue:
         self._size = size
         self._stream = send  # unbounded: room is counted here, in `queued`
         self._receive = receive  # for compaction only; workers read clones of it
-        self._waiting: deque[tuple[PrefetchHandle, asyncio.Future[bool]]] = deque()
+        self._waiting: deque[_Waiter] = deque()
+        self._dead = 0  # entries of `_waiting` whose sender left
         self._closed = False
         #: live prefetches holding a slot.
         self.queued = 0
 
     def send_nowait(self, handle: PrefetchHandle) -> None:
         """Admit `handle` if there is room and nobody waits for it before; else WouldBlock."""
-        if self._waiting or self.queued >= self._size:
+        if len(self._waiting) > self._dead or self.queued >= self._size:
             raise anyio.WouldBlock
         self._admit(handle)
 
@@ -561,15 +590,25 @@ class _PrefetchQueue:
             return
         if self._closed:
             raise anyio.ClosedResourceError
-        entry = (handle, asyncio.get_running_loop().create_future())
-        self._waiting.append(entry)
+        waiter = _Waiter(handle, asyncio.get_running_loop().create_future())
+        self._waiting.append(waiter)
         try:
-            admitted = await entry[1]
+            admitted = await waiter.admitted
         finally:
-            with contextlib.suppress(ValueError):
-                self._waiting.remove(entry)  # still waiting: cancelled
+            if waiter.in_line:  # cancelled while waiting: admitted or refused ones are out
+                self._leave(waiter)
         if not admitted:
             raise anyio.ClosedResourceError
+
+    def _leave(self, waiter: _Waiter) -> None:
+        # Left in the line, dead, rather than searched for: once the dead outnumber the
+        # live, one pass drops them all, its cost spread over as many cancellations.
+        waiter.admitted.cancel()  # done already, normally: the cancellation came through it
+        waiter.left = True
+        self._dead += 1
+        if 2 * self._dead > len(self._waiting):
+            self._waiting = deque(w for w in self._waiting if not w.left)
+            self._dead = 0
 
     def _admit(self, handle: PrefetchHandle) -> None:
         self._stream.send_nowait(handle)  # raises if closed: then not admitted
@@ -584,15 +623,19 @@ class _PrefetchQueue:
         handle._in_queue = False
         self.queued -= 1
         while self._waiting and self.queued < self._size:
-            waiter, admitted = self._waiting.popleft()
-            if admitted.done():
-                continue  # its sender was cancelled and has not yet left the line
+            waiter = self._waiting.popleft()
+            waiter.in_line = False
+            if waiter.left:
+                self._dead -= 1
+                continue
+            if waiter.admitted.done():
+                continue  # its sender was cancelled and has not run since: it gives up
             try:
-                self._admit(waiter)
+                self._admit(waiter.handle)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                admitted.set_result(False)
+                waiter.admitted.set_result(False)
             else:
-                admitted.set_result(True)
+                waiter.admitted.set_result(True)
         # Buffered entries beyond the live ones are dead: at most `size` of them, so each
         # compaction's cost is spread over as many give-ups as it drops.
         if self._stream.statistics().current_buffer_used > self.queued + self._size:
@@ -619,9 +662,11 @@ class _PrefetchQueue:
         self._closed = True
         self._stream.close()
         waiting, self._waiting = self._waiting, deque()
-        for _, admitted in waiting:
-            if not admitted.done():
-                admitted.set_result(False)
+        self._dead = 0
+        for waiter in waiting:
+            waiter.in_line = False
+            if not waiter.admitted.done():
+                waiter.admitted.set_result(False)
 
 
 class Prefetcher:
