@@ -555,3 +555,88 @@ async def test_calls_from_another_event_loop_raise() -> None:
         assert tree.match(K(1)).device_pages == []
     finally:
         other.close()
+
+
+class CountingTime(float):
+    """An access time that counts how often eviction compares it (the work of ordering)."""
+
+    comparisons = 0
+
+    def __eq__(self, other: object) -> bool:
+        CountingTime.comparisons += 1
+        return float(self) == other
+
+    def __lt__(self, other: float) -> bool:
+        CountingTime.comparisons += 1
+        return float(self) < float(other)
+
+    __hash__ = float.__hash__
+
+
+def _counting_tree(leaves: int, *, host: bool) -> RadixTree:
+    ticks = iter(range(1, 10**9))
+    tree = RadixTree(clock=lambda: CountingTime(next(ticks)))
+    for i in range(leaves):
+        keys = page_keys([i, i], 1)
+        if host:
+            tree.insert(keys, host_pages=[2 * i, 2 * i + 1])
+        else:
+            tree.insert(keys, device_pages=[2 * i, 2 * i + 1])
+    return tree
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host"])
+def test_eviction_keeps_its_order_between_calls(host: bool) -> None:
+    """A small eviction among many candidates costs O(log n) comparisons, not a reorder of
+    every candidate on each call."""
+    leaves = 4000
+    tree = _counting_tree(leaves, host=host)
+    CountingTime.comparisons = 0
+    calls = 50
+    for i in range(calls):
+        freed = tree.evict_host(2) if host else tree.evict_device(2, backup_first=False).freed
+        assert freed == [2 * i, 2 * i + 1]  # oldest first, as before
+    # log2(4000) is about 12; reordering every candidate would take thousands per call.
+    assert CountingTime.comparisons < 100 * calls
+    tree.check_invariants()
+
+
+def test_touch_and_lock_churn_keeps_the_order_right() -> None:
+    """Stale queue entries from touches and locks never pick the wrong victim."""
+    tree = make_tree()
+    nodes = [tree.insert(K(i, 100 + i), device_pages=[2 * i, 2 * i + 1]).node for i in range(40)]
+    for _ in range(5):
+        for i in range(0, 40, 2):
+            tree.match(K(i, 100 + i))  # the even ones become the most recent
+        for node in nodes[1::4]:
+            tree.lock_device(node)
+            tree.unlock_device(node)
+    tree.insert(K(3, 103), device_pages=[6, 7], priority=1)  # now evicted last
+    tree.check_invariants()
+    order = []
+    for _ in range(40):
+        freed = tree.evict_device(2, backup_first=False).freed
+        order.append(freed[0] // 2)
+    odd = [i for i in range(1, 40, 2) if i != 3]
+    assert order == [*odd, *range(0, 40, 2), 3]
+    assert tree.statistics().nodes == 0
+
+
+def test_backup_first_asks_only_for_what_it_needs() -> None:
+    """With backup_first, pages waiting for a backup count toward the request: one small
+    eviction on a full device reports about what it needs, not every unbacked leaf."""
+    tree = make_tree()
+    nodes = [tree.insert(K(i, 100 + i), device_pages=[2 * i, 2 * i + 1]).node for i in range(50)]
+    backed = tree.insert(K(99), device_pages=[100], host_pages=[0]).node
+    tree.match(K(99))  # the newest: freed last
+    eviction = tree.evict_device(3, backup_first=True)
+    assert eviction.freed == []
+    assert eviction.needs_backup == nodes[:2]  # oldest first, 4 pages >= 3
+    again = tree.evict_device(3, backup_first=True)
+    assert again.needs_backup == nodes[:2]  # still candidates until backed up
+    tree.set_host_pages(nodes[0], [1, 2])
+    third = tree.evict_device(4, backup_first=True)
+    assert third.freed == [0, 1]
+    assert third.needs_backup == [nodes[1]]
+    assert backed.on_device  # has a host copy but is the most recent
+    tree.check_invariants()

@@ -1,4 +1,5 @@
-"""The radix tree against a page-by-page reference model, driven by hypothesis.
+"""The radix tree against a page-by-page reference model, driven by hypothesis; every
+eviction is also checked against a brute-force recomputation of the eviction order.
 
 The model maps every cached prefix (a tuple of tokens, one token per page) to its device page,
 host page, lock count and protection count. Keys are one repeated byte per token, so equal keys
@@ -8,6 +9,7 @@ appear under different prefixes and the tree must compare by position, not by ke
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -50,6 +52,75 @@ class Entry:
     host: int | None = None
     locks: int = 0
     protections: int = 0
+
+
+def eviction_key(tree: RadixTree, node: TreeNode) -> tuple[int, int, float, int]:
+    """The documented eviction order: priority, then LFU hits (LRU: none), age, node id."""
+    hits = node.hit_count if tree.eviction == "lfu" else 0
+    return (node.priority, hits, node.last_access, node.id)
+
+
+def brute_force_device_eviction(
+    tree: RadixTree, num_pages: int, backup_first: bool
+) -> tuple[list[int], list[int]]:
+    """What `evict_device` must free and report (node ids), recomputing every candidate from
+    the whole tree before each pick. Call it before the eviction: it only reads the tree."""
+    nodes = {n.id: n for n in tree.iter_nodes()}
+    children = {i: {c.id for c in n.children.values()} for i, n in nodes.items()}
+    children[tree.root.id] = {c.id for c in tree.root.children.values()}
+    on_device = {i for i, n in nodes.items() if n.on_device}
+    freed: list[int] = []
+    backup: list[int] = []
+    pending = 0
+    while num_pages and len(freed) + pending < num_pages:
+        candidates = [
+            i
+            for i in on_device
+            if i not in backup and nodes[i].lock_ref == 0 and not children[i] & on_device
+        ]
+        if not candidates:
+            break
+        victim = nodes[min(candidates, key=lambda i: eviction_key(tree, nodes[i]))]
+        assert victim.device_pages is not None
+        assert victim.parent is not None
+        if victim.on_host:
+            on_device.discard(victim.id)
+        elif backup_first or children[victim.id] or victim.host_ref:
+            backup.append(victim.id)
+            pending += victim.num_pages if backup_first else 0
+            continue
+        else:
+            on_device.discard(victim.id)
+            children[victim.parent.id].discard(victim.id)
+        freed += victim.device_pages
+    return freed, backup
+
+
+def brute_force_host_eviction(tree: RadixTree, num_pages: int) -> list[int]:
+    """What `evict_host` must free, recomputing every candidate before each pick."""
+    nodes = {n.id: n for n in tree.iter_nodes()}
+    children = {i: {c.id for c in n.children.values()} for i, n in nodes.items()}
+    children[tree.root.id] = {c.id for c in tree.root.children.values()}
+    left = set(nodes)
+    freed: list[int] = []
+    while len(freed) < num_pages:
+        candidates = [
+            i
+            for i in left
+            if nodes[i].on_host
+            and not nodes[i].on_device
+            and not children[i]
+            and nodes[i].host_ref == 0
+        ]
+        if not candidates:
+            break
+        victim = nodes[min(candidates, key=lambda i: eviction_key(tree, nodes[i]))]
+        assert victim.host_pages is not None
+        assert victim.parent is not None
+        left.discard(victim.id)
+        children[victim.parent.id].discard(victim.id)
+        freed += victim.host_pages
+    return freed
 
 
 class TreeMachine(RuleBasedStateMachine):
@@ -280,8 +351,10 @@ class TreeMachine(RuleBasedStateMachine):
     @rule(num_pages=st.integers(0, 12), backup_first=st.booleans())
     def evict_device(self, num_pages: int, backup_first: bool) -> None:
         owner = {e.device: p for p, e in self.model.items() if e.device is not None}
+        expected = brute_force_device_eviction(self.tree, num_pages, backup_first)
         eviction = self.tree.evict_device(num_pages, backup_first=backup_first)
         freed = eviction.freed
+        assert (freed, [n.id for n in eviction.needs_backup]) == expected
         assert len(set(freed)) == len(freed)
         # Deepest first, so a removed node's own later pages are gone before its earlier ones.
         for prefix in sorted((owner[page] for page in freed), key=len, reverse=True):
@@ -298,7 +371,9 @@ class TreeMachine(RuleBasedStateMachine):
             assert not node.on_host
             assert node.lock_ref == 0
             assert backup_first or node.children or node.host_ref
-        if len(freed) < num_pages:
+        # With backup_first, pages waiting for a backup count toward the request.
+        pending = sum(n.num_pages for n in eviction.needs_backup) if backup_first else 0
+        if len(freed) + pending < num_pages:
             for prefix, entry in self.model.items():
                 children = self.children_of(prefix)
                 leaf = entry.device is not None and all(c.device is None for c in children)
@@ -306,13 +381,16 @@ class TreeMachine(RuleBasedStateMachine):
                     not backup_first and not children and entry.protections == 0
                 )
                 assert not (leaf and entry.locks == 0 and removable), (
-                    f"stopped at {len(freed)} of {num_pages} pages with {prefix} evictable"
+                    f"stopped at {len(freed)} + {pending} of {num_pages} pages with {prefix} "
+                    "evictable"
                 )
 
     @rule(num_pages=st.integers(0, 12))
     def evict_host(self, num_pages: int) -> None:
         owner = {e.host: p for p, e in self.model.items() if e.host is not None}
+        expected = brute_force_host_eviction(self.tree, num_pages)
         freed = self.tree.evict_host(num_pages)
+        assert freed == expected
         assert len(set(freed)) == len(freed)
         for page in freed:
             prefix = owner[page]
@@ -396,3 +474,82 @@ TreeMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_tree_machine = TreeMachine.TestCase
+
+
+def _take(free: list[int], count: int) -> list[int] | None:
+    if len(free) < count:
+        return None
+    taken = free[:count]
+    del free[:count]
+    return taken
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("seed", range(3))
+def test_long_random_sequence_evicts_in_brute_force_order(
+    policy: EvictionPolicy, seed: int
+) -> None:
+    """Thousands of steps without a reset, so stale queue entries from touches, locks and
+    priority raises pile up (and get compacted) between evictions, each of which must pick
+    exactly what a brute-force recomputation picks."""
+    rng = random.Random(seed)
+    ticks = itertools.count()
+    tree = RadixTree(eviction=policy, clock=lambda: float(next(ticks) // 3))  # some ties
+    free_device = list(range(160))
+    free_host = list(range(240))
+    locks: list[TreeNode] = []
+    protections: list[TreeNode] = []
+    for step in range(3000):
+        if step % 100 == 0:
+            tree.check_invariants()  # the queues hold exactly the candidates, keyed right
+        seq = tuple(rng.randrange(ALPHABET + 1) for _ in range(rng.randint(1, 8)))
+        op = rng.randrange(10)
+        if op <= 2:
+            tiers = rng.choice(["device", "host", "both"])
+            device = _take(free_device, len(seq)) if tiers != "host" else None
+            host = _take(free_host, len(seq)) if tiers != "device" else None
+            if device is None and host is None:
+                continue
+            result = tree.insert(keys_of(seq), device, host, priority=rng.randrange(4))
+            free_device += result.duplicate_device_pages
+            free_host += result.duplicate_host_pages
+            if device is not None and rng.random() < 0.3:
+                tree.lock_device(result.node)
+                locks.append(result.node)
+        elif op == 3:
+            tree.match(keys_of(seq), touch=rng.random() < 0.8)
+        elif op == 4 and locks:
+            tree.unlock_device(locks.pop(rng.randrange(len(locks))))
+        elif op == 4:
+            found = tree.match(keys_of(seq))
+            tree.protect_host(found.host_node)
+            protections.append(found.host_node)
+        elif op == 5 and protections:
+            tree.unprotect_host(protections.pop(rng.randrange(len(protections))))
+        elif op == 6:
+            nodes = [n for n in tree.iter_nodes() if n.on_device != n.on_host]
+            if nodes:
+                node = rng.choice(sorted(nodes, key=lambda n: n.id))
+                parent = node.parent
+                assert parent is not None
+                if not node.on_host and (pages := _take(free_host, node.num_pages)):
+                    tree.set_host_pages(node, pages)
+                elif (
+                    not node.on_device
+                    and (parent is tree.root or parent.on_device)
+                    and (pages := _take(free_device, node.num_pages))
+                ):
+                    tree.set_device_pages(node, pages)
+        elif op <= 8:
+            num_pages = rng.randrange(1, 12)
+            backup_first = rng.random() < 0.5
+            expected = brute_force_device_eviction(tree, num_pages, backup_first)
+            eviction = tree.evict_device(num_pages, backup_first=backup_first)
+            assert (eviction.freed, [n.id for n in eviction.needs_backup]) == expected
+            free_device += eviction.freed
+        else:
+            num_pages = rng.randrange(1, 12)
+            expected_host = brute_force_host_eviction(tree, num_pages)
+            assert tree.evict_host(num_pages) == expected_host
+            free_host += expected_host
+    tree.check_invariants()

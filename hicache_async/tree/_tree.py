@@ -66,10 +66,12 @@ class RadixTree:
         "_clock",
         "_device_leaves",
         "_device_pages",
+        "_device_queue",
         "_evictable_device",
         "_evictable_host",
         "_host_leaves",
         "_host_pages",
+        "_host_queue",
         "_locked",
         "_next_id",
         "_nodes",
@@ -96,6 +98,9 @@ class RadixTree:
         self._device_leaves: set[TreeNode] = set()
         # Nodes on the host, not on the device, without children (protected or not).
         self._host_leaves: set[TreeNode] = set()
+        # The unlocked device leaves and unprotected host leaves, in eviction order.
+        self._device_queue = EvictionQueue(self._policy)
+        self._host_queue = EvictionQueue(self._policy)
         self._nodes = 0
         self._device_pages = 0
         self._host_pages = 0
@@ -170,6 +175,7 @@ class RadixTree:
             for visited in path:
                 visited.hit_count += 1
                 visited.last_access = now
+                self._requeue(visited)
         return MatchResult(
             keys=query,
             device_pages=device_pages,
@@ -254,6 +260,9 @@ class RadixTree:
                 k = _common_prefix(child.keys, query, i)
                 child = self._split(child, k)
                 end = i + k
+            child.priority = max(child.priority, priority)
+            child.last_access = now
+            self._requeue(child)
             if device is not None:
                 if child.device_pages is None:
                     self._set_device(child, device[i:end])
@@ -264,8 +273,6 @@ class RadixTree:
                     self._set_host(child, host[i:end])
                 else:
                     _new_duplicates(host[i:end], child.host_pages, dup_host)
-            child.priority = max(child.priority, priority)
-            child.last_access = now
             node = child
             i = end
         return InsertResult(
@@ -285,10 +292,11 @@ class RadixTree:
         if node.parent is not None and node.device_pages is None:
             raise ValueError(f"cannot lock {node!r}: it is not on the device")
         while node.parent is not None:
-            if node.lock_ref == 0:
+            node.lock_ref += 1
+            if node.lock_ref == 1:
                 self._locked += 1
                 self._evictable_device -= len(node.keys)
-            node.lock_ref += 1
+                self._requeue(node)
             node = node.parent
 
     def unlock_device(self, node: TreeNode) -> None:
@@ -303,6 +311,7 @@ class RadixTree:
             if node.lock_ref == 0:
                 self._locked -= 1
                 self._evictable_device += len(node.keys)
+                self._requeue(node)
             node = node.parent
 
     def protect_host(self, node: TreeNode) -> None:
@@ -316,11 +325,12 @@ class RadixTree:
             self._owner.check()
         self._check_node(node)
         while node.parent is not None:
-            if node.host_ref == 0:
+            node.host_ref += 1
+            if node.host_ref == 1:
                 self._protected += 1
                 if node.host_pages is not None and node.device_pages is None:
                     self._evictable_host -= len(node.keys)
-            node.host_ref += 1
+                self._requeue(node)
             node = node.parent
 
     def unprotect_host(self, node: TreeNode) -> None:
@@ -336,6 +346,7 @@ class RadixTree:
                 self._protected -= 1
                 if node.host_pages is not None and node.device_pages is None:
                     self._evictable_host += len(node.keys)
+                self._requeue(node)
             node = node.parent
 
     # -- residency ----------------------------------------------------------------------------
@@ -401,7 +412,13 @@ class RadixTree:
         Victims are unlocked device leaves, lowest priority first, then by the policy. A
         victim with a host copy just leaves the device. One without is removed from the tree
         when it has no children, is not protected and `backup_first` is false; otherwise it
-        is reported in `needs_backup` and kept.
+        is reported in `needs_backup` and kept. With `backup_first`, the pages reported in
+        `needs_backup` count toward `num_pages` (once backed up they can leave), so a small
+        request asks for about as many pages to be backed up as it needs, not the whole
+        device.
+
+        The candidates stay ordered between calls, so a call costs O(log n) per victim, not
+        O(n) in the number of candidates.
         """
         if self._owner is not None:
             self._owner.check()
@@ -411,10 +428,9 @@ class RadixTree:
         needs_backup: list[TreeNode] = []
         if num_pages == 0:
             return DeviceEviction(freed=freed, needs_backup=needs_backup)
-        queue = EvictionQueue(
-            self._policy, [node for node in self._device_leaves if node.lock_ref == 0]
-        )
-        while len(freed) < num_pages:
+        queue = self._device_queue
+        pending = 0  # pages of needs_backup that count toward num_pages
+        while len(freed) + pending < num_pages:
             victim = queue.pop()
             if victim is None:
                 break
@@ -426,23 +442,24 @@ class RadixTree:
                 self._set_device(victim, None)
             elif backup_first or victim.children or victim.host_ref:
                 needs_backup.append(victim)
+                if backup_first:
+                    pending += len(pages)
                 continue
             else:
                 self._remove(victim)
+            # Leaving the device made its parent a candidate if it is now an unlocked leaf:
+            # _sync queued it, so the loop may take it next.
             freed += pages
-            if (
-                parent.parent is not None
-                and parent.num_device_children == 0
-                and parent.lock_ref == 0
-            ):
-                queue.push(parent)
+        for node in needs_backup:
+            queue.update(node, True)  # still a candidate: popping took it out of the queue
         return DeviceEviction(freed=freed, needs_backup=needs_backup)
 
     def evict_host(self, num_pages: int) -> list[int]:
         """Free at least `num_pages` host pages if that many can go; return them.
 
         Victims are unprotected, childless nodes that are on the host but not the device,
-        lowest priority first, then by the policy; each is removed from the tree.
+        lowest priority first, then by the policy; each is removed from the tree. Like device
+        eviction, this costs O(log n) per victim, not O(n) in the number of candidates.
         """
         if self._owner is not None:
             self._owner.check()
@@ -451,9 +468,7 @@ class RadixTree:
         freed: list[int] = []
         if num_pages == 0:
             return freed
-        queue = EvictionQueue(
-            self._policy, [node for node in self._host_leaves if node.host_ref == 0]
-        )
+        queue = self._host_queue
         while len(freed) < num_pages:
             victim = queue.pop()
             if victim is None:
@@ -462,10 +477,8 @@ class RadixTree:
             parent = victim.parent
             if pages is None or parent is None:  # cannot happen: candidates stay on host
                 raise AssertionError(f"eviction candidate {victim!r} left the host")
-            self._remove(victim)
+            self._remove(victim)  # queues its parent if that became an unprotected leaf
             freed += pages
-            if parent in self._host_leaves and parent.host_ref == 0:
-                queue.push(parent)
         return freed
 
     def discard_host_leaf(self, node: TreeNode) -> list[int]:
@@ -605,6 +618,8 @@ class RadixTree:
         for name, value in totals.items():
             if kept[name] != value:
                 raise AssertionError(f"statistics.{name} is {kept[name]}, the tree has {value}")
+        self._device_queue.check(n for n in device_leaves if n.lock_ref == 0)
+        self._host_queue.check(n for n in host_leaves if n.host_ref == 0)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -642,15 +657,27 @@ class RadixTree:
             self._protected += sign
 
     def _sync(self, node: TreeNode) -> None:
-        """Bring the node's membership of the candidate sets up to date."""
+        """Bring the node's membership of the leaf sets and eviction queues up to date."""
         if node.device_pages is not None and node.num_device_children == 0:
             self._device_leaves.add(node)
+            self._device_queue.update(node, node.lock_ref == 0)
         else:
             self._device_leaves.discard(node)
+            self._device_queue.update(node, False)
         if node.host_pages is not None and node.device_pages is None and not node.children:
             self._host_leaves.add(node)
+            self._host_queue.update(node, node.host_ref == 0)
         else:
             self._host_leaves.discard(node)
+            self._host_queue.update(node, False)
+
+    def _requeue(self, node: TreeNode) -> None:
+        """Bring the queues up to date after the node's key or references changed (its leaf
+        set memberships did not)."""
+        if node in self._device_leaves:
+            self._device_queue.update(node, node.lock_ref == 0)
+        if node in self._host_leaves:
+            self._host_queue.update(node, node.host_ref == 0)
 
     def _set_device(self, node: TreeNode, pages: list[int] | None) -> None:
         parent = node.parent
@@ -691,8 +718,7 @@ class RadixTree:
         node.parent = None
         node.device_pages = None
         node.host_pages = None
-        self._device_leaves.discard(node)
-        self._host_leaves.discard(node)
+        self._sync(node)
         self._sync(parent)
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
