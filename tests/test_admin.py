@@ -910,3 +910,26 @@ async def test_an_attach_still_opening_is_reported_refused_and_can_be_detached()
                 await opening.exists([bytes(32)])
         finally:
             opening.go.set()  # a failure above must not leave the cache's exit waiting
+
+
+async def test_the_scheme_check_scans_entry_points_off_the_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The scan reads every installed distribution's metadata: file I/O, kept off the loop.
+    import threading
+
+    from hicache_async.admin import _app
+    from hicache_async.storage import storage_schemes
+
+    threads: list[threading.Thread] = []
+
+    def scan() -> list[str]:
+        threads.append(threading.current_thread())
+        return storage_schemes()
+
+    monkeypatch.setattr(_app, "storage_schemes", scan)
+    async with admin() as (_, client):
+        response = await client.put(STORAGE, headers=AUTH, json={"url": "nope://x"})
+        assert "memory://" in _error(response, 400, "invalid_storage_url")
+    assert threads
+    assert threading.main_thread() not in threads

@@ -953,3 +953,26 @@ async def test_a_warmup_counts_records_of_a_newer_version_and_leaves_them(tmp_pa
         assert served.host_tokens == 3 * PAGE
         await cache.drain()
     assert newer in path.read_bytes()
+
+
+async def test_entries_the_store_cannot_serve_still_let_the_loop_run(tmp_path: Path) -> None:
+    # A stale manifest (every chain's first page gone) ends each entry without any I/O: the
+    # loop must still get to other tasks between entries, not only once warmup returns.
+    prompts = _prompts(30, seed=11)
+    await _fill(tmp_path, prompts)
+    config = _config()
+    async with HiCache(config) as keyer:
+        firsts = [keyer.namespace.storage_keys(keyer.keys_for(p))[0] for p in prompts]
+    async with FileStorage(tmp_path) as storage:
+        assert await storage.delete(firsts) == len(prompts)
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        link = cache._link
+        assert link is not None
+        seen: set[int] = set()
+        warming = asyncio.ensure_future(cache.warmup(ratio=1.0))
+        while not warming.done():
+            seen.update(w._partial.entries_missed for w in link.warmers)
+            await asyncio.sleep(0)
+        result = warming.result()
+        assert result.entries_missed == len(prompts)
+        assert seen & set(range(1, len(prompts))), seen  # seen part-way through the entries

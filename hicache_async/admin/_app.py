@@ -369,7 +369,9 @@ class AdminApp:
             await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s), AttachRequest
         )
         scheme = _SCHEME_URL.match(request.url)
-        if scheme is None or scheme.group("scheme").lower() not in storage_schemes():
+        # Off the loop: the entry-point scan reads every installed distribution's metadata.
+        schemes = await anyio.to_thread.run_sync(storage_schemes)
+        if scheme is None or scheme.group("scheme").lower() not in schemes:
             # Import-path plugins (`package.module:factory`) would let a token import and call
             # arbitrary code; they can be configured at start-up, not over HTTP. Said here,
             # as `open_storage`'s own message lists them among the accepted forms.
@@ -383,7 +385,7 @@ class AdminApp:
                     else f"unknown storage scheme {scheme.group('scheme')!r}"
                 )
                 + f" in {shown}; accepted: "
-                + ", ".join(f"{name}://" for name in storage_schemes())
+                + ", ".join(f"{name}://" for name in schemes)
                 + f" (built in or installed as an entry point in group {ENTRY_POINT_GROUP!r})",
             )
         client = _client(scope)

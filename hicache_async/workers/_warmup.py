@@ -243,6 +243,9 @@ class Warmer:
                 status = go_on
                 break
             try:
+                # Entries the store cannot serve end without suspending (the file index
+                # answers on the loop): a long stale manifest would otherwise hold it.
+                await asyncio.sleep(0)
                 halt = await self._yield_to_live(loaded_pages, budget, began)
                 landed = 0
                 before = 0  # pages of the entry cached before its read
