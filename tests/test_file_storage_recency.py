@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 from test_file_storage import SIZE, _Gate, _get, _keys, _page_path, _put, _released
 
-from hicache_async.storage import FileStorage, Outcome, _file
+from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, _file
 
 HOUR_NS = 3600 * 10**9
 
@@ -192,3 +193,59 @@ async def test_a_shared_lookup_stamps_indexed_pages_past_one_it_looked_up(tmp_pa
     stamped = _mtimes(root, [first, middle, last])
     assert stamped[-1] > long_ago + 2 * 10**9
     assert _strictly_falling(stamped)
+
+
+def _root_of_aged_pages(root: Path, count: int, seed: int) -> None:
+    """A root of `count` page files (random keys, so in every shard) whose mtimes take a few
+    distinct values (ties are ordered by the listing), one in ten too short to be a page."""
+    rng = random.Random(seed)
+    stamps = [time.time_ns() - HOUR_NS + rng.randrange(50) * 10**9 for _ in range(count)]
+    for stamp in stamps:
+        key = rng.randbytes(32)
+        path = _page_path(root, key)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        path.write_bytes(bytes(HEADER_NBYTES if rng.random() < 0.9 else 10))
+        os.utime(path, ns=(stamp, stamp))
+
+
+async def test_the_index_at_open_is_ordered_by_mtime_ties_in_listing_order(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as empty:  # lays the root out
+        assert not empty._index
+    _root_of_aged_pages(root, 700, seed=3)
+    async with FileStorage(root) as storage:
+        assert storage._handles is not None
+        found = _file._scan(storage._handles, threading.Event())
+        # Least recently used first: a stable sort of the listing by mtime, then the files
+        # no page can be moved to the front, one after another in listing order.
+        expected = [key for key, _, _ in sorted(found, key=lambda page: page[2])]
+        for key, nbytes, _ in found:
+            if nbytes < HEADER_NBYTES:
+                expected.remove(key)
+                expected.insert(0, key)
+        assert len(found) == 700
+        assert list(storage._index) == expected
+
+
+async def test_open_sorts_no_list_of_every_page_in_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The index is built on a job thread while the loop serves; a sort in C holds the GIL
+    # throughout (half a second for a million pages), so open must not sort them all at once.
+    root = tmp_path / "s"
+    async with FileStorage(root) as empty:
+        assert not empty._index
+    _root_of_aged_pages(root, 700, seed=4)
+    sorted_lengths: list[int] = []
+
+    def recording_sorted(items: Any, **kwargs: Any) -> list[Any]:
+        items = list(items)
+        sorted_lengths.append(len(items))
+        return sorted(items, **kwargs)
+
+    monkeypatch.setattr(_file, "sorted", recording_sorted, raising=False)
+    async with FileStorage(root) as storage:
+        assert len(storage._index) == 700
+    assert max(sorted_lengths, default=0) < 700

@@ -547,6 +547,70 @@ def _line(namespace: bytes, keys: list[bytes], priority: int, used: float) -> by
     return encode_entry(chain_entry(namespace, keys, PAGE, priority, used))
 
 
+def test_what_a_read_remembers_of_evicted_chains_follows_max_entries() -> None:
+    # A manifest of many distinct chains (a long-lived file's log): every trim evicts some,
+    # and the collector must not keep one record per chain it ever evicted.
+    namespace = bytes(range(16))
+    limits = ManifestLimits(max_entries=10)
+    collector = ManifestCollector(limits)
+    most = 0
+    for chain in range(2_000):
+        collector.add_line(_line(namespace, [chain.to_bytes(32, "big")], 0, float(chain)))
+        most = max(most, len(collector._evicted))
+    assert most <= 2 * limits.max_entries
+    kept = [e.last_use for e in collector.result(truncated=False).entries]
+    assert kept == [float(chain) for chain in range(1_999, 1_989, -1)]
+
+
+class _EveryEvictionKept(ManifestCollector):
+    """The collector as it was before its memory of evicted chains was bounded: it refused an
+    older record of every chain it ever evicted."""
+
+    def _trim(self) -> None:
+        before = self._evicted
+        super()._trim()
+        if self._evicted is not before:
+            before.update(self._evicted)
+            self._evicted = before
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_bounded_memory_of_evictions_keeps_the_same_chains(seed: int) -> None:
+    # While a chain keeps its priority, an older record met after the trim that forgets its
+    # eviction ranks no higher than the chains that pushed it out: it makes way again, so
+    # reads and compactions keep what they kept with every eviction remembered.
+    rng = np.random.default_rng(seed)
+    namespaces = [bytes([n]) * 16 for n in range(1, 1 + int(rng.integers(1, 4)))]
+    chains = int(rng.choice([5, 40, 300]))
+    priority = rng.choice([0, 0, 0, 1, 5], size=chains)
+    records = int(rng.choice([50, 400, 1_500]))
+    # Integer uses make ties; the order is newest first (Redis, Mooncake), oldest first (a
+    # file) or shuffled.
+    uses = np.sort(rng.integers(0, records // 3 + 1, size=records)).astype(float)
+    order = int(rng.integers(0, 3))
+    if order == 1:
+        uses = uses[::-1]
+    elif order == 2:
+        rng.shuffle(uses)
+    lines = []
+    for used in uses:
+        chain = int(rng.integers(0, chains))
+        keys = [(chain * 8 + depth).to_bytes(32, "big") for depth in range(int(rng.integers(1, 4)))]
+        namespace = namespaces[int(rng.integers(0, len(namespaces)))]
+        lines.append(_line(namespace, keys, int(priority[chain]), float(used)))
+    limits = ManifestLimits(max_entries=int(rng.choice([1, 3, 10, 30])))
+    for carry in (False, True):
+        for newest_first in (False, True):
+            bounded = ManifestCollector(limits, newest_first=newest_first, carry=carry)
+            unbounded = _EveryEvictionKept(limits, newest_first=newest_first, carry=carry)
+            for line in lines:
+                bounded.add_line(line)
+                unbounded.add_line(line)
+            assert bounded.result(truncated=False) == unbounded.result(truncated=False)
+            if carry:
+                assert bounded.compacted(1 << 30) == unbounded.compacted(1 << 30)
+
+
 def test_the_most_valuable_chains_are_kept_past_many_times_the_bound() -> None:
     namespace = bytes(range(16))
     rng = np.random.default_rng(12)

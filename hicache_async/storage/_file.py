@@ -74,6 +74,7 @@ from typing import Literal, NamedTuple, TypeVar, cast, get_args
 from urllib.parse import unquote
 
 import msgspec
+import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError
@@ -460,6 +461,9 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 #: (key, stored bytes, mtime) of a page file found on disk.
 _Found = tuple[bytes, int, float]
+# Pages the index build at open handles per call that holds the GIL throughout (making
+# their positions, freeing them): a few milliseconds each.
+_BUILD_SLICE = 1 << 15
 # What a rescan changed: the keys indexed when it started that it did not find, and the pages
 # it found that were not indexed then, oldest first.
 _ScanDiff = tuple[list[bytes], list[_Found]]
@@ -1582,11 +1586,29 @@ class FileStorage(BackendBase):
         # loop stalled it for seconds (an attach while serving runs this open). Nothing on the
         # loop uses the index before the open returns. Pages beyond a (shrunk) capacity stay
         # until the next put or gc() evicts them.
-        found = _scan(handles, stop)
-        for key, nbytes, mtime in sorted(found, key=lambda f: f[2]):
-            self._insert(key, nbytes, mtime)
-        self._misfits_first(found)
+        self._index_found(_scan(handles, stop))
         return leftovers
+
+    def _index_found(self, found: list[_Found]) -> None:
+        """Index the pages found at open, oldest file first (a stable sort by mtime: ties in
+        listing order). Runs on the job thread while the loop goes on serving, so nothing
+        here may hold the GIL for long: `sorted` of a million pages did for half a second
+        (a sort in C never lets go of it), numpy's sort lets go of it. What still holds it
+        is the index growing: an OrderedDict rehashes in one call (0.1-0.2 s at 700 000
+        pages). Empties `found`."""
+        mtimes = np.fromiter((f[2] for f in found), dtype=np.float64, count=len(found))
+        order = np.argsort(mtimes, kind="stable")
+        del mtimes
+        # A slice at a time: a million Python ints made in one call would hold the GIL too.
+        for start in range(0, len(order), _BUILD_SLICE):
+            for position in order[start : start + _BUILD_SLICE].tolist():
+                key, nbytes, mtime = found[position]
+                self._insert(key, nbytes, mtime)
+        del order
+        self._misfits_first(found)
+        # Freed a slice at a time, for the same reason: a million tuples take ~0.1 s to free.
+        while found:
+            del found[-_BUILD_SLICE:]
 
     async def _release(self) -> None:
         # Every job has stopped: the stamper's has ended, and what it has not started yet is

@@ -284,9 +284,10 @@ class ManifestCollector:
     the same use, the one stored last (records are fed oldest first unless `newest_first`).
 
     When full, the least valuable entries (lowest priority, then oldest use) make room, so a
-    huge manifest costs bounded memory (twice `max_entries` at most between trims; when
-    compacting, per namespace, so a file holding many namespaces, or newer records naming
-    many, costs more) and keeps what warmup would want most.
+    huge manifest costs bounded memory (twice `max_entries` at most between trims, and the
+    chains the last trim evicted, remembered so that an older record read soon after does
+    not bring one back; when compacting, per namespace, so a file holding many namespaces,
+    or newer records naming many, costs more) and keeps what warmup would want most.
 
     With `carry` (a compaction's collector) `max_entries` bounds each namespace, and it also
     keeps every entry's record as stored, so that fields this version does not know survive,
@@ -319,8 +320,12 @@ class ManifestCollector:
         self._lines: dict[Hashable, bytes] = {}
         # What `max_entries` bounds separately (see `_bound_of`), as of the last trim and since.
         self._namespaces: set[str | None] = set()
-        # Chains evicted for room, with the newest use seen of each: an older record of one
-        # of them, met later, must not come back in its place.
+        # Chains the last trim evicted for room, with the newest use seen of each: an older
+        # record of one of them, met later, must not come back in its place. Only the last
+        # trim's, as `MemoryManifest` keeps: every chain ever evicted would make a read's
+        # memory follow the manifest's size, not `max_entries`. An older record met after
+        # the next trim competes as any other, and with its chain's priority unchanged
+        # ranks no higher than the chains that pushed it out.
         self._evicted: dict[Hashable, float] = {}
         self.records = 0
         self.malformed = 0
@@ -383,6 +388,7 @@ class ManifestCollector:
             return
         # Stable: among equals, the first recorded goes first.
         ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
+        evicted: dict[Hashable, float] = {}  # replaces the last trim's (see __init__)
         for key, worst in ranked:
             bound = self._bound_of(worst)
             left = excess.get(bound, 0)
@@ -390,7 +396,8 @@ class ManifestCollector:
                 excess[bound] = left - 1
                 del self._held[key]
                 self._lines.pop(key, None)
-                self._evicted[key] = worst.last_use
+                evicted[key] = worst.last_use
+        self._evicted = evicted
 
     def result(self, *, truncated: bool) -> ManifestRead:
         self._trim()
