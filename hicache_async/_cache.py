@@ -173,6 +173,8 @@ class HiCache:
         self._engine: CopyEngine | None = None
         self._device_pool: KVPool | None = None
         self._host_pool: KVPool | None = None
+        # Warmups running in callers' tasks (`warmup()`): a close releases no pool under them.
+        self._callers_warming = 0
         # The pools' last statistics, once a close has released them.
         self._closed_pools: tuple[PoolStatistics | None, PoolStatistics | None] = (None, None)
         self._state: _State = "new"
@@ -183,6 +185,9 @@ class HiCache:
         # a node split after the load started keeps its host pages but not its id.
         self._loading: dict[int, LayerwiseCopy] = {}
         self._device_backups = 0
+        # Device -> host backups whose copy failed: an allocation that saw one fail stops
+        # starting them.
+        self._host_backup_failures = 0
         # Loads of released requests: their pages become evictable when they land.
         self._abandoned_loads = 0
         # Device pages being copied to the host. Keyed by page, not node id: a split gives
@@ -312,7 +317,12 @@ class HiCache:
     def _release_pools(self) -> None:
         # A closed cache may live on (a reference in a registry, a traceback): its pools'
         # memory, device memory included, goes now. Not while a copy could still touch them.
-        if self._copies or self._device_pool is None or self._host_pool is None:
+        if (
+            self._copies
+            or self._callers_warming
+            or self._device_pool is None
+            or self._host_pool is None
+        ):
             return
         self._closed_pools = (self._device_pool.statistics(), self._host_pool.statistics())
         self._device_pool = self._host_pool = None
@@ -670,10 +680,16 @@ class HiCache:
             return WarmupResult(status=WarmupStatus.NO_STORAGE)
         warmer = Warmer(self, link, ratio=limits.ratio, deadline_s=limits.deadline_s)
         link.warmers.add(warmer)
+        # Run in the caller's task, so a close does not wait for it: the pools stay until it
+        # has seen the close and ended.
+        self._callers_warming += 1
         try:
             result = await warmer.run()
         finally:
             link.warmers.discard(warmer)
+            self._callers_warming -= 1
+            if self._state == "closed":
+                self._release_pools()
         _log.info("hicache.warmup.done", status=result.status.value, pages=result.pages_loaded)
         return result
 
@@ -869,7 +885,7 @@ class HiCache:
             assert self._host_pool is not None
             self._host_pool.allocator.free(pages)
 
-    def _try_alloc_device(self, count: int) -> list[int] | None:
+    def _try_alloc_device(self, count: int, *, backups_failing: bool = False) -> list[int] | None:
         assert self._device_pool is not None
         allocator = self._device_pool.allocator
         pages = allocator.alloc(count)
@@ -879,17 +895,30 @@ class HiCache:
         eviction = self._tree.evict_device(count - allocator.free_count, backup_first=write_back)
         self._counters.device_evicted_pages += len(eviction.freed)
         self._device_free(eviction.freed)
-        started = sum(self._back_up_to_host([node]) for node in eviction.needs_backup)
+        # A backup that failed during this allocation would fail again: starting it once
+        # more would only spin (each failure wakes this allocation to retry).
+        started = (
+            0
+            if backups_failing
+            else sum(self._back_up_to_host([node]) for node in eviction.needs_backup)
+        )
         if (
             allocator.free_count < count
             and eviction.needs_backup
             and not started
             and not self._device_backups
         ):
-            # No host room to back anything up: drop unbacked leaves rather than fail.
-            fallback = self._tree.evict_device(count - allocator.free_count, backup_first=False)
-            self._counters.device_evicted_pages += len(fallback.freed)
-            self._device_free(fallback.freed)
+            # No backup can start (no host room, or copies failing): pages with a host copy
+            # leave first, though later in the eviction order; only then are unbacked leaves
+            # dropped, rather than fail.
+            for backed_only in (True, False):
+                fallback = self._tree.evict_device(
+                    count - allocator.free_count, backup_first=False, backed_only=backed_only
+                )
+                self._counters.device_evicted_pages += len(fallback.freed)
+                self._device_free(fallback.freed)
+                if allocator.free_count >= count:
+                    break
         return allocator.alloc(count)
 
     async def _alloc_device(self, count: int, request: Request) -> list[int]:
@@ -907,10 +936,13 @@ class HiCache:
                 f"{self._device_pool.num_pages} in all; raise device_pages or shorten the prompt"
             )
         await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
+        failures = self._host_backup_failures
         while True:
             self._check_open()
             request._check()
-            pages = self._try_alloc_device(count)
+            pages = self._try_alloc_device(
+                count, backups_failing=self._host_backup_failures > failures
+            )
             if pages is not None:
                 return pages
             if self._abandoned_loads < 0:
@@ -1242,6 +1274,7 @@ class HiCache:
             self._counters.host_backup_pages += len(host_pages)
         else:
             self._counters.copy_failures += 1
+            self._host_backup_failures += 1
             _log.warning("hicache.backup.host.failed", error=repr(copy.exception()))
         self._capacity_changed.set()
 

@@ -180,7 +180,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
             _check_element_types(tokens)
         _check_range(int(arr.min()), int(arr.max()))
         result = arr.astype("<u4", copy=False)
-        if result is arr and (from_array or not arr.flags.owndata):
+        if result is arr and not isinstance(tokens, (list, tuple, range)):
             # Still the caller's buffer: a request keeps its tokens while the caller may
             # reuse that buffer for the next prompt, and its keys stand for these tokens.
             result = result.copy()
@@ -196,7 +196,13 @@ def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.nda
 
 
 def _check_element_types(items: Any) -> None:
-    for kind in set(map(type, items)):
+    try:
+        kinds = set(map(type, items))
+    except TypeError:  # an object with `__array__` but no iteration
+        raise InvalidTokensError(
+            f"token ids must be a sequence of integers, got {type(items).__name__}"
+        ) from None
+    for kind in kinds:
         if issubclass(kind, (bool, np.bool_)):
             raise InvalidTokensError("token ids must be integers, got a bool")
         if not issubclass(kind, (int, np.integer)):

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
-if TYPE_CHECKING:  # the records' modules import torch; these are annotations only
-    from ._pool import PoolStatistics
-    from .transfer._protocol import CopyStatistics
-    from .tree._results import TreeStatistics
-    from .workers._link import StorageStatus
+# At run time too: msgspec resolves the field types when a snapshot is decoded or inspected.
+from ._pool import PoolStatistics
+from .transfer._protocol import CopyStatistics
+from .tree._results import TreeStatistics
+from .workers._link import StorageStatus
 
 __all__ = ["CacheStatistics", "Counters", "TierTokens"]
 

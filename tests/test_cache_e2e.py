@@ -205,5 +205,11 @@ async def test_a_closed_cache_lets_its_pools_go() -> None:
     assert closed.device_pool.num_pages == open_stats.device_pool.num_pages  # type: ignore[union-attr]
     assert closed.host_pool is not None
     assert repr(cache) == "<HiCache closed>"
+    # A snapshot decodes back to itself (its field types resolve at run time).
+    import msgspec
+
+    from hicache_async import CacheStatistics
+
+    assert msgspec.json.decode(msgspec.json.encode(closed), type=CacheStatistics) == closed
     with pytest.raises(CacheClosedError):
         cache.device_pool  # noqa: B018

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -195,7 +196,21 @@ def _uint32_buffers() -> list[object]:
         torch.arange(8, dtype=torch.int64).to(torch.uint32),
         memoryview(np.arange(8, dtype="<u4")),
         array.array("I", range(8)),
+        _OwnBuffer(),
     ]
+
+
+class _OwnBuffer:
+    """A container whose `__array__` hands out the array it keeps."""
+
+    def __init__(self) -> None:
+        self.data = np.arange(8, dtype="<u4")
+
+    def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+        return self.data
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.data.tolist())
 
 
 @pytest.mark.parametrize("tokens", _uint32_buffers(), ids=type)
@@ -206,6 +221,8 @@ def test_token_arrays_never_share_the_callers_buffer(tokens: object) -> None:
     array = as_token_array(tokens)
     assert array.tolist() == list(range(8))
     buffer = np.asarray(tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens)
+    if isinstance(tokens, _OwnBuffer):
+        buffer = tokens.data
     assert not np.shares_memory(array, buffer)
 
 

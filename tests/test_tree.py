@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 
 import pytest
@@ -640,3 +641,17 @@ def test_backup_first_asks_only_for_what_it_needs() -> None:
     assert third.needs_backup == [nodes[1]]
     assert backed.on_device  # has a host copy but is the most recent
     tree.check_invariants()
+
+
+def test_removing_every_candidate_lets_the_queue_let_go_of_them() -> None:
+    # A stale entry holds its node (and what hangs off it) until compacted: removals must
+    # compact too, not only pushes.
+    from hicache_async.tree._eviction import _SLACK
+
+    clock = itertools.count()
+    tree = RadixTree(clock=lambda: float(next(clock)))
+    nodes = [tree.insert([b"%031d" % i], host_pages=[i]).node for i in range(5000)]
+    for node in nodes:
+        tree.discard_host_leaf(node)
+    assert tree.num_nodes == 0
+    assert len(tree._host_queue._heap) <= _SLACK

@@ -1040,3 +1040,42 @@ async def test_entries_the_store_cannot_serve_still_let_the_loop_run(tmp_path: P
         result = warming.result()
         assert result.entries_missed == len(prompts)
         assert seen & set(range(1, len(prompts))), seen  # seen part-way through the entries
+
+
+async def test_a_warmup_in_the_callers_task_outlives_the_close_safely() -> None:
+    # `warmup()` runs in the caller's task, which a close does not wait for: its manifest
+    # read may end after the close, and the pools must still be there for it.
+    import gc
+    import weakref
+
+    from hicache_async.storage import open_storage
+
+    backend = open_storage("memory://")
+    reading = asyncio.Event()
+    release = asyncio.Event()
+    manifest_of = backend.manifest
+
+    class _HeldManifest:
+        def __init__(self, inner: Any) -> None:
+            self._inner = inner
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._inner, name)
+
+        async def read(self, **kwargs: Any) -> Any:
+            found = await self._inner.read(**kwargs)
+            reading.set()
+            await release.wait()
+            return found
+
+    backend.manifest = lambda *args, **kwargs: _HeldManifest(manifest_of(*args, **kwargs))  # type: ignore[method-assign]
+    async with HiCache(_config(), storage=backend) as cache:
+        host = weakref.ref(cache.host_pool.data)
+        warming = asyncio.ensure_future(cache.warmup(ratio=1.0))
+        await reading.wait()
+    assert cache.state == "closed"
+    release.set()
+    result = await warming
+    assert result.status in (WarmupStatus.COMPLETE, WarmupStatus.STOPPED)
+    gc.collect()
+    assert host() is None  # released once the warmup ended

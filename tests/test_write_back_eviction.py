@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
+
 import numpy as np
 
-from hicache_async import CacheConfig, HiCache, KVLayout
+from hicache_async import CacheConfig, HiCache, KVLayout, KVPool
 from hicache_async.testing import KVGenerator, assert_drained, serve
+from hicache_async.transfer import CopyStatistics, CpuCopyEngine, LayerwiseCopy
 
 PAGE = 4
 DEVICE_PAGES = 40
@@ -50,5 +54,86 @@ async def test_one_small_request_on_a_full_device_backs_up_only_what_it_needs() 
         assert first.host_tokens == 2 * PAGE
         last = await serve(cache, _prompt(count - 1), generator, check="all")
         assert last.device_tokens == 2 * PAGE
+        await cache.drain()
+        assert_drained(cache)
+
+
+def _sized(i: int, pages: int) -> np.ndarray:
+    return np.arange(pages * PAGE, dtype=np.int64) + 1000 * (i + 1)
+
+
+class _FailingBackups:
+    """A CPU copy engine whose device -> host copies, once `failing`, start and then fail."""
+
+    def __init__(self) -> None:
+        self.inner = CpuCopyEngine()
+        self.failing = False
+        self.failed = 0
+
+    def copy(
+        self, src: KVPool, src_pages: Sequence[int], dst: KVPool, dst_pages: Sequence[int]
+    ) -> LayerwiseCopy:
+        if self.failing and dst_pages and dst.name == "host" and src.name == "device":
+            self.failed += 1
+            loop = asyncio.get_running_loop()
+            copy = LayerwiseCopy(loop, src.layout.num_layers, len(src_pages))
+            loop.call_soon(copy._fail, RuntimeError("copy failed"))
+            return copy
+        return self.inner.copy(src, src_pages, dst, dst_pages)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def statistics(self) -> CopyStatistics:
+        return self.inner.statistics()
+
+
+def _small_config(host_pages: int) -> CacheConfig:
+    return CacheConfig(
+        layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=4),
+        page_size=PAGE,
+        device_pages=12,
+        host_pages=host_pages,
+        write_policy="write_back",
+    )
+
+
+async def test_backups_that_fail_let_a_page_with_a_host_copy_leave_instead() -> None:
+    # The oldest victim needs a backup that keeps failing; a newer one is on the host
+    # already. The allocation must not start that backup again and again.
+    config = _small_config(host_pages=40)
+    generator = KVGenerator(config.layout, PAGE, seed=1)
+    engine = _FailingBackups()
+    b, x, a, y, z = _sized(0, 2), _sized(1, 2), _sized(2, 8), _sized(3, 2), _sized(4, 2)
+    async with HiCache(config, copy_engine=engine) as cache:
+        for prompt in (b, x, a, y, b):  # b last: on the device and the host, most recent
+            await serve(cache, prompt, generator, check="all")
+            await cache.drain()
+        engine.failing = True
+        # Bounded only so that a regression fails instead of hanging the suite.
+        served = await asyncio.wait_for(serve(cache, z, generator, check="all"), 60)
+        assert served.computed_tokens == len(z)
+        assert engine.failed == 1
+        again = await serve(cache, a, generator, check="all")  # its pages stayed on the device
+        assert again.device_tokens == len(a)
+        await cache.drain()
+        assert_drained(cache)
+
+
+async def test_no_room_for_a_backup_keeps_what_has_no_other_copy() -> None:
+    # The host cannot take the oldest victim's backup; a newer victim has a host copy and
+    # leaves the device at no loss, instead of the oldest being dropped from every tier.
+    config = _small_config(host_pages=6)
+    generator = KVGenerator(config.layout, PAGE, seed=1)
+    b, x, a, y, z = _sized(0, 2), _sized(1, 2), _sized(2, 8), _sized(3, 2), _sized(4, 2)
+    async with HiCache(config) as cache:
+        for prompt in (b, x, a, y, b):
+            await serve(cache, prompt, generator, check="all")
+            await cache.drain()
+        await serve(cache, z, generator, check="all")
+        await cache.drain()
+        again = await serve(cache, a, generator, check="all")
+        assert again.computed_tokens == 0
+        assert again.device_tokens + again.host_tokens == len(a)
         await cache.drain()
         assert_drained(cache)

@@ -247,8 +247,19 @@ def corrupt_reason(
 def byte_segments(page: PageBuffer, *, writable: bool) -> list[memoryview]:
     """The page's segments as flat byte views (preadv, hashing and slicing need format 'B')."""
     views: list[memoryview] = []
-    for segment in page:
-        view = memoryview(segment)
+    if isinstance(page, (str, bytes, bytearray, memoryview)):
+        raise ValueError(f"a page is a sequence of segments, got {type(page).__name__}")  # noqa: TRY004 - the documented contract
+    try:
+        segments = list(page)
+    except TypeError:
+        raise ValueError(f"a page is a sequence of segments, got {type(page).__name__}") from None
+    for segment in segments:
+        try:
+            view = memoryview(segment)
+        except TypeError:
+            raise ValueError(
+                f"page segments are bytes-like, got {type(segment).__name__}"
+            ) from None
         if not view.c_contiguous:
             raise ValueError("page segments must be C-contiguous")
         if writable and view.readonly:

@@ -602,6 +602,9 @@ class StorageConformance:
                 await backend.get(
                     [key], [[memoryview(bytearray(2 * self.page_nbytes))[::2]]], namespace=NAMESPACE
                 )
+            for bad in (None, bytearray(self.page_nbytes), [5], ["text"]):
+                with pytest.raises(ValueError):  # noqa: PT011 - any message
+                    await backend.get([key], [bad], namespace=NAMESPACE)  # type: ignore[list-item]
         assert backend.stats().gets == gets
         assert await self._get_one(backend, stored) == (Outcome.OK, data[stored])
 

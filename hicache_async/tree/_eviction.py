@@ -52,15 +52,21 @@ class EvictionQueue:
         """Record whether `node` is a candidate now, under its current key."""
         live = self._live
         if not candidate:
-            live.pop(node, None)
+            # Also after removals: the stale entries would keep removed nodes (and their
+            # subtrees' memory) alive until the next push.
+            if live.pop(node, None) is not None:
+                self._compact_if_stale()
             return
         entry = self._entry(node)
         old = live.get(node)
         if old is not None and old[:4] == entry[:4]:
             return
         live[node] = entry
-        heap = self._heap
-        heapq.heappush(heap, entry)
+        heapq.heappush(self._heap, entry)
+        self._compact_if_stale()
+
+    def _compact_if_stale(self) -> None:
+        heap, live = self._heap, self._live
         if len(heap) > 2 * len(live) + _SLACK:
             self._heap = [e for e in heap if live.get(e[4]) is e]
             heapq.heapify(self._heap)

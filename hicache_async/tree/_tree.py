@@ -20,6 +20,10 @@ from ._results import DeviceEviction, InsertResult, MatchResult, TreeStatistics
 
 __all__ = ["RadixTree"]
 
+# How many unbacked victims a `backed_only` device eviction passes over before it gives up:
+# a bound on its cost when few pages have a host copy.
+_BACKED_ONLY_SKIPS = 256
+
 
 def _common_prefix(run: list[bytes], query: list[bytes], start: int) -> int:
     """Length of the common prefix of `run` and `query[start:]`."""
@@ -406,7 +410,9 @@ class RadixTree:
 
     # -- eviction -----------------------------------------------------------------------------
 
-    def evict_device(self, num_pages: int, *, backup_first: bool) -> DeviceEviction:
+    def evict_device(
+        self, num_pages: int, *, backup_first: bool, backed_only: bool = False
+    ) -> DeviceEviction:
         """Free at least `num_pages` device pages if that many can go; return them.
 
         Victims are unlocked device leaves, lowest priority first, then by the policy. A
@@ -416,6 +422,10 @@ class RadixTree:
         `needs_backup` count toward `num_pages` (once backed up they can leave), so a small
         request asks for about as many pages to be backed up as it needs, not the whole
         device.
+
+        With `backed_only`, only victims with a host copy leave; the others stay, unreported,
+        and at most `_BACKED_ONLY_SKIPS` of them are passed over (a fallback for when no
+        backup can start: it keeps what has no other copy while some page has one).
 
         The candidates stay ordered between calls, so a call costs O(log n) per victim, not
         O(n) in the number of candidates.
@@ -430,6 +440,7 @@ class RadixTree:
             return DeviceEviction(freed=freed, needs_backup=needs_backup)
         queue = self._device_queue
         pending = 0  # pages of needs_backup that count toward num_pages
+        passed: list[TreeNode] = []  # unbacked victims a `backed_only` call leaves alone
         while len(freed) + pending < num_pages:
             victim = queue.pop()
             if victim is None:
@@ -440,6 +451,11 @@ class RadixTree:
                 raise AssertionError(f"eviction candidate {victim!r} left the device")
             if victim.host_pages is not None:
                 self._set_device(victim, None)
+            elif backed_only:
+                passed.append(victim)
+                if len(passed) >= _BACKED_ONLY_SKIPS:
+                    break
+                continue
             elif backup_first or victim.children or victim.host_ref:
                 needs_backup.append(victim)
                 if backup_first:
@@ -450,7 +466,7 @@ class RadixTree:
             # Leaving the device made its parent a candidate if it is now an unlocked leaf:
             # _sync queued it, so the loop may take it next.
             freed += pages
-        for node in needs_backup:
+        for node in (*needs_backup, *passed):
             queue.update(node, True)  # still a candidate: popping took it out of the queue
         return DeviceEviction(freed=freed, needs_backup=needs_backup)
 
