@@ -464,6 +464,9 @@ _Found = tuple[bytes, int, float]
 # Pages the index build at open handles per call that holds the GIL throughout (making
 # their positions, freeing them): a few milliseconds each.
 _BUILD_SLICE = 1 << 15
+# Index entries one step on the loop handles before it lets other tasks run (a merge of a
+# rescan, an eviction round, a listing's pages): a few milliseconds each.
+_LOOP_SLICE = 1 << 12
 # What a rescan changed: the keys indexed when it started that it did not find, and the pages
 # it found that were not indexed then, oldest first.
 _ScanDiff = tuple[list[bytes], list[_Found]]
@@ -474,14 +477,45 @@ def _diff_scan(
 ) -> _ScanDiff:
     """Compared off the loop: for a million pages the comparison took the loop a second.
     Indexed keys of the shards in `unlisted` (ones the scan could not list) are not gone:
-    the scan did not see their files, which are most likely still there."""
-    on_disk = {key: (nbytes, mtime) for key, nbytes, mtime in found}
-    before = set(indexed)
+    the scan did not see their files, which are most likely still there. Empties `found`.
+
+    Runs on a job thread while the loop serves, so no call here holds the GIL over every
+    page: a set of a million keys made in one call, their difference, a sort, each held it
+    for 0.1-0.5 s. Pages are walked in Python (which lets go of the GIL between steps), the
+    keys go into one set per first byte (a set of them all grows in calls of 50 ms), lists
+    are made a slice at a time, and the new pages are ordered by numpy's sort, which lets go
+    of it: by mtime, ties in listing order."""
+    # Indexed keys whose file the scan has not found (yet), by their first byte.
+    missing: list[set[bytes]] = [set() for _ in range(256)]
+    for key in indexed:
+        missing[key[0]].add(key)
+
+    def unindexed() -> Iterator[bool]:
+        for key, _, _ in found:
+            keys = missing[key[0]]
+            if key in keys:
+                keys.discard(key)
+                yield False
+            else:
+                yield True
+
+    is_new = np.fromiter(unindexed(), dtype=np.bool_, count=len(found))
+    mtimes = np.fromiter((f[2] for f in found), dtype=np.float64, count=len(found))
+    positions = np.flatnonzero(is_new)
+    order = positions[np.argsort(mtimes[positions], kind="stable")]
+    del is_new, mtimes, positions
+    new: list[_Found] = []
+    for start in range(0, len(order), _BUILD_SLICE):
+        new.extend([found[position] for position in order[start : start + _BUILD_SLICE].tolist()])
+    del order
     gone = [
-        key for key in before.difference(on_disk) if not unlisted or key.hex()[:2] not in unlisted
+        key
+        for key in indexed
+        if key in missing[key[0]] and (not unlisted or key.hex()[:2] not in unlisted)
     ]
-    new = [(key, *on_disk[key]) for key in on_disk.keys() - before]
-    new.sort(key=lambda item: item[2])
+    # Freed a slice at a time: a million tuples take ~0.1 s to free in one call.
+    while found:
+        del found[-_BUILD_SLICE:]
     return gone, new
 
 
@@ -1742,40 +1776,104 @@ class FileStorage(BackendBase):
         key was put, deleted or evicted since, or is being written or removed."""
         return self._changed.get(key, 0) > epoch or key in self._writing or key in self._evicting
 
-    def _merge_scan(self, diff: _ScanDiff, since_seq: int, epoch: int) -> None:
+    async def _merge_scan(self, diff: _ScanDiff, since_seq: int, epoch: int) -> None:
         """Bring the index in line with a disk scan started when `self._seq` was `since_seq`
-        and the change epoch `epoch`. Costs the loop what changed, not the store's size."""
+        and the change epoch `epoch`. Costs the loop what changed, not the store's size, in
+        steps of `_LOOP_SLICE` pages with a checkpoint between them: another instance's
+        hundred thousand pages took half a second in one. The caller watches `epoch` until
+        this returns, so what other calls change meanwhile is never undone (`_stale`), and a
+        cancellation at a checkpoint leaves a sound index, merged only in part."""
         gone, new = diff
-        for key in gone:
-            entry = self._index.get(key)
-            if entry is not None and entry.seq <= since_seq and not self._stale(key, epoch):
-                self._drop(key)
-        found = [
-            item for item in new if item[0] not in self._index and not self._stale(item[0], epoch)
-        ]
-        if not found:
+        index = self._index
+        for start in range(0, len(gone), _LOOP_SLICE):
+            if start:
+                await self._checkpoint()
+            for key in gone[start : start + _LOOP_SLICE]:
+                entry = index.get(key)
+                if entry is not None and entry.seq <= since_seq and not self._stale(key, epoch):
+                    self._drop(key)
+        if not new:
             return
         # Pages another instance wrote take their place by their file's time (its write, or a
         # read that touched it) among this instance's own, whose order stays as it is: only
         # the entries used since the oldest such time are merged with them and moved, which
         # on a busy shared root is a short tail of the index, not all of it.
-        oldest = found[0][2]
-        tail: list[bytes] = []
-        for key, entry in reversed(self._index.items()):
+        oldest = new[0][2]
+        tail: list[tuple[float, int, bytes, _Entry | int]] = []
+        for key, entry in reversed(index.items()):
             if entry.last_access <= oldest:
                 break
-            tail.append(key)
+            tail.append((entry.last_access, 0, key, entry))
         tail.reverse()
-        for key, nbytes, mtime in found:
-            self._insert(key, nbytes, mtime)
         merged = heapq.merge(
-            ((self._index[key].last_access, 0, key) for key in tail),
-            ((mtime, 1, key) for key, _, mtime in found),
+            tail,
+            ((mtime, 1, key, nbytes) for key, nbytes, mtime in new),
             key=lambda item: (item[0], item[1]),
         )
-        for _, _, key in list(merged):
-            self._index.move_to_end(key)
-        self._misfits_first(found)
+        # Between two steps the index runs: the entries older than every page found, this
+        # instance's entries not placed yet, those placed (in merged order), and what other
+        # calls put or used meanwhile (`others`), which stays the most recent of all.
+        newest: float | None = None  # the latest time of the entries placed so far
+        others: list[bytes] = []
+        step = own = 0  # own: entries of `tail` the merge has come to
+        try:
+            for when, _, key, what in merged:
+                step += 1
+                if step > _LOOP_SLICE:
+                    self._to_mru_end(others)
+                    await self._checkpoint()
+                    step = 1
+                    others = [] if newest is None else self._used_after(newest)
+                if isinstance(what, _Entry):  # one of this instance's entries
+                    own += 1
+                    if index.get(key) is not what or what.last_access != when:
+                        continue  # removed, or used since: in its place already
+                    index.move_to_end(key)
+                else:  # a page found on disk
+                    if key in index or self._stale(key, epoch):
+                        continue
+                    self._insert(key, what, when)
+                    if not self._could_be_page(what):
+                        self._misfit(key, what)
+                newest = when if newest is None else max(newest, when)
+        except BaseException:
+            # Stopped between two steps (cancelled, or the store closed): the entries not
+            # placed yet are more recent than those placed, and go after them, or a later
+            # rescan would leave them first in line for eviction. The pages not merged yet
+            # stay on disk for the next rescan to find.
+            others = [] if newest is None else self._used_after(newest)
+            for when, _, key, what in tail[own:]:
+                if index.get(key) is what and what.last_access == when:
+                    index.move_to_end(key)
+            self._to_mru_end(others)
+            raise
+        self._to_mru_end(others)
+        # Freed a step at a time too: a million of them take the loop ~0.1 s to free.
+        while new:
+            del new[-_LOOP_SLICE:]
+            await asyncio.sleep(0)
+
+    def _used_after(self, when: float) -> list[bytes]:
+        """The keys at the MRU end of the index last used after `when`, in index order."""
+        keys: list[bytes] = []
+        for key, entry in reversed(self._index.items()):
+            if entry.last_access <= when:
+                break
+            keys.append(key)
+        keys.reverse()
+        return keys
+
+    def _to_mru_end(self, keys: list[bytes]) -> None:
+        index = self._index
+        for key in keys:
+            if key in index:
+                index.move_to_end(key)
+
+    async def _checkpoint(self) -> None:
+        """Let the loop's other tasks run between steps of a long index change; raises the
+        closed error if the store was closed meanwhile."""
+        await asyncio.sleep(0)
+        self._check_open()
 
     def _misfits_first(self, found: list[_Found]) -> None:
         """Move the pages of `found` whose file size no page of this root can have (shorter
@@ -1788,8 +1886,11 @@ class FileStorage(BackendBase):
                 continue
             entry = self._index.get(key)
             if entry is not None and entry.nbytes == nbytes:
-                self._index.move_to_end(key, last=False)
-                log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=nbytes)
+                self._misfit(key, nbytes)
+
+    def _misfit(self, key: bytes, nbytes: int) -> None:
+        self._index.move_to_end(key, last=False)
+        log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=nbytes)
 
     async def run_job(self, work: Callable[[threading.Event], _T]) -> _T:
         try:
@@ -2203,7 +2304,18 @@ class FileStorage(BackendBase):
                 slots[key] = len(writes)
                 writes.append(i)
                 sizes.append(size)
-        victims, admitted = self._plan_room(sizes, keep=set(keys))
+        keep = set(keys)
+        victims, admitted = self._plan_room(sizes, keep=keep, limit=_LOOP_SLICE)
+        if admitted < 0:  # more victims than one step on the loop should take
+            try:
+                victims, admitted = await self._room_in_rounds(
+                    sizes, keep, [keys[i] for i in writes]
+                )
+            except asyncio.CancelledError:
+                for i in writes:
+                    outcomes[i] = Outcome.MISS
+                self._count_put(outcomes, duplicates, writes)
+                raise
         for i in writes[admitted:]:
             outcomes[i] = Outcome.MISS
         writes, sizes = writes[:admitted], sizes[:admitted]
@@ -2258,8 +2370,11 @@ class FileStorage(BackendBase):
             if self._evictable(key) and key not in keep
         )
 
-    def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
-        """LRU victims that make room for the first pages of `sizes`, and how many fit.
+    def _plan_room(
+        self, sizes: list[int], *, keep: set[bytes], limit: int | None = None
+    ) -> tuple[list[bytes], int]:
+        """LRU victims that make room for the first pages of `sizes`, and how many fit; with
+        `limit`, (the first `limit` victims, -1) when more would be needed.
 
         Never picks a page being read (pinned) or one in `keep`.
         """
@@ -2275,6 +2390,8 @@ class FileStorage(BackendBase):
                 continue
             marked, freed = len(victims), free
             while free < size and (candidate := next(candidates, None)) is not None:
+                if len(victims) == limit:
+                    return victims, -1
                 victims.append(candidate[0])
                 free += candidate[1].nbytes
             if free < size:
@@ -2284,6 +2401,71 @@ class FileStorage(BackendBase):
             free -= size
             admitted += 1
         return victims, admitted
+
+    async def _room_in_rounds(
+        self, sizes: list[int], keep: set[bytes], writes: list[bytes]
+    ) -> tuple[list[bytes], int]:
+        """`_plan_room`'s plan for a put whose pages need more than `_LOOP_SLICE` victims: the
+        least recently used pages are evicted first, `_LOOP_SLICE` a round, each round one
+        job, until the rest of the plan takes no more (a put after a reopen with a smaller
+        capacity evicted a hundred thousand pages in one step of the loop). Only pages that
+        fit once every page that may go has gone are made room for; `writes` (the keys to be
+        written) are marked as being written meanwhile, so no other call writes or evicts
+        them. The plan returned is for the caller to carry out in the same step."""
+        assert self._capacity is not None
+        self._writing.update(writes)
+        try:
+            while True:
+                sizes = sizes[: self._fitting(sizes, keep)]
+                victims, admitted = self._plan_room(sizes, keep=keep, limit=_LOOP_SLICE)
+                if admitted >= 0:
+                    return victims, admitted
+                evicted, _, _ = await self._evict(victims)
+                if not evicted:  # every file of the round stayed: no rounds can make room
+                    return self._plan_room(sizes, keep=keep)
+        finally:
+            self._writing.difference_update(writes)
+
+    def _fitting(self, sizes: list[int], keep: set[bytes]) -> int:
+        """How many of the first pages of `sizes` fit once every page that may be evicted has
+        been (`_plan_room` admits that many), counted without walking the index."""
+        assert self._capacity is not None
+        index = self._index
+        held = 0  # indexed bytes no eviction may take
+        for key in {*self._pins, *self._writing, *keep}:
+            entry = index.get(key)
+            if entry is not None:
+                held += entry.nbytes
+        room = self._capacity - self._reserved - held
+        fits = 0
+        for size in sizes:
+            if size > room and size:
+                break
+            room -= size
+            fits += 1
+        return fits
+
+    async def _evict(self, victims: list[bytes]) -> tuple[int, int, list[bytes]]:
+        """Evict the indexed `victims` (none being read or written) in one job; returns the
+        pages evicted, their bytes, and the keys whose file could not be removed (back in the
+        index, at the MRU end)."""
+        removed = [(key, self._drop(key)) for key in victims]
+        self._evicting.update(victims)
+        job = _Job(len(victims))
+        try:
+            await self.run_job(
+                lambda stop: self._unlink_job(stop, job, victims, event="storage.evict.error")
+            )
+        finally:
+            self._evicting.difference_update(victims)
+            self._commit_removal(removed, job, evictions=True)
+        failed = set(job.failed)
+        freed = sum(
+            entry.nbytes
+            for position, (_, entry) in enumerate(removed[: job.done])
+            if entry is not None and position not in failed
+        )
+        return job.done - len(failed), freed, [victims[position] for position in job.failed]
 
     def _plan_disk_room(
         self, pages: list[tuple[int, str]], room: _DiskRoom, *, keep: set[bytes]
@@ -2892,9 +3074,24 @@ class FileStorage(BackendBase):
 
     async def list_pages(self, limit: int | None = None) -> list[PageInfo]:
         """Indexed pages, most recently used first, with their header fields (0 tokens and
-        priority 0 where the header cannot be read: a damaged page or a newer format's)."""
+        priority 0 where the header cannot be read: a damaged page or a newer format's).
+
+        The order is the index's when the call is made; the headers are read and the pages
+        listed `_LOOP_SLICE` at a time, one job each, so the loop goes on serving between
+        them. A page removed meanwhile is left out; one used meanwhile is listed where it
+        was, with its last access as it is when its slice is listed."""
         self._check_open()
-        return await self._page_infos(list(islice(reversed(self._index.items()), limit)))
+        index = self._index
+        keys = list(islice(reversed(index), limit))  # references only: 10 ms per million
+        pages: list[PageInfo] = []
+        for start in range(0, len(keys), _LOOP_SLICE):
+            chosen = [
+                (key, entry)
+                for key in keys[start : start + _LOOP_SLICE]
+                if (entry := index.get(key)) is not None
+            ]
+            pages += await self._page_infos(chosen)
+        return pages
 
     def stream_pages(self, batch_pages: int = 1024) -> AsyncIterator[list[PageInfo]]:
         """`list_pages()` in batches of at most `batch_pages` (`StreamsPages`), each read by
@@ -2987,7 +3184,7 @@ class FileStorage(BackendBase):
         try:
             found, unlisted, corrupt, report = await self.run_job(self._verify_job)
             diff = await self.run_job(lambda _: _diff_scan(found, before, unlisted))
-            self._merge_scan(diff, since, epoch)
+            await self._merge_scan(diff, since, epoch)
         finally:
             self._unwatch(epoch)
         for key, reason in corrupt:
@@ -3167,46 +3364,43 @@ class FileStorage(BackendBase):
     async def gc(self) -> GcReport:
         """Rescan the root, release the spare files (a full disk wants their room back;
         logged, not in the report), then evict least recently used pages down to the
-        capacity."""
+        capacity. What the rescan found is merged, and pages are evicted, a few thousand
+        at a time, the loop serving in between."""
         self._check_open()
         since = self._seq
         epoch = self._watch()
         before = list(self._index)  # the set is made off the loop
         try:
             diff = await self.run_job(lambda stop: self._gc_scan_job(stop, before))
-            self._merge_scan(diff, since, epoch)
+            await self._merge_scan(diff, since, epoch)
         finally:
             self._unwatch(epoch)
         if self._capacity is None:
             return GcReport(evicted_pages=0, freed_bytes=0)
-        excess = self._bytes + self._reserved - self._capacity
-        victims: list[bytes] = []
-        for key, entry in self._index.items():
-            if excess <= 0:
+        # In rounds of `_LOOP_SLICE` pages, each one job: a hundred thousand pages evicted in
+        # one step held the loop for a tenth of a second. A page whose file could not be
+        # removed is tried once, and its bytes count as if evicted: no other page goes in
+        # its place.
+        evicted = freed = unremoved = 0
+        failed: set[bytes] = set()
+        while True:
+            excess = self._bytes + self._reserved - self._capacity - unremoved
+            victims: list[bytes] = []
+            for key, entry in self._index.items():
+                if excess <= 0 or len(victims) == _LOOP_SLICE:
+                    break
+                if self._evictable(key) and key not in failed:
+                    victims.append(key)
+                    excess -= entry.nbytes
+            if not victims:
                 break
-            if self._evictable(key):
-                victims.append(key)
-                excess -= entry.nbytes
-        if not victims:
-            return GcReport(evicted_pages=0, freed_bytes=0, over_capacity_bytes=self._excess())
-        removed = [(key, self._drop(key)) for key in victims]
-        self._evicting.update(victims)
-        job = _Job(len(victims))
-        try:
-            await self.run_job(
-                lambda stop: self._unlink_job(stop, job, victims, event="storage.evict.error")
-            )
-        finally:
-            self._evicting.difference_update(victims)
-            self._commit_removal(removed, job, evictions=True)
-        failed = set(job.failed)
-        freed = sum(
-            entry.nbytes
-            for position, (_, entry) in enumerate(removed[: job.done])
-            if entry is not None and position not in failed
-        )
+            done, nbytes, stayed = await self._evict(victims)
+            evicted += done
+            freed += nbytes
+            failed.update(stayed)
+            unremoved += sum(self._index[key].nbytes for key in stayed if key in self._index)
         return GcReport(
-            evicted_pages=job.done - len(failed),
+            evicted_pages=evicted,
             freed_bytes=freed,
             failed=len(failed),
             over_capacity_bytes=self._excess(),
