@@ -160,6 +160,20 @@ def encode_entry(entry: ManifestEntry) -> bytes:
 
 
 _K = TypeVar("_K", bound=Hashable)
+_T = TypeVar("_T")
+
+
+async def off_loop(work: Callable[[], _T]) -> _T:
+    """`work` on a worker thread: the CPU-bound part of a read or compaction (decoding
+    records, ranking them, joining what is written), which grows with the manifest and would
+    otherwise hold the event loop for as long (hundreds of milliseconds for tens of MB). The
+    thread gives the loop its turn every switch interval, so the loop keeps serving meanwhile.
+
+    `work` must touch only what its caller owns alone (the collector of one read or
+    compaction, a snapshot, immutable bytes): a caller cancelled meanwhile does not wait for
+    it, and the work runs on to its end on what nobody reads any more.
+    """
+    return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
 
 
 def _evicted_before(evicted: dict[_K, float], key: _K, last_use: float) -> bool:
@@ -340,6 +354,21 @@ class ManifestCollector:
         elif record is not None and self._carry:
             self._add(record.key, record, None)
 
+    def add_lines(self, lines: Iterable[bytes | int]) -> None:
+        """Adds record lines as `add_line` does, in order; an int stands for a record left
+        unread for its size (counted as a record, and as oversized)."""
+        for line in lines:
+            if isinstance(line, int):
+                self.records += 1
+                self.oversized += 1
+            else:
+                self.add_line(line)
+
+    async def feed(self, lines: Iterable[bytes | int]) -> None:
+        """`add_lines` on a worker thread (see `off_loop`): a batch of records, or a lazy
+        iterable over data the caller owns alone, so it is decoded there too."""
+        await off_loop(functools.partial(self.add_lines, lines))
+
     def _count(self, what: str) -> None:
         setattr(self, what, getattr(self, what) + 1)
 
@@ -512,6 +541,42 @@ async def _lines(
         yield bytes(pending)
 
 
+# Bytes of records a file manifest's reader decodes in one hand-off to a worker thread: few
+# hand-offs (64 for a manifest at the default byte bound), each bounding what is held.
+_FEED_BYTES = 1 << 20
+
+
+async def _collect_file(
+    path: Path, limits: ManifestLimits, collector: ManifestCollector, *, whole: bool = False
+) -> bool:
+    """Feed the records of the file at `path` to `collector`, decoded on worker threads in
+    batches; returns whether the byte bound stopped the read (never with `whole`)."""
+    batch: list[bytes | int] = []
+    size = 0
+    truncated = False
+    async with contextlib.aclosing(_lines(path, limits, whole=whole)) as lines:
+        async for line in lines:
+            if line is None:
+                truncated = True
+                break
+            batch.append(line)
+            size += len(line)
+            if size >= _FEED_BYTES:
+                await collector.feed(batch)
+                batch, size = [], 0
+    if batch:
+        await collector.feed(batch)
+    return truncated
+
+
+def _compacted_file(
+    collector: ManifestCollector, budget: int
+) -> tuple[list[tuple[Hashable, bytes]], bytes]:
+    """What a file compaction keeps, and the file it writes."""
+    kept = collector.compacted(budget)
+    return kept, b"".join(line + b"\n" for _, line in kept)
+
+
 def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
     """Append `data` (whole lines) to the file; returns its size after. A last line left
     without its newline (a writer killed mid-write) is ended first, so only that record is
@@ -672,14 +737,8 @@ class FileManifest:
         """The newest record per chain (of `namespace`, if given), bounded by the limits.
         Raises StorageError when the manifest is not a regular file (a FIFO, say)."""
         collector = ManifestCollector(self.limits, namespace)
-        truncated = False
-        async with contextlib.aclosing(_lines(self.path, self.limits)) as lines:
-            async for line in lines:
-                if line is None:
-                    truncated = True
-                    break
-                collector.add_line(line)
-        return collector.result(truncated=truncated)
+        truncated = await _collect_file(self.path, self.limits, collector)
+        return await off_loop(functools.partial(collector.result, truncated=truncated))
 
     async def compact(self) -> CompactReport:
         """Rewrite the file with one valid record per chain; atomic (temp file + rename).
@@ -700,12 +759,10 @@ class FileManifest:
         # The whole file, newest records included: memory stays bounded by the collector,
         # which keeps `max_entries` per namespace, each record as stored.
         collector = ManifestCollector(self.limits, carry=True)
-        async with contextlib.aclosing(_lines(self.path, self.limits, whole=True)) as lines:
-            async for line in lines:
-                if line is not None:
-                    collector.add_line(line)
-        kept = collector.compacted(self.limits.max_bytes // 2)
-        data = b"".join(line + b"\n" for _, line in kept)
+        await _collect_file(self.path, self.limits, collector, whole=True)
+        kept, data = await off_loop(
+            functools.partial(_compacted_file, collector, self.limits.max_bytes // 2)
+        )
         # The lock is held, so no other compaction runs: a temporary file of one is a
         # leftover of a process that died compacting.
         await anyio.to_thread.run_sync(_remove_temp_files, self.path)
@@ -767,6 +824,7 @@ class MemoryManifest:
         self._malformed = 0
         self._oversized = 0
         self._newer = 0
+        self._compacting = anyio.Lock()
 
     def _count(self, what: str) -> None:
         setattr(self, f"_{what}", getattr(self, f"_{what}") + 1)
@@ -824,19 +882,18 @@ class MemoryManifest:
 
         At most `max_bytes` of records are read, newest first, as the file and Redis
         manifests bound theirs; `truncated` says the bound stopped the read (the limits may
-        have been lowered since the records were appended).
+        have been lowered since the records were appended). The records are decoded and
+        ranked on a worker thread (see `off_loop`), from a snapshot taken as the read begins:
+        appends and compactions meanwhile do not change what it returns.
         """
-        collector = ManifestCollector(self.limits, namespace)
+        limits = self.limits
+        collector = ManifestCollector(limits, namespace)
         collector.malformed, collector.oversized = self._malformed, self._oversized
         collector.newer = self._newer
-        # A snapshot, decoded with pauses so a large one does not hold the loop: appends and
-        # compactions meanwhile do not change what this read returns.
         lines, truncated = self._newest_lines(namespace)
-        for start in range(0, len(lines), _READ_BATCH):
-            for line in lines[start : start + _READ_BATCH]:
-                self._add_held(collector, line)
-            await anyio.lowlevel.checkpoint()
-        return collector.result(truncated=truncated)
+        return await off_loop(
+            functools.partial(_read_held, collector, limits, lines, truncated=truncated)
+        )
 
     def _newest_lines(self, namespace: str | None) -> tuple[list[bytes], bool]:
         """The newest held lines (of `namespace`) within `max_bytes`, in the order they were
@@ -854,45 +911,89 @@ class MemoryManifest:
             newest.append(line)
         return newest[::-1], False
 
-    def _add_held(self, collector: ManifestCollector, line: bytes, *, stored: bool = False) -> None:
-        # Checked again: `MemoryStorage.manifest(limits)` may have lowered the bound since.
-        if len(line) > self.limits.max_entry_bytes:
-            collector.oversized += 1
-        else:
-            collector.add_entry(_held_entry(line), line[:-1] if stored else None)
-
     async def compact(self) -> CompactReport:
         """Keep the newest valid record per chain as a reader sees them (prefixes covered by
         a longer chain dropped), fitting half of `max_bytes`, and reset the counts of records,
-        malformed and oversized. Synchronous, over at most `2 * max_entries` records: readers
-        see the manifest before or after it."""
-        collector = ManifestCollector(self.limits, carry=True)
-        collector.oversized = self._oversized
-        for _, line in self._held.values():
-            self._add_held(collector, line, stored=True)
-        held = self._held
-        kept = collector.compacted(self.limits.max_bytes // 2)
-        # Only entries are held here, so every key kept is a chain's (namespace, chain id).
-        idents = [cast(tuple[str, str], key) for key, _ in kept]
-        self._held = {ident: held[ident] for ident in idents}
-        report = CompactReport(
-            records_before=self._records,
+        malformed and oversized.
+
+        A snapshot of at most `2 * max_entries` records is ranked on a worker thread (see
+        `off_loop`), then what it kept replaces it in one step: readers see the manifest
+        before or after it. Records appended meanwhile are kept, as are the counts they add;
+        a compaction cancelled changes nothing.
+        """
+        # One at a time: each takes away the counts of its snapshot.
+        async with self._compacting:
+            snapshot = self._held.copy()
+            limits = self.limits
+            records, malformed, oversized = self._records, self._malformed, self._oversized
+            newer, before = self._newer, self._bytes
+            kept, report_oversized, after = await off_loop(
+                functools.partial(_compact_held, limits, snapshot, oversized)
+            )
+            # Nothing is awaited from here on: the compaction lands whole or (cancelled
+            # above) not at all. What the snapshot held and is held as it was (the same
+            # record) is kept as ranked; a chain appended or replaced since was not ranked,
+            # and is kept as the newest recorded, as if appended after the compaction; one a
+            # trim dropped since stays dropped.
+            held = self._held
+            compacted = {
+                ident: snapshot[ident] for ident in kept if held.get(ident) is snapshot[ident]
+            }
+            survivors = len(compacted)
+            for ident, record in held.items():
+                if snapshot.get(ident) is not record:
+                    compacted[ident] = record
+            self._held = compacted
+            self._bytes = sum(len(line) for _, line in compacted.values())
+            self._records += survivors - records
+            self._malformed -= malformed
+            self._oversized -= oversized
+            self._newer -= newer
+        return CompactReport(
+            records_before=records,
             entries_after=len(kept),
-            bytes_before=self._bytes,
-            bytes_after=sum(len(line) for _, line in self._held.values()),
-            malformed=self._malformed,
-            oversized=collector.oversized,
-            newer=self._newer,
+            bytes_before=before,
+            bytes_after=after,
+            malformed=malformed,
+            oversized=report_oversized,
+            newer=newer,
         )
-        self._bytes = report.bytes_after
-        self._records = len(kept)
-        self._malformed = self._oversized = self._newer = 0
-        await anyio.lowlevel.checkpoint()
-        return report
 
 
-# Records a memory manifest's read decodes between pauses.
-_READ_BATCH = 512
+def _add_held(
+    collector: ManifestCollector, limits: ManifestLimits, line: bytes, *, stored: bool = False
+) -> None:
+    """Adds a line a memory manifest holds to `collector` (with `stored`, as its record)."""
+    # Checked again: `MemoryStorage.manifest(limits)` may have lowered the bound since.
+    if len(line) > limits.max_entry_bytes:
+        collector.oversized += 1
+    else:
+        collector.add_entry(_held_entry(line), line[:-1] if stored else None)
+
+
+def _read_held(
+    collector: ManifestCollector, limits: ManifestLimits, lines: list[bytes], *, truncated: bool
+) -> ManifestRead:
+    """A memory manifest's read of `lines` (oldest first), with `collector`."""
+    for line in lines:
+        _add_held(collector, limits, line)
+    return collector.result(truncated=truncated)
+
+
+def _compact_held(
+    limits: ManifestLimits,
+    held: dict[tuple[str, str], tuple[tuple[int, float], bytes]],
+    oversized: int,
+) -> tuple[list[tuple[str, str]], int, int]:
+    """A memory manifest's compaction of `held` (`oversized` counted so far): the chains it
+    keeps, oldest use first, the oversized count, and the bytes of the records kept."""
+    collector = ManifestCollector(limits, carry=True)
+    collector.oversized = oversized
+    for _, line in held.values():
+        _add_held(collector, limits, line, stored=True)
+    # Only entries are held here, so every key kept is a chain's (namespace, chain id).
+    kept = [cast(tuple[str, str], key) for key, _ in collector.compacted(limits.max_bytes // 2)]
+    return kept, collector.oversized, sum(len(held[ident][1]) for ident in kept)
 
 
 def _rank(item: tuple[tuple[str, str], tuple[tuple[int, float], bytes]]) -> tuple[int, float]:
@@ -902,9 +1003,6 @@ def _rank(item: tuple[tuple[str, str], tuple[tuple[int, float], bytes]]) -> tupl
 def _held_entry(line: bytes) -> ManifestEntry:
     """The entry of a line a memory manifest holds: it was validated when appended."""
     return _decoder.decode(line)
-
-
-_T = TypeVar("_T")
 
 
 class _Handoff(Generic[_T]):

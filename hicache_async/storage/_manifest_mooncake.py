@@ -30,13 +30,14 @@ changed after its put writes its records again under the new stem and removes it
 
 from __future__ import annotations
 
+import functools
 import http.client
 import os
 import re
 import threading
 import time
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -53,6 +54,7 @@ from ._manifest import (
     add_reports,
     carried_record,
     encode_entry,
+    off_loop,
 )
 
 if TYPE_CHECKING:
@@ -215,9 +217,9 @@ class MooncakeManifest:
                         break
             except _Stale:
                 # What was read before the list changed: partial, and said to be.
-                result = collector.result(truncated=True)
+                result = await off_loop(functools.partial(collector.result, truncated=True))
                 continue
-            return collector.result(truncated=truncated)
+            return await off_loop(functools.partial(collector.result, truncated=truncated))
         return result
 
     async def compact(self) -> CompactReport:
@@ -337,22 +339,23 @@ class MooncakeManifest:
                 truncated = True
                 break
             values = await self._get(group, self.chunk_bytes, gaps=True)
+            chunks: list[bytes | int] = []
+            stale = False
             for name, value in zip(group, values, strict=True):
                 if value is None:
                     if name in base:
-                        raise _Stale  # its generation was removed under us
+                        stale = True  # its generation was removed under us
+                        break
                     continue  # a gap in the log
                 if value == _UNREADABLE:
                     unreadable = True
                     continue
-                if isinstance(value, int):  # larger than any chunk: not read
-                    used += self.chunk_bytes
-                    collector.records += 1
-                    collector.oversized += 1
-                    continue
-                used += len(value)
-                for line in reversed([*_records(value)]):  # newest first, as the chunks
-                    collector.add_line(line)
+                # An int: larger than any chunk, not read.
+                used += self.chunk_bytes if isinstance(value, int) else len(value)
+                chunks.append(value)
+            await collector.feed(_newest_first(chunks))
+            if stale:
+                raise _Stale
         if (await self._index(namespace)).stem != index.stem:
             raise _Stale
         return used, truncated, unreadable
@@ -462,10 +465,13 @@ class MooncakeManifest:
         before = await self._feed(namespace, old, range(end), collector, carried)
         # Records as stored (fields this version does not know kept), newer versions'
         # included, within half of `max_bytes` so the manifest has room to grow.
-        kept = collector.compacted(self.limits.max_bytes // 2)
+        kept, payloads = await off_loop(
+            functools.partial(
+                _compacted_chunks, collector, self.limits.max_bytes // 2, self.chunk_bytes
+            )
+        )
         generation = old.generation + 1
         stem = f"g{generation}-{os.urandom(8).hex()}"
-        payloads = _chunks([line + b"\n" for _, line in kept], self.chunk_bytes)
         # What was appended while the base was being built goes into the base too.
         tail_end = await self._log_end(namespace, old.stem, end)
         tail = await self._lines(namespace, old.stem, range(end, tail_end))
@@ -543,15 +549,11 @@ class MooncakeManifest:
         for start in range(0, len(names), _READ_BATCH):
             if used >= self.limits.max_bytes:
                 break
-            for value in await self._get(names[start : start + _READ_BATCH], self.chunk_bytes):
-                if isinstance(value, int):
-                    used += self.chunk_bytes
-                    collector.records += 1
-                    collector.oversized += 1
-                elif value is not None:
-                    used += len(value)
-                    for line in reversed([*_records(value)]):  # newest first, as the chunks
-                        collector.add_line(line)
+            values = await self._get(names[start : start + _READ_BATCH], self.chunk_bytes)
+            chunks = [value for value in values if value is not None]
+            # An int: larger than any chunk, not read.
+            used += sum(self.chunk_bytes if isinstance(v, int) else len(v) for v in chunks)
+            await collector.feed(_newest_first(chunks))
         return used
 
     async def _lines(self, namespace: str, stem: str, seqs: range) -> list[bytes]:
@@ -560,13 +562,10 @@ class MooncakeManifest:
         names = self._chunk_names(namespace, stem, "l", seqs)
         lines: list[bytes] = []
         for start in range(0, len(names), _READ_BATCH):
-            for value in await self._get(names[start : start + _READ_BATCH], self.chunk_bytes):
-                if isinstance(value, bytes):
-                    lines.extend(
-                        line + b"\n"
-                        for line in _records(value)
-                        if len(line) < self._line_limit and carried_record(line)
-                    )
+            values = await self._get(names[start : start + _READ_BATCH], self.chunk_bytes)
+            chunks = [value for value in values if isinstance(value, bytes)]
+            # Validated on a worker thread, as a read decodes them (see `off_loop`).
+            lines += await off_loop(functools.partial(_carried_lines, chunks, self._line_limit))
         return lines
 
     async def _sweep(self, namespace: str, stem: str) -> None:
@@ -751,6 +750,36 @@ def _records(chunk: bytes) -> Iterable[bytes]:
     if lines and lines[0].startswith(_CHUNK_MAGIC):
         lines = lines[1:]
     return (line for line in lines if line.strip())
+
+
+def _newest_first(chunks: list[bytes | int]) -> Iterator[bytes | int]:
+    """The records of `chunks`, newest first as the chunks are (for a collector's `feed`,
+    which runs it on a worker thread); an int, a chunk too large to be read, stands for one
+    oversized record."""
+    for chunk in chunks:
+        if isinstance(chunk, int):
+            yield chunk
+        else:
+            yield from reversed([*_records(chunk)])
+
+
+def _carried_lines(chunks: list[bytes], limit: int) -> list[bytes]:
+    """The records of `chunks` worth keeping (shorter than `limit`, and valid or of a newer
+    version), as lines."""
+    return [
+        line + b"\n"
+        for chunk in chunks
+        for line in _records(chunk)
+        if len(line) < limit and carried_record(line)
+    ]
+
+
+def _compacted_chunks(
+    collector: ManifestCollector, budget: int, chunk_bytes: int
+) -> tuple[list[tuple[Hashable, bytes]], list[bytes]]:
+    """What a compaction keeps, and the payloads of the chunks that hold it."""
+    kept = collector.compacted(budget)
+    return kept, _chunks([line + b"\n" for _, line in kept], chunk_bytes)
 
 
 def _chunks(lines: list[bytes], chunk_bytes: int) -> list[bytes]:

@@ -17,6 +17,7 @@ and start over when `gen` changed under them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -44,6 +45,7 @@ from ._manifest import (
     ManifestRead,
     add_reports,
     encode_entry,
+    off_loop,
 )
 
 __all__ = [
@@ -465,9 +467,9 @@ class RedisManifest:
                         break
             except _Stale:
                 # What was read before the list changed: partial, and said to be.
-                result = collector.result(truncated=True)
+                result = await off_loop(functools.partial(collector.result, truncated=True))
                 continue
-            return collector.result(truncated=truncated)
+            return await off_loop(functools.partial(collector.result, truncated=truncated))
         return result
 
     async def compact(self) -> CompactReport:
@@ -795,14 +797,9 @@ class RedisManifest:
                 # The list shrank under us without a new generation (it expired or was
                 # deleted): there is nothing left to read.
                 return used, False
-            for item in items:
-                if isinstance(item, int):
-                    used += item
-                    collector.records += 1
-                    collector.oversized += 1
-                else:
-                    used += len(item)
-                    collector.add_line(item)
+            used += sum(item if isinstance(item, int) else len(item) for item in items)
+            # Decoded on a worker thread: a window holds up to 4 MiB of records.
+            await collector.feed(items)
             hi -= len(items)
         return used, False
 
@@ -866,7 +863,9 @@ class RedisManifest:
                 continue
             # Records as stored (fields this version does not know kept), newer versions'
             # included, within half of `max_bytes` so the list has room to grow.
-            lines = [line for _, line in collector.compacted(self.limits.max_bytes // 2)]
+            lines = await off_loop(
+                functools.partial(_compacted_lines, collector, self.limits.max_bytes // 2)
+            )
             before = await self._bytes(namespace)
             if await self._switch_to(namespace, gen, length, lines):
                 return CompactReport(
@@ -1082,6 +1081,11 @@ def _bump_gen(pipe: Any, meta: str, gen: object) -> None:
 
 def _item(value: Any) -> bytes | int:
     return value if isinstance(value, bytes) else int(value)
+
+
+def _compacted_lines(collector: ManifestCollector, budget: int) -> list[bytes]:
+    """The records a compaction keeps, as stored."""
+    return [line for _, line in collector.compacted(budget)]
 
 
 def _batches(lines: list[bytes], max_bytes: int) -> list[list[bytes]]:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import numpy as np
 import pytest
@@ -36,6 +38,7 @@ from hicache_async.storage import (
     StorageBackend,
 )
 from hicache_async.storage._manifest import (
+    ManifestCollector,
     ManifestEntry,
     ManifestLimits,
     ManifestRead,
@@ -513,6 +516,160 @@ async def test_compaction_keeps_max_entries_per_namespace(store: Store) -> None:
     assert chains(quiet) == {entry(NS_B, i).chain_id for i in range(5)}
     busy = await manifest.read(namespace=NS_A.hex())
     assert chains(busy) == {entry(NS_A, i).chain_id for i in range(24, 40)}
+
+
+# Off the loop: the collector's work grows with the manifest, so it runs on worker threads.
+
+
+class _Held:
+    """Holds one collector method on the thread that calls it, until released: to act (cancel,
+    append, serve other tasks) while the work runs. Without the worker thread the call would
+    hold the loop, and every wait here ends at its wall-time bound instead."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+        self.inside = threading.Event()
+        self.release = threading.Event()
+        self.done = threading.Event()
+        self.released = False
+        original = getattr(ManifestCollector, name)
+
+        def held(collector: ManifestCollector, *args: Any, **kwargs: Any) -> Any:
+            self.inside.set()
+            self.released = self.release.wait(10)
+            try:
+                return original(collector, *args, **kwargs)
+            finally:
+                self.done.set()
+
+        monkeypatch.setattr(ManifestCollector, name, held)
+
+    async def entered(self) -> bool:
+        return await anyio.to_thread.run_sync(self.inside.wait, 10)
+
+    async def finish(self) -> bool:
+        """Release the work; whether it was released by this, not by its wait running out."""
+        self.release.set()
+        return await anyio.to_thread.run_sync(self.done.wait, 10) and self.released
+
+
+async def _filled(store: Store) -> WarmupManifest:
+    """A manifest with entries, a chain recorded twice, a malformed and a newer record."""
+    manifest = store.manifest()
+    await manifest.append([entry(NS_A, i, priority=i % 3) for i in range(30)])
+    await manifest.append([entry(NS_A, 4, priority=7, last_use=100.0)])
+    await store.write_raw(NS_A, [b"garbage", newer_record(NS_A, 1, last_use=50.0)])
+    return manifest
+
+
+async def test_reads_and_compactions_decode_and_rank_off_the_loop(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = await _filled(store)
+    calls: dict[str, set[int]] = {}
+    for name in ("add_line", "add_entry", "_trim", "result", "compacted"):
+        original = getattr(ManifestCollector, name)
+
+        def record(collector: Any, *args: Any, _of: Any = original, **kwargs: Any) -> Any:
+            calls.setdefault(_of.__name__, set()).add(threading.get_ident())
+            return _of(collector, *args, **kwargs)
+
+        monkeypatch.setattr(ManifestCollector, name, record)
+    read = await manifest.read(namespace=NS_A.hex())
+    report = await manifest.compact()
+    assert len(read.entries) == report.entries_after - (0 if store.kind == "memory" else 1) == 30
+    assert {"result", "compacted", "add_line" if store.kind != "memory" else "add_entry"} <= set(
+        calls
+    )
+    loop = threading.get_ident()
+    assert all(loop not in threads for threads in calls.values()), calls
+
+
+@pytest.mark.parametrize("name", ["result", "compacted"])
+async def test_the_loop_serves_other_tasks_while_a_collector_ranks(
+    store: Store, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    manifest = await _filled(store)
+    held = _Held(monkeypatch, name)
+    work = asyncio.ensure_future(manifest.read() if name == "result" else manifest.compact())
+    # Another task runs while the ranking is under way: this one.
+    assert await held.entered()
+    assert not work.done()
+    assert await held.finish()
+    await work
+
+
+async def test_a_read_cancelled_while_it_ranks_changes_nothing(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = await _filled(store)
+    before = await manifest.read(namespace=NS_A.hex())
+    held = _Held(monkeypatch, "result")
+    read = asyncio.ensure_future(manifest.read(namespace=NS_A.hex()))
+    assert await held.entered()
+    read.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await read
+    assert await held.finish()  # the abandoned work ends on its own
+    monkeypatch.undo()
+    assert await manifest.read(namespace=NS_A.hex()) == before
+
+
+async def test_a_compaction_cancelled_while_it_ranks_leaves_the_manifest_whole(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = await _filled(store)
+    raw = await store.raw_records(NS_A)
+    before = await manifest.read(namespace=NS_A.hex())
+    held = _Held(monkeypatch, "compacted")
+    compaction = asyncio.ensure_future(manifest.compact())
+    assert await held.entered()
+    compaction.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await compaction
+    assert await held.finish()
+    monkeypatch.undo()
+    assert await store.raw_records(NS_A) == raw
+    assert await manifest.read(namespace=NS_A.hex()) == before
+    if isinstance(store.backend, FileStorage):
+        assert not list(store.backend.root.glob(".manifest.jsonl.*.tmp"))
+    # Nothing of it is left holding the manifest (a lock, a count): the next one runs whole.
+    report = await manifest.compact()
+    assert (report.records_before, report.malformed) == (33, 1)
+    # (A memory manifest keeps no newer version's record: see the evolution tests.)
+    newer = 0 if store.kind == "memory" else before.newer
+    after = msgspec.structs.replace(before, malformed=0, newer=newer)
+    assert await manifest.read(namespace=NS_A.hex()) == after
+
+
+async def test_a_memory_compaction_keeps_what_is_appended_while_it_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    manifest = MemoryManifest(ManifestLimits(max_entries=8, max_entry_bytes=4096))
+    await manifest.append([entry(NS_A, i, last_use=10.0 + i) for i in range(12)])
+    manifest._add_line(b"garbage\n")
+    held = _Held(monkeypatch, "compacted")
+    compaction = asyncio.ensure_future(manifest.compact())
+    assert await held.entered()
+    # Meanwhile: a new chain, a newer record of a chain the compaction drops (too old to rank
+    # among the 8 kept), another of one it keeps, an older one of a kept chain (ignored),
+    # and damage.
+    late = [entry(NS_A, 100, last_use=1.0), entry(NS_A, 0, priority=3, last_use=50.0)]
+    late += [entry(NS_A, 11, priority=2, last_use=60.0), entry(NS_A, 10, priority=9, last_use=0.0)]
+    await manifest.append(late)
+    manifest._add_line(b"more garbage\n")
+    assert await held.finish()
+    report = await compaction
+    assert (report.records_before, report.entries_after, report.malformed) == (13, 8, 1)
+    held_now = {ident[1]: rank for ident, (rank, _) in manifest._held.items()}
+    kept = {entry(NS_A, i).chain_id: (0, 10.0 + i) for i in range(4, 11)}  # as ranked
+    kept |= {entry(NS_A, 100).chain_id: (0, 1.0), entry(NS_A, 0).chain_id: (3, 50.0)}
+    kept |= {entry(NS_A, 11).chain_id: (2, 60.0)}
+    assert held_now == kept
+    # The counts the appends added survive the compaction; its own were reset.
+    assert (await manifest.read(namespace=NS_A.hex())).malformed == 1
+    again = await manifest.compact()
+    # 7 records the compaction kept (one replaced since), 5 appended meanwhile.
+    assert (again.records_before, again.malformed, again.entries_after) == (7 + 5, 1, 8)
 
 
 # Redis: Cluster slots, no scripting, TTL.
