@@ -56,6 +56,11 @@ from .workers._prefetch import StartOrder
 
 __all__ = ["HiCache", "MatchInfo"]
 
+# Failed device -> host backups of a page in a row before an allocation prefers to free
+# something else, and before it gives up on the page altogether.
+_BACKUP_TRIES = 2
+_BACKUP_GIVE_UP = 8
+
 _log = structlog.get_logger("hicache_async")
 
 
@@ -185,9 +190,10 @@ class HiCache:
         # a node split after the load started keeps its host pages but not its id.
         self._loading: dict[int, LayerwiseCopy] = {}
         self._device_backups = 0
-        # Device -> host backups whose copy failed: an allocation that saw one fail stops
-        # starting them.
-        self._host_backup_failures = 0
+        # Device page -> device -> host backups of it that failed in a row: past
+        # `_BACKUP_TRIES` an allocation stops starting them (each failure wakes it to retry,
+        # so it would only spin) and lets the fallback free something else.
+        self._backup_failures: dict[int, int] = {}
         # Loads of released requests: their pages become evictable when they land.
         self._abandoned_loads = 0
         # Device pages being copied to the host. Keyed by page, not node id: a split gives
@@ -876,6 +882,9 @@ class HiCache:
 
     def _device_free(self, pages: Sequence[int]) -> None:
         if pages:
+            if self._backup_failures:  # the pages go to other nodes: their record restarts
+                for page in pages:
+                    self._backup_failures.pop(page, None)
             assert self._device_pool is not None
             self._device_pool.allocator.free(pages)
             self._capacity_changed.set()
@@ -885,7 +894,7 @@ class HiCache:
             assert self._host_pool is not None
             self._host_pool.allocator.free(pages)
 
-    def _try_alloc_device(self, count: int, *, backups_failing: bool = False) -> list[int] | None:
+    def _try_alloc_device(self, count: int) -> list[int] | None:
         assert self._device_pool is not None
         allocator = self._device_pool.allocator
         pages = allocator.alloc(count)
@@ -895,12 +904,18 @@ class HiCache:
         eviction = self._tree.evict_device(count - allocator.free_count, backup_first=write_back)
         self._counters.device_evicted_pages += len(eviction.freed)
         self._device_free(eviction.freed)
-        # A backup that failed during this allocation would fail again: starting it once
-        # more would only spin (each failure wakes this allocation to retry).
-        started = (
-            0
-            if backups_failing
-            else sum(self._back_up_to_host([node]) for node in eviction.needs_backup)
+        failures = self._backup_failures
+
+        def failed(node: TreeNode) -> int:
+            return failures.get(node.device_pages[0], 0) if node.device_pages else 0
+
+        # A backup that failed in a row is not started again at once: each failure wakes
+        # this allocation, which would only spin on it while something else could go.
+        retrying = [node for node in eviction.needs_backup if failed(node) >= _BACKUP_TRIES]
+        started = sum(
+            self._back_up_to_host([node])
+            for node in eviction.needs_backup
+            if failed(node) < _BACKUP_TRIES
         )
         if (
             allocator.free_count < count
@@ -919,6 +934,13 @@ class HiCache:
                 self._device_free(fallback.freed)
                 if allocator.free_count >= count:
                     break
+            else:
+                # Nothing else could go (a node with children, or protected): its backup is
+                # the only way, tried again up to a bound (a copy failing for good then
+                # ends in OutOfPagesError, not a request waiting for ever).
+                for node in retrying:
+                    if failed(node) < _BACKUP_GIVE_UP:
+                        self._back_up_to_host([node])
         return allocator.alloc(count)
 
     async def _alloc_device(self, count: int, request: Request) -> list[int]:
@@ -936,13 +958,10 @@ class HiCache:
                 f"{self._device_pool.num_pages} in all; raise device_pages or shorten the prompt"
             )
         await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
-        failures = self._host_backup_failures
         while True:
             self._check_open()
             request._check()
-            pages = self._try_alloc_device(
-                count, backups_failing=self._host_backup_failures > failures
-            )
+            pages = self._try_alloc_device(count)
             if pages is not None:
                 return pages
             if self._abandoned_loads < 0:
@@ -1270,11 +1289,16 @@ class HiCache:
                 self._host_free(part)
             self._tree.unlock_device(node)
         self._backing_up.difference_update(device_pages)
+        if ok and self._backup_failures:
+            for page in device_pages:
+                self._backup_failures.pop(page, None)
         if ok:
             self._counters.host_backup_pages += len(host_pages)
         else:
             self._counters.copy_failures += 1
-            self._host_backup_failures += 1
+            failures = self._backup_failures
+            for page in device_pages:
+                failures[page] = failures.get(page, 0) + 1
             _log.warning("hicache.backup.host.failed", error=repr(copy.exception()))
         self._capacity_changed.set()
 
