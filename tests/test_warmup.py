@@ -1080,3 +1080,34 @@ async def test_a_warmup_in_the_callers_task_outlives_the_close_safely() -> None:
     assert result.status in (WarmupStatus.COMPLETE, WarmupStatus.STOPPED)
     gc.collect()
     assert host() is None  # released once the warmup ended
+
+
+async def test_manifest_work_given_up_before_its_turn_never_runs() -> None:
+    # Warmups cut by short deadlines give up their manifest reads; the abandoned work must
+    # not pile up (each job holds its own copy of a large manifest).
+    import threading
+
+    from hicache_async.storage import _manifest
+
+    started, gate = threading.Event(), threading.Event()
+    ran: list[int] = []
+
+    def hold() -> bool:
+        started.set()
+        return gate.wait(30)
+
+    first = asyncio.ensure_future(_manifest.off_loop(hold))
+    assert await asyncio.to_thread(started.wait, 30)
+    second = asyncio.ensure_future(_manifest.off_loop(lambda: ran.append(1)))
+    for _ in range(20):
+        await asyncio.sleep(0.01)  # let it reach its worker thread (not needed for the check)
+    second.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await second
+    gate.set()
+    assert await first
+    # The lock is free once the abandoned job has had its turn.
+    lock = _manifest._OFF_LOOP_ONE_AT_A_TIME
+    assert await asyncio.to_thread(lock.acquire, True, 30)
+    lock.release()
+    assert ran == []

@@ -173,7 +173,29 @@ async def off_loop(work: Callable[[], _T]) -> _T:
     compaction, a snapshot, immutable bytes): a caller cancelled meanwhile does not wait for
     it, and the work runs on to its end on what nobody reads any more.
     """
-    return await anyio.to_thread.run_sync(work, abandon_on_cancel=True)
+    abandoned = threading.Event()
+
+    def run() -> _T:
+        # One such job at a time in the process, held by the thread: a caller that gave up
+        # does not wait for its job, and repeated give-ups (warmups cut by short deadlines)
+        # would otherwise pile up jobs, each with its own copy of a large manifest.
+        with _OFF_LOOP_ONE_AT_A_TIME:
+            if abandoned.is_set():
+                raise _Abandoned  # its caller is gone: nothing reads the result
+            return work()
+
+    try:
+        return await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except BaseException:
+        abandoned.set()
+        raise
+
+
+_OFF_LOOP_ONE_AT_A_TIME = threading.Lock()
+
+
+class _Abandoned(Exception):
+    """An `off_loop` job whose caller had already given up when its turn came."""
 
 
 def _evicted_before(evicted: dict[_K, float], key: _K, last_use: float) -> bool:
@@ -436,12 +458,18 @@ class ManifestCollector:
         # conversations continue): then it is kept, to be loaded first. Only a chain of the
         # same namespace that starts with the same keys covers it: ranks may share keys
         # across namespaces, and a damaged record may list any keys.
+        # Only keys that end some chain are ever looked up: recording the others would
+        # build (and free, in single calls that hold the GIL) a map of every key.
+        idents = {e.ident for e in entries}
         covered: dict[tuple[str, str], ManifestEntry] = {}
         for e in entries:
             for k in e.keys[:-1]:
-                best = covered.get((e.namespace, k))
+                at = (e.namespace, k)
+                if at not in idents:
+                    continue
+                best = covered.get(at)
                 if best is None or best.priority < e.priority:
-                    covered[(e.namespace, k)] = e
+                    covered[at] = e
         kept = [e for e in entries if not _covers(covered.get(e.ident), e)]
         ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
         return ManifestRead(
