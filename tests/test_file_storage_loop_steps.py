@@ -165,6 +165,28 @@ async def test_pages_used_during_a_merge_stay_the_most_recent(tmp_path: Path) ->
         _assert_sound(storage)
 
 
+async def test_pages_used_during_a_merge_stay_the_most_recent_whatever_the_clocks(
+    tmp_path: Path,
+) -> None:
+    # Another host's clock runs ahead (a shared root on a network file system): its pages
+    # are dated after the use made during the merge, which must still end most recent.
+    root = tmp_path / "s"
+    async with FileStorage(root, shared=True) as storage:
+        own = _keys(2)
+        await _put(storage, own)
+        count = len(storage._index)
+        ahead = time.time() + 30
+        found = _write_pages(root, [ahead + i for i in range(6 * STEP)])
+        async with _ticking() as ticker:
+            ticker.when = lambda: count + 2 * STEP <= len(storage._index) and not storage._jobs
+            ticker.action = lambda: storage._touch_chain([own[0]], time.time())
+            await storage.gc()
+        assert ticker.acted
+        assert list(storage._index)[-1] == own[0]
+        assert len(storage._index) == count + len(found)
+        _assert_sound(storage)
+
+
 async def test_a_merge_cancelled_between_steps_leaves_a_sound_index(tmp_path: Path) -> None:
     root = tmp_path / "s"
     async with FileStorage(root, shared=True, capacity_bytes=1 << 40) as storage:

@@ -1813,7 +1813,10 @@ class FileStorage(BackendBase):
         # Between two steps the index runs: the entries older than every page found, this
         # instance's entries not placed yet, those placed (in merged order), and what other
         # calls put or used meanwhile (`others`), which stays the most recent of all.
-        newest: float | None = None  # the latest time of the entries placed so far
+        # The entries placed so far, as placed: what follows the last of them still so at the
+        # MRU end was used or stored meanwhile (known by identity, not by time: a put commits
+        # with the time it began, and another host's clock may run ahead).
+        placed: dict[bytes, tuple[_Entry, float]] = {}
         others: list[bytes] = []
         step = own = 0  # own: entries of `tail` the merge has come to
         try:
@@ -1823,25 +1826,26 @@ class FileStorage(BackendBase):
                     self._to_mru_end(others)
                     await self._checkpoint()
                     step = 1
-                    others = [] if newest is None else self._used_after(newest)
+                    others = self._used_since(placed)
                 if isinstance(what, _Entry):  # one of this instance's entries
                     own += 1
                     if index.get(key) is not what or what.last_access != when:
                         continue  # removed, or used since: in its place already
                     index.move_to_end(key)
+                    placed[key] = (what, when)
                 else:  # a page found on disk
                     if key in index or self._stale(key, epoch):
                         continue
                     self._insert(key, what, when)
+                    placed[key] = (index[key], when)
                     if not self._could_be_page(what):
                         self._misfit(key, what)
-                newest = when if newest is None else max(newest, when)
         except BaseException:
             # Stopped between two steps (cancelled, or the store closed): the entries not
             # placed yet are more recent than those placed, and go after them, or a later
             # rescan would leave them first in line for eviction. The pages not merged yet
             # stay on disk for the next rescan to find.
-            others = [] if newest is None else self._used_after(newest)
+            others = self._used_since(placed)
             for when, _, key, what in tail[own:]:
                 if index.get(key) is what and what.last_access == when:
                     index.move_to_end(key)
@@ -1853,11 +1857,15 @@ class FileStorage(BackendBase):
             del new[-_LOOP_SLICE:]
             await asyncio.sleep(0)
 
-    def _used_after(self, when: float) -> list[bytes]:
-        """The keys at the MRU end of the index last used after `when`, in index order."""
+    def _used_since(self, placed: dict[bytes, tuple[_Entry, float]]) -> list[bytes]:
+        """The keys at the MRU end of the index after the last entry a merge placed that is
+        still as it placed it, in index order: those used or stored since."""
         keys: list[bytes] = []
+        if not placed:
+            return keys
         for key, entry in reversed(self._index.items()):
-            if entry.last_access <= when:
+            was = placed.get(key)
+            if was is not None and was[0] is entry and entry.last_access == was[1]:
                 break
             keys.append(key)
         keys.reverse()
