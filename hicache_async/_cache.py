@@ -191,8 +191,8 @@ class HiCache:
         self._loading: dict[int, LayerwiseCopy] = {}
         self._device_backups = 0
         # Device page -> device -> host backups of it that failed in a row: past
-        # `_BACKUP_TRIES` an allocation stops starting them (each failure wakes it to retry,
-        # so it would only spin) and lets the fallback free something else.
+        # `_BACKUP_TRIES` of them within one allocation, it stops starting them (each failure
+        # wakes it to retry, so it would only spin) and lets the fallback free something else.
         self._backup_failures: dict[int, int] = {}
         # Loads of released requests: their pages become evictable when they land.
         self._abandoned_loads = 0
@@ -894,7 +894,12 @@ class HiCache:
             assert self._host_pool is not None
             self._host_pool.allocator.free(pages)
 
-    def _try_alloc_device(self, count: int) -> list[int] | None:
+    def _try_alloc_device(
+        self, count: int, failed_before: dict[int, int] | None = None
+    ) -> list[int] | None:
+        """`count` device pages, evicting as the policy says, or None if they must be waited
+        for. `failed_before`: the backup failures recorded when the allocation began (only
+        failures since then count against starting a backup again)."""
         assert self._device_pool is not None
         allocator = self._device_pool.allocator
         pages = allocator.alloc(count)
@@ -905,9 +910,14 @@ class HiCache:
         self._counters.device_evicted_pages += len(eviction.freed)
         self._device_free(eviction.freed)
         failures = self._backup_failures
+        before = failed_before or {}
 
         def failed(node: TreeNode) -> int:
-            return failures.get(node.device_pages[0], 0) if node.device_pages else 0
+            # Within this allocation: a page that failed for an earlier one gets its tries.
+            if not node.device_pages:
+                return 0
+            page = node.device_pages[0]
+            return max(0, failures.get(page, 0) - before.get(page, 0))
 
         # A backup that failed in a row is not started again at once: each failure wakes
         # this allocation, which would only spin on it while something else could go.
@@ -958,10 +968,11 @@ class HiCache:
                 f"{self._device_pool.num_pages} in all; raise device_pages or shorten the prompt"
             )
         await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
+        failed_before = dict(self._backup_failures)
         while True:
             self._check_open()
             request._check()
-            pages = self._try_alloc_device(count)
+            pages = self._try_alloc_device(count, failed_before)
             if pages is not None:
                 return pages
             if self._abandoned_loads < 0:

@@ -187,6 +187,35 @@ async def test_pages_used_during_a_merge_stay_the_most_recent_whatever_the_clock
         _assert_sound(storage)
 
 
+async def test_a_step_whose_placed_pages_were_all_used_keeps_older_pages_first(
+    tmp_path: Path,
+) -> None:
+    # Every page the first step placed is used before the second: the pages this instance
+    # last used long before the merge must stay first in line, not move after the rest.
+    root = tmp_path / "s"
+    async with FileStorage(root, shared=True) as storage:
+        own = _keys(4)
+        await _put(storage, own)
+        now = time.time()
+        for i, key in enumerate(own):
+            storage._index[key].last_access = now - 5000 + i
+        storage._index = type(storage._index)(
+            sorted(storage._index.items(), key=lambda item: item[1].last_access)
+        )
+        count = len(storage._index)
+        found = _write_pages(root, [now - 1000 + i for i in range(6 * STEP)])
+        async with _ticking() as ticker:
+            ticker.when = lambda: count + STEP <= len(storage._index) and not storage._jobs
+            ticker.action = lambda: storage._touch_chain(found[:STEP][::-1], time.time())
+            await storage.gc()
+        assert ticker.acted
+        order = list(storage._index)
+        assert order[: len(own)] == own
+        assert order[len(own) : -STEP] == found[STEP:]
+        assert order[-STEP:] == found[:STEP]
+        _assert_sound(storage)
+
+
 async def test_a_merge_cancelled_between_steps_leaves_a_sound_index(tmp_path: Path) -> None:
     root = tmp_path / "s"
     async with FileStorage(root, shared=True, capacity_bytes=1 << 40) as storage:

@@ -1082,6 +1082,21 @@ async def test_a_warmup_in_the_callers_task_outlives_the_close_safely() -> None:
     assert host() is None  # released once the warmup ended
 
 
+async def _holding_the_gate(gate: threading.Event) -> asyncio.Future[bool]:
+    """A manifest job that holds this loop's gate until `gate` is set, once it runs."""
+    from hicache_async.storage import _manifest
+
+    started = threading.Event()
+
+    def hold() -> bool:
+        started.set()
+        return gate.wait(30)
+
+    job = asyncio.ensure_future(_manifest.off_loop(hold))
+    assert await asyncio.to_thread(started.wait, 30)
+    return job
+
+
 async def test_manifest_work_given_up_before_its_turn_never_runs() -> None:
     # Warmups cut by short deadlines give up their manifest reads; the abandoned work must
     # not pile up (each job holds its own copy of a large manifest).
@@ -1089,15 +1104,9 @@ async def test_manifest_work_given_up_before_its_turn_never_runs() -> None:
 
     from hicache_async.storage import _manifest
 
-    started, gate = threading.Event(), threading.Event()
+    gate = threading.Event()
     ran: list[int] = []
-
-    def hold() -> bool:
-        started.set()
-        return gate.wait(30)
-
-    first = asyncio.ensure_future(_manifest.off_loop(hold))
-    assert await asyncio.to_thread(started.wait, 30)
+    first = await _holding_the_gate(gate)
     second = asyncio.ensure_future(_manifest.off_loop(lambda: ran.append(1)))
     for _ in range(20):
         await asyncio.sleep(0.01)  # let it reach its worker thread (not needed for the check)
@@ -1106,8 +1115,49 @@ async def test_manifest_work_given_up_before_its_turn_never_runs() -> None:
         await second
     gate.set()
     assert await first
-    # The lock is free once the abandoned job has had its turn.
-    lock = _manifest._OFF_LOOP_ONE_AT_A_TIME
-    assert await asyncio.to_thread(lock.acquire, True, 30)
-    lock.release()
-    assert ran == []
+    # Once the abandoned job has had its turn, a new one runs (the gate is free again).
+    assert await _manifest.off_loop(lambda: ran.append(2) or True)
+    assert ran == [2]
+
+
+async def test_manifest_work_of_other_loops_never_waits_for_this_ones() -> None:
+    # Ranks or caches on loops of their own: a large read on one must not hold up another.
+    import threading
+
+    from hicache_async.storage import _manifest
+
+    gate = threading.Event()
+    held = await _holding_the_gate(gate)
+    try:
+        # Run on another thread's loop, while this loop's gate is held.
+        other = await asyncio.to_thread(
+            asyncio.run, asyncio.wait_for(_manifest.off_loop(lambda: "done"), 10)
+        )
+        assert other == "done"
+    finally:
+        gate.set()
+    assert await held
+
+
+def test_a_forked_child_does_not_inherit_a_held_manifest_gate() -> None:
+    import os
+    import threading
+
+    from hicache_async.storage import _manifest
+
+    async def main() -> None:
+        gate = threading.Event()
+        held = await _holding_the_gate(gate)
+        pid = os.fork()
+        if pid == 0:  # the child: its own loop, and a manifest job of its own
+            try:
+                ok = asyncio.run(asyncio.wait_for(_manifest.off_loop(lambda: True), 20))
+                os._exit(0 if ok else 1)
+            except BaseException:
+                os._exit(2)
+        gate.set()
+        assert await held
+        _, status = await asyncio.to_thread(os.waitpid, pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+
+    asyncio.run(main())

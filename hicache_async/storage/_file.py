@@ -1817,6 +1817,7 @@ class FileStorage(BackendBase):
         # MRU end was used or stored meanwhile (known by identity, not by time: a put commits
         # with the time it began, and another host's clock may run ahead).
         placed: dict[bytes, tuple[_Entry, float]] = {}
+        began = (time.time(), self._seq)
         others: list[bytes] = []
         step = own = 0  # own: entries of `tail` the merge has come to
         try:
@@ -1826,7 +1827,7 @@ class FileStorage(BackendBase):
                     self._to_mru_end(others)
                     await self._checkpoint()
                     step = 1
-                    others = self._used_since(placed)
+                    others = self._used_since(placed, began)
                 if isinstance(what, _Entry):  # one of this instance's entries
                     own += 1
                     if index.get(key) is not what or what.last_access != when:
@@ -1845,7 +1846,7 @@ class FileStorage(BackendBase):
             # placed yet are more recent than those placed, and go after them, or a later
             # rescan would leave them first in line for eviction. The pages not merged yet
             # stay on disk for the next rescan to find.
-            others = self._used_since(placed)
+            others = self._used_since(placed, began)
             for when, _, key, what in tail[own:]:
                 if index.get(key) is what and what.last_access == when:
                     index.move_to_end(key)
@@ -1857,16 +1858,24 @@ class FileStorage(BackendBase):
             del new[-_LOOP_SLICE:]
             await asyncio.sleep(0)
 
-    def _used_since(self, placed: dict[bytes, tuple[_Entry, float]]) -> list[bytes]:
-        """The keys at the MRU end of the index after the last entry a merge placed that is
-        still as it placed it, in index order: those used or stored since."""
+    def _used_since(
+        self, placed: dict[bytes, tuple[_Entry, float]], began: tuple[float, int]
+    ) -> list[bytes]:
+        """The keys at the MRU end of the index used or stored since a merge began (at time
+        and sequence number `began`), in index order: they follow the last entry the merge
+        placed that is still as it placed it, or the last entry that was indexed before the
+        merge and not used since."""
         keys: list[bytes] = []
         if not placed:
             return keys
+        when, seq = began
         for key, entry in reversed(self._index.items()):
             was = placed.get(key)
-            if was is not None and was[0] is entry and entry.last_access == was[1]:
-                break
+            if was is not None:
+                if was[0] is entry and entry.last_access == was[1]:
+                    break
+            elif entry.seq <= seq and entry.last_access < when:
+                break  # older than the merge and untouched: so is all before it
             keys.append(key)
         keys.reverse()
         return keys

@@ -17,6 +17,7 @@ others (see `ManifestCollector`). Removing or retyping a field needs a new `v`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -25,6 +26,7 @@ import os
 import re
 import stat
 import threading
+import weakref
 from collections import Counter
 from collections.abc import (
     AsyncGenerator,
@@ -174,12 +176,14 @@ async def off_loop(work: Callable[[], _T]) -> _T:
     it, and the work runs on to its end on what nobody reads any more.
     """
     abandoned = threading.Event()
+    gate = _gate_of(asyncio.get_running_loop())
 
     def run() -> _T:
-        # One such job at a time in the process, held by the thread: a caller that gave up
+        # One such job at a time per event loop, held by the thread: a caller that gave up
         # does not wait for its job, and repeated give-ups (warmups cut by short deadlines)
-        # would otherwise pile up jobs, each with its own copy of a large manifest.
-        with _OFF_LOOP_ONE_AT_A_TIME:
+        # would otherwise pile up jobs, each with its own copy of a large manifest. Per loop,
+        # so ranks or caches on loops of their own never wait for each other's.
+        with gate:
             if abandoned.is_set():
                 raise _Abandoned  # its caller is gone: nothing reads the result
             return work()
@@ -191,7 +195,38 @@ async def off_loop(work: Callable[[], _T]) -> _T:
         raise
 
 
-_OFF_LOOP_ONE_AT_A_TIME = threading.Lock()
+class _Gate:
+    """A lock that can be weakly referenced (a `threading.Lock` cannot)."""
+
+    __slots__ = ("__weakref__", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gate] = weakref.WeakKeyDictionary()
+
+
+def _gate_of(loop: asyncio.AbstractEventLoop) -> _Gate:
+    gate = _gates.get(loop)
+    if gate is None:
+        gate = _gates[loop] = _Gate()
+    return gate
+
+
+def _forget_gates() -> None:
+    # A child forked while a job held a gate would inherit it locked, with no thread left
+    # to release it: every manifest read there would wait for ever.
+    _gates.clear()
+
+
+os.register_at_fork(after_in_child=_forget_gates)
 
 
 class _Abandoned(Exception):
