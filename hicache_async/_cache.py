@@ -377,7 +377,7 @@ class HiCache:
         return self._host_pool
 
     @property
-    def state(self) -> Literal["new", "opening", "open", "closing", "closed"]:
+    def state(self) -> _State:
         """Where the cache stands: `"new"`, `"opening"`, `"open"`, `"closing"` or `"closed"`.
 
         A plain read, safe from any thread (the admin endpoint reads it from its own).

@@ -250,7 +250,7 @@ def byte_segments(page: PageBuffer, *, writable: bool) -> list[memoryview]:
     if isinstance(page, (str, bytes, bytearray, memoryview)):
         raise ValueError(f"a page is a sequence of segments, got {type(page).__name__}")  # noqa: TRY004 - the documented contract
     try:
-        segments = list(page)
+        segments = iter(page)  # not list(): no copy of the segment list per page
     except TypeError:
         raise ValueError(f"a page is a sequence of segments, got {type(page).__name__}") from None
     for segment in segments:
