@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import tracemalloc
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1082,8 +1082,10 @@ async def test_a_warmup_in_the_callers_task_outlives_the_close_safely() -> None:
     assert host() is None  # released once the warmup ended
 
 
-async def _holding_the_gate(gate: threading.Event) -> asyncio.Future[bool]:
-    """A manifest job that holds this loop's gate until `gate` is set, once it runs."""
+async def _holding_the_gate(
+    gate: threading.Event, owner: Hashable = "held"
+) -> asyncio.Future[bool]:
+    """A manifest job of `owner` that holds its gate on this loop until `gate` is set."""
     from hicache_async.storage import _manifest
 
     started = threading.Event()
@@ -1092,7 +1094,7 @@ async def _holding_the_gate(gate: threading.Event) -> asyncio.Future[bool]:
         started.set()
         return gate.wait(30)
 
-    job = asyncio.ensure_future(_manifest.off_loop(hold))
+    job = asyncio.ensure_future(_manifest.off_loop(hold, owner=owner))
     assert await asyncio.to_thread(started.wait, 30)
     return job
 
@@ -1107,7 +1109,7 @@ async def test_manifest_work_given_up_before_its_turn_never_runs() -> None:
     gate = threading.Event()
     ran: list[int] = []
     first = await _holding_the_gate(gate)
-    second = asyncio.ensure_future(_manifest.off_loop(lambda: ran.append(1)))
+    second = asyncio.ensure_future(_manifest.off_loop(lambda: ran.append(1), owner="held"))
     for _ in range(20):
         await asyncio.sleep(0.01)  # let it reach its worker thread (not needed for the check)
     second.cancel()
@@ -1116,7 +1118,7 @@ async def test_manifest_work_given_up_before_its_turn_never_runs() -> None:
     gate.set()
     assert await first
     # Once the abandoned job has had its turn, a new one runs (the gate is free again).
-    assert await _manifest.off_loop(lambda: ran.append(2) or True)
+    assert await _manifest.off_loop(lambda: ran.append(2) or True, owner="held")
     assert ran == [2]
 
 
@@ -1131,12 +1133,42 @@ async def test_manifest_work_of_other_loops_never_waits_for_this_ones() -> None:
     try:
         # Run on another thread's loop, while this loop's gate is held.
         other = await asyncio.to_thread(
-            asyncio.run, asyncio.wait_for(_manifest.off_loop(lambda: "done"), 10)
+            asyncio.run, asyncio.wait_for(_manifest.off_loop(lambda: "done", owner="held"), 10)
         )
         assert other == "done"
     finally:
         gate.set()
     assert await held
+
+
+async def test_manifest_work_of_other_stores_on_this_loop_never_waits_for_it() -> None:
+    # Two caches on one loop: a large manifest read of one store must not hold up the
+    # other's warmup (it would end DEADLINE behind work that is none of its business).
+    entry = ManifestEntry(namespace="0" * 32, keys=["ab" * 32], num_tokens=16, last_use=1.0)
+    busy, other = MemoryStorage().manifest(), MemoryStorage().manifest()
+    await other.append([entry])
+    gate = threading.Event()
+    held = await _holding_the_gate(gate, owner=busy)
+    try:
+        # Its own work done off the loop while the other store's gate is held.
+        found = await asyncio.wait_for(other.read(namespace=entry.namespace), 10)
+        assert found.entries == [entry]
+        # The held store's own work waits its turn (one job at a time per manifest).
+        reading = asyncio.ensure_future(busy.read(namespace=entry.namespace))
+        await asyncio.sleep(0.2)
+        assert not reading.done()
+    finally:
+        gate.set()
+    assert await held
+    assert (await reading).entries == []
+
+
+def test_file_manifests_of_one_file_share_a_gate_however_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert _manifest._owner_of(Path("m.jsonl")) == _manifest._owner_of(tmp_path / "m.jsonl")
+    assert _manifest._owner_of(tmp_path / "a") != _manifest._owner_of(tmp_path / "b")
 
 
 def test_a_forked_child_does_not_inherit_a_held_manifest_gate() -> None:
@@ -1151,7 +1183,9 @@ def test_a_forked_child_does_not_inherit_a_held_manifest_gate() -> None:
         pid = os.fork()
         if pid == 0:  # the child: its own loop, and a manifest job of its own
             try:
-                ok = asyncio.run(asyncio.wait_for(_manifest.off_loop(lambda: True), 20))
+                ok = asyncio.run(
+                    asyncio.wait_for(_manifest.off_loop(lambda: True, owner="held"), 20)
+                )
                 os._exit(0 if ok else 1)
             except BaseException:
                 os._exit(2)

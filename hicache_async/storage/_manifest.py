@@ -165,24 +165,27 @@ _K = TypeVar("_K", bound=Hashable)
 _T = TypeVar("_T")
 
 
-async def off_loop(work: Callable[[], _T]) -> _T:
+async def off_loop(work: Callable[[], _T], *, owner: Hashable) -> _T:
     """`work` on a worker thread: the CPU-bound part of a read or compaction (decoding
     records, ranking them, joining what is written), which grows with the manifest and would
     otherwise hold the event loop for as long (hundreds of milliseconds for tens of MB). The
     thread gives the loop its turn every switch interval, so the loop keeps serving meanwhile.
+
+    `owner` names the manifest the work is for (its file, or its store): such jobs of one
+    owner run one at a time per event loop.
 
     `work` must touch only what its caller owns alone (the collector of one read or
     compaction, a snapshot, immutable bytes): a caller cancelled meanwhile does not wait for
     it, and the work runs on to its end on what nobody reads any more.
     """
     abandoned = threading.Event()
-    gate = _gate_of(asyncio.get_running_loop())
+    gate = _gate_of(asyncio.get_running_loop(), owner)
 
     def run() -> _T:
-        # One such job at a time per event loop, held by the thread: a caller that gave up
-        # does not wait for its job, and repeated give-ups (warmups cut by short deadlines)
-        # would otherwise pile up jobs, each with its own copy of a large manifest. Per loop,
-        # so ranks or caches on loops of their own never wait for each other's.
+        # One job at a time per manifest, held by the thread: a caller that gave up does not
+        # wait for its job, and repeated give-ups (warmups cut by short deadlines) would
+        # otherwise pile up jobs, each with its own copy of a large manifest. Per manifest
+        # and loop, so caches of other stores, or on loops of their own, never wait for it.
         with gate:
             if abandoned.is_set():
                 raise _Abandoned  # its caller is gone: nothing reads the result
@@ -210,13 +213,20 @@ class _Gate:
         self._lock.release()
 
 
-_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Gate] = weakref.WeakKeyDictionary()
+# Held only by the jobs that run or wait (their threads' closures): a gate lasts while its
+# owner has work under way, so owners come and go without the map growing.
+_gates: weakref.WeakKeyDictionary[
+    asyncio.AbstractEventLoop, weakref.WeakValueDictionary[Hashable, _Gate]
+] = weakref.WeakKeyDictionary()
 
 
-def _gate_of(loop: asyncio.AbstractEventLoop) -> _Gate:
-    gate = _gates.get(loop)
+def _gate_of(loop: asyncio.AbstractEventLoop, owner: Hashable) -> _Gate:
+    of_loop = _gates.get(loop)
+    if of_loop is None:
+        of_loop = _gates[loop] = weakref.WeakValueDictionary()
+    gate = of_loop.get(owner)
     if gate is None:
-        gate = _gates[loop] = _Gate()
+        gate = of_loop[owner] = _Gate()
     return gate
 
 
@@ -421,10 +431,11 @@ class ManifestCollector:
             else:
                 self.add_line(line)
 
-    async def feed(self, lines: Iterable[bytes | int]) -> None:
-        """`add_lines` on a worker thread (see `off_loop`): a batch of records, or a lazy
-        iterable over data the caller owns alone, so it is decoded there too."""
-        await off_loop(functools.partial(self.add_lines, lines))
+    async def feed(self, lines: Iterable[bytes | int], *, owner: Hashable) -> None:
+        """`add_lines` on a worker thread (see `off_loop`, which `owner` is for): a batch
+        of records, or a lazy iterable over data the caller owns alone, so it is decoded
+        there too."""
+        await off_loop(functools.partial(self.add_lines, lines), owner=owner)
 
     def _count(self, what: str) -> None:
         setattr(self, what, getattr(self, what) + 1)
@@ -614,6 +625,7 @@ async def _collect_file(
 ) -> bool:
     """Feed the records of the file at `path` to `collector`, decoded on worker threads in
     batches; returns whether the byte bound stopped the read (never with `whole`)."""
+    owner = _owner_of(path)
     batch: list[bytes | int] = []
     size = 0
     truncated = False
@@ -625,11 +637,16 @@ async def _collect_file(
             batch.append(line)
             size += len(line)
             if size >= _FEED_BYTES:
-                await collector.feed(batch)
+                await collector.feed(batch, owner=owner)
                 batch, size = [], 0
     if batch:
-        await collector.feed(batch)
+        await collector.feed(batch, owner=owner)
     return truncated
+
+
+def _owner_of(path: Path) -> tuple[str, str]:
+    """What a file manifest's work is gated by (see `off_loop`): the file, however named."""
+    return ("file", os.path.abspath(path))
 
 
 def _compacted_file(
@@ -801,7 +818,9 @@ class FileManifest:
         Raises StorageError when the manifest is not a regular file (a FIFO, say)."""
         collector = ManifestCollector(self.limits, namespace)
         truncated = await _collect_file(self.path, self.limits, collector)
-        return await off_loop(functools.partial(collector.result, truncated=truncated))
+        return await off_loop(
+            functools.partial(collector.result, truncated=truncated), owner=_owner_of(self.path)
+        )
 
     async def compact(self) -> CompactReport:
         """Rewrite the file with one valid record per chain; atomic (temp file + rename).
@@ -824,7 +843,8 @@ class FileManifest:
         collector = ManifestCollector(self.limits, carry=True)
         await _collect_file(self.path, self.limits, collector, whole=True)
         kept, data = await off_loop(
-            functools.partial(_compacted_file, collector, self.limits.max_bytes // 2)
+            functools.partial(_compacted_file, collector, self.limits.max_bytes // 2),
+            owner=_owner_of(self.path),
         )
         # The lock is held, so no other compaction runs: a temporary file of one is a
         # leftover of a process that died compacting.
@@ -955,7 +975,8 @@ class MemoryManifest:
         collector.newer = self._newer
         lines, truncated = self._newest_lines(namespace)
         return await off_loop(
-            functools.partial(_read_held, collector, limits, lines, truncated=truncated)
+            functools.partial(_read_held, collector, limits, lines, truncated=truncated),
+            owner=self,
         )
 
     def _newest_lines(self, namespace: str | None) -> tuple[list[bytes], bool]:
@@ -991,7 +1012,7 @@ class MemoryManifest:
             records, malformed, oversized = self._records, self._malformed, self._oversized
             newer, before = self._newer, self._bytes
             kept, report_oversized, after = await off_loop(
-                functools.partial(_compact_held, limits, snapshot, oversized)
+                functools.partial(_compact_held, limits, snapshot, oversized), owner=self
             )
             # Nothing is awaited from here on: the compaction lands whole or (cancelled
             # above) not at all. What the snapshot held and is held as it was (the same

@@ -217,9 +217,13 @@ class MooncakeManifest:
                         break
             except _Stale:
                 # What was read before the list changed: partial, and said to be.
-                result = await off_loop(functools.partial(collector.result, truncated=True))
+                result = await off_loop(
+                    functools.partial(collector.result, truncated=True), owner=self._storage
+                )
                 continue
-            return await off_loop(functools.partial(collector.result, truncated=truncated))
+            return await off_loop(
+                functools.partial(collector.result, truncated=truncated), owner=self._storage
+            )
         return result
 
     async def compact(self) -> CompactReport:
@@ -353,7 +357,7 @@ class MooncakeManifest:
                 # An int: larger than any chunk, not read.
                 used += self.chunk_bytes if isinstance(value, int) else len(value)
                 chunks.append(value)
-            await collector.feed(_newest_first(chunks))
+            await collector.feed(_newest_first(chunks), owner=self._storage)
             if stale:
                 raise _Stale
         if (await self._index(namespace)).stem != index.stem:
@@ -468,7 +472,8 @@ class MooncakeManifest:
         kept, payloads = await off_loop(
             functools.partial(
                 _compacted_chunks, collector, self.limits.max_bytes // 2, self.chunk_bytes
-            )
+            ),
+            owner=self._storage,
         )
         generation = old.generation + 1
         stem = f"g{generation}-{os.urandom(8).hex()}"
@@ -553,7 +558,7 @@ class MooncakeManifest:
             chunks = [value for value in values if value is not None]
             # An int: larger than any chunk, not read.
             used += sum(self.chunk_bytes if isinstance(v, int) else len(v) for v in chunks)
-            await collector.feed(_newest_first(chunks))
+            await collector.feed(_newest_first(chunks), owner=self._storage)
         return used
 
     async def _lines(self, namespace: str, stem: str, seqs: range) -> list[bytes]:
@@ -565,7 +570,9 @@ class MooncakeManifest:
             values = await self._get(names[start : start + _READ_BATCH], self.chunk_bytes)
             chunks = [value for value in values if isinstance(value, bytes)]
             # Validated on a worker thread, as a read decodes them (see `off_loop`).
-            lines += await off_loop(functools.partial(_carried_lines, chunks, self._line_limit))
+            lines += await off_loop(
+                functools.partial(_carried_lines, chunks, self._line_limit), owner=self._storage
+            )
         return lines
 
     async def _sweep(self, namespace: str, stem: str) -> None:

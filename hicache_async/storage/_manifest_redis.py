@@ -377,6 +377,9 @@ class RedisManifest:
     ) -> None:
         self.limits = limits or ManifestLimits()
         self._client = client
+        # What its work off the loop is gated by (see `off_loop`): the store's client, so
+        # the manifests one store builds take turns, and other stores' never wait for them.
+        self._owner = ("redis", client)
         self._prefix = prefix
         self._name = name
         self._ttl = ttl
@@ -467,9 +470,13 @@ class RedisManifest:
                         break
             except _Stale:
                 # What was read before the list changed: partial, and said to be.
-                result = await off_loop(functools.partial(collector.result, truncated=True))
+                result = await off_loop(
+                    functools.partial(collector.result, truncated=True), owner=self._owner
+                )
                 continue
-            return await off_loop(functools.partial(collector.result, truncated=truncated))
+            return await off_loop(
+                functools.partial(collector.result, truncated=truncated), owner=self._owner
+            )
         return result
 
     async def compact(self) -> CompactReport:
@@ -799,7 +806,7 @@ class RedisManifest:
                 return used, False
             used += sum(item if isinstance(item, int) else len(item) for item in items)
             # Decoded on a worker thread: a window holds up to 4 MiB of records.
-            await collector.feed(items)
+            await collector.feed(items, owner=self._owner)
             hi -= len(items)
         return used, False
 
@@ -864,7 +871,8 @@ class RedisManifest:
             # Records as stored (fields this version does not know kept), newer versions'
             # included, within half of `max_bytes` so the list has room to grow.
             lines = await off_loop(
-                functools.partial(_compacted_lines, collector, self.limits.max_bytes // 2)
+                functools.partial(_compacted_lines, collector, self.limits.max_bytes // 2),
+                owner=self._owner,
             )
             before = await self._bytes(namespace)
             if await self._switch_to(namespace, gen, length, lines):
