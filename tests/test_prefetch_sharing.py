@@ -401,19 +401,90 @@ async def test_a_prefetch_holds_the_pages_it_waited_for_until_it_ends() -> None:
         await _check_and_drain(cache, long, generator)
 
 
-async def test_a_prefetch_cut_by_the_host_budget_ends_terminated() -> None:
-    # Half the prompt fits the prefetches' share of the host pool: it reads that half and
-    # says it stopped early, as the docs say, rather than COMPLETE.
+async def test_a_prefetch_larger_than_the_host_budget_reads_it_in_turns() -> None:
+    # Half the prompt fits the prefetches' share of the host pool: it reads a half, lands
+    # it, then reads the other, never holding more than its share, and ends COMPLETE.
     prompt = _prompt(11)
     async with _gated(_config(max_host_share=(PAGES // 2) / 128), prompt) as (
         cache,
         store,
         generator,
     ):
+        reading = asyncio.ensure_future(cache.prefetch(prompt))
+        held = []
+        while not reading.done():
+            await _until(lambda: bool(store.gets.waiting) or reading.done(), "a get or the end")
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            held.append(stats.host_pages_held)
+            assert stats.host_pages_held <= stats.host_pages_limit == PAGES // 2
+            store.gets.release()
+            await asyncio.sleep(0)
+        result = reading.result()
+        assert result.status is PrefetchStatus.COMPLETE
+        assert result.storage_tokens == len(prompt)
+        assert held.count(PAGES // 2) == 2  # two turns, each at the budget
+        _read_once(store, cache, prompt)
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_prefetches_over_the_host_budget_take_turns_and_read_everything() -> None:
+    # Each prompt alone fills the budget: the second waits for room instead of ending with
+    # what little it got while the first held it.
+    prompts = [_prompt(31), _prompt(32)]
+    async with _gated(_config(max_host_share=PAGES / 128), *prompts) as (
+        cache,
+        store,
+        generator,
+    ):
+        handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+        await _until(lambda: len(store.gets.waiting) == 1, "the first read to hold the budget")
+        await _until(lambda: handles[1].status is PrefetchStatus.RUNNING, "the second to run")
+        store.gets.open()
+        results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.status is PrefetchStatus.COMPLETE
+            assert result.storage_tokens == len(prompt)
+            _read_once(store, cache, prompt)
+        for prompt in prompts:
+            await _check_and_drain(cache, prompt, generator)
+
+
+@pytest.mark.parametrize("stop", ["terminate", "cancel"])
+async def test_a_prefetch_waiting_for_host_budget_stops_when_told(stop: str) -> None:
+    # A timeout policy's deadline terminates a prefetch that is still waiting for room:
+    # it must end then, not once the prefetch holding the budget lets go.
+    first, second = _prompt(33), _prompt(34)
+    async with _gated(_config(max_host_share=PAGES / 128), first, second) as (
+        cache,
+        store,
+        generator,
+    ):
+        holder = await cache.start_prefetch(first, request_id="A")
+        await _until(lambda: len(store.gets.waiting) == 1, "A's read to hold the budget")
+        waiting = await cache.start_prefetch(second, request_id="B")
+        await _until(lambda: waiting.status is PrefetchStatus.RUNNING, "B to run")
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert len(store.gets.waiting) == 1  # B reads nothing: no room
+        getattr(waiting, stop)()
+        result = await asyncio.wait_for(waiting.wait(), 30)
+        assert len(store.gets.waiting) == 1  # A still holds its read
+        expected = PrefetchStatus.TERMINATED if stop == "terminate" else PrefetchStatus.CANCELLED
+        assert (result.status, result.storage_tokens) == (expected, 0)
+        store.gets.open()
+        assert (await asyncio.wait_for(holder.wait(), 30)).status is PrefetchStatus.COMPLETE
+        assert sum(store.reads[k] for k in cache.namespace.storage_keys(waiting.keys)) == 0
+        await _check_and_drain(cache, first, generator)
+
+
+async def test_a_prefetch_with_no_host_budget_ends_without_reading() -> None:
+    prompt = _prompt(35)
+    async with _gated(_config(max_host_share=0.0), prompt) as (cache, store, generator):
         store.gets.open()
         result = await asyncio.wait_for(cache.prefetch(prompt), 30)
-        assert result.status is PrefetchStatus.TERMINATED
-        assert result.storage_tokens == len(prompt) // 2
+        assert (result.status, result.storage_tokens) == (PrefetchStatus.TERMINATED, 0)
+        assert not store.reads
         await _check_and_drain(cache, prompt, generator)
 
 

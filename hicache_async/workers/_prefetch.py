@@ -74,6 +74,15 @@ class _Shared(enum.Enum):
     FAILED = "failed"
 
 
+class _Again(enum.Enum):
+    """A plan that stopped before the end for a reason that passes."""
+
+    #: at the prefetches' host budget (`max_host_share`): the rest is planned once pages
+    #: being read have landed or gone back, so a prefetch larger than the budget reads in
+    #: turns rather than ending with part of what storage holds.
+    BUDGET = "budget"
+
+
 class _Flight:
     """A page being read by `reader`, and the other prefetches waiting on it."""
 
@@ -326,6 +335,7 @@ class PrefetchHandle:
                 self._prefetcher._drop_queued(self, PrefetchStatus.TERMINATED)
             # A cancelled read kept going for this prefetch alone need not go on.
             self._prefetcher._unwanted(self)
+            self._prefetcher._wake_budget_waiters()  # one of them may be this one
 
     def cancel(self) -> None:
         """Stop now: the read in flight is abandoned and its pages go back, unless other
@@ -359,6 +369,7 @@ class PrefetchHandle:
             if self._in_queue:
                 self._prefetcher._drop_queued(self, PrefetchStatus.CANCELLED)
             self._prefetcher._unwanted(self)
+            self._prefetcher._wake_budget_waiters()
 
     def _cancel_scope(self) -> None:
         if self._scope is not None:
@@ -703,6 +714,9 @@ class Prefetcher:
         assert cache._host_pool is not None
         self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
         self._held = 0
+        # Set, and replaced, when pages held for reads are let go or a prefetch is told to
+        # stop: prefetches waiting for budget look again.
+        self._budget_changed = asyncio.Event()
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
@@ -976,6 +990,10 @@ class Prefetcher:
             status = await self._read(handle, start + existing)
             if isinstance(status, PrefetchStatus):
                 return status
+            if status is _Again.BUDGET:
+                if not await self._budget_room(handle):
+                    return handle._stopped() if handle._gave_up() else PrefetchStatus.TERMINATED
+                continue
             # Plan again, and read what was given up. A plan that brought pages, or whose
             # reader stopped on request (a timeout, a cancelled caller), does not use up one:
             # a prefetch sharing with readers that give up in turn still reads everything.
@@ -984,6 +1002,19 @@ class Prefetcher:
                 if fruitless == _REPLANS:
                     break
         return PrefetchStatus.TERMINATED
+
+    async def _budget_room(self, handle: PrefetchHandle) -> bool:
+        """Wait until the host budget has room for a page; False once `handle` was told to
+        stop, or if no room can come (nothing held, and a budget of no pages)."""
+        while self._held >= self._host_limit:
+            if handle._gave_up() or self._held == 0:
+                return False
+            await self._budget_changed.wait()
+        return not handle._gave_up()
+
+    def _wake_budget_waiters(self) -> None:
+        changed, self._budget_changed = self._budget_changed, asyncio.Event()
+        changed.set()
 
     def _shared_in_flight(self, handle: PrefetchHandle) -> bool:
         """Whether another prefetch, not given up, waits on a page of `handle`'s storage
@@ -1010,13 +1041,15 @@ class Prefetcher:
         if reader._cancel_requested and not self._shared_in_flight(reader):
             reader._cancel_scope()
 
-    async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus | _Shared:
+    async def _read(self, handle: PrefetchHandle, end: int) -> PrefetchStatus | _Shared | _Again:
         """Read keys[cached:end] into the host pool, landing batches as they arrive.
 
         Returns how a page another prefetch was reading was given up (STOPPED, DROPPED)
         while this one goes on: the caller plans again, and this prefetch reads that page
-        itself. A page storage did not deliver to that prefetch (FAILED) ends this one as it
-        ended that one, with what it has: it is not asked for again.
+        itself. Returns `_Again.BUDGET` when the host budget cut the plan short: the caller
+        plans the rest once there is room. A page storage did not deliver to that prefetch
+        (FAILED) ends this one as it ended that one, with what it has: it is not asked for
+        again.
         """
         if handle._gave_up():
             return handle._stopped()
@@ -1061,6 +1094,9 @@ class Prefetcher:
             # Stop the plan before the first page beyond the budget.
             cut = self._cut(todo, budget)
             todo, own = todo[:cut], own[:budget]
+        # A full pool (nothing more to evict) ends the prefetch with what it has; a budget
+        # taken by reads in flight only defers the rest.
+        pool_full = False
         pages = cache._try_alloc_host(len(own))
         if pages is None:
             assert cache._host_pool is not None
@@ -1068,11 +1104,15 @@ class Prefetcher:
             pages = cache._host_pool.allocator.alloc(spare) or []
             cut = self._cut(todo, len(pages))
             todo, own = todo[:cut], own[: len(pages)]
+            pool_full = True
+        cut_short: PrefetchStatus | _Again = (
+            PrefetchStatus.TERMINATED if pool_full else _Again.BUDGET
+        )
         if not todo:
             cache._host_free(pages)
             tree.unprotect_host(anchor)
             tree.unlock_device(locked)
-            return PrefetchStatus.TERMINATED
+            return cut_short
         # Cut by the host budget or a full pool: what it reads is not all storage had.
         short = begin + len(todo) < end
         # Counted as a waiter of each until it passes it or leaves: a cancelled reader keeps
@@ -1093,9 +1133,7 @@ class Prefetcher:
         own_landed = 0
         failed: set[bytes] = set()  # own pages storage did not deliver
         given_up = _Shared.STOPPED  # what an own page not landed tells those waiting on it
-        status: PrefetchStatus | _Shared = (
-            PrefetchStatus.TERMINATED if short else PrefetchStatus.COMPLETE
-        )
+        status: PrefetchStatus | _Shared | _Again = cut_short if short else PrefetchStatus.COMPLETE
         try:
             pos = 0
             while pos < len(todo):
@@ -1189,6 +1227,8 @@ class Prefetcher:
                 self._unwait(flight, handle)
             leftover = list(page_of.values())
             self._held -= len(pages)
+            if pages:
+                self._wake_budget_waiters()
             cache._host_free(leftover)
             for k, flight in flights.items():
                 if not flight.future.done():
