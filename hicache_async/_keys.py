@@ -37,7 +37,9 @@ class Namespace(msgspec.Struct, frozen=True):
 
     The tensor-parallel rank is not in the seed: every rank names a prefix with the same keys,
     which is what lets ranks agree on which prefixes to load. It is in `rank_salt`, which
-    turns a key into the rank's own storage key, and in the fingerprint.
+    turns a key into the rank's own storage key, and in the fingerprint. Not for MLA: every
+    rank holds the same latent KV, so all ranks (and deployments of any TP size) share one
+    namespace and store each page once.
     """
 
     seed: bytes
@@ -81,13 +83,14 @@ class Namespace(msgspec.Struct, frozen=True):
             "qk_rope_head_dim": layout.qk_rope_head_dim,
             "dtype": layout.dtype,
             "page_size": config.page_size,
-            "tp_size": config.tp_size,
+            # MLA pages are the same on every rank, whatever the TP size (see the class).
+            "tp_size": 1 if layout.attention == "mla" else config.tp_size,
             "salt": config.salt,
             "token_major": config.host_layout in _TOKEN_MAJOR_LAYOUTS,
         }
         digest = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).digest()
         seed = b"" if sglang_compatible else digest
-        if config.tp_size == 1:
+        if config.tp_size == 1 or layout.attention == "mla":
             return cls(seed=seed, fingerprint=digest[:_FINGERPRINT_NBYTES])
         rank_salt = b"hicache-tp\x00%d\x00%d\x00" % (config.tp_rank, config.tp_size)
         fingerprint = hashlib.sha256(digest + rank_salt).digest()[:_FINGERPRINT_NBYTES]

@@ -7,8 +7,19 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from _unowned_storage import Unowned
 
-from hicache_async import CacheConfig, InvalidTokensError, KVLayout, Namespace, page_keys
+from hicache_async import (
+    CacheConfig,
+    HiCache,
+    InvalidTokensError,
+    KVLayout,
+    Namespace,
+    PrefetchConfig,
+    page_keys,
+)
+from hicache_async.storage import MemoryStorage
+from hicache_async.testing import KVGenerator, serve
 
 
 def _sglang_reference(tokens: list[int], page_size: int) -> list[str]:
@@ -97,6 +108,58 @@ def test_ranks_share_chains_but_not_storage_keys_or_fingerprints() -> None:
     assert ranks[0].fingerprint != ranks[1].fingerprint
     assert single.storage_keys(chains[0]) == chains[0]  # one rank: keys are storage keys
     assert page_keys(tokens, 8, single.seed) != chains[0]  # tp_size is in the seed
+
+
+def test_mla_ranks_share_one_namespace_whatever_the_tp_size() -> None:
+    # Every rank holds the same latent KV: one copy per page in storage, not one per rank,
+    # and the pages of a TP1 deployment serve a TP8 one.
+    layout = KVLayout(num_layers=2, attention="mla", kv_lora_rank=8, qk_rope_head_dim=4)
+    single = Namespace.from_config(CacheConfig(layout=layout, device_pages=4))
+    for size in (2, 8):
+        for rank in range(size):
+            config = CacheConfig(layout=layout, device_pages=4, tp_rank=rank, tp_size=size)
+            assert Namespace.from_config(config) == single
+    keys = page_keys(list(range(32)), 8, single.seed)
+    assert single.storage_keys(keys) == keys
+    # MHA ranks still hold different heads: their own keys and fingerprints.
+    mha = KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)
+    assert (
+        len(
+            {
+                Namespace.from_config(CacheConfig(layout=mha, device_pages=4, tp_rank=r, tp_size=2))
+                for r in range(2)
+            }
+        )
+        == 2
+    )
+
+
+async def test_an_mla_rank_serves_the_pages_another_rank_stored() -> None:
+    layout = KVLayout(num_layers=2, attention="mla", kv_lora_rank=8, qk_rope_head_dim=4)
+    prompt = list(range(100, 164))
+
+    def config(rank: int) -> CacheConfig:
+        return CacheConfig(
+            layout=layout,
+            page_size=8,
+            device_pages=32,
+            model_id="mla",
+            tp_rank=rank,
+            tp_size=2,
+            prefetch=PrefetchConfig(threshold_tokens=8),
+        )
+
+    generator = KVGenerator(layout, 8)
+    async with MemoryStorage() as store:
+        async with HiCache(config(0), storage=Unowned(store)) as first:
+            await serve(first, prompt, generator, prefetch=False)
+            await first.drain()
+        assert store.stats().pages == len(prompt) // 8
+        async with HiCache(config(1), storage=Unowned(store)) as second:
+            result = await second.prefetch(prompt, policy="wait_complete")
+            assert (result.status.value, result.storage_tokens) == ("complete", len(prompt))
+            await serve(second, prompt, generator, prefetch=False, check="all")
+        assert store.stats().pages == len(prompt) // 8  # no second copy
 
 
 @pytest.mark.parametrize(
