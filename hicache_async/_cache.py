@@ -29,7 +29,7 @@ from ._metrics import Histogram
 from ._pool import KVPool, PoolStatistics, make_pools
 from ._request import Request, check_count
 from ._stats import CacheStatistics, Counters, TierTokens
-from ._uncancelled import run_uncancelled
+from ._uncancelled import finish_uncancelled
 from .distributed import (
     BackgroundAgreements,
     CollectiveError,
@@ -286,8 +286,9 @@ class HiCache:
 
         # A cancelled exit (a shutdown under a timeout) gives up the flush, never the close:
         # the copy threads and the backend are closed before the cancellation goes on.
-        if await run_uncancelled(self._shut_down(), on_cancel=hurry):
-            raise asyncio.CancelledError
+        cancelled = await finish_uncancelled(self._shut_down(), on_cancel=hurry)
+        if cancelled is not None:
+            raise cancelled
 
     async def _shut_down(self) -> None:
         try:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -106,6 +108,78 @@ async def test_a_cancelled_exit_closes_the_backend_and_the_copy_engine(tmp_path:
     assert cache.statistics().state == "closed"
     assert _copy_threads() == before
     # The backend was closed: another instance can take the root.
+    async with FileStorage(tmp_path) as again:
+        assert again.stats().pages >= 0
+
+
+async def _under_anyio(scope_kind: str, step: Callable[[], Any]) -> bool:
+    """Run `step` in an anyio scope that cancels it soon (a deadline, or a cancelled task
+    group); whether the scope took the cancellation. One that escaped it fails the test."""
+    if scope_kind == "fail_after":
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.05):
+                await step()
+        return True
+    if scope_kind == "move_on_after":
+        with anyio.move_on_after(0.05) as scope:
+            await step()
+        return scope.cancelled_caught
+    async with anyio.create_task_group() as group:
+
+        async def cancel_soon() -> None:
+            await anyio.sleep(0.05)
+            group.cancel_scope.cancel()
+
+        group.start_soon(cancel_soon)
+        await step()
+    return group.cancel_scope.cancelled_caught
+
+
+SCOPES = ["fail_after", "move_on_after", "task_group"]
+
+
+@pytest.mark.parametrize("scope_kind", SCOPES)
+async def test_a_detach_cancelled_by_an_anyio_scope_gives_up_the_flush(
+    tmp_path: Path, scope_kind: str
+) -> None:
+    # Starlette and anyio task groups cancel through scopes: the detach must hear them as
+    # it hears asyncio's timeouts, and the scope, not the caller's task, takes the cancel.
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    slow = FaultyStorage(FileStorage(tmp_path), latency_s=0.5)
+    async with HiCache(CONFIG, storage=slow) as cache:
+        await _serve_all(cache, generator)
+        link = cache._link
+        assert link is not None
+        with capture_logs() as logs:
+            assert await _under_anyio(scope_kind, cache.detach_storage)
+        current = asyncio.current_task()
+        assert current is not None
+        if sys.version_info >= (3, 11):
+            assert current.cancelling() == 0
+        assert not cache.storage_status().attached
+        assert [e for e in logs if e["event"] == "hicache.backup.flush.abandoned"]
+        after = link.backup.statistics()
+        assert after.written_pages < after.offered_pages  # the flush was given up
+        await cache.attach_storage(FileStorage(tmp_path))  # the root's lock is free
+        assert_drained(cache)
+
+
+@pytest.mark.parametrize("scope_kind", SCOPES)
+async def test_an_exit_cancelled_by_an_anyio_scope_closes_everything(
+    tmp_path: Path, scope_kind: str
+) -> None:
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    before = _copy_threads()
+    cache = HiCache(CONFIG, storage=FaultyStorage(FileStorage(tmp_path), latency_s=0.5))
+    await cache.__aenter__()
+    try:
+        await _serve_all(cache, generator)
+    finally:
+        with capture_logs() as logs:
+            assert await _under_anyio(scope_kind, lambda: cache.__aexit__(None, None, None))
+    assert [e for e in logs if e["event"] == "hicache.backup.flush.abandoned"]
+    assert cache.statistics().state == "closed"
+    assert _copy_threads() == before
     async with FileStorage(tmp_path) as again:
         assert again.stats().pages >= 0
 

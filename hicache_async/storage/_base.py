@@ -403,16 +403,17 @@ class BackendBase:
         jobs = list(self._jobs)
         for job in jobs:
             job.stop.set()
-        interrupted = False
+        interrupted: asyncio.CancelledError | None = None
         for job in jobs:
-            interrupted |= await job.drain()
+            cancelled = await job.drain()
+            interrupted = interrupted or cancelled
         try:
             if was_open:
                 await self._release()
         finally:
             self._executor.shutdown(wait=False)
-        if interrupted:
-            raise asyncio.CancelledError
+        if interrupted is not None:
+            raise interrupted  # the caller's own: an anyio scope swallows only its own
 
     def stats(self) -> StorageStats:
         """Counters and occupancy, without I/O."""
@@ -466,11 +467,11 @@ class BackendBase:
             self._jobs.discard(job)
         return job.result()
 
-    async def _run_while_closing(self, work: Callable[[], None]) -> bool:
+    async def _run_while_closing(self, work: Callable[[], None]) -> asyncio.CancelledError | None:
         """Run `work` on a job thread from `_release()`, where `run_job` refuses (the backend
-        is closed), and wait for it whatever happens: True if a cancellation came in
-        meanwhile, for the caller to re-raise once it has released the rest. Its errors
-        propagate."""
+        is closed), and wait for it whatever happens: the cancellation that came in
+        meanwhile, if one did, for the caller to raise once it has released the rest. Its
+        errors propagate."""
         job: Job[None] = Job(lambda stop: work(), asyncio.get_running_loop())
         self._executor.start(job)
         interrupted = await job.drain()

@@ -1653,7 +1653,7 @@ class FileStorage(BackendBase):
             stamper.cancel()
             await asyncio.wait([stamper])
         pending, self._unstamped = self._unstamped, []
-        interrupted = False
+        interrupted: asyncio.CancelledError | None = None
         if self._handles is not None and pending:
             handles = self._handles
             interrupted = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
@@ -1663,14 +1663,15 @@ class FileStorage(BackendBase):
             names = self._spares.names(drain=True)
             if names:  # off the loop: freeing cached pages takes a while per file
                 tmp_fd = self._handles.tmp_fd
-                interrupted |= await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
+                cancelled = await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
+                interrupted = interrupted or cancelled
         if self._handles is not None:
             if self._handles_closer is not None:
                 self._handles_closer.detach()
             self._handles.close()  # every job has stopped: no thread uses these descriptors
             self._handles = None
-        if interrupted:
-            raise asyncio.CancelledError
+        if interrupted is not None:
+            raise interrupted
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return len(self._index), self._bytes, self._capacity

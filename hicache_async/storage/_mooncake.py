@@ -950,15 +950,15 @@ class MooncakeStorage(BackendBase):
                 store.unregister_buffer(address)
             _POOL.give_back(key, store)
 
-        interrupted = False
+        interrupted: asyncio.CancelledError | None = None
         if store is not None:
             # Until it is done, the registered memory stays referenced here.
             interrupted = await self._run_while_closing(release)
         self._regions = _Regions()
         self._arena_view = None
         self._arena_array = None
-        if interrupted:
-            raise asyncio.CancelledError
+        if interrupted is not None:
+            raise interrupted
 
     def _client_key(self) -> _ClientKey:
         return (

@@ -29,7 +29,6 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeGuard, TypeVar
 from urllib.parse import SplitResult, urlencode, urlunsplit
 
 import anyio
-import anyio.lowlevel
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
@@ -39,7 +38,7 @@ from redis.exceptions import AuthenticationError, MovedError, NoPermissionError,
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._errors import StorageConfigError, StorageError, type_name
-from .._uncancelled import run_uncancelled
+from .._uncancelled import finish_uncancelled
 from ._base import (
     BackendBase,
     byte_segments,
@@ -818,22 +817,20 @@ class RedisStorage(BackendBase):
     async def _release(self) -> None:
         # Calls in flight finish first (each socket operation is bounded by `timeout`, and a
         # batch takes no new chunk once closed); even a cancelled close releases after that.
-        interrupted = False
+        interrupted: asyncio.CancelledError | None = None
         if self._in_flight:
             self._idle = asyncio.Event()
-            try:
-                await self._idle.wait()
-            except asyncio.CancelledError:
-                interrupted = True
+            interrupted = await finish_uncancelled(self._idle.wait())
         client, pool, bulk = self._client, self._pool, self._bulk
         self._client = self._pool = self._bulk = None
         if bulk is not None:
             bulk.close()
         # To their end however the caller is cancelled: a cancelled aclose() (a cache never
         # left, its loop ending) left the connections open.
-        interrupted |= await run_uncancelled(_close_clients(client, pool))
-        if interrupted:
-            raise asyncio.CancelledError
+        cancelled = await finish_uncancelled(_close_clients(client, pool))
+        interrupted = interrupted or cancelled
+        if interrupted is not None:
+            raise interrupted
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return max(self._pages, 0), max(self._bytes, 0), self._capacity
@@ -2194,11 +2191,9 @@ class RedisStorage(BackendBase):
         for start in range(0, len(rkeys), _KEYS_PER_PIPELINE):
             batch = rkeys[start : start + _KEYS_PER_PIPELINE]
             sizes = None if read_nbytes is None else read_nbytes[start : start + len(batch)]
-            if await run_uncancelled(self._delete_batch(client, batch, sizes, totals)):
-                raise asyncio.CancelledError
-            # run_uncancelled shields anyio's scopes: a deadline or a task group cancelled
-            # meanwhile is delivered here, between pipelines, not after the last one.
-            await anyio.lowlevel.checkpoint_if_cancelled()
+            cancelled = await finish_uncancelled(self._delete_batch(client, batch, sizes, totals))
+            if cancelled is not None:
+                raise cancelled  # between pipelines, not after the last one
         return totals[0], totals[1]
 
     async def _delete_batch(

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from .._uncancelled import finish_uncancelled
+
 __all__ = ["Job", "JobThreads"]
 
 T = TypeVar("T")
@@ -78,15 +80,12 @@ class Job(Generic[T]):
         self._waiters.append(waiter)
         await waiter
 
-    async def drain(self) -> bool:
-        """Until the work is over whatever happens; True if a cancellation came in meanwhile."""
-        cancelled = False
-        while not self.finished:
-            try:
-                await self.wait()
-            except asyncio.CancelledError:
-                cancelled = True
-        return cancelled
+    async def drain(self) -> asyncio.CancelledError | None:
+        """Until the work is over whatever happens; the cancellation that came in meanwhile,
+        if one did, for the caller to raise (see `finish_uncancelled`)."""
+        if self.finished:
+            return None
+        return await finish_uncancelled(self.wait())
 
     def result(self) -> T:
         """What the work returned, or its exception raised again. Only once `finished`."""

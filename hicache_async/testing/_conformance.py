@@ -33,11 +33,13 @@ import os
 import random
 import re
 import struct
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import anyio
 import pytest
 import pytest_asyncio
 
@@ -1009,6 +1011,37 @@ class StorageConformance:
         await self._put(backend, [key])
         await self._get_one(backend, key)
         await backend.close()
+        await _assert_no_tasks_left(tasks_before_backend)
+        await _assert_no_threads_left(threads_before_backend)
+
+    async def test_a_close_cancelled_by_an_anyio_scope_keeps_the_cancellation_there(
+        self,
+        backend: StorageBackend,
+        tasks_before_backend: set[asyncio.Task[object]],
+        threads_before_backend: set[threading.Thread],
+    ) -> None:
+        # A deadline or a cancelled task group around close() while a put runs: the backend
+        # closes, and the scope takes the cancellation. Re-raising a fresh CancelledError
+        # instead of the scope's own lets it escape the scope, into the caller's task.
+        count = self._cancel_batch_pages(backend)
+        fresh = _keys(count)
+        pages = [_segments(_payload(self.page_nbytes, i), [self.page_nbytes]) for i in range(count)]
+        put = asyncio.create_task(backend.put(fresh, pages, [_meta(key) for key in fresh]))
+        await asyncio.sleep(0)  # the put starts
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await backend.close()
+        current = asyncio.current_task()
+        assert current is not None
+        if sys.version_info >= (3, 11):
+            assert current.cancelling() == 0, "close() left its caller's task cancelled"
+        result = (await asyncio.gather(put, return_exceptions=True))[0]
+        if isinstance(result, BaseException):
+            assert isinstance(result, StorageError), f"put raised {result!r}"
+        else:
+            assert len(result) == count, f"put returned {len(result)} outcomes"
+        with pytest.raises(StorageError):
+            await backend.exists(fresh[:1])
         await _assert_no_tasks_left(tasks_before_backend)
         await _assert_no_threads_left(threads_before_backend)
 

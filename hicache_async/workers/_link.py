@@ -10,7 +10,7 @@ import anyio
 import msgspec
 import structlog
 
-from .._uncancelled import run_uncancelled
+from .._uncancelled import finish_uncancelled
 from ..distributed import BackgroundAgreements
 from ..storage import StorageBackend, StorageStats
 from ..storage._protocol import STORAGE_ACCEPTED, check_backend, check_stats
@@ -209,13 +209,13 @@ class StorageLink:
         # began must see the flush.
         self._flushing = flush and not self._hurried and not self._backup_done.is_set()
         try:
-            cancelled = await run_uncancelled(
+            cancelled = await finish_uncancelled(
                 self._finish_close(flush, deadline_s), on_cancel=self.hurry
             )
         finally:
             self._closed.set()
-        if cancelled:
-            raise asyncio.CancelledError
+        if cancelled is not None:
+            raise cancelled
 
     @property
     def closed(self) -> bool:
