@@ -243,6 +243,19 @@ class HiCache:
             self._stop.set()  # a supervisor that started before the cancellation ends
             raise
         self._state = "open"
+        config = self.config
+        if (
+            config.write_policy != "write_back"
+            and config.resolved_host_pages <= config.device_pages
+        ):
+            # A write-through host copy stays as long as its device page: a host pool no
+            # larger than the device is all copies, with no room for reads or backups.
+            _log.warning(
+                "hicache.config.host_pool_small",
+                host_pages=config.resolved_host_pages,
+                device_pages=config.device_pages,
+                write_policy=config.write_policy,
+            )
         if self._storage_arg is not None:
             try:
                 await self.attach_storage(self._storage_arg)
@@ -1329,18 +1342,27 @@ class HiCache:
     # -- write policy -----------------------------------------------------------------------
 
     def _after_commit(self, deep: TreeNode, num_pages: int) -> None:
-        if self.config.write_policy != "write_through":
+        config = self.config
+        if config.write_policy == "write_through_selective":
+            # The commit that creates a node is its first use (see `_back_up_hot`).
+            if config.write_through_threshold > 1:
+                return
+        elif config.write_policy != "write_through":
             return
         nodes = [n for n in self._path(deep, num_pages) if not n.on_host]
         if nodes:
             self._back_up_to_host(nodes)
 
     def _back_up_hot(self, found: MatchResult) -> None:
+        # Uses of a node: the commit that created it, then each request that found it (its
+        # `hit_count`). Counting the commit makes the default of 2 back a prefix up the first
+        # time it is reused, while it is likely still on the device; counting hits alone
+        # waited for a third use, which a chat's turns rarely reach before eviction.
         threshold = self.config.write_through_threshold
         hot: list[TreeNode] = []
         node: TreeNode | None = found.device_node
         while node is not None and node.parent is not None:
-            if not node.on_host and node.hit_count >= threshold:
+            if not node.on_host and 1 + node.hit_count >= threshold:
                 hot.append(node)
             node = node.parent
         if hot:

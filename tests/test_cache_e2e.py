@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import pytest
+from structlog.testing import capture_logs
 
 from hicache_async import (
     CacheClosedError,
@@ -56,7 +57,7 @@ def _prompts(count: int, seed: int) -> list[np.ndarray]:
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 @pytest.mark.parametrize("host_layout", ["layer_first", "page_first_direct", "page_first"])
 async def test_many_requests_through_small_pools(policy: str, host_layout: str) -> None:
-    config = _config(write_policy=policy, host_layout=host_layout, write_through_threshold=1)
+    config = _config(write_policy=policy, host_layout=host_layout, write_through_threshold=2)
     generator = KVGenerator(config.layout, PAGE, seed=7)
     async with HiCache(config) as cache:
         served = []
@@ -73,6 +74,51 @@ async def test_many_requests_through_small_pools(policy: str, host_layout: str) 
             assert stats.counters["loaded_pages"] > 0
         assert sum(s.checked_pages for s in served) > 0
         assert_drained(cache)
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3])
+async def test_selective_write_through_counts_the_commit_as_a_first_use(threshold: int) -> None:
+    # As SGLang counts: with the default 2 a prefix is backed up the first time it is
+    # reused (a chat's next turn), not at its third use, which eviction usually pre-empts.
+    config = _config(write_policy="write_through_selective", write_through_threshold=threshold)
+    generator = KVGenerator(config.layout, PAGE, seed=4)
+    prompt = np.arange(100, 100 + 3 * PAGE)
+    async with HiCache(config) as cache:
+        uses = 1
+        await serve(cache, prompt, generator, check="all")
+        while True:
+            await cache.drain()
+            if cache.statistics().counters["host_backup_pages"]:
+                break
+            assert uses < threshold, f"not backed up after {uses} uses"
+            cache.request(prompt).release()
+            uses += 1
+        assert uses == threshold
+        assert cache.statistics().counters["host_backup_pages"] == 3
+        assert cache.statistics().tree.host_pages == 3
+        assert_drained(cache)
+
+
+@pytest.mark.parametrize(
+    ("policy", "host_pages", "warned"),
+    [
+        ("write_through", 24, True),
+        ("write_through_selective", 12, True),
+        ("write_through", 25, False),
+        ("write_back", 12, False),  # host copies only of pages leaving the device
+    ],
+)
+async def test_a_host_pool_no_larger_than_the_device_is_logged(
+    policy: str, host_pages: int, warned: bool
+) -> None:
+    config = _config(write_policy=policy, device_pages=24, host_pages=host_pages)
+    with capture_logs() as logs:
+        async with HiCache(config):
+            small = [e for e in logs if e["event"] == "hicache.config.host_pool_small"]
+    assert bool(small) is warned
+    if warned:
+        assert small[0]["host_pages"] == host_pages
+        assert small[0]["log_level"] == "warning"
 
 
 async def test_concurrent_requests_share_and_balance() -> None:

@@ -148,9 +148,18 @@ def test_reuse_upper_bound_counts_blocks_seen_at_the_same_position() -> None:
         _req(1, 1800, [1, 2, 3, 4]),  # 512 + 512 + the 276 tokens block 3 had before
         _req(2, 700, [1, 5]),  # block 1 only
         _req(3, 1100, [9, 2, 3]),  # same ids, different prefix: nothing
-        _req(4, 1536, [1, 2, 3]),  # block 3 was seen whole (512) in request 1
+        _req(4, 1536, [1, 2, 3]),  # block 3 was seen whole in request 1; the last token is not
     ]
-    assert reuse_upper_bound(requests) == 1300 + 512 + 0 + 1536
+    assert reuse_upper_bound(requests) == 1300 + 512 + 0 + 1535
+    # Whole pages only: request 0 leaves 1280 tokens in pages of 64, all request 1 finds;
+    # request 4's last page holds its last token, so 1472.
+    assert reuse_upper_bound(requests, page_size=64) == 1280 + 512 + 0 + 1472
+    # Pages of 1024 span two blocks: only request 1 (1024 of 1300) and 4 (1024) reuse any.
+    assert reuse_upper_bound(requests, page_size=1024) == 1024 + 0 + 0 + 1024
+    # A page larger than every prompt: nothing can be reused.
+    assert reuse_upper_bound(requests, page_size=4096) == 0
+    with pytest.raises(ValueError, match="page_size"):
+        reuse_upper_bound(requests, page_size=0)
 
 
 def test_select_requests_picks_multi_turn_prompts_that_fit() -> None:

@@ -24,7 +24,7 @@ def config(policy: str, *, device_pages: int = 8, host_pages: int = 16) -> Cache
         device_pages=device_pages,
         host_pages=host_pages,
         write_policy=policy,
-        write_through_threshold=1,
+        write_through_threshold=2,  # selective: the first reuse
     )
 
 

@@ -161,24 +161,37 @@ def select_requests(
     return [r for r in fits if turns[_conversation(r)] >= 2][:count]
 
 
-def reuse_upper_bound(requests: Sequence[TraceRequest]) -> int:
-    """Prompt tokens any cache at all could have served, however large.
+def reuse_upper_bound(requests: Sequence[TraceRequest], *, page_size: int = 1) -> int:
+    """Prompt tokens any cache at all could have served, however large, with pages of
+    `page_size` tokens.
 
     A block can be reused when the same block ids up to and including it (the same prefix at
     the same position) appeared in an earlier request of `requests`; it then gives at most as
-    many tokens as the longest earlier copy of it had (a short last block gives fewer).
+    many tokens as the earlier copies of it had in whole pages (a cache keeps whole pages
+    only). A request reuses the run of such tokens from its start, cut to whole pages and
+    short of its last token, which is always computed (its logits are the first token).
     """
+    if page_size < 1:
+        raise ValueError(f"page_size must be at least 1, got {page_size}")
     seen: dict[tuple[int, ...], int] = {}
     reusable = 0
     for request in requests:
+        length = request.input_length
+        kept = length // page_size * page_size  # what this request leaves cached
+        matched = 0
+        matching = True
         for index in range(len(request.hash_ids)):
-            length = min(BLOCK_TOKENS, request.input_length - index * BLOCK_TOKENS)
-            if length <= 0:
+            start = index * BLOCK_TOKENS
+            here = min(BLOCK_TOKENS, length - start)
+            if here <= 0:
                 break
             prefix = tuple(request.hash_ids[: index + 1])
             earlier = seen.get(prefix, 0)
-            reusable += min(length, earlier)
-            seen[prefix] = max(earlier, length)
+            if matching:
+                matched += min(here, earlier)
+                matching = earlier >= here
+            seen[prefix] = max(earlier, min(BLOCK_TOKENS, max(0, kept - start)))
+        reusable += min(matched, length - 1) // page_size * page_size
     return reusable
 
 
@@ -292,8 +305,9 @@ async def _cached(
     tokens = item.tokens
     storage_tokens = 0
     if cache.storage_status().attached:
-        # Prefetch on arrival, before waiting for a slot, so storage reads overlap the wait.
-        result = await cache.prefetch(tokens, request_id=item.request_id)
+        # Prefetch on arrival, before waiting for a slot, so storage reads overlap the wait;
+        # no further than the request can use (its last token is always computed).
+        result = await cache.prefetch(tokens[: len(tokens) - 1], request_id=item.request_id)
         storage_tokens = result.storage_tokens
     async with slots:
         # At least the last token is computed: its logits are the first token.
@@ -518,7 +532,7 @@ async def _run(
         storage=sum(s.storage_tokens for s in cached),
         computed=sum(s.computed_tokens for s in cached),
     )
-    bound = reuse_upper_bound(requests)
+    bound = reuse_upper_bound(requests, page_size=options.page_size)
     ttft_baseline, ttft_cached = _ttft(baseline), _ttft(cached)
     return DemoSummary(
         requests=len(items),
