@@ -684,7 +684,9 @@ class HiCache:
 
         Entries go by priority, then recency, up to `ratio` (default `warmup.ratio`) of the
         host pool, yielding to live prefetches; it stops at the budget, the deadline, a detach
-        or the cache's close. Cancelling it keeps the pages that already landed. A `ratio`
+        or the cache's close. With a rank group the ranks load the prefixes of their entries
+        that every rank holds (docs/warmup.md). Cancelling it keeps the pages that already
+        landed. A `ratio`
         outside [0, 1] or a `deadline_s` that is negative or not finite raises `ConfigError`.
         """
         self._check_open()

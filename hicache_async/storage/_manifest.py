@@ -114,6 +114,11 @@ class ManifestRead(msgspec.Struct, frozen=True):
     truncated: bool = False
     #: records of a newer manifest version than this reader knows: skipped, left in place.
     newer: int = 0
+    #: Per entry (by `ident`), the page counts of the shorter chains of its namespace that it
+    #: starts with and that were left out of `entries` for it (loading it loads them),
+    #: ascending. Tensor-parallel warmup offers them as prefixes the ranks may agree on: a
+    #: rank that lacks the longer chain may hold one of them.
+    covered: dict[tuple[str, str], list[int]] = {}
 
 
 class CompactReport(msgspec.Struct, frozen=True):
@@ -516,14 +521,28 @@ class ManifestCollector:
                 best = covered.get(at)
                 if best is None or best.priority < e.priority:
                     covered[at] = e
-        kept = [e for e in entries if not _covers(covered.get(e.ident), e)]
+        kept: list[ManifestEntry] = []
+        dropped: list[ManifestEntry] = []
+        for e in entries:
+            (dropped if _covers(covered.get(e.ident), e) else kept).append(e)
         ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
+        lengths: dict[tuple[str, str], list[int]] = {}
+        for e in dropped:
+            # The entry that covers it may be dropped too: the kept one that covers that
+            # (covering is transitive) starts with its keys as well.
+            longer = covered[e.ident]
+            while _covers(covered.get(longer.ident), longer):
+                longer = covered[longer.ident]
+            lengths.setdefault(longer.ident, []).append(len(e.keys))
+        for found in lengths.values():
+            found.sort()
         return ManifestRead(
             entries=ordered,
             malformed=self.malformed,
             oversized=self.oversized,
             truncated=truncated,
             newer=self.newer,
+            covered=lengths,
         )
 
     def compacted(self, budget: int) -> list[tuple[Hashable, bytes]]:

@@ -1,7 +1,8 @@
 """Warmup: load the most valuable prefixes of a shared store into a cold host pool.
 
 It reads the backend's manifest (bounded), agrees with the other tensor-parallel ranks on the
-entries they all have, and loads them by priority then recency through the prefetch path,
+prefixes of its entries they all hold (see `_offers`), and loads them by priority then recency
+through the prefetch path,
 one at a time and only while no live prefetch is waiting (it waits for them no longer than its
 deadline), until the host budget, the deadline, a detach or the cache's close stops it.
 
@@ -39,7 +40,7 @@ from ..distributed import (
     agreement_tag,
     run_uncancelled,
 )
-from ..storage._manifest import ManifestEntry, SupportsManifest
+from ..storage._manifest import ManifestEntry, ManifestRead, SupportsManifest
 from ._prefetch import PrefetchHandle, PrefetchStatus
 
 if TYPE_CHECKING:
@@ -76,6 +77,7 @@ class WarmupResult(msgspec.Struct, frozen=True):
 
     status: WarmupStatus
     entries_read: int = 0
+    #: entries to load: with a rank group, the prefixes every rank holds (see `_offers`)
     entries_agreed: int = 0
     entries_loaded: int = 0
     pages_loaded: int = 0
@@ -181,9 +183,12 @@ class Warmer:
         namespace = cache.namespace.fingerprint.hex()
         read = None
         read_too_long = False
+        # With a rank group: what this rank offers to agree on, each id with the entry it
+        # names a prefix of and that prefix's pages (see `_offers`).
+        offered: dict[bytes, tuple[ManifestEntry, int]] = {}
 
         async def local_entries() -> list[bytes]:
-            nonlocal read, read_too_long
+            nonlocal read, read_too_long, offered
             try:
                 # The deadline covers the read too: a large manifest takes seconds to read.
                 with anyio.move_on_after(self._deadline_s - (time.monotonic() - began)) as scope:
@@ -195,13 +200,16 @@ class Warmer:
                 read_too_long = True
                 return []
             assert read is not None
-            return [bytes.fromhex(e.chain_id) for e in read.entries]
+            if tp:
+                offered = _offers(read)
+            return list(offered)
 
+        agreed_ids: list[bytes] = []
         if tp:
             assert group is not None
             agreed_ids = await self._agree_entries_owing(group, local_entries)
         else:
-            agreed_ids = await local_entries()
+            await local_entries()
         if read is None:
             if read_too_long:
                 status = WarmupStatus.DEADLINE
@@ -210,8 +218,10 @@ class Warmer:
             else:
                 status = WarmupStatus.MANIFEST_FAILED
             return WarmupResult(status=status, seconds=time.monotonic() - began)
-        by_id = {bytes.fromhex(e.chain_id): e for e in read.entries}
-        entries = [by_id[i] for i in agreed_ids if i in by_id]
+        if tp:
+            entries = _agreed_prefixes(agreed_ids, offered, cache.config.page_size)
+        else:
+            entries = read.entries
         assert cache._host_pool is not None
         budget = int(self._ratio * cache._host_pool.num_pages)
         size = cache.config.page_size
@@ -332,9 +342,9 @@ class Warmer:
     async def _agree_entries_owing(
         self, group: RankGroup, local: Callable[[], Awaitable[list[bytes]]]
     ) -> list[bytes]:
-        """The entries every rank has. A cancellation waits for the agreement (this rank may
-        have entered it already); if peers then go on to the first entry, it answers that
-        entry's "go on?" with "no" before re-raising, so they stop there with it."""
+        """The prefix ids every rank offered. A cancellation waits for the agreement (this
+        rank may have entered it already); if peers then go on to the first entry, it answers
+        that entry's "go on?" with "no" before re-raising, so they stop there with it."""
         agreed: list[list[bytes]] = []
 
         async def agree() -> None:
@@ -343,6 +353,7 @@ class Warmer:
         if not await run_uncancelled(agree()):
             return agreed[0]
         # Nothing agreed: the collective failed (logged), and the peers see that failure too.
+        # The first id agreed is the first entry on every rank (no prefix comes before it).
         if agreed and agreed[0]:
             await self._owe(group, _go_on_tag(agreed[0][0].hex()))
         raise asyncio.CancelledError
@@ -475,3 +486,53 @@ async def _agree_value(group: RankGroup, value: int, tag: int) -> int:
 
 async def _nothing() -> list[bytes]:
     return []
+
+
+def _offers(read: ManifestRead) -> dict[bytes, tuple[ManifestEntry, int]]:
+    """What a rank offers to the entries agreement, in its order: for each entry (by
+    priority, then recency), longest first, the ids of its whole chain, of the covered
+    chains it starts with (`ManifestRead.covered`) and of its prefixes whose page counts are
+    powers of two; each with the entry and the prefix's pages (the best-ranked entry that
+    offers it).
+
+    A chain's key at page n names the prefix of n pages on every rank, so ranks whose latest
+    backups differ (one lacks the last turn of a conversation) still agree on a prefix they
+    all hold: exactly, at a length one of them recorded as a chain of its own, else at the
+    largest power of two they share. The ids number at most the entries and covered records
+    read (at most `max_entries`) plus floor(log2(pages)) + 1 per entry.
+    """
+    offered: dict[bytes, tuple[ManifestEntry, int]] = {}
+    for entry in read.entries:
+        full = len(entry.keys)
+        lengths = {full, *read.covered.get(entry.ident, ())}
+        lengths.update(1 << bit for bit in range(full.bit_length()) if 1 << bit < full)
+        for pages in sorted(lengths, reverse=True):
+            offered.setdefault(bytes.fromhex(entry.keys[pages - 1]), (entry, pages))
+    return offered
+
+
+def _agreed_prefixes(
+    agreed: list[bytes], offered: dict[bytes, tuple[ManifestEntry, int]], page_size: int
+) -> list[ManifestEntry]:
+    """The entries to load, in the agreed order, from the prefixes every rank offered: each
+    agreed prefix that no agreed prefix before it continues (loading that one loads it),
+    as this rank's entry cut to the prefix's pages.
+
+    Every rank decides alike: the agreed list is the same everywhere, and so are the keys of
+    a prefix (each key hashes the ones before it). A prefix before a longer one that
+    continues it ranks higher on rank 0, so it is loaded first, on its own.
+    """
+    chosen: list[ManifestEntry] = []
+    within: set[str] = set()  # the keys of the prefixes chosen so far
+    for ident in agreed:
+        found = offered.get(ident)
+        if found is None or ident.hex() in within:
+            continue
+        entry, pages = found
+        if pages < len(entry.keys):
+            entry = msgspec.structs.replace(
+                entry, keys=entry.keys[:pages], num_tokens=pages * page_size
+            )
+        within.update(entry.keys)
+        chosen.append(entry)
+    return chosen
