@@ -1195,3 +1195,22 @@ def test_a_forked_child_does_not_inherit_a_held_manifest_gate() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
 
     asyncio.run(main())
+
+
+async def test_warmed_entries_leave_least_valuable_first(tmp_path: Path) -> None:
+    # Warmup loads the most valuable entry first; left with that load's access time, it
+    # would be the least recently used of them and the first a new request evicts.
+    chains = [np.arange(8 * PAGE) + 100_000 * (i + 1) for i in range(4)]  # C3 the newest
+    for chain in chains:
+        await _fill(tmp_path, [chain])
+    generator = KVGenerator(_config().layout, PAGE, seed=5)
+    config = _config(host_pages=40, device_pages=16)
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=1.0)
+        assert (result.entries_loaded, result.pages_loaded) == (4, 32)
+        for fresh in range(2):  # write-through: 16 host pages wanted, 8 free
+            await serve(cache, np.arange(8 * PAGE) + 900_000 + fresh * 10_000, generator)
+            await cache.drain()
+        on_host = [cache.match(chain).host_tokens // PAGE for chain in chains]
+        assert on_host == [0, 8, 8, 8], on_host  # the oldest chain went, the newest stayed
+        await serve(cache, chains[3], generator, prefetch=False, check="all")

@@ -285,6 +285,30 @@ class RadixTree:
 
     # -- references ---------------------------------------------------------------------------
 
+    def refresh(self, node: TreeNode) -> None:
+        """Give `node` and its ancestors a fresh access time, without a hit: an order of use
+        for pages loaded ahead of any request (a warmup's)."""
+        if self._owner is not None:
+            self._owner.check()
+        self._check_node(node)
+        now = self._clock()
+        while node.parent is not None:
+            node.last_access = now
+            self._requeue(node)
+            node = node.parent
+
+    def raise_priority(self, node: TreeNode, priority: int) -> None:
+        """Give `node` and its ancestors at least `priority`, as an insert of their keys with
+        it would (a request that found its whole prompt cached inserts nothing)."""
+        if self._owner is not None:
+            self._owner.check()
+        self._check_node(node)
+        while node.parent is not None:
+            if node.priority < priority:
+                node.priority = priority
+                self._requeue(node)
+            node = node.parent
+
     def lock_device(self, node: TreeNode) -> None:
         """Lock `node` and its ancestors on the device (a running request uses them).
 

@@ -227,6 +227,7 @@ class Warmer:
         size = cache.config.page_size
         loaded_pages = 0
         loaded_entries = 0
+        loaded: list[ManifestEntry] = []  # entries that brought pages, most valuable first
         missed = 0
         budget_cut = False  # an entry was loaded only in part, for the budget
         self._partial = WarmupResult(
@@ -301,6 +302,8 @@ class Warmer:
                 raise
             loaded_pages += landed
             loaded_entries += landed > 0
+            if landed:
+                loaded.append(entry)
             # Before the trim's agreement: should it fail, what landed stays (untrimmed).
             self._count(loaded_entries, loaded_pages, missed)
             if tp:
@@ -325,10 +328,21 @@ class Warmer:
                     break
         if status is WarmupStatus.COMPLETE and budget_cut and loaded_pages >= budget:
             status = WarmupStatus.BUDGET  # reached within the last entry
+        self._order_by_value(loaded)
         # `_partial` holds every count by now.
         return msgspec.structs.replace(
             self._partial, status=status, seconds=time.monotonic() - began
         )
+
+    def _order_by_value(self, loaded: list[ManifestEntry]) -> None:
+        """Give what the entries loaded access times in reverse order of value: loaded most
+        valuable first, each was the least recently used of them, and the first to go when
+        eviction needed room."""
+        tree = self._cache._tree
+        for entry in reversed(loaded):
+            found = tree.match([bytes.fromhex(k) for k in entry.keys], touch=False)
+            if found.host_node.parent is not None:
+                tree.refresh(found.host_node)
 
     def _count(self, entries_loaded: int, pages_loaded: int, entries_missed: int) -> None:
         """Record the figures so far in the result a stopped warmup returns."""
