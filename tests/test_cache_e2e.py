@@ -259,3 +259,22 @@ async def test_a_closed_cache_lets_its_pools_go() -> None:
     assert msgspec.json.decode(msgspec.json.encode(closed), type=CacheStatistics) == closed
     with pytest.raises(CacheClosedError):
         cache.device_pool  # noqa: B018
+
+
+async def test_a_cached_prompt_takes_its_requests_priority_at_commit() -> None:
+    # Pages read back from storage (or committed before at a lower priority) must be pinned
+    # by a request that finds them all cached, as an insert of them would pin them.
+    config = _config(device_pages=8, host_pages=16)
+    generator = KVGenerator(config.layout, PAGE, seed=9)
+    pinned = np.arange(500, 500 + 4 * PAGE)
+    async with HiCache(config) as cache:
+        await serve(cache, pinned, generator)  # priority 0
+        with cache.request(pinned, priority=5) as req:
+            assert req.cached_tokens == len(pinned)
+            assert req.commit() == 0
+        for i in range(6):  # other traffic fills the device over and over
+            await serve(cache, np.arange(4 * PAGE) + 10_000 * (i + 1), generator)
+        assert cache.match(pinned).device_tokens == len(pinned)
+        await serve(cache, pinned, generator, check="all")
+        await cache.drain()
+        assert_drained(cache)
