@@ -939,7 +939,7 @@ class HiCache:
         # this allocation, which would only spin on it while something else could go.
         retrying = [node for node in eviction.needs_backup if failed(node) >= _BACKUP_TRIES]
         started = sum(
-            self._back_up_to_host([node])
+            self._back_up_victim(node)
             for node in eviction.needs_backup
             if failed(node) < _BACKUP_TRIES
         )
@@ -1248,12 +1248,35 @@ class HiCache:
             self._tree.unprotect_host(host_node)
             self._capacity_changed.set()
 
-    def _back_up_to_host(self, nodes: Sequence[TreeNode]) -> bool:
+    def _back_up_victim(self, node: TreeNode) -> bool:
+        """Start the device -> host copy a write-back eviction of `node` needs.
+
+        With storage attached, the prefix above it that only the device holds is copied in
+        the same batch (it stays on the device too): a chain reaches storage, and a warmup
+        manifest records it, only with every page from the root, and the prefix a
+        conversation's turns share is the last thing eviction would ever take. Without room
+        for that prefix, `node` alone.
+        """
+        if self._link is not None:
+            above: list[TreeNode] = []
+            parent = node.parent
+            while parent is not None and parent.parent is not None:
+                on_device_only = parent.device_pages is not None and not parent.on_host
+                if on_device_only and not parent.in_storage:
+                    above.append(parent)
+                parent = parent.parent
+            if above and self._back_up_to_host([*reversed(above), node], count_skipped=False):
+                return True
+        return self._back_up_to_host([node])
+
+    def _back_up_to_host(self, nodes: Sequence[TreeNode], *, count_skipped: bool = True) -> bool:
         """Copy the device pages of `nodes` to fresh host pages, as one batch.
 
         A backup is optional: if there is no host room or the engine refuses to start the
         copy, nothing is booked, the pages go back and False is returned (never an error for
-        the request, commit or eviction that asked for it).
+        the request, commit or eviction that asked for it). Without room, the pages count
+        as skipped backups unless `count_skipped` is false (a caller that tries again with
+        fewer).
         """
         assert self._engine is not None
         assert self._host_pool
@@ -1270,7 +1293,8 @@ class HiCache:
         total = sum(n.num_pages for n in nodes)
         host_pages = self._try_alloc_host(total)
         if host_pages is None:
-            self._counters.host_backups_skipped += total
+            if count_skipped:
+                self._counters.host_backups_skipped += total
             return False
         source: list[int] = []
         for node in nodes:

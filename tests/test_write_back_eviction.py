@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
 
-from hicache_async import CacheConfig, HiCache, KVLayout, KVPool, OutOfPagesError
+from hicache_async import CacheConfig, HiCache, KVLayout, KVPool, OutOfPagesError, PrefetchConfig
+from hicache_async.storage import FileStorage
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.transfer import CopyStatistics, CpuCopyEngine, LayerwiseCopy
 
 PAGE = 4
 DEVICE_PAGES = 40
+
+
+def _config(
+    *,
+    device_pages: int = DEVICE_PAGES,
+    host_pages: int = 2 * DEVICE_PAGES,
+    prefetch: PrefetchConfig | None = None,
+) -> CacheConfig:
+    return CacheConfig(
+        layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=4),
+        page_size=PAGE,
+        device_pages=device_pages,
+        host_pages=host_pages,
+        write_policy="write_back",
+        prefetch=prefetch or PrefetchConfig(),
+    )
 
 
 def _prompt(i: int) -> np.ndarray:
@@ -23,13 +41,7 @@ def _prompt(i: int) -> np.ndarray:
 
 
 async def test_one_small_request_on_a_full_device_backs_up_only_what_it_needs() -> None:
-    config = CacheConfig(
-        layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=4),
-        page_size=PAGE,
-        device_pages=DEVICE_PAGES,
-        host_pages=2 * DEVICE_PAGES,
-        write_policy="write_back",
-    )
+    config = _config()
     generator = KVGenerator(config.layout, PAGE, seed=11)
     async with HiCache(config) as cache:
         count = DEVICE_PAGES // 2
@@ -97,13 +109,7 @@ class _FailingBackups:
 
 
 def _small_config(host_pages: int) -> CacheConfig:
-    return CacheConfig(
-        layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=4),
-        page_size=PAGE,
-        device_pages=12,
-        host_pages=host_pages,
-        write_policy="write_back",
-    )
+    return _config(device_pages=12, host_pages=host_pages)
 
 
 async def test_backups_that_fail_let_a_page_with_a_host_copy_leave_instead() -> None:
@@ -201,3 +207,28 @@ async def test_a_parent_that_only_a_backup_can_free(budget: int | None) -> None:
         assert again.computed_tokens == 0  # nothing of it was dropped either way
         await cache.drain()
         assert_drained(cache)
+
+
+async def test_evicted_turns_reach_storage_with_the_prefix_they_share(tmp_path: Path) -> None:
+    # The shared prefix of a conversation never leaves the device, so under write_back it
+    # was never copied down: its turns reached storage without it, no manifest entry could
+    # name a chain from the root, and a restarted instance warmed up nothing.
+    config = _config(prefetch=PrefetchConfig(policy="wait_complete", threshold_tokens=PAGE))
+    generator = KVGenerator(config.layout, PAGE, seed=12)
+    shared = np.arange(4 * PAGE, dtype=np.int64) + 77_000
+    turns = [np.concatenate([shared, _prompt(i)]) for i in range(DEVICE_PAGES)]
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        for turn in turns:
+            await serve(cache, turn, generator, check="all")
+        await cache.drain()
+        assert cache.match(shared).device_tokens == len(shared)  # still on the device
+        link = cache.storage_status()
+        assert link.backup is not None
+        assert link.backup.manifest_entries > 0
+    async with HiCache(config, storage=FileStorage(tmp_path)) as restarted:
+        result = await restarted.warmup(ratio=1.0)
+        assert result.entries_loaded > 0
+        assert restarted.match(shared).host_tokens == len(shared)
+        await serve(restarted, turns[0], generator, check="all")
+        await restarted.drain()
+        assert_drained(restarted)
