@@ -434,6 +434,30 @@ async def test_stale_chains_are_dropped_as_others_are_found() -> None:
         assert len(worker._checked) == 1  # only the chain just found
 
 
+async def test_backed_up_pages_carry_the_priority_of_the_request_that_committed_them() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=9)
+    pinned, plain = _prompt(31, pages=4), _prompt(32, pages=2)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        async with HiCache(config, storage=shared) as cache:
+            for tokens, priority in ((pinned, 7), (plain, 0)):
+                with cache.request(tokens, priority=priority) as req:
+                    pages = await req.allocate(len(tokens))
+                    for i, page in enumerate(pages):
+                        generator.fill_page(cache.device_pool, page, tokens, i)
+                    req.commit()
+            await cache.drain()
+            assert_drained(cache)
+            stored = {info.key: info.priority for info in await memory.list_pages()}
+            expected = {
+                **dict.fromkeys(cache.namespace.storage_keys(cache.keys_for(pinned)), 7),
+                **dict.fromkeys(cache.namespace.storage_keys(cache.keys_for(plain)), 0),
+            }
+            assert stored == expected
+        assert await _loaded_by_a_second_instance(config, shared, pinned, generator) == 4
+
+
 def test_an_exists_answer_is_a_count_of_the_keys_asked_about() -> None:
     assert check_exists(2, 3) == 2
     assert check_exists(np.int64(3), 3) == 3  # an integer type of a plugin's own

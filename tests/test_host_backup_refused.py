@@ -12,7 +12,7 @@ import pytest
 from hicache_async import CacheConfig, HiCache, KVLayout, KVPool, OutOfPagesError
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.transfer import CopyStatistics, CpuCopyEngine, LayerwiseCopy
-from tests._gated_copies import HeldCopy
+from tests._gated_copies import HeldCopy, evict_device
 
 PAGE = 4
 
@@ -170,3 +170,33 @@ async def test_a_split_during_a_backup_does_not_copy_the_head_again() -> None:
         assert cache.statistics().tree.host_pages == 8
         assert_drained(cache)
     await gate.aclose()
+
+
+async def test_write_through_backs_up_every_node_a_commit_publishes() -> None:
+    cfg = config("write_through", device_pages=32, host_pages=32)
+    generator = KVGenerator(cfg.layout, PAGE, seed=7)
+    shared = list(range(100, 100 + 4 * PAGE))
+    longer = [*shared, *range(500, 500 + 2 * PAGE)]
+    async with HiCache(cfg) as cache:
+        first, second = cache.request(shared), cache.request(longer)
+        for req in (first, second):
+            pages = await req.allocate(len(req.tokens))
+            for i, page in enumerate(pages):
+                generator.fill_page(cache.device_pool, page, req.tokens, i)
+        # No await between: the second commit's path starts with the node the first just
+        # published, whose backup is still in flight; the node after it needs its own.
+        first.commit()
+        second.commit()
+        first.release()
+        second.release()
+        await cache.drain()
+        assert [n.num_pages for n in cache.tree.iter_nodes() if not n.on_host] == []
+        assert cache.statistics().tree.host_pages == 6
+        assert_drained(cache)
+        # The host copies hold the right data: off the device, the prompt loads from them.
+        evict_device(cache)
+        assert cache.match(longer).host_tokens == len(longer)
+        served = await serve(cache, longer, generator, check="loaded")
+        assert (served.host_tokens, served.checked_pages) == (len(longer), 6)
+        await cache.drain()
+        assert_drained(cache)

@@ -150,6 +150,29 @@ async def test_duplicate_keys_in_one_batch_are_stored_once() -> None:
         assert storage.stats().pages == 1
 
 
+async def test_a_duplicate_key_gets_the_outcome_of_its_own_write() -> None:
+    (writing,), (key,) = _keys(1), _keys(1)
+    async with MemoryStorage(capacity_bytes=64 * SIZE) as storage:
+        put, gate = await _held_put(storage, [], [writing])  # `writing` is being written
+        # The first page is a miss (another put is writing it); the key given twice is
+        # written once, and both of its places in the batch get that write's outcome.
+        assert await _put(storage, [writing, key, key]) == [Outcome.MISS, Outcome.OK, Outcome.OK]
+        gate.set()
+        assert await put == [Outcome.OK]
+        assert await _get(storage, [writing, key]) == [Outcome.OK, Outcome.OK]
+        assert storage.stats().pages == 2
+
+
+async def test_a_page_exactly_the_capacity_fits() -> None:
+    (key,), (bigger,) = _keys(1), _keys(1)
+    async with MemoryStorage(capacity_bytes=SIZE) as storage:
+        assert await _put(storage, [bigger], nbytes=PAGE + 1) == [Outcome.MISS]
+        assert await _put(storage, [key]) == [Outcome.OK]
+        assert await _get(storage, [key]) == [Outcome.OK]
+        stats = storage.stats()
+        assert (stats.pages, stats.bytes, stats.evictions) == (1, SIZE, 0)
+
+
 async def test_verify_and_gc() -> None:
     keys = _keys(3)
     async with MemoryStorage(capacity_bytes=3 * SIZE) as storage:
@@ -262,11 +285,13 @@ async def test_a_cancelled_put_leaves_the_accounting_whole() -> None:
         assert await _get(storage, keys[4:], nbytes) == [Outcome.OK] * 4
 
 
-async def test_a_cancelled_get_counts_no_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+async def _cancel_a_get_mid_job(
+    storage: MemoryStorage, keys: list[bytes], nbytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Start a get of `keys` (a batch over the inline limit, so a thread job), cancel it while
+    its job reads the first page, and wait until it has ended cancelled."""
     from hicache_async.storage import _memory
 
-    nbytes = 1 << 20
-    keys = _keys(16)
     entered, release = threading.Event(), threading.Event()
     read = _memory.read_value_into
 
@@ -275,21 +300,48 @@ async def test_a_cancelled_get_counts_no_errors(monkeypatch: pytest.MonkeyPatch)
         release.wait(10)
         return read(*args, **kwargs)  # type: ignore[arg-type]
 
-    async with MemoryStorage(capacity_bytes=64 << 20) as storage:
-        await _put(storage, keys, nbytes)
-        monkeypatch.setattr(_memory, "read_value_into", held)
-        task = asyncio.ensure_future(_get(storage, keys, nbytes))
+    monkeypatch.setattr(_memory, "read_value_into", held)
+    task = asyncio.ensure_future(_get(storage, keys, nbytes))
+    try:
         assert await asyncio.to_thread(entered.wait, 10)
         task.cancel()
+    finally:
         release.set()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        assert task.cancelled()
+        monkeypatch.setattr(_memory, "read_value_into", read)
+    assert task.cancelled()
+
+
+async def test_a_cancelled_get_counts_no_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    nbytes = 1 << 20
+    keys = _keys(16)
+    async with MemoryStorage(capacity_bytes=64 << 20) as storage:
+        await _put(storage, keys, nbytes)
+        await _cancel_a_get_mid_job(storage, keys, nbytes, monkeypatch)
         # The pages it did not read were given up by the caller, not failed by the store.
         stats = storage.stats()
         assert (stats.errors, stats.pages) == (0, 16)
-        monkeypatch.setattr(_memory, "read_value_into", read)
         assert await _get(storage, keys, nbytes) == [Outcome.OK] * 16
+
+
+async def test_buffers_removed_after_a_cancelled_get_are_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nbytes = 1 << 20
+    keys, new = _keys(4), _keys(4)
+    size = HEADER_NBYTES + nbytes
+    async with MemoryStorage(capacity_bytes=64 << 20, spare_bytes=4 * size) as storage:
+        await _put(storage, keys, nbytes)
+        buffers = {id(storage._values[k].data) for k in keys}
+        await _cancel_a_get_mid_job(storage, keys, nbytes, monkeypatch)
+        # The cancelled get reads no more, so what is removed now is recycled.
+        assert await storage.delete(keys) == 4
+        assert storage._spare_bytes == 4 * size
+        assert await _put(storage, new, nbytes) == [Outcome.OK] * 4
+        assert {id(storage._values[k].data) for k in new} == buffers
+        assert await _get(storage, new, nbytes) == [Outcome.OK] * 4
+        assert await _get(storage, keys, nbytes) == [Outcome.MISS] * 4
 
 
 async def test_bad_buffers_raise_before_anything_is_counted() -> None:

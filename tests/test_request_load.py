@@ -81,6 +81,14 @@ async def _cancel_after(
     return None if task.cancelled() else task.result()
 
 
+async def _fail_held(gate: GatedEngine, load: HeldCopy) -> None:
+    """Let the real copy behind `load` finish, then fail `load` as a lost copy stream would:
+    its done callbacks (the cache's bookkeeping) run before this returns."""
+    inner = gate.held.pop(load)
+    await asyncio.gather(inner, return_exceptions=True)
+    load._fail(RuntimeError("copy stream lost"))
+
+
 # -- a load is landed exactly when its copy is done ------------------------------------------------
 
 
@@ -164,6 +172,57 @@ async def test_releasing_the_copying_request_leaves_its_joiner_a_correct_load(
         finally:
             await gate.open()
         await _check_all_back(cache, start)
+
+
+# -- a copy that fails after it started -----------------------------------------------------------
+
+
+async def test_a_failed_copy_leaves_the_page_table_and_the_tokens_are_computed(
+    gate: GatedEngine,
+) -> None:
+    async with host_cache(gate, A, mode="hold") as (cache, generator):
+        start = _free(cache)
+        failures = cache.statistics().counters["copy_failures"]
+        with cache.request(B) as req:
+            load = held(await req.load())
+            assert len(req.page_table) == 2
+            await _fail_held(gate, load)
+            assert cache.statistics().counters["copy_failures"] == failures + 1
+            # The pages it was loading into are free again, and so out of its page table.
+            assert req.page_table == []
+            assert (req.cached_tokens, req.device_tokens) == (0, 0)
+            assert _free(cache) == start
+            assert "loading=False" in repr(req)
+            # The whole prompt is computed instead: four pages, in token order.
+            gate.mode = "free"
+            assert await finish(cache, generator, req) == len(B) // PAGE
+            assert len(req.page_table) == len(B) // PAGE
+        await cache.drain()
+        assert cache.match(B).device_tokens == len(B)
+        evict_device(cache)
+        assert _free(cache)[0] == start[0]
+
+
+async def test_a_released_request_whose_copy_then_fails_gives_back_its_pages(
+    gate: GatedEngine,
+) -> None:
+    async with host_cache(gate, A, mode="hold") as (cache, generator):
+        start = _free(cache)
+        req = cache.request(B)
+        load = held(await req.load())
+        req.release()
+        assert _free(cache) != start  # the pages stay with the copy while it runs
+        await _fail_held(gate, load)
+        await _check_all_back(cache, start)
+        # The host copy is intact: a later request loads it.
+        gate.mode = "free"
+        with cache.request(B) as later:
+            await (await later.load())
+            assert later.device_tokens == len(A)
+            assert await finish(cache, generator, later) == 2
+        await cache.drain()
+        evict_device(cache)
+        assert _free(cache)[0] == start[0]
 
 
 # -- a copy the engine refuses to start ------------------------------------------------------------

@@ -331,6 +331,23 @@ def test_lfu_breaks_ties_by_age() -> None:
     assert tree.evict_device(2, backup_first=False).freed == [4, 5]
 
 
+def test_lfu_a_split_keeps_the_hit_count_on_both_halves() -> None:
+    tree = make_tree("lfu")
+    tree.insert(K(1, 2, 3, 4), device_pages=[0, 1, 2, 3])
+    for _ in range(5):
+        tree.match(K(1, 2, 3, 4))
+    head = tree.match(K(1, 2)).device_node  # splits the node: the prefix's 6th hit
+    (tail,) = head.children.values()
+    assert (head.hit_count, tail.hit_count) == (6, 5)
+    tree.insert(K(201, 202), device_pages=[10, 11])
+    for _ in range(5):
+        tree.match(K(201, 202))
+    # The tail (5 hits, older) goes before the other leaf (5 hits); the prefix (6) last.
+    order = [tree.evict_device(1, backup_first=False).freed for _ in range(3)]
+    assert order == [[2, 3], [10, 11], [0, 1]]
+    tree.check_invariants()
+
+
 def test_low_priority_goes_first_whatever_the_policy() -> None:
     tree = make_tree("lru")
     tree.insert(K(1, 2), device_pages=[0, 1], priority=3)

@@ -2240,3 +2240,32 @@ async def test_write_raw_where_multi_is_refused(redis_url: str) -> None:
         with pytest.raises(StorageError, match="MULTI"):
             await backend.write_raw(key, b"value")
         assert await admin.exists(backend._rkey(key)) == 0
+
+
+@pytest.mark.parametrize("multi", [True, False], ids=["multi", "scripted"])
+async def test_write_raw_keeps_the_ttl(redis_url: str, multi: bool) -> None:
+    # Both ways write_raw writes (a transaction, or a script where MULTI is refused) give
+    # the page the backend's TTL, on a new key and on one it replaces.
+    rules = ("~*", "+@all") if multi else ("~*", "+@all", "-multi")
+    async with (
+        acl_user(redis_url, *rules) as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, ttl=60)) as backend,
+    ):
+        keys, pages, metas = make_pages(2)
+        assert await backend.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+        raw = await backend.read_raw(keys[0])
+        assert raw is not None
+        assert await admin.persist(backend._rkey(keys[0]))  # replacing it must set it again
+        await backend.write_raw(keys[0], raw + b"x")
+        await backend.write_raw(keys[1], raw[:100])
+        assert backend._multi is multi
+        for key in keys:
+            assert 0 < await admin.ttl(backend._rkey(key)) <= 60
+    # Without a TTL, what write_raw stores never expires.
+    async with (
+        acl_user(redis_url, *rules) as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user)) as backend,
+    ):
+        key = os.urandom(32)
+        await backend.write_raw(key, b"value")
+        assert await admin.ttl(backend._rkey(key)) == -1
