@@ -26,7 +26,7 @@ from hicache_async.storage import (
     PageInfo,
     PageMeta,
 )
-from hicache_async.storage._manifest import ManifestEntry
+from hicache_async.storage._manifest import ManifestEntry, chain_entry
 from hicache_async.storage._page import FORMAT_VERSION
 from hicache_async.testing._servers import free_port
 
@@ -323,6 +323,23 @@ def test_manifest_show_says_what_a_newer_version_recorded(
     assert main(["manifest", "show", f"file://{tmp_path / 's'}"]) == 0
     assert "1 of a newer version left" in capsys.readouterr().out
     assert newer in (tmp_path / "s" / "manifest.jsonl").read_bytes()
+
+
+def test_manifest_show_json_of_a_chain_and_its_continuation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A conversation's turn and the longer turn after it: the shorter is covered, and the
+    # read says so in a field that must encode as JSON too.
+    root = tmp_path / "s"
+    _populate(root, 1)
+    keys = [os.urandom(32) for _ in range(4)]
+    turns = [chain_entry(NS, keys[:2], 64, 0, 1.0), chain_entry(NS, keys, 128, 0, 2.0)]
+    asyncio.run(FileStorage(root).manifest().append(turns))
+    capsys.readouterr()
+    assert main(["manifest", "show", f"file://{root}", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [len(e["keys"]) for e in shown["entries"]] == [4]
+    assert shown["covered"] == {f"{NS.hex()}:{keys[-1].hex()}": [2]}
 
 
 @pytest.mark.parametrize("action", ["show", "compact"])

@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import msgspec
 import numpy as np
 from test_tp_warmup_cancel import PAGE, _config, _pair, _Rank, _two_caches
 
 from hicache_async import HiCache, WarmupResult
 from hicache_async.storage import FileStorage
-from hicache_async.storage._manifest import chain_entry
+from hicache_async.storage._manifest import ManifestRead, chain_entry
 from hicache_async.testing import KVGenerator, serve
 
 _GENERATOR_SEED = 7
@@ -178,4 +179,6 @@ async def test_a_read_names_the_chains_an_entry_covers(tmp_path: Path) -> None:
     )
     read = await manifest.read(namespace=namespace)
     assert [len(e.keys) for e in read.entries] == [3, 4, 10]
-    assert read.covered == {(namespace, keys[-1]): [5, 7], (namespace, keys[2]): [2]}
+    assert read.covered == {f"{namespace}:{keys[-1]}": [5, 7], f"{namespace}:{keys[2]}": [2]}
+    # The record encodes as JSON (`manifest show --json` prints it).
+    assert msgspec.json.decode(msgspec.json.encode(read), type=ManifestRead) == read

@@ -114,11 +114,17 @@ class ManifestRead(msgspec.Struct, frozen=True):
     truncated: bool = False
     #: records of a newer manifest version than this reader knows: skipped, left in place.
     newer: int = 0
-    #: Per entry (by `ident`), the page counts of the shorter chains of its namespace that it
-    #: starts with and that were left out of `entries` for it (loading it loads them),
-    #: ascending. Tensor-parallel warmup offers them as prefixes the ranks may agree on: a
-    #: rank that lacks the longer chain may hold one of them.
-    covered: dict[tuple[str, str], list[int]] = {}
+    #: Per entry (by `covered_key()`: "<namespace>:<chain id>", so the record encodes as
+    #: JSON), the page counts of the shorter chains of its namespace that it starts with and
+    #: that were left out of `entries` for it (loading it loads them), ascending.
+    #: Tensor-parallel warmup offers them as prefixes the ranks may agree on: a rank that
+    #: lacks the longer chain may hold one of them.
+    covered: dict[str, list[int]] = {}
+
+
+def covered_key(entry: ManifestEntry) -> str:
+    """The key of `entry` in `ManifestRead.covered`."""
+    return f"{entry.namespace}:{entry.chain_id}"
 
 
 class CompactReport(msgspec.Struct, frozen=True):
@@ -526,14 +532,14 @@ class ManifestCollector:
         for e in entries:
             (dropped if _covers(covered.get(e.ident), e) else kept).append(e)
         ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
-        lengths: dict[tuple[str, str], list[int]] = {}
+        lengths: dict[str, list[int]] = {}
         for e in dropped:
             # The entry that covers it may be dropped too: the kept one that covers that
             # (covering is transitive) starts with its keys as well.
             longer = covered[e.ident]
             while _covers(covered.get(longer.ident), longer):
                 longer = covered[longer.ident]
-            lengths.setdefault(longer.ident, []).append(len(e.keys))
+            lengths.setdefault(covered_key(longer), []).append(len(e.keys))
         for found in lengths.values():
             found.sort()
         return ManifestRead(

@@ -40,7 +40,7 @@ from ..distributed import (
     agreement_tag,
     run_uncancelled,
 )
-from ..storage._manifest import ManifestEntry, ManifestRead, SupportsManifest
+from ..storage._manifest import ManifestEntry, ManifestRead, SupportsManifest, covered_key
 from ._prefetch import PrefetchHandle, PrefetchStatus
 
 if TYPE_CHECKING:
@@ -518,7 +518,7 @@ def _offers(read: ManifestRead) -> dict[bytes, tuple[ManifestEntry, int]]:
     offered: dict[bytes, tuple[ManifestEntry, int]] = {}
     for entry in read.entries:
         full = len(entry.keys)
-        lengths = {full, *read.covered.get(entry.ident, ())}
+        lengths = {full, *read.covered.get(covered_key(entry), ())}
         lengths.update(1 << bit for bit in range(full.bit_length()) if 1 << bit < full)
         for pages in sorted(lengths, reverse=True):
             offered.setdefault(bytes.fromhex(entry.keys[pages - 1]), (entry, pages))
