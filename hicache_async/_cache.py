@@ -1256,8 +1256,14 @@ class HiCache:
         manifest records it, only with every page from the root, and the prefix a
         conversation's turns share is the last thing eviction would ever take. Without room
         for that prefix, `node` alone.
+
+        The prefix's host copy stays while it is on the device, where host eviction cannot
+        take it: only with a host pool larger than the device pool (so such copies can never
+        fill it), and only when the room is there, free or held by pages eviction may take
+        (a batch that cannot fit must not evict host pages first for nothing).
         """
-        if self._link is not None:
+        config = self.config
+        if self._link is not None and config.resolved_host_pages > config.device_pages:
             above: list[TreeNode] = []
             parent = node.parent
             while parent is not None and parent.parent is not None:
@@ -1265,7 +1271,12 @@ class HiCache:
                 if on_device_only and not parent.in_storage:
                     above.append(parent)
                 parent = parent.parent
-            if above and self._back_up_to_host([*reversed(above), node], count_skipped=False):
+            assert self._host_pool is not None
+            room = self._host_pool.allocator.free_count
+            room += self._tree.statistics().evictable_host_pages
+            wanted = node.num_pages + sum(n.num_pages for n in above)
+            batch = [*reversed(above), node]
+            if above and wanted <= room and self._back_up_to_host(batch, count_skipped=False):
                 return True
         return self._back_up_to_host([node])
 

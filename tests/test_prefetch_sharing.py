@@ -450,6 +450,32 @@ async def test_prefetches_over_the_host_budget_take_turns_and_read_everything() 
             await _check_and_drain(cache, prompt, generator)
 
 
+async def test_a_prefetch_back_for_its_next_turn_waits_behind_those_in_line() -> None:
+    # L is twice the budget; S, started while L reads its first half, must get the room L
+    # lets go of, not wait until L has read everything (a timeout policy would give up).
+    large, small = _prompt(36), _prompt(37, pages=2)
+    async with _gated(_config(max_host_share=(PAGES // 2) / 128), large, small) as (
+        cache,
+        store,
+        generator,
+    ):
+        first = await cache.start_prefetch(large, request_id="L")
+        await _until(lambda: len(store.gets.waiting) == 1, "L's first turn to hold the budget")
+        second = await cache.start_prefetch(small, request_id="S")
+        await _until(lambda: second.status is PrefetchStatus.RUNNING, "S to run")
+        store.gets.release()  # L's first turn lands and lets the budget go
+        await _until(lambda: sum(store.reads.values()) > PAGES // 2, "the next read")
+        small_keys = cache.namespace.storage_keys(second.keys)
+        assert all(store.reads[k] == 1 for k in small_keys), "L took its next turn first"
+        store.gets.open()
+        for handle, prompt in ((first, large), (second, small)):
+            result = await asyncio.wait_for(handle.wait(), 30)
+            assert (result.status, result.storage_tokens) == (PrefetchStatus.COMPLETE, len(prompt))
+            _read_once(store, cache, prompt)
+        for prompt in (large, small):
+            await _check_and_drain(cache, prompt, generator)
+
+
 @pytest.mark.parametrize("stop", ["terminate", "cancel"])
 async def test_a_prefetch_waiting_for_host_budget_stops_when_told(stop: str) -> None:
     # A timeout policy's deadline terminates a prefetch that is still waiting for room:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hicache_async import CacheConfig, HiCache, KVLayout, KVPool, OutOfPagesError, PrefetchConfig
-from hicache_async.storage import FileStorage
+from hicache_async.storage import FileStorage, MemoryStorage
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.transfer import CopyStatistics, CpuCopyEngine, LayerwiseCopy
 
@@ -232,3 +232,53 @@ async def test_evicted_turns_reach_storage_with_the_prefix_they_share(tmp_path: 
         await serve(restarted, turns[0], generator, check="all")
         await restarted.drain()
         assert_drained(restarted)
+
+
+def _tokens(seed: int, pages: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 5000, size=pages * PAGE)
+
+
+async def test_a_host_pool_smaller_than_the_device_takes_no_prefix_copies() -> None:
+    # A prefix's host copy stays while the prefix is on the device: with a host pool smaller
+    # than the device, a hot prefix's copy would fill it, and every later victim would be
+    # dropped with no copy anywhere.
+    config = _config(device_pages=30, host_pages=16)
+    generator = KVGenerator(config.layout, PAGE, seed=13)
+    shared = _tokens(3, 12)
+    turn = np.concatenate([shared, _tokens(5, 1)])
+    async with HiCache(config, storage=MemoryStorage()) as cache:
+        await serve(cache, np.concatenate([shared, _tokens(4, 1)]), generator)
+        await serve(cache, turn, generator)
+        for i in range(8):
+            await serve(cache, _tokens(100 + i, 5), generator)
+            await serve(cache, turn, generator)  # the conversation goes on: its start stays
+            await cache.drain()
+        counters = cache.statistics().counters
+        assert counters["host_backups_skipped"] == 0
+        assert counters["host_backup_pages"] == counters["device_evicted_pages"]
+        assert not cache.tree.match(cache.keys_for(shared), touch=False).device_node.on_host
+        assert_drained(cache)
+
+
+async def test_a_prefix_copy_that_cannot_fit_evicts_nothing_from_the_host() -> None:
+    config = _config(device_pages=14, host_pages=16)
+    generator = KVGenerator(config.layout, PAGE, seed=14)
+    held, kept = _tokens(1, 4), [_tokens(2, 4), _tokens(3, 4)]
+    shared = _tokens(4, 12)
+    async with HiCache(config, storage=MemoryStorage()) as cache:
+        for prompt in (held, *kept):
+            await serve(cache, prompt, generator)
+        # The conversation pushes those three to the host (stored): 4 host pages stay free.
+        await serve(cache, np.concatenate([shared, _tokens(5, 1)]), generator)
+        await serve(cache, np.concatenate([shared, _tokens(6, 1)]), generator)
+        await cache.drain()
+        assert cache.match(held).host_tokens == len(held)
+        with cache.request(held):  # protects its host pages: 8 evictable, 4 free
+            # One page wanted: a turn leaves the device, and its 12-page start does not
+            # fit beside it (13 > 12); the turn alone fits in a free page.
+            await serve(cache, _tokens(7, 1), generator)
+            await cache.drain()
+        assert [cache.match(p).host_tokens for p in kept] == [len(p) for p in kept]
+        assert cache.statistics().counters["host_evicted_pages"] == 0
+        await cache.drain()
+        assert_drained(cache)

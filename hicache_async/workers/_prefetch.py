@@ -717,6 +717,8 @@ class Prefetcher:
         # Set, and replaced, when pages held for reads are let go or a prefetch is told to
         # stop: prefetches waiting for budget look again.
         self._budget_changed = asyncio.Event()
+        # Prefetches waiting for budget, in the order they came: room goes to the first.
+        self._budget_line: list[PrefetchHandle] = []
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
@@ -984,6 +986,9 @@ class Prefetcher:
         if handle._gave_up():  # meanwhile
             return handle._stopped()
         fruitless = 0
+        # Behind those already waiting for budget, not ahead of them.
+        if self._budget_line and not await self._budget_room(handle):
+            return handle._stopped() if handle._gave_up() else PrefetchStatus.TERMINATED
         # A plan per page and a few more: bounded however often others give up under it.
         for _ in range(len(keys) + _REPLANS):
             before = handle.storage_tokens
@@ -1004,13 +1009,28 @@ class Prefetcher:
         return PrefetchStatus.TERMINATED
 
     async def _budget_room(self, handle: PrefetchHandle) -> bool:
-        """Wait until the host budget has room for a page; False once `handle` was told to
-        stop, or if no room can come (nothing held, and a budget of no pages)."""
-        while self._held >= self._host_limit:
-            if handle._gave_up() or self._held == 0:
-                return False
-            await self._budget_changed.wait()
-        return not handle._gave_up()
+        """Wait until the host budget has room for a page and `handle` is first in line
+        for it; False once `handle` was told to stop, or if no room can ever come (a
+        budget of no pages).
+
+        In line: a prefetch back for its next turn goes behind those that waited while it
+        read, so prefetches larger than the budget take turns, and a small one started
+        meanwhile is not held until a large one has read everything.
+        """
+        if self._host_limit == 0 or handle._gave_up():
+            return False
+        if self._held < self._host_limit and not self._budget_line:
+            return True
+        self._budget_line.append(handle)
+        try:
+            while not (self._budget_line[0] is handle and self._held < self._host_limit):
+                if handle._gave_up():
+                    return False
+                await self._budget_changed.wait()
+            return not handle._gave_up()
+        finally:
+            self._budget_line.remove(handle)
+            self._wake_budget_waiters()  # the next in line looks again
 
     def _wake_budget_waiters(self) -> None:
         changed, self._budget_changed = self._budget_changed, asyncio.Event()

@@ -227,7 +227,8 @@ class Warmer:
         size = cache.config.page_size
         loaded_pages = 0
         loaded_entries = 0
-        loaded: list[ManifestEntry] = []  # entries that brought pages, most valuable first
+        # The keys of the entries that brought pages, most valuable first.
+        loaded: list[list[bytes]] = []
         missed = 0
         budget_cut = False  # an entry was loaded only in part, for the budget
         self._partial = WarmupResult(
@@ -303,7 +304,7 @@ class Warmer:
             loaded_pages += landed
             loaded_entries += landed > 0
             if landed:
-                loaded.append(entry)
+                loaded.append(keys)
             # Before the trim's agreement: should it fail, what landed stays (untrimmed).
             self._count(loaded_entries, loaded_pages, missed)
             if tp:
@@ -328,21 +329,24 @@ class Warmer:
                     break
         if status is WarmupStatus.COMPLETE and budget_cut and loaded_pages >= budget:
             status = WarmupStatus.BUDGET  # reached within the last entry
-        self._order_by_value(loaded)
+        await self._order_by_value(loaded)
         # `_partial` holds every count by now.
         return msgspec.structs.replace(
             self._partial, status=status, seconds=time.monotonic() - began
         )
 
-    def _order_by_value(self, loaded: list[ManifestEntry]) -> None:
-        """Give what the entries loaded access times in reverse order of value: loaded most
-        valuable first, each was the least recently used of them, and the first to go when
-        eviction needed room."""
+    async def _order_by_value(self, loaded: list[list[bytes]]) -> None:
+        """Give what the entries loaded (their keys, most valuable first) access times in
+        reverse order of value: loaded most valuable first, each was the least recently
+        used of them, and the first to go when eviction needed room. Matching a chain costs
+        its length: the loop gets its turn every few entries."""
         tree = self._cache._tree
-        for entry in reversed(loaded):
-            found = tree.match([bytes.fromhex(k) for k in entry.keys], touch=False)
+        for done, keys in enumerate(reversed(loaded), 1):
+            found = tree.match(keys, touch=False)
             if found.host_node.parent is not None:
                 tree.refresh(found.host_node)
+            if done % _ORDER_STEP == 0:
+                await asyncio.sleep(0)
 
     def _count(self, entries_loaded: int, pages_loaded: int, entries_missed: int) -> None:
         """Record the figures so far in the result a stopped warmup returns."""
@@ -479,6 +483,9 @@ class Warmer:
 
 
 _ENTRIES_TAG = agreement_tag("warmup.entries")
+#: Loaded entries whose access times are set in one step of the loop at the end of a warmup
+#: (a step matches that many chains, each as long as its entry).
+_ORDER_STEP = 64
 
 
 def _go_on_tag(chain_id: str) -> int:
