@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         OutOfPagesError,
         StorageConfigError,
         StorageError,
+        WorkersFailedError,
         WrongThreadError,
     )
     from ._keys import Namespace, page_keys
@@ -72,6 +73,7 @@ _EXPORTS: dict[str, str] = {
     "OutOfPagesError": "._errors",
     "StorageConfigError": "._errors",
     "StorageError": "._errors",
+    "WorkersFailedError": "._errors",
     "WrongThreadError": "._errors",
     "Namespace": "._keys",
     "page_keys": "._keys",
@@ -131,6 +133,7 @@ __all__ = [
     "WarmupConfig",
     "WarmupResult",
     "WarmupStatus",
+    "WorkersFailedError",
     "WrongThreadError",
     "load_config",
     "make_pools",

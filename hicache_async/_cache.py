@@ -22,7 +22,14 @@ from ._config import (
     WarmupConfig,
     read_regular_file,
 )
-from ._errors import CacheClosedError, ConfigError, HiCacheError, OutOfPagesError, type_name
+from ._errors import (
+    CacheClosedError,
+    ConfigError,
+    HiCacheError,
+    OutOfPagesError,
+    WorkersFailedError,
+    type_name,
+)
 from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
@@ -75,6 +82,16 @@ def _read_mac_key(path: str) -> bytes:
     if len(key) < 16:
         raise ConfigError("mac_key_file", "the secret must be at least 16 bytes")
     return key
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    """The error inside the exception groups anyio wraps it in, one per task group it left
+    (read by their `exceptions`: Python 3.10 has no builtin exception groups)."""
+    inner = getattr(exc, "exceptions", None)
+    while isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+        exc = inner[0]
+        inner = getattr(exc, "exceptions", None)
+    return exc
 
 
 # Where a `HiCache` stands in its life (`HiCache.state`).
@@ -210,6 +227,9 @@ class HiCache:
         self._storage_arg = storage if storage is not None else config.storage
         self._mac_key = mac_key
         self._link: StorageLink | None = None
+        # What ended the workers' task group while the cache was open (None while it runs):
+        # the calls that need workers raise `WorkersFailedError` from then on.
+        self._workers_failed: str | None = None
         self._generation = 0
         self.prefetch_wait = Histogram("prefetch_wait")
         self.storage_get_latency = Histogram("storage_get_batch")
@@ -351,13 +371,17 @@ class HiCache:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""
         if started.done():
             return  # the entry was cancelled before this task first ran
+        began = False
+        ended: BaseException | None = None
         try:
             async with anyio.create_task_group() as tg:
                 self._task_group = tg
                 started.set_result(None)
+                began = True
                 await self._stop.wait()
                 tg.cancel_scope.cancel()
         except BaseException as exc:
+            ended = exc
             if not started.done():
                 started.set_exception(exc)
             elif isinstance(exc, asyncio.CancelledError):
@@ -373,6 +397,23 @@ class HiCache:
                 _log.error("hicache.workers.failed", error=repr(exc))
         finally:
             self._task_group = None
+            if began and not self._stop.is_set():
+                self._workers_ended(ended)
+
+    def _workers_ended(self, exc: BaseException | None) -> None:
+        """The workers' task group ended while the cache was open, not by its close: a
+        `KeyboardInterrupt` or `SystemExit` escaped a worker (it went on out of the event loop
+        from that worker's task), or the loop cancelled the supervisor. Every link's `run()`
+        ended with the group, releasing its waiters; the attached one, whose backend is
+        closed, is detached, and what needs workers raises `WorkersFailedError` from now on
+        rather than quietly missing."""
+        self._workers_failed = (
+            repr(_innermost(exc)) if exc is not None else "their task group ended"
+        )
+        link, self._link = self._link, None
+        if link is not None:
+            self._forget_storage()
+            self._log_detached(link)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -571,6 +612,7 @@ class HiCache:
         # A detach still closing holds its backend (a file root's lock) until it has closed.
         await self._wait_closing()
         self._check_open()
+        task_group = self._check_workers()
         if self._link is not None:
             raise HiCacheError(
                 f"storage {self._link.backend.name!r} is attached; detach it before attaching"
@@ -579,10 +621,9 @@ class HiCache:
         # Counted once the backend opened: a failed attach leaves no trace in the status.
         link = StorageLink(self, backend, self._generation + 1)
         self._link = link
-        assert self._task_group is not None
         try:
-            await self._task_group.start(link.run)
-        except BaseException:
+            await link.start(task_group)
+        except BaseException as exc:
             if self._link is link:
                 self._link = None
                 if link.running:
@@ -591,8 +632,13 @@ class HiCache:
                     # and wakes no waiter. Closed as a detach without a flush would.
                     self._forget_storage()
                     await self._close_link(link, flush=False)
+            if isinstance(exc, Exception) and self._workers_failed is not None:
+                # The workers ended while it opened (the task group then refuses its task).
+                raise self._workers_failed_error() from exc
             raise
         if self._link is not link:  # a detach (or the cache's close) came while it opened
+            if self._workers_failed is not None:
+                raise self._workers_failed_error()
             raise HiCacheError(f"storage {backend.name!r} was detached while it was opening")
         self._generation = link.generation
         _log.info("hicache.storage.attached", backend=backend.name)
@@ -637,15 +683,33 @@ class HiCache:
         finally:
             if self._closing is link:
                 self._closing = None
-            # The link's figures go with it: what it left unwritten is said here, or nowhere.
-            backup = link.backup
-            (_log.warning if backup.dropped_pages else _log.info)(
-                "hicache.storage.detached",
-                backend=link.backend.name,
-                written_pages=backup.written_pages,
-                dropped_pages=backup.dropped_pages,
-                failed_pages=backup.failed_pages,
-            )
+            self._log_detached(link)
+
+    @staticmethod
+    def _log_detached(link: StorageLink) -> None:
+        # The link's figures go with it: what it left unwritten is said here, or nowhere.
+        backup = link.backup
+        (_log.warning if backup.dropped_pages else _log.info)(
+            "hicache.storage.detached",
+            backend=link.backend.name,
+            written_pages=backup.written_pages,
+            dropped_pages=backup.dropped_pages,
+            failed_pages=backup.failed_pages,
+        )
+
+    def _check_workers(self) -> anyio.abc.TaskGroup:
+        """The workers' task group; `WorkersFailedError` if it ended while the cache was open
+        (a call that needs workers would otherwise quietly do nothing)."""
+        task_group = self._task_group
+        if task_group is None or self._workers_failed is not None:
+            raise self._workers_failed_error()
+        return task_group
+
+    def _workers_failed_error(self) -> WorkersFailedError:
+        return WorkersFailedError(
+            f"the cache's workers stopped ({self._workers_failed}): storage cannot be "
+            "attached, prefetched from or warmed up any more; leave the cache and open a new one"
+        )
 
     async def _wait_closing(self) -> None:
         """Wait until no link is closing. Cancelling the caller stops only its wait: the close
@@ -661,7 +725,7 @@ class HiCache:
     def _storage_status(self) -> StorageStatus:
         link = self._link
         if link is None:
-            status = StorageStatus(attached=False)
+            status = StorageStatus(attached=False, workers_failed=self._workers_failed)
         elif not link.running:  # not attached until the backend has opened: can take long
             status = StorageStatus(attached=False, opening=True, backend=link.backend.name)
         else:
@@ -690,6 +754,7 @@ class HiCache:
         outside [0, 1] or a `deadline_s` that is negative or not finite raises `ConfigError`.
         """
         self._check_open()
+        self._check_workers()
         # The configuration's own checks, so the same limits apply (ConfigError naming
         # warmup.ratio or warmup.deadline_s), with or without storage.
         limits = WarmupConfig(
@@ -728,6 +793,7 @@ class HiCache:
     async def wait_warmup(self) -> WarmupResult | None:
         """The result of the warmup started on attach (`warmup.enabled`), once it ends."""
         self._check_open()
+        self._check_workers()
         link = self._link
         if link is None or link.warmup_result is None:
             await asyncio.sleep(0)
@@ -755,6 +821,7 @@ class HiCache:
         the prefetches started before it (docs/tensor-parallel.md).
         """
         self._check_open()
+        self._check_workers()  # without them a prefetch would quietly miss
         if policy is not None and (not isinstance(policy, str) or policy not in PREFETCH_POLICIES):
             # Otherwise an unknown name would quietly act as `timeout` in the prefetcher.
             accepted = ", ".join(map(repr, PREFETCH_POLICIES))
@@ -864,7 +931,9 @@ class HiCache:
             copy_engine=self._engine.statistics() if self._engine else None,
             storage=(
                 self._storage_status()
-                if self._link or (self._closing and self._closing.flushing)
+                if self._link
+                or (self._closing and self._closing.flushing)
+                or self._workers_failed is not None
                 else None
             ),
         )

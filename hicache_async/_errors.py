@@ -18,6 +18,7 @@ __all__ = [
     "OutOfPagesError",
     "StorageConfigError",
     "StorageError",
+    "WorkersFailedError",
     "WrongThreadError",
 ]
 
@@ -41,6 +42,13 @@ class WrongThreadError(HiCacheError, RuntimeError):
 
 class CacheClosedError(HiCacheError, RuntimeError):
     """The cache is not open (never entered, or already left)."""
+
+
+class WorkersFailedError(CacheClosedError):
+    """The cache's workers stopped while it was open: an exception no worker may contain (a
+    `KeyboardInterrupt` or `SystemExit` raised in a backend call) ended them. Storage was
+    detached then, and nothing can be attached, prefetched or warmed up any more; the device
+    and host tiers still serve. Leave the cache (its close still works) and open a new one."""
 
 
 class InvalidTokensError(HiCacheError, ValueError):

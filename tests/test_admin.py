@@ -591,6 +591,7 @@ async def test_delete_with_and_without_flush_and_twice() -> None:
             "backup": None,
             "flushing": None,
             "flushing_backend": None,
+            "workers_failed": None,
         }
 
         assert (await client.put(STORAGE, headers=AUTH, json={"url": "memory://"})).is_success

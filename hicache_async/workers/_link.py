@@ -43,6 +43,10 @@ class StorageStatus(msgspec.Struct, frozen=True):
     #: no flush runs: a detach with `flush=False`, or one given up, shows none.
     flushing: BackupStatistics | None = None
     flushing_backend: str | None = None
+    #: the cache's workers stopped while it was open, on this error (a KeyboardInterrupt or
+    #: SystemExit raised in a backend call): storage was detached then, and attaching,
+    #: prefetching and warming up raise `WorkersFailedError` from then on. None otherwise.
+    workers_failed: str | None = None
 
 
 class StorageLink:
@@ -73,15 +77,32 @@ class StorageLink:
         self._flushing = False
         #: The backend is open and the workers have started.
         self.running = False
+        # `run()` was handed to a task group (`start`), and it began: one scheduled that never
+        # began (cancelled before its first step) or never scheduled sets no event of its own.
+        self._scheduled = False
+        self._began = False
         self._closed = anyio.Event()
 
     def _is_current(self) -> bool:
         return self.cache._link is self
 
+    async def start(self, task_group: anyio.abc.TaskGroup) -> None:
+        """Run the link in `task_group`; returns once the backend opened and the workers
+        started, raises what stopped them first (the task group's own refusal included)."""
+        self._scheduled = True
+        try:
+            await task_group.start(self.run)
+        finally:
+            # Once `start` has returned or raised, a run that has not begun never will (a
+            # failed start waits for the task it cancelled): its waiters are released here.
+            if not self._began:
+                self._end()
+
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Enter the backend, start the workers, report started; exit closes the backend."""
+        self._scheduled = self._began = True
         entered = False
         body_exc: BaseException | None = None
         try:
@@ -112,20 +133,30 @@ class StorageLink:
             if body_exc is not None:
                 raise body_exc from None
         finally:
-            if not self.running:
-                # The backend never opened, so the workers never ran to close their queues,
-                # and no backup can be pending: a close racing the failed open has nothing
-                # to flush (it waited out the whole flush deadline).
-                self.prefetcher.discard()
-                self.backup.discard()
-                self._backup_done.set()
-            # A warmup task cancelled before its first step never runs its own `finally`.
-            for future, count in self._unstarted.items():
-                future.cancel()
-                if count is not None:
-                    count.end()
-            self._unstarted.clear()
-            self._stopped.set()
+            self._end()
+
+    def _end(self) -> None:
+        """Release everything that waits on the workers, once they can no longer run: `run()`
+        has ended, or will never begin. Idempotent."""
+        # The workers may never have run (the backend did not open), or been cancelled
+        # before their first step, or ended by an error that escaped them (a
+        # KeyboardInterrupt in a backend call): their own `finally` never closed their
+        # queues. Whatever is queued finishes now (prefetches CANCELLED, backups dropped),
+        # and no backup can be pending: a close has nothing left to flush (it would wait
+        # out the whole flush deadline, or for ever for `_backup_done`).
+        self.prefetcher.discard()
+        self.backup.discard()
+        self._backup_done.set()
+        # A warmup task cancelled before its first step never runs its own `finally`, and
+        # one ended by such an error never sets its result.
+        for future, count in self._unstarted.items():
+            future.cancel()
+            if count is not None:
+                count.end()
+        self._unstarted.clear()
+        if self.warmup_result is not None and not self.warmup_result.done():
+            self.warmup_result.cancel()
+        self._stopped.set()
 
     def start_warmup(self, warmup: Callable[[], Awaitable[WarmupResult]]) -> None:
         """Run `warmup` in this link's task group (a detach stops it); keep its result.
@@ -197,7 +228,10 @@ class StorageLink:
 
         Cancelling the caller abandons the flush, as `flush=False` would, but not the close:
         the workers have stopped and the backend is closed before the cancellation goes on.
+        A link whose `run()` has ended, or was never started, closes at once.
         """
+        if not self._scheduled:
+            self._end()  # nothing will run it: no worker or backend to wait for
         for warmer in self.warmers:
             warmer.stop()
         self.prefetcher.close()
