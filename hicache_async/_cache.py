@@ -701,14 +701,25 @@ class HiCache:
         """The workers' task group; `WorkersFailedError` if it ended while the cache was open
         (a call that needs workers would otherwise quietly do nothing)."""
         task_group = self._task_group
-        if task_group is None or self._workers_failed is not None:
+        if task_group is None or self._failure() is not None:
             raise self._workers_failed_error()
         return task_group
 
+    def _failure(self) -> str | None:
+        """What ended the workers, if anything did: known from the moment a worker failed,
+        before the task groups above it have unwound (`_workers_ended`)."""
+        if self._workers_failed is not None:
+            return self._workers_failed
+        link = self._link
+        if link is not None and link.failed_with is not None:
+            return repr(_innermost(link.failed_with))
+        return None
+
     def _workers_failed_error(self) -> WorkersFailedError:
         return WorkersFailedError(
-            f"the cache's workers stopped ({self._workers_failed}): storage cannot be "
-            "attached, prefetched from or warmed up any more; leave the cache and open a new one"
+            f"the cache's workers stopped ({self._failure() or 'their task group ended'}): "
+            "storage cannot be attached, prefetched from or warmed up any more; leave the "
+            "cache and open a new one"
         )
 
     async def _wait_closing(self) -> None:
@@ -724,8 +735,10 @@ class HiCache:
 
     def _storage_status(self) -> StorageStatus:
         link = self._link
-        if link is None:
-            status = StorageStatus(attached=False, workers_failed=self._workers_failed)
+        failure = self._failure()
+        if link is None or failure is not None:
+            # A link whose workers failed is detached once the task groups have unwound.
+            status = StorageStatus(attached=False, workers_failed=failure)
         elif not link.running:  # not attached until the backend has opened: can take long
             status = StorageStatus(attached=False, opening=True, backend=link.backend.name)
         else:

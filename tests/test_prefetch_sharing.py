@@ -476,6 +476,32 @@ async def test_a_prefetch_back_for_its_next_turn_waits_behind_those_in_line() ->
             await _check_and_drain(cache, prompt, generator)
 
 
+async def test_a_prefetch_reading_nothing_of_its_own_does_not_wait_in_the_budget_line() -> None:
+    # X's pages are all in L's read: it needs no budget, and must end when they land, not
+    # wait behind S (which needs room) in the line.
+    large, other = _prompt(38), _prompt(39, pages=4)
+    async with _gated(_config(max_host_share=(PAGES // 2) / 128), large, other) as (
+        cache,
+        store,
+        generator,
+    ):
+        first = await cache.start_prefetch(large, request_id="L")
+        await _until(lambda: len(store.gets.waiting) == 1, "L's first turn to hold the budget")
+        waiting = await cache.start_prefetch(other, request_id="S")
+        await _until(lambda: waiting.status is PrefetchStatus.RUNNING, "S to wait for room")
+        sharing = await cache.start_prefetch(large[: (PAGES // 2) * PAGE], request_id="X")
+        await _until(lambda: _waiters(cache, first.keys[0]) == 1, "X to wait on L's read")
+        store.gets.release()  # L's first turn only; S's read, next, stays at the gate
+        await _until(sharing.done, "X to end as L's read lands")
+        result = sharing.result()
+        assert (result.status, result.storage_tokens) == (PrefetchStatus.COMPLETE, 4 * PAGE)
+        store.gets.open()
+        for handle in (first, waiting):
+            assert (await asyncio.wait_for(handle.wait(), 30)).status is PrefetchStatus.COMPLETE
+        for prompt in (large, other):
+            await _check_and_drain(cache, prompt, generator)
+
+
 @pytest.mark.parametrize("stop", ["terminate", "cancel"])
 async def test_a_prefetch_waiting_for_host_budget_stops_when_told(stop: str) -> None:
     # A timeout policy's deadline terminates a prefetch that is still waiting for room:

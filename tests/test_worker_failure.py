@@ -148,8 +148,8 @@ async def _serves_from_storage(root: Path) -> None:
 
 
 async def _after_the_failure(cache: HiCache, root: Path, error: type[BaseException]) -> None:
-    # The workers' task group ends once the loop runs again (the error left it first).
-    await _until(lambda: cache._task_group is None)
+    # At once, while the task groups above the failed worker still unwind (several loop
+    # steps): nothing may find the workers gone without a word meanwhile.
     with pytest.raises(WorkersFailedError, match=error.__name__):
         await cache.attach_storage(FileStorage(str(root)))
     status = cache.storage_status()

@@ -70,6 +70,7 @@ class StorageLink:
         # Warmups scheduled by `start_warmup` whose task has not run yet: their results, and
         # their counts on the group's background agreements.
         self._unstarted: dict[asyncio.Future[WarmupResult], BackgroundCount | None] = {}
+        self._failed_with: BaseException | None = None
         self._stopped = anyio.Event()
         # A close whose caller was cancelled: its flush is given up (`hurry`).
         self._hurried = False
@@ -113,8 +114,8 @@ class StorageLink:
                         self._scope = scope
                         async with anyio.create_task_group() as tg:
                             self._tg = tg
-                            tg.start_soon(self.prefetcher.run)
-                            tg.start_soon(self._run_backup)
+                            tg.start_soon(self._watched, self.prefetcher.run)
+                            tg.start_soon(self._watched, self._run_backup)
                             self.running = True
                             task_status.started()
                 except BaseException as exc:
@@ -134,6 +135,25 @@ class StorageLink:
                 raise body_exc from None
         finally:
             self._end()
+
+    async def _watched(self, worker: Callable[[], Awaitable[None]]) -> None:
+        """Run `worker`, noting at once an error that ends it (`failed_with`): the task
+        groups above take several loop steps to unwind, in which calls would otherwise find
+        the workers gone without a word (a prefetch CANCELLED, storage still attached)."""
+        try:
+            await worker()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if self._failed_with is None:
+                self._failed_with = exc
+            raise
+
+    @property
+    def failed_with(self) -> BaseException | None:
+        """What ended a worker, as soon as it did (a prefetch worker's or the backup
+        worker's error); None while they run."""
+        return self._failed_with or self.prefetcher.failed_with
 
     def _end(self) -> None:
         """Release everything that waits on the workers, once they can no longer run: `run()`

@@ -714,11 +714,15 @@ class Prefetcher:
         assert cache._host_pool is not None
         self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
         self._held = 0
+        #: What ended a worker, as soon as it did; None while they run.
+        self.failed_with: BaseException | None = None
         # Set, and replaced, when pages held for reads are let go or a prefetch is told to
         # stop: prefetches waiting for budget look again.
         self._budget_changed = asyncio.Event()
         # Prefetches waiting for budget, in the order they came: room goes to the first.
         self._budget_line: list[PrefetchHandle] = []
+        # The one `_budget_room` just let through, whose plan follows in the same step.
+        self._granted: PrefetchHandle | None = None
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
@@ -827,7 +831,7 @@ class Prefetcher:
         try:
             async with anyio.create_task_group() as tg:
                 for _ in range(self.config.workers):
-                    tg.start_soon(self._work, self._receive.clone())
+                    tg.start_soon(self._watched_work, self._receive.clone())
         finally:
             # Whatever is still queued when the workers stop finishes as CANCELLED, so no
             # caller waits on it forever; only then is the queue closed. Closed first, even
@@ -835,6 +839,18 @@ class Prefetcher:
             self.close()
             self.cancel_queued()
             self._receive.close()
+
+    async def _watched_work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
+        # What ends a worker (a KeyboardInterrupt in a backend call) is noted as it happens:
+        # the task groups above take several loop steps to unwind.
+        try:
+            await self._work(receive)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if self.failed_with is None:
+                self.failed_with = exc
+            raise
 
     async def _work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
         async with receive:
@@ -986,9 +1002,6 @@ class Prefetcher:
         if handle._gave_up():  # meanwhile
             return handle._stopped()
         fruitless = 0
-        # Behind those already waiting for budget, not ahead of them.
-        if self._budget_line and not await self._budget_room(handle):
-            return handle._stopped() if handle._gave_up() else PrefetchStatus.TERMINATED
         # A plan per page and a few more: bounded however often others give up under it.
         for _ in range(len(keys) + _REPLANS):
             before = handle.storage_tokens
@@ -1027,7 +1040,10 @@ class Prefetcher:
                 if handle._gave_up():
                     return False
                 await self._budget_changed.wait()
-            return not handle._gave_up()
+            if handle._gave_up():
+                return False
+            self._granted = handle
+            return True
         finally:
             self._budget_line.remove(handle)
             self._wake_budget_waiters()  # the next in line looks again
@@ -1110,6 +1126,11 @@ class Prefetcher:
         others = {k: self._inflight[k] for k in todo if k in self._inflight}
         own = [k for k in todo if k not in others]
         budget = max(0, self._host_limit - self._held)
+        if self._budget_line and self._granted is not handle:
+            # Those waiting for room go first: a plan that needs some waits in line behind
+            # them (`_Again.BUDGET` below), one reading nothing of its own goes on.
+            budget = 0
+        self._granted = None
         if len(own) > budget:
             # Stop the plan before the first page beyond the budget.
             cut = self._cut(todo, budget)
