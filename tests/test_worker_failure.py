@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import anyio
+import msgspec
 import pytest
 
 from hicache_async import CacheConfig, HiCache, PrefetchStatus, WorkersFailedError
@@ -222,6 +223,29 @@ def test_a_write_that_ends_the_workers_leaves_a_cache_that_says_so_and_closes(
     _run(loop, _after_the_failure(cache, tmp_path, kind))
     # The root is free again: a fresh cache writes every prompt there and reads it back.
     _run(loop, _populate(tmp_path))
+    _run(loop, _serves_from_storage(tmp_path))
+
+
+def test_a_warmup_that_ends_the_workers_is_known_at_once(
+    tmp_path: Path, loop: asyncio.AbstractEventLoop, error: Callable[[], BaseException]
+) -> None:
+    # The warmup started on attach runs beside the workers: an error that escapes it ends
+    # them too, and must be known as soon as it is, as theirs is.
+    kind = type(error())
+    _run(loop, _populate(tmp_path))
+    backend = _raising("get", error)(str(tmp_path))
+    warming = msgspec.structs.replace(
+        CONFIG, warmup=msgspec.structs.replace(CONFIG.warmup, enabled=True, ratio=1.0)
+    )
+    cache = HiCache(warming, storage=backend)
+
+    async def enter_and_wait() -> None:
+        await cache.__aenter__()
+        await asyncio.Event().wait()
+
+    _raised_out_of(loop, enter_and_wait(), kind)
+    assert backend.raised
+    _run(loop, _after_the_failure(cache, tmp_path, kind))
     _run(loop, _serves_from_storage(tmp_path))
 
 

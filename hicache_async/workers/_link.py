@@ -218,7 +218,8 @@ class StorageLink:
         )
         self._unstarted[future] = count
         try:
-            self._tg.start_soon(run)
+            # Watched as the workers are: an error that escapes it ends them all.
+            self._tg.start_soon(self._watched, run)
         except BaseException:
             self._unstarted.pop(future, None)
             if count is not None:
