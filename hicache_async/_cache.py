@@ -1353,13 +1353,14 @@ class HiCache:
                 if on_device_only and not parent.in_storage:
                     above.append(parent)
                 parent = parent.parent
-            assert self._host_pool is not None
-            room = self._host_pool.allocator.free_count
-            room += self._tree.statistics().evictable_host_pages
-            wanted = node.num_pages + sum(n.num_pages for n in above)
-            batch = [*reversed(above), node]
-            if above and wanted <= room and self._back_up_to_host(batch, count_skipped=False):
-                return True
+            if above:
+                assert self._host_pool is not None
+                room = self._host_pool.allocator.free_count
+                room += self._tree.statistics().evictable_host_pages
+                wanted = node.num_pages + sum(n.num_pages for n in above)
+                batch = [*reversed(above), node]
+                if wanted <= room and self._back_up_to_host(batch, count_skipped=False):
+                    return True
         return self._back_up_to_host([node])
 
     def _back_up_to_host(self, nodes: Sequence[TreeNode], *, count_skipped: bool = True) -> bool:

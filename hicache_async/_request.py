@@ -264,7 +264,7 @@ class Request:
         start = self._cached_pages
         count = full - start
         if count <= 0:
-            if self.priority > 0 and full > 0:
+            if full > 0:
                 # Nothing to insert, but the prompt's pages take its priority as an insert
                 # would give it: pages read back from storage came in without theirs.
                 found = cache._tree.match(self.keys[:full], touch=False)

@@ -17,6 +17,7 @@ from ..storage._protocol import STORAGE_ACCEPTED, check_backend, check_stats
 from ._backup import BackupStatistics, BackupWorker
 from ._prefetch import Prefetcher, PrefetchStatistics
 from ._warmup import BackgroundCount, Warmer, WarmupResult, scheduled_count
+from ._watch import WorkerWatch
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -70,7 +71,7 @@ class StorageLink:
         # Warmups scheduled by `start_warmup` whose task has not run yet: their results, and
         # their counts on the group's background agreements.
         self._unstarted: dict[asyncio.Future[WarmupResult], BackgroundCount | None] = {}
-        self._failed_with: BaseException | None = None
+        self._watch = WorkerWatch()  # the backup worker and the warmup task
         self._stopped = anyio.Event()
         # A close whose caller was cancelled: its flush is given up (`hurry`).
         self._hurried = False
@@ -114,8 +115,8 @@ class StorageLink:
                         self._scope = scope
                         async with anyio.create_task_group() as tg:
                             self._tg = tg
-                            tg.start_soon(self._watched, self.prefetcher.run)
-                            tg.start_soon(self._watched, self._run_backup)
+                            tg.start_soon(self._watch.run, self.prefetcher.run)
+                            tg.start_soon(self._watch.run, self._run_backup)
                             self.running = True
                             task_status.started()
                 except BaseException as exc:
@@ -136,24 +137,11 @@ class StorageLink:
         finally:
             self._end()
 
-    async def _watched(self, worker: Callable[[], Awaitable[None]]) -> None:
-        """Run `worker`, noting at once an error that ends it (`failed_with`): the task
-        groups above take several loop steps to unwind, in which calls would otherwise find
-        the workers gone without a word (a prefetch CANCELLED, storage still attached)."""
-        try:
-            await worker()
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            if self._failed_with is None:
-                self._failed_with = exc
-            raise
-
     @property
     def failed_with(self) -> BaseException | None:
-        """What ended a worker, as soon as it did (a prefetch worker's or the backup
-        worker's error); None while they run."""
-        return self._failed_with or self.prefetcher.failed_with
+        """What ended a worker, as soon as it did (a prefetch worker's, the backup worker's
+        or the warmup's error; see `WorkerWatch`); None while they run."""
+        return self.prefetcher.watch.failed_with or self._watch.failed_with
 
     def _end(self) -> None:
         """Release everything that waits on the workers, once they can no longer run: `run()`
@@ -219,7 +207,7 @@ class StorageLink:
         self._unstarted[future] = count
         try:
             # Watched as the workers are: an error that escapes it ends them all.
-            self._tg.start_soon(self._watched, run)
+            self._tg.start_soon(self._watch.run, run)
         except BaseException:
             self._unstarted.pop(future, None)
             if count is not None:

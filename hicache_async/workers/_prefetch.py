@@ -31,6 +31,7 @@ from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agre
 from ..distributed._agree import enter_min_cancelled
 from ..storage import Outcome, StorageBackend
 from ..storage._protocol import check_exists, check_outcomes
+from ._watch import WorkerWatch
 
 if TYPE_CHECKING:
     from .._cache import HiCache
@@ -714,8 +715,8 @@ class Prefetcher:
         assert cache._host_pool is not None
         self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
         self._held = 0
-        #: What ended a worker, as soon as it did; None while they run.
-        self.failed_with: BaseException | None = None
+        #: What ended a worker, as soon as it did (`watch.failed_with`).
+        self.watch = WorkerWatch()
         # Set, and replaced, when pages held for reads are let go or a prefetch is told to
         # stop: prefetches waiting for budget look again.
         self._budget_changed = asyncio.Event()
@@ -831,7 +832,7 @@ class Prefetcher:
         try:
             async with anyio.create_task_group() as tg:
                 for _ in range(self.config.workers):
-                    tg.start_soon(self._watched_work, self._receive.clone())
+                    tg.start_soon(self.watch.run, self._work, self._receive.clone())
         finally:
             # Whatever is still queued when the workers stop finishes as CANCELLED, so no
             # caller waits on it forever; only then is the queue closed. Closed first, even
@@ -839,18 +840,6 @@ class Prefetcher:
             self.close()
             self.cancel_queued()
             self._receive.close()
-
-    async def _watched_work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
-        # What ends a worker (a KeyboardInterrupt in a backend call) is noted as it happens:
-        # the task groups above take several loop steps to unwind.
-        try:
-            await self._work(receive)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            if self.failed_with is None:
-                self.failed_with = exc
-            raise
 
     async def _work(self, receive: anyio.abc.ObjectReceiveStream[PrefetchHandle]) -> None:
         async with receive:
