@@ -207,6 +207,16 @@ async def _assert_no_tasks_left(before: set[asyncio.Task[object]]) -> None:
     assert not left, f"close() left {len(left)} task(s) running: {left[:3]}"
 
 
+def _assert_overlapped_by_close(call: str, result: object, count: int) -> None:
+    """A call that a close() overlapped either kept to its outcomes, one per key, or raised
+    StorageError."""
+    if isinstance(result, BaseException):
+        assert isinstance(result, StorageError), f"{call} raised {result!r}"
+    else:
+        assert isinstance(result, list), f"{call} returned {result!r}"
+        assert len(result) == count, f"{call} returned {len(result)} outcomes"
+
+
 def _threads_left(before: set[threading.Thread]) -> list[threading.Thread]:
     return [
         thread
@@ -1035,11 +1045,9 @@ class StorageConformance:
         assert current is not None
         if sys.version_info >= (3, 11):
             assert current.cancelling() == 0, "close() left its caller's task cancelled"
-        result = (await asyncio.gather(put, return_exceptions=True))[0]
-        if isinstance(result, BaseException):
-            assert isinstance(result, StorageError), f"put raised {result!r}"
-        else:
-            assert len(result) == count, f"put returned {len(result)} outcomes"
+        _assert_overlapped_by_close(
+            "put", (await asyncio.gather(put, return_exceptions=True))[0], count
+        )
         with pytest.raises(StorageError):
             await backend.exists(fresh[:1])
         await _assert_no_tasks_left(tasks_before_backend)
@@ -1065,11 +1073,7 @@ class StorageConformance:
         await backend.close()
         got, put_result = await asyncio.gather(get, put, return_exceptions=True)
         for call, result in (("get", got), ("put", put_result)):
-            if isinstance(result, BaseException):
-                assert isinstance(result, StorageError), f"{call} raised {result!r}"
-            else:
-                assert isinstance(result, list), f"{call} returned {result!r}"
-                assert len(result) == count, f"{call} returned {len(result)} outcomes"
+            _assert_overlapped_by_close(call, result, count)
         if isinstance(got, list):
             for index, (key, outcome) in enumerate(zip(stored, got, strict=True)):
                 if outcome is Outcome.OK:
