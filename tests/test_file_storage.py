@@ -1296,3 +1296,24 @@ async def test_verify_removes_dead_compactions_temp_files_unless_one_runs(tmp_pa
         assert (await storage.verify()).leftovers_removed == 1
         assert not dead.exists()
         assert storage.stats().pages == 2
+
+
+async def test_a_keyboard_interrupt_in_the_close_still_releases_the_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "s"
+    storage = FileStorage(root)
+    await storage.__aenter__()
+    await _put_and_delete(storage, 2)  # spare files, removed by the close on a job thread
+
+    def interrupted(dir_fd: int, names: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_file, "_unlink_all", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        await storage.close()
+    monkeypatch.undo()
+    assert storage.closed
+    # The lock went with the descriptors: the root opens again in this process.
+    async with FileStorage(root) as again:
+        assert await again.exists(_keys(1)) == 0

@@ -350,6 +350,8 @@ class BackendBase:
         self._jobs: set[Job[Any]] = set()
         self._executor = JobThreads(job_threads, thread_name)
         self._unclosed: weakref.finalize[[str, JobThreads], BackendBase] | None = None
+        #: the last job `_run_while_closing` started (see FileStorage._release)
+        self._closing_job: Job[None] | None = None
 
     @property
     def name(self) -> str:
@@ -474,6 +476,7 @@ class BackendBase:
         errors propagate."""
         job: Job[None] = Job(lambda stop: work(), asyncio.get_running_loop())
         self._executor.start(job)
+        self._closing_job = job
         interrupted = await job.drain()
         job.result()
         return interrupted

@@ -1654,22 +1654,29 @@ class FileStorage(BackendBase):
             await asyncio.wait([stamper])
         pending, self._unstamped = self._unstamped, []
         interrupted: asyncio.CancelledError | None = None
-        if self._handles is not None and pending:
-            handles = self._handles
-            interrupted = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
-        if self._helpers is not None:
-            self._helpers.shutdown(wait=False)
-        if self._handles is not None and self._spares is not None:
-            names = self._spares.names(drain=True)
-            if names:  # off the loop: freeing cached pages takes a while per file
-                tmp_fd = self._handles.tmp_fd
-                cancelled = await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
-                interrupted = interrupted or cancelled
-        if self._handles is not None:
-            if self._handles_closer is not None:
-                self._handles_closer.detach()
-            self._handles.close()  # every job has stopped: no thread uses these descriptors
-            self._handles = None
+        try:
+            if self._handles is not None and pending:
+                handles = self._handles
+                interrupted = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
+            if self._helpers is not None:
+                self._helpers.shutdown(wait=False)
+            if self._handles is not None and self._spares is not None:
+                names = self._spares.names(drain=True)
+                if names:  # off the loop: freeing cached pages takes a while per file
+                    tmp_fd = self._handles.tmp_fd
+                    cancelled = await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
+                    interrupted = interrupted or cancelled
+        finally:
+            # Whatever ended the steps above (a KeyboardInterrupt in one of them too), the
+            # root's lock goes with the descriptors, so that a process that goes on can open
+            # it again; but never under a job still running, which could then use a
+            # descriptor number reused for another file.
+            job = self._closing_job
+            if self._handles is not None and (job is None or job.finished):
+                if self._handles_closer is not None:
+                    self._handles_closer.detach()
+                self._handles.close()
+                self._handles = None
         if interrupted is not None:
             raise interrupted
 
