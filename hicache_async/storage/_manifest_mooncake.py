@@ -267,6 +267,17 @@ class MooncakeManifest:
         """
         if not _NAMESPACE.match(namespace):
             raise ValueError(f"not a namespace fingerprint: {namespace!r}")
+        try:
+            return await self._compact_locked(namespace)
+        except _NewerLayout:
+            # Compacting would remove the newer index's slot and sweep its chunks.
+            _newer_layout(namespace, "compaction")
+            return CompactReport(0, 0, 0, 0, 0, 0, newer=1)
+
+    async def _compact_locked(self, namespace: str) -> CompactReport:
+        # Looked at before the lock: a newer layout's lock need not read as one, and a lock
+        # that does not is broken as abandoned.
+        await self._index(namespace)
         token = await self._lock(namespace)
         if token is None:
             raise StorageError(
@@ -274,10 +285,6 @@ class MooncakeManifest:
             )
         try:
             return await self._compact(namespace)
-        except _NewerLayout:
-            # Compacting would remove the newer index's slot and sweep its chunks.
-            _newer_layout(namespace, "compaction")
-            return CompactReport(0, 0, 0, 0, 0, 0, newer=1)
         finally:
             # Even when cancelled: a lock left behind blocks compaction until it expires.
             with anyio.CancelScope(shield=True):

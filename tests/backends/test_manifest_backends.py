@@ -981,9 +981,10 @@ async def test_mooncake_leaves_a_manifest_of_a_newer_index_layout_alone(
         stem = f"g1-{'ab' * 8}"
         index = json.dumps({"v": 2, "namespace": ns, "generation": 1, "root": stem}).encode()
         chunk = _with_token(encode_entry(entry(NS_A, 0)))
-        names = [manifest.object_name(ns, "index.1"), manifest.object_name(ns, f"{stem}:b0")]
+        lock = b'{"holder": "a newer compaction"}'  # not a lock of this release's layout
+        names = [manifest.object_name(ns, name) for name in ("index.1", f"{stem}:b0", "lock")]
         store, config = backend._store, manifest._replicate_config()
-        for name, value in zip(names, (index, chunk), strict=True):
+        for name, value in zip(names, (index, chunk, lock), strict=True):
 
             def put(stop: object, name: str = name, value: bytes = value) -> int:
                 return int(store.put(name, value, config))
@@ -995,7 +996,7 @@ async def test_mooncake_leaves_a_manifest_of_a_newer_index_layout_alone(
             report = await manifest.compact()
         assert chains(read) == {entry(NS_B, 0).chain_id}
         assert (read.newer, report.newer) == (1, 1)
-        assert await manifest._get(names, manifest.chunk_bytes) == [index, chunk]
+        assert await manifest._get(names, manifest.chunk_bytes) == [index, chunk, lock]
         assert await manifest._log_end(ns, "g0") == 0  # nothing appended beside it
         steps = [e["step"] for e in logs if e["event"] == "hicache.manifest.newer_layout"]
         assert steps == ["append", "read", "compaction"]
