@@ -235,6 +235,21 @@ async def test_a_shared_put_spares_a_page_another_instance_used_since(
         assert await _get(other, hot) == [Outcome.OK]
 
 
+async def test_a_shared_put_records_the_mtimes_its_job_gave_the_files(tmp_path: Path) -> None:
+    # The job stamps files later than the call's own clock (by as long as it waited for a
+    # thread): recorded at the call's time, an eviction would take the difference for
+    # another instance's use, and keep the page.
+    root = tmp_path / "s"
+    stored, new = _keys(2), _keys(3)
+    async with FileStorage(root, shared=True) as storage:
+        assert await _put(storage, stored) == [Outcome.OK] * 2
+        _age(root, stored, time.time_ns() - HOUR_NS)
+        assert await _put(storage, stored[:1] + new) == [Outcome.OK] * 4  # one stamped again
+        for key in stored[:1] + new:
+            # Within a microsecond: the index holds seconds as a float.
+            assert storage._index[key].mtime * 10**9 >= _mtimes(root, [key])[0] - 1000
+
+
 def _root_of_aged_pages(root: Path, count: int, seed: int) -> None:
     """A root of `count` page files (random keys, so in every shard) whose mtimes take a few
     distinct values (ties are ordered by the listing), one in ten too short to be a page."""

@@ -1388,7 +1388,7 @@ class _Job:
     the loop after every thread has stopped, whether the batch finished, failed or was
     cancelled."""
 
-    __slots__ = ("cancelled", "done", "failed", "rejected", "results", "room", "spared")
+    __slots__ = ("cancelled", "done", "failed", "rejected", "results", "room", "spared", "stamped")
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
@@ -1397,6 +1397,9 @@ class _Job:
         # Positions of eviction victims left in place, another instance having used them
         # since this one did (a shared root), with their files' mtimes.
         self.spared: dict[int, float] = {}
+        # When a write job stamped its files (seconds): later than the call's own clock by
+        # as long as the job waited for a thread, and what the files' mtimes say.
+        self.stamped = 0.0
         self.rejected = False  # bad input, refused before any I/O: nothing to commit
         # The caller was cancelled: pages the job never reached are not errors of the store.
         self.cancelled = False
@@ -2725,6 +2728,7 @@ class FileStorage(BackendBase):
             no_room = self._commit_write(
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
+            self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
         return _NoRoom(
             [(i, sizes[slot], no_room[i]) for slot, i in enumerate(writes) if i in no_room],
@@ -2779,6 +2783,7 @@ class FileStorage(BackendBase):
                 log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
             job.done += 1
         base = time.time_ns()
+        job.stamped = base / 1e9
         _stamp_all(handles, stamps, base)
         results = job.results
 
@@ -2970,6 +2975,16 @@ class FileStorage(BackendBase):
         self._refuse(errors, list(given_up))  # after the batch's pages written before them
         errors.log(self._name)
         return no_room
+
+    def _as_stamped(self, keys: Iterable[bytes], stamped: float) -> None:
+        """Record that a write job stamped the files of `keys` at `stamped` (if it got that
+        far): an mtime the index takes for its own, not another instance's use (see
+        `_used_elsewhere`)."""
+        index = self._index
+        for key in keys:
+            entry = index.get(key)
+            if entry is not None and entry.mtime < stamped:
+                entry.mtime = stamped
 
     def _commit_removal(
         self, removed: list[tuple[bytes, _Entry | None]], job: _Job, *, evictions: bool
