@@ -195,6 +195,61 @@ async def test_a_shared_lookup_stamps_indexed_pages_past_one_it_looked_up(tmp_pa
     assert _strictly_falling(stamped)
 
 
+async def test_a_shared_gc_keeps_a_page_another_instance_used_since(tmp_path: Path) -> None:
+    # Another deployment (another model, or another version during an upgrade) shares the
+    # root: this instance learns of its uses only from the files' mtimes.
+    root = tmp_path / "s"
+    hot, cold = _keys(1), _keys(3)
+    async with FileStorage(root, shared=True) as other:
+        assert await _put(other, hot + cold) == [Outcome.OK] * 4
+        _age(root, hot + cold, time.time_ns() - HOUR_NS)  # `hot` the least recently used
+        async with FileStorage(root, shared=True, capacity_bytes=2 * SIZE) as mine:
+            assert list(mine._index) == hot + cold
+            assert await _get(other, hot) == [Outcome.OK]  # used (and stamped) there since
+            report = await mine.gc()
+            assert (report.evicted_pages, report.failed, report.over_capacity_bytes) == (2, 0, 0)
+            assert [page.key for page in await mine.list_pages()] == [hot[0], cold[2]]
+            assert (mine.stats().evictions, mine.stats().errors) == (2, 0)
+        assert await _get(other, hot) == [Outcome.OK]
+
+
+async def test_a_shared_put_spares_a_page_another_instance_used_since(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+    hot, own, new = _keys(1), _keys(2), _keys(2)
+    async with FileStorage(root, shared=True) as other:
+        assert await _put(other, hot) == [Outcome.OK]
+        _age(root, hot, time.time_ns() - HOUR_NS)
+        async with FileStorage(root, shared=True, capacity_bytes=3 * SIZE) as mine:
+            assert await _put(mine, own) == [Outcome.OK] * 2  # full
+            assert await _get(other, hot) == [Outcome.OK]
+            # Its victim, `hot`, was used there since: it stays, and is now this index's
+            # most recent but the new page; the store holds one page too many meanwhile.
+            assert await _put(mine, new[:1]) == [Outcome.OK]
+            assert list(mine._index) == [*own[::-1], *hot, new[0]]
+            assert mine.stats().evictions == 0
+            assert await _put(mine, new[1:]) == [Outcome.OK]
+            assert list(mine._index) == [*hot, *new]
+            assert (mine.stats().evictions, mine.stats().bytes) == (2, 3 * SIZE)
+        assert await _get(other, hot) == [Outcome.OK]
+
+
+async def test_a_shared_put_records_the_mtimes_its_job_gave_the_files(tmp_path: Path) -> None:
+    # The job stamps files later than the call's own clock (by as long as it waited for a
+    # thread): recorded at the call's time, an eviction would take the difference for
+    # another instance's use, and keep the page.
+    root = tmp_path / "s"
+    stored, new = _keys(2), _keys(3)
+    async with FileStorage(root, shared=True) as storage:
+        assert await _put(storage, stored) == [Outcome.OK] * 2
+        _age(root, stored, time.time_ns() - HOUR_NS)
+        assert await _put(storage, stored[:1] + new) == [Outcome.OK] * 4  # one stamped again
+        for key in stored[:1] + new:
+            # Within a microsecond: the index holds seconds as a float.
+            assert storage._index[key].mtime * 10**9 >= _mtimes(root, [key])[0] - 1000
+
+
 def _root_of_aged_pages(root: Path, count: int, seed: int) -> None:
     """A root of `count` page files (random keys, so in every shard) whose mtimes take a few
     distinct values (ties are ordered by the listing), one in ten too short to be a page."""

@@ -1268,6 +1268,24 @@ class _DiskClaims:
             return self._nbytes, self._files
 
 
+def _used_elsewhere(shard_fd: int, name: str, seen: float | None) -> float | None:
+    """The mtime of the page file `name` when another instance sharing the root has stamped
+    a use of it since `seen` (its mtime as this instance last saw or set it), else None.
+
+    A use stamps a file only once it is `_TOUCH_AFTER_S` old, so such a stamp is at least
+    that much newer; half of it tells it from this instance's own writes, whose stamps come
+    a little after the index's clock. Only this instance's index is behind: evicting by it
+    alone would take pages other instances (other models, other versions) use all the time.
+    """
+    if seen is None:
+        return None
+    try:
+        mtime = os.stat(name, dir_fd=shard_fd, follow_symlinks=False).st_mtime
+    except OSError:
+        return None  # gone, or unreadable: the removal that follows tells which
+    return mtime if mtime - seen >= _TOUCH_AFTER_S / 2 else None
+
+
 def _remove_page(spares: _SparePool | None, handles: _Handles, shard_fd: int, name: str) -> None:
     """Remove the page file `name`: into the spare pool if it takes it, else unlinked.
     Raises FileNotFoundError when there is no such file."""
@@ -1370,12 +1388,18 @@ class _Job:
     the loop after every thread has stopped, whether the batch finished, failed or was
     cancelled."""
 
-    __slots__ = ("cancelled", "done", "failed", "rejected", "results", "room")
+    __slots__ = ("cancelled", "done", "failed", "rejected", "results", "room", "spared", "stamped")
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
         self.done = 0  # removals reached (put's victims, delete's keys)
         self.failed: list[int] = []  # positions among those whose file could not be removed
+        # Positions of eviction victims left in place, another instance having used them
+        # since this one did (a shared root), with their files' mtimes.
+        self.spared: dict[int, float] = {}
+        # When a write job stamped its files (seconds): later than the call's own clock by
+        # as long as the job waited for a thread, and what the files' mtimes say.
+        self.stamped = 0.0
         self.rejected = False  # bad input, refused before any I/O: nothing to commit
         # The caller was cancelled: pages the job never reached are not errors of the store.
         self.cancelled = False
@@ -2475,22 +2499,36 @@ class FileStorage(BackendBase):
         pages evicted, their bytes, and the keys whose file could not be removed (back in the
         index, at the MRU end)."""
         removed = [(key, self._drop(key)) for key in victims]
+        seen = self._last_seen(removed)
         self._evicting.update(victims)
         job = _Job(len(victims))
         try:
             await self.run_job(
-                lambda stop: self._unlink_job(stop, job, victims, event="storage.evict.error")
+                lambda stop: self._unlink_job(
+                    stop, job, victims, event="storage.evict.error", seen=seen
+                )
             )
         finally:
             self._evicting.difference_update(victims)
             self._commit_removal(removed, job, evictions=True)
-        failed = set(job.failed)
+        stayed = {*job.failed, *job.spared}
         freed = sum(
             entry.nbytes
             for position, (_, entry) in enumerate(removed[: job.done])
-            if entry is not None and position not in failed
+            if entry is not None and position not in stayed
         )
-        return job.done - len(failed), freed, [victims[position] for position in job.failed]
+        return job.done - len(stayed), freed, [victims[position] for position in job.failed]
+
+    def _last_seen(self, removed: list[tuple[bytes, _Entry | None]]) -> list[float | None] | None:
+        """Per victim, its file's mtime as this instance last saw or set it, for
+        `_used_elsewhere` (None for a misfit, first in line whoever uses it); None for a
+        private root, which no other instance uses."""
+        if not self._shared:
+            return None
+        return [
+            entry.mtime if entry is not None and self._could_be_page(entry.nbytes) else None
+            for _, entry in removed
+        ]
 
     def _plan_disk_room(
         self, pages: list[tuple[int, str]], room: _DiskRoom, *, keep: set[bytes]
@@ -2665,6 +2703,7 @@ class FileStorage(BackendBase):
         claims = self._claims.claim(HEADER_NBYTES + payload_nbytes(page) for page in write_pages)
         self._writing.update(write_keys)
         removed = [(key, self._drop(key)) for key in victims]
+        seen = self._last_seen(removed)
         self._evicting.update(victims)
         job = _Job(len(writes))
         epoch = self._watch()
@@ -2674,6 +2713,7 @@ class FileStorage(BackendBase):
                     stop,
                     job,
                     victims=victims,
+                    seen=seen,
                     keys=write_keys,
                     pages=write_pages,
                     metas=write_metas,
@@ -2695,6 +2735,7 @@ class FileStorage(BackendBase):
             no_room = self._commit_write(
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
+            self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
         return _NoRoom(
             [(i, sizes[slot], no_room[i]) for slot, i in enumerate(writes) if i in no_room],
@@ -2707,6 +2748,7 @@ class FileStorage(BackendBase):
         job: _Job,
         *,
         victims: list[bytes],
+        seen: list[float | None] | None,
         keys: list[bytes],
         pages: list[PageBuffer],
         metas: list[PageMeta],
@@ -2715,7 +2757,8 @@ class FileStorage(BackendBase):
         claims: list[int],
         no_room: bool = False,
     ) -> None:
-        """Remove `victims`, stamp the files of `stamps` and write the pages; each page's
+        """Remove `victims` (but those another instance used since `seen`, see
+        `_used_elsewhere`), stamp the files of `stamps` and write the pages; each page's
         mtime falls with its position in the batch, as the index orders the batch's keys.
         With `no_room` (the disk had none) the spare files are released first, and the
         victims unlinked rather than kept as spares."""
@@ -2733,7 +2776,13 @@ class FileStorage(BackendBase):
             try:
                 shard_fd = handles.shard(hexkey[:2], create=False)
                 if shard_fd is not None:
-                    _remove_page(spares, handles, shard_fd, hexkey)
+                    used = _used_elsewhere(
+                        shard_fd, hexkey, None if seen is None else seen[position]
+                    )
+                    if used is not None:
+                        job.spared[position] = used
+                    else:
+                        _remove_page(spares, handles, shard_fd, hexkey)
             except FileNotFoundError:
                 pass
             except OSError as exc:  # the page stays: it goes back into the index
@@ -2741,6 +2790,7 @@ class FileStorage(BackendBase):
                 log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
             job.done += 1
         base = time.time_ns()
+        job.stamped = base / 1e9
         _stamp_all(handles, stamps, base)
         results = job.results
 
@@ -2933,6 +2983,16 @@ class FileStorage(BackendBase):
         errors.log(self._name)
         return no_room
 
+    def _as_stamped(self, keys: Iterable[bytes], stamped: float) -> None:
+        """Record that a write job stamped the files of `keys` at `stamped` (if it got that
+        far): an mtime the index takes for its own, not another instance's use (see
+        `_used_elsewhere`)."""
+        index = self._index
+        for key in keys:
+            entry = index.get(key)
+            if entry is not None and entry.mtime < stamped:
+                entry.mtime = stamped
+
     def _commit_removal(
         self, removed: list[tuple[bytes, _Entry | None]], job: _Job, *, evictions: bool
     ) -> None:
@@ -2941,7 +3001,7 @@ class FileStorage(BackendBase):
         the MRU end (the next eviction tries other pages first)."""
         done, failed = job.done, job.failed
         if evictions:
-            self._counters.evictions += done - len(failed)
+            self._counters.evictions += done - len(failed) - len(job.spared)
         self._counters.errors += len(failed)
         for key, _ in removed:
             self._mark(key)
@@ -2953,6 +3013,15 @@ class FileStorage(BackendBase):
         for position in failed:
             key, entry = removed[position]
             if entry is not None and key not in self._index:
+                self._index[key] = entry
+                self._bytes += entry.nbytes
+        # Used by another instance since this one did: as recent as that use, here at the MRU
+        # end (the next eviction tries other pages first).
+        for position, mtime in job.spared.items():
+            key, entry = removed[position]
+            if entry is not None and key not in self._index:
+                entry.last_access = max(entry.last_access, mtime)
+                entry.mtime = mtime
                 self._index[key] = entry
                 self._bytes += entry.nbytes
 
@@ -2996,7 +3065,10 @@ class FileStorage(BackendBase):
         *,
         event: str,
         reading: frozenset[bytes] | set[bytes] = frozenset(),
+        seen: list[float | None] | None = None,
     ) -> None:
+        """Remove the pages of `keys`; with `seen` (evictions in a shared root) not those
+        another instance used since (see `_used_elsewhere`), which go to `job.spared`."""
         handles = self._handles_or_raise()
         # Every removal runs even when the caller is cancelled (unlinks are cheap): the room
         # of these pages was counted free when they left the index, and a put may have used it.
@@ -3006,6 +3078,11 @@ class FileStorage(BackendBase):
                 shard_fd = handles.shard(hexkey[:2], create=False)
                 if shard_fd is None:
                     job.results[slot] = (_MISS, "", 0)
+                elif (
+                    used := _used_elsewhere(shard_fd, hexkey, None if seen is None else seen[slot])
+                ) is not None:
+                    job.spared[slot] = used
+                    job.results[slot] = (_EXISTS, "", 0)
                 else:
                     spares = None if key in reading else self._spares
                     _remove_page(spares, handles, shard_fd, hexkey)

@@ -112,7 +112,8 @@ class ManifestRead(msgspec.Struct, frozen=True):
     oversized: int = 0
     #: the manifest was larger than the byte bound; reading stopped there.
     truncated: bool = False
-    #: records of a newer manifest version than this reader knows: skipped, left in place.
+    #: records of a newer manifest version than this reader knows: skipped, left in place
+    #: (on Mooncake a namespace whose index is of a newer layout counts once).
     newer: int = 0
     #: Per entry (by `covered_key()`: "<namespace>:<chain id>", so the record encodes as
     #: JSON), the page counts of the shorter chains of its namespace that it starts with and
@@ -135,7 +136,8 @@ class CompactReport(msgspec.Struct, frozen=True):
     malformed: int
     oversized: int
     #: records of a newer manifest version: carried as they are (those kept are counted in
-    #: `entries_after`).
+    #: `entries_after`); on Mooncake a namespace whose index is of a newer layout, left as it
+    #: is, counts once.
     newer: int = 0
 
 

@@ -122,6 +122,22 @@ class _Stale(Exception):
     """A compaction switched generations while a read was under way."""
 
 
+class _NewerLayout(Exception):
+    """The namespace's manifest has an index of a newer layout version than this one knows:
+    a newer release keeps it, in objects this one would misread."""
+
+
+class _IndexVersion(msgspec.Struct):
+    """What any index version holds: its layout version and namespace."""
+
+    v: int
+    namespace: object = None
+
+
+#: The index layout version this release writes and reads.
+_INDEX_VERSION = 1
+
+
 _GEN0 = "g0"
 
 
@@ -182,7 +198,13 @@ class MooncakeManifest:
             groups.setdefault(entry.namespace, []).append(line)
         for namespace, lines in groups.items():
             self._known.add(namespace)
-            last_seq = await self._append(namespace, lines)
+            try:
+                last_seq = await self._append(namespace, lines)
+            except _NewerLayout:
+                # Its index names objects of a layout this release does not know: writing
+                # beside them would only leave records no reader of either release reads.
+                _newer_layout(namespace, "append", records=len(lines))
+                continue
             if last_seq + 1 >= _LOG_CHUNKS:
                 try:
                     await self.compact_namespace(namespace)
@@ -207,7 +229,12 @@ class MooncakeManifest:
             truncated = False
             try:
                 for ns in namespaces:
-                    used, cut, unreadable = await self._collect(ns, collector, budget)
+                    try:
+                        used, cut, unreadable = await self._collect(ns, collector, budget)
+                    except _NewerLayout:
+                        collector.newer += 1  # left to the release that reads it
+                        _newer_layout(ns, "read")
+                        continue
                     budget -= used
                     # Chunks that could not be read: what the others hold is still returned,
                     # and said to be partial.
@@ -240,6 +267,17 @@ class MooncakeManifest:
         """
         if not _NAMESPACE.match(namespace):
             raise ValueError(f"not a namespace fingerprint: {namespace!r}")
+        try:
+            return await self._compact_locked(namespace)
+        except _NewerLayout:
+            # Compacting would remove the newer index's slot and sweep its chunks.
+            _newer_layout(namespace, "compaction")
+            return CompactReport(0, 0, 0, 0, 0, 0, newer=1)
+
+    async def _compact_locked(self, namespace: str) -> CompactReport:
+        # Looked at before the lock: a newer layout's lock need not read as one, and a lock
+        # that does not is broken as abandoned.
+        await self._index(namespace)
         token = await self._lock(namespace)
         if token is None:
             raise StorageError(
@@ -375,12 +413,15 @@ class MooncakeManifest:
         )
 
     async def _index(self, namespace: str) -> _Index:
-        """The newest valid index of `namespace` (generation 0 when there is none)."""
+        """The newest valid index of `namespace` (generation 0 when there is none). Raises
+        `_NewerLayout` if a slot holds an index of a newer layout version."""
         names = [self.object_name(namespace, f"index.{slot}") for slot in (0, 1)]
-        best = _Index(v=1, namespace=namespace, generation=0, stem=_GEN0, base=0)
+        best = _Index(v=_INDEX_VERSION, namespace=namespace, generation=0, stem=_GEN0, base=0)
         for slot, value in enumerate(await self._get(names, _INDEX_BYTES)):
             if not isinstance(value, bytes):
                 continue
+            if _newer_index(value, namespace):
+                raise _NewerLayout
             index = self._valid_index(value, namespace, slot)
             if index is not None and index.generation > best.generation:
                 best = index
@@ -410,7 +451,7 @@ class MooncakeManifest:
         if (
             index is None
             or match is None
-            or index.v != 1
+            or index.v != _INDEX_VERSION
             or index.namespace != namespace
             or index.generation < 1
             or index.generation % 2 != slot
@@ -485,7 +526,7 @@ class MooncakeManifest:
         # Records appended to the old log from `tail_end` on are copied after the switch;
         # until then (or for good, should this process die first) the index carries them.
         index = _Index(
-            v=1,
+            v=_INDEX_VERSION,
             namespace=namespace,
             generation=generation,
             stem=stem,
@@ -534,6 +575,9 @@ class MooncakeManifest:
             if not await self._claim(name, payload):
                 return False
         slot = self.object_name(namespace, f"index.{index.generation % 2}")
+        held = (await self._get([slot], _INDEX_BYTES))[0]
+        if isinstance(held, bytes) and _newer_index(held, namespace):
+            raise _NewerLayout  # a newer release's, put there since this compaction began
         await self._remove([slot])  # a stale generation's, if any
         return await self._claim_raw(slot, msgspec.json.encode(index))
 
@@ -745,6 +789,20 @@ class MooncakeManifest:
         failed = [c for c in codes if c not in (0, _NOT_FOUND)]
         if failed:
             _log.warning("hicache.manifest.remove_failed", count=len(failed), code=failed[0])
+
+
+def _newer_index(value: bytes, namespace: str) -> bool:
+    """Whether `value` is the index of `namespace` in a newer layout version: a JSON object
+    with an integer `v` above this release's and this namespace, whatever else it holds."""
+    try:
+        found = msgspec.json.decode(value, type=_IndexVersion)
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError, RecursionError):
+        return False
+    return found.v > _INDEX_VERSION and found.namespace == namespace
+
+
+def _newer_layout(namespace: str, step: str, **fields: int) -> None:
+    _log.warning("hicache.manifest.newer_layout", namespace=namespace, step=step, **fields)
 
 
 def _with_token(payload: bytes) -> bytes:

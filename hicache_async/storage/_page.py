@@ -19,6 +19,8 @@ Header, little-endian:
 Evolution: a reader accepts exactly the versions it knows. A page of a newer version is a miss
 that is left in place (a newer writer shares the store); a header that fails its own checksum is
 corrupt. New fields go into a new version; the 128-byte size and the first 8 bytes never change.
+A release that raises FORMAT_VERSION must treat a page of an earlier version it no longer reads
+the same way (UNSUPPORTED, never CORRUPT): the instances not yet upgraded still read it.
 """
 
 from __future__ import annotations

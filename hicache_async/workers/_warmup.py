@@ -88,7 +88,8 @@ class WarmupResult(msgspec.Struct, frozen=True):
     #: damaged, or another deployment's), or their read failed
     entries_missed: int = 0
     #: manifest records of a newer format version than this instance knows: left in place for
-    #: the instances that know it, never loaded (a rolling upgrade's older instances count them)
+    #: the instances that know it, never loaded (a rolling upgrade's older instances count them;
+    #: on Mooncake a namespace whose index is of a newer layout counts once)
     newer: int = 0
 
 

@@ -48,7 +48,7 @@ from hicache_async.storage._manifest import (
     chain_entry,
     encode_entry,
 )
-from hicache_async.storage._manifest_mooncake import MooncakeManifest, _records
+from hicache_async.storage._manifest_mooncake import MooncakeManifest, _records, _with_token
 from hicache_async.storage._manifest_mooncake import _Stale as MooncakeStale
 from hicache_async.storage._manifest_redis import RedisManifest
 from hicache_async.storage._manifest_redis import _Stale as RedisStale
@@ -964,6 +964,43 @@ async def test_mooncake_ignores_a_forged_index(mooncake_url: str) -> None:
         read = await manifest.read(namespace=ns)
         assert chains(read) == {entry(NS_A, i).chain_id for i in range(4)}
         assert (await manifest._index(ns)).generation == 0
+
+
+async def test_mooncake_leaves_a_manifest_of_a_newer_index_layout_alone(
+    mooncake_url: str,
+) -> None:
+    # A newer release that changed the index's layout (its `v`) keeps this namespace's
+    # manifest in objects this one would misread. Taking it for a namespace without an index
+    # would append where no reader looks, and compact into the newer index's slot, then
+    # sweep away its chunks.
+    url = f"{mooncake_url}{MOONCAKE_SMALL}&prefix=t{uuid.uuid4().hex}"
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest = backend.manifest(LIMITS)
+        ns = NS_A.hex()
+        await manifest.append([entry(NS_B, 0)])
+        stem = f"g1-{'ab' * 8}"
+        index = json.dumps({"v": 2, "namespace": ns, "generation": 1, "root": stem}).encode()
+        chunk = _with_token(encode_entry(entry(NS_A, 0)))
+        lock = b'{"holder": "a newer compaction"}'  # not a lock of this release's layout
+        names = [manifest.object_name(ns, name) for name in ("index.1", f"{stem}:b0", "lock")]
+        store, config = backend._store, manifest._replicate_config()
+        for name, value in zip(names, (index, chunk, lock), strict=True):
+
+            def put(stop: object, name: str = name, value: bytes = value) -> int:
+                return int(store.put(name, value, config))
+
+            assert await backend.run_job(put) == 0
+        with structlog.testing.capture_logs() as logs:
+            await manifest.append([entry(NS_A, 1)])
+            read = await manifest.read()
+            report = await manifest.compact()
+        assert chains(read) == {entry(NS_B, 0).chain_id}
+        assert (read.newer, report.newer) == (1, 1)
+        assert await manifest._get(names, manifest.chunk_bytes) == [index, chunk, lock]
+        assert await manifest._log_end(ns, "g0") == 0  # nothing appended beside it
+        steps = [e["step"] for e in logs if e["event"] == "hicache.manifest.newer_layout"]
+        assert steps == ["append", "read", "compaction"]
+        assert chains(await manifest.read(namespace=NS_B.hex())) == {entry(NS_B, 0).chain_id}
 
 
 async def test_mooncake_many_concurrent_appends_all_land(mooncake_url: str) -> None:
