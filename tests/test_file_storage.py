@@ -1317,3 +1317,22 @@ async def test_a_keyboard_interrupt_in_the_close_still_releases_the_root(
     # The lock went with the descriptors: the root opens again in this process.
     async with FileStorage(root) as again:
         assert await again.exists(_keys(1)) == 0
+
+
+async def test_a_page_with_a_flag_this_release_does_not_know_is_a_miss_left_in_place(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    keys = _keys(2)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        path = _page_path(root, keys[0])
+        value = bytearray(path.read_bytes())
+        value[6] |= 2  # a flag bit a later release could define, header checksum made right
+        value[120:128] = _native.checksum([memoryview(value)[:120]]).to_bytes(8, "little")
+        path.write_bytes(bytes(value))
+        assert await _get(storage, keys) == [Outcome.MISS, Outcome.OK]
+        report = await storage.verify()
+        assert (report.ok, report.corrupt_removed, report.unsupported) == (1, 0, 1)
+        assert storage.stats().corrupt == 0
+    assert path.read_bytes() == bytes(value)

@@ -229,3 +229,22 @@ def test_scatter_checksum_copies_and_hashes_in_one_pass(sizes: list[int], seed: 
     if payload:
         with pytest.raises(ValueError, match="does not match"):
             _scatter_checksum(payload[:-1], into)
+
+
+def _with_flags(value: bytes, flags: int) -> bytes:
+    """`value` with its header's flags replaced and its header checksum made right again."""
+    head = bytearray(value[:HEADER_NBYTES])
+    struct.pack_into("<H", head, 6, flags)
+    struct.pack_into("<Q", head, 120, xxhash.xxh3_64_intdigest(bytes(head[:120])))
+    return bytes(head) + value[HEADER_NBYTES:]
+
+
+def test_a_flag_bit_the_reader_does_not_know_is_a_miss_left_in_place() -> None:
+    payload = bytes(range(200))
+    value = _value(payload)
+    assert isinstance(decode_header(_with_flags(value, 0)), PageHeader)  # the rebuild is sound
+    into = [memoryview(bytearray(200))]
+    for flags in (2, 1 << 15, 2 | 1):
+        unknown = _with_flags(value, flags)
+        assert decode_header(unknown) is PageCheck.UNSUPPORTED
+        assert read_value_into(unknown, key=KEY, namespace=NS, into=into) is PageCheck.UNSUPPORTED

@@ -17,10 +17,12 @@ Header, little-endian:
        120    8 xxh3-64 of header bytes 0..120
 
 Evolution: a reader accepts exactly the versions it knows. A page of a newer version is a miss
-that is left in place (a newer writer shares the store); a header that fails its own checksum is
-corrupt. New fields go into a new version; the 128-byte size and the first 8 bytes never change.
-A release that raises FORMAT_VERSION must treat a page of an earlier version it no longer reads
-the same way (UNSUPPORTED, never CORRUPT): the instances not yet upgraded still read it.
+that is left in place (a newer writer shares the store), and so is one with a flag bit the reader
+does not know (a later release may define one without a new version); a header that fails its
+own checksum is corrupt. New fields go into a new version; the 128-byte size and the first 8
+bytes never change. A release that raises FORMAT_VERSION must treat a page of an earlier
+version it no longer reads the same way (UNSUPPORTED, never CORRUPT): the instances not yet
+upgraded still read it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ MAGIC = b"HCKV"
 FORMAT_VERSION = 1
 HEADER_NBYTES = 128
 FLAG_MAC = 1
+_KNOWN_FLAGS = FLAG_MAC
 
 _BODY = struct.Struct("<4sHH16s32sQIiQQ32s")  # bytes 0..120
 _TAIL = struct.Struct("<Q")
@@ -191,6 +194,10 @@ def decode_header(raw: bytes | memoryview) -> PageHeader | PageCheck:
     (_, version, flags, namespace, key, nbytes, tokens, priority, digest, created, mac) = (
         _BODY.unpack(body)
     )
+    if flags & ~_KNOWN_FLAGS:
+        # A flag a later release defined may change how the payload reads: served as it
+        # stands, it could be a wrong page. A miss, left for the writer's release.
+        return PageCheck.UNSUPPORTED
     return PageHeader(
         version=version,
         flags=flags,
