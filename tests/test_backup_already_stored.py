@@ -20,7 +20,7 @@ from test_backup_repair import Shared, _queued
 
 from hicache_async import CacheConfig, HiCache
 from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend, StorageError
-from hicache_async.testing import KVGenerator, assert_drained, serve
+from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
 from hicache_async.workers import BackupStatistics
 
 PAGE = 4
@@ -261,3 +261,57 @@ async def test_giving_way_during_the_look_up_writes_nothing_more() -> None:
             assert backup.written_pages == 0
             assert_backup_adds_up(backup)
             assert_drained(second)
+
+
+async def test_a_node_split_during_the_look_up_is_marked_in_both_parts() -> None:
+    # While the look-up of a stored 6-page node is held, a prompt that diverges after its
+    # third page splits it: the pages found are marked by the counts planned, in both parts.
+    config = _config(check_prefix=False)
+    generator = KVGenerator(config.layout, PAGE, seed=10)
+    tokens = _prompt(13, 6)
+    fork = np.concatenate([tokens[: 3 * PAGE], _prompt(14, 1)])
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, tokens, generator)
+        shared.put_keys.clear()
+        shared.hold_exists = asyncio.Event()
+        async with HiCache(config, storage=shared) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await asyncio.wait_for(shared.exists_waiting.wait(), 5)
+            await serve(second, fork, generator, prefetch=False)
+            shared.hold_exists.set()
+            await second.drain()
+            assert _all_in_storage(second, tokens)
+            assert _all_in_storage(second, fork)
+            backup = _backup(second)
+            assert backup.already_stored_pages == 6
+            # Only the fork's own page was written.
+            assert shared.put_keys == second.namespace.storage_keys(second.keys_for(fork))[3:]
+            second.tree.check_invariants()
+            assert_backup_adds_up(backup)
+            assert_drained(second)
+
+
+async def test_over_redis_a_second_instance_sends_no_page_the_first_stored() -> None:
+    # Redis is where a put of a stored page costs most: SET NX sends the whole page.
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=9)
+    tokens = _prompt(12, 6)
+    with RedisServer() as server:
+        url = f"{server.url}?prefix=already-stored"
+        async with HiCache(config, storage=url) as first:
+            await serve(first, tokens, generator, prefetch=False)
+            await first.drain()
+            assert _backup(first).written_pages == 6
+        async with HiCache(config, storage=url) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await second.drain()
+            status = second.storage_status()
+            assert status.storage is not None
+            assert status.backup is not None
+            assert status.storage.puts == 0
+            assert status.backup.already_stored_pages == 6
+            assert _all_in_storage(second, tokens)
+        async with HiCache(config, storage=url) as third:
+            served = await serve(third, tokens, generator, check="loaded")
+            assert served.storage_tokens == 6 * PAGE
