@@ -289,6 +289,10 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     #: also what keeps a hot prefix in a store that evicts by use: a store that cycles
     #: through its whole capacity faster than this may evict one.
     check_prefix_interval_s: float = 2.0
+    #: Before writing, ask storage (one `exists` per chain) which of the batch's pages it
+    #: holds already (another instance stored them, or this one before its tree forgot
+    #: them), and write only the others.
+    skip_stored: bool = True
 
     def __post_init__(self) -> None:
         _positive("backup.queue_size", self.queue_size)
@@ -299,6 +303,7 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         _float_field(self, "io_timeout_s", "backup.io_timeout_s", low=0.001)
         _flag("backup.check_prefix", self.check_prefix)
         _float_field(self, "check_prefix_interval_s", "backup.check_prefix_interval_s", low=0.0)
+        _flag("backup.skip_stored", self.skip_stored)
 
 
 class WarmupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -87,4 +87,5 @@ def assert_backup_adds_up(backup: BackupStatistics) -> None:
         + backup.failed_pages
         + backup.dropped_pages
         + backup.superseded_pages
+        + backup.already_stored_pages
     )

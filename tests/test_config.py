@@ -280,6 +280,8 @@ def _cache(**fields: Any) -> CacheConfig:
         (lambda: WarmupConfig(deadline_s=10**400), "warmup.deadline_s"),
         (lambda: BackupConfig(check_prefix="false"), "backup.check_prefix"),
         (lambda: BackupConfig(check_prefix=0), "backup.check_prefix"),
+        (lambda: BackupConfig(skip_stored="false"), "backup.skip_stored"),
+        (lambda: BackupConfig(skip_stored=1), "backup.skip_stored"),
         (lambda: PrefetchConfig(policy=["timeout"]), "prefetch.policy"),
         (lambda: PrefetchConfig(policy=None), "prefetch.policy"),
         (lambda: KVLayout(**MHA, dtype=["float16"]), "layout.dtype"),
@@ -320,7 +322,12 @@ SECTIONS: list[Any] = [
         max_host_share=np.float64(0.25),
         io_timeout_s=np.int64(2),
     ),
-    BackupConfig(check_prefix=False, retry_backoff_s=np.float16(0.5), check_prefix_interval_s=0),
+    BackupConfig(
+        check_prefix=False,
+        retry_backoff_s=np.float16(0.5),
+        check_prefix_interval_s=0,
+        skip_stored=False,
+    ),
     WarmupConfig(enabled=True, ratio=Fraction(1, 4), deadline_s=np.float32(1.5)),
 ]
 

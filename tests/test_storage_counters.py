@@ -115,7 +115,13 @@ async def test_prefetch_misses_and_errors_count_pages(tmp_path: Path) -> None:
 
 
 async def test_batch_latencies_leave_out_calls_that_moved_no_page() -> None:
-    config = _config()
+    # The store claims every page exists: the backup must not skip them, or it puts nothing.
+    config = CacheConfig.from_dict(
+        {
+            **_config().to_dict(),
+            "backup": {"max_retries": 1, "retry_backoff_s": 0.0, "skip_stored": False},
+        }
+    )
     generator = KVGenerator(config.layout, PAGE)
     store = _Scripted()
     store.release.set()

@@ -13,6 +13,10 @@ A batch also writes the pages above each job that storage lacks: a prefix is fou
 only up to its first missing page, so one page skipped, failed, or lost by the store (a
 restart without persistence, its own eviction, another instance's gc) would otherwise cut
 every chain through it for every other instance, for as long as this one holds the page.
+
+Keys name content, so a page storage holds already (another instance stored it, or this one
+before its tree forgot the node) is the same page: a batch asks `exists` first and writes
+only what storage lacks (`skip_stored`).
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class BackupStatistics(msgspec.Struct, frozen=True):
     repaired_pages: int = 0
     #: pages marked in storage that a check of the prefix above a job found missing there
     lost_pages: int = 0
+    #: planned pages (offered or repaired) not written because storage held them already
+    #: (another instance stored them, or this one before its tree forgot them)
+    already_stored_pages: int = 0
 
 
 class BackupWorker:
@@ -116,7 +123,7 @@ class BackupWorker:
         self.offered_pages = self.written_pages = self.bytes_written = 0
         self.skipped_pages = self.retried_pages = self.failed_pages = 0
         self.dropped_pages = self.batches = self.superseded_pages = 0
-        self.repaired_pages = self.lost_pages = 0
+        self.repaired_pages = self.lost_pages = self.already_stored_pages = 0
 
     def offer(self, node: TreeNode, num_pages: int) -> bool:
         """Queue the last `num_pages` pages ending at `node` for backup; never waits."""
@@ -203,9 +210,10 @@ class BackupWorker:
 
         Queued jobs are dropped (`dropped_pages`). The batch being written (or the one about
         to begin with a job already handed to the worker) makes no further backend call (no
-        retry, no later chunk, no further prefix check): it ends once the call in progress
-        returns, within `io_timeout_s`, its unwritten pages counted in `failed_pages`, and
-        then lifts its protections. What it wrote is marked as usual.
+        retry, no later chunk, no further prefix check or look-up of stored pages): it ends
+        once the call in progress returns, within `io_timeout_s`, its unwritten pages counted
+        in `failed_pages`, and then lifts its protections. What it wrote, or found stored, is
+        marked as usual.
         """
         if not self.protecting or (self.pending == 0 and (self._giving_way or self._give_way_next)):
             return  # nothing held, or nothing more to give up
@@ -264,6 +272,7 @@ class BackupWorker:
             superseded_pages=self.superseded_pages,
             repaired_pages=self.repaired_pages,
             lost_pages=self.lost_pages,
+            already_stored_pages=self.already_stored_pages,
         )
 
     async def _write(self, jobs: list[_Job]) -> None:
@@ -281,6 +290,8 @@ class BackupWorker:
             # above each job's range that storage lacks. A flush to a backend no longer
             # attached writes only what was offered: the detach unmarked every node.
             planned: list[tuple[TreeNode, int]] = []
+            # Indexes into `planned` of each path's nodes, root first: one chain each.
+            chains: list[list[int]] = []
             seen: set[int] = set()
             keys: list[bytes] = []
             buffers = []
@@ -291,10 +302,12 @@ class BackupWorker:
             repaired = 0
             for path in paths:
                 above = _chain(path[0].parent) if repairing else []
+                chains.append([])
                 for node in (*above, *path):
                     if node.in_storage or node.host_pages is None or node.id in seen:
                         continue
                     seen.add(node.id)
+                    chains[-1].append(len(planned))
                     planned.append((node, node.num_pages))
                     if node.id not in offered_ids:
                         repaired += node.num_pages
@@ -311,13 +324,18 @@ class BackupWorker:
             if not keys:
                 return
             self.batches += 1
+            done = [False] * len(keys)
+            if self.config.skip_stored and self._is_current():
+                await self._find_stored(planned, chains, keys, done)
+            todo = [i for i, stored in enumerate(done) if not stored]
             limit = max(1, self._backend.capabilities.max_batch_pages)
-            done: list[bool] = []
-            for start in range(0, len(keys), limit):
-                end = start + limit
-                done += await self._put_with_retries(
-                    keys[start:end], buffers[start:end], metas[start:end]
+            for start in range(0, len(todo), limit):
+                chunk = todo[start : start + limit]
+                written = await self._put_with_retries(
+                    [keys[i] for i in chunk], [buffers[i] for i in chunk], [metas[i] for i in chunk]
                 )
+                for i, ok in zip(chunk, written, strict=True):
+                    done[i] = ok
             # By the page counts planned: a node split meanwhile holds fewer of them now,
             # the rest in the new node above it, and both are marked.
             offset = 0
@@ -335,6 +353,40 @@ class BackupWorker:
             cache._capacity_changed.set()  # an allocation waiting on them retries
         # The entries are taken: the manifest append needs no host page held.
         await self._record(entries)
+
+    async def _find_stored(
+        self,
+        planned: list[tuple[TreeNode, int]],
+        chains: list[list[int]],
+        keys: list[bytes],
+        done: list[bool],
+    ) -> None:
+        """Set `done` for the leading pages of each chain of `planned` that storage holds
+        already, so that they are not written again (nor their bytes sent).
+
+        One `exists` per chain, its planned pages in chain order: a page past the first
+        missing one is written even if storage holds it (putting a stored page is harmless).
+        A failed or timed-out call leaves the rest unknown, so written as before.
+        """
+        offsets = [0, *itertools.accumulate(n for _, n in planned)]
+        for chain in chains:
+            if self._giving_way:
+                return  # a device allocation needs the pages: no further call
+            indexes = [i for k in chain for i in range(offsets[k], offsets[k + 1])]
+            if not indexes:
+                continue
+            try:
+                with anyio.fail_after(self.config.io_timeout_s):
+                    answer = await self._backend.exists([keys[i] for i in indexes])
+                found = check_exists(answer, len(indexes))
+            except Exception as exc:
+                _log.warning("hicache.backup.stored.failed", pages=len(indexes), error=repr(exc))
+                return
+            if not self._is_current():
+                return  # detached meanwhile: the flush writes what is left, as it would
+            for i in indexes[:found]:
+                done[i] = True
+            self.already_stored_pages += found
 
     async def _check_prefixes(self, jobs: list[_Job]) -> None:
         """Unmark the nodes above the jobs' ranges that are marked in storage but missing

@@ -1,0 +1,317 @@
+"""Backup does not write again what storage holds already.
+
+Keys are content-addressed (namespace and token chain), so a page another instance stored, or
+this one before its tree forgot the node, is the same page: the backup asks `exists` about the
+batch's own pages first, writes only what storage lacks, and marks the rest in storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+from _unowned_storage import assert_backup_adds_up
+from test_backup_repair import Shared, _queued
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend, StorageError
+from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
+from hicache_async.workers import BackupStatistics
+
+PAGE = 4
+
+
+def _config(**backup: object) -> CacheConfig:
+    return CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
+            "page_size": PAGE,
+            "device_pages": 64,
+            "host_pages": 128,
+            "model_id": "backup-already-stored-test",
+            "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE},
+            "backup": {"batch_pages": 8, "retry_backoff_s": 0.001, **backup},
+        }
+    )
+
+
+def _prompt(seed: int, pages: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 5000, size=pages * PAGE)
+
+
+def _backup(cache: HiCache) -> BackupStatistics:
+    status = cache.storage_status().backup
+    assert status is not None
+    return status
+
+
+def _all_in_storage(cache: HiCache, tokens: np.ndarray) -> bool:
+    keys = set(cache.keys_for(tokens))
+    stored = {key for node in cache.tree.iter_nodes() if node.in_storage for key in node.keys}
+    return keys <= stored
+
+
+@asynccontextmanager
+async def _store(kind: str, tmp_path: Path) -> AsyncIterator[StorageBackend]:
+    backend: StorageBackend = (
+        MemoryStorage(capacity_bytes=16 << 20) if kind == "memory" else FileStorage(tmp_path)
+    )
+    async with backend:
+        yield backend
+
+
+async def _served_and_stored(
+    config: CacheConfig, shared: Shared, tokens: np.ndarray, generator: KVGenerator
+) -> None:
+    """One instance serves `tokens` and backs them up."""
+    async with HiCache(config, storage=shared) as cache:
+        await serve(cache, tokens, generator, prefetch=False)
+        await cache.drain()
+        assert _all_in_storage(cache, tokens)
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_a_second_instance_writes_none_of_what_the_first_stored(
+    kind: str, tmp_path: Path
+) -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=1)
+    tokens = _prompt(1, 6)
+    async with _store(kind, tmp_path) as backend:
+        shared = Shared(backend)
+        await _served_and_stored(config, shared, tokens, generator)
+        puts = backend.stats().puts
+        shared.put_keys.clear()
+        # The second computes the same prompt (no prefetch) and backs it up.
+        async with HiCache(config, storage=shared) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await second.drain()
+            backup = _backup(second)
+            assert backup.written_pages == 0
+            assert backup.already_stored_pages == 6
+            assert shared.put_keys == []
+            assert backend.stats().puts == puts
+            assert _all_in_storage(second, tokens)
+            assert_backup_adds_up(backup)
+            second.tree.check_invariants()
+            assert_drained(second)
+        # A third instance loads the whole prompt from storage, every page checked.
+        async with HiCache(config, storage=shared) as third:
+            served = await serve(third, tokens, generator, check="loaded")
+            assert served.storage_tokens == 6 * PAGE
+
+
+async def test_a_partly_stored_chain_writes_only_its_missing_tail() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=2)
+    tokens = _prompt(2, 6)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, tokens[: 3 * PAGE], generator)
+        shared.put_keys.clear()
+        async with HiCache(config, storage=shared) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await second.drain()
+            backup = _backup(second)
+            keys = second.namespace.storage_keys(second.keys_for(tokens))
+            assert shared.put_keys == keys[3:]
+            assert backup.written_pages == 3
+            assert backup.already_stored_pages == 3
+            assert _all_in_storage(second, tokens)
+            assert_backup_adds_up(backup)
+            assert_drained(second)
+        async with HiCache(config, storage=shared) as third:
+            served = await serve(third, tokens, generator, check="loaded")
+            assert served.storage_tokens == 6 * PAGE
+
+
+async def test_pages_above_a_job_that_storage_holds_are_not_written_again() -> None:
+    # The first instance stores the base. The second's offer of it is skipped (its queue is
+    # full); then it backs up a longer prompt: the base, planned above the job, is found in
+    # storage and not written again.
+    config = _config(queue_size=1)
+    generator = KVGenerator(config.layout, PAGE, seed=3)
+    base = _prompt(3, 4)
+    longer = np.concatenate([base, _prompt(4, 2)])
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, base, generator)
+        async with HiCache(config, storage=shared) as second:
+            shared.hold_puts = asyncio.Event()
+            await serve(second, _prompt(10, 1), generator, prefetch=False)
+            await asyncio.wait_for(shared.put_waiting.wait(), 5)  # that batch is held
+            await serve(second, _prompt(11, 1), generator, prefetch=False)
+            await _queued(second, 1)  # the queue is full
+            await serve(second, base, generator, prefetch=False)
+            for _ in range(500):  # until the base's host copy lands and its offer is skipped
+                if _backup(second).skipped_pages:
+                    break
+                await asyncio.sleep(0.01)
+            shared.hold_puts.set()
+            await second.drain()
+            assert _backup(second).skipped_pages == 4
+            shared.put_keys.clear()
+            await serve(second, longer, generator, prefetch=False)
+            await second.drain()
+            backup = _backup(second)
+            keys = second.namespace.storage_keys(second.keys_for(longer))
+            assert shared.put_keys == keys[4:]
+            assert backup.repaired_pages == 4
+            assert backup.already_stored_pages == 4
+            assert _all_in_storage(second, longer)
+            assert_backup_adds_up(backup)
+            assert_drained(second)
+
+
+@pytest.mark.parametrize("answer", [StorageError("exists broke"), 7, -1])
+async def test_a_failed_or_wrong_exists_writes_every_page(answer: object) -> None:
+    config = _config(check_prefix=False)
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    tokens = _prompt(5, 6)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, tokens, generator)
+        shared.put_keys.clear()
+        shared.exists_calls = 0
+        shared.exists_answer = answer
+        async with HiCache(config, storage=shared) as second:
+            with structlog.testing.capture_logs() as logs:
+                await serve(second, tokens, generator, prefetch=False)
+                await second.drain()
+            assert shared.exists_calls == 1
+            assert [e["event"] for e in logs].count("hicache.backup.stored.failed") == 1
+            backup = _backup(second)
+            assert backup.already_stored_pages == 0
+            assert backup.written_pages == 6
+            assert len(shared.put_keys) == 6
+            assert _all_in_storage(second, tokens)
+            assert_backup_adds_up(backup)
+            assert_drained(second)
+
+
+async def test_an_exists_that_times_out_writes_every_page() -> None:
+    config = _config(check_prefix=False, io_timeout_s=0.05)
+    generator = KVGenerator(config.layout, PAGE, seed=6)
+    tokens = _prompt(6, 6)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, tokens, generator)
+        shared.put_keys.clear()
+        shared.hold_exists = asyncio.Event()  # never set: only the timeout ends the call
+        async with HiCache(config, storage=shared) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await second.drain()
+            assert shared.exists_waiting.is_set()
+            backup = _backup(second)
+            assert backup.already_stored_pages == 0
+            assert backup.written_pages == 6
+            assert _all_in_storage(second, tokens)
+            assert_drained(second)
+
+
+async def test_with_skip_stored_off_every_page_is_written_and_no_exists_asked() -> None:
+    config = _config(check_prefix=False, skip_stored=False)
+    generator = KVGenerator(config.layout, PAGE, seed=7)
+    tokens = _prompt(7, 6)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, tokens, generator)
+        shared.exists_calls = 0
+        async with HiCache(config, storage=shared) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await second.drain()
+            assert shared.exists_calls == 0
+            backup = _backup(second)
+            assert backup.written_pages == 6
+            assert backup.already_stored_pages == 0
+            assert_backup_adds_up(backup)
+
+
+async def test_giving_way_during_the_look_up_writes_nothing_more() -> None:
+    config = _config(check_prefix=False)
+    generator = KVGenerator(config.layout, PAGE, seed=8)
+    stored, fresh = _prompt(8, 3), _prompt(9, 3)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, stored, generator)
+        shared.put_keys.clear()
+        shared.hold_exists = asyncio.Event()
+        async with HiCache(config, storage=shared) as second:
+            await serve(second, stored, generator, prefetch=False)
+            await asyncio.wait_for(shared.exists_waiting.wait(), 5)
+            link = second._link
+            assert link is not None
+            await serve(second, fresh, generator, prefetch=False)
+            await _queued(second, 1)
+            link.backup.give_way()
+            shared.hold_exists.set()
+            await second.drain()
+            backup = _backup(second)
+            # The look-up in flight answered (its pages skipped and marked), the queued job
+            # was dropped, and nothing was put.
+            assert shared.put_keys == []
+            assert backup.already_stored_pages == 3
+            assert backup.dropped_pages == 3
+            assert _all_in_storage(second, stored)
+            assert backup.written_pages == 0
+            assert_backup_adds_up(backup)
+            assert_drained(second)
+
+
+async def test_a_node_split_during_the_look_up_is_marked_in_both_parts() -> None:
+    # While the look-up of a stored 6-page node is held, a prompt that diverges after its
+    # third page splits it: the pages found are marked by the counts planned, in both parts.
+    config = _config(check_prefix=False)
+    generator = KVGenerator(config.layout, PAGE, seed=10)
+    tokens = _prompt(13, 6)
+    fork = np.concatenate([tokens[: 3 * PAGE], _prompt(14, 1)])
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        await _served_and_stored(config, shared, tokens, generator)
+        shared.put_keys.clear()
+        shared.hold_exists = asyncio.Event()
+        async with HiCache(config, storage=shared) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await asyncio.wait_for(shared.exists_waiting.wait(), 5)
+            await serve(second, fork, generator, prefetch=False)
+            shared.hold_exists.set()
+            await second.drain()
+            assert _all_in_storage(second, tokens)
+            assert _all_in_storage(second, fork)
+            backup = _backup(second)
+            assert backup.already_stored_pages == 6
+            # Only the fork's own page was written.
+            assert shared.put_keys == second.namespace.storage_keys(second.keys_for(fork))[3:]
+            second.tree.check_invariants()
+            assert_backup_adds_up(backup)
+            assert_drained(second)
+
+
+async def test_over_redis_a_second_instance_sends_no_page_the_first_stored() -> None:
+    # Redis is where a put of a stored page costs most: SET NX sends the whole page.
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=9)
+    tokens = _prompt(12, 6)
+    with RedisServer() as server:
+        url = f"{server.url}?prefix=already-stored"
+        async with HiCache(config, storage=url) as first:
+            await serve(first, tokens, generator, prefetch=False)
+            await first.drain()
+            assert _backup(first).written_pages == 6
+        async with HiCache(config, storage=url) as second:
+            await serve(second, tokens, generator, prefetch=False)
+            await second.drain()
+            status = second.storage_status()
+            assert status.storage is not None
+            assert status.backup is not None
+            assert status.storage.puts == 0
+            assert status.backup.already_stored_pages == 6
+            assert _all_in_storage(second, tokens)
+        async with HiCache(config, storage=url) as third:
+            served = await serve(third, tokens, generator, check="loaded")
+            assert served.storage_tokens == 6 * PAGE
