@@ -291,7 +291,8 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     check_prefix_interval_s: float = 2.0
     #: Before writing, ask storage (one `exists` per chain) which of the batch's pages it
     #: holds already (another instance stored them, or this one before its tree forgot
-    #: them), and write only the others.
+    #: them), and write only the others. Left out for a backend whose put already moves
+    #: nothing for them (`StorageCapabilities.put_skips_stored`: file, memory, Mooncake).
     skip_stored: bool = True
 
     def __post_init__(self) -> None:

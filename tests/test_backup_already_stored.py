@@ -2,7 +2,10 @@
 
 Keys are content-addressed (namespace and token chain), so a page another instance stored, or
 this one before its tree forgot the node, is the same page: the backup asks `exists` about the
-batch's own pages first, writes only what storage lacks, and marks the rest in storage.
+batch's own pages first, writes only what storage lacks, and marks the rest in storage. The
+built-in file and memory stores' puts already move nothing for such pages
+(`put_skips_stored`), so most tests wrap them to say otherwise, as a backend whose put sends
+every page would.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import structlog
@@ -19,11 +23,25 @@ from _unowned_storage import assert_backup_adds_up
 from test_backup_repair import Shared, _queued
 
 from hicache_async import CacheConfig, HiCache
-from hicache_async.storage import FileStorage, MemoryStorage, StorageBackend, StorageError
+from hicache_async.storage import (
+    FileStorage,
+    MemoryStorage,
+    StorageBackend,
+    StorageCapabilities,
+    StorageError,
+)
 from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
 from hicache_async.workers import BackupStatistics
 
 PAGE = 4
+
+
+class SendsEveryPage(Shared):
+    """A real store whose put, as far as the backup knows, sends every page it is given."""
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return msgspec.structs.replace(self.inner.capabilities, put_skips_stored=False)
 
 
 def _config(**backup: object) -> CacheConfig:
@@ -83,7 +101,7 @@ async def test_a_second_instance_writes_none_of_what_the_first_stored(
     generator = KVGenerator(config.layout, PAGE, seed=1)
     tokens = _prompt(1, 6)
     async with _store(kind, tmp_path) as backend:
-        shared = Shared(backend)
+        shared = SendsEveryPage(backend)
         await _served_and_stored(config, shared, tokens, generator)
         puts = backend.stats().puts
         shared.put_keys.clear()
@@ -111,7 +129,7 @@ async def test_a_partly_stored_chain_writes_only_its_missing_tail() -> None:
     generator = KVGenerator(config.layout, PAGE, seed=2)
     tokens = _prompt(2, 6)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = SendsEveryPage(memory)
         await _served_and_stored(config, shared, tokens[: 3 * PAGE], generator)
         shared.put_keys.clear()
         async with HiCache(config, storage=shared) as second:
@@ -139,7 +157,7 @@ async def test_pages_above_a_job_that_storage_holds_are_not_written_again() -> N
     base = _prompt(3, 4)
     longer = np.concatenate([base, _prompt(4, 2)])
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = SendsEveryPage(memory)
         await _served_and_stored(config, shared, base, generator)
         async with HiCache(config, storage=shared) as second:
             shared.hold_puts = asyncio.Event()
@@ -174,7 +192,7 @@ async def test_a_failed_or_wrong_exists_writes_every_page(answer: object) -> Non
     generator = KVGenerator(config.layout, PAGE, seed=5)
     tokens = _prompt(5, 6)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = SendsEveryPage(memory)
         await _served_and_stored(config, shared, tokens, generator)
         shared.put_keys.clear()
         shared.exists_calls = 0
@@ -199,7 +217,7 @@ async def test_an_exists_that_times_out_writes_every_page() -> None:
     generator = KVGenerator(config.layout, PAGE, seed=6)
     tokens = _prompt(6, 6)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = SendsEveryPage(memory)
         await _served_and_stored(config, shared, tokens, generator)
         shared.put_keys.clear()
         shared.hold_exists = asyncio.Event()  # never set: only the timeout ends the call
@@ -219,7 +237,7 @@ async def test_with_skip_stored_off_every_page_is_written_and_no_exists_asked() 
     generator = KVGenerator(config.layout, PAGE, seed=7)
     tokens = _prompt(7, 6)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = SendsEveryPage(memory)
         await _served_and_stored(config, shared, tokens, generator)
         shared.exists_calls = 0
         async with HiCache(config, storage=shared) as second:
@@ -237,7 +255,7 @@ async def test_giving_way_during_the_look_up_writes_nothing_more() -> None:
     generator = KVGenerator(config.layout, PAGE, seed=8)
     stored, fresh = _prompt(8, 3), _prompt(9, 3)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = SendsEveryPage(memory)
         await _served_and_stored(config, shared, stored, generator)
         shared.put_keys.clear()
         shared.hold_exists = asyncio.Event()
@@ -271,7 +289,7 @@ async def test_a_node_split_during_the_look_up_is_marked_in_both_parts() -> None
     tokens = _prompt(13, 6)
     fork = np.concatenate([tokens[: 3 * PAGE], _prompt(14, 1)])
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = SendsEveryPage(memory)
         await _served_and_stored(config, shared, tokens, generator)
         shared.put_keys.clear()
         shared.hold_exists = asyncio.Event()
@@ -315,3 +333,28 @@ async def test_over_redis_a_second_instance_sends_no_page_the_first_stored() -> 
         async with HiCache(config, storage=url) as third:
             served = await serve(third, tokens, generator, check="loaded")
             assert served.storage_tokens == 6 * PAGE
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+async def test_a_store_whose_put_skips_stored_pages_is_asked_nothing_first(
+    kind: str, tmp_path: Path
+) -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=13)
+    tokens = _prompt(13, 6)
+    async with _store(kind, tmp_path) as backend:
+        assert backend.capabilities.put_skips_stored
+        shared = Shared(backend)
+        await _served_and_stored(config, shared, tokens, generator)
+        async with HiCache(config, storage=shared) as second:
+            asked = shared.exists_calls
+            await serve(second, tokens, generator, prefetch=False)
+            await second.drain()
+            backup = _backup(second)
+            # The put found them itself: no look-up, no bytes moved, all marked.
+            assert shared.exists_calls == asked
+            assert backup.already_stored_pages == 0
+            assert backup.written_pages == 6
+            assert backend.stats().pages == 6
+            assert _all_in_storage(second, tokens)
+            assert_backup_adds_up(backup)

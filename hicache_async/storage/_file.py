@@ -1593,7 +1593,11 @@ class FileStorage(BackendBase):
     def capabilities(self) -> StorageCapabilities:
         """Zero-copy, persistent; shared when opened with `shared=True`."""
         return StorageCapabilities(
-            max_batch_pages=256, zero_copy=True, shared=self._shared, persistent=True
+            max_batch_pages=256,
+            zero_copy=True,
+            shared=self._shared,
+            persistent=True,
+            put_skips_stored=True,
         )
 
     def __repr__(self) -> str:

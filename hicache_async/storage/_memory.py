@@ -159,7 +159,11 @@ class MemoryStorage(BackendBase):
     def capabilities(self) -> StorageCapabilities:
         """In-process only: neither shared nor persistent, and values are copies."""
         return StorageCapabilities(
-            max_batch_pages=1024, zero_copy=False, shared=False, persistent=False
+            max_batch_pages=1024,
+            zero_copy=False,
+            shared=False,
+            persistent=False,
+            put_skips_stored=True,
         )
 
     def __repr__(self) -> str:

@@ -735,6 +735,7 @@ class MooncakeStorage(BackendBase):
             zero_copy=self._auto_register > 0 or len(self._regions) > 0,
             shared=True,
             persistent=self._segment_size == 0,
+            put_skips_stored=True,  # `batch_is_exist` first (see `_put_job`)
         )
 
     @property

@@ -68,6 +68,10 @@ class StorageCapabilities(msgspec.Struct, frozen=True):
     shared: bool
     #: pages survive a restart of this process.
     persistent: bool
+    #: `put` finds the pages the store holds already and moves none of their bytes (they
+    #: come back OK), so asking `exists` first saves nothing: the backup leaves its look-up
+    #: of stored pages (`backup.skip_stored`) out. False for a put that sends every page.
+    put_skips_stored: bool = False
 
 
 class StorageStats(msgspec.Struct, frozen=True):

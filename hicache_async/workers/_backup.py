@@ -16,7 +16,9 @@ every chain through it for every other instance, for as long as this one holds t
 
 Keys name content, so a page storage holds already (another instance stored it, or this one
 before its tree forgot the node) is the same page: a batch asks `exists` first and writes
-only what storage lacks (`skip_stored`).
+only what storage lacks (`skip_stored`), unless the backend's own put already moves nothing
+for such pages (`put_skips_stored`: file, memory and Mooncake; a shared file root's put also
+looks at the disk, where its `exists` trusts this instance's index).
 """
 
 from __future__ import annotations
@@ -325,7 +327,11 @@ class BackupWorker:
                 return
             self.batches += 1
             done = [False] * len(keys)
-            if self.config.skip_stored and self._is_current():
+            if (
+                self.config.skip_stored
+                and not self._backend.capabilities.put_skips_stored
+                and self._is_current()
+            ):
                 await self._find_stored(planned, chains, keys, done)
             todo = [i for i, stored in enumerate(done) if not stored]
             limit = max(1, self._backend.capabilities.max_batch_pages)
