@@ -132,3 +132,28 @@ def test_the_oracle_writes_other_bytes_for_every_layout_of_one_page_size() -> No
     tokens = np.arange(8)
     pages = {KVGenerator(layout, 4).page_bytes(tokens, 1) for layout in SAME_SIZE}
     assert len(pages) == len(SAME_SIZE)
+
+
+# (word type, exponent mask, mantissa mask, quiet-NaN bit) of the wider floats.
+_NAN_BITS = {
+    "float16": (np.uint16, 0x7C00, 0x03FF, 0x0200),
+    "bfloat16": (np.uint16, 0x7F80, 0x007F, 0x0040),
+    "float32": (np.uint32, 0x7F800000, 0x007FFFFF, 0x00400000),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_oracle_writes_the_bit_patterns_that_floats_compare_wrongly(dtype: str) -> None:
+    # A copy that went through a float type (canonicalizing NaNs, or comparing them unequal,
+    # or -0 equal to 0) would only show on pages that hold such patterns: the oracle writes
+    # raw bits, every pattern included, and compares bytes.
+    layout = KVLayout(num_layers=2, num_kv_heads=4, head_dim=64, dtype=dtype)
+    data = np.frombuffer(KVGenerator(layout, 16).page_bytes(np.arange(16), 0), np.uint8)
+    if layout.itemsize == 1:
+        assert len(np.unique(data)) == 256  # NaNs, infinities and -0 of both float8 kinds
+        return
+    word, exponent, mantissa, quiet = _NAN_BITS[dtype]
+    words = data.view(word)
+    nans = words[((words & exponent) == exponent) & ((words & mantissa) != 0)]
+    assert (nans & quiet).any()  # quiet NaNs
+    assert ((nans & quiet) == 0).any()  # signalling NaNs, which a float load may quieten
