@@ -1232,16 +1232,16 @@ class _SharedMemory(Unowned):
 async def test_a_chain_longer_than_a_record_holds_is_warmed_up_as_its_prefix(
     tmp_path: Path, store: str
 ) -> None:
-    # At page size 1 every token is a key: a 5,000-token conversation's whole chain would not
+    # At page size 1 every token is a key: a 4,000-token conversation's whole chain would not
     # fit one record, which every warmup skips (file) or no store keeps (memory).
     config = _config(
         layout={"num_layers": 1, "attention": "mla", "kv_lora_rank": 1, "dtype": "uint8"},
         page_size=1,
-        device_pages=5200,
-        host_pages=10_400,
+        device_pages=4100,
+        host_pages=8200,
     )
     generator = KVGenerator(config.layout, 1, seed=5)
-    prompt = np.random.default_rng(8).integers(0, 50_000, size=5001)
+    prompt = np.random.default_rng(8).integers(0, 50_000, size=4001)
     backend = FileStorage(tmp_path) if store == "file" else MemoryStorage()
     async with contextlib.AsyncExitStack() as stack:
         if store == "memory":
