@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+from _unowned_storage import Unowned
 from structlog.testing import capture_logs
 
 from hicache_async import CacheConfig, HiCache, StorageError
@@ -1214,3 +1215,55 @@ async def test_warmed_entries_leave_least_valuable_first(tmp_path: Path) -> None
         on_host = [cache.match(chain).host_tokens // PAGE for chain in chains]
         assert on_host == [0, 8, 8, 8], on_host  # the oldest chain went, the newest stayed
         await serve(cache, chains[3], generator, prefetch=False, check="all")
+
+
+class _SharedMemory(Unowned):
+    """A memory store two caches share, its manifest included."""
+
+    def __init__(self, inner: MemoryStorage) -> None:
+        super().__init__(inner)
+        self.memory = inner
+
+    def manifest(self, limits: ManifestLimits | None = None) -> MemoryManifest:
+        return self.memory.manifest(limits)
+
+
+@pytest.mark.parametrize("store", ["file", "memory"])
+async def test_a_chain_longer_than_a_record_holds_is_warmed_up_as_its_prefix(
+    tmp_path: Path, store: str
+) -> None:
+    # At page size 1 every token is a key: a 4,000-token conversation's whole chain would not
+    # fit one record, which every warmup skips (file) or no store keeps (memory).
+    config = _config(
+        layout={"num_layers": 1, "attention": "mla", "kv_lora_rank": 1, "dtype": "uint8"},
+        page_size=1,
+        device_pages=4100,
+        host_pages=8200,
+    )
+    generator = KVGenerator(config.layout, 1, seed=5)
+    prompt = np.random.default_rng(8).integers(0, 50_000, size=4001)
+    backend = FileStorage(tmp_path) if store == "file" else MemoryStorage()
+    async with contextlib.AsyncExitStack() as stack:
+        if store == "memory":
+            await stack.enter_async_context(backend)
+        shared = _SharedMemory(backend) if isinstance(backend, MemoryStorage) else backend
+        async with HiCache(config, storage=shared) as first:
+            await serve(first, prompt, generator)
+            await first.drain()
+        read = await backend.manifest().read()
+        assert read.oversized == 0
+        assert len(read.entries) == 1
+        (entry,) = read.entries
+        limit = ManifestLimits().max_entry_bytes
+        # The longest prefix that fits: one more key would not.
+        assert len(encode_entry(entry)) <= limit < len(encode_entry(entry)) + 67
+        pages = len(entry.keys)
+        assert entry.num_tokens == pages
+        if isinstance(backend, FileStorage):
+            shared = FileStorage(tmp_path)
+        async with HiCache(config, storage=shared) as cold:
+            result = await cold.warmup(ratio=1.0)
+            assert result.status is WarmupStatus.COMPLETE
+            assert result.pages_loaded == pages
+            served = await serve(cold, prompt, generator, prefetch=False, check="all")
+            assert served.host_tokens == pages

@@ -1,16 +1,20 @@
 """A deterministic stand-in for a model's KV: the oracle that tier and storage tests check against.
 
 The bytes of token t in layer l, buffer b, head h depend on the token ids up to and including t,
-on t itself, on (l, b, h), on the element's index and on the seed, and on nothing else; so two
-prompts that share a prefix share that prefix's pages, exactly as real KV does.
+on t itself, on (l, b, h), on the element's index, on the seed and on the layout (dtype, heads,
+head size, attention kind), and on nothing else; so two prompts that share a prefix share that
+prefix's pages, exactly as real KV does, and two layouts whose pages are the same size (float16
+and bfloat16, two heads of 8 and one of 16) never write the same bytes, as two real models
+would not: a page read under the wrong layout fails the check instead of passing it.
 
 How: token t's word is h_t = BLAKE2b-64 of the token ids 0..t (little-endian uint32), a
 sequential, nonlinear hash of the whole prefix (its length, so t, is part of the input); a
-splitmix64 round turns (seed, b, l, h, element) into a coordinate word; one multiply-xorshift of
-h_t + coordinate gives each 64-bit word of the page. Both steps after the hash are bijections of
-h_t for a fixed coordinate, so two prefixes give the same bytes only if their 64-bit hashes
-collide (about 2^-64 per pair). An earlier linear polynomial hash had structural collisions
-(a Thue-Morse prompt and its complement gave identical pages), which an oracle must not have.
+splitmix64 round turns (seed, layout hash, b, l, h, element) into a coordinate word; one
+multiply-xorshift of h_t + coordinate gives each 64-bit word of the page. Both steps after the
+hash are bijections of h_t for a fixed coordinate, so two prefixes give the same bytes only if
+their 64-bit hashes collide (about 2^-64 per pair). An earlier linear polynomial hash had
+structural collisions (a Thue-Morse prompt and its complement gave identical pages), which an
+oracle must not have.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from .._config import KVLayout
@@ -59,8 +64,13 @@ class KVGenerator:
         nb, nl = layout.num_buffers, layout.num_layers
         # One coordinate word per (buffer, layer, head, word), shaped to broadcast over tokens.
         coords = np.arange(nb * nl * heads * words, dtype=_U64)
+        # Without the layout, the words depend on the page geometry only, so a float16 page
+        # read back where a bfloat16 one was expected (a namespace that failed to tell them
+        # apart) would check as correct.
+        described = msgspec.json.encode(layout, order="sorted")
+        layout_word = int.from_bytes(hashlib.blake2b(described, digest_size=8).digest(), "little")
         with np.errstate(over="ignore"):
-            seeded = coords ^ _U64((seed * _GOLDEN) & _MASK)
+            seeded = coords ^ _U64(((seed * _GOLDEN) ^ layout_word) & _MASK)
             self._coords = _splitmix(seeded).reshape(nb, nl, 1, heads, words)
         # The hash state after the prefix of the last call, so that walking a prompt page by
         # page hashes each token once (a comparison, far cheaper than hashing, checks that

@@ -58,7 +58,7 @@ def hicache_config() -> CacheConfig:
 
 @pytest.fixture
 def kv_generator(hicache_config: CacheConfig) -> KVGenerator:
-    """The oracle: KV bytes as a function of token ids, position, layer and head."""
+    """The oracle: KV bytes as a function of token ids, position, layer, head and layout."""
     from ._kvgen import KVGenerator
 
     return KVGenerator(hicache_config.layout, hicache_config.page_size)

@@ -35,7 +35,14 @@ import structlog
 
 from .._config import BackupConfig
 from ..storage import Outcome, PageMeta, StorageBackend
-from ..storage._manifest import ManifestEntry, SupportsManifest, WarmupManifest, chain_entry
+from ..storage._manifest import (
+    ManifestEntry,
+    ManifestLimits,
+    SupportsManifest,
+    WarmupManifest,
+    chain_entry,
+    encode_entry,
+)
 from ..storage._protocol import check_exists, check_outcomes
 
 if TYPE_CHECKING:
@@ -50,6 +57,11 @@ _log = structlog.get_logger("hicache_async")
 #: recently found is forgotten even if fresh, and its chain is next asked about whole, one
 #: longer `exists`, as after `check_prefix_interval_s`. About 120 bytes each.
 _CHECKED_MAX = 65536
+
+#: The longest manifest record warmup reads (it reads with the default limits).
+_MAX_ENTRY_BYTES = ManifestLimits().max_entry_bytes
+#: What one more key adds to a record: 64 hex digits, two quotes and a comma.
+_KEY_RECORD_BYTES = 67
 
 
 class _Job(msgspec.Struct):
@@ -488,13 +500,21 @@ class BackupWorker:
         if not keys or node is None:
             return None  # the node left the tree meanwhile
         size = self._cache.config.page_size
-        return chain_entry(
-            self._cache.namespace.fingerprint,
-            keys,
-            len(keys) * size,
-            job.node.priority,
-            time.time(),
-        )
+        fingerprint = self._cache.namespace.fingerprint
+        priority, now = job.node.priority, time.time()
+        entry = chain_entry(fingerprint, keys, len(keys) * size, priority, now)
+        # A record longer than a reader takes is skipped by every warmup: a chain of more
+        # pages than that (some 3,900 at the default bound: 3,900 tokens at page size 1) is
+        # recorded as its longest prefix that fits, which warmup can load.
+        excess = len(encode_entry(entry)) - _MAX_ENTRY_BYTES
+        while excess > 0:
+            cut = -(-excess // _KEY_RECORD_BYTES)
+            if cut >= len(keys):
+                return None
+            keys = keys[: len(keys) - cut]
+            entry = chain_entry(fingerprint, keys, len(keys) * size, priority, now)
+            excess = len(encode_entry(entry)) - _MAX_ENTRY_BYTES
+        return entry
 
     async def _record(self, entries: list[ManifestEntry]) -> None:
         """Append to the warmup manifest; a failure costs warmup value, never a request."""
