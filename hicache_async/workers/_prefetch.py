@@ -1105,10 +1105,11 @@ class Prefetcher:
             return PrefetchStatus.COMPLETE
         todo = keys[begin:end]
         # Take the anchor first: allocating host pages below may evict, and must not take
-        # the prefix these pages will hang from.
+        # the prefix these pages will hang from. Protecting it keeps the whole prefix in the
+        # tree; its device pages are not locked: a request's allocation may still take them
+        # (they leave for the host, or are backed up there first), and a read that can last
+        # up to io_timeout_s must not make a lone request fail with OutOfPagesError.
         anchor: TreeNode = found.host_node
-        locked: TreeNode = found.device_node
-        tree.lock_device(locked)
         tree.protect_host(anchor)
         # Pages another prefetch is reading: wait on its flights (captured now, since it
         # forgets them once they land), never read them twice.
@@ -1141,7 +1142,6 @@ class Prefetcher:
         if not todo:
             cache._host_free(pages)
             tree.unprotect_host(anchor)
-            tree.unlock_device(locked)
             return cut_short
         # Cut by the host budget or a full pool: what it reads is not all storage had.
         short = begin + len(todo) < end
@@ -1266,7 +1266,6 @@ class Prefetcher:
                 if self._inflight.get(k) is flight:
                     del self._inflight[k]
             tree.unprotect_host(anchor)
-            tree.unlock_device(locked)
             # What is evicted by the end is cut once, when the prefetch finishes
             # (`_report_only_cached`).
             handle.storage_tokens = landed * size
