@@ -714,6 +714,10 @@ class Prefetcher:
         self._quiet.set()
         assert cache._host_pool is not None
         self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
+        if config.max_host_share > 0:
+            # A share of a small pool that rounds down to no page would silently end every
+            # prefetch (and warmup read) unread: a positive share allows at least one page.
+            self._host_limit = max(1, self._host_limit)
         self._held = 0
         #: What ended a worker, as soon as it did (`watch.failed_with`).
         self.watch = WorkerWatch()
