@@ -1,9 +1,9 @@
 """A prefetch in flight holds the prefix its pages hang from in the tree, not on the device.
 
-Its read can last up to `prefetch.io_timeout_s` (longer still waiting in turn for the host
-budget), and under the `timeout` policy it goes on after `ready()` has returned. Had it
-locked the device prefix meanwhile, a request alone in a small device pool, for a prompt of
-its own, failed with `OutOfPagesError` although nothing else used the pool.
+Its read can last up to `prefetch.io_timeout_s`, and under the `timeout` policy it goes on
+after `ready()` has returned. Had it locked the device prefix meanwhile, a request alone in a
+small device pool, for a prompt of its own, failed with `OutOfPagesError` although nothing
+else used the pool.
 """
 
 from __future__ import annotations
