@@ -540,6 +540,21 @@ async def test_a_prefetch_with_no_host_budget_ends_without_reading() -> None:
         await _check_and_drain(cache, prompt, generator)
 
 
+async def test_a_positive_host_share_below_one_page_still_reads_a_page_at_a_time() -> None:
+    # 128 host pages x 0.005 rounds down to none: every prefetch ended unread (as with a
+    # share of 0) although the share allows reads. It now reads one page at a time.
+    prompt = _prompt(36)
+    async with _gated(_config(max_host_share=0.005), prompt) as (cache, store, generator):
+        stats = cache.storage_status().prefetch
+        assert stats is not None
+        assert stats.host_pages_limit == 1
+        store.gets.open()
+        result = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert (result.status, result.storage_tokens) == (PrefetchStatus.COMPLETE, len(prompt))
+        _read_once(store, cache, prompt)
+        await _check_and_drain(cache, prompt, generator)
+
+
 @pytest.mark.parametrize("order", ["cancel_first", "terminate_first"])
 async def test_a_cancelled_read_is_not_kept_for_a_waiter_that_gave_up(order: str) -> None:
     # A's read was kept going for B alone; once B gives up too (a best_effort or timed-out

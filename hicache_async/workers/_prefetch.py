@@ -714,6 +714,10 @@ class Prefetcher:
         self._quiet.set()
         assert cache._host_pool is not None
         self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
+        if config.max_host_share > 0:
+            # A share of a small pool that rounds down to no page would silently end every
+            # prefetch (and warmup read) unread: a positive share allows at least one page.
+            self._host_limit = max(1, self._host_limit)
         self._held = 0
         #: What ended a worker, as soon as it did (`watch.failed_with`).
         self.watch = WorkerWatch()
@@ -1105,10 +1109,11 @@ class Prefetcher:
             return PrefetchStatus.COMPLETE
         todo = keys[begin:end]
         # Take the anchor first: allocating host pages below may evict, and must not take
-        # the prefix these pages will hang from.
+        # the prefix these pages will hang from. Protecting it keeps the whole prefix in the
+        # tree; its device pages are not locked: a request's allocation may still take them
+        # (they leave for the host, or are backed up there first), and a read that can last
+        # up to io_timeout_s must not make a lone request fail with OutOfPagesError.
         anchor: TreeNode = found.host_node
-        locked: TreeNode = found.device_node
-        tree.lock_device(locked)
         tree.protect_host(anchor)
         # Pages another prefetch is reading: wait on its flights (captured now, since it
         # forgets them once they land), never read them twice.
@@ -1141,7 +1146,6 @@ class Prefetcher:
         if not todo:
             cache._host_free(pages)
             tree.unprotect_host(anchor)
-            tree.unlock_device(locked)
             return cut_short
         # Cut by the host budget or a full pool: what it reads is not all storage had.
         short = begin + len(todo) < end
@@ -1266,7 +1270,6 @@ class Prefetcher:
                 if self._inflight.get(k) is flight:
                     del self._inflight[k]
             tree.unprotect_host(anchor)
-            tree.unlock_device(locked)
             # What is evicted by the end is cut once, when the prefetch finishes
             # (`_report_only_cached`).
             handle.storage_tokens = landed * size
