@@ -225,14 +225,43 @@ async def test_a_shared_put_spares_a_page_another_instance_used_since(
             assert await _put(mine, own) == [Outcome.OK] * 2  # full
             assert await _get(other, hot) == [Outcome.OK]
             # Its victim, `hot`, was used there since: it stays, and is now this index's
-            # most recent but the new page; the store holds one page too many meanwhile.
+            # most recent but the new page; the least recently used of the others goes in
+            # its stead, in the same put.
             assert await _put(mine, new[:1]) == [Outcome.OK]
-            assert list(mine._index) == [*own[::-1], *hot, new[0]]
-            assert mine.stats().evictions == 0
+            assert list(mine._index) == [own[0], *hot, new[0]]
+            assert (mine.stats().evictions, mine.stats().bytes) == (1, 3 * SIZE)
             assert await _put(mine, new[1:]) == [Outcome.OK]
             assert list(mine._index) == [*hot, *new]
             assert (mine.stats().evictions, mine.stats().bytes) == (2, 3 * SIZE)
         assert await _get(other, hot) == [Outcome.OK]
+
+
+async def test_shared_puts_whose_every_victim_another_instance_uses_keep_the_capacity(
+    tmp_path: Path,
+) -> None:
+    # Another deployment uses every page this instance would evict: each stays once, moved
+    # to the most recent end, and the put evicts in its stead, so no put leaves the store
+    # over its capacity (it grew by each put's pages before, without bound).
+    root = tmp_path / "s"
+    hot = _keys(4)
+    async with FileStorage(root, shared=True) as other:
+        assert await _put(other, hot) == [Outcome.OK] * 4
+        _age(root, hot, time.time_ns() - HOUR_NS)  # hot[0] the least recently used
+        async with FileStorage(root, shared=True, capacity_bytes=4 * SIZE) as mine:
+            assert list(mine._index) == hot
+            assert await _get(other, hot) == [Outcome.OK] * 4  # all used there since
+            stored: list[bytes] = []
+            for _ in range(6):
+                new = _keys(1)
+                assert await _put(mine, new) == [Outcome.OK]
+                stored += new
+                assert mine.stats().bytes <= 4 * SIZE
+                assert len(await mine.list_pages()) == len(mine._index) <= 4
+            # Every page stayed once, then the least recently used went first: the hot
+            # pages in the order they were tried again, then this instance's own.
+            assert list(mine._index) == stored[2:]
+            assert mine.stats().evictions == 6
+            assert not any(_page_path(root, key).exists() for key in hot)
 
 
 async def test_a_shared_put_records_the_mtimes_its_job_gave_the_files(tmp_path: Path) -> None:

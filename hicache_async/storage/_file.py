@@ -551,10 +551,13 @@ class _DiskRoom(NamedTuple):
 
 class _NoRoom(NamedTuple):
     """The pages of a put's first try the file system had no room for, as (position, reserved
-    size, error), and the room it had then (None: statvfs failed)."""
+    size, error), and the room it had then (None: statvfs failed); and the bytes of its
+    victims left in place (another instance used them since, see `_used_elsewhere`), whose
+    room the put still owes."""
 
     pages: list[tuple[int, int, str]]
     room: _DiskRoom | None
+    spared: int = 0
 
 
 class _DiskPlan(NamedTuple):
@@ -2354,11 +2357,14 @@ class FileStorage(BackendBase):
                 writes.append(i)
                 sizes.append(size)
         keep = set(keys)
+        # Victims left in place once in this call (another instance used them since): when
+        # their turn comes again, after every other page, they go without a second look.
+        spared: set[bytes] = set()
         victims, admitted = self._plan_room(sizes, keep=keep, limit=_LOOP_SLICE)
         if admitted < 0:  # more victims than one step on the loop should take
             try:
                 victims, admitted = await self._room_in_rounds(
-                    sizes, keep, [keys[i] for i in writes]
+                    sizes, keep, [keys[i] for i in writes], spared
                 )
             except asyncio.CancelledError:
                 for i in writes:
@@ -2377,19 +2383,24 @@ class FileStorage(BackendBase):
                     writes=writes,
                     sizes=sizes,
                     victims=victims,
+                    spared=spared,
                     stamps=stamps,
                     outcomes=outcomes,
                     now=now,
                 )
+                owed = no_room.spared
                 if no_room.pages:
-                    await self._write_again(
+                    owed += await self._write_again(
                         keys=keys,
                         pages=pages,
                         metas=metas,
                         no_room=no_room,
+                        spared=spared,
                         outcomes=outcomes,
                         now=now,
                     )
+                if owed and self._capacity is not None:
+                    await self._evict_in_stead(owed, keep, spared)
             elif stamps:
                 self._stamp_later(stamps)
         except asyncio.CancelledError:
@@ -2452,7 +2463,7 @@ class FileStorage(BackendBase):
         return victims, admitted
 
     async def _room_in_rounds(
-        self, sizes: list[int], keep: set[bytes], writes: list[bytes]
+        self, sizes: list[int], keep: set[bytes], writes: list[bytes], spared: set[bytes]
     ) -> tuple[list[bytes], int]:
         """`_plan_room`'s plan for a put whose pages need more than `_LOOP_SLICE` victims: the
         least recently used pages are evicted first, `_LOOP_SLICE` a round, each round one
@@ -2460,7 +2471,9 @@ class FileStorage(BackendBase):
         capacity evicted a hundred thousand pages in one step of the loop). Only pages that
         fit once every page that may go has gone are made room for; `writes` (the keys to be
         written) are marked as being written meanwhile, so no other call writes or evicts
-        them. The plan returned is for the caller to carry out in the same step."""
+        them. The plan returned is for the caller to carry out in the same step. Victims
+        another instance used since go to `spared` (see `_evict`), and later rounds go on
+        past them."""
         assert self._capacity is not None
         self._writing.update(writes)
         try:
@@ -2469,8 +2482,11 @@ class FileStorage(BackendBase):
                 victims, admitted = self._plan_room(sizes, keep=keep, limit=_LOOP_SLICE)
                 if admitted >= 0:
                     return victims, admitted
-                evicted, _, _ = await self._evict(victims)
-                if not evicted:  # every file of the round stayed: no rounds can make room
+                left = len(spared)
+                evicted, _, _ = await self._evict(victims, spared)
+                if not evicted and len(spared) == left:
+                    # Every file of the round stayed, none for a use elsewhere (those go
+                    # without a look next time): no rounds can make room.
                     return self._plan_room(sizes, keep=keep)
         finally:
             self._writing.difference_update(writes)
@@ -2494,23 +2510,37 @@ class FileStorage(BackendBase):
             fits += 1
         return fits
 
-    async def _evict(self, victims: list[bytes]) -> tuple[int, int, list[bytes]]:
+    async def _evict(
+        self, victims: list[bytes], spared: set[bytes] | None = None, *, need: int | None = None
+    ) -> tuple[int, int, list[bytes]]:
         """Evict the indexed `victims` (none being read or written) in one job; returns the
         pages evicted, their bytes, and the keys whose file could not be removed (back in the
-        index, at the MRU end)."""
+        index, at the MRU end). With `spared` (a shared root), a victim another instance used
+        since this one did stays, at the MRU end, and goes into `spared`, unless it is there
+        already: then it goes without a look. With `need`, the job stops once the victims
+        gone (or whose file could not be removed) hold that many bytes: those it did not
+        come to stay, first in line."""
         removed = [(key, self._drop(key)) for key in victims]
-        seen = self._last_seen(removed)
+        seen = self._last_seen(removed, spared)
+        sizes = [0 if entry is None else entry.nbytes for _, entry in removed]
         self._evicting.update(victims)
         job = _Job(len(victims))
         try:
             await self.run_job(
                 lambda stop: self._unlink_job(
-                    stop, job, victims, event="storage.evict.error", seen=seen
+                    stop,
+                    job,
+                    victims,
+                    event="storage.evict.error",
+                    seen=seen,
+                    need=None if need is None else (need, sizes),
                 )
             )
         finally:
             self._evicting.difference_update(victims)
             self._commit_removal(removed, job, evictions=True)
+            if spared is not None:
+                spared.update(victims[position] for position in job.spared)
         stayed = {*job.failed, *job.spared}
         freed = sum(
             entry.nbytes
@@ -2519,16 +2549,55 @@ class FileStorage(BackendBase):
         )
         return job.done - len(stayed), freed, [victims[position] for position in job.failed]
 
-    def _last_seen(self, removed: list[tuple[bytes, _Entry | None]]) -> list[float | None] | None:
+    def _last_seen(
+        self, removed: list[tuple[bytes, _Entry | None]], spared: set[bytes] | None
+    ) -> list[float | None] | None:
         """Per victim, its file's mtime as this instance last saw or set it, for
-        `_used_elsewhere` (None for a misfit, first in line whoever uses it); None for a
-        private root, which no other instance uses."""
-        if not self._shared:
+        `_used_elsewhere` (None for a misfit, first in line whoever uses it, and for a victim
+        in `spared`, left in place once already by the same call); None for a private root,
+        which no other instance uses, and without `spared`."""
+        if not self._shared or spared is None:
             return None
         return [
-            entry.mtime if entry is not None and self._could_be_page(entry.nbytes) else None
-            for _, entry in removed
+            entry.mtime
+            if entry is not None and self._could_be_page(entry.nbytes) and key not in spared
+            else None
+            for key, entry in removed
         ]
+
+    async def _evict_in_stead(self, nbytes: int, keep: set[bytes], spared: set[bytes]) -> None:
+        """Evict up to `nbytes` more, least recently used first, while the store is over its
+        capacity: the room of a put's victims that stayed, another instance having used them
+        since this one did. Such pages are tried again after every other page, then without a
+        look (`spared`), so the put leaves the store within its capacity whoever uses its
+        pages; a page whose file could not be removed counts as gone (no other goes in its
+        place). None in `keep`. Each round offers its job twice as many pages as the one
+        before if some stayed (at most `_LOOP_SLICE`), and the job takes only what it needs:
+        a store whose least recently used pages another instance keeps using is gone through
+        in a few jobs, not one a page."""
+        failed: set[bytes] = set()
+        reach = 1
+        while nbytes > 0:
+            owed = min(nbytes, self._excess())
+            if owed <= 0:
+                return
+            victims: list[bytes] = []
+            offered = 0
+            for key, entry in self._candidates(keep):
+                if offered >= owed * reach or len(victims) == _LOOP_SLICE:
+                    break
+                if key not in failed:
+                    victims.append(key)
+                    offered += entry.nbytes
+            if not victims:
+                return
+            before = len(spared)
+            sizes = {key: self._index[key].nbytes for key in victims}
+            _, freed, stayed = await self._evict(victims, spared, need=owed)
+            failed.update(stayed)
+            nbytes -= freed + sum(sizes[key] for key in stayed)
+            if len(spared) > before:
+                reach = min(2 * reach, _LOOP_SLICE)
 
     def _plan_disk_room(
         self, pages: list[tuple[int, str]], room: _DiskRoom, *, keep: set[bytes]
@@ -2608,14 +2677,16 @@ class FileStorage(BackendBase):
         pages: Sequence[PageBuffer],
         metas: Sequence[PageMeta],
         no_room: _NoRoom,
+        spared: set[bytes],
         outcomes: list[Outcome],
         now: float,
-    ) -> None:
+    ) -> int:
         """Write once more the pages of a batch that the file system had no room for: the
         job first releases the spare files, then evicts the least recently used pages that
         the room left short of those pages needs. Planned here in one step, as a put's first
         round, page by page in batch order; a page that no eviction could make room for, the
-        pages after it, and any that still finds no room, are MISSes."""
+        pages after it, and any that still finds no room, are MISSes. Returns the bytes of
+        victims left in place (see `_write_batch`)."""
         plan = _DiskPlan([], 0, 0, 0)
         if no_room.room is not None:
             needs = [
@@ -2631,20 +2702,22 @@ class FileStorage(BackendBase):
             errors = _PageErrors()
             self._refuse(errors, given_up)
             errors.log(self._name)
-            return
-        await self._write_batch(
+            return 0
+        again = await self._write_batch(
             keys=keys,
             pages=pages,
             metas=metas,
             writes=[i for i, _, _ in retried],
             sizes=[size for _, size, _ in retried],
             victims=plan.victims,
+            spared=spared,
             stamps={},
             outcomes=outcomes,
             now=now,
             again=True,
             given_up=given_up,
         )
+        return again.spared
 
     def _log_disk_full(self, plan: _DiskPlan, *, refused: int) -> None:
         """Log `storage.disk.full` for a second try, unless it was logged in the last
@@ -2683,16 +2756,17 @@ class FileStorage(BackendBase):
         writes: list[int],
         sizes: list[int],
         victims: list[bytes],
+        spared: set[bytes],
         stamps: dict[bytes, int],
         outcomes: list[Outcome],
         now: float,
         again: bool = False,
         given_up: Sequence[tuple[bytes, str]] = (),
     ) -> _NoRoom:
-        """Write the pages at `writes` after evicting `victims`; the pages the file system had
-        no room for, for `_write_again` (none when `again`: this is that second try, whose
-        pages without room are MISSes, as are those it left out, `given_up`, logged with
-        it)."""
+        """Write the pages at `writes` after evicting `victims` (see `_evict` for `spared`);
+        the pages the file system had no room for, for `_write_again` (none when `again`:
+        this is that second try, whose pages without room are MISSes, as are those it left
+        out, `given_up`, logged with it), and the bytes of victims left in place."""
         write_keys = [keys[i] for i in writes]
         write_pages = [pages[i] for i in writes]
         write_metas = [metas[i] for i in writes]
@@ -2703,7 +2777,7 @@ class FileStorage(BackendBase):
         claims = self._claims.claim(HEADER_NBYTES + payload_nbytes(page) for page in write_pages)
         self._writing.update(write_keys)
         removed = [(key, self._drop(key)) for key in victims]
-        seen = self._last_seen(removed)
+        seen = self._last_seen(removed, spared)
         self._evicting.update(victims)
         job = _Job(len(writes))
         epoch = self._watch()
@@ -2737,9 +2811,15 @@ class FileStorage(BackendBase):
             )
             self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
+            spared.update(victims[position] for position in job.spared)
         return _NoRoom(
             [(i, sizes[slot], no_room[i]) for slot, i in enumerate(writes) if i in no_room],
             job.room,
+            sum(
+                entry.nbytes
+                for position, (_, entry) in enumerate(removed)
+                if entry is not None and position in job.spared
+            ),
         )
 
     def _write_job(
@@ -3066,13 +3146,21 @@ class FileStorage(BackendBase):
         event: str,
         reading: frozenset[bytes] | set[bytes] = frozenset(),
         seen: list[float | None] | None = None,
+        need: tuple[int, list[int]] | None = None,
     ) -> None:
         """Remove the pages of `keys`; with `seen` (evictions in a shared root) not those
-        another instance used since (see `_used_elsewhere`), which go to `job.spared`."""
+        another instance used since (see `_used_elsewhere`), which go to `job.spared`. With
+        `need` (bytes, and each key's size), stop once the keys not spared hold that many."""
         handles = self._handles_or_raise()
+        left: int | None = None
+        sizes: list[int] = []
+        if need is not None:
+            left, sizes = need
         # Every removal runs even when the caller is cancelled (unlinks are cheap): the room
         # of these pages was counted free when they left the index, and a put may have used it.
         for slot, key in enumerate(keys):
+            if left is not None and left <= 0:
+                break
             hexkey = key.hex()
             try:
                 shard_fd = handles.shard(hexkey[:2], create=False)
@@ -3093,6 +3181,8 @@ class FileStorage(BackendBase):
                 job.results[slot] = (_ERROR, str(exc), 0)
                 job.failed.append(slot)
                 log.warning(event, backend=self._name, key=hexkey, error=str(exc))
+            if left is not None and slot not in job.spared:
+                left -= sizes[slot]
             job.done = slot + 1
 
     # Raw access (RawAccess).
@@ -3482,9 +3572,11 @@ class FileStorage(BackendBase):
         # In rounds of `_LOOP_SLICE` pages, each one job: a hundred thousand pages evicted in
         # one step held the loop for a tenth of a second. A page whose file could not be
         # removed is tried once, and its bytes count as if evicted: no other page goes in
-        # its place.
+        # its place. A page another instance used since this one did stays, and is tried
+        # again after every other page, then without a look (`spared`).
         evicted = freed = unremoved = 0
         failed: set[bytes] = set()
+        spared: set[bytes] = set()
         while True:
             excess = self._bytes + self._reserved - self._capacity - unremoved
             victims: list[bytes] = []
@@ -3496,7 +3588,7 @@ class FileStorage(BackendBase):
                     excess -= entry.nbytes
             if not victims:
                 break
-            done, nbytes, stayed = await self._evict(victims)
+            done, nbytes, stayed = await self._evict(victims, spared)
             evicted += done
             freed += nbytes
             failed.update(stayed)
