@@ -279,6 +279,22 @@ async def test_a_shared_put_records_the_mtimes_its_job_gave_the_files(tmp_path: 
             assert storage._index[key].mtime * 10**9 >= _mtimes(root, [key])[0] - 1000
 
 
+async def test_a_shared_get_records_the_mtimes_its_job_gave_the_files(tmp_path: Path) -> None:
+    # A read stamps a file by the file's own age, which the index may hold younger than it
+    # is (a page found on disk is indexed at the time of the read that found it): had the
+    # index kept its older time, an eviction would take the read's stamp for another
+    # instance's use, and keep the page in place of pages used since.
+    root = tmp_path / "s"
+    keys = _keys(2)
+    async with FileStorage(root, shared=True) as other, FileStorage(root, shared=True) as mine:
+        assert await _put(other, keys) == [Outcome.OK] * 2
+        assert await _get(mine, keys) == [Outcome.OK] * 2  # found on disk: indexed now
+        _age(root, keys, time.time_ns() - HOUR_NS)
+        assert await _get(mine, keys) == [Outcome.OK] * 2  # stamped by the read's job
+        for key in keys:
+            assert mine._index[key].mtime * 10**9 >= _mtimes(root, [key])[0] - 1000
+
+
 def _root_of_aged_pages(root: Path, count: int, seed: int) -> None:
     """A root of `count` page files (random keys, so in every shard) whose mtimes take a few
     distinct values (ties are ordered by the listing), one in ten too short to be a page."""

@@ -1391,7 +1391,17 @@ class _Job:
     the loop after every thread has stopped, whether the batch finished, failed or was
     cancelled."""
 
-    __slots__ = ("cancelled", "done", "failed", "rejected", "results", "room", "spared", "stamped")
+    __slots__ = (
+        "cancelled",
+        "done",
+        "failed",
+        "rejected",
+        "results",
+        "room",
+        "spared",
+        "stamped",
+        "touched",
+    )
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
@@ -1403,6 +1413,9 @@ class _Job:
         # When a write job stamped its files (seconds): later than the call's own clock by
         # as long as the job waited for a thread, and what the files' mtimes say.
         self.stamped = 0.0
+        # Positions of the pages whose files a read job stamped, with the mtime (ns) it gave
+        # them: stamped later than the index's clock for the call, when the read began.
+        self.touched: dict[int, int] = {}
         self.rejected = False  # bad input, refused before any I/O: nothing to commit
         # The caller was cancelled: pages the job never reached are not errors of the store.
         self.cancelled = False
@@ -2152,10 +2165,19 @@ class FileStorage(BackendBase):
         results = job.results
         base = time.time_ns()
 
+        touched = job.touched
+
         def work(i: int) -> None:
             stamp = base - i * _STAMP_STEP_NS  # the first hit the most recent, as in the index
             results[i] = self._read_one(
-                handles, keys[i], segments[i], sizes[i], namespace, stamp_ns=stamp
+                handles,
+                keys[i],
+                segments[i],
+                sizes[i],
+                namespace,
+                stamp_ns=stamp,
+                touched=touched,
+                slot=i,
             )
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
@@ -2169,7 +2191,11 @@ class FileStorage(BackendBase):
         namespace: bytes,
         *,
         stamp_ns: int,
+        touched: dict[int, int] | None = None,
+        slot: int = 0,
     ) -> _Result:
+        """Read the page of `key` into `segments`; a sound page's file is stamped with
+        `stamp_ns` when it is a second or more older, recorded in `touched` at `slot`."""
         hexkey = key.hex()
         try:
             shard_fd = handles.shard(hexkey[:2], create=False)
@@ -2198,6 +2224,8 @@ class FileStorage(BackendBase):
                 # The mtime is the page's last use: the next open orders eviction by it.
                 with contextlib.suppress(OSError):
                     os.utime(fd, ns=(stamp_ns, stamp_ns))
+                    if touched is not None:
+                        touched[slot] = stamp_ns
         except OSError as exc:
             return (_ERROR, f"read: {exc.strerror}", 0)
         finally:
@@ -2279,8 +2307,14 @@ class FileStorage(BackendBase):
             if code == _OK:
                 outcomes[i] = Outcome.OK
                 counters.get_hits += 1
-                if key not in self._index and not self._stale(key, epoch):
+                if self._stale(key, epoch):
+                    continue
+                entry = self._index.get(key)
+                if entry is None:
                     self._insert(key, nbytes, now)  # found on disk in a shared root
+                elif slot in job.touched:
+                    # The job's stamp, not another instance's use (see `_used_elsewhere`).
+                    entry.mtime = max(entry.mtime, job.touched[slot] / 1e9)
             elif code == _MISS:
                 if not self._stale(key, epoch):
                     self._drop(key)  # deleted by another instance
