@@ -8,6 +8,7 @@ key to its last, as the index orders them: a chain then still loses its deepest 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import random
@@ -293,6 +294,42 @@ async def test_a_shared_get_records_the_mtimes_its_job_gave_the_files(tmp_path: 
         assert await _get(mine, keys) == [Outcome.OK] * 2  # stamped by the read's job
         for key in keys:
             assert mine._index[key].mtime * 10**9 >= _mtimes(root, [key])[0] - 1000
+
+
+async def test_a_delete_while_an_eviction_spares_the_page_removes_it_for_good(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The eviction looked at the page and left it in place (another instance used it); a
+    # delete removed it before the eviction committed: the index must not take it back.
+    root = tmp_path / "s"
+    hot, cold = _keys(1), _keys(1)
+    gate = _Gate()
+    async with FileStorage(root, shared=True) as other:
+        assert await _put(other, hot + cold) == [Outcome.OK] * 2
+        _age(root, hot + cold, time.time_ns() - HOUR_NS)  # `hot` the least recently used
+        async with FileStorage(root, shared=True, capacity_bytes=SIZE) as mine:
+            assert await _get(other, hot) == [Outcome.OK]  # used there since
+            original = _file._used_elsewhere
+
+            def used_elsewhere(*args: Any) -> float | None:
+                used = original(*args)
+                gate.hold()
+                return used
+
+            monkeypatch.setattr(_file, "_used_elsewhere", used_elsewhere)
+            with _released(gate):
+                gc = asyncio.ensure_future(mine.gc())
+                await gate.wait_reached()  # `hot` looked at and left in place
+                monkeypatch.undo()
+                assert await mine.delete(hot) == 1
+                gate.go.set()
+                report = await gc
+            assert not _page_path(root, hot[0]).exists()
+            assert await mine.exists(hot) == 0
+            # Nothing more to evict: the delete made the room.
+            assert (report.evicted_pages, report.over_capacity_bytes) == (0, 0)
+            assert await mine.exists(cold) == 1
+            assert (mine.stats().pages, mine.stats().bytes) == (1, SIZE)
 
 
 def _root_of_aged_pages(root: Path, count: int, seed: int) -> None:

@@ -2559,6 +2559,7 @@ class FileStorage(BackendBase):
         sizes = [0 if entry is None else entry.nbytes for _, entry in removed]
         self._evicting.update(victims)
         job = _Job(len(victims))
+        epoch = self._watch()
         try:
             await self.run_job(
                 lambda stop: self._unlink_job(
@@ -2572,7 +2573,8 @@ class FileStorage(BackendBase):
             )
         finally:
             self._evicting.difference_update(victims)
-            self._commit_removal(removed, job, evictions=True)
+            self._commit_removal(removed, job, evictions=True, epoch=epoch)
+            self._unwatch(epoch)
             if spared is not None:
                 spared.update(victims[position] for position in job.spared)
         stayed = {*job.failed, *job.spared}
@@ -2839,7 +2841,7 @@ class FileStorage(BackendBase):
             self._claims.settle_all(claims)  # pages the job did not reach take no room
             self._writing.difference_update(write_keys)
             self._evicting.difference_update(victims)
-            self._commit_removal(removed, job, evictions=True)
+            self._commit_removal(removed, job, evictions=True, epoch=epoch)
             no_room = self._commit_write(
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
@@ -3108,32 +3110,44 @@ class FileStorage(BackendBase):
                 entry.mtime = stamped
 
     def _commit_removal(
-        self, removed: list[tuple[bytes, _Entry | None]], job: _Job, *, evictions: bool
+        self,
+        removed: list[tuple[bytes, _Entry | None]],
+        job: _Job,
+        *,
+        evictions: bool,
+        epoch: int | None = None,
     ) -> None:
         """Count removals that happened; put entries the job did not reach back in the index,
-        at the LRU end in their original order, and those whose file it failed to remove at
-        the MRU end (the next eviction tries other pages first)."""
+        at the LRU end in their original order, and those whose file it failed to remove or
+        left in place at the MRU end (the next eviction tries other pages first). With
+        `epoch` (watched since the entries left the index), none that another call changed
+        meanwhile: a delete that ran then removed the page for good."""
         done, failed = job.done, job.failed
         if evictions:
             self._counters.evictions += done - len(failed) - len(job.spared)
         self._counters.errors += len(failed)
+        gone = (
+            frozenset()
+            if epoch is None
+            else frozenset(key for key, _ in removed if self._stale(key, epoch))
+        )
         for key, _ in removed:
             self._mark(key)
         for key, entry in reversed(removed[done:]):
-            if entry is not None and key not in self._index:
+            if entry is not None and key not in self._index and key not in gone:
                 self._index[key] = entry
                 self._index.move_to_end(key, last=False)
                 self._bytes += entry.nbytes
         for position in failed:
             key, entry = removed[position]
-            if entry is not None and key not in self._index:
+            if entry is not None and key not in self._index and key not in gone:
                 self._index[key] = entry
                 self._bytes += entry.nbytes
         # Used by another instance since this one did: as recent as that use, here at the MRU
         # end (the next eviction tries other pages first).
         for position, mtime in job.spared.items():
             key, entry = removed[position]
-            if entry is not None and key not in self._index:
+            if entry is not None and key not in self._index and key not in gone:
                 entry.last_access = max(entry.last_access, mtime)
                 entry.mtime = mtime
                 self._index[key] = entry
