@@ -2556,7 +2556,7 @@ class FileStorage(BackendBase):
         come to stay, first in line."""
         removed = [(key, self._drop(key)) for key in victims]
         seen = self._last_seen(removed, spared)
-        sizes = [0 if entry is None else entry.nbytes for _, entry in removed]
+        sizes = [] if need is None else [0 if e is None else e.nbytes for _, e in removed]
         self._evicting.update(victims)
         job = _Job(len(victims))
         epoch = self._watch()
@@ -2853,8 +2853,8 @@ class FileStorage(BackendBase):
             job.room,
             sum(
                 entry.nbytes
-                for position, (_, entry) in enumerate(removed)
-                if entry is not None and position in job.spared
+                for position in job.spared
+                if (entry := removed[position][1]) is not None
             ),
         )
 
