@@ -8,6 +8,7 @@ key to its last, as the index orders them: a chain then still loses its deepest 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import random
@@ -225,14 +226,43 @@ async def test_a_shared_put_spares_a_page_another_instance_used_since(
             assert await _put(mine, own) == [Outcome.OK] * 2  # full
             assert await _get(other, hot) == [Outcome.OK]
             # Its victim, `hot`, was used there since: it stays, and is now this index's
-            # most recent but the new page; the store holds one page too many meanwhile.
+            # most recent but the new page; the least recently used of the others goes in
+            # its stead, in the same put.
             assert await _put(mine, new[:1]) == [Outcome.OK]
-            assert list(mine._index) == [*own[::-1], *hot, new[0]]
-            assert mine.stats().evictions == 0
+            assert list(mine._index) == [own[0], *hot, new[0]]
+            assert (mine.stats().evictions, mine.stats().bytes) == (1, 3 * SIZE)
             assert await _put(mine, new[1:]) == [Outcome.OK]
             assert list(mine._index) == [*hot, *new]
             assert (mine.stats().evictions, mine.stats().bytes) == (2, 3 * SIZE)
         assert await _get(other, hot) == [Outcome.OK]
+
+
+async def test_shared_puts_whose_every_victim_another_instance_uses_keep_the_capacity(
+    tmp_path: Path,
+) -> None:
+    # Another deployment uses every page this instance would evict: each stays once, moved
+    # to the most recent end, and the put evicts in its stead, so no put leaves the store
+    # over its capacity (it grew by each put's pages before, without bound).
+    root = tmp_path / "s"
+    hot = _keys(4)
+    async with FileStorage(root, shared=True) as other:
+        assert await _put(other, hot) == [Outcome.OK] * 4
+        _age(root, hot, time.time_ns() - HOUR_NS)  # hot[0] the least recently used
+        async with FileStorage(root, shared=True, capacity_bytes=4 * SIZE) as mine:
+            assert list(mine._index) == hot
+            assert await _get(other, hot) == [Outcome.OK] * 4  # all used there since
+            stored: list[bytes] = []
+            for _ in range(6):
+                new = _keys(1)
+                assert await _put(mine, new) == [Outcome.OK]
+                stored += new
+                assert mine.stats().bytes <= 4 * SIZE
+                assert len(await mine.list_pages()) == len(mine._index) <= 4
+            # Every page stayed once, then the least recently used went first: the hot
+            # pages in the order they were tried again, then this instance's own.
+            assert list(mine._index) == stored[2:]
+            assert mine.stats().evictions == 6
+            assert not any(_page_path(root, key).exists() for key in hot)
 
 
 async def test_a_shared_put_records_the_mtimes_its_job_gave_the_files(tmp_path: Path) -> None:
@@ -248,6 +278,58 @@ async def test_a_shared_put_records_the_mtimes_its_job_gave_the_files(tmp_path: 
         for key in stored[:1] + new:
             # Within a microsecond: the index holds seconds as a float.
             assert storage._index[key].mtime * 10**9 >= _mtimes(root, [key])[0] - 1000
+
+
+async def test_a_shared_get_records_the_mtimes_its_job_gave_the_files(tmp_path: Path) -> None:
+    # A read stamps a file by the file's own age, which the index may hold younger than it
+    # is (a page found on disk is indexed at the time of the read that found it): had the
+    # index kept its older time, an eviction would take the read's stamp for another
+    # instance's use, and keep the page in place of pages used since.
+    root = tmp_path / "s"
+    keys = _keys(2)
+    async with FileStorage(root, shared=True) as other, FileStorage(root, shared=True) as mine:
+        assert await _put(other, keys) == [Outcome.OK] * 2
+        assert await _get(mine, keys) == [Outcome.OK] * 2  # found on disk: indexed now
+        _age(root, keys, time.time_ns() - HOUR_NS)
+        assert await _get(mine, keys) == [Outcome.OK] * 2  # stamped by the read's job
+        for key in keys:
+            assert mine._index[key].mtime * 10**9 >= _mtimes(root, [key])[0] - 1000
+
+
+async def test_a_delete_while_an_eviction_spares_the_page_removes_it_for_good(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The eviction looked at the page and left it in place (another instance used it); a
+    # delete removed it before the eviction committed: the index must not take it back.
+    root = tmp_path / "s"
+    hot, cold = _keys(1), _keys(1)
+    gate = _Gate()
+    async with FileStorage(root, shared=True) as other:
+        assert await _put(other, hot + cold) == [Outcome.OK] * 2
+        _age(root, hot + cold, time.time_ns() - HOUR_NS)  # `hot` the least recently used
+        async with FileStorage(root, shared=True, capacity_bytes=SIZE) as mine:
+            assert await _get(other, hot) == [Outcome.OK]  # used there since
+            original = _file._used_elsewhere
+
+            def used_elsewhere(*args: Any) -> float | None:
+                used = original(*args)
+                gate.hold()
+                return used
+
+            monkeypatch.setattr(_file, "_used_elsewhere", used_elsewhere)
+            with _released(gate):
+                gc = asyncio.ensure_future(mine.gc())
+                await gate.wait_reached()  # `hot` looked at and left in place
+                monkeypatch.undo()
+                assert await mine.delete(hot) == 1
+                gate.go.set()
+                report = await gc
+            assert not _page_path(root, hot[0]).exists()
+            assert await mine.exists(hot) == 0
+            # Nothing more to evict: the delete made the room.
+            assert (report.evicted_pages, report.over_capacity_bytes) == (0, 0)
+            assert await mine.exists(cold) == 1
+            assert (mine.stats().pages, mine.stats().bytes) == (1, SIZE)
 
 
 def _root_of_aged_pages(root: Path, count: int, seed: int) -> None:

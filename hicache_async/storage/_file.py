@@ -551,10 +551,13 @@ class _DiskRoom(NamedTuple):
 
 class _NoRoom(NamedTuple):
     """The pages of a put's first try the file system had no room for, as (position, reserved
-    size, error), and the room it had then (None: statvfs failed)."""
+    size, error), and the room it had then (None: statvfs failed); and the bytes of its
+    victims left in place (another instance used them since, see `_used_elsewhere`), whose
+    room the put still owes."""
 
     pages: list[tuple[int, int, str]]
     room: _DiskRoom | None
+    spared: int = 0
 
 
 class _DiskPlan(NamedTuple):
@@ -1388,7 +1391,17 @@ class _Job:
     the loop after every thread has stopped, whether the batch finished, failed or was
     cancelled."""
 
-    __slots__ = ("cancelled", "done", "failed", "rejected", "results", "room", "spared", "stamped")
+    __slots__ = (
+        "cancelled",
+        "done",
+        "failed",
+        "rejected",
+        "results",
+        "room",
+        "spared",
+        "stamped",
+        "touched",
+    )
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
@@ -1400,6 +1413,9 @@ class _Job:
         # When a write job stamped its files (seconds): later than the call's own clock by
         # as long as the job waited for a thread, and what the files' mtimes say.
         self.stamped = 0.0
+        # Positions of the pages whose files a read job stamped, with the mtime (ns) it gave
+        # them: stamped later than the index's clock for the call, when the read began.
+        self.touched: dict[int, int] = {}
         self.rejected = False  # bad input, refused before any I/O: nothing to commit
         # The caller was cancelled: pages the job never reached are not errors of the store.
         self.cancelled = False
@@ -2153,10 +2169,19 @@ class FileStorage(BackendBase):
         results = job.results
         base = time.time_ns()
 
+        touched = job.touched
+
         def work(i: int) -> None:
             stamp = base - i * _STAMP_STEP_NS  # the first hit the most recent, as in the index
             results[i] = self._read_one(
-                handles, keys[i], segments[i], sizes[i], namespace, stamp_ns=stamp
+                handles,
+                keys[i],
+                segments[i],
+                sizes[i],
+                namespace,
+                stamp_ns=stamp,
+                touched=touched,
+                slot=i,
             )
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
@@ -2170,7 +2195,11 @@ class FileStorage(BackendBase):
         namespace: bytes,
         *,
         stamp_ns: int,
+        touched: dict[int, int] | None = None,
+        slot: int = 0,
     ) -> _Result:
+        """Read the page of `key` into `segments`; a sound page's file is stamped with
+        `stamp_ns` when it is a second or more older, recorded in `touched` at `slot`."""
         hexkey = key.hex()
         try:
             shard_fd = handles.shard(hexkey[:2], create=False)
@@ -2199,6 +2228,8 @@ class FileStorage(BackendBase):
                 # The mtime is the page's last use: the next open orders eviction by it.
                 with contextlib.suppress(OSError):
                     os.utime(fd, ns=(stamp_ns, stamp_ns))
+                    if touched is not None:
+                        touched[slot] = stamp_ns
         except OSError as exc:
             return (_ERROR, f"read: {exc.strerror}", 0)
         finally:
@@ -2280,8 +2311,14 @@ class FileStorage(BackendBase):
             if code == _OK:
                 outcomes[i] = Outcome.OK
                 counters.get_hits += 1
-                if key not in self._index and not self._stale(key, epoch):
+                if self._stale(key, epoch):
+                    continue
+                entry = self._index.get(key)
+                if entry is None:
                     self._insert(key, nbytes, now)  # found on disk in a shared root
+                elif slot in job.touched:
+                    # The job's stamp, not another instance's use (see `_used_elsewhere`).
+                    entry.mtime = max(entry.mtime, job.touched[slot] / 1e9)
             elif code == _MISS:
                 if not self._stale(key, epoch):
                     self._drop(key)  # deleted by another instance
@@ -2358,11 +2395,14 @@ class FileStorage(BackendBase):
                 writes.append(i)
                 sizes.append(size)
         keep = set(keys)
+        # Victims left in place once in this call (another instance used them since): when
+        # their turn comes again, after every other page, they go without a second look.
+        spared: set[bytes] = set()
         victims, admitted = self._plan_room(sizes, keep=keep, limit=_LOOP_SLICE)
         if admitted < 0:  # more victims than one step on the loop should take
             try:
                 victims, admitted = await self._room_in_rounds(
-                    sizes, keep, [keys[i] for i in writes]
+                    sizes, keep, [keys[i] for i in writes], spared
                 )
             except asyncio.CancelledError:
                 for i in writes:
@@ -2381,19 +2421,24 @@ class FileStorage(BackendBase):
                     writes=writes,
                     sizes=sizes,
                     victims=victims,
+                    spared=spared,
                     stamps=stamps,
                     outcomes=outcomes,
                     now=now,
                 )
+                owed = no_room.spared
                 if no_room.pages:
-                    await self._write_again(
+                    owed += await self._write_again(
                         keys=keys,
                         pages=pages,
                         metas=metas,
                         no_room=no_room,
+                        spared=spared,
                         outcomes=outcomes,
                         now=now,
                     )
+                if owed and self._capacity is not None:
+                    await self._evict_in_stead(owed, keep, spared)
             elif stamps:
                 self._stamp_later(stamps)
         except asyncio.CancelledError:
@@ -2456,7 +2501,7 @@ class FileStorage(BackendBase):
         return victims, admitted
 
     async def _room_in_rounds(
-        self, sizes: list[int], keep: set[bytes], writes: list[bytes]
+        self, sizes: list[int], keep: set[bytes], writes: list[bytes], spared: set[bytes]
     ) -> tuple[list[bytes], int]:
         """`_plan_room`'s plan for a put whose pages need more than `_LOOP_SLICE` victims: the
         least recently used pages are evicted first, `_LOOP_SLICE` a round, each round one
@@ -2464,7 +2509,9 @@ class FileStorage(BackendBase):
         capacity evicted a hundred thousand pages in one step of the loop). Only pages that
         fit once every page that may go has gone are made room for; `writes` (the keys to be
         written) are marked as being written meanwhile, so no other call writes or evicts
-        them. The plan returned is for the caller to carry out in the same step."""
+        them. The plan returned is for the caller to carry out in the same step. Victims
+        another instance used since go to `spared` (see `_evict`), and later rounds go on
+        past them."""
         assert self._capacity is not None
         self._writing.update(writes)
         try:
@@ -2473,8 +2520,11 @@ class FileStorage(BackendBase):
                 victims, admitted = self._plan_room(sizes, keep=keep, limit=_LOOP_SLICE)
                 if admitted >= 0:
                     return victims, admitted
-                evicted, _, _ = await self._evict(victims)
-                if not evicted:  # every file of the round stayed: no rounds can make room
+                left = len(spared)
+                evicted, _, _ = await self._evict(victims, spared)
+                if not evicted and len(spared) == left:
+                    # Every file of the round stayed, none for a use elsewhere (those go
+                    # without a look next time): no rounds can make room.
                     return self._plan_room(sizes, keep=keep)
         finally:
             self._writing.difference_update(writes)
@@ -2498,23 +2548,39 @@ class FileStorage(BackendBase):
             fits += 1
         return fits
 
-    async def _evict(self, victims: list[bytes]) -> tuple[int, int, list[bytes]]:
+    async def _evict(
+        self, victims: list[bytes], spared: set[bytes] | None = None, *, need: int | None = None
+    ) -> tuple[int, int, list[bytes]]:
         """Evict the indexed `victims` (none being read or written) in one job; returns the
         pages evicted, their bytes, and the keys whose file could not be removed (back in the
-        index, at the MRU end)."""
+        index, at the MRU end). With `spared` (a shared root), a victim another instance used
+        since this one did stays, at the MRU end, and goes into `spared`, unless it is there
+        already: then it goes without a look. With `need`, the job stops once the victims
+        gone (or whose file could not be removed) hold that many bytes: those it did not
+        come to stay, first in line."""
         removed = [(key, self._drop(key)) for key in victims]
-        seen = self._last_seen(removed)
+        seen = self._last_seen(removed, spared)
+        sizes = [] if need is None else [0 if e is None else e.nbytes for _, e in removed]
         self._evicting.update(victims)
         job = _Job(len(victims))
+        epoch = self._watch()
         try:
             await self.run_job(
                 lambda stop: self._unlink_job(
-                    stop, job, victims, event="storage.evict.error", seen=seen
+                    stop,
+                    job,
+                    victims,
+                    event="storage.evict.error",
+                    seen=seen,
+                    need=None if need is None else (need, sizes),
                 )
             )
         finally:
             self._evicting.difference_update(victims)
-            self._commit_removal(removed, job, evictions=True)
+            self._commit_removal(removed, job, evictions=True, epoch=epoch)
+            self._unwatch(epoch)
+            if spared is not None:
+                spared.update(victims[position] for position in job.spared)
         stayed = {*job.failed, *job.spared}
         freed = sum(
             entry.nbytes
@@ -2523,16 +2589,55 @@ class FileStorage(BackendBase):
         )
         return job.done - len(stayed), freed, [victims[position] for position in job.failed]
 
-    def _last_seen(self, removed: list[tuple[bytes, _Entry | None]]) -> list[float | None] | None:
+    def _last_seen(
+        self, removed: list[tuple[bytes, _Entry | None]], spared: set[bytes] | None
+    ) -> list[float | None] | None:
         """Per victim, its file's mtime as this instance last saw or set it, for
-        `_used_elsewhere` (None for a misfit, first in line whoever uses it); None for a
-        private root, which no other instance uses."""
-        if not self._shared:
+        `_used_elsewhere` (None for a misfit, first in line whoever uses it, and for a victim
+        in `spared`, left in place once already by the same call); None for a private root,
+        which no other instance uses, and without `spared`."""
+        if not self._shared or spared is None:
             return None
         return [
-            entry.mtime if entry is not None and self._could_be_page(entry.nbytes) else None
-            for _, entry in removed
+            entry.mtime
+            if entry is not None and self._could_be_page(entry.nbytes) and key not in spared
+            else None
+            for key, entry in removed
         ]
+
+    async def _evict_in_stead(self, nbytes: int, keep: set[bytes], spared: set[bytes]) -> None:
+        """Evict up to `nbytes` more, least recently used first, while the store is over its
+        capacity: the room of a put's victims that stayed, another instance having used them
+        since this one did. Such pages are tried again after every other page, then without a
+        look (`spared`), so the put leaves the store within its capacity whoever uses its
+        pages; a page whose file could not be removed counts as gone (no other goes in its
+        place). None in `keep`. Each round offers its job twice as many pages as the one
+        before if some stayed (at most `_LOOP_SLICE`), and the job takes only what it needs:
+        a store whose least recently used pages another instance keeps using is gone through
+        in a few jobs, not one a page."""
+        failed: set[bytes] = set()
+        reach = 1
+        while nbytes > 0:
+            owed = min(nbytes, self._excess())
+            if owed <= 0:
+                return
+            victims: list[bytes] = []
+            offered = 0
+            for key, entry in self._candidates(keep):
+                if offered >= owed * reach or len(victims) == _LOOP_SLICE:
+                    break
+                if key not in failed:
+                    victims.append(key)
+                    offered += entry.nbytes
+            if not victims:
+                return
+            before = len(spared)
+            sizes = {key: self._index[key].nbytes for key in victims}
+            _, freed, stayed = await self._evict(victims, spared, need=owed)
+            failed.update(stayed)
+            nbytes -= freed + sum(sizes[key] for key in stayed)
+            if len(spared) > before:
+                reach = min(2 * reach, _LOOP_SLICE)
 
     def _plan_disk_room(
         self, pages: list[tuple[int, str]], room: _DiskRoom, *, keep: set[bytes]
@@ -2612,14 +2717,16 @@ class FileStorage(BackendBase):
         pages: Sequence[PageBuffer],
         metas: Sequence[PageMeta],
         no_room: _NoRoom,
+        spared: set[bytes],
         outcomes: list[Outcome],
         now: float,
-    ) -> None:
+    ) -> int:
         """Write once more the pages of a batch that the file system had no room for: the
         job first releases the spare files, then evicts the least recently used pages that
         the room left short of those pages needs. Planned here in one step, as a put's first
         round, page by page in batch order; a page that no eviction could make room for, the
-        pages after it, and any that still finds no room, are MISSes."""
+        pages after it, and any that still finds no room, are MISSes. Returns the bytes of
+        victims left in place (see `_write_batch`)."""
         plan = _DiskPlan([], 0, 0, 0)
         if no_room.room is not None:
             needs = [
@@ -2635,20 +2742,22 @@ class FileStorage(BackendBase):
             errors = _PageErrors()
             self._refuse(errors, given_up)
             errors.log(self._name)
-            return
-        await self._write_batch(
+            return 0
+        again = await self._write_batch(
             keys=keys,
             pages=pages,
             metas=metas,
             writes=[i for i, _, _ in retried],
             sizes=[size for _, size, _ in retried],
             victims=plan.victims,
+            spared=spared,
             stamps={},
             outcomes=outcomes,
             now=now,
             again=True,
             given_up=given_up,
         )
+        return again.spared
 
     def _log_disk_full(self, plan: _DiskPlan, *, refused: int) -> None:
         """Log `storage.disk.full` for a second try, unless it was logged in the last
@@ -2687,16 +2796,17 @@ class FileStorage(BackendBase):
         writes: list[int],
         sizes: list[int],
         victims: list[bytes],
+        spared: set[bytes],
         stamps: dict[bytes, int],
         outcomes: list[Outcome],
         now: float,
         again: bool = False,
         given_up: Sequence[tuple[bytes, str]] = (),
     ) -> _NoRoom:
-        """Write the pages at `writes` after evicting `victims`; the pages the file system had
-        no room for, for `_write_again` (none when `again`: this is that second try, whose
-        pages without room are MISSes, as are those it left out, `given_up`, logged with
-        it)."""
+        """Write the pages at `writes` after evicting `victims` (see `_evict` for `spared`);
+        the pages the file system had no room for, for `_write_again` (none when `again`:
+        this is that second try, whose pages without room are MISSes, as are those it left
+        out, `given_up`, logged with it), and the bytes of victims left in place."""
         write_keys = [keys[i] for i in writes]
         write_pages = [pages[i] for i in writes]
         write_metas = [metas[i] for i in writes]
@@ -2707,7 +2817,7 @@ class FileStorage(BackendBase):
         claims = self._claims.claim(HEADER_NBYTES + payload_nbytes(page) for page in write_pages)
         self._writing.update(write_keys)
         removed = [(key, self._drop(key)) for key in victims]
-        seen = self._last_seen(removed)
+        seen = self._last_seen(removed, spared)
         self._evicting.update(victims)
         job = _Job(len(writes))
         epoch = self._watch()
@@ -2735,15 +2845,21 @@ class FileStorage(BackendBase):
             self._claims.settle_all(claims)  # pages the job did not reach take no room
             self._writing.difference_update(write_keys)
             self._evicting.difference_update(victims)
-            self._commit_removal(removed, job, evictions=True)
+            self._commit_removal(removed, job, evictions=True, epoch=epoch)
             no_room = self._commit_write(
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
             self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
+            spared.update(victims[position] for position in job.spared)
         return _NoRoom(
             [(i, sizes[slot], no_room[i]) for slot, i in enumerate(writes) if i in no_room],
             job.room,
+            sum(
+                entry.nbytes
+                for position in job.spared
+                if (entry := removed[position][1]) is not None
+            ),
         )
 
     def _write_job(
@@ -2998,32 +3114,44 @@ class FileStorage(BackendBase):
                 entry.mtime = stamped
 
     def _commit_removal(
-        self, removed: list[tuple[bytes, _Entry | None]], job: _Job, *, evictions: bool
+        self,
+        removed: list[tuple[bytes, _Entry | None]],
+        job: _Job,
+        *,
+        evictions: bool,
+        epoch: int | None = None,
     ) -> None:
         """Count removals that happened; put entries the job did not reach back in the index,
-        at the LRU end in their original order, and those whose file it failed to remove at
-        the MRU end (the next eviction tries other pages first)."""
+        at the LRU end in their original order, and those whose file it failed to remove or
+        left in place at the MRU end (the next eviction tries other pages first). With
+        `epoch` (watched since the entries left the index), none that another call changed
+        meanwhile: a delete that ran then removed the page for good."""
         done, failed = job.done, job.failed
         if evictions:
             self._counters.evictions += done - len(failed) - len(job.spared)
         self._counters.errors += len(failed)
+        gone = (
+            frozenset()
+            if epoch is None
+            else frozenset(key for key, _ in removed if self._stale(key, epoch))
+        )
         for key, _ in removed:
             self._mark(key)
         for key, entry in reversed(removed[done:]):
-            if entry is not None and key not in self._index:
+            if entry is not None and key not in self._index and key not in gone:
                 self._index[key] = entry
                 self._index.move_to_end(key, last=False)
                 self._bytes += entry.nbytes
         for position in failed:
             key, entry = removed[position]
-            if entry is not None and key not in self._index:
+            if entry is not None and key not in self._index and key not in gone:
                 self._index[key] = entry
                 self._bytes += entry.nbytes
         # Used by another instance since this one did: as recent as that use, here at the MRU
         # end (the next eviction tries other pages first).
         for position, mtime in job.spared.items():
             key, entry = removed[position]
-            if entry is not None and key not in self._index:
+            if entry is not None and key not in self._index and key not in gone:
                 entry.last_access = max(entry.last_access, mtime)
                 entry.mtime = mtime
                 self._index[key] = entry
@@ -3070,13 +3198,21 @@ class FileStorage(BackendBase):
         event: str,
         reading: frozenset[bytes] | set[bytes] = frozenset(),
         seen: list[float | None] | None = None,
+        need: tuple[int, list[int]] | None = None,
     ) -> None:
         """Remove the pages of `keys`; with `seen` (evictions in a shared root) not those
-        another instance used since (see `_used_elsewhere`), which go to `job.spared`."""
+        another instance used since (see `_used_elsewhere`), which go to `job.spared`. With
+        `need` (bytes, and each key's size), stop once the keys not spared hold that many."""
         handles = self._handles_or_raise()
+        left: int | None = None
+        sizes: list[int] = []
+        if need is not None:
+            left, sizes = need
         # Every removal runs even when the caller is cancelled (unlinks are cheap): the room
         # of these pages was counted free when they left the index, and a put may have used it.
         for slot, key in enumerate(keys):
+            if left is not None and left <= 0:
+                break
             hexkey = key.hex()
             try:
                 shard_fd = handles.shard(hexkey[:2], create=False)
@@ -3097,6 +3233,8 @@ class FileStorage(BackendBase):
                 job.results[slot] = (_ERROR, str(exc), 0)
                 job.failed.append(slot)
                 log.warning(event, backend=self._name, key=hexkey, error=str(exc))
+            if left is not None and slot not in job.spared:
+                left -= sizes[slot]
             job.done = slot + 1
 
     # Raw access (RawAccess).
@@ -3486,9 +3624,11 @@ class FileStorage(BackendBase):
         # In rounds of `_LOOP_SLICE` pages, each one job: a hundred thousand pages evicted in
         # one step held the loop for a tenth of a second. A page whose file could not be
         # removed is tried once, and its bytes count as if evicted: no other page goes in
-        # its place.
+        # its place. A page another instance used since this one did stays, and is tried
+        # again after every other page, then without a look (`spared`).
         evicted = freed = unremoved = 0
         failed: set[bytes] = set()
+        spared: set[bytes] = set()
         while True:
             excess = self._bytes + self._reserved - self._capacity - unremoved
             victims: list[bytes] = []
@@ -3500,7 +3640,7 @@ class FileStorage(BackendBase):
                     excess -= entry.nbytes
             if not victims:
                 break
-            done, nbytes, stayed = await self._evict(victims)
+            done, nbytes, stayed = await self._evict(victims, spared)
             evicted += done
             freed += nbytes
             failed.update(stayed)
