@@ -540,13 +540,14 @@ class HiCache:
         every rank must make its agreeing calls in the same order (one that pairs with
         another prompt's agreement on some rank is an error there, and the answer is 0). A
         running warmup is stopped first, at the same entry on every rank, and the local
-        figure is taken after it stopped. The prefix this rank offers stays locked and
-        protected until the agreement returns: call `request(..., max_cached_tokens=...)`
-        right after it, with no await in between. Tokens this cache refuses (`TypeError`,
-        `ValueError`) and a closed cache (`CacheClosedError`) raise once the collective has
-        been entered with 0. Refused tokens enter under a tag no valid prompt has: unless
-        every rank refused the same way, that is an `AgreementMismatch`, so the peers get 0
-        and the group is broken, as after any mismatch.
+        figure is taken after it stopped. The prefix this rank offers stays protected
+        (cached, on the device or the host) until the agreement returns: call
+        `request(..., max_cached_tokens=...)` right after it, with no await in between.
+        Tokens this cache refuses (`TypeError`, `ValueError`) and a closed cache
+        (`CacheClosedError`) raise once the collective has been entered with 0. Refused
+        tokens enter under a tag no valid prompt has: unless every rank refused the same way,
+        that is an `AgreementMismatch`, so the peers get 0 and the group is broken, as after
+        any mismatch.
         """
         self._owner.check()  # a call from another thread enters nothing
         group = self.rank_group
@@ -564,7 +565,7 @@ class HiCache:
             refused = exc
             tag = agreement_tag("agree_cached_tokens", "refused")
         background = BackgroundAgreements.of(group)
-        held: list[tuple[TreeNode, TreeNode]] = []
+        held: list[TreeNode] = []
 
         async def mine() -> int:
             nonlocal refused
@@ -1145,22 +1146,23 @@ class HiCache:
         nodes.reverse()
         return nodes
 
-    def _hold_prefix(self, keys: list[bytes]) -> tuple[int, tuple[TreeNode, TreeNode]]:
-        """Lock on the device and protect on the host the prefix of `keys` cached now.
+    def _hold_prefix(self, keys: list[bytes]) -> tuple[int, TreeNode]:
+        """Protect the prefix of `keys` cached now, keeping it in the tree (device or host).
 
         Returns its length in tokens and what `_let_go` takes to undo the hold: what a rank
-        offers in an agreement must still be there once the ranks have agreed.
+        offers in an agreement must still be cached once the ranks have agreed. Its device
+        pages are not locked: a peer can be late for as long as it likes, and a request on
+        this rank meanwhile may still move them to the host rather than fail with
+        `OutOfPagesError`.
         """
         found = self._tree.match(keys, touch=False)
-        self._tree.lock_device(found.device_node)
         self._tree.protect_host(found.host_node)
         tokens = (found.num_device_pages + found.num_host_pages) * self.config.page_size
-        return tokens, (found.device_node, found.host_node)
+        return tokens, found.host_node
 
-    def _let_go(self, held: tuple[TreeNode, TreeNode]) -> None:
+    def _let_go(self, held: TreeNode) -> None:
         """Undo one `_hold_prefix`."""
-        self._tree.unprotect_host(held[1])
-        self._tree.unlock_device(held[0])
+        self._tree.unprotect_host(held)
 
     def _trim_host(self, keys: list[bytes], keep_pages: int) -> None:
         """Drop host-only pages of `keys` beyond the first `keep_pages` (deepest first)."""

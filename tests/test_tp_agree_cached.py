@@ -226,3 +226,27 @@ async def test_a_call_from_another_thread_raises_before_entering() -> None:
         await asyncio.to_thread(thread.join, 30)
         assert [type(exc) for exc in raised] == [WrongThreadError]
         assert ranks[0].calls == 0
+
+
+async def test_a_request_alone_gets_the_device_pages_while_a_peer_is_late() -> None:
+    # The offered prefix fills rank 0's device pool. Held in the tree (not locked on the
+    # device) while rank 1 is late, its pages may leave for the host: a request for another
+    # prompt gets the device pool instead of failing with OutOfPagesError.
+    pages = _config(0).device_pages
+    prompt = np.arange(500, 500 + pages * PAGE)
+    own = np.arange(90_000, 90_000 + pages * PAGE)
+    ranks = _pair(_Rank)
+    async with _two_caches(ranks) as (first, second):
+        for cache in (first, second):
+            await _commit(cache, prompt)
+        agreeing = asyncio.create_task(first.agree_cached_tokens(prompt))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not agreeing.done()  # rank 1 is late
+        await _commit(first, own)
+        theirs = await second.agree_cached_tokens(prompt)
+        agreed = await agreeing
+        assert agreed == theirs == len(prompt)
+        with first.request(prompt, max_cached_tokens=agreed) as request:
+            assert request.cached_tokens == agreed
+        first.tree.check_invariants()

@@ -1267,3 +1267,31 @@ async def test_a_chain_longer_than_a_record_holds_is_warmed_up_as_its_prefix(
             assert result.pages_loaded == pages
             served = await serve(cold, prompt, generator, prefetch=False, check="all")
             assert served.host_tokens == pages
+
+
+async def test_a_chain_past_a_lowered_memory_bound_is_recorded_as_its_prefix() -> None:
+    # MemoryStorage.manifest(limits) lowers the bound every user of its manifest (backup and
+    # warmup alike) holds records to: a chain past it is recorded as the prefix that fits,
+    # not left unrecorded as one past the default bound was.
+    config = _config(page_size=1)
+    generator = KVGenerator(config.layout, 1, seed=5)
+    prompt = np.random.default_rng(9).integers(0, 50_000, size=60)
+    limit = 2048  # some 30 keys
+    storage = MemoryStorage()
+    async with storage:
+        storage.manifest(ManifestLimits(max_entry_bytes=limit))
+        async with HiCache(config, storage=_SharedMemory(storage)) as first:
+            await serve(first, prompt, generator)
+            await first.drain()
+        read = await storage.manifest().read()
+        assert read.oversized == 0
+        (entry,) = read.entries
+        pages = len(entry.keys)
+        assert len(encode_entry(entry)) <= limit < len(encode_entry(entry)) + 67
+        assert entry.num_tokens == pages
+        async with HiCache(config, storage=_SharedMemory(storage)) as cold:
+            result = await cold.warmup(ratio=1.0)
+            assert result.status is WarmupStatus.COMPLETE
+            assert result.pages_loaded == pages
+            served = await serve(cold, prompt, generator, prefetch=False, check="all")
+            assert served.host_tokens == pages

@@ -506,15 +506,25 @@ class BackupWorker:
         # A record longer than a reader takes is skipped by every warmup: a chain of more
         # pages than that (some 3,900 at the default bound: 3,900 tokens at page size 1) is
         # recorded as its longest prefix that fits, which warmup can load.
-        excess = len(encode_entry(entry)) - _MAX_ENTRY_BYTES
+        bound = self._entry_bound()
+        excess = len(encode_entry(entry)) - bound
         while excess > 0:
             cut = -(-excess // _KEY_RECORD_BYTES)
             if cut >= len(keys):
                 return None
             keys = keys[: len(keys) - cut]
             entry = chain_entry(fingerprint, keys, len(keys) * size, priority, now)
-            excess = len(encode_entry(entry)) - _MAX_ENTRY_BYTES
+            excess = len(encode_entry(entry)) - bound
         return entry
+
+    def _entry_bound(self) -> int:
+        """The longest record to write: what warmup reads with the default limits, or less
+        where the manifest holds its records to a lower bound (a `MemoryStorage` given its
+        own limits, which its warmup reads with too)."""
+        limits = getattr(self._manifest, "limits", None)
+        if isinstance(limits, ManifestLimits):
+            return min(_MAX_ENTRY_BYTES, limits.max_entry_bytes)
+        return _MAX_ENTRY_BYTES
 
     async def _record(self, entries: list[ManifestEntry]) -> None:
         """Append to the warmup manifest; a failure costs warmup value, never a request."""

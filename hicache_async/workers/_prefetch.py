@@ -266,10 +266,9 @@ class PrefetchHandle:
         #: below this many uncached tokens the prefetch is skipped (default: the threshold).
         self.min_tokens = min_tokens
         self._agreed: int | None = None
-        # (device node, host node) of the prefix this rank offered in its agreement, kept
-        # locked and protected until `ready()` returns, so it cannot be evicted while the
-        # ranks agree on it.
-        self._held: tuple[TreeNode, TreeNode] | None = None
+        # The deepest node of the prefix this rank offered in its agreement, protected until
+        # `ready()` returns, so it stays cached while the ranks agree on it.
+        self._held: TreeNode | None = None
         self._agreeing = 0  # ready() calls in their agreement (they share one hold)
         self.keys = keys
         self.num_tokens = num_tokens
@@ -408,7 +407,7 @@ class PrefetchHandle:
         fails (`AgreementMismatch`, logged; the result is then a miss) rather than pairing
         different prompts. Before entering it, a warmup running over the same group is asked
         to stop and waited for, so its collectives never interleave with this one. The prefix
-        this rank offers stays locked and protected until `ready()` returns: call
+        this rank offers stays protected (cached) until `ready()` returns: call
         `HiCache.request(..., max_cached_tokens=result.agreed_tokens)` right after it, with no
         await in between.
         """
@@ -469,7 +468,7 @@ class PrefetchHandle:
             await self._order.owe(self._seq, self._agreement_tag())
 
     def _hold_cached(self) -> int:
-        """Lock and protect the prefix cached now, and return its length in tokens: what
+        """Protect the prefix cached now, and return its length in tokens: what
         this rank can still serve when the agreement returns."""
         cached = self.device_tokens + self.host_tokens + self.storage_tokens
         cache = self._cache
