@@ -1,0 +1,40 @@
+"""`hicache-async example` against a store an earlier release filled."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache_async import CacheConfig, HiCache, KVLayout
+from hicache_async._trace import load_trace, request_tokens
+from hicache_async.cli import main
+from hicache_async.testing import KVGenerator, serve
+
+
+def test_pages_an_earlier_release_stored_with_other_generator_bytes_are_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"file://{tmp_path / 'store'}"
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16")
+    # The example's model as an earlier release named it, whose generator wrote other bytes.
+    earlier = CacheConfig(
+        layout=layout, page_size=64, device_pages=2048, host_pages=6144, model_id="hicache-example"
+    )
+    other_bytes = KVGenerator(layout, 64, seed=1)
+    tokens = request_tokens(load_trace(limit=1)[0])
+
+    async def fill() -> None:
+        async with HiCache(earlier, storage=url) as cache:
+            await serve(cache, tokens, other_bytes)
+            await cache.drain()
+            assert cache.storage_status().backup is not None
+
+    asyncio.run(fill())
+    capsys.readouterr()  # the fill's log lines
+    assert main(["example", "--requests", "2", "--storage", url, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["storage_tokens"] == 0  # nothing of the earlier model's was taken
+    assert summary["storage_pages_written"] > 0  # its own, under its own name
