@@ -45,36 +45,49 @@ def dispositions() -> Iterator[None]:
             signal.signal(number, handler)
 
 
+class Gate:
+    """`started` is set once verify checks its first page, `sent` once the signal is sent."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.sent = threading.Event()
+
+
 @pytest.fixture
-def started(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Set once verify checks its first page; each check is slowed down, so that the command
-    is still at work when a signal sent then comes."""
-    event = threading.Event()
+def started(monkeypatch: pytest.MonkeyPatch) -> Gate:
+    """Verify's page checks wait until the signal is sent, then go on slowly, so that the
+    command is still at work when the signal comes, however late the sender runs."""
+    gate = Gate()
     check = _file.FileStorage._verify_file
 
     def slow_check(
         self: FileStorage, shard_fd: int, key: bytes, scratch: object, stop: threading.Event
     ) -> object:
-        event.set()
+        gate.started.set()
+        gate.sent.wait(WAIT)
         stop.wait(0.05)
         return check(self, shard_fd, key, scratch, stop)  # type: ignore[arg-type]
 
     monkeypatch.setattr(_file.FileStorage, "_verify_file", slow_check)
-    return event
+    return gate
 
 
-def _send_when(event: threading.Event, number: int) -> threading.Thread:
+def _send_when(
+    event: threading.Event, number: int, sent: threading.Event | None = None
+) -> threading.Thread:
     def send() -> None:
         if event.wait(WAIT):
             os.kill(os.getpid(), number)
+        if sent is not None:
+            sent.set()
 
     thread = threading.Thread(target=send, daemon=True)
     thread.start()
     return thread
 
 
-def _verify(root: Path, started: threading.Event, number: int) -> int:
-    sender = _send_when(started, number)
+def _verify(root: Path, started: Gate, number: int) -> int:
+    sender = _send_when(started.started, number, started.sent)
     code = main(["storage", "verify", f"file://{root}"])
     sender.join(WAIT)
     return code
@@ -99,7 +112,7 @@ def _handlers() -> tuple[object, object]:
 @pytest.mark.parametrize(("number", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_interrupted_command_leaves_the_default_handlers(
     tmp_path: Path,
-    started: threading.Event,
+    started: Gate,
     capsys: pytest.CaptureFixture[str],
     number: int,
     code: int,
@@ -116,7 +129,7 @@ def test_interrupted_command_leaves_the_default_handlers(
 
 @pytest.mark.usefixtures("dispositions")
 def test_sigterm_ends_the_command_and_leaves_the_hosts_sigint_handler(
-    tmp_path: Path, started: threading.Event, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, started: Gate, capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls: list[int] = []
 
@@ -137,7 +150,7 @@ def test_sigterm_ends_the_command_and_leaves_the_hosts_sigint_handler(
 
 @pytest.mark.usefixtures("dispositions")
 def test_ignored_sigint_stays_ignored(
-    tmp_path: Path, started: threading.Event, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, started: Gate, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A background job of a non-interactive shell starts with SIGINT ignored, so that a
     # Ctrl-C at the terminal does not reach it: the command runs on.
@@ -151,7 +164,7 @@ def test_ignored_sigint_stays_ignored(
 
 @pytest.mark.usefixtures("dispositions")
 def test_ignored_sigterm_stays_ignored(
-    tmp_path: Path, started: threading.Event, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, started: Gate, capsys: pytest.CaptureFixture[str]
 ) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -163,7 +176,7 @@ def test_ignored_sigterm_stays_ignored(
 
 @pytest.mark.usefixtures("dispositions")
 def test_a_later_ctrl_c_is_not_reported_as_the_earlier_sigterm(
-    tmp_path: Path, started: threading.Event, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, started: Gate, capsys: pytest.CaptureFixture[str]
 ) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
