@@ -386,3 +386,39 @@ async def test_open_sorts_no_list_of_every_page_in_one_call(
     async with FileStorage(root) as storage:
         assert len(storage._index) == 700
     assert max(sorted_lengths, default=0) < 700
+
+
+async def test_a_put_during_an_eviction_in_stead_leaves_the_store_within_its_capacity(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # The eviction in stead offers its job more pages than it owes once some stayed, and they
+    # are out of the index while the job looks at them: a put meanwhile took the room of
+    # those the job did not remove for free, and the eviction, owing only its own, left the
+    # store over its capacity by that put's page.
+    root = tmp_path / "s"
+    hot, first, second = _keys(4), _keys(1), _keys(1)
+    gate = _Gate()
+    async with FileStorage(root, shared=True) as other:
+        assert await _put(other, hot) == [Outcome.OK] * 4
+        _age(root, hot, time.time_ns() - HOUR_NS)  # hot[0] the least recently used
+        async with FileStorage(root, shared=True, capacity_bytes=4 * SIZE, io_threads=2) as mine:
+            assert await _get(other, hot) == [Outcome.OK] * 4  # all used there since
+            original = _file._used_elsewhere
+
+            def used_elsewhere(shard_fd: int, name: str, seen: float | None) -> float | None:
+                # hot[2] is looked at in the eviction's second round, with hot[3] offered too.
+                if name == hot[2].hex():
+                    gate.hold()
+                return original(shard_fd, name, seen)
+
+            monkeypatch.setattr(_file, "_used_elsewhere", used_elsewhere)
+            with _released(gate):
+                put = asyncio.ensure_future(_put(mine, first))
+                await gate.wait_reached()
+                assert mine.stats().bytes < 4 * SIZE  # hot[2] and hot[3] out of the index
+                assert await _put(mine, second) == [Outcome.OK]
+                gate.go.set()
+                assert await put == [Outcome.OK]
+            assert mine.stats().bytes <= 4 * SIZE
+            assert len(await mine.list_pages()) == len(mine._index) <= 4
+            assert set(first + second) <= set(mine._index)

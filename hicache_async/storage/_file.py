@@ -2438,7 +2438,7 @@ class FileStorage(BackendBase):
                         now=now,
                     )
                 if owed and self._capacity is not None:
-                    await self._evict_in_stead(owed, keep, spared)
+                    await self._evict_in_stead(keep, spared)
             elif stamps:
                 self._stamp_later(stamps)
         except asyncio.CancelledError:
@@ -2605,22 +2605,23 @@ class FileStorage(BackendBase):
             for key, entry in removed
         ]
 
-    async def _evict_in_stead(self, nbytes: int, keep: set[bytes], spared: set[bytes]) -> None:
-        """Evict up to `nbytes` more, least recently used first, while the store is over its
-        capacity: the room of a put's victims that stayed, another instance having used them
-        since this one did. Such pages are tried again after every other page, then without a
-        look (`spared`), so the put leaves the store within its capacity whoever uses its
-        pages; a page whose file could not be removed counts as gone (no other goes in its
-        place). None in `keep`. Each round offers its job twice as many pages as the one
-        before if some stayed (at most `_LOOP_SLICE`), and the job takes only what it needs:
-        a store whose least recently used pages another instance keeps using is gone through
-        in a few jobs, not one a page."""
+    async def _evict_in_stead(self, keep: set[bytes], spared: set[bytes]) -> None:
+        """Evict least recently used pages while the store is over its capacity: a put's
+        victims stayed, another instance having used them since this one did. Such pages are
+        tried again after every other page, then without a look (`spared`), so the put leaves
+        the store within its capacity whoever uses its pages; a page whose file could not be
+        removed counts as gone (no other goes in its place). None in `keep`. Each round offers
+        its job twice as many pages as the one before if some stayed (at most `_LOOP_SLICE`),
+        and the job takes only what it needs: a store whose least recently used pages another
+        instance keeps using is gone through in a few jobs, not one a page.
+
+        Down to the capacity, not by the put's own victims that stayed: the pages a round
+        offers are out of the index while its job looks at them, and a put or another
+        eviction meanwhile counted the room of those the job then left as free."""
         failed: set[bytes] = set()
+        unremoved = 0
         reach = 1
-        while nbytes > 0:
-            owed = min(nbytes, self._excess())
-            if owed <= 0:
-                return
+        while (owed := self._excess() - unremoved) > 0:
             victims: list[bytes] = []
             offered = 0
             for key, entry in self._candidates(keep):
@@ -2633,9 +2634,10 @@ class FileStorage(BackendBase):
                 return
             before = len(spared)
             sizes = {key: self._index[key].nbytes for key in victims}
-            _, freed, stayed = await self._evict(victims, spared, need=owed)
+            _, _, stayed = await self._evict(victims, spared, need=owed)
             failed.update(stayed)
-            nbytes -= freed + sum(sizes[key] for key in stayed)
+            # Back in the index, counted as gone.
+            unremoved += sum(sizes[key] for key in stayed if key in self._index)
             if len(spared) > before:
                 reach = min(2 * reach, _LOOP_SLICE)
 
