@@ -2168,8 +2168,8 @@ class FileStorage(BackendBase):
         sizes = [sum([view.nbytes for view in views]) for views in segments]
         results = job.results
         base = time.time_ns()
-
-        touched = job.touched
+        # Only a shared root's eviction reads what its jobs stamped (`_used_elsewhere`).
+        touched = job.touched if self._shared else None
 
         def work(i: int) -> None:
             stamp = base - i * _STAMP_STEP_NS  # the first hit the most recent, as in the index
@@ -2622,19 +2622,18 @@ class FileStorage(BackendBase):
         unremoved = 0
         reach = 1
         while (owed := self._excess() - unremoved) > 0:
-            victims: list[bytes] = []
+            sizes: dict[bytes, int] = {}  # the round's victims, in LRU order
             offered = 0
             for key, entry in self._candidates(keep):
-                if offered >= owed * reach or len(victims) == _LOOP_SLICE:
+                if offered >= owed * reach or len(sizes) == _LOOP_SLICE:
                     break
                 if key not in failed:
-                    victims.append(key)
+                    sizes[key] = entry.nbytes
                     offered += entry.nbytes
-            if not victims:
+            if not sizes:
                 return
             before = len(spared)
-            sizes = {key: self._index[key].nbytes for key in victims}
-            _, _, stayed = await self._evict(victims, spared, need=owed)
+            _, _, stayed = await self._evict(list(sizes), spared, need=owed)
             failed.update(stayed)
             # Back in the index, counted as gone.
             unremoved += sum(sizes[key] for key in stayed if key in self._index)
@@ -2851,7 +2850,8 @@ class FileStorage(BackendBase):
             no_room = self._commit_write(
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
-            self._as_stamped([*write_keys, *stamps], job.stamped)
+            if self._shared:
+                self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
             spared.update(victims[position] for position in job.spared)
         return _NoRoom(
