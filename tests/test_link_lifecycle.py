@@ -220,7 +220,7 @@ async def test_workers_that_end_without_a_close_wake_their_waiters(tmp_path: Pat
             assert backup.offer(node, node.num_pages)
         await _until(lambda: store.writing.is_set() and backup.pending > 0)
         waiter = asyncio.create_task(backup.wait_idle())
-        await _until(lambda: bool(backup._idle_waiters))
+        await _until(lambda: backup._idle_event is not None)
         for worker in workers:
             worker.cancel()
         await asyncio.wait(workers, timeout=GUARD_S)
@@ -234,6 +234,41 @@ async def test_workers_that_end_without_a_close_wake_their_waiters(tmp_path: Pat
         await prefetcher.run_now(handle)
         assert handle.status is PrefetchStatus.CANCELLED
         assert_drained(cache)
+
+
+async def test_cancelled_drains_leave_nothing_behind_while_a_backup_is_written(
+    tmp_path: Path,
+) -> None:
+    # Each `drain()` cancelled while the backup worker stayed busy left a waiter of its own
+    # behind until the worker next went idle: a serving process that bounds its drains
+    # (`wait_for(cache.drain(), ...)`) under steady backups kept every one of them.
+    store = GatedPuts(tmp_path)
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    async with HiCache(CONFIG, storage=store) as cache:
+        for prompt in _prompts(3):
+            await serve(cache, prompt, generator, prefetch=False)
+        await _until(lambda: store.writing.is_set() and not cache._copies)
+        link = cache._link
+        assert link is not None
+        backup = link.backup
+        for _ in range(50):
+            drain = asyncio.create_task(cache.drain())
+            await asyncio.sleep(0)  # one step: the drain runs up to its wait for the worker
+            assert not drain.done()
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+        assert not backup.idle
+        # Whatever the waiters are kept in holds none of the cancelled drains.
+        leftovers = [
+            value
+            for value in vars(backup).values()
+            if isinstance(value, (list, set, dict)) and len(value) >= 50
+        ]
+        assert leftovers == []
+        waiter = asyncio.create_task(cache.drain())
+        store.gate.set()
+        await asyncio.wait_for(waiter, GUARD_S)
+        assert backup.idle
 
 
 async def test_a_second_detach_returns_once_the_first_has_closed(tmp_path: Path) -> None:

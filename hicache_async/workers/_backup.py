@@ -136,7 +136,9 @@ class BackupWorker:
         self._stopped = False
         #: pages of the batch being written (0 between batches)
         self.writing_pages = 0
-        self._idle_waiters: list[anyio.Event] = []
+        # Set, and dropped, when the worker goes idle or stops: one for every `wait_idle()`
+        # caller, so a caller cancelled while the worker stays busy leaves nothing behind.
+        self._idle_event: anyio.Event | None = None
         self.offered_pages = self.written_pages = self.bytes_written = 0
         self.skipped_pages = self.retried_pages = self.failed_pages = 0
         self.dropped_pages = self.batches = self.superseded_pages = 0
@@ -260,15 +262,14 @@ class BackupWorker:
     async def wait_idle(self) -> None:
         """Wait until `idle` (or the worker stops)."""
         while not self.idle and not self._closed:
-            event = anyio.Event()
-            self._idle_waiters.append(event)
-            await event.wait()
+            if self._idle_event is None:
+                self._idle_event = anyio.Event()
+            await self._idle_event.wait()
 
     def _wake_idle(self) -> None:
-        if self.idle or self._closed:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for event in waiters:
-                event.set()
+        if (self.idle or self._closed) and self._idle_event is not None:
+            self._idle_event.set()
+            self._idle_event = None
 
     @property
     def pending(self) -> int:
