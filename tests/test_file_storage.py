@@ -701,6 +701,27 @@ async def test_spare_files_only_serve_writes_of_their_size(tmp_path: Path) -> No
         assert bytes(buffers[0][0]) == other[0][:1] * (PAGE // 2)
 
 
+async def test_spare_files_removed_from_outside_are_forgotten_once_taken(
+    tmp_path: Path,
+) -> None:
+    # A write that took a spare file someone else had removed (or replaced) wrote a new
+    # file, but the spare's name stayed among those taken by writes in progress for good:
+    # one name more per such write, for as long as the store stayed open.
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        assert storage._spares is not None
+        for _ in range(20):
+            await _put_and_delete(storage, 3)
+            spares = _spares(root)
+            assert len(spares) == 3
+            spares[0].unlink()
+            spares[1].write_bytes(b"not a page's size")
+            assert await _put(storage, _keys(3)) == [Outcome.OK] * 3
+        # Nothing is being written: no name of a spare file is held for a write.
+        assert storage._spares.names() == frozenset()
+        assert _spares(root) == []
+
+
 async def test_spare_bytes_is_a_bound_and_zero_turns_it_off(tmp_path: Path) -> None:
     async with FileStorage(tmp_path / "a", spare_bytes=2 * SIZE) as storage:
         await _put_and_delete(storage, 5)

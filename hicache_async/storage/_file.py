@@ -2995,8 +2995,9 @@ class FileStorage(BackendBase):
     def _open_for_write(self, handles: _Handles, hexkey: str, size: int) -> tuple[str, int]:
         """A file in tmp/ to write a page of `size` bytes into: a spare file of that size
         (whose every byte the write replaces), else a new one. Returns (name, descriptor)."""
-        spare = self._spares.take(size) if self._spares is not None else None
-        if spare is not None:
+        spares = self._spares
+        spare = spares.take(size) if spares is not None else None
+        if spares is not None and spare is not None:
             try:
                 fd = os.open(spare, _REWRITE_FLAGS, dir_fd=handles.tmp_fd)
             except OSError:  # removed meanwhile (verify, another opener): a new file then
@@ -3008,6 +3009,8 @@ class FileStorage(BackendBase):
                 os.close(fd)
                 with contextlib.suppress(OSError):
                     os.unlink(spare, dir_fd=handles.tmp_fd)
+            # Not this write's file after all: the caller settles only the one it returns.
+            spares.done(spare)
         name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
         return name, self._create_tmp(handles, name)
 
