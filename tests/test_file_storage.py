@@ -615,14 +615,45 @@ async def test_shared_put_of_a_stored_key_is_ok_and_takes_no_room(tmp_path: Path
         assert await _put(second, theirs[:3]) == [Outcome.OK] * 3
         assert await _get(first, theirs[:3]) == [Outcome.OK] * 3  # now indexed here too
         assert first.stats().bytes > 3 * SIZE
+        # Beyond its capacity: its own least recently used pages go, in the background.
+        assert first._trimmer is not None
+        await first._trimmer
+        assert (first.stats().bytes, first.stats().evictions) == (3 * SIZE, 2)
         # Stored already: OK, and no eviction to make room it does not need.
-        assert await _put(first, mine[:1]) == [Outcome.OK]
-        assert first.stats().evictions == 0
+        assert await _put(first, theirs[:1]) == [Outcome.OK]
+        assert first.stats().evictions == 2
         # Two puts of it at once: the first looks at the file; the second cannot know yet
         # whether that write will hold, so it is not told OK.
-        both = await asyncio.gather(_put(first, mine[:1]), _put(first, mine[:1]))
+        both = await asyncio.gather(_put(first, theirs[:1]), _put(first, theirs[:1]))
         assert both == [[Outcome.OK], [Outcome.MISS]]
-        assert first.stats().evictions == 0
+        assert first.stats().evictions == 2
+
+
+async def test_shared_lookups_index_no_more_than_the_capacity(tmp_path: Path) -> None:
+    # An instance whose puts all find their pages stored (another instance stores the same
+    # pages first) indexed every page its lookups ever found, long after the other
+    # instance had evicted them: its index grew with the keys it had seen, not its capacity.
+    root = tmp_path / "store"
+    capacity = 4 * SIZE
+    async with (
+        FileStorage(root, shared=True, capacity_bytes=capacity) as writer,
+        FileStorage(root, shared=True, capacity_bytes=capacity) as reader,
+    ):
+        for round_ in range(20):
+            keys = _keys(2)
+            assert await _put(writer, keys) == [Outcome.OK] * 2
+            if round_ % 2:
+                assert await reader.exists(keys) == 2
+            else:
+                assert await _get(reader, keys) == [Outcome.OK] * 2
+            assert await _put(reader, keys) == [Outcome.OK] * 2  # stored already
+            trimming = getattr(reader, "_trimmer", None)  # what the lookups left it
+            if trimming is not None:
+                await trimming
+            assert reader.stats().bytes <= capacity
+        assert len(reader._index) == len(writer._index) == 4
+        assert {*reader._index} == {*writer._index}
+        assert _disk_usage(root) == (4, capacity)
 
 
 async def test_io_threads_one_and_many_agree(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ time). Reads and scans commit what they saw only for keys no put, delete or evic
 meanwhile (`_watch`, `_stale`). With
 `shared=True` several instances use one root: keys missing from the index are looked up on disk,
 pages another instance deleted read as misses, and capacity is enforced over what this instance
-knows of (`gc()` rescans the whole root).
+knows of (`gc()` rescans the whole root), pages its lookups found included (`_trim_later`).
 
 Each batch is one job on a worker thread (one hand-off); the job spreads its pages over up to
 `io_threads` threads and moves bytes with `preadv`/`pwritev` between the files and the caller's
@@ -1525,6 +1525,9 @@ class FileStorage(BackendBase):
         # ns, key -> position in the call), queued for the one task that writes them.
         self._unstamped: list[tuple[int, dict[bytes, int]]] = []
         self._stamper: asyncio.Task[None] | None = None
+        # A shared root's eviction of what lookups found on disk beyond the capacity
+        # (`_trim_later`), which no lookup waits for.
+        self._trimmer: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> FileStorage:
@@ -1692,10 +1695,10 @@ class FileStorage(BackendBase):
         # Every job has stopped: the stamper's has ended, and what it has not started yet is
         # written here, so a use just before the close still orders the next open. It is
         # awaited first: what it took and did not write goes back to the queue.
-        stamper = self._stamper
-        if stamper is not None:
-            stamper.cancel()
-            await asyncio.wait([stamper])
+        for task in (self._trimmer, self._stamper):
+            if task is not None:
+                task.cancel()
+                await asyncio.wait([task])
         pending, self._unstamped = self._unstamped, []
         interrupted: asyncio.CancelledError | None = None
         try:
@@ -2031,6 +2034,8 @@ class FileStorage(BackendBase):
                 self._insert(key, nbytes, mtime)
             self._misfits_first(fresh)
             self._unwatch(epoch)
+            if fresh:
+                self._trim_later()
         # Indexed keys past the first missing one were not looked at: their stamps go to
         # the stamper (those found on disk were stamped by the job).
         late: dict[bytes, int] = {}
@@ -2046,6 +2051,23 @@ class FileStorage(BackendBase):
         self._unstamped.append((time.time_ns() if base is None else base, stamps))
         if self._stamper is None:
             self._stamper = asyncio.get_running_loop().create_task(self._run_stamper())
+
+    def _trim_later(self) -> None:
+        """Start the eviction of what a shared root's lookups indexed beyond the capacity,
+        unless one runs: pages another instance stored and this one found on disk count
+        as its own do, and a store whose puts all find their pages stored (instances that
+        store the same pages, the other first) would otherwise index every page it ever
+        found, long after the other instance evicted it."""
+        if self._trimmer is None and self._capacity is not None and self._excess() > 0:
+            self._trimmer = asyncio.get_running_loop().create_task(self._run_trimmer())
+
+    async def _run_trimmer(self) -> None:
+        try:
+            await self._evict_in_stead(set(), set())
+        except (StorageError, OSError):  # closing
+            return
+        finally:
+            self._trimmer = None
 
     async def _run_stamper(self) -> None:
         try:
@@ -2151,6 +2173,8 @@ class FileStorage(BackendBase):
                     del pins[key]
             self._commit_read(job, todo, todo_keys, outcomes, epoch)
             self._unwatch(epoch)
+            if self._shared:
+                self._trim_later()
         hits = [k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK]
         self._touch_chain(hits, time.time())
         return outcomes
