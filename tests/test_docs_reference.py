@@ -242,3 +242,27 @@ def test_a_runnable_example_runs_and_prints_what_it_says(
     assert result.returncode == 0, result.stderr
     for text in expected:
         assert text in result.stdout, (text, result.stdout)
+
+
+def test_the_demo_runs_shown_give_the_upper_bound_the_code_computes() -> None:
+    from hicache_async._trace import load_trace
+    from hicache_async.demo import DemoOptions, reuse_upper_bound, select_requests
+
+    options = DemoOptions()
+    requests = select_requests(load_trace(), options.requests, options.max_prompt_tokens)
+    total = sum(request.input_length for request in requests)
+    bound = reuse_upper_bound(requests, page_size=options.page_size)
+    runs = re.findall(
+        r"^```text\n\$ time python -m hicache_async demo.*?^```", _doc("demo.md"), re.S | re.M
+    )
+    assert len(runs) == 2
+    for run in runs:
+        tiers = {
+            label: int(value.replace(",", ""))
+            for label, value in re.findall(
+                r"^  (device|host|storage) \(L\d\)\s+([\d,]+)", run, re.M
+            )
+        }
+        assert f"{total:,} prompt tokens" in run
+        assert f"upper bound of {100 * bound / total:.1f}%" in run
+        assert f"{100 * sum(tiers.values()) / bound:.1f}% of the reachable reuse" in run
