@@ -5,6 +5,7 @@ run and print what their comments say."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import subprocess
 import sys
@@ -266,3 +267,13 @@ def test_the_demo_runs_shown_give_the_upper_bound_the_code_computes() -> None:
         assert f"{total:,} prompt tokens" in run
         assert f"upper bound of {100 * bound / total:.1f}%" in run
         assert f"{100 * sum(tiers.values()) / bound:.1f}% of the reachable reuse" in run
+
+
+@pytest.mark.parametrize(
+    "module", ["", ".workers", ".transfer", ".storage", ".testing", ".distributed", ".admin"]
+)
+def test_the_api_reference_names_every_public_name(module: str) -> None:
+    # docs/index.md promises every public name of these modules.
+    names: list[str] = importlib.import_module(f"hicache_async{module}").__all__
+    api = _doc("api.md")
+    assert [name for name in names if not re.search(rf"\b{re.escape(name)}\b", api)] == []
