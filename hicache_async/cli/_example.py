@@ -15,8 +15,9 @@ import msgspec
 
 from .._cache import HiCache
 from .._config import CacheConfig, KVLayout
-from .._errors import HiCacheError
+from .._errors import HiCacheError, StorageConfigError, StorageError
 from .._trace import load_trace, request_tokens
+from ..storage import open_storage
 from ..testing import KVGenerator, ServedRequest, serve
 from ._args import positive_int
 
@@ -58,6 +59,21 @@ class ExampleSummary(msgspec.Struct, frozen=True):
     seconds: float
 
 
+# Never a page key (those are hashes): the look-up reads nothing and writes nothing.
+_PROBE_KEY = bytes(32)
+
+
+async def _check_storage(url: str) -> None:
+    """Reach the storage before the replay: a store that cannot be reached would turn the run
+    into one without L3, each request logging its failure, and still report success."""
+    try:
+        async with open_storage(url) as backend:
+            await backend.exists([_PROBE_KEY])
+    except (StorageError, OSError) as exc:
+        # The backend's own message names it with any password masked; the URL may hold one.
+        raise StorageConfigError(f"the example's storage cannot be used: {exc}") from exc
+
+
 async def _replay(args: argparse.Namespace) -> ExampleSummary:
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16")
     config = CacheConfig(
@@ -72,6 +88,8 @@ async def _replay(args: argparse.Namespace) -> ExampleSummary:
         model_id="hicache-example/kvgen-v2",
     )
     storage = None if args.storage == "none" else args.storage
+    if storage is not None:
+        await _check_storage(storage)
     generator = KVGenerator(layout, args.page_size, seed=0)
     trace = load_trace(limit=args.requests)
     started = time.perf_counter()
