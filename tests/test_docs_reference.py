@@ -281,3 +281,32 @@ def test_the_api_reference_names_every_public_name(module: str) -> None:
     names: list[str] = importlib.import_module(f"hicache_async{module}").__all__
     api = _doc("api.md")
     assert [name for name in names if not re.search(rf"\b{re.escape(name)}\b", api)] == []
+
+
+def _slug(heading: str) -> str:
+    """The anchor a Markdown renderer gives a heading (GitHub's rule)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_pages_reaches_a_file_and_heading() -> None:
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+    def prose(page: Path) -> str:
+        return re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+
+    anchors = {
+        page.resolve(): {_slug(h) for h in re.findall(r"^#+ (.*)$", prose(page), re.M)}
+        for page in pages
+    }
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(page)):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page.resolve()
+            if not dest.exists() or (
+                dest.suffix == ".md" and anchor and anchor not in anchors[dest]
+            ):
+                broken.append(f"{page.name}: {target}")
+    assert broken == []
