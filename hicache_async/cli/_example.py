@@ -20,6 +20,7 @@ from .._trace import load_trace, request_tokens
 from ..storage import open_storage
 from ..testing import KVGenerator, ServedRequest, serve
 from ._args import positive_int
+from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -127,21 +128,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache-async example: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        sys.stdout.write(msgspec.json.format(msgspec.json.encode(summary)).decode() + "\n")
-        return 0
+        text = msgspec.json.format(msgspec.json.encode(summary)).decode()
+        return print_output(text, prog="hicache-async example")
     total = max(summary.prompt_tokens, 1)
-    print(f"replayed {summary.requests} trace requests in {summary.seconds:.1f} s")
+    lines = [f"replayed {summary.requests} trace requests in {summary.seconds:.1f} s"]
     for label, value in (
         ("from device (L1)", summary.device_tokens),
         ("from host (L2)", summary.host_tokens),
         ("from storage (L3)", summary.storage_tokens),
         ("computed", summary.computed_tokens),
     ):
-        print(f"  tokens {label:<18} {value:>10,}  {100 * value / total:5.1f}%")
-    print(f"  pages read back and checked against the KV generator: {summary.pages_checked:,}")
-    print(
+        lines.append(f"  tokens {label:<18} {value:>10,}  {100 * value / total:5.1f}%")
+    lines.append(
+        f"  pages read back and checked against the KV generator: {summary.pages_checked:,}"
+    )
+    lines.append(
         f"  evicted: {summary.device_evicted_pages:,} device pages, "
         f"{summary.host_evicted_pages:,} host pages; backed up: {summary.host_backup_pages:,} "
         f"to host, {summary.storage_pages_written:,} to storage"
     )
-    return 0
+    return print_output("\n".join(lines), prog="hicache-async example")
