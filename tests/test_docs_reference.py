@@ -309,3 +309,17 @@ def test_every_link_between_the_pages_reaches_a_file_and_heading() -> None:
             if not dest.exists() or anchor not in anchors.get(dest, {anchor}) | {""}:
                 broken.append(f"{page.name}: {target}")
     assert broken == []
+
+
+def test_the_example_configuration_file_loads_with_the_sizes_the_text_gives() -> None:
+    text = _doc("configuration.md")
+    (toml,) = re.findall(r"^```toml\n(.*?)^```", text, re.S | re.M)
+    config = CacheConfig.from_toml(toml)
+    kib, mib, gib = 1 << 10, 1 << 20, 1 << 30
+    figures = (
+        f"{config.layout.token_nbytes // kib} KiB per token, "
+        f"{config.page_nbytes // mib} MiB per {config.page_size}-token page, "
+        f"{config.device_pages * config.page_nbytes // gib} GiB of device pool and "
+        f"{config.resolved_host_pages * config.page_nbytes // gib} GiB of host pool"
+    )
+    assert figures in " ".join(text.split())
