@@ -197,6 +197,16 @@ async def test_requests_need_the_bearer_token() -> None:
         assert lower.status_code == 200
 
 
+async def test_another_scheme_gets_the_challenge_without_an_error_code() -> None:
+    # RFC 6750: `error="invalid_token"` is for a bearer token that is wrong; a request that
+    # brings no bearer credentials (another scheme) only learns which scheme is wanted.
+    async with admin() as (_, client):
+        for scheme in ("Basic", "Digest", "Token"):
+            other = await client.get(STORAGE, headers={"Authorization": f"{scheme} {TOKEN}"})
+            assert "required" in _error(other, 401, "unauthorized")
+            assert other.headers["www-authenticate"] == 'Bearer realm="hicache-admin"'
+
+
 async def test_every_refused_attempt_is_logged_once() -> None:
     # A request with no Authorization header at all (the usual probe) used to leave no trace.
     async with admin() as (_, client):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,19 @@ def test_pages_an_earlier_release_stored_with_other_generator_bytes_are_not_read
     summary = json.loads(capsys.readouterr().out)
     assert summary["storage_tokens"] == 0  # nothing of the earlier model's was taken
     assert summary["storage_pages_written"] > 0  # its own, under its own name
+
+
+def test_an_unreachable_store_is_a_one_line_error_before_the_replay(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("redis")
+    with socket.socket() as sock:  # a local port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"redis://user:hunter2hunter2@127.0.0.1:{port}/0"
+    assert main(["example", "--requests", "2", "--storage", url, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no summary of a run without its storage
+    assert "hicache-async example: error: the example's storage cannot be used" in captured.err
+    assert "hunter2" not in captured.err
+    assert "Traceback" not in captured.err

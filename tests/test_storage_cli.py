@@ -349,7 +349,10 @@ def test_manifest_of_a_directory_that_is_no_store(
     plain = tmp_path / "plain"
     plain.mkdir(mode=0o700)
     assert main(["manifest", action, f"file://{plain}"]) == 2
-    assert "no storage at" in capsys.readouterr().err
+    # Worded as the storage command words its errors.
+    assert capsys.readouterr().err.startswith(
+        f"hicache-async manifest: error: no storage at {plain}"
+    )
     assert list(plain.iterdir()) == []
 
 

@@ -286,7 +286,10 @@ class AdminApp:
 
     def _authorize(self, scope: Scope) -> None:
         values = header(scope, b"authorization")
-        if not values:
+        scheme, _, credentials = values[0].strip().partition(b" ") if values else (b"", b"", b"")
+        if scheme.lower() != b"bearer":
+            # No bearer credentials at all (no header, or Basic and the like): RFC 6750 gives
+            # such a request the challenge without an error code, which is for a bad token.
             _log.warning(
                 "hicache.admin.unauthorized", path=scope.get("path"), client=_client(scope)
             )
@@ -296,8 +299,7 @@ class AdminApp:
                 "an 'Authorization: Bearer <token>' header is required",
                 headers=[(b"www-authenticate", _REALM)],
             )
-        scheme, _, credentials = values[0].strip().partition(b" ")
-        presented = credentials.strip() if scheme.lower() == b"bearer" else b""
+        presented = credentials.strip()
         # Constant time in the token's content: timing reveals at most its length.
         valid = hmac.compare_digest(presented, self._token)
         if not valid or len(values) != 1:

@@ -93,6 +93,7 @@ def _bench(args: argparse.Namespace) -> int:
     from ..bench import BENCHMARKS, format_records, write_records
     from ..bench._records import check_finite
     from ._args import check_output_path
+    from ._output import print_output
 
     prog = f"hicache-async bench {args.kind}"
     module = importlib.import_module(BENCHMARKS[args.kind])
@@ -112,7 +113,8 @@ def _bench(args: argparse.Namespace) -> int:
         # line, not a traceback.
         print(f"{prog}: failed: {exc}", file=sys.stderr)
         return 1
-    print(format_records(records))
+    # A stdout that cannot take the table still gets the run's records written.
+    printed = print_output(format_records(records), prog=prog)
     try:
         if args.json:
             write_records(args.json, records)
@@ -121,7 +123,7 @@ def _bench(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"{prog}: failed: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return printed
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import msgspec
 from .._errors import StorageConfigError
 from ..demo import DemoOptions, demo_storage_root, format_summary, plan_demo, run_demo
 from ._args import positive_int
+from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -129,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache-async demo: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        sys.stdout.write(msgspec.json.format(msgspec.json.encode(summary)).decode() + "\n")
+        text = msgspec.json.format(msgspec.json.encode(summary)).decode()
     else:
-        print(format_summary(summary))
-    return 0
+        text = format_summary(summary)
+    return print_output(text, prog="hicache-async demo")

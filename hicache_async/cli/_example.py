@@ -15,10 +15,12 @@ import msgspec
 
 from .._cache import HiCache
 from .._config import CacheConfig, KVLayout
-from .._errors import HiCacheError
+from .._errors import HiCacheError, StorageConfigError, StorageError
 from .._trace import load_trace, request_tokens
+from ..storage import open_storage
 from ..testing import KVGenerator, ServedRequest, serve
 from ._args import positive_int
+from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
 
@@ -58,6 +60,21 @@ class ExampleSummary(msgspec.Struct, frozen=True):
     seconds: float
 
 
+# Never a page key (those are hashes): the look-up reads nothing and writes nothing.
+_PROBE_KEY = bytes(32)
+
+
+async def _check_storage(url: str) -> None:
+    """Reach the storage before the replay: a store that cannot be reached would turn the run
+    into one without L3, each request logging its failure, and still report success."""
+    try:
+        async with open_storage(url) as backend:
+            await backend.exists([_PROBE_KEY])
+    except (StorageError, OSError) as exc:
+        # The backend's own message names it with any password masked; the URL may hold one.
+        raise StorageConfigError(f"the example's storage cannot be used: {exc}") from exc
+
+
 async def _replay(args: argparse.Namespace) -> ExampleSummary:
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16")
     config = CacheConfig(
@@ -72,6 +89,8 @@ async def _replay(args: argparse.Namespace) -> ExampleSummary:
         model_id="hicache-example/kvgen-v2",
     )
     storage = None if args.storage == "none" else args.storage
+    if storage is not None:
+        await _check_storage(storage)
     generator = KVGenerator(layout, args.page_size, seed=0)
     trace = load_trace(limit=args.requests)
     started = time.perf_counter()
@@ -109,21 +128,23 @@ def run(args: argparse.Namespace) -> int:
         print(f"hicache-async example: error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        sys.stdout.write(msgspec.json.format(msgspec.json.encode(summary)).decode() + "\n")
-        return 0
+        text = msgspec.json.format(msgspec.json.encode(summary)).decode()
+        return print_output(text, prog="hicache-async example")
     total = max(summary.prompt_tokens, 1)
-    print(f"replayed {summary.requests} trace requests in {summary.seconds:.1f} s")
+    lines = [f"replayed {summary.requests} trace requests in {summary.seconds:.1f} s"]
     for label, value in (
         ("from device (L1)", summary.device_tokens),
         ("from host (L2)", summary.host_tokens),
         ("from storage (L3)", summary.storage_tokens),
         ("computed", summary.computed_tokens),
     ):
-        print(f"  tokens {label:<18} {value:>10,}  {100 * value / total:5.1f}%")
-    print(f"  pages read back and checked against the KV generator: {summary.pages_checked:,}")
-    print(
+        lines.append(f"  tokens {label:<18} {value:>10,}  {100 * value / total:5.1f}%")
+    lines.append(
+        f"  pages read back and checked against the KV generator: {summary.pages_checked:,}"
+    )
+    lines.append(
         f"  evicted: {summary.device_evicted_pages:,} device pages, "
         f"{summary.host_evicted_pages:,} host pages; backed up: {summary.host_backup_pages:,} "
         f"to host, {summary.storage_pages_written:,} to storage"
     )
-    return 0
+    return print_output("\n".join(lines), prog="hicache-async example")

@@ -64,15 +64,15 @@ def run(args: argparse.Namespace) -> int:
 def _action(args: argparse.Namespace) -> int:
     if args.action == "compact" and args.namespace is not None:
         # compact rewrites every namespace's entries; a filter it ignored would mislead.
-        print(f"{_PROG}: --namespace only applies to show", file=sys.stderr)
+        print(f"{_PROG}: error: --namespace only applies to show", file=sys.stderr)
         return 2
     try:
         result = asyncio.run(_run(args))
     except (StorageConfigError, ValueError) as exc:
-        print(f"{_PROG}: {exc}", file=sys.stderr)
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
     except (HiCacheError, OSError, RecursionError) as exc:  # the store failed, not the caller
-        print(f"{_PROG}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"{_PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return print_output(_format(args, result), prog=_PROG)
 
