@@ -5,7 +5,9 @@ the counters keep the totals."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import structlog
 
 from hicache_async import CacheConfig, HiCache
 from hicache_async._ratelog import LogLimiter, describe_error
-from hicache_async.storage import MemoryStorage, Outcome, PageMeta
+from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import FaultyStorage, KVGenerator, RedisServer, serve
 
@@ -140,3 +142,21 @@ async def test_a_stopped_redis_server_is_logged_once_not_per_batch() -> None:
     assert 1 <= len(failed) <= 2, len(failed)
     assert failed[0]["backend"] == backend.name
     assert backend.stats().errors == 16
+
+
+async def test_a_file_store_refused_every_write_logs_it_once_not_per_batch(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "s") as storage:
+        with structlog.testing.capture_logs() as logs:
+            # Pages of 64 bytes and their header: the file size limit refuses every one.
+            old = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64, old[1]))
+            try:
+                for batch in range(8):
+                    assert await storage.put(*_pages(2, batch)) == [Outcome.MISS] * 2
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        assert storage.refused_writes == 16
+    errors = [entry for entry in logs if entry["event"] == "storage.page.error"]
+    assert 1 <= len(errors) <= 2, len(errors)
+    assert errors[0]["count"] == 2
+    assert errors[0]["backend"] == storage.name

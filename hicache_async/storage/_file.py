@@ -78,6 +78,7 @@ import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError
+from .._ratelog import LogLimiter
 from ._base import (
     BackendBase,
     byte_segments,
@@ -1368,7 +1369,8 @@ class _IndexWalk:
 class _PageErrors:
     """A batch's page errors, logged as one `storage.page.error` per distinct error (its
     count and first key): a full disk fails every page of every batch alike, and a line per
-    page would flood the log."""
+    page would flood the log. A line per batch would too: an error logged by an earlier
+    batch is logged again at most once per `limiter`'s interval."""
 
     __slots__ = ("_seen",)
 
@@ -1379,11 +1381,18 @@ class _PageErrors:
         count, first = self._seen.get(error, (0, key))
         self._seen[error] = (count + 1, first)
 
-    def log(self, backend: str) -> None:
+    def log(self, backend: str, limiter: LogLimiter) -> None:
         for error, (count, key) in self._seen.items():
-            log.warning(
-                "storage.page.error", backend=backend, key=key.hex(), count=count, error=error
-            )
+            unlogged = limiter.admit("storage.page.error", error)
+            if unlogged is not None:
+                log.warning(
+                    "storage.page.error",
+                    backend=backend,
+                    key=key.hex(),
+                    count=count,
+                    error=error,
+                    unlogged_since_last=unlogged,
+                )
 
 
 class _Job:
@@ -1514,6 +1523,9 @@ class FileStorage(BackendBase):
         self._refused_writes = 0
         # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
+        # A failing disk fails every batch alike: `storage.page.error` tells each kind of
+        # error at once, a repeated one once a minute.
+        self._page_errors_log = LogLimiter()
         # Room on the disk that page writes in flight will still take.
         self._claims = _DiskClaims()
         # Set before opening by tools that only look (`hicache-async storage stats|ls`,
@@ -2333,7 +2345,7 @@ class FileStorage(BackendBase):
                 outcomes[i] = Outcome.ERROR
                 counters.errors += 1
                 errors.add(key, detail)
-        errors.log(self._name)
+        errors.log(self._name, self._page_errors_log)
 
     # put.
 
@@ -2742,7 +2754,7 @@ class FileStorage(BackendBase):
         if not retried:
             errors = _PageErrors()
             self._refuse(errors, given_up)
-            errors.log(self._name)
+            errors.log(self._name, self._page_errors_log)
             return 0
         again = await self._write_batch(
             keys=keys,
@@ -3102,7 +3114,7 @@ class FileStorage(BackendBase):
                 self._counters.errors += 1
                 errors.add(key, detail)
         self._refuse(errors, list(given_up))  # after the batch's pages written before them
-        errors.log(self._name)
+        errors.log(self._name, self._page_errors_log)
         return no_room
 
     def _as_stamped(self, keys: Iterable[bytes], stamped: float) -> None:
