@@ -444,7 +444,12 @@ class PrefetchHandle:
             )
         except CollectiveError as exc:
             # A broken group: the ranks cannot agree, so none may use what it fetched.
-            _log.warning("hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc))
+            if self._cache is not None:
+                self._cache._agreement_failed(exc, request_id=self.request_id)
+            else:
+                _log.warning(
+                    "hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc)
+                )
             self._agreed = 0
         finally:
             self._agreeing -= 1
