@@ -303,6 +303,9 @@ class BackupWorker:
         fingerprint = cache.namespace.fingerprint
         size = cache.config.page_size
         entries: list[ManifestEntry] = []
+        # Pages this batch must account for (offered, then planned), and what it has so far.
+        owed = sum(job.num_pages for job in jobs)
+        settled_before = self.written_pages + self.failed_pages + self.already_stored_pages
         try:
             if self.config.check_prefix and self._is_current():
                 await self._check_prefixes(jobs)
@@ -341,6 +344,7 @@ class BackupWorker:
             offered = sum(job.num_pages for job in jobs)
             self.repaired_pages += repaired
             self.superseded_pages += max(0, offered - (len(keys) - repaired))
+            owed = len(keys)
             if not keys:
                 return
             self.batches += 1
@@ -370,6 +374,12 @@ class BackupWorker:
                 offset += n
             if self._manifest is not None and self._is_current():
                 entries = [e for e in map(self._chain_entry, jobs) if e is not None]
+        except BaseException:
+            # Cancelled (a detach or close that gave up its flush): the pages neither written
+            # nor settled otherwise are left unwritten, as the queued ones are.
+            settled = self.written_pages + self.failed_pages + self.already_stored_pages
+            self.dropped_pages += max(0, owed - (settled - settled_before))
+            raise
         finally:
             for job in jobs:
                 tree.unprotect_host(job.node)
