@@ -9,6 +9,7 @@ and then how often it went on.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ class LogLimiter:
     the last one logged (`unlogged_since_last`).
     """
 
-    __slots__ = ("_clock", "_interval_s", "_kinds", "_max_kinds")
+    __slots__ = ("_clock", "_interval_s", "_kinds", "_lock", "_max_kinds")
 
     def __init__(
         self,
@@ -42,20 +43,22 @@ class LogLimiter:
         self._max_kinds = max_kinds
         self._clock = clock
         self._kinds: dict[tuple[str, str], tuple[float, int]] = {}
+        self._lock = threading.Lock()  # a file store's job threads log through it too
 
     def admit(self, event: str, error: str = "") -> int | None:
         """None when this record is to be left out; else how many records of its kind were
         left out since the last one logged."""
         kind = (event, error)
-        if kind not in self._kinds and len(self._kinds) >= self._max_kinds:
-            kind = (event, "")
-        now = self._clock()
-        last, unlogged = self._kinds.get(kind, (-math.inf, 0))
-        if now - last < self._interval_s:
-            self._kinds[kind] = (last, unlogged + 1)
-            return None
-        self._kinds[kind] = (now, 0)
-        return unlogged
+        with self._lock:
+            if kind not in self._kinds and len(self._kinds) >= self._max_kinds:
+                kind = (event, "")
+            now = self._clock()
+            last, unlogged = self._kinds.get(kind, (-math.inf, 0))
+            if now - last < self._interval_s:
+                self._kinds[kind] = (last, unlogged + 1)
+                return None
+            self._kinds[kind] = (now, 0)
+            return unlogged
 
 
 def describe_error(exc: BaseException, timeout_s: float) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import signal
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -117,9 +118,11 @@ def test_a_timeout_says_how_long_the_call_was_given() -> None:
     assert describe_error(ValueError("x"), 0.25) == "ValueError('x')"
 
 
-def _pages(count: int, salt: int) -> tuple[list[bytes], list[list[memoryview]], list[PageMeta]]:
+def _pages(
+    count: int, salt: int, nbytes: int = 64
+) -> tuple[list[bytes], list[list[memoryview]], list[PageMeta]]:
     keys = [bytes([salt, i]) * 16 for i in range(count)]
-    pages = [[memoryview(bytearray(b"p" * 64))] for _ in range(count)]
+    pages = [[memoryview(bytearray(b"p" * nbytes))] for _ in range(count)]
     metas = [PageMeta(key=key, namespace=b"n" * 16, num_tokens=PAGE) for key in keys]
     return keys, pages, metas
 
@@ -160,3 +163,31 @@ async def test_a_file_store_refused_every_write_logs_it_once_not_per_batch(tmp_p
     assert 1 <= len(errors) <= 2, len(errors)
     assert errors[0]["count"] == 2
     assert errors[0]["backend"] == storage.name
+
+
+def _chattr(flag: str, paths: list[Path]) -> None:
+    for path in paths:
+        done = subprocess.run(["chattr", flag, str(path)], capture_output=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"chattr {flag} does not work here: {done.stderr.decode().strip()}")
+
+
+async def test_files_puts_cannot_evict_are_logged_once_not_per_put(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root, capacity_bytes=20 * 1200, spare_bytes=0) as storage:
+        assert await storage.put(*_pages(16, 0, 1000)) == [Outcome.OK] * 16
+        files = [path for path in (root / "pages").rglob("*") if path.is_file()]
+        try:
+            # Immutable (`chattr +i`): even root cannot unlink them, so every put's eviction
+            # meets them again.
+            _chattr("+i", files)
+            with structlog.testing.capture_logs() as logs:
+                for batch in range(1, 21):
+                    assert await storage.put(*_pages(4, batch, 1000)) == [Outcome.OK] * 4
+        finally:
+            _chattr("-i", files)
+        assert storage.stats().errors > 20  # each file that stayed, each time
+    stayed = [entry for entry in logs if entry["event"] == "storage.evict.error"]
+    assert 1 <= len(stayed) <= 2, len(stayed)
+    assert stayed[0]["error"] == os.strerror(1)  # EPERM, without the file's name
+    assert stayed[0]["backend"] == storage.name

@@ -1366,6 +1366,21 @@ class _IndexWalk:
         )
 
 
+def _log_unremoved(
+    event: str, backend: str, hexkey: str, exc: OSError, limiter: LogLimiter | None
+) -> None:
+    """Log a page file that could not be removed. Through `limiter`, one line per kind of
+    error at most once a minute: every put's eviction would otherwise log each file that
+    stays (undeletable files stay for good, and are tried again)."""
+    if limiter is None:
+        log.warning(event, backend=backend, key=hexkey, error=str(exc))
+        return
+    error = exc.strerror or str(exc)  # not the file name: the key says which page
+    unlogged = limiter.admit(event, error)
+    if unlogged is not None:
+        log.warning(event, backend=backend, key=hexkey, error=error, unlogged_since_last=unlogged)
+
+
 class _PageErrors:
     """A batch's page errors, logged as one `storage.page.error` per distinct error (its
     count and first key): a full disk fails every page of every batch alike, and a line per
@@ -2533,7 +2548,7 @@ class FileStorage(BackendBase):
                 if admitted >= 0:
                     return victims, admitted
                 left = len(spared)
-                evicted, _, _ = await self._evict(victims, spared)
+                evicted, _, _ = await self._evict(victims, spared, for_put=True)
                 if not evicted and len(spared) == left:
                     # Every file of the round stayed, none for a use elsewhere (those go
                     # without a look next time): no rounds can make room.
@@ -2561,7 +2576,12 @@ class FileStorage(BackendBase):
         return fits
 
     async def _evict(
-        self, victims: list[bytes], spared: set[bytes] | None = None, *, need: int | None = None
+        self,
+        victims: list[bytes],
+        spared: set[bytes] | None = None,
+        *,
+        need: int | None = None,
+        for_put: bool = False,
     ) -> tuple[int, int, list[bytes]]:
         """Evict the indexed `victims` (none being read or written) in one job; returns the
         pages evicted, their bytes, and the keys whose file could not be removed (back in the
@@ -2585,6 +2605,7 @@ class FileStorage(BackendBase):
                     event="storage.evict.error",
                     seen=seen,
                     need=None if need is None else (need, sizes),
+                    limiter=self._page_errors_log if for_put else None,
                 )
             )
         finally:
@@ -2645,7 +2666,7 @@ class FileStorage(BackendBase):
             if not sizes:
                 return
             before = len(spared)
-            _, _, stayed = await self._evict(list(sizes), spared, need=owed)
+            _, _, stayed = await self._evict(list(sizes), spared, need=owed, for_put=True)
             failed.update(stayed)
             # Back in the index, counted as gone.
             unremoved += sum(sizes[key] for key in stayed if key in self._index)
@@ -2921,7 +2942,9 @@ class FileStorage(BackendBase):
                 pass
             except OSError as exc:  # the page stays: it goes back into the index
                 job.failed.append(position)
-                log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
+                _log_unremoved(
+                    "storage.evict.error", self._name, hexkey, exc, self._page_errors_log
+                )
             job.done += 1
         base = time.time_ns()
         job.stamped = base / 1e9
@@ -3213,10 +3236,13 @@ class FileStorage(BackendBase):
         reading: frozenset[bytes] | set[bytes] = frozenset(),
         seen: list[float | None] | None = None,
         need: tuple[int, list[int]] | None = None,
+        limiter: LogLimiter | None = None,
     ) -> None:
         """Remove the pages of `keys`; with `seen` (evictions in a shared root) not those
         another instance used since (see `_used_elsewhere`), which go to `job.spared`. With
-        `need` (bytes, and each key's size), stop once the keys not spared hold that many."""
+        `need` (bytes, and each key's size), stop once the keys not spared hold that many.
+        A file that stays is logged as `event`, through `limiter` if given (the evictions of
+        puts, which meet the same files again and again)."""
         handles = self._handles_or_raise()
         left: int | None = None
         sizes: list[int] = []
@@ -3246,7 +3272,7 @@ class FileStorage(BackendBase):
             except OSError as exc:  # the page stays: it goes back into the index
                 job.results[slot] = (_ERROR, str(exc), 0)
                 job.failed.append(slot)
-                log.warning(event, backend=self._name, key=hexkey, error=str(exc))
+                _log_unremoved(event, self._name, hexkey, exc, limiter)
             if left is not None and slot not in job.spared:
                 left -= sizes[slot]
             job.done = slot + 1
