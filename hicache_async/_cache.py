@@ -34,6 +34,7 @@ from ._keys import Namespace, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
 from ._pool import KVPool, PoolStatistics, make_pools
+from ._ratelog import LogLimiter
 from ._request import Request, check_count
 from ._stats import CacheStatistics, Counters, TierTokens
 from ._uncancelled import finish_uncancelled
@@ -213,6 +214,8 @@ class HiCache:
         self._backup_failures: dict[int, int] = {}
         # Loads of released requests: their pages become evictable when they land.
         self._abandoned_loads = 0
+        # A broken rank group fails every agreement after it: logged once a minute.
+        self._tp_log = LogLimiter()
         # Device pages being copied to the host. Keyed by page, not node id: a split gives
         # the head a new id, and a node's pages are all in flight or none (nodes only split).
         self._backing_up: set[int] = set()
@@ -589,7 +592,7 @@ class HiCache:
             agreed = await agree_min(group, mine, tag=tag, gate=background.wait_idle)
         except CollectiveError as exc:
             # The group is broken: no rank can rely on another's cache, so use none of it.
-            _log.warning("hicache.tp.agreement.failed", error=repr(exc))
+            self._agreement_failed(exc)
             agreed = 0
         finally:
             for nodes in held:
@@ -754,6 +757,16 @@ class HiCache:
             flushing=closing.backup.statistics(),
             flushing_backend=closing.backend.name,
         )
+
+    def _agreement_failed(self, exc: Exception, **fields: object) -> None:
+        """Log a prefetch's or `agree_cached_tokens()`'s failed collective: a broken group
+        fails every one after it, so a repeated error is logged at most once a minute."""
+        error = repr(exc)
+        unlogged = self._tp_log.admit("hicache.tp.agreement.failed", error)
+        if unlogged is not None:
+            _log.warning(
+                "hicache.tp.agreement.failed", error=error, unlogged_since_last=unlogged, **fields
+            )
 
     async def warmup(
         self, *, ratio: float | None = None, deadline_s: float | None = None

@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 import pytest
+from _unowned_storage import assert_backup_adds_up
 from structlog.testing import capture_logs
 
 import hicache_async._cache as cache_module
@@ -426,6 +427,9 @@ async def test_what_a_detach_left_unwritten_is_logged(tmp_path: Path, how: str) 
     (detached,) = [e for e in logs if e["event"] == "hicache.storage.detached"]
     backup = link.backup.statistics()
     assert backup.dropped_pages > 0
+    assert store.cut
+    # The write the detach cancelled left its pages unwritten too: they are counted.
+    assert_backup_adds_up(backup)
     assert detached["log_level"] == "warning"
     assert detached["dropped_pages"] == backup.dropped_pages
     assert detached["written_pages"] == backup.written_pages

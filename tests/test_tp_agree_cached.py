@@ -158,6 +158,20 @@ async def test_a_broken_group_answers_a_prefetch_without_waiting_for_its_reads(
         assert result.storage_tokens == 0
 
 
+async def test_a_broken_group_is_logged_once_not_per_request(tmp_path: Path) -> None:
+    (rank, _) = _pair(_BrokenRank)
+    with structlog.testing.capture_logs() as logs:
+        async with HiCache(_config(0), storage=_HangingStorage(tmp_path), rank_group=rank) as cache:
+            for number in range(10):
+                prompt = np.arange(2_000 + 100 * number, 2_000 + 100 * number + 6 * PAGE)
+                assert (await asyncio.wait_for(cache.prefetch(prompt), 10)).agreed_tokens == 0
+                assert await cache.agree_cached_tokens(prompt) == 0
+    failed = [entry for entry in logs if entry["event"] == "hicache.tp.agreement.failed"]
+    # Once, or twice where the run took longer than the log's interval.
+    assert 1 <= len(failed) <= 2, len(failed)
+    assert "GroupBrokenError" in failed[0]["error"]
+
+
 class _NoStatisticsRank(_Rank):
     """A user's group that does not implement `statistics()`."""
 

@@ -78,6 +78,7 @@ import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError
+from .._ratelog import LogLimiter
 from ._base import (
     BackendBase,
     byte_segments,
@@ -1365,10 +1366,26 @@ class _IndexWalk:
         )
 
 
+def _log_unremoved(
+    event: str, backend: str, hexkey: str, exc: OSError, limiter: LogLimiter | None
+) -> None:
+    """Log a page file that could not be removed. Through `limiter`, one line per kind of
+    error at most once a minute: every put's eviction would otherwise log each file that
+    stays (undeletable files stay for good, and are tried again)."""
+    if limiter is None:
+        log.warning(event, backend=backend, key=hexkey, error=str(exc))
+        return
+    error = exc.strerror or str(exc)  # not the file name: the key says which page
+    unlogged = limiter.admit(event, error)
+    if unlogged is not None:
+        log.warning(event, backend=backend, key=hexkey, error=error, unlogged_since_last=unlogged)
+
+
 class _PageErrors:
     """A batch's page errors, logged as one `storage.page.error` per distinct error (its
     count and first key): a full disk fails every page of every batch alike, and a line per
-    page would flood the log."""
+    page would flood the log. A line per batch would too: an error logged by an earlier
+    batch is logged again at most once per `limiter`'s interval."""
 
     __slots__ = ("_seen",)
 
@@ -1379,11 +1396,18 @@ class _PageErrors:
         count, first = self._seen.get(error, (0, key))
         self._seen[error] = (count + 1, first)
 
-    def log(self, backend: str) -> None:
+    def log(self, backend: str, limiter: LogLimiter) -> None:
         for error, (count, key) in self._seen.items():
-            log.warning(
-                "storage.page.error", backend=backend, key=key.hex(), count=count, error=error
-            )
+            unlogged = limiter.admit("storage.page.error", error)
+            if unlogged is not None:
+                log.warning(
+                    "storage.page.error",
+                    backend=backend,
+                    key=key.hex(),
+                    count=count,
+                    error=error,
+                    unlogged_since_last=unlogged,
+                )
 
 
 class _Job:
@@ -1514,6 +1538,9 @@ class FileStorage(BackendBase):
         self._refused_writes = 0
         # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
+        # A failing disk fails every batch alike: `storage.page.error` tells each kind of
+        # error at once, a repeated one once a minute.
+        self._page_errors_log = LogLimiter()
         # Room on the disk that page writes in flight will still take.
         self._claims = _DiskClaims()
         # Set before opening by tools that only look (`hicache-async storage stats|ls`,
@@ -2357,7 +2384,7 @@ class FileStorage(BackendBase):
                 outcomes[i] = Outcome.ERROR
                 counters.errors += 1
                 errors.add(key, detail)
-        errors.log(self._name)
+        errors.log(self._name, self._page_errors_log)
 
     # put.
 
@@ -2545,7 +2572,7 @@ class FileStorage(BackendBase):
                 if admitted >= 0:
                     return victims, admitted
                 left = len(spared)
-                evicted, _, _ = await self._evict(victims, spared)
+                evicted, _, _ = await self._evict(victims, spared, for_put=True)
                 if not evicted and len(spared) == left:
                     # Every file of the round stayed, none for a use elsewhere (those go
                     # without a look next time): no rounds can make room.
@@ -2573,7 +2600,12 @@ class FileStorage(BackendBase):
         return fits
 
     async def _evict(
-        self, victims: list[bytes], spared: set[bytes] | None = None, *, need: int | None = None
+        self,
+        victims: list[bytes],
+        spared: set[bytes] | None = None,
+        *,
+        need: int | None = None,
+        for_put: bool = False,
     ) -> tuple[int, int, list[bytes]]:
         """Evict the indexed `victims` (none being read or written) in one job; returns the
         pages evicted, their bytes, and the keys whose file could not be removed (back in the
@@ -2597,6 +2629,7 @@ class FileStorage(BackendBase):
                     event="storage.evict.error",
                     seen=seen,
                     need=None if need is None else (need, sizes),
+                    limiter=self._page_errors_log if for_put else None,
                 )
             )
         finally:
@@ -2657,7 +2690,7 @@ class FileStorage(BackendBase):
             if not sizes:
                 return
             before = len(spared)
-            _, _, stayed = await self._evict(list(sizes), spared, need=owed)
+            _, _, stayed = await self._evict(list(sizes), spared, need=owed, for_put=True)
             failed.update(stayed)
             # Back in the index, counted as gone.
             unremoved += sum(sizes[key] for key in stayed if key in self._index)
@@ -2766,7 +2799,7 @@ class FileStorage(BackendBase):
         if not retried:
             errors = _PageErrors()
             self._refuse(errors, given_up)
-            errors.log(self._name)
+            errors.log(self._name, self._page_errors_log)
             return 0
         again = await self._write_batch(
             keys=keys,
@@ -2933,7 +2966,9 @@ class FileStorage(BackendBase):
                 pass
             except OSError as exc:  # the page stays: it goes back into the index
                 job.failed.append(position)
-                log.warning("storage.evict.error", backend=self._name, key=hexkey, error=str(exc))
+                _log_unremoved(
+                    "storage.evict.error", self._name, hexkey, exc, self._page_errors_log
+                )
             job.done += 1
         base = time.time_ns()
         job.stamped = base / 1e9
@@ -3129,7 +3164,7 @@ class FileStorage(BackendBase):
                 self._counters.errors += 1
                 errors.add(key, detail)
         self._refuse(errors, list(given_up))  # after the batch's pages written before them
-        errors.log(self._name)
+        errors.log(self._name, self._page_errors_log)
         return no_room
 
     def _as_stamped(self, keys: Iterable[bytes], stamped: float) -> None:
@@ -3228,10 +3263,13 @@ class FileStorage(BackendBase):
         reading: frozenset[bytes] | set[bytes] = frozenset(),
         seen: list[float | None] | None = None,
         need: tuple[int, list[int]] | None = None,
+        limiter: LogLimiter | None = None,
     ) -> None:
         """Remove the pages of `keys`; with `seen` (evictions in a shared root) not those
         another instance used since (see `_used_elsewhere`), which go to `job.spared`. With
-        `need` (bytes, and each key's size), stop once the keys not spared hold that many."""
+        `need` (bytes, and each key's size), stop once the keys not spared hold that many.
+        A file that stays is logged as `event`, through `limiter` if given (the evictions of
+        puts, which meet the same files again and again)."""
         handles = self._handles_or_raise()
         left: int | None = None
         sizes: list[int] = []
@@ -3261,7 +3299,7 @@ class FileStorage(BackendBase):
             except OSError as exc:  # the page stays: it goes back into the index
                 job.results[slot] = (_ERROR, str(exc), 0)
                 job.failed.append(slot)
-                log.warning(event, backend=self._name, key=hexkey, error=str(exc))
+                _log_unremoved(event, self._name, hexkey, exc, limiter)
             if left is not None and slot not in job.spared:
                 left -= sizes[slot]
             job.done = slot + 1

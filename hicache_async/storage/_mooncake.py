@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError, type_name
+from .._ratelog import LogLimiter
 from ._base import (
     BackendBase,
     byte_segments,
@@ -558,6 +559,9 @@ def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int 
     )
 
 
+_TOO_BIG = "storage.mooncake.page_exceeds_staging"
+
+
 class MooncakeStorage(BackendBase):
     """Pages in Mooncake Store, moved zero-copy from and to registered host memory.
 
@@ -660,6 +664,8 @@ class MooncakeStorage(BackendBase):
         self._arena_view: memoryview | None = None
         self._arena_base = 0
         self._arena = _Arena(staging_size)
+        # Pages too large for the arena fail every batch they are in: logged once a minute.
+        self._too_big_log = LogLimiter()
         self._regions = _Regions()
         self._pending: list[tuple[int, int, object]] = []
         #: Set once `_open` has finished, opened or not (None until it begins).
@@ -1471,11 +1477,13 @@ class MooncakeStorage(BackendBase):
         """Run one chunk's job with its arena space held; pages too large for the arena
         fail alone (ERROR) instead of failing the chunk."""
         too_big = [plans[i].arena_bytes > self._arena.capacity for i in chunk]
-        if any(too_big):
+        unlogged = self._too_big_log.admit(_TOO_BIG) if any(too_big) else None
+        if unlogged is not None:
             log.warning(
-                "storage.mooncake.page_exceeds_staging",
+                _TOO_BIG,
                 backend=self._name,
                 staging_size=self._arena.capacity,
+                unlogged_since_last=unlogged,
             )
         need = sum(plans[i].arena_bytes for i, big in zip(chunk, too_big, strict=True) if not big)
         base = await self._acquire_arena(need)

@@ -38,6 +38,7 @@ from redis.exceptions import AuthenticationError, MovedError, NoPermissionError,
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._errors import StorageConfigError, StorageError, type_name
+from .._ratelog import LogLimiter
 from .._uncancelled import finish_uncancelled
 from ._base import (
     BackendBase,
@@ -614,6 +615,9 @@ class RedisStorage(BackendBase):
         self._moved_noted = False
         # Per kind of error reply: when it was last logged, and how many were not since.
         self._reply_errors: dict[str, tuple[float, int]] = {}
+        # A server gone down fails every batch: each kind of failure is logged at once, a
+        # repeated one once a minute.
+        self._batch_faults = LogLimiter()
         self._idle: asyncio.Event | None = None
         # SET's trailing arguments, packed once: `NX` and, with a TTL, `EX <seconds>`.
         ex = [] if ttl is None else [b"EX", str(ttl).encode()]
@@ -1008,7 +1012,7 @@ class RedisStorage(BackendBase):
                 failed, found = exc, []
             bounded &= self._bounded_reads  # this chunk's values were read in two commands
             if failed is not None:
-                log.warning("storage.redis.get_failed", backend=self._name, error=str(failed))
+                self._batch_failed("storage.redis.get_failed", str(failed))
                 given_up.add(chunk.group)
                 if not found:
                     return
@@ -1067,7 +1071,7 @@ class RedisStorage(BackendBase):
                     namespace=namespace,
                 )
             except (*REDIS_FAULTS, OSError) as exc:
-                log.warning("storage.redis.get_failed", backend=self._name, error=self._fault(exc))
+                self._batch_failed("storage.redis.get_failed", self._fault(exc))
                 given_up.add(chunk.group)
                 return
             landed = [(i, got) for i, got in received if isinstance(got, PageHeader)]
@@ -1328,7 +1332,7 @@ class RedisStorage(BackendBase):
                     ]
                     results = await self._send_sets(items)
             except (*REDIS_FAULTS, OSError) as exc:  # OSError: from the bulk connections
-                log.warning("storage.redis.put_failed", backend=self._name, error=self._fault(exc))
+                self._batch_failed("storage.redis.put_failed", self._fault(exc))
                 given_up.add(piece.group)
                 return
             for i, result in zip(chunk, results, strict=True):
@@ -2080,6 +2084,12 @@ class RedisStorage(BackendBase):
             return  # only PING is refused: the server answered
         except (*REDIS_FAULTS, OSError) as exc:
             raise StorageError(f"{self._name}: {call} failed: {self._fault(exc)}") from exc
+
+    def _batch_failed(self, event: str, error: str) -> None:
+        """Log a pipeline of a `get` or `put` given up on, rate-limited per kind of error."""
+        unlogged = self._batch_faults.admit(event, error)
+        if unlogged is not None:
+            log.warning(event, backend=self._name, error=error, unlogged_since_last=unlogged)
 
     def _fault(self, exc: BaseException) -> str:
         """What failed, for a message: a bulk exchange that ran out of time raises a

@@ -34,6 +34,7 @@ import msgspec
 import structlog
 
 from .._config import BackupConfig
+from .._ratelog import LogLimiter, describe_error
 from ..storage import Outcome, PageMeta, StorageBackend
 from ..storage._manifest import (
     ManifestEntry,
@@ -125,6 +126,8 @@ class BackupWorker:
             max_buffer_size=config.queue_size
         )
         self._closed = False
+        # A store that fails every call would otherwise log once per batch.
+        self._log_limit = LogLimiter()
         self._writing = False
         # Set by `give_way` for the batch being written (a fresh one per batch).
         self._give_way: anyio.Event | None = None
@@ -301,6 +304,9 @@ class BackupWorker:
         fingerprint = cache.namespace.fingerprint
         size = cache.config.page_size
         entries: list[ManifestEntry] = []
+        # Pages this batch must account for (offered, then planned), and what it has so far.
+        owed = sum(job.num_pages for job in jobs)
+        settled_before = self.written_pages + self.failed_pages + self.already_stored_pages
         try:
             if self.config.check_prefix and self._is_current():
                 await self._check_prefixes(jobs)
@@ -339,6 +345,7 @@ class BackupWorker:
             offered = sum(job.num_pages for job in jobs)
             self.repaired_pages += repaired
             self.superseded_pages += max(0, offered - (len(keys) - repaired))
+            owed = len(keys)
             if not keys:
                 return
             self.batches += 1
@@ -368,6 +375,12 @@ class BackupWorker:
                 offset += n
             if self._manifest is not None and self._is_current():
                 entries = [e for e in map(self._chain_entry, jobs) if e is not None]
+        except BaseException:
+            # Cancelled (a detach or close that gave up its flush): the pages neither written
+            # nor settled otherwise are left unwritten, as the queued ones are.
+            settled = self.written_pages + self.failed_pages + self.already_stored_pages
+            self.dropped_pages += max(0, owed - (settled - settled_before))
+            raise
         finally:
             for job in jobs:
                 tree.unprotect_host(job.node)
@@ -402,7 +415,7 @@ class BackupWorker:
                     answer = await self._backend.exists([keys[i] for i in indexes])
                 found = check_exists(answer, len(indexes))
             except Exception as exc:
-                _log.warning("hicache.backup.stored.failed", pages=len(indexes), error=repr(exc))
+                self._warn("hicache.backup.stored.failed", exc, pages=len(indexes))
                 return
             if not self._is_current():
                 return  # detached meanwhile: the flush writes what is left, as it would
@@ -447,7 +460,7 @@ class BackupWorker:
                     found = check_exists(answer, len(keys))
                 except Exception as exc:
                     # Unknown: nothing is unmarked on a guess.
-                    _log.warning("hicache.backup.check.failed", pages=len(keys), error=repr(exc))
+                    self._warn("hicache.backup.check.failed", exc, pages=len(keys))
                     return
                 if not self._is_current():
                     return
@@ -541,7 +554,21 @@ class BackupWorker:
                 await self._manifest.append(entries)
             self.manifest_entries += len(entries)
         except Exception as exc:
-            _log.warning("hicache.manifest.append.failed", entries=len(entries), error=repr(exc))
+            self._warn("hicache.manifest.append.failed", exc, entries=len(entries))
+
+    def _warn(self, event: str, exc: Exception, **fields: object) -> None:
+        """Log a failed backend call: each kind of error at once, a repeated one at most
+        once a minute (`unlogged_since_last` tells how many were left out)."""
+        error = describe_error(exc, self.config.io_timeout_s)
+        unlogged = self._log_limit.admit(event, error)
+        if unlogged is not None:
+            _log.warning(
+                event,
+                backend=self._backend.name,
+                error=error,
+                unlogged_since_last=unlogged,
+                **fields,
+            )
 
     async def _put_with_retries(
         self, keys: list[bytes], buffers: list[list[memoryview]], metas: list[PageMeta]
@@ -571,9 +598,7 @@ class BackupWorker:
                 if Outcome.OK in outcomes:  # a call that stored nothing says nothing of speed
                     self._cache.storage_put_latency.observe(time.monotonic() - began)
             except Exception as exc:
-                _log.warning(
-                    "hicache.backup.put.failed", pages=len(todo), attempt=attempt, error=repr(exc)
-                )
+                self._warn("hicache.backup.put.failed", exc, pages=len(todo), attempt=attempt)
                 continue
             failed = []
             for i, outcome in zip(todo, outcomes, strict=True):
@@ -590,7 +615,14 @@ class BackupWorker:
                 break
         if todo:
             self.failed_pages += len(todo)
-            _log.warning("hicache.backup.dropped", pages=len(todo))
+            unlogged = self._log_limit.admit("hicache.backup.dropped")
+            if unlogged is not None:
+                _log.warning(
+                    "hicache.backup.dropped",
+                    backend=self._backend.name,
+                    pages=len(todo),
+                    unlogged_since_last=unlogged,
+                )
         return done
 
 

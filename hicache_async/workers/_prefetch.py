@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from .._config import PrefetchConfig, PrefetchPolicy
 from .._loop import LoopOwner
+from .._ratelog import LogLimiter, describe_error
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
 from ..distributed._agree import enter_min_cancelled
 from ..storage import Outcome, StorageBackend
@@ -443,7 +444,12 @@ class PrefetchHandle:
             )
         except CollectiveError as exc:
             # A broken group: the ranks cannot agree, so none may use what it fetched.
-            _log.warning("hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc))
+            if self._cache is not None:
+                self._cache._agreement_failed(exc, request_id=self.request_id)
+            else:
+                _log.warning(
+                    "hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc)
+                )
             self._agreed = 0
         finally:
             self._agreeing -= 1
@@ -730,6 +736,8 @@ class Prefetcher:
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
+        # A store that fails every call would otherwise log once per prefetch or batch.
+        self._log_limit = LogLimiter()
 
     # -- submission and workers -------------------------------------------------------------
 
@@ -926,7 +934,7 @@ class Prefetcher:
         except Exception as exc:  # a bug or an unexpected backend failure: never kill the worker
             status = PrefetchStatus.TERMINATED
             self.errors += 1
-            _log.warning("hicache.prefetch.failed", request_id=handle.request_id, error=repr(exc))
+            self._warn("hicache.prefetch.failed", exc, request_id=handle.request_id)
         finally:
             self._running.discard(handle)
             self._left.set()
@@ -942,6 +950,20 @@ class Prefetcher:
                 self.skipped += 1
             else:
                 self.cancelled += 1
+
+    def _warn(self, event: str, exc: Exception, **fields: object) -> None:
+        """Log a failed backend call: each kind of error at once, a repeated one at most
+        once a minute (`unlogged_since_last` tells how many were left out)."""
+        error = describe_error(exc, self.config.io_timeout_s)
+        unlogged = self._log_limit.admit(event, error)
+        if unlogged is not None:
+            _log.warning(
+                event,
+                backend=self._backend.name,
+                error=error,
+                unlogged_since_last=unlogged,
+                **fields,
+            )
 
     def _report_only_cached(self, handle: PrefetchHandle) -> None:
         """Cut what `handle` reports to what is cached now: the first match's pages, or
@@ -984,9 +1006,7 @@ class Prefetcher:
         except Exception as exc:
             # Pages, as everywhere in these counters: the ones that could not be looked up.
             self.errors += len(keys) - start
-            _log.warning(
-                "hicache.prefetch.exists.failed", request_id=handle.request_id, error=repr(exc)
-            )
+            self._warn("hicache.prefetch.exists.failed", exc, request_id=handle.request_id)
             return PrefetchStatus.SKIPPED
         self.misses += len(keys) - start - existing  # asked of storage, not there
         if existing * size < threshold:
@@ -1306,7 +1326,7 @@ class Prefetcher:
                 self._cache.storage_get_latency.observe(time.monotonic() - began)
         except Exception as exc:
             self.errors += len(keys)
-            _log.warning("hicache.prefetch.get.failed", pages=len(keys), error=repr(exc))
+            self._warn("hicache.prefetch.get.failed", exc, pages=len(keys))
             return [Outcome.ERROR] * len(keys)
         for outcome in outcomes:
             if outcome is Outcome.OK:

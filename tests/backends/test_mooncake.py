@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+import structlog
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.cli import main
@@ -857,6 +858,18 @@ async def test_page_larger_than_staging_is_an_error_alone(mooncake_url: str) -> 
         big_keys, big_pages, big_metas = make_pages(1, 2 << 20, split=1 << 20)
         outcomes = await backend.put([*keys, *big_keys], [*pages, *big_pages], [*metas, *big_metas])
         assert outcomes == [Outcome.OK, Outcome.ERROR]
+
+
+async def test_pages_larger_than_staging_are_logged_once_not_per_batch(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, staging_size="1MiB")) as backend:
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(6):
+                big = make_pages(1, 2 << 20, split=1 << 20)
+                assert await backend.put(*big) == [Outcome.ERROR]
+        assert backend.stats().errors == 6
+    events = [e for e in logs if e["event"] == "storage.mooncake.page_exceeds_staging"]
+    # Once, or twice where the run took longer than the log's interval.
+    assert 1 <= len(events) <= 2, len(events)
 
 
 async def test_misuse_raises_before_io(backend: MooncakeStorage) -> None:

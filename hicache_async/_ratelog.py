@@ -1,0 +1,69 @@
+"""Rate limits for the warnings a storage outage would repeat at every request or batch.
+
+A store that fails every call fails the `exists` of every prefetch and the `put` of every
+backup batch: one warning each would be a log flood on a busy host while telling nothing new.
+The counters of `statistics()` keep the totals; the log tells each kind of failure at once
+and then how often it went on.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["LOG_INTERVAL_S", "LogLimiter", "describe_error"]
+
+#: A repeated warning of one kind is logged at most once per this many seconds.
+LOG_INTERVAL_S = 60.0
+#: Kinds told apart per limiter: errors whose text changes at every call cannot grow it
+#: without bound (past it, new kinds of an event share one).
+_MAX_KINDS = 32
+
+
+class LogLimiter:
+    """Lets the first record of each kind through, then at most one per `interval_s`.
+
+    A kind is an event name and an error text, so a new failure is told at once and a
+    repeated one once per interval, with how many records of its kind were left out since
+    the last one logged (`unlogged_since_last`).
+    """
+
+    __slots__ = ("_clock", "_interval_s", "_kinds", "_lock", "_max_kinds")
+
+    def __init__(
+        self,
+        interval_s: float = LOG_INTERVAL_S,
+        *,
+        max_kinds: int = _MAX_KINDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._interval_s = interval_s
+        self._max_kinds = max_kinds
+        self._clock = clock
+        self._kinds: dict[tuple[str, str], tuple[float, int]] = {}
+        self._lock = threading.Lock()  # a file store's job threads log through it too
+
+    def admit(self, event: str, error: str = "") -> int | None:
+        """None when this record is to be left out; else how many records of its kind were
+        left out since the last one logged."""
+        kind = (event, error)
+        with self._lock:
+            if kind not in self._kinds and len(self._kinds) >= self._max_kinds:
+                kind = (event, "")
+            now = self._clock()
+            last, unlogged = self._kinds.get(kind, (-math.inf, 0))
+            if now - last < self._interval_s:
+                self._kinds[kind] = (last, unlogged + 1)
+                return None
+            self._kinds[kind] = (now, 0)
+            return unlogged
+
+
+def describe_error(exc: BaseException, timeout_s: float) -> str:
+    """`repr(exc)`, or for the TimeoutError of a call that ran past `timeout_s` (which has
+    no text) how long it was given."""
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return f"TimeoutError: no answer within {timeout_s:g} s"
+    return repr(exc)

@@ -1,0 +1,193 @@
+"""What a cache logs while its store fails every call: each kind of failure once, with the
+backend and the error, then at most once a minute, however many requests and batches fail;
+the counters keep the totals."""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import structlog
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async._ratelog import LogLimiter, describe_error
+from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage._redis import RedisStorage
+from hicache_async.testing import FaultyStorage, KVGenerator, RedisServer, serve
+
+PAGE = 4
+REQUESTS = 30
+PROMPT_PAGES = 3
+IO_TIMEOUT_S = 0.05
+
+#: Logged at every failed prefetch or backup batch before the rate limit.
+REPEATED = ("hicache.prefetch.exists.failed", "hicache.backup.put.failed", "hicache.backup.dropped")
+
+
+def _config() -> CacheConfig:
+    return CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
+            "page_size": PAGE,
+            "device_pages": 64,
+            "host_pages": 128,
+            "model_id": "storm",
+            "prefetch": {
+                "policy": "wait_complete",
+                "threshold_tokens": PAGE,
+                "batch_pages": 4,
+                "io_timeout_s": IO_TIMEOUT_S,
+            },
+            "backup": {
+                "batch_pages": 4,
+                "max_retries": 1,
+                "retry_backoff_s": 0.001,
+                "io_timeout_s": IO_TIMEOUT_S,
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("fault", ["error", "hang"])
+async def test_a_store_failing_every_call_logs_each_failure_once(fault: str) -> None:
+    rates = {"error_rate": 1.0} if fault == "error" else {"hang_rate": 1.0}
+    faulty = FaultyStorage(MemoryStorage(), seed=1, **rates)
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=3)
+    rng = np.random.default_rng(7)
+    with structlog.testing.capture_logs() as logs:
+        async with HiCache(config, storage=faulty) as cache:
+            for n in range(REQUESTS):
+                # A new prompt each time: every prefetch asks the store, every commit is
+                # backed up.
+                prompt = rng.integers(0, 30_000, size=PROMPT_PAGES * PAGE)
+                await serve(cache, prompt, generator, request_id=f"r{n}")
+                await cache.drain()
+            status = cache.storage_status()
+    assert status.prefetch is not None
+    assert status.backup is not None
+    # Every request failed in storage, and the counters say so.
+    assert status.prefetch.errors == REQUESTS * PROMPT_PAGES
+    assert status.prefetch.skipped == REQUESTS
+    assert status.backup.failed_pages == REQUESTS * PROMPT_PAGES
+    assert status.backup.written_pages == 0
+    events = [entry["event"] for entry in logs]
+    expected = "injected fault" if fault == "error" else f"no answer within {IO_TIMEOUT_S:g} s"
+    for event in REPEATED:
+        # Once, or twice where the run took longer than the limit's interval; never once
+        # per request.
+        assert 1 <= events.count(event) <= 2, (event, events.count(event))
+    for entry in logs:
+        assert "exc_info" not in entry, entry
+        if entry["event"] in REPEATED:
+            assert entry["backend"] == faulty.name
+            assert entry["unlogged_since_last"] >= 0
+        if entry["event"] in REPEATED[:2]:
+            assert expected in entry["error"], entry
+
+
+def test_the_limiter_tells_each_kind_at_once_and_repeats_once_per_interval() -> None:
+    now = [0.0]
+    limiter = LogLimiter(60.0, max_kinds=3, clock=lambda: now[0])
+    assert limiter.admit("put", "refused") == 0
+    assert limiter.admit("put", "refused") is None
+    assert limiter.admit("put", "refused") is None
+    # Another error, or another event, is news.
+    assert limiter.admit("put", "timed out") == 0
+    assert limiter.admit("get", "refused") == 0
+    now[0] = 59.0
+    assert limiter.admit("put", "refused") is None
+    now[0] = 60.0
+    # The next record of a kind tells how many were left out since the last one.
+    assert limiter.admit("put", "refused") == 3
+    assert limiter.admit("put", "refused") is None
+    # Past max_kinds, new errors of an event share one kind: the table cannot grow.
+    assert limiter.admit("put", "new 1") == 0
+    assert limiter.admit("put", "new 2") is None
+    assert limiter.admit("put", "new 3") is None
+
+
+def test_a_timeout_says_how_long_the_call_was_given() -> None:
+    assert describe_error(TimeoutError(), 0.25) == "TimeoutError: no answer within 0.25 s"
+    assert describe_error(TimeoutError("slow"), 0.25) == "TimeoutError('slow')"
+    assert describe_error(ValueError("x"), 0.25) == "ValueError('x')"
+
+
+def _pages(
+    count: int, salt: int, nbytes: int = 64
+) -> tuple[list[bytes], list[list[memoryview]], list[PageMeta]]:
+    keys = [bytes([salt, i]) * 16 for i in range(count)]
+    pages = [[memoryview(bytearray(b"p" * nbytes))] for _ in range(count)]
+    metas = [PageMeta(key=key, namespace=b"n" * 16, num_tokens=PAGE) for key in keys]
+    return keys, pages, metas
+
+
+async def test_a_stopped_redis_server_is_logged_once_not_per_batch() -> None:
+    with RedisServer() as server:
+        async with RedisStorage.from_url(f"{server.url}?timeout=0.2") as backend:
+            keys, pages, metas = _pages(2, 0)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+            pid = server.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with structlog.testing.capture_logs() as logs:
+                    for batch in range(1, 9):
+                        assert await backend.put(*_pages(2, batch)) == [Outcome.ERROR] * 2
+            finally:
+                os.kill(pid, signal.SIGCONT)
+    failed = [entry for entry in logs if entry["event"] == "storage.redis.put_failed"]
+    assert 1 <= len(failed) <= 2, len(failed)
+    assert failed[0]["backend"] == backend.name
+    assert backend.stats().errors == 16
+
+
+async def test_a_file_store_refused_every_write_logs_it_once_not_per_batch(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "s") as storage:
+        with structlog.testing.capture_logs() as logs:
+            # Pages of 64 bytes and their header: the file size limit refuses every one.
+            old = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64, old[1]))
+            try:
+                for batch in range(8):
+                    assert await storage.put(*_pages(2, batch)) == [Outcome.MISS] * 2
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        assert storage.refused_writes == 16
+    errors = [entry for entry in logs if entry["event"] == "storage.page.error"]
+    assert 1 <= len(errors) <= 2, len(errors)
+    assert errors[0]["count"] == 2
+    assert errors[0]["backend"] == storage.name
+
+
+def _chattr(flag: str, paths: list[Path]) -> None:
+    for path in paths:
+        done = subprocess.run(["chattr", flag, str(path)], capture_output=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"chattr {flag} does not work here: {done.stderr.decode().strip()}")
+
+
+async def test_files_puts_cannot_evict_are_logged_once_not_per_put(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root, capacity_bytes=20 * 1200, spare_bytes=0) as storage:
+        assert await storage.put(*_pages(16, 0, 1000)) == [Outcome.OK] * 16
+        files = [path for path in (root / "pages").rglob("*") if path.is_file()]
+        try:
+            # Immutable (`chattr +i`): even root cannot unlink them, so every put's eviction
+            # meets them again.
+            _chattr("+i", files)
+            with structlog.testing.capture_logs() as logs:
+                for batch in range(1, 21):
+                    assert await storage.put(*_pages(4, batch, 1000)) == [Outcome.OK] * 4
+        finally:
+            _chattr("-i", files)
+        assert storage.stats().errors > 20  # each file that stayed, each time
+    stayed = [entry for entry in logs if entry["event"] == "storage.evict.error"]
+    assert 1 <= len(stayed) <= 2, len(stayed)
+    assert stayed[0]["error"] == os.strerror(1)  # EPERM, without the file's name
+    assert stayed[0]["backend"] == storage.name
