@@ -656,6 +656,32 @@ async def test_shared_lookups_index_no_more_than_the_capacity(tmp_path: Path) ->
         assert _disk_usage(root) == (4, capacity)
 
 
+async def test_shared_lookups_that_index_nothing_evict_nothing(tmp_path: Path) -> None:
+    # A shared root's get started the eviction of the excess whatever it read: reopened
+    # with a lower capacity, the first get of a page indexed already (or a miss) evicted
+    # down to the capacity, though only a lookup that indexes pages it found on disk does.
+    root = tmp_path / "store"
+    keys = _keys(8)
+    async with FileStorage(root, shared=True, capacity_bytes=8 * SIZE) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 8
+    async with (
+        FileStorage(root, shared=True, capacity_bytes=4 * SIZE) as lowered,
+        FileStorage(root, shared=True, capacity_bytes=8 * SIZE) as other,
+    ):
+        assert await _get(lowered, keys[-1:]) == [Outcome.OK]
+        assert await _get(lowered, _keys(1)) == [Outcome.MISS]
+        assert await lowered.exists(keys) == 8
+        assert lowered._trimmer is None
+        assert (lowered.stats().pages, lowered.stats().evictions) == (8, 0)
+        # A page found on disk: the excess goes, in the background.
+        theirs = _keys(1)
+        assert await _put(other, theirs) == [Outcome.OK]
+        assert await _get(lowered, theirs) == [Outcome.OK]
+        assert lowered._trimmer is not None
+        await lowered._trimmer
+        assert (lowered.stats().bytes, lowered.stats().evictions) == (4 * SIZE, 5)
+
+
 async def test_io_threads_one_and_many_agree(tmp_path: Path) -> None:
     keys = _keys(24)
     pages = [[memoryview(os.urandom(256 * 1024))] for _ in keys]

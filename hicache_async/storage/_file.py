@@ -1666,7 +1666,7 @@ class FileStorage(BackendBase):
         # The index is built here too: for a million pages, sorting and indexing them on the
         # loop stalled it for seconds (an attach while serving runs this open). Nothing on the
         # loop uses the index before the open returns. Pages beyond a (shrunk) capacity stay
-        # until the next put or gc() evicts them.
+        # until the next put or gc() evicts them (or, in a shared root, `_trim_later`).
         self._index_found(_scan(handles, stop))
         return leftovers
 
@@ -2171,9 +2171,9 @@ class FileStorage(BackendBase):
                     pins[key] = left
                 else:
                     del pins[key]
-            self._commit_read(job, todo, todo_keys, outcomes, epoch)
+            indexed = self._commit_read(job, todo, todo_keys, outcomes, epoch)
             self._unwatch(epoch)
-            if self._shared:
+            if indexed:
                 self._trim_later()
         hits = [k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK]
         self._touch_chain(hits, time.time())
@@ -2316,12 +2316,14 @@ class FileStorage(BackendBase):
 
     def _commit_read(
         self, job: _Job, todo: list[int], keys: list[bytes], outcomes: list[Outcome], epoch: int
-    ) -> None:
+    ) -> bool:
         """Record a read started at change epoch `epoch`; what it saw of a key changed since
-        is left out of the index (a delete, put or eviction decided later)."""
+        is left out of the index (a delete, put or eviction decided later). Returns whether
+        it indexed a page found on disk (a shared root's)."""
         if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
             self._counters.gets -= len(outcomes)
-            return
+            return False
+        indexed = False
         now = time.time()
         counters = self._counters
         errors = _PageErrors()
@@ -2340,6 +2342,7 @@ class FileStorage(BackendBase):
                 entry = self._index.get(key)
                 if entry is None:
                     self._insert(key, nbytes, now)  # found on disk in a shared root
+                    indexed = True
                 elif slot in job.touched:
                     # The job's stamp, not another instance's use (see `_used_elsewhere`).
                     entry.mtime = max(entry.mtime, job.touched[slot] / 1e9)
@@ -2358,6 +2361,7 @@ class FileStorage(BackendBase):
                 counters.errors += 1
                 errors.add(key, detail)
         errors.log(self._name)
+        return indexed
 
     # put.
 
