@@ -7,6 +7,7 @@ import contextlib
 import errno
 import gc
 import os
+import resource
 import stat
 import threading
 import time
@@ -777,6 +778,32 @@ async def test_spare_files_removed_from_outside_are_forgotten_once_taken(
         # Nothing is being written: no name of a spare file is held for a write.
         assert storage._spares.names() == frozenset()
         assert _spares(root) == []
+
+
+async def test_a_spare_file_that_cannot_be_opened_is_removed(tmp_path: Path) -> None:
+    # A write that took a spare file and could not open it (out of descriptors) forgot the
+    # file but left it in tmp/, where neither the pool nor a close removed it.
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        assert storage._spares is not None
+        first = os.urandom(32)
+        assert await _put(storage, [first]) == [Outcome.OK]
+        assert await storage.delete([first]) == 1
+        assert len(_spares(root)) == 1
+        key = first[:1] + os.urandom(31)  # its shard directory is open already
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor number
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        try:
+            outcomes = await _put(storage, [key])
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert outcomes == [Outcome.ERROR]
+        assert storage._spares.files == 0
+        assert storage._spares.names() == frozenset()
+        assert _spares(root) == []
+    assert list((root / "tmp").iterdir()) == []
 
 
 async def test_spare_bytes_is_a_bound_and_zero_turns_it_off(tmp_path: Path) -> None:

@@ -3028,15 +3028,17 @@ class FileStorage(BackendBase):
         if spares is not None and spare is not None:
             try:
                 fd = os.open(spare, _REWRITE_FLAGS, dir_fd=handles.tmp_fd)
-            except OSError:  # removed meanwhile (verify, another opener): a new file then
+            except OSError:
+                # Removed meanwhile (verify, another opener), or not to be opened now (out of
+                # descriptors): a new file then, and the spare goes, as no pool holds it now.
                 pass
             else:
                 st = os.fstat(fd)
                 if stat.S_ISREG(st.st_mode) and st.st_size == size:
                     return spare, fd
                 os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(spare, dir_fd=handles.tmp_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(spare, dir_fd=handles.tmp_fd)
             # Not this write's file after all: the caller settles only the one it returns.
             spares.done(spare)
         name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
