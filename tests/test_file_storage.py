@@ -683,6 +683,57 @@ async def test_shared_lookups_that_index_nothing_evict_nothing(tmp_path: Path) -
         assert (lowered.stats().bytes, lowered.stats().evictions) == (4 * SIZE, 5)
 
 
+async def _polled(condition: Callable[[], bool], guard_s: float = 30.0) -> None:
+    """Until `condition()` holds, looked at once a loop step; a hang guard of `guard_s`."""
+    deadline = asyncio.get_running_loop().time() + guard_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met")
+        await asyncio.sleep(0)
+
+
+class TrimsWhenLetGo(FileStorage):
+    """Its background eviction (`_trim_later`) waits for `let_go`, through a cancellation
+    too: a task that ends some steps after it is cancelled."""
+
+    def __init__(self, root: Path, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self.let_go = asyncio.Event()
+
+    async def _evict_in_stead(self, keep: set[bytes], spared: set[bytes]) -> None:
+        while not self.let_go.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.let_go.wait()
+        await super()._evict_in_stead(keep, spared)
+
+
+async def test_a_close_cancelled_while_the_eviction_ends_releases_the_root(
+    tmp_path: Path,
+) -> None:
+    # A close cancelled while it waited for the background eviction to end (or for the task
+    # that stamps uses) raised at once: the root's descriptors and its lock stayed, and the
+    # root could not be opened again by this process or another.
+    root = tmp_path / "store"
+    async with FileStorage(root, shared=True) as writer:
+        reader = TrimsWhenLetGo(root, shared=True, capacity_bytes=2 * SIZE)
+        await reader.__aenter__()
+        keys = _keys(4)
+        assert await _put(writer, keys) == [Outcome.OK] * 4
+        assert await reader.exists(keys) == 4
+        trimmer = reader._trimmer
+        assert trimmer is not None
+        closing = asyncio.create_task(reader.close())
+        await _polled(lambda: trimmer.cancelling() > 0)  # the close waits for it
+        closing.cancel()
+        reader.let_go.set()
+        (cancelled,) = await asyncio.gather(closing, return_exceptions=True)
+        assert isinstance(cancelled, asyncio.CancelledError)
+        assert trimmer.done()
+        assert reader._handles is None
+    async with FileStorage(root) as again:  # the root's lock went with the close
+        assert again.stats().pages == 4
+
+
 async def test_io_threads_one_and_many_agree(tmp_path: Path) -> None:
     keys = _keys(24)
     pages = [[memoryview(os.urandom(256 * 1024))] for _ in keys]

@@ -78,6 +78,7 @@ import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError
+from .._uncancelled import finish_uncancelled
 from ._base import (
     BackendBase,
     byte_segments,
@@ -1694,17 +1695,20 @@ class FileStorage(BackendBase):
     async def _release(self) -> None:
         # Every job has stopped: the stamper's has ended, and what it has not started yet is
         # written here, so a use just before the close still orders the next open. It is
-        # awaited first: what it took and did not write goes back to the queue.
+        # awaited first: what it took and did not write goes back to the queue. Both are
+        # awaited through a cancellation of the close, which must still release the root.
+        interrupted: asyncio.CancelledError | None = None
         for task in (self._trimmer, self._stamper):
             if task is not None:
                 task.cancel()
-                await asyncio.wait([task])
+                cancelled = await finish_uncancelled(asyncio.wait([task]))
+                interrupted = interrupted or cancelled
         pending, self._unstamped = self._unstamped, []
-        interrupted: asyncio.CancelledError | None = None
         try:
             if self._handles is not None and pending:
                 handles = self._handles
-                interrupted = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
+                cancelled = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
+                interrupted = interrupted or cancelled
             if self._helpers is not None:
                 self._helpers.shutdown(wait=False)
             if self._handles is not None and self._spares is not None:
