@@ -7,6 +7,7 @@ import contextlib
 import errno
 import gc
 import os
+import resource
 import stat
 import threading
 import time
@@ -656,6 +657,83 @@ async def test_shared_lookups_index_no_more_than_the_capacity(tmp_path: Path) ->
         assert _disk_usage(root) == (4, capacity)
 
 
+async def test_shared_lookups_that_index_nothing_evict_nothing(tmp_path: Path) -> None:
+    # A shared root's get started the eviction of the excess whatever it read: reopened
+    # with a lower capacity, the first get of a page indexed already (or a miss) evicted
+    # down to the capacity, though only a lookup that indexes pages it found on disk does.
+    root = tmp_path / "store"
+    keys = _keys(8)
+    async with FileStorage(root, shared=True, capacity_bytes=8 * SIZE) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 8
+    async with (
+        FileStorage(root, shared=True, capacity_bytes=4 * SIZE) as lowered,
+        FileStorage(root, shared=True, capacity_bytes=8 * SIZE) as other,
+    ):
+        assert await _get(lowered, keys[-1:]) == [Outcome.OK]
+        assert await _get(lowered, _keys(1)) == [Outcome.MISS]
+        assert await lowered.exists(keys) == 8
+        assert lowered._trimmer is None
+        assert (lowered.stats().pages, lowered.stats().evictions) == (8, 0)
+        # A page found on disk: the excess goes, in the background.
+        theirs = _keys(1)
+        assert await _put(other, theirs) == [Outcome.OK]
+        assert await _get(lowered, theirs) == [Outcome.OK]
+        assert lowered._trimmer is not None
+        await lowered._trimmer
+        assert (lowered.stats().bytes, lowered.stats().evictions) == (4 * SIZE, 5)
+
+
+async def _polled(condition: Callable[[], bool], guard_s: float = 30.0) -> None:
+    """Until `condition()` holds, looked at once a loop step; a hang guard of `guard_s`."""
+    deadline = asyncio.get_running_loop().time() + guard_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met")
+        await asyncio.sleep(0)
+
+
+class TrimsWhenLetGo(FileStorage):
+    """Its background eviction (`_trim_later`) waits for `let_go`, through a cancellation
+    too: a task that ends some steps after it is cancelled."""
+
+    def __init__(self, root: Path, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self.let_go = asyncio.Event()
+
+    async def _evict_in_stead(self, keep: set[bytes], spared: set[bytes]) -> None:
+        while not self.let_go.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.let_go.wait()
+        await super()._evict_in_stead(keep, spared)
+
+
+async def test_a_close_cancelled_while_the_eviction_ends_releases_the_root(
+    tmp_path: Path,
+) -> None:
+    # A close cancelled while it waited for the background eviction to end (or for the task
+    # that stamps uses) raised at once: the root's descriptors and its lock stayed, and the
+    # root could not be opened again by this process or another.
+    root = tmp_path / "store"
+    async with FileStorage(root, shared=True) as writer:
+        reader = TrimsWhenLetGo(root, shared=True, capacity_bytes=2 * SIZE)
+        await reader.__aenter__()
+        keys = _keys(4)
+        assert await _put(writer, keys) == [Outcome.OK] * 4
+        assert await reader.exists(keys) == 4
+        trimmer = reader._trimmer
+        assert trimmer is not None
+        closing = asyncio.create_task(reader.close())
+        await _polled(lambda: trimmer.cancelling() > 0)  # the close waits for it
+        closing.cancel()
+        reader.let_go.set()
+        (cancelled,) = await asyncio.gather(closing, return_exceptions=True)
+        assert isinstance(cancelled, asyncio.CancelledError)
+        assert trimmer.done()
+        assert reader._handles is None
+    async with FileStorage(root) as again:  # the root's lock went with the close
+        assert again.stats().pages == 4
+
+
 async def test_io_threads_one_and_many_agree(tmp_path: Path) -> None:
     keys = _keys(24)
     pages = [[memoryview(os.urandom(256 * 1024))] for _ in keys]
@@ -751,6 +829,32 @@ async def test_spare_files_removed_from_outside_are_forgotten_once_taken(
         # Nothing is being written: no name of a spare file is held for a write.
         assert storage._spares.names() == frozenset()
         assert _spares(root) == []
+
+
+async def test_a_spare_file_that_cannot_be_opened_is_removed(tmp_path: Path) -> None:
+    # A write that took a spare file and could not open it (out of descriptors) forgot the
+    # file but left it in tmp/, where neither the pool nor a close removed it.
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        assert storage._spares is not None
+        first = os.urandom(32)
+        assert await _put(storage, [first]) == [Outcome.OK]
+        assert await storage.delete([first]) == 1
+        assert len(_spares(root)) == 1
+        key = first[:1] + os.urandom(31)  # its shard directory is open already
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = os.open(os.devnull, os.O_RDONLY)  # the lowest free descriptor number
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        try:
+            outcomes = await _put(storage, [key])
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert outcomes == [Outcome.ERROR]
+        assert storage._spares.files == 0
+        assert storage._spares.names() == frozenset()
+        assert _spares(root) == []
+    assert list((root / "tmp").iterdir()) == []
 
 
 async def test_spare_bytes_is_a_bound_and_zero_turns_it_off(tmp_path: Path) -> None:

@@ -272,6 +272,36 @@ async def test_cancelled_drains_leave_nothing_behind_while_a_backup_is_written(
         assert backup.idle
 
 
+async def test_a_queue_given_up_between_batches_wakes_the_drains(tmp_path: Path) -> None:
+    # An allocation that made the worker give way between two batches (the worker at its
+    # queue, the next job still in it) emptied the queue and left the worker idle, but woke
+    # no `wait_idle()` waiter: a drain waited until some later backup was written.
+    store = GatedPuts(tmp_path)
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    async with HiCache(CONFIG, storage=store) as cache:
+        for prompt in _prompts(3):
+            await serve(cache, prompt, generator, prefetch=False)
+        link = cache._link
+        assert link is not None
+        backup = link.backup
+        await _until(lambda: store.writing.is_set() and backup.pending > 0)
+        drain = asyncio.create_task(cache.drain())
+        await _until(lambda: backup._idle_event is not None)
+        store.gate.set()
+
+        def gave_way_between_batches() -> bool:
+            if backup._writing or backup.pending == 0:
+                return False
+            backup.give_way()
+            return True
+
+        await _until(gave_way_between_batches)
+        assert backup.idle
+        assert backup.statistics().dropped_pages > 0
+        await asyncio.wait_for(drain, GUARD_S)
+        assert_drained(cache)
+
+
 async def test_a_second_detach_returns_once_the_first_has_closed(tmp_path: Path) -> None:
     store = GatedPuts(tmp_path)
     async with HiCache(CONFIG, storage=store) as cache:

@@ -79,6 +79,7 @@ import numpy as np
 from .. import _native
 from .._errors import StorageConfigError, StorageError
 from .._ratelog import LogLimiter
+from .._uncancelled import finish_uncancelled
 from ._base import (
     BackendBase,
     byte_segments,
@@ -1693,7 +1694,7 @@ class FileStorage(BackendBase):
         # The index is built here too: for a million pages, sorting and indexing them on the
         # loop stalled it for seconds (an attach while serving runs this open). Nothing on the
         # loop uses the index before the open returns. Pages beyond a (shrunk) capacity stay
-        # until the next put or gc() evicts them.
+        # until the next put or gc() evicts them (or, in a shared root, `_trim_later`).
         self._index_found(_scan(handles, stop))
         return leftovers
 
@@ -1721,17 +1722,20 @@ class FileStorage(BackendBase):
     async def _release(self) -> None:
         # Every job has stopped: the stamper's has ended, and what it has not started yet is
         # written here, so a use just before the close still orders the next open. It is
-        # awaited first: what it took and did not write goes back to the queue.
+        # awaited first: what it took and did not write goes back to the queue. Both are
+        # awaited through a cancellation of the close, which must still release the root.
+        interrupted: asyncio.CancelledError | None = None
         for task in (self._trimmer, self._stamper):
             if task is not None:
                 task.cancel()
-                await asyncio.wait([task])
+                cancelled = await finish_uncancelled(asyncio.wait([task]))
+                interrupted = interrupted or cancelled
         pending, self._unstamped = self._unstamped, []
-        interrupted: asyncio.CancelledError | None = None
         try:
             if self._handles is not None and pending:
                 handles = self._handles
-                interrupted = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
+                cancelled = await self._run_while_closing(lambda: _stamp_queued(handles, pending))
+                interrupted = interrupted or cancelled
             if self._helpers is not None:
                 self._helpers.shutdown(wait=False)
             if self._handles is not None and self._spares is not None:
@@ -2198,9 +2202,9 @@ class FileStorage(BackendBase):
                     pins[key] = left
                 else:
                     del pins[key]
-            self._commit_read(job, todo, todo_keys, outcomes, epoch)
+            indexed = self._commit_read(job, todo, todo_keys, outcomes, epoch)
             self._unwatch(epoch)
-            if self._shared:
+            if indexed:
                 self._trim_later()
         hits = [k for k, o in zip(keys, outcomes, strict=True) if o is Outcome.OK]
         self._touch_chain(hits, time.time())
@@ -2343,12 +2347,14 @@ class FileStorage(BackendBase):
 
     def _commit_read(
         self, job: _Job, todo: list[int], keys: list[bytes], outcomes: list[Outcome], epoch: int
-    ) -> None:
+    ) -> bool:
         """Record a read started at change epoch `epoch`; what it saw of a key changed since
-        is left out of the index (a delete, put or eviction decided later)."""
+        is left out of the index (a delete, put or eviction decided later). Returns whether
+        it indexed a page found on disk (a shared root's)."""
         if job.rejected:  # bad buffers, refused before any I/O: the call did not happen
             self._counters.gets -= len(outcomes)
-            return
+            return False
+        indexed = False
         now = time.time()
         counters = self._counters
         errors = _PageErrors()
@@ -2367,6 +2373,7 @@ class FileStorage(BackendBase):
                 entry = self._index.get(key)
                 if entry is None:
                     self._insert(key, nbytes, now)  # found on disk in a shared root
+                    indexed = True
                 elif slot in job.touched:
                     # The job's stamp, not another instance's use (see `_used_elsewhere`).
                     entry.mtime = max(entry.mtime, job.touched[slot] / 1e9)
@@ -2385,6 +2392,7 @@ class FileStorage(BackendBase):
                 counters.errors += 1
                 errors.add(key, detail)
         errors.log(self._name, self._page_errors_log)
+        return indexed
 
     # put.
 
@@ -3059,15 +3067,17 @@ class FileStorage(BackendBase):
         if spares is not None and spare is not None:
             try:
                 fd = os.open(spare, _REWRITE_FLAGS, dir_fd=handles.tmp_fd)
-            except OSError:  # removed meanwhile (verify, another opener): a new file then
+            except OSError:
+                # Removed meanwhile (verify, another opener), or not to be opened now (out of
+                # descriptors): a new file then, and the spare goes, as no pool holds it now.
                 pass
             else:
                 st = os.fstat(fd)
                 if stat.S_ISREG(st.st_mode) and st.st_size == size:
                     return spare, fd
                 os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(spare, dir_fd=handles.tmp_fd)
+            with contextlib.suppress(OSError):
+                os.unlink(spare, dir_fd=handles.tmp_fd)
             # Not this write's file after all: the caller settles only the one it returns.
             spares.done(spare)
         name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"

@@ -220,11 +220,14 @@ class BackupWorker:
             try:
                 job = self._receive.receive_nowait()
             except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
+                break
             self.dropped_pages += job.num_pages
             self._cache._tree.unprotect_host(job.node)
             self._held_jobs -= 1
             self._cache._capacity_changed.set()
+        # Between two batches (a `give_way` then) the emptied queue leaves the worker idle,
+        # and no batch ends to wake the waiters.
+        self._wake_idle()
 
     def give_way(self) -> None:
         """Let go of the host pages this worker protects, for a device allocation that
