@@ -6,6 +6,7 @@ import asyncio
 import functools
 import stat
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -201,7 +202,9 @@ class HiCache:
         self._closed_pools: tuple[PoolStatistics | None, PoolStatistics | None] = (None, None)
         self._state: _State = "new"
         self._counters = Counters()
-        self._requests: set[Request] = set()
+        # Weak: a request dropped without release is collected, and its `__del__` hands
+        # the release back to the loop (`_release_dropped`) instead of leaking its locks.
+        self._requests: weakref.WeakSet[Request] = weakref.WeakSet()
         self._copies: set[LayerwiseCopy] = set()
         # Host page -> the load copying it to the device. Keyed by host page, not node id:
         # a node split after the load started keeps its host pages but not its id.
@@ -973,6 +976,19 @@ class HiCache:
         return render_prometheus(self)
 
     # -- page allocation --------------------------------------------------------------------
+
+    def _release_dropped(self, request: Request) -> None:
+        """Release a request that was garbage-collected unreleased (from `Request.__del__`,
+        on the loop). Once the cache is closed its pools are gone, and with them the locks."""
+        if request.released or self._state == "closed":
+            return
+        _log.warning(
+            "hicache.request.dropped",
+            request_id=request.request_id,
+            num_tokens=request.num_tokens,
+            held_pages=len(request._page_table),
+        )
+        request.release()
 
     def _check_open(self) -> None:
         self._owner.check()

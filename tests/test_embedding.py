@@ -1,0 +1,96 @@
+"""How serving stacks embed the cache: handles they lose, threads they call from, teardown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import threading
+import warnings
+
+from structlog.testing import capture_logs
+
+from hicache_async import CacheConfig, HiCache, KVLayout, Request
+from hicache_async.testing import KVGenerator, assert_drained, serve
+
+PAGE = 8
+CONFIG = CacheConfig(
+    layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8),
+    page_size=PAGE,
+    device_pages=16,
+    host_pages=32,
+    model_id="embedding",
+)
+PROMPT = list(range(10 * PAGE))
+OTHER = list(range(1000, 1000 + 10 * PAGE))
+
+
+async def _until_released(cache: HiCache) -> None:
+    """Run the loop until no request is live (bounded: a few loop steps suffice)."""
+    for _ in range(100):
+        if cache.statistics().live_requests == 0:
+            return
+        await asyncio.sleep(0)
+
+
+async def _handler_that_loses_its_request(cache: HiCache) -> None:
+    req = cache.request(PROMPT)
+    await req.allocate(PAGE)
+    raise RuntimeError("a handler bug before its `with`")
+
+
+async def test_a_request_dropped_without_release_gives_its_pages_back() -> None:
+    # The cache held every request strongly until its close: a handle a stack lost (an
+    # exception before its `with`) kept its device prefix locked and its pages taken for the
+    # cache's whole life, silently, until allocations failed with OutOfPagesError.
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    async with HiCache(CONFIG) as cache:
+        await serve(cache, PROMPT, generator)
+        with warnings.catch_warnings(record=True) as caught, capture_logs() as logs:
+            warnings.simplefilter("always")
+            with contextlib.suppress(RuntimeError):
+                await _handler_that_loses_its_request(cache)
+            gc.collect()  # the traceback's frames may sit in a reference cycle
+            await _until_released(cache)
+        assert cache.statistics().live_requests == 0
+        assert any(
+            issubclass(w.category, ResourceWarning) and "without release()" in str(w.message)
+            for w in caught
+        )
+        assert [e["num_tokens"] for e in logs if e["event"] == "hicache.request.dropped"] == [
+            len(PROMPT)
+        ]
+        # The whole device pool is needed: the lost request's lock and page are back.
+        served = await serve(cache, OTHER, generator)
+        assert served.computed_tokens == len(OTHER)
+        await cache.drain()
+        assert_drained(cache)
+
+
+async def test_a_request_dropped_in_another_thread_is_released_on_the_loop() -> None:
+    # A sync stack hands handles to worker threads: the last reference may go there, and the
+    # release must still run on the cache's loop.
+    async with HiCache(CONFIG) as cache:
+        held: list[Request] = [cache.request(PROMPT)]
+        await held[0].allocate(len(PROMPT))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            thread = threading.Thread(target=held.clear)
+            thread.start()
+            await asyncio.to_thread(thread.join)
+            gc.collect()
+            await _until_released(cache)
+        assert cache.statistics().live_requests == 0
+        assert cache.device_pool.allocator.used_count == 0
+        await cache.drain()
+        assert_drained(cache)
+
+
+async def test_a_request_collected_after_the_close_does_nothing() -> None:
+    async with HiCache(CONFIG) as cache:
+        held = [cache.request(PROMPT)]
+    assert held[0].released  # the close released it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        held.clear()
+        gc.collect()
