@@ -353,22 +353,33 @@ class HiCache:
                 try:
                     if supervisor is not None:
                         await asyncio.wait([supervisor])
-                    self._release_pools()
+                    pools = self._release_pools()
+                    if pools:
+                        # The last references, dropped on a worker thread: the kernel takes
+                        # about 0.1 s a GiB to unmap them (CUDA longer for pinned memory),
+                        # which on the loop stalled every other task. Cancelled (the loop
+                        # ending), they go with this frame, on the loop.
+                        await anyio.to_thread.run_sync(pools.clear)
                 finally:
                     self._close_ended.set()
 
-    def _release_pools(self) -> None:
-        # A closed cache may live on (a reference in a registry, a traceback): its pools'
-        # memory, device memory included, goes now. Not while a copy could still touch them.
+    def _release_pools(self) -> list[KVPool]:
+        """Let go of the pools, returning them (for the caller to drop where it likes).
+
+        A closed cache may live on (a reference in a registry, a traceback): its pools'
+        memory, device memory included, goes now. Not while a copy could still touch them.
+        """
         if (
             self._copies
             or self._callers_warming
             or self._device_pool is None
             or self._host_pool is None
         ):
-            return
+            return []
         self._closed_pools = (self._device_pool.statistics(), self._host_pool.statistics())
+        pools = [self._device_pool, self._host_pool]
         self._device_pool = self._host_pool = None
+        return pools
 
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""
