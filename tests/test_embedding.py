@@ -8,11 +8,15 @@ import gc
 import threading
 import warnings
 import weakref
+from collections.abc import Callable
 
+import pytest
+import uvloop
 from structlog.testing import capture_logs
 
-from hicache_async import CacheConfig, HiCache, KVLayout, Request
+from hicache_async import CacheConfig, HiCache, KVLayout, Request, WrongThreadError
 from hicache_async.testing import KVGenerator, assert_drained, serve
+from hicache_async.transfer import CpuCopyEngine
 
 PAGE = 8
 CONFIG = CacheConfig(
@@ -24,6 +28,7 @@ CONFIG = CacheConfig(
 )
 PROMPT = list(range(10 * PAGE))
 OTHER = list(range(1000, 1000 + 10 * PAGE))
+LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
 
 
 async def _until_released(cache: HiCache) -> None:
@@ -112,3 +117,56 @@ async def test_the_close_frees_the_pools_off_the_loop() -> None:
     assert len(freed_on) == 2
     assert threading.get_ident() not in freed_on
     assert cache.statistics().device_pool is not None  # the figures outlive the pools
+
+
+@pytest.mark.parametrize("new_loop", LOOPS, ids=["asyncio", "uvloop"])
+def test_one_copy_engine_serves_caches_on_successive_loops(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # A harness passes one engine to the cache of each test, each on its own loop: bound to
+    # the first loop for good, the engine failed every load of the next cache with
+    # WrongThreadError, and refused its host backups.
+    engine = CpuCopyEngine()
+    generator = KVGenerator(CONFIG.layout, PAGE)
+
+    async def use() -> None:
+        async with HiCache(CONFIG, copy_engine=engine) as cache:
+            await serve(cache, PROMPT, generator)
+            await serve(cache, OTHER, generator)  # moves PROMPT to the host
+            served = await serve(cache, PROMPT, generator, check="all")
+            assert served.host_tokens > 0  # loaded back through the engine
+            await cache.drain()
+            assert_drained(cache)
+
+    for _ in range(2):
+        loop = new_loop()
+        try:
+            loop.run_until_complete(use())
+        finally:
+            loop.close()
+    loop = new_loop()
+    try:
+        loop.run_until_complete(engine.aclose())
+    finally:
+        loop.close()
+    assert engine.statistics().failed == 0
+
+
+def test_a_copy_engine_refuses_a_second_loop_while_its_loop_is_open() -> None:
+    engine = CpuCopyEngine()
+    generator = KVGenerator(CONFIG.layout, PAGE)
+    first, second = asyncio.new_event_loop(), asyncio.new_event_loop()
+    owner, other = HiCache(CONFIG, copy_engine=engine), HiCache(CONFIG, copy_engine=engine)
+    try:
+        first.run_until_complete(owner.__aenter__())
+        first.run_until_complete(serve(owner, PROMPT, generator))
+        second.run_until_complete(other.__aenter__())
+        with pytest.raises(WrongThreadError, match="another event loop"):
+            second.run_until_complete(serve(other, PROMPT, generator))
+        second.run_until_complete(other.__aexit__(None, None, None))
+        first.run_until_complete(serve(owner, PROMPT, generator, check="all"))
+        first.run_until_complete(owner.__aexit__(None, None, None))
+        first.run_until_complete(engine.aclose())
+    finally:
+        first.close()
+        second.close()
