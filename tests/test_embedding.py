@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import pytest
 import uvloop
+from _gated_copies import A, B, GatedEngine, held, host_cache
 from structlog.testing import capture_logs
 
 from hicache_async import CacheConfig, HiCache, KVLayout, Request, WrongThreadError
@@ -170,3 +171,23 @@ def test_a_copy_engine_refuses_a_second_loop_while_its_loop_is_open() -> None:
     finally:
         first.close()
         second.close()
+
+
+async def test_a_request_dropped_while_its_load_is_in_flight_is_released_once_it_lands(
+    gate: GatedEngine,
+) -> None:
+    # The copy keeps the request until it lands (its pages join the tree under the request's
+    # lock); then the request goes, and its lock with it.
+    async with host_cache(gate, A, mode="hold") as (cache, _):
+        req = cache.request(B)
+        load = held(await req.load())
+        del req
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
+            assert cache.statistics().live_requests == 1  # its load is in flight
+            await gate.land(load)
+            gc.collect()
+            await _until_released(cache)
+        assert cache.statistics().live_requests == 0
+        assert cache.match(A).device_tokens == len(A)  # the load landed in the tree
