@@ -16,6 +16,7 @@ from _gated_copies import A, B, GatedEngine, held, host_cache
 from structlog.testing import capture_logs
 
 from hicache_async import CacheConfig, HiCache, KVLayout, Request, WrongThreadError
+from hicache_async.storage import MemoryStorage
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.transfer import CpuCopyEngine
 
@@ -191,3 +192,26 @@ async def test_a_request_dropped_while_its_load_is_in_flight_is_released_once_it
             await _until_released(cache)
         assert cache.statistics().live_requests == 0
         assert cache.match(A).device_tokens == len(A)  # the load landed in the tree
+
+
+async def test_a_cancelled_close_with_nothing_to_flush_does_not_warn() -> None:
+    # A shutdown under a deadline that cancels the exit logged a warning that backups were
+    # abandoned, with none pending and none being written.
+    cache = HiCache(CONFIG, storage=MemoryStorage())
+    await cache.__aenter__()
+    await serve(cache, PROMPT, KVGenerator(CONFIG.layout, PAGE))
+    await cache.drain()
+    with capture_logs() as logs:
+        leave = asyncio.create_task(cache.__aexit__(None, None, None))
+        for _ in range(100):
+            if cache.state == "closing":
+                break
+            await asyncio.sleep(0)
+        leave.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await leave
+    assert cache.state == "closed"
+    abandoned = [e for e in logs if e["event"] == "hicache.backup.flush.abandoned"]
+    assert [(e["log_level"], e["pending"], e["writing_pages"]) for e in abandoned] == [
+        ("info", 0, 0)
+    ]
