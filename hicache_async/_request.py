@@ -400,6 +400,7 @@ class Request:
             "Use `with cache.request(...) as req:` or call release()",
             ResourceWarning,
             stacklevel=1,
+            source=self,  # with tracemalloc on, the warning shows where it was made
         )
 
     # -- context manager and repr ---------------------------------------------------------
