@@ -307,10 +307,11 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         Raises `WrongThreadError` while another loop that is still open owns the engine.
         """
         owner = self._owner.loop
-        if owner is None or (owner is not loop and owner.is_closed()):
+        if owner is None or (owner is not loop and owner.is_closed() and not self._closed):
             # Nothing of a closed loop's can complete any more (its copies' completions are
             # dropped with it), so the engine is free for the next: one engine passed to the
             # caches of successive loops (a test harness's) failed every load after the first.
+            # Not once a close began there: its worker answers that loop's Stop, nobody else's.
             self._owner.bind(loop)
             self._in_flight = 0
             self._idle = []
