@@ -48,6 +48,7 @@ from .distributed import (
 from .storage import StorageBackend
 from .storage._page import check_priority
 from .storage._protocol import STORAGE_ACCEPTED, check_backend
+from .storage._registry import import_quietly, module_to_import
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
 from .tree import MatchResult, RadixTree, TreeNode
 from .workers import (
@@ -624,6 +625,11 @@ class HiCache:
         backend is detached again, without a flush, before the cancellation goes on.
         """
         self._check_open()
+        if (module := module_to_import(storage)) is not None:
+            # The process's first attach of such a scheme imports a client library (about
+            # 0.1 s here): on a worker thread, not on the loop.
+            await anyio.to_thread.run_sync(import_quietly, module)
+            self._check_open()
         # A detach still closing holds its backend (a file root's lock) until it has closed.
         await self._wait_closing()
         self._check_open()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import subprocess
+import sys
 import threading
 import warnings
 import weakref
@@ -17,7 +19,7 @@ from structlog.testing import capture_logs
 
 from hicache_async import CacheConfig, HiCache, KVLayout, Request, WrongThreadError
 from hicache_async.storage import MemoryStorage
-from hicache_async.testing import KVGenerator, assert_drained, serve
+from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
 from hicache_async.transfer import CpuCopyEngine
 
 PAGE = 8
@@ -215,3 +217,43 @@ async def test_a_cancelled_close_with_nothing_to_flush_does_not_warn() -> None:
     assert [(e["log_level"], e["pending"], e["writing_pages"]) for e in abandoned] == [
         ("info", 0, 0)
     ]
+
+
+_IMPORT_THREAD = """
+import asyncio, importlib.abc, sys, threading
+imported_on = []
+
+class Watch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "hicache_async.storage._redis":
+            imported_on.append(threading.get_ident())
+
+sys.meta_path.insert(0, Watch())
+from hicache_async import CacheConfig, HiCache, KVLayout
+
+config = CacheConfig(
+    layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8), page_size=8, device_pages=8
+)
+
+async def main():
+    async with HiCache(config, storage=sys.argv[1]) as cache:
+        assert cache.storage_status().attached
+    return threading.get_ident()
+
+loop_thread = asyncio.run(main())
+assert len(imported_on) == 1 and imported_on[0] != loop_thread, (imported_on, loop_thread)
+"""
+
+
+def test_the_first_redis_attach_imports_the_client_off_the_loop() -> None:
+    # Imported on the loop, the client library stalled every other task for about 0.1 s
+    # at the process's first attach (an asyncio debug-mode warning on every start).
+    with RedisServer() as server:
+        done = subprocess.run(
+            [sys.executable, "-c", _IMPORT_THREAD, server.url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
