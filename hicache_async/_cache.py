@@ -6,6 +6,7 @@ import asyncio
 import functools
 import stat
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -48,6 +49,7 @@ from .distributed import (
 from .storage import StorageBackend
 from .storage._page import check_priority
 from .storage._protocol import STORAGE_ACCEPTED, check_backend
+from .storage._registry import import_quietly, module_to_import
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
 from .tree import MatchResult, RadixTree, TreeNode
 from .workers import (
@@ -202,7 +204,9 @@ class HiCache:
         self._closed_pools: tuple[PoolStatistics | None, PoolStatistics | None] = (None, None)
         self._state: _State = "new"
         self._counters = Counters()
-        self._requests: set[Request] = set()
+        # Weak: a request dropped without release is collected, and its `__del__` hands
+        # the release back to the loop (`_release_dropped`) instead of leaking its locks.
+        self._requests: weakref.WeakSet[Request] = weakref.WeakSet()
         self._copies: set[LayerwiseCopy] = set()
         # Host page -> the load copying it to the device. Keyed by host page, not node id:
         # a node split after the load started keeps its host pages but not its id.
@@ -353,22 +357,33 @@ class HiCache:
                 try:
                     if supervisor is not None:
                         await asyncio.wait([supervisor])
-                    self._release_pools()
+                    pools = self._release_pools()
+                    if pools:
+                        # The last references, dropped on a worker thread: the kernel takes
+                        # about 0.1 s a GiB to unmap them (CUDA longer for pinned memory),
+                        # which on the loop stalled every other task. Cancelled (the loop
+                        # ending), they go with this frame, on the loop.
+                        await anyio.to_thread.run_sync(pools.clear)
                 finally:
                     self._close_ended.set()
 
-    def _release_pools(self) -> None:
-        # A closed cache may live on (a reference in a registry, a traceback): its pools'
-        # memory, device memory included, goes now. Not while a copy could still touch them.
+    def _release_pools(self) -> list[KVPool]:
+        """Let go of the pools, returning them (for the caller to drop where it likes).
+
+        A closed cache may live on (a reference in a registry, a traceback): its pools'
+        memory, device memory included, goes now. Not while a copy could still touch them.
+        """
         if (
             self._copies
             or self._callers_warming
             or self._device_pool is None
             or self._host_pool is None
         ):
-            return
+            return []
         self._closed_pools = (self._device_pool.statistics(), self._host_pool.statistics())
+        pools = [self._device_pool, self._host_pool]
         self._device_pool = self._host_pool = None
+        return pools
 
     async def _supervise(self, started: asyncio.Future[None]) -> None:
         """Own the workers' task group from entry to exit; workers are cancelled at exit."""
@@ -613,6 +628,11 @@ class HiCache:
         backend is detached again, without a flush, before the cancellation goes on.
         """
         self._check_open()
+        if (module := module_to_import(storage)) is not None:
+            # The process's first attach of such a scheme imports a client library (about
+            # 0.1 s here): on a worker thread, not on the loop.
+            await anyio.to_thread.run_sync(import_quietly, module)
+            self._check_open()
         # A detach still closing holds its backend (a file root's lock) until it has closed.
         await self._wait_closing()
         self._check_open()
@@ -986,6 +1006,19 @@ class HiCache:
         return render_prometheus(self)
 
     # -- page allocation --------------------------------------------------------------------
+
+    def _release_dropped(self, request: Request) -> None:
+        """Release a request that was garbage-collected unreleased (from `Request.__del__`,
+        on the loop). Once the cache is closed its pools are gone, and with them the locks."""
+        if request.released or self._state == "closed":
+            return
+        _log.warning(
+            "hicache.request.dropped",
+            request_id=request.request_id,
+            num_tokens=request.num_tokens,
+            held_pages=len(request._page_table),
+        )
+        request.release()
 
     def _check_open(self) -> None:
         self._owner.check()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +39,7 @@ class Request:
     """
 
     __slots__ = (
+        "__weakref__",
         "_cache",
         "_cached_pages",
         "_committed",
@@ -88,8 +90,9 @@ class Request:
         # Device pages this request copied or computed that the tree already had from someone
         # else: the request may still be reading them, so they are freed only on release.
         self._private_pages: list[int] = []
-        self._released = False
         cache._tree.lock_device(match.device_node)
+        # Last: a request whose construction failed took no lock for `__del__` to give back.
+        self._released = False
 
     # -- what the request has -------------------------------------------------------------
 
@@ -373,6 +376,32 @@ class Request:
         self._cache._owner.check()
         if self._released:
             raise CacheClosedError("the request was released")
+
+    def __del__(self) -> None:
+        # A handle dropped unreleased (a handler that raised before its `with`, a registry
+        # that forgot it): the cache tracks requests weakly, so without this its locks and
+        # pages stayed taken until the cache closed, and allocations failed meanwhile. This
+        # may run in any thread, and on the loop's in the middle of cache code: the release
+        # is handed to the loop.
+        if getattr(self, "_released", True):
+            return
+        cache = self._cache
+        loop = cache.loop
+        if loop is None or loop.is_closed() or cache.state == "closed":
+            return
+        try:
+            loop.call_soon_threadsafe(cache._release_dropped, self)
+        except RuntimeError:  # the loop closed meanwhile: so did the cache's use
+            return
+        # After the release is scheduled: under `-W error` this raises (and is only printed).
+        warnings.warn(
+            f"request {self.request_id or hex(id(self))} of {len(self.tokens)} tokens was "
+            "garbage-collected without release(); its locks and pages are given back now. "
+            "Use `with cache.request(...) as req:` or call release()",
+            ResourceWarning,
+            stacklevel=1,
+            source=self,  # with tracemalloc on, the warning shows where it was made
+        )
 
     # -- context manager and repr ---------------------------------------------------------
 

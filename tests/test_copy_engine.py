@@ -532,7 +532,7 @@ async def test_aclose_of_an_unused_engine() -> None:
     assert not any(t.name == "unused-engine" for t in threading.enumerate())
 
 
-def test_engine_belongs_to_one_loop() -> None:
+def test_engine_belongs_to_one_open_loop() -> None:
     engine = CpuCopyEngine(name="one-loop-engine")
     src = KVPool(LAYOUT, PAGE, 2)
     dst = KVPool(LAYOUT, PAGE, 2)
@@ -543,11 +543,16 @@ def test_engine_belongs_to_one_loop() -> None:
     async def close(engine: CpuCopyEngine) -> None:
         await engine.aclose()
 
-    asyncio.run(use(engine))
-    with pytest.raises(WrongThreadError):
-        asyncio.run(use(engine))
-    with pytest.raises(WrongThreadError):
-        asyncio.run(close(engine))
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(use(engine))
+        with pytest.raises(WrongThreadError):
+            asyncio.run(use(engine))
+        with pytest.raises(WrongThreadError):
+            asyncio.run(close(engine))
+    finally:
+        first.close()
+    asyncio.run(use(engine))  # its loop closed: the next loop takes it over
     # Dropped without aclose, an engine still lets its thread go.
     (thread,) = [t for t in threading.enumerate() if t.name == "one-loop-engine"]
     del engine

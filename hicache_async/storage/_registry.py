@@ -10,9 +10,11 @@ as given.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import re
+import sys
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -141,6 +143,24 @@ def _optional(scheme: str) -> Callable[..., StorageBackend]:
         ) from None
     factory: Callable[..., StorageBackend] = getattr(module, class_name).from_url
     return factory
+
+
+def module_to_import(url: object) -> str | None:
+    """The module `open_storage(url)` would import first for a built-in optional scheme
+    (`redis://`, `mooncake://`), if it is not imported yet; None otherwise. Importing a client
+    library takes about 0.1 s, once per process: a caller on an event loop can do it on a
+    worker thread first (`import_quietly`)."""
+    match = _SCHEME.match(url.strip()) if isinstance(url, str) else None
+    entry = _OPTIONAL.get(match.group("scheme").lower()) if match is not None else None
+    if entry is None or entry[0] in sys.modules:
+        return None
+    return entry[0]
+
+
+def import_quietly(module_name: str) -> None:
+    """Import `module_name`, leaving any failure to `open_storage` to report."""
+    with contextlib.suppress(Exception):
+        importlib.import_module(module_name)
 
 
 def _import_factory(module_name: str, attr_path: str) -> Callable[..., StorageBackend]:

@@ -265,10 +265,7 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         if _EXITING.is_set():
             raise CacheClosedError(f"{self._name} is closed: the interpreter is exiting")
         loop = asyncio.get_running_loop()
-        if self._owner.loop is None:
-            self._owner.bind(loop)
-        else:
-            self._owner.check()
+        self._take_loop(loop)
         plan = plan_copy(src, src_pages, dst, dst_pages)
         handle = LayerwiseCopy(loop, src.layout.num_layers, plan.num_pages, plan.nbytes)
         handle._on_finish = self._finished
@@ -304,15 +301,31 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
             for waiter in idle:
                 _resolve(waiter)
 
+    def _take_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve `loop`: the loop of the first copy, or the next one once that has closed.
+
+        Raises `WrongThreadError` while another loop that is still open owns the engine.
+        """
+        owner = self._owner.loop
+        if owner is None or (owner is not loop and owner.is_closed() and not self._closed):
+            # Nothing of a closed loop's can complete any more (its copies' completions are
+            # dropped with it), so the engine is free for the next: one engine passed to the
+            # caches of successive loops (a test harness's) failed every load after the first.
+            # Not once a close began there: its worker answers that loop's Stop, nobody else's.
+            self._owner.bind(loop)
+            self._in_flight = 0
+            self._idle = []
+        else:
+            self._owner.check()
+
     async def aclose(self) -> None:
         """Wait for in-flight copies, then stop the worker thread; `copy` raises after.
 
         Idempotent; cancelling it leaves the engine closed, and a later `aclose` finishes.
         """
-        if self._owner.loop is not None:
-            self._owner.check()
-        self._closed = True
         loop = asyncio.get_running_loop()
+        self._take_loop(loop)
+        self._closed = True
         if self._exit_stopped:
             # Stopped at interpreter exit: the worker took its None and answers nothing more
             # (copies it left in its queue were failed there), and it was joined there.

@@ -280,10 +280,11 @@ class StorageLink:
         self._flushing = False
         if not self._hurried:
             self._hurried = True
-            _log.warning(
-                "hicache.backup.flush.abandoned",
-                pending=self.backup.pending,
-                writing_pages=self.backup.writing_pages,
+            pending, writing = self.backup.pending, self.backup.writing_pages
+            # A warning only when something is given up: a cancelled close with nothing left
+            # to flush (a shutdown under a deadline) loses nothing.
+            (_log.warning if pending or writing else _log.info)(
+                "hicache.backup.flush.abandoned", pending=pending, writing_pages=writing
             )
         self.backup.drop_queued()
         if self._flush_scope is not None:
