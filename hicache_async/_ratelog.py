@@ -20,6 +20,10 @@ LOG_INTERVAL_S = 60.0
 #: Kinds told apart per limiter: errors whose text changes at every call cannot grow it
 #: without bound (past it, new kinds of an event share one).
 _MAX_KINDS = 32
+#: A kind not logged for this many intervals (an hour) makes room for a new one once the
+#: table is full: errors whose text changes at every call then get a line per kind an hour,
+#: not one a minute, and a failure long after the table filled is still told at once.
+_FORGET_AFTER_INTERVALS = 60
 
 
 class LogLimiter:
@@ -30,7 +34,7 @@ class LogLimiter:
     the last one logged (`unlogged_since_last`).
     """
 
-    __slots__ = ("_clock", "_interval_s", "_kinds", "_lock", "_max_kinds")
+    __slots__ = ("_clock", "_forget_after_s", "_interval_s", "_kinds", "_lock", "_max_kinds")
 
     def __init__(
         self,
@@ -40,6 +44,7 @@ class LogLimiter:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._interval_s = interval_s
+        self._forget_after_s = interval_s * _FORGET_AFTER_INTERVALS
         self._max_kinds = max_kinds
         self._clock = clock
         self._kinds: dict[tuple[str, str], tuple[float, int]] = {}
@@ -50,15 +55,30 @@ class LogLimiter:
         left out since the last one logged."""
         kind = (event, error)
         with self._lock:
-            if kind not in self._kinds and len(self._kinds) >= self._max_kinds:
-                kind = (event, "")
             now = self._clock()
+            if kind not in self._kinds and len(self._kinds) >= self._max_kinds:
+                self._forget_quiet(now)
+                if len(self._kinds) >= self._max_kinds:
+                    kind = (event, "")
             last, unlogged = self._kinds.get(kind, (-math.inf, 0))
             if now - last < self._interval_s:
                 self._kinds[kind] = (last, unlogged + 1)
                 return None
             self._kinds[kind] = (now, 0)
             return unlogged
+
+    def _forget_quiet(self, now: float) -> None:
+        """Drop the kinds not logged for `_FORGET_AFTER_INTERVALS` intervals: kept for good,
+        the kinds of errors long gone would fill the table, and every new failure after them
+        would share one kind, left out for a minute behind another. Those with no record left
+        out go first; the others only when that frees no room (their left-out records are
+        then never told)."""
+        quiet = [
+            kind for kind, (last, _) in self._kinds.items() if now - last >= self._forget_after_s
+        ]
+        told = [kind for kind in quiet if not self._kinds[kind][1]]
+        for kind in told or quiet:
+            del self._kinds[kind]
 
 
 def describe_error(exc: BaseException, timeout_s: float) -> str:

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from hicache_async import CacheConfig, HiCache, KVLayout
+from hicache_async import CacheConfig, HiCache, KVLayout, StorageConfigError
 from hicache_async._trace import load_trace, request_tokens
 from hicache_async.cli import main
+from hicache_async.cli._example import _check_storage
+from hicache_async.storage import MemoryStorage
 from hicache_async.testing import KVGenerator, serve
 
 
@@ -54,4 +57,46 @@ def test_an_unreachable_store_is_a_one_line_error_before_the_replay(
     assert captured.out == ""  # no summary of a run without its storage
     assert "hicache-async example: error: the example's storage cannot be used" in captured.err
     assert "hunter2" not in captured.err
+    assert "Traceback" not in captured.err
+
+
+class _Silent(MemoryStorage):
+    """A store whose look-ups never answer."""
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+class _Broken(MemoryStorage):
+    """A store whose look-ups fail with an error of its own, not a StorageError."""
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        raise RuntimeError("the store's own failure")
+
+
+def silent_store(url: str, *, mac_key: bytes | None = None) -> MemoryStorage:
+    return _Silent()
+
+
+def broken_store(url: str, *, mac_key: bytes | None = None) -> MemoryStorage:
+    return _Broken()
+
+
+async def test_a_store_that_never_answers_the_look_up_is_an_error_not_a_hang() -> None:
+    # The look-up had no bound: the example waited for ever, where the cache's own look-ups
+    # give up after io_timeout_s.
+    with pytest.raises(StorageConfigError, match=r"no answer within 0\.05 s"):
+        await asyncio.wait_for(_check_storage(f"{__name__}:silent_store", 0.05), 30)
+
+
+def test_a_store_failing_the_look_up_with_its_own_error_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url = f"{__name__}:broken_store"
+    assert main(["example", "--requests", "2", "--storage", url, "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "hicache-async example: error: the example's storage cannot be used" in captured.err
+    assert "RuntimeError: the store's own failure" in captured.err
     assert "Traceback" not in captured.err

@@ -112,6 +112,28 @@ def test_the_limiter_tells_each_kind_at_once_and_repeats_once_per_interval() -> 
     assert limiter.admit("put", "new 3") is None
 
 
+def test_kinds_quiet_for_an_hour_make_room_for_new_failures() -> None:
+    # A process that runs for weeks meets many kinds of errors: those of long ago must not
+    # fill the table for good, or every new failure after them shares one kind with the
+    # others and is left out behind them.
+    now = [0.0]
+    limiter = LogLimiter(60.0, max_kinds=3, clock=lambda: now[0])
+    for text in ("old 1", "old 2", "old 3"):
+        assert limiter.admit("put", text) == 0
+    # Within the hour the table stays full: errors whose text changes at every call get no
+    # line each.
+    now[0] = 600.0
+    assert limiter.admit("put", "disk full") == 0
+    assert limiter.admit("put", "timed out") is None
+    now[0] = 3600.0
+    assert limiter.admit("put", "refused") == 0
+    assert limiter.admit("put", "reset") == 0
+    assert limiter.admit("put", "refused") is None
+    # The kind shared within the hour, logged in the last one, is kept with its count.
+    assert limiter.admit("put", "closed") == 1
+    assert len(limiter._kinds) <= 3 + 1
+
+
 def test_a_timeout_says_how_long_the_call_was_given() -> None:
     assert describe_error(TimeoutError(), 0.25) == "TimeoutError: no answer within 0.25 s"
     assert describe_error(TimeoutError("slow"), 0.25) == "TimeoutError('slow')"

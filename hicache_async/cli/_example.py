@@ -11,6 +11,7 @@ import asyncio
 import sys
 import time
 
+import anyio
 import msgspec
 
 from .._cache import HiCache
@@ -64,15 +65,33 @@ class ExampleSummary(msgspec.Struct, frozen=True):
 _PROBE_KEY = bytes(32)
 
 
-async def _check_storage(url: str) -> None:
+async def _check_storage(url: str, timeout_s: float) -> None:
     """Reach the storage before the replay: a store that cannot be reached would turn the run
-    into one without L3, each request logging its failure, and still report success."""
+    into one without L3, each request logging its failure, and still report success.
+
+    The look-up gets `timeout_s`, as the cache's own do: a store that never answers ends the
+    run instead of holding it for ever. Whatever the store raises is an answer that it
+    cannot be used, not a traceback: the cache would take any failure of a look-up alike.
+    """
     try:
         async with open_storage(url) as backend:
-            await backend.exists([_PROBE_KEY])
-    except (StorageError, OSError) as exc:
+            try:
+                with anyio.fail_after(timeout_s):
+                    await backend.exists([_PROBE_KEY])
+            except TimeoutError as exc:
+                if str(exc):
+                    raise
+                raise StorageError(
+                    f"{backend.name}: exists gave no answer within {timeout_s:g} s"
+                ) from exc
+    except StorageConfigError:
+        raise  # a bad URL or parameter: its own message says which
+    except Exception as exc:
         # The backend's own message names it with any password masked; the URL may hold one.
-        raise StorageConfigError(f"the example's storage cannot be used: {exc}") from exc
+        detail = (
+            str(exc) if isinstance(exc, (StorageError, OSError)) else f"{type(exc).__name__}: {exc}"
+        )
+        raise StorageConfigError(f"the example's storage cannot be used: {detail}") from exc
 
 
 async def _replay(args: argparse.Namespace) -> ExampleSummary:
@@ -90,7 +109,7 @@ async def _replay(args: argparse.Namespace) -> ExampleSummary:
     )
     storage = None if args.storage == "none" else args.storage
     if storage is not None:
-        await _check_storage(storage)
+        await _check_storage(storage, config.prefetch.io_timeout_s)
     generator = KVGenerator(layout, args.page_size, seed=0)
     trace = load_trace(limit=args.requests)
     started = time.perf_counter()
