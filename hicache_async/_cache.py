@@ -1009,8 +1009,9 @@ class HiCache:
 
     def _release_dropped(self, request: Request) -> None:
         """Release a request that was garbage-collected unreleased (from `Request.__del__`,
-        on the loop). Once the cache is closed its pools are gone, and with them the locks."""
-        if request.released or self._state == "closed":
+        on the loop), which marked it released. Once the cache is closed its pools are gone,
+        and with them the locks."""
+        if self._state == "closed":
             return
         _log.warning(
             "hicache.request.dropped",
@@ -1018,7 +1019,7 @@ class HiCache:
             num_tokens=request.num_tokens,
             held_pages=len(request._page_table),
         )
-        request.release()
+        request._give_back()
 
     def _check_open(self) -> None:
         self._owner.check()

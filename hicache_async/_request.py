@@ -315,6 +315,10 @@ class Request:
         # mark it and then fail at the tree, and the owner's release would find nothing to do.
         self._cache._owner.check()
         self._released = True
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """What `release()` gives back, once the request is marked released (on the loop)."""
         cache = self._cache
         loading = self._load_in_flight()
         # A load in flight lands its pages under the device prefix this lock holds: keep the
@@ -389,6 +393,10 @@ class Request:
         loop = cache.loop
         if loop is None or loop.is_closed() or cache.state == "closed":
             return
+        # Marked before the hand-over: a weak reference to the request (a registry's) stays
+        # valid while the loop holds it, and what reaches it that way must find it released,
+        # not have its pages go under it at the next loop step.
+        self._released = True
         try:
             loop.call_soon_threadsafe(cache._release_dropped, self)
         except RuntimeError:  # the loop closed meanwhile: so did the cache's use

@@ -17,7 +17,14 @@ import uvloop
 from _gated_copies import A, B, GatedEngine, held, host_cache
 from structlog.testing import capture_logs
 
-from hicache_async import CacheConfig, HiCache, KVLayout, Request, WrongThreadError
+from hicache_async import (
+    CacheClosedError,
+    CacheConfig,
+    HiCache,
+    KVLayout,
+    Request,
+    WrongThreadError,
+)
 from hicache_async.storage import MemoryStorage
 from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
 from hicache_async.transfer import CpuCopyEngine
@@ -88,6 +95,32 @@ async def test_a_request_dropped_in_another_thread_is_released_on_the_loop() -> 
             thread = threading.Thread(target=held.clear)
             thread.start()
             await asyncio.to_thread(thread.join)
+            gc.collect()
+            await _until_released(cache)
+        assert cache.statistics().live_requests == 0
+        assert cache.device_pool.allocator.used_count == 0
+        await cache.drain()
+        assert_drained(cache)
+
+
+async def test_a_dropped_request_reached_through_a_weak_reference_is_released() -> None:
+    # The release waits for the loop, which holds the request meanwhile, and a weak reference
+    # to it stays valid until then: a registry of weak references returned the dropped
+    # request as active, and its pages went at the next loop step under whoever used it.
+    async with HiCache(CONFIG) as cache:
+        registry: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
+        req = cache.request(PROMPT, request_id="r")
+        registry["r"] = req
+        await req.allocate(PAGE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del req
+            again = registry.get("r")
+            if again is not None:
+                assert again.released
+                with pytest.raises(CacheClosedError):
+                    await again.allocate(PAGE)
+            del again
             gc.collect()
             await _until_released(cache)
         assert cache.statistics().live_requests == 0
