@@ -189,6 +189,40 @@ def test_one_copy_engine_serves_caches_on_successive_loops(
     assert engine.statistics().failed == 0
 
 
+@pytest.mark.parametrize("new_loop", LOOPS, ids=["asyncio", "uvloop"])
+def test_a_copy_engine_whose_close_its_loop_cut_short_closes_on_the_next_loop(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # A harness's teardown cancelled the engine's close and its loop ended: the close of the
+    # next loop raised WrongThreadError, so the engine could never be closed again.
+    engine = CpuCopyEngine(name="cut-short-engine")
+
+    async def use_then_cut_the_close_short() -> None:
+        async with HiCache(CONFIG, copy_engine=engine) as cache:
+            generator = KVGenerator(CONFIG.layout, PAGE)
+            await serve(cache, PROMPT, generator)
+            await serve(cache, OTHER, generator)
+            await serve(cache, PROMPT, generator)  # loaded back through the engine
+        closing = asyncio.ensure_future(engine.aclose())
+        await asyncio.sleep(0)  # the close has queued the worker's Stop and waits for it
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+
+    first = new_loop()
+    try:
+        first.run_until_complete(use_then_cut_the_close_short())
+    finally:
+        first.close()
+    second = new_loop()
+    try:
+        second.run_until_complete(engine.aclose())
+    finally:
+        second.close()
+    assert engine.closed
+    assert not any(t.name == "cut-short-engine" for t in threading.enumerate())
+
+
 def test_a_copy_engine_refuses_a_second_loop_while_its_loop_is_open() -> None:
     engine = CpuCopyEngine()
     generator = KVGenerator(CONFIG.layout, PAGE)
