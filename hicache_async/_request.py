@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import warnings
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import numpy as np
 
@@ -409,6 +409,13 @@ class Request:
             ResourceWarning,
             stacklevel=1,
             source=self,  # with tracemalloc on, the warning shows where it was made
+        )
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # A copy would share this request's lock and pages, and give them back when it is
+        # collected (see `__del__`) while this one still uses them.
+        raise TypeError(
+            "a Request cannot be copied or pickled: it holds locks and pages of its cache"
         )
 
     # -- context manager and repr ---------------------------------------------------------

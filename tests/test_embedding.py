@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
+import pickle
 import subprocess
 import sys
 import threading
@@ -125,6 +127,24 @@ async def test_a_dropped_request_reached_through_a_weak_reference_is_released() 
             await _until_released(cache)
         assert cache.statistics().live_requests == 0
         assert cache.device_pool.allocator.used_count == 0
+        await cache.drain()
+        assert_drained(cache)
+
+
+async def test_a_request_cannot_be_copied() -> None:
+    # A copy shared the request's lock and pages: once collected it was released as a lost
+    # request, and the pages of the original, still in use, went to the next allocation.
+    async with HiCache(CONFIG) as cache:
+        with cache.request(PROMPT) as req:
+            pages = await req.allocate(2 * PAGE)
+            for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match="cannot be copied"):
+                    duplicate(req)
+            gc.collect()
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert not req.released
+            assert cache.device_pool.allocator.used_count == len(pages)
         await cache.drain()
         assert_drained(cache)
 
