@@ -397,9 +397,12 @@ class Request:
         # valid while the loop holds it, and what reaches it that way must find it released,
         # not have its pages go under it at the next loop step.
         self._released = True
+        if self not in cache._requests:
+            cache._dropped.add(self)  # collected in a cycle: still live until released
         try:
             loop.call_soon_threadsafe(cache._release_dropped, self)
         except RuntimeError:  # the loop closed meanwhile: so did the cache's use
+            cache._dropped.discard(self)
             return
         # After the release is scheduled: under `-W error` this raises (and is only printed).
         warnings.warn(

@@ -131,6 +131,34 @@ async def test_a_dropped_request_reached_through_a_weak_reference_is_released() 
         assert_drained(cache)
 
 
+class _Holder:
+    """A handler's state that refers to itself, as a traceback's frames do."""
+
+    req: Request
+    me: _Holder
+
+
+async def test_a_request_collected_in_a_cycle_counts_as_live_until_released() -> None:
+    # gc clears the weak references of a cycle before finalizing it: the request left the
+    # cache's weak set at once, and live_requests said 0 while its lock and pages were held.
+    async with HiCache(CONFIG) as cache:
+        holder = _Holder()
+        holder.req = cache.request(PROMPT)
+        holder.me = holder
+        await holder.req.allocate(PAGE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del holder
+            gc.collect()
+            assert cache.statistics().live_requests == 1  # its release is still to run
+            assert cache.device_pool.allocator.used_count == 1
+            await _until_released(cache)
+        assert cache.statistics().live_requests == 0
+        assert cache.device_pool.allocator.used_count == 0
+        await cache.drain()
+        assert_drained(cache)
+
+
 async def test_a_request_cannot_be_copied() -> None:
     # A copy shared the request's lock and pages: once collected it was released as a lost
     # request, and the pages of the original, still in use, went to the next allocation.
