@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
@@ -405,12 +406,16 @@ class Request:
             cache._dropped.discard(self)
             return
         # After the release is scheduled: under `-W error` this raises (and is only printed).
-        warnings.warn(
+        # Explicit, with no registry: each message names its request, and the module's
+        # `__warningregistry__` kept one entry per message under the "default" action.
+        warnings.warn_explicit(
             f"request {self.request_id or hex(id(self))} of {len(self.tokens)} tokens was "
             "garbage-collected without release(); its locks and pages are given back now. "
             "Use `with cache.request(...) as req:` or call release()",
             ResourceWarning,
-            stacklevel=1,
+            __file__,
+            sys._getframe().f_code.co_firstlineno,  # shown as `def __del__`
+            module=__name__,
             source=self,  # with tracemalloc on, the warning shows where it was made
         )
 

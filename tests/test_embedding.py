@@ -159,6 +159,23 @@ async def test_a_request_collected_in_a_cycle_counts_as_live_until_released() ->
         assert_drained(cache)
 
 
+async def test_dropped_requests_leave_no_entry_in_the_warning_registry() -> None:
+    # Each warning names its request: under the "default" action (python -X dev) the module's
+    # __warningregistry__ kept one entry per dropped request, for the life of the process.
+    async with HiCache(CONFIG) as cache:
+        with warnings.catch_warnings(record=True) as caught, capture_logs():
+            warnings.simplefilter("default")
+            for n in range(3):
+                dropped = cache.request(PROMPT, request_id=f"dropped-{n}")
+                del dropped
+                gc.collect()
+                await _until_released(cache)
+            registry = vars(sys.modules[Request.__module__]).get("__warningregistry__", {})
+            assert not [key for key in registry if "without release()" in str(key)]
+        assert len([w for w in caught if "without release()" in str(w.message)]) == 3
+        assert cache.statistics().live_requests == 0
+
+
 async def test_a_request_cannot_be_copied() -> None:
     # A copy shared the request's lock and pages: once collected it was released as a lost
     # request, and the pages of the original, still in use, went to the next allocation.
