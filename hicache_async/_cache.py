@@ -207,6 +207,11 @@ class HiCache:
         # Weak: a request dropped without release is collected, and its `__del__` hands
         # the release back to the loop (`_release_dropped`) instead of leaking its locks.
         self._requests: weakref.WeakSet[Request] = weakref.WeakSet()
+        # Collected requests whose release is still to run that `_requests` no longer lists
+        # (gc clears the weak references of a reference cycle before finalizing it): they
+        # count as live until released. A plain set, whose add and discard are atomic, as
+        # `Request.__del__` may run in any thread.
+        self._dropped: set[Request] = set()
         self._copies: set[LayerwiseCopy] = set()
         # Host page -> the load copying it to the device. Keyed by host page, not node id:
         # a node split after the load started keeps its host pages but not its id.
@@ -964,7 +969,7 @@ class HiCache:
         closed = self._closed_pools
         return CacheStatistics(
             state=self._state,
-            live_requests=len(self._requests),
+            live_requests=len(self._requests) + len(self._dropped),
             tokens=TierTokens(
                 device=c.tokens_device,
                 host=c.tokens_host,
@@ -990,7 +995,7 @@ class HiCache:
             return f"<HiCache {self._state}>"
         d, h = self._device_pool.allocator, self._host_pool.allocator
         return (
-            f"<HiCache {self._state} requests={len(self._requests)} "
+            f"<HiCache {self._state} requests={len(self._requests) + len(self._dropped)} "
             f"device={d.used_count}/{d.capacity} host={h.used_count}/{h.capacity} "
             f"copies={len(self._copies)} nodes={self._tree.num_nodes}>"
         )
@@ -1009,8 +1014,10 @@ class HiCache:
 
     def _release_dropped(self, request: Request) -> None:
         """Release a request that was garbage-collected unreleased (from `Request.__del__`,
-        on the loop). Once the cache is closed its pools are gone, and with them the locks."""
-        if request.released or self._state == "closed":
+        on the loop), which marked it released. Once the cache is closed its pools are gone,
+        and with them the locks."""
+        self._dropped.discard(request)
+        if self._state == "closed":
             return
         _log.warning(
             "hicache.request.dropped",
@@ -1018,7 +1025,7 @@ class HiCache:
             num_tokens=request.num_tokens,
             held_pages=len(request._page_table),
         )
-        request.release()
+        request._give_back()
 
     def _check_open(self) -> None:
         self._owner.check()

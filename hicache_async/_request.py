@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import warnings
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import numpy as np
 
@@ -315,6 +316,10 @@ class Request:
         # mark it and then fail at the tree, and the owner's release would find nothing to do.
         self._cache._owner.check()
         self._released = True
+        self._give_back()
+
+    def _give_back(self) -> None:
+        """What `release()` gives back, once the request is marked released (on the loop)."""
         cache = self._cache
         loading = self._load_in_flight()
         # A load in flight lands its pages under the device prefix this lock holds: keep the
@@ -389,18 +394,36 @@ class Request:
         loop = cache.loop
         if loop is None or loop.is_closed() or cache.state == "closed":
             return
+        # Marked before the hand-over: a weak reference to the request (a registry's) stays
+        # valid while the loop holds it, and what reaches it that way must find it released,
+        # not have its pages go under it at the next loop step.
+        self._released = True
+        if self not in cache._requests:
+            cache._dropped.add(self)  # collected in a cycle: still live until released
         try:
             loop.call_soon_threadsafe(cache._release_dropped, self)
         except RuntimeError:  # the loop closed meanwhile: so did the cache's use
+            cache._dropped.discard(self)
             return
         # After the release is scheduled: under `-W error` this raises (and is only printed).
-        warnings.warn(
+        # Explicit, with no registry: each message names its request, and the module's
+        # `__warningregistry__` kept one entry per message under the "default" action.
+        warnings.warn_explicit(
             f"request {self.request_id or hex(id(self))} of {len(self.tokens)} tokens was "
             "garbage-collected without release(); its locks and pages are given back now. "
             "Use `with cache.request(...) as req:` or call release()",
             ResourceWarning,
-            stacklevel=1,
+            __file__,
+            sys._getframe().f_code.co_firstlineno,  # shown as `def __del__`
+            module=__name__,
             source=self,  # with tracemalloc on, the warning shows where it was made
+        )
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        # A copy would share this request's lock and pages, and give them back when it is
+        # collected (see `__del__`) while this one still uses them.
+        raise TypeError(
+            "a Request cannot be copied or pickled: it holds locks and pages of its cache"
         )
 
     # -- context manager and repr ---------------------------------------------------------

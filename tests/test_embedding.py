@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
+import pickle
 import subprocess
 import sys
 import threading
@@ -17,7 +19,14 @@ import uvloop
 from _gated_copies import A, B, GatedEngine, held, host_cache
 from structlog.testing import capture_logs
 
-from hicache_async import CacheConfig, HiCache, KVLayout, Request, WrongThreadError
+from hicache_async import (
+    CacheClosedError,
+    CacheConfig,
+    HiCache,
+    KVLayout,
+    Request,
+    WrongThreadError,
+)
 from hicache_async.storage import MemoryStorage
 from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
 from hicache_async.transfer import CpuCopyEngine
@@ -96,6 +105,95 @@ async def test_a_request_dropped_in_another_thread_is_released_on_the_loop() -> 
         assert_drained(cache)
 
 
+async def test_a_dropped_request_reached_through_a_weak_reference_is_released() -> None:
+    # The release waits for the loop, which holds the request meanwhile, and a weak reference
+    # to it stays valid until then: a registry of weak references returned the dropped
+    # request as active, and its pages went at the next loop step under whoever used it.
+    async with HiCache(CONFIG) as cache:
+        registry: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
+        req = cache.request(PROMPT, request_id="r")
+        registry["r"] = req
+        await req.allocate(PAGE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del req
+            again = registry.get("r")
+            if again is not None:
+                assert again.released
+                with pytest.raises(CacheClosedError):
+                    await again.allocate(PAGE)
+            del again
+            gc.collect()
+            await _until_released(cache)
+        assert cache.statistics().live_requests == 0
+        assert cache.device_pool.allocator.used_count == 0
+        await cache.drain()
+        assert_drained(cache)
+
+
+class _Holder:
+    """A handler's state that refers to itself, as a traceback's frames do."""
+
+    req: Request
+    me: _Holder
+
+
+async def test_a_request_collected_in_a_cycle_counts_as_live_until_released() -> None:
+    # gc clears the weak references of a cycle before finalizing it: the request left the
+    # cache's weak set at once, and live_requests said 0 while its lock and pages were held.
+    async with HiCache(CONFIG) as cache:
+        holder = _Holder()
+        holder.req = cache.request(PROMPT)
+        holder.me = holder
+        await holder.req.allocate(PAGE)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del holder
+            gc.collect()
+            assert cache.statistics().live_requests == 1  # its release is still to run
+            assert cache.device_pool.allocator.used_count == 1
+            await _until_released(cache)
+        assert cache.statistics().live_requests == 0
+        assert cache.device_pool.allocator.used_count == 0
+        await cache.drain()
+        assert_drained(cache)
+
+
+async def test_dropped_requests_leave_no_entry_in_the_warning_registry() -> None:
+    # Each warning names its request: under the "default" action (python -X dev) the module's
+    # __warningregistry__ kept one entry per dropped request, for the life of the process.
+    async with HiCache(CONFIG) as cache:
+        with warnings.catch_warnings(record=True) as caught, capture_logs():
+            warnings.simplefilter("default")
+            for n in range(3):
+                dropped = cache.request(PROMPT, request_id=f"dropped-{n}")
+                del dropped
+                gc.collect()
+                await _until_released(cache)
+            registry = vars(sys.modules[Request.__module__]).get("__warningregistry__", {})
+            assert not [key for key in registry if "without release()" in str(key)]
+        assert len([w for w in caught if "without release()" in str(w.message)]) == 3
+        assert cache.statistics().live_requests == 0
+
+
+async def test_a_request_cannot_be_copied() -> None:
+    # A copy shared the request's lock and pages: once collected it was released as a lost
+    # request, and the pages of the original, still in use, went to the next allocation.
+    async with HiCache(CONFIG) as cache:
+        with cache.request(PROMPT) as req:
+            pages = await req.allocate(2 * PAGE)
+            for duplicate in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match="cannot be copied"):
+                    duplicate(req)
+            gc.collect()
+            for _ in range(10):
+                await asyncio.sleep(0)
+            assert not req.released
+            assert cache.device_pool.allocator.used_count == len(pages)
+        await cache.drain()
+        assert_drained(cache)
+
+
 async def test_a_request_collected_after_the_close_does_nothing() -> None:
     async with HiCache(CONFIG) as cache:
         held = [cache.request(PROMPT)]
@@ -154,6 +252,40 @@ def test_one_copy_engine_serves_caches_on_successive_loops(
     finally:
         loop.close()
     assert engine.statistics().failed == 0
+
+
+@pytest.mark.parametrize("new_loop", LOOPS, ids=["asyncio", "uvloop"])
+def test_a_copy_engine_whose_close_its_loop_cut_short_closes_on_the_next_loop(
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # A harness's teardown cancelled the engine's close and its loop ended: the close of the
+    # next loop raised WrongThreadError, so the engine could never be closed again.
+    engine = CpuCopyEngine(name="cut-short-engine")
+
+    async def use_then_cut_the_close_short() -> None:
+        async with HiCache(CONFIG, copy_engine=engine) as cache:
+            generator = KVGenerator(CONFIG.layout, PAGE)
+            await serve(cache, PROMPT, generator)
+            await serve(cache, OTHER, generator)
+            await serve(cache, PROMPT, generator)  # loaded back through the engine
+        closing = asyncio.ensure_future(engine.aclose())
+        await asyncio.sleep(0)  # the close has queued the worker's Stop and waits for it
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+
+    first = new_loop()
+    try:
+        first.run_until_complete(use_then_cut_the_close_short())
+    finally:
+        first.close()
+    second = new_loop()
+    try:
+        second.run_until_complete(engine.aclose())
+    finally:
+        second.close()
+    assert engine.closed
+    assert not any(t.name == "cut-short-engine" for t in threading.enumerate())
 
 
 def test_a_copy_engine_refuses_a_second_loop_while_its_loop_is_open() -> None:

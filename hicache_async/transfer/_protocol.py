@@ -307,21 +307,26 @@ class ThreadedEngine(abc.ABC, Generic[JobT]):
         Raises `WrongThreadError` while another loop that is still open owns the engine.
         """
         owner = self._owner.loop
-        if owner is None or (owner is not loop and owner.is_closed() and not self._closed):
+        if owner is None or (owner is not loop and owner.is_closed()):
             # Nothing of a closed loop's can complete any more (its copies' completions are
             # dropped with it), so the engine is free for the next: one engine passed to the
             # caches of successive loops (a test harness's) failed every load after the first.
-            # Not once a close began there: its worker answers that loop's Stop, nobody else's.
             self._owner.bind(loop)
             self._in_flight = 0
             self._idle = []
+            if self._stopped is not None:
+                # A close began there and queued its Stop: the worker answers that loop
+                # (nobody now) and exits, so a later `aclose` here has only the join left.
+                self._stopped = loop.create_future()
+                self._stopped.set_result(None)
         else:
             self._owner.check()
 
     async def aclose(self) -> None:
         """Wait for in-flight copies, then stop the worker thread; `copy` raises after.
 
-        Idempotent; cancelling it leaves the engine closed, and a later `aclose` finishes.
+        Idempotent; cancelling it leaves the engine closed, and a later `aclose` finishes (on
+        the next loop, if the cancelled one's has closed since).
         """
         loop = asyncio.get_running_loop()
         self._take_loop(loop)
