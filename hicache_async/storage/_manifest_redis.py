@@ -178,6 +178,8 @@ _FALLBACK_WINDOW_RECORDS = 32
 _PUSH_BYTES = 4 << 20
 #: A compaction's temporary list expires on its own if the compaction dies half-way.
 _TEMP_TTL_S = 3600
+#: The switch script's reply when the temporary list lost records (evicted).
+_TEMP_LOST = -2
 #: Attempts of a read (or compaction) that another compaction keeps overtaking.
 _ATTEMPTS = 3
 #: Namespaces a read over all of them looks at.
@@ -266,9 +268,11 @@ end
 
 # Compaction's switch: the records appended since the snapshot (head index ARGV[2] on) go
 # after the compacted ones in the temporary list, which then replaces the manifest; all in
-# one atomic step, or nothing (and the temporary list is dropped) if `gen` moved meanwhile.
-# ARGV: expected gen, snapshot length, compacted bytes, ttl (0: none). Returns the number of
-# records carried over, or -1.
+# one atomic step, or nothing (and the temporary list is dropped) if `gen` moved meanwhile,
+# or if the temporary list no longer holds the ARGV[5] records built (a server at its
+# `maxmemory` evicted it, or part of it: renaming what is left would drop the manifest).
+# ARGV: expected gen, snapshot length, compacted bytes, ttl (0: none), compacted records.
+# Returns the number of records carried over, -1 (gen moved) or -2 (temporary list lost).
 _SWITCH_SCRIPT = (
     _BUMP_GEN
     + """
@@ -276,6 +280,10 @@ local gen = redis.call('HGET', KEYS[2], 'gen') or '0'
 if gen ~= ARGV[1] then
   redis.call('DEL', KEYS[3])
   return -1
+end
+if redis.call('LLEN', KEYS[3]) ~= tonumber(ARGV[5]) then
+  redis.call('DEL', KEYS[3])
+  return -2
 end
 local tail = redis.call('LRANGE', KEYS[1], tonumber(ARGV[2]), -1)
 local nbytes = tonumber(ARGV[3])
@@ -992,29 +1000,50 @@ class RedisManifest:
             if self._scripting:
                 if self._switch is None:
                     self._switch = client.register_script(_SWITCH_SCRIPT)
-                args: list[bytes | int] = [gen, length, nbytes, self._ttl or 0]
+                args: list[bytes | int] = [gen, length, nbytes, self._ttl or 0, len(lines)]
                 ran, carried = await self._run_script(self._switch, [key, meta, temp], args)
                 if ran:
+                    if int(carried) == _TEMP_LOST:
+                        raise self._temp_lost(namespace)
                     return int(carried) >= 0
             if not await self._multi_allowed(namespace):
                 await _forget(client, temp)
                 raise self._no_atomic_step("compaction")
-            return await self._switch_watched(namespace, gen, length, temp, nbytes)
+            switched = await self._switch_watched(
+                namespace, gen, length, temp, nbytes, records=len(lines)
+            )
         except REDIS_FAULTS as exc:
             await _forget(client, temp)
             raise StorageError(f"{self._name}: manifest compaction failed: {exc}") from exc
+        if switched is None:
+            raise self._temp_lost(namespace)
+        return switched
+
+    def _temp_lost(self, namespace: str) -> StorageError:
+        return StorageError(
+            f"{self._name}: manifest compaction of {namespace} lost its temporary list before "
+            f"the switch (the server evicted it at its maxmemory; keep manifests on a server "
+            f"whose maxmemory-policy does not evict them): the manifest was left as it was"
+        )
 
     async def _switch_watched(
-        self, namespace: str, gen: bytes, length: int, temp: str, nbytes: int
-    ) -> bool:
+        self, namespace: str, gen: bytes, length: int, temp: str, nbytes: int, *, records: int
+    ) -> bool | None:
         """The switch without scripting: WATCH, then RENAME in MULTI/EXEC.
 
         Any change to the list since the snapshot (an append included) aborts it; the
-        caller retries, and the trim bounds the list if appends keep winning.
+        caller retries, and the trim bounds the list if appends keep winning. None if the
+        temporary list no longer holds its `records` records (evicted): nothing changed.
         """
         async with self._slot_client(namespace) as client:
             return await self._switch_watched_on(
-                client, namespace, gen=gen, length=length, temp=temp, nbytes=nbytes
+                client,
+                namespace,
+                gen=gen,
+                length=length,
+                temp=temp,
+                nbytes=nbytes,
+                records=records,
             )
 
     @contextlib.asynccontextmanager
@@ -1043,17 +1072,29 @@ class RedisManifest:
             await pool.aclose()
 
     async def _switch_watched_on(
-        self, client: Redis, namespace: str, *, gen: bytes, length: int, temp: str, nbytes: int
-    ) -> bool:
+        self,
+        client: Redis,
+        namespace: str,
+        *,
+        gen: bytes,
+        length: int,
+        temp: str,
+        nbytes: int,
+        records: int,
+    ) -> bool | None:
         key, meta = self.list_key(namespace), self.meta_key(namespace)
         async with client.pipeline(transaction=True) as pipe:
             try:
-                await pipe.watch(key, meta)
+                # The temporary list too: an eviction of it after its check aborts the EXEC.
+                await pipe.watch(key, meta, temp)
                 current = await pipe.hget(meta, "gen")
                 if (current or b"0") != gen or await pipe.llen(key) != length:
                     await _forget(client, temp)
                     return False
-                has_records = bool(await client.exists(temp))
+                if await pipe.llen(temp) != records:
+                    await _forget(client, temp)
+                    return None
+                has_records = records > 0
                 pipe.multi()  # type: ignore[no-untyped-call]
                 if has_records:
                     # As a raw command: redis-py's cluster pipeline refuses its rename()

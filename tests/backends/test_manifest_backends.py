@@ -1364,6 +1364,63 @@ async def test_a_redis_manifest_is_read_from_a_server_at_its_maxmemory(scripts: 
             assert manifest._scripting is scripts
 
 
+@pytest.mark.parametrize("scripts", [True, False], ids=["scripts", "no-scripts"])
+async def test_a_compaction_whose_temporary_list_is_evicted_leaves_the_manifest(
+    scripts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under a volatile-* policy the compaction's temporary list (it has a TTL) is the first
+    # key a full server evicts, the pages and the manifest having none; under allkeys-* it
+    # can go too. The switch took a missing temporary list for an empty compaction and
+    # deleted the manifest: every record was lost.
+    hidden = [] if scripts else ["--rename-command", "EVAL", "", "--rename-command", "EVALSHA", ""]
+    limits = ManifestLimits(max_entries=2048, max_entry_bytes=4096, max_bytes=8 << 20)
+    with RedisServer(extra_args=hidden) as server:
+        admin = Redis(host=server.host, port=server.port)
+        async with RedisStorage.from_url(f"{server.url}?prefix=evicted") as backend:
+            manifest = backend.manifest(limits)
+            written = [entry(NS_A, i) for i in range(1000)]
+            await manifest.append(written)
+
+            async def fill_up_to_evict(temp: str) -> None:
+                # The server over its maxmemory by half of the temporary list: its next
+                # command evicts the list (the only key with a TTL), and then is under.
+                usage = await admin.memory_usage(temp)
+                assert usage is not None
+                assert usage > 64 << 10
+                used = (await admin.info("memory"))["used_memory"]
+                await admin.config_set("maxmemory-policy", "volatile-lru")
+                await admin.config_set("maxmemory", used - usage // 2)
+
+            run_script, switch_watched = manifest._run_script, manifest._switch_watched
+
+            async def evicting_run_script(script: Any, keys: list[str], args: Any) -> Any:
+                if len(keys) == 3 and ":compacting:" in keys[2]:
+                    await fill_up_to_evict(keys[2])
+                return await run_script(script, keys, args)
+
+            async def evicting_switch(
+                namespace: str, gen: bytes, length: int, temp: str, nbytes: int, **kwargs: Any
+            ) -> Any:
+                await fill_up_to_evict(temp)
+                return await switch_watched(namespace, gen, length, temp, nbytes, **kwargs)
+
+            monkeypatch.setattr(manifest, "_run_script", evicting_run_script)
+            monkeypatch.setattr(manifest, "_switch_watched", evicting_switch)
+            try:
+                with pytest.raises(StorageError, match="evicted"):
+                    await manifest.compact_namespace(NS_A.hex())
+                assert await admin.dbsize() > 0
+            finally:
+                await admin.config_set("maxmemory", 0)
+                await admin.aclose()
+            monkeypatch.undo()
+            read = await manifest.read(namespace=NS_A.hex())
+            assert sorted(read.entries, key=lambda e: e.last_use) == written
+            assert manifest._scripting is scripts
+            report = await manifest.compact_namespace(NS_A.hex())
+            assert report.entries_after == len(written)
+
+
 async def test_a_redis_manifest_for_a_user_without_multi(redis_url: str) -> None:
     # A refused MULTI runs the transaction's commands one by one (redis-py sends MULTI, them
     # and EXEC in one write): every append stored its records and raised, so the namespace
