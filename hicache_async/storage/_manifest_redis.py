@@ -400,6 +400,8 @@ class RedisManifest:
         self._index_repair_script: AsyncScript | None = None
         # Whether the server takes MULTI (None: not asked yet, see `_multi_allowed`).
         self._multi: bool | None = None
+        # Whether the server's eviction policy was looked at (see `_check_eviction`).
+        self._eviction_checked = False
         #: Compact a list that passes this many records; trim it to `_cap` records.
         self._compact_records = 2 * self.limits.max_entries
         self._cap = 4 * self.limits.max_entries
@@ -437,6 +439,9 @@ class RedisManifest:
             groups.setdefault(entry.namespace, []).append(line)
         for namespace, lines in groups.items():
             await self._append(namespace, lines)
+        if groups:
+            # After a call the server answered: a silent one costs no second timeout here.
+            await self._check_eviction()
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
         """The newest record per chain (of `namespace`, or of every namespace), bounded.
@@ -446,6 +451,11 @@ class RedisManifest:
         """
         if namespace is not None and not _NAMESPACE.match(namespace):
             return ManifestRead(entries=[])
+        result = await self._read(namespace)
+        await self._check_eviction()
+        return result
+
+    async def _read(self, namespace: str | None) -> ManifestRead:
         if namespace is None:
             namespaces, more = await self._namespaces()
         else:
@@ -512,6 +522,7 @@ class RedisManifest:
                 failed.append((namespace, exc))
                 continue
             total = add_reports(total, report)
+        await self._check_eviction()
         if failed:
             namespace, first = failed[0]
             raise StorageError(
@@ -519,6 +530,36 @@ class RedisManifest:
                 f"{len(namespaces)} namespaces (the others were compacted); {namespace}: {first}"
             ) from first
         return total
+
+    async def _check_eviction(self) -> None:
+        """Warn once (per manifest) if the server, once full, may evict the manifest's
+        keys: a `maxmemory` with an `allkeys-*` policy, or a `volatile-*` one when the
+        manifest has a TTL. Warmup then reads what is left of it. Where `CONFIG GET` is
+        refused (an ACL, a managed service) nothing is said."""
+        if self._eviction_checked:
+            return
+        self._eviction_checked = True
+        try:
+            config = await self._client().config_get("maxmemory*")
+        except REDIS_FAULTS as exc:
+            _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error=str(exc))
+            return
+        settings = {_text(k): _text(v) for k, v in config.items()}
+        policy = settings.get("maxmemory-policy", "")
+        if settings.get("maxmemory", "0") in ("", "0"):
+            return  # no limit: nothing is ever evicted
+        if policy.startswith("allkeys-") or (policy.startswith("volatile-") and self._ttl):
+            _log.warning(
+                "hicache.manifest.evictable",
+                backend=self._name,
+                policy=policy,
+                maxmemory=settings.get("maxmemory"),
+                detail=(
+                    "a full server may evict the warmup manifest's keys, and warmup then "
+                    "reads only what is left; keep it on a server whose policy does not "
+                    "evict them (noeviction, or volatile-* with no ttl on this store)"
+                ),
+            )
 
     # Appending.
 
@@ -1126,6 +1167,10 @@ def _bump_gen(pipe: Any, meta: str, gen: object) -> None:
     if isinstance(gen, bytes) and not _SOUND_GEN.match(gen):
         pipe.hset(meta, "gen", 0)
     pipe.hincrby(meta, "gen", 1)
+
+
+def _text(value: object) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _item(value: Any) -> bytes | int:

@@ -1421,6 +1421,48 @@ async def test_a_compaction_whose_temporary_list_is_evicted_leaves_the_manifest(
             assert report.entries_after == len(written)
 
 
+async def test_a_redis_manifest_warns_once_where_a_full_server_may_evict_it() -> None:
+    # allkeys-* evicts any key when the server is full, volatile-* those with a TTL (the
+    # manifest's, with the store's ttl): warmup then reads part of the manifest, silently.
+    cases = [
+        ("allkeys-lru", "100mb", None, True),
+        ("allkeys-lfu", "100mb", None, True),
+        ("allkeys-random", "100mb", None, True),
+        ("volatile-lru", "100mb", 3600, True),
+        ("volatile-lfu", "100mb", None, False),
+        ("noeviction", "100mb", None, False),
+        ("allkeys-lru", "0", None, False),  # no limit: nothing is evicted
+    ]
+    with RedisServer() as server:
+        admin = Redis(host=server.host, port=server.port)
+        try:
+            for policy, maxmemory, ttl, warned in cases:
+                await admin.config_set("maxmemory-policy", policy)
+                await admin.config_set("maxmemory", maxmemory)
+                query = f"prefix=t{uuid.uuid4().hex}" + (f"&ttl={ttl}" if ttl else "")
+                async with RedisStorage.from_url(f"{server.url}?{query}") as backend:
+                    manifest = backend.manifest(LIMITS)
+                    with structlog.testing.capture_logs() as logs:
+                        await manifest.append([entry(NS_A, 1)])
+                        await manifest.append([entry(NS_A, 2)])
+                        assert len((await manifest.read(namespace=NS_A.hex())).entries) == 2
+                        await backend.manifest(LIMITS).read()  # another manifest says it too
+                    told = [r for r in logs if r["event"] == "hicache.manifest.evictable"]
+                    assert len(told) == (2 if warned else 0), (policy, maxmemory, ttl)
+                    assert all(r["policy"] == policy for r in told)
+        finally:
+            await admin.aclose()
+    # Where CONFIG is refused (a managed service), nothing is said and the manifest works.
+    refused = ["--maxmemory", "100mb", "--maxmemory-policy", "allkeys-lru"]
+    with RedisServer(extra_args=[*refused, "--rename-command", "CONFIG", ""]) as server:
+        async with RedisStorage.from_url(f"{server.url}?prefix=refused") as backend:
+            manifest = backend.manifest(LIMITS)
+            with structlog.testing.capture_logs() as logs:
+                await manifest.append([entry(NS_A, 1)])
+                assert len((await manifest.read(namespace=NS_A.hex())).entries) == 1
+            assert not [r for r in logs if r["log_level"] == "warning"]
+
+
 async def test_a_redis_manifest_for_a_user_without_multi(redis_url: str) -> None:
     # A refused MULTI runs the transaction's commands one by one (redis-py sends MULTI, them
     # and EXEC in one write): every append stored its records and raised, so the namespace
