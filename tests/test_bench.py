@@ -35,7 +35,7 @@ from hicache_async.bench._timing import median_us
 from hicache_async.cli import main
 from hicache_async.storage import FileStorage, MemoryStorage
 from hicache_async.testing._fixtures import redis_server, redis_url
-from hicache_async.testing._servers import free_port
+from hicache_async.testing._servers import RedisServer, free_port
 
 # Real servers for the Redis baseline's tests (pytest finds fixtures imported here).
 __all__ = ["redis_server", "redis_url"]
@@ -403,6 +403,29 @@ def test_a_backend_that_cannot_be_reached_fails_in_one_line(
         assert err.startswith("hicache-async bench storage: failed: ")
         assert message in err
         assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("policy", "maxmemory", "message"),
+    [
+        # Refused: redis-py's OutOfMemoryError went up as a traceback.
+        ("noeviction", "3mb", "the raw baseline's put failed"),
+        # Evicted: the baseline's GETs of missing keys were timed as if they had read pages.
+        ("allkeys-lru", "8mb", "the raw baseline's values were evicted"),
+    ],
+)
+def test_a_full_redis_fails_the_bench_in_one_line(
+    capsys: pytest.CaptureFixture[str], policy: str, maxmemory: str, message: str
+) -> None:
+    full = ["--maxmemory", maxmemory, "--maxmemory-policy", policy]
+    with RedisServer(extra_args=full) as server:
+        argv = ["storage", "--backend", server.url, "--shape", "small", "--pages", "64"]
+        code, err = _bench_cli(capsys, *argv, "--reps", "1")
+    assert code == 1, err
+    assert err.startswith("hicache-async bench storage: failed: ")
+    assert message in err
+    assert "Traceback" not in err
+    assert "SET " not in err  # not the command that failed, with its page bytes
 
 
 def test_bench_checks_its_inputs_before_running(

@@ -87,7 +87,7 @@ def _sync_modes(
             with client.pipeline(transaction=False) as pipe:
                 for key in keys[start : start + depth]:
                     pipe.get(key)
-                pipe.execute()
+                _check_found(pipe.execute())
 
     return put, get
 
@@ -120,9 +120,19 @@ def _async_modes(
         async with client.pipeline(transaction=False) as pipe:
             for i in chunk:
                 pipe.get(keys[i])
-            await pipe.execute()
+            _check_found(await pipe.execute())
 
     return (lambda: spread(put_chunk)), (lambda: spread(get_chunk))
+
+
+class _Evicted(Exception):
+    """A value the baseline wrote was gone when it read it back."""
+
+
+def _check_found(values: Sequence[object]) -> None:
+    # A GET of a missing key is a short reply: timed, it would inflate the baseline's GB/s.
+    if None in values:
+        raise _Evicted
 
 
 def _timed(run: Callable[[], None]) -> float:
@@ -234,6 +244,26 @@ class RawModes:
         return _exists_us(self._client, self._keys, calls)
 
     def _run(self, mode: str, *, put: bool) -> float:
+        """The run's seconds; a server that refuses or loses the values (a full one: OOM
+        under `noeviction`, evictions under another policy) raises StorageError."""
+        where = mask_userinfo(self._url)
+        try:
+            return self._run_mode(mode, put=put)
+        except _Evicted:
+            raise StorageError(
+                f"the raw baseline's values were evicted from {where} before it read them "
+                f"back: the server's maxmemory is too small for --pages"
+            ) from None
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            verb = "put" if put else "get"
+            # redis-py names a pipeline's failed command with its arguments: the page bytes.
+            reply = str(exc).rpartition("caused error: ")[2]
+            raise StorageError(
+                f"the raw baseline's {verb} failed on {where}: {type(exc).__name__}: {reply}"
+                + ("; is the server's maxmemory large enough for --pages?" if put else "")
+            ) from None
+
+    def _run_mode(self, mode: str, *, put: bool) -> float:
         kind, *params = mode.split("/")
         numbers = [int(p[1:]) for p in params]
         if kind == "sync":
