@@ -248,3 +248,29 @@ def test_a_flag_bit_the_reader_does_not_know_is_a_miss_left_in_place() -> None:
         unknown = _with_flags(value, flags)
         assert decode_header(unknown) is PageCheck.UNSUPPORTED
         assert read_value_into(unknown, key=KEY, namespace=NS, into=into) is PageCheck.UNSUPPORTED
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_another_magic_is_corrupt_even_with_a_sound_header_checksum(position: int) -> None:
+    """The magic is checked on its own: a value of another format whose last 8 header bytes
+    happen to hash the rest is never read as a page."""
+    value = bytearray(_value(bytes(range(200))))
+    value[position] ^= 0x20
+    struct.pack_into("<Q", value, 120, xxhash.xxh3_64_intdigest(bytes(value[:120])))
+    assert decode_header(bytes(value)) is PageCheck.CORRUPT
+    into = [memoryview(bytearray(200))]
+    assert read_value_into(bytes(value), key=KEY, namespace=NS, into=into) is PageCheck.CORRUPT
+
+
+@pytest.mark.parametrize("position", [0, 15, 16, 31])
+def test_a_key_differing_in_any_byte_is_corrupt(position: int) -> None:
+    """The whole 32-byte key is compared: a page filed under another key is never served."""
+    value = _value(bytes(range(200)))
+    other = bytearray(KEY)
+    other[position] ^= 1
+    header = decode_header(value)
+    check = check_header(header, key=bytes(other), namespace=NS, payload_nbytes=200)
+    assert check is PageCheck.CORRUPT
+    into = [memoryview(bytearray(200))]
+    assert read_value_into(value, key=bytes(other), namespace=NS, into=into) is PageCheck.CORRUPT
+    assert read_value_into(value, key=KEY, namespace=NS, into=into) is PageCheck.OK
