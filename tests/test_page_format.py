@@ -274,3 +274,28 @@ def test_a_key_differing_in_any_byte_is_corrupt(position: int) -> None:
     into = [memoryview(bytearray(200))]
     assert read_value_into(value, key=bytes(other), namespace=NS, into=into) is PageCheck.CORRUPT
     assert read_value_into(value, key=KEY, namespace=NS, into=into) is PageCheck.OK
+
+
+@pytest.mark.parametrize(("offset", "fmt"), [(56, "<Q"), (64, "<I"), (68, "<i"), (80, "<Q")])
+def test_the_mac_covers_every_header_field_before_it(offset: int, fmt: str) -> None:
+    """Length, token count, priority and creation time changed under a keyed page (its
+    header checksum recomputed, as anyone can) fail the MAC."""
+    payload = bytes(range(200))
+    value = bytearray(_value(payload, mac_key=MAC_KEY))
+    (field,) = struct.unpack_from(fmt, value, offset)
+    struct.pack_into(fmt, value, offset, field + 1)
+    struct.pack_into("<Q", value, 120, xxhash.xxh3_64_intdigest(bytes(value[:120])))
+    header = decode_header(bytes(value))
+    assert isinstance(header, PageHeader)
+    assert verify_payload(header, [memoryview(payload)]) is PageCheck.OK  # no key: not seen
+    assert verify_payload(header, [memoryview(payload)], mac_key=MAC_KEY) is PageCheck.CORRUPT
+    verifier = PayloadVerifier(header, mac_key=MAC_KEY)
+    verifier.update(payload)
+    assert verifier.result() is PageCheck.CORRUPT
+
+
+@pytest.mark.parametrize("priority", [-(2**31) - 1, 2**31])
+def test_a_priority_past_int32_is_a_value_error(priority: int) -> None:
+    meta = PageMeta(key=KEY, namespace=NS, num_tokens=1, priority=priority)
+    with pytest.raises(ValueError, match="priority"):
+        encode_header(meta, [memoryview(b"x")])
