@@ -26,6 +26,7 @@ from hicache_async.storage import (
     StorageBackend,
     StorageError,
 )
+from hicache_async.storage._manifest import ManifestLimits, WarmupManifest
 from hicache_async.storage._protocol import check_exists
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import BackupStatistics
@@ -469,11 +470,16 @@ def test_an_exists_answer_is_a_count_of_the_keys_asked_about() -> None:
 
 
 class Flaky(Shared):
-    """`Shared` whose put answers ERROR for the keys in `errors`, each once."""
+    """`Shared` whose put answers ERROR for the keys in `errors`, each once, and which
+    keeps the memory store's warmup manifest."""
 
-    def __init__(self, inner: StorageBackend) -> None:
+    def __init__(self, inner: MemoryStorage) -> None:
         super().__init__(inner)
+        self.memory = inner
         self.errors: set[bytes] = set()
+
+    def manifest(self, limits: ManifestLimits | None = None) -> WarmupManifest:
+        return self.memory.manifest(limits)
 
     async def put(
         self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
@@ -488,12 +494,13 @@ class Flaky(Shared):
 
 async def test_a_node_with_one_page_declined_is_not_marked_stored() -> None:
     """A node counts as stored only once every one of its pages is: one declined page in
-    the middle leaves the whole node unmarked, and counts as the only failed page."""
+    the middle leaves the whole node unmarked and out of the warmup manifest, and counts as
+    the only failed page."""
     config = _config()
     generator = KVGenerator(config.layout, PAGE, seed=11)
     tokens = _prompt(11, 6)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        shared = Shared(memory)
+        shared = Flaky(memory)
         async with HiCache(config, storage=shared) as cache:
             keys = cache.namespace.storage_keys(cache.keys_for(tokens))
             shared.declined_keys = {keys[3]}
@@ -504,6 +511,7 @@ async def test_a_node_with_one_page_declined_is_not_marked_stored() -> None:
             assert backup.bytes_written == 5 * config.page_nbytes
             assert cache.tree.statistics().storage_pages == 0
             assert await _in_storage(cache, memory, tokens) == 3
+            assert backup.manifest_entries == 0  # warmup must not look for the chain
             assert_backup_adds_up(backup)
             cache.tree.check_invariants()
 
@@ -524,4 +532,5 @@ async def test_a_page_that_failed_once_is_retried_and_counted_once() -> None:
             assert backup.bytes_written == 6 * config.page_nbytes
             assert cache.tree.statistics().storage_pages == 6
             assert await _in_storage(cache, memory, tokens) == 6
+            assert backup.manifest_entries == 1
             assert_backup_adds_up(backup)
