@@ -299,3 +299,14 @@ def test_a_priority_past_int32_is_a_value_error(priority: int) -> None:
     meta = PageMeta(key=KEY, namespace=NS, num_tokens=1, priority=priority)
     with pytest.raises(ValueError, match="priority"):
         encode_header(meta, [memoryview(b"x")])
+
+
+@pytest.mark.parametrize("num_tokens", [-1, 2**32])
+def test_a_token_count_past_uint32_is_a_value_error(num_tokens: int) -> None:
+    meta = PageMeta(key=KEY, namespace=NS, num_tokens=num_tokens, priority=0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        encode_header(meta, [memoryview(b"x")])
+    top = PageMeta(key=KEY, namespace=NS, num_tokens=2**32 - 1, priority=0)
+    header = decode_header(encode_header(top, [memoryview(b"x")]))
+    assert isinstance(header, PageHeader)
+    assert header.num_tokens == 2**32 - 1
