@@ -534,3 +534,27 @@ async def test_a_page_that_failed_once_is_retried_and_counted_once() -> None:
             assert await _in_storage(cache, memory, tokens) == 6
             assert backup.manifest_entries == 1
             assert_backup_adds_up(backup)
+
+
+async def test_a_batch_takes_queued_jobs_only_up_to_batch_pages() -> None:
+    """Jobs queued behind a held batch are taken until the batch holds `batch_pages` pages
+    (the job that crosses it included), the rest left for the next batch."""
+    config = _config(batch_pages=8)
+    generator = KVGenerator(config.layout, PAGE, seed=13)
+    first, *queued = [_prompt(30 + i, 5) for i in range(4)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        async with HiCache(config, storage=shared) as cache:
+            shared.hold_puts = asyncio.Event()
+            await serve(cache, first, generator, prefetch=False)
+            await asyncio.wait_for(shared.put_waiting.wait(), 5)  # the first batch is held
+            for tokens in queued:
+                await serve(cache, tokens, generator, prefetch=False)
+            await _queued(cache, 3)
+            shared.hold_puts.set()
+            await cache.drain()
+            backup = _backup(cache)
+            assert backup.batches == 3  # 5 pages, then 5 + 5, then 5
+            assert backup.written_pages == 20
+            assert_backup_adds_up(backup)
+            assert_drained(cache)
