@@ -89,6 +89,25 @@ def test_freed_pages_are_reused_and_peak_is_kept() -> None:
     assert "used=0" in repr(alloc)
 
 
+def test_peak_used_is_the_most_ever_used_not_the_latest() -> None:
+    alloc = PageAllocator(8)
+    pages = alloc.alloc(6)
+    assert pages is not None
+    alloc.free(pages)
+    assert alloc.alloc(2) == [0, 1]
+    assert alloc.statistics().peak_used == 6
+    assert alloc.statistics().used == 2
+
+
+def test_the_page_freed_last_is_handed_out_first() -> None:
+    alloc = PageAllocator(4)
+    assert alloc.alloc(2) == [0, 1]
+    alloc.free([0])
+    assert alloc.alloc(1) == [0]  # still warm in cache, rather than the untouched 2
+    alloc.free([1, 0])
+    assert alloc.alloc(2) == [1, 0]
+
+
 def test_is_allocated_out_of_range_is_false() -> None:
     alloc = PageAllocator(2)
     assert not alloc.is_allocated(-1)

@@ -26,6 +26,7 @@ from hicache_async.storage import (
     StorageBackend,
     StorageError,
 )
+from hicache_async.storage._manifest import ManifestLimits, WarmupManifest
 from hicache_async.storage._protocol import check_exists
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import BackupStatistics
@@ -466,3 +467,94 @@ def test_an_exists_answer_is_a_count_of_the_keys_asked_about() -> None:
     for wrong in (True, False, 4, -1, "3", 2.0, np.float64(2.0), None):
         with pytest.raises(StorageError, match="not a count of 0 to 3 keys"):
             check_exists(wrong, 3)
+
+
+class Flaky(Shared):
+    """`Shared` whose put answers ERROR for the keys in `errors`, each once, and which
+    keeps the memory store's warmup manifest."""
+
+    def __init__(self, inner: MemoryStorage) -> None:
+        super().__init__(inner)
+        self.memory = inner
+        self.errors: set[bytes] = set()
+
+    def manifest(self, limits: ManifestLimits | None = None) -> WarmupManifest:
+        return self.memory.manifest(limits)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        outcomes = await super().put(keys, pages, metas)
+        for i, key in enumerate(keys):
+            if key in self.errors:
+                self.errors.discard(key)
+                outcomes[i] = Outcome.ERROR
+        return outcomes
+
+
+async def test_a_node_with_one_page_declined_is_not_marked_stored() -> None:
+    """A node counts as stored only once every one of its pages is: one declined page in
+    the middle leaves the whole node unmarked and out of the warmup manifest, and counts as
+    the only failed page."""
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=11)
+    tokens = _prompt(11, 6)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Flaky(memory)
+        async with HiCache(config, storage=shared) as cache:
+            keys = cache.namespace.storage_keys(cache.keys_for(tokens))
+            shared.declined_keys = {keys[3]}
+            await serve(cache, tokens, generator, prefetch=False)
+            await cache.drain()
+            backup = _backup(cache)
+            assert (backup.written_pages, backup.failed_pages, backup.retried_pages) == (5, 1, 0)
+            assert backup.bytes_written == 5 * config.page_nbytes
+            assert cache.tree.statistics().storage_pages == 0
+            assert await _in_storage(cache, memory, tokens) == 3
+            assert backup.manifest_entries == 0  # warmup must not look for the chain
+            assert_backup_adds_up(backup)
+            cache.tree.check_invariants()
+
+
+async def test_a_page_that_failed_once_is_retried_and_counted_once() -> None:
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=12)
+    tokens = _prompt(12, 6)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        flaky = Flaky(memory)
+        async with HiCache(config, storage=flaky) as cache:
+            keys = cache.namespace.storage_keys(cache.keys_for(tokens))
+            flaky.errors = {keys[1], keys[4]}
+            await serve(cache, tokens, generator, prefetch=False)
+            await cache.drain()
+            backup = _backup(cache)
+            assert (backup.written_pages, backup.failed_pages, backup.retried_pages) == (6, 0, 2)
+            assert backup.bytes_written == 6 * config.page_nbytes
+            assert cache.tree.statistics().storage_pages == 6
+            assert await _in_storage(cache, memory, tokens) == 6
+            assert backup.manifest_entries == 1
+            assert_backup_adds_up(backup)
+
+
+async def test_a_batch_takes_queued_jobs_only_up_to_batch_pages() -> None:
+    """Jobs queued behind a held batch are taken until the batch holds `batch_pages` pages
+    (the job that crosses it included), the rest left for the next batch."""
+    config = _config(batch_pages=8)
+    generator = KVGenerator(config.layout, PAGE, seed=13)
+    first, *queued = [_prompt(30 + i, 5) for i in range(4)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = Shared(memory)
+        async with HiCache(config, storage=shared) as cache:
+            shared.hold_puts = asyncio.Event()
+            await serve(cache, first, generator, prefetch=False)
+            await asyncio.wait_for(shared.put_waiting.wait(), 5)  # the first batch is held
+            for tokens in queued:
+                await serve(cache, tokens, generator, prefetch=False)
+            await _queued(cache, 3)
+            shared.hold_puts.set()
+            await cache.drain()
+            backup = _backup(cache)
+            assert backup.batches == 3  # 5 pages, then 5 + 5, then 5
+            assert backup.written_pages == 20
+            assert_backup_adds_up(backup)
+            assert_drained(cache)

@@ -1492,3 +1492,17 @@ async def test_a_page_with_a_flag_this_release_does_not_know_is_a_miss_left_in_p
         assert (report.ok, report.corrupt_removed, report.unsupported) == (1, 0, 1)
         assert storage.stats().corrupt == 0
     assert path.read_bytes() == bytes(value)
+
+
+async def test_concurrent_puts_stay_within_the_capacity_together(tmp_path: Path) -> None:
+    """Room a put in progress reserved counts for the next put's plan: two puts running at
+    once never store more than the capacity between them."""
+    root = tmp_path / "store"
+    keys = _keys(6)
+    async with FileStorage(root, capacity_bytes=4 * SIZE) as storage:
+        one, two = await asyncio.gather(_put(storage, keys[:3]), _put(storage, keys[3:]))
+        assert one == [Outcome.OK] * 3
+        assert two.count(Outcome.OK) >= 1
+        stats = storage.stats()
+        assert (stats.pages, stats.bytes) == (4, 4 * SIZE)
+    assert _disk_usage(root) == (4, 4 * SIZE)

@@ -78,6 +78,32 @@ def test_namespace_separates_deployments() -> None:
     assert sglang.fingerprint != bytes(16)
 
 
+def test_a_token_major_host_layout_is_a_namespace_of_its_own() -> None:
+    """`page_first` stores pages token-major: its pages must never be read by a deployment
+    whose pages are layer-major, with SGLang-compatible keys too (the fingerprint tells)."""
+
+    def namespace(host_layout: str, *, sglang: bool = False) -> Namespace:
+        config = CacheConfig.from_dict(
+            {
+                "layout": {"num_layers": 2, "num_kv_heads": 1, "head_dim": 4},
+                "device_pages": 4,
+                "model_id": "a",
+                "host_layout": host_layout,
+            }
+        )
+        return Namespace.from_config(config, sglang_compatible=sglang)
+
+    layer_major = namespace("layer_first")
+    assert namespace("page_first_direct") == layer_major  # the same bytes per page
+    token_major = namespace("page_first")
+    assert token_major.seed != layer_major.seed
+    assert token_major.fingerprint != layer_major.fingerprint
+    assert (
+        namespace("page_first", sglang=True).fingerprint
+        != namespace("layer_first", sglang=True).fingerprint
+    )
+
+
 @pytest.mark.parametrize(
     "tokens", [[-1, 2], [2**32], ["a", "b"], [[1, 2]], [1.5, 2.0], "abc", [True, False]]
 )

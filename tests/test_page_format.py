@@ -248,3 +248,65 @@ def test_a_flag_bit_the_reader_does_not_know_is_a_miss_left_in_place() -> None:
         unknown = _with_flags(value, flags)
         assert decode_header(unknown) is PageCheck.UNSUPPORTED
         assert read_value_into(unknown, key=KEY, namespace=NS, into=into) is PageCheck.UNSUPPORTED
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_another_magic_is_corrupt_even_with_a_sound_header_checksum(position: int) -> None:
+    """The magic is checked on its own: a value of another format whose last 8 header bytes
+    happen to hash the rest is never read as a page."""
+    value = bytearray(_value(bytes(range(200))))
+    value[position] ^= 0x20
+    struct.pack_into("<Q", value, 120, xxhash.xxh3_64_intdigest(bytes(value[:120])))
+    assert decode_header(bytes(value)) is PageCheck.CORRUPT
+    into = [memoryview(bytearray(200))]
+    assert read_value_into(bytes(value), key=KEY, namespace=NS, into=into) is PageCheck.CORRUPT
+
+
+@pytest.mark.parametrize("position", [0, 15, 16, 31])
+def test_a_key_differing_in_any_byte_is_corrupt(position: int) -> None:
+    """The whole 32-byte key is compared: a page filed under another key is never served."""
+    value = _value(bytes(range(200)))
+    other = bytearray(KEY)
+    other[position] ^= 1
+    header = decode_header(value)
+    check = check_header(header, key=bytes(other), namespace=NS, payload_nbytes=200)
+    assert check is PageCheck.CORRUPT
+    into = [memoryview(bytearray(200))]
+    assert read_value_into(value, key=bytes(other), namespace=NS, into=into) is PageCheck.CORRUPT
+    assert read_value_into(value, key=KEY, namespace=NS, into=into) is PageCheck.OK
+
+
+@pytest.mark.parametrize(("offset", "fmt"), [(56, "<Q"), (64, "<I"), (68, "<i"), (80, "<Q")])
+def test_the_mac_covers_every_header_field_before_it(offset: int, fmt: str) -> None:
+    """Length, token count, priority and creation time changed under a keyed page (its
+    header checksum recomputed, as anyone can) fail the MAC."""
+    payload = bytes(range(200))
+    value = bytearray(_value(payload, mac_key=MAC_KEY))
+    (field,) = struct.unpack_from(fmt, value, offset)
+    struct.pack_into(fmt, value, offset, field + 1)
+    struct.pack_into("<Q", value, 120, xxhash.xxh3_64_intdigest(bytes(value[:120])))
+    header = decode_header(bytes(value))
+    assert isinstance(header, PageHeader)
+    assert verify_payload(header, [memoryview(payload)]) is PageCheck.OK  # no key: not seen
+    assert verify_payload(header, [memoryview(payload)], mac_key=MAC_KEY) is PageCheck.CORRUPT
+    verifier = PayloadVerifier(header, mac_key=MAC_KEY)
+    verifier.update(payload)
+    assert verifier.result() is PageCheck.CORRUPT
+
+
+@pytest.mark.parametrize("priority", [-(2**31) - 1, 2**31])
+def test_a_priority_past_int32_is_a_value_error(priority: int) -> None:
+    meta = PageMeta(key=KEY, namespace=NS, num_tokens=1, priority=priority)
+    with pytest.raises(ValueError, match="priority"):
+        encode_header(meta, [memoryview(b"x")])
+
+
+@pytest.mark.parametrize("num_tokens", [-1, 2**32])
+def test_a_token_count_past_uint32_is_a_value_error(num_tokens: int) -> None:
+    meta = PageMeta(key=KEY, namespace=NS, num_tokens=num_tokens, priority=0)
+    with pytest.raises(ValueError, match="num_tokens"):
+        encode_header(meta, [memoryview(b"x")])
+    top = PageMeta(key=KEY, namespace=NS, num_tokens=2**32 - 1, priority=0)
+    header = decode_header(encode_header(top, [memoryview(b"x")]))
+    assert isinstance(header, PageHeader)
+    assert header.num_tokens == 2**32 - 1

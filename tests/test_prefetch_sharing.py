@@ -275,6 +275,9 @@ async def test_pages_read_once_for_two_prefetches_count_once_in_the_storage_toke
             assert one.storage_tokens == two.storage_tokens == len(prompt)
             assert held.gets == PAGES // 4
             assert reader.statistics().tokens.storage == len(prompt)
+            status = reader.storage_status().prefetch
+            assert status is not None
+            assert (status.pages_read, status.pages_shared) == (PAGES, PAGES)
             await _check_and_drain(reader, prompt, generator)
 
 
@@ -659,3 +662,20 @@ async def test_a_prefetch_never_reports_more_than_is_cached(stop: str) -> None:
             assert result.cached_tokens == cached
             await cache.drain()
             assert_drained(cache)
+
+
+async def test_pages_a_request_brought_to_the_host_while_a_prefetch_read_them_go_back() -> None:
+    """A's read is held while a request computes the same prompt and its pages reach the
+    host: A's copies land as duplicates, and their host pages go back to the pool."""
+    prompt = _prompt(21)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        (a,) = await _sharing(cache, store, prompt, "A")
+        await serve(cache, prompt, generator, prefetch=False)
+        await _until(lambda: cache.tree.statistics().host_pages == PAGES, "the host copies")
+        used = cache.host_pool.allocator.used_count
+        assert used == 2 * PAGES  # the tree's copies, and A's pages in flight
+        store.gets.open()
+        result = await asyncio.wait_for(a.wait(), 30)
+        assert result.status is PrefetchStatus.COMPLETE
+        assert cache.host_pool.allocator.used_count == PAGES
+        await _check_and_drain(cache, prompt, generator)

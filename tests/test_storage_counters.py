@@ -142,3 +142,30 @@ async def test_batch_latencies_leave_out_calls_that_moved_no_page() -> None:
         await serve(cache, _prompt(3), generator, prefetch=False)
         await cache.drain()
         assert cache.storage_put_latency.snapshot().count >= 1
+
+
+async def test_prefetched_pages_count_their_bytes_and_are_known_to_be_stored(
+    tmp_path: Path,
+) -> None:
+    """Pages a prefetch read count in `bytes_read`, and are marked in storage: the backup
+    of the request that uses them writes none of them again."""
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE)
+    prompt = _prompt(4, seed=7)
+    root = tmp_path / "l3"
+    async with HiCache(config, storage=f"file://{root}") as writer:
+        await serve(writer, prompt[: 3 * PAGE], generator, prefetch=False)
+        await writer.drain()
+    async with HiCache(config, storage=f"file://{root}") as reader:
+        result = await reader.prefetch(prompt)
+        assert result.storage_tokens == 3 * PAGE
+        status = reader.storage_status().prefetch
+        assert status is not None
+        assert (status.pages_read, status.bytes_read) == (3, 3 * config.page_nbytes)
+        assert reader.tree.statistics().storage_pages == 3
+        await serve(reader, prompt, generator, prefetch=False)
+        await reader.drain()
+        backup = reader.storage_status().backup
+        assert backup is not None
+        assert backup.written_pages == 1  # only the page storage lacked
+        assert reader.tree.statistics().storage_pages == 4

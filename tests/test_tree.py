@@ -672,3 +672,70 @@ def test_removing_every_candidate_lets_the_queue_let_go_of_them() -> None:
         tree.discard_host_leaf(node)
     assert tree.num_nodes == 0
     assert len(tree._host_queue._heap) <= _SLACK
+
+
+def test_a_backed_only_eviction_keeps_the_victims_it_passes_over() -> None:
+    """An unbacked leaf that a `backed_only` eviction passes over stays a candidate: a later
+    eviction without the restriction takes it."""
+    tree = make_tree()
+    unbacked = tree.insert(K(1), device_pages=[0]).node  # older: first in line
+    tree.insert(K(2), device_pages=[1], host_pages=[5])
+    eviction = tree.evict_device(2, backup_first=False, backed_only=True)
+    assert (eviction.freed, eviction.needs_backup) == ([1], [])
+    assert attached(unbacked)
+    assert unbacked.device_pages == [0]
+    tree.check_invariants()
+    assert tree.evict_device(1, backup_first=False).freed == [0]
+    assert not attached(unbacked)
+    tree.check_invariants()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "lfu"])
+def test_a_raised_priority_reorders_eviction(eviction: EvictionPolicy) -> None:
+    tree = make_tree(eviction)
+    raised = tree.insert(K(1, 2), device_pages=[0, 1], host_pages=[0, 1]).node  # older
+    tree.insert(K(3), device_pages=[2], host_pages=[2])
+    tree.raise_priority(raised, 5)
+    assert raised.priority == 5
+    tree.check_invariants()
+    assert tree.evict_device(1, backup_first=False).freed == [2]
+    assert tree.evict_host(1) == [2]
+    assert raised.device_pages == [0, 1]
+
+
+def test_a_match_and_a_refresh_reach_every_node_of_the_path() -> None:
+    tree = make_tree()
+    top = tree.insert(K(1), device_pages=[0]).node
+    leaf = tree.insert(K(1, 2), device_pages=[0, 1]).node
+    assert leaf.parent is top
+    tree.match(K(1, 2))
+    assert (top.hit_count, leaf.hit_count) == (1, 1)
+    assert top.last_access == leaf.last_access
+    other = tree.insert(K(3), device_pages=[2]).node
+    tree.refresh(leaf)
+    assert top.last_access == leaf.last_access > other.last_access
+    assert top.hit_count == 1  # a refresh is no hit
+    tree.check_invariants()
+
+
+def test_a_backed_only_eviction_passes_over_many_unbacked_victims() -> None:
+    tree = make_tree()
+    for token in range(10, 40):
+        tree.insert(K(token), device_pages=[token])  # older, no host copy
+    tree.insert(K(99), device_pages=[99], host_pages=[0])
+    eviction = tree.evict_device(1, backup_first=False, backed_only=True)
+    assert (eviction.freed, eviction.needs_backup) == ([99], [])
+    assert tree.statistics().device_pages == 30
+    tree.check_invariants()
+
+
+def test_discard_host_leaf_refuses_a_protected_leaf() -> None:
+    tree = make_tree()
+    leaf = tree.insert(K(1, 2), host_pages=[0, 1]).node
+    tree.protect_host(leaf)
+    with pytest.raises(ValueError, match="unprotected host-only leaf"):
+        tree.discard_host_leaf(leaf)
+    assert attached(leaf)
+    tree.unprotect_host(leaf)
+    assert tree.discard_host_leaf(leaf) == [0, 1]
+    tree.check_invariants()
