@@ -23,6 +23,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import anyio
 import structlog
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -180,6 +181,10 @@ _PUSH_BYTES = 4 << 20
 _TEMP_TTL_S = 3600
 #: The switch script's reply when the temporary list lost records (evicted).
 _TEMP_LOST = -2
+#: How long the eviction policy probe may take: it only informs, and a read waits for it
+#: inside warmup's deadline, so a CONFIG a proxy leaves unanswered must not cost the store's
+#: whole timeout.
+_EVICTION_PROBE_S = 1.0
 #: Attempts of a read (or compaction) that another compaction keeps overtaking.
 _ATTEMPTS = 3
 #: Namespaces a read over all of them looks at.
@@ -535,14 +540,20 @@ class RedisManifest:
         """Warn once (per manifest) if the server, once full, may evict the manifest's
         keys: a `maxmemory` with an `allkeys-*` policy, or a `volatile-*` one when the
         manifest has a TTL. Warmup then reads what is left of it. Where `CONFIG GET` is
-        refused (an ACL, a managed service) nothing is said."""
+        refused (an ACL, a managed service) or unanswered within `_EVICTION_PROBE_S`
+        nothing is said."""
         if self._eviction_checked:
             return
         self._eviction_checked = True
+        config = None
         try:
-            config = await self._client().config_get("maxmemory*")
+            with anyio.move_on_after(_EVICTION_PROBE_S):
+                config = await self._client().config_get("maxmemory*")
         except REDIS_FAULTS as exc:
             _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error=str(exc))
+            return
+        if config is None:
+            _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error="no reply")
             return
         settings = {_text(k): _text(v) for k, v in config.items()}
         policy = settings.get("maxmemory-policy", "")
