@@ -545,32 +545,46 @@ class RedisManifest:
         if self._eviction_checked:
             return
         self._eviction_checked = True
-        config = None
+        client = self._client()
+        config: Any = None
         try:
             with anyio.move_on_after(_EVICTION_PROBE_S):
-                config = await self._client().config_get("maxmemory*")
+                if isinstance(client, RedisCluster):
+                    # Every primary: a keyless command goes to one node only, which may not
+                    # be any that holds a namespace's keys.
+                    config = await client.config_get(
+                        "maxmemory*", target_nodes=RedisCluster.PRIMARIES
+                    )
+                else:
+                    config = await client.config_get("maxmemory*")
         except REDIS_FAULTS as exc:
             _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error=str(exc))
             return
-        if config is None:
+        if not isinstance(config, dict):
             _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error="no reply")
             return
-        settings = {_text(k): _text(v) for k, v in config.items()}
-        policy = settings.get("maxmemory-policy", "")
-        if settings.get("maxmemory", "0") in ("", "0"):
-            return  # no limit: nothing is ever evicted
-        if policy.startswith("allkeys-") or (policy.startswith("volatile-") and self._ttl):
-            _log.warning(
-                "hicache.manifest.evictable",
-                backend=self._name,
-                policy=policy,
-                maxmemory=settings.get("maxmemory"),
-                detail=(
-                    "a full server may evict the warmup manifest's keys, and warmup then "
-                    "reads only what is left; keep it on a server whose policy does not "
-                    "evict them (noeviction, or volatile-* with no ttl on this store)"
-                ),
-            )
+        # A cluster's reply is one settings dict per node (a single node's is not nested).
+        nodes = list(config.values()) if all(isinstance(v, dict) for v in config.values()) else []
+        for node in nodes or [config]:
+            settings = {_text(k): _text(v) for k, v in node.items()}
+            policy = settings.get("maxmemory-policy", "")
+            if settings.get("maxmemory", "0") in ("", "0"):
+                continue  # no limit: nothing is ever evicted
+            if policy.startswith("allkeys-") or (policy.startswith("volatile-") and self._ttl):
+                break
+        else:
+            return
+        _log.warning(
+            "hicache.manifest.evictable",
+            backend=self._name,
+            policy=policy,
+            maxmemory=settings.get("maxmemory"),
+            detail=(
+                "a full server may evict the warmup manifest's keys, and warmup then "
+                "reads only what is left; keep it on a server whose policy does not "
+                "evict them (noeviction, or volatile-* with no ttl on this store)"
+            ),
+        )
 
     # Appending.
 
