@@ -19,6 +19,7 @@ from urllib.parse import quote
 import msgspec
 import numpy as np
 import pytest
+import redis
 import structlog
 
 from hicache_async._trace import TraceRequest, load_trace, request_tokens
@@ -872,3 +873,20 @@ def test_redis_baseline_runs_its_asyncio_modes_on_the_stores_loop(
     assert loops == [type(loop), type(loop)]
     with pytest.raises(RuntimeError, match="outside its with block"):
         raw.get("async/w2/d1")
+
+
+def test_a_redis_that_fills_part_way_through_the_bench_keeps_none_of_its_pages(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Room for the baseline's values and part of the store's pages: the store's put is
+    # declined part-way, and the pages it had stored stayed in the server, keeping it full.
+    full = ["--maxmemory", "80mb", "--maxmemory-policy", "noeviction"]
+    with RedisServer(extra_args=full) as server:
+        argv = ["storage", "--backend", server.url, "--shape", "small", "--pages", "64"]
+        with pytest.raises(SystemExit, match="put returned"):
+            _bench_cli(capsys, *argv, "--reps", "1")
+        client = redis.Redis(host=server.host, port=server.port)
+        try:
+            assert client.dbsize() == 0
+        finally:
+            client.close()

@@ -23,6 +23,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import anyio
 import structlog
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -180,6 +181,10 @@ _PUSH_BYTES = 4 << 20
 _TEMP_TTL_S = 3600
 #: The switch script's reply when the temporary list lost records (evicted).
 _TEMP_LOST = -2
+#: How long the eviction policy probe may take: it only informs, and a read waits for it
+#: inside warmup's deadline, so a CONFIG a proxy leaves unanswered must not cost the store's
+#: whole timeout.
+_EVICTION_PROBE_S = 1.0
 #: Attempts of a read (or compaction) that another compaction keeps overtaking.
 _ATTEMPTS = 3
 #: Namespaces a read over all of them looks at.
@@ -535,31 +540,51 @@ class RedisManifest:
         """Warn once (per manifest) if the server, once full, may evict the manifest's
         keys: a `maxmemory` with an `allkeys-*` policy, or a `volatile-*` one when the
         manifest has a TTL. Warmup then reads what is left of it. Where `CONFIG GET` is
-        refused (an ACL, a managed service) nothing is said."""
+        refused (an ACL, a managed service) or unanswered within `_EVICTION_PROBE_S`
+        nothing is said."""
         if self._eviction_checked:
             return
         self._eviction_checked = True
+        client = self._client()
+        config: Any = None
         try:
-            config = await self._client().config_get("maxmemory*")
+            with anyio.move_on_after(_EVICTION_PROBE_S):
+                if isinstance(client, RedisCluster):
+                    # Every primary: a keyless command goes to one node only, which may not
+                    # be any that holds a namespace's keys.
+                    config = await client.config_get(
+                        "maxmemory*", target_nodes=RedisCluster.PRIMARIES
+                    )
+                else:
+                    config = await client.config_get("maxmemory*")
         except REDIS_FAULTS as exc:
             _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error=str(exc))
             return
-        settings = {_text(k): _text(v) for k, v in config.items()}
-        policy = settings.get("maxmemory-policy", "")
-        if settings.get("maxmemory", "0") in ("", "0"):
-            return  # no limit: nothing is ever evicted
-        if policy.startswith("allkeys-") or (policy.startswith("volatile-") and self._ttl):
-            _log.warning(
-                "hicache.manifest.evictable",
-                backend=self._name,
-                policy=policy,
-                maxmemory=settings.get("maxmemory"),
-                detail=(
-                    "a full server may evict the warmup manifest's keys, and warmup then "
-                    "reads only what is left; keep it on a server whose policy does not "
-                    "evict them (noeviction, or volatile-* with no ttl on this store)"
-                ),
-            )
+        if not isinstance(config, dict):
+            _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error="no reply")
+            return
+        # A cluster's reply is one settings dict per node (a single node's is not nested).
+        nodes = list(config.values()) if all(isinstance(v, dict) for v in config.values()) else []
+        for node in nodes or [config]:
+            settings = {_text(k): _text(v) for k, v in node.items()}
+            policy = settings.get("maxmemory-policy", "")
+            if settings.get("maxmemory", "0") in ("", "0"):
+                continue  # no limit: nothing is ever evicted
+            if policy.startswith("allkeys-") or (policy.startswith("volatile-") and self._ttl):
+                break
+        else:
+            return
+        _log.warning(
+            "hicache.manifest.evictable",
+            backend=self._name,
+            policy=policy,
+            maxmemory=settings.get("maxmemory"),
+            detail=(
+                "a full server may evict the warmup manifest's keys, and warmup then "
+                "reads only what is left; keep it on a server whose policy does not "
+                "evict them (noeviction, or volatile-* with no ttl on this store)"
+            ),
+        )
 
     # Appending.
 

@@ -11,6 +11,7 @@ and compaction lock) and a HiCache that warms up from what another one backed up
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import threading
@@ -1499,3 +1500,48 @@ async def test_a_redis_manifest_for_a_user_without_multi(redis_url: str) -> None
         for name in users:
             await admin.execute_command("ACL", "DELUSER", name)
         await admin.aclose()
+
+
+@contextlib.asynccontextmanager
+async def config_swallowed(server: RedisServer) -> AsyncIterator[str]:
+    """A loopback relay to `server` that never forwards (nor answers) a CONFIG command, as a
+    proxy that drops what it does not know does; its URL."""
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, drop: bool) -> None:
+        try:
+            while chunk := await reader.read(1 << 16):
+                # redis-py sends a lone command in one write: the probe's comes alone.
+                if not (drop and b"\r\nCONFIG\r\n" in chunk.upper()):
+                    writer.write(chunk)
+                    await writer.drain()
+        except OSError:
+            return
+        finally:
+            writer.close()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(server.host, server.port)
+        await asyncio.gather(pipe(reader, up_writer, True), pipe(up_reader, writer, False))
+
+    relay_server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    port = relay_server.sockets[0].getsockname()[1]
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        relay_server.close()
+
+
+async def test_a_redis_manifest_read_never_waits_on_a_config_get_left_unanswered() -> None:
+    # The eviction probe runs after the first append or read, a read inside warmup's
+    # deadline: a proxy that never answers CONFIG held that call for the store's whole
+    # timeout (and, with a shorter deadline, made warmup give up on a manifest it had read).
+    with RedisServer() as server:
+        async with config_swallowed(server) as url:
+            # The store's timeout far past the guards: only the probe's own bound ends it.
+            query = f"prefix=t{uuid.uuid4().hex}&timeout=300"
+            async with RedisStorage.from_url(f"{url}?{query}") as backend:
+                await asyncio.wait_for(backend.manifest(LIMITS).append([entry(NS_A, 1)]), 20)
+                read = await asyncio.wait_for(
+                    backend.manifest(LIMITS).read(namespace=NS_A.hex()), 20
+                )
+                assert len(read.entries) == 1

@@ -611,3 +611,30 @@ async def test_a_close_after_a_command_failed_on_a_down_cluster_closes_every_con
                 await backend.read_raw(keys[0])
             assert sum(connections(node) for node in survivors) > 0
         assert [connections(node) for node in survivors] == [0, 0]
+
+
+async def test_a_manifest_warns_where_only_one_primary_may_evict_it(
+    redis_cluster: RedisClusterServer,
+) -> None:
+    # CONFIG GET has no key: redis-py sent it to the default node only, so a primary that
+    # holds namespaces and evicts when full went unseen (and another node's policy was told).
+    url = fresh_url(redis_cluster.url)
+    async with open_storage(url) as backend:
+        assert isinstance(backend, RedisStorage)
+        client = backend._redis()
+        default = client.get_default_node()
+        assert default is not None
+        victim = next(n for n in redis_cluster.nodes if n.port != default.port)
+        admin = node_client(victim)
+        try:
+            admin.config_set("maxmemory-policy", "allkeys-lru")
+            admin.config_set("maxmemory", "100mb")
+            manifest = backend.manifest(ManifestLimits(max_entries=16, max_entry_bytes=4096))
+            with structlog.testing.capture_logs() as logs:
+                await manifest.read()
+            told = [r for r in logs if r["event"] == "hicache.manifest.evictable"]
+            assert [r["policy"] for r in told] == ["allkeys-lru"]
+        finally:
+            admin.config_set("maxmemory", 0)
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.close()
