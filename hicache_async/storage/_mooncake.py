@@ -560,6 +560,9 @@ def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int 
 
 
 _TOO_BIG = "storage.mooncake.page_exceeds_staging"
+#: Puts the cluster refused for want of room (its segments full of objects it may not evict).
+_PUT_NO_SPACE = "storage.mooncake.put_no_space"
+_PUT_FAILED = "storage.mooncake.put_failed"
 
 
 class MooncakeStorage(BackendBase):
@@ -666,6 +669,8 @@ class MooncakeStorage(BackendBase):
         self._arena = _Arena(staging_size)
         # Pages too large for the arena fail every batch they are in: logged once a minute.
         self._too_big_log = LogLimiter()
+        # A full cluster refuses every backup batch: each kind of refusal once a minute.
+        self._put_log = LogLimiter()
         self._regions = _Regions()
         self._pending: list[tuple[int, int, object]] = []
         #: Set once `_open` has finished, opened or not (None until it begins).
@@ -1119,12 +1124,15 @@ class MooncakeStorage(BackendBase):
         self._count_paths(plans)
         sent = [Outcome.ERROR] * len(unique)
         stored: list[int] = []
+        refused: list[int] = []
         try:
             for chunk in self._chunks(plans):
                 part = await self._staged(
                     chunk,
                     plans,
-                    functools.partial(self._put_job, unique, plans, unique_metas, stored=stored),
+                    functools.partial(
+                        self._put_job, unique, plans, unique_metas, stored=stored, refused=refused
+                    ),
                 )
                 for i, outcome in zip(chunk, part, strict=True):
                     sent[i] = outcome
@@ -1132,12 +1140,28 @@ class MooncakeStorage(BackendBase):
             # A cancelled put's job has finished as well: count what it stored.
             self._pages += len(stored)
             self._bytes += sum(HEADER_NBYTES + plans[i].nbytes for i in stored)
+            self._log_refused(refused)
         outcomes = [sent[position[key]] for key in keys]
         c = self._counters
         c.puts += len(keys)
         c.put_ok += outcomes.count(Outcome.OK)
         c.errors += outcomes.count(Outcome.ERROR)
         return outcomes
+
+    def _log_refused(self, codes: list[int]) -> None:
+        """Log each kind of refused put (at most once a minute per kind): a full cluster's
+        refusals are MISS outcomes, which nothing else reports."""
+        for code in sorted(set(codes)):
+            event = _PUT_NO_SPACE if code == _NO_SPACE else _PUT_FAILED
+            unlogged = self._put_log.admit(event, str(code))
+            if unlogged is not None:
+                log.warning(
+                    event,
+                    backend=self._name,
+                    code=code,
+                    pages=codes.count(code),
+                    unlogged_since_last=unlogged,
+                )
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Remove the objects (forced: a reader's lease does not hold them); how many
@@ -1686,7 +1710,10 @@ class MooncakeStorage(BackendBase):
         base: int,
         *,
         stored: list[int],
+        refused: list[int],
     ) -> Callable[[threading.Event], list[Outcome]]:
+        """The job storing `chunk`; it appends what it stored to `stored` and Mooncake's
+        code for each page refused to `refused`."""
         store, arena, arena_base = self._store, self._arena_view, self._arena_base
         config, mac_key = self._config, self._mac_key
         assert arena is not None
@@ -1743,10 +1770,9 @@ class MooncakeStorage(BackendBase):
                         stored.append(chunk[j])  # list.append is atomic: lanes share it
                     if code in (0, _ALREADY_EXISTS):
                         results[j] = Outcome.OK
-                    elif code == _NO_SPACE:
-                        results[j] = Outcome.MISS
-                    else:
-                        results[j] = Outcome.ERROR
+                        continue
+                    refused.append(code)
+                    results[j] = Outcome.MISS if code == _NO_SPACE else Outcome.ERROR
 
             # A cancelled caller's stop flag ends the hand-out; pages not sent stay ERROR.
             fan_out(self._helpers, len(groups), send, stop, _PUT_LANES)

@@ -1440,3 +1440,33 @@ async def test_a_manifest_chunk_in_a_dead_clients_segment_leaves_a_gap() -> None
                 await manifest.compact_namespace(ns)
             assert (await manifest.read(namespace=ns)).entries == [alive]
         assert close_idle_clients(master.address) == 1
+
+
+async def test_puts_a_full_cluster_refuses_are_misses_logged_once() -> None:
+    # A cluster whose only segment holds nothing it may evict (hard-pinned objects) refuses
+    # every put with NO_AVAILABLE_HANDLE.
+    with MooncakeMaster() as master:
+        url = fresh_url(master.url, segment_size="16MiB")
+        async with MooncakeStorage.from_url(url) as storage:
+            from mooncake.store import ReplicateConfig
+
+            store = storage._master_store()
+            config = ReplicateConfig()
+            config.with_hard_pin = True
+            filler = bytes(1 << 20)
+            for i in range(64):
+                if store.put(f"{storage.prefix}:filler{i}", filler, config) != 0:
+                    break
+            else:
+                pytest.fail("16 MiB segment took 64 MiB of hard-pinned objects")
+            keys, pages, metas = make_pages(3)
+            with structlog.testing.capture_logs() as logs:
+                assert await storage.put(keys, pages, metas) == [Outcome.MISS] * 3
+                assert await storage.put(keys, pages, metas) == [Outcome.MISS] * 3
+            refused = [e for e in logs if e["event"] == "storage.mooncake.put_no_space"]
+            # Told once, with Mooncake's code; the repeat waits for the next interval.
+            assert len(refused) == 1, logs
+            assert refused[0]["code"] == -200
+            assert refused[0]["pages"] == 3
+            stats = storage.stats()
+            assert (stats.puts, stats.put_ok, stats.errors) == (6, 0, 0)
