@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from .. import _native
-from ..storage._mooncake import MooncakeStorage, pooled_client
+from .._errors import StorageError
+from ..storage._mooncake import _NO_SPACE, MooncakeStorage, pooled_client
 from ._timing import EXISTS_CALLS, median_us
 
 __all__ = ["RawModes"]
@@ -53,8 +54,13 @@ def _calls(
             else:
                 codes = store.batch_put_from(part, ptrs, sizes, config)
             expected = 0 if put else page_nbytes
-            if any(code != expected for code in codes):
-                raise RuntimeError(f"raw mooncake {'put' if put else 'get'} failed: {codes}")
+            failed = sorted({int(code) for code in codes if code != expected})
+            if failed:
+                # A StorageError: the command reports it in one line (a full cluster is
+                # a state of the store, not a bug of the bench).
+                full = " (-200: the cluster has no room)" if _NO_SPACE in failed else ""
+                op = "put" if put else "get"
+                raise StorageError(f"raw mooncake {op} failed with {failed}{full}")
 
     return run
 
