@@ -507,6 +507,18 @@ class MooncakeManifest:
         collector = ManifestCollector(self.limits, namespace, newest_first=True, carry=True)
         # What an earlier compaction carried but never copied (it died after its switch).
         carried = await self._carried(namespace, old)
+        # The rest of that earlier generation (hard-pinned: nothing else ever frees it without
+        # the admin API's sweep): its base and the log before `carry_from`, which the base of
+        # `old` holds. Its index, if still there, sits in the slot this switch takes.
+        leftovers: list[str] = []
+        if old.carry:
+            slot = (old.generation - 1) % 2
+            name = self.object_name(namespace, f"index.{slot}")
+            held = (await self._get([name], _INDEX_BYTES))[0]
+            previous = self._valid_index(held, namespace, slot) if isinstance(held, bytes) else None
+            if previous is not None and previous.stem == old.carry:
+                leftovers += self._chunk_names(namespace, old.carry, "b", range(previous.base))
+            leftovers += self._chunk_names(namespace, old.carry, "l", range(old.carry_from))
         before = await self._feed(namespace, old, range(end), collector, carried)
         # Records as stored (fields this version does not know kept), newer versions'
         # included, within half of `max_bytes` so the manifest has room to grow.
@@ -551,7 +563,7 @@ class MooncakeManifest:
             await self._put_log(namespace, stem, payload)
         old_names = self._chunk_names(namespace, old.stem, "l", range(last_end))
         old_names += self._chunk_names(namespace, old.stem, "b", range(old.base))
-        old_names += carried
+        old_names += carried + leftovers
         if old.generation:
             old_names.append(self.object_name(namespace, f"index.{old.generation % 2}"))
         await self._remove(old_names)

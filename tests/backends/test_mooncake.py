@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -25,7 +26,7 @@ from hicache_async.cli import main
 from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
 from hicache_async.storage._manifest import chain_entry, encode_entry
-from hicache_async.storage._manifest_mooncake import _with_token
+from hicache_async.storage._manifest_mooncake import _INDEX_VERSION, _Index, _with_token
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
     _POOL,
@@ -1470,3 +1471,43 @@ async def test_puts_a_full_cluster_refuses_are_misses_logged_once() -> None:
             assert refused[0]["pages"] == 3
             stats = storage.stats()
             assert (stats.puts, stats.put_ok, stats.errors) == (6, 0, 0)
+
+
+async def test_compaction_after_one_that_died_past_its_switch_frees_its_generation(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # No admin URL, so no sweep: what the compaction removes itself is all that goes. The
+    # manifest's objects are hard-pinned, so what it leaves stays in the cluster for good.
+    url = (
+        f"mooncake://127.0.0.1:{mooncake_master.rpc_port}?metadata={mooncake_master.metadata_url}"
+        "&protocol=tcp&local_hostname=127.0.0.1"
+    )
+    namespace = bytes(range(16))
+    ns = namespace.hex()
+    entries = [chain_entry(namespace, [uuid.uuid4().bytes * 2], 64, 0, float(i)) for i in range(5)]
+    async with MooncakeStorage.from_url(fresh_url(url)) as storage:
+        manifest = storage.manifest()
+        await manifest.append(entries[:3])
+        await manifest.compact_namespace(ns)
+        first = await manifest._index(ns)
+        for entry in entries[3:]:
+            await manifest.append([entry])  # the log of generation 1: seqs 0 and 1
+        # What a compaction to generation 2 leaves when it dies right after its switch:
+        # every record but the last in its base, its index carrying log seq 1 on, and all of
+        # generation 1 still there.
+        stem = f"g2-{os.urandom(8).hex()}"
+        base = manifest.object_name(ns, f"{stem}:b0")
+        assert await manifest._claim(base, b"".join(encode_entry(e) for e in entries[:4]))
+        index = _Index(
+            v=_INDEX_VERSION, namespace=ns, generation=2, stem=stem, base=1,
+            carry=first.stem, carry_from=1,
+        )  # fmt: skip
+        assert await manifest._claim_raw(
+            manifest.object_name(ns, "index.0"), msgspec.json.encode(index)
+        )
+        gone = [manifest.object_name(ns, f"{first.stem}:{n}") for n in ("b0", "l0", "l1")]
+        assert await manifest._exist(gone) == [True] * 3
+        await manifest.compact_namespace(ns)
+        read = await manifest.read(namespace=ns)
+        assert sorted(e.last_use for e in read.entries) == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert await manifest._exist(gone) == [False] * 3
