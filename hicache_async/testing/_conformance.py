@@ -889,6 +889,38 @@ class StorageConformance:
         results = await asyncio.gather(*(_get_batches(backend, flat, buffers) for buffers in reads))
         assert all(outcomes == [Outcome.OK] * len(flat) for outcomes in results)
 
+    async def test_get_writes_only_inside_its_buffers(self, backend: StorageBackend) -> None:
+        # The host pool hands out pages that sit side by side in one arena: a backend that
+        # copies (or DMAs) a byte past a segment, or before it, damages the next page, which
+        # may be serving a request. Guard bytes around every segment must stay as they were,
+        # for pages read (OK) and pages not found (MISS) alike.
+        present, absent = _keys(2)
+        data = await self._put(backend, [present])
+        guard = 64
+        shape = self._shapes()[2]  # [1, n - 2, 1]: single-byte segments at both ends
+        arena = bytearray([_CANARY]) * (sum(shape) * 2 + guard * (2 * len(shape) + 1))
+        view = memoryview(arena)
+        buffers: list[list[memoryview]] = []
+        spans = []
+        offset = guard
+        for _ in range(2):
+            page = []
+            for size in shape:
+                page.append(view[offset : offset + size])
+                spans.append((offset, offset + size))
+                offset += size + guard
+            buffers.append(page)
+        outcomes = await backend.get([present, absent], buffers, namespace=NAMESPACE)
+        assert outcomes == [Outcome.OK, Outcome.MISS]
+        assert _joined(buffers[0]) == data[present]
+        start = 0
+        for begin, end in [*spans, (len(arena), len(arena))]:
+            assert arena[start:begin] == bytes([_CANARY]) * (begin - start), (
+                f"a get wrote into the {begin - start} bytes before arena offset {begin}, "
+                "outside every buffer it was given"
+            )
+            start = end
+
     async def test_a_large_batch_lets_other_tasks_run(self, backend: StorageBackend) -> None:
         # The cache serves every request from the event loop its storage calls run on: a
         # backend that does a batch's I/O there (a synchronous client, file or socket calls
