@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -390,6 +391,53 @@ class _LeavesAThread(PlainStorage):
         self._flusher.join()
 
 
+class _BlocksTheLoop(PlainStorage):
+    """BROKEN: serves a batch page by page without ever suspending, as a backend calling a
+    synchronous client from its coroutines does (a memory store's single-page calls are
+    handled on the loop whole)."""
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for key, page in zip(keys, into, strict=True):
+            outcomes += await self._inner.get([key], [page], namespace=namespace)
+        return outcomes
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        outcomes: list[Outcome] = []
+        for key, page, meta in zip(keys, pages, metas, strict=True):
+            outcomes += await self._inner.put([key], [page], [meta])
+        return outcomes
+
+
+class _BlocksTheLoopInGets(_BlocksTheLoop):
+    """BROKEN: only its gets never suspend."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        return await self._inner.put(keys, pages, metas)
+
+
+class _Overruns(PlainStorage):
+    """BROKEN: a get writes the byte after each segment it was given too, as a copy through
+    a raw pointer whose length is off by one does."""
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        outcomes = await self._inner.get(keys, into, namespace=namespace)
+        for page in into:
+            for segment in page:
+                target = memoryview(segment).cast("B")
+                start = ctypes.addressof(ctypes.c_char.from_buffer(target))
+                ctypes.memset(start + target.nbytes, 0, 1)
+        return outcomes
+
+
 class _OkWhenClosed(PlainStorage):
     """BROKEN: a get that close() interrupts reports every page OK, read or not."""
 
@@ -417,6 +465,20 @@ async def _suite_fails(check: Awaitable[None]) -> None:
     except pytest.skip.Exception as exc:
         pytest.fail(f"the suite skipped its check of a broken backend: {exc}")
     pytest.fail("the suite passed a broken backend")
+
+
+async def test_the_suite_fails_a_get_that_writes_past_its_buffers() -> None:
+    async with _Overruns(_CAPACITY) as backend:
+        await _suite_fails(StorageConformance().test_get_writes_only_inside_its_buffers(backend))
+
+
+@pytest.mark.parametrize("broken", [_BlocksTheLoop, _BlocksTheLoopInGets])
+async def test_the_suite_fails_a_backend_that_blocks_the_event_loop(
+    broken: type[PlainStorage],
+) -> None:
+    async with broken(_CAPACITY) as backend:
+        suite = StorageConformance()
+        await _suite_fails(suite.test_a_large_batch_lets_other_tasks_run(backend))
 
 
 async def test_the_suite_fails_a_get_that_compacts_hits() -> None:

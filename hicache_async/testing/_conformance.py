@@ -250,6 +250,10 @@ def _flip(value: bytes, position: int) -> bytes:
     return bytes(damaged)
 
 
+#: The smallest batch (in page bytes) that must let other tasks run while it is served: a
+#: smaller one may be handled on the event loop whole (`memory://` does up to 1 MiB there).
+_LOOP_BATCH_BYTES = 4 << 20
+
 # Cancellation points: after 0, 1, 2, ... event-loop iterations (sparser as they grow), then
 # after short delays, until a batch completes before its cancellation lands. A backend may
 # misbehave only when cancelled at one particular stage (mid-copy in a worker thread, between
@@ -884,6 +888,73 @@ class StorageConformance:
         reads = [[_empty([self.page_nbytes]) for _ in flat] for _ in range(4)]
         results = await asyncio.gather(*(_get_batches(backend, flat, buffers) for buffers in reads))
         assert all(outcomes == [Outcome.OK] * len(flat) for outcomes in results)
+
+    async def test_get_writes_only_inside_its_buffers(self, backend: StorageBackend) -> None:
+        # The host pool hands out pages that sit side by side in one arena: a backend that
+        # copies (or DMAs) a byte past a segment, or before it, damages the next page, which
+        # may be serving a request. Guard bytes around every segment must stay as they were,
+        # for pages read (OK) and pages not found (MISS) alike.
+        present, absent = _keys(2)
+        data = await self._put(backend, [present])
+        guard = 64
+        shape = self._shapes()[2]  # [1, n - 2, 1]: single-byte segments at both ends
+        arena = bytearray([_CANARY]) * (sum(shape) * 2 + guard * (2 * len(shape) + 1))
+        view = memoryview(arena)
+        buffers: list[list[memoryview]] = []
+        spans = []
+        offset = guard
+        for _ in range(2):
+            page = []
+            for size in shape:
+                page.append(view[offset : offset + size])
+                spans.append((offset, offset + size))
+                offset += size + guard
+            buffers.append(page)
+        outcomes = await backend.get([present, absent], buffers, namespace=NAMESPACE)
+        assert outcomes == [Outcome.OK, Outcome.MISS]
+        assert _joined(buffers[0]) == data[present]
+        start = 0
+        for begin, end in [*spans, (len(arena), len(arena))]:
+            assert arena[start:begin] == bytes([_CANARY]) * (begin - start), (
+                f"a get wrote into the {begin - start} bytes before arena offset {begin}, "
+                "outside every buffer it was given"
+            )
+            start = end
+
+    async def test_a_large_batch_lets_other_tasks_run(self, backend: StorageBackend) -> None:
+        # The cache serves every request from the event loop its storage calls run on: a
+        # backend that does a batch's I/O there (a synchronous client, file or socket calls
+        # in the coroutine) stalls them all for as long as the I/O takes.
+        count = self._cancel_batch_pages(backend)
+        if count * self.page_nbytes < _LOOP_BATCH_BYTES:
+            pytest.skip(f"a batch of {count} pages is under {_LOOP_BATCH_BYTES >> 20} MiB")
+        keys = _keys(count)
+        data = [_payload(self.page_nbytes, 60 + i) for i in range(count)]
+        pages = [_segments(d, [self.page_nbytes]) for d in data]
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)  # the ticker starts
+        try:
+            before = ticks
+            outcomes = await backend.put(keys, pages, [_meta(key) for key in keys])
+            assert ticks > before, f"a put of {count} pages ran without letting any task run"
+            assert outcomes == [Outcome.OK] * count
+            buffers = [_empty([self.page_nbytes]) for _ in keys]
+            before = ticks
+            outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+            assert ticks > before, f"a get of {count} pages ran without letting any task run"
+            assert outcomes == [Outcome.OK] * count
+        finally:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+        assert all(_joined(b) == d for b, d in zip(buffers, data, strict=True))
 
     def _cancel_batch_pages(self, backend: StorageBackend) -> int:
         # 8 MiB, for a batch long enough to be cancelled in the middle, in one call the cache
