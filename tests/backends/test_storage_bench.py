@@ -16,7 +16,7 @@ from hicache_async import StorageError
 from hicache_async.bench import Record, storage
 from hicache_async.bench._storage_mooncake import RawModes as MooncakeRawModes
 from hicache_async.cli import main
-from hicache_async.storage._mooncake import pooled_client
+from hicache_async.storage._mooncake import close_idle_clients, pooled_client
 from hicache_async.testing import MooncakeMaster, RedisClusterServer
 
 _TINY = ["--shape", "small", "--pages", "3", "--reps", "1", "--batch", "2"]
@@ -150,19 +150,24 @@ def test_mooncake_bench_on_a_full_cluster_fails_in_one_line(
     # The only segment is full of objects the master may not evict: every put is refused.
     from mooncake.store import ReplicateConfig
 
-    with MooncakeMaster() as master, pooled_client(master.url + "&segment_size=16MiB") as lender:
-        config = ReplicateConfig()
-        config.with_hard_pin = True
-        config.preferred_segment = str(lender.get_hostname())
-        for i in range(64):
-            if lender.put(f"filler{i}", bytes(1 << 20), config) != 0:
-                break
-        else:
-            pytest.fail("16 MiB segment took 64 MiB of hard-pinned objects")
-        url = master.url + "&segment_size=0"
-        with MooncakeRawModes(url, 4096, 3) as raw, pytest.raises(StorageError, match="no room"):
-            raw.put("whole")
-        capsys.readouterr()
-        assert main(["bench", "storage", "--backend", url, *_TINY]) == 1
-        err = capsys.readouterr().err
-        assert "failed: raw mooncake put failed with [-200]" in err, err
+    with MooncakeMaster() as master:
+        with pooled_client(master.url + "&segment_size=16MiB") as lender:
+            config = ReplicateConfig()
+            config.with_hard_pin = True
+            config.preferred_segment = str(lender.get_hostname())
+            for i in range(64):
+                if lender.put(f"filler{i}", bytes(1 << 20), config) != 0:
+                    break
+            else:
+                pytest.fail("16 MiB segment took 64 MiB of hard-pinned objects")
+            url = master.url + "&segment_size=0"
+            no_room = pytest.raises(StorageError, match="no room")
+            with MooncakeRawModes(url, 4096, 3) as raw, no_room:
+                raw.put("whole")
+            capsys.readouterr()
+            assert main(["bench", "storage", "--backend", url, *_TINY]) == 1
+            err = capsys.readouterr().err
+            assert "failed: raw mooncake put failed with [-200]" in err, err
+        # The pooled clients are closed while their master answers, so no later command's
+        # exit finds them orphaned.
+        close_idle_clients(master.address)
