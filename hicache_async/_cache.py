@@ -786,12 +786,7 @@ class HiCache:
     def _agreement_failed(self, exc: Exception, **fields: object) -> None:
         """Log a prefetch's or `agree_cached_tokens()`'s failed collective: a broken group
         fails every one after it, so a repeated error is logged at most once a minute."""
-        error = repr(exc)
-        unlogged = self._tp_log.admit("hicache.tp.agreement.failed", error)
-        if unlogged is not None:
-            _log.warning(
-                "hicache.tp.agreement.failed", error=error, unlogged_since_last=unlogged, **fields
-            )
+        self._tp_log.warn(_log, "hicache.tp.agreement.failed", repr(exc), **fields)
 
     async def warmup(
         self, *, ratio: float | None = None, deadline_s: float | None = None

@@ -12,6 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["LOG_INTERVAL_S", "LogLimiter", "describe_error"]
 
@@ -66,6 +67,13 @@ class LogLimiter:
                 return None
             self._kinds[kind] = (now, 0)
             return unlogged
+
+    def warn(self, logger: Any, event: str, error: str, **fields: object) -> None:
+        """Log `event` at warning level with `error` and `unlogged_since_last`, unless
+        `admit` leaves it out."""
+        unlogged = self.admit(event, error)
+        if unlogged is not None:
+            logger.warning(event, error=error, unlogged_since_last=unlogged, **fields)
 
     def _forget_quiet(self, now: float) -> None:
         """Drop the kinds not logged for `_FORGET_AFTER_INTERVALS` intervals: kept for good,

@@ -1377,9 +1377,7 @@ def _log_unremoved(
         log.warning(event, backend=backend, key=hexkey, error=str(exc))
         return
     error = exc.strerror or str(exc)  # not the file name: the key says which page
-    unlogged = limiter.admit(event, error)
-    if unlogged is not None:
-        log.warning(event, backend=backend, key=hexkey, error=error, unlogged_since_last=unlogged)
+    limiter.warn(log, event, error, backend=backend, key=hexkey)
 
 
 class _PageErrors:
@@ -1399,16 +1397,9 @@ class _PageErrors:
 
     def log(self, backend: str, limiter: LogLimiter) -> None:
         for error, (count, key) in self._seen.items():
-            unlogged = limiter.admit("storage.page.error", error)
-            if unlogged is not None:
-                log.warning(
-                    "storage.page.error",
-                    backend=backend,
-                    key=key.hex(),
-                    count=count,
-                    error=error,
-                    unlogged_since_last=unlogged,
-                )
+            limiter.warn(
+                log, "storage.page.error", error, backend=backend, key=key.hex(), count=count
+            )
 
 
 class _Job:

@@ -2087,9 +2087,7 @@ class RedisStorage(BackendBase):
 
     def _batch_failed(self, event: str, error: str) -> None:
         """Log a pipeline of a `get` or `put` given up on, rate-limited per kind of error."""
-        unlogged = self._batch_faults.admit(event, error)
-        if unlogged is not None:
-            log.warning(event, backend=self._name, error=error, unlogged_since_last=unlogged)
+        self._batch_faults.warn(log, event, error, backend=self._name)
 
     def _fault(self, exc: BaseException) -> str:
         """What failed, for a message: a bulk exchange that ran out of time raises a

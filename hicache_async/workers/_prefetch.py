@@ -955,15 +955,7 @@ class Prefetcher:
         """Log a failed backend call: each kind of error at once, a repeated one at most
         once a minute (`unlogged_since_last` tells how many were left out)."""
         error = describe_error(exc, self.config.io_timeout_s)
-        unlogged = self._log_limit.admit(event, error)
-        if unlogged is not None:
-            _log.warning(
-                event,
-                backend=self._backend.name,
-                error=error,
-                unlogged_since_last=unlogged,
-                **fields,
-            )
+        self._log_limit.warn(_log, event, error, backend=self._backend.name, **fields)
 
     def _report_only_cached(self, handle: PrefetchHandle) -> None:
         """Cut what `handle` reports to what is cached now: the first match's pages, or
