@@ -11,6 +11,7 @@ import structlog
 from _plain_storage import PlainStorage
 
 from hicache_async import CacheConfig, HiCache
+from hicache_async._ratelog import LogLimiter
 from hicache_async.storage import Outcome, PageBuffer, PageMeta, StorageStats
 from hicache_async.testing import KVGenerator, serve
 
@@ -64,19 +65,53 @@ async def test_a_bool_priority_is_refused_when_the_request_starts(hicache: HiCac
 class _BadStats(PlainStorage):
     """Stats of the wrong types, which msgspec builds without a word."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
     def stats(self) -> StorageStats:
+        self.calls += 1
         return msgspec.structs.replace(super().stats(), pages="many", bytes=-5)  # type: ignore[arg-type]
 
 
+class _DeadStats(PlainStorage):
+    """A backend whose `stats()` always raises, as one whose server is gone may."""
+
+    def stats(self) -> StorageStats:
+        raise ConnectionError("server gone")
+
+
 async def test_malformed_stats_count_as_a_failed_stats_call(hicache_config: CacheConfig) -> None:
-    async with HiCache(hicache_config, storage=_BadStats()) as cache:
+    storage = _BadStats()
+    async with HiCache(hicache_config, storage=storage) as cache:
         with structlog.testing.capture_logs() as logs:
             status = cache.storage_status()
         assert status.attached
         assert status.storage is None
         (failed,) = [e for e in logs if e["event"] == "hicache.storage.stats.failed"]
         assert "pages='many'" in failed["error"]
-        with structlog.testing.capture_logs() as logs:
-            assert "hicache_storage_bytes" not in cache.metrics_text()
+        calls = storage.calls
+        assert "hicache_storage_bytes" not in cache.metrics_text()
         # Once per scrape: the exposition used to ask the backend a second time.
-        assert [e["event"] for e in logs].count("hicache.storage.stats.failed") == 1
+        assert storage.calls == calls + 1
+
+
+async def test_a_failing_stats_call_is_logged_once_per_interval(
+    hicache_config: CacheConfig,
+) -> None:
+    # Scraped every few seconds, a backend whose stats() fails must not log at each scrape.
+    async with HiCache(hicache_config, storage=_DeadStats()) as cache:
+        link = cache._link
+        assert link is not None
+        now = [0.0]
+        link._stats_log = LogLimiter(60.0, clock=lambda: now[0])
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(10):
+                assert cache.storage_status().storage is None
+                assert "hicache_storage_bytes" not in cache.metrics_text()
+            now[0] = 60.0
+            cache.storage_status()
+    failed = [e for e in logs if e["event"] == "hicache.storage.stats.failed"]
+    assert [e["unlogged_since_last"] for e in failed] == [0, 19]
+    assert all(e["error"] == "ConnectionError('server gone')" for e in failed)
+    assert all(e["backend"] == link.backend.name for e in failed)

@@ -10,6 +10,7 @@ import anyio
 import msgspec
 import structlog
 
+from .._ratelog import LogLimiter
 from .._uncancelled import finish_uncancelled
 from ..distributed import BackgroundAgreements
 from ..storage import StorageBackend, StorageStats
@@ -84,6 +85,9 @@ class StorageLink:
         self._scheduled = False
         self._began = False
         self._closed = anyio.Event()
+        # `stats()` runs at every status call and metrics scrape: a broken backend scraped
+        # every few seconds would otherwise log the same failure at each.
+        self._stats_log = LogLimiter()
 
     def _is_current(self) -> bool:
         return self.cache._link is self
@@ -314,7 +318,9 @@ class StorageLink:
             # Checked: a malformed answer would reach the admin API's JSON and the metrics.
             stats: StorageStats | None = check_stats(self.backend.stats())
         except Exception as exc:  # a backend's bug must not break a status call or a scrape
-            _log.warning("hicache.storage.stats.failed", backend=self.backend.name, error=repr(exc))
+            self._stats_log.warn(
+                _log, "hicache.storage.stats.failed", repr(exc), backend=self.backend.name
+            )
             stats = None
         return StorageStatus(
             attached=True,
