@@ -17,6 +17,7 @@ from hicache_async._config import PrefetchConfig
 from hicache_async.storage import Outcome, PageMeta
 from hicache_async.storage._protocol import PageBuffer
 from hicache_async.testing import FaultyStorage, KVGenerator, serve
+from hicache_async.workers._prefetch import Prefetcher
 
 PAGE = 8
 # Bounds waits that must end at once: far above any stall of a loaded machine.
@@ -169,3 +170,37 @@ async def test_prefetched_pages_count_their_bytes_and_are_known_to_be_stored(
         assert backup is not None
         assert backup.written_pages == 1  # only the page storage lacked
         assert reader.tree.statistics().storage_pages == 4
+
+
+async def test_a_prefetch_that_fails_unexpectedly_counts_the_pages_it_left_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Counted as one error, it stood for a prefetch where every other case counts pages.
+    config = _config(batch_pages=2)
+    generator = KVGenerator(config.layout, PAGE)
+    prompt = _prompt(6)
+    root = tmp_path / "l3"
+    async with HiCache(config, storage=f"file://{root}") as writer:
+        await serve(writer, prompt[: 4 * PAGE], generator, prefetch=False)
+        await writer.drain()
+    land = Prefetcher._land
+    calls = 0
+
+    def land_once(self: Prefetcher, *args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise RuntimeError("landing failed")
+        return land(self, *args, **kwargs)
+
+    monkeypatch.setattr(Prefetcher, "_land", land_once)
+    async with HiCache(config, storage=f"file://{root}") as reader:
+        result = await reader.prefetch(prompt)
+        assert result.storage_tokens == 2 * PAGE
+        status = reader.storage_status().prefetch
+        assert status is not None
+        assert status.terminated == 1
+        assert status.misses == 2  # past the four pages `exists` found
+        assert status.pages_read == 4
+        # The second batch was read but never landed: its two pages, not one per prefetch.
+        assert status.errors == 2

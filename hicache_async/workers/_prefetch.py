@@ -216,6 +216,7 @@ class PrefetchHandle:
         "_owner",
         "_policy",
         "_prefetcher",
+        "_read_end",
         "_reading",
         "_scope",
         "_seq",
@@ -279,6 +280,9 @@ class PrefetchHandle:
         self.device_tokens = 0
         self.host_tokens = 0
         self.storage_tokens = 0
+        # Pages up to this one are to be read from storage: the prompt's end until `exists`
+        # answers, then the end of the prefix it found (the rest counted as misses).
+        self._read_end = len(keys)
         self._terminated = False
         # Seconds the caller already spent waiting for room in the queue: the `timeout`
         # policy's wait in `ready()` is what is left of its limit.
@@ -933,7 +937,10 @@ class Prefetcher:
                 status = await self._fetch(handle)
         except Exception as exc:  # a bug or an unexpected backend failure: never kill the worker
             status = PrefetchStatus.TERMINATED
-            self.errors += 1
+            # Pages, as in the other cases: those it was to read and had not brought.
+            size = self._cache.config.page_size
+            brought = (handle.device_tokens + handle.host_tokens + handle.storage_tokens) // size
+            self.errors += max(handle._read_end - brought, 0)
             self._warn("hicache.prefetch.failed", exc, request_id=handle.request_id)
         finally:
             self._running.discard(handle)
@@ -1001,6 +1008,7 @@ class Prefetcher:
             self._warn("hicache.prefetch.exists.failed", exc, request_id=handle.request_id)
             return PrefetchStatus.SKIPPED
         self.misses += len(keys) - start - existing  # asked of storage, not there
+        handle._read_end = start + existing
         if existing * size < threshold:
             return PrefetchStatus.SKIPPED
         if handle._gave_up():  # meanwhile
