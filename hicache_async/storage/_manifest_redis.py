@@ -540,8 +540,8 @@ class RedisManifest:
         """Warn once (per manifest) if the server, once full, may evict the manifest's
         keys: a `maxmemory` with an `allkeys-*` policy, or a `volatile-*` one when the
         manifest has a TTL. Warmup then reads what is left of it. Where `CONFIG GET` is
-        refused (an ACL, a managed service) or unanswered within `_EVICTION_PROBE_S`
-        nothing is said."""
+        refused (an ACL, a managed service) or unanswered within `_EVICTION_PROBE_S`, say
+        once that the policy could not be checked."""
         if self._eviction_checked:
             return
         self._eviction_checked = True
@@ -558,10 +558,10 @@ class RedisManifest:
                 else:
                     config = await client.config_get("maxmemory*")
         except REDIS_FAULTS as exc:
-            _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error=str(exc))
+            self._eviction_unchecked(str(exc))
             return
         if not isinstance(config, dict):
-            _log.debug("hicache.manifest.eviction_unknown", backend=self._name, error="no reply")
+            self._eviction_unchecked(f"no answer within {_EVICTION_PROBE_S:g} s")
             return
         # A cluster's reply is one settings dict per node (a single node's is not nested).
         nodes = list(config.values()) if all(isinstance(v, dict) for v in config.values()) else []
@@ -584,6 +584,17 @@ class RedisManifest:
                 "reads only what is left; keep it on a server whose policy does not "
                 "evict them (noeviction, or volatile-* with no ttl on this store)"
             ),
+        )
+
+    def _eviction_unchecked(self, error: str) -> None:
+        # Info, not a warning: most servers that refuse CONFIG (managed services) do not
+        # evict, but whoever wonders why no `evictable` line came learns why.
+        _log.info(
+            "hicache.manifest.eviction_unchecked",
+            backend=self._name,
+            error=error,
+            detail="the server's maxmemory-policy could not be checked: if it evicts, a full "
+            "server may evict the warmup manifest's keys",
         )
 
     # Appending.

@@ -1462,6 +1462,10 @@ async def test_a_redis_manifest_warns_once_where_a_full_server_may_evict_it() ->
                 await manifest.append([entry(NS_A, 1)])
                 assert len((await manifest.read(namespace=NS_A.hex())).entries) == 1
             assert not [r for r in logs if r["log_level"] == "warning"]
+            # Once, that the policy is unknown.
+            (told,) = [r for r in logs if r["event"] == "hicache.manifest.eviction_unchecked"]
+            assert told["log_level"] == "info"
+            assert "CONFIG" in told["error"].upper()
 
 
 async def test_a_redis_manifest_for_a_user_without_multi(redis_url: str) -> None:
@@ -1540,7 +1544,15 @@ async def test_a_redis_manifest_read_never_waits_on_a_config_get_left_unanswered
             # The store's timeout far past the guards: only the probe's own bound ends it.
             query = f"prefix=t{uuid.uuid4().hex}&timeout=300"
             async with RedisStorage.from_url(f"{url}?{query}") as backend:
-                await asyncio.wait_for(backend.manifest(LIMITS).append([entry(NS_A, 1)]), 20)
+                manifest = backend.manifest(LIMITS)
+                with structlog.testing.capture_logs() as logs:
+                    await asyncio.wait_for(manifest.append([entry(NS_A, 1)]), 20)
+                    read = await asyncio.wait_for(manifest.read(namespace=NS_A.hex()), 20)
+                    assert len(read.entries) == 1
+                # Given up without a word, the check looked passed: it says so, once.
+                (told,) = [r for r in logs if r["event"] == "hicache.manifest.eviction_unchecked"]
+                assert told["log_level"] == "info"
+                assert told["error"] == "no answer within 1 s"
                 read = await asyncio.wait_for(
                     backend.manifest(LIMITS).read(namespace=NS_A.hex()), 20
                 )
