@@ -25,7 +25,8 @@ from hicache_async import (
 )
 from hicache_async._keys import as_token_array
 from hicache_async._pool import _resolve_device
-from hicache_async.cli import main
+from hicache_async.bench import report
+from hicache_async.cli import _build_parser, main
 from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, PageMeta, open_storage
 
 LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
@@ -218,6 +219,42 @@ def test_a_url_parameter_is_read_in_ascii_or_refused_saying_what_is_accepted(
 ) -> None:
     with pytest.raises(StorageConfigError, match=message):
         open_storage(url)
+
+
+@pytest.mark.parametrize(
+    ("argv", "option"),
+    [
+        (["storage", "ls", "memory://", "--limit", "\u0663"], "--limit"),
+        (["demo", "--device-pages", "\u0661\u0662"], "--device-pages"),
+        (["demo", "--threads", "\u0663"], "--threads"),
+        (["demo", "--seed", "\u0663"], "--seed"),
+        (["demo", "--time-compression", "\u0663"], "--time-compression"),
+        (["bench", "copy", "--seed", "\u0663"], "--seed"),
+        (["bench", "trace", "--time-scale", "\u0663"], "--time-scale"),
+        (["bench", "trace", "--host-ratios", "1,\u0663"], "--host-ratios"),
+        (["bench", "trace", "--storages", "\u0663x"], "--storages"),
+    ],
+)
+def test_a_command_line_number_in_other_digits_is_refused_as_url_parameters_are(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # int() and float() read "\u0663" as 3: "--limit \u0663" listed three pages. Parsed
+    # only: a command that took it would run.
+    with pytest.raises(SystemExit) as info:
+        _build_parser(argv).parse_args(argv)
+    assert info.value.code == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error:" in x]
+    assert f"argument {option}:" in line
+    assert "(ASCII digits 0-9)" in line
+
+
+def test_the_report_timeout_is_refused_in_other_digits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        report._parse(["--timeout", "\u0663"])  # parsed only: main would run every benchmark
+    assert info.value.code == 2
+    assert "(ASCII digits 0-9)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgspec
 
+from ..cli._args import positive_float
 from . import BENCHMARKS
 from ._records import Record
 
@@ -608,7 +609,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "results",
     )
     parser.add_argument(
-        "--timeout", type=float, default=1800.0, help="seconds per benchmark (default 1800)"
+        "--timeout",
+        type=positive_float,
+        default=1800.0,
+        help="seconds per benchmark (default 1800)",
     )
     parser.add_argument(
         "--render-only",

@@ -38,7 +38,7 @@ import numpy as np
 from .._config import CacheConfig
 from .._errors import OutOfPagesError
 from .._trace import BLOCK_TOKENS, TraceRequest, load_trace
-from ..cli._args import positive_float, positive_int
+from ..cli._args import ascii_only, positive_float, positive_int
 from ..storage import HEADER_NBYTES, MemoryStorage
 from ._records import Record
 from ._sim import PROFILES, ModelProfile, NoCacheEngine, percentile, simulate, upper_bound
@@ -83,6 +83,7 @@ def _ratio_text(value: float) -> str:
 
 
 def _parse_ratios(text: str) -> list[float]:
+    ascii_only(text, "a list of numbers")
     try:
         values = [float(part) for part in text.split(",") if part]
     except ValueError:
@@ -93,6 +94,7 @@ def _parse_ratios(text: str) -> list[float]:
 
 
 def _parse_storages(text: str) -> list[str]:
+    ascii_only(text, "a list of storage sizes")
     sizes = [part.strip() for part in text.split(",") if part.strip()]
     for size in sizes:
         if size in (_OFF, _UNBOUNDED):

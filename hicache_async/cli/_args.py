@@ -19,11 +19,13 @@ if TYPE_CHECKING:
     from ..storage import StorageBackend
 
 __all__ = [
+    "ascii_only",
     "check_output_path",
     "close_pooled_clients",
     "run_command",
     "count",
     "incomplete_message",
+    "integer",
     "positive_float",
     "positive_int",
     "local_only",
@@ -33,12 +35,26 @@ __all__ = [
 ]
 
 
-def _int_at_least(text: str, low: int, high: int | None = None) -> int:
+def ascii_only(text: str, kind: str) -> None:
+    """Refuse `text` (an `argparse.ArgumentTypeError` saying it is not `kind`) unless it is
+    ASCII: int() and float() also read other scripts' digits (an Arabic-Indic three as 3),
+    which URL parameters refuse."""
+    if not text.isascii():
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind} (ASCII digits 0-9)")
+
+
+def integer(text: str) -> int:
+    """An integer in ASCII digits, for argparse's `type=` (its range checked elsewhere)."""
+    return _int_at_least(text, None)
+
+
+def _int_at_least(text: str, low: int | None, high: int | None = None) -> int:
+    ascii_only(text, "an integer")
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < low:
+    if low is not None and value < low:
         raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     if high is not None and value > high:
         raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
@@ -63,6 +79,7 @@ def seed(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """A finite number above 0, for argparse's `type=` (nan and inf are refused)."""
+    ascii_only(text, "a number")
     try:
         value = float(text)
     except ValueError:

@@ -16,7 +16,7 @@ import msgspec
 
 from .._errors import StorageConfigError
 from ..demo import DemoOptions, demo_storage_root, format_summary, plan_demo, run_demo
-from ._args import positive_int
+from ._args import ascii_only, integer, positive_int
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
@@ -25,6 +25,7 @@ _DEFAULTS = DemoOptions()
 
 
 def _positive_float(text: str) -> float:
+    ascii_only(text, "a number")
     try:
         value = float(text)
     except ValueError:
@@ -87,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--threads",
-        type=int,
+        type=integer,
         default=d.threads,
         help="torch threads for the model (default: half the cores)",
     )
@@ -97,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep pages from earlier runs (shows storage hits across restarts)",
     )
     parser.add_argument(
-        "--seed", type=int, default=d.seed, help="seed of the model weights, in [0, 2**64)"
+        "--seed", type=integer, default=d.seed, help="seed of the model weights, in [0, 2**64)"
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
