@@ -39,12 +39,19 @@ def _handle(n: int) -> _Compared:
     return _Compared(None, [n.to_bytes(8, "big")], 4, f"r{n}", "wait_complete")
 
 
-def _full_queue() -> tuple[_PrefetchQueue, MemoryObjectReceiveStream[PrefetchHandle]]:
+_Full = tuple[_PrefetchQueue, MemoryObjectReceiveStream[PrefetchHandle]]
+
+
+@pytest.fixture
+def full_queue() -> Iterator[_Full]:
+    """A queue of `SIZE` slots, all taken, and its stream's receiving end; both ends of the
+    stream are closed after the test (an unclosed one warns when collected)."""
     send, receive = anyio.create_memory_object_stream[PrefetchHandle](float("inf"))
-    queue = _PrefetchQueue(SIZE, send, receive)
-    for n in range(SIZE):
-        queue.send_nowait(_handle(n))
-    return queue, receive
+    with send, receive:
+        queue = _PrefetchQueue(SIZE, send, receive)
+        for n in range(SIZE):
+            queue.send_nowait(_handle(n))
+        yield queue, receive
 
 
 async def _in_line(queue: _PrefetchQueue, handles: list[_Compared]) -> list[asyncio.Task[None]]:
@@ -56,10 +63,12 @@ async def _in_line(queue: _PrefetchQueue, handles: list[_Compared]) -> list[asyn
     return senders
 
 
-async def test_senders_admitted_from_a_full_queue_leave_the_line_without_searching_it() -> None:
+async def test_senders_admitted_from_a_full_queue_leave_the_line_without_searching_it(
+    full_queue: _Full,
+) -> None:
     # Each admission took its sender out of the line already: leaving it must not scan what
     # is still waiting (a quadratic cost in the number of senders).
-    queue, receive = _full_queue()
+    queue, receive = full_queue
     handles = [_handle(SIZE + n) for n in range(WAITING)]
     senders = await _in_line(queue, handles)
     _Compared.compared = 0
@@ -73,11 +82,13 @@ async def test_senders_admitted_from_a_full_queue_leave_the_line_without_searchi
 
 
 @pytest.mark.parametrize("order", ["arrival", "reverse"])
-async def test_senders_cancelled_in_line_leave_no_live_entry_and_lose_no_slot(order: str) -> None:
+async def test_senders_cancelled_in_line_leave_no_live_entry_and_lose_no_slot(
+    order: str, full_queue: _Full
+) -> None:
     # Every other sender is cancelled. The line is not searched for them (the latest in
     # line are the costliest to find): their entries may stay, dead, but never more of them
     # than of live ones; every slot goes to a live sender, in arrival order.
-    queue, receive = _full_queue()
+    queue, receive = full_queue
     handles = [_handle(SIZE + n) for n in range(WAITING)]
     senders = await _in_line(queue, handles)
     _Compared.compared = 0
@@ -102,10 +113,10 @@ async def test_senders_cancelled_in_line_leave_no_live_entry_and_lose_no_slot(or
     assert _Compared.compared == 0
 
 
-async def test_a_sender_cancelled_as_its_slot_frees_passes_the_slot_on() -> None:
+async def test_a_sender_cancelled_as_its_slot_frees_passes_the_slot_on(full_queue: _Full) -> None:
     # The first sender's cancellation lands before it runs again, and a slot frees up in
     # between: the slot goes to the next sender, and the first leaves nothing in the line.
-    queue, receive = _full_queue()
+    queue, receive = full_queue
     first, second = await _in_line(queue, [_handle(SIZE), _handle(SIZE + 1)])
     first.cancel()
     queue.release(receive.receive_nowait())
@@ -121,8 +132,10 @@ async def test_a_sender_cancelled_as_its_slot_frees_passes_the_slot_on() -> None
     ]
 
 
-async def test_a_queue_closed_with_dead_entries_in_line_refuses_the_live_senders() -> None:
-    queue, _ = _full_queue()
+async def test_a_queue_closed_with_dead_entries_in_line_refuses_the_live_senders(
+    full_queue: _Full,
+) -> None:
+    queue, _ = full_queue
     senders = await _in_line(queue, [_handle(SIZE + n) for n in range(4)])
     senders[2].cancel()
     with pytest.raises(asyncio.CancelledError):
