@@ -394,6 +394,11 @@ class Request:
         loop = cache.loop
         if loop is None or loop.is_closed() or cache.state == "closed":
             return
+        if sys.is_finalizing():
+            # At interpreter exit (a loop stopped, never closed, with the cache still open):
+            # the loop never runs again, so a release handed to it would never happen.
+            self._dropped_warning("are not given back: the interpreter is exiting")
+            return
         # Marked before the hand-over: a weak reference to the request (a registry's) stays
         # valid while the loop holds it, and what reaches it that way must find it released,
         # not have its pages go under it at the next loop step.
@@ -406,15 +411,20 @@ class Request:
             cache._dropped.discard(self)
             return
         # After the release is scheduled: under `-W error` this raises (and is only printed).
+        self._dropped_warning("are given back now")
+
+    def _dropped_warning(self, fate: str) -> None:
+        """The `ResourceWarning` of a request collected unreleased; `fate`: what becomes of
+        its locks and pages."""
         # Explicit, with no registry: each message names its request, and the module's
         # `__warningregistry__` kept one entry per message under the "default" action.
         warnings.warn_explicit(
             f"request {self.request_id or hex(id(self))} of {len(self.tokens)} tokens was "
-            "garbage-collected without release(); its locks and pages are given back now. "
+            f"garbage-collected without release(); its locks and pages {fate}. "
             "Use `with cache.request(...) as req:` or call release()",
             ResourceWarning,
             __file__,
-            sys._getframe().f_code.co_firstlineno,  # shown as `def __del__`
+            Request.__del__.__code__.co_firstlineno,  # shown as `def __del__`
             module=__name__,
             source=self,  # with tracemalloc on, the warning shows where it was made
         )

@@ -389,3 +389,41 @@ def test_the_first_redis_attach_imports_the_client_off_the_loop() -> None:
             check=False,
         )
     assert done.returncode == 0, done.stderr
+
+
+_EXIT_WITH_A_REQUEST = """
+import asyncio
+from hicache_async import CacheConfig, HiCache, KVLayout
+
+config = CacheConfig(
+    layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8), page_size=8, device_pages=8
+)
+loop = asyncio.new_event_loop()
+cache = HiCache(config)
+loop.run_until_complete(cache.__aenter__())
+
+async def start():
+    req = cache.request(list(range(16)), request_id="kept")
+    await req.allocate(16)
+    return req
+
+req = loop.run_until_complete(start())
+# The loop is stopped, never closed; the request is collected at the interpreter's exit.
+"""
+
+
+def test_a_request_collected_at_exit_does_not_claim_its_pages_are_given_back() -> None:
+    # Its release was handed to a loop that never runs again, and the warning said the
+    # pages were given back now.
+    done = subprocess.run(
+        [sys.executable, "-W", "default::ResourceWarning", "-c", _EXIT_WITH_A_REQUEST],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if "without release()" in x]
+    assert "request kept of 16 tokens" in line
+    assert "are not given back: the interpreter is exiting" in line
+    assert "given back now" not in done.stderr
