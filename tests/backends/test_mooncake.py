@@ -1476,6 +1476,30 @@ async def test_puts_a_full_cluster_refuses_are_misses_logged_once() -> None:
         assert close_idle_clients(master.address) == 1
 
 
+async def test_a_put_refused_for_room_is_tried_again_after_the_master_evicts() -> None:
+    # With the high watermark at 100%, the master evicts only after an allocation failed: a
+    # segment filled exactly holds until the put's first try is refused, deterministically.
+    with MooncakeMaster(extra_args=["-eviction_high_watermark_ratio=1.0"]) as master:
+        url = fresh_url(master.url, segment_size="16MiB")
+        async with MooncakeStorage.from_url(url) as storage:
+            store = storage._master_store()
+            fillers = [f"{storage.prefix}:filler{i}" for i in range(16)]
+            for name in fillers:
+                assert store.put(name, bytes(1 << 20)) == 0
+            keys, pages, metas = make_pages(3)
+            with structlog.testing.capture_logs() as logs:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+            # The refusal set the master's eviction going: it made room for the second try,
+            # which is not reported as refused.
+            assert sum(store.is_exist(name) == 1 for name in fillers) < 16
+            assert not [e for e in logs if e["event"] == "storage.mooncake.put_no_space"]
+            stats = storage.stats()
+            assert (stats.puts, stats.put_ok, stats.errors, stats.pages) == (3, 3, 0, 3)
+            into = buffers(3)
+            assert await storage.get(keys, into, namespace=NS) == [Outcome.OK] * 3
+        assert close_idle_clients(master.address) == 1
+
+
 async def test_compaction_after_one_that_died_past_its_switch_frees_its_generation(
     mooncake_master: MooncakeMaster,
 ) -> None:
