@@ -372,10 +372,11 @@ class RedisManifest:
     """A bounded, per-namespace warmup manifest in Redis lists.
 
     `append` pushes records in one transaction (a script where MULTI is refused); once a
-    list passes `2 * max_entries` records or `max_bytes` it is compacted, and it never keeps
-    more than `4 * max_entries` records (the oldest go first). `read` walks the list newest
-    first in windows of bounded size and validates every record; `compact` rewrites a list
-    atomically. Build it with `RedisStorage.manifest()`.
+    list passes `2 * max_entries` records or `max_bytes` it is compacted (after a failed
+    compaction, not again until `max_entries / 2` more records were appended to it), and it
+    never keeps more than `4 * max_entries` records (the oldest go first). `read` walks the
+    list newest first in windows of bounded size and validates every record; `compact`
+    rewrites a list atomically. Build it with `RedisStorage.manifest()`.
     """
 
     def __init__(
@@ -410,6 +411,10 @@ class RedisManifest:
         #: Compact a list that passes this many records; trim it to `_cap` records.
         self._compact_records = 2 * self.limits.max_entries
         self._cap = 4 * self.limits.max_entries
+        # After an append's compaction of a namespace failed, the records still to append to
+        # it before an append compacts it again: a server that stays full (or keeps evicting
+        # the temporary list) fails every try, and each try reads and rewrites the list.
+        self._compact_backoff: dict[str, int] = {}
 
     # Keys.
 
@@ -642,11 +647,23 @@ class RedisManifest:
             # The meta hash was damaged (just removed) or its `bytes` is no number: the
             # records are stored, and the compaction below counts them afresh.
             nbytes = self.limits.max_bytes + 1
+        waiting = self._compact_backoff.get(namespace)
+        if waiting is not None:
+            waiting -= len(lines)
+            if waiting > 0:
+                self._compact_backoff[namespace] = waiting
+            else:
+                del self._compact_backoff[namespace]
         if int(length) > self._compact_records or int(nbytes) > self.limits.max_bytes:
-            try:
-                await self.compact_namespace(namespace)
-            except StorageError as exc:
-                _log.warning("hicache.manifest.compact_failed", backend=self._name, error=str(exc))
+            if namespace not in self._compact_backoff:
+                try:
+                    await self.compact_namespace(namespace)
+                except StorageError as exc:
+                    self._compact_backoff[namespace] = max(1, self.limits.max_entries // 2)
+                    _log.warning(
+                        "hicache.manifest.compact_failed", backend=self._name, error=str(exc)
+                    )
+            # Bounds the list meanwhile (and where compaction cannot bring it down).
             await self._trim(namespace)
         if index_error is not None:
             raise index_error
@@ -961,6 +978,7 @@ class RedisManifest:
             )
             before = await self._bytes(namespace)
             if await self._switch_to(namespace, gen, length, lines):
+                self._compact_backoff.pop(namespace, None)
                 return CompactReport(
                     records_before=collector.records,
                     entries_after=len(lines),

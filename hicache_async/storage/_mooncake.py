@@ -107,6 +107,9 @@ _NOT_A_REQUEST = bytes(32)
 _MAX_JUDGED_BYTES = 256 * _MiB
 _HEX_DIGITS = "0123456789abcdef"
 _ADMIN_TIMEOUT_S = 10.0
+# A put refused for want of room sets the master's eviction going (its eviction thread
+# wakes every 10 ms): the refused pages get one more try once it has had a few rounds.
+_NO_SPACE_RETRY_S = 0.05
 # Forget refused auto-registrations now and then: freed memory gets new owners.
 _MAX_REFUSED = 1024
 
@@ -479,7 +482,7 @@ def _put_groups(items: list[int], sizes: list[int], group_bytes: int) -> list[li
 def _object_buffers(
     items: Sequence[int],
     plans: Sequence[_Plan],
-    chunk: range,
+    chunk: Sequence[int],
     slots: Sequence[int | None],
     arena_base: int,
 ) -> tuple[list[list[int]], list[list[int]]]:
@@ -1124,29 +1127,73 @@ class MooncakeStorage(BackendBase):
         self._count_paths(plans)
         sent = [Outcome.ERROR] * len(unique)
         stored: list[int] = []
-        refused: list[int] = []
+        # (index, Mooncake's code) of each refused page, per try: only the last try's
+        # refusals of a page are logged.
+        refused: list[tuple[int, int]] = []
+        retry_refused: list[tuple[int, int]] = []
+        retried = False
         try:
-            for chunk in self._chunks(plans):
-                part = await self._staged(
-                    chunk,
-                    plans,
-                    functools.partial(
-                        self._put_job, unique, plans, unique_metas, stored=stored, refused=refused
-                    ),
-                )
-                for i, outcome in zip(chunk, part, strict=True):
-                    sent[i] = outcome
+            await self._put_pages(
+                unique,
+                plans,
+                unique_metas,
+                range(len(unique)),
+                sent=sent,
+                stored=stored,
+                refused=refused,
+            )
+            full = [i for i, code in refused if code == _NO_SPACE]
+            if full:
+                # Cancellable on the loop; a close meanwhile leaves these pages MISS.
+                await asyncio.sleep(_NO_SPACE_RETRY_S)
+                if not self.closed:
+                    retried = True
+                    await self._put_pages(
+                        unique,
+                        plans,
+                        unique_metas,
+                        full,
+                        sent=sent,
+                        stored=stored,
+                        refused=retry_refused,
+                    )
         finally:
             # A cancelled put's job has finished as well: count what it stored.
             self._pages += len(stored)
             self._bytes += sum(HEADER_NBYTES + plans[i].nbytes for i in stored)
-            self._log_refused(refused)
+            last = [r for r in refused if not (retried and r[1] == _NO_SPACE)]
+            self._log_refused([code for _, code in last + retry_refused])
         outcomes = [sent[position[key]] for key in keys]
         c = self._counters
         c.puts += len(keys)
         c.put_ok += outcomes.count(Outcome.OK)
         c.errors += outcomes.count(Outcome.ERROR)
         return outcomes
+
+    async def _put_pages(
+        self,
+        keys: Sequence[bytes],
+        plans: Sequence[_Plan],
+        metas: Sequence[PageMeta],
+        indices: Sequence[int],
+        *,
+        sent: list[Outcome],
+        stored: list[int],
+        refused: list[tuple[int, int]],
+    ) -> None:
+        """Put the pages at `indices` (into `keys`, `plans` and `metas`), chunk by chunk,
+        setting their outcomes in `sent`."""
+        for part_range in self._chunks([plans[i] for i in indices]):
+            chunk = indices[part_range.start : part_range.stop]
+            part = await self._staged(
+                chunk,
+                plans,
+                functools.partial(
+                    self._put_job, keys, plans, metas, stored=stored, refused=refused
+                ),
+            )
+            for i, outcome in zip(chunk, part, strict=True):
+                sent[i] = outcome
 
     def _log_refused(self, codes: list[int]) -> None:
         """Log each kind of refused put (at most once a minute per kind): a full cluster's
@@ -1462,7 +1509,7 @@ class MooncakeStorage(BackendBase):
         ]
 
     @staticmethod
-    def _worth_fanning(items: Sequence[Any], chunk: range, plans: Sequence[_Plan]) -> bool:
+    def _worth_fanning(items: Sequence[Any], chunk: Sequence[int], plans: Sequence[_Plan]) -> bool:
         """Enough payload to hash that helper threads pay for their hand-offs."""
         total = 0
         for item in items:
@@ -1494,9 +1541,9 @@ class MooncakeStorage(BackendBase):
 
     async def _staged(
         self,
-        chunk: range,
+        chunk: Sequence[int],
         plans: Sequence[_Plan],
-        job: Callable[[range, int], Callable[[threading.Event], list[Any]]],
+        job: Callable[[Sequence[int], int], Callable[[threading.Event], list[Any]]],
     ) -> list[Any]:
         """Run one chunk's job with its arena space held; pages too large for the arena
         fail alone (ERROR) instead of failing the chunk."""
@@ -1518,7 +1565,7 @@ class MooncakeStorage(BackendBase):
 
     # Internals: thread jobs (no loop-owned state is touched from these).
 
-    def _slots(self, plans: Sequence[_Plan], chunk: range, base: int) -> list[int | None]:
+    def _slots(self, plans: Sequence[_Plan], chunk: Sequence[int], base: int) -> list[int | None]:
         """Arena offset of each page's slot (None: the page does not fit the arena)."""
         slots: list[int | None] = []
         offset = base
@@ -1535,7 +1582,7 @@ class MooncakeStorage(BackendBase):
         keys: Sequence[bytes],
         plans: Sequence[_Plan],
         namespace: bytes,
-        chunk: range,
+        chunk: Sequence[int],
         base: int,
         *,
         corrupt: list[tuple[int, str]],
@@ -1706,14 +1753,14 @@ class MooncakeStorage(BackendBase):
         keys: Sequence[bytes],
         plans: Sequence[_Plan],
         metas: Sequence[PageMeta],
-        chunk: range,
+        chunk: Sequence[int],
         base: int,
         *,
         stored: list[int],
-        refused: list[int],
+        refused: list[tuple[int, int]],
     ) -> Callable[[threading.Event], list[Outcome]]:
-        """The job storing `chunk`; it appends what it stored to `stored` and Mooncake's
-        code for each page refused to `refused`."""
+        """The job storing `chunk`; it appends what it stored to `stored` and each page
+        refused, with Mooncake's code, to `refused`."""
         store, arena, arena_base = self._store, self._arena_view, self._arena_base
         config, mac_key = self._config, self._mac_key
         assert arena is not None
@@ -1771,7 +1818,7 @@ class MooncakeStorage(BackendBase):
                     if code in (0, _ALREADY_EXISTS):
                         results[j] = Outcome.OK
                         continue
-                    refused.append(code)
+                    refused.append((chunk[j], code))
                     results[j] = Outcome.MISS if code == _NO_SPACE else Outcome.ERROR
 
             # A cancelled caller's stop flag ends the hand-out; pages not sent stay ERROR.

@@ -15,6 +15,7 @@ import importlib
 import importlib.metadata
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import Protocol, cast
 
@@ -145,22 +146,42 @@ def _optional(scheme: str) -> Callable[..., StorageBackend]:
     return factory
 
 
+# Modules `import_quietly` is importing, with how many calls: a module is in sys.modules
+# from the start of its import, so that alone does not say it is ready.
+_importing: dict[str, int] = {}
+_importing_lock = threading.Lock()
+
+
 def module_to_import(url: object) -> str | None:
     """The module `open_storage(url)` would import first for a built-in optional scheme
-    (`redis://`, `mooncake://`), if it is not imported yet; None otherwise. Importing a client
-    library takes about 0.1 s, once per process: a caller on an event loop can do it on a
-    worker thread first (`import_quietly`)."""
+    (`redis://`, `mooncake://`), if it is not imported yet or its import (by `import_quietly`)
+    is still running; None otherwise. Importing a client library takes about 0.1 s, once per
+    process: a caller on an event loop can do it on a worker thread first
+    (`import_quietly`)."""
     match = _SCHEME.match(url.strip()) if isinstance(url, str) else None
     entry = _OPTIONAL.get(match.group("scheme").lower()) if match is not None else None
-    if entry is None or entry[0] in sys.modules:
+    if entry is None:
         return None
+    with _importing_lock:
+        if entry[0] in sys.modules and entry[0] not in _importing:
+            return None
     return entry[0]
 
 
 def import_quietly(module_name: str) -> None:
-    """Import `module_name`, leaving any failure to `open_storage` to report."""
-    with contextlib.suppress(Exception):
-        importlib.import_module(module_name)
+    """Import `module_name`, leaving any failure to `open_storage` to report. Meant for a
+    worker thread: a call made while another thread imports the module waits there for that
+    import (Python's per-module import lock) instead of importing it again."""
+    with _importing_lock:
+        _importing[module_name] = _importing.get(module_name, 0) + 1
+    try:
+        with contextlib.suppress(Exception):
+            importlib.import_module(module_name)
+    finally:
+        with _importing_lock:
+            _importing[module_name] -= 1
+            if not _importing[module_name]:
+                del _importing[module_name]
 
 
 def _import_factory(module_name: str, attr_path: str) -> Callable[..., StorageBackend]:

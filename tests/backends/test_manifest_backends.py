@@ -1366,6 +1366,57 @@ async def test_a_redis_manifest_is_read_from_a_server_at_its_maxmemory(scripts: 
 
 
 @pytest.mark.parametrize("scripts", [True, False], ids=["scripts", "no-scripts"])
+async def test_a_failed_redis_compaction_is_not_tried_again_at_every_append(scripts: bool) -> None:
+    # A server with room for the manifest's appends but not for a compaction's copy of the
+    # list (refused, or evicted under volatile-lru as the only key with a TTL): every append
+    # past the bound read the whole list for a compaction that failed again.
+    hidden = [] if scripts else ["--rename-command", "EVAL", "", "--rename-command", "EVALSHA", ""]
+    limits = ManifestLimits(max_entries=64, max_entry_bytes=64 << 10, max_bytes=64 << 20)
+    backoff = limits.max_entries // 2
+    # Records of about 10 KiB, ranked first: a compaction keeps them, so its copy of the list
+    # is far larger than what the server's memory does besides.
+    big = [
+        chain_entry(NS_A, [hashlib.sha256(b"%d:%d" % (i, j)).digest() for j in range(150)],
+                    150 * PAGE, 1, float(i))
+        for i in range(2 * limits.max_entries)
+    ]  # fmt: skip
+    with RedisServer(extra_args=hidden) as server:
+        admin = Redis(host=server.host, port=server.port)
+        try:
+            async with RedisStorage.from_url(f"{server.url}?prefix=stayfull") as backend:
+                manifest = backend.manifest(limits)
+                key = manifest.list_key(NS_A.hex())
+                # A compaction of another namespace first: what it sets up on the server
+                # (its scripts) takes memory once.
+                await manifest.append([entry(NS_B, i) for i in range(2 * limits.max_entries + 1)])
+                assert await admin.llen(manifest.list_key(NS_B.hex())) <= limits.max_entries
+                await manifest.append(big)  # at the bound: no compaction yet
+                usage = await admin.memory_usage(key)
+                assert usage is not None
+                used = (await admin.info("memory"))["used_memory"]
+                await admin.config_set("maxmemory-policy", "volatile-lru")
+                await admin.config_set("maxmemory", used + usage // 3)
+                with structlog.testing.capture_logs() as logs:
+                    for i in range(backoff):
+                        await manifest.append([entry(NS_A, 1000 + i)])
+                failed = [e for e in logs if e["event"] == "hicache.manifest.compact_failed"]
+                assert len(failed) == 1, failed
+                # The next record ends the back-off: with room again, the list is compacted.
+                await admin.config_set("maxmemory", 0)
+                assert await admin.llen(key) == 2 * limits.max_entries + backoff
+                with structlog.testing.capture_logs() as logs:
+                    await manifest.append([entry(NS_A, 2000)])
+                assert not [e for e in logs if e["event"] == "hicache.manifest.compact_failed"]
+                assert await admin.llen(key) <= limits.max_entries
+                read = await manifest.read(namespace=NS_A.hex())
+                assert len(read.entries) == await admin.llen(key)
+                assert manifest._scripting is scripts
+        finally:
+            await admin.config_set("maxmemory", 0)
+            await admin.aclose()
+
+
+@pytest.mark.parametrize("scripts", [True, False], ids=["scripts", "no-scripts"])
 async def test_a_compaction_whose_temporary_list_is_evicted_leaves_the_manifest(
     scripts: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,7 @@ import struct
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -25,6 +26,7 @@ from hicache_async import StorageConfigError, StorageError
 from hicache_async.cli import main
 from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
+from hicache_async.storage import _mooncake as mooncake_module
 from hicache_async.storage._manifest import chain_entry, encode_entry
 from hicache_async.storage._manifest_mooncake import _INDEX_VERSION, _Index, _with_token
 from hicache_async.storage._mooncake import (
@@ -1473,6 +1475,77 @@ async def test_puts_a_full_cluster_refuses_are_misses_logged_once() -> None:
             assert (stats.puts, stats.put_ok, stats.errors) == (6, 0, 0)
         # Its client goes back to the pool: closed while its master answers, so no later
         # command's exit finds it orphaned.
+        assert close_idle_clients(master.address) == 1
+
+
+async def test_a_put_refused_for_room_is_tried_again_after_the_master_evicts() -> None:
+    # With the high watermark at 100%, the master evicts only after an allocation failed: a
+    # segment filled exactly holds until the put's first try is refused, deterministically.
+    with MooncakeMaster(extra_args=["-eviction_high_watermark_ratio=1.0"]) as master:
+        url = fresh_url(master.url, segment_size="16MiB")
+        async with MooncakeStorage.from_url(url) as storage:
+            store = storage._master_store()
+            fillers = [f"{storage.prefix}:filler{i}" for i in range(16)]
+            for name in fillers:
+                assert store.put(name, bytes(1 << 20)) == 0
+            keys, pages, metas = make_pages(3)
+            with structlog.testing.capture_logs() as logs:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+            # The refusal set the master's eviction going: it made room for the second try,
+            # which is not reported as refused.
+            assert sum(store.is_exist(name) == 1 for name in fillers) < 16
+            assert not [e for e in logs if e["event"] == "storage.mooncake.put_no_space"]
+            stats = storage.stats()
+            assert (stats.puts, stats.put_ok, stats.errors, stats.pages) == (3, 3, 0, 3)
+            into = buffers(3)
+            assert await storage.get(keys, into, namespace=NS) == [Outcome.OK] * 3
+        assert close_idle_clients(master.address) == 1
+
+
+def _alloc_failures(master: MooncakeMaster) -> int:
+    """How many allocations the master has refused for want of room."""
+    with urllib.request.urlopen(f"{master.admin_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found = re.search(r"^master_put_start_alloc_failures_total (\d+)$", text, re.MULTILINE)
+    assert found is not None, text
+    return int(found.group(1))
+
+
+async def test_a_put_cancelled_while_its_refused_pages_wait_gives_back_what_it_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The wait before the second try is long here, so the cancellation lands in it.
+    monkeypatch.setattr(mooncake_module, "_NO_SPACE_RETRY_S", 3600.0)
+    with MooncakeMaster() as master:
+        url = fresh_url(master.url, segment_size="16MiB")
+        async with MooncakeStorage.from_url(url) as storage:
+            from mooncake.store import ReplicateConfig
+
+            store = storage._master_store()
+            config = ReplicateConfig()
+            config.with_hard_pin = True
+            fillers = [f"{storage.prefix}:filler{i}" for i in range(64)]
+            stored = [n for n in fillers if store.put(n, bytes(1 << 20), config) == 0]
+            assert len(stored) < len(fillers)
+            refusals = await asyncio.to_thread(_alloc_failures, master)
+            keys, pages, metas = make_pages(3)
+            put = asyncio.create_task(storage.put(keys, pages, metas))
+            for _ in range(2000):
+                if await asyncio.to_thread(_alloc_failures, master) > refusals:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                pytest.fail("the put was never refused")
+            put.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await put
+            # Its staging space is free, nothing was counted, and the backend goes on.
+            arena = storage._arena
+            assert sum(size for _, size in arena._free) == arena.capacity
+            stats = storage.stats()
+            assert (stats.puts, stats.pages) == (0, 0)
+            assert all(c == 0 for c in store.batch_remove(stored, force=True))
+            assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
         assert close_idle_clients(master.address) == 1
 
 
