@@ -391,6 +391,80 @@ def test_the_first_redis_attach_imports_the_client_off_the_loop() -> None:
     assert done.returncode == 0, done.stderr
 
 
+_CONCURRENT_IMPORT = """
+import asyncio, importlib, importlib.abc, importlib.machinery, sys, threading
+NAME = "hicache_async.storage._redis"
+executing, executed, release = threading.Event(), threading.Event(), threading.Event()
+executed_on = []  # threads that ran the module's code
+waited_on = []  # threads that asked for the module while that code ran
+
+class Gated(importlib.abc.Loader):
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        executed_on.append(threading.get_ident())
+        executing.set()
+        release.wait(60)  # held until another attach asks for the module
+        self.inner.exec_module(module)
+        executed.set()
+
+class Gate(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != NAME:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        spec.loader = Gated(spec.loader)
+        return spec
+
+real_import_module = importlib.import_module
+
+def import_module(name, package=None):
+    if name == NAME and executing.is_set() and not executed.is_set():
+        waited_on.append(threading.get_ident())
+        release.set()
+    return real_import_module(name, package)
+
+importlib.import_module = import_module
+sys.meta_path.insert(0, Gate())
+from hicache_async import CacheConfig, HiCache, KVLayout
+
+config = CacheConfig(
+    layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8), page_size=8, device_pages=8
+)
+
+async def main():
+    async with HiCache(config) as one, HiCache(config) as two:
+        first = asyncio.create_task(one.attach_storage(sys.argv[1]))
+        assert await asyncio.to_thread(executing.wait, 60)
+        # The second attach starts while the first one's import runs.
+        await asyncio.gather(first, two.attach_storage(sys.argv[1]))
+        assert one.storage_status().attached and two.storage_status().attached
+    return threading.get_ident()
+
+loop_thread = asyncio.run(main())
+assert len(executed_on) == 1 and executed_on[0] != loop_thread, (executed_on, loop_thread)
+assert waited_on and loop_thread not in waited_on, (waited_on, loop_thread)
+"""
+
+
+def test_a_second_redis_attach_waits_for_the_first_ones_import_off_the_loop() -> None:
+    # The module is in sys.modules while its code runs: a second attach took it for imported
+    # and waited on the loop for the first attach's import to finish.
+    with RedisServer() as server:
+        done = subprocess.run(
+            [sys.executable, "-c", _CONCURRENT_IMPORT, server.url],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr
+
+
 _EXIT_WITH_A_REQUEST = """
 import asyncio
 from hicache_async import CacheConfig, HiCache, KVLayout

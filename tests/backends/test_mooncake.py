@@ -1478,9 +1478,14 @@ async def test_puts_a_full_cluster_refuses_are_misses_logged_once() -> None:
         assert close_idle_clients(master.address) == 1
 
 
-async def test_a_put_refused_for_room_is_tried_again_after_the_master_evicts() -> None:
+async def test_a_put_refused_for_room_is_tried_again_after_the_master_evicts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     # With the high watermark at 100%, the master evicts only after an allocation failed: a
     # segment filled exactly holds until the put's first try is refused, deterministically.
+    # The wait before the second try is stretched so a loaded machine's master (which evicts
+    # within a few ms here) is sure to have made room by then.
+    monkeypatch.setattr(mooncake_module, "_NO_SPACE_RETRY_S", 1.0)
     with MooncakeMaster(extra_args=["-eviction_high_watermark_ratio=1.0"]) as master:
         url = fresh_url(master.url, segment_size="16MiB")
         async with MooncakeStorage.from_url(url) as storage:
