@@ -11,7 +11,8 @@ every page would.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import gc
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -26,6 +27,9 @@ from hicache_async import CacheConfig, HiCache
 from hicache_async.storage import (
     FileStorage,
     MemoryStorage,
+    Outcome,
+    PageBuffer,
+    PageMeta,
     StorageBackend,
     StorageCapabilities,
     StorageError,
@@ -358,3 +362,52 @@ async def test_a_store_whose_put_skips_stored_pages_is_asked_nothing_first(
             assert backend.stats().pages == 6
             assert _all_in_storage(second, tokens)
             assert_backup_adds_up(backup)
+
+
+class CountsViewsAtPut(SendsEveryPage):
+    """Small calls, and at each put the number of byte views alive in the process."""
+
+    def __init__(self, inner: StorageBackend, limit: int) -> None:
+        super().__init__(inner)
+        self.limit = limit
+        self.views_at_put: list[int] = []
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return msgspec.structs.replace(super().capabilities, max_batch_pages=self.limit)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        self.views_at_put.append(_views())
+        return await super().put(keys, pages, metas)
+
+
+def _views() -> int:
+    return sum(type(o) is memoryview for o in gc.get_objects())
+
+
+async def test_a_long_job_prepares_each_put_as_it_is_cut() -> None:
+    # One job of a long prompt is written in many calls: preparing every call's buffers and
+    # records before the first (one step of the loop for the whole prompt) would hold them
+    # all at once.
+    pages, limit = 256, 8
+    settings = _config().to_dict()
+    settings.update(device_pages=2 * pages, host_pages=2 * pages)
+    config = CacheConfig.from_dict(settings)
+    tokens = _prompt(31, pages)
+    generator = KVGenerator(config.layout, PAGE, seed=31)
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        store = CountsViewsAtPut(memory, limit)
+        async with HiCache(config, storage=store) as cache:
+            host = cache._host_pool
+            assert host is not None
+            segments = len(host.page_segments(0))
+            before = _views()
+            await serve(cache, tokens, generator, prefetch=False)
+            await cache.drain()
+            assert _all_in_storage(cache, tokens)
+            assert len(store.views_at_put) == pages // limit
+            # One call's views (and some of the serving's own), not the whole job's.
+            assert max(store.views_at_put) - before < 4 * limit * segments
+            assert_drained(cache)

@@ -422,6 +422,34 @@ class _BlocksTheLoopInGets(_BlocksTheLoop):
         return await self._inner.put(keys, pages, metas)
 
 
+class _SuspendsOnceThenBlocks(PlainStorage):
+    """BROKEN: each call suspends once, then does its I/O with a synchronous client on the
+    loop (a fifth of a second), as a coroutine that awaits something small first does."""
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        await asyncio.sleep(0)
+        time.sleep(0.2)  # noqa: ASYNC251 - the synchronous client it stands for
+        return await self._inner.get(keys, into, namespace=namespace)
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        await asyncio.sleep(0)
+        time.sleep(0.2)  # noqa: ASYNC251 - the synchronous client it stands for
+        return await self._inner.put(keys, pages, metas)
+
+
+class _SuspendsOnceThenBlocksInGets(_SuspendsOnceThenBlocks):
+    """BROKEN: only its gets block the loop after suspending once."""
+
+    async def put(
+        self, keys: Sequence[bytes], pages: Sequence[PageBuffer], metas: Sequence[PageMeta]
+    ) -> list[Outcome]:
+        return await self._inner.put(keys, pages, metas)
+
+
 class _Overruns(PlainStorage):
     """BROKEN: a get writes the byte after each segment it was given too, as a copy through
     a raw pointer whose length is off by one does."""
@@ -472,7 +500,10 @@ async def test_the_suite_fails_a_get_that_writes_past_its_buffers() -> None:
         await _suite_fails(StorageConformance().test_get_writes_only_inside_its_buffers(backend))
 
 
-@pytest.mark.parametrize("broken", [_BlocksTheLoop, _BlocksTheLoopInGets])
+@pytest.mark.parametrize(
+    "broken",
+    [_BlocksTheLoop, _BlocksTheLoopInGets, _SuspendsOnceThenBlocks, _SuspendsOnceThenBlocksInGets],
+)
 async def test_the_suite_fails_a_backend_that_blocks_the_event_loop(
     broken: type[PlainStorage],
 ) -> None:

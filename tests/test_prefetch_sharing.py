@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import gc
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -251,6 +252,35 @@ async def test_a_detach_cancels_a_read_others_wait_on_at_once() -> None:
         await asyncio.wait_for(cache.detach_storage(flush=False), 30)
         assert a.status is b.status is PrefetchStatus.CANCELLED
         assert_drained(cache)
+
+
+def _futures() -> int:
+    return sum(issubclass(type(o), asyncio.Future) for o in gc.get_objects())
+
+
+async def test_a_long_prefetch_makes_a_future_per_read_batch_not_per_page() -> None:
+    # In one step a prefetch plans every page it reads; a future per page would cost as many
+    # objects (and, in asyncio debug mode, a traceback each) as the prompt has pages.
+    pages, batch = 512, 128
+    settings = _config(batch_pages=batch).to_dict()
+    settings.update(device_pages=2 * pages, host_pages=2 * pages)
+    config = CacheConfig.from_dict(settings)
+    prompt = _prompt(21, pages)
+    async with _gated(config, prompt) as (cache, store, generator):
+        before = _futures()
+        a = await cache.start_prefetch(prompt, request_id="A")
+        await _until(lambda: len(store.gets.waiting) == 1, "A's first batch in flight")
+        assert len(_prefetcher(cache)._inflight) == pages
+        assert _futures() - before < 2 * pages // batch + 16
+        # A second prefetch waits on those batches and lands every page with them.
+        b = await cache.start_prefetch(prompt, request_id="B")
+        await _until(lambda: _waiters(cache, a.keys[0]) == 1, "B to wait on A's reads")
+        store.gets.open()
+        results = await asyncio.wait_for(asyncio.gather(a.wait(), b.wait()), 30)
+        assert [r.status for r in results] == [PrefetchStatus.COMPLETE] * 2
+        assert [r.cached_tokens for r in results] == [len(prompt)] * 2
+        _read_once(store, cache, prompt)
+        await _check_and_drain(cache, prompt, generator)
 
 
 async def test_pages_read_once_for_two_prefetches_count_once_in_the_storage_tokens() -> None:

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 import structlog
-from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_caches
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+    uvloop = None
+from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_caches, _World
 
 from hicache_async import CacheClosedError, HiCache, WrongThreadError
 from hicache_async.distributed import (
@@ -264,3 +269,93 @@ async def test_a_request_alone_gets_the_device_pages_while_a_peer_is_late() -> N
         with first.request(prompt, max_cached_tokens=agreed) as request:
             assert request.cached_tokens == agreed
         first.tree.check_invariants()
+
+
+_LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+if uvloop is not None:
+    _LOOPS["uvloop"] = uvloop.new_event_loop
+
+
+@pytest.mark.parametrize("factory", list(_LOOPS.values()), ids=list(_LOOPS))
+def test_a_group_serves_a_request_agreement_on_successive_loops(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # Test harnesses run one group object under one `asyncio.run` after another: a request
+    # agreement that waited for a warmup on the first loop must not leave the group refusing
+    # (or waiting for) the second one's.
+    prompt = np.arange(500, 500 + 5 * PAGE)
+    ranks = _pair(_Rank)
+
+    async def once() -> None:
+        world = _World()
+        for rank in ranks:
+            rank.world, rank.calls = world, 0
+        async with _two_caches(ranks) as (first, second):
+            await _commit(first, prompt)
+            await _commit(second, prompt)
+            background = BackgroundAgreements.of(ranks[0])
+            background.begin()  # a warmup runs on rank 0
+            agreeing = asyncio.create_task(first.agree_cached_tokens(prompt))
+            for _ in range(5):
+                await asyncio.sleep(0)
+            assert not agreeing.done()
+            assert background.stop_requested
+            background.end()
+            theirs = await asyncio.wait_for(second.agree_cached_tokens(prompt), 30)
+            assert await asyncio.wait_for(agreeing, 30) == theirs == len(prompt)
+
+    for _ in range(2):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(once())
+
+
+@pytest.mark.parametrize("factory", list(_LOOPS.values()), ids=list(_LOOPS))
+def test_a_count_left_by_a_loop_that_ended_holds_no_later_loop(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # A warmup counted on a loop closed without running its tasks to the end never ends its
+    # count: a later loop's request agreement must not wait for it.
+    group = _Rank(_World(), 0)
+
+    async def counted() -> None:
+        BackgroundAgreements.of(group).begin()
+
+    loop = factory()
+    try:
+        loop.run_until_complete(counted())
+    finally:
+        loop.close()
+
+    async def agree() -> tuple[int, bool]:
+        background = BackgroundAgreements.of(group)
+        await asyncio.wait_for(background.wait_idle(), 30)
+        return background.active, background.stop_requested
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert runner.run(agree()) == (0, False)
+
+
+async def test_a_group_in_use_on_a_running_loop_is_refused_on_another() -> None:
+    group = _Rank(_World(), 0)
+    counted, release = threading.Event(), threading.Event()
+
+    def elsewhere() -> None:
+        async def warmup() -> None:
+            background = BackgroundAgreements.of(group)
+            background.begin()
+            counted.set()
+            await asyncio.to_thread(release.wait, 30)
+            background.end()
+
+        asyncio.run(warmup())
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    try:
+        assert await asyncio.to_thread(counted.wait, 30)
+        with pytest.raises(RuntimeError, match="two running event loops"):
+            await asyncio.wait_for(BackgroundAgreements.of(group).wait_idle(), 30)
+    finally:
+        release.set()
+        await asyncio.to_thread(thread.join, 30)
+    await BackgroundAgreements.of(group).wait_idle()  # that loop ended: nothing to wait for

@@ -40,8 +40,12 @@ class BackgroundAgreements:
     def __init__(self) -> None:
         self._active = 0
         self._stop = False
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Futures of the request agreements waiting for the count to reach 0, all made on
+        # `_loop`: futures rather than an `asyncio.Event`, which would stay bound to the
+        # first loop that waited and refuse every later one.
+        self._waiters: list[asyncio.Future[None]] = []
+        # The loop the count and waiters belong to (see `_bind`).
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._group: RankGroup | None = None  # set for groups in `_of_strong` only
 
     @classmethod
@@ -63,29 +67,45 @@ class BackgroundAgreements:
 
     @property
     def active(self) -> int:
-        """Background sequences begun and not yet ended."""
+        """Background sequences begun and not yet ended (on a loop still open)."""
+        self._bind(_running_loop())
         return self._active
 
     @property
     def stop_requested(self) -> bool:
         """A request agreement is waiting: background sequences should agree to stop."""
+        self._bind(_running_loop())
         return self._stop
 
     def begin(self) -> None:
         """A background sequence starts (or is scheduled to: count it before its task runs,
         so a request agreement made meanwhile waits for it too)."""
+        loop = _running_loop()
+        self._bind(loop)
+        if loop is not None:
+            self._loop = loop
         self._active += 1
-        self._idle.clear()
         self._running.add(self)
 
     def end(self) -> None:
-        """A background sequence entered its last collective; pair with `begin`."""
+        """A background sequence entered its last collective; pair with `begin`.
+
+        An end on another loop than the count's is of a count already dropped (`_bind`),
+        and does nothing.
+        """
+        loop = _running_loop()
+        if self._active == 0 or (loop is not None and self._loop not in (None, loop)):
+            return
         self._active -= 1
         if self._active == 0:
             # The stop applied to the sequences that were running; later ones start afresh.
             self._stop = False
-            self._idle.set()
             self._running.discard(self)
+            self._loop = None  # nothing left of that loop's: the next one starts afresh
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
 
     async def wait_idle(self) -> None:
         """Ask the running background sequences to stop, and return once none is left.
@@ -93,6 +113,46 @@ class BackgroundAgreements:
         Returns without yielding when none runs, so the request's collective is entered in
         the same step as its local result was taken.
         """
+        loop = asyncio.get_running_loop()
+        self._bind(loop)
         while self._active:
+            self._loop = loop
             self._stop = True
-            await self._idle.wait()
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Drop the count and waiters of a loop that is no longer running.
+
+        One group object can serve one `asyncio.run` after another (as test harnesses do):
+        a sequence counted on a loop closed before it ended never ends its count there, and
+        that loop's waiters can never be woken. Sequences and requests of the loop running
+        now do not wait for them. Two loops running at once on one group would interleave
+        its collectives by timing: refused.
+        """
+        bound = self._loop
+        if bound is None or bound is loop:
+            return
+        if bound.is_running() and not bound.is_closed():
+            if loop is None:
+                return  # read from outside any loop: the running one's state stands
+            raise RuntimeError(
+                "background agreements of one rank group used from two running event loops"
+            )
+        self._loop = None
+        self._active = 0
+        self._stop = False
+        self._waiters = []
+        self._running.discard(self)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

@@ -254,6 +254,47 @@ def _flip(value: bytes, position: int) -> bytes:
 #: smaller one may be handled on the event loop whole (`memory://` does up to 1 MiB there).
 _LOOP_BATCH_BYTES = 4 << 20
 
+#: The longest share of a large call the loop may spend without a turn for another task: a
+#: backend that suspends once and then does its I/O on the loop holds it for nearly all of
+#: the call, one that does it elsewhere for a small part.
+_LOOP_GAP_SHARE = 0.75
+#: A stretch of up to this many GIL switch intervals is never held against a call, whatever
+#: its share: a backend whose threads run Python code can keep the loop's thread from the GIL
+#: for an interval at a time, and a short call (a 2 ms get) can be one stretch whole.
+_LOOP_GAP_SWITCHES = 10
+#: Tries of a large put and get before the loop stretches of each are held against it.
+_LOOP_TRIES = 3
+
+
+class _LoopWatch:
+    """The turns another task had while a call was watched, and the longest stretch
+    without one."""
+
+    def __init__(self) -> None:
+        self._began = self._last = 0.0
+        self._longest = 0.0
+        self.turns = 0
+
+    async def run(self) -> None:
+        """The task that takes a turn whenever the loop lets it."""
+        while True:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            self._longest = max(self._longest, now - self._last)
+            self._last = now
+            self.turns += 1
+
+    def start(self) -> None:
+        self._began = self._last = time.perf_counter()
+        self._longest = 0.0
+        self.turns = 0
+
+    def stop(self) -> tuple[float, float]:
+        """The longest stretch and the call's duration, in seconds."""
+        now = time.perf_counter()
+        return max(self._longest, now - self._last), now - self._began
+
+
 # Cancellation points: after 0, 1, 2, ... event-loop iterations (sparser as they grow), then
 # after short delays, until a batch completes before its cancellation lands. A backend may
 # misbehave only when cancelled at one particular stage (mid-copy in a worker thread, between
@@ -924,37 +965,59 @@ class StorageConformance:
     async def test_a_large_batch_lets_other_tasks_run(self, backend: StorageBackend) -> None:
         # The cache serves every request from the event loop its storage calls run on: a
         # backend that does a batch's I/O there (a synchronous client, file or socket calls
-        # in the coroutine) stalls them all for as long as the I/O takes.
+        # in the coroutine) stalls them all for as long as the I/O takes, even if it
+        # suspends once or twice on the way. The longest stretch without a turn for another
+        # task must be at most a share of the call (`_LOOP_GAP_SHARE`) or a few GIL switch
+        # intervals, in one of a few tries with fresh pages (a loaded machine may hold the
+        # loop's thread back in any one).
         count = self._cancel_batch_pages(backend)
         if count * self.page_nbytes < _LOOP_BATCH_BYTES:
             pytest.skip(f"a batch of {count} pages is under {_LOOP_BATCH_BYTES >> 20} MiB")
-        keys = _keys(count)
         data = [_payload(self.page_nbytes, 60 + i) for i in range(count)]
-        pages = [_segments(d, [self.page_nbytes]) for d in data]
-        ticks = 0
-
-        async def tick() -> None:
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
+        floor = _LOOP_GAP_SWITCHES * sys.getswitchinterval()
+        watch = _LoopWatch()
+        ticker = asyncio.create_task(watch.run())
         await asyncio.sleep(0)  # the ticker starts
         try:
-            before = ticks
-            outcomes = await backend.put(keys, pages, [_meta(key) for key in keys])
-            assert ticks > before, f"a put of {count} pages ran without letting any task run"
-            assert outcomes == [Outcome.OK] * count
-            buffers = [_empty([self.page_nbytes]) for _ in keys]
-            before = ticks
-            outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
-            assert ticks > before, f"a get of {count} pages ran without letting any task run"
-            assert outcomes == [Outcome.OK] * count
+            # Per call: the (longest stretch, duration) of each try held against it.
+            held: dict[str, list[tuple[float, float]]] = {"put": [], "get": []}
+            passed: set[str] = set()
+            for _ in range(_LOOP_TRIES):
+                keys = _keys(count)
+                pages = [_segments(d, [self.page_nbytes]) for d in data]
+                watch.start()
+                outcomes = await backend.put(keys, pages, [_meta(key) for key in keys])
+                put = watch.stop()
+                assert watch.turns, f"a put of {count} pages ran without letting any task run"
+                assert outcomes == [Outcome.OK] * count
+                buffers = [_empty([self.page_nbytes]) for _ in keys]
+                watch.start()
+                outcomes = await backend.get(keys, buffers, namespace=NAMESPACE)
+                get = watch.stop()
+                assert watch.turns, f"a get of {count} pages ran without letting any task run"
+                assert outcomes == [Outcome.OK] * count
+                assert all(_joined(b) == d for b, d in zip(buffers, data, strict=True))
+                await backend.delete(keys)
+                for verb, (longest, duration) in (("put", put), ("get", get)):
+                    if verb in passed:
+                        continue
+                    if longest <= max(_LOOP_GAP_SHARE * duration, floor):
+                        passed.add(verb)
+                        held[verb] = []
+                    else:
+                        held[verb].append((longest, duration))
+                if len(passed) == len(held):
+                    break
         finally:
             ticker.cancel()
             await asyncio.gather(ticker, return_exceptions=True)
-        assert all(_joined(b) == d for b, d in zip(buffers, data, strict=True))
+        for verb, tries in held.items():
+            assert not tries, (
+                f"a {verb} of {count} pages held the event loop without letting any other "
+                f"task run for most of the call (and over {floor * 1e3:.0f} ms), in every "
+                "try: "
+                + ", ".join(f"{longest * 1e3:.1f} of {d * 1e3:.1f} ms" for longest, d in tries)
+            )
 
     def _cancel_batch_pages(self, backend: StorageBackend) -> int:
         # 8 MiB, for a batch long enough to be cancelled in the middle, in one call the cache

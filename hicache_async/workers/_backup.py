@@ -316,13 +316,16 @@ class BackupWorker:
             # Plan: the pages of every node not yet in storage, in tree order, with those
             # above each job's range that storage lacks. A flush to a backend no longer
             # attached writes only what was offered: the detach unmarked every node.
+            # Only the tree's keys and page numbers are gathered here; each call's storage
+            # keys, buffers and records are made as it is cut (below), so that a
+            # long prompt is not prepared in one step.
             planned: list[tuple[TreeNode, int]] = []
             # Indexes into `planned` of each path's nodes, root first: one chain each.
             chains: list[list[int]] = []
             seen: set[int] = set()
             keys: list[bytes] = []
-            buffers = []
-            metas: list[PageMeta] = []
+            pages: list[int] = []
+            priorities: list[int] = []
             paths = [cache._path(job.node, job.num_pages) for job in jobs]
             offered_ids = {node.id for path in paths for node in path}
             repairing = self._is_current()
@@ -338,13 +341,9 @@ class BackupWorker:
                     planned.append((node, node.num_pages))
                     if node.id not in offered_ids:
                         repaired += node.num_pages
-                    storage_keys = cache.namespace.storage_keys(node.keys)
-                    for key, page in zip(storage_keys, node.host_pages, strict=True):
-                        keys.append(key)
-                        # Read-only: a backend that wrote into them would change pages
-                        # the host pool still serves.
-                        buffers.append([s.toreadonly() for s in host.page_segments(page)])
-                        metas.append(PageMeta(key, fingerprint, size, node.priority))
+                    keys.extend(node.keys)
+                    pages.extend(node.host_pages)
+                    priorities.extend([node.priority] * node.num_pages)
             offered = sum(job.num_pages for job in jobs)
             self.repaired_pages += repaired
             self.superseded_pages += max(0, offered - (len(keys) - repaired))
@@ -363,8 +362,16 @@ class BackupWorker:
             limit = max(1, self._backend.capabilities.max_batch_pages)
             for start in range(0, len(todo), limit):
                 chunk = todo[start : start + limit]
+                chunk_keys = cache.namespace.storage_keys([keys[i] for i in chunk])
                 written = await self._put_with_retries(
-                    [keys[i] for i in chunk], [buffers[i] for i in chunk], [metas[i] for i in chunk]
+                    chunk_keys,
+                    # Read-only: a backend that wrote into them would change pages the host
+                    # pool still serves.
+                    [[s.toreadonly() for s in host.page_segments(pages[i])] for i in chunk],
+                    [
+                        PageMeta(key, fingerprint, size, priorities[i])
+                        for key, i in zip(chunk_keys, chunk, strict=True)
+                    ],
                 )
                 for i, ok in zip(chunk, written, strict=True):
                     done[i] = ok
@@ -404,7 +411,8 @@ class BackupWorker:
 
         One `exists` per chain, its planned pages in chain order: a page past the first
         missing one is written even if storage holds it (putting a stored page is harmless).
-        A failed or timed-out call leaves the rest unknown, so written as before.
+        A failed or timed-out call leaves the rest unknown, so written as before. `keys`
+        are the tree's keys of the planned pages (their storage keys are made per call).
         """
         offsets = [0, *itertools.accumulate(n for _, n in planned)]
         for chain in chains:
@@ -414,8 +422,9 @@ class BackupWorker:
             if not indexes:
                 continue
             try:
+                stored = self._cache.namespace.storage_keys([keys[i] for i in indexes])
                 with anyio.fail_after(self.config.io_timeout_s):
-                    answer = await self._backend.exists([keys[i] for i in indexes])
+                    answer = await self._backend.exists(stored)
                 found = check_exists(answer, len(indexes))
             except Exception as exc:
                 self._warn("hicache.backup.stored.failed", exc, pages=len(indexes))

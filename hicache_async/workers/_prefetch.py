@@ -85,15 +85,41 @@ class _Again(enum.Enum):
     BUDGET = "budget"
 
 
+class _Read:
+    """One storage call a prefetch planned: the flights of its pages share one future, set
+    once every one of them has an outcome (a future per page would cost one object per
+    page of a long prompt in one step, and a traceback each in asyncio debug mode)."""
+
+    __slots__ = ("future", "keys", "unsettled")
+
+    def __init__(self, future: asyncio.Future[None]) -> None:
+        self.future = future
+        self.keys: list[bytes] = []
+        self.unsettled = 0  # pages of `keys` without an outcome
+
+
 class _Flight:
     """A page being read by `reader`, and the other prefetches waiting on it."""
 
-    __slots__ = ("future", "reader", "waiters")
+    __slots__ = ("outcome", "read", "reader", "waiters")
 
-    def __init__(self, future: asyncio.Future[_Shared], reader: PrefetchHandle) -> None:
-        self.future = future
+    def __init__(self, read: _Read, reader: PrefetchHandle) -> None:
+        self.read = read
         self.reader = reader
         self.waiters: set[PrefetchHandle] = set()
+        #: How the read of this page ended; None while it goes on.
+        self.outcome: _Shared | None = None
+
+    def settle(self, outcome: _Shared) -> None:
+        """Record how the read of this page ended (the first outcome stands); those waiting
+        on its batch wake once the whole batch has one."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        read = self.read
+        read.unsettled -= 1
+        if read.unsettled == 0 and not read.future.done():
+            read.future.set_result(None)
 
     def wanted(self) -> bool:
         """Whether a waiter still wants the page: one terminated or cancelled does not."""
@@ -1175,14 +1201,24 @@ class Prefetcher:
             flight.waiters.add(handle)
         handle._waiting = list(waiting.values())
         loop = asyncio.get_running_loop()
-        flights: dict[bytes, _Flight] = {}
-        for key in own:
-            flights[key] = self._inflight[key] = _Flight(loop.create_future(), handle)
-        page_of = dict(zip(own, pages, strict=True))
-        self._held += len(pages)
         batch_limit = max(
             1, min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
         )
+        # The storage calls, planned now so those who come to wait on a page find its
+        # batch: each run of own pages cut every `batch_limit` pages from its start.
+        flights: dict[bytes, _Flight] = {}
+        read: _Read | None = None
+        for key in todo:
+            if key in waiting:
+                read = None
+                continue
+            if read is None or len(read.keys) == batch_limit:
+                read = _Read(loop.create_future())
+            read.keys.append(key)
+            read.unsettled += 1
+            flights[key] = self._inflight[key] = _Flight(read, handle)
+        page_of = dict(zip(own, pages, strict=True))
+        self._held += len(pages)
         own_landed = 0
         failed: set[bytes] = set()  # own pages storage did not deliver
         given_up = _Shared.STOPPED  # what an own page not landed tells those waiting on it
@@ -1195,7 +1231,10 @@ class Prefetcher:
                     break
                 key = todo[pos]
                 if key not in flights:
-                    outcome = await asyncio.shield(others[key].future)
+                    flight = others[key]
+                    await asyncio.shield(flight.read.future)
+                    outcome = flight.outcome
+                    assert outcome is not None  # its batch's future is set once all have one
                     if outcome is not _Shared.LANDED:
                         if outcome is _Shared.FAILED:
                             status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
@@ -1207,8 +1246,7 @@ class Prefetcher:
                     # Every page of the run landed with it: take them together.
                     run = pos + 1
                     while run < len(todo) and todo[run] in waiting:
-                        ahead = waiting[todo[run]].future
-                        if not ahead.done() or ahead.result() is not _Shared.LANDED:
+                        if waiting[todo[run]].outcome is not _Shared.LANDED:
                             break
                         run += 1
                     for k in todo[pos:run]:
@@ -1228,12 +1266,8 @@ class Prefetcher:
                     handle.storage_tokens = landed * size  # what ready() reports meanwhile
                     pos = run
                     continue
-                run_end = pos
-                while (
-                    run_end < len(todo) and todo[run_end] in flights and run_end - pos < batch_limit
-                ):
-                    run_end += 1
-                batch = todo[pos:run_end]
+                # An own page starts a planned batch: the ones before it all landed.
+                batch = flights[key].read.keys
                 handle._reading = batch
                 try:
                     outcomes = await self._get(batch, [page_of[k] for k in batch])
@@ -1258,7 +1292,7 @@ class Prefetcher:
                     anchor = extended
                     for k in batch[:ok]:
                         del page_of[k]
-                        flights.pop(k).future.set_result(_Shared.LANDED)
+                        flights.pop(k).settle(_Shared.LANDED)
                         self._inflight.pop(k, None)
                     landed = min(landed + ok, cap)
                     own_landed += ok
@@ -1284,8 +1318,7 @@ class Prefetcher:
                 self._wake_budget_waiters()
             cache._host_free(leftover)
             for k, flight in flights.items():
-                if not flight.future.done():
-                    flight.future.set_result(_Shared.FAILED if k in failed else given_up)
+                flight.settle(_Shared.FAILED if k in failed else given_up)
                 if self._inflight.get(k) is flight:
                     del self._inflight[k]
             tree.unprotect_host(anchor)
