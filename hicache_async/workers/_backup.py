@@ -66,6 +66,10 @@ _KEY_RECORD_BYTES = 67
 #: More than a record's fields besides its keys take: a chain whose keys fit in the bound
 #: with this much to spare needs no encoding to be measured.
 _RECORD_FIELDS_BYTES = 1024
+#: Doublings of `retry_backoff_s` past which a retry's backoff stops growing: `2.0 ** 1000`
+#: is still a float (the product may reach inf, which waits for a give-way), while
+#: `2 ** 1024` cannot be made one.
+_MAX_DOUBLINGS = 1000
 
 
 class _Job(msgspec.Struct):
@@ -574,7 +578,8 @@ class BackupWorker:
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 # The backoff ends early when the worker gives way.
-                with anyio.move_on_after(self.config.retry_backoff_s * 2 ** (attempt - 1)):
+                doublings = min(attempt - 1, _MAX_DOUBLINGS)
+                with anyio.move_on_after(self.config.retry_backoff_s * 2.0**doublings):
                     assert self._give_way is not None
                     await self._give_way.wait()
             if self._giving_way:
