@@ -822,6 +822,7 @@ def test_ttl_and_argument_types_are_checked() -> None:
         ({"timeout": 1e-9}, "timeout must be a finite number of seconds >= 0.001"),
         ({"timeout": True}, "timeout must be a finite number"),
         ({"timeout": float("inf")}, "timeout must be a finite number"),
+        ({"timeout": 10**400}, "timeout must be a finite number"),  # past a float's range
         ({"prefix": b"x"}, "prefix must be a str, got bytes"),
         ({"bulk": 1}, "bulk must be True or False"),
         ({"multikey": "no"}, "multikey must be True, False or None"),
