@@ -104,7 +104,9 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
                 f"got {self.max_prompt_tokens}"
             )
         if not (math.isfinite(self.time_compression) and self.time_compression > 0):
-            raise ValueError(f"time_compression must be > 0, got {self.time_compression}")
+            raise ValueError(
+                f"time_compression must be a finite number > 0, got {self.time_compression}"
+            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes
