@@ -103,7 +103,11 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
                 f"max_prompt_tokens must exceed one trace block ({BLOCK_TOKENS} tokens), "
                 f"got {self.max_prompt_tokens}"
             )
-        if not (math.isfinite(self.time_compression) and self.time_compression > 0):
+        try:
+            finite = math.isfinite(self.time_compression)
+        except OverflowError:  # an int past a float's range
+            finite = False
+        if not (finite and self.time_compression > 0):
             raise ValueError(
                 f"time_compression must be a finite number > 0, got {self.time_compression}"
             )
