@@ -24,6 +24,7 @@ looks at the disk, where its `exists` trusts this instance's index).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -126,6 +127,8 @@ class BackupWorker:
             backend.manifest() if isinstance(backend, SupportsManifest) else None
         )
         self.manifest_entries = 0
+        #: The latest `last_use` recorded: the next is later (see `_chain_entry`).
+        self._last_use = -math.inf
         self._send, self._receive = anyio.create_memory_object_stream[_Job](
             max_buffer_size=config.queue_size
         )
@@ -525,7 +528,12 @@ class BackupWorker:
             return None  # the node left the tree meanwhile
         size = self._cache.config.page_size
         fingerprint = self._cache.namespace.fingerprint
-        priority, now = job.node.priority, time.time()
+        # Wall-clock time, which readers compare across instances; always later than this
+        # worker's last record, so that after the clock steps back the chains recorded since
+        # do not rank (and get trimmed) as older than those recorded before, nor lose to
+        # their own older records.
+        self._last_use = max(math.nextafter(self._last_use, math.inf), time.time())
+        priority, now = job.node.priority, self._last_use
         entry = chain_entry(fingerprint, keys, len(keys) * size, priority, now)
         # A record longer than a reader takes is skipped by every warmup: a chain of more
         # pages than that (some 3,900 at the default bound: 3,900 tokens at page size 1) is
