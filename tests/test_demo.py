@@ -283,6 +283,15 @@ def test_cli_prints_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--device-pages", "10"]) == 2
     assert "device pages" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="time_compression must be a finite number > 0"):
+        DemoOptions(time_compression=10**400)  # an int past a float's range
+    # inf passed the flag's check and was refused later as if it were not above 0.
+    for bad in ("inf", "nan", "0", "-1", "1e400"):
+        with pytest.raises(SystemExit) as exited:
+            main(["demo", "--time-compression", bad])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --time-compression: must be a finite number > 0" in err, err
 
 
 class _Terminal(io.StringIO):

@@ -151,6 +151,7 @@ def test_an_inner_object_that_is_no_backend_is_refused_at_construction() -> None
         ("corrupt_rate", True),
         ("latency_s", -1),
         ("latency_s", float("inf")),
+        pytest.param("latency_s", 10**400, id="latency_s-int-past-float-range"),
         ("latency_spike_s", float("nan")),
     ],
 )

@@ -522,6 +522,8 @@ def _tp_threads() -> list[str]:
         ("timeout_s", {"timeout_s": math.nan}),
         ("connect_timeout_s", {"connect_timeout_s": math.inf}),
         ("connect_timeout_s", {"connect_timeout_s": 1e300}),
+        ("timeout_s", {"timeout_s": 10**400}),  # an int past a float's range
+        ("connect_timeout_s", {"connect_timeout_s": 10**400}),
         ("rank", {"rank": True, "size": 2}),  # bool is an int: True would mean rank 1
         ("size", {"size": True}),
     ],
@@ -541,6 +543,8 @@ async def test_create_rejects_unusable_values_before_joining(
 def test_wrapping_rejects_an_infinite_timeout_first() -> None:
     with pytest.raises(ConfigError, match="timeout_s"):
         TorchRankGroup(timeout_s=math.inf)
+    with pytest.raises(ConfigError, match="timeout_s"):
+        TorchRankGroup(timeout_s=10**400)
 
 
 async def test_a_closed_group_frees_its_port() -> None:

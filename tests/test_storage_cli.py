@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -855,3 +856,26 @@ def test_ls_that_fails_midway_keeps_what_it_printed_and_exits_1(
     # The heading and the first batch, no count.
     assert [line[:64] for line in out.splitlines()[1:]] == [key.hex() for key in order[:2]]
     assert err == f"hicache-async storage: error: file://{root}: [Errno 5] Input/output error\n"
+
+
+def test_ls_shows_a_last_access_no_date_can_show_as_seconds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # tmpfs (and btrfs) keep 64-bit file times: a page file given an mtime past the year 9999
+    # (`touch -d`, a wrong clock) made the table's date raise ValueError, a traceback.
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("needs /dev/shm")
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        root = Path(shm) / "s"
+        keys = _populate(root, 2)
+        far = 10**12  # about the year 33658
+        page = root / "pages" / keys[0].hex()[:2] / keys[0].hex()
+        os.utime(page, (far, far))
+        if page.stat().st_mtime != far:
+            pytest.skip("/dev/shm clamps file times")
+        code, out, err = _run(capsys, "ls", f"file://{root}")
+        assert (code, err) == (0, "")
+        lines = {line.split()[0]: line for line in out.splitlines()[1:-1]}
+        assert lines[keys[0].hex()].endswith(f"@{far}")
+        assert datetime.strptime(lines[keys[1].hex()][-19:], "%Y-%m-%d %H:%M:%S")
+        assert out.endswith("2 pages\n")

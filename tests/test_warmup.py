@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import tracemalloc
 from collections.abc import AsyncIterator, Hashable, Sequence
 from pathlib import Path
@@ -1295,3 +1296,32 @@ async def test_a_chain_past_a_lowered_memory_bound_is_recorded_as_its_prefix() -
             assert result.pages_loaded == pages
             served = await serve(cold, prompt, generator, prefetch=False, check="all")
             assert served.host_tokens == pages
+
+
+async def test_chains_recorded_after_the_clock_steps_back_rank_no_older(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A record's `last_use` is wall-clock time. Stepped back (NTP, a VM's resume), it made
+    # the chains recorded since rank as older than those recorded before: warmup loaded
+    # them last, and a full manifest trimmed them first.
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    first, second = _prompts(2, seed=11)
+    assert len(first) // PAGE != len(second) // PAGE  # told apart by their lengths
+    async with HiCache(config, storage=MemoryStorage()) as cache:
+        link = cache._link
+        assert link is not None
+        backend = link.backend
+        assert isinstance(backend, MemoryStorage)
+        await serve(cache, first, generator, prefetch=False)
+        await cache.drain()
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 3600.0)  # an hour back
+        await serve(cache, second, generator, prefetch=False)
+        await cache.drain()
+        read = await backend.manifest().read()
+    uses = {e.num_tokens: e.last_use for e in read.entries}
+    earlier, later = (len(p) // PAGE * PAGE for p in (first, second))
+    assert set(uses) == {earlier, later}
+    assert uses[later] >= uses[earlier]
+    assert read.entries[0].num_tokens == later  # the most recent first

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, NamedTuple, TypeVar
@@ -109,11 +110,19 @@ def _decode(body: bytes, kind: type[S]) -> S:
         raise HTTPError(400, "invalid_json", str(exc)) from None
 
 
+def _as_float(value: float) -> float:
+    """`float(value)`, or inf for an int past a float's range (float() raises for it)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _check_seconds(name: str, value: object) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not 0 < value < float("inf")
+        or not 0 < _as_float(value) < math.inf
     ):
         raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
 

@@ -16,23 +16,12 @@ import msgspec
 
 from .._errors import StorageConfigError
 from ..demo import DemoOptions, demo_storage_root, format_summary, plan_demo, run_demo
-from ._args import ascii_only, integer, positive_int
+from ._args import integer, positive_float, positive_int
 from ._output import print_output
 
 __all__ = ["add_arguments", "run"]
 
 _DEFAULTS = DemoOptions()
-
-
-def _positive_float(text: str) -> float:
-    ascii_only(text, "a number")
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--time-compression",
-        type=_positive_float,
+        type=positive_float,
         default=d.time_compression,
         metavar="X",
         help="replay trace time X times faster (default %(default)s)",

@@ -245,8 +245,17 @@ _TABLE_HEAD = f"{'key':<64}  {'bytes':>12}  {'tokens':>6}  {'prio':>4}  last acc
 
 
 def _table_line(row: dict[str, Any]) -> str:
-    when = datetime.fromtimestamp(row["last_access"], tz=timezone.utc)
     return (
         f"{row['key']:<64}  {row['nbytes']:>12}  {row['num_tokens']:>6}  "
-        f"{row['priority']:>4}  {when:%Y-%m-%d %H:%M:%S}"
+        f"{row['priority']:>4}  {_when(row['last_access'])}"
     )
+
+
+def _when(seconds: float) -> str:
+    """A last access as a UTC date, or as Unix seconds where no date can show it: a file
+    system with 64-bit times (tmpfs, btrfs) keeps any mtime `touch -d` or a wrong clock
+    gave a page, and another backend may list what it likes."""
+    try:
+        return f"{datetime.fromtimestamp(seconds, tz=timezone.utc):%Y-%m-%d %H:%M:%S}"
+    except (ValueError, OverflowError, OSError):  # past year 9999, before year 1, nan, inf
+        return f"@{seconds:.0f}"

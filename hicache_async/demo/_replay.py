@@ -103,8 +103,14 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
                 f"max_prompt_tokens must exceed one trace block ({BLOCK_TOKENS} tokens), "
                 f"got {self.max_prompt_tokens}"
             )
-        if not (math.isfinite(self.time_compression) and self.time_compression > 0):
-            raise ValueError(f"time_compression must be > 0, got {self.time_compression}")
+        try:
+            finite = math.isfinite(self.time_compression)
+        except OverflowError:  # an int past a float's range
+            finite = False
+        if not (finite and self.time_compression > 0):
+            raise ValueError(
+                f"time_compression must be a finite number > 0, got {self.time_compression}"
+            )
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
         if not 0 <= self.seed < 2**64:  # what torch.Generator.manual_seed takes

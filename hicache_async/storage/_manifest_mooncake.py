@@ -94,7 +94,8 @@ _READ_BATCH = 16
 _ATTEMPTS = 3
 #: Bound on an index's `carry_from` (a log this long would have compacted long before).
 _MAX_CARRY_FROM = 1 << 20
-#: A lock older than this belongs to a compaction that died; it may be broken.
+#: A lock older than this belongs to a compaction that died; it may be broken. So may one
+#: that expires more than this later than one taken now would (see `_lock`).
 _LOCK_TTL_S = 300.0
 _ADMIN_TIMEOUT_S = 10.0
 _MAX_NAMESPACES = 4096
@@ -678,7 +679,12 @@ class MooncakeManifest:
                 lock = msgspec.json.decode(held, type=_Lock) if isinstance(held, bytes) else None
             except (msgspec.DecodeError, msgspec.ValidationError):
                 lock = None
-            if lock is not None and lock.expires > time.time():
+            # Held until it expires, on its holder's wall clock. One that expires more than
+            # a lock's lifetime later than one taken now came from a clock that ran that
+            # far ahead (a host booted with a wrong time), or from before this one stepped
+            # back: left by a compaction that died, it would hold off every compaction until
+            # that time came, while the log grew. (A clock a few seconds ahead is no cause.)
+            if lock is not None and 0 < lock.expires - time.time() <= 2 * _LOCK_TTL_S:
                 return None
             # Abandoned (or unreadable): break it, once.
             _log.warning("hicache.manifest.lock_broken", namespace=namespace)

@@ -410,6 +410,14 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _as_float(value: numbers.Real) -> float:
+    """`float(value)`, or inf for an int past a float's range."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _check_arguments(
     *,
     url: object,
@@ -443,7 +451,7 @@ def _check_arguments(
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, numbers.Real)
-        or not _MIN_TIMEOUT_S <= float(timeout) < math.inf
+        or not _MIN_TIMEOUT_S <= _as_float(timeout) < math.inf
     ):
         # Less than a millisecond is no timeout a round trip can meet: every call would fail.
         raise StorageConfigError(
@@ -1700,8 +1708,11 @@ class RedisStorage(BackendBase):
         last = now - idle if isinstance(idle, int) else created
         if touched is not None and isinstance(idle, int) and idle >= touched:
             # Not used since a pass that read every page and recorded it (which Redis
-            # counts as a use): its creation is the best recency left.
-            last = created
+            # counts as a use): its creation is the best recency left, but never later
+            # than the pass's mark (to the idle clock's one second), which pages used since
+            # come after. Its writer's clock stamped it: one running ahead, or this host's
+            # stepped back since, would list it before them, and gc would evict them first.
+            last = min(created, now - touched + 1)
         if header is PageCheck.CORRUPT:
             last = 0.0  # damaged: the first gc evicts, whatever read it last
         return _Listed(rkey, nbytes, tokens, priority, last)

@@ -123,7 +123,12 @@ def _seconds(name: str, value: float) -> float:
     # inf would hang every call (hang_rate says that), nan would silently add nothing.
     if not _is_number(value) or not 0.0 <= value < math.inf:
         raise StorageConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past a float's range
+        raise StorageConfigError(
+            f"{name} must be a finite number of seconds >= 0, got {value!r}"
+        ) from None
 
 
 def _is_number(value: object) -> bool:

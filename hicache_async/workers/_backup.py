@@ -24,6 +24,7 @@ looks at the disk, where its `exists` trusts this instance's index).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -66,6 +67,10 @@ _KEY_RECORD_BYTES = 67
 #: More than a record's fields besides its keys take: a chain whose keys fit in the bound
 #: with this much to spare needs no encoding to be measured.
 _RECORD_FIELDS_BYTES = 1024
+#: Doublings of `retry_backoff_s` past which a retry's backoff stops growing: `2.0 ** 1000`
+#: is still a float (the product may reach inf, which waits for a give-way), while
+#: `2 ** 1024` cannot be made one.
+_MAX_DOUBLINGS = 1000
 
 
 class _Job(msgspec.Struct):
@@ -122,6 +127,8 @@ class BackupWorker:
             backend.manifest() if isinstance(backend, SupportsManifest) else None
         )
         self.manifest_entries = 0
+        #: The latest `last_use` recorded: the next is later (see `_chain_entry`).
+        self._last_use = -math.inf
         self._send, self._receive = anyio.create_memory_object_stream[_Job](
             max_buffer_size=config.queue_size
         )
@@ -530,7 +537,12 @@ class BackupWorker:
             return None  # the node left the tree meanwhile
         size = self._cache.config.page_size
         fingerprint = self._cache.namespace.fingerprint
-        priority, now = job.node.priority, time.time()
+        # Wall-clock time, which readers compare across instances; always later than this
+        # worker's last record, so that after the clock steps back the chains recorded since
+        # do not rank (and get trimmed) as older than those recorded before, nor lose to
+        # their own older records.
+        self._last_use = max(math.nextafter(self._last_use, math.inf), time.time())
+        priority, now = job.node.priority, self._last_use
         entry = chain_entry(fingerprint, keys, len(keys) * size, priority, now)
         # A record longer than a reader takes is skipped by every warmup: a chain of more
         # pages than that (some 3,900 at the default bound: 3,900 tokens at page size 1) is
@@ -583,7 +595,8 @@ class BackupWorker:
         for attempt in range(self.config.max_retries + 1):
             if attempt:
                 # The backoff ends early when the worker gives way.
-                with anyio.move_on_after(self.config.retry_backoff_s * 2 ** (attempt - 1)):
+                doublings = min(attempt - 1, _MAX_DOUBLINGS)
+                with anyio.move_on_after(self.config.retry_backoff_s * 2.0**doublings):
                     assert self._give_way is not None
                     await self._give_way.wait()
             if self._giving_way:

@@ -1030,6 +1030,44 @@ async def test_mooncake_compactions_exclude_each_other(mooncake_url: str) -> Non
         assert report.entries_after == 4
 
 
+async def test_a_mooncake_lock_expiring_beyond_its_lifetime_is_broken(
+    mooncake_url: str,
+) -> None:
+    # A lock's expiry is its holder's wall clock plus the lock's lifetime (300 s). One that
+    # expires more than a lifetime later than one taken now came from a clock that ran
+    # ahead (a host booted with a wrong time) or from before this clock stepped back: left
+    # by a compaction that died, it held off every compaction of the namespace until that
+    # time came, while the log, hard-pinned, kept growing.
+    url = f"{mooncake_url}{MOONCAKE_SMALL}&prefix=t{uuid.uuid4().hex}"
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest = backend.manifest(LIMITS)
+        ns = NS_A.hex()
+        await manifest.append([entry(NS_A, i) for i in range(4)])
+        name = manifest.object_name(ns, "lock")
+        store, config = backend._store, manifest._replicate_config()
+
+        async def plant(expires: float) -> None:
+            value = json.dumps({"token": "ab" * 8, "expires": expires}).encode()
+
+            def put(stop: object) -> int:
+                return int(store.put(name, value, config))
+
+            assert await backend.run_job(put) == 0
+
+        # From a clock up to a lock's lifetime ahead of this one: a compaction may still
+        # hold it.
+        await plant(time.time() + 2 * 300 - 60)
+        with pytest.raises(StorageError, match="another compaction"):
+            await manifest.compact_namespace(ns)
+        await manifest._remove([name])
+        await plant(time.time() + 86_400)  # a day ahead
+        with structlog.testing.capture_logs() as logs:
+            report = await manifest.compact_namespace(ns)
+        assert report.entries_after == 4
+        assert [e["event"] for e in logs].count("hicache.manifest.lock_broken") == 1
+        assert (await manifest._get([name], 1024))[0] is None  # released after the compaction
+
+
 async def test_a_mooncake_compaction_sweeps_only_its_own_chunk_names(mooncake_url: str) -> None:
     prefix = f"t{uuid.uuid4().hex}"
     # Another client whose prefix starts with this one's manifest lead for NS_A.

@@ -13,6 +13,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 import tracemalloc
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -822,6 +823,7 @@ def test_ttl_and_argument_types_are_checked() -> None:
         ({"timeout": 1e-9}, "timeout must be a finite number of seconds >= 0.001"),
         ({"timeout": True}, "timeout must be a finite number"),
         ({"timeout": float("inf")}, "timeout must be a finite number"),
+        ({"timeout": 10**400}, "timeout must be a finite number"),  # past a float's range
         ({"prefix": b"x"}, "prefix must be a str, got bytes"),
         ({"bulk": 1}, "bulk must be True or False"),
         ({"multikey": "no"}, "multikey must be True, False or None"),
@@ -2269,3 +2271,42 @@ async def test_write_raw_keeps_the_ttl(redis_url: str, multi: bool) -> None:
         key = os.urandom(32)
         await backend.write_raw(key, b"value")
         assert await admin.ttl(backend._rkey(key)) == -1
+
+
+async def test_a_page_created_ahead_of_this_clock_lists_no_newer_than_its_idle_time(
+    redis_url: str,
+) -> None:
+    # A page not used since a recorded pass goes by its creation, which its writer's clock
+    # stamped: a writer whose clock ran ahead (or this host's clock stepped back since) made
+    # it list as used after pages read a moment ago, and gc evicted those first. Its last
+    # use is no later than the pass, whose mark's idle time tells when on the server's clock.
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+            keys, pages, metas = make_pages(2)
+            assert await backend.put(keys[1:], pages[1:], metas[1:]) == [Outcome.OK]
+            ahead_ns = time.time_ns() + 86_400 * 10**9  # a day ahead
+            header = encode_header(metas[0], pages[0], created_ns=ahead_ns)
+            await backend.write_raw(keys[0], header + joined(pages[0]))
+            await backend.list_pages()  # the recorded pass
+
+            async def pass_long_ago() -> None:
+                # Idle times as if the pass ran 100 s ago and the page ahead was last read
+                # by it (a listing's header read is a use): no one-second clock to wait for.
+                for rkey in (backend._touched_rkey(), backend._rkey(keys[0])):
+                    dumped = await admin.dump(rkey)
+                    await admin.execute_command(
+                        "RESTORE", rkey, 0, dumped, "REPLACE", "IDLETIME", 100
+                    )
+
+            await pass_long_ago()
+            # The other page is used after the pass.
+            assert await backend.get(keys[1:], buffers(1), namespace=NS) == [Outcome.OK]
+            listed = await backend.list_pages(record=False)
+            assert [page.key for page in listed] == [keys[1], keys[0]]
+            assert listed[1].last_access <= time.time() - 100 + 1
+            await pass_long_ago()
+            limited = await backend.list_pages(1, record=False)
+            assert [page.key for page in limited] == [keys[1]]
+    finally:
+        await admin.aclose()
