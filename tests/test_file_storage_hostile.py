@@ -566,3 +566,28 @@ async def test_read_raw_refuses_a_file_larger_than_any_page(tmp_path: Path) -> N
         os.truncate(_page_path(root, keys[0]), 2 * _GIB)  # sparse: costs no disk
         with pytest.raises(StorageError, match="more than a page can be"):
             await storage.read_raw(keys[0])
+
+
+async def test_pages_linked_from_elsewhere_are_never_written_over(tmp_path: Path) -> None:
+    # A hard-link snapshot of the root (`cp -al`, `rsync --link-dest`), or a link planted in
+    # it: a removed page's file must not become a spare a later write goes over, which would
+    # change the file under its other name.
+    root = tmp_path / "s"
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    keys = _keys(3)
+    async with FileStorage(root, capacity_bytes=3 * SIZE, spare_bytes=4 * SIZE) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 3
+        for key in keys:
+            os.link(_page_path(root, key), snapshot / key.hex())
+        before = {path.name: path.read_bytes() for path in snapshot.iterdir()}
+        assert await storage.delete(keys[:1]) == 1
+        # Pages of the removed pages' size, one by one: each evicts one of the linked pages
+        # once the store is full, and would be written over a spare file if there were one.
+        more = _keys(3)
+        for key in more:
+            assert await _put(storage, [key]) == [Outcome.OK]
+        assert storage.stats().evictions == 2
+        assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == before
+        assert await _get(storage, more) == [Outcome.OK] * 3
+        await _assert_index_matches_disk(storage, root)

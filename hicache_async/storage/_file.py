@@ -1143,8 +1143,12 @@ class _SparePool:
         size = st.st_size
         # st_blocks counts 512-byte units whatever the block size; 0 where it is not kept.
         disk = st.st_blocks * 512 if st.st_blocks else size
+        # A file with another link (planted beside or outside the root) is not ours alone:
+        # a write over it as a spare would change what the other name shows.
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            return False
         with self._lock:
-            if not stat.S_ISREG(st.st_mode) or self.nbytes + size > self.limit:
+            if self.nbytes + size > self.limit:
                 return False
             self.nbytes += size
             self.disk_nbytes += disk
@@ -3064,7 +3068,7 @@ class FileStorage(BackendBase):
                 pass
             else:
                 st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode) and st.st_size == size:
+                if stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_nlink == 1:
                     return spare, fd
                 os.close(fd)
             with contextlib.suppress(OSError):
