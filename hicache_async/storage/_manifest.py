@@ -691,8 +691,9 @@ def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
     is cut back to the size before it, so no record of a failed append lands and no torn
     one is left for readers; so is one that `wanted()` stops (the caller gave up: it was
     told the append failed), unless the write under way had already written everything.
-    The caller holds the manifest's lock, so nothing else appended meanwhile."""
-    fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    The caller holds the manifest's lock, so nothing else appended meanwhile. A file with
+    another hard link is first replaced by a copy of its own (see `_unshared`)."""
+    fd = _unshared(path, _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT))
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -710,6 +711,42 @@ def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
+
+
+def _unshared(path: str, fd: int) -> int:
+    """`fd`, the manifest at `path` opened for appending, when its file has no other hard
+    link; else a descriptor of a copy that replaced it (`fd` is closed). A link from a
+    snapshot of the root (`cp -al`, `rsync --link-dest`) or from outside it names the same
+    file: an append (or its cut after a failed write) would change it under that name too.
+    The caller holds the manifest's lock."""
+    try:
+        if os.fstat(fd).st_nlink <= 1:
+            return fd
+        parent, name = os.path.split(path)
+        # Named as a compaction's temporary file, so that one left by a crash is removed.
+        temp = os.path.join(parent, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        copy = _open_regular(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            offset = 0
+            while chunk := os.pread(fd, 8 << 20, offset):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(copy, view) :]
+                offset += len(chunk)
+            os.close(copy)
+            copy = -1
+            os.replace(temp, path)
+        except BaseException:
+            if copy >= 0:
+                os.close(copy)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
 
 
 def _remove_temp_files(path: Path) -> int:
