@@ -477,6 +477,21 @@ def test_a_trace_of_values_no_request_can_have_is_a_one_line_error(
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_config_error_in_a_worker_process_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Scenarios run in a process pool: the worker's ConfigError comes back pickled.
+    code, err = _bench_cli(
+        capsys,
+        *("trace", "--requests", "1", "--storages", "off", "--host-ratios", "0.5,2"),
+        *("--jobs", "2", "--device-tokens", str(10**20)),
+    )
+    assert code == 1, err
+    assert "invalid configuration at 'device_pages'" in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_non_finite_records_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
