@@ -44,6 +44,7 @@ from hicache_async.storage import (
     _file,
     encode_header,
 )
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._page import PayloadVerifier
 
 _GIB = 1 << 30
@@ -591,3 +592,25 @@ async def test_pages_linked_from_elsewhere_are_never_written_over(tmp_path: Path
         assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == before
         assert await _get(storage, more) == [Outcome.OK] * 3
         await _assert_index_matches_disk(storage, root)
+
+
+async def test_the_manifest_does_not_follow_a_root_replaced_by_a_symlink(tmp_path: Path) -> None:
+    # Pages go by the root's descriptor; the manifest by its path, which must still name the
+    # directory the store opened.
+    root = tmp_path / "s"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    entry = chain_entry(NS, [bytes([1]) * 32], 16, 0, 1.0)
+    async with FileStorage(root) as storage:
+        manifest = storage.manifest()
+        await manifest.append([entry])
+        shutil.rmtree(root)
+        root.symlink_to(elsewhere)
+        with pytest.raises(StorageError, match="replaced since it was opened"):
+            await manifest.append([entry])
+        with pytest.raises(StorageError, match="replaced since it was opened"):
+            await manifest.read()
+        with pytest.raises(StorageError, match="replaced since it was opened"):
+            await manifest.compact()
+        await storage.verify()
+    assert os.listdir(elsewhere) == []

@@ -844,6 +844,17 @@ _RAW_MAX_NBYTES = 1 << 30
 _REMOVE_MAX_DEPTH = 64
 
 
+def _names_root(root: Path, root_fd: int) -> bool:
+    """Whether the path `root` still names the directory open as `root_fd` (not a symlink,
+    not another directory put in its place)."""
+    try:
+        st = os.lstat(root)
+        mine = os.fstat(root_fd)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def _remove_tree(name: str, dir_fd: int, stop: threading.Event | None = None) -> None:
     """Remove the directory `name` under `dir_fd` and everything in it, through descriptors
     opened without following symlinks (shutil.rmtree takes `dir_fd` only from Python 3.11).
@@ -1628,8 +1639,21 @@ class FileStorage(BackendBase):
         return self._io_threads
 
     def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
-        """The warmup manifest: `manifest.jsonl` in the root, beside the pages."""
-        return FileManifest(self._root / _MANIFEST_NAME, limits)
+        """The warmup manifest: `manifest.jsonl` in the root, beside the pages. While the
+        store is open, it refuses to work (StorageError) once the root's path no longer names
+        the directory the store opened (see `_check_root_path`)."""
+        return FileManifest(self._root / _MANIFEST_NAME, limits, guard=self._check_root_path)
+
+    def _check_root_path(self) -> None:
+        """StorageError when the store is open and its root's path was replaced since (by a
+        symlink, or another directory): the manifest goes by that path, where the pages go by
+        the directory's descriptor, and must not follow it out of the root."""
+        handles = self._handles
+        if handles is not None and not _names_root(self._root, handles.root_fd):
+            raise StorageError(
+                f"{self._name}: the storage root was replaced since it was opened (by a "
+                "symlink or another directory); its manifest is not used until the next open"
+            )
 
     @property
     def capabilities(self) -> StorageCapabilities:
@@ -3521,7 +3545,8 @@ class FileStorage(BackendBase):
         spares = self._spares.names() if self._spares is not None else frozenset()
         failed: list[tuple[str, str]] = []
         leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares, failed=failed)
-        leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
+        if _names_root(self._root, handles.root_fd):  # else the path leads elsewhere
+            leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
         self._log_stray_errors(failed)
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []

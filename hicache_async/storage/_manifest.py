@@ -844,9 +844,19 @@ def _file_kind(mode: int) -> str:
 class FileManifest:
     """A manifest in one JSON-lines file, appended as a stream and compacted atomically."""
 
-    def __init__(self, path: str | os.PathLike[str], limits: ManifestLimits | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        limits: ManifestLimits | None = None,
+        *,
+        guard: Callable[[], None] | None = None,
+    ):
+        """`guard`, when given, is called before every append, read and compaction and may
+        refuse it by raising StorageError (a file store's check that its root, which the
+        manifest's path goes through, was not replaced since it was opened)."""
         self.path = Path(path)
         self.limits = limits or ManifestLimits()
+        self._guard = guard
         # This instance's appends and compactions take the file's lock in turn: tries of a
         # lock held elsewhere are polls, which would otherwise let newcomers overtake.
         self._turns = anyio.Lock()
@@ -864,6 +874,7 @@ class FileManifest:
         """
         if not entries:
             return
+        self._check()
         data = b"".join(encode_entry(e) for e in entries)
         async with self._turns:
             lock_fd = await _lock(self.path)
@@ -880,6 +891,7 @@ class FileManifest:
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
         """The newest record per chain (of `namespace`, if given), bounded by the limits.
         Raises StorageError when the manifest is not a regular file (a FIFO, say)."""
+        self._check()
         collector = ManifestCollector(self.limits, namespace)
         truncated = await _collect_file(self.path, self.limits, collector)
         return await off_loop(
@@ -894,8 +906,13 @@ class FileManifest:
         can be cancelled. Raises StorageError when the manifest or its lock file is not a
         regular file.
         """
+        self._check()
         async with self._turns, _file_lock(self.path):
             return await self._compact()
+
+    def _check(self) -> None:
+        if self._guard is not None:
+            self._guard()
 
     async def _compact(self) -> CompactReport:
         try:
