@@ -1155,8 +1155,15 @@ class _SparePool:
         # st_blocks counts 512-byte units whatever the block size; 0 where it is not kept.
         disk = st.st_blocks * 512 if st.st_blocks else size
         # A file with another link (planted beside or outside the root) is not ours alone:
-        # a write over it as a spare would change what the other name shows.
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        # a write over it as a spare would change what the other name shows. One of another
+        # owner, or that others may read (a page copied in), would pass its owner and mode
+        # on to the page written over it, which the store creates 0600.
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_nlink != 1
+            or st.st_uid != os.geteuid()
+            or st.st_mode & 0o077
+        ):
             return False
         with self._lock:
             if self.nbytes + size > self.limit:
