@@ -617,16 +617,23 @@ async def test_the_manifest_does_not_follow_a_root_replaced_by_a_symlink(tmp_pat
 
 
 async def test_a_page_file_others_may_read_is_not_kept_as_a_spare(tmp_path: Path) -> None:
-    # A page copied into the root with a looser mode (cp under umask 022) is served, but once
-    # removed its file must not carry that mode over to a page written over it.
+    # A page copied into the root with a looser mode (cp under umask 022), or by another user,
+    # is served, but once removed its file must not pass that mode or owner on to a page
+    # written over it.
     root = tmp_path / "s"
-    keys = _keys(3)
+    keys = _keys(4)
     async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
-        assert await _put(storage, keys[:1]) == [Outcome.OK]
+        assert await _put(storage, keys[:2]) == [Outcome.OK] * 2
     _page_path(root, keys[0]).chmod(0o644)
+    other = os.geteuid() + 1
+    try:
+        os.chown(_page_path(root, keys[1]), other, -1)
+    except PermissionError:
+        other = os.geteuid()  # not root: the mode case alone
     async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
-        assert await _get(storage, keys[:1]) == [Outcome.OK]
-        assert await storage.delete(keys[:1]) == 1
-        assert await _put(storage, keys[1:]) == [Outcome.OK] * 2
-        for key in keys[1:]:
-            assert stat.S_IMODE(_page_path(root, key).stat().st_mode) == 0o600
+        assert await _get(storage, keys[:2]) == [Outcome.OK] * 2
+        assert await storage.delete(keys[:2]) == 2
+        assert await _put(storage, keys[2:]) == [Outcome.OK] * 2
+        for key in keys[2:]:
+            st = _page_path(root, key).stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, os.geteuid())
