@@ -915,10 +915,14 @@ def _remove_leftovers(
     idle_s: float,
     keep: frozenset[str] = frozenset(),
     failed: list[tuple[str, str]] | None = None,
+    foreign: list[str] | None = None,
 ) -> int:
     """Delete temporary files of interrupted writes not modified for `idle_s` seconds, but
     not those named in `keep`. One that cannot be removed goes to `failed` as (name, error)
-    and the rest go on: a single immutable file must not fail an open or a verify()."""
+    and the rest go on: a single immutable file must not fail an open or a verify(). A file
+    not named as the store names its temporary and spare files is no leftover of its own
+    (a `tmp/` that was there before the store, an operator's file): it is left in place and
+    goes to `foreign`."""
     removed = 0
     now = time.time()
     fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
@@ -927,6 +931,10 @@ def _remove_leftovers(
             for entry in entries:
                 try:
                     if entry.is_dir(follow_symlinks=False) or entry.name in keep:
+                        continue
+                    if not entry.name.endswith((_TMP_SUFFIX, _SPARE_SUFFIX)):
+                        if foreign is not None:
+                            foreign.append(f"{_TMP}/{entry.name}")
                         continue
                     if idle_s and now - entry.stat(follow_symlinks=False).st_mtime < idle_s:
                         continue
@@ -3551,14 +3559,16 @@ class FileStorage(BackendBase):
         # This instance's own spare files are not leftovers, however long they have waited.
         spares = self._spares.names() if self._spares is not None else frozenset()
         failed: list[tuple[str, str]] = []
-        leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares, failed=failed)
+        foreign: list[str] = []
+        leftovers = _remove_leftovers(
+            handles, idle_s=idle, keep=spares, failed=failed, foreign=foreign
+        )
         if _names_root(self._root, handles.root_fd):  # else the path leads elsewhere
             leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
         self._log_stray_errors(failed)
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []
         refused: list[str] = []
-        foreign: list[str] = []
         found = _scan(
             handles, stop, strays, stray_dirs=stray_dirs, refused=refused, foreign=foreign
         )
