@@ -659,3 +659,18 @@ async def test_files_in_tmp_the_store_would_not_have_written_are_left(tmp_path: 
         # The leftover the open removed is reported by the next verify().
         assert (report.leftovers_removed, report.foreign) == (1, 1)
     assert notes.read_bytes() == b"an operator's"
+
+
+async def test_verify_leaves_a_directory_in_a_shard_not_named_as_a_page(tmp_path: Path) -> None:
+    # Only a directory where a page belongs blocks a write; another is an operator's.
+    root = tmp_path / "s"
+    keys = _keys(2)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        kept = _page_path(root, keys[0]).parent / "old-pages"
+        kept.mkdir()
+        (kept / "copy").write_bytes(b"an operator's")
+        report = await storage.verify()
+        assert (report.ok, report.leftovers_removed, report.foreign) == (2, 0, 1)
+        assert (kept / "copy").read_bytes() == b"an operator's"
+        assert await _get(storage, keys) == [Outcome.OK] * 2
