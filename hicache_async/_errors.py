@@ -35,6 +35,11 @@ class ConfigError(HiCacheError, ValueError):
         self.field = field
         self.reason = reason
 
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+        # Pickled by its arguments: the default (the message alone) does not unpickle, and a
+        # process pool then reports a worker's ConfigError as a broken pool.
+        return (type(self), (self.field, self.reason))
+
 
 class WrongThreadError(HiCacheError, RuntimeError):
     """A loop-owned object was touched from another thread or event loop."""

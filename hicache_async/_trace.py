@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -20,13 +21,19 @@ _VOCAB = 128_000
 _TRACE_FILE = "mooncake_conversation_trace.jsonl"
 
 
+#: A block id seeds the generator of its tokens and is held as a uint32 by the benchmarks.
+BlockId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+Length = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class TraceRequest(msgspec.Struct, frozen=True):
-    """One request of the trace."""
+    """One request of the trace; a line whose lengths are negative, or whose block ids are
+    not in [0, 2**32), is refused when the trace is read."""
 
     timestamp: int
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
+    input_length: Length
+    output_length: Length
+    hash_ids: list[BlockId]
 
 
 def default_trace_path() -> Path:

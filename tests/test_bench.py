@@ -447,6 +447,51 @@ def test_bench_checks_its_inputs_before_running(
     assert "no-dir" in err
 
 
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('"input_length": -5, "output_length": 1, "hash_ids": [1]', "$.input_length"),
+        ('"input_length": 5, "output_length": -1, "hash_ids": [1]', "$.output_length"),
+        ('"input_length": 5, "output_length": 1, "hash_ids": [-1]', "$.hash_ids[0]"),
+        ('"input_length": 5, "output_length": 1, "hash_ids": [1, 4294967296]', "$.hash_ids[1]"),
+        ('"input_length": 5, "output_length": 1, "hash_ids": [100000000000000000000000]', "$.hash"),
+    ],
+)
+def test_a_trace_of_values_no_request_can_have_is_a_one_line_error(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    line: str,
+    field: str,
+) -> None:
+    def never(args: argparse.Namespace) -> list[Record]:
+        raise AssertionError("ran with a trace that cannot work")
+
+    monkeypatch.setattr(trace, "run", never)
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, ' + line + "}\n")
+    code, err = _bench_cli(capsys, "trace", "--trace", str(path), "--storages", "off")
+    assert code == 2, err
+    assert field in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_config_error_in_a_worker_process_is_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Scenarios run in a process pool: the worker's ConfigError comes back pickled.
+    code, err = _bench_cli(
+        capsys,
+        *("trace", "--requests", "1", "--storages", "off", "--host-ratios", "0.5,2"),
+        *("--jobs", "2", "--device-tokens", str(10**20)),
+    )
+    assert code == 1, err
+    assert "invalid configuration at 'device_pages'" in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_non_finite_records_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 from collections.abc import Callable
 from fractions import Fraction
@@ -470,3 +471,11 @@ def test_a_mapping_key_that_is_no_string_is_a_config_error(section: str, key: ob
     for load in (CacheConfig.from_dict, load_config):
         with pytest.raises(ConfigError, match=r"Expected `str`"):
             load(data)
+
+
+def test_a_config_error_survives_pickling() -> None:
+    # A process pool's worker hands its exceptions back pickled.
+    error = ConfigError("device_pages", "too many")
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is ConfigError
+    assert (back.field, back.reason, str(back)) == (error.field, error.reason, str(error))

@@ -248,3 +248,27 @@ def _temp_files_after(directory: Path, wait_s: float) -> list[Path]:
     while (temps := list(directory.glob(".manifest.jsonl.*.tmp"))) and time.monotonic() < deadline:
         time.sleep(0.01)
     return temps
+
+
+async def test_an_append_leaves_a_hard_linked_copy_of_the_manifest_as_it_was(
+    tmp_path: Path,
+) -> None:
+    # A snapshot of the root made with hard links (`cp -al`, `rsync --link-dest`) names the
+    # manifest's file too: appends after it must not change the snapshot.
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    first = chain_entry(NS, [bytes([1]) * 32], 16, 0, 1.0)
+    second = chain_entry(NS, [bytes([2]) * 32], 16, 0, 2.0)
+    await manifest.append([first])
+    snapshot = tmp_path / "snapshot.jsonl"
+    os.link(path, snapshot)
+    before = snapshot.read_bytes()
+    await manifest.append([second])
+    assert snapshot.read_bytes() == before
+    assert path.stat().st_nlink == 1
+    assert (path.stat().st_mode & 0o777) == 0o600
+    read = await manifest.read()
+    assert {entry.chain_id for entry in read.entries} == {first.chain_id, second.chain_id}
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        [".manifest.jsonl.lock", "manifest.jsonl", "snapshot.jsonl"]
+    )

@@ -44,6 +44,7 @@ from hicache_async.storage import (
     _file,
     encode_header,
 )
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._page import PayloadVerifier
 
 _GIB = 1 << 30
@@ -566,3 +567,110 @@ async def test_read_raw_refuses_a_file_larger_than_any_page(tmp_path: Path) -> N
         os.truncate(_page_path(root, keys[0]), 2 * _GIB)  # sparse: costs no disk
         with pytest.raises(StorageError, match="more than a page can be"):
             await storage.read_raw(keys[0])
+
+
+async def test_pages_linked_from_elsewhere_are_never_written_over(tmp_path: Path) -> None:
+    # A hard-link snapshot of the root (`cp -al`, `rsync --link-dest`), or a link planted in
+    # it: a removed page's file must not become a spare a later write goes over, which would
+    # change the file under its other name.
+    root = tmp_path / "s"
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    keys = _keys(3)
+    async with FileStorage(root, capacity_bytes=3 * SIZE, spare_bytes=4 * SIZE) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 3
+        for key in keys:
+            os.link(_page_path(root, key), snapshot / key.hex())
+        before = {path.name: path.read_bytes() for path in snapshot.iterdir()}
+        assert await storage.delete(keys[:1]) == 1
+        # Pages of the removed pages' size, one by one: each evicts one of the linked pages
+        # once the store is full, and would be written over a spare file if there were one.
+        more = _keys(3)
+        for key in more:
+            assert await _put(storage, [key]) == [Outcome.OK]
+        assert storage.stats().evictions == 2
+        assert {path.name: path.read_bytes() for path in snapshot.iterdir()} == before
+        assert await _get(storage, more) == [Outcome.OK] * 3
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_the_manifest_does_not_follow_a_root_replaced_by_a_symlink(tmp_path: Path) -> None:
+    # Pages go by the root's descriptor; the manifest by its path, which must still name the
+    # directory the store opened.
+    root = tmp_path / "s"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    entry = chain_entry(NS, [bytes([1]) * 32], 16, 0, 1.0)
+    async with FileStorage(root) as storage:
+        manifest = storage.manifest()
+        await manifest.append([entry])
+        shutil.rmtree(root)
+        root.symlink_to(elsewhere)
+        with pytest.raises(StorageError, match="replaced since it was opened"):
+            await manifest.append([entry])
+        with pytest.raises(StorageError, match="replaced since it was opened"):
+            await manifest.read()
+        with pytest.raises(StorageError, match="replaced since it was opened"):
+            await manifest.compact()
+        await storage.verify()
+    assert os.listdir(elsewhere) == []
+
+
+async def test_a_page_file_others_may_read_is_not_kept_as_a_spare(tmp_path: Path) -> None:
+    # A page copied into the root with a looser mode (cp under umask 022), or by another user,
+    # is served, but once removed its file must not pass that mode or owner on to a page
+    # written over it.
+    root = tmp_path / "s"
+    keys = _keys(4)
+    async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
+        assert await _put(storage, keys[:2]) == [Outcome.OK] * 2
+    _page_path(root, keys[0]).chmod(0o644)
+    other = os.geteuid() + 1
+    try:
+        os.chown(_page_path(root, keys[1]), other, -1)
+    except PermissionError:
+        other = os.geteuid()  # not root: the mode case alone
+    async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
+        assert await _get(storage, keys[:2]) == [Outcome.OK] * 2
+        assert await storage.delete(keys[:2]) == 2
+        assert await _put(storage, keys[2:]) == [Outcome.OK] * 2
+        for key in keys[2:]:
+            st = _page_path(root, key).stat()
+            assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, os.geteuid())
+
+
+async def test_files_in_tmp_the_store_would_not_have_written_are_left(tmp_path: Path) -> None:
+    # A root whose tmp/ was there before the store (a directory reused as a root), or an
+    # operator's file there: only the store's own temporary and spare files are leftovers.
+    root = tmp_path / "s"
+    (root / "tmp").mkdir(mode=0o700, parents=True)
+    root.chmod(0o700)
+    notes = root / "tmp" / "notes.txt"
+    notes.write_bytes(b"an operator's")
+    old = time.time() - 3600
+    os.utime(notes, (old, old))
+    leftover = root / "tmp" / "dead-writer.tmp"
+    leftover.write_bytes(b"x")
+    os.utime(leftover, (old, old))
+    async with FileStorage(root) as storage:
+        assert notes.read_bytes() == b"an operator's"
+        assert not leftover.exists()
+        report = await storage.verify()
+        # The leftover the open removed is reported by the next verify().
+        assert (report.leftovers_removed, report.foreign) == (1, 1)
+    assert notes.read_bytes() == b"an operator's"
+
+
+async def test_verify_leaves_a_directory_in_a_shard_not_named_as_a_page(tmp_path: Path) -> None:
+    # Only a directory where a page belongs blocks a write; another is an operator's.
+    root = tmp_path / "s"
+    keys = _keys(2)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        kept = _page_path(root, keys[0]).parent / "old-pages"
+        kept.mkdir()
+        (kept / "copy").write_bytes(b"an operator's")
+        report = await storage.verify()
+        assert (report.ok, report.leftovers_removed, report.foreign) == (2, 0, 1)
+        assert (kept / "copy").read_bytes() == b"an operator's"
+        assert await _get(storage, keys) == [Outcome.OK] * 2

@@ -844,6 +844,17 @@ _RAW_MAX_NBYTES = 1 << 30
 _REMOVE_MAX_DEPTH = 64
 
 
+def _names_root(root: Path, root_fd: int) -> bool:
+    """Whether the path `root` still names the directory open as `root_fd` (not a symlink,
+    not another directory put in its place)."""
+    try:
+        st = os.lstat(root)
+        mine = os.fstat(root_fd)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def _remove_tree(name: str, dir_fd: int, stop: threading.Event | None = None) -> None:
     """Remove the directory `name` under `dir_fd` and everything in it, through descriptors
     opened without following symlinks (shutil.rmtree takes `dir_fd` only from Python 3.11).
@@ -904,10 +915,14 @@ def _remove_leftovers(
     idle_s: float,
     keep: frozenset[str] = frozenset(),
     failed: list[tuple[str, str]] | None = None,
+    foreign: list[str] | None = None,
 ) -> int:
     """Delete temporary files of interrupted writes not modified for `idle_s` seconds, but
     not those named in `keep`. One that cannot be removed goes to `failed` as (name, error)
-    and the rest go on: a single immutable file must not fail an open or a verify()."""
+    and the rest go on: a single immutable file must not fail an open or a verify(). A file
+    not named as the store names its temporary and spare files is no leftover of its own
+    (a `tmp/` that was there before the store, an operator's file): it is left in place and
+    goes to `foreign`."""
     removed = 0
     now = time.time()
     fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
@@ -916,6 +931,10 @@ def _remove_leftovers(
             for entry in entries:
                 try:
                     if entry.is_dir(follow_symlinks=False) or entry.name in keep:
+                        continue
+                    if not entry.name.endswith((_TMP_SUFFIX, _SPARE_SUFFIX)):
+                        if foreign is not None:
+                            foreign.append(f"{_TMP}/{entry.name}")
                         continue
                     if idle_s and now - entry.stat(follow_symlinks=False).st_mtime < idle_s:
                         continue
@@ -942,7 +961,8 @@ def _scan(
 ) -> list[_Found]:
     """Every page file under pages/. Entries that are neither page files nor regular files
     (symlinks, FIFOs, devices) go to `strays` (as (directory fd, name)) when given, and
-    directories inside a shard to `stray_dirs`; their descriptors stay open in `handles`.
+    directories inside a shard named as page keys to `stray_dirs` (other directories there
+    to `foreign`); their descriptors stay open in `handles`.
     A regular file named as a page key (64 hex digits, of either case) that is no page of
     its shard (one moved to another shard or out of the shards, or named in upper case) is
     a stray too: a page the store can neither find nor account for, which would outlive its
@@ -987,8 +1007,12 @@ def _scan(
                     try:
                         if entry.is_dir(follow_symlinks=False):
                             # A directory where a page belongs would fail every write of
-                            # that key; maintenance takes it out.
-                            if stray_dirs is not None:
+                            # that key; maintenance takes it out. One of another name (an
+                            # operator's) blocks nothing, and its tree was never the store's.
+                            if not _names_a_page(name):
+                                if foreign is not None:
+                                    foreign.append(f"{shard_name}/{name}")
+                            elif stray_dirs is not None:
                                 stray_dirs.append((shard_fd, name))
                         elif not entry.is_file(follow_symlinks=False):
                             if strays is not None:
@@ -1143,8 +1167,19 @@ class _SparePool:
         size = st.st_size
         # st_blocks counts 512-byte units whatever the block size; 0 where it is not kept.
         disk = st.st_blocks * 512 if st.st_blocks else size
+        # A file with another link (planted beside or outside the root) is not ours alone:
+        # a write over it as a spare would change what the other name shows. One of another
+        # owner, or that others may read (a page copied in), would pass its owner and mode
+        # on to the page written over it, which the store creates 0600.
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_nlink != 1
+            or st.st_uid != os.geteuid()
+            or st.st_mode & 0o077
+        ):
+            return False
         with self._lock:
-            if not stat.S_ISREG(st.st_mode) or self.nbytes + size > self.limit:
+            if self.nbytes + size > self.limit:
                 return False
             self.nbytes += size
             self.disk_nbytes += disk
@@ -1624,8 +1659,21 @@ class FileStorage(BackendBase):
         return self._io_threads
 
     def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
-        """The warmup manifest: `manifest.jsonl` in the root, beside the pages."""
-        return FileManifest(self._root / _MANIFEST_NAME, limits)
+        """The warmup manifest: `manifest.jsonl` in the root, beside the pages. While the
+        store is open, it refuses to work (StorageError) once the root's path no longer names
+        the directory the store opened (see `_check_root_path`)."""
+        return FileManifest(self._root / _MANIFEST_NAME, limits, guard=self._check_root_path)
+
+    def _check_root_path(self) -> None:
+        """StorageError when the store is open and its root's path was replaced since (by a
+        symlink, or another directory): the manifest goes by that path, where the pages go by
+        the directory's descriptor, and must not follow it out of the root."""
+        handles = self._handles
+        if handles is not None and not _names_root(self._root, handles.root_fd):
+            raise StorageError(
+                f"{self._name}: the storage root was replaced since it was opened (by a "
+                "symlink or another directory); its manifest is not used until the next open"
+            )
 
     @property
     def capabilities(self) -> StorageCapabilities:
@@ -3064,7 +3112,7 @@ class FileStorage(BackendBase):
                 pass
             else:
                 st = os.fstat(fd)
-                if stat.S_ISREG(st.st_mode) and st.st_size == size:
+                if stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_nlink == 1:
                     return spare, fd
                 os.close(fd)
             with contextlib.suppress(OSError):
@@ -3516,13 +3564,16 @@ class FileStorage(BackendBase):
         # This instance's own spare files are not leftovers, however long they have waited.
         spares = self._spares.names() if self._spares is not None else frozenset()
         failed: list[tuple[str, str]] = []
-        leftovers = _remove_leftovers(handles, idle_s=idle, keep=spares, failed=failed)
-        leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
+        foreign: list[str] = []
+        leftovers = _remove_leftovers(
+            handles, idle_s=idle, keep=spares, failed=failed, foreign=foreign
+        )
+        if _names_root(self._root, handles.root_fd):  # else the path leads elsewhere
+            leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
         self._log_stray_errors(failed)
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []
         refused: list[str] = []
-        foreign: list[str] = []
         found = _scan(
             handles, stop, strays, stray_dirs=stray_dirs, refused=refused, foreign=foreign
         )

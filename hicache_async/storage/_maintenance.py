@@ -58,8 +58,9 @@ class VerifyReport(msgspec.Struct, frozen=True):
     #: them. (Added after the first release: decoders default it.)
     unchecked: int = 0
     #: regular files under `pages/` whose names are no page keys (an operator's notes or
-    #: backup copy): left in place, never the store's to remove. A page key's file out of its
-    #: place (the wrong shard) is a stray, removed and counted in `leftovers_removed`.
+    #: backup copy), and files in `tmp/` not named as the store's temporary or spare files:
+    #: left in place, never the store's to remove. A page key's file out of its place (the
+    #: wrong shard) is a stray, removed and counted in `leftovers_removed`.
     #: File store only. (Added after the first release, as `unchecked`.)
     foreign: int = 0
 

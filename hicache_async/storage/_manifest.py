@@ -691,8 +691,9 @@ def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
     is cut back to the size before it, so no record of a failed append lands and no torn
     one is left for readers; so is one that `wanted()` stops (the caller gave up: it was
     told the append failed), unless the write under way had already written everything.
-    The caller holds the manifest's lock, so nothing else appended meanwhile."""
-    fd = _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+    The caller holds the manifest's lock, so nothing else appended meanwhile. A file with
+    another hard link is first replaced by a copy of its own (see `_unshared`)."""
+    fd = _unshared(path, _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT))
     try:
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -710,6 +711,42 @@ def _append_records(path: str, data: bytes, wanted: Callable[[], bool]) -> int:
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
+
+
+def _unshared(path: str, fd: int) -> int:
+    """`fd`, the manifest at `path` opened for appending, when its file has no other hard
+    link; else a descriptor of a copy that replaced it (`fd` is closed). A link from a
+    snapshot of the root (`cp -al`, `rsync --link-dest`) or from outside it names the same
+    file: an append (or its cut after a failed write) would change it under that name too.
+    The caller holds the manifest's lock."""
+    try:
+        if os.fstat(fd).st_nlink <= 1:
+            return fd
+        parent, name = os.path.split(path)
+        # Named as a compaction's temporary file, so that one left by a crash is removed.
+        temp = os.path.join(parent, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+        copy = _open_regular(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            offset = 0
+            while chunk := os.pread(fd, 8 << 20, offset):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(copy, view) :]
+                offset += len(chunk)
+            os.close(copy)
+            copy = -1
+            os.replace(temp, path)
+        except BaseException:
+            if copy >= 0:
+                os.close(copy)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return _open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
 
 
 def _remove_temp_files(path: Path) -> int:
@@ -807,9 +844,19 @@ def _file_kind(mode: int) -> str:
 class FileManifest:
     """A manifest in one JSON-lines file, appended as a stream and compacted atomically."""
 
-    def __init__(self, path: str | os.PathLike[str], limits: ManifestLimits | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        limits: ManifestLimits | None = None,
+        *,
+        guard: Callable[[], None] | None = None,
+    ):
+        """`guard`, when given, is called before every append, read and compaction and may
+        refuse it by raising StorageError (a file store's check that its root, which the
+        manifest's path goes through, was not replaced since it was opened)."""
         self.path = Path(path)
         self.limits = limits or ManifestLimits()
+        self._guard = guard
         # This instance's appends and compactions take the file's lock in turn: tries of a
         # lock held elsewhere are polls, which would otherwise let newcomers overtake.
         self._turns = anyio.Lock()
@@ -827,6 +874,7 @@ class FileManifest:
         """
         if not entries:
             return
+        self._check()
         data = b"".join(encode_entry(e) for e in entries)
         async with self._turns:
             lock_fd = await _lock(self.path)
@@ -843,6 +891,7 @@ class FileManifest:
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
         """The newest record per chain (of `namespace`, if given), bounded by the limits.
         Raises StorageError when the manifest is not a regular file (a FIFO, say)."""
+        self._check()
         collector = ManifestCollector(self.limits, namespace)
         truncated = await _collect_file(self.path, self.limits, collector)
         return await off_loop(
@@ -857,8 +906,13 @@ class FileManifest:
         can be cancelled. Raises StorageError when the manifest or its lock file is not a
         regular file.
         """
+        self._check()
         async with self._turns, _file_lock(self.path):
             return await self._compact()
+
+    def _check(self) -> None:
+        if self._guard is not None:
+            self._guard()
 
     async def _compact(self) -> CompactReport:
         try:

@@ -606,6 +606,16 @@ class MooncakeStorage(BackendBase):
         host, _, port = master.rpartition(":")
         if not host or not port.isdigit():
             raise StorageConfigError(f"mooncake master must be host:port, got {master!r}")
+        for what, name in (("master", host.strip("[]")), ("local_hostname", local_hostname)):
+            # Otherwise found at the open, as a bare codec error from the resolver.
+            try:
+                if isinstance(name, str):
+                    name.encode("idna")
+            except UnicodeError:
+                raise StorageConfigError(
+                    f"mooncake {what} must name a host by a host name or an IP address, "
+                    f"got {name!r}"
+                ) from None
         if protocol not in ("tcp", "rdma"):
             raise StorageConfigError(f"mooncake protocol must be tcp or rdma, got {protocol!r}")
         if not prefix or any(c.isspace() for c in prefix):

@@ -31,6 +31,9 @@ _PROBE_TIMEOUT_S = 1.0
 #: Probes failed in a row before the master counts as down (a slow answer or two from a busy
 #: admin server is not enough).
 _FAILURES_FOR_DOWN = 3
+#: Most of a `/health` answer's body a probe reads: only its status counts, and a body that
+#: never ends (the wrong service behind the port) must cost neither memory nor the probe.
+_HEALTH_BODY_NBYTES = 64 << 10
 
 
 def http_probe(admin: str) -> Callable[[], bool]:
@@ -40,7 +43,9 @@ def http_probe(admin: str) -> Callable[[], bool]:
     def probe() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT_S) as response:
-                response.read()
+                body = response.read(_HEALTH_BODY_NBYTES)
+                if len(body) < _HEALTH_BODY_NBYTES and response.length:
+                    return False  # cut short of the length it declared: a broken answer
                 return int(response.status) == 200
         except (OSError, http.client.HTTPException, ValueError):
             # URLError is an OSError; HTTPException covers a bad URL (InvalidURL), a garbled

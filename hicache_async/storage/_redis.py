@@ -386,6 +386,23 @@ def _check_host_and_fragment(parts: SplitResult) -> None:
             f"a {parts.scheme}:// URL needs a host, and takes no fragment: "
             f"{parts.scheme}://[user:password@]host[:port][/db][?params]"
         )
+    # Otherwise found only at the first connection, as a bare codec error (a host or password
+    # given as bytes that are not UTF-8, which Python reads from argv as lone surrogates).
+    try:
+        parts.hostname.encode("idna")
+    except UnicodeError:
+        raise StorageConfigError(
+            f"the host of a {parts.scheme}:// URL must be a host name or an IP address, got "
+            f"{parts.hostname!r}"
+        ) from None
+    for what, text in (("user", parts.username), ("password", parts.password)):
+        try:
+            (text or "").encode()
+        except UnicodeError:
+            # Never quoted: it may be (part of) the password.
+            raise StorageConfigError(
+                f"the {what} of a {parts.scheme}:// URL must be text UTF-8 can encode"
+            ) from None
 
 
 # The largest database index SELECT takes (a server's `databases` may allow fewer; that is

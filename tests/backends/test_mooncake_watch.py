@@ -7,6 +7,7 @@ for a master that is gone, 30 s for one that is frozen (docs/storage-mooncake.md
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import signal
 import threading
@@ -21,7 +22,7 @@ from hicache_async import StorageError
 from hicache_async.storage import GcReport, Outcome
 from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
-from hicache_async.storage._mooncake_watch import MasterWatch
+from hicache_async.storage._mooncake_watch import MasterWatch, http_probe
 from hicache_async.testing._servers import MooncakeMaster
 
 from .test_mooncake import NS, buffers, fresh_url, joined, make_pages
@@ -236,3 +237,40 @@ def test_a_probe_that_never_answered_never_reports_the_master_down() -> None:
         finally:
             watch.stop()
     assert [e["event"] for e in logs] == ["storage.mooncake.watch_blind"]
+
+
+def test_a_health_answer_that_does_not_end_is_read_no_further_than_its_start() -> None:
+    # The wrong service behind the admin port: a 200 whose body goes on and on. The probe
+    # takes the status and stops reading, rather than holding all of it.
+    total = 256 << 20
+    sent: list[int] = []
+
+    class Endless(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(total))
+            self.end_headers()
+            chunk = bytes(1 << 20)
+            done = 0
+            try:
+                while done < total:
+                    self.wfile.write(chunk)
+                    done += len(chunk)
+            except OSError:  # the probe closed the connection
+                pass
+            sent.append(done)
+
+        def log_message(self, *args: object) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endless)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert http_probe(f"http://127.0.0.1:{server.server_address[1]}")() is True
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert len(sent) == 1
+    assert sent[0] < 64 << 20  # what the socket buffers took, not the whole answer

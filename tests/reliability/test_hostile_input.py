@@ -630,6 +630,12 @@ URL_CASES: list[tuple[object, str]] = [
     ("json:dumps", "json:dumps"),
     ("builtins:len", "builtins:len"),
     ("redis://host:notaport/0", "notaport"),
+    ("redis://\udcff:6379/0", "must be a host name or an IP address"),
+    ("redis://" + "a" * 64 + ".example:6379/0", "must be a host name or an IP address"),
+    ("redis://u:\udcff@host:6379/0", "the password of a redis:// URL"),
+    ("redis://\udcff:p@host:6379/0", "the user of a redis:// URL"),
+    ("mooncake://\udcff:50051", "mooncake master must name a host"),
+    ("mooncake://h:50051?local_hostname=" + "a" * 64, "mooncake local_hostname must name a host"),
     ("file:///tmp/a\x00b", "file:///tmp/a"),
 ]
 
