@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import sys
 import textwrap
@@ -11,7 +12,7 @@ from typing import Any
 import pytest
 import structlog
 
-from hicache_async import StorageConfigError
+from hicache_async import CacheConfig, HiCache, KVLayout, StorageConfigError
 from hicache_async.storage import (
     FileStorage,
     MemoryStorage,
@@ -137,6 +138,49 @@ def test_missing_redis_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatc
         StorageConfigError, match=r"needs the 'redis' package: pip install 'hicache-async\[redis\]'"
     ):
         open_storage("redis://127.0.0.1:1")
+
+
+def _broken_redis(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An installed `redis` whose import fails (a release too old for the backend, a broken
+    install), as the backend first imports it."""
+    if importlib.util.find_spec("hicache_async.storage._redis") is None:
+        pytest.skip("no redis backend in this tree")
+    package = tmp_path / "redis"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "raise ImportError(\"cannot import name 'BlockingConnectionPool' from 'redis.asyncio'\")\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.delitem(sys.modules, "hicache_async.storage._redis", raising=False)
+
+
+def test_a_redis_library_that_fails_to_import_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _broken_redis(monkeypatch, tmp_path)
+    with pytest.raises(StorageConfigError, match="failed to import: ImportError: cannot import"):
+        open_storage("redis://127.0.0.1:1")
+
+
+async def test_attaches_over_a_redis_library_that_fails_to_import_raise_config_errors(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Both go through the import off the loop (the first one's still running or failed).
+    _broken_redis(monkeypatch, tmp_path)
+    config = CacheConfig(
+        layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8), page_size=8, device_pages=8
+    )
+    async with HiCache(config) as one, HiCache(config) as two:
+        results = await asyncio.gather(
+            one.attach_storage("redis://127.0.0.1:1"),
+            two.attach_storage("redis://127.0.0.1:1"),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, StorageConfigError) for r in results), results
+        assert not one.storage_status().attached
+        assert not two.storage_status().attached
 
 
 def test_redis_url_builds_a_redis_backend() -> None:

@@ -335,6 +335,39 @@ def test_a_count_left_by_a_loop_that_ended_holds_no_later_loop(
         assert runner.run(agree()) == (0, False)
 
 
+@pytest.mark.parametrize("factory", list(_LOOPS.values()), ids=list(_LOOPS))
+def test_a_count_read_between_steps_of_its_loop_holds(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    # A loop driven by `run_until_complete` is stopped, not closed, between calls: its
+    # warmups go on at the next call, so state read from plain code meanwhile must not drop
+    # their count.
+    group = _Rank(_World(), 0)
+    background = BackgroundAgreements.of(group)
+
+    async def counted() -> None:
+        background.begin()
+
+    async def agree() -> None:
+        agreeing = asyncio.create_task(background.wait_idle())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not agreeing.done()
+        assert background.stop_requested
+        background.end()
+        await asyncio.wait_for(agreeing, 30)
+
+    loop = factory()
+    try:
+        loop.run_until_complete(counted())
+        assert background.active == 1
+        assert not background.stop_requested
+        loop.run_until_complete(agree())
+        assert background.active == 0
+    finally:
+        loop.close()
+
+
 async def test_a_group_in_use_on_a_running_loop_is_refused_on_another() -> None:
     group = _Rank(_World(), 0)
     counted, release = threading.Event(), threading.Event()

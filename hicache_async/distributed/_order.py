@@ -68,13 +68,13 @@ class BackgroundAgreements:
     @property
     def active(self) -> int:
         """Background sequences begun and not yet ended (on a loop still open)."""
-        self._bind(_running_loop())
+        self._bind(_running_loop(), reading=True)
         return self._active
 
     @property
     def stop_requested(self) -> bool:
         """A request agreement is waiting: background sequences should agree to stop."""
-        self._bind(_running_loop())
+        self._bind(_running_loop(), reading=True)
         return self._stop
 
     def begin(self) -> None:
@@ -126,14 +126,16 @@ class BackgroundAgreements:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
 
-    def _bind(self, loop: asyncio.AbstractEventLoop | None) -> None:
+    def _bind(self, loop: asyncio.AbstractEventLoop | None, *, reading: bool = False) -> None:
         """Drop the count and waiters of a loop that is no longer running.
 
         One group object can serve one `asyncio.run` after another (as test harnesses do):
         a sequence counted on a loop closed before it ended never ends its count there, and
         that loop's waiters can never be woken. Sequences and requests of the loop running
         now do not wait for them. Two loops running at once on one group would interleave
-        its collectives by timing: refused.
+        its collectives by timing: refused. `reading` from outside any loop drops only a
+        closed loop's count: a loop stopped between `run_until_complete` calls resumes its
+        sequences at the next call.
         """
         bound = self._loop
         if bound is None or bound is loop:
@@ -144,6 +146,8 @@ class BackgroundAgreements:
             raise RuntimeError(
                 "background agreements of one rank group used from two running event loops"
             )
+        if reading and loop is None and not bound.is_closed():
+            return
         self._loop = None
         self._active = 0
         self._stop = False

@@ -142,6 +142,12 @@ def _optional(scheme: str) -> Callable[..., StorageBackend]:
             f"the {scheme}:// backend needs the {package!r} package: "
             f"pip install 'hicache-async[{extra}]'"
         ) from None
+    except Exception as exc:  # an installed client library that fails to import (too old, broken)
+        raise StorageConfigError(
+            f"the {scheme}:// backend ({module_name}) failed to import: "
+            f"{type(exc).__name__}: {exc}; check the installed {extra!r} extra: "
+            f"pip install 'hicache-async[{extra}]'"
+        ) from exc
     factory: Callable[..., StorageBackend] = getattr(module, class_name).from_url
     return factory
 
