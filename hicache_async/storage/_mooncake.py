@@ -1154,9 +1154,10 @@ class MooncakeStorage(BackendBase):
             )
             full = [i for i, code in refused if code == _NO_SPACE]
             if full:
-                # Cancellable on the loop; a close meanwhile leaves these pages MISS.
+                # Cancellable on the loop; a close meanwhile leaves these pages MISS, and so
+                # does a master found down meanwhile (a try would wait out its timeout).
                 await asyncio.sleep(_NO_SPACE_RETRY_S)
-                if not self.closed:
+                if not self.closed and not self._master_down():
                     retried = True
                     await self._put_pages(
                         unique,

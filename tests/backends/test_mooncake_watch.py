@@ -20,6 +20,7 @@ import structlog
 
 from hicache_async import StorageError
 from hicache_async.storage import GcReport, Outcome
+from hicache_async.storage import _mooncake as mooncake_module
 from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
 from hicache_async.storage._mooncake_watch import MasterWatch, http_probe
@@ -274,3 +275,61 @@ def test_a_health_answer_that_does_not_end_is_read_no_further_than_its_start() -
         thread.join()
     assert len(sent) == 1
     assert sent[0] < 64 << 20  # what the socket buffers took, not the whole answer
+
+
+class _HeldRetryWait:
+    """Stands in for the `asyncio` module of the Mooncake backend: its wait before a put's
+    second try ends only when the test says so; everything else is asyncio's own."""
+
+    def __init__(self) -> None:
+        self.waiting = asyncio.Event()
+        self.go_on = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float) -> None:
+        if delay != mooncake_module._NO_SPACE_RETRY_S:
+            await asyncio.sleep(delay)
+            return
+        self.waiting.set()
+        await self.go_on.wait()
+
+
+async def test_a_put_waiting_to_retry_for_room_calls_no_master_known_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The second try of pages refused for room would wait out the client's timeout on a
+    # master that stopped answering during the wait (30 s for a frozen one).
+    held = _HeldRetryWait()
+    monkeypatch.setattr(mooncake_module, "asyncio", held)
+    with MooncakeMaster(extra_args=["-eviction_high_watermark_ratio=1.0"]) as master:
+        url = fresh_url(master.url, segment_size="16MiB")
+        async with MooncakeStorage.from_url(url) as storage:
+            store = storage._master_store()
+            for i in range(16):
+                assert store.put(f"{storage.prefix}:filler{i}", bytes(1 << 20)) == 0
+            await _seen_up(storage)
+            real = storage._store
+            client = CountingClient(real)
+            storage._store = client
+            pid = master.pid
+            assert pid is not None
+            try:
+                keys, pages, metas = make_pages(3)
+                put = asyncio.create_task(storage.put(keys, pages, metas))
+                await asyncio.wait_for(held.waiting.wait(), NOTICE_WITHIN_S)
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    await _until(storage._master_down)
+                    calls = len(client.calls)
+                    held.go_on.set()
+                    outcomes = await asyncio.wait_for(put, NOTICE_WITHIN_S)
+                    assert client.calls[calls:] == []
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                assert outcomes == [Outcome.MISS] * 3
+                await _until(lambda: not storage._master_down())
+            finally:
+                storage._store = real
+        close_idle_clients(master.address)
