@@ -13,6 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ._pool import PoolStatistics
+from ._stats import TierTokens
+from .storage._protocol import StorageStats
+from .transfer._protocol import CopyStatistics
+from .tree._results import TreeStatistics
+from .workers._backup import BackupStatistics
+from .workers._prefetch import PrefetchStatistics
+
 if TYPE_CHECKING:
     from ._cache import HiCache
 
@@ -64,23 +72,33 @@ class Histogram:
         return HistogramSnapshot(buckets=buckets, count=cumulative, sum=self._sum)
 
 
-def _flatten(prefix: str, record: Any) -> Iterator[tuple[str, float]]:
-    """Numeric leaves of a statistics record as (metric name, value)."""
-    data = msgspec.to_builtins(record) if isinstance(record, msgspec.Struct) else record
-    if isinstance(data, dict):
-        for key, value in data.items():
-            yield from _flatten(f"{prefix}_{key}", value)
-    elif isinstance(data, (bool, int, float)):
-        yield prefix, float(data)
+def _flatten(prefix: str, record: Any, kind: type[msgspec.Struct]) -> Iterator[tuple[str, float]]:
+    """The numeric fields `kind` declares, of `record`, as (metric name, value).
+
+    Only `kind`'s own fields: a backend's `stats()` (or a copy engine's `statistics()`) may
+    answer a subclass, whose extra fields could hold any name (a dict's keys with quotes or
+    newlines) or repeat another family's, and make the whole exposition unparseable.
+    """
+    for field in kind.__struct_fields__:
+        value = getattr(record, field, None)
+        if isinstance(value, (bool, int, float)):
+            yield f"{prefix}_{field}", float(value)
 
 
-# CacheStatistics fields exported as gauges, and the name prefix of each.
-_GAUGE_SECTIONS = (
-    ("tokens", "tier_tokens"),
-    ("device_pool", "device_pool"),
-    ("host_pool", "host_pool"),
-    ("tree", "tree"),
-    ("copy_engine", "copy_engine"),
+# CacheStatistics fields exported as gauges, the name prefix and the record type of each.
+_GAUGE_SECTIONS: tuple[tuple[str, str, type[msgspec.Struct]], ...] = (
+    ("tokens", "tier_tokens", TierTokens),
+    ("device_pool", "device_pool", PoolStatistics),
+    ("host_pool", "host_pool", PoolStatistics),
+    ("tree", "tree", TreeStatistics),
+    ("copy_engine", "copy_engine", CopyStatistics),
+)
+# StorageStatus fields exported as gauges, and the record type of each.
+_STORAGE_SECTIONS: tuple[tuple[str, type[msgspec.Struct]], ...] = (
+    ("storage", StorageStats),
+    ("prefetch", PrefetchStatistics),
+    ("backup", BackupStatistics),
+    ("flushing", BackupStatistics),
 )
 
 
@@ -89,9 +107,11 @@ def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
     stats = cache.statistics()
     # `tier_tokens`, not `tokens`: the gauge `hicache_tokens_device` would share its family
     # name with the counter `hicache_tokens_device_total`, which OpenMetrics refuses.
-    for field, prefix in _GAUGE_SECTIONS:
-        for name, value in _flatten(f"hicache_{prefix}", getattr(stats, field)):
-            yield name, "gauge", value
+    for field, prefix, kind in _GAUGE_SECTIONS:
+        record = getattr(stats, field)
+        if record is not None:
+            for name, value in _flatten(f"hicache_{prefix}", record, kind):
+                yield name, "gauge", value
     for name, value in stats.counters.items():
         yield f"hicache_{name}_total", "counter", float(value)
     yield "hicache_live_requests", "gauge", float(stats.live_requests)
@@ -99,10 +119,10 @@ def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
     # one twice per scrape.
     status = stats.storage
     yield "hicache_storage_attached", "gauge", float(status is not None and status.attached)
-    for section in ("storage", "prefetch", "backup", "flushing"):
+    for section, kind in _STORAGE_SECTIONS:
         record = None if status is None else getattr(status, section)
         if record is not None:
-            for name, value in _flatten(f"hicache_{section}", record):
+            for name, value in _flatten(f"hicache_{section}", record, kind):
                 yield name, "gauge", value
     for histogram in cache._histograms():
         yield f"hicache_{histogram.name}_seconds", "histogram", histogram.snapshot()
