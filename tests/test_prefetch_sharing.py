@@ -20,6 +20,7 @@ from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchStatus
 from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, StorageBackend
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import Prefetcher
+from hicache_async.workers import _prefetch as _prefetch_module
 
 PAGE = 4
 PAGES = 8
@@ -102,6 +103,7 @@ class GatedStorage(Unowned):
         self.lookups = Gate()
         self.reads: collections.Counter[bytes] = collections.Counter()
         self.error: Exception | None = None
+        self.miss = False  # gets answer MISS once they pass the gate
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         await self.lookups.passage()
@@ -114,6 +116,8 @@ class GatedStorage(Unowned):
         await self.gets.passage()
         if self.error is not None:
             raise self.error
+        if self.miss:
+            return [Outcome.MISS] * len(keys)
         return await self.inner.get(keys, into, namespace=namespace)
 
     def open(self) -> None:
@@ -708,4 +712,114 @@ async def test_pages_a_request_brought_to_the_host_while_a_prefetch_read_them_go
         result = await asyncio.wait_for(a.wait(), 30)
         assert result.status is PrefetchStatus.COMPLETE
         assert cache.host_pool.allocator.used_count == PAGES
+        await _check_and_drain(cache, prompt, generator)
+
+
+@pytest.mark.parametrize("failure", ["error", "timeout"])
+async def test_prefetches_after_a_failed_read_take_its_pages_as_misses_without_reading_them(
+    failure: str,
+) -> None:
+    # More prefetches of one prompt than there are workers: those a worker took only after
+    # the first read failed (or timed out) read the page again, a wave at a time, so a
+    # hanging store held every wave for a whole timeout.
+    prompt = _prompt(31)
+    config = _config(io_timeout_s=0.5 if failure == "timeout" else 10.0)
+    count = 3 * _config().prefetch.workers
+    async with _gated(config, prompt) as (cache, store, generator):
+        handles = [await cache.start_prefetch(prompt, request_id=str(i)) for i in range(count)]
+        await _until(lambda: len(store.gets.waiting) == 1, "the first read in flight")
+        if failure == "error":
+            store.error = OSError("storage unreachable")
+            store.gets.release()
+        # else: the gate stays shut until the read times out
+        results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+        assert [r.status for r in results] == [PrefetchStatus.TERMINATED] * count
+        assert [r.cached_tokens for r in results] == [0] * count
+        assert sum(store.reads.values()) == 4  # the first batch, once
+        # Within the window, a prefetch of the same pages still reads nothing.
+        later = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert later.status is PrefetchStatus.TERMINATED
+        assert sum(store.reads.values()) == 4
+        status = cache.storage_status().prefetch
+        assert status is not None
+        assert status.errors == 4
+        assert status.pages_read == 0
+        # Every page a prefetch planned after the failure is a miss.
+        assert status.misses >= PAGES
+        store.error = None
+        store.gets.open()
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_missed_page_is_read_again_by_the_next_prefetch() -> None:
+    # A MISS is not remembered: a backup may store the page a moment later.
+    prompt = _prompt(32)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        store.miss = True
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        store.miss = False
+        second = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert second.status is PrefetchStatus.COMPLETE
+        assert second.storage_tokens == len(prompt)
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
+        assert store.reads[key] == 2
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_failed_page_is_read_again_once_its_window_has_passed() -> None:
+    prompt = _prompt(33)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        loop = asyncio.get_running_loop()
+        shift = [0.0]
+        _prefetcher(cache).failed_reads.clock = lambda: loop.time() + shift[0]
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        store.error = None
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
+        inside = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert inside.status is PrefetchStatus.TERMINATED
+        assert store.reads[key] == 1
+        shift[0] = _prefetch_module._FAILED_READ_S
+        after = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert after.status is PrefetchStatus.COMPLETE
+        assert after.storage_tokens == len(prompt)
+        assert store.reads[key] == 2
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_detach_and_attach_forget_the_failed_reads() -> None:
+    prompt = _prompt(34)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        store.error = None
+        await cache.detach_storage()
+        await cache.attach_storage(store)
+        second = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert second.status is PrefetchStatus.COMPLETE
+        assert second.storage_tokens == len(prompt)
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
+        assert store.reads[key] == 2
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_page_stored_by_a_backup_is_read_again_after_its_read_failed() -> None:
+    prompt = _prompt(35)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        store.error = None
+        # The request computes the prompt, and its backup stores every page again.
+        await serve(cache, prompt, generator, prefetch=False)
+        await cache.drain()
+        keys = cache.keys_for(prompt)
+        assert _prefetcher(cache).failed_reads.first(keys, {}) is None
         await _check_and_drain(cache, prompt, generator)

@@ -113,10 +113,13 @@ class BackupWorker:
         config: BackupConfig,
         *,
         is_current: Callable[[], bool],
+        stored: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         self._cache = cache
         self._backend = backend
         self.config = config
+        # Told the keys of the pages each put stored: a read of them may succeed now.
+        self._stored = stored
         # After a detach the flush still writes, but its pages belong to a backend that is
         # no longer ours: they must not mark nodes "in storage".
         self._is_current = is_current
@@ -382,6 +385,8 @@ class BackupWorker:
                 )
                 for i, ok in zip(chunk, written, strict=True):
                     done[i] = ok
+                if self._stored is not None:
+                    self._stored([keys[i] for i, ok in zip(chunk, written, strict=True) if ok])
             # By the page counts planned: a node split meanwhile holds fewer of them now,
             # the rest in the new node above it, and both are marked.
             offset = 0

@@ -63,7 +63,13 @@ class StorageLink:
         self.prefetcher = Prefetcher(
             cache, backend, cache.config.prefetch, is_current=self._is_current
         )
-        self.backup = BackupWorker(cache, backend, cache.config.backup, is_current=self._is_current)
+        self.backup = BackupWorker(
+            cache,
+            backend,
+            cache.config.backup,
+            is_current=self._is_current,
+            stored=self.prefetcher.failed_reads.forget,
+        )
         self.warmers: set[Warmer] = set()
         self.warmup_result: asyncio.Future[WarmupResult] | None = None
         self._tg: anyio.abc.TaskGroup | None = None

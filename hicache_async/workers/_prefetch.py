@@ -63,6 +63,65 @@ class PrefetchStatus(enum.Enum):
 _REPLANS = 3
 
 
+# How long, and for how many keys, a page whose read failed (ERROR, or a call that raised or
+# timed out) is taken as a miss by prefetches planned after it, without a read: a failing or
+# hanging store then costs one read of such a page per window, not one per prefetch.
+_FAILED_READ_S = 2.0
+_FAILED_READ_KEYS = 4096
+
+
+class _FailedReads:
+    """Keys whose read just failed, each forgotten `_FAILED_READ_S` after its failure (on the
+    loop's clock), at a successful put of it, or when more than `_FAILED_READ_KEYS` failed
+    since (the oldest first)."""
+
+    __slots__ = ("_until", "clock")
+
+    def __init__(self) -> None:
+        # Key -> when it is forgotten; in order of failure, so the oldest come first.
+        self._until: collections.OrderedDict[bytes, float] = collections.OrderedDict()
+        #: The clock the window runs on: the running loop's, unless replaced.
+        self.clock: Callable[[], float] | None = None
+
+    def _now(self) -> float:
+        return self.clock() if self.clock is not None else asyncio.get_running_loop().time()
+
+    def add(self, keys: list[bytes]) -> None:
+        """Remember `keys` as failed now."""
+        if not keys:
+            return
+        until = self._now() + _FAILED_READ_S
+        remembered = self._until
+        for key in keys:
+            remembered[key] = until
+            remembered.move_to_end(key)
+        while len(remembered) > _FAILED_READ_KEYS:
+            remembered.popitem(last=False)
+
+    def forget(self, keys: list[bytes]) -> None:
+        """Forget `keys` (stored since: a read may find them now)."""
+        if self._until:
+            for key in keys:
+                self._until.pop(key, None)
+
+    def first(self, keys: list[bytes], skip: dict[bytes, _Flight]) -> int | None:
+        """Index of the first of `keys` that failed within the window and is not in `skip`
+        (being read again: those who need it wait on that read), or None."""
+        remembered = self._until
+        if not remembered:
+            return None
+        now = self._now()
+        while remembered:  # the oldest first: drop those past their window
+            key, until = next(iter(remembered.items()))
+            if until > now:
+                break
+            del remembered[key]
+        for i, key in enumerate(keys):
+            if key in remembered and key not in skip:
+                return i
+        return None
+
+
 class _Shared(enum.Enum):
     """How a page one prefetch was reading ended, for the prefetches waiting on it."""
 
@@ -232,6 +291,7 @@ class PrefetchHandle:
         "_cache",
         "_cancel_requested",
         "_counted_live",
+        "_cut_at_failed",
         "_deadline",
         "_done",
         "_group",
@@ -309,6 +369,8 @@ class PrefetchHandle:
         # Pages up to this one are to be read from storage: the prompt's end until `exists`
         # answers, then the end of the prefix it found (the rest counted as misses).
         self._read_end = len(keys)
+        # `_read_end` was moved back to a page whose read just failed (see `_FailedReads`).
+        self._cut_at_failed = False
         self._terminated = False
         # Seconds the caller already spent waiting for room in the queue: the `timeout`
         # policy's wait in `ready()` is what is left of its limit.
@@ -766,6 +828,8 @@ class Prefetcher:
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
+        # Per attach: a detach forgets what failed with the backend it had.
+        self.failed_reads = _FailedReads()
         # A store that fails every call would otherwise log once per prefetch or batch.
         self._log_limit = LogLimiter()
 
@@ -1022,6 +1086,12 @@ class Prefetcher:
             return PrefetchStatus.SKIPPED
         if handle._gave_up():
             return PrefetchStatus.TERMINATED
+        if self.failed_reads.first(keys[start : start + 1], self._inflight) == 0:
+            # Its first page's read just failed: nothing to read, nothing to look up.
+            self.misses += len(keys) - start
+            handle._read_end = start
+            handle._cut_at_failed = True
+            return PrefetchStatus.TERMINATED
         try:
             with anyio.fail_after(self.config.io_timeout_s):
                 answer = await self._backend.exists(
@@ -1043,7 +1113,7 @@ class Prefetcher:
         # A plan per page and a few more: bounded however often others give up under it.
         for _ in range(len(keys) + _REPLANS):
             before = handle.storage_tokens
-            status = await self._read(handle, start + existing)
+            status = await self._read(handle, handle._read_end)
             if isinstance(status, PrefetchStatus):
                 return status
             if status is _Again.BUDGET:
@@ -1150,8 +1220,15 @@ class Prefetcher:
         # computed rather than storage delivered, the tree cannot tell.)
         landed = min(max(handle.storage_tokens // size, begin - first), cap)
         handle.storage_tokens = landed * size
+        failing = self.failed_reads.first(keys[begin:end], self._inflight)
+        if failing is not None:
+            # Read no further than a page whose read just failed: the rest are misses.
+            self.misses += end - (begin + failing)
+            end = handle._read_end = begin + failing
+            handle._cut_at_failed = True
+        finished = PrefetchStatus.TERMINATED if handle._cut_at_failed else PrefetchStatus.COMPLETE
         if begin >= end:
-            return PrefetchStatus.COMPLETE
+            return finished
         todo = keys[begin:end]
         # Take the anchor first: allocating host pages below may evict, and must not take
         # the prefix these pages will hang from. Protecting it keeps the whole prefix in the
@@ -1222,7 +1299,7 @@ class Prefetcher:
         own_landed = 0
         failed: set[bytes] = set()  # own pages storage did not deliver
         given_up = _Shared.STOPPED  # what an own page not landed tells those waiting on it
-        status: PrefetchStatus | _Shared | _Again = cut_short if short else PrefetchStatus.COMPLETE
+        status: PrefetchStatus | _Shared | _Again = cut_short if short else finished
         try:
             pos = 0
             while pos < len(todo):
@@ -1301,6 +1378,11 @@ class Prefetcher:
                 if ok < len(batch):
                     failed.update(
                         k for k, o in zip(batch, outcomes, strict=True) if o is not Outcome.OK
+                    )
+                    # Not a MISS, which a backup may fill a moment later, nor a CORRUPT page
+                    # (removed): a store that failed may fail again at once.
+                    self.failed_reads.add(
+                        [k for k, o in zip(batch, outcomes, strict=True) if o is Outcome.ERROR]
                     )
                     status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                     break
