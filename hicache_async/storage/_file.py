@@ -241,8 +241,11 @@ class _Handles:
         pages_path: Path,
         *,
         shared: bool,
+        root_id: tuple[int, int],
     ) -> None:
         self.root_fd = root_fd
+        # The root directory's (st_dev, st_ino): what its path must still name.
+        self.root_id = root_id
         self.pages_fd = pages_fd
         self.tmp_fd = tmp_fd
         self.lock_fd = lock_fd
@@ -826,12 +829,21 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
         opened.append(pages_fd)
         tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}")
         opened.append(tmp_fd)
+        root_st = os.fstat(root_fd)
         lock_fd = _take_lock(root_fd, root, shared=shared, looking=looking)
     except BaseException:
         for fd in opened:
             os.close(fd)
         raise
-    return _Handles(root_fd, pages_fd, tmp_fd, lock_fd, root / _PAGES, shared=shared)
+    return _Handles(
+        root_fd,
+        pages_fd,
+        tmp_fd,
+        lock_fd,
+        root / _PAGES,
+        shared=shared,
+        root_id=(root_st.st_dev, root_st.st_ino),
+    )
 
 
 _MANIFEST_NAME = "manifest.jsonl"
@@ -1664,12 +1676,22 @@ class FileStorage(BackendBase):
         the directory the store opened (see `_check_root_path`)."""
         return FileManifest(self._root / _MANIFEST_NAME, limits, guard=self._check_root_path)
 
-    def _check_root_path(self) -> None:
+    async def _check_root_path(self) -> None:
         """StorageError when the store is open and its root's path was replaced since (by a
         symlink, or another directory): the manifest goes by that path, where the pages go by
         the directory's descriptor, and must not follow it out of the root."""
         handles = self._handles
-        if handles is not None and not _names_root(self._root, handles.root_fd):
+        if handles is None:
+            return
+        # The lstat off the loop (a slow or hung file system); the root's identity was taken
+        # when it was opened, so no descriptor is used on the thread.
+        try:
+            st: os.stat_result | None = await asyncio.to_thread(os.lstat, self._root)
+        except OSError:
+            st = None
+        if st is None or not (
+            stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == handles.root_id
+        ):
             raise StorageError(
                 f"{self._name}: the storage root was replaced since it was opened (by a "
                 "symlink or another directory); its manifest is not used until the next open"

@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
+    Awaitable,
     Callable,
     Hashable,
     Iterable,
@@ -849,9 +850,9 @@ class FileManifest:
         path: str | os.PathLike[str],
         limits: ManifestLimits | None = None,
         *,
-        guard: Callable[[], None] | None = None,
+        guard: Callable[[], Awaitable[None]] | None = None,
     ):
-        """`guard`, when given, is called before every append, read and compaction and may
+        """`guard`, when given, is awaited before every append, read and compaction and may
         refuse it by raising StorageError (a file store's check that its root, which the
         manifest's path goes through, was not replaced since it was opened)."""
         self.path = Path(path)
@@ -874,7 +875,7 @@ class FileManifest:
         """
         if not entries:
             return
-        self._check()
+        await self._check()
         data = b"".join(encode_entry(e) for e in entries)
         async with self._turns:
             lock_fd = await _lock(self.path)
@@ -891,7 +892,7 @@ class FileManifest:
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
         """The newest record per chain (of `namespace`, if given), bounded by the limits.
         Raises StorageError when the manifest is not a regular file (a FIFO, say)."""
-        self._check()
+        await self._check()
         collector = ManifestCollector(self.limits, namespace)
         truncated = await _collect_file(self.path, self.limits, collector)
         return await off_loop(
@@ -906,13 +907,13 @@ class FileManifest:
         can be cancelled. Raises StorageError when the manifest or its lock file is not a
         regular file.
         """
-        self._check()
+        await self._check()
         async with self._turns, _file_lock(self.path):
             return await self._compact()
 
-    def _check(self) -> None:
+    async def _check(self) -> None:
         if self._guard is not None:
-            self._guard()
+            await self._guard()
 
     async def _compact(self) -> CompactReport:
         try:
