@@ -1325,3 +1325,35 @@ async def test_chains_recorded_after_the_clock_steps_back_rank_no_older(
     assert set(uses) == {earlier, later}
     assert uses[later] >= uses[earlier]
     assert read.entries[0].num_tokens == later  # the most recent first
+
+
+async def test_chains_recorded_after_a_reattach_and_a_clock_step_back_rank_no_older(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each attach runs a backup worker of its own: the floor under `last_use` must outlive
+    # it, or the chains recorded after a detach, an attach and a clock stepped back rank as
+    # older than those recorded before (warmup loads them last, a full manifest trims them
+    # first).
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    first, second = _prompts(2, seed=11)
+    assert len(first) // PAGE != len(second) // PAGE  # told apart by their lengths
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        await serve(cache, first, generator, prefetch=False)
+        await cache.drain()
+        await cache.detach_storage()
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 3600.0)  # an hour back
+        await cache.attach_storage(FileStorage(tmp_path))
+        await serve(cache, second, generator, prefetch=False)
+        await cache.drain()
+        link = cache._link
+        assert link is not None
+        backend = link.backend
+        assert isinstance(backend, FileStorage)
+        read = await backend.manifest().read()
+    uses = {e.num_tokens: e.last_use for e in read.entries}
+    earlier, later = (len(p) // PAGE * PAGE for p in (first, second))
+    assert set(uses) == {earlier, later}
+    assert uses[later] >= uses[earlier]
+    assert read.entries[0].num_tokens == later  # the most recent first

@@ -22,10 +22,12 @@ import contextlib
 import errno
 import fcntl
 import functools
+import math
 import os
 import re
 import stat
 import threading
+import time
 import weakref
 from collections import Counter
 from collections.abc import (
@@ -60,6 +62,7 @@ __all__ = [
     "SupportsManifest",
     "WarmupManifest",
     "chain_entry",
+    "record_time",
     "decode_entry",
     "encode_entry",
 ]
@@ -1282,6 +1285,34 @@ async def _file_lock(path: Path) -> AsyncIterator[None]:
         yield
     finally:
         close_lock_fd(fd)
+
+
+class _RecordClock:
+    """Wall-clock time for records' `last_use`, each later than the one before (see
+    `record_time`)."""
+
+    __slots__ = ("_last", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = -math.inf
+
+    def now(self) -> float:
+        with self._lock:
+            self._last = max(math.nextafter(self._last, math.inf), time.time())
+            return self._last
+
+
+_RECORD_CLOCK = _RecordClock()
+
+
+def record_time() -> float:
+    """Wall-clock time for a record's `last_use`, which readers compare across instances;
+    always later than the one this process handed out before. Process-wide, not per backup
+    worker: each attach runs a worker of its own, and after a detach, an attach and a clock
+    stepped back (NTP, a VM's resume) the chains recorded since must not rank (and get
+    trimmed) as older than those recorded before, nor lose to their own older records."""
+    return _RECORD_CLOCK.now()
 
 
 def chain_entry(

@@ -24,7 +24,6 @@ looks at the disk, where its `exists` trusts this instance's index).
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from ..storage._manifest import (
     WarmupManifest,
     chain_entry,
     encode_entry,
+    record_time,
 )
 from ..storage._protocol import check_exists, check_outcomes
 
@@ -130,8 +130,6 @@ class BackupWorker:
             backend.manifest() if isinstance(backend, SupportsManifest) else None
         )
         self.manifest_entries = 0
-        #: The latest `last_use` recorded: the next is later (see `_chain_entry`).
-        self._last_use = -math.inf
         self._send, self._receive = anyio.create_memory_object_stream[_Job](
             max_buffer_size=config.queue_size
         )
@@ -542,12 +540,7 @@ class BackupWorker:
             return None  # the node left the tree meanwhile
         size = self._cache.config.page_size
         fingerprint = self._cache.namespace.fingerprint
-        # Wall-clock time, which readers compare across instances; always later than this
-        # worker's last record, so that after the clock steps back the chains recorded since
-        # do not rank (and get trimmed) as older than those recorded before, nor lose to
-        # their own older records.
-        self._last_use = max(math.nextafter(self._last_use, math.inf), time.time())
-        priority, now = job.node.priority, self._last_use
+        priority, now = job.node.priority, record_time()
         entry = chain_entry(fingerprint, keys, len(keys) * size, priority, now)
         # A record longer than a reader takes is skipped by every warmup: a chain of more
         # pages than that (some 3,900 at the default bound: 3,900 tokens at page size 1) is
