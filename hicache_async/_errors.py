@@ -35,10 +35,11 @@ class ConfigError(HiCacheError, ValueError):
         self.field = field
         self.reason = reason
 
-    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str]]:
+    def __reduce__(self) -> tuple[type[ConfigError], tuple[str, str], dict[str, object]]:
         # Pickled by its arguments: the default (the message alone) does not unpickle, and a
-        # process pool then reports a worker's ConfigError as a broken pool.
-        return (type(self), (self.field, self.reason))
+        # process pool then reports a worker's ConfigError as a broken pool. Its __dict__
+        # goes along, as by default: notes added on the way up, and attributes set on it.
+        return (type(self), (self.field, self.reason), self.__dict__)
 
 
 class WrongThreadError(HiCacheError, RuntimeError):

@@ -479,3 +479,15 @@ def test_a_config_error_survives_pickling() -> None:
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is ConfigError
     assert (back.field, back.reason, str(back)) == (error.field, error.reason, str(error))
+
+
+def test_a_pickled_config_error_keeps_its_notes_and_attributes() -> None:
+    # As the default pickling keeps an exception's __dict__: notes added on the way up (a
+    # caller saying which file held the value) must come back from a worker process too.
+    error = ConfigError("device_pages", "too many")
+    error.add_note("in scenario.toml")
+    error.scenario = "trace"  # type: ignore[attr-defined]
+    back = pickle.loads(pickle.dumps(error))
+    assert back.__notes__ == ["in scenario.toml"]
+    assert back.scenario == "trace"
+    assert (back.field, back.reason, str(back)) == (error.field, error.reason, str(error))
