@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeGuard, TypeVar
-from urllib.parse import SplitResult, urlencode, urlunsplit
+from urllib.parse import SplitResult, unquote, urlencode, urlunsplit
 
 import anyio
 from redis.asyncio import BlockingConnectionPool, Redis
@@ -388,8 +388,9 @@ def _check_host_and_fragment(parts: SplitResult) -> None:
         )
     # Otherwise found only at the first connection, as a bare codec error (a host or password
     # given as bytes that are not UTF-8, which Python reads from argv as lone surrogates).
+    # Judged as redis-py connects to it: %-escapes decoded, those of no UTF-8 as U+FFFD.
     try:
-        parts.hostname.encode("idna")
+        unquote(parts.hostname).encode("idna")
     except UnicodeError:
         raise StorageConfigError(
             f"the host of a {parts.scheme}:// URL must be a host name or an IP address, got "

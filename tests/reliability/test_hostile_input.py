@@ -40,6 +40,7 @@ from hicache_async.storage import (
     MemoryStorage,
     Outcome,
     PageMeta,
+    RedisStorage,
     open_storage,
 )
 from hicache_async.testing import KVGenerator, serve
@@ -634,6 +635,9 @@ URL_CASES: list[tuple[object, str]] = [
     ("redis://" + "a" * 64 + ".example:6379/0", "must be a host name or an IP address"),
     ("redis://u:\udcff@host:6379/0", "the password of a redis:// URL"),
     ("redis://\udcff:p@host:6379/0", "the user of a redis:// URL"),
+    # redis-py decodes a %-escaped host before it looks it up: "%ff" is no UTF-8.
+    ("redis://%ff:6379/0", "must be a host name or an IP address"),
+    ("redis://" + "%61" * 64 + ".example:6379/0", "must be a host name or an IP address"),
     ("mooncake://\udcff:50051", "mooncake master must name a host"),
     ("mooncake://h:50051?local_hostname=" + "a" * 64, "mooncake local_hostname must name a host"),
     ("file:///tmp/a\x00b", "file:///tmp/a"),
@@ -645,6 +649,14 @@ def test_bad_storage_url_is_a_storage_config_error(url: object, needle: str) -> 
     with pytest.raises(StorageConfigError) as info:
         open_storage(url)  # type: ignore[arg-type]
     assert needle in str(info.value), info.value
+
+
+def test_a_redis_host_is_judged_as_redis_py_decodes_it() -> None:
+    # Each label of this host name is 40 letters once its %-escapes are decoded, as redis-py
+    # connects to it, though 120 characters as written.
+    host = ".".join(["%61" * 40, "%62" * 40])
+    backend = open_storage(f"redis://{host}:6379/0")
+    assert isinstance(backend, RedisStorage)
 
 
 @pytest.mark.parametrize(
