@@ -674,3 +674,62 @@ async def test_verify_leaves_a_directory_in_a_shard_not_named_as_a_page(tmp_path
         assert (report.ok, report.leftovers_removed, report.foreign) == (2, 0, 1)
         assert (kept / "copy").read_bytes() == b"an operator's"
         assert await _get(storage, keys) == [Outcome.OK] * 2
+
+
+async def test_the_manifest_looks_at_its_root_path_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The look is a file system call, which a hung NFS server stalls: on the loop, it would
+    # hold every task, a deadline around the append included.
+    root = tmp_path / "s"
+    loop_thread = threading.get_ident()
+    threads: list[int] = []
+    plain = os.lstat
+
+    def watched(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if path == root:
+            threads.append(threading.get_ident())
+        return plain(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    entry = chain_entry(NS, [bytes([1]) * 32], 16, 0, 1.0)
+    async with FileStorage(root) as storage:
+        manifest = storage.manifest()
+        monkeypatch.setattr(os, "lstat", watched)
+        await manifest.append([entry])
+        await manifest.read()
+        await manifest.compact()
+    assert threads
+    assert loop_thread not in threads
+
+
+async def test_an_append_does_not_follow_a_root_replaced_while_it_waited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The root is looked at before the append waits for the manifest's lock, and again once
+    # it holds it: replaced in between, the records must not land outside the root.
+    root = tmp_path / "s"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    looked, go = threading.Event(), threading.Event()
+    plain = os.lstat
+
+    def held(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        st = plain(path, *args, **kwargs)  # type: ignore[arg-type]
+        if path == root and not looked.is_set():  # the first look: held after it is taken
+            looked.set()
+            go.wait(5)
+        return st
+
+    entry = chain_entry(NS, [bytes([1]) * 32], 16, 0, 1.0)
+    async with FileStorage(root) as storage:
+        manifest = storage.manifest()
+        await manifest.append([entry])
+        monkeypatch.setattr(os, "lstat", held)
+        append = asyncio.create_task(manifest.append([entry]))
+        assert await asyncio.to_thread(looked.wait, 30)
+        shutil.rmtree(root)
+        root.symlink_to(elsewhere)
+        go.set()
+        with pytest.raises(StorageError, match="replaced since it was opened"):
+            await append
+    assert "manifest.jsonl" not in os.listdir(elsewhere)

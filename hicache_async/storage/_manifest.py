@@ -882,6 +882,13 @@ class FileManifest:
         data = b"".join(encode_entry(e) for e in entries)
         async with self._turns:
             lock_fd = await _lock(self.path)
+            try:
+                # Again once the lock is held: the root may have been replaced while this
+                # append waited for it.
+                await self._check()
+            except BaseException:
+                _unlock(lock_fd)
+                raise
             # The lock is released when the write ends: here, or by the thread if this task
             # gives up while the thread runs (see _Handoff).
             size = await _Handoff(
@@ -944,6 +951,7 @@ class FileManifest:
                 functools.partial(_write_temp, str(temp), data),
                 lambda _: _remove_quietly(temp),
             ).run()
+            await self._check()  # the root may have been replaced while this compaction ran
             await aiofiles.os.replace(temp, self.path)
         except BaseException:
             # Failed or cancelled short of the replace: a temporary file left on a full disk
