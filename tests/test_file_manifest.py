@@ -272,3 +272,32 @@ async def test_an_append_leaves_a_hard_linked_copy_of_the_manifest_as_it_was(
     assert sorted(os.listdir(tmp_path)) == sorted(
         [".manifest.jsonl.lock", "manifest.jsonl", "snapshot.jsonl"]
     )
+
+
+async def test_the_copy_replacing_a_hard_linked_manifest_is_synced_before_it_replaces_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a compaction's temporary file is: the rename may reach the disk before the copy's
+    # data, and a crash then would leave the manifest empty where it held every record.
+    path = tmp_path / "manifest.jsonl"
+    manifest = FileManifest(path)
+    await manifest.append([chain_entry(NS, [bytes([1]) * 32], 16, 0, 1.0)])
+    os.link(path, tmp_path / "snapshot.jsonl")
+    synced: list[int] = []
+    replaced: list[tuple[int, list[int]]] = []
+    plain_fsync, plain_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        synced.append(os.fstat(fd).st_ino)
+        plain_fsync(fd)
+
+    def replace(src: str, dst: str) -> None:
+        replaced.append((os.stat(src).st_ino, list(synced)))
+        plain_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    await manifest.append([chain_entry(NS, [bytes([2]) * 32], 16, 0, 2.0)])
+    assert len(replaced) == 1
+    copy, synced_before = replaced[0]
+    assert copy in synced_before

@@ -737,6 +737,9 @@ def _unshared(path: str, fd: int) -> int:
                 while view:
                     view = view[os.write(copy, view) :]
                 offset += len(chunk)
+            # As a compaction's file is: the rename may reach the disk before the data, and
+            # a crash then would leave an empty manifest where it held every record.
+            os.fsync(copy)
             os.close(copy)
             copy = -1
             os.replace(temp, path)
