@@ -733,3 +733,25 @@ async def test_an_append_does_not_follow_a_root_replaced_while_it_waited(
         with pytest.raises(StorageError, match="replaced since it was opened"):
             await append
     assert "manifest.jsonl" not in os.listdir(elsewhere)
+
+
+async def test_verify_leaves_a_directory_in_a_shard_where_no_page_belongs(
+    tmp_path: Path,
+) -> None:
+    # Named as a page key in upper case, or as a key of another shard, a directory blocks
+    # no write of the store, which writes lower-case keys into their own shard only.
+    root = tmp_path / "s"
+    keys = _keys(2)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        shard = _page_path(root, keys[0]).parent
+        other = "ff" if shard.name != "ff" else "fe"
+        kept = [shard / (shard.name.upper() + "A" * 62), shard / (other + "a" * 62)]
+        for directory in kept:
+            directory.mkdir()
+            (directory / "copy").write_bytes(b"an operator's")
+        report = await storage.verify()
+        assert (report.ok, report.leftovers_removed, report.foreign) == (2, 0, 2)
+        for directory in kept:
+            assert (directory / "copy").read_bytes() == b"an operator's"
+        assert await _get(storage, keys) == [Outcome.OK] * 2

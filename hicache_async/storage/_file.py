@@ -973,8 +973,8 @@ def _scan(
 ) -> list[_Found]:
     """Every page file under pages/. Entries that are neither page files nor regular files
     (symlinks, FIFOs, devices) go to `strays` (as (directory fd, name)) when given, and
-    directories inside a shard named as page keys to `stray_dirs` (other directories there
-    to `foreign`); their descriptors stay open in `handles`.
+    directories inside a shard where a page of its belongs (named as its key) to
+    `stray_dirs` (other directories there to `foreign`); their descriptors stay open in `handles`.
     A regular file named as a page key (64 hex digits, of either case) that is no page of
     its shard (one moved to another shard or out of the shards, or named in upper case) is
     a stray too: a page the store can neither find nor account for, which would outlive its
@@ -1020,8 +1020,9 @@ def _scan(
                         if entry.is_dir(follow_symlinks=False):
                             # A directory where a page belongs would fail every write of
                             # that key; maintenance takes it out. One of another name (an
-                            # operator's) blocks nothing, and its tree was never the store's.
-                            if not _names_a_page(name):
+                            # operator's, an upper-case key, another shard's key) blocks
+                            # nothing, and its tree was never the store's.
+                            if not (_is_page_name(name) and name[:2] == shard_name):
                                 if foreign is not None:
                                     foreign.append(f"{shard_name}/{name}")
                             elif stray_dirs is not None:
