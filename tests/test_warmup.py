@@ -1357,3 +1357,34 @@ async def test_chains_recorded_after_a_reattach_and_a_clock_step_back_rank_no_ol
     assert set(uses) == {earlier, later}
     assert uses[later] >= uses[earlier]
     assert read.entries[0].num_tokens == later  # the most recent first
+
+
+def test_a_forked_child_does_not_inherit_a_held_record_clock() -> None:
+    # A backup worker's thread may hold the clock's lock at the moment another forks.
+    from hicache_async.storage import _manifest
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _manifest._RECORD_CLOCK._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: a record's time on a thread it can wait for with a bound
+            try:
+                stamp = threading.Thread(target=_manifest.record_time, daemon=True)
+                stamp.start()
+                stamp.join(20)
+                os._exit(1 if stamp.is_alive() else 0)
+            except BaseException:
+                os._exit(2)
+    finally:
+        release.set()
+        holder.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

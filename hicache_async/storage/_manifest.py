@@ -1313,8 +1313,13 @@ class _RecordClock:
             self._last = max(math.nextafter(self._last, math.inf), time.time())
             return self._last
 
+    def forget_lock(self) -> None:
+        # A child forked while another thread held the lock would inherit it held for ever.
+        self._lock = threading.Lock()
+
 
 _RECORD_CLOCK = _RecordClock()
+os.register_at_fork(after_in_child=_RECORD_CLOCK.forget_lock)
 
 
 def record_time() -> float:
