@@ -20,8 +20,12 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ._base import log
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["MasterWatch", "answers", "http_probe", "reachable", "tcp_probe"]
 
@@ -36,13 +40,44 @@ _FAILURES_FOR_DOWN = 3
 _HEALTH_BODY_NBYTES = 64 << 10
 
 
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose reads all end by `deadline` (monotonic): http.client reads a
+    chunked answer's trailer lines for as long as they come, each read bounded only by the
+    socket's timeout, so a service sending them without end would hold the probe for ever."""
+
+    deadline = 0.0
+
+    def recv_into(self, buffer: Buffer, nbytes: int = 0, flags: int = 0) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the /health answer took longer than a probe may")
+        self.settimeout(remaining)
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _ProbeConnection(http.client.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        plain = self.sock
+        wrapped = _DeadlineSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
+        wrapped.settimeout(self.timeout)  # for sending the request, as before
+        wrapped.deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        self.sock = wrapped
+
+
+class _ProbeHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_ProbeConnection, req)
+
+
 def http_probe(admin: str) -> Callable[[], bool]:
     """A probe that the master's admin server answers `/health` with 200."""
     url = f"{admin}/health"
+    opener = urllib.request.build_opener(_ProbeHandler)
 
     def probe() -> bool:
         try:
-            with urllib.request.urlopen(url, timeout=_PROBE_TIMEOUT_S) as response:
+            with opener.open(url, timeout=_PROBE_TIMEOUT_S) as response:
                 body = response.read(_HEALTH_BODY_NBYTES)
                 if len(body) < _HEALTH_BODY_NBYTES and response.length:
                     return False  # cut short of the length it declared: a broken answer

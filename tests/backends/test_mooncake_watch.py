@@ -10,6 +10,7 @@ import asyncio
 import http.server
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -333,3 +334,38 @@ async def test_a_put_waiting_to_retry_for_room_calls_no_master_known_down(
             finally:
                 storage._store = real
         close_idle_clients(master.address)
+
+
+def test_a_health_answer_whose_trailer_does_not_end_fails_the_probe() -> None:
+    # A chunked 200 whose trailer lines keep coming, each within a read's timeout: the probe
+    # read them for ever, and the watch thread never probed again.
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(1 << 16)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            connection.sendall(b"2\r\nok\r\n0\r\n")
+            try:
+                while not stop.wait(0.05):
+                    connection.sendall(b"X-More: y\r\n")
+            except OSError:  # the probe closed the connection
+                return
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    answers: list[bool] = []
+    prober = threading.Thread(
+        target=lambda: answers.append(
+            http_probe(f"http://127.0.0.1:{listener.getsockname()[1]}")()
+        ),
+        daemon=True,
+    )
+    prober.start()
+    prober.join(60)  # a bound for the test only: the probe itself ends within about a second
+    stop.set()
+    server.join(10)
+    listener.close()
+    assert answers == [False]
