@@ -823,3 +823,30 @@ async def test_a_page_stored_by_a_backup_is_read_again_after_its_read_failed() -
         keys = cache.keys_for(prompt)
         assert _prefetcher(cache).failed_reads.first(keys, {}) is None
         await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_prefetch_after_a_failed_read_ends_while_every_worker_is_busy() -> None:
+    # Queued behind a read that hangs, it would wait for the worker (up to io_timeout_s),
+    # by when the failure is forgotten and the page read again.
+    prompt, other = _prompt(36), _prompt(37)
+    async with _gated(_config(workers=1), prompt, other) as (cache, store, generator):
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        store.error = None
+        store.gets.closed = True  # the store hangs from now on
+        busy = await cache.start_prefetch(other)
+        await _until(lambda: len(store.gets.waiting) == 1, "the only worker's read in flight")
+        again = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert again.status is PrefetchStatus.TERMINATED
+        assert again.storage_tokens == 0
+        assert len(store.gets.waiting) == 1  # the other read still hangs
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
+        assert store.reads[key] == 1
+        status = cache.storage_status().prefetch
+        assert status is not None
+        assert (status.submitted, status.terminated, status.queued) == (3, 2, 0)
+        store.gets.open()
+        assert (await asyncio.wait_for(busy.wait(), 30)).status is PrefetchStatus.COMPLETE
+        await _check_and_drain(cache, prompt, generator)
