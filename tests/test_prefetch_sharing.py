@@ -12,12 +12,19 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from _unowned_storage import Unowned
 
 from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchStatus
-from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, StorageBackend
+from hicache_async.storage import (
+    MemoryStorage,
+    Outcome,
+    PageBuffer,
+    StorageBackend,
+    StorageCapabilities,
+)
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import Prefetcher
 from hicache_async.workers import _prefetch as _prefetch_module
@@ -850,3 +857,35 @@ async def test_a_prefetch_after_a_failed_read_ends_while_every_worker_is_busy() 
         store.gets.open()
         assert (await asyncio.wait_for(busy.wait(), 30)).status is PrefetchStatus.COMPLETE
         await _check_and_drain(cache, prompt, generator)
+
+
+class StoredFirst(GatedStorage):
+    """A backend whose put writes every page it is given: the backup asks `exists` first."""
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return msgspec.structs.replace(self.inner.capabilities, put_skips_stored=False)
+
+
+async def test_a_page_a_backup_finds_stored_is_read_again_after_its_read_failed() -> None:
+    # skip_stored: the backup's `exists` finds the page and writes nothing, as a put that
+    # skips stored pages answers OK for it; either way the page is known to be stored.
+    prompt = _prompt(38)
+    config = _config()
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        generator = await _stored(memory, config, prompt)
+        store = StoredFirst(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.error = OSError("storage unreachable")
+            first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+            assert first.status is PrefetchStatus.TERMINATED
+            store.error = None
+            await serve(cache, prompt, generator, prefetch=False)
+            await cache.drain()
+            backup = cache.storage_status().backup
+            assert backup is not None
+            assert backup.already_stored_pages == PAGES
+            assert backup.written_pages == 0
+            keys = cache.keys_for(prompt)
+            assert _prefetcher(cache).failed_reads.first(keys, {}) is None
+            await _check_and_drain(cache, prompt, generator)
