@@ -12,12 +12,19 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from _unowned_storage import Unowned
 
 from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchStatus
-from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, StorageBackend
+from hicache_async.storage import (
+    MemoryStorage,
+    Outcome,
+    PageBuffer,
+    StorageBackend,
+    StorageCapabilities,
+)
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import Prefetcher
 from hicache_async.workers import _prefetch as _prefetch_module
@@ -823,3 +830,62 @@ async def test_a_page_stored_by_a_backup_is_read_again_after_its_read_failed() -
         keys = cache.keys_for(prompt)
         assert _prefetcher(cache).failed_reads.first(keys, {}) is None
         await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_prefetch_after_a_failed_read_ends_while_every_worker_is_busy() -> None:
+    # Queued behind a read that hangs, it would wait for the worker (up to io_timeout_s),
+    # by when the failure is forgotten and the page read again.
+    prompt, other = _prompt(36), _prompt(37)
+    async with _gated(_config(workers=1), prompt, other) as (cache, store, generator):
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        store.error = None
+        store.gets.closed = True  # the store hangs from now on
+        busy = await cache.start_prefetch(other)
+        await _until(lambda: len(store.gets.waiting) == 1, "the only worker's read in flight")
+        again = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert again.status is PrefetchStatus.TERMINATED
+        assert again.storage_tokens == 0
+        assert len(store.gets.waiting) == 1  # the other read still hangs
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
+        assert store.reads[key] == 1
+        status = cache.storage_status().prefetch
+        assert status is not None
+        assert (status.submitted, status.terminated, status.queued) == (3, 2, 0)
+        store.gets.open()
+        assert (await asyncio.wait_for(busy.wait(), 30)).status is PrefetchStatus.COMPLETE
+        await _check_and_drain(cache, prompt, generator)
+
+
+class StoredFirst(GatedStorage):
+    """A backend whose put writes every page it is given: the backup asks `exists` first."""
+
+    @property
+    def capabilities(self) -> StorageCapabilities:
+        return msgspec.structs.replace(self.inner.capabilities, put_skips_stored=False)
+
+
+async def test_a_page_a_backup_finds_stored_is_read_again_after_its_read_failed() -> None:
+    # skip_stored: the backup's `exists` finds the page and writes nothing, as a put that
+    # skips stored pages answers OK for it; either way the page is known to be stored.
+    prompt = _prompt(38)
+    config = _config()
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        generator = await _stored(memory, config, prompt)
+        store = StoredFirst(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.error = OSError("storage unreachable")
+            first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+            assert first.status is PrefetchStatus.TERMINATED
+            store.error = None
+            await serve(cache, prompt, generator, prefetch=False)
+            await cache.drain()
+            backup = cache.storage_status().backup
+            assert backup is not None
+            assert backup.already_stored_pages == PAGES
+            assert backup.written_pages == 0
+            keys = cache.keys_for(prompt)
+            assert _prefetcher(cache).failed_reads.first(keys, {}) is None
+            await _check_and_drain(cache, prompt, generator)

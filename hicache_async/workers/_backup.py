@@ -118,7 +118,8 @@ class BackupWorker:
         self._cache = cache
         self._backend = backend
         self.config = config
-        # Told the keys of the pages each put stored: a read of them may succeed now.
+        # Told the keys of the pages each put stored, or found stored: a read of them may
+        # succeed now.
         self._stored = stored
         # After a detach the flush still writes, but its pages belong to a backend that is
         # no longer ours: they must not mark nodes "in storage".
@@ -444,6 +445,10 @@ class BackupWorker:
             for i in indexes[:found]:
                 done[i] = True
             self.already_stored_pages += found
+            if self._stored is not None:
+                # Stored, as a put that wrote them would say (a backend whose put skips
+                # stored pages answers OK for them).
+                self._stored([keys[i] for i in indexes[:found]])
 
     async def _check_prefixes(self, jobs: list[_Job]) -> None:
         """Unmark the nodes above the jobs' ranges that are marked in storage but missing

@@ -98,6 +98,9 @@ class _FailedReads:
         while len(remembered) > _FAILED_READ_KEYS:
             remembered.popitem(last=False)
 
+    def __len__(self) -> int:
+        return len(self._until)
+
     def forget(self, keys: list[bytes]) -> None:
         """Forget `keys` (stored since: a read may find them now)."""
         if self._until:
@@ -848,6 +851,15 @@ class Prefetcher:
         self._quiet.clear()
         policy = handle._policy
         began = time.monotonic()
+        if self._first_read_failed(handle):
+            # Ended at once (`_fetch`, without an await), not queued for a worker that a
+            # hanging store may hold for a whole `io_timeout_s`: the failure would be
+            # forgotten by then, and the page read again.
+            try:
+                await self._process(handle)
+            finally:
+                self._live_done(handle)
+            return
         try:
             if policy == "wait_complete":
                 await self._send.send(handle)
@@ -887,6 +899,15 @@ class Prefetcher:
                 self.cancelled += 1
             self._live_done_unless_running(handle)
             raise
+
+    def _first_read_failed(self, handle: PrefetchHandle) -> bool:
+        """Whether the first page `handle` has to read is one whose read just failed."""
+        if not self.failed_reads:
+            return False
+        keys = handle.keys
+        found = self._cache._tree.match(keys, touch=False)
+        start = found.num_device_pages + found.num_host_pages
+        return self.failed_reads.first(keys[start : start + 1], self._inflight) == 0
 
     def _drop_queued(self, handle: PrefetchHandle, status: PrefetchStatus) -> None:
         """Finish a prefetch given up while queued: counted once, here; its slot is free at
