@@ -276,6 +276,52 @@ def test_insert_under_a_node_continues_its_prefix() -> None:
         tree.insert(K(1, 2, 3, 4, 5)[4:], host_pages=[7], under=landed)
 
 
+def test_descend_reads_on_from_a_node_splitting_where_the_keys_end() -> None:
+    tree = make_tree()
+    anchor = tree.insert(K(1, 2), device_pages=[0, 1]).node
+    deep = tree.insert(K(1, 2, 3, 4, 5)[2:], host_pages=[5, 6, 7], under=anchor).node
+    assert tree.descend(anchor, []) is anchor
+    assert tree.descend(anchor, K(1, 2, 3, 4, 5)[2:]) is deep
+    # Ending inside a node splits it; the original object keeps the suffix, as in match.
+    mid = tree.descend(anchor, K(1, 2, 3, 4)[2:])
+    assert mid is not None
+    assert mid.host_pages == [5, 6]
+    assert deep.parent is mid
+    assert tree.descend(tree.root, K(1, 2, 3, 4)) is mid
+    # Keys not all in the tree, parting inside a node or past its end: None, nothing split.
+    nodes = tree.num_nodes
+    assert tree.descend(anchor, K(1, 2, 3, 9)[2:]) is None
+    assert tree.descend(anchor, K(1, 2, 3, 4, 5, 6)[2:]) is None
+    assert tree.descend(mid, K(1, 2, 3, 4, 9)[4:]) is None
+    assert tree.num_nodes == nodes
+    tree.check_invariants()
+    tree.evict_host(10)
+    with pytest.raises(ValueError, match="not in the tree"):
+        tree.descend(deep, [])
+
+
+def test_move_protection_down_a_path_equals_protect_then_unprotect() -> None:
+    tree = make_tree()
+    top = tree.insert(K(1), host_pages=[0]).node
+    tree.protect_host(top)
+    middle = tree.insert(K(1, 2)[1:], host_pages=[1], under=top).node
+    low = tree.insert(K(1, 2, 3)[2:], host_pages=[2], under=middle).node
+    tree.move_protection(top, low)
+    assert [n.host_ref for n in (top, middle, low)] == [1, 1, 1]
+    tree.check_invariants()
+    assert tree.evict_host(3) == []
+    tree.move_protection(low, low)
+    tree.check_invariants()
+    with pytest.raises(ValueError, match="is not below"):
+        tree.move_protection(low, top)
+    assert [n.host_ref for n in (top, middle, low)] == [1, 1, 1]
+    tree.unprotect_host(low)
+    with pytest.raises(ValueError, match="underflow"):
+        tree.move_protection(low, low)
+    assert sorted(tree.evict_host(3)) == [0, 1, 2]
+    tree.check_invariants()
+
+
 def test_protected_nodes_are_never_removed() -> None:
     tree = make_tree()
     node = tree.insert(K(1), device_pages=[0]).node

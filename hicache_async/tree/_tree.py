@@ -188,6 +188,37 @@ class RadixTree:
             host_node=device_node if host_node is None else host_node,
         )
 
+    def descend(self, node: TreeNode, keys: Sequence[bytes]) -> TreeNode | None:
+        """The node ending `keys` read on from `node`, or None if they are not all cached.
+
+        `keys` continue the prefix that ends at `node`; a node they end inside is split so
+        the result ends on a node boundary, as `match` does. Costs O(len(keys)) however deep
+        `node` is, so a caller extending a prefix step by step that holds on to `node` (a
+        protected node stays in the tree) does not match the whole prefix again each step.
+        Every node in the tree is cached (on the device or the host), so reaching the end
+        of `keys` means all of them are. Touches nothing.
+        """
+        if self._owner is not None:
+            self._owner.check()
+        self._check_node(node)
+        query = keys if isinstance(keys, list) else list(keys)
+        n = len(query)
+        i = 0
+        while i < n:
+            child = node.children.get(query[i])
+            if child is None:
+                return None
+            end = i + len(child.keys)
+            if end > n or query[i:end] != child.keys:
+                k = _common_prefix(child.keys, query, i)
+                if i + k < n:
+                    return None  # they part inside this node
+                child = self._split(child, k)
+                end = n
+            node = child
+            i = end
+        return node
+
     def iter_nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children (a snapshot of each child list)."""
         if self._owner is not None:
@@ -376,6 +407,34 @@ class RadixTree:
                     self._evictable_host += len(node.keys)
                 self._requeue(node)
             node = node.parent
+
+    def move_protection(self, node: TreeNode, to: TreeNode) -> None:
+        """`protect_host(to)` then `unprotect_host(node)`, for `to` at or below `node`.
+
+        The prefix down to `node` keeps its counts, so this costs the path from `to` up to
+        `node`, not to the root: a holder that moves its protection down a long prefix step
+        by step pays for each step, not for the whole prefix each time.
+        """
+        if self._owner is not None:
+            self._owner.check()
+        self._check_node(node)
+        self._check_node(to)
+        if node.parent is not None and node.host_ref < 1:
+            raise ValueError(f"unprotect_host underflow on {node!r}")
+        path: list[TreeNode] = []
+        step = to
+        while step is not node:
+            if step.parent is None:
+                raise ValueError(f"{to!r} is not below {node!r}")
+            path.append(step)
+            step = step.parent
+        for step in path:
+            step.host_ref += 1
+            if step.host_ref == 1:
+                self._protected += 1
+                if step.host_pages is not None and step.device_pages is None:
+                    self._evictable_host -= len(step.keys)
+                self._requeue(step)
 
     # -- residency ----------------------------------------------------------------------------
 

@@ -1351,14 +1351,14 @@ class Prefetcher:
                         self._unwait(waiting.pop(k), handle)
                     # Hold them as own pages are held (`_land`): their reader lets go of
                     # them when it ends, and the pages after them must have them to attach.
-                    reached = tree.match(keys[: begin + run], touch=False)
-                    if reached.num_device_pages + reached.num_host_pages != begin + run:
+                    # From the protected anchor on, not the whole prefix again for every run.
+                    reached = tree.descend(anchor, keys[begin + pos : begin + run])
+                    if reached is None:
                         # Evicted before this prefetch could hold them: plan again.
                         status = given_up = _Shared.DROPPED
                         break
-                    tree.protect_host(reached.host_node)
-                    tree.unprotect_host(anchor)
-                    anchor = reached.host_node
+                    tree.move_protection(anchor, reached)
+                    anchor = reached
                     self.pages_shared += run - pos
                     landed = min(landed + run - pos, cap)
                     handle.storage_tokens = landed * size  # what ready() reports meanwhile
@@ -1376,12 +1376,7 @@ class Prefetcher:
                     ok += 1
                 if ok:
                     extended = self._land(
-                        keys,
-                        begin + pos,
-                        priority=handle.priority,
-                        batch=batch[:ok],
-                        page_of=page_of,
-                        anchor=anchor,
+                        batch[:ok], priority=handle.priority, page_of=page_of, anchor=anchor
                     )
                     if extended is None:
                         # The prefix was evicted (what is reported is cut below).
@@ -1478,25 +1473,26 @@ class Prefetcher:
 
     def _land(
         self,
-        keys: list[bytes],
-        boundary: int,
+        batch: list[bytes],
         *,
         priority: int,
-        batch: list[bytes],
         page_of: dict[bytes, int],
         anchor: TreeNode,
     ) -> TreeNode | None:
-        """Insert verified pages under the cached prefix ending at `boundary`; one sync step."""
+        """Insert verified pages under `anchor`, the protected node that ends the cached
+        prefix they continue (splits keep it as the suffix, so it still ends there); one sync
+        step, in proportion to the batch: matching the whole prefix again for every batch
+        made landing a long prompt quadratic in its length."""
         tree = self._cache._tree
-        found = tree.match(keys[:boundary], touch=False)
-        if found.num_device_pages + found.num_host_pages != boundary:
-            return None  # the prefix we extend was evicted meanwhile: these pages can't attach
+        if anchor is not tree.root and anchor.parent is None:
+            # Cannot happen while it is protected; if it was removed all the same, these
+            # pages have nothing to attach to.
+            return None
         pages = [page_of[k] for k in batch]
-        result = tree.insert(batch, host_pages=pages, under=found.host_node, priority=priority)
+        result = tree.insert(batch, host_pages=pages, under=anchor, priority=priority)
         self._cache._host_free(result.duplicate_host_pages)
         if self._is_current():
             for node in self._cache._path(result.node, len(batch)):
                 tree.mark_in_storage(node)
-        tree.protect_host(result.node)
-        tree.unprotect_host(anchor)
+        tree.move_protection(anchor, result.node)
         return result.node
