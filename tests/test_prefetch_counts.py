@@ -1,8 +1,11 @@
-"""Landing a long prompt costs in proportion to it, not to its square."""
+"""Prefetch page counters add up: every page a prefetch asks for lands in exactly one of
+`misses`, `pages_read`, `pages_shared`, `corrupt` and `errors`; and landing a long prompt
+costs in proportion to it, not to its square."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,10 +13,11 @@ import numpy as np
 import pytest
 from _unowned_storage import Unowned
 
-from hicache_async import CacheConfig, HiCache
-from hicache_async.storage import MemoryStorage
+from hicache_async import CacheConfig, HiCache, PrefetchResult, PrefetchStatus
+from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, StorageBackend
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
 from hicache_async.tree import RadixTree
+from hicache_async.workers import PrefetchStatistics
 
 PAGE = 4
 
@@ -38,12 +42,158 @@ def _config(device_pages: int = 64, **prefetch: Any) -> CacheConfig:
     )
 
 
+def _counted(stats: PrefetchStatistics | None) -> int:
+    assert stats is not None
+    return stats.misses + stats.pages_read + stats.pages_shared + stats.corrupt + stats.errors
+
+
+def _asked(result: PrefetchResult, pages: int) -> int:
+    """Pages the prefetch had to look for: those not cached when it started (nothing is
+    evicted in these tests, so its figures are not cut)."""
+    return pages - (result.device_tokens + result.host_tokens) // PAGE
+
+
 async def _store(memory: MemoryStorage, config: CacheConfig, *prompts: np.ndarray) -> None:
     generator = KVGenerator(config.layout, PAGE, seed=5)
     async with HiCache(config, storage=Unowned(memory)) as writer:
         for prompt in prompts:
             await serve(writer, prompt, generator, prefetch=False)
         await writer.drain()
+
+
+class FailAt(Unowned):
+    """A real backend whose gets answer `outcome` for the keys in `keys`."""
+
+    def __init__(self, inner: StorageBackend, outcome: Outcome) -> None:
+        super().__init__(inner)
+        self.outcome = outcome
+        self.keys: set[bytes] = set()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        outcomes = await self.inner.get(keys, into, namespace=namespace)
+        return [
+            self.outcome if bytes(k) in self.keys else o
+            for k, o in zip(keys, outcomes, strict=True)
+        ]
+
+
+@pytest.mark.parametrize(("outcome", "counter"), [("ERROR", "errors"), ("MISS", "misses")])
+async def test_the_pages_after_a_failed_batch_count_once(outcome: str, counter: str) -> None:
+    # Page 2 of 8 fails in the second batch of two: the pages after that batch were counted
+    # nowhere, so a prefetch's counters fell short of the pages it asked for.
+    config = _config()
+    prompt = np.random.default_rng(1).integers(0, 5000, size=8 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt)
+        store = FailAt(memory, Outcome[outcome])
+        async with HiCache(config, storage=store) as cache:
+            store.keys = {cache.namespace.storage_keys(cache.keys_for(prompt))[2]}
+            result = await cache.prefetch(prompt)
+            assert result.status is PrefetchStatus.TERMINATED
+            assert result.storage_tokens == 2 * PAGE
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert stats.pages_read == 3  # pages 0, 1 and 3 (read, not landed: after page 2)
+            assert getattr(stats, counter) == 1 + 4  # page 2, then the four left unread
+            assert _counted(stats) == 8
+
+
+async def test_pages_others_landed_while_a_prefetch_looked_them_up_are_shared() -> None:
+    # B's lookup is held while A reads and lands everything: B reads nothing, and its pages,
+    # brought by A, are shared rather than counted nowhere.
+    config = _config()
+    prompt = np.random.default_rng(2).integers(0, 5000, size=8 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt)
+        store = HeldLookups(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.hold = asyncio.get_running_loop().create_future()
+            b = await cache.start_prefetch(prompt, request_id="B")
+            await asyncio.wait_for(store.held.wait(), 30)
+            store.hold, gate = None, store.hold
+            a = await asyncio.wait_for(cache.prefetch(prompt, request_id="A"), 30)
+            assert a.status is PrefetchStatus.COMPLETE
+            gate.set_result(None)
+            result = await asyncio.wait_for(b.wait(), 30)
+            assert result.storage_tokens == 8 * PAGE
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert stats.pages_read == 8
+            assert stats.pages_shared == 8
+            assert _counted(stats) == 16
+
+
+class HeldLookups(Unowned):
+    """A real backend whose `exists` waits for `hold` while it is set."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.hold: asyncio.Future[None] | None = None
+        self.held = asyncio.Event()
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        hold = self.hold
+        if hold is not None:
+            self.held.set()
+            await hold
+        return await self.inner.exists(keys)
+
+
+def _workload(seed: int, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Prompts over a few shared prefixes (so reads are shared and cut short), and the
+    prefixes storage holds (part of each prompt: the rest is a miss at `exists`)."""
+    rng = random.Random(seed)
+    gen = np.random.default_rng(seed)
+    roots = [gen.integers(0, 5000, size=24 * PAGE) for _ in range(3)]
+    prompts = []
+    for _ in range(count):
+        root = roots[rng.randrange(len(roots))]
+        shared = rng.randrange(1, 25) * PAGE
+        tail = gen.integers(0, 5000, size=rng.randrange(0, 8) * PAGE)
+        prompts.append(np.concatenate([root[:shared], tail]))
+    stored = [root[: rng.randrange(12, 25) * PAGE] for root in roots]
+    stored += [p for p in prompts if rng.random() < 0.5]
+    return prompts, stored
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+async def test_every_page_a_prefetch_asks_for_counts_once_under_faults(seed: int) -> None:
+    config = _config()
+    prompts, stored = _workload(seed, 24)
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    faults = {"partial_batch_rate": 0.15, "error_rate": 0.05, "latency_s": 0.001}
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        await _store(memory, config, *stored)
+        # One at a time: the counters each prefetch added are its pages, each once.
+        store = FaultyStorage(Unowned(memory), seed=seed, **faults)
+        async with HiCache(config, storage=store) as cache:
+            for prompt in prompts:
+                before = _counted(cache.storage_status().prefetch)
+                result = await asyncio.wait_for(cache.prefetch(prompt), 30)
+                added = _counted(cache.storage_status().prefetch) - before
+                assert added == _asked(result, len(prompt) // PAGE), result
+            injected = store.injected()
+            assert injected.errors + injected.partial_batches > 0
+            for prompt in prompts:  # what landed is the right KV
+                await serve(cache, prompt, generator, prefetch=False, check="all")
+            await cache.drain()
+            assert_drained(cache)
+        # All at once: reads shared, some failing under others waiting on them.
+        store = FaultyStorage(Unowned(memory), seed=seed + 1, **faults)
+        async with HiCache(config, storage=store) as cache:
+            handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+            results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 60)
+            stats = cache.storage_status().prefetch
+            asked = sum(_asked(r, len(p) // PAGE) for r, p in zip(results, prompts, strict=True))
+            assert _counted(stats) == asked
+            assert stats is not None
+            assert stats.pages_shared > 0
+            for prompt in prompts:
+                await serve(cache, prompt, generator, prefetch=False, check="all")
+            await cache.drain()
+            assert_drained(cache)
 
 
 async def test_landing_a_long_prompt_costs_in_proportion_to_it(

@@ -1239,7 +1239,11 @@ class Prefetcher:
         # landed by others, and maybe loaded to the device by a request since) is cached for
         # this prompt as much as what this prefetch lands itself. (Which of it a request
         # computed rather than storage delivered, the tree cannot tell.)
-        landed = min(max(handle.storage_tokens // size, begin - first), cap)
+        counted = handle.storage_tokens // size
+        landed = min(max(counted, begin - first), cap)
+        # Pages cached by others since the first match: this prefetch did not read them, and
+        # would have waited for them had it planned a moment earlier.
+        self.pages_shared += landed - counted
         handle.storage_tokens = landed * size
         failing = self.failed_reads.first(keys[begin:end], self._inflight)
         if failing is not None:
@@ -1335,6 +1339,9 @@ class Prefetcher:
                     assert outcome is not None  # its batch's future is set once all have one
                     if outcome is not _Shared.LANDED:
                         if outcome is _Shared.FAILED:
+                            # Not read again: this page and the rest are misses, as for a
+                            # prefetch planned just after that read failed (`_FailedReads`).
+                            self.misses += end - (begin + pos)
                             status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                         elif handle._gave_up():
                             status = handle._stopped()
@@ -1366,6 +1373,7 @@ class Prefetcher:
                     continue
                 # An own page starts a planned batch: the ones before it all landed.
                 batch = flights[key].read.keys
+                after = begin + pos + len(batch)  # the first page past the batch
                 handle._reading = batch
                 try:
                     outcomes = await self._get(batch, [page_of[k] for k in batch])
@@ -1400,6 +1408,12 @@ class Prefetcher:
                     self.failed_reads.add(
                         [k for k, o in zip(batch, outcomes, strict=True) if o is Outcome.ERROR]
                     )
+                    # The pages after the batch are left unread: errors after a failed page,
+                    # misses after one storage lacks or found damaged (the prefix ends there).
+                    if outcomes[ok] is Outcome.ERROR:
+                        self.errors += end - after
+                    else:
+                        self.misses += end - after
                     status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                     break
         except BaseException:
