@@ -18,6 +18,7 @@ import uvicorn
 
 from hicache_async import CacheConfig, HiCache, HiCacheError, KVLayout
 from hicache_async._errors import StorageConfigError
+from hicache_async._ratelog import LogLimiter
 from hicache_async.admin import AdminApp
 from hicache_async.admin._app import _describe
 from hicache_async.admin._http import redact
@@ -209,21 +210,55 @@ async def test_another_scheme_gets_the_challenge_without_an_error_code() -> None
 
 async def test_every_refused_attempt_is_logged_once() -> None:
     # A request with no Authorization header at all (the usual probe) used to leave no trace.
-    async with admin() as (_, client):
-        attempts: list[dict[str, str]] = [
-            {},
-            {"Authorization": f"Bearer {TOKEN}x"},
-            {"Authorization": f"Basic {TOKEN}"},
-        ]
-        for headers in attempts:
-            with structlog.testing.capture_logs() as logs:
-                _error(await client.get(STORAGE, headers=headers), 401, "unauthorized")
-            refused = [e for e in logs if e["event"] == "hicache.admin.unauthorized"]
-            assert len(refused) == 1, headers
-            assert refused[0]["path"] == STORAGE
+    attempts: list[dict[str, str]] = [
+        {},
+        {"Authorization": f"Bearer {TOKEN}x"},
+        {"Authorization": f"Basic {TOKEN}"},
+    ]
+    async with HiCache(_config()) as cache:
+        for number, headers in enumerate(attempts):
+            # A peer of its own each, as the log is limited per peer.
+            app = AdminApp(cache, token=TOKEN)
+            transport = httpx.ASGITransport(app=app, client=(f"10.0.0.{number + 1}", 4000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://admin") as client:
+                with structlog.testing.capture_logs() as logs:
+                    _error(await client.get(STORAGE, headers=headers), 401, "unauthorized")
+                refused = [e for e in logs if e["event"] == "hicache.admin.unauthorized"]
+                assert len(refused) == 1, headers
+                assert refused[0]["path"] == STORAGE
+                assert refused[0]["client"] == f"10.0.0.{number + 1}:4000"
+                with structlog.testing.capture_logs() as logs:
+                    assert (await client.get(STORAGE, headers=AUTH)).status_code == 200
+                assert not [e for e in logs if e["event"] == "hicache.admin.unauthorized"]
+
+
+async def test_refused_attempts_are_logged_once_a_minute_per_peer() -> None:
+    # A client on the network could otherwise flood the log with one line per refusal; the
+    # operator still learns from which peer and how many.
+    now = [1000.0]
+    async with HiCache(_config()) as cache:
+        app = AdminApp(cache, token=TOKEN)
+        app._refusals = LogLimiter(60.0, clock=lambda: now[0])
+
+        async def refuse(host: str, port: int, times: int) -> None:
+            transport = httpx.ASGITransport(app=app, client=(host, port))
+            async with httpx.AsyncClient(transport=transport, base_url="http://admin") as client:
+                for attempt in range(times):
+                    wrong = {"Authorization": f"Bearer {TOKEN}{attempt}"}
+                    _error(await client.get(STORAGE, headers=wrong), 401, "unauthorized")
+
         with structlog.testing.capture_logs() as logs:
-            assert (await client.get(STORAGE, headers=AUTH)).status_code == 200
-        assert not [e for e in logs if e["event"] == "hicache.admin.unauthorized"]
+            await refuse("10.0.0.1", 4000, 50)
+            await refuse("10.0.0.1", 4001, 50)  # a new connection of the same peer
+            await refuse("10.0.0.2", 4000, 3)
+            now[0] += 60.0
+            await refuse("10.0.0.1", 4002, 1)
+        refused = [
+            (e["client"], e["unlogged_since_last"])
+            for e in logs
+            if e["event"] == "hicache.admin.unauthorized"
+        ]
+        assert refused == [("10.0.0.1:4000", 0), ("10.0.0.2:4000", 0), ("10.0.0.1:4002", 99)]
 
 
 async def test_bytes_token() -> None:

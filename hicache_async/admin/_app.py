@@ -14,6 +14,7 @@ import msgspec
 import structlog
 
 from .._errors import CacheClosedError, HiCacheError, StorageConfigError
+from .._ratelog import LogLimiter
 from ..storage import ENTRY_POINT_GROUP, StorageBackend, StorageError, storage_schemes
 from ..workers import StorageStatus
 from ._dispatch import CacheLoop
@@ -213,6 +214,7 @@ class AdminApp:
         self._lock = asyncio.Lock()
         # Attaches under way or waiting for the lock, for a DELETE to cancel.
         self._attaching: set[_Attaching] = set()
+        self._refusals = LogLimiter()
         self._routes: dict[str, dict[str, _Handler]] = {
             STORAGE_PATH: {
                 "GET": self._get_storage,
@@ -299,9 +301,7 @@ class AdminApp:
         if scheme.lower() != b"bearer":
             # No bearer credentials at all (no header, or Basic and the like): RFC 6750 gives
             # such a request the challenge without an error code, which is for a bad token.
-            _log.warning(
-                "hicache.admin.unauthorized", path=scope.get("path"), client=_client(scope)
-            )
+            self._log_refusal(scope)
             raise HTTPError(
                 401,
                 "unauthorized",
@@ -312,14 +312,27 @@ class AdminApp:
         # Constant time in the token's content: timing reveals at most its length.
         valid = hmac.compare_digest(presented, self._token)
         if not valid or len(values) != 1:
-            _log.warning(
-                "hicache.admin.unauthorized", path=scope.get("path"), client=_client(scope)
-            )
+            self._log_refusal(scope)
             raise HTTPError(
                 401,
                 "unauthorized",
                 "the bearer token is not valid",
                 headers=[(b"www-authenticate", _REALM + b', error="invalid_token"')],
+            )
+
+    def _log_refusal(self, scope: Scope) -> None:
+        # Anyone who reaches the port can send refused requests as fast as the server answers:
+        # one line each would flood the log. Per peer host (its port changes per connection),
+        # the first is told at once and the others once a minute, with how many were left out.
+        client = scope.get("client")
+        peer = str(client[0]) if client else ""
+        unlogged = self._refusals.admit("hicache.admin.unauthorized", peer)
+        if unlogged is not None:
+            _log.warning(
+                "hicache.admin.unauthorized",
+                path=scope.get("path"),
+                client=_client(scope),
+                unlogged_since_last=unlogged,
             )
 
     def _route(self, scope: Scope) -> _Handler:

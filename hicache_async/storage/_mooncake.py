@@ -107,6 +107,13 @@ _NOT_A_REQUEST = bytes(32)
 _MAX_JUDGED_BYTES = 256 * _MiB
 _HEX_DIGITS = "0123456789abcdef"
 _ADMIN_TIMEOUT_S = 10.0
+# The most of the master's `/get_all_keys` answer a listing reads (the names of every object
+# in the cluster, about 80 bytes per page): past it the listing fails, so a huge or endless
+# answer cannot grow the process without bound.
+_MAX_KEY_LIST_BYTES = 1 << 30
+_KEY_LIST_READ_BYTES = _MiB
+# Whitespace a line of that answer may carry around a page name.
+_KEY_LINE_SLACK = 256
 # A put refused for want of room sets the master's eviction going (its eviction thread
 # wakes every 10 ms): the refused pages get one more try once it has had a few rounds.
 _NO_SPACE_RETRY_S = 0.05
@@ -1846,26 +1853,62 @@ class MooncakeStorage(BackendBase):
             )
         self._check_master()
         url = f"{self._admin}/get_all_keys"
+        lead = f"{self._prefix}:"
+        longest = len(lead.encode()) + 64 + _KEY_LINE_SLACK
+        names: list[str] = []
 
-        def job(stop: threading.Event) -> bytes:
+        def keep(lines: bytes) -> None:
+            # Whole lines only: a newline never falls inside a multi-byte character.
+            for line in lines.decode(errors="replace").splitlines():
+                name = line.strip()
+                if not name.startswith(lead):
+                    continue
+                tail = name[len(lead) :]
+                if len(tail) != 64 or tail.strip(_HEX_DIGITS):
+                    continue  # not a page name of ours despite the prefix (as `_mkey` writes them)
+                names.append(name)
+
+        def too_long() -> StorageError:
+            return StorageError(
+                f"{self._name}: {mask_userinfo(url)} answered more than "
+                f"{_MAX_KEY_LIST_BYTES // _MiB} MiB of object names; the listing stops there"
+            )
+
+        def job(stop: threading.Event) -> None:
+            # Read a piece at a time, keeping only this prefix's page names: the answer lists
+            # every object in the cluster, which can be far more than this store's pages.
             try:
                 with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
-                    data: bytes = response.read()
-                    return data
+                    if response.length is not None and response.length > _MAX_KEY_LIST_BYTES:
+                        raise too_long()
+                    total = 0
+                    pending = b""  # the start of a line the next piece ends
+                    skipping = False  # within a line too long to be a page name
+                    while not stop.is_set():  # a cancelled caller drops the result
+                        piece = response.read(_KEY_LIST_READ_BYTES)
+                        if not piece:
+                            if response.length:  # unlike read(), read(n) takes a cut answer
+                                raise http.client.IncompleteRead(b"", response.length)
+                            keep(pending)
+                            return
+                        total += len(piece)
+                        if total > _MAX_KEY_LIST_BYTES:
+                            raise too_long()
+                        data = pending + piece
+                        if skipping:
+                            end = data.find(b"\n")
+                            data = b"" if end < 0 else data[end + 1 :]
+                            skipping = end < 0
+                        whole, newline, pending = data.rpartition(b"\n")
+                        keep(whole + newline)
+                        if len(pending) > longest:
+                            # Kept whole, a line without end would be copied at every piece.
+                            pending = b""
+                            skipping = True
             except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
                 raise StorageError(f"{self._name}: {mask_userinfo(url)} failed: {exc}") from exc
 
-        text = (await self.run_job(job)).decode(errors="replace")
-        lead = f"{self._prefix}:"
-        names: list[str] = []
-        for line in text.splitlines():
-            name = line.strip()
-            if not name.startswith(lead):
-                continue
-            tail = name[len(lead) :]
-            if len(tail) != 64 or tail.strip(_HEX_DIGITS):
-                continue  # not a page name of ours despite the prefix (as `_mkey` writes them)
-            names.append(name)
+        await self.run_job(job)
         return names
 
     def _headers_job(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import re
@@ -1075,6 +1076,101 @@ async def test_listing_needs_the_admin_url(mooncake_master: MooncakeMaster) -> N
     async with MooncakeStorage.from_url(fresh_url(url)) as backend:
         with pytest.raises(StorageConfigError, match="admin"):
             await backend.list_pages()
+
+
+class _KeyListServer:
+    """Stands in for the master's admin port: `/health` answers 200, `/get_all_keys` with
+    `junk` bytes of names of no page before the master's own answer, its last line left
+    without a newline."""
+
+    def __init__(self, master: MooncakeMaster, junk: int) -> None:
+        self.sent: list[int] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path != "/get_all_keys":
+                    self.send_response(200)
+                    self.send_header("Content-Length", "2")
+                    self.end_headers()
+                    self.wfile.write(b"OK")
+                    return
+                with urllib.request.urlopen(f"{master.admin_url}/get_all_keys") as real:
+                    keys = real.read()
+                self.send_response(200)
+                self.end_headers()  # no length: the answer ends when the connection does
+                line = b"other:" + b"x" * 1000 + b"\n"
+                done = 0
+                try:
+                    # A line longer than any read, then names of other objects.
+                    self.wfile.write(b" " * 300_000 + b"\n")
+                    while done < junk:
+                        self.wfile.write(line * 64)
+                        done += len(line) * 64
+                    self.wfile.write(keys.rstrip())
+                except OSError:  # the listing stopped reading
+                    owner.sent.append(done)
+                    return
+                owner.sent.append(done)
+
+            def log_message(self, *args: object) -> None:
+                return None
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> _KeyListServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join()
+
+
+def _url_with_admin(master: MooncakeMaster, admin: str) -> str:
+    return (
+        f"mooncake://127.0.0.1:{master.rpc_port}?metadata={master.metadata_url}&admin={admin}"
+        "&protocol=tcp&local_hostname=127.0.0.1"
+    )
+
+
+async def test_a_key_list_past_its_bound_fails_the_listing(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `/get_all_keys` names every object of the cluster; it was read whole, so a huge or
+    # endless answer grew the process without bound.
+    monkeypatch.setattr(mooncake_module, "_MAX_KEY_LIST_BYTES", 4 << 20, raising=False)
+    monkeypatch.setattr(mooncake_module, "_KEY_LIST_READ_BYTES", 4096, raising=False)
+    total = 64 << 20
+    with _KeyListServer(mooncake_master, total) as admin:
+        url = _url_with_admin(mooncake_master, admin.url)
+        async with MooncakeStorage.from_url(fresh_url(url)) as backend:
+            await backend.put(*make_pages(2))
+            with pytest.raises(StorageError, match="more than 4 MiB of object names"):
+                await backend.list_pages()
+    assert len(admin.sent) == 1
+    assert admin.sent[0] < total // 2  # what the socket buffers took, not the whole answer
+
+
+async def test_a_key_list_is_read_a_piece_at_a_time(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Names cut across reads, a line longer than any read and the last line without a
+    # newline are all told apart as when the answer was read whole.
+    monkeypatch.setattr(mooncake_module, "_KEY_LIST_READ_BYTES", 777, raising=False)
+    async with MooncakeStorage.from_url(fresh_url(mooncake_master.url)) as direct:
+        keys, pages, metas = make_pages(5)
+        await direct.put(keys, pages, metas)
+        with _KeyListServer(mooncake_master, 100_000) as admin:
+            url = _url_with_admin(mooncake_master, admin.url)
+            async with MooncakeStorage.from_url(
+                f"{url}&prefix={direct.prefix}&segment_size=0"
+            ) as backend:
+                listed = await backend.list_pages()
+        assert sorted(p.key for p in listed) == sorted(keys)
 
 
 def test_storage_command_without_the_admin_url_exits_2(
