@@ -125,6 +125,31 @@ async def test_pages_others_landed_while_a_prefetch_looked_them_up_are_shared() 
             assert _counted(stats) == 16
 
 
+async def test_pages_past_what_storage_holds_count_once_when_a_request_caches_them() -> None:
+    # Storage holds 4 of 8 pages; while B looks them up, a request computes all 8. The 4
+    # past what storage holds were counted as misses at the lookup and again as shared.
+    config = _config()
+    prompt = np.random.default_rng(4).integers(0, 5000, size=8 * PAGE)
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt[: 4 * PAGE])
+        store = HeldLookups(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.hold = asyncio.get_running_loop().create_future()
+            b = await cache.start_prefetch(prompt, request_id="B")
+            await asyncio.wait_for(store.held.wait(), 30)
+            store.hold, gate = None, store.hold
+            await serve(cache, prompt, generator, prefetch=False, check="none")
+            gate.set_result(None)
+            result = await asyncio.wait_for(b.wait(), 30)
+            assert result.storage_tokens == 8 * PAGE  # cached for the prompt all the same
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert stats.misses == 4
+            assert stats.pages_shared == 4
+            assert _counted(stats) == 8
+
+
 class HeldLookups(Unowned):
     """A real backend whose `exists` waits for `hold` while it is set."""
 

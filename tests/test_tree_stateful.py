@@ -298,6 +298,60 @@ class TreeMachine(RuleBasedStateMachine):
         for i in range(1, len(prefix) + 1):
             self.model[prefix[:i]].protections -= 1
 
+    def expected_descent(self, base: Prefix, tail: Prefix) -> bool:
+        return all(base + tail[: i + 1] in self.model for i in range(len(tail)))
+
+    def draw_tail(self, data: st.DataObject, base: Prefix) -> Prefix:
+        """A cached continuation of `base` (possibly ending inside a node) or random tokens."""
+        cached = sorted(p[len(base) :] for p in self.model if p[: len(base)] == base)
+        random_tail = st.lists(st.integers(0, ALPHABET - 1), max_size=4).map(tuple)
+        if not cached:
+            return data.draw(random_tail)
+        return data.draw(st.one_of(st.sampled_from(cached), random_tail))
+
+    @rule(data=st.data())
+    def descend(self, data: st.DataObject) -> None:
+        """Read on from a held node (or the root), as a prefetch extends its prefix."""
+        held = [(self.tree.root, ()), *self.protections, *self.locks]
+        node, base = held[data.draw(st.integers(0, len(held) - 1))]
+        tail = self.draw_tail(data, base)
+        reached = self.tree.descend(node, keys_of(tail))
+        if self.expected_descent(base, tail):
+            assert reached is not None
+            assert prefix_of(reached) == base + tail
+        else:
+            assert reached is None
+
+    @precondition(lambda self: self.protections)
+    @rule(data=st.data())
+    def move_protection(self, data: st.DataObject) -> None:
+        """Move a protection down to a cached node below it, as a prefetch lands pages."""
+        index = data.draw(st.integers(0, len(self.protections) - 1))
+        node, base = self.protections[index]
+        tail = self.draw_tail(data, base)
+        to = self.tree.descend(node, keys_of(tail))
+        if to is None:
+            return
+        self.tree.move_protection(node, to)
+        for i in range(len(tail)):
+            self.model[base + tail[: i + 1]].protections += 1
+        self.protections[index] = (to, base + tail)
+
+    @precondition(lambda self: self.protections)
+    @rule(data=st.data())
+    def move_protection_elsewhere(self, data: st.DataObject) -> None:
+        """Moving a protection to a node not below it, or from one that holds none, fails
+        and changes nothing (the invariants check the counts)."""
+        node, base = self.protections[data.draw(st.integers(0, len(self.protections) - 1))]
+        others = [n for n in self.nodes() if prefix_of(n)[: len(base)] != base]
+        if others:
+            with pytest.raises(ValueError, match="is not below"):
+                self.tree.move_protection(node, others[0])
+        bare = [n for n in self.nodes() if n.host_ref == 0]
+        if bare:
+            with pytest.raises(ValueError, match="underflow"):
+                self.tree.move_protection(bare[0], bare[0])
+
     @rule(data=st.data())
     def back_up_to_host(self, data: st.DataObject) -> None:
         candidates = [

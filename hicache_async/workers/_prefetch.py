@@ -1242,8 +1242,9 @@ class Prefetcher:
         counted = handle.storage_tokens // size
         landed = min(max(counted, begin - first), cap)
         # Pages cached by others since the first match: this prefetch did not read them, and
-        # would have waited for them had it planned a moment earlier.
-        self.pages_shared += landed - counted
+        # would have waited for them had it planned a moment earlier. Only up to `end`: those
+        # past what storage holds were counted as misses at the lookup.
+        self.pages_shared += max(min(landed, end - first) - counted, 0)
         handle.storage_tokens = landed * size
         failing = self.failed_reads.first(keys[begin:end], self._inflight)
         if failing is not None:
