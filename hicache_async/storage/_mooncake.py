@@ -1884,7 +1884,11 @@ class MooncakeStorage(BackendBase):
                     total = 0
                     pending = b""  # the start of a line the next piece ends
                     skipping = False  # within a line too long to be a page name
-                    while not stop.is_set():  # a cancelled caller drops the result
+                    while True:
+                        if stop.is_set():
+                            # A close, not only a cancelled caller, stops the read: the names
+                            # read so far are no listing of the store.
+                            raise StorageError(f"{self._name} is closed")
                         piece = response.read(_KEY_LIST_READ_BYTES)
                         if not piece:
                             if response.length:  # unlike read(), read(n) takes a cut answer

@@ -1081,10 +1081,14 @@ async def test_listing_needs_the_admin_url(mooncake_master: MooncakeMaster) -> N
 class _KeyListServer:
     """Stands in for the master's admin port: `/health` answers 200, `/get_all_keys` with
     `junk` bytes of names of no page before the master's own answer, its last line left
-    without a newline."""
+    without a newline. With `hold`, it sets `held` once the junk is sent and goes on (with
+    more junk first) only when `hold` is set."""
 
-    def __init__(self, master: MooncakeMaster, junk: int) -> None:
+    def __init__(
+        self, master: MooncakeMaster, junk: int, hold: threading.Event | None = None
+    ) -> None:
         self.sent: list[int] = []
+        self.held = threading.Event()
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -1107,6 +1111,12 @@ class _KeyListServer:
                     while done < junk:
                         self.wfile.write(line * 64)
                         done += len(line) * 64
+                    if hold is not None:
+                        self.wfile.flush()
+                        owner.held.set()
+                        hold.wait(60)
+                        # More than a read takes: the read waiting here ends before the names.
+                        self.wfile.write(line * 64)
                     self.wfile.write(keys.rstrip())
                 except OSError:  # the listing stopped reading
                     owner.sent.append(done)
@@ -1171,6 +1181,33 @@ async def test_a_key_list_is_read_a_piece_at_a_time(
             ) as backend:
                 listed = await backend.list_pages()
         assert sorted(p.key for p in listed) == sorted(keys)
+
+
+async def test_a_key_list_stopped_by_a_close_fails_the_listing(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A close stops the read of `/get_all_keys` part way: the names read until then were
+    # returned as the whole listing (none here), so `verify` or `gc` saw an empty store.
+    monkeypatch.setattr(mooncake_module, "_KEY_LIST_READ_BYTES", 4096, raising=False)
+    hold = threading.Event()
+    with _KeyListServer(mooncake_master, 100_000, hold) as admin:
+        url = _url_with_admin(mooncake_master, admin.url)
+        try:
+            async with MooncakeStorage.from_url(fresh_url(url)) as backend:
+                await backend.put(*make_pages(2))
+                listing = asyncio.create_task(backend.list_pages())
+                assert await asyncio.to_thread(admin.held.wait, 60)
+                closing = asyncio.create_task(backend.close())
+                # One step of the close tells the listing's job to stop; it then waits for
+                # that job, whose read waits for the rest of the answer.
+                await asyncio.sleep(0)
+                assert not closing.done()
+                hold.set()
+                await closing
+                with pytest.raises(StorageError, match="closed"):
+                    await listing
+        finally:
+            hold.set()
 
 
 def test_storage_command_without_the_admin_url_exits_2(
