@@ -68,6 +68,29 @@ class LogLimiter:
             self._kinds[kind] = (now, 0)
             return unlogged
 
+    @property
+    def interval_s(self) -> float:
+        """Seconds between two logged records of one kind."""
+        return self._interval_s
+
+    def take_due(self, event: str) -> tuple[list[tuple[str, int]], bool]:
+        """The kinds of `event` with records left out since a line at least `interval_s`
+        old, as (error, how many), each counting as logged now; and whether other records of
+        `event` are left out, not due yet."""
+        with self._lock:
+            now = self._clock()
+            due: list[tuple[str, int]] = []
+            waiting = False
+            for (name, error), (last, unlogged) in list(self._kinds.items()):
+                if name != event or not unlogged:
+                    continue
+                if now - last >= self._interval_s:
+                    due.append((error, unlogged))
+                    self._kinds[(name, error)] = (now, 0)
+                else:
+                    waiting = True
+            return due, waiting
+
     def warn(self, logger: Any, event: str, error: str, **fields: object) -> None:
         """Log `event` at warning level with `error` and `unlogged_since_last`, unless
         `admit` leaves it out."""

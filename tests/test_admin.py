@@ -261,6 +261,37 @@ async def test_refused_attempts_are_logged_once_a_minute_per_peer() -> None:
         assert refused == [("10.0.0.1:4000", 0), ("10.0.0.2:4000", 0), ("10.0.0.1:4002", 99)]
 
 
+async def test_refusals_after_a_peers_last_line_are_told_once_its_minute_is_up() -> None:
+    # A peer that stopped within the minute after its line left its other refusals untold
+    # for good: a burst of guesses showed as one line.
+    now = [1000.0]
+    async with HiCache(_config()) as cache:
+        app = AdminApp(cache, token=TOKEN)
+        # A short interval for the flush's timer, the limiter's own time moved by hand.
+        app._refusals = LogLimiter(0.05, clock=lambda: now[0])
+        with structlog.testing.capture_logs() as logs:
+            for host, times in (("10.0.0.1", 5), ("10.0.0.2", 2), ("10.0.0.3", 1)):
+                transport = httpx.ASGITransport(app=app, client=(host, 4000))
+                async with httpx.AsyncClient(transport=transport, base_url="http://admin") as c:
+                    for attempt in range(times):
+                        wrong = {"Authorization": f"Bearer {TOKEN}{attempt}"}
+                        _error(await c.get(STORAGE, headers=wrong), 401, "unauthorized")
+            now[0] += 60.0
+
+            def told() -> list[tuple[str | None, int]]:
+                return sorted(
+                    (e["client"], e["unlogged_since_last"])
+                    for e in logs
+                    if e["event"] == "hicache.admin.unauthorized" and "path" not in e
+                )
+
+            deadline = asyncio.get_running_loop().time() + 30
+            while len(told()) < 2:
+                assert asyncio.get_running_loop().time() < deadline, told()
+                await asyncio.sleep(0.01)
+        assert told() == [("10.0.0.1", 4), ("10.0.0.2", 1)]
+
+
 async def test_bytes_token() -> None:
     async with admin(token=TOKEN.encode()) as (_, client):
         assert (await client.get(STORAGE, headers=AUTH)).status_code == 200

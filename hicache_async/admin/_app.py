@@ -215,6 +215,7 @@ class AdminApp:
         # Attaches under way or waiting for the lock, for a DELETE to cancel.
         self._attaching: set[_Attaching] = set()
         self._refusals = LogLimiter()
+        self._refusals_flush: asyncio.TimerHandle | None = None
         self._routes: dict[str, dict[str, _Handler]] = {
             STORAGE_PATH: {
                 "GET": self._get_storage,
@@ -333,6 +334,26 @@ class AdminApp:
                 path=scope.get("path"),
                 client=_client(scope),
                 unlogged_since_last=unlogged,
+            )
+        elif self._refusals_flush is None:
+            # Left for the peer's next line, refusals after its last one would go untold when
+            # it stops there: a burst of guesses would show as one line.
+            self._refusals_flush = asyncio.get_running_loop().call_later(
+                self._refusals.interval_s, self._flush_refusals
+            )
+
+    def _flush_refusals(self) -> None:
+        """Log, for each peer, the refusals left out since its last line once that line is
+        `interval_s` old."""
+        self._refusals_flush = None
+        due, waiting = self._refusals.take_due("hicache.admin.unauthorized")
+        for peer, unlogged in due:
+            _log.warning(
+                "hicache.admin.unauthorized", client=peer or None, unlogged_since_last=unlogged
+            )
+        if waiting:
+            self._refusals_flush = asyncio.get_running_loop().call_later(
+                self._refusals.interval_s, self._flush_refusals
             )
 
     def _route(self, scope: Scope) -> _Handler:
