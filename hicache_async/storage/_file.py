@@ -856,15 +856,14 @@ _RAW_MAX_NBYTES = 1 << 30
 _REMOVE_MAX_DEPTH = 64
 
 
-def _names_root(root: Path, root_fd: int) -> bool:
-    """Whether the path `root` still names the directory open as `root_fd` (not a symlink,
-    not another directory put in its place)."""
+def _names_root(root: Path, root_id: tuple[int, int]) -> bool:
+    """Whether the path `root` still names the directory opened as the root, whose
+    (st_dev, st_ino) is `root_id` (not a symlink, not another directory put in its place)."""
     try:
         st = os.lstat(root)
-        mine = os.fstat(root_fd)
     except OSError:
         return False
-    return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+    return stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == root_id
 
 
 def _remove_tree(name: str, dir_fd: int, stop: threading.Event | None = None) -> None:
@@ -1686,13 +1685,7 @@ class FileStorage(BackendBase):
             return
         # The lstat off the loop (a slow or hung file system); the root's identity was taken
         # when it was opened, so no descriptor is used on the thread.
-        try:
-            st: os.stat_result | None = await asyncio.to_thread(os.lstat, self._root)
-        except OSError:
-            st = None
-        if st is None or not (
-            stat.S_ISDIR(st.st_mode) and (st.st_dev, st.st_ino) == handles.root_id
-        ):
+        if not await asyncio.to_thread(_names_root, self._root, handles.root_id):
             raise StorageError(
                 f"{self._name}: the storage root was replaced since it was opened (by a "
                 "symlink or another directory); its manifest is not used until the next open"
@@ -3591,7 +3584,7 @@ class FileStorage(BackendBase):
         leftovers = _remove_leftovers(
             handles, idle_s=idle, keep=spares, failed=failed, foreign=foreign
         )
-        if _names_root(self._root, handles.root_fd):  # else the path leads elsewhere
+        if _names_root(self._root, handles.root_id):  # else the path leads elsewhere
             leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
         self._log_stray_errors(failed)
         strays: list[tuple[int, str]] = []
