@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 import msgspec
 
 from ._errors import ConfigError
+from ._numbers import as_float
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,10 +103,7 @@ def _finite(field: str, value: object, *, low: float, high: float | None = None)
     # numbers.Real takes numpy's scalars too (a ratio computed with numpy is one).
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(field, f"must be a finite number, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int past a float's range
-        number = math.inf
+    number = as_float(value)
     if not math.isfinite(number):
         raise ConfigError(field, f"must be a finite number, got {value!r}")
     if number < low or (high is not None and number > high):

@@ -14,6 +14,7 @@ import msgspec
 import structlog
 
 from .._errors import CacheClosedError, HiCacheError, StorageConfigError
+from .._numbers import as_float
 from .._ratelog import LogLimiter
 from ..storage import ENTRY_POINT_GROUP, StorageBackend, StorageError, storage_schemes
 from ..workers import StorageStatus
@@ -111,19 +112,11 @@ def _decode(body: bytes, kind: type[S]) -> S:
         raise HTTPError(400, "invalid_json", str(exc)) from None
 
 
-def _as_float(value: float) -> float:
-    """`float(value)`, or inf for an int past a float's range (float() raises for it)."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
-
-
 def _check_seconds(name: str, value: object) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
-        or not 0 < _as_float(value) < math.inf
+        or not 0 < as_float(value) < math.inf
     ):
         raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
 

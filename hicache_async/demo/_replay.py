@@ -38,6 +38,7 @@ from .._cache import HiCache
 from .._config import CacheConfig, PrefetchConfig, PrefetchPolicy, WritePolicy
 from .._errors import OutOfPagesError, StorageConfigError, StorageError
 from .._keys import Namespace, page_keys
+from .._numbers import as_float
 from .._trace import BLOCK_TOKENS, TraceRequest, load_trace, request_tokens
 from ..storage import default_root, open_storage
 from ._model import ContiguousKV, ModelConfig, PagedKV, Prefill, TinyTransformer
@@ -103,11 +104,7 @@ class DemoOptions(msgspec.Struct, frozen=True, kw_only=True):
                 f"max_prompt_tokens must exceed one trace block ({BLOCK_TOKENS} tokens), "
                 f"got {self.max_prompt_tokens}"
             )
-        try:
-            finite = math.isfinite(self.time_compression)
-        except OverflowError:  # an int past a float's range
-            finite = False
-        if not (finite and self.time_compression > 0):
+        if not (math.isfinite(as_float(self.time_compression)) and self.time_compression > 0):
             raise ValueError(
                 f"time_compression must be a finite number > 0, got {self.time_compression}"
             )

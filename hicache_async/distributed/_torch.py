@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .._errors import ConfigError
 from .._loop import LoopOwner
+from .._numbers import as_float
 from ._errors import AgreementMismatch, CollectiveError, CollectiveTimeout, GroupBrokenError
 from ._group import (
     GroupStatistics,
@@ -497,14 +498,6 @@ def _check_tags(mine: int, lowest: int, highest: int) -> None:
         )
 
 
-def _finite(value: float) -> bool:
-    """`math.isfinite`, False for an int past a float's range (for which it raises)."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
 def _check_timeout(field: str, value: float) -> timedelta:
     """`value` seconds as the timedelta the collectives use; `ConfigError` unless it is a
     finite number > 0 that a timedelta can hold (inf or 1e300 would otherwise pass here and
@@ -512,7 +505,7 @@ def _check_timeout(field: str, value: float) -> timedelta:
     if (
         not isinstance(value, (int, float))
         or isinstance(value, bool)
-        or not _finite(value)
+        or not math.isfinite(as_float(value))
         or not value > 0
     ):
         raise ConfigError(field, f"must be a finite number of seconds > 0, got {value!r}")

@@ -38,6 +38,7 @@ from redis.exceptions import AuthenticationError, MovedError, NoPermissionError,
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._errors import StorageConfigError, StorageError, type_name
+from .._numbers import as_float
 from .._ratelog import LogLimiter
 from .._uncancelled import finish_uncancelled
 from ._base import (
@@ -428,14 +429,6 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _as_float(value: numbers.Real) -> float:
-    """`float(value)`, or inf for an int past a float's range."""
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
-
-
 def _check_arguments(
     *,
     url: object,
@@ -469,7 +462,7 @@ def _check_arguments(
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, numbers.Real)
-        or not _MIN_TIMEOUT_S <= _as_float(timeout) < math.inf
+        or not _MIN_TIMEOUT_S <= as_float(timeout) < math.inf
     ):
         # Less than a millisecond is no timeout a round trip can meet: every call would fail.
         raise StorageConfigError(

@@ -52,6 +52,7 @@ import msgspec
 import numpy as np
 
 from .._errors import StorageConfigError, StorageError, index_of
+from .._numbers import as_float
 from ..storage._base import byte_segments, check_batch, check_keys, check_pages, check_put
 from ..storage._maintenance import GcReport, MaintainableStorage, PageInfo, RawAccess, VerifyReport
 from ..storage._manifest import ManifestLimits, SupportsManifest, WarmupManifest
@@ -123,12 +124,10 @@ def _seconds(name: str, value: float) -> float:
     # inf would hang every call (hang_rate says that), nan would silently add nothing.
     if not _is_number(value) or not 0.0 <= value < math.inf:
         raise StorageConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-    try:
-        return float(value)
-    except OverflowError:  # an int past a float's range
-        raise StorageConfigError(
-            f"{name} must be a finite number of seconds >= 0, got {value!r}"
-        ) from None
+    number = as_float(value)
+    if number == math.inf:  # an int past a float's range
+        raise StorageConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+    return number
 
 
 def _is_number(value: object) -> bool:
