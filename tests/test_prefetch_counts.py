@@ -9,15 +9,17 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from _unowned_storage import Unowned
 
-from hicache_async import CacheConfig, HiCache, PrefetchResult, PrefetchStatus
+from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchResult, PrefetchStatus
 from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, StorageBackend
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
 from hicache_async.tree import RadixTree
-from hicache_async.workers import PrefetchStatistics
+from hicache_async.workers import Prefetcher, PrefetchStatistics
+from hicache_async.workers import _prefetch as _prefetch_module
 
 PAGE = 4
 
@@ -44,7 +46,15 @@ def _config(device_pages: int = 64, **prefetch: Any) -> CacheConfig:
 
 def _counted(stats: PrefetchStatistics | None) -> int:
     assert stats is not None
-    return stats.misses + stats.pages_read + stats.pages_shared + stats.corrupt + stats.errors
+    return (
+        stats.misses
+        + stats.pages_read
+        + stats.pages_shared
+        + stats.corrupt
+        + stats.errors
+        + stats.pages_abandoned
+        + stats.pages_skipped
+    )
 
 
 def _asked(result: PrefetchResult, pages: int) -> int:
@@ -266,3 +276,163 @@ async def test_landing_a_long_prompt_costs_in_proportion_to_it(
             await serve(cache, prompt, generator, prefetch=False, check="all")
             await cache.drain()
             assert_drained(cache)
+
+
+class HeldGets(Unowned):
+    """A real backend whose gets after the first `free` wait for `gate` before reading."""
+
+    def __init__(self, inner: StorageBackend, free: int) -> None:
+        super().__init__(inner)
+        self.free = free
+        self.gate = asyncio.get_running_loop().create_future()
+        self.held = asyncio.Event()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        if self.free:
+            self.free -= 1
+        else:
+            self.held.set()
+            await asyncio.shield(self.gate)
+        return await self.inner.get(keys, into, namespace=namespace)
+
+
+@pytest.mark.parametrize("stop", ["terminate", "cancel"])
+async def test_the_pages_a_stopped_prefetch_did_not_reach_count_once(stop: str) -> None:
+    # Stopped during its second batch: the pages it had not read were in no counter.
+    config = _config()
+    prompt = np.random.default_rng(6).integers(0, 5000, size=8 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt)
+        store = HeldGets(memory, free=1)
+        async with HiCache(config, storage=store) as cache:
+            handle = await cache.start_prefetch(prompt)
+            await asyncio.wait_for(store.held.wait(), 30)
+            getattr(handle, stop)()
+            store.gate.set_result(None)
+            result = await asyncio.wait_for(handle.wait(), 30)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            read = 4 if stop == "terminate" else 2  # a terminated one lands its batch
+            assert result.storage_tokens == read * PAGE
+            assert stats.pages_read == read
+            assert stats.pages_abandoned == 8 - read
+            assert _counted(stats) == 8
+
+
+async def test_the_pages_a_prefetch_left_for_a_full_host_pool_count_once() -> None:
+    # The host pool holds the copies of a request's device pages, which cannot be evicted:
+    # room for two of the eight pages, and the six left were in no counter.
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config()),
+            "device_pages": 16,
+            "host_pages": 8,
+            "write_through_threshold": 1,
+        }
+    )
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    prompt = np.random.default_rng(7).integers(0, 5000, size=8 * PAGE)
+    other = np.random.default_rng(8).integers(0, 5000, size=6 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt)
+        async with HiCache(config, storage=Unowned(memory)) as cache:
+            await serve(cache, other, generator, prefetch=False)
+            await cache.drain()
+            assert cache.host_pool.allocator.free_count == 2
+            result = await asyncio.wait_for(cache.prefetch(prompt), 30)
+            assert result.status is PrefetchStatus.TERMINATED
+            assert result.storage_tokens == 2 * PAGE
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert stats.pages_read == 2
+            assert stats.pages_abandoned == 6
+            assert _counted(stats) == 8
+
+
+async def test_the_pages_past_a_repeated_key_count_once() -> None:
+    # A forged chain repeats its first key at its third page: it reads no further, and the
+    # pages from the repeat on were in no counter.
+    config = _config()
+    prompt = np.random.default_rng(9).integers(0, 5000, size=4 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt)
+        async with HiCache(config, storage=Unowned(memory)) as cache:
+            link = cache._link
+            assert link is not None
+            real = cache.keys_for(prompt)
+            keys = [real[0], real[1], real[0], real[2]]
+            handle = PrefetchHandle(link.prefetcher, keys, len(keys) * PAGE, "own", "wait_complete")
+            await link.prefetcher.run_now(handle)
+            assert handle.storage_tokens == 2 * PAGE
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert stats.pages_read == 2
+            assert stats.pages_abandoned == 2
+            assert _counted(stats) == 4
+
+
+async def test_the_pages_storage_holds_of_a_skipped_prefetch_count_once() -> None:
+    # Storage holds 2 of 8 pages, fewer than the threshold of 3: the 6 it lacks were misses,
+    # the 2 it holds were in no counter.
+    config = _config(threshold_tokens=3 * PAGE)
+    prompt = np.random.default_rng(10).integers(0, 5000, size=8 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt[: 2 * PAGE])
+        async with HiCache(config, storage=Unowned(memory)) as cache:
+            result = await asyncio.wait_for(cache.prefetch(prompt), 30)
+            assert result.status is PrefetchStatus.SKIPPED
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert (stats.misses, stats.pages_skipped, stats.pages_read) == (6, 2, 0)
+            assert _counted(stats) == 8
+
+
+async def test_the_pages_of_a_prefetch_stopped_during_its_lookup_count_once() -> None:
+    config = _config()
+    prompt = np.random.default_rng(11).integers(0, 5000, size=8 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt[: 6 * PAGE])
+        store = HeldLookups(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.hold = asyncio.get_running_loop().create_future()
+            handle = await cache.start_prefetch(prompt)
+            await asyncio.wait_for(store.held.wait(), 30)
+            handle.terminate()
+            store.hold.set_result(None)
+            result = await asyncio.wait_for(handle.wait(), 30)
+            assert result.status is PrefetchStatus.TERMINATED
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert (stats.misses, stats.pages_abandoned, stats.pages_read) == (2, 6, 0)
+            assert _counted(stats) == 8
+
+
+async def test_the_pages_of_a_prefetch_that_gave_up_replanning_count_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each plan ends on a page another prefetch dropped, bringing nothing (a reader that
+    # stopped on a failed page, or one whose pages were evicted before they could be held):
+    # after the third the prefetch ends, and its pages were in no counter.
+    config = _config()
+    prompt = np.random.default_rng(12).integers(0, 5000, size=8 * PAGE)
+    plans = 0
+
+    async def dropped(self: Prefetcher, handle: PrefetchHandle, end: int) -> object:
+        nonlocal plans
+        plans += 1
+        await asyncio.sleep(0)
+        return _prefetch_module._Shared.DROPPED
+
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt[: 6 * PAGE])
+        async with HiCache(config, storage=Unowned(memory)) as cache:
+            monkeypatch.setattr(Prefetcher, "_read", dropped)
+            result = await asyncio.wait_for(cache.prefetch(prompt), 30)
+            assert result.status is PrefetchStatus.TERMINATED
+            assert plans == _prefetch_module._REPLANS
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert (stats.misses, stats.pages_abandoned, stats.pages_read) == (2, 6, 0)
+            assert _counted(stats) == 8

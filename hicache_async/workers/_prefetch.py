@@ -294,6 +294,7 @@ class PrefetchHandle:
         "_cache",
         "_cancel_requested",
         "_counted_live",
+        "_counted_to",
         "_cut_at_failed",
         "_deadline",
         "_done",
@@ -372,6 +373,10 @@ class PrefetchHandle:
         # Pages up to this one are to be read from storage: the prompt's end until `exists`
         # answers, then the end of the prefix it found (the rest counted as misses).
         self._read_end = len(keys)
+        # Pages before this one, from the first match on, are in the counters (those from
+        # `_read_end` on are too): the rest, when it finishes, were not reached. Set by its
+        # first match; until then there is nothing to count.
+        self._counted_to = len(keys)
         # `_read_end` was moved back to a page whose read just failed (see `_FailedReads`).
         self._cut_at_failed = False
         self._terminated = False
@@ -640,6 +645,12 @@ class PrefetchStatistics(msgspec.Struct, frozen=True):
     misses: int
     corrupt: int
     errors: int
+    #: Pages a prefetch looked for and did not reach: it was stopped (terminated,
+    #: cancelled, the host pool full, its prefix evicted), gave up after fruitless re-plans,
+    #: or its keys repeat from that page on.
+    pages_abandoned: int
+    #: Pages storage holds of a prefetch skipped after its lookup (fewer than the threshold).
+    pages_skipped: int
     host_pages_held: int
     host_pages_limit: int
 
@@ -831,6 +842,7 @@ class Prefetcher:
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
+        self.pages_abandoned = self.pages_skipped = 0
         # Per attach: a detach forgets what failed with the backend it had.
         self.failed_reads = _FailedReads()
         # A store that fails every call would otherwise log once per prefetch or batch.
@@ -1018,6 +1030,8 @@ class Prefetcher:
             misses=self.misses,
             corrupt=self.corrupt,
             errors=self.errors,
+            pages_abandoned=self.pages_abandoned,
+            pages_skipped=self.pages_skipped,
             host_pages_held=self._held,
             host_pages_limit=self._host_limit,
         )
@@ -1052,8 +1066,11 @@ class Prefetcher:
             size = self._cache.config.page_size
             brought = (handle.device_tokens + handle.host_tokens + handle.storage_tokens) // size
             self.errors += max(handle._read_end - brought, 0)
+            handle._counted_to = handle._read_end
             self._warn("hicache.prefetch.failed", exc, request_id=handle.request_id)
         finally:
+            # Whatever stopped it: the pages it was to read and did not reach.
+            self.pages_abandoned += max(handle._read_end - handle._counted_to, 0)
             self._running.discard(handle)
             self._left.set()
             handle._scope = None
@@ -1098,12 +1115,13 @@ class Prefetcher:
         found = tree.match(keys, touch=False)
         handle.device_tokens = found.num_device_pages * size
         handle.host_tokens = found.num_host_pages * size
-        start = found.num_device_pages + found.num_host_pages
+        start = handle._counted_to = found.num_device_pages + found.num_host_pages
         if start == len(keys):
             return PrefetchStatus.COMPLETE  # everything is cached already
         threshold = self.config.threshold_tokens if handle.min_tokens is None else handle.min_tokens
         threshold = max(threshold, 1)
         if (len(keys) - start) * size < threshold:
+            handle._read_end = start  # too short to look for: in no counter
             return PrefetchStatus.SKIPPED
         if handle._gave_up():
             return PrefetchStatus.TERMINATED
@@ -1122,11 +1140,14 @@ class Prefetcher:
         except Exception as exc:
             # Pages, as everywhere in these counters: the ones that could not be looked up.
             self.errors += len(keys) - start
+            handle._read_end = start
             self._warn("hicache.prefetch.exists.failed", exc, request_id=handle.request_id)
             return PrefetchStatus.SKIPPED
         self.misses += len(keys) - start - existing  # asked of storage, not there
         handle._read_end = start + existing
         if existing * size < threshold:
+            self.pages_skipped += existing
+            handle._read_end = start
             return PrefetchStatus.SKIPPED
         if handle._gave_up():  # meanwhile
             return handle._stopped()
@@ -1227,7 +1248,9 @@ class Prefetcher:
         # A chain never repeats a key; keys that do (a forged manifest entry) would give one
         # host page two places in the tree. Read no further than the first repeat.
         if len(set(keys[:end])) < end:
-            end = next(i for i, key in enumerate(keys) if key in keys[:i])
+            repeat = next(i for i, key in enumerate(keys) if key in keys[:i])
+            self.pages_abandoned += end - repeat
+            end = handle._read_end = repeat
         # Re-plan after the await: others may have brought pages meanwhile.
         found = tree.match(keys, touch=False)
         begin = found.num_device_pages + found.num_host_pages
@@ -1243,8 +1266,12 @@ class Prefetcher:
         landed = min(max(counted, begin - first), cap)
         # Pages cached by others since the first match: this prefetch did not read them, and
         # would have waited for them had it planned a moment earlier. Only up to `end`: those
-        # past what storage holds were counted as misses at the lookup.
-        self.pages_shared += max(min(landed, end - first) - counted, 0)
+        # past what storage holds were counted as misses at the lookup. From the first page
+        # not in the counters yet: pages it read before and read again once evicted are
+        # counted already, and their count in `landed` must not hide pages others brought.
+        shared_to = first + min(landed, end - first)
+        self.pages_shared += max(shared_to - handle._counted_to, 0)
+        handle._counted_to = max(handle._counted_to, shared_to)
         handle.storage_tokens = landed * size
         failing = self.failed_reads.first(keys[begin:end], self._inflight)
         if failing is not None:
@@ -1343,6 +1370,7 @@ class Prefetcher:
                             # Not read again: this page and the rest are misses, as for a
                             # prefetch planned just after that read failed (`_FailedReads`).
                             self.misses += end - (begin + pos)
+                            handle._counted_to = max(handle._counted_to, end)
                             status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                         elif handle._gave_up():
                             status = handle._stopped()
@@ -1368,6 +1396,7 @@ class Prefetcher:
                     tree.move_protection(anchor, reached)
                     anchor = reached
                     self.pages_shared += run - pos
+                    handle._counted_to = max(handle._counted_to, begin + run)
                     landed = min(landed + run - pos, cap)
                     handle.storage_tokens = landed * size  # what ready() reports meanwhile
                     pos = run
@@ -1380,6 +1409,8 @@ class Prefetcher:
                     outcomes = await self._get(batch, [page_of[k] for k in batch])
                 finally:
                     handle._reading = []
+                # Every page of the batch is in a counter now (by its outcome).
+                handle._counted_to = max(handle._counted_to, after)
                 ok = 0
                 while ok < len(batch) and outcomes[ok] is Outcome.OK:
                     ok += 1
@@ -1415,6 +1446,7 @@ class Prefetcher:
                         self.errors += end - after
                     else:
                         self.misses += end - after
+                    handle._counted_to = max(handle._counted_to, end)
                     status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                     break
         except BaseException:
