@@ -175,13 +175,14 @@ async def test_prefetched_pages_count_their_bytes_and_are_known_to_be_stored(
 async def test_a_prefetch_that_fails_unexpectedly_counts_the_pages_it_left_unread(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Counted as one error, it stood for a prefetch where every other case counts pages.
+    # Counted as one error, it stood for a prefetch where every other case counts pages;
+    # then the pages read but not landed counted twice, in `pages_read` and in `errors`.
     config = _config(batch_pages=2)
     generator = KVGenerator(config.layout, PAGE)
-    prompt = _prompt(6)
+    prompt = _prompt(8)
     root = tmp_path / "l3"
     async with HiCache(config, storage=f"file://{root}") as writer:
-        await serve(writer, prompt[: 4 * PAGE], generator, prefetch=False)
+        await serve(writer, prompt[: 6 * PAGE], generator, prefetch=False)
         await writer.drain()
     land = Prefetcher._land
     calls = 0
@@ -200,7 +201,9 @@ async def test_a_prefetch_that_fails_unexpectedly_counts_the_pages_it_left_unrea
         status = reader.storage_status().prefetch
         assert status is not None
         assert status.terminated == 1
-        assert status.misses == 2  # past the four pages `exists` found
+        assert status.misses == 2  # past the six pages `exists` found
+        # The second batch was read but never landed: counted as read, once.
         assert status.pages_read == 4
-        # The second batch was read but never landed: its two pages, not one per prefetch.
+        # The third batch was never read: its two pages, not one per prefetch.
         assert status.errors == 2
+        assert status.pages_abandoned == 0

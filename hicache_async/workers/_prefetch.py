@@ -1062,10 +1062,9 @@ class Prefetcher:
                 status = await self._fetch(handle)
         except Exception as exc:  # a bug or an unexpected backend failure: never kill the worker
             status = PrefetchStatus.TERMINATED
-            # Pages, as in the other cases: those it was to read and had not brought.
-            size = self._cache.config.page_size
-            brought = (handle.device_tokens + handle.host_tokens + handle.storage_tokens) // size
-            self.errors += max(handle._read_end - brought, 0)
+            # Pages, as in the other cases: those it was to read and that are in no counter
+            # yet (one read but not landed is in `pages_read` already).
+            self.errors += max(handle._read_end - handle._counted_to, 0)
             handle._counted_to = handle._read_end
             self._warn("hicache.prefetch.failed", exc, request_id=handle.request_id)
         finally:
