@@ -251,6 +251,14 @@ class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     #: A storage call that takes longer is abandoned and counted as an error (a hung backend
     #: must not hold a worker and its host pages forever).
     io_timeout_s: float = 10.0
+    #: A page whose read failed (`ERROR`, or a call that raised or timed out) is taken as a
+    #: miss, without a read, by prefetches planned this long after the failure: a failing or
+    #: hanging store then costs one read of such a page per window, not one per prefetch.
+    #: 0: every prefetch reads it again.
+    failed_read_window_s: float = 2.0
+    #: How many such pages are remembered at most (the oldest failure is forgotten first).
+    #: 0: none.
+    failed_read_keys: int = 4096
 
     def __post_init__(self) -> None:
         _choice("prefetch.policy", self.policy, PREFETCH_POLICIES)
@@ -264,6 +272,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         _positive("prefetch.queue_size", self.queue_size)
         _positive("prefetch.workers", self.workers)
         _float_field(self, "io_timeout_s", "prefetch.io_timeout_s", low=0.001)
+        _float_field(self, "failed_read_window_s", "prefetch.failed_read_window_s", low=0.0)
+        _non_negative("prefetch.failed_read_keys", self.failed_read_keys)
 
     def timeout_for(self, num_tokens: int) -> float:
         """The `timeout` policy's wait for a prefetch of `num_tokens` tokens."""

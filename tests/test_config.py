@@ -97,6 +97,22 @@ def test_mla_layout_is_one_latent_buffer() -> None:
             {"layout": MHA, "device_pages": 4, "backup": {"check_prefix_interval_s": -1}},
             "backup.check_prefix_interval_s",
         ),
+        (
+            {"layout": MHA, "device_pages": 4, "prefetch": {"failed_read_window_s": -0.5}},
+            "prefetch.failed_read_window_s",
+        ),
+        (
+            {"layout": MHA, "device_pages": 4, "prefetch": {"failed_read_window_s": float("inf")}},
+            "prefetch.failed_read_window_s",
+        ),
+        (
+            {"layout": MHA, "device_pages": 4, "prefetch": {"failed_read_keys": -1}},
+            "prefetch.failed_read_keys",
+        ),
+        (
+            {"layout": MHA, "device_pages": 4, "prefetch": {"failed_read_keys": 1.5}},
+            "prefetch.failed_read_keys",
+        ),
     ],
 )
 def test_invalid_values_name_the_field(data: dict[str, object], field: str) -> None:
@@ -412,6 +428,7 @@ def test_a_choice_refused_in_a_mapping_names_its_values_as_direct_construction_d
 FLOATS = [
     "host_ratio",
     "prefetch.timeout_base_s",
+    "prefetch.failed_read_window_s",
     "prefetch.max_host_share",
     "backup.retry_backoff_s",
     "warmup.ratio",

@@ -27,7 +27,6 @@ from hicache_async.storage import (
 )
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import Prefetcher
-from hicache_async.workers import _prefetch as _prefetch_module
 
 PAGE = 4
 PAGES = 8
@@ -784,7 +783,7 @@ async def test_a_missed_page_is_read_again_by_the_next_prefetch() -> None:
 
 async def test_a_failed_page_is_read_again_once_its_window_has_passed() -> None:
     prompt = _prompt(33)
-    async with _gated(_config(), prompt) as (cache, store, generator):
+    async with _gated(_config(failed_read_window_s=30.0), prompt) as (cache, store, generator):
         loop = asyncio.get_running_loop()
         shift = [0.0]
         _prefetcher(cache).failed_reads.clock = lambda: loop.time() + shift[0]
@@ -797,12 +796,58 @@ async def test_a_failed_page_is_read_again_once_its_window_has_passed() -> None:
         inside = await asyncio.wait_for(cache.prefetch(prompt), 30)
         assert inside.status is PrefetchStatus.TERMINATED
         assert store.reads[key] == 1
-        shift[0] = _prefetch_module._FAILED_READ_S
+        shift[0] = 29.9  # within the configured window, not the default 2 s
+        inside = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert inside.status is PrefetchStatus.TERMINATED
+        assert store.reads[key] == 1
+        shift[0] = 30.0
         after = await asyncio.wait_for(cache.prefetch(prompt), 30)
         assert after.status is PrefetchStatus.COMPLETE
         assert after.storage_tokens == len(prompt)
         assert store.reads[key] == 2
         await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_failed_read_window_of_zero_reads_a_failed_page_again_at_once() -> None:
+    prompt = _prompt(38)
+    async with _gated(_config(failed_read_window_s=0), prompt) as (cache, store, generator):
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        assert len(_prefetcher(cache).failed_reads) == 0
+        store.error = None
+        second = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert second.status is PrefetchStatus.COMPLETE
+        assert second.storage_tokens == len(prompt)
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
+        assert store.reads[key] == 2
+        await _check_and_drain(cache, prompt, generator)
+
+
+async def test_the_failed_reads_remembered_keep_to_their_configured_bound() -> None:
+    # Batches of one page: each failed prefetch remembers one key, and with room for two
+    # the first of three failures is forgotten, so only its prompt is read again.
+    prompts = [_prompt(39 + i) for i in range(3)]
+    config = _config(batch_pages=1, failed_read_keys=2)
+    async with _gated(config, *prompts) as (cache, store, generator):
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        for prompt in prompts:
+            failed = await asyncio.wait_for(cache.prefetch(prompt), 30)
+            assert failed.status is PrefetchStatus.TERMINATED
+        assert len(_prefetcher(cache).failed_reads) == 2
+        store.error = None
+        results = [await asyncio.wait_for(cache.prefetch(p), 30) for p in prompts]
+        assert [r.status for r in results] == [PrefetchStatus.COMPLETE] + [
+            PrefetchStatus.TERMINATED
+        ] * 2
+        firsts = [cache.namespace.storage_keys(cache.keys_for(p))[0] for p in prompts]
+        assert [store.reads[key] for key in firsts] == [2, 1, 1]
+        for prompt in prompts:
+            await serve(cache, prompt, generator, prefetch=False, check="all")
+        await cache.drain()
+        assert_drained(cache)
 
 
 async def test_a_detach_and_attach_forget_the_failed_reads() -> None:

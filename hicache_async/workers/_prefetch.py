@@ -63,21 +63,18 @@ class PrefetchStatus(enum.Enum):
 _REPLANS = 3
 
 
-# How long, and for how many keys, a page whose read failed (ERROR, or a call that raised or
-# timed out) is taken as a miss by prefetches planned after it, without a read: a failing or
-# hanging store then costs one read of such a page per window, not one per prefetch.
-_FAILED_READ_S = 2.0
-_FAILED_READ_KEYS = 4096
-
-
 class _FailedReads:
-    """Keys whose read just failed, each forgotten `_FAILED_READ_S` after its failure (on the
-    loop's clock), at a successful put of it, or when more than `_FAILED_READ_KEYS` failed
-    since (the oldest first)."""
+    """Keys whose read just failed (ERROR, or a call that raised or timed out), taken as
+    misses by the prefetches planned after it, without a read (`prefetch.failed_read_window_s`
+    and `prefetch.failed_read_keys`). Each is forgotten `window_s` after its failure (on the
+    loop's clock), at a successful put of it, or when more than `max_keys` failed since (the
+    oldest first); with either at 0 none is remembered."""
 
-    __slots__ = ("_until", "clock")
+    __slots__ = ("_until", "clock", "max_keys", "window_s")
 
-    def __init__(self) -> None:
+    def __init__(self, window_s: float, max_keys: int) -> None:
+        self.window_s = window_s
+        self.max_keys = max_keys
         # Key -> when it is forgotten; in order of failure, so the oldest come first.
         self._until: collections.OrderedDict[bytes, float] = collections.OrderedDict()
         #: The clock the window runs on: the running loop's, unless replaced.
@@ -88,14 +85,15 @@ class _FailedReads:
 
     def add(self, keys: list[bytes]) -> None:
         """Remember `keys` as failed now."""
-        if not keys:
+        if not keys or self.window_s <= 0 or self.max_keys <= 0:
             return
-        until = self._now() + _FAILED_READ_S
+        until = self._now() + self.window_s
         remembered = self._until
-        for key in keys:
+        # Only the last `max_keys` could stay: a batch larger than the bound adds no more.
+        for key in keys[-self.max_keys :]:
             remembered[key] = until
             remembered.move_to_end(key)
-        while len(remembered) > _FAILED_READ_KEYS:
+        while len(remembered) > self.max_keys:
             remembered.popitem(last=False)
 
     def __len__(self) -> int:
@@ -844,7 +842,7 @@ class Prefetcher:
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
         self.pages_abandoned = self.pages_skipped = 0
         # Per attach: a detach forgets what failed with the backend it had.
-        self.failed_reads = _FailedReads()
+        self.failed_reads = _FailedReads(config.failed_read_window_s, config.failed_read_keys)
         # A store that fails every call would otherwise log once per prefetch or batch.
         self._log_limit = LogLimiter()
 
