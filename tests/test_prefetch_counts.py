@@ -436,3 +436,40 @@ async def test_the_pages_of_a_prefetch_that_gave_up_replanning_count_once(
             assert stats is not None
             assert (stats.misses, stats.pages_abandoned, stats.pages_read) == (2, 6, 0)
             assert _counted(stats) == 8
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+async def test_every_page_counts_once_with_prefetches_stopped_while_they_run(seed: int) -> None:
+    # Shared reads under faults, in turns under a small host share, each prefetch terminated,
+    # cancelled or left alone once a worker has taken it.
+    config = _config(max_host_share=0.05, workers=32, queue_size=64)
+    prompts, stored = _workload(seed, 24)
+    generator = KVGenerator(config.layout, PAGE, seed=5)
+    rng = random.Random(seed)
+    faults = {"partial_batch_rate": 0.1, "error_rate": 0.05, "latency_s": 0.002}
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        await _store(memory, config, *stored)
+        store = FaultyStorage(Unowned(memory), seed=seed, **faults)
+        async with HiCache(config, storage=store) as cache:
+            handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            for handle in handles:
+                while handle.status is PrefetchStatus.QUEUED:  # until a worker takes it
+                    assert loop.time() < deadline
+                    await asyncio.sleep(0)
+                choice = rng.randrange(3)
+                if choice == 0:
+                    handle.terminate()
+                elif choice == 1:
+                    handle.cancel()
+            results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 60)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert stats.pages_abandoned > 0
+            asked = sum(_asked(r, len(p) // PAGE) for r, p in zip(results, prompts, strict=True))
+            assert _counted(stats) == asked
+            for prompt in prompts:
+                await serve(cache, prompt, generator, prefetch=False, check="all")
+            await cache.drain()
+            assert_drained(cache)
