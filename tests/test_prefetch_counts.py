@@ -18,8 +18,7 @@ from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchResult, 
 from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, StorageBackend
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
 from hicache_async.tree import RadixTree
-from hicache_async.workers import Prefetcher, PrefetchStatistics
-from hicache_async.workers import _prefetch as _prefetch_module
+from hicache_async.workers import PrefetchStatistics
 
 PAGE = 4
 
@@ -403,35 +402,6 @@ async def test_the_pages_of_a_prefetch_stopped_during_its_lookup_count_once() ->
             store.hold.set_result(None)
             result = await asyncio.wait_for(handle.wait(), 30)
             assert result.status is PrefetchStatus.TERMINATED
-            stats = cache.storage_status().prefetch
-            assert stats is not None
-            assert (stats.misses, stats.pages_abandoned, stats.pages_read) == (2, 6, 0)
-            assert _counted(stats) == 8
-
-
-async def test_the_pages_of_a_prefetch_that_gave_up_replanning_count_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Each plan ends on a page another prefetch dropped, bringing nothing (a reader that
-    # stopped on a failed page, or one whose pages were evicted before they could be held):
-    # after the third the prefetch ends, and its pages were in no counter.
-    config = _config()
-    prompt = np.random.default_rng(12).integers(0, 5000, size=8 * PAGE)
-    plans = 0
-
-    async def dropped(self: Prefetcher, handle: PrefetchHandle, end: int) -> object:
-        nonlocal plans
-        plans += 1
-        await asyncio.sleep(0)
-        return _prefetch_module._Shared.DROPPED
-
-    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
-        await _store(memory, config, prompt[: 6 * PAGE])
-        async with HiCache(config, storage=Unowned(memory)) as cache:
-            monkeypatch.setattr(Prefetcher, "_read", dropped)
-            result = await asyncio.wait_for(cache.prefetch(prompt), 30)
-            assert result.status is PrefetchStatus.TERMINATED
-            assert plans == _prefetch_module._REPLANS
             stats = cache.storage_status().prefetch
             assert stats is not None
             assert (stats.misses, stats.pages_abandoned, stats.pages_read) == (2, 6, 0)

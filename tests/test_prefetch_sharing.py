@@ -941,3 +941,86 @@ async def test_a_page_a_backup_finds_stored_is_read_again_after_its_read_failed(
             keys = cache.keys_for(prompt)
             assert _prefetcher(cache).failed_reads.first(keys, {}) is None
             await _check_and_drain(cache, prompt, generator)
+
+
+class MissingAt(GatedStorage):
+    """A gated store whose gets answer MISS for the storage keys in `missing`."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.missing: set[bytes] = set()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        outcomes = await super().get(keys, into, namespace=namespace)
+        return [
+            Outcome.MISS if bytes(k) in self.missing else o
+            for k, o in zip(keys, outcomes, strict=True)
+        ]
+
+
+async def test_a_prefetch_that_gives_up_after_fruitless_replans_counts_its_pages_once() -> None:
+    # B needs two pages that three readers in turn plan to read after a page of their own;
+    # each reader's own page is a MISS, so it drops the two B waits on, and the next reader,
+    # waiting for host budget, plans them before B can. After the third such plan B ends
+    # with nothing, and its two pages were in no counter.
+    base = _prompt(50)
+    heads = [_prompt(51 + i, 1) for i in range(3)]
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config(threshold_tokens=1, max_host_share=0.01)),
+            "host_pages": 300,
+        }
+    )
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        for prompt in (base, *heads):
+            await _stored(memory, config, prompt)
+        store = MissingAt(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.gets.closed = True
+            try:
+                prefetcher = _prefetcher(cache)
+                assert prefetcher.statistics().host_pages_limit == 3
+                shared = cache.keys_for(base)[4:6]
+                zs = [cache.keys_for(head)[0] for head in heads]
+                store.missing = set(cache.namespace.storage_keys(zs))
+
+                def run(keys: list[bytes], name: str) -> asyncio.Task[None]:
+                    handle = PrefetchHandle(
+                        prefetcher, keys, len(keys) * PAGE, name, "wait_complete"
+                    )
+                    handles[name] = handle
+                    return asyncio.ensure_future(prefetcher.run_now(handle))
+
+                handles: dict[str, PrefetchHandle] = {}
+                tasks = [run([zs[0], *shared], "R1")]
+                await _until(lambda: len(store.gets.waiting) == 1, "R1's get")
+                tasks += [run([z, *shared], f"R{i}") for i, z in enumerate(zs[1:], 2)]
+                await _until(lambda: len(prefetcher._budget_line) == 2, "R2, R3 in line")
+                tasks.append(run(list(shared), "B"))
+                for turn in range(3):
+                    await _until(lambda: _waiters(cache, shared[0]) == 1, "B to wait")
+                    await _until(lambda: len(store.gets.waiting) == 1, "a reader's get")
+                    store.gets.release()
+                    await asyncio.wait_for(tasks[turn], 30)
+                await asyncio.wait_for(asyncio.gather(*tasks), 30)
+            finally:
+                store.open()
+            b = handles["B"].result()
+            assert (b.status, b.storage_tokens) == (PrefetchStatus.TERMINATED, 0)
+            assert sum(store.reads[k] for k in cache.namespace.storage_keys(shared)) == 6
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            # Each reader: its own page missed, the two after it read but not landed.
+            assert (stats.misses, stats.pages_read) == (3, 6)
+            assert stats.pages_abandoned == 2
+            assert (
+                stats.misses
+                + stats.pages_read
+                + stats.pages_shared
+                + stats.corrupt
+                + stats.errors
+                + stats.pages_abandoned
+                + stats.pages_skipped
+            ) == 3 * 3 + 2
