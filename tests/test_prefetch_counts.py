@@ -5,6 +5,7 @@ costs in proportion to it, not to its square."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -443,3 +444,46 @@ async def test_every_page_counts_once_with_prefetches_stopped_while_they_run(see
                 await serve(cache, prompt, generator, prefetch=False, check="all")
             await cache.drain()
             assert_drained(cache)
+
+
+class CountedReads(Unowned):
+    """A real backend that counts the gets of each key."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.reads: collections.Counter[bytes] = collections.Counter()
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        self.reads.update(bytes(k) for k in keys)
+        await asyncio.sleep(0)  # a store that yields, so the two take turns
+        return await self.inner.get(keys, into, namespace=namespace)
+
+
+async def test_prefetches_that_read_evicted_pages_again_count_no_shared_pages() -> None:
+    # Two prompts with nothing in common, taking turns under a host share of two pages in a
+    # pool of eight: each evicts pages the other landed and reads them again. Those read
+    # again counted as pages others shared, in place of the pages left unreached.
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config(max_host_share=0.3)),
+            "device_pages": 4,
+            "host_pages": 8,
+        }
+    )
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, _config(), *prompts)
+        store = CountedReads(memory)
+        async with HiCache(config, storage=store) as cache:
+            handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+            await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            again = stats.pages_read - len(store.reads)
+            assert again > 0  # the case this is about
+            assert stats.pages_shared == 0
+            # Every page once, and each page read again once more for each time.
+            assert _counted(stats) - again == 16

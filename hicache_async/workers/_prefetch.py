@@ -1263,10 +1263,10 @@ class Prefetcher:
         landed = min(max(counted, begin - first), cap)
         # Pages cached by others since the first match: this prefetch did not read them, and
         # would have waited for them had it planned a moment earlier. Only up to `end`: those
-        # past what storage holds were counted as misses at the lookup. From the first page
-        # not in the counters yet: pages it read before and read again once evicted are
-        # counted already, and their count in `landed` must not hide pages others brought.
-        shared_to = first + min(landed, end - first)
+        # past what storage holds were counted as misses at the lookup. Only those past the
+        # pages in its counters (every page it read is): `landed` also grows with pages it
+        # reads again once evicted, which no one shared.
+        shared_to = min(begin, end)
         self.pages_shared += max(shared_to - handle._counted_to, 0)
         handle._counted_to = max(handle._counted_to, shared_to)
         handle.storage_tokens = landed * size
