@@ -352,6 +352,12 @@ def _last_access(page: PageInfo) -> float:
     return page.last_access
 
 
+def _closed_by_server(connection: object) -> bool:
+    """Whether the server has closed `connection` (its end of stream already received)."""
+    reader = getattr(connection, "_reader", None)
+    return isinstance(reader, asyncio.StreamReader) and reader.at_eof()
+
+
 def _reply_text(error: object) -> str:
     """The server's error reply as it was sent: redis-py drops the code of the ones it knows
     (ERR, NOPERM, READONLY, ...) from its exception's text and keeps it apart."""
@@ -2318,7 +2324,7 @@ class RedisStorage(BackendBase):
         """The replies to a pipeline of `commands` (error replies among them), sent at most
         once. redis-py's retry sends a pipeline again after a timeout, when the server may
         well have run the first (a DEL that ran finds nothing the second time); here only
-        getting a connection is retried (the pool reconnects a dropped one). On a cluster
+        getting a connection is retried (one the server dropped is replaced). On a cluster
         the cluster client's pipeline is used, which follows MOVED and may resend."""
         pool = self._pool
         if pool is None:
@@ -2330,6 +2336,13 @@ class RedisStorage(BackendBase):
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         replies: list[object] = []
         try:
+            if _closed_by_server(connection):
+                # redis-py 8 hands out a pooled connection the server closed while it sat
+                # idle (`timeout` in redis.conf, a restart): its pool skips that check when
+                # maintenance notifications are on. Nothing was sent on it: a new one is safe.
+                await connection.disconnect()
+            if not connection.is_connected:
+                await connection.connect()
             on_sent()
             await connection.send_packed_command(connection.pack_commands(commands))
             for _ in commands:

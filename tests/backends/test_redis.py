@@ -377,6 +377,28 @@ async def test_batches_work_again_after_a_server_restart() -> None:
                 assert joined(into[1]) == joined(pages[1])
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_delete_after_the_server_closed_idle_connections_succeeds(bulk: int) -> None:
+    # `timeout 1` in the server's configuration: it closes connections idle for a second.
+    with RedisServer(extra_args=["--timeout", "1"]) as server:
+        name = f"idle{uuid.uuid4().hex[:8]}"
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", bulk=bulk, client_name=name)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+            assert await backend.delete(keys[:1]) == 1
+            for _ in range(300):  # up to ~30 s for the server's idle sweep
+                if not await asyncio.to_thread(_connections_named, server.host, server.port, name):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the server did not close the idle connections")
+            # Every pooled connection is closed: the delete goes out on a new one.
+            assert await backend.delete(keys[1:]) == 2
+            assert await backend.exists(keys) == 0
+            assert (backend.stats().pages, backend.stats().errors) == (0, 0)
+
+
 async def test_open_with_no_server_then_batches_are_errors() -> None:
     with RedisServer() as server:
         url = server.url
