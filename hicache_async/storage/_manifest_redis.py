@@ -54,6 +54,7 @@ __all__ = [
     "REDIS_FAULTS",
     "RedisClient",
     "RedisManifest",
+    "keys_refused",
     "no_room",
     "run_read_only",
     "scripting_refused",
@@ -160,6 +161,16 @@ async def transactions_refused(client: RedisClient, key: str | bytes) -> bool | 
     except REDIS_FAULTS:
         return None
     return False
+
+
+_KEYS_REFUSED = re.compile(r"no permissions to access (one of the keys|a key)")
+
+
+def keys_refused(error: BaseException | str) -> bool:
+    """Whether an error reply says the user may not access a key the command names (an ACL
+    key pattern; for EVAL, which asks for write access to its keys, a user that may only read
+    them)."""
+    return bool(_KEYS_REFUSED.search(str(error).lower()))
 
 
 def no_room(error: BaseException | str) -> bool:
@@ -398,6 +409,9 @@ class RedisManifest:
         self._name = name
         self._ttl = ttl
         self._scripting = scripting
+        # False once the window script's keys were refused where a plain read of them was
+        # not (a user that may only read the keys): reads go without it from then on.
+        self._window_scripted = True
         self._window: AsyncScript | None = None
         self._switch: AsyncScript | None = None
         self._repair_script: AsyncScript | None = None
@@ -920,13 +934,23 @@ class RedisManifest:
         client = self._client()
         keys = [self.list_key(namespace), self.meta_key(namespace)]
         max_entry = self.limits.max_entry_bytes
-        if self._scripting:
+        if self._scripting and self._window_scripted:
             if self._window is None:
                 self._window = client.register_script(_WINDOW_SCRIPT)
             args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, room]
             try:
                 self._window, reply = await run_read_only(client, self._window, keys, args)
             except ResponseError as exc:
+                if keys_refused(exc):
+                    # EVAL asks for write access to its keys: a user that may only read them
+                    # (`%R~` in its ACL) reads plain windows. One refused the keys
+                    # themselves fails on those as well.
+                    values = await self._plain_window(client, keys, gen, hi)
+                    _log.info(
+                        "hicache.manifest.read_unscripted", backend=self._name, error=str(exc)
+                    )
+                    self._window_scripted = False
+                    return values
                 if not scripting_refused(exc):
                     raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
                 # Scripting refused here (disabled, a proxy): plain windows from now on.
@@ -938,6 +962,13 @@ class RedisManifest:
                 if not reply or reply[0] != 1:
                     raise _Stale
                 return [_item(v) for v in reply[1:]]
+        return await self._plain_window(client, keys, gen, hi)
+
+    async def _plain_window(
+        self, client: RedisClient, keys: list[str], gen: bytes, hi: int
+    ) -> list[bytes | int]:
+        """`_window_items` without scripting: fewer records per round trip."""
+        max_entry = self.limits.max_entry_bytes
         lo = max(0, hi - _FALLBACK_WINDOW_RECORDS + 1)
         try:
             # The records first, then `gen`, in a plain pipeline (see `_snapshot`): `gen`

@@ -67,6 +67,7 @@ from ._manifest_redis import (
     RedisClient,
     RedisManifest,
     flags_refused,
+    keys_refused,
     no_room,
     run_read_only,
     scripting_refused,
@@ -881,12 +882,24 @@ class RedisStorage(BackendBase):
                     return await self._exists_on_bulk(self._bulk, keys)
                 return await self._exists_by_script(keys)
             except ResponseError as exc:
+                if keys_refused(exc):
+                    # EVAL asks for write access to its keys, so a user that may only read
+                    # them (`%R~` in its ACL) is refused the script but not TOUCH. A user
+                    # refused the keys themselves fails here too, and keeps the script.
+                    count = await self._exists_by_pipeline(client, keys)
+                    log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
+                    self._multikey = False
+                    return count
                 if not scripting_refused(exc):  # BUSY, LOADING, ...: this call fails
                     self._counters.errors += 1
                     raise StorageError(f"{self._name}: exists failed: {exc}") from exc
                 # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
                 log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
                 self._multikey = False
+        return await self._exists_by_pipeline(client, keys)
+
+    async def _exists_by_pipeline(self, client: RedisClient, keys: Sequence[bytes]) -> int:
+        """`exists` as a TOUCH (or EXISTS) per key, in pipelines."""
         count = 0
         for start in range(0, len(keys), _KEYS_PER_PIPELINE):
             batch = keys[start : start + _KEYS_PER_PIPELINE]

@@ -36,6 +36,7 @@ from hicache_async.storage import (
     encode_header,
     open_storage,
 )
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._page import FORMAT_VERSION, PageCheck, decode_header
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import _servers
@@ -1138,6 +1139,31 @@ async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int)
     assert [e["error"].split(" ", 1)[0] for e in logged] == ["NOPERM", "WRONGTYPE"]
     assert "no permissions to run the 'set' command" in logged[0]["error"]
     assert {e["backend"] for e in logged} == {backend.name}
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_user_that_may_only_read_the_keys_gets_exists_and_the_manifest(
+    redis_url: str, bulk: int
+) -> None:
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        await writer.manifest().append([chain_entry(NS, keys[:2], 32, 0, time.time())])
+        prefix = writer.prefix
+    # `%R~*`: every key may be read, none written. EVAL asks for write access to the keys
+    # it names, so the scripts are refused where TOUCH, GET and LRANGE are not.
+    async with (
+        acl_user(redis_url, "%R~*", "+@all") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        for _ in range(2):
+            assert await reader.exists(keys) == 2
+            into = buffers(3)
+            assert await reader.get(keys, into, namespace=NS) == [Outcome.OK] * 2 + [Outcome.MISS]
+            assert [joined(p) for p in into[:2]] == [joined(p) for p in pages[:2]]
+            read = await reader.manifest().read()
+            assert [e.keys for e in read.entries] == [[k.hex() for k in keys[:2]]]
+        assert reader.stats().errors == 0
 
 
 @pytest.mark.parametrize("bulk", [1, 0])
