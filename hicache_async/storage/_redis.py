@@ -309,6 +309,18 @@ def _read_refused(error: BaseException) -> bool:
     return bool(_READ_REFUSALS.search(_reply_text(error).lower()))
 
 
+_IDLE_REFUSALS = re.compile(
+    r"no permissions to run the 'object(\|idletime)?' command|unknown (sub)?command"
+    r"|unsupported command|not supported"
+)
+
+
+def _idle_refused(error: BaseException) -> bool:
+    """Whether an error reply to OBJECT IDLETIME means it is refused here (an ACL, a renamed
+    command, a proxy), not that the policy keeps no idle time (LFU)."""
+    return bool(_IDLE_REFUSALS.search(_reply_text(error).lower()))
+
+
 #: Pages `gc` sorts in one piece: a sort holds the GIL throughout, this many for about 2 ms.
 _GC_SLICE = 8192
 
@@ -633,8 +645,9 @@ class RedisStorage(BackendBase):
         self._cluster = cluster
         self._multikey = not cluster if multikey is None else multikey
         self._bounded_reads = True  # False once STRLEN or GETRANGE is refused (_read_starts)
-        self._touch = True  # False once TOUCH is refused (see _exists_pipeline)
+        self._touch = True  # False once TOUCH is refused (see _exists_by_pipeline)
         self._strlen = True  # False once STRLEN is refused (see _delete_rkeys)
+        self._idle_refusal_told = False  # see _judged
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
@@ -1729,6 +1742,15 @@ class RedisStorage(BackendBase):
         # one answers an error instead. An empty value is listed.
         if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):
             return None
+        if isinstance(idle, Exception) and not self._idle_refusal_told and _idle_refused(idle):
+            # Otherwise unsaid: gc would evict by age and keep pages nobody uses.
+            self._idle_refusal_told = True
+            log.warning(
+                "storage.redis.idletime_refused",
+                backend=self._name,
+                error=_reply_text(idle),
+                detail="pages are listed, and evicted by gc, by their creation, not their last use",
+            )
         header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
         tokens = priority = 0
         created = now  # a newer format's: unknown, so counted as new

@@ -640,8 +640,30 @@ async def test_an_lfu_server_lists_empty_values(redis_url: str) -> None:
             keys, pages, metas = make_pages(2)
             assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
             await backend.write_raw(keys[1], b"")
-            listed = {p.key: p.nbytes for p in await backend.list_pages()}
+            with structlog.testing.capture_logs() as logs:
+                listed = {p.key: p.nbytes for p in await backend.list_pages()}
             assert listed == {keys[0]: HEADER_NBYTES + 3000, keys[1]: 0}
+            # No idle times under LFU is the policy, not a refusal.
+            assert not [e for e in logs if e["event"] == "storage.redis.idletime_refused"]
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_listing_without_idle_times_says_once_that_it_orders_by_age(
+    redis_url: str, bulk: int
+) -> None:
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-object") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        keys, pages, metas = make_pages(3)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+        with structlog.testing.capture_logs() as logs:
+            assert len(await backend.list_pages()) == 3
+            assert len(await backend.list_pages(2, record=False)) == 2
+            await backend.gc()
+    told = [e for e in logs if e["event"] == "storage.redis.idletime_refused"]
+    assert len(told) == 1
+    assert "no permissions to run the 'object|idletime' command" in told[0]["error"]
 
 
 @pytest.mark.parametrize("params", [{}, {"bulk": 0}, {"multikey": 0}])
