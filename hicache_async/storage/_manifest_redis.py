@@ -55,6 +55,7 @@ __all__ = [
     "RedisClient",
     "RedisManifest",
     "keys_refused",
+    "named_in_script",
     "no_room",
     "run_read_only",
     "scripting_refused",
@@ -122,6 +123,19 @@ def flags_refused(error: BaseException | str) -> bool:
     return "shebang" in text or "near '#'" in text
 
 
+_SCRIPT_COMMANDS = re.compile(r"redis\.p?call\('([a-z]+)'", re.IGNORECASE)
+
+
+def named_in_script(error: ResponseError, script: str | bytes | memoryview) -> ResponseError:
+    """`error`, naming the commands `script` runs where the server says the user may not
+    run one of them: its reply names none ("... can't run this command or subcommand")."""
+    if "can't run this command or subcommand" not in str(error) or "(the script runs" in str(error):
+        return error
+    text = script if isinstance(script, str) else bytes(script).decode("utf-8", "replace")
+    names = " ".join(dict.fromkeys(name.upper() for name in _SCRIPT_COMMANDS.findall(text)))
+    return ResponseError(f"{error} (the script runs {names}: the user may not run one of them)")
+
+
 async def run_read_only(
     client: RedisClient, script: AsyncScript, keys: Sequence[str | bytes], args: Sequence[Any] = ()
 ) -> tuple[AsyncScript, Any]:
@@ -138,7 +152,7 @@ async def run_read_only(
         return script, await client.eval(text, len(keys), *keys, *args)  # type: ignore[arg-type]
     except ResponseError as exc:
         if not (isinstance(text, str) and text.startswith(NO_WRITES) and flags_refused(exc)):
-            raise
+            raise named_in_script(exc, text) from None
         _log.info("hicache.redis.script_flags_refused", error=str(exc))
         plain = client.register_script(text[len(NO_WRITES) :])
         return plain, await client.eval(plain.script, len(keys), *keys, *args)  # type: ignore[arg-type]
@@ -653,10 +667,14 @@ class RedisManifest:
         index_error = await self._add_to_index(namespace)
         # Replies: one RPUSH per batch (the last is the new length), then HINCRBY.
         length, nbytes = results[len(batches) - 1], results[len(batches)]
+        if isinstance(length, ResponseError):  # the script's replies where MULTI is refused
+            length = named_in_script(length, _APPEND_SCRIPT)
         if isinstance(length, Exception):
             raise StorageError(f"{self._name}: manifest append failed: {length}")
         if isinstance(nbytes, Exception):
             if not (_wrong_type(nbytes) or "not an integer" in str(nbytes)):
+                if isinstance(nbytes, ResponseError):
+                    nbytes = named_in_script(nbytes, _APPEND_SCRIPT)
                 raise StorageError(f"{self._name}: manifest append failed: {nbytes}")
             # The meta hash was damaged (just removed) or its `bytes` is no number: the
             # records are stored, and the compaction below counts them afresh.
@@ -1075,7 +1093,7 @@ class RedisManifest:
             return True, await script(keys=keys, args=args)
         except ResponseError as exc:
             if not scripting_refused(exc):
-                raise
+                raise named_in_script(exc, script.script) from None
             _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
             self._scripting = False
             return False, None

@@ -68,6 +68,7 @@ from ._manifest_redis import (
     RedisManifest,
     flags_refused,
     keys_refused,
+    named_in_script,
     no_room,
     run_read_only,
     scripting_refused,
@@ -905,7 +906,8 @@ class RedisStorage(BackendBase):
                     return count
                 if not scripting_refused(exc):  # BUSY, LOADING, ...: this call fails
                     self._counters.errors += 1
-                    raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+                    named = named_in_script(exc, self._prefix_script.script)
+                    raise StorageError(f"{self._name}: exists failed: {named}") from exc
                 # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
                 log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
                 self._multikey = False

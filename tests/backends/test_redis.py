@@ -1189,6 +1189,27 @@ async def test_a_user_that_may_only_read_the_keys_gets_exists_and_the_manifest(
 
 
 @pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_command_refused_inside_a_script_is_named_among_those_it_runs(
+    redis_url: str, bulk: int
+) -> None:
+    # The server's reply names no command: "... can't run this command or subcommand".
+    entry = chain_entry(NS, [os.urandom(32)], 16, 0, time.time())
+    reader = ("~*", "+@read", "+@connection", "+@scripting")  # no MULTI: appends by script
+    async with (
+        acl_user(redis_url, *reader) as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        with pytest.raises(StorageError, match="the script runs RPUSH HINCRBY EXPIRE: the user"):
+            await backend.manifest().append([entry])
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-touch", "-exists") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        with pytest.raises(StorageError, match=r"\(the script runs TOUCH EXISTS: the user [^(]*$"):
+            await backend.exists([os.urandom(32)])
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
 async def test_only_a_refused_script_command_turns_the_script_off(
     redis_url: str, bulk: int
 ) -> None:
