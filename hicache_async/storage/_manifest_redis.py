@@ -54,6 +54,8 @@ __all__ = [
     "REDIS_FAULTS",
     "RedisClient",
     "RedisManifest",
+    "keys_refused",
+    "named_in_script",
     "no_room",
     "run_read_only",
     "scripting_refused",
@@ -121,6 +123,19 @@ def flags_refused(error: BaseException | str) -> bool:
     return "shebang" in text or "near '#'" in text
 
 
+_SCRIPT_COMMANDS = re.compile(r"redis\.p?call\('([a-z]+)'", re.IGNORECASE)
+
+
+def named_in_script(error: ResponseError, script: str | bytes | memoryview) -> ResponseError:
+    """`error`, naming the commands `script` runs where the server says the user may not
+    run one of them: its reply names none ("... can't run this command or subcommand")."""
+    if "can't run this command or subcommand" not in str(error) or "(the script runs" in str(error):
+        return error
+    text = script if isinstance(script, str) else bytes(script).decode("utf-8", "replace")
+    names = " ".join(dict.fromkeys(name.upper() for name in _SCRIPT_COMMANDS.findall(text)))
+    return ResponseError(f"{error} (the script runs {names}: the user may not run one of them)")
+
+
 async def run_read_only(
     client: RedisClient, script: AsyncScript, keys: Sequence[str | bytes], args: Sequence[Any] = ()
 ) -> tuple[AsyncScript, Any]:
@@ -137,7 +152,7 @@ async def run_read_only(
         return script, await client.eval(text, len(keys), *keys, *args)  # type: ignore[arg-type]
     except ResponseError as exc:
         if not (isinstance(text, str) and text.startswith(NO_WRITES) and flags_refused(exc)):
-            raise
+            raise named_in_script(exc, text) from None
         _log.info("hicache.redis.script_flags_refused", error=str(exc))
         plain = client.register_script(text[len(NO_WRITES) :])
         return plain, await client.eval(plain.script, len(keys), *keys, *args)  # type: ignore[arg-type]
@@ -160,6 +175,16 @@ async def transactions_refused(client: RedisClient, key: str | bytes) -> bool | 
     except REDIS_FAULTS:
         return None
     return False
+
+
+_KEYS_REFUSED = re.compile(r"no permissions to access (one of the keys|a key)")
+
+
+def keys_refused(error: BaseException | str) -> bool:
+    """Whether an error reply says the user may not access a key the command names (an ACL
+    key pattern; for EVAL, which asks for write access to its keys, a user that may only read
+    them)."""
+    return bool(_KEYS_REFUSED.search(str(error).lower()))
 
 
 def no_room(error: BaseException | str) -> bool:
@@ -398,6 +423,9 @@ class RedisManifest:
         self._name = name
         self._ttl = ttl
         self._scripting = scripting
+        # False once the window script's keys were refused where a plain read of them was
+        # not (a user that may only read the keys): reads go without it from then on.
+        self._window_scripted = True
         self._window: AsyncScript | None = None
         self._switch: AsyncScript | None = None
         self._repair_script: AsyncScript | None = None
@@ -639,10 +667,14 @@ class RedisManifest:
         index_error = await self._add_to_index(namespace)
         # Replies: one RPUSH per batch (the last is the new length), then HINCRBY.
         length, nbytes = results[len(batches) - 1], results[len(batches)]
+        if isinstance(length, ResponseError):  # the script's replies where MULTI is refused
+            length = named_in_script(length, _APPEND_SCRIPT)
         if isinstance(length, Exception):
             raise StorageError(f"{self._name}: manifest append failed: {length}")
         if isinstance(nbytes, Exception):
             if not (_wrong_type(nbytes) or "not an integer" in str(nbytes)):
+                if isinstance(nbytes, ResponseError):
+                    nbytes = named_in_script(nbytes, _APPEND_SCRIPT)
                 raise StorageError(f"{self._name}: manifest append failed: {nbytes}")
             # The meta hash was damaged (just removed) or its `bytes` is no number: the
             # records are stored, and the compaction below counts them afresh.
@@ -920,13 +952,23 @@ class RedisManifest:
         client = self._client()
         keys = [self.list_key(namespace), self.meta_key(namespace)]
         max_entry = self.limits.max_entry_bytes
-        if self._scripting:
+        if self._scripting and self._window_scripted:
             if self._window is None:
                 self._window = client.register_script(_WINDOW_SCRIPT)
             args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, room]
             try:
                 self._window, reply = await run_read_only(client, self._window, keys, args)
             except ResponseError as exc:
+                if keys_refused(exc):
+                    # EVAL asks for write access to its keys: a user that may only read them
+                    # (`%R~` in its ACL) reads plain windows. One refused the keys
+                    # themselves fails on those as well.
+                    values = await self._plain_window(client, keys, gen, hi)
+                    _log.info(
+                        "hicache.manifest.read_unscripted", backend=self._name, error=str(exc)
+                    )
+                    self._window_scripted = False
+                    return values
                 if not scripting_refused(exc):
                     raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
                 # Scripting refused here (disabled, a proxy): plain windows from now on.
@@ -938,6 +980,13 @@ class RedisManifest:
                 if not reply or reply[0] != 1:
                     raise _Stale
                 return [_item(v) for v in reply[1:]]
+        return await self._plain_window(client, keys, gen, hi)
+
+    async def _plain_window(
+        self, client: RedisClient, keys: list[str], gen: bytes, hi: int
+    ) -> list[bytes | int]:
+        """`_window_items` without scripting: fewer records per round trip."""
+        max_entry = self.limits.max_entry_bytes
         lo = max(0, hi - _FALLBACK_WINDOW_RECORDS + 1)
         try:
             # The records first, then `gen`, in a plain pipeline (see `_snapshot`): `gen`
@@ -1044,7 +1093,7 @@ class RedisManifest:
             return True, await script(keys=keys, args=args)
         except ResponseError as exc:
             if not scripting_refused(exc):
-                raise
+                raise named_in_script(exc, script.script) from None
             _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
             self._scripting = False
             return False, None

@@ -67,6 +67,8 @@ from ._manifest_redis import (
     RedisClient,
     RedisManifest,
     flags_refused,
+    keys_refused,
+    named_in_script,
     no_room,
     run_read_only,
     scripting_refused,
@@ -308,6 +310,18 @@ def _read_refused(error: BaseException) -> bool:
     return bool(_READ_REFUSALS.search(_reply_text(error).lower()))
 
 
+_IDLE_REFUSALS = re.compile(
+    r"no permissions to run the 'object(\|idletime)?' command|unknown (sub)?command"
+    r"|unsupported command|not supported"
+)
+
+
+def _idle_refused(error: BaseException) -> bool:
+    """Whether an error reply to OBJECT IDLETIME means it is refused here (an ACL, a renamed
+    command, a proxy), not that the policy keeps no idle time (LFU)."""
+    return bool(_IDLE_REFUSALS.search(_reply_text(error).lower()))
+
+
 #: Pages `gc` sorts in one piece: a sort holds the GIL throughout, this many for about 2 ms.
 _GC_SLICE = 8192
 
@@ -350,6 +364,12 @@ def _nbytes_from_start(head: bytes) -> int | None:
 
 def _last_access(page: PageInfo) -> float:
     return page.last_access
+
+
+def _closed_by_server(connection: object) -> bool:
+    """Whether the server has closed `connection` (its end of stream already received)."""
+    reader = getattr(connection, "_reader", None)
+    return isinstance(reader, asyncio.StreamReader) and reader.at_eof()
 
 
 def _reply_text(error: object) -> str:
@@ -626,8 +646,9 @@ class RedisStorage(BackendBase):
         self._cluster = cluster
         self._multikey = not cluster if multikey is None else multikey
         self._bounded_reads = True  # False once STRLEN or GETRANGE is refused (_read_starts)
-        self._touch = True  # False once TOUCH is refused (see _exists_pipeline)
+        self._touch = True  # False once TOUCH is refused (see _exists_by_pipeline)
         self._strlen = True  # False once STRLEN is refused (see _delete_rkeys)
+        self._idle_refusal_told = False  # see _judged
         # The bulk connections talk to one server: a cluster's values go through its client.
         self._bulk_wanted = bulk and not cluster
         self._in_flight = 0
@@ -875,12 +896,25 @@ class RedisStorage(BackendBase):
                     return await self._exists_on_bulk(self._bulk, keys)
                 return await self._exists_by_script(keys)
             except ResponseError as exc:
+                if keys_refused(exc):
+                    # EVAL asks for write access to its keys, so a user that may only read
+                    # them (`%R~` in its ACL) is refused the script but not TOUCH. A user
+                    # refused the keys themselves fails here too, and keeps the script.
+                    count = await self._exists_by_pipeline(client, keys)
+                    log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
+                    self._multikey = False
+                    return count
                 if not scripting_refused(exc):  # BUSY, LOADING, ...: this call fails
                     self._counters.errors += 1
-                    raise StorageError(f"{self._name}: exists failed: {exc}") from exc
+                    named = named_in_script(exc, self._prefix_script.script)
+                    raise StorageError(f"{self._name}: exists failed: {named}") from exc
                 # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
                 log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
                 self._multikey = False
+        return await self._exists_by_pipeline(client, keys)
+
+    async def _exists_by_pipeline(self, client: RedisClient, keys: Sequence[bytes]) -> int:
+        """`exists` as a TOUCH (or EXISTS) per key, in pipelines."""
         count = 0
         for start in range(0, len(keys), _KEYS_PER_PIPELINE):
             batch = keys[start : start + _KEYS_PER_PIPELINE]
@@ -1710,6 +1744,15 @@ class RedisStorage(BackendBase):
         # one answers an error instead. An empty value is listed.
         if not isinstance(nbytes, int) or (nbytes == 0 and idle is None):
             return None
+        if isinstance(idle, Exception) and not self._idle_refusal_told and _idle_refused(idle):
+            # Otherwise unsaid: gc would evict by age and keep pages nobody uses.
+            self._idle_refusal_told = True
+            log.warning(
+                "storage.redis.idletime_refused",
+                backend=self._name,
+                error=_reply_text(idle),
+                detail="pages are listed, and evicted by gc, by their creation, not their last use",
+            )
         header = decode_header(head) if isinstance(head, bytes) else PageCheck.CORRUPT
         tokens = priority = 0
         created = now  # a newer format's: unknown, so counted as new
@@ -2318,7 +2361,7 @@ class RedisStorage(BackendBase):
         """The replies to a pipeline of `commands` (error replies among them), sent at most
         once. redis-py's retry sends a pipeline again after a timeout, when the server may
         well have run the first (a DEL that ran finds nothing the second time); here only
-        getting a connection is retried (the pool reconnects a dropped one). On a cluster
+        getting a connection is retried (one the server dropped is replaced). On a cluster
         the cluster client's pipeline is used, which follows MOVED and may resend."""
         pool = self._pool
         if pool is None:
@@ -2330,6 +2373,13 @@ class RedisStorage(BackendBase):
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         replies: list[object] = []
         try:
+            if _closed_by_server(connection):
+                # redis-py 8 hands out a pooled connection the server closed while it sat
+                # idle (`timeout` in redis.conf, a restart): its pool skips that check when
+                # maintenance notifications are on. Nothing was sent on it: a new one is safe.
+                await connection.disconnect()
+            if not connection.is_connected:
+                await connection.connect()
             on_sent()
             await connection.send_packed_command(connection.pack_commands(commands))
             for _ in commands:

@@ -36,6 +36,7 @@ from hicache_async.storage import (
     encode_header,
     open_storage,
 )
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._page import FORMAT_VERSION, PageCheck, decode_header
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import _servers
@@ -377,6 +378,28 @@ async def test_batches_work_again_after_a_server_restart() -> None:
                 assert joined(into[1]) == joined(pages[1])
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_delete_after_the_server_closed_idle_connections_succeeds(bulk: int) -> None:
+    # `timeout 1` in the server's configuration: it closes connections idle for a second.
+    with RedisServer(extra_args=["--timeout", "1"]) as server:
+        name = f"idle{uuid.uuid4().hex[:8]}"
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", bulk=bulk, client_name=name)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+            assert await backend.delete(keys[:1]) == 1
+            for _ in range(300):  # up to ~30 s for the server's idle sweep
+                if not await asyncio.to_thread(_connections_named, server.host, server.port, name):
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the server did not close the idle connections")
+            # Every pooled connection is closed: the delete goes out on a new one.
+            assert await backend.delete(keys[1:]) == 2
+            assert await backend.exists(keys) == 0
+            assert (backend.stats().pages, backend.stats().errors) == (0, 0)
+
+
 async def test_open_with_no_server_then_batches_are_errors() -> None:
     with RedisServer() as server:
         url = server.url
@@ -617,8 +640,30 @@ async def test_an_lfu_server_lists_empty_values(redis_url: str) -> None:
             keys, pages, metas = make_pages(2)
             assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
             await backend.write_raw(keys[1], b"")
-            listed = {p.key: p.nbytes for p in await backend.list_pages()}
+            with structlog.testing.capture_logs() as logs:
+                listed = {p.key: p.nbytes for p in await backend.list_pages()}
             assert listed == {keys[0]: HEADER_NBYTES + 3000, keys[1]: 0}
+            # No idle times under LFU is the policy, not a refusal.
+            assert not [e for e in logs if e["event"] == "storage.redis.idletime_refused"]
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_listing_without_idle_times_says_once_that_it_orders_by_age(
+    redis_url: str, bulk: int
+) -> None:
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-object") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        keys, pages, metas = make_pages(3)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+        with structlog.testing.capture_logs() as logs:
+            assert len(await backend.list_pages()) == 3
+            assert len(await backend.list_pages(2, record=False)) == 2
+            await backend.gc()
+    told = [e for e in logs if e["event"] == "storage.redis.idletime_refused"]
+    assert len(told) == 1
+    assert "no permissions to run the 'object|idletime' command" in told[0]["error"]
 
 
 @pytest.mark.parametrize("params", [{}, {"bulk": 0}, {"multikey": 0}])
@@ -1116,6 +1161,52 @@ async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int)
     assert [e["error"].split(" ", 1)[0] for e in logged] == ["NOPERM", "WRONGTYPE"]
     assert "no permissions to run the 'set' command" in logged[0]["error"]
     assert {e["backend"] for e in logged} == {backend.name}
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_user_that_may_only_read_the_keys_gets_exists_and_the_manifest(
+    redis_url: str, bulk: int
+) -> None:
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        await writer.manifest().append([chain_entry(NS, keys[:2], 32, 0, time.time())])
+        prefix = writer.prefix
+    # `%R~*`: every key may be read, none written. EVAL asks for write access to the keys
+    # it names, so the scripts are refused where TOUCH, GET and LRANGE are not.
+    async with (
+        acl_user(redis_url, "%R~*", "+@all") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        for _ in range(2):
+            assert await reader.exists(keys) == 2
+            into = buffers(3)
+            assert await reader.get(keys, into, namespace=NS) == [Outcome.OK] * 2 + [Outcome.MISS]
+            assert [joined(p) for p in into[:2]] == [joined(p) for p in pages[:2]]
+            read = await reader.manifest().read()
+            assert [e.keys for e in read.entries] == [[k.hex() for k in keys[:2]]]
+        assert reader.stats().errors == 0
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_command_refused_inside_a_script_is_named_among_those_it_runs(
+    redis_url: str, bulk: int
+) -> None:
+    # The server's reply names no command: "... can't run this command or subcommand".
+    entry = chain_entry(NS, [os.urandom(32)], 16, 0, time.time())
+    reader = ("~*", "+@read", "+@connection", "+@scripting")  # no MULTI: appends by script
+    async with (
+        acl_user(redis_url, *reader) as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        with pytest.raises(StorageError, match="the script runs RPUSH HINCRBY EXPIRE: the user"):
+            await backend.manifest().append([entry])
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-touch", "-exists") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
+    ):
+        with pytest.raises(StorageError, match=r"\(the script runs TOUCH EXISTS: the user [^(]*$"):
+            await backend.exists([os.urandom(32)])
 
 
 @pytest.mark.parametrize("bulk", [1, 0])
