@@ -980,10 +980,12 @@ class MemoryManifest:
     newest of a chain is kept, so memory follows `max_entries`, not the number of appends (a
     record of a newer manifest version is counted as `newer` and not kept: the records come
     from this process, whose readers are of this version).
-    Once `2 * max_entries` chains or `max_bytes` of records are held, the least valuable make
-    room in one pass, which leaves at most `max_entries` within `max_bytes // 2`: that pass
-    runs at most once per `max_entries` new chains or `max_bytes // 2` appended bytes, so an
-    append costs amortized O(1) on the loop instead of an occasional rewrite of everything.
+    Once a namespace holds `2 * max_entries` chains, or `max_bytes` of records are held, the
+    least valuable make room in one pass, which leaves at most `max_entries` of each
+    namespace (as a compaction does), within `max_bytes // 2` for all of them together: that
+    pass runs at most once per `max_entries` new chains of a namespace or `max_bytes // 2`
+    appended bytes, so an append costs amortized O(1) on the loop instead of an occasional
+    rewrite of everything.
     """
 
     def __init__(self, limits: ManifestLimits | None = None) -> None:
@@ -994,6 +996,8 @@ class MemoryManifest:
         # garbage collector, so a full manifest does not slow every full collection.
         self._held: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
         self._bytes = 0
+        # Chains held per namespace: `max_entries` bounds each, as compaction bounds it.
+        self._chains: Counter[str] = Counter()
         # Chains the last trim dropped, with their newest use: an older record of one of
         # them, appended later, must not come back in its place. Only the last trim's, so
         # this stays bounded too.
@@ -1028,32 +1032,37 @@ class MemoryManifest:
             self._bytes -= len(previous[1])
             if previous[0][1] > entry.last_use:
                 held = previous
+        else:
+            self._chains[ident[0]] += 1
         self._held[ident] = held
         self._bytes += len(held[1])
         limits = self.limits
-        if len(self._held) >= 2 * limits.max_entries or self._bytes > limits.max_bytes:
+        if self._chains[ident[0]] >= 2 * limits.max_entries or self._bytes > limits.max_bytes:
             self._trim()
 
     def _trim(self) -> None:
         """Keep the most valuable records (highest priority, then newest use): at most
-        `max_entries`, within `max_bytes // 2` (a record that does not fit makes way for a
-        less valuable one that does, as compaction's fit does)."""
+        `max_entries` of each namespace, within `max_bytes // 2` for all (a record that does
+        not fit makes way for a less valuable one that does, as compaction's fit does)."""
         limits = self.limits
         # Stable and ascending, walked from the end: among equals the first recorded goes
         # first, as in ManifestCollector.
         ranked = sorted(self._held.items(), key=_rank)
         kept: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
+        chains: Counter[str] = Counter()
         evicted: dict[tuple[str, str], float] = {}
         used = 0
         budget = limits.max_bytes // 2
         for ident, held in reversed(ranked):
-            if len(kept) < limits.max_entries and used + len(held[1]) <= budget:
+            if chains[ident[0]] < limits.max_entries and used + len(held[1]) <= budget:
                 kept[ident] = held
+                chains[ident[0]] += 1
                 used += len(held[1])
             else:
                 evicted[ident] = held[0][1]
         self._held = {ident: held for ident, held in self._held.items() if ident in kept}
         self._bytes = used
+        self._chains = chains
         self._evicted = evicted
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
@@ -1125,6 +1134,7 @@ class MemoryManifest:
                     compacted[ident] = record
             self._held = compacted
             self._bytes = sum(len(line) for _, line in compacted.values())
+            self._chains = Counter(ident[0] for ident in compacted)
             self._records += survivors - records
             self._malformed -= malformed
             self._oversized -= oversized
