@@ -215,7 +215,7 @@ def check_exists(found: object, count: int) -> int:
     return value
 
 
-def _encodable(stats: StorageStats) -> StorageStats:
+def encodable_stats(stats: StorageStats) -> StorageStats:
     """`stats` with each field a subclass added that JSON cannot encode (a set, a complex, an
     object) replaced by its `repr`, so `statistics()` and the admin API's JSON still encode."""
     changes: dict[str, str] = {}
@@ -249,4 +249,4 @@ def check_stats(stats: object) -> StorageStats:
             continue
         if type(value) is not int or value < 0:
             raise StorageError(f"stats returned {field}={value!r}, not an int of 0 or more")
-    return _encodable(stats)
+    return encodable_stats(stats)
