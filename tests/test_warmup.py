@@ -316,6 +316,21 @@ async def test_a_busy_namespace_never_takes_a_quiet_ones_place_in_a_memory_manif
     assert (await manifest.read(namespace=quiet.hex())).entries == kept[::-1]
 
 
+async def test_a_memory_manifest_trim_ranks_a_record_stamped_ahead_by_those_after_it() -> None:
+    # The trim on append kept it as the newest of all, in place of a chain used since.
+    limits = ManifestLimits(max_entries=8)
+    manifest = MemoryManifest(limits)
+    namespace = bytes(range(16))
+    now = time.time()
+    ahead = _chain(namespace, 1_000, last_use=now + 86_400)
+    await manifest.append([ahead])
+    since = [_chain(namespace, i, last_use=now - 100 + i) for i in range(2 * 8 - 1)]
+    await manifest.append(since)
+    held = [ident for ident, _ in manifest._held.items()]
+    assert ahead.ident not in held
+    assert held == [e.ident for e in since[-8:]]
+
+
 async def test_a_newer_memory_manifest_record_replaces_the_older() -> None:
     manifest = MemoryManifest()
     namespace = bytes(range(16))
