@@ -60,7 +60,6 @@ WHERE_THE_USERINFO_ENDS = [
     ("rediss://host?name=a@b;other=1", None),
     ("redis://host:6379/0#a@b", None),
     ("redis://host?name=a@b#c@d", None),
-    ("mooncake://master:50051?metadata=http://a@b:8080/x", None),
     ("redis://u:p@host/0?name=a@b&x=1", "u:p"),
     ("redis://u:p@[::1]:6379/0?name=a@b", "u:p"),
     ("redis://:pw@host?name=a@b", ":pw"),
@@ -71,6 +70,14 @@ WHERE_THE_USERINFO_ENDS = [
     ("redis://u:pw#x@host", "u:pw#x"),
     ("redis://u:p?x@host/0?name=a@b", "u:p?x@host/0?name=a"),
     ("redis://u:p@[::1]:6379/0", "u:p"),
+    ("plug://host?password=s3cret@x&name=a", "host?password=s3cret"),
+    ("plug://host?name=a@b&Token=s3cret@x", "host?name=a@b&Token=s3cret"),
+    # A URL given as a parameter may carry credentials of its own: the wider reading.
+    ("mooncake://m:50051?admin=http://u:s3cret@h:8080", "m:50051?admin=http://u:s3cret"),
+    (
+        "mooncake://m:50051?metadata=etcd://u:s3cret@h:2379&x=a@b",
+        "m:50051?metadata=etcd://u:s3cret@h:2379&x=a",
+    ),
 ]
 
 
@@ -85,3 +92,6 @@ def test_an_at_sign_after_the_host_is_not_a_secret(url: str, userinfo: str | Non
         scheme, _, rest = url.partition("://")
         assert masked == f"{scheme}://***@{rest[len(userinfo) + 1 :]}"
         assert userinfo in url_secrets(url)
+        if "s3cret" in userinfo:
+            assert "s3cret" not in masked
+            assert "s3cret" not in scrub_secrets(f"cannot open {url}", url)
