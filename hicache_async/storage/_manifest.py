@@ -434,6 +434,7 @@ class ManifestCollector:
         # each such record, its position, and (position, least stamp fed since) by
         # position, least stamps ascending.
         self._now = time.time()
+        self._any_ahead = False  # whether any record fed was ahead (else ranks are stamps)
         self._fed = 0
         self._least_later = math.inf
         self._ahead: dict[Hashable, float | int] = {}
@@ -479,13 +480,19 @@ class ManifestCollector:
         """Follows the storage order for the ranks of records stamped ahead (see __init__):
         what `_ahead` keeps of `record` if it is one of them, else None."""
         if not isinstance(record, ManifestEntry):
-            return None  # a newer version's use may mean something else
+            # A newer version's use may mean something else: it bounds nothing.
+            self._any_ahead = self._any_ahead or record.last_use > self._now
+            return None
         use = record.last_use
         if self._newest_first:
-            marker = min(self._now, self._least_later) if use > self._now else None
             self._least_later = min(self._least_later, use)
-            return marker
+            if use <= self._now:
+                return None
+            self._any_ahead = True
+            return min(self._now, self._least_later)
         later = self._later
+        if not later and use <= self._now:
+            return None
         if later and later[-1][1] >= use:
             start = later[-1][0]
             while later and later[-1][1] >= use:
@@ -493,6 +500,7 @@ class ManifestCollector:
             later.append((start, use))
         if use <= self._now:
             return None
+        self._any_ahead = True
         self._fed += 1
         # Records ahead with no stamp stored between them share an entry.
         if not later or later[-1][1] < self._now:
@@ -566,7 +574,11 @@ class ManifestCollector:
         if not excess:
             return
         # Stable: among equals, the first recorded goes first.
-        ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, *self._use(*item)))
+        ranked = (
+            sorted(self._held.items(), key=lambda item: (item[1].priority, *self._use(*item)))
+            if self._any_ahead
+            else sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
+        )
         evicted: dict[Hashable, float] = {}  # replaces the last trim's (see __init__)
         for key, worst in ranked:
             bound = self._bound_of(worst)
@@ -603,8 +615,11 @@ class ManifestCollector:
         dropped: list[ManifestEntry] = []
         for e in entries:
             (dropped if _covers(covered.get(e.ident), e) else kept).append(e)
-        uses = {e.ident: self._use(e.ident, e) for e in kept}
-        ordered = sorted(kept, key=lambda e: (-e.priority, *(-x for x in uses[e.ident])))
+        if self._any_ahead:
+            uses = {e.ident: self._use(e.ident, e) for e in kept}
+            ordered = sorted(kept, key=lambda e: (-e.priority, *(-x for x in uses[e.ident])))
+        else:
+            ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
         lengths: dict[str, list[int]] = {}
         for e in dropped:
             # The entry that covers it may be dropped too: the kept one that covers that
