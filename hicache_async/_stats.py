@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
 import msgspec
 
 # At run time too: msgspec resolves the field types when a snapshot is decoded or inspected.
@@ -10,7 +13,7 @@ from .transfer._protocol import CopyStatistics
 from .tree._results import TreeStatistics
 from .workers._link import StorageStatus
 
-__all__ = ["CacheStatistics", "Counters", "TierTokens"]
+__all__ = ["CacheStatistics", "Counters", "ReadOnlyCounts", "TierTokens"]
 
 
 class TierTokens(msgspec.Struct, frozen=True):
@@ -63,23 +66,53 @@ class Counters:
         self.tokens_requested = 0
         self.tokens_storage = 0
 
-    def snapshot(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__slots__}
+    def snapshot(self) -> ReadOnlyCounts:
+        return ReadOnlyCounts({name: getattr(self, name) for name in self.__slots__})
+
+
+class ReadOnlyCounts(dict[str, int]):
+    """A `dict` of counts that refuses changes: the counters of a frozen snapshot.
+
+    A dict (not a `types.MappingProxyType`) so that msgspec encodes it and pickle copies it;
+    `copy()` gives a plain, mutable dict.
+    """
+
+    __slots__ = ()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("the counters of a statistics snapshot are read-only")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse
+    clear = pop = popitem = setdefault = update = _refuse
+
+    def copy(self) -> dict[str, int]:
+        """A plain, mutable dict of the same counts."""
+        return dict(self)
+
+    def __reduce__(self) -> tuple[type[ReadOnlyCounts], tuple[dict[str, int]]]:
+        # The default for a dict subclass fills the new object through __setitem__.
+        return ReadOnlyCounts, (dict(self),)
 
 
 class CacheStatistics(msgspec.Struct, frozen=True):
     """A snapshot of a `HiCache`: its counters and each component's own statistics.
 
-    `counters` is a copy, made for this snapshot. The pools' and copy engine's records are
+    `counters` is a read-only copy (a `ReadOnlyCounts`, a `dict` that refuses changes),
+    made for this snapshot or when one is decoded. The pools' and copy engine's records are
     None before the cache is entered; after its close, the pools' are their last.
     """
 
     state: str
     live_requests: int
     tokens: TierTokens
-    counters: dict[str, int]
+    counters: Mapping[str, int]
     device_pool: PoolStatistics | None
     host_pool: PoolStatistics | None
     tree: TreeStatistics
     copy_engine: CopyStatistics | None
     storage: StorageStatus | None = None
+
+    def __post_init__(self) -> None:
+        # A decoded record (or one built by hand) holds a plain dict: made read-only too.
+        if type(self.counters) is not ReadOnlyCounts:
+            msgspec.structs.force_setattr(self, "counters", ReadOnlyCounts(self.counters))

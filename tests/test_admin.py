@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 import structlog
@@ -22,7 +23,7 @@ from hicache_async._ratelog import LogLimiter
 from hicache_async.admin import AdminApp
 from hicache_async.admin._app import _describe
 from hicache_async.admin._http import redact
-from hicache_async.storage import MemoryStorage, StorageError, open_storage
+from hicache_async.storage import MemoryStorage, StorageError, StorageStats, open_storage
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
 from hicache_async.workers import StorageStatus
 
@@ -374,6 +375,40 @@ async def test_attach_file_then_detach_flushes_backups(tmp_path: Path) -> None:
         assert again.status_code == 200, again.text
         assert again.json()["storage"]["pages"] == 6 * len(prompts)
         assert again.json()["generation"] == 2
+
+
+class _OddStats(StorageStats, frozen=True):
+    """A third-party backend's record with fields JSON cannot encode."""
+
+    kinds: Any = None
+    ratio: Any = None
+    shown: Any = None
+
+
+class _Unprintable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+class _OddStatsStorage(MemoryStorage):
+    def stats(self) -> StorageStats:
+        base = msgspec.structs.asdict(super().stats())
+        return _OddStats(**base, kinds={1 + 2j}, ratio=0.5, shown=_Unprintable())
+
+
+async def test_a_stats_field_json_cannot_encode_is_shown_as_its_repr() -> None:
+    # It made `msgspec.json.encode(cache.statistics())` raise, and the status route 500.
+    async with HiCache(_config(), storage=_OddStatsStorage()) as cache:
+        decoded = msgspec.json.decode(msgspec.json.encode(cache.statistics()))
+        assert decoded["storage"]["storage"]["kinds"] == "{(1+2j)}"
+        assert decoded["storage"]["storage"]["ratio"] == 0.5
+        assert decoded["storage"]["storage"]["shown"] == "<_Unprintable>"
+        async with running(AdminApp(cache, token=TOKEN)) as client:
+            response = await client.get(STORAGE, headers=AUTH)
+            assert response.status_code == 200, response.text
+            assert response.json()["storage"]["kinds"] == "{(1+2j)}"
+            assert response.json()["storage"]["pages"] == 0
+            assert (await client.get("/metrics", headers=AUTH)).status_code == 200
 
 
 async def test_double_attach_conflicts_unless_replace(tmp_path: Path) -> None:

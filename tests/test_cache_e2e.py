@@ -7,6 +7,8 @@ import contextlib
 import random
 import threading
 import time
+from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import pytest
@@ -265,6 +267,53 @@ async def test_a_closed_cache_lets_its_pools_go() -> None:
     assert msgspec.json.decode(msgspec.json.encode(closed), type=CacheStatistics) == closed
     with pytest.raises(CacheClosedError):
         cache.device_pool  # noqa: B018
+
+
+async def test_the_counters_of_a_snapshot_are_read_only() -> None:
+    import copy
+    import pickle
+
+    import msgspec
+
+    from hicache_async import CacheStatistics
+
+    async with HiCache(_config()) as cache:
+        generator = KVGenerator(cache.config.layout, PAGE, seed=3)
+        await serve(cache, np.arange(4 * PAGE), generator)
+        stats = cache.statistics()
+    # A plain dict: a caller's change showed in a record declared frozen.
+    counters = cast("dict[str, int]", stats.counters)
+    changes: list[Callable[[], object]] = [
+        lambda: counters.__setitem__("requests", 0),
+        lambda: counters.update(requests=0),
+        lambda: counters.pop("requests"),
+        lambda: counters.setdefault("new", 1),
+        counters.clear,
+        counters.popitem,
+        lambda: counters.__delitem__("requests"),
+        lambda: counters.__ior__({"requests": 0}),
+    ]
+    for change in changes:
+        with pytest.raises(TypeError):
+            change()
+    assert counters["requests"] == 1
+    plain = dict(counters)
+    assert counters == plain
+    editable = counters.copy()
+    editable["requests"] = 5
+    assert counters["requests"] == 1
+    # The snapshot still encodes, decodes, pickles and copies as the same record.
+    assert msgspec.json.decode(msgspec.json.encode(stats))["counters"] == plain
+    for again in (
+        msgspec.json.decode(msgspec.json.encode(stats), type=CacheStatistics),
+        msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=CacheStatistics),
+        pickle.loads(pickle.dumps(stats)),
+        copy.deepcopy(stats),
+    ):
+        assert again == stats
+        with pytest.raises(TypeError):
+            cast("dict[str, int]", again.counters)["requests"] = 0
+    assert msgspec.to_builtins(stats)["counters"] == plain
 
 
 async def test_a_cached_prompt_takes_its_requests_priority_at_commit() -> None:

@@ -1,6 +1,6 @@
 """Credentials in storage URLs are masked in every message: when a password holds an unescaped
 '/', '?', '#' or '@', where the userinfo ends is ambiguous, and the masking takes the wider
-reading (up to the URL's last '@')."""
+reading (up to the URL's last '@' that is not a query parameter's or fragment's data)."""
 
 from __future__ import annotations
 
@@ -47,3 +47,51 @@ def test_a_url_without_userinfo_is_kept() -> None:
     for url in ("redis://host:6379/0", "file:///var/cache/pages", "memory://?capacity=1GiB"):
         assert mask_userinfo(url) == url
         assert url_secrets(url) == []
+
+
+# (URL, its userinfo): an '@' in a query's parameter, or in a fragment after a host without
+# userinfo, is data; a query that is not parameters, or an authority without a valid host,
+# leaves the wider reading.
+WHERE_THE_USERINFO_ENDS = [
+    ("redis://host:6379/0?name=a@b", None),
+    ("redis://host:6379/0?name=a@b&x=c@d", None),
+    ("redis://[::1]:6379/0?name=a@b", None),
+    ("redis://[fe80::1%25eth0]:6379?client_name=x@y", None),
+    ("rediss://host?name=a@b;other=1", None),
+    ("redis://host:6379/0#a@b", None),
+    ("redis://host?name=a@b#c@d", None),
+    ("redis://u:p@host/0?name=a@b&x=1", "u:p"),
+    ("redis://u:p@[::1]:6379/0?name=a@b", "u:p"),
+    ("redis://:pw@host?name=a@b", ":pw"),
+    ("redis://u:p@host/0#a@b", "u:p@host/0#a"),
+    ("redis://host/a@b", "host/a"),
+    ("redis://:pa?ss@host", ":pa?ss"),
+    ("redis://:x?a=b@host", ":x?a=b"),
+    ("redis://u:pw#x@host", "u:pw#x"),
+    ("redis://u:p?x@host/0?name=a@b", "u:p?x@host/0?name=a"),
+    ("redis://u:p@[::1]:6379/0", "u:p"),
+    ("plug://host?password=s3cret@x&name=a", "host?password=s3cret"),
+    ("plug://host?name=a@b&Token=s3cret@x", "host?name=a@b&Token=s3cret"),
+    # A URL given as a parameter may carry credentials of its own: the wider reading.
+    ("mooncake://m:50051?admin=http://u:s3cret@h:8080", "m:50051?admin=http://u:s3cret"),
+    (
+        "mooncake://m:50051?metadata=etcd://u:s3cret@h:2379&x=a@b",
+        "m:50051?metadata=etcd://u:s3cret@h:2379&x=a",
+    ),
+]
+
+
+@pytest.mark.parametrize(("url", "userinfo"), WHERE_THE_USERINFO_ENDS)
+def test_an_at_sign_after_the_host_is_not_a_secret(url: str, userinfo: str | None) -> None:
+    masked = mask_userinfo(url)
+    if userinfo is None:
+        assert masked == url
+        assert url_secrets(url) == []
+        assert scrub_secrets(f"cannot open {url}", url) == f"cannot open {url}"
+    else:
+        scheme, _, rest = url.partition("://")
+        assert masked == f"{scheme}://***@{rest[len(userinfo) + 1 :]}"
+        assert userinfo in url_secrets(url)
+        if "s3cret" in userinfo:
+            assert "s3cret" not in masked
+            assert "s3cret" not in scrub_secrets(f"cannot open {url}", url)

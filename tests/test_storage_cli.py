@@ -26,6 +26,7 @@ from hicache_async.storage import (
     Outcome,
     PageInfo,
     PageMeta,
+    StorageStats,
 )
 from hicache_async.storage._manifest import ManifestEntry, chain_entry
 from hicache_async.storage._page import FORMAT_VERSION
@@ -879,3 +880,27 @@ def test_ls_shows_a_last_access_no_date_can_show_as_seconds(
         assert lines[keys[0].hex()].endswith(f"@{far}")
         assert datetime.strptime(lines[keys[1].hex()][-19:], "%Y-%m-%d %H:%M:%S")
         assert out.endswith("2 pages\n")
+
+
+class _OddStats(StorageStats, frozen=True):
+    """A third-party backend's record with a field JSON cannot encode."""
+
+    kinds: Any = None
+
+
+class _OddStatsStorage(MemoryStorage):
+    def stats(self) -> StorageStats:
+        return _OddStats(**msgspec.structs.asdict(super().stats()), kinds={1 + 2j})
+
+
+def test_stats_json_shows_a_field_json_cannot_encode_as_its_repr() -> None:
+    # `stats --json` raised TypeError from the encoder: no output, a traceback.
+    from hicache_async.cli._storage import _run
+
+    text, code = asyncio.run(_run(_OddStatsStorage(), "stats", None, as_json=True))
+    assert code == 0
+    assert text is not None
+    assert json.loads(text)["kinds"] == "{(1+2j)}"
+    plain, _ = asyncio.run(_run(_OddStatsStorage(), "stats", None, as_json=False))
+    assert plain is not None
+    assert "kinds: {(1+2j)}" in plain.splitlines()

@@ -290,6 +290,47 @@ async def test_a_memory_manifest_holds_a_bounded_number_of_records() -> None:
     assert (await manifest.read(namespace=namespace.hex())).entries == read.entries
 
 
+async def test_a_busy_namespace_never_takes_a_quiet_ones_place_in_a_memory_manifest() -> None:
+    # `max_entries` counted all namespaces together: the busy one's newer chains pushed the
+    # quiet one's out at the first trim, where compaction keeps `max_entries` of each.
+    limits = ManifestLimits(max_entries=8)
+    manifest = MemoryStorage().manifest(limits)
+    quiet, busy = bytes(range(16)), bytes(range(16, 32))
+    kept = [_chain(quiet, i, last_use=float(i)) for i in range(3)]
+    for item in kept:
+        await manifest.append([item])
+    for i in range(10 * limits.max_entries):
+        await manifest.append([_chain(busy, 100 + i, priority=5, last_use=1000.0 + i)])
+    read = await manifest.read(namespace=quiet.hex())
+    assert read.entries == kept[::-1]
+    busy_read = await manifest.read(namespace=busy.hex())
+    assert len(busy_read.entries) == limits.max_entries
+    assert [e.last_use for e in busy_read.entries] == [
+        1000.0 + i for i in reversed(range(9 * limits.max_entries, 10 * limits.max_entries))
+    ]
+    # Each namespace stays within twice its bound between trims, and a compaction keeps
+    # what the trims kept.
+    report = await manifest.compact()
+    assert report.records_before == 3 + 10 * limits.max_entries
+    assert report.bytes_before <= (3 + 2 * limits.max_entries) * len(encode_entry(kept[0]))
+    assert (await manifest.read(namespace=quiet.hex())).entries == kept[::-1]
+
+
+async def test_a_memory_manifest_trim_ranks_a_record_stamped_ahead_by_those_after_it() -> None:
+    # The trim on append kept it as the newest of all, in place of a chain used since.
+    limits = ManifestLimits(max_entries=8)
+    manifest = MemoryManifest(limits)
+    namespace = bytes(range(16))
+    now = time.time()
+    ahead = _chain(namespace, 1_000, last_use=now + 86_400)
+    await manifest.append([ahead])
+    since = [_chain(namespace, i, last_use=now - 100 + i) for i in range(2 * 8 - 1)]
+    await manifest.append(since)
+    held = [ident for ident, _ in manifest._held.items()]
+    assert ahead.ident not in held
+    assert held == [e.ident for e in since[-8:]]
+
+
 async def test_a_newer_memory_manifest_record_replaces_the_older() -> None:
     manifest = MemoryManifest()
     namespace = bytes(range(16))

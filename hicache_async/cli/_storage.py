@@ -38,6 +38,7 @@ from ..storage import (
     StreamsPages,
     VerifyReport,
 )
+from ..storage._protocol import encodable_stats
 from ._args import backend_for_command, count, run_command
 from ._output import output_failed, print_output
 from ._signals import install_inside
@@ -124,7 +125,8 @@ async def _run(
     install_inside()
     async with backend:
         if action == "stats":
-            stats = await _store_stats(backend)
+            # A third-party record may hold a field JSON cannot encode: shown as its repr.
+            stats = encodable_stats(await _store_stats(backend))
             if as_json:
                 return msgspec.json.encode(stats).decode(), 0
             return "\n".join(

@@ -18,6 +18,7 @@ others (see `ManifestCollector`). Removing or retyping a field needs a new `v`.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import errno
 import fcntl
@@ -425,6 +426,19 @@ class ManifestCollector:
         # the next trim competes as any other, and with its chain's priority unchanged
         # ranks no higher than the chains that pushed it out.
         self._evicted: dict[Hashable, float] = {}
+        # A `last_use` ahead of the reader's clock (a writer's clock running ahead) is no
+        # use this reader can have seen: such a record ranks at most as used when the
+        # oldest-stamped record stored after it was (a record is stored after its use), and
+        # at most now, so it ages as records come after it instead of ranking first until
+        # its time comes. Fed newest first: the least stamp fed so far; oldest first: for
+        # each such record, its position, and (position, least stamp fed since) by
+        # position, least stamps ascending.
+        self._now = time.time()
+        self._any_ahead = False  # whether any record fed was ahead (else ranks are stamps)
+        self._fed = 0
+        self._least_later = math.inf
+        self._ahead: dict[Hashable, float | int] = {}
+        self._later: list[tuple[int, float]] = []
         self.records = 0
         self.malformed = 0
         self.oversized = 0
@@ -462,7 +476,60 @@ class ManifestCollector:
         (without newline) if known; it counts as no record."""
         self._add(entry.ident, entry, line)
 
+    def _note_stored(self, record: ManifestEntry | _Newer) -> float | int | None:
+        """Follows the storage order for the ranks of records stamped ahead (see __init__):
+        what `_ahead` keeps of `record` if it is one of them, else None."""
+        if not isinstance(record, ManifestEntry):
+            # A newer version's use may mean something else: it bounds nothing.
+            self._any_ahead = self._any_ahead or record.last_use > self._now
+            return None
+        use = record.last_use
+        if self._newest_first:
+            self._least_later = min(self._least_later, use)
+            if use <= self._now:
+                return None
+            self._any_ahead = True
+            return min(self._now, self._least_later)
+        later = self._later
+        if not later and use <= self._now:
+            return None
+        if later and later[-1][1] >= use:
+            start = later[-1][0]
+            while later and later[-1][1] >= use:
+                start = later.pop()[0]
+            later.append((start, use))
+        if use <= self._now:
+            return None
+        self._any_ahead = True
+        self._fed += 1
+        # Records ahead with no stamp stored between them share an entry.
+        if not later or later[-1][1] < self._now:
+            later.append((self._fed, self._now))
+        return self._fed
+
+    def _prune_ahead(self) -> None:
+        """Keep what the records ahead still held need (bounded by them, not by the log)."""
+        held = self._held
+        caps = {key: self._use(key, held[key])[0] for key in self._ahead if key in held}
+        self._ahead = {key: self._ahead[key] for key in caps}
+        if not self._newest_first:
+            self._later = sorted((int(self._ahead[key]), cap) for key, cap in caps.items())
+
+    def _use(self, key: Hashable, record: ManifestEntry | _Newer) -> tuple[float, bool, float]:
+        """A record's use as ranked: (use at most, whether its stamp is not ahead, stamp)."""
+        use = record.last_use
+        if use <= self._now:
+            return use, True, use
+        bound = self._ahead.get(key, self._now)
+        if not self._newest_first and key in self._ahead:
+            later = self._later
+            at = bisect.bisect_right(later, (int(bound), math.inf)) - 1
+            bound = later[at][1] if at >= 0 else self._now
+        return min(bound, self._now), False, use
+
     def _add(self, key: Hashable, record: ManifestEntry | _Newer, line: bytes | None) -> None:
+        # Every record stored bounds the ones before it, whatever its namespace.
+        ahead = self._note_stored(record)
         namespace = record.namespace
         if self._namespace is not None and namespace not in (None, self._namespace):
             return
@@ -480,6 +547,12 @@ class ManifestCollector:
                 self._lines[key] = line
             elif previous is not None:
                 self._lines.pop(key, None)
+            if ahead is not None:
+                self._ahead[key] = ahead
+            else:
+                self._ahead.pop(key, None)
+        if len(self._later) > 4 * self._limits.max_entries:
+            self._prune_ahead()
         self._namespaces.add(self._bound_of(record))
         if len(self._held) >= 2 * self._limits.max_entries * len(self._namespaces):
             self._trim()
@@ -501,7 +574,11 @@ class ManifestCollector:
         if not excess:
             return
         # Stable: among equals, the first recorded goes first.
-        ranked = sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
+        ranked = (
+            sorted(self._held.items(), key=lambda item: (item[1].priority, *self._use(*item)))
+            if self._any_ahead
+            else sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
+        )
         evicted: dict[Hashable, float] = {}  # replaces the last trim's (see __init__)
         for key, worst in ranked:
             bound = self._bound_of(worst)
@@ -512,6 +589,7 @@ class ManifestCollector:
                 self._lines.pop(key, None)
                 evicted[key] = worst.last_use
         self._evicted = evicted
+        self._prune_ahead()
 
     def result(self, *, truncated: bool) -> ManifestRead:
         self._trim()
@@ -537,7 +615,11 @@ class ManifestCollector:
         dropped: list[ManifestEntry] = []
         for e in entries:
             (dropped if _covers(covered.get(e.ident), e) else kept).append(e)
-        ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
+        if self._any_ahead:
+            uses = {e.ident: self._use(e.ident, e) for e in kept}
+            ordered = sorted(kept, key=lambda e: (-e.priority, *(-x for x in uses[e.ident])))
+        else:
+            ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
         lengths: dict[str, list[int]] = {}
         for e in dropped:
             # The entry that covers it may be dropped too: the kept one that covers that
@@ -562,18 +644,24 @@ class ManifestCollector:
         `result` returns and of the newer records held, the most valuable that fit `budget`
         bytes (newlines counted; the most valuable always), oldest use first, so that
         appends after the compaction keep "later replaces earlier"."""
-        ranked: list[tuple[int, float, Hashable, bytes]] = [
-            (e.priority, e.last_use, e.ident, self._lines.get(e.ident) or encode_entry(e)[:-1])
+        Use = tuple[float, bool, float]
+        ranked: list[tuple[int, Use, Hashable, bytes]] = [
+            (
+                e.priority,
+                self._use(e.ident, e),
+                e.ident,
+                self._lines.get(e.ident) or encode_entry(e)[:-1],
+            )
             for e in self.result(truncated=False).entries
         ]
         ranked += [
-            (r.priority, r.last_use, r.key, r.line)
+            (r.priority, (r.last_use, True, r.last_use), r.key, r.line)
             for r in self._held.values()
             if isinstance(r, _Newer)
         ]
         # Stable: of equal rank, entries of this version before newer records.
-        ranked.sort(key=lambda r: (-r[0], -r[1]))
-        kept: list[tuple[int, float, Hashable, bytes]] = []
+        ranked.sort(key=lambda r: (-r[0], *(-x for x in r[1])))
+        kept: list[tuple[int, Use, Hashable, bytes]] = []
         used = 0
         for record in ranked:
             nbytes = len(record[3]) + 1
@@ -581,6 +669,8 @@ class ManifestCollector:
                 continue
             kept.append(record)
             used += nbytes
+        # Written in the order of use as ranked: a record stamped ahead goes before the one
+        # whose stamp bounds it, so the next read bounds it the same way.
         kept.sort(key=lambda r: r[1])
         return [(r[2], r[3]) for r in kept]
 
@@ -980,10 +1070,12 @@ class MemoryManifest:
     newest of a chain is kept, so memory follows `max_entries`, not the number of appends (a
     record of a newer manifest version is counted as `newer` and not kept: the records come
     from this process, whose readers are of this version).
-    Once `2 * max_entries` chains or `max_bytes` of records are held, the least valuable make
-    room in one pass, which leaves at most `max_entries` within `max_bytes // 2`: that pass
-    runs at most once per `max_entries` new chains or `max_bytes // 2` appended bytes, so an
-    append costs amortized O(1) on the loop instead of an occasional rewrite of everything.
+    Once a namespace holds `2 * max_entries` chains, or `max_bytes` of records are held, the
+    least valuable make room in one pass, which leaves at most `max_entries` of each
+    namespace (as a compaction does), within `max_bytes // 2` for all of them together: that
+    pass runs at most once per `max_entries` new chains of a namespace or `max_bytes // 2`
+    appended bytes, so an append costs amortized O(1) on the loop instead of an occasional
+    rewrite of everything.
     """
 
     def __init__(self, limits: ManifestLimits | None = None) -> None:
@@ -994,6 +1086,8 @@ class MemoryManifest:
         # garbage collector, so a full manifest does not slow every full collection.
         self._held: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
         self._bytes = 0
+        # Chains held per namespace: `max_entries` bounds each, as compaction bounds it.
+        self._chains: Counter[str] = Counter()
         # Chains the last trim dropped, with their newest use: an older record of one of
         # them, appended later, must not come back in its place. Only the last trim's, so
         # this stays bounded too.
@@ -1028,32 +1122,56 @@ class MemoryManifest:
             self._bytes -= len(previous[1])
             if previous[0][1] > entry.last_use:
                 held = previous
+        else:
+            self._chains[ident[0]] += 1
         self._held[ident] = held
         self._bytes += len(held[1])
         limits = self.limits
-        if len(self._held) >= 2 * limits.max_entries or self._bytes > limits.max_bytes:
+        if self._chains[ident[0]] >= 2 * limits.max_entries or self._bytes > limits.max_bytes:
             self._trim()
 
     def _trim(self) -> None:
         """Keep the most valuable records (highest priority, then newest use): at most
-        `max_entries`, within `max_bytes // 2` (a record that does not fit makes way for a
-        less valuable one that does, as compaction's fit does)."""
+        `max_entries` of each namespace, within `max_bytes // 2` for all (a record that does
+        not fit makes way for a less valuable one that does, as compaction's fit does)."""
         limits = self.limits
+        # A use ahead of now ranks at most as the least stamp recorded after it, as in
+        # ManifestCollector.
+        now = time.time()
+        bounds: dict[tuple[str, str], float] = {}
+        least = math.inf
+        for ident, ((_, use), _) in reversed(self._held.items()):
+            if use > now:
+                bounds[ident] = min(now, least)
+            least = min(least, use)
+
+        def rank(
+            item: tuple[tuple[str, str], tuple[tuple[int, float], bytes]],
+        ) -> tuple[int, float, bool, float]:
+            (priority, use), _ = item[1]
+            bound = bounds.get(item[0])
+            if bound is None:
+                return priority, use, True, use
+            return priority, bound, False, use
+
         # Stable and ascending, walked from the end: among equals the first recorded goes
         # first, as in ManifestCollector.
-        ranked = sorted(self._held.items(), key=_rank)
+        ranked = sorted(self._held.items(), key=rank)
         kept: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
+        chains: Counter[str] = Counter()
         evicted: dict[tuple[str, str], float] = {}
         used = 0
         budget = limits.max_bytes // 2
         for ident, held in reversed(ranked):
-            if len(kept) < limits.max_entries and used + len(held[1]) <= budget:
+            if chains[ident[0]] < limits.max_entries and used + len(held[1]) <= budget:
                 kept[ident] = held
+                chains[ident[0]] += 1
                 used += len(held[1])
             else:
                 evicted[ident] = held[0][1]
         self._held = {ident: held for ident, held in self._held.items() if ident in kept}
         self._bytes = used
+        self._chains = chains
         self._evicted = evicted
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
@@ -1125,6 +1243,7 @@ class MemoryManifest:
                     compacted[ident] = record
             self._held = compacted
             self._bytes = sum(len(line) for _, line in compacted.values())
+            self._chains = Counter(ident[0] for ident in compacted)
             self._records += survivors - records
             self._malformed -= malformed
             self._oversized -= oversized
@@ -1174,10 +1293,6 @@ def _compact_held(
     # Only entries are held here, so every key kept is a chain's (namespace, chain id).
     kept = [cast(tuple[str, str], key) for key, _ in collector.compacted(limits.max_bytes // 2)]
     return kept, collector.oversized, sum(len(held[ident][1]) for ident in kept)
-
-
-def _rank(item: tuple[tuple[str, str], tuple[tuple[int, float], bytes]]) -> tuple[int, float]:
-    return item[1][0]
 
 
 def _held_entry(line: bytes) -> ManifestEntry:

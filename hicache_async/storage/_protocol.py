@@ -215,11 +215,30 @@ def check_exists(found: object, count: int) -> int:
     return value
 
 
+def encodable_stats(stats: StorageStats) -> StorageStats:
+    """`stats` with each field a subclass added that JSON cannot encode (a set, a complex, an
+    object) replaced by its `repr`, so `statistics()` and the admin API's JSON still encode."""
+    changes: dict[str, str] = {}
+    for field in type(stats).__struct_fields__:
+        if field in StorageStats.__struct_fields__:
+            continue
+        value = getattr(stats, field)
+        try:
+            msgspec.json.encode(value)
+        except Exception:  # a third-party value: anything may fail, its repr included
+            try:
+                changes[field] = repr(value)
+            except Exception:
+                changes[field] = f"<{type(value).__name__}>"
+    return msgspec.structs.replace(stats, **changes) if changes else stats
+
+
 def check_stats(stats: object) -> StorageStats:
     """`stats` if it is a StorageStats whose fields have their declared types (a str `backend`,
     counters that are ints, not bools, and not negative; `capacity_bytes` may be None), else
     StorageError. msgspec does not check a Struct's fields when it is built, and these go on
-    to status calls, the admin API's JSON and metrics."""
+    to status calls, the admin API's JSON and metrics. A subclass's own field that JSON
+    cannot encode comes back as its `repr` (a str)."""
     if not isinstance(stats, StorageStats):
         raise StorageError(f"stats returned {type(stats).__name__}, not a StorageStats")
     if not isinstance(stats.backend, str):
@@ -230,4 +249,4 @@ def check_stats(stats: object) -> StorageStats:
             continue
         if type(value) is not int or value < 0:
             raise StorageError(f"stats returned {field}={value!r}, not an int of 0 or more")
-    return stats
+    return encodable_stats(stats)

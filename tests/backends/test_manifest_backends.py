@@ -194,6 +194,36 @@ async def test_round_trip_and_the_newest_record_of_a_chain_wins(store: Store) ->
     assert read.entries[0].chain_id == written[3].chain_id  # highest priority first
 
 
+async def test_a_record_stamped_ahead_ranks_no_higher_than_those_stored_after_it(
+    store: Store,
+) -> None:
+    # A writer's clock a day ahead: its record ranked first until that day came, pushing
+    # out chains used since. Now it ranks as used at most when the records stored after
+    # it were, and as now while none is.
+    manifest = store.manifest()
+    now = time.time()
+    ahead = entry(NS_A, 10_000, last_use=now + 86_400)
+    await manifest.append([ahead])
+    assert [e.chain_id for e in (await manifest.read(namespace=NS_A.hex())).entries] == [
+        ahead.chain_id
+    ]
+    cap = LIMITS.max_entries
+    since = [entry(NS_A, i, last_use=now - 1_000 + i) for i in range(2 * cap)]
+    for start in range(0, len(since), 16):
+        await manifest.append(since[start : start + 16])
+    newest = sorted(since, key=lambda e: -e.last_use)[:cap]
+    read = await manifest.read(namespace=NS_A.hex())
+    assert read.entries == newest
+    await manifest.compact()
+    assert (await manifest.read(namespace=NS_A.hex())).entries == newest
+    # A record stamped ahead and stored last still ranks as now: first, its stamp kept.
+    later = entry(NS_A, 20_000, last_use=now + 86_400)
+    await manifest.append([later])
+    read = await manifest.read(namespace=NS_A.hex())
+    assert read.entries[0] == later
+    assert read.entries[1:] == newest[: cap - 1]
+
+
 async def test_malformed_and_oversized_records_are_skipped_and_counted(store: Store) -> None:
     manifest = store.manifest()
     good = [entry(NS_A, i) for i in range(5)]
