@@ -487,3 +487,53 @@ async def test_prefetches_that_read_evicted_pages_again_count_no_shared_pages() 
             assert stats.pages_shared == 0
             # Every page once, and each page read again once more for each time.
             assert _counted(stats) - again == 16
+
+
+class FailsReadsAgain(CountedReads):
+    """A real backend that counts the gets of each key and answers `outcome` for a key read
+    before."""
+
+    def __init__(self, inner: StorageBackend, outcome: Outcome) -> None:
+        super().__init__(inner)
+        self.outcome = outcome
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        again = [self.reads[bytes(k)] > 0 for k in keys]
+        outcomes = await super().get(keys, into, namespace=namespace)
+        return [self.outcome if a else o for a, o in zip(again, outcomes, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "counter"), [("MISS", "misses"), ("ERROR", "errors"), ("CORRUPT", "corrupt")]
+)
+async def test_a_page_read_again_that_fails_counts_the_pages_after_it_once(
+    outcome: str, counter: str
+) -> None:
+    # Taking turns under a host share of two pages, read one at a time: each prefetch's last
+    # two pages are evicted by the other and read again, and that read fails. The pages
+    # after the failed one were counted again as misses or errors, although one of them
+    # was read already and is not read again.
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config(max_host_share=0.3, batch_pages=1)),
+            "device_pages": 4,
+            "host_pages": 8,
+        }
+    )
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, _config(), *prompts)
+        store = FailsReadsAgain(memory, Outcome[outcome])
+        async with HiCache(config, storage=store) as cache:
+            handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+            await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            again = sum(store.reads.values()) - len(store.reads)
+            assert again > 0  # the case this is about
+            assert getattr(stats, counter) > 0
+            # Every page once, and each page read again once more for each time.
+            assert _counted(stats) - again == 16

@@ -1439,10 +1439,13 @@ class Prefetcher:
                     )
                     # The pages after the batch are left unread: errors after a failed page,
                     # misses after one storage lacks or found damaged (the prefix ends there).
+                    # Not those read before and evicted since (a batch read again): they are
+                    # in the counters already.
+                    unreached = max(end - handle._counted_to, 0)
                     if outcomes[ok] is Outcome.ERROR:
-                        self.errors += end - after
+                        self.errors += unreached
                     else:
-                        self.misses += end - after
+                        self.misses += unreached
                     handle._counted_to = max(handle._counted_to, end)
                     status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                     break
