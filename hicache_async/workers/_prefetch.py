@@ -1272,8 +1272,9 @@ class Prefetcher:
         handle.storage_tokens = landed * size
         failing = self.failed_reads.first(keys[begin:end], self._inflight)
         if failing is not None:
-            # Read no further than a page whose read just failed: the rest are misses.
-            self.misses += end - (begin + failing)
+            # Read no further than a page whose read just failed: the rest are misses, but
+            # for those it read before and lost since (in the counters already).
+            self.misses += max(end - max(begin + failing, handle._counted_to), 0)
             end = handle._read_end = begin + failing
             handle._cut_at_failed = True
         finished = PrefetchStatus.TERMINATED if handle._cut_at_failed else PrefetchStatus.COMPLETE
@@ -1366,7 +1367,8 @@ class Prefetcher:
                         if outcome is _Shared.FAILED:
                             # Not read again: this page and the rest are misses, as for a
                             # prefetch planned just after that read failed (`_FailedReads`).
-                            self.misses += end - (begin + pos)
+                            # Not those it read before and lost since (in the counters).
+                            self.misses += max(end - max(begin + pos, handle._counted_to), 0)
                             handle._counted_to = max(handle._counted_to, end)
                             status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                         elif handle._gave_up():
