@@ -89,8 +89,9 @@ class _FailedReads:
             return
         until = self._now() + self.window_s
         remembered = self._until
-        # Only the last `max_keys` could stay: a batch larger than the bound adds no more.
-        for key in keys[-self.max_keys :]:
+        # A batch larger than the bound keeps its first pages: keys are chained, so a prompt
+        # that needs a later one reaches the first before it and stops there.
+        for key in keys[: self.max_keys]:
             remembered[key] = until
             remembered.move_to_end(key)
         while len(remembered) > self.max_keys:
