@@ -256,8 +256,8 @@ class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     #: hanging store then costs one read of such a page per window, not one per prefetch.
     #: 0: every prefetch reads it again.
     failed_read_window_s: float = 2.0
-    #: How many such pages are remembered at most (the oldest failure is forgotten first).
-    #: 0: none.
+    #: How many such pages are remembered at most (the oldest failure is forgotten first; of a
+    #: larger failed batch, its first pages). 0: none.
     failed_read_keys: int = 4096
 
     def __post_init__(self) -> None:

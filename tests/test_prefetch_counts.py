@@ -487,3 +487,130 @@ async def test_prefetches_that_read_evicted_pages_again_count_no_shared_pages() 
             assert stats.pages_shared == 0
             # Every page once, and each page read again once more for each time.
             assert _counted(stats) - again == 16
+
+
+class FailsReadsAgain(CountedReads):
+    """A real backend that counts the gets of each key and answers `outcome` for a key read
+    before."""
+
+    def __init__(self, inner: StorageBackend, outcome: Outcome) -> None:
+        super().__init__(inner)
+        self.outcome = outcome
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        again = [self.reads[bytes(k)] > 0 for k in keys]
+        outcomes = await super().get(keys, into, namespace=namespace)
+        return [self.outcome if a else o for a, o in zip(again, outcomes, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("outcome", "counter"), [("MISS", "misses"), ("ERROR", "errors"), ("CORRUPT", "corrupt")]
+)
+async def test_a_page_read_again_that_fails_counts_the_pages_after_it_once(
+    outcome: str, counter: str
+) -> None:
+    # Taking turns under a host share of two pages, read one at a time: each prefetch's last
+    # two pages are evicted by the other and read again, and that read fails. The pages
+    # after the failed one were counted again as misses or errors, although one of them
+    # was read already and is not read again.
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config(max_host_share=0.3, batch_pages=1)),
+            "device_pages": 4,
+            "host_pages": 8,
+        }
+    )
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, _config(), *prompts)
+        store = FailsReadsAgain(memory, Outcome[outcome])
+        async with HiCache(config, storage=store) as cache:
+            handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+            await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            again = sum(store.reads.values()) - len(store.reads)
+            assert again > 0  # the case this is about
+            assert getattr(stats, counter) > 0
+            # Every page once, and each page read again once more for each time.
+            assert _counted(stats) - again == 16
+
+
+async def test_a_page_read_lost_and_then_failing_counts_once_where_a_plan_stops() -> None:
+    # As above, but each page read is taken as failed just after (as when another prefetch's
+    # read of it fails): a prefetch planning again from a page it read and lost stops
+    # there, without reading. The pages from there on were counted as misses, those it had
+    # read included.
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config(max_host_share=0.3, batch_pages=1)),
+            "device_pages": 4,
+            "host_pages": 8,
+        }
+    )
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, _config(), *prompts)
+        store = CountedReads(memory)
+        async with HiCache(config, storage=store) as cache:
+            link = cache._link
+            assert link is not None
+            failed = link.prefetcher.failed_reads
+            tree_key: dict[bytes, bytes] = {}
+            for prompt in prompts:
+                keys = cache.keys_for(prompt)
+                tree_key.update(zip(cache.namespace.storage_keys(keys), keys, strict=True))
+            inner_get = store.get
+
+            async def get_then_fail(
+                keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+            ) -> list[Outcome]:
+                outcomes = await inner_get(keys, into, namespace=namespace)
+                failed.add([tree_key[bytes(k)] for k in keys])
+                return outcomes
+
+            store.get = get_then_fail  # type: ignore[method-assign]
+            handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+            await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert max(store.reads.values()) == 1  # none read again: taken as failed
+            assert stats.pages_read == len(store.reads) < 16  # some lost before the end
+            assert _counted(stats) == 16
+
+
+@pytest.mark.parametrize("outcome", ["MISS", "ERROR"])
+async def test_a_page_lost_and_waited_for_again_that_fails_counts_the_pages_after_it_once(
+    outcome: str,
+) -> None:
+    # Two prompts, each asked for twice, taking turns under a host share of three pages: a
+    # prefetch that lost pages it read waits for another one's read of them again, which
+    # fails. The pages from the failed one on were counted as misses, those it had read
+    # included.
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config(max_host_share=0.3)),
+            "device_pages": 4,
+            "host_pages": 12,
+        }
+    )
+    rng = np.random.default_rng(13)
+    first, second = (rng.integers(0, 5000, size=8 * PAGE) for _ in range(2))
+    prompts = [first, second, second, first]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, _config(), first, second)
+        store = FailsReadsAgain(memory, Outcome[outcome])
+        async with HiCache(config, storage=store) as cache:
+            handles = [await cache.start_prefetch(prompt) for prompt in prompts]
+            results = await asyncio.wait_for(asyncio.gather(*(h.wait() for h in handles)), 30)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            # One page is read twice, by two prefetches: the second read fails, under the
+            # prefetch that lost it and waits for it (none reads a page twice itself).
+            assert sum(store.reads.values()) > len(store.reads)
+            asked = sum(_asked(r, len(p) // PAGE) for r, p in zip(results, prompts, strict=True))
+            assert _counted(stats) == asked

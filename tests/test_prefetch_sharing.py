@@ -850,6 +850,25 @@ async def test_the_failed_reads_remembered_keep_to_their_configured_bound() -> N
         assert_drained(cache)
 
 
+async def test_a_failed_batch_larger_than_the_bound_keeps_its_first_pages() -> None:
+    # A batch of four failed with room for one key: the last was kept, so the next prefetch
+    # of the prompt, which needs the first page before it can reach the last, read the
+    # first again instead of taking it as a miss.
+    prompt = _prompt(44)
+    async with _gated(_config(failed_read_keys=1), prompt) as (cache, store, generator):
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        first = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert first.status is PrefetchStatus.TERMINATED
+        assert len(_prefetcher(cache).failed_reads) == 1
+        store.error = None
+        second = await asyncio.wait_for(cache.prefetch(prompt), 30)
+        assert second.status is PrefetchStatus.TERMINATED
+        key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
+        assert store.reads[key] == 1
+        await _check_and_drain(cache, prompt, generator)
+
+
 async def test_a_detach_and_attach_forget_the_failed_reads() -> None:
     prompt = _prompt(34)
     async with _gated(_config(), prompt) as (cache, store, generator):

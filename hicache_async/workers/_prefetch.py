@@ -89,8 +89,9 @@ class _FailedReads:
             return
         until = self._now() + self.window_s
         remembered = self._until
-        # Only the last `max_keys` could stay: a batch larger than the bound adds no more.
-        for key in keys[-self.max_keys :]:
+        # A batch larger than the bound keeps its first pages: keys are chained, so a prompt
+        # that needs a later one reaches the first before it and stops there.
+        for key in keys[: self.max_keys]:
             remembered[key] = until
             remembered.move_to_end(key)
         while len(remembered) > self.max_keys:
@@ -1272,8 +1273,9 @@ class Prefetcher:
         handle.storage_tokens = landed * size
         failing = self.failed_reads.first(keys[begin:end], self._inflight)
         if failing is not None:
-            # Read no further than a page whose read just failed: the rest are misses.
-            self.misses += end - (begin + failing)
+            # Read no further than a page whose read just failed: the rest are misses, but
+            # for those it read before and lost since (in the counters already).
+            self.misses += max(end - max(begin + failing, handle._counted_to), 0)
             end = handle._read_end = begin + failing
             handle._cut_at_failed = True
         finished = PrefetchStatus.TERMINATED if handle._cut_at_failed else PrefetchStatus.COMPLETE
@@ -1366,7 +1368,8 @@ class Prefetcher:
                         if outcome is _Shared.FAILED:
                             # Not read again: this page and the rest are misses, as for a
                             # prefetch planned just after that read failed (`_FailedReads`).
-                            self.misses += end - (begin + pos)
+                            # Not those it read before and lost since (in the counters).
+                            self.misses += max(end - max(begin + pos, handle._counted_to), 0)
                             handle._counted_to = max(handle._counted_to, end)
                             status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                         elif handle._gave_up():
@@ -1439,10 +1442,13 @@ class Prefetcher:
                     )
                     # The pages after the batch are left unread: errors after a failed page,
                     # misses after one storage lacks or found damaged (the prefix ends there).
+                    # Not those read before and evicted since (a batch read again): they are
+                    # in the counters already.
+                    unreached = max(end - handle._counted_to, 0)
                     if outcomes[ok] is Outcome.ERROR:
-                        self.errors += end - after
+                        self.errors += unreached
                     else:
-                        self.misses += end - after
+                        self.misses += unreached
                     handle._counted_to = max(handle._counted_to, end)
                     status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                     break
