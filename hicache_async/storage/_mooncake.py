@@ -556,6 +556,11 @@ def _stored_sizes(store: Any, names: Sequence[str]) -> list[int]:
     return sizes
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int = 1) -> int:
     raw = params.get(name)
     if raw is None:
@@ -706,6 +711,8 @@ class MooncakeStorage(BackendBase):
         self._direct_pages = 0
         self._put_group_bytes = _PUT_GROUP_BYTES
         self._watch: MasterWatch | None = None
+        # Waits `close()` ends early (see `_pause`).
+        self._pauses: set[asyncio.Future[None]] = set()
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MooncakeStorage:
@@ -968,6 +975,27 @@ class MooncakeStorage(BackendBase):
             self._regions.add(address, size, owner)
         self._pending.clear()
 
+    async def close(self) -> None:
+        """Stop running jobs and waits, wait for the jobs, hand the client back to the pool.
+        Idempotent."""
+        for pause in self._pauses:
+            _wake(pause)
+        await super().close()
+
+    async def _pause(self, delay: float) -> None:
+        """Sleep `delay` seconds, or until `close()` begins."""
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        pause: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(delay, _wake, pause)
+        self._pauses.add(pause)
+        try:
+            await pause
+        finally:
+            timer.cancel()
+            self._pauses.discard(pause)
+
     async def _release(self) -> None:
         if self._watch is not None:
             self._watch.stop()
@@ -1161,9 +1189,10 @@ class MooncakeStorage(BackendBase):
             )
             full = [i for i, code in refused if code == _NO_SPACE]
             if full:
-                # Cancellable on the loop; a close meanwhile leaves these pages MISS, and so
-                # does a master found down meanwhile (a try would wait out its timeout).
-                await asyncio.sleep(_NO_SPACE_RETRY_S)
+                # Cancellable on the loop, and a close ends it: these pages then stay MISS,
+                # as they do for a master found down meanwhile (a try would wait out its
+                # timeout).
+                await self._pause(_NO_SPACE_RETRY_S)
                 if not self.closed and not self._master_down():
                     retried = True
                     await self._put_pages(

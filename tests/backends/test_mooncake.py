@@ -1687,6 +1687,41 @@ async def test_a_put_cancelled_while_its_refused_pages_wait_gives_back_what_it_h
         assert close_idle_clients(master.address) == 1
 
 
+async def test_a_close_ends_the_wait_of_a_put_refused_for_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The wait before the second try is long here: only the close can end it.
+    monkeypatch.setattr(mooncake_module, "_NO_SPACE_RETRY_S", 3600.0)
+    with MooncakeMaster() as master:
+        url = fresh_url(master.url, segment_size="16MiB")
+        storage = MooncakeStorage.from_url(url)
+        async with storage:
+            from mooncake.store import ReplicateConfig
+
+            store = storage._master_store()
+            config = ReplicateConfig()
+            config.with_hard_pin = True
+            fillers = [f"{storage.prefix}:filler{i}" for i in range(64)]
+            stored = [n for n in fillers if store.put(n, bytes(1 << 20), config) == 0]
+            assert len(stored) < len(fillers)
+            refusals = await asyncio.to_thread(_alloc_failures, master)
+            keys, pages, metas = make_pages(3)
+            put = asyncio.create_task(storage.put(keys, pages, metas))
+            for _ in range(2000):
+                if await asyncio.to_thread(_alloc_failures, master) > refusals:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                pytest.fail("the put was never refused")
+            await storage.close()
+            # Bounded only so that a wait left running fails the test instead of hanging it.
+            assert await asyncio.wait_for(put, 60) == [Outcome.MISS] * 3
+            arena = storage._arena
+            assert sum(size for _, size in arena._free) == arena.capacity
+            assert all(c == 0 for c in store.batch_remove(stored, force=True))
+        assert close_idle_clients(master.address) == 1
+
+
 async def test_compaction_after_one_that_died_past_its_switch_frees_its_generation(
     mooncake_master: MooncakeMaster,
 ) -> None:

@@ -283,20 +283,15 @@ def test_a_health_answer_that_does_not_end_is_read_no_further_than_its_start() -
 
 
 class _HeldRetryWait:
-    """Stands in for the `asyncio` module of the Mooncake backend: its wait before a put's
-    second try ends only when the test says so; everything else is asyncio's own."""
+    """Stands in for the Mooncake backend's wait before a put's second try (`_pause`): it
+    ends only when the test says so."""
 
     def __init__(self) -> None:
         self.waiting = asyncio.Event()
         self.go_on = asyncio.Event()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(asyncio, name)
-
-    async def sleep(self, delay: float) -> None:
-        if delay != mooncake_module._NO_SPACE_RETRY_S:
-            await asyncio.sleep(delay)
-            return
+    async def pause(self, delay: float) -> None:
+        assert delay == mooncake_module._NO_SPACE_RETRY_S
         self.waiting.set()
         await self.go_on.wait()
 
@@ -307,10 +302,10 @@ async def test_a_put_waiting_to_retry_for_room_calls_no_master_known_down(
     # The second try of pages refused for room would wait out the client's timeout on a
     # master that stopped answering during the wait (30 s for a frozen one).
     held = _HeldRetryWait()
-    monkeypatch.setattr(mooncake_module, "asyncio", held)
     with MooncakeMaster(extra_args=["-eviction_high_watermark_ratio=1.0"]) as master:
         url = fresh_url(master.url, segment_size="16MiB")
         async with MooncakeStorage.from_url(url) as storage:
+            monkeypatch.setattr(storage, "_pause", held.pause)
             store = storage._master_store()
             for i in range(16):
                 assert store.put(f"{storage.prefix}:filler{i}", bytes(1 << 20)) == 0
