@@ -25,6 +25,8 @@ import ctypes
 import functools
 import http.client
 import os
+import socket
+import ssl
 import threading
 import time
 import urllib.request
@@ -205,6 +207,63 @@ def _root_region(view: memoryview) -> tuple[int, int, object] | None:
     if root.format != "B" or root.ndim != 1:
         root = root.cast("B")
     return _address(root), root.nbytes, obj
+
+
+class _Interruptible:
+    """The socket of one admin request, which the loop can shut down to end a read blocked
+    in a worker thread (a cancelled or closed listing)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._shut = False
+
+    def attach(self, sock: socket.socket) -> None:
+        """Called on the worker once connected (the TLS socket for https)."""
+        with self._lock:
+            self._sock = sock
+            if self._shut:
+                _shut_down(sock)
+
+    def shut(self) -> None:
+        """End the request's reads now and any later ones (from any thread)."""
+        with self._lock:
+            self._shut = True
+            if self._sock is not None:
+                _shut_down(self._sock)
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """A urllib opener whose connections attach their socket here."""
+        attach = self.attach
+
+        class Plain(http.client.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                attach(self.sock)
+
+        class Secure(http.client.HTTPSConnection):
+            def connect(self) -> None:
+                super().connect()
+                attach(self.sock)
+
+        class PlainHandler(urllib.request.HTTPHandler):
+            def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(Plain, req)
+
+        context = ssl.create_default_context()
+
+        class SecureHandler(urllib.request.HTTPSHandler):
+            def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(Secure, req, context=context)
+
+        return urllib.request.build_opener(PlainHandler, SecureHandler)
+
+
+def _shut_down(sock: socket.socket) -> None:
+    # The plain socket's call, also for a TLS socket: it acts on the descriptor alone (a
+    # socket already closed has none), leaving the TLS state to the thread reading it.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
 _ClientKey = tuple[str, str, str, str, str, int, int]
@@ -1903,11 +1962,13 @@ class MooncakeStorage(BackendBase):
                 f"{_MAX_KEY_LIST_BYTES // _MiB} MiB of object names; the listing stops there"
             )
 
+        listing = _Interruptible()
+
         def job(stop: threading.Event) -> None:
             # Read a piece at a time, keeping only this prefix's page names: the answer lists
             # every object in the cluster, which can be far more than this store's pages.
             try:
-                with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
+                with listing.opener().open(url, timeout=_ADMIN_TIMEOUT_S) as response:
                     if response.length is not None and response.length > _MAX_KEY_LIST_BYTES:
                         raise too_long()
                     total = 0
@@ -1919,6 +1980,8 @@ class MooncakeStorage(BackendBase):
                             # read so far are no listing of the store.
                             raise StorageError(f"{self._name} is closed")
                         piece = response.read(_KEY_LIST_READ_BYTES)
+                        if stop.is_set():  # the read may have ended at the socket's shutdown
+                            raise StorageError(f"{self._name} is closed")
                         if not piece:
                             if response.length:  # unlike read(), read(n) takes a cut answer
                                 raise http.client.IncompleteRead(b"", response.length)
@@ -1939,9 +2002,13 @@ class MooncakeStorage(BackendBase):
                             pending = b""
                             skipping = True
             except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
+                if stop.is_set():  # the socket was shut down under the read
+                    raise StorageError(f"{self._name} is closed") from exc
                 raise StorageError(f"{self._name}: {mask_userinfo(url)} failed: {exc}") from exc
 
-        await self.run_job(job)
+        # A cancellation or a close shuts the socket down: a read waiting for the next piece
+        # (up to the timeout without data) ends at once, and no thread is left blocked.
+        await self.run_job(job, interrupt=listing.shut)
         return names
 
     def _headers_job(
