@@ -121,6 +121,8 @@ _KEY_LINE_SLACK = 256
 _NO_SPACE_RETRY_S = 0.05
 # Forget refused auto-registrations now and then: freed memory gets new owners.
 _MAX_REFUSED = 1024
+# Idle clients kept for reuse (see `_ClientPool`): one per setting a process switches between.
+_MAX_IDLE_CLIENTS = 4
 
 _URL_PARAMS = {
     "metadata": "transfer metadata: http://host:port/metadata, etcd://host:port or "
@@ -276,46 +278,59 @@ class _ClientPool:
     heartbeat threads and unmounts the segment, which would stall the event loop every time a
     backend is detached. So a closed backend hands its client back here (its registrations
     undone) and the next backend with the same settings takes it over; the pages in its
-    segment stay available meanwhile. At exit the idle clients are closed, except those
-    whose master is gone: closing them would spend seconds on RPCs to it, so they are kept
-    referenced (no destructor runs) and left to Mooncake's own exit handler. A forked child
-    abandons the clients it inherited (see `_abandon_all`).
+    segment stay available meanwhile. At most `_MAX_IDLE_CLIENTS` are kept: past it, the one
+    handed back longest ago is closed (as `close_idle` with `reachable_only` does), so a
+    process that moves between many masters or settings does not keep a client, its threads
+    and its segment for each. At exit the idle clients are closed, except those whose master
+    is gone: closing them would spend seconds on RPCs to it, so they are kept referenced (no
+    destructor runs) and left to Mooncake's own exit handler. A forked child abandons the
+    clients it inherited (see `_abandon_all`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[_ClientKey, list[Any]] = {}
+        # Oldest first: the end is the most recently handed back.
+        self._idle: list[tuple[_ClientKey, Any]] = []
         self._abandoned: list[Any] = []
         atexit.register(self.close_all)
         os.register_at_fork(after_in_child=self._abandon_all)
 
     def take(self, key: _ClientKey) -> Any | None:
         with self._lock:
-            clients = self._idle.get(key)
-            return clients.pop() if clients else None
+            for i in range(len(self._idle) - 1, -1, -1):
+                if self._idle[i][0] == key:
+                    return self._idle.pop(i)[1]
+            return None
 
     def give_back(self, key: _ClientKey, client: Any) -> None:
         with self._lock:
-            self._idle.setdefault(key, []).append(client)
+            self._idle.append((key, client))
+            surplus = self._idle[: max(len(self._idle) - _MAX_IDLE_CLIENTS, 0)]
+            del self._idle[: len(surplus)]
+        # On the caller's thread (a worker's, for a backend): the close holds the GIL for its
+        # 1-2 s, as any close does, once per client past the bound.
+        self._close(surplus, reachable_only=True)
 
     def close_idle(self, master: str | None = None, *, reachable_only: bool = False) -> int:
         """Close the idle clients of `master` (all when None); how many were closed. With
         `reachable_only`, those whose master does not accept a connection are abandoned
         instead (see the class)."""
         with self._lock:
-            chosen = {k: v for k, v in self._idle.items() if master is None or k[0] == master}
-            for key in chosen:
-                del self._idle[key]
+            chosen = [e for e in self._idle if master is None or e[0][0] == master]
+            self._idle = [e for e in self._idle if not (master is None or e[0][0] == master)]
+        return self._close(chosen, reachable_only=reachable_only)
+
+    def _close(self, entries: list[tuple[_ClientKey, Any]], *, reachable_only: bool) -> int:
         closed = 0
-        for key, clients in chosen.items():
+        for key, client in entries:
             host, _, port = key[0].rpartition(":")
             if reachable_only and not reachable((host.strip("[]"), int(port)), _PROBE_TIMEOUT_S):
                 log.warning("storage.mooncake.master_gone_at_exit", master=key[0])
-                self._abandoned.extend(clients)
+                with self._lock:
+                    self._abandoned.append(client)
                 continue
-            for client in clients:
-                client.close()
-            closed += len(clients)
+            client.close()
+            closed += 1
         return closed
 
     def close_all(self) -> None:
@@ -326,8 +341,7 @@ class _ClientPool:
         does not have (closing or using one there crashes it), so none is handed out or
         closed at exit; they stay referenced instead."""
         self._lock = threading.Lock()  # another thread of the parent may have held it
-        for clients in self._idle.values():
-            self._abandoned.extend(clients)
+        self._abandoned.extend(client for _, client in self._idle)
         self._idle.clear()
 
 
@@ -359,7 +373,8 @@ def close_idle_clients(master: str | None = None, *, reachable_only: bool = Fals
     of all masters; return how many.
 
     Closed backends leave their client in a pool for the next backend with the same
-    settings (Mooncake's own close holds the GIL for 1-2 s). Call this before stopping a
+    settings (Mooncake's own close holds the GIL for 1-2 s); the pool keeps the 4 handed back
+    last and closes older ones. Call this before stopping a
     master, so the clients unmount their segments while it still answers; it blocks for
     those seconds per client. With `reachable_only`, the clients of a master that does not
     accept a connection are left unclosed (closing them would wait seconds on it), as at

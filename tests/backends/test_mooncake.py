@@ -1823,3 +1823,25 @@ async def test_compaction_after_one_that_died_past_its_switch_frees_its_generati
         read = await manifest.read(namespace=ns)
         assert sorted(e.last_use for e in read.entries) == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert await manifest._exist(gone) == [False] * 3
+
+
+async def test_the_idle_client_pool_keeps_the_most_recent_clients_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every distinct setting kept its idle client, threads and segment for the life of the
+    # process: one that moves between masters kept one per master.
+    monkeypatch.setattr(mooncake_module, "_MAX_IDLE_CLIENTS", 2, raising=False)
+    abandoned = len(_POOL._abandoned)
+    with contextlib.ExitStack() as stack:
+        masters = [stack.enter_context(MooncakeMaster()) for _ in range(3)]
+        try:
+            for master in masters:
+                async with MooncakeStorage.from_url(fresh_url(master.url)) as storage:
+                    keys, pages, metas = make_pages(1)
+                    assert await storage.put(keys, pages, metas) == [Outcome.OK]
+            # The first master's client was closed (its master answers: not abandoned).
+            assert len(_POOL._abandoned) == abandoned
+            assert [close_idle_clients(m.address) for m in masters] == [0, 1, 1]
+        finally:
+            for master in masters:
+                close_idle_clients(master.address)
