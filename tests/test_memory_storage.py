@@ -62,14 +62,14 @@ async def _held_put(
     for key in old:
         await _put(storage, [key])
     gate = asyncio.Event()
-    run = storage._run
+    run = storage._run_each
 
-    async def gated(work, nbytes):  # type: ignore[no-untyped-def]
-        storage._run = run  # type: ignore[method-assign]  # only this put waits
+    async def gated(item, sizes):  # type: ignore[no-untyped-def]
+        storage._run_each = run  # type: ignore[method-assign]  # only this put waits
         await gate.wait()
-        return await run(work, nbytes)
+        return await run(item, sizes)
 
-    storage._run = gated  # type: ignore[method-assign]
+    storage._run_each = gated  # type: ignore[method-assign]
     put = asyncio.create_task(_put(storage, new))
     await asyncio.sleep(0)  # it plans
     return put, gate
@@ -435,3 +435,55 @@ async def test_a_store_closed_while_it_lists_raises_instead_of_listing_short() -
         await asyncio.sleep(0)
     with pytest.raises(StorageError, match="closed"):
         await listing
+
+
+async def _steps_while(call: asyncio.Task[list[Outcome]]) -> int:
+    """How many times this task ran while `call` had not finished."""
+    steps = 0
+    while True:
+        await asyncio.sleep(0)
+        if call.done():
+            return steps
+        steps += 1
+
+
+async def test_a_batch_of_tiny_pages_lets_the_loop_run() -> None:
+    # 1,024 pages of 64 bytes fit the inline bound: the batch was served on the loop whole,
+    # so a long prefetch of tiny pages held it for as long as it ran.
+    keys = _keys(1024)
+    async with MemoryStorage() as storage:
+        put = asyncio.create_task(_put(storage, keys, 64))
+        assert await _steps_while(put) >= 3
+        assert await put == [Outcome.OK] * len(keys)
+        get = asyncio.create_task(_get(storage, keys, 64))
+        assert await _steps_while(get) >= 3
+        assert await get == [Outcome.OK] * len(keys)
+        verify = asyncio.create_task(storage.verify())
+        steps = 0
+        while not verify.done():
+            await asyncio.sleep(0)
+            steps += 1
+        assert steps >= 3
+        assert (await verify).ok == len(keys)
+
+
+async def test_a_get_of_tiny_pages_cancelled_or_closed_between_slices() -> None:
+    keys = _keys(1024)
+    async with MemoryStorage() as storage:
+        assert await _put(storage, keys, 64) == [Outcome.OK] * len(keys)
+        get = asyncio.create_task(_get(storage, keys, 64))
+        await asyncio.sleep(0)  # its first slice is read
+        assert not get.done()
+        get.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await get
+        assert storage.stats().errors == 0
+        assert await _get(storage, keys, 64) == [Outcome.OK] * len(keys)
+        # A close stops it: the pages read are whole and OK, the rest ERROR.
+        get = asyncio.create_task(_get(storage, keys, 64))
+        await asyncio.sleep(0)
+        await storage.close()
+        outcomes = await get  # `_get` checks the bytes of every OK page
+    read = outcomes.count(Outcome.OK)
+    assert 0 < read < len(keys)
+    assert outcomes == [Outcome.OK] * read + [Outcome.ERROR] * (len(keys) - read)

@@ -404,7 +404,7 @@ class BackendBase:
             self._unclosed.detach()
         jobs = list(self._jobs)
         for job in jobs:
-            job.stop.set()
+            job.halt()
         interrupted: asyncio.CancelledError | None = None
         for job in jobs:
             cancelled = await job.drain()
@@ -445,15 +445,22 @@ class BackendBase:
         self._counters.corrupt += 1
         log.warning("storage.page.corrupt", backend=self._name, key=key.hex(), reason=reason)
 
-    async def run_job(self, work: Callable[[threading.Event], T]) -> T:
+    async def run_job(
+        self,
+        work: Callable[[threading.Event], T],
+        *,
+        interrupt: Callable[[], None] | None = None,
+    ) -> T:
         """Run `work(stop)` on a worker thread: one hand-off, cancellation-safe.
 
         If the caller is cancelled, `stop` is set and the call waits until `work` has
-        returned before re-raising, so `work` never outlives the coroutine.
+        returned before re-raising, so `work` never outlives the coroutine. `interrupt`,
+        called on the loop right after `stop` is set (by a cancellation or a close), ends
+        what `work` waits for where it cannot check `stop`.
         """
         if self._state is _State.CLOSED:
             raise StorageError(f"{self._name} is closed")
-        job = Job(work, asyncio.get_running_loop())
+        job = Job(work, asyncio.get_running_loop(), interrupt=interrupt)
         try:
             self._executor.start(job)
         except RuntimeError as exc:  # shut down under us
@@ -462,7 +469,7 @@ class BackendBase:
         try:
             await job.wait()
         except asyncio.CancelledError:
-            job.stop.set()
+            job.halt()
             await job.drain()
             raise
         finally:

@@ -2050,9 +2050,14 @@ class FileStorage(BackendBase):
         self._index.move_to_end(key, last=False)
         log.warning("storage.page.misfit", backend=self._name, key=key.hex(), nbytes=nbytes)
 
-    async def run_job(self, work: Callable[[threading.Event], _T]) -> _T:
+    async def run_job(
+        self,
+        work: Callable[[threading.Event], _T],
+        *,
+        interrupt: Callable[[], None] | None = None,
+    ) -> _T:
         try:
-            return await super().run_job(work)
+            return await super().run_job(work, interrupt=interrupt)
         finally:
             handles = self._handles
             # No job left, so no thread holds a descriptor of a directory removed and made

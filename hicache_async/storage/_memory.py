@@ -9,8 +9,9 @@ on a worker thread so the loop stays responsive.
 Values are `bytearray`s, and the buffers of deleted and evicted pages are kept, up to
 `spare_bytes` beyond the capacity, for later puts of the same size: a fresh buffer costs a page
 fault per 4 KiB on its first write, about as much as the copy itself, and a cache at its
-capacity evicts a page for every page it stores. A buffer is recycled only while no thread job
-reads values (a get or a verify), so a reader never sees it change.
+capacity evicts a page for every page it stores. A buffer is recycled only while no get or
+verify reads values (on a thread, or on the loop between its turns), so a reader never sees it
+change.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
-from typing import TypeVar
 
 import msgspec
 
@@ -57,9 +57,10 @@ from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
 
 __all__ = ["MemoryStorage"]
 
-T = TypeVar("T")
-
 _INLINE_MAX_BYTES = 1 << 20
+#: Batches run on the loop let it run after this many pages or bytes (see `_run_each`).
+_YIELD_PAGES = 256
+_YIELD_BYTES = 256 << 10
 _DEFAULT_CAPACITY = 1 << 30
 _SPARE_DEFAULT = 1 << 30
 #: `list_pages` lets the loop run between slices of this many pages.
@@ -184,11 +185,34 @@ class MemoryStorage(BackendBase):
     def _occupancy(self) -> tuple[int, int, int | None]:
         return len(self._values), self._bytes, self._capacity
 
-    async def _run(self, work: Callable[[threading.Event], T], nbytes: int) -> T:
-        """Small batches inline on the loop, big ones as one thread job."""
-        if nbytes <= _INLINE_MAX_BYTES:
-            return work(threading.Event())
-        return await self.run_job(work)
+    async def _run_each(self, item: Callable[[int], None], sizes: Sequence[int]) -> None:
+        """`item(i)` for each of the batch's pages (`sizes`: their bytes), in order; pages
+        left out by a close or a cancellation are not called.
+
+        Small batches run on the loop, which they let run every `_YIELD_PAGES` pages or
+        `_YIELD_BYTES` bytes: a batch of many tiny pages otherwise holds it throughout, since
+        such a call never suspends. Big batches are one thread job.
+        """
+        if sum(sizes) > _INLINE_MAX_BYTES:
+
+            def work(stop: threading.Event) -> None:
+                for i in range(len(sizes)):
+                    if stop.is_set():
+                        return
+                    item(i)
+
+            await self.run_job(work)
+            return
+        pages = nbytes = 0
+        for i, size in enumerate(sizes):
+            if self.closed:
+                return
+            item(i)
+            pages += 1
+            nbytes += size
+            if pages >= _YIELD_PAGES or nbytes >= _YIELD_BYTES:
+                pages = nbytes = 0
+                await asyncio.sleep(0)
 
     def _remove(self, key: bytes) -> _Value | None:
         value = self._values.pop(key, None)
@@ -273,22 +297,20 @@ class MemoryStorage(BackendBase):
         results: list[PageCheck | None] = [None] * len(found)
         mac_key = self._mac_key
 
-        def work(stop: threading.Event) -> None:
-            for slot, (i, value) in enumerate(found):
-                if stop.is_set():
-                    return
-                results[slot] = read_value_into(
-                    memoryview(value.data),
-                    key=keys[i],
-                    namespace=namespace,
-                    into=segments[i],
-                    mac_key=mac_key,
-                )
+        def read(slot: int) -> None:
+            i, value = found[slot]
+            results[slot] = read_value_into(
+                memoryview(value.data),
+                key=keys[i],
+                namespace=namespace,
+                into=segments[i],
+                mac_key=mac_key,
+            )
 
         with self._reading():
             cancelled = False
             try:
-                await self._run(work, sum(len(value.data) for _, value in found))
+                await self._run_each(read, [len(value.data) for _, value in found])
             except asyncio.CancelledError:
                 cancelled = True
                 raise
@@ -444,20 +466,18 @@ class MemoryStorage(BackendBase):
         # them); new buffers are allocated by the job, off the loop: bytearray zero-fills.
         spares = [self._take_spare(size) for size in sizes]
 
-        def work(stop: threading.Event) -> None:
-            views = [byte_segments(pages[i], writable=False) for i in writes]
-            for slot, (i, segments) in enumerate(zip(writes, views, strict=True)):
-                if stop.is_set():
-                    return
-                buffer = spares[slot]
-                if buffer is None:
-                    buffer = bytearray(sizes[slot])
-                value = memoryview(buffer)
-                digest = _native.copy_checksum([value[HEADER_NBYTES:]], segments)
-                value[:HEADER_NBYTES] = encode_header(
-                    metas[i], segments, mac_key=mac_key, checksum=digest
-                )
-                built[slot] = buffer
+        def write(slot: int) -> None:
+            i = writes[slot]
+            segments = byte_segments(pages[i], writable=False)
+            buffer = spares[slot]
+            if buffer is None:
+                buffer = bytearray(sizes[slot])
+            value = memoryview(buffer)
+            digest = _native.copy_checksum([value[HEADER_NBYTES:]], segments)
+            value[:HEADER_NBYTES] = encode_header(
+                metas[i], segments, mac_key=mac_key, checksum=digest
+            )
+            built[slot] = buffer
 
         # Plan: reserve the room and mark keys and victims; evict and insert only at commit,
         # so a cancelled put leaves the store as it was.
@@ -467,7 +487,7 @@ class MemoryStorage(BackendBase):
         self._writing.update(write_keys)
         self._evicting.update(victims)
         try:
-            await self._run(work, reserve)
+            await self._run_each(write, sizes)
         finally:
             self._reserved -= reserve
             self._writing.difference_update(write_keys)
@@ -546,16 +566,14 @@ class MemoryStorage(BackendBase):
         items = list(self._values.items())
         mac_key = self._mac_key
 
-        def work(stop: threading.Event) -> list[PageCheck]:
-            checks: list[PageCheck] = []
-            for key, value in items:
-                if stop.is_set():
-                    break
-                checks.append(_self_check(key, value.data, mac_key))
-            return checks
+        checks: list[PageCheck] = []
+
+        def examine(slot: int) -> None:
+            key, value = items[slot]
+            checks.append(_self_check(key, value.data, mac_key))
 
         with self._reading():
-            checks = await self._run(work, sum(len(value.data) for _, value in items))
+            await self._run_each(examine, [len(value.data) for _, value in items])
         ok = unsupported = removed = 0
         for (key, value), check in zip(items, checks, strict=False):
             if check is PageCheck.OK:

@@ -25,6 +25,8 @@ import ctypes
 import functools
 import http.client
 import os
+import socket
+import ssl
 import threading
 import time
 import urllib.request
@@ -119,6 +121,8 @@ _KEY_LINE_SLACK = 256
 _NO_SPACE_RETRY_S = 0.05
 # Forget refused auto-registrations now and then: freed memory gets new owners.
 _MAX_REFUSED = 1024
+# Idle clients kept for reuse (see `_ClientPool`): one per setting a process switches between.
+_MAX_IDLE_CLIENTS = 4
 
 _URL_PARAMS = {
     "metadata": "transfer metadata: http://host:port/metadata, etcd://host:port or "
@@ -207,6 +211,63 @@ def _root_region(view: memoryview) -> tuple[int, int, object] | None:
     return _address(root), root.nbytes, obj
 
 
+class _Interruptible:
+    """The socket of one admin request, which the loop can shut down to end a read blocked
+    in a worker thread (a cancelled or closed listing)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._shut = False
+
+    def attach(self, sock: socket.socket) -> None:
+        """Called on the worker once connected (the TLS socket for https)."""
+        with self._lock:
+            self._sock = sock
+            if self._shut:
+                _shut_down(sock)
+
+    def shut(self) -> None:
+        """End the request's reads now and any later ones (from any thread)."""
+        with self._lock:
+            self._shut = True
+            if self._sock is not None:
+                _shut_down(self._sock)
+
+    def opener(self) -> urllib.request.OpenerDirector:
+        """A urllib opener whose connections attach their socket here."""
+        attach = self.attach
+
+        class Plain(http.client.HTTPConnection):
+            def connect(self) -> None:
+                super().connect()
+                attach(self.sock)
+
+        class Secure(http.client.HTTPSConnection):
+            def connect(self) -> None:
+                super().connect()
+                attach(self.sock)
+
+        class PlainHandler(urllib.request.HTTPHandler):
+            def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(Plain, req)
+
+        context = ssl.create_default_context()
+
+        class SecureHandler(urllib.request.HTTPSHandler):
+            def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+                return self.do_open(Secure, req, context=context)
+
+        return urllib.request.build_opener(PlainHandler, SecureHandler)
+
+
+def _shut_down(sock: socket.socket) -> None:
+    # The plain socket's call, also for a TLS socket: it acts on the descriptor alone (a
+    # socket already closed has none), leaving the TLS state to the thread reading it.
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
 _ClientKey = tuple[str, str, str, str, str, int, int]
 
 
@@ -217,46 +278,59 @@ class _ClientPool:
     heartbeat threads and unmounts the segment, which would stall the event loop every time a
     backend is detached. So a closed backend hands its client back here (its registrations
     undone) and the next backend with the same settings takes it over; the pages in its
-    segment stay available meanwhile. At exit the idle clients are closed, except those
-    whose master is gone: closing them would spend seconds on RPCs to it, so they are kept
-    referenced (no destructor runs) and left to Mooncake's own exit handler. A forked child
-    abandons the clients it inherited (see `_abandon_all`).
+    segment stay available meanwhile. At most `_MAX_IDLE_CLIENTS` are kept: past it, the one
+    handed back longest ago is closed (as `close_idle` with `reachable_only` does), so a
+    process that moves between many masters or settings does not keep a client, its threads
+    and its segment for each. At exit the idle clients are closed, except those whose master
+    is gone: closing them would spend seconds on RPCs to it, so they are kept referenced (no
+    destructor runs) and left to Mooncake's own exit handler. A forked child abandons the
+    clients it inherited (see `_abandon_all`).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._idle: dict[_ClientKey, list[Any]] = {}
+        # Oldest first: the end is the most recently handed back.
+        self._idle: list[tuple[_ClientKey, Any]] = []
         self._abandoned: list[Any] = []
         atexit.register(self.close_all)
         os.register_at_fork(after_in_child=self._abandon_all)
 
     def take(self, key: _ClientKey) -> Any | None:
         with self._lock:
-            clients = self._idle.get(key)
-            return clients.pop() if clients else None
+            for i in range(len(self._idle) - 1, -1, -1):
+                if self._idle[i][0] == key:
+                    return self._idle.pop(i)[1]
+            return None
 
     def give_back(self, key: _ClientKey, client: Any) -> None:
         with self._lock:
-            self._idle.setdefault(key, []).append(client)
+            self._idle.append((key, client))
+            surplus = self._idle[: max(len(self._idle) - _MAX_IDLE_CLIENTS, 0)]
+            del self._idle[: len(surplus)]
+        # On the caller's thread (a worker's, for a backend): the close holds the GIL for its
+        # 1-2 s, as any close does, once per client past the bound.
+        self._close(surplus, reachable_only=True)
 
     def close_idle(self, master: str | None = None, *, reachable_only: bool = False) -> int:
         """Close the idle clients of `master` (all when None); how many were closed. With
         `reachable_only`, those whose master does not accept a connection are abandoned
         instead (see the class)."""
         with self._lock:
-            chosen = {k: v for k, v in self._idle.items() if master is None or k[0] == master}
-            for key in chosen:
-                del self._idle[key]
+            chosen = [e for e in self._idle if master is None or e[0][0] == master]
+            self._idle = [e for e in self._idle if not (master is None or e[0][0] == master)]
+        return self._close(chosen, reachable_only=reachable_only)
+
+    def _close(self, entries: list[tuple[_ClientKey, Any]], *, reachable_only: bool) -> int:
         closed = 0
-        for key, clients in chosen.items():
+        for key, client in entries:
             host, _, port = key[0].rpartition(":")
             if reachable_only and not reachable((host.strip("[]"), int(port)), _PROBE_TIMEOUT_S):
                 log.warning("storage.mooncake.master_gone_at_exit", master=key[0])
-                self._abandoned.extend(clients)
+                with self._lock:
+                    self._abandoned.append(client)
                 continue
-            for client in clients:
-                client.close()
-            closed += len(clients)
+            client.close()
+            closed += 1
         return closed
 
     def close_all(self) -> None:
@@ -267,8 +341,7 @@ class _ClientPool:
         does not have (closing or using one there crashes it), so none is handed out or
         closed at exit; they stay referenced instead."""
         self._lock = threading.Lock()  # another thread of the parent may have held it
-        for clients in self._idle.values():
-            self._abandoned.extend(clients)
+        self._abandoned.extend(client for _, client in self._idle)
         self._idle.clear()
 
 
@@ -300,7 +373,8 @@ def close_idle_clients(master: str | None = None, *, reachable_only: bool = Fals
     of all masters; return how many.
 
     Closed backends leave their client in a pool for the next backend with the same
-    settings (Mooncake's own close holds the GIL for 1-2 s). Call this before stopping a
+    settings (Mooncake's own close holds the GIL for 1-2 s); the pool keeps the 4 handed back
+    last and closes older ones. Call this before stopping a
     master, so the clients unmount their segments while it still answers; it blocks for
     those seconds per client. With `reachable_only`, the clients of a master that does not
     accept a connection are left unclosed (closing them would wait seconds on it), as at
@@ -556,6 +630,11 @@ def _stored_sizes(store: Any, names: Sequence[str]) -> list[int]:
     return sizes
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def _int_param(params: dict[str, str], name: str, default: int, *, minimum: int = 1) -> int:
     raw = params.get(name)
     if raw is None:
@@ -706,6 +785,8 @@ class MooncakeStorage(BackendBase):
         self._direct_pages = 0
         self._put_group_bytes = _PUT_GROUP_BYTES
         self._watch: MasterWatch | None = None
+        # Waits `close()` ends early (see `_pause`).
+        self._pauses: set[asyncio.Future[None]] = set()
 
     @classmethod
     def from_url(cls, url: str, *, mac_key: bytes | None = None) -> MooncakeStorage:
@@ -968,6 +1049,27 @@ class MooncakeStorage(BackendBase):
             self._regions.add(address, size, owner)
         self._pending.clear()
 
+    async def close(self) -> None:
+        """Stop running jobs and waits, wait for the jobs, hand the client back to the pool.
+        Idempotent."""
+        for pause in self._pauses:
+            _wake(pause)
+        await super().close()
+
+    async def _pause(self, delay: float) -> None:
+        """Sleep `delay` seconds, or until `close()` begins."""
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        pause: asyncio.Future[None] = loop.create_future()
+        timer = loop.call_later(delay, _wake, pause)
+        self._pauses.add(pause)
+        try:
+            await pause
+        finally:
+            timer.cancel()
+            self._pauses.discard(pause)
+
     async def _release(self) -> None:
         if self._watch is not None:
             self._watch.stop()
@@ -1161,9 +1263,10 @@ class MooncakeStorage(BackendBase):
             )
             full = [i for i, code in refused if code == _NO_SPACE]
             if full:
-                # Cancellable on the loop; a close meanwhile leaves these pages MISS, and so
-                # does a master found down meanwhile (a try would wait out its timeout).
-                await asyncio.sleep(_NO_SPACE_RETRY_S)
+                # Cancellable on the loop, and a close ends it: these pages then stay MISS,
+                # as they do for a master found down meanwhile (a try would wait out its
+                # timeout).
+                await self._pause(_NO_SPACE_RETRY_S)
                 if not self.closed and not self._master_down():
                     retried = True
                     await self._put_pages(
@@ -1874,11 +1977,13 @@ class MooncakeStorage(BackendBase):
                 f"{_MAX_KEY_LIST_BYTES // _MiB} MiB of object names; the listing stops there"
             )
 
+        listing = _Interruptible()
+
         def job(stop: threading.Event) -> None:
             # Read a piece at a time, keeping only this prefix's page names: the answer lists
             # every object in the cluster, which can be far more than this store's pages.
             try:
-                with urllib.request.urlopen(url, timeout=_ADMIN_TIMEOUT_S) as response:
+                with listing.opener().open(url, timeout=_ADMIN_TIMEOUT_S) as response:
                     if response.length is not None and response.length > _MAX_KEY_LIST_BYTES:
                         raise too_long()
                     total = 0
@@ -1890,6 +1995,8 @@ class MooncakeStorage(BackendBase):
                             # read so far are no listing of the store.
                             raise StorageError(f"{self._name} is closed")
                         piece = response.read(_KEY_LIST_READ_BYTES)
+                        if stop.is_set():  # the read may have ended at the socket's shutdown
+                            raise StorageError(f"{self._name} is closed")
                         if not piece:
                             if response.length:  # unlike read(), read(n) takes a cut answer
                                 raise http.client.IncompleteRead(b"", response.length)
@@ -1910,9 +2017,13 @@ class MooncakeStorage(BackendBase):
                             pending = b""
                             skipping = True
             except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
+                if stop.is_set():  # the socket was shut down under the read
+                    raise StorageError(f"{self._name} is closed") from exc
                 raise StorageError(f"{self._name}: {mask_userinfo(url)} failed: {exc}") from exc
 
-        await self.run_job(job)
+        # A cancellation or a close shuts the socket down: a read waiting for the next piece
+        # (up to the timeout without data) ends at once, and no thread is left blocked.
+        await self.run_job(job, interrupt=listing.shut)
         return names
 
     def _headers_job(

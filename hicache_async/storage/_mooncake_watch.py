@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import socket
+import ssl
 import threading
 import time
 import urllib.request
@@ -65,15 +66,47 @@ class _ProbeConnection(http.client.HTTPConnection):
         self.sock = wrapped
 
 
+class _DeadlineTLSSocket(ssl.SSLSocket):
+    """`_DeadlineSocket` for https: every read of the answer ends by `deadline`."""
+
+    deadline = float("inf")
+
+    def recv_into(self, buffer: Buffer, nbytes: int | None = None, flags: int = 0) -> int:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the /health answer took longer than a probe may")
+        self.settimeout(min(remaining, _PROBE_TIMEOUT_S))
+        return super().recv_into(buffer, nbytes, flags)
+
+
+class _ProbeTLSConnection(http.client.HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        if isinstance(self.sock, _DeadlineTLSSocket):
+            self.sock.deadline = time.monotonic() + _PROBE_TIMEOUT_S
+
+
 class _ProbeHandler(urllib.request.HTTPHandler):
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(_ProbeConnection, req)
 
 
+class _ProbeTLSHandler(urllib.request.HTTPSHandler):
+    def __init__(self) -> None:
+        # The default context's checks, with sockets whose reads share one deadline.
+        self._probe_context = ssl.create_default_context()
+        self._probe_context.sslsocket_class = _DeadlineTLSSocket
+        super().__init__(context=self._probe_context)
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_ProbeTLSConnection, req, context=self._probe_context)
+
+
 def http_probe(admin: str) -> Callable[[], bool]:
-    """A probe that the master's admin server answers `/health` with 200."""
+    """A probe that the master's admin server answers `/health` with 200 (http or https),
+    the whole answer within the probe's timeout."""
     url = f"{admin}/health"
-    opener = urllib.request.build_opener(_ProbeHandler)
+    opener = urllib.request.build_opener(_ProbeHandler, _ProbeTLSHandler)
 
     def probe() -> bool:
         try:

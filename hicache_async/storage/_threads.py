@@ -29,12 +29,26 @@ class Job(Generic[T]):
     loop as one callback, which wakes whoever waits.
     """
 
-    __slots__ = ("_error", "_loop", "_value", "_waiters", "_work", "finished", "stop")
+    __slots__ = (
+        "_error",
+        "_interrupt",
+        "_loop",
+        "_value",
+        "_waiters",
+        "_work",
+        "finished",
+        "stop",
+    )
 
     def __init__(
-        self, work: Callable[[threading.Event], T], loop: asyncio.AbstractEventLoop
+        self,
+        work: Callable[[threading.Event], T],
+        loop: asyncio.AbstractEventLoop,
+        *,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
+        self._interrupt = interrupt
         self._loop = loop
         self._waiters: list[asyncio.Future[None]] = []
         self._value: T | None = None
@@ -47,6 +61,13 @@ class Job(Generic[T]):
     def __repr__(self) -> str:
         state = "finished" if self.finished else "stopping" if self.stop.is_set() else "running"
         return f"<Job {state} {getattr(self._work, '__qualname__', self._work)!r}>"
+
+    def halt(self) -> None:
+        """Ask the work to stop (on the loop): set `stop`, then call `interrupt`, which ends
+        a wait the work cannot check `stop` during (a blocking read)."""
+        self.stop.set()
+        if self._interrupt is not None:
+            self._interrupt()
 
     def run(self) -> None:
         """Run the work on this (worker) thread and tell the loop it is over."""

@@ -1183,12 +1183,38 @@ async def test_a_key_list_is_read_a_piece_at_a_time(
         assert sorted(p.key for p in listed) == sorted(keys)
 
 
+async def _listing_blocked_in_read(backend: MooncakeStorage) -> None:
+    """Until a thread runs a listing job of `backend` blocked in a socket read (not between
+    reads)."""
+
+    def blocked() -> bool:
+        for frame in sys._current_frames().values():
+            if frame.f_code.co_name not in ("readinto", "recv_into"):
+                continue
+            caller: Any = frame
+            while caller is not None:
+                code = caller.f_code
+                if code.co_name == "job" and code.co_filename.endswith("_mooncake.py"):
+                    return caller.f_locals.get("self") is backend
+                caller = caller.f_back
+        return False
+
+    for _ in range(2000):
+        if blocked():
+            return
+        await asyncio.sleep(0.005)
+    pytest.fail("the listing never waited in a read")
+
+
 async def test_a_key_list_stopped_by_a_close_fails_the_listing(
     mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A close stops the read of `/get_all_keys` part way: the names read until then were
     # returned as the whole listing (none here), so `verify` or `gc` saw an empty store.
+    # The read waiting for more of the answer ends at the close, not when more comes (the
+    # socket's timeout is stretched past the test's bound).
     monkeypatch.setattr(mooncake_module, "_KEY_LIST_READ_BYTES", 4096, raising=False)
+    monkeypatch.setattr(mooncake_module, "_ADMIN_TIMEOUT_S", 3600.0)
     hold = threading.Event()
     with _KeyListServer(mooncake_master, 100_000, hold) as admin:
         url = _url_with_admin(mooncake_master, admin.url)
@@ -1197,15 +1223,52 @@ async def test_a_key_list_stopped_by_a_close_fails_the_listing(
                 await backend.put(*make_pages(2))
                 listing = asyncio.create_task(backend.list_pages())
                 assert await asyncio.to_thread(admin.held.wait, 60)
+                await _listing_blocked_in_read(backend)
                 closing = asyncio.create_task(backend.close())
-                # One step of the close tells the listing's job to stop; it then waits for
-                # that job, whose read waits for the rest of the answer.
-                await asyncio.sleep(0)
-                assert not closing.done()
-                hold.set()
+                # Bounded only so that a read left waiting fails the test, not hangs it.
+                await asyncio.wait({closing, listing}, timeout=30)
+                assert closing.done(), "the close waited for the read"
+                assert listing.done()
                 await closing
                 with pytest.raises(StorageError, match="closed"):
                     await listing
+        finally:
+            hold.set()
+
+
+async def test_a_cancelled_key_list_ends_its_read_at_once(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The cancelled listing waited for the read under way: for the next piece of the answer,
+    # or the admin timeout without data. Its socket is shut down now, so it ends at once and
+    # no thread stays blocked on it; the backend goes on serving.
+    monkeypatch.setattr(mooncake_module, "_KEY_LIST_READ_BYTES", 4096, raising=False)
+    monkeypatch.setattr(mooncake_module, "_ADMIN_TIMEOUT_S", 3600.0)
+    hold = threading.Event()
+    with _KeyListServer(mooncake_master, 100_000, hold) as admin:
+        url = _url_with_admin(mooncake_master, admin.url)
+        try:
+            async with MooncakeStorage.from_url(fresh_url(url)) as backend:
+                keys, pages, metas = make_pages(2)
+                await backend.put(keys, pages, metas)
+                listing = asyncio.create_task(backend.list_pages())
+                assert await asyncio.to_thread(admin.held.wait, 60)
+                await _listing_blocked_in_read(backend)
+                listing.cancel()
+                # Bounded only so that a read left waiting fails the test, not hangs it.
+                await asyncio.wait({listing}, timeout=30)
+                assert listing.done(), "the cancelled listing waited for its read"
+                assert listing.cancelled()
+                assert not backend._jobs  # its job has returned
+                hold.set()
+                # The server sees the connection gone once it writes again.
+                for _ in range(2000):
+                    if admin.sent:
+                        break
+                    await asyncio.sleep(0.005)
+                assert admin.sent
+                into = buffers(2)
+                assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 2
         finally:
             hold.set()
 
@@ -1687,6 +1750,41 @@ async def test_a_put_cancelled_while_its_refused_pages_wait_gives_back_what_it_h
         assert close_idle_clients(master.address) == 1
 
 
+async def test_a_close_ends_the_wait_of_a_put_refused_for_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The wait before the second try is long here: only the close can end it.
+    monkeypatch.setattr(mooncake_module, "_NO_SPACE_RETRY_S", 3600.0)
+    with MooncakeMaster() as master:
+        url = fresh_url(master.url, segment_size="16MiB")
+        storage = MooncakeStorage.from_url(url)
+        async with storage:
+            from mooncake.store import ReplicateConfig
+
+            store = storage._master_store()
+            config = ReplicateConfig()
+            config.with_hard_pin = True
+            fillers = [f"{storage.prefix}:filler{i}" for i in range(64)]
+            stored = [n for n in fillers if store.put(n, bytes(1 << 20), config) == 0]
+            assert len(stored) < len(fillers)
+            refusals = await asyncio.to_thread(_alloc_failures, master)
+            keys, pages, metas = make_pages(3)
+            put = asyncio.create_task(storage.put(keys, pages, metas))
+            for _ in range(2000):
+                if await asyncio.to_thread(_alloc_failures, master) > refusals:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                pytest.fail("the put was never refused")
+            await storage.close()
+            # Bounded only so that a wait left running fails the test instead of hanging it.
+            assert await asyncio.wait_for(put, 60) == [Outcome.MISS] * 3
+            arena = storage._arena
+            assert sum(size for _, size in arena._free) == arena.capacity
+            assert all(c == 0 for c in store.batch_remove(stored, force=True))
+        assert close_idle_clients(master.address) == 1
+
+
 async def test_compaction_after_one_that_died_past_its_switch_frees_its_generation(
     mooncake_master: MooncakeMaster,
 ) -> None:
@@ -1725,3 +1823,25 @@ async def test_compaction_after_one_that_died_past_its_switch_frees_its_generati
         read = await manifest.read(namespace=ns)
         assert sorted(e.last_use for e in read.entries) == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert await manifest._exist(gone) == [False] * 3
+
+
+async def test_the_idle_client_pool_keeps_the_most_recent_clients_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every distinct setting kept its idle client, threads and segment for the life of the
+    # process: one that moves between masters kept one per master.
+    monkeypatch.setattr(mooncake_module, "_MAX_IDLE_CLIENTS", 2, raising=False)
+    abandoned = len(_POOL._abandoned)
+    with contextlib.ExitStack() as stack:
+        masters = [stack.enter_context(MooncakeMaster()) for _ in range(3)]
+        try:
+            for master in masters:
+                async with MooncakeStorage.from_url(fresh_url(master.url)) as storage:
+                    keys, pages, metas = make_pages(1)
+                    assert await storage.put(keys, pages, metas) == [Outcome.OK]
+            # The first master's client was closed (its master answers: not abandoned).
+            assert len(_POOL._abandoned) == abandoned
+            assert [close_idle_clients(m.address) for m in masters] == [0, 1, 1]
+        finally:
+            for master in masters:
+                close_idle_clients(master.address)

@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import http.server
 import os
+import shutil
 import signal
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -283,20 +286,15 @@ def test_a_health_answer_that_does_not_end_is_read_no_further_than_its_start() -
 
 
 class _HeldRetryWait:
-    """Stands in for the `asyncio` module of the Mooncake backend: its wait before a put's
-    second try ends only when the test says so; everything else is asyncio's own."""
+    """Stands in for the Mooncake backend's wait before a put's second try (`_pause`): it
+    ends only when the test says so."""
 
     def __init__(self) -> None:
         self.waiting = asyncio.Event()
         self.go_on = asyncio.Event()
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(asyncio, name)
-
-    async def sleep(self, delay: float) -> None:
-        if delay != mooncake_module._NO_SPACE_RETRY_S:
-            await asyncio.sleep(delay)
-            return
+    async def pause(self, delay: float) -> None:
+        assert delay == mooncake_module._NO_SPACE_RETRY_S
         self.waiting.set()
         await self.go_on.wait()
 
@@ -307,10 +305,10 @@ async def test_a_put_waiting_to_retry_for_room_calls_no_master_known_down(
     # The second try of pages refused for room would wait out the client's timeout on a
     # master that stopped answering during the wait (30 s for a frozen one).
     held = _HeldRetryWait()
-    monkeypatch.setattr(mooncake_module, "asyncio", held)
     with MooncakeMaster(extra_args=["-eviction_high_watermark_ratio=1.0"]) as master:
         url = fresh_url(master.url, segment_size="16MiB")
         async with MooncakeStorage.from_url(url) as storage:
+            monkeypatch.setattr(storage, "_pause", held.pause)
             store = storage._master_store()
             for i in range(16):
                 assert store.put(f"{storage.prefix}:filler{i}", bytes(1 << 20)) == 0
@@ -373,3 +371,104 @@ def test_a_health_answer_whose_trailer_does_not_end_fails_the_probe() -> None:
     server.join(10)
     listener.close()
     assert answers == [False]
+
+
+def _self_signed(directory: Any) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, made here (PEM files in `directory`)."""
+    cert, key = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
+    try:
+        import datetime
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError:
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            pytest.skip("neither the cryptography package nor openssl is available")
+        subprocess.run(
+            [openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+             "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        return cert, key
+    private = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(private, hashes.SHA256())
+    )
+    with open(cert, "wb") as out:
+        out.write(certificate.public_bytes(serialization.Encoding.PEM))
+    with open(key, "wb") as out:
+        out.write(
+            private.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+    return cert, key
+
+
+@pytest.mark.parametrize("endless", [False, True])
+def test_an_https_health_answer_is_bounded_as_a_whole(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, endless: bool
+) -> None:
+    # Over https each read had its own second: trailer lines that keep coming, each within
+    # it, held the probe for ever, as they did over http before. A whole answer still passes.
+    cert, key = _self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", cert)  # the probe's default context trusts it
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        accepted, _ = listener.accept()
+        try:
+            connection = context.wrap_socket(accepted, server_side=True)
+        except OSError:  # the probe refused the handshake
+            accepted.close()
+            return
+        with connection:
+            connection.recv(1 << 16)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            connection.sendall(b"2\r\nok\r\n0\r\n")
+            try:
+                while endless and not stop.wait(0.05):
+                    connection.sendall(b"X-More: y\r\n")
+                connection.sendall(b"\r\n")
+            except OSError:  # the probe closed the connection
+                return
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    answers: list[bool] = []
+    prober = threading.Thread(
+        target=lambda: answers.append(
+            http_probe(f"https://127.0.0.1:{listener.getsockname()[1]}")()
+        ),
+        daemon=True,
+    )
+    prober.start()
+    prober.join(60)  # a bound for the test only: the probe itself ends within about a second
+    stop.set()
+    server.join(10)
+    listener.close()
+    assert answers == [not endless]
