@@ -408,6 +408,33 @@ async def test_open_with_no_server_then_batches_are_errors() -> None:
         assert await backend.put(keys, pages, metas) == [Outcome.ERROR]
 
 
+@pytest.mark.parametrize("nbytes", [3000, 300_000], ids=["small", "large"])
+@pytest.mark.parametrize("named", [False, True], ids=["plain", "client_name"])
+async def test_a_full_maxclients_is_logged_as_the_servers_refusal(nbytes: int, named: bool) -> None:
+    # The server writes its refusal as it accepts a connection, then closes it: a batch sent
+    # without reading it first took it for a SET's reply, or met a broken pipe.
+    with RedisServer() as server:
+        params = {"timeout": 2, **({"client_name": "full"} if named else {})}
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", bulk=1, **params)
+        async with RedisStorage.from_url(url) as backend:
+            admin = aioredis.Redis(host=server.host, port=server.port)
+            try:
+                await admin.config_set("maxclients", 1)
+                await admin.execute_command("CLIENT", "KILL", "SKIPME", "yes")
+                keys, pages, metas = make_pages(3, nbytes)
+                with structlog.testing.capture_logs() as logs:
+                    assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+                    got = await backend.get(keys, buffers(3, nbytes), namespace=NS)
+                    assert got == [Outcome.ERROR] * 3
+            finally:
+                await admin.aclose()
+    events = {entry["event"]: entry for entry in logs}
+    assert "storage.redis.reply_error" not in events
+    refusal = "the server refused the connection: ERR max number of clients reached"
+    assert events["storage.redis.put_failed"]["error"] == refusal
+    assert events["storage.redis.get_failed"]["error"] == refusal
+
+
 async def test_batches_larger_than_a_pipeline(redis_url: str) -> None:
     url = fresh_url(redis_url, put_pipeline_bytes="64KiB", get_pipeline_bytes="100KiB")
     async with RedisStorage.from_url(url) as backend:
