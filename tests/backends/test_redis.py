@@ -1279,6 +1279,41 @@ async def test_only_a_refused_script_command_turns_the_script_off(
         assert backend.stats().errors == 0
 
 
+async def test_a_compaction_on_a_read_only_replica_says_the_server_refused_it() -> None:
+    other = bytes(range(16, 32))
+    with (
+        RedisServer() as primary,
+        RedisServer(extra_args=["--replicaof", primary.host, str(primary.port)]) as replica,
+    ):
+        async with RedisStorage.from_url(fresh_url(primary.url)) as writer:
+            for namespace in (NS, other):
+                entry = chain_entry(namespace, [os.urandom(32)], 16, 0, time.time())
+                await writer.manifest().append([entry])
+            prefix = writer.prefix
+        admin = aioredis.Redis(host=replica.host, port=replica.port)
+        try:
+            for _ in range(300):  # up to ~30 s for the first sync
+                if len(await admin.keys(f"{prefix}:*")) >= 5:  # 2 lists, 2 metas, the index
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the replica did not sync")
+            synced = sorted(await admin.keys(f"{prefix}:*"))
+            url = f"redis://{replica.host}:{replica.port}/0?prefix={prefix}"
+            async with RedisStorage.from_url(url) as backend:
+                with (
+                    structlog.testing.capture_logs() as logs,
+                    pytest.raises(StorageError, match=r"refused the write \(READONLY"),
+                ):
+                    await backend.manifest().compact()
+                assert len((await backend.manifest().read()).entries) == 2
+            assert sorted(await admin.keys(f"{prefix}:*")) == synced
+        finally:
+            await admin.aclose()
+    # Said once, by the error: not a temporary list left, nor once per namespace.
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == []
+
+
 async def test_an_exists_that_times_out_on_a_bulk_connection_says_so() -> None:
     with RedisServer() as server:
         url = fresh_url(f"redis://{server.host}:{server.port}/0", timeout=0.2)
