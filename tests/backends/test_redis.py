@@ -1058,6 +1058,33 @@ async def test_exists_asks_with_exists_where_touch_is_refused(params: dict[str, 
         assert fallbacks == (1 if params.get("multikey") == 0 else 0)
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+@pytest.mark.parametrize(
+    ("rules", "params", "event"),
+    [
+        (("~*", "+@all", "-touch"), {"multikey": 0}, "storage.redis.no_touch"),
+        (("%R~*", "+@all"), {}, "storage.redis.no_scripting"),
+    ],
+    ids=["touch", "script"],
+)
+async def test_calls_refused_together_all_fall_back_and_say_it_once(
+    redis_url: str, bulk: int, rules: tuple[str, ...], params: dict[str, int], event: str
+) -> None:
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    async with (
+        acl_user(redis_url, *rules) as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk, **params)) as r,
+    ):
+        with structlog.testing.capture_logs() as logs:
+            # Each sent before the first refusal came back.
+            assert await asyncio.gather(*(r.exists(keys) for _ in range(8))) == [2] * 8
+        assert r.stats().errors == 0
+    assert [e["event"] for e in logs] == [event]
+
+
 async def test_exists_loads_its_script_again_after_a_flush(redis_url: str) -> None:
     async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
         assert backend._bulk is not None
