@@ -118,7 +118,7 @@ class BulkConnection:
         return ReplyError(line[1:].decode("utf-8", "replace")) if line[:1] == b"-" else None
 
     async def call_integer(self, command: Sequence[bytes]) -> int | ReplyError:
-        """Send one command whose reply is an integer (`EVALSHA` of a script returning a
+        """Send one command whose reply is an integer (`EVAL` of a script returning a
         number); returns it, or the error reply."""
         await self.send([_command(*command)])
         reply = await self.read_integer()
