@@ -87,7 +87,7 @@ from ._page import (
 )
 from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
 from ._redis_bulk import BulkConnection, BulkConnectionPool, ReplyError
-from ._redis_cluster import GuardedCluster
+from ._redis_cluster import GuardedCluster, closed_by_server
 
 __all__ = ["RedisStorage"]
 
@@ -364,12 +364,6 @@ def _nbytes_from_start(head: bytes) -> int | None:
 
 def _last_access(page: PageInfo) -> float:
     return page.last_access
-
-
-def _closed_by_server(connection: object) -> bool:
-    """Whether the server has closed `connection` (its end of stream already received)."""
-    reader = getattr(connection, "_reader", None)
-    return isinstance(reader, asyncio.StreamReader) and reader.at_eof()
 
 
 def _reply_text(error: object) -> str:
@@ -2379,7 +2373,7 @@ class RedisStorage(BackendBase):
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         replies: list[object] = []
         try:
-            if _closed_by_server(connection):
+            if closed_by_server(connection):
                 # redis-py 8 hands out a pooled connection the server closed while it sat
                 # idle (`timeout` in redis.conf, a restart): its pool skips that check when
                 # maintenance notifications are on. Nothing was sent on it: a new one is safe.
