@@ -31,6 +31,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import (
     ClusterCrossSlotError,
     OutOfMemoryError,
+    ReadOnlyError,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -548,6 +549,8 @@ class RedisManifest:
         for namespace in namespaces:
             try:
                 report = await self.compact_namespace(namespace)
+            except _WritesRefused:
+                raise  # every namespace's would be: said once, by the error
             except StorageError as exc:
                 # One namespace that fails (a damaged key, a node down) must not keep the
                 # ones after it from being compacted and repaired.
@@ -1135,12 +1138,14 @@ class RedisManifest:
         key, meta = self.list_key(namespace), self.meta_key(namespace)
         temp = f"{key}:compacting:{os.urandom(8).hex()}"
         nbytes = sum(map(len, lines))
+        pushed = False
         try:
             for batch in _batches(lines, _PUSH_BYTES):
                 async with client.pipeline(transaction=False) as pipe:
                     pipe.rpush(temp, *batch)
                     pipe.expire(temp, _TEMP_TTL_S)
                     await pipe.execute()
+                pushed = True
             if self._scripting:
                 if self._switch is None:
                     self._switch = client.register_script(_SWITCH_SCRIPT)
@@ -1156,6 +1161,15 @@ class RedisManifest:
             switched = await self._switch_watched(
                 namespace, gen, length, temp, nbytes, records=len(lines)
             )
+        except ReadOnlyError as exc:
+            if pushed:  # the server became a replica meanwhile: its temporary list expires
+                await _forget(client, temp)
+                raise StorageError(f"{self._name}: manifest compaction failed: {exc}") from exc
+            # A read-only replica wrote nothing, and would refuse the delete as well.
+            raise _WritesRefused(
+                f"{self._name}: manifest compaction refused: the server refused the write "
+                f"(READONLY: a read-only replica; compact on its primary)"
+            ) from exc
         except REDIS_FAULTS as exc:
             await _forget(client, temp)
             raise StorageError(f"{self._name}: manifest compaction failed: {exc}") from exc
@@ -1261,6 +1275,11 @@ class RedisManifest:
                 await _forget(client, temp)
                 return False
         return True
+
+
+class _WritesRefused(StorageError):
+    """The server refuses every write (a read-only replica): so would it for every
+    namespace."""
 
 
 def _bump_gen(pipe: Any, meta: str, gen: object) -> None:

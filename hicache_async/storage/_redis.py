@@ -87,7 +87,7 @@ from ._page import (
 )
 from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
 from ._redis_bulk import BulkConnection, BulkConnectionPool, ReplyError
-from ._redis_cluster import GuardedCluster
+from ._redis_cluster import GuardedCluster, closed_by_server
 
 __all__ = ["RedisStorage"]
 
@@ -364,12 +364,6 @@ def _nbytes_from_start(head: bytes) -> int | None:
 
 def _last_access(page: PageInfo) -> float:
     return page.last_access
-
-
-def _closed_by_server(connection: object) -> bool:
-    """Whether the server has closed `connection` (its end of stream already received)."""
-    reader = getattr(connection, "_reader", None)
-    return isinstance(reader, asyncio.StreamReader) and reader.at_eof()
 
 
 def _reply_text(error: object) -> str:
@@ -901,29 +895,35 @@ class RedisStorage(BackendBase):
                     # them (`%R~` in its ACL) is refused the script but not TOUCH. A user
                     # refused the keys themselves fails here too, and keeps the script.
                     count = await self._exists_by_pipeline(client, keys)
-                    log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
-                    self._multikey = False
+                    self._no_scripting(exc)
                     return count
                 if not scripting_refused(exc):  # BUSY, LOADING, ...: this call fails
                     self._counters.errors += 1
                     named = named_in_script(exc, self._prefix_script.script)
                     raise StorageError(f"{self._name}: exists failed: {named}") from exc
                 # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
-                log.warning("storage.redis.no_scripting", backend=self._name, error=str(exc))
-                self._multikey = False
+                self._no_scripting(exc)
         return await self._exists_by_pipeline(client, keys)
+
+    def _no_scripting(self, error: BaseException) -> None:
+        """`exists` goes without its script from now on: said once, by the first of the calls
+        that were refused it together."""
+        if self._multikey:
+            log.warning("storage.redis.no_scripting", backend=self._name, error=str(error))
+        self._multikey = False
 
     async def _exists_by_pipeline(self, client: RedisClient, keys: Sequence[bytes]) -> int:
         """`exists` as a TOUCH (or EXISTS) per key, in pipelines."""
         count = 0
         for start in range(0, len(keys), _KEYS_PER_PIPELINE):
             batch = keys[start : start + _KEYS_PER_PIPELINE]
+            touched = self._touch
             results = await self._exists_replies(client, batch)
-            if self._touch and any(
-                isinstance(r, Exception) and scripting_refused(r) for r in results
-            ):
+            if touched and any(isinstance(r, Exception) and scripting_refused(r) for r in results):
                 # TOUCH refused here (an ACL listing commands, a proxy): EXISTS from now on.
-                log.warning("storage.redis.no_touch", backend=self._name)
+                # Calls that asked with TOUCH meanwhile ask again too, and say nothing.
+                if self._touch:
+                    log.warning("storage.redis.no_touch", backend=self._name)
                 self._touch = False
                 results = await self._exists_replies(client, batch)
             # Up to the first missing key: a key unanswered before it (its node lost, an
@@ -2373,7 +2373,7 @@ class RedisStorage(BackendBase):
         connection = await pool.get_connection()  # type: ignore[no-untyped-call]
         replies: list[object] = []
         try:
-            if _closed_by_server(connection):
+            if closed_by_server(connection):
                 # redis-py 8 hands out a pooled connection the server closed while it sat
                 # idle (`timeout` in redis.conf, a restart): its pool skips that check when
                 # maintenance notifications are on. Nothing was sent on it: a new one is safe.

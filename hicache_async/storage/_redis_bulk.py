@@ -112,8 +112,13 @@ class BulkConnection:
             return None
         raise ProtocolError(f"unexpected reply to SET: {line[:40]!r}")
 
+    async def read_error(self) -> ReplyError | None:
+        """The error of the next reply, a one-line one, or None if it is no error (`PING`)."""
+        line = await self._read_line()
+        return ReplyError(line[1:].decode("utf-8", "replace")) if line[:1] == b"-" else None
+
     async def call_integer(self, command: Sequence[bytes]) -> int | ReplyError:
-        """Send one command whose reply is an integer (`EVALSHA` of a script returning a
+        """Send one command whose reply is an integer (`EVAL` of a script returning a
         number); returns it, or the error reply."""
         await self.send([_command(*command)])
         reply = await self.read_integer()
@@ -320,18 +325,39 @@ class BulkConnectionPool:
                 raise
             if refused is not None:
                 sock.close()
+                if _greeting(refused):
+                    raise ConnectionRefusedError(f"the server refused the connection: {refused}")
                 raise ConnectionRefusedError(f"connection setup refused: {refused}")
             return conn
         raise error or OSError(f"no address for {self._host}:{self._port}")
 
     async def _set_up(self, conn: BulkConnection) -> ReplyError | None:
-        """AUTH, SELECT and CLIENT SETNAME as configured; the first refusal, if any."""
+        """AUTH, SELECT and CLIENT SETNAME as configured, or a PING where none is: the first
+        refusal, if any. A server refusing the connection itself (protected mode, a full
+        `maxclients`) writes its error as soon as it accepts and closes: read here, it reads
+        as what it is, where the first command of a batch would take it for its own reply (or
+        meet a broken pipe)."""
         if not self._setup:
-            return None
+            await conn.send([_PING])
+            error = await conn.read_error()
+            # Any other answer (NOPERM: PING refused by an ACL) means the server took it.
+            return error if error is not None and _greeting(error) else None
         await conn.send(self._setup)
-        refused = None
+        refused: ReplyError | None = None
         for _ in self._setup:
             reply = await conn.read_status()
+            if isinstance(reply, ReplyError) and _greeting(reply):
+                return reply  # the server closes the connection: no more replies come
             if isinstance(reply, ReplyError) and refused is None:
                 refused = reply
         return refused
+
+
+_PING = _command(b"PING")
+#: How the replies a server sends before closing a connection it refused begin.
+_GREETINGS = ("DENIED ", "ERR max number of clients reached")
+
+
+def _greeting(reply: ReplyError) -> bool:
+    """Whether `reply` is the server refusing the connection itself, not a command."""
+    return str(reply).startswith(_GREETINGS)

@@ -45,7 +45,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["GuardedCluster"]
+__all__ = ["GuardedCluster", "closed_by_server"]
 
 # Set while this task holds a turn: a call the client makes from within one (a redirected
 # command of a pipeline, a script load) must not wait for a second turn.
@@ -58,6 +58,21 @@ class _LastFreedFirst(collections.deque[Connection]):
 
     def append(self, connection: Connection) -> None:
         self.appendleft(connection)
+
+    def popleft(self) -> Connection:
+        connection = super().popleft()
+        if closed_by_server(connection):
+            # As the standalone pool (see `_send_once`): a connection the server closed while
+            # it sat here (`timeout` in redis.conf) failed the next pipeline sent on it. Its
+            # next send connects again; the check costs no system call.
+            connection._close()  # type: ignore[no-untyped-call]
+        return connection
+
+
+def closed_by_server(connection: object) -> bool:
+    """Whether the server has closed `connection` (its end of stream already received)."""
+    reader = getattr(connection, "_reader", None)
+    return isinstance(reader, asyncio.StreamReader) and reader.at_eof()
 
 
 #: The failures after which the client sends a call again: redis-py's, but a timeout.

@@ -408,6 +408,33 @@ async def test_open_with_no_server_then_batches_are_errors() -> None:
         assert await backend.put(keys, pages, metas) == [Outcome.ERROR]
 
 
+@pytest.mark.parametrize("nbytes", [3000, 300_000], ids=["small", "large"])
+@pytest.mark.parametrize("named", [False, True], ids=["plain", "client_name"])
+async def test_a_full_maxclients_is_logged_as_the_servers_refusal(nbytes: int, named: bool) -> None:
+    # The server writes its refusal as it accepts a connection, then closes it: a batch sent
+    # without reading it first took it for a SET's reply, or met a broken pipe.
+    with RedisServer() as server:
+        params = {"timeout": 2, **({"client_name": "full"} if named else {})}
+        url = fresh_url(f"redis://{server.host}:{server.port}/0", bulk=1, **params)
+        async with RedisStorage.from_url(url) as backend:
+            admin = aioredis.Redis(host=server.host, port=server.port)
+            try:
+                await admin.config_set("maxclients", 1)
+                await admin.execute_command("CLIENT", "KILL", "SKIPME", "yes")
+                keys, pages, metas = make_pages(3, nbytes)
+                with structlog.testing.capture_logs() as logs:
+                    assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 3
+                    got = await backend.get(keys, buffers(3, nbytes), namespace=NS)
+                    assert got == [Outcome.ERROR] * 3
+            finally:
+                await admin.aclose()
+    events = {entry["event"]: entry for entry in logs}
+    assert "storage.redis.reply_error" not in events
+    refusal = "the server refused the connection: ERR max number of clients reached"
+    assert events["storage.redis.put_failed"]["error"] == refusal
+    assert events["storage.redis.get_failed"]["error"] == refusal
+
+
 async def test_batches_larger_than_a_pipeline(redis_url: str) -> None:
     url = fresh_url(redis_url, put_pipeline_bytes="64KiB", get_pipeline_bytes="100KiB")
     async with RedisStorage.from_url(url) as backend:
@@ -1031,6 +1058,33 @@ async def test_exists_asks_with_exists_where_touch_is_refused(params: dict[str, 
         assert fallbacks == (1 if params.get("multikey") == 0 else 0)
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+@pytest.mark.parametrize(
+    ("rules", "params", "event"),
+    [
+        (("~*", "+@all", "-touch"), {"multikey": 0}, "storage.redis.no_touch"),
+        (("%R~*", "+@all"), {}, "storage.redis.no_scripting"),
+    ],
+    ids=["touch", "script"],
+)
+async def test_calls_refused_together_all_fall_back_and_say_it_once(
+    redis_url: str, bulk: int, rules: tuple[str, ...], params: dict[str, int], event: str
+) -> None:
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    async with (
+        acl_user(redis_url, *rules) as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk, **params)) as r,
+    ):
+        with structlog.testing.capture_logs() as logs:
+            # Each sent before the first refusal came back.
+            assert await asyncio.gather(*(r.exists(keys) for _ in range(8))) == [2] * 8
+        assert r.stats().errors == 0
+    assert [e["event"] for e in logs] == [event]
+
+
 async def test_exists_loads_its_script_again_after_a_flush(redis_url: str) -> None:
     async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
         assert backend._bulk is not None
@@ -1250,6 +1304,41 @@ async def test_only_a_refused_script_command_turns_the_script_off(
         assert await backend.exists(keys) == 2
         assert not backend._multikey
         assert backend.stats().errors == 0
+
+
+async def test_a_compaction_on_a_read_only_replica_says_the_server_refused_it() -> None:
+    other = bytes(range(16, 32))
+    with (
+        RedisServer() as primary,
+        RedisServer(extra_args=["--replicaof", primary.host, str(primary.port)]) as replica,
+    ):
+        async with RedisStorage.from_url(fresh_url(primary.url)) as writer:
+            for namespace in (NS, other):
+                entry = chain_entry(namespace, [os.urandom(32)], 16, 0, time.time())
+                await writer.manifest().append([entry])
+            prefix = writer.prefix
+        admin = aioredis.Redis(host=replica.host, port=replica.port)
+        try:
+            for _ in range(300):  # up to ~30 s for the first sync
+                if len(await admin.keys(f"{prefix}:*")) >= 5:  # 2 lists, 2 metas, the index
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the replica did not sync")
+            synced = sorted(await admin.keys(f"{prefix}:*"))
+            url = f"redis://{replica.host}:{replica.port}/0?prefix={prefix}"
+            async with RedisStorage.from_url(url) as backend:
+                with (
+                    structlog.testing.capture_logs() as logs,
+                    pytest.raises(StorageError, match=r"refused the write \(READONLY"),
+                ):
+                    await backend.manifest().compact()
+                assert len((await backend.manifest().read()).entries) == 2
+            assert sorted(await admin.keys(f"{prefix}:*")) == synced
+        finally:
+            await admin.aclose()
+    # Said once, by the error: not a temporary list left, nor once per namespace.
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == []
 
 
 async def test_an_exists_that_times_out_on_a_bulk_connection_says_so() -> None:

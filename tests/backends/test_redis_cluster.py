@@ -26,6 +26,7 @@ from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 
 from .test_redis import (
     NS,
+    _connections_named,
     buffers,
     check_oversized_values_are_not_read_whole,
     joined,
@@ -344,6 +345,39 @@ async def test_a_slot_moved_under_a_client_is_followed(redis_cluster: RedisClust
         finally:
             for client in clients.values():
                 client.close()
+
+
+async def test_calls_after_the_nodes_closed_idle_connections_succeed() -> None:
+    # `timeout 1` on every node: each closes connections idle for a second.
+    with RedisClusterServer() as cluster:
+        for node in cluster.nodes:
+            with node_client(node) as admin:
+                admin.config_set("timeout", 1)
+        name = f"idle{uuid.uuid4().hex[:8]}"
+        async with RedisStorage.from_url(fresh_url(cluster.url, client_name=name)) as backend:
+            keys, pages, metas = make_pages(6)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 6
+
+            async def idle_closed() -> None:
+                for _ in range(300):  # up to ~30 s for the nodes' idle sweeps
+                    counts = [
+                        await asyncio.to_thread(_connections_named, n.host, n.port, name)
+                        for n in cluster.nodes
+                    ]
+                    if not any(counts):
+                        return
+                    await asyncio.sleep(0.1)
+                pytest.fail("the nodes did not close the idle connections")
+
+            await idle_closed()
+            assert await backend.delete(keys[:3]) == 3
+            await idle_closed()
+            assert await backend.exists(keys[3:]) == 3
+            await idle_closed()
+            into = buffers(3)
+            assert await backend.get(keys[3:], into, namespace=NS) == [Outcome.OK] * 3
+            assert [joined(p) for p in into] == [joined(p) for p in pages[3:]]
+            assert backend.stats().errors == 0
 
 
 async def test_a_killed_node_gives_errors_not_wrong_pages_or_hangs() -> None:
