@@ -63,6 +63,7 @@ from ._page import (
     PageCheck,
     PageHeader,
     check_header,
+    created_recency,
     decode_header,
     encode_header,
     scatter,
@@ -1961,7 +1962,7 @@ class MooncakeStorage(BackendBase):
                     nbytes=size,
                     num_tokens=header.num_tokens,
                     priority=header.priority,
-                    last_access=header.created_ns / 1e9,
+                    last_access=created_recency(header.created_ns / 1e9, now),
                 )
             )
         return pages
