@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import re
+import socket
 import struct
 import sys
 import threading
@@ -16,6 +17,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 import numpy as np
@@ -1062,6 +1064,22 @@ async def test_a_page_stamped_far_ahead_lists_as_never_used_and_gc_evicts_it_fir
         assert await backend.exists(keys[:1]) == 0
         assert await backend.exists(keys[1:2]) == 1
         assert await backend.exists(keys[2:]) == 1
+
+
+async def test_a_manifest_listing_that_fails_masks_a_token_in_the_admin_url(
+    mooncake_url: str,
+) -> None:
+    # The admin URL is quoted in the error: a credential-named parameter in it is masked.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    admin = quote(f"http://127.0.0.1:{port}/?token=s3cretpw", safe="")
+    base = re.sub(r"&admin=[^&]*", "", mooncake_url)
+    async with MooncakeStorage.from_url(fresh_url(base, admin=admin)) as backend:
+        with pytest.raises(StorageError) as caught:
+            await backend.manifest().read()
+    assert "s3cretpw" not in str(caught.value)
+    assert "token=***" in str(caught.value)
 
 
 async def test_verify_counts_pages_too_large_to_stage_as_unchecked(mooncake_url: str) -> None:
