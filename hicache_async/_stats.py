@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NoReturn
 
 import msgspec
@@ -78,6 +78,21 @@ class ReadOnlyCounts(dict[str, int]):
     """
 
     __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ReadOnlyCounts:
+        # Filled here, not in __init__: calling __init__ again on a snapshot's counters would
+        # otherwise add to them, as dict's does.
+        counts = super().__new__(cls)
+        dict.update(counts, *args, **kwargs)
+        return counts
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Counts as `dict(*args, **kwargs)` gives them (filled by `__new__`)."""
+
+    @classmethod
+    def fromkeys(cls, keys: Iterable[str], value: int = 0, /) -> ReadOnlyCounts:  # type: ignore[override]
+        """Counts of `value` for each of `keys`."""
+        return cls(dict.fromkeys(keys, value))
 
     def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError("the counters of a statistics snapshot are read-only")

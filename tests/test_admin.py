@@ -383,6 +383,7 @@ class _OddStats(StorageStats, frozen=True):
     kinds: Any = None
     ratio: Any = None
     shown: Any = None
+    huge: Any = None
 
 
 class _Unprintable:
@@ -390,10 +391,15 @@ class _Unprintable:
         raise RuntimeError("no repr")
 
 
+class _Wordy:
+    def __repr__(self) -> str:
+        return "<wordy " + "x" * 10**6 + ">"
+
+
 class _OddStatsStorage(MemoryStorage):
     def stats(self) -> StorageStats:
         base = msgspec.structs.asdict(super().stats())
-        return _OddStats(**base, kinds={1 + 2j}, ratio=0.5, shown=_Unprintable())
+        return _OddStats(**base, kinds={1 + 2j}, ratio=0.5, shown=_Unprintable(), huge=_Wordy())
 
 
 async def test_a_stats_field_json_cannot_encode_is_shown_as_its_repr() -> None:
@@ -403,6 +409,11 @@ async def test_a_stats_field_json_cannot_encode_is_shown_as_its_repr() -> None:
         assert decoded["storage"]["storage"]["kinds"] == "{(1+2j)}"
         assert decoded["storage"]["storage"]["ratio"] == 0.5
         assert decoded["storage"]["storage"]["shown"] == "<_Unprintable>"
+        # A repr of megabytes is cut, not sent with every status call.
+        huge = decoded["storage"]["storage"]["huge"]
+        assert huge.startswith("<wordy xxx")
+        assert huge.endswith(" characters)")
+        assert len(huge) < 1100
         async with running(AdminApp(cache, token=TOKEN)) as client:
             response = await client.get(STORAGE, headers=AUTH)
             assert response.status_code == 200, response.text

@@ -296,7 +296,13 @@ async def test_the_counters_of_a_snapshot_are_read_only() -> None:
     for change in changes:
         with pytest.raises(TypeError):
             change()
+    # Calling __init__ again (as dict's would fill it) changes nothing either.
+    counters.__init__({"requests": 0, "new": 1})  # type: ignore[misc]
     assert counters["requests"] == 1
+    assert "new" not in counters
+    from hicache_async._stats import ReadOnlyCounts
+
+    assert ReadOnlyCounts.fromkeys(["a", "b"], 2) == {"a": 2, "b": 2}
     plain = dict(counters)
     assert counters == plain
     editable = counters.copy()

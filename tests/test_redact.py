@@ -1,8 +1,10 @@
 """Credentials in storage URLs are masked in every message: when a password holds an unescaped
 '/', '?', '#' or '@', where the userinfo ends is ambiguous, and the masking takes the wider
-reading (up to the URL's last '@' that is not a query parameter's or fragment's data)."""
+reading (up to the URL's last '@' that is not a query parameter's data)."""
 
 from __future__ import annotations
+
+from urllib.parse import unquote
 
 import pytest
 
@@ -49,8 +51,8 @@ def test_a_url_without_userinfo_is_kept() -> None:
         assert url_secrets(url) == []
 
 
-# (URL, its userinfo): an '@' in a query's parameter, or in a fragment after a host without
-# userinfo, is data; a query that is not parameters, or an authority without a valid host,
+# (URL, its userinfo): an '@' in a query's parameter after a host without userinfo is data;
+# one in a fragment, a query that is not parameters, or an authority without a valid host,
 # leaves the wider reading.
 WHERE_THE_USERINFO_ENDS = [
     ("redis://host:6379/0?name=a@b", None),
@@ -58,8 +60,8 @@ WHERE_THE_USERINFO_ENDS = [
     ("redis://[::1]:6379/0?name=a@b", None),
     ("redis://[fe80::1%25eth0]:6379?client_name=x@y", None),
     ("rediss://host?name=a@b;other=1", None),
-    ("redis://host:6379/0#a@b", None),
-    ("redis://host?name=a@b#c@d", None),
+    ("redis://host:6379/0#a@b", "host:6379/0#a"),
+    ("redis://host?name=a@b#c@d", "host?name=a@b#c"),
     ("redis://u:p@host/0?name=a@b&x=1", "u:p"),
     ("redis://u:p@[::1]:6379/0?name=a@b", "u:p"),
     ("redis://:pw@host?name=a@b", ":pw"),
@@ -95,3 +97,33 @@ def test_an_at_sign_after_the_host_is_not_a_secret(url: str, userinfo: str | Non
         if "s3cret" in userinfo:
             assert "s3cret" not in masked
             assert "s3cret" not in scrub_secrets(f"cannot open {url}", url)
+
+
+# (URL, the password no message may quote): passwords that begin with '#' or '?' after a
+# `user:` that reads as a host with an empty port, a '#' after a port-like password, a query
+# that is not words, and credentials of a URL given as a parameter, percent-encoded or not.
+LEAKY_AFTER_THE_HOST = [
+    ("redis://user:#s3cretpw@host:6379/0", "#s3cretpw"),
+    ("redis://default:?a=s3cretpw@host:6379", "?a=s3cretpw"),
+    ("file://user:#s3cretpw@host/x", "#s3cretpw"),
+    ("memory://user:#s3cretpw@host", "#s3cretpw"),
+    ("mooncake://user:#s3cretpw@host:50051", "#s3cretpw"),
+    ("nosuch://user:#s3cretpw@host", "#s3cretpw"),
+    ("redis://u:4#s3cretpw@host", "4#s3cretpw"),
+    ("redis://tok3n#s3cretpw@host", "tok3n#s3cretpw"),
+    ("redis://user:1?x=$3cret pw@host", "1?x=$3cret pw"),
+    ("mooncake://m:50051?metadata=Http%3A//u:s3cretpw@h:8080/m", "s3cretpw"),
+    ("mooncake://m:50051?metadata=Http%3A%2F%2Fu%3As3cretpw%40h%3A8080%2Fm", "s3cretpw"),
+    ("mooncake://m:50051?admin=http%3A%2F%2Fu%3As3cretpw%40h%3A8080", "s3cretpw"),
+    ("nosuch://host?pass%77ord=s3cret@pw", "s3cret@pw"),
+    ("nosuch://host?token=s3cretpw&x=1", "s3cretpw"),
+]
+
+
+@pytest.mark.parametrize(("url", "secret"), LEAKY_AFTER_THE_HOST)
+def test_a_secret_after_the_host_is_never_quoted(url: str, secret: str) -> None:
+    assert secret not in mask_userinfo(url)
+    assert secret not in scrub_secrets(f"cannot open {unquote(url)}", url)
+    with pytest.raises(StorageConfigError) as caught:
+        open_storage(url)
+    assert secret not in str(caught.value)

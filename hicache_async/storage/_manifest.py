@@ -551,7 +551,10 @@ class ManifestCollector:
                 self._ahead[key] = ahead
             else:
                 self._ahead.pop(key, None)
-        if len(self._later) > 4 * self._limits.max_entries:
+        # A prune leaves an entry per record ahead held, which with `carry` can be more
+        # than a fixed bound (`max_entries` per namespace): past what it left, or each record
+        # would prune again, a pass over all of them.
+        if len(self._later) > 2 * len(self._held) + 4 * self._limits.max_entries:
             self._prune_ahead()
         self._namespaces.add(self._bound_of(record))
         if len(self._held) >= 2 * self._limits.max_entries * len(self._namespaces):

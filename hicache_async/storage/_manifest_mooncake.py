@@ -56,6 +56,7 @@ from ._manifest import (
     encode_entry,
     off_loop,
 )
+from ._redact import mask_userinfo
 
 if TYPE_CHECKING:
     from ._mooncake import MooncakeStorage
@@ -494,7 +495,9 @@ class MooncakeManifest:
                             if _NAMESPACE.match(ns):
                                 names.add(ns)
             except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
-                raise StorageError(f"{self._storage.name}: {url} failed: {exc}") from exc
+                raise StorageError(
+                    f"{self._storage.name}: {mask_userinfo(url)} failed: {exc}"
+                ) from exc
             return names
 
         found |= await self._storage.run_job(job)
@@ -659,7 +662,9 @@ class MooncakeManifest:
                         if _CHUNK_NAME.match(rest) and not rest.startswith(current):
                             names.append(name.decode("ascii", "replace"))
             except (OSError, http.client.HTTPException) as exc:  # URLError is an OSError
-                raise StorageError(f"{self._storage.name}: {url} failed: {exc}") from exc
+                raise StorageError(
+                    f"{self._storage.name}: {mask_userinfo(url)} failed: {exc}"
+                ) from exc
             return names
 
         await self._remove(await self._storage.run_job(job))

@@ -65,6 +65,7 @@ from ._page import (
     PageCheck,
     PageHeader,
     check_header,
+    created_recency,
     decode_header,
     encode_header,
     scatter,
@@ -2072,7 +2073,7 @@ class MooncakeStorage(BackendBase):
                     nbytes=size,
                     num_tokens=header.num_tokens,
                     priority=header.priority,
-                    last_access=header.created_ns / 1e9,
+                    last_access=created_recency(header.created_ns / 1e9, now),
                 )
             )
         return pages

@@ -49,6 +49,7 @@ __all__ = [
     "PageHeader",
     "PayloadVerifier",
     "check_header",
+    "created_recency",
     "decode_header",
     "encode_header",
     "payload_checksum",
@@ -67,6 +68,22 @@ _BODY = struct.Struct("<4sHH16s32sQIiQQ32s")  # bytes 0..120
 _TAIL = struct.Struct("<Q")
 _MAC_OFFSET = 88
 assert _BODY.size + _TAIL.size == HEADER_NBYTES
+#: How far ahead of a listing's clock a page's creation stamp is still believed (the
+#: allowance the Mooncake manifest lock gives clocks ahead).
+CREATED_AHEAD_S = 300.0
+
+
+def created_recency(created_s: float, now: float) -> float:
+    """The last use a listing gives a page known only by its header's creation time (seconds).
+
+    A stamp up to `CREATED_AHEAD_S` ahead of `now` (a writer's clock a little fast) counts
+    as `now`; one further ahead (a host booted with a wrong time, a forged header) as never
+    used (0.0), the first `gc` evicts: otherwise such a writer would pin its pages, listed
+    newest, until that time came.
+    """
+    if created_s > now + CREATED_AHEAD_S:
+        return 0.0
+    return min(created_s, now)
 
 
 class PageCheck(enum.Enum):

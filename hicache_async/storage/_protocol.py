@@ -215,9 +215,14 @@ def check_exists(found: object, count: int) -> int:
     return value
 
 
+#: The longest repr `encodable_stats` keeps of a field JSON cannot encode.
+_MAX_REPR_CHARS = 1000
+
+
 def encodable_stats(stats: StorageStats) -> StorageStats:
     """`stats` with each field a subclass added that JSON cannot encode (a set, a complex, an
-    object) replaced by its `repr`, so `statistics()` and the admin API's JSON still encode."""
+    object) replaced by its `repr` (cut to 1,000 characters), so `statistics()` and the
+    admin API's JSON still encode."""
     changes: dict[str, str] = {}
     for field in type(stats).__struct_fields__:
         if field in StorageStats.__struct_fields__:
@@ -227,9 +232,13 @@ def encodable_stats(stats: StorageStats) -> StorageStats:
             msgspec.json.encode(value)
         except Exception:  # a third-party value: anything may fail, its repr included
             try:
-                changes[field] = repr(value)
+                shown = repr(value)
             except Exception:
-                changes[field] = f"<{type(value).__name__}>"
+                shown = f"<{type(value).__name__}>"
+            # Cut: a repr can run to megabytes, sent with every status and statistics call.
+            if len(shown) > _MAX_REPR_CHARS:
+                shown = f"{shown[:_MAX_REPR_CHARS]}... ({len(shown)} characters)"
+            changes[field] = shown
     return msgspec.structs.replace(stats, **changes) if changes else stats
 
 

@@ -80,6 +80,7 @@ from ._page import (
     PageHeader,
     PayloadVerifier,
     check_header,
+    created_recency,
     decode_header,
     encode_header,
     read_value_into,
@@ -1758,7 +1759,7 @@ class RedisStorage(BackendBase):
         created = now  # a newer format's: unknown, so counted as new
         if not isinstance(header, PageCheck):
             tokens, priority = header.num_tokens, header.priority
-            created = header.created_ns / 1e9
+            created = created_recency(header.created_ns / 1e9, now)
         last = now - idle if isinstance(idle, int) else created
         if touched is not None and isinstance(idle, int) and idle >= touched:
             # Not used since a pass that read every page and recorded it (which Redis

@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import re
+import socket
 import struct
 import sys
 import threading
@@ -16,6 +17,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+from urllib.parse import quote
 
 import msgspec
 import numpy as np
@@ -38,7 +40,7 @@ from hicache_async.storage._mooncake import (
     _put_groups,
     close_idle_clients,
 )
-from hicache_async.storage._page import FORMAT_VERSION
+from hicache_async.storage._page import FORMAT_VERSION, PageCheck, decode_header, encode_header
 from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 from hicache_async.testing._servers import (
     MooncakeMaster,
@@ -1034,6 +1036,50 @@ async def test_listing_counts_stored_bytes_and_puts_unreadable_headers_first_for
         assert await backend.exists([keys[2]]) == 0
         assert await backend.exists([keys[0]]) == 0
         assert await backend.read_raw(keys[1]) == newer
+
+
+async def test_a_page_stamped_far_ahead_lists_as_never_used_and_gc_evicts_it_first(
+    mooncake_url: str,
+) -> None:
+    # Mooncake keeps no access times: a page lists by its header's creation, which its
+    # writer's clock stamped. One stamped more than 300 s ahead would list newest and be the
+    # last gc evicts until that time came; it lists as never used. One a little ahead lists
+    # as now.
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, capacity=7000)) as backend:
+        keys, pages, metas = make_pages(3)
+        await backend.put(keys[2:], pages[2:], metas[2:])
+        for key, page, meta, ahead_s in zip(keys, pages, metas, (86_400, 100), strict=False):
+            header = encode_header(meta, page, created_ns=time.time_ns() + ahead_s * 10**9)
+            await backend.write_raw(key, header + joined(page))
+            raw = await backend.read_raw(key)
+            assert raw is not None
+            assert not isinstance(decode_header(raw), PageCheck)
+        before = time.time()
+        listed = {p.key: p for p in await backend.list_pages()}
+        assert listed[keys[0]].last_access == 0.0
+        assert before <= listed[keys[1]].last_access <= time.time()
+        # 7000 bytes hold two pages: the one stamped far ahead goes.
+        gc = await backend.gc()
+        assert gc.evicted_pages == 1
+        assert await backend.exists(keys[:1]) == 0
+        assert await backend.exists(keys[1:2]) == 1
+        assert await backend.exists(keys[2:]) == 1
+
+
+async def test_a_manifest_listing_that_fails_masks_a_token_in_the_admin_url(
+    mooncake_url: str,
+) -> None:
+    # The admin URL is quoted in the error: a credential-named parameter in it is masked.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    admin = quote(f"http://127.0.0.1:{port}/?token=s3cretpw", safe="")
+    base = re.sub(r"&admin=[^&]*", "", mooncake_url)
+    async with MooncakeStorage.from_url(fresh_url(base, admin=admin)) as backend:
+        with pytest.raises(StorageError) as caught:
+            await backend.manifest().read()
+    assert "s3cretpw" not in str(caught.value)
+    assert "token=***" in str(caught.value)
 
 
 async def test_verify_counts_pages_too_large_to_stage_as_unchecked(mooncake_url: str) -> None:

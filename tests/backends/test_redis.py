@@ -674,6 +674,32 @@ async def test_an_lfu_server_lists_empty_values(redis_url: str) -> None:
             assert not [e for e in logs if e["event"] == "storage.redis.idletime_refused"]
 
 
+async def test_an_lfu_listing_puts_a_page_stamped_far_ahead_first_for_gc() -> None:
+    # Under LFU a page lists by its header's creation, which its writer's clock stamped: one
+    # stamped more than 300 s ahead would list newest and be the last gc evicts until that
+    # time came; it lists as never used. One a little ahead lists as now.
+    with RedisServer(extra_args=["--maxmemory-policy", "allkeys-lfu"]) as server:
+        async with RedisStorage.from_url(fresh_url(server.url, capacity=7000)) as backend:
+            keys, pages, metas = make_pages(3)
+            assert await backend.put(keys[2:], pages[2:], metas[2:]) == [Outcome.OK]
+            for key, page, meta, ahead_s in zip(keys, pages, metas, (86_400, 100), strict=False):
+                header = encode_header(meta, page, created_ns=time.time_ns() + ahead_s * 10**9)
+                await backend.write_raw(key, header + joined(page))
+            before = time.time()
+            listed = await backend.list_pages(record=False)
+            assert [page.key for page in listed][-1] == keys[0]
+            by_key = {page.key: page for page in listed}
+            assert by_key[keys[0]].last_access == 0.0
+            assert before <= by_key[keys[1]].last_access <= time.time()
+            limited = await backend.list_pages(2, record=False)
+            assert keys[0] not in {page.key for page in limited}
+            # 7000 bytes hold two pages: the one stamped far ahead goes.
+            gc = await backend.gc()
+            assert gc.evicted_pages == 1
+            assert await backend.exists(keys[:1]) == 0
+            assert await backend.exists(keys[1:2]) == 1
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_a_listing_without_idle_times_says_once_that_it_orders_by_age(
     redis_url: str, bulk: int
