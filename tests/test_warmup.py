@@ -316,36 +316,36 @@ async def test_a_busy_namespace_never_takes_a_quiet_ones_place_in_a_memory_manif
     assert (await manifest.read(namespace=quiet.hex())).entries == kept[::-1]
 
 
-async def test_a_memory_manifest_trim_ranks_a_record_stamped_ahead_by_those_after_it() -> None:
-    # The trim on append kept it as the newest of all, in place of a chain used since.
+async def test_a_memory_manifest_trim_ranks_a_record_stamped_far_ahead_as_never_used() -> None:
+    # The trim on append kept it as the newest of all, in place of a chain used since; one
+    # stamped a minute ahead ranks as now.
     limits = ManifestLimits(max_entries=8)
     manifest = MemoryManifest(limits)
     namespace = bytes(range(16))
     now = time.time()
-    ahead = _chain(namespace, 1_000, last_use=now + 86_400)
-    await manifest.append([ahead])
-    since = [_chain(namespace, i, last_use=now - 100 + i) for i in range(2 * 8 - 1)]
+    far = _chain(namespace, 1_000, last_use=now + 86_400)
+    near = _chain(namespace, 1_001, last_use=now + 60)
+    await manifest.append([far, near])
+    since = [_chain(namespace, i, last_use=now - 100 + i) for i in range(2 * 8 - 2)]
     await manifest.append(since)
     held = [ident for ident, _ in manifest._held.items()]
-    assert ahead.ident not in held
-    assert held == [e.ident for e in since[-8:]]
+    assert held == [near.ident] + [e.ident for e in since[-7:]]
 
 
-def test_a_compaction_of_records_stamped_ahead_in_many_namespaces_prunes_seldom(
+def test_a_compaction_of_records_stamped_ahead_in_many_namespaces_costs_linear_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # With `carry` each namespace keeps `max_entries`: the records ahead held outnumbered the
-    # fixed bound that set off a prune, so every record pruned again (a pass over all held):
-    # 10,000 records took a minute where it takes a tenth of a second.
-    prunes = 0
-    prune = ManifestCollector._prune_ahead
+    # With `carry` each namespace keeps `max_entries`: ranking must not pass over every
+    # record held at each record fed (10,000 records once took a minute).
+    ranks = 0
+    ranked_use = _manifest._ranked_use
 
-    def counted(self: ManifestCollector) -> None:
-        nonlocal prunes
-        prunes += 1
-        prune(self)
+    def counted(use: float, now: float) -> tuple[float, float]:
+        nonlocal ranks
+        ranks += 1
+        return ranked_use(use, now)
 
-    monkeypatch.setattr(ManifestCollector, "_prune_ahead", counted)
+    monkeypatch.setattr(_manifest, "_ranked_use", counted)
     collector = ManifestCollector(ManifestLimits(max_entries=50), carry=True)
     now = time.time()
     records = 4_000
@@ -353,7 +353,45 @@ def test_a_compaction_of_records_stamped_ahead_in_many_namespaces_prunes_seldom(
         use = now + 86_400 + i if i % 2 == 0 else now - 1_000 + i / 1_000
         collector.add_entry(_chain(bytes([i % 8]) * 16, i, last_use=use))
     assert len(collector.result(truncated=False).entries) == 8 * 50
-    assert prunes < records // 50
+    assert ranks < 5 * records
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_oldest_and_newest_first_reads_keep_the_same_chains_with_records_stamped_ahead(
+    seed: int,
+) -> None:
+    # A file manifest is read oldest first, Redis and Mooncake newest first: with records
+    # stamped ahead ranked by the records stored after them, a third of such sets of records
+    # kept different chains depending on the order.
+    rng = np.random.default_rng(seed)
+    now = time.time()
+    namespace = bytes(range(16))
+    offsets = [-100.0, -50.0, 0.5, 100.0, 1_000.0, 86_400.0]
+    for _ in range(100):
+        chains = rng.integers(16, size=int(rng.integers(2, 41)))
+        records = [
+            _chain(
+                namespace,
+                int(chain),
+                priority=int(chain) % 3 // 2,  # a chain's priority does not change
+                last_use=now + offsets[int(rng.integers(len(offsets)))] + float(rng.random()),
+            )
+            for chain in chains
+        ]
+        limits = ManifestLimits(max_entries=int(rng.integers(1, 9)))
+        oldest_first = ManifestCollector(limits)
+        for record in records:
+            oldest_first.add_entry(record)
+        newest_first = ManifestCollector(limits, newest_first=True)
+        for record in reversed(records):
+            newest_first.add_entry(record)
+        read = oldest_first.result(truncated=False)
+        assert read.entries == newest_first.result(truncated=False).entries
+        # A chain's record stamped far ahead never hides a later one of it.
+        for e in read.entries:
+            later = [r.last_use for r in records if r.ident == e.ident and r.last_use <= now + 300]
+            if later:
+                assert e.last_use == max(later)
 
 
 async def test_a_newer_memory_manifest_record_replaces_the_older() -> None:

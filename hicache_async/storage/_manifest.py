@@ -18,7 +18,6 @@ others (see `ManifestCollector`). Removing or retyping a field needs a new `v`.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import errno
 import fcntl
@@ -51,6 +50,7 @@ import msgspec
 
 from .._errors import StorageError
 from ._flocks import close_lock_fd, open_lock_fd
+from ._page import CREATED_AHEAD_S
 
 __all__ = [
     "CompactReport",
@@ -180,6 +180,8 @@ def encode_entry(entry: ManifestEntry) -> bytes:
 
 
 _K = TypeVar("_K", bound=Hashable)
+# A record's use as ranked (see `_ranked_use`).
+_Rank = tuple[float, float]
 _T = TypeVar("_T")
 
 
@@ -261,13 +263,27 @@ class _Abandoned(Exception):
     """An `off_loop` job whose caller had already given up when its turn came."""
 
 
-def _evicted_before(evicted: dict[_K, float], key: _K, last_use: float) -> bool:
-    """Whether the chain `key` was evicted for room with a use no older than `last_use` (a
-    record that must not come back in its place); a newer record ends the eviction."""
+def _ranked_use(use: float, now: float) -> _Rank:
+    """How a record's `last_use` ranks by a reader's clock `now`: (use as ranked, stamp).
+
+    A stamp more than `CREATED_AHEAD_S` ahead of `now` (a writer's clock far ahead, a
+    forged record) ranks below every stamp not that far ahead, as never used: it would
+    otherwise rank first, pushing out chains used since, until its time came. One less far
+    ahead ranks as `now`. Ties go by the stamp. Only the stamp and the clock decide, never
+    the order records are read in, as page listings rank creation times (`created_recency`).
+    """
+    if use <= now:
+        return use, use
+    return (now if use <= now + CREATED_AHEAD_S else -math.inf), use
+
+
+def _evicted_before(evicted: dict[_K, _Rank], key: _K, rank: _Rank) -> bool:
+    """Whether the chain `key` was evicted for room with a use ranked no lower than `rank`
+    (a record that must not come back in its place); a newer record ends the eviction."""
     last = evicted.get(key)
     if last is None:
         return False
-    if last_use <= last:
+    if rank <= last:
         return True
     del evicted[key]
     return False
@@ -381,6 +397,8 @@ def carried_record(line: bytes) -> bool:
 class ManifestCollector:
     """Keeps the newest record per chain, at most `max_entries` of them; of records with
     the same use, the one stored last (records are fed oldest first unless `newest_first`).
+    Uses rank as `_ranked_use` says by the clock when the collector was made: a record
+    stamped far ahead of it counts as the oldest.
 
     When full, the least valuable entries (lowest priority, then oldest use) make room, so a
     huge manifest costs bounded memory (twice `max_entries` at most between trims, and the
@@ -419,26 +437,15 @@ class ManifestCollector:
         self._lines: dict[Hashable, bytes] = {}
         # What `max_entries` bounds separately (see `_bound_of`), as of the last trim and since.
         self._namespaces: set[str | None] = set()
-        # Chains the last trim evicted for room, with the newest use seen of each: an older
-        # record of one of them, met later, must not come back in its place. Only the last
-        # trim's, as `MemoryManifest` keeps: every chain ever evicted would make a read's
-        # memory follow the manifest's size, not `max_entries`. An older record met after
-        # the next trim competes as any other, and with its chain's priority unchanged
+        # Chains the last trim evicted for room, with the newest use seen of each, as ranked:
+        # an older record of one of them, met later, must not come back in its place. Only
+        # the last trim's, as `MemoryManifest` keeps: every chain ever evicted would make a
+        # read's memory follow the manifest's size, not `max_entries`. An older record met
+        # after the next trim competes as any other, and with its chain's priority unchanged
         # ranks no higher than the chains that pushed it out.
-        self._evicted: dict[Hashable, float] = {}
-        # A `last_use` ahead of the reader's clock (a writer's clock running ahead) is no
-        # use this reader can have seen: such a record ranks at most as used when the
-        # oldest-stamped record stored after it was (a record is stored after its use), and
-        # at most now, so it ages as records come after it instead of ranking first until
-        # its time comes. Fed newest first: the least stamp fed so far; oldest first: for
-        # each such record, its position, and (position, least stamp fed since) by
-        # position, least stamps ascending.
+        self._evicted: dict[Hashable, _Rank] = {}
+        # The clock uses are ranked by (see `_ranked_use`), one for the whole read.
         self._now = time.time()
-        self._any_ahead = False  # whether any record fed was ahead (else ranks are stamps)
-        self._fed = 0
-        self._least_later = math.inf
-        self._ahead: dict[Hashable, float | int] = {}
-        self._later: list[tuple[int, float]] = []
         self.records = 0
         self.malformed = 0
         self.oversized = 0
@@ -476,69 +483,20 @@ class ManifestCollector:
         (without newline) if known; it counts as no record."""
         self._add(entry.ident, entry, line)
 
-    def _note_stored(self, record: ManifestEntry | _Newer) -> float | int | None:
-        """Follows the storage order for the ranks of records stamped ahead (see __init__):
-        what `_ahead` keeps of `record` if it is one of them, else None."""
-        if not isinstance(record, ManifestEntry):
-            # A newer version's use may mean something else: it bounds nothing.
-            self._any_ahead = self._any_ahead or record.last_use > self._now
-            return None
-        use = record.last_use
-        if self._newest_first:
-            self._least_later = min(self._least_later, use)
-            if use <= self._now:
-                return None
-            self._any_ahead = True
-            return min(self._now, self._least_later)
-        later = self._later
-        if not later and use <= self._now:
-            return None
-        if later and later[-1][1] >= use:
-            start = later[-1][0]
-            while later and later[-1][1] >= use:
-                start = later.pop()[0]
-            later.append((start, use))
-        if use <= self._now:
-            return None
-        self._any_ahead = True
-        self._fed += 1
-        # Records ahead with no stamp stored between them share an entry.
-        if not later or later[-1][1] < self._now:
-            later.append((self._fed, self._now))
-        return self._fed
-
-    def _prune_ahead(self) -> None:
-        """Keep what the records ahead still held need (bounded by them, not by the log)."""
-        held = self._held
-        caps = {key: self._use(key, held[key])[0] for key in self._ahead if key in held}
-        self._ahead = {key: self._ahead[key] for key in caps}
-        if not self._newest_first:
-            self._later = sorted((int(self._ahead[key]), cap) for key, cap in caps.items())
-
-    def _use(self, key: Hashable, record: ManifestEntry | _Newer) -> tuple[float, bool, float]:
-        """A record's use as ranked: (use at most, whether its stamp is not ahead, stamp)."""
-        use = record.last_use
-        if use <= self._now:
-            return use, True, use
-        bound = self._ahead.get(key, self._now)
-        if not self._newest_first and key in self._ahead:
-            later = self._later
-            at = bisect.bisect_right(later, (int(bound), math.inf)) - 1
-            bound = later[at][1] if at >= 0 else self._now
-        return min(bound, self._now), False, use
+    def _rank(self, record: ManifestEntry | _Newer) -> _Rank:
+        return _ranked_use(record.last_use, self._now)
 
     def _add(self, key: Hashable, record: ManifestEntry | _Newer, line: bytes | None) -> None:
-        # Every record stored bounds the ones before it, whatever its namespace.
-        ahead = self._note_stored(record)
         namespace = record.namespace
         if self._namespace is not None and namespace not in (None, self._namespace):
             return
-        if _evicted_before(self._evicted, key, record.last_use):
+        rank = self._rank(record)
+        if _evicted_before(self._evicted, key, rank):
             return
         previous = self._held.pop(key, None)
+        # By rank, not stamp: a record stamped far ahead must not outlive a later one.
         if previous is not None and (
-            previous.last_use > record.last_use
-            or (self._newest_first and previous.last_use == record.last_use)
+            (held := self._rank(previous)) > rank or (self._newest_first and held == rank)
         ):
             self._held[key] = previous
         else:
@@ -547,15 +505,6 @@ class ManifestCollector:
                 self._lines[key] = line
             elif previous is not None:
                 self._lines.pop(key, None)
-            if ahead is not None:
-                self._ahead[key] = ahead
-            else:
-                self._ahead.pop(key, None)
-        # A prune leaves an entry per record ahead held, which with `carry` can be more
-        # than a fixed bound (`max_entries` per namespace): past what it left, or each record
-        # would prune again, a pass over all of them.
-        if len(self._later) > 2 * len(self._held) + 4 * self._limits.max_entries:
-            self._prune_ahead()
         self._namespaces.add(self._bound_of(record))
         if len(self._held) >= 2 * self._limits.max_entries * len(self._namespaces):
             self._trim()
@@ -577,12 +526,10 @@ class ManifestCollector:
         if not excess:
             return
         # Stable: among equals, the first recorded goes first.
-        ranked = (
-            sorted(self._held.items(), key=lambda item: (item[1].priority, *self._use(*item)))
-            if self._any_ahead
-            else sorted(self._held.items(), key=lambda item: (item[1].priority, item[1].last_use))
+        ranked = sorted(
+            self._held.items(), key=lambda item: (item[1].priority, self._rank(item[1]))
         )
-        evicted: dict[Hashable, float] = {}  # replaces the last trim's (see __init__)
+        evicted: dict[Hashable, _Rank] = {}  # replaces the last trim's (see __init__)
         for key, worst in ranked:
             bound = self._bound_of(worst)
             left = excess.get(bound, 0)
@@ -590,9 +537,8 @@ class ManifestCollector:
                 excess[bound] = left - 1
                 del self._held[key]
                 self._lines.pop(key, None)
-                evicted[key] = worst.last_use
+                evicted[key] = self._rank(worst)
         self._evicted = evicted
-        self._prune_ahead()
 
     def result(self, *, truncated: bool) -> ManifestRead:
         self._trim()
@@ -618,11 +564,7 @@ class ManifestCollector:
         dropped: list[ManifestEntry] = []
         for e in entries:
             (dropped if _covers(covered.get(e.ident), e) else kept).append(e)
-        if self._any_ahead:
-            uses = {e.ident: self._use(e.ident, e) for e in kept}
-            ordered = sorted(kept, key=lambda e: (-e.priority, *(-x for x in uses[e.ident])))
-        else:
-            ordered = sorted(kept, key=lambda e: (-e.priority, -e.last_use))
+        ordered = sorted(kept, key=lambda e: (-e.priority, *(-x for x in self._rank(e))))
         lengths: dict[str, list[int]] = {}
         for e in dropped:
             # The entry that covers it may be dropped too: the kept one that covers that
@@ -647,24 +589,23 @@ class ManifestCollector:
         `result` returns and of the newer records held, the most valuable that fit `budget`
         bytes (newlines counted; the most valuable always), oldest use first, so that
         appends after the compaction keep "later replaces earlier"."""
-        Use = tuple[float, bool, float]
-        ranked: list[tuple[int, Use, Hashable, bytes]] = [
+        ranked: list[tuple[int, _Rank, Hashable, bytes]] = [
             (
                 e.priority,
-                self._use(e.ident, e),
+                self._rank(e),
                 e.ident,
                 self._lines.get(e.ident) or encode_entry(e)[:-1],
             )
             for e in self.result(truncated=False).entries
         ]
         ranked += [
-            (r.priority, (r.last_use, True, r.last_use), r.key, r.line)
+            (r.priority, self._rank(r), r.key, r.line)
             for r in self._held.values()
             if isinstance(r, _Newer)
         ]
         # Stable: of equal rank, entries of this version before newer records.
         ranked.sort(key=lambda r: (-r[0], *(-x for x in r[1])))
-        kept: list[tuple[int, Use, Hashable, bytes]] = []
+        kept: list[tuple[int, _Rank, Hashable, bytes]] = []
         used = 0
         for record in ranked:
             nbytes = len(record[3]) + 1
@@ -672,8 +613,7 @@ class ManifestCollector:
                 continue
             kept.append(record)
             used += nbytes
-        # Written in the order of use as ranked: a record stamped ahead goes before the one
-        # whose stamp bounds it, so the next read bounds it the same way.
+        # Oldest use as ranked first: a record stamped far ahead before every other.
         kept.sort(key=lambda r: r[1])
         return [(r[2], r[3]) for r in kept]
 
@@ -1091,10 +1031,10 @@ class MemoryManifest:
         self._bytes = 0
         # Chains held per namespace: `max_entries` bounds each, as compaction bounds it.
         self._chains: Counter[str] = Counter()
-        # Chains the last trim dropped, with their newest use: an older record of one of
-        # them, appended later, must not come back in its place. Only the last trim's, so
-        # this stays bounded too.
-        self._evicted: dict[tuple[str, str], float] = {}
+        # Chains the last trim dropped, with their newest use as ranked: an older record of
+        # one of them, appended later, must not come back in its place. Only the last trim's,
+        # so this stays bounded too.
+        self._evicted: dict[tuple[str, str], _Rank] = {}
         # Since the last compaction, counted as a log of records would count them.
         self._records = 0
         self._malformed = 0
@@ -1117,13 +1057,15 @@ class MemoryManifest:
         if not isinstance(entry, ManifestEntry):
             return
         ident = entry.ident
-        if _evicted_before(self._evicted, ident, entry.last_use):
+        now = time.time()
+        rank = _ranked_use(entry.last_use, now)
+        if _evicted_before(self._evicted, ident, rank):
             return
         held = ((entry.priority, entry.last_use), line)
         previous = self._held.pop(ident, None)
         if previous is not None:
             self._bytes -= len(previous[1])
-            if previous[0][1] > entry.last_use:
+            if _ranked_use(previous[0][1], now) > rank:
                 held = previous
         else:
             self._chains[ident[0]] += 1
@@ -1138,31 +1080,20 @@ class MemoryManifest:
         `max_entries` of each namespace, within `max_bytes // 2` for all (a record that does
         not fit makes way for a less valuable one that does, as compaction's fit does)."""
         limits = self.limits
-        # A use ahead of now ranks at most as the least stamp recorded after it, as in
-        # ManifestCollector.
         now = time.time()
-        bounds: dict[tuple[str, str], float] = {}
-        least = math.inf
-        for ident, ((_, use), _) in reversed(self._held.items()):
-            if use > now:
-                bounds[ident] = min(now, least)
-            least = min(least, use)
 
         def rank(
             item: tuple[tuple[str, str], tuple[tuple[int, float], bytes]],
-        ) -> tuple[int, float, bool, float]:
+        ) -> tuple[int, _Rank]:
             (priority, use), _ = item[1]
-            bound = bounds.get(item[0])
-            if bound is None:
-                return priority, use, True, use
-            return priority, bound, False, use
+            return priority, _ranked_use(use, now)
 
         # Stable and ascending, walked from the end: among equals the first recorded goes
         # first, as in ManifestCollector.
         ranked = sorted(self._held.items(), key=rank)
         kept: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
         chains: Counter[str] = Counter()
-        evicted: dict[tuple[str, str], float] = {}
+        evicted: dict[tuple[str, str], _Rank] = {}
         used = 0
         budget = limits.max_bytes // 2
         for ident, held in reversed(ranked):
@@ -1171,7 +1102,7 @@ class MemoryManifest:
                 chains[ident[0]] += 1
                 used += len(held[1])
             else:
-                evicted[ident] = held[0][1]
+                evicted[ident] = _ranked_use(held[0][1], now)
         self._held = {ident: held for ident, held in self._held.items() if ident in kept}
         self._bytes = used
         self._chains = chains

@@ -194,12 +194,12 @@ async def test_round_trip_and_the_newest_record_of_a_chain_wins(store: Store) ->
     assert read.entries[0].chain_id == written[3].chain_id  # highest priority first
 
 
-async def test_a_record_stamped_ahead_ranks_no_higher_than_those_stored_after_it(
+async def test_a_record_stamped_far_ahead_ranks_as_never_used_and_a_near_one_as_now(
     store: Store,
 ) -> None:
     # A writer's clock a day ahead: its record ranked first until that day came, pushing
-    # out chains used since. Now it ranks as used at most when the records stored after
-    # it were, and as now while none is.
+    # out chains used since. More than 300 s ahead it ranks below every other record;
+    # less far ahead, as now.
     manifest = store.manifest()
     now = time.time()
     ahead = entry(NS_A, 10_000, last_use=now + 86_400)
@@ -216,12 +216,33 @@ async def test_a_record_stamped_ahead_ranks_no_higher_than_those_stored_after_it
     assert read.entries == newest
     await manifest.compact()
     assert (await manifest.read(namespace=NS_A.hex())).entries == newest
-    # A record stamped ahead and stored last still ranks as now: first, its stamp kept.
-    later = entry(NS_A, 20_000, last_use=now + 86_400)
+    # A record a minute ahead, stored last, ranks as now: first, its stamp kept.
+    later = entry(NS_A, 20_000, last_use=now + 60)
     await manifest.append([later])
     read = await manifest.read(namespace=NS_A.hex())
     assert read.entries[0] == later
     assert read.entries[1:] == newest[: cap - 1]
+
+
+async def test_a_chain_evicted_while_stamped_far_ahead_is_kept_when_used_again(
+    store: Store,
+) -> None:
+    # The eviction remembered the chain's stamp a day ahead, so the chain's next record,
+    # stamped by a correct clock, counted as older and was dropped: a chain in use was lost.
+    manifest = store.manifest()
+    now = time.time()
+    chain = 10_000
+    await manifest.append([entry(NS_A, chain, last_use=now + 86_400)])
+    cap = LIMITS.max_entries
+    since = [entry(NS_A, i, last_use=now - 1_000 + i) for i in range(2 * cap - 1)]
+    for start in range(0, len(since), 16):
+        await manifest.append(since[start : start + 16])
+    used = entry(NS_A, chain, last_use=now - 1)
+    await manifest.append([used])
+    newest = [used, *sorted(since, key=lambda e: -e.last_use)[: cap - 1]]
+    assert (await manifest.read(namespace=NS_A.hex())).entries == newest
+    await manifest.compact()
+    assert (await manifest.read(namespace=NS_A.hex())).entries == newest
 
 
 async def test_malformed_and_oversized_records_are_skipped_and_counted(store: Store) -> None:
