@@ -243,6 +243,13 @@ async def test_a_chain_evicted_while_stamped_far_ahead_is_kept_when_used_again(
     assert (await manifest.read(namespace=NS_A.hex())).entries == newest
     await manifest.compact()
     assert (await manifest.read(namespace=NS_A.hex())).entries == newest
+    # Nor does a record stamped far ahead that is still held hide the chain's next one.
+    await manifest.append([entry(NS_B, chain, last_use=now + 86_400)])
+    again = entry(NS_B, chain, last_use=now - 1)
+    await manifest.append([again])
+    assert (await manifest.read(namespace=NS_B.hex())).entries == [again]
+    await manifest.compact()
+    assert (await manifest.read(namespace=NS_B.hex())).entries == [again]
 
 
 async def test_malformed_and_oversized_records_are_skipped_and_counted(store: Store) -> None:
