@@ -1402,8 +1402,9 @@ async def test_a_chain_past_a_lowered_memory_bound_is_recorded_as_its_prefix() -
             assert served.host_tokens == pages
 
 
+@pytest.mark.parametrize("back", [200.0, 3600.0])
 async def test_chains_recorded_after_the_clock_steps_back_rank_no_older(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, back: float
 ) -> None:
     # A record's `last_use` is wall-clock time. Stepped back (NTP, a VM's resume), it made
     # the chains recorded since rank as older than those recorded before: warmup loaded
@@ -1420,19 +1421,23 @@ async def test_chains_recorded_after_the_clock_steps_back_rank_no_older(
         await serve(cache, first, generator, prefetch=False)
         await cache.drain()
         real = time.time
-        monkeypatch.setattr(time, "time", lambda: real() - 3600.0)  # an hour back
+        monkeypatch.setattr(time, "time", lambda: real() - back)
         await serve(cache, second, generator, prefetch=False)
         await cache.drain()
         read = await backend.manifest().read()
     uses = {e.num_tokens: e.last_use for e in read.entries}
     earlier, later = (len(p) // PAGE * PAGE for p in (first, second))
     assert set(uses) == {earlier, later}
-    assert uses[later] >= uses[earlier]
+    # Within 300 s the floor holds; past it the clock's own time is stamped (staying above
+    # the earlier record would make every later one rank as never used), and the reader,
+    # whose clock is back too, ranks the earlier record, now far ahead, as never used.
+    assert (uses[later] >= uses[earlier]) == (back < 300)
     assert read.entries[0].num_tokens == later  # the most recent first
 
 
+@pytest.mark.parametrize("back", [200.0, 3600.0])
 async def test_chains_recorded_after_a_reattach_and_a_clock_step_back_rank_no_older(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, back: float
 ) -> None:
     # Each attach runs a backup worker of its own: the floor under `last_use` must outlive
     # it, or the chains recorded after a detach, an attach and a clock stepped back rank as
@@ -1447,7 +1452,7 @@ async def test_chains_recorded_after_a_reattach_and_a_clock_step_back_rank_no_ol
         await cache.drain()
         await cache.detach_storage()
         real = time.time
-        monkeypatch.setattr(time, "time", lambda: real() - 3600.0)  # an hour back
+        monkeypatch.setattr(time, "time", lambda: real() - back)
         await cache.attach_storage(FileStorage(tmp_path))
         await serve(cache, second, generator, prefetch=False)
         await cache.drain()
@@ -1459,7 +1464,10 @@ async def test_chains_recorded_after_a_reattach_and_a_clock_step_back_rank_no_ol
     uses = {e.num_tokens: e.last_use for e in read.entries}
     earlier, later = (len(p) // PAGE * PAGE for p in (first, second))
     assert set(uses) == {earlier, later}
-    assert uses[later] >= uses[earlier]
+    # Within 300 s the floor holds; past it the clock's own time is stamped (staying above
+    # the earlier record would make every later one rank as never used), and the reader,
+    # whose clock is back too, ranks the earlier record, now far ahead, as never used.
+    assert (uses[later] >= uses[earlier]) == (back < 300)
     assert read.entries[0].num_tokens == later  # the most recent first
 
 
@@ -1492,3 +1500,22 @@ def test_a_forked_child_does_not_inherit_a_held_record_clock() -> None:
         holder.join()
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_record_clock_set_right_after_a_jump_ahead_stamps_by_the_clock_again() -> None:
+    # A clock that jumped an hour ahead and was set right: staying above the stamps made
+    # meanwhile would have every later record of the process rank as never used (readers
+    # rank stamps more than 300 s ahead of their clocks so) for the rest of its life.
+    from hicache_async.storage import _manifest
+
+    wall = [1_000_000.0]
+    clock = _manifest._RecordClock(lambda: wall[0])
+    first = clock.now()
+    assert clock.now() > first  # the same clock reading still moves forward
+    wall[0] += 3600.0
+    ahead = clock.now()
+    wall[0] -= 3600.0 - 1.0
+    assert clock.now() == wall[0]
+    wall[0] -= 100.0  # a small step back keeps to the floor
+    assert clock.now() > wall[0] + 100.0
+    assert ahead > wall[0]

@@ -1349,17 +1349,25 @@ async def _file_lock(path: Path) -> AsyncIterator[None]:
 
 class _RecordClock:
     """Wall-clock time for records' `last_use`, each later than the one before (see
-    `record_time`)."""
+    `record_time`), unless the clock went back more than `CREATED_AHEAD_S`."""
 
-    __slots__ = ("_last", "_lock")
+    __slots__ = ("_clock", "_last", "_lock")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock
         self._lock = threading.Lock()
         self._last = -math.inf
 
     def now(self) -> float:
         with self._lock:
-            self._last = max(math.nextafter(self._last, math.inf), time.time())
+            wall = time.time() if self._clock is None else self._clock()
+            # Readers rank a stamp that far ahead of their clocks as never used: after a
+            # clock that jumped ahead is set right, staying above it would make every record
+            # of this process rank so, for the rest of its life.
+            if self._last - wall > CREATED_AHEAD_S:
+                self._last = wall
+            else:
+                self._last = max(math.nextafter(self._last, math.inf), wall)
             return self._last
 
     def forget_lock(self) -> None:
@@ -1376,7 +1384,10 @@ def record_time() -> float:
     always later than the one this process handed out before. Process-wide, not per backup
     worker: each attach runs a worker of its own, and after a detach, an attach and a clock
     stepped back (NTP, a VM's resume) the chains recorded since must not rank (and get
-    trimmed) as older than those recorded before, nor lose to their own older records."""
+    trimmed) as older than those recorded before, nor lose to their own older records. After
+    a step back of more than `CREATED_AHEAD_S`, the time is the clock's again: readers rank
+    records that far ahead of their clocks as never used, so holding to them would make every
+    later record of this process rank so too."""
     return _RECORD_CLOCK.now()
 
 
