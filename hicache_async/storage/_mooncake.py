@@ -89,6 +89,11 @@ _DIRECT = "direct"
 _MiB = 1 << 20
 _ALIGN = 64
 _DEFAULT_SEGMENT = 1 << 30
+# Mooncake's segment allocator refuses less (its `setup()` then fails with a bare -600).
+_MIN_SEGMENT = 16 * _MiB
+# Mooncake's copying calls allocate from the local buffer: the manifest's puts (chunks of up
+# to half of it, index objects of 64 KiB) and the whole reads of raw and damaged pages.
+_MIN_BUFFER = _MiB
 _DEFAULT_BUFFER = 64 * _MiB
 _DEFAULT_STAGING = 64 * _MiB
 _DEFAULT_AUTO_REGISTER = 64 * _MiB
@@ -646,7 +651,7 @@ class MooncakeStorage(BackendBase):
         metadata_address = _metadata_address(metadata)
         for field, value, minimum in (
             ("segment_size", segment_size, 0),
-            ("buffer_size", buffer_size, 1 << 10),
+            ("buffer_size", buffer_size, _MIN_BUFFER),
             ("staging_size", staging_size, _MiB),
             ("auto_register", auto_register, 0),
             ("replicas", replicas, 1),
@@ -656,6 +661,11 @@ class MooncakeStorage(BackendBase):
         ):
             if value < minimum:
                 raise StorageConfigError(f"mooncake {field} must be >= {minimum}, got {value}")
+        if 0 < segment_size < _MIN_SEGMENT:
+            raise StorageConfigError(
+                f"mooncake segment_size must be 0 or >= {_MIN_SEGMENT} (16MiB, the smallest "
+                f"segment Mooncake mounts), got {segment_size}"
+            )
         super().__init__(mac_key=mac_key, job_threads=threads, thread_name="hicache-mooncake")
         # xxh3 and blake2b release the GIL: a batch's checksums run on up to `threads` threads.
         self._threads = threads

@@ -28,7 +28,7 @@ from hicache_async.cli import main
 from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
 from hicache_async.storage import _mooncake as mooncake_module
-from hicache_async.storage._manifest import chain_entry, encode_entry
+from hicache_async.storage._manifest import ManifestEntry, ManifestLimits, chain_entry, encode_entry
 from hicache_async.storage._manifest_mooncake import _INDEX_VERSION, _Index, _with_token
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
@@ -809,6 +809,11 @@ async def test_unreachable_master_fails_to_open() -> None:
         ({"device": "mlx5_0"}, "needs protocol=rdma"),
         ({"replicas": "x"}, "replicas='x' must be an integer >= 1: replicas per page"),
         ({"threads": "0"}, "threads='0' must be an integer >= 1: worker threads"),
+        # Mooncake mounts no segment below 16 MiB: its setup() failed with a bare -600.
+        ({"segment_size": "8MiB"}, "segment_size must be 0 or >= 16777216 (16MiB"),
+        ({"segment_size": "1"}, "segment_size must be 0 or >= 16777216 (16MiB"),
+        # The manifest's puts are copied through this buffer: with less, none fits.
+        ({"buffer_size": "64KiB"}, "buffer_size must be >= 1048576, got 65536"),
     ],
 )
 def test_bad_parameters_are_refused_before_mooncake_sees_them(
@@ -1725,3 +1730,32 @@ async def test_compaction_after_one_that_died_past_its_switch_frees_its_generati
         read = await manifest.read(namespace=ns)
         assert sorted(e.last_use for e in read.entries) == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert await manifest._exist(gone) == [False] * 3
+
+
+def _entry_of_line_length(namespace: bytes, nbytes: int) -> ManifestEntry:
+    """An entry whose manifest line is exactly `nbytes` long (padded with priority digits)."""
+    keys = [uuid.uuid4().bytes * 2]
+    base = len(encode_entry(chain_entry(namespace, keys, 64, 0, 0.0)))
+    step = len(encode_entry(chain_entry(namespace, keys * 2, 64, 0, 0.0))) - base
+    keys *= 1 + (nbytes - base - 16) // step
+    pad = nbytes - len(encode_entry(chain_entry(namespace, keys, 64, 0, 0.0)))
+    entry = chain_entry(namespace, keys, 64, 10**pad, 0.0)
+    assert len(encode_entry(entry)) == nbytes
+    return entry
+
+
+async def test_a_manifest_fits_its_puts_in_the_local_buffer(mooncake_url: str) -> None:
+    # Mooncake copies a put through its local buffer and refuses one larger (-600). Entries
+    # allowed to be as long as the buffer made chunks longer than it: an append holding one
+    # failed whole, its other entries included.
+    url = fresh_url(mooncake_url, buffer_size="1MiB")
+    namespace = bytes(range(16))
+    small = [
+        chain_entry(namespace, [uuid.uuid4().bytes * 2 for _ in range(3)], 3 * 64, 0, float(i))
+        for i in range(3)
+    ]
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest = backend.manifest(ManifestLimits(max_entry_bytes=1 << 20))
+        await manifest.append([*small, _entry_of_line_length(namespace, 1 << 20)])
+        read = await manifest.read(namespace=namespace.hex())
+        assert sorted(e.last_use for e in read.entries) == [0.0, 1.0, 2.0]
