@@ -1386,7 +1386,7 @@ def test_sizes_are_whole_bytes_and_an_empty_capacity_is_refused() -> None:
     for query in ("segment_size=0.5", "segment_size=1.9", "capacity=", "capacity=1.5"):
         with pytest.raises(StorageConfigError):
             MooncakeStorage.from_url(f"{base}&{query}")
-    assert MooncakeStorage.from_url(f"{base}&segment_size=0.5KiB").name.startswith("mooncake://")
+    assert MooncakeStorage.from_url(f"{base}&segment_size=0.5GiB").name.startswith("mooncake://")
 
 
 @pytest.mark.parametrize("call", ["get", "put"])
