@@ -1,5 +1,6 @@
 """Two real processes share one store: B starts cold, warms up from what A backed up, and
-serves A's prefixes from its host pool; and two live instances share a file root.
+serves A's prefixes from its host pool; and two live instances share a file root, and a
+Mooncake cluster (each lending a segment: B reads A's pages from A's).
 
 Both processes are spawned up front (their imports overlap) and driven by commands; every
 phase builds a new HiCache, so B's cache is created only after A has finished. The whole
@@ -18,15 +19,21 @@ from typing import Any
 import _two_process_worker as worker
 import pytest
 
-from hicache_async.testing._servers import RedisServer
+from hicache_async.testing._fixtures import close_mooncake_clients
+from hicache_async.testing._servers import MooncakeMaster, RedisServer
 
 DEADLINE_S = 150.0
 
 
 class _World:
-    def __init__(self, root: Path, redis_url: str) -> None:
+    def __init__(self, root: Path, redis_url: str, mooncake_url: str) -> None:
         self.file_url = f"file://{root}?shared=1"
         self.redis_url = f"{redis_url}?prefix=two{uuid.uuid4().hex}"
+        # Each instance lends a segment and puts its pages there: B reads A's from A's.
+        small = "&segment_size=256MiB&buffer_size=16MiB&staging_size=16MiB"
+        self.mooncake_urls = [
+            f"{mooncake_url}{small}&prefix=two{uuid.uuid4().hex}" for _ in range(2)
+        ]
         ctx = mp.get_context("spawn")
         self.results: Any = ctx.Queue()
         self.commands: dict[str, Any] = {"A": ctx.Queue(), "B": ctx.Queue()}
@@ -82,28 +89,35 @@ class _World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("shared-root")
-    with RedisServer() as server:
-        w = _World(root, server.url)
+    with RedisServer() as server, MooncakeMaster() as master:
+        w = _World(root, server.url, master.url)
         try:
             for proc in w.procs.values():
                 proc.start()
-            # A fills the file root and Redis, each from an empty store.
+            # A fills the file root, Redis and Mooncake, each from an empty store.
             w.run(
                 ("A", "fill-file", "fill", w.file_url, 1),
                 ("A", "fill-redis", "fill", w.redis_url, 2),
+                ("A", "fill-mooncake", "fill", w.mooncake_urls[0], 4),
             )
             # Then B starts cold against each store, warms up and serves A's prompts.
             w.run(
                 ("B", "warm-file", "warm", w.file_url, 1),
                 ("B", "warm-redis", "warm", w.redis_url, 2),
+                ("B", "warm-mooncake", "warm", w.mooncake_urls[0], 4),
             )
-            # Two live instances on one root: A writes new prompts while B reads them.
+            # Two live instances on one store: A writes new prompts while B reads them.
             w.run(
                 ("A", "writer", "writer", w.file_url, 3),
                 ("B", "reader", "reader", w.file_url, 3),
             )
+            w.run(
+                ("A", "writer-mooncake", "writer", w.mooncake_urls[1], 5),
+                ("B", "reader-mooncake", "reader", w.mooncake_urls[1], 5),
+            )
         finally:
             w.stop()
+            close_mooncake_clients(master)
         yield w.reports
 
 
@@ -142,12 +156,19 @@ def test_b_warms_up_from_a_shared_redis(world: dict[str, dict[str, Any]]) -> Non
     _check_warm(world["warm-redis"])
 
 
-def test_two_live_instances_share_a_file_root(world: dict[str, dict[str, Any]]) -> None:
-    writer, reader = world["writer"], world["reader"]
+def test_b_warms_up_from_a_shared_mooncake(world: dict[str, dict[str, Any]]) -> None:
+    _check_fill(world["fill-mooncake"])
+    _check_warm(world["warm-mooncake"])
+
+
+@pytest.mark.parametrize("store", ["file", "mooncake"])
+def test_two_live_instances_share_a_store(world: dict[str, dict[str, Any]], store: str) -> None:
+    suffix = "" if store == "file" else f"-{store}"
+    writer, reader = world[f"writer{suffix}"], world[f"reader{suffix}"]
     assert writer["mismatches"] == reader["mismatches"] == 0
     assert writer["served"] == reader["served"] == worker.PROMPTS
     assert writer["written_pages"] > 0
-    # B found every whole page of A's prompts in the shared root by prefetching it (the
+    # B found every whole page of A's prompts in the shared store by prefetching it (the
     # shared system prompt only once: later requests have it on B's device).
     cached = reader["device_tokens"] + reader["host_tokens"] + reader["storage_tokens"]
     assert cached == reader["expected_tokens"]

@@ -172,9 +172,10 @@ class MooncakeManifest:
     @property
     def chunk_bytes(self) -> int:
         """The largest chunk this manifest writes or reads (at most half the backend's
-        staging arena, which reads go through, so page transfers keep room)."""
+        staging arena, which reads go through, so page transfers keep room, and half of
+        Mooncake's local buffer, which a put is copied through: a larger one is refused)."""
         wanted = max(_CHUNK_BYTES, self.limits.max_entry_bytes + _HEADER_BYTES + 1)
-        return min(wanted, self._storage._arena.capacity // 2)
+        return min(wanted, self._storage._arena.capacity // 2, self._storage._buffer_size // 2)
 
     @property
     def _line_limit(self) -> int:

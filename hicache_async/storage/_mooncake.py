@@ -92,6 +92,11 @@ _DIRECT = "direct"
 _MiB = 1 << 20
 _ALIGN = 64
 _DEFAULT_SEGMENT = 1 << 30
+# Mooncake's segment allocator refuses less (its `setup()` then fails with a bare -600).
+_MIN_SEGMENT = 16 * _MiB
+# Mooncake's copying calls allocate from the local buffer: the manifest's puts (chunks of up
+# to half of it, index objects of 64 KiB) and the whole reads of raw and damaged pages.
+_MIN_BUFFER = _MiB
 _DEFAULT_BUFFER = 64 * _MiB
 _DEFAULT_STAGING = 64 * _MiB
 _DEFAULT_AUTO_REGISTER = 64 * _MiB
@@ -726,7 +731,7 @@ class MooncakeStorage(BackendBase):
         metadata_address = _metadata_address(metadata)
         for field, value, minimum in (
             ("segment_size", segment_size, 0),
-            ("buffer_size", buffer_size, 1 << 10),
+            ("buffer_size", buffer_size, _MIN_BUFFER),
             ("staging_size", staging_size, _MiB),
             ("auto_register", auto_register, 0),
             ("replicas", replicas, 1),
@@ -736,6 +741,11 @@ class MooncakeStorage(BackendBase):
         ):
             if value < minimum:
                 raise StorageConfigError(f"mooncake {field} must be >= {minimum}, got {value}")
+        if 0 < segment_size < _MIN_SEGMENT:
+            raise StorageConfigError(
+                f"mooncake segment_size must be 0 or >= {_MIN_SEGMENT} (16MiB, the smallest "
+                f"segment Mooncake mounts), got {segment_size}"
+            )
         super().__init__(mac_key=mac_key, job_threads=threads, thread_name="hicache-mooncake")
         # xxh3 and blake2b release the GIL: a batch's checksums run on up to `threads` threads.
         self._threads = threads
@@ -1753,13 +1763,18 @@ class MooncakeStorage(BackendBase):
                 results[todo[position]] = (Outcome.OK, _DIRECT)
             return [j for position, j in enumerate(todo) if position not in done]
 
-        def judged_whole(i: int, name: str) -> PageCheck | None:
+        def judged_whole(
+            i: int, name: str, again: Callable[[], PageCheck | None] | None = None
+        ) -> PageCheck | None:
             # The object read whole and judged; None when it is gone or changed meanwhile, or
-            # too big to read just to judge.
+            # too big to read just to judge. Mooncake's `get` copies through its local buffer
+            # and gives nothing for an object larger than it: `again` then judges instead.
             size = int(store.get_size(name))
             if size < 0 or size > _MAX_JUDGED_BYTES:
                 return None
             value = memoryview(bytes(store.get(name)))
+            if not value and size and again is not None:
+                return again()
             if len(value) != size:
                 return None
             header = decode_header(value[:HEADER_NBYTES])
@@ -1848,11 +1863,37 @@ class MooncakeStorage(BackendBase):
                 else:
                     results[j] = (Outcome.CORRUPT, reason)
                     suspect.append((j, name))
+
+            def read_again(j: int, name: str) -> PageCheck | None:
+                # The page read once more as the batch read it (no local buffer needed);
+                # None when it is gone, or stored at another length, meanwhile.
+                plan, slot = plans[chunk[j]], slots[j]
+                assert slot is not None
+                buffers, sizes = _object_buffers([j], plans, chunk, slots, arena_base)
+                code = int(store.batch_get_into_multi_buffers([name], buffers, sizes)[0])
+                if code != HEADER_NBYTES + plan.nbytes:
+                    return None
+                header = decode_header(arena[slot : slot + HEADER_NBYTES])
+                result = check_header(
+                    header,
+                    key=keys[chunk[j]],
+                    namespace=namespace,
+                    payload_nbytes=plan.nbytes,
+                    stored_nbytes=code,
+                )
+                if result is not PageCheck.OK or isinstance(header, PageCheck):
+                    return result
+                if plan.zero_copy:
+                    return verify_payload(header, plan.segments, mac_key=mac_key)
+                staged = arena[slot + HEADER_NBYTES : slot + HEADER_NBYTES + plan.nbytes]
+                return verify_payload(header, [staged], mac_key=mac_key)
+
             # A read sees other bytes when the object was removed and its memory reused while
             # it ran (a concurrent delete and put): only an object that reads damaged again,
             # whole, is judged corrupt and removed; else it is a miss left alone.
             for j, name in suspect:
-                if judged_whole(chunk[j], name) is PageCheck.CORRUPT:
+                again = functools.partial(read_again, j, name)
+                if judged_whole(chunk[j], name, again) is PageCheck.CORRUPT:
                     damaged.append((j, name))
                 else:
                     results[j] = (Outcome.MISS, "")

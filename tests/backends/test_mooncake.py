@@ -30,7 +30,7 @@ from hicache_async.cli import main
 from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
 from hicache_async.storage import _mooncake as mooncake_module
-from hicache_async.storage._manifest import chain_entry, encode_entry
+from hicache_async.storage._manifest import ManifestEntry, ManifestLimits, chain_entry, encode_entry
 from hicache_async.storage._manifest_mooncake import _INDEX_VERSION, _Index, _with_token
 from hicache_async.storage._mooncake import (
     _NOT_FOUND,
@@ -571,6 +571,25 @@ async def test_a_page_replaced_while_read_is_a_miss_not_removed(backend: Mooncak
     assert await backend.read_raw(keys[0]) is None
 
 
+async def test_a_damaged_page_larger_than_the_local_buffer_is_removed(mooncake_url: str) -> None:
+    # The whole read that confirms the damage copies through Mooncake's local buffer, which
+    # gives nothing for a larger object: the page was a miss left in place for every reader.
+    nbytes = 2 << 20
+    keys, pages, metas = make_pages(1, nbytes, split=nbytes // 2)
+    url = fresh_url(mooncake_url)
+    async with MooncakeStorage.from_url(url) as writer:
+        await writer.put(keys, pages, metas)
+        stored = await writer.read_raw(keys[0])
+        assert stored is not None
+        await writer.write_raw(keys[0], stored[:-1] + bytes([stored[-1] ^ 0xFF]))
+        reader_url = url.replace("buffer_size=16MiB", "buffer_size=1MiB")
+        async with MooncakeStorage.from_url(reader_url) as reader:
+            into = buffers(1, nbytes, split=nbytes // 2)
+            assert await reader.get(keys, into, namespace=NS) == [Outcome.CORRUPT]
+            assert reader.stats().corrupt == 1
+            assert await reader.exists(keys) == 0
+
+
 class _BeingPut(_Client):
     """The Mooncake client, except that removing `name` finds another client still putting
     it (OBJECT_NOT_READY, -703)."""
@@ -811,6 +830,11 @@ async def test_unreachable_master_fails_to_open() -> None:
         ({"device": "mlx5_0"}, "needs protocol=rdma"),
         ({"replicas": "x"}, "replicas='x' must be an integer >= 1: replicas per page"),
         ({"threads": "0"}, "threads='0' must be an integer >= 1: worker threads"),
+        # Mooncake mounts no segment below 16 MiB: its setup() failed with a bare -600.
+        ({"segment_size": "8MiB"}, "segment_size must be 0 or >= 16777216 (16MiB"),
+        ({"segment_size": "1"}, "segment_size must be 0 or >= 16777216 (16MiB"),
+        # The manifest's puts are copied through this buffer: with less, none fits.
+        ({"buffer_size": "64KiB"}, "buffer_size must be >= 1048576, got 65536"),
     ],
 )
 def test_bad_parameters_are_refused_before_mooncake_sees_them(
@@ -1471,7 +1495,7 @@ def test_sizes_are_whole_bytes_and_an_empty_capacity_is_refused() -> None:
     for query in ("segment_size=0.5", "segment_size=1.9", "capacity=", "capacity=1.5"):
         with pytest.raises(StorageConfigError):
             MooncakeStorage.from_url(f"{base}&{query}")
-    assert MooncakeStorage.from_url(f"{base}&segment_size=0.5KiB").name.startswith("mooncake://")
+    assert MooncakeStorage.from_url(f"{base}&segment_size=0.5GiB").name.startswith("mooncake://")
 
 
 @pytest.mark.parametrize("call", ["get", "put"])
@@ -1891,3 +1915,32 @@ async def test_the_idle_client_pool_keeps_the_most_recent_clients_only(
         finally:
             for master in masters:
                 close_idle_clients(master.address)
+
+
+def _entry_of_line_length(namespace: bytes, nbytes: int) -> ManifestEntry:
+    """An entry whose manifest line is exactly `nbytes` long (padded with priority digits)."""
+    keys = [uuid.uuid4().bytes * 2]
+    base = len(encode_entry(chain_entry(namespace, keys, 64, 0, 0.0)))
+    step = len(encode_entry(chain_entry(namespace, keys * 2, 64, 0, 0.0))) - base
+    keys *= 1 + (nbytes - base - 16) // step
+    pad = nbytes - len(encode_entry(chain_entry(namespace, keys, 64, 0, 0.0)))
+    entry = chain_entry(namespace, keys, 64, 10**pad, 0.0)
+    assert len(encode_entry(entry)) == nbytes
+    return entry
+
+
+async def test_a_manifest_fits_its_puts_in_the_local_buffer(mooncake_url: str) -> None:
+    # Mooncake copies a put through its local buffer and refuses one larger (-600). Entries
+    # allowed to be as long as the buffer made chunks longer than it: an append holding one
+    # failed whole, its other entries included.
+    url = fresh_url(mooncake_url, buffer_size="1MiB")
+    namespace = bytes(range(16))
+    small = [
+        chain_entry(namespace, [uuid.uuid4().bytes * 2 for _ in range(3)], 3 * 64, 0, float(i))
+        for i in range(3)
+    ]
+    async with MooncakeStorage.from_url(url) as backend:
+        manifest = backend.manifest(ManifestLimits(max_entry_bytes=1 << 20))
+        await manifest.append([*small, _entry_of_line_length(namespace, 1 << 20)])
+        read = await manifest.read(namespace=namespace.hex())
+        assert sorted(e.last_use for e in read.entries) == [0.0, 1.0, 2.0]
