@@ -63,6 +63,21 @@ def _asked(result: PrefetchResult, pages: int) -> int:
     return pages - (result.device_tokens + result.host_tokens) // PAGE
 
 
+def _taking_turns(**prefetch: Any) -> tuple[CacheConfig, list[np.ndarray]]:
+    """Two 8-page prompts with nothing in common and a config under which they take turns:
+    a host share of two pages in a pool of eight, on a device of four, so each evicts pages
+    the other landed."""
+    config = CacheConfig.from_dict(
+        {
+            **msgspec.to_builtins(_config(max_host_share=0.3, **prefetch)),
+            "device_pages": 4,
+            "host_pages": 8,
+        }
+    )
+    rng = np.random.default_rng(13)
+    return config, [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+
+
 async def _store(memory: MemoryStorage, config: CacheConfig, *prompts: np.ndarray) -> None:
     generator = KVGenerator(config.layout, PAGE, seed=5)
     async with HiCache(config, storage=Unowned(memory)) as writer:
@@ -465,15 +480,7 @@ async def test_prefetches_that_read_evicted_pages_again_count_no_shared_pages() 
     # Two prompts with nothing in common, taking turns under a host share of two pages in a
     # pool of eight: each evicts pages the other landed and reads them again. Those read
     # again counted as pages others shared, in place of the pages left unreached.
-    config = CacheConfig.from_dict(
-        {
-            **msgspec.to_builtins(_config(max_host_share=0.3)),
-            "device_pages": 4,
-            "host_pages": 8,
-        }
-    )
-    rng = np.random.default_rng(13)
-    prompts = [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+    config, prompts = _taking_turns()
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
         await _store(memory, _config(), *prompts)
         store = CountedReads(memory)
@@ -515,15 +522,7 @@ async def test_a_page_read_again_that_fails_counts_the_pages_after_it_once(
     # two pages are evicted by the other and read again, and that read fails. The pages
     # after the failed one were counted again as misses or errors, although one of them
     # was read already and is not read again.
-    config = CacheConfig.from_dict(
-        {
-            **msgspec.to_builtins(_config(max_host_share=0.3, batch_pages=1)),
-            "device_pages": 4,
-            "host_pages": 8,
-        }
-    )
-    rng = np.random.default_rng(13)
-    prompts = [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+    config, prompts = _taking_turns(batch_pages=1)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
         await _store(memory, _config(), *prompts)
         store = FailsReadsAgain(memory, Outcome[outcome])
@@ -544,15 +543,7 @@ async def test_a_page_read_lost_and_then_failing_counts_once_where_a_plan_stops(
     # read of it fails): a prefetch planning again from a page it read and lost stops
     # there, without reading. The pages from there on were counted as misses, those it had
     # read included.
-    config = CacheConfig.from_dict(
-        {
-            **msgspec.to_builtins(_config(max_host_share=0.3, batch_pages=1)),
-            "device_pages": 4,
-            "host_pages": 8,
-        }
-    )
-    rng = np.random.default_rng(13)
-    prompts = [rng.integers(0, 5000, size=8 * PAGE) for _ in range(2)]
+    config, prompts = _taking_turns(batch_pages=1)
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
         await _store(memory, _config(), *prompts)
         store = CountedReads(memory)
