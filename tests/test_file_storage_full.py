@@ -579,6 +579,30 @@ async def test_a_read_only_file_system_is_a_miss_not_an_error(tmpfs: Mount) -> N
         assert os.strerror(errno.EROFS) in event["error"]
 
 
+async def test_the_root_can_be_remounted_read_only_while_the_store_serves(tmpfs: Mount) -> None:
+    # An open store holds no descriptor open for writing (the kernel would refuse the remount
+    # as busy): puts become misses, logged once, gets go on, and once the file
+    # system is writable again puts store without a reopen.
+    disk = tmpfs("disk", size="4m")
+    async with FileStorage(disk / "s") as storage:
+        stored = _keys(4)
+        assert await _put(storage, stored) == [Outcome.OK] * 4
+        _remount(disk, "ro")
+        try:
+            with structlog.testing.capture_logs() as logs:
+                for _ in range(3):
+                    assert await _put(storage, _keys(4)) == [Outcome.MISS] * 4
+            assert await _get(storage, stored) == [Outcome.OK] * 4
+        finally:
+            _remount(disk, "rw")
+        [event] = _page_errors(logs)  # one line for the kind, not one per batch
+        assert os.strerror(errno.EROFS) in event["error"]
+        assert (storage.stats().errors, storage.refused_writes) == (0, 12)
+        keys = _keys(4)
+        assert await _put(storage, keys) == [Outcome.OK] * 4
+        assert await _get(storage, keys) == [Outcome.OK] * 4
+
+
 # Reads.
 
 

@@ -768,8 +768,16 @@ def _open_lock(root_fd: int, *, looking: bool) -> int:
         # _READ_FLAGS: no FIFO planted as LOCK blocks the open (`_flock` refuses it).
         with contextlib.suppress(FileNotFoundError):
             return os.open(_LOCK, _READ_FLAGS, dir_fd=root_fd)
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
+    # Read-only: flock needs no more, and a descriptor open for writing held for the store's
+    # life would make the kernel refuse to remount its file system read-only ("busy").
+    flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
+    # An existing LOCK opens even on a read-only file system; a store that writes needs one
+    # that is not.
+    if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+        os.close(fd)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    return fd
 
 
 def _flock(lock_fd: int, root: Path, *, shared: bool) -> None:
