@@ -411,6 +411,23 @@ async def test_an_instance_whose_emptied_root_another_took_writes_nothing_there(
             assert await _get(second, theirs) == [Outcome.OK] * 2
 
 
+async def test_a_root_removed_while_open_is_told_as_removed(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        assert await _put(storage, _keys(2)) == [Outcome.OK] * 2
+        shutil.rmtree(root)
+        with structlog.testing.capture_logs() as logs:
+            assert await _put(storage, _keys(3)) == [Outcome.ERROR] * 3
+            assert await _put(storage, _keys(1)) == [Outcome.ERROR]
+        [lost] = [entry for entry in logs if entry["event"] == "storage.lock.lost"]
+        assert "was removed while the store was open" in lost["error"]
+        assert not root.exists()  # nothing made again where the root was
+        with pytest.raises(StorageError, match="moved away, removed, or replaced"):
+            await storage.manifest().append([chain_entry(NS, [bytes([1]) * 32], 16, 0, 1.0)])
+    async with FileStorage(root) as again:  # reopening makes a new, empty one
+        assert again.stats().pages == 0
+
+
 async def test_a_shard_removed_with_the_lock_is_not_made_again_in_a_root_another_took(
     tmp_path: Path,
 ) -> None:

@@ -390,6 +390,17 @@ class _Handles:
         if st is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
             return True
         root = self._pages_path.parent
+        if not os.fstat(self.root_fd).st_nlink:
+            # The root itself was removed (rm -rf): nothing can be made in it again, and
+            # the lock's open would fail with an error that names LOCK, not the root.
+            self._lock_lost = True
+            log.error(
+                "storage.lock.lost",
+                root=str(root),
+                error=f"the storage root {root} was removed while the store was open; its "
+                "writes fail until it is reopened",
+            )
+            return False
         try:
             fd = _take_lock(self.root_fd, root, shared=self._shared)
         except OSError:  # out of descriptors: not lost, the next write tries again
@@ -1695,8 +1706,9 @@ class FileStorage(BackendBase):
         # when it was opened, so no descriptor is used on the thread.
         if not await asyncio.to_thread(_names_root, self._root, handles.root_id):
             raise StorageError(
-                f"{self._name}: the storage root was replaced since it was opened (by a "
-                "symlink or another directory); its manifest is not used until the next open"
+                f"{self._name}: the storage root was moved away, removed, or replaced since it "
+                "was opened (by a symlink or another directory); its manifest is not used until "
+                "the next open"
             )
 
     @property
