@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import gc
 import os
 import resource
@@ -180,6 +181,48 @@ async def test_a_private_root_is_exclusive(tmp_path: Path) -> None:
                 pass
     async with FileStorage(tmp_path / "s", shared=True), FileStorage(tmp_path / "s", shared=True):
         pass
+
+
+def _held_lock_access(root: Path) -> int:
+    """The access mode (O_RDONLY, O_WRONLY or O_RDWR) of this process's descriptor of LOCK."""
+    lock = root / "LOCK"
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}") == str(lock):
+                return fcntl.fcntl(int(fd), fcntl.F_GETFL) & os.O_ACCMODE
+    raise AssertionError(f"{lock} is not held open")
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+async def test_the_lock_is_held_read_only(tmp_path: Path, shared: bool) -> None:
+    # A descriptor open for writing held for the store's life would make the kernel refuse
+    # to remount the root's file system read-only (test_file_storage_full has the remount).
+    root = tmp_path / "s"
+    async with FileStorage(root, shared=shared):
+        assert _held_lock_access(root) == os.O_RDONLY
+
+
+async def test_an_exclusive_lock_refused_on_a_read_only_descriptor_is_taken_on_a_writable_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As NFS does: its flock is a byte-range lock, whose exclusive kind needs write access.
+    flock = fcntl.flock
+
+    def nfs_flock(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == 0:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        flock(fd, operation)
+
+    monkeypatch.setattr(_file.fcntl, "flock", nfs_flock)
+    root = tmp_path / "s"
+    async with FileStorage(root) as storage:
+        assert _held_lock_access(root) == os.O_RDWR
+        assert await _put(storage, _keys(2)) == [Outcome.OK] * 2
+        with pytest.raises(StorageConfigError, match="in use by another instance"):
+            async with FileStorage(root):
+                pytest.fail("a second private instance opened a root in use")
+    async with FileStorage(root, shared=True):
+        assert _held_lock_access(root) == os.O_RDONLY
 
 
 async def test_a_forked_child_does_not_keep_the_root_locked(tmp_path: Path) -> None:

@@ -750,9 +750,33 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False)
 
     An opener that only looks (`looking`) opens an existing `LOCK` read-only, which flock
     needs no more than, so a store on a read-only file system can still be inspected."""
+    lock_fd = _open_lock_checked(root_fd, root, looking=looking, writable=False)
+    try:
+        _flock(lock_fd, root, shared=shared)
+    except OSError as exc:
+        close_lock_fd(lock_fd)
+        if exc.errno != errno.EBADF or looking:
+            raise
+    except BaseException:
+        close_lock_fd(lock_fd)
+        raise
+    else:
+        return lock_fd
+    # NFS emulates flock with byte-range locks, whose exclusive kind needs a descriptor open
+    # for writing: only there is one held (which keeps a read-only remount refused as busy).
+    lock_fd = _open_lock_checked(root_fd, root, looking=False, writable=True)
+    try:
+        _flock(lock_fd, root, shared=shared)
+    except BaseException:
+        close_lock_fd(lock_fd)
+        raise
+    return lock_fd
+
+
+def _open_lock_checked(root_fd: int, root: Path, *, looking: bool, writable: bool) -> int:
     try:
         # Registered from its open, so that a child forked at any point closes its copy.
-        lock_fd = open_lock_fd(lambda: _open_lock(root_fd, looking=looking))
+        return open_lock_fd(lambda: _open_lock(root_fd, looking=looking, writable=writable))
     except OSError as exc:
         if exc.errno in _OUT_OF_DESCRIPTORS:
             raise
@@ -766,25 +790,20 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False)
             f"cannot open the lock file {root / _LOCK}: {exc.strerror or exc}; expected a "
             "regular file (not a symlink) or none"
         ) from None
-    try:
-        _flock(lock_fd, root, shared=shared)
-    except BaseException:
-        close_lock_fd(lock_fd)
-        raise
-    return lock_fd
 
 
-def _open_lock(root_fd: int, *, looking: bool) -> int:
+def _open_lock(root_fd: int, *, looking: bool, writable: bool) -> int:
     if looking:
         # _READ_FLAGS: no FIFO planted as LOCK blocks the open (`_flock` refuses it).
         with contextlib.suppress(FileNotFoundError):
             return os.open(_LOCK, _READ_FLAGS, dir_fd=root_fd)
-    # Read-only: flock needs no more, and a descriptor open for writing held for the store's
-    # life would make the kernel refuse to remount its file system read-only ("busy").
-    flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    # Read-only where flock allows it: a descriptor open for writing held for the store's life
+    # would make the kernel refuse to remount its file system read-only ("busy").
+    access = os.O_RDWR if writable else os.O_RDONLY
+    flags = access | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
-    # An existing LOCK opens even on a read-only file system; a store that writes needs one
-    # that is not.
+    # An existing LOCK opens read-only even on a read-only file system; a store that writes
+    # needs one that is not.
     if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
         os.close(fd)
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
