@@ -1040,10 +1040,11 @@ class MemoryManifest:
 
     def __init__(self, limits: ManifestLimits | None = None) -> None:
         self.limits = limits or ManifestLimits()
-        # By (namespace, chain id), as ManifestCollector keys chains, least recently recorded
-        # first: the rank (priority, last use) and the record line of each chain's newest
-        # record. Lines rather than entries: bytes and flat tuples are not tracked by the
-        # garbage collector, so a full manifest does not slow every full collection.
+        # By (namespace, chain id), as ManifestCollector keys chains, in the order the records
+        # held were appended: the rank (priority, last use) and the record line of each
+        # chain's newest record. Lines rather than entries: bytes and flat tuples are not
+        # tracked by the garbage collector, so a full manifest does not slow every full
+        # collection.
         self._held: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
         self._bytes = 0
         # Chains held per namespace: `max_entries` bounds each, as compaction bounds it.
