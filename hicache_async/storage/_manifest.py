@@ -277,9 +277,10 @@ def _ranked_use(use: float, now: float) -> _Rank:
     return (now if use <= now + CREATED_AHEAD_S else -math.inf), use
 
 
-def _evicted_before(evicted: dict[_K, _Rank], key: _K, rank: _Rank) -> bool:
+def _evicted_before(evicted: dict[_K, tuple[float, ...]], key: _K, rank: tuple[float, ...]) -> bool:
     """Whether the chain `key` was evicted for room with a use ranked no lower than `rank`
-    (a record that must not come back in its place); a newer record ends the eviction."""
+    (a use as ranked, then where the record was stored: a record that must not come back in
+    its place); a newer record ends the eviction."""
     last = evicted.get(key)
     if last is None:
         return False
@@ -400,7 +401,8 @@ class ManifestCollector:
     Uses rank as `_ranked_use` says by the clock when the collector was made: a record
     stamped far ahead of it counts as the oldest.
 
-    When full, the least valuable entries (lowest priority, then oldest use) make room, so a
+    When full, the least valuable entries (lowest priority, then oldest use, then the first
+    stored, whichever order records are fed in) make room, so a
     huge manifest costs bounded memory (twice `max_entries` at most between trims, and the
     chains the last trim evicted, remembered so that an older record read soon after does
     not bring one back; when compacting, per namespace, so a file holding many namespaces,
@@ -443,9 +445,15 @@ class ManifestCollector:
         # read's memory follow the manifest's size, not `max_entries`. An older record met
         # after the next trim competes as any other, and with its chain's priority unchanged
         # ranks no higher than the chains that pushed it out.
-        self._evicted: dict[Hashable, _Rank] = {}
+        self._evicted: dict[Hashable, tuple[float, ...]] = {}
         # The clock uses are ranked by (see `_ranked_use`), one for the whole read.
         self._now = time.time()
+        # Where each held record was stored, ascending in storage order whichever way records
+        # are fed: records of the same rank go by it, so that readers in either order, and a
+        # compaction's rewrite, keep the same chains (the order they are held in follows the
+        # feeding order, which is the reverse when newest first).
+        self._fed = 0
+        self._stored_at: dict[Hashable, int] = {}
         self.records = 0
         self.malformed = 0
         self.oversized = 0
@@ -487,20 +495,22 @@ class ManifestCollector:
         return _ranked_use(record.last_use, self._now)
 
     def _add(self, key: Hashable, record: ManifestEntry | _Newer, line: bytes | None) -> None:
+        self._fed += 1
         namespace = record.namespace
         if self._namespace is not None and namespace not in (None, self._namespace):
             return
-        rank = self._rank(record)
-        if _evicted_before(self._evicted, key, rank):
+        # By rank, not stamp: a record stamped far ahead must not outlive a later one. Of
+        # the same rank, the one stored later.
+        at = -self._fed if self._newest_first else self._fed
+        order = (*self._rank(record), at)
+        if _evicted_before(self._evicted, key, order):
             return
         previous = self._held.pop(key, None)
-        # By rank, not stamp: a record stamped far ahead must not outlive a later one.
-        if previous is not None and (
-            (held := self._rank(previous)) > rank or (self._newest_first and held == rank)
-        ):
+        if previous is not None and (*self._rank(previous), self._stored_at[key]) > order:
             self._held[key] = previous
         else:
             self._held[key] = record
+            self._stored_at[key] = at
             if self._carry and line is not None:
                 self._lines[key] = line
             elif previous is not None:
@@ -525,19 +535,21 @@ class ManifestCollector:
         excess = {bound: n - cap for bound, n in counts.items() if n > cap}
         if not excess:
             return
-        # Stable: among equals, the first recorded goes first.
+        # Among equals, the first stored goes first.
+        at = self._stored_at
         ranked = sorted(
-            self._held.items(), key=lambda item: (item[1].priority, self._rank(item[1]))
+            self._held.items(),
+            key=lambda item: (item[1].priority, self._rank(item[1]), at[item[0]]),
         )
-        evicted: dict[Hashable, _Rank] = {}  # replaces the last trim's (see __init__)
+        evicted: dict[Hashable, tuple[float, ...]] = {}  # replaces the last trim's (__init__)
         for key, worst in ranked:
             bound = self._bound_of(worst)
             left = excess.get(bound, 0)
             if left > 0:
                 excess[bound] = left - 1
                 del self._held[key]
+                evicted[key] = (*self._rank(worst), at.pop(key))
                 self._lines.pop(key, None)
-                evicted[key] = self._rank(worst)
         self._evicted = evicted
 
     def result(self, *, truncated: bool) -> ManifestRead:
@@ -564,7 +576,10 @@ class ManifestCollector:
         dropped: list[ManifestEntry] = []
         for e in entries:
             (dropped if _covers(covered.get(e.ident), e) else kept).append(e)
-        ordered = sorted(kept, key=lambda e: (-e.priority, *(-x for x in self._rank(e))))
+        stored_at = self._stored_at
+        ordered = sorted(
+            kept, key=lambda e: (-e.priority, *(-x for x in self._rank(e)), -stored_at[e.ident])
+        )
         lengths: dict[str, list[int]] = {}
         for e in dropped:
             # The entry that covers it may be dropped too: the kept one that covers that
@@ -589,6 +604,7 @@ class ManifestCollector:
         `result` returns and of the newer records held, the most valuable that fit `budget`
         bytes (newlines counted; the most valuable always), oldest use first, so that
         appends after the compaction keep "later replaces earlier"."""
+        at = self._stored_at
         ranked: list[tuple[int, _Rank, Hashable, bytes]] = [
             (
                 e.priority,
@@ -603,8 +619,8 @@ class ManifestCollector:
             for r in self._held.values()
             if isinstance(r, _Newer)
         ]
-        # Stable: of equal rank, entries of this version before newer records.
-        ranked.sort(key=lambda r: (-r[0], *(-x for x in r[1])))
+        # Of equal rank, the last stored first.
+        ranked.sort(key=lambda r: (-r[0], *(-x for x in r[1]), -at[r[2]]))
         kept: list[tuple[int, _Rank, Hashable, bytes]] = []
         used = 0
         for record in ranked:
@@ -613,8 +629,9 @@ class ManifestCollector:
                 continue
             kept.append(record)
             used += nbytes
-        # Oldest use as ranked first: a record stamped far ahead before every other.
-        kept.sort(key=lambda r: r[1])
+        # Oldest use as ranked first: a record stamped far ahead before every other; of equal
+        # rank, in the order they were stored, which a later read then goes by.
+        kept.sort(key=lambda r: (r[1], at[r[2]]))
         return [(r[2], r[3]) for r in kept]
 
 
@@ -1023,10 +1040,11 @@ class MemoryManifest:
 
     def __init__(self, limits: ManifestLimits | None = None) -> None:
         self.limits = limits or ManifestLimits()
-        # By (namespace, chain id), as ManifestCollector keys chains, least recently recorded
-        # first: the rank (priority, last use) and the record line of each chain's newest
-        # record. Lines rather than entries: bytes and flat tuples are not tracked by the
-        # garbage collector, so a full manifest does not slow every full collection.
+        # By (namespace, chain id), as ManifestCollector keys chains, in the order the records
+        # held were appended: the rank (priority, last use) and the record line of each
+        # chain's newest record. Lines rather than entries: bytes and flat tuples are not
+        # tracked by the garbage collector, so a full manifest does not slow every full
+        # collection.
         self._held: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
         self._bytes = 0
         # Chains held per namespace: `max_entries` bounds each, as compaction bounds it.
@@ -1034,7 +1052,7 @@ class MemoryManifest:
         # Chains the last trim dropped, with their newest use as ranked: an older record of
         # one of them, appended later, must not come back in its place. Only the last trim's,
         # so this stays bounded too.
-        self._evicted: dict[tuple[str, str], _Rank] = {}
+        self._evicted: dict[tuple[str, str], tuple[float, ...]] = {}
         # Since the last compaction, counted as a log of records would count them.
         self._records = 0
         self._malformed = 0
@@ -1059,18 +1077,21 @@ class MemoryManifest:
         ident = entry.ident
         now = time.time()
         rank = _ranked_use(entry.last_use, now)
-        if _evicted_before(self._evicted, ident, rank):
+        # Stored after every record a trim dropped: of the same rank, it is the newer.
+        if _evicted_before(self._evicted, ident, (*rank, 1)):
             return
-        held = ((entry.priority, entry.last_use), line)
-        previous = self._held.pop(ident, None)
+        previous = self._held.get(ident)
         if previous is not None:
-            self._bytes -= len(previous[1])
             if _ranked_use(previous[0][1], now) > rank:
-                held = previous
+                # Left where it is: the order held is the order the records kept were
+                # stored, which records of the same rank go by, as a reader's.
+                return
+            del self._held[ident]
+            self._bytes -= len(previous[1])
         else:
             self._chains[ident[0]] += 1
-        self._held[ident] = held
-        self._bytes += len(held[1])
+        self._held[ident] = ((entry.priority, entry.last_use), line)
+        self._bytes += len(line)
         limits = self.limits
         if self._chains[ident[0]] >= 2 * limits.max_entries or self._bytes > limits.max_bytes:
             self._trim()
@@ -1093,7 +1114,7 @@ class MemoryManifest:
         ranked = sorted(self._held.items(), key=rank)
         kept: dict[tuple[str, str], tuple[tuple[int, float], bytes]] = {}
         chains: Counter[str] = Counter()
-        evicted: dict[tuple[str, str], _Rank] = {}
+        evicted: dict[tuple[str, str], tuple[float, ...]] = {}
         used = 0
         budget = limits.max_bytes // 2
         for ident, held in reversed(ranked):
@@ -1102,7 +1123,7 @@ class MemoryManifest:
                 chains[ident[0]] += 1
                 used += len(held[1])
             else:
-                evicted[ident] = _ranked_use(held[0][1], now)
+                evicted[ident] = (*_ranked_use(held[0][1], now), 0)
         self._held = {ident: held for ident, held in self._held.items() if ident in kept}
         self._bytes = used
         self._chains = chains

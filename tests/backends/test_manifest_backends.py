@@ -252,6 +252,23 @@ async def test_a_chain_evicted_while_stamped_far_ahead_is_kept_when_used_again(
     assert (await manifest.read(namespace=NS_B.hex())).entries == [again]
 
 
+async def test_chains_of_the_same_stamp_keep_the_last_stored_on_every_backend(
+    store: Store,
+) -> None:
+    # Of chains that tie, the one held longest made way first: the first stored where the
+    # manifest is read oldest first (a file), the last stored where newest first (Redis,
+    # Mooncake), so backends kept different chains, and listed them in different orders.
+    manifest = store.manifest()
+    cap = LIMITS.max_entries
+    stored = [entry(NS_A, i, last_use=1_000.0) for i in range(3 * cap)]
+    for start in range(0, len(stored), 16):
+        await manifest.append(stored[start : start + 16])
+    kept = stored[::-1][:cap]
+    assert (await manifest.read(namespace=NS_A.hex())).entries == kept
+    await manifest.compact()
+    assert (await manifest.read(namespace=NS_A.hex())).entries == kept
+
+
 async def test_malformed_and_oversized_records_are_skipped_and_counted(store: Store) -> None:
     manifest = store.manifest()
     good = [entry(NS_A, i) for i in range(5)]
