@@ -806,8 +806,9 @@ def _open_lock(root_fd: int, *, looking: bool, writable: bool) -> int:
     fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
     try:
         # An existing LOCK opens read-only even on a read-only file system; a store that
-        # writes needs one that is not.
-        read_only = bool(os.fstatvfs(fd).f_flag & os.ST_RDONLY)
+        # writes needs one that is not. The root's own mount is asked: LOCK may be a file
+        # mounted from elsewhere, and the store writes into the root, not into LOCK.
+        read_only = bool(os.fstatvfs(root_fd).f_flag & os.ST_RDONLY)
     except BaseException:
         os.close(fd)
         raise
