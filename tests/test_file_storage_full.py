@@ -739,6 +739,36 @@ async def test_a_read_only_root_opens_for_a_look_only(tmpfs: Mount) -> None:
         _remount(disk, "rw")
 
 
+async def test_the_roots_own_mount_decides_whether_it_is_read_only(
+    tmp_path: Path, tmpfs: Mount
+) -> None:
+    # LOCK may be a file mounted from another file system: the store writes into the root,
+    # so the root's mount is what must be writable, not LOCK's.
+    mounted: list[Path] = []
+    try:
+        lock_fs = tmpfs("lock_fs", size="1m")
+        (lock_fs / "LOCK").touch(mode=0o600)
+        writable = tmp_path / "writable"
+        async with FileStorage(writable):
+            pass
+        _mount(["--bind", str(lock_fs / "LOCK")], writable / "LOCK", mounted)
+        _remount(lock_fs, "ro")
+        async with FileStorage(writable) as storage:  # a writable root, a read-only LOCK
+            keys = _keys(2)
+            assert await _put(storage, keys) == [Outcome.OK] * 2
+        _remount(lock_fs, "rw")
+        view = tmp_path / "view"
+        view.mkdir(mode=0o700)
+        _mount(["--bind", str(writable)], view, mounted)
+        _mount(["-o", "remount,ro,bind"], view, mounted[:0])
+        _mount(["--bind", str(lock_fs / "LOCK")], view / "LOCK", mounted)
+        with pytest.raises(StorageConfigError, match="read-only file system"):
+            async with FileStorage(view):  # a read-only root, a writable LOCK
+                pytest.fail("a store that writes opened a root on a read-only mount")
+    finally:
+        _unmount(mounted)
+
+
 # End to end.
 
 

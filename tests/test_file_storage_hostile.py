@@ -772,3 +772,60 @@ async def test_verify_leaves_a_directory_in_a_shard_where_no_page_belongs(
         for directory in kept:
             assert (directory / "copy").read_bytes() == b"an operator's"
         assert await _get(storage, keys) == [Outcome.OK] * 2
+
+
+def _ends_despite_fifo(fifo: Path, work: Callable[[], None]) -> BaseException | None:
+    """Run `work` on a thread and return what it raised; fail the test if it is still blocked
+    (on an open of `fifo`, waiting for a writer) after a generous bound."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            work()
+            outcome.append(None)
+        except BaseException as exc:  # reported to the test thread below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():
+        # Release the blocked open so the thread ends, then fail.
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(60)
+        pytest.fail(f"blocked opening the FIFO {fifo}")
+    return outcome[0]
+
+
+def test_a_fifo_planted_as_lock_is_refused_at_open_not_waited_on(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    asyncio.run(_store(root, _keys(1)))
+    (root / "LOCK").unlink()
+    os.mkfifo(root / "LOCK", 0o600)
+
+    async def open_it() -> None:
+        async with FileStorage(root):
+            pytest.fail("a store opened with a FIFO as its LOCK")
+
+    error = _ends_despite_fifo(root / "LOCK", lambda: asyncio.run(open_it()))
+    assert isinstance(error, StorageConfigError)
+    assert "is not a regular file" in str(error)
+
+
+def test_a_fifo_put_in_place_of_lock_while_open_loses_the_lock_not_the_writer(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s"
+
+    async def put_after_swap() -> None:
+        async with FileStorage(root) as storage:
+            assert await _put(storage, _keys(1)) == [Outcome.OK]
+            (root / "LOCK").unlink()
+            os.mkfifo(root / "LOCK", 0o600)
+            shutil.rmtree(root / "pages")  # the next write looks at LOCK again
+            with structlog.testing.capture_logs() as logs:
+                assert await _put(storage, _keys(2)) == [Outcome.ERROR] * 2
+            [lost] = [entry for entry in logs if entry["event"] == "storage.lock.lost"]
+            assert "is not a regular file" in lost["error"]
+
+    assert _ends_despite_fifo(root / "LOCK", lambda: asyncio.run(put_after_swap())) is None

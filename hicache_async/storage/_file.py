@@ -798,13 +798,21 @@ def _open_lock(root_fd: int, *, looking: bool, writable: bool) -> int:
         with contextlib.suppress(FileNotFoundError):
             return os.open(_LOCK, _READ_FLAGS, dir_fd=root_fd)
     # Read-only where flock allows it: a descriptor open for writing held for the store's life
-    # would make the kernel refuse to remount its file system read-only ("busy").
+    # would make the kernel refuse to remount its file system read-only ("busy"). O_NONBLOCK:
+    # a read-only open of a FIFO planted as LOCK would wait for a writer for ever (`_flock`
+    # refuses it).
     access = os.O_RDWR if writable else os.O_RDONLY
-    flags = access | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = access | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(_LOCK, flags, _FILE_MODE, dir_fd=root_fd)
-    # An existing LOCK opens read-only even on a read-only file system; a store that writes
-    # needs one that is not.
-    if os.fstatvfs(fd).f_flag & os.ST_RDONLY:
+    try:
+        # An existing LOCK opens read-only even on a read-only file system; a store that
+        # writes needs one that is not. The root's own mount is asked: LOCK may be a file
+        # mounted from elsewhere, and the store writes into the root, not into LOCK.
+        read_only = bool(os.fstatvfs(root_fd).f_flag & os.ST_RDONLY)
+    except BaseException:
+        os.close(fd)
+        raise
+    if read_only:
         os.close(fd)
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
     return fd
