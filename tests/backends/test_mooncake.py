@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import re
+import signal
 import struct
 import sys
 import threading
@@ -1845,3 +1846,34 @@ async def test_the_idle_client_pool_keeps_the_most_recent_clients_only(
         finally:
             for master in masters:
                 close_idle_clients(master.address)
+
+
+async def test_a_client_past_the_pool_bound_whose_master_is_frozen_is_left_unclosed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A frozen master still accepts connections: closing its client waited out Mooncake's
+    # RPC timeouts holding the GIL (over a minute), freezing the loop of the backend whose
+    # close handed back the client past the bound.
+    monkeypatch.setattr(mooncake_module, "_MAX_IDLE_CLIENTS", 1, raising=False)
+    abandoned = len(_POOL._abandoned)
+    with MooncakeMaster() as frozen, MooncakeMaster() as other:
+        pid = frozen.pid
+        assert pid is not None
+        try:
+            async with MooncakeStorage.from_url(fresh_url(frozen.url)):
+                pass  # its client goes idle in the pool
+            os.kill(pid, signal.SIGSTOP)
+            with structlog.testing.capture_logs() as logs:
+                async with MooncakeStorage.from_url(fresh_url(other.url)):
+                    pass  # handing its client back pushes the frozen master's out
+            assert len(_POOL._abandoned) == abandoned + 1
+            gone = [e for e in logs if e["event"] == "storage.mooncake.master_gone_at_exit"]
+            assert [e["master"] for e in gone] == [frozen.address]
+            assert "does not answer" in gone[0]["reason"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            # It answers again: close the abandoned client while it does.
+            for client in _POOL._abandoned[abandoned:]:
+                client.close()
+            del _POOL._abandoned[abandoned:]
+            close_idle_clients(other.address)
