@@ -221,7 +221,8 @@ class _Interruptible:
         self._shut = False
 
     def attach(self, sock: socket.socket) -> None:
-        """Called on the worker once connected (the TLS socket for https)."""
+        """Called on the worker once connected (for https, the TLS socket before its
+        handshake)."""
         with self._lock:
             self._sock = sock
             if self._shut:
@@ -245,8 +246,17 @@ class _Interruptible:
 
         class Secure(http.client.HTTPSConnection):
             def connect(self) -> None:
-                super().connect()
-                attach(self.sock)
+                # Attached before the handshake: a server that accepts and never answers it
+                # held a cancelled listing for the whole timeout.
+                http.client.HTTPConnection.connect(self)
+                sock = context.wrap_socket(
+                    self.sock,
+                    server_hostname=getattr(self, "_tunnel_host", None) or self.host,
+                    do_handshake_on_connect=False,
+                )
+                self.sock = sock
+                attach(sock)
+                sock.do_handshake()
 
         class PlainHandler(urllib.request.HTTPHandler):
             def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:

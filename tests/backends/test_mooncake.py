@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import struct
 import sys
 import threading
@@ -1272,6 +1273,44 @@ async def test_a_cancelled_key_list_ends_its_read_at_once(
                 assert await backend.get(keys, into, namespace=NS) == [Outcome.OK] * 2
         finally:
             hold.set()
+
+
+async def test_a_cancelled_https_key_list_ends_its_handshake_at_once(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The socket was attached only once the TLS handshake was over: an admin port that
+    # accepts and never answers the handshake (a frozen master) held a cancelled listing
+    # until the admin timeout.
+    monkeypatch.setattr(mooncake_module, "_ADMIN_TIMEOUT_S", 3600.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    try:
+        async with MooncakeStorage.from_url(fresh_url(mooncake_master.url)) as backend:
+            # Only the listing's request goes there: the master's watch keeps its own URL.
+            backend._admin = f"https://127.0.0.1:{listener.getsockname()[1]}"
+            listing = asyncio.create_task(backend.list_pages())
+            try:
+                accepted.append((await asyncio.to_thread(listener.accept))[0])
+                for _ in range(2000):  # until its thread waits in the handshake
+                    if any(
+                        frame.f_code.co_name == "do_handshake"
+                        for frame in sys._current_frames().values()
+                    ):
+                        break
+                    await asyncio.sleep(0.005)
+                else:
+                    pytest.fail("the listing never began its handshake")
+                listing.cancel()
+                # Bounded only so that a handshake left waiting fails the test, not hangs it.
+                await asyncio.wait({listing}, timeout=30)
+                assert listing.done(), "the cancelled listing waited for its handshake"
+                assert listing.cancelled()
+                assert not backend._jobs
+            finally:
+                for connection in accepted:  # a handshake still waiting ends here
+                    connection.close()
+    finally:
+        listener.close()
 
 
 def test_storage_command_without_the_admin_url_exits_2(
