@@ -487,3 +487,36 @@ async def test_a_get_of_tiny_pages_cancelled_or_closed_between_slices() -> None:
     read = outcomes.count(Outcome.OK)
     assert 0 < read < len(keys)
     assert outcomes == [Outcome.OK] * read + [Outcome.ERROR] * (len(keys) - read)
+
+
+async def test_a_put_planned_while_another_copies_counts_that_ones_victims_gone() -> None:
+    # Between the slices of a big put, another put planned as if the first one's victims
+    # stayed besides its reservation, and evicted that much more than it needed.
+    old, big, small = _keys(40), _keys(30), _keys(1)
+    async with MemoryStorage(capacity_bytes=60 * SIZE) as storage:
+        assert await _put(storage, old) == [Outcome.OK] * 40
+        # The big put reserves 30 pages, 10 of them made by evicting; the small one plans
+        # while the big one lets the loop run, and needs one victim.
+        results = await asyncio.gather(_put(storage, big), _put(storage, small))
+        assert results == [[Outcome.OK] * 30, [Outcome.OK]]
+        stats = storage.stats()
+        assert (stats.pages, stats.bytes, stats.evictions) == (60, 60 * SIZE, 11)
+        assert await storage.exists(big) == 30
+        assert await storage.exists(small) == 1
+
+
+async def test_a_cancelled_put_whose_victim_outweighs_its_pages_leaves_room_for_no_more() -> None:
+    # A put in flight's victims count as room made only up to what it reserved: cancelled,
+    # it leaves them stored, and a put that had planned on the rest would overfill the store.
+    big, small = _keys(1), _keys(2)
+    async with MemoryStorage(capacity_bytes=4 * SIZE) as storage:
+        assert await _put(storage, big, nbytes=2 * SIZE - HEADER_NBYTES) == [Outcome.OK]
+        put, _gate = await _held_put(storage, small, _keys(1))  # evicts the big page for one
+        later = await _put(storage, _keys(1))
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert later == [Outcome.OK]
+        stats = storage.stats()
+        assert (stats.bytes, stats.evictions) == (4 * SIZE, 1)
+        assert await storage.exists(big) == 1

@@ -115,6 +115,8 @@ class MemoryStorage(BackendBase):
         self._reserved = 0
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
+        # Each put in flight's victims and the bytes it reserved (see `_plan_room`).
+        self._plans: list[tuple[list[bytes], int]] = []
         # Buffers of removed values, by size, for puts to reuse, and thread jobs reading
         # values in flight (while there are any, removed buffers are not recycled).
         self._spares: dict[int, list[bytearray]] = {}
@@ -427,7 +429,14 @@ class MemoryStorage(BackendBase):
         return outcomes
 
     def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
-        free = self._capacity - self._bytes - self._reserved
+        # The victims of puts in flight are room already made: their reservations count
+        # against it, so counting them stored too would evict as much again. Each put's
+        # only up to what it reserved: a cancelled put leaves its victims stored.
+        doomed = 0
+        for planned, reserved in self._plans:
+            made = sum(len(v.data) for k in planned if (v := self._values.get(k)) is not None)
+            doomed += min(made, reserved)
+        free = self._capacity - self._bytes - self._reserved + doomed
         victims: list[bytes] = []
         candidates = iter(self._values)
         admitted = 0
@@ -486,12 +495,15 @@ class MemoryStorage(BackendBase):
         self._reserved += reserve
         self._writing.update(write_keys)
         self._evicting.update(victims)
+        plan = (victims, reserve)
+        self._plans.append(plan)
         try:
             await self._run_each(write, sizes)
         finally:
             self._reserved -= reserve
             self._writing.difference_update(write_keys)
             self._evicting.difference_update(victims)
+            self._plans.remove(plan)
         if self.closed:  # stopped by close(), which has dropped every value
             for i in writes:
                 outcomes[i] = Outcome.ERROR

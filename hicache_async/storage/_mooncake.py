@@ -227,7 +227,8 @@ class _Interruptible:
         self._shut = False
 
     def attach(self, sock: socket.socket) -> None:
-        """Called on the worker once connected (the TLS socket for https)."""
+        """Called on the worker once connected (for https, the TLS socket before its
+        handshake)."""
         with self._lock:
             self._sock = sock
             if self._shut:
@@ -251,8 +252,17 @@ class _Interruptible:
 
         class Secure(http.client.HTTPSConnection):
             def connect(self) -> None:
-                super().connect()
-                attach(self.sock)
+                # Attached before the handshake: a server that accepts and never answers it
+                # held a cancelled listing for the whole timeout.
+                http.client.HTTPConnection.connect(self)
+                sock = context.wrap_socket(
+                    self.sock,
+                    server_hostname=getattr(self, "_tunnel_host", None) or self.host,
+                    do_handshake_on_connect=False,
+                )
+                self.sock = sock
+                attach(sock)
+                sock.do_handshake()
 
         class PlainHandler(urllib.request.HTTPHandler):
             def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
@@ -274,6 +284,49 @@ def _shut_down(sock: socket.socket) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
+def _silent_server(master: str, metadata: str) -> str | None:
+    """Why the Mooncake master or metadata server named cannot be counted on to answer (it
+    cannot be reached, or accepts connections and says nothing within the probe timeout),
+    or None when both answer.
+
+    Mooncake's `setup()` and `close()` call them holding the GIL, and wait out their timeouts
+    on one that does not answer: over a minute for a frozen master.
+    """
+    host, _, port = master.rpartition(":")
+    silent = _unanswered("master", master, (host.strip("[]"), int(port)), _NOT_A_REQUEST)
+    address = _metadata_address(metadata)
+    if silent is not None or address is None:
+        return silent
+    host, port_number = address
+    shown = f"[{host}]:{port_number}" if ":" in host else f"{host}:{port_number}"
+    if metadata.startswith("etcd://"):
+        # Only whether it accepts (an etcd client retries one that does not for minutes):
+        # how etcd treats bytes that are not its protocol is not relied on.
+        if not reachable(address, _PROBE_TIMEOUT_S):
+            return f"cannot reach the Mooncake metadata server at {shown}"
+        return None
+    request = _NOT_A_REQUEST  # https: a TLS server drops it at once
+    if metadata.startswith("http://"):
+        # A real request: an HTTP server may wait for a whole one to answer.
+        path = urlsplit(metadata).path or "/"
+        request = f"GET {path} HTTP/1.0\r\nHost: {shown}\r\n\r\n".encode()
+    return _unanswered("metadata server", shown, address, request)
+
+
+def _unanswered(role: str, shown: str, address: tuple[str, int], request: bytes) -> str | None:
+    """Why the Mooncake `role` at `address` did not answer `request` (or close the
+    connection) within the probe timeout; None if it did."""
+    answered = answers(address, request, _PROBE_TIMEOUT_S)
+    if answered is None:
+        return f"cannot reach the Mooncake {role} at {shown}"
+    if not answered:
+        return (
+            f"the Mooncake {role} at {shown} accepts connections but does not answer "
+            f"(nothing within {_PROBE_TIMEOUT_S:g} s)"
+        )
+    return None
+
+
 _ClientKey = tuple[str, str, str, str, str, int, int]
 
 
@@ -288,7 +341,8 @@ class _ClientPool:
     handed back longest ago is closed (as `close_idle` with `reachable_only` does), so a
     process that moves between many masters or settings does not keep a client, its threads
     and its segment for each. At exit the idle clients are closed, except those whose master
-    is gone: closing them would spend seconds on RPCs to it, so they are kept referenced (no
+    or metadata server does not answer (gone or frozen): closing them would spend seconds on
+    RPCs to it, over a minute on a frozen one, so they are kept referenced (no
     destructor runs) and left to Mooncake's own exit handler. A forked child abandons the
     clients it inherited (see `_abandon_all`).
     """
@@ -319,8 +373,8 @@ class _ClientPool:
 
     def close_idle(self, master: str | None = None, *, reachable_only: bool = False) -> int:
         """Close the idle clients of `master` (all when None); how many were closed. With
-        `reachable_only`, those whose master does not accept a connection are abandoned
-        instead (see the class)."""
+        `reachable_only`, those whose master or metadata server does not answer (gone, or
+        frozen) are abandoned instead (see the class)."""
         with self._lock:
             chosen = [e for e in self._idle if master is None or e[0][0] == master]
             self._idle = [e for e in self._idle if not (master is None or e[0][0] == master)]
@@ -329,9 +383,13 @@ class _ClientPool:
     def _close(self, entries: list[tuple[_ClientKey, Any]], *, reachable_only: bool) -> int:
         closed = 0
         for key, client in entries:
-            host, _, port = key[0].rpartition(":")
-            if reachable_only and not reachable((host.strip("[]"), int(port)), _PROBE_TIMEOUT_S):
-                log.warning("storage.mooncake.master_gone_at_exit", master=key[0])
+            # Not only reachable: a close waits out its RPCs' timeouts on a master (or
+            # metadata server) that accepts connections without answering, a frozen one,
+            # holding the GIL all along (76 s measured), which would freeze the loop of the
+            # backend whose close hands back a client past the bound.
+            silent = _silent_server(key[0], key[1]) if reachable_only else None
+            if silent is not None:
+                log.warning("storage.mooncake.master_gone_at_exit", master=key[0], reason=silent)
                 with self._lock:
                     self._abandoned.append(client)
                 continue
@@ -382,8 +440,9 @@ def close_idle_clients(master: str | None = None, *, reachable_only: bool = Fals
     settings (Mooncake's own close holds the GIL for 1-2 s); the pool keeps the 4 handed back
     last and closes older ones. Call this before stopping a
     master, so the clients unmount their segments while it still answers; it blocks for
-    those seconds per client. With `reachable_only`, the clients of a master that does not
-    accept a connection are left unclosed (closing them would wait seconds on it), as at
+    those seconds per client. With `reachable_only`, the clients of a master or metadata
+    server that does not answer within 3 s (gone, or accepting connections but frozen) are
+    left unclosed (closing them would wait seconds on it, over a minute on a frozen one), as at
     exit; a program can so close them itself before it exits, where an interrupt is its own
     to handle, not one in an exit handler.
     """
@@ -1120,25 +1179,9 @@ class MooncakeStorage(BackendBase):
         # setup() retries a master or a metadata server that does not answer for minutes
         # (20 tries of 30 s, of 6 s for an HTTP metadata server) and holds the GIL while it
         # does, so no timeout or cancellation can cut it short: each is probed first.
-        self._probe_server("master", self._master, self._master_addr, _NOT_A_REQUEST)
-        address = self._metadata_address
-        if address is not None:
-            host, port = address
-            shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            if self._metadata.startswith("etcd://"):
-                # Only whether it accepts (an etcd client retries one that does not for
-                # minutes): how etcd treats bytes that are not its protocol is not relied on.
-                if not reachable(address, _PROBE_TIMEOUT_S):
-                    raise StorageError(
-                        f"{self._name}: cannot reach the Mooncake metadata server at {shown}"
-                    )
-            else:
-                request = _NOT_A_REQUEST  # https: a TLS server drops it at once
-                if self._metadata.startswith("http://"):
-                    # A real request: an HTTP server may wait for a whole one to answer.
-                    path = urlsplit(self._metadata).path or "/"
-                    request = f"GET {path} HTTP/1.0\r\nHost: {shown}\r\n\r\n".encode()
-                self._probe_server("metadata server", shown, address, request)
+        silent = _silent_server(self._master, self._metadata)
+        if silent is not None:
+            raise StorageError(f"{self._name}: {silent}")
         store = factory()
         code = store.setup(
             self._local_hostname,
@@ -1152,20 +1195,6 @@ class MooncakeStorage(BackendBase):
         if code != 0:
             raise StorageError(f"{self._name}: Mooncake setup failed with {code}")
         return store
-
-    def _probe_server(
-        self, role: str, shown: str, address: tuple[str, int], request: bytes
-    ) -> None:
-        """Raise a `StorageError` unless the Mooncake `role` at `address` answers `request`
-        (or closes the connection) within the probe timeout."""
-        answered = answers(address, request, _PROBE_TIMEOUT_S)
-        if answered is None:
-            raise StorageError(f"{self._name}: cannot reach the Mooncake {role} at {shown}")
-        if not answered:
-            raise StorageError(
-                f"{self._name}: the Mooncake {role} at {shown} accepts connections but does "
-                f"not answer (nothing within {_PROBE_TIMEOUT_S:g} s)"
-            )
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return max(self._pages, 0), max(self._bytes, 0), self._capacity

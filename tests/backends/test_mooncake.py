@@ -8,6 +8,7 @@ import http.server
 import json
 import os
 import re
+import signal
 import socket
 import struct
 import sys
@@ -1343,6 +1344,44 @@ async def test_a_cancelled_key_list_ends_its_read_at_once(
             hold.set()
 
 
+async def test_a_cancelled_https_key_list_ends_its_handshake_at_once(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The socket was attached only once the TLS handshake was over: an admin port that
+    # accepts and never answers the handshake (a frozen master) held a cancelled listing
+    # until the admin timeout.
+    monkeypatch.setattr(mooncake_module, "_ADMIN_TIMEOUT_S", 3600.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    try:
+        async with MooncakeStorage.from_url(fresh_url(mooncake_master.url)) as backend:
+            # Only the listing's request goes there: the master's watch keeps its own URL.
+            backend._admin = f"https://127.0.0.1:{listener.getsockname()[1]}"
+            listing = asyncio.create_task(backend.list_pages())
+            try:
+                accepted.append((await asyncio.to_thread(listener.accept))[0])
+                for _ in range(2000):  # until its thread waits in the handshake
+                    if any(
+                        frame.f_code.co_name == "do_handshake"
+                        for frame in sys._current_frames().values()
+                    ):
+                        break
+                    await asyncio.sleep(0.005)
+                else:
+                    pytest.fail("the listing never began its handshake")
+                listing.cancel()
+                # Bounded only so that a handshake left waiting fails the test, not hangs it.
+                await asyncio.wait({listing}, timeout=30)
+                assert listing.done(), "the cancelled listing waited for its handshake"
+                assert listing.cancelled()
+                assert not backend._jobs
+            finally:
+                for connection in accepted:  # a handshake still waiting ends here
+                    connection.close()
+    finally:
+        listener.close()
+
+
 def test_storage_command_without_the_admin_url_exits_2(
     mooncake_master: MooncakeMaster, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -1944,3 +1983,34 @@ async def test_a_manifest_fits_its_puts_in_the_local_buffer(mooncake_url: str) -
         await manifest.append([*small, _entry_of_line_length(namespace, 1 << 20)])
         read = await manifest.read(namespace=namespace.hex())
         assert sorted(e.last_use for e in read.entries) == [0.0, 1.0, 2.0]
+
+
+async def test_a_client_past_the_pool_bound_whose_master_is_frozen_is_left_unclosed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A frozen master still accepts connections: closing its client waited out Mooncake's
+    # RPC timeouts holding the GIL (over a minute), freezing the loop of the backend whose
+    # close handed back the client past the bound.
+    monkeypatch.setattr(mooncake_module, "_MAX_IDLE_CLIENTS", 1, raising=False)
+    abandoned = len(_POOL._abandoned)
+    with MooncakeMaster() as frozen, MooncakeMaster() as other:
+        pid = frozen.pid
+        assert pid is not None
+        try:
+            async with MooncakeStorage.from_url(fresh_url(frozen.url)):
+                pass  # its client goes idle in the pool
+            os.kill(pid, signal.SIGSTOP)
+            with structlog.testing.capture_logs() as logs:
+                async with MooncakeStorage.from_url(fresh_url(other.url)):
+                    pass  # handing its client back pushes the frozen master's out
+            assert len(_POOL._abandoned) == abandoned + 1
+            gone = [e for e in logs if e["event"] == "storage.mooncake.master_gone_at_exit"]
+            assert [e["master"] for e in gone] == [frozen.address]
+            assert "does not answer" in gone[0]["reason"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            # It answers again: close the abandoned client while it does.
+            for client in _POOL._abandoned[abandoned:]:
+                client.close()
+            del _POOL._abandoned[abandoned:]
+            close_idle_clients(other.address)
