@@ -138,6 +138,60 @@ def test_deletes_unlink_pages_when_tmp_cannot_be_written(tmp_path: Path) -> None
     ]
 
 
+def _run_without_overrides(script: str) -> subprocess.CompletedProcess[str]:
+    """Runs `script` in a child that root's permission overrides do not let past a mode."""
+    command = [sys.executable, "-c", script]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to run without root's permission overrides")
+        caps = "-dac_override,-dac_read_search,-fowner"
+        command = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *command]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    return subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+
+
+@pytest.mark.parametrize("directory", ["pages", "tmp"])
+def test_maintenance_of_an_open_store_with_an_unreadable_directory(
+    tmp_path: Path, directory: str
+) -> None:
+    # pages/ unreadable: no scan can tell anything, a StorageError naming it. tmp/ unreadable:
+    # counted unchecked, as an unreadable shard is, and the pages are still verified.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os
+        from hicache_async import StorageError
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        keys = [bytes([i]) * 32 for i in range(1, 4)]
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                pages = [[memoryview(bytearray(key[:1] * 1024))] for key in keys]
+                metas = [PageMeta(key=k, namespace=bytes(16), num_tokens=1) for k in keys]
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                os.chmod({str(root / directory)!r}, 0)
+                for call in (storage.verify, storage.gc):
+                    try:
+                        print("ok", await call())
+                    except StorageError as exc:
+                        print("error", exc)
+        asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    (root / directory).chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()[-2:]
+    if directory == "pages":
+        for line in lines:
+            assert line.startswith(f"error {root / 'pages'}: Permission denied"), line
+            assert "chmod u+rx" in line
+    else:
+        assert lines[0].startswith("ok VerifyReport("), lines
+        assert "checked=3, ok=3" in lines[0]
+        assert "unchecked=1" in lines[0]
+        assert lines[1].startswith("ok GcReport("), lines
+
+
 async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
     root = tmp_path / "s"
     keys = _keys(8)

@@ -982,7 +982,14 @@ def _remove_leftovers(
     goes to `foreign`."""
     removed = 0
     now = time.time()
-    fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
+    try:
+        fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
+    except PermissionError as exc:
+        # An unreadable tmp/ (its mode changed under the store) hides every leftover: counted
+        # as one entry left unchecked, as an unreadable shard is, and the rest goes on.
+        if failed is not None:
+            failed.append((_TMP, f"{exc.strerror}: cannot list it, make it readable"))
+        return 0
     try:
         with os.scandir(fd) as entries:
             for entry in entries:
@@ -1027,7 +1034,14 @@ def _scan(
     never the store's, so never removed. Shards that cannot be opened, or are refused as
     unsafe, go to `refused`."""
     found: list[_Found] = []
-    pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
+    try:
+        pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
+    except PermissionError as exc:
+        # Every page is under it: no scan can say anything of the store.
+        raise StorageError(
+            f"{handles._pages_path}: {exc.strerror}: cannot list the pages; give this user "
+            "read and search permission on it (chmod u+rx)"
+        ) from exc
     try:
         with os.scandir(pages_fd) as shards:
             shard_names = [
