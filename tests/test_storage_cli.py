@@ -150,6 +150,30 @@ def test_verify_counts_a_refused_shard_as_unchecked(
     assert len(list(shard.iterdir())) == held  # left as it was
 
 
+@pytest.mark.parametrize("command", ["verify", "gc"])
+def test_an_unreadable_shard_is_logged_once(tmp_path: Path, command: str) -> None:
+    # The open's scan meets it first, the command's own scan again: one line for both.
+    root = tmp_path / "s"
+    keys = _populate(root, 3)
+    shard = root / "pages" / keys[0].hex()[:2]
+    argv = [sys.executable, "-m", "hicache_async", "storage", command, f"file://{root}"]
+    if os.geteuid() == 0:  # root's permission overrides would list it anyway
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to run without root's permission overrides")
+        caps = "-dac_override,-dac_read_search,-fowner"
+        argv = ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *argv]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    shard.chmod(0)
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, env=env, check=False, timeout=120
+        )
+    finally:
+        shard.chmod(0o700)
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.count("storage.shard.unreadable") == 1, done.stderr[-2000:]
+
+
 def _ls_into(root: Path, stdout: Any) -> subprocess.CompletedProcess[str]:
     """`storage ls` of `root` in a process of its own, its stdout going to `stdout`."""
     return subprocess.run(

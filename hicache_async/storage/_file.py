@@ -257,6 +257,9 @@ class _Handles:
         # Why tmp/ or pages/ could not be made again, logged once per reason.
         self._dir_refused: dict[str, str] = {}
         self._lock_lost = False  # logged once
+        # Shards a scan could not list, and why: logged once until listed again, so that the
+        # open's scan and the verify() or gc() after it do not both log the same shard.
+        self.unreadable: dict[str, str] = {}
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -1106,6 +1109,7 @@ def _scan(
             continue
         finally:
             os.close(scan_fd)
+        handles.unreadable.pop(shard_name, None)
         found.extend(shard)
     return found
 
@@ -1113,13 +1117,16 @@ def _scan(
 def _unreadable_shard(
     handles: _Handles, name: str, exc: OSError, refused: list[str] | None
 ) -> None:
-    """A shard directory `_scan` could not list: logged (a refused one was when refused) and
-    counted in `refused`."""
-    if not isinstance(exc, _RefusedShardError):
+    """A shard directory `_scan` could not list: logged (a refused one was when refused; one
+    logged with the same error since it was last listed is not again) and counted in
+    `refused`."""
+    error = exc.strerror or str(exc)
+    if not isinstance(exc, _RefusedShardError) and handles.unreadable.get(name) != error:
+        handles.unreadable[name] = error
         log.warning(
             "storage.shard.unreadable",
             directory=str(handles._pages_path / name),
-            error=exc.strerror or str(exc),
+            error=error,
         )
     if refused is not None:
         refused.append(name)
