@@ -238,6 +238,34 @@ def immutable() -> Iterator[Callable[[Path], None]]:
         subprocess.run(["chattr", "-i", str(path)], capture_output=True, check=False)
 
 
+async def test_pages_that_stay_are_logged_once_per_call_and_error(
+    tmp_path: Path, immutable: Callable[[Path], None]
+) -> None:
+    # Every page of a gc() or delete() fails alike (immutable shards here, a read-only remount
+    # in use): one line per call and error, with the count and a few keys, not one per page.
+    root, keys = tmp_path / "s", _keys(40)
+    async with FileStorage(root) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 40
+    for shard in (root / "pages").iterdir():
+        immutable(shard)
+    async with FileStorage(root, capacity_bytes=SIZE) as storage:
+        with structlog.testing.capture_logs() as logs:
+            assert (await storage.gc()).failed == 39
+            assert (await storage.gc()).failed == 39
+            assert await storage.delete(keys) == 0
+            assert await storage.delete(keys) == 0
+        assert storage.stats().pages == 40
+    stayed = [entry for entry in logs if entry["event"].endswith((".evict.error", ".delete.error"))]
+    assert [entry["event"] for entry in stayed] == ["storage.evict.error"] * 2 + [
+        "storage.delete.error"
+    ] * 2
+    assert [entry["pages"] for entry in stayed] == [39, 39, 40, 40]
+    for entry in stayed:
+        assert entry["error"] == os.strerror(1)  # EPERM, without a file's name
+        assert len(entry["keys"]) == 3
+        assert {bytes.fromhex(key) for key in entry["keys"]} <= set(keys)
+
+
 async def test_verify_keeps_going_past_a_corrupt_page_it_cannot_remove(
     tmp_path: Path, immutable: Callable[[Path], None]
 ) -> None:

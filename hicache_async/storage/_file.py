@@ -1481,17 +1481,35 @@ class _IndexWalk:
         )
 
 
-def _log_unremoved(
-    event: str, backend: str, hexkey: str, exc: OSError, limiter: LogLimiter | None
-) -> None:
-    """Log a page file that could not be removed. Through `limiter`, one line per kind of
-    error at most once a minute: every put's eviction would otherwise log each file that
-    stays (undeletable files stay for good, and are tried again)."""
-    if limiter is None:
-        log.warning(event, backend=backend, key=hexkey, error=str(exc))
-        return
-    error = exc.strerror or str(exc)  # not the file name: the key says which page
-    limiter.warn(log, event, error, backend=backend, key=hexkey)
+_UNREMOVED_EXAMPLES = 3  # keys named per logged line of pages that stayed
+
+
+class _Unremoved:
+    """Page files that could not be removed, logged as one line per kind of error (its text
+    without the file name, how many pages, a few of their keys): a read-only file system
+    fails every page of a delete() or gc() alike, and a line per page would flood the log."""
+
+    __slots__ = ("_seen",)
+
+    def __init__(self) -> None:
+        self._seen: dict[str, tuple[int, list[str]]] = {}  # error -> (count, example keys)
+
+    def add(self, hexkey: str, exc: OSError) -> None:
+        error = exc.strerror or str(exc)
+        count, keys = self._seen.setdefault(error, (0, []))
+        if len(keys) < _UNREMOVED_EXAMPLES:
+            keys.append(hexkey)
+        self._seen[error] = (count + 1, keys)
+
+    def log(self, event: str, backend: str, limiter: LogLimiter | None) -> None:
+        """Through `limiter`, each kind at most once a minute: the evictions of puts meet
+        the same undeletable files again and again."""
+        for error, (count, keys) in self._seen.items():
+            if limiter is None:
+                log.warning(event, backend=backend, error=error, pages=count, keys=keys)
+            else:
+                limiter.warn(log, event, error, backend=backend, pages=count, keys=keys)
+        self._seen.clear()
 
 
 class _PageErrors:
@@ -2742,6 +2760,7 @@ class FileStorage(BackendBase):
         *,
         need: int | None = None,
         for_put: bool = False,
+        unremoved: _Unremoved | None = None,
     ) -> tuple[int, int, list[bytes]]:
         """Evict the indexed `victims` (none being read or written) in one job; returns the
         pages evicted, their bytes, and the keys whose file could not be removed (back in the
@@ -2749,7 +2768,8 @@ class FileStorage(BackendBase):
         since this one did stays, at the MRU end, and goes into `spared`, unless it is there
         already: then it goes without a look. With `need`, the job stops once the victims
         gone (or whose file could not be removed) hold that many bytes: those it did not
-        come to stay, first in line."""
+        come to stay, first in line. Files that stay go to `unremoved` when given, else are
+        logged at the end of the job."""
         removed = [(key, self._drop(key)) for key in victims]
         seen = self._last_seen(removed, spared)
         sizes = [] if need is None else [0 if e is None else e.nbytes for _, e in removed]
@@ -2766,6 +2786,7 @@ class FileStorage(BackendBase):
                     seen=seen,
                     need=None if need is None else (need, sizes),
                     limiter=self._page_errors_log if for_put else None,
+                    unremoved=unremoved,
                 )
             )
         finally:
@@ -3084,6 +3105,7 @@ class FileStorage(BackendBase):
         if no_room:
             self._release_spares(handles, reason="disk full")
             spares = None
+        unremoved = _Unremoved()
         # Victims go even when the caller is cancelled: their room was counted free when
         # they were planned, and another put may have used it already.
         for position, key in enumerate(victims):
@@ -3102,10 +3124,9 @@ class FileStorage(BackendBase):
                 pass
             except OSError as exc:  # the page stays: it goes back into the index
                 job.failed.append(position)
-                _log_unremoved(
-                    "storage.evict.error", self._name, hexkey, exc, self._page_errors_log
-                )
+                unremoved.add(hexkey, exc)
             job.done += 1
+        unremoved.log("storage.evict.error", self._name, self._page_errors_log)
         base = time.time_ns()
         job.stamped = base / 1e9
         _stamp_all(handles, stamps, base)
@@ -3402,13 +3423,16 @@ class FileStorage(BackendBase):
         seen: list[float | None] | None = None,
         need: tuple[int, list[int]] | None = None,
         limiter: LogLimiter | None = None,
+        unremoved: _Unremoved | None = None,
     ) -> None:
         """Remove the pages of `keys`; with `seen` (evictions in a shared root) not those
         another instance used since (see `_used_elsewhere`), which go to `job.spared`. With
         `need` (bytes, and each key's size), stop once the keys not spared hold that many.
-        A file that stays is logged as `event`, through `limiter` if given (the evictions of
-        puts, which meet the same files again and again)."""
+        Files that stay go to `unremoved` when given (the caller logs them), else are logged
+        as `event` at the end, through `limiter` if given (the evictions of puts, which meet
+        the same files again and again)."""
         handles = self._handles_or_raise()
+        pending = _Unremoved() if unremoved is None else unremoved
         left: int | None = None
         sizes: list[int] = []
         if need is not None:
@@ -3437,10 +3461,12 @@ class FileStorage(BackendBase):
             except OSError as exc:  # the page stays: it goes back into the index
                 job.results[slot] = (_ERROR, str(exc), 0)
                 job.failed.append(slot)
-                _log_unremoved(event, self._name, hexkey, exc, limiter)
+                pending.add(hexkey, exc)
             if left is not None and slot not in job.spared:
                 left -= sizes[slot]
             job.done = slot + 1
+        if unremoved is None:
+            pending.log(event, self._name, limiter)
 
     # Raw access (RawAccess).
 
@@ -3834,25 +3860,30 @@ class FileStorage(BackendBase):
         # removed is tried once, and its bytes count as if evicted: no other page goes in
         # its place. A page another instance used since this one did stays, and is tried
         # again after every other page, then without a look (`spared`).
+        # The files that stay are logged once for the whole call, not once per round.
         evicted = freed = unremoved = 0
         failed: set[bytes] = set()
         spared: set[bytes] = set()
-        while True:
-            excess = self._bytes + self._reserved - self._capacity - unremoved
-            victims: list[bytes] = []
-            for key, entry in self._index.items():
-                if excess <= 0 or len(victims) == _LOOP_SLICE:
+        stays = _Unremoved()
+        try:
+            while True:
+                excess = self._bytes + self._reserved - self._capacity - unremoved
+                victims: list[bytes] = []
+                for key, entry in self._index.items():
+                    if excess <= 0 or len(victims) == _LOOP_SLICE:
+                        break
+                    if self._evictable(key) and key not in failed:
+                        victims.append(key)
+                        excess -= entry.nbytes
+                if not victims:
                     break
-                if self._evictable(key) and key not in failed:
-                    victims.append(key)
-                    excess -= entry.nbytes
-            if not victims:
-                break
-            done, nbytes, stayed = await self._evict(victims, spared)
-            evicted += done
-            freed += nbytes
-            failed.update(stayed)
-            unremoved += sum(self._index[key].nbytes for key in stayed if key in self._index)
+                done, nbytes, stayed = await self._evict(victims, spared, unremoved=stays)
+                evicted += done
+                freed += nbytes
+                failed.update(stayed)
+                unremoved += sum(self._index[key].nbytes for key in stayed if key in self._index)
+        finally:
+            stays.log("storage.evict.error", self._name, None)
         return GcReport(
             evicted_pages=evicted,
             freed_bytes=freed,
