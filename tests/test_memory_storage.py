@@ -520,3 +520,23 @@ async def test_a_cancelled_put_whose_victim_outweighs_its_pages_leaves_room_for_
         stats = storage.stats()
         assert (stats.bytes, stats.evictions) == (4 * SIZE, 1)
         assert await storage.exists(big) == 1
+
+
+async def test_gc_counts_a_put_in_flights_victims_only_up_to_what_it_reserved() -> None:
+    # gc counted every victim of a put in flight gone: one outweighing the put's pages
+    # left the store over capacity once that put was cancelled.
+    big, old, new, extra = _keys(1), _keys(2), _keys(1), _keys(1)
+    async with MemoryStorage(capacity_bytes=4 * SIZE) as storage:
+        assert await _put(storage, big, nbytes=2 * SIZE - HEADER_NBYTES) == [Outcome.OK]
+        put, _gate = await _held_put(storage, old, new)  # evicts the big page for one
+        raw = await storage.read_raw(old[0])
+        assert raw is not None
+        await storage.write_raw(extra[0], raw)  # unchecked: the store is over capacity
+        report = await storage.gc()
+        assert (report.evicted_pages, report.freed_bytes) == (1, SIZE)
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        stats = storage.stats()
+        assert (stats.bytes, stats.evictions) == (4 * SIZE, 1)
+        assert await storage.exists(big) == 1

@@ -430,13 +430,8 @@ class MemoryStorage(BackendBase):
 
     def _plan_room(self, sizes: list[int], *, keep: set[bytes]) -> tuple[list[bytes], int]:
         # The victims of puts in flight are room already made: their reservations count
-        # against it, so counting them stored too would evict as much again. Each put's
-        # only up to what it reserved: a cancelled put leaves its victims stored.
-        doomed = 0
-        for planned, reserved in self._plans:
-            made = sum(len(v.data) for k in planned if (v := self._values.get(k)) is not None)
-            doomed += min(made, reserved)
-        free = self._capacity - self._bytes - self._reserved + doomed
+        # against it, so counting them stored too would evict as much again.
+        free = self._capacity - self._bytes - self._reserved + self._doomed()
         victims: list[bytes] = []
         candidates = iter(self._values)
         admitted = 0
@@ -456,6 +451,15 @@ class MemoryStorage(BackendBase):
             free -= size
             admitted += 1
         return victims, admitted
+
+    def _doomed(self) -> int:
+        """Bytes the puts in flight will evict, each put's only up to what it reserved: a
+        cancelled put leaves its victims stored, so only that much is sure to be made."""
+        doomed = 0
+        for planned, reserved in self._plans:
+            made = sum(len(v.data) for k in planned if (v := self._values.get(k)) is not None)
+            doomed += min(made, reserved)
+        return doomed
 
     async def _store(
         self,
@@ -610,9 +614,10 @@ class MemoryStorage(BackendBase):
         free the spare buffers kept for reuse."""
         self._check_open()
         evicted = freed = 0
-        # Pages that puts in flight will evict at their commit are room already made: count
-        # them gone, and leave them to those puts (evicting others instead would free twice).
-        doomed = sum(len(v.data) for k in self._evicting if (v := self._values.get(k)))
+        # Pages that puts in flight will evict at their commit are room already made, up to
+        # what each reserved (see `_doomed`); they are left to those puts (evicting others
+        # instead would free twice).
+        doomed = self._doomed()
         over = self._bytes - doomed + self._reserved > self._capacity
         # Only when over: a copy of every key is no small cost for a big store.
         for key in [k for k in self._values if k not in self._evicting] if over else []:

@@ -382,12 +382,22 @@ class _ClientPool:
 
     def _close(self, entries: list[tuple[_ClientKey, Any]], *, reachable_only: bool) -> int:
         closed = 0
+        # A silent master or metadata server is checked once, not per client: each check
+        # of it waits out the probe timeout, and the idle clients of one master (other
+        # settings) would wait it out again each, at exit. One that answered is checked
+        # again (cheap), as it may stop answering during a close.
+        silent_ones: dict[tuple[str, str], str] = {}
         for key, client in entries:
             # Not only reachable: a close waits out its RPCs' timeouts on a master (or
             # metadata server) that accepts connections without answering, a frozen one,
             # holding the GIL all along (76 s measured), which would freeze the loop of the
             # backend whose close hands back a client past the bound.
-            silent = _silent_server(key[0], key[1]) if reachable_only else None
+            silent = None
+            if reachable_only:
+                servers = (key[0], key[1])
+                silent = silent_ones.get(servers) or _silent_server(*servers)
+                if silent is not None:
+                    silent_ones[servers] = silent
             if silent is not None:
                 log.warning("storage.mooncake.master_gone_at_exit", master=key[0], reason=silent)
                 with self._lock:

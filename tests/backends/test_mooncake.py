@@ -2014,3 +2014,40 @@ async def test_a_client_past_the_pool_bound_whose_master_is_frozen_is_left_unclo
                 client.close()
             del _POOL._abandoned[abandoned:]
             close_idle_clients(other.address)
+
+
+async def test_idle_clients_of_one_frozen_master_are_checked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each check of a frozen master waits out the probe timeout: at exit, every idle client
+    # of it (other settings) waited it out again.
+    checks: list[str] = []
+    check = mooncake_module._silent_server
+
+    def counted(master: str, metadata: str) -> str | None:
+        checks.append(master)
+        return check(master, metadata)
+
+    monkeypatch.setattr(mooncake_module, "_silent_server", counted)
+    abandoned = len(_POOL._abandoned)
+    with MooncakeMaster() as frozen:
+        pid = frozen.pid
+        assert pid is not None
+        for buffer_size in ("16MiB", "32MiB"):  # two client settings: two idle clients
+            async with MooncakeStorage.from_url(fresh_url(frozen.url, buffer_size=buffer_size)):
+                pass
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            checks.clear()
+            with structlog.testing.capture_logs() as logs:
+                assert close_idle_clients(frozen.address, reachable_only=True) == 0
+            assert len(_POOL._abandoned) == abandoned + 2
+            assert checks == [frozen.address]
+            gone = [e for e in logs if e["event"] == "storage.mooncake.master_gone_at_exit"]
+            assert len(gone) == 2
+            assert all("does not answer" in e["reason"] for e in gone)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            for client in _POOL._abandoned[abandoned:]:
+                client.close()
+            del _POOL._abandoned[abandoned:]
