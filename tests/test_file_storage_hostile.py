@@ -266,6 +266,25 @@ async def test_pages_that_stay_are_logged_once_per_call_and_error(
         assert {bytes.fromhex(key) for key in entry["keys"]} <= set(keys)
 
 
+async def test_pages_in_refused_shards_are_logged_once_per_call(tmp_path: Path) -> None:
+    # A refusal's text names its shard directory: the pages that stay in refused shards are
+    # still one line per call, not one per shard.
+    root, keys = tmp_path / "s", _keys(40)
+    async with FileStorage(root, shared=True) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 40
+    shards = list((root / "pages").iterdir())
+    for shard in shards:
+        shard.chmod(0o777)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root, shared=True) as storage:
+            assert await storage.delete(keys) == 0
+    stayed = [entry for entry in logs if entry["event"] == "storage.delete.error"]
+    assert [entry["pages"] for entry in stayed] == [40]
+    assert str(root) not in stayed[0]["error"]
+    refused = [entry for entry in logs if entry["event"] == "storage.shard.refused"]
+    assert len(refused) == len(shards)  # each directory named once, there
+
+
 async def test_verify_keeps_going_past_a_corrupt_page_it_cannot_remove(
     tmp_path: Path, immutable: Callable[[Path], None]
 ) -> None:

@@ -1482,6 +1482,7 @@ class _IndexWalk:
 
 
 _UNREMOVED_EXAMPLES = 3  # keys named per logged line of pages that stayed
+_REFUSED_SHARD = "shard directory refused (see storage.shard.refused)"
 
 
 class _Unremoved:
@@ -1495,7 +1496,9 @@ class _Unremoved:
         self._seen: dict[str, tuple[int, list[str]]] = {}  # error -> (count, example keys)
 
     def add(self, hexkey: str, exc: OSError) -> None:
-        error = exc.strerror or str(exc)
+        # A refusal's text names its shard directory, so it would make a kind per shard;
+        # `storage.shard.refused` has named each directory already.
+        error = _REFUSED_SHARD if isinstance(exc, _RefusedShardError) else exc.strerror or str(exc)
         count, keys = self._seen.setdefault(error, (0, []))
         if len(keys) < _UNREMOVED_EXAMPLES:
             keys.append(hexkey)
