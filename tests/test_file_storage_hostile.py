@@ -150,6 +150,50 @@ def _run_without_overrides(script: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, env=env, check=False)
 
 
+def test_a_shard_made_again_and_unreadable_again_is_logged_again(tmp_path: Path) -> None:
+    # Logged once while it stays unreadable; once it is gone, the shard made again in its
+    # place is another directory, and its being unreadable is news again.
+    root = tmp_path / "s"
+    shard = root / "pages" / "ab"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os, shutil
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        keys = [bytes([0xAB]) * 32, bytes([0xAB, 1]) * 16]
+
+        async def put(storage, key):
+            page = [[memoryview(bytearray(1024))]]
+            meta = [PageMeta(key=key, namespace=bytes(16), num_tokens=1)]
+            assert await storage.put([key], page, meta) == [Outcome.OK]
+
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                await put(storage, keys[0])
+                with structlog.testing.capture_logs() as logs:
+                    os.chmod({str(shard)!r}, 0)
+                    first = await storage.verify()
+                    again = await storage.verify()
+                    os.chmod({str(shard)!r}, 0o700)
+                    shutil.rmtree({str(shard)!r})
+                    gone = await storage.verify()
+                    await put(storage, keys[1])
+                    os.chmod({str(shard)!r}, 0)
+                    last = await storage.verify()
+                    os.chmod({str(shard)!r}, 0o700)
+            print([r.unchecked for r in (first, again, gone, last)])
+            print(sum(e["event"] == "storage.shard.unreadable" for e in logs))
+        asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    if shard.exists():
+        shard.chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-3:-1] == ["[1, 1, 0, 1]", "2"]
+
+
 @pytest.mark.parametrize("directory", ["pages", "tmp"])
 def test_maintenance_of_an_open_store_with_an_unreadable_directory(
     tmp_path: Path, directory: str

@@ -1053,6 +1053,12 @@ def _scan(
             ]
     finally:
         os.close(pages_fd)
+    # A shard gone since it was logged is no longer the one logged: made again and
+    # unreadable again, it is logged again. A copy: other scans run on other threads.
+    listed = {name for name, is_dir, _ in shard_names if is_dir}
+    for name in list(handles.unreadable):
+        if name not in listed:
+            handles.unreadable.pop(name, None)
     for shard_name, is_dir, regular in sorted(shard_names):
         if stop.is_set():
             break
