@@ -705,6 +705,18 @@ def _stored_sizes(store: Any, names: Sequence[str]) -> list[int]:
     return sizes
 
 
+def _present_sizes(store: Any, names: Sequence[str]) -> list[int]:
+    """`_stored_sizes` of `names` that may be absent: Mooncake's client logs an error line
+    for each absent key a replica lookup asks about, so one `batch_is_exist` RPC first keeps
+    absent keys out of it (a key whose existence is not known is still asked about)."""
+    if not names:
+        return []
+    states = list(store.batch_is_exist(list(names)))
+    asked = [name for name, state in zip(names, states, strict=True) if state != 0]
+    sizes = dict(zip(asked, _stored_sizes(store, asked), strict=True))
+    return [sizes.get(name, -1) for name in names]
+
+
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
@@ -1405,7 +1417,7 @@ class MooncakeStorage(BackendBase):
 
         def job(stop: threading.Event) -> tuple[list[int], list[int]]:
             # Sizes first, for the byte counts: Mooncake's remove does not say.
-            sizes = _stored_sizes(store, names)
+            sizes = _present_sizes(store, names)
             if self._master_down():  # the sizes call waited for a master gone meanwhile
                 return [_RPC_FAIL] * len(names), sizes
             return list(store.batch_remove(names, force=True)), sizes

@@ -427,6 +427,29 @@ async def test_delete_counts_the_sizes_of_what_it_removed(backend: MooncakeStora
     assert await backend.exists(small_keys[1:]) == 1
 
 
+def _mooncake_errors(captured: str) -> list[str]:
+    """The error lines of Mooncake's own log (glog: `E` and the date) in `captured`."""
+    return [line for line in captured.splitlines() if re.match(r"E\d{4} ", line)]
+
+
+async def test_delete_of_absent_keys_logs_nothing_per_key(
+    backend: MooncakeStorage, capfd: pytest.CaptureFixture[str]
+) -> None:
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    capfd.readouterr()
+    assert await backend.delete([os.urandom(32)]) == 0
+    one = _mooncake_errors(capfd.readouterr().err)
+    assert await backend.delete([os.urandom(32) for _ in range(64)]) == 0
+    many = _mooncake_errors(capfd.readouterr().err)
+    assert len(many) <= len(one), many[:3]
+    # Present keys among absent ones still count their bytes.
+    assert await backend.delete([os.urandom(32), keys[0], os.urandom(32)]) == 1
+    stats = backend.stats()
+    assert (stats.pages, stats.bytes, stats.deletes) == (1, HEADER_NBYTES + 3000, 1)
+    assert _mooncake_errors(capfd.readouterr().err) == []
+
+
 async def test_exists_counts_the_consecutive_prefix(backend: MooncakeStorage) -> None:
     keys, pages, metas = make_pages(4)
     stored = [0, 1, 3]
