@@ -48,12 +48,20 @@ class LogLimiter:
         self._forget_after_s = interval_s * _FORGET_AFTER_INTERVALS
         self._max_kinds = max_kinds
         self._clock = clock
-        self._kinds: dict[tuple[str, str], tuple[float, int]] = {}
+        # (event, error) -> (when last logged, records left out since, sum of their amounts)
+        self._kinds: dict[tuple[str, str], tuple[float, int, int]] = {}
         self._lock = threading.Lock()  # a file store's job threads log through it too
 
     def admit(self, event: str, error: str = "") -> int | None:
         """None when this record is to be left out; else how many records of its kind were
         left out since the last one logged."""
+        admitted = self.admit_counting(event, error, 0)
+        return None if admitted is None else admitted[0]
+
+    def admit_counting(self, event: str, error: str, amount: int) -> tuple[int, int] | None:
+        """As `admit`, for a record about `amount` things (pages): None when it is to be left
+        out (its amount is kept for the next one logged); else how many records of its kind
+        were left out since the last one logged, and the sum of their amounts."""
         kind = (event, error)
         with self._lock:
             now = self._clock()
@@ -61,12 +69,12 @@ class LogLimiter:
                 self._forget_quiet(now)
                 if len(self._kinds) >= self._max_kinds:
                     kind = (event, "")
-            last, unlogged = self._kinds.get(kind, (-math.inf, 0))
+            last, unlogged, amounts = self._kinds.get(kind, (-math.inf, 0, 0))
             if now - last < self._interval_s:
-                self._kinds[kind] = (last, unlogged + 1)
+                self._kinds[kind] = (last, unlogged + 1, amounts + amount)
                 return None
-            self._kinds[kind] = (now, 0)
-            return unlogged
+            self._kinds[kind] = (now, 0, 0)
+            return unlogged, amounts
 
     @property
     def interval_s(self) -> float:
@@ -81,12 +89,12 @@ class LogLimiter:
             now = self._clock()
             due: list[tuple[str, int]] = []
             waiting = False
-            for (name, error), (last, unlogged) in list(self._kinds.items()):
+            for (name, error), (last, unlogged, _) in list(self._kinds.items()):
                 if name != event or not unlogged:
                     continue
                 if now - last >= self._interval_s:
                     due.append((error, unlogged))
-                    self._kinds[(name, error)] = (now, 0)
+                    self._kinds[(name, error)] = (now, 0, 0)
                 else:
                     waiting = True
             return due, waiting
@@ -98,6 +106,20 @@ class LogLimiter:
         if unlogged is not None:
             logger.warning(event, error=error, unlogged_since_last=unlogged, **fields)
 
+    def warn_tallied(
+        self, logger: Any, event: str, error: str, tally: str, **fields: object
+    ) -> None:
+        """As `warn`, for a record whose int field `tally` (`pages`) says what it is about:
+        the line also has `unlogged_<tally>_since_last`, the sum of that field over the
+        records left out, which a count of lines alone would lose."""
+        amount = fields[tally]
+        if not isinstance(amount, int):
+            raise TypeError(f"the tallied field {tally!r} is not an int: {amount!r}")
+        admitted = self.admit_counting(event, error, amount)
+        if admitted is not None:
+            fields[f"unlogged_{tally}_since_last"] = admitted[1]
+            logger.warning(event, error=error, unlogged_since_last=admitted[0], **fields)
+
     def _forget_quiet(self, now: float) -> None:
         """Drop the kinds not logged for `_FORGET_AFTER_INTERVALS` intervals: kept for good,
         the kinds of errors long gone would fill the table, and every new failure after them
@@ -105,7 +127,7 @@ class LogLimiter:
         out go first; the others only when that frees no room (their left-out records are
         then never told)."""
         quiet = [
-            kind for kind, (last, _) in self._kinds.items() if now - last >= self._forget_after_s
+            kind for kind, (last, _, _) in self._kinds.items() if now - last >= self._forget_after_s
         ]
         told = [kind for kind in quiet if not self._kinds[kind][1]]
         for kind in told or quiet:

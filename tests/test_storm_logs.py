@@ -112,6 +112,24 @@ def test_the_limiter_tells_each_kind_at_once_and_repeats_once_per_interval() -> 
     assert limiter.admit("put", "new 3") is None
 
 
+def test_a_line_told_after_lines_left_out_sums_what_they_were_about() -> None:
+    # A line per put's eviction names how many pages stayed: the lines left out must not
+    # lose those pages, only how many lines there were.
+    now = [0.0]
+    limiter = LogLimiter(60.0, clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logs:
+        for pages in (3, 5, 7, 11):
+            limiter.warn_tallied(structlog.get_logger(), "evict", "refused", "pages", pages=pages)
+        now[0] = 60.0
+        limiter.warn_tallied(structlog.get_logger(), "evict", "refused", "pages", pages=2)
+        limiter.warn_tallied(structlog.get_logger(), "evict", "refused", "pages", pages=4)
+    told = [(e["pages"], e["unlogged_since_last"], e["unlogged_pages_since_last"]) for e in logs]
+    assert told == [(3, 0, 0), (2, 3, 23)]
+    # A kind logged again starts from nothing.
+    now[0] = 120.0
+    assert limiter.admit_counting("evict", "refused", 1) == (1, 4)
+
+
 def test_kinds_quiet_for_an_hour_make_room_for_new_failures() -> None:
     # A process that runs for weeks meets many kinds of errors: those of long ago must not
     # fill the table for good, or every new failure after them shares one kind with the
@@ -213,3 +231,27 @@ async def test_files_puts_cannot_evict_are_logged_once_not_per_put(tmp_path: Pat
     assert 1 <= len(stayed) <= 2, len(stayed)
     assert stayed[0]["error"] == os.strerror(1)  # EPERM, without the file's name
     assert stayed[0]["backend"] == storage.name
+
+
+async def test_a_put_eviction_line_counts_the_pages_of_the_lines_left_out(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    now = [0.0]
+    async with FileStorage(root, capacity_bytes=20 * 1200, spare_bytes=0) as storage:
+        storage._page_errors_log = LogLimiter(60.0, clock=lambda: now[0])
+        assert await storage.put(*_pages(16, 0, 1000)) == [Outcome.OK] * 16
+        files = [path for path in (root / "pages").rglob("*") if path.is_file()]
+        try:
+            _chattr("+i", files)
+            with structlog.testing.capture_logs() as logs:
+                for batch in range(1, 11):
+                    assert await storage.put(*_pages(4, batch, 1000)) == [Outcome.OK] * 4
+                stayed_before = storage.stats().errors  # each file that stayed, each time
+                now[0] = 60.0  # a minute later: the next put's line gets through
+                assert await storage.put(*_pages(4, 11, 1000)) == [Outcome.OK] * 4
+        finally:
+            _chattr("-i", files)
+    first, last = [entry for entry in logs if entry["event"] == "storage.evict.error"]
+    assert first["unlogged_pages_since_last"] == 0
+    assert last["unlogged_since_last"] >= 1
+    # The lines left out were about every page that stayed but those of the first line.
+    assert last["unlogged_pages_since_last"] == stayed_before - first["pages"]

@@ -1517,7 +1517,11 @@ class _Unremoved:
             if limiter is None:
                 log.warning(event, backend=backend, error=error, pages=count, keys=keys)
             else:
-                limiter.warn(log, event, error, backend=backend, pages=count, keys=keys)
+                # A line left out still counts its pages in the next one's
+                # `unlogged_pages_since_last`.
+                limiter.warn_tallied(
+                    log, event, error, "pages", backend=backend, pages=count, keys=keys
+                )
         self._seen.clear()
 
 
