@@ -4,6 +4,7 @@ entries that cannot be removed, a vanished tmp/, races with maintenance."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import os
 import resource
@@ -234,6 +235,83 @@ def test_maintenance_of_an_open_store_with_an_unreadable_directory(
         assert "checked=3, ok=3" in lines[0]
         assert "unchecked=1" in lines[0]
         assert lines[1].startswith("ok GcReport("), lines
+
+
+def _failing_listing(
+    monkeypatch: pytest.MonkeyPatch, directory: Path, where: str, error: int = errno.EIO
+) -> Callable[[], None]:
+    """Makes listing `directory` fail with `error` (at its open for the listing, or at the
+    listing itself), as a failing disk would; the returned call heals it."""
+    real_open, real_scandir = os.open, os.scandir
+    healed = threading.Event()
+
+    def names_it(fd: object) -> bool:
+        if healed.is_set() or not isinstance(fd, int):
+            return False
+        try:
+            return os.readlink(f"/proc/self/fd/{fd}") == str(directory)
+        except OSError:
+            return False
+
+    def failing_open(path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        if where == "open" and path == "." and names_it(dir_fd):
+            raise OSError(error, os.strerror(error))
+        return real_open(path, flags, mode, dir_fd=dir_fd)
+
+    def failing_scandir(path: object = ".") -> object:
+        if where == "list" and names_it(path):
+            raise OSError(error, os.strerror(error))
+        return real_scandir(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(_file.os, "open", failing_open)
+    monkeypatch.setattr(_file.os, "scandir", failing_scandir)
+    return healed.set
+
+
+@pytest.mark.parametrize("where", ["open", "list"])
+async def test_a_tmp_that_cannot_be_listed_is_unchecked_and_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # Not only a refused permission: an I/O error or no descriptor left hides tmp/'s
+    # leftovers alike. The pages are still verified; the open and gc() go on.
+    root, keys = tmp_path / "s", _keys(3)
+    await _store(root, keys)
+    heal = _failing_listing(monkeypatch, root / "tmp", where)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root) as storage:
+            first = await storage.verify()
+            again = await storage.verify()
+            assert (await storage.gc()).failed == 0
+            heal()
+            healed = await storage.verify()
+            monkeypatch.undo()
+            _failing_listing(monkeypatch, root / "tmp", where)
+            other = await storage.verify()
+    assert [(r.ok, r.unchecked) for r in (first, again, healed, other)] == [
+        (3, 1),
+        (3, 1),
+        (3, 0),
+        (3, 1),
+    ]
+    told = [e for e in logs if e["event"] == "storage.stray.error" and e["entry"] == "tmp"]
+    # The open's and the first verify's: once; again once it failed after a listing.
+    assert [e["error"] for e in told] == [f"{os.strerror(errno.EIO)}: cannot list it"] * 2
+
+
+@pytest.mark.parametrize("where", ["open", "list"])
+async def test_a_pages_directory_that_cannot_be_listed_is_a_storage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    root, keys = tmp_path / "s", _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        _failing_listing(monkeypatch, root / "pages", where)
+        for call in (storage.verify, storage.gc):
+            with pytest.raises(StorageError) as raised:
+                await call()
+            assert str(raised.value) == (
+                f"{root / 'pages'}: {os.strerror(errno.EIO)}: cannot list the pages"
+            )
 
 
 async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:

@@ -260,6 +260,8 @@ class _Handles:
         # Shards a scan could not list, and why: logged once until listed again, so that the
         # open's scan and the verify() or gc() after it do not both log the same shard.
         self.unreadable: dict[str, str] = {}
+        # Why tmp/ could not be listed, logged once until it is listed again.
+        self.tmp_unlisted: str | None = None
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -976,22 +978,26 @@ def _remove_leftovers(
     keep: frozenset[str] = frozenset(),
     failed: list[tuple[str, str]] | None = None,
     foreign: list[str] | None = None,
+    unlisted: list[str] | None = None,
 ) -> int:
     """Delete temporary files of interrupted writes not modified for `idle_s` seconds, but
     not those named in `keep`. One that cannot be removed goes to `failed` as (name, error)
     and the rest go on: a single immutable file must not fail an open or a verify(). A file
     not named as the store names its temporary and spare files is no leftover of its own
     (a `tmp/` that was there before the store, an operator's file): it is left in place and
-    goes to `foreign`."""
+    goes to `foreign`. Why tmp/ itself could not be listed goes to `unlisted`."""
     removed = 0
     now = time.time()
     try:
         fd = os.open(".", _DIR_FLAGS, dir_fd=handles.tmp_fd)  # scandir's own descriptor
-    except PermissionError as exc:
-        # An unreadable tmp/ (its mode changed under the store) hides every leftover: counted
-        # as one entry left unchecked, as an unreadable shard is, and the rest goes on.
-        if failed is not None:
-            failed.append((_TMP, f"{exc.strerror}: cannot list it, make it readable"))
+    except FileNotFoundError:
+        return 0  # removed under us: no leftover is left in it
+    except OSError as exc:
+        # An unreadable tmp/ (its mode changed under the store, an I/O error, no descriptor
+        # left) hides every leftover: counted as one entry left unchecked, as an unreadable
+        # shard is, and the rest goes on.
+        if unlisted is not None:
+            unlisted.append(_unlisted_text(exc))
         return 0
     try:
         with os.scandir(fd) as entries:
@@ -1012,9 +1018,19 @@ def _remove_leftovers(
                 except OSError as exc:
                     if failed is not None:
                         failed.append((entry.name, exc.strerror or str(exc)))
+    except OSError as exc:  # the listing itself failed midway: the rest is unchecked
+        if unlisted is not None:
+            unlisted.append(_unlisted_text(exc))
+        return removed
     finally:
         os.close(fd)
+    handles.tmp_unlisted = None
     return removed
+
+
+def _unlisted_text(exc: OSError) -> str:
+    hint = ", make it readable" if isinstance(exc, PermissionError) else ""
+    return f"{exc.strerror or exc}: cannot list it{hint}"
 
 
 def _scan(
@@ -1039,20 +1055,24 @@ def _scan(
     found: list[_Found] = []
     try:
         pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
-    except PermissionError as exc:
+        try:
+            with os.scandir(pages_fd) as shards:
+                shard_names = [
+                    (entry.name, entry.is_dir(follow_symlinks=False), _is_regular(entry))
+                    for entry in shards
+                ]
+        finally:
+            os.close(pages_fd)
+    except OSError as exc:
         # Every page is under it: no scan can say anything of the store.
+        hint = (
+            "; give this user read and search permission on it (chmod u+rx)"
+            if isinstance(exc, PermissionError)
+            else _DESCRIPTOR_HINTS.get(exc.errno or 0, "")
+        )
         raise StorageError(
-            f"{handles._pages_path}: {exc.strerror}: cannot list the pages; give this user "
-            "read and search permission on it (chmod u+rx)"
+            f"{handles._pages_path}: {exc.strerror or exc}: cannot list the pages{hint}"
         ) from exc
-    try:
-        with os.scandir(pages_fd) as shards:
-            shard_names = [
-                (entry.name, entry.is_dir(follow_symlinks=False), _is_regular(entry))
-                for entry in shards
-            ]
-    finally:
-        os.close(pages_fd)
     # A shard gone since it was logged is no longer the one logged: made again and
     # unreadable again, it is logged again. A copy: other scans run on other threads.
     listed = {name for name, is_dir, _ in shard_names if is_dir}
@@ -1837,14 +1857,19 @@ class FileStorage(BackendBase):
         # A private root is locked exclusively by now, so nobody is writing in it: every
         # temporary file is a leftover, however fresh. A shared one may have writers.
         failed: list[tuple[str, str]] = []
+        unlisted: list[str] = []
         leftovers = (
             0
             if self._keep_leftovers
             else _remove_leftovers(
-                handles, idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0, failed=failed
+                handles,
+                idle_s=_STALE_TMP_SHARED_S if self._shared else 0.0,
+                failed=failed,
+                unlisted=unlisted,
             )
         )
         self._log_stray_errors(failed)
+        self._log_unlisted_tmp(handles, unlisted)
         # The index is built here too: for a million pages, sorting and indexing them on the
         # loop stalled it for seconds (an attach while serving runs this open). Nothing on the
         # loop uses the index before the open returns. Pages beyond a (shrunk) capacity stay
@@ -3693,19 +3718,21 @@ class FileStorage(BackendBase):
         spares = self._spares.names() if self._spares is not None else frozenset()
         failed: list[tuple[str, str]] = []
         foreign: list[str] = []
+        unlisted: list[str] = []
         leftovers = _remove_leftovers(
-            handles, idle_s=idle, keep=spares, failed=failed, foreign=foreign
+            handles, idle_s=idle, keep=spares, failed=failed, foreign=foreign, unlisted=unlisted
         )
         if _names_root(self._root, handles.root_id):  # else the path leads elsewhere
             leftovers += remove_dead_compactions(self._root / _MANIFEST_NAME)
         self._log_stray_errors(failed)
+        self._log_unlisted_tmp(handles, unlisted)
         strays: list[tuple[int, str]] = []
         stray_dirs: list[tuple[int, str]] = []
         refused: list[str] = []
         found = _scan(
             handles, stop, strays, stray_dirs=stray_dirs, refused=refused, foreign=foreign
         )
-        unchecked = len(refused) + len(failed)
+        unchecked = len(refused) + len(failed) + len(unlisted)
         removals: list[tuple[int, str, Callable[[str, int], None]]] = [
             *((dir_fd, name, _unlink_at) for dir_fd, name in strays),
             *(
@@ -3801,6 +3828,14 @@ class FileStorage(BackendBase):
     def _log_stray_errors(self, failed: list[tuple[str, str]]) -> None:
         for name, error in failed:
             log.warning("storage.stray.error", backend=self._name, entry=name, error=error)
+
+    def _log_unlisted_tmp(self, handles: _Handles, unlisted: list[str]) -> None:
+        """Log why tmp/ could not be listed, once per error until it is listed again: every
+        verify() would meet it again, and the count of `unchecked` tells it each time."""
+        for error in unlisted:
+            if handles.tmp_unlisted != error:
+                handles.tmp_unlisted = error
+                self._log_stray_errors([(_TMP, error)])
 
     def _verify_file(
         self, shard_fd: int, key: bytes, scratch: bytearray, stop: threading.Event
