@@ -314,6 +314,28 @@ async def test_a_pages_directory_that_cannot_be_listed_is_a_storage_error(
             )
 
 
+async def test_a_shard_fixed_and_unreadable_again_is_logged_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once per change seen: while it stays unreadable, once; a page of it read meanwhile
+    # shows it was fixed, so its next failure is news again, even with no scan between.
+    root, keys = tmp_path / "s", _keys(3)
+    shard = root / "pages" / keys[0].hex()[:2]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        with structlog.testing.capture_logs() as logs:
+            heal = _failing_listing(monkeypatch, shard, "list")
+            broken = [await storage.verify(), await storage.verify()]
+            heal()
+            assert await _get(storage, keys[:1]) == [Outcome.OK]
+            monkeypatch.undo()
+            _failing_listing(monkeypatch, shard, "list")
+            broken += [await storage.verify(), await storage.verify()]
+    assert [report.unchecked for report in broken] == [1] * 4
+    told = [e for e in logs if e["event"] == "storage.shard.unreadable"]
+    assert [e["directory"] for e in told] == [str(shard)] * 2
+
+
 async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
     root = tmp_path / "s"
     keys = _keys(8)

@@ -257,8 +257,9 @@ class _Handles:
         # Why tmp/ or pages/ could not be made again, logged once per reason.
         self._dir_refused: dict[str, str] = {}
         self._lock_lost = False  # logged once
-        # Shards a scan could not list, and why: logged once until listed again, so that the
-        # open's scan and the verify() or gc() after it do not both log the same shard.
+        # Shards a scan could not list, and why: logged once until listed again or a page of
+        # theirs is read, so that the open's scan and the verify() or gc() after it do not
+        # both log the same shard, while one fixed and broken again is logged again.
         self.unreadable: dict[str, str] = {}
         # Why tmp/ could not be listed, logged once until it is listed again.
         self.tmp_unlisted: str | None = None
@@ -266,6 +267,12 @@ class _Handles:
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
         _OPEN_ROOTS.add(self)
+
+    def read_from(self, name: str) -> None:
+        """A page file of shard `name` was opened: a scan that fails to list it again meets
+        a new failure, logged again (once, not per page: the shard is forgotten once)."""
+        if self.unreadable:  # empty unless a shard could not be listed: one check per page
+            self.unreadable.pop(name, None)
 
     def shard(self, name: str, *, create: bool, durable: bool = False) -> int | None:
         """The descriptor of `pages/<name>`, or None when it does not exist and create is off.
@@ -2460,6 +2467,7 @@ class FileStorage(BackendBase):
             with contextlib.suppress(OSError):  # a symlink where a page belongs
                 _remove_if_same(shard_fd, hexkey, None)
             return (_CORRUPT, "symlink", 0)
+        handles.read_from(hexkey[:2])
         try:
             st = os.fstat(fd)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
@@ -3540,6 +3548,7 @@ class FileStorage(BackendBase):
             if exc.errno == errno.ELOOP:  # a symlink, never followed: no page
                 return None
             raise
+        handles.read_from(hexkey[:2])
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
