@@ -37,6 +37,7 @@ from test_file_storage import (
     _metas,
     _put,
 )
+from test_storage_cli import nfs_flock
 
 from hicache_async import CacheConfig, HiCache, StorageConfigError, StorageError
 from hicache_async._ratelog import LogLimiter
@@ -735,6 +736,33 @@ async def test_a_read_only_root_opens_for_a_look_only(tmpfs: Mount) -> None:
         async with looking:
             assert looking.stats().pages == 3
             assert len(await looking.list_pages()) == 3
+    finally:
+        _remount(disk, "rw")
+
+
+async def test_a_look_at_a_read_only_root_on_nfs_says_to_look_with_shared(
+    tmpfs: Mount, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # NFS takes an exclusive flock only on a descriptor open for writing, which a read-only
+    # mount cannot give: a clear refusal naming the way that works, not "Bad file descriptor".
+    disk = tmpfs("disk", size="4m")
+    root = disk / "s"
+    async with FileStorage(root) as storage:
+        await _put(storage, _keys(3))
+    _remount(disk, "ro")
+    try:
+        nfs_flock(monkeypatch)
+        looking = FileStorage(root)
+        looking._keep_leftovers = True  # as `hicache-async storage stats|ls` open it
+        with pytest.raises(StorageConfigError) as refused:
+            async with looking:
+                pytest.fail("an exclusive lock was taken on a read-only descriptor")
+        assert str(refused.value).startswith(f"cannot lock {root / 'LOCK'} to look"), refused
+        assert f"({os.strerror(errno.EROFS)}); look with shared=1" in str(refused.value)
+        shared = FileStorage(root, shared=True)
+        shared._keep_leftovers = True
+        async with shared:
+            assert shared.stats().pages == 3
     finally:
         _remount(disk, "rw")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from hicache_async.storage import (
     PageInfo,
     PageMeta,
     StorageStats,
+    _file,
 )
 from hicache_async.storage._manifest import ManifestEntry, chain_entry
 from hicache_async.storage._page import FORMAT_VERSION
@@ -80,6 +82,33 @@ def test_ls(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0
     assert "4 pages" in out
     assert keys[0].hex() in out
+
+
+def nfs_flock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes flock refuse an exclusive lock on a read-only descriptor with EBADF, as NFS
+    does (its flock is a byte-range lock, whose exclusive kind needs write access)."""
+    flock = fcntl.flock
+
+    def refusing(fd: int, operation: int) -> None:
+        if operation & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == 0:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        flock(fd, operation)
+
+    monkeypatch.setattr(_file.fcntl, "flock", refusing)
+
+
+@pytest.mark.parametrize("command", ["stats", "ls"])
+def test_looking_at_a_private_root_on_nfs_takes_a_writable_lock(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    command: str,
+) -> None:
+    keys = _populate(tmp_path / "s", 3)
+    nfs_flock(monkeypatch)
+    code, out, err = _run(capsys, command, f"file://{tmp_path / 's'}")
+    assert (code, "Bad file descriptor" in err) == (0, False), err
+    assert "pages: 3" in out if command == "stats" else keys[0].hex() in out
 
 
 def test_verify_removes_corrupt_pages_and_leftovers(

@@ -767,7 +767,7 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False)
         _flock(lock_fd, root, shared=shared)
     except OSError as exc:
         close_lock_fd(lock_fd)
-        if exc.errno != errno.EBADF or looking:
+        if exc.errno != errno.EBADF:
             raise
     except BaseException:
         close_lock_fd(lock_fd)
@@ -776,7 +776,21 @@ def _take_lock(root_fd: int, root: Path, *, shared: bool, looking: bool = False)
         return lock_fd
     # NFS emulates flock with byte-range locks, whose exclusive kind needs a descriptor open
     # for writing: only there is one held (which keeps a read-only remount refused as busy).
-    lock_fd = _open_lock_checked(root_fd, root, looking=False, writable=True)
+    # An opener that only looks needs the same, for as long as it looks.
+    if not looking:
+        lock_fd = _open_lock_checked(root_fd, root, looking=False, writable=True)
+    else:
+        try:
+            lock_fd = open_lock_fd(lambda: _open_lock(root_fd, looking=False, writable=True))
+        except OSError as exc:
+            if exc.errno in _OUT_OF_DESCRIPTORS:
+                raise
+            raise StorageConfigError(
+                f"cannot lock {root / _LOCK} to look at a private root: its file system takes "
+                "an exclusive lock only on a file open for writing (as NFS does), which fails "
+                f"here ({exc.strerror or exc}); look with shared=1 in the URL, whose shared "
+                "lock needs no write access"
+            ) from None
     try:
         _flock(lock_fd, root, shared=shared)
     except BaseException:
