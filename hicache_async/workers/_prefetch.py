@@ -914,22 +914,19 @@ class Prefetcher:
                 self.timeouts += policy == "timeout"
             handle.terminate()
             if handle.status is PrefetchStatus.QUEUED:
-                handle._finish(PrefetchStatus.TERMINATED)
-                self.terminated += 1
+                self._ended(handle, PrefetchStatus.TERMINATED)
             self._live_done_unless_running(handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # Storage was detached while this prefetch waited for the queue: a miss.
             self._live_done(handle)
-            handle._finish(PrefetchStatus.CANCELLED)
-            self.cancelled += 1
+            self._ended(handle, PrefetchStatus.CANCELLED)
         except BaseException:
             # Counted here, once: should it be in the queue after all, `cancel()` finishes
             # it (counted) and the worker drops it without counting it again. One a worker
             # took already (running) is counted by the worker.
             handle.cancel()
             if handle.status is PrefetchStatus.QUEUED:
-                handle._finish(PrefetchStatus.CANCELLED)
-                self.cancelled += 1
+                self._ended(handle, PrefetchStatus.CANCELLED)
             self._live_done_unless_running(handle)
             raise
 
@@ -946,12 +943,22 @@ class Prefetcher:
         """Finish a prefetch given up while queued: counted once, here; its slot is free at
         once and a worker reaching its entry skips it (it is done)."""
         self._send.release(handle)
-        handle._finish(status)
-        if status is PrefetchStatus.CANCELLED:
-            self.cancelled += 1
-        else:
-            self.terminated += 1
+        self._ended(handle, status)
         self._live_done(handle)
+
+    def _ended(self, handle: PrefetchHandle, status: PrefetchStatus) -> None:
+        """Finish `handle` with `status` and count it in that status's counter. The caller
+        makes sure nothing ended it before: a handle already done keeps its status, but
+        would be counted again."""
+        handle._finish(status)
+        if status is PrefetchStatus.COMPLETE:
+            self.completed += 1
+        elif status is PrefetchStatus.TERMINATED:
+            self.terminated += 1
+        elif status is PrefetchStatus.SKIPPED:
+            self.skipped += 1
+        else:
+            self.cancelled += 1
 
     def _live_done_unless_running(self, handle: PrefetchHandle) -> None:
         # A worker that took the handle is still reading into the host pool: warmup must go
@@ -1025,8 +1032,7 @@ class Prefetcher:
                 return
             self._send.release(handle)
             if not handle.done():
-                handle._finish(PrefetchStatus.CANCELLED)
-                self.cancelled += 1
+                self._ended(handle, PrefetchStatus.CANCELLED)
             self._live_done(handle)
 
     def discard(self) -> None:
@@ -1065,14 +1071,12 @@ class Prefetcher:
         # Closed: a detach in progress (the cache is still open then), which cancels every
         # prefetch, this one included if a worker took it just before.
         if handle._cancel_requested or self._closed or self._cache._state != "open":
-            handle._finish(PrefetchStatus.CANCELLED)
-            self.cancelled += 1
+            self._ended(handle, PrefetchStatus.CANCELLED)
             return
         if handle._terminated:
             # Given up before it started without passing through the queue (which finishes
             # those at once): no read of it would be used.
-            handle._finish(PrefetchStatus.TERMINATED)
-            self.terminated += 1
+            self._ended(handle, PrefetchStatus.TERMINATED)
             return
         handle.status = PrefetchStatus.RUNNING
         self._running.add(handle)
@@ -1094,16 +1098,8 @@ class Prefetcher:
             self._left.set()
             handle._scope = None
             self._report_only_cached(handle)
-            handle._finish(status)
             # Counted here: a prefetch cancelled from outside (a detach) counts too.
-            if status is PrefetchStatus.COMPLETE:
-                self.completed += 1
-            elif status is PrefetchStatus.TERMINATED:
-                self.terminated += 1
-            elif status is PrefetchStatus.SKIPPED:
-                self.skipped += 1
-            else:
-                self.cancelled += 1
+            self._ended(handle, status)
 
     def _warn(self, event: str, exc: Exception, **fields: object) -> None:
         """Log a failed backend call: each kind of error at once, a repeated one at most
