@@ -416,6 +416,28 @@ class PrefetchHandle:
             agreed_tokens=cached if self._agreed is None else min(cached, self._agreed),
         )
 
+    def _count_until(self, page: int) -> int:
+        """Take the pages before `page` as counted, and return how many of them were in no
+        counter yet: the caller adds that many to the counter they belong in.
+
+        For pages counted once, however often they are planned again (those it reached
+        without reading them, or left unread). Pages this prefetch reads or waits for count
+        each time, as they come (`Prefetcher._get`, a shared run), and pass the same mark
+        here only to say so, without using the number.
+        """
+        uncounted = max(page - self._counted_to, 0)
+        self._counted_to = max(self._counted_to, page)
+        return uncounted
+
+    def _read_only_to(self, page: int) -> int:
+        """End the prefix to read at `page` (never later than it ended), and return how many
+        of the pages given up were in no counter yet: the caller adds that many to the
+        counter they belong in (pages from `_read_end` on are counted by whoever moved it
+        there; those below `_counted_to` were counted as they came, and are not again)."""
+        uncounted = max(self._read_end - max(page, self._counted_to), 0)
+        self._read_end = min(self._read_end, page)
+        return uncounted
+
     def _gave_up(self) -> bool:
         """Terminated or cancelled: no further reads (a call, so a check after an await is
         not taken as settled by the one before it)."""
@@ -892,22 +914,19 @@ class Prefetcher:
                 self.timeouts += policy == "timeout"
             handle.terminate()
             if handle.status is PrefetchStatus.QUEUED:
-                handle._finish(PrefetchStatus.TERMINATED)
-                self.terminated += 1
+                self._ended(handle, PrefetchStatus.TERMINATED)
             self._live_done_unless_running(handle)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             # Storage was detached while this prefetch waited for the queue: a miss.
             self._live_done(handle)
-            handle._finish(PrefetchStatus.CANCELLED)
-            self.cancelled += 1
+            self._ended(handle, PrefetchStatus.CANCELLED)
         except BaseException:
             # Counted here, once: should it be in the queue after all, `cancel()` finishes
             # it (counted) and the worker drops it without counting it again. One a worker
             # took already (running) is counted by the worker.
             handle.cancel()
             if handle.status is PrefetchStatus.QUEUED:
-                handle._finish(PrefetchStatus.CANCELLED)
-                self.cancelled += 1
+                self._ended(handle, PrefetchStatus.CANCELLED)
             self._live_done_unless_running(handle)
             raise
 
@@ -924,12 +943,22 @@ class Prefetcher:
         """Finish a prefetch given up while queued: counted once, here; its slot is free at
         once and a worker reaching its entry skips it (it is done)."""
         self._send.release(handle)
-        handle._finish(status)
-        if status is PrefetchStatus.CANCELLED:
-            self.cancelled += 1
-        else:
-            self.terminated += 1
+        self._ended(handle, status)
         self._live_done(handle)
+
+    def _ended(self, handle: PrefetchHandle, status: PrefetchStatus) -> None:
+        """Finish `handle` with `status` and count it in that status's counter. The caller
+        makes sure nothing ended it before: a handle already done keeps its status, but
+        would be counted again."""
+        handle._finish(status)
+        if status is PrefetchStatus.COMPLETE:
+            self.completed += 1
+        elif status is PrefetchStatus.TERMINATED:
+            self.terminated += 1
+        elif status is PrefetchStatus.SKIPPED:
+            self.skipped += 1
+        else:
+            self.cancelled += 1
 
     def _live_done_unless_running(self, handle: PrefetchHandle) -> None:
         # A worker that took the handle is still reading into the host pool: warmup must go
@@ -1003,8 +1032,7 @@ class Prefetcher:
                 return
             self._send.release(handle)
             if not handle.done():
-                handle._finish(PrefetchStatus.CANCELLED)
-                self.cancelled += 1
+                self._ended(handle, PrefetchStatus.CANCELLED)
             self._live_done(handle)
 
     def discard(self) -> None:
@@ -1043,14 +1071,12 @@ class Prefetcher:
         # Closed: a detach in progress (the cache is still open then), which cancels every
         # prefetch, this one included if a worker took it just before.
         if handle._cancel_requested or self._closed or self._cache._state != "open":
-            handle._finish(PrefetchStatus.CANCELLED)
-            self.cancelled += 1
+            self._ended(handle, PrefetchStatus.CANCELLED)
             return
         if handle._terminated:
             # Given up before it started without passing through the queue (which finishes
             # those at once): no read of it would be used.
-            handle._finish(PrefetchStatus.TERMINATED)
-            self.terminated += 1
+            self._ended(handle, PrefetchStatus.TERMINATED)
             return
         handle.status = PrefetchStatus.RUNNING
         self._running.add(handle)
@@ -1063,26 +1089,17 @@ class Prefetcher:
             status = PrefetchStatus.TERMINATED
             # Pages, as in the other cases: those it was to read and that are in no counter
             # yet (one read but not landed is in `pages_read` already).
-            self.errors += max(handle._read_end - handle._counted_to, 0)
-            handle._counted_to = handle._read_end
+            self.errors += handle._count_until(handle._read_end)
             self._warn("hicache.prefetch.failed", exc, request_id=handle.request_id)
         finally:
             # Whatever stopped it: the pages it was to read and did not reach.
-            self.pages_abandoned += max(handle._read_end - handle._counted_to, 0)
+            self.pages_abandoned += handle._count_until(handle._read_end)
             self._running.discard(handle)
             self._left.set()
             handle._scope = None
             self._report_only_cached(handle)
-            handle._finish(status)
             # Counted here: a prefetch cancelled from outside (a detach) counts too.
-            if status is PrefetchStatus.COMPLETE:
-                self.completed += 1
-            elif status is PrefetchStatus.TERMINATED:
-                self.terminated += 1
-            elif status is PrefetchStatus.SKIPPED:
-                self.skipped += 1
-            else:
-                self.cancelled += 1
+            self._ended(handle, status)
 
     def _warn(self, event: str, exc: Exception, **fields: object) -> None:
         """Log a failed backend call: each kind of error at once, a repeated one at most
@@ -1125,8 +1142,7 @@ class Prefetcher:
             return PrefetchStatus.TERMINATED
         if self.failed_reads.first(keys[start : start + 1], self._inflight) == 0:
             # Its first page's read just failed: nothing to read, nothing to look up.
-            self.misses += len(keys) - start
-            handle._read_end = start
+            self.misses += handle._read_only_to(start)
             handle._cut_at_failed = True
             return PrefetchStatus.TERMINATED
         try:
@@ -1137,15 +1153,12 @@ class Prefetcher:
             existing = check_exists(answer, len(keys) - start)
         except Exception as exc:
             # Pages, as everywhere in these counters: the ones that could not be looked up.
-            self.errors += len(keys) - start
-            handle._read_end = start
+            self.errors += handle._read_only_to(start)
             self._warn("hicache.prefetch.exists.failed", exc, request_id=handle.request_id)
             return PrefetchStatus.SKIPPED
-        self.misses += len(keys) - start - existing  # asked of storage, not there
-        handle._read_end = start + existing
+        self.misses += handle._read_only_to(start + existing)  # asked of storage, not there
         if existing * size < threshold:
-            self.pages_skipped += existing
-            handle._read_end = start
+            self.pages_skipped += handle._read_only_to(start)
             return PrefetchStatus.SKIPPED
         if handle._gave_up():  # meanwhile
             return handle._stopped()
@@ -1247,8 +1260,8 @@ class Prefetcher:
         # host page two places in the tree. Read no further than the first repeat.
         if len(set(keys[:end])) < end:
             repeat = next(i for i, key in enumerate(keys) if key in keys[:i])
-            self.pages_abandoned += end - repeat
-            end = handle._read_end = repeat
+            self.pages_abandoned += handle._read_only_to(repeat)
+            end = handle._read_end
         # Re-plan after the await: others may have brought pages meanwhile.
         found = tree.match(keys, touch=False)
         begin = found.num_device_pages + found.num_host_pages
@@ -1267,16 +1280,14 @@ class Prefetcher:
         # past what storage holds were counted as misses at the lookup. Only those past the
         # pages in its counters (every page it read is): `landed` also grows with pages it
         # reads again once evicted, which no one shared.
-        shared_to = min(begin, end)
-        self.pages_shared += max(shared_to - handle._counted_to, 0)
-        handle._counted_to = max(handle._counted_to, shared_to)
+        self.pages_shared += handle._count_until(min(begin, end))
         handle.storage_tokens = landed * size
         failing = self.failed_reads.first(keys[begin:end], self._inflight)
         if failing is not None:
             # Read no further than a page whose read just failed: the rest are misses, but
             # for those it read before and lost since (in the counters already).
-            self.misses += max(end - max(begin + failing, handle._counted_to), 0)
-            end = handle._read_end = begin + failing
+            self.misses += handle._read_only_to(begin + failing)
+            end = handle._read_end
             handle._cut_at_failed = True
         finished = PrefetchStatus.TERMINATED if handle._cut_at_failed else PrefetchStatus.COMPLETE
         if begin >= end:
@@ -1369,8 +1380,7 @@ class Prefetcher:
                             # Not read again: this page and the rest are misses, as for a
                             # prefetch planned just after that read failed (`_FailedReads`).
                             # Not those it read before and lost since (in the counters).
-                            self.misses += max(end - max(begin + pos, handle._counted_to), 0)
-                            handle._counted_to = max(handle._counted_to, end)
+                            self.misses += handle._count_until(end)
                             status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                         elif handle._gave_up():
                             status = handle._stopped()
@@ -1395,8 +1405,8 @@ class Prefetcher:
                         break
                     tree.move_protection(anchor, reached)
                     anchor = reached
-                    self.pages_shared += run - pos
-                    handle._counted_to = max(handle._counted_to, begin + run)
+                    self.pages_shared += run - pos  # each time it waits for them
+                    handle._count_until(begin + run)
                     landed = min(landed + run - pos, cap)
                     handle.storage_tokens = landed * size  # what ready() reports meanwhile
                     pos = run
@@ -1410,7 +1420,7 @@ class Prefetcher:
                 finally:
                     handle._reading = []
                 # Every page of the batch is in a counter now (by its outcome).
-                handle._counted_to = max(handle._counted_to, after)
+                handle._count_until(after)
                 ok = 0
                 while ok < len(batch) and outcomes[ok] is Outcome.OK:
                     ok += 1
@@ -1444,12 +1454,11 @@ class Prefetcher:
                     # misses after one storage lacks or found damaged (the prefix ends there).
                     # Not those read before and evicted since (a batch read again): they are
                     # in the counters already.
-                    unreached = max(end - handle._counted_to, 0)
+                    unreached = handle._count_until(end)
                     if outcomes[ok] is Outcome.ERROR:
                         self.errors += unreached
                     else:
                         self.misses += unreached
-                    handle._counted_to = max(handle._counted_to, end)
                     status, given_up = PrefetchStatus.TERMINATED, _Shared.DROPPED
                     break
         except BaseException:
