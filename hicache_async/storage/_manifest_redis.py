@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -53,7 +54,9 @@ from ._manifest import (
 __all__ = [
     "NO_WRITES",
     "REDIS_FAULTS",
+    "SCRIPT_RETRY_S",
     "RedisClient",
+    "ReadScripts",
     "RedisManifest",
     "keys_refused",
     "named_in_script",
@@ -137,26 +140,69 @@ def named_in_script(error: ResponseError, script: str | bytes | memoryview) -> R
     return ResponseError(f"{error} (the script runs {names}: the user may not run one of them)")
 
 
+class ReadScripts:
+    """How one store runs its read-only scripts, learned once and shared by the store and
+    every manifest it builds, so that what is learned is logged once per store."""
+
+    __slots__ = ("_name", "_read_only_told", "clock", "read_only", "window_retry_at")
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._name = name  # the store's, for its log lines
+        #: Seconds for the retries below; a store's tests may drive it.
+        self.clock = clock
+        #: EVAL_RO until the server refuses it (before Redis 7.0, a proxy, an ACL without
+        #: it). Unlike EVAL it asks only for read access to its keys, so a user that may
+        #: only read them (`%R~` in its ACL) keeps the scripts.
+        self.read_only = True
+        self._read_only_told = False
+        #: When the manifest's read script, refused its keys where plain reads were not,
+        #: is tried again (None: it is in use).
+        self.window_retry_at: float | None = None
+
+    def refuse_read_only(self, error: BaseException | str) -> None:
+        """EVAL from now on: `error`, the reply to an EVAL_RO, refused it (said once per
+        store)."""
+        self.read_only = False
+        if not self._read_only_told:
+            self._read_only_told = True
+            _log.info("hicache.redis.eval_ro_refused", backend=self._name, error=str(error))
+
+
 async def run_read_only(
-    client: RedisClient, script: AsyncScript, keys: Sequence[str | bytes], args: Sequence[Any] = ()
+    client: RedisClient,
+    script: AsyncScript,
+    keys: Sequence[str | bytes],
+    args: Sequence[Any] = (),
+    *,
+    scripts: ReadScripts,
 ) -> tuple[AsyncScript, Any]:
     """Run `script` (which starts with `NO_WRITES`): (the script to use from now on, its
     reply). Where the server refuses the flag (Redis before 7.0), the same script without
     it, which such a server does not hold for a pause either.
 
-    Sent with EVAL and its text, never EVALSHA: a server that has not cached it (after a
-    restart or `SCRIPT FLUSH`) holds an EVALSHA through a `CLIENT PAUSE WRITE` before it can
-    answer NOSCRIPT, as it cannot know the flags of a script it does not have.
+    Sent with EVAL_RO (EVAL where `scripts` says it is refused) and its text, never
+    EVALSHA: a server that has not cached it (after a restart or `SCRIPT FLUSH`) holds an
+    EVALSHA through a `CLIENT PAUSE WRITE` before it can answer NOSCRIPT, as it cannot know
+    the flags of a script it does not have.
     """
-    text = script.script
-    try:
-        return script, await client.eval(text, len(keys), *keys, *args)  # type: ignore[arg-type]
-    except ResponseError as exc:
-        if not (isinstance(text, str) and text.startswith(NO_WRITES) and flags_refused(exc)):
-            raise named_in_script(exc, text) from None
-        _log.info("hicache.redis.script_flags_refused", error=str(exc))
-        plain = client.register_script(text[len(NO_WRITES) :])
-        return plain, await client.eval(plain.script, len(keys), *keys, *args)  # type: ignore[arg-type]
+    while True:
+        text = script.script
+        read_only = scripts.read_only
+        try:
+            if read_only:
+                reply = await client.eval_ro(text, len(keys), *keys, *args)  # type: ignore[arg-type]
+            else:
+                reply = await client.eval(text, len(keys), *keys, *args)  # type: ignore[arg-type]
+        except ResponseError as exc:
+            if isinstance(text, str) and text.startswith(NO_WRITES) and flags_refused(exc):
+                _log.info("hicache.redis.script_flags_refused", error=str(exc))
+                script = client.register_script(text[len(NO_WRITES) :])
+            elif read_only and scripting_refused(exc):
+                scripts.refuse_read_only(exc)
+            else:
+                raise named_in_script(exc, text) from None
+        else:
+            return script, reply
 
 
 async def transactions_refused(client: RedisClient, key: str | bytes) -> bool | None:
@@ -177,6 +223,10 @@ async def transactions_refused(client: RedisClient, key: str | bytes) -> bool | 
         return None
     return False
 
+
+#: Seconds after which a script refused for its keys is tried again: the user's rights may
+#: have been restored.
+SCRIPT_RETRY_S = 60.0
 
 _KEYS_REFUSED = re.compile(r"no permissions to access (one of the keys|a key)")
 
@@ -414,6 +464,7 @@ class RedisManifest:
         ttl: int | None = None,
         scripting: bool = True,
         limits: ManifestLimits | None = None,
+        scripts: ReadScripts | None = None,
     ) -> None:
         self.limits = limits or ManifestLimits()
         self._client = client
@@ -424,9 +475,9 @@ class RedisManifest:
         self._name = name
         self._ttl = ttl
         self._scripting = scripting
-        # False once the window script's keys were refused where a plain read of them was
-        # not (a user that may only read the keys): reads go without it from then on.
-        self._window_scripted = True
+        # Shared with the store that built it: what one manifest learns about the read
+        # scripts, the next knows (and does not log again).
+        self._scripts = scripts or ReadScripts(name)
         self._window: AsyncScript | None = None
         self._switch: AsyncScript | None = None
         self._repair_script: AsyncScript | None = None
@@ -955,22 +1006,34 @@ class RedisManifest:
         client = self._client()
         keys = [self.list_key(namespace), self.meta_key(namespace)]
         max_entry = self.limits.max_entry_bytes
-        if self._scripting and self._window_scripted:
+        scripts = self._scripts
+        retry_at = scripts.window_retry_at
+        retrying = retry_at is not None and scripts.clock() >= retry_at
+        if retrying:
+            # Its rights may be back: one read tries the script again, once a minute,
+            # EVAL_RO first.
+            scripts.window_retry_at = scripts.clock() + SCRIPT_RETRY_S
+            scripts.read_only = True
+        if self._scripting and (retry_at is None or retrying):
             if self._window is None:
                 self._window = client.register_script(_WINDOW_SCRIPT)
             args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, room]
             try:
-                self._window, reply = await run_read_only(client, self._window, keys, args)
+                self._window, reply = await run_read_only(
+                    client, self._window, keys, args, scripts=scripts
+                )
             except ResponseError as exc:
                 if keys_refused(exc):
-                    # EVAL asks for write access to its keys: a user that may only read them
-                    # (`%R~` in its ACL) reads plain windows. One refused the keys
-                    # themselves fails on those as well.
+                    # EVAL asks for write access to its keys (EVAL_RO is refused too here):
+                    # a user that may only read them (`%R~` in its ACL) reads plain windows.
+                    # One refused the keys themselves fails on those as well.
+                    first = scripts.window_retry_at is None  # of the reads refused together
+                    scripts.window_retry_at = scripts.clock() + SCRIPT_RETRY_S
                     values = await self._plain_window(client, keys, gen, hi)
-                    _log.info(
-                        "hicache.manifest.read_unscripted", backend=self._name, error=str(exc)
-                    )
-                    self._window_scripted = False
+                    if first:
+                        _log.info(
+                            "hicache.manifest.read_unscripted", backend=self._name, error=str(exc)
+                        )
                     return values
                 if not scripting_refused(exc):
                     raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
@@ -980,6 +1043,9 @@ class RedisManifest:
             except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
             else:
+                if retrying and scripts.window_retry_at is not None:
+                    scripts.window_retry_at = None
+                    _log.info("hicache.manifest.read_scripted", backend=self._name)
                 if not reply or reply[0] != 1:
                     raise _Stale
                 return [_item(v) for v in reply[1:]]

@@ -64,6 +64,8 @@ from ._manifest import ManifestLimits
 from ._manifest_redis import (
     NO_WRITES,
     REDIS_FAULTS,
+    SCRIPT_RETRY_S,
+    ReadScripts,
     RedisClient,
     RedisManifest,
     flags_refused,
@@ -640,6 +642,10 @@ class RedisStorage(BackendBase):
         self._connection_kwargs = dict(connection_kwargs or {})
         self._cluster = cluster
         self._multikey = not cluster if multikey is None else multikey
+        # What the store and its manifests learned about their read-only scripts.
+        self._scripts = ReadScripts(self._name)
+        # When exists, its script refused, tries it again (None: never, or in use).
+        self._script_retry_at: float | None = None
         self._bounded_reads = True  # False once STRLEN or GETRANGE is refused (_read_starts)
         self._touch = True  # False once TOUCH is refused (see _exists_by_pipeline)
         self._strlen = True  # False once STRLEN is refused (see _delete_rkeys)
@@ -745,7 +751,12 @@ class RedisStorage(BackendBase):
         both are, its writes raise `StorageError`). It follows the page TTL, if one is set.
         """
         return RedisManifest(
-            self._redis, prefix=self._prefix, name=self._name, ttl=self._ttl, limits=limits
+            self._redis,
+            prefix=self._prefix,
+            name=self._name,
+            ttl=self._ttl,
+            limits=limits,
+            scripts=self._scripts,
         )
 
     # Lifecycle.
@@ -885,16 +896,25 @@ class RedisStorage(BackendBase):
         """
         client = self._redis()
         check_keys(keys)
-        if self._multikey and self._prefix_script is not None:
+        retry_at = self._script_retry_at
+        retrying = retry_at is not None and self._scripts.clock() >= retry_at
+        if retrying:
+            # The refusal may be over (rights restored): one call tries the script again,
+            # once a minute, EVAL_RO first.
+            self._script_retry_at = self._scripts.clock() + SCRIPT_RETRY_S
+            self._scripts.read_only = True
+        if (self._multikey or retrying) and self._prefix_script is not None:
             try:
                 if self._bulk is not None:
-                    return await self._exists_on_bulk(self._bulk, keys)
-                return await self._exists_by_script(keys)
+                    count = await self._exists_on_bulk(self._bulk, keys)
+                else:
+                    count = await self._exists_by_script(keys)
             except ResponseError as exc:
                 if keys_refused(exc):
                     # EVAL asks for write access to its keys, so a user that may only read
-                    # them (`%R~` in its ACL) is refused the script but not TOUCH. A user
-                    # refused the keys themselves fails here too, and keeps the script.
+                    # them (`%R~` in its ACL) is refused the script but not TOUCH, where
+                    # EVAL_RO is refused too. A user refused the keys themselves fails here
+                    # too, and keeps the script.
                     count = await self._exists_by_pipeline(client, keys)
                     self._no_scripting(exc)
                     return count
@@ -904,14 +924,21 @@ class RedisStorage(BackendBase):
                     raise StorageError(f"{self._name}: exists failed: {named}") from exc
                 # Scripting refused here (disabled, a proxy): one EXISTS per key from now on.
                 self._no_scripting(exc)
+            else:
+                if retrying and not self._multikey:
+                    self._multikey = True
+                    self._script_retry_at = None
+                    log.info("storage.redis.scripting_restored", backend=self._name)
+                return count
         return await self._exists_by_pipeline(client, keys)
 
     def _no_scripting(self, error: BaseException) -> None:
-        """`exists` goes without its script from now on: said once, by the first of the calls
-        that were refused it together."""
+        """`exists` goes without its script, and tries it again after `SCRIPT_RETRY_S`: said
+        once, by the first of the calls that were refused it together, not at every retry."""
         if self._multikey:
             log.warning("storage.redis.no_scripting", backend=self._name, error=str(error))
         self._multikey = False
+        self._script_retry_at = self._scripts.clock() + SCRIPT_RETRY_S
 
     async def _exists_by_pipeline(self, client: RedisClient, keys: Sequence[bytes]) -> int:
         """`exists` as a TOUCH (or EXISTS) per key, in pipelines."""
@@ -968,15 +995,18 @@ class RedisStorage(BackendBase):
 
     async def _exists_on_bulk(self, bulk: BulkConnectionPool, keys: Sequence[bytes]) -> int:
         """`_exists_by_script` over a bulk connection: EVAL without redis-py's command
-        machinery, about half the client time per call on loopback. EVAL with the script's
-        text, not EVALSHA, for the reason `run_read_only` gives."""
+        machinery, about half the client time per call on loopback. EVAL_RO (or EVAL) with
+        the script's text, not EVALSHA, for the reason `run_read_only` gives."""
         assert self._prefix_script is not None
         text = self._prefix_script.script
         body = text.encode() if isinstance(text, str) else bytes(text)
         count = 0
-        for start in range(0, len(keys), _KEYS_PER_SCRIPT):
+        start = 0
+        while start < len(keys):
             batch = [self._rkey(k) for k in keys[start : start + _KEYS_PER_SCRIPT]]
-            command = (b"EVAL", body, b"%d" % len(batch), *batch)
+            read_only = self._scripts.read_only
+            name = b"EVAL_RO" if read_only else b"EVAL"
+            command = (name, body, b"%d" % len(batch), *batch)
             try:
                 reply = await bulk.exchange(
                     functools.partial(BulkConnection.call_integer, command=command)
@@ -985,6 +1015,9 @@ class RedisStorage(BackendBase):
                 self._counters.errors += 1
                 raise StorageError(f"{self._name}: exists failed: {self._fault(exc)}") from exc
             if isinstance(reply, ReplyError):
+                if read_only and scripting_refused(str(reply)):
+                    self._scripts.refuse_read_only(str(reply))
+                    continue  # the same keys with EVAL
                 if not flags_refused(str(reply)):
                     raise ResponseError(str(reply))  # scripting refused: see exists()
                 # A server without script flags: redis-py's path learns the plain script.
@@ -995,6 +1028,7 @@ class RedisStorage(BackendBase):
             count += reply
             if reply < len(batch):
                 break
+            start += len(batch)
         return count
 
     async def _exists_by_script(self, keys: Sequence[bytes]) -> int:
@@ -1003,7 +1037,9 @@ class RedisStorage(BackendBase):
         for start in range(0, len(keys), _KEYS_PER_SCRIPT):
             batch = [self._rkey(k) for k in keys[start : start + _KEYS_PER_SCRIPT]]
             try:
-                script, reply = await run_read_only(self._redis(), self._prefix_script, batch)
+                script, reply = await run_read_only(
+                    self._redis(), self._prefix_script, batch, scripts=self._scripts
+                )
                 self._prefix_script = script
                 found = int(reply)
             except ResponseError:

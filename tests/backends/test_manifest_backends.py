@@ -72,6 +72,11 @@ def entry(ns: bytes, i: int, *, priority: int = 0, last_use: float | None = None
     return chain_entry(ns, keys, 3 * PAGE, priority, float(i) if last_use is None else last_use)
 
 
+def _hidden(*commands: str) -> list[str]:
+    """redis-server arguments that take `commands` away, as a proxy that refuses them."""
+    return [arg for command in commands for arg in ("--rename-command", command, "")]
+
+
 def line(value: object) -> bytes:
     return json.dumps(value).encode()
 
@@ -773,6 +778,7 @@ def unscripted_redis() -> Iterator[RedisServer]:
     """A redis-server that refuses scripts, as some proxies do."""
     hidden = ["--rename-command", "EVALSHA", f"x{uuid.uuid4().hex}"]
     hidden += ["--rename-command", "EVAL", f"x{uuid.uuid4().hex}"]
+    hidden += ["--rename-command", "EVAL_RO", f"x{uuid.uuid4().hex}"]
     with RedisServer(extra_args=hidden) as server:
         yield server
 
@@ -1456,7 +1462,7 @@ async def test_a_redis_manifest_is_read_through_a_client_pause_write(redis_url: 
 async def test_a_redis_manifest_is_read_from_a_server_at_its_maxmemory(scripts: bool) -> None:
     # Under noeviction (Redis's default policy) a full server still serves every page, but
     # refuses to queue commands in MULTI: warmup read nothing from it.
-    hidden = [] if scripts else ["--rename-command", "EVAL", "", "--rename-command", "EVALSHA", ""]
+    hidden = [] if scripts else _hidden("EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO")
     with RedisServer(extra_args=hidden) as server:
         async with RedisStorage.from_url(f"{server.url}?prefix=full") as backend:
             manifest = backend.manifest(LIMITS)
@@ -1483,7 +1489,7 @@ async def test_a_failed_redis_compaction_is_not_tried_again_at_every_append(scri
     # A server with room for the manifest's appends but not for a compaction's copy of the
     # list (refused, or evicted under volatile-lru as the only key with a TTL): every append
     # past the bound read the whole list for a compaction that failed again.
-    hidden = [] if scripts else ["--rename-command", "EVAL", "", "--rename-command", "EVALSHA", ""]
+    hidden = [] if scripts else _hidden("EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO")
     limits = ManifestLimits(max_entries=64, max_entry_bytes=64 << 10, max_bytes=64 << 20)
     backoff = limits.max_entries // 2
     # Records of about 10 KiB, ranked first: a compaction keeps them, so its copy of the list
@@ -1537,7 +1543,7 @@ async def test_a_compaction_whose_temporary_list_is_evicted_leaves_the_manifest(
     # key a full server evicts, the pages and the manifest having none; under allkeys-* it
     # can go too. The switch took a missing temporary list for an empty compaction and
     # deleted the manifest: every record was lost.
-    hidden = [] if scripts else ["--rename-command", "EVAL", "", "--rename-command", "EVALSHA", ""]
+    hidden = [] if scripts else _hidden("EVAL", "EVALSHA", "EVAL_RO", "EVALSHA_RO")
     limits = ManifestLimits(max_entries=2048, max_entry_bytes=4096, max_bytes=8 << 20)
     with RedisServer(extra_args=hidden) as server:
         admin = Redis(host=server.host, port=server.port)

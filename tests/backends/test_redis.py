@@ -772,6 +772,7 @@ async def test_verify_keeps_a_page_stored_again_while_it_ran(redis_url: str) -> 
 async def test_verify_without_scripting_removes_only_damaged_pages() -> None:
     hidden = ["--rename-command", "EVALSHA", f"x{uuid.uuid4().hex}"]
     hidden += ["--rename-command", "EVAL", f"x{uuid.uuid4().hex}"]
+    hidden += ["--rename-command", "EVAL_RO", f"x{uuid.uuid4().hex}"]
     with RedisServer(extra_args=hidden) as server:
         url = fresh_url(f"redis://{server.host}:{server.port}/0", multikey=0)
         async with RedisStorage.from_url(url) as backend:
@@ -1086,15 +1087,19 @@ async def test_exists_asks_with_exists_where_touch_is_refused(params: dict[str, 
 
 @pytest.mark.parametrize("bulk", [1, 0])
 @pytest.mark.parametrize(
-    ("rules", "params", "event"),
+    ("rules", "params", "events"),
     [
-        (("~*", "+@all", "-touch"), {"multikey": 0}, "storage.redis.no_touch"),
-        (("%R~*", "+@all"), {}, "storage.redis.no_scripting"),
+        (("~*", "+@all", "-touch"), {"multikey": 0}, ["storage.redis.no_touch"]),
+        (
+            ("%R~*", "+@all", "-eval_ro"),
+            {},
+            ["hicache.redis.eval_ro_refused", "storage.redis.no_scripting"],
+        ),
     ],
     ids=["touch", "script"],
 )
 async def test_calls_refused_together_all_fall_back_and_say_it_once(
-    redis_url: str, bulk: int, rules: tuple[str, ...], params: dict[str, int], event: str
+    redis_url: str, bulk: int, rules: tuple[str, ...], params: dict[str, int], events: list[str]
 ) -> None:
     keys, pages, metas = make_pages(3)
     async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
@@ -1108,7 +1113,7 @@ async def test_calls_refused_together_all_fall_back_and_say_it_once(
             # Each sent before the first refusal came back.
             assert await asyncio.gather(*(r.exists(keys) for _ in range(8))) == [2] * 8
         assert r.stats().errors == 0
-    assert [e["event"] for e in logs] == [event]
+    assert [e["event"] for e in logs] == events
 
 
 async def test_exists_loads_its_script_again_after_a_flush(redis_url: str) -> None:
@@ -1268,6 +1273,134 @@ async def test_a_user_that_may_only_read_the_keys_gets_exists_and_the_manifest(
         assert reader.stats().errors == 0
 
 
+async def eval_calls(admin: aioredis.Redis) -> tuple[int, int]:
+    """How many EVAL_RO and EVAL calls the server ran."""
+    stats = await admin.info("commandstats")
+    return tuple(  # type: ignore[return-value]
+        stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("eval_ro", "eval")
+    )
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_user_that_may_only_read_the_keys_keeps_the_scripts(
+    redis_url: str, bulk: int
+) -> None:
+    # EVAL_RO asks only for read access to the keys it names: `%R~*` keeps both scripts.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        await writer.manifest().append([chain_entry(NS, keys[:2], 32, 0, time.time())])
+        prefix = writer.prefix
+    async with (
+        acl_user(redis_url, "%R~*", "+@all") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        before = await eval_calls(admin)
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(2):
+                assert await reader.exists(keys) == 2
+                read = await reader.manifest().read()
+                assert [e.keys for e in read.entries] == [[k.hex() for k in keys[:2]]]
+        after = await eval_calls(admin)
+        assert reader._multikey
+        assert reader.stats().errors == 0
+    assert (after[0] - before[0], after[1] - before[1]) == (4, 0)
+    assert [e["event"] for e in logs if e["log_level"] != "debug"] == []
+
+
+async def test_a_server_without_eval_ro_runs_the_read_scripts_with_eval() -> None:
+    # Before Redis 7.0 EVAL_RO is an unknown command: EVAL, learned once per store.
+    with RedisServer(extra_args=["--rename-command", "EVAL_RO", ""]) as server:
+        for params in ({}, {"bulk": 0}):
+            url = fresh_url(f"redis://{server.host}:{server.port}/0", **params)
+            async with RedisStorage.from_url(url) as backend:
+                keys, pages, metas = make_pages(3)
+                assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+                entry = chain_entry(NS, keys[:2], 32, 0, time.time())
+                with structlog.testing.capture_logs() as logs:
+                    await backend.manifest().append([entry])
+                    for _ in range(2):
+                        assert await backend.exists(keys) == 2
+                        assert len((await backend.manifest().read()).entries) == 1
+                assert backend._multikey
+                assert backend.stats().errors == 0
+            refused = [e for e in logs if e["event"] == "hicache.redis.eval_ro_refused"]
+            assert len(refused) == 1
+            assert "unknown command" in refused[0]["error"]
+            assert not [e for e in logs if e["log_level"] == "warning"]
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_exists_tries_its_script_again_once_a_minute(redis_url: str, bulk: int) -> None:
+    # Refused EVAL_RO, and EVAL for the keys it may only read: TOUCH per key, and the script
+    # again once the user's rights allow it.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    now = [1000.0]
+    async with (
+        acl_user(redis_url, "%R~*", "+@all", "-eval_ro") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        reader._scripts.clock = lambda: now[0]
+        with structlog.testing.capture_logs() as logs:
+            assert await reader.exists(keys) == 2
+            assert not reader._multikey
+            now[0] += 61  # tried again, still refused: nothing said
+            assert await reader.exists(keys) == 2
+            assert not reader._multikey
+            await admin.execute_command("ACL", "SETUSER", user, "allkeys")
+            now[0] += 59  # within the minute: still TOUCH per key
+            assert await reader.exists(keys) == 2
+            assert not reader._multikey
+            now[0] += 2
+            calls = await eval_calls(admin)
+            assert await reader.exists(keys) == 2
+            assert reader._multikey
+            assert await reader.exists(keys[:1]) == 1
+            assert (await eval_calls(admin))[1] == calls[1] + 2
+        assert reader.stats().errors == 0
+    assert [e["event"] for e in logs] == [
+        "hicache.redis.eval_ro_refused",
+        "storage.redis.no_scripting",
+        "storage.redis.scripting_restored",
+    ]
+
+
+async def test_the_manifest_says_once_per_store_that_it_reads_without_its_script(
+    redis_url: str,
+) -> None:
+    keys = [os.urandom(32) for _ in range(2)]
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        await writer.manifest().append([chain_entry(NS, keys, 32, 0, time.time())])
+        prefix = writer.prefix
+    async with (
+        acl_user(redis_url, "%R~*", "+@all", "-eval_ro") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix)) as reader,
+    ):
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                assert len((await reader.manifest().read()).entries) == 1
+        events = [e["event"] for e in logs]
+        assert events.count("hicache.manifest.read_unscripted") == 1
+        # The script again a minute after the refusal, with its rights back.
+        retry_at = reader._scripts.window_retry_at
+        assert retry_at is not None
+        now = [retry_at - 1]
+        reader._scripts.clock = lambda: now[0]
+        await admin.execute_command("ACL", "SETUSER", user, "+eval_ro")
+        with structlog.testing.capture_logs() as logs:
+            calls = await eval_calls(admin)
+            assert len((await reader.manifest().read()).entries) == 1
+            assert await eval_calls(admin) == calls
+            now[0] += 2
+            for _ in range(2):
+                assert len((await reader.manifest().read()).entries) == 1
+            assert (await eval_calls(admin))[0] == calls[0] + 2
+    assert [e["event"] for e in logs] == ["hicache.manifest.read_scripted"]
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_a_command_refused_inside_a_script_is_named_among_those_it_runs(
     redis_url: str, bulk: int
@@ -1323,7 +1456,7 @@ async def test_only_a_refused_script_command_turns_the_script_off(
             assert backend._multikey
     # The script commands refused: one EXISTS per key from then on.
     async with (
-        acl_user(redis_url, "~*", "+@all", "-evalsha", "-eval", "-script") as (user, _),
+        acl_user(redis_url, "~*", "+@all", "-evalsha", "-eval", "-eval_ro", "-script") as (user, _),
         RedisStorage.from_url(user_url(redis_url, user, bulk=bulk)) as backend,
     ):
         assert await backend.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
