@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
 import bisect
 import collections
 import concurrent.futures
@@ -32,7 +33,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import numpy as np
 
@@ -59,7 +60,14 @@ from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
 from ._manifest_mooncake import MooncakeManifest
 from ._mooncake_local import LocalObjects
-from ._mooncake_watch import MasterWatch, answers, http_probe, reachable, tcp_probe
+from ._mooncake_watch import (
+    MasterWatch,
+    answers,
+    http_answer,
+    http_probe,
+    reachable,
+    tcp_probe,
+)
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -110,6 +118,11 @@ _PUT_LANES = 2
 _PROBE_TIMEOUT_S = 3.0
 # Sent to a server to see it answer: not its protocol, so a live one drops the connection.
 _NOT_A_REQUEST = bytes(32)
+# What Mooncake's HTTP metadata servers answer (with 404) for a key they do not hold.
+_METADATA_NOT_FOUND = b"metadata not found"
+# The most of a metadata server's answer the probe reads: a status line, a few headers and
+# that short body.
+_METADATA_ANSWER_NBYTES = 4096
 # A get reads an object stored at another length than the page only up to this size, to tell
 # a sound page of another length (kept) from a damaged one (removed).
 _MAX_JUDGED_BYTES = 256 * _MiB
@@ -305,12 +318,48 @@ def _silent_server(master: str, metadata: str) -> str | None:
         if not reachable(address, _PROBE_TIMEOUT_S):
             return f"cannot reach the Mooncake metadata server at {shown}"
         return None
-    request = _NOT_A_REQUEST  # https: a TLS server drops it at once
     if metadata.startswith("http://"):
-        # A real request: an HTTP server may wait for a whole one to answer.
-        path = urlsplit(metadata).path or "/"
-        request = f"GET {path} HTTP/1.0\r\nHost: {shown}\r\n\r\n".encode()
-    return _unanswered("metadata server", shown, address, request)
+        return _not_metadata_server(metadata, shown, address)
+    # https: a TLS server drops bytes that are not a handshake at once. What answers is not
+    # told (the probe would need the certificates Mooncake's curl trusts).
+    return _unanswered("metadata server", shown, address, _NOT_A_REQUEST)
+
+
+def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) -> str | None:
+    """Why the server at `address` is not the Mooncake HTTP metadata server `metadata`
+    names (it cannot be reached, stays silent, or answers as another service does), or None.
+
+    Any server answers a request: the master's own metadata server, Mooncake's Python one and
+    its Go example all answer a GET of an absent key with 404 `metadata not found`, where
+    another service passed the probe and Mooncake's `setup()` then failed with a bare -1.
+    """
+    parts = urlsplit(metadata)
+    # The key as Mooncake asks for one (`<metadata>?key=<escaped key>`), never stored.
+    target = f"{parts.path or '/'}?{parts.query + '?' if parts.query else ''}key="
+    target += quote(f"hicache/probe/{os.urandom(8).hex()}", safe="")
+    lines = [f"GET {target} HTTP/1.1", f"Host: {shown}", "Connection: close"]
+    if parts.username is not None:
+        # curl sends a URL's user information as basic authentication: so does the probe.
+        user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        lines.append(f"Authorization: Basic {base64.b64encode(user.encode()).decode()}")
+    request = "\r\n".join([*lines, "", ""]).encode()
+    answer = http_answer(address, request, _PROBE_TIMEOUT_S, _METADATA_ANSWER_NBYTES)
+    if answer is None:
+        return f"cannot reach the Mooncake metadata server at {shown}"
+    if answer is False:
+        return (
+            f"the Mooncake metadata server at {shown} accepts connections but does not "
+            f"answer (nothing within {_PROBE_TIMEOUT_S:g} s)"
+        )
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = head.partition(b"\r\n")[0].split(b" ")[1:2]
+    if status == [b"404"] and _METADATA_NOT_FOUND in body:
+        return None
+    said = head.partition(b"\r\n")[0][:80].decode("ascii", "replace") or "nothing"
+    return (
+        f"{mask_userinfo(metadata)} is no Mooncake metadata server: a GET of an absent key "
+        f"answered {said!r}, not 404 {_METADATA_NOT_FOUND.decode()!r}"
+    )
 
 
 def _unanswered(role: str, shown: str, address: tuple[str, int], request: bytes) -> str | None:

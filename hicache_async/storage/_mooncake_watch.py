@@ -21,14 +21,14 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from ._base import log
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["MasterWatch", "answers", "http_probe", "reachable", "tcp_probe"]
+__all__ = ["MasterWatch", "answers", "http_answer", "http_probe", "reachable", "tcp_probe"]
 
 #: Seconds between probes, and the bound on each.
 _INTERVAL_S = 0.25
@@ -158,6 +158,60 @@ def answers(address: tuple[str, int], request: bytes, timeout_s: float) -> bool 
         except OSError:
             return True  # reset or refused mid-way: a live peer's kernel or process said so
     return True
+
+
+def http_answer(
+    address: tuple[str, int], request: bytes, timeout_s: float, limit: int
+) -> bytes | Literal[False] | None:
+    """The start of the answer the HTTP server at `address` gives to `request`, within
+    `timeout_s` seconds in all: its first `limit` bytes at most, read until the server closes
+    the connection or the body its `Content-Length` declares has come. False if it accepts
+    the connection but says nothing in time, None if it cannot be connected to.
+
+    A server that keeps the connection open after a whole answer costs no wait, and one that
+    sends part of an answer and stalls gives what it sent by the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        connection = socket.create_connection(address, timeout=timeout_s)
+    except OSError:
+        return None
+    answer = b""
+    with connection:
+        try:
+            connection.settimeout(max(deadline - time.monotonic(), 0.001))
+            connection.sendall(request)
+            while len(answer) < limit and not _whole(answer):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                connection.settimeout(remaining)
+                piece = connection.recv(limit - len(answer))
+                if not piece:
+                    break
+                answer += piece
+        except TimeoutError:
+            if not answer:
+                return False
+        except OSError:
+            if not answer:
+                return b""  # reset: a live peer that gave no answer
+    return answer
+
+
+def _whole(answer: bytes) -> bool:
+    """Whether `answer` holds an HTTP answer's head and all of the body it declares."""
+    head, blank, body = answer.partition(b"\r\n\r\n")
+    if not blank:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            try:
+                return len(body) >= int(value.strip())
+            except ValueError:
+                return False
+    return False
 
 
 def tcp_probe(address: tuple[str, int]) -> Callable[[], bool]:

@@ -896,6 +896,51 @@ async def test_unreachable_metadata_server_fails_to_open_at_once(
             pytest.fail("opened without its metadata server")
 
 
+async def test_a_metadata_url_of_another_http_server_fails_to_open_naming_it(
+    mooncake_master: MooncakeMaster, tmp_path: Any
+) -> None:
+    # Any HTTP server answered the probe's request: one that is not Mooncake's metadata
+    # server passed it, and Mooncake's setup() failed seconds later with a bare -1.
+    seen: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            super().do_GET()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        storage = MooncakeStorage(
+            mooncake_master.address,
+            metadata=f"http://hicache:pw-42x@127.0.0.1:{port}/metadata",
+            segment_size=64 << 20,
+            buffer_size=16 << 20,
+            staging_size=8 << 20,
+        )
+        with pytest.raises(StorageError) as info:
+            async with storage:
+                pytest.fail("opened with a metadata server that is not Mooncake's")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    said = str(info.value)
+    assert f"127.0.0.1:{port}/metadata is no Mooncake metadata server" in said, said
+    assert "'HTTP/1.0 404 File not found'" in said, said
+    assert "pw-42x" not in said
+    # Asked as Mooncake's curl asks, with the URL's user information.
+    assert seen == ["Basic aGljYWNoZTpwdy00Mng="]
+
+
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
     mooncake_url: str,
 ) -> None:
