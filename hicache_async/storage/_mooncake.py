@@ -123,8 +123,8 @@ _METADATA_NOT_FOUND = b"metadata not found"
 # The most of a metadata server's answer the probe reads: a status line, a few headers and
 # that short body.
 _METADATA_ANSWER_NBYTES = 4096
-# A get reads an object stored at another length than the page only up to this size, to tell
-# a sound page of another length (kept) from a damaged one (removed).
+# A get reads a page that failed its checks again, whole, only up to this size, to tell a
+# page damaged where it is stored (removed) from a read that raced a replacement (kept).
 _MAX_JUDGED_BYTES = 256 * _MiB
 _HEX_DIGITS = "0123456789abcdef"
 _ADMIN_TIMEOUT_S = 10.0
@@ -1864,7 +1864,7 @@ class MooncakeStorage(BackendBase):
             return [j for position, j in enumerate(todo) if position not in done]
 
         def judged_whole(
-            i: int, name: str, again: Callable[[], PageCheck | None] | None = None
+            i: int, name: str, again: Callable[[], PageCheck | None]
         ) -> PageCheck | None:
             # The object read whole and judged; None when it is gone or changed meanwhile, or
             # too big to read just to judge. Mooncake's `get` copies through its local buffer
@@ -1873,7 +1873,7 @@ class MooncakeStorage(BackendBase):
             if size < 0 or size > _MAX_JUDGED_BYTES:
                 return None
             value = memoryview(bytes(store.get(name)))
-            if not value and size and again is not None:
+            if not value and size:
                 return again()
             if len(value) != size:
                 return None
@@ -1889,11 +1889,39 @@ class MooncakeStorage(BackendBase):
                 return verify_payload(header, [value[HEADER_NBYTES:]], mac_key=mac_key)
             return verdict
 
-        def other_length(i: int, name: str) -> tuple[Outcome, str]:
+        def judged_by_header(j: int, name: str) -> PageCheck | None:
+            # The object's header, read through the engine into the page's own slot, judged
+            # against its stored length; None when it is gone or changed meanwhile.
+            i, slot = chunk[j], slots[j]
+            assert slot is not None
+            size = int(store.get_size(name))
+            if size < 0:
+                return None
+            if size < HEADER_NBYTES:
+                return PageCheck.CORRUPT  # shorter than any page's header
+            got = store.get_into_ranges(
+                [arena_base], [[name]], [[[slot]]], [[[0]]], [[[HEADER_NBYTES]]]
+            )
+            counts = list(got[0][0]) if got and got[0] else []
+            if counts != [HEADER_NBYTES] or int(store.get_size(name)) != size:
+                return None
+            verdict = check_header(
+                decode_header(arena[slot : slot + HEADER_NBYTES]),
+                key=keys[i],
+                namespace=namespace,
+                payload_nbytes=plans[i].nbytes,
+                stored_nbytes=size,
+            )
+            return None if verdict is PageCheck.OK else verdict  # OK: now of the page's length
+
+        def other_length(j: int, name: str) -> tuple[Outcome, str]:
             # Stored at another length than the buffer, and whole (Mooncake publishes objects
             # whole). A page that agrees with itself (another layout under shared keys, or a
             # reader's wrong-sized buffer) is a miss left in place; only a damaged one goes.
-            if judged_whole(i, name) is PageCheck.CORRUPT:
+            # Its header tells which, whatever its size: the payload of a page of another
+            # length is its own readers' to check, and Mooncake's `get`, which copies through
+            # its local buffer, gives nothing for an object larger than `buffer_size`.
+            if judged_by_header(j, name) is PageCheck.CORRUPT:
                 return (Outcome.CORRUPT, "length")
             return (Outcome.MISS, "")
 
@@ -1917,7 +1945,7 @@ class MooncakeStorage(BackendBase):
                 if state == "missing":
                     results[j] = (Outcome.MISS, "")
                 elif state == "damaged":
-                    results[j] = other_length(chunk[j], name)
+                    results[j] = other_length(j, name)
                     if results[j][0] is Outcome.CORRUPT:
                         damaged.append((j, name))
                 elif state == "failed":

@@ -614,6 +614,41 @@ async def test_a_damaged_page_larger_than_the_local_buffer_is_removed(mooncake_u
             assert await reader.exists(keys) == 0
 
 
+@pytest.mark.parametrize("stored_as", ["cut", "lengthened", "another layout"])
+async def test_a_page_of_another_length_larger_than_the_local_buffer_is_judged(
+    mooncake_url: str, stored_as: str
+) -> None:
+    # Judging a page stored at another length read it whole through Mooncake's local buffer,
+    # which gives nothing for a larger object: a damaged one stayed a miss for ever.
+    nbytes = 2 << 20
+    keys, pages, metas = make_pages(1, nbytes, split=nbytes // 2)
+    url = fresh_url(mooncake_url)
+    async with MooncakeStorage.from_url(url) as writer:
+        if stored_as == "another layout":
+            # Sound, for readers of pages a MiB longer: left in place.
+            _, longer, _ = make_pages(1, nbytes + (1 << 20), split=nbytes // 2)
+            await writer.put(keys, longer, metas)
+        else:
+            await writer.put(keys, pages, metas)
+            stored = await writer.read_raw(keys[0])
+            assert stored is not None
+            damaged = stored[:-4096] if stored_as == "cut" else stored + bytes(4096)
+            await writer.write_raw(keys[0], damaged)
+        before = await writer.read_raw(keys[0])
+        reader_url = url.replace("buffer_size=16MiB", "buffer_size=1MiB")
+        async with MooncakeStorage.from_url(reader_url) as reader:
+            into = buffers(1, nbytes, split=nbytes // 2)
+            outcomes = await reader.get(keys, into, namespace=NS)
+            if stored_as == "another layout":
+                assert outcomes == [Outcome.MISS]
+                assert reader.stats().corrupt == 0
+                assert await writer.read_raw(keys[0]) == before
+            else:
+                assert outcomes == [Outcome.CORRUPT]
+                assert reader.stats().corrupt == 1
+                assert await reader.exists(keys) == 0
+
+
 class _BeingPut(_Client):
     """The Mooncake client, except that removing `name` finds another client still putting
     it (OBJECT_NOT_READY, -703)."""
