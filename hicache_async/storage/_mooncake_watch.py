@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._base import log
 
@@ -80,10 +80,29 @@ class _DeadlineTLSSocket(ssl.SSLSocket):
 
 
 class _ProbeTLSConnection(http.client.HTTPSConnection):
+    def __init__(self, host: str, *, context: ssl.SSLContext | None = None, **kwargs: Any) -> None:
+        super().__init__(host, context=context, **kwargs)
+        self._probe_context = context or ssl.create_default_context()
+
     def connect(self) -> None:
-        super().connect()
-        if isinstance(self.sock, _DeadlineTLSSocket):
-            self.sock.deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        # The deadline begins before the handshake, as it begins once connected over http:
+        # a server taking most of the probe's time for its handshake, and most of it again
+        # for its answer, failed no probe.
+        http.client.HTTPConnection.connect(self)
+        deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        sock = self._probe_context.wrap_socket(
+            self.sock,
+            server_hostname=getattr(self, "_tunnel_host", None) or self.host,
+            do_handshake_on_connect=False,
+        )
+        self.sock = sock
+        if isinstance(sock, _DeadlineTLSSocket):
+            sock.deadline = deadline
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the TLS handshake took longer than a probe may")
+        sock.settimeout(remaining)  # CPython bounds the whole handshake by it
+        sock.do_handshake()
 
 
 class _ProbeHandler(urllib.request.HTTPHandler):
