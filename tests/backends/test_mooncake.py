@@ -1119,6 +1119,27 @@ async def test_objects_not_named_as_pages_are_left_out_of_maintenance(mooncake_u
         assert all(backend._store.get_size(name) == 5000 for name in strangers)
 
 
+async def test_a_listing_of_pages_removed_since_logs_nothing_per_page(
+    backend: MooncakeStorage, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The sizes were asked of every listed name: one removed between the master's key list and
+    # the size lookup made Mooncake log an error line, for each such page.
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    listed = await backend._list_names()
+    removed = [backend._mkey(os.urandom(32)) for _ in range(64)]
+
+    async def names() -> list[str]:
+        return [*listed, *removed]
+
+    backend._list_names = names  # type: ignore[method-assign]
+    capfd.readouterr()
+    found = await backend.list_pages()
+    assert sorted(p.key for p in found) == sorted(keys)
+    assert {p.nbytes for p in found} == {HEADER_NBYTES + 3000}
+    assert _mooncake_errors(capfd.readouterr().err) == []
+
+
 async def test_pages_with_unreadable_headers_are_listed_by_size(mooncake_url: str) -> None:
     async with MooncakeStorage.from_url(fresh_url(mooncake_url)) as backend:
         keys, pages, metas = make_pages(3)
