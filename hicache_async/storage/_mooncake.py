@@ -355,10 +355,11 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     status = head.partition(b"\r\n")[0].split(b" ")[1:2]
     if status == [b"404"] and _METADATA_NOT_FOUND in body:
         return None
-    said = head.partition(b"\r\n")[0][:80].decode("ascii", "replace") or "nothing"
+    line = head.partition(b"\r\n")[0][:80].decode("ascii", "replace")
+    said = f"answered {line!r}" if line else "got no answer"
     return (
         f"{mask_userinfo(metadata)} is no Mooncake metadata server: a GET of an absent key "
-        f"answered {said!r}, not 404 {_METADATA_NOT_FOUND.decode()!r}"
+        f"{said}, not 404 {_METADATA_NOT_FOUND.decode()!r}"
     )
 
 

@@ -976,6 +976,35 @@ async def test_a_metadata_url_of_another_http_server_fails_to_open_naming_it(
     assert seen == ["Basic aGljYWNoZTpwdy00Mng="]
 
 
+async def test_a_metadata_server_that_closes_without_an_answer_fails_to_open(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:  # the probe's one connection
+        with contextlib.suppress(OSError):  # the listener was closed
+            accepted, _ = listener.accept()
+            with accepted:
+                accepted.recv(1 << 16)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        storage = MooncakeStorage.from_url(
+            fresh_url(
+                f"mooncake://{mooncake_master.address}?protocol=tcp"
+                f"&metadata=http://127.0.0.1:{port}/metadata"
+            )
+        )
+        with pytest.raises(StorageError, match="a GET of an absent key got no answer"):
+            async with storage:
+                pytest.fail("opened with a metadata server that answers nothing")
+    finally:
+        listener.close()
+        thread.join(10)
+
+
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
     mooncake_url: str,
 ) -> None:
