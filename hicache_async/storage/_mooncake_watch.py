@@ -196,13 +196,15 @@ def http_answer(
     except OSError:
         return None
     answer = b""
+    timed_out = False
     with connection:
         try:
             connection.settimeout(max(deadline - time.monotonic(), 0.001))
             connection.sendall(request)
             while len(answer) < limit and not _whole(answer):
                 remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                timed_out = remaining <= 0
+                if timed_out:
                     break
                 connection.settimeout(remaining)
                 piece = connection.recv(limit - len(answer))
@@ -210,12 +212,11 @@ def http_answer(
                     break
                 answer += piece
         except TimeoutError:
-            if not answer:
-                return False
+            timed_out = True
         except OSError:
             if not answer:
                 return b""  # reset: a live peer that gave no answer
-    return answer
+    return False if timed_out and not answer else answer
 
 
 def _whole(answer: bytes) -> bool:
