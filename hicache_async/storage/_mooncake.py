@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import base64
 import bisect
 import collections
 import concurrent.futures
@@ -32,7 +33,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import numpy as np
 
@@ -59,7 +60,14 @@ from ._maintenance import GcReport, PageInfo, VerifyReport
 from ._manifest import ManifestLimits
 from ._manifest_mooncake import MooncakeManifest
 from ._mooncake_local import LocalObjects
-from ._mooncake_watch import MasterWatch, answers, http_probe, reachable, tcp_probe
+from ._mooncake_watch import (
+    MasterWatch,
+    answers,
+    http_answer,
+    http_probe,
+    reachable,
+    tcp_probe,
+)
 from ._page import (
     HEADER_NBYTES,
     PageCheck,
@@ -110,8 +118,13 @@ _PUT_LANES = 2
 _PROBE_TIMEOUT_S = 3.0
 # Sent to a server to see it answer: not its protocol, so a live one drops the connection.
 _NOT_A_REQUEST = bytes(32)
-# A get reads an object stored at another length than the page only up to this size, to tell
-# a sound page of another length (kept) from a damaged one (removed).
+# What Mooncake's HTTP metadata servers answer (with 404) for a key they do not hold.
+_METADATA_NOT_FOUND = b"metadata not found"
+# The most of a metadata server's answer the probe reads: a status line, a few headers and
+# that short body.
+_METADATA_ANSWER_NBYTES = 4096
+# A get reads a page that failed its checks again, whole, only up to this size, to tell a
+# page damaged where it is stored (removed) from a read that raced a replacement (kept).
 _MAX_JUDGED_BYTES = 256 * _MiB
 _HEX_DIGITS = "0123456789abcdef"
 _ADMIN_TIMEOUT_S = 10.0
@@ -305,12 +318,49 @@ def _silent_server(master: str, metadata: str) -> str | None:
         if not reachable(address, _PROBE_TIMEOUT_S):
             return f"cannot reach the Mooncake metadata server at {shown}"
         return None
-    request = _NOT_A_REQUEST  # https: a TLS server drops it at once
     if metadata.startswith("http://"):
-        # A real request: an HTTP server may wait for a whole one to answer.
-        path = urlsplit(metadata).path or "/"
-        request = f"GET {path} HTTP/1.0\r\nHost: {shown}\r\n\r\n".encode()
-    return _unanswered("metadata server", shown, address, request)
+        return _not_metadata_server(metadata, shown, address)
+    # https: a TLS server drops bytes that are not a handshake at once. What answers is not
+    # told (the probe would need the certificates Mooncake's curl trusts).
+    return _unanswered("metadata server", shown, address, _NOT_A_REQUEST)
+
+
+def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) -> str | None:
+    """Why the server at `address` is not the Mooncake HTTP metadata server `metadata`
+    names (it cannot be reached, stays silent, or answers as another service does), or None.
+
+    Any server answers a request: the master's own metadata server, Mooncake's Python one and
+    its Go example all answer a GET of an absent key with 404 `metadata not found`, where
+    another service passed the probe and Mooncake's `setup()` then failed with a bare -1.
+    """
+    parts = urlsplit(metadata)
+    # The key as Mooncake asks for one (`<metadata>?key=<escaped key>`), never stored.
+    target = f"{parts.path or '/'}?{parts.query + '?' if parts.query else ''}key="
+    target += quote(f"hicache/probe/{os.urandom(8).hex()}", safe="")
+    lines = [f"GET {target} HTTP/1.1", f"Host: {shown}", "Connection: close"]
+    if parts.username is not None:
+        # curl sends a URL's user information as basic authentication: so does the probe.
+        user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        lines.append(f"Authorization: Basic {base64.b64encode(user.encode()).decode()}")
+    request = "\r\n".join([*lines, "", ""]).encode()
+    answer = http_answer(address, request, _PROBE_TIMEOUT_S, _METADATA_ANSWER_NBYTES)
+    if answer is None:
+        return f"cannot reach the Mooncake metadata server at {shown}"
+    if answer is False:
+        return (
+            f"the Mooncake metadata server at {shown} accepts connections but does not "
+            f"answer (nothing within {_PROBE_TIMEOUT_S:g} s)"
+        )
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = head.partition(b"\r\n")[0].split(b" ")[1:2]
+    if status == [b"404"] and _METADATA_NOT_FOUND in body:
+        return None
+    line = head.partition(b"\r\n")[0][:80].decode("ascii", "replace")
+    said = f"answered {line!r}" if line else "got no answer"
+    return (
+        f"{mask_userinfo(metadata)} is no Mooncake metadata server: a GET of an absent key "
+        f"{said}, not 404 {_METADATA_NOT_FOUND.decode()!r}"
+    )
 
 
 def _unanswered(role: str, shown: str, address: tuple[str, int], request: bytes) -> str | None:
@@ -1815,7 +1865,7 @@ class MooncakeStorage(BackendBase):
             return [j for position, j in enumerate(todo) if position not in done]
 
         def judged_whole(
-            i: int, name: str, again: Callable[[], PageCheck | None] | None = None
+            i: int, name: str, again: Callable[[], PageCheck | None]
         ) -> PageCheck | None:
             # The object read whole and judged; None when it is gone or changed meanwhile, or
             # too big to read just to judge. Mooncake's `get` copies through its local buffer
@@ -1824,7 +1874,7 @@ class MooncakeStorage(BackendBase):
             if size < 0 or size > _MAX_JUDGED_BYTES:
                 return None
             value = memoryview(bytes(store.get(name)))
-            if not value and size and again is not None:
+            if not value and size:
                 return again()
             if len(value) != size:
                 return None
@@ -1840,11 +1890,39 @@ class MooncakeStorage(BackendBase):
                 return verify_payload(header, [value[HEADER_NBYTES:]], mac_key=mac_key)
             return verdict
 
-        def other_length(i: int, name: str) -> tuple[Outcome, str]:
+        def judged_by_header(j: int, name: str) -> PageCheck | None:
+            # The object's header, read through the engine into the page's own slot, judged
+            # against its stored length; None when it is gone or changed meanwhile.
+            i, slot = chunk[j], slots[j]
+            assert slot is not None
+            size = int(store.get_size(name))
+            if size < 0:
+                return None
+            if size < HEADER_NBYTES:
+                return PageCheck.CORRUPT  # shorter than any page's header
+            got = store.get_into_ranges(
+                [arena_base], [[name]], [[[slot]]], [[[0]]], [[[HEADER_NBYTES]]]
+            )
+            counts = list(got[0][0]) if got and got[0] else []
+            if counts != [HEADER_NBYTES] or int(store.get_size(name)) != size:
+                return None
+            verdict = check_header(
+                decode_header(arena[slot : slot + HEADER_NBYTES]),
+                key=keys[i],
+                namespace=namespace,
+                payload_nbytes=plans[i].nbytes,
+                stored_nbytes=size,
+            )
+            return None if verdict is PageCheck.OK else verdict  # OK: now of the page's length
+
+        def other_length(j: int, name: str) -> tuple[Outcome, str]:
             # Stored at another length than the buffer, and whole (Mooncake publishes objects
             # whole). A page that agrees with itself (another layout under shared keys, or a
             # reader's wrong-sized buffer) is a miss left in place; only a damaged one goes.
-            if judged_whole(i, name) is PageCheck.CORRUPT:
+            # Its header tells which, whatever its size: the payload of a page of another
+            # length is its own readers' to check, and Mooncake's `get`, which copies through
+            # its local buffer, gives nothing for an object larger than `buffer_size`.
+            if judged_by_header(j, name) is PageCheck.CORRUPT:
                 return (Outcome.CORRUPT, "length")
             return (Outcome.MISS, "")
 
@@ -1868,7 +1946,7 @@ class MooncakeStorage(BackendBase):
                 if state == "missing":
                     results[j] = (Outcome.MISS, "")
                 elif state == "damaged":
-                    results[j] = other_length(chunk[j], name)
+                    results[j] = other_length(j, name)
                     if results[j][0] is Outcome.CORRUPT:
                         damaged.append((j, name))
                 elif state == "failed":
@@ -2144,7 +2222,9 @@ class MooncakeStorage(BackendBase):
             )
         # Objects are listed by their stored size, not the one their header claims: what
         # stats and gc count, and what verify reads (a short object then fails its check).
-        sizes = _stored_sizes(store, names)
+        # Objects removed since the names were listed are left out of the size lookup, which
+        # has Mooncake log an error line per absent key (its cost: about 1% of a listing).
+        sizes = _present_sizes(store, names)
         pages: list[PageInfo] = []
         lead = len(self._prefix) + 1
         for name, header, size in zip(names, headers, sizes, strict=True):

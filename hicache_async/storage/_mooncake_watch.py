@@ -21,14 +21,14 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._base import log
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["MasterWatch", "answers", "http_probe", "reachable", "tcp_probe"]
+__all__ = ["MasterWatch", "answers", "http_answer", "http_probe", "reachable", "tcp_probe"]
 
 #: Seconds between probes, and the bound on each.
 _INTERVAL_S = 0.25
@@ -80,10 +80,29 @@ class _DeadlineTLSSocket(ssl.SSLSocket):
 
 
 class _ProbeTLSConnection(http.client.HTTPSConnection):
+    def __init__(self, host: str, *, context: ssl.SSLContext | None = None, **kwargs: Any) -> None:
+        super().__init__(host, context=context, **kwargs)
+        self._probe_context = context or ssl.create_default_context()
+
     def connect(self) -> None:
-        super().connect()
-        if isinstance(self.sock, _DeadlineTLSSocket):
-            self.sock.deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        # The deadline begins before the handshake, as it begins once connected over http:
+        # a server taking most of the probe's time for its handshake, and most of it again
+        # for its answer, failed no probe.
+        http.client.HTTPConnection.connect(self)
+        deadline = time.monotonic() + _PROBE_TIMEOUT_S
+        sock = self._probe_context.wrap_socket(
+            self.sock,
+            server_hostname=getattr(self, "_tunnel_host", None) or self.host,
+            do_handshake_on_connect=False,
+        )
+        self.sock = sock
+        if isinstance(sock, _DeadlineTLSSocket):
+            sock.deadline = deadline
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the TLS handshake took longer than a probe may")
+        sock.settimeout(remaining)  # CPython bounds the whole handshake by it
+        sock.do_handshake()
 
 
 class _ProbeHandler(urllib.request.HTTPHandler):
@@ -158,6 +177,61 @@ def answers(address: tuple[str, int], request: bytes, timeout_s: float) -> bool 
         except OSError:
             return True  # reset or refused mid-way: a live peer's kernel or process said so
     return True
+
+
+def http_answer(
+    address: tuple[str, int], request: bytes, timeout_s: float, limit: int
+) -> bytes | Literal[False] | None:
+    """The start of the answer the HTTP server at `address` gives to `request`, within
+    `timeout_s` seconds in all: its first `limit` bytes at most, read until the server closes
+    the connection or the body its `Content-Length` declares has come. False if it accepts
+    the connection but says nothing in time, None if it cannot be connected to.
+
+    A server that keeps the connection open after a whole answer costs no wait, and one that
+    sends part of an answer and stalls gives what it sent by the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        connection = socket.create_connection(address, timeout=timeout_s)
+    except OSError:
+        return None
+    answer = b""
+    timed_out = False
+    with connection:
+        try:
+            connection.settimeout(max(deadline - time.monotonic(), 0.001))
+            connection.sendall(request)
+            while len(answer) < limit and not _whole(answer):
+                remaining = deadline - time.monotonic()
+                timed_out = remaining <= 0
+                if timed_out:
+                    break
+                connection.settimeout(remaining)
+                piece = connection.recv(limit - len(answer))
+                if not piece:
+                    break
+                answer += piece
+        except TimeoutError:
+            timed_out = True
+        except OSError:
+            if not answer:
+                return b""  # reset: a live peer that gave no answer
+    return False if timed_out and not answer else answer
+
+
+def _whole(answer: bytes) -> bool:
+    """Whether `answer` holds an HTTP answer's head and all of the body it declares."""
+    head, blank, body = answer.partition(b"\r\n\r\n")
+    if not blank:
+        return False
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            try:
+                return len(body) >= int(value.strip())
+            except ValueError:
+                return False
+    return False
 
 
 def tcp_probe(address: tuple[str, int]) -> Callable[[], bool]:

@@ -614,6 +614,41 @@ async def test_a_damaged_page_larger_than_the_local_buffer_is_removed(mooncake_u
             assert await reader.exists(keys) == 0
 
 
+@pytest.mark.parametrize("stored_as", ["cut", "lengthened", "another layout"])
+async def test_a_page_of_another_length_larger_than_the_local_buffer_is_judged(
+    mooncake_url: str, stored_as: str
+) -> None:
+    # Judging a page stored at another length read it whole through Mooncake's local buffer,
+    # which gives nothing for a larger object: a damaged one stayed a miss for ever.
+    nbytes = 2 << 20
+    keys, pages, metas = make_pages(1, nbytes, split=nbytes // 2)
+    url = fresh_url(mooncake_url)
+    async with MooncakeStorage.from_url(url) as writer:
+        if stored_as == "another layout":
+            # Sound, for readers of pages a MiB longer: left in place.
+            _, longer, _ = make_pages(1, nbytes + (1 << 20), split=nbytes // 2)
+            await writer.put(keys, longer, metas)
+        else:
+            await writer.put(keys, pages, metas)
+            stored = await writer.read_raw(keys[0])
+            assert stored is not None
+            damaged = stored[:-4096] if stored_as == "cut" else stored + bytes(4096)
+            await writer.write_raw(keys[0], damaged)
+        before = await writer.read_raw(keys[0])
+        reader_url = url.replace("buffer_size=16MiB", "buffer_size=1MiB")
+        async with MooncakeStorage.from_url(reader_url) as reader:
+            into = buffers(1, nbytes, split=nbytes // 2)
+            outcomes = await reader.get(keys, into, namespace=NS)
+            if stored_as == "another layout":
+                assert outcomes == [Outcome.MISS]
+                assert reader.stats().corrupt == 0
+                assert await writer.read_raw(keys[0]) == before
+            else:
+                assert outcomes == [Outcome.CORRUPT]
+                assert reader.stats().corrupt == 1
+                assert await reader.exists(keys) == 0
+
+
 class _BeingPut(_Client):
     """The Mooncake client, except that removing `name` finds another client still putting
     it (OBJECT_NOT_READY, -703)."""
@@ -896,6 +931,80 @@ async def test_unreachable_metadata_server_fails_to_open_at_once(
             pytest.fail("opened without its metadata server")
 
 
+async def test_a_metadata_url_of_another_http_server_fails_to_open_naming_it(
+    mooncake_master: MooncakeMaster, tmp_path: Any
+) -> None:
+    # Any HTTP server answered the probe's request: one that is not Mooncake's metadata
+    # server passed it, and Mooncake's setup() failed seconds later with a bare -1.
+    seen: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            super().do_GET()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return None
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    port = server.server_address[1]
+    try:
+        storage = MooncakeStorage(
+            mooncake_master.address,
+            metadata=f"http://hicache:pw-42x@127.0.0.1:{port}/metadata",
+            segment_size=64 << 20,
+            buffer_size=16 << 20,
+            staging_size=8 << 20,
+        )
+        with pytest.raises(StorageError) as info:
+            async with storage:
+                pytest.fail("opened with a metadata server that is not Mooncake's")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    said = str(info.value)
+    assert f"127.0.0.1:{port}/metadata is no Mooncake metadata server" in said, said
+    assert "'HTTP/1.0 404 File not found'" in said, said
+    assert "pw-42x" not in said
+    # Asked as Mooncake's curl asks, with the URL's user information.
+    assert seen == ["Basic aGljYWNoZTpwdy00Mng="]
+
+
+async def test_a_metadata_server_that_closes_without_an_answer_fails_to_open(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:  # the probe's one connection
+        with contextlib.suppress(OSError):  # the listener was closed
+            accepted, _ = listener.accept()
+            with accepted:
+                accepted.recv(1 << 16)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        storage = MooncakeStorage.from_url(
+            fresh_url(
+                f"mooncake://{mooncake_master.address}?protocol=tcp"
+                f"&metadata=http://127.0.0.1:{port}/metadata"
+            )
+        )
+        with pytest.raises(StorageError, match="a GET of an absent key got no answer"):
+            async with storage:
+                pytest.fail("opened with a metadata server that answers nothing")
+    finally:
+        listener.close()
+        thread.join(10)
+
+
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
     mooncake_url: str,
 ) -> None:
@@ -1037,6 +1146,27 @@ async def test_objects_not_named_as_pages_are_left_out_of_maintenance(mooncake_u
         assert gc.evicted_pages == 0
         assert await backend.exists(keys) == 1
         assert all(backend._store.get_size(name) == 5000 for name in strangers)
+
+
+async def test_a_listing_of_pages_removed_since_logs_nothing_per_page(
+    backend: MooncakeStorage, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The sizes were asked of every listed name: one removed between the master's key list and
+    # the size lookup made Mooncake log an error line, for each such page.
+    keys, pages, metas = make_pages(2)
+    await backend.put(keys, pages, metas)
+    listed = await backend._list_names()
+    removed = [backend._mkey(os.urandom(32)) for _ in range(64)]
+
+    async def names() -> list[str]:
+        return [*listed, *removed]
+
+    backend._list_names = names  # type: ignore[method-assign]
+    capfd.readouterr()
+    found = await backend.list_pages()
+    assert sorted(p.key for p in found) == sorted(keys)
+    assert {p.nbytes for p in found} == {HEADER_NBYTES + 3000}
+    assert _mooncake_errors(capfd.readouterr().err) == []
 
 
 async def test_pages_with_unreadable_headers_are_listed_by_size(mooncake_url: str) -> None:

@@ -7,6 +7,7 @@ for a master that is gone, 30 s for one that is frozen (docs/storage-mooncake.md
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.server
 import os
 import shutil
@@ -25,6 +26,7 @@ import structlog
 from hicache_async import StorageError
 from hicache_async.storage import GcReport, Outcome
 from hicache_async.storage import _mooncake as mooncake_module
+from hicache_async.storage import _mooncake_watch as watch_module
 from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
 from hicache_async.storage._mooncake_watch import MasterWatch, http_probe
@@ -472,3 +474,53 @@ def test_an_https_health_answer_is_bounded_as_a_whole(
     server.join(10)
     listener.close()
     assert answers == [not endless]
+
+
+def test_an_https_probe_counts_its_handshake_in_the_answer_deadline(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The answer's deadline began once the handshake was over, the handshake having its own
+    # second: a server taking most of a second for each passed the probe. The probe's clock
+    # is moved on while its handshake waits, as if that handshake had taken the whole time.
+    cert, key = _self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", cert)  # the probe's default context trusts it
+    skew = [0.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() + skew[0]
+
+    monkeypatch.setattr(watch_module, "time", Clock)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        accepted, _ = listener.accept()
+        accepted.recv(1, socket.MSG_PEEK)  # the probe's handshake has begun
+        skew[0] = 10.0
+        try:
+            connection = context.wrap_socket(accepted, server_side=True)
+        except OSError:  # the probe gave up the handshake
+            accepted.close()
+            return
+        with connection, contextlib.suppress(OSError):
+            connection.recv(1 << 16)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            connection.recv(1)  # until the probe closes the connection
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    answers: list[bool] = []
+    prober = threading.Thread(
+        target=lambda: answers.append(
+            http_probe(f"https://127.0.0.1:{listener.getsockname()[1]}")()
+        ),
+        daemon=True,
+    )
+    prober.start()
+    prober.join(60)  # a bound for the test only: the probe itself ends within about a second
+    server.join(10)
+    listener.close()
+    assert answers == [False]
