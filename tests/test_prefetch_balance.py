@@ -311,6 +311,81 @@ async def _replans_given_up(w: World) -> None:
     assert (b.status, b.storage_tokens) == (PrefetchStatus.TERMINATED, 0)
 
 
+async def _reader_cancelled_for_a_waiter(w: World) -> None:
+    # A's first batch goes on for B, which waits on it; A reads nothing more.
+    a, b = await _waiting_on_a_held_read(w)
+    a.cancel()
+    w.store.open_gates()
+    result = w.keep(await asyncio.wait_for(a.wait(), 30))
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.CANCELLED, 2 * PAGE)
+    result = w.keep(await asyncio.wait_for(b.wait(), 30))
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.COMPLETE, PAGES * PAGE)
+
+
+async def _waiter_cancelled(w: World) -> None:
+    a, b = await _waiting_on_a_held_read(w)
+    b.cancel()
+    result = w.keep(await asyncio.wait_for(b.wait(), 30))
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.CANCELLED, 0)
+    w.store.open_gates()
+    result = w.keep(await asyncio.wait_for(a.wait(), 30))
+    assert result.status is PrefetchStatus.COMPLETE
+
+
+async def _reader_and_waiter_cancelled(w: World) -> None:
+    a, b = await _waiting_on_a_held_read(w)
+    a.cancel()
+    b.cancel()  # the last one that wanted A's read: it is abandoned
+    for handle in (a, b):
+        result = w.keep(await asyncio.wait_for(handle.wait(), 30))
+        assert (result.status, result.storage_tokens) == (PrefetchStatus.CANCELLED, 0)
+
+
+async def _waited_batch_partly_delivered(w: World) -> None:
+    # A's first batch delivers page 0, not page 1: B takes page 0 and misses the rest.
+    w.store.answer[_storage_key(w.cache, w.prompt, 1)] = Outcome.ERROR
+    a, b = await _waiting_on_a_held_read(w)
+    w.store.open_gates()
+    for handle in (a, b):
+        result = w.keep(await asyncio.wait_for(handle.wait(), 30))
+        assert (result.status, result.storage_tokens) == (PrefetchStatus.TERMINATED, PAGE)
+
+
+async def _cancelled_during_lookup(w: World) -> None:
+    w.store.exists_gate = asyncio.get_running_loop().create_future()
+    handle = await w.cache.start_prefetch(w.prompt)
+    await _until(lambda: w.store.lookups_held == 1, "the lookup")
+    handle.cancel()
+    result = w.keep(await asyncio.wait_for(handle.wait(), 30))
+    assert result.status is PrefetchStatus.CANCELLED
+
+
+async def _detached_while_reading(w: World) -> None:
+    w.store.get_gate = asyncio.get_running_loop().create_future()
+    handle = await w.cache.start_prefetch(w.prompt)
+    await _until(lambda: w.store.gets_held == 1, "the first get")
+    detach = asyncio.ensure_future(w.cache.detach_storage(flush=False))
+    result = w.keep(await asyncio.wait_for(handle.wait(), 30))
+    w.store.open_gates()
+    await asyncio.wait_for(detach, 30)
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.CANCELLED, 0)
+
+
+async def _cancelled_waiting_for_room(w: World) -> None:
+    # The host share is 3 pages: A holds them for its first batch, B waits in line.
+    w.store.get_gate = asyncio.get_running_loop().create_future()
+    a = await w.cache.start_prefetch(w.prompt)
+    await _until(lambda: w.store.gets_held == 1, "A's get")
+    b = await w.cache.start_prefetch(HEADS[0])
+    await _until(lambda: bool(_prefetcher(w.cache)._budget_line), "B in line")
+    b.cancel()
+    result = w.keep(await asyncio.wait_for(b.wait(), 30), 1)
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.CANCELLED, 0)
+    w.store.open_gates()
+    result = w.keep(await asyncio.wait_for(a.wait(), 30))
+    assert result.status is PrefetchStatus.COMPLETE
+
+
 def _repeated_key(cached: int) -> Callable[[World], Awaitable[None]]:
     """A forged chain that repeats its first key at its third page, with its first `cached`
     pages cached (a cached path past the repeat only a forged chain could make)."""
@@ -353,6 +428,21 @@ ENDINGS: dict[str, Ending] = {
     "cancelled": Ending(_cancelled, ("pages_abandoned",)),
     "terminated": Ending(_terminated, ("pages_read", "pages_abandoned")),
     "terminated during lookup": Ending(_terminated_during_lookup, ("pages_abandoned",)),
+    "reader cancelled, its read kept for a waiter": Ending(
+        _reader_cancelled_for_a_waiter, ("pages_read", "pages_shared", "pages_abandoned")
+    ),
+    "waiter cancelled": Ending(_waiter_cancelled, ("pages_read", "pages_abandoned")),
+    "reader and waiter cancelled": Ending(_reader_and_waiter_cancelled, ("pages_abandoned",)),
+    "waited batch partly delivered": Ending(
+        _waited_batch_partly_delivered, ("pages_read", "pages_shared", "errors", "misses")
+    ),
+    "cancelled during lookup": Ending(_cancelled_during_lookup, ("pages_abandoned",)),
+    "detached while reading": Ending(_detached_while_reading, ("pages_abandoned",)),
+    "cancelled waiting for room": Ending(
+        _cancelled_waiting_for_room,
+        ("pages_read", "pages_abandoned"),
+        {"host_pages": 300, "prefetch": {"max_host_share": 0.01}},
+    ),
     "host pool full": Ending(
         _host_pool_full,
         ("pages_read", "pages_abandoned"),
@@ -387,6 +477,14 @@ def _counted(stats: PrefetchStatistics) -> int:
     return sum(getattr(stats, name) for name in COUNTERS)
 
 
+ENDING_COUNTERS = {
+    PrefetchStatus.COMPLETE: "completed",
+    PrefetchStatus.TERMINATED: "terminated",
+    PrefetchStatus.CANCELLED: "cancelled",
+    PrefetchStatus.SKIPPED: "skipped",
+}
+
+
 @pytest.mark.parametrize("ending", list(ENDINGS))
 async def test_every_page_a_prefetch_looks_for_counts_once_whatever_its_ending(
     ending: str, monkeypatch: pytest.MonkeyPatch
@@ -395,6 +493,16 @@ async def test_every_page_a_prefetch_looks_for_counts_once_whatever_its_ending(
     config = _config(**case.config)
     prompt = _prompt(1)
     generator = KVGenerator(config.layout, PAGE, seed=5)
+    # Pages not cached when each prefetch began to look (its first match), as they begin.
+    looked_for = 0
+    fetch = Prefetcher._fetch
+
+    async def fetch_looked_for(self: Prefetcher, handle: PrefetchHandle) -> PrefetchStatus:
+        nonlocal looked_for
+        found = self._cache._tree.match(handle.keys, touch=False)
+        looked_for += len(handle.keys) - found.num_device_pages - found.num_host_pages
+        return await fetch(self, handle)
+
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
         async with HiCache(config, storage=Unowned(memory)) as writer:
             for stored in (prompt, *HEADS):
@@ -403,17 +511,39 @@ async def test_every_page_a_prefetch_looks_for_counts_once_whatever_its_ending(
         store = Scripted(memory)
         async with HiCache(config, storage=store) as cache:
             world = World(cache, store, prompt, generator, monkeypatch)
+            prefetcher = _prefetcher(cache)  # its figures outlive a detach
+            monkeypatch.setattr(Prefetcher, "_fetch", fetch_looked_for)
+            # Taken at every turn of the loop: no page is in a counter before its prefetch
+            # looked for it, nor in two, while prefetches are in flight.
+            exceeded: list[tuple[int, PrefetchStatistics]] = []
+            watching = True
+
+            async def watch() -> None:
+                while watching:
+                    stats = prefetcher.statistics()
+                    if _counted(stats) > looked_for:
+                        exceeded.append((looked_for, stats))
+                    await asyncio.sleep(0)
+
+            watcher = asyncio.ensure_future(watch())
             try:
                 await asyncio.wait_for(case.scenario(world), 60)
             finally:
                 store.open_gates()
+                watching = False
+                await watcher
             monkeypatch.undo()
-            stats = cache.storage_status().prefetch
-            assert stats is not None
+            assert not exceeded, exceeded[:3]
+            stats = prefetcher.statistics()
             for name in case.counters:
                 assert getattr(stats, name) > 0, (name, stats)
             # Pages not cached when each started (nothing it cached is evicted here).
             asked = sum(
                 pages - (r.device_tokens + r.host_tokens) // PAGE for r, pages in world.results
             )
-            assert _counted(stats) == asked, stats
+            assert _counted(stats) == asked == looked_for, stats
+            # Each prefetch is counted once, in the counter of the status it ended with.
+            for status, name in ENDING_COUNTERS.items():
+                ended = sum(r.status is status for r, _ in world.results)
+                assert getattr(stats, name) == ended, (name, stats)
+            assert stats.submitted == len(world.results), stats
