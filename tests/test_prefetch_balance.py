@@ -311,6 +311,26 @@ async def _replans_given_up(w: World) -> None:
     assert (b.status, b.storage_tokens) == (PrefetchStatus.TERMINATED, 0)
 
 
+async def _terminated_in_last_read(w: World) -> None:
+    # Its one batch is in flight when it is told to stop: that read lands, and the prefetch
+    # still ends as it was asked to (docs/api.md: "finishes as TERMINATED once the read in
+    # flight lands"), though nothing was left to read.
+    result = await _stopped_reading(w, "terminate")
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.TERMINATED, PAGES * PAGE)
+
+
+async def _timed_out_in_last_read(w: World) -> None:
+    w.store.get_gate = asyncio.get_running_loop().create_future()
+    handle = await w.cache.start_prefetch(w.prompt)
+    await _until(lambda: w.store.gets_held == 1, "its get")
+    assert (await handle.ready()).status is PrefetchStatus.RUNNING  # the limit ran out
+    w.store.open_gates()
+    result = w.keep(await asyncio.wait_for(handle.wait(), 30))
+    # A timeout `wait()` tells (docs/api.md: count timeouts from it).
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.TERMINATED, PAGES * PAGE)
+    assert _prefetcher(w.cache).statistics().timeouts == 1
+
+
 async def _reader_cancelled_for_a_waiter(w: World) -> None:
     # A's first batch goes on for B, which waits on it; A reads nothing more.
     a, b = await _waiting_on_a_held_read(w)
@@ -428,6 +448,21 @@ ENDINGS: dict[str, Ending] = {
     "cancelled": Ending(_cancelled, ("pages_abandoned",)),
     "terminated": Ending(_terminated, ("pages_read", "pages_abandoned")),
     "terminated during lookup": Ending(_terminated_during_lookup, ("pages_abandoned",)),
+    "terminated during its last read": Ending(
+        _terminated_in_last_read, ("pages_read",), {"prefetch": {"batch_pages": PAGES}}
+    ),
+    "timed out during its last read": Ending(
+        _timed_out_in_last_read,
+        ("pages_read",),
+        {
+            "prefetch": {
+                "policy": "timeout",
+                "batch_pages": PAGES,
+                "timeout_base_s": 0.01,
+                "timeout_per_1k_tokens_s": 0.0,
+            }
+        },
+    ),
     "reader cancelled, its read kept for a waiter": Ending(
         _reader_cancelled_for_a_waiter, ("pages_read", "pages_shared", "pages_abandoned")
     ),

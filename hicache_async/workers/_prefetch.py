@@ -1488,6 +1488,15 @@ class Prefetcher:
             # Cancelled while its last batch was kept going for others: it still ends as
             # it was asked to. (A cancel after its last read, a detach's, finds it done.)
             return PrefetchStatus.CANCELLED
+        if (
+            status is PrefetchStatus.COMPLETE
+            and handle._terminated
+            and not handle._cancel_requested
+        ):
+            # Terminated (a timeout, best_effort) while its last read was in flight: it ends
+            # as it was asked to, so wait() tells every timeout. (A cancel too late to stop
+            # that read, a detach's, finds it complete.)
+            return PrefetchStatus.TERMINATED
         return status
 
     def _cut(self, todo: list[bytes], allowed_own: int) -> int:
