@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import math
 import os
+import sys
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -386,6 +387,28 @@ def test_bench_configuration_errors_are_one_line(
     assert code == 2
     assert message in err
     assert err.startswith(f"hicache-async bench {argv[0]}: error: ")
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("backend", "package"),
+    [("redis://127.0.0.1:1/0", "redis"), ("mooncake://127.0.0.1:1", "mooncake")],
+)
+def test_a_backend_without_its_client_library_names_the_extra(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, backend: str, package: str
+) -> None:
+    # As if the extra were not installed (Mooncake's baseline raised ModuleNotFoundError
+    # with a traceback mid-run).
+    for name in ["hicache_async.storage._redis", "hicache_async.bench._storage_redis"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    names = [m for m in sys.modules if m == package or m.startswith(f"{package}.")]
+    for name in names or [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+    argv = ["storage", "--backend", backend, "--shape", "small", "--pages", "2", "--reps", "1"]
+    code, err = _bench_cli(capsys, *argv)
+    assert code == 2, err
+    assert err.startswith("hicache-async bench storage: error: ")
+    assert f"pip install 'hicache-async[{package}]'" in err
     assert "Traceback" not in err
 
 

@@ -72,6 +72,17 @@ def test_the_chosen_benchmark_parses_its_own_options() -> None:
     assert "unrecognized arguments: --no-such" in bad.stderr
 
 
+def test_the_pytest_plugin_does_not_import_numpy() -> None:
+    # Nor numpy (about 0.2 s cold, in every pytest run of the environment): the plugin's
+    # fixtures and `serve` import what they need when they run.
+    done = _run(
+        "import sys, hicache_async.testing.pytest_plugin\n"
+        "from hicache_async.testing import ServedRequest, assert_drained, serve\n"
+        "assert 'numpy' not in sys.modules, 'numpy imported'\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_the_pytest_plugin_does_not_import_torch() -> None:
     # pytest loads the plugin in every run of an environment that has the package: a project
     # whose tests never touch the cache must not pay for torch.

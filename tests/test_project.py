@@ -41,3 +41,23 @@ def test_the_package_calls_nothing_newer_than_its_oldest_python() -> None:
         if newer.search(line)
     ]
     assert found == []
+
+
+def test_every_extra_is_named_for_users_and_every_named_extra_exists() -> None:
+    # A user learns an extra from an install command in the docs or in an error message; one
+    # named there but missing from pyproject makes pip warn and install nothing.
+    import tomllib
+
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        defined = set(tomllib.load(f)["project"]["optional-dependencies"])
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts += sorted((ROOT / "hicache_async").rglob("*.py"))
+    texts += [ROOT / "scripts" / "setup.sh", ROOT / "noxfile.py"]
+    named: dict[str, str] = {}
+    for path in texts:
+        for match in re.finditer(r"(?:hicache-async|\.)\[([a-z,{}]+)\]", path.read_text()):
+            for extra in match.group(1).split(","):
+                if not extra.startswith("{"):  # a placeholder filled from pyproject's names
+                    named.setdefault(extra, str(path.relative_to(ROOT)))
+    assert {e: p for e, p in named.items() if e not in defined} == {}
+    assert sorted(defined - set(named)) == []

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import structlog
 
+import hicache_async.storage
 from hicache_async import CacheConfig, HiCache, KVLayout, StorageConfigError
 from hicache_async.storage import (
     FileStorage,
@@ -138,6 +139,24 @@ def test_missing_redis_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatc
         StorageConfigError, match=r"needs the 'redis' package: pip install 'hicache-async\[redis\]'"
     ):
         open_storage("redis://127.0.0.1:1")
+
+
+def test_a_lazy_backend_class_without_its_library_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module = "hicache_async.storage._redis"
+    if importlib.util.find_spec(module) is None:
+        pytest.skip("no redis backend in this tree")
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.delitem(vars(hicache_async.storage), "RedisStorage", raising=False)
+    for name in [m for m in sys.modules if m == "redis" or m.startswith("redis.")] or ["redis"]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if redis were not installed
+    # Still a ModuleNotFoundError for `from ... import` callers, but naming the extra.
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"RedisStorage needs the 'redis' package: pip install 'hicache-async\[redis\]'",
+    ):
+        from hicache_async.storage import RedisStorage  # noqa: F401
 
 
 def _broken_redis(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

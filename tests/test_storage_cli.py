@@ -958,3 +958,30 @@ def test_stats_json_shows_a_field_json_cannot_encode_as_its_repr() -> None:
     plain, _ = asyncio.run(_run(_OddStatsStorage(), "stats", None, as_json=False))
     assert plain is not None
     assert "kinds: {(1+2j)}" in plain.splitlines()
+
+
+@pytest.mark.parametrize(
+    ("argv", "package"),
+    [
+        (["storage", "stats", "redis://127.0.0.1:1/0"], "redis"),
+        (["storage", "ls", "mooncake://127.0.0.1:1"], "mooncake"),
+        (["manifest", "show", "mooncake://127.0.0.1:1"], "mooncake"),
+    ],
+)
+def test_a_missing_client_library_is_a_usage_error_naming_the_extra(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    package: str,
+) -> None:
+    # As if the extra were not installed: Mooncake's came out as a store failure (exit 1)
+    # where redis-py's was a usage error (exit 2).
+    monkeypatch.delitem(sys.modules, "hicache_async.storage._redis", raising=False)
+    names = [m for m in sys.modules if m == package or m.startswith(f"{package}.")]
+    for name in names or [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"hicache-async {argv[0]}: error: ")
+    assert f"pip install 'hicache-async[{package}]'" in err

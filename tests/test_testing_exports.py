@@ -83,3 +83,19 @@ def test_star_import_and_mac_key_need_no_pytest() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_conformance_suite_without_the_testing_extra_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.delitem(sys.modules, "hicache_async.testing._conformance", raising=False)
+    monkeypatch.delitem(vars(hicache_async.testing), "StorageConformance", raising=False)
+    monkeypatch.setitem(sys.modules, "pytest_asyncio", None)  # as if it were not installed
+    with pytest.raises(
+        ModuleNotFoundError,
+        match=r"StorageConformance needs the 'pytest_asyncio' package: "
+        r"pip install 'hicache-async\[testing\]'",
+    ):
+        from hicache_async.testing import StorageConformance  # noqa: F401

@@ -149,8 +149,8 @@ _MAX_SEGMENTS = 1023
 
 
 def prepare(args: argparse.Namespace) -> None:
-    """Check the sizes and the URL before anything runs (StorageConfigError, ValueError):
-    the backend is built, not opened."""
+    """Check the sizes and the URL before anything runs (StorageConfigError, StorageError
+    for a missing client library, ValueError): the backend is built, not opened."""
     for name in ("pages", "batch", "reps", "segments"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -166,6 +166,12 @@ def prepare(args: argparse.Namespace) -> None:
         MemoryStorage.from_url(_memory_url(args.backend, 1))
     else:
         open_storage(args.backend)
+        if scheme == "mooncake":
+            # Its backend imports the client library only when it opens, and the baseline
+            # needs it too: say which extra is missing now, not as a traceback mid-run.
+            from ..storage._mooncake import client_library
+
+            client_library()
 
 
 def run(args: argparse.Namespace) -> list[Record]:

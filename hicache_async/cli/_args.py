@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from .._errors import StorageConfigError
+from .._errors import StorageConfigError, StorageError
 from ..storage import FileStorage, open_storage
 from ._signals import ignore_while_ending, signals_interrupt
 
@@ -164,6 +164,14 @@ def backend_for_command(url: str, command: str, action: str, *, looking: bool) -
     lending_nothing = mooncake_lending_nothing(url)
     if lending_nothing != url:
         backend = open_storage(lending_nothing)
+        # Mooncake's backend imports its client library only when it opens; a missing one is
+        # the installation's fault, not the store's, so it exits 2 as a missing redis-py does.
+        from ..storage._mooncake import client_library
+
+        try:
+            client_library()
+        except StorageError as exc:
+            raise StorageConfigError(str(exc)) from None
     refusal = local_only(backend, command)
     if refusal is not None:
         raise StorageConfigError(refusal)

@@ -97,20 +97,34 @@ __all__ = [
     "storage_schemes",
 ]
 
-# Not in __all__: `import *` must not pull in optional dependencies.
+# Not in __all__: `import *` must not pull in optional dependencies. Each with the extra
+# that installs what its module imports.
 _LAZY = {
-    "RedisStorage": "hicache_async.storage._redis",
-    "MooncakeStorage": "hicache_async.storage._mooncake",
+    "RedisStorage": ("hicache_async.storage._redis", "redis"),
+    "MooncakeStorage": ("hicache_async.storage._mooncake", "mooncake"),
 }
 
 
 if not TYPE_CHECKING:
     # Hidden from type checkers, which would otherwise type any misspelt name as Any.
     def __getattr__(name: str) -> Any:
-        module_name = _LAZY.get(name)
-        if module_name is None:
+        lazy = _LAZY.get(name)
+        if lazy is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module_name), name)
+        module_name, extra = lazy
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or exc.name.split(".")[0] == "hicache_async":
+                raise
+            # Still a ModuleNotFoundError (what `from ... import` callers catch), but one
+            # that says which extra brings the missing package.
+            package = exc.name.split(".")[0]
+            raise ModuleNotFoundError(
+                f"{name} needs the {package!r} package: pip install 'hicache-async[{extra}]'",
+                name=exc.name,
+            ) from exc
+        value = getattr(module, name)
         globals()[name] = value  # later lookups skip this function
         return value
 

@@ -509,6 +509,20 @@ def close_idle_clients(master: str | None = None, *, reachable_only: bool = Fals
     return _POOL.close_idle(master, reachable_only=reachable_only)
 
 
+def client_library() -> Any:
+    """Mooncake's `mooncake.store` module; `StorageError` naming what to install when the
+    `mooncake` extra is missing (an `ImportError` traceback tells a user nothing)."""
+    try:
+        import mooncake.store
+    except ImportError as exc:
+        raise StorageError(
+            "the mooncake backend needs the Mooncake Python package: pip install "
+            "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
+            "mooncake-transfer-engine for CUDA/RDMA hosts"
+        ) from exc
+    return mooncake.store
+
+
 @contextlib.contextmanager
 def pooled_client(url: str) -> Iterator[Any]:
     """A raw `MooncakeDistributedStore` set up as the `mooncake://` URL says (for benchmarks
@@ -516,13 +530,12 @@ def pooled_client(url: str) -> Iterator[Any]:
 
     The caller undoes its own `register_buffer` calls before leaving the block.
     """
-    from mooncake.store import MooncakeDistributedStore
-
+    store_class = client_library().MooncakeDistributedStore
     config = MooncakeStorage.from_url(url)
     key = config._client_key()
     client = _POOL.take(key)
     if client is None:
-        client = config._new_client(MooncakeDistributedStore)
+        client = config._new_client(store_class)
     try:
         yield client
     finally:
@@ -1123,14 +1136,7 @@ class MooncakeStorage(BackendBase):
             opening.set()
 
     async def _open_client(self) -> None:
-        try:
-            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
-        except ImportError as exc:
-            raise StorageError(
-                "the mooncake backend needs the Mooncake Python package: pip install "
-                "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
-                "mooncake-transfer-engine for CUDA/RDMA hosts"
-            ) from exc
+        library = client_library()
         try:
             arena = np.zeros(self._staging_size, dtype=np.uint8)
         except MemoryError as exc:
@@ -1149,7 +1155,7 @@ class MooncakeStorage(BackendBase):
         def job(stop: threading.Event) -> tuple[Any, Any, str]:
             store = _POOL.take(key)
             if store is None:
-                store = self._new_client(MooncakeDistributedStore)
+                store = self._new_client(library.MooncakeDistributedStore)
             codes = [int(store.register_buffer(a, n)) for a, n in regions_of_open]
             if any(codes):
                 for (address, _), code in zip(regions_of_open, codes, strict=True):
@@ -1160,7 +1166,7 @@ class MooncakeStorage(BackendBase):
                 raise StorageError(f"{self._name}: register_buffer failed with {failed}")
             # From here on a failure or a cancellation undoes the registrations (`undo`).
             opened.append(store)
-            config = ReplicateConfig()
+            config = library.ReplicateConfig()
             config.replica_num = self._replicas
             hostname = str(store.get_hostname())
             if self._placement == "local":

@@ -55,6 +55,9 @@ _LAZY = {
     "ServerBinaryNotFoundError": "._servers",
 }
 
+# The lazy names whose modules import a package only an extra installs.
+_EXTRAS = {"StorageConformance": "testing"}
+
 
 def __dir__() -> list[str]:
     # The lazy names too, for completion and help().
@@ -69,4 +72,16 @@ if not TYPE_CHECKING:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
         import importlib
 
-        return getattr(importlib.import_module(module, __name__), name)
+        try:
+            loaded = importlib.import_module(module, __name__)
+        except ModuleNotFoundError as exc:
+            extra = _EXTRAS.get(name)
+            if extra is None or exc.name is None or exc.name.split(".")[0] == "hicache_async":
+                raise
+            # Still a ModuleNotFoundError, but one that says which extra brings the package.
+            package = exc.name.split(".")[0]
+            raise ModuleNotFoundError(
+                f"{name} needs the {package!r} package: pip install 'hicache-async[{extra}]'",
+                name=exc.name,
+            ) from exc
+        return getattr(loaded, name)

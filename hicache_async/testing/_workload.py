@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import msgspec
 
-from .._keys import as_token_array
-
 if TYPE_CHECKING:
     from .._cache import HiCache
     from ._kvgen import KVGenerator
@@ -57,6 +55,10 @@ async def serve(
     """
     if check not in _CHECKS:
         raise ValueError(f"check must be one of {', '.join(map(repr, _CHECKS))}, got {check!r}")
+    # Imported here: the pytest plugin imports this package in every test run of the
+    # environment, and `_keys` brings numpy.
+    from .._keys import as_token_array
+
     array = as_token_array(tokens)
     size = cache.config.page_size
     storage_tokens = 0
