@@ -44,3 +44,20 @@ def test_a_full_stdout_is_a_one_line_error(name: str, tmp_path: Path) -> None:
     if name == "bench":
         # The table could not be shown; the records of the run are still written.
         assert json.loads(records.read_text())
+
+
+def test_version_prints_the_installed_distribution_version(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import importlib.metadata
+
+    import hicache_async
+    from hicache_async.cli import main
+
+    with pytest.raises(SystemExit) as ended:
+        main(["--version"])
+    assert ended.value.code == 0
+    # The package's version is the distribution's: pyproject.toml reads it from the package.
+    installed = importlib.metadata.version("hicache-async")
+    assert capsys.readouterr().out.strip() == f"hicache-async {hicache_async.__version__}"
+    assert hicache_async.__version__ == installed

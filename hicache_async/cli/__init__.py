@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from .. import __version__
 from ._signals import ignore_at_exit, received, reset
 
 if TYPE_CHECKING:
@@ -46,14 +47,15 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     from ..bench import BENCHMARKS
 
     # Only the chosen command's module is imported to add its arguments: the others import
-    # torch, and `storage ls` should not take seconds to start. The top-level parser and
-    # `bench` take no options of their own, so the first words that are not options name the
-    # command and the benchmark.
+    # torch, and `storage ls` should not take seconds to start. The top-level parser (but for
+    # `--version`) and `bench` take no options with values, so the first words that are not
+    # options name the command and the benchmark.
     words = [arg for arg in argv if not arg.startswith("-")]
     chosen = words[0] if words else None
     parser = argparse.ArgumentParser(
         prog="hicache-async", description="Hierarchical KV cache for LLM serving, asyncio-native."
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module_path, help_text) in COMMANDS.items():
         if importlib.util.find_spec(module_path) is None:
