@@ -1583,8 +1583,16 @@ class _PageErrors:
 
     def log(self, backend: str, limiter: LogLimiter) -> None:
         for error, (count, key) in self._seen.items():
-            limiter.warn(
-                log, "storage.page.error", error, backend=backend, key=key.hex(), count=count
+            # A line left out still counts its pages in the next one's
+            # `unlogged_count_since_last`.
+            limiter.warn_tallied(
+                log,
+                "storage.page.error",
+                error,
+                "count",
+                backend=backend,
+                key=key.hex(),
+                count=count,
             )
 
 
