@@ -336,6 +336,32 @@ async def test_a_shard_fixed_and_unreadable_again_is_logged_again(
     assert [e["directory"] for e in told] == [str(shard)] * 2
 
 
+async def test_a_shard_its_owner_may_search_but_not_read_is_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # chmod u-r: its pages still open by name, its listing is refused. A page read from it
+    # shows nothing was fixed, so the scans after it do not log it again.
+    root, keys = tmp_path / "s", _keys(3)
+    shard = root / "pages" / keys[0].hex()[:2]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        shard.chmod(0o300)
+        try:
+            with structlog.testing.capture_logs() as logs:
+                # Refused as it would be for a user other than root, whom no mode stops.
+                _failing_listing(monkeypatch, shard, "open", errno.EACCES)
+                reports = [await storage.verify()]
+                for _ in range(2):
+                    assert await _get(storage, keys[:1]) == [Outcome.OK]
+                    reports.append(await storage.verify())
+        finally:
+            monkeypatch.undo()
+            shard.chmod(0o700)
+    assert [report.unchecked for report in reports] == [1] * 3
+    told = [e for e in logs if e["event"] == "storage.shard.unreadable"]
+    assert [e["directory"] for e in told] == [str(shard)]
+
+
 async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:
     root = tmp_path / "s"
     keys = _keys(8)

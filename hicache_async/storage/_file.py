@@ -268,11 +268,16 @@ class _Handles:
         self._lock = threading.Lock()
         _OPEN_ROOTS.add(self)
 
-    def read_from(self, name: str) -> None:
-        """A page file of shard `name` was opened: a scan that fails to list it again meets
-        a new failure, logged again (once, not per page: the shard is forgotten once)."""
-        if self.unreadable:  # empty unless a shard could not be listed: one check per page
-            self.unreadable.pop(name, None)
+    def read_from(self, name: str, shard_fd: int) -> None:
+        """A page file of shard `name` (open as `shard_fd`) was opened: a scan that fails to
+        list it again meets a new failure, logged again (once, not per page: the shard is
+        forgotten once)."""
+        if self.unreadable and name in self.unreadable:  # one check per page otherwise
+            # A shard its owner may search but not read (chmod u-r) opens its pages and
+            # still cannot be listed: such a read shows nothing was fixed.
+            with contextlib.suppress(OSError):
+                if os.fstat(shard_fd).st_mode & stat.S_IRUSR:
+                    self.unreadable.pop(name, None)
 
     def shard(self, name: str, *, create: bool, durable: bool = False) -> int | None:
         """The descriptor of `pages/<name>`, or None when it does not exist and create is off.
@@ -2489,7 +2494,7 @@ class FileStorage(BackendBase):
             with contextlib.suppress(OSError):  # a symlink where a page belongs
                 _remove_if_same(shard_fd, hexkey, None)
             return (_CORRUPT, "symlink", 0)
-        handles.read_from(hexkey[:2])
+        handles.read_from(hexkey[:2], shard_fd)
         try:
             st = os.fstat(fd)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
@@ -3570,7 +3575,7 @@ class FileStorage(BackendBase):
             if exc.errno == errno.ELOOP:  # a symlink, never followed: no page
                 return None
             raise
-        handles.read_from(hexkey[:2])
+        handles.read_from(hexkey[:2], shard_fd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
