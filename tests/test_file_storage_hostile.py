@@ -298,6 +298,28 @@ async def test_a_tmp_that_cannot_be_listed_is_unchecked_and_logged_once(
     assert [e["error"] for e in told] == [f"{os.strerror(errno.EIO)}: cannot list it"] * 2
 
 
+async def test_a_tmp_removed_made_again_and_unlistable_again_is_logged_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a shard found gone: the tmp/ a write made again is another directory, whose
+    # failure is news even with no listing of it between.
+    root, keys = tmp_path / "s", _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[:1])
+        with structlog.testing.capture_logs() as logs:
+            heal = _failing_listing(monkeypatch, root / "tmp", "list")
+            before = await storage.verify()
+            heal()
+            monkeypatch.undo()
+            shutil.rmtree(root / "tmp")
+            assert await _put(storage, keys[1:]) == [Outcome.OK] * 2  # makes tmp/ again
+            _failing_listing(monkeypatch, root / "tmp", "list")
+            after = await storage.verify()
+    assert [(r.ok, r.unchecked) for r in (before, after)] == [(3 - 2, 1), (3, 1)]
+    told = [e for e in logs if e["event"] == "storage.stray.error" and e["entry"] == "tmp"]
+    assert len(told) == 2, told
+
+
 @pytest.mark.parametrize("where", ["open", "list"])
 async def test_a_pages_directory_that_cannot_be_listed_is_a_storage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str

@@ -261,7 +261,7 @@ class _Handles:
         # theirs is read, so that the open's scan and the verify() or gc() after it do not
         # both log the same shard, while one fixed and broken again is logged again.
         self.unreadable: dict[str, str] = {}
-        # Why tmp/ could not be listed, logged once until it is listed again.
+        # Why tmp/ could not be listed, logged once until it is listed again or made again.
         self.tmp_unlisted: str | None = None
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
@@ -462,6 +462,8 @@ class _Handles:
             if fd is None:
                 return False
             self.tmp_fd = fd
+            # Another directory: its failure to list is news, as a shard's found gone is.
+            self.tmp_unlisted = None
         return True
 
     def close(self) -> None:
@@ -3866,8 +3868,9 @@ class FileStorage(BackendBase):
             log.warning("storage.stray.error", backend=self._name, entry=name, error=error)
 
     def _log_unlisted_tmp(self, handles: _Handles, unlisted: list[str]) -> None:
-        """Log why tmp/ could not be listed, once per error until it is listed again: every
-        verify() would meet it again, and the count of `unchecked` tells it each time."""
+        """Log why tmp/ could not be listed, once per error until it is listed (or made)
+        again: every verify() would meet it again, and the count of `unchecked` tells it
+        each time."""
         for error in unlisted:
             if handles.tmp_unlisted != error:
                 handles.tmp_unlisted = error
