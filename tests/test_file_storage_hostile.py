@@ -358,6 +358,30 @@ async def test_a_shard_fixed_and_unreadable_again_is_logged_again(
     assert [e["directory"] for e in told] == [str(shard)] * 2
 
 
+async def test_a_shard_removed_made_again_and_unreadable_again_is_logged_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shard a write made again is another directory: its failure is news even with no
+    # scan between to find the old one gone.
+    root, keys = tmp_path / "s", _keys(1)
+    shard = root / "pages" / keys[0].hex()[:2]
+    again = [bytes.fromhex(keys[0].hex()[:2]) + os.urandom(31)]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        with structlog.testing.capture_logs() as logs:
+            heal = _failing_listing(monkeypatch, shard, "list")
+            before = await storage.verify()
+            heal()
+            monkeypatch.undo()
+            shutil.rmtree(shard)
+            assert await _put(storage, again) == [Outcome.OK]  # makes the shard again
+            _failing_listing(monkeypatch, shard, "list")
+            after = await storage.verify()
+    assert [(r.ok, r.unchecked) for r in (before, after)] == [(0, 1), (0, 1)]
+    told = [e for e in logs if e["event"] == "storage.shard.unreadable"]
+    assert [e["directory"] for e in told] == [str(shard)] * 2
+
+
 async def test_a_shard_its_owner_may_search_but_not_read_is_logged_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

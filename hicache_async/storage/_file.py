@@ -257,9 +257,9 @@ class _Handles:
         # Why tmp/ or pages/ could not be made again, logged once per reason.
         self._dir_refused: dict[str, str] = {}
         self._lock_lost = False  # logged once
-        # Shards a scan could not list, and why: logged once until listed again or a page of
-        # theirs is read, so that the open's scan and the verify() or gc() after it do not
-        # both log the same shard, while one fixed and broken again is logged again.
+        # Shards a scan could not list, and why: logged once until listed again, made again
+        # or a page of theirs is read, so that the open's scan and the verify() or gc() after
+        # it do not both log the same shard, while one fixed and broken again is logged again.
         self.unreadable: dict[str, str] = {}
         # Why tmp/ could not be listed, logged once until it is listed again or made again.
         self.tmp_unlisted: str | None = None
@@ -326,6 +326,8 @@ class _Handles:
             os.mkdir(name, _DIR_MODE, dir_fd=self.pages_fd)
         except FileExistsError:
             return
+        # Another directory than one a scan could not list: its failure is news.
+        self.unreadable.pop(name, None)
         if durable:
             os.fsync(self.pages_fd)
 
