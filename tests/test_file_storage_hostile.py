@@ -298,6 +298,28 @@ async def test_a_tmp_that_cannot_be_listed_is_unchecked_and_logged_once(
     assert [e["error"] for e in told] == [f"{os.strerror(errno.EIO)}: cannot list it"] * 2
 
 
+async def test_a_tmp_removed_made_again_and_unlistable_again_is_logged_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a shard found gone: the tmp/ a write made again is another directory, whose
+    # failure is news even with no listing of it between.
+    root, keys = tmp_path / "s", _keys(3)
+    async with FileStorage(root) as storage:
+        await _put(storage, keys[:1])
+        with structlog.testing.capture_logs() as logs:
+            heal = _failing_listing(monkeypatch, root / "tmp", "list")
+            before = await storage.verify()
+            heal()
+            monkeypatch.undo()
+            shutil.rmtree(root / "tmp")
+            assert await _put(storage, keys[1:]) == [Outcome.OK] * 2  # makes tmp/ again
+            _failing_listing(monkeypatch, root / "tmp", "list")
+            after = await storage.verify()
+    assert [(r.ok, r.unchecked) for r in (before, after)] == [(3 - 2, 1), (3, 1)]
+    told = [e for e in logs if e["event"] == "storage.stray.error" and e["entry"] == "tmp"]
+    assert len(told) == 2, told
+
+
 @pytest.mark.parametrize("where", ["open", "list"])
 async def test_a_pages_directory_that_cannot_be_listed_is_a_storage_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
@@ -334,6 +356,56 @@ async def test_a_shard_fixed_and_unreadable_again_is_logged_again(
     assert [report.unchecked for report in broken] == [1] * 4
     told = [e for e in logs if e["event"] == "storage.shard.unreadable"]
     assert [e["directory"] for e in told] == [str(shard)] * 2
+
+
+async def test_a_shard_removed_made_again_and_unreadable_again_is_logged_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shard a write made again is another directory: its failure is news even with no
+    # scan between to find the old one gone.
+    root, keys = tmp_path / "s", _keys(1)
+    shard = root / "pages" / keys[0].hex()[:2]
+    again = [bytes.fromhex(keys[0].hex()[:2]) + os.urandom(31)]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        with structlog.testing.capture_logs() as logs:
+            heal = _failing_listing(monkeypatch, shard, "list")
+            before = await storage.verify()
+            heal()
+            monkeypatch.undo()
+            shutil.rmtree(shard)
+            assert await _put(storage, again) == [Outcome.OK]  # makes the shard again
+            _failing_listing(monkeypatch, shard, "list")
+            after = await storage.verify()
+    assert [(r.ok, r.unchecked) for r in (before, after)] == [(0, 1), (0, 1)]
+    told = [e for e in logs if e["event"] == "storage.shard.unreadable"]
+    assert [e["directory"] for e in told] == [str(shard)] * 2
+
+
+async def test_a_shard_its_owner_may_search_but_not_read_is_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # chmod u-r: its pages still open by name, its listing is refused. A page read from it
+    # shows nothing was fixed, so the scans after it do not log it again.
+    root, keys = tmp_path / "s", _keys(3)
+    shard = root / "pages" / keys[0].hex()[:2]
+    async with FileStorage(root) as storage:
+        await _put(storage, keys)
+        shard.chmod(0o300)
+        try:
+            with structlog.testing.capture_logs() as logs:
+                # Refused as it would be for a user other than root, whom no mode stops.
+                _failing_listing(monkeypatch, shard, "open", errno.EACCES)
+                reports = [await storage.verify()]
+                for _ in range(2):
+                    assert await _get(storage, keys[:1]) == [Outcome.OK]
+                    reports.append(await storage.verify())
+        finally:
+            monkeypatch.undo()
+            shard.chmod(0o700)
+    assert [report.unchecked for report in reports] == [1] * 3
+    told = [e for e in logs if e["event"] == "storage.shard.unreadable"]
+    assert [e["directory"] for e in told] == [str(shard)]
 
 
 async def test_a_file_no_page_can_be_is_evicted_first(tmp_path: Path) -> None:

@@ -15,9 +15,11 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import structlog
 from _unowned_storage import Unowned
 
 from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchStatus
+from hicache_async._ratelog import LogLimiter
 from hicache_async.storage import (
     MemoryStorage,
     Outcome,
@@ -867,6 +869,28 @@ async def test_a_failed_batch_larger_than_the_bound_keeps_its_first_pages() -> N
         key = cache.namespace.storage_keys(cache.keys_for(prompt))[0]
         assert store.reads[key] == 1
         await _check_and_drain(cache, prompt, generator)
+
+
+async def test_a_failed_read_line_counts_the_pages_of_the_lines_left_out() -> None:
+    # Each prefetch's failed batch is a line of its own before the limit: those left out
+    # must keep how many pages failed, not only how many lines there were.
+    prompts = [_prompt(seed) for seed in range(40, 44)]
+    async with _gated(_config(), *prompts) as (cache, store, _generator):
+        now = [0.0]
+        _prefetcher(cache)._log_limit = LogLimiter(60.0, clock=lambda: now[0])
+        store.error = OSError("storage unreachable")
+        store.gets.open()
+        with structlog.testing.capture_logs() as logs:
+            for n, prompt in enumerate(prompts):
+                if n == len(prompts) - 1:
+                    now[0] = 60.0  # a minute later: the last failure is told again
+                done = await asyncio.wait_for(cache.prefetch(prompt), 30)
+                assert done.status is PrefetchStatus.TERMINATED
+        store.error = None
+        asked = sum(store.reads.values())  # every get failed: the pages of every line
+    failed = [e for e in logs if e["event"] == "hicache.prefetch.get.failed"]
+    assert [e["unlogged_since_last"] for e in failed] == [0, len(prompts) - 2]
+    assert sum(e["pages"] + e["unlogged_pages_since_last"] for e in failed) == asked > 0
 
 
 async def test_a_detach_and_attach_forget_the_failed_reads() -> None:

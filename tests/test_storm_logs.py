@@ -91,6 +91,40 @@ async def test_a_store_failing_every_call_logs_each_failure_once(fault: str) -> 
             assert expected in entry["error"], entry
 
 
+async def test_backup_lines_count_the_pages_of_the_lines_left_out() -> None:
+    # Every batch's failed put and dropped pages are a line each before the limit: those
+    # left out must keep how many pages they were about, not only how many lines.
+    faulty = FaultyStorage(MemoryStorage(), seed=1, error_rate=1.0)
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=3)
+    rng = np.random.default_rng(7)
+    now = [0.0]
+    with structlog.testing.capture_logs() as logs:
+        async with HiCache(config, storage=faulty) as cache:
+            link = cache._link
+            assert link is not None
+            link.backup._log_limit = LogLimiter(60.0, clock=lambda: now[0])
+            for n in range(6):
+                if n == 5:
+                    now[0] = 60.0  # a minute later: the last request's lines are told
+                    retried_before = link.backup.retried_pages
+                prompt = rng.integers(0, 30_000, size=PROMPT_PAGES * PAGE)
+                await serve(cache, prompt, generator, request_id=f"r{n}")
+                await cache.drain()
+            failed, retried = link.backup.failed_pages, link.backup.retried_pages
+    assert failed == 6 * PROMPT_PAGES
+    assert retried == failed  # one retry each
+
+    def told(event: str) -> int:
+        lines = [e for e in logs if e["event"] == event]
+        assert len(lines) == 2, lines
+        return sum(e["pages"] + e["unlogged_pages_since_last"] for e in lines)
+
+    assert told("hicache.backup.dropped") == failed
+    # The last request's retry comes after its first try was told: left out for good.
+    assert told("hicache.backup.put.failed") == failed + retried_before
+
+
 def test_the_limiter_tells_each_kind_at_once_and_repeats_once_per_interval() -> None:
     now = [0.0]
     limiter = LogLimiter(60.0, max_kinds=3, clock=lambda: now[0])
@@ -203,6 +237,26 @@ async def test_a_file_store_refused_every_write_logs_it_once_not_per_batch(tmp_p
     assert 1 <= len(errors) <= 2, len(errors)
     assert errors[0]["count"] == 2
     assert errors[0]["backend"] == storage.name
+
+
+async def test_a_page_error_line_counts_the_pages_of_the_lines_left_out(tmp_path: Path) -> None:
+    now = [0.0]
+    async with FileStorage(tmp_path / "s") as storage:
+        storage._page_errors_log = LogLimiter(60.0, clock=lambda: now[0])
+        with structlog.testing.capture_logs() as logs:
+            old = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64, old[1]))
+            try:
+                for batch, count in enumerate((2, 3, 5, 7)):
+                    assert await storage.put(*_pages(count, batch)) == [Outcome.MISS] * count
+                now[0] = 60.0  # a minute later: the next batch's line gets through
+                assert await storage.put(*_pages(1, 9)) == [Outcome.MISS]
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    errors = [entry for entry in logs if entry["event"] == "storage.page.error"]
+    told = [(e["count"], e["unlogged_since_last"], e["unlogged_count_since_last"]) for e in errors]
+    # The three batches left out failed 15 pages: the log keeps them, not only 3 lines.
+    assert told == [(2, 0, 0), (1, 3, 15)]
 
 
 def _chattr(flag: str, paths: list[Path]) -> None:

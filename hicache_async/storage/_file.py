@@ -257,22 +257,27 @@ class _Handles:
         # Why tmp/ or pages/ could not be made again, logged once per reason.
         self._dir_refused: dict[str, str] = {}
         self._lock_lost = False  # logged once
-        # Shards a scan could not list, and why: logged once until listed again or a page of
-        # theirs is read, so that the open's scan and the verify() or gc() after it do not
-        # both log the same shard, while one fixed and broken again is logged again.
+        # Shards a scan could not list, and why: logged once until listed again, made again
+        # or a page of theirs is read, so that the open's scan and the verify() or gc() after
+        # it do not both log the same shard, while one fixed and broken again is logged again.
         self.unreadable: dict[str, str] = {}
-        # Why tmp/ could not be listed, logged once until it is listed again.
+        # Why tmp/ could not be listed, logged once until it is listed again or made again.
         self.tmp_unlisted: str | None = None
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
         _OPEN_ROOTS.add(self)
 
-    def read_from(self, name: str) -> None:
-        """A page file of shard `name` was opened: a scan that fails to list it again meets
-        a new failure, logged again (once, not per page: the shard is forgotten once)."""
-        if self.unreadable:  # empty unless a shard could not be listed: one check per page
-            self.unreadable.pop(name, None)
+    def read_from(self, name: str, shard_fd: int) -> None:
+        """A page file of shard `name` (open as `shard_fd`) was opened: a scan that fails to
+        list it again meets a new failure, logged again (once, not per page: the shard is
+        forgotten once)."""
+        if self.unreadable and name in self.unreadable:  # one check per page otherwise
+            # A shard its owner may search but not read (chmod u-r) opens its pages and
+            # still cannot be listed: such a read shows nothing was fixed.
+            with contextlib.suppress(OSError):
+                if os.fstat(shard_fd).st_mode & stat.S_IRUSR:
+                    self.unreadable.pop(name, None)
 
     def shard(self, name: str, *, create: bool, durable: bool = False) -> int | None:
         """The descriptor of `pages/<name>`, or None when it does not exist and create is off.
@@ -321,6 +326,8 @@ class _Handles:
             os.mkdir(name, _DIR_MODE, dir_fd=self.pages_fd)
         except FileExistsError:
             return
+        # Another directory than one a scan could not list: its failure is news.
+        self.unreadable.pop(name, None)
         if durable:
             os.fsync(self.pages_fd)
 
@@ -457,6 +464,8 @@ class _Handles:
             if fd is None:
                 return False
             self.tmp_fd = fd
+            # Another directory: its failure to list is news, as a shard's found gone is.
+            self.tmp_unlisted = None
         return True
 
     def close(self) -> None:
@@ -1583,8 +1592,16 @@ class _PageErrors:
 
     def log(self, backend: str, limiter: LogLimiter) -> None:
         for error, (count, key) in self._seen.items():
-            limiter.warn(
-                log, "storage.page.error", error, backend=backend, key=key.hex(), count=count
+            # A line left out still counts its pages in the next one's
+            # `unlogged_count_since_last`.
+            limiter.warn_tallied(
+                log,
+                "storage.page.error",
+                error,
+                "count",
+                backend=backend,
+                key=key.hex(),
+                count=count,
             )
 
 
@@ -2481,7 +2498,7 @@ class FileStorage(BackendBase):
             with contextlib.suppress(OSError):  # a symlink where a page belongs
                 _remove_if_same(shard_fd, hexkey, None)
             return (_CORRUPT, "symlink", 0)
-        handles.read_from(hexkey[:2])
+        handles.read_from(hexkey[:2], shard_fd)
         try:
             st = os.fstat(fd)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
@@ -3562,7 +3579,7 @@ class FileStorage(BackendBase):
             if exc.errno == errno.ELOOP:  # a symlink, never followed: no page
                 return None
             raise
-        handles.read_from(hexkey[:2])
+        handles.read_from(hexkey[:2], shard_fd)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -3853,8 +3870,9 @@ class FileStorage(BackendBase):
             log.warning("storage.stray.error", backend=self._name, entry=name, error=error)
 
     def _log_unlisted_tmp(self, handles: _Handles, unlisted: list[str]) -> None:
-        """Log why tmp/ could not be listed, once per error until it is listed again: every
-        verify() would meet it again, and the count of `unchecked` tells it each time."""
+        """Log why tmp/ could not be listed, once per error until it is listed (or made)
+        again: every verify() would meet it again, and the count of `unchecked` tells it
+        each time."""
         for error in unlisted:
             if handles.tmp_unlisted != error:
                 handles.tmp_unlisted = error

@@ -1439,14 +1439,17 @@ class MooncakeStorage(BackendBase):
         refusals are MISS outcomes, which nothing else reports."""
         for code in sorted(set(codes)):
             event = _PUT_NO_SPACE if code == _NO_SPACE else _PUT_FAILED
-            unlogged = self._put_log.admit(event, str(code))
-            if unlogged is not None:
+            pages = codes.count(code)
+            # A line left out still counts its pages in the next one's.
+            admitted = self._put_log.admit_counting(event, str(code), pages)
+            if admitted is not None:
                 log.warning(
                     event,
                     backend=self._name,
                     code=code,
-                    pages=codes.count(code),
-                    unlogged_since_last=unlogged,
+                    pages=pages,
+                    unlogged_since_last=admitted[0],
+                    unlogged_pages_since_last=admitted[1],
                 )
 
     async def delete(self, keys: Sequence[bytes]) -> int:

@@ -585,9 +585,15 @@ class BackupWorker:
 
     def _warn(self, event: str, exc: Exception, **fields: object) -> None:
         """Log a failed backend call: each kind of error at once, a repeated one at most
-        once a minute (`unlogged_since_last` tells how many were left out)."""
+        once a minute (`unlogged_since_last` tells how many were left out, and for a call
+        about `pages`, `unlogged_pages_since_last` how many pages they were about)."""
         error = describe_error(exc, self.config.io_timeout_s)
-        self._log_limit.warn(_log, event, error, backend=self._backend.name, **fields)
+        if "pages" in fields:
+            self._log_limit.warn_tallied(
+                _log, event, error, "pages", backend=self._backend.name, **fields
+            )
+        else:
+            self._log_limit.warn(_log, event, error, backend=self._backend.name, **fields)
 
     async def _put_with_retries(
         self, keys: list[bytes], buffers: list[list[memoryview]], metas: list[PageMeta]
@@ -635,13 +641,14 @@ class BackupWorker:
                 break
         if todo:
             self.failed_pages += len(todo)
-            unlogged = self._log_limit.admit("hicache.backup.dropped")
-            if unlogged is not None:
+            admitted = self._log_limit.admit_counting("hicache.backup.dropped", "", len(todo))
+            if admitted is not None:
                 _log.warning(
                     "hicache.backup.dropped",
                     backend=self._backend.name,
                     pages=len(todo),
-                    unlogged_since_last=unlogged,
+                    unlogged_since_last=admitted[0],
+                    unlogged_pages_since_last=admitted[1],
                 )
         return done
 

@@ -1103,9 +1103,15 @@ class Prefetcher:
 
     def _warn(self, event: str, exc: Exception, **fields: object) -> None:
         """Log a failed backend call: each kind of error at once, a repeated one at most
-        once a minute (`unlogged_since_last` tells how many were left out)."""
+        once a minute (`unlogged_since_last` tells how many were left out, and for a call
+        about `pages`, `unlogged_pages_since_last` how many pages they were about)."""
         error = describe_error(exc, self.config.io_timeout_s)
-        self._log_limit.warn(_log, event, error, backend=self._backend.name, **fields)
+        if "pages" in fields:
+            self._log_limit.warn_tallied(
+                _log, event, error, "pages", backend=self._backend.name, **fields
+            )
+        else:
+            self._log_limit.warn(_log, event, error, backend=self._backend.name, **fields)
 
     def _report_only_cached(self, handle: PrefetchHandle) -> None:
         """Cut what `handle` reports to what is cached now: the first match's pages, or

@@ -27,6 +27,7 @@ import pytest_asyncio
 import structlog
 
 from hicache_async import StorageConfigError, StorageError
+from hicache_async._ratelog import LogLimiter
 from hicache_async.cli import main
 from hicache_async.cli._args import mooncake_lending_nothing
 from hicache_async.storage import HEADER_NBYTES, Outcome, PageInfo, PageMeta, open_storage
@@ -1921,16 +1922,24 @@ async def test_puts_a_full_cluster_refuses_are_misses_logged_once() -> None:
             else:
                 pytest.fail("16 MiB segment took 64 MiB of hard-pinned objects")
             keys, pages, metas = make_pages(3)
+            now = [0.0]
+            storage._put_log = LogLimiter(60.0, clock=lambda: now[0])
             with structlog.testing.capture_logs() as logs:
                 assert await storage.put(keys, pages, metas) == [Outcome.MISS] * 3
                 assert await storage.put(keys, pages, metas) == [Outcome.MISS] * 3
+                assert await storage.put(keys[:2], pages[:2], metas[:2]) == [Outcome.MISS] * 2
+                now[0] = 60.0  # a minute later: the next refusal is told again
+                assert await storage.put(keys[:1], pages[:1], metas[:1]) == [Outcome.MISS]
             refused = [e for e in logs if e["event"] == "storage.mooncake.put_no_space"]
-            # Told once, with Mooncake's code; the repeat waits for the next interval.
-            assert len(refused) == 1, logs
-            assert refused[0]["code"] == -200
-            assert refused[0]["pages"] == 3
+            # Told once, with Mooncake's code; the repeat waits for the next interval, and
+            # then tells how many pages the refusals left out were about.
+            told = [
+                (e["code"], e["pages"], e["unlogged_since_last"], e["unlogged_pages_since_last"])
+                for e in refused
+            ]
+            assert told == [(-200, 3, 0, 0), (-200, 1, 2, 5)], logs
             stats = storage.stats()
-            assert (stats.puts, stats.put_ok, stats.errors) == (6, 0, 0)
+            assert (stats.puts, stats.put_ok, stats.errors) == (9, 0, 0)
         # Its client goes back to the pool: closed while its master answers, so no later
         # command's exit finds it orphaned.
         assert close_idle_clients(master.address) == 1
