@@ -728,9 +728,11 @@ async def test_a_read_only_root_opens_for_a_look_only(tmpfs: Mount) -> None:
         await _put(storage, keys)
     _remount(disk, "ro")
     try:
-        with pytest.raises(StorageConfigError, match="read-only file system"):
+        with pytest.raises(StorageConfigError, match="read-only file system") as refused:
             async with FileStorage(root):
                 pass
+        # The hint names what a look needs where the file system locks as NFS does.
+        assert "on NFS with shared=1 in the URL" in str(refused.value)
         looking = FileStorage(root)
         looking._keep_leftovers = True  # as `hicache-async storage stats|ls` open it
         async with looking:

@@ -819,7 +819,8 @@ def _open_lock_checked(root_fd: int, root: Path, *, looking: bool, writable: boo
             raise StorageConfigError(
                 f"cannot open the lock file {root / _LOCK}: the storage root is on a read-only "
                 "file system; a store that writes needs a writable root (the commands that "
-                "only look, `storage stats|ls` and `manifest show`, open a read-only one)"
+                "only look, `storage stats|ls` and `manifest show`, open a read-only one, "
+                "on NFS with shared=1 in the URL)"
             ) from None
         raise StorageConfigError(
             f"cannot open the lock file {root / _LOCK}: {exc.strerror or exc}; expected a "
