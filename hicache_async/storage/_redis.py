@@ -896,6 +896,10 @@ class RedisStorage(BackendBase):
         """
         client = self._redis()
         check_keys(keys)
+        if not keys:
+            # Nothing to ask: a retry of the script here would run none of it and take its
+            # refusal for over (see below).
+            return 0
         retry_at = self._script_retry_at
         retrying = retry_at is not None and self._scripts.clock() >= retry_at
         if retrying:

@@ -1368,6 +1368,37 @@ async def test_exists_tries_its_script_again_once_a_minute(redis_url: str, bulk:
     ]
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_an_empty_exists_does_not_take_a_refused_script_for_restored(
+    redis_url: str, bulk: int
+) -> None:
+    # An empty call due to try the script again ran none of it, took the refusal for over
+    # and said so; the next call was refused again and warned again: two lines a minute
+    # for a user whose rights never changed.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    now = [1000.0]
+    async with (
+        acl_user(redis_url, "%R~*", "+@all", "-eval_ro") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        reader._scripts.clock = lambda: now[0]
+        with structlog.testing.capture_logs() as logs:
+            assert await reader.exists(keys) == 2
+            for _ in range(3):
+                now[0] += 61
+                assert await reader.exists([]) == 0
+                assert not reader._multikey
+                assert await reader.exists(keys) == 2
+        assert reader.stats().errors == 0
+    assert [e["event"] for e in logs] == [
+        "hicache.redis.eval_ro_refused",
+        "storage.redis.no_scripting",
+    ]
+
+
 async def test_the_manifest_says_once_per_store_that_it_reads_without_its_script(
     redis_url: str,
 ) -> None:
