@@ -1399,6 +1399,38 @@ async def test_an_empty_exists_does_not_take_a_refused_script_for_restored(
     ]
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_store_that_learnt_eval_takes_eval_ro_again_for_a_user_made_read_only(
+    redis_url: str, bulk: int
+) -> None:
+    # EVAL_RO refused once (an ACL without it), so the scripts went as EVAL. The user then
+    # allowed EVAL_RO but only reads of the keys: EVAL was refused its keys, and exists
+    # warned and went to TOUCH per key, the manifest to plain windows, for a minute.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        await writer.manifest().append([chain_entry(NS, keys[:2], 32, 0, time.time())])
+        prefix = writer.prefix
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-eval_ro") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        with structlog.testing.capture_logs() as logs:
+            assert await reader.exists(keys) == 2
+            assert not reader._scripts.read_only
+            await admin.execute_command("ACL", "SETUSER", user, "resetkeys", "%R~*", "+eval_ro")
+            for _ in range(2):
+                assert await reader.exists(keys) == 2
+                assert len((await reader.manifest().read()).entries) == 1
+            assert reader._multikey
+            assert reader._scripts.read_only
+            assert reader._scripts.window_retry_at is None
+        assert reader.stats().errors == 0
+    assert [e["event"] for e in logs if e["log_level"] != "debug"] == [
+        "hicache.redis.eval_ro_refused"
+    ]
+
+
 async def test_the_manifest_says_once_per_store_that_it_reads_without_its_script(
     redis_url: str,
 ) -> None:
