@@ -185,9 +185,11 @@ async def run_read_only(
     EVALSHA through a `CLIENT PAUSE WRITE` before it can answer NOSCRIPT, as it cannot know
     the flags of a script it does not have.
     """
+    tried_read_only = False
     while True:
         text = script.script
         read_only = scripts.read_only
+        tried_read_only = tried_read_only or read_only
         try:
             if read_only:
                 reply = await client.eval_ro(text, len(keys), *keys, *args)  # type: ignore[arg-type]
@@ -199,6 +201,10 @@ async def run_read_only(
                 script = client.register_script(text[len(NO_WRITES) :])
             elif read_only and scripting_refused(exc):
                 scripts.refuse_read_only(exc)
+            elif not tried_read_only and keys_refused(exc):
+                # EVAL asks for write access to its keys: EVAL_RO, refused before, may be
+                # allowed now that the user may only read them (its rights changed).
+                scripts.read_only = True
             else:
                 raise named_in_script(exc, text) from None
         else:

@@ -896,6 +896,10 @@ class RedisStorage(BackendBase):
         """
         client = self._redis()
         check_keys(keys)
+        if not keys:
+            # Nothing to ask: a retry of the script here would run none of it and take its
+            # refusal for over (see below).
+            return 0
         retry_at = self._script_retry_at
         retrying = retry_at is not None and self._scripts.clock() >= retry_at
         if retrying:
@@ -1002,9 +1006,11 @@ class RedisStorage(BackendBase):
         body = text.encode() if isinstance(text, str) else bytes(text)
         count = 0
         start = 0
+        tried_read_only = False
         while start < len(keys):
             batch = [self._rkey(k) for k in keys[start : start + _KEYS_PER_SCRIPT]]
             read_only = self._scripts.read_only
+            tried_read_only = tried_read_only or read_only
             name = b"EVAL_RO" if read_only else b"EVAL"
             command = (name, body, b"%d" % len(batch), *batch)
             try:
@@ -1018,6 +1024,10 @@ class RedisStorage(BackendBase):
                 if read_only and scripting_refused(str(reply)):
                     self._scripts.refuse_read_only(str(reply))
                     continue  # the same keys with EVAL
+                if not tried_read_only and keys_refused(str(reply)):
+                    # As `run_read_only`: EVAL_RO may be allowed now where EVAL is not.
+                    self._scripts.read_only = True
+                    continue
                 if not flags_refused(str(reply)):
                     raise ResponseError(str(reply))  # scripting refused: see exists()
                 # A server without script flags: redis-py's path learns the plain script.

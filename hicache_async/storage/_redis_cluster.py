@@ -27,6 +27,11 @@
   given: a silent node took over twice `timeout` to fail a call. `timeout` is the bound the
   user set on a call, so here a timeout is not retried; a lost or refused connection, MOVED,
   ASK, TRYAGAIN and CLUSTERDOWN still are.
+* **Read-only scripts.** redis-py finds the slot of an `EVAL` or `EVALSHA` from its own
+  arguments, but asks a node for the keys of `EVAL_RO` and `EVALSHA_RO` (`COMMAND GETKEYS`,
+  with the script's text): two round trips more for each of the manifest's read windows, and
+  a user refused `COMMAND GETKEYS` could not read the manifest at all. Their keys lie where
+  `EVAL`'s do, so their slot is found the same way.
 """
 
 from __future__ import annotations
@@ -74,6 +79,9 @@ def closed_by_server(connection: object) -> bool:
     reader = getattr(connection, "_reader", None)
     return isinstance(reader, asyncio.StreamReader) and reader.at_eof()
 
+
+#: Script commands whose keys redis-py would ask a node for (see `_determine_slot`).
+_READ_ONLY_SCRIPTS = frozenset({"EVAL_RO", "EVALSHA_RO"})
 
 #: The failures after which the client sends a call again: redis-py's, but a timeout.
 _ERRORS_ALLOW_RETRY: tuple[type[Exception], ...] = tuple(
@@ -130,6 +138,12 @@ class GuardedCluster(RedisCluster):
         # for good leaves it marked, with the connections to the other nodes still open.
         self._initialize = False
         await super().aclose()
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        # `EVAL_RO script numkeys key ...`: the keys where EVAL has them (see above).
+        if isinstance(command, str) and command.upper() in _READ_ONLY_SCRIPTS:
+            command = "EVAL"
+        return await super()._determine_slot(command, *args)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         async with self.turn():

@@ -1368,6 +1368,69 @@ async def test_exists_tries_its_script_again_once_a_minute(redis_url: str, bulk:
     ]
 
 
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_an_empty_exists_does_not_take_a_refused_script_for_restored(
+    redis_url: str, bulk: int
+) -> None:
+    # An empty call due to try the script again ran none of it, took the refusal for over
+    # and said so; the next call was refused again and warned again: two lines a minute
+    # for a user whose rights never changed.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    now = [1000.0]
+    async with (
+        acl_user(redis_url, "%R~*", "+@all", "-eval_ro") as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        reader._scripts.clock = lambda: now[0]
+        with structlog.testing.capture_logs() as logs:
+            assert await reader.exists(keys) == 2
+            for _ in range(3):
+                now[0] += 61
+                assert await reader.exists([]) == 0
+                assert not reader._multikey
+                assert await reader.exists(keys) == 2
+        assert reader.stats().errors == 0
+    assert [e["event"] for e in logs] == [
+        "hicache.redis.eval_ro_refused",
+        "storage.redis.no_scripting",
+    ]
+
+
+@pytest.mark.parametrize("bulk", [1, 0])
+async def test_a_store_that_learnt_eval_takes_eval_ro_again_for_a_user_made_read_only(
+    redis_url: str, bulk: int
+) -> None:
+    # EVAL_RO refused once (an ACL without it), so the scripts went as EVAL. The user then
+    # allowed EVAL_RO but only reads of the keys: EVAL was refused its keys, and exists
+    # warned and went to TOUCH per key, the manifest to plain windows, for a minute.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        await writer.manifest().append([chain_entry(NS, keys[:2], 32, 0, time.time())])
+        prefix = writer.prefix
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-eval_ro") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, bulk=bulk)) as reader,
+    ):
+        with structlog.testing.capture_logs() as logs:
+            assert await reader.exists(keys) == 2
+            assert not reader._scripts.read_only
+            await admin.execute_command("ACL", "SETUSER", user, "resetkeys", "%R~*", "+eval_ro")
+            for _ in range(2):
+                assert await reader.exists(keys) == 2
+                assert len((await reader.manifest().read()).entries) == 1
+            assert reader._multikey
+            assert reader._scripts.read_only
+            assert reader._scripts.window_retry_at is None
+        assert reader.stats().errors == 0
+    assert [e["event"] for e in logs if e["log_level"] != "debug"] == [
+        "hicache.redis.eval_ro_refused"
+    ]
+
+
 async def test_the_manifest_says_once_per_store_that_it_reads_without_its_script(
     redis_url: str,
 ) -> None:

@@ -672,3 +672,34 @@ async def test_a_manifest_warns_where_only_one_primary_may_evict_it(
             admin.config_set("maxmemory", 0)
             admin.config_set("maxmemory-policy", "noeviction")
             admin.close()
+
+
+async def test_the_manifest_read_script_finds_its_node_without_asking_one(
+    redis_cluster: RedisClusterServer,
+) -> None:
+    # redis-py asked a node for the keys of every EVAL_RO (COMMAND GETKEYS, with the
+    # script's text): two round trips more per read window, and a user refused that
+    # subcommand could not read the manifest at all.
+    user = f"u{uuid.uuid4().hex[:12]}"
+    admins = [node_client(node) for node in redis_cluster.nodes]
+    try:
+        for admin in admins:
+            admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+            admin.execute_command("ACL", "SETUSER", user, "-command|getkeys")
+        async with RedisStorage.from_url(fresh_url(redis_cluster.url)) as writer:
+            entries = [chain_entry(NS, make_pages(2)[0], 8, 0, float(i)) for i in range(3)]
+            await writer.manifest().append(entries)
+            prefix = writer.prefix
+        url = fresh_url(redis_cluster.url.replace("redis://", f"redis://{user}:pw@"), prefix=prefix)
+        for admin in admins:
+            admin.config_resetstat()
+        async with RedisStorage.from_url(url) as reader:
+            read = await reader.manifest().read()
+        assert {e.chain_id for e in read.entries} == {e.chain_id for e in entries}
+        stats = [admin.info("commandstats") for admin in admins]
+        assert sum(s.get("cmdstat_eval_ro", {}).get("calls", 0) for s in stats) >= 1
+        assert not [s["cmdstat_command|getkeys"] for s in stats if "cmdstat_command|getkeys" in s]
+    finally:
+        for admin in admins:
+            admin.acl_deluser(user)
+            admin.close()
