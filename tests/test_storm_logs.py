@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
+from _log_table import assert_documented
 
 from hicache_async import CacheConfig, HiCache
 from hicache_async._ratelog import LogLimiter, describe_error
@@ -89,6 +90,8 @@ async def test_a_store_failing_every_call_logs_each_failure_once(fault: str) -> 
             assert entry["unlogged_since_last"] >= 0
         if entry["event"] in REPEATED[:2]:
             assert expected in entry["error"], entry
+    # Each line has the fields operations.md's table gives its event, no others.
+    assert assert_documented(logs, exact=REPEATED) >= len(REPEATED)
 
 
 async def test_backup_lines_count_the_pages_of_the_lines_left_out() -> None:
@@ -121,6 +124,7 @@ async def test_backup_lines_count_the_pages_of_the_lines_left_out() -> None:
         return sum(e["pages"] + e["unlogged_pages_since_last"] for e in lines)
 
     assert told("hicache.backup.dropped") == failed
+    assert assert_documented(logs, exact=["hicache.backup.dropped", "hicache.backup.put.failed"])
     # The last request's retry comes after its first try was told: left out for good.
     assert told("hicache.backup.put.failed") == failed + retried_before
 
@@ -257,6 +261,7 @@ async def test_a_page_error_line_counts_the_pages_of_the_lines_left_out(tmp_path
     told = [(e["count"], e["unlogged_since_last"], e["unlogged_count_since_last"]) for e in errors]
     # The three batches left out failed 15 pages: the log keeps them, not only 3 lines.
     assert told == [(2, 0, 0), (1, 3, 15)]
+    assert assert_documented(errors, exact=["storage.page.error"]) == 2
 
 
 def _chattr(flag: str, paths: list[Path]) -> None:
@@ -309,3 +314,4 @@ async def test_a_put_eviction_line_counts_the_pages_of_the_lines_left_out(tmp_pa
     assert last["unlogged_since_last"] >= 1
     # The lines left out were about every page that stayed but those of the first line.
     assert last["unlogged_pages_since_last"] == stayed_before - first["pages"]
+    assert assert_documented([first, last]) == 2
