@@ -190,6 +190,25 @@ def test_kinds_quiet_for_an_hour_make_room_for_new_failures() -> None:
     assert len(limiter._kinds) <= 3 + 1
 
 
+def test_records_of_a_kind_forgotten_are_told_by_its_event_shared_line() -> None:
+    # Kinds quiet for an hour with records left out make room only when nothing else
+    # does: what they left out (lines and pages) must not go with them.
+    now = [0.0]
+    limiter = LogLimiter(60.0, max_kinds=2, clock=lambda: now[0])
+    assert limiter.admit_counting("put", "old 1", 3) == (0, 0)
+    assert limiter.admit_counting("put", "old 1", 4) is None
+    assert limiter.admit_counting("put", "old 2", 5) == (0, 0)
+    assert limiter.admit_counting("put", "old 2", 6) is None
+    now[0] = 3600.0
+    # Room made for a new kind: told at once, as a new kind is.
+    assert limiter.admit_counting("put", "new 1", 7) == (0, 0)
+    now[0] = 3601.0
+    # The table full again: the next new kind shares its event's kind, whose line tells
+    # the two records and 10 pages of the kinds forgotten.
+    assert limiter.admit_counting("put", "new 2", 8) == (2, 10)
+    assert len(limiter._kinds) <= 2 + 1
+
+
 def test_a_timeout_says_how_long_the_call_was_given() -> None:
     assert describe_error(TimeoutError(), 0.25) == "TimeoutError: no answer within 0.25 s"
     assert describe_error(TimeoutError("slow"), 0.25) == "TimeoutError('slow')"
