@@ -124,14 +124,22 @@ class LogLimiter:
         """Drop the kinds not logged for `_FORGET_AFTER_INTERVALS` intervals: kept for good,
         the kinds of errors long gone would fill the table, and every new failure after them
         would share one kind, left out for a minute behind another. Those with no record left
-        out go first; the others only when that frees no room (their left-out records are
-        then never told)."""
+        out go first; the others only when that frees no room, their left-out records (and
+        amounts) then going to their event's shared kind, whose next line tells them."""
         quiet = [
             kind for kind, (last, _, _) in self._kinds.items() if now - last >= self._forget_after_s
         ]
         told = [kind for kind in quiet if not self._kinds[kind][1]]
         for kind in told or quiet:
+            event, error = kind
+            _, unlogged, amounts = self._kinds[kind]
+            if unlogged and not error:
+                continue  # a shared kind keeps what it has to tell
             del self._kinds[kind]
+            if unlogged:
+                shared = (event, "")
+                last, shared_unlogged, shared_amounts = self._kinds.get(shared, (-math.inf, 0, 0))
+                self._kinds[shared] = (last, shared_unlogged + unlogged, shared_amounts + amounts)
 
 
 def describe_error(exc: BaseException, timeout_s: float) -> str:

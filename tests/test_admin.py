@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -506,6 +507,27 @@ async def test_bad_url_is_400(url: str, expected: str) -> None:
         (refused,) = [log for log in logs if log["event"] == "hicache.admin.storage.refused"]
         assert refused["status"] == 400
         assert refused["client"].startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    ("package", "url"),
+    [("redis", "redis://127.0.0.1:1/0"), ("mooncake", "mooncake://127.0.0.1:1")],
+)
+async def test_a_missing_client_library_is_400_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, package: str, url: str
+) -> None:
+    # As if the extra were not installed: Mooncake's was a 502 `storage_unreachable`, as for
+    # a store that failed, where redis-py's was a 400.
+    monkeypatch.delitem(sys.modules, "hicache_async.storage._redis", raising=False)
+    names = [m for m in sys.modules if m == package or m.startswith(f"{package}.")]
+    for name in names or [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+    async with admin(storage="memory://") as (cache, client):
+        response = await client.put(STORAGE, headers=AUTH, json={"url": url, "replace": True})
+        detail = _error(response, 400, "invalid_storage_url")
+        assert f"pip install 'hicache-async[{package}]'" in detail
+        # Refused before anything was detached.
+        assert cache.storage_status().backend == "memory://?capacity=1073741824"
 
 
 async def test_bad_url_keeps_the_attached_backend_even_with_replace() -> None:

@@ -5,6 +5,7 @@ run and print what their comments say."""
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import re
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from _log_table import documented_fields
 
 import hicache_async
 from hicache_async import (
@@ -163,6 +165,38 @@ def test_every_log_event_is_in_the_table_of_events() -> None:
         if event not in named and not any(event.startswith(f"{f}.") for f in families)
     )
     assert missing == []
+
+
+_LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
+
+
+def test_each_event_logged_by_name_has_only_the_fields_its_row_names() -> None:
+    # Every call that names its event and fields (`log.warning("event", field=...)`): a
+    # field the table leaves out is one an operator's query cannot know of. Lines built
+    # through the rate limiters are compared where the tests log them (test_storm_logs).
+    rows = documented_fields()
+    calls: list[tuple[str, str, set[str]]] = []
+    for path in sorted((ROOT / "hicache_async").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in _LOG_METHODS
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and node.args[0].value in rows
+            ):
+                continue
+            fields = {keyword.arg for keyword in node.keywords if keyword.arg is not None}
+            place = f"{path.relative_to(ROOT)}:{node.lineno}"
+            calls.append((place, node.args[0].value, fields - {"exc_info"}))
+    assert len(calls) > 50
+    undocumented = [
+        (place, event, sorted(fields - rows[event]))
+        for place, event, fields in calls
+        if not fields <= rows[event]
+    ]
+    assert undocumented == []
 
 
 def _expand(name: str) -> list[str]:

@@ -61,6 +61,25 @@ def test_a_storage_command_does_not_import_torch(tmp_path: Path) -> None:
     assert '"pages": 0' in done.stdout or '"pages":0' in done.stdout, done.stdout
 
 
+@pytest.mark.parametrize("argv", [["--version", "demo"], ["--vers", "example"]])
+def test_version_before_a_command_does_not_load_the_command(argv: list[str]) -> None:
+    # argparse prints the version before the command parses its own options, so the
+    # command's module (torch, seconds of start-up) has nothing to add.
+    done = _run(
+        "import sys\n"
+        "from hicache_async.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as ended:\n"
+        "    assert ended.code == 0, ended.code\n"
+        "else:\n"
+        "    raise AssertionError('--version did not exit')\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"hicache-async {hicache_async.__version__}"
+
+
 def test_the_chosen_benchmark_parses_its_own_options() -> None:
     done = _run(
         "import sys\nfrom hicache_async.cli import main\nmain(['bench', 'storage', '--help'])\n"

@@ -16,6 +16,7 @@ import msgspec
 import numpy as np
 import pytest
 import structlog
+from _log_table import assert_documented
 from _unowned_storage import Unowned
 
 from hicache_async import CacheConfig, HiCache, PrefetchHandle, PrefetchStatus
@@ -891,6 +892,7 @@ async def test_a_failed_read_line_counts_the_pages_of_the_lines_left_out() -> No
     failed = [e for e in logs if e["event"] == "hicache.prefetch.get.failed"]
     assert [e["unlogged_since_last"] for e in failed] == [0, len(prompts) - 2]
     assert sum(e["pages"] + e["unlogged_pages_since_last"] for e in failed) == asked > 0
+    assert assert_documented(failed, exact=["hicache.prefetch.get.failed"]) == 2
 
 
 async def test_a_detach_and_attach_forget_the_failed_reads() -> None:

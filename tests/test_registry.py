@@ -141,6 +141,16 @@ def test_missing_redis_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatc
         open_storage("redis://127.0.0.1:1")
 
 
+def test_missing_mooncake_library_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As for redis://: the URL cannot be served by this installation, said by open_storage,
+    # not by a StorageError once the store opens.
+    for name in [m for m in sys.modules if m == "mooncake" or m.startswith("mooncake.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # as if Mooncake were not installed
+    with pytest.raises(StorageConfigError, match=r"pip install 'hicache-async\[mooncake\]'"):
+        open_storage("mooncake://127.0.0.1:1")
+
+
 def test_a_lazy_backend_class_without_its_library_names_the_extra(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import structlog
+from _log_table import assert_documented
 
 from hicache_async import CacheConfig, HiCache
 from hicache_async._ratelog import LogLimiter, describe_error
@@ -89,6 +90,8 @@ async def test_a_store_failing_every_call_logs_each_failure_once(fault: str) -> 
             assert entry["unlogged_since_last"] >= 0
         if entry["event"] in REPEATED[:2]:
             assert expected in entry["error"], entry
+    # Each line has the fields operations.md's table gives its event, no others.
+    assert assert_documented(logs, exact=REPEATED) >= len(REPEATED)
 
 
 async def test_backup_lines_count_the_pages_of_the_lines_left_out() -> None:
@@ -121,6 +124,7 @@ async def test_backup_lines_count_the_pages_of_the_lines_left_out() -> None:
         return sum(e["pages"] + e["unlogged_pages_since_last"] for e in lines)
 
     assert told("hicache.backup.dropped") == failed
+    assert assert_documented(logs, exact=["hicache.backup.dropped", "hicache.backup.put.failed"])
     # The last request's retry comes after its first try was told: left out for good.
     assert told("hicache.backup.put.failed") == failed + retried_before
 
@@ -184,6 +188,25 @@ def test_kinds_quiet_for_an_hour_make_room_for_new_failures() -> None:
     # The kind shared within the hour, logged in the last one, is kept with its count.
     assert limiter.admit("put", "closed") == 1
     assert len(limiter._kinds) <= 3 + 1
+
+
+def test_records_of_a_kind_forgotten_are_told_by_its_event_shared_line() -> None:
+    # Kinds quiet for an hour with records left out make room only when nothing else
+    # does: what they left out (lines and pages) must not go with them.
+    now = [0.0]
+    limiter = LogLimiter(60.0, max_kinds=2, clock=lambda: now[0])
+    assert limiter.admit_counting("put", "old 1", 3) == (0, 0)
+    assert limiter.admit_counting("put", "old 1", 4) is None
+    assert limiter.admit_counting("put", "old 2", 5) == (0, 0)
+    assert limiter.admit_counting("put", "old 2", 6) is None
+    now[0] = 3600.0
+    # Room made for a new kind: told at once, as a new kind is.
+    assert limiter.admit_counting("put", "new 1", 7) == (0, 0)
+    now[0] = 3601.0
+    # The table full again: the next new kind shares its event's kind, whose line tells
+    # the two records and 10 pages of the kinds forgotten.
+    assert limiter.admit_counting("put", "new 2", 8) == (2, 10)
+    assert len(limiter._kinds) <= 2 + 1
 
 
 def test_a_timeout_says_how_long_the_call_was_given() -> None:
@@ -257,6 +280,7 @@ async def test_a_page_error_line_counts_the_pages_of_the_lines_left_out(tmp_path
     told = [(e["count"], e["unlogged_since_last"], e["unlogged_count_since_last"]) for e in errors]
     # The three batches left out failed 15 pages: the log keeps them, not only 3 lines.
     assert told == [(2, 0, 0), (1, 3, 15)]
+    assert assert_documented(errors, exact=["storage.page.error"]) == 2
 
 
 def _chattr(flag: str, paths: list[Path]) -> None:
@@ -309,3 +333,4 @@ async def test_a_put_eviction_line_counts_the_pages_of_the_lines_left_out(tmp_pa
     assert last["unlogged_since_last"] >= 1
     # The lines left out were about every page that stayed but those of the first line.
     assert last["unlogged_pages_since_last"] == stayed_before - first["pages"]
+    assert assert_documented([first, last]) == 2

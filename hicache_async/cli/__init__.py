@@ -52,6 +52,11 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     # options name the command and the benchmark.
     words = [arg for arg in argv if not arg.startswith("-")]
     chosen = words[0] if words else None
+    leading = argv[: argv.index(chosen)] if chosen is not None else argv
+    if any(len(arg) > 2 and "--version".startswith(arg) for arg in leading):
+        # `--version` (or an abbreviation argparse takes for it) before the command prints
+        # and exits before the command parses: its module (torch) need not load.
+        chosen = None
     parser = argparse.ArgumentParser(
         prog="hicache-async", description="Hierarchical KV cache for LLM serving, asyncio-native."
     )

@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import functools
 import http.client
+import importlib.util
 import os
 import socket
 import ssl
@@ -509,18 +510,30 @@ def close_idle_clients(master: str | None = None, *, reachable_only: bool = Fals
     return _POOL.close_idle(master, reachable_only=reachable_only)
 
 
+_NO_LIBRARY = (
+    "the mooncake backend needs the Mooncake Python package: pip install "
+    "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
+    "mooncake-transfer-engine for CUDA/RDMA hosts"
+)
+
+
 def client_library() -> Any:
     """Mooncake's `mooncake.store` module; `StorageError` naming what to install when the
     `mooncake` extra is missing (an `ImportError` traceback tells a user nothing)."""
     try:
         import mooncake.store
     except ImportError as exc:
-        raise StorageError(
-            "the mooncake backend needs the Mooncake Python package: pip install "
-            "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
-            "mooncake-transfer-engine for CUDA/RDMA hosts"
-        ) from exc
+        raise StorageError(_NO_LIBRARY) from exc
     return mooncake.store
+
+
+def _library_installed() -> bool:
+    """Whether the `mooncake` package is there, without importing it (that is left to the
+    open, on a worker thread)."""
+    try:
+        return importlib.util.find_spec("mooncake") is not None
+    except ValueError:  # in sys.modules without a spec: there, whatever it is
+        return True
 
 
 @contextlib.contextmanager
@@ -951,8 +964,12 @@ class MooncakeStorage(BackendBase):
         `buffer_size`, `staging_size`, `auto_register` (byte sizes such as 1GiB), `prefix`,
         `admin`, `replicas`, `threads`, `max_batch_pages`, `capacity`, `direct_reads`,
         `placement`. Anything else raises
-        `StorageConfigError` listing what is accepted.
+        `StorageConfigError` listing what is accepted, as is a missing `mooncake` extra.
         """
+        if not _library_installed():
+            # Told at once, as a missing redis-py is by `open_storage("redis://...")`: a URL
+            # this installation cannot serve, not a store that failed to open.
+            raise StorageConfigError(_NO_LIBRARY)
         parts = split_url(url, scheme="mooncake")
         if parts.scheme != "mooncake":
             raise StorageConfigError(f"not a mooncake:// URL: {parts.scheme!r}")
