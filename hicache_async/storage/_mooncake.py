@@ -120,6 +120,8 @@ _PROBE_TIMEOUT_S = 3.0
 _NOT_A_REQUEST = bytes(32)
 # What Mooncake's HTTP metadata servers answer (with 404) for a key they do not hold.
 _METADATA_NOT_FOUND = b"metadata not found"
+# Where Mooncake's HTTP metadata client and servers take their shared token from.
+_METADATA_TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
 # The most of a metadata server's answer the probe reads: a status line, a few headers and
 # that short body.
 _METADATA_ANSWER_NBYTES = 4096
@@ -338,7 +340,12 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     target = f"{parts.path or '/'}?{parts.query + '?' if parts.query else ''}key="
     target += quote(f"hicache/probe/{os.urandom(8).hex()}", safe="")
     lines = [f"GET {target} HTTP/1.1", f"Host: {shown}", "Connection: close"]
-    if parts.username is not None:
+    token = os.environ.get(_METADATA_TOKEN_ENV, "")
+    if token:
+        # Mooncake's client sends this shared token to the servers that require it (those of
+        # later releases answer 401 without it), in place of the URL's user information.
+        lines.append(f"Authorization: Bearer {token}")
+    elif parts.username is not None:
         # curl sends a URL's user information as basic authentication: so does the probe.
         user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         lines.append(f"Authorization: Basic {base64.b64encode(user.encode()).decode()}")
@@ -357,9 +364,14 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
         return None
     line = head.partition(b"\r\n")[0][:80].decode("ascii", "replace")
     said = f"answered {line!r}" if line else "got no answer"
+    hint = ""
+    if status == [b"401"] and token:
+        hint = f" ({_METADATA_TOKEN_ENV} does not hold the token the server requires)"
+    elif status == [b"401"]:
+        hint = f" (the server requires a token: {_METADATA_TOKEN_ENV} names none)"
     return (
         f"{mask_userinfo(metadata)} is no Mooncake metadata server: a GET of an absent key "
-        f"{said}, not 404 {_METADATA_NOT_FOUND.decode()!r}"
+        f"{said}, not 404 {_METADATA_NOT_FOUND.decode()!r}{hint}"
     )
 
 

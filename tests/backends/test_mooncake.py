@@ -1005,6 +1005,54 @@ async def test_a_metadata_server_that_closes_without_an_answer_fails_to_open(
         thread.join(10)
 
 
+def test_a_metadata_server_that_requires_mooncakes_token_passes_the_probe(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mooncake's Python metadata server of later releases answers 401 to a request without the
+    # token MC_METADATA_HTTP_TOKEN holds, which Mooncake's client sends: a probe without it
+    # refused a working setup. The installed server with that release's check of the token.
+    from aiohttp import web
+    from mooncake.http_metadata_server import KVBootstrapServer
+
+    from hicache_async.storage._mooncake_watch import reachable
+
+    token = "tok-" + os.urandom(6).hex()
+    seen: list[str] = []
+
+    class TokenServer(KVBootstrapServer):  # type: ignore[misc]
+        async def _handle_metadata(self, request: web.Request) -> web.Response:
+            seen.append(request.headers.get("Authorization", ""))
+            if request.headers.get("Authorization") != f"Bearer {token}":
+                return web.Response(text="unauthorized", status=401)
+            answer: web.Response = await super()._handle_metadata(request)
+            return answer
+
+    port = free_port()
+    server = TokenServer(port, host="127.0.0.1")
+    server.run()
+    try:
+        metadata = f"http://hicache:pw-42x@127.0.0.1:{port}/metadata"
+        deadline = time.monotonic() + 10
+        while not reachable(("127.0.0.1", port), 1.0):
+            assert time.monotonic() < deadline, "the metadata server did not start"
+            time.sleep(0.05)
+        monkeypatch.delenv("MC_METADATA_HTTP_TOKEN", raising=False)
+        refused = mooncake_module._silent_server(mooncake_master.address, metadata)
+        assert refused is not None
+        assert "'HTTP/1.1 401 Unauthorized'" in refused, refused
+        assert "MC_METADATA_HTTP_TOKEN names none" in refused, refused
+        monkeypatch.setenv("MC_METADATA_HTTP_TOKEN", token)
+        assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+        # As Mooncake's client: the token in place of the URL's user information.
+        assert seen == ["Basic aGljYWNoZTpwdy00Mng=", f"Bearer {token}"]
+        monkeypatch.setenv("MC_METADATA_HTTP_TOKEN", "wrong")
+        refused = mooncake_module._silent_server(mooncake_master.address, metadata)
+        assert refused is not None
+        assert "MC_METADATA_HTTP_TOKEN does not hold the token" in refused, refused
+    finally:
+        server.close()
+
+
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
     mooncake_url: str,
 ) -> None:
