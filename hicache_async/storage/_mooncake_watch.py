@@ -153,18 +153,21 @@ def reachable(address: tuple[str, int], timeout_s: float) -> bool:
 
 def answers(address: tuple[str, int], request: bytes, timeout_s: float) -> bool | None:
     """Whether the server at `address`, sent `request` and then the end of the stream,
-    answers or closes the connection within `timeout_s` seconds in all: True if it does,
-    False if it accepts the connection but stays silent (a frozen process whose kernel still
-    accepts, a port that accepts and never reads), None if it cannot be connected to.
+    answers or closes the connection within `timeout_s` seconds of connecting: True if it
+    does, False if it accepts the connection but stays silent (a frozen process whose kernel
+    still accepts, a port that accepts and never reads), None if it cannot be connected to
+    (each address a name resolves to tried for `timeout_s`).
 
     Any answer counts, an error or a close included: a live server is quick to drop a
     connection whose first bytes are not its protocol (a `mooncake_master` does at once).
     """
-    deadline = time.monotonic() + timeout_s
     try:
         connection = socket.create_connection(address, timeout=timeout_s)
     except OSError:
         return None
+    # From the connection on: a name whose first address never connects spends the whole
+    # timeout on it, which left a server found at the next one no time to answer.
+    deadline = time.monotonic() + timeout_s
     with connection:
         try:
             connection.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -183,18 +186,19 @@ def http_answer(
     address: tuple[str, int], request: bytes, timeout_s: float, limit: int
 ) -> bytes | Literal[False] | None:
     """The start of the answer the HTTP server at `address` gives to `request`, within
-    `timeout_s` seconds in all: its first `limit` bytes at most, read until the server closes
-    the connection or the body its `Content-Length` declares has come. False if it accepts
-    the connection but says nothing in time, None if it cannot be connected to.
+    `timeout_s` seconds of connecting: its first `limit` bytes at most, read until the server
+    closes the connection or the body its `Content-Length` declares has come. False if it
+    accepts the connection but says nothing in time, None if it cannot be connected to (each
+    address a name resolves to tried for `timeout_s`).
 
     A server that keeps the connection open after a whole answer costs no wait, and one that
     sends part of an answer and stalls gives what it sent by the deadline.
     """
-    deadline = time.monotonic() + timeout_s
     try:
         connection = socket.create_connection(address, timeout=timeout_s)
     except OSError:
         return None
+    deadline = time.monotonic() + timeout_s  # from the connection on, as `answers` counts
     answer = b""
     timed_out = False
     with connection:

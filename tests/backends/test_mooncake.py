@@ -1053,6 +1053,52 @@ def test_a_metadata_server_that_requires_mooncakes_token_passes_the_probe(
         server.close()
 
 
+def test_a_name_whose_first_address_never_connects_passes_the_probes(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A name resolving first to an address that never connects (a full backlog drops the SYN,
+    # as a firewall does) spent the probe's whole timeout on it: the master and metadata
+    # server found at the next address, answering at once, were refused as silent. The name
+    # is resolved here: one that resolves so cannot be made without changing the host. The
+    # master's own metadata server listens on every address: Mooncake's Python one is used.
+    from mooncake.http_metadata_server import KVBootstrapServer
+
+    from hicache_async.storage._mooncake_watch import reachable
+
+    metadata = KVBootstrapServer(free_port(), host="127.0.0.1")
+    metadata.run()
+    deadline = time.monotonic() + 10
+    while not reachable(("127.0.0.1", metadata.port), 1.0):
+        assert time.monotonic() < deadline, "the metadata server did not start"
+        time.sleep(0.05)
+    ports = (mooncake_master.rpc_port, metadata.port)
+    dead: list[socket.socket] = []
+    for port in ports:
+        listener = socket.socket()
+        listener.bind(("127.0.0.2", port))
+        listener.listen(0)
+        dead += [listener, socket.create_connection(("127.0.0.2", port), timeout=5)]
+    resolve = socket.getaddrinfo
+
+    def resolved(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "mooncake.test":
+            return resolve(host, port, *args, **kwargs)
+        stream = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+        return [(*stream, ("127.0.0.2", int(port))), (*stream, ("127.0.0.1", int(port)))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolved)
+    monkeypatch.setattr(mooncake_module, "_PROBE_TIMEOUT_S", 0.5)
+    try:
+        silent = mooncake_module._silent_server(
+            f"mooncake.test:{ports[0]}", f"http://mooncake.test:{ports[1]}/metadata"
+        )
+        assert silent is None
+    finally:
+        for sock in dead:
+            sock.close()
+        metadata.close()
+
+
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
     mooncake_url: str,
 ) -> None:
