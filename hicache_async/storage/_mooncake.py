@@ -64,6 +64,7 @@ from ._mooncake_watch import (
     MasterWatch,
     answers,
     http_answer,
+    http_body,
     http_probe,
     reachable,
     tcp_probe,
@@ -358,9 +359,9 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
             f"the Mooncake metadata server at {shown} accepts connections but does not "
             f"answer (nothing within {_PROBE_TIMEOUT_S:g} s)"
         )
-    head, _, body = answer.partition(b"\r\n\r\n")
+    head = answer.partition(b"\r\n\r\n")[0]
     status = head.partition(b"\r\n")[0].split(b" ")[1:2]
-    if status == [b"404"] and _METADATA_NOT_FOUND in body:
+    if status == [b"404"] and _METADATA_NOT_FOUND in http_body(answer):
         return None
     line = head.partition(b"\r\n")[0][:80].decode("ascii", "replace")
     said = f"answered {line!r}" if line else "got no answer"

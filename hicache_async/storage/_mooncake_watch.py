@@ -28,7 +28,15 @@ from ._base import log
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["MasterWatch", "answers", "http_answer", "http_probe", "reachable", "tcp_probe"]
+__all__ = [
+    "MasterWatch",
+    "answers",
+    "http_answer",
+    "http_body",
+    "http_probe",
+    "reachable",
+    "tcp_probe",
+]
 
 #: Seconds between probes, and the bound on each.
 _INTERVAL_S = 0.25
@@ -223,11 +231,53 @@ def http_answer(
     return False if timed_out and not answer else answer
 
 
+def http_body(answer: bytes) -> bytes:
+    """The body of `answer` (an HTTP answer, or its start), its chunks' data when it came
+    chunked."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return _dechunked(body)[0] if _chunked(head) else body
+
+
+def _chunked(head: bytes) -> bool:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"transfer-encoding":
+            return b"chunked" in value.lower()
+    return False
+
+
+def _dechunked(body: bytes) -> tuple[bytes, bool]:
+    """The data of the chunks of `body` come so far, and whether it has all come (its last
+    chunk and the end of its trailer)."""
+    data: list[bytes] = []
+    at = 0
+    while True:
+        end = body.find(b"\r\n", at)
+        if end < 0:
+            return b"".join(data), False
+        try:
+            size = int(body[at:end].partition(b";")[0].strip(), 16)
+        except ValueError:
+            size = -1
+        if size < 0:
+            return b"".join(data), True  # garbled: nothing more is worth waiting for
+        if size == 0:
+            return b"".join(data), body.find(b"\r\n\r\n", end) >= 0
+        data.append(body[end + 2 : end + 2 + size])
+        at = end + 2 + size + 2
+        if at > len(body):
+            return b"".join(data), False
+
+
 def _whole(answer: bytes) -> bool:
     """Whether `answer` holds an HTTP answer's head and all of the body it declares."""
     head, blank, body = answer.partition(b"\r\n\r\n")
     if not blank:
         return False
+    if _chunked(head):
+        # A server that keeps the connection open after a chunked answer would otherwise
+        # hold the probe to its deadline.
+        return _dechunked(body)[1]
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":

@@ -1099,6 +1099,45 @@ def test_a_name_whose_first_address_never_connects_passes_the_probes(
         metadata.close()
 
 
+def test_a_chunked_metadata_answer_on_a_kept_connection_passes_the_probe(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # A chunked answer was read as it came, chunk sizes and all, and never counted as whole:
+    # text split over chunks (as a proxy may send it) was refused, and a server keeping the
+    # connection open held the probe to its deadline.
+    from hicache_async.storage import _mooncake_watch as watch_module
+
+    answer = (
+        b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"b\r\nmetadata no\r\n7\r\nt found\r\n0\r\n\r\n"
+    )
+    assert watch_module._whole(answer)
+    listener = socket.create_server(("127.0.0.1", 0))
+    closed: list[bytes] = []
+
+    def serve() -> None:  # the probe's one connection, kept open after the answer
+        with contextlib.suppress(OSError):  # the listener was closed
+            accepted, _ = listener.accept()
+            with accepted:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += accepted.recv(1 << 16)
+                for n in range(0, len(answer), 7):
+                    accepted.sendall(answer[n : n + 7])
+                closed.append(accepted.recv(1))  # b"" once the probe closes its end
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        metadata = f"http://127.0.0.1:{port}/metadata"
+        assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+    finally:
+        listener.close()
+        thread.join(10)
+    assert closed == [b""]
+
+
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
     mooncake_url: str,
 ) -> None:
