@@ -353,6 +353,8 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     request = "\r\n".join([*lines, "", ""]).encode()
     answer = http_answer(address, request, _PROBE_TIMEOUT_S, _METADATA_ANSWER_NBYTES)
     if answer is None:
+        if _through_proxy(parts.hostname or ""):
+            return None  # reached, if at all, as Mooncake's curl reaches it: not told here
         return f"cannot reach the Mooncake metadata server at {shown}"
     if answer is False:
         return (
@@ -374,6 +376,20 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
         f"{mask_userinfo(metadata)} is no Mooncake metadata server: a GET of an absent key "
         f"{said}, not 404 {_METADATA_NOT_FOUND.decode()!r}{hint}"
     )
+
+
+def _through_proxy(host: str) -> bool:
+    """Whether Mooncake's curl asks an `http://` metadata server on `host` through the HTTP
+    proxy the environment names, as curl reads it (`http_proxy` in lower case only, or
+    `all_proxy`, unless `no_proxy` names the host).
+
+    The probe connects directly: a server that only the proxy reaches (a name only it
+    resolves, a network only it is on) serves Mooncake all the same.
+    """
+    environ = os.environ
+    if not (environ.get("http_proxy") or environ.get("all_proxy") or environ.get("ALL_PROXY")):
+        return False
+    return not urllib.request.proxy_bypass(host)
 
 
 def _unanswered(role: str, shown: str, address: tuple[str, int], request: bytes) -> str | None:

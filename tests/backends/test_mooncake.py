@@ -1138,6 +1138,68 @@ def test_a_chunked_metadata_answer_on_a_kept_connection_passes_the_probe(
     assert closed == [b""]
 
 
+_FORWARD_PROXY = """
+import http.server, socket, sys, urllib.parse
+
+class Proxy(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def forward(self):
+        url = urllib.parse.urlsplit(self.path)
+        host = "127.0.0.1" if url.hostname == "metadata.test" else url.hostname
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        target = url.path + ("?" + url.query if url.query else "")
+        head = f"{self.command} {target} HTTP/1.1\\r\\nHost: {url.netloc}\\r\\n"
+        head += f"Content-Length: {len(body)}\\r\\nConnection: close\\r\\n\\r\\n"
+        with socket.create_connection((host, url.port), timeout=10) as upstream:
+            upstream.sendall(head.encode() + body)
+            while piece := upstream.recv(1 << 16):
+                self.wfile.write(piece)
+        self.close_connection = True
+
+    do_GET = do_PUT = do_DELETE = forward
+
+    def log_message(self, *args):
+        return None
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+async def test_a_metadata_server_reached_through_the_http_proxy_opens(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mooncake's curl asks the metadata server through the proxy http_proxy names; the probe
+    # connected directly, and refused as unreachable a server only the proxy reaches (here a
+    # name only the proxy resolves). The proxy runs apart: setup() holds this one's GIL.
+    proxy = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FORWARD_PROXY, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proxy.stdout is not None
+        port = int(await proxy.stdout.readline())
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        storage = MooncakeStorage(
+            mooncake_master.address,
+            metadata=f"http://metadata.test:{mooncake_master.http_port}/metadata",
+            protocol="tcp",
+            local_hostname="127.0.0.1",
+            segment_size=64 << 20,
+            buffer_size=16 << 20,
+            staging_size=8 << 20,
+        )
+        async with storage:
+            keys, pages, metas = make_pages(1)
+            assert await storage.put(keys, pages, metas) == [Outcome.OK]
+    finally:
+        proxy.kill()
+        await proxy.wait()
+
+
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
     mooncake_url: str,
 ) -> None:
