@@ -193,7 +193,10 @@ def _metadata_address(metadata: str) -> tuple[str, int] | None:
     scheme = metadata.partition("://")[0]
     if scheme not in _METADATA_PORTS or not parts.hostname:
         raise StorageConfigError(f"mooncake metadata {metadata!r} is not usable; {accepted}")
-    return parts.hostname, _METADATA_PORTS[scheme] if port is None else port
+    # An IPv6 zone is escaped in a URL (`[fe80::1%25eth0]`), as curl reads it; the resolver
+    # takes it bare.
+    host = unquote(parts.hostname) if ":" in parts.hostname else parts.hostname
+    return host, _METADATA_PORTS[scheme] if port is None else port
 
 
 def _address(view: memoryview) -> int:
@@ -340,7 +343,9 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     # The key as Mooncake asks for one (`<metadata>?key=<escaped key>`), never stored.
     target = f"{parts.path or '/'}?{parts.query + '?' if parts.query else ''}key="
     target += quote(f"hicache/probe/{os.urandom(8).hex()}", safe="")
-    lines = [f"GET {target} HTTP/1.1", f"Host: {shown}", "Connection: close"]
+    # As curl sends it: without an IPv6 zone, which means nothing to the server.
+    host = shown if "%" not in shown else f"{shown.partition('%')[0]}]{shown.rpartition(']')[2]}"
+    lines = [f"GET {target} HTTP/1.1", f"Host: {host}", "Connection: close"]
     token = os.environ.get(_METADATA_TOKEN_ENV, "")
     if token:
         # Mooncake's client sends this shared token to the servers that require it (those of

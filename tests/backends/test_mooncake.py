@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import ipaddress
 import json
 import os
 import re
@@ -1198,6 +1199,46 @@ async def test_a_metadata_server_reached_through_the_http_proxy_opens(
     finally:
         proxy.kill()
         await proxy.wait()
+
+
+def _link_local() -> tuple[str, str] | None:
+    """A link-local IPv6 address of this host and its interface's name, if it has one."""
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as table:
+        for line in table:
+            fields = line.split()
+            if len(fields) == 6 and fields[0].startswith("fe80"):
+                address = ":".join(fields[0][n : n + 4] for n in range(0, 32, 4))
+                return str(ipaddress.IPv6Address(address)), fields[5]
+    return None
+
+
+def test_a_link_local_metadata_server_named_with_its_zone_passes_the_probe(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # The zone of a link-local address is escaped in a URL (`%25`), as curl reads it: the
+    # probe handed the escaped form to the resolver, and refused as unreachable a server
+    # Mooncake's setup() reaches.
+    from mooncake.http_metadata_server import KVBootstrapServer
+
+    from hicache_async.storage._mooncake_watch import reachable
+
+    found = _link_local()
+    if found is None:
+        pytest.skip("no link-local IPv6 address here")
+    address, interface = found
+    port = free_port()
+    server = KVBootstrapServer(port, host=f"{address}%{interface}")
+    server.run()
+    try:
+        deadline = time.monotonic() + 10
+        while not reachable((f"{address}%{interface}", port), 1.0):
+            if time.monotonic() > deadline:
+                pytest.skip("no server can listen on the link-local address here")
+            time.sleep(0.05)
+        metadata = f"http://[{address}%25{interface}]:{port}/metadata"
+        assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+    finally:
+        server.close()
 
 
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
