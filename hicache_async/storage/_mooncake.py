@@ -328,7 +328,7 @@ def _silent_server(master: str, metadata: str) -> str | None:
         return _not_metadata_server(metadata, shown, address)
     # https: a TLS server drops bytes that are not a handshake at once. What answers is not
     # told (the probe would need the certificates Mooncake's curl trusts).
-    return _unanswered("metadata server", shown, address, _NOT_A_REQUEST)
+    return _unanswered("metadata server", shown, address, _NOT_A_REQUEST, proxied=metadata)
 
 
 def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) -> str | None:
@@ -358,7 +358,7 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     request = "\r\n".join([*lines, "", ""]).encode()
     answer = http_answer(address, request, _PROBE_TIMEOUT_S, _METADATA_ANSWER_NBYTES)
     if answer is None:
-        if _through_proxy(parts.hostname or ""):
+        if _through_proxy(metadata):
             return None  # reached, if at all, as Mooncake's curl reaches it: not told here
         return f"cannot reach the Mooncake metadata server at {shown}"
     if answer is False:
@@ -383,25 +383,32 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     )
 
 
-def _through_proxy(host: str) -> bool:
-    """Whether Mooncake's curl asks an `http://` metadata server on `host` through the HTTP
-    proxy the environment names, as curl reads it (`http_proxy` in lower case only, or
-    `all_proxy`, unless `no_proxy` names the host).
+def _through_proxy(metadata: str) -> bool:
+    """Whether Mooncake's curl asks the metadata server `metadata` names through the proxy
+    the environment names for its scheme, as curl reads it (`http_proxy` in lower case only,
+    `https_proxy` or `HTTPS_PROXY`, else `all_proxy` or `ALL_PROXY`), unless `no_proxy`
+    names the host.
 
     The probe connects directly: a server that only the proxy reaches (a name only it
     resolves, a network only it is on) serves Mooncake all the same.
     """
     environ = os.environ
-    if not (environ.get("http_proxy") or environ.get("all_proxy") or environ.get("ALL_PROXY")):
+    names = ["http_proxy"] if metadata.startswith("http://") else ["https_proxy", "HTTPS_PROXY"]
+    if not any(environ.get(name) for name in [*names, "all_proxy", "ALL_PROXY"]):
         return False
-    return not urllib.request.proxy_bypass(host)
+    return not urllib.request.proxy_bypass(urlsplit(metadata).hostname or "")
 
 
-def _unanswered(role: str, shown: str, address: tuple[str, int], request: bytes) -> str | None:
+def _unanswered(
+    role: str, shown: str, address: tuple[str, int], request: bytes, *, proxied: str = ""
+) -> str | None:
     """Why the Mooncake `role` at `address` did not answer `request` (or close the
-    connection) within the probe timeout; None if it did."""
+    connection) within the probe timeout; None if it did, or if it cannot be connected to
+    but Mooncake reaches the URL `proxied` through a proxy."""
     answered = answers(address, request, _PROBE_TIMEOUT_S)
     if answered is None:
+        if proxied and _through_proxy(proxied):
+            return None  # reached, if at all, as Mooncake's curl reaches it: not told here
         return f"cannot reach the Mooncake {role} at {shown}"
     if not answered:
         return (

@@ -1201,6 +1201,28 @@ async def test_a_metadata_server_reached_through_the_http_proxy_opens(
         await proxy.wait()
 
 
+def test_an_https_metadata_server_reached_through_the_proxy_is_not_refused(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As for http://: curl asks an https:// metadata server through the proxy of https_proxy
+    # (or HTTPS_PROXY), so one the probe cannot connect to directly is left to setup(),
+    # unless no_proxy names it.
+    for name in ("http_proxy", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    metadata = f"https://metadata.test:{free_port()}/metadata"
+    refused = mooncake_module._silent_server(mooncake_master.address, metadata)
+    assert refused is not None
+    assert "cannot reach the Mooncake metadata server" in refused
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")  # not for https
+    assert mooncake_module._silent_server(mooncake_master.address, metadata) == refused
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{free_port()}")
+    assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+    monkeypatch.setenv("no_proxy", "localhost,.test")
+    assert mooncake_module._silent_server(mooncake_master.address, metadata) == refused
+
+
 def _link_local() -> tuple[str, str] | None:
     """A link-local IPv6 address of this host and its interface's name, if it has one."""
     with contextlib.suppress(OSError), open("/proc/net/if_inet6") as table:
