@@ -65,6 +65,7 @@ from ._mooncake_watch import (
     MasterWatch,
     answers,
     http_answer,
+    http_body,
     http_probe,
     reachable,
     tcp_probe,
@@ -121,6 +122,8 @@ _PROBE_TIMEOUT_S = 3.0
 _NOT_A_REQUEST = bytes(32)
 # What Mooncake's HTTP metadata servers answer (with 404) for a key they do not hold.
 _METADATA_NOT_FOUND = b"metadata not found"
+# Where Mooncake's HTTP metadata client and servers take their shared token from.
+_METADATA_TOKEN_ENV = "MC_METADATA_HTTP_TOKEN"
 # The most of a metadata server's answer the probe reads: a status line, a few headers and
 # that short body.
 _METADATA_ANSWER_NBYTES = 4096
@@ -191,7 +194,10 @@ def _metadata_address(metadata: str) -> tuple[str, int] | None:
     scheme = metadata.partition("://")[0]
     if scheme not in _METADATA_PORTS or not parts.hostname:
         raise StorageConfigError(f"mooncake metadata {metadata!r} is not usable; {accepted}")
-    return parts.hostname, _METADATA_PORTS[scheme] if port is None else port
+    # An IPv6 zone is escaped in a URL (`[fe80::1%25eth0]`), as curl reads it; the resolver
+    # takes it bare.
+    host = unquote(parts.hostname) if ":" in parts.hostname else parts.hostname
+    return host, _METADATA_PORTS[scheme] if port is None else port
 
 
 def _address(view: memoryview) -> int:
@@ -323,7 +329,7 @@ def _silent_server(master: str, metadata: str) -> str | None:
         return _not_metadata_server(metadata, shown, address)
     # https: a TLS server drops bytes that are not a handshake at once. What answers is not
     # told (the probe would need the certificates Mooncake's curl trusts).
-    return _unanswered("metadata server", shown, address, _NOT_A_REQUEST)
+    return _unanswered("metadata server", shown, address, _NOT_A_REQUEST, proxied=metadata)
 
 
 def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) -> str | None:
@@ -338,37 +344,72 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     # The key as Mooncake asks for one (`<metadata>?key=<escaped key>`), never stored.
     target = f"{parts.path or '/'}?{parts.query + '?' if parts.query else ''}key="
     target += quote(f"hicache/probe/{os.urandom(8).hex()}", safe="")
-    lines = [f"GET {target} HTTP/1.1", f"Host: {shown}", "Connection: close"]
-    if parts.username is not None:
+    # As curl sends it: without an IPv6 zone, which means nothing to the server.
+    host = shown if "%" not in shown else f"{shown.partition('%')[0]}]{shown.rpartition(']')[2]}"
+    lines = [f"GET {target} HTTP/1.1", f"Host: {host}", "Connection: close"]
+    token = os.environ.get(_METADATA_TOKEN_ENV, "")
+    if token:
+        # Mooncake's client sends this shared token to the servers that require it (those of
+        # later releases answer 401 without it), in place of the URL's user information.
+        lines.append(f"Authorization: Bearer {token}")
+    elif parts.username is not None:
         # curl sends a URL's user information as basic authentication: so does the probe.
         user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
         lines.append(f"Authorization: Basic {base64.b64encode(user.encode()).decode()}")
     request = "\r\n".join([*lines, "", ""]).encode()
     answer = http_answer(address, request, _PROBE_TIMEOUT_S, _METADATA_ANSWER_NBYTES)
     if answer is None:
+        if _through_proxy(metadata):
+            return None  # reached, if at all, as Mooncake's curl reaches it: not told here
         return f"cannot reach the Mooncake metadata server at {shown}"
     if answer is False:
         return (
             f"the Mooncake metadata server at {shown} accepts connections but does not "
             f"answer (nothing within {_PROBE_TIMEOUT_S:g} s)"
         )
-    head, _, body = answer.partition(b"\r\n\r\n")
+    head = answer.partition(b"\r\n\r\n")[0]
     status = head.partition(b"\r\n")[0].split(b" ")[1:2]
-    if status == [b"404"] and _METADATA_NOT_FOUND in body:
+    if status == [b"404"] and _METADATA_NOT_FOUND in http_body(answer):
         return None
     line = head.partition(b"\r\n")[0][:80].decode("ascii", "replace")
     said = f"answered {line!r}" if line else "got no answer"
+    hint = ""
+    if status == [b"401"] and token:
+        hint = f" ({_METADATA_TOKEN_ENV} does not hold the token the server requires)"
+    elif status == [b"401"]:
+        hint = f" (the server requires a token: {_METADATA_TOKEN_ENV} names none)"
     return (
         f"{mask_userinfo(metadata)} is no Mooncake metadata server: a GET of an absent key "
-        f"{said}, not 404 {_METADATA_NOT_FOUND.decode()!r}"
+        f"{said}, not 404 {_METADATA_NOT_FOUND.decode()!r}{hint}"
     )
 
 
-def _unanswered(role: str, shown: str, address: tuple[str, int], request: bytes) -> str | None:
+def _through_proxy(metadata: str) -> bool:
+    """Whether Mooncake's curl asks the metadata server `metadata` names through the proxy
+    the environment names for its scheme, as curl reads it (`http_proxy` in lower case only,
+    `https_proxy` or `HTTPS_PROXY`, else `all_proxy` or `ALL_PROXY`), unless `no_proxy`
+    names the host.
+
+    The probe connects directly: a server that only the proxy reaches (a name only it
+    resolves, a network only it is on) serves Mooncake all the same.
+    """
+    environ = os.environ
+    names = ["http_proxy"] if metadata.startswith("http://") else ["https_proxy", "HTTPS_PROXY"]
+    if not any(environ.get(name) for name in [*names, "all_proxy", "ALL_PROXY"]):
+        return False
+    return not urllib.request.proxy_bypass(urlsplit(metadata).hostname or "")
+
+
+def _unanswered(
+    role: str, shown: str, address: tuple[str, int], request: bytes, *, proxied: str = ""
+) -> str | None:
     """Why the Mooncake `role` at `address` did not answer `request` (or close the
-    connection) within the probe timeout; None if it did."""
+    connection) within the probe timeout; None if it did, or if it cannot be connected to
+    but Mooncake reaches the URL `proxied` through a proxy."""
     answered = answers(address, request, _PROBE_TIMEOUT_S)
     if answered is None:
+        if proxied and _through_proxy(proxied):
+            return None  # reached, if at all, as Mooncake's curl reaches it: not told here
         return f"cannot reach the Mooncake {role} at {shown}"
     if not answered:
         return (

@@ -28,7 +28,15 @@ from ._base import log
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["MasterWatch", "answers", "http_answer", "http_probe", "reachable", "tcp_probe"]
+__all__ = [
+    "MasterWatch",
+    "answers",
+    "http_answer",
+    "http_body",
+    "http_probe",
+    "reachable",
+    "tcp_probe",
+]
 
 #: Seconds between probes, and the bound on each.
 _INTERVAL_S = 0.25
@@ -153,18 +161,21 @@ def reachable(address: tuple[str, int], timeout_s: float) -> bool:
 
 def answers(address: tuple[str, int], request: bytes, timeout_s: float) -> bool | None:
     """Whether the server at `address`, sent `request` and then the end of the stream,
-    answers or closes the connection within `timeout_s` seconds in all: True if it does,
-    False if it accepts the connection but stays silent (a frozen process whose kernel still
-    accepts, a port that accepts and never reads), None if it cannot be connected to.
+    answers or closes the connection within `timeout_s` seconds of connecting: True if it
+    does, False if it accepts the connection but stays silent (a frozen process whose kernel
+    still accepts, a port that accepts and never reads), None if it cannot be connected to
+    (each address a name resolves to tried for `timeout_s`).
 
     Any answer counts, an error or a close included: a live server is quick to drop a
     connection whose first bytes are not its protocol (a `mooncake_master` does at once).
     """
-    deadline = time.monotonic() + timeout_s
     try:
         connection = socket.create_connection(address, timeout=timeout_s)
     except OSError:
         return None
+    # From the connection on: a name whose first address never connects spends the whole
+    # timeout on it, which left a server found at the next one no time to answer.
+    deadline = time.monotonic() + timeout_s
     with connection:
         try:
             connection.settimeout(max(deadline - time.monotonic(), 0.001))
@@ -183,18 +194,19 @@ def http_answer(
     address: tuple[str, int], request: bytes, timeout_s: float, limit: int
 ) -> bytes | Literal[False] | None:
     """The start of the answer the HTTP server at `address` gives to `request`, within
-    `timeout_s` seconds in all: its first `limit` bytes at most, read until the server closes
-    the connection or the body its `Content-Length` declares has come. False if it accepts
-    the connection but says nothing in time, None if it cannot be connected to.
+    `timeout_s` seconds of connecting: its first `limit` bytes at most, read until the server
+    closes the connection or the body its `Content-Length` declares has come. False if it
+    accepts the connection but says nothing in time, None if it cannot be connected to (each
+    address a name resolves to tried for `timeout_s`).
 
     A server that keeps the connection open after a whole answer costs no wait, and one that
     sends part of an answer and stalls gives what it sent by the deadline.
     """
-    deadline = time.monotonic() + timeout_s
     try:
         connection = socket.create_connection(address, timeout=timeout_s)
     except OSError:
         return None
+    deadline = time.monotonic() + timeout_s  # from the connection on, as `answers` counts
     answer = b""
     timed_out = False
     with connection:
@@ -219,11 +231,53 @@ def http_answer(
     return False if timed_out and not answer else answer
 
 
+def http_body(answer: bytes) -> bytes:
+    """The body of `answer` (an HTTP answer, or its start), its chunks' data when it came
+    chunked."""
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return _dechunked(body)[0] if _chunked(head) else body
+
+
+def _chunked(head: bytes) -> bool:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"transfer-encoding":
+            return b"chunked" in value.lower()
+    return False
+
+
+def _dechunked(body: bytes) -> tuple[bytes, bool]:
+    """The data of the chunks of `body` come so far, and whether it has all come (its last
+    chunk and the end of its trailer)."""
+    data: list[bytes] = []
+    at = 0
+    while True:
+        end = body.find(b"\r\n", at)
+        if end < 0:
+            return b"".join(data), False
+        try:
+            size = int(body[at:end].partition(b";")[0].strip(), 16)
+        except ValueError:
+            size = -1
+        if size < 0:
+            return b"".join(data), True  # garbled: nothing more is worth waiting for
+        if size == 0:
+            return b"".join(data), body.find(b"\r\n\r\n", end) >= 0
+        data.append(body[end + 2 : end + 2 + size])
+        at = end + 2 + size + 2
+        if at > len(body):
+            return b"".join(data), False
+
+
 def _whole(answer: bytes) -> bool:
     """Whether `answer` holds an HTTP answer's head and all of the body it declares."""
     head, blank, body = answer.partition(b"\r\n\r\n")
     if not blank:
         return False
+    if _chunked(head):
+        # A server that keeps the connection open after a chunked answer would otherwise
+        # hold the probe to its deadline.
+        return _dechunked(body)[1]
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":

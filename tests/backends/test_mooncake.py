@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.server
+import ipaddress
 import json
 import os
 import re
@@ -1004,6 +1005,263 @@ async def test_a_metadata_server_that_closes_without_an_answer_fails_to_open(
     finally:
         listener.close()
         thread.join(10)
+
+
+def test_a_metadata_server_that_requires_mooncakes_token_passes_the_probe(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mooncake's Python metadata server of later releases answers 401 to a request without the
+    # token MC_METADATA_HTTP_TOKEN holds, which Mooncake's client sends: a probe without it
+    # refused a working setup. The installed server with that release's check of the token.
+    from aiohttp import web
+    from mooncake.http_metadata_server import KVBootstrapServer
+
+    from hicache_async.storage._mooncake_watch import reachable
+
+    token = "tok-" + os.urandom(6).hex()
+    seen: list[str] = []
+
+    class TokenServer(KVBootstrapServer):  # type: ignore[misc]
+        async def _handle_metadata(self, request: web.Request) -> web.Response:
+            seen.append(request.headers.get("Authorization", ""))
+            if request.headers.get("Authorization") != f"Bearer {token}":
+                return web.Response(text="unauthorized", status=401)
+            answer: web.Response = await super()._handle_metadata(request)
+            return answer
+
+    port = free_port()
+    server = TokenServer(port, host="127.0.0.1")
+    server.run()
+    try:
+        metadata = f"http://hicache:pw-42x@127.0.0.1:{port}/metadata"
+        deadline = time.monotonic() + 10
+        while not reachable(("127.0.0.1", port), 1.0):
+            assert time.monotonic() < deadline, "the metadata server did not start"
+            time.sleep(0.05)
+        monkeypatch.delenv("MC_METADATA_HTTP_TOKEN", raising=False)
+        refused = mooncake_module._silent_server(mooncake_master.address, metadata)
+        assert refused is not None
+        assert "'HTTP/1.1 401 Unauthorized'" in refused, refused
+        assert "MC_METADATA_HTTP_TOKEN names none" in refused, refused
+        monkeypatch.setenv("MC_METADATA_HTTP_TOKEN", token)
+        assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+        # As Mooncake's client: the token in place of the URL's user information.
+        assert seen == ["Basic aGljYWNoZTpwdy00Mng=", f"Bearer {token}"]
+        monkeypatch.setenv("MC_METADATA_HTTP_TOKEN", "wrong")
+        refused = mooncake_module._silent_server(mooncake_master.address, metadata)
+        assert refused is not None
+        assert "MC_METADATA_HTTP_TOKEN does not hold the token" in refused, refused
+    finally:
+        server.close()
+
+
+def test_a_name_whose_first_address_never_connects_passes_the_probes(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A name resolving first to an address that never connects (a full backlog drops the SYN,
+    # as a firewall does) spent the probe's whole timeout on it: the master and metadata
+    # server found at the next address, answering at once, were refused as silent. The name
+    # is resolved here: one that resolves so cannot be made without changing the host. The
+    # master's own metadata server listens on every address: Mooncake's Python one is used.
+    from mooncake.http_metadata_server import KVBootstrapServer
+
+    from hicache_async.storage._mooncake_watch import reachable
+
+    metadata = KVBootstrapServer(free_port(), host="127.0.0.1")
+    metadata.run()
+    deadline = time.monotonic() + 10
+    while not reachable(("127.0.0.1", metadata.port), 1.0):
+        assert time.monotonic() < deadline, "the metadata server did not start"
+        time.sleep(0.05)
+    ports = (mooncake_master.rpc_port, metadata.port)
+    dead: list[socket.socket] = []
+    for port in ports:
+        listener = socket.socket()
+        listener.bind(("127.0.0.2", port))
+        listener.listen(0)
+        dead += [listener, socket.create_connection(("127.0.0.2", port), timeout=5)]
+    resolve = socket.getaddrinfo
+
+    def resolved(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host != "mooncake.test":
+            return resolve(host, port, *args, **kwargs)
+        stream = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+        return [(*stream, ("127.0.0.2", int(port))), (*stream, ("127.0.0.1", int(port)))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolved)
+    monkeypatch.setattr(mooncake_module, "_PROBE_TIMEOUT_S", 0.5)
+    try:
+        silent = mooncake_module._silent_server(
+            f"mooncake.test:{ports[0]}", f"http://mooncake.test:{ports[1]}/metadata"
+        )
+        assert silent is None
+    finally:
+        for sock in dead:
+            sock.close()
+        metadata.close()
+
+
+def test_a_chunked_metadata_answer_on_a_kept_connection_passes_the_probe(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # A chunked answer was read as it came, chunk sizes and all, and never counted as whole:
+    # text split over chunks (as a proxy may send it) was refused, and a server keeping the
+    # connection open held the probe to its deadline.
+    from hicache_async.storage import _mooncake_watch as watch_module
+
+    answer = (
+        b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"b\r\nmetadata no\r\n7\r\nt found\r\n0\r\n\r\n"
+    )
+    assert watch_module._whole(answer)
+    listener = socket.create_server(("127.0.0.1", 0))
+    closed: list[bytes] = []
+
+    def serve() -> None:  # the probe's one connection, kept open after the answer
+        with contextlib.suppress(OSError):  # the listener was closed
+            accepted, _ = listener.accept()
+            with accepted:
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += accepted.recv(1 << 16)
+                for n in range(0, len(answer), 7):
+                    accepted.sendall(answer[n : n + 7])
+                closed.append(accepted.recv(1))  # b"" once the probe closes its end
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    try:
+        metadata = f"http://127.0.0.1:{port}/metadata"
+        assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+    finally:
+        listener.close()
+        thread.join(10)
+    assert closed == [b""]
+
+
+_FORWARD_PROXY = """
+import http.server, socket, sys, urllib.parse
+
+class Proxy(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def forward(self):
+        url = urllib.parse.urlsplit(self.path)
+        host = "127.0.0.1" if url.hostname == "metadata.test" else url.hostname
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        target = url.path + ("?" + url.query if url.query else "")
+        head = f"{self.command} {target} HTTP/1.1\\r\\nHost: {url.netloc}\\r\\n"
+        head += f"Content-Length: {len(body)}\\r\\nConnection: close\\r\\n\\r\\n"
+        with socket.create_connection((host, url.port), timeout=10) as upstream:
+            upstream.sendall(head.encode() + body)
+            while piece := upstream.recv(1 << 16):
+                self.wfile.write(piece)
+        self.close_connection = True
+
+    do_GET = do_PUT = do_DELETE = forward
+
+    def log_message(self, *args):
+        return None
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+async def test_a_metadata_server_reached_through_the_http_proxy_opens(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Mooncake's curl asks the metadata server through the proxy http_proxy names; the probe
+    # connected directly, and refused as unreachable a server only the proxy reaches (here a
+    # name only the proxy resolves). The proxy runs apart: setup() holds this one's GIL.
+    proxy = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _FORWARD_PROXY, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert proxy.stdout is not None
+        port = int(await proxy.stdout.readline())
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{port}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        storage = MooncakeStorage(
+            mooncake_master.address,
+            metadata=f"http://metadata.test:{mooncake_master.http_port}/metadata",
+            protocol="tcp",
+            local_hostname="127.0.0.1",
+            segment_size=64 << 20,
+            buffer_size=16 << 20,
+            staging_size=8 << 20,
+        )
+        async with storage:
+            keys, pages, metas = make_pages(1)
+            assert await storage.put(keys, pages, metas) == [Outcome.OK]
+    finally:
+        proxy.kill()
+        await proxy.wait()
+
+
+def test_an_https_metadata_server_reached_through_the_proxy_is_not_refused(
+    mooncake_master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As for http://: curl asks an https:// metadata server through the proxy of https_proxy
+    # (or HTTPS_PROXY), so one the probe cannot connect to directly is left to setup(),
+    # unless no_proxy names it.
+    for name in ("http_proxy", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    metadata = f"https://metadata.test:{free_port()}/metadata"
+    refused = mooncake_module._silent_server(mooncake_master.address, metadata)
+    assert refused is not None
+    assert "cannot reach the Mooncake metadata server" in refused
+    monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{free_port()}")  # not for https
+    assert mooncake_module._silent_server(mooncake_master.address, metadata) == refused
+    monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{free_port()}")
+    assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+    monkeypatch.setenv("no_proxy", "localhost,.test")
+    assert mooncake_module._silent_server(mooncake_master.address, metadata) == refused
+
+
+def _link_local() -> tuple[str, str] | None:
+    """A link-local IPv6 address of this host and its interface's name, if it has one."""
+    with contextlib.suppress(OSError), open("/proc/net/if_inet6") as table:
+        for line in table:
+            fields = line.split()
+            if len(fields) == 6 and fields[0].startswith("fe80"):
+                address = ":".join(fields[0][n : n + 4] for n in range(0, 32, 4))
+                return str(ipaddress.IPv6Address(address)), fields[5]
+    return None
+
+
+def test_a_link_local_metadata_server_named_with_its_zone_passes_the_probe(
+    mooncake_master: MooncakeMaster,
+) -> None:
+    # The zone of a link-local address is escaped in a URL (`%25`), as curl reads it: the
+    # probe handed the escaped form to the resolver, and refused as unreachable a server
+    # Mooncake's setup() reaches.
+    from mooncake.http_metadata_server import KVBootstrapServer
+
+    from hicache_async.storage._mooncake_watch import reachable
+
+    found = _link_local()
+    if found is None:
+        pytest.skip("no link-local IPv6 address here")
+    address, interface = found
+    port = free_port()
+    server = KVBootstrapServer(port, host=f"{address}%{interface}")
+    server.run()
+    try:
+        deadline = time.monotonic() + 10
+        while not reachable((f"{address}%{interface}", port), 1.0):
+            if time.monotonic() > deadline:
+                pytest.skip("no server can listen on the link-local address here")
+            time.sleep(0.05)
+        metadata = f"http://[{address}%25{interface}]:{port}/metadata"
+        assert mooncake_module._silent_server(mooncake_master.address, metadata) is None
+    finally:
+        server.close()
 
 
 async def test_a_staging_arena_that_cannot_be_allocated_is_a_storage_error(
