@@ -191,7 +191,18 @@ class HiCache:
         self._start_order = (
             StartOrder(rank_group) if rank_group is not None and rank_group.size > 1 else None
         )
-        self.namespace = namespace or Namespace.from_config(config)
+        own = Namespace.from_config(config)
+        if namespace is not None and own.rank_salt and namespace.rank_salt != own.rank_salt:
+            # Tensor-parallel ranks hold different shards under the same chain keys: only the
+            # rank salt keeps one rank from reading another's pages as its own.
+            raise ConfigError(
+                "namespace",
+                f"rank {config.tp_rank} of {config.tp_size} stores its own shard, so its "
+                f"namespace needs this rank's rank_salt {own.rank_salt!r} (as "
+                f"Namespace.from_config gives it), got {namespace.rank_salt!r}: the ranks "
+                f"would read each other's pages",
+            )
+        self.namespace = namespace or own
         self._owner = LoopOwner("HiCache")
         self._tree = RadixTree(eviction=config.eviction, owner=self._owner, clock=clock)
         self._engine_arg = copy_engine
