@@ -181,6 +181,17 @@ class HiCache:
                 f"the rank group is rank {rank_group.rank} of {rank_group.size} but the "
                 f"configuration says tp_rank={config.tp_rank}, tp_size={config.tp_size}",
             )
+        own = Namespace.from_config(config)
+        if namespace is not None and own.rank_salt and namespace.rank_salt != own.rank_salt:
+            # Tensor-parallel ranks hold different shards under the same chain keys: only the
+            # rank salt keeps one rank from reading another's pages as its own.
+            raise ConfigError(
+                "namespace",
+                f"rank {config.tp_rank} of {config.tp_size} stores its own shard, so its "
+                f"namespace needs this rank's rank_salt {own.rank_salt!r} (as "
+                f"Namespace.from_config gives it), got {namespace.rank_salt!r}: the ranks "
+                f"would read each other's pages",
+            )
         if mac_key is None and config.mac_key_file is not None:
             mac_key = _read_mac_key(config.mac_key_file)
         if mac_key is not None and len(mac_key) < 16:
@@ -191,7 +202,7 @@ class HiCache:
         self._start_order = (
             StartOrder(rank_group) if rank_group is not None and rank_group.size > 1 else None
         )
-        self.namespace = namespace or Namespace.from_config(config)
+        self.namespace = namespace or own
         self._owner = LoopOwner("HiCache")
         self._tree = RadixTree(eviction=config.eviction, owner=self._owner, clock=clock)
         self._engine_arg = copy_engine
