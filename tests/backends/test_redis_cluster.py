@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -480,8 +482,11 @@ async def test_a_lost_primary_fails_only_its_own_keys() -> None:
                 assert await backend.exists(alive) == len(alive)
                 with pytest.raises(StorageError):
                     await backend.exists([*alive[:5], dead[0], absent])
-                with pytest.raises(StorageError):  # a lost node fails the whole delete
-                    await backend.delete([absent, dead[0]])
+                # A delete removes what the live nodes hold and raises only where no node
+                # answered (see test_a_delete_removes_the_pages_of_the_live_primaries).
+                assert await backend.delete([absent, dead[0]]) == 0
+                with pytest.raises(StorageError):
+                    await backend.delete([dead[0]])
 
             await asyncio.wait_for(only_the_lost_keys_fail(), FAULT_TIMEOUT_S)
 
@@ -494,6 +499,82 @@ async def test_a_lost_primary_fails_only_its_own_keys() -> None:
             await asyncio.wait_for(marked_failed(), FAULT_TIMEOUT_S)
             assert all(cluster_ok(n) for n in survivors)  # serving their own slots still
             await asyncio.wait_for(only_the_lost_keys_fail(), FAULT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+async def test_a_delete_removes_the_pages_of_the_live_primaries(fault: str) -> None:
+    # A lost primary failed the whole delete (and gc), the live nodes' pages left in place:
+    # they are removed now, the lost node's counted as errors, and only a delete that no
+    # node answered raises. A frozen node costs one `timeout`, not one per pipeline.
+    with RedisClusterServer(node_timeout=0.5, full_coverage=False) as cluster:
+        url = fresh_url(cluster.url, timeout=1)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(1000, 200)  # two pipelines or more on every node
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 1000
+            victim = cluster.nodes[1]
+            lost_slots = slots_of(victim)
+            dead = [k for k in keys if key_slot(backend._rkey(k)) in lost_slots]
+            alive = [k for k in keys if key_slot(backend._rkey(k)) not in lost_slots]
+            assert len(dead) > 256
+            assert alive
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                errors = backend.stats().errors
+                removed = await asyncio.wait_for(backend.delete(keys), FAULT_TIMEOUT_S)
+                assert removed == len(alive)
+                assert backend.stats().errors == errors + 1  # the lost node's first pipeline
+                for node in cluster.nodes:
+                    if node is not victim:
+                        assert not pages_on(node, backend.prefix)
+                with pytest.raises(StorageError, match=str(victim.port)):
+                    await asyncio.wait_for(backend.delete(dead[:5]), FAULT_TIMEOUT_S)
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
+            if fault == "stopped":
+                # It runs the pipeline it had received once it goes on; the node's next
+                # pipelines were never sent.
+                assert len(pages_on(victim, backend.prefix)) >= len(dead) - 256
+
+
+class _LosesANodeBeforeEvicting(RedisStorage):
+    """Kills `victim` once gc has listed the pages, before it removes any."""
+
+    victim: RedisServer | None = None
+
+    async def _delete_rkeys(
+        self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
+    ) -> tuple[int, int, int]:
+        if self.victim is not None:
+            self.victim.kill()
+            self.victim = None
+        return await super()._delete_rkeys(rkeys, read_nbytes)
+
+
+async def test_gc_evicts_on_the_live_primaries_and_counts_the_rest_failed() -> None:
+    page = HEADER_NBYTES + 3000
+    with RedisClusterServer(node_timeout=0.5, full_coverage=False) as cluster:
+        url = fresh_url(cluster.url, timeout=1, capacity=10 * page)
+        async with _LosesANodeBeforeEvicting.from_url(url) as backend:
+            assert isinstance(backend, _LosesANodeBeforeEvicting)
+            keys, pages, metas = make_pages(40)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 40
+            victim = cluster.nodes[1]
+            on_victim = len(pages_on(victim, backend.prefix))
+            assert 0 < on_victim < 30
+            backend.victim = victim
+            report = await asyncio.wait_for(backend.gc(), FAULT_TIMEOUT_S)
+            assert report.failed == on_victim
+            assert report.evicted_pages == 30 - on_victim
+            assert report.freed_bytes == report.evicted_pages * page
+            assert report.over_capacity_bytes == on_victim * page
+            live = [n for n in cluster.nodes if n is not victim]
+            assert sum(len(pages_on(n, backend.prefix)) for n in live) == 10
 
 
 async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
