@@ -140,6 +140,25 @@ class GuardedCluster(RedisCluster):
             except Exception as exc:
                 raise _lost(exc) from exc
 
+    async def script_load(self, script: Any) -> Any:
+        """SCRIPT LOAD on every primary that answers; its SHA1 digest.
+
+        redis-py sends it to every primary and fails if one does not answer, so a script's
+        first call on a live node failed while another primary was lost (its keys' node is
+        the one that needs it). Raises only when no primary took the script."""
+        nodes = self.get_primaries()
+        replies = await asyncio.gather(
+            *(self.execute_command("SCRIPT LOAD", script, target_nodes=node) for node in nodes),
+            return_exceptions=True,
+        )
+        failures = [reply for reply in replies if isinstance(reply, BaseException)]
+        loaded = [reply for reply in replies if not isinstance(reply, BaseException)]
+        if loaded:
+            return loaded[0]
+        if failures:
+            raise failures[0]
+        raise RedisClusterException("SCRIPT LOAD: no primary is known")
+
     def by_node(self, keys: Sequence[bytes]) -> list[list[int]]:
         """The indexes of `keys` grouped by the node that owns each key's slot in the
         client's slot map, groups in the order of their first key, each in the order of

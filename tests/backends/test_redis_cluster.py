@@ -280,6 +280,55 @@ async def test_warmup_manifest_round_trip_on_the_cluster(
     assert manifest._scripting is scripting
 
 
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+async def test_a_lost_primary_leaves_the_manifest_scripts_of_the_others_working(
+    fault: str,
+) -> None:
+    # redis-py loads a script on every primary, and failed its first call when one of them
+    # did not answer: a namespace whose keys live on a live node could not be compacted.
+    with RedisClusterServer(full_coverage=False) as cluster:
+        async with RedisStorage.from_url(fresh_url(cluster.url, timeout=1)) as backend:
+            limits = ManifestLimits(max_entries=4, max_entry_bytes=4096, max_bytes=1 << 20)
+            manifest = RedisManifest(
+                backend._redis,
+                prefix=backend.prefix,
+                name=backend.name,
+                scripting=True,
+                limits=limits,
+            )
+            # A primary that holds neither the namespace's keys nor the namespace index, and
+            # is not the one keyless commands go to.
+            index_slot = key_slot(manifest.index_key.encode())
+            default = backend._redis().get_default_node()
+            assert default is not None
+            victim = next(
+                n for n in cluster.nodes if index_slot not in slots_of(n) and n.port != default.port
+            )
+            lost_slots = slots_of(victim)
+            ns = next(
+                bytes([n]) * 16
+                for n in range(256)
+                if key_slot((bytes([n]) * 16).hex().encode()) not in lost_slots
+            )
+            entries = [chain_entry(ns, make_pages(2)[0], 8, i, float(i)) for i in range(8)]
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.wait_for(manifest.append(entries), FAULT_TIMEOUT_S)
+                report = await asyncio.wait_for(manifest.compact(), FAULT_TIMEOUT_S)
+                assert report.entries_after == 4
+                read = await asyncio.wait_for(manifest.read(namespace=ns.hex()), FAULT_TIMEOUT_S)
+                assert {e.chain_id for e in read.entries} == {e.chain_id for e in entries[4:]}
+                assert manifest._scripting
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
+
+
 def test_compactions_without_scripting_never_block_the_loop(redis_cluster_url: str) -> None:
     # redis-py's cluster pipeline ran the commands between WATCH and MULTI in threads the
     # loop waited for, blocked; with one connection per node and three appenders it froze
