@@ -140,6 +140,16 @@ class GuardedCluster(RedisCluster):
             except Exception as exc:
                 raise _lost(exc) from exc
 
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        # redis-py reads the keys of EVAL and EVALSHA from the command itself but asks the
+        # seed node (COMMAND GETKEYS) for those of EVAL_RO and EVALSHA_RO: a round trip per
+        # read-only script call, and every one failed while the seed node was lost, whichever
+        # node held the keys. Their arguments are laid out as EVAL's.
+        if isinstance(command, str) and command.upper() in ("EVAL_RO", "EVALSHA_RO"):
+            command = "EVAL"
+        slot: int = await super()._determine_slot(command, *args)
+        return slot
+
     async def script_load(self, script: Any) -> Any:
         """SCRIPT LOAD on every primary that answers; its SHA1 digest.
 

@@ -329,6 +329,57 @@ async def test_a_lost_primary_leaves_the_manifest_scripts_of_the_others_working(
                     os.kill(pid, signal.SIGCONT)
 
 
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+async def test_a_lost_seed_node_leaves_the_manifest_reads_of_the_others_working(
+    fault: str,
+) -> None:
+    # redis-py asked the seed node for the keys of every EVAL_RO (COMMAND GETKEYS): with the
+    # seed lost, the warmup manifest's scripted read failed on every node.
+    with RedisClusterServer(full_coverage=False) as cluster:
+        victim = cluster.nodes[0]  # the URL's seed
+        lost_slots = slots_of(victim)
+        url = next(  # a prefix whose namespace index lies on another node
+            url
+            for url in (fresh_url(cluster.url, timeout=1) for _ in range(1000))
+            if key_slot(f"{url.split('prefix=')[1].split('&')[0]}:manifest:namespaces".encode())
+            not in lost_slots
+        )
+        async with RedisStorage.from_url(url) as backend:
+            limits = ManifestLimits(max_entries=16, max_entry_bytes=4096, max_bytes=1 << 20)
+            manifest = RedisManifest(
+                backend._redis,
+                prefix=backend.prefix,
+                name=backend.name,
+                scripting=True,
+                limits=limits,
+            )
+            assert key_slot(manifest.index_key.encode()) not in lost_slots
+            default = backend._redis().get_default_node()
+            assert default is not None
+            assert default.port == victim.port
+            ns = next(
+                bytes([n]) * 16
+                for n in range(256)
+                if key_slot((bytes([n]) * 16).hex().encode()) not in lost_slots
+            )
+            entries = [chain_entry(ns, make_pages(2)[0], 8, i, float(i)) for i in range(8)]
+            await manifest.append(entries)
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                for read in (manifest.read(namespace=ns.hex()), manifest.read()):
+                    got = await asyncio.wait_for(read, FAULT_TIMEOUT_S)
+                    assert {e.chain_id for e in got.entries} == {e.chain_id for e in entries}
+                assert manifest._scripting
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
+
+
 def test_compactions_without_scripting_never_block_the_loop(redis_cluster_url: str) -> None:
     # redis-py's cluster pipeline ran the commands between WATCH and MULTI in threads the
     # loop waited for, blocked; with one connection per node and three appenders it froze
