@@ -1,4 +1,4 @@
-"""redis-py's asyncio Redis Cluster client, with the two guards `RedisStorage` needs on it.
+"""redis-py's asyncio Redis Cluster client, with the guards `RedisStorage` needs on it.
 
 * **Turns.** A cluster node's pool does not wait for a free connection: past its bound it
   raises `MaxConnectionsError`, which the client treats like a lost node and answers by
@@ -27,6 +27,10 @@
   given: a silent node took over twice `timeout` to fail a call. `timeout` is the bound the
   user set on a call, so here a timeout is not retried; a lost or refused connection, MOVED,
   ASK, TRYAGAIN and CLUSTERDOWN still are.
+* **Scripts.** redis-py sends SCRIPT LOAD to every primary and fails if one does not answer;
+  here it fails only when none took the script, so a lost primary fails the scripts of its
+  own keys only. EVAL_RO and EVALSHA_RO are routed by their keys as EVAL is, not through a
+  COMMAND GETKEYS to the seed node.
 """
 
 from __future__ import annotations
@@ -272,6 +276,13 @@ def _untimed_pipeline_strategy(base: type[Any]) -> type[Any]:
                         retries -= 1
                         await client.aclose()
                         await asyncio.sleep(0.25)
+                    except RedisTimeoutError:
+                        # Not sent again, but the next call learns the slot map anew, as
+                        # redis-py does after a single command's timeout: a frozen primary's
+                        # replica may have taken over its slots, and the old map would send
+                        # their keys to the frozen node until it woke up.
+                        await client.aclose()
+                        raise
                     else:
                         return result
             finally:

@@ -163,6 +163,8 @@ def test_a_stopped_cluster_leaves_no_process() -> None:
 def test_the_cluster_helper_refuses_a_full_coverage_that_is_not_a_bool() -> None:
     with pytest.raises(ServerError, match="full_coverage"):
         RedisClusterServer(full_coverage="no")  # type: ignore[arg-type]
+    with pytest.raises(ServerError, match="replicas"):
+        RedisClusterServer(replicas=-1)
 
 
 async def test_pages_spread_over_every_primary(
@@ -675,6 +677,55 @@ async def test_gc_evicts_on_the_live_primaries_and_counts_the_rest_failed() -> N
             assert report.over_capacity_bytes == on_victim * page
             live = [n for n in cluster.nodes if n is not victim]
             assert sum(len(pages_on(n, backend.prefix)) for n in live) == 10
+
+
+async def test_a_frozen_primary_replaced_by_its_replica_is_left_for_the_replica() -> None:
+    # A timeout is not sent again, and on a pipeline it left the slot map as it was: once a
+    # replica had taken over a frozen primary's slots, every batch still sent those keys to
+    # the frozen node and they stayed ERROR (a `timeout` each) until it woke up.
+    with RedisClusterServer(replicas=1, node_timeout=0.5) as cluster:
+        url = fresh_url(cluster.url, timeout=1)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(24)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 24
+            victim = cluster.nodes[1]
+            assert pages_on(victim, backend.prefix)
+            with node_client(victim) as admin:
+                assert admin.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+            pid = victim.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                # Batches while the replica takes over; then the keys are read there.
+                first = await backend.get(keys, buffers(24), namespace=NS)
+                assert Outcome.ERROR in first
+                survivors = [n for n in cluster.nodes + cluster.replica_nodes if n is not victim]
+
+                async def taken_over() -> None:
+                    while True:
+                        if all(cluster_ok(n) for n in survivors):
+                            return
+                        await asyncio.sleep(0.05)
+
+                await asyncio.wait_for(taken_over(), FAULT_TIMEOUT_S)
+
+                async def served() -> list[Outcome]:
+                    # Each call after a timeout learns the slot map again: within a few.
+                    for _ in range(5):
+                        into = buffers(24)
+                        outcomes = await backend.get(keys, into, namespace=NS)
+                        if Outcome.ERROR not in outcomes:
+                            assert [joined(b) for b in into] == [joined(p) for p in pages]
+                            return outcomes
+                    return outcomes
+
+                got = await asyncio.wait_for(served(), FAULT_TIMEOUT_S)
+                assert got == [Outcome.OK] * 24
+                assert await backend.exists(keys) == 24
+                more, more_pages, more_metas = make_pages(12)
+                assert await backend.put(more, more_pages, more_metas) == [Outcome.OK] * 12
+            finally:
+                os.kill(pid, signal.SIGCONT)
 
 
 async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
