@@ -1609,10 +1609,11 @@ class RedisStorage(BackendBase):
 
     @_counted
     async def delete(self, keys: Sequence[bytes]) -> int:
-        """DEL each key; how many existed."""
+        """DEL each key; how many existed and were removed. On a cluster the keys of a
+        node that fails stay (counted in `errors`); `StorageError` only if no node answered."""
         self._redis()
         check_keys(keys)
-        removed, _ = await self._delete_rkeys([self._rkey(k) for k in keys])
+        removed, _, _ = await self._delete_rkeys([self._rkey(k) for k in keys])
         self._counters.deletes += removed
         return removed
 
@@ -2147,9 +2148,14 @@ class RedisStorage(BackendBase):
         victims = await self.run_job(lambda stop: _gc_victims(entries, total, capacity))
         if not victims:
             return GcReport(evicted_pages=0, freed_bytes=0)
-        evicted, freed = await self._delete_rkeys(victims)
+        evicted, freed, failed = await self._delete_rkeys(victims)
         self._counters.evictions += evicted
-        return GcReport(evicted_pages=evicted, freed_bytes=freed)
+        # Victims on a cluster node lost after the listing stay, as the file store's that
+        # could not be removed: told, not raised, once another node's were evicted.
+        over = max(total - freed - capacity, 0) if failed else 0
+        return GcReport(
+            evicted_pages=evicted, freed_bytes=freed, failed=failed, over_capacity_bytes=over
+        )
 
     # Internals.
 
@@ -2289,8 +2295,9 @@ class RedisStorage(BackendBase):
 
     async def _delete_rkeys(
         self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
-    ) -> tuple[int, int]:
-        """DEL the keys: (how many existed, their bytes).
+    ) -> tuple[int, int, int]:
+        """DEL the keys: (how many existed, their bytes, how many were left on cluster nodes
+        that failed while others answered: counted in `errors`, not removed).
 
         Each DEL comes with a STRLEN for the byte count. Where STRLEN is refused (an ACL
         that lists commands, a proxy), a key's bytes are the length its value was just read
@@ -2308,13 +2315,38 @@ class RedisStorage(BackendBase):
             # Those about to be deleted, before their DEL finds nothing; and some others.
             await self._settle_deletes([*rkeys, *list(self._unsettled)[:_KEYS_PER_PIPELINE]])
         totals = [0, 0]  # removed, freed
-        for start in range(0, len(rkeys), _KEYS_PER_PIPELINE):
-            batch = rkeys[start : start + _KEYS_PER_PIPELINE]
-            sizes = None if read_nbytes is None else read_nbytes[start : start + len(batch)]
-            cancelled = await finish_uncancelled(self._delete_batch(client, batch, sizes, totals))
-            if cancelled is not None:
-                raise cancelled  # between pipelines, not after the last one
-        return totals[0], totals[1]
+        # On a cluster each node's keys go in pipelines of their own, so that a lost node
+        # fails only its keys: the other nodes' are removed (as the file store removes what
+        # it can). A failed pipeline gives up the rest of its node's (they would pay the same
+        # timeout), and only when no node answered does the call raise.
+        groups = (
+            client.by_node(rkeys) if isinstance(client, GuardedCluster) else [range(len(rkeys))]
+        )
+        failed = 0
+        fault: StorageError | None = None
+        answered = False
+        for group in groups:
+            for start in range(0, len(group), _KEYS_PER_PIPELINE):
+                indexes = group[start : start + _KEYS_PER_PIPELINE]
+                batch = [rkeys[i] for i in indexes]
+                sizes = None if read_nbytes is None else [read_nbytes[i] for i in indexes]
+                try:
+                    cancelled = await finish_uncancelled(
+                        self._delete_batch(client, batch, sizes, totals)
+                    )
+                except StorageError as exc:
+                    if len(groups) == 1:
+                        raise
+                    fault = fault or exc
+                    failed += len(group) - start
+                    self._batch_failed("storage.redis.delete_failed", str(exc))
+                    break
+                answered = True
+                if cancelled is not None:
+                    raise cancelled  # between pipelines, not after the last one
+        if fault is not None and not answered:
+            raise fault
+        return totals[0], totals[1], failed
 
     async def _delete_batch(
         self,

@@ -1,4 +1,4 @@
-"""redis-py's asyncio Redis Cluster client, with the two guards `RedisStorage` needs on it.
+"""redis-py's asyncio Redis Cluster client, with the guards `RedisStorage` needs on it.
 
 * **Turns.** A cluster node's pool does not wait for a free connection: past its bound it
   raises `MaxConnectionsError`, which the client treats like a lost node and answers by
@@ -27,11 +27,15 @@
   given: a silent node took over twice `timeout` to fail a call. `timeout` is the bound the
   user set on a call, so here a timeout is not retried; a lost or refused connection, MOVED,
   ASK, TRYAGAIN and CLUSTERDOWN still are.
+* **Scripts.** redis-py sends SCRIPT LOAD to every primary and fails if one does not answer;
+  here it fails only when none took the script, so a lost primary fails the scripts of its
+  own keys only.
 * **Read-only scripts.** redis-py finds the slot of an `EVAL` or `EVALSHA` from its own
   arguments, but asks a node for the keys of `EVAL_RO` and `EVALSHA_RO` (`COMMAND GETKEYS`,
-  with the script's text): two round trips more for each of the manifest's read windows, and
-  a user refused `COMMAND GETKEYS` could not read the manifest at all. Their keys lie where
-  `EVAL`'s do, so their slot is found the same way.
+  with the script's text): two round trips more for each of the manifest's read windows, a
+  user refused `COMMAND GETKEYS` could not read the manifest at all, and a lost seed node
+  failed every such read. Their keys lie where `EVAL`'s do, so their slot is found the same
+  way.
 """
 
 from __future__ import annotations
@@ -154,6 +158,25 @@ class GuardedCluster(RedisCluster):
             except Exception as exc:
                 raise _lost(exc) from exc
 
+    async def script_load(self, script: Any) -> Any:
+        """SCRIPT LOAD on every primary that answers; its SHA1 digest.
+
+        redis-py sends it to every primary and fails if one does not answer, so a script's
+        first call on a live node failed while another primary was lost (its keys' node is
+        the one that needs it). Raises only when no primary took the script."""
+        nodes = self.get_primaries()
+        replies = await asyncio.gather(
+            *(self.execute_command("SCRIPT LOAD", script, target_nodes=node) for node in nodes),
+            return_exceptions=True,
+        )
+        failures = [reply for reply in replies if isinstance(reply, BaseException)]
+        loaded = [reply for reply in replies if not isinstance(reply, BaseException)]
+        if loaded:
+            return loaded[0]
+        if failures:
+            raise failures[0]
+        raise RedisClusterException("SCRIPT LOAD: no primary is known")
+
     def by_node(self, keys: Sequence[bytes]) -> list[list[int]]:
         """The indexes of `keys` grouped by the node that owns each key's slot in the
         client's slot map, groups in the order of their first key, each in the order of
@@ -257,6 +280,13 @@ def _untimed_pipeline_strategy(base: type[Any]) -> type[Any]:
                         retries -= 1
                         await client.aclose()
                         await asyncio.sleep(0.25)
+                    except RedisTimeoutError:
+                        # Not sent again, but the next call learns the slot map anew, as
+                        # redis-py does after a single command's timeout: a frozen primary's
+                        # replica may have taken over its slots, and the old map would send
+                        # their keys to the frozen node until it woke up.
+                        await client.aclose()
+                        raise
                     else:
                         return result
             finally:

@@ -539,13 +539,15 @@ class RedisClusterServer:
     `node_timeout` (seconds; Redis's default is 15) the others soon mark it failed and answer
     CLUSTERDOWN for every slot. With `full_coverage=False` (`cluster-require-full-coverage
     no`) they go on serving their own slots instead, and only the failed node's slots are
-    refused.
+    refused. With `replicas` each primary gets that many replicas (`replica_nodes`), which
+    take over its slots when it fails; `start()` then also waits until each has synced.
     """
 
     def __init__(
         self,
         primaries: int = 3,
         *,
+        replicas: int = 0,
         binary: str = "redis-server",
         cli: str = "redis-cli",
         node_timeout: float | None = None,
@@ -564,6 +566,9 @@ class RedisClusterServer:
         self._cli = found
         self._binary = binary
         self._primaries = primaries
+        if not isinstance(replicas, int) or replicas < 0:
+            raise ServerError(f"replicas must be a whole number >= 0, got {replicas!r}")
+        self._replicas = replicas
         self._node_args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         if node_timeout is not None:
             if not node_timeout > 0:
@@ -581,7 +586,14 @@ class RedisClusterServer:
         """The primaries, in the order their slot ranges were assigned."""
         if not self._nodes:
             raise ServerError("the redis cluster is not started")
-        return list(self._nodes)
+        return list(self._nodes[: self._primaries])
+
+    @property
+    def replica_nodes(self) -> list[RedisServer]:
+        """The replicas (none unless `replicas` was given)."""
+        if not self._nodes:
+            raise ServerError("the redis cluster is not started")
+        return list(self._nodes[self._primaries :])
 
     @property
     def host(self) -> str:
@@ -611,7 +623,7 @@ class RedisClusterServer:
         self.stop()
         try:
             deadline = time.monotonic() + self._startup_timeout
-            for _ in range(self._primaries):
+            for _ in range(self._primaries * (1 + self._replicas)):
                 node = RedisServer(
                     binary=self._binary,
                     extra_args=self._node_args,
@@ -633,7 +645,7 @@ class RedisClusterServer:
             "create",
             *(f"{_HOST}:{node.port}" for node in self._nodes),
             "--cluster-replicas",
-            "0",
+            str(self._replicas),
             "--cluster-yes",
         ]
         try:
@@ -657,10 +669,20 @@ class RedisClusterServer:
         while waiting:
             waiting = [node for node in waiting if not _cluster_ok(node.port)]
             if not waiting:
-                return
+                break
             if time.monotonic() > deadline:
                 ports = [node.port for node in waiting]
                 raise ServerError(f"cluster nodes {ports} did not reach cluster_state:ok")
+            time.sleep(0.05)
+        # A replica that has not synced yet never takes over its primary's slots.
+        waiting = self._nodes[self._primaries :]
+        while waiting:
+            waiting = [node for node in waiting if not _replica_synced(node.port)]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                ports = [node.port for node in waiting]
+                raise ServerError(f"cluster replicas {ports} did not sync with their primary")
             time.sleep(0.05)
 
     def stop(self) -> None:
@@ -679,6 +701,22 @@ class RedisClusterServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _replica_synced(port: int) -> bool:
+    """The node on `port` is a replica whose link to its primary is up."""
+    try:
+        with socket.create_connection((_HOST, port), timeout=1) as sock:
+            sock.sendall(b"INFO replication\r\n")
+            data = b""
+            while b"role:" not in data or not data.endswith(b"\r\n\r\n"):
+                chunk = sock.recv(65536)
+                if not chunk or len(data) > 1 << 16:
+                    break
+                data += chunk
+    except OSError:
+        return False
+    return b"role:slave" in data and b"master_link_status:up" in data
 
 
 def _cluster_ok(port: int) -> bool:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -161,6 +163,8 @@ def test_a_stopped_cluster_leaves_no_process() -> None:
 def test_the_cluster_helper_refuses_a_full_coverage_that_is_not_a_bool() -> None:
     with pytest.raises(ServerError, match="full_coverage"):
         RedisClusterServer(full_coverage="no")  # type: ignore[arg-type]
+    with pytest.raises(ServerError, match="replicas"):
+        RedisClusterServer(replicas=-1)
 
 
 async def test_pages_spread_over_every_primary(
@@ -276,6 +280,106 @@ async def test_warmup_manifest_round_trip_on_the_cluster(
         newest = {e.chain_id for e in entries if e.priority >= 4}
         assert {e.chain_id for e in read.entries} == newest
     assert manifest._scripting is scripting
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+async def test_a_lost_primary_leaves_the_manifest_scripts_of_the_others_working(
+    fault: str,
+) -> None:
+    # redis-py loads a script on every primary, and failed its first call when one of them
+    # did not answer: a namespace whose keys live on a live node could not be compacted.
+    with RedisClusterServer(full_coverage=False) as cluster:
+        async with RedisStorage.from_url(fresh_url(cluster.url, timeout=1)) as backend:
+            limits = ManifestLimits(max_entries=4, max_entry_bytes=4096, max_bytes=1 << 20)
+            manifest = RedisManifest(
+                backend._redis,
+                prefix=backend.prefix,
+                name=backend.name,
+                scripting=True,
+                limits=limits,
+            )
+            # A primary that holds neither the namespace's keys nor the namespace index, and
+            # is not the one keyless commands go to.
+            index_slot = key_slot(manifest.index_key.encode())
+            default = backend._redis().get_default_node()
+            assert default is not None
+            victim = next(
+                n for n in cluster.nodes if index_slot not in slots_of(n) and n.port != default.port
+            )
+            lost_slots = slots_of(victim)
+            ns = next(
+                bytes([n]) * 16
+                for n in range(256)
+                if key_slot((bytes([n]) * 16).hex().encode()) not in lost_slots
+            )
+            entries = [chain_entry(ns, make_pages(2)[0], 8, i, float(i)) for i in range(8)]
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.wait_for(manifest.append(entries), FAULT_TIMEOUT_S)
+                report = await asyncio.wait_for(manifest.compact(), FAULT_TIMEOUT_S)
+                assert report.entries_after == 4
+                read = await asyncio.wait_for(manifest.read(namespace=ns.hex()), FAULT_TIMEOUT_S)
+                assert {e.chain_id for e in read.entries} == {e.chain_id for e in entries[4:]}
+                assert manifest._scripting
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+async def test_a_lost_seed_node_leaves_the_manifest_reads_of_the_others_working(
+    fault: str,
+) -> None:
+    # redis-py asked the seed node for the keys of every EVAL_RO (COMMAND GETKEYS): with the
+    # seed lost, the warmup manifest's scripted read failed on every node.
+    with RedisClusterServer(full_coverage=False) as cluster:
+        victim = cluster.nodes[0]  # the URL's seed
+        lost_slots = slots_of(victim)
+        url = next(  # a prefix whose namespace index lies on another node
+            url
+            for url in (fresh_url(cluster.url, timeout=1) for _ in range(1000))
+            if key_slot(f"{url.split('prefix=')[1].split('&')[0]}:manifest:namespaces".encode())
+            not in lost_slots
+        )
+        async with RedisStorage.from_url(url) as backend:
+            limits = ManifestLimits(max_entries=16, max_entry_bytes=4096, max_bytes=1 << 20)
+            manifest = RedisManifest(
+                backend._redis,
+                prefix=backend.prefix,
+                name=backend.name,
+                scripting=True,
+                limits=limits,
+            )
+            assert key_slot(manifest.index_key.encode()) not in lost_slots
+            default = backend._redis().get_default_node()
+            assert default is not None
+            assert default.port == victim.port
+            ns = next(
+                bytes([n]) * 16
+                for n in range(256)
+                if key_slot((bytes([n]) * 16).hex().encode()) not in lost_slots
+            )
+            entries = [chain_entry(ns, make_pages(2)[0], 8, i, float(i)) for i in range(8)]
+            await manifest.append(entries)
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                for read in (manifest.read(namespace=ns.hex()), manifest.read()):
+                    got = await asyncio.wait_for(read, FAULT_TIMEOUT_S)
+                    assert {e.chain_id for e in got.entries} == {e.chain_id for e in entries}
+                assert manifest._scripting
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
 
 
 def test_compactions_without_scripting_never_block_the_loop(redis_cluster_url: str) -> None:
@@ -480,8 +584,11 @@ async def test_a_lost_primary_fails_only_its_own_keys() -> None:
                 assert await backend.exists(alive) == len(alive)
                 with pytest.raises(StorageError):
                     await backend.exists([*alive[:5], dead[0], absent])
-                with pytest.raises(StorageError):  # a lost node fails the whole delete
-                    await backend.delete([absent, dead[0]])
+                # A delete removes what the live nodes hold and raises only where no node
+                # answered (see test_a_delete_removes_the_pages_of_the_live_primaries).
+                assert await backend.delete([absent, dead[0]]) == 0
+                with pytest.raises(StorageError):
+                    await backend.delete([dead[0]])
 
             await asyncio.wait_for(only_the_lost_keys_fail(), FAULT_TIMEOUT_S)
 
@@ -494,6 +601,131 @@ async def test_a_lost_primary_fails_only_its_own_keys() -> None:
             await asyncio.wait_for(marked_failed(), FAULT_TIMEOUT_S)
             assert all(cluster_ok(n) for n in survivors)  # serving their own slots still
             await asyncio.wait_for(only_the_lost_keys_fail(), FAULT_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("fault", ["killed", "stopped"])
+async def test_a_delete_removes_the_pages_of_the_live_primaries(fault: str) -> None:
+    # A lost primary failed the whole delete (and gc), the live nodes' pages left in place:
+    # they are removed now, the lost node's counted as errors, and only a delete that no
+    # node answered raises. A frozen node costs one `timeout`, not one per pipeline.
+    with RedisClusterServer(node_timeout=0.5, full_coverage=False) as cluster:
+        url = fresh_url(cluster.url, timeout=1)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(1000, 200)  # two pipelines or more on every node
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 1000
+            victim = cluster.nodes[1]
+            lost_slots = slots_of(victim)
+            dead = [k for k in keys if key_slot(backend._rkey(k)) in lost_slots]
+            alive = [k for k in keys if key_slot(backend._rkey(k)) not in lost_slots]
+            assert len(dead) > 256
+            assert alive
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                errors = backend.stats().errors
+                removed = await asyncio.wait_for(backend.delete(keys), FAULT_TIMEOUT_S)
+                assert removed == len(alive)
+                assert backend.stats().errors == errors + 1  # the lost node's first pipeline
+                for node in cluster.nodes:
+                    if node is not victim:
+                        assert not pages_on(node, backend.prefix)
+                with pytest.raises(StorageError, match=str(victim.port)):
+                    await asyncio.wait_for(backend.delete(dead[:5]), FAULT_TIMEOUT_S)
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
+            if fault == "stopped":
+                # It runs the pipeline it had received once it goes on; the node's next
+                # pipelines were never sent.
+                assert len(pages_on(victim, backend.prefix)) >= len(dead) - 256
+
+
+class _LosesANodeBeforeEvicting(RedisStorage):
+    """Kills `victim` once gc has listed the pages, before it removes any."""
+
+    victim: RedisServer | None = None
+
+    async def _delete_rkeys(
+        self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
+    ) -> tuple[int, int, int]:
+        if self.victim is not None:
+            self.victim.kill()
+            self.victim = None
+        return await super()._delete_rkeys(rkeys, read_nbytes)
+
+
+async def test_gc_evicts_on_the_live_primaries_and_counts_the_rest_failed() -> None:
+    page = HEADER_NBYTES + 3000
+    with RedisClusterServer(node_timeout=0.5, full_coverage=False) as cluster:
+        url = fresh_url(cluster.url, timeout=1, capacity=10 * page)
+        async with _LosesANodeBeforeEvicting.from_url(url) as backend:
+            assert isinstance(backend, _LosesANodeBeforeEvicting)
+            keys, pages, metas = make_pages(40)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 40
+            victim = cluster.nodes[1]
+            on_victim = len(pages_on(victim, backend.prefix))
+            assert 0 < on_victim < 30
+            backend.victim = victim
+            report = await asyncio.wait_for(backend.gc(), FAULT_TIMEOUT_S)
+            assert report.failed == on_victim
+            assert report.evicted_pages == 30 - on_victim
+            assert report.freed_bytes == report.evicted_pages * page
+            assert report.over_capacity_bytes == on_victim * page
+            live = [n for n in cluster.nodes if n is not victim]
+            assert sum(len(pages_on(n, backend.prefix)) for n in live) == 10
+
+
+async def test_a_frozen_primary_replaced_by_its_replica_is_left_for_the_replica() -> None:
+    # A timeout is not sent again, and on a pipeline it left the slot map as it was: once a
+    # replica had taken over a frozen primary's slots, every batch still sent those keys to
+    # the frozen node and they stayed ERROR (a `timeout` each) until it woke up.
+    with RedisClusterServer(replicas=1, node_timeout=0.5) as cluster:
+        url = fresh_url(cluster.url, timeout=1)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(24)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 24
+            victim = cluster.nodes[1]
+            assert pages_on(victim, backend.prefix)
+            with node_client(victim) as admin:
+                assert admin.execute_command("WAIT", 1, 5000) == 1  # type: ignore[no-untyped-call]
+            pid = victim.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                # Batches while the replica takes over; then the keys are read there.
+                first = await backend.get(keys, buffers(24), namespace=NS)
+                assert Outcome.ERROR in first
+                survivors = [n for n in cluster.nodes + cluster.replica_nodes if n is not victim]
+
+                async def taken_over() -> None:
+                    while True:
+                        if all(cluster_ok(n) for n in survivors):
+                            return
+                        await asyncio.sleep(0.05)
+
+                await asyncio.wait_for(taken_over(), FAULT_TIMEOUT_S)
+
+                async def served() -> list[Outcome]:
+                    # Each call after a timeout learns the slot map again: within a few.
+                    for _ in range(5):
+                        into = buffers(24)
+                        outcomes = await backend.get(keys, into, namespace=NS)
+                        if Outcome.ERROR not in outcomes:
+                            assert [joined(b) for b in into] == [joined(p) for p in pages]
+                            return outcomes
+                    return outcomes
+
+                got = await asyncio.wait_for(served(), FAULT_TIMEOUT_S)
+                assert got == [Outcome.OK] * 24
+                assert await backend.exists(keys) == 24
+                more, more_pages, more_metas = make_pages(12)
+                assert await backend.put(more, more_pages, more_metas) == [Outcome.OK] * 12
+            finally:
+                os.kill(pid, signal.SIGCONT)
 
 
 async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
