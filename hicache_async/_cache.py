@@ -87,6 +87,29 @@ def _read_mac_key(path: str) -> bytes:
     return key
 
 
+def _rank_salt_refusal(config: CacheConfig, own: Namespace, given: Namespace) -> str:
+    """Why a given namespace's rank salt does not fit this cache, and which one to use."""
+    own_salt = f"with rank_salt={own.rank_salt!r}" if own.rank_salt else "without a rank_salt"
+    fix = (
+        "build it with Namespace.from_config(config) of this configuration (its salt field, "
+        f"or .salted(), keeps tenants apart), or give a namespace of your own {own_salt}"
+    )
+    if own.rank_salt:
+        # Tensor-parallel ranks hold different shards under the same chain keys: only the
+        # rank salt keeps one rank from reading another's pages as its own.
+        return (
+            f"rank {config.tp_rank} of {config.tp_size} stores its own shard under its own "
+            f"rank_salt {own.rank_salt!r}, got {given.rank_salt!r}: it would read another "
+            f"rank's shard as its own; {fix}"
+        )
+    whole = "MLA ranks share whole pages" if config.tp_size > 1 else "a single rank"
+    return (
+        f"this cache holds whole pages ({whole}), but the namespace carries the rank_salt "
+        f"{given.rank_salt!r} of one tensor-parallel rank: it would read that rank's shard "
+        f"as whole pages; {fix}"
+    )
+
+
 def _innermost(exc: BaseException) -> BaseException:
     """The error inside the exception groups anyio wraps it in, one per task group it left
     (read by their `exceptions`: Python 3.10 has no builtin exception groups)."""
@@ -182,16 +205,8 @@ class HiCache:
                 f"configuration says tp_rank={config.tp_rank}, tp_size={config.tp_size}",
             )
         own = Namespace.from_config(config)
-        if namespace is not None and own.rank_salt and namespace.rank_salt != own.rank_salt:
-            # Tensor-parallel ranks hold different shards under the same chain keys: only the
-            # rank salt keeps one rank from reading another's pages as its own.
-            raise ConfigError(
-                "namespace",
-                f"rank {config.tp_rank} of {config.tp_size} stores its own shard, so its "
-                f"namespace needs this rank's rank_salt {own.rank_salt!r} (as "
-                f"Namespace.from_config gives it), got {namespace.rank_salt!r}: the ranks "
-                f"would read each other's pages",
-            )
+        if namespace is not None and namespace.rank_salt != own.rank_salt:
+            raise ConfigError("namespace", _rank_salt_refusal(config, own, namespace))
         if mac_key is None and config.mac_key_file is not None:
             mac_key = _read_mac_key(config.mac_key_file)
         if mac_key is not None and len(mac_key) < 16:

@@ -55,6 +55,29 @@ def test_a_rank_refuses_a_namespace_without_its_rank_salt(
     with pytest.raises(ConfigError) as raised:
         HiCache(_config(1, size), namespace=namespace)
     assert raised.value.field == "namespace"
+    # It says what to give instead.
+    own = Namespace.from_config(_config(1, size)).rank_salt
+    assert f"rank_salt={own!r}" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("config", "given"),
+    [
+        (_config(0, 1), lambda: Namespace.from_config(_config(0, 2))),
+        (_config(1, 2, MLA), lambda: Namespace.from_config(_config(1, 2))),
+    ],
+    ids=["one-rank", "mla"],
+)
+def test_a_cache_of_whole_pages_refuses_a_ranks_namespace(
+    config: CacheConfig, given: Callable[[], Namespace]
+) -> None:
+    # Given rank 0's namespace, a single-rank cache of the same per-rank layout read rank 0's
+    # shard (its heads only) from a store rank 0 filled, as its own whole pages.
+    with pytest.raises(ConfigError) as raised:
+        HiCache(config, namespace=given())
+    assert raised.value.field == "namespace"
+    assert "Namespace.from_config(config)" in str(raised.value)
+    assert "without a rank_salt" in str(raised.value)
 
 
 @pytest.mark.parametrize(
