@@ -168,6 +168,29 @@ def test_a_line_told_after_lines_left_out_sums_what_they_were_about() -> None:
     assert limiter.admit_counting("evict", "refused", 1) == (1, 4)
 
 
+def test_a_tallied_count_may_be_any_integer_but_not_a_bool() -> None:
+    # Page counts often come from numpy (a batch's mask summed): such a count is a count,
+    # and is logged as a plain int; a bool is a flag passed by mistake.
+    now = [0.0]
+    limiter = LogLimiter(60.0, clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logs:
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=np.int64(3))
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=np.int32(4))
+        now[0] = 60.0
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=np.uint8(5))
+    told = [(e["pages"], e["unlogged_pages_since_last"]) for e in logs]
+    assert told == [(3, 0), (5, 4)]
+    assert all(type(e["pages"]) is int for e in logs)
+    for flag in (True, np.bool_(True)):
+        with pytest.raises(TypeError, match="'pages'"):
+            limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=flag)
+    with pytest.raises(TypeError, match="not an integer"):
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=2.0)
+    # Refused counts add nothing to what the next line tells.
+    now[0] = 120.0
+    assert limiter.admit_counting("evict", "x", 0) == (0, 0)
+
+
 def test_kinds_quiet_for_an_hour_make_room_for_new_failures() -> None:
     # A process that runs for weeks meets many kinds of errors: those of long ago must not
     # fill the table for good, or every new failure after them shares one kind with the
