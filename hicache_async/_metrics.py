@@ -156,9 +156,13 @@ def prometheus_collector(cache: HiCache) -> Any:
             GaugeMetricFamily,
             HistogramMetricFamily,
         )
-    except ImportError as exc:  # pragma: no cover - depends on the installed extras
-        raise ImportError(
-            "prometheus_collector needs prometheus-client: pip install 'hicache-async[prometheus]'"
+    except ModuleNotFoundError as exc:
+        # As the lazy exports' messages: still what `except ModuleNotFoundError` callers
+        # catch, naming the package and the extra that brings it.
+        raise ModuleNotFoundError(
+            "prometheus_collector needs the 'prometheus_client' package: "
+            "pip install 'hicache-async[prometheus]'",
+            name=exc.name,
         ) from exc
 
     class _Collector:
