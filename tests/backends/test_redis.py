@@ -25,6 +25,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 import structlog
+from _log_table import assert_documented
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import (
@@ -1366,6 +1367,49 @@ async def test_exists_tries_its_script_again_once_a_minute(redis_url: str, bulk:
         "storage.redis.no_scripting",
         "storage.redis.scripting_restored",
     ]
+
+
+async def _touch_calls(admin: aioredis.Redis) -> int:
+    """How many TOUCH calls the server ran."""
+    stats = await admin.info("commandstats")
+    return int(stats.get("cmdstat_touch", {}).get("calls", 0))
+
+
+async def test_exists_asks_with_touch_again_once_a_minute(redis_url: str) -> None:
+    # Refused TOUCH (an ACL listing commands): EXISTS per key, and TOUCH again once the
+    # user's rights allow it, instead of EXISTS for the life of the store.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    now = [1000.0]
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-touch") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, multikey=0)) as reader,
+    ):
+        reader._scripts.clock = lambda: now[0]
+        with structlog.testing.capture_logs() as logs:
+            assert await reader.exists(keys) == 2
+            assert not reader._touch
+            now[0] += 61  # tried again, still refused: nothing said
+            assert await reader.exists(keys) == 2
+            assert not reader._touch
+            await admin.execute_command("ACL", "SETUSER", user, "+touch")
+            now[0] += 59  # within the minute: still EXISTS per key
+            touches = await _touch_calls(admin)
+            assert await reader.exists(keys) == 2
+            assert await _touch_calls(admin) == touches
+            now[0] += 2
+            assert await reader.exists(keys) == 2
+            assert reader._touch
+            assert await reader.exists(keys[:1]) == 1
+            assert await _touch_calls(admin) == touches + 3 + 1
+        assert reader.stats().errors == 0
+    assert [e["event"] for e in logs] == [
+        "storage.redis.no_touch",
+        "storage.redis.touch_restored",
+    ]
+    assert assert_documented(logs, exact=["storage.redis.touch_restored"]) >= 1
 
 
 @pytest.mark.parametrize("bulk", [1, 0])
