@@ -1508,6 +1508,34 @@ async def test_the_manifest_says_once_per_store_that_it_reads_without_its_script
     assert [e["event"] for e in logs] == ["hicache.manifest.read_scripted"]
 
 
+async def test_the_manifest_says_once_per_store_that_scripting_is_refused(
+    redis_url: str,
+) -> None:
+    # Scripting refused as a command (an ACL without EVAL, EVAL_RO, EVALSHA): each manifest
+    # the store built found it out and warned again, warmup and every backup's append alike.
+    keys = [os.urandom(32) for _ in range(2)]
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        await writer.manifest().append([chain_entry(NS, keys, 32, 0, time.time())])
+        prefix = writer.prefix
+    refused = ("~*", "+@all", "-eval", "-eval_ro", "-evalsha")
+    async with (
+        acl_user(redis_url, *refused) as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix)) as reader,
+    ):
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                manifest = reader.manifest()
+                assert len((await manifest.read()).entries) == 1
+                await manifest.append([chain_entry(NS, keys[:1], 16, 0, time.time())])
+            fresh = reader.manifest()
+        assert reader.stats().errors == 0
+    warned = [e for e in logs if e["event"] == "hicache.manifest.no_scripting"]
+    assert len(warned) == 1, warned
+    assert "eval" in warned[0]["error"].lower()
+    assert assert_documented(warned, exact=["hicache.manifest.no_scripting"]) == 1
+    assert not fresh._scripting  # a new one knows, before any call
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_a_command_refused_inside_a_script_is_named_among_those_it_runs(
     redis_url: str, bulk: int
