@@ -9,6 +9,7 @@ and then how often it went on.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -109,12 +110,18 @@ class LogLimiter:
     def warn_tallied(
         self, logger: Any, event: str, error: str, tally: str, **fields: object
     ) -> None:
-        """As `warn`, for a record whose int field `tally` (`pages`) says what it is about:
+        """As `warn`, for a record whose integer field `tally` (`pages`) says what it is about:
         the line also has `unlogged_<tally>_since_last`, the sum of that field over the
         records left out, which a count of lines alone would lose."""
-        amount = fields[tally]
-        if not isinstance(amount, int):
-            raise TypeError(f"the tallied field {tally!r} is not an int: {amount!r}")
+        value = fields[tally]
+        # A bool passes `operator.index` but is no count; numpy's integers are counts.
+        if isinstance(value, bool):
+            raise TypeError(f"the tallied field {tally!r} is a bool, not a count: {value!r}")
+        try:
+            amount = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(f"the tallied field {tally!r} is not an integer: {value!r}") from None
+        fields[tally] = amount  # a plain int, which every log renderer (JSON) takes
         admitted = self.admit_counting(event, error, amount)
         if admitted is not None:
             fields[f"unlogged_{tally}_since_last"] = admitted[1]

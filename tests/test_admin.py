@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import socket
 import sys
 import threading
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 import structlog
 import uvicorn
+from test_file_storage import _keys as _file_keys
+from test_file_storage import _put as _file_put
 
 from hicache_async import CacheConfig, HiCache, HiCacheError, KVLayout
 from hicache_async._errors import StorageConfigError
@@ -24,7 +27,15 @@ from hicache_async._ratelog import LogLimiter
 from hicache_async.admin import AdminApp
 from hicache_async.admin._app import _describe
 from hicache_async.admin._http import redact
-from hicache_async.storage import MemoryStorage, StorageError, StorageStats, open_storage
+from hicache_async.storage import (
+    FileStorage,
+    FileStorageStats,
+    MemoryStorage,
+    Outcome,
+    StorageError,
+    StorageStats,
+    open_storage,
+)
 from hicache_async.testing import KVGenerator, RedisServer, ServedRequest, serve
 from hicache_async.workers import StorageStatus
 
@@ -317,6 +328,36 @@ async def test_constructor_validates() -> None:
 
 
 # -- storage status, attach, detach -------------------------------------------------------
+
+
+async def test_a_file_stores_refused_writes_show_in_status_statistics_and_metrics(
+    tmp_path: Path,
+) -> None:
+    # Refused writes are MISSes, not errors: without their own counter a disk that takes
+    # nothing (full, read-only, a file size limit) showed in none of the figures served.
+    backend = FileStorage(tmp_path / "s")
+    async with HiCache(_config(), storage=backend) as cache:
+        app = AdminApp(cache, token=TOKEN)
+        async with running(app) as client:
+            keys = _file_keys(3)
+            old = resource.getrlimit(resource.RLIMIT_FSIZE)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (512, old[1]))
+            try:
+                outcomes = await _file_put(backend, keys)
+            finally:
+                resource.setrlimit(resource.RLIMIT_FSIZE, old)
+            assert outcomes == [Outcome.MISS] * 3
+            assert backend.refused_writes == 3
+            status = cache.storage_status()
+            assert isinstance(status.storage, FileStorageStats)
+            assert status.storage.refused_writes == 3
+            encoded = msgspec.json.decode(msgspec.json.encode(cache.statistics()))
+            assert encoded["storage"]["storage"]["refused_writes"] == 3
+            served = await client.get(STORAGE, headers=AUTH)
+            assert served.json()["storage"]["refused_writes"] == 3
+            metrics = (await client.get("/metrics", headers=AUTH)).text
+            assert "hicache_storage_refused_writes 3.0" in metrics.splitlines()
+            assert "hicache_storage_refused_writes 3.0" in cache.metrics_text().splitlines()
 
 
 async def test_status_attach_and_detach_memory() -> None:

@@ -100,3 +100,23 @@ async def test_a_stats_subclass_with_extra_fields_leaves_the_exposition_parseabl
         registry.register(prometheus_collector(cache))
         parsed = list(text_string_to_metric_families(generate_latest(registry).decode()))
         assert {f.name for f in parsed} >= storage
+
+
+async def test_the_collector_without_its_extra_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # As every other export that needs an extra: a ModuleNotFoundError naming the package
+    # and the extra, raised when the collector is asked for.
+    import sys
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "prometheus_client"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if it were not installed
+    async with HiCache(_config()) as cache:
+        with pytest.raises(
+            ModuleNotFoundError,
+            match=r"prometheus_collector needs the 'prometheus_client' package: "
+            r"pip install 'hicache-async\[prometheus\]'",
+        ) as raised:
+            prometheus_collector(cache)
+    assert (raised.value.name or "").split(".")[0] == "prometheus_client"

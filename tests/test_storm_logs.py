@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from _log_table import assert_documented
 
 from hicache_async import CacheConfig, HiCache
 from hicache_async._ratelog import LogLimiter, describe_error
-from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta
+from hicache_async.storage import FileStorage, ManifestEntry, MemoryStorage, Outcome, PageMeta
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing import FaultyStorage, KVGenerator, RedisServer, serve
 
@@ -166,6 +167,85 @@ def test_a_line_told_after_lines_left_out_sums_what_they_were_about() -> None:
     # A kind logged again starts from nothing.
     now[0] = 120.0
     assert limiter.admit_counting("evict", "refused", 1) == (1, 4)
+
+
+class _CountingManifest:
+    """A manifest that counts the entries asked of its appends, then passes them on."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.asked = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def append(self, entries: list[ManifestEntry]) -> None:
+        self.asked += len(entries)
+        await self.inner.append(entries)
+
+
+async def test_failed_manifest_appends_count_the_entries_of_the_lines_left_out(
+    tmp_path: Path,
+) -> None:
+    # Every backup batch appends its chains' records: with the manifest refused (a FIFO
+    # planted in its place), a line per batch comes before the limit, and those left out
+    # must keep how many entries they were about.
+    async with FileStorage(tmp_path):
+        pass
+    fifo = tmp_path / "manifest.jsonl"
+    os.mkfifo(fifo, 0o600)
+    # Held open at both ends: an open of it that should not happen cannot block the test.
+    held = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=3)
+    rng = np.random.default_rng(11)
+    now = [0.0]
+    try:
+        with structlog.testing.capture_logs() as logs:
+            async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+                link = cache._link
+                assert link is not None
+                link.backup._log_limit = LogLimiter(60.0, clock=lambda: now[0])
+                manifest = _CountingManifest(link.backup._manifest)
+                link.backup._manifest = manifest
+                for n in range(5):
+                    if n == 4:
+                        now[0] = 60.0  # a minute later: the last request's line is told
+                    prompt = rng.integers(0, 30_000, size=PROMPT_PAGES * PAGE)
+                    await serve(cache, prompt, generator, request_id=f"r{n}")
+                    await cache.drain()
+                assert link.backup.manifest_entries == 0
+    finally:
+        os.close(held)
+    lines = [e for e in logs if e["event"] == "hicache.manifest.append.failed"]
+    assert len(lines) == 2, lines
+    assert all("a FIFO, not a regular file" in e["error"] for e in lines)
+    assert lines[1]["unlogged_since_last"] > 0
+    assert sum(e["entries"] + e["unlogged_entries_since_last"] for e in lines) == manifest.asked
+    assert assert_documented(lines, exact=["hicache.manifest.append.failed"]) == 2
+
+
+def test_a_tallied_count_may_be_any_integer_but_not_a_bool() -> None:
+    # Page counts often come from numpy (a batch's mask summed): such a count is a count,
+    # and is logged as a plain int; a bool is a flag passed by mistake.
+    now = [0.0]
+    limiter = LogLimiter(60.0, clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logs:
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=np.int64(3))
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=np.int32(4))
+        now[0] = 60.0
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=np.uint8(5))
+    told = [(e["pages"], e["unlogged_pages_since_last"]) for e in logs]
+    assert told == [(3, 0), (5, 4)]
+    assert all(type(e["pages"]) is int for e in logs)
+    for flag in (True, np.bool_(True)):
+        with pytest.raises(TypeError, match="'pages'"):
+            limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=flag)
+    with pytest.raises(TypeError, match="not an integer"):
+        limiter.warn_tallied(structlog.get_logger(), "evict", "x", "pages", pages=2.0)
+    # Refused counts add nothing to what the next line tells.
+    now[0] = 120.0
+    assert limiter.admit_counting("evict", "x", 0) == (0, 0)
 
 
 def test_kinds_quiet_for_an_hour_make_room_for_new_failures() -> None:

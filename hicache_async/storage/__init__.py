@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import StorageConfigError
 from ._base import check_get, check_keys, check_metas, check_pages, check_put
-from ._file import FileStorage, FsyncPolicy, default_root
+from ._file import FileStorage, FileStorageStats, FsyncPolicy, default_root
 from ._maintenance import (
     GcReport,
     MaintainableStorage,
@@ -59,6 +59,7 @@ __all__ = [
     "HEADER_NBYTES",
     "CompactReport",
     "FileStorage",
+    "FileStorageStats",
     "FsyncPolicy",
     "GcReport",
     "MaintainableStorage",

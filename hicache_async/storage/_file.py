@@ -108,11 +108,20 @@ from ._page import (
     encode_header,
     verify_payload,
 )
-from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities
+from ._protocol import Outcome, PageBuffer, PageMeta, StorageCapabilities, StorageStats
 
-__all__ = ["FileStorage", "FsyncPolicy", "default_root"]
+__all__ = ["FileStorage", "FileStorageStats", "FsyncPolicy", "default_root"]
 
 FsyncPolicy = Literal["none", "data", "always"]
+
+
+class FileStorageStats(StorageStats, frozen=True):
+    """A file store's counters: `StorageStats` and its own."""
+
+    #: Pages `put` could not store because the file system refused them (`refused_writes`):
+    #: MISSes, not errors, so without it a full or read-only disk shows in no counter.
+    refused_writes: int = 0
+
 
 _T = TypeVar("_T")
 _PAGES = "pages"
@@ -1975,6 +1984,11 @@ class FileStorage(BackendBase):
                 self._handles = None
         if interrupted is not None:
             raise interrupted
+
+    def stats(self) -> FileStorageStats:
+        """Counters and occupancy, without I/O; `refused_writes` too."""
+        base = super().stats()
+        return FileStorageStats(**msgspec.structs.asdict(base), refused_writes=self._refused_writes)
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return len(self._index), self._bytes, self._capacity

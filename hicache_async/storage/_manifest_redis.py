@@ -141,10 +141,18 @@ def named_in_script(error: ResponseError, script: str | bytes | memoryview) -> R
 
 
 class ReadScripts:
-    """How one store runs its read-only scripts, learned once and shared by the store and
-    every manifest it builds, so that what is learned is logged once per store."""
+    """How one store runs its read-only scripts (and whether its manifests may run scripts
+    at all), learned once and shared by the store and every manifest it builds, so that
+    what is learned is logged once per store."""
 
-    __slots__ = ("_name", "_read_only_told", "clock", "read_only", "window_retry_at")
+    __slots__ = (
+        "_name",
+        "_read_only_told",
+        "clock",
+        "manifest_scripting",
+        "read_only",
+        "window_retry_at",
+    )
 
     def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
         self._name = name  # the store's, for its log lines
@@ -158,6 +166,9 @@ class ReadScripts:
         #: When the manifest's read script, refused its keys where plain reads were not,
         #: is tried again (None: it is in use).
         self.window_retry_at: float | None = None
+        #: False once the manifests' scripts are refused as a command (scripting disabled,
+        #: a proxy): every manifest of the store then uses plain commands.
+        self.manifest_scripting = True
 
     def refuse_read_only(self, error: BaseException | str) -> None:
         """EVAL from now on: `error`, the reply to an EVAL_RO, refused it (said once per
@@ -166,6 +177,13 @@ class ReadScripts:
         if not self._read_only_told:
             self._read_only_told = True
             _log.info("hicache.redis.eval_ro_refused", backend=self._name, error=str(error))
+
+    def refuse_manifest_scripting(self, error: BaseException) -> None:
+        """Plain commands for every manifest of the store from now on: `error` refused a
+        manifest's script as a command (said once per store)."""
+        if self.manifest_scripting:
+            self.manifest_scripting = False
+            _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(error))
 
 
 async def run_read_only(
@@ -480,9 +498,9 @@ class RedisManifest:
         self._prefix = prefix
         self._name = name
         self._ttl = ttl
-        self._scripting = scripting
-        # Shared with the store that built it: what one manifest learns about the read
-        # scripts, the next knows (and does not log again).
+        self._scripting_chosen = scripting
+        # Shared with the store that built it: what one manifest learns about its scripts,
+        # the next knows (and does not log again).
         self._scripts = scripts or ReadScripts(name)
         self._window: AsyncScript | None = None
         self._switch: AsyncScript | None = None
@@ -516,6 +534,12 @@ class RedisManifest:
     def index_key(self) -> str:
         """The set of namespaces that have a manifest."""
         return f"{self._prefix}:manifest:namespaces"
+
+    @property
+    def _scripting(self) -> bool:
+        """Whether to run the scripts: chosen at construction, and not refused as a command
+        to any manifest of the store."""
+        return self._scripting_chosen and self._scripts.manifest_scripting
 
     # The protocol.
 
@@ -1044,8 +1068,7 @@ class RedisManifest:
                 if not scripting_refused(exc):
                     raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
                 # Scripting refused here (disabled, a proxy): plain windows from now on.
-                _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
-                self._scripting = False
+                scripts.refuse_manifest_scripting(exc)
             except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
             else:
@@ -1169,8 +1192,7 @@ class RedisManifest:
         except ResponseError as exc:
             if not scripting_refused(exc):
                 raise named_in_script(exc, script.script) from None
-            _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(exc))
-            self._scripting = False
+            self._scripts.refuse_manifest_scripting(exc)
             return False, None
 
     async def _repair_unscripted(self, client: Redis, key: str, meta: str) -> list[str]:

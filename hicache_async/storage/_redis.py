@@ -648,6 +648,9 @@ class RedisStorage(BackendBase):
         self._script_retry_at: float | None = None
         self._bounded_reads = True  # False once STRLEN or GETRANGE is refused (_read_starts)
         self._touch = True  # False once TOUCH is refused (see _exists_by_pipeline)
+        # When exists, TOUCH refused, asks with it again (None: in use): as the script, on
+        # the same clock.
+        self._touch_retry_at: float | None = None
         self._strlen = True  # False once STRLEN is refused (see _delete_rkeys)
         self._idle_refusal_told = False  # see _judged
         # The bulk connections talk to one server: a cluster's values go through its client.
@@ -950,14 +953,33 @@ class RedisStorage(BackendBase):
         for start in range(0, len(keys), _KEYS_PER_PIPELINE):
             batch = keys[start : start + _KEYS_PER_PIPELINE]
             touched = self._touch
-            results = await self._exists_replies(client, batch)
-            if touched and any(isinstance(r, Exception) and scripting_refused(r) for r in results):
-                # TOUCH refused here (an ACL listing commands, a proxy): EXISTS from now on.
-                # Calls that asked with TOUCH meanwhile ask again too, and say nothing.
+            retry_at = self._touch_retry_at
+            retrying = not touched and retry_at is not None and self._scripts.clock() >= retry_at
+            if retrying:
+                # The refusal may be over (rights restored): one batch asks with TOUCH
+                # again, once a minute.
+                self._touch_retry_at = self._scripts.clock() + SCRIPT_RETRY_S
+            results = await self._exists_replies(client, batch, touch=touched or retrying)
+            if (touched or retrying) and any(
+                isinstance(r, Exception) and scripting_refused(r) for r in results
+            ):
+                # TOUCH refused here (an ACL listing commands, a proxy): EXISTS until the
+                # retry. Calls that asked with TOUCH meanwhile ask again too, and say nothing,
+                # as does a retry still refused.
                 if self._touch:
                     log.warning("storage.redis.no_touch", backend=self._name)
+                    self._touch_retry_at = self._scripts.clock() + SCRIPT_RETRY_S
                 self._touch = False
-                results = await self._exists_replies(client, batch)
+                results = await self._exists_replies(client, batch, touch=False)
+            elif retrying and not self._touch:
+                if all(isinstance(r, Exception) for r in results):
+                    # Not answered at all (a lost server): that says nothing of the rights,
+                    # so the next call asks with TOUCH again.
+                    self._touch_retry_at = retry_at
+                else:
+                    self._touch = True
+                    self._touch_retry_at = None
+                    log.info("storage.redis.touch_restored", backend=self._name)
             # Up to the first missing key: a key unanswered before it (its node lost, an
             # error reply) leaves the count unknown, and a shorter count would say that key
             # is missing, which a caller may act on (the backup's prefix check writes such
@@ -971,8 +993,10 @@ class RedisStorage(BackendBase):
                 count += 1
         return count
 
-    async def _exists_replies(self, client: RedisClient, batch: Sequence[bytes]) -> list[object]:
-        """A TOUCH (an EXISTS that counts as a use), or an EXISTS where TOUCH is refused, per
+    async def _exists_replies(
+        self, client: RedisClient, batch: Sequence[bytes], *, touch: bool
+    ) -> list[object]:
+        """A TOUCH (an EXISTS that counts as a use), or an EXISTS where `touch` is False, per
         key: the replies, error replies included, in a pipeline per cluster node, those
         running at once. A pipeline that fails as a whole gives its error for each of its
         keys, so one lost node leaves the other nodes' answers."""
@@ -983,7 +1007,7 @@ class RedisStorage(BackendBase):
             try:
                 async with client.pipeline(transaction=False) as pipe:
                     for i in group:
-                        if self._touch:
+                        if touch:
                             pipe.touch(self._rkey(batch[i]))
                         else:
                             pipe.exists(self._rkey(batch[i]))

@@ -586,11 +586,13 @@ class BackupWorker:
     def _warn(self, event: str, exc: Exception, **fields: object) -> None:
         """Log a failed backend call: each kind of error at once, a repeated one at most
         once a minute (`unlogged_since_last` tells how many were left out, and for a call
-        about `pages`, `unlogged_pages_since_last` how many pages they were about)."""
+        about `pages` or manifest `entries`, `unlogged_pages_since_last` or
+        `unlogged_entries_since_last` how many they were about)."""
         error = describe_error(exc, self.config.io_timeout_s)
-        if "pages" in fields:
+        tally = next((name for name in ("pages", "entries") if name in fields), None)
+        if tally is not None:
             self._log_limit.warn_tallied(
-                _log, event, error, "pages", backend=self._backend.name, **fields
+                _log, event, error, tally, backend=self._backend.name, **fields
             )
         else:
             self._log_limit.warn(_log, event, error, backend=self._backend.name, **fields)

@@ -1360,7 +1360,7 @@ async def test_a_redis_manifest_repair_never_removes_a_list_repaired_meanwhile(
         RedisStorage.from_url(f"{redis_url}?prefix={prefix}") as two,
     ):
         first, second = one.manifest(LIMITS), two.manifest(LIMITS)
-        first._scripting = False  # the path that checks, then deletes
+        first._scripting_chosen = False  # the path that checks, then deletes
         ns = NS_A.hex()
         key = first.list_key(ns)
         client = one._redis()
@@ -1420,7 +1420,7 @@ async def test_a_redis_cluster_manifest_trims_without_scripting(redis_cluster_ur
     url = f"{redis_cluster_url}&prefix=t{uuid.uuid4().hex}"
     async with RedisStorage.from_url(url) as backend:
         manifest = backend.manifest(ManifestLimits(max_entries=4, max_entry_bytes=4096))
-        manifest._scripting = False
+        manifest._scripting_chosen = False
         client = backend._redis()
         ns = NS_A.hex()
         meta, key = manifest.meta_key(ns), manifest.list_key(ns)

@@ -25,6 +25,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 import structlog
+from _log_table import assert_documented
 
 from hicache_async import StorageConfigError, StorageError
 from hicache_async.storage import (
@@ -1368,6 +1369,49 @@ async def test_exists_tries_its_script_again_once_a_minute(redis_url: str, bulk:
     ]
 
 
+async def _touch_calls(admin: aioredis.Redis) -> int:
+    """How many TOUCH calls the server ran."""
+    stats = await admin.info("commandstats")
+    return int(stats.get("cmdstat_touch", {}).get("calls", 0))
+
+
+async def test_exists_asks_with_touch_again_once_a_minute(redis_url: str) -> None:
+    # Refused TOUCH (an ACL listing commands): EXISTS per key, and TOUCH again once the
+    # user's rights allow it, instead of EXISTS for the life of the store.
+    keys, pages, metas = make_pages(3)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        assert await writer.put(keys[:2], pages[:2], metas[:2]) == [Outcome.OK] * 2
+        prefix = writer.prefix
+    now = [1000.0]
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-touch") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, multikey=0)) as reader,
+    ):
+        reader._scripts.clock = lambda: now[0]
+        with structlog.testing.capture_logs() as logs:
+            assert await reader.exists(keys) == 2
+            assert not reader._touch
+            now[0] += 61  # tried again, still refused: nothing said
+            assert await reader.exists(keys) == 2
+            assert not reader._touch
+            await admin.execute_command("ACL", "SETUSER", user, "+touch")
+            now[0] += 59  # within the minute: still EXISTS per key
+            touches = await _touch_calls(admin)
+            assert await reader.exists(keys) == 2
+            assert await _touch_calls(admin) == touches
+            now[0] += 2
+            assert await reader.exists(keys) == 2
+            assert reader._touch
+            assert await reader.exists(keys[:1]) == 1
+            assert await _touch_calls(admin) == touches + 3 + 1
+        assert reader.stats().errors == 0
+    assert [e["event"] for e in logs] == [
+        "storage.redis.no_touch",
+        "storage.redis.touch_restored",
+    ]
+    assert assert_documented(logs, exact=["storage.redis.touch_restored"]) >= 1
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_an_empty_exists_does_not_take_a_refused_script_for_restored(
     redis_url: str, bulk: int
@@ -1462,6 +1506,34 @@ async def test_the_manifest_says_once_per_store_that_it_reads_without_its_script
                 assert len((await reader.manifest().read()).entries) == 1
             assert (await eval_calls(admin))[0] == calls[0] + 2
     assert [e["event"] for e in logs] == ["hicache.manifest.read_scripted"]
+
+
+async def test_the_manifest_says_once_per_store_that_scripting_is_refused(
+    redis_url: str,
+) -> None:
+    # Scripting refused as a command (an ACL without EVAL, EVAL_RO, EVALSHA): each manifest
+    # the store built found it out and warned again, warmup and every backup's append alike.
+    keys = [os.urandom(32) for _ in range(2)]
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        await writer.manifest().append([chain_entry(NS, keys, 32, 0, time.time())])
+        prefix = writer.prefix
+    refused = ("~*", "+@all", "-eval", "-eval_ro", "-evalsha")
+    async with (
+        acl_user(redis_url, *refused) as (user, _),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix)) as reader,
+    ):
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                manifest = reader.manifest()
+                assert len((await manifest.read()).entries) == 1
+                await manifest.append([chain_entry(NS, keys[:1], 16, 0, time.time())])
+            fresh = reader.manifest()
+        assert reader.stats().errors == 0
+    warned = [e for e in logs if e["event"] == "hicache.manifest.no_scripting"]
+    assert len(warned) == 1, warned
+    assert "eval" in warned[0]["error"].lower()
+    assert assert_documented(warned, exact=["hicache.manifest.no_scripting"]) == 1
+    assert not fresh._scripting  # a new one knows, before any call
 
 
 @pytest.mark.parametrize("bulk", [1, 0])
