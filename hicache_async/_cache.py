@@ -211,13 +211,13 @@ class HiCache:
             mac_key = _read_mac_key(config.mac_key_file)
         if mac_key is not None and len(mac_key) < 16:
             raise ConfigError("mac_key", "the secret must be at least 16 bytes")
-        self.config = config
-        self.rank_group = rank_group
+        self._config = config
+        self._rank_group = rank_group
         # Where each prefetch start stands, for the agreements of cancelled starts.
         self._start_order = (
             StartOrder(rank_group) if rank_group is not None and rank_group.size > 1 else None
         )
-        self.namespace = namespace or own
+        self._namespace = namespace or own
         self._owner = LoopOwner("HiCache")
         self._tree = RadixTree(eviction=config.eviction, owner=self._owner, clock=clock)
         self._engine_arg = copy_engine
@@ -479,6 +479,23 @@ class HiCache:
         self._check_open()
         assert self._host_pool is not None
         return self._host_pool
+
+    # Read-only: the checks above hold for the cache's whole life only if nothing can swap
+    # these afterwards (another rank's namespace, a page size the pools were not made for).
+    @property
+    def config(self) -> CacheConfig:
+        """The configuration the cache was built with."""
+        return self._config
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace the cache's page keys are made in."""
+        return self._namespace
+
+    @property
+    def rank_group(self) -> RankGroup | None:
+        """The tensor-parallel rank group (None without one)."""
+        return self._rank_group
 
     @property
     def state(self) -> _State:
