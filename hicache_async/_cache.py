@@ -938,8 +938,8 @@ class HiCache:
         )
         if link is None:
             found = self._tree.match(keys, touch=False)
-            handle.device_tokens = found.num_device_pages * self.config.page_size
-            handle.host_tokens = found.num_host_pages * self.config.page_size
+            handle._device_tokens = found.num_device_pages * self.config.page_size
+            handle._host_tokens = found.num_host_pages * self.config.page_size
             handle._finish(handle.status.SKIPPED)
         # Numbered right before the awaits: from here every path either hands the handle
         # (to `ready()`) or owes its agreement.
