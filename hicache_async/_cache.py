@@ -269,9 +269,9 @@ class HiCache:
         # the calls that need workers raise `WorkersFailedError` from then on.
         self._workers_failed: str | None = None
         self._generation = 0
-        self.prefetch_wait = Histogram("prefetch_wait")
-        self.storage_get_latency = Histogram("storage_get_batch")
-        self.storage_put_latency = Histogram("storage_put_batch")
+        self._prefetch_wait = Histogram("prefetch_wait")
+        self._storage_get_latency = Histogram("storage_get_batch")
+        self._storage_put_latency = Histogram("storage_put_batch")
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -496,6 +496,23 @@ class HiCache:
     def rank_group(self) -> RankGroup | None:
         """The tensor-parallel rank group (None without one)."""
         return self._rank_group
+
+    # Read-only: exported histograms only grow for the cache's life (a scraper takes a
+    # count that goes down for a restart).
+    @property
+    def prefetch_wait(self) -> Histogram:
+        """Seconds callers waited for prefetches."""
+        return self._prefetch_wait
+
+    @property
+    def storage_get_latency(self) -> Histogram:
+        """Seconds per storage get batch."""
+        return self._storage_get_latency
+
+    @property
+    def storage_put_latency(self) -> Histogram:
+        """Seconds per storage put batch."""
+        return self._storage_put_latency
 
     @property
     def state(self) -> _State:
@@ -1039,7 +1056,7 @@ class HiCache:
         )
 
     def _histograms(self) -> list[Histogram]:
-        return [self.prefetch_wait, self.storage_get_latency, self.storage_put_latency]
+        return [self._prefetch_wait, self._storage_get_latency, self._storage_put_latency]
 
     def metrics_text(self) -> str:
         """Every statistic in the Prometheus text exposition format."""

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from hicache_async import CacheConfig, HiCache, prometheus_collector
+from hicache_async._metrics import Histogram
 from hicache_async.storage import MemoryStorage, StorageStats
 
 PAGE = 4
@@ -100,3 +101,17 @@ async def test_a_stats_subclass_with_extra_fields_leaves_the_exposition_parseabl
         registry.register(prometheus_collector(cache))
         parsed = list(text_string_to_metric_families(generate_latest(registry).decode()))
         assert {f.name for f in parsed} >= storage
+
+
+async def test_a_caches_histograms_and_their_names_cannot_be_replaced() -> None:
+    # Replaced, a histogram started again from zero (an exported count going down) or
+    # was exported under another name.
+    async with HiCache(_config()) as cache:
+        cache.prefetch_wait.observe(0.5)
+        for name in ("prefetch_wait", "storage_get_latency", "storage_put_latency"):
+            with pytest.raises(AttributeError):
+                setattr(cache, name, Histogram(name))
+            with pytest.raises(AttributeError):
+                getattr(cache, name).name = "other"
+        assert cache.prefetch_wait.snapshot().count == 1
+        assert "hicache_prefetch_wait_seconds_count 1" in cache.metrics_text()
