@@ -299,3 +299,20 @@ async def test_a_requests_keys_tokens_and_priority_cannot_be_changed_before_its_
         assert cache.match(A).device_tokens == len(A)
         await cache.drain()
         assert_drained(cache)
+
+
+async def test_a_loads_layer_count_cannot_be_changed_under_its_copy() -> None:
+    # The engine copies `num_layers` layers: raised by assignment, it asked the pools for a
+    # layer they do not have, and the load failed, its host run to be computed again.
+    async with host_cache(None, A) as (cache, generator):
+        with cache.request(B) as req:
+            load = await req.load()
+            for name in ("num_layers", "num_pages", "nbytes"):
+                with pytest.raises(AttributeError):
+                    setattr(load, name, 10**6)
+            await asyncio.wait_for(load, 30)
+            assert load.layers_landed == load.num_layers == cache.config.layout.num_layers
+            await compute_rest(cache, generator, req)
+            assert req.commit() == 2
+        await cache.drain()
+        assert_drained(cache)
