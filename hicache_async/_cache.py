@@ -211,13 +211,13 @@ class HiCache:
             mac_key = _read_mac_key(config.mac_key_file)
         if mac_key is not None and len(mac_key) < 16:
             raise ConfigError("mac_key", "the secret must be at least 16 bytes")
-        self.config = config
-        self.rank_group = rank_group
+        self._config = config
+        self._rank_group = rank_group
         # Where each prefetch start stands, for the agreements of cancelled starts.
         self._start_order = (
             StartOrder(rank_group) if rank_group is not None and rank_group.size > 1 else None
         )
-        self.namespace = namespace or own
+        self._namespace = namespace or own
         self._owner = LoopOwner("HiCache")
         self._tree = RadixTree(eviction=config.eviction, owner=self._owner, clock=clock)
         self._engine_arg = copy_engine
@@ -269,9 +269,9 @@ class HiCache:
         # the calls that need workers raise `WorkersFailedError` from then on.
         self._workers_failed: str | None = None
         self._generation = 0
-        self.prefetch_wait = Histogram("prefetch_wait")
-        self.storage_get_latency = Histogram("storage_get_batch")
-        self.storage_put_latency = Histogram("storage_put_batch")
+        self._prefetch_wait = Histogram("prefetch_wait")
+        self._storage_get_latency = Histogram("storage_get_batch")
+        self._storage_put_latency = Histogram("storage_put_batch")
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -479,6 +479,40 @@ class HiCache:
         self._check_open()
         assert self._host_pool is not None
         return self._host_pool
+
+    # Read-only: the checks above hold for the cache's whole life only if nothing can swap
+    # these afterwards (another rank's namespace, a page size the pools were not made for).
+    @property
+    def config(self) -> CacheConfig:
+        """The configuration the cache was built with."""
+        return self._config
+
+    @property
+    def namespace(self) -> Namespace:
+        """The namespace the cache's page keys are made in."""
+        return self._namespace
+
+    @property
+    def rank_group(self) -> RankGroup | None:
+        """The tensor-parallel rank group (None without one)."""
+        return self._rank_group
+
+    # Read-only: exported histograms only grow for the cache's life (a scraper takes a
+    # count that goes down for a restart).
+    @property
+    def prefetch_wait(self) -> Histogram:
+        """Seconds callers waited for prefetches."""
+        return self._prefetch_wait
+
+    @property
+    def storage_get_latency(self) -> Histogram:
+        """Seconds per storage get batch."""
+        return self._storage_get_latency
+
+    @property
+    def storage_put_latency(self) -> Histogram:
+        """Seconds per storage put batch."""
+        return self._storage_put_latency
 
     @property
     def state(self) -> _State:
@@ -921,8 +955,8 @@ class HiCache:
         )
         if link is None:
             found = self._tree.match(keys, touch=False)
-            handle.device_tokens = found.num_device_pages * self.config.page_size
-            handle.host_tokens = found.num_host_pages * self.config.page_size
+            handle._device_tokens = found.num_device_pages * self.config.page_size
+            handle._host_tokens = found.num_host_pages * self.config.page_size
             handle._finish(handle.status.SKIPPED)
         # Numbered right before the awaits: from here every path either hands the handle
         # (to `ready()`) or owes its agreement.
@@ -1022,7 +1056,7 @@ class HiCache:
         )
 
     def _histograms(self) -> list[Histogram]:
-        return [self.prefetch_wait, self.storage_get_latency, self.storage_put_latency]
+        return [self._prefetch_wait, self._storage_get_latency, self._storage_put_latency]
 
     def metrics_text(self) -> str:
         """Every statistic in the Prometheus text exposition format."""

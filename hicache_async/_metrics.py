@@ -52,13 +52,18 @@ class HistogramSnapshot(msgspec.Struct, frozen=True):
 class Histogram:
     """A fixed-bucket histogram; `observe` is O(log buckets)."""
 
-    __slots__ = ("_bounds", "_counts", "_sum", "name")
+    __slots__ = ("_bounds", "_counts", "_name", "_sum")
 
     def __init__(self, name: str, bounds: Sequence[float] = LATENCY_BUCKETS) -> None:
-        self.name = name
+        self._name = name
         self._bounds = tuple(bounds)
         self._counts = [0] * (len(self._bounds) + 1)
         self._sum = 0.0
+
+    @property
+    def name(self) -> str:
+        """The name it is exported under (`hicache_<name>_seconds`), fixed for its life."""
+        return self._name
 
     def observe(self, value: float) -> None:
         self._counts[bisect.bisect_left(self._bounds, value)] += 1

@@ -166,24 +166,24 @@ class KVPool:
         if pin_memory and (dev.type != "cpu" or not torch.cuda.is_available()):
             raise ValueError("pin_memory applies only to a CPU pool on a machine with CUDA")
 
-        self.layout = layout
-        self.page_size = page_size
-        self.num_pages = num_pages
-        self.device = dev
-        self.memory_layout: HostLayout = memory_layout
-        self.dtype = torch_dtype(layout)
-        self.name = name
-        self.page_nbytes = layout.page_nbytes(page_size)
-        self.nbytes = self.page_nbytes * num_pages
-        what = f"the {name} pool ({num_pages} pages of {self.page_nbytes} bytes)"
-        if self.nbytes > MAX_POOL_NBYTES:
+        self._layout = layout
+        self._page_size = page_size
+        self._num_pages = num_pages
+        self._device = dev
+        self._memory_layout: HostLayout = memory_layout
+        self._dtype = torch_dtype(layout)
+        self._name = name
+        self._page_nbytes = layout.page_nbytes(page_size)
+        self._nbytes = self._page_nbytes * num_pages
+        what = f"the {name} pool ({num_pages} pages of {self._page_nbytes} bytes)"
+        if self._nbytes > MAX_POOL_NBYTES:
             raise ConfigError(
                 config_field,
-                f"{what} would take {self.nbytes} bytes, more than the {MAX_POOL_NBYTES} a pool "
+                f"{what} would take {self._nbytes} bytes, more than the {MAX_POOL_NBYTES} a pool "
                 "may take",
             )
-        _check_fits(self.nbytes, dev, what, config_field)
-        self.allocator = PageAllocator(num_pages, name=name)
+        _check_fits(self._nbytes, dev, what, config_field)
+        self._allocator = PageAllocator(num_pages, name=name)
 
         nb, nl, ns = layout.num_buffers, layout.num_layers, page_size
         heads, width = layout.token_shape
@@ -195,10 +195,10 @@ class KVPool:
         else:
             shape = (num_pages, nb, nl, ns, heads, width)
         try:
-            data = torch.empty(shape, dtype=self.dtype, device=dev, pin_memory=pin_memory)
+            data = torch.empty(shape, dtype=self._dtype, device=dev, pin_memory=pin_memory)
         except (RuntimeError, OverflowError, MemoryError, TypeError) as exc:
             raise ConfigError(
-                config_field, f"cannot allocate {what}, {self.nbytes} bytes on {dev}: {exc}"
+                config_field, f"cannot allocate {what}, {self._nbytes} bytes on {dev}: {exc}"
             ) from exc
         raw = data.view(torch.uint8)
         raw.zero_()
@@ -227,8 +227,8 @@ class KVPool:
             self._seg_len = ns * nl * tl
         else:
             self._seg_bases = [0]
-            self._seg_stride = self.page_nbytes
-            self._seg_len = self.page_nbytes
+            self._seg_stride = self._page_nbytes
+            self._seg_len = self._page_nbytes
         self._flat: memoryview | None = None
         if dev.type == "cpu":
             array: np.ndarray[Any, Any] = raw.numpy().reshape(-1)
@@ -236,12 +236,12 @@ class KVPool:
 
     def _per_layer(self, t: torch.Tensor, layer: int) -> tuple[torch.Tensor, ...]:
         """Per-buffer [P, S, H, last] views of one layer of `t` (the pool in some element type)."""
-        nb, ns, np_ = self.layout.num_buffers, self.page_size, self.num_pages
+        nb, ns, np_ = self._layout.num_buffers, self._page_size, self._num_pages
         views: list[torch.Tensor] = []
         for b in range(nb):
-            if self.memory_layout == "layer_first":
+            if self._memory_layout == "layer_first":
                 v = t[b, layer].view(np_, ns, *t.shape[-2:])
-            elif self.memory_layout == "page_first":
+            elif self._memory_layout == "page_first":
                 v = t[b, :, layer].view(np_, ns, *t.shape[-2:])
             else:
                 v = t[:, b, layer]
@@ -250,15 +250,67 @@ class KVPool:
 
     def _layer_words(self, layer: int) -> torch.Tensor:
         """One [B, P, S, H, words] view of one layer, whatever the memory layout."""
-        words, ns, np_ = self._words, self.page_size, self.num_pages
-        nb = self.layout.num_buffers
-        if self.memory_layout == "layer_first":
+        words, ns, np_ = self._words, self._page_size, self._num_pages
+        nb = self._layout.num_buffers
+        if self._memory_layout == "layer_first":
             return words[:, layer].view(nb, np_, ns, *words.shape[-2:])
-        if self.memory_layout == "page_first":
+        if self._memory_layout == "page_first":
             return words[:, :, layer].view(nb, np_, ns, *words.shape[-2:])
         return words[:, :, layer].transpose(0, 1)
 
     # -- properties ---------------------------------------------------------------------------
+
+    # Read-only: the views, copies and page bounds were made for this shape, and the cache
+    # hands out pages only through this allocator.
+    @property
+    def layout(self) -> KVLayout:
+        """The KV layout of one token."""
+        return self._layout
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return self._num_pages
+
+    @property
+    def device(self) -> torch.device:
+        """The device the pool is on."""
+        return self._device
+
+    @property
+    def memory_layout(self) -> HostLayout:
+        """`layer_first`, `page_first` or `page_first_direct`."""
+        return self._memory_layout
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The element type."""
+        return self._dtype
+
+    @property
+    def name(self) -> str:
+        """The pool's name in logs and statistics."""
+        return self._name
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page."""
+        return self._page_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self._nbytes
+
+    @property
+    def allocator(self) -> PageAllocator:
+        """The allocator handing out this pool's pages."""
+        return self._allocator
 
     @property
     def data(self) -> torch.Tensor:
@@ -273,21 +325,21 @@ class KVPool:
     @property
     def token_major(self) -> bool:
         """Whether canonical page bytes are token-major (`page_first`)."""
-        return self.memory_layout == "page_first"
+        return self._memory_layout == "page_first"
 
     # -- views --------------------------------------------------------------------------------
 
     def _check_page(self, page: int) -> int:
         page = index_of(page, "page")
-        if not 0 <= page < self.num_pages:
-            raise ValueError(f"{self.name}: page {page} is out of range [0, {self.num_pages})")
+        if not 0 <= page < self._num_pages:
+            raise ValueError(f"{self._name}: page {page} is out of range [0, {self._num_pages})")
         return page
 
     def _check_layer(self, layer: int) -> int:
         layer = index_of(layer, "layer")
-        if not 0 <= layer < self.layout.num_layers:
+        if not 0 <= layer < self._layout.num_layers:
             raise ValueError(
-                f"{self.name}: layer {layer} is out of range [0, {self.layout.num_layers})"
+                f"{self._name}: layer {layer} is out of range [0, {self._layout.num_layers})"
             )
         return layer
 
@@ -300,12 +352,13 @@ class KVPool:
     def layer_buffers(self, layer: int) -> tuple[torch.Tensor, ...]:
         """Per buffer a [num_pages * page_size, heads, width] view of one layer: what attention
         kernels index by token slot (slot = page * page_size + offset). `layer_first` only."""
-        if self.memory_layout != "layer_first":
+        if self._memory_layout != "layer_first":
             raise ValueError(
-                f"{self.name}: layer_buffers needs the layer_first layout, not {self.memory_layout}"
+                f"{self._name}: layer_buffers needs the layer_first layout, "
+                f"not {self._memory_layout}"
             )
         layer = self._check_layer(layer)
-        return tuple(self._data[b, layer] for b in range(self.layout.num_buffers))
+        return tuple(self._data[b, layer] for b in range(self._layout.num_buffers))
 
     def copy_views(self, layer: int) -> torch.Tensor:
         """A [buffers, num_pages, page_size, heads, words] integer view of one layer.
@@ -326,9 +379,9 @@ class KVPool:
         row_words = words.shape[-2] * words.shape[-1]
         if per_token:
             return words.view(-1, row_words)
-        if self.memory_layout == "page_first":
+        if self._memory_layout == "page_first":
             raise ValueError("page_first pages are token-major: use per_token rows")
-        return words.view(-1, self.page_size * row_words)
+        return words.view(-1, self._page_size * row_words)
 
     def copy_row_index(
         self, pages: np.ndarray[Any, Any], *, per_token: bool
@@ -340,13 +393,13 @@ class KVPool:
         [buffers, len(pages) * page_size] array (rows of each page's tokens in order), so two
         pools' indices for the same pages pair up row for row whatever their memory layouts.
         """
-        nb, nl = self.layout.num_buffers, self.layout.num_layers
-        np_, ns = self.num_pages, self.page_size
+        nb, nl = self._layout.num_buffers, self._layout.num_layers
+        np_, ns = self._num_pages, self._page_size
         b = np.arange(nb, dtype=np.int64)[:, None]
         p = np.asarray(pages, dtype=np.int64)[None, :]
-        if self.memory_layout == "layer_first":
+        if self._memory_layout == "layer_first":
             rows, step = b * nl * np_ + p, np_
-        elif self.memory_layout == "page_first_direct":
+        elif self._memory_layout == "page_first_direct":
             rows, step = (p * nb + b) * nl, 1
         else:
             if not per_token:
@@ -366,7 +419,7 @@ class KVPool:
         directly.
         """
         if self._flat is None:
-            raise ValueError(f"{self.name}: page_segments needs a CPU pool, not {self.device}")
+            raise ValueError(f"{self._name}: page_segments needs a CPU pool, not {self._device}")
         page = self._check_page(page)
         flat, length = self._flat, self._seg_len
         offset = page * self._seg_stride
@@ -375,11 +428,11 @@ class KVPool:
     def _canonical_tensors(self, page: int) -> list[torch.Tensor]:
         """Byte tensors of one page in canonical order (any device)."""
         raw = self._data.view(torch.uint8)
-        ns, nb, nl = self.page_size, self.layout.num_buffers, self.layout.num_layers
+        ns, nb, nl = self._page_size, self._layout.num_buffers, self._layout.num_layers
         lo, hi = page * ns, (page + 1) * ns
-        if self.memory_layout == "layer_first":
+        if self._memory_layout == "layer_first":
             return [raw[b, layer, lo:hi] for b in range(nb) for layer in range(nl)]
-        if self.memory_layout == "page_first":
+        if self._memory_layout == "page_first":
             return [raw[b, lo:hi] for b in range(nb)]
         return [raw[page]]
 
@@ -395,8 +448,8 @@ class KVPool:
         """Overwrite one page with canonical bytes (exactly `page_nbytes` of them)."""
         page = self._check_page(page)
         src = memoryview(data).cast("B")
-        if src.nbytes != self.page_nbytes:
-            raise ValueError(f"{self.name}: a page is {self.page_nbytes} bytes, got {src.nbytes}")
+        if src.nbytes != self._page_nbytes:
+            raise ValueError(f"{self._name}: a page is {self._page_nbytes} bytes, got {src.nbytes}")
         if self._flat is not None:
             start = 0
             for segment in self.page_segments(page):
@@ -416,21 +469,21 @@ class KVPool:
     def statistics(self) -> PoolStatistics:
         """A snapshot of the pool's shape and occupancy."""
         return PoolStatistics(
-            name=self.name,
-            device=str(self.device),
-            memory_layout=self.memory_layout,
-            num_pages=self.num_pages,
-            page_nbytes=self.page_nbytes,
-            free=self.allocator.free_count,
-            used=self.allocator.used_count,
+            name=self._name,
+            device=str(self._device),
+            memory_layout=self._memory_layout,
+            num_pages=self._num_pages,
+            page_nbytes=self._page_nbytes,
+            free=self._allocator.free_count,
+            used=self._allocator.used_count,
             pinned=self._pinned,
         )
 
     def __repr__(self) -> str:
         return (
-            f"KVPool(name={self.name!r}, device={str(self.device)!r}, "
-            f"memory_layout={self.memory_layout!r}, pages={self.allocator.used_count}/"
-            f"{self.num_pages} used, page_nbytes={self.page_nbytes}, pinned={self._pinned})"
+            f"KVPool(name={self._name!r}, device={str(self._device)!r}, "
+            f"memory_layout={self._memory_layout!r}, pages={self._allocator.used_count}/"
+            f"{self._num_pages} used, page_nbytes={self._page_nbytes}, pinned={self._pinned})"
         )
 
 

@@ -47,17 +47,17 @@ class Request:
         "_host_node",
         "_host_pages",
         "_joining",
+        "_keys",
         "_load",
         "_load_lock",
         "_lock_node",
         "_new_pages",
         "_page_table",
+        "_priority",
         "_private_pages",
         "_released",
-        "keys",
-        "priority",
-        "request_id",
-        "tokens",
+        "_request_id",
+        "_tokens",
     )
 
     def __init__(
@@ -71,10 +71,10 @@ class Request:
         priority: int = 0,
     ) -> None:
         self._cache = cache
-        self.priority = priority
-        self.tokens = tokens
-        self.keys = keys
-        self.request_id = request_id
+        self._priority = priority
+        self._tokens = tokens
+        self._keys = keys
+        self._request_id = request_id
         self._lock_node: TreeNode | None = match.device_node
         self._page_table: list[int] = list(match.device_pages)
         self._cached_pages = match.num_device_pages
@@ -97,9 +97,32 @@ class Request:
 
     # -- what the request has -------------------------------------------------------------
 
+    # Read-only, `keys` a copy: `commit()` inserts the request's pages under its keys, with
+    # its priority, for as many pages as its tokens fill; changed afterwards, they would
+    # publish its KV under another prompt's keys, or a priority no page header can hold.
+    @property
+    def tokens(self) -> np.ndarray[Any, Any]:
+        """The token ids (a `uint32` numpy array)."""
+        return self._tokens
+
+    @property
+    def keys(self) -> list[bytes]:
+        """A copy of the page keys."""
+        return list(self._keys)
+
+    @property
+    def priority(self) -> int:
+        """The priority the request's pages are inserted with, as given."""
+        return self._priority
+
+    @property
+    def request_id(self) -> str | None:
+        """The id given to `HiCache.request()`, if any."""
+        return self._request_id
+
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self._tokens)
 
     @property
     def device_tokens(self) -> int:
@@ -264,15 +287,15 @@ class Request:
             raise RuntimeError("commit() before the load finished: await the load first")
         cache = self._cache
         page_size = cache.config.page_size
-        full = len(self.tokens) // page_size
+        full = len(self._tokens) // page_size
         start = self._cached_pages
         count = full - start
         if count <= 0:
             if full > 0:
                 # Nothing to insert, but the prompt's pages take its priority as an insert
                 # would give it: pages read back from storage came in without theirs.
-                found = cache._tree.match(self.keys[:full], touch=False)
-                cache._tree.raise_priority(found.host_node, self.priority)
+                found = cache._tree.match(self._keys[:full], touch=False)
+                cache._tree.raise_priority(found.host_node, self._priority)
             return 0
         if len(self._new_pages) < count:
             raise RuntimeError(
@@ -284,7 +307,7 @@ class Request:
         self._committed = True
         pages = self._new_pages[:count]
         result = cache._tree.insert(
-            self.keys[:full], device_pages=self._page_table[:full], priority=self.priority
+            self._keys[:full], device_pages=self._page_table[:full], priority=self._priority
         )
         own = set(pages)
         duplicates = [p for p in result.duplicate_device_pages if p in own]

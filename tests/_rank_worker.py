@@ -126,6 +126,13 @@ def stats(group: TorchRankGroup) -> Result:
 async def collectives(ctx: Ctx) -> Result:
     g, rank, size = ctx.group, ctx.rank, ctx.size
     out: Result = {"rank": g.rank, "size": g.size}
+    refused = []
+    for name in ("rank", "size"):
+        try:
+            setattr(g, name, 0)
+        except AttributeError:
+            refused.append(name)
+    out["refused"] = refused
     out["min"] = await g.all_min(value_for(rank))
     out["max"] = await g.all_max(value_for(rank))
     out["numpy_max"] = await g.all_max(np.int64(rank))  # type: ignore[arg-type]

@@ -327,6 +327,24 @@ async def test_constructor_validates() -> None:
                     AdminApp(cache, token=TOKEN, **{name: bad})
 
 
+async def test_what_the_constructor_checked_cannot_be_changed_afterwards() -> None:
+    # Assigned later, a body limit or timeout skipped the checks above, and another cache
+    # would have been served through the first one's loop.
+    async with HiCache(_config()) as cache, HiCache(_config()) as other:
+        app = AdminApp(cache, token=TOKEN, max_body_bytes=64)
+        for name, value in (
+            ("max_body_bytes", 0),
+            ("path_prefix", "admin"),
+            ("attach_timeout_s", float("nan")),
+            ("body_timeout_s", -1.0),
+            ("send_timeout_s", float("inf")),
+            ("cache", other),
+        ):
+            with pytest.raises(AttributeError):
+                setattr(app, name, value)
+        assert (app.cache, app.max_body_bytes, app.path_prefix) == (cache, 64, "")
+
+
 # -- storage status, attach, detach -------------------------------------------------------
 
 

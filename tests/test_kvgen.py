@@ -145,6 +145,18 @@ def test_generator_rejects_foreign_pools() -> None:
         gen.check_page(KVPool(LAYOUT, PAGE * 2, 1), 0, _tokens(PAGE), 0)
 
 
+def test_a_generators_seed_layout_and_page_size_cannot_be_reassigned() -> None:
+    # The words are mixed from the seed and layout once: a seed assigned afterwards named a
+    # generator of another rank or run that still wrote the first one's bytes.
+    gen = KVGenerator(LAYOUT, PAGE, seed=0)
+    first = gen.page_bytes(_tokens(PAGE), 0)
+    for name, value in (("seed", 1), ("layout", MLA), ("page_size", PAGE * 2)):
+        with pytest.raises(AttributeError):
+            setattr(gen, name, value)
+    assert (gen.seed, gen.layout, gen.page_size) == (0, LAYOUT, PAGE)
+    assert KVGenerator(LAYOUT, PAGE, seed=1).page_bytes(_tokens(PAGE), 0) != first
+
+
 def test_thue_morse_prompt_and_its_complement_differ() -> None:
     # A linear prefix hash (sum of (tok + 1) * P^(t - i) mod 2^64) maps this pair, which
     # differs at every one of 2048 positions, to the same hash: the Prouhet-Thue-Morse

@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from hicache_async import CacheConfig, HiCache, prometheus_collector
+from hicache_async._metrics import Histogram
 from hicache_async.storage import MemoryStorage, StorageStats
 
 PAGE = 4
@@ -120,3 +121,17 @@ async def test_the_collector_without_its_extra_names_it(
         ) as raised:
             prometheus_collector(cache)
     assert (raised.value.name or "").split(".")[0] == "prometheus_client"
+
+
+async def test_a_caches_histograms_and_their_names_cannot_be_replaced() -> None:
+    # Replaced, a histogram started again from zero (an exported count going down) or
+    # was exported under another name.
+    async with HiCache(_config()) as cache:
+        cache.prefetch_wait.observe(0.5)
+        for name in ("prefetch_wait", "storage_get_latency", "storage_put_latency"):
+            with pytest.raises(AttributeError):
+                setattr(cache, name, Histogram(name))
+            with pytest.raises(AttributeError):
+                getattr(cache, name).name = "other"
+        assert cache.prefetch_wait.snapshot().count == 1
+        assert "hicache_prefetch_wait_seconds_count 1" in cache.metrics_text()

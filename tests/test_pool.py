@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from hicache_async import HiCache
+from hicache_async._allocator import PageAllocator
 from hicache_async._config import MAX_POOL_NBYTES, CacheConfig, HostLayout, KVLayout
 from hicache_async._errors import ConfigError
 from hicache_async._pool import KVPool, PoolStatistics, make_pools
@@ -309,3 +311,35 @@ def test_cuda_pools() -> None:
     data = os.urandom(device_pool.page_nbytes)
     device_pool.write_page(3, data)
     assert device_pool.read_page(3) == data
+
+
+async def test_a_pools_shape_and_allocator_cannot_be_replaced_under_its_cache() -> None:
+    # Given a fresh allocator, the cache handed a second request the device pages the first
+    # still wrote its KV into; a changed page size or count no longer matched the views.
+    config = CacheConfig(
+        layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=4),
+        page_size=4,
+        device_pages=4,
+        host_pages=8,
+    )
+    async with HiCache(config) as cache:
+        pool = cache.device_pool
+        with cache.request(list(range(8))) as first:
+            held = await first.allocate(8)
+            for name, value in (
+                ("allocator", PageAllocator(4, name="device")),
+                ("page_size", 2),
+                ("num_pages", 8),
+                ("page_nbytes", 1),
+                ("nbytes", 1),
+                ("layout", KVLayout(num_layers=2, num_kv_heads=1, head_dim=4)),
+                ("memory_layout", "page_first"),
+                ("device", torch.device("meta")),
+                ("dtype", torch.float32),
+                ("name", "host"),
+            ):
+                with pytest.raises(AttributeError):
+                    setattr(pool, name, value)
+            with cache.request(list(range(100, 108))) as second:
+                assert not set(await second.allocate(8)) & set(held)
+        assert (pool.page_size, pool.num_pages, pool.name) == (4, 4, "device")

@@ -191,6 +191,44 @@ class HeldLookups(Unowned):
         return await self.inner.exists(keys)
 
 
+async def test_a_prefetchs_keys_and_figures_cannot_be_changed_while_it_runs() -> None:
+    # The workers read the handle's own key list: cut in place while the lookup was held,
+    # the prefetch read half the prompt while its counts were for all of it.
+    config = _config()
+    prompt = np.random.default_rng(3).integers(0, 5000, size=8 * PAGE)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        await _store(memory, config, prompt)
+        store = HeldLookups(memory)
+        async with HiCache(config, storage=store) as cache:
+            store.hold = asyncio.get_running_loop().create_future()
+            handle = await cache.start_prefetch(prompt, request_id="A")
+            await asyncio.wait_for(store.held.wait(), 30)
+            del handle.keys[4:]
+            for name, value in (
+                ("keys", []),
+                ("status", PrefetchStatus.COMPLETE),
+                ("storage_tokens", 8 * PAGE),
+                ("num_tokens", PAGE),
+                ("min_tokens", 10**9),
+                ("priority", 1 << 40),
+                ("request_id", "B"),
+            ):
+                with pytest.raises(AttributeError):
+                    setattr(handle, name, value)
+            assert handle.status is PrefetchStatus.RUNNING
+            store.hold, gate = None, store.hold
+            gate.set_result(None)
+            result = await asyncio.wait_for(handle.wait(), 30)
+            assert result.status is PrefetchStatus.COMPLETE
+            assert result.storage_tokens == 8 * PAGE
+            assert handle.keys == cache.keys_for(prompt)
+            stats = cache.storage_status().prefetch
+            assert stats is not None
+            assert stats.pages_read == _counted(stats) == 8
+            await cache.drain()
+            assert_drained(cache)
+
+
 def _workload(seed: int, count: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Prompts over a few shared prefixes (so reads are shared and cut short), and the
     prefixes storage holds (part of each prompt: the rest is a miss at `exists`)."""

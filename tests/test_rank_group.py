@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import structlog
 
-from hicache_async import ConfigError, HiCacheError
+from hicache_async import CacheConfig, ConfigError, HiCache, HiCacheError, KVLayout
 from hicache_async.distributed import (
     AgreementMismatch,
     BackgroundAgreements,
@@ -136,6 +136,8 @@ def test_all_min_all_max(world: World) -> None:
     values = [rw.value_for(rank) for rank in range(world.size)]
     for rank, r in enumerate(world.results("collectives")):
         assert (r["rank"], r["size"]) == (rank, world.size)
+        # Assigned, they made a cache's checked rank disagree with the group's collectives.
+        assert r["refused"] == ["rank", "size"]
         assert r["min"] == min(values)
         assert r["max"] == max(values)
         assert r["numpy_max"] == world.size - 1
@@ -279,6 +281,20 @@ def test_plain_calls_paired_with_other_calls_raise_on_every_rank(world: World) -
 
 
 # -- in-process tests ---------------------------------------------------------------------
+
+
+async def test_a_single_ranks_rank_and_size_cannot_be_changed_under_its_cache() -> None:
+    # The cache checks them against tp_rank/tp_size only when it is made: changed afterwards,
+    # the group it agrees through no longer matches its configuration.
+    group = SingleRank()
+    HiCache(
+        CacheConfig(layout=KVLayout(num_layers=1, num_kv_heads=1, head_dim=4), device_pages=4),
+        rank_group=group,
+    )
+    for name in ("rank", "size"):
+        with pytest.raises(AttributeError):
+            setattr(group, name, 2)
+    assert (group.rank, group.size) == (0, 1)
 
 
 async def test_single_rank_collectives() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import numpy as np
 import pytest
 from _gated_copies import (
     PAGE,
@@ -269,3 +270,49 @@ async def test_a_release_from_another_thread_changes_nothing() -> None:
         thread.start()
         thread.join()
         assert len(raised) == 1  # only the first call's
+
+
+# -- what commit() publishes ------------------------------------------------------------------
+
+
+async def test_a_requests_keys_tokens_and_priority_cannot_be_changed_before_its_commit() -> None:
+    # commit() inserts the request's pages under its keys, with its priority: a key list
+    # changed in place published this prompt's KV as another prompt's, and a priority set
+    # past check_priority reached the tree (and every page header of its backups).
+    async with HiCache(config()) as cache:
+        other = list(range(300, 300 + 2 * PAGE))
+        with cache.request(A, priority=3, request_id="a") as req:
+            req.keys[:] = cache.keys_for(other)
+            for name, value in (
+                ("keys", cache.keys_for(other)),
+                ("tokens", np.arange(4 * PAGE, dtype=np.uint32)),
+                ("priority", 1 << 40),
+                ("request_id", "b"),
+            ):
+                with pytest.raises(AttributeError):
+                    setattr(req, name, value)
+            assert (req.keys, req.priority, req.request_id) == (cache.keys_for(A), 3, "a")
+            assert req.tokens.tolist() == A
+            await req.allocate(len(A))
+            assert req.commit() == 2
+        assert cache.match(other).device_tokens == 0
+        assert cache.match(A).device_tokens == len(A)
+        await cache.drain()
+        assert_drained(cache)
+
+
+async def test_a_loads_layer_count_cannot_be_changed_under_its_copy() -> None:
+    # The engine copies `num_layers` layers: raised by assignment, it asked the pools for a
+    # layer they do not have, and the load failed, its host run to be computed again.
+    async with host_cache(None, A) as (cache, generator):
+        with cache.request(B) as req:
+            load = await req.load()
+            for name in ("num_layers", "num_pages", "nbytes"):
+                with pytest.raises(AttributeError):
+                    setattr(load, name, 10**6)
+            await asyncio.wait_for(load, 30)
+            assert load.layers_landed == load.num_layers == cache.config.layout.num_layers
+            await compute_rest(cache, generator, req)
+            assert req.commit() == 2
+        await cache.drain()
+        assert_drained(cache)

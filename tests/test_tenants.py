@@ -15,6 +15,7 @@ from hicache_async import (
     KVLayout,
     Namespace,
     PrefetchConfig,
+    page_keys,
 )
 from hicache_async.testing import KVGenerator, serve
 
@@ -78,6 +79,24 @@ def test_a_cache_of_whole_pages_refuses_a_ranks_namespace(
     assert raised.value.field == "namespace"
     assert "Namespace.from_config(config)" in str(raised.value)
     assert "without a rank_salt" in str(raised.value)
+
+
+def test_a_caches_namespace_config_and_rank_group_cannot_be_swapped_after_the_checks() -> None:
+    # Assigned after construction, rank 0's namespace had rank 1 back up and read its shard
+    # under rank 0's keys, past the check above; another config's page size split prompts
+    # into pages the pools were not made for.
+    cache = HiCache(_config(1, 2))
+    own = cache.namespace
+    for name, value in (
+        ("namespace", Namespace.from_config(_config(0, 2))),
+        ("config", _config(0, 2)),
+        ("rank_group", None),
+    ):
+        with pytest.raises(AttributeError):
+            setattr(cache, name, value)
+    assert cache.namespace is own
+    assert cache.config == _config(1, 2)
+    assert cache.keys_for(np.arange(PAGE)) == page_keys(np.arange(PAGE), PAGE, own.seed)
 
 
 @pytest.mark.parametrize(

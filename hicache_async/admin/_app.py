@@ -195,12 +195,12 @@ class AdminApp:
         prefix = path_prefix.rstrip("/")
         if prefix and not prefix.startswith("/"):
             raise ValueError(f"path_prefix must start with '/', got {path_prefix!r}")
-        self.cache = cache
-        self.max_body_bytes = max_body_bytes
-        self.path_prefix = prefix
-        self.attach_timeout_s = float(attach_timeout_s)
-        self.body_timeout_s = float(body_timeout_s)
-        self.send_timeout_s = float(send_timeout_s)
+        self._cache: HiCache = cache
+        self._max_body_bytes = max_body_bytes
+        self._path_prefix = prefix
+        self._attach_timeout_s = float(attach_timeout_s)
+        self._body_timeout_s = float(body_timeout_s)
+        self._send_timeout_s = float(send_timeout_s)
         self._token = token
         self._loop = CacheLoop(cache)
         # Serialises admin changes on the cache's loop: check, detach, attach, probe.
@@ -217,6 +217,37 @@ class AdminApp:
             },
             METRICS_PATH: {"GET": self._get_metrics},
         }
+
+    # Read-only: checked above once, and the app is bound to this cache's loop (`_loop`).
+    @property
+    def cache(self) -> HiCache:
+        """The cache the app administers."""
+        return self._cache
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body taken."""
+        return self._max_body_bytes
+
+    @property
+    def path_prefix(self) -> str:
+        """The prefix the routes are served under, without its trailing `/`."""
+        return self._path_prefix
+
+    @property
+    def attach_timeout_s(self) -> float:
+        """Seconds a `PUT` has to open and check its backend."""
+        return self._attach_timeout_s
+
+    @property
+    def body_timeout_s(self) -> float:
+        """Seconds a request body has to arrive."""
+        return self._body_timeout_s
+
+    @property
+    def send_timeout_s(self) -> float:
+        """Seconds a response has to be taken."""
+        return self._send_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point (``http`` and ``lifespan`` scopes; websockets are refused)."""
@@ -253,11 +284,11 @@ class AdminApp:
                 "hicache.admin.response_not_read",
                 path=scope.get("path"),
                 client=_client(scope),
-                send_timeout_s=self.send_timeout_s,
+                send_timeout_s=self._send_timeout_s,
             )
 
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
-        timeout_s = self.send_timeout_s
+        timeout_s = self._send_timeout_s
         try:
             self._authorize(scope)
             handler = self._route(scope)
@@ -371,8 +402,8 @@ class AdminApp:
         # Servers and routers disagree on whether `path` still starts with `root_path`.
         candidates = [path[len(root) :], path] if root and path.startswith(root) else [path]
         for candidate in candidates:
-            if candidate.startswith(self.path_prefix):
-                local = candidate[len(self.path_prefix) :]
+            if candidate.startswith(self._path_prefix):
+                local = candidate[len(self._path_prefix) :]
                 if local in self._routes:
                     return local
         return None
@@ -380,7 +411,7 @@ class AdminApp:
     # -- routes -----------------------------------------------------------------------------
 
     async def _get_storage(self, scope: Scope, receive: Receive) -> _Response:
-        status = await self._loop.call(self.cache.storage_status)
+        status = await self._loop.call(self._cache.storage_status)
         return _json(200, status)
 
     async def _put_storage(self, scope: Scope, receive: Receive) -> _Response:
@@ -403,9 +434,8 @@ class AdminApp:
             raise HTTPError(
                 415, "unsupported_media_type", "the request body must be application/json"
             )
-        request = _decode(
-            await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s), AttachRequest
-        )
+        body = await read_body(scope, receive, self._max_body_bytes, self._body_timeout_s)
+        request = _decode(body, AttachRequest)
         scheme = _SCHEME_URL.match(request.url)
         # Off the loop: the entry-point scan reads every installed distribution's metadata.
         schemes = await anyio.to_thread.run_sync(storage_schemes)
@@ -437,7 +467,7 @@ class AdminApp:
         return _json(200, status)
 
     async def _delete_storage(self, scope: Scope, receive: Receive) -> _Response:
-        body = await read_body(scope, receive, self.max_body_bytes, self.body_timeout_s)
+        body = await read_body(scope, receive, self._max_body_bytes, self._body_timeout_s)
         request = DetachRequest()
         if body.strip():
             content_type = header(scope, b"content-type")
@@ -457,7 +487,7 @@ class AdminApp:
         return _json(200, status)
 
     async def _get_metrics(self, scope: Scope, receive: Receive) -> _Response:
-        text = await self._loop.call(self.cache.metrics_text)
+        text = await self._loop.call(self._cache.metrics_text)
         return _Response(200, text.encode(), _METRICS_TYPE)
 
     # -- on the cache's loop ----------------------------------------------------------------
@@ -465,7 +495,7 @@ class AdminApp:
     def _open_backend(self, url: str) -> StorageBackend:
         try:
             # Set up as the cache would (its MAC key): pages are signed and checked alike.
-            return self.cache.open_storage(url)
+            return self._cache.open_storage(url)
         except (StorageConfigError, ValueError, TypeError) as exc:
             raise HTTPError(400, "invalid_storage_url", redact(str(exc), url=url)) from None
         except Exception as exc:
@@ -487,7 +517,7 @@ class AdminApp:
     async def _attach_locked(
         self, request: AttachRequest, client: str | None, attaching: _Attaching
     ) -> tuple[StorageStatus, str | None]:
-        cache = self.cache
+        cache = self._cache
         async with self._lock:
             # A bad URL is a 400 whatever is attached; the backend is only constructed here.
             backend = self._open_backend(request.url)
@@ -517,7 +547,7 @@ class AdminApp:
                 # One bound for opening, attaching and checking: a backend that never answers
                 # (a URL `timeout`, connection retries) must not hold the lock DELETE waits on.
                 # A DELETE cancels the same scope: the open gives way as it does to the bound.
-                with anyio.move_on_after(self.attach_timeout_s) as deadline:
+                with anyio.move_on_after(self._attach_timeout_s) as deadline:
                     attaching.scope = deadline
                     if not attaching.cancelled:  # else a DELETE came while waiting or replacing
                         await cache.attach_storage(backend)
@@ -557,7 +587,7 @@ class AdminApp:
                     "storage_timeout",
                     redact(
                         f"storage {backend.name!r} did not open and answer within "
-                        f"{self.attach_timeout_s:g} s, so it was not attached{lost}",
+                        f"{self._attach_timeout_s:g} s, so it was not attached{lost}",
                         url=request.url,
                     ),
                 )
@@ -586,7 +616,7 @@ class AdminApp:
             return HTTPError(400, "invalid_storage_url", redact(str(exc), url=url))
         # Refused only once the old backend was detached (a file root that cannot be made):
         # 502 with what was lost, as for any other failure after the detach.
-        status = self.cache.storage_status()
+        status = self._cache.storage_status()
         if (
             isinstance(exc, HiCacheError)
             and not isinstance(exc, StorageError)
@@ -603,7 +633,7 @@ class AdminApp:
         Attaches this app started before it are cancelled first (they answer 409
         `attach_cancelled`), so that it waits for none to open.
         """
-        cache = self.cache
+        cache = self._cache
         for attaching in self._attaching:
             attaching.cancel()
         async with self._lock:
@@ -612,4 +642,4 @@ class AdminApp:
             return cache.storage_status(), before.backend
 
     def __repr__(self) -> str:
-        return f"<AdminApp prefix={self.path_prefix!r} max_body_bytes={self.max_body_bytes}>"
+        return f"<AdminApp prefix={self._path_prefix!r} max_body_bytes={self._max_body_bytes}>"

@@ -49,10 +49,17 @@ class RankGroup(Protocol):
     afterwards does not withdraw it (its result is dropped), so ranks stay in step.
     """
 
-    #: this process's rank in the group, in [0, size).
-    rank: int
-    #: the number of ranks.
-    size: int
+    # Read-only members: a cache checks them against its configuration once, when it is made
+    # (a plain attribute satisfies them too).
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group, in [0, size)."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+        ...
 
     async def all_min(self, value: int, *, tag: int | None = None) -> int:
         """The minimum of `value` (a signed 64-bit integer) over all ranks.
@@ -169,9 +176,17 @@ class SingleRank:
     """
 
     def __init__(self) -> None:
-        self.rank = 0
-        self.size = 1
         self._collectives = 0
+
+    @property
+    def rank(self) -> int:
+        """Always 0."""
+        return 0
+
+    @property
+    def size(self) -> int:
+        """Always 1."""
+        return 1
 
     def __repr__(self) -> str:
         return f"<SingleRank collectives={self._collectives}>"

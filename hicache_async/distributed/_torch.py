@@ -130,9 +130,6 @@ class TorchRankGroup:
     `create`, destroy the process group.
     """
 
-    rank: int
-    size: int
-
     def __init__(self, group: dist.ProcessGroup | None = None, *, timeout_s: float = 30.0) -> None:
         timeout = _check_timeout("timeout_s", timeout_s)
         if not dist.is_available():
@@ -168,8 +165,8 @@ class TorchRankGroup:
         # None once `aclose` destroyed it: an owned group's TCPStore keeps listening on its
         # port for as long as anything references the group.
         self._group: dist.ProcessGroup | None = group
-        self.rank = group.rank()
-        self.size = group.size()
+        self._rank: int = group.rank()
+        self._size: int = group.size()
         self._timeout_s = timeout_s
         self._timeout = timeout
         self._worker = worker
@@ -254,6 +251,18 @@ class TorchRankGroup:
         self = cls.__new__(cls)
         self._setup(group, timeout_s, timeout, worker, owned=True)
         return self
+
+    # Read-only: a cache checks them against its configuration once, and the collectives
+    # (rank 0's broadcast, each rank's slot in a gather) follow the process group's own.
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+        return self._size
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "broken" if self._broken else "ok"

@@ -55,9 +55,9 @@ class KVGenerator:
     def __init__(self, layout: KVLayout, page_size: int, *, seed: int = 0) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.layout = layout
-        self.page_size = page_size
-        self.seed = seed
+        self._layout = layout
+        self._page_size = page_size
+        self._seed = seed
         heads, width = layout.token_shape
         self._row_nbytes = width * layout.itemsize
         words = -(-self._row_nbytes // 8)
@@ -77,6 +77,23 @@ class KVGenerator:
         # the next call's prompt starts with that prefix). One tuple, replaced whole, so a
         # generator shared by threads never pairs a prefix with another prefix's state.
         self._resume: tuple[bytes, Any] = (b"", hashlib.blake2b(digest_size=8))
+
+    # Read-only: the words were mixed from the seed and the layout once, above; assigned
+    # afterwards, they would name an oracle that still wrote the old bytes.
+    @property
+    def layout(self) -> KVLayout:
+        """The layout the bytes are made for."""
+        return self._layout
+
+    @property
+    def page_size(self) -> int:
+        """Tokens per page."""
+        return self._page_size
+
+    @property
+    def seed(self) -> int:
+        """The seed mixed into every word."""
+        return self._seed
 
     def _token_hashes(self, toks: np.ndarray[Any, Any], start: int, end: int) -> list[int]:
         """h_t for t in [start, end): the 64-bit hash of the token ids 0..t."""
@@ -102,7 +119,7 @@ class KVGenerator:
         """
         if page_index < 0:
             raise ValueError(f"page_index must be >= 0, got {page_index}")
-        ns = self.page_size
+        ns = self._page_size
         end = (page_index + 1) * ns
         toks = as_token_array(tokens)
         if len(toks) < end:
@@ -142,15 +159,15 @@ class KVGenerator:
         raise AssertionError(
             f"{pool.name} page {page} does not hold prompt page {page_index}: "
             f"{int(diff.sum())} bytes differ, the first (byte {first}) at buffer {buffer} "
-            f"layer {layer} token {token} (position {page_index * self.page_size + token}) "
+            f"layer {layer} token {token} (position {page_index * self._page_size + token}) "
             f"head {head}"
         )
 
     def _locate(self, offset: int, *, token_major: bool) -> tuple[int, int, int, int]:
         """(buffer, layer, token, head) of a byte offset into a page's canonical bytes."""
-        layers, ns = self.layout.num_layers, self.page_size
+        layers, ns = self._layout.num_layers, self._page_size
         row = self._row_nbytes
-        tl = self.layout.token_layer_nbytes
+        tl = self._layout.token_layer_nbytes
         head = (offset % tl) // row
         cell = offset // tl
         if token_major:
@@ -162,8 +179,10 @@ class KVGenerator:
         return buffer, layer, token, head
 
     def _check_pool(self, pool: KVPool) -> None:
-        if pool.layout != self.layout or pool.page_size != self.page_size:
+        if pool.layout != self._layout or pool.page_size != self._page_size:
             raise ValueError(f"{pool.name} has another layout or page size than this generator")
 
     def __repr__(self) -> str:
-        return f"KVGenerator(layout={self.layout!r}, page_size={self.page_size}, seed={self.seed})"
+        return (
+            f"KVGenerator(layout={self._layout!r}, page_size={self._page_size}, seed={self._seed})"
+        )

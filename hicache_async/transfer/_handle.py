@@ -32,20 +32,20 @@ class LayerwiseCopy:
         "_exception",
         "_landed",
         "_loop",
+        "_nbytes",
+        "_num_layers",
+        "_num_pages",
         "_on_finish",
         "_waiters",
-        "nbytes",
-        "num_layers",
-        "num_pages",
     )
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, num_layers: int, num_pages: int, nbytes: int = 0
     ) -> None:
         self._loop = loop
-        self.num_layers = num_layers
-        self.num_pages = num_pages
-        self.nbytes = nbytes
+        self._num_layers = num_layers
+        self._num_pages = num_pages
+        self._nbytes = nbytes
         self._landed = 0
         self._done = False
         self._exception: BaseException | None = None
@@ -76,8 +76,8 @@ class LayerwiseCopy:
         """
         self._check_loop()
         i = index_of(i, "layer")
-        if not 0 <= i < self.num_layers:
-            raise ValueError(f"layer {i} is out of range [0, {self.num_layers})")
+        if not 0 <= i < self._num_layers:
+            raise ValueError(f"layer {i} is out of range [0, {self._num_layers})")
         if i < self._landed:
             return
         if self._exception is not None:
@@ -95,7 +95,7 @@ class LayerwiseCopy:
             raise self._exception
 
     async def _wait_all(self) -> None:
-        await self.layer(self.num_layers - 1)
+        await self.layer(self._num_layers - 1)
 
     def __await__(self) -> Generator[Any, None, None]:
         """Wait until every layer has landed (raising the copy's error if it failed)."""
@@ -108,6 +108,22 @@ class LayerwiseCopy:
     def exception(self) -> BaseException | None:
         """The copy's error, or None if it succeeded or is still running."""
         return self._exception
+
+    # Read-only: the engine copies `num_layers` layers, and the copy is done once they landed.
+    @property
+    def num_layers(self) -> int:
+        """Layers the copy moves."""
+        return self._num_layers
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the copy moves."""
+        return self._num_pages
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the copy moves."""
+        return self._nbytes
 
     @property
     def layers_landed(self) -> int:
@@ -134,7 +150,7 @@ class LayerwiseCopy:
         if self._done or layer < self._landed:
             return
         self._landed = layer + 1
-        if self._landed >= self.num_layers:
+        if self._landed >= self._num_layers:
             self._finish()
             return
         self._wake(self._landed)
@@ -161,7 +177,7 @@ class LayerwiseCopy:
                 self._loop.call_exception_handler(
                     {"message": "LayerwiseCopy done callback failed", "exception": exc}
                 )
-        self._wake(self.num_layers)
+        self._wake(self._num_layers)
 
     def _wake(self, below: int) -> None:
         remaining: list[tuple[int, asyncio.Future[None]]] = []
@@ -180,5 +196,5 @@ class LayerwiseCopy:
         elif self._done:
             state = "done"
         else:
-            state = f"{self._landed}/{self.num_layers} layers landed"
-        return f"<LayerwiseCopy pages={self.num_pages} layers={self.num_layers} {state}>"
+            state = f"{self._landed}/{self._num_layers} layers landed"
+        return f"<LayerwiseCopy pages={self._num_pages} layers={self._num_layers} {state}>"

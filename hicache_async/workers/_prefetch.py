@@ -296,33 +296,33 @@ class PrefetchHandle:
         "_counted_to",
         "_cut_at_failed",
         "_deadline",
+        "_device_tokens",
         "_done",
         "_group",
         "_held",
+        "_host_tokens",
         "_in_queue",
         "_kept_for_others",
+        "_keys",
+        "_min_tokens",
+        "_num_tokens",
         "_order",
         "_owner",
         "_policy",
         "_prefetcher",
+        "_priority",
         "_read_end",
         "_reading",
+        "_request_id",
         "_scope",
         "_seq",
         "_started",
+        "_status",
+        "_storage_tokens",
         "_terminated",
         "_timed_out",
         "_waited",
         "_waiting",
-        "device_tokens",
-        "host_tokens",
-        "keys",
-        "min_tokens",
-        "num_tokens",
-        "priority",
-        "request_id",
-        "status",
-        "storage_tokens",
     )
 
     def __init__(
@@ -353,22 +353,21 @@ class PrefetchHandle:
         # the cache's prefetch starts (see `StartOrder`).
         self._order: StartOrder | None = None
         self._seq = 0
-        self.priority = priority
-        #: below this many uncached tokens the prefetch is skipped (default: the threshold).
-        self.min_tokens = min_tokens
+        self._priority = priority
+        self._min_tokens = min_tokens
         self._agreed: int | None = None
         # The deepest node of the prefix this rank offered in its agreement, protected until
         # `ready()` returns, so it stays cached while the ranks agree on it.
         self._held: TreeNode | None = None
         self._agreeing = 0  # ready() calls in their agreement (they share one hold)
-        self.keys = keys
-        self.num_tokens = num_tokens
-        self.request_id = request_id
+        self._keys = keys
+        self._num_tokens = num_tokens
+        self._request_id = request_id
         self._policy = policy
-        self.status = PrefetchStatus.QUEUED
-        self.device_tokens = 0
-        self.host_tokens = 0
-        self.storage_tokens = 0
+        self._status = PrefetchStatus.QUEUED
+        self._device_tokens = 0
+        self._host_tokens = 0
+        self._storage_tokens = 0
         # Pages up to this one are to be read from storage: the prompt's end until `exists`
         # answers, then the end of the prefix it found (the rest counted as misses).
         self._read_end = len(keys)
@@ -399,19 +398,67 @@ class PrefetchHandle:
         self._done = asyncio.Event()
         self._started = time.monotonic()
 
+    # Read-only, `keys` a copy: the workers read these keys, count their pages against
+    # `_read_end` and `_counted_to`, and set the status and figures; changed from outside,
+    # the prefetch statistics would no longer add up and a queued one could end unfreed.
+    @property
+    def keys(self) -> list[bytes]:
+        """A copy of the page keys being prefetched."""
+        return list(self._keys)
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's length in tokens."""
+        return self._num_tokens
+
+    @property
+    def request_id(self) -> str | None:
+        """The id given to `start_prefetch`, if any."""
+        return self._request_id
+
+    @property
+    def priority(self) -> int:
+        """The priority the pages read are inserted with."""
+        return self._priority
+
+    @property
+    def min_tokens(self) -> int | None:
+        """Below this many uncached tokens the prefetch is skipped (None: the threshold)."""
+        return self._min_tokens
+
+    @property
+    def status(self) -> PrefetchStatus:
+        """Where the prefetch stands."""
+        return self._status
+
+    @property
+    def device_tokens(self) -> int:
+        """Tokens on the device when the prefetch started (cut to what is cached at its end)."""
+        return self._device_tokens
+
+    @property
+    def host_tokens(self) -> int:
+        """Tokens in the host pool when the prefetch started (cut likewise)."""
+        return self._host_tokens
+
+    @property
+    def storage_tokens(self) -> int:
+        """Tokens landed from storage for this prefetch so far."""
+        return self._storage_tokens
+
     def done(self) -> bool:
         return self._done.is_set()
 
     def result(self) -> PrefetchResult:
         """What has landed so far (final once `done()`)."""
-        cached = self.device_tokens + self.host_tokens + self.storage_tokens
+        cached = self._device_tokens + self._host_tokens + self._storage_tokens
         return PrefetchResult(
-            request_id=self.request_id,
-            status=self.status,
-            num_tokens=self.num_tokens,
-            device_tokens=self.device_tokens,
-            host_tokens=self.host_tokens,
-            storage_tokens=self.storage_tokens,
+            request_id=self._request_id,
+            status=self._status,
+            num_tokens=self._num_tokens,
+            device_tokens=self._device_tokens,
+            host_tokens=self._host_tokens,
+            storage_tokens=self._storage_tokens,
             wait_s=time.monotonic() - self._started,
             agreed_tokens=cached if self._agreed is None else min(cached, self._agreed),
         )
@@ -566,10 +613,10 @@ class PrefetchHandle:
         except CollectiveError as exc:
             # A broken group: the ranks cannot agree, so none may use what it fetched.
             if self._cache is not None:
-                self._cache._agreement_failed(exc, request_id=self.request_id)
+                self._cache._agreement_failed(exc, request_id=self._request_id)
             else:
                 _log.warning(
-                    "hicache.tp.agreement.failed", request_id=self.request_id, error=repr(exc)
+                    "hicache.tp.agreement.failed", request_id=self._request_id, error=repr(exc)
                 )
             self._agreed = 0
         finally:
@@ -584,7 +631,7 @@ class PrefetchHandle:
 
     def _agreement_tag(self) -> int:
         # The last key names the whole prefix (keys are chained).
-        return agreement_tag("prefetch", self.num_tokens, *self.keys[-1:])
+        return agreement_tag("prefetch", self._num_tokens, *self._keys[-1:])
 
     async def _enter_unstarted(self) -> None:
         """In place of `ready()`, for a prefetch whose start was cancelled or failed (its
@@ -597,7 +644,7 @@ class PrefetchHandle:
     def _hold_cached(self) -> int:
         """Protect the prefix cached now, and return its length in tokens: what
         this rank can still serve when the agreement returns."""
-        cached = self.device_tokens + self.host_tokens + self.storage_tokens
+        cached = self._device_tokens + self._host_tokens + self._storage_tokens
         cache = self._cache
         if cache is None:
             return cached  # a handle made outside a cache: nothing to hold
@@ -605,7 +652,7 @@ class PrefetchHandle:
         self._release()  # a second, concurrent ready() on this handle: hold once, not twice
         if cache._state != "open":
             return 0
-        here, self._held = cache._hold_prefix(self.keys)
+        here, self._held = cache._hold_prefix(self._keys)
         # Pages landed but since evicted are gone: offer only what is really there.
         return min(cached, here)
 
@@ -626,7 +673,7 @@ class PrefetchHandle:
             self._observe(began)
             return
         if self._deadline is None:
-            limit = self._prefetcher.config.timeout_for(self.num_tokens) - self._waited
+            limit = self._prefetcher.config.timeout_for(self._num_tokens) - self._waited
             self._deadline = began + max(0.0, limit)
         with anyio.move_on_after(max(0.0, self._deadline - began)):
             await self._done.wait()
@@ -639,14 +686,14 @@ class PrefetchHandle:
 
     def _finish(self, status: PrefetchStatus) -> None:
         if not self.done():
-            self.status = status
+            self._status = status
             self._done.set()
 
     def __repr__(self) -> str:
         return (
-            f"<PrefetchHandle {self.request_id or hex(id(self))} {self.status.value} "
-            f"tokens={self.num_tokens} device={self.device_tokens} host={self.host_tokens} "
-            f"storage={self.storage_tokens}>"
+            f"<PrefetchHandle {self._request_id or hex(id(self))} {self._status.value} "
+            f"tokens={self._num_tokens} device={self._device_tokens} host={self._host_tokens} "
+            f"storage={self._storage_tokens}>"
         )
 
 
@@ -934,7 +981,7 @@ class Prefetcher:
         """Whether the first page `handle` has to read is one whose read just failed."""
         if not self.failed_reads:
             return False
-        keys = handle.keys
+        keys = handle._keys
         found = self._cache._tree.match(keys, touch=False)
         start = found.num_device_pages + found.num_host_pages
         return self.failed_reads.first(keys[start : start + 1], self._inflight) == 0
@@ -1078,7 +1125,7 @@ class Prefetcher:
             # those at once): no read of it would be used.
             self._ended(handle, PrefetchStatus.TERMINATED)
             return
-        handle.status = PrefetchStatus.RUNNING
+        handle._status = PrefetchStatus.RUNNING
         self._running.add(handle)
         status = PrefetchStatus.CANCELLED
         try:
@@ -1117,25 +1164,25 @@ class Prefetcher:
         """Cut what `handle` reports to what is cached now: the first match's pages, or
         pages landed since, may have been evicted meanwhile (newest figures first)."""
         cache = self._cache
-        found = cache._tree.match(handle.keys, touch=False)
+        found = cache._tree.match(handle._keys, touch=False)
         here = (found.num_device_pages + found.num_host_pages) * cache.config.page_size
         excess = handle.device_tokens + handle.host_tokens + handle.storage_tokens - here
         cut = min(max(excess, 0), handle.storage_tokens)
-        handle.storage_tokens -= cut
+        handle._storage_tokens -= cut
         excess -= cut
         cut = min(max(excess, 0), handle.host_tokens)
-        handle.host_tokens -= cut
+        handle._host_tokens -= cut
         excess -= cut
-        handle.device_tokens -= min(max(excess, 0), handle.device_tokens)
+        handle._device_tokens -= min(max(excess, 0), handle.device_tokens)
 
     async def _fetch(self, handle: PrefetchHandle) -> PrefetchStatus:
         cache = self._cache
         tree = cache._tree
         size = cache.config.page_size
-        keys = handle.keys
+        keys = handle._keys
         found = tree.match(keys, touch=False)
-        handle.device_tokens = found.num_device_pages * size
-        handle.host_tokens = found.num_host_pages * size
+        handle._device_tokens = found.num_device_pages * size
+        handle._host_tokens = found.num_host_pages * size
         start = handle._counted_to = found.num_device_pages + found.num_host_pages
         if start == len(keys):
             return PrefetchStatus.COMPLETE  # everything is cached already
@@ -1261,7 +1308,7 @@ class Prefetcher:
         host = cache._host_pool
         assert host is not None
         size = cache.config.page_size
-        keys = handle.keys
+        keys = handle._keys
         # A chain never repeats a key; keys that do (a forged manifest entry) would give one
         # host page two places in the tree. Read no further than the first repeat.
         if len(set(keys[:end])) < end:
@@ -1287,7 +1334,7 @@ class Prefetcher:
         # pages in its counters (every page it read is): `landed` also grows with pages it
         # reads again once evicted, which no one shared.
         self.pages_shared += handle._count_until(min(begin, end))
-        handle.storage_tokens = landed * size
+        handle._storage_tokens = landed * size
         failing = self.failed_reads.first(keys[begin:end], self._inflight)
         if failing is not None:
             # Read no further than a page whose read just failed: the rest are misses, but
@@ -1414,7 +1461,7 @@ class Prefetcher:
                     self.pages_shared += run - pos  # each time it waits for them
                     handle._count_until(begin + run)
                     landed = min(landed + run - pos, cap)
-                    handle.storage_tokens = landed * size  # what ready() reports meanwhile
+                    handle._storage_tokens = landed * size  # what ready() reports meanwhile
                     pos = run
                     continue
                 # An own page starts a planned batch: the ones before it all landed.
@@ -1445,7 +1492,7 @@ class Prefetcher:
                         self._inflight.pop(k, None)
                     landed = min(landed + ok, cap)
                     own_landed += ok
-                    handle.storage_tokens = landed * size  # what ready() reports meanwhile
+                    handle._storage_tokens = landed * size  # what ready() reports meanwhile
                 pos += ok
                 if ok < len(batch):
                     failed.update(
@@ -1487,7 +1534,7 @@ class Prefetcher:
             tree.unprotect_host(anchor)
             # What is evicted by the end is cut once, when the prefetch finishes
             # (`_report_only_cached`).
-            handle.storage_tokens = landed * size
+            handle._storage_tokens = landed * size
             # Only what this prefetch read: a shared page counts for the one that read it.
             cache._counters.tokens_storage += own_landed * size
         if handle._kept_for_others and isinstance(status, PrefetchStatus):
