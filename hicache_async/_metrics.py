@@ -15,7 +15,6 @@ import msgspec
 
 from ._pool import PoolStatistics
 from ._stats import TierTokens
-from .storage._file import FileStorageStats
 from .storage._protocol import StorageStats
 from .transfer._protocol import CopyStatistics
 from .tree._results import TreeStatistics
@@ -99,9 +98,6 @@ _GAUGE_SECTIONS: tuple[tuple[str, str, type[msgspec.Struct]], ...] = (
     ("tree", "tree", TreeStatistics),
     ("copy_engine", "copy_engine", CopyStatistics),
 )
-# The built-in backends' own StorageStats subclasses, whose declared fields are exported
-# too (a third party's subclass exports only those StorageStats declares).
-_BACKEND_STATS: tuple[type[StorageStats], ...] = (FileStorageStats,)
 # StorageStatus fields exported as gauges, and the record type of each.
 _STORAGE_SECTIONS: tuple[tuple[str, type[msgspec.Struct]], ...] = (
     ("storage", StorageStats),
@@ -131,10 +127,7 @@ def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
     for section, kind in _STORAGE_SECTIONS:
         record = None if status is None else getattr(status, section)
         if record is not None:
-            declared = kind
-            if section == "storage":
-                declared = next((k for k in _BACKEND_STATS if isinstance(record, k)), kind)
-            for name, value in _flatten(f"hicache_{section}", record, declared):
+            for name, value in _flatten(f"hicache_{section}", record, kind):
                 yield name, "gauge", value
     for histogram in cache._histograms():
         yield f"hicache_{histogram.name}_seconds", "histogram", histogram.snapshot()

@@ -21,7 +21,7 @@ import uvicorn
 from test_file_storage import _keys as _file_keys
 from test_file_storage import _put as _file_put
 
-from hicache_async import CacheConfig, HiCache, HiCacheError, KVLayout
+from hicache_async import CacheConfig, CacheStatistics, HiCache, HiCacheError, KVLayout
 from hicache_async._errors import StorageConfigError
 from hicache_async._ratelog import LogLimiter
 from hicache_async.admin import AdminApp
@@ -369,8 +369,15 @@ async def test_a_file_stores_refused_writes_show_in_status_statistics_and_metric
             status = cache.storage_status()
             assert isinstance(status.storage, FileStorageStats)
             assert status.storage.refused_writes == 3
-            encoded = msgspec.json.decode(msgspec.json.encode(cache.statistics()))
+            stats = cache.statistics()
+            encoded = msgspec.json.decode(msgspec.json.encode(stats))
             assert encoded["storage"]["storage"]["refused_writes"] == 3
+            # The snapshot decodes back to itself, the count included.
+            for again in (
+                msgspec.json.decode(msgspec.json.encode(stats), type=CacheStatistics),
+                msgspec.msgpack.decode(msgspec.msgpack.encode(stats), type=CacheStatistics),
+            ):
+                assert again == stats
             served = await client.get(STORAGE, headers=AUTH)
             assert served.json()["storage"]["refused_writes"] == 3
             metrics = (await client.get("/metrics", headers=AUTH)).text

@@ -115,12 +115,9 @@ __all__ = ["FileStorage", "FileStorageStats", "FsyncPolicy", "default_root"]
 FsyncPolicy = Literal["none", "data", "always"]
 
 
-class FileStorageStats(StorageStats, frozen=True):
-    """A file store's counters: `StorageStats` and its own."""
-
-    #: Pages `put` could not store because the file system refused them (`refused_writes`):
-    #: MISSes, not errors, so without it a full or read-only disk shows in no counter.
-    refused_writes: int = 0
+#: What `FileStorage.stats()` answers: `StorageStats`, whose `refused_writes` every backend
+#: carries (a subclass of its own would decode from a snapshot's JSON as `StorageStats`).
+FileStorageStats = StorageStats
 
 
 _T = TypeVar("_T")
@@ -1985,10 +1982,9 @@ class FileStorage(BackendBase):
         if interrupted is not None:
             raise interrupted
 
-    def stats(self) -> FileStorageStats:
+    def stats(self) -> StorageStats:
         """Counters and occupancy, without I/O; `refused_writes` too."""
-        base = super().stats()
-        return FileStorageStats(**msgspec.structs.asdict(base), refused_writes=self._refused_writes)
+        return msgspec.structs.replace(super().stats(), refused_writes=self._refused_writes)
 
     def _occupancy(self) -> tuple[int, int, int | None]:
         return len(self._index), self._bytes, self._capacity

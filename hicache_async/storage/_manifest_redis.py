@@ -149,6 +149,7 @@ class ReadScripts:
         "_name",
         "_read_only_told",
         "clock",
+        "manifest_retry_at",
         "manifest_scripting",
         "read_only",
         "window_retry_at",
@@ -167,8 +168,10 @@ class ReadScripts:
         #: is tried again (None: it is in use).
         self.window_retry_at: float | None = None
         #: False once the manifests' scripts are refused as a command (scripting disabled,
-        #: a proxy): every manifest of the store then uses plain commands.
+        #: a proxy): every manifest of the store then uses plain commands, until a retry
+        #: at `manifest_retry_at` finds them allowed again.
         self.manifest_scripting = True
+        self.manifest_retry_at: float | None = None
 
     def refuse_read_only(self, error: BaseException | str) -> None:
         """EVAL from now on: `error`, the reply to an EVAL_RO, refused it (said once per
@@ -179,11 +182,32 @@ class ReadScripts:
             _log.info("hicache.redis.eval_ro_refused", backend=self._name, error=str(error))
 
     def refuse_manifest_scripting(self, error: BaseException) -> None:
-        """Plain commands for every manifest of the store from now on: `error` refused a
-        manifest's script as a command (said once per store)."""
+        """Plain commands for every manifest of the store until the retry, a minute on:
+        `error` refused a manifest's script as a command (said once per store, not at
+        every retry still refused)."""
         if self.manifest_scripting:
             self.manifest_scripting = False
             _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(error))
+        self.manifest_retry_at = self.clock() + SCRIPT_RETRY_S
+
+    def manifest_may_script(self) -> bool:
+        """Whether a manifest's next step runs its script: while allowed, and where refused,
+        one step a minute (the refusal may be over: rights restored, a proxy replaced)."""
+        if self.manifest_scripting:
+            return True
+        retry_at = self.manifest_retry_at
+        if retry_at is None or self.clock() < retry_at:
+            return False
+        self.manifest_retry_at = self.clock() + SCRIPT_RETRY_S
+        return True
+
+    def manifest_script_ran(self) -> None:
+        """A manifest's script ran: where it was refused, scripts are back for every manifest
+        of the store."""
+        if not self.manifest_scripting:
+            self.manifest_scripting = True
+            self.manifest_retry_at = None
+            _log.info("hicache.manifest.scripting_restored", backend=self._name)
 
 
 async def run_read_only(
@@ -538,8 +562,9 @@ class RedisManifest:
     @property
     def _scripting(self) -> bool:
         """Whether to run the scripts: chosen at construction, and not refused as a command
-        to any manifest of the store."""
-        return self._scripting_chosen and self._scripts.manifest_scripting
+        to any manifest of the store (or refused, and due for the retry: a step that reads
+        this runs its script)."""
+        return self._scripting_chosen and self._scripts.manifest_may_script()
 
     # The protocol.
 
@@ -1044,7 +1069,7 @@ class RedisManifest:
             # EVAL_RO first.
             scripts.window_retry_at = scripts.clock() + SCRIPT_RETRY_S
             scripts.read_only = True
-        if self._scripting and (retry_at is None or retrying):
+        if (retry_at is None or retrying) and self._scripting:
             if self._window is None:
                 self._window = client.register_script(_WINDOW_SCRIPT)
             args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, room]
@@ -1072,6 +1097,7 @@ class RedisManifest:
             except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
             else:
+                scripts.manifest_script_ran()
                 if retrying and scripts.window_retry_at is not None:
                     scripts.window_retry_at = None
                     _log.info("hicache.manifest.read_scripted", backend=self._name)
@@ -1186,14 +1212,16 @@ class RedisManifest:
         self, script: AsyncScript, keys: list[str], args: list[bytes | int]
     ) -> tuple[bool, Any]:
         """(True, its reply), or (False, None) once scripting is refused here (disabled, a
-        proxy, an ACL): logged, and the plain commands are used from then on."""
+        proxy, an ACL): logged, and the plain commands are used until the retry."""
         try:
-            return True, await script(keys=keys, args=args)
+            reply = await script(keys=keys, args=args)
         except ResponseError as exc:
             if not scripting_refused(exc):
                 raise named_in_script(exc, script.script) from None
             self._scripts.refuse_manifest_scripting(exc)
             return False, None
+        self._scripts.manifest_script_ran()
+        return True, reply
 
     async def _repair_unscripted(self, client: Redis, key: str, meta: str) -> list[str]:
         """The repair without scripting: check the types (and read `gen`) under WATCH, then

@@ -89,6 +89,12 @@ class StorageStats(msgspec.Struct, frozen=True):
     corrupt: int = 0
     errors: int = 0
     evictions: int = 0
+    #: Pages `put` could not store because the storage refused them (a file store: no room
+    #: even after evicting, a read-only file system, a file size limit): MISSes, not errors,
+    #: so without it a full or read-only disk shows in no counter. 0 where a backend counts
+    #: none. Declared here, not in a backend's subclass, so that a snapshot decodes back to
+    #: itself: `statistics()` types `storage` as this class.
+    refused_writes: int = 0
 
 
 @runtime_checkable

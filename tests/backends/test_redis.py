@@ -1536,6 +1536,48 @@ async def test_the_manifest_says_once_per_store_that_scripting_is_refused(
     assert not fresh._scripting  # a new one knows, before any call
 
 
+async def _script_calls(admin: aioredis.Redis) -> int:
+    """How many script calls (EVAL, EVALSHA and their read-only forms) the server ran."""
+    stats = await admin.info("commandstats")
+    names = ("eval", "eval_ro", "evalsha", "evalsha_ro")
+    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in names)
+
+
+async def test_the_manifest_tries_its_scripts_again_once_a_minute(redis_url: str) -> None:
+    # Scripting refused once (an ACL changed for a while, a proxy): every manifest the store
+    # built afterwards went without it for the life of the store, rights restored or not.
+    keys = [os.urandom(32) for _ in range(2)]
+    async with RedisStorage.from_url(fresh_url(redis_url)) as writer:
+        await writer.manifest().append([chain_entry(NS, keys, 32, 0, time.time())])
+        prefix = writer.prefix
+    now = [1000.0]
+    refused = ("~*", "+@all", "-eval", "-eval_ro", "-evalsha", "-evalsha_ro")
+    async with (
+        acl_user(redis_url, *refused) as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix)) as reader,
+    ):
+        reader._scripts.clock = lambda: now[0]
+        with structlog.testing.capture_logs() as logs:
+            assert len((await reader.manifest().read()).entries) == 1
+            now[0] += 61  # tried again, still refused: nothing said
+            assert len((await reader.manifest().read()).entries) == 1
+            granted = ("+eval", "+eval_ro", "+evalsha", "+evalsha_ro")
+            await admin.execute_command("ACL", "SETUSER", user, *granted)
+            now[0] += 59  # within the minute: plain commands still
+            calls = await _script_calls(admin)
+            assert len((await reader.manifest().read()).entries) == 1
+            assert await _script_calls(admin) == calls
+            now[0] += 2
+            assert len((await reader.manifest().read()).entries) == 1
+            assert await _script_calls(admin) > calls
+            assert reader.manifest()._scripting  # back for every manifest of the store
+            await reader.manifest().append([chain_entry(NS, keys[:1], 16, 0, time.time())])
+        assert reader.stats().errors == 0
+    events = [e["event"] for e in logs if e["event"].startswith("hicache.manifest.")]
+    assert events == ["hicache.manifest.no_scripting", "hicache.manifest.scripting_restored"]
+    assert assert_documented(logs, exact=["hicache.manifest.scripting_restored"]) >= 1
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_a_command_refused_inside_a_script_is_named_among_those_it_runs(
     redis_url: str, bulk: int
