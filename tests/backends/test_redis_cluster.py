@@ -644,6 +644,40 @@ async def test_a_delete_removes_the_pages_of_the_live_primaries(fault: str) -> N
                 assert len(pages_on(victim, backend.prefix)) >= len(dead) - 256
 
 
+async def test_a_delete_refused_some_keys_removes_and_counts_the_others(
+    redis_cluster: RedisClusterServer,
+) -> None:
+    # A node that answered with a refusal for some DELs (an error reply each) counted as a
+    # node that did not answer: the call raised though the others were removed, and the keys
+    # after the refusal in its pipeline stayed in `stats()`.
+    user = f"u{uuid.uuid4().hex[:12]}"
+    admins = [node_client(node) for node in redis_cluster.nodes]
+    try:
+        for admin in admins:
+            admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+        url = fresh_url(redis_cluster.url.replace("redis://", f"redis://{user}:pw@"))
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(60)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 60
+            rules = [f"%W~{backend.prefix}:{d}*" for d in "01234567"]
+            for admin in admins:
+                admin.execute_command("ACL", "SETUSER", user, "resetkeys", "%R~*", *rules)
+            errors = backend.stats().errors
+            with structlog.testing.capture_logs() as logs:
+                removed = await asyncio.wait_for(backend.delete(keys), FAULT_TIMEOUT_S)
+            left = sum(len(pages_on(node, backend.prefix)) for node in redis_cluster.nodes)
+            assert removed == 60 - left
+            assert left == sum(1 for k in keys if k.hex()[0] not in "01234567")
+            assert backend.stats().pages == left
+            assert backend.stats().bytes == left * (HEADER_NBYTES + 3000)
+            assert backend.stats().errors > errors
+            assert [r for r in logs if r["event"] == "storage.redis.delete_failed"]
+    finally:
+        for admin in admins:
+            admin.acl_deluser(user)
+            admin.close()
+
+
 class _LosesANodeBeforeEvicting(RedisStorage):
     """Kills `victim` once gc has listed the pages, before it removes any."""
 
