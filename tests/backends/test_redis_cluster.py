@@ -762,6 +762,48 @@ async def test_a_frozen_primary_replaced_by_its_replica_is_left_for_the_replica(
                 os.kill(pid, signal.SIGCONT)
 
 
+@pytest.mark.parametrize("fault", ["stopped", "killed"])
+async def test_a_lost_first_primary_without_replica_leaves_the_others_served(fault: str) -> None:
+    # A timeout or a lost connection marks the slot map stale; learning it again asked the
+    # first primary of the map for the command table, and while that node was lost every
+    # call failed, the keys of the nodes that answer included (a frozen one: a `timeout` or
+    # more each).
+    with RedisClusterServer() as cluster:
+        url = fresh_url(cluster.url, timeout=1)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(60)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 60
+            (victim,) = [node for node in cluster.nodes if 0 in slots_of(node)]
+            lost_slots = slots_of(victim)
+            alive = [k for k in keys if key_slot(backend._rkey(k)) not in lost_slots]
+            assert 0 < len(alive) < 60
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+
+                async def batches() -> None:
+                    for _ in range(3):  # each fails on the lost node
+                        outcomes = await backend.get(keys, buffers(60), namespace=NS)
+                        assert outcomes.count(Outcome.OK) == len(alive)
+                    for _ in range(2):
+                        into = buffers(len(alive))
+                        outcomes = await backend.get(alive, into, namespace=NS)
+                        assert outcomes == [Outcome.OK] * len(alive)
+                    more, more_pages, more_metas = make_pages(60)
+                    outcomes = await backend.put(more, more_pages, more_metas)
+                    on_live = [key_slot(backend._rkey(k)) not in lost_slots for k in more]
+                    assert [o == Outcome.OK for o in outcomes] == on_live
+
+                await asyncio.wait_for(batches(), FAULT_TIMEOUT_S)
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
+
+
 async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
     # A cluster node's pool does not wait: past max_connections redis-py fails the call and
     # closes every connection under the others. The backend runs at most max_connections
