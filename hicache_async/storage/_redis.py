@@ -34,7 +34,15 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import AuthenticationError, MovedError, NoPermissionError, ResponseError
+from redis.exceptions import (
+    AskError,
+    AuthenticationError,
+    ClusterDownError,
+    MovedError,
+    NoPermissionError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from .._errors import StorageConfigError, StorageError, type_name
@@ -279,6 +287,29 @@ def _retry() -> Retry:
     return Retry(
         ExponentialBackoff(cap=0.2, base=0.02), retries=2, supported_errors=(RedisConnectionError,)
     )
+
+
+#: Error replies by which a cluster node says it does not serve the key's slot now: the
+#: node is down for that call, not refusing one key.
+_NOT_SERVED = (ClusterDownError, TryAgainError, MovedError, AskError)
+
+
+def _refused(error: Exception) -> bool:
+    """Whether `error`, in place of a command's reply, is the server refusing that command
+    (it ran the others of the pipeline), not a failure of the connection or of the node."""
+    return isinstance(error, (ResponseError, ReplyError)) and not isinstance(error, _NOT_SERVED)
+
+
+class _DeletesFailed(StorageError):
+    """A delete pipeline with `failed` DELs that got an error instead of a reply; `removed`
+    of the others removed their key. `answered`: every such error is the server's error
+    reply (it ran the pipeline), not a connection lost or timed out under it."""
+
+    def __init__(self, message: str, *, failed: int, removed: int, answered: bool) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.removed = removed
+        self.answered = answered
 
 
 class _Stream(NamedTuple):
@@ -2321,7 +2352,8 @@ class RedisStorage(BackendBase):
         self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
     ) -> tuple[int, int, int]:
         """DEL the keys: (how many existed, their bytes, how many were left on cluster nodes
-        that failed while others answered: counted in `errors`, not removed).
+        that failed or refused their DEL while others answered: counted in `errors`, not
+        removed).
 
         Each DEL comes with a STRLEN for the byte count. Where STRLEN is refused (an ACL
         that lists commands, a proxy), a key's bytes are the length its value was just read
@@ -2358,6 +2390,19 @@ class RedisStorage(BackendBase):
                     cancelled = await finish_uncancelled(
                         self._delete_batch(client, batch, sizes, totals)
                     )
+                except _DeletesFailed as exc:
+                    if len(groups) == 1:
+                        raise
+                    fault = fault or exc
+                    self._batch_failed("storage.redis.delete_failed", str(exc))
+                    if exc.answered:
+                        # The node refused some DELs and ran the others: only the refused
+                        # keys are left, and its next pipelines are still sent.
+                        failed += exc.failed
+                        answered = True
+                        continue
+                    failed += len(group) - start - exc.removed
+                    break
                 except StorageError as exc:
                     if len(groups) == 1:
                         raise
@@ -2404,10 +2449,17 @@ class RedisStorage(BackendBase):
                 for rkey in list(self._unsettled)[: len(self._unsettled) - _MAX_UNSETTLED]:
                     del self._unsettled[rkey]
             raise StorageError(f"{self._name}: delete failed: {exc}") from exc
+        # A server that refused a DEL ran the others of the pipeline, those after it too:
+        # each one that removed its key is counted before the failure is raised.
+        fault: Exception | None = None
+        failed = removed = 0
+        answered = True
         for k, (sized, deleted) in enumerate(zip(results[::2], results[1::2], strict=True)):
             if isinstance(deleted, Exception):
-                self._counters.errors += 1
-                raise StorageError(f"{self._name}: delete failed: {deleted}")
+                fault = fault or deleted
+                failed += 1
+                answered = answered and _refused(deleted)
+                continue
             if self._strlen and isinstance(sized, Exception) and _read_refused(sized):
                 self._strlen = False  # learnt from the header from now on
                 log.warning("storage.redis.strlen_refused", backend=self._name, error=str(sized))
@@ -2420,6 +2472,15 @@ class RedisStorage(BackendBase):
                 size = _nbytes_from_start(sized)
             totals[0] += 1
             totals[1] += self._uncount(size)
+            removed += 1
+        if fault is not None:
+            self._counters.errors += 1
+            raise _DeletesFailed(
+                f"{self._name}: delete failed: {fault}",
+                failed=failed,
+                removed=removed,
+                answered=answered,
+            )
 
     async def _settle_deletes(self, rkeys: Sequence[bytes]) -> None:
         """Uncount those of `rkeys` whose DEL got no reply (see `_delete_batch`) and that are

@@ -27,6 +27,11 @@
   given: a silent node took over twice `timeout` to fail a call. `timeout` is the bound the
   user set on a call, so here a timeout is not retried; a lost or refused connection, MOVED,
   ASK, TRYAGAIN and CLUSTERDOWN still are.
+* **Command table.** redis-py asks the first primary of its slot map for the command table
+  (`COMMAND`) each time it learns the map, and fails the call if that node does not answer:
+  a lost first primary (down, or frozen once a timeout marks the map stale: below) failed
+  every call, the keys of the nodes that answer included, until it came back. The table
+  is asked once and kept.
 * **Scripts.** redis-py sends SCRIPT LOAD to every primary and fails if one does not answer;
   here it fails only when none took the script, so a lost primary fails the scripts of its
   own keys only.
@@ -48,7 +53,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextvars import ContextVar
 from typing import Any
 
-from redis.asyncio.cluster import ClusterPipeline, RedisCluster
+from redis._parsers import AsyncCommandsParser
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
@@ -78,6 +84,16 @@ class _LastFreedFirst(collections.deque[Connection]):
         return connection
 
 
+class _KeptCommands(AsyncCommandsParser):
+    """The command table, asked of a node once (see "Command table" above)."""
+
+    async def initialize(self, node: ClusterNode | None = None) -> None:
+        if node is not None:
+            self.node = node
+        if not self.commands:
+            await super().initialize(node)
+
+
 def closed_by_server(connection: object) -> bool:
     """Whether the server has closed `connection` (its end of stream already received)."""
     reader = getattr(connection, "_reader", None)
@@ -105,6 +121,7 @@ class GuardedCluster(RedisCluster):
     def __init__(self, *args: Any, turns: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._turns = asyncio.Semaphore(turns)
+        self.commands_parser = _KeptCommands()
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:

@@ -1223,6 +1223,30 @@ def user_url(redis_url: str, user: str, **params: object) -> str:
     return fresh_url(redis_url.replace("redis://", f"redis://{user}:pw@"), **params)
 
 
+async def test_a_delete_refused_some_keys_uncounts_every_key_it_removed(redis_url: str) -> None:
+    # The server runs every DEL of a pipeline, those after a refused one too; only the keys
+    # before the first refusal were taken off the counts, so `stats()` kept counting pages
+    # the server had removed.
+    async with (
+        acl_user(redis_url, "~*", "+@all") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user)) as backend,
+    ):
+        keys, pages, metas = make_pages(40)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 40
+        writable = re.compile("[0-7]")
+        # The refused keys first: the old count stopped at the first one.
+        keys.sort(key=lambda k: bool(writable.match(k.hex())))
+        assert not writable.match(keys[0].hex())
+        rules = [f"%W~{backend.prefix}:{d}*" for d in "01234567"]
+        await admin.execute_command("ACL", "SETUSER", user, "resetkeys", "%R~*", *rules)
+        with pytest.raises(StorageError, match="no permissions"):
+            await backend.delete(keys)
+        left = await admin.exists(*(f"{backend.prefix}:{k.hex()}" for k in keys))
+        assert 0 < left < 40
+        assert backend.stats().pages == left
+        assert backend.stats().bytes == left * (HEADER_NBYTES + 3000)
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int) -> None:
     # A user that may read but not write: every SET answers NOPERM.

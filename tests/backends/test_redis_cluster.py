@@ -644,6 +644,40 @@ async def test_a_delete_removes_the_pages_of_the_live_primaries(fault: str) -> N
                 assert len(pages_on(victim, backend.prefix)) >= len(dead) - 256
 
 
+async def test_a_delete_refused_some_keys_removes_and_counts_the_others(
+    redis_cluster: RedisClusterServer,
+) -> None:
+    # A node that answered with a refusal for some DELs (an error reply each) counted as a
+    # node that did not answer: the call raised though the others were removed, and the keys
+    # after the refusal in its pipeline stayed in `stats()`.
+    user = f"u{uuid.uuid4().hex[:12]}"
+    admins = [node_client(node) for node in redis_cluster.nodes]
+    try:
+        for admin in admins:
+            admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all"])
+        url = fresh_url(redis_cluster.url.replace("redis://", f"redis://{user}:pw@"))
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(60)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 60
+            rules = [f"%W~{backend.prefix}:{d}*" for d in "01234567"]
+            for admin in admins:
+                admin.execute_command("ACL", "SETUSER", user, "resetkeys", "%R~*", *rules)
+            errors = backend.stats().errors
+            with structlog.testing.capture_logs() as logs:
+                removed = await asyncio.wait_for(backend.delete(keys), FAULT_TIMEOUT_S)
+            left = sum(len(pages_on(node, backend.prefix)) for node in redis_cluster.nodes)
+            assert removed == 60 - left
+            assert left == sum(1 for k in keys if k.hex()[0] not in "01234567")
+            assert backend.stats().pages == left
+            assert backend.stats().bytes == left * (HEADER_NBYTES + 3000)
+            assert backend.stats().errors > errors
+            assert [r for r in logs if r["event"] == "storage.redis.delete_failed"]
+    finally:
+        for admin in admins:
+            admin.acl_deluser(user)
+            admin.close()
+
+
 class _LosesANodeBeforeEvicting(RedisStorage):
     """Kills `victim` once gc has listed the pages, before it removes any."""
 
@@ -726,6 +760,48 @@ async def test_a_frozen_primary_replaced_by_its_replica_is_left_for_the_replica(
                 assert await backend.put(more, more_pages, more_metas) == [Outcome.OK] * 12
             finally:
                 os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("fault", ["stopped", "killed"])
+async def test_a_lost_first_primary_without_replica_leaves_the_others_served(fault: str) -> None:
+    # A timeout or a lost connection marks the slot map stale; learning it again asked the
+    # first primary of the map for the command table, and while that node was lost every
+    # call failed, the keys of the nodes that answer included (a frozen one: a `timeout` or
+    # more each).
+    with RedisClusterServer() as cluster:
+        url = fresh_url(cluster.url, timeout=1)
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(60)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 60
+            (victim,) = [node for node in cluster.nodes if 0 in slots_of(node)]
+            lost_slots = slots_of(victim)
+            alive = [k for k in keys if key_slot(backend._rkey(k)) not in lost_slots]
+            assert 0 < len(alive) < 60
+            pid = victim.pid
+            assert pid is not None
+            if fault == "killed":
+                victim.kill()
+            else:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+
+                async def batches() -> None:
+                    for _ in range(3):  # each fails on the lost node
+                        outcomes = await backend.get(keys, buffers(60), namespace=NS)
+                        assert outcomes.count(Outcome.OK) == len(alive)
+                    for _ in range(2):
+                        into = buffers(len(alive))
+                        outcomes = await backend.get(alive, into, namespace=NS)
+                        assert outcomes == [Outcome.OK] * len(alive)
+                    more, more_pages, more_metas = make_pages(60)
+                    outcomes = await backend.put(more, more_pages, more_metas)
+                    on_live = [key_slot(backend._rkey(k)) not in lost_slots for k in more]
+                    assert [o == Outcome.OK for o in outcomes] == on_live
+
+                await asyncio.wait_for(batches(), FAULT_TIMEOUT_S)
+            finally:
+                if fault == "stopped":
+                    os.kill(pid, signal.SIGCONT)
 
 
 async def test_more_batches_than_connections_wait_for_a_turn(redis_cluster_url: str) -> None:
