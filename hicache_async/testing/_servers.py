@@ -703,36 +703,32 @@ class RedisClusterServer:
         self.stop()
 
 
-def _replica_synced(port: int) -> bool:
-    """The node on `port` is a replica whose link to its primary is up."""
+def _reply(port: int, command: bytes, field: bytes, end: bytes) -> bytes:
+    """The node on `port`'s reply to `command`, read until it holds `field` and ends with
+    `end`; empty if the node cannot be reached."""
     try:
         with socket.create_connection((_HOST, port), timeout=1) as sock:
-            sock.sendall(b"INFO replication\r\n")
+            sock.sendall(command)
             data = b""
-            while b"role:" not in data or not data.endswith(b"\r\n\r\n"):
+            while field not in data or not data.endswith(end):
                 chunk = sock.recv(65536)
                 if not chunk or len(data) > 1 << 16:
                     break
                 data += chunk
     except OSError:
-        return False
+        return b""
+    return data
+
+
+def _replica_synced(port: int) -> bool:
+    """The node on `port` is a replica whose link to its primary is up."""
+    data = _reply(port, b"INFO replication\r\n", b"role:", b"\r\n\r\n")
     return b"role:slave" in data and b"master_link_status:up" in data
 
 
 def _cluster_ok(port: int) -> bool:
     """The node on `port` answers CLUSTER INFO with `cluster_state:ok`."""
-    try:
-        with socket.create_connection((_HOST, port), timeout=1) as sock:
-            sock.sendall(b"CLUSTER INFO\r\n")
-            data = b""
-            while b"cluster_state:" not in data or not data.endswith(b"\r\n"):
-                chunk = sock.recv(65536)
-                if not chunk or len(data) > 1 << 16:
-                    break
-                data += chunk
-    except OSError:
-        return False
-    return b"cluster_state:ok" in data
+    return b"cluster_state:ok" in _reply(port, b"CLUSTER INFO\r\n", b"cluster_state:", b"\r\n")
 
 
 def find_mooncake_master(binary: str | None = None) -> str:
