@@ -151,6 +151,7 @@ class ReadScripts:
         "clock",
         "manifest_retry_at",
         "manifest_scripting",
+        "manifest_writes_refused",
         "read_only",
         "window_retry_at",
     )
@@ -172,6 +173,9 @@ class ReadScripts:
         #: at `manifest_retry_at` finds them allowed again.
         self.manifest_scripting = True
         self.manifest_retry_at: float | None = None
+        #: Whether a script that writes was refused since scripts were last allowed: a
+        #: read's script (EVAL_RO) that runs then does not show that they are back.
+        self.manifest_writes_refused = False
 
     def refuse_read_only(self, error: BaseException | str) -> None:
         """EVAL from now on: `error`, the reply to an EVAL_RO, refused it (said once per
@@ -181,33 +185,42 @@ class ReadScripts:
             self._read_only_told = True
             _log.info("hicache.redis.eval_ro_refused", backend=self._name, error=str(error))
 
-    def refuse_manifest_scripting(self, error: BaseException) -> None:
+    def refuse_manifest_scripting(self, error: BaseException, *, writes: bool) -> None:
         """Plain commands for every manifest of the store until the retry, a minute on:
         `error` refused a manifest's script as a command (said once per store, not at
-        every retry still refused)."""
+        every retry still refused); `writes`: a script that writes, not a read's."""
+        self.manifest_writes_refused = self.manifest_writes_refused or writes
         if self.manifest_scripting:
             self.manifest_scripting = False
             _log.warning("hicache.manifest.no_scripting", backend=self._name, error=str(error))
         self.manifest_retry_at = self.clock() + SCRIPT_RETRY_S
 
-    def manifest_may_script(self) -> bool:
+    def manifest_may_script(self, *, writes: bool = True) -> bool:
         """Whether a manifest's next step runs its script: while allowed, and where refused,
-        one step a minute (the refusal may be over: rights restored, a proxy replaced)."""
+        one step a minute (the refusal may be over: rights restored, a proxy replaced).
+        After a script that writes was refused, only a step that writes (`writes`) takes
+        the retry: a read's script running would not show that those are back."""
         if self.manifest_scripting:
             return True
+        if self.manifest_writes_refused and not writes:
+            return False
         retry_at = self.manifest_retry_at
         if retry_at is None or self.clock() < retry_at:
             return False
         self.manifest_retry_at = self.clock() + SCRIPT_RETRY_S
         return True
 
-    def manifest_script_ran(self) -> None:
-        """A manifest's script ran: where it was refused, scripts are back for every manifest
-        of the store."""
-        if not self.manifest_scripting:
-            self.manifest_scripting = True
-            self.manifest_retry_at = None
-            _log.info("hicache.manifest.scripting_restored", backend=self._name)
+    def manifest_script_ran(self, *, writes: bool) -> None:
+        """A manifest's script ran (`writes`: one that writes, not a read's): where it was
+        refused, scripts are back for every manifest of the store. A read's alone does not
+        bring them back after a script that writes was refused (an ACL allowing EVAL_RO but
+        not EVAL and EVALSHA): the next step that writes would be refused again."""
+        if self.manifest_scripting or (self.manifest_writes_refused and not writes):
+            return
+        self.manifest_writes_refused = False
+        self.manifest_scripting = True
+        self.manifest_retry_at = None
+        _log.info("hicache.manifest.scripting_restored", backend=self._name)
 
 
 async def run_read_only(
@@ -1069,7 +1082,11 @@ class RedisManifest:
             # EVAL_RO first.
             scripts.window_retry_at = scripts.clock() + SCRIPT_RETRY_S
             scripts.read_only = True
-        if (retry_at is None or retrying) and self._scripting:
+        if (
+            (retry_at is None or retrying)
+            and self._scripting_chosen
+            and scripts.manifest_may_script(writes=False)
+        ):
             if self._window is None:
                 self._window = client.register_script(_WINDOW_SCRIPT)
             args: list[bytes | int] = [gen, hi, _WINDOW_RECORDS, max_entry, room]
@@ -1093,11 +1110,11 @@ class RedisManifest:
                 if not scripting_refused(exc):
                     raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
                 # Scripting refused here (disabled, a proxy): plain windows from now on.
-                scripts.refuse_manifest_scripting(exc)
+                scripts.refuse_manifest_scripting(exc, writes=False)
             except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: manifest read failed: {exc}") from exc
             else:
-                scripts.manifest_script_ran()
+                scripts.manifest_script_ran(writes=False)
                 if retrying and scripts.window_retry_at is not None:
                     scripts.window_retry_at = None
                     _log.info("hicache.manifest.read_scripted", backend=self._name)
@@ -1218,9 +1235,9 @@ class RedisManifest:
         except ResponseError as exc:
             if not scripting_refused(exc):
                 raise named_in_script(exc, script.script) from None
-            self._scripts.refuse_manifest_scripting(exc)
+            self._scripts.refuse_manifest_scripting(exc, writes=True)
             return False, None
-        self._scripts.manifest_script_ran()
+        self._scripts.manifest_script_ran(writes=True)
         return True, reply
 
     async def _repair_unscripted(self, client: Redis, key: str, meta: str) -> list[str]:

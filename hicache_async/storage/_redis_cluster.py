@@ -31,7 +31,11 @@
   (`COMMAND`) each time it learns the map, and fails the call if that node does not answer:
   a lost first primary (down, or frozen once a timeout marks the map stale: below) failed
   every call, the keys of the nodes that answer included, until it came back. The table
-  is asked once and kept.
+  is asked once and kept. Where `COMMAND` is refused (an ACL that lists commands without it,
+  or a server that renamed it away) the client opened no more; it then finds a command's
+  keys by rule: every argument for `DEL`, `EXISTS`, `TOUCH`, `UNLINK`, `MGET` and `WATCH`,
+  the argument after the subcommand for `OBJECT` and `MEMORY`, the first two for `RENAME`
+  and its kind, and otherwise the first.
 * **Scripts.** redis-py sends SCRIPT LOAD to every primary and fails if one does not answer;
   here it fails only when none took the script, so a lost primary fails the scripts of its
   own keys only.
@@ -57,7 +61,7 @@ from redis._parsers import AsyncCommandsParser
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["GuardedCluster", "closed_by_server"]
@@ -84,14 +88,52 @@ class _LastFreedFirst(collections.deque[Connection]):
         return connection
 
 
+#: Where the command table is refused, the keys of a command are found by these rules:
+#: every argument, those after a subcommand, the first two, or else the first.
+_EVERY_ARGUMENT_A_KEY = frozenset({"del", "unlink", "exists", "touch", "mget", "watch"})
+_KEY_AFTER_SUBCOMMAND = frozenset({"object", "memory"})
+_TWO_KEYS = frozenset({"rename", "renamenx", "copy", "smove", "rpoplpush", "lmove"})
+
+
+def _keys_by_rule(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """The keys of the command `args`, without a command table (see "Command table")."""
+    if len(args) < 2:
+        return None
+    name = str(args[0]).lower().split()
+    if len(name) > 1:  # `SCRIPT LOAD` and the like, sent as one word: keyless
+        return None
+    if name[0] in _EVERY_ARGUMENT_A_KEY:
+        return tuple(args[1:])
+    if name[0] in _KEY_AFTER_SUBCOMMAND:
+        return tuple(args[2:3]) or None
+    if name[0] in _TWO_KEYS:
+        return tuple(args[1:3])
+    return (args[1],)
+
+
 class _KeptCommands(AsyncCommandsParser):
     """The command table, asked of a node once (see "Command table" above)."""
+
+    _by_rule = False
 
     async def initialize(self, node: ClusterNode | None = None) -> None:
         if node is not None:
             self.node = node
-        if not self.commands:
+        if self.commands or self._by_rule:
+            return
+        try:
             await super().initialize(node)
+        except ResponseError as error:
+            # An ACL without `COMMAND` (one that lists commands), or a server where it is
+            # renamed away: the cluster could not be opened at all.
+            if not isinstance(error, NoPermissionError) and type(error) is not ResponseError:
+                raise
+            self._by_rule = True
+
+    async def get_keys(self, *args: Any) -> Any:
+        if self._by_rule:
+            return _keys_by_rule(args)
+        return await super().get_keys(*args)
 
 
 def closed_by_server(connection: object) -> bool:

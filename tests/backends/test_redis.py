@@ -1602,6 +1602,35 @@ async def test_the_manifest_tries_its_scripts_again_once_a_minute(redis_url: str
     assert assert_documented(logs, exact=["hicache.manifest.scripting_restored"]) >= 1
 
 
+async def test_a_read_script_allowed_does_not_bring_back_refused_write_scripts(
+    redis_url: str,
+) -> None:
+    # A user allowed EVAL_RO but not EVAL nor EVALSHA: the read's script ran at the minute's
+    # retry and was taken for scripting restored, so the next compaction was refused again
+    # and each minute logged the refusal and the restoration once more.
+    keys = [os.urandom(32) for _ in range(2)]
+    now = [1000.0]
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-eval", "-evalsha") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user)) as store,
+    ):
+        store._scripts.clock = lambda: now[0]
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                await store.manifest().append([chain_entry(NS, keys, 32, 0, time.time())])
+                await store.manifest().compact()
+                assert len((await store.manifest().read()).entries) == 1
+                now[0] += 61
+            granted = ("+eval", "+evalsha")
+            await admin.execute_command("ACL", "SETUSER", user, *granted)
+            await store.manifest().append([chain_entry(NS, keys, 32, 0, time.time())])
+            await store.manifest().compact()  # the retry is due: a write script runs
+            assert store.manifest()._scripting
+        assert store.stats().errors == 0
+    events = [e["event"] for e in logs if e["event"].startswith("hicache.manifest.")]
+    assert events == ["hicache.manifest.no_scripting", "hicache.manifest.scripting_restored"]
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_a_command_refused_inside_a_script_is_named_among_those_it_runs(
     redis_url: str, bulk: int

@@ -136,6 +136,26 @@ class TestRedisClusterConformance(StorageConformance):
             yield storage
 
 
+class TestRedisClusterConformanceWithoutCommandTable(StorageConformance):
+    """A user whose ACL leaves out `COMMAND`: the keys of each command are found by rule."""
+
+    @pytest_asyncio.fixture
+    async def backend(self, redis_cluster: RedisClusterServer) -> AsyncIterator[RedisStorage]:
+        user = f"u{uuid.uuid4().hex[:12]}"
+        admins = [node_client(node) for node in redis_cluster.nodes]
+        try:
+            for admin in admins:
+                rules = ["+@all", "-command"]
+                admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], commands=rules)
+            url = fresh_url(redis_cluster.url.replace("redis://", f"redis://{user}:pw@"))
+            async with RedisStorage.from_url(url) as storage:
+                yield storage
+        finally:
+            for admin in admins:
+                admin.acl_deluser(user)
+                admin.close()
+
+
 def test_the_cluster_helper_runs_three_primaries(redis_cluster: RedisClusterServer) -> None:
     assert redis_cluster.url == f"redis://127.0.0.1:{redis_cluster.nodes[0].port}/0?cluster=1"
     assert len({node.port for node in redis_cluster.nodes}) == 3
@@ -979,6 +999,37 @@ async def test_a_manifest_warns_where_only_one_primary_may_evict_it(
         finally:
             admin.config_set("maxmemory", 0)
             admin.config_set("maxmemory-policy", "noeviction")
+            admin.close()
+
+
+async def test_a_user_refused_the_command_table_opens_and_serves(
+    redis_cluster: RedisClusterServer,
+) -> None:
+    # redis-py asks a node for the command table (`COMMAND`) when it opens a cluster client,
+    # and failed the open where an ACL that lists commands leaves it out.
+    user = f"u{uuid.uuid4().hex[:12]}"
+    admins = [node_client(node) for node in redis_cluster.nodes]
+    try:
+        for admin in admins:
+            rules = ["+@all", "-command"]
+            admin.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], commands=rules)
+        url = fresh_url(redis_cluster.url.replace("redis://", f"redis://{user}:pw@"))
+        async with RedisStorage.from_url(url) as backend:
+            keys, pages, metas = make_pages(60)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 60
+            assert await backend.exists(keys) == 60
+            assert await backend.get(keys, buffers(60), namespace=NS) == [Outcome.OK] * 60
+            assert await backend.delete(keys[:20]) == 20
+            left = sum(len(pages_on(node, backend.prefix)) for node in redis_cluster.nodes)
+            assert left == 40
+            assert backend.stats().pages == 40
+            entries = [chain_entry(NS, make_pages(2)[0], 8, 0, float(i)) for i in range(3)]
+            await backend.manifest().append(entries)
+            read = await backend.manifest().read()
+            assert {e.chain_id for e in read.entries} == {e.chain_id for e in entries}
+    finally:
+        for admin in admins:
+            admin.acl_deluser(user)
             admin.close()
 
 
