@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import re
 
 import numpy as np
@@ -54,6 +56,25 @@ def test_deterministic_and_sized(layout: KVLayout) -> None:
         )
         == layout.num_buffers * layout.num_layers
     )
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "copy"])
+def test_a_generator_pickles_and_copies_to_one_writing_the_same_bytes(how: str) -> None:
+    # A spawned worker is handed its oracle by pickling; the hash state kept after a call
+    # cannot be pickled, so the copy is made from the layout, page size and seed.
+    tokens = _tokens(3 * PAGE)
+    gen = KVGenerator(LAYOUT, PAGE, seed=7)
+    first = gen.page_bytes(tokens, 1)  # leaves a hash state behind
+    made = {
+        "pickle": lambda: pickle.loads(pickle.dumps(gen)),
+        "deepcopy": lambda: copy.deepcopy(gen),
+        "copy": lambda: copy.copy(gen),
+    }[how]()
+    assert (made.layout, made.page_size, made.seed) == (LAYOUT, PAGE, 7)
+    assert made.page_bytes(tokens, 1) == first
+    assert made.page_bytes(tokens, 2) == gen.page_bytes(tokens, 2)
+    other = _tokens(3 * PAGE, seed=1)
+    assert made.page_bytes(other, 0) == KVGenerator(LAYOUT, PAGE, seed=7).page_bytes(other, 0)
 
 
 def test_token_major_is_the_same_bytes_reordered() -> None:

@@ -182,7 +182,17 @@ class KVGenerator:
         if pool.layout != self._layout or pool.page_size != self._page_size:
             raise ValueError(f"{pool.name} has another layout or page size than this generator")
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Rebuilt from its layout, page size and seed, so it pickles (e.g. for a spawned
+        process) and deep-copies: the hash state it keeps between calls cannot be pickled,
+        and everything else is made from those three."""
+        return (_rebuild, (self._layout, self._page_size, self._seed))
+
     def __repr__(self) -> str:
         return (
             f"KVGenerator(layout={self._layout!r}, page_size={self._page_size}, seed={self._seed})"
         )
+
+
+def _rebuild(layout: KVLayout, page_size: int, seed: int) -> KVGenerator:
+    return KVGenerator(layout, page_size, seed=seed)
