@@ -1668,8 +1668,12 @@ class RedisStorage(BackendBase):
         node that fails stay (counted in `errors`); `StorageError` only if no node answered."""
         self._redis()
         check_keys(keys)
-        removed, _, _ = await self._delete_rkeys([self._rkey(k) for k in keys])
-        self._counters.deletes += removed
+        # Keys removed before a refused DEL or a cancel count too: the call then raises.
+        totals = [0, 0]
+        try:
+            removed, _, _ = await self._delete_rkeys([self._rkey(k) for k in keys], totals=totals)
+        finally:
+            self._counters.deletes += totals[0]
         return removed
 
     # Raw access (RawAccess).
@@ -2203,8 +2207,11 @@ class RedisStorage(BackendBase):
         victims = await self.run_job(lambda stop: _gc_victims(entries, total, capacity))
         if not victims:
             return GcReport(evicted_pages=0, freed_bytes=0)
-        evicted, freed, failed = await self._delete_rkeys(victims)
-        self._counters.evictions += evicted
+        totals = [0, 0]
+        try:
+            evicted, freed, failed = await self._delete_rkeys(victims, totals=totals)
+        finally:
+            self._counters.evictions += totals[0]
         # Victims on a cluster node lost after the listing stay, as the file store's that
         # could not be removed: told, not raised, once another node's were evicted.
         over = max(total - freed - capacity, 0) if failed else 0
@@ -2349,11 +2356,16 @@ class RedisStorage(BackendBase):
             raise
 
     async def _delete_rkeys(
-        self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
+        self,
+        rkeys: Sequence[bytes],
+        read_nbytes: Sequence[int] | None = None,
+        *,
+        totals: list[int] | None = None,
     ) -> tuple[int, int, int]:
         """DEL the keys: (how many existed, their bytes, how many were left on cluster nodes
         that failed or refused their DEL while others answered: counted in `errors`, not
-        removed).
+        removed). `totals`, if given, is [removed, bytes] as counted so far, kept up to date
+        even when the call raises after removing some keys.
 
         Each DEL comes with a STRLEN for the byte count. Where STRLEN is refused (an ACL
         that lists commands, a proxy), a key's bytes are the length its value was just read
@@ -2370,7 +2382,8 @@ class RedisStorage(BackendBase):
         if self._unsettled:
             # Those about to be deleted, before their DEL finds nothing; and some others.
             await self._settle_deletes([*rkeys, *list(self._unsettled)[:_KEYS_PER_PIPELINE]])
-        totals = [0, 0]  # removed, freed
+        if totals is None:
+            totals = [0, 0]  # removed, freed
         # On a cluster each node's keys go in pipelines of their own, so that a lost node
         # fails only its keys: the other nodes' are removed (as the file store removes what
         # it can). A failed pipeline gives up the rest of its node's (they would pay the same

@@ -1245,6 +1245,27 @@ async def test_a_delete_refused_some_keys_uncounts_every_key_it_removed(redis_ur
         assert 0 < left < 40
         assert backend.stats().pages == left
         assert backend.stats().bytes == left * (HEADER_NBYTES + 3000)
+        # The call raised, but the keys it removed are deletes all the same.
+        assert backend.stats().deletes == 40 - left
+
+
+async def test_a_gc_refused_some_dels_counts_every_page_it_evicted(redis_url: str) -> None:
+    # A gc that raised after removing some of its victims left them out of `evictions`.
+    prefix = f"t{uuid.uuid4().hex}"
+    async with (
+        acl_user(redis_url, "~*", "+@all") as (user, admin),
+        RedisStorage.from_url(fresh_url(redis_url, prefix=prefix)) as writer,
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, capacity=1)) as backend,
+    ):
+        keys, pages, metas = make_pages(40)
+        assert await writer.put(keys, pages, metas) == [Outcome.OK] * 40
+        rules = [f"%W~{backend.prefix}:{d}*" for d in "01234567"]
+        await admin.execute_command("ACL", "SETUSER", user, "resetkeys", "%R~*", *rules)
+        with pytest.raises(StorageError, match="no permissions"):
+            await backend.gc()
+        left = await admin.exists(*(f"{backend.prefix}:{k.hex()}" for k in keys))
+        assert 0 < left < 40
+        assert backend.stats().evictions == 40 - left
 
 
 @pytest.mark.parametrize("bulk", [1, 0])
