@@ -194,6 +194,12 @@ def _metadata_address(metadata: str) -> tuple[str, int] | None:
     scheme = metadata.partition("://")[0]
     if scheme not in _METADATA_PORTS or not parts.hostname:
         raise StorageConfigError(f"mooncake metadata {metadata!r} is not usable; {accepted}")
+    if "?" in metadata:
+        # Mooncake appends `?key=...` to the URL as written: a second `?` names no key.
+        raise StorageConfigError(
+            f"mooncake metadata {mask_userinfo(metadata)!r} must not carry a query string "
+            f"(Mooncake adds its own `?key=`); {accepted}"
+        )
     # An IPv6 zone is escaped in a URL (`[fe80::1%25eth0]`), as curl reads it; the resolver
     # takes it bare.
     host = unquote(parts.hostname) if ":" in parts.hostname else parts.hostname
@@ -342,7 +348,7 @@ def _not_metadata_server(metadata: str, shown: str, address: tuple[str, int]) ->
     """
     parts = urlsplit(metadata)
     # The key as Mooncake asks for one (`<metadata>?key=<escaped key>`), never stored.
-    target = f"{parts.path or '/'}?{parts.query + '?' if parts.query else ''}key="
+    target = f"{parts.path or '/'}?key="
     target += quote(f"hicache/probe/{os.urandom(8).hex()}", safe="")
     # As curl sends it: without an IPv6 zone, which means nothing to the server.
     host = shown if "%" not in shown else f"{shown.partition('%')[0]}]{shown.rpartition(']')[2]}"

@@ -920,6 +920,25 @@ def test_url_parts_mooncake_has_no_use_for_are_refused(url: str) -> None:
     assert "secret" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        "http://127.0.0.1:1/metadata?x=1",
+        "http://127.0.0.1:1/metadata?",
+        "http://u:pw-42x@127.0.0.1:1/metadata?password=pw-43y",
+    ],
+)
+def test_a_metadata_url_with_a_query_string_is_refused_naming_it(metadata: str) -> None:
+    # Mooncake appends `?key=...` as written: the probe refused such a URL on open as "no
+    # Mooncake metadata server", which sent a user looking at the server.
+    with pytest.raises(StorageConfigError, match="must not carry a query string") as info:
+        MooncakeStorage(f"127.0.0.1:{free_port()}", metadata=metadata)
+    said = str(info.value)
+    assert "127.0.0.1:1/metadata?" in said, said
+    assert "pw-42x" not in said, said
+    assert "pw-43y" not in said, said
+
+
 async def test_unreachable_metadata_server_fails_to_open_at_once(
     mooncake_master: MooncakeMaster,
 ) -> None:
