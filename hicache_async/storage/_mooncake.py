@@ -29,6 +29,7 @@ import importlib.util
 import os
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.request
@@ -557,11 +558,19 @@ def close_idle_clients(master: str | None = None, *, reachable_only: bool = Fals
     return _POOL.close_idle(master, reachable_only=reachable_only)
 
 
-_NO_LIBRARY = (
-    "the mooncake backend needs the Mooncake Python package: pip install "
-    "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
-    "mooncake-transfer-engine for CUDA/RDMA hosts"
-)
+def _no_library() -> str:
+    """What to install for Mooncake's client: off Linux, nothing (the `mooncake` extra
+    installs nothing there)."""
+    if not sys.platform.startswith("linux"):
+        return (
+            "the mooncake backend needs the Mooncake Python package, which is published for "
+            f"Linux only (mooncake-transfer-engine); this platform is {sys.platform!r}"
+        )
+    return (
+        "the mooncake backend needs the Mooncake Python package: pip install "
+        "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
+        "mooncake-transfer-engine for CUDA/RDMA hosts"
+    )
 
 
 def client_library() -> Any:
@@ -570,7 +579,7 @@ def client_library() -> Any:
     try:
         import mooncake.store
     except ImportError as exc:
-        raise StorageError(_NO_LIBRARY) from exc
+        raise StorageError(_no_library()) from exc
     return mooncake.store
 
 
@@ -1016,7 +1025,7 @@ class MooncakeStorage(BackendBase):
         if not _library_installed():
             # Told at once, as a missing redis-py is by `open_storage("redis://...")`: a URL
             # this installation cannot serve, not a store that failed to open.
-            raise StorageConfigError(_NO_LIBRARY)
+            raise StorageConfigError(_no_library())
         parts = split_url(url, scheme="mooncake")
         if parts.scheme != "mooncake":
             raise StorageConfigError(f"not a mooncake:// URL: {parts.scheme!r}")

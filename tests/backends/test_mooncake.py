@@ -939,6 +939,26 @@ def test_a_metadata_url_with_a_query_string_is_refused_naming_it(metadata: str) 
     assert "pw-43y" not in said, said
 
 
+@pytest.mark.parametrize("platform", ["darwin", "win32"])
+def test_a_missing_client_library_off_linux_says_it_is_published_for_linux_only(
+    monkeypatch: pytest.MonkeyPatch, platform: str
+) -> None:
+    # The `mooncake` extra installs nothing off Linux: naming it sent users to an install
+    # that could not help.
+    names = [m for m in sys.modules if m == "mooncake" or m.startswith("mooncake.")]
+    for name in names or ["mooncake"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(sys, "platform", platform)
+    with pytest.raises(StorageConfigError) as info:
+        MooncakeStorage.from_url("mooncake://127.0.0.1:1")
+    with pytest.raises(StorageError) as opened:
+        mooncake_module.client_library()
+    for said in (str(info.value), str(opened.value)):
+        assert "published for Linux only" in said, said
+        assert repr(platform) in said, said
+        assert "pip install" not in said, said
+
+
 async def test_unreachable_metadata_server_fails_to_open_at_once(
     mooncake_master: MooncakeMaster,
 ) -> None:
