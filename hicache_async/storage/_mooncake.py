@@ -190,11 +190,15 @@ def _metadata_address(metadata: str) -> tuple[str, int] | None:
         parts = urlsplit(metadata)
         port = parts.port
     except ValueError as exc:
-        raise StorageConfigError(f"mooncake metadata {metadata!r}: {exc}; {accepted}") from None
+        raise StorageConfigError(
+            f"mooncake metadata {mask_userinfo(metadata)!r}: {exc}; {accepted}"
+        ) from None
     # As written: Mooncake matches its plugins' names case-sensitively (urlsplit lowers it).
     scheme = metadata.partition("://")[0]
     if scheme not in _METADATA_PORTS or not parts.hostname:
-        raise StorageConfigError(f"mooncake metadata {metadata!r} is not usable; {accepted}")
+        raise StorageConfigError(
+            f"mooncake metadata {mask_userinfo(metadata)!r} is not usable; {accepted}"
+        )
     if "?" in metadata:
         # Mooncake appends `?key=...` to the URL as written: a second `?` names no key.
         raise StorageConfigError(

@@ -939,6 +939,20 @@ def test_a_metadata_url_with_a_query_string_is_refused_naming_it(metadata: str) 
     assert "pw-43y" not in said, said
 
 
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        "htp://u:pw-44z@127.0.0.1:1/metadata",  # an unknown scheme
+        "http://u:pw-44z@127.0.0.1:notaport/metadata",  # a port that is no number
+        "http://u:pw-44z@/metadata",  # no host
+    ],
+)
+def test_a_metadata_url_refused_does_not_show_its_password(metadata: str) -> None:
+    with pytest.raises(StorageConfigError, match="mooncake metadata") as info:
+        MooncakeStorage(f"127.0.0.1:{free_port()}", metadata=metadata)
+    assert "pw-44z" not in str(info.value), str(info.value)
+
+
 @pytest.mark.parametrize("platform", ["darwin", "win32"])
 def test_a_missing_client_library_off_linux_says_it_is_published_for_linux_only(
     monkeypatch: pytest.MonkeyPatch, platform: str
