@@ -704,12 +704,16 @@ class _LosesANodeBeforeEvicting(RedisStorage):
     victim: RedisServer | None = None
 
     async def _delete_rkeys(
-        self, rkeys: Sequence[bytes], read_nbytes: Sequence[int] | None = None
+        self,
+        rkeys: Sequence[bytes],
+        read_nbytes: Sequence[int] | None = None,
+        *,
+        totals: list[int] | None = None,
     ) -> tuple[int, int, int]:
         if self.victim is not None:
             self.victim.kill()
             self.victim = None
-        return await super()._delete_rkeys(rkeys, read_nbytes)
+        return await super()._delete_rkeys(rkeys, read_nbytes, totals=totals)
 
 
 async def test_gc_evicts_on_the_live_primaries_and_counts_the_rest_failed() -> None:
