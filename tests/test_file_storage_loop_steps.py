@@ -397,3 +397,15 @@ async def test_list_pages_leaves_out_pages_removed_while_it_lists(tmp_path: Path
         assert await deleting[0] == 1
         # The least recently used page, in the last slice, was deleted before it was listed.
         assert [page.key for page in pages] == keys[::-1][:-1]
+
+
+async def test_lookups_answered_from_the_index_let_another_task_run(tmp_path: Path) -> None:
+    # A lookup the index answers never suspended: a task looking up in a loop held the
+    # loop, and a task beside it got no turn until the loop ended.
+    keys = _keys(4)
+    async with FileStorage(tmp_path / "root") as storage, _ticking() as ticker:
+        assert await _put(storage, keys) == [Outcome.OK] * 4
+        for prefix in (keys, keys[:1], []):
+            before = ticker.ticks
+            assert await storage.exists(prefix) == len(prefix)
+            assert ticker.ticks > before

@@ -2259,6 +2259,9 @@ class FileStorage(BackendBase):
         files of pages found whose mtime is a second or more behind are stamped by one job,
         which the call does not wait for (or by the lookup's own job).
         """
+        # An answer from the index never suspends: a task looking up in a loop would hold
+        # the loop. Taken before anything, so a call cancelled here did nothing.
+        await asyncio.sleep(0)
         self._check_open()
         index = self._index
         count = 0
