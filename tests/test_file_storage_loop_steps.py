@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_file_storage import SIZE, _assert_index_matches_disk, _keys, _page_path, _put
+from test_file_storage import SIZE, _assert_index_matches_disk, _get, _keys, _page_path, _put
 
 from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, _file
 
@@ -409,3 +409,21 @@ async def test_lookups_answered_from_the_index_let_another_task_run(tmp_path: Pa
             before = ticker.ticks
             assert await storage.exists(prefix) == len(prefix)
             assert ticker.ticks > before
+
+
+async def test_calls_with_nothing_to_do_on_disk_let_another_task_run(tmp_path: Path) -> None:
+    # A get of keys not stored, a put of keys stored, a delete of keys not stored: each
+    # answered from the index without suspending.
+    keys, absent = _keys(2), _keys(2)
+    async with FileStorage(tmp_path / "root") as storage, _ticking() as ticker:
+        assert await _put(storage, keys) == [Outcome.OK] * 2
+        calls = [
+            lambda: _get(storage, absent),
+            lambda: _put(storage, keys),
+            lambda: storage.delete(absent),
+        ]
+        for call in calls:
+            before = ticker.ticks
+            await call()
+            assert ticker.ticks > before
+        assert await storage.exists(keys) == 2
