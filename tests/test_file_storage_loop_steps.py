@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_file_storage import SIZE, _assert_index_matches_disk, _keys, _page_path, _put
+from test_file_storage import SIZE, _assert_index_matches_disk, _get, _keys, _page_path, _put
 
 from hicache_async.storage import HEADER_NBYTES, FileStorage, Outcome, _file
 
@@ -397,3 +397,33 @@ async def test_list_pages_leaves_out_pages_removed_while_it_lists(tmp_path: Path
         assert await deleting[0] == 1
         # The least recently used page, in the last slice, was deleted before it was listed.
         assert [page.key for page in pages] == keys[::-1][:-1]
+
+
+async def test_lookups_answered_from_the_index_let_another_task_run(tmp_path: Path) -> None:
+    # A lookup the index answers never suspended: a task looking up in a loop held the
+    # loop, and a task beside it got no turn until the loop ended.
+    keys = _keys(4)
+    async with FileStorage(tmp_path / "root") as storage, _ticking() as ticker:
+        assert await _put(storage, keys) == [Outcome.OK] * 4
+        for prefix in (keys, keys[:1], []):
+            before = ticker.ticks
+            assert await storage.exists(prefix) == len(prefix)
+            assert ticker.ticks > before
+
+
+async def test_calls_with_nothing_to_do_on_disk_let_another_task_run(tmp_path: Path) -> None:
+    # A get of keys not stored, a put of keys stored, a delete of keys not stored: each
+    # answered from the index without suspending.
+    keys, absent = _keys(2), _keys(2)
+    async with FileStorage(tmp_path / "root") as storage, _ticking() as ticker:
+        assert await _put(storage, keys) == [Outcome.OK] * 2
+        calls = [
+            lambda: _get(storage, absent),
+            lambda: _put(storage, keys),
+            lambda: storage.delete(absent),
+        ]
+        for call in calls:
+            before = ticker.ticks
+            await call()
+            assert ticker.ticks > before
+        assert await storage.exists(keys) == 2

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -53,6 +54,15 @@ async def test_lru_eviction_within_capacity() -> None:
         assert (stats.pages, stats.bytes, stats.evictions) == (4, 4 * SIZE, 1)
 
 
+async def _until(condition: Callable[[], bool]) -> None:
+    """Let the loop run until `condition` holds (a call started is in the state it names)."""
+    for _ in range(100):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
 async def _held_put(
     storage: MemoryStorage, old: list[bytes], new: list[bytes]
 ) -> tuple[asyncio.Task[list[Outcome]], asyncio.Event]:
@@ -71,7 +81,7 @@ async def _held_put(
 
     storage._run_each = gated  # type: ignore[method-assign]
     put = asyncio.create_task(_put(storage, new))
-    await asyncio.sleep(0)  # it plans
+    await _until(lambda: bool(storage._plans))  # it has planned
     return put, gate
 
 
@@ -254,8 +264,7 @@ async def test_a_buffer_read_by_a_get_in_flight_is_not_reused() -> None:
     async with MemoryStorage(capacity_bytes=64 << 20) as storage:
         await _put(storage, keys, nbytes)
         reading = asyncio.ensure_future(_get(storage, keys, nbytes))
-        await asyncio.sleep(0)  # the job is on its thread now
-        assert storage._readers == 1
+        await _until(lambda: storage._readers == 1)  # the job is on its thread now
         assert await storage.delete(keys) == 2
         assert storage._spare_bytes == 0  # not recycled under the reader
         await _put(storage, more, nbytes)
@@ -274,7 +283,7 @@ async def test_a_cancelled_put_leaves_the_accounting_whole() -> None:
         spare = storage._spare_bytes
         assert spare == 4 * (HEADER_NBYTES + nbytes)
         task = asyncio.ensure_future(_put(storage, keys[4:], nbytes))
-        await asyncio.sleep(0)
+        await _until(lambda: storage._reserved > 0)  # its job is copying
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
@@ -410,8 +419,8 @@ async def test_list_pages_lets_the_loop_run_and_skips_pages_removed_meanwhile() 
             assert await _put(storage, part, nbytes=64) == [Outcome.OK] * len(part)
         removed: list[int] = []
 
+        # First run at the listing's first turn, once it has taken its snapshot.
         async def remove_the_oldest() -> None:
-            await asyncio.sleep(0)
             removed.append(await storage.delete([keys[0]]))
 
         task = asyncio.create_task(remove_the_oldest())
@@ -472,7 +481,7 @@ async def test_a_get_of_tiny_pages_cancelled_or_closed_between_slices() -> None:
     async with MemoryStorage() as storage:
         assert await _put(storage, keys, 64) == [Outcome.OK] * len(keys)
         get = asyncio.create_task(_get(storage, keys, 64))
-        await asyncio.sleep(0)  # its first slice is read
+        await _until(lambda: storage._readers == 1)  # its first slice is read
         assert not get.done()
         get.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -481,7 +490,7 @@ async def test_a_get_of_tiny_pages_cancelled_or_closed_between_slices() -> None:
         assert await _get(storage, keys, 64) == [Outcome.OK] * len(keys)
         # A close stops it: the pages read are whole and OK, the rest ERROR.
         get = asyncio.create_task(_get(storage, keys, 64))
-        await asyncio.sleep(0)
+        await _until(lambda: storage._readers == 1)
         await storage.close()
         outcomes = await get  # `_get` checks the bytes of every OK page
     read = outcomes.count(Outcome.OK)
@@ -540,3 +549,53 @@ async def test_gc_counts_a_put_in_flights_victims_only_up_to_what_it_reserved() 
         stats = storage.stats()
         assert (stats.bytes, stats.evictions) == (4 * SIZE, 1)
         assert await storage.exists(big) == 1
+
+
+async def test_a_stream_of_one_page_calls_lets_another_task_run() -> None:
+    # A call of one page never suspended: a task streaming such calls held the loop, and a
+    # task beside it got no turn until the stream ended.
+    turns = 0
+    stop = False
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while not stop:
+            turns += 1
+            await asyncio.sleep(0)
+
+    keys = _keys(8)
+    async with MemoryStorage() as storage:
+        counter = asyncio.create_task(count_turns())
+        await asyncio.sleep(0)
+        calls = [
+            *(lambda k=k: _put(storage, [k]) for k in keys),
+            *(lambda k=k: storage.exists([k]) for k in keys),
+            *(lambda k=k: _get(storage, [k]) for k in keys),
+            *(lambda k=k: storage.exists([]) for k in keys),
+            *(lambda k=k: storage.delete([k]) for k in keys),
+        ]
+        try:
+            for call in calls:
+                before = turns
+                await call()
+                assert turns > before
+        finally:
+            stop = True
+            await counter
+
+
+async def test_a_put_cancelled_at_its_first_turn_stores_nothing() -> None:
+    keys = _keys(2)
+    async with MemoryStorage(capacity_bytes=2 * SIZE) as storage:
+        assert await _put(storage, keys[:1]) == [Outcome.OK]
+        put = asyncio.create_task(_put(storage, keys[1:]))
+        await asyncio.sleep(0)  # the put has started and waits for its turn
+        assert not put.done()
+        put.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await put
+        assert await storage.exists(keys) == 1
+        stats = storage.stats()
+        assert (stats.pages, stats.bytes, stats.puts) == (1, SIZE, 1)
+        assert await _put(storage, keys[1:]) == [Outcome.OK]
+        assert await storage.exists(keys) == 2

@@ -2259,6 +2259,9 @@ class FileStorage(BackendBase):
         files of pages found whose mtime is a second or more behind are stamped by one job,
         which the call does not wait for (or by the lookup's own job).
         """
+        # An answer from the index never suspends: a task looking up in a loop would hold
+        # the loop. Taken before anything, so a call cancelled here did nothing.
+        await asyncio.sleep(0)
         self._check_open()
         index = self._index
         count = 0
@@ -2413,6 +2416,7 @@ class FileStorage(BackendBase):
                     byte_segments(page, writable=True)
         self._counters.gets += len(keys)
         if not todo:
+            await asyncio.sleep(0)  # answered from the index: see `exists`
             return outcomes
         todo_keys = [keys[i] for i in todo]
         todo_pages = [into[i] for i in todo]
@@ -2732,8 +2736,11 @@ class FileStorage(BackendBase):
                     )
                 if owed and self._capacity is not None:
                     await self._evict_in_stead(keep, spared)
-            elif stamps:
-                self._stamp_later(stamps)
+            else:
+                if stamps:
+                    self._stamp_later(stamps)
+                # Nothing to write never suspends otherwise (see `exists`).
+                await asyncio.sleep(0)
         except asyncio.CancelledError:
             self._count_put(outcomes, duplicates, writes)  # what the job stored still counts
             raise
@@ -3479,6 +3486,7 @@ class FileStorage(BackendBase):
         if not self._shared:
             unique = [key for key in unique if key in self._index]
         if not unique:
+            await asyncio.sleep(0)  # answered from the index: see `exists`
             return 0
         removed = [(key, self._drop(key)) for key in unique]
         self._evicting.update(unique)
