@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,3 +63,33 @@ def test_every_extra_is_named_for_users_and_every_named_extra_exists() -> None:
                     named.setdefault(extra, str(path.relative_to(ROOT)))
     assert {e: p for e, p in named.items() if e not in defined} == {}
     assert sorted(defined - set(named)) == []
+
+
+def _project() -> dict[str, Any]:
+    import tomllib
+
+    with (ROOT / "pyproject.toml").open("rb") as f:
+        project: dict[str, Any] = tomllib.load(f)["project"]
+    return project
+
+
+def test_the_classifiers_say_what_the_package_supports() -> None:
+    project = _project()
+    classifiers: list[str] = project["classifiers"]
+    versions = [
+        c.rsplit(" :: ", 1)[1]
+        for c in classifiers
+        if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)
+    ]
+    oldest = re.fullmatch(r">=(3\.\d+)", project["requires-python"])
+    assert oldest is not None
+    assert versions[0] == oldest.group(1)
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" in versions  # the one testing
+    assert "Framework :: AsyncIO" in classifiers
+    # Typed only while the marker ships.
+    assert "Typing :: Typed" in classifiers
+    assert (ROOT / "hicache_async" / "py.typed").is_file()
+    assert "py.typed" in (ROOT / "pyproject.toml").read_text().split("package-data]", 1)[1]
+    # The license is the `license` expression; setuptools refuses a License classifier too.
+    assert project["license"] == "Apache-2.0"
+    assert [c for c in classifiers if c.startswith("License ::")] == []
