@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs hicache_async and what it needs on a fresh Debian/Ubuntu machine.
 #   scripts/setup.sh          the package (torch==2.13.0 from pip's index) — enough for the demo
-#   scripts/setup.sh --dev    also test tools, redis-server and Mooncake, for the test suite
+#   scripts/setup.sh --dev    also test tools (uvloop among them), redis-server and Mooncake,
+#                             for the test suite and the benchmarks
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -412,6 +412,57 @@ def test_a_backend_without_its_client_library_names_the_extra(
     assert "Traceback" not in err
 
 
+_NO_UVLOOP_LINE = (
+    "hicache-async bench: uvloop is not installed, running on asyncio's event loop "
+    "(pip install 'hicache-async[bench]' for uvloop)\n"
+)
+
+
+@pytest.fixture
+def without_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if the `bench` extra were not installed, in a process that has not said so yet."""
+    from hicache_async.bench import _runner
+
+    monkeypatch.setitem(sys.modules, "uvloop", None)
+    monkeypatch.setattr(_runner, "_fallback_said", False, raising=False)
+
+
+@pytest.mark.usefixtures("without_uvloop")
+def test_orchestration_without_uvloop_runs_on_asyncio_and_says_so_once(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    json_path = tmp_path / "records.json"
+    argv = ["orchestration", "--parts", "memory", "--reps", "1", "--prompts", "2"]
+    code, err = _bench_cli(capsys, *argv, "--prompt-pages", "2", "--json", str(json_path))
+    assert code == 0, err
+    assert err == _NO_UVLOOP_LINE
+    records = msgspec.json.decode(json_path.read_bytes(), type=list[Record])
+    assert {r.name.split(".")[2] for r in records} == {"asyncio"}
+
+
+@pytest.mark.usefixtures("without_uvloop")
+@pytest.mark.parametrize("loops", ["uvloop", "asyncio,uvloop"])
+def test_orchestration_asked_for_uvloop_without_it_names_the_extra(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, loops: str
+) -> None:
+    root = tmp_path / "root"
+    code, err = _bench_cli(capsys, "orchestration", "--loops", loops, "--root", str(root))
+    assert code == 2
+    assert err == (
+        "hicache-async bench orchestration: error: --loops uvloop: uvloop is not installed: "
+        "pip install 'hicache-async[bench]'\n"
+    )
+    assert not root.exists()  # refused before anything was made
+
+
+@pytest.mark.usefixtures("without_uvloop")
+def test_storage_bench_without_uvloop_says_so_once(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["storage", "--backend", "memory://", "--shape", "small", "--pages", "2", "--reps", "1"]
+    code, err = _bench_cli(capsys, *argv)
+    assert code == 0, err
+    assert err == _NO_UVLOOP_LINE
+
+
 def test_a_backend_that_cannot_be_reached_fails_in_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

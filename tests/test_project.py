@@ -73,6 +73,16 @@ def _project() -> dict[str, Any]:
     return project
 
 
+def test_uvloop_comes_with_the_bench_and_testing_extras_only() -> None:
+    # Only `hicache-async bench` and the tests (every async test under both loops) use it.
+    project = _project()
+    assert [d for d in project["dependencies"] if d.startswith("uvloop")] == []
+    extras = project["optional-dependencies"]
+    for extra in ("bench", "testing"):
+        assert any(d.startswith("uvloop") for d in extras[extra]), extra
+    assert "bench" in re.search(r"hicache-async\[([a-z,]+)\]", " ".join(extras["dev"])).group(1)
+
+
 def test_the_classifiers_say_what_the_package_supports() -> None:
     project = _project()
     classifiers: list[str] = project["classifiers"]

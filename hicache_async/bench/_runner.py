@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["LoopRunner", "fastest_loop_factory"]
+__all__ = ["UVLOOP_EXTRA", "LoopRunner", "fastest_loop_factory", "uvloop_factory"]
 
 T = TypeVar("T")
 
@@ -40,12 +41,41 @@ class LoopRunner:
             loop.close()
 
 
-def fastest_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    """uvloop's event loop where it is installed, else asyncio's: the storage bench runs the
-    store and the baselines' asyncio clients on it alike."""
+#: How a user gets uvloop, named wherever a run goes without it.
+UVLOOP_EXTRA = "pip install 'hicache-async[bench]'"
+
+_fallback_said = False
+
+
+def uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's `new_event_loop`, or None where uvloop is not installed (the `bench` extra)."""
     try:
         import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        return asyncio.new_event_loop
+    except ImportError:
+        return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def say_asyncio_fallback() -> None:
+    """Tell, once a process, that the run goes on asyncio's loop for want of uvloop: its
+    figures are not comparable with those of a run on uvloop."""
+    global _fallback_said  # noqa: PLW0603 - once per process, across benchmarks and runners
+    if not _fallback_said:
+        _fallback_said = True
+        print(
+            f"hicache-async bench: uvloop is not installed, running on asyncio's event loop "
+            f"({UVLOOP_EXTRA} for uvloop)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def fastest_loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop's event loop where it is installed, else asyncio's (said once): the storage
+    bench runs the store and the baselines' asyncio clients on it alike."""
+    factory = uvloop_factory()
+    if factory is None:
+        say_asyncio_fallback()
+        return asyncio.new_event_loop
     return factory

@@ -1,7 +1,8 @@
 """`hicache-async bench orchestration`: what the prefetch path (storage → host) costs beyond the
 storage backend's own `get`.
 
-Two parts, each under the default asyncio loop and under uvloop:
+Two parts, each under the default asyncio loop and under uvloop (the `bench` extra; without
+it, under asyncio's loop alone, said once, unless `--loops` names uvloop: exit 2):
 
 - `memory`: the orchestration's own cost. Prompts whose pages are in a `memory://` store are
   prefetched (`HiCache.prefetch`, policy `wait_complete`) into the host pool with tiny pages
@@ -40,7 +41,7 @@ from .._config import CacheConfig, HostLayout, KVLayout
 from ..cli._args import positive_int
 from ..storage import FileStorage, MemoryStorage, Outcome, PageMeta, StorageBackend, default_root
 from ._records import Record
-from ._runner import LoopRunner
+from ._runner import UVLOOP_EXTRA, LoopRunner, say_asyncio_fallback, uvloop_factory
 
 __all__ = ["SHAPES", "Shape", "add_arguments", "describe", "prepare", "run"]
 
@@ -108,7 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--parts", type=_names(_PARTS), default=list(_PARTS), help="memory,file (default both)"
     )
     parser.add_argument(
-        "--loops", type=_names(_LOOPS), default=list(_LOOPS), help="asyncio,uvloop (default both)"
+        "--loops",
+        type=_names(_LOOPS),
+        default=None,
+        help="asyncio,uvloop (default both; asyncio alone where uvloop is not installed)",
     )
     parser.add_argument(
         "--layouts",
@@ -154,13 +158,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _loop_factory(name: str) -> Callable[[], asyncio.AbstractEventLoop]:
-    if name == "uvloop":
-        import uvloop
-
-        factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-        return factory
-    return asyncio.new_event_loop
+def _loops(args: argparse.Namespace) -> list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]]:
+    """(name, factory) of the loops to run under. Without uvloop, a default run goes on
+    asyncio's loop alone (said once); `--loops` naming uvloop is a ValueError naming the extra."""
+    uvloop = uvloop_factory()
+    names: list[str] = list(_LOOPS) if args.loops is None else args.loops
+    if uvloop is None and "uvloop" in names:
+        if args.loops is not None:
+            raise ValueError(f"--loops uvloop: uvloop is not installed: {UVLOOP_EXTRA}")
+        say_asyncio_fallback()
+        names = [name for name in names if name != "uvloop"]
+    return [
+        (name, uvloop if name == "uvloop" and uvloop else asyncio.new_event_loop) for name in names
+    ]
 
 
 def _config(
@@ -417,9 +427,11 @@ def _file_records(
 
 
 def prepare(args: argparse.Namespace) -> Path:
-    """Check the sizes (ValueError) and make the parent of the temporary store (OSError);
-    return that parent."""
+    """Check the sizes and the loops asked for (ValueError) and make the parent of the
+    temporary store (OSError); return that parent."""
     batch = 1 if args.batch_pages is None else args.batch_pages  # None: the config's default
+    if args.loops is not None:
+        _loops(args)  # a uvloop run asked for where it is not installed: before the parent
     if min(args.pages, args.reps, args.prompts, args.prompt_pages, batch) < 1:
         raise ValueError("--pages, --reps, --prompts, --prompt-pages, --batch-pages must be >= 1")
     parent = Path(args.root) if args.root else default_root().parent
@@ -432,8 +444,7 @@ def run(args: argparse.Namespace) -> list[Record]:
     parent = prepare(args)
     shape = SHAPES[args.shape]
     records: list[Record] = []
-    for loop in args.loops:
-        factory = _loop_factory(loop)
+    for loop, factory in _loops(args):
         if "memory" in args.parts:
             with LoopRunner(factory) as runner:
                 samples = runner.run(_memory_part(args))

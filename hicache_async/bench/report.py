@@ -41,7 +41,15 @@ runs every benchmark, writes each one's records as JSON and rebuilds this page f
 shows one real run. Every speed figure is a ratio against a baseline measured in the same
 process and the same run, because absolute figures on a shared or virtual machine mean little;
 read the *ratio* column. A throughput ratio above 1 is better than the baseline; for times (µs,
-seconds) below 1 is. How the two sides are timed:
+seconds) below 1 is.
+
+`storage` runs on uvloop and `orchestration` under both asyncio's loop and uvloop, which the
+`bench` extra brings (`pip install 'hicache-async[bench]'`; `nox -s bench` and
+`scripts/setup.sh --dev` install it). Without it, `hicache-async bench` runs on asyncio's loop
+and says so once on stderr (its figures are then not comparable with a run on uvloop), and
+`hicache-async bench orchestration --loops uvloop` exits with status 2, naming the extra.
+
+How the two sides are timed:
 
 - `storage` throughputs and `orchestration`'s `prefetch_gbps`: in pairs, back to back and in
   alternating order; `value` and `baseline` are the medians of each side and `ratio` the
