@@ -8,7 +8,10 @@ extra) and `render_prometheus()` renders the text exposition format.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+import re
+import threading
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -149,18 +152,135 @@ def render_prometheus(cache: HiCache) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prometheus_collector(cache: HiCache) -> Any:
-    """A `prometheus_client` collector for `cache`; register it with a registry.
+# Prometheus label names; `__`-prefixed ones are reserved for its own use.
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# Labels the exported families already carry: a histogram's bucket bound.
+_OWN_LABELS = frozenset({"le"})
+# Families every collection has, whatever the cache's state: what a registry checks for
+# clashes at `register`, so a second collector of these names is refused there rather than
+# exporting the same series twice.
+_DESCRIBED = ("hicache_live_requests", "hicache_storage_attached")
+_FIX = (
+    "give each cache labels and the registry: "
+    "prometheus_collector(cache, labels={'cache': 'a'}, registry=registry)"
+)
 
-    Needs the `prometheus` extra. Collection reads the cache's statistics, so the registry
-    must be scraped from the cache's event loop thread (e.g. an ASGI `/metrics` route).
-    """
-    try:
+_Labels = tuple[tuple[str, str], ...]
+
+
+def _check_labels(labels: Mapping[str, str] | None) -> _Labels:
+    """`labels` as (name, value) pairs, in order; ValueError or TypeError naming the first
+    that Prometheus, or this exposition, does not allow."""
+    if labels is None:
+        return ()
+    if not isinstance(labels, Mapping):
+        raise TypeError(f"labels must be a mapping of str to str, not {type(labels).__name__}")
+    pairs: list[tuple[str, str]] = []
+    for name, value in labels.items():
+        if not isinstance(name, str) or not _LABEL_NAME.fullmatch(name):
+            raise ValueError(
+                f"label name {name!r} is not a Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)"
+            )
+        if name.startswith("__"):
+            raise ValueError(f"label name {name!r}: names starting with '__' are reserved")
+        if name in _OWN_LABELS:
+            raise ValueError(f"label name {name!r} is the histograms' bucket label")
+        if not isinstance(value, str):
+            raise TypeError(f"label {name!r} must be a str, not {type(value).__name__}")
+        pairs.append((name, value))
+    return tuple(pairs)
+
+
+class _Collector:
+    """The `prometheus_client` collector of one or more caches, their series told apart by
+    their labels. One family per name across the caches, as both exposition formats
+    require."""
+
+    def __init__(self) -> None:
+        self._members: list[tuple[HiCache, _Labels]] = []
+
+    def _add(self, cache: HiCache, labels: _Labels) -> None:
+        if any(member is cache for member, _ in self._members):
+            raise ValueError("this cache's collector is already registered in this registry")
+        if self._members:
+            names = [name for name, _ in self._members[0][1]]
+            if not names or not labels:
+                raise ValueError(
+                    "another cache's collector is registered in this registry, and "
+                    "without labels both would export the same series: " + _FIX
+                )
+            if [name for name, _ in labels] != names:
+                raise ValueError(
+                    f"label names {[name for name, _ in labels]} differ from {names}, the "
+                    "names of the other caches in this registry: give every cache the same names"
+                )
+            if any(other == labels for _, other in self._members):
+                raise ValueError(f"labels {dict(labels)} are already another cache's here")
+        self._members.append((cache, labels))
+
+    def describe(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        for name in _DESCRIBED:
+            yield GaugeMetricFamily(name, name)
+
+    def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
             HistogramMetricFamily,
         )
+
+        label_names = [name for name, _ in self._members[0][1]] if self._members else []
+        families: dict[str, Any] = {}
+        for cache, labels in self._members:
+            values = [value for _, value in labels]
+            for name, kind, value in _families(cache):
+                family = families.get(name)
+                if kind == "histogram":
+                    if family is None:
+                        family = HistogramMetricFamily(name, name, labels=label_names)
+                    buckets = [
+                        ("+Inf" if b == float("inf") else repr(b), c) for b, c in value.buckets
+                    ]
+                    family.add_metric(values, buckets, value.sum)
+                elif kind == "counter":
+                    if family is None:
+                        family = CounterMetricFamily(
+                            name.removesuffix("_total"), name, labels=label_names
+                        )
+                    family.add_metric(values, value)
+                else:
+                    if family is None:
+                        family = GaugeMetricFamily(name, name, labels=label_names)
+                    family.add_metric(values, value)
+                families[name] = family
+        yield from families.values()
+
+
+# The collector `prometheus_collector(..., registry=r)` registered in each registry, so a
+# second cache joins it: one family per name, whichever caches export it.
+_BY_REGISTRY: weakref.WeakKeyDictionary[Any, _Collector] = weakref.WeakKeyDictionary()
+_BY_REGISTRY_LOCK = threading.Lock()
+
+
+def prometheus_collector(
+    cache: HiCache, *, labels: Mapping[str, str] | None = None, registry: Any = None
+) -> Any:
+    """A `prometheus_client` collector for `cache`; register it with a registry.
+
+    Needs the `prometheus` extra. Collection reads the cache's statistics, so the registry
+    must be scraped from the cache's event loop thread (e.g. an ASGI `/metrics` route).
+
+    `labels` (label name to value) are added to every series of the cache. `registry`
+    registers the collector there; a later call naming the same registry adds its cache to
+    that collector, so several caches export one family per name, told apart by their labels
+    (every cache needs labels then, with the same names and different values). Without
+    `registry`, registering a second cache's collector in one registry raises
+    `ValueError` (prometheus_client's `DuplicateTimeseries`).
+    """
+    try:
+        import prometheus_client.core  # noqa: F401 - the extra, checked before anything else
     except ModuleNotFoundError as exc:
         # As the lazy exports' messages: still what `except ModuleNotFoundError` callers
         # catch, naming the package and the extra that brings it.
@@ -169,18 +289,32 @@ def prometheus_collector(cache: HiCache) -> Any:
             "pip install 'hicache-async[prometheus]'",
             name=exc.name,
         ) from exc
-
-    class _Collector:
-        def collect(self) -> Iterator[Any]:
-            for name, kind, value in _families(cache):
-                if kind == "histogram":
-                    buckets = [
-                        ("+Inf" if b == float("inf") else repr(b), c) for b, c in value.buckets
-                    ]
-                    yield HistogramMetricFamily(name, name, buckets=buckets, sum_value=value.sum)
-                elif kind == "counter":
-                    yield CounterMetricFamily(name.removesuffix("_total"), name, value=value)
-                else:
-                    yield GaugeMetricFamily(name, name, value=value)
-
-    return _Collector()
+    pairs = _check_labels(labels)
+    if registry is None:
+        alone = _Collector()
+        alone._add(cache, pairs)
+        return alone
+    with _BY_REGISTRY_LOCK:
+        collector: _Collector | None = _BY_REGISTRY.get(registry)
+        if collector is not None:
+            try:
+                # Unregistered and registered again around the change, so the registry never
+                # sees a half-changed collector and one unregistered since is noticed.
+                registry.unregister(collector)
+            except KeyError:
+                collector = None  # unregistered by the application: start afresh
+        if collector is None:
+            collector = _Collector()
+            collector._add(cache, pairs)
+            try:
+                registry.register(collector)
+            except ValueError as exc:
+                # A collector of these names registered without `registry`.
+                raise ValueError(f"{exc}: {_FIX}") from exc
+            _BY_REGISTRY[registry] = collector
+            return collector
+        try:
+            collector._add(cache, pairs)
+        finally:
+            registry.register(collector)  # with the new cache, or as it was
+        return collector

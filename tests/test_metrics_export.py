@@ -135,3 +135,143 @@ async def test_a_caches_histograms_and_their_names_cannot_be_replaced() -> None:
                 getattr(cache, name).name = "other"
         assert cache.prefetch_wait.snapshot().count == 1
         assert "hicache_prefetch_wait_seconds_count 1" in cache.metrics_text()
+
+
+def _labelled_config(model_id: str) -> CacheConfig:
+    return CacheConfig.from_dict({**_config().to_dict(), "model_id": model_id})
+
+
+def _block(text: str, family: str) -> list[str]:
+    """The lines of `family` in a 0.0.4 exposition, its HELP and TYPE lines first."""
+    lines = text.splitlines()
+    start = lines.index(f"# HELP {family} {family}")
+    end = next((i for i in range(start + 2, len(lines)) if lines[i].startswith("# ")), len(lines))
+    return lines[start:end]
+
+
+async def test_two_labelled_caches_in_one_registry_export_one_family_per_name() -> None:
+    # Two collectors in one registry exported every series twice, with nothing to tell the
+    # caches apart: a scrape either took the last value or was refused.
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+    async with (
+        HiCache(_labelled_config("a")) as a,
+        HiCache(_labelled_config("b"), storage=MemoryStorage()) as b,
+    ):
+        a.prefetch_wait.observe(0.5)
+        registry = prometheus_client.CollectorRegistry()
+        first = prometheus_collector(a, labels={"cache": "a", "rank": "0"}, registry=registry)
+        second = prometheus_collector(b, labels={"cache": "b", "rank": "0"}, registry=registry)
+        assert second is first
+        text = prometheus_client.generate_latest(registry).decode()
+        assert _block(text, "hicache_storage_attached") == [
+            "# HELP hicache_storage_attached hicache_storage_attached",
+            "# TYPE hicache_storage_attached gauge",
+            'hicache_storage_attached{cache="a",rank="0"} 0.0',
+            'hicache_storage_attached{cache="b",rank="0"} 1.0',
+        ]
+        assert _block(text, "hicache_requests_total") == [
+            "# HELP hicache_requests_total hicache_requests_total",
+            "# TYPE hicache_requests_total counter",
+            'hicache_requests_total{cache="a",rank="0"} 0.0',
+            'hicache_requests_total{cache="b",rank="0"} 0.0',
+        ]
+        wait = _block(text, "hicache_prefetch_wait_seconds")
+        assert 'hicache_prefetch_wait_seconds_bucket{cache="a",le="+Inf",rank="0"} 1.0' in wait
+        assert 'hicache_prefetch_wait_seconds_bucket{cache="b",le="+Inf",rank="0"} 0.0' in wait
+        assert {
+            'hicache_prefetch_wait_seconds_count{cache="a",rank="0"} 1.0',
+            'hicache_prefetch_wait_seconds_sum{cache="a",rank="0"} 0.5',
+            'hicache_prefetch_wait_seconds_count{cache="b",rank="0"} 0.0',
+            'hicache_prefetch_wait_seconds_sum{cache="b",rank="0"} 0.0',
+        } <= set(wait)
+        # Every family once, every sample labelled; the storage families are b's alone.
+        types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types))
+        samples = [line for line in text.splitlines() if not line.startswith("#")]
+        assert all('cache="a"' in s or 'cache="b"' in s for s in samples)
+        assert _block(text, "hicache_storage_puts")[2:] == [
+            'hicache_storage_puts{cache="b",rank="0"} 0.0'
+        ]
+        # OpenMetrics refuses a family's metadata after its samples (two collectors' blocks).
+        parsed = list(text_string_to_metric_families(openmetrics(registry).decode()))
+        assert len(parsed) == len(types)
+
+
+async def test_a_second_unlabelled_cache_in_one_registry_is_refused() -> None:
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    async with HiCache(_labelled_config("a")) as a, HiCache(_labelled_config("b")) as b:
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(prometheus_collector(a))
+        with pytest.raises(ValueError, match="Duplicated timeseries in CollectorRegistry"):
+            registry.register(prometheus_collector(b))
+        text = prometheus_client.generate_latest(registry).decode()
+        assert _block(text, "hicache_live_requests")[2:] == ["hicache_live_requests 0.0"]
+        # Through `registry`, the error says what to do, and the registry keeps a's series.
+        fix = r"prometheus_collector\(cache, labels=\{'cache': 'a'\}, registry=registry\)"
+        for labels in (None, {"cache": "b"}):
+            with pytest.raises(ValueError, match=fix):
+                prometheus_collector(b, labels=labels, registry=registry)
+        registry = prometheus_client.CollectorRegistry()
+        prometheus_collector(a, registry=registry)
+        for labels in (None, {"cache": "b"}):
+            with pytest.raises(ValueError, match=fix):
+                prometheus_collector(b, labels=labels, registry=registry)
+        assert prometheus_client.generate_latest(registry).decode() == text
+
+
+@pytest.mark.parametrize(
+    ("labels", "error", "message"),
+    [
+        ({"le": "x"}, ValueError, "the histograms' bucket label"),
+        ({"__name__": "x"}, ValueError, "reserved"),
+        ({"0cache": "x"}, ValueError, "not a Prometheus label name"),
+        ({"cache-name": "x"}, ValueError, "not a Prometheus label name"),
+        ({"": "x"}, ValueError, "not a Prometheus label name"),
+        ({1: "x"}, ValueError, "not a Prometheus label name"),
+        ({"cache": 1}, TypeError, "label 'cache' must be a str, not int"),
+        ([("cache", "a")], TypeError, "labels must be a mapping of str to str, not list"),
+    ],
+)
+async def test_labels_are_checked_when_the_collector_is_made(
+    labels: Any, error: type[Exception], message: str
+) -> None:
+    pytest.importorskip("prometheus_client")
+    async with HiCache(_config()) as cache:
+        with pytest.raises(error, match=re.escape(message)):
+            prometheus_collector(cache, labels=labels)
+
+
+async def test_caches_joining_a_registry_need_labels_of_the_same_names_and_other_values() -> None:
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    async with (
+        HiCache(_labelled_config("a")) as a,
+        HiCache(_labelled_config("b")) as b,
+        HiCache(_labelled_config("c")) as c,
+    ):
+        registry = prometheus_client.CollectorRegistry()
+        collector = prometheus_collector(a, labels={"cache": "a"}, registry=registry)
+        before = prometheus_client.generate_latest(registry).decode()
+        for cache, labels, message in [
+            (b, {"model": "b"}, "label names ['model'] differ from ['cache']"),
+            (b, {"cache": "b", "rank": "0"}, "differ from ['cache']"),
+            (b, {"cache": "a"}, "labels {'cache': 'a'} are already another cache's here"),
+            (a, {"cache": "z"}, "this cache's collector is already registered"),
+        ]:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                prometheus_collector(cache, labels=labels, registry=registry)
+        # Refused, the registry still has the collector as it was.
+        assert prometheus_client.generate_latest(registry).decode() == before
+        prometheus_collector(b, labels={"cache": "b"}, registry=registry)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert _block(text, "hicache_live_requests")[2:] == [
+            'hicache_live_requests{cache="a"} 0.0',
+            'hicache_live_requests{cache="b"} 0.0',
+        ]
+        # Unregistered by the application, the collector is not joined again.
+        registry.unregister(collector)
+        prometheus_collector(c, labels={"cache": "c"}, registry=registry)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert _block(text, "hicache_live_requests")[2:] == ['hicache_live_requests{cache="c"} 0.0']
