@@ -312,6 +312,53 @@ async def evict_while_agreeing(rank: int, size: int, port: int, root: Path) -> d
             return out
 
 
+#: the pages every rank shares of each of `shared_prefixes()`'s prompts: a warmup agreeing only
+#: on powers of two would load 4, 4 and 8 of them
+SHARED_PAGES = (5, 7, 13)
+
+
+def shared_prefixes() -> list[np.ndarray]:
+    """Three 16-page prompts."""
+    rng = np.random.default_rng(13)
+    return [rng.integers(0, 40_000, size=16 * PAGE) for _ in SHARED_PAGES]
+
+
+async def longest_shared(rank: int, size: int, port: int, root: Path) -> dict[str, Any]:
+    """Rank 0 backs up each of `shared_prefixes()` whole; odd ranks only its first
+    `SHARED_PAGES` pages; other even ranks that many, then 16 pages of their own question
+    after them (so no rank records a chain of the shared length, nor anything covering it:
+    one entry each, agreed on a power of two). A warmup loads exactly the shared pages."""
+    rng = np.random.default_rng(100 + rank)
+    mine = [
+        prompt
+        if rank == 0
+        else prompt[: pages * PAGE]
+        if rank % 2
+        else np.concatenate([prompt[: pages * PAGE], rng.integers(0, 40_000, size=16 * PAGE)])
+        for prompt, pages in zip(shared_prefixes(), SHARED_PAGES, strict=True)
+    ]
+    await fill_prompts(root, rank, size, mine)
+    group = await TorchRankGroup.create(rank, size, port=port, timeout_s=SHORT_TIMEOUT_S)
+    async with group:
+        cfg = config(rank, size)
+        generator = KVGenerator(cfg.layout, PAGE, seed=rank)
+        async with HiCache(cfg, storage=FileStorage(root), rank_group=group) as cache:
+            warm = await cache.warmup(ratio=1.0)
+            host = [cache.match(prompt).host_tokens for prompt in shared_prefixes()]
+            # Each shared prefix served from the host pool, every page checked against the KV.
+            served = [
+                await serve(cache, prompt[: pages * PAGE], generator, prefetch=False, check="all")
+                for prompt, pages in zip(shared_prefixes(), SHARED_PAGES, strict=True)
+            ]
+            return {
+                "status": warm.status.value,
+                "loaded": (warm.entries_agreed, warm.entries_loaded, warm.pages_loaded),
+                "host": host,
+                "served": [(s.host_tokens, s.computed_tokens, s.checked_pages) for s in served],
+                **group_stats(group),
+            }
+
+
 #: scenarios that each reproduce one ordering or cancellation bug between ranks.
 REGRESSIONS: dict[str, Callable[[int, int, int, Path], Awaitable[dict[str, Any]]]] = {
     "background_warmup": background_warmup,
@@ -319,6 +366,7 @@ REGRESSIONS: dict[str, Callable[[int, int, int, Path], Awaitable[dict[str, Any]]
     "cancel_start": cancel_start,
     "cancel_warmup": cancel_warmup,
     "evict": evict_while_agreeing,
+    "longest_shared": longest_shared,
 }
 
 

@@ -172,3 +172,19 @@ def test_the_agreed_prefix_survives_eviction_until_the_request(world: dict[str, 
         for r in reports:
             assert r[name]["used"] == r[name]["agreed"]
     assert reports[0]["first"]["agreed"] == 10 * worker.PAGE
+
+
+def test_warmup_loads_the_longest_prefix_every_rank_shares(world: dict[str, Any]) -> None:
+    """Each rank's manifest has one entry per prompt, and the ranks share 5, 7 and 13 pages
+    of them: the shorter or diverging chains of ranks 1 to 3 are recorded whole only, so
+    agreement on prefix ids alone reaches 4, 4 and 8 pages; the ranks load all they share."""
+    reports = _per_rank(world, "longest_shared")
+    _in_step(reports)
+    shared = [pages * worker.PAGE for pages in worker.SHARED_PAGES]
+    for r in reports:
+        assert r["status"] == "complete"
+        assert tuple(r["loaded"]) == (3, 3, sum(worker.SHARED_PAGES))
+        assert r["host"] == shared
+        assert [tuple(s) for s in r["served"]] == [
+            (tokens, 0, pages) for tokens, pages in zip(shared, worker.SHARED_PAGES, strict=True)
+        ]

@@ -166,7 +166,9 @@ async def _fill(root: Path, rank: int, prompts: list[np.ndarray]) -> None:
         await cache.drain()
 
 
-@pytest.mark.parametrize(("kind", "at"), [("common", 0), ("min", 3)], ids=["entries", "go_on"])
+@pytest.mark.parametrize(
+    ("kind", "at"), [("common", 0), ("common", 1), ("min", 4)], ids=["entries", "longest", "go_on"]
+)
 async def test_cancelled_warmup_leaves_no_peer_waiting(tmp_path: Path, kind: str, at: int) -> None:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 50000, size=int(rng.integers(3 * PAGE, 8 * PAGE))) for _ in range(6)]
@@ -177,7 +179,8 @@ async def test_cancelled_warmup_leaves_no_peer_waiting(tmp_path: Path, kind: str
         cancelled_at: list[int] = []
 
         def cancel_there(entered: str, index: int) -> None:
-            # Collective 0 agrees on the entries; then each entry has "go on?" and a trim.
+            # Collective 0 agrees on the entries, 1 (here the only step) on how far the
+            # ranks share them; then each entry has "go on?" and a trim.
             if entered == kind and index == at and not cancelled_at:
                 cancelled_at.append(index)
                 warmups[0].cancel()  # rank 0 waits in it: rank 1 has not entered yet
@@ -282,8 +285,8 @@ async def test_warmup_cancelled_in_a_trim_still_trims_like_its_peers(tmp_path: P
         warmups = [asyncio.create_task(cache.warmup(ratio=1.0)) for cache in (first, second)]
 
         def cancel_in_first_trim(entered: str, index: int) -> None:
-            # 0: entries; 1: the first entry's "go on?"; 2: its trim.
-            if index == 2:
+            # 0: entries; 1: how far they are shared; 2: the first entry's "go on?"; 3: its trim.
+            if index == 3:
                 assert entered == "min"
                 warmups[0].cancel()  # rank 0 waits in the trim: rank 1 has not entered yet
 
@@ -319,7 +322,7 @@ async def test_a_link_warmup_counts_once_and_ends_on_every_path(tmp_path: Path, 
 
         def watch(entered: str, index: int) -> None:
             seen.append(backgrounds[0].active)
-            if stop == "detach" and index == 3:  # the second entry's "go on?"
+            if stop == "detach" and index == 4:  # the second entry's "go on?"
                 detaching.append(asyncio.create_task(first.detach_storage()))
 
         ranks[0].on_enter = watch
@@ -399,7 +402,7 @@ async def test_a_group_without_weakrefs_is_let_go_once_its_warmups_end(tmp_path:
         running: list[int] = []
 
         def ask(entered: str, index: int) -> None:
-            if index == 1:  # rank 0's warmup waits in the first entry's "go on?"
+            if index == 2:  # rank 0's warmup waits in the first entry's "go on?"
                 running.append(BackgroundAgreements.of(ranks[0]).active)
                 requests.extend(
                     asyncio.create_task(c.agree_cached_tokens(prompts[0])) for c in (first, second)
@@ -427,9 +430,10 @@ async def test_a_warmup_a_broken_group_stops_reports_what_it_loaded(tmp_path: Pa
     ranks = _pair(_Rank)
 
     def break_at(kind: str, index: int) -> None:
-        # Collectives: the entries, then "go on?" and the trim per entry; the third entry's
-        # "go on?" fails on both ranks, as a dead peer's would.
-        if index == 5:
+        # Collectives: the entries, how far they are shared (one step: the ranks hold the
+        # same chains), then "go on?" and the trim per entry; the third entry's "go on?"
+        # fails on both ranks, as a dead peer's would.
+        if index == 6:
             raise CollectiveError("the peer went away")
 
     for rank in ranks:

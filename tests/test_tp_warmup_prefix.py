@@ -18,6 +18,7 @@ from hicache_async import HiCache, WarmupResult
 from hicache_async.storage import FileStorage
 from hicache_async.storage._manifest import ManifestRead, chain_entry
 from hicache_async.testing import KVGenerator, serve
+from hicache_async.workers._warmup import _cut
 
 _GENERATOR_SEED = 7
 
@@ -87,7 +88,7 @@ async def test_ranks_load_the_turn_every_rank_backed_up(tmp_path: Path) -> None:
 
 async def test_ranks_agree_on_a_prefix_after_a_compaction(tmp_path: Path) -> None:
     """Rank 0's manifest, compacted, no longer records the 5-page turn: the ranks still load
-    a prefix they all hold, the largest power of two pages of it (4)."""
+    the 5 pages they all hold (agreed on 4, the largest power of two, then searched on)."""
     prompt = _prompt(2, 10)
     roots = [tmp_path / "r0", tmp_path / "r1"]
     await _back_up(roots[0], 0, [prompt[: 5 * PAGE], prompt])
@@ -98,45 +99,45 @@ async def test_ranks_agree_on_a_prefix_after_a_compaction(tmp_path: Path) -> Non
     assert [len(e.keys) for e in read.entries] == [10]
     assert read.covered == {}
     results, host = await _warm_both(roots, prompt)
-    assert host == 4 * PAGE
+    assert host == 5 * PAGE
     for result in results:
         assert (result.status.value, result.entries_agreed, result.pages_loaded) == (
             "complete",
             1,
-            4,
+            5,
         )
 
 
 async def test_ranks_load_only_what_their_chains_share(tmp_path: Path) -> None:
     """The ranks hold the same 3-page system prompt, each with a different question after it
-    (and nothing else): they load the 2 pages the largest power of two reaches, on both, and
-    neither rank keeps a page of its own question."""
+    (and nothing else): they load the 3 pages their chains share, on both, and neither rank
+    keeps a page of its own question."""
     system = _prompt(3, 3)
     questions = [np.concatenate([system, _prompt(4 + rank, 3)]) for rank in (0, 1)]
     roots = [tmp_path / "r0", tmp_path / "r1"]
     for rank in (0, 1):
         await _back_up(roots[rank], rank, [questions[rank]])
     results, host = await _warm_both(roots, system)
-    assert host == 2 * PAGE
+    assert host == 3 * PAGE
     for result in results:
-        assert (result.entries_agreed, result.pages_loaded) == (1, 2)
+        assert (result.entries_agreed, result.pages_loaded) == (1, 3)
 
 
 async def test_a_pinned_prefix_is_loaded_first_on_its_own(tmp_path: Path) -> None:
     """Both ranks pinned a 3-page system prompt; rank 0 backed up a 9-page conversation on
     it, rank 1 only its 6-page first turn. The prompt ranks higher on rank 0, so it is an
-    entry of its own, before the conversation's prefix the ranks share (4 pages, the largest
-    power of two: rank 0 recorded no 6-page chain)."""
+    entry of its own, before the conversation's prefix the ranks share (6 pages, though rank
+    0 recorded no 6-page chain)."""
     conversation = _prompt(20, 9)
     system = conversation[: 3 * PAGE]
     roots = [tmp_path / "r0", tmp_path / "r1"]
     await _back_up(roots[0], 0, [system, conversation], pinned=0)
     await _back_up(roots[1], 1, [system, conversation[: 6 * PAGE]], pinned=0)
     results, host = await _warm_both(roots, conversation)
-    assert host == 4 * PAGE
+    assert host == 6 * PAGE
     for result in results:
         assert (result.entries_read, result.entries_agreed) == (2, 2)
-        assert (result.entries_loaded, result.pages_loaded) == (2, 4)
+        assert (result.entries_loaded, result.pages_loaded) == (2, 6)
 
 
 async def test_ranks_with_nothing_in_common_load_nothing(tmp_path: Path) -> None:
@@ -182,3 +183,16 @@ async def test_a_read_names_the_chains_an_entry_covers(tmp_path: Path) -> None:
     assert read.covered == {f"{namespace}:{keys[-1]}": [5, 7], f"{namespace}:{keys[2]}": [2]}
     # The record encodes as JSON (`manifest show --json` prints it).
     assert msgspec.json.decode(msgspec.json.encode(read), type=ManifestRead) == read
+
+
+def test_a_prefix_a_lengthened_one_before_it_holds_is_left_out() -> None:
+    """Once lengthened, an agreed prefix can hold a prefix agreed after it whole: loading the
+    first loads the second, which is then no entry of its own; one reaching further stays."""
+    keys = [f"{i:064x}" for i in range(1, 11)]
+    entry = chain_entry(
+        bytes.fromhex("ab" * 16), map(bytes.fromhex, keys), len(keys) * PAGE, 0, 1.0
+    )
+    chosen = [(entry, 4), (entry, 5), (entry, 8)]
+    cut = _cut(chosen, [6, 5, 9], PAGE)
+    assert [(len(e.keys), e.num_tokens) for e in cut] == [(6, 6 * PAGE), (9, 9 * PAGE)]
+    assert cut[1].keys == keys[:9]

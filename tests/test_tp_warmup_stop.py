@@ -50,9 +50,9 @@ async def test_a_stopped_warmup_keeps_the_pages_every_rank_had(tmp_path: Path) -
         agreements: list[asyncio.Task[int]] = []
 
         def request_arrives(kind: str, index: int) -> None:
-            # Collective 1 is the entry's "go on?", entered with "yes" by both: a request
+            # Collective 2 is the entry's "go on?", entered with "yes" by both: a request
             # agreement arriving now stops the warmup before it loads the entry.
-            if index == 1 and not agreements:
+            if index == 2 and not agreements:
                 agreements.extend(
                     asyncio.create_task(cache.agree_cached_tokens(prompt)) for cache in caches
                 )
@@ -67,7 +67,7 @@ async def test_a_stopped_warmup_keeps_the_pages_every_rank_had(tmp_path: Path) -
         assert ranks[0].calls == ranks[1].calls
 
 
-@pytest.mark.parametrize("at", [0, 1], ids=["entries", "go_on"])
+@pytest.mark.parametrize("at", [0, 1, 2], ids=["entries", "longest", "go_on"])
 async def test_a_cancelled_warmup_stays_cancelled_when_its_group_breaks(
     tmp_path: Path, at: int
 ) -> None:
@@ -102,7 +102,7 @@ async def test_the_pages_offered_to_a_trim_are_held_until_it(tmp_path: Path) -> 
         evicted: list[int] = []
 
         def evict_in_trim(kind: str, index: int) -> None:
-            if index == 2:  # rank 0 waits in the entry's trim
+            if index == 3:  # rank 0 waits in the entry's trim
                 freed = caches[0].tree.evict_host(4)
                 caches[0]._host_free(freed)
                 evicted.append(len(freed))
@@ -111,4 +111,4 @@ async def test_the_pages_offered_to_a_trim_are_held_until_it(tmp_path: Path) -> 
         await asyncio.wait_for(asyncio.gather(*warmups), 30)
         assert evicted == [0]
         assert [cache.match(prompt).host_tokens for cache in caches] == [len(prompt)] * 2
-        assert ranks[0].calls == ranks[1].calls == 3
+        assert ranks[0].calls == ranks[1].calls == 4

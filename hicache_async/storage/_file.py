@@ -271,6 +271,9 @@ class _Handles:
         self.tmp_unlisted: str | None = None
         self._shards: dict[str, int] = {}
         self._refused: dict[str, str] = {}
+        # Shards `remove_empty` took away and no write has made again: a write that finds
+        # one gone makes it again without the warning a removal by someone else is worth.
+        self._emptied: set[str] = set()
         self._lock = threading.Lock()
         _OPEN_ROOTS.add(self)
 
@@ -332,18 +335,30 @@ class _Handles:
             os.mkdir(name, _DIR_MODE, dir_fd=self.pages_fd)
         except FileExistsError:
             return
+        self._emptied.discard(name)
         # Another directory than one a scan could not list: its failure is news.
         self.unreadable.pop(name, None)
         if durable:
             os.fsync(self.pages_fd)
 
-    def renew_shard(self, name: str, seen_fd: int, *, durable: bool) -> int | None:
+    def renew_shard(
+        self,
+        name: str,
+        seen_fd: int,
+        *,
+        durable: bool,
+        then: Callable[[int], object] | None = None,
+    ) -> int | None:
         """After a call in `pages/<name>` through `seen_fd` failed with ENOENT: if that
         directory was removed under us (and pages/ with it, perhaps), make it again and return
-        its descriptor; None when it was not removed or cannot be made again."""
+        its descriptor; None when it was not removed or cannot be made again. `then`, given
+        the descriptor, runs before `remove_empty` can take the directory away again (a
+        rename into it: the directory is not empty after it)."""
         with self._lock:
             current = self._shards.get(name)
             if current is not None and current != seen_fd:
+                if then is not None:
+                    then(current)
                 return current  # another thread renewed it
             if current is not None:
                 if os.fstat(seen_fd).st_nlink:
@@ -355,12 +370,44 @@ class _Handles:
             # Whoever removed it may have removed LOCK too (see `_remade_locked`).
             if not self._hold_lock_locked():
                 return None
+            emptied = name in self._emptied
             try:
                 fd = self._shard_locked(name, create=True, durable=durable)
             except OSError:
                 return None
-        log.warning("storage.shard.recreated", directory=str(self._pages_path / name))
+            if fd is not None and then is not None:
+                then(fd)
+        if not emptied:
+            log.warning("storage.shard.recreated", directory=str(self._pages_path / name))
         return fd
+
+    def remove_empty(self, names: Iterable[str]) -> int:
+        """Remove the shard directories `names` that are empty, closing this instance's way
+        into them first (the descriptor is retired: a thread may still hold it); how many went.
+        One that is not empty now (a write landed since it was listed) stays, as it was. A
+        write that then finds its directory gone makes it again (`renew_shard`). Only for a
+        private root: other instances would go on using descriptors of the removed ones."""
+        removed = 0
+        with self._lock:
+            for name in names:
+                if name in self._refused:
+                    continue
+                fd = self._shards.pop(name, None)
+                try:
+                    os.rmdir(name, dir_fd=self.pages_fd)
+                except FileNotFoundError:
+                    pass  # gone already (with pages/, perhaps)
+                except OSError:
+                    # Not empty (ENOTEMPTY or EEXIST), or not to be removed: it stays open.
+                    if fd is not None:
+                        self._shards[name] = fd
+                    continue
+                else:
+                    removed += 1
+                    self._emptied.add(name)
+                if fd is not None:
+                    self._retired.append(fd)
+        return removed
 
     def _renew_pages_locked(self, seen_fd: int) -> bool:
         if self.pages_fd != seen_fd:
@@ -1078,6 +1125,7 @@ def _scan(
     stray_dirs: list[tuple[int, str]] | None = None,
     refused: list[str] | None = None,
     foreign: list[str] | None = None,
+    empty: list[str] | None = None,
 ) -> list[_Found]:
     """Every page file under pages/. Entries that are neither page files nor regular files
     (symlinks, FIFOs, devices) go to `strays` (as (directory fd, name)) when given, and
@@ -1088,7 +1136,7 @@ def _scan(
     a stray too: a page the store can neither find nor account for, which would outlive its
     capacity. Other regular files (an operator's notes or backup copy) go to `foreign`:
     never the store's, so never removed. Shards that cannot be opened, or are refused as
-    unsafe, go to `refused`."""
+    unsafe, go to `refused`; shards listed with nothing in them to `empty`."""
     found: list[_Found] = []
     try:
         pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
@@ -1137,9 +1185,11 @@ def _scan(
             _unreadable_shard(handles, shard_name, exc, refused)
             continue
         shard: list[_Found] = []
+        listed_any = False
         try:
             with os.scandir(scan_fd) as entries:
                 for entry in entries:
+                    listed_any = True
                     name = entry.name
                     try:
                         if entry.is_dir(follow_symlinks=False):
@@ -1174,7 +1224,19 @@ def _scan(
             os.close(scan_fd)
         handles.unreadable.pop(shard_name, None)
         found.extend(shard)
+        if empty is not None and not listed_any:
+            empty.append(shard_name)
     return found
+
+
+def _rename_in(handles: _Handles, tmp_name: str, hexkey: str) -> Callable[[int], None]:
+    """Move `tmp_name` from tmp/ to `hexkey` in the shard directory whose descriptor it is
+    given."""
+
+    def rename(shard_fd: int) -> None:
+        os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+
+    return rename
 
 
 def _unreadable_shard(
@@ -3282,11 +3344,15 @@ class FileStorage(BackendBase):
                     os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
                 except FileNotFoundError:
                     # The shard directory was removed under us: made again, once.
-                    renewed = handles.renew_shard(hexkey[:2], shard_fd, durable=durable)
+                    renewed = handles.renew_shard(
+                        hexkey[:2],
+                        shard_fd,
+                        durable=durable,
+                        then=_rename_in(handles, tmp_name, hexkey),
+                    )
                     if renewed is None:
                         raise
                     shard_fd = renewed
-                    os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
                 renamed = True
             finally:
                 if not renamed:  # else removed as a leftover at the next open or verify
@@ -3638,7 +3704,16 @@ class FileStorage(BackendBase):
             self._sync_file(fd)
         finally:
             os.close(fd)
-        os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+        try:
+            os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+        except FileNotFoundError:
+            # Its shard directory was removed (an emptied one, by `gc()`): made again, once.
+            renewed = handles.renew_shard(
+                hexkey[:2], shard_fd, durable=durable, then=_rename_in(handles, tmp_name, hexkey)
+            )
+            if renewed is None:
+                raise
+            shard_fd = renewed
         if durable:
             os.fsync(shard_fd)
 
@@ -4004,7 +4079,15 @@ class FileStorage(BackendBase):
         handles = self._handles_or_raise()
         self._release_spares(handles, reason="gc")
         unlisted: list[str] = []
-        found = _scan(handles, stop, refused=unlisted)
+        # Shard directories left empty go, on a private root only: another instance sharing
+        # the root would go on reading and listing through its descriptor of a removed one,
+        # and miss every page written into the one made again.
+        empty: list[str] | None = None if self._shared else []
+        found = _scan(handles, stop, refused=unlisted, empty=empty)
+        if empty and not stop.is_set():
+            removed = handles.remove_empty(empty)
+            if removed:
+                log.info("storage.shards.removed", backend=self._name, directories=removed)
         return _diff_scan(found, before, frozenset(unlisted))
 
     def _release_spares(self, handles: _Handles, *, reason: str) -> None:

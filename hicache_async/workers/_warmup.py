@@ -1,12 +1,13 @@
 """Warmup: load the most valuable prefixes of a shared store into a cold host pool.
 
 It reads the backend's manifest (bounded), agrees with the other tensor-parallel ranks on the
-prefixes of its entries they all hold (see `_offers`), and loads them by priority then recency
-through the prefetch path,
-one at a time and only while no live prefetch is waiting (it waits for them no longer than its
-deadline), until the host budget, the deadline, a detach or the cache's close stops it.
+prefixes of its entries they all hold (see `_offers` and `_longest_shared`), and loads them by
+priority then recency through the prefetch path, one at a time and only while no live
+prefetch is waiting (it waits for them no longer than its deadline), until the host budget,
+the deadline, a detach or the cache's close stops it.
 
-With a rank group, each entry costs exactly two collectives on every rank whatever happens
+With a rank group, after the agreements on the entries (the same number on every rank), each
+entry costs exactly two collectives on every rank whatever happens
 locally: one to agree to go on, one to agree on how many pages every rank has; a rank that
 loaded more than the others drops the excess so every rank ends with the same tree. Each
 collective is tagged with what it agrees on (the step and the entry). A warmup cancelled
@@ -23,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import enum
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -205,10 +207,12 @@ class Warmer:
                 offered = _offers(read)
             return list(offered)
 
-        agreed_ids: list[bytes] = []
+        agreed: list[ManifestEntry] = []
         if tp:
             assert group is not None
-            agreed_ids = await self._agree_entries_owing(group, local_entries)
+            agreed = await self._agree_entries_owing(
+                group, local_entries, lambda: offered, cache.config.page_size
+            )
         else:
             await local_entries()
         if read is None:
@@ -219,10 +223,7 @@ class Warmer:
             else:
                 status = WarmupStatus.MANIFEST_FAILED
             return WarmupResult(status=status, seconds=time.monotonic() - began)
-        if tp:
-            entries = _agreed_prefixes(agreed_ids, offered, cache.config.page_size)
-        else:
-            entries = read.entries
+        entries = agreed if tp else read.entries
         assert cache._host_pool is not None
         budget = int(self._ratio * cache._host_pool.num_pages)
         size = cache.config.page_size
@@ -359,22 +360,31 @@ class Warmer:
         )
 
     async def _agree_entries_owing(
-        self, group: RankGroup, local: Callable[[], Awaitable[list[bytes]]]
-    ) -> list[bytes]:
-        """The prefix ids every rank offered. A cancellation waits for the agreement (this
-        rank may have entered it already); if peers then go on to the first entry, it answers
-        that entry's "go on?" with "no" before re-raising, so they stop there with it."""
-        agreed: list[list[bytes]] = []
+        self,
+        group: RankGroup,
+        local: Callable[[], Awaitable[list[bytes]]],
+        offered: Callable[[], dict[bytes, tuple[ManifestEntry, int]]],
+        page_size: int,
+    ) -> list[ManifestEntry]:
+        """The entries to load: the prefixes every rank offered (`local`, then `offered()`:
+        what it offered), each lengthened to the longest prefix the ranks share
+        (`_longest_shared`). A cancellation waits for the agreements (this rank may have
+        entered them already); if peers then go on to the first entry, it answers that
+        entry's "go on?" with "no" before re-raising, so they stop there with it."""
+        agreed: list[list[ManifestEntry]] = []
 
         async def agree() -> None:
-            agreed.append(await agree_entries(group, local, tag=_ENTRIES_TAG))
+            ids = await agree_entries(group, local, tag=_ENTRIES_TAG)
+            chosen = _agreed_prefixes(ids, offered())
+            lengths = await _longest_shared(group, chosen)
+            agreed.append(_cut(chosen, lengths, page_size))
 
         if not await run_uncancelled(agree()):
             return agreed[0]
-        # Nothing agreed: the collective failed (logged), and the peers see that failure too.
-        # The first id agreed is the first entry on every rank (no prefix comes before it).
+        # Nothing agreed: a collective failed (logged), and the peers see that failure too.
+        # The entries are the same on every rank (their keys are the prefixes they share).
         if agreed and agreed[0]:
-            await self._owe(group, _go_on_tag(agreed[0][0].hex()))
+            await self._owe(group, _go_on_tag(agreed[0][0].chain_id))
         raise asyncio.CancelledError
 
     async def _agree_go_on_owing(
@@ -489,6 +499,10 @@ _ENTRIES_TAG = agreement_tag("warmup.entries")
 _ORDER_STEP = 64
 
 
+def _extend_tag(step: int) -> int:
+    return agreement_tag("warmup.extend", step)
+
+
 def _go_on_tag(chain_id: str) -> int:
     return agreement_tag("warmup.go_on", chain_id)
 
@@ -510,6 +524,13 @@ async def _nothing() -> list[bytes]:
     return []
 
 
+def _returning(items: list[bytes]) -> Callable[[], Awaitable[list[bytes]]]:
+    async def local() -> list[bytes]:
+        return items
+
+    return local
+
+
 def _offers(read: ManifestRead) -> dict[bytes, tuple[ManifestEntry, int]]:
     """What a rank offers to the entries agreement, in its order: for each entry (by
     priority, then recency), longest first, the ids of its whole chain, of the covered
@@ -519,8 +540,9 @@ def _offers(read: ManifestRead) -> dict[bytes, tuple[ManifestEntry, int]]:
 
     A chain's key at page n names the prefix of n pages on every rank, so ranks whose latest
     backups differ (one lacks the last turn of a conversation) still agree on a prefix they
-    all hold: exactly, at a length one of them recorded as a chain of its own, else at the
-    largest power of two they share. The ids number at most the entries and covered records
+    all hold: at a length one of them recorded as a chain of its own, else at the largest
+    power of two they share; `_longest_shared` then lengthens it to all they share. The ids
+    number at most the entries and covered records
     read (at most `max_entries`) plus floor(log2(pages)) + 1 per entry.
     """
     offered: dict[bytes, tuple[ManifestEntry, int]] = {}
@@ -534,27 +556,92 @@ def _offers(read: ManifestRead) -> dict[bytes, tuple[ManifestEntry, int]]:
 
 
 def _agreed_prefixes(
-    agreed: list[bytes], offered: dict[bytes, tuple[ManifestEntry, int]], page_size: int
-) -> list[ManifestEntry]:
-    """The entries to load, in the agreed order, from the prefixes every rank offered: each
-    agreed prefix that no agreed prefix before it continues (loading that one loads it),
-    as this rank's entry cut to the prefix's pages.
+    agreed: list[bytes], offered: dict[bytes, tuple[ManifestEntry, int]]
+) -> list[tuple[ManifestEntry, int]]:
+    """The prefixes to load, in the agreed order, from the ids every rank offered: each
+    agreed prefix that no agreed prefix before it continues (loading that one loads it), as
+    this rank's entry that offered it and the prefix's pages.
 
     Every rank decides alike: the agreed list is the same everywhere, and so are the keys of
     a prefix (each key hashes the ones before it). A prefix before a longer one that
     continues it ranks higher on rank 0, so it is loaded first, on its own.
     """
-    chosen: list[ManifestEntry] = []
+    chosen: list[tuple[ManifestEntry, int]] = []
     within: set[str] = set()  # the keys of the prefixes chosen so far
     for ident in agreed:
         found = offered.get(ident)
         if found is None or ident.hex() in within:
             continue
         entry, pages = found
-        if pages < len(entry.keys):
-            entry = msgspec.structs.replace(
-                entry, keys=entry.keys[:pages], num_tokens=pages * page_size
-            )
-        within.update(entry.keys)
-        chosen.append(entry)
+        within.update(entry.keys[:pages])
+        chosen.append(found)
     return chosen
+
+
+async def _longest_shared(group: RankGroup, chosen: list[tuple[ManifestEntry, int]]) -> list[int]:
+    """For each chosen prefix, the pages of the longest prefix every rank's entry for it
+    shares: a binary search, all prefixes at once, one `agree_entries` per step.
+
+    A prefix of P pages was chosen because no longer one the ranks share was offered, and
+    every rank offers each power of two below its entry's length: so the ranks share fewer
+    than 2P pages of their entries. The first step asks for one page more than each prefix;
+    only the prefixes every rank holds one page more of are searched further, up to 2P - 1.
+    A step offers, for each prefix still searched, this rank's key at the page it asks about
+    (nothing if its entry is shorter), tagged with the prefix's place in `chosen`: a key
+    names the prefix that ends with it, so the ranks share that prefix exactly when every
+    one offered it. The steps depend only on what was agreed, so every rank takes the same
+    number: at most 1 + ceil(log2 P) for the longest P, none when no prefix is longer than
+    a page.
+    """
+    low = [pages for _, pages in chosen]  # pages every rank shares
+    high = [2 * pages - 1 for pages in low]  # at most this many
+    step = 0
+    while True:
+        if step == 0:
+            asked = {i: low[i] + 1 for i in range(len(chosen)) if low[i] < high[i]}
+        else:
+            asked = {i: (low[i] + high[i] + 1) // 2 for i in range(len(chosen)) if low[i] < high[i]}
+        if not asked:
+            return low
+        probes = {
+            _probe(i, chosen[i][0].keys[pages - 1]): i
+            for i, pages in asked.items()
+            if len(chosen[i][0].keys) >= pages
+        }
+        agreed = await agree_entries(group, _returning(list(probes)), tag=_extend_tag(step))
+        shared = {probes[probe] for probe in agreed if probe in probes}
+        for i, pages in asked.items():
+            if i in shared:
+                low[i] = pages
+            else:
+                high[i] = pages - 1
+        step += 1
+
+
+def _probe(index: int, key: str) -> bytes:
+    """What a rank offers for the chosen prefix `index` reaching the page `key` ends."""
+    return hashlib.blake2b(
+        index.to_bytes(8, "little") + bytes.fromhex(key), digest_size=32
+    ).digest()
+
+
+def _cut(
+    chosen: list[tuple[ManifestEntry, int]], lengths: list[int], page_size: int
+) -> list[ManifestEntry]:
+    """Each chosen entry cut to its agreed pages, leaving out those an entry before it
+    holds whole (a longer agreed length can reach a prefix chosen after it)."""
+    entries: list[ManifestEntry] = []
+    within: set[str] = set()
+    for (entry, _), pages in zip(chosen, lengths, strict=True):
+        if entry.keys[pages - 1] in within:
+            continue
+        within.update(entry.keys[:pages])
+        if pages < len(entry.keys):
+            entries.append(
+                msgspec.structs.replace(
+                    entry, keys=entry.keys[:pages], num_tokens=pages * page_size
+                )
+            )
+        else:
+            entries.append(entry)
+    return entries
