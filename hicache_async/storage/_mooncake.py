@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError, type_name
+from .._extras import install_hint
 from .._ratelog import LogLimiter
 from ._base import (
     BackendBase,
@@ -571,9 +572,8 @@ def _no_library() -> str:
             f"Linux only (mooncake-transfer-engine); this platform is {sys.platform!r}"
         )
     return (
-        "the mooncake backend needs the Mooncake Python package: pip install "
-        "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
-        "mooncake-transfer-engine for CUDA/RDMA hosts"
+        f"the mooncake backend needs the Mooncake Python package: {install_hint('mooncake')} "
+        "(mooncake-transfer-engine-non-cuda) or mooncake-transfer-engine for CUDA/RDMA hosts"
     )
 
 
