@@ -10,7 +10,7 @@ __all__ = ["install_hint", "missing_module", "missing_package"]
 
 
 def install_hint(extra: str) -> str:
-    """The command that installs `extra`: ``pip install 'hicache-async[extra]'``."""
+    """The command that installs `extra`, as pip takes it."""
     return f"pip install 'hicache-async[{extra}]'"
 
 
