@@ -41,6 +41,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import structlog
 
@@ -199,6 +200,8 @@ class MooncakeManifest:
                 _log.warning("hicache.manifest.entry_too_large", nbytes=len(line))
                 continue
             groups.setdefault(entry.namespace, []).append(line)
+        if not groups:
+            await anyio.lowlevel.checkpoint()  # nothing to send: an async call yields all the same
         for namespace, lines in groups.items():
             self._known.add(namespace)
             try:

@@ -540,6 +540,7 @@ class MemoryStorage(BackendBase):
 
     async def read_raw(self, key: bytes) -> bytes | None:
         """The stored `header ‖ payload` bytes, unchecked, or None."""
+        await anyio.lowlevel.checkpoint()  # first, as in `exists`
         self._check_open()
         check_key(key)
         value = self._values.get(key)
@@ -547,6 +548,7 @@ class MemoryStorage(BackendBase):
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
         """Store `value` under `key` unchecked, replacing what is there."""
+        await anyio.lowlevel.checkpoint()  # first, as in `exists`
         self._check_open()
         check_key(key)
         self._remove(key)
@@ -561,6 +563,8 @@ class MemoryStorage(BackendBase):
         self._check_open()
         pages: list[PageInfo] = []
         listed = list(islice(reversed(self._values.items()), limit))
+        if not listed:
+            await anyio.lowlevel.checkpoint()  # the loop below takes the turns of the others
         for at, (key, value) in enumerate(listed):
             if at % _LIST_SLICE == 0:
                 # Half a million headers decoded in one go held the loop for over a second.
