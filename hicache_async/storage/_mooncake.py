@@ -1719,7 +1719,7 @@ class MooncakeStorage(BackendBase):
         """
         store = self._open_store()
         if self._capacity is None:
-            self._check_master()
+            await self._check_master_turning()
             probe = [self._mkey(bytes(32))]
             (answer,) = await self.run_job(lambda stop: list(store.batch_is_exist(probe)))
             if answer not in (0, 1):
@@ -1765,6 +1765,13 @@ class MooncakeStorage(BackendBase):
         StorageError at once while the master is known not to answer."""
         store = self._open_store()
         self._check_master()
+        return store
+
+    async def _master_store_turning(self) -> Any:
+        """`_master_store`, letting the loop run once before it raises (see
+        `_check_master_turning`)."""
+        store = self._open_store()
+        await self._check_master_turning()
         return store
 
     def _master_down(self) -> bool:
@@ -2223,7 +2230,7 @@ class MooncakeStorage(BackendBase):
             raise StorageConfigError(
                 f"{self._name}: listing pages needs the master's admin URL (?admin=http://...)"
             )
-        self._check_master()
+        await self._check_master_turning()
         url = f"{self._admin}/get_all_keys"
         lead = f"{self._prefix}:"
         longest = len(lead.encode()) + 64 + _KEY_LINE_SLACK

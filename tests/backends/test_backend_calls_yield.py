@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from hicache_async import StorageError
 from hicache_async.storage import Outcome
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
 from hicache_async.storage._redis import RedisStorage
 from hicache_async.testing._servers import MooncakeMaster
@@ -93,17 +95,16 @@ async def _raises(call: Awaitable[Any]) -> None:
 async def test_mooncake_answers_while_its_master_is_known_down_yield(
     master: MooncakeMaster,
 ) -> None:
-    url = (
-        f"mooncake://127.0.0.1:{master.rpc_port}?metadata={master.metadata_url}"
-        "&protocol=tcp&local_hostname=127.0.0.1"
-    )
-    async with MooncakeStorage.from_url(test_mooncake.fresh_url(url, segment_size=0)) as backend:
+    url = test_mooncake.fresh_url(master.url, segment_size=0, capacity="1MiB")
+    async with MooncakeStorage.from_url(url) as backend:
         await _seen_up(backend)
         close_idle_clients(master.address)
         master.kill()
         await _until(backend._master_down)
         keys, pages, metas = test_mooncake.make_pages(2)
         ns = test_mooncake.NS
+        manifest = backend.manifest()
+        entry = chain_entry(ns, keys, 2 * 16, 0, time.time())
 
         async def get() -> None:
             into = test_mooncake.buffers(2)
@@ -120,5 +121,11 @@ async def test_mooncake_answers_while_its_master_is_known_down_yield(
                 "delete": lambda: _raises(backend.delete(keys)),
                 "read_raw": lambda: _raises(backend.read_raw(keys[0])),
                 "write_raw": lambda: _raises(backend.write_raw(keys[0], b"x")),
+                "list_pages": lambda: _raises(backend.list_pages()),
+                "verify": lambda: _raises(backend.verify()),
+                "gc": lambda: _raises(backend.gc()),
+                "manifest append": lambda: _raises(manifest.append([entry])),
+                "manifest read": lambda: _raises(manifest.read()),
+                "manifest compact": lambda: _raises(manifest.compact()),
             }
         )
