@@ -636,7 +636,7 @@ class HiCache:
         group = self.rank_group
         if group is None or group.size == 1:
             info = self.match(tokens, salt=salt)
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             return info.device_tokens + info.host_tokens
         refused: Exception | None = None
         try:
@@ -870,7 +870,7 @@ class HiCache:
         )
         link = self._link
         if link is None:
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             return WarmupResult(status=WarmupStatus.NO_STORAGE)
         warmer = Warmer(self, link, ratio=limits.ratio, deadline_s=limits.deadline_s)
         link.warmers.add(warmer)
@@ -903,7 +903,7 @@ class HiCache:
         self._check_workers()
         link = self._link
         if link is None or link.warmup_result is None:
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             return None
         future = link.warmup_result
         await asyncio.wait([future])
@@ -965,7 +965,7 @@ class HiCache:
             handle._seq = self._start_order.started()
         try:
             if link is None:
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             else:
                 await link.prefetcher.submit(handle)
         except BaseException:
@@ -1014,7 +1014,7 @@ class HiCache:
             if link is not None and not link.backup.idle:
                 await link.backup.wait_idle()
                 continue
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             if not self._copies and (self._link is None or self._link.backup.idle):
                 return
 
@@ -1174,7 +1174,7 @@ class HiCache:
                 f"the device pool cannot provide {count} pages: it has only "
                 f"{self._device_pool.num_pages} in all; raise device_pages or shorten the prompt"
             )
-        await asyncio.sleep(0)  # a checkpoint before, never after, taking the pages
+        await anyio.lowlevel.checkpoint()  # a checkpoint before, never after, taking the pages
         failed_before = dict(self._backup_failures)
         while True:
             self._check_open()

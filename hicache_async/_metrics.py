@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ._extras import missing_module
 from ._pool import PoolStatistics
 from ._stats import TierTokens
 from .storage._protocol import StorageStats
@@ -284,11 +285,7 @@ def prometheus_collector(
     except ModuleNotFoundError as exc:
         # As the lazy exports' messages: still what `except ModuleNotFoundError` callers
         # catch, naming the package and the extra that brings it.
-        raise ModuleNotFoundError(
-            "prometheus_collector needs the 'prometheus_client' package: "
-            "pip install 'hicache-async[prometheus]'",
-            name=exc.name,
-        ) from exc
+        raise missing_module("prometheus_collector", exc, "prometheus") from exc
     pairs = _check_labels(labels)
     if registry is None:
         alone = _Collector()

@@ -73,8 +73,11 @@ class Counters:
 class ReadOnlyCounts(dict[str, int]):
     """A `dict` of counts that refuses changes: the counters of a frozen snapshot.
 
-    A dict (not a `types.MappingProxyType`) so that msgspec encodes it and pickle copies it;
-    `copy()` gives a plain, mutable dict.
+    A dict (not a `types.MappingProxyType` or another `Mapping`) so that msgspec, `json.dumps`
+    and `isinstance(..., dict)` take it as one and pickle copies it; `copy()` gives a plain,
+    mutable dict. Its refusals are its own methods', so `dict`'s called on it directly
+    (`dict.__setitem__(counts, k, v)`, `dict.update(counts, ...)`) still change it: nothing
+    a dict subclass defines can stop them.
     """
 
     __slots__ = ()

@@ -322,6 +322,24 @@ async def test_the_counters_of_a_snapshot_are_read_only() -> None:
     assert msgspec.to_builtins(stats)["counters"] == plain
 
 
+def test_the_counters_of_a_snapshot_stay_a_dict_for_every_encoder() -> None:
+    # Why they are a dict subclass and not an immutable Mapping: a Mapping that is not a dict
+    # is refused by json.dumps, msgspec and `isinstance(..., dict)` checks (docs/api.md says
+    # what the subclass leaves open: dict's own methods called on it directly).
+    import json
+
+    import msgspec
+
+    from hicache_async._stats import ReadOnlyCounts
+
+    counts = ReadOnlyCounts({"requests": 1})
+    assert isinstance(counts, dict)
+    assert json.loads(json.dumps(counts)) == {"requests": 1}
+    assert msgspec.json.decode(msgspec.json.encode(counts)) == {"requests": 1}
+    assert msgspec.to_builtins(counts) == {"requests": 1}
+    assert counts == {"requests": 1}
+
+
 async def test_a_cached_prompt_takes_its_requests_priority_at_commit() -> None:
     # Pages read back from storage (or committed before at a lower priority) must be pinned
     # by a request that finds them all cached, as an insert of them would pin them.

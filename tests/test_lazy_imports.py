@@ -116,3 +116,27 @@ def test_the_pytest_plugin_does_not_import_torch() -> None:
         "assert 'torch' in sys.modules\n"
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_install_command_of_an_extra_is_worded_in_one_place() -> None:
+    # Every message naming an extra builds its command with `_extras`, so they cannot drift.
+    package = Path(hicache_async.__file__).parent
+    wording = "hicache-async" + "["
+    found = sorted(
+        path.relative_to(package).as_posix()
+        for path in package.rglob("*.py")
+        if wording in path.read_text(encoding="utf-8")
+    )
+    assert found == ["_extras.py"]
+
+
+def test_the_install_hint_module_imports_nothing() -> None:
+    # The lazy exports and the pytest plugin's import path use it: it must stay light.
+    done = _run(
+        "import sys, hicache_async\n"
+        "before = set(sys.modules)\n"
+        "import hicache_async._extras\n"
+        "added = set(sys.modules) - before - {'hicache_async._extras'}\n"
+        "assert not added, sorted(added)\n"
+    )
+    assert done.returncode == 0, done.stderr

@@ -8,6 +8,8 @@ from collections.abc import Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .._extras import install_hint
+
 __all__ = ["UVLOOP_EXTRA", "LoopRunner", "fastest_loop_factory", "uvloop_factory"]
 
 T = TypeVar("T")
@@ -42,7 +44,7 @@ class LoopRunner:
 
 
 #: How a user gets uvloop, named wherever a run goes without it.
-UVLOOP_EXTRA = "pip install 'hicache-async[bench]'"
+UVLOOP_EXTRA = install_hint("bench")
 
 _fallback_said = False
 

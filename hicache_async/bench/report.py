@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgspec
 
+from .._extras import install_hint
 from ..cli._args import positive_float
 from . import BENCHMARKS
 from ._records import Record
@@ -33,7 +34,7 @@ from ._records import Record
 __all__ = ["Job", "JobResult", "PREFACE", "jobs", "main", "render"]
 
 #: The hand-written part of docs/benchmarks.md; everything after it is generated.
-PREFACE = """\
+PREFACE = f"""\
 # Benchmarks
 
 Figures on this page are generated: `nox -s bench` (or `python -m hicache_async.bench.report`)
@@ -44,7 +45,7 @@ read the *ratio* column. A throughput ratio above 1 is better than the baseline;
 seconds) below 1 is.
 
 `storage` runs on uvloop and `orchestration` under both asyncio's loop and uvloop, which the
-`bench` extra brings (`pip install 'hicache-async[bench]'`; `nox -s bench` and
+`bench` extra brings (`{install_hint("bench")}`; `nox -s bench` and
 `scripts/setup.sh --dev` install it). Without it, `hicache-async bench` runs on asyncio's loop
 and says so once on stderr (its figures are then not comparable with a run on uvloop), and
 `hicache-async bench orchestration --loops uvloop` exits with status 2, naming the extra.

@@ -7,12 +7,12 @@ The helpers in `_agree` keep that rule when a rank's local step fails.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import operator
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import anyio.lowlevel
 import msgspec
 
 __all__ = ["GroupStatistics", "RankGroup", "SingleRank", "agreement_tag"]
@@ -193,7 +193,7 @@ class SingleRank:
 
     async def _enter(self) -> None:
         self._collectives += 1
-        await asyncio.sleep(0)
+        await anyio.lowlevel.checkpoint()
 
     async def all_min(self, value: int, *, tag: int | None = None) -> int:
         """`value` itself (one rank cannot disagree with itself on the tag)."""

@@ -11,6 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .._errors import StorageConfigError
+from .._extras import missing_module
 from ._base import check_get, check_keys, check_metas, check_pages, check_put
 from ._file import FileStorage, FileStorageStats, FsyncPolicy, default_root
 from ._maintenance import (
@@ -118,13 +119,7 @@ if not TYPE_CHECKING:
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] == "hicache_async":
                 raise
-            # Still a ModuleNotFoundError (what `from ... import` callers catch), but one
-            # that says which extra brings the missing package.
-            package = exc.name.split(".")[0]
-            raise ModuleNotFoundError(
-                f"{name} needs the {package!r} package: pip install 'hicache-async[{extra}]'",
-                name=exc.name,
-            ) from exc
+            raise missing_module(name, exc, extra) from exc
         value = getattr(module, name)
         globals()[name] = value  # later lookups skip this function
         return value

@@ -41,6 +41,7 @@ from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import structlog
 
@@ -199,6 +200,8 @@ class MooncakeManifest:
                 _log.warning("hicache.manifest.entry_too_large", nbytes=len(line))
                 continue
             groups.setdefault(entry.namespace, []).append(line)
+        if not groups:
+            await anyio.lowlevel.checkpoint()  # nothing to send: an async call yields all the same
         for namespace, lines in groups.items():
             self._known.add(namespace)
             try:
@@ -334,7 +337,7 @@ class MooncakeManifest:
         back: each payload carries a random token, so equal bytes mean it is ours.
         """
         chunk = _with_token(payload)
-        store = self._storage._master_store()
+        store = await self._storage._master_store_turning()
         config = self._replicate_config()
         code = await self._storage.run_job(lambda stop: int(store.put(name, chunk, config)))
         if code != 0:
@@ -478,7 +481,7 @@ class MooncakeManifest:
                     hint="listing manifests needs ?admin=http://master:port",
                 )
             return sorted(found)
-        self._storage._master_store()  # the admin server runs in the master's process
+        await self._storage._master_store_turning()  # the admin server runs in the master's process
         lead = f"{self._storage.prefix}:manifest:".encode()
         url = f"{admin}/get_all_keys"
 
@@ -722,7 +725,7 @@ class MooncakeManifest:
 
     async def _claim_raw(self, name: str, value: bytes) -> bool:
         """Put `value` (which must be unique) under `name`; True if the object is it."""
-        store = self._storage._master_store()
+        store = await self._storage._master_store_turning()
         config = self._replicate_config()
         code = await self._storage.run_job(lambda stop: int(store.put(name, value, config)))
         if code != 0:
@@ -730,7 +733,7 @@ class MooncakeManifest:
         return (await self._get([name], _INDEX_BYTES))[0] == value
 
     async def _exist(self, names: list[str]) -> list[bool]:
-        store = self._storage._master_store()
+        store = await self._storage._master_store_turning()
         codes = await self._storage.run_job(lambda stop: list(store.batch_is_exist(names)))
         if any(code < 0 for code in codes):
             raise StorageError(f"{self._storage.name}: manifest lookup failed")
@@ -759,7 +762,7 @@ class MooncakeManifest:
         self, names: list[str], bound: int, size: int, gaps: bool
     ) -> list[bytes | int | None]:
         storage = self._storage
-        store = storage._master_store()
+        store = await storage._master_store_turning()
         arena = storage._arena
         offset = await storage._acquire_arena(size * len(names))
         view, address = storage._arena_view, storage._arena_base + offset
@@ -808,7 +811,7 @@ class MooncakeManifest:
         todo = list(names)
         if not todo:
             return
-        store = self._storage._master_store()
+        store = await self._storage._master_store_turning()
         codes = await self._storage.run_job(lambda stop: list(store.batch_remove(todo, force=True)))
         failed = [c for c in codes if c not in (0, _NOT_FOUND)]
         if failed:

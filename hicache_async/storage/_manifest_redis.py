@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
@@ -600,6 +601,8 @@ class RedisManifest:
         if groups:
             # After a call the server answered: a silent one costs no second timeout here.
             await self._check_eviction()
+        else:
+            await anyio.lowlevel.checkpoint()  # nothing to send: an async call yields all the same
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
         """The newest record per chain (of `namespace`, or of every namespace), bounded.

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 
+import anyio.lowlevel
 import msgspec
 
 from .. import _native
@@ -214,7 +215,7 @@ class MemoryStorage(BackendBase):
             nbytes += size
             if pages >= _YIELD_PAGES or nbytes >= _YIELD_BYTES:
                 pages = nbytes = 0
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
 
     def _remove(self, key: bytes) -> _Value | None:
         value = self._values.pop(key, None)
@@ -257,7 +258,9 @@ class MemoryStorage(BackendBase):
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, counted from the first, exist consecutively."""
-        await _turn()
+        # A call of a few pages never suspends otherwise, so a task streaming such calls would
+        # hold the loop. Taken first, before any state changes: cancelled here, it did nothing.
+        await anyio.lowlevel.checkpoint()
         self._check_open()
         check_keys(keys)
         count = 0
@@ -284,7 +287,7 @@ class MemoryStorage(BackendBase):
         self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
     ) -> list[Outcome]:
         """Check and copy each page into its buffer; one outcome per key."""
-        await _turn()
+        await anyio.lowlevel.checkpoint()
         self._check_open()
         check_batch(keys, ("buffers", into))
         check_keys(keys, namespace)
@@ -377,7 +380,7 @@ class MemoryStorage(BackendBase):
         even after evicting every page not in the batch, is a MISS, as is every later page of
         the batch not stored already.
         """
-        await _turn()
+        await anyio.lowlevel.checkpoint()
         self._check_open()
         check_put(keys, pages, metas)
         outcomes = [Outcome.OK] * len(keys)
@@ -526,7 +529,7 @@ class MemoryStorage(BackendBase):
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Remove the pages; return how many existed."""
-        await _turn()
+        await anyio.lowlevel.checkpoint()
         self._check_open()
         check_keys(keys)
         count = sum(1 for key in dict.fromkeys(keys) if self._remove(key) is not None)
@@ -537,6 +540,7 @@ class MemoryStorage(BackendBase):
 
     async def read_raw(self, key: bytes) -> bytes | None:
         """The stored `header ‖ payload` bytes, unchecked, or None."""
+        await anyio.lowlevel.checkpoint()  # first, as in `exists`
         self._check_open()
         check_key(key)
         value = self._values.get(key)
@@ -544,6 +548,7 @@ class MemoryStorage(BackendBase):
 
     async def write_raw(self, key: bytes, value: bytes) -> None:
         """Store `value` under `key` unchecked, replacing what is there."""
+        await anyio.lowlevel.checkpoint()  # first, as in `exists`
         self._check_open()
         check_key(key)
         self._remove(key)
@@ -558,10 +563,12 @@ class MemoryStorage(BackendBase):
         self._check_open()
         pages: list[PageInfo] = []
         listed = list(islice(reversed(self._values.items()), limit))
+        if not listed:
+            await anyio.lowlevel.checkpoint()  # the loop below takes the turns of the others
         for at, (key, value) in enumerate(listed):
             if at % _LIST_SLICE == 0:
                 # Half a million headers decoded in one go held the loop for over a second.
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
                 self._check_open()  # closed meanwhile: an error, not a short listing
             if self._values.get(key) is not value:
                 continue  # removed (its buffer maybe reused) meanwhile
@@ -644,12 +651,3 @@ def _self_check(key: bytes, data: bytearray, mac_key: bytes | None) -> PageCheck
     if header.key != key or len(data) != header.page_nbytes:
         return PageCheck.CORRUPT
     return verify_payload(header, [memoryview(data)[HEADER_NBYTES:]], mac_key=mac_key)
-
-
-async def _turn() -> None:
-    """Let the loop run once before a call does anything.
-
-    A call of a few pages never suspends otherwise, so a task streaming such calls would hold
-    the loop. Taken first, before any state changes: a call cancelled here did nothing.
-    """
-    await asyncio.sleep(0)

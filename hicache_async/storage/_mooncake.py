@@ -37,10 +37,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 from urllib.parse import quote, unquote, urlsplit
 
+import anyio.lowlevel
 import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError, type_name
+from .._extras import install_hint
 from .._ratelog import LogLimiter
 from ._base import (
     BackendBase,
@@ -571,9 +573,8 @@ def _no_library() -> str:
             f"Linux only (mooncake-transfer-engine); this platform is {sys.platform!r}"
         )
     return (
-        "the mooncake backend needs the Mooncake Python package: pip install "
-        "'hicache-async[mooncake]' (mooncake-transfer-engine-non-cuda) or "
-        "mooncake-transfer-engine for CUDA/RDMA hosts"
+        f"the mooncake backend needs the Mooncake Python package: {install_hint('mooncake')} "
+        "(mooncake-transfer-engine-non-cuda) or mooncake-transfer-engine for CUDA/RDMA hosts"
     )
 
 
@@ -1361,8 +1362,9 @@ class MooncakeStorage(BackendBase):
         store = self._open_store()
         check_keys(keys)
         if not keys:
+            await anyio.lowlevel.checkpoint()  # an async call always lets the loop run once
             return 0
-        self._check_master()
+        await self._check_master_turning()
         names = [self._mkey(k) for k in keys]
         results = await self.run_job(lambda stop: list(store.batch_is_exist(names)))
         count = 0
@@ -1386,6 +1388,7 @@ class MooncakeStorage(BackendBase):
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         if self._master_down():
+            await anyio.lowlevel.checkpoint()  # see _check_master_turning
             return self._count_failed(outcomes, get=True)
         plans = await self._plan(targets)
         self._count_paths(plans)
@@ -1434,6 +1437,7 @@ class MooncakeStorage(BackendBase):
                 firsts.append(i)
         segments = [byte_segments(page, writable=False) for page in pages]  # checks them all
         if self._master_down():
+            await anyio.lowlevel.checkpoint()  # see _check_master_turning
             return self._count_failed([Outcome.ERROR] * len(keys), get=False)
         unique = [keys[i] for i in firsts]
         unique_metas = [metas[i] for i in firsts]
@@ -1535,8 +1539,9 @@ class MooncakeStorage(BackendBase):
         store = self._open_store()
         check_keys(keys)
         if not keys:
+            await anyio.lowlevel.checkpoint()  # an async call always lets the loop run once
             return 0
-        self._check_master()
+        await self._check_master_turning()
         removed, _, failed = await self._remove(store, keys, evictions=False)
         if failed:
             code = failed[0][1]
@@ -1581,7 +1586,7 @@ class MooncakeStorage(BackendBase):
         """The stored `header ‖ payload` of `key`, or None when absent."""
         store = self._open_store()
         check_key(key)
-        self._check_master()
+        await self._check_master_turning()
         name = self._mkey(key)
 
         def job(stop: threading.Event) -> bytes | None:
@@ -1601,7 +1606,7 @@ class MooncakeStorage(BackendBase):
         """Store `value` under `key` as is, replacing what is there (`upsert`)."""
         store = self._open_store()
         check_key(key)
-        self._check_master()
+        await self._check_master_turning()
         name = self._mkey(key)
         code = await self.run_job(lambda stop: int(store.upsert(name, bytes(value))))
         if code != 0:
@@ -1714,7 +1719,7 @@ class MooncakeStorage(BackendBase):
         """
         store = self._open_store()
         if self._capacity is None:
-            self._check_master()
+            await self._check_master_turning()
             probe = [self._mkey(bytes(32))]
             (answer,) = await self.run_job(lambda stop: list(store.batch_is_exist(probe)))
             if answer not in (0, 1):
@@ -1762,6 +1767,13 @@ class MooncakeStorage(BackendBase):
         self._check_master()
         return store
 
+    async def _master_store_turning(self) -> Any:
+        """`_master_store`, letting the loop run once before it raises (see
+        `_check_master_turning`)."""
+        store = self._open_store()
+        await self._check_master_turning()
+        return store
+
     def _master_down(self) -> bool:
         """Whether the master is known not to answer now (see _mooncake_watch)."""
         return self._watch is not None and self._watch.down
@@ -1775,6 +1787,13 @@ class MooncakeStorage(BackendBase):
             c.puts += len(outcomes)
         c.errors += len(outcomes)
         return outcomes
+
+    async def _check_master_turning(self) -> None:
+        """`_check_master`, letting the loop run once before it raises: a task calling in a
+        loop against a master known down would otherwise never give the loop a turn."""
+        if self._master_down():
+            await anyio.lowlevel.checkpoint()
+        self._check_master()
 
     def _check_master(self) -> None:
         """StorageError at once while the master is known not to answer: a call would wait
@@ -2211,7 +2230,7 @@ class MooncakeStorage(BackendBase):
             raise StorageConfigError(
                 f"{self._name}: listing pages needs the master's admin URL (?admin=http://...)"
             )
-        self._check_master()
+        await self._check_master_turning()
         url = f"{self._admin}/get_all_keys"
         lead = f"{self._prefix}:"
         longest = len(lead.encode()) + 64 + _KEY_LINE_SLACK

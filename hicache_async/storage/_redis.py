@@ -29,6 +29,7 @@ from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeGuard, TypeVar
 from urllib.parse import SplitResult, unquote, urlencode, urlunsplit
 
 import anyio
+import anyio.lowlevel
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
@@ -932,7 +933,8 @@ class RedisStorage(BackendBase):
         check_keys(keys)
         if not keys:
             # Nothing to ask: a retry of the script here would run none of it and take its
-            # refusal for over (see below).
+            # refusal for over (see below). A turn all the same: an async call always yields.
+            await anyio.lowlevel.checkpoint()
             return 0
         retry_at = self._script_retry_at
         retrying = retry_at is not None and self._scripts.clock() >= retry_at

@@ -22,6 +22,7 @@ from typing import Protocol, cast
 import structlog
 
 from .._errors import StorageConfigError
+from .._extras import install_hint, missing_package
 from ._base import check_mac_key
 from ._file import FileStorage
 from ._memory import MemoryStorage
@@ -139,14 +140,13 @@ def _optional(scheme: str) -> Callable[..., StorageBackend]:
             ) from None
         package = (exc.name or "?").split(".")[0]
         raise StorageConfigError(
-            f"the {scheme}:// backend needs the {package!r} package: "
-            f"pip install 'hicache-async[{extra}]'"
+            missing_package(f"the {scheme}:// backend", package, extra)
         ) from None
     except Exception as exc:  # an installed client library that fails to import (too old, broken)
         raise StorageConfigError(
             f"the {scheme}:// backend ({module_name}) failed to import: "
             f"{type(exc).__name__}: {exc}; check the installed {extra!r} extra: "
-            f"pip install 'hicache-async[{extra}]'"
+            + install_hint(extra)
         ) from exc
     factory: Callable[..., StorageBackend] = getattr(module, class_name).from_url
     return factory

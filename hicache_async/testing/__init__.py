@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._extras import missing_module
 from ._invariants import assert_drained
 from ._workload import ServedRequest, serve
 
@@ -78,10 +79,5 @@ if not TYPE_CHECKING:
             extra = _EXTRAS.get(name)
             if extra is None or exc.name is None or exc.name.split(".")[0] == "hicache_async":
                 raise
-            # Still a ModuleNotFoundError, but one that says which extra brings the package.
-            package = exc.name.split(".")[0]
-            raise ModuleNotFoundError(
-                f"{name} needs the {package!r} package: pip install 'hicache-async[{extra}]'",
-                name=exc.name,
-            ) from exc
+            raise missing_module(name, exc, extra) from exc
         return getattr(loaded, name)

@@ -34,6 +34,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from .._extras import install_hint
+
 __all__ = [
     "MooncakeMaster",
     "RedisClusterServer",
@@ -749,7 +751,7 @@ def find_mooncake_master(binary: str | None = None) -> str:
         return found
     raise ServerBinaryNotFoundError(
         "'mooncake_master' not found (neither in the mooncake package nor on PATH); install "
-        "it with `pip install 'hicache-async[mooncake]'` (mooncake-transfer-engine-non-cuda) "
+        f"it with `{install_hint('mooncake')}` (mooncake-transfer-engine-non-cuda) "
         "or run scripts/setup.sh --dev"
     )
 

@@ -597,7 +597,7 @@ class PrefetchHandle:
                 # The agreement fails at once (0 tokens, logged): waiting out the policy for
                 # reads no rank will use would only hold the caller. None are issued now.
                 self.terminate()
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
                 return 0
             # The policy wait is part of the local step, so a cancellation while waiting still
             # enters the collective (with 0) instead of leaving the peers in it.
@@ -663,7 +663,7 @@ class PrefetchHandle:
 
     async def _wait_for_policy(self) -> None:
         if self._policy == "best_effort" or self._prefetcher is None:
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             if not self.done():
                 self.terminate()
             return

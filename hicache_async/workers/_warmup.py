@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import anyio
+import anyio.lowlevel
 import msgspec
 import structlog
 
@@ -259,7 +260,7 @@ class Warmer:
             try:
                 # Entries the store cannot serve end without suspending (the file index
                 # answers on the loop): a long stale manifest would otherwise hold it.
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
                 halt = await self._yield_to_live(loaded_pages, budget, began)
                 landed = 0
                 before = 0  # pages of the entry cached before its read
@@ -348,7 +349,7 @@ class Warmer:
             if found.host_node.parent is not None:
                 tree.refresh(found.host_node)
             if done % _ORDER_STEP == 0:
-                await asyncio.sleep(0)
+                await anyio.lowlevel.checkpoint()
 
     def _count(self, entries_loaded: int, pages_loaded: int, entries_missed: int) -> None:
         """Record the figures so far in the result a stopped warmup returns."""

@@ -1,0 +1,131 @@
+"""Every async call lets the loop run once, even one that has nothing to send to its server
+(no keys, no records) or answers at once because its Mooncake master is known down: a task
+calling in a loop would otherwise never let another task run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from hicache_async import StorageError
+from hicache_async.storage import Outcome
+from hicache_async.storage._manifest import chain_entry
+from hicache_async.storage._mooncake import MooncakeStorage, close_idle_clients
+from hicache_async.storage._redis import RedisStorage
+from hicache_async.testing._servers import MooncakeMaster
+
+from . import test_mooncake, test_redis
+from .test_mooncake_watch import _seen_up, _until
+
+
+class _Ticker:
+    """Counts the turns the loop gives a second task."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.ticks += 1
+
+
+@contextlib.asynccontextmanager
+async def _ticking() -> AsyncIterator[_Ticker]:
+    ticker = _Ticker()
+    task = asyncio.get_running_loop().create_task(ticker.run())
+    await asyncio.sleep(0)  # started
+    try:
+        yield ticker
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _assert_each_yields(calls: dict[str, Callable[[], Awaitable[Any]]]) -> None:
+    """Run each call alone; the ones the second task got no turn during."""
+    held: list[str] = []
+    async with _ticking() as ticker:
+        for name, call in calls.items():
+            before = ticker.ticks
+            await call()
+            if ticker.ticks == before:
+                held.append(name)
+    assert held == []
+
+
+async def test_redis_calls_with_nothing_to_send_yield(redis_url: str) -> None:
+    async with RedisStorage.from_url(test_redis.fresh_url(redis_url)) as backend:
+        manifest = backend.manifest()
+        await _assert_each_yields(
+            {"exists([])": lambda: backend.exists([]), "append([])": lambda: manifest.append([])}
+        )
+
+
+async def test_mooncake_calls_with_nothing_to_send_yield(mooncake_url: str) -> None:
+    async with MooncakeStorage.from_url(test_mooncake.fresh_url(mooncake_url)) as backend:
+        manifest = backend.manifest()
+        await _assert_each_yields(
+            {
+                "exists([])": lambda: backend.exists([]),
+                "delete([])": lambda: backend.delete([]),
+                "append([])": lambda: manifest.append([]),
+            }
+        )
+
+
+@pytest.fixture
+def master() -> Any:
+    with MooncakeMaster() as server:
+        yield server
+        close_idle_clients(server.address, reachable_only=True)
+
+
+async def _raises(call: Awaitable[Any]) -> None:
+    with pytest.raises(StorageError, match="not answering"):
+        await call
+
+
+async def test_mooncake_answers_while_its_master_is_known_down_yield(
+    master: MooncakeMaster,
+) -> None:
+    url = test_mooncake.fresh_url(master.url, segment_size=0, capacity="1MiB")
+    async with MooncakeStorage.from_url(url) as backend:
+        await _seen_up(backend)
+        close_idle_clients(master.address)
+        master.kill()
+        await _until(backend._master_down)
+        keys, pages, metas = test_mooncake.make_pages(2)
+        ns = test_mooncake.NS
+        manifest = backend.manifest()
+        entry = chain_entry(ns, keys, 2 * 16, 0, time.time())
+
+        async def get() -> None:
+            into = test_mooncake.buffers(2)
+            assert await backend.get(keys, into, namespace=ns) == [Outcome.ERROR] * 2
+
+        async def put() -> None:
+            assert await backend.put(keys, pages, metas) == [Outcome.ERROR] * 2
+
+        await _assert_each_yields(
+            {
+                "get": get,
+                "put": put,
+                "exists": lambda: _raises(backend.exists(keys)),
+                "delete": lambda: _raises(backend.delete(keys)),
+                "read_raw": lambda: _raises(backend.read_raw(keys[0])),
+                "write_raw": lambda: _raises(backend.write_raw(keys[0], b"x")),
+                "list_pages": lambda: _raises(backend.list_pages()),
+                "verify": lambda: _raises(backend.verify()),
+                "gc": lambda: _raises(backend.gc()),
+                "manifest append": lambda: _raises(manifest.append([entry])),
+                "manifest read": lambda: _raises(manifest.read()),
+                "manifest compact": lambda: _raises(manifest.compact()),
+            }
+        )
