@@ -1146,3 +1146,73 @@ def test_a_fifo_put_in_place_of_lock_while_open_loses_the_lock_not_the_writer(
             assert "is not a regular file" in lost["error"]
 
     assert _ends_despite_fifo(root / "LOCK", lambda: asyncio.run(put_after_swap())) is None
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_page_file_its_owner_cannot_read_is_removed_and_stored_again(
+    tmp_path: Path, shared: bool
+) -> None:
+    # A page file copied in by another user as 0600 (`sudo cp`) or made `chmod 000`: no
+    # instance of the root (all run as its owner) could ever read it. Left in place it was an
+    # ERROR at every get, and every put found it stored: a hole in the chain for good.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async import KVLayout
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        from hicache_async.testing import KVGenerator
+
+        ns = bytes(16)
+        gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+        tokens = list(range(100, 148))
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=16) for k in keys]
+
+        def pages():
+            return [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range(3)]
+
+        async def get(storage, what):
+            into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for i, (outcome, page) in enumerate(zip(outcomes, into)):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == gen.page_bytes(tokens, i), i
+            print(what, [o.name for o in outcomes])
+
+        def unreadable(i):
+            path = os.path.join({str(root)!r}, "pages", keys[i].hex()[:2], keys[i].hex())
+            os.chmod(path, 0)
+            return path
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared={shared!r}) as storage:
+                assert await storage.put(keys, pages(), metas) == [Outcome.OK] * 3
+                path = unreadable(1)
+                await get(storage, "get")
+                print("removed", not os.path.exists(path))
+                print("put", [o.name for o in await storage.put(keys, pages(), metas)])
+                await get(storage, "again")
+                path = unreadable(2)
+                report = await storage.verify()
+                print("verify", report.corrupt_removed, report.unchecked, os.path.exists(path))
+                print("errors", storage.stats().errors)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e.get("reason") for e in logs if e["event"] == "storage.page.corrupt"])
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "get ['OK', 'CORRUPT', 'OK']",
+        "removed True",
+        "put ['OK', 'OK', 'OK']",
+        "again ['OK', 'OK', 'OK']",
+        "verify 1 0 False",
+        "errors 0",
+        "logged ['unreadable', 'unreadable']",
+    ]

@@ -1230,6 +1230,33 @@ def _remove_if_same(
     return True
 
 
+def _open_or_remove_unreadable(shard_fd: int, name: str) -> int | str | None:
+    """After opening the page file `name` was refused (EACCES, EPERM): open it again, or
+    remove it when it is still the same file and still refused. Every instance of a root runs
+    as the root's owner, so a page file its owner may not read (copied in by another user as
+    0600, `chmod 000`) would never be read by any of them, and left in place it would make
+    every get of its key fail and every put of it find it stored. Returns the descriptor of a
+    file that opens now, None when it is gone, "unreadable" when it was removed, or "" when
+    it cannot be looked at either (the shard directory refuses it: not the file's doing)."""
+    try:
+        st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""
+    try:
+        return os.open(name, _READ_FLAGS, dir_fd=shard_fd)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
+        with contextlib.suppress(OSError):  # still a miss; verify() retries the removal
+            _remove_if_same(shard_fd, name, st)
+        return "unreadable"
+    except OSError:
+        return ""
+
+
 def _exists(dir_fd: int, name: str) -> bool:
     try:
         os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
@@ -2507,6 +2534,13 @@ class FileStorage(BackendBase):
             fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
         except FileNotFoundError:
             return (_MISS, "", 0)
+        except PermissionError as exc:
+            opened = _open_or_remove_unreadable(shard_fd, hexkey)
+            if opened is None:
+                return (_MISS, "", 0)
+            if isinstance(opened, str):
+                return (_CORRUPT, opened, 0) if opened else (_ERROR, f"open: {exc.strerror}", 0)
+            fd = opened
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 return (_ERROR, f"open: {exc.strerror}", 0)
@@ -3864,6 +3898,18 @@ class FileStorage(BackendBase):
             code, reason, st, scratch = self._verify_file(shard_fd, key, scratch, stop)
         except FileNotFoundError:
             return (_MISS, ""), scratch  # removed meanwhile
+        except PermissionError as exc:
+            # A page file its owner may not read: removed as a get would (see
+            # `_open_or_remove_unreadable`).
+            opened = _open_or_remove_unreadable(shard_fd, hexkey)
+            if opened is None:
+                return (_MISS, ""), scratch
+            if opened == "unreadable" and not _exists(shard_fd, hexkey):
+                return (_CORRUPT, "unreadable"), scratch
+            if isinstance(opened, int):
+                os.close(opened)  # readable now: the next verify() checks it
+            log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
+            return (_ERROR, ""), scratch
         except OSError as exc:
             log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
             return (_ERROR, ""), scratch
