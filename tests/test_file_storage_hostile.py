@@ -1216,3 +1216,69 @@ def test_a_page_file_its_owner_cannot_read_is_removed_and_stored_again(
         "errors 0",
         "logged ['unreadable', 'unreadable']",
     ]
+
+
+def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root(
+    tmp_path: Path,
+) -> None:
+    # A shard directory its owner may not write (a root made read-only for a reader): the
+    # corrupt page stays. A shared root's get looks on disk for every key, so it read the page
+    # in full, counted and logged it again at every get.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async import KVLayout
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        from hicache_async.testing import KVGenerator
+
+        ns = bytes(16)
+        gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+        tokens = list(range(100, 148))
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=16) for k in keys]
+        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
+        path = os.path.join(shard, keys[1].hex())
+
+        async def get(storage):
+            into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for i, (outcome, page) in enumerate(zip(outcomes, into)):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == gen.page_bytes(tokens, i), i
+            print([o.name for o in outcomes])
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                pages = [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range(3)]
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                with open(path, "r+b") as file:
+                    file.seek(-1, os.SEEK_END)
+                    file.write(b"?")
+                os.chmod(shard, 0o500)
+                for _ in range(3):
+                    await get(storage)
+                print("corrupt", storage.stats().corrupt)
+                os.chmod(shard, 0o700)
+                os.unlink(path)  # replaced: the page stored in its place is read as any
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                await get(storage)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", sum(e["event"] == "storage.page.corrupt" for e in logs))
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        if path.is_dir():
+            path.chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "['OK', 'CORRUPT', 'OK']",
+        "['OK', 'MISS', 'OK']",
+        "['OK', 'MISS', 'OK']",
+        "corrupt 1",
+        "['OK', 'OK', 'OK']",
+        "logged 1",
+    ]

@@ -128,6 +128,8 @@ _TMP_SUFFIX = ".tmp"
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Corrupt page files that could not be removed, remembered so as not to be read again.
+_STUCK_MAX = 1024
 # O_NONBLOCK: a FIFO planted in the root must not block the open.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -1749,6 +1751,12 @@ class FileStorage(BackendBase):
         self._reserved = 0
         self._seq = 0
         self._pins: dict[bytes, int] = {}
+        # Corrupt page files that could not be removed (a directory this user may not write),
+        # by key: the identity of the file. A shared root's get looks on disk for every key,
+        # so it would read such a file in full and report it again at every get; the same
+        # file is a quiet miss instead. Written by read jobs, hence the lock.
+        self._stuck: dict[bytes, tuple[int, int, int, int, int]] = {}
+        self._stuck_lock = threading.Lock()
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
         # Reads and scans observe the disk off the loop and commit later: each index change of
@@ -2550,6 +2558,8 @@ class FileStorage(BackendBase):
         handles.read_from(hexkey[:2], shard_fd)
         try:
             st = os.fstat(fd)
+            if self._stuck and self._is_stuck(key, st):
+                return (_MISS, "", 0)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
             if result[0] == _OK and stamp_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:
                 # The mtime is the page's last use: the next open orders eviction by it.
@@ -2563,13 +2573,33 @@ class FileStorage(BackendBase):
             os.close(fd)
         if result[0] == _CORRUPT:
             changed = False
-            with contextlib.suppress(OSError):  # still reported; verify() retries the removal
+            try:
                 changed = not _remove_if_same(shard_fd, hexkey, st)
+            except OSError:  # still reported, once; verify() retries the removal
+                self._remember_stuck(key, st)
             if changed:
                 # Rewritten while it was read: what was read is torn, and the page now there
                 # is another. A miss that removes nothing and leaves the index alone.
                 return (_UNSUPPORTED, "", 0)
         return result
+
+    def _is_stuck(self, key: bytes, st: os.stat_result) -> bool:
+        """Whether `st` is the corrupt file of `key` that could not be removed."""
+        with self._stuck_lock:
+            seen = self._stuck.get(key)
+            if seen is None:
+                return False
+            if seen == _identity(st):
+                return True
+            del self._stuck[key]  # another file now: read as any
+            return False
+
+    def _remember_stuck(self, key: bytes, st: os.stat_result) -> None:
+        with self._stuck_lock:
+            self._stuck.pop(key, None)
+            if len(self._stuck) >= _STUCK_MAX:
+                del self._stuck[next(iter(self._stuck))]  # the oldest: read and reported again
+            self._stuck[key] = _identity(st)
 
     def _read_fd(
         self,
