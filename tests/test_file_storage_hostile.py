@@ -1282,3 +1282,43 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
         "['OK', 'OK', 'OK']",
         "logged 1",
     ]
+
+
+def test_a_put_into_a_root_its_owner_may_not_write_is_a_refused_miss(tmp_path: Path) -> None:
+    # A root made read-only by its mode (a reader's) refuses every write as a read-only file
+    # system does: a MISS counted in refused_writes, not an ERROR the backup worker retries.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async import KVLayout
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        from hicache_async.testing import KVGenerator
+
+        ns = bytes(16)
+        gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+        tokens = list(range(100, 148))
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=16) for k in keys]
+        pages = [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range(3)]
+        tmp = os.path.join({str(root)!r}, "tmp")
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                os.chmod(tmp, 0o500)
+                print([o.name for o in await storage.put(keys, pages, metas)])
+                print(storage.refused_writes, storage.stats().errors)
+                os.chmod(tmp, 0o700)
+                print([o.name for o in await storage.put(keys, pages, metas)])
+                into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))] for _ in keys]
+                assert await storage.get(keys, into, namespace=ns) == [Outcome.OK] * 3
+                assert [bytes(p[0]) for p in into] == [bytes(p[0]) for p in pages]
+        with structlog.testing.capture_logs():
+            asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    (root / "tmp").chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["['MISS', 'MISS', 'MISS']", "3 0", "['OK', 'OK', 'OK']"]

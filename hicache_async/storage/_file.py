@@ -26,9 +26,9 @@ the process died.
 A write the file system has no room for (ENOSPC, EDQUOT) is tried once more in the same put,
 after the spare files are released and least recently used pages evicted for what statvfs()
 shows is short (bytes or inodes; nothing for a page no eviction could make room for); one that
-still finds none, or that the file system refuses for good (EROFS, EFBIG), is a MISS, not an
-ERROR that a caller would retry (`refused_writes` counts them). A batch logs each distinct
-page error once, with how many pages had it.
+still finds none, or that the file system refuses for good (EROFS, EFBIG, EACCES), is a MISS,
+not an ERROR that a caller would retry (`refused_writes` counts them). A batch logs each
+distinct page error once, with how many pages had it.
 
 An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
 call and drives eviction. It is built by scanning the root when the storage opens, in the order
@@ -572,11 +572,12 @@ _CORRUPT = "corrupt"
 _ERROR = "error"
 _EXISTS = "exists"
 # A write the file system refused: no room (ENOSPC, EDQUOT), retried once after room is made,
-# or refused for good (EROFS, EFBIG). Either is a MISS, never an ERROR to retry.
+# or refused for good (EROFS, EFBIG; EACCES: a root whose directories this user may not
+# write, made read-only by its mode). Either is a MISS, never an ERROR to retry.
 _NO_ROOM = "no room"
 _REFUSED = "refused"
 _NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG})
+_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES})
 
 
 # A quota that ran out does not show in statvfs(): the second try counts no free bytes then.
@@ -1859,7 +1860,8 @@ class FileStorage(BackendBase):
     def refused_writes(self) -> int:
         """Pages `put` could not store because the file system refused them: no room
         (ENOSPC, EDQUOT) even after releasing spare files and evicting pages for one more
-        try, a read-only file system (EROFS), a file size limit (EFBIG). Each was a MISS,
+        try, a read-only file system (EROFS), a file size limit (EFBIG), a directory of the
+        root this user may not write (EACCES). Each was a MISS,
         not an ERROR: the same write would fail the same way."""
         return self._refused_writes
 
