@@ -720,7 +720,10 @@ _DESCRIPTOR_HINTS = {
 }
 
 
-def _check_private_dir(fd: int, what: str) -> None:
+def _check_private_dir(fd: int, what: str, *, group_may_write: bool = False) -> None:
+    """Refuse a directory that is not ours or that others may write. The root may be
+    writable by its group (one made by `mkdir` under umask 002): its group could then rename
+    its entries, which are checked in turn, but put nothing into pages/, which may not be."""
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
         raise StorageConfigError(f"{what} is not a directory; expected a private directory")
@@ -734,9 +737,18 @@ def _check_private_dir(fd: int, what: str) -> None:
             f"{what} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
             "other users could plant or replace pages; use a private directory (chmod 700)"
         )
+    if st.st_mode & stat.S_IWGRP and not group_may_write:
+        # Pages planted by another user of the group would be served (sound checksums).
+        raise StorageConfigError(
+            f"{what} is group-writable (mode {stat.S_IMODE(st.st_mode):o}): other users of "
+            "its group could plant or replace pages; use a private directory (chmod 700); "
+            "instances sharing a root run as its owner"
+        )
 
 
-def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
+def _open_private_dir(
+    parent_fd: int, name: str, what: str, *, group_may_write: bool = False
+) -> int:
     """Create `name` (0700) under `parent_fd` if missing and open it, refusing a symlink
     (whoever can change its target could redirect every page) and checking its owner and mode.
     """
@@ -768,7 +780,7 @@ def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
             "not a symlink)"
         ) from None
     try:
-        _check_private_dir(fd, what)
+        _check_private_dir(fd, what, group_may_write=group_may_write)
     except BaseException:
         os.close(fd)
         raise
@@ -904,11 +916,13 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
         ) from None
     try:
         if root.name:
-            root_fd = _open_private_dir(parent_fd, root.name, f"storage root {root}")
+            root_fd = _open_private_dir(
+                parent_fd, root.name, f"storage root {root}", group_may_write=True
+            )
         else:  # "/": nothing above it to hold a symlink
             root_fd = os.open(root, _DIR_FLAGS)
             try:
-                _check_private_dir(root_fd, f"storage root {root}")
+                _check_private_dir(root_fd, f"storage root {root}", group_may_write=True)
             except BaseException:
                 os.close(root_fd)
                 raise
