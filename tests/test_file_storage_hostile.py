@@ -1218,8 +1218,9 @@ def test_a_page_file_its_owner_cannot_read_is_removed_and_stored_again(
     ]
 
 
+@pytest.mark.parametrize("damage", ["checksum", "unreadable"])
 def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root(
-    tmp_path: Path,
+    tmp_path: Path, damage: str
 ) -> None:
     # A shard directory its owner may not write (a root made read-only for a reader): the
     # corrupt page stays. A shared root's get looks on disk for every key, so it read the page
@@ -1253,9 +1254,12 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
             async with FileStorage({str(root)!r}, shared=True) as storage:
                 pages = [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range(3)]
                 assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
-                with open(path, "r+b") as file:
-                    file.seek(-1, os.SEEK_END)
-                    file.write(b"?")
+                if {damage!r} == "unreadable":
+                    os.chmod(path, 0)
+                else:
+                    with open(path, "r+b") as file:
+                        file.seek(-1, os.SEEK_END)
+                        file.write(b"?")
                 os.chmod(shard, 0o500)
                 for _ in range(3):
                     await get(storage)
@@ -1266,13 +1270,12 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
                 await get(storage)
         with structlog.testing.capture_logs() as logs:
             asyncio.run(main())
-        print("logged", sum(e["event"] == "storage.page.corrupt" for e in logs))
+        print("logged", [e["reason"] for e in logs if e["event"] == "storage.page.corrupt"])
         """
     )
     done = _run_without_overrides(script)
     for path in (root / "pages").rglob("*"):
-        if path.is_dir():
-            path.chmod(0o700)
+        path.chmod(0o700 if path.is_dir() else 0o600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == [
         "['OK', 'CORRUPT', 'OK']",
@@ -1280,7 +1283,7 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
         "['OK', 'MISS', 'OK']",
         "corrupt 1",
         "['OK', 'OK', 'OK']",
-        "logged 1",
+        f"logged [{damage!r}]",
     ]
 
 

@@ -1247,31 +1247,74 @@ def _remove_if_same(
     return True
 
 
-def _open_or_remove_unreadable(shard_fd: int, name: str) -> int | str | None:
-    """After opening the page file `name` was refused (EACCES, EPERM): open it again, or
+class _StuckFiles:
+    """Corrupt page files that could not be removed (a directory this user may not write),
+    by key: the identity of the file. A shared root's get looks on disk for every key, so it
+    would read such a file in full and report it again at every get; the same file is a quiet
+    miss instead. Used by read jobs, hence the lock."""
+
+    def __init__(self) -> None:
+        self._files: dict[bytes, tuple[int, int, int, int, int]] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+    def seen(self, key: bytes, st: os.stat_result) -> bool:
+        """Whether `st` is the file of `key` that could not be removed."""
+        with self._lock:
+            seen = self._files.get(key)
+            if seen is None:
+                return False
+            if seen == _identity(st):
+                return True
+            del self._files[key]  # another file now: read as any
+            return False
+
+    def add(self, key: bytes, st: os.stat_result) -> None:
+        with self._lock:
+            self._files.pop(key, None)
+            if len(self._files) >= _STUCK_MAX:
+                del self._files[next(iter(self._files))]  # the oldest: read and reported again
+            self._files[key] = _identity(st)
+
+
+def _open_or_remove_unreadable(
+    shard_fd: int, key: bytes, stuck: _StuckFiles | None = None
+) -> int | str | None:
+    """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
     remove it when it is still the same file and still refused. Every instance of a root runs
     as the root's owner, so a page file its owner may not read (copied in by another user as
     0600, `chmod 000`) would never be read by any of them, and left in place it would make
     every get of its key fail and every put of it find it stored. Returns the descriptor of a
-    file that opens now, None when it is gone, "unreadable" when it was removed, or "" when
-    it cannot be looked at either (the shard directory refuses it: not the file's doing)."""
+    file that opens now, None when it is gone, "removed", "kept" when it could not be removed
+    (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
+    looked at either (the shard directory refuses it: not the file's doing)."""
+    name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
     except FileNotFoundError:
         return None
     except OSError:
         return ""
+    if stuck and stuck.seen(key, st):
+        return "stuck"
     try:
         return os.open(name, _READ_FLAGS, dir_fd=shard_fd)
     except FileNotFoundError:
         return None
     except PermissionError:
-        # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
-        with contextlib.suppress(OSError):  # still a miss; verify() retries the removal
-            _remove_if_same(shard_fd, name, st)
-        return "unreadable"
+        pass
     except OSError:
         return ""
+    # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
+    try:
+        _remove_if_same(shard_fd, name, st)
+    except OSError:  # still a miss; verify() retries the removal
+        if stuck is not None:
+            stuck.add(key, st)
+        return "kept"
+    return "removed"
 
 
 def _exists(dir_fd: int, name: str) -> bool:
@@ -1766,12 +1809,7 @@ class FileStorage(BackendBase):
         self._reserved = 0
         self._seq = 0
         self._pins: dict[bytes, int] = {}
-        # Corrupt page files that could not be removed (a directory this user may not write),
-        # by key: the identity of the file. A shared root's get looks on disk for every key,
-        # so it would read such a file in full and report it again at every get; the same
-        # file is a quiet miss instead. Written by read jobs, hence the lock.
-        self._stuck: dict[bytes, tuple[int, int, int, int, int]] = {}
-        self._stuck_lock = threading.Lock()
+        self._stuck = _StuckFiles()
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
         # Reads and scans observe the disk off the loop and commit later: each index change of
@@ -2559,11 +2597,13 @@ class FileStorage(BackendBase):
         except FileNotFoundError:
             return (_MISS, "", 0)
         except PermissionError as exc:
-            opened = _open_or_remove_unreadable(shard_fd, hexkey)
-            if opened is None:
+            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck)
+            if opened is None or opened == "stuck":
                 return (_MISS, "", 0)
             if isinstance(opened, str):
-                return (_CORRUPT, opened, 0) if opened else (_ERROR, f"open: {exc.strerror}", 0)
+                if not opened:
+                    return (_ERROR, f"open: {exc.strerror}", 0)
+                return (_CORRUPT, "unreadable", 0)
             fd = opened
         except OSError as exc:
             if exc.errno != errno.ELOOP:
@@ -2574,7 +2614,7 @@ class FileStorage(BackendBase):
         handles.read_from(hexkey[:2], shard_fd)
         try:
             st = os.fstat(fd)
-            if self._stuck and self._is_stuck(key, st):
+            if self._stuck and self._stuck.seen(key, st):
                 return (_MISS, "", 0)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
             if result[0] == _OK and stamp_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:
@@ -2592,30 +2632,12 @@ class FileStorage(BackendBase):
             try:
                 changed = not _remove_if_same(shard_fd, hexkey, st)
             except OSError:  # still reported, once; verify() retries the removal
-                self._remember_stuck(key, st)
+                self._stuck.add(key, st)
             if changed:
                 # Rewritten while it was read: what was read is torn, and the page now there
                 # is another. A miss that removes nothing and leaves the index alone.
                 return (_UNSUPPORTED, "", 0)
         return result
-
-    def _is_stuck(self, key: bytes, st: os.stat_result) -> bool:
-        """Whether `st` is the corrupt file of `key` that could not be removed."""
-        with self._stuck_lock:
-            seen = self._stuck.get(key)
-            if seen is None:
-                return False
-            if seen == _identity(st):
-                return True
-            del self._stuck[key]  # another file now: read as any
-            return False
-
-    def _remember_stuck(self, key: bytes, st: os.stat_result) -> None:
-        with self._stuck_lock:
-            self._stuck.pop(key, None)
-            if len(self._stuck) >= _STUCK_MAX:
-                del self._stuck[next(iter(self._stuck))]  # the oldest: read and reported again
-            self._stuck[key] = _identity(st)
 
     def _read_fd(
         self,
@@ -3947,10 +3969,10 @@ class FileStorage(BackendBase):
         except PermissionError as exc:
             # A page file its owner may not read: removed as a get would (see
             # `_open_or_remove_unreadable`).
-            opened = _open_or_remove_unreadable(shard_fd, hexkey)
+            opened = _open_or_remove_unreadable(shard_fd, key)
             if opened is None:
                 return (_MISS, ""), scratch
-            if opened == "unreadable" and not _exists(shard_fd, hexkey):
+            if opened == "removed":
                 return (_CORRUPT, "unreadable"), scratch
             if isinstance(opened, int):
                 os.close(opened)  # readable now: the next verify() checks it
