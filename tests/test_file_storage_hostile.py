@@ -1264,6 +1264,7 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
                 for _ in range(3):
                     await get(storage)
                 print("corrupt", storage.stats().corrupt)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
                 os.chmod(shard, 0o700)
                 os.unlink(path)  # replaced: the page stored in its place is read as any
                 assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
@@ -1282,6 +1283,7 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
         "['OK', 'MISS', 'OK']",
         "['OK', 'MISS', 'OK']",
         "corrupt 1",
+        "put ['OK', 'MISS', 'OK']",
         "['OK', 'OK', 'OK']",
         f"logged [{damage!r}]",
     ]

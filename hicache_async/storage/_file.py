@@ -3369,6 +3369,9 @@ class FileStorage(BackendBase):
                 except FileNotFoundError:
                     pass
                 else:
+                    if self._stuck and self._stuck.seen(key, st):
+                        # Not stored: what is there is corrupt and cannot be replaced either.
+                        return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
                     if stat.S_ISREG(st.st_mode):  # written by another instance, or still there
                         if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
                             _stamp(handles, hexkey, mtime_ns)
