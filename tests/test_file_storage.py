@@ -20,7 +20,7 @@ import pytest
 import structlog
 from _idle_child import IdleChild
 
-from hicache_async import StorageConfigError, StorageError, _native
+from hicache_async import KVLayout, StorageConfigError, StorageError, _native
 from hicache_async.storage import (
     HEADER_NBYTES,
     FileStorage,
@@ -30,6 +30,7 @@ from hicache_async.storage import (
     default_root,
 )
 from hicache_async.storage._manifest import _file_lock
+from hicache_async.testing import KVGenerator
 
 NS = b"file-storage-ns!"
 PAGE = 32 * 1024
@@ -1191,6 +1192,47 @@ async def test_a_world_writable_shard_is_refused(tmp_path: Path) -> None:
     refused = [entry for entry in logs if entry["event"] == "storage.shard.refused"]
     assert len(refused) == 1
     assert "world-writable" in refused[0]["error"]
+
+
+async def test_group_writable_directories_in_the_root_are_refused(tmp_path: Path) -> None:
+    # `chmod -R g+rwX` on a root, as one might to share it among users of a group, let any
+    # of them copy in a sound page of their own making, which was served.
+    gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+    tokens = list(range(100, 132))
+    key = bytes.fromhex("ab" + "01" * 31)
+    meta = [PageMeta(key=key, namespace=NS, num_tokens=16)]
+
+    async def store(root: Path, page: int) -> None:
+        async with FileStorage(root) as storage:
+            data = [[memoryview(bytearray(gen.page_bytes(tokens, page)))]]
+            assert await storage.put([key], data, meta) == [Outcome.OK]
+
+    async def get(root: Path) -> Outcome:
+        async with FileStorage(root) as storage:
+            into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))]]
+            [outcome] = await storage.get([key], into, namespace=NS)
+            if outcome is Outcome.OK:
+                assert bytes(into[0][0]) == gen.page_bytes(tokens, 0)
+            return outcome
+
+    root, other = tmp_path / "s", tmp_path / "other"
+    await store(root, 0)
+    await store(other, 1)  # another user's page for the same key
+    for path in (root, root / "pages", root / "pages" / "ab"):
+        path.chmod(0o770)
+    _page_path(other, key).replace(_page_path(root, key))
+    with pytest.raises(StorageConfigError, match="pages is group-writable"):
+        await get(root)
+    (root / "pages").chmod(0o750)  # the root itself may be (made by mkdir under umask 002)
+    with structlog.testing.capture_logs() as logs:
+        assert await get(root) == Outcome.MISS
+    refused = [entry for entry in logs if entry["event"] == "storage.shard.refused"]
+    assert len(refused) == 1
+    assert "group-writable" in refused[0]["error"]
+    (root / "pages" / "ab").chmod(0o700)
+    _page_path(root, key).unlink()
+    await store(root, 0)
+    assert await get(root) == Outcome.OK
 
 
 # URL parameters.

@@ -1146,3 +1146,184 @@ def test_a_fifo_put_in_place_of_lock_while_open_loses_the_lock_not_the_writer(
             assert "is not a regular file" in lost["error"]
 
     assert _ends_despite_fifo(root / "LOCK", lambda: asyncio.run(put_after_swap())) is None
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_page_file_its_owner_cannot_read_is_removed_and_stored_again(
+    tmp_path: Path, shared: bool
+) -> None:
+    # A page file copied in by another user as 0600 (`sudo cp`) or made `chmod 000`: no
+    # instance of the root (all run as its owner) could ever read it. Left in place it was an
+    # ERROR at every get, and every put found it stored: a hole in the chain for good.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async import KVLayout
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        from hicache_async.testing import KVGenerator
+
+        ns = bytes(16)
+        gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+        tokens = list(range(100, 148))
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=16) for k in keys]
+
+        def pages():
+            return [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range(3)]
+
+        async def get(storage, what):
+            into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for i, (outcome, page) in enumerate(zip(outcomes, into)):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == gen.page_bytes(tokens, i), i
+            print(what, [o.name for o in outcomes])
+
+        def unreadable(i):
+            path = os.path.join({str(root)!r}, "pages", keys[i].hex()[:2], keys[i].hex())
+            os.chmod(path, 0)
+            return path
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared={shared!r}) as storage:
+                assert await storage.put(keys, pages(), metas) == [Outcome.OK] * 3
+                path = unreadable(1)
+                await get(storage, "get")
+                print("removed", not os.path.exists(path))
+                print("put", [o.name for o in await storage.put(keys, pages(), metas)])
+                await get(storage, "again")
+                path = unreadable(2)
+                report = await storage.verify()
+                print("verify", report.corrupt_removed, report.unchecked, os.path.exists(path))
+                print("errors", storage.stats().errors)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e.get("reason") for e in logs if e["event"] == "storage.page.corrupt"])
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "get ['OK', 'CORRUPT', 'OK']",
+        "removed True",
+        "put ['OK', 'OK', 'OK']",
+        "again ['OK', 'OK', 'OK']",
+        "verify 1 0 False",
+        "errors 0",
+        "logged ['unreadable', 'unreadable']",
+    ]
+
+
+@pytest.mark.parametrize("damage", ["checksum", "unreadable"])
+def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root(
+    tmp_path: Path, damage: str
+) -> None:
+    # A shard directory its owner may not write (a root made read-only for a reader): the
+    # corrupt page stays. A shared root's get looks on disk for every key, so it read the page
+    # in full, counted and logged it again at every get.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async import KVLayout
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        from hicache_async.testing import KVGenerator
+
+        ns = bytes(16)
+        gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+        tokens = list(range(100, 148))
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=16) for k in keys]
+        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
+        path = os.path.join(shard, keys[1].hex())
+
+        async def get(storage):
+            into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for i, (outcome, page) in enumerate(zip(outcomes, into)):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == gen.page_bytes(tokens, i), i
+            print([o.name for o in outcomes])
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                pages = [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range(3)]
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                if {damage!r} == "unreadable":
+                    os.chmod(path, 0)
+                else:
+                    with open(path, "r+b") as file:
+                        file.seek(-1, os.SEEK_END)
+                        file.write(b"?")
+                os.chmod(shard, 0o500)
+                for _ in range(3):
+                    await get(storage)
+                print("corrupt", storage.stats().corrupt)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
+                os.chmod(shard, 0o700)
+                os.unlink(path)  # replaced: the page stored in its place is read as any
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                await get(storage)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e["reason"] for e in logs if e["event"] == "storage.page.corrupt"])
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "['OK', 'CORRUPT', 'OK']",
+        "['OK', 'MISS', 'OK']",
+        "['OK', 'MISS', 'OK']",
+        "corrupt 1",
+        "put ['OK', 'MISS', 'OK']",
+        "['OK', 'OK', 'OK']",
+        f"logged [{damage!r}]",
+    ]
+
+
+def test_a_put_into_a_root_its_owner_may_not_write_is_a_refused_miss(tmp_path: Path) -> None:
+    # A root made read-only by its mode (a reader's) refuses every write as a read-only file
+    # system does: a MISS counted in refused_writes, not an ERROR the backup worker retries.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async import KVLayout
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        from hicache_async.testing import KVGenerator
+
+        ns = bytes(16)
+        gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+        tokens = list(range(100, 148))
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=16) for k in keys]
+        pages = [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range(3)]
+        tmp = os.path.join({str(root)!r}, "tmp")
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                os.chmod(tmp, 0o500)
+                print([o.name for o in await storage.put(keys, pages, metas)])
+                print(storage.refused_writes, storage.stats().errors)
+                os.chmod(tmp, 0o700)
+                print([o.name for o in await storage.put(keys, pages, metas)])
+                into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))] for _ in keys]
+                assert await storage.get(keys, into, namespace=ns) == [Outcome.OK] * 3
+                assert [bytes(p[0]) for p in into] == [bytes(p[0]) for p in pages]
+        with structlog.testing.capture_logs():
+            asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    (root / "tmp").chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["['MISS', 'MISS', 'MISS']", "3 0", "['OK', 'OK', 'OK']"]

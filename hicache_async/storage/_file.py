@@ -26,9 +26,9 @@ the process died.
 A write the file system has no room for (ENOSPC, EDQUOT) is tried once more in the same put,
 after the spare files are released and least recently used pages evicted for what statvfs()
 shows is short (bytes or inodes; nothing for a page no eviction could make room for); one that
-still finds none, or that the file system refuses for good (EROFS, EFBIG), is a MISS, not an
-ERROR that a caller would retry (`refused_writes` counts them). A batch logs each distinct
-page error once, with how many pages had it.
+still finds none, or that the file system refuses for good (EROFS, EFBIG, EACCES), is a MISS,
+not an ERROR that a caller would retry (`refused_writes` counts them). A batch logs each
+distinct page error once, with how many pages had it.
 
 An in-memory index (key -> size, last access, in LRU order) answers `exists` without a system
 call and drives eviction. It is built by scanning the root when the storage opens, in the order
@@ -129,6 +129,8 @@ _TMP_SUFFIX = ".tmp"
 _DIR_MODE = 0o700
 _FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Corrupt page files that could not be removed, remembered so as not to be read again.
+_STUCK_MAX = 1024
 # O_NONBLOCK: a FIFO planted in the root must not block the open.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -618,11 +620,12 @@ _CORRUPT = "corrupt"
 _ERROR = "error"
 _EXISTS = "exists"
 # A write the file system refused: no room (ENOSPC, EDQUOT), retried once after room is made,
-# or refused for good (EROFS, EFBIG). Either is a MISS, never an ERROR to retry.
+# or refused for good (EROFS, EFBIG; EACCES: a root whose directories this user may not
+# write, made read-only by its mode). Either is a MISS, never an ERROR to retry.
 _NO_ROOM = "no room"
 _REFUSED = "refused"
 _NO_ROOM_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
-_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG})
+_REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES})
 
 
 # A quota that ran out does not show in statvfs(): the second try counts no free bytes then.
@@ -765,7 +768,10 @@ _DESCRIPTOR_HINTS = {
 }
 
 
-def _check_private_dir(fd: int, what: str) -> None:
+def _check_private_dir(fd: int, what: str, *, group_may_write: bool = False) -> None:
+    """Refuse a directory that is not ours or that others may write. The root may be
+    writable by its group (one made by `mkdir` under umask 002): its group could then rename
+    its entries, which are checked in turn, but put nothing into pages/, which may not be."""
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
         raise StorageConfigError(f"{what} is not a directory; expected a private directory")
@@ -779,9 +785,18 @@ def _check_private_dir(fd: int, what: str) -> None:
             f"{what} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
             "other users could plant or replace pages; use a private directory (chmod 700)"
         )
+    if st.st_mode & stat.S_IWGRP and not group_may_write:
+        # Pages planted by another user of the group would be served (sound checksums).
+        raise StorageConfigError(
+            f"{what} is group-writable (mode {stat.S_IMODE(st.st_mode):o}): other users of "
+            "its group could plant or replace pages; use a private directory (chmod 700); "
+            "instances sharing a root run as its owner"
+        )
 
 
-def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
+def _open_private_dir(
+    parent_fd: int, name: str, what: str, *, group_may_write: bool = False
+) -> int:
     """Create `name` (0700) under `parent_fd` if missing and open it, refusing a symlink
     (whoever can change its target could redirect every page) and checking its owner and mode.
     """
@@ -813,7 +828,7 @@ def _open_private_dir(parent_fd: int, name: str, what: str) -> int:
             "not a symlink)"
         ) from None
     try:
-        _check_private_dir(fd, what)
+        _check_private_dir(fd, what, group_may_write=group_may_write)
     except BaseException:
         os.close(fd)
         raise
@@ -949,11 +964,13 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
         ) from None
     try:
         if root.name:
-            root_fd = _open_private_dir(parent_fd, root.name, f"storage root {root}")
+            root_fd = _open_private_dir(
+                parent_fd, root.name, f"storage root {root}", group_may_write=True
+            )
         else:  # "/": nothing above it to hold a symlink
             root_fd = os.open(root, _DIR_FLAGS)
             try:
-                _check_private_dir(root_fd, f"storage root {root}")
+                _check_private_dir(root_fd, f"storage root {root}", group_may_write=True)
             except BaseException:
                 os.close(root_fd)
                 raise
@@ -1291,6 +1308,76 @@ def _remove_if_same(
     except FileNotFoundError:
         return gone
     return True
+
+
+class _StuckFiles:
+    """Corrupt page files that could not be removed (a directory this user may not write),
+    by key: the identity of the file. A shared root's get looks on disk for every key, so it
+    would read such a file in full and report it again at every get; the same file is a quiet
+    miss instead. Used by read jobs, hence the lock."""
+
+    def __init__(self) -> None:
+        self._files: dict[bytes, tuple[int, int, int, int, int]] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+    def seen(self, key: bytes, st: os.stat_result) -> bool:
+        """Whether `st` is the file of `key` that could not be removed."""
+        with self._lock:
+            seen = self._files.get(key)
+            if seen is None:
+                return False
+            if seen == _identity(st):
+                return True
+            del self._files[key]  # another file now: read as any
+            return False
+
+    def add(self, key: bytes, st: os.stat_result) -> None:
+        with self._lock:
+            self._files.pop(key, None)
+            if len(self._files) >= _STUCK_MAX:
+                del self._files[next(iter(self._files))]  # the oldest: read and reported again
+            self._files[key] = _identity(st)
+
+
+def _open_or_remove_unreadable(
+    shard_fd: int, key: bytes, stuck: _StuckFiles | None = None
+) -> int | str | None:
+    """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
+    remove it when it is still the same file and still refused. Every instance of a root runs
+    as the root's owner, so a page file its owner may not read (copied in by another user as
+    0600, `chmod 000`) would never be read by any of them, and left in place it would make
+    every get of its key fail and every put of it find it stored. Returns the descriptor of a
+    file that opens now, None when it is gone, "removed", "kept" when it could not be removed
+    (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
+    looked at either (the shard directory refuses it: not the file's doing)."""
+    name = key.hex()
+    try:
+        st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""
+    if stuck and stuck.seen(key, st):
+        return "stuck"
+    try:
+        return os.open(name, _READ_FLAGS, dir_fd=shard_fd)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        pass
+    except OSError:
+        return ""
+    # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
+    try:
+        _remove_if_same(shard_fd, name, st)
+    except OSError:  # still a miss; verify() retries the removal
+        if stuck is not None:
+            stuck.add(key, st)
+        return "kept"
+    return "removed"
 
 
 def _exists(dir_fd: int, name: str) -> bool:
@@ -1785,6 +1872,7 @@ class FileStorage(BackendBase):
         self._reserved = 0
         self._seq = 0
         self._pins: dict[bytes, int] = {}
+        self._stuck = _StuckFiles()
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
         # Reads and scans observe the disk off the loop and commit later: each index change of
@@ -1887,7 +1975,8 @@ class FileStorage(BackendBase):
     def refused_writes(self) -> int:
         """Pages `put` could not store because the file system refused them: no room
         (ENOSPC, EDQUOT) even after releasing spare files and evicting pages for one more
-        try, a read-only file system (EROFS), a file size limit (EFBIG). Each was a MISS,
+        try, a read-only file system (EROFS), a file size limit (EFBIG), a directory of the
+        root this user may not write (EACCES). Each was a MISS,
         not an ERROR: the same write would fail the same way."""
         return self._refused_writes
 
@@ -2572,6 +2661,15 @@ class FileStorage(BackendBase):
             fd = os.open(hexkey, _READ_FLAGS, dir_fd=shard_fd)
         except FileNotFoundError:
             return (_MISS, "", 0)
+        except PermissionError as exc:
+            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck)
+            if opened is None or opened == "stuck":
+                return (_MISS, "", 0)
+            if isinstance(opened, str):
+                if not opened:
+                    return (_ERROR, f"open: {exc.strerror}", 0)
+                return (_CORRUPT, "unreadable", 0)
+            fd = opened
         except OSError as exc:
             if exc.errno != errno.ELOOP:
                 return (_ERROR, f"open: {exc.strerror}", 0)
@@ -2581,6 +2679,8 @@ class FileStorage(BackendBase):
         handles.read_from(hexkey[:2], shard_fd)
         try:
             st = os.fstat(fd)
+            if self._stuck and self._stuck.seen(key, st):
+                return (_MISS, "", 0)
             result = self._read_fd(fd, st, key, segments, expected=expected, namespace=namespace)
             if result[0] == _OK and stamp_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:
                 # The mtime is the page's last use: the next open orders eviction by it.
@@ -2594,8 +2694,10 @@ class FileStorage(BackendBase):
             os.close(fd)
         if result[0] == _CORRUPT:
             changed = False
-            with contextlib.suppress(OSError):  # still reported; verify() retries the removal
+            try:
                 changed = not _remove_if_same(shard_fd, hexkey, st)
+            except OSError:  # still reported, once; verify() retries the removal
+                self._stuck.add(key, st)
             if changed:
                 # Rewritten while it was read: what was read is torn, and the page now there
                 # is another. A miss that removes nothing and leaves the index alone.
@@ -3332,6 +3434,9 @@ class FileStorage(BackendBase):
                 except FileNotFoundError:
                     pass
                 else:
+                    if self._stuck and self._stuck.seen(key, st):
+                        # Not stored: what is there is corrupt and cannot be replaced either.
+                        return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
                     if stat.S_ISREG(st.st_mode):  # written by another instance, or still there
                         if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
                             _stamp(handles, hexkey, mtime_ns)
@@ -3942,6 +4047,18 @@ class FileStorage(BackendBase):
             code, reason, st, scratch = self._verify_file(shard_fd, key, scratch, stop)
         except FileNotFoundError:
             return (_MISS, ""), scratch  # removed meanwhile
+        except PermissionError as exc:
+            # A page file its owner may not read: removed as a get would (see
+            # `_open_or_remove_unreadable`).
+            opened = _open_or_remove_unreadable(shard_fd, key)
+            if opened is None:
+                return (_MISS, ""), scratch
+            if opened == "removed":
+                return (_CORRUPT, "unreadable"), scratch
+            if isinstance(opened, int):
+                os.close(opened)  # readable now: the next verify() checks it
+            log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
+            return (_ERROR, ""), scratch
         except OSError as exc:
             log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
             return (_ERROR, ""), scratch
