@@ -22,6 +22,10 @@ from .workers._backup import BackupStatistics
 from .workers._prefetch import PrefetchStatistics
 
 if TYPE_CHECKING:
+    # Resolved only by type checkers: the `prometheus` extra is optional.
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector
+
     from ._cache import HiCache
 
 __all__ = ["Histogram", "HistogramSnapshot", "prometheus_collector", "render_prometheus"]
@@ -149,7 +153,7 @@ def render_prometheus(cache: HiCache) -> str:
     return "\n".join(lines) + "\n"
 
 
-def prometheus_collector(cache: HiCache) -> Any:
+def prometheus_collector(cache: HiCache) -> Collector:
     """A `prometheus_client` collector for `cache`; register it with a registry.
 
     Needs the `prometheus` extra. Collection reads the cache's statistics, so the registry
@@ -171,7 +175,7 @@ def prometheus_collector(cache: HiCache) -> Any:
         ) from exc
 
     class _Collector:
-        def collect(self) -> Iterator[Any]:
+        def collect(self) -> Iterator[Metric]:
             for name, kind, value in _families(cache):
                 if kind == "histogram":
                     buckets = [

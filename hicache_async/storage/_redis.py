@@ -23,7 +23,7 @@ import numbers
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from operator import itemgetter
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeGuard, TypeVar
 from urllib.parse import SplitResult, unquote, urlencode, urlunsplit
@@ -227,11 +227,13 @@ _C = TypeVar("_C")
 
 def _counted(
     method: Callable[Concatenate[RedisStorage, _P], Awaitable[_R]],
-) -> Callable[Concatenate[RedisStorage, _P], Awaitable[_R]]:
+) -> Callable[Concatenate[RedisStorage, _P], Coroutine[Any, Any, _R]]:
     """Counts the call as in flight, so that `close()` releases the connections only after it:
     a connection released under a running call would be reconnected by redis-py's retry and
     returned, open, to the closed pool."""
 
+    # Typed as a coroutine function, as the protocol's methods are: a mere Awaitable would
+    # make RedisStorage no StorageBackend to a type checker.
     @functools.wraps(method)
     async def counted(self: RedisStorage, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         self._in_flight += 1

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgspec
 import numpy as np
@@ -29,6 +29,9 @@ import numpy as np
 from .._config import KVLayout
 from .._keys import as_token_array
 from .._pool import KVPool
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["KVGenerator"]
 
@@ -38,7 +41,10 @@ _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _MASK = (1 << 64) - 1
 
-Tokens = Sequence[int] | np.ndarray[Any, Any]
+#: Token ids as the cache takes them (`as_token_array`), torch tensors and numpy scalars too.
+Tokens: TypeAlias = (
+    "Sequence[int] | Sequence[np.integer[Any]] | np.ndarray[Any, Any] | torch.Tensor"
+)
 
 
 def _splitmix(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
