@@ -13,7 +13,7 @@ mypy_api = pytest.importorskip("mypy.api")
 ACCEPTED = Path(__file__).parent / "typing" / "user_api.py"
 
 USER_CODE = """
-from hicache_async import HiCach
+from hicache_async import HiCach, HiCache
 from hicache_async.storage import FileStorag, MemoryStorage
 from hicache_async.testing import MAC_KEY, FaultyStorag, FaultyStorage, StorageConformance
 
@@ -22,9 +22,10 @@ class TestMine(StorageConformance):
     pass
 
 
-async def use() -> None:
+async def use(cache: HiCache) -> None:
     async with MemoryStorage() as store:
         reveal_type(store)
+    cache.match("a prompt as text")
     FaultyStorage(store, eror_rate=0.2)
     reveal_type(MAC_KEY)
 """
@@ -70,6 +71,7 @@ def test_a_typed_user_gets_real_types_and_typos_caught(mypy_output: dict[str, st
     assert 'Revealed type is "hicache_async.storage._memory.MemoryStorage"' in out
     assert 'Revealed type is "bytes"' in out or 'Revealed type is "builtins.bytes"' in out
     assert "StorageConformance" not in out  # subclassable: not Any
+    assert 'Argument 1 to "match" of "HiCache" has incompatible type "str"' in out
 
 
 def test_typed_user_code_of_the_documented_api_checks_clean(mypy_output: dict[str, str]) -> None:

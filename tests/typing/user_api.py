@@ -208,3 +208,16 @@ def the_oracle_takes_what_the_cache_takes() -> None:
     model = KVGenerator(KVLayout(num_layers=1, num_kv_heads=1, head_dim=8), 4)
     model.page_bytes(torch.arange(8), 1)
     model.page_bytes([np.int64(i) for i in range(8)], 1)
+
+
+async def every_documented_token_form(cache: HiCache, ids: Sequence[int]) -> None:
+    from array import array
+
+    cache.match(ids)
+    cache.keys_for(range(64), salt="tenant")
+    cache.request(np.arange(64, dtype=np.uint32)).release()
+    await cache.prefetch(torch.arange(64))
+    await cache.start_prefetch([np.int64(i) for i in range(64)])
+    await cache.agree_cached_tokens(array("I", range(64)))
+    cache.match(memoryview(array("i", range(64))))
+    cache.match((1, 2, np.uint32(3)))
