@@ -9,7 +9,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import anyio
 import anyio.lowlevel
@@ -31,7 +31,7 @@ from ._errors import (
     WorkersFailedError,
     type_name,
 )
-from ._keys import Namespace, as_token_array, page_keys
+from ._keys import Namespace, TokenIds, as_token_array, page_keys
 from ._loop import LoopOwner
 from ._metrics import Histogram
 from ._pool import KVPool, PoolStatistics, make_pools
@@ -538,7 +538,7 @@ class HiCache:
         """The radix tree (read its statistics; do not mutate it behind the cache's back)."""
         return self._tree
 
-    def keys_for(self, tokens: Any, *, salt: str | bytes | None = None) -> list[bytes]:
+    def keys_for(self, tokens: TokenIds, *, salt: str | bytes | None = None) -> list[bytes]:
         """Page keys of `tokens` in this cache's namespace (and the request's salt).
 
         Raises `InvalidTokensError` for bad tokens, `TypeError` for a salt that is not a
@@ -547,7 +547,7 @@ class HiCache:
         namespace = self.namespace if salt is None else self.namespace.salted(salt)
         return page_keys(tokens, self.config.page_size, namespace.seed)
 
-    def match(self, tokens: Any, *, salt: str | bytes | None = None) -> MatchInfo:
+    def match(self, tokens: TokenIds, *, salt: str | bytes | None = None) -> MatchInfo:
         """How much of `tokens` is on the device and on the host. Takes nothing."""
         self._check_open()
         array = as_token_array(tokens)
@@ -560,7 +560,7 @@ class HiCache:
 
     def request(
         self,
-        tokens: Any,
+        tokens: TokenIds,
         *,
         request_id: str | None = None,
         salt: str | bytes | None = None,
@@ -616,7 +616,9 @@ class HiCache:
             self._back_up_hot(found)
         return request
 
-    async def agree_cached_tokens(self, tokens: Any, *, salt: str | bytes | None = None) -> int:
+    async def agree_cached_tokens(
+        self, tokens: TokenIds, *, salt: str | bytes | None = None
+    ) -> int:
         """The cached prefix (device + host) every tensor-parallel rank has, in tokens.
 
         Enters exactly one collective when a rank group is set, whatever happens locally;
@@ -913,7 +915,7 @@ class HiCache:
 
     async def start_prefetch(
         self,
-        tokens: Any,
+        tokens: TokenIds,
         *,
         request_id: str | None = None,
         salt: str | bytes | None = None,
@@ -977,7 +979,7 @@ class HiCache:
 
     async def prefetch(
         self,
-        tokens: Any,
+        tokens: TokenIds,
         *,
         request_id: str | None = None,
         salt: str | bytes | None = None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import msgspec
 import numpy as np
@@ -17,9 +17,15 @@ import numpy as np
 from ._errors import InvalidTokensError
 
 if TYPE_CHECKING:
+    import torch
+
     from ._config import CacheConfig
 
 __all__ = ["KEY_NBYTES", "Namespace", "as_token_array", "page_keys"]
+
+#: Token ids as every method that takes a prompt accepts them (`as_token_array` checks them at
+#: run time). Typed, so that a type checker catches a prompt passed as text.
+TokenIds: TypeAlias = "Sequence[int | np.integer[Any]] | np.ndarray[Any, Any] | torch.Tensor"
 
 KEY_NBYTES = 32
 _MAX_TOKEN = 2**32 - 1
@@ -218,7 +224,7 @@ def _check_range(low: int, high: int) -> None:
 
 
 def page_keys(
-    tokens: Sequence[int] | np.ndarray[Any, Any] | Any,
+    tokens: TokenIds,
     page_size: int,
     seed: bytes = b"",
     *,

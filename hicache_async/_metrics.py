@@ -26,6 +26,10 @@ from .workers._backup import BackupStatistics
 from .workers._prefetch import PrefetchStatistics
 
 if TYPE_CHECKING:
+    # Resolved only by type checkers: the `prometheus` extra is optional.
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector, CollectorRegistry
+
     from ._cache import HiCache
 
 __all__ = ["Histogram", "HistogramSnapshot", "prometheus_collector", "render_prometheus"]
@@ -219,13 +223,13 @@ class _Collector:
                 raise ValueError(f"labels {dict(labels)} are already another cache's here")
         self._members.append((cache, labels))
 
-    def describe(self) -> Iterator[Any]:
+    def describe(self) -> Iterator[Metric]:
         from prometheus_client.core import GaugeMetricFamily
 
         for name in _DESCRIBED:
             yield GaugeMetricFamily(name, name)
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
@@ -266,8 +270,11 @@ _BY_REGISTRY_LOCK = threading.Lock()
 
 
 def prometheus_collector(
-    cache: HiCache, *, labels: Mapping[str, str] | None = None, registry: Any = None
-) -> Any:
+    cache: HiCache,
+    *,
+    labels: Mapping[str, str] | None = None,
+    registry: CollectorRegistry | None = None,
+) -> Collector:
     """A `prometheus_client` collector for `cache`; register it with a registry.
 
     Needs the `prometheus` extra. Collection reads the cache's statistics, so the registry

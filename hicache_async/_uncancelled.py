@@ -21,7 +21,7 @@ _log = structlog.get_logger("hicache_async")
 
 
 async def run_uncancelled(
-    coro: Coroutine[Any, Any, object], *, on_cancel: Callable[[], None] | None = None
+    coro: Coroutine[Any, Any, object], *, on_cancel: Callable[[], object] | None = None
 ) -> bool:
     """Run `coro` to its end whatever cancels the caller meanwhile; True if the caller was
     cancelled (and should re-raise once this returns). What `coro` raises is raised here,
@@ -36,7 +36,7 @@ async def run_uncancelled(
 
 
 async def finish_uncancelled(
-    coro: Coroutine[Any, Any, object], *, on_cancel: Callable[[], None] | None = None
+    coro: Coroutine[Any, Any, object], *, on_cancel: Callable[[], object] | None = None
 ) -> asyncio.CancelledError | None:
     """`run_uncancelled`, hearing anyio cancel scopes too: the first cancellation of the
     caller, a scope's deadline or a cancelled task group included, calls `on_cancel` at once
@@ -49,7 +49,7 @@ async def finish_uncancelled(
 
 async def _finish(
     coro: Coroutine[Any, Any, object],
-    on_cancel: Callable[[], None] | None,
+    on_cancel: Callable[[], object] | None,
     *,
     hear_scopes: bool,
 ) -> asyncio.CancelledError | None:

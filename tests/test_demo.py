@@ -498,3 +498,10 @@ def test_interrupt_stops_the_model_and_exits_130() -> None:
     assert process.returncode == 130, err
     assert err == "hicache-async: interrupted\n"
     assert out == ""
+
+
+def test_the_trace_request_run_demo_takes_is_exported() -> None:
+    import hicache_async.demo
+
+    assert hicache_async.demo.TraceRequest is TraceRequest
+    assert "TraceRequest" in hicache_async.demo.__all__

@@ -7,6 +7,7 @@ reports where the tokens came from, time to first token, bytes moved and whether
 path's first-token logits match the baseline's. See docs/demo.md.
 """
 
+from .._trace import TraceRequest
 from ._model import (
     ContiguousKV,
     ForwardStopped,
@@ -53,6 +54,7 @@ __all__ = [
     "TTFTStats",
     "TierTokenCounts",
     "TinyTransformer",
+    "TraceRequest",
     "demo_storage_root",
     "format_summary",
     "plan_demo",

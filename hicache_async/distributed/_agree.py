@@ -36,7 +36,7 @@ async def agree_min(
     local: Callable[[], Awaitable[int]],
     *,
     tag: int | None = None,
-    gate: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    gate: Callable[[], Coroutine[Any, Any, object]] | None = None,
 ) -> int:
     """The minimum over ranks of each rank's `local()`, e.g. how many pages a prefetch hit.
 
@@ -98,7 +98,7 @@ async def enter_min_cancelled(
     group: RankGroup,
     *,
     tag: int,
-    gate: Callable[[], Coroutine[Any, Any, None]] | None = None,
+    gate: Callable[[], Coroutine[Any, Any, object]] | None = None,
 ) -> None:
     """For an `agree_min` (same `tag` and `gate`) that this rank can no longer run, its work
     cancelled or failed before it began: enter the collective with 0 as `agree_min` would
@@ -108,7 +108,7 @@ async def enter_min_cancelled(
 
 
 async def _enter_then_reraise(
-    gate: Callable[[], Coroutine[Any, Any, None]] | None,
+    gate: Callable[[], Coroutine[Any, Any, object]] | None,
     collective: Callable[[], Awaitable[object]],
 ) -> None:
     """After a cancellation: pass `gate` (never cancelled), then enter `collective` and wait

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from operator import itemgetter
-from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeGuard, TypeVar
+from typing import Any, NamedTuple, TypeGuard, TypeVar, cast
 from urllib.parse import SplitResult, unquote, urlencode, urlunsplit
 
 import anyio
@@ -221,20 +221,17 @@ def _refused_in_prefix(c: str) -> bool:
     return not c.isprintable() or c.isspace() or c in _PREFIX_REFUSED or c in "{}"
 
 
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
+_Method = TypeVar("_Method", bound=Callable[..., Awaitable[Any]])
 _C = TypeVar("_C")
 
 
-def _counted(
-    method: Callable[Concatenate[RedisStorage, _P], Awaitable[_R]],
-) -> Callable[Concatenate[RedisStorage, _P], Awaitable[_R]]:
+def _counted(method: _Method) -> _Method:
     """Counts the call as in flight, so that `close()` releases the connections only after it:
     a connection released under a running call would be reconnected by redis-py's retry and
     returned, open, to the closed pool."""
 
     @functools.wraps(method)
-    async def counted(self: RedisStorage, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+    async def counted(self: RedisStorage, /, *args: Any, **kwargs: Any) -> Any:
         self._in_flight += 1
         try:
             return await method(self, *args, **kwargs)
@@ -243,7 +240,10 @@ def _counted(
             if not self._in_flight and self._idle is not None:
                 self._idle.set()
 
-    return counted
+    # The method's own type, exactly: type checkers then see each protocol method as the
+    # `async def` it is (a coroutine function's type, which pyright tells from a Coroutine's),
+    # so that RedisStorage is a StorageBackend to them.
+    return cast(_Method, counted)
 
 
 def _check_passthrough(params: dict[str, str], *, tls: bool) -> None:

@@ -20,14 +20,13 @@ oracle must not have.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from .._config import KVLayout
-from .._keys import as_token_array
+from .._keys import TokenIds, as_token_array
 from .._pool import KVPool
 
 __all__ = ["KVGenerator"]
@@ -37,8 +36,6 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
 _MASK = (1 << 64) - 1
-
-Tokens = Sequence[int] | np.ndarray[Any, Any]
 
 
 def _splitmix(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -111,7 +108,7 @@ class KVGenerator:
             hashes.append(int.from_bytes(hasher.digest(), "little"))
         return hashes
 
-    def page_bytes(self, tokens: Tokens, page_index: int, *, token_major: bool = False) -> bytes:
+    def page_bytes(self, tokens: TokenIds, page_index: int, *, token_major: bool = False) -> bytes:
         """The canonical bytes of page `page_index` of a prompt with token ids `tokens`.
 
         Only `tokens[:(page_index + 1) * page_size]` matter. `token_major` selects the
@@ -138,12 +135,12 @@ class KVGenerator:
         data: bytes = raw.tobytes()
         return data
 
-    def fill_page(self, pool: KVPool, page: int, tokens: Tokens, page_index: int) -> None:
+    def fill_page(self, pool: KVPool, page: int, tokens: TokenIds, page_index: int) -> None:
         """Write page `page_index` of the prompt into `page` of `pool`, as the model would."""
         self._check_pool(pool)
         pool.write_page(page, self.page_bytes(tokens, page_index, token_major=pool.token_major))
 
-    def check_page(self, pool: KVPool, page: int, tokens: Tokens, page_index: int) -> None:
+    def check_page(self, pool: KVPool, page: int, tokens: TokenIds, page_index: int) -> None:
         """Raise `AssertionError` unless `page` of `pool` holds page `page_index` of the prompt.
 
         The message names the page and the buffer, layer and token of the first difference.

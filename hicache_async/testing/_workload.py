@@ -7,12 +7,13 @@ page it reads against the generator, so scenarios and tests verify bytes from ev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import msgspec
 
 if TYPE_CHECKING:
     from .._cache import HiCache
+    from .._keys import TokenIds
     from ._kvgen import KVGenerator
 
 __all__ = ["ServedRequest", "serve"]
@@ -35,7 +36,7 @@ class ServedRequest(msgspec.Struct, frozen=True):
 
 async def serve(
     cache: HiCache,
-    tokens: Any,
+    tokens: TokenIds,
     generator: KVGenerator,
     *,
     request_id: str | None = None,

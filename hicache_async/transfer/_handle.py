@@ -50,7 +50,7 @@ class LayerwiseCopy:
         self._done = False
         self._exception: BaseException | None = None
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._callbacks: list[Callable[[LayerwiseCopy], None]] = []
+        self._callbacks: list[Callable[[LayerwiseCopy], object]] = []
         # The engine's bookkeeping, run synchronously at completion (before any callback).
         self._on_finish: Callable[[LayerwiseCopy], None] | None = None
 
@@ -130,8 +130,9 @@ class LayerwiseCopy:
         """How many layers (a prefix: 0 .. n-1) have landed so far."""
         return self._landed
 
-    def add_done_callback(self, fn: Callable[[LayerwiseCopy], None]) -> None:
-        """Call `fn(self)` on the loop once the copy is done (succeeded or failed).
+    def add_done_callback(self, fn: Callable[[LayerwiseCopy], object]) -> None:
+        """Call `fn(self)` on the loop once the copy is done (succeeded or failed); what it
+        returns is ignored.
 
         Registered before completion, `fn` runs synchronously as the copy completes, before
         `done()` can be observed true; an exception it raises goes to the loop's exception
