@@ -197,13 +197,32 @@ class _Collector:
     require."""
 
     def __init__(self) -> None:
-        self._members: list[tuple[HiCache, _Labels]] = []
+        # Weak: a registry (the process-wide one above all) must not keep a cache alive, nor
+        # its labels taken, once the application has let go of it.
+        self._members: list[tuple[weakref.ref[HiCache], _Labels]] = []
+        self._lock = threading.Lock()  # a scrape's thread prunes as a joining cache adds
+
+    def _live(self) -> list[tuple[HiCache, _Labels]]:
+        """The members still exported, pruning the others: a closed cache's series would
+        stay at their last values for ever, and its labels could not go to the cache that
+        replaces it (the same model's cache made again)."""
+        with self._lock:
+            live: list[tuple[HiCache, _Labels]] = []
+            kept: list[tuple[weakref.ref[HiCache], _Labels]] = []
+            for ref, labels in self._members:
+                cache = ref()
+                if cache is not None and cache.state != "closed":
+                    live.append((cache, labels))
+                    kept.append((ref, labels))
+            self._members = kept
+            return live
 
     def _add(self, cache: HiCache, labels: _Labels) -> None:
-        if any(member is cache for member, _ in self._members):
+        members = self._live()
+        if any(member is cache for member, _ in members):
             raise ValueError("this cache's collector is already registered in this registry")
-        if self._members:
-            names = [name for name, _ in self._members[0][1]]
+        if members:
+            names = [name for name, _ in members[0][1]]
             if not names or not labels:
                 raise ValueError(
                     "another cache's collector is registered in this registry, and "
@@ -214,9 +233,10 @@ class _Collector:
                     f"label names {[name for name, _ in labels]} differ from {names}, the "
                     "names of the other caches in this registry: give every cache the same names"
                 )
-            if any(other == labels for _, other in self._members):
+            if any(other == labels for _, other in members):
                 raise ValueError(f"labels {dict(labels)} are already another cache's here")
-        self._members.append((cache, labels))
+        with self._lock:
+            self._members.append((weakref.ref(cache), labels))
 
     def describe(self) -> Iterator[Any]:
         from prometheus_client.core import GaugeMetricFamily
@@ -231,9 +251,10 @@ class _Collector:
             HistogramMetricFamily,
         )
 
-        label_names = [name for name, _ in self._members[0][1]] if self._members else []
+        members = self._live()
+        label_names = [name for name, _ in members[0][1]] if members else []
         families: dict[str, Any] = {}
-        for cache, labels in self._members:
+        for cache, labels in members:
             values = [value for _, value in labels]
             for name, kind, value in _families(cache):
                 family = families.get(name)
@@ -277,7 +298,8 @@ def prometheus_collector(
     that collector, so several caches export one family per name, told apart by their labels
     (every cache needs labels then, with the same names and different values). Without
     `registry`, registering a second cache's collector in one registry raises
-    `ValueError` (prometheus_client's `DuplicateTimeseries`).
+    `ValueError` (prometheus_client's `DuplicateTimeseries`). A cache closed or
+    garbage-collected is no longer exported, and its labels are free for another cache.
     """
     try:
         import prometheus_client.core  # noqa: F401 - the extra, checked before anything else

@@ -275,3 +275,52 @@ async def test_caches_joining_a_registry_need_labels_of_the_same_names_and_other
         prometheus_collector(c, labels={"cache": "c"}, registry=registry)
         text = prometheus_client.generate_latest(registry).decode()
         assert _block(text, "hicache_live_requests")[2:] == ['hicache_live_requests{cache="c"} 0.0']
+
+
+async def test_a_closed_or_dropped_cache_leaves_the_registry_and_frees_its_labels() -> None:
+    # The registry held every cache it was given for ever: a closed cache's series stayed at
+    # their last values, the cache was never freed, and the same model's cache made again
+    # was refused its labels ("already another cache's here").
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    import gc
+    import weakref
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def live_requests() -> list[str]:
+        text = prometheus_client.generate_latest(registry).decode()
+        return [line for line in text.splitlines() if line.startswith("hicache_live_requests")]
+
+    async with HiCache(_labelled_config("b")) as b:
+        async with HiCache(_labelled_config("a")) as a:
+            prometheus_collector(a, labels={"model": "a"}, registry=registry)
+            prometheus_collector(b, labels={"model": "b"}, registry=registry)
+            assert live_requests() == [
+                'hicache_live_requests{model="a"} 0.0',
+                'hicache_live_requests{model="b"} 0.0',
+            ]
+        assert live_requests() == ['hicache_live_requests{model="b"} 0.0']
+        closed = weakref.ref(a)
+        del a
+        gc.collect()
+        assert closed() is None
+        # A cache never entered, then dropped, goes too.
+        prometheus_collector(
+            HiCache(_labelled_config("c")), labels={"model": "c"}, registry=registry
+        )
+        gc.collect()
+        assert live_requests() == ['hicache_live_requests{model="b"} 0.0']
+        async with HiCache(_labelled_config("a")) as again:
+            again.prefetch_wait.observe(0.5)
+            prometheus_collector(again, labels={"model": "a"}, registry=registry)
+            text = prometheus_client.generate_latest(registry).decode()
+            assert _block(text, "hicache_live_requests")[2:] == [
+                'hicache_live_requests{model="b"} 0.0',
+                'hicache_live_requests{model="a"} 0.0',
+            ]
+            assert 'hicache_prefetch_wait_seconds_count{model="a"} 1.0' in text
+    # The last cache closed, the registry has none: an unlabelled cache may take it alone.
+    assert live_requests() == []
+    async with HiCache(_labelled_config("d")) as d:
+        prometheus_collector(d, registry=registry)
+        assert live_requests() == ["hicache_live_requests 0.0"]
