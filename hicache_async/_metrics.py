@@ -8,6 +8,7 @@ extra) and `render_prometheus()` renders the text exposition format.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import re
 import threading
 import weakref
@@ -15,8 +16,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 
 from ._pool import PoolStatistics
+from ._ratelog import LogLimiter
 from ._stats import TierTokens
 from .storage._protocol import StorageStats
 from .transfer._protocol import CopyStatistics
@@ -25,6 +28,8 @@ from .workers._backup import BackupStatistics
 from .workers._prefetch import PrefetchStatistics
 
 if TYPE_CHECKING:
+    import asyncio
+
     from ._cache import HiCache
 
 __all__ = ["Histogram", "HistogramSnapshot", "prometheus_collector", "render_prometheus"]
@@ -191,6 +196,77 @@ def _check_labels(labels: Mapping[str, str] | None) -> _Labels:
     return tuple(pairs)
 
 
+_log = structlog.get_logger("hicache_async")
+
+#: How long a collection off a cache's loop thread waits for that loop to read the cache: well
+#: under Prometheus's default scrape timeout (10 s), so the rest of the registry still answers
+#: while the loop is held.
+_LOOP_WAIT_S = 5.0
+_LIMITER = LogLimiter()
+
+_Family = tuple[str, str, Any]
+
+
+def _read_on(loop: asyncio.AbstractEventLoop, caches: list[HiCache]) -> list[list[_Family]] | None:
+    """Each cache's families, read on `loop` (the caches' owner) and waited for from this
+    thread; None when the loop is not running or does not answer within `_LOOP_WAIT_S`."""
+    if loop.is_closed() or not loop.is_running():
+        return None  # nothing would run the read: skipped rather than waited for
+    future: concurrent.futures.Future[list[list[_Family]]] = concurrent.futures.Future()
+
+    def read() -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # the collection gave up first
+        try:
+            future.set_result([list(_families(cache)) for cache in caches])
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    try:
+        loop.call_soon_threadsafe(read)
+    except RuntimeError:  # closed since the check
+        return None
+    try:
+        return future.result(timeout=_LOOP_WAIT_S)
+    except concurrent.futures.TimeoutError:
+        if not future.cancel():
+            return future.result()  # began meanwhile: a read takes no time to finish
+    unlogged = _LIMITER.admit("hicache.metrics.loop_unresponsive")
+    if unlogged is not None:
+        _log.warning(
+            "hicache.metrics.loop_unresponsive",
+            caches=len(caches),
+            waited_s=_LOOP_WAIT_S,
+            unlogged_since_last=unlogged,
+        )
+    return None
+
+
+def _read(members: list[tuple[HiCache, _Labels]]) -> list[tuple[_Labels, list[_Family]]]:
+    """Each member's labels and families, read on its loop's thread: the statistics are the
+    loop's own state, which another thread (prometheus_client's `start_http_server`) must
+    not read while the loop changes it. Members that could not be read are left out."""
+    read: list[list[_Family] | None] = [None] * len(members)
+    elsewhere: dict[asyncio.AbstractEventLoop, list[int]] = {}
+    for index, (cache, _) in enumerate(members):
+        loop = cache.loop
+        if cache._owner.on_owner_thread():
+            read[index] = list(_families(cache))
+        elif loop is not None:
+            elsewhere.setdefault(loop, []).append(index)
+        # Else a cache not entered yet, read off its thread: no loop to hand the read to.
+    for loop, indexes in elsewhere.items():
+        answers = _read_on(loop, [members[index][0] for index in indexes])
+        if answers is not None:
+            for index, families in zip(indexes, answers, strict=True):
+                read[index] = families
+    return [
+        (labels, families)
+        for (_, labels), families in zip(members, read, strict=True)
+        if families is not None
+    ]
+
+
 class _Collector:
     """The `prometheus_client` collector of one or more caches, their series told apart by
     their labels. One family per name across the caches, as both exposition formats
@@ -254,9 +330,9 @@ class _Collector:
         members = self._live()
         label_names = [name for name, _ in members[0][1]] if members else []
         families: dict[str, Any] = {}
-        for cache, labels in members:
+        for labels, read in _read(members):
             values = [value for _, value in labels]
-            for name, kind, value in _families(cache):
+            for name, kind, value in read:
                 family = families.get(name)
                 if kind == "histogram":
                     if family is None:
@@ -290,8 +366,9 @@ def prometheus_collector(
 ) -> Any:
     """A `prometheus_client` collector for `cache`; register it with a registry.
 
-    Needs the `prometheus` extra. Collection reads the cache's statistics, so the registry
-    must be scraped from the cache's event loop thread (e.g. an ASGI `/metrics` route).
+    Needs the `prometheus` extra. Collection reads the cache's statistics on its event loop:
+    from another thread (prometheus_client's `start_http_server`) it hands the reading to that
+    loop and waits up to 5 s, leaving out of the scrape a cache whose loop does not answer.
 
     `labels` (label name to value) are added to every series of the cache. `registry`
     registers the collector there; a later call naming the same registry adds its cache to
