@@ -192,6 +192,14 @@ def _check_labels(labels: Mapping[str, str] | None) -> _Labels:
             raise ValueError(f"label name {name!r} is the histograms' bucket label")
         if not isinstance(value, str):
             raise TypeError(f"label {name!r} must be a str, not {type(value).__name__}")
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            # A lone surrogate (`os.fsdecode` of undecodable bytes): the exposition is UTF-8,
+            # and encoding it would fail every later scrape of the whole registry.
+            raise ValueError(
+                f"label {name!r} must be UTF-8 text: {exc.reason} at index {exc.start}"
+            ) from None
         pairs.append((name, value))
     return tuple(pairs)
 

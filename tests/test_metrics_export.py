@@ -235,6 +235,8 @@ async def test_a_second_unlabelled_cache_in_one_registry_is_refused() -> None:
         ({"": "x"}, ValueError, "not a Prometheus label name"),
         ({1: "x"}, ValueError, "not a Prometheus label name"),
         ({"cache": 1}, TypeError, "label 'cache' must be a str, not int"),
+        # Taken, it failed every scrape of the registry (UnicodeEncodeError).
+        ({"cache": "m\udcff"}, ValueError, "label 'cache' must be UTF-8 text: surrogates not"),
         ([("cache", "a")], TypeError, "labels must be a mapping of str to str, not list"),
     ],
 )
