@@ -312,11 +312,14 @@ class _Collector:
                     "another cache's collector is registered in this registry, and "
                     "without labels both would export the same series: " + _FIX
                 )
-            if [name for name, _ in labels] != names:
+            if sorted(name for name, _ in labels) != sorted(names):
                 raise ValueError(
                     f"label names {[name for name, _ in labels]} differ from {names}, the "
                     "names of the other caches in this registry: give every cache the same names"
                 )
+            # The same names in another order: the values go in the registry's order.
+            given = dict(labels)
+            labels = tuple((name, given[name]) for name in names)
             if any(other == labels for _, other in members):
                 raise ValueError(f"labels {dict(labels)} are already another cache's here")
         with self._lock:

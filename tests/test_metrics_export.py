@@ -445,3 +445,24 @@ async def test_a_scrape_off_the_loop_leaves_out_a_cache_whose_loop_does_not_answ
         # Answering again, the loop's cache is back in the next scrape.
         text = await asyncio.to_thread(lambda: prometheus_client.generate_latest(registry).decode())
         assert 'hicache_live_requests{model="a"} 0.0' in text
+
+
+async def test_label_names_given_in_another_order_are_the_same_names() -> None:
+    # A mapping's order means nothing to its writer: {"rank": ..., "model": ...} after
+    # {"model": ..., "rank": ...} was refused as names that "differ".
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    async with (
+        HiCache(_labelled_config("a")) as a,
+        HiCache(_labelled_config("b")) as b,
+        HiCache(_labelled_config("c")) as c,
+    ):
+        registry = prometheus_client.CollectorRegistry()
+        prometheus_collector(a, labels={"model": "a", "rank": "0"}, registry=registry)
+        prometheus_collector(b, labels={"rank": "0", "model": "b"}, registry=registry)
+        with pytest.raises(ValueError, match=re.escape("labels {'model': 'a', 'rank': '0'} are")):
+            prometheus_collector(c, labels={"rank": "0", "model": "a"}, registry=registry)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert _block(text, "hicache_live_requests")[2:] == [
+            'hicache_live_requests{model="a",rank="0"} 0.0',
+            'hicache_live_requests{model="b",rank="0"} 0.0',
+        ]
