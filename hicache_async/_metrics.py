@@ -20,7 +20,7 @@ import structlog
 
 from ._pool import PoolStatistics
 from ._ratelog import LogLimiter
-from ._stats import TierTokens
+from ._stats import Counters, TierTokens
 from .storage._protocol import StorageStats
 from .transfer._protocol import CopyStatistics
 from .tree._results import TreeStatistics
@@ -161,10 +161,27 @@ def render_prometheus(cache: HiCache) -> str:
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # Labels the exported families already carry: a histogram's bucket bound.
 _OWN_LABELS = frozenset({"le"})
-# Families every collection has, whatever the cache's state: what a registry checks for
-# clashes at `register`, so a second collector of these names is refused there rather than
-# exporting the same series twice.
-_DESCRIBED = ("hicache_live_requests", "hicache_storage_attached")
+
+
+def _described(histograms: set[str]) -> Iterator[tuple[str, str]]:
+    """(name, kind) of every family a cache can export, whatever its state (storage attached
+    or not): what a registry checks for clashes at `register`, so a second collector of these
+    names is refused there rather than exporting the same series twice, and what it looks a
+    collector up by for a scrape asking for some names (`/metrics?name[]=...`)."""
+    for _, prefix, kind in _GAUGE_SECTIONS:
+        for field in kind.__struct_fields__:
+            yield f"hicache_{prefix}_{field}", "gauge"
+    for name in Counters.__slots__:
+        yield f"hicache_{name}_total", "counter"
+    yield "hicache_live_requests", "gauge"
+    yield "hicache_storage_attached", "gauge"
+    for section, kind in _STORAGE_SECTIONS:
+        for field in kind.__struct_fields__:
+            yield f"hicache_{section}_{field}", "gauge"
+    for name in sorted(histograms):
+        yield f"hicache_{name}_seconds", "histogram"
+
+
 _FIX = (
     "give each cache labels and the registry: "
     "prometheus_collector(cache, labels={'cache': 'a'}, registry=registry)"
@@ -326,10 +343,20 @@ class _Collector:
             self._members.append((weakref.ref(cache), labels))
 
     def describe(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
-        for name in _DESCRIBED:
-            yield GaugeMetricFamily(name, name)
+        histograms = {h.name for cache, _ in self._live() for h in cache._histograms()}
+        for name, kind in _described(histograms):
+            if kind == "histogram":
+                yield HistogramMetricFamily(name, name)
+            elif kind == "counter":
+                yield CounterMetricFamily(name.removesuffix("_total"), name)
+            else:
+                yield GaugeMetricFamily(name, name)
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import (

@@ -466,3 +466,23 @@ async def test_label_names_given_in_another_order_are_the_same_names() -> None:
             'hicache_live_requests{model="a",rank="0"} 0.0',
             'hicache_live_requests{model="b",rank="0"} 0.0',
         ]
+
+
+async def test_a_scrape_asking_for_some_names_gets_every_family_a_cache_exports() -> None:
+    # The registry finds the collectors for `/metrics?name[]=...` by the names they
+    # describe: only two were described, so asking for any other family answered nothing.
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families as text_families
+
+    async with HiCache(_labelled_config("a")) as a:
+        registry = prometheus_client.CollectorRegistry()
+        prometheus_collector(a, labels={"model": "a"}, registry=registry)
+        # Storage attached after the registration: its families are found too.
+        await a.attach_storage(MemoryStorage())
+        everything = list(text_families(prometheus_client.generate_latest(registry).decode()))
+        assert any(f.name == "hicache_storage_puts" for f in everything)
+        for family in everything:
+            sample = family.samples[0].name
+            restricted = registry.restricted_registry([sample])
+            found = list(text_families(prometheus_client.generate_latest(restricted).decode()))
+            assert {s.name for f in found for s in f.samples} == {sample}, sample
