@@ -33,6 +33,10 @@ class LoopOwner:
     def loop(self) -> asyncio.AbstractEventLoop | None:
         return self._loop
 
+    def on_owner_thread(self) -> bool:
+        """Whether the calling thread is the owner's (safe from any thread)."""
+        return threading.get_ident() == self._thread_id
+
     def check(self) -> None:
         """Raise `WrongThreadError` unless called from the owner's thread and loop."""
         if threading.get_ident() != self._thread_id:

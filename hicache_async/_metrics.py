@@ -8,6 +8,7 @@ extra) and `render_prometheus()` renders the text exposition format.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import re
 import threading
 import weakref
@@ -15,10 +16,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import structlog
 
 from ._extras import missing_module
 from ._pool import PoolStatistics
-from ._stats import TierTokens
+from ._ratelog import LogLimiter
+from ._stats import Counters, TierTokens
 from .storage._protocol import StorageStats
 from .transfer._protocol import CopyStatistics
 from .tree._results import TreeStatistics
@@ -26,6 +29,8 @@ from .workers._backup import BackupStatistics
 from .workers._prefetch import PrefetchStatistics
 
 if TYPE_CHECKING:
+    import asyncio
+
     # Resolved only by type checkers: the `prometheus` extra is optional.
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import Collector, CollectorRegistry
@@ -161,10 +166,27 @@ def render_prometheus(cache: HiCache) -> str:
 _LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 # Labels the exported families already carry: a histogram's bucket bound.
 _OWN_LABELS = frozenset({"le"})
-# Families every collection has, whatever the cache's state: what a registry checks for
-# clashes at `register`, so a second collector of these names is refused there rather than
-# exporting the same series twice.
-_DESCRIBED = ("hicache_live_requests", "hicache_storage_attached")
+
+
+def _described(histograms: set[str]) -> Iterator[tuple[str, str]]:
+    """(name, kind) of every family a cache can export, whatever its state (storage attached
+    or not): what a registry checks for clashes at `register`, so a second collector of these
+    names is refused there rather than exporting the same series twice, and what it looks a
+    collector up by for a scrape asking for some names (`/metrics?name[]=...`)."""
+    for _, prefix, kind in _GAUGE_SECTIONS:
+        for field in kind.__struct_fields__:
+            yield f"hicache_{prefix}_{field}", "gauge"
+    for name in Counters.__slots__:
+        yield f"hicache_{name}_total", "counter"
+    yield "hicache_live_requests", "gauge"
+    yield "hicache_storage_attached", "gauge"
+    for section, kind in _STORAGE_SECTIONS:
+        for field in kind.__struct_fields__:
+            yield f"hicache_{section}_{field}", "gauge"
+    for name in sorted(histograms):
+        yield f"hicache_{name}_seconds", "histogram"
+
+
 _FIX = (
     "give each cache labels and the registry: "
     "prometheus_collector(cache, labels={'cache': 'a'}, registry=registry)"
@@ -192,8 +214,87 @@ def _check_labels(labels: Mapping[str, str] | None) -> _Labels:
             raise ValueError(f"label name {name!r} is the histograms' bucket label")
         if not isinstance(value, str):
             raise TypeError(f"label {name!r} must be a str, not {type(value).__name__}")
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            # A lone surrogate (`os.fsdecode` of undecodable bytes): the exposition is UTF-8,
+            # and encoding it would fail every later scrape of the whole registry.
+            raise ValueError(
+                f"label {name!r} must be UTF-8 text: {exc.reason} at index {exc.start}"
+            ) from None
         pairs.append((name, value))
     return tuple(pairs)
+
+
+_log = structlog.get_logger("hicache_async")
+
+#: How long a collection off a cache's loop thread waits for that loop to read the cache: well
+#: under Prometheus's default scrape timeout (10 s), so the rest of the registry still answers
+#: while the loop is held.
+_LOOP_WAIT_S = 5.0
+_LIMITER = LogLimiter()
+
+_Family = tuple[str, str, Any]
+
+
+def _read_on(loop: asyncio.AbstractEventLoop, caches: list[HiCache]) -> list[list[_Family]] | None:
+    """Each cache's families, read on `loop` (the caches' owner) and waited for from this
+    thread; None when the loop is not running or does not answer within `_LOOP_WAIT_S`."""
+    if loop.is_closed() or not loop.is_running():
+        return None  # nothing would run the read: skipped rather than waited for
+    future: concurrent.futures.Future[list[list[_Family]]] = concurrent.futures.Future()
+
+    def read() -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # the collection gave up first
+        try:
+            future.set_result([list(_families(cache)) for cache in caches])
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    try:
+        loop.call_soon_threadsafe(read)
+    except RuntimeError:  # closed since the check
+        return None
+    try:
+        return future.result(timeout=_LOOP_WAIT_S)
+    except concurrent.futures.TimeoutError:
+        if not future.cancel():
+            return future.result()  # began meanwhile: a read takes no time to finish
+    unlogged = _LIMITER.admit("hicache.metrics.loop_unresponsive")
+    if unlogged is not None:
+        _log.warning(
+            "hicache.metrics.loop_unresponsive",
+            caches=len(caches),
+            waited_s=_LOOP_WAIT_S,
+            unlogged_since_last=unlogged,
+        )
+    return None
+
+
+def _read(members: list[tuple[HiCache, _Labels]]) -> list[tuple[_Labels, list[_Family]]]:
+    """Each member's labels and families, read on its loop's thread: the statistics are the
+    loop's own state, which another thread (prometheus_client's `start_http_server`) must
+    not read while the loop changes it. Members that could not be read are left out."""
+    read: list[list[_Family] | None] = [None] * len(members)
+    elsewhere: dict[asyncio.AbstractEventLoop, list[int]] = {}
+    for index, (cache, _) in enumerate(members):
+        loop = cache.loop
+        if cache._owner.on_owner_thread():
+            read[index] = list(_families(cache))
+        elif loop is not None:
+            elsewhere.setdefault(loop, []).append(index)
+        # Else a cache not entered yet, read off its thread: no loop to hand the read to.
+    for loop, indexes in elsewhere.items():
+        answers = _read_on(loop, [members[index][0] for index in indexes])
+        if answers is not None:
+            for index, families in zip(indexes, answers, strict=True):
+                read[index] = families
+    return [
+        (labels, families)
+        for (_, labels), families in zip(members, read, strict=True)
+        if families is not None
+    ]
 
 
 class _Collector:
@@ -202,32 +303,65 @@ class _Collector:
     require."""
 
     def __init__(self) -> None:
-        self._members: list[tuple[HiCache, _Labels]] = []
+        # Weak: a registry (the process-wide one above all) must not keep a cache alive, nor
+        # its labels taken, once the application has let go of it.
+        self._members: list[tuple[weakref.ref[HiCache], _Labels]] = []
+        self._lock = threading.Lock()  # a scrape's thread prunes as a joining cache adds
+
+    def _live(self) -> list[tuple[HiCache, _Labels]]:
+        """The members still exported, pruning the others: a closed cache's series would
+        stay at their last values for ever, and its labels could not go to the cache that
+        replaces it (the same model's cache made again)."""
+        with self._lock:
+            live: list[tuple[HiCache, _Labels]] = []
+            kept: list[tuple[weakref.ref[HiCache], _Labels]] = []
+            for ref, labels in self._members:
+                cache = ref()
+                if cache is not None and cache.state != "closed":
+                    live.append((cache, labels))
+                    kept.append((ref, labels))
+            self._members = kept
+            return live
 
     def _add(self, cache: HiCache, labels: _Labels) -> None:
-        if any(member is cache for member, _ in self._members):
+        members = self._live()
+        if any(member is cache for member, _ in members):
             raise ValueError("this cache's collector is already registered in this registry")
-        if self._members:
-            names = [name for name, _ in self._members[0][1]]
+        if members:
+            names = [name for name, _ in members[0][1]]
             if not names or not labels:
                 raise ValueError(
                     "another cache's collector is registered in this registry, and "
                     "without labels both would export the same series: " + _FIX
                 )
-            if [name for name, _ in labels] != names:
+            if sorted(name for name, _ in labels) != sorted(names):
                 raise ValueError(
                     f"label names {[name for name, _ in labels]} differ from {names}, the "
                     "names of the other caches in this registry: give every cache the same names"
                 )
-            if any(other == labels for _, other in self._members):
+            # The same names in another order: the values go in the registry's order.
+            given = dict(labels)
+            labels = tuple((name, given[name]) for name in names)
+            if any(other == labels for _, other in members):
                 raise ValueError(f"labels {dict(labels)} are already another cache's here")
-        self._members.append((cache, labels))
+        with self._lock:
+            self._members.append((weakref.ref(cache), labels))
 
     def describe(self) -> Iterator[Metric]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
-        for name in _DESCRIBED:
-            yield GaugeMetricFamily(name, name)
+        histograms = {h.name for cache, _ in self._live() for h in cache._histograms()}
+        for name, kind in _described(histograms):
+            if kind == "histogram":
+                yield HistogramMetricFamily(name, name)
+            elif kind == "counter":
+                yield CounterMetricFamily(name.removesuffix("_total"), name)
+            else:
+                yield GaugeMetricFamily(name, name)
 
     def collect(self) -> Iterator[Metric]:
         from prometheus_client.core import (
@@ -236,11 +370,12 @@ class _Collector:
             HistogramMetricFamily,
         )
 
-        label_names = [name for name, _ in self._members[0][1]] if self._members else []
+        members = self._live()
+        label_names = [name for name, _ in members[0][1]] if members else []
         families: dict[str, Any] = {}
-        for cache, labels in self._members:
+        for labels, read in _read(members):
             values = [value for _, value in labels]
-            for name, kind, value in _families(cache):
+            for name, kind, value in read:
                 family = families.get(name)
                 if kind == "histogram":
                     if family is None:
@@ -277,15 +412,17 @@ def prometheus_collector(
 ) -> Collector:
     """A `prometheus_client` collector for `cache`; register it with a registry.
 
-    Needs the `prometheus` extra. Collection reads the cache's statistics, so the registry
-    must be scraped from the cache's event loop thread (e.g. an ASGI `/metrics` route).
+    Needs the `prometheus` extra. Collection reads the cache's statistics on its event loop:
+    from another thread (prometheus_client's `start_http_server`) it hands the reading to that
+    loop and waits up to 5 s, leaving out of the scrape a cache whose loop does not answer.
 
     `labels` (label name to value) are added to every series of the cache. `registry`
     registers the collector there; a later call naming the same registry adds its cache to
     that collector, so several caches export one family per name, told apart by their labels
     (every cache needs labels then, with the same names and different values). Without
     `registry`, registering a second cache's collector in one registry raises
-    `ValueError` (prometheus_client's `DuplicateTimeseries`).
+    `ValueError` (prometheus_client's `DuplicateTimeseries`). A cache closed or
+    garbage-collected is no longer exported, and its labels are free for another cache.
     """
     try:
         import prometheus_client.core  # noqa: F401 - the extra, checked before anything else

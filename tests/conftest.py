@@ -18,7 +18,7 @@ settings.load_profile("hicache")
 
 try:
     import uvloop
-except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+except ImportError:  # pragma: no cover - the testing extra brings it everywhere but Windows
     uvloop = None
 
 

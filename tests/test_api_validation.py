@@ -26,7 +26,7 @@ from hicache_async import (
 
 try:
     import uvloop
-except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+except ImportError:  # pragma: no cover - the testing extra brings it everywhere but Windows
     uvloop = None
 
 #: For the tests that drive loops themselves (the conftest parametrizes only async tests).

@@ -15,7 +15,6 @@ import weakref
 from collections.abc import Callable
 
 import pytest
-import uvloop
 from _gated_copies import A, B, GatedEngine, held, host_cache
 from structlog.testing import capture_logs
 
@@ -31,6 +30,11 @@ from hicache_async.storage import MemoryStorage
 from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
 from hicache_async.transfer import CpuCopyEngine
 
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - the testing extra brings it everywhere but Windows
+    uvloop = None
+
 PAGE = 8
 CONFIG = CacheConfig(
     layout=KVLayout(num_layers=2, num_kv_heads=2, head_dim=8),
@@ -41,7 +45,9 @@ CONFIG = CacheConfig(
 )
 PROMPT = list(range(10 * PAGE))
 OTHER = list(range(1000, 1000 + 10 * PAGE))
-LOOPS = [asyncio.new_event_loop, uvloop.new_event_loop]
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+if uvloop is not None:
+    LOOPS["uvloop"] = uvloop.new_event_loop
 
 
 async def _until_released(cache: HiCache) -> None:
@@ -221,7 +227,7 @@ async def test_the_close_frees_the_pools_off_the_loop() -> None:
     assert cache.statistics().device_pool is not None  # the figures outlive the pools
 
 
-@pytest.mark.parametrize("new_loop", LOOPS, ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("new_loop", list(LOOPS.values()), ids=list(LOOPS))
 def test_one_copy_engine_serves_caches_on_successive_loops(
     new_loop: Callable[[], asyncio.AbstractEventLoop],
 ) -> None:
@@ -254,7 +260,7 @@ def test_one_copy_engine_serves_caches_on_successive_loops(
     assert engine.statistics().failed == 0
 
 
-@pytest.mark.parametrize("new_loop", LOOPS, ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize("new_loop", list(LOOPS.values()), ids=list(LOOPS))
 def test_a_copy_engine_whose_close_its_loop_cut_short_closes_on_the_next_loop(
     new_loop: Callable[[], asyncio.AbstractEventLoop],
 ) -> None:

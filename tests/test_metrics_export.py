@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from typing import Any
 
 import msgspec
@@ -11,6 +13,7 @@ import pytest
 from hicache_async import CacheConfig, HiCache, prometheus_collector
 from hicache_async._metrics import Histogram
 from hicache_async.storage import MemoryStorage, StorageStats
+from hicache_async.testing import KVGenerator
 
 PAGE = 4
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -232,6 +235,8 @@ async def test_a_second_unlabelled_cache_in_one_registry_is_refused() -> None:
         ({"": "x"}, ValueError, "not a Prometheus label name"),
         ({1: "x"}, ValueError, "not a Prometheus label name"),
         ({"cache": 1}, TypeError, "label 'cache' must be a str, not int"),
+        # Taken, it failed every scrape of the registry (UnicodeEncodeError).
+        ({"cache": "m\udcff"}, ValueError, "label 'cache' must be UTF-8 text: surrogates not"),
         ([("cache", "a")], TypeError, "labels must be a mapping of str to str, not list"),
     ],
 )
@@ -275,3 +280,206 @@ async def test_caches_joining_a_registry_need_labels_of_the_same_names_and_other
         prometheus_collector(c, labels={"cache": "c"}, registry=registry)
         text = prometheus_client.generate_latest(registry).decode()
         assert _block(text, "hicache_live_requests")[2:] == ['hicache_live_requests{cache="c"} 0.0']
+
+
+async def test_a_closed_or_dropped_cache_leaves_the_registry_and_frees_its_labels() -> None:
+    # The registry held every cache it was given for ever: a closed cache's series stayed at
+    # their last values, the cache was never freed, and the same model's cache made again
+    # was refused its labels ("already another cache's here").
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    import gc
+    import weakref
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def live_requests() -> list[str]:
+        text = prometheus_client.generate_latest(registry).decode()
+        return [line for line in text.splitlines() if line.startswith("hicache_live_requests")]
+
+    async with HiCache(_labelled_config("b")) as b:
+        async with HiCache(_labelled_config("a")) as a:
+            prometheus_collector(a, labels={"model": "a"}, registry=registry)
+            prometheus_collector(b, labels={"model": "b"}, registry=registry)
+            assert live_requests() == [
+                'hicache_live_requests{model="a"} 0.0',
+                'hicache_live_requests{model="b"} 0.0',
+            ]
+        assert live_requests() == ['hicache_live_requests{model="b"} 0.0']
+        closed = weakref.ref(a)
+        del a
+        gc.collect()
+        assert closed() is None
+        # A cache never entered, then dropped, goes too.
+        prometheus_collector(
+            HiCache(_labelled_config("c")), labels={"model": "c"}, registry=registry
+        )
+        gc.collect()
+        assert live_requests() == ['hicache_live_requests{model="b"} 0.0']
+        async with HiCache(_labelled_config("a")) as again:
+            again.prefetch_wait.observe(0.5)
+            prometheus_collector(again, labels={"model": "a"}, registry=registry)
+            text = prometheus_client.generate_latest(registry).decode()
+            assert _block(text, "hicache_live_requests")[2:] == [
+                'hicache_live_requests{model="b"} 0.0',
+                'hicache_live_requests{model="a"} 0.0',
+            ]
+            assert 'hicache_prefetch_wait_seconds_count{model="a"} 1.0' in text
+    # The last cache closed, the registry has none: an unlabelled cache may take it alone.
+    assert live_requests() == []
+    async with HiCache(_labelled_config("d")) as d:
+        prometheus_collector(d, registry=registry)
+        assert live_requests() == ["hicache_live_requests 0.0"]
+
+
+async def _serve(cache: HiCache, prompts: int) -> None:
+    """`prompts` requests that commit their pages: the loop's state changing all along."""
+    generator = KVGenerator(cache.config.layout, PAGE)
+    for i in range(prompts):
+        prompt = list(range(i % 7 * 100, i % 7 * 100 + PAGE * (1 + i % 5)))
+        await cache.prefetch(prompt, request_id=f"r{i}")
+        with cache.request(prompt, request_id=f"r{i}") as req:
+            load = await req.load()
+            for layer in range(cache.config.layout.num_layers):
+                await load.layer(layer)
+            cached = req.cached_tokens
+            pages = await req.allocate(len(prompt) - cached)
+            for offset, page in enumerate(pages[: (len(prompt) - cached) // PAGE]):
+                generator.fill_page(cache.device_pool, page, prompt, cached // PAGE + offset)
+            req.commit()
+        await asyncio.sleep(0)
+
+
+async def test_a_registry_scraped_from_prometheus_clients_server_thread_reads_on_the_loop() -> None:
+    # The collection ran on the scraping thread and read the loop's own state there: the
+    # tree refused it (WrongThreadError), so every scrape of the whole registry, the
+    # application's own metrics included, failed with HTTP 500.
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families
+    from prometheus_client.parser import text_string_to_metric_families as text_families
+
+    registry = prometheus_client.CollectorRegistry()
+    server, thread = prometheus_client.start_http_server(0, addr="127.0.0.1", registry=registry)
+    url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    served = threading.Event()
+
+    def scrape() -> int:
+        scrapes = 0
+        while not served.is_set() or scrapes < 2:
+            with urllib.request.urlopen(url, timeout=30) as response:
+                text = response.read().decode()
+            requests = {
+                s.labels["model"]: s.value
+                for f in text_families(text)
+                if f.name == "hicache_requests"
+                for s in f.samples
+            }
+            assert set(requests) == {"a", "b"}, text
+            parsed = list(text_string_to_metric_families(openmetrics(registry).decode()))
+            assert any(f.name == "hicache_requests" for f in parsed)
+            scrapes += 1
+        return scrapes
+
+    try:
+        async with (
+            HiCache(_labelled_config("a"), storage=MemoryStorage()) as a,
+            HiCache(_labelled_config("b"), storage=MemoryStorage()) as b,
+        ):
+            prometheus_collector(a, labels={"model": "a"}, registry=registry)
+            prometheus_collector(b, labels={"model": "b"}, registry=registry)
+            scraping = asyncio.ensure_future(asyncio.to_thread(scrape))
+            try:
+                await asyncio.gather(_serve(a, 60), _serve(b, 60))
+            finally:
+                served.set()
+            assert await scraping >= 2
+            # Read after the traffic, from the thread, the figures are the loop's own.
+            text = await asyncio.to_thread(
+                lambda: prometheus_client.generate_latest(registry).decode()
+            )
+            assert 'hicache_requests_total{model="a"} 60.0' in text
+            assert 'hicache_requests_total{model="b"} 60.0' in text
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+async def test_a_scrape_off_the_loop_leaves_out_a_cache_whose_loop_does_not_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    from structlog.testing import capture_logs
+
+    from hicache_async import _metrics
+    from hicache_async._ratelog import LogLimiter
+
+    monkeypatch.setattr(_metrics, "_LOOP_WAIT_S", 0.01)
+    monkeypatch.setattr(_metrics, "_LIMITER", LogLimiter())  # as in a process not yet warned
+    registry = prometheus_client.CollectorRegistry()
+    async with HiCache(_labelled_config("a")) as a:
+        prometheus_collector(a, labels={"model": "a"}, registry=registry)
+        scraped: list[str] = []
+        scraper = threading.Thread(
+            target=lambda: scraped.append(prometheus_client.generate_latest(registry).decode())
+        )
+        with capture_logs() as logs:
+            scraper.start()
+            scraper.join()  # holds the loop: the read handed to it cannot run
+            await asyncio.sleep(0)  # the read given up runs now, and does nothing
+        assert [line for line in scraped[0].splitlines() if "hicache_" in line] == []
+        assert [entry for entry in logs if entry["event"].startswith("hicache.metrics")] == [
+            {
+                "event": "hicache.metrics.loop_unresponsive",
+                "log_level": "warning",
+                "caches": 1,
+                "waited_s": 0.01,
+                "unlogged_since_last": 0,
+            }
+        ]
+        # Answering again, the loop's cache is back in the next scrape.
+        text = await asyncio.to_thread(lambda: prometheus_client.generate_latest(registry).decode())
+        assert 'hicache_live_requests{model="a"} 0.0' in text
+
+
+async def test_label_names_given_in_another_order_are_the_same_names() -> None:
+    # A mapping's order means nothing to its writer: {"rank": ..., "model": ...} after
+    # {"model": ..., "rank": ...} was refused as names that "differ".
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    async with (
+        HiCache(_labelled_config("a")) as a,
+        HiCache(_labelled_config("b")) as b,
+        HiCache(_labelled_config("c")) as c,
+    ):
+        registry = prometheus_client.CollectorRegistry()
+        prometheus_collector(a, labels={"model": "a", "rank": "0"}, registry=registry)
+        prometheus_collector(b, labels={"rank": "0", "model": "b"}, registry=registry)
+        with pytest.raises(ValueError, match=re.escape("labels {'model': 'a', 'rank': '0'} are")):
+            prometheus_collector(c, labels={"rank": "0", "model": "a"}, registry=registry)
+        text = prometheus_client.generate_latest(registry).decode()
+        assert _block(text, "hicache_live_requests")[2:] == [
+            'hicache_live_requests{model="a",rank="0"} 0.0',
+            'hicache_live_requests{model="b",rank="0"} 0.0',
+        ]
+
+
+async def test_a_scrape_asking_for_some_names_gets_every_family_a_cache_exports() -> None:
+    # The registry finds the collectors for `/metrics?name[]=...` by the names they
+    # describe: only two were described, so asking for any other family answered nothing.
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families as text_families
+
+    async with HiCache(_labelled_config("a")) as a:
+        registry = prometheus_client.CollectorRegistry()
+        prometheus_collector(a, labels={"model": "a"}, registry=registry)
+        # Storage attached after the registration: its families are found too.
+        await a.attach_storage(MemoryStorage())
+        everything = list(text_families(prometheus_client.generate_latest(registry).decode()))
+        assert any(f.name == "hicache_storage_puts" for f in everything)
+        for family in everything:
+            sample = family.samples[0].name
+            restricted = registry.restricted_registry([sample])
+            found = list(text_families(prometheus_client.generate_latest(restricted).decode()))
+            assert {s.name for f in found for s in f.samples} == {sample}, sample

@@ -83,6 +83,39 @@ def test_uvloop_comes_with_the_bench_and_testing_extras_only() -> None:
     assert "bench" in re.search(r"hicache-async\[([a-z,]+)\]", " ".join(extras["dev"])).group(1)
 
 
+def test_the_suite_collects_without_uvloop_and_names_only_loops_it_runs_under() -> None:
+    # uvloop left the dependencies: an unguarded import stopped the whole run at collection,
+    # and suites named "uvloop" ran under asyncio's loop still called so.
+    import os
+    import subprocess
+
+    without = "import sys; sys.modules['uvloop'] = None; import pytest; sys.exit(pytest.main())"
+    files = sorted(
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("*.py")
+        if "uvloop" in path.read_text()
+        and path.name.startswith("test_")
+        and path.name not in {"test_project.py", "test_bench.py"}
+    )
+    assert "tests/test_embedding.py" in files
+    done = subprocess.run(
+        [sys.executable, "-c", without, "--co", "-q", "-p", "no:cacheprovider", *files],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        },
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    tests = [line for line in done.stdout.splitlines() if "::" in line]
+    assert len(tests) > 100
+    assert [test for test in tests if "uvloop" in test] == []
+
+
 def test_the_classifiers_say_what_the_package_supports() -> None:
     project = _project()
     classifiers: list[str] = project["classifiers"]

@@ -119,9 +119,15 @@ def run_world(size: int, loop: str) -> World:
     return world
 
 
-@pytest.fixture(
-    scope="module", params=[(2, "asyncio"), (4, "uvloop")], ids=["2-asyncio", "4-uvloop"]
-)
+try:
+    import uvloop  # noqa: F401 - only whether the worlds can run on it
+except ImportError:  # pragma: no cover - the testing extra brings it everywhere but Windows
+    _WORLDS = [(2, "asyncio"), (4, "asyncio")]
+else:
+    _WORLDS = [(2, "asyncio"), (4, "uvloop")]
+
+
+@pytest.fixture(scope="module", params=_WORLDS, ids=[f"{size}-{loop}" for size, loop in _WORLDS])
 def world(request: pytest.FixtureRequest) -> World:
     size, loop = request.param
     return run_world(size, loop)

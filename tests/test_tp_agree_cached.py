@@ -14,7 +14,7 @@ import structlog
 
 try:
     import uvloop
-except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+except ImportError:  # pragma: no cover - the testing extra brings it everywhere but Windows
     uvloop = None
 from test_tp_warmup_cancel import PAGE, _config, _fill, _pair, _Rank, _two_caches, _World
 

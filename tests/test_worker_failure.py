@@ -22,7 +22,7 @@ from hicache_async.workers import StorageLink
 
 try:
     import uvloop
-except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+except ImportError:  # pragma: no cover - the testing extra brings it everywhere but Windows
     uvloop = None
 
 PAGE = 8

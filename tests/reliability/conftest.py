@@ -27,7 +27,7 @@ from . import FULL, Record
 uvloop: Any
 try:
     import uvloop
-except ImportError:  # pragma: no cover - uvloop is a dependency everywhere but Windows
+except ImportError:  # pragma: no cover - the testing extra brings it everywhere but Windows
     uvloop = None
 
 
@@ -42,7 +42,8 @@ def pytest_asyncio_loop_factories(
     if FULL:
         return factories
     short = getattr(getattr(item, "module", None), "SHORT_LOOP", "asyncio")
-    return {short: factories.get(short, asyncio.new_event_loop)}
+    # Named by the loop it really runs under: without uvloop, asyncio's.
+    return {short: factories[short]} if short in factories else {"asyncio": asyncio.new_event_loop}
 
 
 _FIGURES: list[dict[str, Any]] = []
