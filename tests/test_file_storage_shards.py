@@ -4,6 +4,7 @@ the removal; kept on a shared root, whose other instances hold descriptors of th
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,50 @@ async def test_a_raw_write_into_a_shard_removed_before_its_rename_lands(
         monkeypatch.undo()
         assert await storage.read_raw(late[0]) == raw
         await _assert_index_matches_disk(storage, root)
+
+
+async def test_a_removed_shards_descriptor_closes_while_later_jobs_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A busy store's jobs overlap without end: the descriptor of a shard a gc() removed is
+    closed once the jobs begun before the removal are done, not when none runs."""
+    root = tmp_path / "s"
+    held, gone = _in_shard("cd", 1), _in_shard("ab", 1)
+    async with FileStorage(root) as storage:
+        assert await _put(storage, held) == [Outcome.OK]
+        gates: list[_Gate] = []
+        read_raw_job = storage._read_raw_job
+
+        def held_read(key: bytes) -> bytes | None:
+            gate = gates.pop(0)
+            result = read_raw_job(key)
+            gate.hold()
+            return result
+
+        monkeypatch.setattr(storage, "_read_raw_job", held_read)
+
+        async def read_held(gate: _Gate) -> asyncio.Task[bytes | None]:
+            gates.append(gate)
+            task = asyncio.create_task(storage.read_raw(held[0]))
+            await gate.wait_reached()
+            return task
+
+        first, second = _Gate(), _Gate()
+        with _released(first, second):
+            reading = await read_held(first)
+            before = len(os.listdir("/proc/self/fd"))
+            for _ in range(3):
+                assert await _put(storage, gone) == [Outcome.OK]
+                assert await storage.delete(gone) == 1
+                await storage.gc()
+                assert not (root / "pages" / "ab").exists()
+            # Begun before the removals, the first read could hold their descriptors.
+            assert len(os.listdir("/proc/self/fd")) == before + 3
+            later = await read_held(second)
+            first.go.set()
+            assert await reading is not None
+            assert len(os.listdir("/proc/self/fd")) == before
+            second.go.set()
+            assert await later is not None
+        monkeypatch.undo()
+        assert await _get(storage, held) == [Outcome.OK]

@@ -8,6 +8,7 @@ a file store of its own.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from pathlib import Path
 
 import msgspec
@@ -18,7 +19,7 @@ from hicache_async import HiCache, WarmupResult
 from hicache_async.storage import FileStorage
 from hicache_async.storage._manifest import ManifestRead, chain_entry
 from hicache_async.testing import KVGenerator, serve
-from hicache_async.workers._warmup import _cut
+from hicache_async.workers._warmup import _agreed_prefixes, _cut, _offers
 
 _GENERATOR_SEED = 7
 
@@ -185,7 +186,7 @@ async def test_a_read_names_the_chains_an_entry_covers(tmp_path: Path) -> None:
     assert msgspec.json.decode(msgspec.json.encode(read), type=ManifestRead) == read
 
 
-def test_a_prefix_a_lengthened_one_before_it_holds_is_left_out() -> None:
+async def test_a_prefix_a_lengthened_one_before_it_holds_is_left_out() -> None:
     """Once lengthened, an agreed prefix can hold a prefix agreed after it whole: loading the
     first loads the second, which is then no entry of its own; one reaching further stays."""
     keys = [f"{i:064x}" for i in range(1, 11)]
@@ -193,6 +194,45 @@ def test_a_prefix_a_lengthened_one_before_it_holds_is_left_out() -> None:
         bytes.fromhex("ab" * 16), map(bytes.fromhex, keys), len(keys) * PAGE, 0, 1.0
     )
     chosen = [(entry, 4), (entry, 5), (entry, 8)]
-    cut = _cut(chosen, [6, 5, 9], PAGE)
+    cut = await _cut(chosen, [6, 5, 9], PAGE)
     assert [(len(e.keys), e.num_tokens) for e in cut] == [(6, 6 * PAGE), (9, 9 * PAGE)]
     assert cut[1].keys == keys[:9]
+
+
+async def test_mapping_a_large_agreement_lets_the_loop_run() -> None:
+    """Offering 1,000 entries of 90 pages, mapping the agreed ids back to them and cutting
+    them each take several steps of the loop, not one: at the manifest's limits each took
+    up to 0.6 s in one go."""
+    entries = [
+        chain_entry(
+            bytes(16),
+            [i.to_bytes(4, "big") + bytes(28) for i in range(90 * n, 90 * (n + 1))],
+            90 * PAGE,
+            0,
+            float(n),
+        )
+        for n in range(1000)
+    ]
+    turns = 0
+    done = False
+
+    async def count() -> None:
+        nonlocal turns
+        while not done:
+            await asyncio.sleep(0)
+            turns += 1
+
+    counter = asyncio.create_task(count())
+    await asyncio.sleep(0)
+    seen = [turns]
+    offered = await _offers(ManifestRead(entries=entries))
+    seen.append(turns)
+    chosen = await _agreed_prefixes(list(offered), offered)
+    seen.append(turns)
+    cut = await _cut(chosen, [pages for _, pages in chosen], PAGE)
+    seen.append(turns)
+    done = True
+    await counter
+    assert [len(e.keys) for e in cut] == [90] * 1000
+    # The loop ran at least three times while each of them worked.
+    assert min(b - a for a, b in itertools.pairwise(seen)) >= 3

@@ -260,9 +260,12 @@ class _Handles:
         self.lock_fd = lock_fd
         self._pages_path = pages_path
         self._shared = shared
-        # Descriptors of directories removed under us and made again (`renew_tmp`,
-        # `renew_shard`): another thread may still hold one, so they are closed with the rest.
-        self._retired: list[int] = []
+        # Jobs begun on this root so far (`FileStorage.run_job` counts them on the loop).
+        self.jobs_begun = 0
+        # Descriptors of directories removed (`remove_empty`), or removed under us and made
+        # again (`renew_tmp`, `renew_shard`), each with `jobs_begun` when it was retired: a
+        # job begun before may still hold it, one begun after never takes it.
+        self._retired: list[tuple[int, int]] = []
         # Why tmp/ or pages/ could not be made again, logged once per reason.
         self._dir_refused: dict[str, str] = {}
         self._lock_lost = False  # logged once
@@ -367,7 +370,7 @@ class _Handles:
                 if os.fstat(seen_fd).st_nlink:
                     return None
                 del self._shards[name]
-                self._retired.append(seen_fd)
+                self._retire(seen_fd)
             if not os.fstat(self.pages_fd).st_nlink and not self._renew_pages_locked(self.pages_fd):
                 return None
             # Whoever removed it may have removed LOCK too (see `_remade_locked`).
@@ -409,8 +412,11 @@ class _Handles:
                     removed += 1
                     self._emptied.add(name)
                 if fd is not None:
-                    self._retired.append(fd)
+                    self._retire(fd)
         return removed
+
+    def _retire(self, fd: int) -> None:
+        self._retired.append((fd, self.jobs_begun))
 
     def _renew_pages_locked(self, seen_fd: int) -> bool:
         if self.pages_fd != seen_fd:
@@ -419,7 +425,8 @@ class _Handles:
         if fd is None:
             return False
         # Every shard directory went with it.
-        self._retired.extend(self._shards.values())
+        for shard_fd in self._shards.values():
+            self._retire(shard_fd)
         self._shards.clear()
         self._refused.clear()
         self.pages_fd = fd
@@ -446,7 +453,7 @@ class _Handles:
                 log.warning(f"storage.{name}.refused", directory=what, error=str(exc))
             return None
         self._dir_refused.pop(name, None)
-        self._retired.append(seen_fd)
+        self._retire(seen_fd)
         log.warning(f"storage.{name}.recreated", directory=what)
         return fd
 
@@ -498,12 +505,16 @@ class _Handles:
     def has_retired(self) -> bool:
         return bool(self._retired)
 
-    def reap_retired(self) -> None:
-        """Close the descriptors of directories removed and made again. Only while no job
-        runs: a thread may be between taking one and using it, and a closed number can be
-        reused for another file at once."""
+    def reap_retired(self, oldest: int) -> None:
+        """Close the descriptors of removed directories that no running job can hold: those
+        retired once every job begun before is done. `oldest` is the number (in
+        `jobs_begun` order) of the oldest job still running, `jobs_begun` when none runs. A
+        job begun before may be between taking one and using it, and a closed number can be
+        reused for another file at once; a job begun after finds it nowhere, so busy stores
+        whose jobs overlap for ever still close them."""
         with self._lock:
-            retired, self._retired = self._retired, []
+            retired = [fd for fd, begun in self._retired if begun <= oldest]
+            self._retired = [item for item in self._retired if item[1] > oldest]
         for fd in retired:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -526,7 +537,8 @@ class _Handles:
 
     def close(self) -> None:
         _OPEN_ROOTS.discard(self)
-        fds = (*self._shards.values(), *self._retired, self.tmp_fd, self.pages_fd, self.root_fd)
+        retired = [fd for fd, _ in self._retired]
+        fds = (*self._shards.values(), *retired, self.tmp_fd, self.pages_fd, self.root_fd)
         for fd in fds:
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -1873,6 +1885,9 @@ class FileStorage(BackendBase):
         self._seq = 0
         self._pins: dict[bytes, int] = {}
         self._stuck = _StuckFiles()
+        # The jobs running, by their number in `_Handles.jobs_begun` order (-1: begun before
+        # the root was open), each with how many: which retired descriptors may be closed.
+        self._running: dict[int, int] = {}
         self._writing: set[bytes] = set()
         self._evicting: set[bytes] = set()
         # Reads and scans observe the disk off the loop and commit later: each index change of
@@ -2381,14 +2396,28 @@ class FileStorage(BackendBase):
         *,
         interrupt: Callable[[], None] | None = None,
     ) -> _T:
+        handles = self._handles
+        # A job begun before the root was open counts as older than any retirement.
+        number = -1
+        if handles is not None:
+            number = handles.jobs_begun
+            handles.jobs_begun += 1
+        running = self._running
+        running[number] = running.get(number, 0) + 1
         try:
             return await super().run_job(work, interrupt=interrupt)
         finally:
+            left = running[number] - 1
+            if left:
+                running[number] = left
+            else:
+                del running[number]
             handles = self._handles
-            # No job left, so no thread holds a descriptor of a directory removed and made
-            # again: close them now, not at close(), or a root emptied often runs out of them.
-            if not self._jobs and handles is not None and handles.has_retired:
-                handles.reap_retired()
+            # Descriptors of directories removed (and made again) that no running job can
+            # hold are closed now, not at close(), or a root emptied often runs out of them;
+            # with jobs that overlap without end (a busy server), not only once none runs.
+            if handles is not None and handles.has_retired:
+                handles.reap_retired(min(running, default=handles.jobs_begun))
 
     def _handles_or_raise(self) -> _Handles:
         handles = self._handles
