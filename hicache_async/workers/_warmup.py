@@ -554,7 +554,7 @@ async def _offers(read: ManifestRead) -> dict[bytes, tuple[ManifestEntry, int]]:
     for entry in read.entries:
         if work >= _MAP_STEP:
             work = 0
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         full = len(entry.keys)
         work += 8 * full.bit_length() + 16  # an entry's ids cost more than a key put in a set
         lengths = {full, *read.covered.get(covered_key(entry), ())}
@@ -581,7 +581,7 @@ async def _agreed_prefixes(
     for ident in agreed:
         if work >= _MAP_STEP:
             work = 0
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         work += 1
         found = offered.get(ident)
         if found is None or ident.hex() in within:
@@ -651,7 +651,7 @@ async def _cut(
     for (entry, _), pages in zip(chosen, lengths, strict=True):
         if work >= _MAP_STEP:
             work = 0
-            await asyncio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         work += 1
         if entry.keys[pages - 1] in within:
             continue
