@@ -1342,17 +1342,28 @@ class _StuckFiles:
             self._files[key] = _identity(st)
 
 
+def _mode_refuses_read(st: os.stat_result) -> bool:
+    """Whether the owner, group and mode bits of `st` deny this process reading the file."""
+    if st.st_uid == os.geteuid():
+        return not st.st_mode & stat.S_IRUSR
+    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
+        return not st.st_mode & stat.S_IRGRP
+    return not st.st_mode & stat.S_IROTH
+
+
 def _open_or_remove_unreadable(
     shard_fd: int, key: bytes, stuck: _StuckFiles | None = None
 ) -> int | str | None:
     """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
-    remove it when it is still the same file and still refused. Every instance of a root runs
+    remove it when it is still the same file and still refused by its mode (EACCES), not by a
+    policy the mode does not explain (EPERM, a security module). Every instance of a root runs
     as the root's owner, so a page file its owner may not read (copied in by another user as
     0600, `chmod 000`) would never be read by any of them, and left in place it would make
     every get of its key fail and every put of it find it stored. Returns the descriptor of a
     file that opens now, None when it is gone, "removed", "kept" when it could not be removed
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
-    looked at either (the shard directory refuses it: not the file's doing)."""
+    looked at either or a policy refuses it (the shard directory, a security module: not the
+    file's doing)."""
     name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -1366,8 +1377,11 @@ def _open_or_remove_unreadable(
         return os.open(name, _READ_FLAGS, dir_fd=shard_fd)
     except FileNotFoundError:
         return None
-    except PermissionError:
-        pass
+    except PermissionError as exc:
+        # Refused by a security module, a seccomp or fanotify policy (EPERM, or EACCES that
+        # the file's mode does not explain): a sound page other instances may read.
+        if exc.errno != errno.EACCES or not _mode_refuses_read(st):
+            return ""
     except OSError:
         return ""
     # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
