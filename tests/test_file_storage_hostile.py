@@ -1373,6 +1373,68 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
     ]
 
 
+@pytest.mark.parametrize("damage", ["checksum", "unreadable"])
+def test_a_put_removes_a_stuck_corrupt_page_once_its_directory_may_be_written(
+    tmp_path: Path, damage: str
+) -> None:
+    # A corrupt page that could not be removed (its shard directory read-only for a while)
+    # made every later put of its key a refused MISS, and every get a MISS, for as long as
+    # the process ran, though the directory could be written again.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        ns = bytes(16)
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(2)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=1) for k in keys]
+        pages = [[memoryview(bytearray(bytes([i + 1]) * 1024))] for i in range(2)]
+        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
+        path = os.path.join(shard, keys[1].hex())
+
+        async def get(storage):
+            into = [[memoryview(bytearray(1024))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for outcome, page, put in zip(outcomes, into, pages):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == bytes(put[0])
+            print("get", [o.name for o in outcomes])
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 2
+                if {damage!r} == "unreadable":
+                    os.chmod(path, 0)
+                else:
+                    with open(path, "r+b") as file:
+                        file.seek(-1, os.SEEK_END)
+                        file.write(b"?")
+                os.chmod(shard, 0o500)
+                await get(storage)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
+                os.chmod(shard, 0o700)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
+                print("refused", storage.refused_writes)
+                await get(storage)
+        with structlog.testing.capture_logs():
+            asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "get ['OK', 'CORRUPT']",
+        "put ['OK', 'MISS']",
+        "put ['OK', 'OK']",
+        "refused 1",
+        "get ['OK', 'OK']",
+    ]
+
+
 def test_a_put_into_a_root_its_owner_may_not_write_is_a_refused_miss(tmp_path: Path) -> None:
     # A root made read-only by its mode (a reader's) refuses every write as a read-only file
     # system does: a MISS counted in refused_writes, not an ERROR the backup worker retries.

@@ -3449,9 +3449,13 @@ class FileStorage(BackendBase):
                     pass
                 else:
                     if self._stuck and self._stuck.seen(key, st):
-                        # Not stored: what is there is corrupt and cannot be replaced either.
-                        return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
-                    if stat.S_ISREG(st.st_mode):  # written by another instance, or still there
+                        # A corrupt page that could not be removed: tried again (its directory
+                        # may be writable now), else not stored, as it cannot be replaced.
+                        try:
+                            _remove_if_same(shard_fd, hexkey, st)
+                        except OSError:
+                            return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
+                    elif stat.S_ISREG(st.st_mode):  # written by another instance, or there
                         if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
                             _stamp(handles, hexkey, mtime_ns)
                         return (_EXISTS, "", st.st_size)
