@@ -696,7 +696,8 @@ def _write_failure(exc: OSError) -> _Result:
         _NO_ROOM
         if exc.errno in _NO_ROOM_ERRNOS
         else _REFUSED
-        if exc.errno in _REFUSED_ERRNOS
+        # A refused shard directory stays refused until the next open: retrying cannot help.
+        if exc.errno in _REFUSED_ERRNOS or isinstance(exc, _RefusedShardError)
         else _ERROR
     )
     return (code, f"write: {exc.strerror or exc}", 0)
@@ -1990,7 +1991,8 @@ class FileStorage(BackendBase):
         """Pages `put` could not store because the file system refused them: no room
         (ENOSPC, EDQUOT) even after releasing spare files and evicting pages for one more
         try, a read-only file system (EROFS), a file size limit (EFBIG), a directory of the
-        root this user may not write (EACCES). Each was a MISS,
+        root this user may not write (EACCES), a shard directory refused as not private.
+        Each was a MISS,
         not an ERROR: the same write would fail the same way."""
         return self._refused_writes
 
