@@ -1435,6 +1435,67 @@ def test_a_put_removes_a_stuck_corrupt_page_once_its_directory_may_be_written(
     ]
 
 
+@pytest.mark.parametrize("damage", ["checksum", "unreadable"])
+def test_a_lookup_neither_counts_nor_stamps_a_stuck_corrupt_page(
+    tmp_path: Path, damage: str
+) -> None:
+    # A shared root's exists looks on disk for keys it does not index. It counted a corrupt
+    # page that could not be removed, and stamped its file (a lookup is a use): the next get
+    # met another file, read it in full and reported it again, after every lookup.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        ns = bytes(16)
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(2)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=1) for k in keys]
+        pages = [[memoryview(bytearray(bytes([i + 1]) * 1024))] for i in range(2)]
+        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
+        path = os.path.join(shard, keys[1].hex())
+
+        async def get(storage):
+            into = [[memoryview(bytearray(1024))] for _ in keys]
+            print("get", [o.name for o in await storage.get(keys, into, namespace=ns)])
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 2
+                if {damage!r} == "unreadable":
+                    os.chmod(path, 0)
+                else:
+                    with open(path, "r+b") as file:
+                        file.seek(-1, os.SEEK_END)
+                        file.write(b"?")
+                os.utime(path, (1e9, 1e9))  # last used long ago: a lookup stamps it
+                os.chmod(shard, 0o500)
+                await get(storage)
+                for _ in range(2):
+                    print("exists", await storage.exists(keys))
+                    await get(storage)
+                print("corrupt", storage.stats().corrupt)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e["reason"] for e in logs if e["event"] == "storage.page.corrupt"])
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "get ['OK', 'CORRUPT']",
+        "exists 1",
+        "get ['OK', 'MISS']",
+        "exists 1",
+        "get ['OK', 'MISS']",
+        "corrupt 1",
+        f"logged [{damage!r}]",
+    ]
+
+
 def test_a_put_into_a_root_its_owner_may_not_write_is_a_refused_miss(tmp_path: Path) -> None:
     # A root made read-only by its mode (a reader's) refuses every write as a read-only file
     # system does: a MISS counted in refused_writes, not an ERROR the backup worker retries.

@@ -2556,6 +2556,10 @@ class FileStorage(BackendBase):
                 return position
             if not stat.S_ISREG(st.st_mode):
                 return position
+            if self._stuck and self._stuck.seen(key, st):
+                # A corrupt page that could not be removed: a get misses it, and a stamp
+                # would make it another file to the next get, read and reported again.
+                return position
             mtime = st.st_mtime
             stamp = base - (offset + position) * _STAMP_STEP_NS
             if stamp - st.st_mtime_ns >= _TOUCH_AFTER_NS and _stamp(handles, hexkey, stamp):
