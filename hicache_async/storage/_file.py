@@ -62,6 +62,7 @@ import functools
 import heapq
 import os
 import secrets
+import shlex
 import stat
 import threading
 import time
@@ -320,7 +321,11 @@ class _Handles:
         except FileNotFoundError:
             return None
         try:
-            _check_private_dir(fd, f"shard directory {self._pages_path / name}")
+            _check_private_dir(
+                fd,
+                f"shard directory {self._pages_path / name}",
+                fix=f"{_private_fix(self._pages_path)}, then open the store again",
+            )
         except StorageConfigError as exc:
             os.close(fd)
             # Whoever else can write there could plant or swap pages: its pages are misses
@@ -437,7 +442,8 @@ class _Handles:
             return None
         what = f"storage directory {self._pages_path.parent / name}"
         try:
-            fd = _open_private_dir(self.root_fd, name, what)
+            fix = _private_fix(self._pages_path, self._pages_path.parent / _TMP)
+            fd = _open_private_dir(self.root_fd, name, what, fix=fix)
         except OSError:  # out of descriptors: the next write tries again
             return None
         except StorageConfigError as exc:
@@ -769,10 +775,20 @@ _DESCRIPTOR_HINTS = {
 }
 
 
-def _check_private_dir(fd: int, what: str, *, group_may_write: bool = False) -> None:
+def _private_fix(*paths: Path) -> str:
+    """The command that gives `paths` and everything under them the modes the store makes
+    (0700, 0600): `chmod -R g+rwX` on a root, or a volume's group ownership set again at
+    every mount, leaves every directory below it as group-writable as the first refused."""
+    return "chmod -R go-rwx " + " ".join(shlex.quote(str(path)) for path in paths)
+
+
+def _check_private_dir(
+    fd: int, what: str, *, group_may_write: bool = False, fix: str = "chmod 700"
+) -> None:
     """Refuse a directory that is not ours or that others may write. The root may be
     writable by its group (one made by `mkdir` under umask 002): its group could then rename
-    its entries, which are checked in turn, but put nothing into pages/, which may not be."""
+    its entries, which are checked in turn, but put nothing into pages/, which may not be.
+    `fix` is the command the message tells to run."""
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
         raise StorageConfigError(f"{what} is not a directory; expected a private directory")
@@ -784,19 +800,24 @@ def _check_private_dir(fd: int, what: str, *, group_may_write: bool = False) -> 
     if st.st_mode & stat.S_IWOTH:
         raise StorageConfigError(
             f"{what} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
-            "other users could plant or replace pages; use a private directory (chmod 700)"
+            f"other users could plant or replace pages; use a private directory ({fix})"
         )
     if st.st_mode & stat.S_IWGRP and not group_may_write:
         # Pages planted by another user of the group would be served (sound checksums).
         raise StorageConfigError(
             f"{what} is group-writable (mode {stat.S_IMODE(st.st_mode):o}): other users of "
-            "its group could plant or replace pages; use a private directory (chmod 700); "
+            f"its group could plant or replace pages; use a private directory ({fix}); "
             "instances sharing a root run as its owner"
         )
 
 
 def _open_private_dir(
-    parent_fd: int, name: str, what: str, *, group_may_write: bool = False
+    parent_fd: int,
+    name: str,
+    what: str,
+    *,
+    group_may_write: bool = False,
+    fix: str = "chmod 700",
 ) -> int:
     """Create `name` (0700) under `parent_fd` if missing and open it, refusing a symlink
     (whoever can change its target could redirect every page) and checking its owner and mode.
@@ -829,7 +850,7 @@ def _open_private_dir(
             "not a symlink)"
         ) from None
     try:
-        _check_private_dir(fd, what, group_may_write=group_may_write)
+        _check_private_dir(fd, what, group_may_write=group_may_write, fix=fix)
     except BaseException:
         os.close(fd)
         raise
@@ -979,9 +1000,10 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
         os.close(parent_fd)
     opened = [root_fd]
     try:
-        pages_fd = _open_private_dir(root_fd, _PAGES, f"storage directory {root / _PAGES}")
+        fix = _private_fix(root / _PAGES, root / _TMP)
+        pages_fd = _open_private_dir(root_fd, _PAGES, f"storage directory {root / _PAGES}", fix=fix)
         opened.append(pages_fd)
-        tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}")
+        tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}", fix=fix)
         opened.append(tmp_fd)
         root_st = os.fstat(root_fd)
         lock_fd = _take_lock(root_fd, root, shared=shared, looking=looking)
