@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import structlog
 from _idle_child import IdleChild
@@ -1185,7 +1186,9 @@ async def test_a_world_writable_shard_is_refused(tmp_path: Path) -> None:
             assert storage.stats().pages == 0  # not indexed at open
             assert await _get(storage, [kept]) == [Outcome.MISS]
             new = bytes.fromhex("ab" + "02" * 31)
-            assert await _put(storage, [new]) == [Outcome.ERROR]
+            # Refused for good, as on a read-only file system: no ERROR to retry.
+            assert await _put(storage, [new]) == [Outcome.MISS]
+            assert (storage.refused_writes, storage.stats().errors) == (1, 0)
             assert await _put(storage, [bytes.fromhex("cd" + "02" * 31)]) == [Outcome.OK]
     assert not _page_path(root, new).exists()
     assert _page_path(root, kept).exists()  # left alone
@@ -1233,6 +1236,31 @@ async def test_group_writable_directories_in_the_root_are_refused(tmp_path: Path
     _page_path(root, key).unlink()
     await store(root, 0)
     assert await get(root) == Outcome.OK
+
+
+async def test_a_group_writable_root_is_refused_with_the_command_that_fixes_all_of_it(
+    tmp_path: Path,
+) -> None:
+    # `chmod -R g+rwX` on a root (or a volume whose group ownership is set again at every
+    # mount) leaves pages/, tmp/ and every shard directory group-writable. The refusal told
+    # `chmod 700`, which fixed one directory: the next open refused the next one, then each
+    # shard directory was refused in turn while the store served, its pages misses.
+    root = tmp_path / "s"
+    keys = [bytes.fromhex(f"{i:02x}" + "01" * 31) for i in (0xAB, 0xCD)]
+    async with FileStorage(root) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 2
+    for path in [root, *root.rglob("*")]:
+        path.chmod(path.stat().st_mode | (0o070 if path.is_dir() else 0o060))
+    with pytest.raises(StorageConfigError, match="pages is group-writable") as refused:
+        async with FileStorage(root):
+            pass
+    fix = str(refused.value).split("use a private directory (", 1)[1].split(")", 1)[0]
+    assert fix.startswith("chmod -R ")
+    await anyio.run_process(fix)  # a shell command, as an operator runs it
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root) as storage:
+            assert await _get(storage, keys) == [Outcome.OK] * 2
+    assert not [entry for entry in logs if entry["event"] == "storage.shard.refused"]
 
 
 # URL parameters.

@@ -62,6 +62,7 @@ import functools
 import heapq
 import os
 import secrets
+import shlex
 import stat
 import threading
 import time
@@ -323,7 +324,11 @@ class _Handles:
         except FileNotFoundError:
             return None
         try:
-            _check_private_dir(fd, f"shard directory {self._pages_path / name}")
+            _check_private_dir(
+                fd,
+                f"shard directory {self._pages_path / name}",
+                fix=f"{_private_fix(self._pages_path)}, then open the store again",
+            )
         except StorageConfigError as exc:
             os.close(fd)
             # Whoever else can write there could plant or swap pages: its pages are misses
@@ -444,7 +449,8 @@ class _Handles:
             return None
         what = f"storage directory {self._pages_path.parent / name}"
         try:
-            fd = _open_private_dir(self.root_fd, name, what)
+            fix = _private_fix(self._pages_path, self._pages_path.parent / _TMP)
+            fd = _open_private_dir(self.root_fd, name, what, fix=fix)
         except OSError:  # out of descriptors: the next write tries again
             return None
         except StorageConfigError as exc:
@@ -708,7 +714,8 @@ def _write_failure(exc: OSError) -> _Result:
         _NO_ROOM
         if exc.errno in _NO_ROOM_ERRNOS
         else _REFUSED
-        if exc.errno in _REFUSED_ERRNOS
+        # A refused shard directory stays refused until the next open: retrying cannot help.
+        if exc.errno in _REFUSED_ERRNOS or isinstance(exc, _RefusedShardError)
         else _ERROR
     )
     return (code, f"write: {exc.strerror or exc}", 0)
@@ -780,10 +787,20 @@ _DESCRIPTOR_HINTS = {
 }
 
 
-def _check_private_dir(fd: int, what: str, *, group_may_write: bool = False) -> None:
+def _private_fix(*paths: Path) -> str:
+    """The command that gives `paths` and everything under them the modes the store makes
+    (0700, 0600): `chmod -R g+rwX` on a root, or a volume's group ownership set again at
+    every mount, leaves every directory below it as group-writable as the first refused."""
+    return "chmod -R go-rwx " + " ".join(shlex.quote(str(path)) for path in paths)
+
+
+def _check_private_dir(
+    fd: int, what: str, *, group_may_write: bool = False, fix: str = "chmod 700"
+) -> None:
     """Refuse a directory that is not ours or that others may write. The root may be
     writable by its group (one made by `mkdir` under umask 002): its group could then rename
-    its entries, which are checked in turn, but put nothing into pages/, which may not be."""
+    its entries, which are checked in turn, but put nothing into pages/, which may not be.
+    `fix` is the command the message tells to run."""
     st = os.fstat(fd)
     if not stat.S_ISDIR(st.st_mode):
         raise StorageConfigError(f"{what} is not a directory; expected a private directory")
@@ -795,19 +812,24 @@ def _check_private_dir(fd: int, what: str, *, group_may_write: bool = False) -> 
     if st.st_mode & stat.S_IWOTH:
         raise StorageConfigError(
             f"{what} is world-writable (mode {stat.S_IMODE(st.st_mode):o}): "
-            "other users could plant or replace pages; use a private directory (chmod 700)"
+            f"other users could plant or replace pages; use a private directory ({fix})"
         )
     if st.st_mode & stat.S_IWGRP and not group_may_write:
         # Pages planted by another user of the group would be served (sound checksums).
         raise StorageConfigError(
             f"{what} is group-writable (mode {stat.S_IMODE(st.st_mode):o}): other users of "
-            "its group could plant or replace pages; use a private directory (chmod 700); "
+            f"its group could plant or replace pages; use a private directory ({fix}); "
             "instances sharing a root run as its owner"
         )
 
 
 def _open_private_dir(
-    parent_fd: int, name: str, what: str, *, group_may_write: bool = False
+    parent_fd: int,
+    name: str,
+    what: str,
+    *,
+    group_may_write: bool = False,
+    fix: str = "chmod 700",
 ) -> int:
     """Create `name` (0700) under `parent_fd` if missing and open it, refusing a symlink
     (whoever can change its target could redirect every page) and checking its owner and mode.
@@ -840,7 +862,7 @@ def _open_private_dir(
             "not a symlink)"
         ) from None
     try:
-        _check_private_dir(fd, what, group_may_write=group_may_write)
+        _check_private_dir(fd, what, group_may_write=group_may_write, fix=fix)
     except BaseException:
         os.close(fd)
         raise
@@ -990,9 +1012,10 @@ def _open_root(root: Path, *, shared: bool, looking: bool = False) -> _Handles:
         os.close(parent_fd)
     opened = [root_fd]
     try:
-        pages_fd = _open_private_dir(root_fd, _PAGES, f"storage directory {root / _PAGES}")
+        fix = _private_fix(root / _PAGES, root / _TMP)
+        pages_fd = _open_private_dir(root_fd, _PAGES, f"storage directory {root / _PAGES}", fix=fix)
         opened.append(pages_fd)
-        tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}")
+        tmp_fd = _open_private_dir(root_fd, _TMP, f"storage directory {root / _TMP}", fix=fix)
         opened.append(tmp_fd)
         root_st = os.fstat(root_fd)
         lock_fd = _take_lock(root_fd, root, shared=shared, looking=looking)
@@ -1354,17 +1377,28 @@ class _StuckFiles:
             self._files[key] = _identity(st)
 
 
+def _mode_refuses_read(st: os.stat_result) -> bool:
+    """Whether the owner, group and mode bits of `st` deny this process reading the file."""
+    if st.st_uid == os.geteuid():
+        return not st.st_mode & stat.S_IRUSR
+    if st.st_gid == os.getegid() or st.st_gid in os.getgroups():
+        return not st.st_mode & stat.S_IRGRP
+    return not st.st_mode & stat.S_IROTH
+
+
 def _open_or_remove_unreadable(
     shard_fd: int, key: bytes, stuck: _StuckFiles | None = None
 ) -> int | str | None:
     """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
-    remove it when it is still the same file and still refused. Every instance of a root runs
+    remove it when it is still the same file and still refused by its mode (EACCES), not by a
+    policy the mode does not explain (EPERM, a security module). Every instance of a root runs
     as the root's owner, so a page file its owner may not read (copied in by another user as
     0600, `chmod 000`) would never be read by any of them, and left in place it would make
     every get of its key fail and every put of it find it stored. Returns the descriptor of a
     file that opens now, None when it is gone, "removed", "kept" when it could not be removed
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
-    looked at either (the shard directory refuses it: not the file's doing)."""
+    looked at either or a policy refuses it (the shard directory, a security module: not the
+    file's doing)."""
     name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -1378,8 +1412,11 @@ def _open_or_remove_unreadable(
         return os.open(name, _READ_FLAGS, dir_fd=shard_fd)
     except FileNotFoundError:
         return None
-    except PermissionError:
-        pass
+    except PermissionError as exc:
+        # Refused by a security module, a seccomp or fanotify policy (EPERM, or EACCES that
+        # the file's mode does not explain): a sound page other instances may read.
+        if exc.errno != errno.EACCES or not _mode_refuses_read(st):
+            return ""
     except OSError:
         return ""
     # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
@@ -1991,7 +2028,8 @@ class FileStorage(BackendBase):
         """Pages `put` could not store because the file system refused them: no room
         (ENOSPC, EDQUOT) even after releasing spare files and evicting pages for one more
         try, a read-only file system (EROFS), a file size limit (EFBIG), a directory of the
-        root this user may not write (EACCES). Each was a MISS,
+        root this user may not write (EACCES), a shard directory refused as not private.
+        Each was a MISS,
         not an ERROR: the same write would fail the same way."""
         return self._refused_writes
 
@@ -2568,6 +2606,10 @@ class FileStorage(BackendBase):
             except OSError:
                 return position
             if not stat.S_ISREG(st.st_mode):
+                return position
+            if self._stuck and self._stuck.seen(key, st):
+                # A corrupt page that could not be removed: a get misses it, and a stamp
+                # would make it another file to the next get, read and reported again.
                 return position
             mtime = st.st_mtime
             stamp = base - (offset + position) * _STAMP_STEP_NS
@@ -3464,9 +3506,13 @@ class FileStorage(BackendBase):
                     pass
                 else:
                     if self._stuck and self._stuck.seen(key, st):
-                        # Not stored: what is there is corrupt and cannot be replaced either.
-                        return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
-                    if stat.S_ISREG(st.st_mode):  # written by another instance, or still there
+                        # A corrupt page that could not be removed: tried again (its directory
+                        # may be writable now), else not stored, as it cannot be replaced.
+                        try:
+                            _remove_if_same(shard_fd, hexkey, st)
+                        except OSError:
+                            return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
+                    elif stat.S_ISREG(st.st_mode):  # written by another instance, or there
                         if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
                             _stamp(handles, hexkey, mtime_ns)
                         return (_EXISTS, "", st.st_size)
