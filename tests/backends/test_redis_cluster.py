@@ -724,17 +724,22 @@ async def test_gc_evicts_on_the_live_primaries_and_counts_the_rest_failed() -> N
             assert isinstance(backend, _LosesANodeBeforeEvicting)
             keys, pages, metas = make_pages(40)
             assert await backend.put(keys, pages, metas) == [Outcome.OK] * 40
-            victim = cluster.nodes[1]
+            # The primary holding most: more than the 10 pages that may stay (40 on three).
+            victim = max(cluster.nodes, key=lambda n: len(pages_on(n, backend.prefix)))
             on_victim = len(pages_on(victim, backend.prefix))
-            assert 0 < on_victim < 30
+            assert 10 < on_victim < 30
             backend.victim = victim
             report = await asyncio.wait_for(backend.gc(), FAULT_TIMEOUT_S)
-            assert report.failed == on_victim
-            assert report.evicted_pages == 30 - on_victim
+            # The 30 oldest go; pages put in one batch tie at Redis's one-second idle clock,
+            # so which of the lost node's pages are among them is not known, only how many
+            # at least: all but the 10 that may stay.
+            assert report.failed + report.evicted_pages == 30
+            assert on_victim - 10 <= report.failed <= on_victim
             assert report.freed_bytes == report.evicted_pages * page
-            assert report.over_capacity_bytes == on_victim * page
+            assert report.over_capacity_bytes == report.failed * page
             live = [n for n in cluster.nodes if n is not victim]
-            assert sum(len(pages_on(n, backend.prefix)) for n in live) == 10
+            left = sum(len(pages_on(n, backend.prefix)) for n in live)
+            assert left == 40 - on_victim - report.evicted_pages
 
 
 async def test_a_frozen_primary_replaced_by_its_replica_is_left_for_the_replica() -> None:
