@@ -178,3 +178,21 @@ def test_output_a_locale_cannot_encode_is_escaped_not_a_traceback(
     assert result.returncode == 0
     assert result.stdout.startswith(b"1 entries")
     assert b"\\u2026  pages=1" in result.stdout  # the ellipsis after a shortened key
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_json_a_locale_cannot_encode_still_parses(tmp_path: Path, encoding: str) -> None:
+    root = tmp_path / "caf\u00e9-\u2026-\U0001f642"  # Latin-1, BMP and astral characters
+    _populate(root, 2)
+    result = subprocess.run(
+        _command("storage", "stats", f"file://{root}", "--json"),
+        capture_output=True,
+        env={**os.environ, "PYTHONIOENCODING": encoding},
+        check=False,
+        timeout=120,
+    )
+    assert b"Traceback" not in result.stderr, result.stderr.decode(errors="replace")
+    assert result.returncode == 0
+    stats = json.loads(result.stdout.decode(encoding))
+    assert stats["backend"] == f"file://{root}"
+    assert stats["pages"] == 2

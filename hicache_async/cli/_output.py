@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import errno
 import os
@@ -10,10 +11,34 @@ import sys
 __all__ = ["output_failed", "print_output", "write_stdout"]
 
 
+_ESCAPE = "hicache_async.cli.escape"
+
+
+def _escape(error: UnicodeError) -> tuple[str, int]:
+    """Codec error handler: each character an encoding cannot take as `\\uXXXX` (a
+    surrogate pair past U+FFFF), which JSON reads back as that character; Python's own
+    `backslashreplace` writes `\\xe9` for é, which no JSON parser accepts."""
+    if not isinstance(error, UnicodeEncodeError):
+        raise error
+    escaped = []
+    for char in error.object[error.start : error.end]:
+        point = ord(char)
+        if point > 0xFFFF:
+            point -= 0x10000
+            escaped.append(f"\\u{0xD800 + (point >> 10):04x}\\u{0xDC00 + (point & 0x3FF):04x}")
+        else:
+            escaped.append(f"\\u{point:04x}")
+    return "".join(escaped), error.end
+
+
+codecs.register_error(_ESCAPE, _escape)
+
+
 def write_stdout(text: str) -> None:
     """Write `text` to stdout and flush it; OSError when stdout cannot take it, a stdout the
     process started without (`>&-`) included. A character stdout's encoding cannot show (a
-    Latin-1 or ASCII locale) is written as a backslash escape, not refused."""
+    Latin-1 or ASCII locale) is written as a `\\uXXXX` escape, not refused: in `--json`
+    output, where such characters only occur inside strings, that is the character itself."""
     stream = sys.stdout
     if stream is None:
         raise OSError(errno.EBADF, "stdout is closed")
@@ -22,7 +47,7 @@ def write_stdout(text: str) -> None:
     except UnicodeEncodeError:
         # Nothing was written: the text is encoded whole before it is.
         encoding = stream.encoding or "ascii"
-        stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+        stream.write(text.encode(encoding, _ESCAPE).decode(encoding))
     stream.flush()
 
 
