@@ -25,7 +25,6 @@ import functools
 import math
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -359,24 +358,14 @@ async def _replay(
     )
 
 
-def _stderr_logger(*_args: object) -> Any:
-    import structlog
-
-    # sys.stderr at each use, not at configure time: a test harness may swap it.
-    return structlog.PrintLogger(sys.stderr)
-
-
 def _configure_logging() -> None:
     """Warnings and up, on stderr: a worker process starts with the library's default logging
     (every level, on stdout, which holds the records' table)."""
     import logging
 
-    import structlog
+    from ..cli._logging import configure_logging
 
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-        logger_factory=_stderr_logger,
-    )
+    configure_logging(logging.WARNING)
 
 
 def replay_scenario(

@@ -7,16 +7,13 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from .. import __version__
 from ._signals import ignore_at_exit, received, reset
-
-if TYPE_CHECKING:
-    import structlog
 
 # The rest is imported inside main(), where a Ctrl-C while it loads (most of the start-up
 # time) is an interrupt like any other, not a traceback.
@@ -85,14 +82,6 @@ def _build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _stderr_logger(*_args: object) -> structlog.PrintLogger:
-    # Resolved at each use, not at configure time: sys.stderr may be replaced (or closed,
-    # when main() runs inside a test harness) after the CLI configured logging.
-    import structlog
-
-    return structlog.PrintLogger(sys.stderr)
-
-
 def _bench(args: argparse.Namespace) -> int:
     """Run one benchmark. Exit 2 when its options cannot run (checked before anything is
     measured, `prepare(args)` where the module has one), 1 when the run itself fails."""
@@ -139,13 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     the ones it leaves (see `_signals`)."""
     reset()  # a signal an earlier call received is not this one's
     try:
-        import structlog
+        from ._logging import configure_logging
 
         # An application, unlike the library, decides what its log shows: warnings and up.
-        structlog.configure(
-            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-            logger_factory=_stderr_logger,
-        )
+        configure_logging(logging.WARNING)
         if argv is None:
             argv = sys.argv[1:]
         args = _build_parser(argv).parse_args(argv)
@@ -170,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console_main() -> int:
     """Entry point of the `hicache-async` executable and `python -m hicache_async`: `main()`,
     after which an interrupted command's process ignores further signals while it exits."""
+    if sys.stderr is None:
+        # Started with stderr closed (`2>&-`): messages go nowhere rather than, as
+        # print(file=None) sends them, to stdout among the data a script reads.
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - for the process
     code = main()
     if code in (EXIT_INTERRUPTED, EXIT_TERMINATED):
         ignore_at_exit()  # another Ctrl-C would only cut the exit short with a traceback

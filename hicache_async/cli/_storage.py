@@ -40,7 +40,8 @@ from ..storage import (
 )
 from ..storage._protocol import encodable_stats
 from ._args import backend_for_command, count, run_command
-from ._output import output_failed, print_output
+from ._logging import StderrLogger
+from ._output import output_failed, print_output, write_stdout
 from ._signals import install_inside
 
 __all__ = ["add_arguments", "run"]
@@ -82,7 +83,7 @@ def _fail(message: str, code: int) -> int:
 def _log_to_stderr() -> None:
     # Output (possibly JSON) goes to stdout, so events such as storage.page.corrupt go to
     # stderr; the rest of the logging configuration (levels, processors) is left as it is.
-    structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))
+    structlog.configure(logger_factory=lambda *_: StderrLogger())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -190,8 +191,7 @@ def _write(text: str) -> None:
     """Write one piece of an output that is printed as it comes; `_OutputError` when stdout
     cannot take it."""
     try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        write_stdout(text)
     except OSError as exc:
         raise _OutputError(exc) from exc
 
