@@ -1534,3 +1534,81 @@ def test_a_put_into_a_root_its_owner_may_not_write_is_a_refused_miss(tmp_path: P
     (root / "tmp").chmod(0o700)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["['MISS', 'MISS', 'MISS']", "3 0", "['OK', 'OK', 'OK']"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("damage", ["checksum", "unreadable"])
+def test_verify_and_gc_do_not_index_a_corrupt_page_they_cannot_remove(
+    tmp_path: Path, damage: str, shared: bool
+) -> None:
+    # verify() and gc() index what their scan finds. A corrupt page whose shard directory
+    # may not be written stayed indexed after them: a lookup counted it and a private root's
+    # put found it stored (OK) though the page there is corrupt, until a get read it again.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        ns = bytes(16)
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=1) for k in keys]
+        pages = [[memoryview(bytearray(bytes([i + 1]) * 1024))] for i in range(3)]
+        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
+        path = os.path.join(shard, keys[1].hex())
+
+        async def get(storage):
+            into = [[memoryview(bytearray(1024))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for outcome, page, put in zip(outcomes, into, pages):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == bytes(put[0])
+            print("get", [o.name for o in outcomes])
+
+        async def after(storage, what):
+            print(what, await storage.exists(keys), storage.stats().pages)
+            print("put", [o.name for o in await storage.put(keys, pages, metas)])
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared={shared!r}) as storage:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                if {damage!r} == "unreadable":
+                    os.chmod(path, 0)
+                else:
+                    with open(path, "r+b") as file:
+                        file.seek(-1, os.SEEK_END)
+                        file.write(b"?")
+                os.chmod(shard, 0o500)
+                await get(storage)
+                report = await storage.verify()
+                print("verify", report.checked, report.corrupt_removed, report.unchecked)
+                await after(storage, "verified")
+                await storage.gc()
+                await after(storage, "collected")
+                print("refused", storage.refused_writes, storage.stats().errors)
+                os.chmod(shard, 0o700)
+                report = await storage.verify()
+                print("verify", report.checked, report.corrupt_removed, report.unchecked)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
+                await get(storage)
+        with structlog.testing.capture_logs():
+            asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "get ['OK', 'CORRUPT', 'OK']",
+        "verify 2 0 1",
+        "verified 1 2",
+        "put ['OK', 'MISS', 'OK']",
+        "collected 1 2",
+        "put ['OK', 'MISS', 'OK']",
+        "refused 2 0",
+        "verify 3 1 0",
+        "put ['OK', 'OK', 'OK']",
+        "get ['OK', 'OK', 'OK']",
+    ]
