@@ -712,12 +712,15 @@ def _disk_need(nbytes: int, block: int) -> int:
 
 def _write_failure(exc: OSError) -> _Result:
     """The result of a page write that failed with `exc`, its errno kept in the code."""
+    if isinstance(exc, _RefusedShardError):
+        # Refused until the next open: retrying cannot help. Its text names the directory,
+        # which would make a logged kind per shard; `storage.shard.refused` named each.
+        return (_REFUSED, f"write: {_REFUSED_SHARD}", 0)
     code = (
         _NO_ROOM
         if exc.errno in _NO_ROOM_ERRNOS
         else _REFUSED
-        # A refused shard directory stays refused until the next open: retrying cannot help.
-        if exc.errno in _REFUSED_ERRNOS or isinstance(exc, _RefusedShardError)
+        if exc.errno in _REFUSED_ERRNOS
         else _ERROR
     )
     return (code, f"write: {exc.strerror or exc}", 0)
