@@ -951,9 +951,9 @@ async def test_the_manifest_does_not_follow_a_root_replaced_by_a_symlink(tmp_pat
 
 
 async def test_a_page_file_others_may_read_is_not_kept_as_a_spare(tmp_path: Path) -> None:
-    # A page copied into the root with a looser mode (cp under umask 022), or by another user,
-    # is served, but once removed its file must not pass that mode or owner on to a page
-    # written over it.
+    # A page copied into the root with a looser mode (cp under umask 022) is served, but once
+    # removed its file must not pass that mode on to a page written over it, nor the owner of
+    # one another user copied in (removed by the get, as corrupt).
     root = tmp_path / "s"
     keys = _keys(4)
     async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
@@ -964,9 +964,10 @@ async def test_a_page_file_others_may_read_is_not_kept_as_a_spare(tmp_path: Path
         os.chown(_page_path(root, keys[1]), other, -1)
     except PermissionError:
         other = os.geteuid()  # not root: the mode case alone
+    served = [Outcome.OK, Outcome.OK if other == os.geteuid() else Outcome.CORRUPT]
     async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
-        assert await _get(storage, keys[:2]) == [Outcome.OK] * 2
-        assert await storage.delete(keys[:2]) == 2
+        assert await _get(storage, keys[:2]) == served
+        assert await storage.delete(keys[:2]) == served.count(Outcome.OK)
         assert await _put(storage, keys[2:]) == [Outcome.OK] * 2
         for key in keys[2:]:
             st = _page_path(root, key).stat()
@@ -1612,3 +1613,34 @@ def test_verify_and_gc_do_not_index_a_corrupt_page_they_cannot_remove(
         "put ['OK', 'OK', 'OK']",
         "get ['OK', 'OK', 'OK']",
     ]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_page_file_of_another_user_is_corrupt_and_removed(
+    tmp_path: Path, shared: bool
+) -> None:
+    # A shard directory once group-writable let another user of the group copy in a sound
+    # page of their own. The refusal tells the owner to run `chmod -R go-rwx`, which cannot
+    # change that user's files: their page stayed, was served, and verify() found it sound.
+    if os.geteuid() != 0:
+        pytest.skip("giving a file another owner needs root")
+    root, keys = tmp_path / "s", _keys(4)
+    async with FileStorage(root, shared=shared) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 4
+    other = os.geteuid() + 1
+    for key in keys[1:]:
+        os.chown(_page_path(root, key), other, -1)
+        _page_path(root, key).chmod(0o644)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root, shared=shared) as storage:
+            assert await _get(storage, keys[:2]) == [Outcome.OK, Outcome.CORRUPT]
+            report = await storage.verify()
+            assert (report.ok, report.corrupt_removed, report.unchecked) == (1, 2, 0)
+            assert await _put(storage, keys) == [Outcome.OK] * 4
+            assert await _get(storage, keys) == [Outcome.OK] * 4
+            if shared:  # a put looks at the file first: another user's is written over
+                os.chown(_page_path(root, keys[0]), other, -1)
+                assert await _put(storage, keys[:1]) == [Outcome.OK]
+    assert {_page_path(root, key).stat().st_uid for key in keys} == {os.geteuid()}
+    corrupt = [entry["reason"] for entry in logs if entry["event"] == "storage.page.corrupt"]
+    assert corrupt == ["owner"] * 3

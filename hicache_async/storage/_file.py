@@ -1932,6 +1932,9 @@ class FileStorage(BackendBase):
         self._seq = 0
         self._pins: dict[bytes, int] = {}
         self._stuck = _StuckFiles()
+        # Whom every page file must belong to: the user the root's directories were checked
+        # against (every instance of a root runs as its owner).
+        self._uid = os.geteuid()
         # The jobs running, by their number in `_Handles.jobs_begun` order (-1: begun before
         # the root was open), each with how many: which retired descriptors may be closed.
         self._running: dict[int, int] = {}
@@ -2798,6 +2801,10 @@ class FileStorage(BackendBase):
         size = st.st_size
         if not stat.S_ISREG(st.st_mode):
             return (_CORRUPT, "not a regular file", size)
+        if st.st_uid != self._uid:
+            # Put there by another user (into a directory that was once group-writable, say):
+            # a sound page of theirs is still not one an instance of this root wrote.
+            return (_CORRUPT, "owner", size)
         header_buf = memoryview(bytearray(HEADER_NBYTES))
         got = _preadv_full(fd, [header_buf], 0, HEADER_NBYTES)
         header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
@@ -3522,7 +3529,9 @@ class FileStorage(BackendBase):
                             _remove_if_same(shard_fd, hexkey, st)
                         except OSError:
                             return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
-                    elif stat.S_ISREG(st.st_mode):  # written by another instance, or there
+                    elif stat.S_ISREG(st.st_mode) and st.st_uid == self._uid:
+                        # Written by another instance, or still there; one of another user
+                        # is written over, as a get would remove it.
                         if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
                             _stamp(handles, hexkey, mtime_ns)
                         return (_EXISTS, "", st.st_size)
@@ -4192,6 +4201,8 @@ class FileStorage(BackendBase):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return (_CORRUPT, "not a regular file", st, scratch)
+            if st.st_uid != self._uid:  # another user's (see `_read_fd`)
+                return (_CORRUPT, "owner", st, scratch)
             header_buf = memoryview(bytearray(HEADER_NBYTES))
             got = _preadv_full(fd, [header_buf], 0, HEADER_NBYTES)
             header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
