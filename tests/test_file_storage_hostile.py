@@ -1644,3 +1644,24 @@ async def test_a_page_file_of_another_user_is_corrupt_and_removed(
     assert {_page_path(root, key).stat().st_uid for key in keys} == {os.geteuid()}
     corrupt = [entry["reason"] for entry in logs if entry["event"] == "storage.page.corrupt"]
     assert corrupt == ["owner"] * 3
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_put_over_a_corrupt_page_that_cannot_be_removed_is_a_refused_miss(
+    tmp_path: Path, shared: bool, immutable: Callable[[Path], None]
+) -> None:
+    # An immutable corrupt page: a private root's put of its key renamed over it, which
+    # failed (EPERM) as an ERROR the backup worker retried, while a shared root's was
+    # already a MISS counted in refused_writes.
+    root, keys = tmp_path / "s", _keys(2)
+    async with FileStorage(root, shared=shared) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 2
+        path = _page_path(root, keys[1])
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(data)
+        immutable(path)
+        with structlog.testing.capture_logs():
+            assert await _get(storage, keys) == [Outcome.OK, Outcome.CORRUPT]
+            assert await _put(storage, keys) == [Outcome.OK, Outcome.MISS]
+        assert (storage.refused_writes, storage.stats().errors) == (1, 0)

@@ -1368,6 +1368,10 @@ class _StuckFiles:
     def __bool__(self) -> bool:
         return bool(self._files)
 
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._files
+
     def seen(self, key: bytes, st: os.stat_result) -> bool:
         """Whether `st` is the file of `key` that could not be removed."""
         with self._lock:
@@ -3516,7 +3520,9 @@ class FileStorage(BackendBase):
             shard_fd = handles.shard(hexkey[:2], create=True, durable=durable)
             if shard_fd is None:
                 return (_ERROR, "shard directory vanished", 0)
-            if self._shared:
+            # A private root looks only where a get left a corrupt page it could not remove:
+            # a rename over it would fail as well (an immutable file), an ERROR retried.
+            if self._shared or (self._stuck and key in self._stuck):
                 try:
                     st = os.stat(hexkey, dir_fd=shard_fd, follow_symlinks=False)
                 except FileNotFoundError:
@@ -3529,7 +3535,7 @@ class FileStorage(BackendBase):
                             _remove_if_same(shard_fd, hexkey, st)
                         except OSError:
                             return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
-                    elif stat.S_ISREG(st.st_mode) and st.st_uid == self._uid:
+                    elif self._shared and stat.S_ISREG(st.st_mode) and st.st_uid == self._uid:
                         # Written by another instance, or still there; one of another user
                         # is written over, as a get would remove it.
                         if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
