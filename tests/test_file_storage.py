@@ -1197,6 +1197,27 @@ async def test_a_world_writable_shard_is_refused(tmp_path: Path) -> None:
     assert "world-writable" in refused[0]["error"]
 
 
+async def test_a_put_into_refused_shards_logs_one_line_not_one_per_shard(tmp_path: Path) -> None:
+    # A refusal's text names its shard directory, which `storage.shard.refused` has named
+    # already: the put's refused pages made a `storage.page.error` kind of their own per
+    # shard, a line per shard at every batch, as the pages that stay in them do not.
+    root, keys = tmp_path / "s", _keys(8)
+    async with FileStorage(root) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 8
+    shards = {key.hex()[:2] for key in keys}
+    for shard in shards:
+        (root / "pages" / shard).chmod(0o770)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root) as storage:
+            assert await _put(storage, keys) == [Outcome.MISS] * 8
+            assert (storage.refused_writes, storage.stats().errors) == (8, 0)
+    refused = [entry for entry in logs if entry["event"] == "storage.shard.refused"]
+    assert len(refused) == len(shards)  # each directory named once, there
+    [error] = [entry for entry in logs if entry["event"] == "storage.page.error"]
+    assert error["count"] == 8
+    assert str(root) not in error["error"]
+
+
 async def test_group_writable_directories_in_the_root_are_refused(tmp_path: Path) -> None:
     # `chmod -R g+rwX` on a root, as one might to share it among users of a group, let any
     # of them copy in a sound page of their own making, which was served.

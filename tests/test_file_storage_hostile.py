@@ -951,9 +951,9 @@ async def test_the_manifest_does_not_follow_a_root_replaced_by_a_symlink(tmp_pat
 
 
 async def test_a_page_file_others_may_read_is_not_kept_as_a_spare(tmp_path: Path) -> None:
-    # A page copied into the root with a looser mode (cp under umask 022), or by another user,
-    # is served, but once removed its file must not pass that mode or owner on to a page
-    # written over it.
+    # A page copied into the root with a looser mode (cp under umask 022) is served, but once
+    # removed its file must not pass that mode on to a page written over it, nor the owner of
+    # one another user copied in (removed by the get, as corrupt).
     root = tmp_path / "s"
     keys = _keys(4)
     async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
@@ -964,9 +964,10 @@ async def test_a_page_file_others_may_read_is_not_kept_as_a_spare(tmp_path: Path
         os.chown(_page_path(root, keys[1]), other, -1)
     except PermissionError:
         other = os.geteuid()  # not root: the mode case alone
+    served = [Outcome.OK, Outcome.OK if other == os.geteuid() else Outcome.CORRUPT]
     async with FileStorage(root, spare_bytes=4 * SIZE) as storage:
-        assert await _get(storage, keys[:2]) == [Outcome.OK] * 2
-        assert await storage.delete(keys[:2]) == 2
+        assert await _get(storage, keys[:2]) == served
+        assert await storage.delete(keys[:2]) == served.count(Outcome.OK)
         assert await _put(storage, keys[2:]) == [Outcome.OK] * 2
         for key in keys[2:]:
             st = _page_path(root, key).stat()
@@ -1534,3 +1535,133 @@ def test_a_put_into_a_root_its_owner_may_not_write_is_a_refused_miss(tmp_path: P
     (root / "tmp").chmod(0o700)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["['MISS', 'MISS', 'MISS']", "3 0", "['OK', 'OK', 'OK']"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("damage", ["checksum", "unreadable"])
+def test_verify_and_gc_do_not_index_a_corrupt_page_they_cannot_remove(
+    tmp_path: Path, damage: str, shared: bool
+) -> None:
+    # verify() and gc() index what their scan finds. A corrupt page whose shard directory
+    # may not be written stayed indexed after them: a lookup counted it and a private root's
+    # put found it stored (OK) though the page there is corrupt, until a get read it again.
+    root = tmp_path / "s"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        ns = bytes(16)
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=1) for k in keys]
+        pages = [[memoryview(bytearray(bytes([i + 1]) * 1024))] for i in range(3)]
+        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
+        path = os.path.join(shard, keys[1].hex())
+
+        async def get(storage):
+            into = [[memoryview(bytearray(1024))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for outcome, page, put in zip(outcomes, into, pages):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == bytes(put[0])
+            print("get", [o.name for o in outcomes])
+
+        async def after(storage, what):
+            print(what, await storage.exists(keys), storage.stats().pages)
+            print("put", [o.name for o in await storage.put(keys, pages, metas)])
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared={shared!r}) as storage:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
+                if {damage!r} == "unreadable":
+                    os.chmod(path, 0)
+                else:
+                    with open(path, "r+b") as file:
+                        file.seek(-1, os.SEEK_END)
+                        file.write(b"?")
+                os.chmod(shard, 0o500)
+                await get(storage)
+                report = await storage.verify()
+                print("verify", report.checked, report.corrupt_removed, report.unchecked)
+                await after(storage, "verified")
+                await storage.gc()
+                await after(storage, "collected")
+                print("refused", storage.refused_writes, storage.stats().errors)
+                os.chmod(shard, 0o700)
+                report = await storage.verify()
+                print("verify", report.checked, report.corrupt_removed, report.unchecked)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
+                await get(storage)
+        with structlog.testing.capture_logs():
+            asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "get ['OK', 'CORRUPT', 'OK']",
+        "verify 2 0 1",
+        "verified 1 2",
+        "put ['OK', 'MISS', 'OK']",
+        "collected 1 2",
+        "put ['OK', 'MISS', 'OK']",
+        "refused 2 0",
+        "verify 3 1 0",
+        "put ['OK', 'OK', 'OK']",
+        "get ['OK', 'OK', 'OK']",
+    ]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_page_file_of_another_user_is_corrupt_and_removed(
+    tmp_path: Path, shared: bool
+) -> None:
+    # A shard directory once group-writable let another user of the group copy in a sound
+    # page of their own. The refusal tells the owner to run `chmod -R go-rwx`, which cannot
+    # change that user's files: their page stayed, was served, and verify() found it sound.
+    if os.geteuid() != 0:
+        pytest.skip("giving a file another owner needs root")
+    root, keys = tmp_path / "s", _keys(4)
+    async with FileStorage(root, shared=shared) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 4
+    other = os.geteuid() + 1
+    for key in keys[1:]:
+        os.chown(_page_path(root, key), other, -1)
+        _page_path(root, key).chmod(0o644)
+    with structlog.testing.capture_logs() as logs:
+        async with FileStorage(root, shared=shared) as storage:
+            assert await _get(storage, keys[:2]) == [Outcome.OK, Outcome.CORRUPT]
+            report = await storage.verify()
+            assert (report.ok, report.corrupt_removed, report.unchecked) == (1, 2, 0)
+            assert await _put(storage, keys) == [Outcome.OK] * 4
+            assert await _get(storage, keys) == [Outcome.OK] * 4
+            if shared:  # a put looks at the file first: another user's is written over
+                os.chown(_page_path(root, keys[0]), other, -1)
+                assert await _put(storage, keys[:1]) == [Outcome.OK]
+    assert {_page_path(root, key).stat().st_uid for key in keys} == {os.geteuid()}
+    corrupt = [entry["reason"] for entry in logs if entry["event"] == "storage.page.corrupt"]
+    assert corrupt == ["owner"] * 3
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_put_over_a_corrupt_page_that_cannot_be_removed_is_a_refused_miss(
+    tmp_path: Path, shared: bool, immutable: Callable[[Path], None]
+) -> None:
+    # An immutable corrupt page: a private root's put of its key renamed over it, which
+    # failed (EPERM) as an ERROR the backup worker retried, while a shared root's was
+    # already a MISS counted in refused_writes.
+    root, keys = tmp_path / "s", _keys(2)
+    async with FileStorage(root, shared=shared) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * 2
+        path = _page_path(root, keys[1])
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(data)
+        immutable(path)
+        with structlog.testing.capture_logs():
+            assert await _get(storage, keys) == [Outcome.OK, Outcome.CORRUPT]
+            assert await _put(storage, keys) == [Outcome.OK, Outcome.MISS]
+        assert (storage.refused_writes, storage.stats().errors) == (1, 0)

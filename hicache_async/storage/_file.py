@@ -637,6 +637,8 @@ _UNSUPPORTED = "unsupported"
 _CORRUPT = "corrupt"
 _ERROR = "error"
 _EXISTS = "exists"
+# verify(): a corrupt page that could not be removed, left unchecked and out of the index.
+_STUCK = "stuck"
 # A write the file system refused: no room (ENOSPC, EDQUOT), retried once after room is made,
 # or refused for good (EROFS, EFBIG; EACCES: a root whose directories this user may not
 # write, made read-only by its mode). Either is a MISS, never an ERROR to retry.
@@ -710,12 +712,15 @@ def _disk_need(nbytes: int, block: int) -> int:
 
 def _write_failure(exc: OSError) -> _Result:
     """The result of a page write that failed with `exc`, its errno kept in the code."""
+    if isinstance(exc, _RefusedShardError):
+        # Refused until the next open: retrying cannot help. Its text names the directory,
+        # which would make a logged kind per shard; `storage.shard.refused` named each.
+        return (_REFUSED, f"write: {_REFUSED_SHARD}", 0)
     code = (
         _NO_ROOM
         if exc.errno in _NO_ROOM_ERRNOS
         else _REFUSED
-        # A refused shard directory stays refused until the next open: retrying cannot help.
-        if exc.errno in _REFUSED_ERRNOS or isinstance(exc, _RefusedShardError)
+        if exc.errno in _REFUSED_ERRNOS
         else _ERROR
     )
     return (code, f"write: {exc.strerror or exc}", 0)
@@ -1179,6 +1184,7 @@ def _scan(
     refused: list[str] | None = None,
     foreign: list[str] | None = None,
     empty: list[str] | None = None,
+    stuck: _StuckFiles | None = None,
 ) -> list[_Found]:
     """Every page file under pages/. Entries that are neither page files nor regular files
     (symlinks, FIFOs, devices) go to `strays` (as (directory fd, name)) when given, and
@@ -1189,7 +1195,8 @@ def _scan(
     a stray too: a page the store can neither find nor account for, which would outlive its
     capacity. Other regular files (an operator's notes or backup copy) go to `foreign`:
     never the store's, so never removed. Shards that cannot be opened, or are refused as
-    unsafe, go to `refused`; shards listed with nothing in them to `empty`."""
+    unsafe, go to `refused`; shards listed with nothing in them to `empty`. Files in `stuck`
+    (corrupt, and could not be removed) are left out."""
     found: list[_Found] = []
     try:
         pages_fd = os.open(".", _DIR_FLAGS, dir_fd=handles.pages_fd)
@@ -1260,7 +1267,10 @@ def _scan(
                                 strays.append((shard_fd, name))
                         elif _is_page_name(name) and name[:2] == shard_name:
                             st = entry.stat(follow_symlinks=False)
-                            shard.append((bytes.fromhex(name), st.st_size, st.st_mtime))
+                            key = bytes.fromhex(name)
+                            if stuck and stuck.seen(key, st):
+                                continue
+                            shard.append((key, st.st_size, st.st_mtime))
                         elif _names_a_page(name):
                             if strays is not None:  # a page out of its place
                                 strays.append((shard_fd, name))
@@ -1358,6 +1368,10 @@ class _StuckFiles:
     def __bool__(self) -> bool:
         return bool(self._files)
 
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._files
+
     def seen(self, key: bytes, st: os.stat_result) -> bool:
         """Whether `st` is the file of `key` that could not be removed."""
         with self._lock:
@@ -1387,7 +1401,7 @@ def _mode_refuses_read(st: os.stat_result) -> bool:
 
 
 def _open_or_remove_unreadable(
-    shard_fd: int, key: bytes, stuck: _StuckFiles | None = None
+    shard_fd: int, key: bytes, stuck: _StuckFiles | None = None, *, retry: bool = False
 ) -> int | str | None:
     """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
     remove it when it is still the same file and still refused by its mode (EACCES), not by a
@@ -1398,7 +1412,7 @@ def _open_or_remove_unreadable(
     file that opens now, None when it is gone, "removed", "kept" when it could not be removed
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
     looked at either or a policy refuses it (the shard directory, a security module: not the
-    file's doing)."""
+    file's doing). With `retry` (verify()), a file met before is tried again."""
     name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -1406,7 +1420,7 @@ def _open_or_remove_unreadable(
         return None
     except OSError:
         return ""
-    if stuck and stuck.seen(key, st):
+    if stuck and not retry and stuck.seen(key, st):
         return "stuck"
     try:
         return os.open(name, _READ_FLAGS, dir_fd=shard_fd)
@@ -1922,6 +1936,9 @@ class FileStorage(BackendBase):
         self._seq = 0
         self._pins: dict[bytes, int] = {}
         self._stuck = _StuckFiles()
+        # Whom every page file must belong to: the user the root's directories were checked
+        # against (every instance of a root runs as its owner).
+        self._uid = os.geteuid()
         # The jobs running, by their number in `_Handles.jobs_begun` order (-1: begun before
         # the root was open), each with how many: which retired descriptors may be closed.
         self._running: dict[int, int] = {}
@@ -2788,6 +2805,10 @@ class FileStorage(BackendBase):
         size = st.st_size
         if not stat.S_ISREG(st.st_mode):
             return (_CORRUPT, "not a regular file", size)
+        if st.st_uid != self._uid:
+            # Put there by another user (into a directory that was once group-writable, say):
+            # a sound page of theirs is still not one an instance of this root wrote.
+            return (_CORRUPT, "owner", size)
         header_buf = memoryview(bytearray(HEADER_NBYTES))
         got = _preadv_full(fd, [header_buf], 0, HEADER_NBYTES)
         header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
@@ -3499,7 +3520,9 @@ class FileStorage(BackendBase):
             shard_fd = handles.shard(hexkey[:2], create=True, durable=durable)
             if shard_fd is None:
                 return (_ERROR, "shard directory vanished", 0)
-            if self._shared:
+            # A private root looks only where a get left a corrupt page it could not remove:
+            # a rename over it would fail as well (an immutable file), an ERROR retried.
+            if self._shared or (self._stuck and key in self._stuck):
                 try:
                     st = os.stat(hexkey, dir_fd=shard_fd, follow_symlinks=False)
                 except FileNotFoundError:
@@ -3512,7 +3535,9 @@ class FileStorage(BackendBase):
                             _remove_if_same(shard_fd, hexkey, st)
                         except OSError:
                             return (_REFUSED, "write: a corrupt page that cannot be removed", 0)
-                    elif stat.S_ISREG(st.st_mode):  # written by another instance, or there
+                    elif self._shared and stat.S_ISREG(st.st_mode) and st.st_uid == self._uid:
+                        # Written by another instance, or still there; one of another user
+                        # is written over, as a get would remove it.
                         if mtime_ns - st.st_mtime_ns >= _TOUCH_AFTER_NS:  # a use, as a read
                             _stamp(handles, hexkey, mtime_ns)
                         return (_EXISTS, "", st.st_size)
@@ -4091,6 +4116,9 @@ class FileStorage(BackendBase):
             if code == _CORRUPT:
                 corrupt.append((item[0], reason))
                 continue
+            if code == _STUCK:  # corrupt and still there: unchecked, and no page to index
+                unchecked += 1
+                continue
             kept.append(item)
             ok += code == _OK
             unsupported += code == _UNSUPPORTED
@@ -4112,8 +4140,10 @@ class FileStorage(BackendBase):
         """Check one page found by verify's scan, removing it if it is corrupt and unchanged
         since it was read. Returns (code, reason) and the buffer to reuse: `_OK`,
         `_UNSUPPORTED`, `_CORRUPT` (removed), `_MISS` (no longer there), `_EXISTS` (changed
-        while it was read: left, uncounted) or `_ERROR` (left unchecked: unreadable, stopped
-        mid-page, or corrupt and impossible to remove)."""
+        while it was read: left, uncounted), `_ERROR` (left unchecked: unreadable, stopped
+        mid-page) or `_STUCK` (corrupt and impossible to remove: left unchecked, remembered
+        in `_stuck` and no longer indexed, so that no lookup counts it and no put of a
+        private root finds it stored)."""
         hexkey = key.hex()
         shard_fd = handles.shard(hexkey[:2], create=False)
         if shard_fd is None:
@@ -4125,7 +4155,7 @@ class FileStorage(BackendBase):
         except PermissionError as exc:
             # A page file its owner may not read: removed as a get would (see
             # `_open_or_remove_unreadable`).
-            opened = _open_or_remove_unreadable(shard_fd, key)
+            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck, retry=True)
             if opened is None:
                 return (_MISS, ""), scratch
             if opened == "removed":
@@ -4133,7 +4163,7 @@ class FileStorage(BackendBase):
             if isinstance(opened, int):
                 os.close(opened)  # readable now: the next verify() checks it
             log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
-            return (_ERROR, ""), scratch
+            return (_STUCK if opened == "kept" else _ERROR, ""), scratch
         except OSError as exc:
             log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
             return (_ERROR, ""), scratch
@@ -4144,14 +4174,16 @@ class FileStorage(BackendBase):
             # by a write meanwhile): what was read is torn, not a corrupt page.
             if not _remove_if_same(shard_fd, hexkey, st, gone=False):
                 return (_EXISTS if _exists(shard_fd, hexkey) else _MISS, ""), scratch
-        except OSError as exc:  # e.g. immutable: it stays, and so does its entry
+        except OSError as exc:  # e.g. immutable: it stays, a miss to gets (see `_StuckFiles`)
+            if st is not None:
+                self._stuck.add(key, st)
             log.warning(
                 "storage.page.error",
                 backend=self._name,
                 key=hexkey,
                 error=f"corrupt ({reason}), cannot remove it: {exc.strerror or exc}",
             )
-            return (_ERROR, ""), scratch
+            return (_STUCK, ""), scratch
         return (_CORRUPT, reason), scratch
 
     def _log_stray_errors(self, failed: list[tuple[str, str]]) -> None:
@@ -4175,6 +4207,8 @@ class FileStorage(BackendBase):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return (_CORRUPT, "not a regular file", st, scratch)
+            if st.st_uid != self._uid:  # another user's (see `_read_fd`)
+                return (_CORRUPT, "owner", st, scratch)
             header_buf = memoryview(bytearray(HEADER_NBYTES))
             got = _preadv_full(fd, [header_buf], 0, HEADER_NBYTES)
             header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
@@ -4278,7 +4312,7 @@ class FileStorage(BackendBase):
         # the root would go on reading and listing through its descriptor of a removed one,
         # and miss every page written into the one made again.
         empty: list[str] | None = None if self._shared else []
-        found = _scan(handles, stop, refused=unlisted, empty=empty)
+        found = _scan(handles, stop, refused=unlisted, empty=empty, stuck=self._stuck)
         if empty and not stop.is_set():
             removed = handles.remove_empty(empty)
             if removed:
