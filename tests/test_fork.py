@@ -8,6 +8,7 @@ import contextlib
 import os
 import select
 import signal
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -229,3 +230,36 @@ def test_two_children_forked_from_one_parent_cannot_both_hold_a_private_root(
             return storage.stats().pages
 
     assert asyncio.run(reopened()) == 0
+
+
+def test_a_forked_child_s_normal_exit_leaves_the_parent_s_test_server_running(
+    tmp_path: Path,
+) -> None:
+    # The exit hook that stops the servers a process started runs in a child that leaves
+    # through sys.exit too; there it must leave the parent's alone (their directories too).
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import os, sys\n"
+        "from hicache_async.testing import RedisServer\n"
+        "server = RedisServer().start()\n"
+        "directory = server._tmpdir\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    sys.exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "import redis\n"
+        "answers = redis.Redis.from_url(server.url).ping()\n"
+        "print(os.path.isdir(directory), answers)\n"
+        "server.stop()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
