@@ -25,6 +25,7 @@ from urllib.parse import SplitResult, parse_qsl, urlsplit
 import structlog
 
 from .._errors import StorageConfigError, StorageError
+from .._forks import current_pid, forked_error
 from ._page import HEADER_NBYTES, PageCheck, check_header_fields, decode_header
 from ._protocol import PageBuffer, PageMeta, StorageStats
 from ._threads import Job, JobThreads
@@ -339,6 +340,11 @@ class BackendBase:
     A backend garbage-collected while open (never closed) emits a ResourceWarning, as
     asyncio's unclosed transports do, and its job threads end; a subclass releases what it
     can without I/O from a finalizer of its own (see FileStorage).
+
+    A backend belongs to the process that opened it: in a child forked from that process
+    every call raises StorageError (its job threads did not follow the fork, so a job would
+    wait for ever, and its descriptors and connections are the parent's too), and `close()`
+    there only drops the child's copies (`_abandon()`), touching nothing the parent uses.
     """
 
     _name: str
@@ -347,6 +353,7 @@ class BackendBase:
         self._mac_key = check_mac_key(mac_key)
         self._counters = Counters()
         self._state = _State.NEW
+        self._pid = current_pid()  # the process that opened it (or made it, until opened)
         self._jobs: set[Job[Any]] = set()
         self._executor = JobThreads(job_threads, thread_name)
         self._unclosed: weakref.finalize[[str, JobThreads], BackendBase] | None = None
@@ -366,6 +373,7 @@ class BackendBase:
     async def __aenter__(self) -> Self:
         if self._state is not _State.NEW:
             raise StorageError(f"{self._name} is {self._state.value}; a backend opens once")
+        self._pid = current_pid()
         try:
             await self._open()
         except BaseException:
@@ -402,6 +410,15 @@ class BackendBase:
         self._state = _State.CLOSED
         if self._unclosed is not None:
             self._unclosed.detach()
+        if current_pid() != self._pid:
+            # A forked child's copy: the jobs in flight at the fork run in the parent only,
+            # and a release would do the parent's close (its root's spare files, say).
+            try:
+                if was_open:
+                    self._abandon()
+            finally:
+                self._executor.shutdown(wait=False)
+            return
         jobs = list(self._jobs)
         for job in jobs:
             job.halt()
@@ -440,6 +457,8 @@ class BackendBase:
         if self._state is not _State.OPEN:
             verb = "closed" if self._state is _State.CLOSED else "not open (use `async with`)"
             raise StorageError(f"{self._name} is {verb}")
+        if current_pid() != self._pid:
+            raise StorageError(forked_error(self._name, self._pid))
 
     def _report_corrupt(self, key: bytes, reason: str) -> None:
         self._counters.corrupt += 1
@@ -460,6 +479,8 @@ class BackendBase:
         """
         if self._state is _State.CLOSED:
             raise StorageError(f"{self._name} is closed")
+        if current_pid() != self._pid:  # no thread of the parent's would ever take the job
+            raise StorageError(forked_error(self._name, self._pid))
         job = Job(work, asyncio.get_running_loop(), interrupt=interrupt)
         try:
             self._executor.start(job)
@@ -501,6 +522,11 @@ class BackendBase:
     async def _release(self) -> None:
         """Release resources after every job has stopped."""
         raise NotImplementedError
+
+    def _abandon(self) -> None:
+        """In a child forked from the process that opened the backend: release this process's
+        copies of what it holds, without I/O and without anything the parent still uses (a
+        socket's shutdown, a file's removal). By default nothing: they go with the child."""
 
 
 # URL parameters, shared by the built-in backends' `from_url`.

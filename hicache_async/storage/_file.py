@@ -2204,6 +2204,17 @@ class FileStorage(BackendBase):
         if interrupted is not None:
             raise interrupted
 
+    def _abandon(self) -> None:
+        # The child's copies of the descriptors only (the lock's was closed at the fork): its
+        # spare files, queued stamps and temp files are the parent's.
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=False)
+        if self._handles is not None:
+            if self._handles_closer is not None:
+                self._handles_closer.detach()
+            self._handles.close()
+            self._handles = None
+
     def stats(self) -> StorageStats:
         """Counters and occupancy, without I/O; `refused_writes` too."""
         return msgspec.structs.replace(super().stats(), refused_writes=self._refused_writes)

@@ -237,8 +237,10 @@ _LIVE_LOCK = threading.Lock()
 
 
 def _stop_all() -> None:
+    # Only this process's servers: a forked child that exits normally runs this hook too, and
+    # would remove the directory of a server its parent still runs.
     with _LIVE_LOCK:
-        servers = list(_LIVE)
+        servers = [server for server in _LIVE if server._starter_pid == os.getpid()]
     for server in servers:
         server.stop()
 
@@ -253,6 +255,7 @@ class _ManagedServer(abc.ABC):
 
     def __init__(self, *, startup_timeout: float) -> None:
         self._startup_timeout = startup_timeout
+        self._starter_pid = os.getpid()  # the process whose exit stops it
         self._process: subprocess.Popen[bytes] | None = None
         self._tmpdir: str | None = None
         self._log_path: Path | None = None
@@ -311,6 +314,7 @@ class _ManagedServer(abc.ABC):
         # Registered before the first fork, so that atexit stops a server whose start was cut
         # short by anything that escapes the cleanup below.
         with _LIVE_LOCK:
+            self._starter_pid = os.getpid()
             _LIVE.add(self)
         try:
             self._start_attempts()
