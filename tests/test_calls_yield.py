@@ -57,6 +57,7 @@ async def test_memory_admin_calls_yield() -> None:
             "write_raw": lambda: storage.write_raw(key, b"value"),
             "read_raw": lambda: storage.read_raw(key),
             "list_pages(limit=0)": lambda: storage.list_pages(limit=0),
+            "gc with nothing to evict": storage.gc,
         }
         assert await _held(calls) == []
         assert await storage.read_raw(key) == b"value"
@@ -86,6 +87,7 @@ async def test_memory_admin_calls_cancelled_at_their_turn_did_nothing() -> None:
         await _cancelled_at_first_turn(lambda: storage.write_raw(key, b"after"))
         await _cancelled_at_first_turn(lambda: storage.write_raw(other, b"new"))
         await _cancelled_at_first_turn(lambda: storage.read_raw(key))
+        await _cancelled_at_first_turn(storage.gc)
         assert storage.stats() == before
         assert await storage.read_raw(key) == b"before"
         assert await storage.read_raw(other) is None

@@ -623,6 +623,7 @@ class MemoryStorage(BackendBase):
     async def gc(self) -> GcReport:
         """Evict least recently used pages until within capacity (puts already keep it so);
         free the spare buffers kept for reuse."""
+        await anyio.lowlevel.checkpoint()  # first, as in `exists`
         self._check_open()
         evicted = freed = 0
         # Pages that puts in flight will evict at their commit are room already made, up to

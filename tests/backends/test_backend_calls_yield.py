@@ -64,7 +64,13 @@ async def test_redis_calls_with_nothing_to_send_yield(redis_url: str) -> None:
     async with RedisStorage.from_url(test_redis.fresh_url(redis_url)) as backend:
         manifest = backend.manifest()
         await _assert_each_yields(
-            {"exists([])": lambda: backend.exists([]), "append([])": lambda: manifest.append([])}
+            {
+                "exists([])": lambda: backend.exists([]),
+                "get([])": lambda: backend.get([], [], namespace=test_redis.NS),
+                "put([])": lambda: backend.put([], [], []),
+                "delete([])": lambda: backend.delete([]),
+                "append([])": lambda: manifest.append([]),
+            }
         )
 
 
@@ -74,6 +80,8 @@ async def test_mooncake_calls_with_nothing_to_send_yield(mooncake_url: str) -> N
         await _assert_each_yields(
             {
                 "exists([])": lambda: backend.exists([]),
+                "get([])": lambda: backend.get([], [], namespace=test_mooncake.NS),
+                "put([])": lambda: backend.put([], [], []),
                 "delete([])": lambda: backend.delete([]),
                 "append([])": lambda: manifest.append([]),
             }
@@ -194,8 +202,13 @@ async def test_calls_with_nothing_to_send_cancelled_at_their_turn(
     ):
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
             "redis exists([])": lambda: redis.exists([]),
+            "redis get([])": lambda: redis.get([], [], namespace=test_redis.NS),
+            "redis put([])": lambda: redis.put([], [], []),
+            "redis delete([])": lambda: redis.delete([]),
             "redis append([])": lambda: redis.manifest().append([]),
             "mooncake exists([])": lambda: mooncake.exists([]),
+            "mooncake get([])": lambda: mooncake.get([], [], namespace=test_mooncake.NS),
+            "mooncake put([])": lambda: mooncake.put([], [], []),
             "mooncake delete([])": lambda: mooncake.delete([]),
             "mooncake append([])": lambda: mooncake.manifest().append([]),
         }
