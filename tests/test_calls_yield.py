@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hicache_async.storage import MemoryStorage
+from hicache_async.storage import FileStorage, MemoryStorage
 from hicache_async.storage._manifest import FileManifest
 
 
@@ -61,6 +61,18 @@ async def test_memory_admin_calls_yield() -> None:
         }
         assert await _held(calls) == []
         assert await storage.read_raw(key) == b"value"
+        assert await _held({"verify of one page": storage.verify}) == []
+        async with MemoryStorage() as empty:
+            assert await _held({"verify of an empty store": empty.verify}) == []
+
+
+async def test_a_file_listing_of_an_empty_root_yields(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "root") as storage:
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "list_pages": storage.list_pages,
+            "list_pages(limit=0)": lambda: storage.list_pages(limit=0),
+        }
+        assert await _held(calls) == []
 
 
 async def test_a_file_manifest_append_of_nothing_yields(tmp_path: Path) -> None:
