@@ -10,7 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from hicache_async.storage import MemoryStorage
+import pytest
+
+from hicache_async.storage import FileStorage, MemoryStorage
 from hicache_async.storage._manifest import FileManifest
 
 
@@ -55,11 +57,58 @@ async def test_memory_admin_calls_yield() -> None:
             "write_raw": lambda: storage.write_raw(key, b"value"),
             "read_raw": lambda: storage.read_raw(key),
             "list_pages(limit=0)": lambda: storage.list_pages(limit=0),
+            "gc with nothing to evict": storage.gc,
         }
         assert await _held(calls) == []
         assert await storage.read_raw(key) == b"value"
+        assert await _held({"verify of one page": storage.verify}) == []
+        async with MemoryStorage() as empty:
+            assert await _held({"verify of an empty store": empty.verify}) == []
+
+
+async def test_a_file_listing_of_an_empty_root_yields(tmp_path: Path) -> None:
+    async with FileStorage(tmp_path / "root") as storage:
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "list_pages": storage.list_pages,
+            "list_pages(limit=0)": lambda: storage.list_pages(limit=0),
+        }
+        assert await _held(calls) == []
 
 
 async def test_a_file_manifest_append_of_nothing_yields(tmp_path: Path) -> None:
     manifest = FileManifest(tmp_path / "manifest")
     assert await _held({"append([])": lambda: manifest.append([])}) == []
+
+
+async def _cancelled_at_first_turn(call: Callable[[], Awaitable[Any]]) -> None:
+    task = asyncio.get_running_loop().create_task(call())
+    await asyncio.sleep(0)  # the call runs to its turn
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_memory_admin_calls_cancelled_at_their_turn_did_nothing() -> None:
+    # The turn comes first: a write_raw cancelled there neither removed the page it would
+    # replace nor stored its value, and the counters are as they were.
+    key, other = os.urandom(32), os.urandom(32)
+    async with MemoryStorage(capacity_bytes=1 << 20) as storage:
+        await storage.write_raw(key, b"before")
+        before = storage.stats()
+        await _cancelled_at_first_turn(lambda: storage.write_raw(key, b"after"))
+        await _cancelled_at_first_turn(lambda: storage.write_raw(other, b"new"))
+        await _cancelled_at_first_turn(lambda: storage.read_raw(key))
+        await _cancelled_at_first_turn(storage.gc)
+        assert storage.stats() == before
+        assert await storage.read_raw(key) == b"before"
+        assert await storage.read_raw(other) is None
+    async with MemoryStorage(capacity_bytes=1 << 20) as empty:
+        await _cancelled_at_first_turn(empty.list_pages)
+        assert await empty.list_pages() == []
+
+
+async def test_a_file_manifest_append_of_nothing_cancelled_at_its_turn(tmp_path: Path) -> None:
+    manifest = FileManifest(tmp_path / "manifest")
+    await _cancelled_at_first_turn(lambda: manifest.append([]))
+    assert (await manifest.read()).entries == []

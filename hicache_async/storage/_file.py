@@ -3949,6 +3949,9 @@ class FileStorage(BackendBase):
         self._check_open()
         index = self._index
         keys = list(islice(reversed(index), limit))  # references only: 10 ms per million
+        if not keys:
+            await anyio.lowlevel.checkpoint()  # the slices below take the turns otherwise
+            return []
         pages: list[PageInfo] = []
         for start in range(0, len(keys), _LOOP_SLICE):
             chosen = [

@@ -589,6 +589,9 @@ class MemoryStorage(BackendBase):
 
     async def verify(self) -> VerifyReport:
         """Check every stored page; remove the corrupt ones."""
+        # A small store's check never suspends otherwise (see `_run_each`): first, as in
+        # `exists`, so a verify cancelled here did nothing.
+        await anyio.lowlevel.checkpoint()
         self._check_open()
         items = list(self._values.items())
         mac_key = self._mac_key
@@ -623,6 +626,7 @@ class MemoryStorage(BackendBase):
     async def gc(self) -> GcReport:
         """Evict least recently used pages until within capacity (puts already keep it so);
         free the spare buffers kept for reuse."""
+        await anyio.lowlevel.checkpoint()  # first, as in `exists`
         self._check_open()
         evicted = freed = 0
         # Pages that puts in flight will evict at their commit are room already made, up to

@@ -1127,6 +1127,9 @@ class RedisStorage(BackendBase):
         client = self._redis()
         check_batch(keys, ("buffers", into))
         check_keys(keys, namespace)
+        if not keys:
+            await anyio.lowlevel.checkpoint()  # nothing to ask: an async call yields all the same
+            return []
         targets = [byte_segments(page, writable=True) for page in into]
         outcomes = [Outcome.ERROR] * len(keys)
         corrupt: list[bytes] = []
@@ -1442,6 +1445,9 @@ class RedisStorage(BackendBase):
         """SET NX each page (`header ‖ payload`); an existing key is kept and is OK."""
         self._redis()
         check_put(keys, pages, metas)
+        if not keys:
+            await anyio.lowlevel.checkpoint()  # nothing to send: an async call yields all the same
+            return []
         if self._unsettled:
             # Before a page that a DEL without reply removed is stored, and counted, again.
             await self._settle_deletes([self._rkey(k) for k in keys])
@@ -1670,6 +1676,9 @@ class RedisStorage(BackendBase):
         node that fails stay (counted in `errors`); `StorageError` only if no node answered."""
         self._redis()
         check_keys(keys)
+        if not keys:
+            await anyio.lowlevel.checkpoint()  # nothing to send: an async call yields all the same
+            return 0
         # Keys removed before a refused DEL or a cancel count too: the call then raises.
         totals = [0, 0]
         try:
