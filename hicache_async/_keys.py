@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import msgspec
 import numpy as np
@@ -25,7 +25,12 @@ __all__ = ["KEY_NBYTES", "Namespace", "as_token_array", "page_keys"]
 
 #: Token ids as every method that takes a prompt accepts them (`as_token_array` checks them at
 #: run time). Typed, so that a type checker catches a prompt passed as text.
-TokenIds: TypeAlias = "Sequence[int | np.integer[Any]] | np.ndarray[Any, Any] | torch.Tensor"
+if TYPE_CHECKING:
+    TokenIds: TypeAlias = Sequence[int | np.integer[Any]] | np.ndarray[Any, Any] | torch.Tensor
+else:
+    # torch is not imported with the package: tools that read hints at run time (beartype,
+    # typeguard, sphinx) see a tensor as Any rather than fail to resolve the name.
+    TokenIds = Union[Sequence[Union[int, np.integer]], np.ndarray, Any]  # noqa: UP007 - 3.10
 
 KEY_NBYTES = 32
 _MAX_TOKEN = 2**32 - 1

@@ -140,3 +140,16 @@ def test_the_install_hint_module_imports_nothing() -> None:
         "assert not added, sorted(added)\n"
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_hints_of_the_methods_taking_token_ids_resolve_at_run_time() -> None:
+    # Tools that read hints at run time (beartype, typeguard, sphinx) resolve them in the
+    # package's modules, where torch is a name for type checkers only.
+    done = _run(
+        "import typing\n"
+        "from hicache_async import HiCache, page_keys\n"
+        "for f in (HiCache.match, HiCache.request, HiCache.keys_for, HiCache.start_prefetch,\n"
+        "          HiCache.prefetch, HiCache.agree_cached_tokens, page_keys):\n"
+        "    typing.get_type_hints(f)\n"
+    )
+    assert done.returncode == 0, done.stderr
