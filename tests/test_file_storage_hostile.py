@@ -1374,6 +1374,48 @@ def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root
     ]
 
 
+def _stuck_page_script(root: Path, n: int) -> str:
+    """The start of a child's script for a page that cannot be removed: `n` pages of the
+    oracle, the second one's `shard` and `path`, `damage(kind)` of that page, and `get`,
+    which checks every page read against the oracle and prints the outcomes."""
+    return textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async import KVLayout
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+        from hicache_async.testing import KVGenerator
+
+        ns = bytes(16)
+        gen = KVGenerator(KVLayout(num_layers=2, num_kv_heads=2, head_dim=16), 16)
+        tokens = list(range(100, 100 + 16 * {n}))
+        keys = [hashlib.sha256(bytes([i])).digest() for i in range({n})]
+        metas = [PageMeta(key=k, namespace=ns, num_tokens=16) for k in keys]
+        pages = [[memoryview(bytearray(gen.page_bytes(tokens, i)))] for i in range({n})]
+        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
+        path = os.path.join(shard, keys[1].hex())
+
+        def damage(kind):
+            if kind == "unreadable":
+                os.chmod(path, 0)
+                return
+            with open(path, "r+b") as file:
+                file.seek(-1, os.SEEK_END)
+                last = file.read(1)[0]
+                file.seek(-1, os.SEEK_END)
+                file.write(bytes([last ^ 0xFF]))
+
+        async def get(storage):
+            into = [[memoryview(bytearray(len(gen.page_bytes(tokens, 0))))] for _ in keys]
+            outcomes = await storage.get(keys, into, namespace=ns)
+            for i, (outcome, page) in enumerate(zip(outcomes, into)):
+                if outcome is Outcome.OK:
+                    assert bytes(page[0]) == gen.page_bytes(tokens, i), i
+            print("get", [o.name for o in outcomes])
+        """
+    )
+
+
 @pytest.mark.parametrize("damage", ["checksum", "unreadable"])
 def test_a_put_removes_a_stuck_corrupt_page_once_its_directory_may_be_written(
     tmp_path: Path, damage: str
@@ -1382,36 +1424,12 @@ def test_a_put_removes_a_stuck_corrupt_page_once_its_directory_may_be_written(
     # made every later put of its key a refused MISS, and every get a MISS, for as long as
     # the process ran, though the directory could be written again.
     root = tmp_path / "s"
-    script = textwrap.dedent(
+    script = _stuck_page_script(root, 2) + textwrap.dedent(
         f"""
-        import asyncio, hashlib, os
-        import structlog
-        from hicache_async.storage import FileStorage, Outcome, PageMeta
-
-        ns = bytes(16)
-        keys = [hashlib.sha256(bytes([i])).digest() for i in range(2)]
-        metas = [PageMeta(key=k, namespace=ns, num_tokens=1) for k in keys]
-        pages = [[memoryview(bytearray(bytes([i + 1]) * 1024))] for i in range(2)]
-        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
-        path = os.path.join(shard, keys[1].hex())
-
-        async def get(storage):
-            into = [[memoryview(bytearray(1024))] for _ in keys]
-            outcomes = await storage.get(keys, into, namespace=ns)
-            for outcome, page, put in zip(outcomes, into, pages):
-                if outcome is Outcome.OK:
-                    assert bytes(page[0]) == bytes(put[0])
-            print("get", [o.name for o in outcomes])
-
         async def main():
             async with FileStorage({str(root)!r}, shared=True) as storage:
                 assert await storage.put(keys, pages, metas) == [Outcome.OK] * 2
-                if {damage!r} == "unreadable":
-                    os.chmod(path, 0)
-                else:
-                    with open(path, "r+b") as file:
-                        file.seek(-1, os.SEEK_END)
-                        file.write(b"?")
+                damage({damage!r})
                 os.chmod(shard, 0o500)
                 await get(storage)
                 print("put", [o.name for o in await storage.put(keys, pages, metas)])
@@ -1444,32 +1462,12 @@ def test_a_lookup_neither_counts_nor_stamps_a_stuck_corrupt_page(
     # page that could not be removed, and stamped its file (a lookup is a use): the next get
     # met another file, read it in full and reported it again, after every lookup.
     root = tmp_path / "s"
-    script = textwrap.dedent(
+    script = _stuck_page_script(root, 2) + textwrap.dedent(
         f"""
-        import asyncio, hashlib, os
-        import structlog
-        from hicache_async.storage import FileStorage, Outcome, PageMeta
-
-        ns = bytes(16)
-        keys = [hashlib.sha256(bytes([i])).digest() for i in range(2)]
-        metas = [PageMeta(key=k, namespace=ns, num_tokens=1) for k in keys]
-        pages = [[memoryview(bytearray(bytes([i + 1]) * 1024))] for i in range(2)]
-        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
-        path = os.path.join(shard, keys[1].hex())
-
-        async def get(storage):
-            into = [[memoryview(bytearray(1024))] for _ in keys]
-            print("get", [o.name for o in await storage.get(keys, into, namespace=ns)])
-
         async def main():
             async with FileStorage({str(root)!r}, shared=True) as storage:
                 assert await storage.put(keys, pages, metas) == [Outcome.OK] * 2
-                if {damage!r} == "unreadable":
-                    os.chmod(path, 0)
-                else:
-                    with open(path, "r+b") as file:
-                        file.seek(-1, os.SEEK_END)
-                        file.write(b"?")
+                damage({damage!r})
                 os.utime(path, (1e9, 1e9))  # last used long ago: a lookup stamps it
                 os.chmod(shard, 0o500)
                 await get(storage)
@@ -1546,27 +1544,8 @@ def test_verify_and_gc_do_not_index_a_corrupt_page_they_cannot_remove(
     # may not be written stayed indexed after them: a lookup counted it and a private root's
     # put found it stored (OK) though the page there is corrupt, until a get read it again.
     root = tmp_path / "s"
-    script = textwrap.dedent(
+    script = _stuck_page_script(root, 3) + textwrap.dedent(
         f"""
-        import asyncio, hashlib, os
-        import structlog
-        from hicache_async.storage import FileStorage, Outcome, PageMeta
-
-        ns = bytes(16)
-        keys = [hashlib.sha256(bytes([i])).digest() for i in range(3)]
-        metas = [PageMeta(key=k, namespace=ns, num_tokens=1) for k in keys]
-        pages = [[memoryview(bytearray(bytes([i + 1]) * 1024))] for i in range(3)]
-        shard = os.path.join({str(root)!r}, "pages", keys[1].hex()[:2])
-        path = os.path.join(shard, keys[1].hex())
-
-        async def get(storage):
-            into = [[memoryview(bytearray(1024))] for _ in keys]
-            outcomes = await storage.get(keys, into, namespace=ns)
-            for outcome, page, put in zip(outcomes, into, pages):
-                if outcome is Outcome.OK:
-                    assert bytes(page[0]) == bytes(put[0])
-            print("get", [o.name for o in outcomes])
-
         async def after(storage, what):
             print(what, await storage.exists(keys), storage.stats().pages)
             print("put", [o.name for o in await storage.put(keys, pages, metas)])
@@ -1574,12 +1553,7 @@ def test_verify_and_gc_do_not_index_a_corrupt_page_they_cannot_remove(
         async def main():
             async with FileStorage({str(root)!r}, shared={shared!r}) as storage:
                 assert await storage.put(keys, pages, metas) == [Outcome.OK] * 3
-                if {damage!r} == "unreadable":
-                    os.chmod(path, 0)
-                else:
-                    with open(path, "r+b") as file:
-                        file.seek(-1, os.SEEK_END)
-                        file.write(b"?")
+                damage({damage!r})
                 os.chmod(shard, 0o500)
                 await get(storage)
                 report = await storage.verify()
