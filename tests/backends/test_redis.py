@@ -1419,6 +1419,36 @@ async def test_a_gc_where_scripting_is_refused_still_releases_its_lease(redis_ur
         assert not [e for e in logs if e["event"].startswith("storage.redis.gc_")]
 
 
+async def test_a_running_gc_renews_its_lease_and_says_so_once_it_is_lost(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_redis, "_GC_LEASE_S", 0.6)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+        client = backend._redis()
+        lease = f"{backend.prefix}:{_redis._GC_LEASE_NAME}".encode()
+        await client.set(lease, b"mine", px=600)
+        with structlog.testing.capture_logs() as logs:
+            renewal = asyncio.ensure_future(backend._renew_gc_lease(client, lease, b"mine", 600))
+            try:
+                # Renewed: its time to live goes back up before it runs out.
+                ttls = [await client.pttl(lease)]
+                while len(ttls) < 2 or ttls[-1] <= ttls[-2]:
+                    assert len(ttls) < 1000, ttls
+                    await asyncio.sleep(0.02)
+                    ttls.append(await client.pttl(lease))
+                    assert ttls[-1] > 0, ttls
+                # Another pass took it (this one was held past its expiry): not renewed,
+                # and said.
+                await client.set(lease, b"another", px=60_000)
+                await asyncio.wait_for(renewal, 30)
+            finally:
+                renewal.cancel()
+            assert await client.get(lease) == b"another"
+            assert await client.pttl(lease) > 30_000
+    assert [entry["event"] for entry in logs] == ["storage.redis.gc_lease_lost"]
+    assert_documented(logs, exact={"storage.redis.gc_lease_lost"})
+
+
 @pytest.mark.parametrize("bulk", [1, 0])
 async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int) -> None:
     # A user that may read but not write: every SET answers NOPERM.
