@@ -513,6 +513,30 @@ async def test_gc_of_a_shared_root_evicts_by_file_time_among_pages_found_on_disk
             assert set(listed[:2]) == set(new)  # most recently used first
 
 
+async def test_two_gc_at_once_on_a_shared_root_report_only_the_pages_each_removed(
+    tmp_path: Path,
+) -> None:
+    # Both instances chose the same victims; a file the other had already removed counted
+    # as evicted in both reports, whose sum came to nearly twice the pages gone.
+    root = tmp_path / "store"
+    payload = 256
+    keys = _keys(2000)
+    async with FileStorage(root, shared=True) as writer:
+        for start in range(0, len(keys), 500):
+            batch = keys[start : start + 500]
+            pages = [[memoryview(bytearray(payload))] for _ in batch]
+            assert await writer.put(batch, pages, _metas(batch)) == [Outcome.OK] * len(batch)
+    size = HEADER_NBYTES + payload
+    async with (
+        FileStorage(root, shared=True, capacity_bytes=1000 * size) as first,
+        FileStorage(root, shared=True, capacity_bytes=1000 * size) as second,
+    ):
+        reports = await asyncio.gather(first.gc(), second.gc())
+    assert _disk_usage(root) == (1000, 1000 * size)
+    assert sum(report.evicted_pages for report in reports) == 1000
+    assert sum(report.freed_bytes for report in reports) == 1000 * size
+
+
 async def test_index_matches_disk_after_cancelled_operations(tmp_path: Path) -> None:
     root = tmp_path / "store"
     async with FileStorage(root, capacity_bytes=40 * SIZE) as storage:

@@ -3126,6 +3126,7 @@ class FileStorage(BackendBase):
         need: int | None = None,
         for_put: bool = False,
         unremoved: _Unremoved | None = None,
+        only_unlinked: bool = False,
     ) -> tuple[int, int, list[bytes]]:
         """Evict the indexed `victims` (none being read or written) in one job; returns the
         pages evicted, their bytes, and the keys whose file could not be removed (back in the
@@ -3134,7 +3135,9 @@ class FileStorage(BackendBase):
         already: then it goes without a look. With `need`, the job stops once the victims
         gone (or whose file could not be removed) hold that many bytes: those it did not
         come to stay, first in line. Files that stay go to `unremoved` when given, else are
-        logged at the end of the job."""
+        logged at the end of the job. With `only_unlinked`, the pages and bytes returned
+        leave out victims whose file was already gone (another instance sharing the root
+        removed it first): they left the index, but this call removed nothing."""
         removed = [(key, self._drop(key)) for key in victims]
         seen = self._last_seen(removed, spared)
         sizes = [] if need is None else [0 if e is None else e.nbytes for _, e in removed]
@@ -3160,13 +3163,19 @@ class FileStorage(BackendBase):
             self._unwatch(epoch)
             if spared is not None:
                 spared.update(victims[position] for position in job.spared)
-        stayed = {*job.failed, *job.spared}
+        uncounted = {*job.failed, *job.spared}
+        if only_unlinked:
+            uncounted.update(
+                position
+                for position, result in enumerate(job.results[: job.done])
+                if result is not None and result[0] == _MISS
+            )
         freed = sum(
             entry.nbytes
             for position, (_, entry) in enumerate(removed[: job.done])
-            if entry is not None and position not in stayed
+            if entry is not None and position not in uncounted
         )
-        return job.done - len(stayed), freed, [victims[position] for position in job.failed]
+        return job.done - len(uncounted), freed, [victims[position] for position in job.failed]
 
     def _last_seen(
         self, removed: list[tuple[bytes, _Entry | None]], spared: set[bytes] | None
@@ -4303,7 +4312,9 @@ class FileStorage(BackendBase):
                         excess -= entry.nbytes
                 if not victims:
                     break
-                done, nbytes, stayed = await self._evict(victims, spared, unremoved=stays)
+                done, nbytes, stayed = await self._evict(
+                    victims, spared, unremoved=stays, only_unlinked=True
+                )
                 evicted += done
                 freed += nbytes
                 failed.update(stayed)

@@ -15,12 +15,14 @@ limits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import heapq
 import itertools
 import math
 import numbers
 import re
+import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -215,6 +217,23 @@ _CERT_REQS = ("none", "optional", "required")
 # Where a listing or verify records that it has just read (so touched) every page.
 _TOUCHED_NAME = "maintenance-read-at"
 _PREFIX_REFUSED = "*?[]\\"
+# gc's lease under the prefix: one pass at a time. Each pass's listing reads every header,
+# which Redis counts as a use, so two at once rank the pages differently, and each, sizing
+# its victims from the whole total, evicts its own: far below the capacity together.
+_GC_LEASE_NAME = "gc-lease"
+#: How long a lease outlives its holder's last renewal: a gc killed mid-pass holds the next
+#: one back at most this long. Renewed every third of it while the pass runs.
+_GC_LEASE_S = 30.0
+#: How often a gc waiting for another's lease asks for it again.
+_GC_LEASE_POLL_S = 0.5
+# Renew (ARGV[2] ms) or release the lease only while it still holds this pass's token.
+_RENEW_LEASE_SCRIPT = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+    "return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+)
+_RELEASE_LEASE_SCRIPT = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 def _refused_in_prefix(c: str) -> bool:
@@ -2203,6 +2222,11 @@ class RedisStorage(BackendBase):
         if self._capacity is None:
             await self._ping_for("gc", client)
             return GcReport(evicted_pages=0, freed_bytes=0)
+        async with self._gc_lease(client):
+            return await self._gc_pass(client, self._capacity)
+
+    async def _gc_pass(self, client: RedisClient, capacity: int) -> GcReport:
+        """One gc pass, under the prefix's lease (`_gc_lease`)."""
         # Headers are needed (a damaged page goes first; one not used since the last recorded
         # pass goes by its creation), but not PageInfo objects: (last access, bytes, key).
         entries: list[tuple[float, int, bytes]] = []
@@ -2211,9 +2235,8 @@ class RedisStorage(BackendBase):
             for listed in batch:
                 entries.append((listed.last_access, listed.nbytes, listed.rkey))
                 total += listed.nbytes
-        if total <= self._capacity:
+        if total <= capacity:
             return GcReport(evicted_pages=0, freed_bytes=0)
-        capacity = self._capacity
         # Sorting every page at once held the loop (~0.1 s for 200k pages).
         victims = await self.run_job(lambda stop: _gc_victims(entries, total, capacity))
         if not victims:
@@ -2229,6 +2252,91 @@ class RedisStorage(BackendBase):
         return GcReport(
             evicted_pages=evicted, freed_bytes=freed, failed=failed, over_capacity_bytes=over
         )
+
+    @contextlib.asynccontextmanager
+    async def _gc_lease(self, client: RedisClient) -> AsyncIterator[None]:
+        """Hold the prefix's gc lease for the block: a gc waits while another holds it (the
+        next pass then sees what the first left). A server refusing the SET (an ACL, a
+        read-only replica) runs the pass without it, once logged."""
+        rkey = f"{self._prefix}:{_GC_LEASE_NAME}".encode()  # never a page key (not hex)
+        token = secrets.token_hex(16).encode()
+        ttl_ms = int(_GC_LEASE_S * 1000)
+        waited = False
+        refusal: str | None = None
+        while True:
+            try:
+                taken = await client.set(rkey, token, nx=True, px=ttl_ms)
+            except REDIS_FAULTS as exc:
+                if not _refused(exc):
+                    raise StorageError(f"{self._name}: gc failed: {exc}") from exc
+                refusal = _reply_text(exc)
+                break
+            if taken:
+                break
+            if not waited:
+                waited = True
+                log.info(
+                    "storage.redis.gc_waiting",
+                    backend=self._name,
+                    detail=f"another gc holds this prefix's lease: this one runs after it "
+                    f"(a holder gone lets go within {_GC_LEASE_S:g} s)",
+                )
+            await asyncio.sleep(_GC_LEASE_POLL_S)
+        if refusal is not None:
+            log.warning(
+                "storage.redis.gc_lease_refused",
+                backend=self._name,
+                error=refusal,
+                detail="gc runs without its lease: two at once under this prefix may evict "
+                "more than needed",
+            )
+            yield
+            return
+        renewal = asyncio.ensure_future(self._renew_gc_lease(client, rkey, token, ttl_ms))
+        try:
+            yield
+        finally:
+            renewal.cancel()
+            await asyncio.gather(renewal, return_exceptions=True)
+            with contextlib.suppress(*REDIS_FAULTS):  # else it expires
+                await self._lease_call(client, _RELEASE_LEASE_SCRIPT, rkey, token)
+
+    async def _renew_gc_lease(
+        self, client: RedisClient, rkey: bytes, token: bytes, ttl_ms: int
+    ) -> None:
+        """Keep the lease while the pass runs; say so once if it was lost (the loop held
+        past its expiry, and another gc may have started)."""
+        while True:
+            await asyncio.sleep(_GC_LEASE_S / 3)
+            try:
+                kept = await self._lease_call(client, _RENEW_LEASE_SCRIPT, rkey, token, ttl_ms)
+            except REDIS_FAULTS:
+                continue  # the pass's own commands fail on this too; tried again
+            if not kept:
+                log.warning(
+                    "storage.redis.gc_lease_lost",
+                    backend=self._name,
+                    detail="the gc lease expired before it was renewed: another gc may run at once",
+                )
+                return
+
+    async def _lease_call(
+        self, client: RedisClient, source: str, rkey: bytes, token: bytes, ttl_ms: int = 0
+    ) -> bool:
+        """Renew (`ttl_ms`) or release the lease if it still holds `token`: one script, or
+        where scripting is refused, a GET and then the PEXPIRE or DEL (with a window between
+        them in which the lease may expire and be taken by another)."""
+        args: list[bytes | int] = [token, ttl_ms] if ttl_ms else [token]
+        try:
+            return bool(await client.eval(source, 1, rkey, *args))
+        except ResponseError as exc:
+            if not scripting_refused(exc):
+                raise
+        if await client.get(rkey) != token:
+            return False
+        if ttl_ms:
+            return bool(await client.pexpire(rkey, ttl_ms))
+        return bool(await client.delete(rkey))
 
     # Internals.
 

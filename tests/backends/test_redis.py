@@ -12,6 +12,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -1266,6 +1267,186 @@ async def test_a_gc_refused_some_dels_counts_every_page_it_evicted(redis_url: st
         left = await admin.exists(*(f"{backend.prefix}:{k.hex()}" for k in keys))
         assert 0 < left < 40
         assert backend.stats().evictions == 40 - left
+
+
+async def _blocked_clients(admin: aioredis.Redis, count: int) -> None:
+    """Until `count` clients wait on the server (a `CLIENT PAUSE WRITE` holds their writes)."""
+    for _ in range(3000):
+        info = await admin.info("clients")
+        if info["blocked_clients"] >= count:
+            return
+        await asyncio.sleep(0.02)
+    pytest.fail(f"{count} clients never waited on the paused server")
+
+
+async def _aged_pages(backend: RedisStorage, count: int) -> tuple[list[bytes], list[bytes]]:
+    """`count` pages of 256 bytes, then as many again past Redis's one-second idle clock:
+    (the older keys, the newer)."""
+    old, old_pages, old_metas = make_pages(count, 256, split=100)
+    assert await backend.put(old, old_pages, old_metas) == [Outcome.OK] * count
+    await asyncio.sleep(2.2)  # the idle clock's granularity: nothing to await
+    new, new_pages, new_metas = make_pages(count, 256, split=100)
+    assert await backend.put(new, new_pages, new_metas) == [Outcome.OK] * count
+    return old, new
+
+
+async def test_two_gc_passes_at_once_evict_to_the_capacity_not_below(redis_url: str) -> None:
+    # Each pass's listing reads every header, which Redis counts as a use: the second pass
+    # saw every page as just used, ranked them otherwise than the first, and each evicted
+    # half of the store by its own ranking. The prefix's lease makes them take turns.
+    page = HEADER_NBYTES + 256
+    url = fresh_url(redis_url, timeout=120)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        async with RedisStorage.from_url(url) as writer:
+            old, new = await _aged_pages(writer, 300)
+        async with (
+            RedisStorage.from_url(f"{url}&capacity={300 * page}") as first,
+            RedisStorage.from_url(f"{url}&capacity={300 * page}") as second,
+        ):
+            # Writes wait, reads do not: both passes list before either evicts (without the
+            # lease each waits at its listing's mark; with it, at the lease).
+            await admin.client_pause(120_000, all=False)
+            try:
+                with structlog.testing.capture_logs() as logs:
+                    passes = asyncio.gather(first.gc(), second.gc())
+                    await _blocked_clients(admin, 2)
+                    await admin.client_unpause()
+                    reports = await passes
+            finally:
+                await admin.client_unpause()
+            assert await first.count_pages() == (300, 300 * page)
+            assert sorted(r.evicted_pages for r in reports) == [0, 300]
+            assert await first.exists(new) == 300
+            assert sum([await first.exists([key]) for key in old]) == 0
+            assert not await admin.exists(f"{first.prefix}:{_redis._GC_LEASE_NAME}")
+        assert "storage.redis.gc_waiting" in {entry["event"] for entry in logs}
+        assert_documented(logs, exact={"storage.redis.gc_waiting"})
+    finally:
+        await admin.aclose()
+
+
+async def test_two_gc_commands_at_once_evict_to_the_capacity_not_below(redis_url: str) -> None:
+    page = HEADER_NBYTES + 256
+    url = fresh_url(redis_url, timeout=120)
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        async with RedisStorage.from_url(url) as writer:
+            old, new = await _aged_pages(writer, 300)
+            command = [sys.executable, "-m", "hicache_async", "storage", "gc"]
+            await admin.client_pause(120_000, all=False)
+            try:
+                processes = [
+                    await asyncio.create_subprocess_exec(
+                        *command,
+                        f"{url}&capacity={300 * page}",
+                        "--json",
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                    )
+                    for _ in range(2)
+                ]
+                await _blocked_clients(admin, 2)
+            finally:
+                await admin.client_unpause()
+            reports = []
+            for process in processes:
+                out, err = await asyncio.wait_for(process.communicate(), 120)
+                assert process.returncode == 0, err.decode()
+                reports.append(json.loads(out))
+            assert sorted(r["evicted_pages"] for r in reports) == [0, 300]
+            assert await writer.count_pages() == (300, 300 * page)
+            assert await writer.exists(new) == 300
+            assert sum([await writer.exists([key]) for key in old]) == 0
+    finally:
+        await admin.aclose()
+
+
+async def test_a_gc_lease_its_holder_left_holds_gc_back_only_until_it_expires(
+    redis_url: str,
+) -> None:
+    page = HEADER_NBYTES + 3000
+    async with RedisStorage.from_url(fresh_url(redis_url, capacity=page)) as backend:
+        keys, pages, metas = make_pages(3)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+        lease = f"{backend.prefix}:{_redis._GC_LEASE_NAME}"
+        admin = aioredis.Redis.from_url(redis_url)
+        try:
+            # As a gc killed mid-pass leaves it: nobody renews or releases it.
+            await admin.set(lease, b"gone", px=1500)
+            with structlog.testing.capture_logs() as logs:
+                report = await backend.gc()
+            assert report.evicted_pages == 2
+            assert not await admin.exists(lease)
+        finally:
+            await admin.aclose()
+    assert [entry["event"] for entry in logs] == ["storage.redis.gc_waiting"]
+
+
+async def test_a_gc_refused_its_lease_runs_without_it_and_says_so(redis_url: str) -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+    async with (
+        acl_user(redis_url, "~*", "+@all") as (user, admin),
+        RedisStorage.from_url(fresh_url(redis_url, prefix=prefix)) as writer,
+        RedisStorage.from_url(user_url(redis_url, user, prefix=prefix, capacity=1)) as backend,
+    ):
+        keys, pages, metas = make_pages(4)
+        assert await writer.put(keys, pages, metas) == [Outcome.OK] * 4
+        # Writes to page keys only (hex names): the lease and the listing's mark are refused.
+        rules = [f"%W~{prefix}:{d}*" for d in "0123456789abcdef"]
+        await admin.execute_command("ACL", "SETUSER", user, "resetkeys", "%R~*", *rules)
+        with structlog.testing.capture_logs() as logs:
+            report = await backend.gc()
+        assert report.evicted_pages == 4
+    refused = [entry for entry in logs if entry["event"] == "storage.redis.gc_lease_refused"]
+    assert len(refused) == 1
+    assert "no permissions" in refused[0]["error"]
+    assert_documented(logs, exact={"storage.redis.gc_lease_refused"})
+
+
+async def test_a_gc_where_scripting_is_refused_still_releases_its_lease(redis_url: str) -> None:
+    async with (
+        acl_user(redis_url, "~*", "+@all", "-@scripting") as (user, admin),
+        RedisStorage.from_url(user_url(redis_url, user, capacity=1)) as backend,
+    ):
+        keys, pages, metas = make_pages(3)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+        assert (await backend.gc()).evicted_pages == 3
+        assert not await admin.exists(f"{backend.prefix}:{_redis._GC_LEASE_NAME}")
+        # The next pass takes it at once.
+        with structlog.testing.capture_logs() as logs:
+            assert (await backend.gc()).evicted_pages == 0
+        assert not [e for e in logs if e["event"].startswith("storage.redis.gc_")]
+
+
+async def test_a_running_gc_renews_its_lease_and_says_so_once_it_is_lost(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_redis, "_GC_LEASE_S", 0.6)
+    async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+        client = backend._redis()
+        lease = f"{backend.prefix}:{_redis._GC_LEASE_NAME}".encode()
+        await client.set(lease, b"mine", px=600)
+        with structlog.testing.capture_logs() as logs:
+            renewal = asyncio.ensure_future(backend._renew_gc_lease(client, lease, b"mine", 600))
+            try:
+                # Renewed: its time to live goes back up before it runs out.
+                ttls = [await client.pttl(lease)]
+                while len(ttls) < 2 or ttls[-1] <= ttls[-2]:
+                    assert len(ttls) < 1000, ttls
+                    await asyncio.sleep(0.02)
+                    ttls.append(await client.pttl(lease))
+                    assert ttls[-1] > 0, ttls
+                # Another pass took it (this one was held past its expiry): not renewed,
+                # and said.
+                await client.set(lease, b"another", px=60_000)
+                await asyncio.wait_for(renewal, 30)
+            finally:
+                renewal.cancel()
+            assert await client.get(lease) == b"another"
+            assert await client.pttl(lease) > 30_000
+    assert [entry["event"] for entry in logs] == ["storage.redis.gc_lease_lost"]
+    assert_documented(logs, exact={"storage.redis.gc_lease_lost"})
 
 
 @pytest.mark.parametrize("bulk", [1, 0])

@@ -28,6 +28,7 @@ from hicache_async.testing._conformance import MAC_KEY, StorageConformance
 
 from .test_redis import (
     NS,
+    _aged_pages,
     _connections_named,
     buffers,
     check_oversized_values_are_not_read_whole,
@@ -740,6 +741,41 @@ async def test_gc_evicts_on_the_live_primaries_and_counts_the_rest_failed() -> N
             live = [n for n in cluster.nodes if n is not victim]
             left = sum(len(pages_on(n, backend.prefix)) for n in live)
             assert left == 40 - on_victim - report.evicted_pages
+
+
+async def test_two_gc_passes_at_once_on_a_cluster_evict_to_the_capacity_not_below() -> None:
+    # As on one server: the lease is one key, on its slot's node.
+    page = HEADER_NBYTES + 256
+    with RedisClusterServer() as cluster:
+        url = fresh_url(cluster.url, timeout=120)
+        async with RedisStorage.from_url(url) as writer:
+            old, new = await _aged_pages(writer, 150)
+        nodes = [node_client(n) for n in cluster.nodes]
+        async with (
+            RedisStorage.from_url(f"{url}&capacity={150 * page}") as first,
+            RedisStorage.from_url(f"{url}&capacity={150 * page}") as second,
+        ):
+            # Writes wait on every node, reads do not: both passes list before either evicts.
+            for node in nodes:
+                node.client_pause(120_000, all=False)
+            try:
+                passes = asyncio.gather(first.gc(), second.gc())
+                for _ in range(3000):
+                    if sum(node.info("clients")["blocked_clients"] for node in nodes) >= 2:
+                        break
+                    await asyncio.sleep(0.02)
+                else:
+                    pytest.fail("the two passes never waited on the paused nodes")
+            finally:
+                for node in nodes:
+                    node.client_unpause()
+            reports = await asyncio.wait_for(passes, FAULT_TIMEOUT_S)
+            assert sorted(r.evicted_pages for r in reports) == [0, 150]
+            assert await first.count_pages() == (150, 150 * page)
+            assert await first.exists(new) == 150
+            assert sum([await first.exists([key]) for key in old]) == 0
+        for node in nodes:
+            node.close()
 
 
 async def test_a_frozen_primary_replaced_by_its_replica_is_left_for_the_replica() -> None:
