@@ -29,6 +29,7 @@ from hicache_async import (
 )
 from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta, open_storage
 from hicache_async.storage._base import BackendBase
+from hicache_async.storage._manifest import chain_entry
 from hicache_async.testing import KVGenerator, serve
 
 PAGE = 4
@@ -136,6 +137,53 @@ def test_a_store_opened_before_a_fork_refuses_the_child_and_serves_the_parent(
                 return await _get(again, keys + more)
 
         assert asyncio.run(reopened()) == [Outcome.OK] * 6
+
+
+@pytest.mark.parametrize("kind", ["file", "memory", "redis"])
+def test_a_manifest_obtained_before_a_fork_refuses_the_child_and_serves_the_parent(
+    tmp_path: Path, kind: str, request: pytest.FixtureRequest
+) -> None:
+    # Its store is refused in the child: the manifest, which shares the store's root lock
+    # file, connections or memory, must not go on there as if it were the parent's.
+    storage: BackendBase
+    if kind == "file":
+        storage = FileStorage(tmp_path / "s")
+    elif kind == "memory":
+        storage = MemoryStorage()
+    else:
+        url = request.getfixturevalue("redis_url")
+        storage = cast(BackendBase, open_storage(f"{url}?prefix=forkm{os.getpid()}"))
+    first = chain_entry(NS, [os.urandom(32)], PAGE, 0, 1.0)
+    second = chain_entry(NS, [os.urandom(32)], PAGE, 0, 2.0)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(storage.__aenter__())
+        manifest = storage.manifest()  # type: ignore[attr-defined]
+        loop.run_until_complete(manifest.append([first]))
+
+        def child() -> str:
+            async def use() -> str:
+                with pytest.raises(StorageError, match="forked"):
+                    await manifest.append([second])
+                with pytest.raises(StorageError, match="forked"):
+                    await manifest.append([])
+                with pytest.raises(StorageError, match="forked"):
+                    await manifest.read()
+                with pytest.raises(StorageError, match="forked"):
+                    await manifest.compact()
+                await storage.close()
+                return "refused"
+
+            return asyncio.run(use())
+
+        assert _in_child(child) == "refused"
+        loop.run_until_complete(manifest.append([second]))
+        loop.run_until_complete(manifest.compact())
+        read = loop.run_until_complete(manifest.read())
+        assert {e.chain_id for e in read.entries} == {first.chain_id, second.chain_id}
+        loop.run_until_complete(storage.close())
+    finally:
+        loop.close()
 
 
 def test_a_cache_entered_before_a_fork_refuses_a_child_running_the_parent_s_loop(

@@ -49,6 +49,7 @@ import anyio.lowlevel
 import msgspec
 
 from .._errors import StorageError
+from .._forks import current_pid, forked_error
 from ._flocks import close_lock_fd, open_lock_fd
 from ._page import CREATED_AHEAD_S
 
@@ -898,6 +899,14 @@ def _file_kind(mode: int) -> str:
     return "a device"
 
 
+def check_same_process(name: str, owner_pid: int) -> None:
+    """Refuse a manifest made in process `owner_pid` and used in a child forked from it: the
+    store it belongs to is refused there too (its threads, locks and connections are the
+    parent's). An integer comparison, so every call can afford it."""
+    if current_pid() != owner_pid:
+        raise StorageError(forked_error(name, owner_pid))
+
+
 class FileManifest:
     """A manifest in one JSON-lines file, appended as a stream and compacted atomically."""
 
@@ -914,6 +923,7 @@ class FileManifest:
         self.path = Path(path)
         self.limits = limits or ManifestLimits()
         self._guard = guard
+        self._pid = current_pid()
         # This instance's appends and compactions take the file's lock in turn: tries of a
         # lock held elsewhere are polls, which would otherwise let newcomers overtake.
         self._turns = anyio.Lock()
@@ -929,6 +939,7 @@ class FileManifest:
         manifest or its lock file is not a regular file (a FIFO, say), OSError on an I/O
         error.
         """
+        check_same_process(f"the manifest {self.path}", self._pid)
         if not entries:
             await anyio.lowlevel.checkpoint()  # an async call always lets the loop run once
             return
@@ -976,6 +987,7 @@ class FileManifest:
             return await self._compact()
 
     async def _check(self) -> None:
+        check_same_process(f"the manifest {self.path}", self._pid)
         if self._guard is not None:
             await self._guard()
 
@@ -1060,12 +1072,14 @@ class MemoryManifest:
         self._oversized = 0
         self._newer = 0
         self._compacting = anyio.Lock()
+        self._pid = current_pid()
 
     def _count(self, what: str) -> None:
         setattr(self, f"_{what}", getattr(self, f"_{what}") + 1)
 
     async def append(self, entries: Sequence[ManifestEntry]) -> None:
         """Validate and record `entries`; an older record of a chain never replaces a newer."""
+        check_same_process("a memory manifest", self._pid)
         for entry in entries:
             self._add_line(encode_entry(entry))
         await anyio.lowlevel.checkpoint()
@@ -1139,6 +1153,7 @@ class MemoryManifest:
         ranked on a worker thread (see `off_loop`), from a snapshot taken as the read begins:
         appends and compactions meanwhile do not change what it returns.
         """
+        check_same_process("a memory manifest", self._pid)
         limits = self.limits
         collector = ManifestCollector(limits, namespace)
         collector.malformed, collector.oversized = self._malformed, self._oversized
@@ -1175,6 +1190,7 @@ class MemoryManifest:
         before or after it. Records appended meanwhile are kept, as are the counts they add;
         a compaction cancelled changes nothing.
         """
+        check_same_process("a memory manifest", self._pid)
         # One at a time: each takes away the counts of its snapshot.
         async with self._compacting:
             snapshot = self._held.copy()

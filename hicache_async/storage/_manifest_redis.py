@@ -41,6 +41,7 @@ from redis.exceptions import (
 )
 
 from .._errors import StorageError
+from .._forks import current_pid
 from ._manifest import (
     CompactReport,
     ManifestCollector,
@@ -48,6 +49,7 @@ from ._manifest import (
     ManifestLimits,
     ManifestRead,
     add_reports,
+    check_same_process,
     encode_entry,
     off_loop,
 )
@@ -537,6 +539,8 @@ class RedisManifest:
         self._name = name
         self._ttl = ttl
         self._scripting_chosen = scripting
+        # The store's connections are the parent's in a forked child, which is refused.
+        self._pid = current_pid()
         # Shared with the store that built it: what one manifest learns about its scripts,
         # the next knows (and does not log again).
         self._scripts = scripts or ReadScripts(name)
@@ -580,6 +584,9 @@ class RedisManifest:
         this runs its script)."""
         return self._scripting_chosen and self._scripts.manifest_may_script()
 
+    def _check_process(self) -> None:
+        check_same_process(f"the manifest of {self._name}", self._pid)
+
     # The protocol.
 
     async def append(self, entries: Sequence[ManifestEntry]) -> None:
@@ -587,6 +594,7 @@ class RedisManifest:
 
         A record longer than `max_entry_bytes` is not stored: every reader would skip it.
         """
+        self._check_process()
         groups: dict[str, list[bytes]] = {}
         for entry in entries:
             if not _NAMESPACE.match(entry.namespace):
@@ -610,6 +618,7 @@ class RedisManifest:
         At most `max_bytes` of records are read, newest first; `truncated` says the bound
         stopped the read. A read overtaken by a compaction starts over (a few times).
         """
+        self._check_process()
         if namespace is not None and not _NAMESPACE.match(namespace):
             return ManifestRead(entries=[])
         result = await self._read(namespace)
@@ -665,6 +674,7 @@ class RedisManifest:
         it); records appended meanwhile are kept. A namespace that fails is logged and the
         others are still compacted; then StorageError says which failed.
         """
+        self._check_process()
         total = CompactReport(0, 0, 0, 0, 0, 0)
         namespaces, _ = await self._namespaces()
         failed: list[tuple[str, StorageError]] = []
@@ -1150,6 +1160,7 @@ class RedisManifest:
 
     async def compact_namespace(self, namespace: str) -> CompactReport:
         """Rewrite the list of one namespace atomically; see `compact`."""
+        self._check_process()
         if not _NAMESPACE.match(namespace):
             raise ValueError(f"not a namespace fingerprint: {namespace!r}")
         for _ in range(_ATTEMPTS):
