@@ -14,12 +14,11 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 import msgspec
 import numpy as np
 
+from ._config import CacheConfig
 from ._errors import InvalidTokensError
 
 if TYPE_CHECKING:
     import torch
-
-    from ._config import CacheConfig
 
 __all__ = ["KEY_NBYTES", "Namespace", "as_token_array", "page_keys"]
 

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from prometheus_client.registry import Collector, CollectorRegistry
 
     from ._cache import HiCache
+else:
+    # Not imported at run time (the extra is optional, and the cache imports this module):
+    # tools that read hints at run time (typing.get_type_hints, beartype, sphinx) see these
+    # as Any rather than fail.
+    HiCache = Metric = Collector = CollectorRegistry = Any
 
 __all__ = ["Histogram", "HistogramSnapshot", "prometheus_collector", "render_prometheus"]
 

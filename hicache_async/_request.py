@@ -12,10 +12,14 @@ import numpy as np
 
 from ._errors import CacheClosedError, type_name
 from .transfer import LayerwiseCopy
+from .tree import MatchResult, TreeNode
 
 if TYPE_CHECKING:
     from ._cache import HiCache
-    from .tree import MatchResult, TreeNode
+else:
+    # Not imported at run time (it imports this module): tools that read hints at run time
+    # (typing.get_type_hints, beartype, sphinx) see a cache as Any rather than fail.
+    HiCache = Any
 
 __all__ = ["Request"]
 

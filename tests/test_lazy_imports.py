@@ -153,3 +153,43 @@ def test_the_hints_of_the_methods_taking_token_ids_resolve_at_run_time() -> None
         "    typing.get_type_hints(f)\n"
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_hints_of_the_testing_helpers_resolve_without_torch() -> None:
+    # `serve` and `assert_drained` are imported by the pytest plugin's users without torch
+    # (or numpy): their hints name the cache, the prompt and the generator all the same.
+    done = _run(
+        "import sys, typing\n"
+        "from hicache_async.testing import assert_drained, serve\n"
+        "assert typing.get_type_hints(serve)['return'].__name__ == 'ServedRequest'\n"
+        "typing.get_type_hints(assert_drained)\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n"
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_hints_of_every_public_function_and_method_resolve_at_run_time() -> None:
+    done = _run(
+        "import importlib, inspect, typing\n"
+        "failed = []\n"
+        "for module in ('hicache_async', 'hicache_async.testing', 'hicache_async.storage'):\n"
+        "    m = importlib.import_module(module)\n"
+        "    for name in m.__all__:\n"
+        "        obj = getattr(m, name)\n"
+        "        found = [(name, obj)] if inspect.isfunction(obj) else []\n"
+        "        if inspect.isclass(obj):\n"
+        "            for attr, member in vars(obj).items():\n"
+        "                if attr.startswith('_') and attr != '__init__':\n"
+        "                    continue\n"
+        "                member = getattr(member, '__func__', member)\n"
+        "                member = getattr(member, 'fget', member)\n"
+        "                if inspect.isfunction(member):\n"
+        "                    found.append((f'{name}.{attr}', member))\n"
+        "        for label, function in found:\n"
+        "            try:\n"
+        "                typing.get_type_hints(function)\n"
+        "            except NameError as exc:\n"
+        "                failed.append(f'{module}.{label}: {exc}')\n"
+        "assert not failed, failed\n"
+    )
+    assert done.returncode == 0, done.stderr

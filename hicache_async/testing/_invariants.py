@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .._cache import HiCache
+else:
+    # Not imported at run time (it brings torch, which the pytest plugin must not import):
+    # tools that read hints at run time (typing.get_type_hints, beartype, sphinx) see a
+    # cache as Any rather than fail.
+    HiCache = Any
 
 __all__ = ["assert_drained"]
 

@@ -7,7 +7,7 @@ page it reads against the generator, so scenarios and tests verify bytes from ev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import msgspec
 
@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from .._cache import HiCache
     from .._keys import TokenIds
     from ._kvgen import KVGenerator
+else:
+    # Not imported at run time (they bring numpy and torch, which the pytest plugin must not
+    # import): tools that read hints at run time (typing.get_type_hints, beartype, sphinx)
+    # see a cache, a prompt and a generator as Any rather than fail.
+    HiCache = TokenIds = KVGenerator = Any
 
 __all__ = ["ServedRequest", "serve"]
 

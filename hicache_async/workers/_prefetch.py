@@ -17,7 +17,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -32,11 +32,15 @@ from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agre
 from ..distributed._agree import enter_min_cancelled
 from ..storage import Outcome, StorageBackend
 from ..storage._protocol import check_exists, check_outcomes
+from ..tree import TreeNode
 from ._watch import WorkerWatch
 
 if TYPE_CHECKING:
     from .._cache import HiCache
-    from ..tree import TreeNode
+else:
+    # Not imported at run time (it imports this module): tools that read hints at run time
+    # (typing.get_type_hints, beartype, sphinx) see a cache as Any rather than fail.
+    HiCache = Any
 
 __all__ = ["PrefetchHandle", "PrefetchResult", "PrefetchStatus", "Prefetcher"]
 
