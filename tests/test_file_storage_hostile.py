@@ -285,6 +285,43 @@ def test_an_unreadable_manifest_is_a_storage_error_naming_it(tmp_path: Path) -> 
 _MANIFEST_HINT = "give this user read and write permission on it (chmod u+rw)"
 
 
+def test_verify_says_an_unreadable_page_it_cannot_remove_is_unreadable(tmp_path: Path) -> None:
+    # In the shape of a corrupt page that stays: what the page is, then why it stays.
+    root = tmp_path / "s"
+    key = bytes([0xCD]) * 32
+    page, shard = root / "pages" / "cd" / key.hex(), root / "pages" / "cd"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                meta = [PageMeta(key={key!r}, namespace=bytes(16), num_tokens=1)]
+                page = [[memoryview(bytearray(1024))]]
+                assert await storage.put([{key!r}], page, meta) == [Outcome.OK]
+                os.chmod({str(page)!r}, 0)
+                os.chmod({str(shard)!r}, 0o500)  # the page cannot be removed
+                with structlog.testing.capture_logs() as logs:
+                    report = await storage.verify()
+                print(report.unchecked, report.corrupt_removed)
+                for entry in logs:
+                    if entry["event"] == "storage.page.error":
+                        print(entry["key"], entry["error"])
+
+        asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    shard.chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-2:] == [
+        "1 0",
+        f"{key.hex()} unreadable, cannot remove it: Permission denied",
+    ]
+
+
 def _failing_listing(
     monkeypatch: pytest.MonkeyPatch, directory: Path, where: str, error: int = errno.EIO
 ) -> Callable[[], None]:

@@ -1401,7 +1401,12 @@ def _mode_refuses_read(st: os.stat_result) -> bool:
 
 
 def _open_or_remove_unreadable(
-    shard_fd: int, key: bytes, stuck: _StuckFiles | None = None, *, retry: bool = False
+    shard_fd: int,
+    key: bytes,
+    stuck: _StuckFiles | None = None,
+    *,
+    retry: bool = False,
+    why: list[str] | None = None,
 ) -> int | str | None:
     """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
     remove it when it is still the same file and still refused by its mode (EACCES), not by a
@@ -1412,7 +1417,8 @@ def _open_or_remove_unreadable(
     file that opens now, None when it is gone, "removed", "kept" when it could not be removed
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
     looked at either or a policy refuses it (the shard directory, a security module: not the
-    file's doing). With `retry` (verify()), a file met before is tried again."""
+    file's doing). With `retry` (verify()), a file met before is tried again. With "kept",
+    why the removal failed is added to `why`, when given."""
     name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -1436,9 +1442,11 @@ def _open_or_remove_unreadable(
     # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
     try:
         _remove_if_same(shard_fd, name, st)
-    except OSError:  # still a miss; verify() retries the removal
+    except OSError as exc:  # still a miss; verify() retries the removal
         if stuck is not None:
             stuck.add(key, st)
+        if why is not None:
+            why.append(exc.strerror or str(exc))
         return "kept"
     return "removed"
 
@@ -4178,14 +4186,21 @@ class FileStorage(BackendBase):
         except PermissionError as exc:
             # A page file its owner may not read: removed as a get would (see
             # `_open_or_remove_unreadable`).
-            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck, retry=True)
+            why: list[str] = []
+            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck, retry=True, why=why)
             if opened is None:
                 return (_MISS, ""), scratch
             if opened == "removed":
                 return (_CORRUPT, "unreadable"), scratch
             if isinstance(opened, int):
                 os.close(opened)  # readable now: the next verify() checks it
-            log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
+            # Said as a corrupt page that stays is, without the file's name (`key` names it).
+            error = (
+                f"unreadable, cannot remove it: {why[0]}"
+                if why
+                else f"unreadable: {exc.strerror or exc}"
+            )
+            log.warning("storage.page.error", backend=self._name, key=hexkey, error=error)
             return (_STUCK if opened == "kept" else _ERROR, ""), scratch
         except OSError as exc:
             log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
