@@ -362,7 +362,9 @@ class _Handles:
     ) -> int | None:
         """After a call in `pages/<name>` through `seen_fd` failed with ENOENT: if that
         directory was removed under us (and pages/ with it, perhaps), make it again and return
-        its descriptor; None when it was not removed or cannot be made again. `then`, given
+        its descriptor; None when it was not removed or cannot be made again, except that the
+        OSError of making it again is raised (no room, no inode left: the caller's write
+        failed for that, not for the ENOENT it met, and is then a MISS). `then`, given
         the descriptor, runs before `remove_empty` can take the directory away again (a
         rename into it: the directory is not empty after it)."""
         with self._lock:
@@ -382,10 +384,7 @@ class _Handles:
             if not self._hold_lock_locked():
                 return None
             emptied = name in self._emptied
-            try:
-                fd = self._shard_locked(name, create=True, durable=durable)
-            except OSError:
-                return None
+            fd = self._shard_locked(name, create=True, durable=durable)
             if fd is not None and then is not None:
                 then(fd)
         if not emptied:
