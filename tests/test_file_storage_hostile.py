@@ -237,6 +237,91 @@ def test_maintenance_of_an_open_store_with_an_unreadable_directory(
         assert lines[1].startswith("ok GcReport("), lines
 
 
+def test_an_unreadable_manifest_is_a_storage_error_naming_it(tmp_path: Path) -> None:
+    # Its reader, appender and compaction, and the `manifest` command (exit 1: the store
+    # failed), each say which file and what to do, not a bare PermissionError.
+    root = tmp_path / "s"
+    manifest = root / "manifest.jsonl"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os
+        from hicache_async import StorageError
+        from hicache_async.cli import main as cli
+        from hicache_async.storage import FileStorage
+        from hicache_async.storage._manifest import chain_entry
+
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                manifest = storage.manifest()
+                await manifest.append([chain_entry(bytes(16), [bytes(32)], 1, 1, 1.0)])
+                os.chmod({str(manifest)!r}, 0)
+                calls = (
+                    manifest.read,
+                    lambda: manifest.append([chain_entry(bytes(16), [bytes(32)], 1, 1, 1.0)]),
+                    manifest.compact,
+                )
+                for call in calls:
+                    try:
+                        print("ok", await call())
+                    except StorageError as exc:
+                        print("error", exc)
+
+        asyncio.run(main())
+        for action in ("show", "compact"):
+            print("exit", cli(["manifest", action, {root.as_uri()!r}]))
+        """
+    )
+    done = _run_without_overrides(script)
+    if manifest.exists():
+        manifest.chmod(0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[-5:-2] == [f"error {manifest}: Permission denied: {_MANIFEST_HINT}"] * 3, lines
+    assert lines[-2:] == ["exit 1", "exit 1"], lines
+    expected = f"error: StorageError: {manifest}: Permission denied: {_MANIFEST_HINT}"
+    assert done.stderr.count(expected) == 2, done.stderr[-2000:]
+
+
+_MANIFEST_HINT = "give this user read and write permission on it (chmod u+rw)"
+
+
+def test_verify_says_an_unreadable_page_it_cannot_remove_is_unreadable(tmp_path: Path) -> None:
+    # In the shape of a corrupt page that stays: what the page is, then why it stays.
+    root = tmp_path / "s"
+    key = bytes([0xCD]) * 32
+    page, shard = root / "pages" / "cd" / key.hex(), root / "pages" / "cd"
+    script = textwrap.dedent(
+        f"""
+        import asyncio, os
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                meta = [PageMeta(key={key!r}, namespace=bytes(16), num_tokens=1)]
+                page = [[memoryview(bytearray(1024))]]
+                assert await storage.put([{key!r}], page, meta) == [Outcome.OK]
+                os.chmod({str(page)!r}, 0)
+                os.chmod({str(shard)!r}, 0o500)  # the page cannot be removed
+                with structlog.testing.capture_logs() as logs:
+                    report = await storage.verify()
+                print(report.unchecked, report.corrupt_removed)
+                for entry in logs:
+                    if entry["event"] == "storage.page.error":
+                        print(entry["key"], entry["error"])
+
+        asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    shard.chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-2:] == [
+        "1 0",
+        f"{key.hex()} unreadable, cannot remove it: Permission denied",
+    ]
+
+
 def _failing_listing(
     monkeypatch: pytest.MonkeyPatch, directory: Path, where: str, error: int = errno.EIO
 ) -> Callable[[], None]:

@@ -4,6 +4,7 @@ the removal; kept on a shared root, whose other instances hold descriptors of th
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from pathlib import Path
 
@@ -72,6 +73,42 @@ async def test_a_put_into_a_shard_removed_before_its_rename_keeps_its_page(
         monkeypatch.undo()
         assert await _get(storage, late) == [Outcome.OK]
         assert list((root / "tmp").iterdir()) == []
+        await _assert_index_matches_disk(storage, root)
+
+
+async def test_a_put_whose_removed_shard_cannot_be_made_again_for_want_of_room_is_a_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As any write the file system has no room for (no inode left for the directory): a
+    MISS counted in `refused_writes`, not an ERROR of the ENOENT the rename met."""
+    root = tmp_path / "s"
+    gone, late = _in_shard("ab", 1), _in_shard("ab", 1, first=5)
+    real_mkdir = os.mkdir
+
+    def full_mkdir(path: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        if path == "ab" and dir_fd is not None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_mkdir(path, mode, dir_fd=dir_fd)
+
+    async with FileStorage(root) as storage:
+        assert await _put(storage, gone) == [Outcome.OK]
+        assert await storage.delete(gone) == 1
+        gate = _Gate()
+        monkeypatch.setattr(storage, "_write_fd", _held_after(storage._write_fd, gate))
+        with _released(gate):
+            put = asyncio.create_task(_put(storage, late))
+            await gate.wait_reached()  # the file is written, not yet renamed into ab/
+            await storage.gc()
+            assert not (root / "pages" / "ab").exists()
+            monkeypatch.setattr(os, "mkdir", full_mkdir)
+            gate.go.set()
+            assert await put == [Outcome.MISS]
+        monkeypatch.undo()
+        stats = storage.stats()
+        assert (storage.refused_writes, stats.errors) == (1, 0)
+        assert list((root / "tmp").iterdir()) == []
+        assert await _put(storage, late) == [Outcome.OK]  # room again: made as any new shard
+        assert await _get(storage, late) == [Outcome.OK]
         await _assert_index_matches_disk(storage, root)
 
 

@@ -362,7 +362,9 @@ class _Handles:
     ) -> int | None:
         """After a call in `pages/<name>` through `seen_fd` failed with ENOENT: if that
         directory was removed under us (and pages/ with it, perhaps), make it again and return
-        its descriptor; None when it was not removed or cannot be made again. `then`, given
+        its descriptor; None when it was not removed or cannot be made again, except that the
+        OSError of making it again is raised (no room, no inode left: the caller's write
+        failed for that, not for the ENOENT it met, and is then a MISS). `then`, given
         the descriptor, runs before `remove_empty` can take the directory away again (a
         rename into it: the directory is not empty after it)."""
         with self._lock:
@@ -382,10 +384,7 @@ class _Handles:
             if not self._hold_lock_locked():
                 return None
             emptied = name in self._emptied
-            try:
-                fd = self._shard_locked(name, create=True, durable=durable)
-            except OSError:
-                return None
+            fd = self._shard_locked(name, create=True, durable=durable)
             if fd is not None and then is not None:
                 then(fd)
         if not emptied:
@@ -1401,7 +1400,12 @@ def _mode_refuses_read(st: os.stat_result) -> bool:
 
 
 def _open_or_remove_unreadable(
-    shard_fd: int, key: bytes, stuck: _StuckFiles | None = None, *, retry: bool = False
+    shard_fd: int,
+    key: bytes,
+    stuck: _StuckFiles | None = None,
+    *,
+    retry: bool = False,
+    why: list[str] | None = None,
 ) -> int | str | None:
     """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
     remove it when it is still the same file and still refused by its mode (EACCES), not by a
@@ -1412,7 +1416,8 @@ def _open_or_remove_unreadable(
     file that opens now, None when it is gone, "removed", "kept" when it could not be removed
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
     looked at either or a policy refuses it (the shard directory, a security module: not the
-    file's doing). With `retry` (verify()), a file met before is tried again."""
+    file's doing). With `retry` (verify()), a file met before is tried again. With "kept",
+    why the removal failed is added to `why`, when given."""
     name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -1436,9 +1441,11 @@ def _open_or_remove_unreadable(
     # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
     try:
         _remove_if_same(shard_fd, name, st)
-    except OSError:  # still a miss; verify() retries the removal
+    except OSError as exc:  # still a miss; verify() retries the removal
         if stuck is not None:
             stuck.add(key, st)
+        if why is not None:
+            why.append(exc.strerror or str(exc))
         return "kept"
     return "removed"
 
@@ -4178,14 +4185,21 @@ class FileStorage(BackendBase):
         except PermissionError as exc:
             # A page file its owner may not read: removed as a get would (see
             # `_open_or_remove_unreadable`).
-            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck, retry=True)
+            why: list[str] = []
+            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck, retry=True, why=why)
             if opened is None:
                 return (_MISS, ""), scratch
             if opened == "removed":
                 return (_CORRUPT, "unreadable"), scratch
             if isinstance(opened, int):
                 os.close(opened)  # readable now: the next verify() checks it
-            log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))
+            # Said as a corrupt page that stays is, without the file's name (`key` names it).
+            error = (
+                f"unreadable, cannot remove it: {why[0]}"
+                if why
+                else f"unreadable: {exc.strerror or exc}"
+            )
+            log.warning("storage.page.error", backend=self._name, key=hexkey, error=error)
             return (_STUCK if opened == "kept" else _ERROR, ""), scratch
         except OSError as exc:
             log.warning("storage.page.error", backend=self._name, key=hexkey, error=str(exc))

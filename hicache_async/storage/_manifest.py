@@ -858,12 +858,19 @@ def _remove_quietly(path: Path) -> None:
 
 def _open_regular(path: str, flags: int) -> int:
     """Open a file of the manifest (created 0600 with O_CREAT), never through a symlink, and
-    refuse anything but a regular file with StorageError. Opened non-blocking, so that a
+    refuse anything but a regular file, or one this user may not open (EACCES, EPERM), with
+    StorageError. Opened non-blocking, so that a
     FIFO planted in its place fails here instead of blocking the thread for ever (a
     write-only open of one without a reader fails with ENXIO); blocking again once known to
     be a regular file."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except PermissionError as exc:
+        # A manifest or lock file of another user, or one chmod'ed away: what to fix, named.
+        raise StorageError(
+            f"{path}: {exc.strerror or exc}: give this user read and write permission on it "
+            "(chmod u+rw)"
+        ) from exc
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a FIFO without a reader, or a socket
             raise _not_regular(path, "a FIFO or a socket") from None
@@ -936,8 +943,8 @@ class FileManifest:
         while its thread waits on the filesystem writes nothing after that, except a write
         already under way, which completes (its records land whole); that thread holds the
         lock until it ends, so no compaction can lose them. Raises StorageError when the
-        manifest or its lock file is not a regular file (a FIFO, say), OSError on an I/O
-        error.
+        manifest or its lock file is not a regular file (a FIFO, say) or this user may not
+        open it, OSError on an I/O error.
         """
         check_same_process(f"the manifest {self.path}", self._pid)
         if not entries:
@@ -966,7 +973,8 @@ class FileManifest:
 
     async def read(self, *, namespace: str | None = None) -> ManifestRead:
         """The newest record per chain (of `namespace`, if given), bounded by the limits.
-        Raises StorageError when the manifest is not a regular file (a FIFO, say)."""
+        Raises StorageError when the manifest is not a regular file (a FIFO, say) or this
+        user may not read it."""
         await self._check()
         collector = ManifestCollector(self.limits, namespace)
         truncated = await _collect_file(self.path, self.limits, collector)
@@ -980,7 +988,7 @@ class FileManifest:
         Holds the manifest's lock throughout, so appends from this or another process on a
         shared root wait instead of landing in the file being replaced. The wait for the lock
         can be cancelled. Raises StorageError when the manifest or its lock file is not a
-        regular file.
+        regular file or this user may not open it.
         """
         await self._check()
         async with self._turns, _file_lock(self.path):
