@@ -2827,6 +2827,8 @@ class FileStorage(BackendBase):
             # Put there by another user (into a directory that was once group-writable, say):
             # a sound page of theirs is still not one an instance of this root wrote.
             return (_CORRUPT, "owner", size)
+        # The header on its own: header and payload in one read measured 0.6x to 0.8x as fast
+        # on files not cached, and no faster on cached ones (docs/benchmarks.md, 2026-11-28).
         header_buf = memoryview(bytearray(HEADER_NBYTES))
         got = _preadv_full(fd, [header_buf], 0, HEADER_NBYTES)
         header = decode_header(header_buf) if got == HEADER_NBYTES else PageCheck.CORRUPT
