@@ -51,7 +51,7 @@ from .storage._page import check_priority
 from .storage._protocol import STORAGE_ACCEPTED, check_backend
 from .storage._registry import import_quietly, module_to_import
 from .transfer import CopyEngine, LayerwiseCopy, default_copy_engine
-from .tree import MatchResult, RadixTree, TreeNode
+from .tree import MatchResult, RadixTree, TreeNode, TreeStatistics
 from .workers import (
     BackupWorker,
     PrefetchHandle,
@@ -1022,6 +1022,9 @@ class HiCache:
 
     def statistics(self) -> CacheStatistics:
         """A snapshot of counters, pools, tree and copy engine."""
+        return self._snapshot(self._tree.statistics())
+
+    def _snapshot(self, tree: TreeStatistics) -> CacheStatistics:
         c = self._counters
         closed = self._closed_pools
         return CacheStatistics(
@@ -1036,7 +1039,7 @@ class HiCache:
             counters=c.snapshot(),
             device_pool=self._device_pool.statistics() if self._device_pool else closed[0],
             host_pool=self._host_pool.statistics() if self._host_pool else closed[1],
-            tree=self._tree.statistics(),
+            tree=tree,
             copy_engine=self._engine.statistics() if self._engine else None,
             storage=(
                 self._storage_status()

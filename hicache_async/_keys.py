@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import msgspec
 import numpy as np
+from numpy.typing import NDArray
 
 from ._config import CacheConfig
 from ._errors import InvalidTokensError
@@ -152,7 +153,7 @@ def _tensor_tokens(tokens: Any) -> np.ndarray[Any, Any]:
     return array
 
 
-def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> np.ndarray[Any, Any]:
+def as_token_array(tokens: Sequence[int] | np.ndarray[Any, Any] | Any) -> NDArray[np.uint32]:
     """Validate token ids and return them as a little-endian uint32 array.
 
     Accepts a sequence of ints (Python or numpy integer scalars), a 1-D integer numpy array or

@@ -125,9 +125,10 @@ _STORAGE_SECTIONS: tuple[tuple[str, type[msgspec.Struct]], ...] = (
 )
 
 
-def _families(cache: HiCache) -> Iterator[tuple[str, str, Any]]:
-    """(name, kind, value-or-histogram) for everything the cache exposes."""
-    stats = cache.statistics()
+def _families(cache: HiCache, *, unentered: bool = False) -> Iterator[tuple[str, str, Any]]:
+    """(name, kind, value-or-histogram) for everything the cache exposes. `unentered`: read
+    off the owner's thread a cache not entered yet, which nothing changes meanwhile."""
+    stats = cache._snapshot(cache._tree._counts()) if unentered else cache.statistics()
     # `tier_tokens`, not `tokens`: the gauge `hicache_tokens_device` would share its family
     # name with the counter `hicache_tokens_device_total`, which OpenMetrics refuses.
     for field, prefix, kind in _GAUGE_SECTIONS:
@@ -287,9 +288,16 @@ def _read(members: list[tuple[HiCache, _Labels]]) -> list[tuple[_Labels, list[_F
         loop = cache.loop
         if cache._owner.on_owner_thread():
             read[index] = list(_families(cache))
-        elif loop is not None:
-            elsewhere.setdefault(loop, []).append(index)
-        # Else a cache not entered yet, read off its thread: no loop to hand the read to.
+            continue
+        if loop is None:
+            # Not entered: nothing changes a cache before `__aenter__`, whose first step binds
+            # its loop, so a read that ends with the loop still unbound saw a still cache.
+            families = list(_families(cache, unentered=True))
+            loop = cache.loop
+            if loop is None:
+                read[index] = families
+                continue
+        elsewhere.setdefault(loop, []).append(index)
     for loop, indexes in elsewhere.items():
         answers = _read_on(loop, [members[index][0] for index in indexes])
         if answers is not None:
@@ -419,7 +427,8 @@ def prometheus_collector(
 
     Needs the `prometheus` extra. Collection reads the cache's statistics on its event loop:
     from another thread (prometheus_client's `start_http_server`) it hands the reading to that
-    loop and waits up to 5 s, leaving out of the scrape a cache whose loop does not answer.
+    loop and waits up to 5 s, leaving out of the scrape a cache whose loop does not answer. A
+    cache not entered yet is read by the collecting thread itself.
 
     `labels` (label name to value) are added to every series of the cache. `registry`
     registers the collector there; a later call naming the same registry adds its cache to

@@ -33,6 +33,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
+from numpy.typing import NDArray
 
 from ._allocator import PageAllocator
 from ._config import MAX_POOL_NBYTES, CacheConfig, HostLayout, KVLayout
@@ -384,8 +385,8 @@ class KVPool:
         return words.view(-1, self._page_size * row_words)
 
     def copy_row_index(
-        self, pages: np.ndarray[Any, Any], *, per_token: bool
-    ) -> tuple[np.ndarray[Any, Any], int]:
+        self, pages: NDArray[np.integer[Any]], *, per_token: bool
+    ) -> tuple[NDArray[np.int64], int]:
         """Rows of `copy_rows(per_token=...)` that hold layer 0 of `pages`, and the row step
         from one layer to the next.
 

@@ -9,6 +9,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ._errors import CacheClosedError, type_name
 from .transfer import LayerwiseCopy
@@ -67,7 +68,7 @@ class Request:
     def __init__(
         self,
         cache: HiCache,
-        tokens: np.ndarray[Any, Any],
+        tokens: NDArray[np.uint32],
         keys: list[bytes],
         match: MatchResult,
         request_id: str | None,
@@ -105,7 +106,7 @@ class Request:
     # its priority, for as many pages as its tokens fill; changed afterwards, they would
     # publish its KV under another prompt's keys, or a priority no page header can hold.
     @property
-    def tokens(self) -> np.ndarray[Any, Any]:
+    def tokens(self) -> NDArray[np.uint32]:
         """The token ids (a `uint32` numpy array)."""
         return self._tokens
 

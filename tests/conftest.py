@@ -10,6 +10,11 @@ import structlog
 from _gated_copies import GatedEngine
 from hypothesis import HealthCheck, settings
 
+# One mooncake_master per session, for the backend tests and the fork tests alike.
+from hicache_async.testing._fixtures import mooncake_master, mooncake_url
+
+__all__ = ["mooncake_master", "mooncake_url"]
+
 # Hypothesis' per-example deadline is a timed assertion: on a shared two-core machine a
 # multi-MB example can take 250 ms for reasons that have nothing to do with the code. The
 # too_slow health check times example generation the same way.

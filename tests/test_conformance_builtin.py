@@ -28,7 +28,7 @@ from hicache_async.storage import (
     StorageStats,
 )
 from hicache_async.storage._protocol import PageBuffer
-from hicache_async.testing._conformance import MAC_KEY, StorageConformance
+from hicache_async.testing._conformance import MAC_KEY, StorageConformance, _declared_return
 from hicache_async.testing._faults import FaultyStorage
 
 _CAPACITY = 256 << 20
@@ -507,6 +507,48 @@ async def _suite_fails(check: Awaitable[None]) -> None:
     except pytest.skip.Exception as exc:
         pytest.fail(f"the suite skipped its check of a broken backend: {exc}")
     pytest.fail("the suite passed a broken backend")
+
+
+class _EntersAsNone(PlainStorage):
+    async def __aenter__(self) -> None:  # type: ignore[override]
+        await super().__aenter__()
+
+
+class _ExistsAsBool(PlainStorage):
+    async def exists(self, keys: Sequence[bytes]) -> bool:
+        return await super().exists(keys) == len(keys)
+
+
+class _DeletesAsBool(PlainStorage):
+    async def delete(self, keys: Sequence[bytes]) -> bool:
+        return await super().delete(keys) > 0
+
+
+@pytest.mark.parametrize("broken", [_EntersAsNone, _ExistsAsBool, _DeletesAsBool])
+async def test_the_suite_fails_a_backend_declaring_what_the_protocol_refuses(
+    broken: type[PlainStorage],
+) -> None:
+    # `async with` in the cache takes an `__aenter__` that returns None, and each answer of a
+    # `-> bool` method might happen to be refused only by a call the suite does not make: the
+    # declarations are what type checkers see and let through or refuse.
+    backend = broken(_CAPACITY)
+    async with backend:
+        await _suite_fails(
+            StorageConformance().test_declared_return_types_are_the_protocol_s(backend)
+        )
+
+
+def test_declared_returns_are_read_as_written() -> None:
+    def evaluated() -> None: ...
+
+    evaluated.__annotations__ = {"return": bool}
+    assert _declared_return(evaluated) == "bool"
+    evaluated.__annotations__ = {"return": None}
+    assert _declared_return(evaluated) == "None"
+    evaluated.__annotations__ = {}
+    assert _declared_return(evaluated) is None
+    assert _declared_return(PlainStorage.exists) == "int"
+    assert _declared_return(None) is None
 
 
 async def test_the_suite_fails_a_get_that_writes_past_its_buffers() -> None:

@@ -444,6 +444,25 @@ async def test_a_scrape_off_the_loop_leaves_out_a_cache_whose_loop_does_not_answ
         assert 'hicache_live_requests{model="a"} 0.0' in text
 
 
+async def test_a_scrape_off_its_thread_exports_a_cache_never_entered() -> None:
+    # Left out: a cache not entered has no loop to hand the read to, and nothing changes it
+    # until it is entered, so the scraping thread reads it as its own thread does.
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    waiting = HiCache(_labelled_config("waiting"))
+    prometheus_collector(waiting, labels={"model": "waiting"}, registry=registry)
+
+    def scrape() -> str:
+        return str(prometheus_client.generate_latest(registry).decode())
+
+    here = scrape()
+    assert 'hicache_live_requests{model="waiting"} 0.0' in here
+    assert await asyncio.to_thread(scrape) == here
+    async with waiting:  # entered, it is read on its loop as before
+        text = await asyncio.to_thread(scrape)
+        assert 'hicache_live_requests{model="waiting"} 0.0' in text
+
+
 async def test_label_names_given_in_another_order_are_the_same_names() -> None:
     # A mapping's order means nothing to its writer: {"rank": ..., "model": ...} after
     # {"model": ..., "rank": ...} was refused as names that "differ".

@@ -15,7 +15,19 @@ ACCEPTED = Path(__file__).parent / "typing" / "user_api.py"
 USER_CODE = """
 from hicache_async import HiCach, HiCache
 from hicache_async.storage import FileStorag, MemoryStorage
+from hicache_async.storage import StorageBackend
 from hicache_async.testing import MAC_KEY, FaultyStorag, FaultyStorage, StorageConformance
+
+
+class EntersAsNone(MemoryStorage):
+    async def __aenter__(self) -> None:  # type: ignore[override]
+        await super().__aenter__()
+
+
+def backend(store: StorageBackend) -> None: ...
+
+
+backend(EntersAsNone())  # refused here as by the conformance suite: `as` would bind None
 
 
 class TestMine(StorageConformance):
@@ -72,6 +84,7 @@ def test_a_typed_user_gets_real_types_and_typos_caught(mypy_output: dict[str, st
     assert 'Revealed type is "bytes"' in out or 'Revealed type is "builtins.bytes"' in out
     assert "StorageConformance" not in out  # subclassable: not Any
     assert 'Argument 1 to "match" of "HiCache" has incompatible type "str"' in out
+    assert 'Argument 1 to "backend" has incompatible type "EntersAsNone"' in out
 
 
 def test_typed_user_code_of_the_documented_api_checks_clean(mypy_output: dict[str, str]) -> None:

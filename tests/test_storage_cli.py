@@ -249,6 +249,7 @@ def test_gc_enforces_capacity(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         "freed_bytes": 3 * SIZE,
         "failed": 0,
         "over_capacity_bytes": 0,
+        "skipped": False,
     }
     assert len([p for p in (root / "pages").rglob("*") if p.is_file()]) == 2
 
@@ -278,8 +279,8 @@ def test_gc_that_cannot_evict_exits_3(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "pages=3" in err
     code, out, _ = _run(capsys, "gc", f"file://{root}?capacity={SIZE}")
     assert code == 0  # removable again: the same gc does its job
-    assert (
-        out.strip() == f"evicted_pages=3, freed_bytes={3 * SIZE}, failed=0, over_capacity_bytes=0"
+    assert out.strip() == (
+        f"evicted_pages=3, freed_bytes={3 * SIZE}, failed=0, over_capacity_bytes=0, skipped=False"
     )
 
 

@@ -80,6 +80,10 @@ class GcReport(msgspec.Struct, frozen=True):
     #: bytes the store still holds above its capacity after gc: pages that could not be
     #: removed, or that could not be evicted at all (being read or written).
     over_capacity_bytes: int = 0
+    #: True when this gc ran no pass: another one held the store's gc lease for longer than
+    #: this one would wait (Redis's `gc_wait`), and that one brings the store within its
+    #: capacity. Never set by a store without such a lease.
+    skipped: bool = False
 
 
 @runtime_checkable

@@ -46,6 +46,7 @@ import msgspec
 import structlog
 
 from .._errors import StorageError
+from .._forks import current_pid
 from ._manifest import (
     CompactReport,
     ManifestCollector,
@@ -54,6 +55,7 @@ from ._manifest import (
     ManifestRead,
     add_reports,
     carried_record,
+    check_same_process,
     encode_entry,
     off_loop,
 )
@@ -157,6 +159,12 @@ class MooncakeManifest:
         self._storage = storage
         self._known: set[str] = set()
         self._config: Any = None
+        self._pid = current_pid()
+
+    def _check_process(self) -> None:
+        # The store refuses a forked child's calls, but a call that sends none (an empty
+        # append, a read of a malformed namespace) went through there unrefused.
+        check_same_process(f"the manifest of {self._storage.name}", self._pid)
 
     # Names.
 
@@ -190,6 +198,7 @@ class MooncakeManifest:
 
         A record longer than `max_entry_bytes` (or than a chunk) is not stored.
         """
+        self._check_process()
         groups: dict[str, list[bytes]] = {}
         limit = self._line_limit
         for entry in entries:
@@ -225,6 +234,7 @@ class MooncakeManifest:
         the rest is returned); every record is validated. Raises `StorageError` if the master
         does not answer or an index cannot be read.
         """
+        self._check_process()
         if namespace is not None and not _NAMESPACE.match(namespace):
             return ManifestRead(entries=[])
         namespaces = [namespace] if namespace is not None else await self._namespaces()
@@ -261,6 +271,7 @@ class MooncakeManifest:
 
     async def compact(self) -> CompactReport:
         """Compact every known namespace (see `compact_namespace`)."""
+        self._check_process()
         total = CompactReport(0, 0, 0, 0, 0, 0)
         for namespace in await self._namespaces():
             total = add_reports(total, await self.compact_namespace(namespace))
@@ -271,6 +282,7 @@ class MooncakeManifest:
 
         Raises `StorageError` if another compaction holds the lock.
         """
+        self._check_process()
         if not _NAMESPACE.match(namespace):
             raise ValueError(f"not a namespace fingerprint: {namespace!r}")
         try:

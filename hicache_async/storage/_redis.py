@@ -192,6 +192,7 @@ _URL_PARAMS = {
     "get_pipeline_bytes": "bytes per GET pipeline (default 2MiB, 8MiB with bulk=0)",
     "max_batch_pages": "advertised batch size (default 512)",
     "capacity": "bytes under the prefix that gc() trims to (default: none)",
+    "gc_wait": "seconds a gc() waits for another's lease before it gives up (default: no bound)",
     "multikey": "0: no multi-key calls (Redis Cluster, proxies); default 1 (0 with cluster=1)",
     "cluster": "1: Redis Cluster, the URL's host:port a seed node, database 0; default 0",
     "bulk": "0: page values through redis-py too; default 1 (own plain-TCP connections)",
@@ -503,6 +504,7 @@ def _check_arguments(
     prefix: object,
     ttl: object,
     timeout: object,
+    gc_wait: object,
     counts: Mapping[str, object],
     sizes: Mapping[str, object],
     flags: Mapping[str, object],
@@ -535,6 +537,14 @@ def _check_arguments(
         # Less than a millisecond is no timeout a round trip can meet: every call would fail.
         raise StorageConfigError(
             f"redis timeout must be a finite number of seconds >= {_MIN_TIMEOUT_S}, got {timeout!r}"
+        )
+    if gc_wait is not None and (
+        isinstance(gc_wait, bool)
+        or not isinstance(gc_wait, numbers.Real)
+        or not 0 <= as_float(gc_wait) < math.inf
+    ):
+        raise StorageConfigError(
+            f"redis gc_wait must be a finite number of seconds >= 0 or None, got {gc_wait!r}"
         )
     for field, value in flags.items():
         if not (isinstance(value, bool) or (field == "multikey" and value is None)):
@@ -607,12 +617,14 @@ class RedisStorage(BackendBase):
         bulk: bool = True,
         cluster: bool = False,
         connection_kwargs: Mapping[str, Any] | None = None,
+        gc_wait: float | None = None,
     ) -> None:
         _check_arguments(
             url=url,
             prefix=prefix,
             ttl=ttl,
             timeout=timeout,
+            gc_wait=gc_wait,
             counts={
                 "max_connections": max_connections,
                 "concurrency": concurrency,
@@ -690,6 +702,7 @@ class RedisStorage(BackendBase):
         self._get_pipeline_bytes = get_pipeline_bytes
         self._max_batch_pages = max_batch_pages
         self._capacity = capacity_bytes
+        self._gc_wait = None if gc_wait is None else float(gc_wait)
         self._connection_kwargs = dict(connection_kwargs or {})
         self._cluster = cluster
         self._multikey = not cluster if multikey is None else multikey
@@ -739,9 +752,9 @@ class RedisStorage(BackendBase):
 
         Parameters: `ttl` (seconds), `prefix`, `max_connections`, `timeout` (seconds),
         `concurrency`, `put_pipeline_bytes`, `get_pipeline_bytes`, `max_batch_pages`,
-        `capacity` (a byte size such as 10GiB), `multikey` (0: no multi-key calls), `bulk`
-        (0: page values through redis-py), `cluster` (1: Redis Cluster, seeded by the URL's
-        host:port, database 0), for TLS
+        `capacity` (a byte size such as 10GiB), `gc_wait` (seconds), `multikey` (0: no
+        multi-key calls), `bulk` (0: page values through redis-py), `cluster` (1: Redis
+        Cluster, seeded by the URL's host:port, database 0), for TLS
         `ssl_cert_reqs`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`,
         and `client_name`. Anything else raises `StorageConfigError` listing what is accepted.
         """
@@ -777,6 +790,8 @@ class RedisStorage(BackendBase):
             kwargs["cluster"] = parse_bool(params["cluster"], field="cluster")
         if "timeout" in params:
             kwargs["timeout"] = parse_number(params["timeout"], field="redis URL parameter timeout")
+        if "gc_wait" in params:
+            kwargs["gc_wait"] = parse_number(params["gc_wait"], field="redis URL parameter gc_wait")
         _check_passthrough(params, tls=parts.scheme == "rediss")
         query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
@@ -2217,12 +2232,16 @@ class RedisStorage(BackendBase):
         Without a capacity this evicts nothing (Redis's own `maxmemory` policy bounds it),
         once the server has answered a PING: a server that cannot be reached raises
         StorageError, as with a capacity, not an empty report that reads as success.
+        With `gc_wait`, a pass that finds another holding the prefix's lease for longer
+        gives up and reports `skipped`, having evicted nothing.
         """
         client = self._redis()
         if self._capacity is None:
             await self._ping_for("gc", client)
             return GcReport(evicted_pages=0, freed_bytes=0)
-        async with self._gc_lease(client):
+        async with self._gc_lease(client) as held:
+            if not held:
+                return GcReport(evicted_pages=0, freed_bytes=0, skipped=True)
             return await self._gc_pass(client, self._capacity)
 
     async def _gc_pass(self, client: RedisClient, capacity: int) -> GcReport:
@@ -2254,13 +2273,18 @@ class RedisStorage(BackendBase):
         )
 
     @contextlib.asynccontextmanager
-    async def _gc_lease(self, client: RedisClient) -> AsyncIterator[None]:
-        """Hold the prefix's gc lease for the block: a gc waits while another holds it (the
-        next pass then sees what the first left). A server refusing the SET (an ACL, a
-        read-only replica) runs the pass without it, once logged."""
+    async def _gc_lease(self, client: RedisClient) -> AsyncIterator[bool]:
+        """Hold the prefix's gc lease for the block, which gets True: a gc waits while
+        another holds it (the next pass then sees what the first left), up to `gc_wait`,
+        after which the block gets False and holds nothing. A server refusing the SET (an
+        ACL, a read-only replica) runs the pass without it, once logged."""
         rkey = f"{self._prefix}:{_GC_LEASE_NAME}".encode()  # never a page key (not hex)
         token = secrets.token_hex(16).encode()
         ttl_ms = int(_GC_LEASE_S * 1000)
+        loop = asyncio.get_running_loop()
+        # A holder renews its lease for as long as its pass runs: without a bound, a caller
+        # would wait for the whole of another's long pass.
+        deadline = None if self._gc_wait is None else loop.time() + self._gc_wait
         waited = False
         refusal: str | None = None
         while True:
@@ -2273,6 +2297,17 @@ class RedisStorage(BackendBase):
                 break
             if taken:
                 break
+            left = math.inf if deadline is None else deadline - loop.time()
+            if left <= 0:
+                log.info(
+                    "storage.redis.gc_skipped",
+                    backend=self._name,
+                    gc_wait=self._gc_wait,
+                    detail="another gc still holds this prefix's lease: this one evicts "
+                    "nothing and reports skipped=True",
+                )
+                yield False
+                return
             if not waited:
                 waited = True
                 log.info(
@@ -2281,7 +2316,7 @@ class RedisStorage(BackendBase):
                     detail=f"another gc holds this prefix's lease: this one runs after it "
                     f"(a holder gone lets go within {_GC_LEASE_S:g} s)",
                 )
-            await asyncio.sleep(_GC_LEASE_POLL_S)
+            await asyncio.sleep(min(_GC_LEASE_POLL_S, left))
         if refusal is not None:
             log.warning(
                 "storage.redis.gc_lease_refused",
@@ -2290,11 +2325,11 @@ class RedisStorage(BackendBase):
                 detail="gc runs without its lease: two at once under this prefix may evict "
                 "more than needed",
             )
-            yield
+            yield True
             return
         renewal = asyncio.ensure_future(self._renew_gc_lease(client, rkey, token, ttl_ms))
         try:
-            yield
+            yield True
         finally:
             renewal.cancel()
             await asyncio.gather(renewal, return_exceptions=True)

@@ -192,6 +192,28 @@ def _too_small_for(stats: StorageStats, payload_nbytes: int) -> bool:
     return stats.capacity_bytes is not None and stats.capacity_bytes < 2 * payload_nbytes
 
 
+#: Return types a backend may not declare, by method: type checkers pass an `exists` or
+#: `delete` declared `-> bool` (a bool is an int to them), whose answers the cache refuses as
+#: failed calls; and an `__aenter__` declared `-> None`, which the cache's own `async with`
+#: takes, makes `async with open_storage(url) as store` bind None.
+_REFUSED_RETURNS = {"__aenter__": "None", "exists": "bool", "delete": "bool"}
+
+
+def _declared_return(method: object) -> str | None:
+    """The return type `method` declares, as written (`None`, `bool`, ...); None when it
+    declares none. Read from `__annotations__`, not resolved: a backend's hints may name types
+    it imports only for type checkers."""
+    annotations = getattr(method, "__annotations__", None)
+    if not isinstance(annotations, dict) or "return" not in annotations:
+        return None
+    declared = annotations["return"]
+    if isinstance(declared, str):
+        return declared.strip()
+    if declared is None or declared is type(None):
+        return "None"
+    return declared.__name__ if isinstance(declared, type) else repr(declared)
+
+
 def _assert_count(value: object, expected: int, call: str) -> None:
     # `==` alone would pass False for 0 and True for 1, which the cache refuses as answers.
     assert type(value) is int, f"{call} returned {value!r}, a {type(value).__name__}, not an int"
@@ -504,6 +526,18 @@ class StorageConformance:
         assert await _get_batches(backend, keys, buffers) == [Outcome.OK] * len(keys)
         for expected, buffer in zip(data, buffers, strict=True):
             assert _joined(buffer) == expected
+
+    async def test_declared_return_types_are_the_protocol_s(self, backend: StorageBackend) -> None:
+        # Answers are checked at every call below; a declaration the protocol refuses is
+        # looked at here, as `async with X() as store` cannot be checked on the entered
+        # backend (a backend opens once).
+        for name, refused in _REFUSED_RETURNS.items():
+            declared = _declared_return(getattr(type(backend), name, None))
+            expected = "the backend itself" if name == "__aenter__" else "an int count"
+            assert declared not in (refused, f"builtins.{refused}"), (
+                f"{type(backend).__name__}.{name} is declared to return {declared}, not "
+                f"{expected} (StorageBackend.{name})"
+            )
 
     async def test_capabilities_are_usable(self, backend: StorageBackend) -> None:
         # Callers size their batches by max_batch_pages: 0 would leave them nothing to send.

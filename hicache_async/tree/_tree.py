@@ -607,6 +607,11 @@ class RadixTree:
         """Counts of nodes, pages per tier, references and evictable pages (O(1))."""
         if self._owner is not None:
             self._owner.check()
+        return self._counts()
+
+    def _counts(self) -> TreeStatistics:
+        """`statistics()` without the owner's check, for a reader that knows nothing changes
+        the tree meanwhile."""
         return TreeStatistics(
             nodes=self._nodes,
             device_pages=self._device_pages,

@@ -5,17 +5,14 @@ A missing binary fails these fixtures (and the tests that use them); it never sk
 """
 
 from hicache_async.testing._fixtures import (
-    mooncake_master,
-    mooncake_url,
     redis_cluster,
     redis_cluster_url,
     redis_server,
     redis_url,
 )
 
+# The mooncake_master fixtures are in tests/conftest.py: the fork tests use them too.
 __all__ = [
-    "mooncake_master",
-    "mooncake_url",
     "redis_cluster",
     "redis_cluster_url",
     "redis_server",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -1381,6 +1382,48 @@ async def test_a_gc_lease_its_holder_left_holds_gc_back_only_until_it_expires(
         finally:
             await admin.aclose()
     assert [entry["event"] for entry in logs] == ["storage.redis.gc_waiting"]
+
+
+@pytest.mark.parametrize("wait", ["0", "0.2"])
+async def test_a_gc_with_gc_wait_gives_up_while_another_holds_the_lease(
+    redis_url: str, wait: str
+) -> None:
+    # A holder renews its lease for as long as its pass runs: without a bound the caller
+    # waited for the whole of that pass.
+    page = HEADER_NBYTES + 3000
+    url = fresh_url(redis_url, capacity=page, gc_wait=wait)
+    async with RedisStorage.from_url(url) as backend:
+        keys, pages, metas = make_pages(3)
+        assert await backend.put(keys, pages, metas) == [Outcome.OK] * 3
+        lease = f"{backend.prefix}:{_redis._GC_LEASE_NAME}"
+        admin = aioredis.Redis.from_url(redis_url)
+        try:
+            await admin.set(lease, b"running", px=600_000)  # a live pass, renewing it
+            with structlog.testing.capture_logs() as logs:
+                report = await backend.gc()
+            assert report == GcReport(evicted_pages=0, freed_bytes=0, skipped=True)
+            assert await admin.get(lease) == b"running"  # not taken, not removed
+            assert await backend.exists(keys) == 3
+            await admin.delete(lease)  # that pass ended: the next one runs
+            report = await backend.gc()
+            assert (report.evicted_pages, report.skipped) == (2, False)
+        finally:
+            await admin.aclose()
+    events = [entry["event"] for entry in logs]
+    assert events[-1] == "storage.redis.gc_skipped"
+    assert set(events) <= {"storage.redis.gc_waiting", "storage.redis.gc_skipped"}
+    assert_documented(logs, exact={"storage.redis.gc_skipped"})
+
+
+def test_gc_wait_takes_seconds_of_0_or_more() -> None:
+    assert RedisStorage(gc_wait=0)._gc_wait == 0.0
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/0?gc_wait=1.5")._gc_wait == 1.5
+    assert RedisStorage()._gc_wait is None
+    for bad in (-1, math.inf, math.nan, True, "1"):
+        with pytest.raises(StorageConfigError, match="gc_wait"):
+            RedisStorage(gc_wait=bad)  # type: ignore[arg-type]
+    with pytest.raises(StorageConfigError, match="gc_wait"):
+        RedisStorage.from_url("redis://127.0.0.1:6379/0?gc_wait=-1")
 
 
 async def test_a_gc_refused_its_lease_runs_without_it_and_says_so(redis_url: str) -> None:

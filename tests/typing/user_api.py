@@ -12,11 +12,12 @@ from types import TracebackType
 
 import numpy as np
 import torch
+from numpy.typing import NDArray
 from prometheus_client import CollectorRegistry
 from prometheus_client.registry import Collector
-from typing_extensions import assert_type
+from typing_extensions import Self, assert_type
 
-from hicache_async import CacheConfig, HiCache, KVLayout, prometheus_collector
+from hicache_async import CacheConfig, HiCache, KVLayout, KVPool, prometheus_collector
 from hicache_async.demo import DemoOptions, TraceRequest, run_demo
 from hicache_async.distributed import (
     BackgroundAgreements,
@@ -123,6 +124,14 @@ class DictStorage:
         return self._inner.manifest(limits)
 
 
+class SelfStorage(DictStorage):
+    """A backend whose `__aenter__` returns `Self`, as the built-in ones do."""
+
+    async def __aenter__(self) -> Self:
+        await super().__aenter__()
+        return self
+
+
 class OneRank:
     """A third-party rank group."""
 
@@ -165,6 +174,7 @@ def every_backend_is_a_storage_backend(config: CacheConfig) -> None:
         raw(store)
         maintainable(store)
         manifests(store)
+    backend(SelfStorage())
     streams(FileStorage("/tmp/pages"))
     streams(plugin)
     backend(FaultyStorage(redis, error_rate=0.1))
@@ -221,3 +231,19 @@ async def every_documented_token_form(cache: HiCache, ids: Sequence[int]) -> Non
     await cache.agree_cached_tokens(array("I", range(64)))
     cache.match(memoryview(array("i", range(64))))
     cache.match((1, 2, np.uint32(3)))
+
+
+async def arrays_say_their_dtypes(cache: HiCache, pool: KVPool) -> None:
+    with cache.request(range(64)) as req:
+        assert_type(req.tokens, NDArray[np.uint32])
+    rows, step = pool.copy_row_index(np.arange(4), per_token=True)
+    assert_type(rows, NDArray[np.int64])
+    assert_type(step, int)
+
+
+async def entered_backends_are_backends(url: str) -> None:
+    from hicache_async.storage import open_storage
+
+    async with open_storage(url) as store:
+        assert_type(store, StorageBackend)
+        assert_type(await store.exists([]), int)
