@@ -1580,6 +1580,54 @@ def test_a_lookup_neither_counts_nor_stamps_a_stuck_corrupt_page(
     ]
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_stuck_corrupt_page_read_by_gets_at_once_is_reported_once(
+    tmp_path: Path, shared: bool
+) -> None:
+    # Gets in flight at once each read the page before any of them remembered it as
+    # impossible to remove, and each counted and logged it. The reads are held until both
+    # have passed the check of what is remembered.
+    root = tmp_path / "s"
+    script = _stuck_page_script(root, 2) + textwrap.dedent(
+        f"""
+        import contextlib, threading
+        from hicache_async import _native
+
+        barrier = threading.Barrier(2, timeout=30)
+        real = _native.pread_checksum
+
+        def held(*args):
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait()
+            return real(*args)
+
+        size = len(gen.page_bytes(tokens, 0))
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared={shared!r}, io_threads=2) as storage:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 2
+                damage("checksum")
+                os.chmod(shard, 0o500)
+                _native.pread_checksum = held
+                intos = [[[memoryview(bytearray(size))]] for _ in range(2)]
+                outcomes = await asyncio.gather(
+                    *(storage.get(keys[1:], into, namespace=ns) for into in intos)
+                )
+                _native.pread_checksum = real
+                print(sorted(o[0].name for o in outcomes), storage.stats().corrupt)
+                os.chmod(shard, 0o700)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e["reason"] for e in logs if e["event"] == "storage.page.corrupt"])
+        """
+    )
+    done = _run_without_overrides(script)
+    for path in (root / "pages").rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["['CORRUPT', 'MISS'] 1", "logged ['checksum']"]
+
+
 def test_a_put_into_a_root_its_owner_may_not_write_is_a_refused_miss(tmp_path: Path) -> None:
     # A root made read-only by its mode (a reader's) refuses every write as a read-only file
     # system does: a MISS counted in refused_writes, not an ERROR the backup worker retries.

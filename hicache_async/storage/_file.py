@@ -1382,12 +1382,19 @@ class _StuckFiles:
             del self._files[key]  # another file now: read as any
             return False
 
-    def add(self, key: bytes, st: os.stat_result) -> None:
+    def add(self, key: bytes, st: os.stat_result) -> bool:
+        """Remember `st` as the file of `key` that could not be removed; False when it was
+        already (another read of it, in flight at once, remembered it first and reports it:
+        this one is a quiet miss, so the page is counted and logged once)."""
+        identity = _identity(st)
         with self._lock:
+            if self._files.get(key) == identity:
+                return False
             self._files.pop(key, None)
             if len(self._files) >= _STUCK_MAX:
                 del self._files[next(iter(self._files))]  # the oldest: read and reported again
-            self._files[key] = _identity(st)
+            self._files[key] = identity
+        return True
 
 
 def _mode_refuses_read(st: os.stat_result) -> bool:
@@ -1442,8 +1449,8 @@ def _open_or_remove_unreadable(
     try:
         _remove_if_same(shard_fd, name, st)
     except OSError as exc:  # still a miss; verify() retries the removal
-        if stuck is not None:
-            stuck.add(key, st)
+        if stuck is not None and not stuck.add(key, st) and not retry:
+            return "stuck"  # another read in flight met it first and reports it
         if why is not None:
             why.append(exc.strerror or str(exc))
         return "kept"
@@ -2803,7 +2810,9 @@ class FileStorage(BackendBase):
             try:
                 changed = not _remove_if_same(shard_fd, hexkey, st)
             except OSError:  # still reported, once; verify() retries the removal
-                self._stuck.add(key, st)
+                if not self._stuck.add(key, st):
+                    # Another read in flight at once met it first and reports it.
+                    return (_MISS, "", 0)
             if changed:
                 # Rewritten while it was read: what was read is torn, and the page now there
                 # is another. A miss that removes nothing and leaves the index alone.
