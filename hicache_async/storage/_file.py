@@ -1596,6 +1596,19 @@ class _SparePool:
         with self._lock:
             self._taken.discard(name)
 
+    def give_back(self, name: str, size: int, disk: int) -> bool:
+        """Take the file `name` in tmp/ (`size` bytes, `disk` on the disk) into the pool,
+        taken by a write or not: one that could be neither renamed nor removed. False when
+        the pool has no room for it (the caller still owns it)."""
+        with self._lock:
+            self._taken.discard(name)
+            if self.nbytes + size > self.limit:
+                return False
+            self.nbytes += size
+            self.disk_nbytes += disk
+            self._by_size.setdefault(size, []).append((name, disk))
+        return True
+
     @property
     def files(self) -> int:
         """How many spare files the pool holds."""
@@ -1950,6 +1963,10 @@ class FileStorage(BackendBase):
         self._seq = 0
         self._pins: dict[bytes, int] = {}
         self._stuck = _StuckFiles()
+        # Files in tmp/ of writes that failed, which could not be removed then (tmp/ not
+        # writable for a while) nor kept as spares: tried again (`_retry_tmp`).
+        self._unremoved_tmp: set[str] = set()
+        self._unremoved_tmp_lock = threading.Lock()
         # Whom every page file must belong to: the user the root's directories were checked
         # against (every instance of a root runs as its owner).
         self._uid = os.geteuid()
@@ -2198,8 +2215,11 @@ class FileStorage(BackendBase):
                 interrupted = interrupted or cancelled
             if self._helpers is not None:
                 self._helpers.shutdown(wait=False)
-            if self._handles is not None and self._spares is not None:
-                names = self._spares.names(drain=True)
+            if self._handles is not None:
+                names = set(self._spares.names(drain=True) if self._spares is not None else ())
+                with self._unremoved_tmp_lock:
+                    names |= self._unremoved_tmp
+                    self._unremoved_tmp.clear()
                 if names:  # off the loop: freeing cached pages takes a while per file
                     tmp_fd = self._handles.tmp_fd
                     cancelled = await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
@@ -3491,6 +3511,8 @@ class FileStorage(BackendBase):
         handles = self._handles_or_raise()
         segments = job.segments(pages, writable=False)  # before any I/O
         sizes = [sum([view.nbytes for view in views]) for views in segments]
+        if self._unremoved_tmp:
+            self._retry_tmp(handles)
         spares = self._spares
         if no_room:
             self._release_spares(handles, reason="disk full")
@@ -3599,10 +3621,9 @@ class FileStorage(BackendBase):
                     shard_fd = renewed
                 renamed = True
             finally:
-                if not renamed:  # else removed as a leftover at the next open or verify
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp_name, dir_fd=handles.tmp_fd)
-                if self._spares is not None:
+                if not renamed:
+                    self._drop_tmp(handles, tmp_name)
+                elif self._spares is not None:
                     self._spares.done(tmp_name)
         except OSError as exc:
             return _write_failure(exc)
@@ -3648,6 +3669,48 @@ class FileStorage(BackendBase):
         if self._spares is not None:
             self._spares.names(drain=True)  # they went with the old tmp/
         return os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+
+    def _drop_tmp(self, handles: _Handles, name: str) -> None:
+        """Remove the file `name` in tmp/ of a write that did not rename it. One tmp/ does not
+        let go of (its mode, for now) goes into the spare pool where it has room, else is
+        remembered: `_retry_tmp` tries again at the next put, `verify()`, `gc()` and close,
+        rather than it waiting for the next open."""
+        tmp_fd = handles.tmp_fd
+        spares = self._spares
+        try:
+            os.unlink(name, dir_fd=tmp_fd)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            kept = False
+            if spares is not None:
+                with contextlib.suppress(OSError):
+                    st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
+                    disk = st.st_blocks * 512 if st.st_blocks else st.st_size
+                    kept = (
+                        stat.S_ISREG(st.st_mode)
+                        and st.st_nlink == 1
+                        and spares.give_back(name, st.st_size, disk)
+                    )
+            if not kept:
+                with self._unremoved_tmp_lock:
+                    self._unremoved_tmp.add(name)
+        if spares is not None:
+            spares.done(name)
+
+    def _retry_tmp(self, handles: _Handles) -> None:
+        """Try again to remove the files `_drop_tmp` could not (on a job thread)."""
+        with self._unremoved_tmp_lock:
+            names = list(self._unremoved_tmp)
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=handles.tmp_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            with self._unremoved_tmp_lock:
+                self._unremoved_tmp.discard(name)
 
     def _write_fd(
         self, fd: int, segments: list[memoryview], total: int, meta: PageMeta, *, mtime_ns: int
@@ -3943,21 +4006,31 @@ class FileStorage(BackendBase):
             raise OSError(errno.ENOENT, "shard directory vanished")
         tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
         fd = self._create_tmp(handles, tmp_name)
+        renamed = False
         try:
-            _pwritev_full(fd, [memoryview(value)], 0, len(value))
-            self._sync_file(fd)
+            try:
+                _pwritev_full(fd, [memoryview(value)], 0, len(value))
+                self._sync_file(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+            except FileNotFoundError:
+                # Its shard directory was removed (an emptied one, by `gc()`): made again,
+                # once.
+                renewed = handles.renew_shard(
+                    hexkey[:2],
+                    shard_fd,
+                    durable=durable,
+                    then=_rename_in(handles, tmp_name, hexkey),
+                )
+                if renewed is None:
+                    raise
+                shard_fd = renewed
+            renamed = True
         finally:
-            os.close(fd)
-        try:
-            os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
-        except FileNotFoundError:
-            # Its shard directory was removed (an emptied one, by `gc()`): made again, once.
-            renewed = handles.renew_shard(
-                hexkey[:2], shard_fd, durable=durable, then=_rename_in(handles, tmp_name, hexkey)
-            )
-            if renewed is None:
-                raise
-            shard_fd = renewed
+            if not renamed:
+                self._drop_tmp(handles, tmp_name)
         if durable:
             os.fsync(shard_fd)
 
@@ -4094,6 +4167,7 @@ class FileStorage(BackendBase):
         """Check the root; returns the pages kept, the shards it could not list (whose
         indexed pages stay indexed), the corrupt pages removed, and the report."""
         handles = self._handles_or_raise()
+        self._retry_tmp(handles)
         idle = _STALE_TMP_SHARED_S if self._shared else _STALE_TMP_PRIVATE_S
         # This instance's own spare files are not leftovers, however long they have waited.
         spares = self._spares.names() if self._spares is not None else frozenset()
@@ -4355,6 +4429,7 @@ class FileStorage(BackendBase):
         """Release the spare files, then scan the root against the index (`before`)."""
         handles = self._handles_or_raise()
         self._release_spares(handles, reason="gc")
+        self._retry_tmp(handles)
         unlisted: list[str] = []
         # Shard directories left empty go, on a private root only: another instance sharing
         # the root would go on reading and listing through its descriptor of a removed one,
