@@ -1861,6 +1861,7 @@ class _Job:
         "cancelled",
         "done",
         "failed",
+        "gone",
         "rejected",
         "results",
         "room",
@@ -1873,6 +1874,8 @@ class _Job:
         self.results: list[_Result | None] = [None] * count
         self.done = 0  # removals reached (put's victims, delete's keys)
         self.failed: list[int] = []  # positions among those whose file could not be removed
+        # Removals reached whose file was gone already (another instance removed it first).
+        self.gone = 0
         # Positions of eviction victims left in place, another instance having used them
         # since this one did (a shared root), with their files' mtimes.
         self.spared: dict[int, float] = {}
@@ -3524,7 +3527,9 @@ class FileStorage(BackendBase):
             hexkey = key.hex()
             try:
                 shard_fd = handles.shard(hexkey[:2], create=False)
-                if shard_fd is not None:
+                if shard_fd is None:
+                    job.gone += 1
+                else:
                     used = _used_elsewhere(
                         shard_fd, hexkey, None if seen is None else seen[position]
                     )
@@ -3533,7 +3538,7 @@ class FileStorage(BackendBase):
                     else:
                         _remove_page(spares, handles, shard_fd, hexkey)
             except FileNotFoundError:
-                pass
+                job.gone += 1
             except OSError as exc:  # the page stays: it goes back into the index
                 job.failed.append(position)
                 unremoved.add(hexkey, exc)
@@ -3819,7 +3824,9 @@ class FileStorage(BackendBase):
         meanwhile: a delete that ran then removed the page for good."""
         done, failed = job.done, job.failed
         if evictions:
-            self._counters.evictions += done - len(failed) - len(job.spared)
+            # Only this instance's removals: a file another instance sharing the root removed
+            # first was its eviction (or delete), counted there.
+            self._counters.evictions += done - len(failed) - len(job.spared) - job.gone
         self._counters.errors += len(failed)
         gone = (
             frozenset()
@@ -3916,6 +3923,7 @@ class FileStorage(BackendBase):
                 shard_fd = handles.shard(hexkey[:2], create=False)
                 if shard_fd is None:
                     job.results[slot] = (_MISS, "", 0)
+                    job.gone += 1
                 elif (
                     used := _used_elsewhere(shard_fd, hexkey, None if seen is None else seen[slot])
                 ) is not None:
@@ -3927,6 +3935,7 @@ class FileStorage(BackendBase):
                     job.results[slot] = (_OK, "", 0)
             except FileNotFoundError:
                 job.results[slot] = (_MISS, "", 0)
+                job.gone += 1
             except OSError as exc:  # the page stays: it goes back into the index
                 job.results[slot] = (_ERROR, str(exc), 0)
                 job.failed.append(slot)
