@@ -4405,6 +4405,7 @@ class FileStorage(BackendBase):
         evicted = freed = unremoved = 0
         failed: set[bytes] = set()
         spared: set[bytes] = set()
+        shards: set[str] = set()  # of the victims
         stays = _Unremoved()
         try:
             while True:
@@ -4425,8 +4426,14 @@ class FileStorage(BackendBase):
                 freed += nbytes
                 failed.update(stayed)
                 unremoved += sum(self._index[key].nbytes for key in stayed if key in self._index)
+                if not self._shared:
+                    shards.update(key.hex()[:2] for key in victims)
         finally:
             stays.log("storage.evict.error", self._name, None)
+        if shards:
+            # Those the eviction emptied go now, as the scan's empty ones went (a private
+            # root only, see `_gc_scan_job`); one not empty stays, as it was.
+            await self.run_job(lambda stop: self._remove_empty_shards(sorted(shards)))
         return GcReport(
             evicted_pages=evicted,
             freed_bytes=freed,
@@ -4446,10 +4453,14 @@ class FileStorage(BackendBase):
         empty: list[str] | None = None if self._shared else []
         found = _scan(handles, stop, refused=unlisted, empty=empty, stuck=self._stuck)
         if empty and not stop.is_set():
-            removed = handles.remove_empty(empty)
-            if removed:
-                log.info("storage.shards.removed", backend=self._name, directories=removed)
+            self._remove_empty_shards(empty)
         return _diff_scan(found, before, frozenset(unlisted))
+
+    def _remove_empty_shards(self, names: list[str]) -> None:
+        """Remove the shard directories of `names` that are empty (a private root's)."""
+        removed = self._handles_or_raise().remove_empty(names)
+        if removed:
+            log.info("storage.shards.removed", backend=self._name, directories=removed)
 
     def _release_spares(self, handles: _Handles, *, reason: str) -> None:
         """Unlink every spare file no write has taken, logged when there were any: a warning
