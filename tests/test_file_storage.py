@@ -768,7 +768,8 @@ async def test_shared_lookups_that_index_nothing_evict_nothing(tmp_path: Path) -
         assert await _get(lowered, theirs) == [Outcome.OK]
         assert lowered._trimmer is not None
         await lowered._trimmer
-        assert (lowered.stats().bytes, lowered.stats().evictions) == (4 * SIZE, 5)
+        # Five pages left its index; `other`'s put had evicted the oldest already.
+        assert (lowered.stats().bytes, lowered.stats().evictions) == (4 * SIZE, 4)
 
 
 async def _polled(condition: Callable[[], bool], guard_s: float = 30.0) -> None:
