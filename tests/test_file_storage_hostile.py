@@ -1628,6 +1628,51 @@ def test_a_stuck_corrupt_page_read_by_gets_at_once_is_reported_once(
     assert done.stdout.splitlines() == ["['CORRUPT', 'MISS'] 1", "logged ['checksum']"]
 
 
+@pytest.mark.parametrize("when", ["open", "put"])
+def test_a_root_this_user_may_not_write_is_said_once(tmp_path: Path, when: str) -> None:
+    # Every put of a reader's instance was a refused MISS, and no line said why: only the
+    # per-page errors, once a minute, and the count of refused writes.
+    root = tmp_path / "s"
+    script = _stuck_page_script(root, 2) + textwrap.dedent(
+        f"""
+        tmp = os.path.join({str(root)!r}, "tmp")
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True):
+                pass
+            if {when!r} == "open":
+                os.chmod(tmp, 0o500)
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                os.chmod(tmp, 0o500)
+                print("open", storage.read_only)
+                for _ in range(2):
+                    print("put", [o.name for o in await storage.put(keys, pages, metas)])
+                print("then", storage.read_only, "read_only=tmp" in repr(storage))
+                os.chmod(tmp, 0o700)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
+                print("then", storage.read_only, "read_only" in repr(storage))
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        for e in logs:
+            if e["event"].startswith("storage.root."):
+                print(e["event"], os.path.basename(e.get("directory", "")))
+        """
+    )
+    done = _run_without_overrides(script)
+    (root / "tmp").chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        f"open {'tmp' if when == 'open' else None}",
+        "put ['MISS', 'MISS']",
+        "put ['MISS', 'MISS']",
+        "then tmp True",
+        "put ['OK', 'OK']",
+        "then None False",
+        "storage.root.read_only tmp",
+        "storage.root.writable ",
+    ]
+
+
 def test_a_spare_file_a_put_could_not_rename_is_kept_as_a_spare(tmp_path: Path) -> None:
     # With tmp/ not writable, a put over a spare file wrote it and could neither rename nor
     # remove it: the file was left behind, unaccounted, until the next open or verify().

@@ -649,6 +649,8 @@ _REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES})
 
 # A quota that ran out does not show in statvfs(): the second try counts no free bytes then.
 _QUOTA_DETAIL = f"write: {os.strerror(errno.EDQUOT)}"
+# A write refused by a directory's mode (`_write_failure`).
+_MODE_REFUSED = f"write: {os.strerror(errno.EACCES)}"
 
 
 class _DiskRoom(NamedTuple):
@@ -1475,6 +1477,19 @@ def _unlink_all(dir_fd: int, names: Iterable[str]) -> None:
             os.unlink(name, dir_fd=dir_fd)
 
 
+def _unwritable(handles: _Handles) -> str | None:
+    """The first of tmp/ and pages/ this user may not write into (by its mode or ACL,
+    asked with the effective ids), or None: a root read-only for a reader refuses every
+    put."""
+    for name, fd in ((_TMP, handles.tmp_fd), (_PAGES, handles.pages_fd)):
+        try:
+            if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd, effective_ids=True):
+                return name
+        except OSError:  # not answered (removed under us): the writes tell
+            continue
+    return None
+
+
 def _stamp(handles: _Handles, hexkey: str, mtime_ns: int) -> bool:
     """Set the mtime (and atime) of the page file `hexkey` to `mtime_ns`, never through a
     symlink; False when there is no such file or it cannot be stamped (that use is then
@@ -1868,6 +1883,7 @@ class _Job:
         "spared",
         "stamped",
         "touched",
+        "unwritable",
     )
 
     def __init__(self, count: int) -> None:
@@ -1890,6 +1906,9 @@ class _Job:
         self.cancelled = False
         # The file system's free room, taken when a write found none (for the second try).
         self.room: _DiskRoom | None = None
+        # A write job's look at the root after a write was refused by a mode: the directory
+        # this user may not write (`_unwritable`), "" when both may be written.
+        self.unwritable: str | None = None
 
     def segments(self, pages: Sequence[PageBuffer], *, writable: bool) -> list[list[memoryview]]:
         """The pages' byte views; bad buffers mark the job rejected and raise."""
@@ -1992,6 +2011,9 @@ class FileStorage(BackendBase):
         self._unreported_leftovers = 0
         # Pages put found no room for (after one more try) or the file system refused.
         self._refused_writes = 0
+        # The directory of the root (tmp/ or pages/) this user may not write, found at open
+        # or by a put the mode refused; None while both may be written.
+        self._read_only: str | None = None
         # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
         # A failing disk fails every batch alike: `storage.page.error` tells each kind of
@@ -2085,6 +2107,14 @@ class FileStorage(BackendBase):
         return self._refused_writes
 
     @property
+    def read_only(self) -> str | None:
+        """The root's directory (`"tmp"` or `"pages"`) this user may not write, found when the
+        store opened or when a put was refused by a directory's mode, else None: while it is
+        set every put is a refused MISS (`storage.root.read_only` said why, once;
+        `storage.root.writable` says when puts find it writable again)."""
+        return self._read_only
+
+    @property
     def io_threads(self) -> int:
         """Threads one batch may use."""
         return self._io_threads
@@ -2127,7 +2157,9 @@ class FileStorage(BackendBase):
             f"<FileStorage {self._name} state={self._state.value} pages={len(self._index)} "
             f"bytes={self._bytes} capacity={self._capacity} reserved={self._reserved} "
             f"reading={len(self._pins)} writing={len(self._writing)} "
-            f"spare={self._spares.nbytes if self._spares else 0}>"
+            f"spare={self._spares.nbytes if self._spares else 0}"
+            + (f" read_only={self._read_only}" if self._read_only else "")
+            + ">"
         )
 
     # Lifecycle.
@@ -2146,6 +2178,8 @@ class FileStorage(BackendBase):
                 ) from exc
             raise
         self._handles = holder[0]
+        if not self._keep_leftovers:  # an inspection writes nothing: no need to say so
+            self._note_writable(_unwritable(holder[0]) or "")
         # Closing the descriptors releases the root's lock, if this store is collected
         # without a close (BackendBase warns): no job runs then, as each holds the store.
         self._handles_closer = weakref.finalize(self, holder[0].close)
@@ -3408,6 +3442,28 @@ class FileStorage(BackendBase):
             inodes=plan.files,
         )
 
+    def _note_writable(self, unwritable: str) -> None:
+        """Record what a look at the root found: `unwritable`, the directory this user may
+        not write (`_unwritable`), or "" when it may write both. Each change is logged once:
+        a reader's instance of a shared root, or a root whose mode changed, refuses every
+        put, which the per-page errors alone do not say."""
+        handles = self._handles
+        if unwritable == (self._read_only or "") or handles is None:
+            return
+        root = handles._pages_path.parent
+        if unwritable:
+            log.warning(
+                "storage.root.read_only",
+                backend=self._name,
+                directory=str(root / unwritable),
+                error=f"this user (uid {os.geteuid()}) may not write into it: every put is "
+                "refused, a MISS counted in refused_writes; give the store's user write "
+                f"permission (chmod -R u+rwX {shlex.quote(str(root))})",
+            )
+        else:
+            log.info("storage.root.writable", backend=self._name, root=str(root))
+        self._read_only = unwritable or None
+
     def _refuse(self, errors: _PageErrors, pages: list[tuple[bytes, str]]) -> None:
         """Count pages (key, error) the file system refused as `refused_writes`, their
         errors in `errors`: each is a MISS, not an error a caller would retry."""
@@ -3477,6 +3533,8 @@ class FileStorage(BackendBase):
             no_room = self._commit_write(
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
+            if job.unwritable is not None:
+                self._note_writable(job.unwritable)
             if self._shared:
                 self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
@@ -3557,6 +3615,10 @@ class FileStorage(BackendBase):
             self._claims.settle(claims, i, written=result[0] == _OK)
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
+        if self._read_only is not None or any(
+            result is not None and result[1] == _MODE_REFUSED for result in results
+        ):
+            job.unwritable = _unwritable(handles) or ""
         if not no_room and any(result is not None and result[0] == _NO_ROOM for result in results):
             # After every write of the batch (and the removal of their temporary files): the
             # second try asks only for what the file system is short of. What this store
