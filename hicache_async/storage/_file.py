@@ -132,6 +132,8 @@ _FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Corrupt page files that could not be removed, remembered so as not to be read again.
 _STUCK_MAX = 1024
+# A page file a policy refused to open (see `_PolicyRefused`) is a quiet miss this long.
+_POLICY_RETRY_S = 60.0
 # O_NONBLOCK: a FIFO planted in the root must not block the open.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -1399,6 +1401,43 @@ class _StuckFiles:
         return True
 
 
+class _PolicyRefused:
+    """Page files a policy refused to open (a security module, seccomp, fanotify: a refusal
+    the file's mode does not explain), by key: the identity of the file and until when
+    (monotonic) it is not tried again. The first refusal is an ERROR, logged; a get of the
+    same file within `_POLICY_RETRY_S` is a miss without another error (each would cost the
+    caller an error and a retry), and the next one after it tries again, so a policy
+    changed at run time serves the page within that time. Used by read jobs, hence the
+    lock."""
+
+    def __init__(self) -> None:
+        self._files: dict[bytes, tuple[tuple[int, int, int, int, int], float]] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+    def add(self, key: bytes, st: os.stat_result) -> bool:
+        """Record that the file `st` of `key` was refused; False when it was already and is
+        not due to be tried again (the caller then reports a quiet miss)."""
+        identity = _identity(st)
+        now = time.monotonic()
+        with self._lock:
+            seen = self._files.get(key)
+            if seen is not None and seen[0] == identity and now < seen[1]:
+                return False
+            self._files.pop(key, None)
+            if len(self._files) >= _STUCK_MAX:
+                del self._files[next(iter(self._files))]
+            self._files[key] = (identity, now + _POLICY_RETRY_S)
+        return True
+
+    def forget(self, key: bytes) -> None:
+        """The page of `key` was opened: a later refusal is news."""
+        with self._lock:
+            self._files.pop(key, None)
+
+
 def _mode_refuses_read(st: os.stat_result) -> bool:
     """Whether the owner, group and mode bits of `st` deny this process reading the file."""
     if st.st_uid == os.geteuid():
@@ -1415,6 +1454,7 @@ def _open_or_remove_unreadable(
     *,
     retry: bool = False,
     why: list[str] | None = None,
+    policy: _PolicyRefused | None = None,
 ) -> int | str | None:
     """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
     remove it when it is still the same file and still refused by its mode (EACCES), not by a
@@ -1426,7 +1466,9 @@ def _open_or_remove_unreadable(
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
     looked at either or a policy refuses it (the shard directory, a security module: not the
     file's doing). With `retry` (verify()), a file met before is tried again. With "kept",
-    why the removal failed is added to `why`, when given."""
+    why the removal failed is added to `why`, when given. With `policy`, a file a policy
+    refused is recorded there, and "refused" is returned for one refused already and not due
+    to be tried again (see `_PolicyRefused`)."""
     name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -1444,6 +1486,8 @@ def _open_or_remove_unreadable(
         # Refused by a security module, a seccomp or fanotify policy (EPERM, or EACCES that
         # the file's mode does not explain): a sound page other instances may read.
         if exc.errno != errno.EACCES or not _mode_refuses_read(st):
+            if policy is not None and not policy.add(key, st):
+                return "refused"
             return ""
     except OSError:
         return ""
@@ -1985,6 +2029,7 @@ class FileStorage(BackendBase):
         self._seq = 0
         self._pins: dict[bytes, int] = {}
         self._stuck = _StuckFiles()
+        self._policy_refused = _PolicyRefused()
         # Files in tmp/ of writes that failed, which could not be removed then (tmp/ not
         # writable for a while) nor kept as spares: tried again (`_retry_tmp`).
         self._unremoved_tmp: set[str] = set()
@@ -2832,9 +2877,13 @@ class FileStorage(BackendBase):
         except FileNotFoundError:
             return (_MISS, "", 0)
         except PermissionError as exc:
-            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck)
+            opened = _open_or_remove_unreadable(
+                shard_fd, key, self._stuck, policy=self._policy_refused
+            )
             if opened is None or opened == "stuck":
                 return (_MISS, "", 0)
+            if opened == "refused":
+                return (_UNSUPPORTED, "", 0)  # a miss that leaves the page and index alone
             if isinstance(opened, str):
                 if not opened:
                     return (_ERROR, f"open: {exc.strerror}", 0)
@@ -2847,6 +2896,8 @@ class FileStorage(BackendBase):
                 _remove_if_same(shard_fd, hexkey, None)
             return (_CORRUPT, "symlink", 0)
         handles.read_from(hexkey[:2], shard_fd)
+        if self._policy_refused:  # opened now: a later refusal is news
+            self._policy_refused.forget(key)
         try:
             st = os.fstat(fd)
             if self._stuck and self._stuck.seen(key, st):
