@@ -1593,13 +1593,14 @@ def test_a_lookup_neither_counts_nor_stamps_a_stuck_corrupt_page(
     ]
 
 
+@pytest.mark.parametrize("stuck", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
-def test_a_stuck_corrupt_page_read_by_gets_at_once_is_reported_once(
-    tmp_path: Path, shared: bool
+def test_a_corrupt_page_read_by_gets_at_once_is_reported_once(
+    tmp_path: Path, shared: bool, stuck: bool
 ) -> None:
-    # Gets in flight at once each read the page before any of them remembered it as
-    # impossible to remove, and each counted and logged it. The reads are held until both
-    # have passed the check of what is remembered.
+    # Gets in flight at once each read the page before any of them removed it, or
+    # remembered it as impossible to remove, and each counted and logged it. The reads are
+    # held until both have passed the check of what is remembered.
     root = tmp_path / "s"
     script = _stuck_page_script(root, 2) + textwrap.dedent(
         f"""
@@ -1620,7 +1621,8 @@ def test_a_stuck_corrupt_page_read_by_gets_at_once_is_reported_once(
             async with FileStorage({str(root)!r}, shared={shared!r}, io_threads=2) as storage:
                 assert await storage.put(keys, pages, metas) == [Outcome.OK] * 2
                 damage("checksum")
-                os.chmod(shard, 0o500)
+                if {stuck!r}:
+                    os.chmod(shard, 0o500)
                 _native.pread_checksum = held
                 intos = [[[memoryview(bytearray(size))]] for _ in range(2)]
                 outcomes = await asyncio.gather(

@@ -1491,9 +1491,11 @@ def _open_or_remove_unreadable(
             return ""
     except OSError:
         return ""
-    # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
+    # Only the file stat() saw, refused twice: one renamed over it meanwhile stays, and one
+    # removed meanwhile (by another read in flight at once, which reports it) is a miss.
     try:
-        _remove_if_same(shard_fd, name, st)
+        if not _remove_if_same(shard_fd, name, st, gone=False) and not _exists(shard_fd, name):
+            return None
     except OSError as exc:  # still a miss; verify() retries the removal
         if stuck is not None and not stuck.add(key, st) and not retry:
             return "stuck"  # another read in flight met it first and reports it
@@ -2914,17 +2916,22 @@ class FileStorage(BackendBase):
         finally:
             os.close(fd)
         if result[0] == _CORRUPT:
-            changed = False
             try:
-                changed = not _remove_if_same(shard_fd, hexkey, st)
+                removed = _remove_if_same(shard_fd, hexkey, st, gone=False)
             except OSError:  # still reported, once; verify() retries the removal
                 if not self._stuck.add(key, st):
                     # Another read in flight at once met it first and reports it.
                     return (_MISS, "", 0)
-            if changed:
-                # Rewritten while it was read: what was read is torn, and the page now there
-                # is another. A miss that removes nothing and leaves the index alone.
-                return (_UNSUPPORTED, "", 0)
+            else:
+                if not removed and _exists(shard_fd, hexkey):
+                    # Rewritten while it was read: what was read is torn, and the page now
+                    # there is another. A miss that removes nothing and leaves the index
+                    # alone.
+                    return (_UNSUPPORTED, "", 0)
+                if not removed:
+                    # Removed meanwhile: by another read in flight at once, which reports
+                    # it, or by a delete.
+                    return (_MISS, "", 0)
         return result
 
     def _read_fd(
