@@ -50,6 +50,29 @@ async def test_gc_removes_an_emptied_shard_and_a_put_makes_it_again(tmp_path: Pa
         assert await _get(reopened, again + kept) == [Outcome.OK] * 3
 
 
+async def test_gc_removes_the_shards_its_own_eviction_emptied(tmp_path: Path) -> None:
+    # The shard directories of the pages a gc() evicted were left for the next gc().
+    root = tmp_path / "s"
+    old = _in_shard("ab", 3)
+    new = _in_shard("cd", 1)
+    async with FileStorage(root) as storage:
+        assert await _put(storage, old) == [Outcome.OK] * 3
+        assert await _put(storage, new) == [Outcome.OK]
+        size = storage.stats().bytes // 4
+    async with FileStorage(root, capacity_bytes=size) as storage:
+        with structlog.testing.capture_logs() as logs:
+            report = await storage.gc()
+        assert report.evicted_pages == 3
+        assert sorted(p.name for p in (root / "pages").iterdir()) == ["cd"]
+        removed = [e for e in logs if e["event"] == "storage.shards.removed"]
+        assert [e["directories"] for e in removed] == [1]
+        assert await _get(storage, new) == [Outcome.OK]
+        again = _in_shard("ab", 1, first=10)
+        assert await _put(storage, again) == [Outcome.OK]
+        assert await _get(storage, again) == [Outcome.OK]
+        await _assert_index_matches_disk(storage, root)
+
+
 async def test_a_put_into_a_shard_removed_before_its_rename_keeps_its_page(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -132,6 +132,8 @@ _FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Corrupt page files that could not be removed, remembered so as not to be read again.
 _STUCK_MAX = 1024
+# A page file a policy refused to open (see `_PolicyRefused`) is a quiet miss this long.
+_POLICY_RETRY_S = 60.0
 # O_NONBLOCK: a FIFO planted in the root must not block the open.
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -649,6 +651,8 @@ _REFUSED_ERRNOS = frozenset({errno.EROFS, errno.EFBIG, errno.EACCES})
 
 # A quota that ran out does not show in statvfs(): the second try counts no free bytes then.
 _QUOTA_DETAIL = f"write: {os.strerror(errno.EDQUOT)}"
+# A write refused by a directory's mode (`_write_failure`).
+_MODE_REFUSED = f"write: {os.strerror(errno.EACCES)}"
 
 
 class _DiskRoom(NamedTuple):
@@ -1382,12 +1386,56 @@ class _StuckFiles:
             del self._files[key]  # another file now: read as any
             return False
 
-    def add(self, key: bytes, st: os.stat_result) -> None:
+    def add(self, key: bytes, st: os.stat_result) -> bool:
+        """Remember `st` as the file of `key` that could not be removed; False when it was
+        already (another read of it, in flight at once, remembered it first and reports it:
+        this one is a quiet miss, so the page is counted and logged once)."""
+        identity = _identity(st)
         with self._lock:
+            if self._files.get(key) == identity:
+                return False
             self._files.pop(key, None)
             if len(self._files) >= _STUCK_MAX:
                 del self._files[next(iter(self._files))]  # the oldest: read and reported again
-            self._files[key] = _identity(st)
+            self._files[key] = identity
+        return True
+
+
+class _PolicyRefused:
+    """Page files a policy refused to open (a security module, seccomp, fanotify: a refusal
+    the file's mode does not explain), by key: the identity of the file and until when
+    (monotonic) it is not tried again. The first refusal is an ERROR, logged; a get of the
+    same file within `_POLICY_RETRY_S` is a miss without another error (each would cost the
+    caller an error and a retry), and the next one after it tries again, so a policy
+    changed at run time serves the page within that time. Used by read jobs, hence the
+    lock."""
+
+    def __init__(self) -> None:
+        self._files: dict[bytes, tuple[tuple[int, int, int, int, int], float]] = {}
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._files)
+
+    def add(self, key: bytes, st: os.stat_result) -> bool:
+        """Record that the file `st` of `key` was refused; False when it was already and is
+        not due to be tried again (the caller then reports a quiet miss)."""
+        identity = _identity(st)
+        now = time.monotonic()
+        with self._lock:
+            seen = self._files.get(key)
+            if seen is not None and seen[0] == identity and now < seen[1]:
+                return False
+            self._files.pop(key, None)
+            if len(self._files) >= _STUCK_MAX:
+                del self._files[next(iter(self._files))]
+            self._files[key] = (identity, now + _POLICY_RETRY_S)
+        return True
+
+    def forget(self, key: bytes) -> None:
+        """The page of `key` was opened: a later refusal is news."""
+        with self._lock:
+            self._files.pop(key, None)
 
 
 def _mode_refuses_read(st: os.stat_result) -> bool:
@@ -1406,6 +1454,7 @@ def _open_or_remove_unreadable(
     *,
     retry: bool = False,
     why: list[str] | None = None,
+    policy: _PolicyRefused | None = None,
 ) -> int | str | None:
     """After opening the page file of `key` was refused (EACCES, EPERM): open it again, or
     remove it when it is still the same file and still refused by its mode (EACCES), not by a
@@ -1417,7 +1466,9 @@ def _open_or_remove_unreadable(
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
     looked at either or a policy refuses it (the shard directory, a security module: not the
     file's doing). With `retry` (verify()), a file met before is tried again. With "kept",
-    why the removal failed is added to `why`, when given."""
+    why the removal failed is added to `why`, when given. With `policy`, a file a policy
+    refused is recorded there, and "refused" is returned for one refused already and not due
+    to be tried again (see `_PolicyRefused`)."""
     name = key.hex()
     try:
         st = os.stat(name, dir_fd=shard_fd, follow_symlinks=False)
@@ -1435,15 +1486,19 @@ def _open_or_remove_unreadable(
         # Refused by a security module, a seccomp or fanotify policy (EPERM, or EACCES that
         # the file's mode does not explain): a sound page other instances may read.
         if exc.errno != errno.EACCES or not _mode_refuses_read(st):
+            if policy is not None and not policy.add(key, st):
+                return "refused"
             return ""
     except OSError:
         return ""
-    # Only the file stat() saw, refused twice: one renamed over it meanwhile stays.
+    # Only the file stat() saw, refused twice: one renamed over it meanwhile stays, and one
+    # removed meanwhile (by another read in flight at once, which reports it) is a miss.
     try:
-        _remove_if_same(shard_fd, name, st)
+        if not _remove_if_same(shard_fd, name, st, gone=False) and not _exists(shard_fd, name):
+            return None
     except OSError as exc:  # still a miss; verify() retries the removal
-        if stuck is not None:
-            stuck.add(key, st)
+        if stuck is not None and not stuck.add(key, st) and not retry:
+            return "stuck"  # another read in flight met it first and reports it
         if why is not None:
             why.append(exc.strerror or str(exc))
         return "kept"
@@ -1466,6 +1521,19 @@ def _unlink_all(dir_fd: int, names: Iterable[str]) -> None:
     for name in names:
         with contextlib.suppress(OSError):
             os.unlink(name, dir_fd=dir_fd)
+
+
+def _unwritable(handles: _Handles) -> str | None:
+    """The first of tmp/ and pages/ this user may not write into (by its mode or ACL,
+    asked with the effective ids), or None: a root read-only for a reader refuses every
+    put."""
+    for name, fd in ((_TMP, handles.tmp_fd), (_PAGES, handles.pages_fd)):
+        try:
+            if not os.access(".", os.W_OK | os.X_OK, dir_fd=fd, effective_ids=True):
+                return name
+        except OSError:  # not answered (removed under us): the writes tell
+            continue
+    return None
 
 
 def _stamp(handles: _Handles, hexkey: str, mtime_ns: int) -> bool:
@@ -1588,6 +1656,19 @@ class _SparePool:
         """The write that took `name` has renamed or removed it."""
         with self._lock:
             self._taken.discard(name)
+
+    def give_back(self, name: str, size: int, disk: int) -> bool:
+        """Take the file `name` in tmp/ (`size` bytes, `disk` on the disk) into the pool,
+        taken by a write or not: one that could be neither renamed nor removed. False when
+        the pool has no room for it (the caller still owns it)."""
+        with self._lock:
+            self._taken.discard(name)
+            if self.nbytes + size > self.limit:
+                return False
+            self.nbytes += size
+            self.disk_nbytes += disk
+            self._by_size.setdefault(size, []).append((name, disk))
+        return True
 
     @property
     def files(self) -> int:
@@ -1841,18 +1922,22 @@ class _Job:
         "cancelled",
         "done",
         "failed",
+        "gone",
         "rejected",
         "results",
         "room",
         "spared",
         "stamped",
         "touched",
+        "unwritable",
     )
 
     def __init__(self, count: int) -> None:
         self.results: list[_Result | None] = [None] * count
         self.done = 0  # removals reached (put's victims, delete's keys)
         self.failed: list[int] = []  # positions among those whose file could not be removed
+        # Removals reached whose file was gone already (another instance removed it first).
+        self.gone = 0
         # Positions of eviction victims left in place, another instance having used them
         # since this one did (a shared root), with their files' mtimes.
         self.spared: dict[int, float] = {}
@@ -1867,6 +1952,9 @@ class _Job:
         self.cancelled = False
         # The file system's free room, taken when a write found none (for the second try).
         self.room: _DiskRoom | None = None
+        # A write job's look at the root after a write was refused by a mode: the directory
+        # this user may not write (`_unwritable`), "" when both may be written.
+        self.unwritable: str | None = None
 
     def segments(self, pages: Sequence[PageBuffer], *, writable: bool) -> list[list[memoryview]]:
         """The pages' byte views; bad buffers mark the job rejected and raise."""
@@ -1943,6 +2031,11 @@ class FileStorage(BackendBase):
         self._seq = 0
         self._pins: dict[bytes, int] = {}
         self._stuck = _StuckFiles()
+        self._policy_refused = _PolicyRefused()
+        # Files in tmp/ of writes that failed, which could not be removed then (tmp/ not
+        # writable for a while) nor kept as spares: tried again (`_retry_tmp`).
+        self._unremoved_tmp: set[str] = set()
+        self._unremoved_tmp_lock = threading.Lock()
         # Whom every page file must belong to: the user the root's directories were checked
         # against (every instance of a root runs as its owner).
         self._uid = os.geteuid()
@@ -1965,6 +2058,9 @@ class FileStorage(BackendBase):
         self._unreported_leftovers = 0
         # Pages put found no room for (after one more try) or the file system refused.
         self._refused_writes = 0
+        # The directory of the root (tmp/ or pages/) this user may not write, found at open
+        # or by a put the mode refused; None while both may be written.
+        self._read_only: str | None = None
         # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
         # A failing disk fails every batch alike: `storage.page.error` tells each kind of
@@ -2058,6 +2154,14 @@ class FileStorage(BackendBase):
         return self._refused_writes
 
     @property
+    def read_only(self) -> str | None:
+        """The root's directory (`"tmp"` or `"pages"`) this user may not write, found when the
+        store opened or when a put was refused by a directory's mode, else None: while it is
+        set every put is a refused MISS (`storage.root.read_only` said why, once;
+        `storage.root.writable` says when puts find it writable again)."""
+        return self._read_only
+
+    @property
     def io_threads(self) -> int:
         """Threads one batch may use."""
         return self._io_threads
@@ -2100,7 +2204,9 @@ class FileStorage(BackendBase):
             f"<FileStorage {self._name} state={self._state.value} pages={len(self._index)} "
             f"bytes={self._bytes} capacity={self._capacity} reserved={self._reserved} "
             f"reading={len(self._pins)} writing={len(self._writing)} "
-            f"spare={self._spares.nbytes if self._spares else 0}>"
+            f"spare={self._spares.nbytes if self._spares else 0}"
+            + (f" read_only={self._read_only}" if self._read_only else "")
+            + ">"
         )
 
     # Lifecycle.
@@ -2119,6 +2225,8 @@ class FileStorage(BackendBase):
                 ) from exc
             raise
         self._handles = holder[0]
+        if not self._keep_leftovers:  # an inspection writes nothing: no need to say so
+            self._note_writable(_unwritable(holder[0]) or "")
         # Closing the descriptors releases the root's lock, if this store is collected
         # without a close (BackendBase warns): no job runs then, as each holds the store.
         self._handles_closer = weakref.finalize(self, holder[0].close)
@@ -2191,8 +2299,11 @@ class FileStorage(BackendBase):
                 interrupted = interrupted or cancelled
             if self._helpers is not None:
                 self._helpers.shutdown(wait=False)
-            if self._handles is not None and self._spares is not None:
-                names = self._spares.names(drain=True)
+            if self._handles is not None:
+                names = set(self._spares.names(drain=True) if self._spares is not None else ())
+                with self._unremoved_tmp_lock:
+                    names |= self._unremoved_tmp
+                    self._unremoved_tmp.clear()
                 if names:  # off the loop: freeing cached pages takes a while per file
                     tmp_fd = self._handles.tmp_fd
                     cancelled = await self._run_while_closing(lambda: _unlink_all(tmp_fd, names))
@@ -2768,9 +2879,13 @@ class FileStorage(BackendBase):
         except FileNotFoundError:
             return (_MISS, "", 0)
         except PermissionError as exc:
-            opened = _open_or_remove_unreadable(shard_fd, key, self._stuck)
+            opened = _open_or_remove_unreadable(
+                shard_fd, key, self._stuck, policy=self._policy_refused
+            )
             if opened is None or opened == "stuck":
                 return (_MISS, "", 0)
+            if opened == "refused":
+                return (_UNSUPPORTED, "", 0)  # a miss that leaves the page and index alone
             if isinstance(opened, str):
                 if not opened:
                     return (_ERROR, f"open: {exc.strerror}", 0)
@@ -2783,6 +2898,8 @@ class FileStorage(BackendBase):
                 _remove_if_same(shard_fd, hexkey, None)
             return (_CORRUPT, "symlink", 0)
         handles.read_from(hexkey[:2], shard_fd)
+        if self._policy_refused:  # opened now: a later refusal is news
+            self._policy_refused.forget(key)
         try:
             st = os.fstat(fd)
             if self._stuck and self._stuck.seen(key, st):
@@ -2799,15 +2916,22 @@ class FileStorage(BackendBase):
         finally:
             os.close(fd)
         if result[0] == _CORRUPT:
-            changed = False
             try:
-                changed = not _remove_if_same(shard_fd, hexkey, st)
+                removed = _remove_if_same(shard_fd, hexkey, st, gone=False)
             except OSError:  # still reported, once; verify() retries the removal
-                self._stuck.add(key, st)
-            if changed:
-                # Rewritten while it was read: what was read is torn, and the page now there
-                # is another. A miss that removes nothing and leaves the index alone.
-                return (_UNSUPPORTED, "", 0)
+                if not self._stuck.add(key, st):
+                    # Another read in flight at once met it first and reports it.
+                    return (_MISS, "", 0)
+            else:
+                if not removed and _exists(shard_fd, hexkey):
+                    # Rewritten while it was read: what was read is torn, and the page now
+                    # there is another. A miss that removes nothing and leaves the index
+                    # alone.
+                    return (_UNSUPPORTED, "", 0)
+                if not removed:
+                    # Removed meanwhile: by another read in flight at once, which reports
+                    # it, or by a delete.
+                    return (_MISS, "", 0)
         return result
 
     def _read_fd(
@@ -3378,6 +3502,28 @@ class FileStorage(BackendBase):
             inodes=plan.files,
         )
 
+    def _note_writable(self, unwritable: str) -> None:
+        """Record what a look at the root found: `unwritable`, the directory this user may
+        not write (`_unwritable`), or "" when it may write both. Each change is logged once:
+        a reader's instance of a shared root, or a root whose mode changed, refuses every
+        put, which the per-page errors alone do not say."""
+        handles = self._handles
+        if unwritable == (self._read_only or "") or handles is None:
+            return
+        root = handles._pages_path.parent
+        if unwritable:
+            log.warning(
+                "storage.root.read_only",
+                backend=self._name,
+                directory=str(root / unwritable),
+                error=f"this user (uid {os.geteuid()}) may not write into it: every put is "
+                "refused, a MISS counted in refused_writes; give the store's user write "
+                f"permission (chmod -R u+rwX {shlex.quote(str(root))})",
+            )
+        else:
+            log.info("storage.root.writable", backend=self._name, root=str(root))
+        self._read_only = unwritable or None
+
     def _refuse(self, errors: _PageErrors, pages: list[tuple[bytes, str]]) -> None:
         """Count pages (key, error) the file system refused as `refused_writes`, their
         errors in `errors`: each is a MISS, not an error a caller would retry."""
@@ -3447,6 +3593,8 @@ class FileStorage(BackendBase):
             no_room = self._commit_write(
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
+            if job.unwritable is not None:
+                self._note_writable(job.unwritable)
             if self._shared:
                 self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
@@ -3484,6 +3632,8 @@ class FileStorage(BackendBase):
         handles = self._handles_or_raise()
         segments = job.segments(pages, writable=False)  # before any I/O
         sizes = [sum([view.nbytes for view in views]) for views in segments]
+        if self._unremoved_tmp:
+            self._retry_tmp(handles)
         spares = self._spares
         if no_room:
             self._release_spares(handles, reason="disk full")
@@ -3495,7 +3645,9 @@ class FileStorage(BackendBase):
             hexkey = key.hex()
             try:
                 shard_fd = handles.shard(hexkey[:2], create=False)
-                if shard_fd is not None:
+                if shard_fd is None:
+                    job.gone += 1
+                else:
                     used = _used_elsewhere(
                         shard_fd, hexkey, None if seen is None else seen[position]
                     )
@@ -3504,7 +3656,7 @@ class FileStorage(BackendBase):
                     else:
                         _remove_page(spares, handles, shard_fd, hexkey)
             except FileNotFoundError:
-                pass
+                job.gone += 1
             except OSError as exc:  # the page stays: it goes back into the index
                 job.failed.append(position)
                 unremoved.add(hexkey, exc)
@@ -3523,6 +3675,10 @@ class FileStorage(BackendBase):
             self._claims.settle(claims, i, written=result[0] == _OK)
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
+        if self._read_only is not None or any(
+            result is not None and result[1] == _MODE_REFUSED for result in results
+        ):
+            job.unwritable = _unwritable(handles) or ""
         if not no_room and any(result is not None and result[0] == _NO_ROOM for result in results):
             # After every write of the batch (and the removal of their temporary files): the
             # second try asks only for what the file system is short of. What this store
@@ -3592,10 +3748,9 @@ class FileStorage(BackendBase):
                     shard_fd = renewed
                 renamed = True
             finally:
-                if not renamed:  # else removed as a leftover at the next open or verify
-                    with contextlib.suppress(OSError):
-                        os.unlink(tmp_name, dir_fd=handles.tmp_fd)
-                if self._spares is not None:
+                if not renamed:
+                    self._drop_tmp(handles, tmp_name)
+                elif self._spares is not None:
                     self._spares.done(tmp_name)
         except OSError as exc:
             return _write_failure(exc)
@@ -3641,6 +3796,48 @@ class FileStorage(BackendBase):
         if self._spares is not None:
             self._spares.names(drain=True)  # they went with the old tmp/
         return os.open(name, _WRITE_FLAGS, _FILE_MODE, dir_fd=handles.tmp_fd)
+
+    def _drop_tmp(self, handles: _Handles, name: str) -> None:
+        """Remove the file `name` in tmp/ of a write that did not rename it. One tmp/ does not
+        let go of (its mode, for now) goes into the spare pool where it has room, else is
+        remembered: `_retry_tmp` tries again at the next put, `verify()`, `gc()` and close,
+        rather than it waiting for the next open."""
+        tmp_fd = handles.tmp_fd
+        spares = self._spares
+        try:
+            os.unlink(name, dir_fd=tmp_fd)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            kept = False
+            if spares is not None:
+                with contextlib.suppress(OSError):
+                    st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
+                    disk = st.st_blocks * 512 if st.st_blocks else st.st_size
+                    kept = (
+                        stat.S_ISREG(st.st_mode)
+                        and st.st_nlink == 1
+                        and spares.give_back(name, st.st_size, disk)
+                    )
+            if not kept:
+                with self._unremoved_tmp_lock:
+                    self._unremoved_tmp.add(name)
+        if spares is not None:
+            spares.done(name)
+
+    def _retry_tmp(self, handles: _Handles) -> None:
+        """Try again to remove the files `_drop_tmp` could not (on a job thread)."""
+        with self._unremoved_tmp_lock:
+            names = list(self._unremoved_tmp)
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=handles.tmp_fd)
+            except FileNotFoundError:
+                pass
+            except OSError:
+                continue
+            with self._unremoved_tmp_lock:
+                self._unremoved_tmp.discard(name)
 
     def _write_fd(
         self, fd: int, segments: list[memoryview], total: int, meta: PageMeta, *, mtime_ns: int
@@ -3749,7 +3946,9 @@ class FileStorage(BackendBase):
         meanwhile: a delete that ran then removed the page for good."""
         done, failed = job.done, job.failed
         if evictions:
-            self._counters.evictions += done - len(failed) - len(job.spared)
+            # Only this instance's removals: a file another instance sharing the root removed
+            # first was its eviction (or delete), counted there.
+            self._counters.evictions += done - len(failed) - len(job.spared) - job.gone
         self._counters.errors += len(failed)
         gone = (
             frozenset()
@@ -3846,6 +4045,7 @@ class FileStorage(BackendBase):
                 shard_fd = handles.shard(hexkey[:2], create=False)
                 if shard_fd is None:
                     job.results[slot] = (_MISS, "", 0)
+                    job.gone += 1
                 elif (
                     used := _used_elsewhere(shard_fd, hexkey, None if seen is None else seen[slot])
                 ) is not None:
@@ -3857,6 +4057,7 @@ class FileStorage(BackendBase):
                     job.results[slot] = (_OK, "", 0)
             except FileNotFoundError:
                 job.results[slot] = (_MISS, "", 0)
+                job.gone += 1
             except OSError as exc:  # the page stays: it goes back into the index
                 job.results[slot] = (_ERROR, str(exc), 0)
                 job.failed.append(slot)
@@ -3936,21 +4137,31 @@ class FileStorage(BackendBase):
             raise OSError(errno.ENOENT, "shard directory vanished")
         tmp_name = f"{hexkey}.{secrets.token_hex(8)}{_TMP_SUFFIX}"
         fd = self._create_tmp(handles, tmp_name)
+        renamed = False
         try:
-            _pwritev_full(fd, [memoryview(value)], 0, len(value))
-            self._sync_file(fd)
+            try:
+                _pwritev_full(fd, [memoryview(value)], 0, len(value))
+                self._sync_file(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+            except FileNotFoundError:
+                # Its shard directory was removed (an emptied one, by `gc()`): made again,
+                # once.
+                renewed = handles.renew_shard(
+                    hexkey[:2],
+                    shard_fd,
+                    durable=durable,
+                    then=_rename_in(handles, tmp_name, hexkey),
+                )
+                if renewed is None:
+                    raise
+                shard_fd = renewed
+            renamed = True
         finally:
-            os.close(fd)
-        try:
-            os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
-        except FileNotFoundError:
-            # Its shard directory was removed (an emptied one, by `gc()`): made again, once.
-            renewed = handles.renew_shard(
-                hexkey[:2], shard_fd, durable=durable, then=_rename_in(handles, tmp_name, hexkey)
-            )
-            if renewed is None:
-                raise
-            shard_fd = renewed
+            if not renamed:
+                self._drop_tmp(handles, tmp_name)
         if durable:
             os.fsync(shard_fd)
 
@@ -4087,6 +4298,7 @@ class FileStorage(BackendBase):
         """Check the root; returns the pages kept, the shards it could not list (whose
         indexed pages stay indexed), the corrupt pages removed, and the report."""
         handles = self._handles_or_raise()
+        self._retry_tmp(handles)
         idle = _STALE_TMP_SHARED_S if self._shared else _STALE_TMP_PRIVATE_S
         # This instance's own spare files are not leftovers, however long they have waited.
         spares = self._spares.names() if self._spares is not None else frozenset()
@@ -4315,6 +4527,7 @@ class FileStorage(BackendBase):
         evicted = freed = unremoved = 0
         failed: set[bytes] = set()
         spared: set[bytes] = set()
+        shards: set[str] = set()  # of the victims
         stays = _Unremoved()
         try:
             while True:
@@ -4335,8 +4548,14 @@ class FileStorage(BackendBase):
                 freed += nbytes
                 failed.update(stayed)
                 unremoved += sum(self._index[key].nbytes for key in stayed if key in self._index)
+                if not self._shared:
+                    shards.update(key.hex()[:2] for key in victims)
         finally:
             stays.log("storage.evict.error", self._name, None)
+        if shards:
+            # Those the eviction emptied go now, as the scan's empty ones went (a private
+            # root only, see `_gc_scan_job`); one not empty stays, as it was.
+            await self.run_job(lambda stop: self._remove_empty_shards(sorted(shards)))
         return GcReport(
             evicted_pages=evicted,
             freed_bytes=freed,
@@ -4348,6 +4567,7 @@ class FileStorage(BackendBase):
         """Release the spare files, then scan the root against the index (`before`)."""
         handles = self._handles_or_raise()
         self._release_spares(handles, reason="gc")
+        self._retry_tmp(handles)
         unlisted: list[str] = []
         # Shard directories left empty go, on a private root only: another instance sharing
         # the root would go on reading and listing through its descriptor of a removed one,
@@ -4355,10 +4575,14 @@ class FileStorage(BackendBase):
         empty: list[str] | None = None if self._shared else []
         found = _scan(handles, stop, refused=unlisted, empty=empty, stuck=self._stuck)
         if empty and not stop.is_set():
-            removed = handles.remove_empty(empty)
-            if removed:
-                log.info("storage.shards.removed", backend=self._name, directories=removed)
+            self._remove_empty_shards(empty)
         return _diff_scan(found, before, frozenset(unlisted))
+
+    def _remove_empty_shards(self, names: list[str]) -> None:
+        """Remove the shard directories of `names` that are empty (a private root's)."""
+        removed = self._handles_or_raise().remove_empty(names)
+        if removed:
+            log.info("storage.shards.removed", backend=self._name, directories=removed)
 
     def _release_spares(self, handles: _Handles, *, reason: str) -> None:
         """Unlink every spare file no write has taken, logged when there were any: a warning
