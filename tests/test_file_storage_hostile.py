@@ -1643,6 +1643,55 @@ def test_a_corrupt_page_read_by_gets_at_once_is_reported_once(
     assert done.stdout.splitlines() == ["['CORRUPT', 'MISS'] 1", "logged ['checksum']"]
 
 
+@pytest.mark.parametrize("call", ["get", "verify"])
+def test_an_unreadable_page_replaced_before_its_removal_is_not_reported(
+    tmp_path: Path, call: str
+) -> None:
+    # Another instance's put renamed a sound page over the unreadable file between its look
+    # and its removal (as after another read in flight removed and reported it): the file
+    # was left alone, yet reported, counted and logged as a corrupt page this call removed.
+    root = tmp_path / "s"
+    script = _stuck_page_script(root, 2) + textwrap.dedent(
+        f"""
+        import shutil
+        from hicache_async.storage import _file
+
+        real = _file._remove_if_same
+
+        def replaced_first(shard_fd, name, st, **kwargs):
+            if name == keys[1].hex() and os.path.exists(path + ".sound"):
+                os.rename(path + ".sound", path)
+            return real(shard_fd, name, st, **kwargs)
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK] * 2
+                shutil.copy2(path, path + ".sound")
+                damage("unreadable")
+                _file._remove_if_same = replaced_first
+                if {call!r} == "get":
+                    await get(storage)
+                else:
+                    print("verify", (await storage.verify()).corrupt_removed)
+                _file._remove_if_same = real
+                print("corrupt", storage.stats().corrupt, os.path.exists(path))
+                await get(storage)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e["reason"] for e in logs if e["event"] == "storage.page.corrupt"])
+        """
+    )
+    done = _run_without_overrides(script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first = "get ['OK', 'MISS']" if call == "get" else "verify 0"
+    assert done.stdout.splitlines() == [
+        first,
+        "corrupt 0 True",
+        "get ['OK', 'OK']",
+        "logged []",
+    ]
+
+
 @pytest.mark.parametrize("when", ["open", "put"])
 def test_a_root_this_user_may_not_write_is_said_once(tmp_path: Path, when: str) -> None:
     # Every put of a reader's instance was a refused MISS, and no line said why: only the

@@ -1465,7 +1465,8 @@ def _open_or_remove_unreadable(
     file that opens now, None when it is gone, "removed", "kept" when it could not be removed
     (remembered in `stuck`), "stuck" for such a file met before, or "" when it cannot be
     looked at either or a policy refuses it (the shard directory, a security module: not the
-    file's doing). With `retry` (verify()), a file met before is tried again. With "kept",
+    file's doing), or "changed" when another file took its place before it was removed (left
+    alone). With `retry` (verify()), a file met before is tried again. With "kept",
     why the removal failed is added to `why`, when given. With `policy`, a file a policy
     refused is recorded there, and "refused" is returned for one refused already and not due
     to be tried again (see `_PolicyRefused`)."""
@@ -1494,8 +1495,10 @@ def _open_or_remove_unreadable(
     # Only the file stat() saw, refused twice: one renamed over it meanwhile stays, and one
     # removed meanwhile (by another read in flight at once, which reports it) is a miss.
     try:
-        if not _remove_if_same(shard_fd, name, st, gone=False) and not _exists(shard_fd, name):
-            return None
+        if not _remove_if_same(shard_fd, name, st, gone=False):
+            # Another file is there now (a put's, after another read removed this one): it
+            # was not removed here, so not reported here either.
+            return "changed" if _exists(shard_fd, name) else None
     except OSError as exc:  # still a miss; verify() retries the removal
         if stuck is not None and not stuck.add(key, st) and not retry:
             return "stuck"  # another read in flight met it first and reports it
@@ -2884,7 +2887,7 @@ class FileStorage(BackendBase):
             )
             if opened is None or opened == "stuck":
                 return (_MISS, "", 0)
-            if opened == "refused":
+            if opened in ("refused", "changed"):
                 return (_UNSUPPORTED, "", 0)  # a miss that leaves the page and index alone
             if isinstance(opened, str):
                 if not opened:
@@ -4405,6 +4408,8 @@ class FileStorage(BackendBase):
                 return (_MISS, ""), scratch
             if opened == "removed":
                 return (_CORRUPT, "unreadable"), scratch
+            if opened == "changed":
+                return (_EXISTS, ""), scratch  # another file now: left, uncounted
             if isinstance(opened, int):
                 os.close(opened)  # readable now: the next verify() checks it
             # Said as a corrupt page that stays is, without the file's name (`key` names it).
