@@ -1737,6 +1737,56 @@ def test_a_root_this_user_may_not_write_is_said_once(tmp_path: Path, when: str) 
     ]
 
 
+def test_an_older_look_at_the_root_does_not_undo_a_newer_one(tmp_path: Path) -> None:
+    # Two puts at once: the first looked at the root while tmp/ was not writable and finished
+    # after the second, which had found it writable. The first's look was recorded last:
+    # the root was read-only again (logged again) while puts landed, until the next put.
+    root = tmp_path / "s"
+    script = _stuck_page_script(root, 3) + textwrap.dedent(
+        f"""
+        import threading
+        from hicache_async.storage import _file
+
+        tmp = os.path.join({str(root)!r}, "tmp")
+        real = _file._unwritable
+        looked, go = threading.Event(), threading.Event()
+
+        def held_first(handles):
+            found = real(handles)
+            if not looked.is_set():
+                looked.set()
+                go.wait(30)
+            return found
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared=True):
+                pass
+            os.chmod(tmp, 0o500)
+            async with FileStorage({str(root)!r}, shared=True) as storage:
+                _file._unwritable = held_first
+                first = asyncio.ensure_future(storage.put(keys[:1], pages[:1], metas[:1]))
+                await asyncio.get_running_loop().run_in_executor(None, looked.wait, 30)
+                os.chmod(tmp, 0o700)
+                print("put", [o.name for o in await storage.put(keys[1:2], pages[1:2], metas[1:2])])
+                go.set()
+                print("put", [o.name for o in await first])
+                print("then", storage.read_only)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e["event"] for e in logs if e["event"].startswith("storage.root.")])
+        """
+    )
+    done = _run_without_overrides(script)
+    (root / "tmp").chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "put ['OK']",
+        "put ['MISS']",
+        "then None",
+        "logged ['storage.root.read_only', 'storage.root.writable']",
+    ]
+
+
 def test_a_spare_file_a_put_could_not_rename_is_kept_as_a_spare(tmp_path: Path) -> None:
     # With tmp/ not writable, a put over a spare file wrote it and could neither rename nor
     # remove it: the file was left behind, unaccounted, until the next open or verify().

@@ -60,6 +60,7 @@ import errno
 import fcntl
 import functools
 import heapq
+import itertools
 import os
 import secrets
 import shlex
@@ -1955,9 +1956,10 @@ class _Job:
         self.cancelled = False
         # The file system's free room, taken when a write found none (for the second try).
         self.room: _DiskRoom | None = None
-        # A write job's look at the root after a write was refused by a mode: the directory
-        # this user may not write (`_unwritable`), "" when both may be written.
-        self.unwritable: str | None = None
+        # A write job's look at the root after a write was refused by a mode: its number
+        # (`FileStorage._looks`) and the directory this user may not write (`_unwritable`),
+        # "" when both may be written.
+        self.unwritable: tuple[int, str] | None = None
 
     def segments(self, pages: Sequence[PageBuffer], *, writable: bool) -> list[list[memoryview]]:
         """The pages' byte views; bad buffers mark the job rejected and raise."""
@@ -2064,6 +2066,10 @@ class FileStorage(BackendBase):
         # The directory of the root (tmp/ or pages/) this user may not write, found at open
         # or by a put the mode refused; None while both may be written.
         self._read_only: str | None = None
+        # Looks at whether the root may be written are numbered as they begin: puts running
+        # at once may finish in another order, and an older look must not undo a newer one.
+        self._looks = itertools.count(1)
+        self._look_noted = 0
         # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
         # A failing disk fails every batch alike: `storage.page.error` tells each kind of
@@ -2229,7 +2235,7 @@ class FileStorage(BackendBase):
             raise
         self._handles = holder[0]
         if not self._keep_leftovers:  # an inspection writes nothing: no need to say so
-            self._note_writable(_unwritable(holder[0]) or "")
+            self._note_writable(0, _unwritable(holder[0]) or "")
         # Closing the descriptors releases the root's lock, if this store is collected
         # without a close (BackendBase warns): no job runs then, as each holds the store.
         self._handles_closer = weakref.finalize(self, holder[0].close)
@@ -3505,11 +3511,15 @@ class FileStorage(BackendBase):
             inodes=plan.files,
         )
 
-    def _note_writable(self, unwritable: str) -> None:
-        """Record what a look at the root found: `unwritable`, the directory this user may
-        not write (`_unwritable`), or "" when it may write both. Each change is logged once:
-        a reader's instance of a shared root, or a root whose mode changed, refuses every
-        put, which the per-page errors alone do not say."""
+    def _note_writable(self, look: int, unwritable: str) -> None:
+        """Record what the look numbered `look` at the root found: `unwritable`, the directory
+        this user may not write (`_unwritable`), or "" when it may write both; one older than
+        a look recorded already is left out. Each change is logged once: a reader's instance
+        of a shared root, or a root whose mode changed, refuses every put, which the per-page
+        errors alone do not say."""
+        if look < self._look_noted:
+            return
+        self._look_noted = look
         handles = self._handles
         if unwritable == (self._read_only or "") or handles is None:
             return
@@ -3597,7 +3607,7 @@ class FileStorage(BackendBase):
                 job, writes, write_keys, outcomes, now, epoch=epoch, final=again, given_up=given_up
             )
             if job.unwritable is not None:
-                self._note_writable(job.unwritable)
+                self._note_writable(*job.unwritable)
             if self._shared:
                 self._as_stamped([*write_keys, *stamps], job.stamped)
             self._unwatch(epoch)
@@ -3681,7 +3691,8 @@ class FileStorage(BackendBase):
         if self._read_only is not None or any(
             result is not None and result[1] == _MODE_REFUSED for result in results
         ):
-            job.unwritable = _unwritable(handles) or ""
+            look = next(self._looks)
+            job.unwritable = (look, _unwritable(handles) or "")
         if not no_room and any(result is not None and result[0] == _NO_ROOM for result in results):
             # After every write of the batch (and the removal of their temporary files): the
             # second try asks only for what the file system is short of. What this store
