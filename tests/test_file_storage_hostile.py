@@ -1737,6 +1737,39 @@ def test_a_root_this_user_may_not_write_is_said_once(tmp_path: Path, when: str) 
     ]
 
 
+def test_a_pages_directory_this_user_may_not_write_is_said_as_it_is(tmp_path: Path) -> None:
+    # With pages/ not writable, puts into its shard directories made already still land:
+    # the line said every put was refused.
+    root = tmp_path / "s"
+    script = _stuck_page_script(root, 4) + textwrap.dedent(
+        f"""
+        pages_dir = os.path.join({str(root)!r}, "pages")
+
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                assert await storage.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+                assert await storage.delete(keys[:1]) == 1
+            os.chmod(pages_dir, 0o500)
+            async with FileStorage({str(root)!r}) as storage:
+                print("open", storage.read_only)
+                print("put", [o.name for o in await storage.put(keys, pages, metas)])
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        for e in logs:
+            if e["event"] == "storage.root.read_only":
+                print(os.path.basename(e["directory"]), "every put is refused" in e["error"])
+        """
+    )
+    done = _run_without_overrides(script)
+    (root / "pages").chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "open pages",
+        "put ['OK', 'MISS', 'MISS', 'MISS']",
+        "pages False",
+    ]
+
+
 def test_an_older_look_at_the_root_does_not_undo_a_newer_one(tmp_path: Path) -> None:
     # Two puts at once: the first looked at the root while tmp/ was not writable and finished
     # after the second, which had found it writable. The first's look was recorded last:

@@ -2166,7 +2166,8 @@ class FileStorage(BackendBase):
     def read_only(self) -> str | None:
         """The root's directory (`"tmp"` or `"pages"`) this user may not write, found when the
         store opened or when a put was refused by a directory's mode, else None: while it is
-        set every put is a refused MISS (`storage.root.read_only` said why, once;
+        set every put is a refused MISS (with `"pages"`, every put whose shard directory is
+        not made yet; `storage.root.read_only` said why, once;
         `storage.root.writable` says when puts find it writable again)."""
         return self._read_only
 
@@ -3525,11 +3526,13 @@ class FileStorage(BackendBase):
             return
         root = handles._pages_path.parent
         if unwritable:
+            # Shard directories made already may still be writable under a pages/ that is not.
+            refused = "every put" if unwritable == _TMP else "a put into a new shard directory"
             log.warning(
                 "storage.root.read_only",
                 backend=self._name,
                 directory=str(root / unwritable),
-                error=f"this user (uid {os.geteuid()}) may not write into it: every put is "
+                error=f"this user (uid {os.geteuid()}) may not write into it: {refused} is "
                 "refused, a MISS counted in refused_writes; give the store's user write "
                 f"permission (chmod -R u+rwX {shlex.quote(str(root))})",
             )
