@@ -199,16 +199,19 @@ def test_a_manifest_obtained_before_a_fork_refuses_the_child_and_serves_the_pare
         loop.close()
 
 
-@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize("kind", ["file", "memory", "redis"])
 def test_a_manifest_obtained_in_the_child_of_a_store_opened_before_the_fork_is_refused(
     tmp_path: Path, kind: str, request: pytest.FixtureRequest
 ) -> None:
     # The store refuses the child; a file manifest taken from it there went by the root's path
-    # and appended to, read and compacted the parent's root.
+    # and appended to, read and compacted the parent's root, and a memory one worked on.
     storage: BackendBase
-    storage = (
-        FileStorage(tmp_path / "s") if kind == "file" else _shared_store(kind, "forkc", request)
-    )
+    if kind == "file":
+        storage = FileStorage(tmp_path / "s")
+    elif kind == "memory":
+        storage = MemoryStorage()
+    else:
+        storage = _shared_store(kind, "forkc", request)
     entry = chain_entry(NS, [os.urandom(32)], PAGE, 0, 1.0)
     loop = asyncio.new_event_loop()
     try:
