@@ -9,8 +9,10 @@ import contextlib
 import ctypes
 import threading
 import time
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -549,6 +551,33 @@ def test_declared_returns_are_read_as_written() -> None:
     assert _declared_return(evaluated) is None
     assert _declared_return(PlainStorage.exists) == "int"
     assert _declared_return(None) is None
+
+
+class _EvaluatedOnRead:
+    """A method as Python 3.14 gives one whose hints name a type imported only for type
+    checkers: reading its `__annotations__` evaluates them, which raises NameError."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self._function = function
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        return self if instance is None else types.MethodType(self._function, instance)
+
+    @property
+    def __annotations__(self) -> dict[str, Any]:  # type: ignore[override]
+        raise NameError("name 'PageCount' is not defined")
+
+
+class _HintsOnlyForTypeCheckers(PlainStorage):
+    exists = _EvaluatedOnRead(PlainStorage.exists)  # type: ignore[assignment]
+
+
+async def test_the_suite_passes_a_backend_whose_hints_cannot_be_evaluated_at_run_time() -> None:
+    # The NameError came out of the suite as the backend's failure.
+    async with _HintsOnlyForTypeCheckers(_CAPACITY) as backend:
+        assert await backend.exists([b"\x01" * 32]) == 0
+        await StorageConformance().test_declared_return_types_are_the_protocol_s(backend)
+    assert _declared_return(_HintsOnlyForTypeCheckers.exists) is None
 
 
 async def test_the_suite_fails_a_get_that_writes_past_its_buffers() -> None:

@@ -199,6 +199,51 @@ def test_a_manifest_obtained_before_a_fork_refuses_the_child_and_serves_the_pare
         loop.close()
 
 
+@pytest.mark.parametrize("kind", ["file", "memory", "redis"])
+def test_a_manifest_obtained_in_the_child_of_a_store_opened_before_the_fork_is_refused(
+    tmp_path: Path, kind: str, request: pytest.FixtureRequest
+) -> None:
+    # The store refuses the child; a file manifest taken from it there went by the root's path
+    # and appended to, read and compacted the parent's root, and a memory one worked on.
+    storage: BackendBase
+    if kind == "file":
+        storage = FileStorage(tmp_path / "s")
+    elif kind == "memory":
+        storage = MemoryStorage()
+    else:
+        storage = _shared_store(kind, "forkc", request)
+    entry = chain_entry(NS, [os.urandom(32)], PAGE, 0, 1.0)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(storage.__aenter__())
+
+        def child() -> str:
+            async def use() -> str:
+                manifest = storage.manifest()  # type: ignore[attr-defined]
+                with pytest.raises(StorageError, match="forked"):
+                    await manifest.append([entry])
+                with pytest.raises(StorageError, match="forked"):
+                    await manifest.read()
+                with pytest.raises(StorageError, match="forked"):
+                    await manifest.compact()
+                await storage.close()
+                return "refused"
+
+            return asyncio.run(use())
+
+        report = _in_child(child)
+        assert report == "refused", report
+        manifest = storage.manifest()  # type: ignore[attr-defined]
+        assert loop.run_until_complete(manifest.read()).entries == []
+        loop.run_until_complete(manifest.append([entry]))
+        assert [e.chain_id for e in loop.run_until_complete(manifest.read()).entries] == [
+            entry.chain_id
+        ]
+        loop.run_until_complete(storage.close())
+    finally:
+        loop.close()
+
+
 def test_a_cache_entered_before_a_fork_refuses_a_child_running_the_parent_s_loop(
     tmp_path: Path,
 ) -> None:

@@ -81,10 +81,12 @@ import numpy as np
 
 from .. import _native
 from .._errors import StorageConfigError, StorageError
+from .._forks import current_pid, forked_error
 from .._ratelog import LogLimiter
 from .._uncancelled import finish_uncancelled
 from ._base import (
     BackendBase,
+    _State,
     byte_segments,
     check_batch,
     check_key,
@@ -2179,13 +2181,19 @@ class FileStorage(BackendBase):
     def manifest(self, limits: ManifestLimits | None = None) -> FileManifest:
         """The warmup manifest: `manifest.jsonl` in the root, beside the pages. While the
         store is open, it refuses to work (StorageError) once the root's path no longer names
-        the directory the store opened (see `_check_root_path`)."""
+        the directory the store opened (see `_check_root_path`), and in a child forked from
+        the process that opened the store."""
         return FileManifest(self._root / _MANIFEST_NAME, limits, guard=self._check_root_path)
 
     async def _check_root_path(self) -> None:
         """StorageError when the store is open and its root's path was replaced since (by a
         symlink, or another directory): the manifest goes by that path, where the pages go by
-        the directory's descriptor, and must not follow it out of the root."""
+        the directory's descriptor, and must not follow it out of the root. StorageError too
+        in a child forked from the process that opened the store."""
+        if self._state is not _State.NEW and current_pid() != self._pid:
+            # The store refuses the child every call; a manifest taken from it there would
+            # still write the parent's root by path.
+            raise StorageError(forked_error(f"the manifest of {self._name}", self._pid))
         handles = self._handles
         if handles is None:
             return

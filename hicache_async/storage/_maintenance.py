@@ -82,7 +82,8 @@ class GcReport(msgspec.Struct, frozen=True):
     over_capacity_bytes: int = 0
     #: True when this gc ran no pass: another one held the store's gc lease for longer than
     #: this one would wait (Redis's `gc_wait`), and that one brings the store within its
-    #: capacity. Never set by a store without such a lease.
+    #: capacity (unless it was killed: its lease then holds gc back until it expires). Never
+    #: set by a store without such a lease.
     skipped: bool = False
 
 

@@ -1059,7 +1059,11 @@ class MemoryManifest:
     rewrite of everything.
     """
 
-    def __init__(self, limits: ManifestLimits | None = None) -> None:
+    def __init__(
+        self, limits: ManifestLimits | None = None, *, owner_pid: int | None = None
+    ) -> None:
+        """`owner_pid`: the process it belongs to (default: this one), whose forked children
+        it refuses."""
         self.limits = limits or ManifestLimits()
         # By (namespace, chain id), as ManifestCollector keys chains, in the order the records
         # held were appended: the rank (priority, last use) and the record line of each
@@ -1080,7 +1084,7 @@ class MemoryManifest:
         self._oversized = 0
         self._newer = 0
         self._compacting = anyio.Lock()
-        self._pid = current_pid()
+        self._pid = current_pid() if owner_pid is None else owner_pid
 
     def _count(self, what: str) -> None:
         setattr(self, f"_{what}", getattr(self, f"_{what}") + 1)

@@ -31,6 +31,7 @@ from .. import _native
 from .._errors import StorageConfigError
 from ._base import (
     BackendBase,
+    _State,
     byte_segments,
     check_batch,
     check_key,
@@ -154,7 +155,10 @@ class MemoryStorage(BackendBase):
     def manifest(self, limits: ManifestLimits | None = None) -> MemoryManifest:
         """The warmup manifest, kept in memory beside the pages."""
         if self._manifest is None:
-            self._manifest = MemoryManifest(limits)
+            # One made in a forked child of the process that opened the store is that
+            # process's, as the store is: the child is refused both.
+            owner = None if self._state is _State.NEW else self._pid
+            self._manifest = MemoryManifest(limits, owner_pid=owner)
         elif limits is not None:
             self._manifest.limits = limits
         return self._manifest

@@ -29,6 +29,7 @@ batch's bytes may answer MISS for the pages it has no room for).
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import random
 import re
@@ -203,7 +204,12 @@ def _declared_return(method: object) -> str | None:
     """The return type `method` declares, as written (`None`, `bool`, ...); None when it
     declares none. Read from `__annotations__`, not resolved: a backend's hints may name types
     it imports only for type checkers."""
-    annotations = getattr(method, "__annotations__", None)
+    try:
+        annotations = getattr(method, "__annotations__", None)
+    except Exception:
+        # Python 3.14 evaluates annotations when they are read (PEP 649): one naming a type
+        # imported only for type checkers raises NameError there, as written it does not.
+        annotations = _annotations_as_written(method)
     if not isinstance(annotations, dict) or "return" not in annotations:
         return None
     declared = annotations["return"]
@@ -212,6 +218,16 @@ def _declared_return(method: object) -> str | None:
     if declared is None or declared is type(None):
         return "None"
     return declared.__name__ if isinstance(declared, type) else repr(declared)
+
+
+def _annotations_as_written(method: object) -> object:
+    """`method`'s annotations as strings, through `annotationlib` (Python 3.14 and later);
+    None where they cannot be had (nothing declared that can be checked)."""
+    try:
+        annotationlib = importlib.import_module("annotationlib")
+        return annotationlib.get_annotations(method, format=annotationlib.Format.STRING)
+    except Exception:
+        return None
 
 
 def _assert_count(value: object, expected: int, call: str) -> None:
