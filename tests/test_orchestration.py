@@ -455,11 +455,13 @@ async def test_prefetches_still_queued_at_a_detach_finish_cancelled() -> None:
 
 
 class GatedExists(Unowned):
-    """A real backend whose `exists` calls are counted and, while `gate` is set, wait for it."""
+    """A real backend whose `exists` calls are counted and, while `gate` is set, wait for it;
+    its gets wait for `get_gate` while that is set."""
 
     def __init__(self, inner: StorageBackend) -> None:
         super().__init__(inner)
         self.gate: asyncio.Future[None] | None = None
+        self.get_gate: asyncio.Future[None] | None = None
         self.calls = 0
         self.started = asyncio.Event()
 
@@ -467,8 +469,15 @@ class GatedExists(Unowned):
         self.calls += 1
         self.started.set()
         if self.gate is not None:
-            await self.gate
+            await asyncio.shield(self.gate)  # a lookup cut short leaves the gate to the test
         return await self.inner.exists(keys)
+
+    async def get(
+        self, keys: Sequence[bytes], into: Sequence[PageBuffer], *, namespace: bytes
+    ) -> list[Outcome]:
+        if self.get_gate is not None:
+            await asyncio.shield(self.get_gate)
+        return await self.inner.get(keys, into, namespace=namespace)
 
 
 # A `timeout` policy's limit: 50 ms whatever the prompt's length.
@@ -513,8 +522,10 @@ async def test_a_full_queue_bounds_the_wait_and_abandoned_prefetches_read_nothin
         third = await asyncio.wait_for(cache.prefetch(prompts[2]), 10)
         assert third.status is PrefetchStatus.TERMINATED
         assert third.cached_tokens == 0
-        for handle in (stuck, queued):
-            assert (await handle.ready()).cached_tokens == 0  # the callers give up
+        # The callers give up, the queued one's first: the stuck one's lookup is cut short
+        # then, and its worker would take a prefetch still queued.
+        for handle in (queued, stuck):
+            assert (await handle.ready()).cached_tokens == 0
         gated.gate.set_result(None)
         results = await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait()), 10)
         assert {r.status for r in results} == {PrefetchStatus.TERMINATED}
@@ -567,14 +578,21 @@ async def test_a_prefetch_a_worker_runs_as_its_submit_gives_up_stays_live() -> N
         full = TakenAsTheLimitPasses(link)
         real_send, prefetcher._send = prefetcher._send, full  # type: ignore[assignment]
         worker = asyncio.ensure_future(prefetcher._work(full.worker_queue))
+        # The third's lookup answers and its get waits: a terminate cuts a lookup short, but
+        # lets a read in flight land.
+        lookups = gated.gate
+        assert lookups is not None
+        gated.gate = None
+        gated.get_gate = asyncio.get_running_loop().create_future()
         try:
             third = await asyncio.wait_for(cache.start_prefetch(prompts[2]), 10)
-            assert third.status is PrefetchStatus.RUNNING  # in the (gated) exists call
+            assert third.status is PrefetchStatus.RUNNING  # in the (gated) get
             assert prefetcher._live == 3  # the stuck one, the queued one, and this one
             assert not prefetcher._quiet.is_set()
         finally:
             prefetcher._send = real_send
-            gated.gate.set_result(None)
+            lookups.set_result(None)
+            gated.get_gate.set_result(None)
         await asyncio.wait_for(asyncio.gather(stuck.wait(), queued.wait(), third.wait()), 10)
         full.send_to_worker.close()
         await asyncio.wait_for(worker, 10)

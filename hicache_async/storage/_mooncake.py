@@ -1366,7 +1366,15 @@ class MooncakeStorage(BackendBase):
             return 0
         await self._check_master_turning()
         names = [self._mkey(k) for k in keys]
-        results = await self.run_job(lambda stop: list(store.batch_is_exist(names)))
+
+        def lookup(stop: threading.Event) -> list[int]:
+            # Given up while it waited for a thread (its caller cancelled, the backend
+            # closing): asking a master that may not answer could take its 30 s timeout.
+            if stop.is_set():
+                raise StorageError(f"{self._name}: exists given up before it began")
+            return list(store.batch_is_exist(names))
+
+        results = await self.run_job(lookup)
         count = 0
         for result in results:
             if result == 1:

@@ -83,6 +83,9 @@ class StorageLink:
         # A close whose caller was cancelled: its flush is given up (`hurry`).
         self._hurried = False
         self._flush_scope: anyio.CancelScope | None = None
+        # The backup worker's, cancelled once a close stops flushing (see `_finish_close`).
+        self._backup_scope: anyio.CancelScope | None = None
+        self._backup_stop = False
         self._flushing = False
         #: The backend is open and the workers have started.
         self.running = False
@@ -238,9 +241,23 @@ class StorageLink:
 
     async def _run_backup(self) -> None:
         try:
-            await self.backup.run()
+            with anyio.CancelScope() as scope:
+                self._backup_scope = scope
+                if self._backup_stop:
+                    scope.cancel()  # the close stopped flushing before this task began
+                await self.backup.run()
         finally:
+            self._backup_scope = None
             self._backup_done.set()
+
+    def _stop_backup(self) -> None:
+        """End the backup worker now: the queued jobs dropped, the write in progress
+        cancelled (a backend call that cannot be cut short still runs to its end, but no
+        further call is made)."""
+        self._backup_stop = True
+        self.backup.drop_queued()
+        if self._backup_scope is not None:
+            self._backup_scope.cancel()
 
     async def close(self, *, flush: bool, deadline_s: float) -> None:
         """Stop prefetches, flush (or drop) pending backups within the deadline, close.
@@ -311,6 +328,10 @@ class StorageLink:
         self._flush_scope = None
         if flush and not self._hurried and not self._backup_done.is_set():
             _log.warning("hicache.backup.flush.deadline", pending=self.backup.pending)
+        # The flush is over (done, past its deadline, given up or not asked for): no backup
+        # may be written from here on, although the wait below can be long (a prefetch's
+        # call that cannot be cut short, in a thread to a store that stopped answering).
+        self._stop_backup()
         # Warmup prefetches run in their callers' tasks, outside the task group: the reads
         # they were cancelled in must be over before the backend closes under them.
         await self.prefetcher.wait_stopped()

@@ -308,6 +308,7 @@ class PrefetchHandle:
         "_in_queue",
         "_kept_for_others",
         "_keys",
+        "_lookup",
         "_min_tokens",
         "_num_tokens",
         "_order",
@@ -393,6 +394,8 @@ class PrefetchHandle:
         self._in_queue = False  # holds a slot of the prefetcher's queue (see `_PrefetchQueue`)
         self._cancel_requested = False
         self._scope: anyio.CancelScope | None = None
+        # Its `exists` call while in flight, which a terminate cuts short (see `_fetch`).
+        self._lookup: anyio.CancelScope | None = None
         # The keys of this prefetch's storage call in flight (others may wait on them).
         self._reading: list[bytes] = []
         # The reads of others this prefetch waits on.
@@ -503,6 +506,8 @@ class PrefetchHandle:
         finishes TERMINATED at once, and its place in the queue is free again."""
         self._check_owner()
         self._terminated = True
+        if self._lookup is not None:
+            self._lookup.cancel()
         if self._prefetcher is not None:
             if self._in_queue:
                 self._prefetcher._drop_queued(self, PrefetchStatus.TERMINATED)
@@ -1203,16 +1208,25 @@ class Prefetcher:
             handle._cut_at_failed = True
             return PrefetchStatus.TERMINATED
         try:
-            with anyio.fail_after(self.config.io_timeout_s):
-                answer = await self._backend.exists(
-                    self._cache.namespace.storage_keys(keys[start:])
-                )
+            # A prefetch terminated meanwhile (its caller's wait ran out) would drop the
+            # answer: its lookup is cut short, so that a store slow to answer for some keys
+            # does not hold a worker, and the prefetches queued behind it, for as long.
+            with anyio.CancelScope() as lookup:
+                handle._lookup = lookup
+                with anyio.fail_after(self.config.io_timeout_s):
+                    answer = await self._backend.exists(
+                        self._cache.namespace.storage_keys(keys[start:])
+                    )
+            if lookup.cancelled_caught:
+                return handle._stopped()  # its pages count as not reached
             existing = check_exists(answer, len(keys) - start)
         except Exception as exc:
             # Pages, as everywhere in these counters: the ones that could not be looked up.
             self.errors += handle._read_only_to(start)
             self._warn("hicache.prefetch.exists.failed", exc, request_id=handle.request_id)
             return PrefetchStatus.SKIPPED
+        finally:
+            handle._lookup = None
         self.misses += handle._read_only_to(start + existing)  # asked of storage, not there
         if existing * size < threshold:
             self.pages_skipped += handle._read_only_to(start)

@@ -2524,3 +2524,46 @@ async def test_idle_clients_of_one_frozen_master_are_checked_once(
             for client in _POOL._abandoned[abandoned:]:
                 client.close()
             del _POOL._abandoned[abandoned:]
+
+
+class _HeldLookups(_Client):
+    """The Mooncake client, its `batch_is_exist` held on a thread until `release` is set (a
+    master that does not answer), counting the calls that reached it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.release = threading.Event()
+        self.calls = 0
+
+    def batch_is_exist(self, names: Any) -> Any:
+        self.calls += 1
+        self.release.wait(30)  # a hang guard only
+        return self.inner.batch_is_exist(names)
+
+
+async def test_a_lookup_cancelled_while_it_waits_for_a_thread_never_asks_the_master(
+    mooncake_url: str,
+) -> None:
+    async with MooncakeStorage.from_url(fresh_url(mooncake_url, threads=1)) as storage:
+        keys, _, _ = make_pages(2)
+        client = _HeldLookups(storage._store)
+        storage._store = client
+        try:
+            first = asyncio.ensure_future(storage.exists(keys))
+            for _ in range(1000):  # until the only thread is in the held call
+                if client.calls:
+                    break
+                await asyncio.sleep(0.001)
+            assert client.calls == 1
+            queued = asyncio.ensure_future(storage.exists(keys))
+            await asyncio.sleep(0)  # its job waits for the thread
+            queued.cancel()
+            await asyncio.sleep(0)
+            client.release.set()
+            assert await asyncio.wait_for(first, 30) == 0
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(queued, 30)
+            assert client.calls == 1  # the cancelled lookup's job did not call the client
+        finally:
+            client.release.set()
+            storage._store = client.inner
