@@ -2231,8 +2231,16 @@ class FileStorage(BackendBase):
 
     async def _open(self) -> None:
         holder: list[_Handles] = []
+
+        def job(stop: threading.Event) -> tuple[int, str]:
+            leftovers = self._open_job(stop, holder)
+            # `access` is a system call: asked here, off the loop.
+            if self._keep_leftovers:  # an inspection writes nothing: no need to say so
+                return leftovers, ""
+            return leftovers, _unwritable(holder[0]) or ""
+
         try:
-            leftovers = await self.run_job(lambda stop: self._open_job(stop, holder))
+            leftovers, unwritable = await self.run_job(job)
         except BaseException as exc:
             for handles in holder:
                 handles.close()
@@ -2243,8 +2251,8 @@ class FileStorage(BackendBase):
                 ) from exc
             raise
         self._handles = holder[0]
-        if not self._keep_leftovers:  # an inspection writes nothing: no need to say so
-            self._note_writable(0, _unwritable(holder[0]) or "")
+        if not self._keep_leftovers:
+            self._note_writable(0, unwritable)
         # Closing the descriptors releases the root's lock, if this store is collected
         # without a close (BackendBase warns): no job runs then, as each holds the store.
         self._handles_closer = weakref.finalize(self, holder[0].close)

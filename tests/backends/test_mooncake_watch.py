@@ -255,6 +255,8 @@ def test_a_health_answer_that_does_not_end_is_read_no_further_than_its_start() -
     # takes the status and stops reading, rather than holding all of it.
     total = 256 << 20
     sent: list[int] = []
+    # The handler runs on a daemon thread the server's close does not join.
+    answered = threading.Event()
 
     class Endless(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -270,6 +272,7 @@ def test_a_health_answer_that_does_not_end_is_read_no_further_than_its_start() -
             except OSError:  # the probe closed the connection
                 pass
             sent.append(done)
+            answered.set()
 
         def log_message(self, *args: object) -> None:
             return None
@@ -283,6 +286,7 @@ def test_a_health_answer_that_does_not_end_is_read_no_further_than_its_start() -
         server.shutdown()
         server.server_close()
         thread.join()
+    assert answered.wait(60)
     assert len(sent) == 1
     assert sent[0] < 64 << 20  # what the socket buffers took, not the whole answer
 
