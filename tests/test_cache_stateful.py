@@ -75,6 +75,19 @@ def config_for(
     )
 
 
+async def settled(cache: HiCache) -> None:
+    """Wait (boundedly) until the pools hold only the tree's pages: a cancelled prefetch's
+    read frees its host pages once the backend call it abandoned returns."""
+    for _ in range(500):
+        stats = cache.statistics()
+        if (
+            cache.host_pool.allocator.used_count == stats.tree.host_pages
+            and cache.device_pool.allocator.used_count == stats.tree.device_pages
+        ):
+            return
+        await asyncio.sleep(0.01)
+
+
 @dataclass
 class Held:
     """A request kept open across steps: its computed pages must stay as written."""
@@ -186,6 +199,7 @@ class CacheMachine(RuleBasedStateMachine):
             await handle.wait()
         self.left.clear()
         await cache.drain()
+        await settled(cache)
         assert_drained(cache)
         await cache.__aexit__(None, None, None)
 
@@ -244,6 +258,8 @@ class CacheMachine(RuleBasedStateMachine):
         priority: int = 0,
         crowded: bool = False,
         salt: str | None = None,
+        policy: str | None = None,
+        cap: int | None = None,
     ) -> tuple[Request, list[int]] | None:
         """Make, load, check, compute and commit a request; None when pages ran out only
         because held requests take them."""
@@ -251,11 +267,13 @@ class CacheMachine(RuleBasedStateMachine):
         assert cache is not None
         self.remember(tokens, salt)
         if prefetch:
-            result = await cache.prefetch(list(tokens), salt=salt)
+            result = await cache.prefetch(list(tokens), salt=salt, policy=policy)  # type: ignore[arg-type]
             assert result.cached_tokens <= self.bound(tokens, salt), result
-        request = cache.request(list(tokens), priority=priority, salt=salt)
+        request = cache.request(list(tokens), priority=priority, salt=salt, max_cached_tokens=cap)
         try:
             bound = self.bound(tokens, salt)
+            if cap is not None:
+                bound = min(bound, cap)
             assert request.cached_tokens <= bound, (request.cached_tokens, bound)
             load = await request.load()
             try:
@@ -288,10 +306,18 @@ class CacheMachine(RuleBasedStateMachine):
 
     prompts = st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=14).map(tuple)
 
-    @rule(tokens=prompts, prefetch=st.booleans(), salt=st.sampled_from([None, "a"]))
-    def serve(self, tokens: Prompt, prefetch: bool, salt: str | None) -> None:
+    @rule(
+        tokens=prompts,
+        prefetch=st.booleans(),
+        salt=st.sampled_from([None, "a"]),
+        policy=st.sampled_from([None, "best_effort", "timeout"]),
+        cap=st.none() | st.integers(0, 8),
+    )
+    def serve(
+        self, tokens: Prompt, prefetch: bool, salt: str | None, policy: str | None, cap: int | None
+    ) -> None:
         tokens = tokens[: self.config.device_pages * self.page_size]
-        started = self.run(self.start(tokens, prefetch, salt=salt))
+        started = self.run(self.start(tokens, prefetch, salt=salt, policy=policy, cap=cap))
         if started is not None:
             started[0].release()
             # What a request committed is cached when it ends, on one tier or the other.
@@ -336,8 +362,11 @@ class CacheMachine(RuleBasedStateMachine):
         prompts=st.lists(prompts, min_size=2, max_size=3),
         prefetch=st.booleans(),
         priorities=st.lists(st.integers(-1, 1), min_size=3, max_size=3),
+        detach=st.sampled_from([None, 0, 1, 3]),
     )
-    def serve_together(self, prompts: list[Prompt], prefetch: bool, priorities: list[int]) -> None:
+    def serve_together(
+        self, prompts: list[Prompt], prefetch: bool, priorities: list[int], detach: int | None
+    ) -> None:
         """Concurrent requests: pages may run out for some, never for a storage fault."""
 
         async def one(tokens: Prompt, priority: int) -> None:
@@ -346,11 +375,23 @@ class CacheMachine(RuleBasedStateMachine):
                 await asyncio.sleep(0)
                 started[0].release()
 
+        async def reattach(steps: int) -> None:
+            cache = self.cache
+            assert cache is not None
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            await cache.detach_storage(flush=False)
+            if self.kind == "memory":
+                self.committed = self.cached_now()
+            await cache.attach_storage(self.storage())
+            await cache.wait_warmup()  # its reads hold host pages outside the tree
+
         async def go() -> None:
             limit = self.config.device_pages * self.page_size // len(prompts)
-            await asyncio.gather(
-                *(one(p[: max(limit, 1)], q) for p, q in zip(prompts, priorities, strict=False))
-            )
+            jobs = [one(p[: max(limit, 1)], q) for p, q in zip(prompts, priorities, strict=False)]
+            if detach is not None:
+                jobs.append(reattach(detach))
+            await asyncio.gather(*jobs)
 
         self.run(go())
 
@@ -453,6 +494,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert cache is not None
         self.run(cache.drain())
         if not self.held and all(handle.done() for handle in self.left):
+            self.run(settled(cache))
             assert_drained(cache)
 
     # Invariants.
