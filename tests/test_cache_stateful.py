@@ -334,6 +334,29 @@ class CacheMachine(RuleBasedStateMachine):
         if started is not None:
             self.held.append(Held(started[0], tokens, started[1]))
 
+    @precondition(lambda self: len(self.held) < 2)
+    @rule(tokens=prompts)
+    def hold_loading(self, tokens: Prompt) -> None:
+        """A request whose load may still be copying when the step ends."""
+
+        async def go() -> None:
+            cache = self.cache
+            assert cache is not None
+            tokens_ = tokens[: 2 * self.page_size]
+            self.remember(tokens_)
+            request = cache.request(list(tokens_))
+            try:
+                assert request.cached_tokens <= self.bound(tokens_)
+                await request.load()
+            except OutOfPagesError:
+                request.release()
+                if not self.held:
+                    raise
+                return
+            self.held.append(Held(request, tokens_))
+
+        self.run(go())
+
     @precondition(lambda self: bool(self.held))
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
@@ -552,8 +575,8 @@ class CacheMachine(RuleBasedStateMachine):
 
 
 SETTINGS = settings(
-    max_examples=20,
-    stateful_step_count=30,
+    max_examples=30,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
