@@ -78,7 +78,7 @@ def config_for(
 async def settled(cache: HiCache) -> None:
     """Wait (boundedly) until the pools hold only the tree's pages: a cancelled prefetch's
     read frees its host pages once the backend call it abandoned returns."""
-    for _ in range(500):
+    for _ in range(3000):  # 30 s: a loaded machine can be slow to return an abandoned call
         stats = cache.statistics()
         if (
             cache.host_pool.allocator.used_count == stats.tree.host_pages
@@ -578,6 +578,8 @@ SETTINGS = settings(
     max_examples=30,
     stateful_step_count=40,
     deadline=None,
+    # The same programs every run: CI checks what was checked here, not new draws.
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 CacheMachine.TestCase.settings = SETTINGS
