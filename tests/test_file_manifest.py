@@ -9,6 +9,7 @@ ENOSPC.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import os
@@ -301,3 +302,32 @@ async def test_the_copy_replacing_a_hard_linked_manifest_is_synced_before_it_rep
     assert len(replaced) == 1
     copy, synced_before = replaced[0]
     assert copy in synced_before
+
+
+def test_a_read_cancelled_while_its_file_opens_closes_the_file(tmp_path: Path) -> None:
+    # The open runs on a worker thread that finishes it after the cancel: the file it opened
+    # must be closed then, not left to the collector.
+    import gc
+    import warnings
+
+    path = tmp_path / "manifest.jsonl"
+    path.write_bytes(b"{}\n" * 10)
+
+    async def main() -> None:
+        async def read() -> None:
+            async for _ in _manifest._lines(path, _manifest.ManifestLimits()):
+                continue
+
+        for i in range(200):
+            task = asyncio.ensure_future(read())
+            for _ in range(i % 3):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        asyncio.run(main())  # ends once the worker threads did (its executor's shutdown)
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []

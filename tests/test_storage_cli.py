@@ -878,6 +878,10 @@ def test_ls_prints_the_first_pages_before_the_listing_ends(tmp_path: Path) -> No
         if process.poll() is None:
             process.kill()
             process.wait()
+        # Both pipes closed here: left to the collector they warn (ResourceWarning).
+        for pipe in (process.stdout, process.stderr):
+            if pipe is not None:
+                pipe.close()
     assert process.returncode == 0, err
     assert "held to the end" not in err
     lines = (head + rest).splitlines()

@@ -40,7 +40,7 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import Annotated, Generic, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
+from typing import Annotated, Any, Generic, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 import aiofiles
 import aiofiles.os
@@ -645,6 +645,11 @@ def _covers(longer: ManifestEntry | None, entry: ManifestEntry) -> bool:
     )
 
 
+def _close_opened(opening: asyncio.Future[Any]) -> None:
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result()._file.close()  # read-only: a close that cannot block
+
+
 async def _lines(
     path: Path, limits: ManifestLimits, *, whole: bool = False
 ) -> AsyncGenerator[bytes | None, None]:
@@ -657,10 +662,16 @@ async def _lines(
     total = 0
     pending = bytearray()
     skipping = False
+    opening = asyncio.ensure_future(aiofiles.open(path, "rb", opener=_open_regular))
     try:
-        f = await aiofiles.open(path, "rb", opener=_open_regular)
+        f = await asyncio.shield(opening)
     except FileNotFoundError:
         return
+    except asyncio.CancelledError:
+        # The worker thread opens the file anyway: close it once it is open, else it is
+        # left to the collector (a descriptor held meanwhile, and a ResourceWarning).
+        opening.add_done_callback(_close_opened)
+        raise
     try:
         while True:
             chunk = await f.read(chunk_size)
