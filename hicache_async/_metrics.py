@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import structlog
 
+from ._errors import WrongThreadError
 from ._extras import missing_module
 from ._pool import PoolStatistics
 from ._ratelog import LogLimiter
@@ -285,10 +286,16 @@ def _read(members: list[tuple[HiCache, _Labels]]) -> list[tuple[_Labels, list[_F
     read: list[list[_Family] | None] = [None] * len(members)
     elsewhere: dict[asyncio.AbstractEventLoop, list[int]] = {}
     for index, (cache, _) in enumerate(members):
-        loop = cache.loop
         if cache._owner.on_owner_thread():
-            read[index] = list(_families(cache))
-            continue
+            try:
+                read[index] = list(_families(cache))
+                continue
+            except WrongThreadError:
+                if cache._owner.on_owner_thread():
+                    raise  # not a move to another thread (a forked child's read): as before
+                # Entered on another thread since the check (its first step binds it there):
+                # read on that loop, as any entered cache.
+        loop = cache.loop
         if loop is None:
             # Not entered: nothing changes a cache before `__aenter__`, whose first step binds
             # its loop, so a read that ends with the loop still unbound saw a still cache.

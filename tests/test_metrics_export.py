@@ -463,6 +463,46 @@ async def test_a_scrape_off_its_thread_exports_a_cache_never_entered() -> None:
         assert 'hicache_live_requests{model="waiting"} 0.0' in text
 
 
+def test_a_scrape_on_the_building_thread_while_another_thread_enters_the_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The scrape saw its own thread as the owner, then the cache was entered on another
+    # thread's loop before its statistics were read: they refused the read
+    # (WrongThreadError), and the whole scrape failed.
+    prometheus_client: Any = pytest.importorskip("prometheus_client")
+    from hicache_async._loop import LoopOwner
+
+    registry = prometheus_client.CollectorRegistry()
+    cache = HiCache(_labelled_config("moving"))
+    prometheus_collector(cache, labels={"model": "moving"}, registry=registry)
+    entered, done = threading.Event(), threading.Event()
+
+    async def serve() -> None:
+        async with cache:
+            entered.set()
+            await asyncio.to_thread(done.wait, 60)
+
+    server = threading.Thread(target=asyncio.run, args=(serve(),))
+    checked = LoopOwner.on_owner_thread
+
+    def entered_right_after(owner: LoopOwner) -> bool:
+        answer = checked(owner)
+        if owner is cache._owner and answer and not server.is_alive():
+            server.start()
+            assert entered.wait(60)
+        return answer
+
+    monkeypatch.setattr(LoopOwner, "on_owner_thread", entered_right_after)
+    try:
+        text = prometheus_client.generate_latest(registry).decode()
+    finally:
+        done.set()
+        if server.ident is not None:
+            server.join(60)
+    assert server.ident is not None  # the interleaving happened
+    assert 'hicache_live_requests{model="moving"} 0.0' in text
+
+
 async def test_label_names_given_in_another_order_are_the_same_names() -> None:
     # A mapping's order means nothing to its writer: {"rank": ..., "model": ...} after
     # {"model": ..., "rank": ...} was refused as names that "differ".

@@ -1852,7 +1852,7 @@ class RedisStorage(BackendBase):
         what it needs and the loop runs between pipelines); the mark is written at the end
         with `record`."""
         client = self._redis()
-        now = time.time()
+        start = time.time()
         touched = await self._touched_idle()
         async for batch in self._scan():
             try:
@@ -1865,10 +1865,16 @@ class RedisStorage(BackendBase):
                     results = await pipe.execute(raise_on_error=False)
             except REDIS_FAULTS as exc:
                 raise StorageError(f"{self._name}: list_pages failed: {exc}") from exc
+            # These idle times count to this batch's answer, not to the listing's start: a
+            # listing that took seconds made the pages it reached last look that much older,
+            # and gc evicted newer pages before older ones.
+            now = time.time()
             listed: list[_Listed] = []
             for j, rkey in enumerate(batch):
                 idle, head, nbytes = results[3 * j : 3 * j + 3]
-                page = self._judged(rkey, idle, head, nbytes, now=now, touched=touched)
+                page = self._judged(
+                    rkey, idle, head, nbytes, now=now, touched=touched, touched_at=start
+                )
                 if page is not None:
                     listed.append(page)
             yield listed
@@ -1884,10 +1890,12 @@ class RedisStorage(BackendBase):
         *,
         now: float,
         touched: int | None,
+        touched_at: float | None = None,
     ) -> _Listed | None:
         """A page as a listing gives it, from its `OBJECT IDLETIME`, header `GETRANGE` and
         `STRLEN` replies (read in that order: the GETRANGE counts as an access); None for a
-        key gone since the scan or not a string."""
+        key gone since the scan or not a string. `now`: when `idle` was read; `touched_at`:
+        when `touched` was (default `now`)."""
         if isinstance(nbytes, NoPermissionError):
             # The ACL keeps these keys from this user: a listing without them would pass for
             # the whole store (gc and stats would see it empty).
@@ -1918,7 +1926,7 @@ class RedisStorage(BackendBase):
             # than the pass's mark (to the idle clock's one second), which pages used since
             # come after. Its writer's clock stamped it: one running ahead, or this host's
             # stepped back since, would list it before them, and gc would evict them first.
-            last = min(created, now - touched + 1)
+            last = min(created, (now if touched_at is None else touched_at) - touched + 1)
         if header is PageCheck.CORRUPT:
             last = 0.0  # damaged: the first gc evicts, whatever read it last
         return _Listed(rkey, nbytes, tokens, priority, last)

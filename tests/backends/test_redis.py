@@ -1291,6 +1291,36 @@ async def _aged_pages(backend: RedisStorage, count: int) -> tuple[list[bytes], l
     return old, new
 
 
+async def test_a_slow_listing_ranks_the_pages_it_reaches_last_by_their_own_idle_time(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Idle times counted to the listing's start, not to their batch's answer: on a loaded
+    # host, the pages a listing reached seconds later looked that much older, and gc
+    # evicted newer pages before older ones.
+    page = HEADER_NBYTES + 256
+    url = fresh_url(redis_url)
+    async with RedisStorage.from_url(url) as writer:
+        old, new = await _aged_pages(writer, 300)
+    async with RedisStorage.from_url(f"{url}&capacity={300 * page}") as backend:
+        scan = backend._scan
+
+        async def slow_scan() -> AsyncIterator[list[bytes]]:
+            batches = 0
+            async for batch in scan():
+                if batches == 1:
+                    # A stalled host: Redis's idle clock runs on past the pages' age gap.
+                    await asyncio.sleep(5)
+                batches += 1
+                yield batch
+
+        monkeypatch.setattr(backend, "_scan", slow_scan)
+        report = await backend.gc()
+        monkeypatch.undo()
+        assert report.evicted_pages == 300
+        assert await backend.exists(new) == 300
+        assert sum([await backend.exists([key]) for key in old]) == 0
+
+
 async def test_two_gc_passes_at_once_evict_to_the_capacity_not_below(redis_url: str) -> None:
     # Each pass's listing reads every header, which Redis counts as a use: the second pass
     # saw every page as just used, ranked them otherwise than the first, and each evicted
