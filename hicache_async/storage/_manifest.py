@@ -40,10 +40,20 @@ from collections.abc import (
     Sequence,
 )
 from pathlib import Path
-from typing import Annotated, Any, Generic, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
+from typing import (
+    Annotated,
+    BinaryIO,
+    Generic,
+    NamedTuple,
+    Protocol,
+    TypeVar,
+    cast,
+    runtime_checkable,
+)
 
 import aiofiles
 import aiofiles.os
+import aiofiles.threadpool
 import anyio
 import anyio.lowlevel
 import msgspec
@@ -645,9 +655,16 @@ def _covers(longer: ManifestEntry | None, entry: ManifestEntry) -> bool:
     )
 
 
-def _close_opened(opening: asyncio.Future[Any]) -> None:
-    if not opening.cancelled() and opening.exception() is None:
-        opening.result()._file.close()  # read-only: a close that cannot block
+def _open_for_lines(path: Path, box: list[BinaryIO], abandoned: list[bool]) -> BinaryIO:
+    """Open `path` for `_lines` (on a worker thread). Whichever of this thread and a
+    cancelled reader pops the file from `box` closes it (`list.pop` is atomic), so a file
+    opened after its reader was cancelled is closed exactly once, whatever the loop does."""
+    f = open(path, "rb", opener=_open_regular)  # noqa: SIM115 - handed to the reader
+    box.append(f)
+    if abandoned:
+        with contextlib.suppress(IndexError):
+            box.pop().close()
+    return f
 
 
 async def _lines(
@@ -662,16 +679,21 @@ async def _lines(
     total = 0
     pending = bytearray()
     skipping = False
-    opening = asyncio.ensure_future(aiofiles.open(path, "rb", opener=_open_regular))
+    loop = asyncio.get_running_loop()
+    box: list[BinaryIO] = []
+    abandoned: list[bool] = []
     try:
-        f = await asyncio.shield(opening)
+        raw = await loop.run_in_executor(None, _open_for_lines, path, box, abandoned)
     except FileNotFoundError:
         return
-    except asyncio.CancelledError:
-        # The worker thread opens the file anyway: close it once it is open, else it is
-        # left to the collector (a descriptor held meanwhile, and a ResourceWarning).
-        opening.add_done_callback(_close_opened)
+    except BaseException:
+        # Cancelled: the worker thread may still open the file. Left to the collector, it
+        # would hold a descriptor meanwhile and warn (ResourceWarning).
+        abandoned.append(True)
+        with contextlib.suppress(IndexError):
+            box.pop().close()  # read-only: a close that cannot block
         raise
+    f = aiofiles.threadpool.wrap(raw, loop=loop)
     try:
         while True:
             chunk = await f.read(chunk_size)
