@@ -1308,6 +1308,24 @@ def _rename_in(handles: _Handles, tmp_name: str, hexkey: str) -> Callable[[int],
     return rename
 
 
+def _rename_into_shard(
+    handles: _Handles, tmp_name: str, hexkey: str, shard_fd: int, *, durable: bool
+) -> int:
+    """Move `tmp_name` from tmp/ to `hexkey` in its shard directory and return the
+    directory's descriptor: one removed under us (an emptied one, by `gc()`) is made again,
+    once, under a new descriptor."""
+    try:
+        os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
+    except FileNotFoundError:
+        renewed = handles.renew_shard(
+            hexkey[:2], shard_fd, durable=durable, then=_rename_in(handles, tmp_name, hexkey)
+        )
+        if renewed is None:
+            raise
+        return renewed
+    return shard_fd
+
+
 def _unreadable_shard(
     handles: _Handles, name: str, exc: OSError, refused: list[str] | None
 ) -> None:
@@ -3766,19 +3784,7 @@ class FileStorage(BackendBase):
                     nbytes = self._write_fd(fd, segments, total, meta, mtime_ns=mtime_ns)
                 finally:
                     os.close(fd)
-                try:
-                    os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
-                except FileNotFoundError:
-                    # The shard directory was removed under us: made again, once.
-                    renewed = handles.renew_shard(
-                        hexkey[:2],
-                        shard_fd,
-                        durable=durable,
-                        then=_rename_in(handles, tmp_name, hexkey),
-                    )
-                    if renewed is None:
-                        raise
-                    shard_fd = renewed
+                shard_fd = _rename_into_shard(handles, tmp_name, hexkey, shard_fd, durable=durable)
                 renamed = True
             finally:
                 if not renamed:
@@ -4177,20 +4183,7 @@ class FileStorage(BackendBase):
                 self._sync_file(fd)
             finally:
                 os.close(fd)
-            try:
-                os.rename(tmp_name, hexkey, src_dir_fd=handles.tmp_fd, dst_dir_fd=shard_fd)
-            except FileNotFoundError:
-                # Its shard directory was removed (an emptied one, by `gc()`): made again,
-                # once.
-                renewed = handles.renew_shard(
-                    hexkey[:2],
-                    shard_fd,
-                    durable=durable,
-                    then=_rename_in(handles, tmp_name, hexkey),
-                )
-                if renewed is None:
-                    raise
-                shard_fd = renewed
+            shard_fd = _rename_into_shard(handles, tmp_name, hexkey, shard_fd, durable=durable)
             renamed = True
         finally:
             if not renamed:
