@@ -199,7 +199,7 @@ def test_a_manifest_obtained_before_a_fork_refuses_the_child_and_serves_the_pare
         loop.close()
 
 
-@pytest.mark.parametrize("kind", ["file", "memory", "redis"])
+@pytest.mark.parametrize("kind", ["file", "memory", "redis", "mooncake"])
 def test_a_manifest_obtained_in_the_child_of_a_store_opened_before_the_fork_is_refused(
     tmp_path: Path, kind: str, request: pytest.FixtureRequest
 ) -> None:
@@ -220,6 +220,9 @@ def test_a_manifest_obtained_in_the_child_of_a_store_opened_before_the_fork_is_r
         def child() -> str:
             async def use() -> str:
                 manifest = storage.manifest()  # type: ignore[attr-defined]
+                if kind in ("memory", "mooncake"):  # these refuse even a call that sends nothing
+                    with pytest.raises(StorageError, match="forked"):
+                        await manifest.append([])
                 with pytest.raises(StorageError, match="forked"):
                     await manifest.append([entry])
                 with pytest.raises(StorageError, match="forked"):

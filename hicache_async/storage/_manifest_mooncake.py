@@ -47,6 +47,7 @@ import structlog
 
 from .._errors import StorageError
 from .._forks import current_pid
+from ._base import _State
 from ._manifest import (
     CompactReport,
     ManifestCollector,
@@ -159,7 +160,9 @@ class MooncakeManifest:
         self._storage = storage
         self._known: set[str] = set()
         self._config: Any = None
-        self._pid = current_pid()
+        # One made in a forked child of the process that opened the store is that process's,
+        # as the store is: the child is refused both.
+        self._pid = current_pid() if storage._state is _State.NEW else storage._pid
 
     def _check_process(self) -> None:
         # The store refuses a forked child's calls, but a call that sends none (an empty

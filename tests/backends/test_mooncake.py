@@ -2550,7 +2550,7 @@ async def test_a_lookup_cancelled_while_it_waits_for_a_thread_never_asks_the_mas
         storage._store = client
         try:
             first = asyncio.ensure_future(storage.exists(keys))
-            for _ in range(1000):  # until the only thread is in the held call
+            for _ in range(30_000):  # until the only thread is in the held call
                 if client.calls:
                     break
                 await asyncio.sleep(0.001)
