@@ -48,7 +48,8 @@ class Namespace(msgspec.Struct, frozen=True):
 
     The tensor-parallel rank is not in the seed: every rank names a prefix with the same keys,
     which is what lets ranks agree on which prefixes to load. It is in `rank_salt`, which
-    turns a key into the rank's own storage key, and in the fingerprint. Not for MLA: every
+    turns a key into the rank's own storage key, and in the fingerprint. So are the KV heads
+    the rank holds, which may differ between ranks. Not for MLA: every
     rank holds the same latent KV, so all ranks (and deployments of any TP size) share one
     namespace and store each page once.
     """
@@ -100,9 +101,15 @@ class Namespace(msgspec.Struct, frozen=True):
             "token_major": config.host_layout in _TOKEN_MAJOR_LAYOUTS,
         }
         digest = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).digest()
-        seed = b"" if sglang_compatible else digest
         if config.tp_size == 1 or layout.attention == "mla":
+            seed = b"" if sglang_compatible else digest
             return cls(seed=seed, fingerprint=digest[:_FINGERPRINT_NBYTES])
+        # The heads a rank holds may differ between ranks (5 KV heads over 2 ranks: 3 and 2),
+        # and the chain must not: agreements and warmup entries name a prefix by its keys. The
+        # fingerprint below still covers them.
+        del fields["num_kv_heads"]
+        chain = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).digest()
+        seed = b"" if sglang_compatible else chain
         rank_salt = b"hicache-tp\x00%d\x00%d\x00" % (config.tp_rank, config.tp_size)
         fingerprint = hashlib.sha256(digest + rank_salt).digest()[:_FINGERPRINT_NBYTES]
         return cls(seed=seed, fingerprint=fingerprint, rank_salt=rank_salt)
