@@ -13,6 +13,7 @@ import os
 import stat
 import sys
 from collections.abc import Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
@@ -97,6 +98,13 @@ def _within_pool(nbytes: int, factors: list[tuple[str, int]], what: str) -> int:
                 f"({MAX_POOL_NBYTES >> 40} TiB) a pool may take",
             )
     return nbytes
+
+
+def _times_ratio(count: int, ratio: float) -> int:
+    """`count` x `ratio` rounded down, the ratio taken as the decimal it is written as: 90
+    device pages x 0.7 are 63 host pages, where the binary product (62.99999999999999) would
+    give 62."""
+    return math.floor(Fraction(repr(ratio)) * count)
 
 
 def _finite(field: str, value: object, *, low: float, high: float | None = None) -> float:
@@ -390,7 +398,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
                     "host_ratio",
                     f"host_ratio x device_pages is too large a host pool, got {self.host_ratio!r}",
                 )
-            if self.host_ratio * self.device_pages < 1:
+            if _times_ratio(self.device_pages, self.host_ratio) < 1:
                 raise ConfigError(
                     "host_ratio", "host_ratio x device_pages must give at least one host page"
                 )
@@ -445,7 +453,7 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         if self.host_pages is not None:
             return self.host_pages
         ratio = 2.0 if self.host_ratio is None else self.host_ratio
-        return max(1, int(self.device_pages * ratio))
+        return max(1, _times_ratio(self.device_pages, ratio))
 
     @property
     def _host_pages_field(self) -> str:

@@ -37,6 +37,24 @@ def test_defaults_and_derived_sizes() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("device_pages", "host_ratio", "host_pages"),
+    [(90, 0.7, 63), (10, 2.3, 23), (100, 0.29, 29), (1000, 0.07, 70), (3, 1.5, 4), (7, 1 / 3, 2)],
+)
+def test_host_ratio_gives_the_pages_its_decimal_says(
+    device_pages: int, host_ratio: float, host_pages: int
+) -> None:
+    # 90 x 0.7 is 62.99999999999999 in binary floating point: rounded down, a page short.
+    for config in (
+        CacheConfig(layout=KVLayout(**MHA), device_pages=device_pages, host_ratio=host_ratio),
+        CacheConfig.from_json(
+            f'{{"layout": {json.dumps(MHA)}, "device_pages": {device_pages}, '
+            f'"host_ratio": {host_ratio!r}}}'
+        ),
+    ):
+        assert config.resolved_host_pages == host_pages
+
+
 def test_mla_layout_is_one_latent_buffer() -> None:
     layout = KVLayout(num_layers=3, attention="mla", kv_lora_rank=512, qk_rope_head_dim=64)
     assert layout.num_buffers == 1
