@@ -50,3 +50,27 @@ async def test_shared_file_root_two_instances(seed: int, tmp_path: Path) -> None
         lambda: [FileStorage(root, shared=True), FileStorage(root, shared=True)],
         Race(seed, exists_trusts_own_index=True, check_occupancy=False),
     )
+
+
+@pytest.mark.parametrize("seed", _SEEDS)
+async def test_damaged_pages_on_a_shared_file_root(seed: int, tmp_path: Path) -> None:
+    # Pages damaged after their put (flipped bytes, cut values) never read as OK.
+    root = tmp_path / "root"
+
+    def backends() -> list[FileStorage | FaultyStorage]:
+        damaging = FaultyStorage(
+            FileStorage(root, shared=True), seed=seed, corrupt_rate=0.2, truncate_rate=0.2
+        )
+        return [damaging, FileStorage(root, shared=True)]
+
+    race = Race(seed, faults=True, exists_trusts_own_index=True, check_occupancy=False)
+    await race_and_check(backends, race)
+
+
+@pytest.mark.parametrize("seed", _SEEDS)
+async def test_damaged_pages_in_memory(seed: int) -> None:
+    def backends() -> list[FaultyStorage]:
+        inner = MemoryStorage(capacity_bytes=64 << 20)
+        return [FaultyStorage(inner, seed=seed, corrupt_rate=0.2, truncate_rate=0.2)]
+
+    await race_and_check(backends, Race(seed, faults=True))

@@ -85,3 +85,28 @@ async def test_mooncake_with_faults(seed: int, mooncake_url: str) -> None:
         Race(seed, faults=True, check_occupancy=False, ok_is_readable=False),
         pooled=True,
     )
+
+
+@pytest.mark.parametrize("seed", _SEEDS)
+async def test_damaged_pages_on_redis(seed: int, redis_url: str) -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+
+    def backends() -> list[RedisStorage | FaultyStorage]:
+        inner = _redis(redis_url, prefix)
+        damaging = FaultyStorage(inner, seed=seed, corrupt_rate=0.2, truncate_rate=0.2)
+        return [damaging, _redis(redis_url, prefix)]
+
+    await race_and_check(backends, Race(seed, faults=True, check_occupancy=False))
+
+
+@pytest.mark.parametrize("seed", _SEEDS)
+async def test_damaged_pages_on_mooncake(seed: int, mooncake_url: str) -> None:
+    prefix = f"t{uuid.uuid4().hex}"
+
+    def backends() -> list[MooncakeStorage | FaultyStorage]:
+        inner = _mooncake(mooncake_url, prefix)
+        damaging = FaultyStorage(inner, seed=seed, corrupt_rate=0.2, truncate_rate=0.2)
+        return [damaging, _mooncake(mooncake_url, prefix)]
+
+    race = Race(seed, faults=True, check_occupancy=False, ok_is_readable=False)
+    await race_and_check(backends, race, pooled=True)
