@@ -715,6 +715,39 @@ async def test_a_damaged_page_got_twice_in_one_batch_is_counted_once(
     assert stats.corrupt == 2  # found twice, removed once
 
 
+async def test_a_key_got_twice_in_one_batch_fills_both_buffers_with_its_page(
+    mooncake_url: str,
+) -> None:
+    # Mooncake's batch read fills only the last buffer of an object named twice and reports
+    # both read: the first kept its staging slot's old bytes, an earlier read's page of the
+    # same key, which checked as sound.
+    prefix = f"t{uuid.uuid4().hex}"
+    reader_url = fresh_url(mooncake_url, prefix=prefix, direct_reads="false")
+    writer_url = fresh_url(mooncake_url, prefix=prefix)
+    async with (
+        MooncakeStorage.from_url(reader_url) as reader,
+        MooncakeStorage.from_url(writer_url) as writer,
+    ):
+        (key,), (old,), metas = make_pages(1)
+        _, (new,), _ = make_pages(1)
+        assert await reader.put([key], [old], metas) == [Outcome.OK]
+        assert await reader.get([key], buffers(1), namespace=NS) == [Outcome.OK]
+        assert await reader.delete([key]) == 1
+        assert await writer.put([key], [new], metas) == [Outcome.OK]
+        into = buffers(3) + buffers(1, 2000, split=500)
+        before = reader.stats()
+        outcomes = await reader.get([key, key, key, key], into, namespace=NS)
+        after = reader.stats()
+    pages = {joined(old): "the deleted page", joined(new): "the page"}
+    read = [
+        (o, pages.get(joined(p), "other bytes"))
+        for o, p in zip(outcomes[:3], into[:3], strict=True)
+    ]
+    assert read == [(Outcome.OK, "the page")] * 3
+    assert outcomes[3] is Outcome.MISS  # stored at another length
+    assert (after.gets - before.gets, after.get_hits - before.get_hits) == (4, 3)
+
+
 class _MeetingRemoves(_Client):
     """The Mooncake client, except that `batch_remove` waits until `parties` jobs call it."""
 
