@@ -1401,6 +1401,65 @@ def test_a_sound_page_a_policy_refuses_to_open_is_an_error_left_in_place(
     ]
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_page_a_policy_refuses_stays_quiet_when_another_read_stamps_it(
+    tmp_path: Path, shared: bool
+) -> None:
+    # The quiet period of a page a policy refuses was keyed by the file's times too, so a
+    # read by another instance of a shared root (which stamps the page's mtime) made the next
+    # get here an ERROR again. A page written anew is still news: a delete and a put (in a
+    # private root, into the spare file the delete kept, so the same inode) is an ERROR again.
+    root = tmp_path / "s"
+    script = _refusing_page_opens("EPERM") + textwrap.dedent(
+        f"""
+        import asyncio, hashlib, os
+        import structlog
+        from hicache_async.storage import FileStorage, Outcome, PageMeta
+
+        ns = bytes(16)
+        keys = [hashlib.sha256(b"policy").digest()]
+        metas = [PageMeta(key=keys[0], namespace=ns, num_tokens=1)]
+        path = os.path.join({str(root)!r}, "pages", keys[0].hex()[:2], keys[0].hex())
+        pages = [[memoryview(bytearray(1024))]]
+
+        async def main():
+            async with FileStorage({str(root)!r}, shared={shared!r}) as storage:
+                assert await storage.put(keys, pages, metas) == [Outcome.OK]
+            _refuse_page_opens()
+            async with FileStorage({str(root)!r}, shared={shared!r}) as storage:
+                into = [[memoryview(bytearray(1024))]]
+                got = await storage.get(keys, into, namespace=ns)
+                print("get", [o.name for o in got], storage.stats().errors)
+                st = os.stat(path)
+                stamp = st.st_mtime_ns + 5_000_000_000
+                os.utime(path, ns=(stamp, stamp))  # another instance's read
+                got = await storage.get(keys, into, namespace=ns)
+                print("stamped", [o.name for o in got], storage.stats().errors)
+                ino = os.stat(path).st_ino
+                assert await storage.delete(keys) == 1
+                assert await storage.put(keys, pages, metas) == [Outcome.OK]
+                if not {shared!r}:  # a shared root keeps no spares (its inode may be reused)
+                    assert os.stat(path).st_ino == ino
+                got = await storage.get(keys, into, namespace=ns)
+                print("rewritten", [o.name for o in got], storage.stats().errors)
+        with structlog.testing.capture_logs():
+            asyncio.run(main())
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False
+    )
+    if "seccomp unavailable" in done.stderr:
+        pytest.skip("seccomp filters are not allowed here")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "get ['ERROR'] 1",
+        "stamped ['MISS'] 1",
+        "rewritten ['ERROR'] 2",
+    ]
+
+
 @pytest.mark.parametrize("damage", ["checksum", "unreadable"])
 def test_a_corrupt_page_that_cannot_be_removed_is_reported_once_in_a_shared_root(
     tmp_path: Path, damage: str

@@ -1432,7 +1432,7 @@ class _PolicyRefused:
     lock."""
 
     def __init__(self) -> None:
-        self._files: dict[bytes, tuple[tuple[int, int, int, int, int], float]] = {}
+        self._files: dict[bytes, tuple[tuple[int, int, int], float]] = {}
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -1441,7 +1441,11 @@ class _PolicyRefused:
     def add(self, key: bytes, st: os.stat_result) -> bool:
         """Record that the file `st` of `key` was refused; False when it was already and is
         not due to be tried again (the caller then reports a quiet miss)."""
-        identity = _identity(st)
+        # Not `_identity`: its times move whenever any instance reading the page stamps it,
+        # and on a shared root that would make every such read news again. A page written
+        # anew is a new file (a rename); one written here into a reused spare file, which
+        # keeps its inode, is forgotten by the write (`forget`).
+        identity = (st.st_dev, st.st_ino, st.st_size)
         now = time.monotonic()
         with self._lock:
             seen = self._files.get(key)
@@ -1454,7 +1458,7 @@ class _PolicyRefused:
         return True
 
     def forget(self, key: bytes) -> None:
-        """The page of `key` was opened: a later refusal is news."""
+        """The page of `key` was opened, or written here: a later refusal is news."""
         with self._lock:
             self._files.pop(key, None)
 
@@ -3941,6 +3945,8 @@ class FileStorage(BackendBase):
                 # index without it, where a lookup on disk finds it if it is there.
                 if self._changed.get(key, 0) <= epoch:
                     self._insert(key, nbytes, now)
+                if code == _OK and self._policy_refused:
+                    self._policy_refused.forget(key)
                 if detail:
                     errors.add(key, detail)
             elif code == _NO_ROOM and not (final or job.cancelled):
@@ -4162,6 +4168,8 @@ class FileStorage(BackendBase):
         except OSError as exc:
             raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
         self._insert(key, len(value), time.time())
+        if self._policy_refused:
+            self._policy_refused.forget(key)
 
     def _write_raw_job(self, key: bytes, value: bytes) -> None:
         handles = self._handles_or_raise()
