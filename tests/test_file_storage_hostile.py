@@ -1829,6 +1829,74 @@ def test_a_pages_directory_this_user_may_not_write_is_said_as_it_is(tmp_path: Pa
     ]
 
 
+def test_puts_under_a_pages_directory_not_writable_ask_again_at_most_once_a_while(
+    tmp_path: Path,
+) -> None:
+    # With pages/ not writable, puts into shard directories made already land, and every
+    # such put asked the kernel twice (tmp/, then pages/) whether the root had become
+    # writable. Now a write job asks at most every `_LOOK_AGAIN_S` (the store's clock is
+    # moved here), and still finds pages/ writable again once that time has passed.
+    root = tmp_path / "s"
+    script = _stuck_page_script(root, 2) + textwrap.dedent(
+        f"""
+        from hicache_async.storage import _file
+
+        pages_dir = os.path.join({str(root)!r}, "pages")
+        asked = []
+        real_access = os.access
+
+        def counted(path, mode, **kwargs):
+            asked.append(path)
+            return real_access(path, mode, **kwargs)
+
+        os.access = counted
+        now = [1000.0]
+
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                assert await storage.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+                assert await storage.delete(keys[:1]) == 1
+            os.chmod(pages_dir, 0o500)
+            del asked[:]
+            storage = FileStorage({str(root)!r})
+            storage._clock = lambda: now[0]
+            async with storage:
+                print("open", storage.read_only, len(asked))
+                del asked[:]
+                for _ in range(5):
+                    assert await storage.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+                    assert await storage.delete(keys[:1]) == 1
+                print("asked", len(asked))
+                now[0] += _file._LOOK_AGAIN_S
+                assert await storage.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+                print("asked", len(asked), storage.read_only)
+                os.chmod(pages_dir, 0o700)
+                print("put", [o.name for o in await storage.put(keys[1:], pages[1:], metas[1:])])
+                print("then", storage.read_only)
+                now[0] += _file._LOOK_AGAIN_S
+                assert await storage.delete(keys[1:]) == 1
+                print("put", [o.name for o in await storage.put(keys[1:], pages[1:], metas[1:])])
+                print("then", storage.read_only)
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+        print("logged", [e["event"] for e in logs if e["event"].startswith("storage.root.")])
+        """
+    )
+    done = _run_without_overrides(script)
+    (root / "pages").chmod(0o700)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "open pages 2",
+        "asked 0",
+        "asked 2 pages",
+        "put ['OK']",
+        "then pages",
+        "put ['OK']",
+        "then None",
+        "logged ['storage.root.read_only', 'storage.root.writable']",
+    ]
+
+
 def test_an_older_look_at_the_root_does_not_undo_a_newer_one(tmp_path: Path) -> None:
     # Two puts at once: the first looked at the root while tmp/ was not writable and finished
     # after the second, which had found it writable. The first's look was recorded last:

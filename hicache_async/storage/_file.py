@@ -61,6 +61,7 @@ import fcntl
 import functools
 import heapq
 import itertools
+import math
 import os
 import secrets
 import shlex
@@ -135,6 +136,9 @@ _FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Corrupt page files that could not be removed, remembered so as not to be read again.
 _STUCK_MAX = 1024
+# While a root's directory is not writable, write jobs ask whether it has become so at most
+# this often (`FileStorage._look_due`).
+_LOOK_AGAIN_S = 1.0
 # A page file a policy refused to open (see `_PolicyRefused`) is a quiet miss this long.
 _POLICY_RETRY_S = 60.0
 # O_NONBLOCK: a FIFO planted in the root must not block the open.
@@ -2094,6 +2098,10 @@ class FileStorage(BackendBase):
         # at once may finish in another order, and an older look must not undo a newer one.
         self._looks = itertools.count(1)
         self._look_noted = 0
+        # When a write job last looked at a root found not writable (`_look_due`); the clock
+        # is an attribute so that tests can move it.
+        self._clock: Callable[[], float] = time.monotonic
+        self._looked_at = -math.inf
         # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
         # A failing disk fails every batch alike: `storage.page.error` tells each kind of
@@ -2259,6 +2267,7 @@ class FileStorage(BackendBase):
             # `access` is a system call: asked here, off the loop.
             if self._keep_leftovers:  # an inspection writes nothing: no need to say so
                 return leftovers, ""
+            self._looked_at = self._clock()
             return leftovers, _unwritable(holder[0]) or ""
 
         try:
@@ -3550,6 +3559,25 @@ class FileStorage(BackendBase):
             inodes=plan.files,
         )
 
+    def _look_due(self, results: list[_Result | None]) -> bool:
+        """Whether a write job looks at the root (`_unwritable`, an access check of each
+        directory) after its writes `results`: at once when they tell of a change (a write
+        refused by a mode while none was known, or one landed while tmp/ was not writable),
+        else while a directory is not writable at most every `_LOOK_AGAIN_S`, so that puts
+        into shard directories made already (which land while pages/ is not writable) do not
+        each ask again. Write jobs only (worker threads)."""
+        read_only = self._read_only
+        clock = self._clock()
+        if read_only is None:
+            due = any(result is not None and result[1] == _MODE_REFUSED for result in results)
+        else:
+            due = clock - self._looked_at >= _LOOK_AGAIN_S or (
+                read_only == _TMP and any(r is not None and r[0] == _OK for r in results)
+            )
+        if due:
+            self._looked_at = clock
+        return due
+
     def _note_writable(self, look: int, unwritable: str) -> None:
         """Record what the look numbered `look` at the root found: `unwritable`, the directory
         this user may not write (`_unwritable`), or "" when it may write both; one older than
@@ -3729,9 +3757,7 @@ class FileStorage(BackendBase):
             self._claims.settle(claims, i, written=result[0] == _OK)
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
-        if self._read_only is not None or any(
-            result is not None and result[1] == _MODE_REFUSED for result in results
-        ):
+        if self._look_due(results):
             look = next(self._looks)
             job.unwritable = (look, _unwritable(handles) or "")
         if not no_room and any(result is not None and result[0] == _NO_ROOM for result in results):
