@@ -1897,6 +1897,51 @@ def test_puts_under_a_pages_directory_not_writable_ask_again_at_most_once_a_whil
     ]
 
 
+def test_a_spare_file_given_back_and_taken_again_at_once_stays_marked_taken(
+    tmp_path: Path,
+) -> None:
+    # A temp file tmp/ would not let go of goes back into the spare pool; its mark as taken
+    # was cleared after that, so a write that took it from the pool in between lost its
+    # mark, and the file it was writing was no longer one of the store's own (`verify()`
+    # keeps only those from its leftovers). The two steps are driven here by hand.
+    root = tmp_path / "s"
+    script = _stuck_page_script(root, 2) + textwrap.dedent(
+        f"""
+        tmp = os.path.join({str(root)!r}, "tmp")
+
+        async def main():
+            async with FileStorage({str(root)!r}) as storage:
+                assert await storage.put(keys[:1], pages[:1], metas[:1]) == [Outcome.OK]
+                assert await storage.delete(keys[:1]) == 1
+                spares = storage._spares
+                (size,) = spares._by_size
+                name = spares.take(size)  # a write's, which could not rename it
+                real_give_back = spares.give_back
+                taken = []
+
+                def give_back(*args):
+                    kept = real_give_back(*args)
+                    taken.append(spares.take(size))  # another write's, at once
+                    return kept
+
+                spares.give_back = give_back
+                os.chmod(tmp, 0o500)
+                try:
+                    storage._drop_tmp(storage._handles, name)
+                finally:
+                    os.chmod(tmp, 0o700)
+                print("taken again", taken == [name])
+                print("still marked", name in spares.names())
+                spares.done(name)
+        with structlog.testing.capture_logs():
+            asyncio.run(main())
+        """
+    )
+    done = _run_without_overrides(script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["taken again True", "still marked True"]
+
+
 def test_an_older_look_at_the_root_does_not_undo_a_newer_one(tmp_path: Path) -> None:
     # Two puts at once: the first looked at the root while tmp/ was not writable and finished
     # after the second, which had found it writable. The first's look was recorded last:

@@ -3873,11 +3873,11 @@ class FileStorage(BackendBase):
         rather than it waiting for the next open."""
         tmp_fd = handles.tmp_fd
         spares = self._spares
+        kept = False
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=tmp_fd)
         except OSError:
-            kept = False
             if spares is not None:
                 with contextlib.suppress(OSError):
                     st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
@@ -3890,7 +3890,9 @@ class FileStorage(BackendBase):
             if not kept:
                 with self._unremoved_tmp_lock:
                     self._unremoved_tmp.add(name)
-        if spares is not None:
+        # A file given back cleared its mark as it went into the pool: another write may
+        # have taken it since, and its mark must stay.
+        if spares is not None and not kept:
             spares.done(name)
 
     def _retry_tmp(self, handles: _Handles) -> None:
