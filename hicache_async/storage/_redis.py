@@ -377,6 +377,13 @@ def _idle_refused(error: BaseException) -> bool:
     return bool(_IDLE_REFUSALS.search(_reply_text(error).lower()))
 
 
+def _touched_of(reply: object) -> int | None:
+    """Seconds since a pass last read every page under the prefix, from the `OBJECT
+    IDLETIME` reply for its mark: on the server's own idle clock, so comparable with the
+    pages' idle times read with it; None if unknown (never marked, an LFU policy, refused)."""
+    return reply if _is_int(reply) else None
+
+
 #: Pages `gc` sorts in one piece: a sort holds the GIL throughout, this many for about 2 ms.
 _GC_SLICE = 8192
 
@@ -1852,11 +1859,14 @@ class RedisStorage(BackendBase):
         what it needs and the loop runs between pipelines); the mark is written at the end
         with `record`."""
         client = self._redis()
-        start = time.time()
-        touched = await self._touched_idle()
+        mark = self._touched_rkey()
         async for batch in self._scan():
             try:
                 async with client.pipeline(transaction=False) as pipe:
+                    # The mark's idle time with the pages': compared with theirs, it must be
+                    # read when they are, not at the listing's start (a page used shortly
+                    # after the pass would look unused since, once the listing took longer).
+                    pipe.object("idletime", mark)
                     for rkey in batch:
                         # IDLETIME first: GETRANGE counts as an access.
                         pipe.object("idletime", rkey)
@@ -1869,12 +1879,11 @@ class RedisStorage(BackendBase):
             # listing that took seconds made the pages it reached last look that much older,
             # and gc evicted newer pages before older ones.
             now = time.time()
+            touched = _touched_of(results[0])
             listed: list[_Listed] = []
             for j, rkey in enumerate(batch):
-                idle, head, nbytes = results[3 * j : 3 * j + 3]
-                page = self._judged(
-                    rkey, idle, head, nbytes, now=now, touched=touched, touched_at=start
-                )
+                idle, head, nbytes = results[1 + 3 * j : 4 + 3 * j]
+                page = self._judged(rkey, idle, head, nbytes, now=now, touched=touched)
                 if page is not None:
                     listed.append(page)
             yield listed
@@ -1890,12 +1899,11 @@ class RedisStorage(BackendBase):
         *,
         now: float,
         touched: int | None,
-        touched_at: float | None = None,
     ) -> _Listed | None:
         """A page as a listing gives it, from its `OBJECT IDLETIME`, header `GETRANGE` and
         `STRLEN` replies (read in that order: the GETRANGE counts as an access); None for a
-        key gone since the scan or not a string. `now`: when `idle` was read; `touched_at`:
-        when `touched` was (default `now`)."""
+        key gone since the scan or not a string. `now`: when `idle`, and the mark's idle time
+        `touched`, were read."""
         if isinstance(nbytes, NoPermissionError):
             # The ACL keeps these keys from this user: a listing without them would pass for
             # the whole store (gc and stats would see it empty).
@@ -1926,7 +1934,7 @@ class RedisStorage(BackendBase):
             # than the pass's mark (to the idle clock's one second), which pages used since
             # come after. Its writer's clock stamped it: one running ahead, or this host's
             # stepped back since, would list it before them, and gc would evict them first.
-            last = min(created, (now if touched_at is None else touched_at) - touched + 1)
+            last = min(created, now - touched + 1)
         if header is PageCheck.CORRUPT:
             last = 0.0  # damaged: the first gc evicts, whatever read it last
         return _Listed(rkey, nbytes, tokens, priority, last)
@@ -1944,14 +1952,15 @@ class RedisStorage(BackendBase):
         that turns out damaged or gone makes room for the next.
         """
         client = self._redis()
-        now = time.time()
-        touched = await self._touched_idle()
+        mark = self._touched_rkey()
         # The best `limit` pages so far, the worst on top: (last access, -scan index, page).
         best: list[tuple[float, int, _Listed]] = []
         damaged = 0  # of those, listed as last used at 0: any page with an idle time beats them
         scanned = 0
 
-        async def read(candidates: Sequence[tuple[int, bytes, object]]) -> None:
+        async def read(
+            candidates: Sequence[tuple[int, bytes, object]], now: float, touched: int | None
+        ) -> None:
             nonlocal damaged
             try:
                 async with client.pipeline(transaction=False) as pipe:
@@ -1976,7 +1985,12 @@ class RedisStorage(BackendBase):
                 damaged += page.last_access == 0.0
 
         async for batch in self._scan():
-            idles = await self._idle_times(client, batch)
+            # Each batch's idle times, the mark's with them, count to when they were read
+            # (as in `_listed`): a listing that took seconds would otherwise rank the pages it
+            # reached last as that much older, and some used after the pass as unused since.
+            replies = await self._idle_times(client, [mark, *batch])
+            now = time.time()
+            touched, idles = _touched_of(replies[0]), replies[1:]
             unbounded: list[tuple[int, bytes, object]] = []
             bounded: list[tuple[float, int, bytes, int]] = []  # (bound, -index, key, idle)
             for index, (rkey, idle) in enumerate(zip(batch, idles, strict=True), scanned):
@@ -1988,7 +2002,7 @@ class RedisStorage(BackendBase):
                     unbounded.append((index, rkey, idle))
             scanned += len(batch)
             for start in range(0, len(unbounded), _KEYS_PER_PIPELINE):
-                await read(unbounded[start : start + _KEYS_PER_PIPELINE])
+                await read(unbounded[start : start + _KEYS_PER_PIPELINE], now, touched)
             bounded.sort(reverse=True)
             taken = 0
             while taken < len(bounded):
@@ -2005,7 +2019,7 @@ class RedisStorage(BackendBase):
                 if not chunk:
                     break
                 taken += len(chunk)
-                await read(chunk)
+                await read(chunk, now, touched)
         best.sort(reverse=True)
         return [
             PageInfo(
@@ -2044,15 +2058,6 @@ class RedisStorage(BackendBase):
 
     def _touched_rkey(self) -> bytes:
         return f"{self._prefix}:{_TOUCHED_NAME}".encode()  # never a page key (not hex)
-
-    async def _touched_idle(self) -> int | None:
-        """Seconds since a pass last read every page under the prefix, on the server's own
-        idle clock (so comparable with the pages' idle times); None if unknown."""
-        try:
-            idle = await self._redis().object("idletime", self._touched_rkey())
-        except REDIS_FAULTS:
-            return None  # never marked, or no idle times (an LFU policy)
-        return idle if isinstance(idle, int) else None
 
     async def _mark_touched(self) -> None:
         """Record that every page was just read: the mark's own idle time then tells which

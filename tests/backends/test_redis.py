@@ -3121,6 +3121,66 @@ async def test_write_raw_keeps_the_ttl(redis_url: str, multi: bool) -> None:
         assert await admin.ttl(backend._rkey(key)) == -1
 
 
+class _ClockAhead:
+    """The `time` module as the Redis store sees it, with `time()` moved `ahead` seconds."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("record", [True, False])
+async def test_a_listing_that_takes_long_reads_the_marks_idle_time_with_each_batch(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, record: bool
+) -> None:
+    # The recorded pass's mark had its idle time read once, when a listing began, and
+    # `ls --limit` (no pass recorded) counted every batch's idle times to that start too: a
+    # page used shortly after the pass, reached by a later batch once the listing had taken
+    # longer than that, listed as not used since the pass (gc and `ls` ranked it with the
+    # pages nobody used). Here 100 s pass between the two batches: the server's idle times
+    # move on by RESTORE, this host's clock by the store's `time`, nothing waits.
+    from hicache_async.storage import _redis
+
+    admin = aioredis.Redis.from_url(redis_url)
+    clock = _ClockAhead()
+    try:
+        async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+            keys, pages, metas = make_pages(2)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+            await backend.list_pages()  # the recorded pass
+            mark = backend._touched_rkey()
+            unused, used = (backend._rkey(key) for key in keys)
+
+            async def age(rkey: bytes, idle: int) -> None:
+                dumped = await admin.dump(rkey)
+                await admin.execute_command("RESTORE", rkey, 0, dumped, "REPLACE", "IDLETIME", idle)
+
+            # The pass ran 100 s ago; one page was not used since, the other 5 s after it.
+            for rkey, idle in ((mark, 100), (unused, 100), (used, 95)):
+                await age(rkey, idle)
+
+            async def slow_scan() -> AsyncIterator[list[bytes]]:
+                yield [unused]
+                clock.ahead += 100
+                for rkey, idle in ((mark, 200), (used, 195)):
+                    await age(rkey, idle)
+                yield [used]
+
+            monkeypatch.setattr(backend, "_scan", slow_scan)
+            monkeypatch.setattr(_redis, "time", clock)
+            listed = await backend.list_pages(None if record else 1, record=record)
+            monkeypatch.undo()
+            assert listed[0].key == keys[1]
+            assert abs(listed[0].last_access - (time.time() - 95)) <= 2
+    finally:
+        await admin.aclose()
+
+
 async def test_a_page_created_ahead_of_this_clock_lists_no_newer_than_its_idle_time(
     redis_url: str,
 ) -> None:
