@@ -2213,7 +2213,12 @@ class FileStorage(BackendBase):
         store is open, it refuses to work (StorageError) once the root's path no longer names
         the directory the store opened (see `_check_root_path`), and in a child forked from
         the process that opened the store."""
-        return FileManifest(self._root / _MANIFEST_NAME, limits, guard=self._check_root_path)
+        # One made in a forked child of the process that opened the store is that process's,
+        # as the store is: the child is refused both, even a call that does nothing.
+        owner = None if self._state is _State.NEW else self._pid
+        return FileManifest(
+            self._root / _MANIFEST_NAME, limits, guard=self._check_root_path, owner_pid=owner
+        )
 
     async def _check_root_path(self) -> None:
         """StorageError when the store is open and its root's path was replaced since (by a

@@ -54,6 +54,7 @@ from .._ratelog import LogLimiter
 from .._uncancelled import finish_uncancelled
 from ._base import (
     BackendBase,
+    _State,
     byte_segments,
     check_batch,
     check_key,
@@ -833,6 +834,9 @@ class RedisStorage(BackendBase):
             ttl=self._ttl,
             limits=limits,
             scripts=self._scripts,
+            # One made in a forked child of the process that opened the store is that
+            # process's, as the store is: the child is refused both.
+            owner_pid=None if self._state is _State.NEW else self._pid,
         )
 
     # Lifecycle.
