@@ -193,7 +193,8 @@ _URL_PARAMS = {
     "get_pipeline_bytes": "bytes per GET pipeline (default 2MiB, 8MiB with bulk=0)",
     "max_batch_pages": "advertised batch size (default 512)",
     "capacity": "bytes under the prefix that gc() trims to (default: none)",
-    "gc_wait": "seconds a gc() waits for another's lease before it gives up (default: no bound)",
+    "gc_wait": "seconds a gc() waits for another's lease before it gives up (default: 300; "
+    "none: no bound)",
     "multikey": "0: no multi-key calls (Redis Cluster, proxies); default 1 (0 with cluster=1)",
     "cluster": "1: Redis Cluster, the URL's host:port a seed node, database 0; default 0",
     "bulk": "0: page values through redis-py too; default 1 (own plain-TCP connections)",
@@ -228,6 +229,11 @@ _GC_LEASE_NAME = "gc-lease"
 _GC_LEASE_S = 30.0
 #: How often a gc waiting for another's lease asks for it again.
 _GC_LEASE_POLL_S = 0.5
+#: How long a gc waits for another's lease by default (`gc_wait`): past a pass killed
+#: mid-way (`_GC_LEASE_S`), but not for the whole of a long live pass, which brings the
+#: store within its capacity itself. Unbounded, scheduled gc runs slower than their period
+#: piled up, each waiting for the last and then listing every page again.
+_GC_WAIT_DEFAULT_S = 300.0
 # Renew (ARGV[2] ms) or release the lease only while it still holds this pass's token.
 _RENEW_LEASE_SCRIPT = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then "
@@ -625,8 +631,10 @@ class RedisStorage(BackendBase):
         bulk: bool = True,
         cluster: bool = False,
         connection_kwargs: Mapping[str, Any] | None = None,
-        gc_wait: float | None = None,
+        gc_wait: float | None = _GC_WAIT_DEFAULT_S,
     ) -> None:
+        """`gc_wait`: seconds a `gc()` waits for another pass's lease under the prefix
+        before it gives up and reports `skipped` (None: for as long as that pass runs)."""
         _check_arguments(
             url=url,
             prefix=prefix,
@@ -760,9 +768,9 @@ class RedisStorage(BackendBase):
 
         Parameters: `ttl` (seconds), `prefix`, `max_connections`, `timeout` (seconds),
         `concurrency`, `put_pipeline_bytes`, `get_pipeline_bytes`, `max_batch_pages`,
-        `capacity` (a byte size such as 10GiB), `gc_wait` (seconds), `multikey` (0: no
-        multi-key calls), `bulk` (0: page values through redis-py), `cluster` (1: Redis
-        Cluster, seeded by the URL's host:port, database 0), for TLS
+        `capacity` (a byte size such as 10GiB), `gc_wait` (seconds, default 300; `none`: no
+        bound), `multikey` (0: no multi-key calls), `bulk` (0: page values through redis-py),
+        `cluster` (1: Redis Cluster, seeded by the URL's host:port, database 0), for TLS
         `ssl_cert_reqs`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`,
         and `client_name`. Anything else raises `StorageConfigError` listing what is accepted.
         """
@@ -799,7 +807,12 @@ class RedisStorage(BackendBase):
         if "timeout" in params:
             kwargs["timeout"] = parse_number(params["timeout"], field="redis URL parameter timeout")
         if "gc_wait" in params:
-            kwargs["gc_wait"] = parse_number(params["gc_wait"], field="redis URL parameter gc_wait")
+            wait = params["gc_wait"]
+            kwargs["gc_wait"] = (
+                None
+                if wait.lower() == "none"
+                else parse_number(wait, field="redis URL parameter gc_wait")
+            )
         _check_passthrough(params, tls=parts.scheme == "rediss")
         query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))

@@ -1448,7 +1448,12 @@ async def test_a_gc_with_gc_wait_gives_up_while_another_holds_the_lease(
 def test_gc_wait_takes_seconds_of_0_or_more() -> None:
     assert RedisStorage(gc_wait=0)._gc_wait == 0.0
     assert RedisStorage.from_url("redis://127.0.0.1:6379/0?gc_wait=1.5")._gc_wait == 1.5
-    assert RedisStorage()._gc_wait is None
+    # Bounded by default: unbounded, a scheduled gc whose passes outlast its period piled up
+    # runs, each waiting for the whole of the last and then listing every page again.
+    assert RedisStorage()._gc_wait == 300.0
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/0")._gc_wait == 300.0
+    assert RedisStorage(gc_wait=None)._gc_wait is None
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/0?gc_wait=none")._gc_wait is None
     for bad in (-1, math.inf, math.nan, True, "1"):
         with pytest.raises(StorageConfigError, match="gc_wait"):
             RedisStorage(gc_wait=bad)  # type: ignore[arg-type]
