@@ -30,7 +30,12 @@ from hicache_async.storage import (
     StorageStats,
 )
 from hicache_async.storage._protocol import PageBuffer
-from hicache_async.testing._conformance import MAC_KEY, StorageConformance, _declared_return
+from hicache_async.testing._conformance import (
+    MAC_KEY,
+    StorageConformance,
+    _declared_return,
+    _returns_only_none,
+)
 from hicache_async.testing._faults import FaultyStorage
 
 _CAPACITY = 256 << 20
@@ -516,6 +521,11 @@ class _EntersAsNone(PlainStorage):
         await super().__aenter__()
 
 
+class _EntersAsNoneUndeclared(PlainStorage):
+    async def __aenter__(self):  # type: ignore[no-untyped-def]
+        await super().__aenter__()
+
+
 class _ExistsAsBool(PlainStorage):
     async def exists(self, keys: Sequence[bytes]) -> bool:
         return await super().exists(keys) == len(keys)
@@ -526,7 +536,9 @@ class _DeletesAsBool(PlainStorage):
         return await super().delete(keys) > 0
 
 
-@pytest.mark.parametrize("broken", [_EntersAsNone, _ExistsAsBool, _DeletesAsBool])
+@pytest.mark.parametrize(
+    "broken", [_EntersAsNone, _EntersAsNoneUndeclared, _ExistsAsBool, _DeletesAsBool]
+)
 async def test_the_suite_fails_a_backend_declaring_what_the_protocol_refuses(
     broken: type[PlainStorage],
 ) -> None:
@@ -538,6 +550,26 @@ async def test_the_suite_fails_a_backend_declaring_what_the_protocol_refuses(
         await _suite_fails(
             StorageConformance().test_declared_return_types_are_the_protocol_s(backend)
         )
+
+
+def test_an_enter_that_may_return_something_is_not_taken_for_one_that_returns_none() -> None:
+    class Conditional:
+        async def __aenter__(self, ready: bool = True) -> Any:
+            return self if ready else None
+
+        async def bare(self) -> None:
+            return
+
+        def neither(self) -> Any:
+            return None if self else self
+
+    assert not _returns_only_none(Conditional.__aenter__)
+    assert not _returns_only_none(Conditional.neither)
+    assert _returns_only_none(Conditional.bare)
+    assert _returns_only_none(_EntersAsNoneUndeclared.__aenter__)
+    assert not _returns_only_none(PlainStorage.__aenter__)
+    assert not _returns_only_none(None)
+    assert not _returns_only_none(len)
 
 
 def test_declared_returns_are_read_as_written() -> None:

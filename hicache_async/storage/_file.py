@@ -61,6 +61,7 @@ import fcntl
 import functools
 import heapq
 import itertools
+import math
 import os
 import secrets
 import shlex
@@ -135,6 +136,9 @@ _FILE_MODE = 0o600
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: Corrupt page files that could not be removed, remembered so as not to be read again.
 _STUCK_MAX = 1024
+# While a root's directory is not writable, write jobs ask whether it has become so at most
+# this often (`FileStorage._look_due`).
+_LOOK_AGAIN_S = 1.0
 # A page file a policy refused to open (see `_PolicyRefused`) is a quiet miss this long.
 _POLICY_RETRY_S = 60.0
 # O_NONBLOCK: a FIFO planted in the root must not block the open.
@@ -1432,7 +1436,7 @@ class _PolicyRefused:
     lock."""
 
     def __init__(self) -> None:
-        self._files: dict[bytes, tuple[tuple[int, int, int, int, int], float]] = {}
+        self._files: dict[bytes, tuple[tuple[int, int, int], float]] = {}
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -1441,7 +1445,11 @@ class _PolicyRefused:
     def add(self, key: bytes, st: os.stat_result) -> bool:
         """Record that the file `st` of `key` was refused; False when it was already and is
         not due to be tried again (the caller then reports a quiet miss)."""
-        identity = _identity(st)
+        # Not `_identity`: its times move whenever any instance reading the page stamps it,
+        # and on a shared root that would make every such read news again. A page written
+        # anew is a new file (a rename); one written here into a reused spare file, which
+        # keeps its inode, is forgotten by the write (`forget`).
+        identity = (st.st_dev, st.st_ino, st.st_size)
         now = time.monotonic()
         with self._lock:
             seen = self._files.get(key)
@@ -1454,7 +1462,7 @@ class _PolicyRefused:
         return True
 
     def forget(self, key: bytes) -> None:
-        """The page of `key` was opened: a later refusal is news."""
+        """The page of `key` was opened, or written here: a later refusal is news."""
         with self._lock:
             self._files.pop(key, None)
 
@@ -2090,6 +2098,10 @@ class FileStorage(BackendBase):
         # at once may finish in another order, and an older look must not undo a newer one.
         self._looks = itertools.count(1)
         self._look_noted = 0
+        # When a write job last looked at a root found not writable (`_look_due`); the clock
+        # is an attribute so that tests can move it.
+        self._clock: Callable[[], float] = time.monotonic
+        self._looked_at = -math.inf
         # When the last storage.disk.full was logged (monotonic), None before the first.
         self._disk_full_logged: float | None = None
         # A failing disk fails every batch alike: `storage.page.error` tells each kind of
@@ -2201,7 +2213,12 @@ class FileStorage(BackendBase):
         store is open, it refuses to work (StorageError) once the root's path no longer names
         the directory the store opened (see `_check_root_path`), and in a child forked from
         the process that opened the store."""
-        return FileManifest(self._root / _MANIFEST_NAME, limits, guard=self._check_root_path)
+        # One made in a forked child of the process that opened the store is that process's,
+        # as the store is: the child is refused both, even a call that does nothing.
+        owner = None if self._state is _State.NEW else self._pid
+        return FileManifest(
+            self._root / _MANIFEST_NAME, limits, guard=self._check_root_path, owner_pid=owner
+        )
 
     async def _check_root_path(self) -> None:
         """StorageError when the store is open and its root's path was replaced since (by a
@@ -2255,6 +2272,7 @@ class FileStorage(BackendBase):
             # `access` is a system call: asked here, off the loop.
             if self._keep_leftovers:  # an inspection writes nothing: no need to say so
                 return leftovers, ""
+            self._looked_at = self._clock()
             return leftovers, _unwritable(holder[0]) or ""
 
         try:
@@ -3546,6 +3564,25 @@ class FileStorage(BackendBase):
             inodes=plan.files,
         )
 
+    def _look_due(self, results: list[_Result | None]) -> bool:
+        """Whether a write job looks at the root (`_unwritable`, an access check of each
+        directory) after its writes `results`: at once when they tell of a change (a write
+        refused by a mode while none was known, or one landed while tmp/ was not writable),
+        else while a directory is not writable at most every `_LOOK_AGAIN_S`, so that puts
+        into shard directories made already (which land while pages/ is not writable) do not
+        each ask again. Write jobs only (worker threads)."""
+        read_only = self._read_only
+        clock = self._clock()
+        if read_only is None:
+            due = any(result is not None and result[1] == _MODE_REFUSED for result in results)
+        else:
+            due = clock - self._looked_at >= _LOOK_AGAIN_S or (
+                read_only == _TMP and any(r is not None and r[0] == _OK for r in results)
+            )
+        if due:
+            self._looked_at = clock
+        return due
+
     def _note_writable(self, look: int, unwritable: str) -> None:
         """Record what the look numbered `look` at the root found: `unwritable`, the directory
         this user may not write (`_unwritable`), or "" when it may write both; one older than
@@ -3725,9 +3762,7 @@ class FileStorage(BackendBase):
             self._claims.settle(claims, i, written=result[0] == _OK)
 
         fan_out(self._helpers, len(keys), work, stop, self._width(len(keys), sum(sizes)))
-        if self._read_only is not None or any(
-            result is not None and result[1] == _MODE_REFUSED for result in results
-        ):
+        if self._look_due(results):
             look = next(self._looks)
             job.unwritable = (look, _unwritable(handles) or "")
         if not no_room and any(result is not None and result[0] == _NO_ROOM for result in results):
@@ -3843,11 +3878,11 @@ class FileStorage(BackendBase):
         rather than it waiting for the next open."""
         tmp_fd = handles.tmp_fd
         spares = self._spares
+        kept = False
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=tmp_fd)
         except OSError:
-            kept = False
             if spares is not None:
                 with contextlib.suppress(OSError):
                     st = os.stat(name, dir_fd=tmp_fd, follow_symlinks=False)
@@ -3860,7 +3895,9 @@ class FileStorage(BackendBase):
             if not kept:
                 with self._unremoved_tmp_lock:
                     self._unremoved_tmp.add(name)
-        if spares is not None:
+        # A file given back cleared its mark as it went into the pool: another write may
+        # have taken it since, and its mark must stay.
+        if spares is not None and not kept:
             spares.done(name)
 
     def _retry_tmp(self, handles: _Handles) -> None:
@@ -3941,6 +3978,8 @@ class FileStorage(BackendBase):
                 # index without it, where a lookup on disk finds it if it is there.
                 if self._changed.get(key, 0) <= epoch:
                     self._insert(key, nbytes, now)
+                if code == _OK and self._policy_refused:
+                    self._policy_refused.forget(key)
                 if detail:
                     errors.add(key, detail)
             elif code == _NO_ROOM and not (final or job.cancelled):
@@ -4162,6 +4201,8 @@ class FileStorage(BackendBase):
         except OSError as exc:
             raise StorageError(f"{self._name}: write_raw failed: {exc}") from exc
         self._insert(key, len(value), time.time())
+        if self._policy_refused:
+            self._policy_refused.forget(key)
 
     def _write_raw_job(self, key: bytes, value: bytes) -> None:
         handles = self._handles_or_raise()

@@ -956,14 +956,17 @@ class FileManifest:
         limits: ManifestLimits | None = None,
         *,
         guard: Callable[[], Awaitable[None]] | None = None,
+        owner_pid: int | None = None,
     ):
         """`guard`, when given, is awaited before every append, read and compaction and may
         refuse it by raising StorageError (a file store's check that its root, which the
-        manifest's path goes through, was not replaced since it was opened)."""
+        manifest's path goes through, was not replaced since it was opened). `owner_pid`:
+        the process it belongs to (default: this one), whose forked children it refuses,
+        even the calls that do nothing."""
         self.path = Path(path)
         self.limits = limits or ManifestLimits()
         self._guard = guard
-        self._pid = current_pid()
+        self._pid = current_pid() if owner_pid is None else owner_pid
         # This instance's appends and compactions take the file's lock in turn: tries of a
         # lock held elsewhere are polls, which would otherwise let newcomers overtake.
         self._turns = anyio.Lock()

@@ -529,7 +529,10 @@ class RedisManifest:
         scripting: bool = True,
         limits: ManifestLimits | None = None,
         scripts: ReadScripts | None = None,
+        owner_pid: int | None = None,
     ) -> None:
+        """`owner_pid`: the process it belongs to (default: this one), whose forked children
+        it refuses, even the calls that send nothing."""
         self.limits = limits or ManifestLimits()
         self._client = client
         # What its work off the loop is gated by (see `off_loop`): the store's client, so
@@ -540,7 +543,7 @@ class RedisManifest:
         self._ttl = ttl
         self._scripting_chosen = scripting
         # The store's connections are the parent's in a forked child, which is refused.
-        self._pid = current_pid()
+        self._pid = current_pid() if owner_pid is None else owner_pid
         # Shared with the store that built it: what one manifest learns about its scripts,
         # the next knows (and does not log again).
         self._scripts = scripts or ReadScripts(name)

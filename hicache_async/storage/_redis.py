@@ -54,6 +54,7 @@ from .._ratelog import LogLimiter
 from .._uncancelled import finish_uncancelled
 from ._base import (
     BackendBase,
+    _State,
     byte_segments,
     check_batch,
     check_key,
@@ -192,7 +193,8 @@ _URL_PARAMS = {
     "get_pipeline_bytes": "bytes per GET pipeline (default 2MiB, 8MiB with bulk=0)",
     "max_batch_pages": "advertised batch size (default 512)",
     "capacity": "bytes under the prefix that gc() trims to (default: none)",
-    "gc_wait": "seconds a gc() waits for another's lease before it gives up (default: no bound)",
+    "gc_wait": "seconds a gc() waits for another's lease before it gives up (default: 300; "
+    "none: no bound)",
     "multikey": "0: no multi-key calls (Redis Cluster, proxies); default 1 (0 with cluster=1)",
     "cluster": "1: Redis Cluster, the URL's host:port a seed node, database 0; default 0",
     "bulk": "0: page values through redis-py too; default 1 (own plain-TCP connections)",
@@ -227,6 +229,11 @@ _GC_LEASE_NAME = "gc-lease"
 _GC_LEASE_S = 30.0
 #: How often a gc waiting for another's lease asks for it again.
 _GC_LEASE_POLL_S = 0.5
+#: How long a gc waits for another's lease by default (`gc_wait`): past a pass killed
+#: mid-way (`_GC_LEASE_S`), but not for the whole of a long live pass, which brings the
+#: store within its capacity itself. Unbounded, scheduled gc runs slower than their period
+#: piled up, each waiting for the last and then listing every page again.
+_GC_WAIT_DEFAULT_S = 300.0
 # Renew (ARGV[2] ms) or release the lease only while it still holds this pass's token.
 _RENEW_LEASE_SCRIPT = (
     "if redis.call('GET', KEYS[1]) == ARGV[1] then "
@@ -375,6 +382,13 @@ def _idle_refused(error: BaseException) -> bool:
     """Whether an error reply to OBJECT IDLETIME means it is refused here (an ACL, a renamed
     command, a proxy), not that the policy keeps no idle time (LFU)."""
     return bool(_IDLE_REFUSALS.search(_reply_text(error).lower()))
+
+
+def _touched_of(reply: object) -> int | None:
+    """Seconds since a pass last read every page under the prefix, from the `OBJECT
+    IDLETIME` reply for its mark: on the server's own idle clock, so comparable with the
+    pages' idle times read with it; None if unknown (never marked, an LFU policy, refused)."""
+    return reply if _is_int(reply) else None
 
 
 #: Pages `gc` sorts in one piece: a sort holds the GIL throughout, this many for about 2 ms.
@@ -617,8 +631,10 @@ class RedisStorage(BackendBase):
         bulk: bool = True,
         cluster: bool = False,
         connection_kwargs: Mapping[str, Any] | None = None,
-        gc_wait: float | None = None,
+        gc_wait: float | None = _GC_WAIT_DEFAULT_S,
     ) -> None:
+        """`gc_wait`: seconds a `gc()` waits for another pass's lease under the prefix
+        before it gives up and reports `skipped` (None: for as long as that pass runs)."""
         _check_arguments(
             url=url,
             prefix=prefix,
@@ -752,9 +768,9 @@ class RedisStorage(BackendBase):
 
         Parameters: `ttl` (seconds), `prefix`, `max_connections`, `timeout` (seconds),
         `concurrency`, `put_pipeline_bytes`, `get_pipeline_bytes`, `max_batch_pages`,
-        `capacity` (a byte size such as 10GiB), `gc_wait` (seconds), `multikey` (0: no
-        multi-key calls), `bulk` (0: page values through redis-py), `cluster` (1: Redis
-        Cluster, seeded by the URL's host:port, database 0), for TLS
+        `capacity` (a byte size such as 10GiB), `gc_wait` (seconds, default 300; `none`: no
+        bound), `multikey` (0: no multi-key calls), `bulk` (0: page values through redis-py),
+        `cluster` (1: Redis Cluster, seeded by the URL's host:port, database 0), for TLS
         `ssl_cert_reqs`, `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`, `ssl_check_hostname`,
         and `client_name`. Anything else raises `StorageConfigError` listing what is accepted.
         """
@@ -791,7 +807,12 @@ class RedisStorage(BackendBase):
         if "timeout" in params:
             kwargs["timeout"] = parse_number(params["timeout"], field="redis URL parameter timeout")
         if "gc_wait" in params:
-            kwargs["gc_wait"] = parse_number(params["gc_wait"], field="redis URL parameter gc_wait")
+            wait = params["gc_wait"]
+            kwargs["gc_wait"] = (
+                None
+                if wait.lower() == "none"
+                else parse_number(wait, field="redis URL parameter gc_wait")
+            )
         _check_passthrough(params, tls=parts.scheme == "rediss")
         query = urlencode([(k, params[k]) for k in _PASSTHROUGH if k in params])
         base = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
@@ -826,6 +847,9 @@ class RedisStorage(BackendBase):
             ttl=self._ttl,
             limits=limits,
             scripts=self._scripts,
+            # One made in a forked child of the process that opened the store is that
+            # process's, as the store is: the child is refused both.
+            owner_pid=None if self._state is _State.NEW else self._pid,
         )
 
     # Lifecycle.
@@ -1852,11 +1876,14 @@ class RedisStorage(BackendBase):
         what it needs and the loop runs between pipelines); the mark is written at the end
         with `record`."""
         client = self._redis()
-        start = time.time()
-        touched = await self._touched_idle()
+        mark = self._touched_rkey()
         async for batch in self._scan():
             try:
                 async with client.pipeline(transaction=False) as pipe:
+                    # The mark's idle time with the pages': compared with theirs, it must be
+                    # read when they are, not at the listing's start (a page used shortly
+                    # after the pass would look unused since, once the listing took longer).
+                    pipe.object("idletime", mark)
                     for rkey in batch:
                         # IDLETIME first: GETRANGE counts as an access.
                         pipe.object("idletime", rkey)
@@ -1869,12 +1896,11 @@ class RedisStorage(BackendBase):
             # listing that took seconds made the pages it reached last look that much older,
             # and gc evicted newer pages before older ones.
             now = time.time()
+            touched = _touched_of(results[0])
             listed: list[_Listed] = []
             for j, rkey in enumerate(batch):
-                idle, head, nbytes = results[3 * j : 3 * j + 3]
-                page = self._judged(
-                    rkey, idle, head, nbytes, now=now, touched=touched, touched_at=start
-                )
+                idle, head, nbytes = results[1 + 3 * j : 4 + 3 * j]
+                page = self._judged(rkey, idle, head, nbytes, now=now, touched=touched)
                 if page is not None:
                     listed.append(page)
             yield listed
@@ -1890,12 +1916,11 @@ class RedisStorage(BackendBase):
         *,
         now: float,
         touched: int | None,
-        touched_at: float | None = None,
     ) -> _Listed | None:
         """A page as a listing gives it, from its `OBJECT IDLETIME`, header `GETRANGE` and
         `STRLEN` replies (read in that order: the GETRANGE counts as an access); None for a
-        key gone since the scan or not a string. `now`: when `idle` was read; `touched_at`:
-        when `touched` was (default `now`)."""
+        key gone since the scan or not a string. `now`: when `idle`, and the mark's idle time
+        `touched`, were read."""
         if isinstance(nbytes, NoPermissionError):
             # The ACL keeps these keys from this user: a listing without them would pass for
             # the whole store (gc and stats would see it empty).
@@ -1926,7 +1951,7 @@ class RedisStorage(BackendBase):
             # than the pass's mark (to the idle clock's one second), which pages used since
             # come after. Its writer's clock stamped it: one running ahead, or this host's
             # stepped back since, would list it before them, and gc would evict them first.
-            last = min(created, (now if touched_at is None else touched_at) - touched + 1)
+            last = min(created, now - touched + 1)
         if header is PageCheck.CORRUPT:
             last = 0.0  # damaged: the first gc evicts, whatever read it last
         return _Listed(rkey, nbytes, tokens, priority, last)
@@ -1944,14 +1969,15 @@ class RedisStorage(BackendBase):
         that turns out damaged or gone makes room for the next.
         """
         client = self._redis()
-        now = time.time()
-        touched = await self._touched_idle()
+        mark = self._touched_rkey()
         # The best `limit` pages so far, the worst on top: (last access, -scan index, page).
         best: list[tuple[float, int, _Listed]] = []
         damaged = 0  # of those, listed as last used at 0: any page with an idle time beats them
         scanned = 0
 
-        async def read(candidates: Sequence[tuple[int, bytes, object]]) -> None:
+        async def read(
+            candidates: Sequence[tuple[int, bytes, object]], now: float, touched: int | None
+        ) -> None:
             nonlocal damaged
             try:
                 async with client.pipeline(transaction=False) as pipe:
@@ -1976,7 +2002,12 @@ class RedisStorage(BackendBase):
                 damaged += page.last_access == 0.0
 
         async for batch in self._scan():
-            idles = await self._idle_times(client, batch)
+            # Each batch's idle times, the mark's with them, count to when they were read
+            # (as in `_listed`): a listing that took seconds would otherwise rank the pages it
+            # reached last as that much older, and some used after the pass as unused since.
+            replies = await self._idle_times(client, [mark, *batch])
+            now = time.time()
+            touched, idles = _touched_of(replies[0]), replies[1:]
             unbounded: list[tuple[int, bytes, object]] = []
             bounded: list[tuple[float, int, bytes, int]] = []  # (bound, -index, key, idle)
             for index, (rkey, idle) in enumerate(zip(batch, idles, strict=True), scanned):
@@ -1988,7 +2019,7 @@ class RedisStorage(BackendBase):
                     unbounded.append((index, rkey, idle))
             scanned += len(batch)
             for start in range(0, len(unbounded), _KEYS_PER_PIPELINE):
-                await read(unbounded[start : start + _KEYS_PER_PIPELINE])
+                await read(unbounded[start : start + _KEYS_PER_PIPELINE], now, touched)
             bounded.sort(reverse=True)
             taken = 0
             while taken < len(bounded):
@@ -2005,7 +2036,7 @@ class RedisStorage(BackendBase):
                 if not chunk:
                     break
                 taken += len(chunk)
-                await read(chunk)
+                await read(chunk, now, touched)
         best.sort(reverse=True)
         return [
             PageInfo(
@@ -2044,15 +2075,6 @@ class RedisStorage(BackendBase):
 
     def _touched_rkey(self) -> bytes:
         return f"{self._prefix}:{_TOUCHED_NAME}".encode()  # never a page key (not hex)
-
-    async def _touched_idle(self) -> int | None:
-        """Seconds since a pass last read every page under the prefix, on the server's own
-        idle clock (so comparable with the pages' idle times); None if unknown."""
-        try:
-            idle = await self._redis().object("idletime", self._touched_rkey())
-        except REDIS_FAULTS:
-            return None  # never marked, or no idle times (an LFU policy)
-        return idle if isinstance(idle, int) else None
 
     async def _mark_touched(self) -> None:
         """Record that every page was just read: the mark's own idle time then tells which

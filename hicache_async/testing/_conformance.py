@@ -29,6 +29,7 @@ batch's bytes may answer MISS for the pages it has no room for).
 from __future__ import annotations
 
 import asyncio
+import dis
 import importlib
 import os
 import random
@@ -37,6 +38,7 @@ import struct
 import sys
 import threading
 import time
+import types
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -218,6 +220,36 @@ def _declared_return(method: object) -> str | None:
     if declared is None or declared is type(None):
         return "None"
     return declared.__name__ if isinstance(declared, type) else repr(declared)
+
+
+def _returns_only_none(method: object) -> bool:
+    """Whether the Python function `method` (a method as its class holds it) returns None on
+    every path: each of its returns hands back the constant None (an implicit return, a bare
+    `return`). Read from its bytecode, so an undeclared `__aenter__` that forgets `return
+    self` is found at run time although no backend can be entered twice. False when it cannot
+    tell (not a Python function, a return reached by a jump from elsewhere)."""
+    code = getattr(getattr(method, "__func__", method), "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return False
+    returns = 0
+    previous: dis.Instruction | None = None
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "RETURN_CONST":  # Python 3.12 and 3.13
+            if instruction.argval is not None:
+                return False
+            returns += 1
+        elif instruction.opname == "RETURN_VALUE":
+            # A jump to it may bring another value than the constant loaded before it.
+            if (
+                instruction.is_jump_target
+                or previous is None
+                or previous.opname != "LOAD_CONST"
+                or previous.argval is not None
+            ):
+                return False
+            returns += 1
+        previous = instruction
+    return returns > 0
 
 
 def _annotations_as_written(method: object) -> object:
@@ -554,6 +586,12 @@ class StorageConformance:
                 f"{type(backend).__name__}.{name} is declared to return {declared}, not "
                 f"{expected} (StorageBackend.{name})"
             )
+        # Undeclared, the same mistake is in the code: every return of it gives None.
+        assert not _returns_only_none(getattr(type(backend), "__aenter__", None)), (
+            f"{type(backend).__name__}.__aenter__ returns None on every path, so `async with "
+            "backend as b` binds None, not the backend itself: end it with `return self` "
+            "(StorageBackend.__aenter__)"
+        )
 
     async def test_capabilities_are_usable(self, backend: StorageBackend) -> None:
         # Callers size their batches by max_batch_pages: 0 would leave them nothing to send.

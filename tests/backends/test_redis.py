@@ -1448,7 +1448,12 @@ async def test_a_gc_with_gc_wait_gives_up_while_another_holds_the_lease(
 def test_gc_wait_takes_seconds_of_0_or_more() -> None:
     assert RedisStorage(gc_wait=0)._gc_wait == 0.0
     assert RedisStorage.from_url("redis://127.0.0.1:6379/0?gc_wait=1.5")._gc_wait == 1.5
-    assert RedisStorage()._gc_wait is None
+    # Bounded by default: unbounded, a scheduled gc whose passes outlast its period piled up
+    # runs, each waiting for the whole of the last and then listing every page again.
+    assert RedisStorage()._gc_wait == 300.0
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/0")._gc_wait == 300.0
+    assert RedisStorage(gc_wait=None)._gc_wait is None
+    assert RedisStorage.from_url("redis://127.0.0.1:6379/0?gc_wait=none")._gc_wait is None
     for bad in (-1, math.inf, math.nan, True, "1"):
         with pytest.raises(StorageConfigError, match="gc_wait"):
             RedisStorage(gc_wait=bad)  # type: ignore[arg-type]
@@ -3119,6 +3124,66 @@ async def test_write_raw_keeps_the_ttl(redis_url: str, multi: bool) -> None:
         key = os.urandom(32)
         await backend.write_raw(key, b"value")
         assert await admin.ttl(backend._rkey(key)) == -1
+
+
+class _ClockAhead:
+    """The `time` module as the Redis store sees it, with `time()` moved `ahead` seconds."""
+
+    def __init__(self) -> None:
+        self.ahead = 0.0
+
+    def time(self) -> float:
+        return time.time() + self.ahead
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("record", [True, False])
+async def test_a_listing_that_takes_long_reads_the_marks_idle_time_with_each_batch(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, record: bool
+) -> None:
+    # The recorded pass's mark had its idle time read once, when a listing began, and
+    # `ls --limit` (no pass recorded) counted every batch's idle times to that start too: a
+    # page used shortly after the pass, reached by a later batch once the listing had taken
+    # longer than that, listed as not used since the pass (gc and `ls` ranked it with the
+    # pages nobody used). Here 100 s pass between the two batches: the server's idle times
+    # move on by RESTORE, this host's clock by the store's `time`, nothing waits.
+    from hicache_async.storage import _redis
+
+    admin = aioredis.Redis.from_url(redis_url)
+    clock = _ClockAhead()
+    try:
+        async with RedisStorage.from_url(fresh_url(redis_url)) as backend:
+            keys, pages, metas = make_pages(2)
+            assert await backend.put(keys, pages, metas) == [Outcome.OK] * 2
+            await backend.list_pages()  # the recorded pass
+            mark = backend._touched_rkey()
+            unused, used = (backend._rkey(key) for key in keys)
+
+            async def age(rkey: bytes, idle: int) -> None:
+                dumped = await admin.dump(rkey)
+                await admin.execute_command("RESTORE", rkey, 0, dumped, "REPLACE", "IDLETIME", idle)
+
+            # The pass ran 100 s ago; one page was not used since, the other 5 s after it.
+            for rkey, idle in ((mark, 100), (unused, 100), (used, 95)):
+                await age(rkey, idle)
+
+            async def slow_scan() -> AsyncIterator[list[bytes]]:
+                yield [unused]
+                clock.ahead += 100
+                for rkey, idle in ((mark, 200), (used, 195)):
+                    await age(rkey, idle)
+                yield [used]
+
+            monkeypatch.setattr(backend, "_scan", slow_scan)
+            monkeypatch.setattr(_redis, "time", clock)
+            listed = await backend.list_pages(None if record else 1, record=record)
+            monkeypatch.undo()
+            assert listed[0].key == keys[1]
+            assert abs(listed[0].last_access - (time.time() - 95)) <= 2
+    finally:
+        await admin.aclose()
 
 
 async def test_a_page_created_ahead_of_this_clock_lists_no_newer_than_its_idle_time(
