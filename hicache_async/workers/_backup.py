@@ -107,6 +107,9 @@ class BackupStatistics(msgspec.Struct, frozen=True):
     #: planned pages (offered or repaired) not written because storage held them already
     #: (another instance stored them, or this one before its tree forgot them)
     already_stored_pages: int = 0
+    #: times the worker gave way to a device allocation (`give_way`; logged as
+    #: `hicache.backup.gave_way`, at most once a minute)
+    gave_way: int = 0
 
 
 class BackupWorker:
@@ -161,6 +164,7 @@ class BackupWorker:
         self.skipped_pages = self.retried_pages = self.failed_pages = 0
         self.dropped_pages = self.batches = self.superseded_pages = 0
         self.repaired_pages = self.lost_pages = self.already_stored_pages = 0
+        self.gave_way = 0
 
     def offer(self, node: TreeNode, num_pages: int) -> bool:
         """Queue the last `num_pages` pages ending at `node` for backup; never waits."""
@@ -257,9 +261,17 @@ class BackupWorker:
         """
         if not self.protecting or (self.pending == 0 and (self._giving_way or self._give_way_next)):
             return  # nothing held, or nothing more to give up
-        _log.warning(
-            "hicache.backup.gave_way", queued=self.pending, writing_pages=self.writing_pages
-        )
+        self.gave_way += 1
+        # Under steady device pressure it comes at every request: one line a minute, the
+        # rest in `gave_way` and the pages in `dropped_pages` and `failed_pages`.
+        unlogged = self._log_limit.admit("hicache.backup.gave_way")
+        if unlogged is not None:
+            _log.warning(
+                "hicache.backup.gave_way",
+                queued=self.pending,
+                writing_pages=self.writing_pages,
+                unlogged_since_last=unlogged,
+            )
         self.drop_queued()
         if self._writing and self._give_way is not None:
             self._give_way.set()
@@ -312,6 +324,7 @@ class BackupWorker:
             repaired_pages=self.repaired_pages,
             lost_pages=self.lost_pages,
             already_stored_pages=self.already_stored_pages,
+            gave_way=self.gave_way,
         )
 
     async def _write(self, jobs: list[_Job]) -> None:
