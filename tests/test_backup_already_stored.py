@@ -36,6 +36,7 @@ from hicache_async.storage import (
 )
 from hicache_async.testing import KVGenerator, RedisServer, assert_drained, serve
 from hicache_async.workers import BackupStatistics
+from hicache_async.workers import _backup as backup_worker
 
 PAGE = 4
 
@@ -411,3 +412,77 @@ async def test_a_long_job_prepares_each_put_as_it_is_cut() -> None:
             # One call's views (and some of the serving's own), not the whole job's.
             assert max(store.views_at_put) - before < 4 * limit * segments
             assert_drained(cache)
+
+
+class CountsLookupsInFlight(SendsEveryPage):
+    """Holds every `exists` until the gate it found set, counting the calls begun."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.begun = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        self.begun += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await self.gate.wait()
+            return await self.inner.exists(keys)
+        finally:
+            self.in_flight -= 1
+
+
+async def _until_begun(store: CountsLookupsInFlight, calls: int) -> None:
+    for _ in range(3000):  # a bound only: each loop turn lets the worker begin more
+        if store.begun >= calls:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{store.begun} look-ups begun, not {calls}")
+
+
+@pytest.mark.parametrize("chains", [4, 12])
+async def test_the_look_ups_of_a_batchs_chains_are_in_flight_together(chains: int) -> None:
+    # A slow store answers each look-up after a round trip: a batch of many chains must not
+    # pay one after another. At most `_LOOKUPS_IN_FLIGHT` are asked at once.
+    config = _config(check_prefix=False, batch_pages=16)
+    generator = KVGenerator(config.layout, PAGE, seed=11)
+    first = _prompt(20, 1)
+    prompts = [_prompt(21 + i, 1) for i in range(chains)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = CountsLookupsInFlight(memory)
+        shared.gate.set()
+        for tokens in (first, *prompts):
+            await _served_and_stored(config, shared, tokens, generator)
+        shared.put_keys.clear()
+        shared.begun = shared.most_in_flight = 0
+        shared.gate = asyncio.Event()
+        async with HiCache(config, storage=shared) as second:
+            # The first batch's one look-up holds the worker while the others queue up.
+            await serve(second, first, generator, prefetch=False)
+            await _until_begun(shared, 1)
+            for tokens in prompts:
+                await serve(second, tokens, generator, prefetch=False)
+            await _queued(second, chains)
+            held, shared.gate = shared.gate, asyncio.Event()
+            held.set()
+            # The second batch asks about all its chains before any answers.
+            expected = min(chains, backup_worker._LOOKUPS_IN_FLIGHT)
+            await _until_begun(shared, 1 + expected)
+            for _ in range(20):  # no more begin while those are held
+                await asyncio.sleep(0)
+            assert shared.begun == 1 + expected
+            assert shared.most_in_flight == expected
+            shared.gate.set()
+            await second.drain()
+            assert shared.begun == 1 + chains
+            backup = _backup(second)
+            assert backup.already_stored_pages == 1 + chains
+            assert backup.written_pages == 0
+            assert shared.put_keys == []
+            for tokens in (first, *prompts):
+                assert _all_in_storage(second, tokens)
+            assert_backup_adds_up(backup)
+            assert_drained(second)

@@ -22,9 +22,11 @@ from typing import Any
 import numpy as np
 import pytest
 import structlog
+from _log_table import assert_documented
 from _unowned_storage import Unowned, assert_backup_adds_up
 
 from hicache_async import CacheConfig, HiCache, OutOfPagesError
+from hicache_async._ratelog import LogLimiter
 from hicache_async.storage import MemoryStorage, Outcome, PageBuffer, PageMeta, StorageBackend
 from hicache_async.testing import FaultyStorage, KVGenerator, assert_drained, serve
 from hicache_async.workers import BackupStatistics
@@ -96,14 +98,10 @@ async def _until(condition: Callable[[], bool]) -> None:
         await asyncio.sleep(0.001)
 
 
-def _gave_way(logs: list[dict[str, Any]]) -> int:
-    return sum(1 for entry in logs if entry["event"] == "hicache.backup.gave_way")
-
-
-def _waiting(task: asyncio.Task[Any], logs: list[dict[str, Any]], gave_way: int) -> bool:
+def _waiting(task: asyncio.Task[Any], cache: HiCache, gave_way: int) -> bool:
     """`task` has ended, or the backup worker gave way since it had `gave_way` times (the
     task then waits for the backup's call in progress)."""
-    return task.done() or _gave_way(logs) > gave_way
+    return task.done() or _backup(cache).gave_way > gave_way
 
 
 async def _settle(cache: HiCache) -> BackupStatistics:
@@ -157,21 +155,62 @@ async def test_a_request_waits_for_the_put_in_flight_then_is_served() -> None:
     async with MemoryStorage(capacity_bytes=64 << 20) as memory:
         store = HeldPuts(memory)
         async with HiCache(config, storage=store) as cache:
-            with structlog.testing.capture_logs() as logs:
-                for _ in range(40):
-                    tokens = prompts[order.randrange(len(prompts))]
-                    served = asyncio.create_task(serve(cache, tokens, generator, check="all"))
-                    await _until(functools.partial(_waiting, served, logs, _gave_way(logs)))
-                    if not served.done():
-                        waited += 1
-                        assert store.held == 1  # the call the request waits for
-                        store.gate.set()  # the put returns; the batch ends
-                        store.gate = asyncio.Event()  # later puts wait again
-                    await served
+            for _ in range(40):
+                tokens = prompts[order.randrange(len(prompts))]
+                served = asyncio.create_task(serve(cache, tokens, generator, check="all"))
+                await _until(functools.partial(_waiting, served, cache, _backup(cache).gave_way))
+                if not served.done():
+                    waited += 1
+                    assert store.held == 1  # the call the request waits for
+                    store.gate.set()  # the put returns; the batch ends
+                    store.gate = asyncio.Event()  # later puts wait again
+                await served
             assert waited > 0
+            assert _backup(cache).gave_way >= waited
             store.gate.set()
             backup = await _settle(cache)
             assert backup.written_pages > 0  # the puts let through stored their pages
+
+
+async def test_giving_way_again_and_again_is_one_line_a_minute() -> None:
+    # Under steady device pressure the worker gives way at request after request: one line
+    # a minute tells it, with how many times were left out; `gave_way` counts every time.
+    config = _config("write_through")
+    generator = KVGenerator(config.layout, PAGE, seed=11)
+    now = [0.0]
+    async with MemoryStorage(capacity_bytes=64 << 20) as memory:
+        store = HeldPuts(memory)
+        store.gate.set()
+        async with HiCache(config, storage=store) as cache:
+            await serve(cache, _prompts()[0], generator, prefetch=False)
+            await cache.drain()
+            link = cache._link
+            assert link is not None
+            link.backup._log_limit = LogLimiter(60.0, clock=lambda: now[0])
+            node = next(n for n in cache.tree.iter_nodes() if n.in_storage and n.on_host)
+
+            async def give_way_once() -> None:
+                cache.tree.mark_in_storage(node, False)  # as after a detach: written again
+                assert link.backup.offer(node, node.num_pages)
+                link.backup.give_way()
+                await cache.drain()  # its batch writes nothing
+
+            with structlog.testing.capture_logs() as logs:
+                for _ in range(5):
+                    await give_way_once()
+                told = [e for e in logs if e["event"] == "hicache.backup.gave_way"]
+                assert [e["unlogged_since_last"] for e in told] == [0]
+                now[0] = 60.0  # a minute later, the next line tells those left out
+                await give_way_once()
+            told = [e for e in logs if e["event"] == "hicache.backup.gave_way"]
+            assert [e["unlogged_since_last"] for e in told] == [0, 4]
+            assert assert_documented(logs, exact=["hicache.backup.gave_way"]) >= 2
+            backup = _backup(cache)
+            assert backup.gave_way == 6
+            assert backup.failed_pages == 6 * node.num_pages
+            assert store.calls == 1  # the first serve's only
+            assert_backup_adds_up(backup)
+            assert_drained(cache)
 
 
 async def test_a_request_that_cannot_fit_fails_at_once_and_the_backups_go_on() -> None:
@@ -196,7 +235,8 @@ async def test_a_request_that_cannot_fit_fails_at_once_and_the_backups_go_on() -
                     pytest.raises(OutOfPagesError, match="cannot provide 8 pages"),
                 ):
                     await other.allocate(8 * PAGE)
-                assert _gave_way(logs) == 0
+                assert _backup(cache).gave_way == 0
+                assert not [e for e in logs if e["event"] == "hicache.backup.gave_way"]
                 assert store.held == 1  # the put in progress goes on
             store.gate.set()
             await cache.drain()

@@ -558,3 +558,78 @@ async def test_a_batch_takes_queued_jobs_only_up_to_batch_pages() -> None:
             assert backup.written_pages == 20
             assert_backup_adds_up(backup)
             assert_drained(cache)
+
+
+class CountsChecksInFlight(Shared):
+    """Holds every `exists` until the gate it found set, counting the calls begun."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.begun = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        self.begun += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await self.gate.wait()
+            return await super().exists(keys)
+        finally:
+            self.in_flight -= 1
+
+
+async def _until_begun(store: CountsChecksInFlight, calls: int) -> None:
+    for _ in range(3000):  # a bound only: each loop turn lets the worker begin more
+        if store.begun >= calls:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{store.begun} checks begun, not {calls}")
+
+
+@pytest.mark.parametrize("chains", [4, 12])
+async def test_the_checks_of_a_batchs_chains_are_in_flight_together(chains: int) -> None:
+    # Each job extends a one-page base backed up before: its batch checks every base on a
+    # slow store at once (up to `_LOOKUPS_IN_FLIGHT`), not one round trip after another.
+    # One base was lost meanwhile: only its chain is found short, and written again.
+    config = _config(skip_stored=False, batch_pages=32)
+    generator = KVGenerator(config.layout, PAGE, seed=14)
+    bases = [_prompt(60 + i, 1) for i in range(chains + 1)]
+    longer = [np.concatenate([base, _prompt(80 + i, 1)]) for i, base in enumerate(bases)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = CountsChecksInFlight(memory)
+        async with HiCache(config, storage=shared) as cache:
+            for base in bases:
+                await serve(cache, base, generator, prefetch=False)
+            await cache.drain()
+            lost = cache.namespace.storage_keys(cache.keys_for(bases[-1]))
+            assert await memory.delete(lost) == 1
+            shared.begun = shared.most_in_flight = 0
+            shared.gate = asyncio.Event()
+            # The first batch's one check holds the worker while the others queue up.
+            await serve(cache, longer[0], generator, prefetch=False)
+            await _until_begun(shared, 1)
+            for tokens in longer[1:]:
+                await serve(cache, tokens, generator, prefetch=False)
+            await _queued(cache, chains)
+            held, shared.gate = shared.gate, asyncio.Event()
+            held.set()
+            expected = min(chains, backup_worker._LOOKUPS_IN_FLIGHT)
+            await _until_begun(shared, 1 + expected)
+            for _ in range(20):  # no more begin while those are held
+                await asyncio.sleep(0)
+            assert shared.begun == 1 + expected
+            assert shared.most_in_flight == expected
+            shared.gate.set()
+            await cache.drain()
+            assert shared.begun == 1 + chains
+            backup = _backup(cache)
+            assert backup.lost_pages == backup.repaired_pages == 1
+            assert await memory.exists(lost) == 1
+            for tokens in longer:
+                assert await _in_storage(cache, memory, tokens) == 2
+            assert_backup_adds_up(backup)
+            assert_drained(cache)

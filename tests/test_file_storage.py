@@ -1684,3 +1684,111 @@ async def test_concurrent_puts_stay_within_the_capacity_together(tmp_path: Path)
         stats = storage.stats()
         assert (stats.pages, stats.bytes) == (4, 4 * SIZE)
     assert _disk_usage(root) == (4, 4 * SIZE)
+
+
+async def test_a_raw_read_cancelled_while_it_waits_for_a_thread_reads_nothing(
+    tmp_path: Path,
+) -> None:
+    """A `read_raw` whose caller is cancelled while its job waits for the only thread does
+    not read the file once a thread takes the job: nobody would take the bytes."""
+    async with FileStorage(tmp_path / "s", io_threads=1) as storage:
+        keys = _keys(1)
+        assert await _put(storage, keys) == [Outcome.OK]
+        # Every file job begins by taking the root's descriptors: counted, a job that went
+        # to the disk shows.
+        taken = 0
+        handles_or_raise = storage._handles_or_raise
+
+        def counted() -> Any:
+            nonlocal taken
+            taken += 1
+            return handles_or_raise()
+
+        storage._handles_or_raise = counted  # type: ignore[method-assign]
+        entered, release = threading.Event(), threading.Event()
+
+        def hold(stop: threading.Event) -> None:
+            entered.set()
+            release.wait(30)  # a hang guard only
+
+        holder = asyncio.ensure_future(storage.run_job(hold))
+        try:
+            for _ in range(3000):  # until the only thread is in the held job
+                if entered.is_set():
+                    break
+                await asyncio.sleep(0.001)
+            assert entered.is_set()
+            queued = asyncio.ensure_future(storage.read_raw(keys[0]))
+            await asyncio.sleep(0)  # its job waits for the thread
+            assert len(storage._jobs) == 2
+            queued.cancel()
+            await asyncio.sleep(0)
+            release.set()
+            await asyncio.wait_for(holder, 30)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(queued, 30)
+            assert taken == 0  # its job went nowhere near the disk
+            assert await storage.read_raw(keys[0]) is not None
+            assert taken == 1
+        finally:
+            release.set()
+            await asyncio.wait_for(holder, 30)
+
+
+async def test_a_lookup_cancelled_while_it_waits_for_a_thread_leaves_its_stamps_to_the_stamper(
+    tmp_path: Path,
+) -> None:
+    """A shared root's `exists` whose caller is cancelled while its job waits for the only
+    thread touches no file once a thread takes the job (the cancellation waits for it); the
+    use it counted in the index still reaches the disk, through the stamper."""
+    root = tmp_path / "s"
+    keys = _keys(2)
+    async with FileStorage(root, shared=True) as storage:
+        assert await _put(storage, keys[:1]) == [Outcome.OK]
+    old = time.time_ns() - 100 * 10**9
+    os.utime(_page_path(root, keys[0]), ns=(old, old))
+    async with FileStorage(root, shared=True, io_threads=1) as storage:
+        holds = [threading.Event(), threading.Event()]
+        entered = threading.Event()
+
+        def hold(release: threading.Event) -> Callable[[threading.Event], None]:
+            def work(stop: threading.Event) -> None:
+                entered.set()
+                release.wait(30)  # a hang guard only
+
+            return work
+
+        first = asyncio.ensure_future(storage.run_job(hold(holds[0])))
+        try:
+            for _ in range(3000):  # until the only thread is in the held job
+                if entered.is_set():
+                    break
+                await asyncio.sleep(0.001)
+            assert entered.is_set()
+            # The first key is indexed and due a stamp; the second is looked for on disk.
+            queued = asyncio.ensure_future(storage.exists(keys))
+            for _ in range(100):  # until its job waits for the thread
+                if len(storage._jobs) == 2:
+                    break
+                await asyncio.sleep(0)
+            assert len(storage._jobs) == 2
+            queued.cancel()
+            await asyncio.sleep(0)
+            # Behind it, a job that holds the thread again: the stamper's comes after.
+            second = asyncio.ensure_future(storage.run_job(hold(holds[1])))
+            await asyncio.sleep(0)
+            holds[0].set()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(queued, 30)
+            assert os.stat(_page_path(root, keys[0])).st_mtime_ns == old  # not by its job
+            holds[1].set()
+            await asyncio.wait_for(second, 30)
+            for _ in range(3000):  # until the stamper has written it
+                if storage._stamper is None and not storage._unstamped:
+                    break
+                await asyncio.sleep(0.001)
+            assert os.stat(_page_path(root, keys[0])).st_mtime_ns > old
+        finally:
+            for release in holds:
+                release.set()
+            await asyncio.wait_for(first, 30)

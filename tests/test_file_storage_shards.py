@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -188,9 +189,9 @@ async def test_a_removed_shards_descriptor_closes_while_later_jobs_run(
         gates: list[_Gate] = []
         read_raw_job = storage._read_raw_job
 
-        def held_read(key: bytes) -> bytes | None:
+        def held_read(stop: threading.Event, key: bytes) -> bytes | None:
             gate = gates.pop(0)
-            result = read_raw_job(key)
+            result = read_raw_job(stop, key)
             gate.hold()
             return result
 

@@ -1,6 +1,7 @@
 """The balance of prefetch page counters, ending by ending: every page a prefetch looks for
-lands in exactly one of `misses`, `pages_read`, `pages_shared`, `corrupt`, `errors`,
-`pages_abandoned` and `pages_skipped` (docs/api.md), whichever way the prefetch ends."""
+(one stopped while queued: those not cached as it ends) lands in exactly one of `misses`,
+`pages_read`, `pages_shared`, `corrupt`, `errors`, `pages_abandoned` and `pages_skipped`
+(docs/api.md), whichever way the prefetch ends."""
 
 from __future__ import annotations
 
@@ -406,6 +407,55 @@ async def _cancelled_waiting_for_room(w: World) -> None:
     assert result.status is PrefetchStatus.COMPLETE
 
 
+async def _stopped_while_queued(w: World, stop: str) -> None:
+    # One worker, held by A's lookup: B waits in the queue when it is told to stop, and
+    # ends at once, its pages never looked up.
+    w.store.exists_gate = asyncio.get_running_loop().create_future()
+    a = await w.cache.start_prefetch(w.prompt, request_id="A")
+    await _until(lambda: w.store.lookups_held == 1, "A's lookup")
+    b = await w.cache.start_prefetch(w.prompt, request_id="B")
+    assert b.status is PrefetchStatus.QUEUED
+    if stop == "detach":
+        await asyncio.wait_for(w.cache.detach_storage(flush=False), 30)
+    elif stop == "ready":
+        assert (await b.ready()).status is PrefetchStatus.TERMINATED  # its limit ran out
+    else:
+        getattr(b, stop)()
+    result = w.keep(await asyncio.wait_for(b.wait(), 30))
+    assert (result.status, result.storage_tokens) == (
+        PrefetchStatus.CANCELLED if stop in ("cancel", "detach") else PrefetchStatus.TERMINATED,
+        0,
+    )
+    w.store.open_gates()
+    result = w.keep(await asyncio.wait_for(a.wait(), 30))
+    assert result.status is (
+        PrefetchStatus.CANCELLED if stop == "detach" else PrefetchStatus.COMPLETE
+    )
+
+
+def _queued_and_stopped(stop: str) -> Callable[[World], Awaitable[None]]:
+    async def scenario(w: World) -> None:
+        await _stopped_while_queued(w, stop)
+
+    return scenario
+
+
+async def _found_the_queue_full(w: World) -> None:
+    # One worker held by A's lookup and a queue of one held by B: C, best effort, finds
+    # no room and ends at once.
+    w.store.exists_gate = asyncio.get_running_loop().create_future()
+    a = await w.cache.start_prefetch(w.prompt, request_id="A")
+    await _until(lambda: w.store.lookups_held == 1, "A's lookup")
+    b = await w.cache.start_prefetch(HEADS[0], request_id="B")
+    c = await w.cache.start_prefetch(HEADS[1], request_id="C", policy="best_effort")
+    result = w.keep(await asyncio.wait_for(c.wait(), 30), 1)
+    assert (result.status, result.storage_tokens) == (PrefetchStatus.TERMINATED, 0)
+    w.store.open_gates()
+    for handle, pages in ((a, PAGES), (b, 1)):
+        result = w.keep(await asyncio.wait_for(handle.wait(), 30), pages)
+        assert result.status is PrefetchStatus.COMPLETE
+
+
 def _repeated_key(cached: int) -> Callable[[World], Awaitable[None]]:
     """A forged chain that repeats its first key at its third page, with its first `cached`
     pages cached (a cached path past the repeat only a forged chain could make)."""
@@ -478,6 +528,36 @@ ENDINGS: dict[str, Ending] = {
         ("pages_read", "pages_abandoned"),
         {"host_pages": 300, "prefetch": {"max_host_share": 0.01}},
     ),
+    "terminated while queued": Ending(
+        _queued_and_stopped("terminate"),
+        ("pages_read", "pages_abandoned"),
+        {"prefetch": {"workers": 1}},
+    ),
+    "cancelled while queued": Ending(
+        _queued_and_stopped("cancel"),
+        ("pages_read", "pages_abandoned"),
+        {"prefetch": {"workers": 1}},
+    ),
+    "timed out while queued": Ending(
+        _queued_and_stopped("ready"),
+        ("pages_read", "pages_abandoned"),
+        {
+            "prefetch": {
+                "workers": 1,
+                "policy": "timeout",
+                "timeout_base_s": 0.01,
+                "timeout_per_1k_tokens_s": 0.0,
+            }
+        },
+    ),
+    "detached while queued": Ending(
+        _queued_and_stopped("detach"), ("pages_abandoned",), {"prefetch": {"workers": 1}}
+    ),
+    "found the queue full": Ending(
+        _found_the_queue_full,
+        ("pages_read", "pages_abandoned"),
+        {"prefetch": {"workers": 1, "queue_size": 1}},
+    ),
     "host pool full": Ending(
         _host_pool_full,
         ("pages_read", "pages_abandoned"),
@@ -538,6 +618,17 @@ async def test_every_page_a_prefetch_looks_for_counts_once_whatever_its_ending(
         looked_for += len(handle.keys) - found.num_device_pages - found.num_host_pages
         return await fetch(self, handle)
 
+    ended = Prefetcher._ended
+
+    def ended_looked_for(self: Prefetcher, handle: PrefetchHandle, status: PrefetchStatus) -> None:
+        # One stopped before a worker took it looks for its pages not cached as it ends.
+        nonlocal looked_for
+        stopped = status in (PrefetchStatus.TERMINATED, PrefetchStatus.CANCELLED)
+        if handle.status is PrefetchStatus.QUEUED and stopped:
+            found = self._cache._tree.match(handle.keys, touch=False)
+            looked_for += len(handle.keys) - found.num_device_pages - found.num_host_pages
+        ended(self, handle, status)
+
     async with MemoryStorage(capacity_bytes=16 << 20) as memory:
         async with HiCache(config, storage=Unowned(memory)) as writer:
             for stored in (prompt, *HEADS):
@@ -548,6 +639,7 @@ async def test_every_page_a_prefetch_looks_for_counts_once_whatever_its_ending(
             world = World(cache, store, prompt, generator, monkeypatch)
             prefetcher = _prefetcher(cache)  # its figures outlive a detach
             monkeypatch.setattr(Prefetcher, "_fetch", fetch_looked_for)
+            monkeypatch.setattr(Prefetcher, "_ended", ended_looked_for)
             # Taken at every turn of the loop: no page is in a counter before its prefetch
             # looked for it, nor in two, while prefetches are in flight.
             exceeded: list[tuple[int, PrefetchStatistics]] = []

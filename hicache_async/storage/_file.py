@@ -2717,14 +2717,17 @@ class FileStorage(BackendBase):
         known = [key in index for key in rest]
         base = time.time_ns()  # the job's stamps and the later ones fall from one time
         found: list[_Found] = []
+        began: list[bool] = []  # set by the job unless it was given up before it began
         epoch = self._watch()
         try:
             more = await self.run_job(
                 lambda stop: self._stat_job(
-                    stop, rest, known, found, stamps, offset=count, base=base
+                    stop, rest, known, found, stamps, offset=count, base=base, began=began
                 )
             )
         finally:
+            if not began and stamps and not self.closed:
+                self._stamp_later(stamps, base)  # the use the index counted reaches the disk
             fresh = [item for item in found if not self._stale(item[0], epoch)]
             for key, nbytes, mtime in fresh:
                 self._insert(key, nbytes, mtime)
@@ -2793,11 +2796,20 @@ class FileStorage(BackendBase):
         *,
         offset: int,
         base: int,
+        began: list[bool],
     ) -> int:
         """How many of `keys` are there, from the first; those not `known` (indexed) are
         looked at, and go to `found`. The files of `stamps` (keys before `keys`, at their
         positions) and of pages found a second or more old are stamped, falling from the
-        first key to the last from `base` (ns), as `_touch_chain` orders them."""
+        first key to the last from `base` (ns), as `_touch_chain` orders them.
+
+        Given up by its caller's cancellation before it began, it touches no file: nobody
+        takes the answer, and the caller waits for the job. `began` stays empty, and the
+        caller hands `stamps` to the stamper. A close's stop still stamps (see `_stamp_all`).
+        """
+        if stop.is_set() and not self.closed:
+            return 0
+        began.append(True)
         handles = self._handles_or_raise()
         _stamp_all(handles, stamps, base)
         for position, key in enumerate(keys):
@@ -4153,11 +4165,15 @@ class FileStorage(BackendBase):
         self._check_open()
         check_key(key)
         try:
-            return await self.run_job(lambda stop: self._read_raw_job(key))
+            return await self.run_job(lambda stop: self._read_raw_job(stop, key))
         except OSError as exc:
             raise StorageError(f"{self._name}: read_raw failed: {exc}") from exc
 
-    def _read_raw_job(self, key: bytes) -> bytes | None:
+    def _read_raw_job(self, stop: threading.Event, key: bytes) -> bytes | None:
+        # Given up while it waited for a thread (its caller cancelled, the store closing):
+        # nobody would take the bytes, and a slow disk would hold the caller's cancellation.
+        if stop.is_set():
+            raise StorageError(f"{self._name}: read_raw given up before it began")
         handles = self._handles_or_raise()
         hexkey = key.hex()
         try:

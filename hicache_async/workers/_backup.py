@@ -26,8 +26,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import msgspec
@@ -55,10 +55,16 @@ __all__ = ["BackupStatistics", "BackupWorker"]
 
 _log = structlog.get_logger("hicache_async")
 
+_T = TypeVar("_T")
+
 #: Most nodes kept on record as found whole in storage (see `_checked`): past it the least
 #: recently found is forgotten even if fresh, and its chain is next asked about whole, one
 #: longer `exists`, as after `check_prefix_interval_s`. About 120 bytes each.
 _CHECKED_MAX = 65536
+
+#: Most `exists` calls a batch's look-ups of stored pages, or its checks of the prefixes
+#: above its jobs, have in flight at once (one per chain).
+_LOOKUPS_IN_FLIGHT = 8
 
 #: The longest manifest record warmup reads (it reads with the default limits).
 _MAX_ENTRY_BYTES = ManifestLimits().max_entry_bytes
@@ -101,6 +107,9 @@ class BackupStatistics(msgspec.Struct, frozen=True):
     #: planned pages (offered or repaired) not written because storage held them already
     #: (another instance stored them, or this one before its tree forgot them)
     already_stored_pages: int = 0
+    #: times the worker gave way to a device allocation (`give_way`; logged as
+    #: `hicache.backup.gave_way`, at most once a minute)
+    gave_way: int = 0
 
 
 class BackupWorker:
@@ -155,6 +164,7 @@ class BackupWorker:
         self.skipped_pages = self.retried_pages = self.failed_pages = 0
         self.dropped_pages = self.batches = self.superseded_pages = 0
         self.repaired_pages = self.lost_pages = self.already_stored_pages = 0
+        self.gave_way = 0
 
     def offer(self, node: TreeNode, num_pages: int) -> bool:
         """Queue the last `num_pages` pages ending at `node` for backup; never waits."""
@@ -251,9 +261,17 @@ class BackupWorker:
         """
         if not self.protecting or (self.pending == 0 and (self._giving_way or self._give_way_next)):
             return  # nothing held, or nothing more to give up
-        _log.warning(
-            "hicache.backup.gave_way", queued=self.pending, writing_pages=self.writing_pages
-        )
+        self.gave_way += 1
+        # Under steady device pressure it comes at every request: one line a minute, the
+        # rest in `gave_way` and the pages in `dropped_pages` and `failed_pages`.
+        unlogged = self._log_limit.admit("hicache.backup.gave_way")
+        if unlogged is not None:
+            _log.warning(
+                "hicache.backup.gave_way",
+                queued=self.pending,
+                writing_pages=self.writing_pages,
+                unlogged_since_last=unlogged,
+            )
         self.drop_queued()
         if self._writing and self._give_way is not None:
             self._give_way.set()
@@ -306,6 +324,7 @@ class BackupWorker:
             repaired_pages=self.repaired_pages,
             lost_pages=self.lost_pages,
             already_stored_pages=self.already_stored_pages,
+            gave_way=self.gave_way,
         )
 
     async def _write(self, jobs: list[_Job]) -> None:
@@ -420,18 +439,18 @@ class BackupWorker:
         """Set `done` for the leading pages of each chain of `planned` that storage holds
         already, so that they are not written again (nor their bytes sent).
 
-        One `exists` per chain, its planned pages in chain order: a page past the first
-        missing one is written even if storage holds it (putting a stored page is harmless).
-        A failed or timed-out call leaves the rest unknown, so written as before. `keys`
+        One `exists` per chain, its planned pages in chain order, several in flight at once
+        (`_overlapped`): a page past the first missing one is written even if storage holds
+        it (putting a stored page is harmless). A failed or timed-out call leaves the rest
+        unknown (no further call begins), so written as before. `keys`
         are the tree's keys of the planned pages (their storage keys are made per call).
         """
         offsets = [0, *itertools.accumulate(n for _, n in planned)]
-        for chain in chains:
-            if self._giving_way:
-                return  # a device allocation needs the pages: no further call
-            indexes = [i for k in chain for i in range(offsets[k], offsets[k + 1])]
-            if not indexes:
-                continue
+        lookups = [
+            [i for k in chain for i in range(offsets[k], offsets[k + 1])] for chain in chains
+        ]
+
+        async def look_up(indexes: list[int]) -> bool:
             try:
                 stored = self._cache.namespace.storage_keys([keys[i] for i in indexes])
                 with anyio.fail_after(self.config.io_timeout_s):
@@ -439,9 +458,9 @@ class BackupWorker:
                 found = check_exists(answer, len(indexes))
             except Exception as exc:
                 self._warn("hicache.backup.stored.failed", exc, pages=len(indexes))
-                return
+                return False
             if not self._is_current():
-                return  # detached meanwhile: the flush writes what is left, as it would
+                return False  # detached meanwhile: the flush writes what is left, as it would
             for i in indexes[:found]:
                 done[i] = True
             self.already_stored_pages += found
@@ -449,6 +468,33 @@ class BackupWorker:
                 # Stored, as a put that wrote them would say (a backend whose put skips
                 # stored pages answers OK for them).
                 self._stored([keys[i] for i in indexes[:found]])
+            return True
+
+        await self._overlapped([indexes for indexes in lookups if indexes], look_up)
+
+    async def _overlapped(self, items: list[_T], ask: Callable[[_T], Awaitable[bool]]) -> None:
+        """`ask(item)` for each of `items` in turn, up to `_LOOKUPS_IN_FLIGHT` at once: on a
+        slow store, chains asked one after another would cost a round trip each. None
+        begins once one has answered False (its call failed: the rest is left unknown) or
+        while the worker gives way (a device allocation needs the pages); those in flight
+        end first."""
+        pending = iter(items)
+        stopped = False
+
+        async def asker() -> None:
+            nonlocal stopped
+            for item in pending:
+                if stopped or self._giving_way:
+                    return
+                if not await ask(item):
+                    stopped = True
+
+        if len(items) == 1:  # the common case, without a task
+            await asker()
+            return
+        async with anyio.create_task_group() as tg:
+            for _ in range(min(len(items), _LOOKUPS_IN_FLIGHT)):
+                tg.start_soon(asker)
 
     async def _check_prefixes(self, jobs: list[_Job]) -> None:
         """Unmark the nodes above the jobs' ranges that are marked in storage but missing
@@ -458,6 +504,8 @@ class BackupWorker:
         unmarked and the rest of the chain is asked again. A chain found whole within the
         last `check_prefix_interval_s` is not asked about again, only what lies below it: a
         long conversation's batches would otherwise ask about its whole history each time.
+        Chains are checked several at once (`_overlapped`); two that share their upper
+        pages may then both ask about them.
         """
         cache = self._cache
         tops: dict[int, TreeNode] = {}
@@ -467,9 +515,8 @@ class BackupWorker:
                 tops[top.id] = top
         # A chain that runs through another one's top covers it.
         covered = {n.id for top in tops.values() for n in _chain(top.parent)}
-        for top in tops.values():
-            if top.id in covered:
-                continue
+
+        async def check(top: TreeNode) -> bool:
             # Pages of the chain known to be in storage, or already unmarked.
             start = self._checked_pages(_chain(top), time.monotonic())
             whole = True  # no page found missing yet: what was found is on record
@@ -488,9 +535,9 @@ class BackupWorker:
                 except Exception as exc:
                     # Unknown: nothing is unmarked on a guess.
                     self._warn("hicache.backup.check.failed", exc, pages=len(keys))
-                    return
+                    return False
                 if not self._is_current():
-                    return
+                    return False
                 start += found
                 chain = _chain(top)
                 ends = list(itertools.accumulate(node.num_pages for node in chain))
@@ -506,6 +553,9 @@ class BackupWorker:
                     self.lost_pages += node.num_pages
                     _log.info("hicache.backup.lost", pages=node.num_pages)
                 start = ends[missing]
+            return True
+
+        await self._overlapped([top for top in tops.values() if top.id not in covered], check)
 
     def _checked_pages(self, chain: list[TreeNode], now: float) -> int:
         """How many pages at the top of `chain` were found whole in storage lately."""

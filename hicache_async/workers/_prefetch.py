@@ -66,6 +66,9 @@ class PrefetchStatus(enum.Enum):
 # brought pages, or whose reader stopped on request, does not count (see `Prefetcher._fetch`).
 _REPLANS = 3
 
+# Endings a prefetch is asked for, which can come before a worker takes it.
+_STOPPED = (PrefetchStatus.TERMINATED, PrefetchStatus.CANCELLED)
+
 
 class _FailedReads:
     """Keys whose read just failed (ERROR, or a call that raised or timed out), taken as
@@ -1006,6 +1009,10 @@ class Prefetcher:
         """Finish `handle` with `status` and count it in that status's counter. The caller
         makes sure nothing ended it before: a handle already done keeps its status, but
         would be counted again."""
+        if handle._status is PrefetchStatus.QUEUED and status in _STOPPED:
+            # Ended before a worker took it: no first match set its figures, so its pages
+            # are counted here, as those of a prefetch stopped before its lookup.
+            self.pages_abandoned += self._unstarted_pages(handle)
         handle._finish(status)
         if status is PrefetchStatus.COMPLETE:
             self.completed += 1
@@ -1015,6 +1022,18 @@ class Prefetcher:
             self.skipped += 1
         else:
             self.cancelled += 1
+
+    def _unstarted_pages(self, handle: PrefetchHandle) -> int:
+        """The pages a prefetch that never started would have looked for had it started
+        now: those not cached, none if they are fewer tokens than its threshold (it would
+        have been skipped before any lookup, outside the balance)."""
+        keys = handle._keys
+        found = self._cache._tree.match(keys, touch=False)
+        uncached = len(keys) - found.num_device_pages - found.num_host_pages
+        threshold = self.config.threshold_tokens if handle.min_tokens is None else handle.min_tokens
+        if uncached * self._cache.config.page_size < max(threshold, 1):
+            return 0
+        return uncached
 
     def _live_done_unless_running(self, handle: PrefetchHandle) -> None:
         # A worker that took the handle is still reading into the host pool: warmup must go
