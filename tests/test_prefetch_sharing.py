@@ -606,6 +606,19 @@ async def test_a_positive_host_share_below_one_page_still_reads_a_page_at_a_time
         await _check_and_drain(cache, prompt, generator)
 
 
+@pytest.mark.parametrize(("share", "limit"), [(0.29, 29), (0.57, 57), (0.58, 58), (0.5, 50)])
+async def test_the_host_share_gives_the_pages_its_decimal_says(share: float, limit: int) -> None:
+    # 0.29 x 100 host pages is 28.999999999999996 in binary floating point, which rounded
+    # down to a share of 28 pages.
+    config = CacheConfig.from_dict(
+        {**_config(max_host_share=share).to_dict(), "device_pages": 50, "host_pages": 100}
+    )
+    async with HiCache(config, storage=MemoryStorage()) as cache:
+        stats = cache.storage_status().prefetch
+        assert stats is not None
+        assert stats.host_pages_limit == limit
+
+
 @pytest.mark.parametrize("order", ["cancel_first", "terminate_first"])
 async def test_a_cancelled_read_is_not_kept_for_a_waiter_that_gave_up(order: str) -> None:
     # A's read was kept going for B alone; once B gives up too (a best_effort or timed-out

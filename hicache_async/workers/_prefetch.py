@@ -25,7 +25,7 @@ import msgspec
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._config import PrefetchConfig, PrefetchPolicy
+from .._config import PrefetchConfig, PrefetchPolicy, _times_ratio
 from .._loop import LoopOwner
 from .._ratelog import LogLimiter, describe_error
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
@@ -901,7 +901,8 @@ class Prefetcher:
         self._quiet = asyncio.Event()
         self._quiet.set()
         assert cache._host_pool is not None
-        self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
+        # From the decimal as written: 0.29 of 100 pages is 29, where the binary product is 28.
+        self._host_limit = _times_ratio(cache._host_pool.num_pages, config.max_host_share)
         if config.max_host_share > 0:
             # A share of a small pool that rounds down to no page would silently end every
             # prefetch (and warmup read) unread: a positive share allows at least one page.
