@@ -2702,12 +2702,16 @@ class FileStorage(BackendBase):
         index = self._index
         count = 0
         try:
-            for key in keys:
-                if key not in index:
-                    break
-                count += 1
-                if count % _LOOP_SLICE == 0:  # a long prompt at a small page size
+            # A slice a step: a long prompt at a small page size has a hundred thousand keys.
+            for start in range(0, len(keys), _LOOP_SLICE):
+                if start:
                     await self._checkpoint()
+                for key in keys[start : start + _LOOP_SLICE]:
+                    if key not in index:
+                        break
+                    count += 1
+                if count < start + _LOOP_SLICE:
+                    break
         except TypeError:  # an unhashable key
             check_keys(keys)
             raise

@@ -271,13 +271,17 @@ class MemoryStorage(BackendBase):
         self._check_open()
         check_keys(keys)
         count = 0
-        for key in keys:
-            if key not in self._values:
-                break
-            count += 1
-            if count % _LOOKUP_STEP == 0:  # a long prompt at a small page size
+        values = self._values
+        for start in range(0, len(keys), _LOOKUP_STEP):
+            if start:  # a long prompt at a small page size
                 await anyio.lowlevel.checkpoint()
                 self._check_open()
+            for key in keys[start : start + _LOOKUP_STEP]:
+                if key not in values:
+                    break
+                count += 1
+            if count < start + _LOOKUP_STEP:
+                break
         # A lookup is a use: a prefix every new chain is checked against stays in the store.
         # In steps too, the last keys first (the order one step gives).
         now = time.time()
