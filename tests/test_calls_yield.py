@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hicache_async.storage import FileStorage, MemoryStorage
+from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageMeta, _memory
 from hicache_async.storage._manifest import FileManifest
 
 
@@ -112,3 +112,20 @@ async def test_a_file_manifest_append_of_nothing_cancelled_at_its_turn(tmp_path:
     manifest = FileManifest(tmp_path / "manifest")
     await _cancelled_at_first_turn(lambda: manifest.append([]))
     assert (await manifest.read()).entries == []
+
+
+async def test_a_long_memory_lookup_yields_in_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A lookup of a hundred thousand pages (a long prompt at page size 1) held the loop for
+    # about 0.1 s: it walks and touches the keys a step at a time now, with the same answer
+    # and recency order (the first key the most recent).
+    monkeypatch.setattr(_memory, "_LOOKUP_STEP", 8, raising=False)
+    keys = [os.urandom(32) for _ in range(40)]
+    async with MemoryStorage() as storage:
+        metas = [PageMeta(key=k, namespace=bytes(16), num_tokens=1, priority=0) for k in keys]
+        pages = [[memoryview(bytearray(key[:8]))] for key in keys]
+        assert await storage.put(keys, pages, metas) == [Outcome.OK] * len(keys)
+        async with _ticks() as count:
+            before = count[0]
+            assert await storage.exists([*keys, os.urandom(32)]) == len(keys)
+            assert count[0] - before >= 5
+        assert list(storage._values)[-len(keys) :] == keys[::-1]

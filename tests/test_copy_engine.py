@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import queue
 import subprocess
@@ -344,6 +345,34 @@ async def test_validation_errors_start_nothing(engine: CpuCopyEngine) -> None:
     assert engine.statistics() == CopyStatistics(copies=0, pages=0, bytes=0, in_flight=0, failed=0)
 
 
+def test_repeats_and_overlaps_are_refused_exactly_when_there_are_some() -> None:
+    # The checks sort once rather than call np.unique and np.intersect1d; both must still
+    # catch a repeat or an overlap anywhere (ends of the sorted order included), and only then.
+    pool = KVPool(LAYOUT, PAGE, 12)
+    other = KVPool(LAYOUT, PAGE, 12)
+    rng = np.random.default_rng(7)
+    seen: collections.Counter[str] = collections.Counter()
+    for _ in range(3000):
+        n = int(rng.integers(1, 7))
+        a = rng.integers(0, 12, size=n).tolist()
+        b = rng.integers(0, 12, size=n).tolist()
+        for dst in (pool, other):
+            repeated = len(set(b)) < len(b)
+            overlaps = dst is pool and bool(set(a) & set(b))
+            try:
+                plan_copy(pool, a, dst, b)
+            except ValueError as exc:
+                refused = "more than once" if "more than once" in str(exc) else "overlap"
+                assert refused == ("more than once" if repeated else "overlap"), (a, b)
+                assert repeated or overlaps, (a, b)
+            else:
+                refused = "none"
+                assert not repeated, (a, b)
+                assert not overlaps, (a, b)
+            seen[refused] += 1
+    assert min(seen.values()) > 100, seen
+
+
 async def test_statistics_and_empty_copies(engine: CpuCopyEngine) -> None:
     src = _source("layer_first")
     dst = KVPool(LAYOUT, PAGE, PAGES)
@@ -607,6 +636,7 @@ def report():  # registered first, so it runs after every other exit hook
 atexit.register(report)
 
 import asyncio
+import collections
 from hicache_async import CacheConfig, HiCache
 from hicache_async.testing import KVGenerator, serve
 

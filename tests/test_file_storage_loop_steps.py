@@ -427,3 +427,37 @@ async def test_calls_with_nothing_to_do_on_disk_let_another_task_run(tmp_path: P
             await call()
             assert ticker.ticks > before
         assert await storage.exists(keys) == 2
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_long_lookup_runs_in_steps_and_touches_as_one_step_would(
+    tmp_path: Path, shared: bool
+) -> None:
+    # A lookup of a hundred thousand pages (a long prompt at page size 1) held the loop for
+    # about 0.1 s: it walks and touches the index a step at a time now, with the same answer,
+    # the same recency order (the first key the most recent) and the same stamps.
+    keys = _keys(5 * STEP)
+    async with FileStorage(tmp_path / "s", shared=shared) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * len(keys)
+        for key in keys:
+            storage._index[key].mtime = 0.0  # each file due a stamp of its mtime
+        queued: list[dict[bytes, int]] = []
+        stamp_later = storage._stamp_later
+        storage._stamp_later = lambda stamps, base=None: (  # type: ignore[method-assign]
+            queued.append(dict(stamps)),
+            stamp_later(stamps, base),
+        )[-1]
+        async with _ticking() as ticker:
+            before = ticker.ticks
+            assert await storage.exists([*keys, *_keys(1)]) == len(keys)
+            turns = ticker.ticks - before
+        if not shared:  # a shared root's look on disk for the missing key yields besides
+            assert turns >= 5
+        assert list(storage._index)[-len(keys) :] == keys[::-1]
+        if shared:  # stamped by the lookup's own job: the first key's the newest
+            stamped = [_page_path(tmp_path / "s", key).stat().st_mtime_ns for key in keys]
+            assert stamped == sorted(stamped, reverse=True)
+            assert len(set(stamped)) == len(keys)
+            assert queued == []
+        else:
+            assert queued == [{key: position for position, key in enumerate(keys)}]

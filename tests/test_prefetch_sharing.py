@@ -29,7 +29,7 @@ from hicache_async.storage import (
     StorageCapabilities,
 )
 from hicache_async.testing import KVGenerator, assert_drained, serve
-from hicache_async.workers import Prefetcher
+from hicache_async.workers import Prefetcher, _prefetch
 
 PAGE = 4
 PAGES = 8
@@ -604,6 +604,60 @@ async def test_a_positive_host_share_below_one_page_still_reads_a_page_at_a_time
         assert (result.status, result.storage_tokens) == (PrefetchStatus.COMPLETE, len(prompt))
         _read_once(store, cache, prompt)
         await _check_and_drain(cache, prompt, generator)
+
+
+@pytest.mark.parametrize("readers", [1, 2])
+async def test_a_long_prefetch_plans_its_reads_a_bounded_number_of_pages_at_a_time(
+    monkeypatch: pytest.MonkeyPatch, readers: int
+) -> None:
+    # A plan is one step of the loop: planning a hundred thousand pages (a long prompt at
+    # page size 1) held it for 0.7 to 1.2 s. A plan takes on a bounded number of pages now
+    # (8 here), the rest in later plans; prefetches of one prompt still share every read,
+    # and the pages land whole.
+    monkeypatch.setattr(_prefetch, "_PLAN_PAGES", 8, raising=False)
+    prompt = _prompt(60, 40)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        store.gets.open()
+        prefetcher = _prefetcher(cache)
+        most = 0
+        turns = 0
+
+        async def watch() -> None:
+            nonlocal most, turns
+            while True:
+                most = max(most, len(prefetcher._inflight))
+                turns += 1
+                await asyncio.sleep(0)
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(cache.prefetch(prompt) for _ in range(readers))), 30
+            )
+        finally:
+            watcher.cancel()
+        for result in results:
+            assert (result.status, result.cached_tokens) == (
+                PrefetchStatus.COMPLETE,
+                len(prompt),
+            )
+        assert turns > 5
+        assert 0 < most <= 8
+        _read_once(store, cache, prompt)
+        await _check_and_drain(cache, prompt, generator)
+
+
+@pytest.mark.parametrize(("share", "limit"), [(0.29, 29), (0.57, 57), (0.58, 58), (0.5, 50)])
+async def test_the_host_share_gives_the_pages_its_decimal_says(share: float, limit: int) -> None:
+    # 0.29 x 100 host pages is 28.999999999999996 in binary floating point, which rounded
+    # down to a share of 28 pages.
+    config = CacheConfig.from_dict(
+        {**_config(max_host_share=share).to_dict(), "device_pages": 50, "host_pages": 100}
+    )
+    async with HiCache(config, storage=MemoryStorage()) as cache:
+        stats = cache.storage_status().prefetch
+        assert stats is not None
+        assert stats.host_pages_limit == limit
 
 
 @pytest.mark.parametrize("order", ["cancel_first", "terminate_first"])

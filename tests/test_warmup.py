@@ -830,6 +830,17 @@ async def test_the_budget_holds_within_one_long_entry(tmp_path: Path) -> None:
         assert served.storage_tokens == 30 * PAGE
 
 
+async def test_the_budget_is_the_pages_the_ratio_s_decimal_says(tmp_path: Path) -> None:
+    # 0.29 x 100 host pages is 28.999999999999996 in binary floating point, which rounded
+    # the budget down to 28 pages.
+    prompt = np.random.default_rng(23).integers(0, 50_000, size=40 * PAGE)
+    await _fill(tmp_path, [prompt])
+    async with HiCache(_config(host_pages=100), storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=0.29)
+        assert (result.status, result.pages_loaded) == (WarmupStatus.BUDGET, 29)
+        assert cache.match(prompt).host_tokens == 29 * PAGE
+
+
 class _SlowManifestStorage(FileStorage):
     """A file store whose manifest takes an hour to read."""
 

@@ -2444,15 +2444,20 @@ class FileStorage(BackendBase):
         return nbytes >= HEADER_NBYTES and (self._capacity is None or nbytes <= self._capacity)
 
     def _touch_chain(
-        self, keys: Sequence[bytes], now: float, stamps: dict[bytes, int] | None = None
+        self,
+        keys: Sequence[bytes],
+        now: float,
+        stamps: dict[bytes, int] | None = None,
+        offset: int = 0,
     ) -> None:
         """Make the indexed `keys` the most recently used, the first of them most of all.
 
         A batch's keys run down a prefix chain, which is found only up to its first missing
         page: evicting a chain's deepest pages first keeps the rest of it usable. With
         `stamps`, the keys whose file is due a stamp of its mtime go there with their
-        position among `keys` (the first, for a key given twice), for the caller to have
-        written; without, the caller's job has stamped them (a read stamps what it reads).
+        position among `keys` plus `offset` (the first, for a key given twice), for the
+        caller to have written; without, the caller's job has stamped them (a read stamps
+        what it reads).
         """
         # `_touch` inlined: a lookup of 64 keys is timed in microseconds.
         index = self._index
@@ -2469,9 +2474,29 @@ class FileStorage(BackendBase):
             if entry.mtime <= stale:
                 entry.mtime = now
                 if stamps is not None:
-                    stamps[key] = position
+                    stamps[key] = offset + position
             elif stamps and key in stamps:
-                stamps[key] = position
+                stamps[key] = offset + position
+
+    async def _touch_chain_in_steps(
+        self, keys: Sequence[bytes], now: float, stamps: dict[bytes, int], base: int | None = None
+    ) -> None:
+        """`_touch_chain` in steps of `_LOOP_SLICE` keys, the last ones first (the order one
+        step gives), with a checkpoint between steps: a lookup of a hundred thousand pages
+        held the loop for about 0.1 s. Stopped between steps, the stamps its entries are
+        due go to the stamper (`base` as for `_stamp_later`): their entries say so already."""
+        end = len(keys)
+        try:
+            while end > 0:
+                start = max(0, end - _LOOP_SLICE)
+                self._touch_chain(keys[start:end], now, stamps, offset=start)
+                end = start
+                if end:
+                    await self._checkpoint()
+        except BaseException:
+            if stamps and not self.closed:
+                self._stamp_later(stamps, base)
+            raise
 
     def _mark(self, key: bytes) -> None:
         """Record a change of `key`'s entry (insert, drop, removal) for observations in flight."""
@@ -2695,10 +2720,16 @@ class FileStorage(BackendBase):
         index = self._index
         count = 0
         try:
-            for key in keys:
-                if key not in index:
+            # A slice a step: a long prompt at a small page size has a hundred thousand keys.
+            for start in range(0, len(keys), _LOOP_SLICE):
+                if start:
+                    await self._checkpoint()
+                for key in keys[start : start + _LOOP_SLICE]:
+                    if key not in index:
+                        break
+                    count += 1
+                if count < start + _LOOP_SLICE:
                     break
-                count += 1
         except TypeError:  # an unhashable key
             check_keys(keys)
             raise
@@ -2708,7 +2739,7 @@ class FileStorage(BackendBase):
         now = time.time()
         stamps: dict[bytes, int] = {}
         # A lookup is a use: a prefix every new chain is checked against stays stored.
-        self._touch_chain(keys[:count], now, stamps)
+        await self._touch_chain_in_steps(keys[:count], now, stamps)
         if count == len(keys) or not self._shared:
             if stamps:
                 self._stamp_later(stamps)
@@ -2738,7 +2769,7 @@ class FileStorage(BackendBase):
         # Indexed keys past the first missing one were not looked at: their stamps go to
         # the stamper (those found on disk were stamped by the job).
         late: dict[bytes, int] = {}
-        self._touch_chain(keys[: count + more], now, late)
+        await self._touch_chain_in_steps(keys[: count + more], now, late, base)
         if late:
             self._stamp_later(late, base)
         return count + more

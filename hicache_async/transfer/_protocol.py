@@ -145,10 +145,15 @@ def plan_copy(
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
     s = _as_pages(src_pages, src, "source pages")
     d = _as_pages(dst_pages, dst, "destination pages")
-    if len(d) and len(np.unique(d)) != len(d):
+    # A sort and a look at neighbours: np.unique and np.intersect1d cost five to ten times
+    # as much, and a long prompt at page size 1 copies a hundred thousand pages in one step.
+    ordered = np.sort(d)
+    if bool((ordered[1:] == ordered[:-1]).any()):
         raise ValueError("a destination page appears more than once")
-    if src is dst and len(np.intersect1d(s, d)):
-        raise ValueError("source and destination pages overlap within one pool")
+    if src is dst and len(ordered) and len(s):
+        at = np.minimum(np.searchsorted(ordered, s), len(ordered) - 1)
+        if bool((ordered[at] == s).any()):
+            raise ValueError("source and destination pages overlap within one pool")
     return CopyPlan(src, s, dst, d)
 
 

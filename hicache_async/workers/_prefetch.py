@@ -25,7 +25,7 @@ import msgspec
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from .._config import PrefetchConfig, PrefetchPolicy
+from .._config import PrefetchConfig, PrefetchPolicy, _times_ratio
 from .._loop import LoopOwner
 from .._ratelog import LogLimiter, describe_error
 from ..distributed import BackgroundAgreements, CollectiveError, RankGroup, agree_min, agreement_tag
@@ -65,6 +65,12 @@ class PrefetchStatus(enum.Enum):
 # for (it could not keep it): after this many the prefetch ends with what it has. A plan that
 # brought pages, or whose reader stopped on request, does not count (see `Prefetcher._fetch`).
 _REPLANS = 3
+# Pages one plan of a prefetch takes on at least (a multiple of its batch size): a plan is
+# one step of the loop, and a hundred thousand pages (a long prompt at page size 1) held it
+# for 0.7 to 1.2 s. A long prompt's plan takes up to `1 / _PLAN_PARTS` of it, so the whole
+# prefix matched again at each plan costs at most that many matches.
+_PLAN_PAGES = 1 << 12
+_PLAN_PARTS = 16
 
 # Endings a prefetch is asked for, which can come before a worker takes it.
 _STOPPED = (PrefetchStatus.TERMINATED, PrefetchStatus.CANCELLED)
@@ -151,6 +157,8 @@ class _Again(enum.Enum):
     #: being read have landed or gone back, so a prefetch larger than the budget reads in
     #: turns rather than ending with part of what storage holds.
     BUDGET = "budget"
+    #: at the pages one plan takes on (`_PLAN_PAGES`): the rest is planned at once.
+    MORE = "more"
 
 
 class _Read:
@@ -904,7 +912,8 @@ class Prefetcher:
         self._quiet = asyncio.Event()
         self._quiet.set()
         assert cache._host_pool is not None
-        self._host_limit = int(config.max_host_share * cache._host_pool.num_pages)
+        # From the decimal as written: 0.29 of 100 pages is 29, where the binary product is 28.
+        self._host_limit = _times_ratio(cache._host_pool.num_pages, config.max_host_share)
         if config.max_host_share > 0:
             # A share of a small pool that rounds down to no page would silently end every
             # prefetch (and warmup read) unread: a positive share allows at least one page.
@@ -919,6 +928,9 @@ class Prefetcher:
         self._budget_line: list[PrefetchHandle] = []
         # The one `_budget_room` just let through, whose plan follows in the same step.
         self._granted: PrefetchHandle | None = None
+        # Long prefetches whose keys were found distinct up to where they read (which only
+        # comes closer), so their later plans do not look again; ended ones go at the next.
+        self._distinct: dict[PrefetchHandle, None] = {}
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
@@ -1334,9 +1346,10 @@ class Prefetcher:
         Returns how a page another prefetch was reading was given up (STOPPED, DROPPED)
         while this one goes on: the caller plans again, and this prefetch reads that page
         itself. Returns `_Again.BUDGET` when the host budget cut the plan short: the caller
-        plans the rest once there is room. A page storage did not deliver to that prefetch
-        (FAILED) ends this one as it ended that one, with what it has: it is not asked for
-        again.
+        plans the rest once there is room; `_Again.MORE` when the plan took on as many pages
+        as one may and read them: the caller plans the rest at once. A page storage did not
+        deliver to that prefetch (FAILED) ends this one as it ended that one, with what it
+        has: it is not asked for again.
         """
         if handle._gave_up():
             return handle._stopped()
@@ -1348,10 +1361,19 @@ class Prefetcher:
         keys = handle._keys
         # A chain never repeats a key; keys that do (a forged manifest entry) would give one
         # host page two places in the tree. Read no further than the first repeat.
-        if len(set(keys[:end])) < end:
-            repeat = next(i for i, key in enumerate(keys) if key in keys[:i])
-            self.pages_abandoned += handle._read_only_to(repeat)
-            end = handle._read_end
+        if handle not in self._distinct:
+            if len(set(keys[:end])) < end:
+                seen: set[bytes] = set()
+                repeat = 0
+                while keys[repeat] not in seen:
+                    seen.add(keys[repeat])
+                    repeat += 1
+                self.pages_abandoned += handle._read_only_to(repeat)
+                end = handle._read_end
+            for ended in [h for h in self._distinct if h.done()]:
+                del self._distinct[ended]
+            if end > _PLAN_PAGES:  # read in several plans
+                self._distinct[handle] = None
         # Re-plan after the await: others may have brought pages meanwhile.
         found = tree.match(keys, touch=False)
         begin = found.num_device_pages + found.num_host_pages
@@ -1382,7 +1404,12 @@ class Prefetcher:
         finished = PrefetchStatus.TERMINATED if handle._cut_at_failed else PrefetchStatus.COMPLETE
         if begin >= end:
             return finished
-        todo = keys[begin:end]
+        batch_limit = max(
+            1, min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
+        )
+        span = max(_PLAN_PAGES, len(keys) // _PLAN_PARTS, batch_limit)
+        todo = keys[begin : min(end, begin + span - span % batch_limit)]
+        planned = len(todo)
         # Take the anchor first: allocating host pages below may evict, and must not take
         # the prefix these pages will hang from. Protecting it keeps the whole prefix in the
         # tree; its device pages are not locked: a request's allocation may still take them
@@ -1416,7 +1443,11 @@ class Prefetcher:
             todo, own = todo[:cut], own[: len(pages)]
             pool_full = True
         cut_short: PrefetchStatus | _Again = (
-            PrefetchStatus.TERMINATED if pool_full else _Again.BUDGET
+            PrefetchStatus.TERMINATED
+            if pool_full
+            else _Again.BUDGET
+            if len(todo) < planned
+            else _Again.MORE
         )
         if not todo:
             cache._host_free(pages)
@@ -1431,9 +1462,6 @@ class Prefetcher:
             flight.waiters.add(handle)
         handle._waiting = list(waiting.values())
         loop = asyncio.get_running_loop()
-        batch_limit = max(
-            1, min(self.config.batch_pages, self._backend.capabilities.max_batch_pages)
-        )
         # The storage calls, planned now so those who come to wait on a page find its
         # batch: each run of own pages cut every `batch_limit` pages from its start.
         flights: dict[bytes, _Flight] = {}

@@ -34,6 +34,7 @@ import anyio.lowlevel
 import msgspec
 import structlog
 
+from .._config import _times_ratio
 from ..distributed import (
     BackgroundAgreements,
     CollectiveError,
@@ -226,7 +227,7 @@ class Warmer:
             return WarmupResult(status=status, seconds=time.monotonic() - began)
         entries = agreed if tp else read.entries
         assert cache._host_pool is not None
-        budget = int(self._ratio * cache._host_pool.num_pages)
+        budget = _times_ratio(cache._host_pool.num_pages, self._ratio)  # as for max_host_share
         size = cache.config.page_size
         loaded_pages = 0
         loaded_entries = 0
