@@ -103,8 +103,10 @@ def _within_pool(nbytes: int, factors: list[tuple[str, int]], what: str) -> int:
 def _times_ratio(count: int, ratio: float) -> int:
     """`count` x `ratio` rounded down, the ratio taken as the decimal it is written as: 90
     device pages x 0.7 are 63 host pages, where the binary product (62.99999999999999) would
-    give 62."""
-    return math.floor(Fraction(repr(ratio)) * count)
+    give 62. Or the binary product where it is larger: a ratio computed as a fraction is
+    written as a decimal short of it (1/3 as 0.3333333333333333), and 1/3 x 300 device pages
+    are the 100 host pages the product gives, not 99."""
+    return max(math.floor(Fraction(repr(ratio)) * count), math.floor(ratio * count))
 
 
 def _finite(field: str, value: object, *, low: float, high: float | None = None) -> float:

@@ -111,7 +111,12 @@ class Namespace(msgspec.Struct, frozen=True):
         chain = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).digest()
         seed = b"" if sglang_compatible else chain
         rank_salt = b"hicache-tp\x00%d\x00%d\x00" % (config.tp_rank, config.tp_size)
-        fingerprint = hashlib.sha256(digest + rank_salt).digest()[:_FINGERPRINT_NBYTES]
+        # The seed goes in too: releases whose seed held the heads stamped pages and manifest
+        # entries with `sha256(digest + rank_salt)`, and a warmup of this release must not
+        # take their chains (keys it never computes) for its own and fill the host pool with
+        # pages no request matches. An empty seed's keys did not change, nor does its
+        # fingerprint: those pages stay readable.
+        fingerprint = hashlib.sha256(digest + rank_salt + seed).digest()[:_FINGERPRINT_NBYTES]
         return cls(seed=seed, fingerprint=fingerprint, rank_salt=rank_salt)
 
     @classmethod

@@ -55,6 +55,19 @@ def test_host_ratio_gives_the_pages_its_decimal_says(
         assert config.resolved_host_pages == host_pages
 
 
+@pytest.mark.parametrize(
+    ("device_pages", "host_ratio", "host_pages"),
+    [(300, 1 / 3, 100), (300, 2 / 3, 200), (700, 1 / 7, 100), (3, 1 / 3, 1), (3, 2 / 3, 2)],
+)
+def test_a_host_ratio_computed_as_a_fraction_gives_the_pages_of_its_product(
+    device_pages: int, host_ratio: float, host_pages: int
+) -> None:
+    # 1/3 is written as 0.3333333333333333, whose decimal x 300 is 99.99999999999999: taken
+    # alone, a page short of the product, and 1/3 x 3 device pages was refused as no page.
+    config = CacheConfig(layout=KVLayout(**MHA), device_pages=device_pages, host_ratio=host_ratio)
+    assert config.resolved_host_pages == host_pages
+
+
 def test_mla_layout_is_one_latent_buffer() -> None:
     layout = KVLayout(num_layers=3, attention="mla", kv_lora_rank=512, qk_rope_head_dim=64)
     assert layout.num_buffers == 1

@@ -8,13 +8,15 @@ Two ranks share one event loop over the in-process group of test_tp_warmup_cance
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from test_tp_warmup_cancel import _pair, _Rank
 
-from hicache_async import CacheConfig, HiCache, KVLayout, WarmupStatus
+from hicache_async import CacheConfig, HiCache, KVLayout, Namespace, WarmupStatus
 from hicache_async.storage import FileStorage
 from hicache_async.testing import KVGenerator, serve
 
@@ -114,7 +116,6 @@ async def test_ranks_with_uneven_heads_agree_on_warmup_entries(
 
 def test_the_heads_a_rank_holds_stay_in_its_fingerprint() -> None:
     """Out of the chain, the heads still keep a rank from reading a shard of another width."""
-    from hicache_async import Namespace
 
     def namespace(heads: int, rank: int = 0) -> Namespace:
         layout = KVLayout(num_layers=2, num_kv_heads=heads, head_dim=8)
@@ -124,3 +125,57 @@ def test_the_heads_a_rank_holds_stay_in_its_fingerprint() -> None:
     assert namespace(3).seed == namespace(2, rank=1).seed
     assert namespace(3).fingerprint != namespace(2).fingerprint
     assert namespace(3).rank_salt == namespace(2).rank_salt
+
+
+def _earlier_release_namespace(config: CacheConfig, *, sglang_compatible: bool) -> Namespace:
+    """The namespace releases before the heads left the seed gave a tensor-parallel MHA rank:
+    the heads in the seed, and the fingerprint `sha256(digest + rank_salt)`."""
+    layout = config.layout
+    fields = {
+        "v": 1,
+        "model_id": config.model_id,
+        "attention": layout.attention,
+        "num_layers": layout.num_layers,
+        "num_kv_heads": layout.num_kv_heads,
+        "head_dim": layout.head_dim,
+        "kv_lora_rank": layout.kv_lora_rank,
+        "qk_rope_head_dim": layout.qk_rope_head_dim,
+        "dtype": layout.dtype,
+        "page_size": config.page_size,
+        "tp_size": config.tp_size,
+        "salt": config.salt,
+        "token_major": False,
+    }
+    digest = hashlib.sha256(msgspec.json.encode(fields, order="sorted")).digest()
+    rank_salt = b"hicache-tp\x00%d\x00%d\x00" % (config.tp_rank, config.tp_size)
+    return Namespace(
+        seed=b"" if sglang_compatible else digest,
+        fingerprint=hashlib.sha256(digest + rank_salt).digest()[:16],
+        rank_salt=rank_salt,
+    )
+
+
+async def test_a_warmup_leaves_the_chains_of_an_earlier_release_alone(tmp_path: Path) -> None:
+    """Its chains' keys are not this release's: loaded, they would fill the host pool with
+    pages no request matches. Their pages and manifest entries are of another namespace."""
+    config = _config(0, (3, 2), 8, 4)
+    generator = KVGenerator(config.layout, config.page_size, seed=0)
+    prompts = _prompts(config.page_size)
+    earlier = _earlier_release_namespace(config, sglang_compatible=False)
+    assert earlier.seed != Namespace.from_config(config).seed
+    async with HiCache(config, storage=FileStorage(tmp_path), namespace=earlier) as cache:
+        for prompt in prompts:
+            await serve(cache, prompt, generator, prefetch=False)
+        await cache.drain()
+    async with HiCache(config, storage=FileStorage(tmp_path)) as cache:
+        result = await cache.warmup(ratio=1.0)
+        assert (result.entries_read, result.pages_loaded) == (0, 0)
+        assert cache.statistics().tree.host_pages == 0
+
+
+def test_sglang_compatible_ranks_keep_the_fingerprint_of_an_earlier_release() -> None:
+    """Their chains start from an empty seed, as before: what they stored stays readable."""
+    for heads, rank in ((3, 0), (2, 1)):
+        config = _config(rank, (heads, heads), 8, 4)
+        earlier = _earlier_release_namespace(config, sglang_compatible=True)
+        assert Namespace.from_config(config, sglang_compatible=True) == earlier
