@@ -2262,8 +2262,9 @@ class RedisStorage(BackendBase):
         Without a capacity this evicts nothing (Redis's own `maxmemory` policy bounds it),
         once the server has answered a PING: a server that cannot be reached raises
         StorageError, as with a capacity, not an empty report that reads as success.
-        With `gc_wait`, a pass that finds another holding the prefix's lease for longer
-        gives up and reports `skipped`, having evicted nothing.
+        A pass that finds another holding the prefix's lease for longer than `gc_wait`
+        (300 s unless set; `None` waits as long as the other pass runs) gives up and
+        reports `skipped`, having evicted nothing.
         """
         client = self._redis()
         if self._capacity is None:
