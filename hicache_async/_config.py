@@ -303,9 +303,10 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     #: Before each batch, ask storage (one `exists` per chain) whether the prefix above each
     #: job is still there, and write again what it lost and this instance still holds.
     check_prefix: bool = True
-    #: A chain found whole this recently is asked about only below that part. The asking is
-    #: also what keeps a hot prefix in a store that evicts by use: a store that cycles
-    #: through its whole capacity faster than this may evict one.
+    #: A chain found whole this recently is asked about only below that part, each part
+    #: counted from when it was itself asked about. The asking is also what keeps a hot
+    #: prefix in a store that evicts by use: a store that cycles through its whole capacity
+    #: faster than this may evict one.
     check_prefix_interval_s: float = 2.0
     #: Before writing, ask storage (one `exists` per chain) which of the batch's pages it
     #: holds already (another instance stored them, or this one before its tree forgot

@@ -133,8 +133,8 @@ class BackupWorker:
         # After a detach the flush still writes, but its pages belong to a backend that is
         # no longer ours: they must not mark nodes "in storage".
         self._is_current = is_current
-        #: node id -> when its chain from the root was last found whole in storage, the
-        #: least recently found first (so the stale ones are dropped from the front)
+        #: node id -> when storage was last asked about its pages and held them, the least
+        #: recently found first (so the stale ones are dropped from the front)
         self._checked: OrderedDict[int, float] = OrderedDict()
         self._manifest: WarmupManifest | None = (
             backend.manifest() if isinstance(backend, SupportsManifest) else None
@@ -518,7 +518,7 @@ class BackupWorker:
 
         async def check(top: TreeNode) -> bool:
             # Pages of the chain known to be in storage, or already unmarked.
-            start = self._checked_pages(_chain(top), time.monotonic())
+            asked = start = self._checked_pages(_chain(top), time.monotonic())
             whole = True  # no page found missing yet: what was found is on record
             while not self._giving_way:
                 # The chain is read again after every wait: a node may have been split
@@ -542,7 +542,7 @@ class BackupWorker:
                 chain = _chain(top)
                 ends = list(itertools.accumulate(node.num_pages for node in chain))
                 if whole:
-                    self._note_checked(chain, ends, start, time.monotonic())
+                    self._note_checked(chain, ends, asked, start, time.monotonic())
                 missing = next((k for k, end in enumerate(ends) if end > start), None)
                 if missing is None:
                     break
@@ -558,20 +558,32 @@ class BackupWorker:
         await self._overlapped([top for top in tops.values() if top.id not in covered], check)
 
     def _checked_pages(self, chain: list[TreeNode], now: float) -> int:
-        """How many pages at the top of `chain` were found whole in storage lately."""
-        ends = list(itertools.accumulate(node.num_pages for node in chain))
-        for k in range(len(chain) - 1, -1, -1):
-            when = self._checked.get(chain[k].id)
-            if when is not None and now - when < self.config.check_prefix_interval_s:
-                return ends[k]
-        return 0
+        """How many pages at the top of `chain` were found whole in storage lately: those of
+        its first nodes that storage was each asked about, and held, within the interval."""
+        pages = 0
+        for node in chain:
+            when = self._checked.get(node.id)
+            if when is None or now - when >= self.config.check_prefix_interval_s:
+                break
+            pages += node.num_pages
+        return pages
 
-    def _note_checked(self, chain: list[TreeNode], ends: list[int], found: int, now: float) -> None:
-        """Record the nodes of `chain` whose pages all lie within the first `found`."""
+    def _note_checked(
+        self, chain: list[TreeNode], ends: list[int], asked: int, found: int, now: float
+    ) -> None:
+        """Record the nodes of `chain` whose pages lie past the first `asked` (those taken
+        from the record, not asked about now) and within the first `found`.
+
+        Only what was asked is stamped: renewing the nodes above would keep a hot prefix
+        (a shared system prompt, which every chain's check starts below) on record for
+        ever, never asked about again, so never a use in a store that evicts by use.
+        """
         checked = self._checked
         for node, end in zip(chain, ends, strict=True):
             if end > found:
                 break
+            if end <= asked:
+                continue
             checked[node.id] = now
             checked.move_to_end(node.id)  # `now` never decreases: the order stays by time
         # Forget what is stale (removed nodes too, in time), and the least recently found

@@ -1,0 +1,80 @@
+"""A hot prefix stays stored in a store that evicts by use.
+
+A prefix every chain runs through (a shared system prompt) is served from the device, so
+nothing but the backup's `check_prefix` lookups uses it in storage. Those must ask about it
+again once its record is `check_prefix_interval_s` old, however busy the chains below it
+are; otherwise the store evicts it, and every chain under it is lost to another instance and
+to a warmup after a restart, though each of their other pages is still stored.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _unowned_storage import Unowned
+
+from hicache_async import CacheConfig, HiCache
+from hicache_async.storage import HEADER_NBYTES, MemoryStorage
+from hicache_async.testing import KVGenerator, serve
+from hicache_async.workers import _backup as backup_worker
+
+PAGE = 4
+INTERVAL_S = 10.0
+
+
+class _Clock:
+    """The backup worker's clock, which the test moves."""
+
+    now = 1000.0
+
+    @classmethod
+    def monotonic(cls) -> float:
+        return cls.now
+
+
+def _config() -> CacheConfig:
+    return CacheConfig.from_dict(
+        {
+            "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
+            "page_size": PAGE,
+            "device_pages": 64,
+            "host_pages": 128,
+            "model_id": "backup-hot-prefix-test",
+            "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE},
+            "backup": {"check_prefix_interval_s": INTERVAL_S},
+        }
+    )
+
+
+def _prompt(seed: int, pages: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 5000, size=pages * PAGE)
+
+
+async def test_a_prefix_every_chain_shares_is_asked_about_each_interval_and_stays_stored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(backup_worker, "time", _Clock)
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=21)
+    system = _prompt(1, 1)
+    # Room for 12 pages; the conversations below write 40.
+    capacity = 12 * (HEADER_NBYTES + config.page_nbytes)
+    async with MemoryStorage(capacity_bytes=capacity) as memory:
+        shared = Unowned(memory)
+        async with HiCache(config, storage=shared) as cache:
+            system_key = cache.namespace.storage_keys(cache.keys_for(system))
+            # Conversations of two one-page turns under the system prompt, a turn every 3 s:
+            # each second turn's check starts below the system prompt, found 3 s earlier.
+            for seed in range(10, 30):
+                first = np.concatenate([system, _prompt(seed, 1)])
+                last = np.concatenate([first, _prompt(seed + 100, 1)])
+                for prompt in (first, last):
+                    await serve(cache, prompt, generator, prefetch=False)
+                    await cache.drain()
+                    _Clock.now += 3.0
+            assert await memory.exists(system_key) == 1
+        async with HiCache(config, storage=shared) as second:
+            served = await serve(second, last, generator, check="all")
+            await second.drain()
+        assert served.checked_pages == 3
+        assert served.storage_tokens == 3 * PAGE  # the whole conversation, from storage
