@@ -79,6 +79,7 @@ _FIRST_RELEASE_WITH = [
     (r"structs\.force_setattr\(", "msgspec", "0.18.5"),
     (r"json\.encode\([^)]*\border=", "msgspec", "0.18.6"),
     (r"\bpool\.get_connection\(\)", "redis", "5.3"),  # without a command name
+    (r"super\(\)\.__init__\(client, transaction\)", "redis", "6.2"),  # a cluster pipeline's
     (r"\babandon_on_cancel=", "anyio", "4.1"),
 ]
 
