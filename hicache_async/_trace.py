@@ -42,15 +42,20 @@ def default_trace_path() -> Path:
 
 
 def load_trace(path: str | Path | None = None, *, limit: int | None = None) -> list[TraceRequest]:
-    """Read the trace (the packaged one by default), at most `limit` requests."""
+    """Read the trace (the packaged one by default), at most `limit` requests. A line that is
+    not a request raises `ValueError`, naming the line."""
     decoder = msgspec.json.Decoder(TraceRequest)
     requests: list[TraceRequest] = []
     with open(path or default_trace_path(), "rb") as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             if limit is not None and len(requests) >= limit:
                 break
             if line.strip():
-                requests.append(decoder.decode(line))
+                try:
+                    requests.append(decoder.decode(line))
+                except msgspec.DecodeError as exc:
+                    # msgspec's own errors are ValueErrors only from 0.22 on.
+                    raise ValueError(f"line {number}: {exc}") from None
     return requests
 
 

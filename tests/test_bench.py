@@ -551,6 +551,20 @@ def test_a_trace_of_values_no_request_can_have_is_a_one_line_error(
     assert len(err.strip().splitlines()) == 1
 
 
+def test_a_trace_line_that_is_no_request_is_a_value_error_naming_the_line(
+    tmp_path: Path,
+) -> None:
+    # msgspec's errors subclass ValueError only from 0.22 on: the commands catch ValueError.
+    path = tmp_path / "bad.jsonl"
+    good = '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [1]}'
+    for bad, why in ((good.replace("5", "-5"), "$.input_length"), ("{", "truncated")):
+        path.write_text(f"{good}\n\n{bad}\n")
+        with pytest.raises(ValueError, match=r"^line 3: ") as info:
+            load_trace(path)
+        assert type(info.value) is ValueError
+        assert why in str(info.value)
+
+
 def test_a_config_error_in_a_worker_process_is_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -748,6 +748,33 @@ async def test_the_suite_fails_a_close_that_leaves_a_task_or_thread_running(
             backend.stop_flusher()
 
 
+async def test_the_default_executors_unnamed_threads_are_the_loops_not_the_backends() -> None:
+    # uvloop before 0.23 gives its default executor no thread name prefix, as an application's
+    # own `ThreadPoolExecutor()` set as the default has none: its idle threads outlive a close
+    # and must not count as the backend's.
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor())
+    before, threads = set(asyncio.all_tasks()), set(threading.enumerate())
+    name = await loop.run_in_executor(None, lambda: threading.current_thread().name)
+    assert name.startswith("ThreadPoolExecutor-")
+    async with PlainStorage() as backend:
+        await StorageConformance().test_close_leaves_no_task_or_thread_running(
+            backend, before, threads
+        )
+    # A pool of the backend's own, numbered apart from the default one, still counts.
+    own = concurrent.futures.ThreadPoolExecutor()
+    try:
+        own.submit(time.sleep, 0).result()
+        async with PlainStorage() as backend:
+            await _suite_fails(
+                StorageConformance().test_close_leaves_no_task_or_thread_running(
+                    backend, before, threads
+                )
+            )
+    finally:
+        own.shutdown()
+
+
 async def test_the_suite_fails_a_get_that_close_interrupts_and_reports_ok() -> None:
     before, threads = set(asyncio.all_tasks()), set(threading.enumerate())
     async with _OkWhenClosed() as backend:

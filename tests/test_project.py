@@ -73,6 +73,37 @@ def _project() -> dict[str, Any]:
     return project
 
 
+#: Calls the package makes that its dependencies' older releases lack, with the first release
+#: of each that has them: pip keeps an installed release that meets the declared bound.
+_FIRST_RELEASE_WITH = [
+    (r"structs\.force_setattr\(", "msgspec", "0.18.5"),
+    (r"json\.encode\([^)]*\border=", "msgspec", "0.18.6"),
+    (r"\bpool\.get_connection\(\)", "redis", "5.3"),  # without a command name
+    (r"super\(\)\.__init__\(client, transaction\)", "redis", "6.2"),  # a cluster pipeline's
+    (r"\babandon_on_cancel=", "anyio", "4.1"),
+]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def test_the_lower_bounds_admit_no_release_without_a_call_the_package_makes() -> None:
+    project = _project()
+    bounds: dict[str, str] = {}
+    for requirement in [*project["dependencies"], *project["optional-dependencies"].values()]:
+        for line in requirement if isinstance(requirement, list) else [requirement]:
+            if found := re.match(r"([A-Za-z0-9_.-]+)\s*>=\s*([0-9.]+)", line):
+                bounds[found.group(1).lower()] = found.group(2)
+    source = "\n".join(p.read_text() for p in sorted((ROOT / "hicache_async").rglob("*.py")))
+    too_low = {}
+    for call, distribution, first in _FIRST_RELEASE_WITH:
+        assert re.search(call, source), f"{call} is no longer called: drop it from the table"
+        if _version(bounds[distribution]) < _version(first):
+            too_low[call] = f"{distribution}>={bounds[distribution]}, first in {first}"
+    assert too_low == {}
+
+
 def test_uvloop_comes_with_the_bench_and_testing_extras_only() -> None:
     # Only `hicache-async bench` and the tests (every async test under both loops) use it.
     project = _project()

@@ -82,7 +82,9 @@ _THREAD_GRACE_S = 5.0
 _CANCELLED_CALL_END_S = 10.0
 # Threads of the event loop's default executor (asyncio's `asyncio_N`, uvloop's `uvloop_N`)
 # and of anyio's per-loop worker pool: they serve any code on the loop, `asyncio.to_thread`
-# included, and end with the loop (or idle), not with a backend.
+# included, and end with the loop (or idle), not with a backend. uvloop before 0.23 (and a
+# default executor an application set) names them `ThreadPoolExecutor-M_N`, as it does any
+# unnamed pool's: those are told apart by the executor's number (`_default_executor_names`).
 _LOOP_THREAD = re.compile(r"(asyncio|uvloop)_\d+|AnyIO worker thread")
 
 
@@ -287,12 +289,29 @@ def _assert_overlapped_by_close(call: str, result: object, count: int) -> None:
         assert len(result) == count, f"{call} returned {len(result)} outcomes"
 
 
-def _threads_left(before: set[threading.Thread]) -> list[threading.Thread]:
+def _threads_left(
+    before: set[threading.Thread], loop_threads: re.Pattern[str] | None = None
+) -> list[threading.Thread]:
     return [
         thread
         for thread in threading.enumerate()
-        if thread not in before and not _LOOP_THREAD.fullmatch(thread.name)
+        if thread not in before
+        and not _LOOP_THREAD.fullmatch(thread.name)
+        and not (loop_threads is not None and loop_threads.fullmatch(thread.name))
     ]
+
+
+def _thread_name() -> str:
+    return threading.current_thread().name
+
+
+async def _default_executor_names() -> re.Pattern[str] | None:
+    """The names of the running loop's default executor's threads, learnt from one of them:
+    a thread pool numbers its threads after one prefix of its own (`ThreadPoolExecutor-4_0`,
+    `ThreadPoolExecutor-4_1`), which no other pool shares."""
+    name = await asyncio.get_running_loop().run_in_executor(None, _thread_name)
+    numbered = re.fullmatch(r"(.+_)\d+", name)
+    return re.compile(re.escape(numbered.group(1) if numbered else name) + r"\d*")
 
 
 def _join(threads: list[threading.Thread], timeout: float) -> None:
@@ -305,9 +324,11 @@ async def _assert_no_threads_left(before: set[threading.Thread]) -> None:
     """Fail if a thread not in `before` still runs `_THREAD_GRACE_S` after the backend closed
     (a close() may ask its threads to stop without joining them)."""
     if left := _threads_left(before):
-        # Joined from a worker thread: the loop runs on, for threads that wait on it to end.
-        await asyncio.to_thread(_join, left, _THREAD_GRACE_S)
-        left = _threads_left(before)
+        loop_threads = await _default_executor_names()
+        if left := _threads_left(before, loop_threads):
+            # Joined from a worker thread: the loop runs on, for threads that wait on it to end.
+            await asyncio.to_thread(_join, left, _THREAD_GRACE_S)
+            left = _threads_left(before, loop_threads)
     assert not left, (
         f"close() left {len(left)} thread(s) running after {_THREAD_GRACE_S:g} s: "
         f"{[thread.name for thread in left[:3]]}"

@@ -1022,13 +1022,14 @@ async def test_bulk_connections_authenticate_and_select_the_database() -> None:
         # ever succeed, so the open fails, saying why (and not the password).
         for wrong, why in (
             (f"redis://:nope@{server.host}:{server.port}/3", "invalid username-password"),
-            (f"redis://{server.host}:{server.port}/3", "authenticate"),
+            # redis-py 8 says "... already authenticated ...", earlier "Authentication required."
+            (f"redis://{server.host}:{server.port}/3", "authenticat"),
             (f"redis://:s3cret@{server.host}:{server.port}/99", "DB index is out of range"),
         ):
             with pytest.raises(StorageConfigError, match="refused this configuration") as info:
                 async with RedisStorage.from_url(f"{wrong}?prefix=auth&timeout=2"):
                     pytest.fail("opened with a configuration the server refuses")
-            assert why in str(info.value)
+            assert why.lower() in str(info.value).lower()
             assert "nope" not in str(info.value)
 
 
@@ -1548,7 +1549,13 @@ async def test_error_replies_are_logged_once_per_kind(redis_url: str, bulk: int)
             await backend.get(keys, into, namespace=NS)
     # One line per kind of reply, not one per key or per batch.
     logged = [e for e in logs if e["event"] == "storage.redis.reply_error"]
-    assert [e["error"].split(" ", 1)[0] for e in logged] == ["NOPERM", "WRONGTYPE"]
+    # redis-py before 7.4 drops the code of a reply it knows (NOPERM) and keeps it nowhere;
+    # the bulk path reads the replies itself.
+    keeps_codes = bulk or hasattr(aioredis.ResponseError("x"), "status_code")
+    assert [e["error"].split(" ", 1)[0] for e in logged] == [
+        "NOPERM" if keeps_codes else "this",
+        "WRONGTYPE",
+    ]
     assert "no permissions to run the 'set' command" in logged[0]["error"]
     assert {e["backend"] for e in logged} == {backend.name}
 
