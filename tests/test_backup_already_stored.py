@@ -275,12 +275,13 @@ async def test_giving_way_during_the_look_up_writes_nothing_more() -> None:
             shared.hold_exists.set()
             await second.drain()
             backup = _backup(second)
-            # The look-up in flight answered (its pages skipped and marked), the queued job
-            # was dropped, and nothing was put.
+            # The look-up in flight was cancelled (its pages left unknown, not written), the
+            # queued job was dropped, and nothing was put.
             assert shared.put_keys == []
-            assert backup.already_stored_pages == 3
+            assert backup.already_stored_pages == 0
+            assert backup.failed_pages == 3
             assert backup.dropped_pages == 3
-            assert _all_in_storage(second, stored)
+            assert not _all_in_storage(second, stored)
             assert backup.written_pages == 0
             assert_backup_adds_up(backup)
             assert_drained(second)
@@ -484,5 +485,75 @@ async def test_the_look_ups_of_a_batchs_chains_are_in_flight_together(chains: in
             assert shared.put_keys == []
             for tokens in (first, *prompts):
                 assert _all_in_storage(second, tokens)
+            assert_backup_adds_up(backup)
+            assert_drained(second)
+
+
+class AnswersOneAtATime(SendsEveryPage):
+    """A store that answers one `exists` at a time (one connection, one thread), each held
+    until the gate it found set; counts the calls it began to answer after a give-way."""
+
+    def __init__(self, inner: StorageBackend) -> None:
+        super().__init__(inner)
+        self.lock = asyncio.Lock()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.answering = 0
+        self.gave_way = False
+        self.answered_after_give_way = 0
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        async with self.lock:
+            self.answering += 1
+            self.answered_after_give_way += self.gave_way
+            await self.gate.wait()
+            return await self.inner.exists(keys)
+
+
+async def _until_answering(store: AnswersOneAtATime, calls: int) -> None:
+    for _ in range(3000):  # a bound only
+        if store.answering >= calls:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{store.answering} look-ups answering, not {calls}")
+
+
+async def test_giving_way_cancels_the_look_ups_queued_in_the_store() -> None:
+    # Eight look-ups in flight on a store that answers one at a time: after a give-way the
+    # allocation waits for the batch's end, so none of them may still go to the store.
+    config = _config(check_prefix=False, batch_pages=16)
+    generator = KVGenerator(config.layout, PAGE, seed=12)
+    first = _prompt(40, 1)
+    prompts = [_prompt(41 + i, 1) for i in range(backup_worker._LOOKUPS_IN_FLIGHT)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = AnswersOneAtATime(memory)
+        for tokens in (first, *prompts):
+            await _served_and_stored(config, shared, tokens, generator)
+        shared.put_keys.clear()
+        shared.answering = 0
+        shared.gate = asyncio.Event()
+        async with HiCache(config, storage=shared) as second:
+            # The first batch's look-up holds the worker while the others queue up.
+            await serve(second, first, generator, prefetch=False)
+            await _until_answering(shared, 1)
+            for tokens in prompts:
+                await serve(second, tokens, generator, prefetch=False)
+            await _queued(second, len(prompts))
+            held, shared.gate = shared.gate, asyncio.Event()
+            held.set()
+            await _until_answering(shared, 2)  # the second batch's first, the rest queued
+            link = second._link
+            assert link is not None
+            shared.gave_way = True
+            link.backup.give_way()
+            shared.gate.set()
+            await second.drain()
+            assert shared.answered_after_give_way == 0
+            assert shared.put_keys == []
+            backup = _backup(second)
+            assert backup.gave_way == 1
+            assert backup.already_stored_pages == 1
+            assert backup.written_pages == 0
+            assert backup.failed_pages == len(prompts)
             assert_backup_adds_up(backup)
             assert_drained(second)

@@ -1792,3 +1792,72 @@ async def test_a_lookup_cancelled_while_it_waits_for_a_thread_leaves_its_stamps_
             for release in holds:
                 release.set()
             await asyncio.wait_for(first, 30)
+
+
+async def test_a_cancelled_lookups_stamps_are_written_by_a_close_that_began_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """A shared root's `exists` cancelled while its job waited for the thread leaves its
+    stamps to the store; a close that begins as that job returns (a detach cancels the
+    lookups, then closes the store) writes them before it returns."""
+    root = tmp_path / "s"
+    keys = _keys(2)
+    async with FileStorage(root, shared=True) as storage:
+        assert await _put(storage, keys[:1]) == [Outcome.OK]
+    old = time.time_ns() - 100 * 10**9
+    os.utime(_page_path(root, keys[0]), ns=(old, old))
+    storage = FileStorage(root, shared=True, io_threads=1)
+    await storage.__aenter__()
+    release, entered, returned, resume = (threading.Event() for _ in range(4))
+    stat_job = storage._stat_job
+
+    def held_after(*args: Any, **kwargs: Any) -> int:
+        found = stat_job(*args, **kwargs)
+        returned.set()
+        resume.wait(30)  # a hang guard only: the close begins meanwhile
+        return found
+
+    storage._stat_job = held_after  # type: ignore[method-assign]
+
+    def hold(stop: threading.Event) -> None:
+        entered.set()
+        release.wait(30)  # a hang guard only
+
+    holder = asyncio.ensure_future(storage.run_job(hold))
+    closing: asyncio.Future[None] | None = None
+    try:
+        for _ in range(3000):  # until the only thread is in the held job
+            if entered.is_set():
+                break
+            await asyncio.sleep(0.001)
+        assert entered.is_set()
+        # The first key is indexed and due a stamp; the second is looked for on disk.
+        queued = asyncio.ensure_future(storage.exists(keys))
+        for _ in range(100):  # until its job waits for the thread
+            if len(storage._jobs) == 2:
+                break
+            await asyncio.sleep(0)
+        assert len(storage._jobs) == 2
+        queued.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.wait_for(holder, 30)
+        for _ in range(3000):  # until its job, given up, has returned on the thread
+            if returned.is_set():
+                break
+            await asyncio.sleep(0.001)
+        assert returned.is_set()
+        closing = asyncio.ensure_future(storage.close())
+        await asyncio.sleep(0)
+        assert storage.closed
+        resume.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(queued, 30)
+        await asyncio.wait_for(closing, 30)
+        assert os.stat(_page_path(root, keys[0])).st_mtime_ns > old
+    finally:
+        release.set()
+        resume.set()
+        await asyncio.wait_for(holder, 30)
+        if closing is None:
+            await storage.close()

@@ -2757,8 +2757,12 @@ class FileStorage(BackendBase):
                 )
             )
         finally:
-            if not began and stamps and not self.closed:
-                self._stamp_later(stamps, base)  # the use the index counted reaches the disk
+            if not began and stamps:  # the use the index counted reaches the disk
+                if self.closed:
+                    # A close that began as the job returned: its release writes them.
+                    self._unstamped.append((base, stamps))
+                else:
+                    self._stamp_later(stamps, base)
             fresh = [item for item in found if not self._stale(item[0], epoch)]
             for key, nbytes, mtime in fresh:
                 self._insert(key, nbytes, mtime)

@@ -149,6 +149,9 @@ class BackupWorker:
         self._writing = False
         # Set by `give_way` for the batch being written (a fresh one per batch).
         self._give_way: anyio.Event | None = None
+        # The scope of the batch's look-ups in flight (`_overlapped`), which `give_way`
+        # cancels: their answers only save writes the give-way leaves out anyway.
+        self._lookups: anyio.CancelScope | None = None
         # The next batch starts giving way: `give_way` came while its first job was handed
         # to the worker, no longer queued, before the batch began.
         self._give_way_next = False
@@ -254,10 +257,11 @@ class BackupWorker:
 
         Queued jobs are dropped (`dropped_pages`). The batch being written (or the one about
         to begin with a job already handed to the worker) makes no further backend call (no
-        retry, no later chunk, no further prefix check or look-up of stored pages): it ends
-        once the call in progress returns, within `io_timeout_s`, its unwritten pages counted
-        in `failed_pages`, and then lifts its protections. What it wrote, or found stored, is
-        marked as usual.
+        retry, no later chunk, no further prefix check or look-up of stored pages): the
+        look-ups in flight are cancelled (one in a backend's thread still ends first), a put
+        in flight returns first, within `io_timeout_s`; its unwritten pages are counted in
+        `failed_pages`, and then it lifts its protections. What it wrote, or found stored
+        before, is marked as usual.
         """
         if not self.protecting or (self.pending == 0 and (self._giving_way or self._give_way_next)):
             return  # nothing held, or nothing more to give up
@@ -275,6 +279,10 @@ class BackupWorker:
         self.drop_queued()
         if self._writing and self._give_way is not None:
             self._give_way.set()
+            if self._lookups is not None:
+                # Several may be in flight, queued behind each other in the backend (its
+                # threads or connections): the allocation would wait for all of them.
+                self._lookups.cancel()
         elif self._held_jobs:
             self._give_way_next = True
 
@@ -475,9 +483,9 @@ class BackupWorker:
     async def _overlapped(self, items: list[_T], ask: Callable[[_T], Awaitable[bool]]) -> None:
         """`ask(item)` for each of `items` in turn, up to `_LOOKUPS_IN_FLIGHT` at once: on a
         slow store, chains asked one after another would cost a round trip each. None
-        begins once one has answered False (its call failed: the rest is left unknown) or
-        while the worker gives way (a device allocation needs the pages); those in flight
-        end first."""
+        begins once one has answered False (its call failed: the rest is left unknown);
+        when the worker gives way (a device allocation needs the pages) those in flight are
+        cancelled, and their chains left unknown."""
         pending = iter(items)
         stopped = False
 
@@ -489,12 +497,17 @@ class BackupWorker:
                 if not await ask(item):
                     stopped = True
 
-        if len(items) == 1:  # the common case, without a task
-            await asker()
-            return
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(len(items), _LOOKUPS_IN_FLIGHT)):
-                tg.start_soon(asker)
+        with anyio.CancelScope() as scope:
+            self._lookups = scope
+            try:
+                if len(items) == 1:  # the common case, without a task
+                    await asker()
+                    return
+                async with anyio.create_task_group() as tg:
+                    for _ in range(min(len(items), _LOOKUPS_IN_FLIGHT)):
+                        tg.start_soon(asker)
+            finally:
+                self._lookups = None
 
     async def _check_prefixes(self, jobs: list[_Job]) -> None:
         """Unmark the nodes above the jobs' ranges that are marked in storage but missing
