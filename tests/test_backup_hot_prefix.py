@@ -150,3 +150,30 @@ async def test_chains_of_one_batch_under_a_stale_shared_prefix_ask_about_it_once
             # The prompt once, and each chain's turn written last time.
             assert counting.keys_asked - keys == 10 + 8
             assert link.backup.statistics().lost_pages == 0
+
+
+async def test_a_long_conversation_asks_one_key_a_turn_and_its_history_once_an_interval(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What the docs say a conversation's checks cost: one-page turns every quarter of the
+    # interval ask about the page the last turn wrote, and every fourth turn, once the
+    # history's record is an interval old, about the whole history above the new turn.
+    monkeypatch.setattr(backup_worker, "time", _Clock)
+    config = _config()
+    generator = KVGenerator(config.layout, PAGE, seed=23)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        counting = _Counting(memory)
+        async with HiCache(config, storage=counting) as cache:
+            prompt = _prompt(4, 1)
+            await serve(cache, prompt, generator, prefetch=False)
+            await cache.drain()
+            asked = []
+            for turn in range(24):
+                _Clock.now += INTERVAL_S / 4
+                prompt = np.concatenate([prompt, _prompt(400 + turn, 1)])
+                before = counting.keys_asked
+                await serve(cache, prompt, generator, prefetch=False)
+                await cache.drain()
+                asked.append(counting.keys_asked - before)
+            history = [len(prompt) // PAGE - 24 + turn for turn in range(24)]
+            assert asked == [h if turn % 4 == 0 else 1 for turn, h in enumerate(history)]
