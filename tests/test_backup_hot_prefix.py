@@ -35,7 +35,7 @@ class _Clock:
         return cls.now
 
 
-def _config() -> CacheConfig:
+def _config(interval: float = INTERVAL_S) -> CacheConfig:
     return CacheConfig.from_dict(
         {
             "layout": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 4},
@@ -44,7 +44,7 @@ def _config() -> CacheConfig:
             "host_pages": 128,
             "model_id": "backup-hot-prefix-test",
             "prefetch": {"policy": "wait_complete", "threshold_tokens": PAGE},
-            "backup": {"check_prefix_interval_s": INTERVAL_S},
+            "backup": {"check_prefix_interval_s": interval},
         }
     )
 
@@ -94,10 +94,15 @@ class _Counting(Unowned):
         self.keys_asked = 0
         self.hold_puts: asyncio.Event | None = None
         self.put_waiting = asyncio.Event()
+        self.hold_exists: asyncio.Event | None = None
+        self.exists_held = 0
 
     async def exists(self, keys: Sequence[bytes]) -> int:
         self.keys_asked += len(keys)
         self.first_asked += 1 if keys and keys[0] == self.first else 0
+        if self.hold_exists is not None:
+            self.exists_held += 1
+            await self.hold_exists.wait()
         return await super().exists(keys)
 
     async def put(
@@ -177,3 +182,41 @@ async def test_a_long_conversation_asks_one_key_a_turn_and_its_history_once_an_i
                 asked.append(counting.keys_asked - before)
             history = [len(prompt) // PAGE - 24 + turn for turn in range(24)]
             assert asked == [h if turn % 4 == 0 else 1 for turn, h in enumerate(history)]
+
+
+async def test_with_no_record_kept_the_chains_under_a_shared_prefix_are_checked_at_once() -> None:
+    # check_prefix_interval_s=0: every chain is asked about whole, so none waits for
+    # another that shares its first node (it would ask about that node all the same).
+    config = _config(interval=0.0)
+    generator = KVGenerator(config.layout, PAGE, seed=24)
+    system = _prompt(5, 2)
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        counting = _Counting(memory)
+        async with HiCache(config, storage=counting) as cache:
+            prompts = [np.concatenate([system, _prompt(500 + c, 1)]) for c in range(8)]
+            for prompt in prompts:
+                await serve(cache, prompt, generator, prefetch=False)
+            await cache.drain()
+            counting.hold_puts = asyncio.Event()
+            await serve(cache, _prompt(6, 1), generator, prefetch=False)
+            await counting.put_waiting.wait()
+            prompts = [np.concatenate([p, _prompt(600 + c, 1)]) for c, p in enumerate(prompts)]
+            for prompt in prompts:
+                await serve(cache, prompt, generator, prefetch=False)
+            link = cache._link
+            assert link is not None
+            for _ in range(1000):  # the device-to-host copies land meanwhile
+                if link.backup.pending >= 8:
+                    break
+                await asyncio.sleep(0.01)
+            assert link.backup.pending == 8
+            counting.hold_exists = asyncio.Event()
+            counting.hold_puts.set()
+            for _ in range(1000):  # the batch's checks begin
+                if counting.exists_held >= 8:
+                    break
+                await asyncio.sleep(0.01)
+            assert counting.exists_held == 8  # all eight chains asked at once
+            counting.hold_exists.set()
+            await cache.drain()
+            assert link.backup.statistics().lost_pages == 0

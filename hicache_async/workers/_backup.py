@@ -571,7 +571,9 @@ class BackupWorker:
             if k < len(chain) and chain[k].id in leading:
                 after.append(top)
                 continue
-            if k < len(chain):
+            # A node found missing, or not stored, or with no record kept (an interval of 0),
+            # would be asked about by the others all the same: no reason to wait then.
+            if k < len(chain) and chain[k].in_storage and self.config.check_prefix_interval_s > 0:
                 leading.add(chain[k].id)
             first.append(top)
         if await self._overlapped(first, check) and after:
