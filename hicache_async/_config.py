@@ -304,7 +304,8 @@ class BackupConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     #: job is still there, and write again what it lost and this instance still holds.
     check_prefix: bool = True
     #: A chain found whole this recently is asked about only below that part, each part
-    #: counted from when it was itself asked about. The asking is also what keeps a hot
+    #: counted from when it was itself asked about (so a conversation still going on asks
+    #: about its whole history once per interval). The asking is also what keeps a hot
     #: prefix in a store that evicts by use: a store that cycles through its whole capacity
     #: faster than this may evict one.
     check_prefix_interval_s: float = 2.0

@@ -480,12 +480,13 @@ class BackupWorker:
 
         await self._overlapped([indexes for indexes in lookups if indexes], look_up)
 
-    async def _overlapped(self, items: list[_T], ask: Callable[[_T], Awaitable[bool]]) -> None:
+    async def _overlapped(self, items: list[_T], ask: Callable[[_T], Awaitable[bool]]) -> bool:
         """`ask(item)` for each of `items` in turn, up to `_LOOKUPS_IN_FLIGHT` at once: on a
         slow store, chains asked one after another would cost a round trip each. None
         begins once one has answered False (its call failed: the rest is left unknown);
         when the worker gives way (a device allocation needs the pages) those in flight are
-        cancelled, and their chains left unknown."""
+        cancelled, and their chains left unknown. False if one answered False or the worker
+        gave way."""
         pending = iter(items)
         stopped = False
 
@@ -502,12 +503,13 @@ class BackupWorker:
             try:
                 if len(items) == 1:  # the common case, without a task
                     await asker()
-                    return
-                async with anyio.create_task_group() as tg:
-                    for _ in range(min(len(items), _LOOKUPS_IN_FLIGHT)):
-                        tg.start_soon(asker)
+                else:
+                    async with anyio.create_task_group() as tg:
+                        for _ in range(min(len(items), _LOOKUPS_IN_FLIGHT)):
+                            tg.start_soon(asker)
             finally:
                 self._lookups = None
+        return not (stopped or scope.cancelled_caught or self._giving_way)
 
     async def _check_prefixes(self, jobs: list[_Job]) -> None:
         """Unmark the nodes above the jobs' ranges that are marked in storage but missing
@@ -517,8 +519,8 @@ class BackupWorker:
         unmarked and the rest of the chain is asked again. A chain found whole within the
         last `check_prefix_interval_s` is not asked about again, only what lies below it: a
         long conversation's batches would otherwise ask about its whole history each time.
-        Chains are checked several at once (`_overlapped`); two that share their upper
-        pages may then both ask about them.
+        Chains are checked several at once (`_overlapped`), except that of chains whose
+        first node to ask about is the same, one is checked before the others.
         """
         cache = self._cache
         tops: dict[int, TreeNode] = {}
@@ -568,18 +570,42 @@ class BackupWorker:
                 start = ends[missing]
             return True
 
-        await self._overlapped([top for top in tops.values() if top.id not in covered], check)
+        # Chains whose first node to ask about is one they share (a system prompt gone
+        # stale) would each ask about all of it at once: one of them is checked first, and
+        # the others then start below what it found.
+        now = time.monotonic()
+        first: list[TreeNode] = []
+        after: list[TreeNode] = []
+        leading: set[int] = set()
+        for top in tops.values():
+            if top.id in covered:
+                continue
+            chain = _chain(top)
+            k = self._checked_nodes(chain, now)
+            if k < len(chain) and chain[k].id in leading:
+                after.append(top)
+                continue
+            # A node found missing, or not stored, or with no record kept (an interval of 0),
+            # would be asked about by the others all the same: no reason to wait then.
+            if k < len(chain) and chain[k].in_storage and self.config.check_prefix_interval_s > 0:
+                leading.add(chain[k].id)
+            first.append(top)
+        if await self._overlapped(first, check) and after:
+            await self._overlapped(after, check)
 
-    def _checked_pages(self, chain: list[TreeNode], now: float) -> int:
-        """How many pages at the top of `chain` were found whole in storage lately: those of
-        its first nodes that storage was each asked about, and held, within the interval."""
-        pages = 0
-        for node in chain:
+    def _checked_nodes(self, chain: list[TreeNode], now: float) -> int:
+        """How many nodes at the top of `chain` were found whole in storage lately: its
+        first nodes that storage was each asked about, and held, within the interval."""
+        for k, node in enumerate(chain):
             when = self._checked.get(node.id)
             if when is None or now - when >= self.config.check_prefix_interval_s:
-                break
-            pages += node.num_pages
-        return pages
+                return k
+        return len(chain)
+
+    def _checked_pages(self, chain: list[TreeNode], now: float) -> int:
+        """How many pages at the top of `chain` were found whole in storage lately (those
+        of its `_checked_nodes`)."""
+        return sum(node.num_pages for node in chain[: self._checked_nodes(chain, now)])
 
     def _note_checked(
         self, chain: list[TreeNode], ends: list[int], asked: int, found: int, now: float
