@@ -129,3 +129,29 @@ async def test_a_long_memory_lookup_yields_in_steps(monkeypatch: pytest.MonkeyPa
             assert await storage.exists([*keys, os.urandom(32)]) == len(keys)
             assert count[0] - before >= 5
         assert list(storage._values)[-len(keys) :] == keys[::-1]
+
+
+async def test_a_long_memory_lookup_cancelled_between_steps_touches_as_one_step_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Cancelled once its last keys were made the most recent, a lookup still makes the keys
+    # before them more recent still: left as they were, the chain's first pages would be
+    # evicted before its deepest ones, and the whole chain with them.
+    monkeypatch.setattr(_memory, "_LOOKUP_STEP", 8, raising=False)
+    keys = [os.urandom(32) for _ in range(40)]
+    others = [os.urandom(32) for _ in range(4)]
+    async with MemoryStorage() as storage:
+        for batch in (keys, others):
+            metas = [PageMeta(key=k, namespace=bytes(16), num_tokens=1, priority=0) for k in batch]
+            pages = [[memoryview(bytearray(key[:8]))] for key in batch]
+            assert await storage.put(batch, pages, metas) == [Outcome.OK] * len(batch)
+        lookup = asyncio.get_running_loop().create_task(storage.exists(keys))
+        for _ in range(100):  # loop turns, until its first touch step
+            if next(reversed(storage._values)) != others[0]:
+                break
+            await asyncio.sleep(0)
+        assert not lookup.done()
+        lookup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lookup
+        assert list(storage._values)[-len(keys) :] == keys[::-1]

@@ -2483,8 +2483,10 @@ class FileStorage(BackendBase):
     ) -> None:
         """`_touch_chain` in steps of `_LOOP_SLICE` keys, the last ones first (the order one
         step gives), with a checkpoint between steps: a lookup of a hundred thousand pages
-        held the loop for about 0.1 s. Stopped between steps, the stamps its entries are
-        due go to the stamper (`base` as for `_stamp_later`): their entries say so already."""
+        held the loop for about 0.1 s. Cancelled between steps, it touches the keys still
+        untouched at once, so the first stay the most recent (evicting them first would cut
+        the chain), and the stamps its entries are due go to the stamper (`base` as for
+        `_stamp_later`): their entries say so already."""
         end = len(keys)
         try:
             while end > 0:
@@ -2494,8 +2496,10 @@ class FileStorage(BackendBase):
                 if end:
                     await self._checkpoint()
         except BaseException:
-            if stamps and not self.closed:
-                self._stamp_later(stamps, base)
+            if not self.closed:
+                self._touch_chain(keys[:end], now, stamps)
+                if stamps:
+                    self._stamp_later(stamps, base)
             raise
 
     def _mark(self, key: bytes) -> None:

@@ -286,13 +286,20 @@ class MemoryStorage(BackendBase):
         # In steps too, the last keys first (the order one step gives).
         now = time.time()
         end = count
-        while end > 0:
-            start = max(0, end - _LOOKUP_STEP)
-            self._touch_chain(keys[start:end], now)
-            end = start
-            if end:
-                await anyio.lowlevel.checkpoint()
-                self._check_open()
+        try:
+            while end > 0:
+                start = max(0, end - _LOOKUP_STEP)
+                self._touch_chain(keys[start:end], now)
+                end = start
+                if end:
+                    await anyio.lowlevel.checkpoint()
+                    self._check_open()
+        except BaseException:
+            if not self.closed:
+                # Cancelled between steps: the first keys become the most recent now, or the
+                # deepest would outlive them and evicting the first would cut the chain.
+                self._touch_chain(keys[:end], now)
+            raise
         return count
 
     def _touch_chain(self, keys: Sequence[bytes], now: float) -> None:
