@@ -484,8 +484,8 @@ async def test_a_long_lookup_cancelled_between_touch_steps_touches_and_stamps_as
             stamp_later(stamps, base),
         )[-1]
         lookup = asyncio.get_running_loop().create_task(storage.exists(keys))
-        for _ in range(100):  # loop turns, until its first touch step
-            if next(reversed(storage._index)) not in others:
+        for _ in range(100):  # loop turns, until its first touch step (the last STEP keys)
+            if next(reversed(storage._index)) == keys[-STEP]:
                 break
             await asyncio.sleep(0)
         assert not lookup.done()
@@ -494,4 +494,28 @@ async def test_a_long_lookup_cancelled_between_touch_steps_touches_and_stamps_as
             await lookup
         assert list(storage._index)[-len(keys) :] == keys[::-1]
         assert queued == [{key: position for position, key in enumerate(keys)}]
+        _assert_sound(storage)
+
+
+async def test_a_put_between_the_steps_of_a_long_lookup_evicts_none_of_the_pages_it_counted(
+    tmp_path: Path,
+) -> None:
+    # A full root, whose least recently used pages are the chain a lookup is counting: a put
+    # that begins between the lookup's touch steps evicts other pages, as after a lookup in
+    # one step, not the chain's first pages it counted (which would leave its tail useless).
+    chain = _keys(5 * STEP)
+    others = _keys(STEP)
+    async with FileStorage(tmp_path / "s", capacity_bytes=6 * STEP * SIZE) as storage:
+        for keys in (chain, others):
+            assert await _put(storage, keys) == [Outcome.OK] * len(keys)
+        lookup = asyncio.get_running_loop().create_task(storage.exists(chain))
+        for _ in range(100):  # loop turns, until its first touch step (the last STEP keys)
+            if next(reversed(storage._index)) == chain[-STEP]:
+                break
+            await asyncio.sleep(0)
+        assert not lookup.done()
+        assert await _put(storage, _keys(STEP)) == [Outcome.OK] * STEP
+        assert await lookup == len(chain)
+        assert [key in storage._index for key in chain] == [True] * len(chain)
+        assert not any(key in storage._index for key in others)
         _assert_sound(storage)
