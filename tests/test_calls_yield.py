@@ -129,3 +129,61 @@ async def test_a_long_memory_lookup_yields_in_steps(monkeypatch: pytest.MonkeyPa
             assert await storage.exists([*keys, os.urandom(32)]) == len(keys)
             assert count[0] - before >= 5
         assert list(storage._values)[-len(keys) :] == keys[::-1]
+
+
+async def test_a_long_memory_lookup_cancelled_between_steps_touches_as_one_step_would(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Cancelled once its last keys were made the most recent, a lookup still makes the keys
+    # before them more recent still: left as they were, the chain's first pages would be
+    # evicted before its deepest ones, and the whole chain with them.
+    monkeypatch.setattr(_memory, "_LOOKUP_STEP", 8, raising=False)
+    keys = [os.urandom(32) for _ in range(40)]
+    others = [os.urandom(32) for _ in range(4)]
+    async with MemoryStorage() as storage:
+        for batch in (keys, others):
+            metas = [PageMeta(key=k, namespace=bytes(16), num_tokens=1, priority=0) for k in batch]
+            pages = [[memoryview(bytearray(key[:8]))] for key in batch]
+            assert await storage.put(batch, pages, metas) == [Outcome.OK] * len(batch)
+        lookup = asyncio.get_running_loop().create_task(storage.exists(keys))
+        for _ in range(100):  # loop turns, until its first touch step (the last 8 keys)
+            if next(reversed(storage._values)) == keys[-8]:
+                break
+            await asyncio.sleep(0)
+        assert not lookup.done()
+        lookup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lookup
+        assert list(storage._values)[-len(keys) :] == keys[::-1]
+
+
+async def test_a_put_between_the_steps_of_a_long_memory_lookup_evicts_none_of_its_chain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A full store, whose least recently used pages are the chain a lookup is counting: a put
+    # that runs between the lookup's steps evicts pages the lookup has not reached, or other
+    # pages, never the chain's first pages it counted (which would leave its tail useless).
+    monkeypatch.setattr(_memory, "_LOOKUP_STEP", 8, raising=False)
+
+    def batch(keys: list[bytes]) -> tuple[list[list[memoryview]], list[PageMeta]]:
+        pages = [[memoryview(bytearray(key[:8]))] for key in keys]
+        return pages, [PageMeta(key=k, namespace=bytes(16), num_tokens=1, priority=0) for k in keys]
+
+    chain = [os.urandom(32) for _ in range(40)]
+    others = [os.urandom(32) for _ in range(8)]
+    async with MemoryStorage() as probe:
+        assert await probe.put(chain[:1], *batch(chain[:1])) == [Outcome.OK]
+        page_bytes = probe._bytes
+    async with MemoryStorage(capacity_bytes=48 * page_bytes, spare_bytes=0) as storage:
+        for keys in (chain, others):
+            assert await storage.put(keys, *batch(keys)) == [Outcome.OK] * len(keys)
+        lookup = asyncio.get_running_loop().create_task(storage.exists(chain))
+        for step in range(100):  # loop turns: a put at each step of the lookup
+            if lookup.done():
+                break
+            new = [os.urandom(32)]
+            assert await storage.put(new, *batch(new)) == [Outcome.OK], step
+        found = await lookup
+        assert found >= 8  # the first step's, at least
+        # Pages past those the walk reached may go (the deepest first); none it counted.
+        assert [key in storage._values for key in chain[:found]] == [True] * found

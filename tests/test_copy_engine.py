@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -762,3 +762,46 @@ async def test_a_copy_refuses_another_loop() -> None:
     assert copy._callbacks == []
     copy._layer_landed(1)
     await copy  # still usable on its own loop
+
+
+def _old_copy_rule(src: KVPool, s: np.ndarray, dst: KVPool, d: np.ndarray) -> str | None:
+    """The checks `plan_copy` made with np.unique and np.intersect1d: the error, or None."""
+    if len(d) and len(np.unique(d)) != len(d):
+        return "a destination page appears more than once"
+    if src is dst and len(np.intersect1d(s, d)):
+        return "source and destination pages overlap within one pool"
+    return None
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint32])
+def test_plan_copy_refuses_what_the_unique_and_intersect_rule_refused(dtype: type) -> None:
+    # The sort-based checks give the np.unique / np.intersect1d answers for every input:
+    # empty, one page, repeats, overlaps, strided (non-contiguous) arrays and lists.
+    rng = np.random.default_rng(11)
+    src = KVPool(LAYOUT, PAGE, PAGES)
+    dst = KVPool(LAYOUT, PAGE, PAGES)
+    for case in range(3000):
+        n = int(rng.integers(0, PAGES + 1)) if case % 10 else int(rng.integers(0, 2))
+        high = int(rng.integers(1, PAGES + 1))
+        wide = rng.integers(0, high, size=(2 * n, 2)).astype(dtype)
+        if case % 3 == 0:  # views of every other row of one column: strided
+            s_arr, d_arr = wide[::2, 0], wide[1::2, 1]
+        else:
+            s_arr = rng.integers(0, high, size=n).astype(dtype)
+            d_arr = rng.integers(0, high, size=n).astype(dtype)
+        s_pages: Sequence[int] = s_arr.tolist() if case % 4 == 1 else s_arr
+        d_pages: Sequence[int] = d_arr.tolist() if case % 4 == 1 else d_arr
+        target = src if case % 2 else dst
+        s = np.asarray(s_arr, dtype=np.int64)
+        d = np.asarray(d_arr, dtype=np.int64)
+        expected = _old_copy_rule(src, s, target, d)
+        got: str | None = None
+        plan = None
+        try:
+            plan = plan_copy(src, s_pages, target, d_pages)
+        except ValueError as exc:
+            got = str(exc)
+        assert got == expected, (s_pages, d_pages, target is src)
+        if plan is not None:
+            assert plan.src_pages.tolist() == s.tolist()
+            assert plan.dst_pages.tolist() == d.tolist()

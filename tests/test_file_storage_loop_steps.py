@@ -461,3 +461,61 @@ async def test_a_long_lookup_runs_in_steps_and_touches_as_one_step_would(
             assert queued == []
         else:
             assert queued == [{key: position for position, key in enumerate(keys)}]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+async def test_a_long_lookup_cancelled_between_touch_steps_touches_and_stamps_as_one_step_would(
+    tmp_path: Path, shared: bool
+) -> None:
+    # Cancelled once its last keys were made the most recent, a lookup still makes the keys
+    # before them more recent still, and queues all their stamps: left as they were, the
+    # chain's first pages would be evicted before its deepest ones, and the chain with them.
+    keys = _keys(5 * STEP)
+    others = _keys(2)
+    async with FileStorage(tmp_path / "s", shared=shared) as storage:
+        assert await _put(storage, keys) == [Outcome.OK] * len(keys)
+        assert await _put(storage, others) == [Outcome.OK] * len(others)
+        for key in keys:
+            storage._index[key].mtime = 0.0  # each file due a stamp of its mtime
+        queued: list[dict[bytes, int]] = []
+        stamp_later = storage._stamp_later
+        storage._stamp_later = lambda stamps, base=None: (  # type: ignore[method-assign]
+            queued.append(dict(stamps)),
+            stamp_later(stamps, base),
+        )[-1]
+        lookup = asyncio.get_running_loop().create_task(storage.exists(keys))
+        for _ in range(100):  # loop turns, until its first touch step (the last STEP keys)
+            if next(reversed(storage._index)) == keys[-STEP]:
+                break
+            await asyncio.sleep(0)
+        assert not lookup.done()
+        lookup.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await lookup
+        assert list(storage._index)[-len(keys) :] == keys[::-1]
+        assert queued == [{key: position for position, key in enumerate(keys)}]
+        _assert_sound(storage)
+
+
+async def test_a_put_between_the_steps_of_a_long_lookup_evicts_none_of_the_pages_it_counted(
+    tmp_path: Path,
+) -> None:
+    # A full root, whose least recently used pages are the chain a lookup is counting: a put
+    # that begins between the lookup's touch steps evicts other pages, as after a lookup in
+    # one step, not the chain's first pages it counted (which would leave its tail useless).
+    chain = _keys(5 * STEP)
+    others = _keys(STEP)
+    async with FileStorage(tmp_path / "s", capacity_bytes=6 * STEP * SIZE) as storage:
+        for keys in (chain, others):
+            assert await _put(storage, keys) == [Outcome.OK] * len(keys)
+        lookup = asyncio.get_running_loop().create_task(storage.exists(chain))
+        for _ in range(100):  # loop turns, until its first touch step (the last STEP keys)
+            if next(reversed(storage._index)) == chain[-STEP]:
+                break
+            await asyncio.sleep(0)
+        assert not lookup.done()
+        assert await _put(storage, _keys(STEP)) == [Outcome.OK] * STEP
+        assert await lookup == len(chain)
+        assert [key in storage._index for key in chain] == [True] * len(chain)
+        assert not any(key in storage._index for key in others)
+        _assert_sound(storage)

@@ -647,6 +647,37 @@ async def test_a_long_prefetch_plans_its_reads_a_bounded_number_of_pages_at_a_ti
         await _check_and_drain(cache, prompt, generator)
 
 
+@pytest.mark.parametrize("ending", ["complete", "cancel", "terminate"])
+async def test_a_long_prefetch_is_forgotten_by_the_prefetcher_as_it_ends(
+    monkeypatch: pytest.MonkeyPatch, ending: str
+) -> None:
+    # A prefetch planned in several parts is remembered as having distinct keys between its
+    # plans; once it ended, the prefetcher holds it (its keys, its request) no longer, even
+    # when no other prefetch plans after it.
+    monkeypatch.setattr(_prefetch, "_PLAN_PAGES", 8, raising=False)
+    prompt = _prompt(61, 40)
+    async with _gated(_config(), prompt) as (cache, store, generator):
+        prefetcher = _prefetcher(cache)
+        if ending == "complete":
+            store.gets.open()
+            result = await asyncio.wait_for(cache.prefetch(prompt), 30)
+            assert result.status is PrefetchStatus.COMPLETE
+        else:
+            handle = await cache.start_prefetch(prompt)
+            await _until(lambda: bool(store.gets.waiting), "its first batch in flight")
+            assert handle in prefetcher._distinct  # still planning
+            if ending == "cancel":
+                handle.cancel()
+            else:
+                handle.terminate()
+                store.gets.open()
+            await asyncio.wait_for(handle.wait(), 30)
+            assert handle.done()
+        assert not prefetcher._distinct
+        store.gets.open()
+        await _check_and_drain(cache, prompt, generator)
+
+
 @pytest.mark.parametrize(("share", "limit"), [(0.29, 29), (0.57, 57), (0.58, 58), (0.5, 50)])
 async def test_the_host_share_gives_the_pages_its_decimal_says(share: float, limit: int) -> None:
     # 0.29 x 100 host pages is 28.999999999999996 in binary floating point, which rounded

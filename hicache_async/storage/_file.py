@@ -2483,8 +2483,10 @@ class FileStorage(BackendBase):
     ) -> None:
         """`_touch_chain` in steps of `_LOOP_SLICE` keys, the last ones first (the order one
         step gives), with a checkpoint between steps: a lookup of a hundred thousand pages
-        held the loop for about 0.1 s. Stopped between steps, the stamps its entries are
-        due go to the stamper (`base` as for `_stamp_later`): their entries say so already."""
+        held the loop for about 0.1 s. Cancelled between steps, it touches the keys still
+        untouched at once, so the first stay the most recent (evicting them first would cut
+        the chain), and the stamps its entries are due go to the stamper (`base` as for
+        `_stamp_later`): their entries say so already."""
         end = len(keys)
         try:
             while end > 0:
@@ -2494,8 +2496,10 @@ class FileStorage(BackendBase):
                 if end:
                     await self._checkpoint()
         except BaseException:
-            if stamps and not self.closed:
-                self._stamp_later(stamps, base)
+            if not self.closed:
+                self._touch_chain(keys[:end], now, stamps)
+                if stamps:
+                    self._stamp_later(stamps, base)
             raise
 
     def _mark(self, key: bytes) -> None:
@@ -2719,19 +2723,36 @@ class FileStorage(BackendBase):
         self._check_open()
         index = self._index
         count = 0
+        # A lookup in steps moves what it finds to the recent end as it walks: an eviction
+        # between its steps takes pages it has not reached, never the first of a chain it
+        # counted (the touch below would leave a live tail behind a cut). One step needs none.
+        move_to_end = index.move_to_end if len(keys) > _LOOP_SLICE else None
+        could_be_page = self._could_be_page
         try:
             # A slice a step: a long prompt at a small page size has a hundred thousand keys.
             for start in range(0, len(keys), _LOOP_SLICE):
                 if start:
                     await self._checkpoint()
                 for key in keys[start : start + _LOOP_SLICE]:
-                    if key not in index:
+                    entry = index.get(key)
+                    if entry is None:
                         break
                     count += 1
+                    # A misfit stays first in line for eviction (see `_touch`).
+                    if move_to_end is not None and could_be_page(entry.nbytes):
+                        move_to_end(key)
                 if count < start + _LOOP_SLICE:
                     break
         except TypeError:  # an unhashable key
             check_keys(keys)
+            raise
+        except BaseException:
+            if move_to_end is not None and count and not self.closed:
+                # Cancelled between steps: what it walked is touched as one step would.
+                owed: dict[bytes, int] = {}
+                self._touch_chain(keys[:count], time.time(), owed)
+                if owed:
+                    self._stamp_later(owed)
             raise
         # The index holds only page keys: the ones found are sound, so only the rest need
         # checking (the common all-found call pays nothing).

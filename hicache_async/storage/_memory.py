@@ -272,27 +272,43 @@ class MemoryStorage(BackendBase):
         check_keys(keys)
         count = 0
         values = self._values
-        for start in range(0, len(keys), _LOOKUP_STEP):
-            if start:  # a long prompt at a small page size
-                await anyio.lowlevel.checkpoint()
-                self._check_open()
-            for key in keys[start : start + _LOOKUP_STEP]:
-                if key not in values:
-                    break
-                count += 1
-            if count < start + _LOOKUP_STEP:
-                break
-        # A lookup is a use: a prefix every new chain is checked against stays in the store.
-        # In steps too, the last keys first (the order one step gives).
+        # A lookup in steps moves what it finds to the recent end as it walks: a put between
+        # its steps evicts pages it has not reached, never the first of a chain it counted
+        # (the touch below then leaves a live tail behind a cut). One step needs no move.
+        move_to_end = values.move_to_end if len(keys) > _LOOKUP_STEP else None
         now = time.time()
-        end = count
-        while end > 0:
-            start = max(0, end - _LOOKUP_STEP)
-            self._touch_chain(keys[start:end], now)
-            end = start
-            if end:
-                await anyio.lowlevel.checkpoint()
-                self._check_open()
+        walking = True
+        end = 0
+        try:
+            for start in range(0, len(keys), _LOOKUP_STEP):
+                if start:  # a long prompt at a small page size
+                    await anyio.lowlevel.checkpoint()
+                    self._check_open()
+                for key in keys[start : start + _LOOKUP_STEP]:
+                    if key not in values:
+                        break
+                    count += 1
+                    if move_to_end is not None:
+                        move_to_end(key)
+                if count < start + _LOOKUP_STEP:
+                    break
+            walking = False
+            # A lookup is a use: a prefix every new chain is checked against stays in the
+            # store. In steps too, the last keys first (the order one step gives).
+            end = count
+            while end > 0:
+                start = max(0, end - _LOOKUP_STEP)
+                self._touch_chain(keys[start:end], now)
+                end = start
+                if end:
+                    await anyio.lowlevel.checkpoint()
+                    self._check_open()
+        except BaseException:
+            if not self.closed:
+                # Cancelled between steps: the first keys become the most recent now, or the
+                # deepest would outlive them and evicting the first would cut the chain.
+                self._touch_chain(keys[: count if walking else end], now)
+            raise
         return count
 
     def _touch_chain(self, keys: Sequence[bytes], now: float) -> None:

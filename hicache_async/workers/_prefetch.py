@@ -928,9 +928,9 @@ class Prefetcher:
         self._budget_line: list[PrefetchHandle] = []
         # The one `_budget_room` just let through, whose plan follows in the same step.
         self._granted: PrefetchHandle | None = None
-        # Long prefetches whose keys were found distinct up to where they read (which only
-        # comes closer), so their later plans do not look again; ended ones go at the next.
-        self._distinct: dict[PrefetchHandle, None] = {}
+        # Long prefetches running whose keys were found distinct up to where they read (which
+        # only comes closer), so their later plans do not look again; each leaves as it ends.
+        self._distinct: set[PrefetchHandle] = set()
         self.submitted = self.completed = self.terminated = self.cancelled = 0
         self.skipped = self.timeouts = self.pages_read = self.bytes_read = 0
         self.pages_shared = self.misses = self.corrupt = self.errors = 0
@@ -1182,6 +1182,8 @@ class Prefetcher:
             # Whatever stopped it: the pages it was to read and did not reach.
             self.pages_abandoned += handle._count_until(handle._read_end)
             self._running.discard(handle)
+            # Not kept until another prefetch plans: the handle holds its keys and pages.
+            self._distinct.discard(handle)
             self._left.set()
             handle._scope = None
             self._report_only_cached(handle)
@@ -1370,10 +1372,8 @@ class Prefetcher:
                     repeat += 1
                 self.pages_abandoned += handle._read_only_to(repeat)
                 end = handle._read_end
-            for ended in [h for h in self._distinct if h.done()]:
-                del self._distinct[ended]
             if end > _PLAN_PAGES:  # read in several plans
-                self._distinct[handle] = None
+                self._distinct.add(handle)
         # Re-plan after the await: others may have brought pages meanwhile.
         found = tree.match(keys, touch=False)
         begin = found.num_device_pages + found.num_host_pages
