@@ -345,6 +345,45 @@ def test_every_link_between_the_pages_reaches_a_file_and_heading() -> None:
     assert broken == []
 
 
+def _cells(row: str) -> list[str]:
+    """A table row's cells, split at the pipes outside code spans and not escaped."""
+    cells, cell, code = [], "", ""
+    for token in re.findall(r"\\.|`+|[^\\`|]+|\|", row):
+        if token.startswith("`"):
+            code = "" if token == code else code or token
+        elif token == "|" and not code:
+            cells.append(cell)
+            cell = ""
+            continue
+        cell += token
+    return [*cells, cell]
+
+
+def test_every_table_row_has_as_many_cells_as_its_header() -> None:
+    # Text past a row's last pipe is a cell the header has no column for: a renderer drops
+    # it, and the sentence never shows.
+    wrong = []
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        # Code blocks blanked, their lines kept: the numbers are the file's.
+        text = re.sub(
+            r"^```.*?^```",
+            lambda block: "\n" * block.group().count("\n"),
+            page.read_text(),
+            flags=re.S | re.M,
+        )
+        width: int | None = None
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.startswith("|"):
+                width = None
+            elif re.fullmatch(r"\|(\s*:?-+:?\s*\|)+", line.strip()):
+                width = line.strip().count("|") - 1
+            elif width is not None:
+                cells = _cells(line.strip())
+                if cells[0] or cells[-1].strip() or len(cells) - 2 != width:
+                    wrong.append(f"{page.name}:{number}: {line[-60:]}")
+    assert wrong == []
+
+
 def test_the_example_configuration_file_loads_with_the_sizes_the_text_gives() -> None:
     text = _doc("configuration.md")
     (toml,) = re.findall(r"^```toml\n(.*?)^```", text, re.S | re.M)
