@@ -633,3 +633,47 @@ async def test_the_checks_of_a_batchs_chains_are_in_flight_together(chains: int)
                 assert await _in_storage(cache, memory, tokens) == 2
             assert_backup_adds_up(backup)
             assert_drained(cache)
+
+
+async def test_giving_way_while_a_shared_prefix_is_checked_stops_the_chains_below_it() -> None:
+    # Chains whose first node to ask about is one they share (a system prompt whose record
+    # went stale) wait for the first one's check: a give-way during it cancels that check,
+    # and the others are then never asked about.
+    config = _config(skip_stored=False, batch_pages=32)
+    generator = KVGenerator(config.layout, PAGE, seed=15)
+    system = _prompt(90, 2)
+    bases = [np.concatenate([system, _prompt(91 + i, 1)]) for i in range(4)]
+    longer = [np.concatenate([base, _prompt(101 + i, 1)]) for i, base in enumerate(bases)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = CountsChecksInFlight(memory)
+        async with HiCache(config, storage=shared) as cache:
+            for base in bases:
+                await serve(cache, base, generator, prefetch=False)
+            await cache.drain()
+            link = cache._link
+            assert link is not None
+            link.backup._checked.clear()  # the record of the system prompt gone stale
+            # A put held keeps the worker while the jobs below the bases queue up.
+            shared.hold_puts = asyncio.Event()
+            await serve(cache, _prompt(120, 1), generator, prefetch=False)
+            await asyncio.wait_for(shared.put_waiting.wait(), 30)
+            for tokens in longer:
+                await serve(cache, tokens, generator, prefetch=False)
+            await _queued(cache, len(longer))
+            shared.begun = 0
+            shared.gate = asyncio.Event()
+            held, shared.hold_puts = shared.hold_puts, None
+            held.set()
+            await _until_begun(shared, 1)
+            for _ in range(20):  # the others wait for it
+                await asyncio.sleep(0)
+            assert shared.begun == 1
+            link.backup.give_way()
+            shared.gate.set()
+            await cache.drain()
+            assert shared.begun == 1
+            backup = _backup(cache)
+            assert backup.gave_way == 1
+            assert backup.failed_pages == len(longer)
+            assert_backup_adds_up(backup)
+            assert_drained(cache)
