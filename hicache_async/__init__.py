@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._extras import failed_import as _failed_import
+
 if TYPE_CHECKING:
     from ._allocator import AllocatorStatistics, PageAllocator
     from ._cache import HiCache, MatchInfo
@@ -150,7 +152,11 @@ if not TYPE_CHECKING:
         module = _EXPORTS.get(name)
         if module is None:
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module, __name__), name)
+        try:
+            loaded = importlib.import_module(module, __name__)
+        except AttributeError as exc:
+            raise _failed_import(name, f"{__name__}{module}", exc) from exc
+        value = getattr(loaded, name)
         globals()[name] = value  # later lookups skip this function
         return value
 

@@ -6,7 +6,7 @@ nothing itself.
 
 from __future__ import annotations
 
-__all__ = ["install_hint", "missing_module", "missing_package"]
+__all__ = ["failed_import", "install_hint", "missing_module", "missing_package"]
 
 
 def install_hint(extra: str) -> str:
@@ -27,3 +27,10 @@ def missing_module(what: str, exc: ModuleNotFoundError, extra: str) -> ModuleNot
     """
     package = (exc.name or "?").split(".")[0]
     return ModuleNotFoundError(missing_package(what, package, extra), name=exc.name)
+
+
+def failed_import(what: str, module: str, exc: AttributeError) -> ImportError:
+    """An `ImportError` for a lazy export whose module raised `exc` while it imported (a
+    dependency too old to have a name it uses): left an `AttributeError`, `from ... import`
+    would report only that `what` cannot be imported. Raise it `from exc`."""
+    return ImportError(f"cannot import {what!r}: importing {module} failed: {exc!r}", name=module)

@@ -31,6 +31,64 @@ def test_an_unknown_name_raises_attribute_error() -> None:
         hicache_async.NoSuchThing  # noqa: B018
 
 
+# A module that fails while it imports as one built against a newer dependency would: it
+# reads an attribute the installed version lacks.
+_PLANT = """
+import importlib.abc, importlib.util, sys, types
+
+class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        types.TooNewForThisPython
+
+sys.meta_path.insert(0, Broken())
+"""
+
+
+@pytest.mark.parametrize(
+    ("package", "name", "module"),
+    [
+        ("hicache_async", "CacheConfig", "hicache_async._config"),
+        ("hicache_async.storage", "RedisStorage", "hicache_async.storage._redis"),
+        ("hicache_async.testing", "KVGenerator", "hicache_async.testing._kvgen"),
+    ],
+)
+def test_a_module_failing_as_it_imports_is_named_with_its_error(
+    package: str, name: str, module: str
+) -> None:
+    # Left an AttributeError, `from ... import` would say only that the name cannot be
+    # imported, and `hasattr` would answer False.
+    done = _run(
+        _PLANT.format(module=module)
+        + f"import {package}\n"
+        + f"assert {module!r} not in sys.modules\n"
+        + "try:\n"
+        + f"    from {package} import {name}\n"
+        + "except ImportError as exc:\n"
+        + "    assert isinstance(exc.__cause__, AttributeError), repr(exc.__cause__)\n"
+        + f"    assert exc.name == {module!r}, exc.name\n"
+        + "    print(exc)\n"
+        + "else:\n"
+        + "    raise AssertionError('imported')\n"
+        + "try:\n"
+        + f"    {package}.NoSuchThing\n"
+        + "except AttributeError as exc:\n"
+        + f"    assert str(exc) == \"module '{package}' has no attribute 'NoSuchThing'\", exc\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (
+        f"cannot import {name!r}: importing {module} failed: "
+        "AttributeError(\"module 'types' has no attribute 'TooNewForThisPython'\")"
+    )
+
+
 def test_storage_and_errors_do_not_import_torch() -> None:
     done = _run(
         "import sys, hicache_async, hicache_async.storage, hicache_async._errors\n"

@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .._errors import StorageConfigError
-from .._extras import missing_module
+from .._extras import failed_import, missing_module
 from ._base import check_get, check_keys, check_metas, check_pages, check_put
 from ._file import FileStorage, FileStorageStats, FsyncPolicy, default_root
 from ._maintenance import (
@@ -120,6 +120,8 @@ if not TYPE_CHECKING:
             if exc.name is None or exc.name.split(".")[0] == "hicache_async":
                 raise
             raise missing_module(name, exc, extra) from exc
+        except AttributeError as exc:
+            raise failed_import(name, module_name, exc) from exc
         value = getattr(module, name)
         globals()[name] = value  # later lookups skip this function
         return value

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .._extras import missing_module
+from .._extras import failed_import, missing_module
 from ._invariants import assert_drained
 from ._workload import ServedRequest, serve
 
@@ -80,4 +80,6 @@ if not TYPE_CHECKING:
             if extra is None or exc.name is None or exc.name.split(".")[0] == "hicache_async":
                 raise
             raise missing_module(name, exc, extra) from exc
+        except AttributeError as exc:
+            raise failed_import(name, f"{__name__}{module}", exc) from exc
         return getattr(loaded, name)
