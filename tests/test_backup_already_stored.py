@@ -557,3 +557,81 @@ async def test_giving_way_cancels_the_look_ups_queued_in_the_store() -> None:
             assert backup.failed_pages == len(prompts)
             assert_backup_adds_up(backup)
             assert_drained(second)
+
+
+class AnswersOnceTheGateOpens(CountsLookupsInFlight):
+    """Holds every `exists` answer, ready, until the gate it found set: the look-ups waiting
+    all resume in one loop turn."""
+
+    async def exists(self, keys: Sequence[bytes]) -> int:
+        self.begun += 1
+        answer = await self.inner.exists(keys)
+        await self.gate.wait()
+        return answer
+
+
+@pytest.mark.parametrize(("chains", "failing"), [(1, 1), (3, 1), (3, 3)])
+async def test_a_bug_in_a_look_up_ends_the_workers_with_the_error_itself(
+    chains: int, failing: int
+) -> None:
+    # A look-up contains its backend's failures: what escapes it is a bug, which ends the
+    # workers with that error as it is, whether the batch asked about one chain or several
+    # at once (not inside an exception group). Of several, the first ends them and each
+    # other one is logged.
+    config = _config(check_prefix=False, batch_pages=16)
+    generator = KVGenerator(config.layout, PAGE, seed=12)
+    first = _prompt(40, 1)
+    prompts = [_prompt(41 + i, 1) for i in range(chains)]
+    async with MemoryStorage(capacity_bytes=16 << 20) as memory:
+        shared = AnswersOnceTheGateOpens(memory)
+        shared.gate.set()
+        for tokens in (first, *prompts):
+            await _served_and_stored(config, shared, tokens, generator)
+        shared.begun = 0
+        shared.gate = asyncio.Event()
+        raised: list[RuntimeError] = []
+        with structlog.testing.capture_logs() as logs:
+            async with HiCache(config, storage=shared) as second:
+                link = second._link
+                assert link is not None
+                buggy = {key for tokens in prompts[:failing] for key in second.keys_for(tokens)}
+                forget = link.backup._stored
+                assert forget is not None
+
+                def stored(keys: list[bytes]) -> None:
+                    # Told the keys a look-up found stored, as every look-up tells them.
+                    if buggy.intersection(keys):
+                        raised.append(RuntimeError(f"bug {len(raised)}"))
+                        raise raised[-1]
+                    forget(keys)
+
+                link.backup._stored = stored
+                # The first batch's look-up holds the worker while the others queue up.
+                await serve(second, first, generator, prefetch=False)
+                await _until_begun(shared, 1)
+                for tokens in prompts:
+                    await serve(second, tokens, generator, prefetch=False)
+                await _queued(second, chains)
+                held, shared.gate = shared.gate, asyncio.Event()
+                held.set()
+                # The batch's look-ups all wait, answered, so that they resume together.
+                await _until_begun(shared, 1 + chains)
+                shared.gate.set()
+                for _ in range(3000):  # a bound only
+                    if link.failed_with is not None:
+                        break
+                    await asyncio.sleep(0.001)
+                assert raised
+                assert link.failed_with is raised[0]
+                for _ in range(3000):  # a bound only: the task groups above it unwind
+                    if second.storage_status().workers_failed is not None:
+                        break
+                    await asyncio.sleep(0.001)
+                assert second.storage_status().workers_failed == repr(raised[0])
+                await second.detach_storage()
+        failed = [e for e in logs if e["event"] == "hicache.workers.failed"]
+        assert len(failed) == 1
+        assert repr(raised[0]) in failed[0]["error"]
+        others = [e["error"] for e in logs if e["event"] == "hicache.backup.lookup.also_failed"]
+        assert others == [repr(error) for error in raised[1:]]
+        assert len(raised) == failing

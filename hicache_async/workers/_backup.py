@@ -48,6 +48,8 @@ from ..storage._manifest import (
 from ..storage._protocol import check_exists, check_outcomes
 
 if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
     from .._cache import HiCache
     from ..tree import TreeNode
 
@@ -486,9 +488,14 @@ class BackupWorker:
         begins once one has answered False (its call failed: the rest is left unknown);
         when the worker gives way (a device allocation needs the pages) those in flight are
         cancelled, and their chains left unknown. False if one answered False or the worker
-        gave way."""
+        gave way. What escapes `ask` ends this call as it would with one item: the first
+        error raised as it is (never in an exception group), any others logged."""
         pending = iter(items)
         stopped = False
+        # What escaped `ask` (a bug: it contains the backend's failures) in a task of the
+        # group, raised bare as with one item rather than in an exception group.
+        errors: list[BaseException] = []
+        cancelled = anyio.get_cancelled_exc_class()
 
         async def asker() -> None:
             nonlocal stopped
@@ -498,15 +505,32 @@ class BackupWorker:
                 if not await ask(item):
                     stopped = True
 
+        async def asker_task(group: TaskGroup) -> None:
+            nonlocal stopped
+            try:
+                await asker()
+            except cancelled:
+                raise
+            except BaseException as exc:
+                errors.append(exc)
+                stopped = True
+                group.cancel_scope.cancel()  # as the error would end a single asker
+
         with anyio.CancelScope() as scope:
             self._lookups = scope
             try:
                 if len(items) == 1:  # the common case, without a task
                     await asker()
                 else:
-                    async with anyio.create_task_group() as tg:
-                        for _ in range(min(len(items), _LOOKUPS_IN_FLIGHT)):
-                            tg.start_soon(asker)
+                    try:
+                        async with anyio.create_task_group() as tg:
+                            for _ in range(min(len(items), _LOOKUPS_IN_FLIGHT)):
+                                tg.start_soon(asker_task, tg)
+                    finally:
+                        if errors:
+                            for other in errors[1:]:
+                                _log.error("hicache.backup.lookup.also_failed", error=repr(other))
+                            raise errors[0]
             finally:
                 self._lookups = None
         return not (stopped or scope.cancelled_caught or self._giving_way)
