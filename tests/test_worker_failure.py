@@ -14,9 +14,17 @@ from typing import Any, ClassVar, Literal
 import anyio
 import msgspec
 import pytest
+from test_backup_already_stored import (
+    AnswersOnceTheGateOpens,
+    _config,
+    _prompt,
+    _served_and_stored,
+    _until_begun,
+)
+from test_backup_repair import _queued
 
 from hicache_async import CacheConfig, HiCache, PrefetchStatus, WorkersFailedError
-from hicache_async.storage import FileStorage, Outcome, PageBuffer, PageMeta
+from hicache_async.storage import FileStorage, MemoryStorage, Outcome, PageBuffer, PageMeta
 from hicache_async.testing import KVGenerator, assert_drained, serve
 from hicache_async.workers import StorageLink
 
@@ -266,3 +274,70 @@ async def test_a_link_that_never_ran_closes_at_once(tmp_path: Path) -> None:
         assert not refused.running
         await asyncio.wait_for(refused.close(flush=True, deadline_s=GUARD_S), GUARD_S)
         assert refused.closed
+
+
+def test_a_system_exit_from_several_look_ups_at_once_comes_out_once(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    # A batch's look-ups of several chains run in tasks of their own: when each raises, the
+    # error still comes out of the loop once, as from one look-up, and ends the workers as
+    # itself (not in an exception group).
+    chains = 3
+    config = _config(check_prefix=False, batch_pages=16)
+    generator = KVGenerator(config.layout, config.page_size, seed=13)
+    first = _prompt(60, 1)
+    prompts = [_prompt(61 + i, 1) for i in range(chains)]
+    memory = MemoryStorage(capacity_bytes=16 << 20)
+    shared = AnswersOnceTheGateOpens(memory)
+    cache = HiCache(config, storage=shared)
+    raised: list[SystemExit] = []
+
+    async def setup() -> None:
+        await memory.__aenter__()
+        shared.gate.set()
+        for tokens in (first, *prompts):
+            await _served_and_stored(config, shared, tokens, generator)
+        shared.begun = 0
+        shared.gate = asyncio.Event()
+        await cache.__aenter__()
+        link = cache._link
+        assert link is not None
+        assert link.backup._stored is not None
+        forget = link.backup._stored
+        failing = {key for tokens in prompts for key in cache.keys_for(tokens)}
+
+        def stored(keys: list[bytes]) -> None:
+            if failing.intersection(keys):
+                raised.append(SystemExit(len(raised)))
+                raise raised[-1]
+            forget(keys)
+
+        link.backup._stored = stored
+        await serve(cache, first, generator, prefetch=False)
+        await _until_begun(shared, 1)
+        for tokens in prompts:
+            await serve(cache, tokens, generator, prefetch=False)
+        await _queued(cache, chains)
+        held, shared.gate = shared.gate, asyncio.Event()
+        held.set()
+        await _until_begun(shared, 1 + chains)
+
+    async def answer() -> None:
+        shared.gate.set()
+        await asyncio.Event().wait()
+
+    _run(loop, setup())
+    link = cache._link
+    assert link is not None
+    _raised_out_of(loop, answer(), SystemExit)
+    assert len(raised) == chains
+    _run(loop, _until(lambda: cache.storage_status().workers_failed is not None))
+    assert link.failed_with is raised[0]
+    assert cache.storage_status().workers_failed == repr(raised[0])
+
+    async def leave() -> None:
+        await cache.detach_storage()
+        await cache.__aexit__(None, None, None)
+        await memory.__aexit__(None, None, None)
+
+    _run(loop, leave())
