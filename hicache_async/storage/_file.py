@@ -2707,6 +2707,40 @@ class FileStorage(BackendBase):
 
     # exists.
 
+    async def _count_in_steps(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`, more than one step's, are indexed from the first, counted a
+        slice of `_LOOP_SLICE` a step with a checkpoint between: a long prompt at a small
+        page size has a hundred thousand keys. What it finds moves to the recent end as it
+        walks, so an eviction between its steps takes pages it has not reached, never the
+        first of a chain it counted (the touch after it would leave a live tail behind a
+        cut); cancelled between steps, it touches what it walked as one step would."""
+        index = self._index
+        move_to_end = index.move_to_end
+        could_be_page = self._could_be_page
+        count = 0
+        try:
+            for start in range(0, len(keys), _LOOP_SLICE):
+                if start:
+                    await self._checkpoint()
+                for key in keys[start : start + _LOOP_SLICE]:
+                    entry = index.get(key)
+                    if entry is None:
+                        break
+                    count += 1
+                    # A misfit stays first in line for eviction (see `_touch`).
+                    if could_be_page(entry.nbytes):
+                        move_to_end(key)
+                if count < start + _LOOP_SLICE:
+                    break
+        except BaseException:
+            if count and not self.closed:
+                owed: dict[bytes, int] = {}
+                self._touch_chain(keys[:count], time.time(), owed)
+                if owed:
+                    self._stamp_later(owed)
+            raise
+        return count
+
     async def exists(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, counted from the first, exist consecutively.
 
@@ -2723,36 +2757,16 @@ class FileStorage(BackendBase):
         self._check_open()
         index = self._index
         count = 0
-        # A lookup in steps moves what it finds to the recent end as it walks: an eviction
-        # between its steps takes pages it has not reached, never the first of a chain it
-        # counted (the touch below would leave a live tail behind a cut). One step needs none.
-        move_to_end = index.move_to_end if len(keys) > _LOOP_SLICE else None
-        could_be_page = self._could_be_page
         try:
-            # A slice a step: a long prompt at a small page size has a hundred thousand keys.
-            for start in range(0, len(keys), _LOOP_SLICE):
-                if start:
-                    await self._checkpoint()
-                for key in keys[start : start + _LOOP_SLICE]:
-                    entry = index.get(key)
-                    if entry is None:
+            if len(keys) <= _LOOP_SLICE:  # one step, the common case: timed in microseconds
+                for key in keys:
+                    if key not in index:
                         break
                     count += 1
-                    # A misfit stays first in line for eviction (see `_touch`).
-                    if move_to_end is not None and could_be_page(entry.nbytes):
-                        move_to_end(key)
-                if count < start + _LOOP_SLICE:
-                    break
+            else:
+                count = await self._count_in_steps(keys)
         except TypeError:  # an unhashable key
             check_keys(keys)
-            raise
-        except BaseException:
-            if move_to_end is not None and count and not self.closed:
-                # Cancelled between steps: what it walked is touched as one step would.
-                owed: dict[bytes, int] = {}
-                self._touch_chain(keys[:count], time.time(), owed)
-                if owed:
-                    self._stamp_later(owed)
             raise
         # The index holds only page keys: the ones found are sound, so only the rest need
         # checking (the common all-found call pays nothing).
@@ -2760,7 +2774,10 @@ class FileStorage(BackendBase):
         now = time.time()
         stamps: dict[bytes, int] = {}
         # A lookup is a use: a prefix every new chain is checked against stays stored.
-        await self._touch_chain_in_steps(keys[:count], now, stamps)
+        if count > _LOOP_SLICE:
+            await self._touch_chain_in_steps(keys[:count], now, stamps)
+        else:
+            self._touch_chain(keys[:count], now, stamps)
         if count == len(keys) or not self._shared:
             if stamps:
                 self._stamp_later(stamps)
